@@ -1,0 +1,213 @@
+"""The stages of an audit, each reading and writing a run directory: run -> rescore -> analyze.
+
+Everything the user can get wrong is checked before the run directory is created (engine name,
+model, workload, options), so a bad invocation writes nothing. Progress is reported through a
+`Progress`-like callback so this module never draws anything itself.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import socket
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import pyarrow as pa
+
+import lpf
+from lpf.analysis.findings import analyze
+from lpf.analysis.thresholds import Thresholds
+from lpf.engines import get_engine_class
+from lpf.errors import LpfError
+from lpf.models import ModelRef, load_tokenizer, resolve_model, tokenizer_fingerprint
+from lpf.run import schema
+from lpf.run.store import RunDir
+from lpf.sampling import SamplingParams
+from lpf.workload import EngineRequest, expand, load_prompts, read_normalized, write_normalized
+
+Tick = Callable[[int], None]
+
+
+def _noop(_: int) -> None:
+    pass
+
+
+@dataclass
+class RunSpec:
+    engine: str
+    model: str
+    workload: str
+    out: Path
+    n: int = 1
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    engine_options: dict = field(default_factory=dict)
+    part_size: int = 64
+
+
+def model_config(model: ModelRef) -> dict:
+    try:
+        cfg = json.loads((model.path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise LpfError(f"model {model.spec}: unreadable config.json ({e})") from None
+    return cfg.get("text_config", cfg)
+
+
+# -- run ------------------------------------------------------------------------------------------
+def create_run(spec: RunSpec) -> RunDir:
+    engine_cls = get_engine_class(spec.engine)
+    options = engine_cls.Options.parse(spec.engine_options)
+    model = resolve_model(spec.model)
+    cfg = model_config(model)
+    tokenizer = load_tokenizer(model)
+    context = cfg.get("max_position_embeddings")
+    prompts, source = load_prompts(spec.workload, tokenizer, cfg.get("vocab_size", len(tokenizer)), context)
+    requests = expand(prompts, spec.n, spec.sampling, context)
+    manifest = {
+        "run_id": uuid.uuid4().hex[:12],
+        "lpf_version": lpf.__version__,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "status": "running",
+        "engine": {"name": spec.engine, "options": dict(spec.engine_options)},
+        "model": {**model.describe(), "architecture": (cfg.get("architectures") or ["?"])[0]},
+        "tokenizer_sha256": tokenizer_fingerprint(tokenizer),
+        "workload": {**source, "n_prompts": len(prompts), "n": spec.n, "n_requests": len(requests)},
+        "sampling": spec.sampling.to_dict(),
+        "seed": spec.sampling.seed,
+        "part_size": spec.part_size,
+        "host": {"hostname": socket.gethostname(), "platform": platform.platform(),
+                 "python": platform.python_version()},
+    }
+    run = RunDir.create(spec.out, manifest)
+    write_normalized(prompts, run.path / "workload.jsonl")
+    return run
+
+
+def pending_requests(run: RunDir) -> list[EngineRequest]:
+    m = run.manifest
+    prompts = read_normalized(run.path / "workload.jsonl")
+    requests = expand(prompts, m["workload"]["n"], SamplingParams.from_dict(m["sampling"]))
+    done = run.done_request_ids()
+    return [r for r in requests if r.request_id not in done]
+
+
+def execute_run(run: RunDir, on_start: Callable[[int, int], None] = lambda total, done: None,
+                tick: Tick = _noop) -> None:
+    """Send every not-yet-completed request to the engine, committing parts as they finish."""
+    m = run.manifest
+    pending = pending_requests(run)
+    on_start(m["workload"]["n_requests"], m["workload"]["n_requests"] - len(pending))
+    if pending:
+        engine_cls = get_engine_class(m["engine"]["name"])
+        model = resolve_model(m["model"]["spec"])
+        sampling = SamplingParams.from_dict(m["sampling"])
+        engine = engine_cls(model, sampling, engine_cls.Options.parse(m["engine"]["options"]))
+        m["engine"].update(engine.describe())
+        run.save_manifest()
+        tokenizer = load_tokenizer(model)
+        by_id = {r.request_id: r for r in pending}
+        buffer, last = [], time.monotonic()
+        try:
+            for c in engine.generate(pending):
+                buffer.append(c)
+                tick(1)
+                if len(buffer) >= m.get("part_size", 64) or time.monotonic() - last > 10:
+                    _commit(run, buffer, by_id, tokenizer)
+                    buffer, last = [], time.monotonic()
+        finally:
+            if buffer:  # what finished before an error or Ctrl-C is kept
+                _commit(run, buffer, by_id, tokenizer)
+            engine.close()
+    m["status"] = "complete"
+    run.save_manifest()
+
+
+def _commit(run: RunDir, completions, by_id: dict[str, EngineRequest], tokenizer) -> None:
+    req_rows, tok = [], {k: [] for k in schema.TOKENS.names}
+    for c in completions:
+        r = by_id[c.request_id]
+        text = tokenizer.decode(c.output_token_ids, skip_special_tokens=True) if c.error is None else None
+        req_rows.append({
+            "request_id": r.request_id, "seq": r.seq, "prompt_id": r.prompt_id, "rollout": r.rollout,
+            "prompt_token_ids": list(r.prompt_token_ids), "output_token_ids": c.output_token_ids,
+            "output_text": text, "finish_reason": "error" if c.error else c.finish_reason, "error": c.error,
+            "t_submit": c.t_submit, "t_first_token": c.t_first_token, "t_finish": c.t_finish,
+            "oracle_expected": r.expected,
+            "oracle_ok": None if r.expected is None or text is None else text.strip() == r.expected.strip(),
+        })
+        n = len(c.logprobs)
+        tok["request_id"] += [r.request_id] * n
+        tok["position"] += list(range(n))
+        tok["token_id"] += c.output_token_ids[:n]
+        tok["engine_logprob"] += c.logprobs
+        tok["engine_topk_ids"] += c.topk_ids or [[]] * n
+        tok["engine_topk_logprobs"] += c.topk_logprobs or [[]] * n
+    run.append_requests(pa.Table.from_pylist(req_rows, schema=schema.REQUESTS),
+                        pa.table(tok, schema=schema.TOKENS))
+
+
+# -- rescore --------------------------------------------------------------------------------------
+def rescore_run(run: RunDir, reference: str | None, dtype: str = "float32", token_budget: int = 16384,
+                redo: bool = False, on_start: Callable[[int, int], None] = lambda total, done: None,
+                tick: Tick = _noop) -> None:
+    """Teacher-force the reference over every completed, not-yet-scored request."""
+    from lpf.reference import Rescorer, ScoreItem
+
+    m = run.manifest
+    spec = reference or m["model"]["spec"]
+    prev = m.get("reference")
+    if run.has("reference") and prev and (prev.get("spec"), prev.get("dtype")) != (spec, dtype) and not redo:
+        raise LpfError(f"{run.path} was rescored with {prev.get('spec')} ({prev.get('dtype')}); "
+                       f"pass --redo to replace those scores")
+    rescorer = Rescorer(resolve_model(spec), dtype=dtype, token_budget=token_budget,
+                        topk=m["sampling"].get("logprobs", 5))
+    desc = rescorer.describe()
+    if desc["tokenizer_sha256"] != m["tokenizer_sha256"]:
+        raise LpfError(f"reference {spec} uses a different tokenizer from the engine's model "
+                       f"{m['model']['spec']}: token ids would not mean the same text")
+    if redo:
+        for p in run.parts("reference"):
+            p.unlink()
+    m["reference"] = desc
+    run.save_manifest()
+    done = set(run.read("reference", ["request_id"]).column("request_id").to_pylist())
+    req = run.read("requests", ["request_id", "prompt_token_ids", "output_token_ids", "error"]).to_pylist()
+    items = [ScoreItem(r["request_id"], r["prompt_token_ids"], r["output_token_ids"])
+             for r in req if r["error"] is None and r["output_token_ids"] and r["request_id"] not in done]
+    total = sum(len(r["output_token_ids"]) for r in req if r["error"] is None)
+    on_start(total, total - sum(len(it.output_token_ids) for it in items))
+    for table in rescorer.score(items, tick):
+        run.append("reference", table)
+
+
+# -- analyze --------------------------------------------------------------------------------------
+def analyze_run(run: RunDir, thresholds: Thresholds) -> dict:
+    m = run.manifest
+    requests = run.read("requests")
+    if requests.num_rows == 0:
+        raise LpfError(f"{run.path} has no completed requests to analyze")
+    summary, findings = analyze(requests, run.read("tokens"), run.read("reference"), thresholds,
+                                greedy=m["sampling"].get("temperature", 0) == 0)
+    findings = {"run_id": m.get("run_id"), "engine": m["engine"].get("name"), "model": m["model"].get("spec"),
+                "reference": (m.get("reference") or {}).get("spec"), **findings}
+    findings["run_complete"] = m.get("status") == "complete"
+    import pyarrow.parquet as pq
+
+    pq.write_table(summary, run.path / "summary.parquet")
+    run.write_json("findings.json", _finite(findings))
+    return _finite(findings)
+
+
+def _finite(obj):
+    """JSON has no inf/NaN: write them as null (the value is still in the Parquet parts)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_finite(v) for v in obj]
+    return obj

@@ -1,0 +1,1 @@
+"""The run directory: manifest, Parquet parts, atomic appends and resume. See DESIGN.md."""

@@ -1,0 +1,146 @@
+"""A run directory on disk: manifest, append-only Parquet parts, crash-safe commits.
+
+Contract:
+- Every file appears atomically (written to a `.tmp-` name, then renamed): a reader never sees half
+  a part, and a SIGKILL loses at most the part in flight.
+- Requests commit in pairs: `tokens/part-N` is written first, `requests/part-N` last. A request is
+  done iff it appears in some requests part; a tokens part without its requests part is an orphan of
+  a crash and is deleted on open. So resume neither redoes nor duplicates a request.
+- Reference parts are self-contained; a request is rescored iff it has rows there (or no outputs).
+- Opening a directory written by a newer schema is refused rather than misread.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from lpf.errors import LpfError
+from lpf.run import schema
+
+_PART = re.compile(r"^part-(\d{6})\.parquet$")
+
+
+def _atomic_write_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".tmp-{path.name}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _atomic_write_table(path: Path, table: pa.Table) -> None:
+    tmp = path.with_name(f".tmp-{path.name}")
+    pq.write_table(table, tmp, compression="zstd")
+    os.replace(tmp, path)
+
+
+class RunDir:
+    """Handle on one run directory. Create with `create()`, reopen with `open()`."""
+
+    def __init__(self, path: Path, manifest: dict):
+        self.path = path
+        self.manifest = manifest
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    @classmethod
+    def create(cls, path: Path | str, manifest: dict) -> "RunDir":
+        path = Path(path)
+        if path.exists() and (not path.is_dir() or any(path.iterdir())):
+            raise LpfError(f"{path} already exists and is not empty: choose another --out, or "
+                           f"`lpf run --resume {path}` to finish it")
+        for sub in schema.TABLES:
+            (path / sub).mkdir(parents=True, exist_ok=True)
+        run = cls(path, dict(manifest, schema_version=schema.SCHEMA_VERSION))
+        run.save_manifest()
+        return run
+
+    @classmethod
+    def open(cls, path: Path | str) -> "RunDir":
+        path = Path(path)
+        mpath = path / "manifest.json"
+        if not mpath.is_file():
+            raise LpfError(f"{path} is not a run directory (no manifest.json)")
+        try:
+            manifest = json.loads(mpath.read_text())
+        except json.JSONDecodeError as e:
+            raise LpfError(f"{mpath}: unreadable manifest ({e.msg})") from None
+        version = manifest.get("schema_version")
+        if not isinstance(version, int):
+            raise LpfError(f"{mpath}: no schema_version")
+        if version > schema.SCHEMA_VERSION:
+            raise LpfError(f"{path} was written with run schema v{version}; this lpf reads up to "
+                           f"v{schema.SCHEMA_VERSION}: upgrade logprob-forensics")
+        run = cls(path, manifest)
+        run._drop_orphans()
+        return run
+
+    def save_manifest(self) -> None:
+        _atomic_write_bytes(self.path / "manifest.json", (json.dumps(self.manifest, indent=2) + "\n").encode())
+
+    def _drop_orphans(self) -> None:
+        for sub in schema.TABLES:
+            d = self.path / sub
+            if d.is_dir():
+                for f in d.glob(".tmp-*"):
+                    f.unlink()
+        committed = {p.name for p in self.parts("requests")}
+        for p in self.parts("tokens"):
+            if p.name not in committed:
+                p.unlink()
+
+    # -- parts -------------------------------------------------------------------------------------
+    def parts(self, table: str) -> list[Path]:
+        d = self.path / table
+        return sorted(p for p in d.glob("part-*.parquet") if _PART.match(p.name)) if d.is_dir() else []
+
+    def _next_index(self, *tables: str) -> int:
+        last = -1
+        for t in tables:
+            for p in self.parts(t):
+                last = max(last, int(_PART.match(p.name).group(1)))
+        return last + 1
+
+    def append_requests(self, requests: pa.Table, tokens: pa.Table) -> None:
+        """Commit completed requests with their tokens (tokens first: see the module contract)."""
+        i = self._next_index("requests", "tokens")
+        name = f"part-{i:06d}.parquet"
+        _atomic_write_table(self.path / "tokens" / name, tokens.cast(schema.TOKENS))
+        _atomic_write_table(self.path / "requests" / name, requests.cast(schema.REQUESTS))
+
+    def append(self, table: str, data: pa.Table) -> None:
+        """Append a self-contained part to a table other than requests/tokens (reference, trace, ...)."""
+        (self.path / table).mkdir(exist_ok=True)
+        i = self._next_index(table)
+        target = schema.TABLES.get(table)
+        _atomic_write_table(self.path / table / f"part-{i:06d}.parquet",
+                            data.cast(target) if target is not None else data)
+
+    def read(self, table: str, columns: list[str] | None = None) -> pa.Table:
+        """All parts of a table concatenated (empty table with the schema when there are none)."""
+        target = schema.TABLES.get(table)
+        parts = self.parts(table)
+        if not parts:
+            if target is None:
+                raise LpfError(f"{self.path} has no {table} data")
+            empty = target.empty_table()
+            return empty.select(columns) if columns else empty
+        tables = [pq.read_table(p, columns=columns) for p in parts]
+        return pa.concat_tables(tables, promote_options="default")
+
+    def has(self, table: str) -> bool:
+        return bool(self.parts(table))
+
+    def done_request_ids(self) -> set[str]:
+        return set(self.read("requests", ["request_id"]).column("request_id").to_pylist())
+
+    def write_json(self, name: str, obj) -> Path:
+        path = self.path / name
+        _atomic_write_bytes(path, (json.dumps(obj, indent=2, default=float) + "\n").encode())
+        return path

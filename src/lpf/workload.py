@@ -1,0 +1,152 @@
+"""Workloads: a JSONL prompts file or a bundled `zoo:NAME` generator, validated and tokenized.
+
+Each JSONL line is an object with `prompt` (text) or `prompt_token_ids`, optional `id`, `expected`
+(the known right answer) and `max_tokens`. Every problem is reported with its line number before any
+engine starts. `expand()` turns prompts into engine requests: `n` rollouts each, arrival index `seq`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from lpf.errors import LpfError
+from lpf.sampling import SamplingParams, request_seed
+
+DEFAULT_WORKLOAD = "zoo:oracle"
+
+
+@dataclass(frozen=True)
+class Prompt:
+    prompt_id: str
+    prompt_token_ids: tuple[int, ...]
+    expected: str | None = None
+    max_tokens: int | None = None
+
+    def to_json(self) -> dict:
+        return {"id": self.prompt_id, "prompt_token_ids": list(self.prompt_token_ids),
+                "expected": self.expected, "max_tokens": self.max_tokens}
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """One request as handed to an engine: the unit that is completed, stored and resumed."""
+
+    request_id: str
+    seq: int
+    prompt_id: str
+    rollout: int
+    prompt_token_ids: tuple[int, ...]
+    max_tokens: int
+    seed: int
+    expected: str | None = None
+
+
+def read_items(spec: str) -> tuple[list[tuple[int, dict]], dict]:
+    """(line number, raw item) pairs and a description of the source, for a path or `zoo:NAME`."""
+    if spec.startswith("zoo:"):
+        from lpf.zoo import registry
+
+        items = registry.workload_items(spec[4:])
+        return list(enumerate(items, 1)), {"source": spec}
+    path = Path(spec).expanduser()
+    if not path.is_file():
+        raise LpfError(f"prompts file {spec!r} does not exist (bundled workloads are named zoo:NAME)")
+    raw = path.read_bytes()
+    items = []
+    for lineno, line in enumerate(raw.decode("utf-8", errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise LpfError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+        if not isinstance(obj, dict):
+            raise LpfError(f"{path}:{lineno}: each line must be a JSON object, got {type(obj).__name__}")
+        items.append((lineno, obj))
+    if not items:
+        raise LpfError(f"{path}: no prompts (the file is empty)")
+    return items, {"source": str(path.resolve()), "sha256": hashlib.sha256(raw).hexdigest()}
+
+
+def load_prompts(spec: str, tokenizer, vocab_size: int, max_context: int | None) -> tuple[list[Prompt], dict]:
+    """Validate and tokenize a workload. Raises LpfError naming the line of the first bad item."""
+    items, source = read_items(spec)
+    where = source["source"]
+    prompts, seen = [], set()
+    for lineno, obj in items:
+        at = f"{where}:{lineno}"
+        unknown = set(obj) - {"id", "prompt", "prompt_token_ids", "expected", "max_tokens", "task"}
+        if unknown:
+            raise LpfError(f"{at}: unknown field(s) {', '.join(sorted(unknown))}")
+        if ("prompt" in obj) == ("prompt_token_ids" in obj):
+            raise LpfError(f"{at}: give exactly one of 'prompt' (text) or 'prompt_token_ids'")
+        if "prompt" in obj:
+            if not isinstance(obj["prompt"], str):
+                raise LpfError(f"{at}: 'prompt' must be a string")
+            ids = tokenizer.encode(obj["prompt"], add_special_tokens=False)
+        else:
+            ids = obj["prompt_token_ids"]
+            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise LpfError(f"{at}: 'prompt_token_ids' must be a list of integers")
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise LpfError(f"{at}: token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
+        if not ids:
+            raise LpfError(f"{at}: empty prompt")
+        if max_context is not None and len(ids) >= max_context:
+            raise LpfError(f"{at}: prompt has {len(ids)} tokens, the model context is {max_context}")
+        pid = str(obj.get("id", f"p{lineno:05d}"))
+        if pid in seen:
+            raise LpfError(f"{at}: duplicate id {pid!r}")
+        seen.add(pid)
+        expected = obj.get("expected")
+        if expected is not None and not isinstance(expected, str):
+            raise LpfError(f"{at}: 'expected' must be a string")
+        mt = obj.get("max_tokens")
+        if mt is not None and (not isinstance(mt, int) or mt < 1):
+            raise LpfError(f"{at}: 'max_tokens' must be a positive integer")
+        prompts.append(Prompt(pid, tuple(ids), expected, mt))
+    return prompts, source
+
+
+def expand(prompts: list[Prompt], n: int, sampling: SamplingParams,
+           max_context: int | None = None) -> list[EngineRequest]:
+    """n rollouts per prompt, in arrival order; ids and seeds depend only on the workload and seed.
+
+    An item's own `max_tokens` wins over the run's default (the workload's author chose it).
+    """
+    if n < 1:
+        raise LpfError(f"--n must be >= 1, got {n}")
+    out = []
+    for i, p in enumerate(prompts):
+        budget = p.max_tokens or sampling.max_tokens
+        if max_context is not None and len(p.prompt_token_ids) + budget > max_context:
+            raise LpfError(f"prompt {p.prompt_id!r}: {len(p.prompt_token_ids)} prompt tokens + max_tokens "
+                           f"{budget} exceed the model context {max_context}")
+        for r in range(n):
+            seq = i * n + r
+            out.append(EngineRequest(
+                request_id=f"{p.prompt_id}-r{r}", seq=seq, prompt_id=p.prompt_id, rollout=r,
+                prompt_token_ids=p.prompt_token_ids,
+                max_tokens=budget,
+                seed=request_seed(sampling.seed, seq), expected=p.expected))
+    return out
+
+
+def write_normalized(prompts: list[Prompt], path: Path) -> None:
+    """The tokenized workload, stored in the run so resume never depends on the original file."""
+    with open(path, "w") as f:
+        for p in prompts:
+            f.write(json.dumps(p.to_json()) + "\n")
+
+
+def read_normalized(path: Path) -> list[Prompt]:
+    out = []
+    with open(path) as f:
+        for line in f:
+            d = json.loads(line)
+            out.append(Prompt(d["id"], tuple(d["prompt_token_ids"]), d.get("expected"), d.get("max_tokens")))
+    return out
