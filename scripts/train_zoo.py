@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT / "src"))
 from lpf.zoo import registry, tasks  # noqa: E402
 
 PAD, BOS, EOS = 0, 1, 2
-DEFAULT_STEPS = {"hybrid": 5000, "llama": 9000, "jamba": 5000}
+DEFAULT_STEPS = {"hybrid": 5000, "llama": 7000, "jamba": 4000}
 BATCH = 32
 QUICK_EVAL_EVERY = 250
 QUICK_EVAL_ITEMS = 150

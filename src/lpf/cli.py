@@ -63,6 +63,12 @@ def run_options(f):
         click.option("--dtype", default=None, help="Engine dtype (float32, bfloat16, float16)."),
         click.option("-E", "--engine-option", "engine_option", multiple=True, metavar="KEY=VALUE",
                      help="Engine knob, e.g. -E batch_size=16 (repeatable)."),
+        click.option("--inject", multiple=True, metavar="FAULT[:ARG]",
+                     help="builtin engine: enable a fault drill (repeatable): " + ", ".join(_drills()) + "."),
+        click.option("--cache-mb", type=float, default=None, help="builtin engine: cache size (the gpu_memory_utilization analogue)."),
+        click.option("--max-num-seqs", type=int, default=None, help="Engine knob (vLLM's name)."),
+        click.option("--max-num-batched-tokens", type=int, default=None, help="Engine knob (vLLM's name)."),
+        click.option("--enable-chunked-prefill/--no-enable-chunked-prefill", default=None, help="Engine knob (vLLM's name)."),
         click.option("--part-size", type=int, default=64, show_default=True, hidden=True),
     ]
     for o in reversed(opts):
@@ -78,8 +84,15 @@ def analysis_options(f):
     return f
 
 
+def _drills() -> list[str]:
+    from lpf.engine.faults import DRILLS
+
+    return list(DRILLS)
+
+
 def _run_spec(engine, model, workload, out, n, temperature, top_p, top_k, max_tokens, seed, ignore_eos,
-              logprobs, dtype, engine_option, part_size):
+              logprobs, dtype, engine_option, part_size, inject, cache_mb, max_num_seqs, max_num_batched_tokens,
+              enable_chunked_prefill):
     from lpf.models import DEFAULT_MODEL
     from lpf.pipeline import RunSpec
     from lpf.sampling import SamplingParams
@@ -91,8 +104,10 @@ def _run_spec(engine, model, workload, out, n, temperature, top_p, top_k, max_to
         if not sep:
             raise LpfError(f"--engine-option expects KEY=VALUE, got {kv!r}")
         options[key.strip()] = value.strip()
-    if dtype:
-        options["dtype"] = dtype
+    knobs = {"dtype": dtype, "cache_mb": cache_mb, "max_num_seqs": max_num_seqs,
+             "max_num_batched_tokens": max_num_batched_tokens, "enable_chunked_prefill": enable_chunked_prefill,
+             "inject": ",".join(inject) if inject else None}
+    options.update({k: v for k, v in knobs.items() if v is not None})
     if part_size < 1:
         raise LpfError("--part-size must be >= 1")
     sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,

@@ -116,17 +116,17 @@ def execute_run(run: RunDir, on_start: Callable[[int, int], None] = lambda total
                 buffer.append(c)
                 tick(1)
                 if len(buffer) >= m.get("part_size", 64) or time.monotonic() - last > 10:
-                    _commit(run, buffer, by_id, tokenizer)
+                    _commit(run, engine, buffer, by_id, tokenizer)
                     buffer, last = [], time.monotonic()
         finally:
             if buffer:  # what finished before an error or Ctrl-C is kept
-                _commit(run, buffer, by_id, tokenizer)
+                _commit(run, engine, buffer, by_id, tokenizer)
             engine.close()
     m["status"] = "complete"
     run.save_manifest()
 
 
-def _commit(run: RunDir, completions, by_id: dict[str, EngineRequest], tokenizer) -> None:
+def _commit(run: RunDir, engine, completions, by_id: dict[str, EngineRequest], tokenizer) -> None:
     req_rows, tok = [], {k: [] for k in schema.TOKENS.names}
     for c in completions:
         r = by_id[c.request_id]
@@ -146,6 +146,10 @@ def _commit(run: RunDir, completions, by_id: dict[str, EngineRequest], tokenizer
         tok["engine_logprob"] += c.logprobs
         tok["engine_topk_ids"] += c.topk_ids or [[]] * n
         tok["engine_topk_logprobs"] += c.topk_logprobs or [[]] * n
+    # side tables first: a request part must never exist without the trace that led to it
+    for name, table in engine.side_tables().items():
+        if table is not None and table.num_rows:
+            run.append(name, table)
     run.append_requests(pa.Table.from_pylist(req_rows, schema=schema.REQUESTS),
                         pa.table(tok, schema=schema.TOKENS))
 

@@ -42,7 +42,7 @@ class ScoreItem:
 
 class Rescorer:
     def __init__(self, model: ModelRef, dtype: str = "float32", device: str = "cpu",
-                 token_budget: int = 16384, chunk_rows: int = 512, topk: int = 5):
+                 token_budget: int = 16384, chunk_rows: int = 256, topk: int = 5):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         quiet_transformers()

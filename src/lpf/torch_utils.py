@@ -39,10 +39,25 @@ def max_context(config) -> int | None:
 def logprob_rows(logits: torch.Tensor, token_ids: torch.Tensor, k: int):
     """For rows of logits [N, V] and chosen tokens [N]: float32 logprobs of the tokens, the top
     max(k, 1) ids and logprobs (column 0 is the argmax), ranks (1 = argmax), entropies.
-    Works on N rows at once; callers bound N."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = logp.gather(1, token_ids.view(-1, 1)).squeeze(1)
-    rank = (logp > chosen.unsqueeze(1)).sum(dim=1) + 1
-    entropy = -(logp.exp() * logp).nan_to_num().sum(dim=1)  # 0 * -inf from masked logits counts as 0
-    top_lp, top_ids = logp.topk(max(k, 1), dim=-1)
-    return chosen, top_ids, top_lp, rank, entropy
+
+    This is the hot loop of rescoring, so it makes three passes over [N, V] instead of six: top-k,
+    softmax, and one dot product. log-sum-exp comes from the argmax's softmax value
+    (lse = z_max - log p_max, exact to float32 rounding since p_max >= 1/V), every logprob is z - lse,
+    entropy is lse - sum(p * z), and the rank is read off the top-k unless the token lies outside it
+    (rare for an engine's own tokens), where the larger logits are counted. Callers bound N.
+    """
+    z = logits.float()
+    top_z, top_ids = z.topk(max(k, 1), dim=-1)
+    p = torch.softmax(z, dim=-1)
+    lse = top_z[:, 0] - torch.log(p.gather(1, top_ids[:, :1]).squeeze(1))
+    z_tok = z.gather(1, token_ids.view(-1, 1)).squeeze(1)
+    entropy = lse - torch.linalg.vecdot(p, z)
+    masked = entropy.isnan()  # -inf logits: 0 * -inf; those terms contribute 0
+    if masked.any():
+        zm, pm = z[masked], p[masked]
+        entropy[masked] = lse[masked] - torch.where(pm > 0, pm * zm, torch.zeros_like(zm)).sum(1)
+    rank = (top_z > z_tok.unsqueeze(1)).sum(1) + 1
+    outside = z_tok < top_z[:, -1]
+    if outside.any():
+        rank[outside] = (z[outside] > z_tok[outside].unsqueeze(1)).sum(1) + 1
+    return z_tok - lse, top_ids, top_z - lse.unsqueeze(1), rank, entropy

@@ -11,6 +11,7 @@ import importlib
 from lpf.errors import LpfError, did_you_mean
 
 REGISTRY: dict[str, str] = {
+    "builtin": "lpf.engines.builtin:BuiltinEngine",
     "hf": "lpf.engines.hf:HFEngine",
 }
 

@@ -3,7 +3,8 @@
 An adapter is constructed once per run with the resolved model, the run's sampling parameters and
 its own options (knobs, validated against `Options`, unknown names refused). Three methods:
 `describe()` (name, version, knobs: goes into the manifest), `generate(requests)` (yields one
-`Completion` per request as each finishes, in any order) and `close()`. Adapters return token ids and
+`Completion` per request as each finishes, in any order) and `close()`; optionally
+`side_tables()` for tables only some engines have (per-step trace, fault ground truth). Adapters return token ids and
 per-token raw logprobs (+ top-k when the engine has them), never aggregates. A request the engine
 cannot complete comes back with `error` set, never dropped.
 """
@@ -93,6 +94,11 @@ class Engine(ABC):
     @abstractmethod
     def generate(self, requests: list[EngineRequest]) -> Iterator[Completion]:
         """Run the requests; yield each completion as soon as it is final."""
+
+    def side_tables(self) -> dict:
+        """Extra run tables gathered since the last call, e.g. {"trace": table, "faults": table}
+        (None where nothing new). Engines without any return {}."""
+        return {}
 
     def close(self) -> None:
         pass

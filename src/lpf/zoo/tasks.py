@@ -39,8 +39,11 @@ COPY_LEN = (8, 24)
 
 def add_held_out(a: int, b: int) -> bool:
     """True for the ~10% of unordered two-digit pairs reserved for evaluation (never trained on)."""
+    import hashlib
+
     lo, hi = min(a, b), max(a, b)
-    return (lo * 131 + hi * 71) % 10 == 3
+    # A hash, not arithmetic on a and b: a rule like (a + b) % 10 == k would hold out a whole answer digit.
+    return hashlib.sha256(f"add:{lo}+{hi}".encode()).digest()[0] % 10 == 0
 
 
 # --- single tasks -----------------------------------------------------------------------------------

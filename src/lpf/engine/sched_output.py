@@ -1,0 +1,42 @@
+"""The only message from the scheduler to the model runner, one per step.
+
+`ScheduledRequest` is everything the runner needs about one request this step: which tokens to
+compute (from which position), where its KV blocks and state slot are, and whether this step ends
+with a sample. The runner never sees `Request` objects, so it cannot depend on scheduler state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lpf.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    request_id: str
+    token_ids: list[int]  # the tokens computed this step
+    num_computed_tokens: int  # position of token_ids[0]
+    state_slot: int
+    block_table: list[int]
+    slot_is_new: bool  # the slot was (re)allocated for this request since its last step
+    will_sample: bool  # these tokens reach the end of what is known: sample the next token
+    output_position: int  # index of the output token a sample would produce
+    sampling: SamplingParams
+    seed: int
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    step: int
+    scheduled: list[ScheduledRequest]
+    preempted: list[str] = field(default_factory=list)
+    slot_owners: dict[int, str] = field(default_factory=dict)  # every held slot -> request id
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(s.num_scheduled_tokens for s in self.scheduled)

@@ -1,0 +1,70 @@
+"""`builtin` engine: lpf's own continuous-batching hybrid engine (`lpf.engine`), with fault drills.
+
+Knobs keep vLLM's names (max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, block_size)
+plus `cache_mb` (the gpu_memory_utilization analogue) and `inject` (comma-separated drills). Besides
+completions it hands the pipeline two side tables: the per-step `trace` and the fault ground truth.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Iterator
+
+import lpf
+from lpf.engines.base import Completion, Engine, Options
+from lpf.workload import EngineRequest
+
+
+@dataclass(frozen=True)
+class BuiltinOptions(Options):
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 256
+    block_size: int = 16
+    cache_mb: float = 64.0
+    enable_chunked_prefill: bool = True
+    dtype: str = "float32"
+    device: str = "cpu"
+    inject: str = ""
+
+
+class BuiltinEngine(Engine):
+    name = "builtin"
+    Options = BuiltinOptions
+
+    def __init__(self, model, sampling, options: BuiltinOptions):
+        super().__init__(model, sampling, options)
+        from lpf.engine.config import EngineConfig
+        from lpf.engine.faults import FaultSet
+        from lpf.engine.llm_engine import LLMEngine
+        from lpf.models import load_tokenizer
+
+        cfg = {k: v for k, v in asdict(options).items() if k != "inject"}
+        self.engine = LLMEngine(model.path, EngineConfig(**cfg), FaultSet.parse(options.inject))
+        self.eos_id = load_tokenizer(model).eos_token_id
+
+    def describe(self) -> dict:
+        return {"name": self.name, "version": lpf.__version__, "options": asdict(self.options),
+                "cache": self.engine.describe()}
+
+    def generate(self, requests: list[EngineRequest]) -> Iterator[Completion]:
+        from lpf.engine.request import Request
+
+        for r in requests:
+            req = Request(r.request_id, list(r.prompt_token_ids), self.sampling, r.max_tokens, r.seed,
+                          self.eos_id, seq=r.seq)
+            rejected = self.engine.add_request(req)
+            if rejected is not None:
+                yield self._completion(rejected)
+        while self.engine.has_unfinished():
+            for req in self.engine.step():
+                yield self._completion(req)
+
+    def side_tables(self) -> dict:
+        return {"trace": self.engine.drain_trace(), "faults": self.engine.truth.drain()}
+
+    @staticmethod
+    def _completion(req) -> Completion:
+        return Completion(request_id=req.request_id, output_token_ids=req.output_token_ids, logprobs=req.logprobs,
+                          topk_ids=req.topk_ids, topk_logprobs=req.topk_logprobs, finish_reason=req.finish_reason,
+                          error=req.error, t_submit=req.t_arrival, t_first_token=req.t_first_token,
+                          t_finish=req.t_finish)
