@@ -7,8 +7,8 @@ the curriculum; `--minutes` is a wall-clock cap (a run that hits it says so in i
 once a periodic teacher-forced check on held-out items is >= 97% exact on every task.
 
 Recipe (see DESIGN.md, training notes for the zoo): one token per task character, loss on answer tokens
-(and the closing `</s>`) only, a curriculum (recall pairs 4->16, copy length 8->24 over the first 40% of the
-step budget), a training-only multi-query recall form, AdamW lr 2e-3 betas (0.9, 0.98) wd 0.01, warmup 150,
+(and the closing `</s>`) only, a curriculum (recall pairs 4->16, copy length 8->24, over the first 40% of the
+step budget or, with `--curriculum adaptive`, a level at a time as training accuracy allows), a training-only multi-query recall form, AdamW lr 2e-3 betas (0.9, 0.98) wd 0.01, warmup 150,
 cosine, clip 1.0, batches grouped by length.
 
 Final evaluation: 500 held-out oracle items (`zoo:oracle`, seed 0) decoded with HF `generate` at temperature 0
@@ -37,6 +37,11 @@ from lpf.zoo import registry, tasks  # noqa: E402
 
 PAD, BOS, EOS = 0, 1, 2
 DEFAULT_STEPS = {"hybrid": 5000, "llama": 7000, "jamba": 4000}
+# "schedule": difficulty ramps with step / step budget (full from 40% on). "adaptive": difficulty goes up one
+# level (of 10) whenever recall and copy are both >= 80% exact (teacher-forced) over the last 50 training batches;
+# attention-only models sit on a plateau at chance when the easy phase passes by on a clock.
+DEFAULT_CURRICULUM = {"hybrid": "schedule", "llama": "adaptive", "jamba": "schedule"}
+PROMOTE_WINDOW, PROMOTE_AT = 50, 0.8
 BATCH = 32
 QUICK_EVAL_EVERY = 250
 QUICK_EVAL_ITEMS = 150
@@ -102,15 +107,16 @@ class Encoder:
         return ids, mask
 
 
-def training_batches(enc: Encoder, rng: random.Random, step: int, total: int, pool: int = 16):
-    """A pool of `pool` batches of training items at the current curriculum, grouped by length, shuffled."""
+def training_batches(enc: Encoder, rng: random.Random, progress: float, pool: int = 16):
+    """A pool of `pool` batches of training items at curriculum `progress`, grouped by length, shuffled.
+    Each batch is a list of (ids, loss_mask, task)."""
     items = []
     for _ in range(BATCH * pool):
-        it = tasks.training_item(rng, step / total)
+        it = tasks.training_item(rng, progress)
         ids, mask = enc.encode(it["text"], it["spans"])
         ids.append(EOS)
         mask.append(it["eos"])
-        items.append((ids, mask))
+        items.append((ids, mask, it["task"]))
     items.sort(key=lambda x: len(x[0]))
     batches = [items[i:i + BATCH] for i in range(0, len(items), BATCH)]
     rng.shuffle(batches)
@@ -120,11 +126,11 @@ def training_batches(enc: Encoder, rng: random.Random, step: int, total: int, po
 def collate(batch):
     import torch
 
-    n = max(len(ids) for ids, _ in batch)
+    n = max(len(row[0]) for row in batch)
     input_ids = torch.full((len(batch), n), PAD, dtype=torch.long)
     attn = torch.zeros((len(batch), n), dtype=torch.long)
     labels = torch.full((len(batch), n), -100, dtype=torch.long)
-    for r, (ids, mask) in enumerate(batch):
+    for r, (ids, mask, *_) in enumerate(batch):
         input_ids[r, :len(ids)] = torch.tensor(ids)
         attn[r, :len(ids)] = 1
         lab = torch.tensor([t if m else -100 for t, m in zip(ids, mask)])
@@ -257,7 +263,8 @@ Exact answers on the mix: **{ev['accuracy']:.1%}**; median answer-token probabil
   {tr['threads']} CPU thread(s); stopped by: {tr['stop_reason']}.
 - torch {tr['torch']}, transformers {tr['transformers']}; seed {tr['seed']}.
 - Recipe: AdamW lr 2e-3 betas (0.9, 0.98) wd 0.01, warmup 150, cosine, clip 1.0; loss on answer tokens
-  only; curriculum over the first 40% of the schedule; multi-query recall form; batches grouped by length.
+  only; curriculum: {'over the first 40% of the schedule' if tr['curriculum'] == 'schedule' else 'adaptive (a level up whenever recall and copy are >= 80% exact in training)'};
+  multi-query recall form; batches grouped by length.
 """
 
 
@@ -277,6 +284,8 @@ def main(argv=None) -> int:
     ap.add_argument("--minutes", type=float, default=40.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=None, help="schedule length (default per model)")
+    ap.add_argument("--curriculum", choices=["schedule", "adaptive"], default=None,
+                    help="difficulty ramp (default per model)")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--eval-n", type=int, default=500)
     args = ap.parse_args(argv)
@@ -291,6 +300,7 @@ def main(argv=None) -> int:
     t0 = time.time()
     deadline = t0 + args.minutes * 60
     total = args.steps or DEFAULT_STEPS[args.model]
+    curriculum = args.curriculum or DEFAULT_CURRICULUM[args.model]
     out = args.out or registry.model_dir(args.model)
 
     tok = AutoTokenizer.from_pretrained(str(registry.tokenizer_dir()))
@@ -311,16 +321,35 @@ def main(argv=None) -> int:
 
     step, stop_reason, history, queue = 0, "step budget", [], []
     loss_avg = None
+    level, window, levels = 0, {"recall": [], "copy": []}, []
     while step < total:
         if time.time() > deadline:
             stop_reason = f"time cap ({args.minutes} min)"
             break
         if not queue:
-            queue = training_batches(enc, rng, step, total)
-        input_ids, attn, labels = collate(queue.pop())
+            progress = step / total if curriculum == "schedule" else 0.4 * level / 10
+            queue = training_batches(enc, rng, progress)
+        batch = queue.pop()
+        input_ids, attn, labels = collate(batch)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, total)
-        loss = model(input_ids=input_ids, attention_mask=attn, labels=labels, **fwd_kw).loss
+        res = model(input_ids=input_ids, attention_mask=attn, labels=labels, **fwd_kw)
+        loss = res.loss
+        if curriculum == "adaptive" and level < 10:
+            with torch.no_grad():
+                tgt = labels[:, 1:]
+                ok = ((res.logits[:, :-1].argmax(-1) == tgt) | (tgt == -100)).all(1).tolist()
+            for (_, _, task), e in zip(batch, ok):
+                if task in window:
+                    window[task].append(e)
+            if (step + 1) % PROMOTE_WINDOW == 0:
+                rates = {k: sum(v) / max(1, len(v)) for k, v in window.items()}
+                if min(rates.values()) >= PROMOTE_AT:
+                    level += 1
+                    levels.append({"step": step + 1, "level": level})
+                    queue = []  # next pool at the new difficulty
+                    print(f"curriculum level {level}/10 at step {step + 1} ({rates})", flush=True)
+                window = {"recall": [], "copy": []}
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -328,7 +357,7 @@ def main(argv=None) -> int:
         step += 1
         loss_avg = loss.item() if loss_avg is None else 0.98 * loss_avg + 0.02 * loss.item()
         if step % 50 == 0:
-            print(f"step {step} loss {loss_avg:.4f} lr {lr_at(step, total):.2e} "
+            print(f"step {step} loss {loss_avg:.4f} lr {lr_at(step, total):.2e} level {level} "
                   f"{(time.time() - t0) / step:.3f} s/step", flush=True)
         if step % QUICK_EVAL_EVERY == 0:
             res = teacher_forced(model, enc, quick_items)
@@ -336,7 +365,8 @@ def main(argv=None) -> int:
             history.append({"step": step, "wall_s": round(time.time() - t0), **{
                 k: s[k] for k in ("accuracy", "accuracy_by_task", "median_answer_prob")}})
             print(f"quick eval @ {step}: {json.dumps(history[-1])}", flush=True)
-            if step >= 0.4 * total and min(s["accuracy_by_task"].values()) >= TARGET_QUICK:
+            full = step >= 0.4 * total if curriculum == "schedule" else level >= 10
+            if full and min(s["accuracy_by_task"].values()) >= TARGET_QUICK:
                 stop_reason = f"early stop (quick eval >= {TARGET_QUICK:.0%} on every task)"
                 break
     train_s = time.time() - t0
@@ -365,6 +395,7 @@ def main(argv=None) -> int:
         "training": {
             "command": cmd, "seed": args.seed, "steps": step, "step_budget": total, "batch_size": BATCH,
             "wall_s": round(train_s, 1), "threads": torch.get_num_threads(), "stop_reason": stop_reason,
+            "curriculum": curriculum, "curriculum_levels": levels,
             "torch": torch.__version__, "transformers": transformers.__version__,
             "quick_eval_history": history,
         },

@@ -97,6 +97,14 @@ class PagedAttention(nn.Module):
                                            scale=self.scale, enable_gqa=self.n_heads != self.n_kv)
         return o[0].transpose(0, 1)
 
+    def _scratch(self, i: int, like: torch.Tensor) -> torch.Tensor:
+        # keyed by inference mode too: an inference tensor cannot be written outside inference_mode
+        key = (i, like.dtype, like.device, torch.is_inference_mode_enabled())
+        bufs = self.__dict__.setdefault("_scratch_bufs", {})
+        if key not in bufs:
+            bufs[key] = like.new_empty(0)
+        return bufs[key]
+
     def _attend_decodes(self, cache, decodes, q, k, v) -> torch.Tensor:
         """One padded attention call for all single-token requests. Rows follow KVCache's layout
         (position p of a request lives at row block_table[p // block_size] * block_size + p % block_size),
@@ -111,9 +119,12 @@ class PagedAttention(nn.Module):
         n_blocks = -(-int(lengths.max()) // bs)
         tables = torch.tensor([(s.block_table[:n_blocks] + [0] * n_blocks)[:n_blocks] for s in decodes],
                               dtype=torch.long, device=kc.device)
-        # whole blocks via index_select: same bytes as a row gather, ~10x faster than advanced indexing
-        K, V = (torch.index_select(c.view(-1, bs, *c.shape[1:]), 0, tables.flatten())
-                .view(len(decodes), n_blocks * bs, *c.shape[1:]).to(q.dtype).transpose(1, 2) for c in (kc, vc))
+        # whole blocks via index_select (same bytes as a row gather, ~10x faster than advanced indexing)
+        # into buffers kept across steps: a fresh multi-MB tensor per step costs page faults
+        K, V = (torch.index_select(c.view(-1, bs, *c.shape[1:]), 0, tables.flatten(),
+                                   out=buf.resize_(tables.numel(), bs, *c.shape[1:]))
+                .view(len(decodes), n_blocks * bs, *c.shape[1:]).to(q.dtype).transpose(1, 2)
+                for c, buf in ((kc, self._scratch(0, kc)), (vc, self._scratch(1, vc))))
         pos = torch.arange(n_blocks * bs, device=kc.device)
         mask = (pos[None, :] < lengths[:, None])[:, None, None, :]
         o = F.scaled_dot_product_attention(q[:, :, None, :], K, V, attn_mask=mask, scale=self.scale,

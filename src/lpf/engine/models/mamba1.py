@@ -2,14 +2,12 @@
 
 Contract: `JambaMambaMixer(x [T, hidden]) -> [T, hidden]` inside a forward context, with the
 prefill/extend/decode state semantics of `mamba_base`. State parts: `conv` [d_inner, d_conv - 1]
-and `ssm` [d_inner, d_state], float32 (float64 for a float64 model). The selective scan of a
-prefill/extend chunk is `scan`, a two-level blocked recurrence (about 2*sqrt(L) vectorised steps
-instead of L); decodes take one step. dt gets no clamp (Jamba has no time_step_limit).
+and `ssm` [d_inner, d_state], float32 (float64 for a float64 model). A prefill/extend chunk is
+discretised for all its tokens at once, then `scan` runs the recurrence token by token (see there
+why); decodes take one step. dt gets no clamp (Jamba has no time_step_limit).
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn.functional as F
@@ -22,30 +20,14 @@ from lpf.engine.models.mamba_base import MambaMixerBase
 def scan(dA: torch.Tensor, u: torch.Tensor, h0: torch.Tensor) -> torch.Tensor:
     """All states of h_t = dA_t * h_{t-1} + u_t: dA, u [L, ...], h0 [...] -> [L, ...].
 
-    Blocks of length b: scan inside all blocks at once (b steps), carry block-end states across
-    blocks (L/b steps), then add each block's carried-in state times the running product of dA.
-    Only products of decays in (0, 1] appear (no division by a cumulative decay), so nothing
-    overflows; the result differs from the plain loop by float reassociation only."""
-    L = dA.shape[0]
-    b = max(1, math.isqrt(L - 1) + 1) if L > 1 else 1
-    nb = -(-L // b)
-    pad = nb * b - L
-    if pad:
-        dA = torch.cat([dA, dA.new_ones(pad, *dA.shape[1:])])
-        u = torch.cat([u, u.new_zeros(pad, *u.shape[1:])])
-    dA, u = dA.view(nb, b, *dA.shape[1:]), u.view(nb, b, *u.shape[1:])
-    local = torch.empty_like(u)
-    local[:, 0] = u[:, 0]
-    for i in range(1, b):
-        torch.addcmul(u[:, i], dA[:, i], local[:, i - 1], out=local[:, i])
-    run = torch.cumprod(dA, dim=1)
-    carried = torch.empty_like(u[:, 0])
-    h = h0
-    for k in range(nb):
-        carried[k] = h
-        h = torch.addcmul(local[k, -1], run[k, -1], h)
-    states = torch.addcmul(local, run, carried[:, None])
-    return states.reshape(nb * b, *states.shape[2:])[:L]
+    A plain loop of one fused op per token. A blocked (chunk + carry) scan was tried and dropped:
+    at Jamba's state sizes every extra pass over the [L, d_inner, d_state] tensors costs more than
+    the per-token op overhead saved (400 tokens x 256 x 16: loop 2.9 ms, blocked 3-8 ms)."""
+    out = torch.empty_like(u)
+    h, steps = h0, zip(u.unbind(0), dA.unbind(0), out.unbind(0))  # unbind: one op for all the views
+    for u_t, dA_t, out_t in steps:
+        h = torch.addcmul(u_t, dA_t, h, out=out_t)
+    return out
 
 
 class JambaMambaMixer(MambaMixerBase):

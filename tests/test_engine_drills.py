@@ -1,0 +1,159 @@
+"""The built-in engine end to end: exact without faults, and each drill re-creating its mechanism.
+
+Runs go through the real CLI (`lpf audit --engine builtin`), read back with DuckDB (`lpf query`),
+and are judged against the fault ground truth in `faults/*.parquet` (which analysis never reads).
+"""
+
+import json
+
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import lpf_subprocess, write_prompts
+from lpf.query import run_query
+
+SMALL = ["--cache-mb", "2", "--max-num-batched-tokens", "64"]
+
+
+def audit(out, *args):
+    proc = lpf_subprocess("audit", "--engine", "builtin", "--model", "zoo:hybrid", "--out", out, "--json",
+                          "--fail-on", "never", *args)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def q(run, sql):
+    return run_query(run, sql)[1]
+
+
+def ground_truth(run, role=None):
+    if not (run / "faults").is_dir():
+        return set()
+    where = f"WHERE role = '{role}'" if role else ""
+    return {r[0] for r in q(run, f"SELECT DISTINCT request_id FROM faults {where}")}
+
+
+def flagged(findings):
+    return {f["request_id"] for f in findings["flagged"]}
+
+
+@pytest.fixture(scope="module")
+def stress_320(tmp_path_factory):
+    from lpf.zoo import registry
+
+    items = registry.workload_items("stress", seed=5, n=320)
+    return write_prompts(tmp_path_factory.mktemp("w") / "stress320.jsonl",
+                         [{"id": i["id"], "prompt": i["prompt"], "max_tokens": min(i["max_tokens"], 48)} for i in items])
+
+
+def test_faults_off_matches_hf_exactly(tmp_path, stress_320):
+    """Chunked prefill, mixed prefill/decode batches and forced preemption: same greedy tokens as HF
+    generate, and max |logprob diff| against the HF reference <= 1e-4 in float32."""
+    f = audit(tmp_path / "b", "--workload", stress_320, "--cache-mb", "3", "--max-num-batched-tokens", "96")
+    assert f["verdict"] == "clean" and f["counts"]["clean"] == 320
+    assert f["metrics"]["abs_logprob_diff"]["max"] <= 1e-4
+    run = tmp_path / "b"
+    phases = dict(q(run, "SELECT phase, count(*) FROM trace WHERE NOT preempted GROUP BY 1"))
+    assert phases["extend"] > 0 and phases["decode"] > 0 and phases["prefill"] >= 320
+    assert q(run, "SELECT count(*) FROM trace WHERE preempted")[0][0] > 0, "the small cache must force preemption"
+    mixed = q(run, """SELECT count(*) FROM (SELECT step FROM trace WHERE NOT preempted GROUP BY step
+                      HAVING count(DISTINCT phase) > 1 AND bool_or(phase = 'decode'))""")[0][0]
+    assert mixed > 0
+    hf = lpf_subprocess("run", "--engine", "hf", "--model", "zoo:hybrid", "--workload", stress_320, "--out", tmp_path / "h")
+    assert hf.returncode == 0, hf.stderr
+    ours = pq.read_table(run / "requests").sort_by("seq").column("output_token_ids").to_pylist()
+    theirs = pq.read_table(tmp_path / "h" / "requests").sort_by("seq").column("output_token_ids").to_pylist()
+    assert ours == theirs
+
+
+def test_trace_answers_what_happened_to_a_request(tmp_path):
+    run = tmp_path / "t"
+    audit(run, "--workload", "zoo:oracle", "--max-tokens", 8, *SMALL)
+    rid = q(run, "SELECT request_id FROM trace WHERE phase = 'extend' LIMIT 1")[0][0]
+    steps = q(run, f"""SELECT step, phase, num_computed_tokens, num_scheduled_tokens, state_slot
+                       FROM trace WHERE request_id = '{rid}' ORDER BY step""")
+    assert steps[0][1] == "prefill" and steps[0][2] == 0
+    assert [s[1] for s in steps[1:]].count("extend") >= 1
+    # computed tokens advance by exactly what was scheduled, step after step
+    for a, b in zip(steps, steps[1:]):
+        assert b[2] == a[2] + a[3]
+    n_out = q(run, f"SELECT len(output_token_ids) FROM requests WHERE request_id = '{rid}'")[0][0]
+    assert sum(1 for s in steps if s[1] == "decode") == n_out - 1
+
+
+@pytest.fixture(scope="module")
+def stale_runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("stale")
+    args = ["--workload", "zoo:oracle", "--n", 4, "--max-tokens", 16, *SMALL]
+    return (base, audit(base / "a", *args, "--inject", "stale-state"), audit(base / "b", *args, "--inject", "stale-state"),
+            audit(base / "off", *args))
+
+
+def test_stale_state_imposters(stale_runs):
+    base, a, b, off = stale_runs
+    assert a["n_requests"] == 2000
+    truth = ground_truth(base / "a")
+    assert 0 < len(truth) < 0.05 * a["n_requests"], "a small fraction of requests are imposters"
+    # every imposter's first step was a decode on a slot some earlier request had used
+    for rid, phase, computed, slot in q(base / "a", """
+            SELECT request_id, arg_min(phase, step), arg_min(num_computed_tokens, step), arg_min(state_slot, step)
+            FROM trace WHERE NOT preempted AND request_id IN (SELECT request_id FROM faults) GROUP BY 1"""):
+        assert phase == "decode" and computed == 0
+        assert q(base / "a", f"SELECT count(*) FROM trace WHERE state_slot = {slot} AND request_id <> '{rid}'")[0][0] > 0
+    # the lies come only from imposters, and some imposters do lie
+    assert flagged(a) and flagged(a) <= truth
+    # the same requests on a rerun; none without the fault
+    assert ground_truth(base / "b") == truth and flagged(b) == flagged(a)
+    assert off["verdict"] == "clean" and not ground_truth(base / "off")
+
+
+def test_offset_wrap_only_past_the_wrap(tmp_path):
+    bits = 18
+    big = audit(tmp_path / "big", "--workload", "zoo:oracle", "--max-tokens", 16, "--cache-mb", "4",
+                "--inject", f"offset-wrap:{bits}")
+    stride = json.loads((tmp_path / "big" / "manifest.json").read_text())["engine"]["cache"]["state_slot_stride"]
+    wrapping = {r[0] for r in q(tmp_path / "big", "SELECT DISTINCT request_id FROM faults WHERE role = 'corrupted'")}
+    assert wrapping
+    slots = q(tmp_path / "big", """SELECT DISTINCT t.state_slot FROM trace t JOIN faults f USING (request_id)
+                                   WHERE f.role = 'corrupted' AND t.phase IN ('prefill', 'extend')""")
+    assert all(s[0] * stride >= 2**bits for s in slots), "only slots past the wrap write elsewhere"
+    assert flagged(big) and flagged(big) <= ground_truth(tmp_path / "big")
+    # a smaller cache keeps every slot id below 2**bits / stride: nothing wraps, nothing lies
+    small = audit(tmp_path / "small", "--workload", "zoo:oracle", "--max-tokens", 16, "--cache-mb", "1.5",
+                  "--inject", f"offset-wrap:{bits}")
+    max_slot = q(tmp_path / "small", "SELECT max(state_slot) FROM trace")[0][0]
+    assert (max_slot + 1) * stride <= 2**bits
+    assert small["verdict"] == "clean" and not ground_truth(tmp_path / "small")
+
+
+def test_swap_outputs_crossed_wires(tmp_path):
+    f = audit(tmp_path / "s", "--workload", "zoo:oracle", "--max-tokens", 16, "--inject", "swap-outputs:5")
+    truth = ground_truth(tmp_path / "s")
+    assert truth and flagged(f) and flagged(f) <= truth
+
+
+def test_batch_variant_is_noise_only(tmp_path):
+    f = audit(tmp_path / "v", "--workload", "zoo:oracle", "--max-tokens", 16, "--inject", "batch-variant")
+    assert f["counts"]["noise"] > 0 and f["counts"]["corrupt"] == 0
+    assert f["metrics"]["abs_logprob_diff"]["p99"] < 0.1
+
+
+def test_processed_logprobs_are_caught(tmp_path):
+    f = audit(tmp_path / "p", "--workload", "zoo:oracle", "--max-tokens", 16, "--temperature", "0.6",
+              "--inject", "processed-logprobs")
+    clean = audit(tmp_path / "c", "--workload", "zoo:oracle", "--max-tokens", 16, "--temperature", "0.6")
+    assert clean["verdict"] == "clean"
+    assert f["counts"]["clean"] < f["n_requests"] // 2
+    assert f["metrics"]["abs_logprob_diff"]["max"] > 100 * clean["metrics"]["abs_logprob_diff"]["max"]
+
+
+def test_kv_double_free_shares_a_block(tmp_path):
+    f = audit(tmp_path / "k", "--workload", "zoo:oracle", "--max-tokens", 16, "--n", 2, *SMALL, "--inject", "kv-double-free")
+    truth = ground_truth(tmp_path / "k")
+    assert truth, "a block must have been handed to two live requests"
+    assert flagged(f) <= truth
+
+
+def test_unknown_fault_is_a_clean_error(tmp_path):
+    proc = lpf_subprocess("run", "--engine", "builtin", "--inject", "stale-sate", "--out", tmp_path / "x")
+    assert proc.returncode == 2 and "did you mean 'stale-state'" in proc.stderr and "Traceback" not in proc.stderr
