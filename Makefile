@@ -16,8 +16,13 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 
 venv: $(STAMP)
 
+# The embedded default (builtin engine, zoo:hybrid, zoo:oracle) audited clean, then the same with the
+# seed's 32-bit offset overflow re-created (offset-wrap) so the report has lies to show.
 demo: $(STAMP)
-	$(VENV)/bin/lpf audit --out runs/demo-$$(date +%Y%m%d-%H%M%S) --max-tokens 16
+	@stamp=$$(date +%Y%m%d-%H%M%S); \
+	$(VENV)/bin/lpf audit --out runs/demo-$$stamp-clean && \
+	$(VENV)/bin/lpf audit --out runs/demo-$$stamp-offset-wrap --inject offset-wrap:18 --cache-mb 4 --fail-on never && \
+	echo "results: runs/demo-$$stamp-clean and runs/demo-$$stamp-offset-wrap (findings.json, lpf query DIR \"SQL\")"
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)

@@ -60,7 +60,8 @@ def test_unknown_model_path(lpf_cli, tmp_path):
 
 
 def test_unknown_engine_option(lpf_cli, tmp_path):
-    _assert_clean_error(lpf_cli("run", "-E", "batchsize=4", "--out", tmp_path / "o"), "did you mean 'batch_size'")
+    _assert_clean_error(lpf_cli("run", "--engine", "hf", "-E", "batchsize=4", "--out", tmp_path / "o"), "did you mean 'batch_size'")
+    _assert_clean_error(lpf_cli("run", "--engine", "hf", "--cache-mb", "4", "--out", tmp_path / "o"), "unknown engine option 'cache_mb'")
 
 
 def test_existing_run_dir_is_not_overwritten(lpf_cli, tmp_path):

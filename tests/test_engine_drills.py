@@ -15,8 +15,8 @@ from lpf.query import run_query
 SMALL = ["--cache-mb", "2", "--max-num-batched-tokens", "64"]
 
 
-def audit(out, *args):
-    proc = lpf_subprocess("audit", "--engine", "builtin", "--model", "zoo:hybrid", "--out", out, "--json",
+def audit(out, *args, model="zoo:hybrid"):
+    proc = lpf_subprocess("audit", "--engine", "builtin", "--model", model, "--out", out, "--json",
                           "--fail-on", "never", *args)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
@@ -46,12 +46,17 @@ def stress_320(tmp_path_factory):
                          [{"id": i["id"], "prompt": i["prompt"], "max_tokens": min(i["max_tokens"], 48)} for i in items])
 
 
-def test_faults_off_matches_hf_exactly(tmp_path, stress_320):
+# Jamba: the random tiny model until a trained zoo:jamba ships. Its init range of 0.25 makes HF's own
+# float32 teacher-forced pass deviate from exact arithmetic by ~2e-4, so it is held to the clean
+# threshold (1e-3) while the trained hybrid is held to 1e-4.
+@pytest.mark.parametrize("model, tol", [("zoo:hybrid", 1e-4), ("tiny:jamba", 1e-3)])
+def test_faults_off_matches_hf_exactly(tmp_path, stress_320, model, tol):
     """Chunked prefill, mixed prefill/decode batches and forced preemption: same greedy tokens as HF
-    generate, and max |logprob diff| against the HF reference <= 1e-4 in float32."""
-    f = audit(tmp_path / "b", "--workload", stress_320, "--cache-mb", "3", "--max-num-batched-tokens", "96")
+    generate, and max |logprob diff| against the HF reference within float32 rounding."""
+    f = audit(tmp_path / "b", "--workload", stress_320, "--cache-mb", "3", "--max-num-batched-tokens", "96",
+              "--max-tokens", 16, model=model)
     assert f["verdict"] == "clean" and f["counts"]["clean"] == 320
-    assert f["metrics"]["abs_logprob_diff"]["max"] <= 1e-4
+    assert f["metrics"]["abs_logprob_diff"]["max"] <= tol
     run = tmp_path / "b"
     phases = dict(q(run, "SELECT phase, count(*) FROM trace WHERE NOT preempted GROUP BY 1"))
     assert phases["extend"] > 0 and phases["decode"] > 0 and phases["prefill"] >= 320
@@ -59,7 +64,8 @@ def test_faults_off_matches_hf_exactly(tmp_path, stress_320):
     mixed = q(run, """SELECT count(*) FROM (SELECT step FROM trace WHERE NOT preempted GROUP BY step
                       HAVING count(DISTINCT phase) > 1 AND bool_or(phase = 'decode'))""")[0][0]
     assert mixed > 0
-    hf = lpf_subprocess("run", "--engine", "hf", "--model", "zoo:hybrid", "--workload", stress_320, "--out", tmp_path / "h")
+    hf = lpf_subprocess("run", "--engine", "hf", "--model", model, "--workload", stress_320, "--out", tmp_path / "h",
+                        "--max-tokens", 16)
     assert hf.returncode == 0, hf.stderr
     ours = pq.read_table(run / "requests").sort_by("seq").column("output_token_ids").to_pylist()
     theirs = pq.read_table(tmp_path / "h" / "requests").sort_by("seq").column("output_token_ids").to_pylist()

@@ -48,8 +48,8 @@ def progress_bar(label: str, unit: str):
 
 def run_options(f):
     opts = [
-        click.option("--engine", default="hf", show_default=True, help="Engine under test (see `lpf engines`)."),
-        click.option("--model", default=None, help="Model dir, zoo:NAME or tiny:NAME [default: the embedded hybrid]."),
+        click.option("--engine", default="builtin", show_default=True, help="Engine under test (see `lpf engines`)."),
+        click.option("--model", default=None, help="Model dir, zoo:NAME or tiny:NAME [default: zoo:hybrid]."),
         click.option("--workload", default=None, help="Prompts JSONL or zoo:NAME [default: zoo:oracle]."),
         click.option("--out", type=click.Path(path_type=Path), default=None, help="Run directory to create."),
         click.option("--n", "n", type=int, default=1, show_default=True, help="Rollouts per prompt."),

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from lpf.errors import LpfError, did_you_mean
 
-DEFAULT_MODEL = "tiny:hybrid"
+DEFAULT_MODEL = "zoo:hybrid"
 
 # Init range 0.25 (not the usual 0.02) so a random model's next-token distributions are peaked
 # rather than flat: flat distributions hide confident gibberish.
@@ -39,10 +39,16 @@ def _tiny_configs(vocab_size: int, special: dict) -> dict[str, dict]:
         "llama": dict(
             model_type="llama", hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=4, intermediate_size=256, **common),
+        # The seed's architecture: Mamba1 + attention + MoE (attention and experts on odd layers).
+        "jamba": dict(
+            model_type="jamba", hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=4, attn_layer_period=2, attn_layer_offset=1,
+            num_experts=2, num_experts_per_tok=1, expert_layer_period=2, expert_layer_offset=1,
+            mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, use_mamba_kernels=False, **common),
     }
 
 
-TINY_MODELS = ("hybrid", "llama")
+TINY_MODELS = ("hybrid", "llama", "jamba")
 
 
 @dataclass(frozen=True)

@@ -95,20 +95,37 @@ class StateCache:
     def wraps(self, slot: int) -> bool:
         return self.wrap_bits is not None and slot * self.slot_stride >= (1 << self.wrap_bits)
 
+    def _exact(self, slots: list[int], path: str) -> bool:
+        return path == "decode" or self.wrap_bits is None or not any(self.wraps(s) for s in slots)
+
     def _index(self, layer: int, name: str, slots: list[int], path: str):
+        """Element indices of a part for wrapped offsets (the only case a 2-D view cannot express)."""
         torch = self._torch
         size = prod(self.shapes[layer][name])
         bases = torch.tensor([self.base(s, path) + self.offsets[layer][name] for s in slots], dtype=torch.long)
-        return bases.unsqueeze(1) + torch.arange(size, dtype=torch.long).unsqueeze(0)
+        return (bases.unsqueeze(1) + torch.arange(size, dtype=torch.long).unsqueeze(0)).to(self.buffer.device)
+
+    def _rows(self, layer: int, name: str, slots: list[int]):
+        off = self.offsets[layer][name]
+        size = prod(self.shapes[layer][name])
+        index = self._torch.tensor(slots, dtype=self._torch.long, device=self.buffer.device)
+        return self.buffer.view(self.num_slots, self.slot_stride), index, slice(off, off + size)
 
     def read(self, layer: int, name: str, slots: list[int], path: str):
         """A copy of the state of `slots`: [len(slots), *shape]."""
-        idx = self._index(layer, name, slots, path).to(self.buffer.device)
-        return self.buffer[idx].view(len(slots), *self.shapes[layer][name])
+        shape = (len(slots), *self.shapes[layer][name])
+        if self._exact(slots, path):  # exact offsets: slot * slot_stride + part offset, as a 2-D view
+            table, index, cols = self._rows(layer, name, slots)
+            return table[index, cols].view(shape)
+        return self.buffer[self._index(layer, name, slots, path)].view(shape)
 
     def write(self, layer: int, name: str, slots: list[int], values, path: str) -> None:
-        idx = self._index(layer, name, slots, path).to(self.buffer.device)
-        self.buffer[idx.view(-1)] = values.reshape(-1).to(self.buffer.dtype)
+        values = values.to(self.buffer.dtype)
+        if self._exact(slots, path):
+            table, index, cols = self._rows(layer, name, slots)
+            table[index, cols] = values.reshape(len(slots), -1)
+            return
+        self.buffer[self._index(layer, name, slots, path).view(-1)] = values.reshape(-1)
 
     def zero(self, slot: int) -> None:
         start = slot * self.slot_stride

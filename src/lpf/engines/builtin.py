@@ -25,6 +25,7 @@ class BuiltinOptions(Options):
     dtype: str = "float32"
     device: str = "cpu"
     inject: str = ""
+    threads: int = 1  # torch intra-op threads while generating: small models are op-overhead bound
 
 
 class BuiltinEngine(Engine):
@@ -38,7 +39,7 @@ class BuiltinEngine(Engine):
         from lpf.engine.llm_engine import LLMEngine
         from lpf.models import load_tokenizer
 
-        cfg = {k: v for k, v in asdict(options).items() if k != "inject"}
+        cfg = {k: v for k, v in asdict(options).items() if k not in ("inject", "threads")}
         self.engine = LLMEngine(model.path, EngineConfig(**cfg), FaultSet.parse(options.inject))
         self.eos_id = load_tokenizer(model).eos_token_id
 
@@ -47,6 +48,17 @@ class BuiltinEngine(Engine):
                 "cache": self.engine.describe()}
 
     def generate(self, requests: list[EngineRequest]) -> Iterator[Completion]:
+        import torch
+
+        before = torch.get_num_threads()
+        if self.options.threads > 0:
+            torch.set_num_threads(self.options.threads)
+        try:
+            yield from self._generate(requests)
+        finally:
+            torch.set_num_threads(before)  # the rescorer that may follow in this process wants them all
+
+    def _generate(self, requests: list[EngineRequest]) -> Iterator[Completion]:
         from lpf.engine.request import Request
 
         for r in requests:

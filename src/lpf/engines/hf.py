@@ -3,8 +3,9 @@
 Records the raw (pre-temperature, pre-top-k/top-p) logprob of every sampled token from
 `output_logits`, plus the top-k. Batches are formed from requests sorted by prompt length (less
 padding); each batch seeds torch's generator from its first request, so a run is reproducible for a
-fixed batching. Generation settings are passed explicitly so nothing is inherited from the model's
-`generation_config` (a repetition penalty there would make the "engine" disagree with the reference).
+fixed batching. Generation settings are passed explicitly and the model's own `generation_config` is replaced by a
+neutral one, so nothing is inherited from it (a repetition penalty there would make the "engine"
+disagree with the reference; its EOS would stop an `ignore_eos` run).
 """
 
 from __future__ import annotations
@@ -44,6 +45,13 @@ class HFEngine(Engine):
         if self.pad_id is None:
             self.pad_id = self.tokenizer.eos_token_id
         self.eos_id = self.tokenizer.eos_token_id
+        from transformers import GenerationConfig
+
+        # generate() fills every unset field from the model's generation_config (an eos_token_id of
+        # None would silently become the model's EOS): replace it with a neutral one.
+        self.hf_model.generation_config = GenerationConfig(
+            pad_token_id=self.pad_id, bos_token_id=self.tokenizer.bos_token_id,
+            eos_token_id=None if sampling.ignore_eos else self.eos_id)
 
     def describe(self) -> dict:
         import transformers
