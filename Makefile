@@ -24,11 +24,14 @@ demo: $(STAMP)
 	$(VENV)/bin/lpf audit --out runs/demo-$$stamp-offset-wrap --inject offset-wrap:18 --cache-mb 4 --fail-on never && \
 	echo "results: runs/demo-$$stamp-clean and runs/demo-$$stamp-offset-wrap (findings.json, lpf query DIR \"SQL\")"
 
+# One intra-op thread: the suite starts many small-model processes one after another, where extra
+# threads only add overhead (and oversubscribe a busy machine); numerics do not depend on it.
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(VENV)/bin/python bench/rescore.py
+	$(VENV)/bin/python bench/engine.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

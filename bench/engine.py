@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -20,10 +21,13 @@ from pathlib import Path
 
 def lpf_run(engine: str, model: str, workload: Path, out: Path, extra: list[str]) -> float:
     exe = Path(sys.executable).with_name("lpf")
+    # one intra-op thread for both: at these model sizes more threads only add scheduling overhead,
+    # and the builtin engine defaults to 1
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     t0 = time.perf_counter()
     subprocess.run([str(exe), "run", "--engine", engine, "--model", model, "--workload", str(workload),
                     "--out", str(out), "--ignore-eos", "--max-tokens", "128", "--part-size", "100000", *extra],
-                   check=True, capture_output=True, text=True)
+                   check=True, capture_output=True, text=True, env=env)
     return time.perf_counter() - t0
 
 

@@ -48,7 +48,7 @@ def test_sampled_run_is_clean_and_records_raw_logprobs(tmp_path, lpf_cli):
     from conftest import write_prompts
 
     prompts = write_prompts(tmp_path / "p.jsonl", [{"prompt": f"The baker {i} walked"} for i in range(12)])
-    r = lpf_cli("audit", "--model", "tiny:llama", "--workload", prompts, "--temperature", 1.5, "--top-k", 20,
+    r = lpf_cli("audit", "--engine", "hf", "--model", "tiny:llama", "--workload", prompts, "--temperature", 1.5, "--top-k", 20,
                 "--n", 2, "--max-tokens", 10, "--out", tmp_path / "run", "--json")
     assert r.code == 0, r.err
     findings = json.loads(r.out)

@@ -42,12 +42,12 @@ def test_malformed_line_names_the_line(lpf_cli, tmp_path):
 ])
 def test_bad_items(lpf_cli, tmp_path, item, needle):
     p = write_prompts(tmp_path / "p.jsonl", [{"prompt": "fine"}, item])
-    _assert_clean_error(lpf_cli("run", "--model", "tiny:llama", "--workload", p, "--out", tmp_path / "o"), ":2:", needle)
+    _assert_clean_error(lpf_cli("run", "--engine", "hf", "--model", "tiny:llama", "--workload", p, "--out", tmp_path / "o"), ":2:", needle)
 
 
 def test_prompt_longer_than_context(lpf_cli, tmp_path):
     p = write_prompts(tmp_path / "p.jsonl", [{"prompt_token_ids": [5] * 5000}])
-    _assert_clean_error(lpf_cli("run", "--model", "tiny:llama", "--workload", p, "--out", tmp_path / "o"), "model context is 4096")
+    _assert_clean_error(lpf_cli("run", "--engine", "hf", "--model", "tiny:llama", "--workload", p, "--out", tmp_path / "o"), "model context is 4096")
 
 
 def test_unknown_engine_suggests(lpf_cli, tmp_path):
@@ -57,6 +57,11 @@ def test_unknown_engine_suggests(lpf_cli, tmp_path):
 def test_unknown_model_path(lpf_cli, tmp_path):
     _assert_clean_error(lpf_cli("audit", "--model", tmp_path / "missing", "--out", tmp_path / "o"), "config.json")
     _assert_clean_error(lpf_cli("audit", "--model", "zoo:hybird", "--out", tmp_path / "o"), "did you mean 'hybrid'")
+
+
+def test_builtin_refuses_an_architecture_it_does_not_run(lpf_cli, tmp_path):
+    _assert_clean_error(lpf_cli("run", "--model", "tiny:llama", "--out", tmp_path / "o"), "LlamaForCausalLM", "--engine hf")
+    assert not (tmp_path / "o").exists()
 
 
 def test_unknown_engine_option(lpf_cli, tmp_path):

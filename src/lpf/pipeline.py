@@ -63,6 +63,7 @@ def create_run(spec: RunSpec) -> RunDir:
     options = engine_cls.Options.parse(spec.engine_options)
     model = resolve_model(spec.model)
     cfg = model_config(model)
+    engine_cls.check_model(cfg)
     tokenizer = load_tokenizer(model)
     context = cfg.get("max_position_embeddings")
     prompts, source = load_prompts(spec.workload, tokenizer, cfg.get("vocab_size", len(tokenizer)), context)

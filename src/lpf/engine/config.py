@@ -11,6 +11,9 @@ from dataclasses import dataclass
 
 from lpf.errors import LpfError
 
+# What `lpf.engine.models` implements; kept here (no torch) so a run can be refused before it starts.
+SUPPORTED_ARCHITECTURES = ("GraniteMoeHybridForCausalLM", "JambaForCausalLM")
+
 
 @dataclass(frozen=True)
 class EngineConfig:

@@ -87,6 +87,11 @@ class Engine(ABC):
         self.sampling = sampling
         self.options = options
 
+    @classmethod
+    def check_model(cls, config: dict) -> None:
+        """Raise LpfError if this engine cannot run a model with this config.json (checked before a
+        run directory is created, so a refused run writes nothing)."""
+
     @abstractmethod
     def describe(self) -> dict:
         """{'name', 'version', 'options'} for the manifest. Never include secrets."""

@@ -43,6 +43,16 @@ class BuiltinEngine(Engine):
         self.engine = LLMEngine(model.path, EngineConfig(**cfg), FaultSet.parse(options.inject))
         self.eos_id = load_tokenizer(model).eos_token_id
 
+    @classmethod
+    def check_model(cls, config: dict) -> None:
+        from lpf.engine.config import SUPPORTED_ARCHITECTURES
+        from lpf.errors import LpfError
+
+        arch = (config.get("architectures") or ["?"])[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise LpfError(f"the built-in engine runs GraniteMoeHybrid and Jamba models; {arch} is not supported "
+                           f"(use --engine hf)")
+
     def describe(self) -> dict:
         return {"name": self.name, "version": lpf.__version__, "options": asdict(self.options),
                 "cache": self.engine.describe()}

@@ -16,12 +16,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from lpf.engine.config import SUPPORTED_ARCHITECTURES
 from lpf.engine.models.base import EngineModel
 from lpf.errors import LpfError
 
 __all__ = ["EngineModel", "load_model", "SUPPORTED_ARCHITECTURES"]
-
-SUPPORTED_ARCHITECTURES = ("GraniteMoeHybridForCausalLM", "JambaForCausalLM")
 
 
 def _model_class(arch: str):
