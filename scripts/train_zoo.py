@@ -10,7 +10,8 @@ Recipe (see DESIGN.md, training notes for the zoo): one token per task character
 (and the closing `</s>`) only, a curriculum (recall pairs 4->16, copy length 8->24, over the first 40% of the
 step budget or, with `--curriculum adaptive`, a level at a time as training accuracy allows), a training-only
 multi-query recall form, AdamW lr 2e-3 betas (0.9, 0.98) wd 0.01, warmup 150, cosine, clip 1.0, batches grouped
-by length. Per-model departures (DEFAULT_CURRICULUM, DEFAULT_LR): llama uses lr 7e-4 and the adaptive curriculum.
+by length. Per-model departures (DEFAULT_CURRICULUM, DEFAULT_LR): llama uses lr 7e-4 and the adaptive curriculum,
+jamba the adaptive curriculum.
 
 Final evaluation: 500 held-out oracle items (`zoo:oracle`, seed 0) decoded with HF `generate` at temperature 0
 (greedy), in groups of equal prompt length so no padding is involved; exact = the text before the first `</s>`
@@ -41,7 +42,7 @@ DEFAULT_STEPS = {"hybrid": 5000, "llama": 7000, "jamba": 4000}
 # "schedule": difficulty ramps with step / step budget (full from 40% on). "adaptive": difficulty goes up one
 # level (of 10) whenever recall and copy are both >= 80% exact (teacher-forced) over the last 50 training batches;
 # attention-only models sit on a plateau at chance when the easy phase passes by on a clock.
-DEFAULT_CURRICULUM = {"hybrid": "schedule", "llama": "adaptive", "jamba": "schedule"}
+DEFAULT_CURRICULUM = {"hybrid": "schedule", "llama": "adaptive", "jamba": "adaptive"}
 PROMOTE_WINDOW, PROMOTE_AT = 50, 0.8
 # Peak learning rate. The attention-only llama is unstable at 2e-3 (loss jumps, copy stays at 0% for 800 steps
 # at the easiest level) and learns at 7e-4.

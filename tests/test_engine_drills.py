@@ -163,3 +163,4 @@ def test_kv_double_free_shares_a_block(tmp_path):
 def test_unknown_fault_is_a_clean_error(tmp_path):
     proc = lpf_subprocess("run", "--engine", "builtin", "--inject", "stale-sate", "--out", tmp_path / "x")
     assert proc.returncode == 2 and "did you mean 'stale-state'" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "x").exists()

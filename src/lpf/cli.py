@@ -241,8 +241,8 @@ def zoo_list():
     from lpf.zoo import registry
 
     t = Table(title="models", title_justify="left")
-    for c in ("name", "architecture", "parameters", "size", "accuracy", "median p(answer)", "available"):
-        t.add_column(c)
+    for c in ("name", "architecture", "params", "size", "accuracy", "p(answer)", "ready"):
+        t.add_column(c, no_wrap=c in ("name", "architecture"))
     for m in registry.list_models():
         t.add_row(f"zoo:{m['name']}", m["architecture"], f"{m['parameters']:,}" if m["parameters"] else "-",
                   f"{m['size_bytes'] / 1e6:.1f} MB" if m["size_bytes"] else "-",

@@ -7,25 +7,27 @@ completions it hands the pipeline two side tables: the per-step `trace` and the 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Iterator
 
 import lpf
+from lpf.engine.config import EngineConfig
 from lpf.engines.base import Completion, Engine, Options
 from lpf.workload import EngineRequest
 
 
 @dataclass(frozen=True)
-class BuiltinOptions(Options):
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 256
-    block_size: int = 16
-    cache_mb: float = 64.0
-    enable_chunked_prefill: bool = True
-    dtype: str = "float32"
-    device: str = "cpu"
-    inject: str = ""
+class BuiltinOptions(EngineConfig, Options):
+    """The engine's own config (validated on parse, before a run starts) plus what the adapter adds."""
+
+    inject: str = ""  # comma-separated drills, e.g. "stale-state,offset-wrap:18"
     threads: int = 1  # torch intra-op threads while generating: small models are op-overhead bound
+
+    def __post_init__(self):
+        super().__post_init__()
+        from lpf.engine.faults import FaultSet
+
+        FaultSet.parse(self.inject)  # an unknown drill is refused before anything is written
 
 
 class BuiltinEngine(Engine):
@@ -34,12 +36,11 @@ class BuiltinEngine(Engine):
 
     def __init__(self, model, sampling, options: BuiltinOptions):
         super().__init__(model, sampling, options)
-        from lpf.engine.config import EngineConfig
         from lpf.engine.faults import FaultSet
         from lpf.engine.llm_engine import LLMEngine
         from lpf.models import load_tokenizer
 
-        cfg = {k: v for k, v in asdict(options).items() if k not in ("inject", "threads")}
+        cfg = {f.name: getattr(options, f.name) for f in fields(EngineConfig)}
         self.engine = LLMEngine(model.path, EngineConfig(**cfg), FaultSet.parse(options.inject))
         self.eos_id = load_tokenizer(model).eos_token_id
 

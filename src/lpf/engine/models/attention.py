@@ -40,6 +40,29 @@ class Rotary:
         return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
 
 
+def _length_groups(decodes: list, block_size: int, max_groups: int = 4) -> list[list]:
+    """Decodes sorted by context length, cut where padding to the group's longest would waste more
+    than the cost of one more attention call (at most `max_groups` groups)."""
+    if not decodes:
+        return []
+    ordered = sorted(decodes, key=lambda s: s.num_computed)
+    blocks = [s.num_computed // block_size + 1 for s in ordered]
+    groups, start = [], 0
+    for cut in range(1, max_groups):
+        # split the remaining run at the point that halves its padded block count the most
+        best, at = 0, None
+        for i in range(start + 1, len(ordered)):
+            saved = (i - start) * (blocks[-1] - blocks[i - 1])
+            if saved > best:
+                best, at = saved, i
+        if at is None or best < 8 * len(ordered):
+            break
+        groups.append(ordered[start:at])
+        start = at
+    groups.append(ordered[start:])
+    return groups
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -75,10 +98,11 @@ class PagedAttention(nn.Module):
         for s in ctx.non_decodes:
             out[s.start:s.end] = self._attend_one(ctx.kv_cache, s, q[s.start:s.end], k[s.start:s.end],
                                                   v[s.start:s.end])
-        decodes = ctx.decodes
-        if decodes:
-            idx = torch.tensor([s.start for s in decodes], dtype=torch.long, device=x.device)
-            out[idx] = self._attend_decodes(ctx.kv_cache, decodes, q[idx], k[idx], v[idx])
+        # Decodes in a few groups of similar length: one padded batch for all would gather every
+        # request's K/V up to the longest context, and that copy dominates a decode step.
+        for g, group in enumerate(_length_groups(ctx.decodes, ctx.kv_cache.block_size)):
+            idx = torch.tensor([s.start for s in group], dtype=torch.long, device=x.device)
+            out[idx] = self._attend_decodes(ctx.kv_cache, group, q[idx], k[idx], v[idx], g)
         return self.o_proj(out.view(T, -1))
 
     def _attend_one(self, cache, s, q, k, v) -> torch.Tensor:
@@ -105,7 +129,7 @@ class PagedAttention(nn.Module):
             bufs[key] = like.new_empty(0)
         return bufs[key]
 
-    def _attend_decodes(self, cache, decodes, q, k, v) -> torch.Tensor:
+    def _attend_decodes(self, cache, decodes, q, k, v, group: int = 0) -> torch.Tensor:
         """One padded attention call for all single-token requests. Rows follow KVCache's layout
         (position p of a request lives at row block_table[p // block_size] * block_size + p % block_size),
         gathered for all requests at once instead of one `read` each."""
@@ -124,7 +148,7 @@ class PagedAttention(nn.Module):
         K, V = (torch.index_select(c.view(-1, bs, *c.shape[1:]), 0, tables.flatten(),
                                    out=buf.resize_(tables.numel(), bs, *c.shape[1:]))
                 .view(len(decodes), n_blocks * bs, *c.shape[1:]).to(q.dtype).transpose(1, 2)
-                for c, buf in ((kc, self._scratch(0, kc)), (vc, self._scratch(1, vc))))
+                for c, buf in ((kc, self._scratch(2 * group, kc)), (vc, self._scratch(2 * group + 1, vc))))
         pos = torch.arange(n_blocks * bs, device=kc.device)
         mask = (pos[None, :] < lengths[:, None])[:, None, None, :]
         o = F.scaled_dot_product_attention(q[:, :, None, :], K, V, attn_mask=mask, scale=self.scale,
