@@ -80,6 +80,7 @@ def test_stress_items_vary_prompt_and_output_lengths():
     assert min(lens) < 150 and max(lens) > 1000
     for it in items:
         assert it["expected"] == _answer(it["prompt"])
+        assert it["max_tokens"] > len(it["expected"])  # room for the answer and </s>
 
 
 def test_filler_text_reads_like_prose():

@@ -236,21 +236,22 @@ def zoo():
 @zoo.command("list")
 def zoo_list():
     """Models (architecture, parameters, size, task accuracy) and workloads."""
+    from rich import box
     from rich.table import Table
 
     from lpf.zoo import registry
 
-    t = Table(title="models", title_justify="left")
+    t = Table(title="models", title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False, show_edge=False, collapse_padding=True)
     for c in ("name", "architecture", "params", "size", "accuracy", "p(answer)", "ready"):
-        t.add_column(c, no_wrap=c in ("name", "architecture"))
+        t.add_column(c, min_width=16 if c == "architecture" else None)
     for m in registry.list_models():
-        t.add_row(f"zoo:{m['name']}", m["architecture"], f"{m['parameters']:,}" if m["parameters"] else "-",
+        t.add_row(f"zoo:{m['name']}", m["architecture"].removesuffix("ForCausalLM"), f"{m['parameters']:,}" if m["parameters"] else "-",
                   f"{m['size_bytes'] / 1e6:.1f} MB" if m["size_bytes"] else "-",
                   f"{m['accuracy']:.1%}" if m["accuracy"] is not None else "-",
                   f"{m['median_answer_prob']:.3f}" if m["median_answer_prob"] is not None else "-",
                   "yes" if m["available"] else "no")
     out.print(t)
-    w = Table(title="workloads", title_justify="left")
+    w = Table(title="workloads", title_justify="left", box=box.SIMPLE_HEAD)
     for c in ("name", "requests", "description"):
         w.add_column(c)
     for wl in registry.list_workloads():

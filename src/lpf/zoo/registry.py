@@ -28,7 +28,7 @@ MODELS = {
 WORKLOADS = {
     "oracle": {"description": "held-out recall / copy / addition prompts with exact expected answers",
                "default_n": 500},
-    "stress": {"description": "filler prose (about 8..470 tokens) + a task, max_tokens 4..128: cache pressure",
+    "stress": {"description": "filler prose (8..~450 tokens) + a task, max_tokens 4..128: cache pressure",
                "default_n": 2000},
 }
 

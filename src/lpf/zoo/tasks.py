@@ -152,9 +152,11 @@ def oracle_items(n: int, seed: int = 0, tasks: Iterable[str] = TASKS) -> list[di
 
 def stress_items(n: int, seed: int = 0, *, filler_words: tuple[int, int] = (5, 260),
                  max_tokens: tuple[int, int] = (4, 128)) -> list[dict]:
-    """`n` items for cache pressure: filler prose (about 8..400 tokens), a newline, then an oracle task.
+    """`n` items for cache pressure: filler prose (about 8..450 tokens), a newline, then an oracle task.
 
-    Prompt lengths and `max_tokens` are drawn log-uniformly so that short and long requests mix.
+    Prompt lengths and `max_tokens` are drawn log-uniformly so that short and long requests mix;
+    `max_tokens` is never below len(expected) + 1, so a correct engine can always finish the answer and `</s>`
+    (the models stop there: longer outputs need the engine to ignore EOS).
     `expected` is the task's answer; the zoo models are trained on short filler prefixes only, so
     accuracy on long ones is not a target (the point is the engine's cache, checked against a reference).
     """
@@ -169,7 +171,7 @@ def stress_items(n: int, seed: int = 0, *, filler_words: tuple[int, int] = (5, 2
             "task": item["task"],
             "prompt": filler + "\n" + item["prompt"],
             "expected": item["expected"],
-            "max_tokens": _log_uniform(rng, *max_tokens),
+            "max_tokens": max(_log_uniform(rng, *max_tokens), len(item["expected"]) + 1),
         })
     return items
 
