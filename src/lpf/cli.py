@@ -172,7 +172,8 @@ def audit(reference, reference_dtype, token_budget, threshold, as_json, fail_on,
 
 @cli.command()
 @run_options
-@click.option("--resume", type=click.Path(path_type=Path), default=None, help="Finish an interrupted run.")
+@click.option("--resume", type=click.Path(path_type=Path), default=None,
+              help="Finish an interrupted run (its manifest supplies every other option).")
 def run(resume, **kw):
     """Run a workload on an engine and store every token and logprob (no rescoring)."""
     from lpf.pipeline import create_run

@@ -9,7 +9,7 @@ says where each request's tokens are and how the runner classified them.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 PHASES = ("prefill", "extend", "decode")
@@ -38,7 +38,6 @@ class ForwardContext:
     seqs: list[SeqMeta]
     kv_cache: Any  # lpf.engine.kv_cache.KVCache
     state_cache: Any  # lpf.engine.state_cache.StateCache
-    extras: dict = field(default_factory=dict)  # fault switches a layer may consult
 
     @property
     def decodes(self) -> list[SeqMeta]:

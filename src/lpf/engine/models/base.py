@@ -5,7 +5,7 @@ Contract (the runner relies on nothing else):
   batch (tokens of several requests, laid out as `ForwardContext.seqs` says). Must run inside
   `set_forward_context`; attention layers use the paged KV cache, Mamba layers the state-slot cache.
   `positions` feed RoPE only; where K/V and state go comes from each SeqMeta (`num_computed`, slot,
-  block table). Layers do not consult `ForwardContext.extras`.
+  block table).
 - `compute_logits(hidden [N, hidden]) -> [N, vocab]` float32 (float64 for a float64 model), with every
   post-op of the HF head.
 - `state_specs()`: per Mamba layer (ordinal order) its named state parts, for `StateCache`.
