@@ -1,6 +1,7 @@
 """Workloads: a JSONL prompts file or a bundled `zoo:NAME` generator, validated and tokenized.
 
-Each JSONL line is an object with `prompt` (text) or `prompt_token_ids`, optional `id`, `expected`
+Each JSONL line is an object with `prompt` (text, tokenized with the model tokenizer's special tokens,
+e.g. a leading BOS, as an engine would) or `prompt_token_ids` (used as given), optional `id`, `expected`
 (the known right answer) and `max_tokens`. Every problem is reported with its line number before any
 engine starts. `expand()` turns prompts into engine requests: `n` rollouts each, arrival index `seq`.
 """
@@ -86,7 +87,8 @@ def load_prompts(spec: str, tokenizer, vocab_size: int, max_context: int | None)
         if "prompt" in obj:
             if not isinstance(obj["prompt"], str):
                 raise LpfError(f"{at}: 'prompt' must be a string")
-            ids = tokenizer.encode(obj["prompt"], add_special_tokens=False)
+            # the tokenizer's own convention (BOS where it adds one), as vLLM does for text prompts
+            ids = tokenizer.encode(obj["prompt"])
         else:
             ids = obj["prompt_token_ids"]
             if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
