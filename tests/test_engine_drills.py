@@ -87,30 +87,55 @@ def test_trace_answers_what_happened_to_a_request(tmp_path):
     assert sum(1 for s in steps if s[1] == "decode") == n_out - 1
 
 
+def lying(findings_run):
+    """Requests whose verdict is anything but clean."""
+    return {r[0] for r in q(findings_run, "SELECT request_id FROM summary WHERE verdict <> 'clean'")}
+
+
 @pytest.fixture(scope="module")
 def stale_runs(tmp_path_factory):
+    """tiny:jamba, the seed's architecture (Mamba1 + attention + MoE), 2000 greedy requests, twice with
+    the fault and once without."""
     base = tmp_path_factory.mktemp("stale")
-    args = ["--workload", "zoo:oracle", "--n", 4, "--max-tokens", 16, *SMALL]
-    return (base, audit(base / "a", *args, "--inject", "stale-state"), audit(base / "b", *args, "--inject", "stale-state"),
-            audit(base / "off", *args))
+    args = ["--workload", "zoo:oracle", "--n", 4, "--max-tokens", 16, "--cache-mb", "1", "--max-num-batched-tokens", "64"]
+    return (base, *(audit(base / name, *args, *extra, model="tiny:jamba")
+                     for name, extra in (("a", ["--inject", "stale-state"]), ("b", ["--inject", "stale-state"]),
+                                         ("off", []))))
+
+
+def _check_imposters(run):
+    """Every ground-truth request's first step was a decode on a slot some earlier request had used."""
+    truth = ground_truth(run)
+    rows = q(run, """SELECT request_id, arg_min(phase, step), arg_min(num_computed_tokens, step),
+                            arg_min(state_slot, step), min(step)
+                     FROM trace WHERE NOT preempted AND request_id IN (SELECT request_id FROM faults) GROUP BY 1""")
+    assert {r[0] for r in rows} == truth
+    for rid, phase, computed, slot, first in rows:
+        assert phase == "decode" and computed == 0
+        assert q(run, f"SELECT count(*) FROM trace WHERE state_slot = {slot} AND step < {first}")[0][0] > 0
+    return truth
 
 
 def test_stale_state_imposters(stale_runs):
     base, a, b, off = stale_runs
     assert a["n_requests"] == 2000
-    truth = ground_truth(base / "a")
+    truth = _check_imposters(base / "a")
     assert 0 < len(truth) < 0.05 * a["n_requests"], "a small fraction of requests are imposters"
-    # every imposter's first step was a decode on a slot some earlier request had used
-    for rid, phase, computed, slot in q(base / "a", """
-            SELECT request_id, arg_min(phase, step), arg_min(num_computed_tokens, step), arg_min(state_slot, step)
-            FROM trace WHERE NOT preempted AND request_id IN (SELECT request_id FROM faults) GROUP BY 1"""):
-        assert phase == "decode" and computed == 0
-        assert q(base / "a", f"SELECT count(*) FROM trace WHERE state_slot = {slot} AND request_id <> '{rid}'")[0][0] > 0
-    # the lies come only from imposters, and some imposters do lie
-    assert flagged(a) and flagged(a) <= truth
+    # the lies come only from imposters, and imposters do lie
+    assert flagged(a) and flagged(a) <= truth and lying(base / "a") <= truth
     # the same requests on a rerun; none without the fault
     assert ground_truth(base / "b") == truth and flagged(b) == flagged(a)
     assert off["verdict"] == "clean" and not ground_truth(base / "off")
+
+
+def test_stale_state_on_the_trained_hybrid(tmp_path):
+    """zoo:hybrid carries its tasks through attention and every prompt starts with BOS: a stale state
+    read for the first token shifts logprobs (noise-level) without flipping answers. Still, only
+    imposters deviate from the reference at all."""
+    f = audit(tmp_path / "h", "--workload", "zoo:oracle", "--n", 4, "--max-tokens", 16, *SMALL, "--inject", "stale-state")
+    truth = _check_imposters(tmp_path / "h")
+    assert truth and lying(tmp_path / "h") and lying(tmp_path / "h") <= truth
+    assert f["counts"]["corrupt"] == 0
 
 
 def test_offset_wrap_only_past_the_wrap(tmp_path):
@@ -138,16 +163,18 @@ def test_swap_outputs_crossed_wires(tmp_path):
     assert truth and flagged(f) and flagged(f) <= truth
 
 
+# The zoo model answers with p ~ 1, where logit noise cannot move a logprob; past EOS (--ignore-eos)
+# its tokens are uncertain, which is where numeric drift shows.
 def test_batch_variant_is_noise_only(tmp_path):
-    f = audit(tmp_path / "v", "--workload", "zoo:oracle", "--max-tokens", 16, "--inject", "batch-variant")
+    f = audit(tmp_path / "v", "--workload", "zoo:oracle", "--max-tokens", 24, "--ignore-eos", "--inject", "batch-variant")
     assert f["counts"]["noise"] > 0 and f["counts"]["corrupt"] == 0
     assert f["metrics"]["abs_logprob_diff"]["p99"] < 0.1
 
 
 def test_processed_logprobs_are_caught(tmp_path):
-    f = audit(tmp_path / "p", "--workload", "zoo:oracle", "--max-tokens", 16, "--temperature", "0.6",
-              "--inject", "processed-logprobs")
-    clean = audit(tmp_path / "c", "--workload", "zoo:oracle", "--max-tokens", 16, "--temperature", "0.6")
+    args = ["--workload", "zoo:oracle", "--max-tokens", 24, "--ignore-eos", "--temperature", "0.6"]
+    f = audit(tmp_path / "p", *args, "--inject", "processed-logprobs")
+    clean = audit(tmp_path / "c", *args)
     assert clean["verdict"] == "clean"
     assert f["counts"]["clean"] < f["n_requests"] // 2
     assert f["metrics"]["abs_logprob_diff"]["max"] > 100 * clean["metrics"]["abs_logprob_diff"]["max"]

@@ -87,6 +87,8 @@ def load_prompts(spec: str, tokenizer, vocab_size: int, max_context: int | None)
         if "prompt" in obj:
             if not isinstance(obj["prompt"], str):
                 raise LpfError(f"{at}: 'prompt' must be a string")
+            if not obj["prompt"]:  # checked on the text: a BOS alone is still an empty prompt
+                raise LpfError(f"{at}: empty prompt")
             # the tokenizer's own convention (BOS where it adds one), as vLLM does for text prompts
             ids = tokenizer.encode(obj["prompt"])
         else:
