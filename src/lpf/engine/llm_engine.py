@@ -6,7 +6,7 @@ preemption) so `lpf query` can answer "what happened to request X at each step".
 
 from __future__ import annotations
 
-import json
+from math import prod
 from pathlib import Path
 
 import pyarrow as pa
@@ -26,8 +26,6 @@ TRACE_SCHEMA = pa.schema([
 
 class LLMEngine:
     def __init__(self, model_path: Path, config: EngineConfig, faults: FaultSet = FaultSet()):
-        import torch
-
         from lpf.engine.models import load_model
         from lpf.torch_utils import torch_dtype
 
@@ -35,11 +33,10 @@ class LLMEngine:
         self.faults = faults
         dtype = torch_dtype(config.dtype)
         self.model = load_model(model_path, dtype=dtype, device=config.device)
-        cfg = json.loads((Path(model_path) / "config.json").read_text())
-        self.max_context = cfg.get("max_position_embeddings")
+        self.max_context = getattr(self.model.config, "max_position_embeddings", None)
         n_attn, n_kv, head_dim = self.model.kv_spec()
-        elem = torch.tensor([], dtype=dtype).element_size()
-        slot_bytes = sum(_numel(shape) for parts in self.model.state_specs() for _, shape in parts) * elem
+        elem = dtype.itemsize
+        slot_bytes = sum(prod(shape) for parts in self.model.state_specs() for _, shape in parts) * elem
         block_bytes = n_attn * 2 * config.block_size * n_kv * head_dim * elem
         self.num_slots, self.num_blocks = config.cache_sizes(slot_bytes, block_bytes)
         self.truth = GroundTruth()
@@ -88,9 +85,3 @@ class LLMEngine:
         return {"num_state_slots": self.num_slots, "num_kv_blocks": self.num_blocks,
                 "state_slot_stride": self.runner.state_cache.slot_stride, "faults": self.faults.names()}
 
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

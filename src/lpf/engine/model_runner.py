@@ -38,7 +38,6 @@ class ModelRunner:
         n_attn, n_kv, head_dim = model.kv_spec()
         self.kv_cache = KVCache(max(n_attn, 1), num_blocks, block_size, n_kv, head_dim, dtype, device)
         self.state_cache = StateCache(model.state_specs(), num_slots, dtype, device, wrap_bits=faults.offset_wrap_bits)
-        self._ever_written: set[int] = set()  # slots holding some request's state
 
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> tuple[dict[str, str], dict[str, tuple]]:
@@ -55,7 +54,6 @@ class ModelRunner:
             ids.extend(s.token_ids)
             pos.extend(range(s.num_computed_tokens, s.num_computed_tokens + s.num_scheduled_tokens))
             start += s.num_scheduled_tokens
-            self._ever_written.add(s.state_slot)
         phases = {m.request_id: m.phase for m in seqs}
         if not seqs:
             return phases, {}
@@ -95,7 +93,7 @@ class ModelRunner:
 
     def _record_faults(self, so: SchedulerOutput, s: ScheduledRequest, phase: str) -> None:
         f, t, step = self.faults, self.truth, so.step
-        if f.stale_state and phase == "decode" and s.num_computed_tokens == 0 and s.state_slot in self._ever_written:
+        if f.stale_state and phase == "decode" and s.num_computed_tokens == 0 and s.slot_reused:
             t.record(s.request_id, step, "stale-state",
                      f"first step ran as decode on slot {s.state_slot}, which held an earlier request's state")
         if f.offset_wrap_bits is not None and phase in ("prefill", "extend") and self.state_cache.wraps(s.state_slot):

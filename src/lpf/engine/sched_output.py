@@ -20,6 +20,7 @@ class ScheduledRequest:
     state_slot: int
     block_table: list[int]
     slot_is_new: bool  # the slot was (re)allocated for this request since its last step
+    slot_reused: bool  # ...and an earlier request had left its state in it
     will_sample: bool  # these tokens reach the end of what is known: sample the next token
     output_position: int  # index of the output token a sample would produce
     sampling: SamplingParams

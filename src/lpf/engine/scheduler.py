@@ -103,6 +103,7 @@ class Scheduler:
             scheduled.append(ScheduledRequest(
                 request_id=req.request_id, token_ids=req.token_ids(start, start + n), num_computed_tokens=start,
                 state_slot=req.state_slot, block_table=list(req.block_table), slot_is_new=req.slot_is_new,
+                slot_reused=req.slot_is_new and req.state_slot in self.slots.ever_used,
                 will_sample=start + n == req.num_tokens, output_position=len(req.output_token_ids),
                 sampling=req.sampling, seed=req.seed))
             req.slot_is_new = False
