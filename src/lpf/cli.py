@@ -69,6 +69,11 @@ def run_options(f):
         click.option("--max-num-seqs", type=int, default=None, help="Engine knob (vLLM's name)."),
         click.option("--max-num-batched-tokens", type=int, default=None, help="Engine knob (vLLM's name)."),
         click.option("--enable-chunked-prefill/--no-enable-chunked-prefill", default=None, help="Engine knob (vLLM's name)."),
+        click.option("--base-url", default=None, help="openai/sglang engines: the server, e.g. http://127.0.0.1:8000/v1."),
+        click.option("--api-key-env", default=None, metavar="VAR",
+                     help="openai/sglang engines: environment variable holding the API key (never written anywhere)."),
+        click.option("--served-model", default=None,
+                     help="openai engine: the name the server serves, when --model is the local copy."),
         click.option("--part-size", type=int, default=64, show_default=True, hidden=True),
     ]
     for o in reversed(opts):
@@ -92,7 +97,7 @@ def _drills() -> list[str]:
 
 def _run_spec(engine, model, workload, out, n, temperature, top_p, top_k, max_tokens, seed, ignore_eos,
               logprobs, dtype, engine_option, part_size, inject, cache_mb, max_num_seqs, max_num_batched_tokens,
-              enable_chunked_prefill):
+              enable_chunked_prefill, base_url=None, api_key_env=None, served_model=None, reference=None):
     from lpf.models import DEFAULT_MODEL
     from lpf.pipeline import RunSpec
     from lpf.sampling import SamplingParams
@@ -106,8 +111,10 @@ def _run_spec(engine, model, workload, out, n, temperature, top_p, top_k, max_to
         options[key.strip()] = value.strip()
     knobs = {"dtype": dtype, "cache_mb": cache_mb, "max_num_seqs": max_num_seqs,
              "max_num_batched_tokens": max_num_batched_tokens, "enable_chunked_prefill": enable_chunked_prefill,
-             "inject": ",".join(inject) if inject else None}
+             "inject": ",".join(inject) if inject else None, "base_url": base_url, "api_key_env": api_key_env,
+             "served_model": served_model}
     options.update({k: v for k, v in knobs.items() if v is not None})
+    model = _engine_model_spec(engine, model, reference, options)
     if part_size < 1:
         raise LpfError("--part-size must be >= 1")
     sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
@@ -115,6 +122,14 @@ def _run_spec(engine, model, workload, out, n, temperature, top_p, top_k, max_to
     out = out or Path("runs") / time.strftime("run-%Y%m%d-%H%M%S")
     return RunSpec(engine=engine, model=model or DEFAULT_MODEL, workload=workload or DEFAULT_WORKLOAD,
                    out=out, n=n, sampling=sampling, engine_options=options, part_size=part_size)
+
+
+def _engine_model_spec(engine, model, reference, options):
+    """Engines behind a server name a model that is not a local path; they pick the local one."""
+    from lpf.engines import get_engine_class
+
+    hook = getattr(get_engine_class(engine), "resolve_model_spec", None)
+    return hook(model, reference, options) if hook else model
 
 
 def _execute(run) -> None:
@@ -131,6 +146,16 @@ def _rescore(run, reference, reference_dtype, token_budget, redo=False) -> None:
         rescore_run(run, reference, reference_dtype, token_budget, redo, on_start, tick)
 
 
+def _write_report(path) -> None:
+    """report.html next to findings.json; a report that cannot be drawn never costs the findings."""
+    from lpf.report import write_report
+
+    try:
+        err.print(f"report: {write_report(path)}", highlight=False)
+    except LpfError as e:
+        err.print(f"[yellow]report not written:[/] {e}", highlight=False, soft_wrap=True)
+
+
 def _analyze_and_report(run, threshold, as_json, fail_on) -> None:
     from lpf.analysis.thresholds import Thresholds
     from lpf.analysis.verdicts import SEVERITY
@@ -139,6 +164,7 @@ def _analyze_and_report(run, threshold, as_json, fail_on) -> None:
 
     findings = analyze_run(run, Thresholds().with_overrides(list(threshold)))
     print_summary(findings, run.path, err)
+    _write_report(run.path)
     if as_json:
         click.echo(json.dumps(findings, indent=2))
     if findings["n_requests"] == findings["errors"]:
@@ -163,7 +189,7 @@ def audit(reference, reference_dtype, token_budget, threshold, as_json, fail_on,
     """Run a workload on an engine, rescore it with the reference, analyze: all in one."""
     from lpf.pipeline import create_run
 
-    run = create_run(_run_spec(**kw))
+    run = create_run(_run_spec(reference=reference, **kw))
     err.print(f"run directory: {run.path}")
     _execute(run)
     _rescore(run, reference, reference_dtype, token_budget)
@@ -260,11 +286,30 @@ def zoo_list():
     out.print(w)
 
 
+from lpf.rl.cli import rl as _rl  # noqa: E402  (RL commands: lpf/rl/cli.py)
+
+cli.add_command(_rl)
+
+from lpf.serve.command import serve as _serve  # noqa: E402  (lpf serve: lpf/serve/command.py)
+
+cli.add_command(_serve)
+
+from lpf.report.command import report as _report  # noqa: E402  (lpf report: lpf/report/command.py)
+
+cli.add_command(_report)
+
+from lpf.experiments_cli import register as _register_experiments  # noqa: E402  (sweep, repeat, inspect)
+
+_register_experiments(cli)
+
+
 def main() -> None:
     try:
         cli.main(standalone_mode=False)
     except LpfError as e:
-        err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        from rich.markup import escape
+
+        err.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)  # [..] in a message is text
         sys.exit(2)
     except click.exceptions.Abort:
         err.print("aborted")

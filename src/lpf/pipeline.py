@@ -119,6 +119,7 @@ def execute_run(run: RunDir, on_start: Callable[[int, int], None] = lambda total
                 if len(buffer) >= m.get("part_size", 64) or time.monotonic() - last > 10:
                     _commit(run, engine, buffer, by_id, tokenizer)
                     buffer, last = [], time.monotonic()
+            m["engine"].update(engine.describe())  # what the run taught it (HTTP retries, token identity)
         finally:
             if buffer:  # what finished before an error or Ctrl-C is kept
                 _commit(run, engine, buffer, by_id, tokenizer)
@@ -195,8 +196,11 @@ def analyze_run(run: RunDir, thresholds: Thresholds) -> dict:
     requests = run.read("requests")
     if requests.num_rows == 0:
         raise LpfError(f"{run.path} has no completed requests to analyze")
+    trace = run.read("trace") if run.has("trace") else None  # engines without a trace: metadata only
+    temperature = m["sampling"].get("temperature", 0) or 0
     summary, findings = analyze(requests, run.read("tokens"), run.read("reference"), thresholds,
-                                greedy=m["sampling"].get("temperature", 0) == 0)
+                                greedy=temperature == 0, trace=trace, engine_info=m.get("engine"),
+                                temperature=temperature)
     findings = {"run_id": m.get("run_id"), "engine": m["engine"].get("name"), "model": m["model"].get("spec"),
                 "reference": (m.get("reference") or {}).get("spec"), **findings}
     findings["run_complete"] = m.get("status") == "complete"

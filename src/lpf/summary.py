@@ -26,9 +26,8 @@ def print_summary(findings: dict, run_path, console: Console) -> None:
     d = findings["metrics"].get("abs_logprob_diff", {})
     if d.get("max") is not None:
         console.print("|logprob diff|  " + "  ".join(f"{k} {d[k]:.3g}" for k in ("p50", "p90", "p99", "p99_9", "max")))
-    th = findings["thresholds"]
-    console.print(f"[dim]thresholds: clean <= {th['clean_abs_diff']:g}, divergent > {th['divergent_abs_diff']:g}, "
-                  f"corrupt: >= {th['gibberish_min_tokens']} confident-gibberish tokens[/]")
+    _print_thresholds(findings["thresholds"], console)
+    _print_shape(findings.get("shape"), console)
     flagged = findings.get("flagged") or []
     if flagged:
         t = Table(title=f"flagged requests (worst {min(10, len(flagged))} of {len(flagged)})", title_justify="left")
@@ -39,7 +38,44 @@ def print_summary(findings: dict, run_path, console: Console) -> None:
             t.add_row(f["request_id"], f"[{VERDICT_STYLE[f['verdict']]}]{f['verdict']}[/]",
                       str(f["first_divergence"]), "inf" if diff is None else f"{diff:.3g}")
         console.print(t)
+    _print_hypotheses(findings.get("hypotheses") or [], console)
     console.print(f"results: {run_path}/findings.json  (lpf query {run_path} \"SELECT ...\")")
+
+
+def _print_thresholds(th: dict, console: Console) -> None:
+    """The thresholds this run's verdicts used, and where they came from."""
+    source = th.get("source", "default")
+    floor = (th.get("noise_floor") or {}).get("token_abs_diff") or {}
+    origin = f"calibrated to this run's floor: token |diff| median {floor['median']:.2g}, MAD {floor['mad']:.2g}" \
+        if source == "calibrated" and floor else source
+    pinned = f", pinned: {', '.join(th['pinned'])}" if th.get("pinned") else ""
+    console.print(f"[dim]thresholds ({origin}{pinned}): clean <= {th['clean_abs_diff']:.3g}, "
+                  f"divergent > {th['divergent_abs_diff']:.3g}, tie margin {th.get('tie_margin', 0):.3g}, "
+                  f"corrupt: gibberish score >= {th.get('gibberish_min_score', 0):.2g} "
+                  f"with >= {th['gibberish_min_tokens']} lie tokens[/]")
+
+
+def _print_shape(shape: dict | None, console: Console) -> None:
+    if not shape or not shape.get("n_flagged"):
+        return
+    onset = shape.get("onset") or {}
+    fd = shape.get("first_divergence") or {}
+    per = shape.get("periodicity") or {}
+    parts = [f"rate {shape['rate']:.2%} ({shape['n_flagged']} flagged)",
+             f"onset request #{onset.get('seq')}" + (f", step {onset['step']}" if onset.get("step") is not None else "")]
+    if fd.get("median") is not None:
+        parts.append(f"first divergence median position {fd['median']:g} ({fd.get('at_zero_fraction', 0):.0%} at 0)")
+    if per.get("period") is not None:
+        parts.append(f"period {per['period']:g} {per.get('over', 'step')}s (confidence {per.get('confidence', 0):.2f})")
+    console.print("shape: " + " · ".join(parts))
+
+
+def _print_hypotheses(hyps: list, console: Console) -> None:
+    if not hyps:
+        return
+    console.print("[bold]likely mechanisms[/] (Fisher exact test, best first):")
+    for h in hyps[:3]:
+        console.print(f"  {h['rank']}. {h['sentence']} [dim](p={h['p_value']:.2g})[/]", highlight=False)
 
 
 def print_rows(columns: list[str], rows: list, console: Console, fmt: str = "table") -> None:

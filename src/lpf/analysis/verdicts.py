@@ -2,9 +2,17 @@
 
 `summarize_requests(metrics, requests, th)` returns one row per request of the run: token counts,
 max/mean |d|, sequence log-ratio, first_divergence (first output position with |d| above the
-divergence threshold or a greedy flip; null when none), flagged-token and gibberish counts, and the
-verdict. Requests the engine failed get verdict `error`; completed requests with outputs but no
-reference rows get `unscored`. Vectorised: one pass of numpy reductions over request segments.
+divergence threshold, a greedy flip or a lie token; null when none), flagged-token and gibberish
+(lie) token counts, the confident-gibberish score and the verdict. Requests the engine failed get
+verdict `error`; completed requests with outputs but no reference rows get `unscored`.
+
+The gibberish score is the mean lie strength (see `metrics`) of a request's informative tokens
+from its first divergence to its end (a token both sides give p >= settled is not informative):
+the fraction of them that are lies, partial lies counting partly. It is what separates a near-tie greedy flip (numeric noise:
+the flipped token is one the reference also found likely, and the teacher-forced continuation
+agrees with the reference again, so the score is ~0: `divergent`) from a corrupted state (the
+reference keeps disagreeing with a confident engine: score near 1: `corrupt`).
+Vectorised: one pass of numpy reductions over request segments.
 """
 
 from __future__ import annotations
@@ -17,31 +25,62 @@ from lpf.analysis.thresholds import Thresholds
 
 VERDICTS = ("clean", "noise", "divergent", "corrupt")  # in order of severity
 SEVERITY = {v: i for i, v in enumerate(VERDICTS)}
+_BIG = np.iinfo(np.int32).max
 
 
-def summarize_requests(metrics: pa.Table, requests: pa.Table, th: Thresholds) -> pa.Table:
+def by_arrival(requests: pa.Table) -> pa.Table:
+    """Requests in arrival (`seq`) order; no copy when they already are."""
+    seq = requests.column("seq").to_numpy()
+    return requests if seq.size < 2 or bool(np.all(seq[1:] >= seq[:-1])) else requests.sort_by("seq")
+
+
+def segment_starts(request_ids) -> np.ndarray:
+    """Row indices where a new request begins in a table grouped by request."""
+    n = len(request_ids)
+    if n == 0:
+        return np.zeros(0, dtype=np.int64)
+    ids = request_ids.combine_chunks() if isinstance(request_ids, pa.ChunkedArray) else request_ids
+    change = pc.not_equal(ids.slice(0, n - 1), ids.slice(1)).to_numpy(zero_copy_only=False)
+    return np.flatnonzero(np.r_[True, change])
+
+
+def per_request(metrics: pa.Table, th: Thresholds, starts: np.ndarray | None = None) -> tuple[pa.Array, dict]:
+    """(request ids in segment order, {column: per-segment numpy array})."""
     n = metrics.num_rows
-    rid = metrics.column("request_id").to_numpy(zero_copy_only=False) if n else np.array([], dtype=object)
-    # metrics is sorted by request: segment starts are where the id changes.
-    starts = np.flatnonzero(np.r_[True, rid[1:] != rid[:-1]]) if n else np.array([], dtype=np.int64)
-    seg_ids = rid[starts] if n else np.array([], dtype=object)
-    pos = metrics.column("position").to_numpy() if n else np.array([], dtype=np.int32)
-    ad = metrics.column("abs_logprob_diff").to_numpy() if n else np.array([])
-    eng = metrics.column("engine_logprob").to_numpy() if n else np.array([])
-    ref = metrics.column("ref_logprob").to_numpy() if n else np.array([])
-    flip = metrics.column("greedy_flip").to_numpy(zero_copy_only=False) if n else np.array([], bool)
-    gib = metrics.column("gibberish").to_numpy(zero_copy_only=False) if n else np.array([], bool)
+    starts = segment_starts(metrics.column("request_id")) if starts is None else starts
+    ids = metrics.column("request_id").take(pa.array(starts)) if n else pa.array([], pa.string())
+    pos = metrics.column("position").to_numpy()
+    ad = metrics.column("abs_logprob_diff").to_numpy()
+    eng = metrics.column("engine_logprob").to_numpy()
+    ref = metrics.column("ref_logprob").to_numpy()
+    flip = metrics.column("greedy_flip").to_numpy(zero_copy_only=False)
+    lie = metrics.column("gibberish").to_numpy(zero_copy_only=False)
+    strength = metrics.column("lie_strength").to_numpy() if "lie_strength" in metrics.column_names else lie * 1.0
     bad = ~np.isfinite(ad)  # a missing or NaN logprob is an error of the engine, never "clean"
     adf = np.where(bad, np.inf, ad)
-    flagged = (adf > th.divergent_abs_diff) | flip
+    flagged = (adf > th.divergent_abs_diff) | flip | lie
+    counts = np.diff(np.r_[starts, n]).astype(np.int64)
 
     def seg(op, values):
-        return op.reduceat(values, starts) if n else np.array([], dtype=values.dtype)
+        return op.reduceat(values, starts) if n else np.zeros(0, dtype=values.dtype)
 
-    counts = np.diff(np.r_[starts, n]) if n else np.array([], dtype=np.int64)
-    big = np.iinfo(np.int32).max
-    first = seg(np.minimum, np.where(flagged, pos, big))
-    by_id = {
+    first = seg(np.minimum, np.where(flagged, pos, _BIG))
+    # From the first divergence on, over the informative tokens: a token both sides are sure of
+    # (p >= settled) is dictated by its context (formatting, EOS after an answer, a copied
+    # character that attention supplies) and is evidence of nothing either way.
+    settled = (eng >= th.settled_logprob) & (ref >= th.settled_logprob)
+    after = (pos >= np.repeat(first, counts)) & ~settled
+    n_after = seg(np.add, after.astype(np.int64))
+    lies_after = seg(np.add, (lie & after).astype(np.int64))
+    score = np.where(n_after > 0, seg(np.add, np.where(after, strength, 0.0)) / np.maximum(n_after, 1), 0.0)
+    # a lone lie as the last informative token (an engine confidently ending a request) has nothing
+    # after it to confirm it, so it must be overwhelming: d at least twice gibberish_log_ratio
+    with np.errstate(invalid="ignore"):
+        strong = lie & (eng - ref >= 2 * th.gibberish_log_ratio)
+    last = seg(np.maximum, np.where(after, np.arange(n), -1)) if n else np.zeros(0, dtype=np.int64)
+    last_lies = (last >= 0) & strong[np.maximum(last, 0)] if n else np.zeros(0, dtype=bool)
+    sustained = (lies_after >= th.gibberish_min_tokens) | ((lies_after >= 1) & last_lies)
+    cols = {
         "n_scored_tokens": counts,
         "max_abs_logprob_diff": seg(np.maximum, adf),
         "mean_abs_logprob_diff": seg(np.add, np.where(bad, 0.0, ad)) / np.maximum(counts, 1),
@@ -49,45 +88,54 @@ def summarize_requests(metrics: pa.Table, requests: pa.Table, th: Thresholds) ->
         "first_divergence": first,
         "n_flagged_tokens": seg(np.add, flagged.astype(np.int64)),
         "n_greedy_flips": seg(np.add, flip.astype(np.int64)),
-        "gibberish_tokens": seg(np.add, gib.astype(np.int64)),
+        "gibberish_tokens": seg(np.add, lie.astype(np.int64)),
+        "gibberish_score": score,
     }
     verdict = np.full(len(starts), "clean", dtype=object)
-    verdict[by_id["max_abs_logprob_diff"] > th.clean_abs_diff] = "noise"
-    verdict[(by_id["max_abs_logprob_diff"] > th.divergent_abs_diff) | (by_id["n_greedy_flips"] > 0)] = "divergent"
-    verdict[by_id["gibberish_tokens"] >= th.gibberish_min_tokens] = "corrupt"
+    verdict[cols["max_abs_logprob_diff"] > th.clean_abs_diff] = "noise"
+    verdict[(first != _BIG)] = "divergent"
+    verdict[sustained & (score >= th.gibberish_min_score)] = "corrupt"
+    cols["verdict"] = verdict
+    return ids, cols
+
+
+def summarize_requests(metrics: pa.Table, requests: pa.Table, th: Thresholds,
+                       starts: np.ndarray | None = None) -> pa.Table:
+    seg_ids, by_id = per_request(metrics, th, starts)
 
     # Align to every request of the run, in arrival order.
-    req = requests.sort_by("seq")
-    req_ids = req.column("request_id").to_numpy(zero_copy_only=False)
-    index = {r: i for i, r in enumerate(seg_ids)}
-    at = np.array([index.get(r, -1) for r in req_ids], dtype=np.int64)
-    has = at >= 0
+    req = by_arrival(requests)
+    found = pc.index_in(req.column("request_id"), value_set=seg_ids)
+    has = found.is_valid().to_numpy(zero_copy_only=False)
+    at = found.fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)
 
     def take(values, fill):
-        out = np.full(len(req_ids), fill, dtype=np.asarray(values).dtype if len(values) else type(fill))
-        out[has] = np.asarray(values)[at[has]]
+        values = np.asarray(values)
+        out = np.full(len(at), fill, dtype=values.dtype if values.size else type(fill))
+        out[has] = values[at[has]]
         return out
 
     n_out = pc.list_value_length(req.column("output_token_ids")).to_numpy(zero_copy_only=False)
-    errors = req.column("error").to_numpy(zero_copy_only=False)
-    final = take(verdict, "clean").astype(object)
+    errors = req.column("error").is_valid().to_numpy(zero_copy_only=False)
+    final = take(by_id["verdict"], "clean").astype(object)
     final[~has & (n_out > 0)] = "unscored"
-    final[np.array([e is not None for e in errors], dtype=bool)] = "error"
-    first_col = take(first, big)
+    final[errors] = "error"
+    first_col = take(by_id["first_divergence"], _BIG)
     return pa.table({
         "request_id": req.column("request_id"),
         "seq": req.column("seq"),
         "prompt_id": req.column("prompt_id"),
         "rollout": req.column("rollout"),
         "n_output_tokens": pa.array(n_out.astype(np.int32)),
-        "n_scored_tokens": pa.array(take(counts, 0).astype(np.int32)),
+        "n_scored_tokens": pa.array(take(by_id["n_scored_tokens"], 0).astype(np.int32)),
         "max_abs_logprob_diff": pa.array(take(by_id["max_abs_logprob_diff"], 0.0)),
         "mean_abs_logprob_diff": pa.array(take(by_id["mean_abs_logprob_diff"], 0.0)),
         "seq_log_ratio": pa.array(take(by_id["seq_log_ratio"], 0.0)),
-        "first_divergence": pa.array(first_col.astype(np.int32), mask=first_col == big),
+        "first_divergence": pa.array(first_col.astype(np.int32), mask=first_col == _BIG),
         "n_flagged_tokens": pa.array(take(by_id["n_flagged_tokens"], 0).astype(np.int32)),
         "n_greedy_flips": pa.array(take(by_id["n_greedy_flips"], 0).astype(np.int32)),
         "gibberish_tokens": pa.array(take(by_id["gibberish_tokens"], 0).astype(np.int32)),
+        "gibberish_score": pa.array(take(by_id["gibberish_score"], 0.0).astype(np.float64)),
         "verdict": pa.array(final.tolist(), type=pa.string()),
         "error": req.column("error"),
         "oracle_ok": req.column("oracle_ok"),

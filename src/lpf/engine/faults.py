@@ -16,7 +16,11 @@ Each drill changes how the engine works, never its outputs directly:
   kv-double-free        a finished request's last KV block is freed twice, so two live requests can
                         later share it and overwrite each other's keys and values.
 Ground truth (which request, which step, what happened) is recorded per event and written to
-`faults/*.parquet`, which analysis never reads; only tests and drill scoring do.
+`faults/*.parquet`, which analysis never reads; only tests and drill scoring do. `role` says how
+the event reached the request: `corrupted` (its outputs were sampled from the faulty state or
+delivery), `discarded` (stale-state: preempted before sampling, recompute threw the state away),
+`wrapped` (offset-wrap: its prefill's state write landed elsewhere; `corrupted` follows when it
+then decodes), `overwritten` (offset-wrap: another request's wrapped write hit its slot).
 """
 
 from __future__ import annotations

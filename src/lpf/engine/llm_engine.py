@@ -53,6 +53,12 @@ class LLMEngine:
                 f"needs {len(req.prompt_token_ids) + req.max_tokens} tokens of KV cache; the cache holds "
                 f"{self.num_blocks * self.config.block_size} (raise --cache-mb)")
             return req
+        if not self.config.enable_chunked_prefill and len(req.prompt_token_ids) + req.max_tokens > self.config.max_num_batched_tokens:
+            # unchunked, a recompute after preemption needs prompt + outputs in one step: it would wait forever
+            req.finish_reason, req.error = "error", (
+                f"needs up to {len(req.prompt_token_ids) + req.max_tokens} tokens in one step without chunked "
+                f"prefill; max_num_batched_tokens is {self.config.max_num_batched_tokens}")
+            return req
         self.scheduler.add(req)
         return None
 

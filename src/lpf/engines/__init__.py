@@ -13,6 +13,9 @@ from lpf.errors import LpfError, did_you_mean
 REGISTRY: dict[str, str] = {
     "builtin": "lpf.engines.builtin:BuiltinEngine",
     "hf": "lpf.engines.hf:HFEngine",
+    "vllm": "lpf.engines.vllm:VLLMEngine",
+    "openai": "lpf.engines.openai:OpenAIEngine",
+    "sglang": "lpf.engines.sglang:SGLangEngine",
 }
 
 

@@ -1,0 +1,78 @@
+"""The run's own noise floor, and thresholds raised to it.
+
+Contract: `calibrate(abs_diff, starts, th) -> (Thresholds, noise_floor dict)`. `abs_diff` is the
+per-token |engine - reference| logprob of the scored tokens, grouped by request (`starts` are the
+row indices where each request begins). The floor is measured with robust statistics over
+tokens and requests: the median and MAD of the per-token |d| (the typical token's error; on at most
+SAMPLE evenly spaced tokens) and the
+median and high quantiles of each request's max |d|. Medians and MADs are what a handful of lying
+requests cannot move (breakdown point 50%: lying tokens are far fewer than half of all tokens even
+when many requests lie, since most of a lying request's tokens still agree), and capped thresholds
+keep a run where most requests lie from calibrating the lie away.
+
+With t = median + 3 MAD of the per-token |d| (the typical token's error, and then some):
+  clean_abs_diff      max(default, 10 t), at most CLEAN_CAP -- tokens an order of magnitude above
+                      the typical token's error are not rounding
+  divergent_abs_diff  max(default, 50 t), at most DIVERGENT_CAP
+  tie_margin          max(default, 10 t), at most TIE_CAP -- a greedy flip whose margin is within
+                      what this run's arithmetic moves a logprob by is a near tie
+Per-request max |d| is reported (median, q90, q99) but not used: when most requests lie (a wide
+offset wrap) its median is a lie too, while most tokens of most requests still agree.
+
+A float32-vs-float32 run keeps the defaults; a bfloat16 engine against a float32 reference gets
+thresholds above its own rounding. Thresholds the user pinned with `--threshold` are kept.
+Fewer than MIN_REQUESTS scored requests: defaults, `source: "default"`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from lpf.analysis.thresholds import Thresholds
+
+MIN_REQUESTS = 20
+SAMPLE = 1_000_000
+CLEAN_CAP = 0.1
+DIVERGENT_CAP = 2.0  # a 7x probability ratio on one token is never rounding
+TIE_CAP = 0.25
+
+
+def noise_floor(abs_diff: np.ndarray, starts: np.ndarray) -> dict:
+    n = abs_diff.size
+    if n == 0 or starts.size == 0:
+        return {"n_requests": 0, "n_tokens": 0}
+    finite = np.isfinite(abs_diff)
+    mx = np.maximum.reduceat(np.where(finite, abs_diff, -np.inf), starts)
+    mx = mx[np.isfinite(mx)]
+    # the token statistics on at most SAMPLE evenly spaced tokens: a median and a MAD do not need
+    # every token of a 20M-token run, and one fewer pass over them matters there
+    step = max(1, n // SAMPLE)
+    tok = abs_diff[::step][finite[::step]]
+    if tok.size == 0 or mx.size == 0:
+        return {"n_requests": int(mx.size), "n_tokens": int(tok.size)}
+    med = float(np.median(tok))
+    return {
+        "n_requests": int(mx.size),
+        "n_tokens": int(finite.sum()),
+        "token_abs_diff": {"median": med, "mad": float(1.4826 * np.median(np.abs(tok - med)))},
+        "request_max_abs_diff": {"median": float(np.median(mx)), "q90": float(np.quantile(mx, 0.9)),
+                                 "q99": float(np.quantile(mx, 0.99))} if mx.size else {},
+    }
+
+
+def calibrate(abs_diff: np.ndarray, starts: np.ndarray, th: Thresholds) -> tuple[Thresholds, dict]:
+    floor = noise_floor(abs_diff, starts)
+    if floor["n_requests"] < MIN_REQUESTS:
+        return th, {"source": "default", "noise_floor": floor}
+    default = Thresholds()
+    typical = floor["token_abs_diff"]
+    t = typical["median"] + 3 * typical["mad"]  # the typical token's error, and then some
+    proposed = {
+        "clean_abs_diff": min(CLEAN_CAP, max(default.clean_abs_diff, 10 * t)),
+        "divergent_abs_diff": min(DIVERGENT_CAP, max(default.divergent_abs_diff, 50 * t)),
+        "tie_margin": min(TIE_CAP, max(default.tie_margin, 10 * t)),
+    }
+    changes = {k: v for k, v in proposed.items() if k not in th.pinned}
+    return replace(th, **changes), {"source": "calibrated", "noise_floor": floor}

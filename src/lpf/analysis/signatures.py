@@ -1,0 +1,93 @@
+"""Token-level signatures of two mechanisms that leave no mark in the trace's features.
+
+Contract (pure; tables in, an Arrow array of request ids out):
+- `crossed_wires(tok, requests, trace)`: requests that, at some engine step, sampled a token the
+  reference did not expect, where another request sampled at the same step the token this one's
+  reference expected and this one's token was the one that request's reference expected: two
+  requests' samples delivered to each other. None without a trace (steps unknown).
+- `tempered_logprobs(tok, reference, temperature, th)`: requests whose reported logprobs fit the
+  reference's distribution at `temperature` (log-softmax of logits / T, normalised over the
+  reference's top-k plus the token) better than its raw logprobs on most of the tokens where the
+  two differ: post-processing logprobs reported as raw.
+`tok` is the per-token metrics table (`metrics.token_metrics`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from lpf.analysis.thresholds import Thresholds
+
+
+def sample_steps(trace: pa.Table, requests: pa.Table) -> pa.Table:
+    """(request_id, position, step): the engine step that sampled each output position."""
+    plen = pa.table({"request_id": requests.column("request_id"),
+                     "plen": pc.list_value_length(requests.column("prompt_token_ids")).cast(pa.int64())})
+    t = trace.filter(pc.invert(trace.column("preempted").fill_null(False)))
+    t = t.select(["request_id", "step", "num_computed_tokens", "num_scheduled_tokens"]).join(plen, "request_id")
+    pos = pc.subtract(pc.add(t.column("num_computed_tokens").cast(pa.int64()),
+                             t.column("num_scheduled_tokens").cast(pa.int64())), t.column("plen"))
+    t = pa.table({"request_id": t.column("request_id"), "position": pos.cast(pa.int32()), "step": t.column("step")})
+    t = t.filter(pc.greater_equal(t.column("position"), 0))
+    out = t.group_by(["request_id", "position"]).aggregate([("step", "min")])
+    return out.rename_columns(["request_id", "position", "step"])
+
+
+def crossed_wires(tok: pa.Table, requests: pa.Table, trace: pa.Table | None) -> pa.Array | None:
+    if trace is None or not trace.num_rows:
+        return None
+    miss = tok.filter(pc.not_equal(tok.column("token_id"), tok.column("ref_top1_id")))
+    miss = miss.select(["request_id", "position", "token_id", "ref_top1_id"])
+    if not miss.num_rows:
+        return pa.array([], pa.string())
+    miss = miss.join(sample_steps(trace, requests), ["request_id", "position"]).to_pydict()
+    by_step: dict[int, dict[tuple[int, int], list[str]]] = {}
+    for rid, t, top, step in zip(miss["request_id"], miss["token_id"], miss["ref_top1_id"], miss["step"]):
+        by_step.setdefault(step, {}).setdefault((t, top), []).append(rid)
+    hit = set()
+    for pairs in by_step.values():
+        for (t, top), rids in pairs.items():
+            partners = pairs.get((top, t), [])
+            for a in rids:
+                if any(b != a for b in partners):
+                    hit.add(a)
+    return pa.array(sorted(hit), pa.string())
+
+
+def _lse_over_lists(col, temperature: float) -> tuple[np.ndarray, np.ndarray]:
+    """(logsumexp of values / T, min value / T) per list; NaN for empty lists."""
+    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    offsets = arr.offsets.to_numpy().astype(np.int64)
+    o = offsets - offsets[0]
+    v = arr.values.to_numpy(zero_copy_only=False)[offsets[0]:offsets[-1]].astype(np.float64) / temperature
+    lse, mn = np.full(len(arr), np.nan), np.full(len(arr), np.nan)
+    ne = o[1:] > o[:-1]
+    if v.size:
+        st, lens = o[:-1][ne], (o[1:] - o[:-1])[ne]
+        mx = np.maximum.reduceat(v, st)
+        lse[ne] = mx + np.log(np.add.reduceat(np.exp(v - np.repeat(mx, lens)), st))
+        mn[ne] = np.minimum.reduceat(v, st)
+    return lse, mn
+
+
+def tempered_logprobs(tok: pa.Table, reference: pa.Table, temperature: float, th: Thresholds) -> pa.Array:
+    ref = reference.select(["request_id", "position", "ref_topk_logprobs"])
+    lse, mn = _lse_over_lists(ref.column("ref_topk_logprobs"), temperature)
+    ref = pa.table({"request_id": ref.column("request_id"), "position": ref.column("position"), "lse": lse, "mn": mn})
+    t = tok.select(["request_id", "position", "engine_logprob", "ref_logprob"]).join(ref, ["request_id", "position"])
+    eng = t.column("engine_logprob").to_numpy()
+    raw = t.column("ref_logprob").to_numpy()
+    lse, mn = t.column("lse").to_numpy(), t.column("mn").to_numpy()
+    outside = ~(raw / temperature >= mn - 1e-4)  # the top-k is float32: a little slack
+    z = np.where(outside, np.logaddexp(lse, raw / temperature), lse)  # the token itself, if outside the top-k
+    tempered = raw / temperature - z
+    with np.errstate(invalid="ignore"):
+        differ = np.abs(eng - raw) > th.clean_abs_diff
+        better = differ & (np.abs(eng - tempered) < 0.5 * np.abs(eng - raw))
+    g = pa.table({"request_id": t.column("request_id"), "differ": differ, "better": better})
+    agg = g.group_by("request_id").aggregate([("differ", "sum"), ("better", "sum")])
+    d, b = agg.column("differ_sum").to_numpy(), agg.column("better_sum").to_numpy()
+    keep = (d > 0) & (b >= 0.5 * d) & (b >= 1)
+    return agg.column("request_id").filter(pa.array(keep))

@@ -1,0 +1,262 @@
+"""The HTTP client shared by the `openai` and `sglang` adapters: asyncio + httpx, bounded everything.
+
+Contract:
+- `post_json(...)` sends one JSON request and returns the decoded JSON answer, or raises `RequestFailed`
+  with a one-line reason. It retries, at most `max_retries` times, on what can pass (429, 5xx,
+  timeouts, refused or broken connections), with exponential backoff and full jitter; a 429 or 503
+  with `Retry-After` waits at least that long. Other 4xx answers and answers that are not JSON are
+  not retried (they would come back the same). Every attempt is bounded by `timeout_s` from connect to
+  the last byte, and nothing is attempted or waited for past the run's overall deadline.
+- `run_all(items, handler, ...)` runs an async handler over items with a concurrency limit in a
+  background event loop and yields `(item, result)` pairs from the calling thread as each finishes,
+  so a synchronous `Engine.generate` can stream completions. A handler failure becomes that item's
+  error (via `on_error`), never a lost item; closing the iterator cancels what is still in flight.
+- `CircuitBreaker`: once the server has refused `threshold` connections in a row with no success in
+  between, the remaining requests fail at once ("server unreachable") instead of each retrying into
+  a dead port.
+The API key comes from an environment variable named by the user and lives only in request headers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import json
+import os
+import queue
+import random
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Iterable, Iterator
+
+from lpf.errors import LpfError
+
+
+class RequestFailed(Exception):
+    """One request could not be completed; the message is what the run records as its error."""
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    max_retries: int = 4
+    backoff_s: float = 0.5  # first backoff; doubles per retry, full jitter
+    backoff_max_s: float = 10.0
+    timeout_s: float = 60.0  # one attempt, connect to last byte
+    deadline_s: float = 3600.0  # the whole run
+
+    def __post_init__(self):
+        if self.max_retries < 0:
+            raise LpfError(f"max_retries must be >= 0, got {self.max_retries}")
+        for name in ("backoff_s", "backoff_max_s", "timeout_s", "deadline_s"):
+            if not getattr(self, name) > 0:
+                raise LpfError(f"{name} must be > 0, got {getattr(self, name)}")
+
+
+@dataclass
+class Stats:
+    """What the client did, for the manifest and the tests (attempts, retries, reasons)."""
+
+    attempts: int = 0
+    retries: int = 0
+    reasons: Counter = field(default_factory=Counter)
+
+    def to_dict(self) -> dict:
+        return {"attempts": self.attempts, "retries": self.retries, "retry_reasons": dict(self.reasons)}
+
+
+class CircuitBreaker:
+    def __init__(self, threshold: int):
+        self.threshold = max(1, threshold)
+        self.refused_in_a_row = 0
+        self.last = ""
+
+    @property
+    def open(self) -> bool:
+        return self.refused_in_a_row >= self.threshold
+
+    def refused(self, reason: str) -> None:
+        self.refused_in_a_row += 1
+        self.last = reason
+
+    def success(self) -> None:
+        self.refused_in_a_row = 0
+
+
+def api_key_from_env(env_name: str) -> str | None:
+    """The key held by the named environment variable (the name is recorded, the key never is)."""
+    if not env_name:
+        return None
+    key = os.environ.get(env_name)
+    if not key:
+        raise LpfError(f"--api-key-env {env_name}: that environment variable is not set or empty")
+    return key
+
+
+def make_client(concurrency: int, api_key: str | None):
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    # httpx's own timeouts are per phase; the per-attempt bound is enforced around each attempt.
+    return httpx.AsyncClient(headers=headers, timeout=None,
+                             limits=httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency))
+
+
+async def post_json(client, url: str, payload: dict, policy: RetryPolicy, deadline: float, stats: Stats,
+                    breaker: CircuitBreaker | None = None,
+                    tag: Callable[[dict, int], tuple[dict, dict]] | None = None) -> Any:
+    """`tag(payload, attempt)` -> (payload, headers) for that attempt (attempt 0 first), e.g. a request id."""
+    import httpx
+
+    attempt = 0
+    while True:
+        if breaker is not None and breaker.open:
+            raise RequestFailed(f"not sent: the server refused {breaker.refused_in_a_row} connections in a row "
+                                f"(last: {breaker.last})")
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise RequestFailed(f"overall deadline of {policy.deadline_s:g} s passed before this request finished")
+        retry_after = None
+        stats.attempts += 1
+        body, headers = tag(payload, attempt) if tag else (payload, {})
+        try:
+            resp = await asyncio.wait_for(client.post(url, json=body, headers=headers),
+                                          min(policy.timeout_s, remaining))
+        except asyncio.TimeoutError:  # (TimeoutError itself only from 3.11 on)
+            kind, reason = "timeout", f"no complete answer within {min(policy.timeout_s, remaining):.3g} s"
+        except httpx.ConnectError as e:
+            kind, reason = "refused", f"cannot connect to {url} ({_short(e) or 'connection refused'})"
+            if breaker is not None:
+                breaker.refused(reason)
+        except httpx.TransportError as e:
+            kind, reason = "broken", f"connection broken ({type(e).__name__}: {_short(e) or 'no detail'})"
+        else:
+            if breaker is not None:
+                breaker.success()
+            code = resp.status_code
+            if code == 429 or code >= 500:
+                kind, reason = f"HTTP {code}", f"HTTP {code}: {server_message(resp.content)}"
+                retry_after = parse_retry_after(resp.headers.get("retry-after"))
+            elif code >= 400:
+                raise RequestFailed(f"HTTP {code} from {url}: {server_message(resp.content)}")
+            else:
+                try:
+                    return json.loads(resp.content)
+                except ValueError as e:
+                    raise RequestFailed(f"answer is not valid JSON ({e}; starts {resp.content[:60]!r})") from None
+        stats.reasons[kind] += 1
+        if attempt >= policy.max_retries:
+            raise RequestFailed(f"gave up after {attempt + 1} attempts: {reason}")
+        delay = random.uniform(0, min(policy.backoff_max_s, policy.backoff_s * 2 ** attempt))
+        if retry_after is not None:
+            delay = max(delay, retry_after)
+        if time.monotonic() + delay >= deadline:
+            raise RequestFailed(f"overall deadline of {policy.deadline_s:g} s would pass before a retry: {reason}")
+        stats.retries += 1
+        attempt += 1
+        await asyncio.sleep(delay)
+
+
+def parse_retry_after(value: str | None) -> float | None:
+    """Retry-After in seconds (delta-seconds or an HTTP date), None when absent or unreadable."""
+    if not value:
+        return None
+    value = value.strip()
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - time.time())
+
+
+def server_message(body: bytes) -> str:
+    """The server's own error message when it sent one (OpenAI, FastAPI and SGLang shapes), else a snippet."""
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        obj = None
+    if isinstance(obj, dict):
+        err = obj.get("error")
+        if isinstance(err, dict) and err.get("message"):
+            return _one_line(str(err["message"]))
+        for key in ("message", "detail", "error"):
+            if obj.get(key):
+                return _one_line(str(obj[key]))
+    text = body[:200].decode("utf-8", errors="replace")
+    return _one_line(text) or "(empty body)"
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())[:300]
+
+
+def _short(e: BaseException) -> str:
+    return _one_line(str(e))
+
+
+def run_all(items: Iterable, handler: Callable[[Any, Any], Awaitable[Any]], *, concurrency: int,
+            client_factory: Callable[[], Any], on_error: Callable[[Any, str], Any],
+            join_timeout: float) -> Iterator[tuple[Any, Any]]:
+    """Yield (item, handler(client, item)) as each finishes; see the module docstring."""
+    items = list(items)
+    out: queue.Queue = queue.Queue()
+    done = object()
+    loop_box: dict = {}
+
+    async def one(sem, client, item):
+        async with sem:
+            try:
+                result = await handler(client, item)
+            except RequestFailed as e:
+                result = on_error(item, str(e))
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # a shape we did not foresee: this request's error, not a lost run
+                result = on_error(item, f"unexpected answer ({type(e).__name__}: {_short(e)})")
+        out.put((item, result))
+
+    async def main():
+        loop_box["task"] = asyncio.current_task()
+        sem = asyncio.Semaphore(max(1, concurrency))
+        async with client_factory() as client:
+            await asyncio.gather(*(one(sem, client, it) for it in items))
+
+    def thread_main():
+        try:
+            loop = asyncio.new_event_loop()
+            loop_box["loop"] = loop
+            loop.run_until_complete(main())
+        except asyncio.CancelledError:
+            pass
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer, re-raised there
+            out.put((done, e))
+            return
+        finally:
+            if "loop" in loop_box:
+                loop_box["loop"].close()
+        out.put((done, None))
+
+    t = threading.Thread(target=thread_main, name="lpf-http", daemon=True)
+    t.start()
+    finished = False
+    try:
+        while True:
+            item, result = out.get()
+            if item is done:
+                finished = True
+                if result is not None:
+                    raise result
+                return
+            yield item, result
+    finally:
+        if not finished and "loop" in loop_box and "task" in loop_box:
+            try:
+                loop_box["loop"].call_soon_threadsafe(loop_box["task"].cancel)
+            except RuntimeError:
+                pass  # the loop already ended
+        t.join(timeout=join_timeout)

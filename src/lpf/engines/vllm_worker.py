@@ -1,0 +1,153 @@
+"""The process the `vllm` adapter runs with vLLM's own interpreter (never imported by lpf itself).
+
+Usage: PYTHON vllm_worker.py CONFIG_JSON RESULT_FD. It needs only vLLM and the standard library.
+Protocol, JSON lines:
+- RESULT_FD (the only channel lpf reads; vLLM logs to stdout/stderr, which lpf sends to a log file):
+  {"type": "ready", "vllm_version", "logprobs_mode", "engine_args"} once the engine is up, then per
+  batch one {"type": "completion", request_id, output_token_ids, logprobs, topk_ids, topk_logprobs,
+  finish_reason, error, t_submit, t_first_token, t_finish} per request as it finishes and
+  {"type": "done"}; {"type": "fatal", "error"} if the engine cannot start or dies.
+- stdin: requests {"request_id", "prompt_token_ids", "max_tokens", "seed"}, a batch closed by
+  {"type": "end"}; EOF ends the process.
+The config holds `engine_args` (passed to vllm.LLM as given, `logprobs_mode` dropped where this vLLM
+lacks it) and the run's `sampling` (temperature, top_p, top_k, ignore_eos, logprobs). A request that
+vLLM refuses on submission (say, too long) comes back alone with its error.
+"""
+
+import json
+import os
+import sys
+import time
+import traceback
+
+# This file sits beside lpf's own `vllm.py` adapter: the script's directory must not shadow vLLM.
+_here = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _here]
+
+
+def emit(out, obj) -> None:
+    out.write(json.dumps(obj) + "\n")
+    out.flush()
+
+
+def make_llm(engine_args: dict):
+    import dataclasses
+
+    from vllm import LLM
+    from vllm.engine.arg_utils import EngineArgs
+
+    known = {f.name for f in dataclasses.fields(EngineArgs)}
+    args = dict(engine_args)
+    mode = args.pop("logprobs_mode", None)
+    if mode and "logprobs_mode" in known:
+        args["logprobs_mode"] = mode
+    else:
+        mode = None  # this vLLM has no such switch: what it reports is recorded as unknown
+    unknown = sorted(set(args) - known)
+    if unknown:
+        raise ValueError(f"this vLLM has no engine argument(s) {', '.join(unknown)}")
+    return LLM(**args), mode
+
+
+def sampling_params(sampling: dict, req: dict):
+    from vllm import SamplingParams
+
+    return SamplingParams(n=1, temperature=sampling["temperature"], top_p=sampling["top_p"],
+                          top_k=sampling["top_k"] or 0, seed=req["seed"], max_tokens=req["max_tokens"],
+                          ignore_eos=sampling["ignore_eos"], logprobs=sampling["logprobs"])
+
+
+def completion(req_id: str, output, t_submit: float, t_first: float | None, k: int) -> dict:
+    out = output.outputs[0]
+    ids = [int(t) for t in out.token_ids]
+    lps, topk_ids, topk_lps = [], [], []
+    per_pos = out.logprobs if out.logprobs is not None else []
+    if len(per_pos) != len(ids):
+        return {"type": "completion", "request_id": req_id, "output_token_ids": [], "logprobs": [],
+                "finish_reason": "error", "t_submit": t_submit, "t_finish": time.time(),
+                "error": f"vLLM returned {len(per_pos)} logprob positions for {len(ids)} tokens"}
+    for pos, tid in enumerate(ids):
+        entry = per_pos[pos]
+        items = sorted(((float(lp.logprob), int(t)) for t, lp in entry.items()), key=lambda p: -p[0])
+        sampled = entry[tid] if tid in entry else None
+        if sampled is None:
+            return {"type": "completion", "request_id": req_id, "output_token_ids": [], "logprobs": [],
+                    "finish_reason": "error", "t_submit": t_submit, "t_finish": time.time(),
+                    "error": f"vLLM gave no logprob for the sampled token at position {pos}"}
+        lps.append(float(sampled.logprob))
+        topk_ids.append([t for _, t in items[:k]])
+        topk_lps.append([v for v, _ in items[:k]])
+    finish = out.finish_reason if out.finish_reason in ("stop", "length") else (out.finish_reason or "length")
+    error = None if finish in ("stop", "length") else f"vLLM finished the request with reason {finish!r}"
+    return {"type": "completion", "request_id": req_id, "output_token_ids": ids if error is None else [],
+            "logprobs": lps if error is None else [], "topk_ids": topk_ids if error is None else [],
+            "topk_logprobs": topk_lps if error is None else [], "finish_reason": "error" if error else finish,
+            "error": error, "t_submit": t_submit, "t_first_token": t_first, "t_finish": time.time()}
+
+
+def run_batch(llm, sampling: dict, requests: list[dict], out) -> None:
+    from vllm.inputs import TokensPrompt
+
+    k = sampling["logprobs"]
+    ours: dict[str, str] = {}  # vLLM's request id -> ours
+    submitted: dict[str, float] = {}
+    first: dict[str, float] = {}
+    for req in requests:
+        t = time.time()
+        try:
+            vid = llm.llm_engine.add_request(req["request_id"], TokensPrompt(prompt_token_ids=req["prompt_token_ids"]),
+                                             sampling_params(sampling, req))
+        except Exception as e:  # noqa: BLE001 - vLLM refused this request alone
+            emit(out, {"type": "completion", "request_id": req["request_id"], "output_token_ids": [],
+                       "logprobs": [], "finish_reason": "error", "t_submit": t, "t_finish": time.time(),
+                       "error": f"vLLM refused the request: {type(e).__name__}: {' '.join(str(e).split())[:300]}"})
+            continue
+        # outputs carry the id we passed; some versions return an internal one with a suffix
+        for key in {req["request_id"], vid if isinstance(vid, str) else req["request_id"]}:
+            ours[key] = req["request_id"]
+            submitted[key] = t
+    engine = llm.llm_engine
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            vid = output.request_id
+            if vid not in first and output.outputs and len(output.outputs[0].token_ids):
+                first[vid] = time.time()
+            if output.finished and vid in ours:
+                emit(out, completion(ours[vid], output, submitted[vid], first.get(vid), k))
+            elif output.finished:
+                print(f"lpf worker: output for unknown request id {vid!r}", file=sys.stderr)
+
+
+def main() -> int:
+    config_path, fd = sys.argv[1], int(sys.argv[2])
+    out = os.fdopen(fd, "w", buffering=1)
+    config = json.loads(open(config_path).read())
+    try:
+        import vllm
+
+        llm, mode = make_llm(config["engine_args"])
+    except Exception as e:  # noqa: BLE001 - reported to lpf as one line, full trace in the log
+        traceback.print_exc()
+        emit(out, {"type": "fatal", "error": f"{type(e).__name__}: {' '.join(str(e).split())[:500]}"})
+        return 1
+    emit(out, {"type": "ready", "vllm_version": vllm.__version__, "logprobs_mode": mode,
+               "engine_args": config["engine_args"]})
+    batch: list[dict] = []
+    for line in sys.stdin:
+        msg = json.loads(line)
+        if msg.get("type") != "end":
+            batch.append(msg)
+            continue
+        try:
+            run_batch(llm, config["sampling"], batch, out)
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            emit(out, {"type": "fatal", "error": f"{type(e).__name__}: {' '.join(str(e).split())[:500]}"})
+            return 1
+        emit(out, {"type": "done"})
+        batch = []
+    return 0
+
+
+if __name__ == "__main__":  # vLLM may spawn processes that re-import this file: work only under the guard
+    sys.exit(main())

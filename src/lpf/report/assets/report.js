@@ -1,0 +1,448 @@
+/* lpf report page. Reads the JSON in #lpf-data and builds the DOM. Every string from the data (model
+   text, request ids, sentences) goes in through textContent or a text node: innerHTML is never used. */
+(function () {
+  "use strict";
+  var D = JSON.parse(document.getElementById("lpf-data").textContent);
+  var app = document.getElementById("app");
+  var TIP = document.getElementById("tip");
+  var VERDICTS = ["clean", "noise", "divergent", "corrupt"];
+  var COLORS = { clean: "#16a34a", noise: "#ca8a04", divergent: "#c026d3", corrupt: "#dc2626", error: "#6b7280", unscored: "#9ca3af" };
+  var SEVERITY = { clean: 0, noise: 1, divergent: 2, corrupt: 3 };
+
+  // -- tiny DOM helpers ------------------------------------------------------------------------------
+  function h(tag, cls, kids) {
+    var e = document.createElement(tag);
+    if (cls) e.className = cls;
+    add(e, kids);
+    return e;
+  }
+  function add(e, kids) {
+    if (kids === undefined || kids === null) return e;
+    if (!Array.isArray(kids)) kids = [kids];
+    kids.forEach(function (k) {
+      if (k === null || k === undefined || k === false) return;
+      e.appendChild(typeof k === "object" ? k : document.createTextNode(String(k)));
+    });
+    return e;
+  }
+  function txt(tag, cls, s) { var e = document.createElement(tag); if (cls) e.className = cls; e.textContent = s == null ? "" : String(s); return e; }
+  function isNum(x) { return typeof x === "number" && isFinite(x); }
+  function fmt(x, digits) {
+    if (x === null || x === undefined) return "–";
+    if (typeof x === "boolean") return x ? "yes" : "no";
+    if (typeof x !== "number") return String(x);
+    if (!isFinite(x)) return "inf";
+    if (x === 0) return "0";
+    if (Number.isInteger(x) && Math.abs(x) < 1e7) return x.toLocaleString("en-US");
+    var a = Math.abs(x);
+    if (a >= 1e5 || a < 1e-3) return x.toExponential(digits || 2);
+    return String(Number(x.toPrecision(digits || 3)));
+  }
+  function pct(a, b) { return b ? (100 * a / b) : 0; }
+  function fmtPct(a, b) { return b ? (pct(a, b) < 0.1 && a > 0 ? pct(a, b).toFixed(2) : pct(a, b).toFixed(1)) + "%" : "–"; }
+  function badge(v, small) { return txt("span", "badge v-" + (COLORS[v] ? v : "error") + (small ? " small" : ""), v || "?"); }
+  function kpi(k, v, d) { return h("div", "kpi", [txt("div", "k", k), txt("div", "v", v), d ? txt("div", "d", d) : null]); }
+  function kv(obj, keys) {
+    var box = h("div", "kv");
+    function put(prefix, o, ks) {
+      (ks || Object.keys(o || {})).forEach(function (k) {
+        var v = o[k], name = prefix + k;
+        if (v === undefined) return;
+        if (v !== null && typeof v === "object" && !Array.isArray(v) && prefix.split(".").length < 3) { put(name + ".", v); return; }
+        if (v !== null && typeof v === "object") v = JSON.stringify(v);
+        add(box, [txt("div", "k", name), txt("div", "v", fmt(v))]);
+      });
+    }
+    put("", obj, keys);
+    return box;
+  }
+  function table(cols, rows) {
+    var t = h("table", "t"), thead = h("thead"), tr = h("tr"), tb = h("tbody");
+    cols.forEach(function (c) { tr.appendChild(txt("th", null, c)); });
+    thead.appendChild(tr); t.appendChild(thead);
+    rows.forEach(function (r) {
+      var row = h("tr");
+      r.forEach(function (cell) {
+        if (cell && cell.nodeType) { var td = h("td"); td.appendChild(cell); row.appendChild(td); }
+        else { row.appendChild(txt("td", typeof cell === "number" ? "num" : null, fmt(cell))); }
+      });
+      tb.appendChild(row);
+    });
+    t.appendChild(tb);
+    return h("div", "scroll", t);
+  }
+
+  var sections = [];
+  function section(id, title, lede, short) {
+    var s = h("section", "card");
+    s.id = id;
+    add(s, [txt("h2", null, title), lede ? txt("p", "lede", lede) : null]);
+    sections.push({ id: id, title: short || title });
+    return s;
+  }
+  var plots = [];
+  function plot(fig, cls) {
+    var div = h("div", "plot" + (cls ? " " + cls : ""));
+    if (!fig || !fig.data || !fig.data.length) return txt("div", "empty", "nothing to plot");
+    plots.push([div, fig]);
+    return div;
+  }
+  function drawPlots() {
+    var config = { displaylogo: false, responsive: true, modeBarButtonsToRemove: ["lasso2d", "select2d"] };
+    plots.forEach(function (p) { Plotly.newPlot(p[0], p[1].data, p[1].layout, config); });
+  }
+
+  function hero(kicker, title, verdict, subParts, kpis, mix) {
+    var hdr = h("header", "hero"), w = h("div", "wrap");
+    var h1 = h("h1", null, [txt("span", null, title), verdict ? badge(verdict) : null]);
+    var sub = h("div", "sub");
+    subParts.forEach(function (p, i) {
+      if (i) sub.appendChild(document.createTextNode("  ·  "));
+      add(sub, [p[0] + " ", txt("b", null, p[1])]);
+    });
+    add(w, [txt("div", "kicker", kicker), h1, sub]);
+    if (kpis && kpis.length) add(w, h("div", "kpis", kpis));
+    if (mix) add(w, mix);
+    hdr.appendChild(w);
+    return hdr;
+  }
+  function mixbar(counts, extra) {
+    var total = 0, keys = VERDICTS.concat(extra || []);
+    keys.forEach(function (v) { total += counts[v] || 0; });
+    var bar = h("div", "mixbar"), leg = h("div", "mixlegend");
+    keys.forEach(function (v) {
+      var c = counts[v] || 0;
+      if (c) { var s = h("span"); s.style.width = pct(c, total) + "%"; s.style.background = COLORS[v]; s.title = v + ": " + c; bar.appendChild(s); }
+      if (c || VERDICTS.indexOf(v) >= 0) {
+        var i = h("i"); i.style.background = COLORS[v];
+        add(leg, h("span", null, [i, v + " " + fmt(c) + (total ? " (" + fmtPct(c, total) + ")" : "")]));
+      }
+    });
+    return h("div", null, [bar, leg]);
+  }
+  function nav() {
+    var n = h("nav", "toc"), w = h("div", "wrap");
+    sections.forEach(function (s) { var a = txt("a", null, s.title); a.href = "#" + s.id; w.appendChild(a); });
+    n.appendChild(w);
+    return n;
+  }
+  function footer() {
+    var m = D.meta || {};
+    return h("footer", "wrap", txt("div", null, "generated by lpf " + (m.lpf_version || "?") + " on " + (m.generated || "?") +
+      " · one offline file (plotly.js " + (m.plotly_version || "?") + " inside; nothing is fetched)"));
+  }
+
+  // -- hypotheses table (runs and RL) ------------------------------------------------------------------
+  function evidence(label, w, total, color) {
+    var bar = h("div", "bar"), fill = h("span");
+    fill.style.width = (total ? Math.max(pct(w, total), w ? 2 : 0) : 0) + "%";
+    fill.style.background = color;
+    bar.appendChild(fill);
+    return h("div", "ev", [txt("span", null, label), bar, txt("span", "num", (isNum(w) ? w : "?") + "/" + (isNum(total) ? total : "?"))]);
+  }
+  function hypotheses(list, empty) {
+    if (!list || !list.length) return txt("div", "empty", empty);
+    var rows = list.map(function (hy, i) {
+      var r = txt("span", "rank" + (i === 0 ? " top" : ""), hy.rank != null ? hy.rank : i + 1);
+      var ev = h("div", null, [evidence("flagged", hy.flagged_with, hy.flagged_total, COLORS.corrupt),
+                               evidence("clean", hy.clean_with, hy.clean_total, COLORS.clean)]);
+      var sentence = h("div", null, [txt("div", null, hy.sentence || ""), txt("div", "note mono", hy.feature || "")]);
+      return [r, sentence, ev, hy.p_value, hy.score];
+    });
+    return table(["#", "mechanism", "evidence", "p-value", "score"], rows);
+  }
+
+  // -- run page --------------------------------------------------------------------------------------
+  function runPage() {
+    var F = D.findings || {}, M = D.manifest || {}, C = F.counts || {}, S = F.shape || {}, TH = F.thresholds || {};
+    var ad = (F.metrics || {}).abs_logprob_diff || {};
+    var scoredReq = (F.n_requests || 0) - (F.errors || 0) - (F.unscored || 0);
+    var rate = isNum(S.rate) ? S.rate : (scoredReq ? D.n_flagged / scoredReq : null);
+    var o = F.oracle || {};
+    var eng = M.engine || {};
+    var kp = [
+      kpi("requests", fmt(F.n_requests), (F.errors ? F.errors + " errors · " : "") + (F.unscored ? F.unscored + " unscored" : "all scored")),
+      kpi("tokens", fmt(F.n_tokens), fmt(F.n_scored_tokens) + " scored"),
+      kpi("flagged", fmt(D.n_flagged), rate === null ? "" : (100 * rate).toFixed(rate < 0.001 && rate > 0 ? 3 : 1) + "% of scored requests"),
+      kpi("max |diff|", fmt(ad.max), "p99 " + fmt(ad.p99) + " · p50 " + fmt(ad.p50)),
+    ];
+    if (o.n) kp.push(kpi("oracle accuracy", (100 * o.accuracy).toFixed(1) + "%", o.correct + "/" + o.n + " exact answers"));
+    var extra = []; if (F.errors) extra.push("error"); if (F.unscored) extra.push("unscored");
+    var counts = Object.assign({}, C, { error: F.errors || 0, unscored: F.unscored || 0 });
+    app.appendChild(hero("logprob forensics · run " + (F.run_id || M.run_id || ""), "Audit report", F.verdict,
+      [["engine", (F.engine || eng.name || "?") + (eng.version ? " " + eng.version : "")], ["model", F.model || "?"],
+       ["reference", (F.reference || "?") + ((M.reference || {}).dtype ? " (" + M.reference.dtype + ")" : "")],
+       ["created", M.created || "?"]].concat(F.run_complete === false ? [["status", "INCOMPLETE run"]] : []),
+      kp, mixbar(counts, extra)));
+    var main = h("main", "wrap");
+
+    // at a glance
+    var g = section("glance", "At a glance", "The failure's shape: how often, from when, where in the output, how regular.", "Glance");
+    var top = (F.hypotheses || [])[0];
+    if (top && top.sentence) add(g, h("div", "lead", [txt("b", null, "Best explanation: "), top.sentence]));
+    else if (!D.n_flagged) add(g, h("div", "lead ok", "No request diverged from the reference beyond the thresholds."));
+    var facts = h("div", "facts");
+    function fact(k, v, s) { facts.appendChild(h("div", "fact", [txt("div", "k", k), txt("div", "v", v), s ? txt("div", "s", s) : null])); }
+    fact("rate", rate === null ? "–" : (100 * rate).toFixed(2) + "%", fmt(D.n_flagged) + " of " + fmt(scoredReq) + " scored requests flagged");
+    var on = S.onset || {};
+    if (on.seq != null || on.step != null) fact("onset", on.seq != null ? "arrival " + fmt(on.seq) : "step " + fmt(on.step),
+      "first flagged request" + (on.step != null ? ", engine step " + fmt(on.step) : ""));
+    var fd = S.first_divergence || {};
+    if (fd.median != null || fd.at_zero_fraction != null) fact("first divergence", "median position " + fmt(fd.median),
+      fd.at_zero_fraction != null ? (100 * fd.at_zero_fraction).toFixed(1) + "% diverge at position 0" : "");
+    var per = S.periodicity || {};
+    if (per.period != null) fact("periodicity", "every " + fmt(per.period) + " " + (per.over === "seq" ? "requests" : "steps"),
+      "confidence " + fmt(per.confidence));
+    else if (S.periodicity) fact("periodicity", "none found", "confidence " + fmt(per.confidence));
+    add(g, facts);
+    var cl = (S.clusters || []).filter(function (c) { return c && c.sentence; });
+    if (cl.length) add(g, h("ul", "sentences", cl.map(function (c) { return txt("li", null, c.sentence); })));
+    main.appendChild(g);
+
+    // distribution
+    var dist = section("distribution", "Token error distribution",
+      "|engine logprob − reference logprob| for every scored token, log scale; dashed lines are the verdict thresholds.", "Distribution");
+    add(dist, plot(D.charts.histogram));
+    var mrows = [];
+    Object.keys(F.metrics || {}).forEach(function (k) {
+      var v = F.metrics[k];
+      if (v && typeof v === "object") mrows.push([txt("span", "mono", k), v.p50, v.p90, v.p99, v.p99_9, v.max, v.mean]);
+    });
+    if (mrows.length) add(dist, table(["metric", "p50", "p90", "p99", "p99.9", "max", "mean"], mrows));
+    var fm = F.metrics || {};
+    if (fm.same_top1_pct != null || fm.greedy_flip_rate != null)
+      add(dist, txt("p", "note", "same top-1 as the reference: " + fmt(fm.same_top1_pct) + "% of tokens · greedy flip rate " + fmt(fm.greedy_flip_rate)));
+    main.appendChild(dist);
+
+    var sc = section("requests", "Requests in arrival order",
+      "Each request's largest |diff| against the order it reached the engine, coloured by verdict. Hover for the request id.", "Requests");
+    add(sc, plot(D.charts.scatter));
+    var nn = D.notes || {};
+    if (nn.scatter_shown < nn.n_requests) add(sc, txt("p", "note", "showing " + fmt(nn.scatter_shown) + " of " + fmt(nn.n_requests) +
+      " requests: every flagged one (the worst, when there are very many) and, per arrival-index bin, the largest |diff| of the rest."));
+    main.appendChild(sc);
+
+    var fdiv = section("position", "Where the lie starts",
+      "Output position of each flagged request's first divergent token. A pile at position 0 means the state was wrong before the first decode.", "Position");
+    add(fdiv, D.n_flagged ? plot(D.charts.first_divergence) : txt("div", "empty", "no flagged requests"));
+    main.appendChild(fdiv);
+
+    var st = section("steps", "Engine steps", "Batch composition per engine step (from the trace), and the flagged requests in each batch.", "Steps");
+    add(st, D.charts.steps ? plot(D.charts.steps) : txt("div", "empty", "this engine wrote no per-step trace"));
+    main.appendChild(st);
+
+    var hy = section("hypotheses", "Mechanisms", "Trace and metadata features tested for association with flagged requests, best first.", "Mechanisms");
+    add(hy, hypotheses(F.hypotheses, D.n_flagged ? "findings.json has no ranked hypotheses" : "nothing flagged, nothing to explain"));
+    main.appendChild(hy);
+
+    main.appendChild(drill(TH));
+
+    var th = section("thresholds", "Thresholds and run", "The values that decided each verdict, and how this run was made.", "Thresholds & run");
+    var thv = {}; Object.keys(TH).forEach(function (k) { if (k !== "source" && k !== "noise_floor") thv[k] = TH[k]; });
+    var thHead = h("div", null, [txt("b", null, "verdict thresholds "),
+      TH.source ? txt("span", "pill" + (TH.source === "default" ? " default" : ""), TH.source) : null]);
+    var blocks = [h("div", null, [thHead, kv(thv)])];
+    if (TH.noise_floor && typeof TH.noise_floor === "object") blocks.push(h("div", null, [txt("b", null, "noise floor"), kv(TH.noise_floor)]));
+    add(th, h("div", "grid2", blocks));
+    var cfg = h("div", "grid2", [
+      h("div", null, [txt("b", null, "engine " + (eng.name || "")), kv(eng.options || {})]),
+      h("div", null, [txt("b", null, "sampling"), kv(M.sampling || {}), txt("b", null, "workload"), kv(M.workload || {}),
+        txt("b", null, "model"), kv(M.model || {}), txt("b", null, "reference"), kv(M.reference || {})])]);
+    add(th, [h("hr"), cfg]);
+    main.appendChild(th);
+    app.appendChild(nav());
+    app.appendChild(main);
+    app.appendChild(footer());
+  }
+
+  // -- drill-down ------------------------------------------------------------------------------------
+  function drill(TH) {
+    var dd = D.drill || { requests: [], vocab: {} };
+    var s = section("worst", "Worst requests, token by token",
+      "The " + dd.requests.length + " worst requests. Tokens are coloured by |diff|; hover one for both sides' top-k.", "Worst requests");
+    if (dd.tokenizer_note) add(s, txt("p", "note warn", dd.tokenizer_note));
+    if (!dd.requests.length) { add(s, txt("div", "empty", "no scored requests")); return s; }
+    var clean = isNum(TH.clean_abs_diff) ? TH.clean_abs_diff : 1e-3, div = isNum(TH.divergent_abs_diff) ? TH.divergent_abs_diff : 0.5;
+    var mid = Math.sqrt(clean * div);
+    var conf = isNum(TH.confident_logprob) ? TH.confident_logprob : Math.log(0.5);
+    var improb = isNum(TH.improbable_logprob) ? TH.improbable_logprob : Math.log(0.05);
+    function level(d) { if (d === null) return "lx"; if (d <= clean) return "l0"; if (d <= mid) return "l1"; if (d <= div) return "l2"; if (d <= 5) return "l3"; return "l4"; }
+    var legend = h("div", "legend", [txt("span", null, "|diff|:"),
+      txt("span", "tok l0", "≤ " + fmt(clean)), txt("span", "tok l1", "≤ " + fmt(mid)), txt("span", "tok l2", "≤ " + fmt(div)),
+      txt("span", "tok l3", "≤ 5"), txt("span", "tok l4", "> 5"), txt("span", "tok lx", "no reference"),
+      txt("span", "tok first", "first divergence"), txt("span", "tok gib", "confident gibberish")]);
+    add(s, legend);
+    function tokText(id) {
+      var t = dd.vocab[String(id)];
+      if (t === undefined) return "#" + id;
+      if (t === "") return "∅";
+      return t.replace(/\n/g, "⏎").replace(/\t/g, "⇥");
+    }
+    dd.requests.forEach(function (r, idx) {
+      var det = h("details", "req");
+      if (idx < 3) det.open = true;
+      var sum = h("summary", null, [badge(r.verdict, true), txt("span", "rid", r.request_id),
+        txt("span", "meta", "arrival " + fmt(r.seq) + " · first divergence " + fmt(r.first_divergence) +
+          " · max |diff| " + fmt(r.max_abs_logprob_diff) + (r.gibberish_tokens ? " · " + r.gibberish_tokens + " gibberish token" + (r.gibberish_tokens === 1 ? "" : "s") : ""))]);
+      det.appendChild(sum);
+      var body = h("div", "reqbody");
+      var meta = { prompt_id: r.prompt_id, rollout: r.rollout, output_tokens: r.n_output_tokens, prompt_tokens: r.n_prompt_tokens,
+        finish_reason: r.finish_reason };
+      if (r.gibberish_score != null) meta.gibberish_score = r.gibberish_score;
+      if (r.oracle_expected != null) { meta.oracle_expected = r.oracle_expected; meta.oracle_ok = r.oracle_ok; }
+      var left = h("div", null, [txt("h4", null, "request"), kv(meta)]);
+      var right = h("div");
+      var tr = r.trace;
+      if (tr) {
+        var phases = Object.keys(tr.phases || {}).map(function (p) { return p + " ×" + tr.phases[p]; }).join(", ");
+        add(right, [txt("h4", null, "trace"), kv({ first_phase: tr.first_phase, steps: tr.first_step + " … " + tr.last_step,
+          phases: phases, state_slots: (tr.state_slots || []).join(", "), preemptions: tr.preemptions })]);
+        var tb = h("details", "tracebox", [txt("summary", null, "step by step (" + tr.n_rows + " rows" + (tr.rows.length < tr.n_rows ? ", first " + tr.rows.length + " shown" : "") + ")")]);
+        tb.appendChild(table(tr.columns, tr.rows));
+        right.appendChild(tb);
+      }
+      add(body, h("div", "grid2", [left, right]));
+      add(body, [txt("h4", null, "prompt (decoded)"), txt("pre", "text", r.prompt_text),
+                 txt("h4", null, "output text"), txt("pre", "text", r.output_text)]);
+      var shown = r.shown || [0, r.tokens.length];
+      add(body, txt("h4", null, "output tokens" + (shown[0] > 0 || shown[1] < r.n_output_tokens ?
+        " (positions " + shown[0] + "–" + (shown[1] - 1) + " of " + r.n_output_tokens + ")" : "")));
+      var strip = h("div", "strip");
+      r.tokens.forEach(function (t, i) {
+        var d = (t[2] === null || t[3] === null) ? null : Math.abs(t[2] - t[3]);
+        var cls = "tok " + level(d);
+        if (r.first_divergence !== null && t[0] === r.first_divergence) cls += " first";
+        if (t[2] !== null && t[3] !== null && t[2] >= conf && t[3] <= improb) cls += " gib";
+        var sp = txt("span", cls, tokText(t[1]));
+        sp.dataset.r = idx; sp.dataset.i = i;
+        strip.appendChild(sp);
+      });
+      strip.addEventListener("mouseover", function (ev) { var t = ev.target; if (t.classList.contains("tok")) showTip(t, ev); });
+      strip.addEventListener("mousemove", function (ev) { if (!TIP.hidden) place(ev); });
+      strip.addEventListener("mouseleave", function () { TIP.hidden = true; });
+      body.appendChild(strip);
+      det.appendChild(body);
+      s.appendChild(det);
+    });
+
+    function showTip(el, ev) {
+      var r = dd.requests[+el.dataset.r], t = r.tokens[+el.dataset.i];
+      while (TIP.firstChild) TIP.removeChild(TIP.firstChild);
+      var d = (t[2] === null || t[3] === null) ? null : Math.abs(t[2] - t[3]);
+      add(TIP, [txt("div", "h", "position " + t[0] + "  " + JSON.stringify(dd.vocab[String(t[1])] || "") + "  #" + t[1]),
+        txt("div", "row", "engine logprob " + fmt(t[2], 4) + "   reference " + fmt(t[3], 4) + "   |diff| " + fmt(d, 3) +
+          (t[4] != null ? "   ref rank " + t[4] : ""))]);
+      var n = Math.max(t[5].length, t[7].length);
+      if (n) {
+        var tab = h("table"), head = h("tr");
+        add(head, [txt("th", null, "engine top-k"), txt("th", null, ""), txt("th", null, "reference top-k"), txt("th", null, "")]);
+        tab.appendChild(head);
+        for (var k = 0; k < n; k++) {
+          var row = h("tr");
+          [[t[5], t[6]], [t[7], t[8]]].forEach(function (side) {
+            var id = side[0][k], lp = side[1][k];
+            var cell = txt("td", id === t[1] ? "chosen" : null, id === undefined ? "" : JSON.stringify(dd.vocab[String(id)] === undefined ? "#" + id : dd.vocab[String(id)]));
+            row.appendChild(cell);
+            row.appendChild(txt("td", "lp", lp === undefined ? "" : fmt(lp, 3) + (isNum(lp) ? "  " + (100 * Math.exp(lp)).toFixed(1) + "%" : "")));
+          });
+          tab.appendChild(row);
+        }
+        TIP.appendChild(tab);
+      } else {
+        TIP.appendChild(txt("div", "row", "no top-k recorded for this token"));
+      }
+      TIP.hidden = false;
+      place(ev);
+    }
+    function place(ev) {
+      var w = TIP.offsetWidth, hh = TIP.offsetHeight, x = ev.clientX + 14, y = ev.clientY + 16;
+      if (x + w > window.innerWidth - 8) x = Math.max(8, ev.clientX - w - 14);
+      if (y + hh > window.innerHeight - 8) y = Math.max(8, ev.clientY - hh - 16);
+      TIP.style.left = x + "px"; TIP.style.top = y + "px";
+    }
+    return s;
+  }
+
+  // -- sweep page ------------------------------------------------------------------------------------
+  function sweepPage() {
+    var cells = D.cells || [], knobs = D.knobs || [];
+    var worst = null, total = 0, flaggedCells = 0;
+    cells.forEach(function (c) {
+      if (c.verdict in SEVERITY && (worst === null || SEVERITY[c.verdict] > SEVERITY[worst])) worst = c.verdict;
+      total += c.n_requests || 0;
+      if (c.verdict === "divergent" || c.verdict === "corrupt") flaggedCells++;
+    });
+    app.appendChild(hero("logprob forensics · sweep", "Sweep report", worst,
+      [["knobs", knobs.map(function (k) { return k.name + " = " + (k.values || []).join(", "); }).join("; ") || "–"]],
+      [kpi("cells", fmt(cells.length)), kpi("requests", fmt(total), "over all cells"), kpi("flagged cells", fmt(flaggedCells), "divergent or corrupt")]));
+    var main = h("main", "wrap");
+    var mv = section("moves", "What moves the shape", "Which knob changes the failure's rate, onset, position or period.");
+    var moves = (D.moves || []).filter(function (m) { return m && m.sentence; });
+    if (moves.length) add(mv, h("ul", "sentences", moves.map(function (m) {
+      return h("li", null, [m.knob ? txt("span", "pill", m.knob + (m.metric ? " → " + m.metric : "")) : null, " ", m.sentence]);
+    })));
+    else add(mv, txt("div", "empty", "no knob moved the shape beyond noise"));
+    main.appendChild(mv);
+    if (D.mix) { var mx = section("mix", "Verdicts per cell"); add(mx, plot(D.mix)); main.appendChild(mx); }
+    var ch = section("metrics", "Shape metrics per cell", knobs.length > 1 ?
+      "Against " + knobs[0].name + "; one line per combination of the other knobs." : "One point per knob value.");
+    var grid = h("div", "grid2");
+    (D.charts || []).forEach(function (c) { add(grid, h("div", null, [txt("h3", null, c.title), plot(c.figure)])); });
+    add(ch, (D.charts || []).length ? grid : txt("div", "empty", "the cells carry no shape metrics"));
+    main.appendChild(ch);
+    var ct = section("cells", "Cells", "Each cell is an ordinary run directory with its own report.");
+    var rows = cells.map(function (c) {
+      var name = txt("span", "mono", c.name);
+      if (c.link) { var a = txt("a", "mono", c.name); a.href = c.link; name = a; }
+      var vals = Object.keys(c.values || {}).map(function (k) { return k + "=" + c.values[k]; }).join(", ");
+      var cn = c.counts || {};
+      return [name, vals, c.verdict ? badge(c.verdict, true) : "–", c.n_requests,
+        VERDICTS.map(function (v) { return cn[v] || 0; }).join(" / "), c.rate, c.onset_seq, c.onset_step,
+        c.first_divergence_median, c.period, c.max_abs_logprob_diff];
+    });
+    add(ct, cells.length ? table(["cell", "knobs", "verdict", "requests", "clean / noise / div / corrupt", "rate", "onset seq", "onset step",
+      "median first div", "period", "max |diff|"], rows) : txt("div", "empty", "no cells"));
+    main.appendChild(ct);
+    app.appendChild(nav()); app.appendChild(main); app.appendChild(footer());
+  }
+
+  // -- RL page ---------------------------------------------------------------------------------------
+  function rlPage() {
+    var F = D.findings || {};
+    var spikes = F.spikes || [], per = F.period || {};
+    app.appendChild(hero("logprob forensics · RL rollouts vs trainer", "RL report", spikes.length ? "divergent" : "clean",
+      [["steps", fmt(F.n_steps)], ["responses", fmt(F.n_responses)], ["tokens", fmt(F.n_tokens)]],
+      [kpi("spike steps", fmt(spikes.length), spikes.length ? "first at step " + fmt(spikes[0].step) : "none"),
+       kpi("period", per.period != null ? "every " + fmt(per.period) + " steps" : "none", "confidence " + fmt(per.confidence)),
+       kpi("bad rows", fmt((F.bad_rows || []).length), "rows of the dump that could not be used")]));
+    var main = h("main", "wrap");
+    var top = (F.hypotheses || [])[0];
+    var sr = section("series", "Per-step series", "One point per training step; red crosses mark spike steps.");
+    if (top && top.sentence) add(sr, h("div", "lead", [txt("b", null, "Best explanation: "), top.sentence]));
+    (D.charts || []).forEach(function (c) { add(sr, [txt("h3", null, c.title), plot(c.figure)]); });
+    if (!(D.charts || []).length) add(sr, txt("div", "empty", "rl_steps.parquet has no metric columns"));
+    main.appendChild(sr);
+    var sp = section("spikes", "Spikes", "Steps whose robust z-score crossed the noise floor, with the requests behind them.");
+    add(sp, spikes.length ? table(["step", "robust z", "requests", "positions"], spikes.map(function (s) {
+      var req = s.requests || [];
+      return [s.step, s.robust_z, txt("span", "mono", req.slice(0, 8).join(", ") + (req.length > 8 ? " … (" + req.length + ")" : "")),
+        txt("span", "mono", s.positions ? JSON.stringify(s.positions).slice(0, 160) : "")];
+    })) : txt("div", "empty", "no spikes"));
+    main.appendChild(sp);
+    var hy = section("hypotheses", "Mechanisms", "Features tested for association with spike steps, best first.");
+    add(hy, hypotheses(F.hypotheses, "rl_findings.json has no ranked hypotheses"));
+    main.appendChild(hy);
+    var nf = section("noise", "Noise floor and input", "What counted as normal, and the dump rows that were skipped.");
+    add(nf, kv(F.noise_floor || {}));
+    var bad = F.bad_rows || [];
+    if (bad.length) add(nf, [txt("h4", null, "bad rows"), table(["row", "reason"], bad.slice(0, 200).map(function (b) { return [b.row, b.reason]; }))]);
+    main.appendChild(nf);
+    app.appendChild(nav()); app.appendChild(main); app.appendChild(footer());
+  }
+
+  if (D.kind === "sweep") sweepPage();
+  else if (D.kind === "rl") rlPage();
+  else runPage();
+  drawPlots();
+  document.body.dataset.ready = "1";
+})();

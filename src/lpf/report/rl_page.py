@@ -1,0 +1,63 @@
+"""The report page of an RL directory (`lpf rl analyze DUMP --out DIR`): rl_findings.json and
+rl_steps.parquet into one JSON-ready dict.
+
+Per-step series (probability gap between rollout and trainer, KL and error metrics, the robust
+z-score that marks spikes, importance-sampling health) with spike steps marked; spikes, bad rows,
+hypotheses and the noise floor pass through for tables. Columns the writer did not produce are
+skipped, not invented.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from lpf.errors import LpfError
+from lpf.report import charts
+
+PANELS = [  # (title, columns, log y)
+    ("rollout vs trainer probability gap per step", ["rollout_probs_diff_max", "rollout_probs_diff_mean"], False),
+    ("robust z-score of the step (spikes marked)", ["robust_z"], False),
+    ("KL and logprob error per step", ["k3_kl", "train_rollout_logprob_abs_diff", "token_mult_prob_error"], True),
+    ("importance-sampling health", ["ess", "chi2_token"], False),
+    ("responses and tokens per step", ["n_responses", "n_tokens"], True),
+]
+
+
+def load(path: Path) -> dict:
+    try:
+        findings = json.loads((path / "rl_findings.json").read_text())
+    except json.JSONDecodeError as e:
+        raise LpfError(f"{path / 'rl_findings.json'}: unreadable JSON ({e.msg})") from None
+    try:
+        steps = pq.read_table(path / "rl_steps.parquet")
+    except Exception as e:  # pyarrow raises several types for a bad file; all mean the same to a user
+        raise LpfError(f"{path / 'rl_steps.parquet'}: unreadable ({str(e).splitlines()[0]})") from None
+    if "step" not in steps.column_names:
+        raise LpfError(f"{path / 'rl_steps.parquet'}: no step column")
+    steps = steps.sort_by("step")
+    x = steps.column("step").to_numpy(zero_copy_only=False)
+    spikes = (steps.column("spike").fill_null(False).to_numpy(zero_copy_only=False)
+              if "spike" in steps.column_names else None)
+    noise = findings.get("noise_floor") or {}
+    z_line = next((noise[k] for k in ("z_threshold", "spike_z", "threshold") if isinstance(noise.get(k), (int, float))), None)
+    panels = []
+    for title, cols, log_y in PANELS:
+        have = {c: _col(steps, c) for c in cols if c in steps.column_names}
+        if not have:
+            continue
+        band = None
+        if "rollout_probs_diff_mean" in have and "rollout_probs_diff_std" in steps.column_names:
+            band = (have["rollout_probs_diff_mean"], _col(steps, "rollout_probs_diff_std"))
+        marks = spikes if cols[0] != "n_responses" else None  # spikes mark metrics, not batch sizes
+        panels.append({"title": title, "figure": charts.rl_series(x, have, marks, log_y=log_y, band=band,
+                                                                  y_line=z_line if cols == ["robust_z"] else None)})
+    return {"kind": "rl", "findings": findings, "charts": panels,
+            "n_spike_steps": int(np.count_nonzero(spikes)) if spikes is not None else len(findings.get("spikes") or [])}
+
+
+def _col(t, name: str) -> np.ndarray:
+    return t.column(name).to_numpy(zero_copy_only=False).astype(float)

@@ -1,0 +1,2 @@
+"""RL rollout/trainer mismatch: dumps (`dump`), per-step metrics (`metrics`), spikes (`spikes`),
+hypotheses (`hypotheses`), findings (`analyze`), the simulated RL loop (`simulate`), CLI (`cli`)."""

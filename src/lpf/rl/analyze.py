@@ -1,0 +1,188 @@
+"""`lpf rl analyze`: a validated dump in, the per-step series and the RL findings out.
+
+`analyze(dump, ...)` is pure (arrays and tables in, a table and a dict out). `write_outputs` writes
+the RL directory of the contract: rl_steps.parquet (one row per step: n_responses, n_tokens, the
+STEP_METRICS, robust_z, spike) and rl_findings.json (kind "rl", counts, bad_rows, spikes with the
+implicated requests and their first off positions, period, hypotheses, noise_floor), then the HTML
+report when `lpf.report` is installed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from lpf.errors import LpfError
+from lpf.rl import hypotheses, spikes
+from lpf.rl.dump import Dump
+from lpf.rl.metrics import STEP_METRICS, first_over, grouped, response_max_abs, token_terms
+
+MAX_REQUESTS_LISTED = 200  # per spike; the counts stay exact
+
+
+def analyze(dump: Dump, metric: str = "k3_kl", z_threshold: float = spikes.Z_THRESHOLD,
+            min_scale: float = spikes.MIN_SCALE, abs_min: float = spikes.ABS_MIN) -> tuple[pa.Table, dict]:
+    if metric not in STEP_METRICS:
+        raise LpfError(f"unknown metric {metric!r}; choose from {', '.join(STEP_METRICS)}")
+    resp = dump.responses
+    resp_step = resp.column("step").to_numpy()
+    steps, resp_code = np.unique(resp_step, return_inverse=True)
+    tok_code = resp_code[dump.tok_resp]
+    terms = token_terms(dump.tok_rollout, dump.tok_trainer)
+    series = grouped(tok_code, steps.size, terms)
+    n_resp_step = np.bincount(resp_code, minlength=steps.size)
+
+    n = resp.num_rows
+    resp_max = response_max_abs(dump.tok_resp, terms["abs_d"], n)
+    # responses against the responses' own floor: when every step carries a few lying responses
+    # (many rollouts per step), no step stands out among steps, but those responses still do
+    rz, rfloor = spikes.robust_z(spikes.log_badness(metric, grouped(dump.tok_resp, n, terms)[metric]), min_scale)
+    outlier = (np.nan_to_num(rz, nan=-np.inf) >= z_threshold) & (resp_max > abs_min)
+    max_rz = np.full(steps.size, -np.inf)
+    np.maximum.at(max_rz, resp_code, np.nan_to_num(rz, nan=-np.inf))
+
+    z, floor = spikes.robust_z(spikes.log_badness(metric, series[metric]), min_scale)
+    step_max = np.zeros(steps.size)
+    np.maximum.at(step_max, tok_code, terms["abs_d"])
+    by_step = np.nan_to_num(z, nan=-np.inf) >= z_threshold
+    by_resp = np.bincount(resp_code, weights=outlier, minlength=steps.size) > 0
+    # a spike is an outlier (the step among steps, or a response of it among responses) AND material:
+    # some token off by more than rounding
+    spike = (by_step | by_resp) & (step_max > abs_min)
+
+    quiet = ~outlier[dump.tok_resp] & ~spike[tok_code]
+    thr = spikes.token_threshold(terms["abs_d"], quiet if quiet.any() else ~outlier[dump.tok_resp], abs_min)
+    off = terms["abs_d"] > thr
+    # a step that spiked as a whole (no single outlier response) implicates its responses with off tokens
+    implicated = outlier | ((resp_max > thr) & (spike & ~by_resp)[resp_code])
+    first = first_over(dump.tok_resp, dump.tok_pos, off, n)
+
+    ids = resp.column("request_id").to_pylist()
+    spike_list = []
+    for si in np.flatnonzero(spike):
+        members = np.flatnonzero((resp_code == si) & implicated)
+        pos = first[members]
+        counts = {str(p): int(c) for p, c in zip(*np.unique(pos, return_counts=True))}
+        spike_list.append({"step": int(steps[si]), "robust_z": float(z[si]), "max_response_z": float(max_rz[si]),
+                           "by": "step" if by_step[si] and not by_resp[si] else "responses" if not by_step[si] else "both",
+                           "value": float(series[metric][si]),
+                           "n_responses": int(n_resp_step[si]), "n_implicated": int(members.size),
+                           "requests": [ids[i] for i in members[:MAX_REQUESTS_LISTED]], "positions": counts})
+
+    step_table = pa.table({"step": pa.array(steps, pa.int64()), "n_responses": pa.array(n_resp_step, pa.int64()),
+                           "n_tokens": pa.array(series["n_tokens"], pa.int64()),
+                           **{k: pa.array(series[k], pa.float64()) for k in STEP_METRICS},
+                           "max_abs_logprob_diff": pa.array(step_max, pa.float64()),
+                           "max_response_z": pa.array(np.where(np.isfinite(max_rz), max_rz, np.nan), pa.float64()),
+                           "robust_z": pa.array(z, pa.float64()), "spike": pa.array(spike)})
+    stride = _stride(dump)
+    in_spikes = implicated & spike[resp_code]
+    span = int(steps.max() - steps.min())
+    empty = (np.setdiff1d(np.arange(int(steps.min()), int(steps.max()) + 1), steps)
+             if span <= spikes.MAX_GRID else np.array([], dtype=np.int64))
+    findings = {
+        "kind": "rl",
+        "source": dump.source,
+        "format": dump.fmt,
+        "metric": metric,
+        "verdict": "spikes" if spike.any() else "clean",
+        "n_steps": int(steps.size),
+        "n_responses": int(n),
+        "n_tokens": int(terms["d"].size),
+        "n_spikes": int(spike.sum()),
+        "first_spike_step": int(steps[spike][0]) if spike.any() else None,
+        "spike_steps": [int(s) for s in steps[spike]],
+        "empty_steps": [int(s) for s in empty[:1000]],
+        "n_empty_steps": int(empty.size) if span <= spikes.MAX_GRID else None,
+        "bad_rows": dump.bad_rows,
+        "spikes": spike_list,
+        "period": spikes.period(steps, spike, np.bincount(resp_code, weights=implicated, minlength=steps.size)),
+        "implicated": {"n": int(implicated.sum()), "in_spike_steps": int(in_spikes.sum()),
+                       "outside_spike_steps": int((implicated & ~spike[resp_code]).sum()),
+                       "first_divergence": _positions(first[implicated])},
+        "hypotheses": hypotheses.rank(resp, implicated, stride),
+        "noise_floor": {"metric": metric, "scale": "log10", "median": floor["median"], "mad": floor["mad"],
+                        "scale_used": floor["scale"], "min_scale": min_scale, "z_threshold": z_threshold,
+                        "median_value": None if floor["median"] is None else 10 ** floor["median"],
+                        "responses": {"median": rfloor["median"], "mad": rfloor["mad"], "scale_used": rfloor["scale"]},
+                        "token_abs_diff_threshold": thr, "token_abs_min": abs_min},
+        "metrics": {k: _stats(series[k]) for k in STEP_METRICS},
+        "simulation": dump.metadata or None,
+    }
+    findings["summary"] = _summary(findings)
+    return step_table, _finite(findings)
+
+
+def _stride(dump: Dump) -> int | None:
+    if "state_slot_stride" in dump.responses.column_names:
+        vals = pc.unique(dump.responses.column("state_slot_stride").drop_null()).to_pylist()
+        if len(vals) == 1 and isinstance(vals[0], (int, float)) and vals[0] > 0:
+            return int(vals[0])
+    return None
+
+
+def _positions(first: np.ndarray) -> dict:
+    if first.size == 0:
+        return {"positions": {}, "median": None}
+    p, c = np.unique(first, return_counts=True)
+    return {"positions": {str(int(a)): int(b) for a, b in zip(p, c)}, "median": float(np.median(first))}
+
+
+def _stats(v: np.ndarray) -> dict:
+    v = v[np.isfinite(v)]
+    if v.size == 0:
+        return {"median": None, "max": None}
+    return {"median": float(np.median(v)), "max": float(v.max())}
+
+
+def _summary(f: dict) -> str:
+    if not f["n_spikes"]:
+        return (f"no spike: all {f['n_steps']} steps within the noise floor of {f['metric']} "
+                f"(robust z < {f['noise_floor']['z_threshold']:g})")
+    shown = ", ".join(map(str, f["spike_steps"][:12])) + (", ..." if f["n_spikes"] > 12 else "")
+    s = f"{f['n_spikes']}/{f['n_steps']} steps spike in {f['metric']} (steps {shown})"
+    if f["n_spikes"] == f["n_steps"] > 1:
+        s += "; every step, from the first"
+    if f["period"]["period"] is not None:
+        s += f"; period {f['period']['period']:.3g} steps (confidence {f['period']['confidence']:.2f})"
+    s += f"; {f['implicated']['in_spike_steps']} responses implicated"
+    fd = f["implicated"]["first_divergence"]["median"]
+    if fd is not None:
+        s += f", median first off position {fd:g}"
+    return s
+
+
+def _finite(obj):
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def write_outputs(out: Path, step_table: pa.Table, findings: dict) -> tuple[Path | None, str | None]:
+    """Write the RL directory; returns (report path, None) or (None, why no report was written).
+    The findings are on disk before the report starts, so a failing report never loses them."""
+    out.mkdir(parents=True, exist_ok=True)
+    pq.write_table(step_table, out / "rl_steps.parquet")
+    tmp = out / "rl_findings.json.tmp"
+    tmp.write_text(json.dumps(findings, indent=2))
+    tmp.replace(out / "rl_findings.json")
+    try:
+        from lpf.report import write_report
+    except ImportError:  # the report package is optional here
+        return None, "lpf.report is not installed"
+    try:
+        return write_report(out), None
+    except LpfError as e:
+        return None, str(e)
+    except Exception as e:  # a report bug must not turn an analysed dump into a failed command
+        return None, f"{type(e).__name__}: {e}"

@@ -1,0 +1,252 @@
+"""report.html in a real headless Chromium: a real audit's report renders (every chart drawn as SVG),
+the console stays free of errors, a `<script>` inside model output shows as text and never runs,
+and sweep and RL directories render too.
+
+The run is real: `lpf run` on the built-in engine with the swap-outputs drill, then one request's
+output is replaced by the tokens of `<script>window.__pwned=1</script>` in its requests and tokens
+parts (as an engine that emitted that text would have written them), then the real `lpf rescore`
+and `lpf analyze`, which writes the report. The sweep and RL directories are synthetic but follow
+the shared contracts (their writers are built alongside). Chromium comes from `make test`
+(Debian's chromium + chromium-driver).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import tempfile
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import lpf_subprocess, write_prompts
+from lpf.report.html import script_json
+from lpf.run import schema
+
+XSS = "<script>window.__pwned=1</script>"
+XSS_ID = "xss-r0"
+
+
+# -- the browser ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def browser():
+    chromium, driver_path = shutil.which("chromium"), shutil.which("chromedriver")
+    if not (chromium and driver_path):
+        pytest.fail("headless Chromium is missing: `make test` installs it (apt-get install chromium chromium-driver)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    profile = tempfile.mkdtemp(prefix="lpf-chromium-")
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = chromium
+    for arg in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--no-first-run",
+                f"--user-data-dir={profile}", "--window-size=1280,900"):
+        opts.add_argument(arg)
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(service=Service(driver_path), options=opts)
+    yield driver
+    driver.quit()
+    shutil.rmtree(profile, ignore_errors=True)
+
+
+def open_page(driver, path):
+    """Load a report, wait until its script has drawn every section, return the console entries."""
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    driver.get_log("browser")  # drop what earlier pages logged
+    driver.get(path.resolve().as_uri())
+    WebDriverWait(driver, 30).until(lambda d: d.execute_script("return document.body.dataset.ready === '1'"))
+    return driver.get_log("browser")
+
+
+def severe(log):
+    return [e for e in log if e.get("level") == "SEVERE"]
+
+
+def plots_drawn(driver) -> tuple[int, int]:
+    return tuple(driver.execute_script(
+        "const p = [...document.querySelectorAll('.plot')];"
+        "return [p.length, p.filter(d => d.querySelector('svg.main-svg g.trace')).length];"))
+
+
+# -- a real run with a <script> in its output ----------------------------------------------------
+def _replace_output(run, request_id: str, text: str) -> list[int]:
+    """Rewrite one request's output as the tokens of `text`, in its requests part and its tokens
+    part (written as a pair, same part name), the way an engine that produced it would have."""
+    from lpf.models import load_tokenizer, resolve_model
+
+    tok = load_tokenizer(resolve_model("zoo:hybrid"))
+    ids = tok.encode(text, add_special_tokens=False)
+    assert tok.decode(ids) == text
+    for part in sorted((run / "requests").glob("part-*.parquet")):
+        rows = pq.read_table(part).to_pylist()
+        if not any(r["request_id"] == request_id for r in rows):
+            continue
+        for r in rows:
+            if r["request_id"] == request_id:
+                r.update(output_token_ids=ids, output_text=text, finish_reason="stop")
+        toks = [t for t in pq.read_table(run / "tokens" / part.name).to_pylist() if t["request_id"] != request_id]
+        toks += [{"request_id": request_id, "position": i, "token_id": t, "engine_logprob": -0.01,
+                  "engine_topk_ids": [t], "engine_topk_logprobs": [-0.01]} for i, t in enumerate(ids)]
+        pq.write_table(pa.Table.from_pylist(toks, schema=schema.TOKENS), run / "tokens" / part.name)
+        pq.write_table(pa.Table.from_pylist(rows, schema=schema.REQUESTS), part)
+        return ids
+    raise AssertionError(f"{request_id} is in no requests part")
+
+
+@pytest.fixture(scope="module")
+def xss_run(tmp_path_factory):
+    from lpf.zoo import registry
+
+    base = tmp_path_factory.mktemp("report")
+    items = [{"id": i["id"], "prompt": i["prompt"]} for i in registry.workload_items("oracle", seed=11, n=160)]
+    items.insert(40, {"id": "xss", "prompt": XSS})
+    workload = write_prompts(base / "w.jsonl", items)
+    run = base / "run"
+    proc = lpf_subprocess("run", "--engine", "builtin", "--model", "zoo:hybrid", "--workload", workload,
+                          "--max-tokens", 8, "--inject", "swap-outputs:3", "--out", run)
+    assert proc.returncode == 0, proc.stderr
+    _replace_output(run, XSS_ID, XSS)
+    proc = lpf_subprocess("rescore", run)
+    assert proc.returncode == 0, proc.stderr
+    proc = lpf_subprocess("analyze", run, "--fail-on", "never", "--json")
+    assert proc.returncode == 0, proc.stderr
+    return run, json.loads(proc.stdout), proc.stderr
+
+
+def test_analyze_writes_a_self_contained_report(xss_run):
+    run, findings, stderr = xss_run
+    assert f"report: {run / 'report.html'}" in stderr.replace("\n", "")
+    page = (run / "report.html").read_text()
+    assert len(page) < 8_000_000
+    # offline: no external script, stylesheet or frame; plotly.js is inline
+    assert not re.search(r"<(script|link|iframe|img)[^>]+(src|href)=", page, re.I)
+    assert "plotly.js v" in page
+    # the model text only ever appears escaped inside the data block
+    assert page.count(XSS) == 0 and "\\u003cscript\\u003ewindow.__pwned=1\\u003c/script\\u003e" in page
+    assert findings["counts"]["divergent"] + findings["counts"]["corrupt"] > 0
+    assert XSS_ID in {f["request_id"] for f in findings["flagged"]}
+
+
+def test_run_report_renders_and_model_script_stays_text(xss_run, browser):
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+
+    run, findings, _ = xss_run
+    log = open_page(browser, run / "report.html")
+    assert severe(log) == [], log
+    n, drawn = plots_drawn(browser)
+    assert n == 4 and drawn == n  # histogram, per-request scatter, first-divergence, engine steps
+    assert browser.execute_script("return typeof window.__pwned") == "undefined"
+    assert browser.execute_script("return document.scripts.length") == 3  # plotly, data, page: nothing injected
+    badge = browser.find_element(By.CSS_SELECTOR, "header.hero .badge")
+    assert badge.text.lower() == findings["verdict"]
+
+    # the drill-down shows the request: its output text, and its token strip spells the same text
+    card = next(d for d in browser.find_elements(By.CSS_SELECTOR, "details.req")
+                if d.find_element(By.CSS_SELECTOR, ".rid").text == XSS_ID)
+    browser.execute_script("arguments[0].open = true; arguments[0].scrollIntoView({block: 'center', behavior: 'instant'})", card)
+    texts = [p.text for p in card.find_elements(By.CSS_SELECTOR, "pre.text")]
+    assert XSS in texts  # the output text, shown as text
+    assert any(XSS in t for t in texts[:1])  # and the prompt it was given
+    strip = card.find_element(By.CSS_SELECTOR, ".strip")
+    assert browser.execute_script("return arguments[0].textContent", strip) == XSS
+
+    # hover a token: the tooltip shows both sides' top-k, decoded
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    token = strip.find_elements(By.CSS_SELECTOR, ".tok")[1]
+    browser.execute_script("arguments[0].scrollIntoView({block: 'center', behavior: 'instant'})", token)
+    ActionChains(browser).move_to_element(token).perform()
+    tip = browser.find_element(By.ID, "tip")
+    WebDriverWait(browser, 5).until(lambda d: tip.is_displayed())
+    assert "engine top-k" in tip.text and "reference top-k" in tip.text and '"s"' in tip.text
+    assert browser.execute_script("return typeof window.__pwned") == "undefined"
+    assert severe(browser.get_log("browser")) == []
+
+
+def test_report_command_and_bad_directories(xss_run, tmp_path):
+    run, _, _ = xss_run
+    (run / "report.html").unlink()
+    proc = lpf_subprocess("report", run)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == str(run / "report.html") and (run / "report.html").is_file()
+    for bad, message in ((tmp_path / "nope", "not a directory"), (tmp_path, "not a run, sweep or RL directory")):
+        proc = lpf_subprocess("report", bad)
+        assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_script_json_cannot_break_out():
+    text = script_json({"a": "</script><script>alert(1)</script>", "b": "x & y", "c": "\u2028", "d": float("nan")})
+    assert "<" not in text and ">" not in text and "&" not in text and "\u2028" not in text
+    assert json.loads(text) == {"a": "</script><script>alert(1)</script>", "b": "x & y", "c": "\u2028", "d": None}
+
+
+# -- sweep and RL directories --------------------------------------------------------------------
+def test_sweep_report_renders(xss_run, browser, tmp_path):
+    from selenium.webdriver.common.by import By
+
+    from lpf.report import write_report
+
+    run, _, _ = xss_run
+    sweep = tmp_path / "sweep"
+    knobs = [{"name": "cache_mb", "values": [1.5, 3, 6]}, {"name": "max_num_seqs", "values": [16, 64]}]
+    cells = []
+    for i, (cache, seqs) in enumerate((c, s) for c in (1.5, 3, 6) for s in (16, 64)):
+        name = f"cache_mb={cache},max_num_seqs={seqs}"
+        rate = round(0.08 / cache * (1.5 if seqs == 64 else 1.0), 4)
+        cells.append({"name": name, "values": {"cache_mb": cache, "max_num_seqs": seqs}, "run_dir": f"cells/{name}",
+                      "verdict": "corrupt" if rate > 0.03 else "clean",
+                      "counts": {"clean": 500 - int(500 * rate), "noise": 0, "divergent": 0, "corrupt": int(500 * rate)},
+                      "n_requests": 500, "rate": rate, "onset_seq": 40 * (i + 1), "onset_step": 7 * (i + 1),
+                      "first_divergence_median": 0.0, "period": None, "max_abs_logprob_diff": 12.5 / (i + 1)})
+    shutil.copytree(run, sweep / "cells" / cells[0]["name"])
+    (sweep / "sweep.json").write_text(json.dumps({
+        "kind": "sweep", "knobs": knobs, "cells": cells,
+        "moves": [{"knob": "cache_mb", "metric": "rate", "sentence": "rate falls from 5.3% to 1.3% as cache_mb grows 1.5 -> 6"}]}))
+    assert write_report(sweep) == sweep / "report.html"
+    log = open_page(browser, sweep / "report.html")
+    assert severe(log) == [], log
+    n, drawn = plots_drawn(browser)
+    assert n >= 5 and drawn == n  # verdict mix + rate, onset seq/step, first divergence, max |diff|
+    assert "rate falls from 5.3% to 1.3%" in browser.find_element(By.ID, "moves").text
+    links = [a.get_attribute("href") for a in browser.find_elements(By.CSS_SELECTOR, "#cells a")]
+    assert len(links) == 1 and links[0].endswith("/report.html")  # only the cell whose directory exists
+
+
+def test_rl_report_renders(browser, tmp_path):
+    import numpy as np
+
+    from lpf.report import write_report
+
+    rl = tmp_path / "rl"
+    rl.mkdir()
+    steps = np.arange(1, 61)
+    spike = steps % 12 == 0
+    rng = np.random.default_rng(0)
+    base = 0.002 + 0.0005 * rng.random(60)
+    cols = {"step": steps, "n_responses": np.full(60, 64), "n_tokens": np.full(60, 64 * 40),
+            "rollout_probs_diff_max": np.where(spike, 0.9, base * 10), "rollout_probs_diff_mean": np.where(spike, 0.03, base),
+            "rollout_probs_diff_std": np.where(spike, 0.1, base / 2), "k3_kl": np.where(spike, 0.2, base / 10),
+            "chi2_token": np.where(spike, 3.0, 0.01), "ess": np.where(spike, 0.6, 0.99),
+            "train_rollout_logprob_abs_diff": np.where(spike, 0.5, base), "token_mult_prob_error": np.where(spike, 1.6, 1 + base),
+            "robust_z": np.where(spike, 25.0, rng.normal(0, 1, 60)), "spike": spike}
+    pq.write_table(pa.table(cols), rl / "rl_steps.parquet")
+    (rl / "rl_findings.json").write_text(json.dumps({
+        "kind": "rl", "n_steps": 60, "n_responses": 3840, "n_tokens": 153600,
+        "bad_rows": [{"row": 17, "reason": "logprobs and tokens differ in length (40 vs 39)"}],
+        "spikes": [{"step": int(s), "robust_z": 25.0, "requests": [f"p{s}-r{k}" for k in range(3)], "positions": {"0": 3}}
+                   for s in steps[spike]],
+        "period": {"period": 12.0, "confidence": 0.97},
+        "hypotheses": [{"rank": 1, "feature": "step_mod_12", "sentence": "5/5 spike steps are multiples of 12; 0/55 other steps are",
+                        "flagged_with": 5, "flagged_total": 5, "clean_with": 0, "clean_total": 55, "p_value": 1e-6, "score": 6.0}],
+        "noise_floor": {"median": 0.002, "mad": 0.0003, "z_threshold": 6.0}}))
+    write_report(rl)
+    log = open_page(browser, rl / "report.html")
+    assert severe(log) == [], log
+    n, drawn = plots_drawn(browser)
+    assert n == 5 and drawn == n
+    text = browser.execute_script("return document.body.innerText")
+    assert "every 12 steps" in text and "5/5 spike steps are multiples of 12" in text and "logprobs and tokens differ" in text

@@ -1,0 +1,227 @@
+"""`lpf serve`: a real uvicorn server in a child process on a free 127.0.0.1 port, driven over HTTP.
+
+One server (zoo:hybrid, float32, a 12 MB cache: 192 KV blocks of 16 tokens, so a 3,500-token prompt
+fits the 4,096-token context but not the cache) is shared by the module; each test talks to it like a
+client would. The engine's answers are checked against the HF reference rescorer, batching against
+the server's /metrics and its --trace-dir, and shutdown against the exit code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import httpx
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from lpf.serve.process import served
+
+MODEL = "zoo:hybrid"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    trace_dir = tmp_path_factory.mktemp("serve-trace")
+    with served("--model", MODEL, "--cache-mb", 12, "--trace-dir", trace_dir, env={"OMP_NUM_THREADS": "1"}) as s:
+        s.trace_dir = trace_dir
+        yield s
+
+
+@pytest.fixture(scope="module")
+def rescorer():
+    from lpf.models import resolve_model
+    from lpf.reference import Rescorer
+
+    return Rescorer(resolve_model(MODEL))
+
+
+def _oracle_prompts(n: int, seed: int = 11) -> list[str]:
+    from lpf.zoo import registry
+
+    return [it["prompt"] for it in registry.workload_items("oracle", seed=seed, n=n)]
+
+
+def _metric(text: str, name: str) -> float:
+    line = next(ln for ln in text.splitlines() if ln.startswith(name + " "))
+    return float(line.split()[1])
+
+
+async def _concurrent_completions(base_url: str, prompts: list[str]) -> list[httpx.Response]:
+    async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
+        return await asyncio.gather(*(
+            client.post("/v1/completions", headers={"X-Request-Id": f"conc-{i:03d}"}, json={
+                "model": MODEL, "prompt": p, "max_tokens": 8, "temperature": 0, "logprobs": 5,
+                "ignore_eos": True, "return_tokens_as_token_ids": True, "return_token_ids": True})
+            for i, p in enumerate(prompts)))
+
+
+def test_64_concurrent_completions_are_batched_and_match_the_reference(server, rescorer):
+    from lpf.reference import ScoreItem
+
+    prompts = _oracle_prompts(64)
+    before = httpx.get(f"{server.base_url}/metrics").text
+    responses = asyncio.run(_concurrent_completions(server.base_url, prompts))
+    assert [r.status_code for r in responses] == [200] * 64, responses[0].text
+    after = httpx.get(f"{server.base_url}/metrics").text
+    # real batching: some engine step ran several of these HTTP requests together
+    assert _metric(after, "lpf_batch_size_max") > 1
+    assert _metric(after, "lpf_requests_finished_total") - _metric(before, "lpf_requests_finished_total") == 64
+
+    items, answers = [], {}
+    for i, r in enumerate(responses):
+        body = r.json()
+        assert body["object"] == "text_completion" and body["model"] == MODEL and body["id"] == f"cmpl-conc-{i:03d}"
+        (choice,) = body["choices"]
+        lp = choice["logprobs"]
+        ids = [int(t.removeprefix("token_id:")) for t in lp["tokens"]]
+        assert ids == choice["token_ids"] and len(ids) == 8 and choice["finish_reason"] == "length"
+        assert body["usage"] == {"prompt_tokens": len(choice["prompt_token_ids"]), "completion_tokens": 8,
+                                 "total_tokens": len(choice["prompt_token_ids"]) + 8, "prompt_tokens_details": None}
+        # text_offset: cumulative lengths of the rendered token strings, as vLLM computes it
+        assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:j]) for j in range(8)]
+        for tok, tok_lp, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+            assert top[tok] == tok_lp and len(top) <= 6  # the sampled token first, then the top 5
+            assert tok_lp == max(top.values())  # greedy: the sampled token is the engine's argmax
+        items.append(ScoreItem(f"r{i}", choice["prompt_token_ids"], ids))
+        answers[f"r{i}"] = lp["token_logprobs"]
+
+    table = pa.concat_tables(list(rescorer.score(items)))
+    worst = 0.0
+    for rid, pos, ref_lp, top1, top1_lp, tok in zip(
+            table["request_id"].to_pylist(), table["position"].to_pylist(), table["ref_logprob"].to_pylist(),
+            table["ref_top1_id"].to_pylist(), table["ref_top1_logprob"].to_pylist(),
+            [it.output_token_ids for it in items for _ in it.output_token_ids]):
+        worst = max(worst, abs(answers[rid][pos] - ref_lp))
+        assert top1_lp - ref_lp <= 1e-4, f"{rid}@{pos}: the engine's greedy token is not the reference's argmax"
+    assert table.num_rows == 64 * 8
+    assert worst <= 1e-4, f"max |engine - reference| logprob {worst:.3g}"
+
+
+def test_generate_returns_the_same_tokens_as_completions(server):
+    prompts = _oracle_prompts(6, seed=5)
+    comp = httpx.post(f"{server.base_url}/v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": prompts, "max_tokens": 6, "temperature": 0, "logprobs": 2,
+        "return_token_ids": True}).json()
+    gen = httpx.post(f"{server.base_url}/generate", timeout=60, json={
+        "text": prompts, "sampling_params": {"max_new_tokens": 6, "temperature": 0},
+        "return_logprob": True, "top_logprobs_num": 2}).json()
+    assert isinstance(gen, list) and len(gen) == len(prompts) == len(comp["choices"])
+    for c, g in zip(comp["choices"], gen):
+        assert g["output_ids"] == c["token_ids"] and g["text"] == c["text"]
+        meta = g["meta_info"]
+        assert [t for _, t, _ in meta["output_token_logprobs"]] == c["token_ids"]
+        assert all(text is None for *_, text in meta["output_token_logprobs"])
+        for (lp, _, _), clp in zip(meta["output_token_logprobs"], c["logprobs"]["token_logprobs"]):
+            assert abs(lp - clp) <= 1e-4
+        assert [len(top) for top in meta["output_top_logprobs"]] == [2] * len(c["token_ids"])
+        assert meta["completion_tokens"] == len(c["token_ids"]) and meta["input_token_logprobs"] == []
+        stopped = c["finish_reason"] == "stop"
+        assert meta["finish_reason"] == ({"type": "stop", "matched": 2} if stopped else {"type": "length", "length": 6})
+    single = httpx.post(f"{server.base_url}/generate", timeout=60, json={
+        "input_ids": comp["choices"][0]["prompt_token_ids"], "sampling_params": {"max_new_tokens": 6, "temperature": 0}}).json()
+    assert isinstance(single, dict) and single["output_ids"] == comp["choices"][0]["token_ids"]
+
+
+def test_errors_are_json_with_the_right_status(server):
+    url = server.base_url
+
+    def post(path, **kw):
+        r = httpx.post(url + path, timeout=60, **kw)
+        return r.status_code, r.json()["error"]
+
+    code, e = post("/v1/completions", json={"model": "no-such-model", "prompt": "A1|A"})
+    assert code == 404 and e["type"] == "NotFoundError" and "no-such-model" in e["message"]
+    code, e = post("/v1/completions", content=b'{"prompt": ', headers={"content-type": "application/json"})
+    assert code == 400 and "malformed JSON" in e["message"]
+    code, e = post("/v1/completions", json={"prompt": {"not": "a prompt"}})
+    assert code == 400 and "prompt" in e["message"]
+    code, e = post("/v1/completions", json={"prompt": [1] * 5000, "max_tokens": 4})
+    assert code == 400 and "maximum context length is 4096" in e["message"]
+    code, e = post("/v1/completions", json={"prompt": [1] + [5] * 3499, "max_tokens": 4})
+    assert code == 400 and "KV cache" in e["message"] and "--cache-mb" in e["message"]
+    code, e = post("/v1/completions", json={"prompt": "A1|A", "prompt_logprobs": 1})
+    assert code == 400 and "not supported" in e["message"]
+    code, e = post("/generate", json={"text": "A1|A", "sampling_params": {"max_new_token": 4}})
+    assert code == 400 and "max_new_token" in e["message"]
+    # the server still answers after all that
+    assert httpx.get(url + "/health").status_code == 200
+    models = httpx.get(url + "/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [MODEL] and models["data"][0]["max_model_len"] == 4096
+
+
+def test_bad_cli_options_fail_before_serving(lpf_cli):
+    r = lpf_cli("serve", "--inject", "stale-sate")
+    assert r.code == 2 and "unknown fault 'stale-sate'" in r.err and "Traceback" not in r.err
+    r = lpf_cli("serve", "-E", "block_sise=8")
+    assert r.code == 2 and "unknown engine option" in r.err
+
+
+def test_stop_strings_cut_the_output_where_a_stopping_server_would(server):
+    prompt = _oracle_prompts(1, seed=9)[0]
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+            "logprobs": 0, "return_token_ids": True}
+    full = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60).json()["choices"][0]
+    stop = full["text"][1]  # the text of the second token (one character per token in the zoo tokenizer)
+    cut = httpx.post(f"{server.base_url}/v1/completions", json={**body, "stop": [stop]}, timeout=60).json()["choices"][0]
+    at = full["text"].index(stop)
+    assert cut["text"] == full["text"][:at] and cut["finish_reason"] == "stop" and cut["stop_reason"] == stop
+    assert cut["token_ids"] == full["token_ids"][:at + 1]  # the token completing the match stays, as in vLLM
+    assert cut["logprobs"]["token_logprobs"] == full["logprobs"]["token_logprobs"][:at + 1]
+    assert all(len(top) == 1 for top in cut["logprobs"]["top_logprobs"])  # logprobs=0: the sampled token only
+
+
+def test_prompts_the_engine_could_never_schedule_are_refused():
+    """With chunked prefill off the engine needs prompt + output inside one step's token budget;
+    planning refuses such a request instead of queueing it forever (pure protocol, no server)."""
+    from lpf.models import load_tokenizer, resolve_model
+    from lpf.serve.protocol import ApiError, CompletionRequest, ModelInfo, plan_completion
+
+    tok = load_tokenizer(resolve_model(MODEL))
+    info = ModelInfo(MODEL, "-", 512, 4096, tok.eos_token_id, prefill_limit=32)
+    ok = plan_completion(CompletionRequest(prompt=[1] * 20, max_tokens=12, n=2, seed=7), tok, info, "cmpl-x")
+    assert [r.request_id for r in ok[0].requests] == ["cmpl-x-0-0", "cmpl-x-0-1"]
+    assert ok[0].requests[0].seed == 7 and ok[0].requests[1].seed != 7
+    with pytest.raises(ApiError, match="chunked prefill is off"):
+        plan_completion(CompletionRequest(prompt=[1] * 20, max_tokens=13), tok, info, "cmpl-y")
+
+
+def test_non_finite_logprobs_still_render_as_json():
+    """A broken engine may produce -inf or NaN; the answer must stay valid JSON (vLLM: -inf as -9999.0;
+    NaN and SGLang's non-finite numbers as null) rather than become a 500 for the whole request."""
+    import json
+
+    from lpf.models import load_tokenizer, resolve_model
+    from lpf.serve.protocol import (CompletionRequest, GenerateRequest, ModelInfo, plan_completion, plan_generate,
+                                    render_completion, render_generate)
+
+    tok = load_tokenizer(resolve_model(MODEL))
+    info = ModelInfo(MODEL, "-", 512, 4096, tok.eos_token_id)
+    req = CompletionRequest(prompt=[1, 45], max_tokens=2, logprobs=1, temperature=0)
+    plans = plan_completion(req, tok, info, "cmpl-z")
+    gen_plans, _ = plan_generate(GenerateRequest(input_ids=[1, 45], return_logprob=True, top_logprobs_num=1,
+                                                 sampling_params={"max_new_tokens": 2}), tok, info)
+    for done in (plans[0].requests[0], gen_plans[0].requests[0]):
+        for tid, lp in ((19, float("-inf")), (20, float("nan"))):
+            done.append_output(tid, lp, [tid], [lp])
+        done.finish_reason = "length"
+    body = json.loads(json.dumps(render_completion(req, plans, tok, info, "cmpl-z", 0), allow_nan=False))
+    assert body["choices"][0]["logprobs"]["token_logprobs"] == [-9999.0, None]
+    (gen,) = render_generate(gen_plans, tok, False)
+    assert json.loads(json.dumps(gen, allow_nan=False))["meta_info"]["output_token_logprobs"] == [[None, 19, None], [None, 20, None]]
+
+
+def test_sigterm_shuts_down_cleanly_and_leaves_the_trace(server):
+    code, log = server.stop(signal.SIGTERM)
+    assert code == 0, log
+    assert f"serving {MODEL} on {server.base_url}" in log and "shut down cleanly" in log
+    trace = pq.read_table(server.trace_dir / "trace").to_pylist()
+    # the client's request ids reach the engine trace, so a run can be joined with it later
+    assert {f"cmpl-conc-{i:03d}-0" for i in range(64)} <= {row["request_id"] for row in trace}
+    # and the trace shows separate HTTP requests sharing engine steps
+    per_step: dict[int, int] = {}
+    for row in trace:
+        if row["request_id"].startswith("cmpl-conc-") and not row["preempted"]:
+            per_step[row["step"]] = per_step.get(row["step"], 0) + 1
+    assert max(per_step.values()) > 1

