@@ -56,6 +56,7 @@ bench: $(STAMP)
 	$(VENV)/bin/python bench/rescore.py
 	$(VENV)/bin/python bench/engine.py
 	OMP_NUM_THREADS=1 $(VENV)/bin/python bench/analysis.py
+	OMP_NUM_THREADS=1 $(VENV)/bin/python bench/report.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

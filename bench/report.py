@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import tempfile
@@ -108,9 +107,11 @@ def analyze(path: Path) -> float:
 
 
 def timed_report(path: Path) -> dict:
-    code = ("import time, resource, json, sys; t = time.perf_counter(); from lpf.report import write_report; "
-            "p = write_report(sys.argv[1]); print(json.dumps({'seconds': time.perf_counter() - t, "
-            "'peak_rss_mb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))")
+    # peak RSS from VmHWM: ru_maxrss would carry this (large) parent's peak across fork + exec
+    code = ("import time, json, sys, re; t = time.perf_counter(); from lpf.report import write_report; "
+            "p = write_report(sys.argv[1]); s = time.perf_counter() - t; "
+            "hwm = int(re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1)); "
+            "print(json.dumps({'seconds': s, 'peak_rss_mb': hwm / 1024}))")
     proc = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, check=True)
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     res["html_mb"] = (path / "report.html").stat().st_size / 1e6

@@ -198,3 +198,22 @@ def test_estimate_period():
     assert estimate_period(noisy)["period"] == 12
     assert estimate_period(np.random.default_rng(1).normal(size=240))["period"] is None
     assert estimate_period(np.ones(50))["period"] is None and estimate_period([])["period"] is None
+    # sparse events that skip cycles at random (crossed wires every 5th step, only now and then
+    # between requests that differ): phase concentration finds what autocorrelation blurs
+    skip = np.zeros(600)
+    skip[np.random.default_rng(0).choice(np.arange(5, 600, 5), 30, replace=False)] = 1
+    assert estimate_period(skip)["period"] == 5
+
+
+def test_chunked_scoring_equals_whole_run(monkeypatch):
+    """Big runs are scored in request-aligned chunks: the results must not depend on the cut."""
+    import json
+
+    import lpf.analysis.findings as findings
+
+    tables = _noise_run(120, 9, 0.01, seed=4, liars={7, 80})
+    whole = findings.analyze(*tables, Thresholds(), greedy=True)
+    monkeypatch.setattr(findings, "CHUNK", 50)  # cuts inside the 9-token requests move to their starts
+    chunked = findings.analyze(*tables, Thresholds(), greedy=True)
+    assert chunked[0].equals(whole[0])
+    assert json.dumps(chunked[1], sort_keys=True) == json.dumps(whole[1], sort_keys=True)

@@ -90,16 +90,15 @@ def lying(findings_run):
 
 
 @pytest.fixture(scope="module")
-def long_memory(tmp_path_factory):
-    from drill_models import long_memory_jamba
-
-    return long_memory_jamba(tmp_path_factory.mktemp("models") / "jamba-long-memory")
+def long_memory():
+    """tiny:jamba with slow SSM decay and a sharper head (lpf.models TINY_VARIANTS says why)."""
+    return "tiny:jamba-longmem"
 
 
 @pytest.fixture(scope="module")
 def stale_runs(tmp_path_factory, long_memory):
     """The seed's architecture (Mamba1 + attention + MoE) with a state that carries long memory
-    (tests/drill_models.py says why), 2000 greedy requests, twice with the fault and once without.
+    (lpf.models says why), 2000 greedy requests, twice with the fault and once without.
 
     The cache (3 MB: 40 state slots, 48 KV blocks) and budget (32 tokens per step, at most 16
     sequences) make slots recycle and leave exactly 1 token of budget for a new request now and
@@ -203,8 +202,13 @@ def test_offset_wrap_only_past_the_wrap(tmp_path, long_memory):
 
 def test_swap_outputs_crossed_wires(tmp_path):
     """Caught (only swapped requests flagged) and named: the top hypothesis is the crossed-wires
-    signature, and the failure's period over engine steps is the drill's."""
-    f = audit(tmp_path / "s", "--workload", "zoo:oracle", "--n", 4, "--max-tokens", 16, "--inject", "swap-outputs:5")
+    signature, and the failure's period over engine steps is the drill's. 2000 distinct prompts,
+    one rollout each: greedy rollouts of one prompt are identical, so swapping them shows nothing."""
+    from lpf.zoo import registry
+
+    items = registry.workload_items("oracle", seed=3, n=2000)
+    prompts = write_prompts(tmp_path / "oracle2000.jsonl", [{"id": i["id"], "prompt": i["prompt"]} for i in items])
+    f = audit(tmp_path / "s", "--workload", prompts, "--max-tokens", 16, "--inject", "swap-outputs:5")
     truth = ground_truth(tmp_path / "s")
     assert f["n_requests"] == 2000
     assert truth and flagged(f) and flagged(f) <= truth and lying(tmp_path / "s") <= truth

@@ -13,11 +13,13 @@ from conftest import lpf_subprocess
 
 @pytest.fixture(scope="module")
 def bf16_run(tmp_path_factory):
-    """The built-in engine in bfloat16 against the float32 reference: 2000 requests, no fault.
-    Past EOS (--ignore-eos) the zoo model's tokens are uncertain, which is where bf16 rounding
-    shows (answer tokens have p ~ 1, where it cannot move a logprob)."""
+    """The built-in engine in bfloat16 against the float32 reference: 2000 requests, no fault, on
+    tiny:hybrid, whose random-init distributions are not peaked enough to hide rounding (on the
+    trained zoo:hybrid most tokens have p ~ 1 on both sides, where bf16 cannot move a logprob: its
+    token-level floor stays at float32's; measured there: 861 clean, 1096 noise, 43 divergent, 0
+    corrupt)."""
     out = tmp_path_factory.mktemp("bf16") / "run"
-    proc = lpf_subprocess("audit", "--engine", "builtin", "--model", "zoo:hybrid", "--dtype", "bfloat16",
+    proc = lpf_subprocess("audit", "--engine", "builtin", "--model", "tiny:hybrid", "--dtype", "bfloat16",
                           "--workload", "zoo:oracle", "--n", 4, "--max-tokens", 8, "--ignore-eos",
                           "--out", out, "--json", "--fail-on", "corrupt")
     return out, proc
@@ -31,8 +33,9 @@ def test_bf16_engine_is_never_corrupt(bf16_run):
     assert f["counts"]["noise"] > 0, "bf16 rounding is visible against a float32 reference"
     th = f["thresholds"]
     assert th["source"] == "calibrated" and th["noise_floor"]["n_requests"] == 2000
-    # the floor is bf16's, far above float32's 1e-6
-    assert th["noise_floor"]["token_abs_diff"]["median"] > 1e-4
+    # the floor is bf16's, far above float32's ~1e-6, and the thresholds rose with it
+    assert th["noise_floor"]["token_abs_diff"]["median"] > 1e-3
+    assert th["clean_abs_diff"] > 1e-3 and th["divergent_abs_diff"] > 0.5 and th["tie_margin"] > 1e-3
     assert "thresholds (calibrated" in proc.stderr
 
 

@@ -57,8 +57,10 @@ def open_page(driver, path):
 
     driver.get_log("browser")  # drop what earlier pages logged
     driver.get(path.resolve().as_uri())
-    WebDriverWait(driver, 30).until(lambda d: d.execute_script("return document.body.dataset.ready === '1'"))
-    return driver.get_log("browser")
+    WebDriverWait(driver, 30).until(lambda d: d.execute_script("return document.body.dataset.ready"))
+    log = driver.get_log("browser")
+    assert driver.execute_script("return document.body.dataset.ready") == "1", log  # every chart drawn
+    return log
 
 
 def severe(log):
@@ -250,3 +252,23 @@ def test_rl_report_renders(browser, tmp_path):
     assert n == 5 and drawn == n
     text = browser.execute_script("return document.body.innerText")
     assert "every 12 steps" in text and "5/5 spike steps are multiples of 12" in text and "logprobs and tokens differ" in text
+
+
+def test_scatter_downsampling_keeps_flagged_and_envelope():
+    """100k requests become at most MAX_SCATTER_POINTS points: every flagged request, and per arrival
+    bin the largest |diff| of the rest (so a spike among clean requests is never dropped)."""
+    import numpy as np
+
+    from lpf.report.charts import MAX_SCATTER_POINTS, downsample_by_bin
+
+    rng = np.random.default_rng(1)
+    n = 100_000
+    x = np.arange(n)
+    y = rng.random(n) * 1e-5
+    flagged = np.zeros(n, bool)
+    flagged[rng.choice(n, 300, replace=False)] = True
+    y[flagged] = 10.0
+    y[77_777] = 0.1  # the largest unflagged value
+    idx = downsample_by_bin(x, y, flagged, MAX_SCATTER_POINTS)
+    assert len(idx) <= MAX_SCATTER_POINTS and np.all(np.diff(x[idx]) > 0)
+    assert set(np.flatnonzero(flagged)) <= set(idx.tolist()) and 77_777 in idx

@@ -154,6 +154,9 @@ def _write_report(path) -> None:
         err.print(f"report: {write_report(path)}", highlight=False)
     except LpfError as e:
         err.print(f"[yellow]report not written:[/] {e}", highlight=False, soft_wrap=True)
+    except Exception as e:  # noqa: BLE001 - a report bug must not fail an audit whose findings are written
+        err.print(f"[yellow]report not written (a bug in lpf.report, please report it):[/] "
+                  f"{type(e).__name__}: {e}", highlight=False, soft_wrap=True)
 
 
 def _analyze_and_report(run, threshold, as_json, fail_on) -> None:

@@ -1,7 +1,7 @@
 """Resolve a model spec to a local Hugging Face directory; build the embedded tiny models.
 
 Specs: a directory with `config.json`; `zoo:NAME` (a trained checkpoint shipped in the package);
-`tiny:hybrid` / `tiny:llama` (random models built deterministically from a config on first use and
+`tiny:hybrid` / `tiny:llama` / `tiny:jamba` / `tiny:jamba-longmem` (random models built deterministically from a config on first use and
 cached under `$LPF_CACHE`, default `~/.cache/lpf`). Nothing is ever downloaded. Resolution never
 imports torch unless a tiny model has to be built.
 """
@@ -48,7 +48,30 @@ def _tiny_configs(vocab_size: int, special: dict) -> dict[str, dict]:
     }
 
 
-TINY_MODELS = ("hybrid", "llama", "jamba")
+# Variants: a base config plus an edit of the random weights, for the drills where a mechanism has
+# to bite. `jamba-longmem` is tiny:jamba with slow SSM decay (every Mamba layer's A = -0.002: the
+# state keeps ~93% of itself over a 50-token prompt, where tiny:jamba's A = -1..-16 forgets a stale
+# state within a few tokens) and a 4x LM head (a random model's next-token distributions are
+# flat-ish; confident gibberish needs a confident engine). The seed's stale-state and offset bugs
+# showed where the state carries long memory; this is the smallest model where they do.
+_LONGMEM_A = 0.002
+_LONGMEM_HEAD_SCALE = 4.0
+TINY_VARIANTS = {"jamba-longmem": "jamba"}
+TINY_MODELS = ("hybrid", "llama", "jamba", *TINY_VARIANTS)
+
+
+def _edit_variant(name: str, model) -> None:
+    import math
+
+    import torch
+
+    with torch.no_grad():
+        if name == "jamba-longmem":
+            for pname, param in model.named_parameters():
+                if pname.endswith("mamba.A_log"):
+                    param.fill_(math.log(_LONGMEM_A))
+                elif pname == "lm_head.weight":
+                    param.mul_(_LONGMEM_HEAD_SCALE)
 
 
 @dataclass(frozen=True)
@@ -122,8 +145,11 @@ def _build_tiny(name: str) -> Path:
     tok_hash = hashlib.sha256((tok_dir / "tokenizer.json").read_bytes()).hexdigest()[:12]
     tok = load_tokenizer(ModelRef(f"tiny:{name}", tok_dir))
     special = dict(pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    cfg = _tiny_configs(len(tok), special)[name]
-    key = hashlib.sha256(json.dumps([cfg, tok_hash], sort_keys=True).encode()).hexdigest()[:12]
+    base = TINY_VARIANTS.get(name, name)
+    cfg = _tiny_configs(len(tok), special)[base]
+    # a variant's name joins the key (a base model's key, and so its cache dir, stays as it was)
+    key = hashlib.sha256(json.dumps([cfg, tok_hash] + ([name] if base != name else []),
+                                    sort_keys=True).encode()).hexdigest()[:12]
     out = cache_root() / "tiny" / f"{name}-{key}"
     if (out / "config.json").is_file():
         return out
@@ -137,6 +163,8 @@ def _build_tiny(name: str) -> Path:
     config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if base != name:
+        _edit_variant(name, model)
     # Built in a temp dir and renamed so a concurrent or killed build never leaves half a model.
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     model.save_pretrained(tmp)

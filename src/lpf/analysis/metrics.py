@@ -23,6 +23,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from lpf.analysis.thresholds import Thresholds
+from lpf.analysis.verdicts import segment_starts
 
 _REF_COLS = ["request_id", "position", "ref_logprob", "ref_rank", "ref_entropy", "ref_top1_id", "ref_top1_logprob"]
 
@@ -34,7 +35,11 @@ def first_of_lists(col) -> np.ndarray:
         return np.zeros(0, dtype=np.int64)
     offsets = arr.offsets.to_numpy()
     values = arr.values.to_numpy(zero_copy_only=False)
-    has = offsets[1:] > offsets[:-1]
+    width = np.diff(offsets)
+    k = int(width[0])
+    if k > 0 and not arr.null_count and int(width.min()) == k == int(width.max()):
+        return values[offsets[0]:offsets[-1]:k].astype(np.int64)  # fixed-width top-k: a strided view
+    has = width > 0
     if arr.null_count:
         has &= arr.is_valid().to_numpy(zero_copy_only=False)
     if values.size == 0:
@@ -42,17 +47,19 @@ def first_of_lists(col) -> np.ndarray:
     return np.where(has, values[np.minimum(offsets[:-1], values.size - 1)], -1).astype(np.int64)
 
 
-def _grouped(ids: pa.ChunkedArray, pos: np.ndarray) -> bool:
-    """Each request's rows contiguous with positions strictly ascending."""
+def _group_starts(ids: pa.ChunkedArray, pos: np.ndarray) -> np.ndarray | None:
+    """Row indices where each request begins, when each request's rows are contiguous with
+    positions strictly ascending; else None."""
     n = len(pos)
     if n < 2:
-        return True
+        return np.arange(n, dtype=np.int64)
     ids = ids.combine_chunks()
     change = pc.not_equal(ids.slice(0, n - 1), ids.slice(1)).to_numpy(zero_copy_only=False)
     if np.any(~change & (pos[1:] <= pos[:-1])):
-        return False
-    starts = ids.take(pa.array(np.flatnonzero(np.r_[True, change])))
-    return len(starts) == len(pc.unique(starts))
+        return None
+    starts = np.flatnonzero(np.r_[True, change])
+    heads = ids.take(pa.array(starts))
+    return starts if len(heads) == len(pc.unique(heads)) else None
 
 
 def _aligned(tokens: pa.Table, reference: pa.Table) -> bool:
@@ -67,71 +74,140 @@ def _aligned(tokens: pa.Table, reference: pa.Table) -> bool:
 def join_scored(tokens: pa.Table, reference: pa.Table) -> pa.Table:
     """Engine tokens that have a reference score, grouped by request, positions ascending.
     Adds `engine_top1_id` (first of the engine's top-k, -1 when it gave none)."""
+    return join_grouped(tokens, reference)[0]
+
+
+def join_grouped(tokens: pa.Table, reference: pa.Table) -> tuple[pa.Table, np.ndarray]:
+    """`join_scored` and the row indices where each request begins (`verdicts.segment_starts`),
+    which the row-for-row case gets from its grouping check for free."""
     eng = tokens.select(["request_id", "position", "token_id", "engine_logprob"])
     top1 = first_of_lists(tokens.column("engine_topk_ids")) if "engine_topk_ids" in tokens.column_names \
         else np.full(tokens.num_rows, -1, dtype=np.int64)
     eng = eng.append_column("engine_top1_id", pa.array(top1))
-    if _aligned(eng, reference) and _grouped(eng.column("request_id"), eng.column("position").to_numpy()):
+    starts = _group_starts(eng.column("request_id"), eng.column("position").to_numpy()) \
+        if _aligned(eng, reference) else None
+    if starts is not None:
         out = eng
         for name in _REF_COLS[2:]:
             out = out.append_column(name, reference.column(name))
-        return out
+        return out, starts
     joined = eng.join(reference.select(_REF_COLS), keys=["request_id", "position"], join_type="inner")
-    return joined.sort_by([("request_id", "ascending"), ("position", "ascending")])
+    joined = joined.sort_by([("request_id", "ascending"), ("position", "ascending")])
+    return joined, segment_starts(joined.column("request_id"))
+
+
+# metric column -> dtype, in the order `token_metrics` appends them
+METRIC_DTYPES = {"abs_logprob_diff": np.float64, "prob_diff": np.float64, "k3_kl": np.float64,
+                 "token_mult_prob_error": np.float64, "greedy_flip": np.bool_, "lie_strength": np.float64,
+                 "gibberish": np.bool_}
+# the `join_scored` columns the metrics read (engine_top1_id is optional)
+INPUT_COLUMNS = ("token_id", "engine_logprob", "ref_logprob", "ref_rank", "ref_top1_id", "ref_top1_logprob",
+                 "engine_top1_id")
+
+
+def input_arrays(joined: pa.Table) -> dict[str, np.ndarray]:
+    """The `INPUT_COLUMNS` of a `join_scored` table as numpy (no copy for single-chunk columns)."""
+    return {name: joined.column(name).to_numpy()
+            for name in INPUT_COLUMNS if name in joined.column_names}
 
 
 def token_metrics(joined: pa.Table, greedy: bool, th: Thresholds) -> pa.Table:
     """Adds the metric columns to a `join_scored` table."""
-    eng = joined.column("engine_logprob").to_numpy()
-    ref = joined.column("ref_logprob").to_numpy()
-    tok = joined.column("token_id").to_numpy()
+    for name, values in metric_arrays(input_arrays(joined), greedy, th).items():
+        joined = joined.append_column(name, pa.array(values))
+    return joined
+
+
+def metric_arrays(cols: dict[str, np.ndarray], greedy: bool, th: Thresholds,
+                  out: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+    """The metric columns (`METRIC_DTYPES`) from `input_arrays`, written into `out` when given
+    (arrays of the same length, e.g. one chunk's slices of whole-run arrays) and returned."""
+    eng, ref, tok = cols["engine_logprob"], cols["ref_logprob"], cols["token_id"]
+    out = out if out is not None else {name: np.empty(len(eng), dtype) for name, dtype in METRIC_DTYPES.items()}
     with np.errstate(over="ignore", invalid="ignore"):
         d = eng - ref
-        ad = np.abs(d)
-        rho = np.exp(-d)
-        cols = {
-            "abs_logprob_diff": ad,
-            "prob_diff": np.abs(np.exp(eng) - np.exp(ref)),
-            "k3_kl": rho + d - 1.0,  # rho - log(rho) - 1 with log(rho) = -d, exact for large |d| too
-            "token_mult_prob_error": np.exp(ad),
-        }
-        rank = joined.column("ref_rank").to_numpy(zero_copy_only=False)
-        top1 = joined.column("ref_top1_id").to_numpy()
+        ad = np.abs(d, out=out["abs_logprob_diff"])
+        np.abs(np.exp(eng) - np.exp(ref), out=out["prob_diff"])
+        k3 = np.add(np.exp(-d), d, out=out["k3_kl"])  # rho - log(rho) - 1 with rho = exp(-d), log(rho) = -d:
+        k3 -= 1.0                                      # exact for large |d| too
+        np.exp(ad, out=out["token_mult_prob_error"])
+        rank, top1 = cols["ref_rank"], cols["ref_top1_id"]
         if greedy:
-            margin = joined.column("ref_top1_logprob").to_numpy() - ref
-            flip = (tok != top1) & (margin > th.tie_margin)
+            margin = cols["ref_top1_logprob"] - ref
+            np.logical_and(tok != top1, margin > th.tie_margin, out=out["greedy_flip"])
         else:
-            flip = np.zeros(len(eng), dtype=bool)
-        cols["greedy_flip"] = flip
+            out["greedy_flip"][:] = False
         # The engine's own top choice: its reported top-1, or (greedy, no top-k) the token itself.
-        etop = joined.column("engine_top1_id").to_numpy() if "engine_top1_id" in joined.column_names \
-            else np.full(len(eng), -1)
+        etop = cols["engine_top1_id"] if "engine_top1_id" in cols else np.full(len(eng), -1)
         own_top = (etop == tok) | ((etop < 0) & greedy)
         absolute = (eng >= th.confident_logprob) & (ref <= th.improbable_logprob)
         # relative: the engine's own choice, not the reference's, graded by how many times more
         # likely the engine found it (1 at gibberish_log_ratio and beyond)
         relative = np.where(own_top & (tok != top1) & (rank > 1), np.clip(d / th.gibberish_log_ratio, 0.0, 1.0), 0.0)
-        strength = np.where(absolute, 1.0, np.nan_to_num(relative, nan=0.0))
-        cols["lie_strength"] = strength
-        cols["gibberish"] = strength >= 0.5
-    for name, values in cols.items():
-        joined = joined.append_column(name, pa.array(values))
-    return joined
+        strength = out["lie_strength"]
+        strength[:] = np.where(absolute, 1.0, np.nan_to_num(relative, nan=0.0))
+        np.greater_equal(strength, 0.5, out=out["gibberish"])
+    return out
 
 
 QUANTILES = (0.5, 0.9, 0.99, 0.999)
 
 
 def percentiles(values: np.ndarray) -> dict:
-    """llama.cpp-style summary of a per-token error distribution."""
+    """llama.cpp-style summary of a per-token error distribution (exact; `values` is left as it is)."""
     finite = np.isfinite(values)
     if not finite.all():
         values = values[finite]
     if values.size == 0:
         return {k: None for k in ("p50", "p90", "p99", "p99_9", "max", "mean")}
-    q = np.quantile(values, QUANTILES)
+    q = linear_quantiles(values, QUANTILES)
     return {"p50": float(q[0]), "p90": float(q[1]), "p99": float(q[2]), "p99_9": float(q[3]),
             "max": float(values.max()), "mean": float(values.mean())}
+
+
+def linear_quantiles(a: np.ndarray, qs) -> list[float]:
+    """numpy's default ("linear") quantiles of finite values, exactly, from `order_statistics`."""
+    h = [(a.size - 1) * q for q in qs]
+    v = order_statistics(a, sorted({int(np.floor(x)) for x in h} | {int(np.ceil(x)) for x in h}))
+    return [float(v[int(np.floor(x))] + (x - np.floor(x)) * (v[int(np.ceil(x))] - v[int(np.floor(x))])) for x in h]
+
+
+SMALL_SELECT = 1 << 18  # below this many values, partitioning a copy is as fast as bracketing
+BRACKET_SAMPLE = 1 << 16
+
+
+def order_statistics(a: np.ndarray, ks: list[int]) -> dict[int, np.floating]:
+    """{k: the k-th smallest of `a`} for sorted ranks `ks`, exactly, without reordering or copying
+    `a`: a sorted strided sample brackets each group of neighbouring ranks, one pass counts the
+    values below a bracket and gathers the few inside it, and only those are partitioned (a full
+    partition of a 20M-value array costs ten such passes). A bracket the sample got wrong (the
+    rank is not inside it) falls back to partitioning a copy: slower, never a different answer."""
+    if a.size <= SMALL_SELECT:
+        b = np.partition(a, ks)
+        return {k: b[k] for k in ks}
+    s = np.sort(a[:: a.size // BRACKET_SAMPLE])
+    groups: list[list[int]] = []
+    for k in ks:  # a quantile between two ranks needs both: one bracket for the pair
+        if groups and k - groups[-1][-1] <= 1:
+            groups[-1].append(k)
+        else:
+            groups.append([k])
+    out = {}
+    for g in groups:
+        p = g[0] / a.size
+        margin = int(6 * np.sqrt(p * (1 - p) * s.size)) + 4  # six standard errors of a sample rank
+        i, j = int(p * s.size) - margin, int(g[-1] / a.size * s.size) + margin
+        lo = s[i] if i > 0 else -np.inf
+        hi = s[j] if j < s.size else np.inf
+        ge = a >= lo
+        below = a.size - int(np.count_nonzero(ge))
+        inside = a[ge & (a <= hi)]
+        if not (below <= g[0] and g[-1] < below + inside.size):
+            b = np.partition(a, ks)
+            return {k: b[k] for k in ks}
+        inside.partition([k - below for k in g])
+        out.update({k: inside[k - below] for k in g})
+    return out
 
 
 def monotone_percentiles(summary: dict, fn) -> dict:

@@ -48,14 +48,20 @@ def per_request(metrics: pa.Table, th: Thresholds, starts: np.ndarray | None = N
     """(request ids in segment order, {column: per-segment numpy array})."""
     n = metrics.num_rows
     starts = segment_starts(metrics.column("request_id")) if starts is None else starts
-    ids = metrics.column("request_id").take(pa.array(starts)) if n else pa.array([], pa.string())
-    pos = metrics.column("position").to_numpy()
-    ad = metrics.column("abs_logprob_diff").to_numpy()
-    eng = metrics.column("engine_logprob").to_numpy()
-    ref = metrics.column("ref_logprob").to_numpy()
-    flip = metrics.column("greedy_flip").to_numpy(zero_copy_only=False)
-    lie = metrics.column("gibberish").to_numpy(zero_copy_only=False)
-    strength = metrics.column("lie_strength").to_numpy() if "lie_strength" in metrics.column_names else lie * 1.0
+    ids = metrics.column("request_id").take(pa.array(starts)).combine_chunks() if n else pa.array([], pa.string())
+    cols = {name: metrics.column(name).to_numpy(zero_copy_only=False) for name in _REDUCED if name in metrics.column_names}
+    return ids, reduce_requests(cols, th, starts)
+
+
+_REDUCED = ("position", "abs_logprob_diff", "engine_logprob", "ref_logprob", "greedy_flip", "gibberish", "lie_strength")
+
+
+def reduce_requests(cols: dict[str, np.ndarray], th: Thresholds, starts: np.ndarray) -> dict:
+    """The per-segment columns of `per_request` from numpy token columns (`_REDUCED`; lie_strength optional)."""
+    n = len(cols["position"])
+    pos, ad, eng, ref = cols["position"], cols["abs_logprob_diff"], cols["engine_logprob"], cols["ref_logprob"]
+    flip, lie = cols["greedy_flip"], cols["gibberish"]
+    strength = cols["lie_strength"] if "lie_strength" in cols else lie * 1.0
     bad = ~np.isfinite(ad)  # a missing or NaN logprob is an error of the engine, never "clean"
     adf = np.where(bad, np.inf, ad)
     flagged = (adf > th.divergent_abs_diff) | flip | lie
@@ -80,7 +86,7 @@ def per_request(metrics: pa.Table, th: Thresholds, starts: np.ndarray | None = N
     last = seg(np.maximum, np.where(after, np.arange(n), -1)) if n else np.zeros(0, dtype=np.int64)
     last_lies = (last >= 0) & strong[np.maximum(last, 0)] if n else np.zeros(0, dtype=bool)
     sustained = (lies_after >= th.gibberish_min_tokens) | ((lies_after >= 1) & last_lies)
-    cols = {
+    out = {
         "n_scored_tokens": counts,
         "max_abs_logprob_diff": seg(np.maximum, adf),
         "mean_abs_logprob_diff": seg(np.add, np.where(bad, 0.0, ad)) / np.maximum(counts, 1),
@@ -92,16 +98,17 @@ def per_request(metrics: pa.Table, th: Thresholds, starts: np.ndarray | None = N
         "gibberish_score": score,
     }
     verdict = np.full(len(starts), "clean", dtype=object)
-    verdict[cols["max_abs_logprob_diff"] > th.clean_abs_diff] = "noise"
+    verdict[out["max_abs_logprob_diff"] > th.clean_abs_diff] = "noise"
     verdict[(first != _BIG)] = "divergent"
     verdict[sustained & (score >= th.gibberish_min_score)] = "corrupt"
-    cols["verdict"] = verdict
-    return ids, cols
+    out["verdict"] = verdict
+    return out
 
 
 def summarize_requests(metrics: pa.Table, requests: pa.Table, th: Thresholds,
-                       starts: np.ndarray | None = None) -> pa.Table:
-    seg_ids, by_id = per_request(metrics, th, starts)
+                       starts: np.ndarray | None = None, per: tuple | None = None) -> pa.Table:
+    """`per`: the `per_request` result when the caller already has it (computed in chunks)."""
+    seg_ids, by_id = per if per is not None else per_request(metrics, th, starts)
 
     # Align to every request of the run, in arrival order.
     req = by_arrival(requests)

@@ -163,12 +163,12 @@ def downsample_by_bin(x: np.ndarray, y: np.ndarray, keep: np.ndarray, max_points
     rest = np.flatnonzero(~keep)
     n_bins = max(1, max_points - kept.size)
     if rest.size > n_bins:
-        order = rest[np.lexsort((-yy[rest], x[rest]))]  # by x, then largest y first
-        xs = x[order]
-        edges = np.linspace(xs[0], xs[-1] + 1e-9, n_bins + 1)
-        b = np.searchsorted(edges, xs, side="right") - 1
-        first = np.r_[True, b[1:] != b[:-1]]
-        rest = order[first]
+        xr = x[rest]
+        edges = np.linspace(xr.min(), xr.max() + 1e-9, n_bins + 1)
+        b = np.searchsorted(edges, xr, side="right") - 1
+        order = np.lexsort((-yy[rest], b))  # by bin, then largest y first: each bin's first row is its max
+        first = np.r_[True, b[order][1:] != b[order][:-1]]
+        rest = rest[order[first]]
     idx = np.concatenate([kept, rest])
     return idx[np.argsort(x[idx], kind="stable")]
 

@@ -104,7 +104,7 @@ def build(picks: list[dict], requests: dict[str, dict], tokens: pa.Table, refere
             "n_output_tokens": p.get("n_output_tokens", n), "shown": [lo, hi],
             "prompt_text": _clip(decode_text(prompt_ids)), "n_prompt_tokens": len(prompt_ids),
             "output_text": _clip(req.get("output_text") or ""), "finish_reason": req.get("finish_reason"),
-            "oracle_expected": req.get("oracle_expected"), "oracle_ok": req.get("oracle_ok"),
+            "oracle_expected": req.get("oracle_expected"), "oracle_ok": req.get("oracle_ok"), "error": p.get("error"),
             "tokens": rows, "trace": trc.get(rid),
         })
     vocab_ids = sorted(i for i in used if i is not None)

@@ -38,8 +38,11 @@ def load(path: Path) -> dict:
         c["link"] = _link(path, c.get("run_dir"))
     chart_list = []
     for key, title, log_y in METRICS:
-        if any(isinstance(c.get(key), (int, float)) and not isinstance(c.get(key), bool) for c in cells):
+        values = [c.get(key) for c in cells if isinstance(c.get(key), (int, float)) and not isinstance(c.get(key), bool)]
+        if values:
             x, groups, x_title = _grid(knobs, cells, key)
+            # a log axis only pays when the values span orders of magnitude
+            log_y = log_y and min(values) > 0 and max(values) / min(values) >= 100
             chart_list.append({"key": key, "title": title, "figure": charts.knob_lines(x, groups, title, x_title, log_y)})
     names = [str(c.get("name", i)) for i, c in enumerate(cells)]
     if knobs:

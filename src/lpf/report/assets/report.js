@@ -40,7 +40,10 @@
   }
   function pct(a, b) { return b ? (100 * a / b) : 0; }
   function fmtPct(a, b) { return b ? (pct(a, b) < 0.1 && a > 0 ? pct(a, b).toFixed(2) : pct(a, b).toFixed(1)) + "%" : "–"; }
-  function badge(v, small) { return txt("span", "badge v-" + (COLORS[v] ? v : "error") + (small ? " small" : ""), v || "?"); }
+  function badge(v, small, colorAs) {
+    var c = COLORS[v] ? v : (colorAs || "error");
+    return txt("span", "badge v-" + c + (small ? " small" : ""), v || "?");
+  }
   function kpi(k, v, d) { return h("div", "kpi", [txt("div", "k", k), txt("div", "v", v), d ? txt("div", "d", d) : null]); }
   function kv(obj, keys) {
     var box = h("div", "kv");
@@ -89,12 +92,12 @@
   }
   function drawPlots() {
     var config = { displaylogo: false, responsive: true, modeBarButtonsToRemove: ["lasso2d", "select2d"] };
-    plots.forEach(function (p) { Plotly.newPlot(p[0], p[1].data, p[1].layout, config); });
+    return Promise.all(plots.map(function (p) { return Plotly.newPlot(p[0], p[1].data, p[1].layout, config); }));
   }
 
-  function hero(kicker, title, verdict, subParts, kpis, mix) {
+  function hero(kicker, title, verdict, subParts, kpis, mix, colorAs) {
     var hdr = h("header", "hero"), w = h("div", "wrap");
-    var h1 = h("h1", null, [txt("span", null, title), verdict ? badge(verdict) : null]);
+    var h1 = h("h1", null, [txt("span", null, title), verdict ? badge(verdict, false, colorAs) : null]);
     var sub = h("div", "sub");
     subParts.forEach(function (p, i) {
       if (i) sub.appendChild(document.createTextNode("  ·  "));
@@ -161,7 +164,8 @@
     var o = F.oracle || {};
     var eng = M.engine || {};
     var kp = [
-      kpi("requests", fmt(F.n_requests), (F.errors ? F.errors + " errors · " : "") + (F.unscored ? F.unscored + " unscored" : "all scored")),
+      kpi("requests", fmt(F.n_requests), (F.errors || F.unscored) ?
+        [F.errors ? F.errors + " failed in the engine" : null, F.unscored ? F.unscored + " unscored" : null].filter(Boolean).join(" · ") : "all scored"),
       kpi("tokens", fmt(F.n_tokens), fmt(F.n_scored_tokens) + " scored"),
       kpi("flagged", fmt(D.n_flagged), rate === null ? "" : (100 * rate).toFixed(rate < 0.001 && rate > 0 ? 3 : 1) + "% of scored requests"),
       kpi("max |diff|", fmt(ad.max), "p99 " + fmt(ad.p99) + " · p50 " + fmt(ad.p50)),
@@ -289,6 +293,7 @@
       var meta = { prompt_id: r.prompt_id, rollout: r.rollout, output_tokens: r.n_output_tokens, prompt_tokens: r.n_prompt_tokens,
         finish_reason: r.finish_reason };
       if (r.gibberish_score != null) meta.gibberish_score = r.gibberish_score;
+      if (r.error) meta.engine_error = r.error;
       if (r.oracle_expected != null) { meta.oracle_expected = r.oracle_expected; meta.oracle_ok = r.oracle_ok; }
       var left = h("div", null, [txt("h4", null, "request"), kv(meta)]);
       var right = h("div");
@@ -377,9 +382,12 @@
       [kpi("cells", fmt(cells.length)), kpi("requests", fmt(total), "over all cells"), kpi("flagged cells", fmt(flaggedCells), "divergent or corrupt")]));
     var main = h("main", "wrap");
     var mv = section("moves", "What moves the shape", "Which knob changes the failure's rate, onset, position or period.");
+    // the moves that do move come first; the "does not move" ones stay, muted (they are evidence too)
     var moves = (D.moves || []).filter(function (m) { return m && m.sentence; });
+    moves = moves.filter(function (m) { return m.moves !== false; }).concat(moves.filter(function (m) { return m.moves === false; }));
     if (moves.length) add(mv, h("ul", "sentences", moves.map(function (m) {
-      return h("li", null, [m.knob ? txt("span", "pill", m.knob + (m.metric ? " → " + m.metric : "")) : null, " ", m.sentence]);
+      return h("li", m.moves === false ? "muted" : null,
+        [m.knob ? txt("span", "pill" + (m.moves === false ? " default" : ""), m.knob + (m.metric ? " → " + m.metric : "")) : null, " ", m.sentence]);
     })));
     else add(mv, txt("div", "empty", "no knob moved the shape beyond noise"));
     main.appendChild(mv);
@@ -397,7 +405,8 @@
       var vals = Object.keys(c.values || {}).map(function (k) { return k + "=" + c.values[k]; }).join(", ");
       var cn = c.counts || {};
       return [name, vals, c.verdict ? badge(c.verdict, true) : "–", c.n_requests,
-        VERDICTS.map(function (v) { return cn[v] || 0; }).join(" / "), c.rate, c.onset_seq, c.onset_step,
+        VERDICTS.map(function (v) { return cn[v] || 0; }).join(" / "), isNum(c.rate) ? (100 * c.rate).toFixed(2) + "%" : null,
+        c.onset_seq, c.onset_step,
         c.first_divergence_median, c.period, c.max_abs_logprob_diff];
     });
     add(ct, cells.length ? table(["cell", "knobs", "verdict", "requests", "clean / noise / div / corrupt", "rate", "onset seq", "onset step",
@@ -410,14 +419,17 @@
   function rlPage() {
     var F = D.findings || {};
     var spikes = F.spikes || [], per = F.period || {};
-    app.appendChild(hero("logprob forensics · RL rollouts vs trainer", "RL report", spikes.length ? "divergent" : "clean",
+    var verdict = typeof F.verdict === "string" ? F.verdict : (spikes.length ? "spikes" : "clean");
+    app.appendChild(hero("logprob forensics · RL rollouts vs trainer", "RL report", verdict,
       [["steps", fmt(F.n_steps)], ["responses", fmt(F.n_responses)], ["tokens", fmt(F.n_tokens)]],
       [kpi("spike steps", fmt(spikes.length), spikes.length ? "first at step " + fmt(spikes[0].step) : "none"),
        kpi("period", per.period != null ? "every " + fmt(per.period) + " steps" : "none", "confidence " + fmt(per.confidence)),
-       kpi("bad rows", fmt((F.bad_rows || []).length), "rows of the dump that could not be used")]));
+       kpi("bad rows", fmt((F.bad_rows || []).length), "rows of the dump that could not be used")],
+      null, spikes.length ? "corrupt" : "clean"));
     var main = h("main", "wrap");
     var top = (F.hypotheses || [])[0];
     var sr = section("series", "Per-step series", "One point per training step; red crosses mark spike steps.");
+    if (typeof F.summary === "string" && F.summary) add(sr, h("div", "lead" + (spikes.length ? "" : " ok"), F.summary));
     if (top && top.sentence) add(sr, h("div", "lead", [txt("b", null, "Best explanation: "), top.sentence]));
     (D.charts || []).forEach(function (c) { add(sr, [txt("h3", null, c.title), plot(c.figure)]); });
     if (!(D.charts || []).length) add(sr, txt("div", "empty", "rl_steps.parquet has no metric columns"));
@@ -443,6 +455,7 @@
   if (D.kind === "sweep") sweepPage();
   else if (D.kind === "rl") rlPage();
   else runPage();
-  drawPlots();
-  document.body.dataset.ready = "1";
+  // data-ready tells a waiting reader (the browser tests) that every chart has been drawn
+  drawPlots().then(function () { document.body.dataset.ready = "1"; },
+                   function (e) { document.body.dataset.ready = "error"; console.error("lpf report: a chart failed", e); });
 })();
