@@ -4,6 +4,13 @@ Same model, same workload (the zoo's stress mix: prompts of ~8..470 tokens, max_
 greedy with ignore_eos so both produce exactly the same number of tokens, float32, in one run.
 Each engine runs in its own process through `lpf run`; process and model start-up are measured by
 the same command on a 1-token workload and subtracted, so the ratio compares generation only.
+Where vLLM's venv exists (`make vllm`, see lpf.engines.vllm), vLLM (offline `vllm.LLM`, the `vllm`
+adapter) joins the table with the builtin engine's knobs (max_num_seqs 64, max_num_batched_tokens 512,
+chunked prefill on, prefix caching off, one torch thread). Its start-up is 20-60 s and too noisy to
+subtract, so its generation time is the in-engine window instead: first request submitted to vLLM to
+last request finished (the worker's own t_submit/t_finish, stored in the run's requests table).
+The same window is recorded for HF and builtin as a cross-check of the two measures. Without the
+venv the vLLM column is skipped, and the bench says so.
 Usage: python bench/engine.py [--requests N] [--model SPEC]   (writes bench/results/engine.json)
 """
 
@@ -32,6 +39,32 @@ def lpf_run(engine: str, model: str, workload: Path, out: Path, extra: list[str]
     return time.perf_counter() - t0
 
 
+def in_engine_window(out: Path) -> float:
+    """Seconds from the first request submitted to the engine to the last one finished (engine clocks)."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    req = pq.read_table(out / "requests")
+    errors = [e for e in req.column("error").to_pylist() if e]
+    if errors:
+        sys.exit(f"{out.name}: {len(errors)} request(s) failed, first: {errors[0]}")
+    return pc.max(req.column("t_finish")).as_py() - pc.min(req.column("t_submit")).as_py()
+
+
+def vllm_args() -> tuple[list[str] | None, str]:
+    """`lpf run` arguments for the vLLM column, or None and why it is skipped."""
+    from lpf.engines.vllm import vllm_python
+    from lpf.errors import LpfError
+
+    try:
+        python = vllm_python()
+    except LpfError as e:
+        return None, str(e)
+    # the builtin engine's knobs under vLLM's names; prefix caching off because the builtin engine has none
+    return (["--dtype", "float32", "--max-num-seqs", "64", "--max-num-batched-tokens", "512",
+             "--enable-chunked-prefill", "-E", "enable_prefix_caching=false"], str(python))
+
+
 def startup(engine: str, model: str, tmp: Path, extra: list[str]) -> float:
     """Wall time of the same command on a 1-request, 1-token workload: process + model start-up."""
     w = tmp / f"one-{engine}.jsonl"
@@ -52,6 +85,9 @@ def main() -> None:
     model = a.model or ("zoo:hybrid" if registry.model_available("hybrid") else "tiny:hybrid")
     items = registry.workload_items("stress", seed=1, n=a.requests)
     engines = {"hf": ["-E", "batch_size=32"], "builtin": ["--max-num-seqs", "64", "--max-num-batched-tokens", "512"]}
+    vllm_extra, vllm_where = vllm_args()
+    if vllm_extra is None:
+        print(f"vLLM column skipped: {vllm_where}", file=sys.stderr)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -60,32 +96,73 @@ def main() -> None:
                               for it in items))
         times: dict[str, list[float]] = {name: [] for name in engines}
         base = {name: startup(name, model, tmp, extra) for name, extra in engines.items()}
+        windows: dict[str, list[float]] = {name: [] for name in [*engines, "vllm"]}
+        vllm_walls: list[float] = []
         for rep in range(a.repeats):  # interleaved, so a noisy minute hurts both engines alike
             for name, extra in engines.items():
                 out = tmp / f"{name}-{rep}"
                 times[name].append(lpf_run(name, model, wl, out, extra) - base[name])
+                windows[name].append(in_engine_window(out))
+            if vllm_extra is not None:
+                out = tmp / f"vllm-{rep}"
+                vllm_walls.append(lpf_run("vllm", model, wl, out, vllm_extra))
+                windows["vllm"].append(in_engine_window(out))
         for name in engines:
             req = pq.read_table(tmp / f"{name}-0" / "requests")
             n_out = sum(len(x) for x in req.column("output_token_ids").to_pylist())
             secs = statistics.median(times[name])
             results[name] = {"seconds": secs, "all_seconds": times[name], "startup_s": base[name],
-                             "output_tokens": n_out, "tokens_per_s": n_out / secs}
+                             "output_tokens": n_out, "tokens_per_s": n_out / secs,
+                             "in_engine_window_s": windows[name]}
             print(f"{name:8s} {n_out} tokens, median {secs:.1f}s of {[round(t, 1) for t in times[name]]} "
-                  f"(+{base[name]:.1f}s start-up): {results[name]['tokens_per_s']:.0f} tok/s", file=sys.stderr)
+                  f"(+{base[name]:.1f}s start-up): {results[name]['tokens_per_s']:.0f} tok/s; in-engine window "
+                  f"{[round(t, 1) for t in windows[name]]}", file=sys.stderr)
         hf_out = pq.read_table(tmp / "hf-0" / "requests").sort_by("seq").column("output_token_ids").to_pylist()
         bi_out = pq.read_table(tmp / "builtin-0" / "requests").sort_by("seq").column("output_token_ids").to_pylist()
         results["identical_greedy_outputs"] = sum(x == y for x, y in zip(hf_out, bi_out)) / len(hf_out)
+        if vllm_extra is not None:
+            req = pq.read_table(tmp / "vllm-0" / "requests").sort_by("seq")
+            vl_out = req.column("output_token_ids").to_pylist()
+            n_out = sum(len(x) for x in vl_out)
+            secs = statistics.median(windows["vllm"])
+            version = json.loads((tmp / "vllm-0" / "manifest.json").read_text())["engine"].get("version")
+            same = sum(x == y for x, y in zip(vl_out, bi_out)) if len(vl_out) == len(bi_out) else 0
+            results["vllm"] = {"version": version, "python": vllm_where, "args": vllm_extra,
+                               "seconds": secs, "all_seconds": windows["vllm"], "measure": "in-engine window",
+                               "lpf_run_wall_s": vllm_walls, "output_tokens": n_out, "tokens_per_s": n_out / secs,
+                               "identical_greedy_vs_builtin": same, "of_requests": len(bi_out)}
+            print(f"vllm     {n_out} tokens, median {secs:.1f}s of {[round(t, 1) for t in windows['vllm']]} "
+                  f"(in-engine window; whole `lpf run` {[round(t, 1) for t in vllm_walls]}): "
+                  f"{results['vllm']['tokens_per_s']:.0f} tok/s; greedy outputs identical to builtin: "
+                  f"{same}/{len(bi_out)}", file=sys.stderr)
+        else:
+            results["vllm"] = {"skipped": vllm_where}
     ratio = results["builtin"]["tokens_per_s"] / results["hf"]["tokens_per_s"]
     out = {"model": model, "requests": a.requests, "ratio": ratio, "results": results, "date": time.strftime("%Y-%m-%d")}
+    has_vllm = "tokens_per_s" in results["vllm"]
+    if has_vllm:
+        out["ratio_vllm_vs_hf"] = results["vllm"]["tokens_per_s"] / results["hf"]["tokens_per_s"]
+        out["ratio_builtin_vs_vllm"] = results["builtin"]["tokens_per_s"] / results["vllm"]["tokens_per_s"]
     Path(__file__).with_name("results").mkdir(exist_ok=True)
     Path(__file__).with_name("results").joinpath("engine.json").write_text(json.dumps(out, indent=2))
-    print("| engine | output tokens/s | vs HF generate |")
-    print("|---|---|---|")
-    print(f"| HF generate (padded static batches of 32) | {results['hf']['tokens_per_s']:.0f} | 1.0x |")
-    print(f"| lpf builtin (continuous batching) | {results['builtin']['tokens_per_s']:.0f} | {ratio:.2f}x |")
+    vl = results["vllm"].get("tokens_per_s")
+    col = (lambda tps: f" {tps / vl:.2f}x |") if has_vllm else (lambda tps: "")
+    print("| engine | output tokens/s | vs HF generate |" + (" vs vLLM |" if has_vllm else ""))
+    print("|---|---|---|" + ("---|" if has_vllm else ""))
+    print(f"| HF generate (padded static batches of 32) | {results['hf']['tokens_per_s']:.0f} | 1.00x |"
+          + col(results['hf']['tokens_per_s']))
+    print(f"| lpf builtin (continuous batching) | {results['builtin']['tokens_per_s']:.0f} | {ratio:.2f}x |"
+          + col(results['builtin']['tokens_per_s']))
+    if has_vllm:
+        print(f"| vLLM {results['vllm']['version']} CPU (offline LLM, chunked prefill) | {vl:.0f} | "
+              f"{out['ratio_vllm_vs_hf']:.2f}x |" + col(vl))
+    else:
+        print(f"\n(vLLM column skipped: {results['vllm']['skipped']})")
     print(f"\n{a.requests} requests of zoo:stress on {model}, float32, greedy, ignore_eos, median of {a.repeats} "
           f"interleaved runs; "
-          f"identical greedy outputs: {results['identical_greedy_outputs']:.1%}")
+          f"identical greedy outputs: {results['identical_greedy_outputs']:.1%}"
+          + (f"; vLLM's greedy outputs identical to builtin's: {results['vllm']['identical_greedy_vs_builtin']}/"
+             f"{results['vllm']['of_requests']}" if has_vllm else ""))
 
 
 if __name__ == "__main__":

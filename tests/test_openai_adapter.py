@@ -172,6 +172,8 @@ def test_unknown_model_name_fails_every_request_and_exits_2(lpf_cli, tmp_path):
                     "--reference", MODEL, "--workload", _prompts(tmp_path, ["ok"]), "--out", out)
     assert r.code == 2
     assert "nothing could be audited" in r.err
+    findings = json.loads((out / "findings.json").read_text())
+    assert findings["verdict"] == "error" and findings["errors"] == 1  # never "clean" when nothing was scored
     (row,) = _requests(out).values()
     assert "HTTP 404" in row["error"] and "does not exist" in row["error"]
     assert len(server.posts) == 1  # a 404 is not retried

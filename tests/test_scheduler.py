@@ -89,5 +89,14 @@ def test_slot_pool_sweeps_upward_before_reuse():
 def test_request_that_can_never_fit_is_rejected_not_hung():
     cfg = EngineConfig(block_size=4)
     s = Scheduler(cfg, num_slots=2, num_blocks=2)
-    assert not s.fits_at_all(_req(0, prompt_len=8, max_tokens=4))
-    assert s.fits_at_all(_req(0, prompt_len=4, max_tokens=4))
+    assert "raise --cache-mb" in s.why_never_runs(_req(0, prompt_len=8, max_tokens=4))
+    assert s.why_never_runs(_req(0, prompt_len=4, max_tokens=4)) is None
+
+
+def test_no_chunking_refuses_what_one_step_can_never_hold():
+    """Without chunked prefill a request needs prompt + outputs (after a recompute) in one step: one
+    that cannot get them would wait forever, so it is refused when added."""
+    s = Scheduler(EngineConfig(block_size=4, max_num_batched_tokens=16, enable_chunked_prefill=False),
+                  num_slots=2, num_blocks=64)
+    assert "max_num_batched_tokens is 16" in s.why_never_runs(_req(0, prompt_len=14, max_tokens=4))
+    assert s.why_never_runs(_req(0, prompt_len=12, max_tokens=4)) is None

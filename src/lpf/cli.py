@@ -103,17 +103,12 @@ def _run_spec(engine, model, workload, out, n, temperature, top_p, top_k, max_to
     from lpf.sampling import SamplingParams
     from lpf.workload import DEFAULT_WORKLOAD
 
-    options = {}
-    for kv in engine_option:
-        key, sep, value = kv.partition("=")
-        if not sep:
-            raise LpfError(f"--engine-option expects KEY=VALUE, got {kv!r}")
-        options[key.strip()] = value.strip()
-    knobs = {"dtype": dtype, "cache_mb": cache_mb, "max_num_seqs": max_num_seqs,
-             "max_num_batched_tokens": max_num_batched_tokens, "enable_chunked_prefill": enable_chunked_prefill,
-             "inject": ",".join(inject) if inject else None, "base_url": base_url, "api_key_env": api_key_env,
-             "served_model": served_model}
-    options.update({k: v for k, v in knobs.items() if v is not None})
+    from lpf.knobs import engine_options
+
+    options = engine_options(engine_option, inject, dtype=dtype, cache_mb=cache_mb, max_num_seqs=max_num_seqs,
+                             max_num_batched_tokens=max_num_batched_tokens,
+                             enable_chunked_prefill=enable_chunked_prefill, base_url=base_url,
+                             api_key_env=api_key_env, served_model=served_model)
     model = _engine_model_spec(engine, model, reference, options)
     if part_size < 1:
         raise LpfError("--part-size must be >= 1")

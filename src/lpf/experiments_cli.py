@@ -128,16 +128,11 @@ def register(cli: click.Group) -> None:
         from lpf.models import DEFAULT_MODEL
         from lpf.repeat import DEFAULT_TOLERANCE, RepeatSpec, run_repeat
 
-        options = {}
-        for kv in engine_option:
-            key, sep, value = kv.partition("=")
-            if not sep:
-                raise LpfError(f"--engine-option expects KEY=VALUE, got {kv!r}")
-            options[key.strip()] = value.strip()
-        knobs = {"dtype": dtype, "cache_mb": cache_mb, "max_num_seqs": max_num_seqs,
-                 "max_num_batched_tokens": max_num_batched_tokens, "enable_chunked_prefill": enable_chunked_prefill,
-                 "inject": ",".join(inject) if inject else None}
-        options.update({k: v for k, v in knobs.items() if v is not None})
+        from lpf.knobs import engine_options
+
+        options = engine_options(engine_option, inject, dtype=dtype, cache_mb=cache_mb, max_num_seqs=max_num_seqs,
+                                 max_num_batched_tokens=max_num_batched_tokens,
+                                 enable_chunked_prefill=enable_chunked_prefill)
         if max_tokens < 1:
             raise LpfError(f"--max-tokens must be >= 1, got {max_tokens}")
         tol = DEFAULT_TOLERANCE if tolerance is None else tolerance

@@ -8,7 +8,6 @@ model, workload, options), so a bad invocation writes nothing. Progress is repor
 from __future__ import annotations
 
 import json
-import math
 import platform
 import socket
 import time
@@ -24,6 +23,7 @@ from lpf.analysis.findings import analyze
 from lpf.analysis.thresholds import Thresholds
 from lpf.engines import get_engine_class
 from lpf.errors import LpfError
+from lpf.jsonsafe import finite
 from lpf.models import ModelRef, load_tokenizer, resolve_model, tokenizer_fingerprint
 from lpf.run import schema
 from lpf.run.store import RunDir
@@ -207,16 +207,7 @@ def analyze_run(run: RunDir, thresholds: Thresholds) -> dict:
     import pyarrow.parquet as pq
 
     pq.write_table(summary, run.path / "summary.parquet")
-    run.write_json("findings.json", _finite(findings))
-    return _finite(findings)
+    run.write_json("findings.json", finite(findings))
+    return finite(findings)
 
 
-def _finite(obj):
-    """JSON has no inf/NaN: write them as null (the value is still in the Parquet parts)."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_finite(v) for v in obj]
-    return obj

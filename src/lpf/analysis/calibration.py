@@ -44,7 +44,7 @@ def noise_floor(abs_diff: np.ndarray, starts: np.ndarray) -> dict:
     if n == 0 or starts.size == 0:
         return {"n_requests": 0, "n_tokens": 0}
     finite = np.isfinite(abs_diff)
-    mx = np.maximum.reduceat(np.where(finite, abs_diff, -np.inf), starts)
+    mx = np.maximum.reduceat(abs_diff if finite.all() else np.where(finite, abs_diff, -np.inf), starts)
     mx = mx[np.isfinite(mx)]
     # the token statistics on at most SAMPLE evenly spaced tokens: a median and a MAD do not need
     # every token of a 20M-token run, and one fewer pass over them matters there

@@ -44,11 +44,12 @@ def analyze(requests: pa.Table, tokens: pa.Table, reference: pa.Table, th: Thres
     """(per-request summary, findings dict). Pure: tables in, tables and plain data out."""
     joined, starts = m.join_grouped(tokens, reference)
     with np.errstate(invalid="ignore"):
-        ad = np.abs(joined.column("engine_logprob").to_numpy() - joined.column("ref_logprob").to_numpy())
+        ad = np.subtract(joined.column("engine_logprob").to_numpy(), joined.column("ref_logprob").to_numpy())
+        np.abs(ad, out=ad)
     th, calib = calibrate(ad, starts, th)
     tok, per = _score(joined, starts, ad, greedy, th)
     summary = summarize_requests(tok, requests, th, starts, per=per)
-    findings = build_findings(tok, summary, th)
+    findings = build_findings(tok, summary, th, flips=int(per[1]["n_greedy_flips"].sum()))
     findings["thresholds"].update(calib, pinned=sorted(th.pinned))
     shape = failure_shape(summary, requests, trace)
     steps = shape.pop("_divergence_steps")
@@ -64,7 +65,9 @@ def _score(joined: pa.Table, starts: np.ndarray, ad: np.ndarray, greedy: bool, t
     temporaries of a chunk fit in cache and their memory is reused, where whole-run temporaries of
     a 20M-token run cost a fresh 160 MB mapping (and its page faults) each. The metric columns are
     written straight into whole-run arrays (`ad`, the calibration's |d|, is the abs_logprob_diff
-    column: rewritten with the same values), so the result is one contiguous column each."""
+    column: rewritten with the same values), so each is one contiguous column. The token table
+    keeps the four error metrics (`METRIC_COLUMNS`); flips and lie strengths live per chunk, as
+    only the per-request reductions read them."""
     n = joined.num_rows
     cuts = [0]  # chunk bounds at request starts, each chunk at least CHUNK rows (the last: the rest)
     while cuts[-1] + CHUNK < n:
@@ -75,7 +78,7 @@ def _score(joined: pa.Table, starts: np.ndarray, ad: np.ndarray, greedy: bool, t
     cuts.append(n)
     inputs = m.input_arrays(joined)
     inputs["position"] = joined.column("position").to_numpy()
-    out = {name: np.empty(n, dtype) for name, dtype in m.METRIC_DTYPES.items() if name != "abs_logprob_diff"}
+    out = {name: np.empty(n, np.float64) for name in METRIC_COLUMNS[1:]}
     out["abs_logprob_diff"] = ad
     cols = []
     for lo, hi in zip(cuts, cuts[1:]):
@@ -85,7 +88,7 @@ def _score(joined: pa.Table, starts: np.ndarray, ad: np.ndarray, greedy: bool, t
     merged = {k: np.concatenate([c[k] for c in cols]) for k in cols[0]}
     ids = joined.column("request_id").take(pa.array(starts)).combine_chunks() if n else pa.array([], pa.string())
     tok = joined
-    for name in m.METRIC_DTYPES:
+    for name in METRIC_COLUMNS:
         tok = tok.append_column(name, pa.array(out[name]))
     return tok, (ids, merged)
 
@@ -117,7 +120,9 @@ def _hypotheses(summary, requests, tok, reference, trace, engine_info, temperatu
     return rank_hypotheses(feats, flagged, scored, label, other, signatures=sigs)
 
 
-def build_findings(tok: pa.Table, summary: pa.Table, th: Thresholds) -> dict:
+def build_findings(tok: pa.Table, summary: pa.Table, th: Thresholds, flips: int | None = None) -> dict:
+    """`flips`: the greedy flips over all scored tokens when the caller counted them (else read from
+    the token table's greedy_flip column)."""
     vc = pc.value_counts(summary.column("verdict")).to_pylist()
     tally = {c["values"]: c["counts"] for c in vc}
     counts = {v: tally.get(v, 0) for v in VERDICTS}
@@ -133,7 +138,8 @@ def build_findings(tok: pa.Table, summary: pa.Table, th: Thresholds) -> dict:
     metrics["token_mult_prob_error"] = {**m.monotone_percentiles(metrics["abs_logprob_diff"], np.exp),
                                         "mean": float(mult.mean()) if mult.size else None}
     if tok.num_rows:
-        metrics["greedy_flip_rate"] = float(pc.sum(tok.column("greedy_flip")).as_py() / tok.num_rows)
+        flips = pc.sum(tok.column("greedy_flip")).as_py() if flips is None else flips
+        metrics["greedy_flip_rate"] = float(flips / tok.num_rows)
         same = np.count_nonzero(tok.column("token_id").to_numpy() == tok.column("ref_top1_id").to_numpy())
         metrics["same_top1_pct"] = float(100.0 * (same / tok.num_rows))
     oracle = summary.column("oracle_ok").to_pylist()

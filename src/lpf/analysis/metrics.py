@@ -29,7 +29,7 @@ _REF_COLS = ["request_id", "position", "ref_logprob", "ref_rank", "ref_entropy",
 
 
 def first_of_lists(col) -> np.ndarray:
-    """First element of each list (int64), -1 where the list is empty or null."""
+    """First element of each list (the ids' integer type, else int64), -1 where the list is empty or null."""
     arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
     if len(arr) == 0:
         return np.zeros(0, dtype=np.int64)
@@ -38,13 +38,18 @@ def first_of_lists(col) -> np.ndarray:
     width = np.diff(offsets)
     k = int(width[0])
     if k > 0 and not arr.null_count and int(width.min()) == k == int(width.max()):
-        return values[offsets[0]:offsets[-1]:k].astype(np.int64)  # fixed-width top-k: a strided view
+        return _as_ids(values[offsets[0]:offsets[-1]:k])  # fixed-width top-k: a strided view
     has = width > 0
     if arr.null_count:
         has &= arr.is_valid().to_numpy(zero_copy_only=False)
     if values.size == 0:
         return np.full(len(arr), -1, dtype=np.int64)
-    return np.where(has, values[np.minimum(offsets[:-1], values.size - 1)], -1).astype(np.int64)
+    return _as_ids(np.where(has, values[np.minimum(offsets[:-1], values.size - 1)], -1))
+
+
+def _as_ids(x: np.ndarray) -> np.ndarray:
+    """Contiguous integer ids: int32 stays int32 (half the memory of int64 over a 20M-token run)."""
+    return np.ascontiguousarray(x) if x.dtype.kind in "iu" else x.astype(np.int64)
 
 
 def _group_starts(ids: pa.ChunkedArray, pos: np.ndarray) -> np.ndarray | None:
@@ -120,10 +125,11 @@ def token_metrics(joined: pa.Table, greedy: bool, th: Thresholds) -> pa.Table:
 
 def metric_arrays(cols: dict[str, np.ndarray], greedy: bool, th: Thresholds,
                   out: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
-    """The metric columns (`METRIC_DTYPES`) from `input_arrays`, written into `out` when given
-    (arrays of the same length, e.g. one chunk's slices of whole-run arrays) and returned."""
+    """The metric columns (`METRIC_DTYPES`) from `input_arrays`, written into the arrays of `out`
+    that it has (of the same length, e.g. one chunk's slices of whole-run arrays), all returned."""
     eng, ref, tok = cols["engine_logprob"], cols["ref_logprob"], cols["token_id"]
-    out = out if out is not None else {name: np.empty(len(eng), dtype) for name, dtype in METRIC_DTYPES.items()}
+    given = out or {}
+    out = {name: given[name] if name in given else np.empty(len(eng), dtype) for name, dtype in METRIC_DTYPES.items()}
     with np.errstate(over="ignore", invalid="ignore"):
         d = eng - ref
         ad = np.abs(d, out=out["abs_logprob_diff"])
@@ -132,9 +138,10 @@ def metric_arrays(cols: dict[str, np.ndarray], greedy: bool, th: Thresholds,
         k3 -= 1.0                                      # exact for large |d| too
         np.exp(ad, out=out["token_mult_prob_error"])
         rank, top1 = cols["ref_rank"], cols["ref_top1_id"]
+        other_top = tok != top1
         if greedy:
             margin = cols["ref_top1_logprob"] - ref
-            np.logical_and(tok != top1, margin > th.tie_margin, out=out["greedy_flip"])
+            np.logical_and(other_top, margin > th.tie_margin, out=out["greedy_flip"])
         else:
             out["greedy_flip"][:] = False
         # The engine's own top choice: its reported top-1, or (greedy, no top-k) the token itself.
@@ -143,9 +150,11 @@ def metric_arrays(cols: dict[str, np.ndarray], greedy: bool, th: Thresholds,
         absolute = (eng >= th.confident_logprob) & (ref <= th.improbable_logprob)
         # relative: the engine's own choice, not the reference's, graded by how many times more
         # likely the engine found it (1 at gibberish_log_ratio and beyond)
-        relative = np.where(own_top & (tok != top1) & (rank > 1), np.clip(d / th.gibberish_log_ratio, 0.0, 1.0), 0.0)
+        relative = np.where(own_top & other_top & (rank > 1), np.clip(d / th.gibberish_log_ratio, 0.0, 1.0), 0.0)
+        relative[np.isnan(relative)] = 0.0  # a NaN d grades nothing (after the clip only NaN is not finite)
         strength = out["lie_strength"]
-        strength[:] = np.where(absolute, 1.0, np.nan_to_num(relative, nan=0.0))
+        np.copyto(strength, relative)
+        strength[absolute] = 1.0
         np.greater_equal(strength, 0.5, out=out["gibberish"])
     return out
 
@@ -178,10 +187,12 @@ BRACKET_SAMPLE = 1 << 16
 
 def order_statistics(a: np.ndarray, ks: list[int]) -> dict[int, np.floating]:
     """{k: the k-th smallest of `a`} for sorted ranks `ks`, exactly, without reordering or copying
-    `a`: a sorted strided sample brackets each group of neighbouring ranks, one pass counts the
-    values below a bracket and gathers the few inside it, and only those are partitioned (a full
-    partition of a 20M-value array costs ten such passes). A bracket the sample got wrong (the
-    rank is not inside it) falls back to partitioning a copy: slower, never a different answer."""
+    `a`: a sorted strided sample brackets the lowest group of neighbouring ranks, one pass counts
+    the values below the bracket and gathers the few inside it, and only those are partitioned; the
+    higher ranks recurse into the values above the next group's lower bound (a tail: p90 and up
+    are in the top tenth). A full partition of a 20M-value array costs ten such passes. A bracket
+    the sample got wrong (a rank outside it) falls back to partitioning a copy: slower, never a
+    different answer."""
     if a.size <= SMALL_SELECT:
         b = np.partition(a, ks)
         return {k: b[k] for k in ks}
@@ -192,22 +203,34 @@ def order_statistics(a: np.ndarray, ks: list[int]) -> dict[int, np.floating]:
             groups[-1].append(k)
         else:
             groups.append([k])
-    out = {}
-    for g in groups:
-        p = g[0] / a.size
-        margin = int(6 * np.sqrt(p * (1 - p) * s.size)) + 4  # six standard errors of a sample rank
-        i, j = int(p * s.size) - margin, int(g[-1] / a.size * s.size) + margin
-        lo = s[i] if i > 0 else -np.inf
-        hi = s[j] if j < s.size else np.inf
+    lo, hi = _bracket(s, groups[0], a.size)
+    ge = a >= lo
+    below = a.size - int(np.count_nonzero(ge))
+    inside = np.compress(ge & (a <= hi), a)
+    if not (below <= groups[0][0] and groups[0][-1] < below + inside.size):
+        b = np.partition(a, ks)
+        return {k: b[k] for k in ks}
+    inside.partition([k - below for k in groups[0]])
+    out = {k: inside[k - below] for k in groups[0]}
+    if len(groups) > 1:
+        rest = [k for g in groups[1:] for k in g]
+        lo = _bracket(s, groups[1], a.size)[0]
         ge = a >= lo
         below = a.size - int(np.count_nonzero(ge))
-        inside = a[ge & (a <= hi)]
-        if not (below <= g[0] and g[-1] < below + inside.size):
+        if below > rest[0]:
             b = np.partition(a, ks)
             return {k: b[k] for k in ks}
-        inside.partition([k - below for k in g])
-        out.update({k: inside[k - below] for k in g})
+        tail = order_statistics(np.compress(ge, a), [k - below for k in rest])
+        out.update({k: tail[k - below] for k in rest})
     return out
+
+
+def _bracket(sample: np.ndarray, ranks: list[int], n: int) -> tuple[float, float]:
+    """Values that enclose ranks[0]..ranks[-1] of n values, by six standard errors of a sample rank."""
+    p = ranks[0] / n
+    margin = int(6 * np.sqrt(p * (1 - p) * sample.size)) + 4
+    i, j = int(p * sample.size) - margin, int(ranks[-1] / n * sample.size) + margin
+    return (sample[i] if i > 0 else -np.inf), (sample[j] if j < sample.size else np.inf)
 
 
 def monotone_percentiles(summary: dict, fn) -> dict:

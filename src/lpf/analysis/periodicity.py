@@ -65,7 +65,9 @@ def estimate_period(values, min_confidence: float = 0.3, min_cycles: int = 3) ->
             lag, conf = phase
             out.update(lag=lag, confidence=conf, method="phase")
     if conf >= min_confidence:
-        out["period"] = _refine(x, lag)
+        period = _refine(x, lag)
+        # under 2 steps apart is "most steps", not a period (dense events refine to ~1.5)
+        out["period"] = period if period >= 2 else None
     return out
 
 

@@ -62,13 +62,21 @@ def reduce_requests(cols: dict[str, np.ndarray], th: Thresholds, starts: np.ndar
     pos, ad, eng, ref = cols["position"], cols["abs_logprob_diff"], cols["engine_logprob"], cols["ref_logprob"]
     flip, lie = cols["greedy_flip"], cols["gibberish"]
     strength = cols["lie_strength"] if "lie_strength" in cols else lie * 1.0
+    d = eng - ref
     bad = ~np.isfinite(ad)  # a missing or NaN logprob is an error of the engine, never "clean"
-    adf = np.where(bad, np.inf, ad)
+    if bad.any():
+        adf, ad0, d0 = np.where(bad, np.inf, ad), np.where(bad, 0.0, ad), np.where(bad, 0.0, d)
+    else:
+        adf = ad0 = ad
+        d0 = d
     flagged = (adf > th.divergent_abs_diff) | flip | lie
     counts = np.diff(np.r_[starts, n]).astype(np.int64)
 
     def seg(op, values):
         return op.reduceat(values, starts) if n else np.zeros(0, dtype=values.dtype)
+
+    def count(mask):
+        return np.add.reduceat(mask, starts, dtype=np.int64) if n else np.zeros(0, dtype=np.int64)
 
     first = seg(np.minimum, np.where(flagged, pos, _BIG))
     # From the first divergence on, over the informative tokens: a token both sides are sure of
@@ -76,25 +84,25 @@ def reduce_requests(cols: dict[str, np.ndarray], th: Thresholds, starts: np.ndar
     # character that attention supplies) and is evidence of nothing either way.
     settled = (eng >= th.settled_logprob) & (ref >= th.settled_logprob)
     after = (pos >= np.repeat(first, counts)) & ~settled
-    n_after = seg(np.add, after.astype(np.int64))
-    lies_after = seg(np.add, (lie & after).astype(np.int64))
+    n_after = count(after)
+    lies_after = count(lie & after)
     score = np.where(n_after > 0, seg(np.add, np.where(after, strength, 0.0)) / np.maximum(n_after, 1), 0.0)
     # a lone lie as the last informative token (an engine confidently ending a request) has nothing
     # after it to confirm it, so it must be overwhelming: d at least twice gibberish_log_ratio
     with np.errstate(invalid="ignore"):
-        strong = lie & (eng - ref >= 2 * th.gibberish_log_ratio)
+        strong = lie & (d >= 2 * th.gibberish_log_ratio)
     last = seg(np.maximum, np.where(after, np.arange(n), -1)) if n else np.zeros(0, dtype=np.int64)
     last_lies = (last >= 0) & strong[np.maximum(last, 0)] if n else np.zeros(0, dtype=bool)
     sustained = (lies_after >= th.gibberish_min_tokens) | ((lies_after >= 1) & last_lies)
     out = {
         "n_scored_tokens": counts,
         "max_abs_logprob_diff": seg(np.maximum, adf),
-        "mean_abs_logprob_diff": seg(np.add, np.where(bad, 0.0, ad)) / np.maximum(counts, 1),
-        "seq_log_ratio": seg(np.add, np.where(bad, 0.0, eng - ref)),
+        "mean_abs_logprob_diff": seg(np.add, ad0) / np.maximum(counts, 1),
+        "seq_log_ratio": seg(np.add, d0),
         "first_divergence": first,
-        "n_flagged_tokens": seg(np.add, flagged.astype(np.int64)),
-        "n_greedy_flips": seg(np.add, flip.astype(np.int64)),
-        "gibberish_tokens": seg(np.add, lie.astype(np.int64)),
+        "n_flagged_tokens": count(flagged),
+        "n_greedy_flips": count(flip),
+        "gibberish_tokens": count(lie),
         "gibberish_score": score,
     }
     verdict = np.full(len(starts), "clean", dtype=object)

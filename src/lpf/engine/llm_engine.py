@@ -47,17 +47,10 @@ class LLMEngine:
         self._trace: list[dict] = []
 
     def add_request(self, req: Request) -> Request | None:
-        """Queue a request; returns it at once, finished with an error, if it can never fit."""
-        if not self.scheduler.fits_at_all(req):
-            req.finish_reason, req.error = "error", (
-                f"needs {len(req.prompt_token_ids) + req.max_tokens} tokens of KV cache; the cache holds "
-                f"{self.num_blocks * self.config.block_size} (raise --cache-mb)")
-            return req
-        if not self.config.enable_chunked_prefill and len(req.prompt_token_ids) + req.max_tokens > self.config.max_num_batched_tokens:
-            # unchunked, a recompute after preemption needs prompt + outputs in one step: it would wait forever
-            req.finish_reason, req.error = "error", (
-                f"needs up to {len(req.prompt_token_ids) + req.max_tokens} tokens in one step without chunked "
-                f"prefill; max_num_batched_tokens is {self.config.max_num_batched_tokens}")
+        """Queue a request; returns it at once, finished with an error, if it could never run."""
+        reason = self.scheduler.why_never_runs(req)
+        if reason is not None:
+            req.finish_reason, req.error = "error", reason
             return req
         self.scheduler.add(req)
         return None

@@ -44,8 +44,18 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def fits_at_all(self, req: Request) -> bool:
-        return blocks_needed(len(req.prompt_token_ids) + req.max_tokens, self.config.block_size) <= self.blocks.num_blocks
+    def why_never_runs(self, req: Request) -> str | None:
+        """Why `req` could wait forever (None when it can run): more KV than the whole cache, or,
+        without chunked prefill, more tokens than one step's budget (a recompute after preemption
+        needs prompt + outputs in one step)."""
+        need = len(req.prompt_token_ids) + req.max_tokens
+        if blocks_needed(need, self.config.block_size) > self.blocks.num_blocks:
+            return (f"needs {need} tokens of KV cache; the cache holds "
+                    f"{self.blocks.num_blocks * self.config.block_size} (raise --cache-mb)")
+        if not self.config.enable_chunked_prefill and need > self.config.max_num_batched_tokens:
+            return (f"needs up to {need} tokens in one step without chunked prefill; "
+                    f"max_num_batched_tokens is {self.config.max_num_batched_tokens}")
+        return None
 
     # -- one step ----------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:

@@ -10,7 +10,6 @@ report when `lpf.report` is installed.
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +18,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from lpf.errors import LpfError
+from lpf.jsonsafe import finite
 from lpf.rl import hypotheses, spikes
 from lpf.rl.dump import Dump
 from lpf.rl.metrics import STEP_METRICS, first_over, grouped, response_max_abs, token_terms
@@ -116,7 +116,7 @@ def analyze(dump: Dump, metric: str = "k3_kl", z_threshold: float = spikes.Z_THR
         "simulation": dump.metadata or None,
     }
     findings["summary"] = _summary(findings)
-    return step_table, _finite(findings)
+    return step_table, finite(findings)
 
 
 def _stride(dump: Dump) -> int | None:
@@ -158,14 +158,6 @@ def _summary(f: dict) -> str:
     return s
 
 
-def _finite(obj):
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_finite(v) for v in obj]
-    return obj
 
 
 def write_outputs(out: Path, step_table: pa.Table, findings: dict) -> tuple[Path | None, str | None]:

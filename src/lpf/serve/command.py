@@ -41,17 +41,11 @@ def _engine_options(engine_option, inject, cache_mb, max_num_seqs, max_num_batch
                     enable_chunked_prefill, dtype):
     from lpf.engines.builtin import BuiltinOptions
 
-    raw = {}
-    for kv in engine_option:
-        key, sep, value = kv.partition("=")
-        if not sep:
-            raise LpfError(f"--engine-option expects KEY=VALUE, got {kv!r}")
-        raw[key.strip()] = value.strip()
-    knobs = {"dtype": dtype, "cache_mb": cache_mb, "max_num_seqs": max_num_seqs,
-             "max_num_batched_tokens": max_num_batched_tokens, "enable_chunked_prefill": enable_chunked_prefill,
-             "inject": ",".join(inject) if inject else None}
-    raw.update({k: v for k, v in knobs.items() if v is not None})
-    return BuiltinOptions.parse(raw)
+    from lpf.knobs import engine_options
+
+    return BuiltinOptions.parse(engine_options(
+        engine_option, inject, dtype=dtype, cache_mb=cache_mb, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=enable_chunked_prefill))
 
 
 @click.command("serve")
