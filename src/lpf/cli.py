@@ -134,11 +134,15 @@ def _execute(run) -> None:
         execute_run(run, on_start, tick)
 
 
-def _rescore(run, reference, reference_dtype, token_budget, redo=False) -> None:
+def _rescore(run, reference, reference_dtype, token_budget, redo=False, calibrate=False) -> None:
     from lpf.pipeline import rescore_run
 
     with progress_bar("rescore ", "tokens") as (on_start, tick):
         rescore_run(run, reference, reference_dtype, token_budget, redo, on_start, tick)
+    if calibrate:
+        from lpf.calibrate_cli import calibrate_step
+
+        calibrate_step(run, token_budget, progress_bar, err)
 
 
 def _write_report(path) -> None:
@@ -182,15 +186,16 @@ def cli():
 @click.option("--reference", default=None, help="Reference model [default: the engine's model].")
 @click.option("--reference-dtype", default="float32", show_default=True)
 @click.option("--token-budget", type=int, default=16384, show_default=True, help="Rescorer tokens per batch (padding counted).")
+@click.option("--calibrate", is_flag=True, help="Also score the reference at the engine's dtype: the noise floor the engine cannot move.")
 @analysis_options
-def audit(reference, reference_dtype, token_budget, threshold, as_json, fail_on, **kw):
+def audit(reference, reference_dtype, token_budget, calibrate, threshold, as_json, fail_on, **kw):
     """Run a workload on an engine, rescore it with the reference, analyze: all in one."""
     from lpf.pipeline import create_run
 
     run = create_run(_run_spec(reference=reference, **kw))
     err.print(f"run directory: {run.path}")
     _execute(run)
-    _rescore(run, reference, reference_dtype, token_budget)
+    _rescore(run, reference, reference_dtype, token_budget, calibrate=calibrate)
     _analyze_and_report(run, threshold, as_json, fail_on)
 
 
@@ -214,11 +219,12 @@ def run(resume, **kw):
 @click.option("--reference-dtype", default="float32", show_default=True)
 @click.option("--token-budget", type=int, default=16384, show_default=True)
 @click.option("--redo", is_flag=True, help="Drop existing reference scores and rescore everything.")
-def rescore(run_dir, reference, reference_dtype, token_budget, redo):
+@click.option("--calibrate", is_flag=True, help="Also score the reference at the engine's dtype (calibration/), used by analyze.")
+def rescore(run_dir, reference, reference_dtype, token_budget, redo, calibrate):
     """Teacher-force the reference model over a run's prompts and outputs."""
     from lpf.run.store import RunDir
 
-    _rescore(RunDir.open(run_dir), reference, reference_dtype, token_budget, redo)
+    _rescore(RunDir.open(run_dir), reference, reference_dtype, token_budget, redo, calibrate)
 
 
 @cli.command()

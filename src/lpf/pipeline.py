@@ -1,4 +1,6 @@
-"""The stages of an audit, each reading and writing a run directory: run -> rescore -> analyze.
+"""The stages of an audit, each reading and writing a run directory: run -> rescore [-> calibrate]
+-> analyze. The optional calibration run (`calibrate_run`) gives analyze a noise floor the engine
+cannot move.
 
 Everything the user can get wrong is checked before the run directory is created (engine name,
 model, workload, options), so a bad invocation writes nothing. Progress is reported through a
@@ -176,8 +178,9 @@ def rescore_run(run: RunDir, reference: str | None, dtype: str = "float32", toke
         raise LpfError(f"reference {spec} uses a different tokenizer from the engine's model "
                        f"{m['model']['spec']}: token ids would not mean the same text")
     if redo:
-        for p in run.parts("reference"):
+        for p in run.parts("reference") + run.parts("calibration"):  # a calibration run is of the old reference
             p.unlink()
+        m.pop("calibration", None)
     m["reference"] = desc
     run.save_manifest()
     done = set(run.read("reference", ["request_id"]).column("request_id").to_pylist())
@@ -190,6 +193,79 @@ def rescore_run(run: RunDir, reference: str | None, dtype: str = "float32", toke
         run.append("reference", table)
 
 
+# -- calibrate ------------------------------------------------------------------------------------
+def engine_dtype(m: dict) -> str | None:
+    """The dtype the engine computed in: its manifest options, else its Options' default."""
+    engine = m.get("engine") or {}
+    opts = engine.get("options") or {}
+    if opts.get("dtype"):
+        return str(opts["dtype"])
+    from dataclasses import fields
+
+    try:
+        default = {f.name: f.default for f in fields(get_engine_class(engine.get("name", "")).Options)}
+    except LpfError:
+        return None
+    return default.get("dtype")
+
+
+def calibrate_run(run: RunDir, token_budget: int = 16384,
+                  on_start: Callable[[int, int], None] = lambda total, done: None, tick: Tick = _noop) -> dict:
+    """The calibration run: teacher-force the reference model again, at the engine's dtype, over
+    every request the reference scored, into `calibration/` parts (resumable like rescore). Its
+    |calibration - reference| per token is what an honest implementation at that dtype deviates by:
+    `analyze` takes the noise floor from it instead of from the engine's own (possibly lying)
+    errors. When the engine's dtype is the reference's, the calibration run would be the reference
+    itself (floor 0): nothing is computed and the manifest says so. Returns manifest["calibration"]."""
+    from lpf.reference import Rescorer, ScoreItem
+
+    m = run.manifest
+    ref = m.get("reference")
+    if not ref or not run.has("reference"):
+        raise LpfError(f"{run.path} has no reference scores yet: rescore it before calibrating")
+    dtype = engine_dtype(m)
+    if dtype not in ("float32", "float16", "bfloat16"):
+        raise LpfError(f"cannot calibrate {run.path}: the engine's dtype is {dtype or 'not recorded'} "
+                       f"(a calibration run needs float32, float16 or bfloat16; set the engine's --dtype)")
+    prev = m.get("calibration") or {}
+    if (prev.get("spec"), prev.get("dtype"), prev.get("reference_dtype")) != (ref.get("spec"), dtype, ref.get("dtype")):
+        for p in run.parts("calibration"):  # made for another reference or dtype: not this run's floor
+            p.unlink()
+        prev = {}
+    if dtype == ref.get("dtype"):
+        m["calibration"] = {"spec": ref.get("spec"), "dtype": dtype, "reference_dtype": ref.get("dtype"),
+                            "same_as_reference": True}
+        run.save_manifest()
+        return m["calibration"]
+    rescorer = Rescorer(resolve_model(ref["spec"]), dtype=dtype, token_budget=token_budget,
+                        topk=m["sampling"].get("logprobs", 5))
+    m["calibration"] = {**{k: v for k, v in rescorer.describe().items() if k != "tokenizer_sha256"},
+                        "reference_dtype": ref.get("dtype"), "same_as_reference": False}
+    run.save_manifest()
+    scored = set(run.read("reference", ["request_id"]).column("request_id").to_pylist())
+    done = set(run.read("calibration", ["request_id"]).column("request_id").to_pylist())
+    req = run.read("requests", ["request_id", "prompt_token_ids", "output_token_ids"]).to_pylist()
+    req = [r for r in req if r["request_id"] in scored]
+    items = [ScoreItem(r["request_id"], r["prompt_token_ids"], r["output_token_ids"])
+             for r in req if r["request_id"] not in done]
+    total = sum(len(r["output_token_ids"]) for r in req)
+    on_start(total, total - sum(len(it.output_token_ids) for it in items))
+    for table in rescorer.score(items, tick):
+        run.append("calibration", table)
+    return m["calibration"]
+
+
+def _calibration(run: RunDir, reference: pa.Table) -> tuple[pa.Table | None, dict | None]:
+    """(calibration table, its manifest entry) when the run has a calibration run for its current
+    reference; the reference itself when the engine computed at the reference's dtype."""
+    cal, ref = run.manifest.get("calibration"), run.manifest.get("reference") or {}
+    if not cal or (cal.get("spec"), cal.get("reference_dtype")) != (ref.get("spec"), ref.get("dtype")):
+        return None, None
+    if cal.get("same_as_reference"):
+        return reference, cal
+    return (run.read("calibration"), cal) if run.has("calibration") else (None, None)
+
+
 # -- analyze --------------------------------------------------------------------------------------
 def analyze_run(run: RunDir, thresholds: Thresholds) -> dict:
     m = run.manifest
@@ -198,9 +274,11 @@ def analyze_run(run: RunDir, thresholds: Thresholds) -> dict:
         raise LpfError(f"{run.path} has no completed requests to analyze")
     trace = run.read("trace") if run.has("trace") else None  # engines without a trace: metadata only
     temperature = m["sampling"].get("temperature", 0) or 0
-    summary, findings = analyze(requests, run.read("tokens"), run.read("reference"), thresholds,
+    reference = run.read("reference")
+    calibration, cal_info = _calibration(run, reference)
+    summary, findings = analyze(requests, run.read("tokens"), reference, thresholds,
                                 greedy=temperature == 0, trace=trace, engine_info=m.get("engine"),
-                                temperature=temperature)
+                                temperature=temperature, calibration=calibration, calibration_info=cal_info)
     findings = {"run_id": m.get("run_id"), "engine": m["engine"].get("name"), "model": m["model"].get("spec"),
                 "reference": (m.get("reference") or {}).get("spec"), **findings}
     findings["run_complete"] = m.get("status") == "complete"

@@ -1,6 +1,6 @@
 """`lpf query`: DuckDB SQL over a run directory's Parquet parts.
 
-Views: `requests`, `tokens`, `reference` (and `trace`, `faults`, `summary` when present), each over
+Views: `requests`, `tokens`, `reference` (and `trace`, `faults`, `calibration`, `summary` when present), each over
 the glob of its parts, so a query sees exactly what has been committed.
 """
 

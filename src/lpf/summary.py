@@ -48,6 +48,10 @@ def _print_thresholds(th: dict, console: Console) -> None:
     floor = (th.get("noise_floor") or {}).get("token_abs_diff") or {}
     origin = f"calibrated to this run's floor: token |diff| median {floor['median']:.2g}, MAD {floor['mad']:.2g}" \
         if source == "calibrated" and floor else source
+    if source == "calibration-run" and floor:
+        dtype = (th.get("noise_floor") or {}).get("dtype", "?")
+        origin = f"from a calibration run, reference at {dtype}: token |diff| median {floor['median']:.2g}, " \
+                 f"MAD {floor['mad']:.2g}"
     pinned = f", pinned: {', '.join(th['pinned'])}" if th.get("pinned") else ""
     console.print(f"[dim]thresholds ({origin}{pinned}): clean <= {th['clean_abs_diff']:.3g}, "
                   f"divergent > {th['divergent_abs_diff']:.3g}, tie margin {th.get('tie_margin', 0):.3g}, "

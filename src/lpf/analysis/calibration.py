@@ -22,6 +22,11 @@ offset wrap) its median is a lie too, while most tokens of most requests still a
 A float32-vs-float32 run keeps the defaults; a bfloat16 engine against a float32 reference gets
 thresholds above its own rounding. Thresholds the user pinned with `--threshold` are kept.
 Fewer than MIN_REQUESTS scored requests: defaults, `source: "default"`.
+
+The per-run floor has one blind spot: a run where every request lies the same way (processed
+logprobs) measures the lie as its floor. `calibrate_from_run` takes the floor from a calibration
+run instead (the reference teacher-forced again at the engine's dtype, `lpf rescore --calibrate`):
+|calibration - reference| per token, no engine number involved, `source: "calibration-run"`.
 """
 
 from __future__ import annotations
@@ -29,8 +34,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 import numpy as np
+import pyarrow as pa
 
 from lpf.analysis.thresholds import Thresholds
+from lpf.analysis.verdicts import segment_starts
 
 MIN_REQUESTS = 20
 SAMPLE = 1_000_000
@@ -66,6 +73,11 @@ def calibrate(abs_diff: np.ndarray, starts: np.ndarray, th: Thresholds) -> tuple
     floor = noise_floor(abs_diff, starts)
     if floor["n_requests"] < MIN_REQUESTS:
         return th, {"source": "default", "noise_floor": floor}
+    return _raised(th, floor), {"source": "calibrated", "noise_floor": floor}
+
+
+def _raised(th: Thresholds, floor: dict) -> Thresholds:
+    """`th` raised to `floor` (capped; pinned names kept)."""
     default = Thresholds()
     typical = floor["token_abs_diff"]
     t = typical["median"] + 3 * typical["mad"]  # the typical token's error, and then some
@@ -75,4 +87,31 @@ def calibrate(abs_diff: np.ndarray, starts: np.ndarray, th: Thresholds) -> tuple
         "tie_margin": min(TIE_CAP, max(default.tie_margin, 10 * t)),
     }
     changes = {k: v for k, v in proposed.items() if k not in th.pinned}
-    return replace(th, **changes), {"source": "calibrated", "noise_floor": floor}
+    return replace(th, **changes)
+
+
+def calibration_abs_diff(reference: pa.Table, calibration: pa.Table) -> tuple[np.ndarray, np.ndarray]:
+    """(|calibration_logprob - ref_logprob| per token, request starts) over the tokens both scored,
+    grouped by request. Reads no engine column."""
+    ref = reference.select(["request_id", "position", "ref_logprob"])
+    cal = calibration.select(["request_id", "position", "ref_logprob"]).rename_columns(
+        ["request_id", "position", "cal_logprob"])
+    joined = ref.join(cal, keys=["request_id", "position"], join_type="inner")
+    joined = joined.sort_by([("request_id", "ascending"), ("position", "ascending")])
+    with np.errstate(invalid="ignore"):
+        ad = np.abs(joined.column("cal_logprob").to_numpy() - joined.column("ref_logprob").to_numpy())
+    return ad, segment_starts(joined.column("request_id"))
+
+
+def calibrate_from_run(reference: pa.Table, calibration: pa.Table, th: Thresholds,
+                       info: dict | None = None) -> tuple[Thresholds, dict]:
+    """Thresholds raised to the calibration run's floor: the same statistics and rule as
+    `calibrate`, over what the reference deviates from itself at the engine's dtype instead of over
+    the engine's errors, so nothing the engine reported can move them. Any number of requests
+    counts (no lie to outvote); none scored by both: the defaults. `info` (the manifest's
+    calibration entry: dtype, reference_dtype, same_as_reference) joins the floor statistics."""
+    floor = noise_floor(*calibration_abs_diff(reference, calibration))
+    floor.update({k: v for k, v in (info or {}).items() if k in ("dtype", "reference_dtype", "same_as_reference")})
+    if not floor.get("token_abs_diff"):
+        return th, {"source": "calibration-run", "noise_floor": floor}
+    return _raised(th, floor), {"source": "calibration-run", "noise_floor": floor}

@@ -2,7 +2,8 @@
 
 `analyze(requests, tokens, reference, th, greedy, trace=None, engine_info=None, temperature=0)`
 -> (summary table, findings dict). Steps: join engine tokens with reference scores, calibrate the
-thresholds to the run's noise floor (`calibration`), per-token metrics, per-request verdicts, the
+thresholds to the run's noise floor (`calibration`; or to a calibration run's, when given),
+per-token metrics, per-request verdicts, the
 failure's shape (`shape`) and the ranked mechanisms (`features` + `hypotheses`). Pure: tables and
 plain data in and out; `trace` and `engine_info` (the manifest's engine section) are optional, and
 without them the hypotheses use request metadata only.
@@ -25,7 +26,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from lpf.analysis import metrics as m
-from lpf.analysis.calibration import calibrate
+from lpf.analysis.calibration import calibrate, calibrate_from_run
 from lpf.analysis.features import Feature, request_features
 from lpf.analysis.hypotheses import rank_hypotheses
 from lpf.analysis.shape import failure_shape
@@ -40,13 +41,16 @@ CHUNK = 1 << 20
 
 def analyze(requests: pa.Table, tokens: pa.Table, reference: pa.Table, th: Thresholds, greedy: bool,
             trace: pa.Table | None = None, engine_info: dict | None = None,
-            temperature: float = 0.0) -> tuple[pa.Table, dict]:
-    """(per-request summary, findings dict). Pure: tables in, tables and plain data out."""
+            temperature: float = 0.0, calibration: pa.Table | None = None,
+            calibration_info: dict | None = None) -> tuple[pa.Table, dict]:
+    """(per-request summary, findings dict). Pure: tables in, tables and plain data out.
+    `calibration` (a calibration run's table, reference columns) replaces the run's own floor."""
     joined, starts = m.join_grouped(tokens, reference)
     with np.errstate(invalid="ignore"):
         ad = np.subtract(joined.column("engine_logprob").to_numpy(), joined.column("ref_logprob").to_numpy())
         np.abs(ad, out=ad)
-    th, calib = calibrate(ad, starts, th)
+    th, calib = calibrate(ad, starts, th) if calibration is None else \
+        calibrate_from_run(reference, calibration, th, calibration_info)
     tok, per = _score(joined, starts, ad, greedy, th)
     summary = summarize_requests(tok, requests, th, starts, per=per)
     findings = build_findings(tok, summary, th, flips=int(per[1]["n_greedy_flips"].sum()))
@@ -94,13 +98,18 @@ def _score(joined: pa.Table, starts: np.ndarray, ad: np.ndarray, greedy: bool, t
 
 
 def _hypotheses(summary, requests, tok, reference, trace, engine_info, temperature, th) -> list[dict]:
-    verdict = np.asarray(summary.column("verdict").to_pylist(), dtype=object)
-    flagged = np.isin(verdict, ("divergent", "corrupt"))
-    scored = np.isin(verdict, VERDICTS)
+    enc = pc.dictionary_encode(summary.column("verdict").combine_chunks())  # a few names, one code per request
+    names, code = enc.dictionary.to_pylist(), enc.indices.to_numpy(zero_copy_only=False)
+
+    def having(*verdicts):
+        return np.isin(code, [i for i, v in enumerate(names) if v in verdicts])
+
+    flagged = having("divergent", "corrupt")
+    scored = having(*VERDICTS)
     if not flagged.any():
         # nothing lies outright, but some requests drift: what sets them apart is still worth
         # ranking (a stale state that shifts logprobs without changing answers shows only as noise)
-        flagged = verdict == "noise"
+        flagged = having("noise")
     feats = request_features(requests, trace, engine_info)
     ids = summary.column("request_id")
     sigs = []
@@ -114,9 +123,9 @@ def _hypotheses(summary, requests, tok, reference, trace, engine_info, temperatu
         sigs.append(Feature("crossed_wires", "bool", pc.is_in(ids, value_set=crossed).to_numpy(zero_copy_only=False),
                             "got, at a step where they diverged, the token another request's reference "
                             "expected while that request got theirs (crossed wires)"))
-    kinds = set(verdict[flagged])
+    kinds = {names[i] for i in np.unique(code[flagged])}
     label = kinds.pop() if len(kinds) == 1 else "flagged"
-    other = "clean" if not np.any(verdict[scored & ~flagged] == "noise") else "unflagged"
+    other = "clean" if not np.any(having("noise")[scored & ~flagged]) else "unflagged"
     return rank_hypotheses(feats, flagged, scored, label, other, signatures=sigs)
 
 

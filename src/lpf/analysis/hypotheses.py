@@ -113,16 +113,20 @@ def rank_hypotheses(features: list[Feature], flagged: np.ndarray, scored: np.nda
         x = np.asarray(f.values)
         if f.kind == "bool":
             mask = x.astype(bool)
-            tests = [(mask, None, f.phrase)]
+            tests = [(int((mask & flagged).sum()), int((mask & other).sum()), None, f.phrase)]
         else:
             xf = x.astype(np.float64)
+            cuts = _candidates(xf[scored])
+            # counts at every cut at once: x >= cut / x <= cut over each group's sorted values (NaN: neither)
+            xs_f, xs_o = (np.sort(xf[g & ~np.isnan(xf)]) for g in (flagged, other))
+            ge_f, ge_o = (v.size - np.searchsorted(v, cuts, "left") for v in (xs_f, xs_o))
+            le_f, le_o = (np.searchsorted(v, cuts, "right") for v in (xs_f, xs_o))
             tests = []
-            for cut in _candidates(xf[scored]):
-                tests.append((xf >= cut, (">=", float(cut)), None))
-                tests.append((xf <= cut, ("<=", float(cut)), None))
+            for i, cut in enumerate(cuts):
+                tests.append((int(ge_f[i]), int(ge_o[i]), (">=", float(cut)), None))
+                tests.append((int(le_f[i]), int(le_o[i]), ("<=", float(cut)), None))
         best = None
-        for mask, split, phrase in tests:
-            a, c = int((mask & flagged).sum()), int((mask & other).sum())
+        for a, c, split, phrase in tests:
             if a < 2 or a + c == total:
                 continue
             p = fisher_greater(a, n_f, a + c, total, lf)

@@ -14,6 +14,9 @@ Input and output are Arrow tables; the math is numpy over whole columns. `join_s
 rows grouped by request (each request's rows contiguous, positions ascending), which is all the
 per-request reductions need; when the two tables already line up row for row (the usual case for
 in-memory tables and single-part runs) it zips them instead of hashing and sorting.
+`metric_arrays` is the same math on numpy columns, writing into caller-owned arrays (a chunked run
+scores into whole-run columns). `percentiles` are exact (numpy's "linear" quantiles): the order
+statistics are selected without sorting or copying the column (`order_statistics`).
 """
 
 from __future__ import annotations

@@ -47,6 +47,7 @@ def divergence_steps(trace: pa.Table, requests: pa.Table, ids: list[str], positi
 
 
 def _clusters(rows: dict, flagged: np.ndarray, scored: np.ndarray, plen: np.ndarray) -> list[dict]:
+    """`rows`: numpy arrays `prompt_id` (object) and `rollout`, aligned to the masks."""
     out = []
     n_f = int(flagged.sum())
     if n_f == 0:
@@ -95,16 +96,16 @@ def _fmt(x: float) -> str:
 
 
 def failure_shape(summary: pa.Table, requests: pa.Table, trace: pa.Table | None) -> dict:
-    rows = summary.select(["request_id", "seq", "prompt_id", "rollout", "verdict", "first_divergence"]).to_pydict()
-    verdict = np.asarray(rows["verdict"], dtype=object)
-    flagged = np.isin(verdict, FLAGGED)
-    scored = np.isin(verdict, ("clean", "noise", "divergent", "corrupt"))
+    verdict = summary.column("verdict")
+    flagged = pc.is_in(verdict, value_set=pa.array(FLAGGED)).to_numpy(zero_copy_only=False)
+    scored = pc.is_in(verdict, value_set=pa.array(["clean", "noise", "divergent", "corrupt"])).to_numpy(zero_copy_only=False)
     n_scored, n_f = int(scored.sum()), int(flagged.sum())
     req = by_arrival(requests)
     plen = pc.list_value_length(req.column("prompt_token_ids")).to_numpy(zero_copy_only=False).astype(np.float64)
-    seq = np.asarray(rows["seq"], dtype=np.int64)
-    fd = [rows["first_divergence"][i] for i in np.flatnonzero(flagged)]
-    ids = [rows["request_id"][i] for i in np.flatnonzero(flagged)]
+    seq = summary.column("seq").to_numpy().astype(np.int64)
+    at = pa.array(np.flatnonzero(flagged))  # Python objects for the flagged requests only
+    fd = summary.column("first_divergence").take(at).to_pylist()
+    ids = summary.column("request_id").take(at).to_pylist()
     steps = divergence_steps(trace, req, ids, [p if p is not None else 0 for p in fd])
     known = [s for s in steps if s is not None]
     fd_known = np.array([p for p in fd if p is not None], dtype=np.int64)
@@ -130,6 +131,8 @@ def failure_shape(summary: pa.Table, requests: pa.Table, trace: pa.Table | None)
             "at_zero_fraction": float(np.mean(fd_known == 0)) if fd_known.size else None,
         },
         "periodicity": period,
-        "clusters": _clusters(rows, flagged, scored, plen),
+        "clusters": _clusters({"prompt_id": summary.column("prompt_id").to_numpy(zero_copy_only=False),
+                               "rollout": summary.column("rollout").to_numpy(zero_copy_only=False)},
+                              flagged, scored, plen),
         "_divergence_steps": dict(zip(ids, steps)),
     }

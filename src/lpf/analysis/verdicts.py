@@ -12,7 +12,8 @@ the fraction of them that are lies, partial lies counting partly. It is what sep
 the flipped token is one the reference also found likely, and the teacher-forced continuation
 agrees with the reference again, so the score is ~0: `divergent`) from a corrupted state (the
 reference keeps disagreeing with a confident engine: score near 1: `corrupt`).
-Vectorised: one pass of numpy reductions over request segments.
+Vectorised: one pass of numpy reductions over request segments (`reduce_requests`, on numpy
+columns, which a chunked caller runs chunk by chunk).
 """
 
 from __future__ import annotations
@@ -151,7 +152,7 @@ def summarize_requests(metrics: pa.Table, requests: pa.Table, th: Thresholds,
         "n_greedy_flips": pa.array(take(by_id["n_greedy_flips"], 0).astype(np.int32)),
         "gibberish_tokens": pa.array(take(by_id["gibberish_tokens"], 0).astype(np.int32)),
         "gibberish_score": pa.array(take(by_id["gibberish_score"], 0.0).astype(np.float64)),
-        "verdict": pa.array(final.tolist(), type=pa.string()),
+        "verdict": pa.array(final, type=pa.string()),
         "error": req.column("error"),
         "oracle_ok": req.column("oracle_ok"),
     })

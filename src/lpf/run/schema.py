@@ -56,4 +56,8 @@ REFERENCE = pa.schema(
     ]
 )
 
-TABLES = {"requests": REQUESTS, "tokens": TOKENS, "reference": REFERENCE}
+# the optional calibration run (`lpf rescore --calibrate`): the same reference model teacher-forced a
+# second time at the engine's dtype over the same tokens, in the reference's columns
+CALIBRATION = REFERENCE
+
+TABLES = {"requests": REQUESTS, "tokens": TOKENS, "reference": REFERENCE, "calibration": CALIBRATION}

@@ -6,7 +6,8 @@ Contract:
 - Requests commit in pairs: `tokens/part-N` is written first, `requests/part-N` last. A request is
   done iff it appears in some requests part; a tokens part without its requests part is an orphan of
   a crash and is deleted on open. So resume neither redoes nor duplicates a request.
-- Reference parts are self-contained; a request is rescored iff it has rows there (or no outputs).
+- Reference (and calibration) parts are self-contained; a request is rescored iff it has rows there
+  (or no outputs).
 - Opening a directory written by a newer schema is refused rather than misread.
 """
 
