@@ -24,7 +24,7 @@ demo: $(STAMP)
 	@stamp=$$(date +%Y%m%d-%H%M%S); \
 	$(VENV)/bin/lpf audit --out runs/demo-$$stamp-clean && \
 	$(VENV)/bin/lpf audit --out runs/demo-$$stamp-offset-wrap --inject offset-wrap:18 --cache-mb 4 --fail-on never && \
-	echo "results: runs/demo-$$stamp-clean and runs/demo-$$stamp-offset-wrap (findings.json, lpf query DIR \"SQL\")"
+	echo "results: runs/demo-$$stamp-clean and runs/demo-$$stamp-offset-wrap (report.html, findings.json; lpf query DIR \"SQL\", lpf inspect DIR REQUEST_ID)"
 
 # One intra-op thread: the suite starts many small-model processes one after another, where extra
 # threads only add overhead (and oversubscribe a busy machine); numerics do not depend on it.
