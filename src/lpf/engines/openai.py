@@ -108,30 +108,21 @@ class OpenAIEngine(RemoteEngine):
         ids = [self.token_id(t, pos, strict=True) for pos, t in enumerate(tokens)]
         self.check_ids(ids)
         logprobs = [as_logprob(v, pos) for pos, v in enumerate(values)]
-        topk_ids, topk_lps = self.parse_top(lp.get("top_logprobs"), len(ids))
+        topk_ids, topk_lps = self.top_k(lp.get("top_logprobs"), len(ids), "top_logprobs", self.top_pairs)
         finish = choice.get("finish_reason") or "length"
         if finish not in ("stop", "length"):
             raise RequestFailed(f"finish_reason {finish!r}")
         return Completion(request_id=req.request_id, output_token_ids=ids, logprobs=logprobs, topk_ids=topk_ids,
                           topk_logprobs=topk_lps, finish_reason=finish)
 
-    def parse_top(self, top: Any, n: int) -> tuple[list, list]:
-        k = self.sampling.logprobs
-        if k == 0 or top is None:
-            return [], []
-        if not isinstance(top, list) or len(top) != n:
-            raise RequestFailed(f"top_logprobs has {len(top) if isinstance(top, list) else 'no'} entries for {n} tokens")
-        ids_out, lps_out = [], []
-        for pos, entry in enumerate(top):
-            pairs = []
-            for key, value in (entry or {}).items():
-                tid = self.token_id(key, pos, strict=False)
-                if tid is not None and 0 <= tid < self.vocab_size:
-                    pairs.append((as_logprob(value, pos), tid))
-            pairs.sort(key=lambda p: -p[0])  # the sampled token may ride along as a (k+1)-th entry
-            ids_out.append([t for _, t in pairs[:k]])
-            lps_out.append([v for v, _ in pairs[:k]])
-        return ids_out, lps_out
+    def top_pairs(self, entry: Any, pos: int) -> list[tuple[float, int]]:
+        """One `top_logprobs` entry ({token: logprob}); alternatives without a usable id are left out."""
+        pairs = []
+        for key, value in (entry or {}).items():
+            tid = self.token_id(key, pos, strict=False)
+            if tid is not None and 0 <= tid < self.vocab_size:
+                pairs.append((as_logprob(value, pos), tid))
+        return pairs
 
     def token_id(self, token: Any, pos: int, strict: bool) -> int | None:
         """The id behind one answered token; None (strict=False) or RequestFailed when it has none."""

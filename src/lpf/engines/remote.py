@@ -20,7 +20,7 @@ import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 from urllib.parse import urlsplit
 
 from lpf.engines.base import Completion, Engine, Options
@@ -172,6 +172,24 @@ class RemoteEngine(Engine):
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
                 raise RequestFailed(f"{what} {t!r} at position {pos} is not in the model's vocabulary "
                                     f"(0..{self.vocab_size - 1})")
+
+    def top_k(self, top: Any, n: int, field: str,
+              entry_pairs: Callable[[Any, int], list[tuple[float, int]]]) -> tuple[list, list]:
+        """Per position, the best `--logprobs` alternatives (ids, logprobs), best first, from a server's
+        `field` (one entry per output token); `entry_pairs(entry, pos)` reads one entry in that
+        server's shape as (logprob, token id) pairs. Nothing asked or nothing sent: no top-k."""
+        k = self.sampling.logprobs
+        if k == 0 or top is None:
+            return [], []
+        if not isinstance(top, list) or len(top) != n:
+            raise RequestFailed(f"{field} has {len(top) if isinstance(top, list) else 'no'} entries for {n} tokens")
+        ids_out, lps_out = [], []
+        for pos, entry in enumerate(top):
+            # sorted and cut: the sampled token may ride along as a (k+1)-th entry
+            pairs = sorted(entry_pairs(entry, pos), key=lambda p: -p[0])
+            ids_out.append([t for _, t in pairs[:k]])
+            lps_out.append([v for v, _ in pairs[:k]])
+        return ids_out, lps_out
 
     def check_count(self, req: EngineRequest, n_tokens: int, claimed: Any) -> None:
         if n_tokens == 0:

@@ -73,26 +73,16 @@ class SGLangEngine(RemoteEngine):
                 pos = next(i for i, (a, b) in enumerate(zip(output_ids, ids)) if a != b)
                 raise RequestFailed(f"output_ids and output_token_logprobs disagree at position {pos}")
         self.check_count(req, len(ids), meta.get("completion_tokens"))
-        topk_ids, topk_lps = self.parse_top(meta.get("output_top_logprobs"), len(ids))
+        topk_ids, topk_lps = self.top_k(meta.get("output_top_logprobs"), len(ids), "output_top_logprobs", self.top_pairs)
         return Completion(request_id=req.request_id, output_token_ids=ids, logprobs=logprobs, topk_ids=topk_ids,
                           topk_logprobs=topk_lps, finish_reason=kind)
 
-    def parse_top(self, top: Any, n: int) -> tuple[list, list]:
-        k = self.sampling.logprobs
-        if k == 0 or top is None:
-            return [], []
-        if not isinstance(top, list) or len(top) != n:
-            raise RequestFailed(f"output_top_logprobs has {len(top) if isinstance(top, list) else 'no'} entries "
-                                f"for {n} tokens")
-        ids_out, lps_out = [], []
-        for pos, entry in enumerate(top):
-            pairs = []
-            for e in entry or []:
-                if not isinstance(e, list) or len(e) < 2:
-                    raise RequestFailed(f"output_top_logprobs[{pos}] holds {e!r}, not [logprob, token_id, ...]")
-                pairs.append((as_logprob(e[0], pos), e[1]))
-            self.check_ids([t for _, t in pairs], "top-k token id")
-            pairs.sort(key=lambda p: -p[0])
-            ids_out.append([t for _, t in pairs[:k]])
-            lps_out.append([v for v, _ in pairs[:k]])
-        return ids_out, lps_out
+    def top_pairs(self, entry: Any, pos: int) -> list[tuple[float, int]]:
+        """One `output_top_logprobs` entry: [[logprob, token_id, text|null], ...], every id checked."""
+        pairs = []
+        for e in entry or []:
+            if not isinstance(e, list) or len(e) < 2:
+                raise RequestFailed(f"output_top_logprobs[{pos}] holds {e!r}, not [logprob, token_id, ...]")
+            pairs.append((as_logprob(e[0], pos), e[1]))
+        self.check_ids([t for _, t in pairs], "top-k token id")
+        return pairs
