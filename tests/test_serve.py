@@ -176,7 +176,8 @@ def test_prompts_the_engine_could_never_schedule_are_refused():
     """With chunked prefill off the engine needs prompt + output inside one step's token budget;
     planning refuses such a request instead of queueing it forever (pure protocol, no server)."""
     from lpf.models import load_tokenizer, resolve_model
-    from lpf.serve.protocol import ApiError, CompletionRequest, ModelInfo, plan_completion
+    from lpf.serve.openai_api import CompletionRequest, plan_completion
+    from lpf.serve.protocol import ApiError, ModelInfo
 
     tok = load_tokenizer(resolve_model(MODEL))
     info = ModelInfo(MODEL, "-", 512, 4096, tok.eos_token_id, prefill_limit=32)
@@ -193,8 +194,9 @@ def test_non_finite_logprobs_still_render_as_json():
     import json
 
     from lpf.models import load_tokenizer, resolve_model
-    from lpf.serve.protocol import (CompletionRequest, GenerateRequest, ModelInfo, plan_completion, plan_generate,
-                                    render_completion, render_generate)
+    from lpf.serve.openai_api import CompletionRequest, plan_completion, render_completion
+    from lpf.serve.protocol import ModelInfo
+    from lpf.serve.sglang_api import GenerateRequest, plan_generate, render_generate
 
     tok = load_tokenizer(resolve_model(MODEL))
     info = ModelInfo(MODEL, "-", 512, 4096, tok.eos_token_id)

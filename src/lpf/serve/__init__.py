@@ -1,6 +1,8 @@
 """`lpf serve`: the built-in engine behind an OpenAI / SGLang-compatible HTTP server.
 
-protocol.py   request models and response rendering for /v1/completions and SGLang's /generate (no torch)
+protocol.py   what both wire formats share: errors, prompts, sampling, budgets, stop strings (no torch)
+openai_api.py   /v1/completions as vLLM serves it: request model, planning, rendering
+sglang_api.py   SGLang's native /generate: request model, planning, rendering
 engine_loop.py  the one asyncio loop that owns the engine, so concurrent HTTP requests share engine steps
 app.py        the FastAPI app: routes, error responses, /health, /v1/models, /metrics
 command.py    the `lpf serve` click command: options -> engine -> uvicorn, clean shutdown on SIGINT/SIGTERM

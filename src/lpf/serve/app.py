@@ -24,8 +24,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from lpf.serve.engine_loop import EngineLoop, TraceSink
-from lpf.serve.protocol import (ApiError, CompletionRequest, GenerateRequest, ModelInfo, plan_completion,
-                                plan_generate, render_completion, render_generate)
+from lpf.serve.openai_api import CompletionRequest, plan_completion, render_completion
+from lpf.serve.protocol import ApiError, ModelInfo
+from lpf.serve.sglang_api import GenerateRequest, plan_generate, render_generate
 
 
 def _validation_message(exc: RequestValidationError) -> str:

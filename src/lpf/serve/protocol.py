@@ -1,9 +1,9 @@
-"""Wire formats of `lpf serve`: OpenAI /v1/completions as vLLM serves it, and SGLang's native /generate.
+"""What `lpf serve`'s two wire formats share: errors, prompts, sampling, budgets, stop strings, token text.
 
-Contract: requests are parsed into pydantic models (unknown fields ignored, as both servers do), then
-`plan_*` turns one HTTP request into engine `Request`s (one per prompt per choice) or raises `ApiError`
-(400 with a one-line reason); `render_*` turns the finished engine requests back into the exact JSON
-the real server returns (field names checked against vLLM 0.32 and SGLang sources). No torch here.
+Contract: `openai_api` (OpenAI /v1/completions as vLLM serves it) and `sglang_api` (SGLang's native
+/generate) parse a request into a pydantic model, turn it into engine `Request`s with the helpers here
+(`tokenize_prompts`, `make_sampling`, `engine_requests`, `output_budget`, `refuse_non_neutral`), or
+raise `ApiError` (400 with a one-line reason, answered in vLLM's error shape). No torch here.
 
 What lpf serve does not do is refused, never silently ignored: streaming, beam search, penalties,
 logit bias, grammars, and prompt logprobs (`prompt_logprobs`, `echo` with `logprobs`, SGLang
@@ -12,21 +12,18 @@ logprobs would need a second pass, and a reference model's numbers would be a li
 Stop strings are applied to the finished output (tokens after the match are dropped), which gives
 what a server that stops early returns, because a request's tokens never depend on later ones.
 
-Logprobs are raw (log-softmax of the logits, before temperature / top-k / top-p), -inf clamped to
--9999.0 as vLLM does. Choice i of a seeded request uses the seed itself for i = 0 (so one request with
-seed S reproduces `lpf run` with that request seed) and `request_seed(S, i)` for the others.
+Logprobs are raw (log-softmax of the logits, before temperature / top-k / top-p). Choice i of a seeded
+request uses the seed itself for i = 0 (so one request with seed S reproduces `lpf run` with that
+request seed) and `request_seed(S, i)` for the others.
 """
 
 from __future__ import annotations
 
-import math
 import secrets
-import time
-import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Annotated, Any, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from pydantic import Field, StrictInt, StrictStr
 
 from lpf.engine.request import Request
 from lpf.errors import LpfError
@@ -75,22 +72,10 @@ class Planned:
     max_tokens: int
 
 
-def _clamp(lp: float) -> float | None:
-    """vLLM's JSON number for a logprob: -inf as -9999.0; NaN (a broken engine) as null, since JSON has
-    no NaN and one bad number must not turn the whole answer into a 500."""
-    return None if math.isnan(lp) else max(lp, -9999.0)
-
-
-def _json_float(lp: float) -> float | None:
-    """SGLang's (orjson) rendering of a logprob: non-finite numbers become null."""
-    return lp if math.isfinite(lp) else None
-
-
-def _refuse_non_neutral(extra: dict | None, neutral: dict[str, tuple], where: str) -> None:
+def refuse_non_neutral(extra: dict | None, neutral: dict[str, tuple], where: str) -> None:
     for name, allowed in neutral.items():
         if extra and name in extra and extra[name] not in allowed:
             raise ApiError(f"{name}={extra[name]!r} is not supported by lpf serve ({where})", param=name)
-
 
 # -- shared validation ---------------------------------------------------------------------------
 def tokenize_prompts(prompt: Any, tokenizer, info: ModelInfo, key: str) -> list[PromptIn]:
@@ -121,7 +106,7 @@ def tokenize_prompts(prompt: Any, tokenizer, info: ModelInfo, key: str) -> list[
     return out
 
 
-def _sampling(temperature: float, top_p: float, top_k: int, max_tokens: int, ignore_eos: bool,
+def make_sampling(temperature: float, top_p: float, top_k: int, max_tokens: int, ignore_eos: bool,
               logprobs: int) -> SamplingParams:
     try:
         return SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
@@ -130,7 +115,7 @@ def _sampling(temperature: float, top_p: float, top_k: int, max_tokens: int, ign
         raise ApiError(str(e)) from None
 
 
-def _requests(prompt: PromptIn, ids: list[str], sampling: SamplingParams, max_tokens: int, seed: int | None,
+def engine_requests(prompt: PromptIn, ids: list[str], sampling: SamplingParams, max_tokens: int, seed: int | None,
               info: ModelInfo) -> list[Request]:
     if seed is None:
         seeds = [secrets.randbits(31) for _ in ids]
@@ -140,7 +125,7 @@ def _requests(prompt: PromptIn, ids: list[str], sampling: SamplingParams, max_to
             for rid, s in zip(ids, seeds)]
 
 
-def _budget(requested: int | None, prompt: PromptIn, info: ModelInfo, name: str) -> int:
+def output_budget(requested: int | None, prompt: PromptIn, info: ModelInfo, name: str) -> int:
     room = None if info.max_context is None else info.max_context - len(prompt.token_ids)
     if requested is None:
         if room is None:
@@ -182,271 +167,3 @@ class TokenText:
         if tid not in self._cache:
             self._cache[tid] = self.tokenizer.decode([tid])
         return self._cache[tid]
-
-
-# -- OpenAI /v1/completions ----------------------------------------------------------------------
-COMPLETION_NEUTRAL = {
-    "frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0),
-    "min_p": (None, 0, 0.0), "logit_bias": (None, {}), "use_beam_search": (None, False), "best_of": (None, 1),
-    "suffix": (None, ""), "min_tokens": (None, 0), "stop_token_ids": (None, []), "allowed_token_ids": (None,),
-    "bad_words": (None, []), "include_stop_str_in_output": (None, False), "prompt_embeds": (None,),
-    "response_format": (None,), "structured_outputs": (None,), "logprob_token_ids": (None, []),
-    "truncate_prompt_tokens": (None,),
-}
-
-
-class CompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    model: str | None = None
-    prompt: PromptField | None = None
-    max_tokens: int | None = 16
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
-    n: int = 1
-    logprobs: int | None = None
-    echo: bool | None = False
-    prompt_logprobs: int | None = None
-    return_tokens_as_token_ids: bool | None = None
-    return_token_ids: bool | None = None
-    stop: str | list[str] | None = None
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    stream: bool | None = False
-    request_id: str | None = None
-
-
-def plan_completion(req: CompletionRequest, tokenizer, info: ModelInfo, base_id: str) -> list[Planned]:
-    _refuse_non_neutral(req.model_extra, COMPLETION_NEUTRAL, "/v1/completions")
-    if req.stream:
-        raise ApiError("stream=true is not supported by lpf serve: request the whole completion", param="stream")
-    if req.prompt_logprobs is not None:
-        raise ApiError("prompt_logprobs is not supported by lpf serve: the engine computes logprobs only for "
-                       "sampled positions", param="prompt_logprobs")
-    if req.echo and req.logprobs is not None:
-        raise ApiError("echo with logprobs needs prompt logprobs, which lpf serve does not compute; "
-                       "use echo without logprobs, or logprobs without echo", param="echo")
-    if req.n < 1:
-        raise ApiError(f"n must be at least 1, got {req.n}", param="n")
-    if req.top_k is not None and req.top_k < -1:
-        raise ApiError(f"top_k must be -1 (disable), or at least 1, got {req.top_k}", param="top_k")
-    prompts = tokenize_prompts(req.prompt, tokenizer, info, "prompt")
-    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    plans = []
-    for p_idx, prompt in enumerate(prompts):
-        max_tokens = _budget(req.max_tokens if req.max_tokens is not None else 16, prompt, info, "max_tokens")
-        sampling = _sampling(1.0 if req.temperature is None else req.temperature,
-                             1.0 if req.top_p is None else req.top_p, max(req.top_k or 0, 0), max_tokens,
-                             req.ignore_eos, req.logprobs or 0)
-        ids = [f"{base_id}-{p_idx}"] if req.n == 1 else [f"{base_id}-{p_idx}-{c}" for c in range(req.n)]
-        plans.append(Planned(prompt, _requests(prompt, ids, sampling, max_tokens, req.seed, info), stops, max_tokens))
-    return plans
-
-
-def _completion_logprobs(ids: list[int], done: Request, k: int, text: TokenText) -> dict:
-    tokens, token_lps, tops, offsets, at = [], [], [], [], 0
-    for i, tid in enumerate(ids):
-        tokens.append(text(tid))
-        token_lps.append(_clamp(done.logprobs[i]))
-        # vLLM's dict: the sampled token first, then the top-k by rank; at most k + 1 entries
-        entries: dict[int, float] = {tid: done.logprobs[i]}
-        for alt, lp in zip(done.topk_ids[i], done.topk_logprobs[i]):
-            entries.setdefault(alt, lp)
-        tops.append({text(t): _clamp(lp) for t, lp in list(entries.items())[:k + 1]})
-        offsets.append(at)
-        at += len(tokens[-1])
-    return {"text_offset": offsets, "token_logprobs": token_lps, "tokens": tokens, "top_logprobs": tops}
-
-
-def render_completion(req: CompletionRequest, plans: list[Planned], tokenizer, info: ModelInfo,
-                      response_id: str, created: int) -> dict:
-    text_of = TokenText(tokenizer, bool(req.return_tokens_as_token_ids))
-    choices, n_prompt, n_out = [], 0, 0
-    for plan in plans:
-        prompt_text = plan.prompt.text
-        if prompt_text is None and req.echo:
-            prompt_text = tokenizer.decode(plan.prompt.token_ids)
-        for done in plan.requests:
-            ids, finish, stop_reason = list(done.output_token_ids), done.finish_reason, None
-            out_text = tokenizer.decode(ids, skip_special_tokens=req.skip_special_tokens)
-            cut = apply_stop(tokenizer, ids, plan.stops, req.skip_special_tokens)
-            if cut is not None:
-                kept, out_text, stop_reason = cut
-                ids, finish = ids[:kept], "stop"
-            choices.append({
-                "index": len(choices),
-                "text": (prompt_text + out_text) if req.echo else out_text,
-                "logprobs": None if req.logprobs is None else _completion_logprobs(ids, done, req.logprobs, text_of),
-                "finish_reason": finish,
-                "stop_reason": stop_reason,
-                "token_ids": ids if req.return_token_ids else None,
-                "prompt_logprobs": None,
-                "prompt_token_ids": plan.prompt.token_ids if req.return_token_ids else None,
-            })
-            n_out += len(ids)
-        n_prompt += len(plan.prompt.token_ids)
-    return {"id": response_id, "object": "text_completion", "created": created, "model": info.name,
-            "choices": choices, "service_tier": None, "system_fingerprint": None,
-            "usage": {"prompt_tokens": n_prompt, "total_tokens": n_prompt + n_out, "completion_tokens": n_out,
-                      "prompt_tokens_details": None},
-            "kv_transfer_params": None}
-
-
-# -- SGLang /generate ----------------------------------------------------------------------------
-class SglSampling(BaseModel):
-    """SGLang's SamplingParams: an unknown key is an error there too."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    max_new_tokens: int | None = 128
-    temperature: float | None = 1.0
-    top_p: float | None = 1.0
-    top_k: int | None = -1
-    ignore_eos: bool | None = False
-    skip_special_tokens: bool | None = True
-    stop: str | list[str] | None = None
-    n: int | None = 1
-    sampling_seed: int | None = None
-    # accepted only at their neutral values (see SGL_NEUTRAL)
-    min_p: float | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    repetition_penalty: float | None = None
-    min_new_tokens: int | None = None
-    stop_token_ids: list[int] | None = None
-    stop_regex: str | list[str] | None = None
-    json_schema: str | None = None
-    regex: str | None = None
-    ebnf: str | None = None
-    structural_tag: str | None = None
-    logit_bias: dict[str, float] | None = None
-    no_stop_trim: bool | None = None
-    spaces_between_special_tokens: bool | None = None
-    custom_params: dict | None = None
-    stream_interval: int | None = None
-
-
-SGL_NEUTRAL = {
-    "min_p": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0),
-    "repetition_penalty": (None, 1, 1.0), "min_new_tokens": (None, 0), "stop_token_ids": (None, []),
-    "stop_regex": (None, [], ""), "json_schema": (None,), "regex": (None,), "ebnf": (None,),
-    "structural_tag": (None,), "logit_bias": (None, {}), "no_stop_trim": (None, False),
-    "spaces_between_special_tokens": (None, True), "custom_params": (None, {}), "stream_interval": (None,),
-}
-
-
-class GenerateRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    text: StrictStr | list[StrictStr] | None = None
-    input_ids: list[TokenId] | list[list[TokenId]] | None = None
-    sampling_params: dict | list[dict] | None = None
-    rid: str | list[str] | None = None
-    return_logprob: bool | list[bool] | None = False
-    logprob_start_len: int | list[int] | None = None
-    top_logprobs_num: int | list[int] | None = None
-    return_text_in_logprobs: bool = False
-    stream: bool = False
-
-
-@dataclass
-class SglPlanned(Planned):
-    rids: list[str] = field(default_factory=list)
-    return_logprob: bool = False
-    top_logprobs_num: int = 0
-    skip_special: bool = True
-
-
-def _per_item(value, i: int, n: int, name: str):
-    if isinstance(value, list):
-        if len(value) != n:
-            raise ApiError(f"{name} has {len(value)} entries for {n} prompts", param=name)
-        return value[i]
-    return value
-
-
-def plan_generate(req: GenerateRequest, tokenizer, info: ModelInfo) -> tuple[list[SglPlanned], bool]:
-    """(plans, batch): batch is True when the response must be a list."""
-    if req.stream:
-        raise ApiError("stream=true is not supported by lpf serve", param="stream")
-    if (req.text is None) == (req.input_ids is None):
-        raise ApiError("Either text or input_ids should be provided (exactly one).")
-    key = "text" if req.text is not None else "input_ids"
-    raw = req.text if req.text is not None else req.input_ids
-    batch = isinstance(raw, list) and (key == "text" or (bool(raw) and isinstance(raw[0], list)))
-    prompts = tokenize_prompts(raw, tokenizer, info, key)
-    plans = []
-    for i, prompt in enumerate(prompts):
-        try:
-            sp = SglSampling(**(_per_item(req.sampling_params, i, len(prompts), "sampling_params") or {}))
-        except Exception as e:  # pydantic's ValidationError: name the bad keys in one line
-            errors = getattr(e, "errors", lambda: [])()
-            what = "; ".join(f"{'.'.join(map(str, er['loc']))}: {er['msg']}" for er in errors) or str(e)
-            raise ApiError(f"sampling_params: {what}", param="sampling_params") from None
-        _refuse_non_neutral(sp.model_dump(), SGL_NEUTRAL, "/generate sampling_params")
-        n = sp.n or 1
-        if n < 1:
-            raise ApiError(f"n must be at least 1, got {n}", param="n")
-        start = _per_item(req.logprob_start_len, i, len(prompts), "logprob_start_len")
-        want_lp = bool(_per_item(req.return_logprob, i, len(prompts), "return_logprob"))
-        if want_lp and start is not None and start != -1:
-            if start > len(prompt.token_ids):
-                raise ApiError(f"logprob_start_len ({start}) is higher than the number of input tokens "
-                               f"({len(prompt.token_ids)}). Request with a lower logprob_start_len.")
-            if start < len(prompt.token_ids):
-                raise ApiError("input (prompt) logprobs are not supported by lpf serve: use logprob_start_len=-1",
-                               param="logprob_start_len")
-        top_n = _per_item(req.top_logprobs_num, i, len(prompts), "top_logprobs_num") or 0
-        temperature = 1.0 if sp.temperature is None else sp.temperature
-        top_k = -1 if sp.top_k is None else sp.top_k
-        if top_k == 0 or top_k < -1:
-            raise ApiError(f"top_k must be -1 (disable) or at least 1, got {top_k}.", param="top_k")
-        max_tokens = _budget(sp.max_new_tokens, prompt, info, "max_new_tokens")
-        sampling = _sampling(temperature, 1.0 if sp.top_p is None else sp.top_p,
-                             0 if top_k == -1 or top_k >= info.vocab_size else top_k, max_tokens,
-                             bool(sp.ignore_eos), top_n if want_lp else 0)
-        rid = _per_item(req.rid, i, len(prompts), "rid") or uuid.uuid4().hex
-        rids = [rid] if n == 1 else [f"{rid}-{c}" for c in range(n)]
-        stops = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop or [])
-        plans.append(SglPlanned(prompt, _requests(prompt, rids, sampling, max_tokens, sp.sampling_seed, info),
-                                stops, max_tokens, rids=rids, return_logprob=want_lp, top_logprobs_num=top_n,
-                                skip_special=sp.skip_special_tokens is not False))
-    return plans, batch or any(len(p.requests) > 1 for p in plans)
-
-
-def render_generate(plans: list[SglPlanned], tokenizer, return_text: bool, now: float | None = None) -> list[dict]:
-    now = time.time() if now is None else now
-    out = []
-    text_of = TokenText(tokenizer, False)
-
-    def triple(lp: float, tid: int) -> list:
-        return [_json_float(lp), tid, text_of(tid) if return_text else None]
-
-    for plan in plans:
-        for rid, done in zip(plan.rids, plan.requests):
-            ids = list(done.output_token_ids)
-            text = tokenizer.decode(ids, skip_special_tokens=plan.skip_special)
-            if done.finish_reason == "stop" and ids and ids[-1] == done.eos_token_id:
-                finish = {"type": "stop", "matched": done.eos_token_id}
-            else:
-                finish = {"type": "length", "length": plan.max_tokens}
-            cut = apply_stop(tokenizer, ids, plan.stops, plan.skip_special)
-            if cut is not None:
-                kept, text, matched = cut
-                ids, finish = ids[:kept], {"type": "stop", "matched": matched}
-            meta: dict = {"id": rid, "finish_reason": finish, "prompt_tokens": len(plan.prompt.token_ids),
-                          "weight_version": "default", "total_retractions": done.num_preemptions}
-            if plan.return_logprob:
-                meta["input_token_logprobs"] = []
-                meta["output_token_logprobs"] = [triple(done.logprobs[i], t) for i, t in enumerate(ids)]
-                if plan.top_logprobs_num > 0:
-                    meta["input_top_logprobs"] = []
-                    meta["output_top_logprobs"] = [
-                        [triple(lp, t) for t, lp in zip(done.topk_ids[i], done.topk_logprobs[i])]
-                        for i in range(len(ids))]
-            meta.update({"completion_tokens": len(ids), "cached_tokens": 0,
-                         "e2e_latency": (done.t_finish or now) - done.t_arrival})
-            out.append({"text": text, "output_ids": ids, "meta_info": meta})
-    return out
