@@ -62,7 +62,7 @@ def model_config(model: ModelRef) -> dict:
 # -- run ------------------------------------------------------------------------------------------
 def create_run(spec: RunSpec) -> RunDir:
     engine_cls = get_engine_class(spec.engine)
-    options = engine_cls.Options.parse(spec.engine_options)
+    engine_cls.Options.parse(spec.engine_options)  # a bad knob is refused before anything is written
     model = resolve_model(spec.model)
     cfg = model_config(model)
     engine_cls.check_model(cfg)
