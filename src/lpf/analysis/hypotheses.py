@@ -25,7 +25,9 @@ MAX_CUTS = 128
 MAX_P = 0.05
 
 
-class _LogFact:
+class LogFactorials:
+    """log(n!) for 0..n, built once per test family (the RL analysis shares it)."""
+
     def __init__(self, n: int):
         self.table = np.concatenate([[0.0], np.cumsum(np.log(np.arange(1, n + 1, dtype=np.float64)))])
 
@@ -33,9 +35,9 @@ class _LogFact:
         return self.table[n] - self.table[k] - self.table[n - k]
 
 
-def fisher_greater(a: int, n_flag: int, k_feat: int, total: int, lf: _LogFact | None = None) -> float:
+def fisher_greater(a: int, n_flag: int, k_feat: int, total: int, lf: LogFactorials | None = None) -> float:
     """P(X >= a), X ~ Hypergeometric(total, k_feat successes, n_flag draws)."""
-    lf = lf or _LogFact(total)
+    lf = lf or LogFactorials(total)
     hi = min(n_flag, k_feat)
     lo = max(a, n_flag + k_feat - total, 0)
     if lo > hi:
@@ -46,11 +48,11 @@ def fisher_greater(a: int, n_flag: int, k_feat: int, total: int, lf: _LogFact | 
     return float(min(1.0, math.exp(m) * np.exp(logp - m).sum()))
 
 
-def binomial_greater(k: int, n: int, lf: _LogFact | None = None) -> float:
+def binomial_greater(k: int, n: int, lf: LogFactorials | None = None) -> float:
     """P(X >= k), X ~ Binomial(n, 1/2): a sign test."""
     if n == 0:
         return 1.0
-    lf = lf or _LogFact(n)
+    lf = lf or LogFactorials(n)
     i = np.arange(k, n + 1)
     logp = lf.choose(n, i) - n * math.log(2.0)
     m = logp.max()
@@ -107,7 +109,7 @@ def rank_hypotheses(features: list[Feature], flagged: np.ndarray, scored: np.nda
             out.append((h, 1.0, -len(signatures) + order))
     if n_f == 0 or n_o == 0:
         return _ranked(out)
-    lf = _LogFact(total)
+    lf = LogFactorials(total)
     wide = {h["feature"] for h, _, _ in out}
     for order, f in enumerate([f for f in signatures if f.name not in wide] + list(features)):
         x = np.asarray(f.values)

@@ -4,7 +4,7 @@ Pure numpy. For every metadata column of the responses table (state slot range, 
 prompt id, and any other scalar column a dump carries; not response length or finish reason, which
 the failure itself changes), the best feature of that
 column is found: for numbers the split `col >= X` (or `col <= X`), for text/bools the single value,
-that most enriches implicated responses, scored by a one-sided Fisher exact test (hypergeometric
+that most enriches implicated responses, scored by the run analysis's one-sided Fisher exact test (hypergeometric
 tail from a log-factorial table; no scipy). The best split is searched, so its p-value is optimistic:
 it ranks explanations, it does not prove one. A slot split with a known state slot stride also names
 the power of two the offset `slot * stride` crosses there, the signature of an offset overflow.
@@ -17,6 +17,8 @@ import math
 import numpy as np
 import pyarrow as pa
 
+from lpf.analysis.hypotheses import LogFactorials, fisher_greater
+
 _PREFER = {"state_slot_max": 0, "state_slot_min": 1}
 # bookkeeping, and outcomes of the generation (a corrupted state makes responses end early: their
 # length is a symptom, not a mechanism)
@@ -24,24 +26,7 @@ _SKIP = {"row", "step", "request_id", "n_scored", "state_slot_stride", "n_tokens
 _MAX_SPLITS = 512
 
 
-def _logfact(n: int) -> np.ndarray:
-    return np.concatenate([[0.0], np.cumsum(np.log(np.arange(1, n + 1)))])
-
-
-def fisher_greater(a: int, flagged: int, with_: int, total: int, lf: np.ndarray) -> float:
-    """P(X >= a) for X ~ Hypergeometric(total, with_, flagged): a or more flagged among `with_`."""
-    hi = min(flagged, with_)
-    if a > hi:
-        return 0.0
-    lo = max(a, flagged + with_ - total)
-    k = np.arange(lo, hi + 1)
-    logp = (lf[with_] - lf[k] - lf[with_ - k] + lf[total - with_] - lf[flagged - k]
-            - lf[total - with_ - flagged + k] - (lf[total] - lf[flagged] - lf[total - flagged]))
-    m = logp.max()
-    return float(min(1.0, math.exp(m) * np.exp(logp - m).sum()))
-
-
-def _best_numeric(name: str, x: np.ndarray, flag: np.ndarray, lf: np.ndarray) -> dict | None:
+def _best_numeric(name: str, x: np.ndarray, flag: np.ndarray, lf: LogFactorials) -> dict | None:
     ok = np.isfinite(x)
     if ok.sum() < 2:
         return None
@@ -62,7 +47,7 @@ def _best_numeric(name: str, x: np.ndarray, flag: np.ndarray, lf: np.ndarray) ->
     return best
 
 
-def _best_categorical(name: str, values: list, flag: np.ndarray, lf: np.ndarray) -> dict | None:
+def _best_categorical(name: str, values: list, flag: np.ndarray, lf: LogFactorials) -> dict | None:
     ok = np.array([v is not None for v in values])
     arr = np.array([str(v) for v in values], dtype=object)
     cats = set(arr[ok & flag])
@@ -84,7 +69,7 @@ def rank(responses: pa.Table, implicated: np.ndarray, stride: int | None = None,
     flag = np.asarray(implicated, dtype=bool)
     if not flag.any() or flag.all():
         return []
-    lf = _logfact(len(flag))
+    lf = LogFactorials(len(flag))
     cands = []
     for name in responses.column_names:
         if name in _SKIP:
