@@ -12,10 +12,10 @@ be loaded (the `tokenizer` key says why).
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 from lpf.errors import LpfError, did_you_mean
+from lpf.jsonsafe import finite
 from lpf.run.store import RunDir
 
 TRACE_COLUMNS = ("step", "phase", "num_computed_tokens", "num_scheduled_tokens", "state_slot", "batch_size",
@@ -49,10 +49,6 @@ def _decoder(run: RunDir):
         return cache[i]
 
     return decode, None
-
-
-def _finite(x):
-    return x if not isinstance(x, float) or math.isfinite(x) else None
 
 
 def inspect_request(path: Path | str, request_id: str) -> dict:
@@ -95,19 +91,8 @@ def inspect_request(path: Path | str, request_id: str) -> dict:
         trace = _rows(con, f"SELECT {', '.join(TRACE_COLUMNS)} FROM trace WHERE request_id = ? ORDER BY step, preempted",
                       [request_id])
     request["prompt_text"] = "".join(decode(i) for i in request.get("prompt_token_ids") or []) if note is None else None
-    return _clean({"run": str(run.path), "request": request, "tokens": tokens, "trace": trace,
+    return finite({"run": str(run.path), "request": request, "tokens": tokens, "trace": trace,
                    "rescored": has_ref, "tokenizer": note})
-
-
-def _clean(obj):
-    """JSON-ready: no NaN/inf (null instead), no numpy scalars."""
-    if isinstance(obj, dict):
-        return {k: _clean(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_clean(v) for v in obj]
-    if hasattr(obj, "item") and not isinstance(obj, (str, bytes)):
-        obj = obj.item()
-    return _finite(obj)
 
 
 def render(info: dict, console, top: int = 3) -> None:
