@@ -4,7 +4,7 @@ Same model, same workload (the zoo's stress mix: prompts of ~8..470 tokens, max_
 greedy with ignore_eos so both produce exactly the same number of tokens, float32, in one run.
 Each engine runs in its own process through `lpf run`; process and model start-up are measured by
 the same command on a 1-token workload and subtracted, so the ratio compares generation only.
-Where vLLM's venv exists (`make vllm`, see lpf.engines.vllm), vLLM (offline `vllm.LLM`, the `vllm`
+Where vLLM's venv exists (`make vllm`, see lpf.adapters.vllm), vLLM (offline `vllm.LLM`, the `vllm`
 adapter) joins the table with the builtin engine's knobs (max_num_seqs 64, max_num_batched_tokens 512,
 chunked prefill on, prefix caching off, one torch thread). Its start-up is 20-60 s and too noisy to
 subtract, so its generation time is the in-engine window instead: first request submitted to vLLM to
@@ -53,7 +53,7 @@ def in_engine_window(out: Path) -> float:
 
 def vllm_args() -> tuple[list[str] | None, str]:
     """`lpf run` arguments for the vLLM column, or None and why it is skipped."""
-    from lpf.engines.vllm import vllm_python
+    from lpf.adapters.vllm import vllm_python
     from lpf.errors import LpfError
 
     try:

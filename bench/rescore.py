@@ -70,7 +70,7 @@ def rss_bytes() -> int:
 def worker(method: str, case: str, model_dir: str, quick: bool) -> dict:
     import torch
 
-    from lpf.models import ModelRef
+    from lpf.model_specs import ModelRef
     from lpf.reference import Rescorer, ScoreItem
 
     torch.set_grad_enabled(False)

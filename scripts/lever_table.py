@@ -1,4 +1,4 @@
-"""Re-create the seed's RL lever table and write it into README.md between the lever-table markers.
+"""Re-create the seed's RL lever table and write it into docs/benchmarks.md between the lever-table markers.
 
 The seed: with the 32-bit state offset overflow, logprob spikes between rollouts and trainer came
 every 12 steps with 8 rollouts per prompt, at step 1 with 128, and vanished with a smaller cache.
@@ -111,14 +111,14 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
     if not args.no_readme:
-        readme = ROOT / "README.md"
+        readme = ROOT / "docs" / "benchmarks.md"
         text = readme.read_text()
         if START not in text or END not in text:
-            sys.exit(f"README.md has no {START} ... {END} markers")
+            sys.exit(f"docs/benchmarks.md has no {START} ... {END} markers")
         head, rest = text.split(START, 1)
         _, tail = rest.split(END, 1)
         readme.write_text(head + START + "\n" + md + note + "\n" + END + tail)
-        print("README.md updated", file=sys.stderr)
+        print("docs/benchmarks.md updated", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The engine's own model implementations against the HF models they re-implement.
 
-Each case drives `lpf.engine.models` as the model runner does (packed batches, one ForwardContext per
+Each case drives `lpf.builtin.models` as the model runner does (packed batches, one ForwardContext per
 step, paged KV blocks, state slots) and compares the log-probabilities at every position with HF's
 teacher-forced forward of the whole sequence:
 (a) one-step prefill; (b) chunked prefill (prefill + odd-sized extends) then 1-token decodes;
@@ -19,9 +19,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lpf.engine.forward_context import ForwardContext, SeqMeta, get_forward_context, set_forward_context
-from lpf.engine.kv_cache import KVCache
-from lpf.engine.state_cache import StateCache
+from lpf.builtin.forward_context import ForwardContext, SeqMeta, get_forward_context, set_forward_context
+from lpf.builtin.kv_cache import KVCache
+from lpf.builtin.state_cache import StateCache
 from lpf.errors import LpfError
 
 BLOCK = 4
@@ -184,8 +184,8 @@ def results(tmp_path_factory):
     """Per model: the engine models (float32/64), the HF model, and every case's requests in both dtypes."""
     from transformers import AutoModelForCausalLM
 
-    from lpf.engine.models import load_model
-    from lpf.models import resolve_model
+    from lpf.builtin.models import load_model
+    from lpf.model_specs import resolve_model
 
     root = tmp_path_factory.mktemp("engine-models")
     out = {}
@@ -276,8 +276,8 @@ def test_forward_outside_a_context_raises(results):
 
 
 def test_unsupported_architecture():
-    from lpf.engine.models import load_model
-    from lpf.models import resolve_model
+    from lpf.builtin.models import load_model
+    from lpf.model_specs import resolve_model
 
     with pytest.raises(LpfError, match="runs GraniteMoeHybrid and Jamba models; LlamaForCausalLM is not supported"):
         load_model(resolve_model("tiny:llama").path)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lpf.models import resolve_model
+from lpf.model_specs import resolve_model
 from lpf.reference import Rescorer, ScoreItem
 
 

@@ -3,10 +3,11 @@
 import subprocess
 import sys
 
-from lpf.engine.config import EngineConfig
-from lpf.engine.request import Request
-from lpf.engine.scheduler import Scheduler
-from lpf.engine.state_cache import SlotPool
+from lpf.builtin.config import EngineConfig
+from lpf.builtin.request import Request
+from lpf.builtin.sched_output import Sample
+from lpf.builtin.scheduler import Scheduler
+from lpf.builtin.state_cache import SlotPool
 from lpf.sampling import SamplingParams
 
 
@@ -15,13 +16,13 @@ def _req(i, prompt_len=10, max_tokens=4):
 
 
 def _finish_step(sched, out, token=7):
-    sampled = {s.request_id: (token, -0.1, [], []) for s in out.scheduled if s.will_sample}
+    sampled = {s.request_id: Sample(token, -0.1, [], []) for s in out.scheduled if s.will_sample}
     return sched.update(out, sampled)
 
 
 def test_scheduler_module_never_imports_torch():
-    code = ("import sys, lpf.engine.scheduler, lpf.engine.sched_output, lpf.engine.request, "
-            "lpf.engine.kv_cache, lpf.engine.state_cache; assert 'torch' not in sys.modules, 'torch imported'")
+    code = ("import sys, lpf.builtin.scheduler, lpf.builtin.sched_output, lpf.builtin.request, "
+            "lpf.builtin.kv_cache, lpf.builtin.state_cache; assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -31,7 +31,7 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def rescorer():
-    from lpf.models import resolve_model
+    from lpf.model_specs import resolve_model
     from lpf.reference import Rescorer
 
     return Rescorer(resolve_model(MODEL))
@@ -175,7 +175,8 @@ def test_stop_strings_cut_the_output_where_a_stopping_server_would(server):
 def test_prompts_the_engine_could_never_schedule_are_refused():
     """With chunked prefill off the engine needs prompt + output inside one step's token budget;
     planning refuses such a request instead of queueing it forever (pure protocol, no server)."""
-    from lpf.models import load_tokenizer, resolve_model
+    from lpf.builtin.sched_output import Sample
+    from lpf.model_specs import load_tokenizer, resolve_model
     from lpf.serve.openai_api import CompletionRequest, plan_completion
     from lpf.serve.protocol import ApiError, ModelInfo
 
@@ -193,7 +194,8 @@ def test_non_finite_logprobs_still_render_as_json():
     NaN and SGLang's non-finite numbers as null) rather than become a 500 for the whole request."""
     import json
 
-    from lpf.models import load_tokenizer, resolve_model
+    from lpf.builtin.sched_output import Sample
+    from lpf.model_specs import load_tokenizer, resolve_model
     from lpf.serve.openai_api import CompletionRequest, plan_completion, render_completion
     from lpf.serve.protocol import ModelInfo
     from lpf.serve.sglang_api import GenerateRequest, plan_generate, render_generate
@@ -206,7 +208,7 @@ def test_non_finite_logprobs_still_render_as_json():
                                                  sampling_params={"max_new_tokens": 2}), tok, info)
     for done in (plans[0].requests[0], gen_plans[0].requests[0]):
         for tid, lp in ((19, float("-inf")), (20, float("nan"))):
-            done.append_output(tid, lp, [tid], [lp])
+            done.append_output(Sample(tid, lp, [tid], [lp]))
         done.finish_reason = "length"
     body = json.loads(json.dumps(render_completion(req, plans, tok, info, "cmpl-z", 0), allow_nan=False))
     assert body["choices"][0]["logprobs"]["token_logprobs"] == [-9999.0, None]

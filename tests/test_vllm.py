@@ -23,7 +23,7 @@ MODEL = "zoo:hybrid"
 
 
 def _vllm_python() -> Path | None:
-    from lpf.engines.vllm import vllm_python
+    from lpf.adapters.vllm import vllm_python
     from lpf.errors import LpfError
 
     try:
@@ -42,6 +42,7 @@ def prompts8(tmp_path_factory, prompts_200):
 
 
 @needs_vllm
+@pytest.mark.slow
 def test_offline_vllm_audit_is_clean_and_records_its_knobs(lpf_cli, tmp_path, prompts8):
     out = tmp_path / "run"
     # a 16-token step budget with chunked prefill: prompts are split and prefill chunks share steps with decodes
@@ -62,7 +63,7 @@ def test_offline_vllm_audit_is_clean_and_records_its_knobs(lpf_cli, tmp_path, pr
 
 
 def _serve(model_dir: Path, port: int, log: Path) -> subprocess.Popen:
-    from lpf.engines.vllm import vllm_python
+    from lpf.adapters.vllm import vllm_python
 
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", TORCHDYNAMO_DISABLE="1", VLLM_CPU_KVCACHE_SPACE="1",
                OMP_NUM_THREADS="1")
@@ -91,8 +92,9 @@ def _wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout: float = 
 
 
 @needs_vllm
+@pytest.mark.slow
 def test_vllm_openai_server_audit_is_clean(lpf_cli, tmp_path, prompts8):
-    from lpf.models import resolve_model
+    from lpf.model_specs import resolve_model
 
     model_dir = resolve_model(MODEL).path
     port = free_port()

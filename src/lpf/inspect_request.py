@@ -34,7 +34,7 @@ def _views(con) -> set[str]:
 
 def _decoder(run: RunDir):
     """(decode(id) -> text, note): token text from the run's own tokenizer, or ids when unavailable."""
-    from lpf.models import load_tokenizer, resolve_model
+    from lpf.model_specs import load_tokenizer, resolve_model
 
     spec = run.manifest.get("model", {}).get("spec")
     try:
@@ -93,57 +93,3 @@ def inspect_request(path: Path | str, request_id: str) -> dict:
     request["prompt_text"] = "".join(decode(i) for i in request.get("prompt_token_ids") or []) if note is None else None
     return finite({"run": str(run.path), "request": request, "tokens": tokens, "trace": trace,
                    "rescored": has_ref, "tokenizer": note})
-
-
-def render(info: dict, console, top: int = 3) -> None:
-    """The request, its tokens and its trace as rich tables."""
-    from rich.markup import escape
-    from rich.table import Table
-
-    from lpf.summary import VERDICT_STYLE
-
-    r = info["request"]
-    s = r.get("summary") or {}
-    verdict = s.get("verdict")
-    head = f"[bold]{escape(r['request_id'])}[/]  seq {r.get('seq')}  prompt {escape(str(r.get('prompt_id')))}  rollout {r.get('rollout')}"
-    head += f"  finish {r.get('finish_reason')}"
-    if verdict:
-        head += f"  verdict [{VERDICT_STYLE.get(verdict, 'white')}]{verdict}[/]"
-        if s.get("first_divergence") is not None:
-            head += f"  first divergence at position {s['first_divergence']}"
-    console.print(head)
-    if r.get("error"):
-        console.print(f"[red]error:[/] {escape(str(r['error']))}")
-    if info.get("tokenizer"):
-        console.print(f"[dim]{escape(info['tokenizer'])}[/]")
-    if r.get("prompt_text") is not None:
-        console.print(f"[dim]prompt ({len(r.get('prompt_token_ids') or [])} tokens):[/] {escape(repr(r['prompt_text']))}")
-    first = s.get("first_divergence")
-
-    def topk(items):
-        return "  ".join(f"{escape(repr(x['token']))} {x['logprob']:.3f}" for x in items[:top])
-
-    t = Table(title=f"tokens ({len(info['tokens'])})", title_justify="left")
-    for c in ("pos", "token", "engine lp", "ref lp", "|d|", "ref rank", f"engine top-{top}", f"ref top-{top}"):
-        t.add_column(c, overflow="fold")
-    for row in info["tokens"]:
-        d = row["abs_diff"]
-        style = "bold red" if first is not None and row["position"] == first else (
-            "yellow" if d is not None and d > 1e-3 else None)
-        fmt = lambda v: "-" if v is None else f"{v:.4f}"  # noqa: E731
-        t.add_row(str(row["position"]), escape(repr(row["token"])), fmt(row["engine_logprob"]), fmt(row["ref_logprob"]),
-                  "-" if d is None else f"{d:.3g}", "-" if row["ref_rank"] is None else str(row["ref_rank"]),
-                  topk(row["engine_topk"]), topk(row["ref_topk"]), style=style)
-    console.print(t)
-    if not info["rescored"]:
-        console.print("[dim]not rescored yet: run lpf rescore DIR for the reference side[/]")
-    if info["trace"] is None:
-        console.print("[dim]no trace: this engine does not record per-step scheduling[/]")
-        return
-    tr = Table(title=f"trace ({len(info['trace'])} rows)", title_justify="left")
-    for c in TRACE_COLUMNS:
-        tr.add_column(c)
-    for row in info["trace"]:
-        tr.add_row(*("-" if row[c] is None else str(row[c]) for c in TRACE_COLUMNS),
-                   style="bold red" if row["preempted"] else None)
-    console.print(tr)

@@ -21,7 +21,7 @@ import pyarrow as pa
 import torch
 
 from lpf.errors import LpfError
-from lpf.models import ModelRef, tokenizer_fingerprint
+from lpf.model_specs import ModelRef, tokenizer_fingerprint
 from lpf.run import schema
 from lpf.torch_utils import logprob_rows, max_context, quiet_transformers, torch_dtype
 

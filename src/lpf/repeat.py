@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from lpf.errors import LpfError
@@ -174,8 +174,8 @@ def _prompt_ids(spec: RepeatSpec, tokenizer, cfg: dict) -> tuple[tuple[int, ...]
 
 def run_repeat(spec: RepeatSpec, out: Path, on_start=lambda total: None, tick=lambda n: None) -> dict:
     """Generate the copies, compare them, write `out/repeat.json`; returns what it wrote."""
-    from lpf.engines import get_engine_class
-    from lpf.models import load_tokenizer, resolve_model
+    from lpf.adapters import get_engine_class
+    from lpf.model_specs import load_tokenizer, resolve_model
     from lpf.pipeline import model_config
 
     if spec.times < 2:
@@ -185,7 +185,7 @@ def run_repeat(spec: RepeatSpec, out: Path, on_start=lambda total: None, tick=la
         raise LpfError(f"{target} already exists: choose another --out")
     engine_cls = get_engine_class(spec.engine)
     base_opts = engine_cls.Options.parse(spec.engine_options)  # unknown knobs refused before any work
-    option_names = {f.name for f in fields(engine_cls.Options)}
+    option_names = set(engine_cls.Options.model_fields)
     knob = concurrency_knob(option_names, {k.replace("-", "_") for k in spec.engine_options})
     model = resolve_model(spec.model)
     cfg = model_config(model)

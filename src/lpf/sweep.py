@@ -303,7 +303,7 @@ def two_proportion_p(k1: int, n1: int, k2: int, n2: int) -> float:
     return math.erfc(abs(k1 / n1 - k2 / n2) / se / math.sqrt(2))
 
 
-def _fmt_rate(r: dict) -> str:
+def fmt_rate(r: dict) -> str:
     return "-" if r["rate"] is None else f"{100 * r['rate']:.1f}% ({r['n_flagged']}/{r['n_scored']})"
 
 
@@ -325,7 +325,7 @@ def _group_verdict(metric: str, rows: list[dict]) -> tuple[bool, str, float]:
         lo = min(rows, key=lambda r: r["rate"] if r["rate"] is not None else math.inf)
         hi = max(rows, key=lambda r: r["rate"] if r["rate"] is not None else -math.inf)
         p = two_proportion_p(lo["n_flagged"], lo["n_scored"], hi["n_flagged"], hi["n_scored"])
-        return p < RATE_ALPHA, "; ".join(_fmt_rate(r) for r in rows) + f" (two-proportion test, extremes: p={p:.2g})", -p
+        return p < RATE_ALPHA, "; ".join(fmt_rate(r) for r in rows) + f" (two-proportion test, extremes: p={p:.2g})", -p
     key, unit, rel = {"onset": ("onset_seq", "first flagged arrival index", 0.1),
                       "position": ("first_divergence_median", "median first-divergence position", 0.25),
                       "period": ("period", "period in steps", 0.1)}[metric]
@@ -372,26 +372,3 @@ def shape_moves(knobs: list[dict], rows: list[dict]) -> list[dict]:
             moves.append({"knob": k["name"], "metric": metric, "moves": moved,
                           "sentence": f"{k['name']} {verb}: at {k['name']} = {at}{where}: {numbers}."})
     return moves
-
-
-def render(doc: dict, console) -> None:
-    """The sweep table and the moves, drawn with rich."""
-    from rich.markup import escape
-    from rich.table import Table
-
-    from lpf.summary import VERDICT_STYLE
-
-    knobs = [k["name"] for k in doc["knobs"]]
-    t = Table(title=f"sweep: {len(doc['cells'])}/{doc['n_cells']} cells", title_justify="left")
-    for c in [*knobs, "verdict", "requests", "rate", "onset seq", "onset step", "first div (median)", "period",
-              "max |diff|"]:
-        t.add_column(c)
-    fmt = lambda v, f="{:g}": "-" if v is None else f.format(v)  # noqa: E731
-    for r in doc["cells"]:
-        t.add_row(*(escape(str(r["values"][k])) for k in knobs),
-                  f"[{VERDICT_STYLE.get(r['verdict'], 'white')}]{r['verdict']}[/]", str(r["n_requests"]),
-                  _fmt_rate(r), fmt(r["onset_seq"]), fmt(r["onset_step"]), fmt(r["first_divergence_median"]),
-                  fmt(r["period"]), fmt(r["max_abs_logprob_diff"], "{:.3g}"))
-    console.print(t)
-    for m in doc["moves"]:
-        console.print(("[bold]" if m["moves"] else "[dim]") + escape(m["sentence"]) + "[/]")

@@ -22,10 +22,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from lpf.analysis.levels import SEVERITY, VERDICTS  # noqa: F401  (re-exported: the verdict names live there)
 from lpf.analysis.thresholds import Thresholds
 
-VERDICTS = ("clean", "noise", "divergent", "corrupt")  # in order of severity
-SEVERITY = {v: i for i, v in enumerate(VERDICTS)}
 _BIG = np.iinfo(np.int32).max
 
 

@@ -3,8 +3,8 @@
 `analyze(dump, ...)` is pure (arrays and tables in, a table and a dict out). `write_outputs` writes
 the RL directory of the contract: rl_steps.parquet (one row per step: n_responses, n_tokens, the
 STEP_METRICS, robust_z, spike) and rl_findings.json (kind "rl", counts, bad_rows, spikes with the
-implicated requests and their first off positions, period, hypotheses, noise_floor), then the HTML
-report when `lpf.report` is installed.
+implicated requests and their first off positions, period, hypotheses, noise_floor); the command line
+then draws report.html from them.
 """
 
 from __future__ import annotations
@@ -160,21 +160,11 @@ def _summary(f: dict) -> str:
 
 
 
-def write_outputs(out: Path, step_table: pa.Table, findings: dict) -> tuple[Path | None, str | None]:
-    """Write the RL directory; returns (report path, None) or (None, why no report was written).
-    The findings are on disk before the report starts, so a failing report never loses them."""
+def write_outputs(out: Path, step_table: pa.Table, findings: dict) -> None:
+    """Write the RL directory's data (`rl_steps.parquet`, `rl_findings.json`, atomically): the
+    findings are on disk before anyone draws a report from them."""
     out.mkdir(parents=True, exist_ok=True)
     pq.write_table(step_table, out / "rl_steps.parquet")
     tmp = out / "rl_findings.json.tmp"
     tmp.write_text(json.dumps(findings, indent=2))
     tmp.replace(out / "rl_findings.json")
-    try:
-        from lpf.report import write_report
-    except ImportError:  # the report package is optional here
-        return None, "lpf.report is not installed"
-    try:
-        return write_report(out), None
-    except LpfError as e:
-        return None, str(e)
-    except Exception as e:  # a report bug must not turn an analysed dump into a failed command
-        return None, f"{type(e).__name__}: {e}"

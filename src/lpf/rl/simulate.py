@@ -62,16 +62,17 @@ def _noop(*_):
 
 def simulate(spec: SimSpec, out: Path, on_start: Callable = _noop, tick: Callable = _noop) -> dict:
     """Run the loop and write the dump to `out`; returns the engine description and counts."""
-    from lpf.engine.config import EngineConfig
-    from lpf.engine.faults import FaultSet
-    from lpf.engines.builtin import BuiltinEngine
-    from lpf.models import load_tokenizer, resolve_model
+    from lpf.adapters.builtin import BuiltinEngine, BuiltinOptions
+    from lpf.builtin.config import EngineConfig
+    from lpf.builtin.faults import FaultSet
+    from lpf.model_specs import load_tokenizer, resolve_model
     from lpf.pipeline import model_config
     from lpf.sampling import SamplingParams
     from lpf.workload import load_prompts
 
-    faults = FaultSet.parse(spec.inject)
-    config = EngineConfig(**spec.engine)
+    options = BuiltinOptions.parse({**spec.engine, "inject": spec.inject})  # knobs and drills checked first
+    faults = FaultSet.parse(options.inject)
+    config = EngineConfig.of(options)
     model = resolve_model(spec.model)
     cfg = model_config(model)
     BuiltinEngine.check_model(cfg)
@@ -87,7 +88,7 @@ def simulate(spec: SimSpec, out: Path, on_start: Callable = _noop, tick: Callabl
 
     import torch
 
-    from lpf.engine.llm_engine import LLMEngine
+    from lpf.builtin.llm_engine import LLMEngine
     from lpf.reference import Rescorer
 
     engine = LLMEngine(model.path, config, faults)
@@ -133,7 +134,7 @@ def faults_path(dump: Path) -> Path:
 
 
 def _rollout(engine, batch, step: int, sampling, max_tokens: int, eos: int | None) -> list:
-    from lpf.engine.request import Request
+    from lpf.builtin.request import Request
     from lpf.sampling import request_seed
 
     by_id = {}

@@ -1,16 +1,29 @@
 """Explicit Arrow schemas of every table in a run directory, and the schema version.
 
 Bump `SCHEMA_VERSION` when a column changes meaning or a required column is added; readers refuse
-run directories written by a newer version instead of guessing. Logprobs that get compared
-(engine vs reference) are float64 so storage never adds error of its own; top-k lists are float32.
+run directories written by a newer version instead of guessing, and read older ones with the columns
+they lack as nulls (`RunDir.read`). Logprobs that get compared (engine vs reference) are float64 so
+storage never adds error of its own; top-k lists are float32.
+
+v2 (over v1): `requests.inconsistency` and `requests.attempts` (what a server returned, kept as
+evidence), and the prompt-position tables `prompt_tokens` / `prompt_reference` (the prefill path).
 """
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 _ids = pa.list_(pa.int32())
 _lps = pa.list_(pa.float32())
+
+ATTEMPT = pa.struct([
+    ("attempt", pa.int32()),  # 0 first, then retries
+    ("sent", pa.bool_()),  # false: it never left (connection refused, circuit open, deadline)
+    ("status", pa.int32()),  # the HTTP status, null when there was no answer
+    ("error", pa.string()),  # the server's own error message, or what went wrong; null on success
+    ("t_start", pa.float64()),  # unix seconds
+    ("t_end", pa.float64()),
+])
 
 REQUESTS = pa.schema(
     [
@@ -28,6 +41,10 @@ REQUESTS = pa.schema(
         ("t_finish", pa.float64()),
         ("oracle_expected", pa.string()),
         ("oracle_ok", pa.bool_()),
+        # v2: why an answer that failed a consistency check was kept as returned (null when consistent)
+        ("inconsistency", pa.string()),
+        # v2: every attempt to get the answer (HTTP engines; empty for in-process engines)
+        ("attempts", pa.list_(ATTEMPT)),
     ]
 )
 
@@ -56,8 +73,27 @@ REFERENCE = pa.schema(
     ]
 )
 
+# v2, engines that return prompt logprobs (`--prompt-logprobs`): one row per prompt position p >= 1, the
+# engine's logprob of prompt token p given tokens < p (TOKENS' columns; position indexes prompt_token_ids),
+# and the reference's score of the same positions (REFERENCE's columns), from the same teacher-forced pass
+PROMPT_TOKENS = TOKENS
+PROMPT_REFERENCE = REFERENCE
+
 # the optional calibration run (`lpf rescore --calibrate`): the same reference model teacher-forced a
 # second time at the engine's dtype over the same tokens, in the reference's columns
 CALIBRATION = REFERENCE
 
-TABLES = {"requests": REQUESTS, "tokens": TOKENS, "reference": REFERENCE, "calibration": CALIBRATION}
+# engines that can (the built-in engine, vLLM through the lpf-vllm-trace plugin): one row per request
+# per engine step, plus one row per preemption (preempted = true, phase null)
+TRACE = pa.schema([
+    ("step", pa.int64()), ("request_id", pa.string()), ("phase", pa.string()),  # prefill | extend | decode
+    ("num_computed_tokens", pa.int32()), ("num_scheduled_tokens", pa.int32()), ("state_slot", pa.int32()),
+    ("batch_size", pa.int32()), ("batch_tokens", pa.int32()), ("preempted", pa.bool_()),
+])
+
+# fault drills' ground truth (which request, which step, what happened); analysis never reads it
+FAULTS = pa.schema([("request_id", pa.string()), ("step", pa.int64()), ("fault", pa.string()),
+                    ("role", pa.string()), ("detail", pa.string())])
+
+TABLES = {"requests": REQUESTS, "tokens": TOKENS, "reference": REFERENCE, "calibration": CALIBRATION,
+          "prompt_tokens": PROMPT_TOKENS, "prompt_reference": PROMPT_REFERENCE}

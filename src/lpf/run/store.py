@@ -3,12 +3,14 @@
 Contract:
 - Every file appears atomically (written to a `.tmp-` name, then renamed): a reader never sees half
   a part, and a SIGKILL loses at most the part in flight.
-- Requests commit in pairs: `tokens/part-N` is written first, `requests/part-N` last. A request is
-  done iff it appears in some requests part; a tokens part without its requests part is an orphan of
-  a crash and is deleted on open. So resume neither redoes nor duplicates a request.
+- Requests commit as a group under one part number N: `tokens/part-N` (and `prompt_tokens/part-N` when
+  the engine returned prompt logprobs) first, `requests/part-N` last. A request is done iff it appears
+  in some requests part; a tokens or prompt_tokens part without its requests part is an orphan of a
+  crash and is deleted on open. So resume neither redoes nor duplicates a request.
 - Reference (and calibration) parts are self-contained; a request is rescored iff it has rows there
   (or no outputs).
-- Opening a directory written by a newer schema is refused rather than misread.
+- Opening a directory written by a newer schema is refused rather than misread; parts written by an
+  older one are read with the columns they lack as nulls, so every reader sees the current schema.
 """
 
 from __future__ import annotations
@@ -42,6 +44,17 @@ def _atomic_write_table(path: Path, table: pa.Table) -> None:
     os.replace(tmp, path)
 
 
+def _read_part(path: Path, want: pa.Schema) -> pa.Table:
+    """One part with exactly `want`'s columns: a column an older schema's part lacks is all nulls."""
+    part = pq.ParquetFile(path)
+    have = set(part.schema_arrow.names)
+    table = part.read(columns=[n for n in want.names if n in have])
+    for i, f in enumerate(want):
+        if f.name not in have:
+            table = table.add_column(i, f, pa.nulls(table.num_rows, f.type))
+    return table.select(want.names).cast(want)
+
+
 class RunDir:
     """Handle on one run directory. Create with `create()`, reopen with `open()`."""
 
@@ -56,7 +69,7 @@ class RunDir:
         if path.exists() and (not path.is_dir() or any(path.iterdir())):
             raise LpfError(f"{path} already exists and is not empty: choose another --out, or "
                            f"`lpf run --resume {path}` to finish it")
-        for sub in schema.TABLES:
+        for sub in ("requests", "tokens", "reference", "calibration"):  # the others appear with their first part
             (path / sub).mkdir(parents=True, exist_ok=True)
         run = cls(path, dict(manifest, schema_version=schema.SCHEMA_VERSION))
         run.save_manifest()
@@ -92,7 +105,7 @@ class RunDir:
                 for f in d.glob(".tmp-*"):
                     f.unlink()
         committed = {p.name for p in self.parts("requests")}
-        for p in self.parts("tokens"):
+        for p in self.parts("tokens") + self.parts("prompt_tokens"):
             if p.name not in committed:
                 p.unlink()
 
@@ -108,11 +121,14 @@ class RunDir:
                 last = max(last, int(_PART.match(p.name).group(1)))
         return last + 1
 
-    def append_requests(self, requests: pa.Table, tokens: pa.Table) -> None:
-        """Commit completed requests with their tokens (tokens first: see the module contract)."""
-        i = self._next_index("requests", "tokens")
+    def append_requests(self, requests: pa.Table, tokens: pa.Table, prompt_tokens: pa.Table | None = None) -> None:
+        """Commit completed requests with their tokens (and prompt tokens): requests last, see the contract."""
+        i = self._next_index("requests", "tokens", "prompt_tokens")
         name = f"part-{i:06d}.parquet"
         _atomic_write_table(self.path / "tokens" / name, tokens.cast(schema.TOKENS))
+        if prompt_tokens is not None and prompt_tokens.num_rows:
+            (self.path / "prompt_tokens").mkdir(exist_ok=True)
+            _atomic_write_table(self.path / "prompt_tokens" / name, prompt_tokens.cast(schema.PROMPT_TOKENS))
         _atomic_write_table(self.path / "requests" / name, requests.cast(schema.REQUESTS))
 
     def append(self, table: str, data: pa.Table) -> None:
@@ -132,8 +148,10 @@ class RunDir:
                 raise LpfError(f"{self.path} has no {table} data")
             empty = target.empty_table()
             return empty.select(columns) if columns else empty
-        tables = [pq.read_table(p, columns=columns) for p in parts]
-        return pa.concat_tables(tables, promote_options="default")
+        if target is None:
+            return pa.concat_tables([pq.read_table(p, columns=columns) for p in parts], promote_options="default")
+        want = target if columns is None else pa.schema([target.field(c) for c in columns])
+        return pa.concat_tables([_read_part(p, want) for p in parts])
 
     def has(self, table: str) -> bool:
         return bool(self.parts(table))

@@ -5,7 +5,7 @@ openai_api.py   /v1/completions as vLLM serves it: request model, planning, rend
 sglang_api.py   SGLang's native /generate: request model, planning, rendering
 engine_loop.py  the one asyncio loop that owns the engine, so concurrent HTTP requests share engine steps
 app.py        the FastAPI app: routes, error responses, /health, /v1/models, /metrics
-command.py    the `lpf serve` click command: options -> engine -> uvicorn, clean shutdown on SIGINT/SIGTERM
+server.py     bind the socket, build the engine, run uvicorn until SIGINT/SIGTERM (the command: lpf.cli.serve)
 process.py    `served(...)`: start `lpf serve` as a child process, wait for /health, stop it (tests, benches)
 
 Nothing heavy is imported here; `lpf --help` stays fast.

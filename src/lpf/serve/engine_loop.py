@@ -29,7 +29,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from lpf.engine.request import Request
+from lpf.builtin.request import Request
 from lpf.serve.protocol import ApiError
 
 

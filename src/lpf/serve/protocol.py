@@ -25,7 +25,7 @@ from typing import Annotated, Any, Union
 
 from pydantic import Field, StrictInt, StrictStr
 
-from lpf.engine.request import Request
+from lpf.builtin.request import Request
 from lpf.errors import LpfError
 from lpf.sampling import SamplingParams, request_seed
 

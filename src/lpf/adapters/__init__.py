@@ -1,0 +1,30 @@
+"""Engine adapters behind one interface (`base.Engine`), found through a lazy registry.
+
+The registry maps names to "module:Class" strings so that `lpf --help` or an `hf` run never
+imports vLLM, httpx or anything else another adapter needs.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from lpf.errors import LpfError, did_you_mean
+
+REGISTRY: dict[str, str] = {
+    "builtin": "lpf.adapters.builtin:BuiltinEngine",
+    "hf": "lpf.adapters.hf:HFEngine",
+    "vllm": "lpf.adapters.vllm:VLLMEngine",
+    "openai": "lpf.adapters.openai:OpenAIEngine",
+    "sglang": "lpf.adapters.sglang:SGLangEngine",
+}
+
+
+def engine_names() -> list[str]:
+    return sorted(REGISTRY)
+
+
+def get_engine_class(name: str):
+    if name not in REGISTRY:
+        raise LpfError(f"unknown engine {name!r}{did_you_mean(name, REGISTRY)}; available: {', '.join(engine_names())}")
+    module, cls = REGISTRY[name].split(":")
+    return getattr(importlib.import_module(module), cls)

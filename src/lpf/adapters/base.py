@@ -1,0 +1,138 @@
+"""The engine adapter interface: what every engine under test must give back.
+
+An adapter is constructed once per run with the resolved model, the run's sampling parameters and
+its own options (knobs: a pydantic `Options` model whose fields say types and ranges; unknown names
+are refused with a did-you-mean). Three methods:
+`describe()` (name, version, knobs: goes into the manifest), `generate(requests)` (yields one
+`Completion` per request as each finishes, in any order) and `close()`; optionally
+`side_tables()` for tables only some engines have (per-step trace, fault ground truth). Adapters return token ids and
+per-token raw logprobs (+ top-k when the engine has them), never aggregates. A request the engine
+cannot complete comes back with `error` set, never dropped.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from lpf.errors import LpfError, did_you_mean
+from lpf.model_specs import ModelRef
+from lpf.sampling import SamplingParams
+from lpf.workload import EngineRequest
+
+
+@dataclass
+class Completion:
+    request_id: str
+    output_token_ids: list[int]
+    logprobs: list[float]  # raw logprob of each output token
+    topk_ids: list[list[int]] = field(default_factory=list)
+    topk_logprobs: list[list[float]] = field(default_factory=list)
+    finish_reason: str = "length"  # stop | length | error
+    error: str | None = None
+    t_submit: float | None = None
+    t_first_token: float | None = None
+    t_finish: float = field(default_factory=time.time)
+    # evidence kept as returned: why the answer failed a consistency check (None: it passed), and every
+    # attempt to get it (HTTP engines: dicts with the `schema.ATTEMPT` fields)
+    inconsistency: str | None = None
+    attempts: list[dict] = field(default_factory=list)
+    # prompt logprobs (`--prompt-logprobs`), per prompt position 1..P-1: None when not asked or not given
+    prompt_logprobs: list[float] | None = None
+    prompt_topk_ids: list[list[int]] = field(default_factory=list)
+    prompt_topk_logprobs: list[list[float]] = field(default_factory=list)
+
+    def __post_init__(self):
+        # An adapter that loses logprobs must fail here, not write a run that cannot be analysed.
+        if self.error is None and len(self.logprobs) != len(self.output_token_ids):
+            raise ValueError(f"{self.request_id}: {len(self.logprobs)} logprobs for "
+                             f"{len(self.output_token_ids)} tokens")
+
+
+class Options(BaseModel):
+    """Base for an adapter's knobs: a frozen pydantic model that refuses unknown names. Subclasses
+    declare typed fields with their defaults and ranges (`Field(ge=1)`, `Literal[...]`), so types,
+    ranges and "did you mean" come from one place for every engine; `parse` takes the command
+    line's strings or a manifest's stored values and raises `LpfError` with one line."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, Any]) -> "Options":
+        known = cls.model_fields
+        values: dict[str, Any] = {}
+        for key, value in raw.items():
+            name = key.replace("-", "_")
+            if name not in known:
+                raise LpfError(f"unknown engine option {key!r}{did_you_mean(name, known)}; "
+                               f"this engine takes: {', '.join(sorted(known)) or 'none'}")
+            values[name] = value
+        try:
+            return cls(**values)
+        except ValidationError as e:
+            raise LpfError(option_error(e)) from None
+
+    @classmethod
+    def default(cls, name: str) -> Any:
+        return cls.model_fields[name].default
+
+    def to_dict(self) -> dict:
+        return self.model_dump()
+
+
+_RANGE_WORDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
+_TYPE_WORDS = {"int_parsing": "expected an integer", "int_from_float": "expected an integer",
+               "int_type": "expected an integer", "float_parsing": "expected a number", "float_type": "expected a number",
+               "bool_parsing": "expected true/false", "bool_type": "expected true/false",
+               "string_type": "expected text"}
+
+
+def option_error(e: ValidationError) -> str:
+    """The first problem of a validation error as one line: `NAME must be >= 1, got 0`."""
+    err = e.errors(include_url=False)[0]
+    name = ".".join(str(p) for p in err.get("loc", ())) or "engine options"
+    kind, ctx, got = err.get("type", ""), err.get("ctx") or {}, err.get("input")
+    if kind in _RANGE_WORDS:
+        bound = next(iter(v for k, v in ctx.items() if k in ("gt", "ge", "lt", "le")), "?")
+        return f"{name} must be {_RANGE_WORDS[kind]} {bound}, got {got!r}"
+    if kind == "literal_error":
+        return f"{name} must be {ctx.get('expected', '?')}, got {got!r}"
+    if kind in _TYPE_WORDS:
+        return f"engine option {name}: {_TYPE_WORDS[kind]}, got {got!r}"
+    msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
+    return msg if not err.get("loc") else f"engine option {name}: {msg}"
+
+
+class Engine(ABC):
+    name: str = "?"
+    Options: type[Options] = Options
+
+    def __init__(self, model: ModelRef, sampling: SamplingParams, options: Options):
+        self.model = model
+        self.sampling = sampling
+        self.options = options
+
+    @classmethod
+    def check_model(cls, config: dict) -> None:
+        """Raise LpfError if this engine cannot run a model with this config.json (checked before a
+        run directory is created, so a refused run writes nothing)."""
+
+    @abstractmethod
+    def describe(self) -> dict:
+        """{'name', 'version', 'options'} for the manifest. Never include secrets."""
+
+    @abstractmethod
+    def generate(self, requests: list[EngineRequest]) -> Iterator[Completion]:
+        """Run the requests; yield each completion as soon as it is final."""
+
+    def side_tables(self) -> dict:
+        """Extra run tables gathered since the last call, e.g. {"trace": table, "faults": table}
+        (None where nothing new). Engines without any return {}."""
+        return {}
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,94 @@
+"""`builtin` engine: lpf's own continuous-batching hybrid engine (`lpf.builtin`), with fault drills.
+
+Knobs keep vLLM's names (max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, block_size)
+plus `cache_mb` (the gpu_memory_utilization analogue) and `inject` (comma-separated drills). Besides
+completions it hands the pipeline two side tables: the per-step `trace` and the fault ground truth.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+from pydantic import Field, field_validator
+
+import lpf
+from lpf.adapters.base import Completion, Engine, Options
+from lpf.builtin.config import EngineConfig
+from lpf.workload import EngineRequest
+
+
+class BuiltinOptions(Options, EngineConfig):
+    """The engine's own config (validated on parse, before a run starts) plus what the adapter adds."""
+
+    inject: str = ""  # comma-separated drills, e.g. "stale-state,offset-wrap:18"
+    threads: int = Field(1, ge=0)  # torch intra-op threads while generating (0: leave torch's)
+
+    @field_validator("inject")
+    @classmethod
+    def _known_drills(cls, value: str) -> str:
+        from lpf.builtin.faults import FaultSet
+
+        FaultSet.parse(value)  # an unknown drill is refused before anything is written (LpfError)
+        return value
+
+
+class BuiltinEngine(Engine):
+    name = "builtin"
+    Options = BuiltinOptions
+
+    def __init__(self, model, sampling, options: BuiltinOptions):
+        super().__init__(model, sampling, options)
+        from lpf.builtin.faults import FaultSet
+        from lpf.builtin.llm_engine import LLMEngine
+        from lpf.model_specs import load_tokenizer
+
+        self.engine = LLMEngine(model.path, EngineConfig.of(options), FaultSet.parse(options.inject))
+        self.eos_id = load_tokenizer(model).eos_token_id
+
+    @classmethod
+    def check_model(cls, config: dict) -> None:
+        from lpf.builtin.config import SUPPORTED_ARCHITECTURES
+        from lpf.errors import LpfError
+
+        arch = (config.get("architectures") or ["?"])[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise LpfError(f"the built-in engine runs GraniteMoeHybrid and Jamba models; {arch} is not supported "
+                           f"(use --engine hf)")
+
+    def describe(self) -> dict:
+        return {"name": self.name, "version": lpf.__version__, "options": self.options.to_dict(),
+                "cache": self.engine.describe()}
+
+    def generate(self, requests: list[EngineRequest]) -> Iterator[Completion]:
+        import torch
+
+        before = torch.get_num_threads()
+        if self.options.threads > 0:
+            torch.set_num_threads(self.options.threads)
+        try:
+            yield from self._generate(requests)
+        finally:
+            torch.set_num_threads(before)  # the rescorer that may follow in this process wants them all
+
+    def _generate(self, requests: list[EngineRequest]) -> Iterator[Completion]:
+        from lpf.builtin.request import Request
+
+        for r in requests:
+            req = Request(r.request_id, list(r.prompt_token_ids), self.sampling, r.max_tokens, r.seed,
+                          self.eos_id, seq=r.seq)
+            rejected = self.engine.add_request(req)
+            if rejected is not None:
+                yield self._completion(rejected)
+        while self.engine.has_unfinished():
+            for req in self.engine.step():
+                yield self._completion(req)
+
+    def side_tables(self) -> dict:
+        return {"trace": self.engine.drain_trace(), "faults": self.engine.truth.drain()}
+
+    @staticmethod
+    def _completion(req) -> Completion:
+        return Completion(request_id=req.request_id, output_token_ids=req.output_token_ids, logprobs=req.logprobs,
+                          topk_ids=req.topk_ids, topk_logprobs=req.topk_logprobs, finish_reason=req.finish_reason,
+                          error=req.error, t_submit=req.t_arrival, t_first_token=req.t_first_token,
+                          t_finish=req.t_finish)

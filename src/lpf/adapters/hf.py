@@ -1,0 +1,108 @@
+"""`hf` engine: Hugging Face transformers `generate`, batched and left-padded.
+
+Records the raw (pre-temperature, pre-top-k/top-p) logprob of every sampled token from
+`output_logits`, plus the top-k. Batches are formed from requests sorted by prompt length (less
+padding); each batch seeds torch's generator from its first request, so a run is reproducible for a
+fixed batching. Generation settings are passed explicitly and the model's own `generation_config` is replaced by a
+neutral one, so nothing is inherited from it (a repetition penalty there would make the "engine"
+disagree with the reference; its EOS would stop an `ignore_eos` run).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Iterator, Literal
+
+from pydantic import Field
+
+from lpf.adapters.base import Completion, Engine, Options
+from lpf.workload import EngineRequest
+
+
+class HFOptions(Options):
+    batch_size: int = Field(32, ge=1)
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: str = "cpu"
+
+
+class HFEngine(Engine):
+    name = "hf"
+    Options = HFOptions
+
+    def __init__(self, model, sampling, options: HFOptions):
+        super().__init__(model, sampling, options)
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from lpf.torch_utils import quiet_transformers, torch_dtype
+
+        quiet_transformers()
+        self._torch = torch
+        self.tokenizer = AutoTokenizer.from_pretrained(model.path)
+        self.hf_model = AutoModelForCausalLM.from_pretrained(model.path, dtype=torch_dtype(options.dtype))
+        self.hf_model.to(options.device).eval()
+        self.pad_id = self.tokenizer.pad_token_id
+        if self.pad_id is None:
+            self.pad_id = self.tokenizer.eos_token_id
+        self.eos_id = self.tokenizer.eos_token_id
+        from transformers import GenerationConfig
+
+        # generate() fills every unset field from the model's generation_config (an eos_token_id of
+        # None would silently become the model's EOS): replace it with a neutral one.
+        self.hf_model.generation_config = GenerationConfig(
+            pad_token_id=self.pad_id, bos_token_id=self.tokenizer.bos_token_id,
+            eos_token_id=None if sampling.ignore_eos else self.eos_id)
+
+    def describe(self) -> dict:
+        import transformers
+
+        return {"name": self.name, "version": transformers.__version__, "options": self.options.to_dict()}
+
+    def generate(self, requests: list[EngineRequest]) -> Iterator[Completion]:
+        order = sorted(requests, key=lambda r: (len(r.prompt_token_ids), r.seq))
+        bs = max(1, self.options.batch_size)
+        for i in range(0, len(order), bs):
+            yield from self._batch(order[i:i + bs])
+
+    def _batch(self, batch: list[EngineRequest]) -> Iterator[Completion]:
+        torch = self._torch
+        from transformers import GenerationConfig
+
+        from lpf.torch_utils import logprob_rows
+
+        t0 = time.time()
+        width = max(len(r.prompt_token_ids) for r in batch)
+        ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, r in enumerate(batch):
+            ids[row, width - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
+            mask[row, width - len(r.prompt_token_ids):] = 1
+        s = self.sampling
+        cfg = GenerationConfig(
+            max_new_tokens=max(r.max_tokens for r in batch), do_sample=not s.greedy,
+            temperature=s.temperature if not s.greedy else None, top_p=s.top_p if not s.greedy else None,
+            top_k=s.top_k if not s.greedy else None, pad_token_id=self.pad_id,
+            eos_token_id=None if s.ignore_eos else self.eos_id, output_logits=True,
+            return_dict_in_generate=True)
+        torch.manual_seed(batch[0].seed)
+        dev = self.options.device
+        with torch.inference_mode():
+            out = self.hf_model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), generation_config=cfg)
+        new = out.sequences[:, width:].cpu()
+        steps = len(out.logits)
+        # Per step, all rows at once: [B, V] logits are small; never stack [steps, B, V].
+        per_step = [logprob_rows(out.logits[t], new[:, t].to(out.logits[t].device), s.logprobs) for t in range(steps)]
+        t1 = time.time()
+        for row, r in enumerate(batch):
+            toks = new[row].tolist()
+            n = min(r.max_tokens, steps)
+            finish = "length"
+            if not s.ignore_eos and self.eos_id in toks[:n]:
+                n = toks.index(self.eos_id) + 1  # the stop token is output too, as vLLM reports it
+                finish = "stop"
+            yield Completion(
+                request_id=r.request_id, output_token_ids=toks[:n],
+                logprobs=[float(per_step[t][0][row]) for t in range(n)],
+                topk_ids=[per_step[t][1][row, :s.logprobs].tolist() for t in range(n)],
+                topk_logprobs=[per_step[t][2][row, :s.logprobs].tolist() for t in range(n)],
+                finish_reason=finish, t_submit=t0, t_first_token=None, t_finish=t1)

@@ -1,0 +1,161 @@
+"""`openai` engine: any OpenAI-compatible server's `/v1/completions` (vLLM, SGLang, TGI, llama.cpp, `lpf serve`).
+
+One HTTP request per run request (n=1: rollouts are separate requests, each with its own seed), the
+prompt sent as token ids, `logprobs=k`. Token identity: with `token_ids=auto` (default) the request
+asks for `return_tokens_as_token_ids` (vLLM and `lpf serve` answer "token_id:N"); a server that
+refuses that field is asked again without it, once for the whole run. Token strings are mapped back
+to ids with the local tokenizer and every mapping is checked (the id must decode back to the same
+string; two ids that decode alike cannot be told apart this way, which is why ids are asked for
+first); a sampled token that does not map is that request's error. Top-k entries that do not map are
+left out of that position's top-k (the sampled token's logprob is what gets compared).
+Answers are checked before they are trusted: logprobs present, one per token, numbers, ids inside
+the vocabulary, the server's token count agreeing. Each attempt sends the run's request id as
+`X-Request-Id`. Prompt logprobs (`echo`) are not requested: a run stores only output positions.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import model_validator
+
+from lpf.adapters.base import Completion
+from lpf.adapters.http import RequestFailed
+from lpf.adapters.remote import RemoteEngine, RemoteOptions, as_logprob
+from lpf.errors import LpfError
+from lpf.workload import EngineRequest
+
+TOKEN_ID_PREFIX = "token_id:"
+_ID_FIELD = "return_tokens_as_token_ids"
+
+
+class OpenAIOptions(RemoteOptions):
+    served_model: str = ""
+    token_ids: Literal["auto", "server", "tokenizer"] = "auto"  # server: demand token_id:N; tokenizer: map strings
+
+    @model_validator(mode="after")
+    def _named(self):
+        if not self.served_model:
+            raise LpfError("--engine openai needs the served model's name (--model NAME or --served-model NAME)")
+        return self
+
+
+class OpenAIEngine(RemoteEngine):
+    name = "openai"
+    Options = OpenAIOptions
+    needs_served_name = True
+
+    def __init__(self, model, sampling, options: OpenAIOptions):
+        super().__init__(model, sampling, options)
+        self.ask_for_ids = options.token_ids != "tokenizer"
+        self.id_modes_seen: set[str] = set()
+
+    def endpoint(self) -> str:
+        return "/completions" if self.options.base_url.rstrip("/").endswith("/v1") else "/v1/completions"
+
+    def describe(self) -> dict:
+        d = super().describe()
+        d["token_identity"] = sorted(self.id_modes_seen) or None
+        d["return_tokens_as_token_ids"] = self.ask_for_ids
+        return d
+
+    def payload(self, req: EngineRequest) -> dict:
+        s = self.sampling
+        body = {"model": self.options.served_model, "prompt": list(req.prompt_token_ids),
+                "max_tokens": req.max_tokens, "temperature": s.temperature, "top_p": s.top_p,
+                "seed": req.seed, "n": 1, "logprobs": s.logprobs, "stream": False}
+        # vLLM/SGLang extensions: sent only when they change something (strict servers refuse unknown fields)
+        if s.top_k:
+            body["top_k"] = s.top_k
+        if s.ignore_eos:
+            body["ignore_eos"] = True
+        if self.ask_for_ids:
+            body[_ID_FIELD] = True
+        return body
+
+    def tag(self, req, payload, attempt):
+        return payload, {"X-Request-Id": self.attempt_id(req, attempt)}  # vLLM and lpf serve adopt it
+
+    async def call(self, client, req, deadline, breaker):
+        asked = self.ask_for_ids
+        try:
+            return await super().call(client, req, deadline, breaker)
+        except RequestFailed as e:
+            # A strict server rejects the vLLM extension: fall back to string tokens for the whole run.
+            if self.options.token_ids == "auto" and asked and "HTTP 4" in str(e) and _ID_FIELD in str(e):
+                self.ask_for_ids = False
+                return await super().call(client, req, deadline, breaker)
+            raise
+
+    def parse(self, req: EngineRequest, body: Any) -> Completion:
+        if not isinstance(body, dict):
+            raise RequestFailed(f"answer is a JSON {type(body).__name__}, not an object")
+        choices = body.get("choices")
+        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+            raise RequestFailed("answer has no choices")
+        choice = choices[0]
+        lp = choice.get("logprobs")
+        if not isinstance(lp, dict):
+            raise RequestFailed("answer has no logprobs (the server ignored logprobs=k)")
+        tokens, values = lp.get("tokens"), lp.get("token_logprobs")
+        if not isinstance(tokens, list) or not isinstance(values, list):
+            raise RequestFailed("answer's logprobs lack tokens / token_logprobs lists")
+        if len(values) != len(tokens):
+            raise RequestFailed(f"{len(values)} logprobs for {len(tokens)} tokens")
+        usage = body.get("usage") if isinstance(body.get("usage"), dict) else {}
+        self.check_count(req, len(tokens), usage.get("completion_tokens"))
+        ids = [self.token_id(t, pos, strict=True) for pos, t in enumerate(tokens)]
+        self.check_ids(ids)
+        logprobs = [as_logprob(v, pos) for pos, v in enumerate(values)]
+        topk_ids, topk_lps = self.top_k(lp.get("top_logprobs"), len(ids), "top_logprobs", self.top_pairs)
+        finish = choice.get("finish_reason") or "length"
+        if finish not in ("stop", "length"):
+            raise RequestFailed(f"finish_reason {finish!r}")
+        return Completion(request_id=req.request_id, output_token_ids=ids, logprobs=logprobs, topk_ids=topk_ids,
+                          topk_logprobs=topk_lps, finish_reason=finish)
+
+    def top_pairs(self, entry: Any, pos: int) -> list[tuple[float, int]]:
+        """One `top_logprobs` entry ({token: logprob}); alternatives without a usable id are left out."""
+        pairs = []
+        for key, value in (entry or {}).items():
+            tid = self.token_id(key, pos, strict=False)
+            if tid is not None and 0 <= tid < self.vocab_size:
+                pairs.append((as_logprob(value, pos), tid))
+        return pairs
+
+    def token_id(self, token: Any, pos: int, strict: bool) -> int | None:
+        """The id behind one answered token; None (strict=False) or RequestFailed when it has none."""
+        if isinstance(token, str) and token.startswith(TOKEN_ID_PREFIX):
+            try:
+                tid = int(token[len(TOKEN_ID_PREFIX):])
+                self.id_modes_seen.add("server")
+                return tid
+            except ValueError:
+                pass
+        if self.options.token_ids == "server":
+            if strict:
+                raise RequestFailed(f"token {token!r} at position {pos} is not in token_id:N form")
+            return None
+        tid = self.map_string(token) if isinstance(token, str) else None
+        if tid is None and strict:
+            raise RequestFailed(f"token {token!r} at position {pos} does not map back to one token id "
+                                f"of the local tokenizer")
+        if tid is not None:
+            self.id_modes_seen.add("tokenizer")
+        return tid
+
+    def map_string(self, text: str) -> int | None:
+        """The one id whose decoding is exactly `text` (raw vocabulary pieces and decoded text both
+        accepted), checked by decoding it back; None when there is no such single id."""
+        tok = self.tokenizer
+        candidates = []
+        vocab_id = tok.convert_tokens_to_ids(text)
+        if isinstance(vocab_id, int) and vocab_id != tok.unk_token_id:
+            candidates.append(vocab_id)
+        encoded = tok.encode(text, add_special_tokens=False)
+        if len(encoded) == 1:
+            candidates.append(encoded[0])
+        for tid in candidates:
+            if tok.decode([tid]) == text or tok.convert_ids_to_tokens(tid) == text:
+                return tid
+        return None

@@ -1,0 +1,208 @@
+"""Common ground of the adapters that talk to a server over HTTP (`openai`, `sglang`).
+
+Contract: a `RemoteEngine` subclass says how one request becomes a JSON payload (`endpoint`,
+`payload`) and how one JSON answer becomes a `Completion` (`parse`, raising `RequestFailed` with a
+one-line reason for any answer it cannot trust). This class sends them with `lpf.adapters.http`
+(concurrency limit, bounded retries, per-attempt timeout, overall deadline) and yields completions
+as they finish; every request comes back, failed ones with `error` set. Each attempt carries the
+run's request id (`tag`: a header or a payload field; retries add "~retryN"), so the server's logs and
+traces (`lpf serve --trace-dir`) name the same requests as the run.
+
+The server's model is not a local path, so `resolve_model_spec` decides which local model gives the
+tokenizer (prompts, checks) and the reference: `--model` when it is a local directory or zoo:/tiny:
+name, else `--reference`. The served name travels as the engine option `served_model`; the manifest
+records options and the API key's environment variable name, never the key.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+from urllib.parse import urlsplit
+
+from pydantic import Field, model_validator
+
+from lpf.adapters.base import Completion, Engine, Options
+from lpf.adapters.http import (CircuitBreaker, RequestFailed, RetryPolicy, Stats, api_key_from_env, make_client,
+                              post_json, run_all)
+from lpf.errors import LpfError
+from lpf.workload import EngineRequest
+
+
+class RemoteOptions(Options):
+    base_url: str = ""
+    api_key_env: str = ""  # name of the environment variable holding the key
+    concurrency: int = Field(16, ge=1)
+    timeout_s: float = Field(60.0, gt=0)  # one attempt
+    max_retries: int = Field(4, ge=0)
+    deadline_s: float = Field(3600.0, gt=0)  # the whole run
+    backoff_s: float = Field(0.5, gt=0)
+
+    @model_validator(mode="after")
+    def _usable(self):
+        if not self.base_url:
+            raise LpfError("this engine talks to a server: pass --base-url http://HOST:PORT")
+        parts = urlsplit(self.base_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise LpfError(f"--base-url must be an http(s)://HOST[:PORT][/PATH] URL, got {self.base_url!r}")
+        if parts.username or parts.password:
+            raise LpfError("--base-url must not carry credentials (they would be written to the manifest); "
+                           "put the key in an environment variable and pass --api-key-env NAME")
+        api_key_from_env(self.api_key_env)  # a missing key is refused before the run directory exists
+        return self
+
+    def policy(self) -> RetryPolicy:
+        return RetryPolicy(max_retries=self.max_retries, backoff_s=self.backoff_s, timeout_s=self.timeout_s,
+                           deadline_s=self.deadline_s)
+
+
+def is_local_model(spec: str) -> bool:
+    return spec.startswith(("zoo:", "tiny:")) or (Path(spec).expanduser() / "config.json").is_file()
+
+
+class RemoteEngine(Engine):
+    Options = RemoteOptions
+    needs_served_name = False  # openai: the payload names the model; sglang: one model per server
+
+    def __init__(self, model, sampling, options: RemoteOptions):
+        super().__init__(model, sampling, options)
+        from lpf.model_specs import load_tokenizer
+
+        self.api_key = api_key_from_env(options.api_key_env)
+        self.tokenizer = load_tokenizer(model)
+        cfg = json.loads((model.path / "config.json").read_text())
+        self.vocab_size = int(cfg.get("text_config", cfg).get("vocab_size") or len(self.tokenizer))
+        self.stats = Stats()
+        self.server_version = self._server_version()
+
+    def _server_version(self) -> str | None:
+        """The server's own version where it tells (vLLM and SGLang answer GET /version), for the manifest;
+        None when it does not answer quickly: the run does not depend on it."""
+        import httpx
+
+        root = self.options.base_url.rstrip("/").removesuffix("/v1")
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        try:
+            answer = httpx.get(root + "/version", headers=headers, timeout=5.0).json()
+        except (httpx.HTTPError, ValueError):
+            return None
+        version = answer.get("version") if isinstance(answer, dict) else None
+        return str(version) if version is not None else None
+
+    @classmethod
+    def resolve_model_spec(cls, model: str | None, reference: str | None, options: dict) -> str:
+        """The local model spec for the run (tokenizer + default reference); fills options['served_model']
+        for engines whose requests name the model."""
+        served = options.get("served_model") or None
+        if model is None and served is None and cls.needs_served_name:
+            raise LpfError(f"--engine {cls.name} needs --model NAME (the model the server serves)")
+        if cls.needs_served_name and served is None:
+            options["served_model"] = model
+        if model is not None and is_local_model(model):
+            return model
+        if reference:
+            return reference
+        if model is None:
+            from lpf.model_specs import DEFAULT_MODEL
+
+            return DEFAULT_MODEL
+        raise LpfError(f"--model {model!r} is the served model's name, not a local directory or zoo: name: pass "
+                       f"--reference DIR (the same model's weights and tokenizer, used for prompts and rescoring)")
+
+    # -- subclass hooks -------------------------------------------------------------------------------
+    def endpoint(self) -> str:
+        raise NotImplementedError
+
+    def payload(self, req: EngineRequest) -> dict:
+        raise NotImplementedError
+
+    def parse(self, req: EngineRequest, body: Any) -> Completion:
+        raise NotImplementedError
+
+    def tag(self, req: EngineRequest, payload: dict, attempt: int) -> tuple[dict, dict]:
+        """The attempt's payload and headers carrying our request id, so a server's own logs and traces
+        name the run's requests; retries get a suffix (a server may refuse an id still in flight)."""
+        return payload, {}
+
+    @staticmethod
+    def attempt_id(req: EngineRequest, attempt: int) -> str:
+        return req.request_id if attempt == 0 else f"{req.request_id}~retry{attempt}"
+
+    async def call(self, client, req: EngineRequest, deadline: float, breaker: CircuitBreaker) -> Any:
+        """One request's JSON answer (a subclass may adapt the payload after a refusal)."""
+        return await post_json(client, self.url(self.endpoint()), self.payload(req), self.options.policy(),
+                               deadline, self.stats, breaker, tag=lambda p, a: self.tag(req, p, a))
+
+    # -- shared machinery ---------------------------------------------------------------------------
+    def url(self, path: str) -> str:
+        return self.options.base_url.rstrip("/") + path
+
+    def describe(self) -> dict:
+        return {"name": self.name, "version": self.server_version, "options": self.options.to_dict(),
+                "client": {"retries": self.stats.to_dict()}}
+
+    def generate(self, requests: list[EngineRequest]) -> Iterator[Completion]:
+        o = self.options
+        deadline = time.monotonic() + o.deadline_s
+        breaker = CircuitBreaker(o.concurrency + o.max_retries + 1)
+        started: dict[str, float] = {}
+
+        async def handler(client, req: EngineRequest) -> Completion:
+            started[req.request_id] = time.time()
+            body = await self.call(client, req, deadline, breaker)
+            c = self.parse(req, body)
+            c.t_submit = started[req.request_id]
+            return c
+
+        def on_error(req: EngineRequest, message: str) -> Completion:
+            return Completion(request_id=req.request_id, output_token_ids=[], logprobs=[], finish_reason="error",
+                              error=message, t_submit=started.get(req.request_id))
+
+        for _, completion in run_all(requests, handler, concurrency=o.concurrency,
+                                     client_factory=lambda: make_client(o.concurrency, self.api_key),
+                                     on_error=on_error, join_timeout=o.timeout_s + 5):
+            yield completion
+
+    # -- checks every parser shares -----------------------------------------------------------------
+    def check_ids(self, ids: list[int], what: str = "token id") -> None:
+        for pos, t in enumerate(ids):
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
+                raise RequestFailed(f"{what} {t!r} at position {pos} is not in the model's vocabulary "
+                                    f"(0..{self.vocab_size - 1})")
+
+    def top_k(self, top: Any, n: int, field: str,
+              entry_pairs: Callable[[Any, int], list[tuple[float, int]]]) -> tuple[list, list]:
+        """Per position, the best `--logprobs` alternatives (ids, logprobs), best first, from a server's
+        `field` (one entry per output token); `entry_pairs(entry, pos)` reads one entry in that
+        server's shape as (logprob, token id) pairs. Nothing asked or nothing sent: no top-k."""
+        k = self.sampling.logprobs
+        if k == 0 or top is None:
+            return [], []
+        if not isinstance(top, list) or len(top) != n:
+            raise RequestFailed(f"{field} has {len(top) if isinstance(top, list) else 'no'} entries for {n} tokens")
+        ids_out, lps_out = [], []
+        for pos, entry in enumerate(top):
+            # sorted and cut: the sampled token may ride along as a (k+1)-th entry
+            pairs = sorted(entry_pairs(entry, pos), key=lambda p: -p[0])
+            ids_out.append([t for _, t in pairs[:k]])
+            lps_out.append([v for v, _ in pairs[:k]])
+        return ids_out, lps_out
+
+    def check_count(self, req: EngineRequest, n_tokens: int, claimed: Any) -> None:
+        if n_tokens == 0:
+            raise RequestFailed("the answer has no output tokens")
+        if n_tokens > req.max_tokens:
+            raise RequestFailed(f"{n_tokens} output tokens for max_tokens {req.max_tokens}")
+        if isinstance(claimed, int) and claimed != n_tokens:
+            raise RequestFailed(f"the server counts {claimed} completion tokens but returned {n_tokens} with logprobs")
+
+
+def as_logprob(value: Any, pos: int) -> float:
+    """A finite-or--inf logprob; anything else is an untrustworthy answer."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise RequestFailed(f"logprob at position {pos} is {value!r}, not a number")
+    if value != value or value > 1e-6:  # NaN, or a log-probability above 0
+        raise RequestFailed(f"logprob at position {pos} is {value!r}, not a log-probability")
+    return float(min(value, 0.0))

@@ -1,0 +1,88 @@
+"""`sglang` engine: SGLang's native `/generate` (one model per server, so no model name is sent).
+
+Request: `input_ids`, `sampling_params` (max_new_tokens, temperature, top_p, top_k (-1 = off),
+ignore_eos, sampling_seed), `return_logprob`, `top_logprobs_num`, `logprob_start_len=-1` (output
+positions only), `return_text_in_logprobs=false` (ids are what we compare). Answer, as SGLang's
+tokenizer manager builds it: `{"text", "output_ids", "meta_info": {"finish_reason": {"type": ...},
+"completion_tokens", "output_token_logprobs": [[logprob, token_id, text|null], ...],
+"output_top_logprobs": [[[logprob, token_id, text|null], ...] | null, ...]}}`. The ids in
+`output_token_logprobs` must agree with `output_ids` when the server sends both; an `abort` finish
+is that request's error.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lpf.adapters.base import Completion
+from lpf.adapters.http import RequestFailed
+from lpf.adapters.remote import RemoteEngine, as_logprob
+from lpf.workload import EngineRequest
+
+
+class SGLangEngine(RemoteEngine):
+    name = "sglang"
+
+    def endpoint(self) -> str:
+        return "/generate"
+
+    def url(self, path: str) -> str:
+        base = self.options.base_url.rstrip("/")
+        # /generate sits at the server root, beside (not under) the OpenAI /v1 routes
+        return base.removesuffix("/v1") + path
+
+    def payload(self, req: EngineRequest) -> dict:
+        s = self.sampling
+        return {"input_ids": list(req.prompt_token_ids),
+                "sampling_params": {"max_new_tokens": req.max_tokens, "temperature": s.temperature, "top_p": s.top_p,
+                                    "top_k": s.top_k or -1, "ignore_eos": s.ignore_eos, "sampling_seed": req.seed},
+                "return_logprob": True, "top_logprobs_num": s.logprobs, "logprob_start_len": -1,
+                "return_text_in_logprobs": False, "stream": False}
+
+    def tag(self, req, payload, attempt):
+        return {**payload, "rid": self.attempt_id(req, attempt)}, {}  # SGLang's own request id field
+
+    def parse(self, req: EngineRequest, body: Any) -> Completion:
+        if isinstance(body, list) and len(body) == 1:
+            body = body[0]
+        if not isinstance(body, dict) or not isinstance(body.get("meta_info"), dict):
+            raise RequestFailed("answer has no meta_info object")
+        meta = body["meta_info"]
+        finish = meta.get("finish_reason")
+        kind = finish.get("type") if isinstance(finish, dict) else finish
+        if kind not in ("stop", "length"):
+            detail = finish.get("message") if isinstance(finish, dict) else None
+            raise RequestFailed(f"finish_reason {kind!r}" + (f": {detail}" if detail else ""))
+        entries = meta.get("output_token_logprobs")
+        if not isinstance(entries, list):
+            raise RequestFailed("answer has no output_token_logprobs (was return_logprob ignored?)")
+        ids, logprobs = [], []
+        for pos, e in enumerate(entries):
+            if not isinstance(e, list) or len(e) < 2:
+                raise RequestFailed(f"output_token_logprobs[{pos}] is {e!r}, not [logprob, token_id, ...]")
+            logprobs.append(as_logprob(e[0], pos))
+            ids.append(e[1])
+        self.check_ids(ids)
+        output_ids = body.get("output_ids")
+        if output_ids is not None:
+            if not isinstance(output_ids, list):
+                raise RequestFailed("output_ids is not a list")
+            if len(output_ids) != len(ids):
+                raise RequestFailed(f"{len(ids)} logprobs for {len(output_ids)} tokens")
+            if output_ids != ids:
+                pos = next(i for i, (a, b) in enumerate(zip(output_ids, ids)) if a != b)
+                raise RequestFailed(f"output_ids and output_token_logprobs disagree at position {pos}")
+        self.check_count(req, len(ids), meta.get("completion_tokens"))
+        topk_ids, topk_lps = self.top_k(meta.get("output_top_logprobs"), len(ids), "output_top_logprobs", self.top_pairs)
+        return Completion(request_id=req.request_id, output_token_ids=ids, logprobs=logprobs, topk_ids=topk_ids,
+                          topk_logprobs=topk_lps, finish_reason=kind)
+
+    def top_pairs(self, entry: Any, pos: int) -> list[tuple[float, int]]:
+        """One `output_top_logprobs` entry: [[logprob, token_id, text|null], ...], every id checked."""
+        pairs = []
+        for e in entry or []:
+            if not isinstance(e, list) or len(e) < 2:
+                raise RequestFailed(f"output_top_logprobs[{pos}] holds {e!r}, not [logprob, token_id, ...]")
+            pairs.append((as_logprob(e[0], pos), e[1]))
+        self.check_ids([t for _, t in pairs], "top-k token id")
+        return pairs

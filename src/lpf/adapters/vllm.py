@@ -1,0 +1,230 @@
+"""`vllm` engine: offline `vllm.LLM` on token ids, run in vLLM's own interpreter as a child process.
+
+vLLM lives in its own venv (`make vllm` builds `.venv-vllm`; `LPF_VLLM_PYTHON` points elsewhere), so
+lpf never imports it. Each adapter instance starts one worker (`vllm_worker.py`) for its configuration:
+an engine cannot be re-sized in place, and a sweep gets one process per cell. Requests go to the
+worker's stdin and completions come back as JSON lines on a dedicated pipe while they finish; vLLM's
+own output goes to a log file whose tail is quoted when the worker fails. If the worker dies, every
+request it had not finished comes back with that error (never dropped).
+
+Knobs keep vLLM's names and go to `vllm.LLM` as given (dtype, seed, gpu_memory_utilization,
+max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, enable_prefix_caching, enforce_eager,
+max_model_len, logprobs_mode); `cpu_kvcache_space` (GiB) sets VLLM_CPU_KVCACHE_SPACE, the KV size
+on CPU. Logprobs are vLLM's `raw_logprobs` where this vLLM has `logprobs_mode`; `describe()` records
+the mode actually used (None when the vLLM has no such switch), the vLLM version and every argument.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterator, Literal
+
+from pydantic import Field
+
+from lpf.adapters.base import Completion, Engine, Options
+from lpf.errors import LpfError
+from lpf.workload import EngineRequest
+
+WORKER = Path(__file__).with_name("vllm_worker.py")
+REPO_VENV = Path(__file__).resolve().parents[3] / ".venv-vllm"
+
+
+def vllm_python() -> Path:
+    """vLLM's interpreter: $LPF_VLLM_PYTHON, else the repository's .venv-vllm. Raises LpfError when missing."""
+    env = os.environ.get("LPF_VLLM_PYTHON")
+    path = Path(env).expanduser() if env else REPO_VENV / "bin" / "python"
+    if not path.is_file():
+        where = f"LPF_VLLM_PYTHON={env}" if env else str(path)
+        raise LpfError(f"vLLM's Python ({where}) does not exist: run `make vllm` to build .venv-vllm, "
+                       f"or set LPF_VLLM_PYTHON to a Python that has vLLM")
+    return path
+
+
+def _is_cpu_build(python: Path) -> bool:
+    prefix = python.parent.parent
+    return any(prefix.glob("lib/python*/site-packages/vllm_cpu-*.dist-info"))
+
+
+class VLLMOptions(Options):
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "float32"
+    seed: int | None = None  # engine seed; default: the run's --seed
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
+    max_num_seqs: int | None = Field(None, ge=1)
+    max_num_batched_tokens: int | None = Field(None, ge=1)
+    enable_chunked_prefill: bool | None = None
+    enable_prefix_caching: bool | None = None
+    enforce_eager: bool = True  # no CUDA graphs / compile: faster start, same numerics
+    max_model_len: int | None = Field(None, ge=1)
+    logprobs_mode: Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"] = "raw_logprobs"
+    cpu_kvcache_space: float = Field(1.0, gt=0)  # GiB, VLLM_CPU_KVCACHE_SPACE (CPU builds only)
+    start_timeout_s: float = Field(600.0, gt=0)
+
+
+class VLLMEngine(Engine):
+    name = "vllm"
+    Options = VLLMOptions
+
+    @classmethod
+    def check_model(cls, config: dict) -> None:
+        python = vllm_python()
+        arch = (config.get("architectures") or ["?"])[0]
+        if arch == "JambaForCausalLM" and _is_cpu_build(python):
+            raise LpfError("vLLM's CPU build does not run Mamba1 models (Jamba); use a GraniteMoeHybrid or "
+                           "Llama model, or a GPU build of vLLM")
+
+    def __init__(self, model, sampling, options: VLLMOptions):
+        super().__init__(model, sampling, options)
+        self.python = vllm_python()
+        self.tmp = tempfile.TemporaryDirectory(prefix="lpf-vllm-")
+        self.log_path = Path(self.tmp.name) / "vllm.log"
+        self.engine_args = self._engine_args()
+        config = Path(self.tmp.name) / "config.json"
+        config.write_text(json.dumps({"engine_args": self.engine_args, "sampling": sampling.to_dict()}))
+        read_fd, write_fd = os.pipe()
+        self.log = open(self.log_path, "wb")
+        try:
+            self.proc = subprocess.Popen([str(self.python), str(WORKER), str(config), str(write_fd)],
+                                         stdin=subprocess.PIPE, stdout=self.log, stderr=subprocess.STDOUT,
+                                         pass_fds=(write_fd,), env=self._env(), text=True, start_new_session=True)
+        finally:
+            os.close(write_fd)  # the worker holds the only write end: EOF here means it exited
+        self.results = os.fdopen(read_fd, "r")
+        try:
+            self.ready = self._wait_ready()
+        except BaseException:  # a failed start or Ctrl-C while loading: no orphaned worker
+            self.close(kill=True)
+            raise
+
+    def _engine_args(self) -> dict:
+        o = self.options
+        args = {"model": str(self.model.path), "dtype": o.dtype, "enforce_eager": o.enforce_eager,
+                "seed": self.sampling.seed if o.seed is None else o.seed, "logprobs_mode": o.logprobs_mode,
+                "max_logprobs": max(20, self.sampling.logprobs)}
+        for name in ("gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill",
+                     "enable_prefix_caching", "max_model_len"):
+            if getattr(o, name) is not None:
+                args[name] = getattr(o, name)
+        return args
+
+    def _env(self) -> dict:
+        venv = self.python.parent.parent
+        cache = venv / "lpf-cache" if (venv / "pyvenv.cfg").is_file() else Path(tempfile.gettempdir()) / "lpf-vllm-cache"
+        env = dict(os.environ)
+        env.update({
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # in-process engine: ~25 s start instead of ~60
+            "TORCHDYNAMO_DISABLE": "1",  # logprobs trigger a torch.compile even with enforce_eager
+            "VLLM_CACHE_ROOT": str(cache), "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
+            "VLLM_CPU_KVCACHE_SPACE": f"{self.options.cpu_kvcache_space:g}",
+            "PYTHONUNBUFFERED": "1",
+        })
+        env.pop("PYTHONPATH", None)  # lpf's paths must not shadow vLLM's packages
+        return env
+
+    def _wait_ready(self) -> dict:
+        import selectors
+
+        sel = selectors.DefaultSelector()
+        sel.register(self.results, selectors.EVENT_READ)
+        deadline = time.monotonic() + self.options.start_timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                tail = self._log_tail()
+                raise LpfError(f"vLLM did not start within {self.options.start_timeout_s:g} s "
+                               f"(raise -E start_timeout_s=...){tail}")
+            if not sel.select(timeout=min(left, 1.0)):
+                continue
+            line = self.results.readline()
+            if not line:
+                code, tail = self.proc.wait(), self._log_tail()
+                raise LpfError(f"vLLM's worker exited with code {code} before it was ready{tail}")
+            msg = json.loads(line)
+            if msg["type"] == "ready":
+                sel.close()
+                return msg
+            if msg["type"] == "fatal":
+                raise LpfError(f"vLLM could not start {self.model.spec}: {msg['error']}")
+
+    def _log_tail(self, lines: int = 3) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").strip().splitlines()
+        except OSError:
+            return ""
+        tail = " | ".join(line.strip() for line in text[-lines:] if line.strip())
+        return f"; vLLM log: {tail}" if tail else ""
+
+    def describe(self) -> dict:
+        return {"name": self.name, "version": self.ready.get("vllm_version"), "options": self.options.to_dict(),
+                "engine_args": self.engine_args, "logprobs_mode": self.ready.get("logprobs_mode"),
+                "python": str(self.python), "cpu_build": _is_cpu_build(self.python)}
+
+    def generate(self, requests: list[EngineRequest]) -> Iterator[Completion]:
+        finished = False
+        try:
+            yield from self._generate(requests)
+            finished = True
+        finally:
+            if not finished:  # abandoned mid-batch (Ctrl-C, an error downstream): stop vLLM now
+                self.close(kill=True)
+
+    def _generate(self, requests: list[EngineRequest]) -> Iterator[Completion]:
+        pending = {r.request_id: r for r in requests}
+        failure = None
+        try:
+            for r in requests:
+                self.proc.stdin.write(json.dumps({"request_id": r.request_id, "prompt_token_ids": list(r.prompt_token_ids),
+                                                  "max_tokens": r.max_tokens, "seed": r.seed}) + "\n")
+            self.proc.stdin.write(json.dumps({"type": "end"}) + "\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError) as e:
+            failure = f"vLLM's worker stopped taking requests ({e})"
+        while failure is None:
+            line = self.results.readline()
+            if not line:
+                failure = f"vLLM's worker exited with code {self.proc.wait()} mid-run"
+                break
+            msg = json.loads(line)
+            if msg["type"] == "completion" and msg["request_id"] in pending:
+                del pending[msg["request_id"]]
+                msg.pop("type")
+                yield Completion(**msg)
+            elif msg["type"] == "done":
+                break
+            elif msg["type"] == "fatal":
+                failure = f"vLLM failed mid-run: {msg['error']}"
+        if failure is not None:
+            failure += self._log_tail()
+            for rid in pending:
+                yield Completion(request_id=rid, output_token_ids=[], logprobs=[], finish_reason="error", error=failure)
+        elif pending:  # the worker said done but skipped some: still never dropped
+            for rid in pending:
+                yield Completion(request_id=rid, output_token_ids=[], logprobs=[], finish_reason="error",
+                                 error="vLLM's worker finished the batch without this request")
+
+    def close(self, kill: bool = False) -> None:
+        proc = getattr(self, "proc", None)
+        if proc is not None and proc.poll() is None:
+            try:
+                if kill:
+                    raise subprocess.TimeoutExpired(proc.args, 0)
+                proc.stdin.close()  # EOF: the worker exits on its own
+                proc.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)  # its own session: anything it spawned goes too
+                except ProcessLookupError:
+                    pass
+                proc.wait()
+        for f in (getattr(self, "results", None), getattr(self, "log", None)):
+            if f is not None and not f.closed:
+                f.close()
+        if getattr(self, "tmp", None) is not None:
+            self.tmp.cleanup()
+            self.tmp = None
+

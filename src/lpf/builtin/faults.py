@@ -1,0 +1,233 @@
+"""Fault drills: opt-in bugs that re-create real mechanisms, plus their ground truth.
+
+Each drill changes how the engine works, never its outputs directly:
+  stale-state           requests are classified by scheduled-token count alone (a new request given
+                        1 token of budget runs as a decode, reading its slot) and reused slots are not
+                        zeroed: the seed's "imposter request".
+  offset-wrap[:BITS]    the prefill path computes state offsets `slot * stride` modulo 2**BITS
+                        (default 20): slots past 2**BITS / stride write their final state elsewhere;
+                        the decode path keeps exact offsets: the seed's 32-bit offset overflow.
+  batch-variant         the LM head is a split-K reduction whose split count depends on the batch
+                        size, with float16 partial sums (numeric noise only).
+  swap-outputs[:PERIOD] every PERIOD steps (default 25) the samples of two decoding requests are
+                        delivered to each other: crossed wires.
+  processed-logprobs    logprobs come from the post-temperature/top-k/top-p distribution while the
+                        engine claims raw ones.
+  kv-double-free        a finished request's last KV block is freed twice, so two live requests can
+                        later share it and overwrite each other's keys and values.
+`Drills` is the runner's one handle on all of them: the phase rule, whether a new slot is zeroed, the
+LM head, the delivery of samples, and the ground-truth bookkeeping, each the honest behaviour when no
+drill is on, so the model runner reads like a runner.
+Ground truth (which request, which step, what happened) is recorded per event and written to
+`faults/*.parquet`, which analysis never reads; only tests and drill scoring do. `role` says how
+the event reached the request: `corrupted` (its outputs were sampled from the faulty state or
+delivery), `discarded` (stale-state: preempted before sampling, recompute threw the state away),
+`wrapped` (offset-wrap: its prefill's state write landed elsewhere; `corrupted` follows when it
+then decodes), `overwritten` (offset-wrap: another request's wrapped write hit its slot).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lpf.errors import LpfError, did_you_mean
+
+DRILLS = ("stale-state", "offset-wrap", "batch-variant", "swap-outputs", "processed-logprobs", "kv-double-free")
+
+
+@dataclass(frozen=True)
+class FaultSet:
+    stale_state: bool = False
+    offset_wrap_bits: int | None = None
+    batch_variant: bool = False
+    swap_outputs_period: int | None = None
+    processed_logprobs: bool = False
+    kv_double_free: bool = False
+
+    @classmethod
+    def parse(cls, specs: list[str] | str | None) -> "FaultSet":
+        if isinstance(specs, str):
+            specs = [s for s in specs.split(",") if s.strip()]
+        kw: dict = {}
+        for spec in specs or []:
+            name, _, arg = spec.strip().partition(":")
+            if name not in DRILLS:
+                raise LpfError(f"unknown fault {name!r}{did_you_mean(name, DRILLS)}; drills: {', '.join(DRILLS)}")
+            if name in ("offset-wrap", "swap-outputs"):
+                default = 20 if name == "offset-wrap" else 25
+                try:
+                    value = int(arg) if arg else default
+                except ValueError:
+                    raise LpfError(f"fault {name}: argument must be an integer, got {arg!r}") from None
+                if not (1 <= value <= 62):
+                    raise LpfError(f"fault {name}: argument must be in 1..62, got {value}")
+                kw["offset_wrap_bits" if name == "offset-wrap" else "swap_outputs_period"] = value
+            elif arg:
+                raise LpfError(f"fault {name} takes no argument")
+            else:
+                kw[name.replace("-", "_")] = True
+        return cls(**kw)
+
+    def names(self) -> list[str]:
+        out = []
+        if self.stale_state:
+            out.append("stale-state")
+        if self.offset_wrap_bits is not None:
+            out.append(f"offset-wrap:{self.offset_wrap_bits}")
+        if self.batch_variant:
+            out.append("batch-variant")
+        if self.swap_outputs_period is not None:
+            out.append(f"swap-outputs:{self.swap_outputs_period}")
+        if self.processed_logprobs:
+            out.append("processed-logprobs")
+        if self.kv_double_free:
+            out.append("kv-double-free")
+        return out
+
+
+@dataclass
+class GroundTruth:
+    """Fault events as they happen; drained into `faults/*.parquet` parts."""
+
+    rows: list[dict] = field(default_factory=list)
+    _once: set = field(default_factory=set)
+
+    def record(self, request_id: str, step: int, fault: str, detail: str, other: str | None = None,
+               role: str = "corrupted") -> None:
+        self.rows.append({"request_id": request_id, "step": step, "fault": fault, "role": role, "detail": detail})
+        if other is not None:
+            self.rows.append({"request_id": other, "step": step, "fault": fault, "role": role, "detail": detail})
+
+    def record_once(self, request_id: str, step: int, fault: str, detail: str) -> None:
+        if (request_id, fault) not in self._once:
+            self._once.add((request_id, fault))
+            self.record(request_id, step, fault, detail)
+
+    def drain(self):
+        """The events since the last drain as a `faults` table (None when there are none)."""
+        if not self.rows:
+            return None
+        import pyarrow as pa
+
+        from lpf.run.schema import FAULTS
+
+        table = pa.Table.from_pylist(self.rows, schema=FAULTS)
+        self.rows = []
+        return table
+
+
+def classify(num_computed_tokens: int, num_scheduled_tokens: int, stale_state: bool) -> str:
+    """The phase a scheduled request runs in. The fix from the seed bug: a request that has computed
+    nothing yet is a prefill, whatever its token count. Under `stale-state` the pre-fix rule (only
+    the number of scheduled tokens was looked at) is used instead."""
+    if stale_state:
+        return "decode" if num_scheduled_tokens == 1 else ("prefill" if num_computed_tokens == 0 else "extend")
+    if num_computed_tokens == 0:
+        return "prefill"
+    return "decode" if num_scheduled_tokens == 1 else "extend"
+
+
+class Drills:
+    """The drills' hooks into one engine step, in the order the runner calls them.
+
+    A stale read is recorded as `corrupted` once the request samples from it, or as `discarded` when a
+    preemption throws it away first (recompute starts over from a zeroed prefill, so no output ever
+    saw it). An offset-wrap prefill is recorded as `wrapped` when its state write lands elsewhere and
+    as `corrupted` when the request then decodes from its own slot, which that write never reached (a
+    request that finishes on its prefill's sample never reads the wrong state); the requests whose
+    slots the wrapped write hit are `overwritten`.
+    """
+
+    def __init__(self, faults: FaultSet, truth: GroundTruth, state_cache):
+        self.faults = faults
+        self.truth = truth
+        self.state_cache = state_cache  # offset arithmetic: where a wrapped prefill's write lands
+        self._stale_reads: dict[str, tuple[int, str]] = {}  # read, not yet followed by a sample
+        self._wrapped: dict[str, tuple[int, str]] = {}  # wrapped prefill, not yet followed by a decode
+
+    @property
+    def processed_logprobs(self) -> bool:
+        return self.faults.processed_logprobs
+
+    def phase(self, s) -> str:
+        return classify(s.num_computed_tokens, s.num_scheduled_tokens, self.faults.stale_state)
+
+    def zero_new_slot(self, s) -> bool:
+        """Defence in depth: a newly allocated slot starts clean (not under stale-state)."""
+        return s.slot_is_new and not self.faults.stale_state
+
+    def preempted(self, request_ids) -> None:
+        for rid in request_ids:
+            self._discard_stale_read(rid)
+            self._wrapped.pop(rid, None)  # recompute prefills again (and records again if it wraps)
+
+    def scheduled(self, so, s, phase: str) -> None:
+        """Record what this step does to `s` under the drills in force."""
+        f, t, step = self.faults, self.truth, so.step
+        if f.stale_state and phase == "decode" and s.num_computed_tokens == 0 and s.slot_reused:
+            self._stale_reads[s.request_id] = (step, f"first step ran as decode on slot {s.state_slot}, "
+                                                     f"which held an earlier request's state")
+        if s.will_sample and s.request_id in self._stale_reads:
+            read_step, detail = self._stale_reads.pop(s.request_id)
+            t.record(s.request_id, read_step, "stale-state", detail)
+        if f.offset_wrap_bits is not None and phase in ("prefill", "extend") and self.state_cache.wraps(s.state_slot):
+            self._record_wrap(so, s)
+        if phase == "decode" and s.num_computed_tokens > 0 and s.request_id in self._wrapped:
+            wrap_step, detail = self._wrapped.pop(s.request_id)
+            t.record(s.request_id, wrap_step, "offset-wrap", detail + f"; step {step} decoded from slot "
+                     f"{s.state_slot}, which its prefill never wrote")
+        if f.batch_variant:
+            t.record_once(s.request_id, step, "batch-variant", "logits from a batch-size-dependent split-K head")
+        if f.processed_logprobs and s.will_sample and not s.sampling.greedy:
+            t.record_once(s.request_id, step, "processed-logprobs", "reported logprobs are post-temperature/top-k/top-p")
+
+    def logits(self, model, rows, batch_size: int):
+        """The LM head; under `batch-variant` a split-K head whose hidden dimension is cut into
+        `splits` pieces, each partial logit rounded to float16 before summing, the split count
+        following the batch size as a GEMM heuristic would pick it. The head is linear, so masking
+        the input splits it exactly."""
+        if not self.faults.batch_variant:
+            return model.compute_logits(rows)
+        import torch
+
+        splits = 2 + batch_size % 3
+        h = rows.shape[-1]
+        edges = [round(i * h / splits) for i in range(splits + 1)]
+        total = None
+        for lo, hi in zip(edges, edges[1:]):
+            masked = torch.zeros_like(rows)
+            masked[:, lo:hi] = rows[:, lo:hi]
+            part = model.compute_logits(masked).half().float()
+            total = part if total is None else total + part
+        return total
+
+    def deliver(self, so, decoding: list[str], samples: dict) -> dict:
+        """The samples as delivered: under `swap-outputs`, every PERIOD steps two decoding requests
+        receive each other's."""
+        period = self.faults.swap_outputs_period
+        if period and so.step % period == 0 and len(decoding) >= 2:
+            a, b = decoding[:2]
+            samples[a], samples[b] = samples[b], samples[a]
+            self.truth.record(a, so.step, "swap-outputs", f"sample of {a} and {b} delivered to each other", other=b)
+        return samples
+
+    def _discard_stale_read(self, request_id: str) -> None:
+        """Preempted before sampling: recompute restarts from a prefill, so the stale read never
+        reached an output. Kept in the ground truth with its own role, never silently dropped."""
+        if request_id in self._stale_reads:
+            step, detail = self._stale_reads.pop(request_id)
+            self.truth.record(request_id, step, "stale-state", detail + "; preempted before its first sample, "
+                              "so recompute discarded the stale state", role="discarded")
+
+    def _record_wrap(self, so, s) -> None:
+        sc, t, step = self.state_cache, self.truth, so.step
+        target = sc.base(s.state_slot, "prefill")
+        detail = f"slot {s.state_slot}: state offset {s.state_slot * sc.slot_stride} wrapped to {target}"
+        t.record(s.request_id, step, "offset-wrap", detail, role="wrapped")
+        self._wrapped.setdefault(s.request_id, (step, detail))
+        first, last = target // sc.slot_stride, (target + sc.slot_stride - 1) // sc.slot_stride
+        for victim_slot in {first, last}:
+            owner = so.slot_owners.get(victim_slot)
+            if owner is not None and owner != s.request_id:
+                t.record(owner, step, "offset-wrap", f"slot {victim_slot} overwritten by {s.request_id}'s "
+                         f"wrapped state write", role="overwritten")

@@ -1,0 +1,68 @@
+"""Per-step metadata reachable from every layer, without threading it through `forward`.
+
+The runner builds one `ForwardContext` per step and enters `set_forward_context(ctx)`; layers call
+`get_forward_context()`, which fails loudly outside a step. The context is restored on exit (nesting
+is allowed, as in vLLM). Tokens of all scheduled requests are packed into one flat batch; `SeqMeta`
+says where each request's tokens are and how the runner classified them.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+PHASES = ("prefill", "extend", "decode")
+
+
+@dataclass
+class SeqMeta:
+    """One scheduled request within a step."""
+
+    request_id: str
+    start: int  # offset of its first scheduled token in the packed batch
+    num_tokens: int  # tokens scheduled this step
+    num_computed: int  # tokens already in the caches before this step (its first position)
+    phase: str  # prefill (no prior state) | extend (continues a chunked prefill) | decode (1 token)
+    state_slot: int
+    block_table: list[int]
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+
+@dataclass
+class ForwardContext:
+    step: int
+    seqs: list[SeqMeta]
+    kv_cache: Any  # lpf.builtin.kv_cache.KVCache
+    state_cache: Any  # lpf.builtin.state_cache.StateCache
+
+    @property
+    def decodes(self) -> list[SeqMeta]:
+        return [s for s in self.seqs if s.phase == "decode"]
+
+    @property
+    def non_decodes(self) -> list[SeqMeta]:
+        return [s for s in self.seqs if s.phase != "decode"]
+
+
+_current: ForwardContext | None = None
+
+
+@contextmanager
+def set_forward_context(ctx: ForwardContext):
+    global _current
+    prev, _current = _current, ctx
+    try:
+        yield ctx
+    finally:
+        _current = prev
+
+
+def get_forward_context() -> ForwardContext:
+    if _current is None:
+        raise RuntimeError("no forward context: model layers must run inside set_forward_context() "
+                           "(the model runner sets it for each step)")
+    return _current

@@ -1,0 +1,60 @@
+"""Model runner: turns one `SchedulerOutput` into one forward pass and the step's samples.
+
+It packs every scheduled request's tokens into one flat batch, asks the drills (`faults.Drills`)
+which phase each request runs in (the fixed rule unless a drill puts the old one back), builds the
+`ForwardContext`, runs the model, projects the last hidden state of each sampling request to logits
+and samples. The reply is a `StepResult`. Every fault-drill decision and its ground truth lives
+behind `Drills`; with no drill on, each of its hooks is the honest behaviour.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lpf.builtin.faults import Drills, FaultSet, GroundTruth
+from lpf.builtin.forward_context import ForwardContext, SeqMeta, set_forward_context
+from lpf.builtin.kv_cache import KVCache
+from lpf.builtin.sampler import sample
+from lpf.builtin.sched_output import SchedulerOutput, StepResult
+from lpf.builtin.state_cache import StateCache
+
+
+class ModelRunner:
+    def __init__(self, model, num_slots: int, num_blocks: int, block_size: int, faults: FaultSet,
+                 truth: GroundTruth, dtype=torch.float32, device: str = "cpu"):
+        self.model = model
+        self.device = device
+        n_attn, n_kv, head_dim = model.kv_spec()
+        self.kv_cache = KVCache(max(n_attn, 1), num_blocks, block_size, n_kv, head_dim, dtype, device)
+        self.state_cache = StateCache(model.state_specs(), num_slots, dtype, device, wrap_bits=faults.offset_wrap_bits)
+        self.drills = Drills(faults, truth, self.state_cache)
+
+    @torch.inference_mode()
+    def execute(self, so: SchedulerOutput) -> StepResult:
+        drills = self.drills
+        drills.preempted(so.preempted)
+        seqs, ids, pos, start = [], [], [], 0
+        for s in so.scheduled:
+            phase = drills.phase(s)
+            if drills.zero_new_slot(s):
+                self.state_cache.zero(s.state_slot)
+            drills.scheduled(so, s, phase)
+            seqs.append(SeqMeta(s.request_id, start, s.num_scheduled_tokens, s.num_computed_tokens, phase,
+                                s.state_slot, s.block_table))
+            ids.extend(s.token_ids)
+            pos.extend(range(s.num_computed_tokens, s.num_computed_tokens + s.num_scheduled_tokens))
+            start += s.num_scheduled_tokens
+        phases = {m.request_id: m.phase for m in seqs}
+        if not seqs:
+            return StepResult(phases)
+        ctx = ForwardContext(so.step, seqs, self.kv_cache, self.state_cache)
+        with set_forward_context(ctx):
+            hidden = self.model(torch.tensor(ids, device=self.device), torch.tensor(pos, device=self.device))
+        sampling = [(m, s) for m, s in zip(seqs, so.scheduled) if s.will_sample]
+        if not sampling:  # only prefill chunks that end before their prompts do
+            return StepResult(phases)
+        rows = hidden[torch.tensor([m.end - 1 for m, _ in sampling], device=self.device)]
+        logits = drills.logits(self.model, rows, batch_size=len(seqs))
+        samples = sample(logits, [s for _, s in sampling], processed=drills.processed_logprobs)
+        decoding = [m.request_id for m, _ in sampling if m.phase == "decode"]
+        return StepResult(phases, drills.deliver(so, decoding, samples))

@@ -1,0 +1,57 @@
+"""The built-in engine's own model implementations, loading Hugging Face checkpoints.
+
+Contract: `load_model(path, dtype=torch.float32, device="cpu") -> EngineModel` reads `config.json`
+and the `*.safetensors` weights of an HF directory and dispatches on `architectures[0]`:
+`GraniteMoeHybridForCausalLM` (Mamba2 + attention, `granite_hybrid`) and `JambaForCausalLM`
+(Mamba1 + attention + MoE, `jamba`). Anything else raises `LpfError`. The models run only inside the
+engine: per-step metadata comes from `lpf.builtin.forward_context`, attention K/V live in the paged
+`KVCache`, Mamba conv/SSM state in the `StateCache` slots (see `base.EngineModel` for the interface).
+
+Modules: `layers` (norms, MLPs, MoE), `attention` (paged causal attention, RoPE), `mamba_base` (the
+prefill/extend/decode state protocol), `mamba2` (SSD scan), `mamba1` (blocked selective scan).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from lpf.builtin.config import SUPPORTED_ARCHITECTURES
+from lpf.builtin.models.base import EngineModel
+from lpf.errors import LpfError
+
+__all__ = ["EngineModel", "load_model", "SUPPORTED_ARCHITECTURES"]
+
+
+def _model_class(arch: str):
+    if arch == "GraniteMoeHybridForCausalLM":
+        from lpf.builtin.models.granite_hybrid import GraniteHybridModel
+
+        return GraniteHybridModel
+    if arch == "JambaForCausalLM":
+        from lpf.builtin.models.jamba import JambaModel
+
+        return JambaModel
+    raise LpfError(f"the built-in engine runs GraniteMoeHybrid and Jamba models; {arch} is not supported")
+
+
+def load_model(path, dtype=None, device="cpu") -> EngineModel:
+    """An `EngineModel` with the weights of the HF directory `path`, in eval mode, no grads."""
+    import torch
+
+    path = Path(path)
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise LpfError(f"model {path}: unreadable config.json ({e})") from None
+    arch = (raw.get("architectures") or ["<no architectures in config.json>"])[0]
+    cls = _model_class(arch)
+    from transformers import AutoConfig
+
+    from lpf.torch_utils import quiet_transformers
+
+    quiet_transformers()
+    config = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):  # weights come from the checkpoint; skip random init
+        model = cls(config)
+    return model.load_checkpoint(path, dtype or torch.float32, device)

@@ -1,0 +1,54 @@
+"""Sampling for the built-in engine: greedy or temperature / top-k / top-p with per-request seeds.
+
+Every sample draws from its own generator seeded by (request seed, output position), so a request's
+tokens do not depend on what else is in the batch or on preemption. Reported logprobs are RAW
+(log_softmax of the model's logits, before temperature and filtering) unless `processed=True`, in
+which case they come from the distribution actually sampled from (vLLM's "processed_logprobs").
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lpf.builtin.sched_output import Sample, ScheduledRequest
+from lpf.sampling import request_seed
+from lpf.torch_utils import logprob_rows
+
+
+def processed_logits(z: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """The logits actually sampled from: scaled by temperature, filtered by top-k then top-p."""
+    z = z / temperature
+    if top_k and top_k < z.shape[-1]:
+        kth = z.topk(top_k).values[-1]
+        z = z.masked_fill(z < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_z, order = z.sort(descending=True)
+        probs = sorted_z.softmax(-1)
+        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+        drop = probs.cumsum(-1) - probs >= top_p
+        z = z.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    return z
+
+
+def sample(logits: torch.Tensor, reqs: list[ScheduledRequest], processed: bool = False) -> dict[str, Sample]:
+    """logits [N, V] for the N sampling requests -> {request_id: Sample}."""
+    z = logits.float()
+    tokens, proc_rows = [], []
+    for row, r in enumerate(reqs):
+        s = r.sampling
+        if s.greedy:
+            tokens.append(int(z[row].argmax()))
+            proc_rows.append(z[row])
+            continue
+        pz = processed_logits(z[row], s.temperature, s.top_k, s.top_p)
+        g = torch.Generator().manual_seed(request_seed(r.seed, r.output_position))
+        tokens.append(int(torch.multinomial(pz.softmax(-1), 1, generator=g)))
+        proc_rows.append(pz)
+    source = torch.stack(proc_rows) if processed else z
+    k = max((r.sampling.logprobs for r in reqs), default=0)
+    chosen, top_ids, top_lp, _, _ = logprob_rows(source, torch.tensor(tokens), k)
+    out = {}
+    for row, r in enumerate(reqs):
+        kk = r.sampling.logprobs
+        out[r.request_id] = Sample(tokens[row], float(chosen[row]), top_ids[row, :kk].tolist(), top_lp[row, :kk].tolist())
+    return out

@@ -1,0 +1,62 @@
+"""The only message from the scheduler to the model runner, one per step.
+
+`ScheduledRequest` is everything the runner needs about one request this step: which tokens to
+compute (from which position), where its KV blocks and state slot are, and whether this step ends
+with a sample. The runner never sees `Request` objects, so it cannot depend on scheduler state.
+Its reply is a `StepResult`: the phase it ran each request in and a `Sample` per sampling request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lpf.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    request_id: str
+    token_ids: list[int]  # the tokens computed this step
+    num_computed_tokens: int  # position of token_ids[0]
+    state_slot: int
+    block_table: list[int]
+    slot_is_new: bool  # the slot was (re)allocated for this request since its last step
+    slot_reused: bool  # ...and an earlier request had left its state in it
+    will_sample: bool  # these tokens reach the end of what is known: sample the next token
+    output_position: int  # index of the output token a sample would produce
+    sampling: SamplingParams
+    seed: int
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    step: int
+    scheduled: list[ScheduledRequest]
+    preempted: list[str] = field(default_factory=list)
+    slot_owners: dict[int, str] = field(default_factory=dict)  # every held slot -> request id
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(s.num_scheduled_tokens for s in self.scheduled)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One sampled token: its id, its logprob as reported (raw unless a drill says otherwise), the top-k."""
+
+    token_id: int
+    logprob: float
+    topk_ids: list[int]
+    topk_logprobs: list[float]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """The runner's reply to one `SchedulerOutput`."""
+
+    phases: dict[str, str] = field(default_factory=dict)  # request id -> prefill | extend | decode
+    samples: dict[str, Sample] = field(default_factory=dict)  # request id -> this step's sample

@@ -1,0 +1,178 @@
+"""Continuous-batching scheduler (vLLM v1 style). Imports no torch: testable anywhere.
+
+Each step has a token budget (`max_num_batched_tokens`). Running requests go first, each asking for
+`num_tokens - num_computed_tokens` (1 when decoding, the rest of the prompt when prefilling; cut to
+the remaining budget when chunked prefill is on). Then waiting requests are admitted, oldest first,
+while budget, `max_num_seqs`, a free state slot and enough KV blocks remain; a new request may get
+whatever budget is left, even 1 token (this is how the seed's "imposter" arose). When KV blocks run
+out for a running request, the most recently admitted request is preempted by recompute: its blocks
+and slot are freed and it returns to the front of the waiting queue.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Callable
+
+from lpf.builtin.config import EngineConfig
+from lpf.builtin.kv_cache import BlockAllocator, blocks_needed
+from lpf.builtin.request import Request, Status
+from lpf.builtin.sched_output import Sample, ScheduledRequest, SchedulerOutput
+from lpf.builtin.state_cache import SlotPool
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, num_slots: int, num_blocks: int, max_context: int | None = None,
+                 double_free: bool = False, record: Callable[..., None] | None = None):
+        self.config = config
+        self.slots = SlotPool(num_slots)
+        self.blocks = BlockAllocator(num_blocks)
+        self.max_context = max_context
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.step = 0
+        # kv-double-free drill: a finished request's last block is freed twice
+        self.double_free = double_free
+        self.record = record or (lambda *a, **k: None)
+        self._block_owner: dict[int, str] = {}
+
+    # -- queue -------------------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def why_never_runs(self, req: Request) -> str | None:
+        """Why `req` could wait forever (None when it can run): more KV than the whole cache, or,
+        without chunked prefill, more tokens than one step's budget (a recompute after preemption
+        needs prompt + outputs in one step)."""
+        need = len(req.prompt_token_ids) + req.max_tokens
+        if blocks_needed(need, self.config.block_size) > self.blocks.num_blocks:
+            return (f"needs {need} tokens of KV cache; the cache holds "
+                    f"{self.blocks.num_blocks * self.config.block_size} (raise --cache-mb)")
+        if not self.config.enable_chunked_prefill and need > self.config.max_num_batched_tokens:
+            return (f"needs up to {need} tokens in one step without chunked prefill; "
+                    f"max_num_batched_tokens is {self.config.max_num_batched_tokens}")
+        return None
+
+    # -- one step ----------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        chunked = self.config.enable_chunked_prefill
+        plan: list[tuple[Request, int]] = []
+        preempted: list[str] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            want = req.num_tokens - req.num_computed_tokens
+            if want > budget and not chunked:
+                i += 1
+                continue
+            n = min(want, budget)
+            while not self._grow(req, req.num_computed_tokens + n):
+                victim = self.running.pop()  # the newest request yields first
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is req:
+                    break
+            else:
+                plan.append((req, n))
+                budget -= n
+                i += 1
+                continue
+            break  # req itself was preempted: it was last, nothing after it
+
+        if not preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                req = self.waiting[0]
+                want = req.num_tokens - req.num_computed_tokens
+                if want > budget and not chunked:
+                    break
+                n = min(want, budget)
+                slot = self.slots.allocate()
+                if slot is None:
+                    break
+                req.state_slot, req.slot_is_new = slot, True
+                if not self._grow(req, n):
+                    self.slots.unallocate(slot)
+                    req.state_slot = None
+                    break
+                self.waiting.popleft()
+                req.status = Status.RUNNING
+                self.running.append(req)
+                plan.append((req, n))
+                budget -= n
+
+        self.step += 1
+        scheduled = []
+        for req, n in plan:
+            start = req.num_computed_tokens
+            scheduled.append(ScheduledRequest(
+                request_id=req.request_id, token_ids=req.token_ids(start, start + n), num_computed_tokens=start,
+                state_slot=req.state_slot, block_table=list(req.block_table), slot_is_new=req.slot_is_new,
+                slot_reused=req.slot_is_new and req.state_slot in self.slots.ever_used,
+                will_sample=start + n == req.num_tokens, output_position=len(req.output_token_ids),
+                sampling=req.sampling, seed=req.seed))
+            req.slot_is_new = False
+        owners = {r.state_slot: r.request_id for r in self.running}
+        return SchedulerOutput(step=self.step, scheduled=scheduled, preempted=preempted, slot_owners=owners)
+
+    def _grow(self, req: Request, num_tokens: int) -> bool:
+        need = blocks_needed(num_tokens, self.config.block_size) - len(req.block_table)
+        if need <= 0:
+            return True
+        got = self.blocks.allocate(need)
+        if got is None:
+            return False
+        for b in got:
+            if b in self._block_owner:  # only possible after a double free
+                self.record(req.request_id, self.step + 1, "kv-double-free",
+                            f"KV block {b} handed out while {self._block_owner[b]} still holds it",
+                            other=self._block_owner[b])
+            self._block_owner[b] = req.request_id
+        req.block_table.extend(got)
+        return True
+
+    def _release(self, req: Request, double_free: bool = False) -> None:
+        for b in req.block_table:
+            if self._block_owner.get(b) == req.request_id:
+                del self._block_owner[b]
+        if req.block_table:
+            self.blocks.free(req.block_table)
+            if double_free:
+                self.blocks.free(req.block_table[-1:])
+        req.block_table = []
+        if req.state_slot is not None:
+            self.slots.free(req.state_slot)
+            req.state_slot = None
+
+    def _preempt(self, req: Request) -> None:
+        self._release(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = Status.WAITING
+        self.waiting.appendleft(req)
+
+    # -- after the runner ------------------------------------------------------------------------
+    def update(self, out: SchedulerOutput, sampled: dict[str, Sample]) -> list[Request]:
+        """Advance computed tokens, append samples, retire finished requests (returned)."""
+        by_id = {r.request_id: r for r in self.running}
+        finished = []
+        for s in out.scheduled:
+            req = by_id.get(s.request_id)
+            if req is None:  # preempted later in the same step
+                continue
+            req.num_computed_tokens += s.num_scheduled_tokens
+            if s.will_sample and s.request_id in sampled:
+                req.append_output(sampled[s.request_id])
+                if req.check_stop(self.max_context):
+                    finished.append(req)
+        for req in finished:
+            self.running.remove(req)
+            self._release(req, double_free=self.double_free)
+            req.status = Status.FINISHED
+            req.t_finish = time.time()
+        return finished

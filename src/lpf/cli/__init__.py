@@ -1,0 +1,52 @@
+"""The `lpf` command line: one click group; its commands live one module per group.
+
+  common.py       what every command shares: consoles, progress bars, option decorators (each option
+                  declared once), the run-spec builder, the report rule, the --fail-on rule
+  render.py       every terminal table and summary (domain modules return data and print nothing)
+  run.py          audit, run, rescore, analyze        views.py   query, inspect, report, engines, zoo
+  experiments.py  sweep, repeat                       rl.py      rl analyze, rl simulate
+  serve.py        serve
+Command modules import `common` and `render` only, never each other. `lpf --help` imports click,
+rich and a few light lpf modules: every heavy import sits inside a command's body.
+
+Exit codes everywhere: 0 fine, 1 findings at or above `--fail-on`, 2 bad usage or input (an
+`LpfError`, printed as one line, never a traceback). `--json` prints findings on stdout; all
+progress and summaries go to stderr so stdout stays machine-readable.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from lpf.cli import experiments, rl, run, serve, views
+from lpf.cli.common import err
+from lpf.errors import LpfError
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="logprob-forensics")
+def cli():
+    """logprob-forensics: re-score an engine's exact tokens with a reference and find the requests that lie."""
+
+
+for _module in (run, views, experiments, rl, serve):
+    for _command in _module.COMMANDS:
+        cli.add_command(_command)
+
+
+def main() -> None:
+    try:
+        cli.main(standalone_mode=False)
+    except LpfError as e:
+        from rich.markup import escape
+
+        err.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)  # [..] in a message is text
+        sys.exit(2)
+    except click.exceptions.Abort:
+        err.print("aborted")
+        sys.exit(130)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(2)

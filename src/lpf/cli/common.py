@@ -1,0 +1,236 @@
+"""What every command module shares; command modules import this and `render`, never each other.
+
+- `err` / `out`: stderr (progress, summaries, errors) and stdout (`--json` documents, and tables that
+  are the command's output).
+- `progress_bar(label, unit)`: one rich bar on stderr, shown once the stage has validated its inputs.
+- Option decorators, each option declared once: `engine_knob_options` (the engine knobs, on every
+  command that starts an engine), `run_options`, `rescore_options`, `analysis_options`, and
+  `audit_options` (all of them: `lpf audit`'s own set, which `sweep` also parses cells with).
+- `engine_knobs(params)`: the knob values a command got, as one engine-options dict.
+- `build_run_spec(params)`: the one run-spec builder, from parsed run options.
+- `parse_audit_args(argv, what)`: an `lpf audit` argument list parsed into its params.
+- `write_report(path)`: the one rule for writing report.html after findings exist.
+- `fails(verdicts, fail_on)`: the one `--fail-on` rule.
+Imports here are click, rich and light lpf modules only: `lpf --help` must stay fast.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterable, Mapping
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from lpf.analysis.levels import FAIL_LEVELS, at_or_above
+from lpf.builtin.faults import DRILLS
+from lpf.errors import LpfError
+
+err = Console(stderr=True)
+out = Console()
+
+
+@contextmanager
+def progress_bar(label: str, unit: str):
+    """Yields (on_start(total, done), tick(n)) driving one rich progress bar on stderr. The bar
+    appears at on_start, after the stage has validated its inputs, so an error prints alone."""
+    p = Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), TextColumn(unit),
+                 TimeElapsedColumn(), TimeRemainingColumn(), console=err, transient=False)
+    task = p.add_task(label, total=None)
+
+    def on_start(total: int, done: int = 0) -> None:
+        p.update(task, total=total, completed=done)
+        p.start()
+
+    def tick(n: int) -> None:
+        p.advance(task, n)
+
+    try:
+        yield on_start, tick
+    finally:
+        p.stop()
+
+
+def _apply(f, opts: list):
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+# -- options ----------------------------------------------------------------------------------------
+KNOB_PARAMS = ("dtype", "engine_option", "inject", "cache_mb", "max_num_seqs", "max_num_batched_tokens",
+               "enable_chunked_prefill")
+
+
+def engine_knob_options(f):
+    """The engine knobs, under vLLM's names where vLLM has one. Each engine refuses knobs it lacks."""
+    return _apply(f, [
+        click.option("--dtype", default=None, help="Engine dtype: float32, bfloat16 or float16."),
+        click.option("-E", "--engine-option", "engine_option", multiple=True, metavar="KEY=VALUE",
+                     help="Any other engine knob, e.g. -E block_size=32 (repeatable; `lpf engines` lists them)."),
+        click.option("--inject", multiple=True, metavar="FAULT[:ARG]",
+                     help="Fault drill of the built-in engine (repeatable): " + ", ".join(DRILLS) + "."),
+        click.option("--cache-mb", type=float, default=None,
+                     help="Built-in engine: cache size in MiB (the gpu_memory_utilization analogue)."),
+        click.option("--max-num-seqs", type=int, default=None, help="Most requests in one engine step (vLLM's name)."),
+        click.option("--max-num-batched-tokens", type=int, default=None,
+                     help="Token budget of one engine step (vLLM's name)."),
+        click.option("--enable-chunked-prefill/--no-enable-chunked-prefill", default=None,
+                     help="Split long prompts over several steps (vLLM's name)."),
+    ])
+
+
+def engine_knobs(params: Mapping, **extra) -> dict:
+    """{knob: value} of every knob given (None = not given, left out; -E values stay strings: the
+    engine's `Options.parse` converts and validates them); `extra` adds named options the same way."""
+    options = {}
+    for kv in params.get("engine_option") or ():
+        key, sep, value = kv.partition("=")
+        if not sep:
+            raise LpfError(f"--engine-option expects KEY=VALUE, got {kv!r}")
+        options[key.strip()] = value.strip()
+    named = {k: params.get(k) for k in KNOB_PARAMS if k not in ("engine_option", "inject")}
+    named["inject"] = ",".join(params["inject"]) if params.get("inject") else None
+    named.update(extra)
+    options.update({k: v for k, v in named.items() if v is not None})
+    return options
+
+
+def run_options(f):
+    """What a run is: engine, model, workload, sampling, knobs, where it goes."""
+    f = engine_knob_options(f)
+    return _apply(f, [
+        click.option("--engine", default="builtin", show_default=True, help="Engine under test (see `lpf engines`)."),
+        click.option("--model", default=None, help="Model dir, zoo:NAME or tiny:NAME [default: zoo:hybrid]."),
+        click.option("--workload", default=None, help="Prompts JSONL or zoo:NAME [default: zoo:oracle]."),
+        click.option("--out", type=click.Path(path_type=Path), default=None, help="Run directory to create."),
+        click.option("--n", "n", type=int, default=1, show_default=True, help="Rollouts per prompt."),
+        click.option("--temperature", type=float, default=0.0, show_default=True),
+        click.option("--top-p", type=float, default=1.0, show_default=True),
+        click.option("--top-k", type=int, default=0, show_default=True, help="0 = off."),
+        click.option("--max-tokens", type=int, default=32, show_default=True,
+                     help="Default per request; an item's own max_tokens wins."),
+        click.option("--seed", type=int, default=0, show_default=True),
+        click.option("--ignore-eos", is_flag=True, help="Generate max_tokens even past EOS."),
+        click.option("--logprobs", type=int, default=5, show_default=True, help="Top-k alternatives recorded per token."),
+        click.option("--base-url", default=None, help="openai/sglang engines: the server, e.g. http://127.0.0.1:8000/v1."),
+        click.option("--api-key-env", default=None, metavar="VAR",
+                     help="openai/sglang engines: environment variable holding the API key (never written anywhere)."),
+        click.option("--served-model", default=None,
+                     help="openai engine: the name the server serves, when --model is the local copy."),
+        click.option("--part-size", type=int, default=64, show_default=True, hidden=True),
+    ])
+
+
+def rescore_options(f):
+    return _apply(f, [
+        click.option("--reference", default=None, help="Reference model [default: the engine's model]."),
+        click.option("--reference-dtype", default="float32", show_default=True),
+        click.option("--token-budget", type=int, default=16384, show_default=True,
+                     help="Rescorer tokens per batch (padding counted)."),
+        click.option("--calibrate", is_flag=True,
+                     help="Also score the reference at the engine's dtype: the noise floor the engine cannot move."),
+    ])
+
+
+def fail_on_option(what: str = "any request"):
+    return click.option("--fail-on", type=click.Choice(FAIL_LEVELS), default="divergent", show_default=True,
+                        help=f"Exit 1 when {what} is at or above this verdict.")
+
+
+def analysis_options(f):
+    return _apply(f, [
+        click.option("--threshold", multiple=True, metavar="NAME=VALUE", help="Override a verdict threshold (repeatable)."),
+        click.option("--json", "as_json", is_flag=True, help="Print findings JSON on stdout."),
+        fail_on_option(),
+    ])
+
+
+def audit_options(f):
+    """`lpf audit`'s whole option set (run + rescore + analysis)."""
+    return run_options(rescore_options(analysis_options(f)))
+
+
+def _audit_parser() -> click.Command:
+    """A command with exactly `lpf audit`'s options, to parse argument lists without running anything."""
+    return click.command("audit")(audit_options(lambda **kw: kw))
+
+
+def parse_audit_args(argv: list[str], what: str) -> dict:
+    """`lpf audit` arguments parsed into their params (defaults filled), or LpfError naming `what`."""
+    try:
+        with _audit_parser().make_context("audit", list(argv), resilient_parsing=False) as ctx:
+            return dict(ctx.params)
+    except click.ClickException as e:
+        raise LpfError(f"{what}: {e.format_message()}") from None
+
+
+def audit_option_kinds() -> dict[str, str]:
+    """`lpf audit` option name -> kind (option | switch | flag | multi), for sweep knobs."""
+    kinds = {}
+    for p in _audit_parser().params:
+        if not isinstance(p, click.Option) or p.hidden:
+            continue
+        kind = ("switch" if p.secondary_opts else "flag") if p.is_flag else ("multi" if p.multiple else "option")
+        for opt in p.opts:
+            if opt.startswith("--"):
+                kinds[opt[2:]] = kind
+    return kinds
+
+
+# -- building a run ---------------------------------------------------------------------------------
+def build_run_spec(params: Mapping):
+    """The `RunSpec` of parsed run options (`run_options`' params; others are ignored). Engines
+    behind a server name a model that is not a local path: their adapter picks the local one."""
+    from lpf.adapters import get_engine_class
+    from lpf.model_specs import DEFAULT_MODEL
+    from lpf.pipeline import RunSpec
+    from lpf.sampling import SamplingParams
+    from lpf.workload import DEFAULT_WORKLOAD
+
+    p = params
+    options = engine_knobs(p, base_url=p.get("base_url"), api_key_env=p.get("api_key_env"),
+                           served_model=p.get("served_model"))
+    hook = getattr(get_engine_class(p["engine"]), "resolve_model_spec", None)
+    model = hook(p.get("model"), p.get("reference"), options) if hook else p.get("model")
+    if p["part_size"] < 1:
+        raise LpfError("--part-size must be >= 1")
+    sampling = SamplingParams(temperature=p["temperature"], top_p=p["top_p"], top_k=p["top_k"],
+                              max_tokens=p["max_tokens"], seed=p["seed"], ignore_eos=p["ignore_eos"],
+                              logprobs=p["logprobs"])
+    out_dir = p.get("out") or Path("runs") / time.strftime("run-%Y%m%d-%H%M%S")
+    return RunSpec(engine=p["engine"], model=model or DEFAULT_MODEL, workload=p.get("workload") or DEFAULT_WORKLOAD,
+                   out=out_dir, n=p["n"], sampling=sampling, engine_options=options, part_size=p["part_size"])
+
+
+def default_out(kind: str) -> Path:
+    return Path("runs") / time.strftime(f"{kind}-%Y%m%d-%H%M%S")
+
+
+# -- after findings ---------------------------------------------------------------------------------
+def write_report(path: Path) -> Path | None:
+    """report.html in a directory whose findings are already written; prints its path or why not.
+    A report that cannot be drawn never costs the findings: every failure is a warning here."""
+    from rich.markup import escape
+
+    try:
+        from lpf.report import write_report as write
+
+        written = write(path)
+    except LpfError as e:
+        err.print(f"[yellow]report not written:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+        return None
+    except Exception as e:  # noqa: BLE001 - a report bug must not fail a command whose findings are written
+        err.print(f"[yellow]report not written (a bug in lpf.report, please report it):[/] "
+                  f"{type(e).__name__}: {escape(str(e))}", highlight=False, soft_wrap=True)
+        return None
+    err.print(f"report: {written}", highlight=False)
+    return written
+
+
+def fails(verdicts: Iterable[str | None], fail_on: str) -> bool:
+    """Whether any of `verdicts` is at or above the `--fail-on` level (exit 1)."""
+    return any(at_or_above(v, fail_on) for v in verdicts)

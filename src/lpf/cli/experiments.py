@@ -1,0 +1,121 @@
+"""Experiments around audits: `lpf sweep` (one audit per knob cell) and `lpf repeat` (the determinism probe).
+
+Everything is validated before the first engine starts (every sweep cell is parsed and built as a
+run spec); `lpf.sweep` and `lpf.repeat` do the work and return documents that `render` draws.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from lpf.cli.common import (audit_option_kinds, build_run_spec, default_out, engine_knob_options, engine_knobs, err,
+                            fail_on_option, fails, parse_audit_args, progress_bar, write_report)
+from lpf.cli.render import print_repeat, print_sweep
+from lpf.errors import LpfError
+
+# audit options that belong to the sweep itself, not to a cell
+_NOT_KNOBS = {"out", "json", "fail-on", "engine-option", "help", "part-size"}
+
+
+@click.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@click.option("--knob", "knobs", multiple=True, required=True, metavar="NAME=V1,V2,...",
+              help="A knob and its values (repeatable; cells are the cartesian product). Any lpf audit option "
+                   "(cache-mb, max-num-seqs, n, temperature, dtype, inject, ...) or an engine -E option.")
+@click.option("--out", "out_dir", type=click.Path(path_type=Path), required=True,
+              help="Sweep directory (rerun to resume).")
+@click.option("--json", "as_json", is_flag=True, help="Print sweep.json on stdout.")
+@fail_on_option("any cell")
+@click.pass_context
+def sweep(ctx, knobs, out_dir, as_json, fail_on):
+    """One audit per cell of a knob grid, each in its own process; what moves the failure's shape.
+
+    Every other option is passed to each cell's `lpf audit` unchanged; rerun the same command to
+    resume (complete cells are skipped). Example:
+
+    \b
+    lpf sweep --knob cache-mb=1,4,16 --inject stale-state --model tiny:jamba --out runs/s1
+    """
+    from lpf import sweep as sw
+    from lpf.adapters import get_engine_class
+    from lpf.analysis.thresholds import Thresholds
+
+    base_args = list(ctx.args)
+    base = parse_audit_args(base_args, "audit options")
+    engines = {base["engine"]}
+    engine_knob = [k for k in knobs if k.partition("=")[0].strip().lstrip("-") == "engine"]
+    if engine_knob:
+        engines = {v.strip() for v in engine_knob[0].partition("=")[2].split(",") if v.strip()}
+    engine_fields = {e: set(get_engine_class(e).Options.model_fields) for e in engines}
+    kinds = {k: v for k, v in audit_option_kinds().items() if k not in _NOT_KNOBS}
+    parsed = sw.parse_knobs(list(knobs), kinds, engine_fields, base_args)
+    cells = sw.make_cells(parsed, base_args)
+    for c in cells:  # every cell is checked before the first one runs
+        p = parse_audit_args(c.argv, f"cell {c.name}")
+        spec = build_run_spec(p)
+        get_engine_class(spec.engine).Options.parse(spec.engine_options)
+        Thresholds().with_overrides(list(p["threshold"]))
+        rescore = (["--reference", p["reference"]] if p["reference"] else []) + [
+            "--reference-dtype", p["reference_dtype"], "--token-budget", str(p["token_budget"])]
+        c.resume = {"rescore": rescore, "analyze": [a for t in p["threshold"] for a in ("--threshold", t)]}
+    sw.check_out(out_dir, parsed, base_args)
+    err.print(f"sweep directory: {out_dir}  ({len(cells)} cells: "
+              + " x ".join(f"{k.name} {len(k.values)}" for k in parsed) + ")")
+    with progress_bar("cells   ", "cells") as (on_start, tick):
+        doc = sw.run_sweep(out_dir, parsed, base_args, cells, on_start, tick)
+    print_sweep(doc, err)
+    write_report(out_dir)
+    err.print(f"results: {out_dir}/sweep.json, {out_dir}/sweep.parquet, cells under {out_dir}/cells/")
+    if as_json:
+        click.echo(json.dumps(doc, indent=2))
+    if fails((c["verdict"] for c in doc["cells"]), fail_on):
+        sys.exit(1)
+
+
+@click.command()
+@click.option("--engine", default="builtin", show_default=True, help="Engine under test (see `lpf engines`).")
+@click.option("--model", default=None, help="Model dir, zoo:NAME or tiny:NAME [default: zoo:hybrid].")
+@click.option("--prompt", default=None, help="The prompt text (tokenized as a workload's 'prompt' would be).")
+@click.option("--workload", default=None, help="Take the prompt from this JSONL or zoo:NAME workload ...")
+@click.option("--index", type=int, default=0, show_default=True, help="... at this 0-based index.")
+@click.option("--times", type=int, default=8, show_default=True, help="Copies of the prompt.")
+@click.option("--max-tokens", type=int, default=16, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--ignore-eos", is_flag=True, help="Generate max_tokens even past EOS.")
+@click.option("--tolerance", type=float, default=None,
+              help="Logprob vectors within this of each other count as one [default: 1e-4, above float32 rounding].")
+@engine_knob_options
+@click.option("--out", "out_dir", type=click.Path(path_type=Path), default=None, help="Directory for repeat.json.")
+@click.option("--json", "as_json", is_flag=True, help="Print repeat.json on stdout.")
+def repeat(engine, model, prompt, workload, index, times, max_tokens, seed, ignore_eos, tolerance, out_dir, as_json,
+           **knobs):
+    """The determinism probe: one prompt N times at temperature 0 under different batches.
+
+    The engine's concurrency knob (max_num_seqs; batch_size for hf) is varied across copies unless
+    you fix it.
+    """
+    from lpf.model_specs import DEFAULT_MODEL
+    from lpf.repeat import DEFAULT_TOLERANCE, RepeatSpec, run_repeat
+
+    options = engine_knobs(knobs)
+    if max_tokens < 1:
+        raise LpfError(f"--max-tokens must be >= 1, got {max_tokens}")
+    tol = DEFAULT_TOLERANCE if tolerance is None else tolerance
+    if not tol >= 0:
+        raise LpfError(f"--tolerance must be >= 0, got {tolerance}")
+    out_dir = out_dir or default_out("repeat")
+    spec = RepeatSpec(engine=engine, model=model or DEFAULT_MODEL, times=times, max_tokens=max_tokens, seed=seed,
+                      ignore_eos=ignore_eos, engine_options=options, prompt=prompt, workload=workload,
+                      index=index, tolerance=tol)
+    with progress_bar("repeat  ", "copies") as (on_start, tick):
+        doc = run_repeat(spec, out_dir, lambda total: on_start(total, 0), tick)
+    print_repeat(doc, err)
+    err.print(f"results: {out_dir}/repeat.json")
+    if as_json:
+        click.echo(json.dumps(doc, indent=2))
+
+
+COMMANDS = (sweep, repeat)

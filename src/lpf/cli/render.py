@@ -1,0 +1,269 @@
+"""Every terminal table and summary of the command line, drawn with rich; nothing else prints.
+
+Each function takes the plain data a domain module returned (findings, a sweep document, an
+inspected request, a repeat document, RL findings, the zoo listing) and a console. Model text is
+escaped before it reaches rich markup (a `[bold]` in a prompt is text).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich import box
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+VERDICT_STYLE = {"clean": "green", "noise": "yellow", "divergent": "bold magenta", "corrupt": "bold red"}
+
+
+def print_summary(findings: dict, run_path, console: Console) -> None:
+    """The audit summary: verdict, counts, error percentiles, thresholds, shape, worst requests, mechanisms."""
+    v = findings["verdict"]
+    console.print(f"[bold]verdict:[/] [{VERDICT_STYLE.get(v, 'white')}]{v}[/]   "
+                  f"engine {findings.get('engine')} · model {findings.get('model')} · reference {findings.get('reference')}")
+    c = findings["counts"]
+    line = "  ".join(f"[{VERDICT_STYLE[k]}]{k}[/] {c[k]}" for k in ("clean", "noise", "divergent", "corrupt"))
+    extra = ""
+    if findings.get("errors"):
+        extra += f"  [red]errors[/] {findings['errors']}"
+    if findings.get("unscored"):
+        extra += f"  unscored {findings['unscored']}"
+    console.print(f"requests {findings['n_requests']} · tokens {findings['n_tokens']}   {line}{extra}")
+    o = findings.get("oracle") or {}
+    if o.get("n"):
+        console.print(f"oracle accuracy {o['accuracy']:.1%} ({o['correct']}/{o['n']} exact answers)")
+    d = findings["metrics"].get("abs_logprob_diff", {})
+    if d.get("max") is not None:
+        console.print("|logprob diff|  " + "  ".join(f"{k} {d[k]:.3g}" for k in ("p50", "p90", "p99", "p99_9", "max")))
+    _print_thresholds(findings["thresholds"], console)
+    _print_shape(findings.get("shape"), console)
+    flagged = findings.get("flagged") or []
+    if flagged:
+        t = Table(title=f"flagged requests (worst {min(10, len(flagged))} of {len(flagged)})", title_justify="left")
+        for col in ("request_id", "verdict", "first_divergence", "max |diff|"):
+            t.add_column(col)
+        for f in flagged[:10]:
+            diff = f["max_abs_logprob_diff"]
+            t.add_row(escape(f["request_id"]), f"[{VERDICT_STYLE[f['verdict']]}]{f['verdict']}[/]",
+                      str(f["first_divergence"]), "inf" if diff is None else f"{diff:.3g}")
+        console.print(t)
+    _print_hypotheses(findings.get("hypotheses") or [], console)
+    console.print(f"results: {run_path}/findings.json  (lpf query {run_path} \"SELECT ...\")")
+
+
+def _print_thresholds(th: dict, console: Console) -> None:
+    """The thresholds this run's verdicts used, and where they came from."""
+    source = th.get("source", "default")
+    floor = (th.get("noise_floor") or {}).get("token_abs_diff") or {}
+    origin = f"calibrated to this run's floor: token |diff| median {floor['median']:.2g}, MAD {floor['mad']:.2g}" \
+        if source == "calibrated" and floor else source
+    if source == "calibration-run" and floor:
+        dtype = (th.get("noise_floor") or {}).get("dtype", "?")
+        origin = f"from a calibration run, reference at {dtype}: token |diff| median {floor['median']:.2g}, " \
+                 f"MAD {floor['mad']:.2g}"
+    pinned = f", pinned: {', '.join(th['pinned'])}" if th.get("pinned") else ""
+    console.print(f"[dim]thresholds ({origin}{pinned}): clean <= {th['clean_abs_diff']:.3g}, "
+                  f"divergent > {th['divergent_abs_diff']:.3g}, tie margin {th.get('tie_margin', 0):.3g}, "
+                  f"corrupt: gibberish score >= {th.get('gibberish_min_score', 0):.2g} "
+                  f"with >= {th['gibberish_min_tokens']} lie tokens[/]")
+
+
+def _print_shape(shape: dict | None, console: Console) -> None:
+    if not shape or not shape.get("n_flagged"):
+        return
+    onset = shape.get("onset") or {}
+    fd = shape.get("first_divergence") or {}
+    per = shape.get("periodicity") or {}
+    parts = [f"rate {shape['rate']:.2%} ({shape['n_flagged']} flagged)",
+             f"onset request #{onset.get('seq')}" + (f", step {onset['step']}" if onset.get("step") is not None else "")]
+    if fd.get("median") is not None:
+        parts.append(f"first divergence median position {fd['median']:g} ({fd.get('at_zero_fraction', 0):.0%} at 0)")
+    if per.get("period") is not None:
+        parts.append(f"period {per['period']:g} {per.get('over', 'step')}s (confidence {per.get('confidence', 0):.2f})")
+    console.print("shape: " + " · ".join(parts))
+
+
+def _print_hypotheses(hyps: list, console: Console) -> None:
+    if not hyps:
+        return
+    console.print("[bold]likely mechanisms[/] (Fisher exact test, best first):")
+    for h in hyps[:3]:
+        console.print(f"  {h['rank']}. {h['sentence']} [dim](p={h['p_value']:.2g})[/]", highlight=False)
+
+
+def print_calibration(cal: dict, run_path, console: Console) -> None:
+    """One line on what the calibration run's floor comes from."""
+    if cal.get("same_as_reference"):
+        console.print(f"calibration: the engine computed in {cal['dtype']} like the reference, so the reference "
+                      f"against itself is the calibration run: floor 0, default thresholds", highlight=False)
+    else:
+        console.print(f"calibration: reference at the engine's {cal['dtype']} in {run_path}/calibration "
+                      f"(noise floor from it, not from the engine)", highlight=False)
+
+
+def print_engines(engines: list[tuple[str, dict]], console: Console) -> None:
+    """`lpf engines`: each adapter with its knobs and their defaults."""
+    t = Table(box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False, show_edge=False)
+    t.add_column("engine")
+    t.add_column("knobs (-E NAME=VALUE; default)", overflow="fold")
+    for name, knobs in engines:
+        t.add_row(name, ", ".join(f"{k}={v}" for k, v in knobs.items()) or "-")
+    console.print(t)
+
+
+def print_zoo(models: list[dict], workloads: list[dict], console: Console) -> None:
+    """`lpf zoo list`: bundled models (architecture, parameters, size, task accuracy) and workloads."""
+    t = Table(title="models", title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False,
+              show_edge=False, collapse_padding=True)
+    for c in ("name", "architecture", "params", "size", "accuracy", "p(answer)", "ready"):
+        t.add_column(c, min_width=16 if c == "architecture" else None)
+    for m in models:
+        t.add_row(f"zoo:{m['name']}", m["architecture"].removesuffix("ForCausalLM"),
+                  f"{m['parameters']:,}" if m["parameters"] else "-",
+                  f"{m['size_bytes'] / 1e6:.1f} MB" if m["size_bytes"] else "-",
+                  f"{m['accuracy']:.1%}" if m["accuracy"] is not None else "-",
+                  f"{m['median_answer_prob']:.3f}" if m["median_answer_prob"] is not None else "-",
+                  "yes" if m["available"] else "no")
+    console.print(t)
+    w = Table(title="workloads", title_justify="left", box=box.SIMPLE_HEAD)
+    for c in ("name", "requests", "description"):
+        w.add_column(c)
+    for wl in workloads:
+        w.add_row(f"zoo:{wl['name']}", str(wl["default_n"]), wl["description"])
+    console.print(w)
+
+
+def print_rows(columns: list[str], rows: list, console: Console, fmt: str = "table") -> None:
+    if fmt == "csv":
+        import csv
+        import sys
+
+        w = csv.writer(sys.stdout)
+        w.writerow(columns)
+        w.writerows(rows)
+        return
+    if fmt == "json":
+        import json
+
+        console.print_json(json.dumps([dict(zip(columns, r)) for r in rows], default=str))
+        return
+    t = Table()
+    for c in columns:
+        t.add_column(c, overflow="fold")
+    for r in rows:
+        t.add_row(*("NULL" if v is None else str(v) for v in r))
+    console.print(t)
+
+
+def print_sweep(doc: dict, console: Console) -> None:
+    """The sweep table and the moves."""
+    from lpf.sweep import fmt_rate
+
+    knobs = [k["name"] for k in doc["knobs"]]
+    t = Table(title=f"sweep: {len(doc['cells'])}/{doc['n_cells']} cells", title_justify="left")
+    for c in [*knobs, "verdict", "requests", "rate", "onset seq", "onset step", "first div (median)", "period",
+              "max |diff|"]:
+        t.add_column(c)
+    fmt = lambda v, f="{:g}": "-" if v is None else f.format(v)  # noqa: E731
+    for r in doc["cells"]:
+        t.add_row(*(escape(str(r["values"][k])) for k in knobs),
+                  f"[{VERDICT_STYLE.get(r['verdict'], 'white')}]{r['verdict']}[/]", str(r["n_requests"]),
+                  fmt_rate(r), fmt(r["onset_seq"]), fmt(r["onset_step"]), fmt(r["first_divergence_median"]),
+                  fmt(r["period"]), fmt(r["max_abs_logprob_diff"], "{:.3g}"))
+    console.print(t)
+    for m in doc["moves"]:
+        console.print(("[bold]" if m["moves"] else "[dim]") + escape(m["sentence"]) + "[/]")
+
+
+def print_request(info: dict, console: Console, top: int = 3) -> None:
+    """`lpf inspect`: the request, its tokens and its trace as tables."""
+    from lpf.inspect_request import TRACE_COLUMNS
+
+    r = info["request"]
+    s = r.get("summary") or {}
+    verdict = s.get("verdict")
+    head = f"[bold]{escape(r['request_id'])}[/]  seq {r.get('seq')}  prompt {escape(str(r.get('prompt_id')))}  rollout {r.get('rollout')}"
+    head += f"  finish {r.get('finish_reason')}"
+    if verdict:
+        head += f"  verdict [{VERDICT_STYLE.get(verdict, 'white')}]{verdict}[/]"
+        if s.get("first_divergence") is not None:
+            head += f"  first divergence at position {s['first_divergence']}"
+    console.print(head)
+    if r.get("error"):
+        console.print(f"[red]error:[/] {escape(str(r['error']))}")
+    if info.get("tokenizer"):
+        console.print(f"[dim]{escape(info['tokenizer'])}[/]")
+    if r.get("prompt_text") is not None:
+        console.print(f"[dim]prompt ({len(r.get('prompt_token_ids') or [])} tokens):[/] {escape(repr(r['prompt_text']))}")
+    first = s.get("first_divergence")
+
+    def topk(items):
+        return "  ".join(f"{escape(repr(x['token']))} {x['logprob']:.3f}" for x in items[:top])
+
+    t = Table(title=f"tokens ({len(info['tokens'])})", title_justify="left")
+    for c in ("pos", "token", "engine lp", "ref lp", "|d|", "ref rank", f"engine top-{top}", f"ref top-{top}"):
+        t.add_column(c, overflow="fold")
+    for row in info["tokens"]:
+        d = row["abs_diff"]
+        style = "bold red" if first is not None and row["position"] == first else (
+            "yellow" if d is not None and d > 1e-3 else None)
+        fmt = lambda v: "-" if v is None else f"{v:.4f}"  # noqa: E731
+        t.add_row(str(row["position"]), escape(repr(row["token"])), fmt(row["engine_logprob"]), fmt(row["ref_logprob"]),
+                  "-" if d is None else f"{d:.3g}", "-" if row["ref_rank"] is None else str(row["ref_rank"]),
+                  topk(row["engine_topk"]), topk(row["ref_topk"]), style=style)
+    console.print(t)
+    if not info["rescored"]:
+        console.print("[dim]not rescored yet: run lpf rescore DIR for the reference side[/]")
+    if info["trace"] is None:
+        console.print("[dim]no trace: this engine does not record per-step scheduling[/]")
+        return
+    tr = Table(title=f"trace ({len(info['trace'])} rows)", title_justify="left")
+    for c in TRACE_COLUMNS:
+        tr.add_column(c)
+    for row in info["trace"]:
+        tr.add_row(*("-" if row[c] is None else str(row[c]) for c in TRACE_COLUMNS),
+                   style="bold red" if row["preempted"] else None)
+    console.print(tr)
+
+
+def print_repeat(doc: dict, console: Console) -> None:
+    knob = doc.get("varied_knob") or "concurrency"
+    t = Table(title=f"{doc['times']} copies, temperature 0, engine {doc['engine']}", title_justify="left")
+    for c in ("copy", knob, "fillers", "arrival", "batch sizes seen", "tokens", "logprobs (bitwise)",
+              f"logprobs (<= {doc['tolerance']:g})", "max |d| vs copy 0"):
+        t.add_column(c)
+    letter = lambda i: chr(ord("A") + i) if i < 26 else str(i)  # noqa: E731
+    for c in doc["copies"]:
+        bs = c.get("batch_sizes")
+        t.add_row(str(c["copy"]), "-" if c["concurrency"] is None else str(c["concurrency"]), str(c["n_fillers"]),
+                  str(c["arrival"]), "-" if not bs else f"{min(bs)}..{max(bs)} over {len(bs)} steps",
+                  letter(c["tokens_group"]), letter(c["logprobs_group"]), letter(c["tolerance_group"]),
+                  f"{c['max_abs_diff_vs_copy0']:.3g}")
+    console.print(t)
+    console.print(f"unique completions: token sequences {doc['unique_token_sequences']}, logprob vectors "
+                  f"{doc['unique_logprob_vectors']} bitwise, {doc['unique_logprob_vectors_at_tolerance']} within "
+                  f"{doc['tolerance']:g}; max logprob spread {doc['max_logprob_spread']:.3g}")
+    fd = doc["first_divergence"]
+    if fd["logprobs"] is None:
+        console.print("[green]all copies identical[/]: same tokens, bit-identical logprobs")
+    else:
+        lp = fd["logprobs"]
+        console.print(f"first logprob divergence at position {lp['position']}: logprob {lp['min_logprob']:.6g} .. "
+                      f"{lp['max_logprob']:.6g} across copies" + ("" if lp["tokens_agree"] else " (tokens differ)"))
+    if fd["tokens"] is not None:
+        console.print(f"[bold red]first token divergence at position {fd['tokens']['position']}[/]: tokens "
+                      f"{escape(str(fd['tokens']['distinct_tokens']))}")
+
+
+def print_rl_summary(f: dict, out: Path, console: Console) -> None:
+    """`lpf rl analyze`: spike verdict, counts, bad rows, the best hypotheses, where the files are."""
+    console.print(f"[bold]{'SPIKES' if f['n_spikes'] else 'clean'}[/]  {f['summary']}", highlight=False)
+    console.print(f"steps {f['n_steps']} · responses {f['n_responses']} · tokens {f['n_tokens']} · "
+                  f"bad rows {len(f['bad_rows'])}" + (f" · empty steps {len(f['empty_steps'])}" if f["empty_steps"] else ""),
+                  highlight=False)
+    for b in f["bad_rows"][:5]:
+        console.print(f"  bad row {b['row']}: {b['reason']}", highlight=False)
+    for h in f["hypotheses"][:3]:
+        console.print(f"  #{h['rank']} {h['sentence']} (p={h['p_value']:.2g})", highlight=False)
+    console.print(f"results: {out}/rl_findings.json, {out}/rl_steps.parquet", highlight=False)

@@ -1,0 +1,17 @@
+"""The stages of an audit, each reading and writing a run directory: run -> rescore [-> calibrate] -> analyze.
+
+  generate.py   RunSpec, create_run (validate, then create the directory), execute_run (commit parts)
+  rescore.py    rescore_run: the teacher-forced reference over every completed request
+  calibrate.py  calibrate_run: the reference again at the engine's dtype (the floor it cannot move)
+  analyze.py    analyze_run: summary.parquet and findings.json
+  callbacks.py  the progress callbacks every stage takes
+Progress is reported through `on_start(total, done)` / `tick(n)` callbacks: nothing here draws.
+"""
+
+from lpf.pipeline.analyze import analyze_run
+from lpf.pipeline.calibrate import calibrate_run, engine_dtype
+from lpf.pipeline.generate import RunSpec, create_run, execute_run, model_config, pending_requests
+from lpf.pipeline.rescore import rescore_run
+
+__all__ = ["RunSpec", "analyze_run", "calibrate_run", "create_run", "engine_dtype", "execute_run", "model_config",
+           "pending_requests", "rescore_run"]

@@ -1,0 +1,85 @@
+"""The calibration stage: the reference model again at the engine's dtype, the floor the engine cannot move.
+
+`calibrate_run` writes `calibration/` parts (resumable like rescore); `calibration_for(run, reference)`
+is what analyze uses: the calibration table that belongs to the run's current reference, if any.
+"""
+
+from __future__ import annotations
+
+
+import pyarrow as pa
+
+from lpf.adapters import get_engine_class
+from lpf.errors import LpfError
+from lpf.pipeline.callbacks import OnStart, Tick, no_start, no_tick
+from lpf.model_specs import resolve_model
+from lpf.run.store import RunDir
+
+def engine_dtype(m: dict) -> str | None:
+    """The dtype the engine computed in: its manifest options, else its Options' default."""
+    engine = m.get("engine") or {}
+    opts = engine.get("options") or {}
+    if opts.get("dtype"):
+        return str(opts["dtype"])
+    try:
+        options = get_engine_class(engine.get("name", "")).Options
+    except LpfError:
+        return None
+    return options.default("dtype") if "dtype" in options.model_fields else None
+
+
+def calibrate_run(run: RunDir, token_budget: int = 16384,
+                  on_start: OnStart = no_start, tick: Tick = no_tick) -> dict:
+    """The calibration run: teacher-force the reference model again, at the engine's dtype, over
+    every request the reference scored, into `calibration/` parts (resumable like rescore). Its
+    |calibration - reference| per token is what an honest implementation at that dtype deviates by:
+    `analyze` takes the noise floor from it instead of from the engine's own (possibly lying)
+    errors. When the engine's dtype is the reference's, the calibration run would be the reference
+    itself (floor 0): nothing is computed and the manifest says so. Returns manifest["calibration"]."""
+    from lpf.reference import Rescorer, ScoreItem
+
+    m = run.manifest
+    ref = m.get("reference")
+    if not ref or not run.has("reference"):
+        raise LpfError(f"{run.path} has no reference scores yet: rescore it before calibrating")
+    dtype = engine_dtype(m)
+    if dtype not in ("float32", "float16", "bfloat16"):
+        raise LpfError(f"cannot calibrate {run.path}: the engine's dtype is {dtype or 'not recorded'} "
+                       f"(a calibration run needs float32, float16 or bfloat16; set the engine's --dtype)")
+    prev = m.get("calibration") or {}
+    if (prev.get("spec"), prev.get("dtype"), prev.get("reference_dtype")) != (ref.get("spec"), dtype, ref.get("dtype")):
+        for p in run.parts("calibration"):  # made for another reference or dtype: not this run's floor
+            p.unlink()
+        prev = {}
+    if dtype == ref.get("dtype"):
+        m["calibration"] = {"spec": ref.get("spec"), "dtype": dtype, "reference_dtype": ref.get("dtype"),
+                            "same_as_reference": True}
+        run.save_manifest()
+        return m["calibration"]
+    rescorer = Rescorer(resolve_model(ref["spec"]), dtype=dtype, token_budget=token_budget,
+                        topk=m["sampling"].get("logprobs", 5))
+    m["calibration"] = {**{k: v for k, v in rescorer.describe().items() if k != "tokenizer_sha256"},
+                        "reference_dtype": ref.get("dtype"), "same_as_reference": False}
+    run.save_manifest()
+    scored = set(run.read("reference", ["request_id"]).column("request_id").to_pylist())
+    done = set(run.read("calibration", ["request_id"]).column("request_id").to_pylist())
+    req = run.read("requests", ["request_id", "prompt_token_ids", "output_token_ids"]).to_pylist()
+    req = [r for r in req if r["request_id"] in scored]
+    items = [ScoreItem(r["request_id"], r["prompt_token_ids"], r["output_token_ids"])
+             for r in req if r["request_id"] not in done]
+    total = sum(len(r["output_token_ids"]) for r in req)
+    on_start(total, total - sum(len(it.output_token_ids) for it in items))
+    for table in rescorer.score(items, tick):
+        run.append("calibration", table)
+    return m["calibration"]
+
+
+def calibration_for(run: RunDir, reference: pa.Table) -> tuple[pa.Table | None, dict | None]:
+    """(calibration table, its manifest entry) when the run has a calibration run for its current
+    reference; the reference itself when the engine computed at the reference's dtype."""
+    cal, ref = run.manifest.get("calibration"), run.manifest.get("reference") or {}
+    if not cal or (cal.get("spec"), cal.get("reference_dtype")) != (ref.get("spec"), ref.get("dtype")):
+        return None, None
+    if cal.get("same_as_reference"):
+        return reference, cal
+    return (run.read("calibration"), cal) if run.has("calibration") else (None, None)

@@ -1,0 +1,156 @@
+"""The run stage: a validated `RunSpec` becomes a run directory, and its requests become committed parts.
+
+`create_run(spec)` checks everything the user can get wrong (engine name, knobs, model, workload)
+before the directory exists, so a bad invocation writes nothing. `execute_run(run, on_start, tick)`
+sends every not-yet-completed request to the engine and commits completions in parts as they finish
+(side tables such as the trace first, then tokens, then requests: a request part never exists
+without what led to it); what finished before an error or Ctrl-C is kept, and a rerun resumes.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import socket
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+
+import lpf
+from lpf.adapters import get_engine_class
+from lpf.errors import LpfError
+from lpf.pipeline.callbacks import OnStart, Tick, no_start, no_tick
+from lpf.model_specs import ModelRef, load_tokenizer, resolve_model, tokenizer_fingerprint
+from lpf.run import schema
+from lpf.run.store import RunDir
+from lpf.sampling import SamplingParams
+from lpf.workload import EngineRequest, expand, load_prompts, read_normalized, write_normalized
+
+@dataclass
+class RunSpec:
+    engine: str
+    model: str
+    workload: str
+    out: Path
+    n: int = 1
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    engine_options: dict = field(default_factory=dict)
+    part_size: int = 64
+
+
+def model_config(model: ModelRef) -> dict:
+    try:
+        cfg = json.loads((model.path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise LpfError(f"model {model.spec}: unreadable config.json ({e})") from None
+    return cfg.get("text_config", cfg)
+
+
+def create_run(spec: RunSpec) -> RunDir:
+    engine_cls = get_engine_class(spec.engine)
+    engine_cls.Options.parse(spec.engine_options)  # a bad knob is refused before anything is written
+    model = resolve_model(spec.model)
+    cfg = model_config(model)
+    engine_cls.check_model(cfg)
+    tokenizer = load_tokenizer(model)
+    context = cfg.get("max_position_embeddings")
+    prompts, source = load_prompts(spec.workload, tokenizer, cfg.get("vocab_size", len(tokenizer)), context)
+    requests = expand(prompts, spec.n, spec.sampling, context)
+    manifest = {
+        "run_id": uuid.uuid4().hex[:12],
+        "lpf_version": lpf.__version__,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "status": "running",
+        "engine": {"name": spec.engine, "options": dict(spec.engine_options)},
+        "model": {**model.describe(), "architecture": (cfg.get("architectures") or ["?"])[0]},
+        "tokenizer_sha256": tokenizer_fingerprint(tokenizer),
+        "workload": {**source, "n_prompts": len(prompts), "n": spec.n, "n_requests": len(requests)},
+        "sampling": spec.sampling.to_dict(),
+        "seed": spec.sampling.seed,
+        "part_size": spec.part_size,
+        "host": {"hostname": socket.gethostname(), "platform": platform.platform(),
+                 "python": platform.python_version()},
+    }
+    run = RunDir.create(spec.out, manifest)
+    write_normalized(prompts, run.path / "workload.jsonl")
+    return run
+
+
+def pending_requests(run: RunDir) -> list[EngineRequest]:
+    m = run.manifest
+    prompts = read_normalized(run.path / "workload.jsonl")
+    requests = expand(prompts, m["workload"]["n"], SamplingParams.from_dict(m["sampling"]))
+    done = run.done_request_ids()
+    return [r for r in requests if r.request_id not in done]
+
+
+def execute_run(run: RunDir, on_start: OnStart = no_start,
+                tick: Tick = no_tick) -> None:
+    """Send every not-yet-completed request to the engine, committing parts as they finish."""
+    m = run.manifest
+    pending = pending_requests(run)
+    on_start(m["workload"]["n_requests"], m["workload"]["n_requests"] - len(pending))
+    if pending:
+        engine_cls = get_engine_class(m["engine"]["name"])
+        model = resolve_model(m["model"]["spec"])
+        sampling = SamplingParams.from_dict(m["sampling"])
+        engine = engine_cls(model, sampling, engine_cls.Options.parse(m["engine"]["options"]))
+        m["engine"].update(engine.describe())
+        run.save_manifest()
+        tokenizer = load_tokenizer(model)
+        by_id = {r.request_id: r for r in pending}
+        buffer, last = [], time.monotonic()
+        try:
+            for c in engine.generate(pending):
+                buffer.append(c)
+                tick(1)
+                if len(buffer) >= m.get("part_size", 64) or time.monotonic() - last > 10:
+                    _commit(run, engine, buffer, by_id, tokenizer)
+                    buffer, last = [], time.monotonic()
+            m["engine"].update(engine.describe())  # what the run taught it (HTTP retries, token identity)
+        finally:
+            if buffer:  # what finished before an error or Ctrl-C is kept
+                _commit(run, engine, buffer, by_id, tokenizer)
+            engine.close()
+    m["status"] = "complete"
+    run.save_manifest()
+
+
+def _commit(run: RunDir, engine, completions, by_id: dict[str, EngineRequest], tokenizer) -> None:
+    req_rows, tok, ptok = [], {k: [] for k in schema.TOKENS.names}, {k: [] for k in schema.PROMPT_TOKENS.names}
+    for c in completions:
+        r = by_id[c.request_id]
+        text = tokenizer.decode(c.output_token_ids, skip_special_tokens=True) if c.error is None else None
+        req_rows.append({
+            "request_id": r.request_id, "seq": r.seq, "prompt_id": r.prompt_id, "rollout": r.rollout,
+            "prompt_token_ids": list(r.prompt_token_ids), "output_token_ids": c.output_token_ids,
+            "output_text": text, "finish_reason": "error" if c.error else c.finish_reason, "error": c.error,
+            "t_submit": c.t_submit, "t_first_token": c.t_first_token, "t_finish": c.t_finish,
+            "oracle_expected": r.expected,
+            "oracle_ok": None if r.expected is None or text is None else text.strip() == r.expected.strip(),
+            "inconsistency": c.inconsistency, "attempts": c.attempts,
+        })
+        n = len(c.logprobs)
+        tok["request_id"] += [r.request_id] * n
+        tok["position"] += list(range(n))
+        tok["token_id"] += c.output_token_ids[:n]
+        tok["engine_logprob"] += c.logprobs
+        tok["engine_topk_ids"] += c.topk_ids or [[]] * n
+        tok["engine_topk_logprobs"] += c.topk_logprobs or [[]] * n
+        if c.prompt_logprobs:  # positions 1..P-1 of the prompt: position 0 has nothing before it
+            k = len(c.prompt_logprobs)
+            ptok["request_id"] += [r.request_id] * k
+            ptok["position"] += list(range(1, k + 1))
+            ptok["token_id"] += list(r.prompt_token_ids[1:k + 1])
+            ptok["engine_logprob"] += c.prompt_logprobs
+            ptok["engine_topk_ids"] += c.prompt_topk_ids or [[]] * k
+            ptok["engine_topk_logprobs"] += c.prompt_topk_logprobs or [[]] * k
+    # side tables first: a request part must never exist without the trace that led to it
+    for name, table in engine.side_tables().items():
+        if table is not None and table.num_rows:
+            run.append(name, table)
+    run.append_requests(pa.Table.from_pylist(req_rows, schema=schema.REQUESTS), pa.table(tok, schema=schema.TOKENS),
+                        pa.table(ptok, schema=schema.PROMPT_TOKENS) if ptok["request_id"] else None)

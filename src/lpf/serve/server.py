@@ -1,0 +1,84 @@
+"""Run the HTTP server: a bound socket, the built-in engine, uvicorn until SIGINT/SIGTERM.
+
+Contract: `bind(host, port)` binds first (so a busy port fails at once and port 0 picks a free one)
+or raises LpfError. `run(model, name, options, sock, trace_dir, log_level, on_ready)` builds the
+engine from validated `BuiltinOptions`, serves until a stop signal, calls `on_ready(port)` once the
+server accepts connections, and returns the engine loop's stats. In-flight requests get up to 10 s
+to finish, the engine loop stops, the trace sink is flushed; a server that never started is an
+LpfError. It prints nothing: the command line says what happened.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+from pathlib import Path
+from typing import Callable
+
+from lpf.errors import LpfError
+
+
+def bind(host: str, port: int) -> socket.socket:
+    if not 0 <= port <= 65535:
+        raise LpfError(f"--port must be in 0..65535, got {port}")
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+    except OSError as e:
+        raise LpfError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+def run(ref, name: str, options, sock: socket.socket, trace_dir: Path | None, log_level: str,
+        on_ready: Callable[[int], None]):
+    import asyncio
+
+    import torch
+    import uvicorn
+
+    from lpf.builtin.config import EngineConfig
+    from lpf.builtin.faults import FaultSet
+    from lpf.builtin.llm_engine import LLMEngine
+    from lpf.model_specs import load_tokenizer
+    from lpf.serve.app import create_app
+    from lpf.serve.engine_loop import TraceSink
+    from lpf.serve.protocol import ModelInfo
+
+    if options.threads > 0:
+        torch.set_num_threads(options.threads)
+    cfg = EngineConfig.of(options)
+    engine = LLMEngine(ref.path, cfg, FaultSet.parse(options.inject))
+    tokenizer = load_tokenizer(ref)
+    info = ModelInfo(name=name, root=str(ref.path), vocab_size=int(engine.model.config.vocab_size),
+                     max_context=engine.max_context, eos_token_id=tokenizer.eos_token_id,
+                     prefill_limit=None if cfg.enable_chunked_prefill else cfg.max_num_batched_tokens)
+    sink = None
+    if trace_dir is not None:
+        sink = TraceSink(trace_dir)
+        (Path(trace_dir) / "serve.json").write_text(json.dumps(
+            {"model": ref.describe(), "served_model_name": name, "options": options.to_dict(),
+             "cache": engine.describe()}, indent=2))
+    app = create_app(engine, tokenizer, info, sink)
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=10,
+                                           lifespan="on"))
+
+    async def main() -> None:
+        task = asyncio.create_task(server.serve(sockets=[sock]))
+        while not server.started and not task.done():
+            await asyncio.sleep(0.05)
+        if server.started:
+            on_ready(sock.getsockname()[1])
+        await task
+
+    # uvicorn re-raises the signal that stopped it once it has shut down; these no-op handlers make
+    # that a clean exit (0) instead of a KeyboardInterrupt or a kill by SIGTERM.
+    stop_signals: list[int] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda s, _frame: stop_signals.append(s))
+    asyncio.run(main())
+    if not server.started:
+        raise LpfError("the server did not start (see the messages above)")
+    return app.state.loop.stats
