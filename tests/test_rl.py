@@ -48,6 +48,7 @@ def analyze(lpf_cli, dump, out, *args):
     return r, (json.loads(r.out) if r.out.strip() else None)
 
 
+@pytest.mark.slow
 def test_no_fault_every_step_within_noise_floor(dumps, lpf_cli, tmp_path):
     r, f = analyze(lpf_cli, dumps["clean"], tmp_path / "c", "--fail-on-spike")
     assert r.code == 0, r.err
@@ -61,6 +62,7 @@ def test_no_fault_every_step_within_noise_floor(dumps, lpf_cli, tmp_path):
     assert "within the noise floor" in r.err
 
 
+@pytest.mark.slow
 def test_offset_wrap_spikes_are_periodic_and_named(dumps, lpf_cli, tmp_path):
     r, f = analyze(lpf_cli, dumps["wrap"], tmp_path / "w", "--fail-on-spike")
     assert r.code == 1, r.err  # --fail-on-spike
@@ -86,6 +88,7 @@ def test_offset_wrap_spikes_are_periodic_and_named(dumps, lpf_cli, tmp_path):
     assert all(s["k3_kl"] > 1e-3 for s in steps if s["spike"]) and all(s["k3_kl"] < 1e-9 for s in steps if not s["spike"])
 
 
+@pytest.mark.slow
 def test_bf16_rollouts_noise_is_not_a_spike_and_the_wrap_still_is(dumps, lpf_cli, tmp_path):
     r, f = analyze(lpf_cli, dumps["bf16"], tmp_path / "b")
     assert r.code == 0 and f["n_steps"] == 50 and f["n_spikes"] == 0, f["summary"]
@@ -96,6 +99,7 @@ def test_bf16_rollouts_noise_is_not_a_spike_and_the_wrap_still_is(dumps, lpf_cli
     assert f["hypotheses"][0]["clean_with"] == 0
 
 
+@pytest.mark.slow
 def test_smaller_cache_no_spike(dumps, lpf_cli, tmp_path):
     r, f = analyze(lpf_cli, dumps["small"], tmp_path / "s")
     assert r.code == 0 and f["n_spikes"] == 0, f["summary"]
@@ -135,6 +139,7 @@ def write_jsonl(path, recs):
     return path
 
 
+@pytest.mark.slow
 def test_verl_rollout_dir_matches_lpf_layout(dumps, lpf_cli, tmp_path):
     rows = pq.read_table(dumps["wrap"]).to_pylist()
     width = max(len(r["response_token_ids"]) for r in rows) + 3

@@ -18,6 +18,8 @@ import pytest
 
 from conftest import write_prompts
 
+pytestmark = pytest.mark.slow  # long end-to-end runs: `make test-fast` skips them
+
 MODEL = "tiny:jamba"
 KNOBS = ["--cache-mb", 1, "--max-num-batched-tokens", 8, "--max-num-seqs", 8]
 

@@ -53,6 +53,7 @@ def _truth(run):
     return {r[0] for r in run_query(run, "SELECT DISTINCT request_id FROM faults")[1]}
 
 
+@pytest.mark.slow
 def test_cache_size_moves_the_stale_state_rate(stale_sweep):
     out, proc = stale_sweep
     doc = json.loads(proc.stdout)
@@ -92,6 +93,7 @@ def test_cache_size_moves_the_stale_state_rate(stale_sweep):
     assert "cache-mb moves the rate" in proc.stderr  # the table and sentences are printed
 
 
+@pytest.mark.slow
 def test_rerun_resumes_without_redoing_cells(stale_sweep, workload):
     from conftest import lpf_subprocess
 
@@ -138,6 +140,7 @@ def test_bad_knobs_fail_before_anything_runs(lpf_cli, tmp_path, args, message):
     assert not (tmp_path / "s").exists()
 
 
+@pytest.mark.slow
 def test_engine_knobs_run_as_cells(lpf_cli, tmp_path, workload):
     """-E options are knobs too; each cell is a real audit in a child process (also from the
     in-process CLI)."""
