@@ -95,7 +95,7 @@ def attach(dump: Dump, out_dir: Path) -> bool:
     if missing:
         raise LpfError(f"{path}: not a reference file of lpf rl rescore (no {', '.join(missing)})")
     meta = json.loads((table.schema.metadata or {}).get(b"lpf", b"{}"))
-    stale = f"{path} was made for another dump; rerun lpf rl rescore {dump.source} --reference MODEL"
+    stale = f"{path} was made for another dump; rerun lpf rl rescore {dump.source} (or remove that file)"
     outputs = dump.sequences.column("response_token_ids").to_pylist()
     offsets = np.concatenate([[0], np.cumsum([len(o) for o in outputs])]).astype(np.int64)
     where = {(s, r): i for i, (s, r) in enumerate(zip(dump.responses.column("step").to_pylist(),
