@@ -75,9 +75,13 @@ def test_each_format_names_responses_and_skips_what_the_framework_skips(written,
     f, _ = analyze(lpf_cli, written["prime-rl"][0], tmp_path / "p")
     # a multi-turn sample is one response per model turn (span); the STABLE markers are no data
     assert f["n_responses"] == 28 * (fx.RESPONSES + 1) and f["ignored_files"] == []
-    f, _ = analyze(lpf_cli, written["nemo-rl"][0].parent, tmp_path / "n")  # the log dir above exp_001
+    logs = tmp_path / "logs"  # NeMo-RL's log dir: the experiment folder, and validation logs beside the training data
+    shutil.copytree(written["nemo-rl"][0], logs / "exp_001")
+    (logs / "exp_001" / "val_data_step0.jsonl").write_text(json.dumps({"content": [["q", "a"]], "rewards": [1.0]}) + "\n")
+    f, _ = analyze(lpf_cli, logs, tmp_path / "n")
     assert f["n_responses"] == 28 * (fx.RESPONSES - 1) and len(f["skipped_rows"]) == 28
     assert "sample_loss_mask 0" in f["skipped_rows"][0]["reason"] and f["skipped_rows"][0]["file"].startswith("exp_001/")
+    assert f["ignored_files"] == ["exp_001/val_data_step0.jsonl"]
     f, _ = analyze(lpf_cli, written["slime"][0] / "train_data", tmp_path / "s")  # without the rollout side
     assert f["n_responses"] == 28 * fx.RESPONSES and f["format"] == "slime"
 
@@ -257,6 +261,13 @@ def test_slime_files_are_loaded_weights_only(written, lpf_cli, tmp_path):
     _one_line_error(lpf_cli("rl", "analyze", d), "weights_only=True", "numpy", "never runs pickled code")
     only_rollout = written["slime"][0] / "rollout_data"
     _one_line_error(lpf_cli("rl", "analyze", only_rollout), "engine side only", "train_data")
+    # a checkpoint beside the dumps is no dump: ignored in a directory, refused alone
+    mixed = tmp_path / "dump"
+    shutil.copytree(written["slime"][0] / "train_data", mixed / "train_data")
+    torch.save({"layer.weight": torch.zeros(2, 2)}, mixed / "model.pt")
+    f, _ = analyze(lpf_cli, mixed, tmp_path / "o")
+    assert f["format"] == "slime" and f["ignored_files"] == ["model.pt"] and f["n_responses"] == 28 * fx.RESPONSES
+    _one_line_error(lpf_cli("rl", "analyze", mixed / "model.pt"), "not a slime debug dump")
 
 
 def test_missing_fields_are_named(written, lpf_cli, tmp_path):
@@ -280,11 +291,13 @@ def test_bad_rows_of_native_formats(written, lpf_cli, tmp_path):
     recs = [json.loads(x) for x in src.read_text().splitlines()]
     recs[1]["mismatch_kl"][-1] = 5.0  # the export's columns disagree with each other
     recs[2]["trainer_logprobs"][-1] = None  # a non-finite logprob, written as null
+    recs[3]["rl_weights"] = [0.0] * len(recs[3]["token_ids"])  # a ce-only sample: nothing sampled
     p = tmp_path / "rank_0.jsonl"
     p.write_text("".join(json.dumps(r) + "\n" for r in recs))
     f, _ = analyze(lpf_cli, p, tmp_path / "o")
     reasons = {b["row"]: b["reason"] for b in f["bad_rows"]}
     assert set(reasons) == {2, 3} and "disagree" in reasons[2] and "null" in reasons[3]
+    assert [(x["row"], "ce-only" in x["reason"]) for x in f["skipped_rows"]] == [(4, True)]
     r = lpf_cli("rl", "analyze", p, "--out", tmp_path / "o2", "--strict")
     _one_line_error(r, "row 2", "disagree")
     nemo = written["nemo-rl"][0] / "train_data_step2.jsonl"

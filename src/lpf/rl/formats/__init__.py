@@ -103,7 +103,7 @@ def read_dump(path: str | Path, fmt: str = "auto", strict: bool = False) -> Dump
         return {"file": _rel(path, f)} if multi else {}
 
     meta: dict = {}
-    rows = slime.raw_rows(chosen, label) if name == "slime" else _rows(module, chosen, label, meta)
+    rows = list(slime.raw_rows(chosen, label, ignored)) if name == "slime" else _rows(module, chosen, label, meta)
     dump = build_dump(str(path), name, rows, strict, meta, [_rel(path, f) for f in ignored])
     if hasattr(module, "after"):
         module.after(dump)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from lpf.rl.formats.common import BadRow, Ctx, spans, step_from_name
+from lpf.rl.formats.common import BadRow, Ctx, Skipped, spans, step_from_name
 
 NAME = "prime-rl"
 REQUIRED = ("token_ids", "loss_mask", "inference_logprobs", "trainer_logprobs")
@@ -76,8 +76,13 @@ def convert(rec: dict, ctx: Ctx) -> list[dict]:
     seq = rec.get("export_sequence_idx", ctx.row - 1)
     base = {k: rec[k] for k in _META if k in rec and not isinstance(rec[k], (list, dict))}
     runs = spans(loss.tolist())
+    if runs and not scored.any():
+        raise Skipped("no sampled token: a ce-only sample (frozen-model tokens, no sampling logprobs), which "
+                      "prime-rl's mismatch metrics leave out too")
     out = []
     for k, (s, e) in enumerate(runs):
+        if not scored[s:e].any():
+            continue  # a ce-only turn: nothing sampled to compare
         rid = f"rank_{rank}/seq_{seq}" + (f"/span_{k}" if len(runs) > 1 else "")
         out.append({**base, "step": step, "request_id": rid, "prompt_token_ids": ids[:s],
                     "response_token_ids": ids[s:e], "rollout_logprobs": rec["inference_logprobs"][s:e],

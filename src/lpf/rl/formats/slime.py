@@ -48,9 +48,11 @@ def load(path: Path) -> dict:
     except (RuntimeError, EOFError, OSError, ValueError) as e:
         why = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
         raise LpfError(f"{path}: not a readable torch file, perhaps cut off ({why})") from None
-    if not isinstance(payload, dict) or not isinstance(payload.get("samples"), list):
-        raise LpfError(f"{path}: a torch file, but not a slime debug dump (expected a dict with a samples list)")
     return payload
+
+
+def is_dump(payload) -> bool:
+    return isinstance(payload, dict) and isinstance(payload.get("samples"), list)
 
 
 def role(payload: dict) -> str:
@@ -105,17 +107,25 @@ def convert(s: dict, rollout_id, joined: dict | None) -> dict:
     return out
 
 
-def raw_rows(files: list[Path], label) -> Iterator[RawRow]:
+def raw_rows(files: list[Path], label, ignored: list[Path]) -> Iterator[RawRow]:
     """Every train sample of the train dumps among `files`, joined to its rollout-dump sample when
-    one lines up (same rollout id, same tokens at its rollout_position)."""
+    one lines up (same rollout id, same tokens at its rollout_position). A torch file that is no
+    slime dump (a checkpoint beside the dumps) goes to `ignored`; given alone, it is an error."""
     train, rollout = [], {}
     for f in files:
         payload = load(f)
+        if not is_dump(payload):
+            if len(files) == 1:
+                raise LpfError(f"{f}: a torch file, but not a slime debug dump (expected a dict with a samples list)")
+            ignored.append(f)
+            continue
         r = role(payload)
         if r == "train":
             train.append((f, payload))
         elif r == "rollout":
             rollout.setdefault(payload.get("rollout_id"), []).append(payload)
+        else:
+            ignored.append(f)
     if not train:
         raise LpfError("slime rollout_data dumps hold the engine side only (rollout_log_probs); the trainer's "
                        "log_probs are in train_data/{rollout_id}.pt, which --dump-details (or --save-debug-train-data) "
