@@ -128,7 +128,8 @@ def test_rescore_puts_every_offset_wrap_spike_on_the_rollout_side(dumps, lpf_cli
     assert (out / "reference.parquet").is_file() and "next: lpf rl analyze" in r.err
     r, f = analyze(lpf_cli, dumps["wrap"], out)
     assert r.code == 0 and len(f["spikes"]) >= 3, r.err
-    assert f"report: {out / 'report.html'}" in r.err  # drawn with the three curves (tests/test_report.py renders one)
+    # drawn with the three curves (tests/test_report.py renders such a page in Chromium)
+    assert "report:" in r.err and "report not written" not in r.err and (out / "report.html").is_file()
     assert {s["side"] for s in f["spikes"]} == {"rollout"}
     assert {side for s in f["spikes"] for side in s["request_sides"]} == {"rollout"}
     assert f["reference"]["spikes"]["rollout"] == f["n_spikes"] and "every spike is the rollout engine's" in f["summary"]
