@@ -277,6 +277,7 @@ def test_missing_fields_are_named(written, lpf_cli, tmp_path):
     p.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "prev_logprobs"}) + "\n" for r in recs))
     _one_line_error(lpf_cli("rl", "analyze", p), "missing required column(s) prev_logprobs", "nemo-rl")
     _one_line_error(lpf_cli("rl", "analyze", src, "--format", "prime-rl"), "prime-rl", "inference_logprobs")
+    _one_line_error(lpf_cli("rl", "analyze", src, "--format", "slime"), "not a torch file", "--dump-details")
     # NeMo-RL with the trainer recomputation skipped: prev_logprobs all 0
     p.write_text("".join(json.dumps({**r, "prev_logprobs": [[0.0] * len(r["prev_logprobs"][0])]}) + "\n" for r in recs))
     _one_line_error(lpf_cli("rl", "analyze", p), "prev_logprobs are all 0", "force_on_policy_ratio")

@@ -37,9 +37,18 @@ def _not_a_dump(path: Path, keys: set[str]) -> LpfError:
     if verl.text_only(keys):
         return LpfError(f"{path}: {verl.TEXT_ONLY}")
     # the layout whose required fields overlap most names what is missing
-    name = max(_DETECT_ORDER, key=lambda n: len(set(FORMATS[n].REQUIRED) & keys))
+    name = max(_DETECT_ORDER, key=lambda n: (len(set(FORMATS[n].REQUIRED) & keys), n == "lpf"))
     gone = FORMATS[name].missing(keys)
     return LpfError(f"{path}: missing required column(s) {', '.join(gone)} for the {name} layout (readable: {_KNOWN})")
+
+
+def _not_forced(f: Path, kind: str, keys_of: dict, fmt: str) -> LpfError:
+    if fmt == "slime":
+        return LpfError(f"{f}: not a torch file, and slime's --dump-details writes torch .pt files "
+                        f"(rollout_data/{{id}}.pt, train_data/{{id}}.pt)")
+    if kind == "torch":
+        return LpfError(f"{f}: a torch file; of the readable dumps only slime's are torch files (--format slime)")
+    return LpfError(f"{f}: {fmt} dump is missing required column(s) {', '.join(FORMATS[fmt].missing(keys_of[f]))}")
 
 
 def _classify(path: Path, fmt: str) -> tuple[dict[str, list[Path]], list[Path], dict[Path, set]]:
@@ -62,12 +71,12 @@ def _classify(path: Path, fmt: str) -> tuple[dict[str, list[Path]], list[Path], 
             name = "slime"
         else:
             keys_of[f] = files.first_keys(f, kind)
-            name = fmt if fmt != "auto" else detect(keys_of[f])
-        if fmt != "auto" and (name == "slime") != (fmt == "slime"):
-            name = None  # forced format, file of the other kind
+            name = detect(keys_of[f]) if fmt == "auto" else None if fmt == "slime" else fmt  # slime writes torch files
+        if fmt != "auto" and name != fmt:
+            name = None  # forced format, file of another kind
         if name is None:
             if single:
-                raise _not_a_dump(f, keys_of.get(f, set()))
+                raise _not_a_dump(f, keys_of.get(f, set())) if fmt == "auto" else _not_forced(f, kind, keys_of, fmt)
             ignored.append(f)
             continue
         found.setdefault(name, []).append(f)
@@ -84,9 +93,12 @@ def read_dump(path: str | Path, fmt: str = "auto", strict: bool = False) -> Dump
                           for n, fs in found.items())
         raise LpfError(f"{path}: mixed dump formats ({parts}); point lpf at one of them, or pass --format")
     if not found:
+        if fmt == "slime":
+            raise LpfError(f"{path}: no torch files here (slime's --dump-details writes rollout_data/{{id}}.pt and "
+                           f"train_data/{{id}}.pt)")
         data = [f for f in ignored if f in keys_of]
         if data:
-            raise _not_a_dump(data[0], keys_of[data[0]])
+            raise _not_a_dump(data[0], keys_of[data[0]]) if fmt == "auto" else _not_forced(data[0], "", keys_of, fmt)
         raise LpfError(f"{path}: no dump files here (readable: {_KNOWN})")
     (name, chosen), = found.items()
     module = FORMATS[name]
