@@ -72,6 +72,8 @@ def _classify(path: Path, fmt: str) -> tuple[dict[str, list[Path]], list[Path], 
         else:
             keys_of[f] = files.first_keys(f, kind)
             name = detect(keys_of[f]) if fmt == "auto" else None if fmt == "slime" else fmt  # slime writes torch files
+            if name and fmt != "auto" and not single and not FORMATS[name].matches(keys_of[f]):
+                name = None  # forced, in a directory: a file without that layout's fields is not part of the dump
         if fmt != "auto" and name != fmt:
             name = None  # forced format, file of another kind
         if name is None:
@@ -98,7 +100,9 @@ def read_dump(path: str | Path, fmt: str = "auto", strict: bool = False) -> Dump
                            f"train_data/{{id}}.pt)")
         data = [f for f in ignored if f in keys_of]
         if data:
-            raise _not_a_dump(data[0], keys_of[data[0]]) if fmt == "auto" else _not_forced(data[0], "", keys_of, fmt)
+            if fmt == "auto":
+                raise _not_a_dump(data[0], keys_of[data[0]])
+            raise LpfError(f"{path}: no file here has the {fmt} layout; {_not_forced(data[0], '', keys_of, fmt)}")
         raise LpfError(f"{path}: no dump files here (readable: {_KNOWN})")
     (name, chosen), = found.items()
     module = FORMATS[name]
