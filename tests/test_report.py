@@ -254,6 +254,44 @@ def test_rl_report_renders(browser, tmp_path):
     assert "every 12 steps" in text and "5/5 spike steps are multiples of 12" in text and "logprobs and tokens differ" in text
 
 
+def test_rl_report_with_a_third_opinion_draws_the_three_curves(browser, tmp_path):
+    """`lpf rl rescore` + `rl analyze`: the rollout / trainer / reference curves and each spike's side."""
+    import numpy as np
+    from selenium.webdriver.common.by import By
+
+    from lpf.report import write_report
+
+    rl = tmp_path / "rl"
+    rl.mkdir()
+    steps = np.arange(1, 29)
+    spike = steps % 7 == 0
+    lie = np.where(spike, 0.8, 2e-4)
+    cols = {"step": steps, "n_responses": np.full(28, 8), "n_tokens": np.full(28, 100),
+            "rollout_probs_diff_max": lie, "robust_z": np.where(spike, 30.0, 0.0), "k3_kl": lie / 2,
+            "train_rollout_logprob_abs_diff_per_token": lie, "rollout_ref_abs_diff": lie,
+            "trainer_ref_abs_diff": np.full(28, 1e-6), "rollout_logprob_mean": -1.2 - lie,
+            "trainer_logprob_mean": np.full(28, -1.2), "reference_logprob_mean": np.full(28, -1.2), "spike": spike}
+    pq.write_table(pa.table(cols), rl / "rl_steps.parquet")
+    sentence = "against the reference zoo:hybrid, every spike is the rollout engine's (the trainer agrees with the reference)"
+    (rl / "rl_findings.json").write_text(json.dumps({
+        "kind": "rl", "n_steps": 28, "n_responses": 224, "n_tokens": 2800, "bad_rows": [],
+        "spikes": [{"step": int(s), "robust_z": 30.0, "requests": ["rank_1/seq_0", "rank_1/seq_1/span_1"],
+                    "positions": {"3": 2}, "side": "rollout", "sides": {"rollout": 2},
+                    "request_sides": ["rollout", "rollout"]} for s in steps[spike]],
+        "period": {"period": 7.0, "confidence": 1.0}, "hypotheses": [],
+        "reference": {"model": "zoo:hybrid", "spikes": {"rollout": 4}, "sentence": sentence},
+        "noise_floor": {"z_threshold": 6.0}}))
+    write_report(rl)
+    open_page(browser, rl / "report.html")
+    titles = [e.text for e in browser.find_elements(By.CSS_SELECTOR, "#series h3")]
+    assert "rollout, trainer and reference: mean |logprob difference| per step" in titles
+    assert "mean logprob per step: rollout, trainer, reference" in titles
+    n, drawn = plots_drawn(browser)
+    assert n == 6 and drawn == n
+    text = browser.find_element(By.ID, "spikes").text
+    assert sentence in text and "SIDE" in text.upper() and text.count("rollout") >= 4
+
+
 def test_scatter_downsampling_keeps_flagged_and_envelope():
     """100k requests become at most MAX_SCATTER_POINTS points: every flagged request, and per arrival
     bin the largest |diff| of the rest (so a spike among clean requests is never dropped)."""

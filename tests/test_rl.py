@@ -26,21 +26,32 @@ def simulate(out, *args):
     return out
 
 
+SIMULATIONS = {
+    "clean": ("--steps", 50, "--rollouts", 2, "--max-tokens", 6),
+    "wrap": ("--steps", 15, "--rollouts", 16, "--cache-mb", 9, "--inject", "offset-wrap:20"),
+    "small": ("--steps", 10, "--rollouts", 16, "--cache-mb", 8, "--inject", "offset-wrap:20"),
+    # the real RL setting: a bfloat16 rollout engine against a float32 trainer (bf16 halves the
+    # slot size, so 4.5 MB holds the same 79 slots)
+    "bf16": ("--steps", 50, "--rollouts", 4, "--dtype", "bfloat16"),
+    "bf16_wrap": ("--steps", 12, "--rollouts", 16, "--dtype", "bfloat16", "--cache-mb", 4.5, "--inject", "offset-wrap:20"),
+}
+
+
+class Dumps(dict):
+    """Each simulated dump made on first use (a test that needs one pays for that one only)."""
+
+    def __init__(self, root):
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, name):
+        self[name] = simulate(self.root / f"{name}.parquet", *SIMULATIONS[name])
+        return self[name]
+
+
 @pytest.fixture(scope="module")
 def dumps(tmp_path_factory):
-    d = tmp_path_factory.mktemp("rl")
-    return {
-        "clean": simulate(d / "clean.parquet", "--steps", 50, "--rollouts", 2, "--max-tokens", 6),
-        "wrap": simulate(d / "wrap.parquet", "--steps", 15, "--rollouts", 16, "--cache-mb", 9,
-                         "--inject", "offset-wrap:20"),
-        "small": simulate(d / "small.parquet", "--steps", 10, "--rollouts", 16, "--cache-mb", 8,
-                          "--inject", "offset-wrap:20"),
-        # the real RL setting: a bfloat16 rollout engine against a float32 trainer (bf16 halves the
-        # slot size, so 4.5 MB holds the same 79 slots)
-        "bf16": simulate(d / "bf16.parquet", "--steps", 50, "--rollouts", 4, "--dtype", "bfloat16"),
-        "bf16_wrap": simulate(d / "bf16_wrap.parquet", "--steps", 12, "--rollouts", 16, "--dtype", "bfloat16",
-                              "--cache-mb", 4.5, "--inject", "offset-wrap:20"),
-    }
+    return Dumps(tmp_path_factory.mktemp("rl"))
 
 
 def analyze(lpf_cli, dump, out, *args):
@@ -106,6 +117,68 @@ def test_smaller_cache_no_spike(dumps, lpf_cli, tmp_path):
     meta = f["simulation"]["engine"]
     assert meta["num_state_slots"] * meta["state_slot_stride"] <= 2 ** 20  # no slot id reaches the wrap
     assert not dumps["small"].with_name("small.faults.parquet").exists()
+
+
+# -- the third opinion: lpf rl rescore -------------------------------------------------------------
+@pytest.mark.slow
+def test_rescore_puts_every_offset_wrap_spike_on_the_rollout_side(dumps, lpf_cli, tmp_path):
+    out = tmp_path / "w.rl"
+    r = lpf_cli("rl", "rescore", dumps["wrap"], "--out", out)  # --reference: the model the dump names
+    assert r.code == 0, r.err
+    assert (out / "reference.parquet").is_file() and "next: lpf rl analyze" in r.err
+    r, f = analyze(lpf_cli, dumps["wrap"], out)
+    assert r.code == 0 and len(f["spikes"]) >= 3, r.err
+    # drawn with the three curves (tests/test_report.py renders such a page in Chromium)
+    assert "report:" in r.err and "report not written" not in r.err and (out / "report.html").is_file()
+    assert {s["side"] for s in f["spikes"]} == {"rollout"}
+    assert {side for s in f["spikes"] for side in s["request_sides"]} == {"rollout"}
+    assert f["reference"]["spikes"]["rollout"] == f["n_spikes"] and "every spike is the rollout engine's" in f["summary"]
+    steps = pq.read_table(out / "rl_steps.parquet").to_pylist()
+    # the three curves: on spike steps the rollout leaves the reference; the float32 trainer never does
+    assert all(s["rollout_ref_abs_diff"] > 1e-3 for s in steps if s["spike"])
+    assert max(s["trainer_ref_abs_diff"] for s in steps) < 1e-4
+
+
+@pytest.mark.slow
+def test_rescore_puts_a_trainer_side_lie_on_the_trainer(dumps, lpf_cli, tmp_path):
+    table = pq.read_table(dumps["wrap"])
+    rows = table.to_pylist()
+    for row in rows:  # the rollout engine now agrees with the reference; the trainer carries the lie
+        row["rollout_logprobs"], row["trainer_logprobs"] = row["trainer_logprobs"], row["rollout_logprobs"]
+    dump = tmp_path / "trainer-lie.parquet"
+    pq.write_table(pa.Table.from_pylist(rows, schema=table.schema), dump)
+    r = lpf_cli("rl", "rescore", dump, "--reference", "zoo:hybrid")
+    assert r.code == 0, r.err
+    r, f = analyze(lpf_cli, dump, tmp_path / "trainer-lie.rl")
+    assert len(f["spikes"]) >= 3 and {s["side"] for s in f["spikes"]} == {"trainer"}, f["summary"]
+    assert "every spike is the trainer's" in f["summary"]
+
+
+def test_rescore_and_reference_errors_are_one_line(tmp_path, lpf_cli):
+    p = write_jsonl(tmp_path / "d.jsonl", [good(i) for i in range(3)])  # no prompt_token_ids
+    r = lpf_cli("rl", "rescore", p)
+    assert r.code == 2 and "--reference is required" in r.err and "Traceback" not in r.err
+    r = lpf_cli("rl", "rescore", p, "--reference", "zoo:hybrid")
+    assert r.code == 2 and "carry no prompt token ids" in r.err and "prompt_token_ids" in r.err
+    # a reference file made for other tokens is refused, not silently joined
+    out = tmp_path / "d.rl"
+    out.mkdir()
+    pq.write_table(pa.table({"step": [1, 1, 1], "request_id": ["r0"] * 3, "position": pa.array([0, 1, 2], pa.int32()),
+                             "token_id": [3, 4, 99], "reference_logprob": [-0.1, -0.2, -0.3]}), out / "reference.parquet")
+    r = lpf_cli("rl", "analyze", p)
+    assert r.code == 2 and "made for another dump" in r.err and "Traceback" not in r.err
+
+
+@pytest.mark.slow
+def test_simulate_into_a_directory_then_analyze_it_as_a_new_user_would(lpf_cli, tmp_path):
+    out = tmp_path / "runs" / "wrap"
+    p = lpf_subprocess("rl", "simulate", "--steps", 3, "--rollouts", 2, "--max-tokens", 4, "--out", out)
+    assert p.returncode == 0, p.stderr
+    assert (out / "dump.parquet").is_file() and f"next: lpf rl analyze {out}" in p.stderr
+    r = lpf_cli("rl", "analyze", out)
+    assert r.code == 0, r.err
+    f = json.loads((tmp_path / "runs" / "wrap.rl" / "rl_findings.json").read_text())
+    assert f["format"] == "lpf" and f["n_responses"] == 6 and f["n_steps"] == 3
 
 
 # -- verl --------------------------------------------------------------------------------------------
@@ -179,21 +252,40 @@ def test_verl_text_only_dump_is_refused_with_a_reason(tmp_path, lpf_cli):
 
 # -- the metrics, against their frameworks' definitions ---------------------------------------------
 def test_step_metrics_follow_the_framework_definitions():
-    from lpf.rl.metrics import grouped, token_terms
+    """One step of two responses (a unit each); the formulas as the frameworks write them (the native
+    fixtures of test_rl_formats.py check every metric against each framework's own files)."""
+    from lpf.rl.metrics import series, token_terms
 
-    r = np.array([-0.5, -1.0, -2.0, -0.1])
-    t = np.array([-0.6, -0.7, -2.0, -3.0])
-    g = grouped(np.zeros(4, dtype=int), 1, token_terms(r, t))
+    r = np.array([-0.5, -1.0, -2.0, -0.1, -0.3])
+    t = np.array([-0.6, -0.7, -2.0, -3.0, -0.2])
+    tok_resp = np.array([0, 0, 0, 1, 1])
+    g = series(np.zeros(5, dtype=int), np.zeros(2, dtype=int), tok_resp, np.arange(2), 1, token_terms(r, t))
     d = t - r
     pd = np.abs(np.exp(t) - np.exp(r))
     rho = np.exp(d)
+    k3 = rho - d - 1
     assert g["rollout_probs_diff_max"][0] == pytest.approx(pd.max())
     assert g["rollout_probs_diff_std"][0] == pytest.approx(pd.std(ddof=1))  # torch.std is unbiased
-    assert g["k3_kl"][0] == pytest.approx(np.mean(rho - d - 1))
+    assert g["k3_kl"][0] == pytest.approx(k3.mean()) and g["gen_kl_error"][0] == g["k3_kl"][0]
+    assert g["mismatch_kl_median"][0] == pytest.approx(np.sort(k3)[2]) and g["mismatch_kl_max"][0] == pytest.approx(k3.max())
     assert g["chi2_token"][0] == pytest.approx(np.mean(rho ** 2) - 1)
-    assert g["ess"][0] == pytest.approx(rho.sum() ** 2 / (4 * (rho ** 2).sum()))
-    assert g["train_rollout_logprob_abs_diff"][0] == pytest.approx(np.abs(d).mean())
+    assert g["ess"][0] == pytest.approx(rho.sum() ** 2 / (5 * (rho ** 2).sum()))
+    w = np.clip(rho, 0.5, 2.0)
+    assert g["rollout_is_eff_sample_size"][0] == pytest.approx(w.mean() ** 2 / (w ** 2).mean())
+    seq = [d[:3], d[3:]]
+    assert g["chi2_seq"][0] == pytest.approx(np.mean([np.exp(2 * s.sum()) for s in seq]) - 1)
+    assert g["log_ppl_diff"][0] == pytest.approx(np.mean([-s.mean() for s in seq]))
+    assert g["ppl_ratio"][0] == pytest.approx(np.mean([np.exp(-s.mean()) for s in seq]))
+    # slime: per-sample mean, then over samples (default); per token with --calculate-per-token-loss
+    assert g["train_rollout_logprob_abs_diff"][0] == pytest.approx(np.mean([np.abs(s).mean() for s in seq]))
+    assert g["train_rollout_logprob_abs_diff_per_token"][0] == pytest.approx(np.abs(d).mean())
     assert g["token_mult_prob_error"][0] == pytest.approx(np.exp(np.abs(d)).mean())
+    assert g["max_seq_mult_prob_error"][0] == pytest.approx(max(np.exp(np.abs(s)).mean() for s in seq))
+    assert g["policy_kl_error"][0] == pytest.approx(np.mean(np.exp(-d) - 1 + d))
+    m = np.log(0.5 * np.exp(t) + 0.5 * np.exp(r))
+    js = 0.5 * (np.exp(t - m) - (t - m) - 1) + 0.5 * (np.exp(r - m) - (r - m) - 1)
+    assert g["js_divergence_error"][0] == pytest.approx(js.mean())
+    assert g["rollout_actor_probs_pearson_corr"][0] == pytest.approx(np.corrcoef(np.exp(t), np.exp(r))[0, 1])
 
 
 # -- malformed dumps ---------------------------------------------------------------------------------

@@ -4,7 +4,8 @@
   are the command's output).
 - `progress_bar(label, unit)`: one rich bar on stderr, shown once the stage has validated its inputs.
 - Option decorators, each option declared once: `engine_knob_options` (the engine knobs, on every
-  command that starts an engine), `run_options`, `rescore_options`, `analysis_options`, and
+  command that starts an engine), `run_options`, `reference_options` (the rescorer's model, dtype and
+  budget), `rescore_options` (those + --calibrate), `analysis_options`, and
   `audit_options` (all of them: `lpf audit`'s own set, which `sweep` also parses cells with).
 - `engine_knobs(params)`: the knob values a command got, as one engine-options dict.
 - `build_run_spec(params)`: the one run-spec builder, from parsed run options.
@@ -125,12 +126,18 @@ def run_options(f):
     ])
 
 
-def rescore_options(f):
+def reference_options(f):
+    """The reference rescorer: which model, its dtype, its batch budget (`lpf rescore`, `lpf rl rescore`)."""
     return _apply(f, [
         click.option("--reference", default=None, help="Reference model [default: the engine's model]."),
         click.option("--reference-dtype", default="float32", show_default=True),
         click.option("--token-budget", type=int, default=16384, show_default=True,
                      help="Rescorer tokens per batch (padding counted)."),
+    ])
+
+
+def rescore_options(f):
+    return _apply(reference_options(f), [
         click.option("--calibrate", is_flag=True,
                      help="Also score the reference at the engine's dtype: the noise floor the engine cannot move."),
     ])

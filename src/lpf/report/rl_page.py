@@ -1,10 +1,11 @@
 """The report page of an RL directory (`lpf rl analyze DUMP --out DIR`): rl_findings.json and
 rl_steps.parquet into one JSON-ready dict.
 
-Per-step series (probability gap between rollout and trainer, KL and error metrics, the robust
-z-score that marks spikes, importance-sampling health) with spike steps marked; spikes, bad rows,
-hypotheses and the noise floor pass through for tables. Columns the writer did not produce are
-skipped, not invented.
+Per-step series (probability gap between rollout and trainer, KL and error metrics under the
+frameworks' names, the robust z-score that marks spikes, importance-sampling health, and with a third
+opinion the rollout / trainer / reference curves) with spike steps marked; spikes (with their side),
+bad rows, hypotheses and the noise floor pass through for tables. A panel whose first column the
+writer did not produce is skipped, not invented.
 """
 
 from __future__ import annotations
@@ -18,11 +19,18 @@ import pyarrow.parquet as pq
 from lpf.errors import LpfError
 from lpf.report import charts
 
-PANELS = [  # (title, columns, log y)
+PANELS = [  # (title, columns, log y); the first column must exist for a panel to be drawn
     ("rollout vs trainer probability gap per step", ["rollout_probs_diff_max", "rollout_probs_diff_mean"], False),
     ("robust z-score of the step (spikes marked)", ["robust_z"], False),
+    # the three curves of a third opinion (lpf rl rescore): which side moved away from the reference
+    ("rollout, trainer and reference: mean |logprob difference| per step",
+     ["rollout_ref_abs_diff", "trainer_ref_abs_diff", "train_rollout_logprob_abs_diff_per_token"], True),
+    ("mean logprob per step: rollout, trainer, reference",
+     ["rollout_logprob_mean", "trainer_logprob_mean", "reference_logprob_mean"], False),
     ("KL and logprob error per step", ["k3_kl", "train_rollout_logprob_abs_diff", "token_mult_prob_error"], True),
-    ("importance-sampling health", ["ess", "chi2_token"], False),
+    ("NeMo-RL and prime-rl errors per step",
+     ["policy_kl_error", "js_divergence_error", "mismatch_kl_median", "mismatch_kl_max"], True),
+    ("importance-sampling health", ["ess", "rollout_is_eff_sample_size", "chi2_token"], False),
     ("responses and tokens per step", ["n_responses", "n_tokens"], True),
 ]
 
@@ -46,9 +54,9 @@ def load(path: Path) -> dict:
     z_line = next((noise[k] for k in ("z_threshold", "spike_z", "threshold") if isinstance(noise.get(k), (int, float))), None)
     panels = []
     for title, cols, log_y in PANELS:
-        have = {c: _col(steps, c) for c in cols if c in steps.column_names}
-        if not have:
+        if cols[0] not in steps.column_names:
             continue
+        have = {c: _col(steps, c) for c in cols if c in steps.column_names}
         band = None
         if "rollout_probs_diff_mean" in have and "rollout_probs_diff_std" in steps.column_names:
             band = (have["rollout_probs_diff_mean"], _col(steps, "rollout_probs_diff_std"))

@@ -1,3 +1,7 @@
-"""RL rollout/trainer mismatch: dumps (`dump`), per-step metrics (`metrics`), spikes (`spikes`),
-hypotheses (`hypotheses`), findings (`analyze`), the simulated RL loop (`simulate`).
-Its commands live in `lpf.cli.rl`."""
+"""RL rollout/trainer mismatch: dumps (`dump`) and the framework readers (`formats`), per-step
+metrics (`metrics`), spikes (`spikes`), hypotheses (`hypotheses`), the third opinion
+(`reference_scores`, `attribution`), findings (`analyze`), the simulated RL loop (`simulate`).
+Its commands live in `lpf.cli.rl`. Importing this package is light (no numpy, no pyarrow): the
+command line reads FORMAT_NAMES from it."""
+
+FORMAT_NAMES = ("lpf", "verl", "prime-rl", "nemo-rl", "slime")

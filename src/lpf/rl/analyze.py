@@ -2,9 +2,11 @@
 
 `analyze(dump, ...)` is pure (arrays and tables in, a table and a dict out). `write_outputs` writes
 the RL directory of the contract: rl_steps.parquet (one row per step: n_responses, n_tokens, the
-STEP_METRICS, robust_z, spike) and rl_findings.json (kind "rl", counts, bad_rows, spikes with the
-implicated requests and their first off positions, period, hypotheses, noise_floor); the command line
-then draws report.html from them.
+STEP_METRICS, max_abs_logprob_diff, max_response_z, robust_z, spike, and with a third opinion the
+per-step curves of `lpf.rl.attribution.step_series`) and rl_findings.json (kind "rl", counts,
+bad_rows, skipped_rows, ignored_files, spikes with the implicated requests and their first off
+positions, period, hypotheses, noise_floor; with a third opinion each spike's `side`, `sides` and
+`request_sides`, and a `reference` block); the command line then draws report.html from them.
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ import pyarrow.parquet as pq
 
 from lpf.errors import LpfError
 from lpf.jsonsafe import finite
-from lpf.rl import hypotheses, spikes
+from lpf.rl import attribution, hypotheses, spikes
 from lpf.rl.dump import Dump
-from lpf.rl.metrics import STEP_METRICS, first_over, grouped, response_max_abs, token_terms
+from lpf.rl.metrics import STEP_METRICS, first_over, response_max_abs, series, token_terms
 
 MAX_REQUESTS_LISTED = 200  # per spike; the counts stay exact
 
@@ -35,19 +37,21 @@ def analyze(dump: Dump, metric: str = "k3_kl", z_threshold: float = spikes.Z_THR
     steps, resp_code = np.unique(resp_step, return_inverse=True)
     tok_code = resp_code[dump.tok_resp]
     terms = token_terms(dump.tok_rollout, dump.tok_trainer)
-    series = grouped(tok_code, steps.size, terms)
+    per_step = series(tok_code, resp_code, dump.tok_resp, dump.resp_group, steps.size, terms)
     n_resp_step = np.bincount(resp_code, minlength=steps.size)
 
     n = resp.num_rows
     resp_max = response_max_abs(dump.tok_resp, terms["abs_d"], n)
     # responses against the responses' own floor: when every step carries a few lying responses
     # (many rollouts per step), no step stands out among steps, but those responses still do
-    rz, rfloor = spikes.robust_z(spikes.log_badness(metric, grouped(dump.tok_resp, n, terms)[metric]), min_scale)
+    own = np.arange(n)
+    per_resp = series(dump.tok_resp, own, dump.tok_resp, own, n, terms)[metric]
+    rz, rfloor = spikes.robust_z(spikes.log_badness(metric, per_resp), min_scale)
     outlier = (np.nan_to_num(rz, nan=-np.inf) >= z_threshold) & (resp_max > abs_min)
     max_rz = np.full(steps.size, -np.inf)
     np.maximum.at(max_rz, resp_code, np.nan_to_num(rz, nan=-np.inf))
 
-    z, floor = spikes.robust_z(spikes.log_badness(metric, series[metric]), min_scale)
+    z, floor = spikes.robust_z(spikes.log_badness(metric, per_step[metric]), min_scale)
     step_max = np.zeros(steps.size)
     np.maximum.at(step_max, tok_code, terms["abs_d"])
     by_step = np.nan_to_num(z, nan=-np.inf) >= z_threshold
@@ -64,20 +68,31 @@ def analyze(dump: Dump, metric: str = "k3_kl", z_threshold: float = spikes.Z_THR
     first = first_over(dump.tok_resp, dump.tok_pos, off, n)
 
     ids = resp.column("request_id").to_pylist()
+    third = dump.tok_reference is not None
+    if third:
+        sides, noise = attribution.attribute(dump.tok_resp, n, dump.tok_rollout, dump.tok_trainer, dump.tok_reference,
+                                             quiet, abs_min)
     spike_list = []
     for si in np.flatnonzero(spike):
         members = np.flatnonzero((resp_code == si) & implicated)
         pos = first[members]
         counts = {str(p): int(c) for p, c in zip(*np.unique(pos, return_counts=True))}
-        spike_list.append({"step": int(steps[si]), "robust_z": float(z[si]), "max_response_z": float(max_rz[si]),
-                           "by": "step" if by_step[si] and not by_resp[si] else "responses" if not by_step[si] else "both",
-                           "value": float(series[metric][si]),
-                           "n_responses": int(n_resp_step[si]), "n_implicated": int(members.size),
-                           "requests": [ids[i] for i in members[:MAX_REQUESTS_LISTED]], "positions": counts})
+        entry = {"step": int(steps[si]), "robust_z": float(z[si]), "max_response_z": float(max_rz[si]),
+                 "by": "step" if by_step[si] and not by_resp[si] else "responses" if not by_step[si] else "both",
+                 "value": float(per_step[metric][si]),
+                 "n_responses": int(n_resp_step[si]), "n_implicated": int(members.size),
+                 "requests": [ids[i] for i in members[:MAX_REQUESTS_LISTED]], "positions": counts}
+        if third:
+            entry["side"], entry["sides"] = attribution.spike_side(sides[members])
+            entry["request_sides"] = [attribution.SIDES[sides[i]] for i in members[:MAX_REQUESTS_LISTED]]
+        spike_list.append(entry)
 
+    extra = (attribution.step_series(tok_code, steps.size, dump.tok_rollout, dump.tok_trainer, dump.tok_reference)
+             if third else {})
     step_table = pa.table({"step": pa.array(steps, pa.int64()), "n_responses": pa.array(n_resp_step, pa.int64()),
-                           "n_tokens": pa.array(series["n_tokens"], pa.int64()),
-                           **{k: pa.array(series[k], pa.float64()) for k in STEP_METRICS},
+                           "n_tokens": pa.array(per_step["n_tokens"], pa.int64()),
+                           **{k: pa.array(per_step[k], pa.float64()) for k in STEP_METRICS},
+                           **{k: pa.array(v, pa.float64()) for k, v in extra.items()},
                            "max_abs_logprob_diff": pa.array(step_max, pa.float64()),
                            "max_response_z": pa.array(np.where(np.isfinite(max_rz), max_rz, np.nan), pa.float64()),
                            "robust_z": pa.array(z, pa.float64()), "spike": pa.array(spike)})
@@ -101,6 +116,8 @@ def analyze(dump: Dump, metric: str = "k3_kl", z_threshold: float = spikes.Z_THR
         "empty_steps": [int(s) for s in empty[:1000]],
         "n_empty_steps": int(empty.size) if span <= spikes.MAX_GRID else None,
         "bad_rows": dump.bad_rows,
+        "skipped_rows": dump.skipped_rows,
+        "ignored_files": dump.ignored_files,
         "spikes": spike_list,
         "period": spikes.period(steps, spike, np.bincount(resp_code, weights=implicated, minlength=steps.size)),
         "implicated": {"n": int(implicated.sum()), "in_spike_steps": int(in_spikes.sum()),
@@ -112,11 +129,22 @@ def analyze(dump: Dump, metric: str = "k3_kl", z_threshold: float = spikes.Z_THR
                         "median_value": None if floor["median"] is None else 10 ** floor["median"],
                         "responses": {"median": rfloor["median"], "mad": rfloor["mad"], "scale_used": rfloor["scale"]},
                         "token_abs_diff_threshold": thr, "token_abs_min": abs_min},
-        "metrics": {k: _stats(series[k]) for k in STEP_METRICS},
+        "metrics": {k: _stats(per_step[k]) for k in STEP_METRICS},
+        "reference": _reference(dump, spike_list, sides[implicated & spike[resp_code]], noise) if third else None,
         "simulation": dump.metadata or None,
     }
     findings["summary"] = _summary(findings)
     return step_table, finite(findings)
+
+
+def _reference(dump: Dump, spike_list: list[dict], member_sides: np.ndarray, noise: dict) -> dict:
+    desc = (dump.reference or {}).get("reference") or {}
+    model = desc.get("spec") or desc.get("path") or "?"
+    spike_sides = [s["side"] for s in spike_list]
+    return {"model": model, "dtype": desc.get("dtype"), "file": (dump.reference or {}).get("file"),
+            "spikes": {s: spike_sides.count(s) for s in attribution.SIDES},
+            "responses": {s: int((member_sides == i).sum()) for i, s in enumerate(attribution.SIDES)},
+            "noise": noise, "sentence": attribution.sentence(spike_sides, model)}
 
 
 def _stride(dump: Dump) -> int | None:
@@ -155,9 +183,9 @@ def _summary(f: dict) -> str:
     fd = f["implicated"]["first_divergence"]["median"]
     if fd is not None:
         s += f", median first off position {fd:g}"
+    if f.get("reference"):
+        s += f"; {f['reference']['sentence']}"
     return s
-
-
 
 
 def write_outputs(out: Path, step_table: pa.Table, findings: dict) -> None:

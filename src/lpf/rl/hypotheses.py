@@ -20,9 +20,10 @@ import pyarrow as pa
 from lpf.analysis.hypotheses import LogFactorials, fisher_greater
 
 _PREFER = {"state_slot_max": 0, "state_slot_min": 1}
-# bookkeeping, and outcomes of the generation (a corrupted state makes responses end early: their
-# length is a symptom, not a mechanism)
-_SKIP = {"row", "step", "request_id", "n_scored", "state_slot_stride", "n_tokens", "finish_reason"}
+# bookkeeping, and outcomes of the generation (a corrupted state makes responses end early and score
+# badly: their length, truncation, status and reward are symptoms, not mechanisms)
+_SKIP = {"row", "step", "request_id", "n_scored", "state_slot_stride", "n_tokens", "finish_reason", "schema_version",
+         "truncated", "status", "score", "reward"}
 _MAX_SPLITS = 512
 
 

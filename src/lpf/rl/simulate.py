@@ -7,7 +7,8 @@ does: its state-slot pool keeps sweeping upward through the slot ids from one st
 so a fault that needs high slot ids (offset-wrap) bites every K ~ num_slots / (P * N) steps.
 Prompts are drawn from the workload in order and cycled, a new batch each step like a dataloader.
 
-Output: the `lpf` dump layout of `lpf.rl.dump` plus prompt_token_ids, finish_reason and the engine
+Output (`dump_path`: `--out x.parquet` is the file, any other `--out DIR` a directory holding
+DIR/dump.parquet): the `lpf` dump layout of `lpf.rl.dump` plus prompt_token_ids, finish_reason and the engine
 metadata state_slot_min / state_slot_max (the slots the request ran in, from the engine trace) and
 state_slot_stride. The engine description and the spec go to the Parquet key metadata "lpf"; fault
 ground truth (which requests a drill corrupted) goes to a sibling `<stem>.faults.parquet` that
@@ -81,9 +82,7 @@ def simulate(spec: SimSpec, out: Path, on_start: Callable = _noop, tick: Callabl
                               cfg.get("max_position_embeddings"))
     sampling = SamplingParams(temperature=spec.temperature, max_tokens=spec.max_tokens, seed=spec.seed,
                               logprobs=0)
-    out = Path(out)
-    if out.is_dir():
-        raise LpfError(f"--out {out} is a directory; give a file name such as {out / 'dump.parquet'}")
+    out = dump_path(Path(out))
     out.parent.mkdir(parents=True, exist_ok=True)
 
     import torch
@@ -126,7 +125,19 @@ def simulate(spec: SimSpec, out: Path, on_start: Callable = _noop, tick: Callabl
     tmp.replace(out)
     if truth:
         pq.write_table(pa.concat_tables(truth), faults_path(out))
-    return {"n_responses": len(rows), "cache": desc}
+    return {"n_responses": len(rows), "cache": desc, "dump": str(out)}
+
+
+def dump_path(out: Path) -> Path:
+    """`--out x.parquet` is the dump file itself; any other `--out DIR` is a directory holding
+    DIR/dump.parquet (and its ground truth), like every other lpf --out."""
+    if out.suffix == ".parquet":
+        if out.is_dir():
+            raise LpfError(f"--out {out} is a directory; give a file name, or a directory without the .parquet suffix")
+        return out
+    if out.exists() and not out.is_dir():
+        raise LpfError(f"--out {out} exists and is not a directory; give a directory, or a file name ending in .parquet")
+    return out / "dump.parquet"
 
 
 def faults_path(dump: Path) -> Path:

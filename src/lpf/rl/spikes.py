@@ -26,14 +26,20 @@ _FLOOR = 1e-15
 MAX_GRID = 1_000_000  # steps spanned before per-step series stop being densified
 
 
+_ONE_IS_PERFECT = {"ess", "rollout_is_eff_sample_size", "rollout_actor_probs_pearson_corr"}  # at most 1
+_RATIO = {"token_mult_prob_error", "max_seq_mult_prob_error", "ppl_ratio"}  # 1 = agreement, either side
+_SIGNED = {"chi2_token", "chi2_seq", "log_ppl_diff"}  # 0 = agreement, either sign
+
+
 def log_badness(metric: str, values: np.ndarray) -> np.ndarray:
-    """log10 of how far a metric is from perfect agreement (0 for diffs and KL, 1 for ratios and ESS)."""
+    """log10 of how far a metric is from perfect agreement (0 for diffs and KL, 1 for ratios, ESS and
+    correlation)."""
     v = np.asarray(values, dtype=np.float64)
-    if metric == "ess":
+    if metric in _ONE_IS_PERFECT:
         v = 1.0 - v
-    elif metric == "token_mult_prob_error":
-        v = v - 1.0
-    elif metric == "chi2_token":
+    elif metric in _RATIO:
+        v = np.abs(v - 1.0)
+    elif metric in _SIGNED:
         v = np.abs(v)
     return np.log10(np.maximum(np.where(np.isfinite(v), v, np.nan), _FLOOR))
 

@@ -435,10 +435,14 @@
     if (!(D.charts || []).length) add(sr, txt("div", "empty", "rl_steps.parquet has no metric columns"));
     main.appendChild(sr);
     var sp = section("spikes", "Spikes", "Steps whose robust z-score crossed the noise floor, with the requests behind them.");
-    add(sp, spikes.length ? table(["step", "robust z", "requests", "positions"], spikes.map(function (s) {
+    var ref = F.reference;  // the third opinion (lpf rl rescore): which side departs from the reference
+    if (ref && ref.sentence) add(sp, h("div", "lead", [txt("b", null, "Third opinion: "), ref.sentence]));
+    var head = ["step", "robust z", "requests", "positions"].concat(ref ? ["side"] : []);
+    add(sp, spikes.length ? table(head, spikes.map(function (s) {
       var req = s.requests || [];
-      return [s.step, s.robust_z, txt("span", "mono", req.slice(0, 8).join(", ") + (req.length > 8 ? " … (" + req.length + ")" : "")),
+      var row = [s.step, s.robust_z, txt("span", "mono", req.slice(0, 8).join(", ") + (req.length > 8 ? " … (" + req.length + ")" : "")),
         txt("span", "mono", s.positions ? JSON.stringify(s.positions).slice(0, 160) : "")];
+      return ref ? row.concat([s.side || "–"]) : row;
     })) : txt("div", "empty", "no spikes"));
     main.appendChild(sp);
     var hy = section("hypotheses", "Mechanisms", "Features tested for association with spike steps, best first.");
