@@ -1,7 +1,9 @@
 """Reference rescorer: one teacher-forced pass of a plain HF model over prompt + output ids.
 
 For each output position it reports the logprob of the engine's token, its rank (1 = argmax),
-the entropy, the top-1 and the top-k, as a `reference` Arrow table. Memory contract: it never holds
+the entropy, the top-1 and the top-k, as a `reference` Arrow table; for items that ask
+(`ScoreItem.score_prompt`), the prompt positions 1..P-1 too (the logprob of prompt token p given the
+tokens before it), as a `prompt_reference` table from the same pass (`score_all` yields both). Memory contract: it never holds
 float32 logits of shape [batch, seq, vocab]. Sequences are sorted by length and packed under a token
 budget (padding counted); the base model returns hidden states; only the rows that predict output
 tokens are projected to the vocabulary, `chunk_rows` rows at a time, with log_softmax in float32.
@@ -38,6 +40,15 @@ class ScoreItem:
     request_id: str
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+    score_prompt: bool = False  # also score prompt positions 1..P-1
+
+
+@dataclass(frozen=True)
+class Scored:
+    """One batch's scores: output positions, and prompt positions of the items that asked (else None)."""
+
+    reference: pa.Table
+    prompt_reference: pa.Table | None
 
 
 class Rescorer:
@@ -110,8 +121,11 @@ class Rescorer:
         if ids and not 0 <= min(ids) <= max(ids) < self.vocab_size:
             raise LpfError(f"request {it.request_id}: token id outside the reference vocabulary (0..{self.vocab_size - 1})")
 
-    @torch.inference_mode()
     def score_batch(self, batch: list[ScoreItem]) -> pa.Table:
+        return self.score_batch_all(batch).reference
+
+    @torch.inference_mode()
+    def score_batch_all(self, batch: list[ScoreItem]) -> Scored:
         for it in batch:
             self.validate(it)
         lengths = [len(it.prompt_token_ids) + len(it.output_token_ids) for it in batch]
@@ -127,16 +141,32 @@ class Rescorer:
             p, o = len(it.prompt_token_ids), len(it.output_token_ids)
             rows.append(hidden[row, p - 1:p - 1 + o])
             targets.extend(it.output_token_ids)
+        asked = [(row, it) for row, it in enumerate(batch) if it.score_prompt and len(it.prompt_token_ids) > 1]
+        for row, it in asked:  # row q predicts prompt token q + 1
+            rows.append(hidden[row, :len(it.prompt_token_ids) - 1])
+            targets.extend(it.prompt_token_ids[1:])
         h = torch.cat(rows)
         tgt = torch.tensor(targets, device=self.device)
         del hidden
         parts = [logprob_rows(self._logits(h[i:i + self.chunk_rows]), tgt[i:i + self.chunk_rows], self.topk)
                  for i in range(0, h.shape[0], self.chunk_rows)]
-        chosen, top_ids, top_lp, rank, entropy = (torch.cat([p[j] for p in parts]).cpu() for j in range(5))
+        cols = [torch.cat([p[j] for p in parts]).cpu() for j in range(5)]
+        n_out = sum(len(it.output_token_ids) for it in batch)
+        reference = self._table([c[:n_out] for c in cols], [it.request_id for it in batch],
+                                [np.arange(len(it.output_token_ids)) for it in batch])
+        prompt = None
+        if asked:
+            prompt = self._table([c[n_out:] for c in cols], [it.request_id for _, it in asked],
+                                 [np.arange(1, len(it.prompt_token_ids)) for _, it in asked])
+        return Scored(reference, prompt)
+
+    def _table(self, cols, request_ids: list[str], positions: list[np.ndarray]) -> pa.Table:
+        """Reference columns of consecutive rows: request i has len(positions[i]) rows at those positions."""
+        chosen, top_ids, top_lp, rank, entropy = cols
         k = self.topk
         return pa.table({
-            "request_id": pa.array(np.repeat([it.request_id for it in batch], [len(it.output_token_ids) for it in batch])),
-            "position": pa.array(np.concatenate([np.arange(len(it.output_token_ids)) for it in batch]).astype(np.int32)),
+            "request_id": pa.array(np.repeat(request_ids, [len(p) for p in positions])),
+            "position": pa.array(np.concatenate(positions).astype(np.int32)),
             "ref_logprob": pa.array(chosen.double().numpy()),
             "ref_rank": pa.array(rank.int().numpy()),
             "ref_entropy": pa.array(entropy.float().numpy()),
@@ -147,8 +177,14 @@ class Rescorer:
         }, schema=schema.REFERENCE)
 
     def score(self, items: list[ScoreItem], on_tokens: Callable[[int], None] | None = None) -> Iterable[pa.Table]:
+        """Output positions only, one table per batch."""
+        for scored in self.score_all(items, on_tokens):
+            yield scored.reference
+
+    def score_all(self, items: list[ScoreItem], on_tokens: Callable[[int], None] | None = None) -> Iterable[Scored]:
+        """Output positions and the asked prompt positions, per batch; `on_tokens` counts output positions."""
         for batch in self.batches(items):
-            table = self.score_batch(batch)
+            scored = self.score_batch_all(batch)
             if on_tokens:
-                on_tokens(table.num_rows)
-            yield table
+                on_tokens(scored.reference.num_rows)
+            yield scored

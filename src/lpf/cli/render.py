@@ -49,7 +49,34 @@ def print_summary(findings: dict, run_path, console: Console) -> None:
                       str(f["first_divergence"]), "inf" if diff is None else f"{diff:.3g}")
         console.print(t)
     _print_hypotheses(findings.get("hypotheses") or [], console)
+    _print_prompt(findings.get("prompt"), console)
     console.print(f"results: {run_path}/findings.json  (lpf query {run_path} \"SELECT ...\")")
+
+
+def _print_prompt(p: dict | None, console: Console) -> None:
+    """The prompt (prefill) positions, judged apart from the outputs."""
+    if not p:
+        return
+    v, c = p["verdict"], p["counts"]
+    d = p["metrics"].get("abs_logprob_diff") or {}
+    counts = "  ".join(f"[{VERDICT_STYLE[k]}]{k}[/] {c[k]}" for k in ("clean", "noise", "divergent"))
+    diff = f"  max |diff| {d['max']:.3g}" if d.get("max") is not None else ""
+    console.print(f"[bold]prompt positions:[/] [{VERDICT_STYLE.get(v, 'white')}]{v}[/]   "
+                  f"requests {p['n_requests']} · positions {p['n_scored_tokens']}   {counts}{diff}")
+    shape = p.get("shape") or {}
+    if shape.get("n_flagged"):
+        console.print(f"prompt shape: {escape(shape.get('sentence', ''))}")
+    flagged = p.get("flagged") or []
+    if flagged:
+        t = Table(title=f"prompt-divergent requests (worst {min(5, len(flagged))} of {p['counts']['divergent']})",
+                  title_justify="left")
+        for col in ("request_id", "first departure", "first divergence", "max |diff|"):
+            t.add_column(col)
+        for f in flagged[:5]:
+            diff = f["max_abs_logprob_diff"]
+            t.add_row(escape(f["request_id"]), str(f["first_departure"]), str(f["first_divergence"]),
+                      "inf" if diff is None else f"{diff:.3g}")
+        console.print(t)
 
 
 def _print_thresholds(th: dict, console: Console) -> None:

@@ -48,7 +48,7 @@ def _analyze(run, threshold, as_json, fail_on) -> None:
         click.echo(json.dumps(findings, indent=2))
     if findings["n_requests"] == findings["errors"]:
         raise LpfError("nothing could be audited: every request failed (see the error column of requests)")
-    if fails((v for v, c in findings["counts"].items() if c), fail_on):
+    if fails([findings["verdict"]], fail_on):  # the worst of output and prompt verdicts
         sys.exit(1)
 
 

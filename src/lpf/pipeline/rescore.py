@@ -1,6 +1,8 @@
 """The rescore stage: the reference teacher-forced over every completed, not-yet-scored request.
 
-Resumable (a request is scored iff it has reference rows), refuses a reference with another tokenizer
+Resumable (a request is scored iff it has reference rows), scores the prompt positions of every request
+whose engine returned prompt logprobs in the same pass (`prompt_reference/`, committed with its
+reference part), refuses a reference with another tokenizer
 (ids would not mean the same text) and a silent switch of reference (`--redo` replaces the scores).
 """
 
@@ -31,16 +33,18 @@ def rescore_run(run: RunDir, reference: str | None, dtype: str = "float32", toke
         raise LpfError(f"reference {spec} uses a different tokenizer from the engine's model "
                        f"{m['model']['spec']}: token ids would not mean the same text")
     if redo:
-        for p in run.parts("reference") + run.parts("calibration"):  # a calibration run is of the old reference
+        # a calibration run, like the prompt scores, belongs to the old reference
+        for p in run.parts("prompt_reference") + run.parts("reference") + run.parts("calibration"):
             p.unlink()
         m.pop("calibration", None)
     m["reference"] = desc
     run.save_manifest()
     done = set(run.read("reference", ["request_id"]).column("request_id").to_pylist())
     req = run.read("requests", ["request_id", "prompt_token_ids", "output_token_ids", "error"]).to_pylist()
-    items = [ScoreItem(r["request_id"], r["prompt_token_ids"], r["output_token_ids"])
+    with_prompt = set(run.read("prompt_tokens", ["request_id"]).column("request_id").unique().to_pylist())
+    items = [ScoreItem(r["request_id"], r["prompt_token_ids"], r["output_token_ids"], r["request_id"] in with_prompt)
              for r in req if r["error"] is None and r["output_token_ids"] and r["request_id"] not in done]
     total = sum(len(r["output_token_ids"]) for r in req if r["error"] is None)
     on_start(total, total - sum(len(it.output_token_ids) for it in items))
-    for table in rescorer.score(items, tick):
-        run.append("reference", table)
+    for scored in rescorer.score_all(items, tick):
+        run.append_reference(scored.reference, scored.prompt_reference)

@@ -217,6 +217,7 @@
     if (fm.same_top1_pct != null || fm.greedy_flip_rate != null)
       add(dist, txt("p", "note", "same top-1 as the reference: " + fmt(fm.same_top1_pct) + "% of tokens · greedy flip rate " + fmt(fm.greedy_flip_rate)));
     main.appendChild(dist);
+    if (F.prompt) main.appendChild(promptSection(F.prompt));
 
     var sc = section("requests", "Requests in arrival order",
       "Each request's largest |diff| against the order it reached the engine, coloured by verdict. Hover for the request id.", "Requests");
@@ -365,6 +366,30 @@
       if (y + hh > window.innerHeight - 8) y = Math.max(8, ev.clientY - hh - 16);
       TIP.style.left = x + "px"; TIP.style.top = y + "px";
     }
+    return s;
+  }
+
+  // the prompt (prefill) positions, judged apart from the outputs
+  function promptSection(P) {
+    var s = section("prompt", "Prompt positions (prefill)",
+      "The engine's logprob of every prompt token against the reference's, kept apart from the sampled tokens: a chunked-prefill state hand-off shows here first.", "Prompt");
+    var c = P.counts || {};
+    add(s, h("div", "lead" + (P.verdict === "clean" ? " ok" : ""), [txt("b", null, "Prompt verdict: "), badge(P.verdict, true), " ",
+      fmt(P.n_requests) + " requests · " + fmt(P.n_scored_tokens) + " positions · clean " + fmt(c.clean || 0) +
+      " / noise " + fmt(c.noise || 0) + " / divergent " + fmt(c.divergent || 0)]));
+    var sh = P.shape || {};
+    if (sh.sentence) add(s, txt("p", null, sh.sentence));
+    var rows = [];
+    Object.keys(P.metrics || {}).forEach(function (k) {
+      var v = P.metrics[k];
+      if (v && typeof v === "object") rows.push([txt("span", "mono", k), v.p50, v.p90, v.p99, v.p99_9, v.max, v.mean]);
+    });
+    if (rows.length) add(s, table(["metric", "p50", "p90", "p99", "p99.9", "max", "mean"], rows));
+    var fl = P.flagged || [];
+    if (fl.length) add(s, [txt("h4", null, "prompt-divergent requests (worst first)"),
+      table(["request", "first departure", "first divergence", "max |diff|"], fl.map(function (f) {
+        return [txt("span", "mono", f.request_id), f.first_departure, f.first_divergence, f.max_abs_logprob_diff];
+      }))]);
     return s;
   }
 
