@@ -89,9 +89,10 @@ class BuiltinEngine(Engine):
 
     @staticmethod
     def _completion(req) -> Completion:
-        prompt = req.prompt_logprob_lists() if req.error is None else None
+        prompt = req.prompt_rows() if req.error is None else None
         return Completion(request_id=req.request_id, output_token_ids=req.output_token_ids, logprobs=req.logprobs,
                           topk_ids=req.topk_ids, topk_logprobs=req.topk_logprobs, finish_reason=req.finish_reason,
                           error=req.error, t_submit=req.t_arrival, t_first_token=req.t_first_token,
-                          t_finish=req.t_finish, prompt_logprobs=prompt[0] if prompt else None,
-                          prompt_topk_ids=prompt[1] if prompt else [], prompt_topk_logprobs=prompt[2] if prompt else [])
+                          t_finish=req.t_finish, prompt_logprobs=None if prompt is None else [r[0] for r in prompt],
+                          prompt_topk_ids=[r[2] for r in prompt or []],
+                          prompt_topk_logprobs=[r[3] for r in prompt or []])

@@ -69,11 +69,12 @@ class ModelRunner:
         idx = torch.cat([torch.arange(m.start, m.start + len(s.prompt_targets)) for m, s in asked]).to(self.device)
         targets = torch.tensor([t for _, s in asked for t in s.prompt_targets], device=self.device)
         logits = self.drills.logits(self.model, hidden[idx], batch_size=batch_size)
-        chosen, top_ids, top_lp, _, _ = logprob_rows(logits, targets, max(s.sampling.logprobs for _, s in asked))
+        chosen, top_ids, top_lp, rank, _ = logprob_rows(logits, targets, max(s.sampling.logprobs for _, s in asked))
         out, at = {}, 0
         for m, s in asked:
             n, k = len(s.prompt_targets), s.sampling.logprobs
             out[m.request_id] = PromptRows(s.num_computed_tokens + 1, chosen[at:at + n].tolist(),
-                                           top_ids[at:at + n, :k].tolist(), top_lp[at:at + n, :k].tolist())
+                                           rank[at:at + n].tolist(), top_ids[at:at + n, :k].tolist(),
+                                           top_lp[at:at + n, :k].tolist())
             at += n
         return out

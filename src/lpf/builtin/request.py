@@ -40,9 +40,9 @@ class Request:
     state_slot: int | None = None
     slot_is_new: bool = False  # slot allocated since the last step: the runner may zero it
     block_table: list[int] = field(default_factory=list)
-    # prompt position -> (logprob, top-k ids, top-k logprobs), when sampling.prompt_logprobs; a recompute
-    # after preemption computes them again and the later values stand (what the engine last computed)
-    prompt_logprobs: dict[int, tuple[float, list[int], list[float]]] = field(default_factory=dict)
+    # prompt position -> (logprob, rank, top-k ids, top-k logprobs), when sampling.prompt_logprobs; a
+    # recompute after preemption computes them again and the later values stand (what the engine last computed)
+    prompt_logprobs: dict[int, tuple[float, int, list[int], list[float]]] = field(default_factory=dict)
     num_preemptions: int = 0
     finish_reason: str | None = None
     error: str | None = None
@@ -69,16 +69,16 @@ class Request:
 
     def add_prompt_rows(self, rows) -> None:
         for i, lp in enumerate(rows.logprobs):
-            self.prompt_logprobs[rows.first + i] = (lp, rows.topk_ids[i], rows.topk_logprobs[i])
+            self.prompt_logprobs[rows.first + i] = (lp, rows.ranks[i], rows.topk_ids[i], rows.topk_logprobs[i])
 
-    def prompt_logprob_lists(self) -> tuple[list[float], list[list[int]], list[list[float]]] | None:
-        """(logprobs, top-k ids, top-k logprobs) for prompt positions 1..P-1, None when not asked."""
+    def prompt_rows(self) -> list[tuple[float, int, list[int], list[float]]] | None:
+        """(logprob, rank, top-k ids, top-k logprobs) of prompt positions 1..P-1, None when not asked."""
         if not self.sampling.prompt_logprobs:
             return None
         rows = [self.prompt_logprobs.get(p) for p in range(1, len(self.prompt_token_ids))]
         if any(r is None for r in rows):  # never: every prompt row is computed before the first sample
             raise RuntimeError(f"{self.request_id}: prompt logprobs missing for some positions")
-        return [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows]
+        return rows
 
     def check_stop(self, max_context: int | None) -> bool:
         """Sets finish_reason when the last output ends the request."""

@@ -63,6 +63,7 @@ class PromptRows:
 
     first: int
     logprobs: list[float]
+    ranks: list[int]  # 1 = the prompt token was the model's argmax there
     topk_ids: list[list[int]]
     topk_logprobs: list[list[float]]
 
