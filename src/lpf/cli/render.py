@@ -313,3 +313,34 @@ def print_rl_rescore(path: Path, n_tokens: int, n_responses: int, model: str, dt
     """`lpf rl rescore`: what was scored, by which reference, where it went."""
     console.print(f"reference scores: {path}  ({n_tokens} tokens of {n_responses} responses; {model}, {dtype})",
                   highlight=False)
+
+
+def print_diff(doc: dict, console: Console) -> None:
+    """`lpf diff`: the suspect in one sentence, the counts, and the requests that have a suspect."""
+    a, b = doc["run_a"], doc["run_b"]
+    console.print(f"[bold]A[/] {escape(a['run_dir'])}  ({a['engine']} {a.get('version') or ''}, verdict {a['verdict']})")
+    console.print(f"[bold]B[/] {escape(b['run_dir'])}  ({b['engine']} {b.get('version') or ''}, verdict {b['verdict']})")
+    ref = doc["reference"]
+    console.print(f"reference {escape(str(ref.get('spec')))} ({ref.get('dtype')}) · {doc['n_requests']} requests in "
+                  f"common · departs = at or above {doc['level']}")
+    style = "green" if doc["suspect"] == "none" else "bold red"
+    console.print(f"[{style}]suspect: {doc['suspect_name'] or 'none'}[/]  {escape(doc['sentence'])}")
+    c = doc["counts"]
+    console.print("per request: " + "  ".join(f"{k} {c[k]}" for k in ("none", "A", "B", "reference", "both"))
+                  + f"   (A and B agree on {doc['n_agree']})")
+    rows = doc.get("requests") or []
+    if rows:
+        t = Table(title=f"requests with a suspect (first {min(10, len(rows))} of {len(rows)})", title_justify="left")
+        for col in ("request_id", "suspect", "A (output/prompt)", "B (output/prompt)", "|A-ref|", "|B-ref|", "|A-B|",
+                    "same tokens"):
+            t.add_column(col, overflow="fold")
+
+        def verdicts(out, prompt):
+            return out if prompt is None else f"{out}/{prompt}"
+
+        for r in rows[:10]:
+            t.add_row(escape(r["request_id"]), r["suspect"], verdicts(r["verdict_a"], r["prompt_verdict_a"]),
+                      verdicts(r["verdict_b"], r["prompt_verdict_b"]), f"{r['max_abs_diff_a']:.2g}",
+                      f"{r['max_abs_diff_b']:.2g}", f"{r['max_abs_diff_ab']:.2g}",
+                      "yes" if r["same_tokens"] else f"no (from {r['first_token_difference']})")
+        console.print(t)
