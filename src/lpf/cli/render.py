@@ -344,3 +344,51 @@ def print_diff(doc: dict, console: Console) -> None:
                       f"{r['max_abs_diff_b']:.2g}", f"{r['max_abs_diff_ab']:.2g}",
                       "yes" if r["same_tokens"] else f"no (from {r['first_token_difference']})")
         console.print(t)
+
+
+def print_conformance(doc: dict, console: Console) -> None:
+    """`lpf conformance`: the architecture x cell matrix, the attributed cells, the architectures not audited."""
+    cells = doc.get("cell_catalogue") or []
+    rows = doc.get("cells") or []
+    by = {(r["architecture"], r["cell"]): r for r in rows}
+    archs = sorted({r["architecture"] for r in rows}, key=lambda a: [x["architecture"] for x in doc["architectures"]].index(a))
+    console.print(f"[bold]conformance:[/] {doc['engine']} {doc.get('engine_version') or ''} against {doc['reference']}  "
+                  f"({len(archs)} architectures x {len(cells)} cells, {doc.get('elapsed_s', 0):.0f} s)")
+    t = Table(title="verdict per cell (output / prompt positions; max |logprob diff|)", title_justify="left",
+              box=box.SIMPLE_HEAD)
+    t.add_column("architecture")
+    for c in cells:
+        t.add_column(c["name"], overflow="fold")
+    for a in archs:
+        line = [a.removesuffix("ForCausalLM")]
+        for c in cells:
+            r = by.get((a, c["name"]))
+            if r is None:
+                line.append("")
+            elif r["status"] != "ok":
+                line.append(f"[dim]{r['status']}[/]")
+            else:
+                v, pv = r.get("verdict"), r.get("prompt_verdict")
+                d = max(x for x in (r.get("max_abs_output"), r.get("max_abs_prompt"), 0.0) if x is not None)
+                line.append(f"[{VERDICT_STYLE.get(v, 'white')}]{v}[/]" + (f"/{pv}" if pv and pv != v else "")
+                            + f" {d:.1g}")
+        t.add_row(*line)
+    console.print(t)
+    bad = [r for r in rows if r.get("status") == "ok" and r.get("verdict") not in ("clean", None)]
+    for r in bad:
+        at = r.get("attribution") or {}
+        who = at.get("says") or (f"not attributed: {at['error']}" if at.get("error") else "not attributed")
+        console.print(f"  {r['architecture'].removesuffix('ForCausalLM')} · {r['cell']}: [bold]{escape(who)}[/]"
+                      + (f" — {escape(at['sentence'])}" if at.get("sentence") else ""))
+    for r in rows:
+        if r.get("status") not in ("ok", None):
+            console.print(f"  [dim]{r['architecture'].removesuffix('ForCausalLM')} · {r['cell']}: {r['status']}: "
+                          f"{escape(str(r.get('error') or ''))[:300]}[/]")
+    groups: dict[tuple, list[str]] = {}
+    for a in doc["architectures"]:
+        if a["status"] != "audit":
+            groups.setdefault((a["status"], a["reason"]), []).append(a["architecture"].removesuffix("ForCausalLM"))
+    if groups:
+        console.print("not audited:")
+        for (status, reason), names in groups.items():
+            console.print(f"  [dim]{', '.join(names)}: {status}: {escape(reason)}[/]")

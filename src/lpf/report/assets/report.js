@@ -440,6 +440,66 @@
     app.appendChild(nav()); app.appendChild(main); app.appendChild(footer());
   }
 
+  // -- conformance page ------------------------------------------------------------------------------
+  function conformancePage() {
+    var rows = D.rows || [], cells = D.cells || [], by = {};
+    rows.forEach(function (r) { by[r.architecture + "|" + r.cell] = r; });
+    var worst = null, bad = 0;
+    rows.forEach(function (r) {
+      if (r.verdict in SEVERITY && (worst === null || SEVERITY[r.verdict] > SEVERITY[worst])) worst = r.verdict;
+      if (r.verdict && r.verdict !== "clean") bad++;
+    });
+    app.appendChild(hero("logprob forensics · conformance", "Conformance matrix", worst,
+      [["engine", (D.engine || "?") + " " + (D.engine_version || "")], ["reference", D.reference || "?"],
+       ["grid", D.grid || "--knob"]].concat(D.complete === false ? [["status", "INCOMPLETE"]] : []),
+      [kpi("architectures", fmt((D.audited || []).length), fmt((D.not_audited || []).length) + " more listed, not audited"),
+       kpi("cells", fmt(rows.length), fmt(cells.length) + " per architecture"),
+       kpi("not clean", fmt(bad), "cells whose verdict is above clean"), kpi("time", fmt(D.elapsed_s) + " s", "")]));
+    var main = h("main", "wrap");
+    var mx = section("matrix", "Architecture × cell",
+      "Each cell: verdict (output / prompt positions), max |logprob diff| on prompt and output positions, first divergence, the lpf diff attribution; the name links to the cell's report.", "Matrix");
+    var head = ["architecture"].concat(cells.map(function (c) { return c.name; }));
+    var body = (D.audited || []).map(function (a) {
+      return [txt("span", "mono", a.replace(/ForCausalLM$/, ""))].concat(cells.map(function (c) {
+        var r = by[a + "|" + c.name];
+        if (!r) return "–";
+        if (r.status !== "ok") { var m = txt("span", "muted", r.status); m.title = r.error || ""; return m; }
+        var box = h("div", "cellbox");
+        var v = r.link ? (function () { var l = h("a"); l.href = r.link; l.appendChild(badge(r.verdict, true)); return l; })() : badge(r.verdict, true);
+        add(box, [v, r.prompt_verdict && r.prompt_verdict !== r.verdict ? [" prompt ", badge(r.prompt_verdict, true)] : null]);
+        add(box, txt("div", "cellnote", "out " + fmt(r.max_abs_output) + " · prompt " + fmt(r.max_abs_prompt)));
+        if (r.first_divergence != null || r.prompt_first_departure != null)
+          add(box, txt("div", "cellnote", "first div " + fmt(r.first_divergence) + " · prompt " + fmt(r.prompt_first_departure)));
+        var at = r.attribution || {};
+        if (at.says) add(box, txt("div", "cellnote b", at.says));
+        box.title = [at.sentence, r.top_hypothesis, r.prompt_shape].filter(Boolean).join("\n");
+        return box;
+      }));
+    });
+    add(mx, body.length ? table(head, body) : txt("div", "empty", "no architecture was audited"));
+    main.appendChild(mx);
+    var nc = section("findings", "Cells that are not clean", "Who departs (lpf diff against HF generate) and the best explanation.", "Findings");
+    var badRows = rows.filter(function (r) { return r.status === "ok" && r.verdict && r.verdict !== "clean"; });
+    add(nc, badRows.length ? h("ul", "sentences", badRows.map(function (r) {
+      var at = r.attribution || {};
+      return h("li", null, [txt("span", "pill", r.architecture.replace(/ForCausalLM$/, "") + " · " + r.cell), " ",
+        txt("b", null, at.says || (at.error ? "not attributed: " + at.error : "not attributed")), " ",
+        at.sentence || "", r.prompt_shape ? " · prompt: " + r.prompt_shape : "", r.top_hypothesis ? " · " + r.top_hypothesis : ""]);
+    })) : txt("div", "empty", "every audited cell is clean"));
+    var failed = rows.filter(function (r) { return r.status !== "ok"; });
+    if (failed.length) add(nc, [txt("h4", null, "cells that did not run"), table(["architecture", "cell", "status", "reason"],
+      failed.map(function (r) { return [r.architecture, r.cell, r.status, r.error]; }))]);
+    main.appendChild(nc);
+    var na = section("not-audited", "Architectures not audited", "Every stateful architecture either side lists, with the reason it was not audited.", "Not audited");
+    add(na, (D.not_audited || []).length ? table(["architecture", "model type", "status", "reason"],
+      D.not_audited.map(function (a) { return [txt("span", "mono", a.architecture), a.model_type, a.status, a.reason]; })) : txt("div", "empty", "none"));
+    main.appendChild(na);
+    var cs = section("cells", "Cell catalogue", "The knobs of each cell.", "Cells");
+    add(cs, table(["cell", "dtype", "arguments", "stresses"], cells.map(function (c) { return [c.name, c.dtype, txt("span", "mono", (c.args || []).join(" ")), c.stresses]; })));
+    main.appendChild(cs);
+    app.appendChild(nav()); app.appendChild(main); app.appendChild(footer());
+  }
+
   // -- RL page ---------------------------------------------------------------------------------------
   function rlPage() {
     var F = D.findings || {};
@@ -482,6 +542,7 @@
   }
 
   if (D.kind === "sweep") sweepPage();
+  else if (D.kind === "conformance") conformancePage();
   else if (D.kind === "rl") rlPage();
   else runPage();
   // data-ready tells a waiting reader (the browser tests) that every chart has been drawn

@@ -1,0 +1,89 @@
+"""The knob cells of a conformance matrix, and the workload every cell runs.
+
+Contract: `GRIDS[name]` lists `GridCell`s (a name, the `lpf audit` arguments that set its knobs, what
+it stresses). `small` is the CI grid (2 cells); `full` is the documented matrix (9 cells): chunked
+prefill with a budget small enough to split every prompt, chunked prefill off, prefix caching on
+(the workload shares prompt prefixes), both, max_num_seqs 1 against many sequences sharing a small
+budget, and bfloat16 with and without small chunks. Knob names are vLLM's; an engine that lacks a
+knob refuses that cell in one line and the matrix says "not applicable" there.
+Cells at another dtype than the reference's float32 are calibrated (`matrix`): judged against the
+reference at that dtype (the floor an honest bfloat16 implementation shows), not float32 rounding.
+
+`write_workload(path, n_prompts, vocab_size, seed)` writes the cells' shared JSONL workload: groups of
+4 prompts that share a 24-token prefix (prefix caching has something to hit), each 32-60 tokens long
+(2-4 chunks at a 16-token budget), token ids drawn from the vocabulary after the special tokens,
+each prompt starting with BOS. Deterministic for a seed.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from lpf.errors import LpfError, did_you_mean
+
+CHUNK = 16  # a budget below every prompt's length: each prompt is prefilled in several chunks
+
+
+@dataclass(frozen=True)
+class GridCell:
+    name: str
+    args: tuple[str, ...]
+    stresses: str
+
+    @property
+    def dtype(self) -> str:
+        return self.args[self.args.index("--dtype") + 1] if "--dtype" in self.args else "float32"
+
+
+_CELLS = {c.name: c for c in [
+    GridCell("fp32", ("--dtype", "float32"), "the default path: every prompt in one prefill step"),
+    GridCell("fp32-chunk16", ("--dtype", "float32", "--max-num-batched-tokens", str(CHUNK), "--enable-chunked-prefill"),
+             f"chunked prefill: each prompt split into {CHUNK}-token chunks (state handed from chunk to chunk)"),
+    GridCell("fp32-no-chunked", ("--dtype", "float32", "--no-enable-chunked-prefill"), "chunked prefill off"),
+    GridCell("fp32-prefix-cache", ("--dtype", "float32", "-E", "enable_prefix_caching=true"),
+             "prefix caching: prompts sharing a 24-token prefix start from a cached state"),
+    GridCell("fp32-prefix-cache-chunk16", ("--dtype", "float32", "-E", "enable_prefix_caching=true",
+                                           "--max-num-batched-tokens", str(CHUNK), "--enable-chunked-prefill"),
+             "prefix caching and small chunks together"),
+    GridCell("fp32-seqs1", ("--dtype", "float32", "--max-num-seqs", "1"), "one sequence at a time (no batching)"),
+    GridCell("fp32-seqs64-chunk32", ("--dtype", "float32", "--max-num-seqs", "64", "--max-num-batched-tokens", "32",
+                                     "--enable-chunked-prefill"),
+             "many sequences sharing a 32-token budget: prefills and decodes mixed in every step"),
+    GridCell("bf16", ("--dtype", "bfloat16"), "bfloat16, judged against the reference at bfloat16"),
+    GridCell("bf16-chunk16", ("--dtype", "bfloat16", "--max-num-batched-tokens", str(CHUNK),
+                              "--enable-chunked-prefill"), "bfloat16 with small chunks"),
+]}
+
+GRIDS = {
+    "small": [_CELLS["fp32"], _CELLS["fp32-chunk16"]],
+    "full": list(_CELLS.values()),
+}
+PROMPTS = {"small": 8, "full": 16}
+
+
+def grid_cells(grid: str, only: list[str] | None = None) -> list[GridCell]:
+    """The cells of a grid, or of the named cells (`--cell`), in grid order."""
+    if grid not in GRIDS:
+        raise LpfError(f"unknown grid {grid!r}{did_you_mean(grid, GRIDS)}; grids: {', '.join(GRIDS)}")
+    if not only:
+        return list(GRIDS[grid])
+    for name in only:
+        if name not in _CELLS:
+            raise LpfError(f"unknown cell {name!r}{did_you_mean(name, _CELLS)}; cells: {', '.join(_CELLS)}")
+    return [c for c in _CELLS.values() if c.name in only]
+
+
+def write_workload(path: Path, n_prompts: int, vocab_size: int, seed: int = 0, bos: int = 1,
+                   first_id: int = 3) -> Path:
+    rng = random.Random(seed)
+    lines, prefix = [], []
+    for i in range(n_prompts):
+        if i % 4 == 0:
+            prefix = [bos] + [rng.randrange(first_id, vocab_size) for _ in range(23)]
+        suffix = [rng.randrange(first_id, vocab_size) for _ in range(rng.randrange(8, 37))]
+        lines.append(json.dumps({"id": f"conf-{i:03d}", "prompt_token_ids": prefix + suffix}))
+    path.write_text("\n".join(lines) + "\n")
+    return path

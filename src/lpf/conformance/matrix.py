@@ -1,0 +1,205 @@
+"""Running a conformance matrix: architecture x knob cell, each an audited run, each non-clean one attributed.
+
+Contract: `run_matrix(out, head, plans, attribution, settings, on_start, tick) -> dict` runs every
+`CellPlan` not yet complete into its run directory `out/cells/<arch>/<cell>` (create, generate with
+prompt logprobs, rescore, calibrate when the cell's dtype is not the reference's, analyze, report),
+and for every cell whose verdict is not clean runs the second engine (`attribution[(arch, dtype)]`,
+HF `generate` at the cell's dtype: one run per architecture and dtype, shared by the cells) and
+`lpf.run_diff` between the two: the cell's `attribution` says engine bug / second engine / reference
+/ both. It writes `out/conformance.json` after every cell (atomically), so a rerun of the same
+command skips complete cells and a crash loses at most the cell in flight. A cell the engine refuses
+or cannot start is recorded with its one-line reason (status `not applicable`, `refused` or
+`engine error`), never dropped.
+
+Cells run in this process, one engine (vLLM: one worker process) per cell, instead of one `lpf audit`
+process per cell as `lpf sweep` does: measured on the tiny models, 37 s per cell as a subprocess
+against ~20 s in-process (docs/benchmarks.md), which is what keeps the full matrix under 30 minutes.
+The cell directories are ordinary run directories (`sweep.cell_complete` decides completeness).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lpf.conformance.grid import GridCell
+from lpf.errors import LpfError
+from lpf.sweep import cell_complete
+
+FLAG_LEVELS = ("divergent", "corrupt")
+SUSPECT_WORDS = {"A": "engine bug", "B": "second engine (HF generate) departs", "reference": "reference bug",
+                 "both": "both engines depart", "none": "no departure at this level"}
+
+
+@dataclass
+class CellPlan:
+    arch: dict  # the discovery entry
+    cell: GridCell
+    spec: object | None  # the cell's RunSpec; None when the cell cannot run on this engine
+    refused: str | None = None  # why not (an engine without the knob)
+
+
+@dataclass
+class Settings:
+    thresholds: object  # lpf.analysis.thresholds.Thresholds
+    reference_dtype: str = "float32"
+    token_budget: int = 16384
+    attribution_level: str = "noise"  # a cell departs when its verdict is at least this
+    extra: dict = field(default_factory=dict)
+
+
+def cell_dir(out: Path, arch: str, cell: str) -> Path:
+    return Path(out) / "cells" / arch.removesuffix("ForCausalLM") / cell
+
+
+def _audit(spec, settings: Settings, dtype: str) -> dict:
+    """create (or reopen) -> generate -> rescore -> calibrate (other dtype) -> analyze -> report; findings."""
+    from lpf.pipeline import analyze_run, calibrate_run, create_run, execute_run, rescore_run
+    from lpf.run.store import RunDir
+
+    out = Path(spec.out)
+    if cell_complete(out):
+        return json.loads((out / "findings.json").read_text())
+    run = RunDir.open(out) if (out / "manifest.json").is_file() else create_run(spec)
+    if run.manifest.get("status") != "complete":
+        execute_run(run)
+    rescore_run(run, None, settings.reference_dtype, settings.token_budget)
+    if dtype != settings.reference_dtype:
+        calibrate_run(run, settings.token_budget)
+    findings = analyze_run(run, settings.thresholds)
+    try:
+        from lpf.report import write_report
+
+        write_report(out)
+    except Exception as e:  # noqa: BLE001 - a page that cannot be drawn never costs the findings
+        findings["report_error"] = f"{type(e).__name__}: {e}"
+    return findings
+
+
+def _first(flagged: list[dict], key: str):
+    values = [f[key] for f in flagged if f.get(key) is not None]
+    return min(values) if values else None
+
+
+def cell_row(plan: CellPlan, out: Path, findings: dict | None, status: str, error: str | None,
+             seconds: float | None) -> dict:
+    arch, cell = plan.arch, plan.cell
+    d = cell_dir(out, arch["architecture"], cell.name)
+    row = {"architecture": arch["architecture"], "model_type": arch.get("model_type"), "cell": cell.name,
+           "dtype": cell.dtype, "stresses": cell.stresses, "status": status, "error": error, "seconds": seconds,
+           "run_dir": os.path.relpath(d, out)}
+    if findings is None:
+        return row
+    p = findings.get("prompt") or {}
+    hyp = (findings.get("hypotheses") or [{}])[0]
+    report = d / "report.html"
+    row.update({
+        "verdict": findings.get("verdict"), "counts": findings.get("counts"), "n_requests": findings.get("n_requests"),
+        "errors": findings.get("errors"),
+        "max_abs_output": ((findings.get("metrics") or {}).get("abs_logprob_diff") or {}).get("max"),
+        "first_divergence": _first(findings.get("flagged") or [], "first_divergence"),
+        "prompt_verdict": p.get("verdict"), "prompt_counts": p.get("counts"),
+        "max_abs_prompt": ((p.get("metrics") or {}).get("abs_logprob_diff") or {}).get("max"),
+        "prompt_first_departure": _first(p.get("flagged") or [], "first_departure"),
+        "prompt_shape": (p.get("shape") or {}).get("sentence"),
+        "thresholds_source": (findings.get("thresholds") or {}).get("source"),
+        "top_hypothesis": hyp.get("sentence") if findings.get("verdict") not in ("clean", None) else None,
+        "link": os.path.relpath(report, out) if report.is_file() else None,
+    })
+    return row
+
+
+def _attribute(row: dict, plan: CellPlan, hf_spec, out: Path, settings: Settings, hf_done: dict) -> None:
+    """Run (once per architecture and dtype) the second engine and diff it against the cell."""
+    from lpf.analysis.levels import at_or_above
+    from lpf.run_diff import diff_runs
+
+    if not at_or_above(row.get("verdict"), settings.attribution_level) or hf_spec is None:
+        return
+    key = str(hf_spec.out)
+    if key not in hf_done:
+        try:
+            f = _audit(hf_spec, settings, plan.cell.dtype)
+            hf_done[key] = {"ok": True, "verdict": f.get("verdict")}
+        except LpfError as e:
+            hf_done[key] = {"ok": False, "error": str(e)}
+    hf = hf_done[key]
+    attribution = {"second_engine": "hf", "second_run_dir": os.path.relpath(key, out),
+                   "second_verdict": hf.get("verdict")}
+    if not hf["ok"]:
+        row["attribution"] = {**attribution, "suspect": None, "error": hf["error"]}
+        return
+    cell = out / row["run_dir"]
+    _, doc = diff_runs(cell, Path(key), settings.attribution_level)
+    (cell / "diff.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    row["attribution"] = {**attribution, "suspect": doc["suspect"], "says": SUSPECT_WORDS[doc["suspect"]],
+                          "sentence": doc["sentence"], "counts": doc["counts"], "level": doc["level"],
+                          "diff": os.path.relpath(cell / "diff.json", out)}
+
+
+def write_doc(out: Path, doc: dict) -> None:
+    tmp = out / ".tmp-conformance.json"
+    tmp.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    tmp.replace(out / "conformance.json")
+
+
+def check_out(out: Path, spec: dict) -> None:
+    """Refuses an --out that holds anything but this same conformance run (rerun = resume)."""
+    doc_path = Path(out) / "conformance.json"
+    if doc_path.is_file():
+        try:
+            old = json.loads(doc_path.read_text())
+        except json.JSONDecodeError:
+            raise LpfError(f"{doc_path} is unreadable: move it away or choose another --out") from None
+        if old.get("spec") != spec:
+            raise LpfError(f"{out} holds a different conformance run ({old.get('spec')}): choose another --out")
+    elif Path(out).exists() and any(p.name != "workload.jsonl" for p in Path(out).iterdir()):
+        raise LpfError(f"{out} exists, is not empty and holds no conformance.json: choose another --out")
+
+
+def run_matrix(out: Path, head: dict, plans: list[CellPlan], attribution: dict, settings: Settings,
+               on_start=lambda total, done: None, tick=lambda n: None) -> dict:
+    """`head`: the document's fixed part (spec, engine, architectures); `attribution`: {(arch, dtype): hf RunSpec}."""
+    out = Path(out)
+    check_out(out, head["spec"])
+    out.mkdir(parents=True, exist_ok=True)
+    rows: list[dict] = []
+    doc = {**head, "kind": "conformance", "complete": False, "cells": rows}
+    write_doc(out, doc)
+    on_start(len(plans), 0)
+    hf_done: dict = {}
+    started = time.monotonic()
+    try:
+        for plan in plans:
+            t0 = time.monotonic()
+            findings, status, error = None, "ok", None
+            if plan.spec is None:
+                status, error = "not applicable", plan.refused
+            else:
+                try:
+                    findings = _audit(plan.spec, settings, plan.cell.dtype)
+                    if findings.get("errors") and findings.get("errors") == findings.get("n_requests"):
+                        status, error = "engine error", "every request failed (see the cell's requests)"
+                except LpfError as e:
+                    status, error = ("refused" if not (Path(plan.spec.out) / "manifest.json").is_file()
+                                     else "engine error"), str(e)
+            row = cell_row(plan, out, findings, status, error, round(time.monotonic() - t0, 1))
+            if findings is not None and status == "ok":
+                try:
+                    _attribute(row, plan, attribution.get((plan.arch["architecture"], plan.cell.dtype)), out,
+                               settings, hf_done)
+                except LpfError as e:
+                    row["attribution"] = {"suspect": None, "error": str(e)}
+            rows.append(row)
+            doc["elapsed_s"] = round(time.monotonic() - started, 1)
+            write_doc(out, doc)
+            tick(1)
+        doc["complete"] = True
+    finally:
+        doc["elapsed_s"] = round(time.monotonic() - started, 1)
+        write_doc(out, doc)
+    return doc
+
