@@ -176,7 +176,7 @@ def cell_complete(run_dir: Path) -> bool:
     return manifest.get("status") == "complete" and findings.get("run_complete") and not findings.get("unscored")
 
 
-def _run_cell(cell: Cell, run_dir: Path, log: Path) -> None:
+def run_cell(cell: Cell, run_dir: Path, log: Path) -> None:
     if run_dir.exists() and not (run_dir / "manifest.json").is_file():
         if any(p.is_file() for p in run_dir.rglob("*")):
             raise LpfError(f"{run_dir} holds files but no manifest.json: move it away to rerun this cell")
@@ -229,7 +229,7 @@ def run_sweep(out: Path, knobs: list[Knob], base_args: list[str], cells: list[Ce
     try:
         for c in cells:
             if c.name not in done:
-                _run_cell(c, out / "cells" / c.name, out / "logs" / f"{c.name}.log")
+                run_cell(c, out / "cells" / c.name, out / "logs" / f"{c.name}.log")
                 done.add(c.name)
                 tick(1)
                 write_sweep(out, spec, cells, done)

@@ -35,7 +35,7 @@ def load(path: Path) -> dict:
     knobs = [k for k in sweep.get("knobs") or [] if isinstance(k, dict) and k.get("name")]
     cells = [c for c in sweep["cells"] if isinstance(c, dict)]
     for c in cells:
-        c["link"] = _link(path, c.get("run_dir"))
+        c["link"] = run_link(path, c.get("run_dir"))
     chart_list = []
     for key, title, log_y in METRICS:
         values = [c.get(key) for c in cells if isinstance(c.get(key), (int, float)) and not isinstance(c.get(key), bool)]
@@ -77,8 +77,9 @@ def _grid(knobs: list[dict], cells: list[dict], key: str) -> tuple[list[str], di
     return [str(x) for x in xs], groups, str(first["name"])
 
 
-def _link(root: Path, run_dir) -> str | None:
-    """A relative link to the cell's page, only for a path inside the sweep directory."""
+def run_link(root: Path, run_dir) -> str | None:
+    """A relative link to a run's page (else its findings.json) for a run directory inside `root`
+    (a sweep's cell, a shrink's candidate); None for a path outside it or a run with neither."""
     if not isinstance(run_dir, str) or not run_dir:
         return None
     cell = (root / run_dir).resolve()
