@@ -256,19 +256,6 @@ def print_repeat(doc: dict, console: Console) -> None:
                       f"{escape(str(fd['tokens']['distinct_tokens']))}")
 
 
-def print_rl_summary(f: dict, out: Path, console: Console) -> None:
-    """`lpf rl analyze`: spike verdict, counts, bad rows, the best hypotheses, where the files are."""
-    console.print(f"[bold]{'SPIKES' if f['n_spikes'] else 'clean'}[/]  {f['summary']}", highlight=False)
-    console.print(f"steps {f['n_steps']} · responses {f['n_responses']} · tokens {f['n_tokens']} · "
-                  f"bad rows {len(f['bad_rows'])}" + (f" · empty steps {len(f['empty_steps'])}" if f["empty_steps"] else ""),
-                  highlight=False)
-    for b in f["bad_rows"][:5]:
-        console.print(f"  bad row {b['row']}: {b['reason']}", highlight=False)
-    for h in f["hypotheses"][:3]:
-        console.print(f"  #{h['rank']} {h['sentence']} (p={h['p_value']:.2g})", highlight=False)
-    console.print(f"results: {out}/rl_findings.json, {out}/rl_steps.parquet", highlight=False)
-
-
 def print_shrink_event(event: dict, console: Console) -> None:
     """`lpf shrink` progress, one line per candidate (and per try of it): what was tried, its size, what
     the target did, the runs used and the best configuration so far."""
@@ -311,3 +298,17 @@ def print_shrink(doc: dict, console: Console) -> None:
               "not-reproduced": "[bold yellow]not reproduced[/]"}.get(doc["status"], doc["status"])
     console.print(f"status: {status} · {doc['runs_used']} runs of {doc['budget_runs']} · "
                   f"deterministic: {doc.get('deterministic')}", highlight=False)
+
+
+def print_rl_summary(f: dict, out: Path, console: Console) -> None:
+    """`lpf rl analyze`: spike verdict, counts, bad rows, the best hypotheses, where the files are."""
+    console.print(f"[bold]{'SPIKES' if f['n_spikes'] else 'clean'}[/]  {f['summary']}", highlight=False)
+    console.print(f"steps {f['n_steps']} · responses {f['n_responses']} · tokens {f['n_tokens']} · "
+                  f"bad rows {len(f['bad_rows'])}" + (f" · empty steps {len(f['empty_steps'])}" if f["empty_steps"] else ""),
+                  highlight=False)
+    for b in f["bad_rows"][:5]:
+        console.print(f"  bad row {b['row']}: {b['reason']}", highlight=False)
+    for h in f["hypotheses"][:3]:
+        console.print(f"  #{h['rank']} {h['sentence']} (p={h['p_value']:.2g})", highlight=False)
+    console.print(f"results: {out}/rl_findings.json, {out}/rl_steps.parquet", highlight=False)
+

@@ -10,23 +10,16 @@ by side.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from lpf.errors import LpfError
 from lpf.report import charts
-from lpf.report.sweep_page import run_link
+from lpf.report.sweep_page import read_doc, run_link
 
 FILES = ("report.md", "command.sh", "repro.py", "workload.jsonl", "shrink.json")
 
 
 def load(path: Path) -> dict:
-    try:
-        doc = json.loads((path / "shrink.json").read_text())
-    except json.JSONDecodeError as e:
-        raise LpfError(f"{path / 'shrink.json'}: unreadable JSON ({e.msg})") from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("candidates"), list):
-        raise LpfError(f"{path / 'shrink.json'}: not a shrink (no candidates list)")
+    doc = read_doc(path, "shrink.json", "candidates", "shrink")
     adopted = set(doc.get("path") or [])
     steps, best, smallest = [], [], None
     for c in doc["candidates"]:

@@ -25,13 +25,19 @@ METRICS = [  # (cell key, title, log y)
 ]
 
 
-def load(path: Path) -> dict:
+def read_doc(path: Path, name: str, key: str, kind: str) -> dict:
+    """A directory's document (sweep.json, shrink.json), which must hold a list under `key`."""
     try:
-        sweep = json.loads((path / "sweep.json").read_text())
+        doc = json.loads((path / name).read_text())
     except json.JSONDecodeError as e:
-        raise LpfError(f"{path / 'sweep.json'}: unreadable JSON ({e.msg})") from None
-    if not isinstance(sweep, dict) or not isinstance(sweep.get("cells"), list):
-        raise LpfError(f"{path / 'sweep.json'}: not a sweep (no cells list)")
+        raise LpfError(f"{path / name}: unreadable JSON ({e.msg})") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get(key), list):
+        raise LpfError(f"{path / name}: not a {kind} (no {key} list)")
+    return doc
+
+
+def load(path: Path) -> dict:
+    sweep = read_doc(path, "sweep.json", "cells", "sweep")
     knobs = [k for k in sweep.get("knobs") or [] if isinstance(k, dict) and k.get("name")]
     cells = [c for c in sweep["cells"] if isinstance(c, dict)]
     for c in cells:

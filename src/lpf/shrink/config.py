@@ -2,10 +2,10 @@
 
 Contract:
 - `Source.open(run_dir)` reads the run a shrink starts from (manifest, findings, summary, the
-  requests in arrival order with each one's prompt and max_tokens, the engine's option defaults).
-  `Source.target(request_id)` picks the request to shrink for: the given one, which must be
-  flagged, or the worst flagged one; a run with nothing flagged, an unknown id or an unflagged one
-  raise `LpfError` in one line.
+  requests in arrival order with each one's prompt and max_tokens, the engine's option defaults);
+  an unfinished run is refused. `Source.target(request_id)` picks the request to shrink for: the
+  given one, which must be flagged, or the worst flagged one; a run with nothing flagged, an unknown
+  id or an unflagged one raise `LpfError` in one line.
 - A `Config` is which of the original requests run (by arrival index, in arrival order), how much
   of each prompt (a prefix) and how many output tokens each may produce, and the engine's knobs.
   `key()` identifies it (the cache of outcomes and a resume rely on it), `size()` orders candidates
@@ -96,6 +96,9 @@ class Source:
         from lpf.run.store import RunDir
 
         run = RunDir.open(run_dir)
+        if run.manifest.get("status") != "complete":
+            raise LpfError(f"{run.path} is an unfinished run: `lpf run --resume {run.path}` (then rescore and "
+                           f"analyze) first, so the shrink starts from every request")
         fpath, spath = run.path / "findings.json", run.path / "summary.parquet"
         if not fpath.is_file() or not spath.is_file():
             raise LpfError(f"{run.path} has no findings yet: run `lpf analyze {run.path}` first")

@@ -23,6 +23,7 @@ import os
 from pathlib import Path
 
 from lpf.errors import LpfError
+from lpf.jsonsafe import finite
 
 IDENTITY = ("source_run_id", "target", "tries", "need")
 
@@ -98,7 +99,7 @@ class State:
     def save(self) -> None:
         tmp = self.out / ".tmp-shrink.json"
         with open(tmp, "w") as f:
-            f.write(json.dumps(self.doc, indent=1) + "\n")
+            f.write(json.dumps(finite(self.doc), indent=1) + "\n")
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.out / "shrink.json")
