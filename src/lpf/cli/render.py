@@ -311,4 +311,3 @@ def print_rl_summary(f: dict, out: Path, console: Console) -> None:
     for h in f["hypotheses"][:3]:
         console.print(f"  #{h['rank']} {h['sentence']} (p={h['p_value']:.2g})", highlight=False)
     console.print(f"results: {out}/rl_findings.json, {out}/rl_steps.parquet", highlight=False)
-
