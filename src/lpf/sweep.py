@@ -11,7 +11,8 @@ Contract:
 - `run_sweep` runs every cell not yet complete as its own `lpf audit` subprocess (engines such as
   vLLM cannot be re-sized in place) into `DIR/cells/<name>`, an ordinary run directory; its log goes
   to `DIR/logs/<name>.log`. A cell whose run was interrupted is finished with `lpf run --resume`,
-  `lpf rescore` and `lpf analyze`, so a rerun of the same sweep redoes nothing. `DIR/sweep.json`
+  `lpf rescore` and `lpf analyze`, so a rerun of the same sweep redoes nothing (`run_cell`: one
+  cell, which `lpf shrink` runs each candidate with). `DIR/sweep.json`
   (rewritten after every cell) and `DIR/sweep.parquet` follow the sweep-dir contract.
 - `cell_row` reads a cell's `findings.json` (its `shape` block when present, else counts/flagged);
   `shape_moves` is pure: per knob, with the other knobs fixed, whether rate, onset, first-divergence

@@ -324,7 +324,8 @@ def shrink_progress(ids: list[str], steps: list[str], sizes: list[list[int]], re
     """A shrink's candidates in the order they were tried: each one's request count (red: it still
     told the lie, grey: it did not) and the best configuration's request count so far (a step line)."""
     x = list(range(1, len(ids) + 1))
-    hover = [ptext(f"{i}: {s}<br>{n[0]} requests, {n[1]} tokens, {n[2]} knobs off default") for i, s, n in zip(ids, steps, sizes)]
+    hover = [ptext(f"{i}: {s}") + "<br>" + ptext(f"{n[0]} requests, {n[1]} tokens, {n[2]} knobs off default")
+             for i, s, n in zip(ids, steps, sizes)]
     data = [{"type": "scatter", "mode": "lines", "name": "best so far", "x": x, "y": best, "line": {"shape": "hv",
              "color": ACCENT, "width": 2}, "hoverinfo": "skip"},
             {"type": "scatter", "mode": "markers", "name": "candidate", "x": x, "y": [n[0] for n in sizes],

@@ -19,6 +19,7 @@ Contract (pure: findings dicts and Arrow tables in, plain data out):
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass
 
 FLAGGED = ("divergent", "corrupt")
@@ -97,8 +98,6 @@ def signature_of(row: dict, hypothesis: dict | None, value) -> tuple[Signature, 
 
 def _phrase(hypothesis: dict) -> str | None:
     """The hypothesis sentence's words for what a request did: '7/7 corrupt requests <words>; ...'."""
-    import re
-
     head = (hypothesis.get("sentence") or "").split(";")[0].rstrip(".")
     parts = head.split(" requests ", 1)
     # a run-wide signature's sentence reads 'k/n requests (a/b flagged ones) <words>'
