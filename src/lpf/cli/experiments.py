@@ -145,8 +145,6 @@ def shrink(run_dir, out_dir, request_id, budget_runs, tries, need, as_json):
     from lpf.shrink import session
 
     plan = session.prepare(run_dir, request_id)
-    err.print(f"shrink directory: {out_dir}  (target {plan.target['request_id']}: {plan.signature.describe()}; "
-              f"budget {budget_runs} runs, k-of-n {need}-of-{tries})", highlight=False)
     doc = session.run(plan, out_dir, tries, need, budget_runs, knob_args, lambda e: print_shrink_event(e, err))
     print_shrink(doc, err)
     if doc["status"] == "not-reproduced":

@@ -259,6 +259,11 @@ def print_repeat(doc: dict, console: Console) -> None:
 def print_shrink_event(event: dict, console: Console) -> None:
     """`lpf shrink` progress, one line per candidate (and per try of it): what was tried, its size, what
     the target did, the runs used and the best configuration so far."""
+    if event["type"] == "begin":
+        console.print(f"shrink directory: {escape(event['out'])}{' (resumed)' if event['resumed'] else ''}  "
+                      f"(target {escape(event['target'])}: {escape(event['signature'])}; budget {event['budget']} "
+                      f"runs, k-of-n {event['need']}-of-{event['tries']})", highlight=False)
+        return
     if event["type"] == "try":
         t = event["try"]
         console.print(f"  {escape(t['dir'])}: {escape(t['seen'])}" + ("  [bold red]the lie[/]" if t["lie"] else ""),

@@ -5,7 +5,7 @@ Contract:
   flagged request, or the worst one) and builds its signature from the run's own findings and
   tables, all before anything runs; every problem is an `LpfError` in one line.
 - `run(plan, out, tries, need, budget, knob_args, on_event) -> dict`: opens (or resumes) the
-  shrink state in `out`, runs the search (`search.Shrink`), writes the reproducer's files
+  shrink state in `out` (then `on_event({"type": "begin", ...})`), runs the search (`search.Shrink`), writes the reproducer's files
   (`repro.write_outputs`) when there is a minimum, and returns the shrink.json document.
 """
 
@@ -71,6 +71,8 @@ def run(plan: Plan, out: Path, tries: int, need: int, budget: int, knob_args: Ca
               "original": {"config": source.to_json(original), "size": list(source.size(original)),
                            "description": source.describe_size(original)}}
     state = State.open(out, identity, header, budget)
+    on_event({"type": "begin", "out": str(out), "target": t["request_id"], "signature": plan.signature.describe(),
+              "budget": budget, "tries": tries, "need": need, "resumed": bool(state.doc["candidates"])})
 
     def charge(name: str) -> None:
         if not state.charge(name, state.doc["budget_runs"]):

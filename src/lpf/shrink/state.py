@@ -46,7 +46,7 @@ class State:
                 raise LpfError(f"{path} is unreadable: move it away or choose another --out") from None
             old = {k: doc.get(k) for k in IDENTITY}
             if old != {k: identity[k] for k in IDENTITY}:
-                what = ", ".join(f"{k} {old[k]!r}" for k in IDENTITY if old[k] != identity[k])
+                what = ", ".join(f"{k} {old[k]!r}, not {identity[k]!r}" for k in IDENTITY if old[k] != identity[k])
                 raise LpfError(f"{out} holds another shrink ({what}): choose another --out")
             doc["budget_runs"] = budget
             return cls(out, doc)
