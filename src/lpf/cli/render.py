@@ -256,6 +256,55 @@ def print_repeat(doc: dict, console: Console) -> None:
                       f"{escape(str(fd['tokens']['distinct_tokens']))}")
 
 
+def print_shrink_event(event: dict, console: Console) -> None:
+    """`lpf shrink` progress, one line per candidate (and per try of it): what was tried, its size, what
+    the target did, the runs used and the best configuration so far."""
+    if event["type"] == "begin":
+        console.print(f"shrink directory: {escape(event['out'])}{' (resumed)' if event['resumed'] else ''}  "
+                      f"(target {escape(event['target'])}: {escape(event['signature'])}; budget {event['budget']} "
+                      f"runs, k-of-n {event['need']}-of-{event['tries']})", highlight=False)
+        return
+    if event["type"] == "try":
+        t = event["try"]
+        console.print(f"  {escape(t['dir'])}: {escape(t['seen'])}" + ("  [bold red]the lie[/]" if t["lie"] else ""),
+                      highlight=False)
+        return
+    c = event["candidate"]
+    if event["type"] == "start":
+        console.print(f"[bold]{c['id']}[/] [dim]{c['phase']}[/] {escape(c['step'])}: {escape(c['description'])}",
+                      highlight=False)
+        return
+    ok = c["status"] == "reproduces"
+    outcome = "[bold red]reproduces[/]" if ok else "[dim]gone[/]"
+    best = event.get("best")
+    tail = f" · best so far {escape(best['description'])} ({best['id']})" if best else ""
+    if event.get("replayed"):
+        console.print(f"[bold]{c['id']}[/] [dim]{c['phase']} (recorded)[/] {escape(c['step'])}: "
+                      f"{escape(c['description'])} → {outcome}", highlight=False)
+        return
+    console.print(f"  → {outcome} · runs {event['runs_used']}/{event['budget']}{tail}", highlight=False)
+
+
+def print_shrink(doc: dict, console: Console) -> None:
+    """The shrink's end: original vs minimal, the signature, the outcome."""
+    o, m = doc["original"], doc.get("minimal")
+    console.print(f"[bold]shrink of[/] {escape(doc['target'])}: {escape(doc['signature_description'])}", highlight=False)
+    if doc.get("signature_note"):
+        console.print(f"[dim]{escape(doc['signature_note'])}[/]")
+    console.print(f"original: {escape(o['description'])}", highlight=False)
+    if m:
+        console.print(f"[bold]minimal:[/]  {escape(m['description'])}  ({m['candidate']}, "
+                      f"knobs: {escape(', '.join(f'{k}={v}' for k, v in m['config']['knobs'].items()) or 'defaults')})",
+                      highlight=False)
+    conf = doc.get("confirmation") or {}
+    if conf.get("note"):
+        console.print(f"[dim]{escape(conf['note'])}[/]")
+    status = {"done": "[green]done[/]", "budget-spent": "[yellow]budget spent[/] (the best configuration found so far)",
+              "not-reproduced": "[bold yellow]not reproduced[/]"}.get(doc["status"], doc["status"])
+    console.print(f"status: {status} · {doc['runs_used']} runs of {doc['budget_runs']} · "
+                  f"deterministic: {doc.get('deterministic')}", highlight=False)
+
+
 def print_rl_summary(f: dict, out: Path, console: Console) -> None:
     """`lpf rl analyze`: spike verdict, counts, bad rows, the best hypotheses, where the files are."""
     console.print(f"[bold]{'SPIKES' if f['n_spikes'] else 'clean'}[/]  {f['summary']}", highlight=False)

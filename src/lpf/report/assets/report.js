@@ -456,8 +456,12 @@
     app.appendChild(nav()); app.appendChild(main); app.appendChild(footer());
   }
 
+  // a page with a script of its own (html.PAGE_SCRIPTS) gets the helpers it builds with
+  var UI = { h: h, add: add, txt: txt, fmt: fmt, isNum: isNum, badge: badge, kpi: kpi, kv: kv, table: table,
+             section: section, plot: plot, hero: hero, nav: nav, footer: footer, app: app, COLORS: COLORS };
   if (D.kind === "sweep") sweepPage();
   else if (D.kind === "rl") rlPage();
+  else if (window.lpfPages && window.lpfPages[D.kind]) window.lpfPages[D.kind](D, UI);
   else runPage();
   // data-ready tells a waiting reader (the browser tests) that every chart has been drawn
   drawPlots().then(function () { document.body.dataset.ready = "1"; },
