@@ -1,7 +1,8 @@
 """The run stage: a validated `RunSpec` becomes a run directory, and its requests become committed parts.
 
-`create_run(spec)` checks everything the user can get wrong (engine name, knobs, model, workload)
-before the directory exists, so a bad invocation writes nothing. `execute_run(run, on_start, tick)`
+`create_run(spec)` checks everything the user can get wrong (engine name, knobs, model, workload, a
+configuration that can hold no request) before the directory exists, so a bad invocation writes
+nothing. `all_failed(run)` is the one line a run where every request failed ends with (exit 2). `execute_run(run, on_start, tick)`
 sends every not-yet-completed request to the engine and commits completions in parts as they finish
 (side tables such as the trace first, then tokens, then requests: a request part never exists
 without what led to it); what finished before an error or Ctrl-C is kept, and a rerun resumes.
@@ -14,6 +15,7 @@ import platform
 import socket
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,7 +53,7 @@ def model_config(model: ModelRef) -> dict:
 
 def create_run(spec: RunSpec) -> RunDir:
     engine_cls = get_engine_class(spec.engine)
-    engine_cls.Options.parse(spec.engine_options)  # a bad knob is refused before anything is written
+    options = engine_cls.Options.parse(spec.engine_options)  # a bad knob is refused before anything is written
     model = resolve_model(spec.model)
     cfg = model_config(model)
     engine_cls.check_model(cfg)
@@ -59,6 +61,7 @@ def create_run(spec: RunSpec) -> RunDir:
     context = cfg.get("max_position_embeddings")
     prompts, source = load_prompts(spec.workload, tokenizer, cfg.get("vocab_size", len(tokenizer)), context)
     requests = expand(prompts, spec.n, spec.sampling, context)
+    engine_cls.check_capacity(model, options, requests)
     manifest = {
         "run_id": uuid.uuid4().hex[:12],
         "lpf_version": lpf.__version__,
@@ -117,6 +120,16 @@ def execute_run(run: RunDir, on_start: OnStart = no_start,
             engine.close()
     m["status"] = "complete"
     run.save_manifest()
+
+
+def all_failed(run: RunDir) -> str | None:
+    """One line saying why, when every request of the run failed (None when any completed): the
+    commonest error and how many requests it hit."""
+    errors = run.read("requests", ["error"]).column("error").to_pylist()
+    if not errors or any(e is None for e in errors):
+        return None
+    common, count = Counter(errors).most_common(1)[0]
+    return f"every request failed ({len(errors)} of {len(errors)}); the commonest error ({count}): {common}"
 
 
 def _commit(run: RunDir, engine, completions, by_id: dict[str, EngineRequest], tokenizer) -> None:
