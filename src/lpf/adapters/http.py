@@ -11,7 +11,8 @@ Contract:
   not retried (they would come back the same). Every attempt is bounded by `timeout_s` from connect to
   the last byte, and nothing is attempted or waited for past the run's overall deadline.
 - `run_all(items, handler, ...)` runs an async handler over items with a concurrency limit in a
-  background event loop and yields `(item, result)` pairs from the calling thread as each finishes,
+  background event loop (each item no earlier than `start_at(item)` seconds after the start, when
+  given: open-loop arrivals) and yields `(item, result)` pairs from the calling thread as each finishes,
   so a synchronous `Engine.generate` can stream completions. A handler failure becomes that item's
   error (via `on_error`), never a lost item; closing the iterator cancels what is still in flight.
 - `CircuitBreaker`: once the server has refused `threshold` connections in a row with no success in
@@ -118,9 +119,10 @@ def attempt_record(attempts: list, sent: bool, status: int | None, error: str | 
 def failure_message(final: str, attempts: list) -> str:
     """The request's error: `final`, and when attempts that reached the server failed before the last
     one could not be sent, what the server said then (the evidence a dead port would otherwise hide)."""
-    answered = [a for a in attempts if a["sent"] and a["error"]]
-    if attempts and not attempts[-1]["sent"] and answered:
-        return f"sent and failed ({answered[-1]['error']}); then {final}"
+    failed = [a for a in attempts if a["sent"] and a["error"]]
+    if attempts and not attempts[-1]["sent"] and failed:
+        said = [a for a in failed if a["status"] is not None] or failed  # the server's own words first
+        return f"sent and failed ({said[-1]['error']}); then {final}"
     return final
 
 
@@ -241,14 +243,16 @@ def _short(e: BaseException) -> str:
 
 def run_all(items: Iterable, handler: Callable[[Any, Any], Awaitable[Any]], *, concurrency: int,
             client_factory: Callable[[], Any], on_error: Callable[[Any, str], Any],
-            join_timeout: float) -> Iterator[tuple[Any, Any]]:
+            join_timeout: float, start_at: Callable[[Any], float] | None = None) -> Iterator[tuple[Any, Any]]:
     """Yield (item, handler(client, item)) as each finishes; see the module docstring."""
     items = list(items)
     out: queue.Queue = queue.Queue()
     done = object()
     loop_box: dict = {}
 
-    async def one(sem, client, item):
+    async def one(sem, client, item, t0):
+        if start_at is not None:
+            await asyncio.sleep(max(0.0, t0 + start_at(item) - time.monotonic()))
         async with sem:
             try:
                 result = await handler(client, item)
@@ -264,7 +268,8 @@ def run_all(items: Iterable, handler: Callable[[Any, Any], Awaitable[Any]], *, c
         loop_box["task"] = asyncio.current_task()
         sem = asyncio.Semaphore(max(1, concurrency))
         async with client_factory() as client:
-            await asyncio.gather(*(one(sem, client, it) for it in items))
+            t0 = time.monotonic()
+            await asyncio.gather(*(one(sem, client, it, t0) for it in items))
 
     def thread_main():
         try:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -46,6 +47,9 @@ class RemoteOptions(Options):
     max_retries: int = Field(4, ge=0)
     deadline_s: float = Field(3600.0, gt=0)  # the whole run
     backoff_s: float = Field(0.5, gt=0)
+    # open-loop load: Poisson arrivals at this many requests per second (seeded by the run's seed);
+    # 0 = closed loop, a new request as soon as one of `concurrency` finishes
+    arrival_rate: float = Field(0.0, ge=0)
 
     @model_validator(mode="after")
     def _usable(self):
@@ -182,8 +186,22 @@ class RemoteEngine(Engine):
 
         for _, completion in run_all(requests, handler, concurrency=o.concurrency,
                                      client_factory=lambda: make_client(o.concurrency, self.api_key),
-                                     on_error=on_error, join_timeout=o.timeout_s + 5):
+                                     on_error=on_error, join_timeout=o.timeout_s + 5,
+                                     start_at=self.arrivals(requests)):
             yield completion
+
+    def arrivals(self, requests: list[EngineRequest]) -> Callable[[EngineRequest], float] | None:
+        """With `arrival_rate`, each request's send time (seconds after the start): a Poisson process
+        seeded by the run's seed, in arrival order, so a rerun sends the same schedule."""
+        rate = self.options.arrival_rate
+        if not rate:
+            return None
+        rng = random.Random(self.sampling.seed)
+        at, t = {}, 0.0
+        for r in sorted(requests, key=lambda r: r.seq):
+            at[r.request_id] = t
+            t += rng.expovariate(rate)
+        return lambda r: at[r.request_id]
 
     # -- checks every parser shares -----------------------------------------------------------------
     def check_ids(self, ids: list[int], what: str = "token id") -> None:

@@ -8,14 +8,17 @@ Contract (pure: tables in, plain data out; the scoring itself is `lpf.pipeline.a
   distinct prompt (rollouts of one prompt would score alike), never its own prompt, the nearest
   arrivals first, at most `max_candidates`. Each entry: {request_id, candidates, same_prompt
   {candidate: [other requests with that prompt]}}.
-- `judge(plans, scores, own) -> list[dict]`: `scores` holds (request_id, candidate_id, n_tokens,
+- `judge(plans, scores, own, lost) -> list[dict]`: `scores` holds (request_id, candidate_id, n_tokens,
   logprob_sum) of each flagged output under each candidate's prompt, `own` maps a request to the
-  logprob sum of its output under its own prompt (the reference scores). A flagged request is
-  attributed to its best candidate when the log-likelihood gain g = best - own makes chance
-  implausible, p = n_candidates * exp(-g) < MAX_P (by Markov's inequality a prompt cannot make a
-  sample of another prompt's distribution e^g times likelier with probability above e^-g; the
-  candidate count is a Bonferroni factor), and the runner-up prompt trails it by at least
-  MIN_MARGIN nats (else which request it was is unclear and nothing is claimed).
+  logprob sum of its output under its own prompt (the reference scores), `lost` names the requests
+  that did not get a right answer themselves (flagged or failed). A flagged request is attributed
+  to its best candidate when the log-likelihood gain g = best - own makes chance implausible,
+  p = n_candidates * exp(-g) < MAX_P (by Markov's inequality a prompt cannot make a sample of
+  another prompt's distribution e^g times likelier with probability above e^-g; the candidate count
+  is a Bonferroni factor), and no other candidate comes within MIN_MARGIN nats of it. Two prompts
+  that explain the output alike (their answers coincide) are told apart only by who lost an answer:
+  a request that got its own right answer cannot also have given it away, so when exactly one of
+  the near-tied candidates is in `lost`, it is the one; otherwise nothing is claimed.
 - `hypotheses(attributed, n_flagged, n_other) -> list[dict]`: each attribution as a hypothesis in
   the shape of `hypotheses.rank_hypotheses` ("request X received the answer meant for request Y",
   with the gain), for `merge_ranked` to rank with the others.
@@ -76,7 +79,7 @@ def plan(requests: pa.Table, summary: pa.Table, max_flagged: int = 64, max_candi
     return out
 
 
-def judge(plans: list[dict], scores: pa.Table, own: dict[str, float]) -> list[dict]:
+def judge(plans: list[dict], scores: pa.Table, own: dict[str, float], lost: set[str] = frozenset()) -> list[dict]:
     got: dict[tuple[str, str], tuple[int, float]] = {}
     for r in scores.to_pylist():
         got[(r["request_id"], r["candidate_id"])] = (r["n_tokens"], r["logprob_sum"])
@@ -90,11 +93,17 @@ def judge(plans: list[dict], scores: pa.Table, own: dict[str, float]) -> list[di
         if not tried:
             continue
         tried.sort(key=lambda t: -t[1][1])
-        best, (n_tok, best_sum) = tried[0]
+        near = [t for t in tried if t[1][1] >= tried[0][1][1] - MIN_MARGIN]
+        if len(near) > 1:
+            near = [t for t in near if t[0] in lost or any(o in lost for o in p["same_prompt"].get(t[0], []))]
+            if len(near) != 1:
+                continue  # which request it was is unclear: claim nothing
+        best, (n_tok, best_sum) = near[0]
         gain = best_sum - base
-        runner_up = tried[1][1][1] - base if len(tried) > 1 else -math.inf
+        others = [t[1][1] for t in tried if t[0] != best]
+        runner_up = max(others) - base if others else -math.inf
         p_value = min(1.0, len(tried) * math.exp(-min(gain, 700.0)))
-        if p_value >= MAX_P or gain - runner_up < MIN_MARGIN:
+        if p_value >= MAX_P:
             continue
         out.append({"request_id": rid, "source_request_id": best, "gain_nats": gain,
                     "gain_per_token": gain / max(n_tok, 1), "n_tokens": n_tok, "n_candidates": len(tried),

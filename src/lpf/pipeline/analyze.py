@@ -50,7 +50,10 @@ def _attribute(run: RunDir, requests, summary, reference, findings: dict, on_sta
     scores = attribution_scores(run, plans, on_start=on_start, tick=tick)
     sums = reference.group_by("request_id").aggregate([("ref_logprob", "sum")]).to_pydict()
     own = dict(zip(sums["request_id"], sums["ref_logprob_sum"]))
-    found = attribution.judge(plans, scores, own)
+    verdict = summary.column("verdict").to_pylist()
+    lost = {rid for rid, v in zip(summary.column("request_id").to_pylist(), verdict)
+            if v in ("divergent", "corrupt", "error")}
+    found = attribution.judge(plans, scores, own, lost)
     n_flagged = len(findings["flagged"])
     n_scored = sum(findings["counts"].values())
     findings["hypotheses"] = attribution.merge_ranked(
