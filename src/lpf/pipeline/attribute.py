@@ -28,15 +28,17 @@ def attribution_scores(run: RunDir, plans: list[dict], token_budget: int = 16384
         return schema.ATTRIBUTION.empty_table()
     key = {"spec": ref.get("spec"), "dtype": ref.get("dtype")}
     if (m.get("attribution") or {}) != key:  # scores of another reference are not this run's
-        for p in run.parts("attribution"):
-            p.unlink()
-        m["attribution"] = key
-        run.save_manifest()
+        with run.writer():
+            for p in run.parts("attribution"):
+                p.unlink()
+            m["attribution"] = key
+            run.save_manifest()
     done = run.read("attribution", ["request_id", "candidate_id"]).to_pydict()
     have = set(zip(done["request_id"], done["candidate_id"]))
     wanted = [(p["request_id"], c) for p in plans for c in p["candidates"] if (p["request_id"], c) not in have]
     if wanted:
-        _score(run, wanted, ref, token_budget, on_start, tick)
+        with run.writer():
+            _score(run, wanted, ref, token_budget, on_start, tick)
     return run.read("attribution")
 
 

@@ -29,7 +29,7 @@ from lpf.model_specs import ModelRef, load_tokenizer, resolve_model, tokenizer_f
 from lpf.run import schema
 from lpf.run.store import RunDir
 from lpf.sampling import SamplingParams
-from lpf.workload import EngineRequest, expand, load_prompts, read_normalized, write_normalized
+from lpf.workload import EngineRequest, expand, load_prompts, normalized, read_normalized
 
 @dataclass
 class RunSpec:
@@ -77,9 +77,7 @@ def create_run(spec: RunSpec) -> RunDir:
         "host": {"hostname": socket.gethostname(), "platform": platform.platform(),
                  "python": platform.python_version()},
     }
-    run = RunDir.create(spec.out, manifest)
-    write_normalized(prompts, run.path / "workload.jsonl")
-    return run
+    return RunDir.create(spec.out, manifest, {"workload.jsonl": normalized(prompts)})
 
 
 def pending_requests(run: RunDir) -> list[EngineRequest]:
@@ -93,6 +91,11 @@ def pending_requests(run: RunDir) -> list[EngineRequest]:
 def execute_run(run: RunDir, on_start: OnStart = no_start,
                 tick: Tick = no_tick) -> None:
     """Send every not-yet-completed request to the engine, committing parts as they finish."""
+    with run.writer():
+        _execute(run, on_start, tick)
+
+
+def _execute(run: RunDir, on_start: OnStart, tick: Tick) -> None:
     m = run.manifest
     pending = pending_requests(run)
     on_start(m["workload"]["n_requests"], m["workload"]["n_requests"] - len(pending))

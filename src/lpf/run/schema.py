@@ -101,5 +101,9 @@ ATTRIBUTION = pa.schema([("request_id", pa.string()), ("candidate_id", pa.string
 FAULTS = pa.schema([("request_id", pa.string()), ("step", pa.int64()), ("fault", pa.string()),
                     ("role", pa.string()), ("detail", pa.string())])
 
+# columns a part written by an older schema version may lack (read as nulls); any other missing column
+# means the part is damaged, not old
+ADDED_LATER = {"requests": {"inconsistency", "attempts"}}
+
 TABLES = {"requests": REQUESTS, "tokens": TOKENS, "reference": REFERENCE, "calibration": CALIBRATION,
           "prompt_tokens": PROMPT_TOKENS, "prompt_reference": PROMPT_REFERENCE, "attribution": ATTRIBUTION}
