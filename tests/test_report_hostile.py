@@ -82,8 +82,12 @@ def test_hostile_text_renders_as_text_and_runs_nothing(hostile_run, browser):  #
     assert victim in {f["request_id"] for f in findings["flagged"]}
     assert findings["evidence"]["inconsistent"]["by_reason"] == {"text": 1}
     page = (run / "report.html").read_text()
+    head, _, rest = page.partition('<script type="application/json" id="lpf-data">')
+    data, _, tail = rest.partition("</script>")
     for text in PAYLOADS + [HUGE[:200]]:
-        assert text not in page  # only ever inside the escaped data block
+        assert text not in head and text not in tail  # model text lives only in the data block...
+        if any(c in text for c in "<>&\u2028\u2029"):
+            assert text not in data  # ...where whatever could end the element or a JS line is \u-escaped
     log = open_page(browser, run / "report.html")
     assert severe(log) == [], log
     for d in browser.find_elements(By.CSS_SELECTOR, "details.req"):  # open every drilled-down request
@@ -98,7 +102,7 @@ def test_hostile_text_renders_as_text_and_runs_nothing(hostile_run, browser):  #
     text = browser.execute_script("return document.body.textContent")
     flagged_hostile = [f["request_id"] for f in findings["flagged"] if "#" in f["request_id"]]
     assert victim in flagged_hostile and all(rid in text for rid in flagged_hostile)  # ids shown as text
-    assert HUGE in text  # the 100 KB output text, whole, as text
-    evidence = browser.find_element(By.ID, "evidence").text
+    assert HUGE[-3900:] in text and HUGE not in text  # the 100 KB output: its end (clipped), as text
+    evidence = browser.find_element(By.ID, "evidence").text.lower()
     assert "inconsistent answers" in evidence and "text" in evidence
     assert browser.execute_script("return typeof window.__pwned") == "undefined"

@@ -94,7 +94,7 @@ def test_serve_stays_healthy_right_and_bounded_under_a_storm():
     rng = random.Random(3)
     jobs = [rng.choices(["ok", "disconnect", "malformed"], weights=[80, 10, 10])[0] for _ in range(N_REQUESTS)]
     with served("--model", MODEL, "--cache-mb", 24, "--max-num-seqs", 128, env={"OMP_NUM_THREADS": "1"}) as s:
-        warm = asyncio.run(_storm(s.base_url, prompts, ["ok"] * 200))
+        warm = asyncio.run(_storm(s.base_url, prompts, ["ok"] * 100))
         assert all(r["status"] == 200 for r in warm)
         before, free0 = _rss_mb(s.proc.pid), _metrics(s.base_url)["lpf_state_slots_free"]
         t0 = time.monotonic()
@@ -112,8 +112,12 @@ def test_serve_stays_healthy_right_and_bounded_under_a_storm():
     assert bad and all(400 <= r["status"] < 500 for r in bad), [r for r in bad if not 400 <= r["status"] < 500][:3]
     gone = [r for r in results if r["kind"] == "disconnect" and r["status"] == "gone"]
     assert len(gone) >= 50
-    assert m["lpf_requests_cancelled_total"] >= 0.8 * len(gone)  # the rest finished before the client left
-    assert m["lpf_requests_in_flight"] == 0 and m["lpf_state_slots_free"] == free0  # every slot given back
+    # every request the server took ends finished, refused or cancelled; none is left holding a slot
+    assert m["lpf_requests_submitted_total"] == (m["lpf_requests_finished_total"] + m["lpf_requests_rejected_total"]
+                                                 + m["lpf_requests_cancelled_total"])
+    assert m["lpf_requests_in_flight"] == 0 and m["lpf_state_slots_free"] == free0
+    # most clients left after their request reached the engine (the others gave up while connecting)
+    assert m["lpf_requests_cancelled_total"] >= 0.5 * len(gone)
     assert after - before < 150, (before, after)
 
     ok = [r for r in results if r["kind"] == "ok"]

@@ -38,7 +38,7 @@ MIN_MARGIN = 3.0  # nats between the best candidate prompt and the runner-up
 FEATURE = "answer_of_other_request"
 
 
-def plan(requests: pa.Table, summary: pa.Table, max_flagged: int = 64, max_candidates: int = 32,
+def plan(requests: pa.Table, summary: pa.Table, max_flagged: int = 32, max_candidates: int = 16,
          small_run: int = 64) -> list[dict]:
     req = by_arrival(requests)
     ids = req.column("request_id").to_pylist()

@@ -143,6 +143,8 @@ def create_app(engine, tokenizer, info: ModelInfo, sink: TraceSink | None = None
             ("lpf_steps_total", "counter", "engine steps run", s.steps),
             ("lpf_batch_size_max", "gauge", "largest number of requests scheduled in one step", s.max_batch_size),
             ("lpf_scheduled_requests_total", "counter", "sum over steps of requests scheduled", s.scheduled_sum),
+            ("lpf_requests_submitted_total", "counter", "requests received (each ends finished, rejected or "
+             "cancelled)", s.requests_submitted),
             ("lpf_requests_added_total", "counter", "requests handed to the engine", s.requests_added),
             ("lpf_requests_finished_total", "counter", "requests finished", s.requests_finished),
             ("lpf_requests_rejected_total", "counter", "requests refused by the engine", s.requests_rejected),

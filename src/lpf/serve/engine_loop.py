@@ -45,6 +45,7 @@ class LoopStats:
     requests_rejected: int = 0
     tokens_generated: int = 0
     preemptions: int = 0
+    requests_submitted: int = 0  # handed to the loop: each ends finished, rejected or cancelled
     requests_cancelled: int = 0  # taken back by a client that went away
 
     def to_dict(self) -> dict:
@@ -129,6 +130,7 @@ class EngineLoop:
         if clash is not None:
             raise ApiError(f"request id {clash!r} is already in flight", param="request_id")
         loop = asyncio.get_running_loop()
+        self.stats.requests_submitted += len(requests)
         futures = []
         for r in requests:
             fut = loop.create_future()
