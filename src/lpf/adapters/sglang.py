@@ -76,16 +76,20 @@ class SGLangEngine(RemoteEngine):
                                            f"{snippet(output_ids[pos:pos + 8])})")
         self.check_answer(req, ids, meta.get("completion_tokens"), kind, body.get("text"), problems, detail)
         topk_ids, topk_lps = self.top_k(meta.get("output_top_logprobs"), len(ids), "output_top_logprobs",
-                                        self.top_pairs, problems)
+                                        lambda entry, pos: self.top_pairs(entry, pos, problems), problems)
         return Completion(request_id=req.request_id, output_token_ids=ids, logprobs=logprobs, topk_ids=topk_ids,
                           topk_logprobs=topk_lps, finish_reason=str(kind), inconsistency=problems.text())
 
-    def top_pairs(self, entry: Any, pos: int) -> list[tuple[float, int]]:
-        """One `output_top_logprobs` entry: [[logprob, token_id, text|null], ...], every id checked."""
+    def top_pairs(self, entry: Any, pos: int, problems: Problems) -> list[tuple[float, int]]:
+        """One `output_top_logprobs` entry: [[logprob, token_id, text|null], ...]; an alternative that is
+        not of that shape or names an id outside the vocabulary is left out, and noted (the sampled
+        token's logprob is what gets compared)."""
         pairs = []
-        for e in entry or []:
-            if not isinstance(e, list) or len(e) < 2:
-                raise RequestFailed(f"output_top_logprobs[{pos}] holds {e!r}, not [logprob, token_id, ...]")
-            pairs.append((as_logprob(e[0], pos), e[1]))
-        self.check_ids([t for _, t in pairs], "top-k token id")
+        for e in entry if isinstance(entry, list) else []:
+            tid = e[1] if isinstance(e, list) and len(e) >= 2 else None
+            if not isinstance(tid, int) or isinstance(tid, bool) or not 0 <= tid < self.vocab_size:
+                problems.add("top_logprobs", f"output_top_logprobs[{pos}] holds {snippet(e)}, not [logprob, "
+                                             f"token_id in the vocabulary, ...]")
+                continue
+            pairs.append((as_logprob(e[0], pos), tid))
         return pairs
