@@ -2,7 +2,9 @@
 
 Contract: `timing_features(requests) -> list[Feature]`, values aligned to `requests` sorted by `seq`
 (like `features.request_features`, whose features they join in `findings`), NaN where a request lacks
-what a feature needs; a feature no request has is left out. Pure: the requests table in, numpy out.
+what a feature needs; a feature no request has is left out, and so is one that never decreases in
+arrival order (an in-process engine queues every request at once, so its "concurrency at arrival"
+is the arrival index again: `seq` already says that). Pure: the requests table in, numpy out.
 Arrival is `t_submit` (when the engine under test got the request: an HTTP engine's send), and a
 request is in flight from `t_submit` to `t_finish`.
 
@@ -55,7 +57,12 @@ def timing_features(requests: pa.Table) -> list[Feature]:
     if np.isfinite(ttft).any():
         feats.append(Feature("time_to_first_token", "numeric", ttft, "time to first token (s)"))
     feats += _attempt_features(req, ts, tf, n)
-    return feats
+    return [f for f in feats if not _follows_arrival(f.values)]
+
+
+def _follows_arrival(values: np.ndarray) -> bool:
+    known = values[np.isfinite(values)]
+    return known.size < 2 or bool(np.all(np.diff(known) >= 0))
 
 
 def _burst_rank(ts: np.ndarray) -> np.ndarray:
