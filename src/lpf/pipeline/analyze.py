@@ -35,8 +35,8 @@ def analyze_run(run: RunDir, thresholds: Thresholds, attribute: bool = True, on_
     summary, findings = analyze(requests, run.read("tokens"), reference, thresholds,
                                 greedy=temperature == 0, trace=trace, engine_info=m.get("engine"),
                                 temperature=temperature, calibration=calibration, calibration_info=cal_info)
-    if attribute:
-        findings["attribution"] = _attribute(run, requests, summary, reference, findings, on_start, tick)
+    findings["attribution"] = _attribute(run, requests, summary, reference, findings, on_start, tick) \
+        if attribute else None
     findings = {"run_id": m.get("run_id"), "engine": m["engine"].get("name"), "model": m["model"].get("spec"),
                 "reference": (m.get("reference") or {}).get("spec"), **findings}
     findings["run_complete"] = m.get("status") == "complete"
