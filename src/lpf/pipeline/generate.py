@@ -2,10 +2,11 @@
 
 `create_run(spec)` checks everything the user can get wrong (engine name, knobs, model, workload, a
 configuration that can hold no request) before the directory exists, so a bad invocation writes
-nothing. `all_failed(run)` is the one line a run where every request failed ends with (exit 2). `execute_run(run, on_start, tick)`
-sends every not-yet-completed request to the engine and commits completions in parts as they finish
-(side tables such as the trace first, then tokens, then requests: a request part never exists
-without what led to it); what finished before an error or Ctrl-C is kept, and a rerun resumes.
+nothing. `execute_run(run, on_start, tick)` sends every not-yet-completed request to the engine and
+commits completions in parts as they finish (side tables such as the trace first, then tokens, then
+requests: a request part never exists without what led to it); what finished before an error or
+Ctrl-C is kept, and a rerun resumes. `all_failed(run)` is the one line a run where every request
+failed ends with (exit 2).
 """
 
 from __future__ import annotations
