@@ -11,7 +11,8 @@ left out of that position's top-k (the sampled token's logprob is what gets comp
 Answers are checked before they are trusted: logprobs present, one per token and ids inside the
 vocabulary (else the request's error), and the server's token count, its text, its finish reason
 and the logprob values (else the answer is kept with an `inconsistency`, see `remote`). Each
-attempt sends the run's request id as `X-Request-Id`. Prompt logprobs (`echo`) are not requested: a run stores only output positions.
+attempt sends the run's request id as `X-Request-Id`. Prompt logprobs (`echo`) are not requested: a
+run stores only output positions.
 """
 
 from __future__ import annotations
