@@ -7,8 +7,7 @@ Contract:
   `t_start`/`t_end`), so "sent and failed" stays apart from "never sent"; a request whose answered
   attempts failed before later ones could not be sent says both in its error. It retries, at most
   `max_retries` times, on what can pass (429, 5xx, timeouts, refused or broken connections), with
-  exponential backoff and full jitter; a 429 or 503
-  with `Retry-After` waits at least that long. Other 4xx answers and answers that are not JSON are
+  exponential backoff and full jitter; a 429 or 503 with `Retry-After` waits at least that long. Other 4xx answers and answers that are not JSON are
   not retried (they would come back the same). Every attempt is bounded by `timeout_s` from connect to
   the last byte, and nothing is attempted or waited for past the run's overall deadline.
 - `run_all(items, handler, ...)` runs an async handler over items with a concurrency limit in a
