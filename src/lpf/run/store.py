@@ -17,8 +17,8 @@ Contract:
 - `writer()` holds the run's lock (`.lock`, an flock the kernel drops when its process dies) while
   a stage appends parts: a second writer of the same run is refused with one line instead of
   interleaving parts (e.g. a resumed sweep cell while a killed sweep's child still runs).
-- A directory left by a run killed while it was being created (no manifest, no files) counts as
-  empty: `lpf run --out` may create the run there again.
+- A directory left by a run killed while it was being created (no manifest; nothing but the files
+  `create` writes before it) counts as empty: `lpf run --out` may create the run there again.
 """
 
 from __future__ import annotations
@@ -86,8 +86,13 @@ def _read_any(path: Path, columns: list[str] | None) -> pa.Table:
         raise _damaged(path, e) from None
 
 
-def _holds_files(path: Path) -> bool:
-    return any(p.is_file() and not p.name.startswith(".tmp-") for p in path.rglob("*"))
+def _holds_files(path: Path, leftovers: set[str]) -> bool:
+    """Whether `path` holds anything but what an interrupted `create` leaves: temporaries and, while
+    there is no manifest yet, the files it writes first (`leftovers`)."""
+    if (path / "manifest.json").exists():
+        return True
+    return any(p.is_file() and not p.name.startswith(".tmp-") and not (p.parent == path and p.name in leftovers)
+               for p in path.rglob("*"))
 
 
 class RunDir:
@@ -103,7 +108,7 @@ class RunDir:
         """`files` (name -> bytes, e.g. the tokenized workload) are written before the manifest: a run
         whose manifest exists has them."""
         path = Path(path)
-        if path.exists() and (not path.is_dir() or _holds_files(path)):
+        if path.exists() and (not path.is_dir() or _holds_files(path, set(files or ()))):
             raise LpfError(f"{path} already exists and is not empty: choose another --out, or "
                            f"`lpf run --resume {path}` to finish it")
         for sub in ("requests", "tokens", "reference", "calibration"):  # the others appear with their first part
