@@ -149,6 +149,18 @@ def make_cells(knobs: list[Knob], base_args: list[str]) -> list[Cell]:
 
 
 # -- running ----------------------------------------------------------------------------------------
+def _die_with_parent() -> None:
+    """In the child, before exec: the kernel kills it when the sweep dies (a SIGKILLed sweep must not
+    leave a cell's audit writing into the run a rerun resumes). Linux only; elsewhere a no-op (the
+    run directory's lock still refuses a second writer)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+    except (OSError, AttributeError):
+        pass
+
+
 def _lpf(args: list[str], log: Path) -> int:
     """Run `lpf ARGS` in a child process, stdout+stderr appended to `log`; its exit code."""
     cmd = [sys.executable, "-c", "import sys; sys.argv[0] = 'lpf'; from lpf.cli import main; main()", *args]
@@ -156,7 +168,8 @@ def _lpf(args: list[str], log: Path) -> int:
     with open(log, "a") as f:
         f.write("$ lpf " + " ".join(args) + "\n")
         f.flush()
-        return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
+        return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
+                              preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None).returncode
 
 
 def _error_line(log: Path) -> str:

@@ -179,6 +179,9 @@ def fail_on_option(what: str = "any request"):
 def analysis_options(f):
     return _apply(f, [
         click.option("--threshold", multiple=True, metavar="NAME=VALUE", help="Override a verdict threshold (repeatable)."),
+        click.option("--attribution/--no-attribution", default=True, show_default=True,
+                     help="Re-score flagged outputs under the prompts of requests served alongside them "
+                          "(whose answer is this?)."),
         click.option("--json", "as_json", is_flag=True, help="Print findings JSON on stdout."),
         fail_on_option(),
     ])

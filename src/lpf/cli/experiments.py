@@ -62,7 +62,8 @@ def sweep(ctx, knobs, out_dir, as_json, fail_on):
         Thresholds().with_overrides(list(p["threshold"]))
         rescore = (["--reference", p["reference"]] if p["reference"] else []) + [
             "--reference-dtype", p["reference_dtype"], "--token-budget", str(p["token_budget"])]
-        c.resume = {"rescore": rescore, "analyze": [a for t in p["threshold"] for a in ("--threshold", t)]}
+        c.resume = {"rescore": rescore, "analyze": [a for t in p["threshold"] for a in ("--threshold", t)]
+                    + ([] if p["attribution"] else ["--no-attribution"])}
     sw.check_out(out_dir, parsed, base_args)
     err.print(f"sweep directory: {out_dir}  ({len(cells)} cells: "
               + " x ".join(f"{k.name} {len(k.values)}" for k in parsed) + ")")

@@ -49,6 +49,7 @@ def print_summary(findings: dict, run_path, console: Console) -> None:
                       str(f["first_divergence"]), "inf" if diff is None else f"{diff:.3g}")
         console.print(t)
     _print_hypotheses(findings.get("hypotheses") or [], console)
+    _print_evidence(findings.get("evidence"), console)
     console.print(f"results: {run_path}/findings.json  (lpf query {run_path} \"SELECT ...\")")
 
 
@@ -90,6 +91,23 @@ def _print_hypotheses(hyps: list, console: Console) -> None:
     console.print("[bold]likely mechanisms[/] (Fisher exact test, best first):")
     for h in hyps[:3]:
         console.print(f"  {h['rank']}. {h['sentence']} [dim](p={h['p_value']:.2g})[/]", highlight=False)
+
+
+def _print_evidence(ev: dict | None, console: Console) -> None:
+    """What the server said beyond its tokens: inconsistent answers, failed attempts, a death."""
+    if not ev:
+        return
+    inc, failed = ev.get("inconsistent") or {}, ev.get("failed") or {}
+    if inc.get("n"):
+        reasons = ", ".join(f"{k} {v}" for k, v in (inc.get("by_reason") or {}).items())
+        console.print(f"[yellow]inconsistent answers[/] {inc['n']} kept as returned ({escape(reasons)}); "
+                      f"{inc.get('scored', 0)} scored, {inc.get('flagged', 0)} flagged", highlight=False)
+    if failed.get("sent") or failed.get("never_sent"):
+        console.print(f"[red]failed requests[/] {failed['n']}: {failed.get('sent', 0)} sent and failed, "
+                      f"{failed.get('never_sent', 0)} never sent", highlight=False)
+    died = ev.get("server_died")
+    if died:
+        console.print(f"[bold red]the server died:[/] {escape(died.get('sentence') or '')}", highlight=False)
 
 
 def print_calibration(cal: dict, run_path, console: Console) -> None:
@@ -192,6 +210,13 @@ def print_request(info: dict, console: Console, top: int = 3) -> None:
     console.print(head)
     if r.get("error"):
         console.print(f"[red]error:[/] {escape(str(r['error']))}")
+    if r.get("inconsistency"):
+        console.print(f"[yellow]inconsistent answer (kept as returned):[/] {escape(str(r['inconsistency']))}")
+    for a in r.get("attempts") or []:
+        status = a.get("status") if a.get("status") is not None else ("no answer" if a.get("sent") else "not sent")
+        took = (a["t_end"] - a["t_start"]) if a.get("t_end") is not None and a.get("t_start") is not None else None
+        console.print(f"[dim]attempt {a.get('attempt')}: {status}" + (f" after {took:.3g} s" if took is not None else "")
+                      + (f" · {escape(str(a['error']))}" if a.get("error") else "") + "[/]", highlight=False)
     if info.get("tokenizer"):
         console.print(f"[dim]{escape(info['tokenizer'])}[/]")
     if r.get("prompt_text") is not None:
