@@ -118,16 +118,22 @@ def test_every_bad_answer_is_recorded_with_its_error_and_retries_are_bounded(lpf
     assert len(reqs) == len(CASES)  # nothing dropped
     err = {rid.removesuffix("-r0"): row["error"] for rid, row in reqs.items()}
     good = {"ok", "retry_after_429", "503_then_ok", "string_tokens_ok"}
-    assert {c for c, e in err.items() if e is None} == good
+    # answers that fail a consistency check are evidence: kept as returned, with the reason
+    kept = {"count_mismatch": "token_count: the server counts 9 completion tokens but returned 4 with logprobs",
+            "nan_logprob": "logprob: logprob at position 0 is nan, not a log-probability"}
+    assert {c for c, e in err.items() if e is None} == good | set(kept)
+    for case, reason in kept.items():
+        row = reqs[f"{case}-r0"]
+        assert row["inconsistency"] == reason and row["output_token_ids"] == OUT_IDS, row
+    assert all(reqs[f"{c}-r0"]["inconsistency"] is None for c in good)
     expect = {"always_500": "gave up after 3 attempts: HTTP 500: engine exploded",
               "garbage": "not valid JSON", "truncated_json": "not valid JSON",
               "short_body": "gave up after 3 attempts: connection broken",
               "slow": "gave up after 3 attempts: no complete answer within 1 s",
               "no_logprobs": "no logprobs", "fewer_logprobs": "2 logprobs for 4 tokens",
               "unmappable_strings": "does not map back to one token id",
-              "count_mismatch": "counts 9 completion tokens but returned 4",
               "id_outside_vocab": "token id 999999 at position 1 is not in the model's vocabulary",
-              "nan_logprob": "not a log-probability"}
+              }
     for case, fragment in expect.items():
         assert fragment in err[case], (case, err[case])
 
@@ -150,9 +156,26 @@ def test_every_bad_answer_is_recorded_with_its_error_and_retries_are_bounded(lpf
     assert [t["token_id"] for t in ok_rows] == OUT_IDS and all(t["engine_logprob"] == -0.25 for t in ok_rows)
     assert ok_rows[0]["engine_topk_ids"] == [35, 40]
 
+    # every attempt is on its request: what the server answered, and when
+    a500 = reqs["always_500-r0"]["attempts"]
+    assert [(a["attempt"], a["sent"], a["status"]) for a in a500] == [(i, True, 500) for i in range(MAX_RETRIES + 1)]
+    assert all(a["error"] == "HTTP 500: engine exploded" and a["t_end"] >= a["t_start"] for a in a500)
+    assert [a["status"] for a in reqs["503_then_ok-r0"]["attempts"]] == [503, 503, 200]
+    assert reqs["503_then_ok-r0"]["attempts"][-1]["error"] is None
+    (garbage,) = reqs["garbage-r0"]["attempts"]
+    assert garbage["status"] == 200 and "not valid JSON" in garbage["error"]
+    (nolp,) = reqs["no_logprobs-r0"]["attempts"]
+    assert nolp["status"] == 200 and "no logprobs" in nolp["error"]  # the parse failure is on the attempt
+
     findings = json.loads(r.out)
-    assert findings["errors"] == len(CASES) - len(good)
-    assert sum(findings["counts"].values()) == len(good)
+    assert findings["errors"] == len(CASES) - len(good) - len(kept)
+    assert sum(findings["counts"].values()) == len(good) + len(kept)
+    ev = findings["evidence"]
+    assert ev["inconsistent"] == {"n": 2, "by_reason": {"logprob": 1, "token_count": 1}, "scored": 2, "flagged": 2,
+                                  "requests": sorted(f"{c}-r0" for c in kept)}
+    # a NaN logprob can never be clean: the kept answer is scored and flagged
+    verdict = {f["request_id"]: f["verdict"] for f in findings["flagged"]}
+    assert verdict.get("nan_logprob-r0") in ("divergent", "corrupt")
 
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["engine"]["options"]["api_key_env"] == "LPF_TEST_API_KEY"

@@ -89,11 +89,19 @@ def test_sglang_answers_checked_and_every_request_recorded(lpf_cli, tmp_path):
     rows = {row["request_id"].removesuffix("-r0"): row for row in pq.read_table(out / "requests").to_pylist()}
     assert set(rows) == set(CASES)
     err = {c: row["error"] for c, row in rows.items()}
-    assert {c for c, e in err.items() if e is None} == {"ok", "stop", "busy_then_ok"}
+    # answers that contradict themselves are kept as returned (the ids paired with logprobs), with why
+    kept = {"ids_disagree": ["output_ids: output_ids (4 tokens) and output_token_logprobs (4) disagree at position 2 "
+                             "(output_ids there: [99, 38])"],
+            "fewer_logprobs": ["output_ids: output_ids (4 tokens) and output_token_logprobs (3) disagree at position 3 "
+                               "(output_ids there: [38])", "finish_reason: finish_reason 'length' after 3 of max_tokens 4 "
+                               "tokens", "text: the answer's text 'ABCD' is not its tokens' text 'ABC'"]}
+    assert {c for c, e in err.items() if e is None} == {"ok", "stop", "busy_then_ok"} | set(kept)
+    for case, reasons in kept.items():
+        assert rows[case]["inconsistency"] == "; ".join(reasons), rows[case]["inconsistency"]
+    assert rows["ids_disagree"]["output_token_ids"] == [35, 36, 37, 38]
+    assert rows["fewer_logprobs"]["output_token_ids"] == [35, 36, 37]
     assert "finish_reason 'abort': out of memory" in err["abort"]
-    assert "disagree at position 2" in err["ids_disagree"]
     assert "no output_token_logprobs" in err["no_logprobs"]
-    assert "3 logprobs for 4 tokens" in err["fewer_logprobs"]
     assert "output_token_logprobs[1] is 'oops'" in err["bad_entry"]
     assert "no meta_info" in err["not_object"]
     assert rows["stop"]["finish_reason"] == "stop" and rows["stop"]["output_token_ids"] == [35, 36, 2]
@@ -115,4 +123,5 @@ def test_sglang_answers_checked_and_every_request_recorded(lpf_cli, tmp_path):
     assert [t["token_id"] for t in tokens] == [35, 36, 37, 38]
     assert tokens[0]["engine_topk_ids"] == [35, 40] and tokens[0]["engine_logprob"] == -0.5
     f = json.loads(r.out)
-    assert f["errors"] == len(CASES) - 3 and sum(f["counts"].values()) == 3
+    assert f["errors"] == len(CASES) - 5 and sum(f["counts"].values()) == 5
+    assert f["evidence"]["inconsistent"]["by_reason"] == {"finish_reason": 1, "output_ids": 2, "text": 1}

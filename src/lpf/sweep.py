@@ -11,7 +11,8 @@ Contract:
 - `run_sweep` runs every cell not yet complete as its own `lpf audit` subprocess (engines such as
   vLLM cannot be re-sized in place) into `DIR/cells/<name>`, an ordinary run directory; its log goes
   to `DIR/logs/<name>.log`. A cell whose run was interrupted is finished with `lpf run --resume`,
-  `lpf rescore` and `lpf analyze`, so a rerun of the same sweep redoes nothing. `DIR/sweep.json`
+  `lpf rescore` and `lpf analyze`, so a rerun of the same sweep redoes nothing (`run_cell`: one
+  cell, which `lpf shrink` runs each candidate with). `DIR/sweep.json`
   (rewritten after every cell) and `DIR/sweep.parquet` follow the sweep-dir contract.
 - `cell_row` reads a cell's `findings.json` (its `shape` block when present, else counts/flagged);
   `shape_moves` is pure: per knob, with the other knobs fixed, whether rate, onset, first-divergence
@@ -148,6 +149,18 @@ def make_cells(knobs: list[Knob], base_args: list[str]) -> list[Cell]:
 
 
 # -- running ----------------------------------------------------------------------------------------
+def _die_with_parent() -> None:
+    """In the child, before exec: the kernel kills it when the sweep dies (a SIGKILLed sweep must not
+    leave a cell's audit writing into the run a rerun resumes). Linux only; elsewhere a no-op (the
+    run directory's lock still refuses a second writer)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+    except (OSError, AttributeError):
+        pass
+
+
 def _lpf(args: list[str], log: Path) -> int:
     """Run `lpf ARGS` in a child process, stdout+stderr appended to `log`; its exit code."""
     cmd = [sys.executable, "-c", "import sys; sys.argv[0] = 'lpf'; from lpf.cli import main; main()", *args]
@@ -155,7 +168,8 @@ def _lpf(args: list[str], log: Path) -> int:
     with open(log, "a") as f:
         f.write("$ lpf " + " ".join(args) + "\n")
         f.flush()
-        return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
+        return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
+                              preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None).returncode
 
 
 def _error_line(log: Path) -> str:
@@ -176,7 +190,7 @@ def cell_complete(run_dir: Path) -> bool:
     return manifest.get("status") == "complete" and findings.get("run_complete") and not findings.get("unscored")
 
 
-def _run_cell(cell: Cell, run_dir: Path, log: Path) -> None:
+def run_cell(cell: Cell, run_dir: Path, log: Path) -> None:
     if run_dir.exists() and not (run_dir / "manifest.json").is_file():
         if any(p.is_file() for p in run_dir.rglob("*")):
             raise LpfError(f"{run_dir} holds files but no manifest.json: move it away to rerun this cell")
@@ -229,7 +243,7 @@ def run_sweep(out: Path, knobs: list[Knob], base_args: list[str], cells: list[Ce
     try:
         for c in cells:
             if c.name not in done:
-                _run_cell(c, out / "cells" / c.name, out / "logs" / f"{c.name}.log")
+                run_cell(c, out / "cells" / c.name, out / "logs" / f"{c.name}.log")
                 done.add(c.name)
                 tick(1)
                 write_sweep(out, spec, cells, done)

@@ -140,11 +140,9 @@ def expand(prompts: list[Prompt], n: int, sampling: SamplingParams,
     return out
 
 
-def write_normalized(prompts: list[Prompt], path: Path) -> None:
-    """The tokenized workload, stored in the run so resume never depends on the original file."""
-    with open(path, "w") as f:
-        for p in prompts:
-            f.write(json.dumps(p.to_json()) + "\n")
+def normalized(prompts: list[Prompt]) -> bytes:
+    """The tokenized workload as JSONL, stored in the run so resume never depends on the original file."""
+    return "".join(json.dumps(p.to_json()) + "\n" for p in prompts).encode()
 
 
 def read_normalized(path: Path) -> list[Prompt]:

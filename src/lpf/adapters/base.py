@@ -7,7 +7,8 @@ are refused with a did-you-mean). Three methods:
 `Completion` per request as each finishes, in any order) and `close()`; optionally
 `side_tables()` for tables only some engines have (per-step trace, fault ground truth). Adapters return token ids and
 per-token raw logprobs (+ top-k when the engine has them), never aggregates. A request the engine
-cannot complete comes back with `error` set, never dropped.
+cannot complete comes back with `error` set, never dropped. Before a run starts, `check_model(config)`
+and `check_capacity(model, options, requests)` refuse what the engine can never run.
 """
 
 from __future__ import annotations
@@ -122,6 +123,11 @@ class Engine(ABC):
     def check_model(cls, config: dict) -> None:
         """Raise LpfError if this engine cannot run a model with this config.json (checked before a
         run directory is created, so a refused run writes nothing)."""
+
+    @classmethod
+    def check_capacity(cls, model: ModelRef, options: Options, requests: list[EngineRequest]) -> None:
+        """Raise LpfError when this configuration could hold none of `requests` (checked before a run
+        directory is created: a run of nothing but errors is refused, not started)."""
 
     @abstractmethod
     def describe(self) -> dict:

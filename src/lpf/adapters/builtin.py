@@ -56,6 +56,24 @@ class BuiltinEngine(Engine):
             raise LpfError(f"the built-in engine runs GraniteMoeHybrid and Jamba models; {arch} is not supported "
                            f"(use --engine hf)")
 
+    @classmethod
+    def check_capacity(cls, model, options: BuiltinOptions, requests: list[EngineRequest]) -> None:
+        """The cache these knobs buy (layer shapes only, no weights) must hold at least one request."""
+        from lpf.builtin.llm_engine import cache_sizes
+        from lpf.builtin.models import model_shape
+        from lpf.builtin.scheduler import never_runs_reason
+        from lpf.errors import LpfError
+
+        if not requests:
+            return
+        config = EngineConfig.of(options)
+        _, num_blocks = cache_sizes(model_shape(model.path), config)
+        smallest = min(requests, key=lambda r: len(r.prompt_token_ids) + r.max_tokens)
+        reason = never_runs_reason(len(smallest.prompt_token_ids) + smallest.max_tokens, num_blocks, config)
+        if reason is not None:
+            raise LpfError(f"these engine knobs can hold no request of the workload: even the smallest "
+                           f"({smallest.request_id}) {reason}")
+
     def describe(self) -> dict:
         return {"name": self.name, "version": lpf.__version__, "options": self.options.to_dict(),
                 "cache": self.engine.describe()}

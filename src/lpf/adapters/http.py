@@ -2,13 +2,17 @@
 
 Contract:
 - `post_json(...)` sends one JSON request and returns the decoded JSON answer, or raises `RequestFailed`
-  with a one-line reason. It retries, at most `max_retries` times, on what can pass (429, 5xx,
-  timeouts, refused or broken connections), with exponential backoff and full jitter; a 429 or 503
-  with `Retry-After` waits at least that long. Other 4xx answers and answers that are not JSON are
+  with a one-line reason. Every attempt is appended to the caller's `attempts` list as it ends (the
+  `schema.ATTEMPT` fields: `sent` false when it never left, `status`, the server's own `error` message,
+  `t_start`/`t_end`), so "sent and failed" stays apart from "never sent"; a request whose answered
+  attempts failed before later ones could not be sent says both in its error. It retries, at most
+  `max_retries` times, on what can pass (429, 5xx, timeouts, refused or broken connections), with
+  exponential backoff and full jitter; a 429 or 503 with `Retry-After` waits at least that long. Other 4xx answers and answers that are not JSON are
   not retried (they would come back the same). Every attempt is bounded by `timeout_s` from connect to
   the last byte, and nothing is attempted or waited for past the run's overall deadline.
 - `run_all(items, handler, ...)` runs an async handler over items with a concurrency limit in a
-  background event loop and yields `(item, result)` pairs from the calling thread as each finishes,
+  background event loop (each item no earlier than `start_at(item)` seconds after the start, when
+  given: open-loop arrivals) and yields `(item, result)` pairs from the calling thread as each finishes,
   so a synchronous `Engine.generate` can stream completions. A handler failure becomes that item's
   error (via `on_error`), never a lost item; closing the iterator cancels what is still in flight.
 - `CircuitBreaker`: once the server has refused `threshold` connections in a row with no success in
@@ -103,21 +107,52 @@ def make_client(concurrency: int, api_key: str | None):
                              limits=httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency))
 
 
+def attempt_record(attempts: list, sent: bool, status: int | None, error: str | None, t_start: float,
+                   t_end: float | None = None) -> dict:
+    """Append one attempt (the `schema.ATTEMPT` fields; numbered in order) and return it."""
+    rec = {"attempt": len(attempts), "sent": sent, "status": status, "error": error, "t_start": t_start,
+           "t_end": time.time() if t_end is None else t_end}
+    attempts.append(rec)
+    return rec
+
+
+def failure_message(final: str, attempts: list) -> str:
+    """The request's error: `final`, and when attempts that reached the server failed before the last
+    one could not be sent, what the server said then (the evidence a dead port would otherwise hide)."""
+    failed = [a for a in attempts if a["sent"] and a["error"]]
+    if attempts and not attempts[-1]["sent"] and failed:
+        said = [a for a in failed if a["status"] is not None] or failed  # the server's own words first
+        return f"sent and failed ({said[-1]['error']}); then {final}"
+    return final
+
+
 async def post_json(client, url: str, payload: dict, policy: RetryPolicy, deadline: float, stats: Stats,
                     breaker: CircuitBreaker | None = None,
-                    tag: Callable[[dict, int], tuple[dict, dict]] | None = None) -> Any:
-    """`tag(payload, attempt)` -> (payload, headers) for that attempt (attempt 0 first), e.g. a request id."""
+                    tag: Callable[[dict, int], tuple[dict, dict]] | None = None,
+                    attempts: list | None = None) -> Any:
+    """`tag(payload, attempt)` -> (payload, headers) for that attempt (attempt 0 first), e.g. a request id;
+    `attempts` collects every attempt's record (see the module docstring)."""
     import httpx
+
+    log: list = [] if attempts is None else attempts
+
+    def fail(final: str):
+        return RequestFailed(failure_message(final, log))
 
     attempt = 0
     while True:
+        now = time.time()
         if breaker is not None and breaker.open:
-            raise RequestFailed(f"not sent: the server refused {breaker.refused_in_a_row} connections in a row "
-                                f"(last: {breaker.last})")
+            reason = (f"not sent: the server refused {breaker.refused_in_a_row} connections in a row "
+                      f"(last: {breaker.last})")
+            attempt_record(log, False, None, reason, now, now)
+            raise fail(reason)
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise RequestFailed(f"overall deadline of {policy.deadline_s:g} s passed before this request finished")
-        retry_after = None
+            reason = f"overall deadline of {policy.deadline_s:g} s passed before this request finished"
+            attempt_record(log, False, None, reason, now, now)
+            raise fail(reason)
+        retry_after, sent, status = None, True, None
         stats.attempts += 1
         body, headers = tag(payload, attempt) if tag else (payload, {})
         try:
@@ -126,7 +161,7 @@ async def post_json(client, url: str, payload: dict, policy: RetryPolicy, deadli
         except asyncio.TimeoutError:  # (TimeoutError itself only from 3.11 on)
             kind, reason = "timeout", f"no complete answer within {min(policy.timeout_s, remaining):.3g} s"
         except httpx.ConnectError as e:
-            kind, reason = "refused", f"cannot connect to {url} ({_short(e) or 'connection refused'})"
+            kind, reason, sent = "refused", f"cannot connect to {url} ({_short(e) or 'connection refused'})", False
             if breaker is not None:
                 breaker.refused(reason)
         except httpx.TransportError as e:
@@ -134,25 +169,32 @@ async def post_json(client, url: str, payload: dict, policy: RetryPolicy, deadli
         else:
             if breaker is not None:
                 breaker.success()
-            code = resp.status_code
+            code = status = resp.status_code
             if code == 429 or code >= 500:
                 kind, reason = f"HTTP {code}", f"HTTP {code}: {server_message(resp.content)}"
                 retry_after = parse_retry_after(resp.headers.get("retry-after"))
             elif code >= 400:
-                raise RequestFailed(f"HTTP {code} from {url}: {server_message(resp.content)}")
+                reason = f"HTTP {code} from {url}: {server_message(resp.content)}"
+                attempt_record(log, True, code, reason, now)
+                raise fail(reason)
             else:
                 try:
-                    return json.loads(resp.content)
+                    answer = json.loads(resp.content)
                 except ValueError as e:
-                    raise RequestFailed(f"answer is not valid JSON ({e}; starts {resp.content[:60]!r})") from None
+                    reason = f"answer is not valid JSON ({e}; starts {resp.content[:60]!r})"
+                    attempt_record(log, True, code, reason, now)
+                    raise fail(reason) from None
+                attempt_record(log, True, code, None, now)
+                return answer
+        attempt_record(log, sent, status, reason, now)
         stats.reasons[kind] += 1
         if attempt >= policy.max_retries:
-            raise RequestFailed(f"gave up after {attempt + 1} attempts: {reason}")
+            raise fail(f"gave up after {attempt + 1} attempts: {reason}")
         delay = random.uniform(0, min(policy.backoff_max_s, policy.backoff_s * 2 ** attempt))
         if retry_after is not None:
             delay = max(delay, retry_after)
         if time.monotonic() + delay >= deadline:
-            raise RequestFailed(f"overall deadline of {policy.deadline_s:g} s would pass before a retry: {reason}")
+            raise fail(f"overall deadline of {policy.deadline_s:g} s would pass before a retry: {reason}")
         stats.retries += 1
         attempt += 1
         await asyncio.sleep(delay)
@@ -201,14 +243,16 @@ def _short(e: BaseException) -> str:
 
 def run_all(items: Iterable, handler: Callable[[Any, Any], Awaitable[Any]], *, concurrency: int,
             client_factory: Callable[[], Any], on_error: Callable[[Any, str], Any],
-            join_timeout: float) -> Iterator[tuple[Any, Any]]:
+            join_timeout: float, start_at: Callable[[Any], float] | None = None) -> Iterator[tuple[Any, Any]]:
     """Yield (item, handler(client, item)) as each finishes; see the module docstring."""
     items = list(items)
     out: queue.Queue = queue.Queue()
     done = object()
     loop_box: dict = {}
 
-    async def one(sem, client, item):
+    async def one(sem, client, item, t0):
+        if start_at is not None:
+            await asyncio.sleep(max(0.0, t0 + start_at(item) - time.monotonic()))
         async with sem:
             try:
                 result = await handler(client, item)
@@ -224,7 +268,8 @@ def run_all(items: Iterable, handler: Callable[[Any, Any], Awaitable[Any]], *, c
         loop_box["task"] = asyncio.current_task()
         sem = asyncio.Semaphore(max(1, concurrency))
         async with client_factory() as client:
-            await asyncio.gather(*(one(sem, client, it) for it in items))
+            t0 = time.monotonic()
+            await asyncio.gather(*(one(sem, client, it, t0) for it in items))
 
     def thread_main():
         try:

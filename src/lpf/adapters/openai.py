@@ -8,9 +8,11 @@ to ids with the local tokenizer and every mapping is checked (the id must decode
 string; two ids that decode alike cannot be told apart this way, which is why ids are asked for
 first); a sampled token that does not map is that request's error. Top-k entries that do not map are
 left out of that position's top-k (the sampled token's logprob is what gets compared).
-Answers are checked before they are trusted: logprobs present, one per token, numbers, ids inside
-the vocabulary, the server's token count agreeing. Each attempt sends the run's request id as
-`X-Request-Id`. Prompt logprobs (`echo`) are not requested: a run stores only output positions.
+Answers are checked before they are trusted: logprobs present, one per token and ids inside the
+vocabulary (else the request's error), and the server's token count, its text, its finish reason
+and the logprob values (else the answer is kept with an `inconsistency`, see `remote`). Each
+attempt sends the run's request id as `X-Request-Id`. Prompt logprobs (`echo`) are not requested: a
+run stores only output positions.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pydantic import model_validator
 
 from lpf.adapters.base import Completion
 from lpf.adapters.http import RequestFailed
-from lpf.adapters.remote import RemoteEngine, RemoteOptions, as_logprob
+from lpf.adapters.remote import Problems, RemoteEngine, RemoteOptions, as_logprob
 from lpf.errors import LpfError
 from lpf.workload import EngineRequest
 
@@ -76,15 +78,15 @@ class OpenAIEngine(RemoteEngine):
     def tag(self, req, payload, attempt):
         return payload, {"X-Request-Id": self.attempt_id(req, attempt)}  # vLLM and lpf serve adopt it
 
-    async def call(self, client, req, deadline, breaker):
+    async def call(self, client, req, deadline, breaker, attempts):
         asked = self.ask_for_ids
         try:
-            return await super().call(client, req, deadline, breaker)
+            return await super().call(client, req, deadline, breaker, attempts)
         except RequestFailed as e:
             # A strict server rejects the vLLM extension: fall back to string tokens for the whole run.
             if self.options.token_ids == "auto" and asked and "HTTP 4" in str(e) and _ID_FIELD in str(e):
                 self.ask_for_ids = False
-                return await super().call(client, req, deadline, breaker)
+                return await super().call(client, req, deadline, breaker, attempts)
             raise
 
     def parse(self, req: EngineRequest, body: Any) -> Completion:
@@ -103,21 +105,22 @@ class OpenAIEngine(RemoteEngine):
         if len(values) != len(tokens):
             raise RequestFailed(f"{len(values)} logprobs for {len(tokens)} tokens")
         usage = body.get("usage") if isinstance(body.get("usage"), dict) else {}
-        self.check_count(req, len(tokens), usage.get("completion_tokens"))
         ids = [self.token_id(t, pos, strict=True) for pos, t in enumerate(tokens)]
         self.check_ids(ids)
-        logprobs = [as_logprob(v, pos) for pos, v in enumerate(values)]
-        topk_ids, topk_lps = self.top_k(lp.get("top_logprobs"), len(ids), "top_logprobs", self.top_pairs)
-        finish = choice.get("finish_reason") or "length"
-        if finish not in ("stop", "length"):
-            raise RequestFailed(f"finish_reason {finish!r}")
+        problems = Problems()
+        logprobs = [problems.logprob(v, pos) for pos, v in enumerate(values)]
+        finish = choice.get("finish_reason")
+        if finish is None:  # no claim to check; what the length says
+            finish = "length" if len(ids) >= req.max_tokens else "stop"
+        self.check_answer(req, ids, usage.get("completion_tokens"), finish, choice.get("text"), problems)
+        topk_ids, topk_lps = self.top_k(lp.get("top_logprobs"), len(ids), "top_logprobs", self.top_pairs, problems)
         return Completion(request_id=req.request_id, output_token_ids=ids, logprobs=logprobs, topk_ids=topk_ids,
-                          topk_logprobs=topk_lps, finish_reason=finish)
+                          topk_logprobs=topk_lps, finish_reason=str(finish), inconsistency=problems.text())
 
     def top_pairs(self, entry: Any, pos: int) -> list[tuple[float, int]]:
         """One `top_logprobs` entry ({token: logprob}); alternatives without a usable id are left out."""
         pairs = []
-        for key, value in (entry or {}).items():
+        for key, value in (entry.items() if isinstance(entry, dict) else ()):
             tid = self.token_id(key, pos, strict=False)
             if tid is not None and 0 <= tid < self.vocab_size:
                 pairs.append((as_logprob(value, pos), tid))

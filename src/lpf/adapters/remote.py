@@ -1,10 +1,16 @@
 """Common ground of the adapters that talk to a server over HTTP (`openai`, `sglang`).
 
 Contract: a `RemoteEngine` subclass says how one request becomes a JSON payload (`endpoint`,
-`payload`) and how one JSON answer becomes a `Completion` (`parse`, raising `RequestFailed` with a
-one-line reason for any answer it cannot trust). This class sends them with `lpf.adapters.http`
-(concurrency limit, bounded retries, per-attempt timeout, overall deadline) and yields completions
-as they finish; every request comes back, failed ones with `error` set. Each attempt carries the
+`payload`) and how one JSON answer becomes a `Completion` (`parse`). An answer with nothing usable
+(no tokens, no logprobs, logprobs that cannot be paired with tokens, ids the tokenizer cannot
+place) raises `RequestFailed` with a one-line reason and becomes that request's error. An answer
+that is usable but fails a consistency check (the server's own token count, its text against its
+token ids, SGLang's `output_ids` against its logprob ids, the finish reason against the length,
+logprobs above 0 or not numbers) is kept as returned with `inconsistency` = "KIND: detail[; ...]"
+(`Problems`): evidence of a lie is never dropped. This class sends the requests with
+`lpf.adapters.http` (concurrency limit, bounded retries, per-attempt timeout, overall deadline),
+records every attempt on the completion (`attempts`), and yields completions as they finish;
+every request comes back, failed ones with `error` set. Each attempt carries the
 run's request id (`tag`: a header or a payload field; retries add "~retryN"), so the server's logs and
 traces (`lpf serve --trace-dir`) name the same requests as the run.
 
@@ -17,6 +23,8 @@ records options and the API key's environment variable name, never the key.
 from __future__ import annotations
 
 import json
+import math
+import random
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -39,6 +47,9 @@ class RemoteOptions(Options):
     max_retries: int = Field(4, ge=0)
     deadline_s: float = Field(3600.0, gt=0)  # the whole run
     backoff_s: float = Field(0.5, gt=0)
+    # open-loop load: Poisson arrivals at this many requests per second (seeded by the run's seed);
+    # 0 = closed loop, a new request as soon as one of `concurrency` finishes
+    arrival_rate: float = Field(0.0, ge=0)
 
     @model_validator(mode="after")
     def _usable(self):
@@ -73,7 +84,9 @@ class RemoteEngine(Engine):
         self.api_key = api_key_from_env(options.api_key_env)
         self.tokenizer = load_tokenizer(model)
         cfg = json.loads((model.path / "config.json").read_text())
-        self.vocab_size = int(cfg.get("text_config", cfg).get("vocab_size") or len(self.tokenizer))
+        cfg = cfg.get("text_config", cfg)
+        self.vocab_size = int(cfg.get("vocab_size") or len(self.tokenizer))
+        self.max_context = cfg.get("max_position_embeddings")
         self.stats = Stats()
         self.server_version = self._server_version()
 
@@ -130,10 +143,13 @@ class RemoteEngine(Engine):
     def attempt_id(req: EngineRequest, attempt: int) -> str:
         return req.request_id if attempt == 0 else f"{req.request_id}~retry{attempt}"
 
-    async def call(self, client, req: EngineRequest, deadline: float, breaker: CircuitBreaker) -> Any:
-        """One request's JSON answer (a subclass may adapt the payload after a refusal)."""
+    async def call(self, client, req: EngineRequest, deadline: float, breaker: CircuitBreaker,
+                   attempts: list) -> Any:
+        """One request's JSON answer (a subclass may adapt the payload after a refusal); every attempt
+        is appended to `attempts`."""
         return await post_json(client, self.url(self.endpoint()), self.payload(req), self.options.policy(),
-                               deadline, self.stats, breaker, tag=lambda p, a: self.tag(req, p, a))
+                               deadline, self.stats, breaker, tag=lambda p, a: self.tag(req, p, a),
+                               attempts=attempts)
 
     # -- shared machinery ---------------------------------------------------------------------------
     def url(self, path: str) -> str:
@@ -148,22 +164,44 @@ class RemoteEngine(Engine):
         deadline = time.monotonic() + o.deadline_s
         breaker = CircuitBreaker(o.concurrency + o.max_retries + 1)
         started: dict[str, float] = {}
+        attempts: dict[str, list] = {}
 
         async def handler(client, req: EngineRequest) -> Completion:
             started[req.request_id] = time.time()
-            body = await self.call(client, req, deadline, breaker)
-            c = self.parse(req, body)
-            c.t_submit = started[req.request_id]
+            log = attempts.setdefault(req.request_id, [])
+            body = await self.call(client, req, deadline, breaker, log)
+            try:
+                c = self.parse(req, body)
+            except RequestFailed as e:  # the attempt got an answer we cannot use: say so on the attempt too
+                if log:
+                    log[-1]["error"] = str(e)
+                raise
+            c.t_submit, c.attempts = started[req.request_id], log
             return c
 
         def on_error(req: EngineRequest, message: str) -> Completion:
             return Completion(request_id=req.request_id, output_token_ids=[], logprobs=[], finish_reason="error",
-                              error=message, t_submit=started.get(req.request_id))
+                              error=message, t_submit=started.get(req.request_id),
+                              attempts=attempts.get(req.request_id, []))
 
         for _, completion in run_all(requests, handler, concurrency=o.concurrency,
                                      client_factory=lambda: make_client(o.concurrency, self.api_key),
-                                     on_error=on_error, join_timeout=o.timeout_s + 5):
+                                     on_error=on_error, join_timeout=o.timeout_s + 5,
+                                     start_at=self.arrivals(requests)):
             yield completion
+
+    def arrivals(self, requests: list[EngineRequest]) -> Callable[[EngineRequest], float] | None:
+        """With `arrival_rate`, each request's send time (seconds after the start): a Poisson process
+        seeded by the run's seed, in arrival order, so a rerun sends the same schedule."""
+        rate = self.options.arrival_rate
+        if not rate:
+            return None
+        rng = random.Random(self.sampling.seed)
+        at, t = {}, 0.0
+        for r in sorted(requests, key=lambda r: r.seq):
+            at[r.request_id] = t
+            t += rng.expovariate(rate)
+        return lambda r: at[r.request_id]
 
     # -- checks every parser shares -----------------------------------------------------------------
     def check_ids(self, ids: list[int], what: str = "token id") -> None:
@@ -173,36 +211,87 @@ class RemoteEngine(Engine):
                                     f"(0..{self.vocab_size - 1})")
 
     def top_k(self, top: Any, n: int, field: str,
-              entry_pairs: Callable[[Any, int], list[tuple[float, int]]]) -> tuple[list, list]:
+              entry_pairs: Callable[[Any, int], list[tuple[float, int]]], problems: "Problems") -> tuple[list, list]:
         """Per position, the best `--logprobs` alternatives (ids, logprobs), best first, from a server's
         `field` (one entry per output token); `entry_pairs(entry, pos)` reads one entry in that
-        server's shape as (logprob, token id) pairs. Nothing asked or nothing sent: no top-k."""
+        server's shape as (logprob, token id) pairs. Nothing asked or nothing sent: no top-k; a list
+        that cannot be lined up with the tokens is an inconsistency (the sampled tokens still count)."""
         k = self.sampling.logprobs
         if k == 0 or top is None:
             return [], []
         if not isinstance(top, list) or len(top) != n:
-            raise RequestFailed(f"{field} has {len(top) if isinstance(top, list) else 'no'} entries for {n} tokens")
+            problems.add("top_logprobs", f"{field} has {len(top) if isinstance(top, list) else 'no'} entries "
+                                         f"for {n} tokens")
+            return [], []
         ids_out, lps_out = [], []
         for pos, entry in enumerate(top):
             # sorted and cut: the sampled token may ride along as a (k+1)-th entry
-            pairs = sorted(entry_pairs(entry, pos), key=lambda p: -p[0])
+            pairs = sorted(((v, t) for v, t in entry_pairs(entry, pos) if v == v), key=lambda p: -p[0])
             ids_out.append([t for _, t in pairs[:k]])
             lps_out.append([v for v, _ in pairs[:k]])
         return ids_out, lps_out
 
-    def check_count(self, req: EngineRequest, n_tokens: int, claimed: Any) -> None:
-        if n_tokens == 0:
+    def check_answer(self, req: EngineRequest, ids: list[int], claimed: Any, finish: Any, text: Any,
+                     problems: "Problems", finish_detail: str | None = None) -> None:
+        """What every answer must agree with: tokens at all, at most max_tokens of them, the server's
+        own count, its finish reason (a `length` finish short of both max_tokens and the context is
+        not one) and its text (the tokens decoded, with or without special tokens)."""
+        n = len(ids)
+        if n == 0:
             raise RequestFailed("the answer has no output tokens")
-        if n_tokens > req.max_tokens:
-            raise RequestFailed(f"{n_tokens} output tokens for max_tokens {req.max_tokens}")
-        if isinstance(claimed, int) and claimed != n_tokens:
-            raise RequestFailed(f"the server counts {claimed} completion tokens but returned {n_tokens} with logprobs")
+        if n > req.max_tokens:
+            problems.add("too_long", f"{n} output tokens for max_tokens {req.max_tokens}")
+        if isinstance(claimed, int) and not isinstance(claimed, bool) and claimed != n:
+            problems.add("token_count", f"the server counts {claimed} completion tokens but returned {n} with logprobs")
+        room = None if self.max_context is None else self.max_context - len(req.prompt_token_ids)
+        if finish == "length" and n < req.max_tokens and (room is None or n < room):
+            problems.add("finish_reason", f"finish_reason 'length' after {n} of max_tokens {req.max_tokens} tokens")
+        elif finish not in ("stop", "length"):
+            problems.add("finish_reason", f"finish_reason {finish!r}" + (f": {finish_detail}" if finish_detail else ""))
+        if isinstance(text, str):
+            decoded = self.tokenizer.decode(ids, skip_special_tokens=True)
+            if text != decoded and text != self.tokenizer.decode(ids, skip_special_tokens=False):
+                problems.add("text", f"the answer's text {snippet(text)} is not its tokens' text {snippet(decoded)}")
+
+
+class Problems:
+    """The consistency checks an answer failed, as `KIND: detail` items; `logprob` problems of many
+    positions collapse into one item (the first position and the count)."""
+
+    def __init__(self):
+        self.items: dict[str, str] = {}
+        self._counts: dict[str, int] = {}
+
+    def add(self, kind: str, detail: str) -> None:
+        self._counts[kind] = self._counts.get(kind, 0) + 1
+        self.items.setdefault(kind, detail)
+
+    def logprob(self, value: Any, pos: int) -> float:
+        """A logprob as returned: a number above 0, NaN, null or not a number at all is kept (as NaN
+        when it is no number) and noted, never a reason to drop the answer's tokens."""
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            self.add("logprob", f"logprob at position {pos} is {snippet(value)}, not a number")
+            return math.nan
+        value = float(value)
+        if value != value or value > 1e-6:
+            self.add("logprob", f"logprob at position {pos} is {value!r}, not a log-probability")
+            return value
+        return min(value, 0.0)
+
+    def text(self) -> str | None:
+        if not self.items:
+            return None
+        return "; ".join(f"{kind}: {detail}" + (f" ({self._counts[kind]} positions)" if self._counts[kind] > 1 else "")
+                         for kind, detail in self.items.items())
+
+
+def snippet(value: Any, width: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= width else text[:width - 3] + "..."
 
 
 def as_logprob(value: Any, pos: int) -> float:
-    """A finite-or--inf logprob; anything else is an untrustworthy answer."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise RequestFailed(f"logprob at position {pos} is {value!r}, not a number")
-    if value != value or value > 1e-6:  # NaN, or a log-probability above 0
-        raise RequestFailed(f"logprob at position {pos} is {value!r}, not a log-probability")
+    """A top-k alternative's logprob: a usable number, or NaN (the alternative is then left out)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value > 1e-6:
+        return math.nan
     return float(min(value, 0.0))

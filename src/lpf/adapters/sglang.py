@@ -6,8 +6,9 @@ positions only), `return_text_in_logprobs=false` (ids are what we compare). Answ
 tokenizer manager builds it: `{"text", "output_ids", "meta_info": {"finish_reason": {"type": ...},
 "completion_tokens", "output_token_logprobs": [[logprob, token_id, text|null], ...],
 "output_top_logprobs": [[[logprob, token_id, text|null], ...] | null, ...]}}`. The ids in
-`output_token_logprobs` must agree with `output_ids` when the server sends both; an `abort` finish
-is that request's error.
+`output_token_logprobs` (the ones paired with logprobs, and the ones stored) must agree with
+`output_ids` and `text` when the server sends them, else the answer is kept with an `inconsistency`;
+an `abort` finish with no tokens is that request's error, one with tokens an inconsistency.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 
 from lpf.adapters.base import Completion
 from lpf.adapters.http import RequestFailed
-from lpf.adapters.remote import RemoteEngine, as_logprob
+from lpf.adapters.remote import Problems, RemoteEngine, snippet, as_logprob
 from lpf.workload import EngineRequest
 
 
@@ -50,39 +51,45 @@ class SGLangEngine(RemoteEngine):
         meta = body["meta_info"]
         finish = meta.get("finish_reason")
         kind = finish.get("type") if isinstance(finish, dict) else finish
-        if kind not in ("stop", "length"):
-            detail = finish.get("message") if isinstance(finish, dict) else None
-            raise RequestFailed(f"finish_reason {kind!r}" + (f": {detail}" if detail else ""))
+        detail = finish.get("message") if isinstance(finish, dict) else None
         entries = meta.get("output_token_logprobs")
+        if kind not in ("stop", "length") and not entries:
+            raise RequestFailed(f"finish_reason {kind!r}" + (f": {detail}" if detail else ""))
         if not isinstance(entries, list):
             raise RequestFailed("answer has no output_token_logprobs (was return_logprob ignored?)")
+        problems = Problems()
         ids, logprobs = [], []
         for pos, e in enumerate(entries):
             if not isinstance(e, list) or len(e) < 2:
                 raise RequestFailed(f"output_token_logprobs[{pos}] is {e!r}, not [logprob, token_id, ...]")
-            logprobs.append(as_logprob(e[0], pos))
+            logprobs.append(problems.logprob(e[0], pos))
             ids.append(e[1])
         self.check_ids(ids)
         output_ids = body.get("output_ids")
         if output_ids is not None:
             if not isinstance(output_ids, list):
-                raise RequestFailed("output_ids is not a list")
-            if len(output_ids) != len(ids):
-                raise RequestFailed(f"{len(ids)} logprobs for {len(output_ids)} tokens")
-            if output_ids != ids:
-                pos = next(i for i, (a, b) in enumerate(zip(output_ids, ids)) if a != b)
-                raise RequestFailed(f"output_ids and output_token_logprobs disagree at position {pos}")
-        self.check_count(req, len(ids), meta.get("completion_tokens"))
-        topk_ids, topk_lps = self.top_k(meta.get("output_top_logprobs"), len(ids), "output_top_logprobs", self.top_pairs)
+                problems.add("output_ids", f"output_ids is {type(output_ids).__name__}, not a list")
+            elif output_ids != ids:
+                pos = next((i for i, (a, b) in enumerate(zip(output_ids, ids)) if a != b), min(len(ids), len(output_ids)))
+                problems.add("output_ids", f"output_ids ({len(output_ids)} tokens) and output_token_logprobs "
+                                           f"({len(ids)}) disagree at position {pos} (output_ids there: "
+                                           f"{snippet(output_ids[pos:pos + 8])})")
+        self.check_answer(req, ids, meta.get("completion_tokens"), kind, body.get("text"), problems, detail)
+        topk_ids, topk_lps = self.top_k(meta.get("output_top_logprobs"), len(ids), "output_top_logprobs",
+                                        lambda entry, pos: self.top_pairs(entry, pos, problems), problems)
         return Completion(request_id=req.request_id, output_token_ids=ids, logprobs=logprobs, topk_ids=topk_ids,
-                          topk_logprobs=topk_lps, finish_reason=kind)
+                          topk_logprobs=topk_lps, finish_reason=str(kind), inconsistency=problems.text())
 
-    def top_pairs(self, entry: Any, pos: int) -> list[tuple[float, int]]:
-        """One `output_top_logprobs` entry: [[logprob, token_id, text|null], ...], every id checked."""
+    def top_pairs(self, entry: Any, pos: int, problems: Problems) -> list[tuple[float, int]]:
+        """One `output_top_logprobs` entry: [[logprob, token_id, text|null], ...]; an alternative that is
+        not of that shape or names an id outside the vocabulary is left out, and noted (the sampled
+        token's logprob is what gets compared)."""
         pairs = []
-        for e in entry or []:
-            if not isinstance(e, list) or len(e) < 2:
-                raise RequestFailed(f"output_top_logprobs[{pos}] holds {e!r}, not [logprob, token_id, ...]")
-            pairs.append((as_logprob(e[0], pos), e[1]))
-        self.check_ids([t for _, t in pairs], "top-k token id")
+        for e in entry if isinstance(entry, list) else []:
+            tid = e[1] if isinstance(e, list) and len(e) >= 2 else None
+            if not isinstance(tid, int) or isinstance(tid, bool) or not 0 <= tid < self.vocab_size:
+                problems.add("top_logprobs", f"output_top_logprobs[{pos}] holds {snippet(e)}, not [logprob, "
+                                             f"token_id in the vocabulary, ...]")
+                continue
+            pairs.append((as_logprob(e[0], pos), tid))
         return pairs

@@ -43,6 +43,7 @@ class Feature:
     values: np.ndarray  # bool, or float (NaN = unknown)
     phrase: str  # bool: what a request with it did; numeric: the quantity's name
     stride: int | None = None  # numeric slot features: elements per slot, to state splits as offsets
+    template: str | None = None  # numeric: the split's words, "{op}" and "{cut}" filled in ("arrived while ...")
 
 
 def _prompt_lengths(req: pa.Table) -> np.ndarray:

@@ -4,7 +4,9 @@
 -> (summary table, findings dict). Steps: join engine tokens with reference scores, calibrate the
 thresholds to the run's noise floor (`calibration`; or to a calibration run's, when given),
 per-token metrics, per-request verdicts, the
-failure's shape (`shape`) and the ranked mechanisms (`features` + `hypotheses`). Pure: tables and
+failure's shape (`shape`), the ranked mechanisms (`features` and `timing` + `hypotheses`) and what the
+answers say beyond their tokens (`evidence`: inconsistent answers, at least `divergent` when scored
+and disagreeing; failed attempts; a dying server's suspects). Pure: tables and
 plain data in and out; `trace` and `engine_info` (the manifest's engine section) are optional, and
 without them the hypotheses use request metadata only.
 
@@ -30,12 +32,14 @@ import pyarrow.compute as pc
 
 from lpf.analysis import metrics as m
 from lpf.analysis.calibration import calibrate, calibrate_from_run
+from lpf.analysis.evidence import apply_inconsistency, evidence
 from lpf.analysis.features import Feature, request_features
 from lpf.analysis.hypotheses import rank_hypotheses
 from lpf.analysis.prompt import merge_summary, prompt_analysis, worst_verdict
 from lpf.analysis.shape import failure_shape
 from lpf.analysis.signatures import crossed_wires, tempered_logprobs
 from lpf.analysis.thresholds import Thresholds
+from lpf.analysis.timing import timing_features
 from lpf.analysis.verdicts import SEVERITY, VERDICTS, reduce_requests, summarize_requests
 from lpf.run.schema import SCHEMA_VERSION
 
@@ -57,7 +61,7 @@ def analyze(requests: pa.Table, tokens: pa.Table, reference: pa.Table, th: Thres
     th, calib = calibrate(ad, starts, th) if calibration is None else \
         calibrate_from_run(reference, calibration, th, calibration_info)
     tok, per = _score(joined, starts, ad, greedy, th)
-    summary = summarize_requests(tok, requests, th, starts, per=per)
+    summary = apply_inconsistency(summarize_requests(tok, requests, th, starts, per=per), requests)
     findings = build_findings(tok, summary, th, flips=int(per[1]["n_greedy_flips"].sum()))
     findings["thresholds"].update(calib, pinned=sorted(th.pinned))
     shape = failure_shape(summary, requests, trace)
@@ -66,6 +70,7 @@ def analyze(requests: pa.Table, tokens: pa.Table, reference: pa.Table, th: Thres
         f["divergence_step"] = steps.get(f["request_id"])
     findings["shape"] = shape
     findings["hypotheses"] = _hypotheses(summary, requests, tok, reference, trace, engine_info, temperature, th)
+    findings["evidence"] = evidence(requests, summary)
     prompt_table, prompt_block = prompt_analysis(prompt_tokens, prompt_reference, requests, th, trace, chunk_budget)
     if prompt_block is not None:
         summary = merge_summary(summary, prompt_table)
@@ -120,7 +125,7 @@ def _hypotheses(summary, requests, tok, reference, trace, engine_info, temperatu
         # nothing lies outright, but some requests drift: what sets them apart is still worth
         # ranking (a stale state that shifts logprobs without changing answers shows only as noise)
         flagged = having("noise")
-    feats = request_features(requests, trace, engine_info)
+    feats = request_features(requests, trace, engine_info) + timing_features(requests)
     ids = summary.column("request_id")
     sigs = []
     if temperature and temperature != 1.0 and "ref_topk_logprobs" in reference.column_names:

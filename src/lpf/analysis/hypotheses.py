@@ -145,7 +145,8 @@ def rank_hypotheses(features: list[Feature], flagged: np.ndarray, scored: np.nda
         if p >= MAX_P:
             continue
         if split is not None:
-            phrase = "had " + _split_words(f, *split)
+            phrase = f.template.format(op=split[0], cut=_fmt(split[1])) if f.template else \
+                "had " + _split_words(f, *split)
         sentence = (f"{a}/{n_f} {flagged_label} requests {phrase}; {c}/{n_o} {other_label} ones did"
                     + (" (best split)" if split is not None else "") + ".")
         h = {"feature": f.name, "sentence": sentence, "flagged_with": a, "flagged_total": n_f,

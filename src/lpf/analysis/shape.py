@@ -42,7 +42,8 @@ def divergence_steps(trace: pa.Table, requests: pa.Table, ids: list[str], positi
     got = want.join(first, ["request_id", "pos"]).to_pydict()
     out: list[int | None] = [None] * len(ids)
     for i, s in zip(got["i"], got["step_min"]):
-        out[i] = int(s)
+        if s is not None:  # a request the trace does not cover (the join keeps it, without a step)
+            out[i] = int(s)
     return out
 
 

@@ -19,6 +19,18 @@ from lpf.builtin.scheduler import Scheduler
 from lpf.run.schema import TRACE
 
 
+def cache_sizes(model, config: EngineConfig) -> tuple[int, int]:
+    """(state slots, KV blocks) that `config.cache_mb` buys for `model` (weights or not: only the
+    layer shapes count, so a model built on the meta device answers before any weight loads)."""
+    from lpf.torch_utils import torch_dtype
+
+    elem = torch_dtype(config.dtype).itemsize
+    n_attn, n_kv, head_dim = model.kv_spec()
+    slot_bytes = sum(prod(shape) for parts in model.state_specs() for _, shape in parts) * elem
+    block_bytes = n_attn * 2 * config.block_size * n_kv * head_dim * elem
+    return config.cache_sizes(slot_bytes, block_bytes)
+
+
 class LLMEngine:
     def __init__(self, model_path: Path, config: EngineConfig, faults: FaultSet = FaultSet()):
         from lpf.builtin.models import load_model
@@ -29,11 +41,7 @@ class LLMEngine:
         dtype = torch_dtype(config.dtype)
         self.model = load_model(model_path, dtype=dtype, device=config.device)
         self.max_context = getattr(self.model.config, "max_position_embeddings", None)
-        n_attn, n_kv, head_dim = self.model.kv_spec()
-        elem = dtype.itemsize
-        slot_bytes = sum(prod(shape) for parts in self.model.state_specs() for _, shape in parts) * elem
-        block_bytes = n_attn * 2 * config.block_size * n_kv * head_dim * elem
-        self.num_slots, self.num_blocks = config.cache_sizes(slot_bytes, block_bytes)
+        self.num_slots, self.num_blocks = cache_sizes(self.model, config)
         self.truth = GroundTruth()
         self.scheduler = Scheduler(config, self.num_slots, self.num_blocks, self.max_context,
                                    double_free=faults.kv_double_free, record=self.truth.record)
@@ -52,6 +60,14 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def abort(self, request_id: str) -> Request | None:
+        """Cancel a request between steps (a client that went away): its slot and blocks are freed."""
+        return self.scheduler.abort(request_id)
+
+    @property
+    def num_free_slots(self) -> int:
+        return self.scheduler.slots.num_free
 
     def step(self) -> list[Request]:
         so = self.scheduler.schedule()

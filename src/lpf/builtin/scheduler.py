@@ -22,6 +22,18 @@ from lpf.builtin.sched_output import PromptRows, Sample, ScheduledRequest, Sched
 from lpf.builtin.state_cache import SlotPool
 
 
+def never_runs_reason(need: int, num_blocks: int, config: EngineConfig) -> str | None:
+    """Why a request needing `need` tokens (prompt + max_tokens) could wait forever, None when it can
+    run: more KV than the whole cache, or, without chunked prefill, more tokens than one step's budget
+    (a recompute after preemption needs prompt + outputs in one step)."""
+    if blocks_needed(need, config.block_size) > num_blocks:
+        return f"needs {need} tokens of KV cache; the cache holds {num_blocks * config.block_size} (raise --cache-mb)"
+    if not config.enable_chunked_prefill and need > config.max_num_batched_tokens:
+        return (f"needs up to {need} tokens in one step without chunked prefill; "
+                f"max_num_batched_tokens is {config.max_num_batched_tokens}")
+    return None
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, num_slots: int, num_blocks: int, max_context: int | None = None,
                  double_free: bool = False, record: Callable[..., None] | None = None):
@@ -45,16 +57,18 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def why_never_runs(self, req: Request) -> str | None:
-        """Why `req` could wait forever (None when it can run): more KV than the whole cache, or,
-        without chunked prefill, more tokens than one step's budget (a recompute after preemption
-        needs prompt + outputs in one step)."""
-        need = len(req.prompt_token_ids) + req.max_tokens
-        if blocks_needed(need, self.config.block_size) > self.blocks.num_blocks:
-            return (f"needs {need} tokens of KV cache; the cache holds "
-                    f"{self.blocks.num_blocks * self.config.block_size} (raise --cache-mb)")
-        if not self.config.enable_chunked_prefill and need > self.config.max_num_batched_tokens:
-            return (f"needs up to {need} tokens in one step without chunked prefill; "
-                    f"max_num_batched_tokens is {self.config.max_num_batched_tokens}")
+        return never_runs_reason(len(req.prompt_token_ids) + req.max_tokens, self.blocks.num_blocks, self.config)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Drop a request wherever it is (waiting or running), freeing its slot and KV blocks; the
+        request, finished with an error, or None when the scheduler does not hold it."""
+        for queue in (self.waiting, self.running):
+            for req in queue:
+                if req.request_id == request_id:
+                    queue.remove(req)
+                    self._release(req)
+                    req.status, req.finish_reason, req.error = Status.FINISHED, "error", "aborted"
+                    return req
         return None
 
     # -- one step ----------------------------------------------------------------------------------

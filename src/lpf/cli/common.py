@@ -7,7 +7,8 @@
   command that starts an engine), `run_options`, `reference_options` (the rescorer's model, dtype and
   budget), `rescore_options` (those + --calibrate), `analysis_options`, and
   `audit_options` (all of them: `lpf audit`'s own set, which `sweep` also parses cells with).
-- `engine_knobs(params)`: the knob values a command got, as one engine-options dict.
+- `engine_knobs(params)`: the knob values a command got, as one engine-options dict;
+  `knob_args(options)` is its inverse (the audit arguments that set engine options).
 - `build_run_spec(params)`: the one run-spec builder, from parsed run options.
 - `parse_audit_args(argv, what)`: an `lpf audit` argument list parsed into its params.
 - `write_report(path)`: the one rule for writing report.html after findings exist.
@@ -100,6 +101,33 @@ def engine_knobs(params: Mapping, **extra) -> dict:
     return options
 
 
+# engine options that have an option of their own on the command line (the rest go through -E)
+_NAMED_KNOBS = {"dtype": "--dtype", "cache_mb": "--cache-mb", "max_num_seqs": "--max-num-seqs",
+                "max_num_batched_tokens": "--max-num-batched-tokens", "base_url": "--base-url",
+                "api_key_env": "--api-key-env", "served_model": "--served-model"}
+
+
+def knob_args(options: Mapping) -> list[str]:
+    """The `lpf audit` arguments that set these engine options (the inverse of `engine_knobs`):
+    the named option where there is one, `-E NAME=VALUE` otherwise; None values are left out."""
+    def text(v) -> str:
+        return ("true" if v else "false") if isinstance(v, bool) else str(v)
+
+    args: list[str] = []
+    for name, value in options.items():
+        if value is None:
+            continue
+        if name == "inject":
+            args += [a for drill in str(value).split(",") if drill.strip() for a in ("--inject", drill.strip())]
+        elif name == "enable_chunked_prefill":
+            args.append("--enable-chunked-prefill" if value else "--no-enable-chunked-prefill")
+        elif name in _NAMED_KNOBS:
+            args += [_NAMED_KNOBS[name], text(value)]
+        else:
+            args += ["-E", f"{name}={text(value)}"]
+    return args
+
+
 def run_options(f):
     """What a run is: engine, model, workload, sampling, knobs, where it goes."""
     f = engine_knob_options(f)
@@ -153,6 +181,9 @@ def fail_on_option(what: str = "any request"):
 def analysis_options(f):
     return _apply(f, [
         click.option("--threshold", multiple=True, metavar="NAME=VALUE", help="Override a verdict threshold (repeatable)."),
+        click.option("--attribution/--no-attribution", default=True, show_default=True,
+                     help="Re-score flagged outputs under the prompts of requests served alongside them "
+                          "(whose answer is this?)."),
         click.option("--json", "as_json", is_flag=True, help="Print findings JSON on stdout."),
         fail_on_option(),
     ])

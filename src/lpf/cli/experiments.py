@@ -1,7 +1,9 @@
-"""Experiments around audits: `lpf sweep` (one audit per knob cell) and `lpf repeat` (the determinism probe).
+"""Experiments around audits: `lpf sweep` (one audit per knob cell), `lpf repeat` (the determinism
+probe) and `lpf shrink` (a failing run cut down to the smallest reproducer).
 
 Everything is validated before the first engine starts (every sweep cell is parsed and built as a
-run spec); `lpf.sweep` and `lpf.repeat` do the work and return documents that `render` draws.
+run spec; a shrink's source run, target and signature are read first); `lpf.sweep`, `lpf.repeat`
+and `lpf.shrink` do the work and return documents that `render` draws.
 """
 
 from __future__ import annotations
@@ -13,8 +15,8 @@ from pathlib import Path
 import click
 
 from lpf.cli.common import (audit_option_kinds, build_run_spec, default_out, engine_knob_options, engine_knobs, err,
-                            fail_on_option, fails, parse_audit_args, progress_bar, write_report)
-from lpf.cli.render import print_repeat, print_sweep
+                            fail_on_option, fails, knob_args, parse_audit_args, progress_bar, write_report)
+from lpf.cli.render import print_repeat, print_shrink, print_shrink_event, print_sweep
 from lpf.errors import LpfError
 
 # audit options that belong to the sweep itself, not to a cell
@@ -60,7 +62,8 @@ def sweep(ctx, knobs, out_dir, as_json, fail_on):
         Thresholds().with_overrides(list(p["threshold"]))
         rescore = (["--reference", p["reference"]] if p["reference"] else []) + [
             "--reference-dtype", p["reference_dtype"], "--token-budget", str(p["token_budget"])]
-        c.resume = {"rescore": rescore, "analyze": [a for t in p["threshold"] for a in ("--threshold", t)]}
+        c.resume = {"rescore": rescore, "analyze": [a for t in p["threshold"] for a in ("--threshold", t)]
+                    + ([] if p["attribution"] else ["--no-attribution"])}
     sw.check_out(out_dir, parsed, base_args)
     err.print(f"sweep directory: {out_dir}  ({len(cells)} cells: "
               + " x ".join(f"{k.name} {len(k.values)}" for k in parsed) + ")")
@@ -118,4 +121,46 @@ def repeat(engine, model, prompt, workload, index, times, max_tokens, seed, igno
         click.echo(json.dumps(doc, indent=2))
 
 
-COMMANDS = (sweep, repeat)
+@click.command()
+@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.option("--out", "out_dir", type=click.Path(path_type=Path), required=True,
+              help="Shrink directory (rerun the same command to resume).")
+@click.option("--request", "request_id", default=None, help="The flagged request to shrink for [default: the worst one].")
+@click.option("--budget-runs", type=int, default=60, show_default=True,
+              help="Most candidate runs (each one `lpf audit` in its own process).")
+@click.option("--tries", type=int, default=3, show_default=True,
+              help="Runs a configuration gets to show the lie (n of k-of-n; one once the engine proves deterministic).")
+@click.option("--need", type=int, default=1, show_default=True, help="Runs of --tries that must show it (k of k-of-n).")
+@click.option("--json", "as_json", is_flag=True, help="Print shrink.json on stdout.")
+def shrink(run_dir, out_dir, request_id, budget_runs, tries, need, as_json):
+    """Cut a run with a lying request down to the smallest configuration that still tells the same lie.
+
+    Fewer requests (ddmin, arrival order kept), shorter prompts and max_tokens, and knobs moved toward
+    the engine's defaults one at a time; each candidate is one `lpf audit` in its own process. Writes
+    DIR/workload.jsonl, command.sh, repro.py (standalone: the engine and transformers), report.md and
+    shrink.json. Exit 0 with a minimum, 1 when the lie did not reproduce, 2 for bad input. Example:
+
+    \b
+    lpf shrink runs/stale --out runs/stale-min
+    """
+    from lpf.shrink import session
+
+    plan = session.prepare(run_dir, request_id)
+    doc = session.run(plan, out_dir, tries, need, budget_runs, knob_args, lambda e: print_shrink_event(e, err))
+    print_shrink(doc, err)
+    if doc["status"] == "not-reproduced":
+        err.print(f"the lie of {plan.target['request_id']} did not reproduce in {tries} tries of the original "
+                  f"configuration, nor in any smaller one: a one-off (the environment?), not a minimum", highlight=False)
+    elif not doc.get("minimal"):
+        err.print(f"the budget ran out before the lie of {plan.target['request_id']} reproduced: "
+                  f"raise --budget-runs and rerun to continue", highlight=False)
+    else:
+        write_report(out_dir)
+        err.print(f"results: {out_dir}/" + ", ".join(doc.get("files") or []) + ", shrink.json", highlight=False)
+    if as_json:
+        click.echo(json.dumps(doc, indent=2))
+    if not doc.get("minimal"):
+        sys.exit(1)
+
+
+COMMANDS = (sweep, repeat, shrink)

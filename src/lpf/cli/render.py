@@ -49,6 +49,7 @@ def print_summary(findings: dict, run_path, console: Console) -> None:
                       str(f["first_divergence"]), "inf" if diff is None else f"{diff:.3g}")
         console.print(t)
     _print_hypotheses(findings.get("hypotheses") or [], console)
+    _print_evidence(findings.get("evidence"), console)
     _print_prompt(findings.get("prompt"), console)
     console.print(f"results: {run_path}/findings.json  (lpf query {run_path} \"SELECT ...\")")
 
@@ -117,6 +118,23 @@ def _print_hypotheses(hyps: list, console: Console) -> None:
     console.print("[bold]likely mechanisms[/] (Fisher exact test, best first):")
     for h in hyps[:3]:
         console.print(f"  {h['rank']}. {h['sentence']} [dim](p={h['p_value']:.2g})[/]", highlight=False)
+
+
+def _print_evidence(ev: dict | None, console: Console) -> None:
+    """What the server said beyond its tokens: inconsistent answers, failed attempts, a death."""
+    if not ev:
+        return
+    inc, failed = ev.get("inconsistent") or {}, ev.get("failed") or {}
+    if inc.get("n"):
+        reasons = ", ".join(f"{k} {v}" for k, v in (inc.get("by_reason") or {}).items())
+        console.print(f"[yellow]inconsistent answers[/] {inc['n']} kept as returned ({escape(reasons)}); "
+                      f"{inc.get('scored', 0)} scored, {inc.get('flagged', 0)} flagged", highlight=False)
+    if failed.get("sent") or failed.get("never_sent"):
+        console.print(f"[red]failed requests[/] {failed['n']}: {failed.get('sent', 0)} sent and failed, "
+                      f"{failed.get('never_sent', 0)} never sent", highlight=False)
+    died = ev.get("server_died")
+    if died:
+        console.print(f"[bold red]the server died:[/] {escape(died.get('sentence') or '')}", highlight=False)
 
 
 def print_calibration(cal: dict, run_path, console: Console) -> None:
@@ -219,6 +237,13 @@ def print_request(info: dict, console: Console, top: int = 3) -> None:
     console.print(head)
     if r.get("error"):
         console.print(f"[red]error:[/] {escape(str(r['error']))}")
+    if r.get("inconsistency"):
+        console.print(f"[yellow]inconsistent answer (kept as returned):[/] {escape(str(r['inconsistency']))}")
+    for a in r.get("attempts") or []:
+        status = a.get("status") if a.get("status") is not None else ("no answer" if a.get("sent") else "not sent")
+        took = (a["t_end"] - a["t_start"]) if a.get("t_end") is not None and a.get("t_start") is not None else None
+        console.print(f"[dim]attempt {a.get('attempt')}: {status}" + (f" after {took:.3g} s" if took is not None else "")
+                      + (f" · {escape(str(a['error']))}" if a.get("error") else "") + "[/]", highlight=False)
     if info.get("tokenizer"):
         console.print(f"[dim]{escape(info['tokenizer'])}[/]")
     if r.get("prompt_text") is not None:
@@ -281,6 +306,55 @@ def print_repeat(doc: dict, console: Console) -> None:
     if fd["tokens"] is not None:
         console.print(f"[bold red]first token divergence at position {fd['tokens']['position']}[/]: tokens "
                       f"{escape(str(fd['tokens']['distinct_tokens']))}")
+
+
+def print_shrink_event(event: dict, console: Console) -> None:
+    """`lpf shrink` progress, one line per candidate (and per try of it): what was tried, its size, what
+    the target did, the runs used and the best configuration so far."""
+    if event["type"] == "begin":
+        console.print(f"shrink directory: {escape(event['out'])}{' (resumed)' if event['resumed'] else ''}  "
+                      f"(target {escape(event['target'])}: {escape(event['signature'])}; budget {event['budget']} "
+                      f"runs, k-of-n {event['need']}-of-{event['tries']})", highlight=False)
+        return
+    if event["type"] == "try":
+        t = event["try"]
+        console.print(f"  {escape(t['dir'])}: {escape(t['seen'])}" + ("  [bold red]the lie[/]" if t["lie"] else ""),
+                      highlight=False)
+        return
+    c = event["candidate"]
+    if event["type"] == "start":
+        console.print(f"[bold]{c['id']}[/] [dim]{c['phase']}[/] {escape(c['step'])}: {escape(c['description'])}",
+                      highlight=False)
+        return
+    ok = c["status"] == "reproduces"
+    outcome = "[bold red]reproduces[/]" if ok else "[dim]gone[/]"
+    best = event.get("best")
+    tail = f" · best so far {escape(best['description'])} ({best['id']})" if best else ""
+    if event.get("replayed"):
+        console.print(f"[bold]{c['id']}[/] [dim]{c['phase']} (recorded)[/] {escape(c['step'])}: "
+                      f"{escape(c['description'])} → {outcome}", highlight=False)
+        return
+    console.print(f"  → {outcome} · runs {event['runs_used']}/{event['budget']}{tail}", highlight=False)
+
+
+def print_shrink(doc: dict, console: Console) -> None:
+    """The shrink's end: original vs minimal, the signature, the outcome."""
+    o, m = doc["original"], doc.get("minimal")
+    console.print(f"[bold]shrink of[/] {escape(doc['target'])}: {escape(doc['signature_description'])}", highlight=False)
+    if doc.get("signature_note"):
+        console.print(f"[dim]{escape(doc['signature_note'])}[/]")
+    console.print(f"original: {escape(o['description'])}", highlight=False)
+    if m:
+        console.print(f"[bold]minimal:[/]  {escape(m['description'])}  ({m['candidate']}, "
+                      f"knobs: {escape(', '.join(f'{k}={v}' for k, v in m['config']['knobs'].items()) or 'defaults')})",
+                      highlight=False)
+    conf = doc.get("confirmation") or {}
+    if conf.get("note"):
+        console.print(f"[dim]{escape(conf['note'])}[/]")
+    status = {"done": "[green]done[/]", "budget-spent": "[yellow]budget spent[/] (the best configuration found so far)",
+              "not-reproduced": "[bold yellow]not reproduced[/]"}.get(doc["status"], doc["status"])
+    console.print(f"status: {status} · {doc['runs_used']} runs of {doc['budget_runs']} · "
+                  f"deterministic: {doc.get('deterministic')}", highlight=False)
 
 
 def print_rl_summary(f: dict, out: Path, console: Console) -> None:

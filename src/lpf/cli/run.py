@@ -37,24 +37,28 @@ def _rescore(run, reference, reference_dtype, token_budget, redo=False, calibrat
         print_calibration(cal, run.path, err)
 
 
-def _analyze(run, threshold, as_json, fail_on) -> None:
+def _analyze(run, threshold, as_json, fail_on, attribution=True) -> None:
     from lpf.analysis.thresholds import Thresholds
     from lpf.pipeline import analyze_run
 
-    findings = analyze_run(run, Thresholds().with_overrides(list(threshold)))
+    thresholds = Thresholds().with_overrides(list(threshold))
+    with progress_bar("attribute", "tokens") as (on_start, tick):
+        findings = analyze_run(run, thresholds, attribution, on_start, tick)
     print_summary(findings, run.path, err)
     write_report(run.path)
     if as_json:
         click.echo(json.dumps(findings, indent=2))
     if findings["n_requests"] == findings["errors"]:
-        raise LpfError("nothing could be audited: every request failed (see the error column of requests)")
+        from lpf.pipeline import all_failed
+
+        raise LpfError(f"nothing could be audited: {all_failed(run) or 'every request failed'}")
     if fails([findings["verdict"]], fail_on):  # the worst of output and prompt verdicts
         sys.exit(1)
 
 
 @click.command()
 @audit_options
-def audit(reference, reference_dtype, token_budget, calibrate, threshold, as_json, fail_on, **run_params):
+def audit(reference, reference_dtype, token_budget, calibrate, threshold, attribution, as_json, fail_on, **run_params):
     """Run a workload on an engine, rescore it with the reference, analyze: all in one."""
     from lpf.pipeline import create_run
 
@@ -62,7 +66,7 @@ def audit(reference, reference_dtype, token_budget, calibrate, threshold, as_jso
     err.print(f"run directory: {run.path}")
     _generate(run)
     _rescore(run, reference, reference_dtype, token_budget, calibrate=calibrate)
-    _analyze(run, threshold, as_json, fail_on)
+    _analyze(run, threshold, as_json, fail_on, attribution)
 
 
 @click.command()
@@ -74,9 +78,14 @@ def run(resume, **run_params):
     from lpf.pipeline import create_run
     from lpf.run.store import RunDir
 
+    from lpf.pipeline import all_failed
+
     run_dir = RunDir.open(resume) if resume else create_run(build_run_spec(run_params))
     err.print(f"run directory: {run_dir.path}")
     _generate(run_dir)
+    why = all_failed(run_dir)
+    if why:
+        raise LpfError(why)
 
 
 @click.command()
@@ -93,11 +102,11 @@ def rescore(run_dir, reference, reference_dtype, token_budget, calibrate, redo):
 @click.command()
 @click.argument("run_dir", type=click.Path(path_type=Path))
 @analysis_options
-def analyze(run_dir, threshold, as_json, fail_on):
+def analyze(run_dir, threshold, attribution, as_json, fail_on):
     """Re-run the analysis on a stored, rescored run and rewrite findings.json."""
     from lpf.run.store import RunDir
 
-    _analyze(RunDir.open(run_dir), threshold, as_json, fail_on)
+    _analyze(RunDir.open(run_dir), threshold, as_json, fail_on, attribution)
 
 
 COMMANDS = (audit, run, rescore, analyze)

@@ -10,8 +10,8 @@ Progress is reported through `on_start(total, done)` / `tick(n)` callbacks: noth
 
 from lpf.pipeline.analyze import analyze_run
 from lpf.pipeline.calibrate import calibrate_run, engine_dtype
-from lpf.pipeline.generate import RunSpec, create_run, execute_run, model_config, pending_requests
+from lpf.pipeline.generate import RunSpec, all_failed, create_run, execute_run, model_config, pending_requests
 from lpf.pipeline.rescore import rescore_run
 
-__all__ = ["RunSpec", "analyze_run", "calibrate_run", "create_run", "engine_dtype", "execute_run", "model_config",
+__all__ = ["RunSpec", "all_failed", "analyze_run", "calibrate_run", "create_run", "engine_dtype", "execute_run", "model_config",
            "pending_requests", "rescore_run"]

@@ -1,14 +1,23 @@
-"""The analyze stage: a rescored run's parts -> `summary.parquet` and `findings.json` (via `lpf.analysis`)."""
+"""The analyze stage: a rescored run's parts -> `summary.parquet` and `findings.json` (via `lpf.analysis`).
+
+With `attribute` (the default) the flagged requests' outputs are also re-scored under the prompts of
+requests served alongside them (`lpf.analysis.attribution` plans and judges, `lpf.pipeline.attribute`
+scores, cached in `attribution/`): "request X received the answer meant for request Y" joins the
+ranked hypotheses, and `findings.attribution` lists every pair found.
+"""
 
 from __future__ import annotations
 
 import pyarrow.parquet as pq
 
+from lpf.analysis import attribution
 from lpf.analysis.findings import analyze
 from lpf.analysis.thresholds import Thresholds
 from lpf.errors import LpfError
 from lpf.jsonsafe import finite
+from lpf.pipeline.attribute import attribution_scores
 from lpf.pipeline.calibrate import calibration_for
+from lpf.pipeline.callbacks import OnStart, Tick, no_start, no_tick
 from lpf.run.store import RunDir
 
 
@@ -24,7 +33,9 @@ def chunk_budget(manifest: dict) -> int | None:
     return budget
 
 
-def analyze_run(run: RunDir, thresholds: Thresholds) -> dict:
+def analyze_run(run: RunDir, thresholds: Thresholds, attribute: bool = True, on_start: OnStart = no_start,
+                tick: Tick = no_tick) -> dict:
+    """`on_start`/`tick` report the attribution's re-scoring (tokens), when there is any."""
     m = run.manifest
     requests = run.read("requests")
     if requests.num_rows == 0:
@@ -38,9 +49,27 @@ def analyze_run(run: RunDir, thresholds: Thresholds) -> dict:
                                 greedy=temperature == 0, trace=trace, engine_info=m.get("engine"),
                                 temperature=temperature, calibration=calibration, calibration_info=cal_info,
                                 prompt_tokens=prompt[0], prompt_reference=prompt[1], chunk_budget=chunk_budget(m))
+    findings["attribution"] = _attribute(run, requests, summary, reference, findings, on_start, tick) \
+        if attribute else None
     findings = {"run_id": m.get("run_id"), "engine": m["engine"].get("name"), "model": m["model"].get("spec"),
                 "reference": (m.get("reference") or {}).get("spec"), **findings}
     findings["run_complete"] = m.get("status") == "complete"
     pq.write_table(summary, run.path / "summary.parquet")
     run.write_json("findings.json", finite(findings))
     return finite(findings)
+
+
+def _attribute(run: RunDir, requests, summary, reference, findings: dict, on_start: OnStart, tick: Tick) -> dict:
+    plans = attribution.plan(requests, summary)
+    scores = attribution_scores(run, plans, on_start=on_start, tick=tick)
+    sums = reference.group_by("request_id").aggregate([("ref_logprob", "sum")]).to_pydict()
+    own = dict(zip(sums["request_id"], sums["ref_logprob_sum"]))
+    verdict = summary.column("verdict").to_pylist()
+    lost = {rid for rid, v in zip(summary.column("request_id").to_pylist(), verdict)
+            if v in ("divergent", "corrupt", "error")}
+    found = attribution.judge(plans, scores, own, lost)
+    n_flagged = len(findings["flagged"])
+    n_scored = sum(findings["counts"].values())
+    findings["hypotheses"] = attribution.merge_ranked(
+        findings["hypotheses"], attribution.hypotheses(found, n_flagged, n_scored - n_flagged))
+    return {"n_tested": len(plans), "n_pairs_scored": scores.num_rows, "attributed": found}

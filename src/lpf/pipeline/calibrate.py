@@ -36,6 +36,11 @@ def calibrate_run(run: RunDir, token_budget: int = 16384,
     `analyze` takes the noise floor from it instead of from the engine's own (possibly lying)
     errors. When the engine's dtype is the reference's, the calibration run would be the reference
     itself (floor 0): nothing is computed and the manifest says so. Returns manifest["calibration"]."""
+    with run.writer():
+        return _calibrate(run, token_budget, on_start, tick)
+
+
+def _calibrate(run: RunDir, token_budget: int, on_start: OnStart, tick: Tick) -> dict:
     from lpf.reference import Rescorer, ScoreItem
 
     m = run.manifest

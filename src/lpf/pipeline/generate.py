@@ -1,10 +1,12 @@
 """The run stage: a validated `RunSpec` becomes a run directory, and its requests become committed parts.
 
-`create_run(spec)` checks everything the user can get wrong (engine name, knobs, model, workload)
-before the directory exists, so a bad invocation writes nothing. `execute_run(run, on_start, tick)`
-sends every not-yet-completed request to the engine and commits completions in parts as they finish
-(side tables such as the trace first, then tokens, then requests: a request part never exists
-without what led to it); what finished before an error or Ctrl-C is kept, and a rerun resumes.
+`create_run(spec)` checks everything the user can get wrong (engine name, knobs, model, workload, a
+configuration that can hold no request) before the directory exists, so a bad invocation writes
+nothing. `execute_run(run, on_start, tick)` sends every not-yet-completed request to the engine and
+commits completions in parts as they finish (side tables such as the trace first, then tokens, then
+requests: a request part never exists without what led to it); what finished before an error or
+Ctrl-C is kept, and a rerun resumes. `all_failed(run)` is the one line a run where every request
+failed ends with (exit 2).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import platform
 import socket
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,7 +30,7 @@ from lpf.model_specs import ModelRef, load_tokenizer, resolve_model, tokenizer_f
 from lpf.run import schema
 from lpf.run.store import RunDir
 from lpf.sampling import SamplingParams
-from lpf.workload import EngineRequest, expand, load_prompts, read_normalized, write_normalized
+from lpf.workload import EngineRequest, expand, load_prompts, normalized, read_normalized
 
 @dataclass
 class RunSpec:
@@ -51,7 +54,7 @@ def model_config(model: ModelRef) -> dict:
 
 def create_run(spec: RunSpec) -> RunDir:
     engine_cls = get_engine_class(spec.engine)
-    engine_cls.Options.parse(spec.engine_options)  # a bad knob is refused before anything is written
+    options = engine_cls.Options.parse(spec.engine_options)  # a bad knob is refused before anything is written
     model = resolve_model(spec.model)
     cfg = model_config(model)
     engine_cls.check_model(cfg)
@@ -61,6 +64,7 @@ def create_run(spec: RunSpec) -> RunDir:
     context = cfg.get("max_position_embeddings")
     prompts, source = load_prompts(spec.workload, tokenizer, cfg.get("vocab_size", len(tokenizer)), context)
     requests = expand(prompts, spec.n, spec.sampling, context)
+    engine_cls.check_capacity(model, options, requests)
     manifest = {
         "run_id": uuid.uuid4().hex[:12],
         "lpf_version": lpf.__version__,
@@ -76,9 +80,7 @@ def create_run(spec: RunSpec) -> RunDir:
         "host": {"hostname": socket.gethostname(), "platform": platform.platform(),
                  "python": platform.python_version()},
     }
-    run = RunDir.create(spec.out, manifest)
-    write_normalized(prompts, run.path / "workload.jsonl")
-    return run
+    return RunDir.create(spec.out, manifest, {"workload.jsonl": normalized(prompts)})
 
 
 def pending_requests(run: RunDir) -> list[EngineRequest]:
@@ -92,6 +94,11 @@ def pending_requests(run: RunDir) -> list[EngineRequest]:
 def execute_run(run: RunDir, on_start: OnStart = no_start,
                 tick: Tick = no_tick) -> None:
     """Send every not-yet-completed request to the engine, committing parts as they finish."""
+    with run.writer():
+        _execute(run, on_start, tick)
+
+
+def _execute(run: RunDir, on_start: OnStart, tick: Tick) -> None:
     m = run.manifest
     pending = pending_requests(run)
     on_start(m["workload"]["n_requests"], m["workload"]["n_requests"] - len(pending))
@@ -119,6 +126,16 @@ def execute_run(run: RunDir, on_start: OnStart = no_start,
             engine.close()
     m["status"] = "complete"
     run.save_manifest()
+
+
+def all_failed(run: RunDir) -> str | None:
+    """One line saying why, when every request of the run failed (None when any completed): the
+    commonest error and how many requests it hit."""
+    errors = run.read("requests", ["error"]).column("error").to_pylist()
+    if not errors or any(e is None for e in errors):
+        return None
+    common, count = Counter(errors).most_common(1)[0]
+    return f"every request failed ({len(errors)} of {len(errors)}); the commonest error ({count}): {common}"
 
 
 def _commit(run: RunDir, engine, completions, by_id: dict[str, EngineRequest], tokenizer) -> None:

@@ -18,6 +18,12 @@ def rescore_run(run: RunDir, reference: str | None, dtype: str = "float32", toke
                 redo: bool = False, on_start: OnStart = no_start,
                 tick: Tick = no_tick) -> None:
     """Teacher-force the reference over every completed, not-yet-scored request."""
+    with run.writer():
+        _rescore(run, reference, dtype, token_budget, redo, on_start, tick)
+
+
+def _rescore(run: RunDir, reference: str | None, dtype: str, token_budget: int, redo: bool, on_start: OnStart,
+             tick: Tick) -> None:
     from lpf.reference import Rescorer, ScoreItem
 
     m = run.manifest

@@ -319,6 +319,24 @@ def knob_lines(x_labels: list[str], groups: dict[str, list], metric_title: str, 
     return {"data": data, "layout": layout}
 
 
+def shrink_progress(ids: list[str], steps: list[str], sizes: list[list[int]], reproduces: list[bool],
+                    best: list[int | None]) -> dict:
+    """A shrink's candidates in the order they were tried: each one's request count (red: it still
+    told the lie, grey: it did not) and the best configuration's request count so far (a step line)."""
+    x = list(range(1, len(ids) + 1))
+    hover = [ptext(f"{i}: {s}") + "<br>" + ptext(f"{n[0]} requests, {n[1]} tokens, {n[2]} knobs off default")
+             for i, s, n in zip(ids, steps, sizes)]
+    data = [{"type": "scatter", "mode": "lines", "name": "best so far", "x": x, "y": best, "line": {"shape": "hv",
+             "color": ACCENT, "width": 2}, "hoverinfo": "skip"},
+            {"type": "scatter", "mode": "markers", "name": "candidate", "x": x, "y": [n[0] for n in sizes],
+             "text": hover, "hovertemplate": "%{text}<extra></extra>",
+             "marker": {"size": 9, "color": [VERDICT_COLORS["corrupt"] if r else VERDICT_COLORS["unscored"]
+                                             for r in reproduces]}}]
+    layout = base_layout(height=300, xaxis={"title": {"text": "candidate (in the order tried)"}},
+                         yaxis={"title": {"text": "requests"}, "type": "log"})
+    return {"data": data, "layout": layout}
+
+
 def rl_series(steps: np.ndarray, columns: dict[str, np.ndarray], spikes: np.ndarray | None,
               log_y: bool = False, band: tuple[np.ndarray, np.ndarray] | None = None,
               y_line: float | None = None) -> dict:

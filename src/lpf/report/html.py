@@ -58,6 +58,11 @@ def plotly_js() -> tuple[str, str]:
     return src, m.group(1) if m else "?"
 
 
+# pages drawn by a script of their own (it registers `window.lpfPages[kind]`, which report.js calls
+# with its DOM helpers), so a new directory kind does not grow report.js
+PAGE_SCRIPTS = {"shrink": "shrink_page.js"}
+
+
 def _asset(name: str) -> str:
     return (resources.files("lpf.report") / "assets" / name).read_text(encoding="utf-8")
 
@@ -76,6 +81,7 @@ def render(page: dict, title: str) -> str:
         "<noscript><p class=\"noscript\">This report draws its sections with JavaScript; enable it to see them.</p></noscript>\n",
         "<div id=\"app\"></div>\n<div id=\"tip\" class=\"tip\" role=\"tooltip\" hidden></div>\n",
         "<script type=\"application/json\" id=\"lpf-data\">", script_json(page), "</script>\n",
+        *(["<script>\n", _asset(PAGE_SCRIPTS[page.get("kind")]), "\n</script>\n"] if page.get("kind") in PAGE_SCRIPTS else []),
         "<script>\n", _asset("report.js"), "\n</script>\n",
         "</body>\n</html>\n",
     ])

@@ -25,17 +25,23 @@ METRICS = [  # (cell key, title, log y)
 ]
 
 
-def load(path: Path) -> dict:
+def read_doc(path: Path, name: str, key: str, kind: str) -> dict:
+    """A directory's document (sweep.json, shrink.json), which must hold a list under `key`."""
     try:
-        sweep = json.loads((path / "sweep.json").read_text())
+        doc = json.loads((path / name).read_text())
     except json.JSONDecodeError as e:
-        raise LpfError(f"{path / 'sweep.json'}: unreadable JSON ({e.msg})") from None
-    if not isinstance(sweep, dict) or not isinstance(sweep.get("cells"), list):
-        raise LpfError(f"{path / 'sweep.json'}: not a sweep (no cells list)")
+        raise LpfError(f"{path / name}: unreadable JSON ({e.msg})") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get(key), list):
+        raise LpfError(f"{path / name}: not a {kind} (no {key} list)")
+    return doc
+
+
+def load(path: Path) -> dict:
+    sweep = read_doc(path, "sweep.json", "cells", "sweep")
     knobs = [k for k in sweep.get("knobs") or [] if isinstance(k, dict) and k.get("name")]
     cells = [c for c in sweep["cells"] if isinstance(c, dict)]
     for c in cells:
-        c["link"] = _link(path, c.get("run_dir"))
+        c["link"] = run_link(path, c.get("run_dir"))
     chart_list = []
     for key, title, log_y in METRICS:
         values = [c.get(key) for c in cells if isinstance(c.get(key), (int, float)) and not isinstance(c.get(key), bool)]
@@ -77,8 +83,9 @@ def _grid(knobs: list[dict], cells: list[dict], key: str) -> tuple[list[str], di
     return [str(x) for x in xs], groups, str(first["name"])
 
 
-def _link(root: Path, run_dir) -> str | None:
-    """A relative link to the cell's page, only for a path inside the sweep directory."""
+def run_link(root: Path, run_dir) -> str | None:
+    """A relative link to a run's page (else its findings.json) for a run directory inside `root`
+    (a sweep's cell, a shrink's candidate); None for a path outside it or a run with neither."""
     if not isinstance(run_dir, str) or not run_dir:
         return None
     cell = (root / run_dir).resolve()

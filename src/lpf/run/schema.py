@@ -7,6 +7,7 @@ storage never adds error of its own; top-k lists are float32.
 
 v2 (over v1): `requests.inconsistency` and `requests.attempts` (what a server returned, kept as
 evidence), and the prompt-position tables `prompt_tokens` / `prompt_reference` (the prefill path).
+The optional `attribution` table is derived (re-computable from the others), so it needs no bump.
 """
 
 import pyarrow as pa
@@ -91,9 +92,18 @@ TRACE = pa.schema([
     ("batch_size", pa.int32()), ("batch_tokens", pa.int32()), ("preempted", pa.bool_()),
 ])
 
+# "whose answer is this?" (`lpf.pipeline.attribute`): a flagged request's output re-scored by the reference
+# under another request's prompt (candidate_id): the summed logprob of its n_tokens output tokens
+ATTRIBUTION = pa.schema([("request_id", pa.string()), ("candidate_id", pa.string()), ("n_tokens", pa.int32()),
+                         ("logprob_sum", pa.float64())])
+
 # fault drills' ground truth (which request, which step, what happened); analysis never reads it
 FAULTS = pa.schema([("request_id", pa.string()), ("step", pa.int64()), ("fault", pa.string()),
                     ("role", pa.string()), ("detail", pa.string())])
 
+# columns a part written by an older schema version may lack (read as nulls); any other missing column
+# means the part is damaged, not old
+ADDED_LATER = {"requests": {"inconsistency", "attempts"}}
+
 TABLES = {"requests": REQUESTS, "tokens": TOKENS, "reference": REFERENCE, "calibration": CALIBRATION,
-          "prompt_tokens": PROMPT_TOKENS, "prompt_reference": PROMPT_REFERENCE}
+          "prompt_tokens": PROMPT_TOKENS, "prompt_reference": PROMPT_REFERENCE, "attribution": ATTRIBUTION}

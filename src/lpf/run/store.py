@@ -13,6 +13,14 @@ Contract:
   reference part is a crash's orphan, deleted on open, so a resumed rescore never duplicates one.
 - Opening a directory written by a newer schema is refused rather than misread; parts written by an
   older one are read with the columns they lack as nulls, so every reader sees the current schema.
+- Parts carry Parquet page checksums, verified on read: a damaged part (truncated, overwritten,
+  bit-flipped) is an `LpfError` naming it, never a partial table passed off as the whole run. A
+  manifest that does not parse is one too.
+- `writer()` holds the run's lock (`.lock`, an flock the kernel drops when its process dies) while
+  a stage appends parts: a second writer of the same run is refused with one line instead of
+  interleaving parts (e.g. a resumed sweep cell while a killed sweep's child still runs).
+- A directory left by a run killed while it was being created (no manifest; nothing but the files
+  `create` writes before it) counts as empty: `lpf run --out` may create the run there again.
 """
 
 from __future__ import annotations
@@ -20,7 +28,9 @@ from __future__ import annotations
 import json
 import os
 import re
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -42,19 +52,49 @@ def _atomic_write_bytes(path: Path, data: bytes) -> None:
 
 def _atomic_write_table(path: Path, table: pa.Table) -> None:
     tmp = path.with_name(f".tmp-{path.name}")
-    pq.write_table(table, tmp, compression="zstd")
+    pq.write_table(table, tmp, compression="zstd", write_page_checksum=True)
     os.replace(tmp, path)
 
 
-def _read_part(path: Path, want: pa.Schema) -> pa.Table:
-    """One part with exactly `want`'s columns: a column an older schema's part lacks is all nulls."""
-    part = pq.ParquetFile(path)
-    have = set(part.schema_arrow.names)
-    table = part.read(columns=[n for n in want.names if n in have])
-    for i, f in enumerate(want):
-        if f.name not in have:
-            table = table.add_column(i, f, pa.nulls(table.num_rows, f.type))
-    return table.select(want.names).cast(want)
+def _damaged(path: Path, e: Exception) -> LpfError:
+    detail = " ".join(str(e).split())[:160] or type(e).__name__
+    return LpfError(f"{path} is damaged ({detail}): the run cannot be read completely; move that part away "
+                    f"and rerun the stage that wrote it (or restore it from a copy)")
+
+
+def _read_part(path: Path, want: pa.Schema, table_name: str) -> pa.Table:
+    """One part with exactly `want`'s columns: a column an older schema's part lacks is all nulls
+    (only the columns `schema.ADDED_LATER` names: any other gap is damage, not age)."""
+    try:
+        part = pq.ParquetFile(path, page_checksum_verification=True)
+        have = set(part.schema_arrow.names)
+        missing = [n for n in want.names if n not in have]
+        unexplained = set(missing) - schema.ADDED_LATER.get(table_name, set())
+        if unexplained:
+            raise ValueError(f"no column {', '.join(sorted(unexplained))}")
+        table = part.read(columns=[n for n in want.names if n in have])
+        for i, f in enumerate(want):
+            if f.name not in have:
+                table = table.add_column(i, f, pa.nulls(table.num_rows, f.type))
+        return table.select(want.names).cast(want)
+    except (pa.ArrowException, OSError, ValueError, IndexError) as e:
+        raise _damaged(path, e) from None
+
+
+def _read_any(path: Path, columns: list[str] | None) -> pa.Table:
+    try:
+        return pq.ParquetFile(path, page_checksum_verification=True).read(columns=columns)
+    except (pa.ArrowException, OSError, ValueError, IndexError) as e:
+        raise _damaged(path, e) from None
+
+
+def _holds_files(path: Path, leftovers: set[str]) -> bool:
+    """Whether `path` holds anything but what an interrupted `create` leaves: temporaries and, while
+    there is no manifest yet, the files it writes first (`leftovers`)."""
+    if (path / "manifest.json").exists():
+        return True
+    return any(p.is_file() and not p.name.startswith(".tmp-") and not (p.parent == path and p.name in leftovers)
+               for p in path.rglob("*"))
 
 
 class RunDir:
@@ -66,13 +106,17 @@ class RunDir:
 
     # -- lifecycle ---------------------------------------------------------------------------------
     @classmethod
-    def create(cls, path: Path | str, manifest: dict) -> "RunDir":
+    def create(cls, path: Path | str, manifest: dict, files: dict[str, bytes] | None = None) -> "RunDir":
+        """`files` (name -> bytes, e.g. the tokenized workload) are written before the manifest: a run
+        whose manifest exists has them."""
         path = Path(path)
-        if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        if path.exists() and (not path.is_dir() or _holds_files(path, set(files or ()))):
             raise LpfError(f"{path} already exists and is not empty: choose another --out, or "
                            f"`lpf run --resume {path}` to finish it")
         for sub in ("requests", "tokens", "reference", "calibration"):  # the others appear with their first part
             (path / sub).mkdir(parents=True, exist_ok=True)
+        for name, data in (files or {}).items():
+            _atomic_write_bytes(path / name, data)
         run = cls(path, dict(manifest, schema_version=schema.SCHEMA_VERSION))
         run.save_manifest()
         return run
@@ -84,9 +128,11 @@ class RunDir:
         if not mpath.is_file():
             raise LpfError(f"{path} is not a run directory (no manifest.json)")
         try:
-            manifest = json.loads(mpath.read_text())
-        except json.JSONDecodeError as e:
-            raise LpfError(f"{mpath}: unreadable manifest ({e.msg})") from None
+            manifest = json.loads(mpath.read_bytes().decode("utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise LpfError(f"{mpath}: unreadable manifest ({getattr(e, 'msg', None) or e.reason})") from None
+        if not isinstance(manifest, dict):
+            raise LpfError(f"{mpath}: unreadable manifest (not a JSON object)")
         version = manifest.get("schema_version")
         if not isinstance(version, int):
             raise LpfError(f"{mpath}: no schema_version")
@@ -96,6 +142,21 @@ class RunDir:
         run = cls(path, manifest)
         run._drop_orphans()
         return run
+
+    @contextmanager
+    def writer(self) -> Iterator["RunDir"]:
+        import fcntl
+
+        fd = os.open(self.path / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise LpfError(f"{self.path} is being written by another lpf process: let it finish (or stop it) "
+                               f"first") from None
+            yield self
+        finally:
+            os.close(fd)  # releases the lock
 
     def save_manifest(self) -> None:
         _atomic_write_bytes(self.path / "manifest.json", (json.dumps(self.manifest, indent=2) + "\n").encode())
@@ -164,9 +225,9 @@ class RunDir:
             empty = target.empty_table()
             return empty.select(columns) if columns else empty
         if target is None:
-            return pa.concat_tables([pq.read_table(p, columns=columns) for p in parts], promote_options="default")
+            return pa.concat_tables([_read_any(p, columns) for p in parts], promote_options="default")
         want = target if columns is None else pa.schema([target.field(c) for c in columns])
-        return pa.concat_tables([_read_part(p, want) for p in parts])
+        return pa.concat_tables([_read_part(p, want, table) for p in parts])
 
     def has(self, table: str) -> bool:
         return bool(self.parts(table))

@@ -6,18 +6,21 @@ Contract: `create_app(engine, tokenizer, info, sink)` returns an ASGI app whose 
   GET  /v1/models       the one served model, as vLLM lists it
   POST /v1/completions  OpenAI completions (vLLM's response shape, see protocol.py)
   POST /generate        SGLang's native API (a dict, or a list for batched input or n > 1)
-  GET  /metrics         Prometheus text: steps, largest batch, requests, tokens, preemptions
+  GET  /metrics         Prometheus text: steps, largest batch, requests, tokens, preemptions, cancelled
+                        requests, free state slots
 Every error is JSON {"error": {"message", "type", "param", "code"}} with a 4xx/5xx status: an unknown
 model is 404 NotFoundError, a malformed body or an unsupported parameter 400, a request the cache can
-never hold 400 with the engine's reason. A request id sent as X-Request-Id (or `request_id`, or SGLang
+never hold 400 with the engine's reason. A client that disconnects before its answer takes its requests
+back: they are dropped from the engine (slot freed) and nothing is answered. A request id sent as X-Request-Id (or `request_id`, or SGLang
 `rid`) becomes the engine request id, so the trace rows of --trace-dir name the client's requests.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
@@ -39,6 +42,16 @@ def _validation_message(exc: RequestValidationError) -> str:
     return "; ".join(parts) or "invalid request body"
 
 
+class ClientGone(Exception):
+    """The HTTP client disconnected before its answer was ready."""
+
+
+async def _disconnected(http: HttpRequest) -> None:
+    """Returns once the client has gone (the body is already read: ASGI's next message is the disconnect)."""
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
+
+
 def create_app(engine, tokenizer, info: ModelInfo, sink: TraceSink | None = None) -> FastAPI:
     started = int(time.time())
 
@@ -58,6 +71,10 @@ def create_app(engine, tokenizer, info: ModelInfo, sink: TraceSink | None = None
     async def _api_error(_: HttpRequest, exc: ApiError):
         return JSONResponse(exc.body(), status_code=exc.status)
 
+    @app.exception_handler(ClientGone)
+    async def _gone(_: HttpRequest, exc: ClientGone):
+        return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
+
     @app.exception_handler(RequestValidationError)
     async def _bad_body(_: HttpRequest, exc: RequestValidationError):
         return JSONResponse(ApiError(_validation_message(exc), 400, "Bad Request").body(), status_code=400)
@@ -67,8 +84,19 @@ def create_app(engine, tokenizer, info: ModelInfo, sink: TraceSink | None = None
             raise ApiError(f"The model `{name}` does not exist. Valid aliases: {info.name}.", 404,
                            "NotFoundError", "model")
 
-    async def run(plans) -> None:
-        done = await app.state.loop.submit([r for p in plans for r in p.requests])
+    async def run(plans, http: HttpRequest) -> None:
+        submit = asyncio.ensure_future(app.state.loop.submit([r for p in plans for r in p.requests]))
+        gone = asyncio.ensure_future(_disconnected(http))
+        try:
+            await asyncio.wait({submit, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not submit.done():  # the client left: the loop takes its requests out of the engine
+            submit.cancel()
+            with suppress(asyncio.CancelledError):
+                await submit
+            raise ClientGone()
+        done = submit.result()
         failed = next((r for r in done if r.error is not None), None)
         if failed is not None:
             raise ApiError(f"request {failed.request_id}: {failed.error}")
@@ -98,13 +126,13 @@ def create_app(engine, tokenizer, info: ModelInfo, sink: TraceSink | None = None
         response_id = f"cmpl-{base}"
         plans = plan_completion(body, tokenizer, info, response_id)
         created = int(time.time())
-        await run(plans)
+        await run(plans, http)
         return render_completion(body, plans, tokenizer, info, response_id, created)
 
     @app.post("/generate")
-    async def generate(body: GenerateRequest):
+    async def generate(body: GenerateRequest, http: HttpRequest):
         plans, batch = plan_generate(body, tokenizer, info)
-        await run(plans)
+        await run(plans, http)
         out = render_generate(plans, tokenizer, body.return_text_in_logprobs)
         return out if batch else out[0]
 
@@ -115,12 +143,17 @@ def create_app(engine, tokenizer, info: ModelInfo, sink: TraceSink | None = None
             ("lpf_steps_total", "counter", "engine steps run", s.steps),
             ("lpf_batch_size_max", "gauge", "largest number of requests scheduled in one step", s.max_batch_size),
             ("lpf_scheduled_requests_total", "counter", "sum over steps of requests scheduled", s.scheduled_sum),
+            ("lpf_requests_submitted_total", "counter", "requests received (each ends finished, rejected or "
+             "cancelled)", s.requests_submitted),
             ("lpf_requests_added_total", "counter", "requests handed to the engine", s.requests_added),
             ("lpf_requests_finished_total", "counter", "requests finished", s.requests_finished),
             ("lpf_requests_rejected_total", "counter", "requests refused by the engine", s.requests_rejected),
             ("lpf_generation_tokens_total", "counter", "output tokens generated", s.tokens_generated),
             ("lpf_preemptions_total", "counter", "preemptions by recompute", s.preemptions),
             ("lpf_requests_in_flight", "gauge", "requests submitted and not yet finished", loop.running),
+            ("lpf_requests_cancelled_total", "counter", "requests taken back by clients that went away",
+             s.requests_cancelled),
+            ("lpf_state_slots_free", "gauge", "state slots no request holds", loop.engine.num_free_slots),
         ]
         text = "".join(f"# HELP {n} {h}\n# TYPE {n} {t}\n{n} {v}\n" for n, t, h, v in lines)
         return PlainTextResponse(text)

@@ -12,7 +12,9 @@ Every step's trace rows and fault ground truth are drained in the worker thread;
 counters `/metrics` shows (steps, largest batch, ...), and a `TraceSink` (optional) appends them as
 Parquet parts under a --trace-dir for later forensics (`trace/part-*.parquet`, `faults/part-*.parquet`,
 same schemas as a run directory). If a step raises, the engine is considered dead: every waiting
-request fails with a 500 and /health turns 500, as vLLM does.
+request fails with a 500 and /health turns 500, as vLLM does. A `submit` whose caller is cancelled
+(its HTTP client went away) takes its requests back: between two steps they leave the queue or the
+engine (`engine.abort`: slot and KV blocks freed), counted in `stats.requests_cancelled`.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ class LoopStats:
     requests_rejected: int = 0
     tokens_generated: int = 0
     preemptions: int = 0
+    requests_submitted: int = 0  # handed to the loop: each ends finished, rejected or cancelled
+    requests_cancelled: int = 0  # taken back by a client that went away
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -87,7 +91,8 @@ class EngineLoop:
         self.stats = LoopStats()
         self.dead: str | None = None
         self._queue: list[Request] = []
-        self._futures: dict[str, asyncio.Future] = {}
+        self._cancelled: list[Request] = []
+        self._futures: dict[str, tuple[Request, asyncio.Future]] = {}  # by request id: who waits for what
         self._wake = asyncio.Event()
         self._stopping = False
         self._seq = 0
@@ -125,23 +130,48 @@ class EngineLoop:
         if clash is not None:
             raise ApiError(f"request id {clash!r} is already in flight", param="request_id")
         loop = asyncio.get_running_loop()
+        self.stats.requests_submitted += len(requests)
         futures = []
         for r in requests:
             fut = loop.create_future()
-            self._futures[r.request_id] = fut
+            self._futures[r.request_id] = (r, fut)
             self._queue.append(r)
             futures.append(fut)
         self._wake.set()
-        results = await asyncio.gather(*futures, return_exceptions=True)
+        try:
+            results = await asyncio.gather(*futures, return_exceptions=True)
+        except asyncio.CancelledError:
+            self._cancel(requests)
+            raise
         for r in results:
             if isinstance(r, BaseException):
                 raise r
         return list(results)
 
+    def _cancel(self, requests: list[Request]) -> None:
+        """Take requests back (the loop drops them before its next step); their ids are free at once."""
+        for r in requests:
+            owner, _ = self._futures.get(r.request_id, (None, None))
+            if owner is r:  # (its future is already cancelled: gather cancels what it waits for)
+                del self._futures[r.request_id]
+                self._cancelled.append(r)
+        self._wake.set()
+
+    def _drop_cancelled(self) -> None:
+        if not self._cancelled:
+            return
+        gone, self._cancelled = self._cancelled, []
+        queued = {id(r) for r in gone}
+        self._queue = [r for r in self._queue if id(r) not in queued]  # never reached the engine
+        for r in gone:
+            self.engine.abort(r.request_id)  # None when it was still queued here
+            self.stats.requests_cancelled += 1
+
     # -- the loop ----------------------------------------------------------------------------------
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while not self._stopping:
+            self._drop_cancelled()
             if not self._queue and not self.engine.has_unfinished():
                 self._wake.clear()
                 await self._wake.wait()
@@ -189,16 +219,18 @@ class EngineLoop:
         return finished
 
     def _resolve(self, req: Request) -> None:
-        fut = self._futures.pop(req.request_id, None)
+        owner, fut = self._futures.get(req.request_id, (None, None))
+        if owner is not req or fut.done():  # taken back by its client: the id may already name a new request
+            return
+        del self._futures[req.request_id]
         if req.error is None:
             self.stats.requests_finished += 1
             self.stats.tokens_generated += len(req.output_token_ids)
-        if fut is not None and not fut.done():
-            fut.set_result(req)
+        fut.set_result(req)
 
     def _fail_all(self, error: ApiError) -> None:
         self._queue = []
         futures, self._futures = self._futures, {}
-        for fut in futures.values():
+        for _, fut in futures.values():
             if not fut.done():
                 fut.set_exception(error)

@@ -20,7 +20,7 @@ from lpf.builtin.config import SUPPORTED_ARCHITECTURES
 from lpf.builtin.models.base import EngineModel
 from lpf.errors import LpfError
 
-__all__ = ["EngineModel", "load_model", "SUPPORTED_ARCHITECTURES"]
+__all__ = ["EngineModel", "load_model", "model_shape", "SUPPORTED_ARCHITECTURES"]
 
 
 def _model_class(arch: str):
@@ -35,11 +35,17 @@ def _model_class(arch: str):
     raise LpfError(f"the built-in engine runs GraniteMoeHybrid and Jamba models; {arch} is not supported")
 
 
-def load_model(path, dtype=None, device="cpu") -> EngineModel:
-    """An `EngineModel` with the weights of the HF directory `path`, in eval mode, no grads."""
+def model_shape(path) -> EngineModel:
+    """The `EngineModel` of the HF directory `path` on the meta device: its layer shapes (cache
+    sizes) without reading a weight."""
     import torch
 
-    path = Path(path)
+    cls, config = _class_and_config(Path(path))
+    with torch.device("meta"):
+        return cls(config)
+
+
+def _class_and_config(path: Path):
     try:
         raw = json.loads((path / "config.json").read_text())
     except (OSError, ValueError) as e:
@@ -51,7 +57,15 @@ def load_model(path, dtype=None, device="cpu") -> EngineModel:
     from lpf.torch_utils import quiet_transformers
 
     quiet_transformers()
-    config = AutoConfig.from_pretrained(path)
+    return cls, AutoConfig.from_pretrained(path)
+
+
+def load_model(path, dtype=None, device="cpu") -> EngineModel:
+    """An `EngineModel` with the weights of the HF directory `path`, in eval mode, no grads."""
+    import torch
+
+    path = Path(path)
+    cls, config = _class_and_config(path)
     with torch.device("meta"):  # weights come from the checkpoint; skip random init
         model = cls(config)
     return model.load_checkpoint(path, dtype or torch.float32, device)

@@ -240,6 +240,9 @@
     add(hy, hypotheses(F.hypotheses, D.n_flagged ? "findings.json has no ranked hypotheses" : "nothing flagged, nothing to explain"));
     main.appendChild(hy);
 
+    var E = F.evidence;
+    if (E && typeof E === "object") main.appendChild(evidenceSection(E));
+
     main.appendChild(drill(TH));
 
     var th = section("thresholds", "Thresholds and run", "The values that decided each verdict, and how this run was made.", "Thresholds & run");
@@ -258,6 +261,30 @@
     app.appendChild(nav());
     app.appendChild(main);
     app.appendChild(footer());
+  }
+
+  // -- what the server said beyond its tokens (findings.evidence) ----------------------------------------
+  function evidenceSection(E) {
+    var ev = section("evidence", "Evidence from the server",
+      "What the answers said beyond their tokens: answers that contradict themselves (kept as returned and scored), " +
+      "failed attempts, and the requests in flight when a server died.", "Evidence");
+    var inc = E.inconsistent || {}, fl = E.failed || {}, at = E.attempts || {};
+    var facts = h("div", "facts");
+    function fact(k, v, s) { facts.appendChild(h("div", "fact", [txt("div", "k", k), txt("div", "v", v), s ? txt("div", "s", s) : null])); }
+    fact("inconsistent answers", fmt(inc.n || 0), fmt(inc.scored || 0) + " scored · " + fmt(inc.flagged || 0) + " flagged");
+    fact("failed requests", fmt(fl.n || 0), fmt(fl.sent || 0) + " sent and failed · " + fmt(fl.never_sent || 0) + " never sent");
+    fact("attempts", fmt(at.n || 0), fmt(at.retries || 0) + " retries");
+    add(ev, facts);
+    var reasons = Object.keys(inc.by_reason || {});
+    if (reasons.length) add(ev, table(["inconsistency", "answers"], reasons.map(function (k) { return [txt("span", "mono", k), inc.by_reason[k]]; })));
+    var st = Object.keys(at.by_status || {});
+    if (st.length) add(ev, txt("p", "note", "attempts by HTTP status: " + st.map(function (k) { return k + " ×" + at.by_status[k]; }).join(", ")));
+    var died = E.server_died;
+    if (died && typeof died === "object") {
+      add(ev, h("div", "lead", [txt("b", null, "The server died: "), txt("span", null, died.sentence || "")]));
+      add(ev, h("ul", "sentences", (died.in_flight || []).map(function (id) { return txt("li", "mono", id); })));
+    }
+    return ev;
   }
 
   // -- drill-down ------------------------------------------------------------------------------------
@@ -541,9 +568,13 @@
     app.appendChild(nav()); app.appendChild(main); app.appendChild(footer());
   }
 
+  // a page with a script of its own (html.PAGE_SCRIPTS) gets the helpers it builds with
+  var UI = { h: h, add: add, txt: txt, fmt: fmt, isNum: isNum, badge: badge, kpi: kpi, kv: kv, table: table,
+             section: section, plot: plot, hero: hero, nav: nav, footer: footer, app: app, COLORS: COLORS };
   if (D.kind === "sweep") sweepPage();
   else if (D.kind === "conformance") conformancePage();
   else if (D.kind === "rl") rlPage();
+  else if (window.lpfPages && window.lpfPages[D.kind]) window.lpfPages[D.kind](D, UI);
   else runPage();
   // data-ready tells a waiting reader (the browser tests) that every chart has been drawn
   drawPlots().then(function () { document.body.dataset.ready = "1"; },

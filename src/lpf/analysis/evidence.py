@@ -1,0 +1,163 @@
+"""What a server's answers say beyond their tokens: inconsistent answers, failed attempts, a dying server.
+
+Contract (pure: the requests table and the per-request summary in, plain data out):
+- `apply_inconsistency(summary, requests) -> summary`: an answer kept with an `inconsistency` that
+  was scored and disagrees with the reference beyond the clean threshold (verdict `noise`) gets at
+  least `divergent`: a server that contradicts itself and the reference is not merely noisy. The
+  summary gains an `inconsistency` column (null when consistent).
+- `evidence(requests, summary) -> dict`, findings.json's `evidence`:
+    inconsistent  {n, by_reason {KIND: count}, scored, flagged, requests [ids, at most 50]}
+    failed        {n, sent (an attempt reached the server and failed), never_sent (no attempt ever
+                  left: refused, circuit open, deadline), in_process (engines without attempts)}
+    attempts      {n, retries, by_status {"200": k, "500": k, "none": k}}
+    server_died   null, or {t, first_error, n_in_flight, in_flight [ids, at most 50], common {...},
+                  sentence}: the server answered, then stopped answering for good (only refused or
+                  unsent attempts after its last answer); the requests whose attempts were in flight
+                  at the first failure after that last answer are the first suspects, with what
+                  they have in common (prompt length against the run's, arrival index).
+Inconsistency reasons are `KIND: detail` items joined by "; " (`lpf.adapters.remote.Problems`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from lpf.analysis.verdicts import by_arrival
+
+MAX_LISTED = 50
+_KIND = re.compile(r"(?:^|; )([a-z_]+): ")
+
+
+def reason_kinds(text: str | None) -> list[str]:
+    """The KINDs of an inconsistency text ('token_count: ...; logprob: ...' -> [token_count, logprob])."""
+    return _KIND.findall(text) if text else []
+
+
+def apply_inconsistency(summary: pa.Table, requests: pa.Table) -> pa.Table:
+    req = by_arrival(requests)
+    if "inconsistency" in req.column_names:
+        inc = req.column("inconsistency")
+    else:
+        inc = pa.nulls(req.num_rows, pa.string())
+    # the summary is aligned to the requests in arrival order (`summarize_requests`)
+    verdict = np.asarray(summary.column("verdict").to_pylist(), dtype=object)
+    raise_to = inc.is_valid().to_numpy(zero_copy_only=False) & (verdict == "noise")
+    if raise_to.any():
+        verdict[raise_to] = "divergent"
+        summary = summary.set_column(summary.column_names.index("verdict"), "verdict",
+                                     pa.array(verdict, pa.string()))
+    return summary.append_column("inconsistency", inc)
+
+
+def _attempt_rows(req: pa.Table) -> dict[str, np.ndarray] | None:
+    """Every attempt as flat numpy columns (+ `row`: the request's row in `req`), None when none."""
+    if "attempts" not in req.column_names:
+        return None
+    col = req.column("attempts").combine_chunks()
+    flat = pc.list_flatten(col)
+    if len(flat) == 0:
+        return None
+    parents = pc.list_parent_indices(col).to_numpy(zero_copy_only=False)
+    out = {"row": parents.astype(np.int64)}
+    for name in ("sent", "status", "t_start", "t_end"):
+        out[name] = pc.struct_field(flat, name).to_numpy(zero_copy_only=False)
+    out["error"] = np.asarray(pc.struct_field(flat, "error").to_pylist(), dtype=object)
+    out["sent"] = np.asarray([bool(s) if s is not None else False for s in out["sent"]])
+    status = pc.struct_field(flat, "status")
+    out["status"] = status.fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)
+    for name in ("t_start", "t_end"):
+        out[name] = np.asarray(out[name], dtype=np.float64)
+    return out
+
+
+def evidence(requests: pa.Table, summary: pa.Table) -> dict:
+    req = by_arrival(requests)
+    n = req.num_rows
+    ids = np.asarray(req.column("request_id").to_pylist(), dtype=object)
+    inc = req.column("inconsistency").to_pylist() if "inconsistency" in req.column_names else [None] * n
+    verdict = np.asarray(summary.column("verdict").to_pylist(), dtype=object)
+    has_inc = np.array([t is not None for t in inc], dtype=bool)
+    kinds = Counter(k for t in inc if t for k in set(reason_kinds(t)))
+    scored = np.isin(verdict, ["clean", "noise", "divergent", "corrupt"])
+    flagged = np.isin(verdict, ["divergent", "corrupt"])
+    out = {"inconsistent": {"n": int(has_inc.sum()), "by_reason": dict(sorted(kinds.items())),
+                            "scored": int((has_inc & scored).sum()), "flagged": int((has_inc & flagged).sum()),
+                            "requests": sorted(ids[has_inc].tolist())[:MAX_LISTED]}}
+
+    errors = req.column("error").is_valid().to_numpy(zero_copy_only=False)
+    att = _attempt_rows(req)
+    any_sent = np.zeros(n, dtype=bool)
+    any_attempt = np.zeros(n, dtype=bool)
+    if att is not None:
+        np.logical_or.at(any_sent, att["row"], att["sent"])
+        any_attempt[att["row"]] = True
+    out["failed"] = {"n": int(errors.sum()), "sent": int((errors & any_sent).sum()),
+                     "never_sent": int((errors & any_attempt & ~any_sent).sum()),
+                     "in_process": int((errors & ~any_attempt).sum())}
+    if att is None:
+        out["attempts"] = {"n": 0, "retries": 0, "by_status": {}}
+        out["server_died"] = None
+        return out
+    by_status = Counter("none" if s < 0 else str(int(s)) for s in att["status"])
+    out["attempts"] = {"n": int(att["row"].size), "retries": int(att["row"].size - any_attempt.sum()),
+                       "by_status": dict(sorted(by_status.items()))}
+    out["server_died"] = _server_death(req, ids, att)
+    return out
+
+
+def _server_death(req: pa.Table, ids: np.ndarray, att: dict) -> dict | None:
+    answered = att["status"] >= 0  # any HTTP answer: the server was alive then (even a 4xx)
+    alive = answered & (att["status"] < 500)
+    unreachable = ~att["sent"]
+    last_alive = float(att["t_end"][alive].max()) if alive.any() else -np.inf
+    after = att["t_end"] > last_alive
+    if not (unreachable & after).any() or not answered.any():
+        return None  # it never stopped answering, or it never answered at all (a wrong port, not a death)
+    # the first sign of death: a sent attempt failing after the last good answer (a 5xx, a broken
+    # connection, a timeout); when there is none, the first refused connection
+    sent_failed = att["sent"] & ~alive & after
+    pool = sent_failed if sent_failed.any() else (unreachable & after)
+    first = np.flatnonzero(pool)[np.argmin(att["t_end"][pool])]
+    t_death = float(att["t_end"][first])
+    eps = 1e-3
+    in_flight_att = att["sent"] & (att["t_start"] <= t_death + eps) & (att["t_end"] >= t_death - eps) & ~alive
+    started = np.full(len(ids), np.inf)  # each suspect's earliest in-flight attempt: their arrival order
+    np.minimum.at(started, att["row"][in_flight_att], att["t_start"][in_flight_att])
+    rows = np.flatnonzero(np.isfinite(started))
+    order = rows[np.argsort(started[rows], kind="stable")]
+    plen = pc.list_value_length(req.column("prompt_token_ids")).to_numpy(zero_copy_only=False).astype(np.int64)
+    seq = req.column("seq").to_numpy().astype(np.int64)
+    common = _common(plen, seq, order)
+    first_error = att["error"][first]
+    listed = ids[order].tolist()
+    sentence = (f"the server stopped answering after {len(listed)} request(s) were in flight "
+                f"(first failure: {first_error})" + (f"; {common['sentence']}" if common.get("sentence") else "") + ".")
+    return {"t": t_death, "first_error": first_error, "n_in_flight": int(len(listed)),
+            "in_flight": listed[:MAX_LISTED], "common": common, "sentence": sentence}
+
+
+def _common(plen: np.ndarray, seq: np.ndarray, rows: np.ndarray) -> dict:
+    """What the suspects share: their prompt lengths against the run's (how many are among its
+    longest), their arrival indices."""
+    if rows.size == 0:
+        return {}
+    k = rows.size
+    longest = np.argsort(-plen, kind="stable")[:k]
+    n_longest = int(np.isin(rows, longest).sum())
+    sp = plen[rows]
+    c = {"prompt_length": {"min": int(sp.min()), "max": int(sp.max()), "median": float(np.median(sp)),
+                           "run_median": float(np.median(plen))},
+         "among_longest": n_longest,
+         "seq": {"min": int(seq[rows].min()), "max": int(seq[rows].max())}}
+    words = [f"prompt length {c['prompt_length']['min']}..{c['prompt_length']['max']} tokens "
+             f"(run median {c['prompt_length']['run_median']:g})"]
+    if n_longest:
+        words.append(f"{n_longest} of them among the run's {k} longest prompts")
+    words.append(f"arrival #{c['seq']['min']}..#{c['seq']['max']}")
+    c["sentence"] = ", ".join(words)
+    return c

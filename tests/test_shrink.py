@@ -1,0 +1,292 @@
+"""`lpf shrink` end to end: real `lpf audit` runs for the source run and for every candidate (each its own
+process), and the reproducer it writes run in fresh processes.
+
+What must show (issue 15), on the built-in engine and tiny:jamba-longmem (the seed's Mamba1 +
+attention architecture with a long-memory state, where a wrong state visibly corrupts the output):
+- the stale-state drill from a 2,000-request run shrinks to at most 3 requests and a knob set under
+  which repro.py exits 1, in at most 60 candidate runs (and exits 0 with the drill switched off);
+- the offset-wrap drill shrinks to the fewest requests that reach the wrapping slot; killing that
+  shrink and rerunning the command resumes it without running a finished candidate again;
+- a run with nothing flagged is refused in one line; a one-off lie ends "did not reproduce in K tries";
+- the vLLM reproducer runs with vLLM's interpreter alone (the stale-state drill inside vLLM needs the
+  trace plugin of issue 12: only the plugin-free path is tested here).
+The source runs are kept small where the issue allows: 4 output tokens, prompts of at most 20
+tokens (two requests' KV fits the 2-slot cache the stale-state run needs).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import lpf_subprocess, write_prompts
+from lpf.query import run_query
+from test_report import browser, open_page, plots_drawn, severe  # noqa: F401  (browser: the fixture)
+
+pytestmark = pytest.mark.slow
+
+MODEL = "tiny:jamba-longmem"
+
+
+def short_prompts(path: Path, n: int) -> Path:
+    """`n` oracle prompts of at most 20 tokens."""
+    from lpf.model_specs import load_tokenizer, resolve_model
+    from lpf.zoo import registry
+
+    tok = load_tokenizer(resolve_model(MODEL))
+    items = [i for i in registry.workload_items("oracle", seed=1, n=6 * n) if len(tok.encode(i["prompt"])) <= 20][:n]
+    assert len(items) == n
+    return write_prompts(path, [{"id": i["id"], "prompt": i["prompt"], "expected": i["expected"]} for i in items])
+
+
+def audit(out: Path, workload: Path, *args) -> dict:
+    proc = lpf_subprocess("audit", "--engine", "builtin", "--model", MODEL, "--workload", workload, "--max-tokens", 4,
+                          "--out", out, "--json", "--fail-on", "never", *args)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def script_config(script: Path) -> dict:
+    text = script.read_text()
+    return json.loads(text.split("CONFIG = json.loads(r'''", 1)[1].split("''')", 1)[0])
+
+
+def fresh_python(*args, python=sys.executable, env=None, timeout=600):
+    return subprocess.run([str(python), *map(str, args)], capture_output=True, text=True, timeout=timeout,
+                          env=env or dict(os.environ))
+
+
+# -- stale state: 2,000 requests down to at most 3 ---------------------------------------------------
+@pytest.fixture(scope="module")
+def stale(tmp_path_factory):
+    """2,000 greedy requests (500 prompts x 4 rollouts) with the stale-state drill in a cache of two
+    state slots, a 6-token step budget (a new request is sometimes left 1 token) and 4-token KV
+    blocks; then `lpf shrink` with its defaults (budget 60 runs, 1-of-3 tries)."""
+    base = tmp_path_factory.mktemp("stale")
+    run = base / "run"
+    findings = audit(run, short_prompts(base / "w.jsonl", 500), "--n", 4, "--cache-mb", 0.2, "-E", "block_size=4",
+                     "--max-num-batched-tokens", 6, "--inject", "stale-state")
+    assert findings["n_requests"] == 2000 and 0 < findings["counts"]["corrupt"] < 100
+    out = base / "shrink"
+    proc = lpf_subprocess("shrink", run, "--out", out, "--json")
+    assert proc.returncode == 0, proc.stderr
+    return run, out, json.loads(proc.stdout), findings
+
+
+def test_stale_state_shrinks_from_2000_requests_to_at_most_3(stale):
+    run, out, doc, findings = stale
+    assert doc == json.loads((out / "shrink.json").read_text()) and doc["status"] == "done"
+    assert doc["target"] == findings["flagged"][0]["request_id"], "the worst flagged request by default"
+    assert doc["signature"] == {"verdict": "corrupt", "position_class": "first-token",
+                                "feature": "first_decode_uncomputed", "split": None,
+                                "phrase": "started with a decode step while num_computed_tokens was 0"}
+    assert doc["original"]["size"][0] == 2000
+    assert doc["runs_used"] <= 60 and doc["runs_used"] == len({d for d in doc["charged"]})
+    n, tokens, knobs = doc["minimal"]["size"]
+    assert n <= 3 and tokens < 0.01 * doc["original"]["size"][1]
+    assert doc["minimal"]["config"]["knobs"]["inject"] == "stale-state"
+    # the minimal run shows the mechanism itself: the target (last to arrive) ran its first step as a
+    # decode with nothing computed, on a slot an earlier request had used (the drill's ground truth,
+    # which analysis never reads, agrees)
+    cand = next(c for c in doc["candidates"] if c["id"] == doc["minimal"]["candidate"])
+    minimal_run = out / next(t["dir"] for t in cand["tries"] if t["lie"])
+    target = json.loads((minimal_run / "findings.json").read_text())["flagged"][0]["request_id"]
+    assert target == doc["target"] + "-r0"
+    first = run_query(minimal_run, f"""SELECT phase, num_computed_tokens, state_slot FROM trace
+                                       WHERE request_id = '{target}' AND NOT preempted ORDER BY step LIMIT 1""")[1][0]
+    assert first[:2] == ("decode", 0)
+    assert run_query(minimal_run, f"SELECT count(*) FROM trace WHERE state_slot = {first[2]} AND request_id <> '{target}'")[1][0]
+    assert run_query(minimal_run, f"SELECT role FROM faults WHERE request_id = '{target}'")[1] == [("corrupted",)]
+    # every step of the path reproduced, and the path ends at the minimum
+    by_id = {c["id"]: c for c in doc["candidates"]}
+    assert doc["path"][-1] == cand["id"] and all(by_id[i]["status"] == "reproduces" for i in doc["path"])
+    assert [json.loads(x)["id"] for x in (out / "workload.jsonl").read_text().splitlines()][-1] == doc["target"]
+
+
+def test_the_stale_state_reproducer_stands_alone(stale, tmp_path):
+    """repro.py in a fresh process exits 1 and says where the lie starts; the same script with the
+    drill switched off exits 0 (it is no constant 1); command.sh's lpf audit exits 1 on the lie."""
+    from lpf.shrink.repro import write_script
+
+    _, out, doc, _ = stale
+    proc = fresh_python(out / "repro.py")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "first divergence at output position 0: engine logprob" in proc.stdout and "the lie reproduces" in proc.stdout
+    cfg = script_config(out / "repro.py")
+    assert cfg["engine"] == "builtin" and cfg["inject"] == "stale-state" and len(cfg["requests"]) <= 3
+    off = write_script(tmp_path / "off.py", dict(cfg, inject=""))
+    proc = fresh_python(off)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "no divergence" in proc.stdout
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    proc = subprocess.run(["sh", str(out / "command.sh"), str(tmp_path / "cmd")], capture_output=True, text=True,
+                          timeout=600, env=env)
+    assert proc.returncode == 1, proc.stderr
+    flagged = json.loads((tmp_path / "cmd" / "findings.json").read_text())["flagged"]
+    assert [f["request_id"] for f in flagged] == [doc["target"] + "-r0"]
+    report = (out / "report.md").read_text()
+    for part in ("## Versions", "## Model config fields that matter", "## The lie at the first divergence",
+                 "## Ranked hypotheses (original run)", "## Shrink log", "JambaForCausalLM", "the reference gives that token"):
+        assert part in report, part
+
+
+def test_the_shrink_report_page_draws_in_a_browser(stale, browser):
+    """`lpf report DIR` detects the shrink directory; the page draws its chart with no console error."""
+    _, out, _, _ = stale
+    proc = lpf_subprocess("report", out)
+    assert proc.returncode == 0, proc.stderr
+    log = open_page(browser, out / "report.html")
+    assert not severe(log), log
+    assert plots_drawn(browser) == (1, 1)
+    text = browser.find_element("tag name", "body").text
+    assert "Shrink report" in text and "2,000 → " in text and "The search" in text and "ddmin" in text
+
+
+# -- offset wrap: the fewest requests that reach the wrapping slot, and a resume after a kill ----------
+def test_offset_wrap_shrinks_to_the_wrapping_slot_and_resumes_after_a_kill(tmp_path):
+    """24 requests, offset-wrap:14 (a prefill into slot 2 or above writes its final state elsewhere),
+    6 state slots. The shrink is SIGKILLed once three candidates are judged, then the same command
+    finishes it: no finished candidate runs again (its run directory is untouched) and the minimum
+    is the wrapping slot plus the requests it takes to reach it."""
+    bits = 14
+    run = tmp_path / "run"
+    audit(run, short_prompts(tmp_path / "w.jsonl", 6), "--n", 4, "--cache-mb", 0.5, "--inject", f"offset-wrap:{bits}")
+    stride = json.loads((run / "manifest.json").read_text())["engine"]["cache"]["state_slot_stride"]
+    wrap_slot = math.ceil(2**bits / stride)
+    out = tmp_path / "shrink"
+    exe = Path(sys.executable).with_name("lpf")
+    proc = subprocess.Popen([str(exe), "shrink", str(run), "--out", str(out)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 500
+        while time.monotonic() < deadline and proc.poll() is None:
+            doc = json.loads((out / "shrink.json").read_text()) if (out / "shrink.json").is_file() else {"candidates": []}
+            if sum(c["status"] != "running" for c in doc["candidates"]) >= 3:
+                break
+            time.sleep(0.2)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the shrink and the candidate audit it is running
+        proc.wait()
+    before = json.loads((out / "shrink.json").read_text())
+    finished = [c for c in before["candidates"] if c["status"] != "running"]
+    assert len(finished) >= 3 and before["status"] == "running"
+    stamps = {t["dir"]: ((out / t["dir"] / "manifest.json").read_text(), (out / t["dir"] / "findings.json").stat().st_mtime_ns)
+              for c in finished for t in c["tries"]}
+    again = lpf_subprocess("shrink", run, "--out", out, "--json")
+    assert again.returncode == 0, again.stderr
+    doc = json.loads(again.stdout)
+    for c in finished:
+        assert f"{c['id']} {c['phase']} (recorded)" in again.stderr, c["id"]
+    for d, (manifest, mtime) in stamps.items():
+        assert (out / d / "manifest.json").read_text() == manifest and (out / d / "findings.json").stat().st_mtime_ns == mtime
+    keys = [c["key"] for c in doc["candidates"]]
+    assert len(keys) == len(set(keys)) and doc["status"] == "done"
+    assert doc["runs_used"] == len(doc["charged"]) == len({t["dir"] for c in doc["candidates"] for t in c["tries"]})
+    # the minimum: the wrapping slot and the requests that fill the slots below it
+    assert doc["minimal"]["size"][0] == wrap_slot + 1
+    cand = next(c for c in doc["candidates"] if c["id"] == doc["minimal"]["candidate"])
+    minimal_run = out / next(t["dir"] for t in cand["tries"] if t["lie"])
+    slots = run_query(minimal_run, "SELECT max(state_slot) FROM trace WHERE phase IN ('prefill', 'extend')")[1][0][0]
+    assert slots == wrap_slot
+    assert run_query(minimal_run, "SELECT count(*) FROM faults WHERE role = 'wrapped'")[1][0][0] >= 1
+    assert "cache_mb" not in doc["minimal"]["config"]["knobs"], "a bigger cache still reaches the wrapping slot"
+
+
+# -- nothing to shrink, and a lie that never comes back ---------------------------------------------
+def _fake_one_off(run: Path, request_id: str) -> None:
+    """Overwrite one request's stored engine logprobs with 0.0 (certainty) in its tokens part, as a
+    flaky host that garbled the numbers once would have left them."""
+    for part in sorted((run / "tokens").glob("part-*.parquet")):
+        t = pq.read_table(part)
+        ids = t.column("request_id").to_pylist()
+        if request_id in ids:
+            lps = [0.0 if r == request_id else lp for r, lp in zip(ids, t.column("engine_logprob").to_pylist())]
+            i = t.schema.get_field_index("engine_logprob")
+            pq.write_table(t.set_column(i, t.schema.field(i), pa.array(lps, pa.float64())), part)
+
+
+def test_nothing_flagged_is_refused_and_a_one_off_does_not_reproduce(tmp_path):
+    """A clean run is refused in one line. Then a one-off by construction: the same run with one
+    request's stored logprobs edited after the fact (no engine can produce them again), re-analysed
+    so that request is flagged: the shrink re-runs it and ends "did not reproduce in 2 tries"."""
+    run = tmp_path / "run"
+    clean = audit(run, short_prompts(tmp_path / "w.jsonl", 6), "--cache-mb", 0.5)
+    assert clean["verdict"] == "clean"
+    proc = lpf_subprocess("shrink", run, "--out", tmp_path / "nothing")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "has no flagged request" in lines[0] and "nothing to shrink" in lines[0], proc.stderr
+    assert not (tmp_path / "nothing").exists()
+
+    target, other = (r[0] for r in run_query(run, "SELECT request_id FROM requests ORDER BY seq LIMIT 2")[1])
+    _fake_one_off(run, target)
+    proc = lpf_subprocess("analyze", run, "--json", "--fail-on", "never")
+    assert proc.returncode == 0, proc.stderr
+    assert [f["request_id"] for f in json.loads(proc.stdout)["flagged"]] == [target]
+    for args, words in ((["--request", target + "x"], "did you mean"), (["--request", other], "not flagged"),
+                        (["--tries", 2, "--need", 3], "--need between 1 and --tries")):
+        proc = lpf_subprocess("shrink", run, "--out", tmp_path / "bad", *args)
+        assert proc.returncode == 2 and words in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    out = tmp_path / "shrink"
+    proc = lpf_subprocess("shrink", run, "--out", out, "--tries", 2)
+    assert proc.returncode == 1, proc.stderr
+    assert "did not reproduce in 2 tries" in proc.stderr and "Traceback" not in proc.stderr
+    doc = json.loads((out / "shrink.json").read_text())
+    assert doc["status"] == "not-reproduced" and doc["minimal"] is None
+    original = next(c for c in doc["candidates"] if c["phase"] == "original")
+    assert len(original["tries"]) == 2 and not any(t["lie"] for t in original["tries"])
+    assert not (out / "repro.py").exists() and not (out / "workload.jsonl").exists()
+
+
+# -- vLLM: the reproducer runs with vLLM's interpreter alone -------------------------------------------
+def _vllm_python():
+    from lpf.adapters.vllm import vllm_python
+    from lpf.errors import LpfError
+
+    try:
+        return vllm_python()
+    except LpfError:
+        return None
+
+
+@pytest.mark.skipif(_vllm_python() is None, reason="no vLLM venv: run `make vllm` (make test does)")
+def test_the_vllm_reproducer_runs_with_vllms_interpreter_alone(tmp_path):
+    """The vLLM repro.py for two requests on zoo:hybrid (no drill: the stale-state drill inside vLLM is
+    issue 12's plugin), run by .venv-vllm's Python with no lpf on its path: vllm.LLM generates, the
+    transformers re-score agrees to float32 rounding at every position, and it exits 0."""
+    from lpf.model_specs import load_tokenizer, resolve_model
+    from lpf.shrink.repro import script_config as make_config, write_script
+
+    model = resolve_model("zoo:hybrid")
+    tok = load_tokenizer(model)
+    items = [{"id": f"p{i}", "prompt_token_ids": tok.encode(p), "max_tokens": 6}
+             for i, p in enumerate(("A:37+58=", "C:QX7RT2MB="))]
+    engine = {"name": "vllm", "options": {"cpu_kvcache_space": 1.0},
+              "engine_args": {"model": str(model.path), "dtype": "float32", "enforce_eager": True, "seed": 0,
+                              "logprobs_mode": "raw_logprobs", "max_logprobs": 20, "max_num_seqs": 4}}
+    sampling = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "max_tokens": 6, "seed": 0, "ignore_eos": True, "logprobs": 5}
+    cfg = make_config(engine, str(model.path), items, "p1", sampling, {}, "first-token")
+    assert cfg["env"]["VLLM_CPU_KVCACHE_SPACE"] == "1" and "LPF_VLLM_INJECT" not in cfg["env"]
+    script = write_script(tmp_path / "repro.py", cfg)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = fresh_python(script, python=_vllm_python(), env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "engine: vLLM 0.32.0" in proc.stdout and "no divergence" in proc.stdout
+    # the table's rows: position, token, engine lp, reference lp, |diff|, reference top-1 (lp)
+    rows = [re.findall(r"-?\d+\.\d{4}", ln) for ln in proc.stdout.splitlines() if re.match(r"\s*\d+\s+\"", ln)]
+    assert len(rows) == 6 and max(float(r[2]) for r in rows) < 1e-3, proc.stdout
+    # with the drill on, the script switches the plugin's documented variable on for vLLM
+    drilled = make_config(dict(engine, options={"cpu_kvcache_space": 2.0, "inject": "stale-state"}), str(model.path),
+                          items, "p1", sampling, {}, "first-token")
+    assert drilled["env"]["LPF_VLLM_INJECT"] == "stale-state" and drilled["env"]["VLLM_CPU_KVCACHE_SPACE"] == "2"
