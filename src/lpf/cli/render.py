@@ -421,48 +421,24 @@ def print_diff(doc: dict, console: Console) -> None:
 
 
 def print_conformance(doc: dict, console: Console) -> None:
-    """`lpf conformance`: the architecture x cell matrix, the attributed cells, the architectures not audited."""
-    cells = doc.get("cell_catalogue") or []
-    rows = doc.get("cells") or []
-    by = {(r["architecture"], r["cell"]): r for r in rows}
-    archs = sorted({r["architecture"] for r in rows}, key=lambda a: [x["architecture"] for x in doc["architectures"]].index(a))
+    """`lpf conformance`: the architecture x cell matrix, the attributed cells, what did not run or was not audited."""
+    from lpf.conformance.matrix import matrix_view
+
+    v = matrix_view(doc)
     console.print(f"[bold]conformance:[/] {doc['engine']} {doc.get('engine_version') or ''} against {doc['reference']}  "
-                  f"({len(archs)} architectures x {len(cells)} cells, {doc.get('elapsed_s', 0):.0f} s)")
-    t = Table(title="verdict per cell (output / prompt positions; max |logprob diff|)", title_justify="left",
-              box=box.SIMPLE_HEAD)
-    t.add_column("architecture")
-    for c in cells:
-        t.add_column(c["name"], overflow="fold")
-    for a in archs:
-        line = [a.removesuffix("ForCausalLM")]
-        for c in cells:
-            r = by.get((a, c["name"]))
-            if r is None:
-                line.append("")
-            elif r["status"] != "ok":
-                line.append(f"[dim]{r['status']}[/]")
-            else:
-                v, pv = r.get("verdict"), r.get("prompt_verdict")
-                d = max(x for x in (r.get("max_abs_output"), r.get("max_abs_prompt"), 0.0) if x is not None)
-                line.append(f"[{VERDICT_STYLE.get(v, 'white')}]{v}[/]" + (f"/{pv}" if pv and pv != v else "")
-                            + f" {d:.1g}")
-        t.add_row(*line)
+                  f"({len(v['archs'])} architectures x {len(v['cells'])} cells, {doc.get('elapsed_s') or 0:.0f} s)")
+    t = Table(title="verdict per cell (output/prompt; max |logprob diff|)", title_justify="left", box=box.SIMPLE_HEAD)
+    for col in ["architecture", *v["cells"]]:
+        t.add_column(col, overflow="fold")
+    for arch, entries in v["grid"]:
+        t.add_row(arch, *[f"[dim]{e['status']}[/]" if e["status"] != "ok" else
+                          f"[{VERDICT_STYLE.get(e['verdict'], 'white')}]{e['label']}[/] {e['max']:.1g}" for e in entries])
     console.print(t)
-    bad = [r for r in rows if r.get("status") == "ok" and r.get("verdict") not in ("clean", None)]
-    for r in bad:
-        at = r.get("attribution") or {}
-        who = at.get("says") or (f"not attributed: {at['error']}" if at.get("error") else "not attributed")
-        console.print(f"  {r['architecture'].removesuffix('ForCausalLM')} · {r['cell']}: [bold]{escape(who)}[/]"
-                      + (f" — {escape(at['sentence'])}" if at.get("sentence") else ""))
-    for r in rows:
-        if r.get("status") not in ("ok", None):
-            console.print(f"  [dim]{r['architecture'].removesuffix('ForCausalLM')} · {r['cell']}: {r['status']}: "
-                          f"{escape(str(r.get('error') or ''))[:300]}[/]")
-    groups: dict[tuple, list[str]] = {}
-    for a in doc["architectures"]:
-        if a["status"] != "audit":
-            groups.setdefault((a["status"], a["reason"]), []).append(a["architecture"].removesuffix("ForCausalLM"))
-    if groups:
+    for name, says, sentence in v["not_clean"]:
+        console.print(f"  {name}: [bold]{escape(says)}[/]" + (f" — {escape(sentence)}" if sentence else ""))
+    for name, status, error in v["failed"]:
+        console.print(f"  [dim]{name}: {status}: {escape(error)[:300]}[/]")
+    if v["not_audited"]:
         console.print("not audited:")
-        for (status, reason), names in groups.items():
-            console.print(f"  [dim]{', '.join(names)}: {status}: {escape(reason)}[/]")
+    for status, reason, names in v["not_audited"]:
+        console.print(f"  [dim]{', '.join(names)}: {status}: {escape(reason)}[/]")

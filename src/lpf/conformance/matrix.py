@@ -203,3 +203,41 @@ def run_matrix(out: Path, head: dict, plans: list[CellPlan], attribution: dict, 
         write_doc(out, doc)
     return doc
 
+
+
+def matrix_view(doc: dict) -> dict:
+    """What the terminal table shows, as plain data: `cells` (names), `grid` [(architecture, [entry per
+    cell])] with entry {status, verdict, label ("verdict" or "verdict/prompt verdict"), max (largest |d|
+    on output or prompt positions)}, `not_clean` [(name, what the attribution says, its sentence)],
+    `failed` [(name, status, reason)] and `not_audited` [(status, reason, architectures)]."""
+    cells = [c["name"] for c in doc.get("cell_catalogue") or []]
+    rows = doc.get("cells") or []
+    by = {(r["architecture"], r["cell"]): r for r in rows}
+    order = [a["architecture"] for a in doc.get("architectures") or []]
+    archs = [a for a in order if any(r["architecture"] == a for r in rows)]
+    short = {a: a.removesuffix("ForCausalLM") for a in archs}
+    grid = []
+    for a in archs:
+        entries = []
+        for c in cells:
+            r = by.get((a, c)) or {"status": "–"}
+            v, pv = r.get("verdict"), r.get("prompt_verdict")
+            entries.append({"status": r["status"], "verdict": v, "label": f"{v}/{pv}" if pv and pv != v else str(v),
+                            "max": max([x for x in (r.get("max_abs_output"), r.get("max_abs_prompt")) if x is not None]
+                                       or [0.0])})
+        grid.append((short[a], entries))
+    not_clean, failed = [], []
+    for r in rows:
+        name = f"{r['architecture'].removesuffix('ForCausalLM')} · {r['cell']}"
+        if r.get("status") != "ok":
+            failed.append((name, r.get("status"), str(r.get("error") or "")))
+        elif r.get("verdict") not in ("clean", None):
+            at = r.get("attribution") or {}
+            says = at.get("says") or (f"not attributed: {at['error']}" if at.get("error") else "not attributed")
+            not_clean.append((name, says, at.get("sentence")))
+    groups: dict[tuple, list[str]] = {}
+    for a in doc.get("architectures") or []:
+        if a.get("status") != "audit":
+            groups.setdefault((a["status"], a.get("reason") or ""), []).append(a["architecture"].removesuffix("ForCausalLM"))
+    return {"cells": cells, "archs": archs, "grid": grid, "not_clean": not_clean, "failed": failed,
+            "not_audited": [(s, r, names) for (s, r), names in groups.items()]}
