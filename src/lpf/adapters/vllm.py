@@ -69,6 +69,7 @@ class VLLMOptions(Options):
 class VLLMEngine(Engine):
     name = "vllm"
     Options = VLLMOptions
+    supports_prompt_logprobs = True  # SamplingParams(prompt_logprobs=k) in the worker
 
     @classmethod
     def check_model(cls, config: dict) -> None:

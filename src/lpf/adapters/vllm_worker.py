@@ -5,7 +5,8 @@ Protocol, JSON lines:
 - RESULT_FD (the only channel lpf reads; vLLM logs to stdout/stderr, which lpf sends to a log file):
   {"type": "ready", "vllm_version", "logprobs_mode", "engine_args"} once the engine is up, then per
   batch one {"type": "completion", request_id, output_token_ids, logprobs, topk_ids, topk_logprobs,
-  finish_reason, error, t_submit, t_first_token, t_finish} per request as it finishes and
+  finish_reason, error, t_submit, t_first_token, t_finish, and prompt_logprobs / prompt_topk_ids /
+  prompt_topk_logprobs when the run asks for prompt logprobs} per request as it finishes and
   {"type": "done"}; {"type": "fatal", "error"} if the engine cannot start or dies.
 - stdin: requests {"request_id", "prompt_token_ids", "max_tokens", "seed"}, a batch closed by
   {"type": "end"}; EOF ends the process.
@@ -54,7 +55,25 @@ def sampling_params(sampling: dict, req: dict):
 
     return SamplingParams(n=1, temperature=sampling["temperature"], top_p=sampling["top_p"],
                           top_k=sampling["top_k"] or 0, seed=req["seed"], max_tokens=req["max_tokens"],
-                          ignore_eos=sampling["ignore_eos"], logprobs=sampling["logprobs"])
+                          ignore_eos=sampling["ignore_eos"], logprobs=sampling["logprobs"],
+                          prompt_logprobs=sampling["logprobs"] if sampling.get("prompt_logprobs") else None)
+
+
+def prompt_part(output, k: int) -> dict:
+    """{prompt_logprobs, prompt_topk_ids, prompt_topk_logprobs} of positions 1..P-1 from vLLM's
+    `RequestOutput.prompt_logprobs` (None first, then {token id: Logprob}); {} when not asked."""
+    rows = getattr(output, "prompt_logprobs", None)
+    if rows is None:
+        return {}
+    ids = list(output.prompt_token_ids or [])
+    lps, top_ids, top_lps = [], [], []
+    for tid, entry in zip(ids[1:], rows[1:]):
+        entry = entry or {}
+        lps.append(float(entry[tid].logprob) if tid in entry else float("nan"))  # NaN: never clean, analysed as such
+        items = sorted(((float(lp.logprob), int(t)) for t, lp in entry.items()), key=lambda p: -p[0])[:k]
+        top_ids.append([t for _, t in items])
+        top_lps.append([v for v, _ in items])
+    return {"prompt_logprobs": lps, "prompt_topk_ids": top_ids, "prompt_topk_logprobs": top_lps}
 
 
 def completion(req_id: str, output, t_submit: float, t_first: float | None, k: int) -> dict:
@@ -79,7 +98,8 @@ def completion(req_id: str, output, t_submit: float, t_first: float | None, k: i
         topk_lps.append([v for v, _ in items[:k]])
     finish = out.finish_reason if out.finish_reason in ("stop", "length") else (out.finish_reason or "length")
     error = None if finish in ("stop", "length") else f"vLLM finished the request with reason {finish!r}"
-    return {"type": "completion", "request_id": req_id, "output_token_ids": ids if error is None else [],
+    return {"type": "completion", "request_id": req_id, **(prompt_part(output, k) if error is None else {}),
+            "output_token_ids": ids if error is None else [],
             "logprobs": lps if error is None else [], "topk_ids": topk_ids if error is None else [],
             "topk_logprobs": topk_lps if error is None else [], "finish_reason": "error" if error else finish,
             "error": error, "t_submit": t_submit, "t_first_token": t_first, "t_finish": time.time()}

@@ -119,9 +119,10 @@ def conformance(engine, archs, grid, cell_names, knobs, n_prompts, max_tokens, o
         except LpfError as e:
             a.update(status="no tiny recipe", reason=str(e))
             continue
-        common = ["--model", str(model), "--workload", str(workload), "--prompt-logprobs", "--max-tokens", str(max_tokens)]
+        common = ["--model", str(model), "--workload", str(workload), "--max-tokens", str(max_tokens)]
         for c in cells:
-            argv = ["--engine", engine, *common, *ENGINE_BASE[engine], *c.args,
+            argv = ["--engine", engine, *common, *(["--prompt-logprobs"] if c.prompt_logprobs else []),
+                    *ENGINE_BASE[engine], *c.args,
                     "--out", str(cell_dir(out_dir, a["architecture"], c.name))]
             try:
                 spec = build_run_spec(parse_audit_args(argv, f"cell {c.name}"))
@@ -131,15 +132,15 @@ def conformance(engine, archs, grid, cell_names, knobs, n_prompts, max_tokens, o
                 plans.append(CellPlan(a, c, None, refused=str(e)))
             key = (a["architecture"], c.dtype)
             if key not in attribution:
-                hf = ["--engine", "hf", *common, "--dtype", c.dtype,
+                hf = ["--engine", "hf", *common, "--prompt-logprobs", "--dtype", c.dtype,
                       "--out", str(cell_dir(out_dir, a["architecture"], f"hf-{c.dtype}"))]
                 attribution[key] = build_run_spec(parse_audit_args(hf, "the HF generate run"))
     spec = {"engine": engine, "architectures": [a["architecture"] for a in wanted],
             "cells": [[c.name, list(c.args)] for c in cells], "n_prompts": n_prompts, "max_tokens": max_tokens}
     head = {"spec": spec, "engine": engine, "engine_version": found.get("engine_version"),
             "cpu_build": found.get("cpu_build"), "reference": found["reference"], "grid": None if knobs else grid,
-            "cell_catalogue": [{"name": c.name, "args": list(c.args), "stresses": c.stresses, "dtype": c.dtype}
-                               for c in cells],
+            "cell_catalogue": [{"name": c.name, "args": list(c.args), "stresses": c.stresses, "dtype": c.dtype,
+                                "prompt_logprobs": c.prompt_logprobs} for c in cells],
             "architectures": wanted, "workload": {"path": "workload.jsonl", "n_prompts": n_prompts,
                                                    "max_tokens": max_tokens}}
     n_arch = len({p.arch["architecture"] for p in plans})

@@ -6,6 +6,9 @@ prefill with a budget small enough to split every prompt, chunked prefill off, p
 (the workload shares prompt prefixes), both, max_num_seqs 1 against many sequences sharing a small
 budget, and bfloat16 with and without small chunks. Knob names are vLLM's; an engine that lacks a
 knob refuses that cell in one line and the matrix says "not applicable" there.
+Prefix-caching cells audit output positions only: vLLM skips reading the prefix cache for any request
+that asks for prompt logprobs (vllm/sampling_params.py, `skip_reading_prefix_cache` defaults to
+`prompt_logprobs is not None`), so asking for them would switch off the very cache under test.
 Cells at another dtype than the reference's float32 are calibrated (`matrix`): judged against the
 reference at that dtype (the floor an honest bfloat16 implementation shows), not float32 rounding.
 
@@ -32,6 +35,7 @@ class GridCell:
     name: str
     args: tuple[str, ...]
     stresses: str
+    prompt_logprobs: bool = True  # False where asking for them would disable what the cell tests
 
     @property
     def dtype(self) -> str:
@@ -44,10 +48,10 @@ _CELLS = {c.name: c for c in [
              f"chunked prefill: each prompt split into {CHUNK}-token chunks (state handed from chunk to chunk)"),
     GridCell("fp32-no-chunked", ("--dtype", "float32", "--no-enable-chunked-prefill"), "chunked prefill off"),
     GridCell("fp32-prefix-cache", ("--dtype", "float32", "-E", "enable_prefix_caching=true"),
-             "prefix caching: prompts sharing a 24-token prefix start from a cached state"),
+             "prefix caching: prompts sharing a 24-token prefix start from a cached state", prompt_logprobs=False),
     GridCell("fp32-prefix-cache-chunk16", ("--dtype", "float32", "-E", "enable_prefix_caching=true",
                                            "--max-num-batched-tokens", str(CHUNK), "--enable-chunked-prefill"),
-             "prefix caching and small chunks together"),
+             "prefix caching and small chunks together", prompt_logprobs=False),
     GridCell("fp32-seqs1", ("--dtype", "float32", "--max-num-seqs", "1"), "one sequence at a time (no batching)"),
     GridCell("fp32-seqs64-chunk32", ("--dtype", "float32", "--max-num-seqs", "64", "--max-num-batched-tokens", "32",
                                      "--enable-chunked-prefill"),
