@@ -12,12 +12,16 @@ max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, enable_prefix_cach
 max_model_len, logprobs_mode); `cpu_kvcache_space` (GiB) sets VLLM_CPU_KVCACHE_SPACE, the KV size
 on CPU. Logprobs are vLLM's `raw_logprobs` where this vLLM has `logprobs_mode`; `describe()` records
 the mode actually used (None when the vLLM has no such switch), the vLLM version and every argument.
+Inside `kept_workers()` a closed engine's worker is kept and handed to the next engine started with
+the same interpreter and environment, which rebuilds vllm.LLM in it (`configure`): a matrix of
+configurations (`lpf conformance`) pays vLLM's import once instead of once per configuration.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from contextlib import contextmanager
 import signal
 import subprocess
 import tempfile
@@ -32,6 +36,23 @@ from lpf.errors import LpfError
 from lpf.workload import EngineRequest
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
+_KEPT: dict | None = None  # (python, env) -> an idle worker's handles, while kept_workers() is active
+
+
+@contextmanager
+def kept_workers():
+    """Keep and reuse idle workers within the block; every kept worker is stopped on exit."""
+    global _KEPT
+    outer, _KEPT = _KEPT, {} if _KEPT is None else _KEPT
+    try:
+        yield
+    finally:
+        if outer is None:
+            kept, _KEPT = _KEPT, None
+            for handles in kept.values():
+                holder = VLLMEngine.__new__(VLLMEngine)
+                holder.proc, holder.results, holder.log, holder.tmp = handles
+                holder.close()
 REPO_VENV = Path(__file__).resolve().parents[3] / ".venv-vllm"
 
 
@@ -82,11 +103,24 @@ class VLLMEngine(Engine):
     def __init__(self, model, sampling, options: VLLMOptions):
         super().__init__(model, sampling, options)
         self.python = vllm_python()
+        self.engine_args = self._engine_args()
+        config = {"engine_args": self.engine_args, "sampling": sampling.to_dict()}
+        self._key = (str(self.python), tuple(sorted(self._env().items())))
+        if _KEPT is not None and self._key in _KEPT and _KEPT[self._key][0].poll() is None:
+            self.proc, self.results, self.log, self.tmp = _KEPT.pop(self._key)
+            self.log_path = Path(self.tmp.name) / "vllm.log"
+            try:
+                self.proc.stdin.write(json.dumps({"type": "configure", "config": config}) + "\n")
+                self.proc.stdin.flush()
+                self.ready = self._wait_ready()
+            except BaseException:
+                self.close(kill=True)
+                raise
+            return
         self.tmp = tempfile.TemporaryDirectory(prefix="lpf-vllm-")
         self.log_path = Path(self.tmp.name) / "vllm.log"
-        self.engine_args = self._engine_args()
+        (Path(self.tmp.name) / "config.json").write_text(json.dumps(config))
         config = Path(self.tmp.name) / "config.json"
-        config.write_text(json.dumps({"engine_args": self.engine_args, "sampling": sampling.to_dict()}))
         read_fd, write_fd = os.pipe()
         self.log = open(self.log_path, "wb")
         try:
@@ -210,6 +244,12 @@ class VLLMEngine(Engine):
 
     def close(self, kill: bool = False) -> None:
         proc = getattr(self, "proc", None)
+        key = getattr(self, "_key", None)
+        if not kill and _KEPT is not None and key is not None and key not in _KEPT and proc is not None \
+                and proc.poll() is None and getattr(self, "ready", None):
+            _KEPT[key] = (proc, self.results, self.log, self.tmp)  # idle, for the next engine of this kind
+            self.proc = self.results = self.log = self.tmp = None
+            return
         if proc is not None and proc.poll() is None:
             try:
                 if kill:

@@ -9,7 +9,9 @@ Protocol, JSON lines:
   prompt_topk_logprobs when the run asks for prompt logprobs} per request as it finishes and
   {"type": "done"}; {"type": "fatal", "error"} if the engine cannot start or dies.
 - stdin: requests {"request_id", "prompt_token_ids", "max_tokens", "seed"}, a batch closed by
-  {"type": "end"}; EOF ends the process.
+  {"type": "end"}; {"type": "configure", "config": {...}} drops the engine and builds a new one from
+  that config (answered by "ready" or "fatal"; after a fatal the process waits for the next configure),
+  so one process can serve several configurations and pay vLLM's import once; EOF ends the process.
 The config holds `engine_args` (passed to vllm.LLM as given, `logprobs_mode` dropped where this vLLM
 lacks it) and the run's `sampling` (temperature, top_p, top_k, ignore_eos, logprobs). A request that
 vLLM refuses on submission (say, too long) comes back alone with its error.
@@ -138,10 +140,8 @@ def run_batch(llm, sampling: dict, requests: list[dict], out) -> None:
                 print(f"lpf worker: output for unknown request id {vid!r}", file=sys.stderr)
 
 
-def main() -> int:
-    config_path, fd = sys.argv[1], int(sys.argv[2])
-    out = os.fdopen(fd, "w", buffering=1)
-    config = json.loads(open(config_path).read())
+def start(config: dict, out):
+    """vllm.LLM for `config`, announced as ready; None (announced as fatal) when it cannot be built."""
     try:
         import vllm
 
@@ -149,14 +149,35 @@ def main() -> int:
     except Exception as e:  # noqa: BLE001 - reported to lpf as one line, full trace in the log
         traceback.print_exc()
         emit(out, {"type": "fatal", "error": f"{type(e).__name__}: {' '.join(str(e).split())[:500]}"})
-        return 1
+        return None
     emit(out, {"type": "ready", "vllm_version": vllm.__version__, "logprobs_mode": mode,
                "engine_args": config["engine_args"]})
+    return llm
+
+
+def main() -> int:
+    import gc
+
+    config_path, fd = sys.argv[1], int(sys.argv[2])
+    out = os.fdopen(fd, "w", buffering=1)
+    config = json.loads(open(config_path).read())
+    llm = start(config, out)
+    if llm is None:
+        return 1
     batch: list[dict] = []
     for line in sys.stdin:
         msg = json.loads(line)
+        if msg.get("type") == "configure":
+            llm, batch, config = None, [], msg["config"]
+            gc.collect()  # the old engine's caches go before the new one sizes its own
+            llm = start(config, out)
+            continue
         if msg.get("type") != "end":
             batch.append(msg)
+            continue
+        if llm is None:
+            emit(out, {"type": "fatal", "error": "no engine: the last configure failed"})
+            batch = []
             continue
         try:
             run_batch(llm, config["sampling"], batch, out)

@@ -4,7 +4,7 @@ Contract: `GRIDS[name]` lists `GridCell`s (a name, the `lpf audit` arguments tha
 it stresses). `small` is the CI grid (2 cells); `full` is the documented matrix (9 cells): chunked
 prefill with a budget small enough to split every prompt, chunked prefill off, prefix caching on
 (the workload shares prompt prefixes), both, max_num_seqs 1 against many sequences sharing a small
-budget, and bfloat16 with and without small chunks. Knob names are vLLM's; an engine that lacks a
+budget (vLLM needs the budget >= max_num_seqs), and bfloat16 with and without small chunks. Knob names are vLLM's; an engine that lacks a
 knob refuses that cell in one line and the matrix says "not applicable" there.
 Prefix-caching cells audit output positions only: vLLM skips reading the prefix cache for any request
 that asks for prompt logprobs (vllm/sampling_params.py, `skip_reading_prefix_cache` defaults to
@@ -46,14 +46,15 @@ _CELLS = {c.name: c for c in [
     GridCell("fp32", ("--dtype", "float32"), "the default path: every prompt in one prefill step"),
     GridCell("fp32-chunk16", ("--dtype", "float32", "--max-num-batched-tokens", str(CHUNK), "--enable-chunked-prefill"),
              f"chunked prefill: each prompt split into {CHUNK}-token chunks (state handed from chunk to chunk)"),
-    GridCell("fp32-no-chunked", ("--dtype", "float32", "--no-enable-chunked-prefill"), "chunked prefill off"),
+    GridCell("fp32-no-chunked", ("--dtype", "float32", "--no-enable-chunked-prefill", "--max-num-batched-tokens", "512"),
+             "chunked prefill off: every prompt in one step whatever the budget"),
     GridCell("fp32-prefix-cache", ("--dtype", "float32", "-E", "enable_prefix_caching=true"),
              "prefix caching: prompts sharing a 24-token prefix start from a cached state", prompt_logprobs=False),
     GridCell("fp32-prefix-cache-chunk16", ("--dtype", "float32", "-E", "enable_prefix_caching=true",
                                            "--max-num-batched-tokens", str(CHUNK), "--enable-chunked-prefill"),
              "prefix caching and small chunks together", prompt_logprobs=False),
     GridCell("fp32-seqs1", ("--dtype", "float32", "--max-num-seqs", "1"), "one sequence at a time (no batching)"),
-    GridCell("fp32-seqs64-chunk32", ("--dtype", "float32", "--max-num-seqs", "64", "--max-num-batched-tokens", "32",
+    GridCell("fp32-seqs32-chunk32", ("--dtype", "float32", "--max-num-seqs", "32", "--max-num-batched-tokens", "32",
                                      "--enable-chunked-prefill"),
              "many sequences sharing a 32-token budget: prefills and decodes mixed in every step"),
     GridCell("bf16", ("--dtype", "bfloat16"), "bfloat16, judged against the reference at bfloat16"),

@@ -11,9 +11,10 @@ command skips complete cells and a crash loses at most the cell in flight. A cel
 or cannot start is recorded with its one-line reason (status `not applicable`, `refused` or
 `engine error`), never dropped.
 
-Cells run in this process, one engine (vLLM: one worker process) per cell, instead of one `lpf audit`
-process per cell as `lpf sweep` does: measured on the tiny models, 37 s per cell as a subprocess
-against ~20 s in-process (docs/benchmarks.md), which is what keeps the full matrix under 30 minutes.
+Cells run in this process, a fresh engine per cell (vLLM: a new vllm.LLM in one kept worker process,
+`adapters.vllm.kept_workers`), instead of one `lpf audit` process per cell as `lpf sweep` does: vLLM's
+import and lpf's own start are paid once, which is what keeps the full matrix under 30 minutes
+(docs/benchmarks.md has the measured cost per cell both ways).
 The cell directories are ordinary run directories (`sweep.cell_complete` decides completeness).
 """
 
@@ -172,6 +173,14 @@ def run_matrix(out: Path, head: dict, plans: list[CellPlan], attribution: dict, 
     on_start(len(plans), 0)
     hf_done: dict = {}
     started = time.monotonic()
+    from lpf.adapters.vllm import kept_workers
+
+    with kept_workers():  # one vLLM process for the whole matrix, a fresh engine per cell
+        _run_cells(out, doc, rows, plans, attribution, settings, hf_done, started, tick)
+    return doc
+
+
+def _run_cells(out, doc, rows, plans, attribution, settings, hf_done, started, tick) -> None:
     try:
         for plan in plans:
             t0 = time.monotonic()
@@ -201,7 +210,6 @@ def run_matrix(out: Path, head: dict, plans: list[CellPlan], attribution: dict, 
     finally:
         doc["elapsed_s"] = round(time.monotonic() - started, 1)
         write_doc(out, doc)
-    return doc
 
 
 

@@ -493,7 +493,8 @@
         if (r.status !== "ok") { var m = txt("span", "muted", r.status); m.title = r.error || ""; return m; }
         var box = h("div", "cellbox");
         var v = r.link ? (function () { var l = h("a"); l.href = r.link; l.appendChild(badge(r.verdict, true)); return l; })() : badge(r.verdict, true);
-        add(box, [v, r.prompt_verdict && r.prompt_verdict !== r.verdict ? [" prompt ", badge(r.prompt_verdict, true)] : null]);
+        add(box, v);
+        if (r.prompt_verdict && r.prompt_verdict !== r.verdict) add(box, [" prompt ", badge(r.prompt_verdict, true)]);
         add(box, txt("div", "cellnote", "out " + fmt(r.max_abs_output) + " · prompt " + fmt(r.max_abs_prompt)));
         if (r.first_divergence != null || r.prompt_first_departure != null)
           add(box, txt("div", "cellnote", "first div " + fmt(r.first_divergence) + " · prompt " + fmt(r.prompt_first_departure)));
