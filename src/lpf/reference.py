@@ -77,7 +77,10 @@ class Rescorer:
 
     # -- the head ----------------------------------------------------------------------------------
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.model.get_output_embeddings()(hidden)
+        head = self.model.get_output_embeddings()
+        # a model may keep its residual stream wider than its weights (Mamba2's residual_in_fp32): the
+        # head computes in its own dtype, as the model's own forward does
+        logits = head(hidden.to(head.weight.dtype))
         cfg = self.model.config
         scaling = getattr(cfg, "logits_scaling", None)
         if scaling not in (None, 1, 1.0):

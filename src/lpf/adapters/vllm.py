@@ -36,6 +36,10 @@ from lpf.errors import LpfError
 from lpf.workload import EngineRequest
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
+class ConfigurationRefused(LpfError):
+    """vLLM answered `fatal` to a configuration: the worker lives on, idle (a timeout is not this)."""
+
+
 _KEPT: dict | None = None  # (python, env) -> an idle worker's handles, while kept_workers() is active
 
 
@@ -104,7 +108,8 @@ class VLLMEngine(Engine):
         super().__init__(model, sampling, options)
         self.python = vllm_python()
         self.engine_args = self._engine_args()
-        config = {"engine_args": self.engine_args, "sampling": sampling.to_dict()}
+        # keep_alive: under kept_workers() a configuration vLLM refuses leaves the process for the next one
+        config = {"engine_args": self.engine_args, "sampling": sampling.to_dict(), "keep_alive": _KEPT is not None}
         self._key = (str(self.python), tuple(sorted(self._env().items())))
         if _KEPT is not None and self._key in _KEPT and _KEPT[self._key][0].poll() is None:
             self.proc, self.results, self.log, self.tmp = _KEPT.pop(self._key)
@@ -113,6 +118,9 @@ class VLLMEngine(Engine):
                 self.proc.stdin.write(json.dumps({"type": "configure", "config": config}) + "\n")
                 self.proc.stdin.flush()
                 self.ready = self._wait_ready()
+            except ConfigurationRefused:
+                self._keep() or self.close(kill=True)
+                raise
             except BaseException:
                 self.close(kill=True)
                 raise
@@ -132,6 +140,9 @@ class VLLMEngine(Engine):
         self.results = os.fdopen(read_fd, "r")
         try:
             self.ready = self._wait_ready()
+        except ConfigurationRefused:  # vLLM refused this configuration: a kept worker waits for the next one
+            self._keep() or self.close(kill=True)
+            raise
         except BaseException:  # a failed start or Ctrl-C while loading: no orphaned worker
             self.close(kill=True)
             raise
@@ -184,7 +195,7 @@ class VLLMEngine(Engine):
                 sel.close()
                 return msg
             if msg["type"] == "fatal":
-                raise LpfError(f"vLLM could not start {self.model.spec}: {msg['error']}")
+                raise ConfigurationRefused(f"vLLM could not start {self.model.spec}: {msg['error']}")
 
     def _log_tail(self, lines: int = 3) -> str:
         try:
@@ -210,7 +221,7 @@ class VLLMEngine(Engine):
 
     def _generate(self, requests: list[EngineRequest]) -> Iterator[Completion]:
         pending = {r.request_id: r for r in requests}
-        failure = None
+        failure, survived = None, False
         try:
             for r in requests:
                 self.proc.stdin.write(json.dumps({"request_id": r.request_id, "prompt_token_ids": list(r.prompt_token_ids),
@@ -233,7 +244,9 @@ class VLLMEngine(Engine):
                 break
             elif msg["type"] == "fatal":
                 failure = f"vLLM failed mid-run: {msg['error']}"
+                survived = bool(msg.get("alive"))  # it dropped its engine and waits: it may serve the next one
         if failure is not None:
+            self._failed = not survived  # a worker that failed mid-run is kept only when it lives on
             failure += self._log_tail()
             for rid in pending:
                 yield Completion(request_id=rid, output_token_ids=[], logprobs=[], finish_reason="error", error=failure)
@@ -242,13 +255,19 @@ class VLLMEngine(Engine):
                 yield Completion(request_id=rid, output_token_ids=[], logprobs=[], finish_reason="error",
                                  error="vLLM's worker finished the batch without this request")
 
+    def _keep(self) -> bool:
+        """Hand this engine's live worker to kept_workers() (idle, for the next engine of its kind)."""
+        proc, key = getattr(self, "proc", None), getattr(self, "_key", None)
+        if _KEPT is None or key is None or key in _KEPT or proc is None or proc.poll() is not None \
+                or getattr(self, "_failed", False):
+            return False
+        _KEPT[key] = (proc, self.results, self.log, self.tmp)
+        self.proc = self.results = self.log = self.tmp = None
+        return True
+
     def close(self, kill: bool = False) -> None:
         proc = getattr(self, "proc", None)
-        key = getattr(self, "_key", None)
-        if not kill and _KEPT is not None and key is not None and key not in _KEPT and proc is not None \
-                and proc.poll() is None and getattr(self, "ready", None):
-            _KEPT[key] = (proc, self.results, self.log, self.tmp)  # idle, for the next engine of this kind
-            self.proc = self.results = self.log = self.tmp = None
+        if not kill and getattr(self, "ready", None) and self._keep():
             return
         if proc is not None and proc.poll() is None:
             try:

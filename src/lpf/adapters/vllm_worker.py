@@ -162,7 +162,7 @@ def main() -> int:
     out = os.fdopen(fd, "w", buffering=1)
     config = json.loads(open(config_path).read())
     llm = start(config, out)
-    if llm is None:
+    if llm is None and not config.get("keep_alive"):
         return 1
     batch: list[dict] = []
     for line in sys.stdin:
@@ -183,8 +183,14 @@ def main() -> int:
             run_batch(llm, config["sampling"], batch, out)
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
-            emit(out, {"type": "fatal", "error": f"{type(e).__name__}: {' '.join(str(e).split())[:500]}"})
-            return 1
+            alive = bool(config.get("keep_alive"))  # kept: drop the broken engine, wait for a configure
+            emit(out, {"type": "fatal", "error": f"{type(e).__name__}: {' '.join(str(e).split())[:500]}",
+                       "alive": alive})
+            if not alive:
+                return 1
+            llm, batch = None, []
+            gc.collect()
+            continue
         emit(out, {"type": "done"})
         batch = []
     return 0

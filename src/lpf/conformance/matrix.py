@@ -76,6 +76,9 @@ def _audit(spec, settings: Settings, dtype: str) -> dict:
     run = RunDir.open(out) if (out / "manifest.json").is_file() else create_run(spec)
     if run.manifest.get("status") != "complete":
         execute_run(run)
+    errors = [e for e in run.read("requests", ["error"]).column("error").to_pylist()]
+    if errors and all(e is not None for e in errors):  # nothing to score: the engine failed every request
+        raise LpfError(f"every request failed: {errors[0]}")
     rescore_run(run, None, settings.reference_dtype, settings.token_budget)
     if dtype != settings.reference_dtype:
         calibrate_run(run, settings.token_budget)
@@ -251,6 +254,11 @@ def _run_cells(out, doc, rows, plans, attribution, settings, hf_done, started, t
                 except LpfError as e:
                     status, error = ("refused" if not (Path(plan.spec.out) / "manifest.json").is_file()
                                      else "engine error"), str(e)
+                except Exception as e:  # noqa: BLE001 - a bug in lpf: said in the matrix, the other cells still run
+                    import traceback
+
+                    traceback.print_exc()
+                    status, error = "lpf error", f"{type(e).__name__}: {e} (a bug in lpf, please report it)"
             row = cell_row(plan, out, findings, status, error, round(time.monotonic() - t0, 1))
             if findings is not None and status == "ok":
                 try:

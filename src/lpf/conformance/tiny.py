@@ -58,7 +58,8 @@ SCALE: dict[str, dict] = {
     "qwen3_next": dict(
         hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
         head_dim=32, layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
-        linear_key_head_dim=32, linear_value_head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+        # 64: vLLM's CPU gated-delta-net kernel refuses a head dim of 32 ("Unexpected head dim size")
+        linear_key_head_dim=64, linear_value_head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64,
         max_position_embeddings=4096),
     "olmo_hybrid": dict(
