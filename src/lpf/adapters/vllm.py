@@ -12,9 +12,11 @@ max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, enable_prefix_cach
 max_model_len, logprobs_mode); `cpu_kvcache_space` (GiB) sets VLLM_CPU_KVCACHE_SPACE, the KV size
 on CPU. Logprobs are vLLM's `raw_logprobs` where this vLLM has `logprobs_mode`; `describe()` records
 the mode actually used (None when the vLLM has no such switch), the vLLM version and every argument.
-Inside `kept_workers()` a closed engine's worker is kept and handed to the next engine started with
-the same interpreter and environment, which rebuilds vllm.LLM in it (`configure`): a matrix of
-configurations (`lpf conformance`) pays vLLM's import once instead of once per configuration.
+Inside `kept_workers()` a closed engine's worker is kept (one idle worker at a time) and handed to the
+next engine started with the same interpreter, environment and model, which rebuilds vllm.LLM in it
+(`configure`): a matrix of configurations (`lpf conformance`) pays vLLM's import once per model instead
+of once per configuration. A worker that failed (a refused configuration, a failure mid-run) is never
+reused: vLLM's process-wide state may be half made.
 """
 
 from __future__ import annotations
@@ -36,10 +38,6 @@ from lpf.errors import LpfError
 from lpf.workload import EngineRequest
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
-class ConfigurationRefused(LpfError):
-    """vLLM answered `fatal` to a configuration: the worker lives on, idle (a timeout is not this)."""
-
-
 _KEPT: dict | None = None  # (python, env) -> an idle worker's handles, while kept_workers() is active
 
 
@@ -52,11 +50,16 @@ def kept_workers():
         yield
     finally:
         if outer is None:
-            kept, _KEPT = _KEPT, None
-            for handles in kept.values():
-                holder = VLLMEngine.__new__(VLLMEngine)
-                holder.proc, holder.results, holder.log, holder.tmp = handles
-                holder.close()
+            _close_kept()
+            _KEPT = None
+
+
+def _close_kept() -> None:
+    """Stop every idle kept worker."""
+    while _KEPT:
+        holder = VLLMEngine.__new__(VLLMEngine)
+        holder.proc, holder.results, holder.log, holder.tmp = _KEPT.popitem()[1]
+        holder.close()
 REPO_VENV = Path(__file__).resolve().parents[3] / ".venv-vllm"
 
 
@@ -108,9 +111,10 @@ class VLLMEngine(Engine):
         super().__init__(model, sampling, options)
         self.python = vllm_python()
         self.engine_args = self._engine_args()
-        # keep_alive: under kept_workers() a configuration vLLM refuses leaves the process for the next one
-        config = {"engine_args": self.engine_args, "sampling": sampling.to_dict(), "keep_alive": _KEPT is not None}
-        self._key = (str(self.python), tuple(sorted(self._env().items())))
+        config = {"engine_args": self.engine_args, "sampling": sampling.to_dict()}
+        # one model per process: vLLM sets process-wide state from the first model it builds (its
+        # parallel groups: an MoE model after a dense one finds no expert-parallel group)
+        self._key = (str(self.python), str(model.path), tuple(sorted(self._env().items())))
         if _KEPT is not None and self._key in _KEPT and _KEPT[self._key][0].poll() is None:
             self.proc, self.results, self.log, self.tmp = _KEPT.pop(self._key)
             self.log_path = Path(self.tmp.name) / "vllm.log"
@@ -118,9 +122,6 @@ class VLLMEngine(Engine):
                 self.proc.stdin.write(json.dumps({"type": "configure", "config": config}) + "\n")
                 self.proc.stdin.flush()
                 self.ready = self._wait_ready()
-            except ConfigurationRefused:
-                self._keep() or self.close(kill=True)
-                raise
             except BaseException:
                 self.close(kill=True)
                 raise
@@ -140,9 +141,6 @@ class VLLMEngine(Engine):
         self.results = os.fdopen(read_fd, "r")
         try:
             self.ready = self._wait_ready()
-        except ConfigurationRefused:  # vLLM refused this configuration: a kept worker waits for the next one
-            self._keep() or self.close(kill=True)
-            raise
         except BaseException:  # a failed start or Ctrl-C while loading: no orphaned worker
             self.close(kill=True)
             raise
@@ -195,7 +193,7 @@ class VLLMEngine(Engine):
                 sel.close()
                 return msg
             if msg["type"] == "fatal":
-                raise ConfigurationRefused(f"vLLM could not start {self.model.spec}: {msg['error']}")
+                raise LpfError(f"vLLM could not start {self.model.spec}: {msg['error']}")
 
     def _log_tail(self, lines: int = 3) -> str:
         try:
@@ -221,7 +219,7 @@ class VLLMEngine(Engine):
 
     def _generate(self, requests: list[EngineRequest]) -> Iterator[Completion]:
         pending = {r.request_id: r for r in requests}
-        failure, survived = None, False
+        failure = None
         try:
             for r in requests:
                 self.proc.stdin.write(json.dumps({"request_id": r.request_id, "prompt_token_ids": list(r.prompt_token_ids),
@@ -244,9 +242,8 @@ class VLLMEngine(Engine):
                 break
             elif msg["type"] == "fatal":
                 failure = f"vLLM failed mid-run: {msg['error']}"
-                survived = bool(msg.get("alive"))  # it dropped its engine and waits: it may serve the next one
         if failure is not None:
-            self._failed = not survived  # a worker that failed mid-run is kept only when it lives on
+            self._failed = True  # a worker that failed mid-run is never reused
             failure += self._log_tail()
             for rid in pending:
                 yield Completion(request_id=rid, output_token_ids=[], logprobs=[], finish_reason="error", error=failure)
@@ -258,9 +255,9 @@ class VLLMEngine(Engine):
     def _keep(self) -> bool:
         """Hand this engine's live worker to kept_workers() (idle, for the next engine of its kind)."""
         proc, key = getattr(self, "proc", None), getattr(self, "_key", None)
-        if _KEPT is None or key is None or key in _KEPT or proc is None or proc.poll() is not None \
-                or getattr(self, "_failed", False):
+        if _KEPT is None or key is None or proc is None or proc.poll() is not None or getattr(self, "_failed", False):
             return False
+        _close_kept()  # at most one idle worker: the next cells are of this model
         _KEPT[key] = (proc, self.results, self.log, self.tmp)
         self.proc = self.results = self.log = self.tmp = None
         return True

@@ -10,8 +10,8 @@ Protocol, JSON lines:
   {"type": "done"}; {"type": "fatal", "error"} if the engine cannot start or dies.
 - stdin: requests {"request_id", "prompt_token_ids", "max_tokens", "seed"}, a batch closed by
   {"type": "end"}; {"type": "configure", "config": {...}} drops the engine and builds a new one from
-  that config (answered by "ready" or "fatal"; after a fatal the process waits for the next configure),
-  so one process can serve several configurations and pay vLLM's import once; EOF ends the process.
+  that config (answered by "ready", or "fatal" and exit), so one process can serve several
+  configurations of one model and pay vLLM's import once; EOF ends the process.
 The config holds `engine_args` (passed to vllm.LLM as given, `logprobs_mode` dropped where this vLLM
 lacks it) and the run's `sampling` (temperature, top_p, top_k, ignore_eos, logprobs). A request that
 vLLM refuses on submission (say, too long) comes back alone with its error.
@@ -162,7 +162,7 @@ def main() -> int:
     out = os.fdopen(fd, "w", buffering=1)
     config = json.loads(open(config_path).read())
     llm = start(config, out)
-    if llm is None and not config.get("keep_alive"):
+    if llm is None:
         return 1
     batch: list[dict] = []
     for line in sys.stdin:
@@ -171,26 +171,18 @@ def main() -> int:
             llm, batch, config = None, [], msg["config"]
             gc.collect()  # the old engine's caches go before the new one sizes its own
             llm = start(config, out)
+            if llm is None:  # a failed build may leave vLLM's process state half made: never reused
+                return 1
             continue
         if msg.get("type") != "end":
             batch.append(msg)
-            continue
-        if llm is None:
-            emit(out, {"type": "fatal", "error": "no engine: the last configure failed"})
-            batch = []
             continue
         try:
             run_batch(llm, config["sampling"], batch, out)
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
-            alive = bool(config.get("keep_alive"))  # kept: drop the broken engine, wait for a configure
-            emit(out, {"type": "fatal", "error": f"{type(e).__name__}: {' '.join(str(e).split())[:500]}",
-                       "alive": alive})
-            if not alive:
-                return 1
-            llm, batch = None, []
-            gc.collect()
-            continue
+            emit(out, {"type": "fatal", "error": f"{type(e).__name__}: {' '.join(str(e).split())[:500]}"})
+            return 1
         emit(out, {"type": "done"})
         batch = []
     return 0

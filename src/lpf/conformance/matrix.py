@@ -39,7 +39,7 @@ from lpf.conformance.grid import GridCell
 from lpf.errors import LpfError
 from lpf.sweep import cell_complete
 
-EXPECT_FACTOR = 1.5
+EXPECT_FACTOR = 2.0
 SUSPECT_WORDS = {"A": "engine bug", "B": "second engine (HF generate) departs", "reference": "reference bug",
                  "both": "both engines depart", "none": "no departure at this level"}
 
