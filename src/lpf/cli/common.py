@@ -4,8 +4,9 @@
   are the command's output).
 - `progress_bar(label, unit)`: one rich bar on stderr, shown once the stage has validated its inputs.
 - Option decorators, each option declared once: `engine_knob_options` (the engine knobs, on every
-  command that starts an engine), `run_options`, `rescore_options`, `analysis_options`, and
-  `audit_options` (all of them: `lpf audit`'s own set, which `sweep` also parses cells with).
+  command that starts an engine), `trace_dir_option` (a vLLM server's trace to join: run options and
+  `lpf analyze`), `run_options`, `rescore_options`, `analysis_options`, and `audit_options` (all of
+  them: `lpf audit`'s own set, which `sweep` also parses cells with).
 - `engine_knobs(params)`: the knob values a command got, as one engine-options dict.
 - `build_run_spec(params)`: the one run-spec builder, from parsed run options.
 - `parse_audit_args(argv, what)`: an `lpf audit` argument list parsed into its params.
@@ -99,9 +100,15 @@ def engine_knobs(params: Mapping, **extra) -> dict:
     return options
 
 
+def trace_dir_option(f):
+    return click.option("--trace-dir", type=click.Path(path_type=Path), default=None, metavar="DIR",
+                        help="openai engine: the LPF_VLLM_TRACE_DIR of the vLLM server (with lpf-vllm-trace) "
+                             "that served the run; its step trace is joined to the run by request id.")(f)
+
+
 def run_options(f):
     """What a run is: engine, model, workload, sampling, knobs, where it goes."""
-    f = engine_knob_options(f)
+    f = trace_dir_option(engine_knob_options(f))
     return _apply(f, [
         click.option("--engine", default="builtin", show_default=True, help="Engine under test (see `lpf engines`)."),
         click.option("--model", default=None, help="Model dir, zoo:NAME or tiny:NAME [default: zoo:hybrid]."),
@@ -203,7 +210,8 @@ def build_run_spec(params: Mapping):
                               logprobs=p["logprobs"])
     out_dir = p.get("out") or Path("runs") / time.strftime("run-%Y%m%d-%H%M%S")
     return RunSpec(engine=p["engine"], model=model or DEFAULT_MODEL, workload=p.get("workload") or DEFAULT_WORKLOAD,
-                   out=out_dir, n=p["n"], sampling=sampling, engine_options=options, part_size=p["part_size"])
+                   out=out_dir, n=p["n"], sampling=sampling, engine_options=options, part_size=p["part_size"],
+                   trace_dir=p.get("trace_dir"))
 
 
 def default_out(kind: str) -> Path:

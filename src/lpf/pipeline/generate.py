@@ -39,6 +39,7 @@ class RunSpec:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     engine_options: dict = field(default_factory=dict)
     part_size: int = 64
+    trace_dir: Path | None = None  # a vLLM server's lpf-vllm-trace directory, joined after the run
 
 
 def model_config(model: ModelRef) -> dict:
@@ -51,6 +52,9 @@ def model_config(model: ModelRef) -> dict:
 
 def create_run(spec: RunSpec) -> RunDir:
     engine_cls = get_engine_class(spec.engine)
+    if spec.trace_dir is not None and spec.engine != "openai":
+        raise LpfError(f"--trace-dir joins the trace of a vLLM server audited with --engine openai; the {spec.engine} "
+                       f"engine {'records its own' if spec.engine in ('builtin', 'vllm') else 'has none to join'}")
     engine_cls.Options.parse(spec.engine_options)  # a bad knob is refused before anything is written
     model = resolve_model(spec.model)
     cfg = model_config(model)
@@ -71,6 +75,7 @@ def create_run(spec: RunSpec) -> RunDir:
         "sampling": spec.sampling.to_dict(),
         "seed": spec.sampling.seed,
         "part_size": spec.part_size,
+        **({"trace_dir": str(Path(spec.trace_dir).resolve())} if spec.trace_dir is not None else {}),
         "host": {"hostname": socket.gethostname(), "platform": platform.platform(),
                  "python": platform.python_version()},
     }
