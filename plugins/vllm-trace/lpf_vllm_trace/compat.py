@@ -18,7 +18,7 @@ MAMBA = "vllm.v1.attention.backends.mamba_attn"
 # (module, attribute path, what it is for)
 HOOKS = [
     (RUNNER, "GPUModelRunner.execute_model", "one call per engine step (dummy and capture runs bypass it)"),
-    (RUNNER, "GPUModelRunner._may_reorder_batch", "the batch reorder (and the stale-state drill's)"),
+    (RUNNER, "GPUModelRunner._may_reorder_batch", "the batch reorder, and the stale-state drill's"),
     (RUNNER, "GPUModelRunner._build_attention_metadata", "the per-layer metadata, Mamba's split included"),
     (MAMBA, "split_decodes_and_prefills", "the Mamba metadata's prefill/decode split (stale-state drill)"),
     (MAMBA, "BaseMambaAttentionMetadata", "the Mamba metadata"),

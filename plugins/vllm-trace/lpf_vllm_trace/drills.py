@@ -18,7 +18,8 @@ Ground truth (`faults` rows, vLLM request ids; roles as lpf's built-in drills us
                earlier request had used samples a token; `discarded` if vLLM preempts it first
                (recompute starts over from a prefill).
   offset-wrap  `wrapped` at a prefill whose state went to another slot, `corrupted` when the request
-               then decodes from its own slot, `overwritten` for the request that owned the slot hit.
+               then decodes from its own slot, `overwritten` for the request holding the block hit
+               (its Mamba state, or its attention keys and values: the groups share one block pool).
 """
 
 from __future__ import annotations

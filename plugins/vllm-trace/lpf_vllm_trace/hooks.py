@@ -70,7 +70,7 @@ def install(session) -> None:
             attn_metadata, spec_decode_metadata = result  # vLLM 0.32 returns this pair
             return reader.read(self, step, attn_metadata), spec_decode_metadata
         except Exception as e:  # noqa: BLE001 - a plugin bug costs the trace, never the engine
-            session.stop(f"the plugin failed at step {step.index} ({type(e).__name__}: {e})")
+            session.stop(f"recording stopped at step {step.index}, the plugin failed ({type(e).__name__}: {e})")
             return result
 
     GPUModelRunner.execute_model = execute_model

@@ -13,8 +13,15 @@ import time
 
 import lpf_vllm_trace
 
-# a child of vLLM's logger: its lines carry vLLM's format and go where vLLM's go
-log = logging.getLogger("vllm.lpf_vllm_trace")
+
+def _logger() -> logging.Logger:
+    """vLLM's own logger for this plugin: its lines carry vLLM's format and go where vLLM's go."""
+    try:
+        from vllm.logger import init_logger
+
+        return init_logger("vllm.lpf_vllm_trace")
+    except Exception:  # noqa: BLE001 - no vLLM logging: plain logging still reaches stderr
+        return logging.getLogger("vllm.lpf_vllm_trace")
 
 
 class Session:
@@ -59,7 +66,7 @@ class Session:
     def warn_once(self, why: str) -> None:
         if not self._warned:
             self._warned = True
-            log.warning("lpf-vllm-trace records no trace: %s", why)
+            _logger().warning("lpf-vllm-trace records no trace: %s", why)
 
     def stop(self, why: str) -> None:
         """Stop recording mid-run (a runner that does not look as expected, a plugin bug)."""

@@ -128,11 +128,13 @@ class StepReader:
         return {k: replaced.get(id(v), v) for k, v in attn_metadata.items()}, wrapped
 
     def _owners(self, runner) -> dict[int, str]:
-        """slot -> the live request whose Mamba state lives there (any Mamba group)."""
+        """block -> the live request holding it, in any KV-cache group: the groups share one block
+        pool and each cache tensor is shared by one layer of every group, so a state write into
+        block b lands in whatever b holds now, a Mamba state or attention keys and values."""
         owners = {}
         for rid, state in runner.requests.items():
-            for gid, _ in self.groups:
-                for b in state.block_ids[gid]:
+            for blocks in state.block_ids:
+                for b in blocks:
                     owners[int(b)] = rid
         return owners
 

@@ -79,7 +79,7 @@ def _print_trace(trace: dict | None, console: Console) -> None:
     if not trace:
         return
     if trace["recorded"]:
-        why = f" [yellow](incomplete: {escape(trace['why'])})[/]" if trace.get("why") else ""
+        why = f" [yellow]({escape(trace['why'])})[/]" if trace.get("why") else ""
         console.print(f"[dim]trace: {trace['rows']} rows {_TRACE_SOURCE.get(trace['source'], '')}[/]{why}", highlight=False)
     else:
         console.print(f"[dim]trace: none ({escape(trace.get('why') or 'no reason given')})[/]", highlight=False)

@@ -4,7 +4,8 @@
 -> the rows of this run's requests, by request id, copied into `RUN/trace/` (and the drills' ground
 truth into `RUN/faults/`), replacing what an earlier join copied. It waits (at most 10 s) until the
 plugin's heartbeat is past the run's last answer, so the steps of the last requests are on disk.
-The outcome goes to `manifest["trace"]` with the reason when nothing could be joined.
+A directory the plugin never wrote (none there, no status file) replaces nothing: rows an earlier
+join copied stay, and the reason says so. The outcome goes to `manifest["trace"]`.
 `trace_summary(run)`: findings' `trace` object: {"recorded", "source" (engine | vllm-plugin |
 joined), "rows", "why"} (`why`: why there is none, or why it stopped part way).
 `engine_info(run)`: the manifest's engine section as the trace features read it: a joined trace
@@ -27,12 +28,17 @@ def join_trace(run: RunDir, trace_dir: Path | str) -> dict:
     info = {"source": "joined", "dir": str(plugin.path), "recorded": False, "rows": 0, "why": None}
     requests = run.read("requests", ["request_id", "attempts", "t_finish"])
     status = plugin.status()
-    if not plugin.path.is_dir():
+    if not plugin.path.is_dir() or status is None:
         info["why"] = (f"{plugin.path} is not a directory: was the server started with LPF_VLLM_TRACE_DIR={plugin.path} "
-                       f"and lpf-vllm-trace installed? (a directory it cannot write is named in its log)")
-    elif status is None:
-        info["why"] = (f"{plugin.path} has no trace_status.json: lpf-vllm-trace did not run there (not installed "
+                       f"and lpf-vllm-trace installed? (a directory it cannot write is named in its log)"
+                       if not plugin.path.is_dir() else
+                       f"{plugin.path} has no trace_status.json: lpf-vllm-trace did not run there (not installed "
                        f"in the server's Python, or LPF_VLLM_TRACE_DIR not set for it)")
+        earlier = m.get("trace") or {}
+        if run.has("trace") and earlier.get("source") == "joined":
+            rows = run.read("trace", ["step"]).num_rows
+            info.update({k: v for k, v in earlier.items() if k not in ("why", "note")}, rows=rows, recorded=True)
+            info["why"] += f"; the {rows} rows joined earlier from {earlier.get('dir')} are kept"
     else:
         last = pc.max(requests.column("t_finish")).as_py() if requests.num_rows else None
         if last is not None and status.get("recording") and not plugin.wait_for(last):

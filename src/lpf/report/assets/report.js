@@ -201,7 +201,7 @@
     var tr = F.trace;  // the step trace the mechanisms were ranked against, or why there is none
     var trFrom = { engine: "from the engine", "vllm-plugin": "from inside vLLM (lpf-vllm-trace)", joined: "joined from the server's trace directory" };
     if (tr) fact("step trace", tr.recorded ? fmt(tr.rows) + " rows" : "none",
-      tr.recorded ? (trFrom[tr.source] || tr.source) + (tr.why ? " · incomplete: " + tr.why : "") : (tr.why || ""));
+      tr.recorded ? (trFrom[tr.source] || tr.source) + (tr.why ? " · " + tr.why : "") : (tr.why || ""));
     add(g, facts);
     var cl = (S.clusters || []).filter(function (c) { return c && c.sentence; });
     if (cl.length) add(g, h("ul", "sentences", cl.map(function (c) { return txt("li", null, c.sentence); })));
