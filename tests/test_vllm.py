@@ -102,18 +102,28 @@ def _check_trace(out: Path, findings: dict) -> None:
         assert sum(1 for *_, phase in steps if phase == "decode") == n_out[rid] - 1
 
 
-def _serve(model_dir: Path, port: int, log: Path) -> subprocess.Popen:
+def _serve(model_dir: Path, port: int, log: Path, *args: str, **env_vars: str) -> subprocess.Popen:
+    """`python -m vllm.entrypoints.openai.api_server` on 127.0.0.1 (extra server args, extra environment)."""
     from lpf.adapters.vllm import vllm_python
 
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", TORCHDYNAMO_DISABLE="1", VLLM_CPU_KVCACHE_SPACE="1",
-               OMP_NUM_THREADS="1")
+               OMP_NUM_THREADS="1", **env_vars)
     env.pop("PYTHONPATH", None)
     # vllm-cpu's `vllm` console script looks up package metadata named `vllm` and fails: use the module
     return subprocess.Popen([str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                              "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
-                             "--max-logprobs", "20"],
+                             "--max-logprobs", "20", *args],
                             stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env, cwd=log.parent,
                             start_new_session=True)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def _wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout: float = 300) -> None:
@@ -147,12 +157,7 @@ def test_vllm_openai_server_audit_is_clean(lpf_cli, tmp_path, prompts8):
         r = lpf_cli("audit", "--engine", "openai", "--base-url", f"http://127.0.0.1:{port}/v1", "--model", model_dir,
                     "--workload", prompts8, "--max-tokens", 8, "--out", out, "--json")
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        _stop(proc)
     assert r.code == 0, r.err
     f = json.loads(r.out)
     assert f["verdict"] == "clean" and f["n_requests"] == 8 and f["errors"] == 0

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -26,9 +25,9 @@ from pathlib import Path
 import pytest
 
 from conftest import write_prompts
-from lpf.query import run_query
 from scripted_http import free_port
-from test_vllm import _vllm_python, _wait_healthy, needs_vllm
+from test_engine_drills import flagged, ground_truth, q
+from test_vllm import _serve, _stop, _vllm_python, _wait_healthy, needs_vllm
 
 PLUGIN = Path(__file__).resolve().parents[1] / "plugins" / "vllm-trace"
 DRILL_MODEL = "tiny:hybrid-longmem"
@@ -36,21 +35,6 @@ DRILL_MODEL = "tiny:hybrid-longmem"
 # 96 KV blocks (shared with the state slots) make slots recycle within a few dozen requests
 DRILL_KNOBS = ["--workload", "zoo:oracle", "--max-tokens", 16, "--max-num-seqs", 16, "--max-num-batched-tokens", 32,
                "--enable-chunked-prefill", "-E", "enable_prefix_caching=false", "-E", "num_gpu_blocks_override=96"]
-
-
-def q(run, sql):
-    return run_query(run, sql)[1]
-
-
-def ground_truth(run, role=None):
-    if not (run / "faults").is_dir():
-        return set()
-    where = f"WHERE role = '{role}'" if role else ""
-    return {r[0] for r in q(run, f"SELECT DISTINCT request_id FROM faults {where}")}
-
-
-def flagged(findings):
-    return {f["request_id"] for f in findings["flagged"]}
 
 
 def audit(out, *args, python: Path | None = None):
@@ -181,7 +165,7 @@ def _check_drill(run, findings):
 
 @needs_vllm
 @pytest.mark.slow
-def test_stale_state_imposters_on_real_vllm(stale_runs):
+def test_stale_state_imposters_on_real_vllm(stale_runs, lpf_cli):
     base, on, _ = stale_runs
     assert on["n_requests"] >= 500 and on["errors"] == 0
     assert on["trace"]["recorded"] and on["trace"]["source"] == "vllm-plugin"
@@ -189,6 +173,12 @@ def test_stale_state_imposters_on_real_vllm(stale_runs):
     assert len(corrupted) < 0.1 * on["n_requests"]
     e = json.loads((base / "on" / "manifest.json").read_text())["engine"]
     assert e["faults"] == ["stale-state"] and e["options"]["inject"] == "stale-state"
+    # `lpf inspect` shows an imposter step by step: a decode first, then the rest of its prompt
+    r = lpf_cli("inspect", base / "on", sorted(corrupted)[0], "--json")
+    steps = json.loads(r.out)["trace"]
+    assert r.code == 0 and (steps[0]["phase"], steps[0]["num_computed_tokens"]) == ("decode", 0)
+    assert all(b["num_computed_tokens"] == a["num_computed_tokens"] + a["num_scheduled_tokens"]
+               for a, b in zip(steps, steps[1:]))
 
 
 @needs_vllm
@@ -201,18 +191,6 @@ def test_without_the_drill_the_same_run_is_clean(stale_runs):
 
 
 # -- the same drill through vLLM's OpenAI server ---------------------------------------------------------
-def _serve(model_dir: Path, port: int, log: Path, trace_dir: Path, inject: str) -> subprocess.Popen:
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", TORCHDYNAMO_DISABLE="1", VLLM_CPU_KVCACHE_SPACE="1",
-               OMP_NUM_THREADS="1", LPF_VLLM_TRACE_DIR=str(trace_dir), LPF_VLLM_INJECT=inject)
-    env.pop("PYTHONPATH", None)
-    return subprocess.Popen([str(_vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-                             "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
-                             "--max-logprobs", "20", "--max-num-seqs", "16", "--max-num-batched-tokens", "32",
-                             "--enable-chunked-prefill", "--no-enable-prefix-caching", "--num-gpu-blocks-override", "96"],
-                            stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env, cwd=log.parent,
-                            start_new_session=True)
-
-
 @pytest.fixture(scope="module")
 def served_drill(tmp_path_factory):
     from lpf.model_specs import resolve_model
@@ -220,18 +198,16 @@ def served_drill(tmp_path_factory):
     base = tmp_path_factory.mktemp("vllm-served")
     model_dir = resolve_model(DRILL_MODEL).path
     port, trace_dir = free_port(), base / "server-trace"
-    proc = _serve(model_dir, port, base / "serve.log", trace_dir, "stale-state")
+    # the offline drill's engine knobs, as server arguments
+    proc = _serve(model_dir, port, base / "serve.log", "--max-num-seqs", "16", "--max-num-batched-tokens", "32",
+                  "--enable-chunked-prefill", "--no-enable-prefix-caching", "--num-gpu-blocks-override", "96",
+                  LPF_VLLM_TRACE_DIR=str(trace_dir), LPF_VLLM_INJECT="stale-state")
     try:
         _wait_healthy(proc, f"http://127.0.0.1:{port}", base / "serve.log")
         f = audit(base / "run", "--engine", "openai", "--base-url", f"http://127.0.0.1:{port}/v1", "--model", model_dir,
                   *DRILL_KNOBS[:4], "-E", "concurrency=64", "--trace-dir", trace_dir)
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        _stop(proc)
     return base, trace_dir, f
 
 

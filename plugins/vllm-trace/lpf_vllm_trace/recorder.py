@@ -1,8 +1,9 @@
 """Buffered rows -> Parquet parts and the status file, every file written atomically.
 
 `Recorder(out_dir)`: `open()` makes `trace/` and `faults/` (returns why not, as a sentence, when the
-directory cannot take files); `add(table, rows)` buffers row dicts; `flush()` writes what is buffered
-as one part per table (`part-<pid>-<n>.parquet`: several vLLM processes may share a directory) and
+directory cannot take files); `add(table, columns)` buffers a chunk of columns ({name: list}, every
+schema column), `add_rows(table, rows)` a list of row dicts; `flush()` writes what is buffered as one
+part per table (`part-<pid>-<n>.parquet`: several vLLM processes may share a directory) and
 then the status; `write_status(dict)` writes `trace_status.json`. A background thread flushes every
 `interval` seconds so a server's rows reach disk without anyone asking, and refreshes the status'
 `heartbeat` (unix seconds: every row buffered before it is on disk). A failed write stops the
@@ -15,6 +16,7 @@ import json
 import os
 import threading
 import time
+from itertools import chain
 from pathlib import Path
 
 
@@ -24,7 +26,7 @@ class Recorder:
         self.interval = interval
         self.pid = os.getpid()
         self.lock = threading.Lock()
-        self.buffers: dict[str, list[dict]] = {"trace": [], "faults": []}
+        self.buffers: dict[str, list[dict]] = {"trace": [], "faults": []}  # chunks of columns
         self.counts = {"trace": 0, "faults": 0}  # rows on disk
         self.parts = 0
         self.status_fields: dict = {}
@@ -42,10 +44,14 @@ class Recorder:
             return f"directory {self.dir} not writable ({e.strerror or e})"
         return None
 
-    def add(self, table: str, rows: list[dict]) -> None:
-        if rows and self.failed is None:
+    def add(self, table: str, columns: dict[str, list]) -> None:
+        if self.failed is None:
             with self.lock:
-                self.buffers[table].extend(rows)
+                self.buffers[table].append(columns)
+
+    def add_rows(self, table: str, rows: list[dict]) -> None:
+        if rows:
+            self.add(table, {name: [r[name] for r in rows] for name in rows[0]})
 
     def flush(self) -> str | None:
         """Write buffered rows; returns why recording stopped, when a write failed."""
@@ -57,10 +63,10 @@ class Recorder:
             beat = time.time()
             try:
                 for table, schema in (("trace", trace_schema), ("faults", faults_schema)):
-                    rows = self.buffers[table]
-                    if rows:
-                        self._write_part(table, rows, schema())
-                        self.counts[table] += len(rows)
+                    chunks = self.buffers[table]
+                    if chunks:
+                        n = self._write_part(table, chunks, schema())
+                        self.counts[table] += n
                         self.buffers[table] = []
                 self._write_status_locked(heartbeat=beat)
             except OSError as e:
@@ -72,15 +78,20 @@ class Recorder:
                     pass
             return self.failed
 
-    def _write_part(self, table: str, rows: list[dict], schema) -> None:
+    def _write_part(self, table: str, chunks: list[dict], schema) -> int:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
+        data = pa.table({f.name: pa.array(list(chain.from_iterable(c[f.name] for c in chunks)), f.type)
+                         for f in schema}, schema=schema)
+        if not data.num_rows:
+            return 0
         name = f"part-{self.pid}-{self.parts:06d}.parquet"
         self.parts += 1
         tmp = self.dir / table / f".tmp-{name}"
-        pq.write_table(pa.Table.from_pylist(rows, schema=schema), tmp)
+        pq.write_table(data, tmp)
         os.replace(tmp, self.dir / table / name)
+        return data.num_rows
 
     def write_status(self, fields: dict) -> None:
         with self.lock:

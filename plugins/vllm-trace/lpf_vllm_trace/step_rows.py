@@ -23,10 +23,15 @@ class StepReader:
         self.groups: list[tuple[int, str]] | None = None  # (kv-cache group id, first layer) per Mamba group
         self.stride: int | None = None
         self.used_blocks: set[int] = set()  # every block some request has held (stale-state)
+        self.writes = True  # this process's runner writes the rows (rank 0)
 
     def _init(self, runner) -> None:
+        import torch.distributed as dist
         from vllm.v1.kv_cache_interface import MambaSpec
 
+        # every tensor/pipeline-parallel rank runs a runner on the same batch: rank 0 writes for all
+        # (the drills act on every rank, so every rank runs the same faulty classification)
+        self.writes = not (dist.is_available() and dist.is_initialized() and dist.get_rank() != 0)
         groups = []
         for gid, group in enumerate(runner.kv_cache_config.kv_cache_groups):
             if isinstance(group.kv_cache_spec, MambaSpec) and group.layer_names:
@@ -36,8 +41,9 @@ class StepReader:
             layer = runner.compilation_config.static_forward_context[groups[0][1]]
             # elements between two slots of the first Mamba layer's SSM state: what `slot * stride` means
             self.stride = int(layer.kv_cache[1].stride(0))
-        self.session.recorder.write_status({"mamba_groups": len(groups), "state_slot_stride": self.stride,
-                                            "kv_cache_blocks": int(runner.kv_cache_config.num_blocks)})
+        if self.writes:
+            self.session.recorder.write_status({"mamba_groups": len(groups), "state_slot_stride": self.stride,
+                                                "kv_cache_blocks": int(runner.kv_cache_config.num_blocks)})
 
     def read(self, runner, step, attn_metadata):
         if self.groups is None:
@@ -53,6 +59,12 @@ class StepReader:
         metas = [attn_metadata.get(layer) for _, layer in self.groups]
         metas = [m if isinstance(m, self.mamba_cls) else None for m in metas]
         slots_per_row, num_decodes = self._slots(metas, n)
+        drills = self.session.drills
+        wrapped: dict[str, list[tuple[int, int]]] = {}
+        if drills.offset_wrap_bits is not None and self.stride:
+            attn_metadata, wrapped = self._wrap(attn_metadata, metas, req_ids, num_decodes or 0)
+        if not self.writes:
+            return attn_metadata
         # prompt tokens the prefix cache supplied at (re)admission: what was computed before any step ran
         hits = {r.req_id: int(r.num_computed_tokens) for r in so.scheduled_new_reqs}
         cached = so.scheduled_cached_reqs
@@ -60,34 +72,33 @@ class StepReader:
             if rid in cached.resumed_req_ids:
                 hits[rid] = int(cached.num_computed_tokens[j])
         before = {rid: i for i, rid in enumerate(step.order_before or req_ids)}
-        total = int(so.total_num_scheduled_tokens)
-        rows = []
-        preempted = set(so.preempted_req_ids or ())
-        for rid in sorted(preempted):
-            rows.append(_row(step.index, rid, None, 0, 0, [], n, total, True, None, False, 0, 0))
-        for i, rid in enumerate(req_ids):
-            if num_decodes is None:  # no Mamba metadata: vLLM's fixed rule on the counts
-                phase = "prefill" if computed[i] == 0 else (
-                    "decode" if sched[i] == 1 and computed[i] >= prompt[i] else "extend")
-            else:
-                phase = "decode" if i < num_decodes else ("prefill" if computed[i] == 0 else "extend")
-            rows.append(_row(step.index, rid, phase, computed[i], sched[i], slots_per_row[i], n, total, False, i,
-                             before.get(rid, i) != i, prompt[i], hits.get(rid, 0)))
-        drills = self.session.drills
-        wrapped: dict[str, list[tuple[int, int]]] = {}
-        if drills.offset_wrap_bits is not None and self.stride:
-            attn_metadata, wrapped = self._wrap(attn_metadata, metas, req_ids, num_decodes or 0)
-        faults = []
+        if num_decodes is None:  # no Mamba metadata: vLLM's fixed rule on the counts
+            phases = ["prefill" if c == 0 else ("decode" if s == 1 and c >= p else "extend")
+                      for c, s, p in zip(computed, sched, prompt)]
+        else:
+            phases = ["decode" if i < num_decodes else ("prefill" if c == 0 else "extend") for i, c in enumerate(computed)]
+        preempted = sorted(so.preempted_req_ids or ())
+        k, m = len(preempted), len(preempted) + n
+        # columns, not row dicts: a step costs a few list operations, and a part one Arrow conversion
+        cols = {"step": [step.index] * m, "request_id": preempted + req_ids, "phase": [None] * k + phases,
+                "num_computed_tokens": [0] * k + computed, "num_scheduled_tokens": [0] * k + sched,
+                "state_slot": [None] * k + [s[0] if s else None for s in slots_per_row],
+                "batch_size": [n] * m, "batch_tokens": [int(so.total_num_scheduled_tokens)] * m,
+                "preempted": [True] * k + [False] * n, "vllm_request_id": preempted + req_ids,
+                "batch_index": [None] * k + list(range(n)),
+                "reordered": [False] * k + [before.get(rid, i) != i for i, rid in enumerate(req_ids)],
+                "num_prompt_tokens": [0] * k + prompt, "prefix_cache_hit_tokens": [0] * k + [hits.get(r, 0) for r in req_ids],
+                "state_slots": [[]] * k + slots_per_row}
+        rec = self.session.recorder
+        rec.add("trace", cols)
         if drills.any:
+            rows = [dict(zip(cols, values)) for values in zip(*cols.values())]
             owners = self._owners(runner) if wrapped else {}
-            faults = drills.observe(step.index, rows, preempted, self.used_blocks, wrapped, owners)
+            rec.add_rows("faults", drills.observe(step.index, rows, set(preempted), self.used_blocks, wrapped, owners))
             if drills.stale_state:
                 for rid in req_ids:
                     for blocks in runner.requests[rid].block_ids:
                         self.used_blocks.update(blocks)
-        rec = self.session.recorder
-        rec.add("trace", rows)
-        rec.add("faults", faults)
         return attn_metadata
 
     def _slots(self, metas, n):
@@ -138,11 +149,3 @@ class StepReader:
                     owners[int(b)] = rid
         return owners
 
-
-def _row(step, rid, phase, computed, sched, slots, batch_size, batch_tokens, preempted, index, reordered,
-         prompt, hits) -> dict:
-    return {"step": step, "request_id": rid, "phase": phase, "num_computed_tokens": int(computed),
-            "num_scheduled_tokens": int(sched), "state_slot": slots[0] if slots else None,
-            "batch_size": int(batch_size), "batch_tokens": int(batch_tokens), "preempted": preempted,
-            "vllm_request_id": rid, "batch_index": index, "reordered": reordered,
-            "num_prompt_tokens": int(prompt), "prefix_cache_hit_tokens": int(hits), "state_slots": list(slots)}

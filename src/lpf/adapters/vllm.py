@@ -18,8 +18,9 @@ The step trace comes from the lpf-vllm-trace plugin (`plugins/vllm-trace`, insta
 the worker runs with LPF_VLLM_TRACE_DIR set (`-E trace=false`: not; `-E trace_dir=DIR`: there instead
 of a private temporary directory) and `inject` drills (stale-state, offset-wrap[:BITS]) in
 LPF_VLLM_INJECT. `side_tables()` hands over the plugin's parts with lpf's request ids (the worker
-says which vLLM id is whose), and `describe()["trace"]` says whether a trace was recorded and, if
-not, why (the plugin's own reason: unknown vLLM version, a hook missing, a directory not writable).
+says which vLLM id is whose), and `describe()["trace"]` names the source and, when the plugin
+records nothing, its reason (an unknown vLLM version, a hook missing, a directory not writable);
+`describe()` also carries what the trace features read: the SSM state's slot stride and the drills.
 """
 
 from __future__ import annotations
@@ -33,9 +34,7 @@ import time
 from pathlib import Path
 from typing import Iterator, Literal
 
-from pydantic import Field
-
-from pydantic import field_validator
+from pydantic import Field, field_validator
 
 from lpf.adapters.base import Completion, Engine, Options
 from lpf.errors import LpfError

@@ -10,8 +10,9 @@ Protocol, JSON lines:
   t_first_token, t_finish} per request as it finishes and {"type": "done", "trace"};
   {"type": "fatal", "error"} if the engine cannot start or dies.
   `trace` is the lpf-vllm-trace plugin's status in this process (`lpf_vllm_trace.status()`), or why
-  there is none; the plugin's buffered rows are flushed to its parts before the completions of a
-  step are sent, so lpf never sees a request before the trace rows that describe it.
+  there is none. Finished requests are held back and sent in groups, at most once a second, each
+  group right after the plugin's buffered rows are flushed to its parts: lpf never sees a request
+  before the trace rows that describe it.
 - stdin: requests {"request_id", "prompt_token_ids", "max_tokens", "seed"}, a batch closed by
   {"type": "end"}; EOF ends the process.
 The config holds `engine_args` (passed to vllm.LLM as given, `logprobs_mode` dropped where this vLLM
@@ -28,6 +29,9 @@ import traceback
 # This file sits beside lpf's own `vllm.py` adapter: the script's directory must not shadow vLLM.
 _here = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _here]
+
+
+FLUSH_EVERY_S = 1.0
 
 
 def emit(out, obj) -> None:
@@ -130,18 +134,32 @@ def run_batch(llm, sampling: dict, requests: list[dict], out) -> None:
             submitted[key] = t
     emit(out, {"type": "submitted", "vllm_ids": ours})
     engine = llm.llm_engine
-    while engine.has_unfinished_requests():
-        outputs = engine.step()
-        if any(o.finished for o in outputs):
-            flush_trace()
-        for output in outputs:
-            vid = output.request_id
-            if vid not in first and output.outputs and len(output.outputs[0].token_ids):
-                first[vid] = time.time()
-            if output.finished and vid in ours:
-                emit(out, completion(ours[vid], output, submitted[vid], first.get(vid), k))
-            elif output.finished:
-                print(f"lpf worker: output for unknown request id {vid!r}", file=sys.stderr)
+    finished: list[dict] = []  # completions whose trace rows may not be on disk yet
+    last_flush = time.monotonic()
+
+    def send() -> None:
+        flush_trace()
+        for c in finished:
+            emit(out, c)
+        finished.clear()
+
+    try:
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                vid = output.request_id
+                if vid not in first and output.outputs and len(output.outputs[0].token_ids):
+                    first[vid] = time.time()
+                if output.finished and vid in ours:
+                    finished.append(completion(ours[vid], output, submitted[vid], first.get(vid), k))
+                elif output.finished:
+                    print(f"lpf worker: output for unknown request id {vid!r}", file=sys.stderr)
+            # one flush a second at most (a part per finished request would cost the engine more than
+            # the trace itself); completions go out right after the rows that describe them
+            if finished and time.monotonic() - last_flush >= FLUSH_EVERY_S:
+                send()
+                last_flush = time.monotonic()
+    finally:
+        send()  # the rest, and whatever finished before an engine error: answers are never dropped
 
 
 def main() -> int:

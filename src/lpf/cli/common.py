@@ -73,7 +73,8 @@ def engine_knob_options(f):
         click.option("-E", "--engine-option", "engine_option", multiple=True, metavar="KEY=VALUE",
                      help="Any other engine knob, e.g. -E block_size=32 (repeatable; `lpf engines` lists them)."),
         click.option("--inject", multiple=True, metavar="FAULT[:ARG]",
-                     help="Fault drill of the built-in engine (repeatable): " + ", ".join(DRILLS) + "."),
+                     help="Fault drill (repeatable): built-in engine " + ", ".join(DRILLS) + "; vllm engine "
+                          "stale-state, offset-wrap[:BITS] (through lpf-vllm-trace)."),
         click.option("--cache-mb", type=float, default=None,
                      help="Built-in engine: cache size in MiB (the gpu_memory_utilization analogue)."),
         click.option("--max-num-seqs", type=int, default=None, help="Most requests in one engine step (vLLM's name)."),

@@ -29,10 +29,13 @@ def _generate(run) -> None:
 
 
 def _join(run, trace_dir) -> None:
+    from rich.markup import escape
+
     from lpf.pipeline import join_trace
 
-    err.print(f"joining the server's trace from {trace_dir}", highlight=False)
-    join_trace(run, trace_dir)
+    info = join_trace(run, trace_dir)
+    err.print(f"joined {info['rows']} trace rows from {escape(str(trace_dir))}" if info["recorded"] else
+              f"[yellow]no trace joined:[/] {escape(info['why'] or '')}", highlight=False)
 
 
 def _rescore(run, reference, reference_dtype, token_budget, redo=False, calibrate=False) -> None:
@@ -109,10 +112,6 @@ def analyze(run_dir, trace_dir, threshold, as_json, fail_on):
 
     run = RunDir.open(run_dir)
     if trace_dir is not None:
-        engine = run.manifest["engine"].get("name")
-        if engine != "openai":
-            raise LpfError(f"--trace-dir joins the trace of a vLLM server audited with --engine openai; {run_dir} "
-                           f"was run on the {engine} engine")
         _join(run, trace_dir)
     _analyze(run, threshold, as_json, fail_on)
 

@@ -4,7 +4,8 @@
 before the directory exists, so a bad invocation writes nothing. `execute_run(run, on_start, tick)`
 sends every not-yet-completed request to the engine and commits completions in parts as they finish
 (side tables such as the trace first, then tokens, then requests: a request part never exists
-without what led to it); what finished before an error or Ctrl-C is kept, and a rerun resumes.
+without what led to it); what finished before an error or Ctrl-C is kept, and a rerun resumes (its
+engine's steps numbered after the earlier sessions', so a step names one batch).
 """
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 import lpf
 from lpf.adapters import get_engine_class
 from lpf.errors import LpfError
 from lpf.pipeline.callbacks import OnStart, Tick, no_start, no_tick
+from lpf.pipeline.trace import check_joinable
 from lpf.model_specs import ModelRef, load_tokenizer, resolve_model, tokenizer_fingerprint
 from lpf.run import schema
 from lpf.run.store import RunDir
@@ -52,9 +55,8 @@ def model_config(model: ModelRef) -> dict:
 
 def create_run(spec: RunSpec) -> RunDir:
     engine_cls = get_engine_class(spec.engine)
-    if spec.trace_dir is not None and spec.engine != "openai":
-        raise LpfError(f"--trace-dir joins the trace of a vLLM server audited with --engine openai; the {spec.engine} "
-                       f"engine {'records its own' if spec.engine in ('builtin', 'vllm') else 'has none to join'}")
+    if spec.trace_dir is not None:
+        check_joinable(spec.engine)
     engine_cls.Options.parse(spec.engine_options)  # a bad knob is refused before anything is written
     model = resolve_model(spec.model)
     cfg = model_config(model)
@@ -107,24 +109,31 @@ def execute_run(run: RunDir, on_start: OnStart = no_start,
         run.save_manifest()
         tokenizer = load_tokenizer(model)
         by_id = {r.request_id: r for r in pending}
+        step_base = _next_step(run)  # a resumed run's engine counts steps from 0 again: keep them unique
         buffer, last = [], time.monotonic()
         try:
             for c in engine.generate(pending):
                 buffer.append(c)
                 tick(1)
                 if len(buffer) >= m.get("part_size", 64) or time.monotonic() - last > 10:
-                    _commit(run, engine, buffer, by_id, tokenizer)
+                    _commit(run, engine, buffer, by_id, tokenizer, step_base)
                     buffer, last = [], time.monotonic()
             m["engine"].update(engine.describe())  # what the run taught it (HTTP retries, token identity)
         finally:
             if buffer:  # what finished before an error or Ctrl-C is kept
-                _commit(run, engine, buffer, by_id, tokenizer)
+                _commit(run, engine, buffer, by_id, tokenizer, step_base)
             engine.close()
     m["status"] = "complete"
     run.save_manifest()
 
 
-def _commit(run: RunDir, engine, completions, by_id: dict[str, EngineRequest], tokenizer) -> None:
+def _next_step(run: RunDir) -> int:
+    steps = [run.read(t, ["step"]).column("step") for t in ("trace", "faults") if run.has(t)]
+    top = max((pc.max(s).as_py() for s in steps if len(s)), default=None)
+    return 0 if top is None else int(top) + 1
+
+
+def _commit(run: RunDir, engine, completions, by_id: dict[str, EngineRequest], tokenizer, step_base: int = 0) -> None:
     req_rows, tok, ptok = [], {k: [] for k in schema.TOKENS.names}, {k: [] for k in schema.PROMPT_TOKENS.names}
     for c in completions:
         r = by_id[c.request_id]
@@ -156,6 +165,8 @@ def _commit(run: RunDir, engine, completions, by_id: dict[str, EngineRequest], t
     # side tables first: a request part must never exist without the trace that led to it
     for name, table in engine.side_tables().items():
         if table is not None and table.num_rows:
+            if step_base and "step" in table.column_names:
+                table = table.set_column(table.column_names.index("step"), "step", pc.add(table.column("step"), step_base))
             run.append(name, table)
     run.append_requests(pa.Table.from_pylist(req_rows, schema=schema.REQUESTS), pa.table(tok, schema=schema.TOKENS),
                         pa.table(ptok, schema=schema.PROMPT_TOKENS) if ptok["request_id"] else None)

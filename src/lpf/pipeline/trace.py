@@ -1,5 +1,6 @@
 """The trace stage: a separately started vLLM server's trace joined to a run, and what a run's trace is.
 
+`check_joinable(engine)` refuses (LpfError) a join for engines other than `openai`.
 `join_trace(run, trace_dir)`: the lpf-vllm-trace plugin's directory of a server (`LPF_VLLM_TRACE_DIR`)
 -> the rows of this run's requests, by request id, copied into `RUN/trace/` (and the drills' ground
 truth into `RUN/faults/`), replacing what an earlier join copied. It waits (at most 10 s) until the
@@ -19,11 +20,20 @@ from pathlib import Path
 import pyarrow.compute as pc
 
 from lpf.adapters.vllm_trace import PluginDir, relabel, served_ids
+from lpf.errors import LpfError
 from lpf.run.store import RunDir
+
+
+def check_joinable(engine: str) -> None:
+    """A server's trace joins an `--engine openai` run; the other engines record their own or none."""
+    if engine != "openai":
+        raise LpfError(f"--trace-dir joins the trace of a vLLM server audited with --engine openai; the {engine} "
+                       f"engine {'records its own' if engine in ('builtin', 'vllm') else 'has none to join'}")
 
 
 def join_trace(run: RunDir, trace_dir: Path | str) -> dict:
     m = run.manifest
+    check_joinable(m["engine"].get("name", "?"))
     plugin = PluginDir(trace_dir)
     info = {"source": "joined", "dir": str(plugin.path), "recorded": False, "rows": 0, "why": None}
     requests = run.read("requests", ["request_id", "attempts", "t_finish"])
