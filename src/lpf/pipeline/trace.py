@@ -47,15 +47,16 @@ def join_trace(run: RunDir, trace_dir: Path | str) -> dict:
         earlier = m.get("trace") or {}
         if run.has("trace") and earlier.get("source") == "joined":
             rows = run.read("trace", ["step"]).num_rows
-            info.update({k: v for k, v in earlier.items() if k not in ("why", "note")}, rows=rows, recorded=True)
+            info.update({k: v for k, v in earlier.items() if k != "why"}, rows=rows, recorded=True)
             info["why"] += f"; the {rows} rows joined earlier from {earlier.get('dir')} are kept"
     else:
         last = pc.max(requests.column("t_finish")).as_py() if requests.num_rows else None
-        if last is not None and status.get("recording") and not plugin.wait_for(last):
-            info["note"] = "the plugin's heartbeat never passed the run's last answer: the last steps may be missing"
+        late = last is not None and status.get("recording") and not plugin.wait_for(last)
+        status = plugin.status() or status  # as of the last flush
         info.update(plugin_version=status.get("plugin_version"), vllm_version=status.get("vllm_version"),
                     state_slot_stride=status.get("state_slot_stride"), faults=_drills(status))
-        info["why"] = status.get("why")
+        info["why"] = status.get("why") or ("the plugin's heartbeat never passed the run's last answer (server "
+                                            "stopped?): the last steps may be missing" if late else None)
         kept = {r["request_id"]: max(0, len(r["attempts"] or []) - 1) for r in requests.to_pylist()}
         trace, faults = plugin.take("trace"), plugin.take("faults")
         ids = served_ids(trace.column("request_id").to_pylist(), kept) if trace is not None else {}
@@ -73,8 +74,9 @@ def join_trace(run: RunDir, trace_dir: Path | str) -> dict:
                     info["rows"] = table.num_rows
         info["recorded"] = info["rows"] > 0
         if not info["recorded"] and info["why"] is None:
-            info["why"] = (f"none of the {trace.num_rows if trace is not None else 0} rows in {plugin.path} "
-                           f"belong to this run's requests")
+            info["why"] = (f"{plugin.path} has no trace parts: the server ran no step with the plugin on"
+                           if trace is None else
+                           f"none of the {trace.num_rows} rows in {plugin.path} belong to this run's requests")
     m["trace"] = info
     run.save_manifest()
     return info
