@@ -116,6 +116,28 @@ def test_a_servers_request_ids_map_back_to_the_runs():
                                      "cmpl-r-3~retry1-0-abcdefgh": "r-3~retry1"}  # an attempt, not the answer
 
 
+def test_vllm_only_columns_become_features(plugin):
+    """prefix-cache hits and a reordered first row, from the plugin's own columns (other traces: none)."""
+    import pyarrow as pa
+    from lpf_vllm_trace.schema import trace_schema
+
+    from lpf.analysis.features import request_features
+    from lpf.run.schema import REQUESTS, TRACE
+
+    req = pa.Table.from_pylist([{"request_id": r, "seq": i, "rollout": 0, "prompt_token_ids": [1, 2]}
+                                for i, r in enumerate("abc")], schema=REQUESTS)
+    base = {"phase": "prefill", "num_computed_tokens": 0, "num_scheduled_tokens": 2, "state_slot": 1, "batch_size": 2,
+            "batch_tokens": 4, "preempted": False, "num_prompt_tokens": 2, "state_slots": [1]}
+    rows = [dict(base, step=0, request_id="a", vllm_request_id="a", batch_index=0, reordered=True, prefix_cache_hit_tokens=0),
+            dict(base, step=0, request_id="b", vllm_request_id="b", batch_index=1, reordered=False, prefix_cache_hit_tokens=16),
+            dict(base, step=1, request_id="b", vllm_request_id="b", batch_index=0, reordered=True, prefix_cache_hit_tokens=0),
+            dict(base, step=1, request_id="c", vllm_request_id="c", batch_index=1, reordered=False, prefix_cache_hit_tokens=0)]
+    feats = {f.name: f.values.tolist() for f in request_features(req, pa.Table.from_pylist(rows, schema=trace_schema()))}
+    assert feats["prefix_cache_hit"] == [False, True, False] and feats["first_step_reordered"] == [True, False, False]
+    plain = pa.Table.from_pylist([{k: r[k] for k in TRACE.names} for r in rows], schema=TRACE)
+    assert not {"prefix_cache_hit", "first_step_reordered"} & {f.name for f in request_features(req, plain)}
+
+
 def test_vllm_drills_and_trace_dir_are_refused_where_they_do_not_apply(lpf_cli, tmp_path):
     r = lpf_cli("audit", "--engine", "vllm", "--model", "zoo:hybrid", "--inject", "batch-variant", "--out", tmp_path / "a")
     assert r.code == 2 and "the vllm engine has no drill 'batch-variant'" in r.err and "Traceback" not in r.err

@@ -11,7 +11,8 @@
   block table is never written).
 - `mamba_attn.split_decodes_and_prefills` (stale-state only): counts short extends as decodes and
   ignores `is_prefilling`, the split before the fix.
-Anything unexpected inside a hook stops the recording with its reason (never the engine).
+Anything unexpected inside a hook stops the recording with its reason (never the engine); offset-wrap,
+which acts where the rows are read, stops with it, stale-state's reorder and split stay in force.
 """
 
 from __future__ import annotations
