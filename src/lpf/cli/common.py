@@ -4,9 +4,10 @@
   are the command's output).
 - `progress_bar(label, unit)`: one rich bar on stderr, shown once the stage has validated its inputs.
 - Option decorators, each option declared once: `engine_knob_options` (the engine knobs, on every
-  command that starts an engine), `run_options`, `reference_options` (the rescorer's model, dtype and
-  budget), `rescore_options` (those + --calibrate), `analysis_options`, and
-  `audit_options` (all of them: `lpf audit`'s own set, which `sweep` also parses cells with).
+  command that starts an engine), `trace_dir_option` (a vLLM server's trace to join: run options and
+  `lpf analyze`), `run_options`, `reference_options` (the rescorer's model, dtype and budget),
+  `rescore_options` (those + --calibrate), `analysis_options`, and `audit_options` (all of them: `lpf
+  audit`'s own set, which `sweep` also parses cells with).
 - `engine_knobs(params)`: the knob values a command got, as one engine-options dict;
   `knob_args(options)` is its inverse (the audit arguments that set engine options).
 - `build_run_spec(params)`: the one run-spec builder, from parsed run options.
@@ -74,7 +75,8 @@ def engine_knob_options(f):
         click.option("-E", "--engine-option", "engine_option", multiple=True, metavar="KEY=VALUE",
                      help="Any other engine knob, e.g. -E block_size=32 (repeatable; `lpf engines` lists them)."),
         click.option("--inject", multiple=True, metavar="FAULT[:ARG]",
-                     help="Fault drill of the built-in engine (repeatable): " + ", ".join(DRILLS) + "."),
+                     help="Fault drill (repeatable): built-in engine " + ", ".join(DRILLS) + "; vllm engine "
+                          "stale-state, offset-wrap[:BITS] (through lpf-vllm-trace)."),
         click.option("--cache-mb", type=float, default=None,
                      help="Built-in engine: cache size in MiB (the gpu_memory_utilization analogue)."),
         click.option("--max-num-seqs", type=int, default=None, help="Most requests in one engine step (vLLM's name)."),
@@ -128,9 +130,15 @@ def knob_args(options: Mapping) -> list[str]:
     return args
 
 
+def trace_dir_option(f):
+    return click.option("--trace-dir", type=click.Path(path_type=Path), default=None, metavar="DIR",
+                        help="openai engine: the LPF_VLLM_TRACE_DIR of the vLLM server (with lpf-vllm-trace) "
+                             "that served the run; its step trace is joined to the run by request id.")(f)
+
+
 def run_options(f):
     """What a run is: engine, model, workload, sampling, knobs, where it goes."""
-    f = engine_knob_options(f)
+    f = trace_dir_option(engine_knob_options(f))
     return _apply(f, [
         click.option("--engine", default="builtin", show_default=True, help="Engine under test (see `lpf engines`)."),
         click.option("--model", default=None, help="Model dir, zoo:NAME or tiny:NAME [default: zoo:hybrid]."),
@@ -241,7 +249,8 @@ def build_run_spec(params: Mapping):
                               logprobs=p["logprobs"])
     out_dir = p.get("out") or Path("runs") / time.strftime("run-%Y%m%d-%H%M%S")
     return RunSpec(engine=p["engine"], model=model or DEFAULT_MODEL, workload=p.get("workload") or DEFAULT_WORKLOAD,
-                   out=out_dir, n=p["n"], sampling=sampling, engine_options=options, part_size=p["part_size"])
+                   out=out_dir, n=p["n"], sampling=sampling, engine_options=options, part_size=p["part_size"],
+                   trace_dir=p.get("trace_dir"))
 
 
 def default_out(kind: str) -> Path:

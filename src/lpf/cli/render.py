@@ -37,6 +37,7 @@ def print_summary(findings: dict, run_path, console: Console) -> None:
     if d.get("max") is not None:
         console.print("|logprob diff|  " + "  ".join(f"{k} {d[k]:.3g}" for k in ("p50", "p90", "p99", "p99_9", "max")))
     _print_thresholds(findings["thresholds"], console)
+    _print_trace(findings.get("trace"), console)
     _print_shape(findings.get("shape"), console)
     flagged = findings.get("flagged") or []
     if flagged:
@@ -68,6 +69,21 @@ def _print_thresholds(th: dict, console: Console) -> None:
                   f"divergent > {th['divergent_abs_diff']:.3g}, tie margin {th.get('tie_margin', 0):.3g}, "
                   f"corrupt: gibberish score >= {th.get('gibberish_min_score', 0):.2g} "
                   f"with >= {th['gibberish_min_tokens']} lie tokens[/]")
+
+
+_TRACE_SOURCE = {"engine": "from the engine", "vllm-plugin": "from inside vLLM (lpf-vllm-trace)",
+                 "joined": "joined from the server's lpf-vllm-trace directory"}
+
+
+def _print_trace(trace: dict | None, console: Console) -> None:
+    """One line: whether the step trace the hypotheses read was recorded, and why not."""
+    if not trace:
+        return
+    if trace["recorded"]:
+        why = f" [yellow]({escape(trace['why'])})[/]" if trace.get("why") else ""
+        console.print(f"[dim]trace: {trace['rows']} rows {_TRACE_SOURCE.get(trace['source'], '')}[/]{why}", highlight=False)
+    else:
+        console.print(f"[dim]trace: none ({escape(trace.get('why') or 'no reason given')})[/]", highlight=False)
 
 
 def _print_shape(shape: dict | None, console: Console) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 import click
 
 from lpf.cli.common import (analysis_options, audit_options, build_run_spec, err, fails, progress_bar, rescore_options,
-                            run_options, write_report)
+                            run_options, trace_dir_option, write_report)
 from lpf.cli.render import print_calibration, print_summary
 from lpf.errors import LpfError
 
@@ -24,6 +24,18 @@ def _generate(run) -> None:
 
     with progress_bar("generate", "requests") as (on_start, tick):
         execute_run(run, on_start, tick)
+    if run.manifest.get("trace_dir"):
+        _join(run, run.manifest["trace_dir"])
+
+
+def _join(run, trace_dir) -> None:
+    from rich.markup import escape
+
+    from lpf.pipeline import join_trace
+
+    info = join_trace(run, trace_dir)
+    err.print(f"joined {info['rows']} trace rows from {escape(str(trace_dir))}" if info["recorded"] else
+              f"[yellow]no trace joined:[/] {escape(info['why'] or '')}", highlight=False)
 
 
 def _rescore(run, reference, reference_dtype, token_budget, redo=False, calibrate=False) -> None:
@@ -101,12 +113,16 @@ def rescore(run_dir, reference, reference_dtype, token_budget, calibrate, redo):
 
 @click.command()
 @click.argument("run_dir", type=click.Path(path_type=Path))
+@trace_dir_option
 @analysis_options
-def analyze(run_dir, threshold, attribution, as_json, fail_on):
+def analyze(run_dir, trace_dir, threshold, attribution, as_json, fail_on):
     """Re-run the analysis on a stored, rescored run and rewrite findings.json."""
     from lpf.run.store import RunDir
 
-    _analyze(RunDir.open(run_dir), threshold, as_json, fail_on, attribution)
+    run = RunDir.open(run_dir)
+    if trace_dir is not None:
+        _join(run, trace_dir)
+    _analyze(run, threshold, as_json, fail_on, attribution)
 
 
 COMMANDS = (audit, run, rescore, analyze)

@@ -18,6 +18,7 @@ from lpf.jsonsafe import finite
 from lpf.pipeline.attribute import attribution_scores
 from lpf.pipeline.calibrate import calibration_for
 from lpf.pipeline.callbacks import OnStart, Tick, no_start, no_tick
+from lpf.pipeline.trace import engine_info, trace_summary
 from lpf.run.store import RunDir
 
 
@@ -33,13 +34,14 @@ def analyze_run(run: RunDir, thresholds: Thresholds, attribute: bool = True, on_
     reference = run.read("reference")
     calibration, cal_info = calibration_for(run, reference)
     summary, findings = analyze(requests, run.read("tokens"), reference, thresholds,
-                                greedy=temperature == 0, trace=trace, engine_info=m.get("engine"),
+                                greedy=temperature == 0, trace=trace, engine_info=engine_info(run),
                                 temperature=temperature, calibration=calibration, calibration_info=cal_info)
     findings["attribution"] = _attribute(run, requests, summary, reference, findings, on_start, tick) \
         if attribute else None
     findings = {"run_id": m.get("run_id"), "engine": m["engine"].get("name"), "model": m["model"].get("spec"),
                 "reference": (m.get("reference") or {}).get("spec"), **findings}
     findings["run_complete"] = m.get("status") == "complete"
+    findings["trace"] = trace_summary(run)
     pq.write_table(summary, run.path / "summary.parquet")
     run.write_json("findings.json", finite(findings))
     return finite(findings)

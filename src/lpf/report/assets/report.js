@@ -198,6 +198,10 @@
     if (per.period != null) fact("periodicity", "every " + fmt(per.period) + " " + (per.over === "seq" ? "requests" : "steps"),
       "confidence " + fmt(per.confidence));
     else if (S.periodicity) fact("periodicity", "none found", "confidence " + fmt(per.confidence));
+    var tr = F.trace;  // the step trace the mechanisms were ranked against, or why there is none
+    var trFrom = { engine: "from the engine", "vllm-plugin": "from inside vLLM (lpf-vllm-trace)", joined: "joined from the server's trace directory" };
+    if (tr) fact("step trace", tr.recorded ? fmt(tr.rows) + " rows" : "none",
+      tr.recorded ? (trFrom[tr.source] || tr.source) + (tr.why ? " · " + tr.why : "") : (tr.why || ""));
     add(g, facts);
     var cl = (S.clusters || []).filter(function (c) { return c && c.sentence; });
     if (cl.length) add(g, h("ul", "sentences", cl.map(function (c) { return txt("li", null, c.sentence); })));
