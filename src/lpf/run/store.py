@@ -19,6 +19,7 @@ import json
 import os
 import re
 from pathlib import Path
+from typing import Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -53,6 +54,12 @@ def _read_part(path: Path, want: pa.Schema) -> pa.Table:
         if f.name not in have:
             table = table.add_column(i, f, pa.nulls(table.num_rows, f.type))
     return table.select(want.names).cast(want)
+
+
+def read_part(path: Path | str, table: str, columns: list[str]) -> pa.Table:
+    """One part file of run table `table` with `columns` of the current schema (what a worker that
+    holds no RunDir reads: the Ray rescorer's actors)."""
+    return _read_part(Path(path), pa.schema([schema.TABLES[table].field(c) for c in columns]))
 
 
 class RunDir:
@@ -152,6 +159,11 @@ class RunDir:
             return pa.concat_tables([pq.read_table(p, columns=columns) for p in parts], promote_options="default")
         want = target if columns is None else pa.schema([target.field(c) for c in columns])
         return pa.concat_tables([_read_part(p, want) for p in parts])
+
+    def iter_parts(self, table: str, columns: list[str]) -> Iterator[pa.Table]:
+        """Each part of a table (of the run schema) read alone, in part order: memory bounded by a part."""
+        for p in self.parts(table):
+            yield read_part(p, table, columns)
 
     def has(self, table: str) -> bool:
         return bool(self.parts(table))
