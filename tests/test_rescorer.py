@@ -87,12 +87,15 @@ def test_logprob_rows_matches_float64(vocab, k):
         assert (entropy.double() - want_entropy).abs().max() < 1e-4 and entropy.isfinite().all()
 
 
-def test_batches_sorted_by_length_then_id_under_the_budget():
-    from lpf.reference import plan_batches
+def test_batches_sorted_by_length_then_id_under_the_budget_and_the_padding_slack():
+    from lpf.reference import PAD_SLACK, plan_batches
 
     lengths, ids = [5, 3, 5, 9, 3, 20], ["e", "b", "a", "c", "z", "x"]
     assert plan_batches(lengths, ids, 10) == [[1, 4], [2, 0], [3], [5]]  # 2 x 5 fits 10; 20 goes alone
-    assert plan_batches(lengths, ids, 100) == [[1, 4, 2, 0, 3], [5]]  # 5 x 9 fits 100, 6 x 20 does not
+    # a budget of 100 would take [3, 3, 5] (15 padded for 11 real), but that is over the padding slack
+    assert PAD_SLACK < 15 / 11 - 1
+    assert plan_batches(lengths, ids, 100) == [[1, 4], [2, 0], [3], [5]]
+    assert plan_batches([10] * 5 + [11] * 5, [f"r{i}" for i in range(10)], 1000) == [list(range(10))]
 
 
 @pytest.mark.parametrize("float32_head", [True, False])
