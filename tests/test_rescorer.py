@@ -74,6 +74,7 @@ def test_logprob_rows_matches_float64(vocab, k):
     g = torch.Generator().manual_seed(vocab)
     z = torch.randn(37, vocab, generator=g) * 4
     z[3, ::2] = float("-inf")
+    z[30:] += 100  # rows past exp's float32 range: the shifted path
     tok = torch.randint(0, vocab, (37,), generator=g)
     tok[:10] = z[:10].argmax(1)
     tok[3] = 1  # finite in the masked row
@@ -151,7 +152,7 @@ def test_the_rescorer_imports_only_what_a_bare_gpu_machine_has():
     import subprocess
     import sys
 
-    probe = ("import sys, lpf.reference, lpf.devices, lpf.pipeline.rescore, lpf.run.store, lpf.model_specs\n"
+    probe = ("import sys, lpf.reference, lpf.devices, lpf.pipeline.rescore, lpf.run.store, lpf.model_specs, lpf.zoo.registry\n"
              "import json; print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in "
              "('duckdb', 'plotly', 'rich', 'click', 'pydantic', 'httpx', 'fastapi', 'uvicorn', 'ray', 'vllm'))))")
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
