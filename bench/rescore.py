@@ -68,6 +68,27 @@ def make_case(case: str, quick: bool) -> list[tuple[list[int], list[int]]]:
     return seqs
 
 
+def naive_logprobs(model, seqs, device: str = "cpu"):
+    """The seed's script: batches of 8 in arrival order, padded, full float32 logits, log_softmax."""
+    import torch
+
+    out = []
+    for i in range(0, len(seqs), NAIVE_BATCH):
+        batch = seqs[i:i + NAIVE_BATCH]
+        width = max(len(p) + len(o) for p, o in batch)
+        ids = torch.zeros((len(batch), width), dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, (p, o) in enumerate(batch):
+            ids[row, :len(p) + len(o)] = torch.tensor(p + o)
+            mask[row, :len(p) + len(o)] = 1
+        logp = torch.log_softmax(model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float(), dim=-1)
+        for row, (p, o) in enumerate(batch):
+            pos = torch.arange(len(p) - 1, len(p) - 1 + len(o), device=device)
+            out.append(logp[row, pos, torch.tensor(o, device=device)])
+        del logp
+    return torch.cat(out)
+
+
 def rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -112,21 +133,7 @@ def worker(method: str, case: str, model_dir: str, quick: bool, threads: int) ->
     base = rss_bytes()
     t0, c0 = time.perf_counter(), time.process_time()
     if method == "naive":
-        out = []
-        for i in range(0, len(seqs), NAIVE_BATCH):
-            batch = seqs[i:i + NAIVE_BATCH]
-            width = max(len(p) + len(o) for p, o in batch)
-            ids = torch.zeros((len(batch), width), dtype=torch.long)
-            mask = torch.zeros((len(batch), width), dtype=torch.long)
-            for row, (p, o) in enumerate(batch):
-                ids[row, :len(p) + len(o)] = torch.tensor(p + o)
-                mask[row, :len(p) + len(o)] = 1
-            logp = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits.float(), dim=-1)
-            for row, (p, o) in enumerate(batch):
-                pos = torch.arange(len(p) - 1, len(p) - 1 + len(o))
-                out.append(logp[row, pos, torch.tensor(o)])
-            del logp
-        values = torch.cat(out)
+        values = naive_logprobs(model, seqs)
     else:
         items = [ScoreItem(f"r{i:04d}", p, o) for i, (p, o) in enumerate(seqs)]
         by_id = {}

@@ -34,6 +34,8 @@ import pyarrow.parquet as pq
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+from rescore import naive_logprobs  # noqa: E402 - the naive baseline bench/rescore.py measures against
 STORED = REPO / "tests" / "data" / "gpu-check-run"
 KEY = [("request_id", "ascending"), ("position", "ascending")]
 
@@ -102,24 +104,6 @@ def rl_mix(small: bool, vocab: int) -> list[tuple[list[int], list[int]]]:
     return seqs
 
 
-def naive(model, seqs, device: str) -> torch.Tensor:
-    out = []
-    for i in range(0, len(seqs), 8):
-        batch = seqs[i:i + 8]
-        width = max(len(p) + len(o) for p, o in batch)
-        ids = torch.zeros((len(batch), width), dtype=torch.long)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for row, (p, o) in enumerate(batch):
-            ids[row, :len(p) + len(o)] = torch.tensor(p + o)
-            mask[row, :len(p) + len(o)] = 1
-        logp = torch.log_softmax(model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float(), -1)
-        for row, (p, o) in enumerate(batch):
-            pos = torch.arange(len(p) - 1, len(p) - 1 + len(o), device=device)
-            out.append(logp[row, pos, torch.tensor(o, device=device)])
-        del logp
-    return torch.cat(out)
-
-
 def throughput(device: str, small: bool, tmp: Path) -> dict:
     from lpf.model_specs import ModelRef
     from lpf.reference import Rescorer, ScoreItem
@@ -136,7 +120,7 @@ def throughput(device: str, small: bool, tmp: Path) -> dict:
     result = {"parameters": n_params, "sequences": len(seqs), "output_tokens": n_out,
               "input_tokens": sum(len(p) + len(o) for p, o in seqs)}
     with torch.inference_mode():
-        for name, fn in (("lpf", lambda: rescorer.score(items)), ("naive", lambda: naive(model, seqs, device))):
+        for name, fn in (("lpf", lambda: rescorer.score(items)), ("naive", lambda: naive_logprobs(model, seqs, device))):
             best, values = None, None
             for _ in range(2):  # the first run warms kernels and allocators up; the best run counts
                 if device.startswith("cuda"):

@@ -111,7 +111,8 @@ def test_bfloat16_reference_head_in_float32(float32_head):
         width = max(len(it.prompt_token_ids) + len(it.output_token_ids) for it in batch)
         ids = torch.zeros((len(batch), width), dtype=torch.long)
         for row, it in enumerate(batch):
-            ids[row, :len(it.prompt_token_ids) + len(it.output_token_ids)] = torch.tensor(it.prompt_token_ids + it.output_token_ids)
+            seq = it.prompt_token_ids + it.output_token_ids
+            ids[row, :len(seq)] = torch.tensor(seq)
         with torch.no_grad():
             hidden = rs.model.base_model(input_ids=ids).last_hidden_state
             logits = hidden.float() @ w.float().T if float32_head else hidden @ w.T
@@ -152,7 +153,8 @@ def test_the_rescorer_imports_only_what_a_bare_gpu_machine_has():
     import subprocess
     import sys
 
-    probe = ("import sys, lpf.reference, lpf.devices, lpf.pipeline.rescore, lpf.run.store, lpf.model_specs, lpf.zoo.registry\n"
+    probe = ("import sys, lpf.reference, lpf.devices, lpf.pipeline.rescore, lpf.run.store, lpf.model_specs\n"
+             "import lpf.zoo.registry\n"
              "import json; print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in "
              "('duckdb', 'plotly', 'rich', 'click', 'pydantic', 'httpx', 'fastapi', 'uvicorn', 'ray', 'vllm'))))")
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)

@@ -101,7 +101,8 @@ class Rescorer:
         self.tokenizer = AutoTokenizer.from_pretrained(model.path)
         cfg = AutoConfig.from_pretrained(model.path)
         cfg = getattr(cfg, "text_config", None) or cfg
-        head_copy = 4 * getattr(cfg, "vocab_size", 0) * getattr(cfg, "hidden_size", 0) if float32_head else 0
+        copies_head = float32_head and dtype != "float32"  # the float32 head beside lower-precision weights
+        head_copy = 4 * getattr(cfg, "vocab_size", 0) * getattr(cfg, "hidden_size", 0) if copies_head else 0
         self.model, self.placement = load_model(model.path, torch_dtype(dtype), self.device, head_copy)
         self.input_device = self.model.get_input_embeddings().weight.device
         head = self.model.get_output_embeddings()

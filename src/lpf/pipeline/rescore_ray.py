@@ -170,7 +170,8 @@ def _connect(address: str | None) -> bool:
                      logging_level=logging.ERROR, log_to_driver=False)
     except (ConnectionError, ValueError, RuntimeError) as e:
         where = f"the Ray cluster at {address}" if address else "a local Ray instance"
-        raise LpfError(f"cannot start {where}: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") from None
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise LpfError(f"cannot start {where}: {why}") from None
     return True
 
 
@@ -225,7 +226,8 @@ def rescore_on_ray(run: RunDir, pending: pa.Table, model: ModelRef, settings, to
     import ray
 
     tokens = pc.sum(pc.add(pending.column("n_prompt"), pending.column("n_output"))).as_py()
-    batch_of, starts = plan(pending, settings.token_budget, unit_tokens(tokens, settings.ray.actors, settings.token_budget))
+    target = unit_tokens(tokens, settings.ray.actors, settings.token_budget)
+    batch_of, starts = plan(pending, settings.token_budget, target)
     expected = dict(zip(pending.column("request_id").to_pylist(), pending.column("n_output").to_pylist()))
     started = _connect(settings.ray.address)
     try:
