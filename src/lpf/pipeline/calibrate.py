@@ -29,12 +29,13 @@ def engine_dtype(m: dict) -> str | None:
 
 
 def calibrate_run(run: RunDir, token_budget: int = 16384,
-                  on_start: OnStart = no_start, tick: Tick = no_tick) -> dict:
+                  on_start: OnStart = no_start, tick: Tick = no_tick, device: str = "cpu") -> dict:
     """The calibration run: teacher-force the reference model again, at the engine's dtype, over
     every request the reference scored, into `calibration/` parts (resumable like rescore). Its
     |calibration - reference| per token is what an honest implementation at that dtype deviates by:
     `analyze` takes the noise floor from it instead of from the engine's own (possibly lying)
-    errors. When the engine's dtype is the reference's, the calibration run would be the reference
+    errors. The head stays at that dtype too (`float32_head=False`), as such an engine computes it.
+    When the engine's dtype is the reference's, the calibration run would be the reference
     itself (floor 0): nothing is computed and the manifest says so. Returns manifest["calibration"]."""
     with run.writer():
         return _calibrate(run, token_budget, on_start, tick)
@@ -61,8 +62,8 @@ def _calibrate(run: RunDir, token_budget: int, on_start: OnStart, tick: Tick) ->
                             "same_as_reference": True}
         run.save_manifest()
         return m["calibration"]
-    rescorer = Rescorer(resolve_model(ref["spec"]), dtype=dtype, token_budget=token_budget,
-                        topk=m["sampling"].get("logprobs", 5))
+    rescorer = Rescorer(resolve_model(ref["spec"]), dtype=dtype, device=device, token_budget=token_budget,
+                        topk=m["sampling"].get("logprobs", 5), float32_head=False)
     m["calibration"] = {**{k: v for k, v in rescorer.describe().items() if k != "tokenizer_sha256"},
                         "reference_dtype": ref.get("dtype"), "same_as_reference": False}
     run.save_manifest()
