@@ -38,10 +38,10 @@ def calibrate_run(run: RunDir, token_budget: int = 16384,
     When the engine's dtype is the reference's, the calibration run would be the reference
     itself (floor 0): nothing is computed and the manifest says so. Returns manifest["calibration"]."""
     with run.writer():
-        return _calibrate(run, token_budget, on_start, tick)
+        return _calibrate(run, token_budget, on_start, tick, device)
 
 
-def _calibrate(run: RunDir, token_budget: int, on_start: OnStart, tick: Tick) -> dict:
+def _calibrate(run: RunDir, token_budget: int, on_start: OnStart, tick: Tick, device: str) -> dict:
     from lpf.reference import Rescorer, ScoreItem
 
     m = run.manifest

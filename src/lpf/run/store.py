@@ -98,7 +98,7 @@ def _holds_files(path: Path, leftovers: set[str]) -> bool:
 def read_part(path: Path | str, table: str, columns: list[str]) -> pa.Table:
     """One part file of run table `table` with `columns` of the current schema (what a worker that
     holds no RunDir reads: the Ray rescorer's actors)."""
-    return _read_part(Path(path), pa.schema([schema.TABLES[table].field(c) for c in columns]))
+    return _read_part(Path(path), pa.schema([schema.TABLES[table].field(c) for c in columns]), table)
 
 
 class RunDir:
