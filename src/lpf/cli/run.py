@@ -48,7 +48,8 @@ def _analyze(run, threshold, as_json, fail_on) -> None:
         click.echo(json.dumps(findings, indent=2))
     if findings["n_requests"] == findings["errors"]:
         raise LpfError("nothing could be audited: every request failed (see the error column of requests)")
-    if fails((v for v, c in findings["counts"].items() if c), fail_on):
+    # the run's verdict counts too: `systematic` is the run-level test's, no request carries it
+    if fails([*(v for v, c in findings["counts"].items() if c), findings["verdict"]], fail_on):
         sys.exit(1)
 
 
