@@ -231,7 +231,7 @@ def token_evidence(cols: dict, floor: dict, sampling: dict) -> dict:
 
 def _sampling_evidence(tok, ref, cols, temperature, s, floor) -> dict:
     """Whether each token is the reference's top-1, the probability the reference gives that at the
-    run's temperature (bounds from its top-k: the tail beyond it is at most its mass times p_k), and
+    run's temperature (exact at 1; below 1, bounds from its top-k: each tail token has at most p_k), and
     the margin the floor allows an honest engine (its top-1 logprob may be off by tau)."""
     lp = cols["ref_topk_logprobs"].astype(np.float64)
     valid = cols["ref_topk_ids"] >= 0
@@ -246,6 +246,8 @@ def _sampling_evidence(tok, ref, cols, temperature, s, floor) -> dict:
     z_lo = scaled.sum(axis=1)
     hi = 1.0 / np.maximum(z_lo, 1.0)
     lo = 1.0 / (z_lo + tail_scaled)
+    if temperature == 1:  # the probabilities sum to one: exactly the reference's top-1 probability
+        lo = hi = np.exp(top1)
     is_top1 = tok == np.asarray(cols["ref_top1_id"])
     p1 = np.exp(top1)
     s1 = np.sqrt((1 - p1) ** 2 + np.maximum(np.where(valid, np.exp(2 * lp), 0.0).sum(axis=1) - p1**2, 0.0))
