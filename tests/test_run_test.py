@@ -16,6 +16,7 @@ from lpf.analysis.thresholds import Thresholds
 from lpf.run import schema
 
 V, K = 40, 5
+MODEL = "synthetic"  # the model the fixture's table measured
 
 
 def _log_softmax(z):
@@ -73,12 +74,12 @@ def table():
     on a run 100x quieter."""
     bf16 = floor_of(synthetic_run(sigma=0.02, seed=1))
     f32 = floor_of(synthetic_run(sigma=2e-4, seed=2))
-    return {"pairs": {"bfloat16/float32": {"envelope": bf16, "models": {}},
-                      "float32/float32": {"envelope": f32, "models": {}}}}
+    return {"pairs": {"bfloat16/float32": {"envelope": bf16, "models": {MODEL: bf16}},
+                      "float32/float32": {"envelope": f32, "models": {MODEL: f32}}}}
 
 
 def run(tables, table, engine_dtype="bfloat16", temperature=0.0):
-    info = {"engine_dtype": engine_dtype, "reference_dtype": "float32", "model": None,
+    info = {"engine_dtype": engine_dtype, "reference_dtype": "float32", "model": MODEL,
             "sampling": {"temperature": temperature, "top_k": 0, "top_p": 1.0}}
     return analyze(*tables, Thresholds(), greedy=temperature == 0, temperature=temperature, floor_table=table,
                    run_info=info)
@@ -159,17 +160,24 @@ def test_a_missing_logprob_is_never_within_the_floor(table):
 def test_expected_floor_selection(table):
     bf16 = table["pairs"]["bfloat16/float32"]["envelope"]
     f32 = table["pairs"]["float32/float32"]["envelope"]
+    assert floors.expected_floor(table, "bfloat16", "float32", model=MODEL)["token"] == bf16["token"]
     got = floors.expected_floor(table, "bfloat16", "float32")
     assert got["source"] == "table" and got["pair"] == "bfloat16/float32"
-    assert got["token"]["q99"] == bf16["token"]["q99"] and got["tie_margin"] == floors.tie_margin(got)
+    # a model the table does not have: the envelope, widened
+    assert got["token"]["q99"] == pytest.approx(floors.UNMEASURED_MARGIN * bf16["token"]["q99"])
+    assert got["tie_margin"] == floors.tie_margin(got) and "not measured" in got["detail"]
     # a calibration run wins, but never goes below two honest float32 implementations' floor
     zero = {k: ({"median": 0.0, "q99": 0.0} if k in ("token", "topk") else {"q99": 0.0}) for k in ("token", "topk", "settled")}
     zero["token_abs_diff"] = {"median": 0.0, "mad": 0.0}
     cal = floors.expected_floor(table, "bfloat16", "float32", calibration=zero)
-    assert cal["source"] == "calibration-run" and cal["token"]["q99"] == f32["token"]["q99"] > 0
+    assert cal["source"] == "calibration-run"
+    assert f32["token"]["q99"] > 0 and cal["token"]["q99"] == pytest.approx(floors.UNMEASURED_MARGIN * f32["token"]["q99"])
+    cal = floors.expected_floor(table, "bfloat16", "float32", model=MODEL, calibration=zero)
+    assert cal["token"]["q99"] == f32["token"]["q99"]
     # a measured model's own row is preferred to the envelope
     t2 = {"pairs": {"bfloat16/float32": {"envelope": bf16, "models": {"zoo:x": f32}}}}
-    assert floors.expected_floor(t2, "bfloat16", "float32", model="zoo:x")["detail"].endswith("measured on zoo:x")
+    own = floors.expected_floor(t2, "bfloat16", "float32", model="zoo:x")
+    assert own["detail"].endswith("measured on zoo:x") and own["token"]["q99"] == f32["token"]["q99"]
     # a server's unknown dtype: the most lenient pair measured, said so
     unknown = floors.expected_floor(table, None, "float32")
     assert unknown["pair"] == "bfloat16/float32" and unknown["assumed_dtype"] == "bfloat16"
