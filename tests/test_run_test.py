@@ -227,3 +227,21 @@ def test_substitution_drills_parse_and_compute():
     assert 0 < float((r - x).abs().max()) <= float(x.abs().amax() / 127 / 2 + 1e-6)
     p = nd.perturb(w, 0.01, torch.Generator().manual_seed(1))
     assert 0.005 < float(((p - w) / w).std()) < 0.02
+
+
+def test_topk_alignment_matches_a_brute_force_match():
+    """The same-order fast path and the id-by-id match give what a plain loop gives."""
+    rng = np.random.default_rng(9)
+    ref_ids = np.array([rng.permutation(12)[:K] for _ in range(300)])
+    eng_ids = ref_ids.copy()
+    for i in range(0, 300, 3):  # a third reordered, a sixth with an id the reference lacks, short lists
+        eng_ids[i] = rng.permutation(eng_ids[i])
+        if i % 2:
+            eng_ids[i, 0] = 99
+    ref_ids[::7, -1] = -1
+    eng_lp = rng.normal(-3, 1, eng_ids.shape).astype(np.float32)
+    got = rt._aligned_topk(eng_ids, eng_lp, ref_ids)
+    for i in range(300):
+        for j in range(K):
+            hit = [eng_lp[i, c] for c in range(K) if ref_ids[i, j] >= 0 and eng_ids[i, c] == ref_ids[i, j]]
+            assert (np.isnan(got[i, j]) and not hit) or got[i, j] == hit[0]

@@ -43,9 +43,10 @@ MIN_TIE = 1e-3
 _SAMPLE = 1_000_000
 
 
-def _q(x: np.ndarray, q: float) -> float | None:
+def _qs(x: np.ndarray, *qs: float) -> list[float | None]:
+    """Quantiles of the finite values of x (one partition for all of them); Nones when there are none."""
     x = x[np.isfinite(x)]
-    return float(np.quantile(x, q)) if x.size else None
+    return [float(v) for v in np.quantile(x, qs)] if x.size else [None] * len(qs)
 
 
 def floor_stats(d: np.ndarray, s: np.ndarray, topk: dict | None = None) -> dict:
@@ -54,10 +55,11 @@ def floor_stats(d: np.ndarray, s: np.ndarray, topk: dict | None = None) -> dict:
     informative = s >= S_MIN
     with np.errstate(divide="ignore", invalid="ignore"):
         u = d[informative] / s[informative]
-    med = _q(d, 0.5)
+    med = _qs(d, 0.5)[0]
+    u_med, u99 = _qs(u, 0.5, 0.99)
     out = {
-        "token": {"median": _q(u, 0.5), "q99": _q(u, 0.99)},
-        "settled": {"q99": _q(d[~informative], 0.99)},
+        "token": {"median": u_med, "q99": u99},
+        "settled": {"q99": _qs(d[~informative], 0.99)[0]},
         "topk": None,
         "margin": None,
         "token_abs_diff": {"median": med, "mad": None if med is None else
@@ -66,11 +68,12 @@ def floor_stats(d: np.ndarray, s: np.ndarray, topk: dict | None = None) -> dict:
     }
     if topk is not None and np.isfinite(topk["w"]).any():
         w, kl, margin = (topk[k][::step] for k in ("w", "kl", "margin"))
-        out["topk"] = {"median": _q(w, 0.5), "q99": _q(w, 0.99),
+        w_med, w99 = _qs(w, 0.5, 0.99)
+        out["topk"] = {"median": w_med, "q99": w99,
                        "kl_mean": float(np.nanmean(kl)) if np.isfinite(kl).any() else None}
         if np.isfinite(margin).any():
-            out["margin"] = {"median": _q(margin, 0.5), "q99": _q(margin, 0.99), "max": _q(margin, 1.0),
-                             "n": int(np.isfinite(margin).sum())}
+            m_med, m99, m_max = _qs(margin, 0.5, 0.99, 1.0)
+            out["margin"] = {"median": m_med, "q99": m99, "max": m_max, "n": int(np.isfinite(margin).sum())}
     return out
 
 

@@ -54,6 +54,7 @@ NULL_RATE = 0.01  # the share of tokens past the 99th percentile, before KAPPA: 
 DEFAULT_ALPHA = 1e-6
 FAR_ABOVE = 3.0  # observed floor this many times the expected one: a finding of its own
 MIN_TOKENS = 10
+SAMPLE = 250_000  # the run's own floor statistics: on at most this many evenly spaced tokens
 MARGIN_P = 0.01  # a position is contested when the reference's second choice has at least this probability
 CHUNK = 1 << 18
 
@@ -92,22 +93,42 @@ def _row_index(table: pa.Table, keys: pa.Table) -> np.ndarray:
 def evidence_columns(joined: pa.Table, tokens: pa.Table, reference: pa.Table, requests: pa.Table) -> dict:
     """The `token_evidence` inputs for every row of `joined`, in arrival order (request `seq`, then
     position). Top-k lists come from `tokens` / `reference` by key (Arrow joins carry no lists)."""
-    seq_of = pc.index_in(joined.column("request_id"), value_set=requests.column("request_id").combine_chunks())
-    seq = requests.column("seq").to_numpy()[seq_of.fill_null(0).to_numpy(zero_copy_only=False)]
-    order = np.lexsort((joined.column("position").to_numpy(), seq))
-    cols = {name: joined.column(name).to_numpy()[order]
+    order = _arrival_order(joined, requests)
+    pick = (lambda a: a) if order is None else (lambda a: a[order])  # noqa: E731  (None: already in order)
+    cols = {name: pick(joined.column(name).to_numpy())
             for name in ("token_id", "engine_logprob", "ref_logprob", "ref_top1_id", "ref_top1_logprob")}
-    r = _row_index(reference, joined)[order]
-    cols["ref_topk_ids"] = list_matrix(reference.column("ref_topk_ids"), -1)[r]
-    cols["ref_topk_logprobs"] = list_matrix(reference.column("ref_topk_logprobs"), -np.inf)[r]
+    r = pick(_row_index(reference, joined))
+    cols["ref_topk_ids"] = _rows(list_matrix(reference.column("ref_topk_ids"), -1), r)
+    cols["ref_topk_logprobs"] = _rows(list_matrix(reference.column("ref_topk_logprobs"), -np.inf), r)
     if "engine_topk_ids" in tokens.column_names:
         ids = list_matrix(tokens.column("engine_topk_ids"), -1)
         if ids.shape[1]:
-            t = _row_index(tokens, joined)[order]
-            cols["engine_topk_ids"] = ids[t]
-            cols["engine_topk_logprobs"] = list_matrix(tokens.column("engine_topk_logprobs"), -np.inf)[t]
-    cols["order"] = order
+            t = pick(_row_index(tokens, joined))
+            cols["engine_topk_ids"] = _rows(ids, t)
+            cols["engine_topk_logprobs"] = _rows(list_matrix(tokens.column("engine_topk_logprobs"), -np.inf), t)
+    cols["order"] = np.arange(joined.num_rows) if order is None else order
     return cols
+
+
+def _rows(matrix: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """matrix[rows], without the copy when `rows` is 0..n-1."""
+    if len(rows) == len(matrix) and (len(rows) == 0 or (rows[0] == 0 and rows[-1] == len(rows) - 1
+                                                         and bool(np.all(np.diff(rows) == 1)))):
+        return matrix
+    return matrix[rows]
+
+
+def _arrival_order(joined: pa.Table, requests: pa.Table) -> np.ndarray | None:
+    """The permutation of `joined` into (request seq, position) order; None when it is in order."""
+    seq_of = pc.index_in(joined.column("request_id"), value_set=requests.column("request_id").combine_chunks())
+    seq = requests.column("seq").to_numpy()[seq_of.fill_null(0).to_numpy(zero_copy_only=False)]
+    pos = joined.column("position").to_numpy()
+    if len(seq) < 2:
+        return None
+    ds = np.diff(seq)
+    if bool(np.all((ds > 0) | ((ds == 0) & (np.diff(pos) > 0)))):
+        return None
+    return np.lexsort((pos, seq))
 
 
 def run_level_test(joined: pa.Table, tokens: pa.Table, reference: pa.Table, requests: pa.Table, floor: dict,
@@ -149,49 +170,68 @@ def calibration_floor(cols: dict, joined: pa.Table, calibration: pa.Table) -> di
 def sensitivity(ref_logprob: np.ndarray, token: np.ndarray, ref_ids: np.ndarray, ref_lp: np.ndarray) -> np.ndarray:
     """s per token: how far one nat of logit error moves the token's logprob (see the module doc)."""
     one_minus = -np.expm1(np.minimum(ref_logprob, 0.0))
-    others = np.where(ref_ids != token[:, None], np.exp(ref_lp.astype(np.float64)), 0.0)
-    others[ref_ids < 0] = 0.0
-    return np.sqrt(one_minus**2 + (others**2).sum(axis=1))
+    # p_j^2 = exp(2 lp_j), in float32: s needs no more precision than the top-k lists have
+    sq = np.exp(2 * ref_lp.astype(np.float32))
+    sq[(ref_ids == token[:, None]) | (ref_ids < 0)] = 0.0
+    return np.sqrt(one_minus**2 + sq.sum(axis=1, dtype=np.float64))
 
 
-def topk_spread(eng_ids, eng_lp, ref_ids, ref_lp) -> dict:
+def _aligned_topk(eng_ids, eng_lp, ref_ids) -> np.ndarray:
+    """[n, k_ref] float32: the engine's logprob of each of the reference's top-k ids (NaN where the
+    engine's top-k lacks it). Rows whose two lists hold the same ids in the same order (most rows:
+    small errors rarely reorder a top-k) are taken as they are; only the others are matched id by id."""
+    n, kr = ref_ids.shape
+    valid = ref_ids >= 0
+    if eng_ids.shape[1] == kr:
+        same = ((eng_ids == ref_ids) | ~valid).all(axis=1)
+        out = np.where(valid, eng_lp, np.nan).astype(np.float32)
+        rest = np.flatnonzero(~same)
+    else:
+        out = np.full((n, kr), np.nan, dtype=np.float32)
+        rest = np.arange(n)
+    for lo in range(0, rest.size, CHUNK):
+        rows = rest[lo:lo + CHUNK]
+        ei, el, ri = eng_ids[rows], eng_lp[rows].astype(np.float32), ref_ids[rows]
+        match = (ri[:, :, None] == ei[:, None, :]) & (ri[:, :, None] >= 0)
+        at = np.take_along_axis(el, match.argmax(axis=2), axis=1)
+        out[rows] = np.where(match.any(axis=2), at, np.nan)
+    return out
+
+
+def topk_spread(eng_ids, eng_lp, ref_ids, ref_lp, details: bool = True) -> dict:
     """Per position, over the ids both top-k lists hold: `w`, the sample standard deviation of engine
-    - reference logprob over them (NaN below 2 shared); `kl`, KL(reference || engine) on that
-    support renormalised (NaN below 2); `margin`, how far the engine moved the reference's top-2
-    margin (NaN unless both of the reference's top two are shared and the second has p >= MARGIN_P:
-    a contested position, where a greedy flip can happen); `shared`, the count."""
-    n = len(eng_ids)
-    out = {k: np.full(n, np.nan) for k in ("w", "kl", "margin")}
-    out["shared"] = np.zeros(n, dtype=np.int64)
-    for lo in range(0, n, CHUNK):
-        hi = min(n, lo + CHUNK)
-        ei, el, ri, rl = eng_ids[lo:hi], eng_lp[lo:hi].astype(np.float64), ref_ids[lo:hi], ref_lp[lo:hi].astype(np.float64)
-        match = (ei[:, :, None] == ri[:, None, :]) & (ei[:, :, None] >= 0)
-        has = match.any(axis=2)
-        r_at = np.take_along_axis(rl, match.argmax(axis=2), axis=1)
-        x = np.where(has, el - r_at, 0.0)
-        m = has.sum(axis=1)
-        ok = m >= 2
-        mean = x.sum(axis=1) / np.maximum(m, 1)
-        var = np.where(has, (x - mean[:, None]) ** 2, 0.0).sum(axis=1) / np.maximum(m - 1, 1)
-        out["w"][lo:hi] = np.where(ok, np.sqrt(var), np.nan)
-        # KL(p_S || q_S) = log sum p_S e^x - sum p_S x, with p_S the reference renormalised over S
-        rs = np.where(has, r_at, -np.inf)
-        with np.errstate(invalid="ignore", over="ignore"):
-            p = np.exp(rs - rs.max(axis=1, keepdims=True))
-            p /= p.sum(axis=1, keepdims=True)
-            xs = np.where(has, x - mean[:, None], 0.0)  # centred: the same KL, no overflow
-            div = np.log((p * np.exp(xs)).sum(axis=1)) - (p * xs).sum(axis=1)
-        out["kl"][lo:hi] = np.where(ok, np.maximum(div, 0.0), np.nan)
-        out["shared"][lo:hi] = m
-        if ri.shape[1] >= 2:
-            # the error of the engine's margin between the reference's first and second choices
-            m1, m2 = match[:, :, 0], match[:, :, 1]
-            both = m1.any(axis=1) & m2.any(axis=1) & (rl[:, 1] >= np.log(MARGIN_P))
-            e1 = np.where(m1, el, -np.inf).max(axis=1)
-            e2 = np.where(m2, el, -np.inf).max(axis=1)
-            with np.errstate(invalid="ignore"):
-                out["margin"][lo:hi] = np.where(both, np.abs((e1 - e2) - (rl[:, 0] - rl[:, 1])), np.nan)
+    - reference logprob over them (NaN below 2 shared), and `shared`, their count; with `details`
+    also `kl`, KL(reference || engine) on that support renormalised (NaN below 2), and `margin`, how
+    far the engine moved the reference's top-2 margin (NaN unless both of the reference's top two
+    are shared and the second has p >= MARGIN_P: a contested position, where a greedy flip can
+    happen). Float32 throughout: the top-k lists are float32."""
+    e = _aligned_topk(eng_ids, eng_lp, ref_ids)
+    rl = ref_lp.astype(np.float32)
+    x = e - rl  # NaN where the engine lacks the id (or the reference's list is short)
+    has = ~np.isnan(x)
+    np.copyto(x, 0.0, where=~has)
+    ones = np.ones(x.shape[1], dtype=np.float32)  # row sums as a matrix-vector product: numpy's
+    m = (has.astype(np.float32) @ ones).astype(np.int64)  # reductions over a short axis are slow
+    ok = m >= 2
+    mean = (x @ ones) / np.maximum(m, 1)
+    x -= mean[:, None]  # centred: the same spread and KL, no overflow
+    np.copyto(x, 0.0, where=~has)
+    w = np.sqrt(((x * x) @ ones) / np.maximum(m - 1, 1))
+    out = {"w": np.where(ok, w, np.nan), "shared": m}
+    if not details:
+        return out
+    # KL(p_S || q_S) = log sum p_S e^x - sum p_S x, with p_S the reference renormalised over S
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        rs = np.where(has, rl, -np.inf)
+        p = np.exp(rs - rs.max(axis=1, keepdims=True))
+        p /= p.sum(axis=1, keepdims=True)
+        div = np.log((p * np.exp(x)).sum(axis=1)) - (p * x).sum(axis=1)
+    out["kl"] = np.where(ok, np.maximum(div, 0.0), np.nan)
+    out["margin"] = np.full(len(e), np.nan)
+    if e.shape[1] >= 2:  # the error of the engine's margin between the reference's first and second choices
+        both = has[:, 0] & has[:, 1] & (rl[:, 1] >= math.log(MARGIN_P))
+        with np.errstate(invalid="ignore"):
+            out["margin"] = np.where(both, np.abs((e[:, 0] - e[:, 1]) - (rl[:, 0] - rl[:, 1])), np.nan)
     return out
 
 
@@ -221,9 +261,10 @@ def token_evidence(cols: dict, floor: dict, sampling: dict) -> dict:
     ev = {"n": len(tok), "d": d, "s": s, "over": over, "under": under, "flip": flip,
           "logprob": over | under | flip}
     if "engine_topk_ids" in cols:
-        spread = topk_spread(cols["engine_topk_ids"], cols["engine_topk_logprobs"], ref_ids, ref_lp)
+        spread = topk_spread(cols["engine_topk_ids"], cols["engine_topk_logprobs"], ref_ids, ref_lp, details=False)
         has = spread["shared"] >= 2
-        ev.update(spread=spread, has_topk=has, topk=has & (spread["w"] > KAPPA * floor["topk"]["q99"]))
+        ev.update(w=spread["w"], has_topk=has, topk=has & (spread["w"] > KAPPA * floor["topk"]["q99"]),
+                  cols=cols)
     if 0 < temperature <= 1 and not sampling.get("top_k") and (sampling.get("top_p") or 1.0) >= 1.0:
         ev.update(_sampling_evidence(tok, ref, cols, temperature, s, floor))
     return ev
@@ -336,8 +377,15 @@ def tokens_needed(ev: dict, alpha: float = DEFAULT_ALPHA) -> int | None:
 
 
 def observed_floor(ev: dict) -> dict:
-    """The run's own floors, measured as the expected ones are (`floors.floor_stats`)."""
-    return floor_stats(ev["d"], ev["s"], ev.get("spread"))
+    """The run's own floors, measured as the expected ones are (`floors.floor_stats`; on at most
+    SAMPLE evenly spaced tokens, as the quantiles need no more)."""
+    rows = slice(None, None, max(1, ev["n"] // SAMPLE))
+    spread = None
+    if "w" in ev:
+        c = ev["cols"]
+        spread = topk_spread(c["engine_topk_ids"][rows], c["engine_topk_logprobs"][rows], c["ref_topk_ids"][rows],
+                             c["ref_topk_logprobs"][rows])
+    return floor_stats(ev["d"][rows], ev["s"][rows], spread)
 
 
 def run_test(ev: dict, floor: dict, alpha: float = DEFAULT_ALPHA) -> dict:
