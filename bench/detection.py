@@ -65,6 +65,7 @@ def evidence(run: Path) -> dict:
 
     from lpf.analysis import metrics, run_test as rt
     from lpf.analysis.calibration import calibrate
+    from lpf.analysis.evidence import evidence_columns
     from lpf.analysis.floors import expected_floor
     from lpf.analysis.thresholds import Thresholds
     from lpf.pipeline.analyze import floor_table
@@ -73,7 +74,7 @@ def evidence(run: Path) -> dict:
     m = json.loads((run / "manifest.json").read_text())
     tokens, reference, requests = (pq.read_table(run / t) for t in ("tokens", "reference", "requests"))
     joined, starts = metrics.join_grouped(tokens, reference)
-    cols = rt.evidence_columns(joined, tokens, reference, requests)
+    cols = evidence_columns(joined, tokens, reference, requests)
     floor = expected_floor(floor_table(), engine_dtype(m), m["reference"]["dtype"], m["reference"]["spec"])
     shipped = rt.token_evidence(cols, floor, m["sampling"])
     bare = {k: v for k, v in cols.items() if not k.startswith("engine_topk")}

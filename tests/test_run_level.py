@@ -167,6 +167,12 @@ def test_healthy_bf16_vllm_passes_the_default_gate(tmp_path, stress2000):
 
 
 def test_stale_state_in_bf16_still_has_every_imposter_corrupt(tmp_path):
+    """The seed's drill on the long-memory Jamba in bfloat16 (1.5 MB: bf16 halves the bytes, so the
+    same 40 slots and 48 blocks as the float32 drill's 3 MB). Every imposter is corrupt and the top
+    hypothesis is still the mechanism. bfloat16 is rough on this model (A = -0.002 keeps 93% of the
+    state, and its rounding, per step; the 4x head makes it confident): the same run without the
+    fault, measured, has 15 corrupt and 15 divergent requests of 2,000, so a few non-imposters are
+    flagged here too."""
     run = tmp_path / "stale"
     f, _ = audit(run, "--model", "tiny:jamba-longmem", "--dtype", "bfloat16", "--workload", "zoo:oracle", "--n", 4,
                  "--max-tokens", 8, "--cache-mb", 1.5, "--max-num-seqs", 16, "--max-num-batched-tokens", 32,
@@ -176,7 +182,10 @@ def test_stale_state_in_bf16_still_has_every_imposter_corrupt(tmp_path):
     assert f["n_requests"] == 2000 and len(corrupted) >= 20
     assert {verdicts[r] for r in corrupted} == {"corrupt"} and f["verdict"] == "corrupt"
     flagged = {r for r, v in verdicts.items() if v in ("divergent", "corrupt")}
-    assert flagged == corrupted  # nothing else flagged: bf16's own noise stays below the lie
+    assert flagged >= corrupted and len(flagged - corrupted) <= 0.02 * f["n_requests"]
+    top = f["hypotheses"][0]
+    assert top["feature"] in ("first_decode_uncomputed", "first_phase_decode")
+    assert top["flagged_with"] == len(corrupted)
 
 
 def test_the_same_test_through_http_finds_a_4bit_model(tmp_path, lpf_cli, oracle500):

@@ -9,7 +9,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from lpf.analysis import floors, run_test as rt
+from lpf.analysis import evidence as ev, floors, run_test as rt
 from lpf.analysis.findings import analyze
 from lpf.analysis.levels import FAIL_LEVELS, REQUEST_VERDICTS, SEVERITY, VERDICTS, at_or_above
 from lpf.analysis.thresholds import Thresholds
@@ -65,7 +65,7 @@ def floor_of(tables) -> dict:
     from lpf.analysis.metrics import join_grouped
 
     joined, _ = join_grouped(tokens, reference)
-    return rt.engine_floor(rt.evidence_columns(joined, tokens, reference, requests))
+    return ev.engine_floor(ev.evidence_columns(joined, tokens, reference, requests))
 
 
 @pytest.fixture(scope="module")
@@ -240,7 +240,7 @@ def test_topk_alignment_matches_a_brute_force_match():
             eng_ids[i, 0] = 99
     ref_ids[::7, -1] = -1
     eng_lp = rng.normal(-3, 1, eng_ids.shape).astype(np.float32)
-    got = rt._aligned_topk(eng_ids, eng_lp, ref_ids)
+    got = ev._aligned_topk(eng_ids, eng_lp, ref_ids)
     for i in range(300):
         for j in range(K):
             hit = [eng_lp[i, c] for c in range(K) if ref_ids[i, j] >= 0 and eng_ids[i, c] == ref_ids[i, j]]

@@ -32,7 +32,8 @@ from lpf.analysis.calibration import calibrate, calibrate_from_run, calibrate_to
 from lpf.analysis.features import Feature, request_features
 from lpf.analysis.floors import expected_floor
 from lpf.analysis.hypotheses import rank_hypotheses
-from lpf.analysis.run_test import calibration_floor, evidence_columns, run_test, token_evidence
+from lpf.analysis.evidence import calibration_floor, evidence_columns
+from lpf.analysis.run_test import run_level_test
 from lpf.analysis.shape import failure_shape
 from lpf.analysis.signatures import crossed_wires, tempered_logprobs
 from lpf.analysis.thresholds import Thresholds
@@ -72,7 +73,7 @@ def analyze(requests: pa.Table, tokens: pa.Table, reference: pa.Table, th: Thres
     findings["thresholds"].update(calib, pinned=sorted(th.pinned))
     if expected and cols is not None:
         sampling = (run_info or {}).get("sampling") or {"temperature": temperature}
-        findings["run_test"] = run_test(token_evidence(cols, expected, sampling), expected)
+        findings["run_test"] = run_level_test(joined, tokens, reference, requests, expected, sampling, cols=cols)
         if findings["run_test"]["result"] == "different" and findings["verdict"] in SEVERITY and \
                 SEVERITY[findings["verdict"]] < SEVERITY["systematic"]:
             findings["verdict"] = "systematic"

@@ -17,8 +17,10 @@ Contract:
       A calibration run's floor (the reference at the engine's dtype: `calibration`, floor_stats of
       calibration - reference) wins; otherwise the shipped table (`floors.json`, loaded by
       `lpf.pipeline.analyze`): the row measured on the run's reference model when there is one,
-      else UNMEASURED_MARGIN times the envelope over every model measured (a larger model's kernels
-      can err more than the small ones measured here; `--calibrate` measures the model itself). Either way it is at least the table's floor for
+      else UNMEASURED_MARGIN times the envelope over the trained models measured (a larger model's
+      kernels can err more than the small ones measured here; `--calibrate` measures the model
+      itself). The tiny random models are left out of the envelope: with flat distributions and a
+      large init they err ~5x more in bfloat16 than any trained model, so they keep their own rows. Either way it is at least the table's floor for
       the reference's dtype against itself: two honest float32 implementations differ by their
       kernels, which a calibration run at the reference's own dtype cannot see. An engine whose
       dtype is unknown (a server's `auto`) gets the most lenient pair measured for that reference
@@ -102,9 +104,9 @@ def _row(table: dict, pair: str, model: str | None) -> tuple[dict | None, str]:
         return None, ""
     if model and model in (entry.get("models") or {}):
         return entry["models"][model], f"measured on {model}"
-    n = len(entry.get("models") or {})
+    n = sum(1 for m in entry.get("models") or {} if m.startswith("zoo:"))
     return _scaled(entry.get("envelope"), UNMEASURED_MARGIN), \
-        f"{model or 'this model'} not measured: {UNMEASURED_MARGIN:g}x the envelope over {n} models"
+        f"{model or 'this model'} not measured: {UNMEASURED_MARGIN:g}x the envelope over the {n} trained models"
 
 
 def _scaled(floor: dict | None, factor: float) -> dict | None:
