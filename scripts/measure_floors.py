@@ -102,7 +102,7 @@ def main() -> None:
         pair = f"{dtype}/float32"
         models = {}
         for model, engines in MODELS.items():
-            impl = {}
+            impl, notes = {}, {}
             for engine in engines:
                 if engine == "vllm" and not have_vllm:
                     continue
@@ -110,8 +110,12 @@ def main() -> None:
                             a.requests, a.max_tokens, workload)
                 for name, stats in run_floors(run).items():
                     impl[engine if name == "engine" else "hf-reference"] = stats
+                if (run / "calibration-failed.txt").is_file():
+                    notes["hf-reference"] = (run / "calibration-failed.txt").read_text().strip().splitlines()[-1]
             row = envelope(*impl.values())
             row["implementations"] = {k: {f: v[f] for f in FIELDS_TO_KEEP} for k, v in impl.items()}
+            if notes:
+                row["not_measured"] = notes
             models[model] = row
         # the envelope stands for models outside the table, which are trained models: the tiny random
         # ones (flat distributions, large init) err far more in bfloat16 and keep their own rows only

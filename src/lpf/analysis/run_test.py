@@ -8,9 +8,9 @@ Contract: `run_level_test(joined, tokens, reference, requests, floor, sampling, 
 (findings.json's `run_test`): tables in (`metrics.join_grouped`'s table and the run's tokens,
 reference and requests), a dict out. `floor` is an expected floor (`lpf.analysis.floors`: a
 calibration run's or the shipped table's, never this run's). Underneath, on numpy columns in
-arrival order: `evidence.evidence_columns` -> `token_evidence(cols, floor, sampling)` -> `run_test(evidence,
-floor, alpha)`; `decide(evidence, lo, hi, alpha)` is the decision over a window of tokens (the
-detection benchmark calls it on many windows).
+arrival order: `evidence.evidence_columns` -> `token_evidence(cols, floor, sampling)` ->
+`run_test(evidence, floor, alpha)`; `decide(evidence, lo, hi, alpha)` is the decision over a window
+of tokens (the detection benchmark calls it on many windows).
 
 Per scored token t, with d = engine - reference logprob of the engine's token and p_j the
 reference's top-k probabilities, the sensitivity s = sqrt((1 - p_t)^2 + sum_{j != t} p_j^2) is how
@@ -35,9 +35,10 @@ implementations of one dtype; KAPPA times the 99th percentile is what they stay 
 Each exceedance count is tested against Binomial(n, NULL_RATE) (NULL_RATE / 2 per sign), exactly;
 the p-value is the smallest sub-test's times the number of sub-tests run (Bonferroni). `different`
 when p < alpha. `tokens_needed`: the smallest prefix (every length up to 200 tokens, then 5% steps)
-at which the same decision already rejected. The floors reported are the median of |d| / s over
-informative tokens (s >= S_MIN) and of the top-k spread: `effect_size` is observed / expected;
-FAR_ABOVE or more is a finding of its own.
+at which the same decision already rejected. `expected_floor` / `observed_floor` are the 99th
+percentile of |d| / s over informative tokens (s >= floors.S_MIN) of the floor and of this run
+(`floors` holds every component of both); `effect_size` is observed / expected (`topk_effect_size`
+the same for the top-k spread), and FAR_ABOVE or more on either is a finding of its own.
 """
 
 from __future__ import annotations
@@ -90,17 +91,17 @@ def token_evidence(cols: dict, floor: dict, sampling: dict) -> dict:
         flip = np.zeros(len(tok), dtype=bool)
     ev = {"n": len(tok), "d": d, "s": s, "over": over, "under": under, "flip": flip,
           "logprob": over | under | flip}
-    if "engine_topk_ids" in cols:
+    if "engine_topk_ids" in cols and (floor.get("topk") or {}).get("q99"):  # a floor without top-k tests none
         spread = topk_spread(cols["engine_topk_ids"], cols["engine_topk_logprobs"], ref_ids, ref_lp, details=False)
         has = spread["shared"] >= 2
         ev.update(w=spread["w"], has_topk=has, topk=has & (spread["w"] > KAPPA * floor["topk"]["q99"]),
                   cols=cols)
     if 0 < temperature <= 1 and not sampling.get("top_k") and (sampling.get("top_p") or 1.0) >= 1.0:
-        ev.update(_sampling_evidence(tok, ref, cols, temperature, s, floor))
+        ev.update(_sampling_evidence(tok, cols, temperature, floor))
     return ev
 
 
-def _sampling_evidence(tok, ref, cols, temperature, s, floor) -> dict:
+def _sampling_evidence(tok, cols, temperature, floor) -> dict:
     """Whether each token is the reference's top-1, the probability the reference gives that at the
     run's temperature (exact at 1; below 1, bounds from its top-k: each tail token has at most p_k), and
     the margin the floor allows an honest engine (its top-1 logprob may be off by tau)."""
