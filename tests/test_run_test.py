@@ -245,3 +245,10 @@ def test_topk_alignment_matches_a_brute_force_match():
         for j in range(K):
             hit = [eng_lp[i, c] for c in range(K) if ref_ids[i, j] >= 0 and eng_ids[i, c] == ref_ids[i, j]]
             assert (np.isnan(got[i, j]) and not hit) or got[i, j] == hit[0]
+
+
+def test_a_huge_run_is_tested_on_every_kth_token(table, monkeypatch):
+    monkeypatch.setattr(rt, "MAX_TOKENS", 500)
+    _, f = run(synthetic_run(sigma=0.08, seed=4), table)
+    t = f["run_test"]
+    assert t["sampled_every"] == 4 and t["n_tokens"] == 500 and t["result"] == "different"

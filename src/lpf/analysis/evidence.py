@@ -134,9 +134,10 @@ def sensitivity(ref_logprob: np.ndarray, token: np.ndarray, ref_ids: np.ndarray,
     """s per token: how far one nat of logit error moves the token's logprob (see the module doc)."""
     one_minus = -np.expm1(np.minimum(ref_logprob, 0.0))
     # p_j^2 = exp(2 lp_j), in float32: s needs no more precision than the top-k lists have
+    # (a short list's padding is -inf: exp gives 0); the token's own entry is masked out
     sq = np.exp(2 * ref_lp.astype(np.float32))
-    sq[(ref_ids == token[:, None]) | (ref_ids < 0)] = 0.0
-    return np.sqrt(one_minus**2 + sq.sum(axis=1, dtype=np.float64))
+    sq *= ref_ids != token[:, None]
+    return np.sqrt(one_minus**2 + sq @ np.ones(sq.shape[1], dtype=np.float32))
 
 
 def _aligned_topk(eng_ids, eng_lp, ref_ids) -> np.ndarray:

@@ -35,7 +35,9 @@ implementations of one dtype; KAPPA times the 99th percentile is what they stay 
 Each exceedance count is tested against Binomial(n, NULL_RATE) (NULL_RATE / 2 per sign), exactly;
 the p-value is the smallest sub-test's times the number of sub-tests run (Bonferroni). `different`
 when p < alpha. `tokens_needed`: the smallest prefix (every length up to 200 tokens, then 5% steps)
-at which the same decision already rejected. `expected_floor` / `observed_floor` are the 99th
+at which the same decision already rejected. A run of more than MAX_TOKENS scored tokens is tested on
+every k-th token in arrival order (`sampled_every`: k; `n_tokens` counts the tokens used), which
+bounds the cost and still covers the whole run. `expected_floor` / `observed_floor` are the 99th
 percentile of |d| / s over informative tokens (s >= floors.S_MIN) of the floor and of this run
 (`floors` holds every component of both); `effect_size` is observed / expected (`topk_effect_size`
 the same for the top-k spread), and FAR_ABOVE or more on either is a finding of its own.
@@ -56,6 +58,7 @@ DEFAULT_ALPHA = 1e-6
 FAR_ABOVE = 3.0  # observed floor this many times the expected one: a finding of its own
 MIN_TOKENS = 10
 SAMPLE = 250_000  # the run's own floor statistics: on at most this many evenly spaced tokens
+MAX_TOKENS = 2_000_000  # the test itself: on at most this many (p-values are astronomically small long before)
 
 
 def run_level_test(joined: pa.Table, tokens: pa.Table, reference: pa.Table, requests: pa.Table, floor: dict,
@@ -63,7 +66,12 @@ def run_level_test(joined: pa.Table, tokens: pa.Table, reference: pa.Table, requ
     """findings.json's `run_test` from the run's tables (`cols`: their `evidence_columns`, when the
     caller already has them)."""
     cols = evidence_columns(joined, tokens, reference, requests) if cols is None else cols
-    return run_test(token_evidence(cols, floor, sampling), floor, alpha)
+    step = -(-joined.num_rows // MAX_TOKENS)  # a huge run: every step-th token (arrival order), all of it covered
+    if step > 1:
+        cols = {k: v[::step] for k, v in cols.items()}
+    out = run_test(token_evidence(cols, floor, sampling), floor, alpha)
+    out["sampled_every"] = step
+    return out
 
 
 def token_evidence(cols: dict, floor: dict, sampling: dict) -> dict:
