@@ -209,7 +209,6 @@ def test_substitution_drills_parse_and_compute():
     f = FaultSet.parse("quantize-weights:4,kv-quant,perturb-weights:0.02,sampling-temperature:1.3")
     assert (f.quantize_weights_bits, f.kv_quant_bits, f.perturb_weights_scale, f.sampling_temperature) == (4, 8, 0.02, 1.3)
     assert f.names() == ["quantize-weights:4", "kv-quant:8", "perturb-weights:0.02", "sampling-temperature:1.3"]
-    assert f.substitution and not FaultSet.parse("stale-state").substitution
     for bad, msg in (("quantize-weights:1", "in 2..16"), ("kv-quant:x", "an integer"),
                      ("perturb-weights:abc", "a number"), ("sampling-temperature:0", "in 0.05..10")):
         with pytest.raises(LpfError, match=msg):

@@ -10,9 +10,9 @@ without them the hypotheses use request metadata only.
 
 The run's verdict is its worst request verdict, or `systematic` when the run-level test
 (`run_test`, against the expected floor of `floors`) rejects and no request is `corrupt`; with an
-expected floor the per-request thresholds and tie margin come from it too, not from the run. Hypotheses contrast flagged (divergent, corrupt)
-requests with the rest, or noise requests with clean ones when nothing is flagged. `flagged` lists divergent and corrupt requests,
-worst first (with the engine step of their first divergence when there is a trace).
+expected floor the per-request thresholds and tie margin come from it too, not from the run.
+Hypotheses contrast flagged (divergent, corrupt) requests with the rest, or noise requests with
+clean ones when nothing is flagged. `flagged` lists divergent and corrupt requests, worst first (with the engine step of their first divergence when there is a trace).
 Two signatures join the trace features as candidate mechanisms, both computed from the tokens:
 `crossed_wires` (at a step where a request diverged, another request sampled the token this one's
 reference expected and vice versa: outputs delivered to the wrong request) and, for runs sampled at
@@ -29,15 +29,15 @@ import pyarrow.compute as pc
 
 from lpf.analysis import metrics as m
 from lpf.analysis.calibration import calibrate, calibrate_from_run, calibrate_to_floor, with_expected_tie_margin
+from lpf.analysis.evidence import calibration_floor, evidence_columns
 from lpf.analysis.features import Feature, request_features
 from lpf.analysis.floors import expected_floor
 from lpf.analysis.hypotheses import rank_hypotheses
-from lpf.analysis.evidence import calibration_floor, evidence_columns
+from lpf.analysis.levels import REQUEST_VERDICTS, SEVERITY
 from lpf.analysis.run_test import run_level_test
 from lpf.analysis.shape import failure_shape
 from lpf.analysis.signatures import crossed_wires, tempered_logprobs
 from lpf.analysis.thresholds import Thresholds
-from lpf.analysis.levels import REQUEST_VERDICTS, SEVERITY
 from lpf.analysis.verdicts import reduce_requests, summarize_requests
 from lpf.run.schema import SCHEMA_VERSION
 

@@ -2,13 +2,13 @@
 
 Contract:
   floor_stats(d, s, topk=None) -> floor dict: from per-token d (logprob error of the engine's
-      token), s (its sensitivity, `run_test.sensitivity`) and, where top-k was compared, the arrays
-      of `run_test.topk_spread` (w: spread of the shared top-k logprob errors, KL, top-2 margin):
+      token), s (its sensitivity, `evidence.sensitivity`) and, where top-k was compared, the arrays
+      of `evidence.topk_spread` (w: spread of the shared top-k logprob errors, KL, top-2 margin):
         token           median and q99 of |d| / s over tokens with s >= S_MIN (nats of logit error)
         settled         q99 of |d| over the others (the rounding left where both sides are sure)
         topk            median and q99 of w, mean KL (None without top-k)
         margin          q99 and max of how far the reference's top-2 margin moved, over contested
-                        positions (`run_test.topk_spread`; None without them)
+                        positions (`evidence.topk_spread`; None without them)
         token_abs_diff  median and MAD of |d| (the per-request thresholds' statistics, as
                         `calibration.noise_floor` has them)
         n_tokens
@@ -20,8 +20,8 @@ Contract:
       else UNMEASURED_MARGIN times the envelope over the trained models measured (a larger model's
       kernels can err more than the small ones measured here; `--calibrate` measures the model
       itself). The tiny random models are left out of the envelope: with flat distributions and a
-      large init they err ~5x more in bfloat16 than any trained model, so they keep their own rows. Either way it is at least the table's floor for
-      the reference's dtype against itself: two honest float32 implementations differ by their
+      large init they err 4-8x more in bfloat16 than any trained model, so they keep their own rows.
+      Either way it is at least the table's floor for the reference's dtype against itself: two honest float32 implementations differ by their
       kernels, which a calibration run at the reference's own dtype cannot see. An engine whose
       dtype is unknown (a server's `auto`) gets the most lenient pair measured for that reference
       dtype, and says so.
@@ -98,7 +98,7 @@ def tie_margin(floor: dict) -> float:
 
 def _row(table: dict, pair: str, model: str | None) -> tuple[dict | None, str]:
     """(the pair's floor for `model`, how it was chosen): the model's own row when it was measured,
-    else the envelope over every measured model times UNMEASURED_MARGIN."""
+    else the envelope over the trained models times UNMEASURED_MARGIN."""
     entry = (table.get("pairs") or {}).get(pair)
     if not entry:
         return None, ""

@@ -111,12 +111,6 @@ class FaultSet:
                 out.append(name)
         return out
 
-    @property
-    def substitution(self) -> bool:
-        """A drill that changes the function the engine computes for every request."""
-        return any(v is not None for v in (self.quantize_weights_bits, self.kv_quant_bits,
-                                           self.perturb_weights_scale, self.sampling_temperature))
-
 
 @dataclass
 class GroundTruth:
