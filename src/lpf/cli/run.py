@@ -64,7 +64,8 @@ def _analyze(run, threshold, as_json, fail_on, attribution=True) -> None:
         from lpf.pipeline import all_failed
 
         raise LpfError(f"nothing could be audited: {all_failed(run) or 'every request failed'}")
-    if fails((v for v, c in findings["counts"].items() if c), fail_on):
+    # the run's verdict counts too: `systematic` is the run-level test's, no request carries it
+    if fails([*(v for v, c in findings["counts"].items() if c), findings["verdict"]], fail_on):
         sys.exit(1)
 
 

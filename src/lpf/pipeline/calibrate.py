@@ -62,8 +62,11 @@ def _calibrate(run: RunDir, token_budget: int, on_start: OnStart, tick: Tick, de
                             "same_as_reference": True}
         run.save_manifest()
         return m["calibration"]
-    rescorer = Rescorer(resolve_model(ref["spec"]), dtype=dtype, device=device, token_budget=token_budget,
-                        topk=m["sampling"].get("logprobs", 5), float32_head=False)
+    try:
+        rescorer = Rescorer(resolve_model(ref["spec"]), dtype=dtype, device=device, token_budget=token_budget,
+                            topk=m["sampling"].get("logprobs", 5), float32_head=False)
+    except RuntimeError as e:
+        raise _cannot_run(run, ref, dtype, e) from None
     m["calibration"] = {**{k: v for k, v in rescorer.describe().items() if k != "tokenizer_sha256"},
                         "reference_dtype": ref.get("dtype"), "same_as_reference": False}
     run.save_manifest()
@@ -75,9 +78,20 @@ def _calibrate(run: RunDir, token_budget: int, on_start: OnStart, tick: Tick, de
              for r in req if r["request_id"] not in done]
     total = sum(len(r["output_token_ids"]) for r in req)
     on_start(total, total - sum(len(it.output_token_ids) for it in items))
-    for table in rescorer.score(items, tick):
-        run.append("calibration", table)
+    try:
+        for table in rescorer.score(items, tick):
+            run.append("calibration", table)
+    except RuntimeError as e:
+        raise _cannot_run(run, ref, dtype, e) from None
     return m["calibration"]
+
+
+def _cannot_run(run: RunDir, ref: dict, dtype: str, e: Exception) -> LpfError:
+    """A model whose HF code has no kernel for that dtype here (Jamba's Mamba scan in bf16 on CPU)."""
+    what = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return LpfError(f"the calibration run stopped: the reference {ref.get('spec')} does not run at {dtype} here "
+                    f"({what}); `lpf analyze {run.path}` uses the calibration parts scored so far, or the "
+                    f"shipped floor table when there are none")
 
 
 def calibration_for(run: RunDir, reference: pa.Table) -> tuple[pa.Table | None, dict | None]:
