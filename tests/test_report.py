@@ -140,7 +140,10 @@ def test_run_report_renders_and_model_script_stays_text(xss_run, browser):
     log = open_page(browser, run / "report.html")
     assert severe(log) == [], log
     n, drawn = plots_drawn(browser)
-    assert n == 4 and drawn == n  # histogram, per-request scatter, first-divergence, engine steps
+    # the run-level test's floor chart, histogram, per-request scatter, first-divergence, engine steps
+    assert n == 5 and drawn == n
+    assert "run test" in browser.find_element(By.ID, "run-test").text.lower()
+    assert findings["run_test"]["sentence"] in browser.find_element(By.ID, "run-test").text
     assert browser.execute_script("return typeof window.__pwned") == "undefined"
     assert browser.execute_script("return document.scripts.length") == 3  # plotly, data, page: nothing injected
     badge = browser.find_element(By.CSS_SELECTOR, "header.hero .badge")

@@ -157,7 +157,8 @@ def test_the_reproducer_imports_only_the_engine_transformers_and_the_standard_li
     lpf = {m for m in found if m.split(".")[0] == "lpf"}
     assert lpf and all(m.startswith("lpf.builtin.") for m in lpf), lpf
     others = {m.split(".")[0] for m in found} - {"lpf"}
-    assert others - set(sys.stdlib_module_names) == {"torch", "transformers", "vllm"}
+    # lpf_vllm_trace: the plugin in vLLM's own Python that holds vLLM's drills, never lpf itself
+    assert others - set(sys.stdlib_module_names) == {"torch", "transformers", "vllm", "lpf_vllm_trace"}
 
 
 def test_the_reproducer_mirrors_lpfs_sampling_fields():
@@ -167,3 +168,82 @@ def test_the_reproducer_mirrors_lpfs_sampling_fields():
 
     assert [f.name for f in fields(repro_script.Sampling)] == [f.name for f in fields(SamplingParams)]
     assert repro_script.Sampling(temperature=0).greedy and not repro_script.Sampling(temperature=0.7).greedy
+
+
+# -- the plan, judged by a rule instead of an engine ------------------------------------------------
+class RuleJudge:
+    """Stands in for the engine runs so the plan's order can be checked alone: `lies(config)` says
+    whether a configuration shows the lie (deterministic, one run each)."""
+
+    deterministic, tries = True, 1
+
+    def __init__(self, lies):
+        self.lies, self.configs = lies, []
+
+    def judge(self, cid, config, every_try=False, on_try=lambda t: None):
+        self.configs.append(config)
+        ok = bool(self.lies(config))
+        t = {"dir": f"candidates/{cid}-1", "lie": ok, "seen": "corrupt" if ok else "clean"}
+        on_try(t)
+        return ok, [t]
+
+
+def test_the_plan_cuts_the_target_before_ddmin_so_a_schedule_bound_lie_shrinks(tmp_path):
+    """vLLM offline queues every request at once, so the target gets its one token of budget only in
+    the original's exact schedule (every earlier request, original lengths): no subset keeps it. A
+    one-token prompt is one token whatever runs, and then the lie needs only a recycled sequence (at
+    least max_num_seqs=4 requests before it). The plan cuts the target before ddmin, so the shrink
+    ends at 5 requests in 27 judgements instead of 137 (most of them subsets that cannot lie)."""
+    from lpf.shrink.config import Member, Source
+    from lpf.shrink.search import Shrink
+    from lpf.shrink.state import State
+
+    t = 30
+    source = Source(path=tmp_path, manifest={"engine": {"options": {"max_num_seqs": 4, "inject": "stale-state"}}},
+                    findings={}, summary=[], prompts={s: tuple(range(1, 41)) for s in range(t + 10)},
+                    ids={s: f"r{s}" for s in range(t + 10)}, expected={}, max_tokens={s: 16 for s in range(t + 10)},
+                    defaults={"max_num_seqs": None, "inject": ""})
+
+    def lies(config):
+        if config.knob_dict.get("max_num_seqs") != 4:
+            return False
+        target, before = config.member(t), [m for m in config.members if m.seq < t]
+        if target.prompt_len == 1:
+            return len(before) >= 4
+        return before == [Member(s, 40, 16) for s in range(t)]  # the original schedule, and only it
+
+    judge = RuleJudge(lies)
+    state = State.open(tmp_path / "shrink", {"source_run_id": "x", "target": "r30", "tries": 1, "need": 1}, {}, 60)
+    doc = Shrink(source, t, judge, state).run()
+    assert doc["status"] == "done" and doc["runs_used"] == 0  # runs are the judge's to count; this one has none
+    minimal = source.config(doc["minimal"]["config"])
+    assert len(minimal.members) == 5 and minimal.member(t) == Member(t, 1, 1)
+    assert all((m.prompt_len, m.max_tokens) == (1, 1) for m in minimal.members if m.seq != t)
+    assert minimal.knob_dict["max_num_seqs"] == 4, "the default lets every request run at once: no recycled slot"
+    assert len(judge.configs) <= 30, len(judge.configs)  # 27; ddmin before the cuts: 137
+    # the path: a starting point with every earlier request, then the target's cuts, before any ddmin
+    phases = [c["phase"] for c in doc["candidates"] if c["id"] in doc["path"]]
+    assert phases[:3] == ["requests", "lengths", "lengths"] and phases.index("requests", 1) > 2
+
+
+def test_the_vllm_reproducer_exits_2_when_the_plugin_did_not_arm_its_drill(monkeypatch, capsys):
+    """With the drill off, vLLM runs its fixed code, and a clean result would say nothing about the
+    lie: repro.py stops with exit 2 when lpf-vllm-trace is missing, or installed but not recording."""
+    import sys
+
+    from lpf.shrink import repro_script
+
+    monkeypatch.setitem(sys.modules, "lpf_vllm_trace", None)  # not installed in this Python
+    with pytest.raises(SystemExit) as e:
+        repro_script.check_drill("stale-state")
+    assert e.value.code == 2 and "lpf-vllm-trace, which is not installed in this Python" in capsys.readouterr().err
+    monkeypatch.delitem(sys.modules, "lpf_vllm_trace")
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "plugins" / "vllm-trace"))
+    monkeypatch.delenv("LPF_VLLM_TRACE_DIR", raising=False)
+    import lpf_vllm_trace
+
+    lpf_vllm_trace.register()  # off: nothing to record into
+    with pytest.raises(SystemExit) as e:
+        repro_script.check_drill("stale-state")
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "did not arm the stale-state drill: the plugin is off (LPF_VLLM_TRACE_DIR" in err, err

@@ -1,9 +1,10 @@
 """Real vLLM (the CPU build in .venv-vllm, `make vllm`) audited two ways on zoo:hybrid in float32:
-offline (`--engine vllm`, vllm.LLM in a worker process) and served (`python -m
-vllm.entrypoints.openai.api_server` on 127.0.0.1 + `--engine openai`), each with its prompt logprobs
-(`--prompt-logprobs`: SamplingParams(prompt_logprobs=k) offline; echo + logprobs and vLLM's own
-prompt_logprobs field through the server). All must be clean, outputs and prompt positions. A handful
-of short prompts: each vLLM start costs ~20-60 s on this machine."""
+offline (`--engine vllm`, vllm.LLM in a worker process, its step trace recorded by lpf-vllm-trace)
+and served (`python -m vllm.entrypoints.openai.api_server` on 127.0.0.1 + `--engine openai`), each with
+its prompt logprobs (`--prompt-logprobs`: SamplingParams(prompt_logprobs=k) offline; echo + logprobs and
+vLLM's own prompt_logprobs field through the server). All must be clean, outputs and prompt positions. A
+handful of short prompts: each vLLM start costs ~10-35 s on this machine. The drills on real vLLM and the
+plugin's failure modes: tests/test_vllm_trace.py."""
 
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ def prompts8(tmp_path_factory, prompts_200):
 
 @needs_vllm
 @pytest.mark.slow
-def test_offline_vllm_audit_is_clean_and_records_its_knobs(lpf_cli, tmp_path, prompts8):
+def test_offline_vllm_audit_is_clean_and_records_its_knobs_and_trace(lpf_cli, tmp_path, prompts8):
     out = tmp_path / "run"
     # a 16-token step budget with chunked prefill: prompts are split and prefill chunks share steps with decodes
     r = lpf_cli("audit", "--engine", "vllm", "--model", MODEL, "--workload", prompts8, "--max-tokens", 8,
@@ -73,20 +74,69 @@ def test_offline_vllm_audit_is_clean_and_records_its_knobs(lpf_cli, tmp_path, pr
     assert e["options"]["cpu_kvcache_space"] == 1.0
     tokens = pq.read_table(out / "tokens").to_pylist()
     assert all(len(t["engine_topk_ids"]) == 5 for t in tokens)
+    _check_trace(out, f)
 
 
-def _serve(model_dir: Path, port: int, log: Path) -> subprocess.Popen:
+def _check_trace(out: Path, findings: dict) -> None:
+    """The trace lpf-vllm-trace recorded inside vLLM: one row per request per step, in the
+    scheduler's own numbers, and phases that agree with them (each request starts with a prefill)."""
+    from lpf.query import run_query
+
+    def q(sql):
+        return run_query(out, sql)[1]
+
+    assert findings["trace"] == {"recorded": True, "source": "vllm-plugin", "rows": q("SELECT count(*) FROM trace")[0][0],
+                                 "why": None}
+    assert q("SELECT count(*) FROM trace WHERE preempted")[0][0] == 0  # the cache is large enough
+    assert q("SELECT count(*), count(DISTINCT (step, request_id)) FROM trace")[0] == (findings["trace"]["rows"],) * 2
+    assert {r[0] for r in q("SELECT DISTINCT request_id FROM trace")} == {r[0] for r in q("SELECT request_id FROM requests")}
+    # each step's batch is exactly its rows, and its token count their scheduled tokens
+    assert q("""SELECT count(*) FROM (SELECT step, count(*) n, sum(num_scheduled_tokens) t, min(batch_size) b,
+                max(batch_size) b2, min(batch_tokens) bt FROM trace GROUP BY step) WHERE n <> b OR b <> b2 OR t <> bt""") == [(0,)]
+    assert q("SELECT max(batch_tokens) FROM trace")[0][0] <= 16
+    first = q("SELECT request_id, arg_min(phase, step), arg_min(num_computed_tokens, step) FROM trace GROUP BY 1")
+    assert {(p, c) for _, p, c in first} == {("prefill", 0)}
+    # phases agree with the counts: prompt chunks before the prompt is computed, then single-token decodes
+    assert q("""SELECT count(*) FROM trace WHERE (phase IN ('prefill', 'extend') AND num_computed_tokens
+                + num_scheduled_tokens > num_prompt_tokens) OR (phase = 'decode' AND (num_scheduled_tokens <> 1
+                OR num_computed_tokens < num_prompt_tokens)) OR (phase = 'prefill') <> (num_computed_tokens = 0)""") == [(0,)]
+    assert q("SELECT count(*) FROM trace WHERE phase = 'extend'")[0][0] > 0, "16-token chunks split the prompts"
+    assert q("""SELECT count(*) FROM (SELECT step FROM trace GROUP BY step
+                HAVING bool_or(phase = 'decode') AND bool_or(phase <> 'decode'))""")[0][0] > 0, "mixed steps"
+    rows = q("""SELECT request_id, step, num_computed_tokens, num_scheduled_tokens, phase FROM trace
+                ORDER BY request_id, step""")
+    n_out = dict(q("SELECT request_id, len(output_token_ids) FROM requests"))
+    by_req: dict[str, list] = {}
+    for rid, *rest in rows:
+        by_req.setdefault(rid, []).append(rest)
+    for rid, steps in by_req.items():
+        for (_, c0, s0, _), (_, c1, _, _) in zip(steps, steps[1:]):
+            assert c1 == c0 + s0, rid  # computed tokens advance by exactly what was scheduled
+        assert sum(1 for *_, phase in steps if phase == "decode") == n_out[rid] - 1
+
+
+def _serve(model_dir: Path, port: int, log: Path, *args: str, **env_vars: str) -> subprocess.Popen:
+    """`python -m vllm.entrypoints.openai.api_server` on 127.0.0.1 (extra server args, extra environment)."""
     from lpf.adapters.vllm import vllm_python
 
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", TORCHDYNAMO_DISABLE="1", VLLM_CPU_KVCACHE_SPACE="1",
-               OMP_NUM_THREADS="1")
+               OMP_NUM_THREADS="1", **env_vars)
     env.pop("PYTHONPATH", None)
     # vllm-cpu's `vllm` console script looks up package metadata named `vllm` and fails: use the module
     return subprocess.Popen([str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                              "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
-                             "--max-logprobs", "20"],
+                             "--max-logprobs", "20", *args],
                             stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env, cwd=log.parent,
                             start_new_session=True)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def _wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout: float = 300) -> None:
@@ -124,12 +174,7 @@ def test_vllm_openai_server_audit_is_clean(lpf_cli, tmp_path, prompts8):
                           model_dir, "--workload", prompts8, "--max-tokens", 8, "--prompt-logprobs",
                           "-E", "prompt_logprobs=field", "--out", tmp_path / "field", "--json")
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        _stop(proc)
     assert r.code == 0, r.err
     f = json.loads(r.out)
     assert f["verdict"] == "clean" and f["n_requests"] == 8 and f["errors"] == 0

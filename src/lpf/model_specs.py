@@ -1,9 +1,10 @@
 """Resolve a model spec to a local Hugging Face directory; build the embedded tiny models.
 
 Specs: a directory with `config.json`; `zoo:NAME` (a trained checkpoint shipped in the package);
-`tiny:hybrid` / `tiny:llama` / `tiny:jamba` / `tiny:jamba-longmem` (random models built deterministically from a config on first use and
-cached under `$LPF_CACHE`, default `~/.cache/lpf`). Nothing is ever downloaded. Resolution never
-imports torch unless a tiny model has to be built.
+`tiny:hybrid` / `tiny:llama` / `tiny:jamba` and the drill variants `tiny:jamba-longmem` /
+`tiny:hybrid-longmem` (random models built deterministically from a config on first use and cached
+under `$LPF_CACHE`, default `~/.cache/lpf`). Nothing is ever downloaded. Resolution never imports
+torch unless a tiny model has to be built.
 """
 
 from __future__ import annotations
@@ -54,9 +55,11 @@ def _tiny_configs(vocab_size: int, special: dict) -> dict[str, dict]:
 # state within a few tokens) and a 4x LM head (a random model's next-token distributions are
 # flat-ish; confident gibberish needs a confident engine). The seed's stale-state and offset bugs
 # showed where the state carries long memory; this is the smallest model where they do.
+# `hybrid-longmem` is the same edit of tiny:hybrid (Mamba2 + attention, head_dim 32): the Mamba2
+# counterpart that vLLM's CPU build runs (it has no Mamba1 path), for the drills on real vLLM.
 _LONGMEM_A = 0.002
 _LONGMEM_HEAD_SCALE = 4.0
-TINY_VARIANTS = {"jamba-longmem": "jamba"}
+TINY_VARIANTS = {"jamba-longmem": "jamba", "hybrid-longmem": "hybrid"}
 TINY_MODELS = ("hybrid", "llama", "jamba", *TINY_VARIANTS)
 
 
@@ -66,7 +69,7 @@ def _edit_variant(name: str, model) -> None:
     import torch
 
     with torch.no_grad():
-        if name == "jamba-longmem":
+        if name in ("jamba-longmem", "hybrid-longmem"):  # both name their SSM decay `mamba.A_log`
             for pname, param in model.named_parameters():
                 if pname.endswith("mamba.A_log"):
                     param.fill_(math.log(_LONGMEM_A))

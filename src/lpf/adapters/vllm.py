@@ -9,36 +9,48 @@ request it had not finished comes back with that error (never dropped).
 
 Knobs keep vLLM's names and go to `vllm.LLM` as given (dtype, seed, gpu_memory_utilization,
 max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, enable_prefix_caching, enforce_eager,
-max_model_len, logprobs_mode); `cpu_kvcache_space` (GiB) sets VLLM_CPU_KVCACHE_SPACE, the KV size
-on CPU. Logprobs are vLLM's `raw_logprobs` where this vLLM has `logprobs_mode`; `describe()` records
-the mode actually used (None when the vLLM has no such switch), the vLLM version and every argument.
+max_model_len, num_gpu_blocks_override, logprobs_mode); `cpu_kvcache_space` (whole GiB) sets
+VLLM_CPU_KVCACHE_SPACE, the KV size on CPU. Logprobs are vLLM's `raw_logprobs` where this vLLM has
+`logprobs_mode`; `describe()` records the mode actually used (None when the vLLM has no such
+switch), the vLLM version and every argument.
+
+The step trace comes from the lpf-vllm-trace plugin (`plugins/vllm-trace`, installed by `make vllm`):
+the worker runs with LPF_VLLM_TRACE_DIR set (`-E trace=false`: not; `-E trace_dir=DIR`: there instead
+of a private temporary directory) and `inject` drills (stale-state, offset-wrap[:BITS]) in
+LPF_VLLM_INJECT. `side_tables()` hands over the plugin's parts with lpf's request ids (the worker
+says which vLLM id is whose), and `describe()["trace"]` names the source and, when the plugin
+records nothing, its reason (an unknown vLLM version, a hook missing, a directory not writable);
+`describe()` also carries what the trace features read: the SSM state's slot stride and the drills.
+
 Inside `kept_workers()` a closed engine's worker is kept (one idle worker at a time) and handed to the
 next engine started with the same interpreter, environment and model, which rebuilds vllm.LLM in it
 (`configure`): a matrix of configurations (`lpf conformance`) pays vLLM's import once per model instead
-of once per configuration. A worker that failed (a refused configuration, a failure mid-run) is never
-reused: vLLM's process-wide state may be half made.
+of once per configuration. The plugin's directory goes with the worker; the parts the earlier engines
+took are never handed over again. A worker that failed (a refused configuration, a failure mid-run)
+or that ran drills (`inject`: the plugin's drill state is per process) is never reused.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from contextlib import contextmanager
 import signal
 import subprocess
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from lpf.adapters.base import Completion, Engine, Options
 from lpf.errors import LpfError
 from lpf.workload import EngineRequest
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
-_KEPT: dict | None = None  # (python, env) -> an idle worker's handles, while kept_workers() is active
+REPO_VENV = Path(__file__).resolve().parents[3] / ".venv-vllm"
+_KEPT: dict | None = None  # key -> an idle worker's handles, while kept_workers() is active
 
 
 @contextmanager
@@ -58,9 +70,8 @@ def _close_kept() -> None:
     """Stop every idle kept worker."""
     while _KEPT:
         holder = VLLMEngine.__new__(VLLMEngine)
-        holder.proc, holder.results, holder.log, holder.tmp = _KEPT.popitem()[1]
+        holder.proc, holder.results, holder.log, holder.tmp, _ = _KEPT.popitem()[1]
         holder.close()
-REPO_VENV = Path(__file__).resolve().parents[3] / ".venv-vllm"
 
 
 def vllm_python() -> Path:
@@ -79,6 +90,9 @@ def _is_cpu_build(python: Path) -> bool:
     return any(prefix.glob("lib/python*/site-packages/vllm_cpu-*.dist-info"))
 
 
+VLLM_DRILLS = ("stale-state", "offset-wrap")
+
+
 class VLLMOptions(Options):
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "float32"
     seed: int | None = None  # engine seed; default: the run's --seed
@@ -89,9 +103,25 @@ class VLLMOptions(Options):
     enable_prefix_caching: bool | None = None
     enforce_eager: bool = True  # no CUDA graphs / compile: faster start, same numerics
     max_model_len: int | None = Field(None, ge=1)
+    num_gpu_blocks_override: int | None = Field(None, ge=1)  # KV-cache blocks (state slots come from them too)
     logprobs_mode: Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"] = "raw_logprobs"
-    cpu_kvcache_space: float = Field(1.0, gt=0)  # GiB, VLLM_CPU_KVCACHE_SPACE (CPU builds only)
+    cpu_kvcache_space: int = Field(1, ge=1)  # whole GiB (vLLM reads it as an int), VLLM_CPU_KVCACHE_SPACE
     start_timeout_s: float = Field(600.0, gt=0)
+    trace: bool = True  # the lpf-vllm-trace plugin records the step trace
+    trace_dir: str | None = None  # where the plugin writes (default: a private temporary directory)
+    inject: str = ""  # drills through the plugin: stale-state, offset-wrap[:BITS]
+
+    @field_validator("inject")
+    @classmethod
+    def _known_drills(cls, value: str) -> str:
+        from lpf.builtin.faults import FaultSet
+
+        names = [n.partition(":")[0] for n in FaultSet.parse(value).names()]  # unknown names: LpfError
+        missing = [n for n in names if n not in VLLM_DRILLS]
+        if missing:
+            raise LpfError(f"the vllm engine has no drill {missing[0]!r}: it re-creates "
+                           f"{' and '.join(VLLM_DRILLS)}[:BITS] through lpf-vllm-trace (the built-in engine has them all)")
+        return value
 
 
 class VLLMEngine(Engine):
@@ -109,25 +139,25 @@ class VLLMEngine(Engine):
 
     def __init__(self, model, sampling, options: VLLMOptions):
         super().__init__(model, sampling, options)
+        from lpf.adapters.vllm_trace import PluginDir
+
+        if options.inject and not options.trace:
+            raise LpfError("--inject on the vllm engine works through the trace plugin: drop -E trace=false")
         self.python = vllm_python()
+        self.vllm_ids: dict[str, str] = {}  # vLLM's id for a request -> ours
+        self.trace_status: dict | None = None
         self.engine_args = self._engine_args()
         config = {"engine_args": self.engine_args, "sampling": sampling.to_dict()}
         # one model per process: vLLM sets process-wide state from the first model it builds (its
         # parallel groups: an MoE model after a dense one finds no expert-parallel group)
-        self._key = (str(self.python), str(model.path), tuple(sorted(self._env().items())))
-        if _KEPT is not None and self._key in _KEPT and _KEPT[self._key][0].poll() is None:
-            self.proc, self.results, self.log, self.tmp = _KEPT.pop(self._key)
-            self.log_path = Path(self.tmp.name) / "vllm.log"
-            try:
-                self.proc.stdin.write(json.dumps({"type": "configure", "config": config}) + "\n")
-                self.proc.stdin.flush()
-                self.ready = self._wait_ready()
-            except BaseException:
-                self.close(kill=True)
-                raise
+        self._key = (str(self.python), str(model.path), options.trace, options.trace_dir,
+                     options.cpu_kvcache_space, tuple(sorted(self._env(None).items())))
+        if not options.inject and _KEPT is not None and self._key in _KEPT and _KEPT[self._key][0].poll() is None:
+            self._reuse(_KEPT.pop(self._key), config)
             return
         self.tmp = tempfile.TemporaryDirectory(prefix="lpf-vllm-")
         self.log_path = Path(self.tmp.name) / "vllm.log"
+        self.plugin = PluginDir(options.trace_dir or Path(self.tmp.name) / "trace-out") if options.trace else None
         (Path(self.tmp.name) / "config.json").write_text(json.dumps(config))
         config = Path(self.tmp.name) / "config.json"
         read_fd, write_fd = os.pipe()
@@ -135,13 +165,35 @@ class VLLMEngine(Engine):
         try:
             self.proc = subprocess.Popen([str(self.python), str(WORKER), str(config), str(write_fd)],
                                          stdin=subprocess.PIPE, stdout=self.log, stderr=subprocess.STDOUT,
-                                         pass_fds=(write_fd,), env=self._env(), text=True, start_new_session=True)
+                                         pass_fds=(write_fd,), env=self._env(self.plugin), text=True,
+                                         start_new_session=True)
         finally:
             os.close(write_fd)  # the worker holds the only write end: EOF here means it exited
         self.results = os.fdopen(read_fd, "r")
+        if self.plugin is not None:
+            self.plugin.pid = self.proc.pid  # the engine runs in the worker (no V1 multiprocessing): its parts only
         try:
             self.ready = self._wait_ready()
         except BaseException:  # a failed start or Ctrl-C while loading: no orphaned worker
+            self.close(kill=True)
+            raise
+
+    def _reuse(self, kept: tuple, config: dict) -> None:
+        """Take over a kept worker and rebuild vllm.LLM in it for `config`."""
+        from lpf.adapters.vllm_trace import PluginDir
+
+        self.proc, self.results, self.log, self.tmp, plugin = kept
+        self.log_path = Path(self.tmp.name) / "vllm.log"
+        self.plugin = None
+        if plugin is not None:  # the same directory and process; what earlier engines took stays taken
+            self.plugin = PluginDir(plugin.path, pid=self.proc.pid)
+            self.plugin.taken = {t: set(names) for t, names in plugin.taken.items()}
+            self.plugin.step_offset, self.plugin.next_step = dict(plugin.step_offset), plugin.next_step
+        try:
+            self.proc.stdin.write(json.dumps({"type": "configure", "config": config}) + "\n")
+            self.proc.stdin.flush()
+            self.ready = self._wait_ready()
+        except BaseException:
             self.close(kill=True)
             raise
 
@@ -156,7 +208,8 @@ class VLLMEngine(Engine):
                 args[name] = getattr(o, name)
         return args
 
-    def _env(self) -> dict:
+    def _env(self, plugin) -> dict:
+        """The worker's environment; `plugin` None: without the trace directory (the kept-worker key)."""
         venv = self.python.parent.parent
         cache = venv / "lpf-cache" if (venv / "pyvenv.cfg").is_file() else Path(tempfile.gettempdir()) / "lpf-vllm-cache"
         env = dict(os.environ)
@@ -164,10 +217,16 @@ class VLLMEngine(Engine):
             "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # in-process engine: ~25 s start instead of ~60
             "TORCHDYNAMO_DISABLE": "1",  # logprobs trigger a torch.compile even with enforce_eager
             "VLLM_CACHE_ROOT": str(cache), "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
-            "VLLM_CPU_KVCACHE_SPACE": f"{self.options.cpu_kvcache_space:g}",
+            "VLLM_CPU_KVCACHE_SPACE": str(self.options.cpu_kvcache_space),
             "PYTHONUNBUFFERED": "1",
         })
         env.pop("PYTHONPATH", None)  # lpf's paths must not shadow vLLM's packages
+        for var in ("LPF_VLLM_TRACE_DIR", "LPF_VLLM_INJECT"):  # this run's settings, not the caller's
+            env.pop(var, None)
+        if plugin is not None:
+            env["LPF_VLLM_TRACE_DIR"] = str(plugin.path)
+            if self.options.inject:
+                env["LPF_VLLM_INJECT"] = self.options.inject
         return env
 
     def _wait_ready(self) -> dict:
@@ -191,6 +250,7 @@ class VLLMEngine(Engine):
             msg = json.loads(line)
             if msg["type"] == "ready":
                 sel.close()
+                self.trace_status = msg.get("trace")
                 return msg
             if msg["type"] == "fatal":
                 raise LpfError(f"vLLM could not start {self.model.spec}: {msg['error']}")
@@ -204,9 +264,31 @@ class VLLMEngine(Engine):
         return f"; vLLM log: {tail}" if tail else ""
 
     def describe(self) -> dict:
+        status = self.trace_status or {}
         return {"name": self.name, "version": self.ready.get("vllm_version"), "options": self.options.to_dict(),
                 "engine_args": self.engine_args, "logprobs_mode": self.ready.get("logprobs_mode"),
-                "python": str(self.python), "cpu_build": _is_cpu_build(self.python)}
+                "python": str(self.python), "cpu_build": _is_cpu_build(self.python), "trace": self._trace_info(),
+                # what the trace features read: the SSM state's slot stride and the drills in force
+                "state_slot_stride": status.get("state_slot_stride"),
+                "faults": [f for f in self.options.inject.split(",") if f]}
+
+    def _trace_info(self) -> dict:
+        """Where the trace comes from and, when the plugin records none (or stopped), its reason; the
+        rows themselves are counted where they land (RUN/trace)."""
+        status = self.trace_status or {}
+        why = "turned off (-E trace=false)" if self.plugin is None else status.get("why")
+        return {"source": "vllm-plugin", "why": why, "plugin_version": status.get("plugin_version")}
+
+    def side_tables(self) -> dict:
+        if self.plugin is None:
+            return {}
+        from lpf.adapters.vllm_trace import relabel
+
+        tables = {}
+        for name in ("trace", "faults"):
+            table = self.plugin.take(name)
+            tables[name] = relabel(table, self.vllm_ids) if table is not None else None
+        return tables
 
     def generate(self, requests: list[EngineRequest]) -> Iterator[Completion]:
         finished = False
@@ -238,7 +320,10 @@ class VLLMEngine(Engine):
                 del pending[msg["request_id"]]
                 msg.pop("type")
                 yield Completion(**msg)
+            elif msg["type"] == "submitted":
+                self.vllm_ids.update(msg["vllm_ids"])
             elif msg["type"] == "done":
+                self.trace_status = msg.get("trace") or self.trace_status
                 break
             elif msg["type"] == "fatal":
                 failure = f"vLLM failed mid-run: {msg['error']}"
@@ -255,10 +340,11 @@ class VLLMEngine(Engine):
     def _keep(self) -> bool:
         """Hand this engine's live worker to kept_workers() (idle, for the next engine of its kind)."""
         proc, key = getattr(self, "proc", None), getattr(self, "_key", None)
-        if _KEPT is None or key is None or proc is None or proc.poll() is not None or getattr(self, "_failed", False):
+        if _KEPT is None or key is None or proc is None or proc.poll() is not None or self.options.inject \
+                or getattr(self, "_failed", False):
             return False
         _close_kept()  # at most one idle worker: the next cells are of this model
-        _KEPT[key] = (proc, self.results, self.log, self.tmp)
+        _KEPT[key] = (proc, self.results, self.log, self.tmp, self.plugin)
         self.proc = self.results = self.log = self.tmp = None
         return True
 

@@ -3,11 +3,17 @@
 Usage: PYTHON vllm_worker.py CONFIG_JSON RESULT_FD. It needs only vLLM and the standard library.
 Protocol, JSON lines:
 - RESULT_FD (the only channel lpf reads; vLLM logs to stdout/stderr, which lpf sends to a log file):
-  {"type": "ready", "vllm_version", "logprobs_mode", "engine_args"} once the engine is up, then per
-  batch one {"type": "completion", request_id, output_token_ids, logprobs, topk_ids, topk_logprobs,
-  finish_reason, error, t_submit, t_first_token, t_finish, and prompt_logprobs / prompt_topk_ids /
-  prompt_topk_logprobs when the run asks for prompt logprobs} per request as it finishes and
-  {"type": "done"}; {"type": "fatal", "error"} if the engine cannot start or dies.
+  {"type": "ready", "vllm_version", "logprobs_mode", "engine_args", "trace"} once the engine is up,
+  then per batch {"type": "submitted", "vllm_ids": {vLLM's id: ours}} once every request is in (the
+  id vLLM's runner, and so the trace plugin, knows each request by), one {"type": "completion",
+  request_id, output_token_ids, logprobs, topk_ids, topk_logprobs, finish_reason, error, t_submit,
+  t_first_token, t_finish, and prompt_logprobs / prompt_topk_ids / prompt_topk_logprobs when the run
+  asks for prompt logprobs} per request as it finishes and {"type": "done", "trace"};
+  {"type": "fatal", "error"} if the engine cannot start or dies.
+  `trace` is the lpf-vllm-trace plugin's status in this process (`lpf_vllm_trace.status()`), or why
+  there is none. Finished requests are held back and sent in groups, at most once a second, each
+  group right after the plugin's buffered rows are flushed to its parts: lpf never sees a request
+  before the trace rows that describe it.
 - stdin: requests {"request_id", "prompt_token_ids", "max_tokens", "seed"}, a batch closed by
   {"type": "end"}; {"type": "configure", "config": {...}} drops the engine and builds a new one from
   that config (answered by "ready", or "fatal" and exit), so one process can serve several
@@ -26,6 +32,9 @@ import traceback
 # This file sits beside lpf's own `vllm.py` adapter: the script's directory must not shadow vLLM.
 _here = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _here]
+
+
+FLUSH_EVERY_S = 1.0
 
 
 def emit(out, obj) -> None:
@@ -107,6 +116,23 @@ def completion(req_id: str, output, t_submit: float, t_first: float | None, k: i
             "error": error, "t_submit": t_submit, "t_first_token": t_first, "t_finish": time.time()}
 
 
+def trace_status() -> dict:
+    try:
+        import lpf_vllm_trace
+    except ImportError:
+        return {"recording": False, "why": "lpf-vllm-trace is not installed in vLLM's Python "
+                                           "(`make vllm` installs it; see docs/real-engines.md)"}
+    return lpf_vllm_trace.status()
+
+
+def flush_trace() -> None:
+    try:
+        import lpf_vllm_trace
+    except ImportError:
+        return
+    lpf_vllm_trace.flush()
+
+
 def run_batch(llm, sampling: dict, requests: list[dict], out) -> None:
     from vllm.inputs import TokensPrompt
 
@@ -128,16 +154,34 @@ def run_batch(llm, sampling: dict, requests: list[dict], out) -> None:
         for key in {req["request_id"], vid if isinstance(vid, str) else req["request_id"]}:
             ours[key] = req["request_id"]
             submitted[key] = t
+    emit(out, {"type": "submitted", "vllm_ids": ours})
     engine = llm.llm_engine
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            vid = output.request_id
-            if vid not in first and output.outputs and len(output.outputs[0].token_ids):
-                first[vid] = time.time()
-            if output.finished and vid in ours:
-                emit(out, completion(ours[vid], output, submitted[vid], first.get(vid), k))
-            elif output.finished:
-                print(f"lpf worker: output for unknown request id {vid!r}", file=sys.stderr)
+    finished: list[dict] = []  # completions whose trace rows may not be on disk yet
+    last_flush = time.monotonic()
+
+    def send() -> None:
+        flush_trace()
+        for c in finished:
+            emit(out, c)
+        finished.clear()
+
+    try:
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                vid = output.request_id
+                if vid not in first and output.outputs and len(output.outputs[0].token_ids):
+                    first[vid] = time.time()
+                if output.finished and vid in ours:
+                    finished.append(completion(ours[vid], output, submitted[vid], first.get(vid), k))
+                elif output.finished:
+                    print(f"lpf worker: output for unknown request id {vid!r}", file=sys.stderr)
+            # one flush a second at most (a part per finished request would cost the engine more than
+            # the trace itself); completions go out right after the rows that describe them
+            if finished and time.monotonic() - last_flush >= FLUSH_EVERY_S:
+                send()
+                last_flush = time.monotonic()
+    finally:
+        send()  # the rest, and whatever finished before an engine error: answers are never dropped
 
 
 def start(config: dict, out):
@@ -151,7 +195,7 @@ def start(config: dict, out):
         emit(out, {"type": "fatal", "error": f"{type(e).__name__}: {' '.join(str(e).split())[:500]}"})
         return None
     emit(out, {"type": "ready", "vllm_version": vllm.__version__, "logprobs_mode": mode,
-               "engine_args": config["engine_args"]})
+               "engine_args": config["engine_args"], "trace": trace_status()})
     return llm
 
 
@@ -183,7 +227,7 @@ def main() -> int:
             traceback.print_exc()
             emit(out, {"type": "fatal", "error": f"{type(e).__name__}: {' '.join(str(e).split())[:500]}"})
             return 1
-        emit(out, {"type": "done"})
+        emit(out, {"type": "done", "trace": trace_status()})
         batch = []
     return 0
 

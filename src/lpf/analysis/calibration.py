@@ -24,9 +24,13 @@ thresholds above its own rounding. Thresholds the user pinned with `--threshold`
 Fewer than MIN_REQUESTS scored requests: defaults, `source: "default"`.
 
 The per-run floor has one blind spot: a run where every request lies the same way (processed
-logprobs) measures the lie as its floor. `calibrate_from_run` takes the floor from a calibration
-run instead (the reference teacher-forced again at the engine's dtype, `lpf rescore --calibrate`):
-|calibration - reference| per token, no engine number involved, `source: "calibration-run"`.
+logprobs, a quantized model) measures the lie as its floor. `calibrate_from_run` takes the floor from
+a calibration run instead (the reference teacher-forced again at the engine's dtype, `lpf rescore
+--calibrate`): |calibration - reference| per token, no engine number involved, `source:
+"calibration-run"`. `calibrate_to_floor` takes it from an expected floor (`lpf.analysis.floors`: the
+shipped table for the run's dtype pair, `source: "table"`), and `with_expected_tie_margin` raises
+the tie margin to the expected floor's, so a near-tie greedy flip the engine's dtype explains is not
+`divergent`. The run's own floor (`calibrate`) is the fallback when no expected floor is known.
 """
 
 from __future__ import annotations
@@ -115,3 +119,20 @@ def calibrate_from_run(reference: pa.Table, calibration: pa.Table, th: Threshold
     if not floor.get("token_abs_diff"):
         return th, {"source": "calibration-run", "noise_floor": floor}
     return _raised(th, floor), {"source": "calibration-run", "noise_floor": floor}
+
+
+def with_expected_tie_margin(th: Thresholds, floor: dict) -> Thresholds:
+    """`th` with its tie margin at least the expected floor's (`floors.tie_margin`), unless pinned."""
+    if "tie_margin" in th.pinned or floor.get("tie_margin", 0.0) <= th.tie_margin:
+        return th
+    return replace(th, tie_margin=float(floor["tie_margin"]))
+
+
+def calibrate_to_floor(th: Thresholds, floor: dict) -> tuple[Thresholds, dict]:
+    """Thresholds raised to an expected floor (`floors.expected_floor`): the per-request rule of
+    `calibrate` over the floor's token |d| statistics, then its tie margin. Nothing of the run moves them."""
+    stats = floor["token_abs_diff"]
+    raised = _raised(th, {"token_abs_diff": {"median": stats["median"], "mad": stats["mad"]}})
+    info = {"pair": floor.get("pair"), "detail": floor.get("detail"), "token_abs_diff": dict(stats),
+            "tie_margin": floor.get("tie_margin")}
+    return with_expected_tie_margin(raised, floor), {"source": floor["source"], "noise_floor": info}

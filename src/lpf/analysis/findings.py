@@ -10,9 +10,11 @@ and disagreeing; failed attempts; a dying server's suspects). Pure: tables and
 plain data in and out; `trace` and `engine_info` (the manifest's engine section) are optional, and
 without them the hypotheses use request metadata only.
 
-The run's verdict is its worst request verdict. Hypotheses contrast flagged (divergent, corrupt)
-requests with the rest, or noise requests with clean ones when nothing is flagged. `flagged` lists divergent and corrupt requests,
-worst first (with the engine step of their first divergence when there is a trace).
+The run's verdict is its worst request verdict, or `systematic` when the run-level test
+(`run_test`, against the expected floor of `floors`) rejects and no request is `corrupt`; with an
+expected floor the per-request thresholds and tie margin come from it too, not from the run.
+Hypotheses contrast flagged (divergent, corrupt) requests with the rest, or noise requests with
+clean ones when nothing is flagged. `flagged` lists divergent and corrupt requests, worst first (with the engine step of their first divergence when there is a trace).
 Two signatures join the trace features as candidate mechanisms, both computed from the tokens:
 `crossed_wires` (at a step where a request diverged, another request sampled the token this one's
 reference expected and vice versa: outputs delivered to the wrong request) and, for runs sampled at
@@ -31,16 +33,20 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from lpf.analysis import metrics as m
-from lpf.analysis.calibration import calibrate, calibrate_from_run
+from lpf.analysis.calibration import calibrate, calibrate_from_run, calibrate_to_floor, with_expected_tie_margin
 from lpf.analysis.evidence import apply_inconsistency, evidence
 from lpf.analysis.features import Feature, request_features
+from lpf.analysis.floors import expected_floor
 from lpf.analysis.hypotheses import rank_hypotheses
+from lpf.analysis.levels import REQUEST_VERDICTS, SEVERITY
 from lpf.analysis.prompt import merge_summary, prompt_analysis, worst_verdict
+from lpf.analysis.run_test import run_level_test
 from lpf.analysis.shape import failure_shape
 from lpf.analysis.signatures import crossed_wires, tempered_logprobs
 from lpf.analysis.thresholds import Thresholds
 from lpf.analysis.timing import timing_features
-from lpf.analysis.verdicts import SEVERITY, VERDICTS, reduce_requests, summarize_requests
+from lpf.analysis.token_evidence import calibration_floor, evidence_columns
+from lpf.analysis.verdicts import reduce_requests, summarize_requests
 from lpf.run.schema import SCHEMA_VERSION
 
 METRIC_COLUMNS = ("abs_logprob_diff", "prob_diff", "k3_kl", "token_mult_prob_error")
@@ -50,20 +56,36 @@ CHUNK = 1 << 20
 def analyze(requests: pa.Table, tokens: pa.Table, reference: pa.Table, th: Thresholds, greedy: bool,
             trace: pa.Table | None = None, engine_info: dict | None = None,
             temperature: float = 0.0, calibration: pa.Table | None = None,
-            calibration_info: dict | None = None, prompt_tokens: pa.Table | None = None,
+            calibration_info: dict | None = None, floor_table: dict | None = None,
+            run_info: dict | None = None, prompt_tokens: pa.Table | None = None,
             prompt_reference: pa.Table | None = None, chunk_budget: int | None = None) -> tuple[pa.Table, dict]:
     """(per-request summary, findings dict). Pure: tables in, tables and plain data out.
-    `calibration` (a calibration run's table, reference columns) replaces the run's own floor."""
+    `calibration` (a calibration run's table, reference columns) replaces the run's own floor.
+    `floor_table` (floors.json) and `run_info` (engine_dtype, reference_dtype, model, sampling) give
+    the expected floor: thresholds and tie margin from it, and the run-level test (`run_test`)."""
     joined, starts = m.join_grouped(tokens, reference)
     with np.errstate(invalid="ignore"):
         ad = np.subtract(joined.column("engine_logprob").to_numpy(), joined.column("ref_logprob").to_numpy())
         np.abs(ad, out=ad)
-    th, calib = calibrate(ad, starts, th) if calibration is None else \
-        calibrate_from_run(reference, calibration, th, calibration_info)
+    cols, expected = _expected_floor(joined, tokens, reference, requests, calibration, calibration_info,
+                                     floor_table, run_info or {})
+    if calibration is not None:
+        th, calib = calibrate_from_run(reference, calibration, th, calibration_info)
+        th = with_expected_tie_margin(th, expected) if expected else th
+    elif expected:
+        th, calib = calibrate_to_floor(th, expected)
+    else:
+        th, calib = calibrate(ad, starts, th)
     tok, per = _score(joined, starts, ad, greedy, th)
     summary = apply_inconsistency(summarize_requests(tok, requests, th, starts, per=per), requests)
     findings = build_findings(tok, summary, th, flips=int(per[1]["n_greedy_flips"].sum()))
     findings["thresholds"].update(calib, pinned=sorted(th.pinned))
+    if expected and cols is not None:
+        sampling = (run_info or {}).get("sampling") or {"temperature": temperature}
+        findings["run_test"] = run_level_test(joined, tokens, reference, requests, expected, sampling, cols=cols)
+        if findings["run_test"]["result"] == "different" and findings["verdict"] in SEVERITY and \
+                SEVERITY[findings["verdict"]] < SEVERITY["systematic"]:
+            findings["verdict"] = "systematic"
     shape = failure_shape(summary, requests, trace)
     steps = shape.pop("_divergence_steps")
     for f in findings["flagged"]:
@@ -77,6 +99,20 @@ def analyze(requests: pa.Table, tokens: pa.Table, reference: pa.Table, th: Thres
         findings["prompt"] = prompt_block
         findings["verdict"] = worst_verdict(findings["verdict"], prompt_block)
     return summary, findings
+
+
+def _expected_floor(joined, tokens, reference, requests, calibration, calibration_info, floor_table, info):
+    """(run-test columns, expected floor) or (None, None) without a floor table or an expected
+    floor for the run's reference dtype."""
+    if floor_table is None or joined.num_rows == 0:
+        return None, None
+    cols = evidence_columns(joined, tokens, reference, requests)
+    cal = None
+    if calibration is not None:
+        cal = calibration_floor(cols, joined, calibration)
+    engine_dtype = (calibration_info or {}).get("dtype") or info.get("engine_dtype")
+    floor = expected_floor(floor_table, engine_dtype, info.get("reference_dtype"), info.get("model"), cal)
+    return (cols, floor) if floor else (None, None)
 
 
 def _score(joined: pa.Table, starts: np.ndarray, ad: np.ndarray, greedy: bool, th: Thresholds):
@@ -120,7 +156,7 @@ def _hypotheses(summary, requests, tok, reference, trace, engine_info, temperatu
         return np.isin(code, [i for i, v in enumerate(names) if v in verdicts])
 
     flagged = having("divergent", "corrupt")
-    scored = having(*VERDICTS)
+    scored = having(*REQUEST_VERDICTS)
     if not flagged.any():
         # nothing lies outright, but some requests drift: what sets them apart is still worth
         # ranking (a stale state that shifts logprobs without changing answers shows only as noise)
@@ -149,7 +185,7 @@ def build_findings(tok: pa.Table, summary: pa.Table, th: Thresholds, flips: int 
     the token table's greedy_flip column)."""
     vc = pc.value_counts(summary.column("verdict")).to_pylist()
     tally = {c["values"]: c["counts"] for c in vc}
-    counts = {v: tally.get(v, 0) for v in VERDICTS}
+    counts = {v: tally.get(v, 0) for v in REQUEST_VERDICTS}
     # a run with nothing scored has no verdict to give: say why instead of calling it clean
     nothing = "error" if summary.num_rows and set(tally) == {"error"} else "unscored"
     worst = max((v for v in tally if v in SEVERITY), key=SEVERITY.get, default=nothing)

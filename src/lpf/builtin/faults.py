@@ -20,8 +20,21 @@ Each drill changes how the engine works, never its outputs directly:
                         from zero conv/SSM state instead of the state the previous chunk wrote: only
                         the prefill path is wrong; prompt positions after the chunk boundary diverge
                         first, and decodes inherit the wrong final state.
-`Drills` is the runner's one handle on all of them: the phase rule, whether a new slot is zeroed, the
-LM head, the delivery of samples, and the ground-truth bookkeeping, each the honest behaviour when no
+Substitutions (the engine computes another function than the model it claims, a little, everywhere;
+the arithmetic is in `numeric_drills`):
+  quantize-weights[:BITS]      every decoder linear weight rounded group-wise to BITS bits (default 4;
+                               groups of 128 inputs, round-to-nearest): a quantized checkpoint served
+                               under the full-precision name.
+  kv-quant[:BITS]              K and V rounded to BITS bits (default 8, absmax per token and head) as
+                               they are written to the paged cache: a quantized KV cache.
+  perturb-weights[:SCALE]      every decoder linear weight times (1 + SCALE * N(0, 1)) (default 0.01,
+                               a fixed seed): a different fine-tune of the same model.
+  sampling-temperature[:T]     every request sampled at temperature T (default 0.8), greedy ones too,
+                               and its logprobs taken from that tempered distribution, claimed raw:
+                               logprobs from another temperature than the one the client asked for.
+`Drills` is the runner's one handle on all of them: the weights at load, the phase rule, whether a
+new slot is zeroed, how K/V are stored, the LM head, the sampling temperature, the delivery of
+samples, and the ground-truth bookkeeping, each the honest behaviour when no
 drill is on, so the model runner reads like a runner.
 Ground truth (which request, which step, what happened) is recorded per event and written to
 `faults/*.parquet`, which analysis never reads; only tests and drill scoring do. `role` says how
@@ -37,8 +50,21 @@ from dataclasses import dataclass, field
 
 from lpf.errors import LpfError, did_you_mean
 
+PERTURB_SEED = 1234  # perturb-weights draws the same "fine-tune" on every run
+GROUP_SIZE = 128  # quantize-weights: inputs per quantization group
+
 DRILLS = ("stale-state", "offset-wrap", "batch-variant", "swap-outputs", "processed-logprobs", "kv-double-free",
-          "lost-chunk-state")
+          "lost-chunk-state", "quantize-weights", "kv-quant", "perturb-weights", "sampling-temperature")
+
+# drill -> (FaultSet field, argument type, default, lowest, highest); drills not listed take no argument
+_ARGS = {
+    "offset-wrap": ("offset_wrap_bits", int, 20, 1, 62),
+    "swap-outputs": ("swap_outputs_period", int, 25, 1, 62),
+    "quantize-weights": ("quantize_weights_bits", int, 4, 2, 16),
+    "kv-quant": ("kv_quant_bits", int, 8, 2, 16),
+    "perturb-weights": ("perturb_weights_scale", float, 0.01, 1e-6, 1.0),
+    "sampling-temperature": ("sampling_temperature", float, 0.8, 0.05, 10.0),
+}
 
 
 @dataclass(frozen=True)
@@ -50,6 +76,10 @@ class FaultSet:
     processed_logprobs: bool = False
     kv_double_free: bool = False
     lost_chunk_state: bool = False
+    quantize_weights_bits: int | None = None
+    kv_quant_bits: int | None = None
+    perturb_weights_scale: float | None = None
+    sampling_temperature: float | None = None
 
     @classmethod
     def parse(cls, specs: list[str] | str | None) -> "FaultSet":
@@ -60,15 +90,16 @@ class FaultSet:
             name, _, arg = spec.strip().partition(":")
             if name not in DRILLS:
                 raise LpfError(f"unknown fault {name!r}{did_you_mean(name, DRILLS)}; drills: {', '.join(DRILLS)}")
-            if name in ("offset-wrap", "swap-outputs"):
-                default = 20 if name == "offset-wrap" else 25
+            if name in _ARGS:
+                field_name, kind, default, lo, hi = _ARGS[name]
                 try:
-                    value = int(arg) if arg else default
+                    value = kind(arg) if arg else default
                 except ValueError:
-                    raise LpfError(f"fault {name}: argument must be an integer, got {arg!r}") from None
-                if not (1 <= value <= 62):
-                    raise LpfError(f"fault {name}: argument must be in 1..62, got {value}")
-                kw["offset_wrap_bits" if name == "offset-wrap" else "swap_outputs_period"] = value
+                    word = "an integer" if kind is int else "a number"
+                    raise LpfError(f"fault {name}: argument must be {word}, got {arg!r}") from None
+                if not (lo <= value <= hi):
+                    raise LpfError(f"fault {name}: argument must be in {lo:g}..{hi:g}, got {value:g}")
+                kw[field_name] = value
             elif arg:
                 raise LpfError(f"fault {name} takes no argument")
             else:
@@ -77,20 +108,13 @@ class FaultSet:
 
     def names(self) -> list[str]:
         out = []
-        if self.stale_state:
-            out.append("stale-state")
-        if self.offset_wrap_bits is not None:
-            out.append(f"offset-wrap:{self.offset_wrap_bits}")
-        if self.batch_variant:
-            out.append("batch-variant")
-        if self.swap_outputs_period is not None:
-            out.append(f"swap-outputs:{self.swap_outputs_period}")
-        if self.processed_logprobs:
-            out.append("processed-logprobs")
-        if self.kv_double_free:
-            out.append("kv-double-free")
-        if self.lost_chunk_state:
-            out.append("lost-chunk-state")
+        for name in DRILLS:
+            if name in _ARGS:
+                value = getattr(self, _ARGS[name][0])
+                if value is not None:
+                    out.append(f"{name}:{value:g}")
+            elif getattr(self, name.replace("-", "_")):
+                out.append(name)
         return out
 
 
@@ -158,6 +182,38 @@ class Drills:
     def processed_logprobs(self) -> bool:
         return self.faults.processed_logprobs
 
+    @property
+    def sampling_temperature(self) -> float | None:
+        """The temperature every request is sampled at (and its logprobs taken from), or None: the client's."""
+        return self.faults.sampling_temperature
+
+    def edit_weights(self, model) -> None:
+        """At load: the weights as a substituted checkpoint would have them (`quantize-weights`,
+        `perturb-weights`; both: noise first, then rounding, as a quantized fine-tune would be)."""
+        f = self.faults
+        if f.quantize_weights_bits is None and f.perturb_weights_scale is None:
+            return
+        import torch
+
+        from lpf.builtin import numeric_drills as nd
+
+        gen = torch.Generator().manual_seed(PERTURB_SEED)
+        with torch.no_grad():
+            for _, w in nd.linear_weights(model):
+                if f.perturb_weights_scale is not None:
+                    w.copy_(nd.perturb(w, f.perturb_weights_scale, gen))
+                if f.quantize_weights_bits is not None:
+                    w.copy_(nd.rtn_groupwise(w, f.quantize_weights_bits, GROUP_SIZE))
+
+    def kv_rounding(self):
+        """How K/V are stored in the paged cache: None (as computed) or a rounding function (`kv-quant`)."""
+        bits = self.faults.kv_quant_bits
+        if bits is None:
+            return None
+        from lpf.builtin.numeric_drills import round_kv
+
+        return lambda x: round_kv(x, bits)
+
     def phase(self, s) -> str:
         return classify(s.num_computed_tokens, s.num_scheduled_tokens, self.faults.stale_state)
 
@@ -197,6 +253,8 @@ class Drills:
             t.record_once(s.request_id, step, "batch-variant", "logits from a batch-size-dependent split-K head")
         if f.processed_logprobs and s.will_sample and not s.sampling.greedy:
             t.record_once(s.request_id, step, "processed-logprobs", "reported logprobs are post-temperature/top-k/top-p")
+        for name, detail in self._substitutions():
+            t.record_once(s.request_id, step, name, detail)
 
     def logits(self, model, rows, batch_size: int):
         """The LM head; under `batch-variant` a split-K head whose hidden dimension is cut into
@@ -227,6 +285,21 @@ class Drills:
             samples[a], samples[b] = samples[b], samples[a]
             self.truth.record(a, so.step, "swap-outputs", f"sample of {a} and {b} delivered to each other", other=b)
         return samples
+
+    def _substitutions(self) -> list[tuple[str, str]]:
+        """(drill, what every request computed with) for the substitution drills in force."""
+        f, out = self.faults, []
+        if f.quantize_weights_bits is not None:
+            out.append(("quantize-weights", f"decoder linear weights rounded to {f.quantize_weights_bits} bits "
+                                            f"(groups of {GROUP_SIZE} inputs, round-to-nearest)"))
+        if f.kv_quant_bits is not None:
+            out.append(("kv-quant", f"K/V rounded to {f.kv_quant_bits} bits (absmax per token and head) in the cache"))
+        if f.perturb_weights_scale is not None:
+            out.append(("perturb-weights", f"decoder linear weights times (1 + {f.perturb_weights_scale:g} N(0, 1))"))
+        if f.sampling_temperature is not None:
+            out.append(("sampling-temperature", f"sampled at temperature {f.sampling_temperature:g}, logprobs "
+                                                f"from that distribution, whatever the client asked"))
+        return out
 
     def _discard_stale_read(self, request_id: str) -> None:
         """Preempted before sampling: recompute restarts from a prefill, so the stale read never

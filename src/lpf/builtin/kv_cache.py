@@ -40,10 +40,12 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
 
 class KVCache:
     """K and V for every attention layer: [num_blocks * block_size, n_kv_heads, head_dim] each.
-    `layer` is the attention layer's ordinal (0 for the first attention layer)."""
+    `layer` is the attention layer's ordinal (0 for the first attention layer). Every write goes
+    through `store`, which applies `rounding` (None: stored as computed; the kv-quant drill passes
+    its rounding) so prefill and decode paths store alike."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
-                 dtype=None, device="cpu"):
+                 dtype=None, device="cpu", rounding=None):
         import torch
 
         self.block_size = block_size
@@ -51,7 +53,15 @@ class KVCache:
         shape = (num_blocks * block_size, n_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype or torch.float32, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype or torch.float32, device=device) for _ in range(num_layers)]
+        self.rounding = rounding
         self._torch = torch
+
+    def store(self, layer: int, rows, k, v) -> None:
+        """K/V [n, n_kv, hd] into physical rows `rows` (a long tensor on the cache's device)."""
+        if self.rounding is not None:
+            k, v = self.rounding(k), self.rounding(v)
+        self.k[layer][rows] = k.to(self.k[layer].dtype)
+        self.v[layer][rows] = v.to(self.v[layer].dtype)
 
     def rows(self, block_table: list[int], start: int, end: int):
         """Physical row of every position in [start, end)."""
@@ -62,9 +72,7 @@ class KVCache:
 
     def write(self, layer: int, block_table: list[int], start: int, k, v) -> None:
         """Store K/V [n, n_kv, hd] for positions start .. start + n - 1."""
-        rows = self.rows(block_table, start, start + k.shape[0]).to(self.k[layer].device)
-        self.k[layer][rows] = k.to(self.k[layer].dtype)
-        self.v[layer][rows] = v.to(self.v[layer].dtype)
+        self.store(layer, self.rows(block_table, start, start + k.shape[0]).to(self.k[layer].device), k, v)
 
     def read(self, layer: int, block_table: list[int], length: int):
         """K, V for positions 0 .. length - 1: [length, n_kv, hd] each."""

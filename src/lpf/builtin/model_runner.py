@@ -1,6 +1,7 @@
 """Model runner: turns one `SchedulerOutput` into one forward pass and the step's samples.
 
-It packs every scheduled request's tokens into one flat batch, asks the drills (`faults.Drills`)
+At construction the drills may edit the weights and say how K/V are stored. Each step it packs
+every scheduled request's tokens into one flat batch, asks the drills (`faults.Drills`)
 which phase each request runs in (the fixed rule unless a drill puts the old one back), builds the
 `ForwardContext`, runs the model, projects the last hidden state of each sampling request to logits
 and samples; when prompt logprobs are asked, the rows of prompt tokens are projected too (each
@@ -27,9 +28,11 @@ class ModelRunner:
         self.model = model
         self.device = device
         n_attn, n_kv, head_dim = model.kv_spec()
-        self.kv_cache = KVCache(max(n_attn, 1), num_blocks, block_size, n_kv, head_dim, dtype, device)
         self.state_cache = StateCache(model.state_specs(), num_slots, dtype, device, wrap_bits=faults.offset_wrap_bits)
         self.drills = Drills(faults, truth, self.state_cache)
+        self.drills.edit_weights(model)
+        self.kv_cache = KVCache(max(n_attn, 1), num_blocks, block_size, n_kv, head_dim, dtype, device,
+                                rounding=self.drills.kv_rounding())
 
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> StepResult:
@@ -59,7 +62,8 @@ class ModelRunner:
             return StepResult(phases, prompt_rows=prompt_rows)
         rows = hidden[torch.tensor([m.end - 1 for m, _ in sampling], device=self.device)]
         logits = drills.logits(self.model, rows, batch_size=len(seqs))
-        samples = sample(logits, [s for _, s in sampling], processed=drills.processed_logprobs)
+        samples = sample(logits, [s for _, s in sampling], processed=drills.processed_logprobs,
+                         temperature=drills.sampling_temperature)
         decoding = [m.request_id for m, _ in sampling if m.phase == "decode"]
         return StepResult(phases, drills.deliver(so, decoding, samples), prompt_rows)
 

@@ -30,21 +30,25 @@ def processed_logits(z: torch.Tensor, temperature: float, top_k: int, top_p: flo
     return z
 
 
-def sample(logits: torch.Tensor, reqs: list[ScheduledRequest], processed: bool = False) -> dict[str, Sample]:
-    """logits [N, V] for the N sampling requests -> {request_id: Sample}."""
+def sample(logits: torch.Tensor, reqs: list[ScheduledRequest], processed: bool = False,
+           temperature: float | None = None) -> dict[str, Sample]:
+    """logits [N, V] for the N sampling requests -> {request_id: Sample}. `temperature` (the
+    sampling-temperature drill) replaces every request's own, greedy ones included, and the
+    reported logprobs come from z / temperature."""
     z = logits.float()
     tokens, proc_rows = [], []
     for row, r in enumerate(reqs):
         s = r.sampling
-        if s.greedy:
+        t = s.temperature if temperature is None else temperature
+        if t == 0:
             tokens.append(int(z[row].argmax()))
             proc_rows.append(z[row])
             continue
-        pz = processed_logits(z[row], s.temperature, s.top_k, s.top_p)
+        pz = processed_logits(z[row], t, s.top_k, s.top_p)
         g = torch.Generator().manual_seed(request_seed(r.seed, r.output_position))
         tokens.append(int(torch.multinomial(pz.softmax(-1), 1, generator=g)))
         proc_rows.append(pz)
-    source = torch.stack(proc_rows) if processed else z
+    source = torch.stack(proc_rows) if processed else (z if temperature is None else z / temperature)
     k = max((r.sampling.logprobs for r in reqs), default=0)
     chosen, top_ids, top_lp, _, _ = logprob_rows(source, torch.tensor(tokens), k)
     out = {}

@@ -4,9 +4,12 @@
   are the command's output).
 - `progress_bar(label, unit)`: one rich bar on stderr, shown once the stage has validated its inputs.
 - Option decorators, each option declared once: `engine_knob_options` (the engine knobs, on every
-  command that starts an engine), `run_options`, `reference_options` (the rescorer's model, dtype and
-  budget), `rescore_options` (those + --calibrate), `analysis_options`, and
-  `audit_options` (all of them: `lpf audit`'s own set, which `sweep` also parses cells with).
+  command that starts an engine), `trace_dir_option` (a vLLM server's trace to join: run options and
+  `lpf analyze`), `run_options`, `reference_options` (the rescorer's model, dtype, device and budget),
+  `rescore_options` (those + the executor + --calibrate), `analysis_options`, and `audit_options` (all of
+  them: `lpf audit`'s own set, which `sweep` also parses cells with).
+- `rescore_settings(params)` / `rescore_args(params)`: parsed rescore options as the stage's
+  settings, and back as `lpf rescore` arguments.
 - `engine_knobs(params)`: the knob values a command got, as one engine-options dict;
   `knob_args(options)` is its inverse (the audit arguments that set engine options).
 - `build_run_spec(params)`: the one run-spec builder, from parsed run options.
@@ -74,7 +77,8 @@ def engine_knob_options(f):
         click.option("-E", "--engine-option", "engine_option", multiple=True, metavar="KEY=VALUE",
                      help="Any other engine knob, e.g. -E block_size=32 (repeatable; `lpf engines` lists them)."),
         click.option("--inject", multiple=True, metavar="FAULT[:ARG]",
-                     help="Fault drill of the built-in engine (repeatable): " + ", ".join(DRILLS) + "."),
+                     help="Fault drill (repeatable): built-in engine " + ", ".join(DRILLS) + "; vllm engine "
+                          "stale-state, offset-wrap[:BITS] (through lpf-vllm-trace)."),
         click.option("--cache-mb", type=float, default=None,
                      help="Built-in engine: cache size in MiB (the gpu_memory_utilization analogue)."),
         click.option("--max-num-seqs", type=int, default=None, help="Most requests in one engine step (vLLM's name)."),
@@ -128,9 +132,15 @@ def knob_args(options: Mapping) -> list[str]:
     return args
 
 
+def trace_dir_option(f):
+    return click.option("--trace-dir", type=click.Path(path_type=Path), default=None, metavar="DIR",
+                        help="openai engine: the LPF_VLLM_TRACE_DIR of the vLLM server (with lpf-vllm-trace) "
+                             "that served the run; its step trace is joined to the run by request id.")(f)
+
+
 def run_options(f):
     """What a run is: engine, model, workload, sampling, knobs, where it goes."""
-    f = engine_knob_options(f)
+    f = trace_dir_option(engine_knob_options(f))
     return _apply(f, [
         click.option("--engine", default="builtin", show_default=True, help="Engine under test (see `lpf engines`)."),
         click.option("--model", default=None, help="Model dir, zoo:NAME or tiny:NAME [default: zoo:hybrid]."),
@@ -156,21 +166,59 @@ def run_options(f):
     ])
 
 
+RESCORE_PARAMS = ("reference", "reference_dtype", "token_budget", "reference_device", "executor", "ray_address",
+                  "actors", "gpus_per_actor")
+
+
 def reference_options(f):
-    """The reference rescorer: which model, its dtype, its batch budget (`lpf rescore`, `lpf rl rescore`)."""
+    """The reference rescorer: which model, its dtype and device, its batch budget (`lpf rescore`, `lpf rl rescore`)."""
     return _apply(f, [
         click.option("--reference", default=None, help="Reference model [default: the engine's model]."),
         click.option("--reference-dtype", default="float32", show_default=True),
+        click.option("--reference-device", type=click.Choice(["cpu", "cuda", "auto"]), default="auto",
+                     show_default=True, help="Where the reference runs (auto: a GPU when torch sees one)."),
         click.option("--token-budget", type=int, default=16384, show_default=True,
                      help="Rescorer tokens per batch (padding counted)."),
     ])
 
 
 def rescore_options(f):
+    """How a run is rescored: the reference options, the executor, and --calibrate."""
     return _apply(reference_options(f), [
+        click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True,
+                     help="local: in this process; ray: an actor pool of rescorers on Ray Data (the [ray] extra)."),
+        click.option("--ray-address", default=None, metavar="ADDR",
+                     help="--executor ray: the cluster to join, e.g. ray://head:10001 [default: a local Ray]."),
+        click.option("--actors", type=click.IntRange(min=1), default=1, show_default=True,
+                     help="--executor ray: rescorer actors (one CPU each)."),
+        click.option("--gpus-per-actor", type=click.FloatRange(min=0), default=0, show_default=True,
+                     help="--executor ray: GPUs per actor (0: CPU actors)."),
         click.option("--calibrate", is_flag=True,
                      help="Also score the reference at the engine's dtype: the noise floor the engine cannot move."),
     ])
+
+
+def rescore_settings(params: Mapping):
+    """The `RescoreSettings` of parsed rescore options (validated)."""
+    from lpf.pipeline.rescore import RayOptions, RescoreSettings
+
+    settings = RescoreSettings(
+        reference=params.get("reference"), dtype=params["reference_dtype"], token_budget=params["token_budget"],
+        device=params["reference_device"], executor=params["executor"],
+        ray=RayOptions(address=params.get("ray_address"), actors=params["actors"],
+                       gpus_per_actor=float(params["gpus_per_actor"])))
+    settings.validate()
+    return settings
+
+
+def rescore_args(params: Mapping) -> list[str]:
+    """The `lpf rescore` arguments that reproduce parsed rescore options (a sweep cell's resume)."""
+    args = []
+    for name in RESCORE_PARAMS:
+        value = params.get(name)
+        if value is not None:
+            args += [f"--{name.replace('_', '-')}", str(value)]
+    return args
 
 
 def fail_on_option(what: str = "any request"):
@@ -243,7 +291,8 @@ def build_run_spec(params: Mapping):
                               logprobs=p["logprobs"], prompt_logprobs=bool(p.get("prompt_logprobs")))
     out_dir = p.get("out") or Path("runs") / time.strftime("run-%Y%m%d-%H%M%S")
     return RunSpec(engine=p["engine"], model=model or DEFAULT_MODEL, workload=p.get("workload") or DEFAULT_WORKLOAD,
-                   out=out_dir, n=p["n"], sampling=sampling, engine_options=options, part_size=p["part_size"])
+                   out=out_dir, n=p["n"], sampling=sampling, engine_options=options, part_size=p["part_size"],
+                   trace_dir=p.get("trace_dir"))
 
 
 def default_out(kind: str) -> Path:

@@ -15,7 +15,8 @@ from pathlib import Path
 import click
 
 from lpf.cli.common import (audit_option_kinds, build_run_spec, default_out, engine_knob_options, engine_knobs, err,
-                            fail_on_option, fails, knob_args, parse_audit_args, progress_bar, write_report)
+                            fail_on_option, fails, knob_args, parse_audit_args, progress_bar, rescore_args,
+                            rescore_settings, write_report)
 from lpf.cli.render import print_repeat, print_shrink, print_shrink_event, print_sweep
 from lpf.errors import LpfError
 
@@ -60,9 +61,8 @@ def sweep(ctx, knobs, out_dir, as_json, fail_on):
         spec = build_run_spec(p)
         get_engine_class(spec.engine).Options.parse(spec.engine_options)
         Thresholds().with_overrides(list(p["threshold"]))
-        rescore = (["--reference", p["reference"]] if p["reference"] else []) + [
-            "--reference-dtype", p["reference_dtype"], "--token-budget", str(p["token_budget"])]
-        c.resume = {"rescore": rescore, "analyze": [a for t in p["threshold"] for a in ("--threshold", t)]
+        rescore_settings(p)  # a bad rescore option is refused before the first cell runs
+        c.resume = {"rescore": rescore_args(p), "analyze": [a for t in p["threshold"] for a in ("--threshold", t)]
                     + ([] if p["attribution"] else ["--no-attribution"])}
     sw.check_out(out_dir, parsed, base_args)
     err.print(f"sweep directory: {out_dir}  ({len(cells)} cells: "

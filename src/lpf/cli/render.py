@@ -14,7 +14,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-VERDICT_STYLE = {"clean": "green", "noise": "yellow", "divergent": "bold magenta", "corrupt": "bold red"}
+VERDICT_STYLE = {"clean": "green", "noise": "yellow", "divergent": "bold magenta", "systematic": "bold dark_orange",
+                 "corrupt": "bold red"}
 
 
 def print_summary(findings: dict, run_path, console: Console) -> None:
@@ -37,6 +38,8 @@ def print_summary(findings: dict, run_path, console: Console) -> None:
     if d.get("max") is not None:
         console.print("|logprob diff|  " + "  ".join(f"{k} {d[k]:.3g}" for k in ("p50", "p90", "p99", "p99_9", "max")))
     _print_thresholds(findings["thresholds"], console)
+    _print_trace(findings.get("trace"), console)
+    print_run_test(findings.get("run_test"), console)
     _print_shape(findings.get("shape"), console)
     flagged = findings.get("flagged") or []
     if flagged:
@@ -90,11 +93,38 @@ def _print_thresholds(th: dict, console: Console) -> None:
         dtype = (th.get("noise_floor") or {}).get("dtype", "?")
         origin = f"from a calibration run, reference at {dtype}: token |diff| median {floor['median']:.2g}, " \
                  f"MAD {floor['mad']:.2g}"
+    if source == "table":
+        origin = f"from the expected floor of {(th.get('noise_floor') or {}).get('pair', '?')} (the shipped table)"
     pinned = f", pinned: {', '.join(th['pinned'])}" if th.get("pinned") else ""
     console.print(f"[dim]thresholds ({origin}{pinned}): clean <= {th['clean_abs_diff']:.3g}, "
                   f"divergent > {th['divergent_abs_diff']:.3g}, tie margin {th.get('tie_margin', 0):.3g}, "
                   f"corrupt: gibberish score >= {th.get('gibberish_min_score', 0):.2g} "
                   f"with >= {th['gibberish_min_tokens']} lie tokens[/]")
+
+
+_TRACE_SOURCE = {"engine": "from the engine", "vllm-plugin": "from inside vLLM (lpf-vllm-trace)",
+                 "joined": "joined from the server's lpf-vllm-trace directory"}
+
+
+def _print_trace(trace: dict | None, console: Console) -> None:
+    """One line: whether the step trace the hypotheses read was recorded, and why not."""
+    if not trace:
+        return
+    if trace["recorded"]:
+        why = f" [yellow]({escape(trace['why'])})[/]" if trace.get("why") else ""
+        console.print(f"[dim]trace: {trace['rows']} rows {_TRACE_SOURCE.get(trace['source'], '')}[/]{why}", highlight=False)
+    else:
+        console.print(f"[dim]trace: none ({escape(trace.get('why') or 'no reason given')})[/]", highlight=False)
+
+
+def print_run_test(rt: dict | None, console: Console) -> None:
+    """The run-level test in one sentence with its numbers (and the floor finding when there is one)."""
+    if not rt:
+        return
+    style = {"same": "green", "different": VERDICT_STYLE["systematic"]}.get(rt.get("result"), "dim")
+    console.print(f"[bold]run test:[/] [{style}]{escape(rt['sentence'])}[/]", highlight=False)
+    if rt.get("floor_sentence"):
+        console.print(f"  [{style}]{escape(rt['floor_sentence'])}[/]", highlight=False)
 
 
 def _print_shape(shape: dict | None, console: Console) -> None:

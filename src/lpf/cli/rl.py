@@ -76,7 +76,7 @@ def analyze_cmd(dump, out_dir, fmt, strict, metric, z_threshold, as_json, fail_o
 @click.argument("dump", type=click.Path(path_type=Path))
 @_dump_options
 @reference_options
-def rescore_cmd(dump, out_dir, fmt, strict, reference, reference_dtype, token_budget):
+def rescore_cmd(dump, out_dir, fmt, strict, reference, reference_dtype, reference_device, token_budget):
     """Score the dumped responses with the HF reference: the third opinion `lpf rl analyze` then reads
     (RL directory/reference.parquet). --reference defaults to the model an `lpf rl simulate` dump names."""
     from lpf.rl.formats import read_dump
@@ -88,7 +88,7 @@ def rescore_cmd(dump, out_dir, fmt, strict, reference, reference_dtype, token_bu
         raise LpfError("--reference is required: this dump does not name its model (give the policy's HF checkpoint)")
     out_dir = out_dir or _default_out(dump)
     with progress_bar("rescore ", "tokens") as (on_start, tick):
-        table = score(d, reference, reference_dtype, token_budget, on_start, tick)
+        table = score(d, reference, reference_dtype, token_budget, on_start, tick, device=reference_device)
     path = write(out_dir, table)
     print_rl_rescore(path, table.num_rows, d.responses.num_rows, reference, reference_dtype, err)
     where = "" if out_dir == _default_out(dump) else f" --out {out_dir}"

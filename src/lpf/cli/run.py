@@ -13,8 +13,8 @@ from pathlib import Path
 
 import click
 
-from lpf.cli.common import (analysis_options, audit_options, build_run_spec, err, fails, progress_bar, rescore_options,
-                            run_options, write_report)
+from lpf.cli.common import (RESCORE_PARAMS, analysis_options, audit_options, build_run_spec, err, fails, progress_bar,
+                            rescore_options, rescore_settings, run_options, trace_dir_option, write_report)
 from lpf.cli.render import print_calibration, print_summary
 from lpf.errors import LpfError
 
@@ -24,16 +24,28 @@ def _generate(run) -> None:
 
     with progress_bar("generate", "requests") as (on_start, tick):
         execute_run(run, on_start, tick)
+    if run.manifest.get("trace_dir"):
+        _join(run, run.manifest["trace_dir"])
 
 
-def _rescore(run, reference, reference_dtype, token_budget, redo=False, calibrate=False) -> None:
+def _join(run, trace_dir) -> None:
+    from rich.markup import escape
+
+    from lpf.pipeline import join_trace
+
+    info = join_trace(run, trace_dir)
+    err.print(f"joined {info['rows']} trace rows from {escape(str(trace_dir))}" if info["recorded"] else
+              f"[yellow]no trace joined:[/] {escape(info['why'] or '')}", highlight=False)
+
+
+def _rescore(run, settings, redo=False, calibrate=False) -> None:
     from lpf.pipeline import calibrate_run, rescore_run
 
     with progress_bar("rescore ", "tokens") as (on_start, tick):
-        rescore_run(run, reference, reference_dtype, token_budget, redo, on_start, tick)
+        rescore_run(run, redo=redo, on_start=on_start, tick=tick, settings=settings)
     if calibrate:
         with progress_bar("calibrate", "tokens") as (on_start, tick):
-            cal = calibrate_run(run, token_budget, on_start, tick)
+            cal = calibrate_run(run, settings.token_budget, on_start, tick, device=settings.device)
         print_calibration(cal, run.path, err)
 
 
@@ -52,20 +64,24 @@ def _analyze(run, threshold, as_json, fail_on, attribution=True) -> None:
         from lpf.pipeline import all_failed
 
         raise LpfError(f"nothing could be audited: {all_failed(run) or 'every request failed'}")
-    if fails([findings["verdict"]], fail_on):  # the worst of output and prompt verdicts
+    # the run's verdict counts too: `systematic` is the run-level test's and a prompt-only divergence
+    # the prompt block's, neither carried by a request's output verdict
+    if fails([*(v for v, c in findings["counts"].items() if c), findings["verdict"]], fail_on):
         sys.exit(1)
 
 
 @click.command()
 @audit_options
-def audit(reference, reference_dtype, token_budget, calibrate, threshold, attribution, as_json, fail_on, **run_params):
+def audit(calibrate, threshold, attribution, as_json, fail_on, **params):
     """Run a workload on an engine, rescore it with the reference, analyze: all in one."""
     from lpf.pipeline import create_run
 
-    run = create_run(build_run_spec({**run_params, "reference": reference}))
+    settings = rescore_settings(params)  # checked before the engine starts
+    run_params = {k: v for k, v in params.items() if k not in RESCORE_PARAMS}
+    run = create_run(build_run_spec({**run_params, "reference": params["reference"]}))
     err.print(f"run directory: {run.path}")
     _generate(run)
-    _rescore(run, reference, reference_dtype, token_budget, calibrate=calibrate)
+    _rescore(run, settings, calibrate=calibrate)
     _analyze(run, threshold, as_json, fail_on, attribution)
 
 
@@ -75,10 +91,8 @@ def audit(reference, reference_dtype, token_budget, calibrate, threshold, attrib
               help="Finish an interrupted run (its manifest supplies every other option).")
 def run(resume, **run_params):
     """Run a workload on an engine and store every token and logprob (no rescoring)."""
-    from lpf.pipeline import create_run
+    from lpf.pipeline import all_failed, create_run
     from lpf.run.store import RunDir
-
-    from lpf.pipeline import all_failed
 
     run_dir = RunDir.open(resume) if resume else create_run(build_run_spec(run_params))
     err.print(f"run directory: {run_dir.path}")
@@ -92,21 +106,27 @@ def run(resume, **run_params):
 @click.argument("run_dir", type=click.Path(path_type=Path))
 @rescore_options
 @click.option("--redo", is_flag=True, help="Drop existing reference scores and rescore everything.")
-def rescore(run_dir, reference, reference_dtype, token_budget, calibrate, redo):
-    """Teacher-force the reference model over a run's prompts and outputs."""
+def rescore(run_dir, calibrate, redo, **params):
+    """Teacher-force the reference model over a run's prompts and outputs (resumable: a request is
+    scored once; `--executor ray` spreads the work over a pool of Ray actors)."""
     from lpf.run.store import RunDir
 
-    _rescore(RunDir.open(run_dir), reference, reference_dtype, token_budget, redo, calibrate)
+    settings = rescore_settings(params)
+    _rescore(RunDir.open(run_dir), settings, redo, calibrate)
 
 
 @click.command()
 @click.argument("run_dir", type=click.Path(path_type=Path))
+@trace_dir_option
 @analysis_options
-def analyze(run_dir, threshold, attribution, as_json, fail_on):
+def analyze(run_dir, trace_dir, threshold, attribution, as_json, fail_on):
     """Re-run the analysis on a stored, rescored run and rewrite findings.json."""
     from lpf.run.store import RunDir
 
-    _analyze(RunDir.open(run_dir), threshold, as_json, fail_on, attribution)
+    run = RunDir.open(run_dir)
+    if trace_dir is not None:
+        _join(run, trace_dir)
+    _analyze(run, threshold, as_json, fail_on, attribution)
 
 
 COMMANDS = (audit, run, rescore, analyze)

@@ -4,9 +4,17 @@ With `attribute` (the default) the flagged requests' outputs are also re-scored 
 requests served alongside them (`lpf.analysis.attribution` plans and judges, `lpf.pipeline.attribute`
 scores, cached in `attribution/`): "request X received the answer meant for request Y" joins the
 ranked hypotheses, and `findings.attribution` lists every pair found.
+
+It hands analysis the expected-floor table shipped with the package (`lpf/analysis/floors.json`,
+read here so analysis does no I/O) and what the manifest says about the dtype pair, the reference
+model and the sampling, from which the run-level test gets its floor.
 """
 
 from __future__ import annotations
+
+import json
+from functools import lru_cache
+from importlib import resources
 
 import pyarrow.parquet as pq
 
@@ -16,8 +24,9 @@ from lpf.analysis.thresholds import Thresholds
 from lpf.errors import LpfError
 from lpf.jsonsafe import finite
 from lpf.pipeline.attribute import attribution_scores
-from lpf.pipeline.calibrate import calibration_for
+from lpf.pipeline.calibrate import calibration_for, engine_dtype
 from lpf.pipeline.callbacks import OnStart, Tick, no_start, no_tick
+from lpf.pipeline.trace import engine_info, trace_summary
 from lpf.run.store import RunDir
 
 
@@ -44,16 +53,21 @@ def analyze_run(run: RunDir, thresholds: Thresholds, attribute: bool = True, on_
     temperature = m["sampling"].get("temperature", 0) or 0
     reference = run.read("reference")
     calibration, cal_info = calibration_for(run, reference)
+    ref = m.get("reference") or {}
+    run_info = {"engine_dtype": engine_dtype(m), "reference_dtype": ref.get("dtype"), "model": ref.get("spec"),
+                "sampling": m["sampling"]}
     prompt = (run.read("prompt_tokens"), run.read("prompt_reference")) if run.has("prompt_reference") else (None, None)
     summary, findings = analyze(requests, run.read("tokens"), reference, thresholds,
-                                greedy=temperature == 0, trace=trace, engine_info=m.get("engine"),
+                                greedy=temperature == 0, trace=trace, engine_info=engine_info(run),
                                 temperature=temperature, calibration=calibration, calibration_info=cal_info,
+                                floor_table=floor_table(), run_info=run_info,
                                 prompt_tokens=prompt[0], prompt_reference=prompt[1], chunk_budget=chunk_budget(m))
     findings["attribution"] = _attribute(run, requests, summary, reference, findings, on_start, tick) \
         if attribute else None
     findings = {"run_id": m.get("run_id"), "engine": m["engine"].get("name"), "model": m["model"].get("spec"),
                 "reference": (m.get("reference") or {}).get("spec"), **findings}
     findings["run_complete"] = m.get("status") == "complete"
+    findings["trace"] = trace_summary(run)
     pq.write_table(summary, run.path / "summary.parquet")
     run.write_json("findings.json", finite(findings))
     return finite(findings)
@@ -73,3 +87,9 @@ def _attribute(run: RunDir, requests, summary, reference, findings: dict, on_sta
     findings["hypotheses"] = attribution.merge_ranked(
         findings["hypotheses"], attribution.hypotheses(found, n_flagged, n_scored - n_flagged))
     return {"n_tested": len(plans), "n_pairs_scored": scores.num_rows, "attributed": found}
+
+
+@lru_cache(maxsize=1)
+def floor_table() -> dict:
+    """The expected-floor table measured by scripts/measure_floors.py (see docs/verdicts-and-metrics.md)."""
+    return json.loads(resources.files("lpf.analysis").joinpath("floors.json").read_text())

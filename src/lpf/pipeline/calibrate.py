@@ -29,18 +29,19 @@ def engine_dtype(m: dict) -> str | None:
 
 
 def calibrate_run(run: RunDir, token_budget: int = 16384,
-                  on_start: OnStart = no_start, tick: Tick = no_tick) -> dict:
+                  on_start: OnStart = no_start, tick: Tick = no_tick, device: str = "cpu") -> dict:
     """The calibration run: teacher-force the reference model again, at the engine's dtype, over
     every request the reference scored, into `calibration/` parts (resumable like rescore). Its
     |calibration - reference| per token is what an honest implementation at that dtype deviates by:
     `analyze` takes the noise floor from it instead of from the engine's own (possibly lying)
-    errors. When the engine's dtype is the reference's, the calibration run would be the reference
+    errors. The head stays at that dtype too (`float32_head=False`), as such an engine computes it.
+    When the engine's dtype is the reference's, the calibration run would be the reference
     itself (floor 0): nothing is computed and the manifest says so. Returns manifest["calibration"]."""
     with run.writer():
-        return _calibrate(run, token_budget, on_start, tick)
+        return _calibrate(run, token_budget, on_start, tick, device)
 
 
-def _calibrate(run: RunDir, token_budget: int, on_start: OnStart, tick: Tick) -> dict:
+def _calibrate(run: RunDir, token_budget: int, on_start: OnStart, tick: Tick, device: str) -> dict:
     from lpf.reference import Rescorer, ScoreItem
 
     m = run.manifest
@@ -61,8 +62,11 @@ def _calibrate(run: RunDir, token_budget: int, on_start: OnStart, tick: Tick) ->
                             "same_as_reference": True}
         run.save_manifest()
         return m["calibration"]
-    rescorer = Rescorer(resolve_model(ref["spec"]), dtype=dtype, token_budget=token_budget,
-                        topk=m["sampling"].get("logprobs", 5))
+    try:
+        rescorer = Rescorer(resolve_model(ref["spec"]), dtype=dtype, device=device, token_budget=token_budget,
+                            topk=m["sampling"].get("logprobs", 5), float32_head=False)
+    except RuntimeError as e:
+        raise _cannot_run(run, ref, dtype, e) from None
     m["calibration"] = {**{k: v for k, v in rescorer.describe().items() if k != "tokenizer_sha256"},
                         "reference_dtype": ref.get("dtype"), "same_as_reference": False}
     run.save_manifest()
@@ -74,9 +78,20 @@ def _calibrate(run: RunDir, token_budget: int, on_start: OnStart, tick: Tick) ->
              for r in req if r["request_id"] not in done]
     total = sum(len(r["output_token_ids"]) for r in req)
     on_start(total, total - sum(len(it.output_token_ids) for it in items))
-    for table in rescorer.score(items, tick):
-        run.append("calibration", table)
+    try:
+        for table in rescorer.score(items, tick):
+            run.append("calibration", table)
+    except RuntimeError as e:
+        raise _cannot_run(run, ref, dtype, e) from None
     return m["calibration"]
+
+
+def _cannot_run(run: RunDir, ref: dict, dtype: str, e: Exception) -> LpfError:
+    """A model whose HF code has no kernel for that dtype here (Jamba's Mamba scan in bf16 on CPU)."""
+    what = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return LpfError(f"the calibration run stopped: the reference {ref.get('spec')} does not run at {dtype} here "
+                    f"({what}); `lpf analyze {run.path}` uses the calibration parts scored so far, or the "
+                    f"shipped floor table when there are none")
 
 
 def calibration_for(run: RunDir, reference: pa.Table) -> tuple[pa.Table | None, dict | None]:

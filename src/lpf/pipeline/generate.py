@@ -5,8 +5,9 @@ configuration that can hold no request) before the directory exists, so a bad in
 nothing. `execute_run(run, on_start, tick)` sends every not-yet-completed request to the engine and
 commits completions in parts as they finish (side tables such as the trace first, then tokens, then
 requests: a request part never exists without what led to it); what finished before an error or
-Ctrl-C is kept, and a rerun resumes. `all_failed(run)` is the one line a run where every request
-failed ends with (exit 2).
+Ctrl-C is kept, and a rerun resumes (its engine's steps numbered after the earlier sessions', so a
+step names one batch). `all_failed(run)` is the one line a run where every request failed ends with
+(exit 2).
 """
 
 from __future__ import annotations
@@ -21,16 +22,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 import lpf
 from lpf.adapters import get_engine_class
 from lpf.errors import LpfError
-from lpf.pipeline.callbacks import OnStart, Tick, no_start, no_tick
 from lpf.model_specs import ModelRef, load_tokenizer, resolve_model, tokenizer_fingerprint
+from lpf.pipeline.callbacks import OnStart, Tick, no_start, no_tick
+from lpf.pipeline.trace import check_joinable
 from lpf.run import schema
 from lpf.run.store import RunDir
 from lpf.sampling import SamplingParams
 from lpf.workload import EngineRequest, expand, load_prompts, normalized, read_normalized
+
 
 @dataclass
 class RunSpec:
@@ -42,6 +46,7 @@ class RunSpec:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     engine_options: dict = field(default_factory=dict)
     part_size: int = 64
+    trace_dir: Path | None = None  # a vLLM server's lpf-vllm-trace directory, joined after the run
 
 
 def model_config(model: ModelRef) -> dict:
@@ -54,6 +59,8 @@ def model_config(model: ModelRef) -> dict:
 
 def create_run(spec: RunSpec) -> RunDir:
     engine_cls = get_engine_class(spec.engine)
+    if spec.trace_dir is not None:
+        check_joinable(spec.engine)
     options = engine_cls.Options.parse(spec.engine_options)  # a bad knob is refused before anything is written
     model = resolve_model(spec.model)
     cfg = model_config(model)
@@ -77,6 +84,7 @@ def create_run(spec: RunSpec) -> RunDir:
         "sampling": spec.sampling.to_dict(),
         "seed": spec.sampling.seed,
         "part_size": spec.part_size,
+        **({"trace_dir": str(Path(spec.trace_dir).resolve())} if spec.trace_dir is not None else {}),
         "host": {"hostname": socket.gethostname(), "platform": platform.platform(),
                  "python": platform.python_version()},
     }
@@ -111,18 +119,19 @@ def _execute(run: RunDir, on_start: OnStart, tick: Tick) -> None:
         run.save_manifest()
         tokenizer = load_tokenizer(model)
         by_id = {r.request_id: r for r in pending}
+        step_base = _next_step(run)  # a resumed run's engine counts steps from 0 again: keep them unique
         buffer, last = [], time.monotonic()
         try:
             for c in engine.generate(pending):
                 buffer.append(c)
                 tick(1)
                 if len(buffer) >= m.get("part_size", 64) or time.monotonic() - last > 10:
-                    _commit(run, engine, buffer, by_id, tokenizer)
+                    _commit(run, engine, buffer, by_id, tokenizer, step_base)
                     buffer, last = [], time.monotonic()
             m["engine"].update(engine.describe())  # what the run taught it (HTTP retries, token identity)
         finally:
             if buffer:  # what finished before an error or Ctrl-C is kept
-                _commit(run, engine, buffer, by_id, tokenizer)
+                _commit(run, engine, buffer, by_id, tokenizer, step_base)
             engine.close()
     m["status"] = "complete"
     run.save_manifest()
@@ -138,7 +147,13 @@ def all_failed(run: RunDir) -> str | None:
     return f"every request failed ({len(errors)} of {len(errors)}); the commonest error ({count}): {common}"
 
 
-def _commit(run: RunDir, engine, completions, by_id: dict[str, EngineRequest], tokenizer) -> None:
+def _next_step(run: RunDir) -> int:
+    steps = [run.read(t, ["step"]).column("step") for t in ("trace", "faults") if run.has(t)]
+    top = max((pc.max(s).as_py() for s in steps if len(s)), default=None)
+    return 0 if top is None else int(top) + 1
+
+
+def _commit(run: RunDir, engine, completions, by_id: dict[str, EngineRequest], tokenizer, step_base: int = 0) -> None:
     req_rows, tok, ptok = [], {k: [] for k in schema.TOKENS.names}, {k: [] for k in schema.PROMPT_TOKENS.names}
     for c in completions:
         r = by_id[c.request_id]
@@ -173,6 +188,8 @@ def _commit(run: RunDir, engine, completions, by_id: dict[str, EngineRequest], t
     # side tables first: a request part must never exist without the trace that led to it
     for name, table in engine.side_tables().items():
         if table is not None and table.num_rows:
+            if step_base and "step" in table.column_names:
+                table = table.set_column(table.column_names.index("step"), "step", pc.add(table.column("step"), step_base))
             run.append(name, table)
     run.append_requests(pa.Table.from_pylist(req_rows, schema=schema.REQUESTS), pa.table(tok, schema=schema.TOKENS),
                         pa.table(ptok, schema=schema.PROMPT_TOKENS) if ptok["request_id"] else None)

@@ -4,37 +4,122 @@ Resumable (a request is scored iff it has reference rows), scores the prompt pos
 whose engine returned prompt logprobs in the same pass (`prompt_reference/`, committed with its
 reference part), refuses a reference with another tokenizer
 (ids would not mean the same text) and a silent switch of reference (`--redo` replaces the scores).
+Two executors write the same `reference/` parts through `RunDir.append`: `local` (one `Rescorer` in
+this process) and `ray` (`lpf.pipeline.rescore_ray`: an actor pool of rescorers on Ray Data, the
+parts committed by this process). Both pack batches with `lpf.reference.plan_batches`. Prompt
+positions are scored by the local executor only (a run with prompt logprobs is refused by `ray`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from lpf.errors import LpfError
+from lpf.model_specs import load_tokenizer, resolve_model
 from lpf.pipeline.callbacks import OnStart, Tick, no_start, no_tick
-from lpf.model_specs import resolve_model
-from lpf.run.store import RunDir
-
-def rescore_run(run: RunDir, reference: str | None, dtype: str = "float32", token_budget: int = 16384,
-                redo: bool = False, on_start: OnStart = no_start,
-                tick: Tick = no_tick) -> None:
-    """Teacher-force the reference over every completed, not-yet-scored request."""
-    with run.writer():
-        _rescore(run, reference, dtype, token_budget, redo, on_start, tick)
+from lpf.run.store import RunDir, read_part
 
 
-def _rescore(run: RunDir, reference: str | None, dtype: str, token_budget: int, redo: bool, on_start: OnStart,
-             tick: Tick) -> None:
-    from lpf.reference import Rescorer, ScoreItem
+EXECUTORS = ("local", "ray")
 
+
+@dataclass(frozen=True)
+class RayOptions:
+    """Where and how wide the Ray executor runs: `address` None starts a local Ray instance."""
+
+    address: str | None = None
+    actors: int = 1
+    gpus_per_actor: float = 0.0
+
+
+@dataclass(frozen=True)
+class RescoreSettings:
+    """How a run is rescored (the `lpf rescore` / `lpf audit` options)."""
+
+    reference: str | None = None
+    dtype: str = "float32"
+    token_budget: int = 16384
+    device: str = "cpu"
+    executor: str = "local"
+    ray: RayOptions = field(default_factory=RayOptions)
+
+    def validate(self) -> None:
+        if self.executor not in EXECUTORS:
+            raise LpfError(f"unknown executor {self.executor!r}; choose from {', '.join(EXECUTORS)}")
+        if self.token_budget < 1:
+            raise LpfError(f"--token-budget must be >= 1, got {self.token_budget}")
+        if self.ray.actors < 1:
+            raise LpfError(f"--actors must be >= 1, got {self.ray.actors}")
+        if self.ray.gpus_per_actor < 0:
+            raise LpfError(f"--gpus-per-actor must be >= 0, got {self.ray.gpus_per_actor}")
+        if self.executor == "local" and (self.ray != RayOptions()):
+            raise LpfError("--ray-address, --actors and --gpus-per-actor need --executor ray")
+        if self.executor == "ray":
+            from lpf.pipeline.rescore_ray import require_ray
+
+            require_ray()
+        if self.executor == "ray" and self.device.startswith("cuda") and not self.ray.gpus_per_actor:
+            raise LpfError(f"--reference-device {self.device} with --executor ray needs --gpus-per-actor "
+                           f"(Ray hides GPUs from actors that did not ask for one)")
+
+
+def unscored_requests(run: RunDir) -> tuple[pa.Table, int, int]:
+    """(request_id, part (index into run.parts("requests")), n_prompt, n_output of every completed
+    request with outputs and no reference rows yet; total output tokens of the run's scorable
+    requests; how many of them are scored), read part by part without keeping any token ids."""
+    done = run.read("reference", ["request_id"]).column("request_id").unique()
+    pieces, total = [], 0
+    for i, path in enumerate(run.parts("requests")):
+        t = read_part(path, "requests", ["request_id", "prompt_token_ids", "output_token_ids", "error"])
+        n_out = pc.list_value_length(t.column("output_token_ids")).fill_null(0)
+        no_error = pc.is_null(t.column("error"))
+        total += pc.sum(pc.if_else(no_error, n_out, 0)).as_py() or 0
+        keep = pc.and_(pc.and_(no_error, pc.greater(n_out, 0)),
+                       pc.invert(pc.is_in(t.column("request_id"), value_set=done)))
+        n = pc.sum(keep.cast(pa.int64())).as_py() or 0
+        pieces.append(pa.table({
+            "request_id": t.column("request_id").filter(keep),
+            "part": pa.array([i] * n, pa.int32()),
+            "n_prompt": pc.list_value_length(t.column("prompt_token_ids")).fill_null(0).filter(keep).cast(pa.int32()),
+            "n_output": n_out.filter(keep).cast(pa.int32())}))
+    pending = pa.concat_tables(pieces) if pieces else pa.table(
+        {"request_id": pa.array([], pa.string()), "part": pa.array([], pa.int32()),
+         "n_prompt": pa.array([], pa.int32()), "n_output": pa.array([], pa.int32())})
+    return pending, total, total - (pc.sum(pending.column("n_output")).as_py() or 0)
+
+
+def rescore_run(run: RunDir, reference: str | None = None, dtype: str = "float32", token_budget: int = 16384,
+                redo: bool = False, on_start: OnStart = no_start, tick: Tick = no_tick,
+                settings: RescoreSettings | None = None) -> None:
+    """Teacher-force the reference over every completed, not-yet-scored request. `settings`, when
+    given, replaces reference/dtype/token_budget (and adds the device and the executor)."""
+    s = settings or RescoreSettings(reference=reference, dtype=dtype, token_budget=token_budget)
+    s.validate()
+    with run.writer():  # one writer at a time: a second rescore of the same run waits or is refused
+        _rescore(run, s, redo, on_start, tick)
+
+
+def _rescore(run: RunDir, s: RescoreSettings, redo: bool, on_start: OnStart, tick: Tick) -> None:
     m = run.manifest
-    spec = reference or m["model"]["spec"]
+    spec = s.reference or m["model"]["spec"]
     prev = m.get("reference")
-    if run.has("reference") and prev and (prev.get("spec"), prev.get("dtype")) != (spec, dtype) and not redo:
+    if run.has("reference") and prev and (prev.get("spec"), prev.get("dtype")) != (spec, s.dtype) and not redo:
         raise LpfError(f"{run.path} was rescored with {prev.get('spec')} ({prev.get('dtype')}); "
                        f"pass --redo to replace those scores")
-    rescorer = Rescorer(resolve_model(spec), dtype=dtype, token_budget=token_budget,
-                        topk=m["sampling"].get("logprobs", 5))
-    desc = rescorer.describe()
+    model = resolve_model(spec)
+    topk = m["sampling"].get("logprobs", 5)
+    if s.executor == "local":
+        from lpf.reference import Rescorer
+
+        rescorer = Rescorer(model, dtype=s.dtype, device=s.device, token_budget=s.token_budget, topk=topk)
+        desc = rescorer.describe()
+    else:  # the weights load on the actors, not here
+        from lpf.reference import describe_reference
+
+        desc = {**describe_reference(model, s.dtype, load_tokenizer(model)), "device": s.device}
     if desc["tokenizer_sha256"] != m["tokenizer_sha256"]:
         raise LpfError(f"reference {spec} uses a different tokenizer from the engine's model "
                        f"{m['model']['spec']}: token ids would not mean the same text")
@@ -43,14 +128,24 @@ def _rescore(run: RunDir, reference: str | None, dtype: str, token_budget: int, 
         for p in run.parts("prompt_reference") + run.parts("reference") + run.parts("calibration"):
             p.unlink()
         m.pop("calibration", None)
-    m["reference"] = desc
+    m["reference"] = {**desc, "executor": s.executor}
     run.save_manifest()
-    done = set(run.read("reference", ["request_id"]).column("request_id").to_pylist())
-    req = run.read("requests", ["request_id", "prompt_token_ids", "output_token_ids", "error"]).to_pylist()
+    pending, total, done = unscored_requests(run)
+    on_start(total, done)
     with_prompt = set(run.read("prompt_tokens", ["request_id"]).column("request_id").unique().to_pylist())
+    if s.executor == "ray":
+        if with_prompt:  # the actors score output positions only: prompt scores would be silently missing
+            raise LpfError(f"{run.path} has prompt logprobs (--prompt-logprobs): rescore it with "
+                           f"--executor local, which scores prompt positions in the same pass")
+        from lpf.pipeline.rescore_ray import rescore_on_ray
+
+        rescore_on_ray(run, pending, model, s, topk, tick)
+        return
+    from lpf.reference import ScoreItem
+
+    todo = set(pending.column("request_id").to_pylist())
+    req = run.read("requests", ["request_id", "prompt_token_ids", "output_token_ids"]).to_pylist()
     items = [ScoreItem(r["request_id"], r["prompt_token_ids"], r["output_token_ids"], r["request_id"] in with_prompt)
-             for r in req if r["error"] is None and r["output_token_ids"] and r["request_id"] not in done]
-    total = sum(len(r["output_token_ids"]) for r in req if r["error"] is None)
-    on_start(total, total - sum(len(it.output_token_ids) for it in items))
+             for r in req if r["request_id"] in todo]
     for scored in rescorer.score_all(items, tick):
         run.append_reference(scored.reference, scored.prompt_reference)

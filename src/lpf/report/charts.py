@@ -14,8 +14,8 @@ import math
 
 import numpy as np
 
-VERDICT_COLORS = {"clean": "#16a34a", "noise": "#ca8a04", "divergent": "#c026d3", "corrupt": "#dc2626",
-                  "error": "#6b7280", "unscored": "#9ca3af"}
+VERDICT_COLORS = {"clean": "#16a34a", "noise": "#ca8a04", "divergent": "#c026d3", "systematic": "#ea580c",
+                  "corrupt": "#dc2626", "error": "#6b7280", "unscored": "#9ca3af"}
 INK, MUTED, GRID, ACCENT = "#1f2937", "#6b7280", "#eceef2", "#2563eb"
 SERIES = ["#2563eb", "#f97316", "#0d9488", "#9333ea", "#e11d48", "#65a30d", "#0891b2", "#a16207"]
 MAX_SCATTER_POINTS = 12_000
@@ -394,4 +394,37 @@ def verdict_mix(labels: list[str], names: list[str], counts: list[dict], x_title
     layout = base_layout(height=300, barmode="stack",
                          xaxis={"type": "category", "title": {"text": ptext(x_title)}, "automargin": True},
                          yaxis={"title": {"text": "requests"}})
+    return {"data": data, "layout": layout}
+
+
+FLOOR_BARS = (("token", "q99", "token error, q99"), ("token", "median", "token error, median"),
+              ("topk", "q99", "top-k spread, q99"), ("topk", "median", "top-k spread, median"),
+              ("settled", "q99", "settled |d|, q99"))
+
+
+def floor_chart(run_test: dict) -> dict | None:
+    """The run-level test's floors: observed (this run) against expected (its dtype pair), log scale.
+    Token error is |d| / sensitivity over informative tokens; top-k spread is the spread of the shared
+    top-k logprob errors; settled is |d| where the reference is sure (`lpf.analysis.floors`)."""
+    floors = run_test.get("floors") or {}
+    exp, obs = floors.get("expected") or {}, floors.get("observed") or {}
+
+    def value(f, group, name):
+        v = (f.get(group) or {}).get(name)
+        return sig(v, 4) if isinstance(v, (int, float)) and v > 0 else None
+
+    bars = [(label, value(exp, g, n), value(obs, g, n)) for g, n, label in FLOOR_BARS]
+    bars = [b for b in bars if b[1] is not None or b[2] is not None]
+    if not bars:
+        return None
+    labels = [ptext(b[0]) for b in bars]
+    color = VERDICT_COLORS["systematic"] if run_test.get("result") == "different" else VERDICT_COLORS["clean"]
+    pair = ptext(run_test.get("floor_pair") or "?")
+    data = [{"type": "bar", "name": f"expected ({pair})", "x": labels, "y": [b[1] for b in bars],
+             "marker": {"color": "#9ca3af"}, "hovertemplate": "expected %{y:.3g}<extra>%{x}</extra>"},
+            {"type": "bar", "name": "observed (this run)", "x": labels, "y": [b[2] for b in bars],
+             "marker": {"color": color}, "hovertemplate": "observed %{y:.3g}<extra>%{x}</extra>"}]
+    layout = base_layout(height=300, barmode="group",
+                         xaxis={"type": "category", "automargin": True},
+                         yaxis={"type": "log", "exponentformat": "e", "title": {"text": "nats"}})
     return {"data": data, "layout": layout}

@@ -4,7 +4,8 @@
 and the run's tokenizer, then hands arrays to the pure builders in `charts` and `drilldown`. Only
 the columns a chart needs are read for the whole run; top-k lists are read for the drilled-down
 requests alone, so a 100k-request run stays fast. Keys the analysis may not write yet (shape,
-calibrated thresholds, hypotheses) pass through as found; the page shows what is there.
+calibrated thresholds, hypotheses, the run-level test) pass through as found; the page shows what
+is there (the run-level test with its floor chart, observed against expected, when findings have one).
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ def load(path: Path, worst_n: int = WORST_N, max_points: int = charts.MAX_SCATTE
             "scatter": scatter,
             "first_divergence": charts.first_divergence_chart(fd_values[has_fd], verdict[has_fd]),
             "steps": _step_chart(trace, flagged_ids, findings),
+            "run_test": charts.floor_chart(findings["run_test"]) if findings.get("run_test") else None,
         },
         "notes": {"scatter_shown": shown, "n_requests": summary.num_rows},
         "drill": _drill(run, picks, tok_files, ref_files, trace_files),

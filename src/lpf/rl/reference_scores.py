@@ -34,7 +34,7 @@ def _noop(*_):
 
 
 def score(dump: Dump, reference: str, dtype: str = "float32", token_budget: int = 16384,
-          on_start: Callable = _noop, tick: Callable = _noop) -> pa.Table:
+          on_start: Callable = _noop, tick: Callable = _noop, device: str = "cpu") -> pa.Table:
     from lpf.model_specs import resolve_model
     from lpf.reference import Rescorer, ScoreItem
 
@@ -47,7 +47,7 @@ def score(dump: Dump, reference: str, dtype: str = "float32", token_budget: int 
                        f"{ids[none[0]]}), so the reference cannot be given their context; {_HOW.get(dump.fmt, '')}")
     if token_budget < 1:
         raise LpfError(f"--token-budget must be >= 1, got {token_budget}")
-    rescorer = Rescorer(resolve_model(reference), dtype=dtype, token_budget=token_budget, topk=1)
+    rescorer = Rescorer(resolve_model(reference), dtype=dtype, device=device, token_budget=token_budget, topk=1)
     items = [ScoreItem(str(i), p, o) for i, (p, o) in enumerate(zip(prompts, outputs))]
     for it in items:
         rescorer.validate(it)  # every request checked before the bar starts: an error prints alone

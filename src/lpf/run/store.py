@@ -97,6 +97,12 @@ def _holds_files(path: Path, leftovers: set[str]) -> bool:
                for p in path.rglob("*"))
 
 
+def read_part(path: Path | str, table: str, columns: list[str]) -> pa.Table:
+    """One part file of run table `table` with `columns` of the current schema (what a worker that
+    holds no RunDir reads: the Ray rescorer's actors)."""
+    return _read_part(Path(path), pa.schema([schema.TABLES[table].field(c) for c in columns]), table)
+
+
 class RunDir:
     """Handle on one run directory. Create with `create()`, reopen with `open()`."""
 
@@ -228,6 +234,11 @@ class RunDir:
             return pa.concat_tables([_read_any(p, columns) for p in parts], promote_options="default")
         want = target if columns is None else pa.schema([target.field(c) for c in columns])
         return pa.concat_tables([_read_part(p, want, table) for p in parts])
+
+    def iter_parts(self, table: str, columns: list[str]) -> Iterator[pa.Table]:
+        """Each part of a table (of the run schema) read alone, in part order: memory bounded by a part."""
+        for p in self.parts(table):
+            yield read_part(p, table, columns)
 
     def has(self, table: str) -> bool:
         return bool(self.parts(table))

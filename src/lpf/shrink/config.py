@@ -29,9 +29,9 @@ from lpf.errors import LpfError, did_you_mean
 
 # the knobs moved toward the engine's defaults, in this order (the cache first: it sets how fast
 # slots and blocks recycle); only those the engine has and the run set away from the default
-MOVABLE = ("cache_mb", "gpu_memory_utilization", "cpu_kvcache_space", "max_num_seqs", "max_num_batched_tokens",
-           "enable_chunked_prefill", "enable_prefix_caching", "block_size", "batch_size", "concurrency",
-           "max_model_len", "dtype")
+MOVABLE = ("cache_mb", "gpu_memory_utilization", "cpu_kvcache_space", "num_gpu_blocks_override", "max_num_seqs",
+           "max_num_batched_tokens", "enable_chunked_prefill", "enable_prefix_caching", "block_size", "batch_size",
+           "concurrency", "max_model_len", "dtype")
 PINNED_THRESHOLDS = ("clean_abs_diff", "divergent_abs_diff", "tie_margin")
 
 

@@ -1,22 +1,26 @@
 """Standalone reproducer written by `lpf shrink` (this file is its template; `CONFIG` is filled in).
 
 It needs only the engine and transformers: for the built-in engine, `lpf.builtin` (the engine
-itself) and transformers; for vLLM, vLLM's own interpreter (vllm and transformers) and nothing of
-lpf. It sends the minimal requests, in order, to the engine with the minimal knobs, re-scores the
-target request's exact tokens with transformers (one teacher-forced pass), prints the first output
-position where the two disagree with both logprobs, and exits 1 when the lie reproduces (the target
-diverges in the same place as while shrinking: at its first output token, or later), 0 when it does
-not, 2 when it cannot run. A position diverges as in lpf's verdicts: |engine - reference| logprob
-above the divergence threshold, a greedy flip, or a token the engine was sure of and the reference
-finds improbable.
+itself) and transformers; for vLLM, vLLM's own interpreter (vllm and transformers; with a drill on,
+the lpf-vllm-trace plugin installed there, armed through a private LPF_VLLM_TRACE_DIR, exit 2 when
+it is not) and nothing of lpf. It sends the minimal requests, in order, to the engine with the
+minimal knobs, re-scores the target request's exact tokens with transformers (one teacher-forced
+pass), prints the first output position where the two disagree with both logprobs, and exits 1 when
+the lie reproduces (the target diverges in the same place as while shrinking: at its first output
+token, or later), 0 when it does not, 2 when it cannot run. A position diverges as in lpf's
+verdicts: |engine - reference| logprob above the divergence threshold, a greedy flip, or a token the
+engine was sure of and the reference finds improbable.
 
 Usage: python repro.py [--model DIR]   (DIR: the model directory, if it moved)
 """
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import sys
+import tempfile
 from dataclasses import dataclass
 
 CONFIG = None  # lpf shrink writes the reproducer's data here
@@ -71,14 +75,24 @@ def generate_builtin(cfg: dict, model_dir: str):
 
 def generate_vllm(cfg: dict, model_dir: str):
     """(target's output ids, their logprobs, engine description) from vllm.LLM."""
-    for key, value in cfg["env"].items():
-        os.environ.setdefault(key, value)
+    drill = cfg["env"].get("LPF_VLLM_INJECT")
+    # exactly this reproducer's settings: a caller's own LPF_VLLM_* must not switch a drill on or off
+    for key in ("LPF_VLLM_INJECT", "LPF_VLLM_TRACE_DIR"):
+        os.environ.pop(key, None)
+    os.environ.update(cfg["env"])
+    if drill:
+        # lpf-vllm-trace arms its drills only while it records (LPF_VLLM_TRACE_DIR): a private directory
+        trace_dir = tempfile.mkdtemp(prefix="repro-vllm-trace-")
+        atexit.register(shutil.rmtree, trace_dir, True)  # registered first, so it runs after the plugin's flush
+        os.environ["LPF_VLLM_TRACE_DIR"] = trace_dir
     import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     args = dict(cfg["engine_args"], model=model_dir)
     llm = LLM(**args)
+    if drill:
+        check_drill(drill)
     s = cfg["sampling"]
     params = [SamplingParams(n=1, temperature=s["temperature"], top_p=s["top_p"], top_k=s["top_k"] or 0,
                              seed=r["seed"], max_tokens=r["max_tokens"], ignore_eos=s["ignore_eos"],
@@ -90,6 +104,21 @@ def generate_vllm(cfg: dict, model_dir: str):
     ids = [int(t) for t in out.token_ids]
     lps = [float(out.logprobs[p][t].logprob) for p, t in enumerate(ids)]
     return ids, lps, f"vLLM {vllm.__version__}, engine args {json.dumps(args)}"
+
+
+def check_drill(drill: str) -> None:
+    """Exit 2 unless lpf-vllm-trace armed the drill in this process (vLLM runs in-process here): without
+    it the engine runs its fixed code and a clean result would say nothing about the lie."""
+    try:
+        import lpf_vllm_trace
+    except ImportError:
+        print(f"error: the {drill} drill lives in lpf-vllm-trace, which is not installed in this Python "
+              f"(from an lpf checkout: {sys.executable} -m pip install ./plugins/vllm-trace)", file=sys.stderr)
+        sys.exit(2)
+    status = lpf_vllm_trace.status()
+    if not status.get("recording"):
+        print(f"error: lpf-vllm-trace did not arm the {drill} drill: {status.get('why')}", file=sys.stderr)
+        sys.exit(2)
 
 
 def rescore(model_dir: str, dtype: str, prompt: list, output: list):

@@ -7,19 +7,24 @@ then has the judge run it (k-of-n, charged against `--budget-runs`). The current
 only ever moves to one that reproduced (`adopt`), and `state.path` lists those moves.
 
 The plan:
-1. Requests. First a starting point, small before large: the target alone, then with the last 1,
-   2, 4, ... requests that arrived before it (an engine's state comes mostly from what ran just
-   before), then with every earlier request and the later ones that ran beside it, then the
-   original configuration itself with every try. If even that does not show the lie, the shrink
-   ends `not-reproduced`: "did not reproduce in K tries", never a false minimum. From the starting
-   point, ddmin (`ddmin.ddmin`) over the other requests, arrival order kept.
-2. Lengths. The target's max_tokens (bisection) and prompt (a prefix: 1 token first, then
-   bisection); then every other request at 1 prompt token and max_tokens 1 at once, else each one
-   alone (1, then once halfway).
-3. Knobs, one at a time, each off the engine's default (`Source.movable`): the default, else
+1. A starting point, small before large: the target alone, then with the last 1, 2, 4, ...
+   requests that arrived before it (an engine's state comes mostly from what ran just before),
+   then with every earlier request and the later ones that ran beside it, then the original
+   configuration itself with every try. If even that does not show the lie, the shrink ends
+   `not-reproduced`: "did not reproduce in K tries", never a false minimum.
+2. The cheap cuts, before any ddmin: the target's max_tokens (bisection) and prompt (a prefix: 1
+   token first, then bisection), then every other request at 1 prompt token and max_tokens 1 at
+   once. A few runs each, and they can take the timing out of the lie: an engine that queues
+   every request at once (vLLM offline) gives the target its one token of budget only in the
+   original's exact schedule, so no subset of the requests keeps that, while a one-token prompt
+   is scheduled as one token whatever else runs.
+3. Requests: ddmin (`ddmin.ddmin`) over the other requests, arrival order kept.
+4. Lengths of the others that ddmin kept: at their shortest at once again, else each one alone
+   (1, then once halfway).
+5. Knobs, one at a time, each off the engine's default (`Source.movable`): the default, else
    halfway to it (geometric for positive numbers).
-4. If lengths or knobs moved, requests once more (shorter requests and default knobs can make more
-   of them unnecessary).
+6. If 4 or 5 moved, requests once more (shorter requests and default knobs can make more of them
+   unnecessary).
 A spent budget ends the search where it stands (`budget-spent`, the best configuration so far is
 the minimum). When the engine was not shown deterministic, the minimum is then run until `--tries`
 runs and the count of runs that showed the lie is reported (`confirmation`).
@@ -95,8 +100,10 @@ class Shrink:
         status = "done"
         try:
             self.start()
+            self.target_lengths()
+            self.others_shortest()
             self.requests()
-            moved = self.lengths()
+            moved = self.other_lengths()
             moved = self.knobs() or moved
             if moved:
                 self.requests()
@@ -150,17 +157,29 @@ class Shrink:
               on_reduce=lambda sub: self.adopt(start.with_members(sub + [target])))
         return len(self.cur.members) < len(start.members)
 
-    def lengths(self) -> bool:
+    def target_lengths(self) -> bool:
         moved = self.smallest(self.t, "max_tokens", lowest_first=False)
-        moved = self.smallest(self.t, "prompt_len", lowest_first=True) or moved
+        return self.smallest(self.t, "prompt_len", lowest_first=True) or moved
+
+    def others_shortest(self) -> bool:
+        """Every other request at 1 prompt token and max_tokens 1, in one candidate."""
         others = [m for m in self.cur.members if m.seq != self.t and (m.prompt_len > 1 or m.max_tokens > 1)]
         if not others:
-            return moved
+            return False
         config = self.cur.with_members([m if m.seq == self.t else replace(m, prompt_len=1, max_tokens=1)
                                         for m in self.cur.members])
         if self.test(config, "lengths", "every other request at 1 prompt token and max_tokens 1"):
             self.adopt(config)
             return True
+        return False
+
+    def other_lengths(self) -> bool:
+        """After ddmin: the others at their shortest at once again (fewer of them now), else each
+        one's max_tokens and prompt alone (1, then once halfway)."""
+        others = [m for m in self.cur.members if m.seq != self.t and (m.prompt_len > 1 or m.max_tokens > 1)]
+        if not others or self.others_shortest():
+            return bool(others)
+        moved = False
         for m in others:
             for dim in ("max_tokens", "prompt_len"):
                 moved = self.smallest(m.seq, dim, lowest_first=True, probes=2) or moved

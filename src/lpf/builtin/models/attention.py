@@ -137,8 +137,7 @@ class PagedAttention(nn.Module):
         kc, vc = cache.k[self.attn_layer], cache.v[self.attn_layer]
         new_rows = torch.tensor([s.block_table[s.num_computed // bs] * bs + s.num_computed % bs for s in decodes],
                                 dtype=torch.long, device=kc.device)
-        kc[new_rows] = k.to(kc.dtype)
-        vc[new_rows] = v.to(vc.dtype)
+        cache.store(self.attn_layer, new_rows, k, v)
         lengths = torch.tensor([s.num_computed + 1 for s in decodes], dtype=torch.long, device=kc.device)
         n_blocks = -(-int(lengths.max()) // bs)
         tables = torch.tensor([(s.block_table[:n_blocks] + [0] * n_blocks)[:n_blocks] for s in decodes],

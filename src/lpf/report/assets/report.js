@@ -6,8 +6,8 @@
   var app = document.getElementById("app");
   var TIP = document.getElementById("tip");
   var VERDICTS = ["clean", "noise", "divergent", "corrupt"];
-  var COLORS = { clean: "#16a34a", noise: "#ca8a04", divergent: "#c026d3", corrupt: "#dc2626", error: "#6b7280", unscored: "#9ca3af" };
-  var SEVERITY = { clean: 0, noise: 1, divergent: 2, corrupt: 3 };
+  var COLORS = { clean: "#16a34a", noise: "#ca8a04", divergent: "#c026d3", systematic: "#ea580c", corrupt: "#dc2626", error: "#6b7280", unscored: "#9ca3af" };
+  var SEVERITY = { clean: 0, noise: 1, divergent: 2, systematic: 3, corrupt: 4 };
 
   // -- tiny DOM helpers ------------------------------------------------------------------------------
   function h(tag, cls, kids) {
@@ -198,10 +198,26 @@
     if (per.period != null) fact("periodicity", "every " + fmt(per.period) + " " + (per.over === "seq" ? "requests" : "steps"),
       "confidence " + fmt(per.confidence));
     else if (S.periodicity) fact("periodicity", "none found", "confidence " + fmt(per.confidence));
+    var tr = F.trace;  // the step trace the mechanisms were ranked against, or why there is none
+    var trFrom = { engine: "from the engine", "vllm-plugin": "from inside vLLM (lpf-vllm-trace)", joined: "joined from the server's trace directory" };
+    if (tr) fact("step trace", tr.recorded ? fmt(tr.rows) + " rows" : "none",
+      tr.recorded ? (trFrom[tr.source] || tr.source) + (tr.why ? " · " + tr.why : "") : (tr.why || ""));
     add(g, facts);
     var cl = (S.clusters || []).filter(function (c) { return c && c.sentence; });
     if (cl.length) add(g, h("ul", "sentences", cl.map(function (c) { return txt("li", null, c.sentence); })));
     main.appendChild(g);
+
+    // the run-level test: is the engine's distribution the reference's, beyond its dtype's floor?
+    var RT = F.run_test;
+    if (RT) {
+      var rts = section("run-test", "Run-level test",
+        "Is this the model you claim? Every scored token against the floor an honest implementation at the engine's dtype has (never this run's own). Bars: observed (this run) and expected floor, log scale.", "Run test");
+      add(rts, h("div", "lead" + (RT.result === "same" ? " ok" : ""), [txt("b", null, "Run test: "), RT.sentence || ""]));
+      if (RT.floor_sentence) add(rts, txt("p", null, RT.floor_sentence));
+      add(rts, D.charts.run_test ? plot(D.charts.run_test) : txt("div", "empty", "no floor to draw"));
+      if (RT.floor_detail) add(rts, txt("p", "note", "expected floor: " + RT.floor_detail));
+      main.appendChild(rts);
+    }
 
     // distribution
     var dist = section("distribution", "Token error distribution",

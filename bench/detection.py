@@ -1,0 +1,156 @@
+"""Benchmark: detection power of the run-level test (`lpf.analysis.run_test`) against token count.
+
+For each substitution drill of the built-in engine and for clean runs (float32 and bfloat16 engines,
+float32 reference), one greedy `lpf audit` of zoo:hybrid on zoo:stress (2,000 requests, max_tokens 16,
+top-5 logprobs; `runs/bench-detection/`, reused when complete). Then, for N = 25 .. 10,000 scored
+tokens, W random windows of N consecutive scored tokens (arrival order) per run, each judged alone
+against the run's expected floor (the shipped table's, as `lpf analyze` picks it): score = -log10 p.
+  AUC          P(score of a drill window > score of a clean window at the drill's dtype), ties half
+  false alarm  share of clean windows with p < alpha (the default 1e-6), per dtype
+  smallest N   the smallest N with AUC >= 0.999
+Two tests side by side: the run-level test as shipped (the engine's token and its top-k), the same
+with the engine's top-k withheld (only the sampled token's logprob, as a provider that returns no
+alternatives), and the named baseline: the per-request verdicts under the run's own floor (what lpf
+did before; score = the window's tokens flagged divergent or worse), whose AUC stays near 0.5 for a
+lie that is small everywhere.
+Usage: python bench/detection.py [--windows 500] [--out runs/bench-detection]
+(writes bench/results/detection.json, prints the tables)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+SIZES = (25, 50, 100, 300, 1000, 3000, 10000)
+CONFIGS = {  # name -> (engine dtype, drill or None)
+    "clean float32": ("float32", None),
+    "clean bfloat16": ("bfloat16", None),
+    "quantize-weights:4": ("float32", "quantize-weights:4"),
+    "quantize-weights:8": ("float32", "quantize-weights:8"),
+    "kv-quant:8": ("float32", "kv-quant:8"),
+    "kv-quant:4": ("float32", "kv-quant:4"),
+    "perturb-weights:0.01": ("float32", "perturb-weights:0.01"),
+    "sampling-temperature:0.8": ("float32", "sampling-temperature:0.8"),
+    "bf16 + quantize-weights:4": ("bfloat16", "quantize-weights:4"),
+    "bf16 + quantize-weights:8": ("bfloat16", "quantize-weights:8"),
+}
+
+
+def audit(out: Path, dtype: str, drill: str | None) -> Path:
+    if (out / "findings.json").is_file():
+        return out
+    args = [str(Path(sys.executable).with_name("lpf")), "audit", "--model", "zoo:hybrid", "--workload", "zoo:stress",
+            "--max-tokens", "16", "--dtype", dtype, "--out", str(out), "--fail-on", "never", "-E", "threads=1"]
+    if drill:
+        args += ["--inject", drill]
+    t0 = time.time()
+    proc = subprocess.run(args, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{out}: audit failed:\n{proc.stderr[-2000:]}")
+    print(f"  {out.name}: {time.time() - t0:.0f} s", file=sys.stderr)
+    return out
+
+
+def evidence(run: Path) -> dict:
+    """{"shipped", "token only", "baseline"}: per-token evidence (arrival order) of one run."""
+    import pyarrow.parquet as pq
+
+    from lpf.analysis import metrics, run_test as rt
+    from lpf.analysis.calibration import calibrate
+    from lpf.analysis.token_evidence import evidence_columns
+    from lpf.analysis.floors import expected_floor
+    from lpf.analysis.thresholds import Thresholds
+    from lpf.pipeline.analyze import floor_table
+    from lpf.pipeline.calibrate import engine_dtype
+
+    m = json.loads((run / "manifest.json").read_text())
+    tokens, reference, requests = (pq.read_table(run / t) for t in ("tokens", "reference", "requests"))
+    joined, starts = metrics.join_grouped(tokens, reference)
+    cols = evidence_columns(joined, tokens, reference, requests)
+    floor = expected_floor(floor_table(), engine_dtype(m), m["reference"]["dtype"], m["reference"]["spec"])
+    shipped = rt.token_evidence(cols, floor, m["sampling"])
+    bare = {k: v for k, v in cols.items() if not k.startswith("engine_topk")}
+    token_only = rt.token_evidence(bare, floor, m["sampling"])
+    # the baseline: per-request verdict machinery under the run's own floor
+    ad = np.abs(joined.column("engine_logprob").to_numpy() - joined.column("ref_logprob").to_numpy())
+    th, _ = calibrate(ad, starts, Thresholds())
+    arr = metrics.metric_arrays(metrics.input_arrays(joined), m["sampling"]["temperature"] == 0, th)
+    flagged = (arr["abs_logprob_diff"] > th.divergent_abs_diff) | arr["greedy_flip"] | arr["gibberish"]
+    return {"shipped": shipped, "token only": token_only, "baseline": flagged[cols["order"]], "floor": floor}
+
+
+def window_scores(ev, size: int, starts: np.ndarray, alpha: float) -> np.ndarray:
+    from lpf.analysis.run_test import decide
+
+    if isinstance(ev, np.ndarray):  # the baseline: flagged tokens in the window
+        c = np.concatenate([[0], np.cumsum(ev)])
+        return (c[starts + size] - c[starts]).astype(float)
+    return np.array([-(decide(ev, int(s), int(s) + size, alpha)["log10_p_value"] or 0.0) for s in starts])
+
+
+def auc(pos: np.ndarray, neg: np.ndarray) -> float:
+    both = np.concatenate([pos, neg])
+    ranks = np.argsort(np.argsort(both, kind="stable"), kind="stable").astype(float)
+    for v in np.unique(both):  # average ranks of ties
+        tie = both == v
+        ranks[tie] = ranks[tie].mean()
+    return float((ranks[: len(pos)].sum() - len(pos) * (len(pos) - 1) / 2) / (len(pos) * len(neg)))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--windows", type=int, default=500)
+    ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-detection")
+    ap.add_argument("--alpha", type=float, default=None)
+    a = ap.parse_args()
+    from lpf.analysis.run_test import DEFAULT_ALPHA
+
+    alpha = a.alpha or DEFAULT_ALPHA
+    a.out.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    ev = {}
+    for name, (dtype, drill) in CONFIGS.items():
+        ev[name] = evidence(audit(a.out / name.replace(" ", "-").replace(":", "-").replace("+", "p"), dtype, drill))
+    n_min = min(e["shipped"]["n"] for e in ev.values())
+    sizes = [s for s in SIZES if s <= n_min]
+    starts = {s: rng.integers(0, n_min - s + 1, a.windows) for s in sizes}
+    methods = ("shipped", "token only", "baseline")
+    scores = {name: {meth: {s: window_scores(e[meth], s, starts[s], alpha) for s in sizes} for meth in methods}
+              for name, e in ev.items()}
+    result = {"measured": time.strftime("%Y-%m-%d"), "alpha": alpha, "windows": a.windows, "sizes": sizes,
+              "n_tokens": {k: e["shipped"]["n"] for k, e in ev.items()},
+              "floors": {k: e["floor"]["pair"] + " (" + e["floor"]["detail"] + ")" for k, e in ev.items()},
+              "false_alarm": {}, "auc": {}, "smallest_n": {}}
+    for name in ("clean float32", "clean bfloat16"):
+        result["false_alarm"][name] = {m: {s: float(np.mean(scores[name][m][s] > -np.log10(alpha))) for s in sizes}
+                                       for m in ("shipped", "token only")}
+    for name, (dtype, drill) in CONFIGS.items():
+        if drill is None:
+            continue
+        clean = "clean float32" if dtype == "float32" else "clean bfloat16"
+        result["auc"][name] = {m: {s: auc(scores[name][m][s], scores[clean][m][s]) for s in sizes} for m in methods}
+        result["smallest_n"][name] = {m: next((s for s in sizes if result["auc"][name][m][s] >= 0.999), None)
+                                      for m in methods}
+    (ROOT / "bench" / "results").mkdir(exist_ok=True)
+    (ROOT / "bench" / "results" / "detection.json").write_text(json.dumps(result, indent=1) + "\n")
+    head = "| run | " + " | ".join(f"N={s}" for s in sizes) + " | smallest N (AUC >= 0.999) |"
+    for meth in methods:
+        print(f"\nAUC, {meth}:\n{head}\n|" + "---|" * (len(sizes) + 2))
+        for name, by in result["auc"].items():
+            print(f"| {name} | " + " | ".join(f"{by[meth][s]:.3f}" for s in sizes) +
+                  f" | {result['smallest_n'][name][meth] or '-'} |")
+    for meth in ("shipped", "token only"):
+        print(f"\nfalse alarms at p < {alpha:g}, {meth}: " + "; ".join(
+            f"{k}: " + ", ".join(f"{v:.3f}" for v in fa[meth].values()) for k, fa in result["false_alarm"].items()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""The patches on vLLM 0.32's V1 runner (`GPUModelRunner`, which the CPU runner inherits).
+
+- `execute_model`: opens a step when the scheduler scheduled tokens (dummy, profile and capture runs
+  call `_dummy_run`, never this, so they are never traced) and closes it whatever happens.
+- `_may_reorder_batch`: remembers the batch order before the reorder (the `reordered` column); under
+  stale-state runs the pre-fix reorder instead of vLLM's.
+- `_build_attention_metadata`: after vLLM built the per-layer metadata, reads off each row's phase
+  (the Mamba metadata's `num_decodes` rows come first, then prefills) and its state slot (`state_
+  indices_tensor_d` / `_p`) in the runner's own batch order (`input_batch.req_ids`); under
+  offset-wrap, swaps the wrapped slots into the prefill indices (a new metadata object, so vLLM's
+  block table is never written).
+- `mamba_attn.split_decodes_and_prefills` (stale-state only): counts short extends as decodes and
+  ignores `is_prefilling`, the split before the fix.
+Anything unexpected inside a hook stops the recording with its reason (never the engine); offset-wrap,
+which acts where the rows are read, stops with it, stale-state's reorder and split stay in force.
+"""
+
+from __future__ import annotations
+
+import threading
+
+_tls = threading.local()  # the step being executed on this thread (engine steps are sequential)
+
+
+class _Step:
+    def __init__(self, index: int, scheduler_output):
+        self.index = index
+        self.so = scheduler_output
+        self.order_before: list[str] | None = None
+
+
+def install(session) -> None:
+    from vllm.v1.attention.backends import mamba_attn
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from lpf_vllm_trace.drills import prefix_reorder
+    from lpf_vllm_trace.step_rows import StepReader
+
+    drills = session.drills
+    reader = StepReader(session, mamba_attn.BaseMambaAttentionMetadata)
+    orig_execute = GPUModelRunner.execute_model
+    orig_reorder = GPUModelRunner._may_reorder_batch
+    orig_build = GPUModelRunner._build_attention_metadata
+    counter = {"step": 0}
+
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        if not session.recording or not scheduler_output.total_num_scheduled_tokens:
+            return orig_execute(self, scheduler_output, *args, **kwargs)
+        _tls.step = _Step(counter["step"], scheduler_output)
+        counter["step"] += 1
+        try:
+            return orig_execute(self, scheduler_output, *args, **kwargs)
+        finally:
+            _tls.step = None
+
+    def _may_reorder_batch(self, scheduler_output):
+        step = getattr(_tls, "step", None)
+        if step is not None:
+            step.order_before = list(self.input_batch.req_ids)
+        if drills.stale_state and len(self.kv_cache_config.kv_cache_groups) and self.reorder_batch_threshold is not None:
+            prefix_reorder(self.input_batch, scheduler_output, self.reorder_batch_threshold)
+            return None
+        return orig_reorder(self, scheduler_output)
+
+    def _build_attention_metadata(self, *args, **kwargs):
+        result = orig_build(self, *args, **kwargs)
+        step = getattr(_tls, "step", None)
+        if step is None or kwargs.get("for_cudagraph_capture") or not session.recording:
+            return result
+        try:
+            attn_metadata, spec_decode_metadata = result  # vLLM 0.32 returns this pair
+            return reader.read(self, step, attn_metadata), spec_decode_metadata
+        except Exception as e:  # noqa: BLE001 - a plugin bug costs the trace, never the engine
+            session.stop(f"recording stopped at step {step.index}, the plugin failed ({type(e).__name__}: {e})")
+            return result
+
+    GPUModelRunner.execute_model = execute_model
+    GPUModelRunner._may_reorder_batch = _may_reorder_batch
+    GPUModelRunner._build_attention_metadata = _build_attention_metadata
+    if drills.stale_state:
+        orig_split = mamba_attn.split_decodes_and_prefills
+
+        def split_decodes_and_prefills(common_attn_metadata, decode_threshold=1, require_uniform=False,
+                                       treat_short_extends_as_decodes=True):
+            return orig_split(common_attn_metadata, decode_threshold, require_uniform, True)
+
+        mamba_attn.split_decodes_and_prefills = split_decodes_and_prefills
+

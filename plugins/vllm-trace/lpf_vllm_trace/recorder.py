@@ -1,0 +1,128 @@
+"""Buffered rows -> Parquet parts and the status file, every file written atomically.
+
+`Recorder(out_dir)`: `open()` makes `trace/` and `faults/` (returns why not, as a sentence, when the
+directory cannot take files); `add(table, columns)` buffers a chunk of columns ({name: list}, every
+schema column), `add_rows(table, rows)` a list of row dicts; `flush()` writes what is buffered as one
+part per table (`part-<pid>-<n>.parquet`: several vLLM processes may share a directory) and
+then the status; `write_status(dict)` writes `trace_status.json`. A background thread flushes every
+`interval` seconds so a server's rows reach disk without anyone asking, and refreshes the status'
+`heartbeat` (unix seconds: every row buffered before it is on disk). A failed write stops the
+recording (one warning, the reason in the status) and never raises into the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from itertools import chain
+from pathlib import Path
+
+
+class Recorder:
+    def __init__(self, out_dir: str, interval: float = 0.5):
+        self.dir = Path(out_dir)
+        self.interval = interval
+        self.pid = os.getpid()
+        self.lock = threading.Lock()
+        self.buffers: dict[str, list[dict]] = {"trace": [], "faults": []}  # chunks of columns
+        self.counts = {"trace": 0, "faults": 0}  # rows on disk
+        self.parts = 0
+        self.status_fields: dict = {}
+        self.failed: str | None = None
+        self._thread: threading.Thread | None = None
+
+    def open(self) -> str | None:
+        try:
+            for sub in ("trace", "faults"):
+                (self.dir / sub).mkdir(parents=True, exist_ok=True)
+            probe = self.dir / f".tmp-probe-{self.pid}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as e:
+            return f"directory {self.dir} not writable ({e.strerror or e})"
+        return None
+
+    def add(self, table: str, columns: dict[str, list]) -> None:
+        if self.failed is None:
+            with self.lock:
+                self.buffers[table].append(columns)
+
+    def add_rows(self, table: str, rows: list[dict]) -> None:
+        if rows:
+            self.add(table, {name: [r[name] for r in rows] for name in rows[0]})
+
+    def flush(self) -> str | None:
+        """Write buffered rows; returns why recording stopped, when a write failed."""
+        from lpf_vllm_trace.schema import faults_schema, trace_schema
+
+        with self.lock:
+            if self.failed is not None:
+                return self.failed
+            beat = time.time()
+            try:
+                for table, schema in (("trace", trace_schema), ("faults", faults_schema)):
+                    chunks = self.buffers[table]
+                    if chunks:
+                        n = self._write_part(table, chunks, schema())
+                        self.counts[table] += n
+                        self.buffers[table] = []
+                self._write_status_locked(heartbeat=beat)
+            except OSError as e:
+                self.failed = f"writing to {self.dir} failed ({e.strerror or e}): the trace stops there"
+                self.buffers = {"trace": [], "faults": []}
+                try:
+                    self._write_status_locked(heartbeat=beat)
+                except OSError:
+                    pass
+            return self.failed
+
+    def _write_part(self, table: str, chunks: list[dict], schema) -> int:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        data = pa.table({f.name: pa.array(list(chain.from_iterable(c[f.name] for c in chunks)), f.type)
+                         for f in schema}, schema=schema)
+        if not data.num_rows:
+            return 0
+        name = f"part-{self.pid}-{self.parts:06d}.parquet"
+        self.parts += 1
+        tmp = self.dir / table / f".tmp-{name}"
+        pq.write_table(data, tmp)
+        os.replace(tmp, self.dir / table / name)
+        return data.num_rows
+
+    def write_status(self, fields: dict) -> None:
+        with self.lock:
+            self.status_fields.update(fields)
+            try:
+                self._write_status_locked()
+            except OSError:
+                pass  # the status is best effort: the caller has already said why in the log
+
+    def _write_status_locked(self, heartbeat: float | None = None) -> None:
+        if heartbeat is not None:
+            self.status_fields["heartbeat"] = heartbeat
+        doc = {**self.status_fields, "rows": self.counts["trace"], "fault_rows": self.counts["faults"],
+               "pid": self.pid}
+        if self.failed is not None:
+            doc.update(recording=False, why=self.failed)
+        path = self.dir / "trace_status.json"
+        tmp = self.dir / f".tmp-trace_status-{self.pid}.json"
+        tmp.write_text(json.dumps(doc, indent=2) + "\n")
+        os.replace(tmp, path)
+
+    def start_flusher(self, on_failure) -> None:
+        def loop():
+            while True:
+                time.sleep(self.interval)
+                was = self.failed
+                why = self.flush()
+                if why is not None:
+                    if was is None:
+                        on_failure(why)
+                    return
+
+        self._thread = threading.Thread(target=loop, name="lpf-vllm-trace-flush", daemon=True)
+        self._thread.start()

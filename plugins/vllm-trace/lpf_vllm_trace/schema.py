@@ -1,0 +1,43 @@
+"""The parts' columns: lpf's `trace` and `faults` schemas, copied (this plugin never imports lpf).
+
+`TRACE` starts with exactly lpf's `lpf.run.schema.TRACE` columns (lpf's tests check the copy), then
+columns only vLLM has:
+  vllm_request_id          vLLM's id for the request in the runner (request_id holds the same until
+                           lpf maps it to its own id)
+  batch_index              the row's position in the runner's batch this step, after the reorder
+  reordered                the batch reorder moved this row this step
+  num_prompt_tokens        the request's prompt length
+  prefix_cache_hit_tokens  prompt tokens the prefix cache supplied when the request was (re)admitted
+                           at this step; 0 on every other row
+  state_slots              the state slot in every Mamba KV-cache group (state_slot is the first)
+Rows: one per scheduled request per step, plus one per preemption (preempted = true, phase null) at
+the step whose scheduling preempted it.
+"""
+
+TRACE_COLUMNS = [
+    ("step", "int64"), ("request_id", "string"), ("phase", "string"),
+    ("num_computed_tokens", "int32"), ("num_scheduled_tokens", "int32"), ("state_slot", "int32"),
+    ("batch_size", "int32"), ("batch_tokens", "int32"), ("preempted", "bool"),
+]
+VLLM_COLUMNS = [
+    ("vllm_request_id", "string"), ("batch_index", "int32"), ("reordered", "bool"),
+    ("num_prompt_tokens", "int32"), ("prefix_cache_hit_tokens", "int32"), ("state_slots", "list<int32>"),
+]
+FAULT_COLUMNS = [("request_id", "string"), ("step", "int64"), ("fault", "string"), ("role", "string"),
+                 ("detail", "string")]
+
+
+def arrow_schema(columns):
+    import pyarrow as pa
+
+    types = {"int64": pa.int64(), "int32": pa.int32(), "string": pa.string(), "bool": pa.bool_(),
+             "list<int32>": pa.list_(pa.int32())}
+    return pa.schema([(name, types[kind]) for name, kind in columns])
+
+
+def trace_schema():
+    return arrow_schema(TRACE_COLUMNS + VLLM_COLUMNS)
+
+
+def faults_schema():
+    return arrow_schema(FAULT_COLUMNS)

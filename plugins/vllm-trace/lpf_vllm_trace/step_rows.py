@@ -1,0 +1,151 @@
+"""One engine step of vLLM's runner -> trace rows (and drill ground truth), read where vLLM decided.
+
+`StepReader.read(runner, step, attn_metadata)` runs right after the runner built its per-layer
+attention metadata for a real step, when `input_batch` is in its final (reordered) order and
+`num_computed_tokens_cpu` still holds the tokens computed before this step. It returns the metadata
+the forward pass will use: vLLM's own, or under offset-wrap a copy whose prefill state indices are
+the wrapped slots.
+Phase: the Mamba metadata puts its `num_decodes` decode rows first and its prefill rows after them;
+a prefill row is `prefill` when nothing was computed yet and `extend` otherwise. A model without
+Mamba layers has no such split: its rows are classified by vLLM's (fixed) rule from the counts, and
+their state slot is null.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+class StepReader:
+    def __init__(self, session, mamba_metadata_cls):
+        self.session = session
+        self.mamba_cls = mamba_metadata_cls
+        self.groups: list[tuple[int, str]] | None = None  # (kv-cache group id, first layer) per Mamba group
+        self.stride: int | None = None
+        self.used_blocks: set[int] = set()  # every block some request has held (stale-state)
+        self.writes = True  # this process's runner writes the rows (rank 0)
+
+    def _init(self, runner) -> None:
+        import torch.distributed as dist
+        from vllm.v1.kv_cache_interface import MambaSpec
+
+        # every tensor/pipeline-parallel rank runs a runner on the same batch: rank 0 writes for all
+        # (the drills act on every rank, so every rank runs the same faulty classification)
+        self.writes = not (dist.is_available() and dist.is_initialized() and dist.get_rank() != 0)
+        groups = []
+        for gid, group in enumerate(runner.kv_cache_config.kv_cache_groups):
+            if isinstance(group.kv_cache_spec, MambaSpec) and group.layer_names:
+                groups.append((gid, group.layer_names[0]))
+        self.groups = groups
+        if groups:
+            layer = runner.compilation_config.static_forward_context[groups[0][1]]
+            # elements between two slots of the first Mamba layer's SSM state: what `slot * stride` means
+            self.stride = int(layer.kv_cache[1].stride(0))
+        if self.writes:
+            self.session.recorder.write_status({"mamba_groups": len(groups), "state_slot_stride": self.stride,
+                                                "kv_cache_blocks": int(runner.kv_cache_config.num_blocks)})
+
+    def read(self, runner, step, attn_metadata):
+        if self.groups is None:
+            self._init(runner)
+        if not isinstance(attn_metadata, dict):
+            raise TypeError("micro-batched attention metadata (a list) is not supported")
+        so, ib = step.so, runner.input_batch
+        n = ib.num_reqs
+        req_ids = list(ib.req_ids[:n])
+        computed = ib.num_computed_tokens_cpu[:n].tolist()
+        prompt = ib.num_prompt_tokens[:n].tolist()
+        sched = [int(so.num_scheduled_tokens[r]) for r in req_ids]
+        metas = [attn_metadata.get(layer) for _, layer in self.groups]
+        metas = [m if isinstance(m, self.mamba_cls) else None for m in metas]
+        slots_per_row, num_decodes = self._slots(metas, n)
+        drills = self.session.drills
+        wrapped: dict[str, list[tuple[int, int]]] = {}
+        if drills.offset_wrap_bits is not None and self.stride:
+            attn_metadata, wrapped = self._wrap(attn_metadata, metas, req_ids, num_decodes or 0)
+        if not self.writes:
+            return attn_metadata
+        # prompt tokens the prefix cache supplied at (re)admission: what was computed before any step ran
+        hits = {r.req_id: int(r.num_computed_tokens) for r in so.scheduled_new_reqs}
+        cached = so.scheduled_cached_reqs
+        for j, rid in enumerate(cached.req_ids):
+            if rid in cached.resumed_req_ids:
+                hits[rid] = int(cached.num_computed_tokens[j])
+        before = {rid: i for i, rid in enumerate(step.order_before or req_ids)}
+        if num_decodes is None:  # no Mamba metadata: vLLM's fixed rule on the counts
+            phases = ["prefill" if c == 0 else ("decode" if s == 1 and c >= p else "extend")
+                      for c, s, p in zip(computed, sched, prompt)]
+        else:
+            phases = ["decode" if i < num_decodes else ("prefill" if c == 0 else "extend") for i, c in enumerate(computed)]
+        preempted = sorted(so.preempted_req_ids or ())
+        k, m = len(preempted), len(preempted) + n
+        # columns, not row dicts: a step costs a few list operations, and a part one Arrow conversion
+        cols = {"step": [step.index] * m, "request_id": preempted + req_ids, "phase": [None] * k + phases,
+                "num_computed_tokens": [0] * k + computed, "num_scheduled_tokens": [0] * k + sched,
+                "state_slot": [None] * k + [s[0] if s else None for s in slots_per_row],
+                "batch_size": [n] * m, "batch_tokens": [int(so.total_num_scheduled_tokens)] * m,
+                "preempted": [True] * k + [False] * n, "vllm_request_id": preempted + req_ids,
+                "batch_index": [None] * k + list(range(n)),
+                "reordered": [False] * k + [before.get(rid, i) != i for i, rid in enumerate(req_ids)],
+                "num_prompt_tokens": [0] * k + prompt, "prefix_cache_hit_tokens": [0] * k + [hits.get(r, 0) for r in req_ids],
+                "state_slots": [[]] * k + slots_per_row}
+        rec = self.session.recorder
+        rec.add("trace", cols)
+        if drills.any:
+            rows = [dict(zip(cols, values)) for values in zip(*cols.values())]
+            owners = self._owners(runner) if wrapped else {}
+            rec.add_rows("faults", drills.observe(step.index, rows, set(preempted), self.used_blocks, wrapped, owners))
+            if drills.stale_state:
+                for rid in req_ids:
+                    for blocks in runner.requests[rid].block_ids:
+                        self.used_blocks.update(blocks)
+        return attn_metadata
+
+    def _slots(self, metas, n):
+        """Per row, the state slot of every Mamba group; and the metadata's decode count."""
+        live = [m for m in metas if m is not None]
+        if not live:
+            return [[] for _ in range(n)], None
+        num_decodes = int(live[0].num_decodes)
+        per_group = []
+        for m in live:
+            d = m.state_indices_tensor_d[: m.num_decodes, 0].tolist() if m.num_decodes else []
+            p = m.state_indices_tensor_p[: m.num_prefills].tolist() if m.num_prefills else []
+            per_group.append([int(s) for s in d + p])
+        return [[g[i] if i < len(g) else None for g in per_group] for i in range(n)], num_decodes
+
+    def _wrap(self, attn_metadata, metas, req_ids, num_decodes):
+        """Swap each prefill row's slot for the one its wrapped offset points at, per Mamba group."""
+        import torch
+
+        drills, stride = self.session.drills, self.stride
+        wrapped: dict[str, list[tuple[int, int]]] = {}
+        replaced = {}
+        for m in metas:
+            if m is None or not m.num_prefills or id(m) in replaced:
+                continue
+            idx = m.state_indices_tensor_p[: m.num_prefills].tolist()
+            new = [drills.wrapped_slot(s, stride) if s * stride >= (1 << drills.offset_wrap_bits) else s for s in idx]
+            if new == idx:
+                replaced[id(m)] = m
+                continue
+            for j, (s, t) in enumerate(zip(idx, new)):
+                if s != t:
+                    wrapped.setdefault(req_ids[num_decodes + j], []).append((int(s), int(t)))
+            tensor = torch.tensor(new, dtype=m.state_indices_tensor_p.dtype, device=m.state_indices_tensor_p.device)
+            replaced[id(m)] = dataclasses.replace(m, state_indices_tensor_p=tensor)
+        if not wrapped:
+            return attn_metadata, wrapped
+        return {k: replaced.get(id(v), v) for k, v in attn_metadata.items()}, wrapped
+
+    def _owners(self, runner) -> dict[int, str]:
+        """block -> the live request holding it, in any KV-cache group: the groups share one block
+        pool and each cache tensor is shared by one layer of every group, so a state write into
+        block b lands in whatever b holds now, a Mamba state or attention keys and values."""
+        owners = {}
+        for rid, state in runner.requests.items():
+            for blocks in state.block_ids:
+                for b in blocks:
+                    owners[int(b)] = rid
+        return owners
+

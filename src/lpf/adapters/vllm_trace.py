@@ -1,0 +1,107 @@
+"""Reading what the lpf-vllm-trace plugin (`plugins/vllm-trace`, in vLLM's interpreter) wrote.
+
+The plugin's directory holds `trace/part-<pid>-<n>.parquet` (lpf's trace columns, then vLLM-only
+ones), `faults/part-<pid>-<n>.parquet` (drill ground truth) and `trace_status.json`, with vLLM's
+request ids. Here:
+- `PluginDir(path, pid=None)`: `status()` (None when there is none), `take(table)` (every part not
+  taken before, of process `pid` only when given, concatenated, steps made unique across vLLM
+  processes), `wait_for(t)` (until the plugin's heartbeat passes t: every row of a step before t is
+  then on disk).
+- `relabel(table, ids)`: request ids mapped to lpf's (`ids`: vLLM's -> lpf's); the trace keeps the
+  original in `vllm_request_id`, and ids with no mapping are kept as they are, never dropped.
+- `served_ids(vllm_ids, runs)`: vLLM's ids on an OpenAI server -> lpf's: vLLM names a completion
+  `cmpl-<X-Request-Id>-<i>` and its runner adds `-<8 random chars>`; lpf sends its request id as
+  X-Request-Id, `~retryN` on retries. A retry's rows map to the request only when it is the attempt
+  whose answer the run kept; the others keep `ID~retryN` (evidence of an attempt, not the answer).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+_PART = re.compile(r"^part-(\d+)-(\d+)\.parquet$")
+_RANDOM_SUFFIX = re.compile(r"^(.*)-[0-9a-zA-Z]{8}$")
+_SERVED = re.compile(r"^cmpl-(.*)-\d+$")
+_RETRY = re.compile(r"^(.*)~retry(\d+)$")
+
+
+class PluginDir:
+    def __init__(self, path: Path | str, pid: int | None = None):
+        self.path = Path(path)
+        self.pid = pid
+        self.taken: dict[str, set[str]] = {"trace": set(), "faults": set()}
+        self.step_offset: dict[int, int] = {}  # pid -> steps before it (a second process restarts at 0)
+        self.next_step = 0
+
+    def status(self) -> dict | None:
+        try:
+            return json.loads((self.path / "trace_status.json").read_text())
+        except (OSError, ValueError):
+            return None
+
+    def take(self, table: str) -> pa.Table | None:
+        d = self.path / table
+        by_pid: dict[int, list[tuple[int, Path]]] = {}
+        for p in (d.glob("part-*.parquet") if d.is_dir() else ()):
+            m = _PART.match(p.name)
+            if m and p.name not in self.taken[table] and self.pid in (None, int(m.group(1))):
+                by_pid.setdefault(int(m.group(1)), []).append((int(m.group(2)), p))
+        parts = []
+        # processes in the order they started writing: a restarted server's steps follow the first's
+        for pid in sorted(by_pid, key=lambda k: (k not in self.step_offset, min(p.stat().st_mtime for _, p in by_pid[k]))):
+            for _, p in sorted(by_pid[pid]):
+                parts.append(self._unique_steps(pq.read_table(p), pid))
+                self.taken[table].add(p.name)
+        return pa.concat_tables(parts, promote_options="default") if parts else None
+
+    def _unique_steps(self, t: pa.Table, pid: int) -> pa.Table:
+        if pid not in self.step_offset:
+            self.step_offset[pid] = self.next_step
+        off = self.step_offset[pid]
+        if t.num_rows and "step" in t.column_names:
+            self.next_step = max(self.next_step, off + int(pc.max(t.column("step")).as_py()) + 1)
+            if off:
+                t = t.set_column(t.column_names.index("step"), "step", pc.add(t.column("step"), off))
+        return t
+
+    def wait_for(self, t: float, timeout: float = 10.0) -> bool:
+        """Wait until the plugin's heartbeat reaches `t` (its flusher writes every half second)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            beat = (self.status() or {}).get("heartbeat") or 0
+            if beat >= t:
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.2)
+
+
+def relabel(table: pa.Table, ids: dict[str, str]) -> pa.Table:
+    mapped = pa.array([ids.get(r, r) for r in table.column("request_id").to_pylist()], pa.string())
+    return table.set_column(table.column_names.index("request_id"), "request_id", mapped)
+
+
+def served_ids(vllm_ids, runs: dict[str, int]) -> dict[str, str]:
+    """{vLLM id: lpf id} for the ids a server's runner knew; `runs`: lpf id -> index of the attempt
+    whose answer the run kept. Ids that name none of the run's requests are left out."""
+    out = {}
+    for vid in set(vllm_ids):
+        m = _RANDOM_SUFFIX.match(vid)
+        for cand in ([m.group(1)] if m else []) + [vid]:
+            served = _SERVED.match(cand)
+            if not served:
+                continue
+            x = served.group(1)
+            retry = _RETRY.match(x)
+            base, attempt = (retry.group(1), int(retry.group(2))) if retry else (x, 0)
+            if base in runs:
+                out[vid] = base if runs[base] == attempt else x
+                break
+    return out

@@ -1,0 +1,148 @@
+"""Expected floors: how far an honest implementation at the engine's dtype departs from the reference.
+
+Contract:
+  floor_stats(d, s, topk=None) -> floor dict: from per-token d (logprob error of the engine's
+      token), s (its sensitivity, `evidence.sensitivity`) and, where top-k was compared, the arrays
+      of `evidence.topk_spread` (w: spread of the shared top-k logprob errors, KL, top-2 margin):
+        token           median and q99 of |d| / s over tokens with s >= S_MIN (nats of logit error)
+        settled         q99 of |d| over the others (the rounding left where both sides are sure)
+        topk            median and q99 of w, mean KL (None without top-k)
+        margin          q99 and max of how far the reference's top-2 margin moved, over contested
+                        positions (`evidence.topk_spread`; None without them)
+        token_abs_diff  median and MAD of |d| (the per-request thresholds' statistics, as
+                        `calibration.noise_floor` has them)
+        n_tokens
+  expected_floor(table, engine_dtype, reference_dtype, model=None, calibration=None) -> floor dict
+      plus `source`, `pair`, `tie_margin` (or None when nothing is known for the reference's dtype).
+      A calibration run's floor (the reference at the engine's dtype: `calibration`, floor_stats of
+      calibration - reference) wins; otherwise the shipped table (`floors.json`, loaded by
+      `lpf.pipeline.analyze`): the row measured on the run's reference model when there is one,
+      else UNMEASURED_MARGIN times the envelope over the trained models measured (a larger model's
+      kernels can err more than the small ones measured here; `--calibrate` measures the model
+      itself). The tiny random models are left out of the envelope: with flat distributions and a
+      large init they err 4-8x more in bfloat16 than any trained model, so they keep their own rows.
+      Either way it is at least the table's floor for the reference's dtype against itself: two honest float32 implementations differ by their
+      kernels, which a calibration run at the reference's own dtype cannot see. An engine whose
+      dtype is unknown (a server's `auto`) gets the most lenient pair measured for that reference
+      dtype, and says so.
+  tie_margin = max(1e-3, KAPPA * margin.q99): a greedy flip is explained when the reference's margin
+      between the two tokens is within twice what honest implementations at the dtype pair move a
+      contested top-2 margin by at their 99th percentile (measured: bfloat16 moves it by up to ~0.5
+      nats on zoo:hybrid).
+Pure: the table comes in as a dict.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+S_MIN = 1e-2  # tokens at least this sensitive give `token`; the others are `settled`
+KAPPA = 2.0  # honest implementations of one dtype pair stay under KAPPA x its 99th percentile
+# a model outside the table: its kernels' error may exceed the small models measured here (float32's
+# floor varied 17x between them), so their envelope is widened this much
+UNMEASURED_MARGIN = 4.0
+MIN_TIE = 1e-3
+_SAMPLE = 1_000_000
+
+
+def _qs(x: np.ndarray, *qs: float) -> list[float | None]:
+    """Quantiles of the finite values of x (one partition for all of them); Nones when there are none."""
+    x = x[np.isfinite(x)]
+    return [float(v) for v in np.quantile(x, qs)] if x.size else [None] * len(qs)
+
+
+def floor_stats(d: np.ndarray, s: np.ndarray, topk: dict | None = None) -> dict:
+    step = max(1, d.size // _SAMPLE)  # quantiles of a 20M-token run need not read every token
+    d, s = np.abs(d[::step]), s[::step]
+    informative = s >= S_MIN
+    with np.errstate(divide="ignore", invalid="ignore"):
+        u = d[informative] / s[informative]
+    med = _qs(d, 0.5)[0]
+    u_med, u99 = _qs(u, 0.5, 0.99)
+    out = {
+        "token": {"median": u_med, "q99": u99},
+        "settled": {"q99": _qs(d[~informative], 0.99)[0]},
+        "topk": None,
+        "margin": None,
+        "token_abs_diff": {"median": med, "mad": None if med is None else
+                           float(1.4826 * np.median(np.abs(d[np.isfinite(d)] - med)))},
+        "n_tokens": int(np.isfinite(d).sum()) * step,
+    }
+    if topk is not None and np.isfinite(topk["w"]).any():
+        w, kl, margin = (topk[k][::step] for k in ("w", "kl", "margin"))
+        w_med, w99 = _qs(w, 0.5, 0.99)
+        out["topk"] = {"median": w_med, "q99": w99,
+                       "kl_mean": float(np.nanmean(kl)) if np.isfinite(kl).any() else None}
+        if np.isfinite(margin).any():
+            m_med, m99, m_max = _qs(margin, 0.5, 0.99, 1.0)
+            out["margin"] = {"median": m_med, "q99": m99, "max": m_max, "n": int(np.isfinite(margin).sum())}
+    return out
+
+
+_FIELDS = (("token", "median"), ("token", "q99"), ("settled", "q99"), ("topk", "median"), ("topk", "q99"),
+           ("margin", "q99"), ("margin", "max"), ("token_abs_diff", "median"), ("token_abs_diff", "mad"))
+
+
+def envelope(*floors: dict | None) -> dict:
+    """Field by field the largest of `floors` (None entries and values skipped)."""
+    out: dict = {"token": {}, "settled": {}, "topk": {}, "margin": {}, "token_abs_diff": {}}
+    for group, name in _FIELDS:
+        values = [f[group][name] for f in floors if f and f.get(group) and f[group].get(name) is not None]
+        out[group][name] = max(values) if values else 0.0
+    return out
+
+
+def tie_margin(floor: dict) -> float:
+    return max(MIN_TIE, KAPPA * (floor.get("margin") or {}).get("q99", 0.0))
+
+
+def _row(table: dict, pair: str, model: str | None) -> tuple[dict | None, str]:
+    """(the pair's floor for `model`, how it was chosen): the model's own row when it was measured,
+    else the envelope over the trained models times UNMEASURED_MARGIN."""
+    entry = (table.get("pairs") or {}).get(pair)
+    if not entry:
+        return None, ""
+    if model and model in (entry.get("models") or {}):
+        return entry["models"][model], f"measured on {model}"
+    n = sum(1 for m in entry.get("models") or {} if m.startswith("zoo:"))
+    return _scaled(entry.get("envelope"), UNMEASURED_MARGIN), \
+        f"{model or 'this model'} not measured: {UNMEASURED_MARGIN:g}x the envelope over the {n} trained models"
+
+
+def _scaled(floor: dict | None, factor: float) -> dict | None:
+    if floor is None:
+        return None
+    out = envelope(floor)
+    for group, name in _FIELDS:
+        out[group][name] *= factor
+    return out
+
+
+def expected_floor(table: dict, engine_dtype: str | None, reference_dtype: str | None, model: str | None = None,
+                   calibration: dict | None = None) -> dict | None:
+    if not reference_dtype:
+        return None
+    same, how_same = _row(table, f"{reference_dtype}/{reference_dtype}", model)
+    if calibration is not None and calibration.get("token", {}).get("median") is not None:
+        floor = envelope(calibration, same)
+        floor.update(source="calibration-run", pair=f"{engine_dtype}/{reference_dtype}",
+                     detail=f"a calibration run (the reference at {engine_dtype}), at least the table's "
+                            f"{reference_dtype}/{reference_dtype} floor ({how_same})")
+    else:
+        pair = f"{engine_dtype}/{reference_dtype}"
+        row, how = _row(table, pair, model)
+        if row is not None:
+            floor = envelope(row, same)
+            floor.update(source="table", pair=pair, detail=f"the shipped table, {pair}, {how}")
+        else:
+            known = [p for p in (table.get("pairs") or {}) if p.endswith(f"/{reference_dtype}")]
+            if not known:
+                return None
+            rows = {p: _row(table, p, model) for p in known}
+            lenient = max(known, key=lambda p: (rows[p][0] or {}).get("token", {}).get("q99") or 0.0)
+            floor = envelope(rows[lenient][0], same)
+            floor.update(source="table", pair=lenient, assumed_dtype=lenient.split("/")[0],
+                         detail=f"the shipped table: the engine's dtype is {engine_dtype or 'not recorded'}, so the "
+                                f"most lenient pair measured, {lenient} ({rows[lenient][1]})")
+    floor["tie_margin"] = tie_margin(floor)
+    return floor

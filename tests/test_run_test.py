@@ -1,0 +1,253 @@
+"""The run-level test and the expected floor, on synthetic runs where the truth is known: the
+reference is log_softmax of random logits, an honest engine adds a logit error of one scale (its
+"dtype"), a lying one a larger error or another temperature. Pure analysis, no model: fast.
+The same test on real engines and drills is in test_run_level.py."""
+
+import math
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from lpf.analysis import floors, run_test as rt, token_evidence as ev
+from lpf.analysis.findings import analyze
+from lpf.analysis.levels import FAIL_LEVELS, REQUEST_VERDICTS, SEVERITY, VERDICTS, at_or_above
+from lpf.analysis.thresholds import Thresholds
+from lpf.run import schema
+
+V, K = 40, 5
+MODEL = "synthetic"  # the model the fixture's table measured
+
+
+def _log_softmax(z):
+    z = z - z.max(axis=-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+
+
+def synthetic_run(n_req=200, n_tok=10, sigma=0.02, seed=0, temperature=0.0, engine_temperature=None,
+                  logit_scale=3.0):
+    """(requests, tokens, reference) tables. The engine's logits are the reference's plus
+    N(0, sigma) per logit; it picks greedily (temperature 0) or samples at `engine_temperature`
+    (default: the run's), and reports raw logprobs of its own logits with its top-K."""
+    rng = np.random.default_rng(seed)
+    z = rng.normal(0, logit_scale, size=(n_req, n_tok, V))
+    ref = _log_softmax(z)
+    eng = _log_softmax(z + rng.normal(0, sigma, size=z.shape)) if sigma else ref.copy()
+    t_eng = temperature if engine_temperature is None else engine_temperature
+    if t_eng == 0:
+        tokens = eng.argmax(-1)
+    else:
+        p = np.exp(_log_softmax(eng / t_eng))
+        tokens = (p.cumsum(-1) > rng.random(size=p.shape[:2])[..., None]).argmax(-1)
+    req, tok, rows = [], [], []
+    for i in range(n_req):
+        rid = f"r{i:05d}"
+        req.append({"request_id": rid, "seq": i, "prompt_id": rid, "rollout": 0, "prompt_token_ids": [1],
+                    "output_token_ids": tokens[i].tolist(), "output_text": "", "finish_reason": "length",
+                    "error": None, "oracle_expected": None, "oracle_ok": None})
+        for pos in range(n_tok):
+            t = int(tokens[i, pos])
+            e_top = np.argsort(-eng[i, pos])[:K]
+            r_top = np.argsort(-ref[i, pos])[:K]
+            tok.append({"request_id": rid, "position": pos, "token_id": t, "engine_logprob": float(eng[i, pos, t]),
+                        "engine_topk_ids": e_top.tolist(), "engine_topk_logprobs": eng[i, pos, e_top].tolist()})
+            rows.append({"request_id": rid, "position": pos, "ref_logprob": float(ref[i, pos, t]),
+                         "ref_rank": int((ref[i, pos] > ref[i, pos, t]).sum()) + 1,
+                         "ref_entropy": float(-(np.exp(ref[i, pos]) * ref[i, pos]).sum()),
+                         "ref_top1_id": int(r_top[0]), "ref_top1_logprob": float(ref[i, pos, r_top[0]]),
+                         "ref_topk_ids": r_top.tolist(), "ref_topk_logprobs": ref[i, pos, r_top].tolist()})
+    return (pa.Table.from_pylist(req, schema=schema.REQUESTS), pa.Table.from_pylist(tok, schema=schema.TOKENS),
+            pa.Table.from_pylist(rows, schema=schema.REFERENCE))
+
+
+def floor_of(tables) -> dict:
+    requests, tokens, reference = tables
+    from lpf.analysis.metrics import join_grouped
+
+    joined, _ = join_grouped(tokens, reference)
+    return ev.engine_floor(ev.evidence_columns(joined, tokens, reference, requests))
+
+
+@pytest.fixture(scope="module")
+def table():
+    """A floor table as floors.json has it: bf16-like floor measured on one honest run, float32's
+    on a run 100x quieter."""
+    bf16 = floor_of(synthetic_run(sigma=0.02, seed=1))
+    f32 = floor_of(synthetic_run(sigma=2e-4, seed=2))
+    return {"pairs": {"bfloat16/float32": {"envelope": bf16, "models": {MODEL: bf16}},
+                      "float32/float32": {"envelope": f32, "models": {MODEL: f32}}}}
+
+
+def run(tables, table, engine_dtype="bfloat16", temperature=0.0):
+    info = {"engine_dtype": engine_dtype, "reference_dtype": "float32", "model": MODEL,
+            "sampling": {"temperature": temperature, "top_k": 0, "top_p": 1.0}}
+    return analyze(*tables, Thresholds(), greedy=temperature == 0, temperature=temperature, floor_table=table,
+                   run_info=info)
+
+
+def test_binomial_tail_is_exact():
+    for k, n, p in ((3, 25, 0.01), (40, 1000, 0.01), (12, 50, 0.1), (200, 200, 0.01), (7, 1000, 0.005)):
+        from fractions import Fraction
+
+        q = Fraction(str(p))  # every term exactly, summed exactly: no recurrence, no underflow
+        exact = sum(math.comb(n, i) * q**i * (1 - q) ** (n - i) for i in range(k, n + 1))
+        log_exact = math.log(exact.numerator) - math.log(exact.denominator)
+        assert rt.log_binom_sf(k, n, p) == pytest.approx(log_exact, rel=1e-9)
+    assert rt.log_binom_sf(5, 1000, 0.01) == 0.0  # below the mean: P = 1 (the test never rejects there)
+    assert rt.log_binom_sf(10**6, 10**6, 0.01) == pytest.approx(10**6 * math.log(0.01))  # no underflow
+
+
+def test_honest_engine_is_same_and_a_larger_logit_error_is_systematic(table):
+    _, honest = run(synthetic_run(sigma=0.02, seed=3), table)
+    t = honest["run_test"]
+    assert t["result"] == "same" and honest["verdict"] != "systematic"
+    assert t["floor_pair"] == "bfloat16/float32" and t["floor_source"] == "table"
+    assert 0.5 < t["effect_size"] < 2 and not t["floor_far_above_expected"] and t["tokens_needed"] is None
+    assert t["sentence"].startswith("same: within what bfloat16 vs float32 explains")
+    # 4x the logit error of the dtype: every request still looks like noise, the run does not
+    summary, lying = run(synthetic_run(sigma=0.08, seed=4), table)
+    t = lying["run_test"]
+    assert t["result"] == "different" and lying["verdict"] == "systematic"
+    assert lying["counts"]["corrupt"] == 0 and t["effect_size"] > 3 and t["floor_far_above_expected"]
+    assert t["p_value"] < 1e-6 and t["tokens_needed"] is not None and t["tokens_needed"] < 200
+    assert t["n_tokens"] == 2000 and t["floor_sentence"] and t["sentence"].startswith("different: beyond what")
+    # and the same engine judged as float32 is far beyond float32's floor
+    _, as_f32 = run(synthetic_run(sigma=0.02, seed=3), table, engine_dtype="float32")
+    assert as_f32["run_test"]["result"] == "different" and as_f32["run_test"]["tokens_needed"] <= 25
+
+
+def test_tie_margin_and_thresholds_come_from_the_expected_floor(table):
+    """A near-tie greedy flip that bf16's logit error explains is not divergent under the bf16
+    floor; the same flip from a float32 engine is."""
+    req, tok, ref = synthetic_run(n_req=60, sigma=0.02, seed=5)
+    joined_ref = ref.to_pylist()
+    # one position: the reference's top two 0.1 apart, the engine took the second
+    row = joined_ref[0]
+    row.update(ref_logprob=row["ref_top1_logprob"] - 0.1, ref_rank=2)
+    tk = tok.to_pylist()
+    tk[0]["token_id"] = row["ref_topk_ids"][1]
+    ref2, tok2 = pa.Table.from_pylist(joined_ref, schema=schema.REFERENCE), pa.Table.from_pylist(tk, schema=schema.TOKENS)
+    s_bf16, f_bf16 = run((req, tok2, ref2), table)
+    expected_tie = floors.tie_margin(table["pairs"]["bfloat16/float32"]["envelope"])
+    assert f_bf16["thresholds"]["source"] == "table" and f_bf16["thresholds"]["tie_margin"] >= expected_tie > 0.1
+    assert dict(zip(s_bf16["request_id"].to_pylist(), s_bf16["verdict"].to_pylist()))["r00000"] != "divergent"
+    s_f32, f_f32 = run((req, tok2, ref2), table, engine_dtype="float32")
+    assert f_f32["thresholds"]["tie_margin"] < 0.1
+    assert dict(zip(s_f32["request_id"].to_pylist(), s_f32["verdict"].to_pylist()))["r00000"] == "divergent"
+
+
+def test_sampling_at_another_temperature_is_found_from_the_tokens_alone(table):
+    """Raw logprobs reported honestly, but tokens sampled at 0.7 while the client asked for 1: only
+    which tokens were drawn gives it away (the reference's top-1 comes up too often)."""
+    _, honest = run(synthetic_run(sigma=0.02, seed=6, temperature=1.0), table, temperature=1.0)
+    assert honest["run_test"]["result"] == "same" and "sampling" in honest["run_test"]["tests"]
+    _, hot = run(synthetic_run(sigma=0.02, seed=6, temperature=1.0, engine_temperature=0.7), table, temperature=1.0)
+    t = hot["run_test"]
+    assert t["result"] == "different" and t["test"] == "sampling" and hot["verdict"] == "systematic"
+    k, (lo, hi) = t["tests"]["sampling"]["k"], t["tests"]["sampling"]["expected"]
+    assert k > hi >= lo
+
+
+def test_a_missing_logprob_is_never_within_the_floor(table):
+    req, tok, ref = synthetic_run(n_req=30, sigma=0.02, seed=7)
+    lp = tok.column("engine_logprob").to_numpy().copy()
+    lp[::3] = np.nan
+    tok = tok.set_column(tok.schema.get_field_index("engine_logprob"), "engine_logprob", pa.array(lp))
+    _, f = run((req, tok, ref), table)
+    assert f["run_test"]["result"] == "different"
+
+
+def test_expected_floor_selection(table):
+    bf16 = table["pairs"]["bfloat16/float32"]["envelope"]
+    f32 = table["pairs"]["float32/float32"]["envelope"]
+    assert floors.expected_floor(table, "bfloat16", "float32", model=MODEL)["token"] == bf16["token"]
+    got = floors.expected_floor(table, "bfloat16", "float32")
+    assert got["source"] == "table" and got["pair"] == "bfloat16/float32"
+    # a model the table does not have: the envelope, widened
+    assert got["token"]["q99"] == pytest.approx(floors.UNMEASURED_MARGIN * bf16["token"]["q99"])
+    assert got["tie_margin"] == floors.tie_margin(got) and "not measured" in got["detail"]
+    # a calibration run wins, but never goes below two honest float32 implementations' floor
+    zero = {k: ({"median": 0.0, "q99": 0.0} if k in ("token", "topk") else {"q99": 0.0}) for k in ("token", "topk", "settled")}
+    zero["token_abs_diff"] = {"median": 0.0, "mad": 0.0}
+    cal = floors.expected_floor(table, "bfloat16", "float32", calibration=zero)
+    assert cal["source"] == "calibration-run"
+    assert f32["token"]["q99"] > 0 and cal["token"]["q99"] == pytest.approx(floors.UNMEASURED_MARGIN * f32["token"]["q99"])
+    cal = floors.expected_floor(table, "bfloat16", "float32", model=MODEL, calibration=zero)
+    assert cal["token"]["q99"] == f32["token"]["q99"]
+    # a measured model's own row is preferred to the envelope
+    t2 = {"pairs": {"bfloat16/float32": {"envelope": bf16, "models": {"zoo:x": f32}}}}
+    own = floors.expected_floor(t2, "bfloat16", "float32", model="zoo:x")
+    assert own["detail"].endswith("measured on zoo:x") and own["token"]["q99"] == f32["token"]["q99"]
+    # a server's unknown dtype: the most lenient pair measured, said so
+    unknown = floors.expected_floor(table, None, "float32")
+    assert unknown["pair"] == "bfloat16/float32" and unknown["assumed_dtype"] == "bfloat16"
+    assert "not recorded" in unknown["detail"]
+    assert floors.expected_floor(table, "float32", "float16") is None  # nothing measured for that reference
+
+
+def test_too_few_tokens_decide_nothing(table):
+    req, tok, ref = synthetic_run(n_req=1, n_tok=5, sigma=0.5, seed=8)
+    _, f = run((req, tok, ref), table)
+    assert f["run_test"]["result"] is None and "needs" in f["run_test"]["reason"]
+
+
+def test_systematic_ranks_between_divergent_and_corrupt():
+    assert VERDICTS == ("clean", "noise", "divergent", "systematic", "corrupt")
+    assert "systematic" not in REQUEST_VERDICTS and "systematic" in FAIL_LEVELS
+    assert SEVERITY["divergent"] < SEVERITY["systematic"] < SEVERITY["corrupt"]
+    assert at_or_above("systematic", "divergent") and not at_or_above("systematic", "corrupt")
+    assert at_or_above("corrupt", "systematic") and not at_or_above("divergent", "systematic")
+
+
+def test_substitution_drills_parse_and_compute():
+    import torch
+
+    from lpf.builtin import numeric_drills as nd
+    from lpf.builtin.faults import FaultSet
+    from lpf.errors import LpfError
+
+    f = FaultSet.parse("quantize-weights:4,kv-quant,perturb-weights:0.02,sampling-temperature:1.3")
+    assert (f.quantize_weights_bits, f.kv_quant_bits, f.perturb_weights_scale, f.sampling_temperature) == (4, 8, 0.02, 1.3)
+    assert f.names() == ["quantize-weights:4", "kv-quant:8", "perturb-weights:0.02", "sampling-temperature:1.3"]
+    for bad, msg in (("quantize-weights:1", "in 2..16"), ("kv-quant:x", "an integer"),
+                     ("perturb-weights:abc", "a number"), ("sampling-temperature:0", "in 0.05..10")):
+        with pytest.raises(LpfError, match=msg):
+            FaultSet.parse(bad)
+    w = torch.randn(16, 300, generator=torch.Generator().manual_seed(0))
+    q = nd.rtn_groupwise(w, 4, 128)
+    assert q.shape == w.shape and q.dtype == w.dtype
+    for g in range(3):  # each group holds at most 16 levels, within half a step of the weights
+        block = slice(g * 128, min(300, (g + 1) * 128))
+        assert all(len(torch.unique(row)) <= 16 for row in q[:, block])
+        step = (w[:, block].amax(1) - w[:, block].amin(1)) / 15
+        assert bool(((q[:, block] - w[:, block]).abs() <= step[:, None] / 2 + 1e-6).all())
+    x = torch.randn(5, 2, 32)
+    r = nd.round_kv(x, 8)
+    assert 0 < float((r - x).abs().max()) <= float(x.abs().amax() / 127 / 2 + 1e-6)
+    p = nd.perturb(w, 0.01, torch.Generator().manual_seed(1))
+    assert 0.005 < float(((p - w) / w).std()) < 0.02
+
+
+def test_topk_alignment_matches_a_brute_force_match():
+    """The same-order fast path and the id-by-id match give what a plain loop gives."""
+    rng = np.random.default_rng(9)
+    ref_ids = np.array([rng.permutation(12)[:K] for _ in range(300)])
+    eng_ids = ref_ids.copy()
+    for i in range(0, 300, 3):  # a third reordered, a sixth with an id the reference lacks, short lists
+        eng_ids[i] = rng.permutation(eng_ids[i])
+        if i % 2:
+            eng_ids[i, 0] = 99
+    ref_ids[::7, -1] = -1
+    eng_lp = rng.normal(-3, 1, eng_ids.shape).astype(np.float32)
+    got = ev._aligned_topk(eng_ids, eng_lp, ref_ids)
+    for i in range(300):
+        for j in range(K):
+            hit = [eng_lp[i, c] for c in range(K) if ref_ids[i, j] >= 0 and eng_ids[i, c] == ref_ids[i, j]]
+            assert (np.isnan(got[i, j]) and not hit) or got[i, j] == hit[0]
+
+
+def test_a_huge_run_is_tested_on_every_kth_token(table, monkeypatch):
+    monkeypatch.setattr(rt, "MAX_TOKENS", 500)
+    _, f = run(synthetic_run(sigma=0.08, seed=4), table)
+    t = f["run_test"]
+    assert t["sampled_every"] == 4 and t["n_tokens"] == 500 and t["result"] == "different"

