@@ -5,6 +5,9 @@ lpf's zoo tokenizer, a neutral generation config) for `transformers.AutoConfig.f
 with only its sizes scaled down (`SCALE[model_type]`: widths, depths, head counts, expert counts, the
 SSM chunk size) and the vocabulary set to the zoo tokenizer's. Every other field keeps the
 architecture's default, because a field the engine ignores is exactly what conformance looks for.
+Two keys are added that are no fields of their config class: Lfm2's `conv_dim` and `block_dim`
+(= hidden_size), which the published checkpoints carry and vLLM needs to load one at all
+(docs/conformance.md says why).
 Weights are random with seed 0 and `initializer_range` 0.25 (peaked next-token distributions, as
 the `tiny:` models: a flat distribution hides a lie). Deterministic and cached under
 `$LPF_CACHE/conformance/<model_type>-<key>`, the key hashing the config and the tokenizer, built in a
@@ -50,7 +53,10 @@ SCALE: dict[str, dict] = {
         time_step_rank=8, chunk_size=16),
     "lfm2": dict(
         hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        layer_types=["conv", "full_attention", "conv", "conv"], block_multiple_of=32, max_position_embeddings=4096),
+        layer_types=["conv", "full_attention", "conv", "conv"], block_multiple_of=32, max_position_embeddings=4096,
+        # no fields of transformers' Lfm2Config (its short conv and blocks are hidden_size wide) but keys
+        # every LiquidAI checkpoint's config.json carries, which vLLM 0.32.0 reads (docs/conformance.md)
+        conv_dim=128, block_dim=128),
     "lfm2_moe": dict(
         hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, layer_types=["conv", "full_attention", "conv", "conv"], num_dense_layers=1,
