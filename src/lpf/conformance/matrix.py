@@ -8,8 +8,9 @@ HF `generate` at the cell's dtype: one run per architecture and dtype, shared by
 `lpf.run_diff` between the two: the cell's `attribution` says engine bug / second engine / reference
 / both. It writes `out/conformance.json` after every cell (atomically), so a rerun of the same
 command skips complete cells and a crash loses at most the cell in flight. A cell the engine refuses
-or cannot start is recorded with its one-line reason (status `not applicable`, `refused` or
-`engine error`), never dropped.
+or cannot start is recorded with its one-line reason (status `not applicable`, `refused`, `engine
+error`, or `not supported` when the engine's own message says this build lacks what the architecture
+needs: `ENGINE_LIMITS`), never dropped.
 
 Cells run in this process, a fresh engine per cell (vLLM: a new vllm.LLM in one kept worker process,
 `adapters.vllm.kept_workers`), instead of one `lpf audit` process per cell as `lpf sweep` does: vLLM's
@@ -40,6 +41,13 @@ from lpf.errors import LpfError
 from lpf.sweep import cell_complete
 
 EXPECT_FACTOR = 2.0
+# An engine error whose message says the build cannot do this (a kernel only other platforms have, a
+# dtype the CPU kernel insists on, Triton missing): the cell is `not supported`, not a bug found
+ENGINE_LIMITS = (
+    ("supported only for", "this build has no kernel for it"),
+    ("requires BF16", "this build's kernel runs in bfloat16 only"),
+    ("module 'triton' has no attribute", "it needs Triton, which this build lacks"),
+)
 SUSPECT_WORDS = {"A": "engine bug", "B": "second engine (HF generate) departs", "reference": "reference bug",
                  "both": "both engines depart", "none": "no departure at this level"}
 
@@ -67,7 +75,7 @@ def cell_dir(out: Path, arch: str, cell: str) -> Path:
 
 def _audit(spec, settings: Settings, dtype: str) -> dict:
     """create (or reopen) -> generate -> rescore -> calibrate (other dtype) -> analyze -> report; findings."""
-    from lpf.pipeline import analyze_run, calibrate_run, create_run, execute_run, rescore_run
+    from lpf.pipeline import all_failed, analyze_run, calibrate_run, create_run, execute_run, rescore_run
     from lpf.run.store import RunDir
 
     out = Path(spec.out)
@@ -76,9 +84,9 @@ def _audit(spec, settings: Settings, dtype: str) -> dict:
     run = RunDir.open(out) if (out / "manifest.json").is_file() else create_run(spec)
     if run.manifest.get("status") != "complete":
         execute_run(run)
-    errors = [e for e in run.read("requests", ["error"]).column("error").to_pylist()]
-    if errors and all(e is not None for e in errors):  # nothing to score: the engine failed every request
-        raise LpfError(f"every request failed: {errors[0]}")
+    why = all_failed(run)
+    if why:  # nothing to score (a bf16 cell's calibration would only say "no reference scores yet")
+        raise LpfError(why)
     rescore_run(run, None, settings.reference_dtype, settings.token_budget)
     if dtype != settings.reference_dtype:
         calibrate_run(run, settings.token_budget)
@@ -134,6 +142,14 @@ def expectation(cell: Path, findings: dict) -> dict | None:
             "floor": {side: {q: f.get(q) for q in ("p99", "max")} for side, f in floors.items()},
             "ratios": ratios, "factor": EXPECT_FACTOR,
             "within": all(r is None or r <= EXPECT_FACTOR for r in ratios.values())}
+
+
+def engine_limitation(error: str | None) -> str | None:
+    """Why the engine build cannot run the cell, when its error says so (`ENGINE_LIMITS`); else None."""
+    for needle, why in ENGINE_LIMITS:
+        if error and needle in error:
+            return why
+    return None
 
 
 def _first(flagged: list[dict], key: str):
@@ -259,6 +275,8 @@ def _run_cells(out, doc, rows, plans, attribution, settings, hf_done, started, t
 
                     traceback.print_exc()
                     status, error = "lpf error", f"{type(e).__name__}: {e} (a bug in lpf, please report it)"
+            if status == "engine error" and engine_limitation(error):
+                status, error = "not supported", f"{engine_limitation(error)}: {error}"
             row = cell_row(plan, out, findings, status, error, round(time.monotonic() - t0, 1))
             if findings is not None and status == "ok":
                 try:
