@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 from lpf.errors import LpfError, did_you_mean
@@ -96,7 +95,7 @@ def tiny_config(model_type: str, vocab_size: int, special: dict) -> dict:
 
 
 def build_tiny(model_type: str) -> Path:
-    from lpf.model_specs import ModelRef, cache_root, load_tokenizer
+    from lpf.model_specs import ModelRef, cache_root, load_tokenizer, save_model_dir
     from lpf.zoo.registry import tokenizer_dir
 
     tok_dir = tokenizer_dir()
@@ -112,7 +111,7 @@ def build_tiny(model_type: str) -> Path:
     if (out / "config.json").is_file():
         return out
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from lpf.torch_utils import quiet_transformers
 
@@ -125,14 +124,4 @@ def build_tiny(model_type: str) -> Path:
         raise LpfError(f"transformers {transformers.__version__} cannot build a tiny {model_type}: "
                        f"{type(e).__name__}: {' '.join(str(e).split())[:300]}") from None
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    GenerationConfig(**special).save_pretrained(tmp)
-    try:
-        os.replace(tmp, out)
-    except OSError:  # another process won the race: its build is identical
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    return save_model_dir(model, tok, special, out)
