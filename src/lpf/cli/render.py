@@ -457,7 +457,8 @@ def print_conformance(doc: dict, console: Console) -> None:
     v = matrix_view(doc)
     console.print(f"[bold]conformance:[/] {doc['engine']} {doc.get('engine_version') or ''} against {doc['reference']}  "
                   f"({len(v['archs'])} architectures x {len(v['cells'])} cells, {doc.get('elapsed_s') or 0:.0f} s)")
-    t = Table(title="verdict per cell (output/prompt; max |logprob diff|)", title_justify="left", box=box.SIMPLE_HEAD)
+    t = Table(title="verdict per cell (output/prompt; max |logprob diff|; bf16 ok: within the bfloat16 expectation)",
+              title_justify="left", box=box.SIMPLE_HEAD)
     for col in ["architecture", *v["cells"]]:
         t.add_column(col, overflow="fold")
     for arch, entries in v["grid"]:

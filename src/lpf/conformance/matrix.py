@@ -41,6 +41,7 @@ from lpf.errors import LpfError
 from lpf.sweep import cell_complete
 
 EXPECT_FACTOR = 2.0
+SHORT_DTYPE = {"bfloat16": "bf16", "float16": "fp16"}
 # An engine error whose message says the build cannot do this (a kernel only other platforms have, a
 # dtype the CPU kernel insists on, Triton missing): the cell is `not supported`, not a bug found
 ENGINE_LIMITS = (
@@ -314,7 +315,7 @@ def matrix_view(doc: dict) -> dict:
             v, pv = r.get("verdict"), r.get("prompt_verdict")
             label = f"{v}/{pv}" if pv and pv != v else str(v)
             if r.get("conformance") == "clean" and v != "clean":  # within the bf16 expectation
-                label = f"ok ({r['dtype']} expectation; {label})"
+                label = f"{SHORT_DTYPE.get(r['dtype'], r['dtype'])} ok"
             entries.append({"status": r["status"], "verdict": r.get("conformance", v), "label": label,
                             "max": max([x for x in (r.get("max_abs_output"), r.get("max_abs_prompt")) if x is not None]
                                        or [0.0])})
