@@ -93,6 +93,17 @@ def test_an_engine_without_prompt_logprobs_is_refused_in_one_line(lpf_cli, tmp_p
     assert not (tmp_path / "run").exists()
 
 
+def test_the_ray_executor_refuses_a_run_with_prompt_logprobs(lpf_cli, tmp_path, prompts12):
+    pytest.importorskip("ray")
+    out = tmp_path / "run"
+    r = lpf_cli("run", "--model", MODEL, "--workload", prompts12, "--max-tokens", 2, "--prompt-logprobs", "--out", out)
+    assert r.code == 0, r.err
+    before = (out / "manifest.json").read_text()
+    r = lpf_cli("rescore", out, "--executor", "ray")
+    assert r.code == 2 and "--executor local" in r.err and "Traceback" not in r.err
+    assert (out / "manifest.json").read_text() == before and not list(out.glob("reference/*.parquet"))  # untouched
+
+
 def test_an_orphaned_prompt_reference_part_is_dropped_on_open(tmp_path):
     import pyarrow as pa
 

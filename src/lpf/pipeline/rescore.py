@@ -104,6 +104,9 @@ def rescore_run(run: RunDir, reference: str | None = None, dtype: str = "float32
 
 def _rescore(run: RunDir, s: RescoreSettings, redo: bool, on_start: OnStart, tick: Tick) -> None:
     m = run.manifest
+    if s.executor == "ray" and run.has("prompt_tokens"):  # the actors score output positions only
+        raise LpfError(f"{run.path} has prompt logprobs (--prompt-logprobs): rescore it with "
+                       f"--executor local, which scores prompt positions in the same pass")
     spec = s.reference or m["model"]["spec"]
     prev = m.get("reference")
     if run.has("reference") and prev and (prev.get("spec"), prev.get("dtype")) != (spec, s.dtype) and not redo:
@@ -132,17 +135,14 @@ def _rescore(run: RunDir, s: RescoreSettings, redo: bool, on_start: OnStart, tic
     run.save_manifest()
     pending, total, done = unscored_requests(run)
     on_start(total, done)
-    with_prompt = set(run.read("prompt_tokens", ["request_id"]).column("request_id").unique().to_pylist())
     if s.executor == "ray":
-        if with_prompt:  # the actors score output positions only: prompt scores would be silently missing
-            raise LpfError(f"{run.path} has prompt logprobs (--prompt-logprobs): rescore it with "
-                           f"--executor local, which scores prompt positions in the same pass")
         from lpf.pipeline.rescore_ray import rescore_on_ray
 
         rescore_on_ray(run, pending, model, s, topk, tick)
         return
     from lpf.reference import ScoreItem
 
+    with_prompt = set(run.read("prompt_tokens", ["request_id"]).column("request_id").unique().to_pylist())
     todo = set(pending.column("request_id").to_pylist())
     req = run.read("requests", ["request_id", "prompt_token_ids", "output_token_ids"]).to_pylist()
     items = [ScoreItem(r["request_id"], r["prompt_token_ids"], r["output_token_ids"], r["request_id"] in with_prompt)
