@@ -74,9 +74,11 @@ bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/python bench/analysis.py
 	OMP_NUM_THREADS=1 $(VENV)/bin/python bench/report.py
 
-# tracing vLLM: generation with lpf-vllm-trace on vs off across processes, and its cost inside one process
+# tracing vLLM: generation with lpf-vllm-trace on vs off across processes, and its cost inside one process;
+# a conformance cell in lpf conformance's kept worker vs one lpf audit process per cell
 bench-vllm: $(STAMP) $(VLLM_PLUGIN_STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/python bench/vllm_trace.py
+	$(VENV)/bin/python bench/conformance.py
 	rm -f bench/results/vllm_trace_profile.jsonl
 	for cfg in "16 32" "64 512"; do set -- $$cfg; OMP_NUM_THREADS=1 VLLM_CPU_KVCACHE_SPACE=1 \
 	  $(VLLM_VENV)/bin/python bench/vllm_trace_profile.py src/lpf/zoo/data/models/hybrid \

@@ -313,3 +313,44 @@ def test_scatter_downsampling_keeps_flagged_and_envelope():
     idx = downsample_by_bin(x, y, flagged, MAX_SCATTER_POINTS)
     assert len(idx) <= MAX_SCATTER_POINTS and np.all(np.diff(x[idx]) > 0)
     assert set(np.flatnonzero(flagged)) <= set(idx.tolist()) and 77_777 in idx
+
+
+def test_prompt_section_and_conformance_matrix_render(xss_run, browser, tmp_path, lpf_cli, prompts_200):
+    """A run with prompt logprobs shows its prompt (prefill) section; a conformance directory its matrix,
+    with model text and sentences kept as text and cells linking to their run's report."""
+    from selenium.webdriver.common.by import By
+
+    from conftest import write_prompts
+    from lpf.report import write_report
+
+    wl = write_prompts(tmp_path / "p.jsonl", [json.loads(x) for x in prompts_200.read_text().splitlines()[:8]])
+    run = tmp_path / "drill"
+    r = lpf_cli("audit", "--model", "zoo:hybrid", "--workload", wl, "--max-tokens", 4, "--prompt-logprobs",
+                "--max-num-batched-tokens", 16, "--inject", "lost-chunk-state", "--out", run, "--fail-on", "never")
+    assert r.code == 0, r.err
+    log = open_page(browser, run / "report.html")
+    assert severe(log) == [], log
+    text = browser.find_element(By.ID, "prompt").text
+    assert "Prompt verdict" in text and "jumps at a chunk boundary" in text
+    conf = tmp_path / "conf"
+    shutil.copytree(xss_run[0], conf / "cells" / "GraniteMoeHybrid" / "fp32")
+    cell = {"architecture": "GraniteMoeHybridForCausalLM", "cell": "fp32", "status": "ok", "verdict": "divergent",
+            "prompt_verdict": "clean", "max_abs_output": 3.5, "max_abs_prompt": 1e-5, "first_divergence": 2,
+            "link": "cells/GraniteMoeHybrid/fp32/report.html", "top_hypothesis": "<script>alert(1)</script>",
+            "attribution": {"suspect": "A", "says": "engine bug", "sentence": "vllm (A) is the suspect"}}
+    failed = {"architecture": "GraniteMoeHybridForCausalLM", "cell": "bf16", "status": "engine error",
+              "error": "CPU GDN attention requires BF16"}
+    (conf / "conformance.json").write_text(json.dumps({
+        "kind": "conformance", "engine": "vllm", "engine_version": "0.32.0", "reference": "transformers 5.24.0",
+        "grid": "small", "complete": True, "cells": [cell, failed],
+        "cell_catalogue": [{"name": "fp32", "args": [], "dtype": "float32"}, {"name": "bf16", "args": [], "dtype": "bfloat16"}],
+        "architectures": [{"architecture": "GraniteMoeHybridForCausalLM", "status": "audit", "reason": ""},
+                          {"architecture": "JambaForCausalLM", "status": "not supported", "reason": "no selective_scan_fwd"}]}))
+    assert write_report(conf) == conf / "report.html"
+    log = open_page(browser, conf / "report.html")
+    assert severe(log) == [], log
+    assert "engine bug" in browser.find_element(By.ID, "matrix").text
+    assert "<script>alert(1)</script>" in browser.find_element(By.ID, "findings").text  # text, not markup
+    assert "no selective_scan_fwd" in browser.find_element(By.ID, "not-audited").text
+    links = [a.get_attribute("href") for a in browser.find_elements(By.CSS_SELECTOR, "#matrix a")]
+    assert len(links) == 1 and links[0].endswith("fp32/report.html")

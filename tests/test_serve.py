@@ -141,8 +141,8 @@ def test_errors_are_json_with_the_right_status(server):
     assert code == 400 and "maximum context length is 4096" in e["message"]
     code, e = post("/v1/completions", json={"prompt": [1] + [5] * 3499, "max_tokens": 4})
     assert code == 400 and "KV cache" in e["message"] and "--cache-mb" in e["message"]
-    code, e = post("/v1/completions", json={"prompt": "A1|A", "prompt_logprobs": 1})
-    assert code == 400 and "not supported" in e["message"]
+    code, e = post("/v1/completions", json={"prompt": "A1|A", "prompt_logprobs": -1})
+    assert code == 400 and "whole vocabulary" in e["message"]
     code, e = post("/generate", json={"text": "A1|A", "sampling_params": {"max_new_token": 4}})
     assert code == 400 and "max_new_token" in e["message"]
     # the server still answers after all that

@@ -1,8 +1,10 @@
 """Real vLLM (the CPU build in .venv-vllm, `make vllm`) audited two ways on zoo:hybrid in float32:
 offline (`--engine vllm`, vllm.LLM in a worker process, its step trace recorded by lpf-vllm-trace)
-and served (`python -m vllm.entrypoints.openai.api_server` on 127.0.0.1 + `--engine openai`). Both
-must be clean. A handful of short prompts: each vLLM start costs ~10-35 s on this machine. The
-drills on real vLLM and the plugin's failure modes: tests/test_vllm_trace.py."""
+and served (`python -m vllm.entrypoints.openai.api_server` on 127.0.0.1 + `--engine openai`), each with
+its prompt logprobs (`--prompt-logprobs`: SamplingParams(prompt_logprobs=k) offline; echo + logprobs and
+vLLM's own prompt_logprobs field through the server). All must be clean, outputs and prompt positions. A
+handful of short prompts: each vLLM start costs ~10-35 s on this machine. The drills on real vLLM and the
+plugin's failure modes: tests/test_vllm_trace.py."""
 
 from __future__ import annotations
 
@@ -21,6 +23,16 @@ from conftest import write_prompts
 from scripted_http import free_port
 
 MODEL = "zoo:hybrid"
+
+
+def _prompt_rows_are_clean(out: Path, f: dict) -> None:
+    """Every prompt position 1..P-1 of every request has an engine row and a reference row, and they agree."""
+    req = pq.read_table(out / "requests").to_pylist()
+    want = sum(len(r["prompt_token_ids"]) - 1 for r in req)
+    assert pq.read_table(out / "prompt_tokens").num_rows == want == pq.read_table(out / "prompt_reference").num_rows
+    p = f["prompt"]
+    assert p["verdict"] == "clean" and p["n_requests"] == len(req) and p["n_scored_tokens"] == want
+    assert p["metrics"]["abs_logprob_diff"]["max"] < 1e-4
 
 
 def _vllm_python() -> Path | None:
@@ -49,11 +61,12 @@ def test_offline_vllm_audit_is_clean_and_records_its_knobs_and_trace(lpf_cli, tm
     # a 16-token step budget with chunked prefill: prompts are split and prefill chunks share steps with decodes
     r = lpf_cli("audit", "--engine", "vllm", "--model", MODEL, "--workload", prompts8, "--max-tokens", 8,
                 "--dtype", "float32", "--max-num-seqs", 4, "--max-num-batched-tokens", 16, "--enable-chunked-prefill",
-                "-E", "enable_prefix_caching=false", "--out", out, "--json")
+                "-E", "enable_prefix_caching=false", "--prompt-logprobs", "--out", out, "--json")
     assert r.code == 0, r.err
     f = json.loads(r.out)
     assert f["verdict"] == "clean" and f["n_requests"] == 8 and f["errors"] == 0
     assert f["metrics"]["abs_logprob_diff"]["max"] < 1e-4
+    _prompt_rows_are_clean(out, f)
     e = json.loads((out / "manifest.json").read_text())["engine"]
     assert e["name"] == "vllm" and e["version"] == "0.32.0" and e["logprobs_mode"] == "raw_logprobs"
     assert e["engine_args"]["max_num_batched_tokens"] == 16 and e["engine_args"]["enable_chunked_prefill"] is True
@@ -155,7 +168,11 @@ def test_vllm_openai_server_audit_is_clean(lpf_cli, tmp_path, prompts8):
         out = tmp_path / "run"
         # the server's name for the model is the directory it loaded, so --model is both name and reference
         r = lpf_cli("audit", "--engine", "openai", "--base-url", f"http://127.0.0.1:{port}/v1", "--model", model_dir,
-                    "--workload", prompts8, "--max-tokens", 8, "--out", out, "--json")
+                    "--workload", prompts8, "--max-tokens", 8, "--prompt-logprobs", "--out", out, "--json")
+        # the same server asked through vLLM's own prompt_logprobs field instead of echo
+        r_field = lpf_cli("audit", "--engine", "openai", "--base-url", f"http://127.0.0.1:{port}/v1", "--model",
+                          model_dir, "--workload", prompts8, "--max-tokens", 8, "--prompt-logprobs",
+                          "-E", "prompt_logprobs=field", "--out", tmp_path / "field", "--json")
     finally:
         _stop(proc)
     assert r.code == 0, r.err
@@ -165,6 +182,9 @@ def test_vllm_openai_server_audit_is_clean(lpf_cli, tmp_path, prompts8):
     e = json.loads((out / "manifest.json").read_text())["engine"]
     assert e["token_identity"] == ["server"]  # vLLM answered token_id:N, no string mapping needed
     assert e["version"] == "0.32.0"  # GET /version of the server
+    _prompt_rows_are_clean(out, f)
+    assert r_field.code == 0, r_field.err
+    _prompt_rows_are_clean(tmp_path / "field", json.loads(r_field.out))
 
 
 def test_missing_vllm_venv_is_a_one_line_error(lpf_cli, tmp_path, monkeypatch, prompts8):

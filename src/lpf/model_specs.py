@@ -157,7 +157,7 @@ def _build_tiny(name: str) -> Path:
     if (out / "config.json").is_file():
         return out
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from lpf.torch_utils import quiet_transformers
 
@@ -168,7 +168,14 @@ def _build_tiny(name: str) -> Path:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if base != name:
         _edit_variant(name, model)
-    # Built in a temp dir and renamed so a concurrent or killed build never leaves half a model.
+    return save_model_dir(model, tok, special, out)
+
+
+def save_model_dir(model, tok, special: dict, out: Path) -> Path:
+    """Write model, tokenizer and a generation config with `special`'s ids to `out`, built in a temp
+    dir and renamed so a concurrent or killed build never leaves half a model."""
+    from transformers import GenerationConfig
+
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)

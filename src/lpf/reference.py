@@ -1,10 +1,12 @@
 """Reference rescorer: one teacher-forced pass of a plain HF model over prompt + output ids.
 
 For each output position it reports the logprob of the engine's token, its rank (1 = argmax),
-the entropy, the top-1 and the top-k, as a `reference` Arrow table. Memory contract: it never holds
+the entropy, the top-1 and the top-k, as a `reference` Arrow table; for items that ask
+(`ScoreItem.score_prompt`), the prompt positions 1..P-1 too (the logprob of prompt token p given the
+tokens before it), as a `prompt_reference` table from the same pass (`score_all` yields both). Memory contract: it never holds
 float32 logits of shape [batch, seq, vocab]. Sequences are sorted by (length, request id) and packed
 under a token budget (padding counted, `plan_batches`: the Ray executor packs with the same rule);
-the base model returns hidden states; only the rows that predict output tokens are projected to the
+the base model returns hidden states; only the rows that predict scored tokens are projected to the
 vocabulary, `chunk_rows` rows at a time into one reused buffer, with the head and log-softmax in
 float32 (weights stay in the reference dtype; `float32_head=False` keeps the head in it too, as an
 engine computing at that dtype would).
@@ -52,6 +54,15 @@ class ScoreItem:
     request_id: str
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+    score_prompt: bool = False  # also score prompt positions 1..P-1
+
+
+@dataclass(frozen=True)
+class Scored:
+    """One batch's scores: output positions, and prompt positions of the items that asked (else None)."""
+
+    reference: pa.Table
+    prompt_reference: pa.Table | None
 
 
 def plan_batches(lengths: Sequence[int], request_ids: Sequence[str], token_budget: int) -> list[list[int]]:
@@ -180,14 +191,16 @@ class Rescorer:
         if ids and not 0 <= min(ids) <= max(ids) < self.vocab_size:
             raise LpfError(f"request {it.request_id}: token id outside the reference vocabulary (0..{self.vocab_size - 1})")
 
-    def _inputs(self, batch: list[ScoreItem]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _inputs(self, batch: list[ScoreItem], asked: list[tuple[int, ScoreItem]]
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(ids [B, width], flat index of each scored row in [B * width], its target token), sent up
-        from one host buffer (pinned for a GPU) in one copy. Right padding: causal attention and
-        the causal scan never let later (pad) positions touch earlier ones, so no mask is needed."""
+        from one host buffer (pinned for a GPU) in one copy: every output row first, then the prompt
+        rows of the `asked` items (row q predicts prompt token q + 1). Right padding: causal attention
+        and the causal scan never let later (pad) positions touch earlier ones, so no mask is needed."""
         lengths = [len(it.prompt_token_ids) + len(it.output_token_ids) for it in batch]
         width, n = max(lengths), len(batch)
-        n_out = sum(len(it.output_token_ids) for it in batch)
-        host = torch.zeros(n * width + 2 * n_out, dtype=torch.long, pin_memory=self._pin)
+        n_rows = sum(len(it.output_token_ids) for it in batch) + sum(len(it.prompt_token_ids) - 1 for _, it in asked)
+        host = torch.zeros(n * width + 2 * n_rows, dtype=torch.long, pin_memory=self._pin)
         buf = host.numpy()
         at = n * width
         for row, it in enumerate(batch):
@@ -195,16 +208,25 @@ class Rescorer:
             buf[row * width:row * width + p] = it.prompt_token_ids
             buf[row * width + p:row * width + p + o] = it.output_token_ids
             buf[at:at + o] = np.arange(row * width + p - 1, row * width + p - 1 + o)
-            buf[at + n_out:at + n_out + o] = it.output_token_ids
+            buf[at + n_rows:at + n_rows + o] = it.output_token_ids
             at += o
+        for row, it in asked:
+            p = len(it.prompt_token_ids)
+            buf[at:at + p - 1] = np.arange(row * width, row * width + p - 1)
+            buf[at + n_rows:at + n_rows + p - 1] = it.prompt_token_ids[1:]
+            at += p - 1
         dev = host.to(self.input_device, non_blocking=self._pin)
-        return dev[:n * width].view(n, width), dev[n * width:n * width + n_out], dev[n * width + n_out:]
+        return dev[:n * width].view(n, width), dev[n * width:n * width + n_rows], dev[n * width + n_rows:]
+
+    def score_batch(self, batch: list[ScoreItem]) -> pa.Table:
+        return self.score_batch_all(batch).reference
 
     @torch.inference_mode()
-    def score_batch(self, batch: list[ScoreItem]) -> pa.Table:
+    def score_batch_all(self, batch: list[ScoreItem]) -> Scored:
         for it in batch:
             self.validate(it)
-        ids, rows, targets = self._inputs(batch)
+        asked = [(row, it) for row, it in enumerate(batch) if it.score_prompt and len(it.prompt_token_ids) > 1]
+        ids, rows, targets = self._inputs(batch, asked)
         hidden = self.model.base_model(input_ids=ids, use_cache=False).last_hidden_state
         h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows.to(hidden.device))
         del hidden
@@ -222,10 +244,23 @@ class Rescorer:
                                      top_ids.float()], dim=1))
         res = torch.cat(packed).cpu().numpy()  # the batch's one host synchronisation
         kk = max(k, 1)
+        n_out = sum(len(it.output_token_ids) for it in batch)
+        reference = self._table(res[:n_out], kk, [it.request_id for it in batch],
+                                [np.arange(len(it.output_token_ids)) for it in batch])
+        prompt = None
+        if asked:
+            prompt = self._table(res[n_out:], kk, [it.request_id for _, it in asked],
+                                 [np.arange(1, len(it.prompt_token_ids)) for _, it in asked])
+        return Scored(reference, prompt)
+
+    def _table(self, res: np.ndarray, kk: int, request_ids: list[str], positions: list[np.ndarray]) -> pa.Table:
+        """Reference rows from the packed float32 block: request i has len(positions[i]) consecutive
+        rows at those positions."""
+        k = self.topk
         top_lp, top_ids = res[:, 3:3 + kk], res[:, 3 + kk:].astype(np.int32)
         return pa.table({
-            "request_id": pa.array(np.repeat([it.request_id for it in batch], [len(it.output_token_ids) for it in batch])),
-            "position": pa.array(np.concatenate([np.arange(len(it.output_token_ids)) for it in batch]).astype(np.int32)),
+            "request_id": pa.array(np.repeat(request_ids, [len(p) for p in positions])),
+            "position": pa.array(np.concatenate(positions).astype(np.int32)),
             "ref_logprob": pa.array(res[:, 0].astype(np.float64)),
             "ref_rank": pa.array(res[:, 2].astype(np.int32)),
             "ref_entropy": pa.array(res[:, 1]),
@@ -236,8 +271,14 @@ class Rescorer:
         }, schema=schema.REFERENCE)
 
     def score(self, items: list[ScoreItem], on_tokens: Callable[[int], None] | None = None) -> Iterable[pa.Table]:
+        """Output positions only, one table per batch."""
+        for scored in self.score_all(items, on_tokens):
+            yield scored.reference
+
+    def score_all(self, items: list[ScoreItem], on_tokens: Callable[[int], None] | None = None) -> Iterable[Scored]:
+        """Output positions and the asked prompt positions, per batch; `on_tokens` counts output positions."""
         for batch in self.batches(items):
-            table = self.score_batch(batch)
+            scored = self.score_batch_all(batch)
             if on_tokens:
-                on_tokens(table.num_rows)
-            yield table
+                on_tokens(scored.reference.num_rows)
+            yield scored

@@ -1,7 +1,9 @@
 """Sampling parameters of a run, validated once; the per-request seed derivation.
 
 One `SamplingParams` holds for the whole run (a workload item may lower `max_tokens` for itself).
-`logprobs` is the number of top-k alternatives recorded per position, as in vLLM's SamplingParams.
+`logprobs` is the number of top-k alternatives recorded per position, as in vLLM's SamplingParams;
+`prompt_logprobs` asks the engine for the logprob of every prompt token as well (`--prompt-logprobs`:
+positions 1..P-1, with the same top-k), so the prefill path is audited beside the sampled tokens.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ class SamplingParams:
     seed: int = 0
     ignore_eos: bool = False
     logprobs: int = 5
+    prompt_logprobs: bool = False
 
     def __post_init__(self):
         if not self.temperature >= 0:

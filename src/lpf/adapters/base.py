@@ -111,6 +111,8 @@ def option_error(e: ValidationError) -> str:
 class Engine(ABC):
     name: str = "?"
     Options: type[Options] = Options
+    # whether `generate` fills Completion.prompt_logprobs when the run's sampling asks for them
+    supports_prompt_logprobs: bool = False
 
     def __init__(self, model: ModelRef, sampling: SamplingParams, options: Options):
         self.model = model

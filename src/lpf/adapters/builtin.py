@@ -35,6 +35,7 @@ class BuiltinOptions(Options, EngineConfig):
 class BuiltinEngine(Engine):
     name = "builtin"
     Options = BuiltinOptions
+    supports_prompt_logprobs = True
 
     def __init__(self, model, sampling, options: BuiltinOptions):
         super().__init__(model, sampling, options)
@@ -106,7 +107,10 @@ class BuiltinEngine(Engine):
 
     @staticmethod
     def _completion(req) -> Completion:
+        prompt = req.prompt_rows() if req.error is None else None
         return Completion(request_id=req.request_id, output_token_ids=req.output_token_ids, logprobs=req.logprobs,
                           topk_ids=req.topk_ids, topk_logprobs=req.topk_logprobs, finish_reason=req.finish_reason,
                           error=req.error, t_submit=req.t_arrival, t_first_token=req.t_first_token,
-                          t_finish=req.t_finish)
+                          t_finish=req.t_finish, prompt_logprobs=None if prompt is None else [r[0] for r in prompt],
+                          prompt_topk_ids=[r[2] for r in prompt or []],
+                          prompt_topk_logprobs=[r[3] for r in prompt or []])

@@ -6,6 +6,8 @@ padding); each batch seeds torch's generator from its first request, so a run is
 fixed batching. Generation settings are passed explicitly and the model's own `generation_config` is replaced by a
 neutral one, so nothing is inherited from it (a repetition penalty there would make the "engine"
 disagree with the reference; its EOS would stop an `ignore_eos` run).
+Prompt logprobs (`--prompt-logprobs`) come from one forward over the same left-padded, masked batch
+generate's prefill sees (rows of a few requests at a time, so [rows, width, vocab] logits stay small).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ class HFOptions(Options):
 class HFEngine(Engine):
     name = "hf"
     Options = HFOptions
+    supports_prompt_logprobs = True
+    PROMPT_LOGIT_ELEMENTS = 1 << 25  # float32 logits held at once by the prompt forward (128 MB)
 
     def __init__(self, model, sampling, options: HFOptions):
         super().__init__(model, sampling, options)
@@ -88,6 +92,7 @@ class HFEngine(Engine):
         dev = self.options.device
         with torch.inference_mode():
             out = self.hf_model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), generation_config=cfg)
+        prompt = self._prompt_logprobs(ids, mask, batch) if s.prompt_logprobs else None
         new = out.sequences[:, width:].cpu()
         steps = len(out.logits)
         # Per step, all rows at once: [B, V] logits are small; never stack [steps, B, V].
@@ -105,4 +110,30 @@ class HFEngine(Engine):
                 logprobs=[float(per_step[t][0][row]) for t in range(n)],
                 topk_ids=[per_step[t][1][row, :s.logprobs].tolist() for t in range(n)],
                 topk_logprobs=[per_step[t][2][row, :s.logprobs].tolist() for t in range(n)],
-                finish_reason=finish, t_submit=t0, t_first_token=None, t_finish=t1)
+                finish_reason=finish, t_submit=t0, t_first_token=None, t_finish=t1,
+                prompt_logprobs=prompt[row][0] if prompt else None, prompt_topk_ids=prompt[row][1] if prompt else [],
+                prompt_topk_logprobs=prompt[row][2] if prompt else [])
+
+    def _prompt_logprobs(self, ids, mask, batch: list[EngineRequest]) -> list[tuple[list, list, list]]:
+        """Per request (logprobs, top-k ids, top-k logprobs) of prompt positions 1..P-1, from the
+        left-padded batch as generate's prefill runs it."""
+        torch = self._torch
+        from lpf.torch_utils import logprob_rows
+
+        k, dev, width = self.sampling.logprobs, self.options.device, ids.shape[1]
+        vocab = self.hf_model.get_output_embeddings().weight.shape[0]
+        step = max(1, self.PROMPT_LOGIT_ELEMENTS // max(1, width * vocab))
+        out = []
+        for lo in range(0, len(batch), step):
+            with torch.inference_mode():
+                logits = self.hf_model(input_ids=ids[lo:lo + step].to(dev), attention_mask=mask[lo:lo + step].to(dev)).logits
+            for row, r in enumerate(batch[lo:lo + step]):
+                p = len(r.prompt_token_ids)
+                if p < 2:
+                    out.append(([], [], []))
+                    continue
+                targets = torch.tensor(r.prompt_token_ids[1:], device=logits.device)
+                chosen, top_ids, top_lp, _, _ = logprob_rows(logits[row, width - p:width - 1], targets, k)
+                out.append((chosen.tolist(), top_ids[:, :k].tolist(), top_lp[:, :k].tolist()))
+            del logits
+        return out

@@ -11,12 +11,17 @@ left out of that position's top-k (the sampled token's logprob is what gets comp
 Answers are checked before they are trusted: logprobs present, one per token and ids inside the
 vocabulary (else the request's error), and the server's token count, its text, its finish reason
 and the logprob values (else the answer is kept with an `inconsistency`, see `remote`). Each
-attempt sends the run's request id as `X-Request-Id`. Prompt logprobs (`echo`) are not requested: a
-run stores only output positions.
+attempt sends the run's request id as `X-Request-Id`.
+Prompt logprobs (`--prompt-logprobs`): `-E prompt_logprobs=echo` (default) asks for `echo` with
+`logprobs` (the OpenAI way: the answer's tokens start with the prompt, position 0 without a logprob);
+the echoed tokens must be the prompt (else its prompt logprobs are not stored and the answer says
+why), and the answer's text is not checked (it starts with the prompt's text). `=field` asks for
+vLLM's `prompt_logprobs: k` instead and reads `choices[0].prompt_logprobs` ({token id: {logprob, rank}}).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 from pydantic import model_validator
@@ -34,6 +39,7 @@ _ID_FIELD = "return_tokens_as_token_ids"
 class OpenAIOptions(RemoteOptions):
     served_model: str = ""
     token_ids: Literal["auto", "server", "tokenizer"] = "auto"  # server: demand token_id:N; tokenizer: map strings
+    prompt_logprobs: Literal["echo", "field"] = "echo"  # how --prompt-logprobs asks: echo+logprobs or vLLM's field
 
     @model_validator(mode="after")
     def _named(self):
@@ -46,6 +52,7 @@ class OpenAIEngine(RemoteEngine):
     name = "openai"
     Options = OpenAIOptions
     needs_served_name = True
+    supports_prompt_logprobs = True
 
     def __init__(self, model, sampling, options: OpenAIOptions):
         super().__init__(model, sampling, options)
@@ -73,6 +80,10 @@ class OpenAIEngine(RemoteEngine):
             body["ignore_eos"] = True
         if self.ask_for_ids:
             body[_ID_FIELD] = True
+        if s.prompt_logprobs and self.options.prompt_logprobs == "echo":
+            body["echo"] = True
+        elif s.prompt_logprobs:
+            body["prompt_logprobs"] = s.logprobs
         return body
 
     def tag(self, req, payload, attempt):
@@ -108,14 +119,62 @@ class OpenAIEngine(RemoteEngine):
         ids = [self.token_id(t, pos, strict=True) for pos, t in enumerate(tokens)]
         self.check_ids(ids)
         problems = Problems()
-        logprobs = [problems.logprob(v, pos) for pos, v in enumerate(values)]
+        echoed = self.sampling.prompt_logprobs and self.options.prompt_logprobs == "echo"
+        # an echoed prompt's first token has no logprob (nothing precedes it): not a problem there
+        logprobs = [math.nan if echoed and pos == 0 else problems.logprob(v, pos) for pos, v in enumerate(values)]
+        top = lp.get("top_logprobs")
+        prompt = self._echoed_prompt(req, ids, logprobs, top, problems) if echoed else None
+        if echoed:  # the answer's tokens start with the prompt: the outputs follow it
+            n = len(req.prompt_token_ids)
+            ids, logprobs, top = ids[n:], logprobs[n:], top[n:] if isinstance(top, list) else top
+        elif self.sampling.prompt_logprobs:
+            prompt = self._prompt_field(req, choice.get("prompt_logprobs"), problems)
         finish = choice.get("finish_reason")
         if finish is None:  # no claim to check; what the length says
             finish = "length" if len(ids) >= req.max_tokens else "stop"
-        self.check_answer(req, ids, usage.get("completion_tokens"), finish, choice.get("text"), problems)
-        topk_ids, topk_lps = self.top_k(lp.get("top_logprobs"), len(ids), "top_logprobs", self.top_pairs, problems)
+        self.check_answer(req, ids, usage.get("completion_tokens"), finish, None if echoed else choice.get("text"),
+                          problems)
+        topk_ids, topk_lps = self.top_k(top, len(ids), "top_logprobs", self.top_pairs, problems)
         return Completion(request_id=req.request_id, output_token_ids=ids, logprobs=logprobs, topk_ids=topk_ids,
-                          topk_logprobs=topk_lps, finish_reason=str(finish), inconsistency=problems.text())
+                          topk_logprobs=topk_lps, finish_reason=str(finish), inconsistency=problems.text(),
+                          prompt_logprobs=prompt[0] if prompt else None, prompt_topk_ids=prompt[1] if prompt else [],
+                          prompt_topk_logprobs=prompt[2] if prompt else [])
+
+    def _echoed_prompt(self, req, ids, logprobs, top, problems) -> tuple[list, list, list] | None:
+        """(logprobs, top-k ids, top-k logprobs) of prompt positions 1..P-1 from an echoed answer; None,
+        with the reason noted, when the echo is not the prompt."""
+        prompt = list(req.prompt_token_ids)
+        n = len(prompt)
+        if len(ids) <= n:
+            raise RequestFailed(f"echo returned {len(ids)} tokens for a prompt of {n} and at least one output")
+        if ids[:n] != prompt:
+            at = next(i for i, (a, b) in enumerate(zip(ids, prompt)) if a != b)
+            problems.add("echo", f"the echoed tokens differ from the prompt at position {at} (prompt logprobs not stored)")
+            return None
+        p_ids, p_lps = self.top_k(top[1:n] if isinstance(top, list) else top, n - 1, "top_logprobs (prompt)",
+                                  self.top_pairs, problems)
+        return logprobs[1:n], p_ids, p_lps
+
+    def _prompt_field(self, req, field: Any, problems) -> tuple[list, list, list] | None:
+        """vLLM's `prompt_logprobs`: [null, {token id: {logprob, rank, ...}}, ...], one per prompt token."""
+        prompt = list(req.prompt_token_ids)
+        if not isinstance(field, list) or len(field) != len(prompt):
+            problems.add("prompt_logprobs", f"prompt_logprobs has {len(field) if isinstance(field, list) else 'no'} "
+                                            f"entries for {len(prompt)} prompt tokens")
+            return None
+        lps, ids_out, lps_out = [], [], []
+        for pos, (tid, entry) in enumerate(zip(prompt[1:], field[1:]), 1):
+            pairs = {}
+            for key, value in (entry.items() if isinstance(entry, dict) else ()):
+                v = value.get("logprob") if isinstance(value, dict) else value
+                if str(key).lstrip("-").isdigit():
+                    pairs[int(key)] = v
+            lps.append(problems.logprob(pairs.get(tid), pos))
+            best = sorted(((as_logprob(v, pos), t) for t, v in pairs.items()), key=lambda p: -p[0])
+            best = [(v, t) for v, t in best if v == v][:self.sampling.logprobs]
+            ids_out.append([t for _, t in best])
+            lps_out.append([v for v, _ in best])
+        return lps, ids_out, lps_out
 
     def top_pairs(self, entry: Any, pos: int) -> list[tuple[float, int]]:
         """One `top_logprobs` entry ({token: logprob}); alternatives without a usable id are left out."""

@@ -9,6 +9,9 @@ tokenizer manager builds it: `{"text", "output_ids", "meta_info": {"finish_reaso
 `output_token_logprobs` (the ones paired with logprobs, and the ones stored) must agree with
 `output_ids` and `text` when the server sends them, else the answer is kept with an `inconsistency`;
 an `abort` finish with no tokens is that request's error, one with tokens an inconsistency.
+With `--prompt-logprobs`, `logprob_start_len=0`: `meta_info.input_token_logprobs` (one
+[logprob|null, token_id, text] per prompt token, null first) and `input_top_logprobs`; the ids must be
+the prompt's (else its prompt logprobs are not stored, and the answer says why).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from lpf.workload import EngineRequest
 
 class SGLangEngine(RemoteEngine):
     name = "sglang"
+    supports_prompt_logprobs = True
 
     def endpoint(self) -> str:
         return "/generate"
@@ -37,7 +41,7 @@ class SGLangEngine(RemoteEngine):
         return {"input_ids": list(req.prompt_token_ids),
                 "sampling_params": {"max_new_tokens": req.max_tokens, "temperature": s.temperature, "top_p": s.top_p,
                                     "top_k": s.top_k or -1, "ignore_eos": s.ignore_eos, "sampling_seed": req.seed},
-                "return_logprob": True, "top_logprobs_num": s.logprobs, "logprob_start_len": -1,
+                "return_logprob": True, "top_logprobs_num": s.logprobs, "logprob_start_len": 0 if s.prompt_logprobs else -1,
                 "return_text_in_logprobs": False, "stream": False}
 
     def tag(self, req, payload, attempt):
@@ -77,8 +81,27 @@ class SGLangEngine(RemoteEngine):
         self.check_answer(req, ids, meta.get("completion_tokens"), kind, body.get("text"), problems, detail)
         topk_ids, topk_lps = self.top_k(meta.get("output_top_logprobs"), len(ids), "output_top_logprobs",
                                         lambda entry, pos: self.top_pairs(entry, pos, problems), problems)
+        prompt = self._input_logprobs(req, meta, problems) if self.sampling.prompt_logprobs else None
         return Completion(request_id=req.request_id, output_token_ids=ids, logprobs=logprobs, topk_ids=topk_ids,
-                          topk_logprobs=topk_lps, finish_reason=str(kind), inconsistency=problems.text())
+                          topk_logprobs=topk_lps, finish_reason=str(kind), inconsistency=problems.text(),
+                          prompt_logprobs=prompt[0] if prompt else None, prompt_topk_ids=prompt[1] if prompt else [],
+                          prompt_topk_logprobs=prompt[2] if prompt else [])
+
+    def _input_logprobs(self, req: EngineRequest, meta: dict, problems: Problems) -> tuple[list, list, list] | None:
+        """(logprobs, top-k ids, top-k logprobs) of prompt positions 1..P-1 (logprob_start_len=0)."""
+        prompt = list(req.prompt_token_ids)
+        entries = meta.get("input_token_logprobs")
+        ok = isinstance(entries, list) and len(entries) == len(prompt) and all(
+            isinstance(e, list) and len(e) >= 2 for e in entries)
+        if not ok or [e[1] for e in entries] != prompt:
+            problems.add("input_token_logprobs", "input_token_logprobs are not one [logprob, id] per prompt token "
+                         "with the prompt's ids (prompt logprobs not stored)")
+            return None
+        lps = [problems.logprob(e[0], pos) for pos, e in enumerate(entries) if pos]
+        top = meta.get("input_top_logprobs")
+        ids, tlps = self.top_k(top[1:] if isinstance(top, list) else top, len(prompt) - 1, "input_top_logprobs",
+                               lambda entry, pos: self.top_pairs(entry, pos, problems), problems)
+        return lps, ids, tlps
 
     def top_pairs(self, entry: Any, pos: int, problems: Problems) -> list[tuple[float, int]]:
         """One `output_top_logprobs` entry: [[logprob, token_id, text|null], ...]; an alternative that is

@@ -21,6 +21,13 @@ LPF_VLLM_INJECT. `side_tables()` hands over the plugin's parts with lpf's reques
 says which vLLM id is whose), and `describe()["trace"]` names the source and, when the plugin
 records nothing, its reason (an unknown vLLM version, a hook missing, a directory not writable);
 `describe()` also carries what the trace features read: the SSM state's slot stride and the drills.
+
+Inside `kept_workers()` a closed engine's worker is kept (one idle worker at a time) and handed to the
+next engine started with the same interpreter, environment and model, which rebuilds vllm.LLM in it
+(`configure`): a matrix of configurations (`lpf conformance`) pays vLLM's import once per model instead
+of once per configuration. The plugin's directory goes with the worker; the parts the earlier engines
+took are never handed over again. A worker that failed (a refused configuration, a failure mid-run)
+or that ran drills (`inject`: the plugin's drill state is per process) is never reused.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import signal
 import subprocess
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Literal
 
@@ -42,6 +50,28 @@ from lpf.workload import EngineRequest
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
 REPO_VENV = Path(__file__).resolve().parents[3] / ".venv-vllm"
+_KEPT: dict | None = None  # key -> an idle worker's handles, while kept_workers() is active
+
+
+@contextmanager
+def kept_workers():
+    """Keep and reuse idle workers within the block; every kept worker is stopped on exit."""
+    global _KEPT
+    outer, _KEPT = _KEPT, {} if _KEPT is None else _KEPT
+    try:
+        yield
+    finally:
+        if outer is None:
+            _close_kept()
+            _KEPT = None
+
+
+def _close_kept() -> None:
+    """Stop every idle kept worker."""
+    while _KEPT:
+        holder = VLLMEngine.__new__(VLLMEngine)
+        holder.proc, holder.results, holder.log, holder.tmp, _ = _KEPT.popitem()[1]
+        holder.close()
 
 
 def vllm_python() -> Path:
@@ -97,6 +127,7 @@ class VLLMOptions(Options):
 class VLLMEngine(Engine):
     name = "vllm"
     Options = VLLMOptions
+    supports_prompt_logprobs = True  # SamplingParams(prompt_logprobs=k) in the worker
 
     @classmethod
     def check_model(cls, config: dict) -> None:
@@ -113,20 +144,29 @@ class VLLMEngine(Engine):
         if options.inject and not options.trace:
             raise LpfError("--inject on the vllm engine works through the trace plugin: drop -E trace=false")
         self.python = vllm_python()
-        self.tmp = tempfile.TemporaryDirectory(prefix="lpf-vllm-")
-        self.log_path = Path(self.tmp.name) / "vllm.log"
-        self.plugin = PluginDir(options.trace_dir or Path(self.tmp.name) / "trace-out") if options.trace else None
         self.vllm_ids: dict[str, str] = {}  # vLLM's id for a request -> ours
         self.trace_status: dict | None = None
         self.engine_args = self._engine_args()
+        config = {"engine_args": self.engine_args, "sampling": sampling.to_dict()}
+        # one model per process: vLLM sets process-wide state from the first model it builds (its
+        # parallel groups: an MoE model after a dense one finds no expert-parallel group)
+        self._key = (str(self.python), str(model.path), options.trace, options.trace_dir,
+                     options.cpu_kvcache_space, tuple(sorted(self._env(None).items())))
+        if not options.inject and _KEPT is not None and self._key in _KEPT and _KEPT[self._key][0].poll() is None:
+            self._reuse(_KEPT.pop(self._key), config)
+            return
+        self.tmp = tempfile.TemporaryDirectory(prefix="lpf-vllm-")
+        self.log_path = Path(self.tmp.name) / "vllm.log"
+        self.plugin = PluginDir(options.trace_dir or Path(self.tmp.name) / "trace-out") if options.trace else None
+        (Path(self.tmp.name) / "config.json").write_text(json.dumps(config))
         config = Path(self.tmp.name) / "config.json"
-        config.write_text(json.dumps({"engine_args": self.engine_args, "sampling": sampling.to_dict()}))
         read_fd, write_fd = os.pipe()
         self.log = open(self.log_path, "wb")
         try:
             self.proc = subprocess.Popen([str(self.python), str(WORKER), str(config), str(write_fd)],
                                          stdin=subprocess.PIPE, stdout=self.log, stderr=subprocess.STDOUT,
-                                         pass_fds=(write_fd,), env=self._env(), text=True, start_new_session=True)
+                                         pass_fds=(write_fd,), env=self._env(self.plugin), text=True,
+                                         start_new_session=True)
         finally:
             os.close(write_fd)  # the worker holds the only write end: EOF here means it exited
         self.results = os.fdopen(read_fd, "r")
@@ -135,6 +175,25 @@ class VLLMEngine(Engine):
         try:
             self.ready = self._wait_ready()
         except BaseException:  # a failed start or Ctrl-C while loading: no orphaned worker
+            self.close(kill=True)
+            raise
+
+    def _reuse(self, kept: tuple, config: dict) -> None:
+        """Take over a kept worker and rebuild vllm.LLM in it for `config`."""
+        from lpf.adapters.vllm_trace import PluginDir
+
+        self.proc, self.results, self.log, self.tmp, plugin = kept
+        self.log_path = Path(self.tmp.name) / "vllm.log"
+        self.plugin = None
+        if plugin is not None:  # the same directory and process; what earlier engines took stays taken
+            self.plugin = PluginDir(plugin.path, pid=self.proc.pid)
+            self.plugin.taken = {t: set(names) for t, names in plugin.taken.items()}
+            self.plugin.step_offset, self.plugin.next_step = dict(plugin.step_offset), plugin.next_step
+        try:
+            self.proc.stdin.write(json.dumps({"type": "configure", "config": config}) + "\n")
+            self.proc.stdin.flush()
+            self.ready = self._wait_ready()
+        except BaseException:
             self.close(kill=True)
             raise
 
@@ -149,7 +208,8 @@ class VLLMEngine(Engine):
                 args[name] = getattr(o, name)
         return args
 
-    def _env(self) -> dict:
+    def _env(self, plugin) -> dict:
+        """The worker's environment; `plugin` None: without the trace directory (the kept-worker key)."""
         venv = self.python.parent.parent
         cache = venv / "lpf-cache" if (venv / "pyvenv.cfg").is_file() else Path(tempfile.gettempdir()) / "lpf-vllm-cache"
         env = dict(os.environ)
@@ -163,8 +223,8 @@ class VLLMEngine(Engine):
         env.pop("PYTHONPATH", None)  # lpf's paths must not shadow vLLM's packages
         for var in ("LPF_VLLM_TRACE_DIR", "LPF_VLLM_INJECT"):  # this run's settings, not the caller's
             env.pop(var, None)
-        if self.plugin is not None:
-            env["LPF_VLLM_TRACE_DIR"] = str(self.plugin.path)
+        if plugin is not None:
+            env["LPF_VLLM_TRACE_DIR"] = str(plugin.path)
             if self.options.inject:
                 env["LPF_VLLM_INJECT"] = self.options.inject
         return env
@@ -268,6 +328,7 @@ class VLLMEngine(Engine):
             elif msg["type"] == "fatal":
                 failure = f"vLLM failed mid-run: {msg['error']}"
         if failure is not None:
+            self._failed = True  # a worker that failed mid-run is never reused
             failure += self._log_tail()
             for rid in pending:
                 yield Completion(request_id=rid, output_token_ids=[], logprobs=[], finish_reason="error", error=failure)
@@ -276,8 +337,21 @@ class VLLMEngine(Engine):
                 yield Completion(request_id=rid, output_token_ids=[], logprobs=[], finish_reason="error",
                                  error="vLLM's worker finished the batch without this request")
 
+    def _keep(self) -> bool:
+        """Hand this engine's live worker to kept_workers() (idle, for the next engine of its kind)."""
+        proc, key = getattr(self, "proc", None), getattr(self, "_key", None)
+        if _KEPT is None or key is None or proc is None or proc.poll() is not None or self.options.inject \
+                or getattr(self, "_failed", False):
+            return False
+        _close_kept()  # at most one idle worker: the next cells are of this model
+        _KEPT[key] = (proc, self.results, self.log, self.tmp, self.plugin)
+        self.proc = self.results = self.log = self.tmp = None
+        return True
+
     def close(self, kill: bool = False) -> None:
         proc = getattr(self, "proc", None)
+        if not kill and getattr(self, "ready", None) and self._keep():
+            return
         if proc is not None and proc.poll() is None:
             try:
                 if kill:

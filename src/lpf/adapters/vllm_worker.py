@@ -7,14 +7,17 @@ Protocol, JSON lines:
   then per batch {"type": "submitted", "vllm_ids": {vLLM's id: ours}} once every request is in (the
   id vLLM's runner, and so the trace plugin, knows each request by), one {"type": "completion",
   request_id, output_token_ids, logprobs, topk_ids, topk_logprobs, finish_reason, error, t_submit,
-  t_first_token, t_finish} per request as it finishes and {"type": "done", "trace"};
+  t_first_token, t_finish, and prompt_logprobs / prompt_topk_ids / prompt_topk_logprobs when the run
+  asks for prompt logprobs} per request as it finishes and {"type": "done", "trace"};
   {"type": "fatal", "error"} if the engine cannot start or dies.
   `trace` is the lpf-vllm-trace plugin's status in this process (`lpf_vllm_trace.status()`), or why
   there is none. Finished requests are held back and sent in groups, at most once a second, each
   group right after the plugin's buffered rows are flushed to its parts: lpf never sees a request
   before the trace rows that describe it.
 - stdin: requests {"request_id", "prompt_token_ids", "max_tokens", "seed"}, a batch closed by
-  {"type": "end"}; EOF ends the process.
+  {"type": "end"}; {"type": "configure", "config": {...}} drops the engine and builds a new one from
+  that config (answered by "ready", or "fatal" and exit), so one process can serve several
+  configurations of one model and pay vLLM's import once; EOF ends the process.
 The config holds `engine_args` (passed to vllm.LLM as given, `logprobs_mode` dropped where this vLLM
 lacks it) and the run's `sampling` (temperature, top_p, top_k, ignore_eos, logprobs). A request that
 vLLM refuses on submission (say, too long) comes back alone with its error.
@@ -63,7 +66,25 @@ def sampling_params(sampling: dict, req: dict):
 
     return SamplingParams(n=1, temperature=sampling["temperature"], top_p=sampling["top_p"],
                           top_k=sampling["top_k"] or 0, seed=req["seed"], max_tokens=req["max_tokens"],
-                          ignore_eos=sampling["ignore_eos"], logprobs=sampling["logprobs"])
+                          ignore_eos=sampling["ignore_eos"], logprobs=sampling["logprobs"],
+                          prompt_logprobs=sampling["logprobs"] if sampling.get("prompt_logprobs") else None)
+
+
+def prompt_part(output, k: int) -> dict:
+    """{prompt_logprobs, prompt_topk_ids, prompt_topk_logprobs} of positions 1..P-1 from vLLM's
+    `RequestOutput.prompt_logprobs` (None first, then {token id: Logprob}); {} when not asked."""
+    rows = getattr(output, "prompt_logprobs", None)
+    if rows is None:
+        return {}
+    ids = list(output.prompt_token_ids or [])
+    lps, top_ids, top_lps = [], [], []
+    for tid, entry in zip(ids[1:], rows[1:]):
+        entry = entry or {}
+        lps.append(float(entry[tid].logprob) if tid in entry else float("nan"))  # NaN: never clean, analysed as such
+        items = sorted(((float(lp.logprob), int(t)) for t, lp in entry.items()), key=lambda p: -p[0])[:k]
+        top_ids.append([t for _, t in items])
+        top_lps.append([v for v, _ in items])
+    return {"prompt_logprobs": lps, "prompt_topk_ids": top_ids, "prompt_topk_logprobs": top_lps}
 
 
 def completion(req_id: str, output, t_submit: float, t_first: float | None, k: int) -> dict:
@@ -88,7 +109,8 @@ def completion(req_id: str, output, t_submit: float, t_first: float | None, k: i
         topk_lps.append([v for v, _ in items[:k]])
     finish = out.finish_reason if out.finish_reason in ("stop", "length") else (out.finish_reason or "length")
     error = None if finish in ("stop", "length") else f"vLLM finished the request with reason {finish!r}"
-    return {"type": "completion", "request_id": req_id, "output_token_ids": ids if error is None else [],
+    return {"type": "completion", "request_id": req_id, **(prompt_part(output, k) if error is None else {}),
+            "output_token_ids": ids if error is None else [],
             "logprobs": lps if error is None else [], "topk_ids": topk_ids if error is None else [],
             "topk_logprobs": topk_lps if error is None else [], "finish_reason": "error" if error else finish,
             "error": error, "t_submit": t_submit, "t_first_token": t_first, "t_finish": time.time()}
@@ -162,10 +184,8 @@ def run_batch(llm, sampling: dict, requests: list[dict], out) -> None:
         send()  # the rest, and whatever finished before an engine error: answers are never dropped
 
 
-def main() -> int:
-    config_path, fd = sys.argv[1], int(sys.argv[2])
-    out = os.fdopen(fd, "w", buffering=1)
-    config = json.loads(open(config_path).read())
+def start(config: dict, out):
+    """vllm.LLM for `config`, announced as ready; None (announced as fatal) when it cannot be built."""
     try:
         import vllm
 
@@ -173,12 +193,31 @@ def main() -> int:
     except Exception as e:  # noqa: BLE001 - reported to lpf as one line, full trace in the log
         traceback.print_exc()
         emit(out, {"type": "fatal", "error": f"{type(e).__name__}: {' '.join(str(e).split())[:500]}"})
-        return 1
+        return None
     emit(out, {"type": "ready", "vllm_version": vllm.__version__, "logprobs_mode": mode,
                "engine_args": config["engine_args"], "trace": trace_status()})
+    return llm
+
+
+def main() -> int:
+    import gc
+
+    config_path, fd = sys.argv[1], int(sys.argv[2])
+    out = os.fdopen(fd, "w", buffering=1)
+    config = json.loads(open(config_path).read())
+    llm = start(config, out)
+    if llm is None:
+        return 1
     batch: list[dict] = []
     for line in sys.stdin:
         msg = json.loads(line)
+        if msg.get("type") == "configure":
+            llm, batch, config = None, [], msg["config"]
+            gc.collect()  # the old engine's caches go before the new one sizes its own
+            llm = start(config, out)
+            if llm is None:  # a failed build may leave vLLM's process state half made: never reused
+                return 1
+            continue
         if msg.get("type") != "end":
             batch.append(msg)
             continue

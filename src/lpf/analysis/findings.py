@@ -21,6 +21,9 @@ reference expected and vice versa: outputs delivered to the wrong request) and, 
 a temperature other than 1, `tempered_logprobs` (the reported logprobs fit the reference's
 temperature-scaled distribution better than its raw one: processed logprobs reported as raw).
 Runs over CHUNK tokens are scored in request-aligned chunks (`_score`); results do not depend on it.
+Prompt positions (`prompt_tokens` / `prompt_reference`, when the engine returned them) are judged
+apart by `lpf.analysis.prompt` with the same thresholds: their own block `findings.prompt`, `prompt_`
+columns in the summary, and the run verdict becomes the worst of the output and prompt verdicts.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from lpf.analysis.features import Feature, request_features
 from lpf.analysis.floors import expected_floor
 from lpf.analysis.hypotheses import rank_hypotheses
 from lpf.analysis.levels import REQUEST_VERDICTS, SEVERITY
+from lpf.analysis.prompt import merge_summary, prompt_analysis, worst_verdict
 from lpf.analysis.run_test import run_level_test
 from lpf.analysis.shape import failure_shape
 from lpf.analysis.signatures import crossed_wires, tempered_logprobs
@@ -53,7 +57,8 @@ def analyze(requests: pa.Table, tokens: pa.Table, reference: pa.Table, th: Thres
             trace: pa.Table | None = None, engine_info: dict | None = None,
             temperature: float = 0.0, calibration: pa.Table | None = None,
             calibration_info: dict | None = None, floor_table: dict | None = None,
-            run_info: dict | None = None) -> tuple[pa.Table, dict]:
+            run_info: dict | None = None, prompt_tokens: pa.Table | None = None,
+            prompt_reference: pa.Table | None = None, chunk_budget: int | None = None) -> tuple[pa.Table, dict]:
     """(per-request summary, findings dict). Pure: tables in, tables and plain data out.
     `calibration` (a calibration run's table, reference columns) replaces the run's own floor.
     `floor_table` (floors.json) and `run_info` (engine_dtype, reference_dtype, model, sampling) give
@@ -88,6 +93,11 @@ def analyze(requests: pa.Table, tokens: pa.Table, reference: pa.Table, th: Thres
     findings["shape"] = shape
     findings["hypotheses"] = _hypotheses(summary, requests, tok, reference, trace, engine_info, temperature, th)
     findings["evidence"] = evidence(requests, summary)
+    prompt_table, prompt_block = prompt_analysis(prompt_tokens, prompt_reference, requests, th, trace, chunk_budget)
+    if prompt_block is not None:
+        summary = merge_summary(summary, prompt_table)
+        findings["prompt"] = prompt_block
+        findings["verdict"] = worst_verdict(findings["verdict"], prompt_block)
     return summary, findings
 
 

@@ -15,6 +15,11 @@ Each drill changes how the engine works, never its outputs directly:
                         engine claims raw ones.
   kv-double-free        a finished request's last KV block is freed twice, so two live requests can
                         later share it and overwrite each other's keys and values.
+  lost-chunk-state      an extend step (the next chunk of a chunked prefill) is told it has no initial
+                        state (vLLM's has_initial_state false for a continuing chunk), so it starts
+                        from zero conv/SSM state instead of the state the previous chunk wrote: only
+                        the prefill path is wrong; prompt positions after the chunk boundary diverge
+                        first, and decodes inherit the wrong final state.
 Substitutions (the engine computes another function than the model it claims, a little, everywhere;
 the arithmetic is in `numeric_drills`):
   quantize-weights[:BITS]      every decoder linear weight rounded group-wise to BITS bits (default 4;
@@ -49,7 +54,7 @@ PERTURB_SEED = 1234  # perturb-weights draws the same "fine-tune" on every run
 GROUP_SIZE = 128  # quantize-weights: inputs per quantization group
 
 DRILLS = ("stale-state", "offset-wrap", "batch-variant", "swap-outputs", "processed-logprobs", "kv-double-free",
-          "quantize-weights", "kv-quant", "perturb-weights", "sampling-temperature")
+          "lost-chunk-state", "quantize-weights", "kv-quant", "perturb-weights", "sampling-temperature")
 
 # drill -> (FaultSet field, argument type, default, lowest, highest); drills not listed take no argument
 _ARGS = {
@@ -70,6 +75,7 @@ class FaultSet:
     swap_outputs_period: int | None = None
     processed_logprobs: bool = False
     kv_double_free: bool = False
+    lost_chunk_state: bool = False
     quantize_weights_bits: int | None = None
     kv_quant_bits: int | None = None
     perturb_weights_scale: float | None = None
@@ -211,6 +217,11 @@ class Drills:
     def phase(self, s) -> str:
         return classify(s.num_computed_tokens, s.num_scheduled_tokens, self.faults.stale_state)
 
+    def has_initial_state(self, s, phase: str) -> bool:
+        """Whether a prefill/extend chunk continues from its slot's state: an extend does, unless the
+        lost-chunk-state drill says it has none."""
+        return phase == "extend" and not self.faults.lost_chunk_state
+
     def zero_new_slot(self, s) -> bool:
         """Defence in depth: a newly allocated slot starts clean (not under stale-state)."""
         return s.slot_is_new and not self.faults.stale_state
@@ -235,6 +246,9 @@ class Drills:
             wrap_step, detail = self._wrapped.pop(s.request_id)
             t.record(s.request_id, wrap_step, "offset-wrap", detail + f"; step {step} decoded from slot "
                      f"{s.state_slot}, which its prefill never wrote")
+        if f.lost_chunk_state and phase == "extend":
+            t.record(s.request_id, step, "lost-chunk-state", f"chunk at prompt position {s.num_computed_tokens} "
+                     f"started from a zero state (the state of positions < {s.num_computed_tokens} was lost)")
         if f.batch_variant:
             t.record_once(s.request_id, step, "batch-variant", "logits from a batch-size-dependent split-K head")
         if f.processed_logprobs and s.will_sample and not s.sampling.greedy:

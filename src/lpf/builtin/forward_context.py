@@ -26,10 +26,17 @@ class SeqMeta:
     phase: str  # prefill (no prior state) | extend (continues a chunked prefill) | decode (1 token)
     state_slot: int
     block_table: list[int]
+    # a prefill or extend chunk continues from the state in its slot (vLLM's has_initial_state);
+    # None: the phase decides (extend does, prefill does not)
+    has_initial_state: bool | None = None
 
     @property
     def end(self) -> int:
         return self.start + self.num_tokens
+
+    @property
+    def reads_initial_state(self) -> bool:
+        return self.phase == "extend" if self.has_initial_state is None else self.has_initial_state
 
 
 @dataclass

@@ -82,7 +82,7 @@ class LLMEngine:
             self._trace.append({"step": so.step, "request_id": rid, "phase": None, "num_computed_tokens": 0,
                                 "num_scheduled_tokens": 0, "state_slot": None, "batch_size": n,
                                 "batch_tokens": tokens, "preempted": True})
-        return self.scheduler.update(so, result.samples)
+        return self.scheduler.update(so, result.samples, result.prompt_rows)
 
     def drain_trace(self) -> pa.Table | None:
         if not self._trace:

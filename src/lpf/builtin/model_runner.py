@@ -4,7 +4,8 @@ At construction the drills may edit the weights and say how K/V are stored. Each
 every scheduled request's tokens into one flat batch, asks the drills (`faults.Drills`)
 which phase each request runs in (the fixed rule unless a drill puts the old one back), builds the
 `ForwardContext`, runs the model, projects the last hidden state of each sampling request to logits
-and samples. The reply is a `StepResult`. Every fault-drill decision and its ground truth lives
+and samples; when prompt logprobs are asked, the rows of prompt tokens are projected too (each
+predicts the next prompt token). The reply is a `StepResult`. Every fault-drill decision and its ground truth lives
 behind `Drills`; with no drill on, each of its hooks is the honest behaviour.
 """
 
@@ -16,8 +17,9 @@ from lpf.builtin.faults import Drills, FaultSet, GroundTruth
 from lpf.builtin.forward_context import ForwardContext, SeqMeta, set_forward_context
 from lpf.builtin.kv_cache import KVCache
 from lpf.builtin.sampler import sample
-from lpf.builtin.sched_output import SchedulerOutput, StepResult
+from lpf.builtin.sched_output import PromptRows, SchedulerOutput, StepResult
 from lpf.builtin.state_cache import StateCache
+from lpf.torch_utils import logprob_rows
 
 
 class ModelRunner:
@@ -43,7 +45,7 @@ class ModelRunner:
                 self.state_cache.zero(s.state_slot)
             drills.scheduled(so, s, phase)
             seqs.append(SeqMeta(s.request_id, start, s.num_scheduled_tokens, s.num_computed_tokens, phase,
-                                s.state_slot, s.block_table))
+                                s.state_slot, s.block_table, drills.has_initial_state(s, phase)))
             ids.extend(s.token_ids)
             pos.extend(range(s.num_computed_tokens, s.num_computed_tokens + s.num_scheduled_tokens))
             start += s.num_scheduled_tokens
@@ -53,12 +55,30 @@ class ModelRunner:
         ctx = ForwardContext(so.step, seqs, self.kv_cache, self.state_cache)
         with set_forward_context(ctx):
             hidden = self.model(torch.tensor(ids, device=self.device), torch.tensor(pos, device=self.device))
+        asked = [(m, s) for m, s in zip(seqs, so.scheduled) if s.prompt_targets]
+        prompt_rows = self._prompt_rows(hidden, asked, len(seqs)) if asked else {}
         sampling = [(m, s) for m, s in zip(seqs, so.scheduled) if s.will_sample]
         if not sampling:  # only prefill chunks that end before their prompts do
-            return StepResult(phases)
+            return StepResult(phases, prompt_rows=prompt_rows)
         rows = hidden[torch.tensor([m.end - 1 for m, _ in sampling], device=self.device)]
         logits = drills.logits(self.model, rows, batch_size=len(seqs))
         samples = sample(logits, [s for _, s in sampling], processed=drills.processed_logprobs,
                          temperature=drills.sampling_temperature)
         decoding = [m.request_id for m, _ in sampling if m.phase == "decode"]
-        return StepResult(phases, drills.deliver(so, decoding, samples))
+        return StepResult(phases, drills.deliver(so, decoding, samples), prompt_rows)
+
+    def _prompt_rows(self, hidden, asked, batch_size: int) -> dict[str, PromptRows]:
+        """Raw logprobs of the prompt tokens this step's rows predict (row i of a chunk starting at
+        position c predicts prompt token c + i + 1), through the same LM head as samples."""
+        idx = torch.cat([torch.arange(m.start, m.start + len(s.prompt_targets)) for m, s in asked]).to(self.device)
+        targets = torch.tensor([t for _, s in asked for t in s.prompt_targets], device=self.device)
+        logits = self.drills.logits(self.model, hidden[idx], batch_size=batch_size)
+        chosen, top_ids, top_lp, rank, _ = logprob_rows(logits, targets, max(s.sampling.logprobs for _, s in asked))
+        out, at = {}, 0
+        for m, s in asked:
+            n, k = len(s.prompt_targets), s.sampling.logprobs
+            out[m.request_id] = PromptRows(s.num_computed_tokens + 1, chosen[at:at + n].tolist(),
+                                           rank[at:at + n].tolist(), top_ids[at:at + n, :k].tolist(),
+                                           top_lp[at:at + n, :k].tolist())
+            at += n
+        return out

@@ -40,6 +40,9 @@ class Request:
     state_slot: int | None = None
     slot_is_new: bool = False  # slot allocated since the last step: the runner may zero it
     block_table: list[int] = field(default_factory=list)
+    # prompt position -> (logprob, rank, top-k ids, top-k logprobs), when sampling.prompt_logprobs; a
+    # recompute after preemption computes them again and the later values stand (what the engine last computed)
+    prompt_logprobs: dict[int, tuple[float, int, list[int], list[float]]] = field(default_factory=dict)
     num_preemptions: int = 0
     finish_reason: str | None = None
     error: str | None = None
@@ -63,6 +66,19 @@ class Request:
         self.logprobs.append(sample.logprob)
         self.topk_ids.append(sample.topk_ids)
         self.topk_logprobs.append(sample.topk_logprobs)
+
+    def add_prompt_rows(self, rows) -> None:
+        for i, lp in enumerate(rows.logprobs):
+            self.prompt_logprobs[rows.first + i] = (lp, rows.ranks[i], rows.topk_ids[i], rows.topk_logprobs[i])
+
+    def prompt_rows(self) -> list[tuple[float, int, list[int], list[float]]] | None:
+        """(logprob, rank, top-k ids, top-k logprobs) of prompt positions 1..P-1, None when not asked."""
+        if not self.sampling.prompt_logprobs:
+            return None
+        rows = [self.prompt_logprobs.get(p) for p in range(1, len(self.prompt_token_ids))]
+        if any(r is None for r in rows):  # never: every prompt row is computed before the first sample
+            raise RuntimeError(f"{self.request_id}: prompt logprobs missing for some positions")
+        return rows
 
     def check_stop(self, max_context: int | None) -> bool:
         """Sets finish_reason when the last output ends the request."""

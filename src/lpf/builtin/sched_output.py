@@ -26,6 +26,9 @@ class ScheduledRequest:
     output_position: int  # index of the output token a sample would produce
     sampling: SamplingParams
     seed: int
+    # prompt logprobs asked (sampling.prompt_logprobs): the prompt tokens this step's rows predict, row
+    # i predicting token num_computed_tokens + i + 1 (empty when not asked or past the prompt)
+    prompt_targets: list[int] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -55,8 +58,20 @@ class Sample:
 
 
 @dataclass(frozen=True)
+class PromptRows:
+    """Prompt logprobs computed this step for one request: prompt positions `first`, `first + 1`, ..."""
+
+    first: int
+    logprobs: list[float]
+    ranks: list[int]  # 1 = the prompt token was the model's argmax there
+    topk_ids: list[list[int]]
+    topk_logprobs: list[list[float]]
+
+
+@dataclass(frozen=True)
 class StepResult:
     """The runner's reply to one `SchedulerOutput`."""
 
     phases: dict[str, str] = field(default_factory=dict)  # request id -> prefill | extend | decode
     samples: dict[str, Sample] = field(default_factory=dict)  # request id -> this step's sample
+    prompt_rows: dict[str, PromptRows] = field(default_factory=dict)  # request id -> its prompt logprobs

@@ -18,7 +18,7 @@ from typing import Callable
 from lpf.builtin.config import EngineConfig
 from lpf.builtin.kv_cache import BlockAllocator, blocks_needed
 from lpf.builtin.request import Request, Status
-from lpf.builtin.sched_output import Sample, ScheduledRequest, SchedulerOutput
+from lpf.builtin.sched_output import PromptRows, Sample, ScheduledRequest, SchedulerOutput
 from lpf.builtin.state_cache import SlotPool
 
 
@@ -124,12 +124,14 @@ class Scheduler:
         scheduled = []
         for req, n in plan:
             start = req.num_computed_tokens
+            last = min(start + n, len(req.prompt_token_ids) - 1)  # rows up to here predict a prompt token
+            targets = req.prompt_token_ids[start + 1:last + 1] if req.sampling.prompt_logprobs else []
             scheduled.append(ScheduledRequest(
                 request_id=req.request_id, token_ids=req.token_ids(start, start + n), num_computed_tokens=start,
                 state_slot=req.state_slot, block_table=list(req.block_table), slot_is_new=req.slot_is_new,
                 slot_reused=req.slot_is_new and req.state_slot in self.slots.ever_used,
                 will_sample=start + n == req.num_tokens, output_position=len(req.output_token_ids),
-                sampling=req.sampling, seed=req.seed))
+                sampling=req.sampling, seed=req.seed, prompt_targets=targets))
             req.slot_is_new = False
         owners = {r.state_slot: r.request_id for r in self.running}
         return SchedulerOutput(step=self.step, scheduled=scheduled, preempted=preempted, slot_owners=owners)
@@ -171,8 +173,10 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     # -- after the runner ------------------------------------------------------------------------
-    def update(self, out: SchedulerOutput, sampled: dict[str, Sample]) -> list[Request]:
-        """Advance computed tokens, append samples, retire finished requests (returned)."""
+    def update(self, out: SchedulerOutput, sampled: dict[str, Sample],
+               prompt_rows: dict[str, PromptRows] | None = None) -> list[Request]:
+        """Advance computed tokens, record prompt logprobs, append samples, retire finished requests (returned)."""
+        prompt_rows = prompt_rows or {}
         by_id = {r.request_id: r for r in self.running}
         finished = []
         for s in out.scheduled:
@@ -180,6 +184,8 @@ class Scheduler:
             if req is None:  # preempted later in the same step
                 continue
             req.num_computed_tokens += s.num_scheduled_tokens
+            if s.request_id in prompt_rows:
+                req.add_prompt_rows(prompt_rows[s.request_id])
             if s.will_sample and s.request_id in sampled:
                 req.append_output(sampled[s.request_id])
                 if req.check_stop(self.max_context):

@@ -5,7 +5,7 @@
   render.py       every terminal table and summary (domain modules return data and print nothing)
   run.py          audit, run, rescore, analyze        views.py   query, inspect, report, engines, zoo
   experiments.py  sweep, repeat                       rl.py      rl analyze, rl simulate
-  serve.py        serve
+  serve.py        serve                               compare.py diff, conformance
 Command modules import `common` and `render` only, never each other. `lpf --help` imports click,
 rich and a few light lpf modules: every heavy import sits inside a command's body.
 
@@ -20,7 +20,7 @@ import sys
 
 import click
 
-from lpf.cli import experiments, rl, run, serve, views
+from lpf.cli import compare, experiments, rl, run, serve, views
 from lpf.cli.common import err
 from lpf.errors import LpfError
 
@@ -31,7 +31,7 @@ def cli():
     """logprob-forensics: re-score an engine's exact tokens with a reference and find the requests that lie."""
 
 
-for _module in (run, views, experiments, rl, serve):
+for _module in (run, views, experiments, rl, serve, compare):
     for _command in _module.COMMANDS:
         cli.add_command(_command)
 

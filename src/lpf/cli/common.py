@@ -155,6 +155,8 @@ def run_options(f):
         click.option("--seed", type=int, default=0, show_default=True),
         click.option("--ignore-eos", is_flag=True, help="Generate max_tokens even past EOS."),
         click.option("--logprobs", type=int, default=5, show_default=True, help="Top-k alternatives recorded per token."),
+        click.option("--prompt-logprobs", is_flag=True,
+                     help="Also record the engine's logprob of every prompt token (the prefill path), audited apart."),
         click.option("--base-url", default=None, help="openai/sglang engines: the server, e.g. http://127.0.0.1:8000/v1."),
         click.option("--api-key-env", default=None, metavar="VAR",
                      help="openai/sglang engines: environment variable holding the API key (never written anywhere)."),
@@ -286,7 +288,7 @@ def build_run_spec(params: Mapping):
         raise LpfError("--part-size must be >= 1")
     sampling = SamplingParams(temperature=p["temperature"], top_p=p["top_p"], top_k=p["top_k"],
                               max_tokens=p["max_tokens"], seed=p["seed"], ignore_eos=p["ignore_eos"],
-                              logprobs=p["logprobs"])
+                              logprobs=p["logprobs"], prompt_logprobs=bool(p.get("prompt_logprobs")))
     out_dir = p.get("out") or Path("runs") / time.strftime("run-%Y%m%d-%H%M%S")
     return RunSpec(engine=p["engine"], model=model or DEFAULT_MODEL, workload=p.get("workload") or DEFAULT_WORKLOAD,
                    out=out_dir, n=p["n"], sampling=sampling, engine_options=options, part_size=p["part_size"],

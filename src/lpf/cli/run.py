@@ -64,7 +64,8 @@ def _analyze(run, threshold, as_json, fail_on, attribution=True) -> None:
         from lpf.pipeline import all_failed
 
         raise LpfError(f"nothing could be audited: {all_failed(run) or 'every request failed'}")
-    # the run's verdict counts too: `systematic` is the run-level test's, no request carries it
+    # the run's verdict counts too: `systematic` is the run-level test's and a prompt-only divergence
+    # the prompt block's, neither carried by a request's output verdict
     if fails([*(v for v, c in findings["counts"].items() if c), findings["verdict"]], fail_on):
         sys.exit(1)
 

@@ -30,6 +30,18 @@ from lpf.pipeline.trace import engine_info, trace_summary
 from lpf.run.store import RunDir
 
 
+def chunk_budget(manifest: dict) -> int | None:
+    """The step's token budget when prompts could be split (chunked prefill not switched off), for
+    placing chunk boundaries when there is no trace."""
+    engine = manifest.get("engine") or {}
+    opts = {**(engine.get("engine_args") or {}), **{k: v for k, v in (engine.get("options") or {}).items()
+                                                     if v is not None}}
+    budget = opts.get("max_num_batched_tokens")
+    if opts.get("enable_chunked_prefill") is False or not isinstance(budget, int) or isinstance(budget, bool):
+        return None
+    return budget
+
+
 def analyze_run(run: RunDir, thresholds: Thresholds, attribute: bool = True, on_start: OnStart = no_start,
                 tick: Tick = no_tick) -> dict:
     """`on_start`/`tick` report the attribution's re-scoring (tokens), when there is any."""
@@ -44,10 +56,12 @@ def analyze_run(run: RunDir, thresholds: Thresholds, attribute: bool = True, on_
     ref = m.get("reference") or {}
     run_info = {"engine_dtype": engine_dtype(m), "reference_dtype": ref.get("dtype"), "model": ref.get("spec"),
                 "sampling": m["sampling"]}
+    prompt = (run.read("prompt_tokens"), run.read("prompt_reference")) if run.has("prompt_reference") else (None, None)
     summary, findings = analyze(requests, run.read("tokens"), reference, thresholds,
                                 greedy=temperature == 0, trace=trace, engine_info=engine_info(run),
                                 temperature=temperature, calibration=calibration, calibration_info=cal_info,
-                                floor_table=floor_table(), run_info=run_info)
+                                floor_table=floor_table(), run_info=run_info,
+                                prompt_tokens=prompt[0], prompt_reference=prompt[1], chunk_budget=chunk_budget(m))
     findings["attribution"] = _attribute(run, requests, summary, reference, findings, on_start, tick) \
         if attribute else None
     findings = {"run_id": m.get("run_id"), "engine": m["engine"].get("name"), "model": m["model"].get("spec"),

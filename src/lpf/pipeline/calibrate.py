@@ -47,7 +47,11 @@ def _calibrate(run: RunDir, token_budget: int, on_start: OnStart, tick: Tick, de
     m = run.manifest
     ref = m.get("reference")
     if not ref or not run.has("reference"):
-        raise LpfError(f"{run.path} has no reference scores yet: rescore it before calibrating")
+        from lpf.pipeline.generate import all_failed
+
+        why = all_failed(run)  # nothing was scored because the engine answered nothing: say that instead
+        raise LpfError(f"{run.path}: {why}; nothing to calibrate" if why else
+                       f"{run.path} has no reference scores yet: rescore it before calibrating")
     dtype = engine_dtype(m)
     if dtype not in ("float32", "float16", "bfloat16"):
         raise LpfError(f"cannot calibrate {run.path}: the engine's dtype is {dtype or 'not recorded'} "

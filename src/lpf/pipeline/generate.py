@@ -65,6 +65,8 @@ def create_run(spec: RunSpec) -> RunDir:
     model = resolve_model(spec.model)
     cfg = model_config(model)
     engine_cls.check_model(cfg)
+    if spec.sampling.prompt_logprobs and not engine_cls.supports_prompt_logprobs:
+        raise LpfError(f"--prompt-logprobs: the {spec.engine} engine cannot return prompt logprobs")
     tokenizer = load_tokenizer(model)
     context = cfg.get("max_position_embeddings")
     prompts, source = load_prompts(spec.workload, tokenizer, cfg.get("vocab_size", len(tokenizer)), context)
@@ -173,13 +175,16 @@ def _commit(run: RunDir, engine, completions, by_id: dict[str, EngineRequest], t
         tok["engine_topk_ids"] += c.topk_ids or [[]] * n
         tok["engine_topk_logprobs"] += c.topk_logprobs or [[]] * n
         if c.prompt_logprobs:  # positions 1..P-1 of the prompt: position 0 has nothing before it
-            k = len(c.prompt_logprobs)
+            k = min(len(c.prompt_logprobs), len(r.prompt_token_ids) - 1)
+            if k != len(c.prompt_logprobs) and req_rows[-1]["inconsistency"] is None:  # kept, and said so
+                req_rows[-1]["inconsistency"] = (f"{len(c.prompt_logprobs)} prompt logprobs for a prompt of "
+                                                 f"{len(r.prompt_token_ids)} tokens (positions 1..{k} kept)")
             ptok["request_id"] += [r.request_id] * k
             ptok["position"] += list(range(1, k + 1))
             ptok["token_id"] += list(r.prompt_token_ids[1:k + 1])
-            ptok["engine_logprob"] += c.prompt_logprobs
-            ptok["engine_topk_ids"] += c.prompt_topk_ids or [[]] * k
-            ptok["engine_topk_logprobs"] += c.prompt_topk_logprobs or [[]] * k
+            ptok["engine_logprob"] += c.prompt_logprobs[:k]
+            ptok["engine_topk_ids"] += c.prompt_topk_ids[:k] or [[]] * k
+            ptok["engine_topk_logprobs"] += c.prompt_topk_logprobs[:k] or [[]] * k
     # side tables first: a request part must never exist without the trace that led to it
     for name, table in engine.side_tables().items():
         if table is not None and table.num_rows:

@@ -1,10 +1,13 @@
 """The rescore stage: the reference teacher-forced over every completed, not-yet-scored request.
 
-Resumable (a request is scored iff it has reference rows), refuses a reference with another tokenizer
+Resumable (a request is scored iff it has reference rows), scores the prompt positions of every request
+whose engine returned prompt logprobs in the same pass (`prompt_reference/`, committed with its
+reference part), refuses a reference with another tokenizer
 (ids would not mean the same text) and a silent switch of reference (`--redo` replaces the scores).
 Two executors write the same `reference/` parts through `RunDir.append`: `local` (one `Rescorer` in
 this process) and `ray` (`lpf.pipeline.rescore_ray`: an actor pool of rescorers on Ray Data, the
-parts committed by this process). Both pack batches with `lpf.reference.plan_batches`.
+parts committed by this process). Both pack batches with `lpf.reference.plan_batches`. Prompt
+positions are scored by the local executor only (a run with prompt logprobs is refused by `ray`).
 """
 
 from __future__ import annotations
@@ -101,6 +104,9 @@ def rescore_run(run: RunDir, reference: str | None = None, dtype: str = "float32
 
 def _rescore(run: RunDir, s: RescoreSettings, redo: bool, on_start: OnStart, tick: Tick) -> None:
     m = run.manifest
+    if s.executor == "ray" and run.has("prompt_tokens"):  # the actors score output positions only
+        raise LpfError(f"{run.path} has prompt logprobs (--prompt-logprobs): rescore it with "
+                       f"--executor local, which scores prompt positions in the same pass")
     spec = s.reference or m["model"]["spec"]
     prev = m.get("reference")
     if run.has("reference") and prev and (prev.get("spec"), prev.get("dtype")) != (spec, s.dtype) and not redo:
@@ -121,7 +127,8 @@ def _rescore(run: RunDir, s: RescoreSettings, redo: bool, on_start: OnStart, tic
         raise LpfError(f"reference {spec} uses a different tokenizer from the engine's model "
                        f"{m['model']['spec']}: token ids would not mean the same text")
     if redo:
-        for p in run.parts("reference") + run.parts("calibration"):  # a calibration run is of the old reference
+        # a calibration run, like the prompt scores, belongs to the old reference
+        for p in run.parts("prompt_reference") + run.parts("reference") + run.parts("calibration"):
             p.unlink()
         m.pop("calibration", None)
     m["reference"] = {**desc, "executor": s.executor}
@@ -135,9 +142,10 @@ def _rescore(run: RunDir, s: RescoreSettings, redo: bool, on_start: OnStart, tic
         return
     from lpf.reference import ScoreItem
 
+    with_prompt = set(run.read("prompt_tokens", ["request_id"]).column("request_id").unique().to_pylist())
     todo = set(pending.column("request_id").to_pylist())
     req = run.read("requests", ["request_id", "prompt_token_ids", "output_token_ids"]).to_pylist()
-    items = [ScoreItem(r["request_id"], r["prompt_token_ids"], r["output_token_ids"])
+    items = [ScoreItem(r["request_id"], r["prompt_token_ids"], r["output_token_ids"], r["request_id"] in with_prompt)
              for r in req if r["request_id"] in todo]
-    for table in rescorer.score(items, tick):
-        run.append("reference", table)
+    for scored in rescorer.score_all(items, tick):
+        run.append_reference(scored.reference, scored.prompt_reference)

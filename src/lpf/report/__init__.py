@@ -1,10 +1,10 @@
 """`report.html`: one self-contained, offline page for a run, sweep, shrink or RL directory.
 
 `write_report(path) -> Path` detects the directory's kind by the files present (run: manifest.json
-+ findings.json; sweep: sweep.json; shrink: shrink.json; RL: rl_findings.json + rl_steps.parquet),
-gathers what the page shows (`run_page`, `sweep_page`, `shrink_page`, `rl_page`), renders it
-(`html`) and writes DIR/report.html atomically. Raises LpfError for a directory that is none of
-these or whose files are unreadable.
++ findings.json; sweep: sweep.json; shrink: shrink.json; conformance: conformance.json; RL:
+rl_findings.json + rl_steps.parquet), gathers what the page shows (`run_page`, `sweep_page`,
+`shrink_page`, `conformance_page`, `rl_page`), renders it (`html`) and writes DIR/report.html
+atomically. Raises LpfError for a directory that is none of these or whose files are unreadable.
 """
 
 from __future__ import annotations
@@ -20,14 +20,16 @@ def detect_kind(path: Path) -> str:
         return "sweep"
     if (path / "shrink.json").is_file():
         return "shrink"
+    if (path / "conformance.json").is_file():
+        return "conformance"
     if (path / "rl_findings.json").is_file() and (path / "rl_steps.parquet").is_file():
         return "rl"
     if (path / "manifest.json").is_file() and (path / "findings.json").is_file():
         return "run"
     if (path / "manifest.json").is_file():
         raise LpfError(f"{path} has no findings.json yet: run `lpf analyze {path}` first")
-    raise LpfError(f"{path} is not a run, sweep, shrink or RL directory "
-                   f"(no findings.json, sweep.json, shrink.json or rl_findings.json)")
+    raise LpfError(f"{path} is not a run, sweep, shrink, conformance or RL directory "
+                   f"(no findings.json, sweep.json, shrink.json, conformance.json or rl_findings.json)")
 
 
 def build_page(path: Path) -> tuple[dict, str]:
@@ -41,6 +43,10 @@ def build_page(path: Path) -> tuple[dict, str]:
         from lpf.report import shrink_page
 
         return shrink_page.load(path), f"lpf shrink · {path.name}"
+    if kind == "conformance":
+        from lpf.report import conformance_page
+
+        return conformance_page.load(path), f"lpf conformance · {path.name}"
     if kind == "rl":
         from lpf.report import rl_page
 

@@ -8,7 +8,9 @@ Contract:
   in some requests part; a tokens or prompt_tokens part without its requests part is an orphan of a
   crash and is deleted on open. So resume neither redoes nor duplicates a request.
 - Reference (and calibration) parts are self-contained; a request is rescored iff it has rows there
-  (or no outputs).
+  (or no outputs). Prompt-reference scores commit with their reference scores under one part number
+  (`prompt_reference/part-N` first, `reference/part-N` last); a prompt_reference part without its
+  reference part is a crash's orphan, deleted on open, so a resumed rescore never duplicates one.
 - Opening a directory written by a newer schema is refused rather than misread; parts written by an
   older one are read with the columns they lack as nulls, so every reader sees the current schema.
 - Parts carry Parquet page checksums, verified on read: a damaged part (truncated, overwritten,
@@ -175,6 +177,10 @@ class RunDir:
         for p in self.parts("tokens") + self.parts("prompt_tokens"):
             if p.name not in committed:
                 p.unlink()
+        scored = {p.name for p in self.parts("reference")}
+        for p in self.parts("prompt_reference"):
+            if p.name not in scored:
+                p.unlink()
 
     # -- parts -------------------------------------------------------------------------------------
     def parts(self, table: str) -> list[Path]:
@@ -197,6 +203,15 @@ class RunDir:
             (self.path / "prompt_tokens").mkdir(exist_ok=True)
             _atomic_write_table(self.path / "prompt_tokens" / name, prompt_tokens.cast(schema.PROMPT_TOKENS))
         _atomic_write_table(self.path / "requests" / name, requests.cast(schema.REQUESTS))
+
+    def append_reference(self, reference: pa.Table, prompt_reference: pa.Table | None = None) -> None:
+        """Commit reference scores with their prompt-position scores: reference last, see the contract."""
+        i = self._next_index("reference", "prompt_reference")
+        name = f"part-{i:06d}.parquet"
+        if prompt_reference is not None and prompt_reference.num_rows:
+            (self.path / "prompt_reference").mkdir(exist_ok=True)
+            _atomic_write_table(self.path / "prompt_reference" / name, prompt_reference.cast(schema.PROMPT_REFERENCE))
+        _atomic_write_table(self.path / "reference" / name, reference.cast(schema.REFERENCE))
 
     def append(self, table: str, data: pa.Table) -> None:
         """Append a self-contained part to a table other than requests/tokens (reference, trace, ...)."""

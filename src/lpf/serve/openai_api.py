@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict
 
 from lpf.builtin.request import Request
 from lpf.serve.protocol import (ApiError, ModelInfo, Planned, PromptField, TokenText, apply_stop, engine_requests,
-                                make_sampling, output_budget, refuse_non_neutral, tokenize_prompts)
+                                make_sampling, output_budget, prompt_entries, refuse_non_neutral, tokenize_prompts)
 
 
 def _clamp(lp: float) -> float | None:
@@ -59,12 +59,7 @@ def plan_completion(req: CompletionRequest, tokenizer, info: ModelInfo, base_id:
     refuse_non_neutral(req.model_extra, COMPLETION_NEUTRAL, "/v1/completions")
     if req.stream:
         raise ApiError("stream=true is not supported by lpf serve: request the whole completion", param="stream")
-    if req.prompt_logprobs is not None:
-        raise ApiError("prompt_logprobs is not supported by lpf serve: the engine computes logprobs only for "
-                       "sampled positions", param="prompt_logprobs")
-    if req.echo and req.logprobs is not None:
-        raise ApiError("echo with logprobs needs prompt logprobs, which lpf serve does not compute; "
-                       "use echo without logprobs, or logprobs without echo", param="echo")
+    prompt_k = prompt_top_k(req)
     if req.n < 1:
         raise ApiError(f"n must be at least 1, got {req.n}", param="n")
     if req.top_k is not None and req.top_k < -1:
@@ -75,51 +70,87 @@ def plan_completion(req: CompletionRequest, tokenizer, info: ModelInfo, base_id:
     for p_idx, prompt in enumerate(prompts):
         max_tokens = output_budget(req.max_tokens if req.max_tokens is not None else 16, prompt, info, "max_tokens")
         sampling = make_sampling(1.0 if req.temperature is None else req.temperature,
-                             1.0 if req.top_p is None else req.top_p, max(req.top_k or 0, 0), max_tokens,
-                             req.ignore_eos, req.logprobs or 0)
+                                 1.0 if req.top_p is None else req.top_p, max(req.top_k or 0, 0), max_tokens,
+                                 req.ignore_eos, max(req.logprobs or 0, prompt_k or 0), prompt_k is not None)
         ids = [f"{base_id}-{p_idx}"] if req.n == 1 else [f"{base_id}-{p_idx}-{c}" for c in range(req.n)]
         plans.append(Planned(prompt, engine_requests(prompt, ids, sampling, max_tokens, req.seed, info), stops, max_tokens))
     return plans
 
 
-def _completion_logprobs(ids: list[int], done: Request, k: int, text: TokenText) -> dict:
+def prompt_top_k(req: CompletionRequest) -> int | None:
+    """The top-k of prompt logprobs the request asks for (vLLM: `prompt_logprobs`, or `logprobs` under
+    `echo`), None when it asks for none."""
+    k = req.prompt_logprobs
+    if k is None and req.echo and req.logprobs is not None:
+        k = req.logprobs
+    if k is not None and not 0 <= k <= 20:
+        raise ApiError(f"prompt_logprobs must be in 0..20 (lpf serve does not return the whole vocabulary), got {k}",
+                       param="prompt_logprobs")
+    return k
+
+
+def _entry(tid: int, lp: float, ids: list[int], lps: list[float]) -> dict[int, float]:
+    """vLLM's per-position dict: the token itself first, then the top-k by rank."""
+    entries: dict[int, float] = {tid: lp}
+    for alt, alp in zip(ids, lps):
+        entries.setdefault(alt, alp)
+    return entries
+
+
+def _completion_logprobs(rows: list[tuple[int, float | None, list, list]], k: int, text: TokenText) -> dict:
+    """`rows`: per position (token id, its logprob or None (echoed prompt position 0), top-k ids, logprobs)."""
     tokens, token_lps, tops, offsets, at = [], [], [], [], 0
-    for i, tid in enumerate(ids):
+    for tid, lp, ids, lps in rows:
         tokens.append(text(tid))
-        token_lps.append(_clamp(done.logprobs[i]))
-        # vLLM's dict: the sampled token first, then the top-k by rank; at most k + 1 entries
-        entries: dict[int, float] = {tid: done.logprobs[i]}
-        for alt, lp in zip(done.topk_ids[i], done.topk_logprobs[i]):
-            entries.setdefault(alt, lp)
-        tops.append({text(t): _clamp(lp) for t, lp in list(entries.items())[:k + 1]})
+        token_lps.append(None if lp is None else _clamp(lp))
+        # at most k + 1 entries, as vLLM cuts them
+        tops.append(None if lp is None else {text(t): _clamp(v) for t, v in list(_entry(tid, lp, ids, lps).items())[:k + 1]})
         offsets.append(at)
         at += len(tokens[-1])
     return {"text_offset": offsets, "token_logprobs": token_lps, "tokens": tokens, "top_logprobs": tops}
 
 
+def _prompt_logprobs(entries, k: int, text: TokenText) -> list:
+    """vLLM's `choices[].prompt_logprobs`: None for position 0, then {token id: {logprob, rank, decoded_token}}
+    (`decoded_token` is the token's text whatever return_tokens_as_token_ids says: vLLM passes its
+    Logprob objects through as they are)."""
+    out: list = [None]
+    for tid, lp, rank, ids, lps in entries[1:]:
+        rows = list(_entry(tid, lp, ids[:k], lps[:k]).items())
+        out.append({str(t): {"logprob": _clamp(v), "rank": rank if t == tid else 1 + ids.index(t),
+                             "decoded_token": text(t)} for t, v in rows})
+    return out
+
+
 def render_completion(req: CompletionRequest, plans: list[Planned], tokenizer, info: ModelInfo,
                       response_id: str, created: int) -> dict:
     text_of = TokenText(tokenizer, bool(req.return_tokens_as_token_ids))
+    plain_text = TokenText(tokenizer, False)
     choices, n_prompt, n_out = [], 0, 0
     for plan in plans:
         prompt_text = plan.prompt.text
         if prompt_text is None and req.echo:
             prompt_text = tokenizer.decode(plan.prompt.token_ids)
+        prompt_k = prompt_top_k(req)
         for done in plan.requests:
+            entries = prompt_entries(plan.prompt.token_ids, done) if prompt_k is not None else None
             ids, finish, stop_reason = list(done.output_token_ids), done.finish_reason, None
             out_text = tokenizer.decode(ids, skip_special_tokens=req.skip_special_tokens)
             cut = apply_stop(tokenizer, ids, plan.stops, req.skip_special_tokens)
             if cut is not None:
                 kept, out_text, stop_reason = cut
                 ids, finish = ids[:kept], "stop"
+            rows = [(t, done.logprobs[i], done.topk_ids[i], done.topk_logprobs[i]) for i, t in enumerate(ids)]
+            if req.echo and entries is not None:
+                rows = [(t, lp, a, b) for t, lp, _, a, b in entries] + rows
             choices.append({
                 "index": len(choices),
                 "text": (prompt_text + out_text) if req.echo else out_text,
-                "logprobs": None if req.logprobs is None else _completion_logprobs(ids, done, req.logprobs, text_of),
+                "logprobs": None if req.logprobs is None else _completion_logprobs(rows, req.logprobs, text_of),
                 "finish_reason": finish,
                 "stop_reason": stop_reason,
                 "token_ids": ids if req.return_token_ids else None,
-                "prompt_logprobs": None,
+                "prompt_logprobs": None if entries is None else _prompt_logprobs(entries, prompt_k, plain_text),
                 "prompt_token_ids": plan.prompt.token_ids if req.return_token_ids else None,
             })
             n_out += len(ids)

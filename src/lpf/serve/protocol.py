@@ -6,9 +6,9 @@ Contract: `openai_api` (OpenAI /v1/completions as vLLM serves it) and `sglang_ap
 raise `ApiError` (400 with a one-line reason, answered in vLLM's error shape). No torch here.
 
 What lpf serve does not do is refused, never silently ignored: streaming, beam search, penalties,
-logit bias, grammars, and prompt logprobs (`prompt_logprobs`, `echo` with `logprobs`, SGLang
-`logprob_start_len` inside the prompt): the engine only projects the rows it samples from, so prompt
-logprobs would need a second pass, and a reference model's numbers would be a lie about the engine.
+logit bias, grammars, `prompt_logprobs=-1` (the whole vocabulary). Prompt logprobs (`prompt_logprobs`,
+`echo` with `logprobs`, SGLang `logprob_start_len` inside the prompt) are the engine's own: it projects
+the prompt rows of its prefill chunks through the same head as its samples (`SamplingParams.prompt_logprobs`).
 Stop strings are applied to the finished output (tokens after the match are dropped), which gives
 what a server that stops early returns, because a request's tokens never depend on later ones.
 
@@ -107,10 +107,10 @@ def tokenize_prompts(prompt: Any, tokenizer, info: ModelInfo, key: str) -> list[
 
 
 def make_sampling(temperature: float, top_p: float, top_k: int, max_tokens: int, ignore_eos: bool,
-              logprobs: int) -> SamplingParams:
+                  logprobs: int, prompt_logprobs: bool = False) -> SamplingParams:
     try:
         return SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
-                              ignore_eos=ignore_eos, logprobs=logprobs)
+                              ignore_eos=ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
     except LpfError as e:
         raise ApiError(str(e)) from None
 
@@ -153,6 +153,14 @@ def apply_stop(tokenizer, ids: list[int], stops: list[str], skip_special: bool) 
             at, s = min(hits)
             return k, text[:at], s
     return None
+
+
+def prompt_entries(prompt_ids: list[int], done: Request) -> list[tuple[int, float | None, int | None, list, list]]:
+    """Per prompt position (token id, logprob, rank, top-k ids, top-k logprobs) as the engine computed them;
+    position 0 has nothing before it (logprob and rank None, no top-k)."""
+    rows = done.prompt_rows() or []
+    return [(prompt_ids[0], None, None, [], [])] + [
+        (tid, lp, rank, ids, lps) for tid, (lp, rank, ids, lps) in zip(prompt_ids[1:], rows)]
 
 
 class TokenText:

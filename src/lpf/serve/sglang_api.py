@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel, ConfigDict, StrictStr
 
 from lpf.serve.protocol import (ApiError, ModelInfo, Planned, TokenId, TokenText, apply_stop, engine_requests,
-                                make_sampling, output_budget, refuse_non_neutral, tokenize_prompts)
+                                make_sampling, output_budget, prompt_entries, refuse_non_neutral, tokenize_prompts)
 
 
 def _json_float(lp: float) -> float | None:
@@ -86,6 +86,7 @@ class SglPlanned(Planned):
     return_logprob: bool = False
     top_logprobs_num: int = 0
     skip_special: bool = True
+    logprob_start: int | None = None  # first prompt position whose logprob is returned (None: outputs only)
 
 
 def _per_item(value, i: int, n: int, name: str):
@@ -121,12 +122,10 @@ def plan_generate(req: GenerateRequest, tokenizer, info: ModelInfo) -> tuple[lis
         start = _per_item(req.logprob_start_len, i, len(prompts), "logprob_start_len")
         want_lp = bool(_per_item(req.return_logprob, i, len(prompts), "return_logprob"))
         if want_lp and start is not None and start != -1:
-            if start > len(prompt.token_ids):
+            if start > len(prompt.token_ids) or start < -1:
                 raise ApiError(f"logprob_start_len ({start}) is higher than the number of input tokens "
                                f"({len(prompt.token_ids)}). Request with a lower logprob_start_len.")
-            if start < len(prompt.token_ids):
-                raise ApiError("input (prompt) logprobs are not supported by lpf serve: use logprob_start_len=-1",
-                               param="logprob_start_len")
+        logprob_start = start if want_lp and start is not None and 0 <= start < len(prompt.token_ids) else None
         top_n = _per_item(req.top_logprobs_num, i, len(prompts), "top_logprobs_num") or 0
         temperature = 1.0 if sp.temperature is None else sp.temperature
         top_k = -1 if sp.top_k is None else sp.top_k
@@ -135,13 +134,13 @@ def plan_generate(req: GenerateRequest, tokenizer, info: ModelInfo) -> tuple[lis
         max_tokens = output_budget(sp.max_new_tokens, prompt, info, "max_new_tokens")
         sampling = make_sampling(temperature, 1.0 if sp.top_p is None else sp.top_p,
                              0 if top_k == -1 or top_k >= info.vocab_size else top_k, max_tokens,
-                             bool(sp.ignore_eos), top_n if want_lp else 0)
+                             bool(sp.ignore_eos), top_n if want_lp else 0, logprob_start is not None)
         rid = _per_item(req.rid, i, len(prompts), "rid") or uuid.uuid4().hex
         rids = [rid] if n == 1 else [f"{rid}-{c}" for c in range(n)]
         stops = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop or [])
         plans.append(SglPlanned(prompt, engine_requests(prompt, rids, sampling, max_tokens, sp.sampling_seed, info),
                                 stops, max_tokens, rids=rids, return_logprob=want_lp, top_logprobs_num=top_n,
-                                skip_special=sp.skip_special_tokens is not False))
+                                skip_special=sp.skip_special_tokens is not False, logprob_start=logprob_start))
     return plans, batch or any(len(p.requests) > 1 for p in plans)
 
 
@@ -150,8 +149,8 @@ def render_generate(plans: list[SglPlanned], tokenizer, return_text: bool, now: 
     out = []
     text_of = TokenText(tokenizer, False)
 
-    def triple(lp: float, tid: int) -> list:
-        return [_json_float(lp), tid, text_of(tid) if return_text else None]
+    def triple(lp: float | None, tid: int) -> list:
+        return [None if lp is None else _json_float(lp), tid, text_of(tid) if return_text else None]
 
     for plan in plans:
         for rid, done in zip(plan.rids, plan.requests):
@@ -168,10 +167,14 @@ def render_generate(plans: list[SglPlanned], tokenizer, return_text: bool, now: 
             meta: dict = {"id": rid, "finish_reason": finish, "prompt_tokens": len(plan.prompt.token_ids),
                           "weight_version": "default", "total_retractions": done.num_preemptions}
             if plan.return_logprob:
-                meta["input_token_logprobs"] = []
+                # SGLang: from logprob_start_len on, position 0's logprob null (nothing precedes it)
+                prompt = [] if plan.logprob_start is None else \
+                    prompt_entries(plan.prompt.token_ids, done)[plan.logprob_start:]
+                meta["input_token_logprobs"] = [triple(lp, t) for t, lp, _, _, _ in prompt]
                 meta["output_token_logprobs"] = [triple(done.logprobs[i], t) for i, t in enumerate(ids)]
                 if plan.top_logprobs_num > 0:
-                    meta["input_top_logprobs"] = []
+                    meta["input_top_logprobs"] = [None if lp is None else [triple(v, a) for a, v in zip(ia, va)]
+                                                  for _, lp, _, ia, va in prompt]
                     meta["output_top_logprobs"] = [
                         [triple(lp, t) for t, lp in zip(done.topk_ids[i], done.topk_logprobs[i])]
                         for i in range(len(ids))]

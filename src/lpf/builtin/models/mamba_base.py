@@ -4,7 +4,9 @@ Contract (the fault drills depend on it exactly; see DESIGN.md "Built-in engine"
 - `prefill`: no prior state. The initial conv and SSM state are ZERO whatever the slot holds; the
   final state is written to the slot with `path="prefill"`.
 - `extend` (a later chunk of a chunked prefill): the initial state is READ from the slot with
-  `path="prefill"`; the final state is written back with `path="prefill"`.
+  `path="prefill"`; the final state is written back with `path="prefill"`. Whether a chunk reads
+  its initial state is `SeqMeta.reads_initial_state` (vLLM's has_initial_state), which the runner
+  sets (the lost-chunk-state drill says no for an extend).
 - `decode` (exactly one token): all decode requests of the step are read in one `read` with
   `path="decode"`, stepped together, written back in one `write`. Whatever the slot holds is used,
   also for a brand-new request that the runner (mis)classified as decode: never special-cased.
@@ -39,14 +41,14 @@ class MambaMixerBase(nn.Module):
         shapes = dict(self.state_spec())
         ssm_dtype = wide(proj[:0]).dtype
         for s in ctx.non_decodes:
-            if s.phase == "prefill":
-                conv0 = proj.new_zeros(shapes["conv"])
-                ssm0 = torch.zeros(shapes["ssm"], dtype=ssm_dtype, device=x.device)
-            elif s.phase == "extend":
+            if s.phase not in ("prefill", "extend"):
+                raise ValueError(f"unknown phase {s.phase!r} for request {s.request_id}")
+            if s.reads_initial_state:
                 conv0 = cache.read(layer, "conv", [s.state_slot], "prefill")[0].to(proj.dtype)
                 ssm0 = cache.read(layer, "ssm", [s.state_slot], "prefill")[0].to(ssm_dtype)
             else:
-                raise ValueError(f"unknown phase {s.phase!r} for request {s.request_id}")
+                conv0 = proj.new_zeros(shapes["conv"])
+                ssm0 = torch.zeros(shapes["ssm"], dtype=ssm_dtype, device=x.device)
             y[s.start:s.end], conv, ssm = self.prefill(proj[s.start:s.end], conv0, ssm0)
             cache.write(layer, "conv", [s.state_slot], conv, "prefill")
             cache.write(layer, "ssm", [s.state_slot], ssm, "prefill")

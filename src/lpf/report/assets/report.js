@@ -233,6 +233,7 @@
     if (fm.same_top1_pct != null || fm.greedy_flip_rate != null)
       add(dist, txt("p", "note", "same top-1 as the reference: " + fmt(fm.same_top1_pct) + "% of tokens · greedy flip rate " + fmt(fm.greedy_flip_rate)));
     main.appendChild(dist);
+    if (F.prompt) main.appendChild(promptSection(F.prompt));
 
     var sc = section("requests", "Requests in arrival order",
       "Each request's largest |diff| against the order it reached the engine, coloured by verdict. Hover for the request id.", "Requests");
@@ -411,6 +412,30 @@
     return s;
   }
 
+  // the prompt (prefill) positions, judged apart from the outputs
+  function promptSection(P) {
+    var s = section("prompt", "Prompt positions (prefill)",
+      "The engine's logprob of every prompt token against the reference's, kept apart from the sampled tokens: a chunked-prefill state hand-off shows here first.", "Prompt");
+    var c = P.counts || {};
+    add(s, h("div", "lead" + (P.verdict === "clean" ? " ok" : ""), [txt("b", null, "Prompt verdict: "), badge(P.verdict, true), " ",
+      fmt(P.n_requests) + " requests · " + fmt(P.n_scored_tokens) + " positions · clean " + fmt(c.clean || 0) +
+      " / noise " + fmt(c.noise || 0) + " / divergent " + fmt(c.divergent || 0)]));
+    var sh = P.shape || {};
+    if (sh.sentence) add(s, txt("p", null, sh.sentence));
+    var rows = [];
+    Object.keys(P.metrics || {}).forEach(function (k) {
+      var v = P.metrics[k];
+      if (v && typeof v === "object") rows.push([txt("span", "mono", k), v.p50, v.p90, v.p99, v.p99_9, v.max, v.mean]);
+    });
+    if (rows.length) add(s, table(["metric", "p50", "p90", "p99", "p99.9", "max", "mean"], rows));
+    var fl = P.flagged || [];
+    if (fl.length) add(s, [txt("h4", null, "prompt-divergent requests (worst first)"),
+      table(["request", "first departure", "first divergence", "max |diff|"], fl.map(function (f) {
+        return [txt("span", "mono", f.request_id), f.first_departure, f.first_divergence, f.max_abs_logprob_diff];
+      }))]);
+    return s;
+  }
+
   // -- sweep page ------------------------------------------------------------------------------------
   function sweepPage() {
     var cells = D.cells || [], knobs = D.knobs || [];
@@ -455,6 +480,67 @@
     add(ct, cells.length ? table(["cell", "knobs", "verdict", "requests", "clean / noise / div / corrupt", "rate", "onset seq", "onset step",
       "median first div", "period", "max |diff|"], rows) : txt("div", "empty", "no cells"));
     main.appendChild(ct);
+    app.appendChild(nav()); app.appendChild(main); app.appendChild(footer());
+  }
+
+  // -- conformance page ------------------------------------------------------------------------------
+  function conformancePage() {
+    var rows = D.rows || [], cells = D.cells || [], by = {};
+    rows.forEach(function (r) { by[r.architecture + "|" + r.cell] = r; });
+    var worst = null, bad = 0;
+    rows.forEach(function (r) {
+      if (r.verdict in SEVERITY && (worst === null || SEVERITY[r.verdict] > SEVERITY[worst])) worst = r.verdict;
+      if (r.verdict && r.verdict !== "clean") bad++;
+    });
+    app.appendChild(hero("logprob forensics · conformance", "Conformance matrix", worst,
+      [["engine", (D.engine || "?") + " " + (D.engine_version || "")], ["reference", D.reference || "?"],
+       ["grid", D.grid || "--knob"]].concat(D.complete === false ? [["status", "INCOMPLETE"]] : []),
+      [kpi("architectures", fmt((D.audited || []).length), fmt((D.not_audited || []).length) + " more listed, not audited"),
+       kpi("cells", fmt(rows.length), fmt(cells.length) + " per architecture"),
+       kpi("not clean", fmt(bad), "cells whose verdict is above clean"), kpi("time", fmt(D.elapsed_s) + " s", "")]));
+    var main = h("main", "wrap");
+    var mx = section("matrix", "Architecture × cell",
+      "Each cell: verdict (output / prompt positions), max |logprob diff| on prompt and output positions, first divergence, the lpf diff attribution; the name links to the cell's report.", "Matrix");
+    var head = ["architecture"].concat(cells.map(function (c) { return c.name; }));
+    var body = (D.audited || []).map(function (a) {
+      return [txt("span", "mono", a.replace(/ForCausalLM$/, ""))].concat(cells.map(function (c) {
+        var r = by[a + "|" + c.name];
+        if (!r) return "–";
+        if (r.status !== "ok") { var m = txt("span", "muted", r.status); m.title = r.error || ""; return m; }
+        var box = h("div", "cellbox");
+        var v = r.link ? (function () { var l = h("a"); l.href = r.link; l.appendChild(badge(r.verdict, true)); return l; })() : badge(r.verdict, true);
+        add(box, v);
+        if (r.prompt_verdict && r.prompt_verdict !== r.verdict) add(box, [" prompt ", badge(r.prompt_verdict, true)]);
+        add(box, txt("div", "cellnote", "out " + fmt(r.max_abs_output) + " · prompt " + fmt(r.max_abs_prompt)));
+        if (r.first_divergence != null || r.prompt_first_departure != null)
+          add(box, txt("div", "cellnote", "first div " + fmt(r.first_divergence) + " · prompt " + fmt(r.prompt_first_departure)));
+        var at = r.attribution || {};
+        if (at.says) add(box, txt("div", "cellnote b", at.says));
+        box.title = [at.sentence, r.top_hypothesis, r.prompt_shape].filter(Boolean).join("\n");
+        return box;
+      }));
+    });
+    add(mx, body.length ? table(head, body) : txt("div", "empty", "no architecture was audited"));
+    main.appendChild(mx);
+    var nc = section("findings", "Cells that are not clean", "Who departs (lpf diff against HF generate) and the best explanation.", "Findings");
+    var badRows = rows.filter(function (r) { return r.status === "ok" && r.verdict && r.verdict !== "clean"; });
+    add(nc, badRows.length ? h("ul", "sentences", badRows.map(function (r) {
+      var at = r.attribution || {};
+      return h("li", null, [txt("span", "pill", r.architecture.replace(/ForCausalLM$/, "") + " · " + r.cell), " ",
+        txt("b", null, at.says || (at.error ? "not attributed: " + at.error : "not attributed")), " ",
+        at.sentence || "", r.prompt_shape ? " · prompt: " + r.prompt_shape : "", r.top_hypothesis ? " · " + r.top_hypothesis : ""]);
+    })) : txt("div", "empty", "every audited cell is clean"));
+    var failed = rows.filter(function (r) { return r.status !== "ok"; });
+    if (failed.length) add(nc, [txt("h4", null, "cells that did not run"), table(["architecture", "cell", "status", "reason"],
+      failed.map(function (r) { return [r.architecture, r.cell, r.status, r.error]; }))]);
+    main.appendChild(nc);
+    var na = section("not-audited", "Architectures not audited", "Every stateful architecture either side lists, with the reason it was not audited.", "Not audited");
+    add(na, (D.not_audited || []).length ? table(["architecture", "model type", "status", "reason"],
+      D.not_audited.map(function (a) { return [txt("span", "mono", a.architecture), a.model_type, a.status, a.reason]; })) : txt("div", "empty", "none"));
+    main.appendChild(na);
+    var cs = section("cells", "Cell catalogue", "The knobs of each cell.", "Cells");
+    add(cs, table(["cell", "dtype", "arguments", "stresses"], cells.map(function (c) { return [c.name, c.dtype, txt("span", "mono", (c.args || []).join(" ")), c.stresses]; })));
+    main.appendChild(cs);
     app.appendChild(nav()); app.appendChild(main); app.appendChild(footer());
   }
 
@@ -503,6 +589,7 @@
   var UI = { h: h, add: add, txt: txt, fmt: fmt, isNum: isNum, badge: badge, kpi: kpi, kv: kv, table: table,
              section: section, plot: plot, hero: hero, nav: nav, footer: footer, app: app, COLORS: COLORS };
   if (D.kind === "sweep") sweepPage();
+  else if (D.kind === "conformance") conformancePage();
   else if (D.kind === "rl") rlPage();
   else if (window.lpfPages && window.lpfPages[D.kind]) window.lpfPages[D.kind](D, UI);
   else runPage();

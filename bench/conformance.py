@@ -1,0 +1,60 @@
+"""Benchmark: the cost of one conformance cell, run the way `lpf sweep` runs cells (one `lpf audit`
+process each, a fresh vLLM process each) against the way `lpf conformance` runs them (in one process,
+one kept vLLM worker per architecture that rebuilds `vllm.LLM` per cell), in the same run.
+
+Same cells both ways: GraniteMoeHybrid's tiny checkpoint, the conformance workload (16 prompts,
+144-172 tokens), the cells fp32, fp32-chunk16, fp32-seqs1 (prompt logprobs on, rescored, analysed,
+report written). Wall time per cell, and the ratio. Needs vLLM's venv (`make vllm`).
+Usage: python bench/conformance.py   (writes bench/results/conformance.json)
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+CELLS = ("fp32", "fp32-chunk16", "fp32-seqs1")
+
+
+def main() -> int:
+    from lpf.conformance.grid import PROMPTS, grid_cells, write_workload
+    from lpf.conformance.tiny import build_tiny
+
+    model = build_tiny("granitemoehybrid")
+    cells = [c for c in grid_cells("full") if c.name in CELLS]
+    root = Path(tempfile.mkdtemp(prefix="lpf-bench-conf-"))
+    from lpf.model_specs import ModelRef, load_tokenizer
+    from lpf.zoo.registry import tokenizer_dir
+
+    tok = load_tokenizer(ModelRef("zoo tokenizer", tokenizer_dir()))  # the workload lpf conformance writes
+    wl = write_workload(root / "workload.jsonl", PROMPTS["full"], len(tok), bos=tok.bos_token_id)
+    exe = Path(sys.executable).with_name("lpf")
+    common = ["--engine", "vllm", "--model", str(model), "--workload", str(wl), "--prompt-logprobs", "--max-tokens", "12",
+              "-E", "max_model_len=512", "-E", "enable_prefix_caching=false", "--fail-on", "never"]
+    t0 = time.perf_counter()
+    for c in cells:  # the baseline: one process per cell, as lpf sweep runs them
+        subprocess.run([str(exe), "audit", *common, *c.args, "--out", str(root / "sub" / c.name)], check=True,
+                       capture_output=True, text=True)
+    per_process = (time.perf_counter() - t0) / len(cells)
+    t0 = time.perf_counter()
+    subprocess.run([str(exe), "conformance", "--engine", "vllm", "--arch", "GraniteMoeHybrid", *[a for c in cells for a in
+                    ("--cell", c.name)], "--out", str(root / "conf"), "--fail-on", "never"], check=True,
+                   capture_output=True, text=True)
+    # the conformance command also asks vLLM's registry (~15 s) and builds nothing new: count it in, honestly
+    in_process = (time.perf_counter() - t0) / len(cells)
+    doc = {"date": time.strftime("%Y-%m-%d"), "cells": list(CELLS), "model": "conformance tiny granitemoehybrid",
+           "seconds_per_cell": {"lpf audit per cell (sweep's way)": round(per_process, 1),
+                                "lpf conformance (in-process, kept worker)": round(in_process, 1)},
+           "ratio": round(per_process / in_process, 2)}
+    out = Path(__file__).with_name("results") / "conformance.json"
+    out.write_text(json.dumps(doc, indent=2) + "\n")
+    print(json.dumps(doc, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

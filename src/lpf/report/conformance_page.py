@@ -1,0 +1,34 @@
+"""The report page of a conformance directory (`lpf conformance --out DIR`): conformance.json as a matrix.
+
+Architecture x cell: each entry shows the cell's verdict (output, and prompt positions when they
+differ), the largest |logprob diff| on prompt and output positions, the first divergence, the top
+hypothesis and the `lpf diff` attribution, and links to the cell's own report. The architectures that
+were not audited are listed with their reason. Fields missing from an older document are tolerated.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from lpf.errors import LpfError
+
+
+def load(path: Path) -> dict:
+    try:
+        doc = json.loads((path / "conformance.json").read_text())
+    except json.JSONDecodeError as e:
+        raise LpfError(f"{path / 'conformance.json'}: unreadable JSON ({e.msg})") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("cells"), list):
+        raise LpfError(f"{path / 'conformance.json'}: not a conformance document (no cells list)")
+    rows = [r for r in doc["cells"] if isinstance(r, dict)]
+    for r in rows:  # a link only to a page that exists inside the directory
+        link = r.get("link")
+        r["link"] = link if isinstance(link, str) and (path / link).is_file() and ".." not in Path(link).parts else None
+    order = [a.get("architecture") for a in doc.get("architectures") or [] if isinstance(a, dict)]
+    audited = [a for a in order if any(r.get("architecture") == a for r in rows)]
+    return {"kind": "conformance", "engine": doc.get("engine"), "engine_version": doc.get("engine_version"),
+            "reference": doc.get("reference"), "grid": doc.get("grid"), "complete": doc.get("complete"),
+            "elapsed_s": doc.get("elapsed_s"), "cells": doc.get("cell_catalogue") or [], "rows": rows,
+            "audited": audited,
+            "not_audited": [a for a in doc.get("architectures") or [] if isinstance(a, dict) and a.get("status") != "audit"]}
