@@ -37,6 +37,7 @@ class Sampling:
     seed: int = 0
     ignore_eos: bool = False
     logprobs: int = 5
+    prompt_logprobs: bool = False  # the reproducer judges output positions only; kept so a run's sampling loads
 
     @property
     def greedy(self) -> bool:
