@@ -6,7 +6,8 @@
 - Option decorators, each option declared once: `engine_knob_options` (the engine knobs, on every
   command that starts an engine), `trace_dir_option` (a vLLM server's trace to join: run options and
   `lpf analyze`), `run_options`, `reference_options` (the rescorer's model, dtype, device and budget),
-  `rescore_options` (those + the executor + --calibrate), `analysis_options`, and `audit_options` (all of
+  `rescore_options` (those + the executor + --calibrate), `analysis_options`, `stream_option`
+  (`lpf analyze`), and `audit_options` (all of
   them: `lpf audit`'s own set, which `sweep` also parses cells with).
 - `rescore_settings(params)` / `rescore_args(params)`: parsed rescore options as the stage's
   settings, and back as `lpf rescore` arguments.
@@ -233,6 +234,13 @@ def analysis_options(f):
         click.option("--json", "as_json", is_flag=True, help="Print findings JSON on stdout."),
         fail_on_option(),
     ])
+
+
+def stream_option(f):
+    return click.option("--stream/--no-stream", default=None,
+                        help="Analyse the run streamed, chunk by chunk in bounded memory (the same findings), or "
+                             "all in memory. Default: streamed above 20M tokens, unless the run has a calibration "
+                             "run (read in memory).")(f)
 
 
 def audit_options(f):

@@ -8,6 +8,9 @@ ranked hypotheses, and `findings.attribution` lists every pair found.
 It hands analysis the expected-floor table shipped with the package (`lpf/analysis/floors.json`,
 read here so analysis does no I/O) and what the manifest says about the dtype pair, the reference
 model and the sampling, from which the run-level test gets its floor.
+
+A run of more than STREAM_ABOVE tokens is analysed streamed (`analyze_stream`: by chunk of whole
+requests, bounded memory, the same summary and findings byte for byte); `stream` forces either path.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import json
 from functools import lru_cache
 from importlib import resources
 
+import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from lpf.analysis import attribution
@@ -23,32 +28,49 @@ from lpf.analysis.findings import analyze
 from lpf.analysis.thresholds import Thresholds
 from lpf.errors import LpfError
 from lpf.jsonsafe import finite
+from lpf.pipeline.analyze_stream import analyze_streamed, light_requests, own_sums, reference_sums, scored_token_count
 from lpf.pipeline.attribute import attribution_scores
-from lpf.pipeline.calibrate import calibration_for, engine_dtype
+from lpf.pipeline.calibrate import calibration_applies, calibration_for, engine_dtype
 from lpf.pipeline.callbacks import OnStart, Tick, no_start, no_tick
 from lpf.pipeline.trace import engine_info, trace_summary
 from lpf.run.store import RunDir
 
 
+STREAM_ABOVE = 20_000_000  # scored tokens: above this, `lpf analyze` streams by default
+
+
 def analyze_run(run: RunDir, thresholds: Thresholds, attribute: bool = True, on_start: OnStart = no_start,
-                tick: Tick = no_tick) -> dict:
-    """`on_start`/`tick` report the attribution's re-scoring (tokens), when there is any."""
+                tick: Tick = no_tick, stream: bool | None = None) -> dict:
+    """`on_start`/`tick` report the attribution's re-scoring (tokens), when there is any. `stream`:
+    the streamed path (`analyze_stream`: bounded memory, the same findings), the in-memory one, or
+    (None) streamed when the run has more than STREAM_ABOVE tokens and no calibration run."""
     m = run.manifest
-    requests = run.read("requests")
+    if stream is None:
+        stream = not calibration_applies(m) and scored_token_count(run) > STREAM_ABOVE
+    elif stream and calibration_applies(m):
+        raise LpfError(f"{run.path} has a calibration run, which the streamed analysis does not read yet: "
+                       f"analyze it with --no-stream")
+    requests = light_requests(run) if stream else run.read("requests")
     if requests.num_rows == 0:
         raise LpfError(f"{run.path} has no completed requests to analyze")
     trace = run.read("trace") if run.has("trace") else None  # engines without a trace: metadata only
     temperature = m["sampling"].get("temperature", 0) or 0
-    reference = run.read("reference")
-    calibration, cal_info = calibration_for(run, reference)
     ref = m.get("reference") or {}
     run_info = {"engine_dtype": engine_dtype(m), "reference_dtype": ref.get("dtype"), "model": ref.get("spec"),
                 "sampling": m["sampling"]}
-    summary, findings = analyze(requests, run.read("tokens"), reference, thresholds,
-                                greedy=temperature == 0, trace=trace, engine_info=engine_info(run),
-                                temperature=temperature, calibration=calibration, calibration_info=cal_info,
-                                floor_table=floor_table(), run_info=run_info)
-    findings["attribution"] = _attribute(run, requests, summary, reference, findings, on_start, tick) \
+    kw = dict(greedy=temperature == 0, trace=trace, engine_info=engine_info(run), temperature=temperature,
+              floor_table=floor_table(), run_info=run_info)
+    if stream:
+        summary, findings = analyze_streamed(run, requests, thresholds, **kw)
+        own = lambda ids: reference_sums(run, ids)  # noqa: E731
+    else:
+        reference = run.read("reference")
+        calibration, cal_info = calibration_for(run, reference)
+        summary, findings = analyze(requests, run.read("tokens"), reference, thresholds,
+                                    calibration=calibration, calibration_info=cal_info, **kw)
+        own = lambda ids: own_sums(reference.filter(pc.is_in(reference.column("request_id"),  # noqa: E731
+                                                             value_set=pa.array(sorted(ids), pa.string()))))
+    findings["attribution"] = _attribute(run, requests, summary, own, findings, on_start, tick) \
         if attribute else None
     findings = {"run_id": m.get("run_id"), "engine": m["engine"].get("name"), "model": m["model"].get("spec"),
                 "reference": (m.get("reference") or {}).get("spec"), **findings}
@@ -59,11 +81,11 @@ def analyze_run(run: RunDir, thresholds: Thresholds, attribute: bool = True, on_
     return finite(findings)
 
 
-def _attribute(run: RunDir, requests, summary, reference, findings: dict, on_start: OnStart, tick: Tick) -> dict:
+def _attribute(run: RunDir, requests, summary, own_sums_of, findings: dict, on_start: OnStart, tick: Tick) -> dict:
+    """`own_sums_of(ids)`: {request id: its reference logprob sum} for the flagged requests planned."""
     plans = attribution.plan(requests, summary)
     scores = attribution_scores(run, plans, on_start=on_start, tick=tick)
-    sums = reference.group_by("request_id").aggregate([("ref_logprob", "sum")]).to_pydict()
-    own = dict(zip(sums["request_id"], sums["ref_logprob_sum"]))
+    own = own_sums_of({p["request_id"] for p in plans}) if plans else {}
     verdict = summary.column("verdict").to_pylist()
     lost = {rid for rid, v in zip(summary.column("request_id").to_pylist(), verdict)
             if v in ("divergent", "corrupt", "error")}
