@@ -38,13 +38,14 @@ def _lists(values: np.ndarray, width: int, typ) -> pa.Array:
     return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values.ravel() if width else [], typ))
 
 
-def synthetic_run(n_requests: int, out_tokens: int, seed: int = 0, topk: int = 1):
-    """(requests, tokens, reference) tables of one greedy run, grouped by request."""
+def synthetic_run(n_requests: int, out_tokens: int, seed: int = 0, topk: int = 1, first: int = 0):
+    """(requests, tokens, reference) tables of one greedy run, grouped by request (requests
+    `first`.. `first + n_requests - 1`: seq and id)."""
     from lpf.run import schema
 
     rng = np.random.default_rng(seed)
     n = n_requests * out_tokens
-    ids = pa.array([f"bench-{i:07d}-r0" for i in range(n_requests)], pa.string())
+    ids = pa.array([f"bench-{i:08d}-r0" for i in range(first, first + n_requests)], pa.string())
     row_req = np.repeat(np.arange(n_requests), out_tokens)
     pos = np.tile(np.arange(out_tokens, dtype=np.int32), n_requests)
     token = rng.integers(3, 500, n, dtype=np.int32)
@@ -72,7 +73,7 @@ def synthetic_run(n_requests: int, out_tokens: int, seed: int = 0, topk: int = 1
     }, schema=schema.REFERENCE)
     plen = 24
     requests = pa.table({
-        "request_id": ids, "seq": np.arange(n_requests, dtype=np.int64), "prompt_id": ids,
+        "request_id": ids, "seq": np.arange(first, first + n_requests, dtype=np.int64), "prompt_id": ids,
         "rollout": np.zeros(n_requests, np.int32),
         "prompt_token_ids": _lists(np.ones(n_requests * plen, np.int32), plen, pa.int32()),
         "output_token_ids": _lists(token, out_tokens, pa.int32()),
@@ -83,6 +84,43 @@ def synthetic_run(n_requests: int, out_tokens: int, seed: int = 0, topk: int = 1
         "attempts": pa.nulls(n_requests, schema.REQUESTS.field("attempts").type),
     }, schema=schema.REQUESTS)
     return requests, tokens, reference, int(bad.sum())
+
+
+MANIFEST = {"run_id": "bench-analysis", "status": "complete", "engine": {"name": "builtin", "options": {"dtype": "float32"}},
+            "model": {"spec": "zoo:hybrid"}, "reference": {"spec": "zoo:hybrid", "dtype": "float32"}}
+
+
+def write_synthetic_run(path: Path, n_tokens: int, part_tokens: int = 2_000_000, topk: int = 1,
+                        temperature: float = 0.0, shuffle_reference: bool = False, out_tokens: int = OUT_TOKENS):
+    """`synthetic_run` written as a real run directory by the store's own writers, part by part
+    (memory bounded by a part): requests/tokens parts of ~part_tokens tokens, reference parts
+    beside them. `topk` > 1 gives the reference the engine's top-k (the run-level test reads both);
+    `shuffle_reference` writes the reference parts in reverse order, each part's requests reversed,
+    and leaves every 50th request unscored: parts that do not line up with the tokens (the
+    streamed analysis then buckets by request range). (RunDir, requests corrupted)."""
+    from lpf.run.store import RunDir
+
+    run = RunDir.create(path, dict(MANIFEST, sampling={"temperature": temperature}))
+    per_part = max(1, part_tokens // out_tokens)
+    n_req, n_bad, refs = max(1, n_tokens // out_tokens), 0, []
+    for i, first in enumerate(range(0, n_req, per_part)):
+        requests, tokens, reference, bad = synthetic_run(min(per_part, n_req - first), out_tokens, seed=i,
+                                                         topk=topk, first=first)
+        if topk > 1:
+            for name in ("ref_topk_ids", "ref_topk_logprobs"):
+                reference = reference.set_column(reference.schema.get_field_index(name), name,
+                                                 tokens.column(name.replace("ref_", "engine_")))
+        n_bad += bad
+        run.append_requests(requests, tokens)
+        if not shuffle_reference:
+            run.append("reference", reference)
+            continue
+        keep = (np.arange(reference.num_rows) // out_tokens + first) % 50 != 7
+        rows = np.flatnonzero(keep)
+        refs.append(reference.take(pa.array(rows[np.lexsort((rows % out_tokens, -(rows // out_tokens)))])))
+    for reference in reversed(refs):
+        run.append("reference", reference)
+    return run, n_bad
 
 
 def bench_throughput(n_tokens: int) -> dict:

@@ -149,7 +149,7 @@ class StreamedAnalysis:
             cols = evidence_columns(keys, toks, refs, self.requests)
             test = run_test(token_evidence(cols, self.expected, self.sampling), self.expected)
             test["sampled_every"] = self.step
-        tempered = pa.concat_arrays(self.tempered_ids) if self.tempered else None
+        tempered = pa.chunked_array(self.tempered_ids, pa.string()).combine_chunks() if self.tempered else None
         crossed = None
         if self.trace is not None and self.trace.num_rows:
             crossed = crossed_wires(pa.concat_tables(self.missed) if self.missed else _NO_MISS, self.requests, self.trace)
