@@ -50,6 +50,8 @@ from lpf.analysis.token_evidence import evidence_columns
 from lpf.analysis.verdicts import by_arrival, reduce_requests, summarize_requests
 
 SPILLED = ("prob_diff", "k3_kl")  # metric columns the driver keeps on disk between the passes
+_EVIDENCE_JOINED = ["request_id", "position", "token_id", "engine_logprob", "ref_logprob", "ref_top1_id",
+                    "ref_top1_logprob"]  # what `evidence_columns` reads of the joined rows
 _EVIDENCE_TOKENS = ["request_id", "position", "engine_topk_ids", "engine_topk_logprobs"]
 _EVIDENCE_REFERENCE = ["request_id", "position", "ref_topk_ids", "ref_topk_logprobs"]
 
@@ -126,7 +128,7 @@ class StreamedAnalysis:
         counts = np.diff(np.r_[starts, joined.num_rows])
         first = self.arrival[self.at:self.at + len(starts)]
         index = np.repeat(first - starts, counts) + np.arange(joined.num_rows)
-        keys = joined.filter(pa.array(index % self.step == 0))
+        keys = joined.select(_EVIDENCE_JOINED).filter(pa.array(index % self.step == 0))
         have = [c for c in _EVIDENCE_TOKENS if c in tokens.column_names]
         self.evidence.append((keys, _rows_for(tokens.select(have), keys), _rows_for(reference.select(_EVIDENCE_REFERENCE), keys)))
 

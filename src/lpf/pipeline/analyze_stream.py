@@ -3,8 +3,8 @@
 Contract: `analyze_streamed(run, requests, th, greedy, ...) -> (summary, findings)`, the same as
 `lpf.analysis.findings.analyze` over `run.read(...)` of the same run (byte for byte once written:
 `tests/test_analyze_stream.py`), holding at most a chunk of ~CHUNK_ROWS tokens of the tokens and
-reference tables at once, plus 8 bytes a scored token (|d|) and, while the percentiles are taken,
-one more such column. The pure steps are `lpf.analysis.stream`; this module reads parts, makes the
+reference tables at once, plus 8 bytes a scored token (|d|, for the calibration; spilled to disk
+during the scoring pass) and, while the percentiles are taken, one such column at a time. The pure steps are `lpf.analysis.stream`; this module reads parts, makes the
 chunks and spills columns to a temporary folder in the run directory (`.tmp-analyze-*`, removed
 afterwards; a killed analysis leaves it, and the next one removes it).
 
@@ -37,7 +37,7 @@ from lpf.analysis.thresholds import Thresholds
 from lpf.run import schema
 from lpf.run.store import RunDir
 
-CHUNK_ROWS = 1 << 22
+CHUNK_ROWS = 1 << 20
 TOKEN_COLUMNS = ["request_id", "position", "token_id", "engine_logprob", "engine_topk_ids", "engine_topk_logprobs"]
 REFERENCE_COLUMNS = ["request_id", "position", "ref_logprob", "ref_rank", "ref_entropy", "ref_top1_id",
                      "ref_top1_logprob", "ref_topk_ids", "ref_topk_logprobs"]
@@ -174,7 +174,7 @@ def _sorted(t: pa.Table) -> pa.Table:
 
 
 class _Spill:
-    """Whole-run float64 columns written chunk by chunk, read back one at a time."""
+    """Whole-run float64 columns written chunk by chunk, read back one at a time (as often as asked)."""
 
     def __init__(self, folder: Path):
         self.folder, self.files = folder, {}
@@ -185,23 +185,18 @@ class _Spill:
                 self.files[name] = open(self.folder / f"{name}.f64", "wb")
             np.ascontiguousarray(values, np.float64).tofile(self.files[name])
 
+    def drop(self, name: str) -> None:
+        f = self.files.pop(name, None)
+        if f is not None:
+            f.close()
+            (self.folder / f"{name}.f64").unlink()
+
     def read(self, name: str) -> np.ndarray:
         f = self.files.get(name)
         if f is None:
             return np.zeros(0)
         f.close()
         return np.fromfile(self.folder / f"{name}.f64", np.float64)
-
-
-def _concat_freeing(chunks: list[np.ndarray]) -> np.ndarray:
-    """One array of the chunks, each freed once copied (peak: the result plus one chunk)."""
-    out = np.empty(sum(c.size for c in chunks), np.float64)
-    at = 0
-    while chunks:
-        c = chunks.pop(0)
-        out[at:at + c.size] = c
-        at += c.size
-    return out
 
 
 def analyze_streamed(run: RunDir, requests: pa.Table, th: Thresholds, greedy: bool, *,
@@ -222,11 +217,15 @@ def analyze_streamed(run: RunDir, requests: pa.Table, th: Thresholds, greedy: bo
 def _analyze(run, requests, th, greedy, spill, *, trace, engine_info, temperature, floor_table, run_info):
     from lpf.analysis.floors import expected_floor
 
-    ads, starts, ids = [], [], []
+    # |d| goes to disk chunk by chunk and comes back as one array: chunks kept in memory would leave
+    # the heap holding their pages (below glibc's mmap threshold) after the whole-run copy is made
+    cols = _Spill(spill)
+    starts, ids, at = [], [], [0]
 
     def first_pass(tok, ref):
         ad, s, i = stream.chunk_abs_diff(tok, ref)
-        starts.append(s + sum(a.size for a in ads)), ads.append(ad), ids.append(i)
+        cols.add({"abs_logprob_diff": ad}), starts.append(s + at[0]), ids.append(i)
+        at[0] += ad.size
 
     sizes = _zip_sizes(run, first_pass)
     heads = pa.concat_arrays(ids) if ids else pa.array([], pa.string())
@@ -234,12 +233,14 @@ def _analyze(run, requests, th, greedy, spill, *, trace, engine_info, temperatur
         sizes = None  # a request in two places: the in-memory analysis joins and sorts
     ranges = None
     if sizes is None:
-        ads.clear(), starts.clear(), ids.clear()
+        cols.drop("abs_logprob_diff")
+        starts.clear(), ids.clear()
+        at[0] = 0
         ranges = _Ranges(run, requests, spill)
         for chunk in ranges.chunks():
             first_pass(*chunk)
         heads = pa.concat_arrays(ids) if ids else pa.array([], pa.string())
-    ad = _concat_freeing(ads)
+    ad = cols.read("abs_logprob_diff")
     starts = np.concatenate(starts) if starts else np.zeros(0, np.int64)
     counts = np.diff(np.r_[starts, ad.size]).astype(np.int64)
     expected = expected_floor(floor_table, run_info.get("engine_dtype"), run_info.get("reference_dtype"),
@@ -248,17 +249,16 @@ def _analyze(run, requests, th, greedy, spill, *, trace, engine_info, temperatur
     acc = StreamedAnalysis(requests, th, calib, greedy, heads, counts, trace=trace, engine_info=engine_info,
                            temperature=temperature, expected=expected, sampling=run_info.get("sampling"),
                            reference_columns=REFERENCE_COLUMNS)
-    cols = _Spill(spill)
+    del ad  # not needed again until the percentiles: read back from disk then
     second = ranges.chunks() if ranges is not None else _zip_chunks(run, sizes)
     for tok, ref in second:
         cols.add(acc.score(tok, ref))
 
     def column(name: str) -> np.ndarray:
-        if name == "abs_logprob_diff":
-            return ad
         if name == "token_mult_prob_error":
+            values = cols.read("abs_logprob_diff")
             with np.errstate(over="ignore", invalid="ignore"):
-                return np.exp(ad)
+                return np.exp(values, out=values)
         return cols.read(name)
 
     return acc.finish(column)
