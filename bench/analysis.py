@@ -202,20 +202,21 @@ def analyse_in_child(path: Path, mode: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def bench_scale(sizes: list[int], memory_up_to: int, keep: Path | None = None) -> list[dict]:
+def bench_scale(sizes: list[int], memory_up_to: int, shuffled: bool = False) -> list[dict]:
     """Per size: a synthetic run written as run-directory parts (2M tokens a part), analysed
     streamed in a fresh process, and in memory (the baseline) up to `memory_up_to` tokens; the
-    findings of both must be byte-identical."""
+    findings of both must be byte-identical. `shuffled`: reference parts that do not line up with
+    the tokens (`write_synthetic_run`), which the streamed path buckets by request range."""
     rows = []
     for n in sizes:
-        with tempfile.TemporaryDirectory(dir=keep) as tmp:
+        with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "run"
             t0 = time.perf_counter()
-            _, n_bad = write_synthetic_run(path, n)
-            row = {"tokens": n, "write_s": round(time.perf_counter() - t0, 1),
+            _, n_bad = write_synthetic_run(path, n, shuffle_reference=shuffled)
+            row = {"tokens": n, "chunks": "request ranges" if shuffled else "zip", "write_s": round(time.perf_counter() - t0, 1),
                    "parts_mb": round(sum(f.stat().st_size for f in path.rglob("*.parquet")) / 2**20),
                    "stream": analyse_in_child(path, "stream")}
-            assert row["stream"]["corrupt"] == n_bad and row["stream"]["n_scored_tokens"] == n
+            assert shuffled or (row["stream"]["corrupt"] == n_bad and row["stream"]["n_scored_tokens"] == n)
             streamed = (path / "findings.json").read_bytes()
             if n <= memory_up_to:
                 row["memory"] = analyse_in_child(path, "memory")
@@ -223,7 +224,7 @@ def bench_scale(sizes: list[int], memory_up_to: int, keep: Path | None = None) -
                 row["time_ratio"] = row["stream"]["seconds"] / row["memory"]["seconds"]
                 row["rss_ratio"] = row["stream"]["peak_rss_mb"] / row["memory"]["peak_rss_mb"]
             rows.append(row)
-            print(f"scale: {n:,} tokens ({row['parts_mb']} MB of parts, written in {row['write_s']} s): streamed "
+            print(f"scale ({row['chunks']}): {n:,} tokens ({row['parts_mb']} MB of parts, written in {row['write_s']} s): streamed "
                   f"{row['stream']['seconds']:.1f} s, peak RSS {row['stream']['peak_rss_mb']:.0f} MB"
                   + (f"; in memory {row['memory']['seconds']:.1f} s, {row['memory']['peak_rss_mb']:.0f} MB "
                      f"(streamed/in-memory: time {row['time_ratio']:.2f}x, RSS {row['rss_ratio']:.2f}x, "
@@ -256,11 +257,12 @@ def main() -> None:
     ap.add_argument("--memory-up-to", type=int, default=30_000_000,
                     help="also analyse in memory (the baseline) up to this many tokens")
     ap.add_argument("--only-scale", action="store_true")
+    ap.add_argument("--shuffled", action="store_true", help="scale bench on reference parts that do not line up")
     a = ap.parse_args()
     if a.only_scale:
-        out = ROOT / "bench" / "results" / "analysis_scale.json"
+        out = ROOT / "bench" / "results" / f"analysis_scale{'_shuffled' if a.shuffled else ''}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
-        rows = bench_scale([int(x) for x in a.scale.split(",") if x], a.memory_up_to)
+        rows = bench_scale([int(x) for x in a.scale.split(",") if x], a.memory_up_to, a.shuffled)
         out.write_text(json.dumps(rows, indent=2) + "\n")
         return
     result = {"throughput": bench_throughput(a.tokens)}
