@@ -135,22 +135,26 @@ class StreamedAnalysis:
     def finish(self, column) -> tuple[pa.Table, dict]:
         """(summary, findings) as `findings.analyze` gives them. `column(name)`: a `SPILLED` column
         over the whole run, in token order."""
+        test = None
+        if self.arrival is not None:  # first: its tokens are freed before the metric columns are read
+            keys, toks, refs = (pa.concat_tables(t) for t in zip(*self.evidence))
+            self.evidence.clear()
+            cols = evidence_columns(keys, toks, refs, self.requests)
+            test = run_test(token_evidence(cols, self.expected, self.sampling), self.expected)
+            test["sampled_every"] = self.step
+            del keys, toks, refs, cols
         ids = pa.concat_arrays(self.ids) if self.ids else pa.array([], pa.string())
         merged = {k: np.concatenate([p[k] for p in self.per]) for k in self.per[0]} if self.per else \
             reduce_requests({n: np.zeros(0) for n in ("position", "abs_logprob_diff", "engine_logprob",
                                                       "ref_logprob", "greedy_flip", "gibberish")}, self.th,
                             np.zeros(0, np.int64))
+        self.per.clear(), self.ids.clear()
         summary = apply_inconsistency(summarize_requests(None, self.requests, self.th, per=(ids, merged)),
                                       self.requests)
+        del merged
         metrics = token_metric_summary(column, self.n, self.flips, self.same)
         findings = findings_dict(summary, self.th, metrics, self.n)
         findings["thresholds"].update(self.calib, pinned=sorted(self.th.pinned))
-        test = None
-        if self.arrival is not None:
-            keys, toks, refs = (pa.concat_tables(t) for t in zip(*self.evidence))
-            cols = evidence_columns(keys, toks, refs, self.requests)
-            test = run_test(token_evidence(cols, self.expected, self.sampling), self.expected)
-            test["sampled_every"] = self.step
         tempered = pa.chunked_array(self.tempered_ids, pa.string()).combine_chunks() if self.tempered else None
         crossed = None
         if self.trace is not None and self.trace.num_rows:

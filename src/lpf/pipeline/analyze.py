@@ -70,6 +70,8 @@ def analyze_run(run: RunDir, thresholds: Thresholds, attribute: bool = True, on_
                                     calibration=calibration, calibration_info=cal_info, **kw)
         own = lambda ids: own_sums(reference.filter(pc.is_in(reference.column("request_id"),  # noqa: E731
                                                              value_set=pa.array(sorted(ids), pa.string()))))
+    if attribute and stream:  # the plan compares prompts, which the streamed analysis reads as lengths only
+        requests = run.read("requests", ["request_id", "seq", "prompt_token_ids", "t_submit", "t_finish"])
     findings["attribution"] = _attribute(run, requests, summary, own, findings, on_start, tick) \
         if attribute else None
     findings = {"run_id": m.get("run_id"), "engine": m["engine"].get("name"), "model": m["model"].get("spec"),

@@ -16,8 +16,9 @@ Chunks follow the whole run's join order (see `lpf.analysis.stream`):
 - ranges: requests cut into ranges of ~CHUNK_ROWS tokens in request-id order; one pass over the
   parts buckets every row into its range's Arrow file, each range is then sorted by (request_id,
   position): the order the in-memory join-and-sort gives. Costs a copy of both tables on disk.
-`requests` is the run's requests table with `output_token_ids` reduced to its lengths
-(`light_requests`): the analysis reads only how long each output is.
+`requests` is the run's requests table with its token-id lists reduced to their lengths and no
+output text (`light_requests`): the analysis reads only how long each prompt and output is.
+Between the passes, memory the Arrow pool holds free goes back to the system (`release_unused`).
 """
 
 from __future__ import annotations
@@ -52,15 +53,19 @@ def scored_token_count(run: RunDir) -> int:
 
 
 def light_requests(run: RunDir) -> pa.Table:
-    """The requests table, part by part, with each output's token ids dropped (its length kept)."""
+    """The requests table, part by part, as the analysis reads it: each prompt's and output's token
+    ids reduced to their count (a list of nulls, no values) and the output text dropped (null)."""
     out = []
     for part in run.iter_parts("requests", schema.REQUESTS.names):
-        outputs = part.column("output_token_ids").combine_chunks()
-        offsets = outputs.offsets
-        lengths = pa.ListArray.from_arrays(pc.subtract(offsets, offsets[0]), pa.nulls(len(outputs.values)),
-                                           mask=outputs.is_null())
-        out.append(part.set_column(part.schema.get_field_index("output_token_ids"),
-                                   pa.field("output_token_ids", lengths.type), lengths))
+        for name in ("prompt_token_ids", "output_token_ids"):
+            lists = part.column(name).combine_chunks()
+            offsets = lists.offsets
+            lengths = pa.ListArray.from_arrays(pc.subtract(offsets, offsets[0]), pa.nulls(len(lists.values)),
+                                               mask=lists.is_null())
+            part = part.set_column(part.schema.get_field_index(name), pa.field(name, lengths.type), lengths)
+        part = part.set_column(part.schema.get_field_index("output_text"), "output_text",
+                               pa.nulls(part.num_rows, pa.string()))
+        out.append(part)
     return pa.concat_tables(out) if out else schema.REQUESTS.empty_table()
 
 
@@ -240,6 +245,7 @@ def _analyze(run, requests, th, greedy, spill, *, trace, engine_info, temperatur
         for chunk in ranges.chunks():
             first_pass(*chunk)
         heads = pa.concat_arrays(ids) if ids else pa.array([], pa.string())
+    pa.default_memory_pool().release_unused()
     ad = cols.read("abs_logprob_diff")
     starts = np.concatenate(starts) if starts else np.zeros(0, np.int64)
     counts = np.diff(np.r_[starts, ad.size]).astype(np.int64)
@@ -253,6 +259,8 @@ def _analyze(run, requests, th, greedy, spill, *, trace, engine_info, temperatur
     second = ranges.chunks() if ranges is not None else _zip_chunks(run, sizes)
     for tok, ref in second:
         cols.add(acc.score(tok, ref))
+    tok = ref = second = None  # the last chunk
+    pa.default_memory_pool().release_unused()
 
     def column(name: str) -> np.ndarray:
         if name == "token_mult_prob_error":
