@@ -21,6 +21,9 @@ reference expected and vice versa: outputs delivered to the wrong request) and, 
 a temperature other than 1, `tempered_logprobs` (the reported logprobs fit the reference's
 temperature-scaled distribution better than its raw one: processed logprobs reported as raw).
 Runs over CHUNK tokens are scored in request-aligned chunks (`_score`); results do not depend on it.
+The steps the streamed analysis (`lpf.analysis.stream`) shares: `token_metric_summary` (the metric
+columns' percentiles and means, one column at a time), `findings_dict` (the body from the summary)
+and `conclude` (run-level test verdict, shape, hypotheses, evidence: request-level only).
 """
 
 from __future__ import annotations
