@@ -109,3 +109,16 @@ def test_stream_refuses_a_calibration_run(swap_run, tmp_path, lpf_cli):
     (run / "manifest.json").write_text(json.dumps(m))
     r = lpf_cli("analyze", str(run), "--stream", "--no-attribution")
     assert r.code == 2 and "--no-stream" in r.err
+
+
+def test_cli_stream_and_no_stream_write_the_same_findings(swap_run, tmp_path, lpf_cli):
+    run = tmp_path / "run"
+    shutil.copytree(swap_run, run)
+    (run / "report.html").unlink()
+    written = []
+    for flag in ("--no-stream", "--stream"):
+        r = lpf_cli("analyze", str(run), flag, "--fail-on", "never")
+        assert r.code == 0, r.err
+        written.append((run / "findings.json").read_bytes())
+    assert written[0] == written[1] and json.loads(written[1])["flagged"]
+    assert (run / "report.html").is_file()
