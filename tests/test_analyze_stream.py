@@ -1,8 +1,9 @@
 """The streamed analysis (`lpf analyze --stream`) gives the in-memory analysis' findings.json byte for
 byte and the same summary.parquet: on a built-in-engine drill with flagged requests, a trace, the
-crossed-wires signature and the attribution, and on synthetic runs cut into many small parts and
+crossed-wires signature and the attribution, on a sampled drill with the tempered-logprob signature
+and a `systematic` run-level test, and on synthetic runs cut into many small parts and
 chunks, both when the parts line up row for row (zip chunks) and when they do not (request-id
-ranges), sampled (tempered-logprob signature) and with the run-level test on every k-th token.
+ranges), sampled, with the run-level test on every k-th token.
 Its bounded memory is measured in bench/analysis.py, not here."""
 
 from __future__ import annotations
@@ -122,3 +123,17 @@ def test_cli_stream_and_no_stream_write_the_same_findings(swap_run, tmp_path, lp
         written.append((run / "findings.json").read_bytes())
     assert written[0] == written[1] and json.loads(written[1])["flagged"]
     assert (run / "report.html").is_file()
+
+
+def test_sampled_drill_with_tempered_logprobs_is_byte_identical(tmp_path, monkeypatch):
+    """The processed-logprobs drill at temperature 0.6 (500 requests, ~9 s): the tempered-logprob
+    signature ranks first and the run-level test finds the run `systematic`, both ways alike."""
+    proc = lpf_subprocess("audit", "--engine", "builtin", "--model", "zoo:hybrid", "--workload", "zoo:oracle",
+                          "--n", 1, "--max-tokens", 8, "--ignore-eos", "--temperature", 0.6, "--inject",
+                          "processed-logprobs", "--no-attribution", "--out", tmp_path / "run", "--fail-on", "never")
+    assert proc.returncode == 0, proc.stderr
+    (mem_raw, mem_sum, f), (st_raw, st_sum, _), _ = both_ways(tmp_path / "run", tmp_path, monkeypatch, 300,
+                                                              attribute=False)
+    assert f["hypotheses"][0]["feature"] == "tempered_logprobs" and f["verdict"] == "systematic"
+    assert st_raw == mem_raw
+    assert st_sum.equals(mem_sum)
