@@ -14,6 +14,7 @@ from pathlib import Path
 import click
 
 from lpf.cli.common import (RESCORE_PARAMS, analysis_options, audit_options, build_run_spec, err, fails, progress_bar,
+                            progress_bars,
                             rescore_options, rescore_settings, run_options, stream_option, trace_dir_option,
                             write_report)
 from lpf.cli.render import print_calibration, print_summary
@@ -55,8 +56,8 @@ def _analyze(run, threshold, as_json, fail_on, attribution=True, stream=None) ->
     from lpf.pipeline import analyze_run
 
     thresholds = Thresholds().with_overrides(list(threshold))
-    with progress_bar("attribute", "tokens") as (on_start, tick):
-        findings = analyze_run(run, thresholds, attribution, on_start, tick, stream=stream)
+    with progress_bars(("analyze  ", "tokens"), ("attribute", "tokens")) as (analysis, (on_start, tick)):
+        findings = analyze_run(run, thresholds, attribution, on_start, tick, stream=stream, progress=analysis)
     print_summary(findings, run.path, err)
     write_report(run.path)
     if as_json:

@@ -40,10 +40,12 @@ STREAM_ABOVE = 20_000_000  # scored tokens: above this, `lpf analyze` streams by
 
 
 def analyze_run(run: RunDir, thresholds: Thresholds, attribute: bool = True, on_start: OnStart = no_start,
-                tick: Tick = no_tick, stream: bool | None = None) -> dict:
+                tick: Tick = no_tick, stream: bool | None = None,
+                progress: tuple[OnStart, Tick] = (no_start, no_tick)) -> dict:
     """`on_start`/`tick` report the attribution's re-scoring (tokens), when there is any. `stream`:
     the streamed path (`analyze_stream`: bounded memory, the same findings), the in-memory one, or
-    (None) streamed when the run has more than STREAM_ABOVE tokens and no calibration run."""
+    (None) streamed when the run has more than STREAM_ABOVE tokens and no calibration run;
+    `progress` reports the streamed path's two passes over the tokens."""
     m = run.manifest
     if stream is None:
         stream = not calibration_applies(m) and scored_token_count(run) > STREAM_ABOVE
@@ -61,7 +63,7 @@ def analyze_run(run: RunDir, thresholds: Thresholds, attribute: bool = True, on_
     kw = dict(greedy=temperature == 0, trace=trace, engine_info=engine_info(run), temperature=temperature,
               floor_table=floor_table(), run_info=run_info)
     if stream:
-        summary, findings = analyze_streamed(run, requests, thresholds, **kw)
+        summary, findings = analyze_streamed(run, requests, thresholds, progress=progress, **kw)
         own = lambda ids: reference_sums(run, ids)  # noqa: E731
     else:
         reference = run.read("reference")

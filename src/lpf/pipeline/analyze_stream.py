@@ -35,6 +35,7 @@ from lpf.analysis import stream
 from lpf.analysis.metrics import zipped_starts
 from lpf.analysis.stream import StreamedAnalysis
 from lpf.analysis.thresholds import Thresholds
+from lpf.pipeline.callbacks import OnStart, Tick, no_start, no_tick
 from lpf.run import schema
 from lpf.run.store import RunDir
 
@@ -206,31 +207,36 @@ class _Spill:
 
 def analyze_streamed(run: RunDir, requests: pa.Table, th: Thresholds, greedy: bool, *,
                      trace: pa.Table | None = None, engine_info: dict | None = None, temperature: float = 0.0,
-                     floor_table: dict | None = None, run_info: dict | None = None) -> tuple[pa.Table, dict]:
+                     floor_table: dict | None = None, run_info: dict | None = None,
+                     progress: tuple[OnStart, Tick] = (no_start, no_tick)) -> tuple[pa.Table, dict]:
     """`findings.analyze(requests, tokens, reference, th, greedy, ...)` over the run's parts, streamed
-    (no calibration run: the caller routes those to the in-memory path)."""
+    (no calibration run: the caller routes those to the in-memory path). `progress`: (on_start,
+    tick) over twice the tokens parts' rows (the two passes)."""
     for old in run.path.glob(".tmp-analyze-*"):
         shutil.rmtree(old, ignore_errors=True)  # a killed analysis' leftovers
     spill = Path(tempfile.mkdtemp(prefix=".tmp-analyze-", dir=run.path))
     try:
-        return _analyze(run, requests, th, greedy, spill, trace=trace, engine_info=engine_info,
-                        temperature=temperature, floor_table=floor_table, run_info=run_info or {})
+        return _analyze(run, requests, th, greedy, spill, trace=trace, engine_info=engine_info, temperature=temperature,
+                        floor_table=floor_table, run_info=run_info or {}, progress=progress)
     finally:
         shutil.rmtree(spill, ignore_errors=True)
 
 
-def _analyze(run, requests, th, greedy, spill, *, trace, engine_info, temperature, floor_table, run_info):
+def _analyze(run, requests, th, greedy, spill, *, trace, engine_info, temperature, floor_table, run_info, progress):
     from lpf.analysis.floors import expected_floor
 
     # |d| goes to disk chunk by chunk and comes back as one array: chunks kept in memory would leave
     # the heap holding their pages (below glibc's mmap threshold) after the whole-run copy is made
     cols = _Spill(spill)
     starts, ids, at = [], [], [0]
+    total, tick = 2 * scored_token_count(run), progress[1]
+    progress[0](total, 0)
 
     def first_pass(tok, ref):
         ad, s, i = stream.chunk_abs_diff(tok, ref)
         cols.add({"abs_logprob_diff": ad}), starts.append(s + at[0]), ids.append(i)
         at[0] += ad.size
+        tick(tok.num_rows)
 
     sizes = _zip_sizes(run, first_pass)
     heads = pa.concat_arrays(ids) if ids else pa.array([], pa.string())
@@ -239,6 +245,7 @@ def _analyze(run, requests, th, greedy, spill, *, trace, engine_info, temperatur
     ranges = None
     if sizes is None:
         cols.drop("abs_logprob_diff")
+        progress[0](total, 0)  # the zip pass stopped part way: the first pass starts again
         starts.clear(), ids.clear()
         at[0] = 0
         ranges = _Ranges(run, requests, spill)
@@ -259,6 +266,7 @@ def _analyze(run, requests, th, greedy, spill, *, trace, engine_info, temperatur
     second = ranges.chunks() if ranges is not None else _zip_chunks(run, sizes)
     for tok, ref in second:
         cols.add(acc.score(tok, ref))
+        tick(tok.num_rows)
     tok = ref = second = None  # the last chunk
     pa.default_memory_pool().release_unused()
 
