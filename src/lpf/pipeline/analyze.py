@@ -36,7 +36,7 @@ from lpf.pipeline.trace import engine_info, trace_summary
 from lpf.run.store import RunDir
 
 
-STREAM_ABOVE = 20_000_000  # scored tokens: above this, `lpf analyze` streams by default
+STREAM_ABOVE = 10_000_000  # tokens: above this `lpf analyze` streams (in memory 10M cost 3.3-5 GB: docs/benchmarks.md)
 
 
 def analyze_run(run: RunDir, thresholds: Thresholds, attribute: bool = True, on_start: OnStart = no_start,
