@@ -16,11 +16,9 @@ requests, bounded memory, the same summary and findings byte for byte); `stream`
 from __future__ import annotations
 
 import json
-from functools import lru_cache
+from functools import lru_cache, partial
 from importlib import resources
 
-import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from lpf.analysis import attribution
@@ -64,14 +62,13 @@ def analyze_run(run: RunDir, thresholds: Thresholds, attribute: bool = True, on_
               floor_table=floor_table(), run_info=run_info)
     if stream:
         summary, findings = analyze_streamed(run, requests, thresholds, progress=progress, **kw)
-        own = lambda ids: reference_sums(run, ids)  # noqa: E731
+        own = partial(reference_sums, run)
     else:
         reference = run.read("reference")
         calibration, cal_info = calibration_for(run, reference)
         summary, findings = analyze(requests, run.read("tokens"), reference, thresholds,
                                     calibration=calibration, calibration_info=cal_info, **kw)
-        own = lambda ids: own_sums(reference.filter(pc.is_in(reference.column("request_id"),  # noqa: E731
-                                                             value_set=pa.array(sorted(ids), pa.string()))))
+        own = partial(own_sums, reference)
     if attribute and stream:  # the plan compares prompts, which the streamed analysis reads as lengths only
         requests = run.read("requests", ["request_id", "seq", "prompt_token_ids", "t_submit", "t_finish"])
     findings["attribution"] = _attribute(run, requests, summary, own, findings, on_start, tick) \

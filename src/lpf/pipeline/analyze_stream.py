@@ -282,12 +282,19 @@ def _analyze(run, requests, th, greedy, spill, *, trace, engine_info, temperatur
 
 def reference_sums(run: RunDir, ids: set[str]) -> dict[str, float]:
     """{request id: sum of its ref_logprob} for `ids`, part by part (the attribution's own scores)."""
-    value_set = pa.array(sorted(ids), pa.string())
-    parts = [p.filter(pc.is_in(p.column("request_id"), value_set=value_set))
-             for p in run.iter_parts("reference", ["request_id", "ref_logprob"])]
-    return own_sums(pa.concat_tables(parts) if parts else schema.REFERENCE.empty_table().select(["request_id", "ref_logprob"]))
+    parts = [_of(p, ids) for p in run.iter_parts("reference", ["request_id", "ref_logprob"])]
+    return _sums(pa.concat_tables(parts) if parts else schema.REFERENCE.empty_table().select(["request_id", "ref_logprob"]))
 
 
-def own_sums(reference: pa.Table) -> dict[str, float]:
+def own_sums(reference: pa.Table, ids: set[str]) -> dict[str, float]:
+    """`reference_sums` from an in-memory reference table (the same filter, then the same sums)."""
+    return _sums(_of(reference, ids))
+
+
+def _of(table: pa.Table, ids: set[str]) -> pa.Table:
+    return table.filter(pc.is_in(table.column("request_id"), value_set=pa.array(sorted(ids), pa.string())))
+
+
+def _sums(reference: pa.Table) -> dict[str, float]:
     sums = reference.group_by("request_id").aggregate([("ref_logprob", "sum")]).to_pydict()
     return dict(zip(sums["request_id"], sums["ref_logprob_sum"]))
