@@ -15,7 +15,8 @@ Chunks follow the whole run's join order (see `lpf.analysis.stream`):
   rows contiguous, every request once); the first mismatch falls back to:
 - ranges: requests cut into ranges of ~CHUNK_ROWS tokens in request-id order; one pass over the
   parts buckets every row into its range's Arrow file, each range is then sorted by (request_id,
-  position): the order the in-memory join-and-sort gives. Costs a copy of both tables on disk.
+  position): the order the in-memory join-and-sort gives. Costs a copy of both tables on disk
+  (lz4-compressed Arrow files: ~1.7x the parts).
 `requests` is the run's requests table with its token-id lists reduced to their lengths and no
 output text (`light_requests`): the analysis reads only how long each prompt and output is.
 Between the passes, memory the Arrow pool holds free goes back to the system (`release_unused`).
@@ -40,6 +41,7 @@ from lpf.run import schema
 from lpf.run.store import RunDir
 
 CHUNK_ROWS = 1 << 20
+_COMPRESSED = pa.ipc.IpcWriteOptions(compression="lz4")  # the range files: half the disk for ~10% more time
 TOKEN_COLUMNS = ["request_id", "position", "token_id", "engine_logprob", "engine_topk_ids", "engine_topk_logprobs"]
 REFERENCE_COLUMNS = ["request_id", "position", "ref_logprob", "ref_rank", "ref_entropy", "ref_top1_id",
                      "ref_top1_logprob", "ref_topk_ids", "ref_topk_logprobs"]
@@ -153,7 +155,7 @@ class _Ranges:
 
     def _bucket(self, run: RunDir, table: str, columns: list[str]) -> None:
         want = pa.schema([schema.TABLES[table].field(c) for c in columns])
-        writers = [pa.ipc.new_file(self._path(table, i), want) for i in range(len(self.cuts))]
+        writers = [pa.ipc.new_file(self._path(table, i), want, options=_COMPRESSED) for i in range(len(self.cuts))]
         try:
             for part in run.iter_parts(table, columns):
                 at = pc.index_in(part.column("request_id"), value_set=self.sorted_ids)
