@@ -83,10 +83,9 @@ def test_synthetic_run_in_many_parts(tmp_path, monkeypatch, shuffle):
     """60k tokens in parts of 2,000 tokens (reference parts reversed when shuffled), chunks of 777
     rows (cutting through requests' neighbourhoods), sampled at temperature 0.7 with top-5 lists,
     and the run-level test on every 7th token (MAX_TOKENS lowered)."""
-    from lpf.analysis import run_test, stream
+    from lpf.analysis import run_test
 
     monkeypatch.setattr(run_test, "MAX_TOKENS", 9000)
-    monkeypatch.setattr(stream, "MAX_TOKENS", 9000)
     bench = _bench()
     run, n_bad = bench.write_synthetic_run(tmp_path / "run", 60_000, part_tokens=2000, topk=5, temperature=0.7,
                                            shuffle_reference=shuffle, out_tokens=24)

@@ -11,9 +11,10 @@ up row for row, the in-memory zip case, or by request-id ranges sorted by (reque
 the in-memory join-and-sort case.) Over the chunks, twice:
 
 1. `chunk_abs_diff(tokens, reference)` -> (|d|, request starts, ids at the starts) per chunk; the
-   driver concatenates |d| into one float64 column (8 bytes a scored token: the one whole-run
-   token column the analysis keeps) and the starts into run-wide starts.
-   `thresholds(ad, starts, th, expected)`: the in-memory calibration on that column.
+   driver spills |d| and reads it back as one float64 column (8 bytes a scored token: the one
+   whole-run token column the analysis holds, and only for the calibration and the percentiles),
+   and the starts as run-wide starts. `thresholds(ad, starts, th, expected)`: the in-memory
+   calibration on that column.
 2. `StreamedAnalysis(requests, th, ...)`, then `.score(tokens, reference)` per chunk (the same
    order): token metrics and per-request reductions, greedy flips and top-1 agreement counted, the
    crossed-wires candidates (tokens that missed the reference's top-1, when there is a trace), the
@@ -23,7 +24,7 @@ the in-memory join-and-sort case.) Over the chunks, twice:
    -> the whole-run column) for the exact percentiles and means, and returns (summary, findings).
 
 Run-wide inputs and what is kept of them: the calibration and |d|'s percentiles read the |d| column
-(kept); the other metric columns' percentiles and means one spilled column at a time; counts are
+(from disk); the other metric columns' percentiles and means one spilled column at a time; counts are
 integers (exact in any order); per-request reductions are request-local (one row per request);
 the failure shape, hypotheses and evidence read the per-request summary and requests table; the
 run-level test at most `run_test.MAX_TOKENS` tokens. Means of float columns are computed over the
@@ -43,7 +44,8 @@ from lpf.analysis.calibration import calibrate, calibrate_to_floor
 from lpf.analysis.evidence import apply_inconsistency
 from lpf.analysis.findings import (METRIC_COLUMNS, conclude, findings_dict, token_metric_summary,
                                    wants_tempered)
-from lpf.analysis.run_test import MAX_TOKENS, run_test, token_evidence
+from lpf.analysis import run_test as run_level
+from lpf.analysis.run_test import run_test, token_evidence
 from lpf.analysis.signatures import crossed_wires, tempered_logprobs
 from lpf.analysis.thresholds import Thresholds
 from lpf.analysis.token_evidence import evidence_columns
@@ -92,7 +94,7 @@ class StreamedAnalysis:
         self.trace, self.engine_info, self.temperature = trace, engine_info, temperature
         self.expected, self.sampling = expected, sampling or {"temperature": temperature}
         self.n = int(counts.sum())
-        self.step = -(-self.n // MAX_TOKENS)  # as run_test.run_level_test samples a huge run
+        self.step = -(-self.n // run_level.MAX_TOKENS)  # as run_test.run_level_test samples a huge run
         self.arrival = _arrival_offsets(requests, ids, counts) if expected and self.n else None
         self.tempered = wants_tempered(temperature, reference_columns)
         self.at = 0  # requests scored so far (index into ids/counts)
@@ -173,7 +175,7 @@ def _arrival_offsets(requests: pa.Table, ids: pa.Array, counts: np.ndarray) -> n
     req = by_arrival(requests)
     at = pc.index_in(ids, value_set=req.column("request_id").combine_chunks()).fill_null(0).to_numpy(zero_copy_only=False)
     seq = req.column("seq").to_numpy()[at]
-    order = np.lexsort((np.arange(len(ids)), seq))  # ties (unknown requests) keep token order, as lexsort does
+    order = np.argsort(seq, kind="stable")  # seq is unique per request
     offsets = np.empty(len(ids), np.int64)
     offsets[order] = np.cumsum(counts[order]) - counts[order]
     return offsets
