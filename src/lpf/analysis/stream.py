@@ -132,7 +132,8 @@ class StreamedAnalysis:
         index = np.repeat(first - starts, counts) + np.arange(joined.num_rows)
         keys = joined.select(_EVIDENCE_JOINED).filter(pa.array(index % self.step == 0))
         have = [c for c in _EVIDENCE_TOKENS if c in tokens.column_names]
-        self.evidence.append((keys, _rows_for(tokens.select(have), keys), _rows_for(reference.select(_EVIDENCE_REFERENCE), keys)))
+        self.evidence.append((keys, _rows_for(tokens.select(have), keys),
+                              _rows_for(reference.select(_EVIDENCE_REFERENCE), keys)))
 
     def finish(self, column) -> tuple[pa.Table, dict]:
         """(summary, findings) as `findings.analyze` gives them. `column(name)`: a `SPILLED` column

@@ -4,9 +4,10 @@ Contract: `analyze_streamed(run, requests, th, greedy, ...) -> (summary, finding
 `lpf.analysis.findings.analyze` over `run.read(...)` of the same run (byte for byte once written:
 `tests/test_analyze_stream.py`), holding at most a chunk of ~CHUNK_ROWS tokens of the tokens and
 reference tables at once, plus 8 bytes a scored token (|d|, for the calibration; spilled to disk
-during the scoring pass) and, while the percentiles are taken, one such column at a time. The pure steps are `lpf.analysis.stream`; this module reads parts, makes the
-chunks and spills columns to a temporary folder in the run directory (`.tmp-analyze-*`, removed
-afterwards; a killed analysis leaves it, and the next one removes it).
+during the scoring pass) and, while the percentiles are taken, one such column at a time. The pure
+steps are `lpf.analysis.stream`; this module reads parts, makes the chunks and spills columns to a
+temporary folder in the run directory (`.tmp-analyze-*`, removed afterwards; a killed analysis
+leaves it, and the next one removes it).
 
 Chunks follow the whole run's join order (see `lpf.analysis.stream`):
 - zip: when the tokens and reference parts line up row for row (as they do when the reference
