@@ -124,6 +124,7 @@ def test_cli_stream_and_no_stream_write_the_same_findings(swap_run, tmp_path, lp
     assert (run / "report.html").is_file()
 
 
+@pytest.mark.slow  # its own audit, ~10 s
 def test_sampled_drill_with_tempered_logprobs_is_byte_identical(tmp_path, monkeypatch):
     """The processed-logprobs drill at temperature 0.6 (500 requests, ~9 s): the tempered-logprob
     signature ranks first and the run-level test finds the run `systematic`, both ways alike."""
