@@ -18,8 +18,8 @@ each analysed by `analyze_run` (no attribution) in a fresh child process, stream
 (the named baseline) where that fits (`--memory-up-to`); reported: wall seconds and the child's
 peak RSS (VmHWM), their ratios streamed / in-memory, and whether findings.json is byte-identical.
 Usage: python bench/analysis.py [--tokens N] [--report-requests N] [--skip-report] [--run-test-tokens N]
-       [--scale 10000000,30000000,100000000] [--memory-up-to N] [--only-scale]
-(writes bench/results/analysis.json, or analysis_scale.json with --only-scale; prints a table)
+       [--scale 10000000,30000000,100000000] [--memory-up-to N] [--only-scale [--shuffled]]
+(writes bench/results/analysis.json, or analysis_scale[_shuffled].json with --only-scale; prints a table)
 """
 
 from __future__ import annotations
