@@ -12,8 +12,14 @@ in the throughput run (the analysis reads them only for sampled runs' tempered-l
 The baseline is the target itself: the table reports tokens/s and the ratio to 10M tokens/s.
 The run-level test's cost is measured beside it (`bench_run_test`): analyze with and without the
 shipped floor table on a run with top-5 lists on both sides, as a ratio.
+The streamed analysis at scale (`bench_scale`, issue #14): synthetic runs of 10M, 30M and 100M
+scored tokens written as real run-directory parts by the store's writers (`write_synthetic_run`),
+each analysed by `analyze_run` (no attribution) in a fresh child process, streamed, and in memory
+(the named baseline) where that fits (`--memory-up-to`); reported: wall seconds and the child's
+peak RSS (VmHWM), their ratios streamed / in-memory, and whether findings.json is byte-identical.
 Usage: python bench/analysis.py [--tokens N] [--report-requests N] [--skip-report] [--run-test-tokens N]
-(writes bench/results/analysis.json, prints a table)
+       [--scale 10000000,30000000,100000000] [--memory-up-to N] [--only-scale [--shuffled]]
+(writes bench/results/analysis.json, or analysis_scale[_shuffled].json with --only-scale; prints a table)
 """
 
 from __future__ import annotations
@@ -38,13 +44,14 @@ def _lists(values: np.ndarray, width: int, typ) -> pa.Array:
     return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values.ravel() if width else [], typ))
 
 
-def synthetic_run(n_requests: int, out_tokens: int, seed: int = 0, topk: int = 1):
-    """(requests, tokens, reference) tables of one greedy run, grouped by request."""
+def synthetic_run(n_requests: int, out_tokens: int, seed: int = 0, topk: int = 1, first: int = 0):
+    """(requests, tokens, reference) tables of one greedy run, grouped by request (requests
+    `first`.. `first + n_requests - 1`: seq and id)."""
     from lpf.run import schema
 
     rng = np.random.default_rng(seed)
     n = n_requests * out_tokens
-    ids = pa.array([f"bench-{i:07d}-r0" for i in range(n_requests)], pa.string())
+    ids = pa.array([f"bench-{i:08d}-r0" for i in range(first, first + n_requests)], pa.string())
     row_req = np.repeat(np.arange(n_requests), out_tokens)
     pos = np.tile(np.arange(out_tokens, dtype=np.int32), n_requests)
     token = rng.integers(3, 500, n, dtype=np.int32)
@@ -72,7 +79,7 @@ def synthetic_run(n_requests: int, out_tokens: int, seed: int = 0, topk: int = 1
     }, schema=schema.REFERENCE)
     plen = 24
     requests = pa.table({
-        "request_id": ids, "seq": np.arange(n_requests, dtype=np.int64), "prompt_id": ids,
+        "request_id": ids, "seq": np.arange(first, first + n_requests, dtype=np.int64), "prompt_id": ids,
         "rollout": np.zeros(n_requests, np.int32),
         "prompt_token_ids": _lists(np.ones(n_requests * plen, np.int32), plen, pa.int32()),
         "output_token_ids": _lists(token, out_tokens, pa.int32()),
@@ -83,6 +90,42 @@ def synthetic_run(n_requests: int, out_tokens: int, seed: int = 0, topk: int = 1
         "attempts": pa.nulls(n_requests, schema.REQUESTS.field("attempts").type),
     }, schema=schema.REQUESTS)
     return requests, tokens, reference, int(bad.sum())
+
+
+MANIFEST = {"run_id": "bench-analysis", "status": "complete", "engine": {"name": "builtin", "options": {"dtype": "float32"}},
+            "model": {"spec": "zoo:hybrid"}, "reference": {"spec": "zoo:hybrid", "dtype": "float32"}}
+
+
+def write_synthetic_run(path: Path, n_tokens: int, part_tokens: int = 2_000_000, topk: int = 1,
+                        temperature: float = 0.0, shuffle_reference: bool = False, out_tokens: int = OUT_TOKENS):
+    """`synthetic_run` written as a real run directory by the store's own writers, part by part
+    (memory bounded by a part): requests/tokens parts of ~part_tokens tokens, reference parts
+    beside them, the reference's top-k lists the engine's (`topk` wide; the run-level test reads both);
+    `shuffle_reference` writes the reference parts in reverse order, each part's requests reversed,
+    and leaves every 50th request unscored: parts that do not line up with the tokens (the
+    streamed analysis then buckets by request range). (RunDir, requests corrupted)."""
+    from lpf.run.store import RunDir
+
+    run = RunDir.create(path, dict(MANIFEST, sampling={"temperature": temperature}))
+    per_part = max(1, part_tokens // out_tokens)
+    n_req, n_bad, refs = max(1, n_tokens // out_tokens), 0, []
+    for i, first in enumerate(range(0, n_req, per_part)):
+        requests, tokens, reference, bad = synthetic_run(min(per_part, n_req - first), out_tokens, seed=i,
+                                                         topk=topk, first=first)
+        for name in ("ref_topk_ids", "ref_topk_logprobs"):  # a rescorer always writes top-k
+            reference = reference.set_column(reference.schema.get_field_index(name), name,
+                                             tokens.column(name.replace("ref_", "engine_")))
+        n_bad += bad
+        run.append_requests(requests, tokens)
+        if not shuffle_reference:
+            run.append("reference", reference)
+            continue
+        keep = (np.arange(reference.num_rows) // out_tokens + first) % 50 != 7
+        rows = np.flatnonzero(keep)
+        refs.append(reference.take(pa.array(rows[np.lexsort((rows % out_tokens, -(rows // out_tokens)))])))
+    for reference in reversed(refs):
+        run.append("reference", reference)
+    return run, n_bad
 
 
 def bench_throughput(n_tokens: int) -> dict:
@@ -131,6 +174,64 @@ def bench_run_test(n_tokens: int) -> dict:
             "ratio": min(times["with"]) / min(times["without"])}
 
 
+_CHILD = """
+import json, sys, time
+from lpf.analysis.thresholds import Thresholds
+from lpf.pipeline.analyze import analyze_run
+from lpf.run.store import RunDir
+t0 = time.perf_counter()
+f = analyze_run(RunDir.open(sys.argv[1]), Thresholds(), attribute=False, stream=sys.argv[2] == "stream")
+s = time.perf_counter() - t0
+hwm = [int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:")][0]
+print(json.dumps({"seconds": s, "peak_rss_mb": hwm / 1024, "corrupt": f["counts"]["corrupt"],
+                  "n_scored_tokens": f["n_scored_tokens"]}))
+"""
+
+
+def analyse_in_child(path: Path, mode: str) -> dict:
+    """`analyze_run` (no attribution) in a fresh process: wall seconds and its peak RSS (VmHWM,
+    which counts everything the process ever held resident, imports included)."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    proc = subprocess.run([sys.executable, "-c", _CHILD, str(path), mode], capture_output=True, text=True, env=env)
+    if proc.returncode:
+        raise RuntimeError(proc.stderr[-2000:])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def bench_scale(sizes: list[int], memory_up_to: int, shuffled: bool = False) -> list[dict]:
+    """Per size: a synthetic run written as run-directory parts (2M tokens a part), analysed
+    streamed in a fresh process, and in memory (the baseline) up to `memory_up_to` tokens; the
+    findings of both must be byte-identical. `shuffled`: reference parts that do not line up with
+    the tokens (`write_synthetic_run`), which the streamed path buckets by request range."""
+    rows = []
+    for n in sizes:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "run"
+            t0 = time.perf_counter()
+            _, n_bad = write_synthetic_run(path, n, shuffle_reference=shuffled)
+            row = {"tokens": n, "chunks": "request ranges" if shuffled else "zip", "write_s": round(time.perf_counter() - t0, 1),
+                   "parts_mb": round(sum(f.stat().st_size for f in path.rglob("*.parquet")) / 2**20),
+                   "stream": analyse_in_child(path, "stream")}
+            assert shuffled or (row["stream"]["corrupt"] == n_bad and row["stream"]["n_scored_tokens"] == n)
+            streamed = (path / "findings.json").read_bytes()
+            if n <= memory_up_to:
+                row["memory"] = analyse_in_child(path, "memory")
+                row["identical"] = (path / "findings.json").read_bytes() == streamed
+                row["time_ratio"] = row["stream"]["seconds"] / row["memory"]["seconds"]
+                row["rss_ratio"] = row["stream"]["peak_rss_mb"] / row["memory"]["peak_rss_mb"]
+            rows.append(row)
+            print(f"scale ({row['chunks']}): {n:,} tokens ({row['parts_mb']} MB of parts, written in {row['write_s']} s): streamed "
+                  f"{row['stream']['seconds']:.1f} s, peak RSS {row['stream']['peak_rss_mb']:.0f} MB"
+                  + (f"; in memory {row['memory']['seconds']:.1f} s, {row['memory']['peak_rss_mb']:.0f} MB "
+                     f"(streamed/in-memory: time {row['time_ratio']:.2f}x, RSS {row['rss_ratio']:.2f}x, "
+                     f"findings identical: {row['identical']})" if "memory" in row else ""), flush=True)
+    return rows
+
+
 def bench_report(n_requests: int) -> dict:
     """The report target, on bench/report.py's schema-true run (one builder and one timer for both
     benches): analysed by the real code, then `write_report` timed in a fresh process."""
@@ -151,7 +252,19 @@ def main() -> None:
     ap.add_argument("--report-requests", type=int, default=100_000)
     ap.add_argument("--skip-report", action="store_true")
     ap.add_argument("--run-test-tokens", type=int, default=4_000_000)
+    ap.add_argument("--scale", default="10000000,30000000,100000000",
+                    help="comma-separated run sizes (tokens) for the streamed-analysis scale bench ('' skips it)")
+    ap.add_argument("--memory-up-to", type=int, default=30_000_000,
+                    help="also analyse in memory (the baseline) up to this many tokens")
+    ap.add_argument("--only-scale", action="store_true")
+    ap.add_argument("--shuffled", action="store_true", help="scale bench on reference parts that do not line up")
     a = ap.parse_args()
+    if a.only_scale:
+        out = ROOT / "bench" / "results" / f"analysis_scale{'_shuffled' if a.shuffled else ''}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        rows = bench_scale([int(x) for x in a.scale.split(",") if x], a.memory_up_to, a.shuffled)
+        out.write_text(json.dumps(rows, indent=2) + "\n")
+        return
     result = {"throughput": bench_throughput(a.tokens)}
     t = result["throughput"]
     print(f"analysis: {t['tokens']:,} tokens in {min(t['analyze_s']):.2f} s = {t['tokens_per_s'] / 1e6:.1f}M tokens/s "
@@ -159,6 +272,8 @@ def main() -> None:
     result["run_test"] = rt = bench_run_test(a.run_test_tokens)
     print(f"run-level test: {rt['tokens']:,} tokens, analyze {min(rt['analyze_s']):.2f} s without it, "
           f"{min(rt['with_run_test_s']):.2f} s with it (best of 5): {rt['ratio']:.2f}x")
+    if a.scale:
+        result["scale"] = bench_scale([int(x) for x in a.scale.split(",") if x], a.memory_up_to)
     if not a.skip_report:
         result["report"] = bench_report(a.report_requests)
         r = result["report"]

@@ -24,6 +24,9 @@ Runs over CHUNK tokens are scored in request-aligned chunks (`_score`); results 
 Prompt positions (`prompt_tokens` / `prompt_reference`, when the engine returned them) are judged
 apart by `lpf.analysis.prompt` with the same thresholds: their own block `findings.prompt`, `prompt_`
 columns in the summary, and the run verdict becomes the worst of the output and prompt verdicts.
+The steps the streamed analysis (`lpf.analysis.stream`) shares: `token_metric_summary` (the metric
+columns' percentiles and means, one column at a time), `findings_dict` (the body from the summary)
+and `conclude` (run-level test verdict, shape, hypotheses, evidence: request-level only).
 """
 
 from __future__ import annotations
@@ -80,10 +83,45 @@ def analyze(requests: pa.Table, tokens: pa.Table, reference: pa.Table, th: Thres
     summary = apply_inconsistency(summarize_requests(tok, requests, th, starts, per=per), requests)
     findings = build_findings(tok, summary, th, flips=int(per[1]["n_greedy_flips"].sum()))
     findings["thresholds"].update(calib, pinned=sorted(th.pinned))
+    test = None
     if expected and cols is not None:
         sampling = (run_info or {}).get("sampling") or {"temperature": temperature}
-        findings["run_test"] = run_level_test(joined, tokens, reference, requests, expected, sampling, cols=cols)
-        if findings["run_test"]["result"] == "different" and findings["verdict"] in SEVERITY and \
+        test = run_level_test(joined, tokens, reference, requests, expected, sampling, cols=cols)
+    tempered = tempered_logprobs(tok, reference, temperature, th) \
+        if wants_tempered(temperature, reference.column_names) else None
+    findings = conclude(findings, summary, requests, trace, engine_info, temperature, test,
+                        tempered, crossed_wires(tok, requests, trace))
+    return with_prompt(summary, findings, prompt_tokens, prompt_reference, requests, th, trace, chunk_budget)
+
+
+def with_prompt(summary: pa.Table, findings: dict, prompt_tokens: pa.Table | None, prompt_reference: pa.Table | None,
+                requests: pa.Table, th: Thresholds, trace: pa.Table | None,
+                chunk_budget: int | None) -> tuple[pa.Table, dict]:
+    """The prompt positions' block, their `prompt_` summary columns and the run verdict raised to the
+    worst prompt verdict (`lpf.analysis.prompt`), when the run has scored prompt positions."""
+    prompt_table, prompt_block = prompt_analysis(prompt_tokens, prompt_reference, requests, th, trace, chunk_budget)
+    if prompt_block is not None:
+        summary = merge_summary(summary, prompt_table)
+        findings["prompt"] = prompt_block
+        findings["verdict"] = worst_verdict(findings["verdict"], prompt_block)
+    return summary, findings
+
+
+def wants_tempered(temperature: float, reference_columns) -> bool:
+    """Whether the run gets the `tempered_logprobs` signature (sampled at a temperature other than 1)."""
+    return bool(temperature) and temperature != 1.0 and "ref_topk_logprobs" in reference_columns
+
+
+def conclude(findings: dict, summary: pa.Table, requests: pa.Table, trace: pa.Table | None,
+             engine_info: dict | None, temperature: float, test: dict | None,
+             tempered: pa.Array | None, crossed: pa.Array | None) -> dict:
+    """The request-level steps after scoring, shared by the in-memory and the streamed analysis
+    (`lpf.analysis.stream`): the run-level test's verdict (`test`, or None), the failure's shape,
+    the ranked hypotheses (with the two token signatures' request ids, None when not computed) and
+    the evidence beyond the tokens. Reads no token table."""
+    if test is not None:
+        findings["run_test"] = test
+        if test["result"] == "different" and findings["verdict"] in SEVERITY and \
                 SEVERITY[findings["verdict"]] < SEVERITY["systematic"]:
             findings["verdict"] = "systematic"
     shape = failure_shape(summary, requests, trace)
@@ -91,14 +129,9 @@ def analyze(requests: pa.Table, tokens: pa.Table, reference: pa.Table, th: Thres
     for f in findings["flagged"]:
         f["divergence_step"] = steps.get(f["request_id"])
     findings["shape"] = shape
-    findings["hypotheses"] = _hypotheses(summary, requests, tok, reference, trace, engine_info, temperature, th)
+    findings["hypotheses"] = _hypotheses(summary, requests, trace, engine_info, temperature, tempered, crossed)
     findings["evidence"] = evidence(requests, summary)
-    prompt_table, prompt_block = prompt_analysis(prompt_tokens, prompt_reference, requests, th, trace, chunk_budget)
-    if prompt_block is not None:
-        summary = merge_summary(summary, prompt_table)
-        findings["prompt"] = prompt_block
-        findings["verdict"] = worst_verdict(findings["verdict"], prompt_block)
-    return summary, findings
+    return findings
 
 
 def _expected_floor(joined, tokens, reference, requests, calibration, calibration_info, floor_table, info):
@@ -148,7 +181,7 @@ def _score(joined: pa.Table, starts: np.ndarray, ad: np.ndarray, greedy: bool, t
     return tok, (ids, merged)
 
 
-def _hypotheses(summary, requests, tok, reference, trace, engine_info, temperature, th) -> list[dict]:
+def _hypotheses(summary, requests, trace, engine_info, temperature, tempered, crossed) -> list[dict]:
     enc = pc.dictionary_encode(summary.column("verdict").combine_chunks())  # a few names, one code per request
     names, code = enc.dictionary.to_pylist(), enc.indices.to_numpy(zero_copy_only=False)
 
@@ -164,12 +197,10 @@ def _hypotheses(summary, requests, tok, reference, trace, engine_info, temperatu
     feats = request_features(requests, trace, engine_info) + timing_features(requests)
     ids = summary.column("request_id")
     sigs = []
-    if temperature and temperature != 1.0 and "ref_topk_logprobs" in reference.column_names:
-        fit = tempered_logprobs(tok, reference, temperature, th)
-        sigs.append(Feature("tempered_logprobs", "bool", pc.is_in(ids, value_set=fit).to_numpy(zero_copy_only=False),
+    if tempered is not None:
+        sigs.append(Feature("tempered_logprobs", "bool", pc.is_in(ids, value_set=tempered).to_numpy(zero_copy_only=False),
                             f"reported logprobs that fit the reference's temperature-{temperature:g} "
                             f"distribution better than its raw one (processed logprobs reported as raw)"))
-    crossed = crossed_wires(tok, requests, trace)
     if crossed is not None:
         sigs.append(Feature("crossed_wires", "bool", pc.is_in(ids, value_set=crossed).to_numpy(zero_copy_only=False),
                             "got, at a step where they diverged, the token another request's reference "
@@ -183,25 +214,40 @@ def _hypotheses(summary, requests, tok, reference, trace, engine_info, temperatu
 def build_findings(tok: pa.Table, summary: pa.Table, th: Thresholds, flips: int | None = None) -> dict:
     """`flips`: the greedy flips over all scored tokens when the caller counted them (else read from
     the token table's greedy_flip column)."""
+    n = tok.num_rows
+    if n and flips is None:
+        flips = pc.sum(tok.column("greedy_flip")).as_py()
+    same = np.count_nonzero(tok.column("token_id").to_numpy() == tok.column("ref_top1_id").to_numpy()) if n else 0
+    metrics = token_metric_summary(lambda name: tok.column(name).to_numpy(), n, flips or 0, same)
+    return findings_dict(summary, th, metrics, n)
+
+
+def token_metric_summary(column, n_scored: int, flips: int, same_top1: int) -> dict:
+    """findings' `metrics` from the whole-run metric columns, asked for one at a time (`column(name)`
+    -> numpy array over all scored tokens, in the analysis' token order: the means are order-exact),
+    so a streamed caller holds one column at a time beside abs_logprob_diff."""
+    metrics = {name: m.percentiles(column(name)) for name in METRIC_COLUMNS[:3]}
+    # exp(|d|) is increasing in |d|: its percentiles come from |d|'s (one sort fewer over all tokens)
+    mult = column("token_mult_prob_error")
+    finite = np.isfinite(mult)
+    if not finite.all():
+        mult = mult[finite]
+    metrics["token_mult_prob_error"] = {**m.monotone_percentiles(metrics["abs_logprob_diff"], np.exp),
+                                        "mean": float(mult.mean()) if mult.size else None}
+    if n_scored:
+        metrics["greedy_flip_rate"] = float(flips / n_scored)
+        metrics["same_top1_pct"] = float(100.0 * (same_top1 / n_scored))
+    return metrics
+
+
+def findings_dict(summary: pa.Table, th: Thresholds, metrics: dict, n_scored: int) -> dict:
+    """findings.json's body from the per-request summary and the token metrics' summary."""
     vc = pc.value_counts(summary.column("verdict")).to_pylist()
     tally = {c["values"]: c["counts"] for c in vc}
     counts = {v: tally.get(v, 0) for v in REQUEST_VERDICTS}
     # a run with nothing scored has no verdict to give: say why instead of calling it clean
     nothing = "error" if summary.num_rows and set(tally) == {"error"} else "unscored"
     worst = max((v for v in tally if v in SEVERITY), key=SEVERITY.get, default=nothing)
-    metrics = {name: m.percentiles(tok.column(name).to_numpy()) for name in METRIC_COLUMNS[:3]}
-    # exp(|d|) is increasing in |d|: its percentiles come from |d|'s (one sort fewer over all tokens)
-    mult = tok.column("token_mult_prob_error").to_numpy()
-    finite = np.isfinite(mult)
-    if not finite.all():
-        mult = mult[finite]
-    metrics["token_mult_prob_error"] = {**m.monotone_percentiles(metrics["abs_logprob_diff"], np.exp),
-                                        "mean": float(mult.mean()) if mult.size else None}
-    if tok.num_rows:
-        flips = pc.sum(tok.column("greedy_flip")).as_py() if flips is None else flips
-        metrics["greedy_flip_rate"] = float(flips / tok.num_rows)
-        same = np.count_nonzero(tok.column("token_id").to_numpy() == tok.column("ref_top1_id").to_numpy())
-        metrics["same_top1_pct"] = float(100.0 * (same / tok.num_rows))
     oracle = summary.column("oracle_ok").to_pylist()
     judged = [o for o in oracle if o is not None]
     flagged_tab = summary.filter(pc.is_in(summary.column("verdict"), value_set=pa.array(["divergent", "corrupt"])))
@@ -213,7 +259,7 @@ def build_findings(tok: pa.Table, summary: pa.Table, th: Thresholds, flips: int 
         "verdict": worst,
         "n_requests": summary.num_rows,
         "n_tokens": int(n_tokens),
-        "n_scored_tokens": int(tok.num_rows),
+        "n_scored_tokens": int(n_scored),
         "counts": counts,
         "errors": tally.get("error", 0),
         "unscored": tally.get("unscored", 0),

@@ -79,6 +79,14 @@ def _aligned(tokens: pa.Table, reference: pa.Table) -> bool:
     return same_pos and pc.all(pc.equal(tokens.column("request_id"), reference.column("request_id"))).as_py()
 
 
+def zipped_starts(tokens: pa.Table, reference: pa.Table) -> np.ndarray | None:
+    """The request starts when `join_grouped` zips the two tables (they line up row for row, each
+    request's rows contiguous with positions ascending, each request once); else None (it joins
+    and sorts by request id and position)."""
+    return _group_starts(tokens.column("request_id"), tokens.column("position").to_numpy()) \
+        if _aligned(tokens, reference) else None
+
+
 def join_scored(tokens: pa.Table, reference: pa.Table) -> pa.Table:
     """Engine tokens that have a reference score, grouped by request, positions ascending.
     Adds `engine_top1_id` (first of the engine's top-k, -1 when it gave none)."""
@@ -92,8 +100,7 @@ def join_grouped(tokens: pa.Table, reference: pa.Table) -> tuple[pa.Table, np.nd
     top1 = first_of_lists(tokens.column("engine_topk_ids")) if "engine_topk_ids" in tokens.column_names \
         else np.full(tokens.num_rows, -1, dtype=np.int64)
     eng = eng.append_column("engine_top1_id", pa.array(top1))
-    starts = _group_starts(eng.column("request_id"), eng.column("position").to_numpy()) \
-        if _aligned(eng, reference) else None
+    starts = zipped_starts(eng, reference)
     if starts is not None:
         out = eng
         for name in _REF_COLS[2:]:

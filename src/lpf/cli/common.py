@@ -2,11 +2,13 @@
 
 - `err` / `out`: stderr (progress, summaries, errors) and stdout (`--json` documents, and tables that
   are the command's output).
-- `progress_bar(label, unit)`: one rich bar on stderr, shown once the stage has validated its inputs.
+- `progress_bar(label, unit)`: one rich bar on stderr, shown once the stage has validated its inputs;
+  `progress_bars(*stages)` several, for stages that run one after another in one call.
 - Option decorators, each option declared once: `engine_knob_options` (the engine knobs, on every
   command that starts an engine), `trace_dir_option` (a vLLM server's trace to join: run options and
   `lpf analyze`), `run_options`, `reference_options` (the rescorer's model, dtype, device and budget),
-  `rescore_options` (those + the executor + --calibrate), `analysis_options`, and `audit_options` (all of
+  `rescore_options` (those + the executor + --calibrate), `analysis_options`, `stream_option`
+  (`lpf analyze`), and `audit_options` (all of
   them: `lpf audit`'s own set, which `sweep` also parses cells with).
 - `rescore_settings(params)` / `rescore_args(params)`: parsed rescore options as the stage's
   settings, and back as `lpf rescore` arguments.
@@ -42,19 +44,32 @@ out = Console()
 def progress_bar(label: str, unit: str):
     """Yields (on_start(total, done), tick(n)) driving one rich progress bar on stderr. The bar
     appears at on_start, after the stage has validated its inputs, so an error prints alone."""
-    p = Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), TextColumn(unit),
-                 TimeElapsedColumn(), TimeRemainingColumn(), console=err, transient=False)
-    task = p.add_task(label, total=None)
+    with progress_bars((label, unit)) as bars:
+        yield bars[0]
 
-    def on_start(total: int, done: int = 0) -> None:
-        p.update(task, total=total, completed=done)
-        p.start()
 
-    def tick(n: int) -> None:
-        p.advance(task, n)
+@contextmanager
+def progress_bars(*stages: tuple[str, str]):
+    """`progress_bar` for stages that run one after another inside one call: a list of
+    (on_start, tick) pairs, one (label, unit) each, as bars of one display, each shown at its on_start."""
+    p = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                 TextColumn("{task.fields[unit]}"), TimeElapsedColumn(), TimeRemainingColumn(),
+                 console=err, transient=False)
+
+    def pair(label: str, unit: str):
+        task = p.add_task(label, total=None, unit=unit, visible=False)
+
+        def on_start(total: int, done: int = 0) -> None:
+            p.update(task, total=total, completed=done, visible=True)
+            p.start()
+
+        def tick(n: int) -> None:
+            p.advance(task, n)
+
+        return on_start, tick
 
     try:
-        yield on_start, tick
+        yield [pair(label, unit) for label, unit in stages]
     finally:
         p.stop()
 
@@ -235,6 +250,13 @@ def analysis_options(f):
         click.option("--json", "as_json", is_flag=True, help="Print findings JSON on stdout."),
         fail_on_option(),
     ])
+
+
+def stream_option(f):
+    return click.option("--stream/--no-stream", default=None,
+                        help="Analyse the run streamed, chunk by chunk in bounded memory (the same findings), or "
+                             "all in memory. Default: streamed above 10M tokens, unless the run has a calibration "
+                             "run (read in memory).")(f)
 
 
 def audit_options(f):

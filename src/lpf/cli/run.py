@@ -14,7 +14,9 @@ from pathlib import Path
 import click
 
 from lpf.cli.common import (RESCORE_PARAMS, analysis_options, audit_options, build_run_spec, err, fails, progress_bar,
-                            rescore_options, rescore_settings, run_options, trace_dir_option, write_report)
+                            progress_bars,
+                            rescore_options, rescore_settings, run_options, stream_option, trace_dir_option,
+                            write_report)
 from lpf.cli.render import print_calibration, print_summary
 from lpf.errors import LpfError
 
@@ -49,13 +51,13 @@ def _rescore(run, settings, redo=False, calibrate=False) -> None:
         print_calibration(cal, run.path, err)
 
 
-def _analyze(run, threshold, as_json, fail_on, attribution=True) -> None:
+def _analyze(run, threshold, as_json, fail_on, attribution=True, stream=None) -> None:
     from lpf.analysis.thresholds import Thresholds
     from lpf.pipeline import analyze_run
 
     thresholds = Thresholds().with_overrides(list(threshold))
-    with progress_bar("attribute", "tokens") as (on_start, tick):
-        findings = analyze_run(run, thresholds, attribution, on_start, tick)
+    with progress_bars(("analyze  ", "tokens"), ("attribute", "tokens")) as (analysis, (on_start, tick)):
+        findings = analyze_run(run, thresholds, attribution, on_start, tick, stream=stream, progress=analysis)
     print_summary(findings, run.path, err)
     write_report(run.path)
     if as_json:
@@ -119,14 +121,15 @@ def rescore(run_dir, calibrate, redo, **params):
 @click.argument("run_dir", type=click.Path(path_type=Path))
 @trace_dir_option
 @analysis_options
-def analyze(run_dir, trace_dir, threshold, attribution, as_json, fail_on):
+@stream_option
+def analyze(run_dir, trace_dir, threshold, attribution, as_json, fail_on, stream):
     """Re-run the analysis on a stored, rescored run and rewrite findings.json."""
     from lpf.run.store import RunDir
 
     run = RunDir.open(run_dir)
     if trace_dir is not None:
         _join(run, trace_dir)
-    _analyze(run, threshold, as_json, fail_on, attribution)
+    _analyze(run, threshold, as_json, fail_on, attribution, stream)
 
 
 COMMANDS = (audit, run, rescore, analyze)

@@ -8,12 +8,15 @@ ranked hypotheses, and `findings.attribution` lists every pair found.
 It hands analysis the expected-floor table shipped with the package (`lpf/analysis/floors.json`,
 read here so analysis does no I/O) and what the manifest says about the dtype pair, the reference
 model and the sampling, from which the run-level test gets its floor.
+
+A run of more than STREAM_ABOVE tokens is analysed streamed (`analyze_stream`: by chunk of whole
+requests, bounded memory, the same summary and findings byte for byte); `stream` forces either path.
 """
 
 from __future__ import annotations
 
 import json
-from functools import lru_cache
+from functools import lru_cache, partial
 from importlib import resources
 
 import pyarrow.parquet as pq
@@ -23,8 +26,9 @@ from lpf.analysis.findings import analyze
 from lpf.analysis.thresholds import Thresholds
 from lpf.errors import LpfError
 from lpf.jsonsafe import finite
+from lpf.pipeline.analyze_stream import analyze_streamed, light_requests, own_sums, reference_sums, scored_token_count
 from lpf.pipeline.attribute import attribution_scores
-from lpf.pipeline.calibrate import calibration_for, engine_dtype
+from lpf.pipeline.calibrate import calibration_applies, calibration_for, engine_dtype
 from lpf.pipeline.callbacks import OnStart, Tick, no_start, no_tick
 from lpf.pipeline.trace import engine_info, trace_summary
 from lpf.run.store import RunDir
@@ -42,27 +46,51 @@ def chunk_budget(manifest: dict) -> int | None:
     return budget
 
 
+STREAM_ABOVE = 10_000_000  # tokens: above this `lpf analyze` streams (in memory 10M cost 3.3-5 GB: docs/benchmarks.md)
+
+
 def analyze_run(run: RunDir, thresholds: Thresholds, attribute: bool = True, on_start: OnStart = no_start,
-                tick: Tick = no_tick) -> dict:
-    """`on_start`/`tick` report the attribution's re-scoring (tokens), when there is any."""
+                tick: Tick = no_tick, stream: bool | None = None,
+                progress: tuple[OnStart, Tick] = (no_start, no_tick)) -> dict:
+    """`on_start`/`tick` report the attribution's re-scoring (tokens), when there is any. `stream`:
+    the streamed path (`analyze_stream`: bounded memory, the same findings), the in-memory one, or
+    (None) streamed when the run has more than STREAM_ABOVE tokens, no calibration run and no prompt
+    logprobs (those two are read in memory);
+    `progress` reports the streamed path's two passes over the tokens."""
     m = run.manifest
-    requests = run.read("requests")
+    has_prompt = run.has("prompt_reference")
+    if stream is None:
+        stream = not calibration_applies(m) and not has_prompt and scored_token_count(run) > STREAM_ABOVE
+    elif stream and calibration_applies(m):
+        raise LpfError(f"{run.path} has a calibration run, which the streamed analysis does not read yet: "
+                       f"analyze it with --no-stream")
+    elif stream and has_prompt:
+        raise LpfError(f"{run.path} has prompt logprobs, which the streamed analysis does not read yet: "
+                       f"analyze it with --no-stream")
+    requests = light_requests(run) if stream else run.read("requests")
     if requests.num_rows == 0:
         raise LpfError(f"{run.path} has no completed requests to analyze")
     trace = run.read("trace") if run.has("trace") else None  # engines without a trace: metadata only
     temperature = m["sampling"].get("temperature", 0) or 0
-    reference = run.read("reference")
-    calibration, cal_info = calibration_for(run, reference)
     ref = m.get("reference") or {}
     run_info = {"engine_dtype": engine_dtype(m), "reference_dtype": ref.get("dtype"), "model": ref.get("spec"),
                 "sampling": m["sampling"]}
-    prompt = (run.read("prompt_tokens"), run.read("prompt_reference")) if run.has("prompt_reference") else (None, None)
-    summary, findings = analyze(requests, run.read("tokens"), reference, thresholds,
-                                greedy=temperature == 0, trace=trace, engine_info=engine_info(run),
-                                temperature=temperature, calibration=calibration, calibration_info=cal_info,
-                                floor_table=floor_table(), run_info=run_info,
-                                prompt_tokens=prompt[0], prompt_reference=prompt[1], chunk_budget=chunk_budget(m))
-    findings["attribution"] = _attribute(run, requests, summary, reference, findings, on_start, tick) \
+    kw = dict(greedy=temperature == 0, trace=trace, engine_info=engine_info(run), temperature=temperature,
+              floor_table=floor_table(), run_info=run_info)
+    if stream:
+        summary, findings = analyze_streamed(run, requests, thresholds, progress=progress, **kw)
+        own = partial(reference_sums, run)
+    else:
+        reference = run.read("reference")
+        calibration, cal_info = calibration_for(run, reference)
+        prompt = (run.read("prompt_tokens"), run.read("prompt_reference")) if has_prompt else (None, None)
+        summary, findings = analyze(requests, run.read("tokens"), reference, thresholds,
+                                    calibration=calibration, calibration_info=cal_info, prompt_tokens=prompt[0],
+                                    prompt_reference=prompt[1], chunk_budget=chunk_budget(m), **kw)
+        own = partial(own_sums, reference)
+    if attribute and stream:  # the plan compares prompts, which the streamed analysis reads as lengths only
+        requests = run.read("requests", ["request_id", "seq", "prompt_token_ids", "t_submit", "t_finish"])
+    findings["attribution"] = _attribute(run, requests, summary, own, findings, on_start, tick) \
         if attribute else None
     findings = {"run_id": m.get("run_id"), "engine": m["engine"].get("name"), "model": m["model"].get("spec"),
                 "reference": (m.get("reference") or {}).get("spec"), **findings}
@@ -73,11 +101,11 @@ def analyze_run(run: RunDir, thresholds: Thresholds, attribute: bool = True, on_
     return finite(findings)
 
 
-def _attribute(run: RunDir, requests, summary, reference, findings: dict, on_start: OnStart, tick: Tick) -> dict:
+def _attribute(run: RunDir, requests, summary, own_sums_of, findings: dict, on_start: OnStart, tick: Tick) -> dict:
+    """`own_sums_of(ids)`: {request id: its reference logprob sum} for the flagged requests planned."""
     plans = attribution.plan(requests, summary)
     scores = attribution_scores(run, plans, on_start=on_start, tick=tick)
-    sums = reference.group_by("request_id").aggregate([("ref_logprob", "sum")]).to_pydict()
-    own = dict(zip(sums["request_id"], sums["ref_logprob_sum"]))
+    own = own_sums_of({p["request_id"] for p in plans}) if plans else {}
     verdict = summary.column("verdict").to_pylist()
     lost = {rid for rid, v in zip(summary.column("request_id").to_pylist(), verdict)
             if v in ("divergent", "corrupt", "error")}

@@ -98,11 +98,17 @@ def _cannot_run(run: RunDir, ref: dict, dtype: str, e: Exception) -> LpfError:
                     f"shipped floor table when there are none")
 
 
+def calibration_applies(manifest: dict) -> bool:
+    """Whether the manifest's calibration run was made for its current reference (model and dtype)."""
+    cal, ref = manifest.get("calibration"), manifest.get("reference") or {}
+    return bool(cal) and (cal.get("spec"), cal.get("reference_dtype")) == (ref.get("spec"), ref.get("dtype"))
+
+
 def calibration_for(run: RunDir, reference: pa.Table) -> tuple[pa.Table | None, dict | None]:
     """(calibration table, its manifest entry) when the run has a calibration run for its current
     reference; the reference itself when the engine computed at the reference's dtype."""
-    cal, ref = run.manifest.get("calibration"), run.manifest.get("reference") or {}
-    if not cal or (cal.get("spec"), cal.get("reference_dtype")) != (ref.get("spec"), ref.get("dtype")):
+    cal = run.manifest.get("calibration")
+    if not calibration_applies(run.manifest):
         return None, None
     if cal.get("same_as_reference"):
         return reference, cal

@@ -1,0 +1,193 @@
+"""Streamed analysis: `findings.analyze` chunk by chunk, with the same findings byte for byte.
+
+Contract (pure: Arrow tables and numpy arrays in, plain data out; no I/O. The driver that reads a
+run's parts and spills columns is `lpf.pipeline.analyze_stream`):
+
+A *chunk* is the tokens and reference rows of whole requests (a request never straddles two), and
+the chunks come in the whole run's join order: `metrics.join_grouped` of each chunk gives its rows
+in the order `join_grouped` of the whole run gives them, so the concatenation of the chunks' rows
+is the in-memory analysis' token order. (The driver makes chunks either by slicing parts that line
+up row for row, the in-memory zip case, or by request-id ranges sorted by (request_id, position),
+the in-memory join-and-sort case.) Over the chunks, twice:
+
+1. `chunk_abs_diff(tokens, reference)` -> (|d|, request starts, ids at the starts) per chunk; the
+   driver spills |d| and reads it back as one float64 column (8 bytes a scored token: the one
+   whole-run token column the analysis holds, and only for the calibration and the percentiles),
+   and the starts as run-wide starts. `thresholds(ad, starts, th, expected)`: the in-memory
+   calibration on that column.
+2. `StreamedAnalysis(requests, th, ...)`, then `.score(tokens, reference)` per chunk (the same
+   order): token metrics and per-request reductions, greedy flips and top-1 agreement counted, the
+   crossed-wires candidates (tokens that missed the reference's top-1, when there is a trace), the
+   tempered-logprob signature per request, and the run-level test's tokens (every k-th in arrival
+   order: exactly the tokens the in-memory test reads). It returns the chunk's prob_diff and k3_kl
+   columns, which the driver spills; `.finish(column)` takes them back one at a time (`column(name)`
+   -> the whole-run column) for the exact percentiles and means, and returns (summary, findings).
+
+Run-wide inputs and what is kept of them: the calibration and |d|'s percentiles read the |d| column
+(from disk); the other metric columns' percentiles and means one spilled column at a time; counts are
+integers (exact in any order); per-request reductions are request-local (one row per request);
+the failure shape, hypotheses and evidence read the per-request summary and requests table; the
+run-level test at most `run_test.MAX_TOKENS` tokens. Means of float columns are computed over the
+whole column in token order, as in memory, so they are the same floating-point sums.
+Not streamed: a calibration run (`calibrate_from_run` joins it with the whole reference): the driver
+refuses it. The trace (when there is one) is read whole.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from lpf.analysis import metrics as m
+from lpf.analysis.calibration import calibrate, calibrate_to_floor
+from lpf.analysis.evidence import apply_inconsistency
+from lpf.analysis.findings import (METRIC_COLUMNS, conclude, findings_dict, token_metric_summary,
+                                   wants_tempered)
+from lpf.analysis import run_test as run_level
+from lpf.analysis.run_test import run_test, token_evidence
+from lpf.analysis.signatures import crossed_wires, tempered_logprobs
+from lpf.analysis.thresholds import Thresholds
+from lpf.analysis.token_evidence import evidence_columns
+from lpf.analysis.verdicts import by_arrival, reduce_requests, summarize_requests
+
+SPILLED = ("prob_diff", "k3_kl")  # metric columns the driver keeps on disk between the passes
+_EVIDENCE_JOINED = ["request_id", "position", "token_id", "engine_logprob", "ref_logprob", "ref_top1_id",
+                    "ref_top1_logprob"]  # what `evidence_columns` reads of the joined rows
+_EVIDENCE_TOKENS = ["request_id", "position", "engine_topk_ids", "engine_topk_logprobs"]
+_EVIDENCE_REFERENCE = ["request_id", "position", "ref_topk_ids", "ref_topk_logprobs"]
+
+
+def chunk_abs_diff(tokens: pa.Table, reference: pa.Table) -> tuple[np.ndarray, np.ndarray, pa.Array]:
+    """(|engine - reference| per joined row, request starts, request ids at the starts) of a chunk.
+    A chunk that lines up row for row needs only request_id, position and the two logprobs."""
+    starts = m.zipped_starts(tokens, reference)
+    if starts is None:
+        tokens, starts = m.join_grouped(tokens, reference)
+        reference = tokens
+    with np.errstate(invalid="ignore"):
+        ad = np.subtract(tokens.column("engine_logprob").to_numpy(), reference.column("ref_logprob").to_numpy())
+        np.abs(ad, out=ad)
+    return ad, starts, _ids_at(tokens, starts)
+
+
+def thresholds(ad: np.ndarray, starts: np.ndarray, th: Thresholds, expected: dict | None):
+    """(thresholds, the findings' calibration entry): `findings.analyze`'s rule without a calibration run."""
+    return calibrate_to_floor(th, expected) if expected else calibrate(ad, starts, th)
+
+
+def _ids_at(joined: pa.Table, starts: np.ndarray) -> pa.Array:
+    return joined.column("request_id").take(pa.array(starts)).combine_chunks() if joined.num_rows \
+        else pa.array([], pa.string())
+
+
+class StreamedAnalysis:
+    """The second pass's accumulator. `ids`/`counts`: the first pass's request ids at the run-wide
+    starts and their scored-token counts (in token order), which place every token in arrival
+    order for the run-level test."""
+
+    def __init__(self, requests: pa.Table, th: Thresholds, calib: dict, greedy: bool, ids: pa.Array,
+                 counts: np.ndarray, *, trace: pa.Table | None = None, engine_info: dict | None = None,
+                 temperature: float = 0.0, expected: dict | None = None, sampling: dict | None = None,
+                 reference_columns=()):
+        self.requests, self.th, self.calib, self.greedy = requests, th, calib, greedy
+        self.trace, self.engine_info, self.temperature = trace, engine_info, temperature
+        self.expected, self.sampling = expected, sampling or {"temperature": temperature}
+        self.n = int(counts.sum())
+        self.step = -(-self.n // run_level.MAX_TOKENS)  # as run_test.run_level_test samples a huge run
+        self.arrival = _arrival_offsets(requests, ids, counts) if expected and self.n else None
+        self.tempered = wants_tempered(temperature, reference_columns)
+        self.at = 0  # requests scored so far (index into ids/counts)
+        self.ids, self.per, self.flips, self.same = [], [], 0, 0
+        self.missed, self.tempered_ids, self.evidence = [], [], []
+
+    def score(self, tokens: pa.Table, reference: pa.Table) -> dict[str, np.ndarray]:
+        """Score one chunk; returns its `SPILLED` columns (in token order) for the driver to keep."""
+        joined, starts = m.join_grouped(tokens, reference)
+        inputs = m.input_arrays(joined)
+        inputs["position"] = joined.column("position").to_numpy()
+        cols = m.metric_arrays(inputs, self.greedy, self.th)
+        per = reduce_requests({**inputs, **cols}, self.th, starts)
+        self.ids.append(_ids_at(joined, starts))
+        self.per.append(per)
+        self.flips += int(per["n_greedy_flips"].sum())
+        self.same += int(np.count_nonzero(inputs["token_id"] == inputs["ref_top1_id"]))
+        tok = joined
+        for name in METRIC_COLUMNS:
+            tok = tok.append_column(name, pa.array(cols[name]))
+        if self.trace is not None and self.trace.num_rows:
+            miss = pc.not_equal(joined.column("token_id"), joined.column("ref_top1_id"))
+            self.missed.append(joined.filter(miss).select(["request_id", "position", "token_id", "ref_top1_id"]))
+        if self.tempered:
+            self.tempered_ids.append(tempered_logprobs(tok, reference, self.temperature, self.th))
+        if self.arrival is not None:
+            self._keep_evidence(joined, starts, tokens, reference)
+        self.at += len(starts)
+        return {name: cols[name] for name in SPILLED}
+
+    def _keep_evidence(self, joined, starts, tokens, reference) -> None:
+        """The rows the run-level test reads: arrival index (request offset + rank in request) % step == 0."""
+        counts = np.diff(np.r_[starts, joined.num_rows])
+        first = self.arrival[self.at:self.at + len(starts)]
+        index = np.repeat(first - starts, counts) + np.arange(joined.num_rows)
+        keys = joined.select(_EVIDENCE_JOINED).filter(pa.array(index % self.step == 0))
+        have = [c for c in _EVIDENCE_TOKENS if c in tokens.column_names]
+        self.evidence.append((keys, _rows_for(tokens.select(have), keys),
+                              _rows_for(reference.select(_EVIDENCE_REFERENCE), keys)))
+
+    def finish(self, column) -> tuple[pa.Table, dict]:
+        """(summary, findings) as `findings.analyze` gives them. `column(name)`: a `SPILLED` column
+        over the whole run, in token order."""
+        test = None
+        if self.arrival is not None:  # first: its tokens are freed before the metric columns are read
+            keys, toks, refs = (pa.concat_tables(t) for t in zip(*self.evidence))
+            self.evidence.clear()
+            cols = evidence_columns(keys, toks, refs, self.requests)
+            test = run_test(token_evidence(cols, self.expected, self.sampling), self.expected)
+            test["sampled_every"] = self.step
+            del keys, toks, refs, cols
+        ids = pa.concat_arrays(self.ids) if self.ids else pa.array([], pa.string())
+        merged = {k: np.concatenate([p[k] for p in self.per]) for k in self.per[0]} if self.per else \
+            reduce_requests({n: np.zeros(0) for n in ("position", "abs_logprob_diff", "engine_logprob",
+                                                      "ref_logprob", "greedy_flip", "gibberish")}, self.th,
+                            np.zeros(0, np.int64))
+        self.per.clear(), self.ids.clear()
+        summary = apply_inconsistency(summarize_requests(None, self.requests, self.th, per=(ids, merged)),
+                                      self.requests)
+        del merged
+        metrics = token_metric_summary(column, self.n, self.flips, self.same)
+        findings = findings_dict(summary, self.th, metrics, self.n)
+        findings["thresholds"].update(self.calib, pinned=sorted(self.th.pinned))
+        tempered = pa.chunked_array(self.tempered_ids, pa.string()).combine_chunks() if self.tempered else None
+        crossed = None
+        if self.trace is not None and self.trace.num_rows:
+            crossed = crossed_wires(pa.concat_tables(self.missed) if self.missed else _NO_MISS, self.requests, self.trace)
+        return summary, conclude(findings, summary, self.requests, self.trace, self.engine_info,
+                                 self.temperature, test, tempered, crossed)
+
+
+_NO_MISS = pa.table({"request_id": pa.array([], pa.string()), "position": pa.array([], pa.int32()),
+                     "token_id": pa.array([], pa.int32()), "ref_top1_id": pa.array([], pa.int32())})
+
+
+def _arrival_offsets(requests: pa.Table, ids: pa.Array, counts: np.ndarray) -> np.ndarray:
+    """Per request in token order: the arrival index (request seq, then position) of its first
+    scored token, as `token_evidence.evidence_columns` orders them."""
+    req = by_arrival(requests)
+    at = pc.index_in(ids, value_set=req.column("request_id").combine_chunks()).fill_null(0).to_numpy(zero_copy_only=False)
+    seq = req.column("seq").to_numpy()[at]
+    order = np.argsort(seq, kind="stable")  # seq is unique per request
+    offsets = np.empty(len(ids), np.int64)
+    offsets[order] = np.cumsum(counts[order]) - counts[order]
+    return offsets
+
+
+def _rows_for(table: pa.Table, keys: pa.Table) -> pa.Table:
+    """`table`'s rows at the (request_id, position) of `keys`, in keys' order."""
+    if table.num_rows == keys.num_rows and table.column("request_id").equals(keys.column("request_id")) and \
+            table.column("position").equals(keys.column("position")):
+        return table
+    left = keys.select(["request_id", "position"]).append_column("_k", pa.array(np.arange(keys.num_rows)))
+    right = table.select(["request_id", "position"]).append_column("_t", pa.array(np.arange(table.num_rows)))
+    rows = left.join(right, keys=["request_id", "position"], join_type="inner").sort_by("_k").column("_t")
+    return table.take(rows)

@@ -1,0 +1,139 @@
+"""The streamed analysis (`lpf analyze --stream`) gives the in-memory analysis' findings.json byte for
+byte and the same summary.parquet: on a built-in-engine drill with flagged requests, a trace, the
+crossed-wires signature and the attribution, on a sampled drill with the tempered-logprob signature
+and a `systematic` run-level test, and on synthetic runs cut into many small parts and
+chunks, both when the parts line up row for row (zip chunks) and when they do not (request-id
+ranges), sampled, with the run-level test on every k-th token.
+Its bounded memory is measured in bench/analysis.py, not here."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import lpf_subprocess, write_prompts
+from lpf.analysis.thresholds import Thresholds
+from lpf.pipeline import analyze_stream
+from lpf.pipeline.analyze import analyze_run
+from lpf.run.store import RunDir
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_analysis", ROOT / "bench" / "analysis.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def both_ways(src: Path, tmp: Path, monkeypatch, chunk_rows: int, attribute: bool = True):
+    """(in-memory, streamed) (findings bytes, summary table, findings), each on its own copy, and
+    whether the streamed one bucketed by request range."""
+    monkeypatch.setattr(analyze_stream, "CHUNK_ROWS", chunk_rows)
+    ranged = []
+    real = analyze_stream._Ranges.__init__
+
+    def spy(self, *a, **k):
+        ranged.append(True)
+        real(self, *a, **k)
+
+    monkeypatch.setattr(analyze_stream._Ranges, "__init__", spy)
+    out = []
+    for stream in (False, True):
+        d = tmp / f"stream-{stream}"
+        shutil.copytree(src, d)
+        analyze_run(RunDir.open(d), Thresholds(), attribute=attribute, stream=stream)
+        assert not list(d.glob(".tmp-analyze-*"))  # the spill folder is gone
+        raw = (d / "findings.json").read_bytes()
+        out.append((raw, pq.read_table(d / "summary.parquet"), json.loads(raw)))
+    return out[0], out[1], bool(ranged)
+
+
+@pytest.fixture(scope="module")
+def swap_run(tmp_path_factory):
+    """The swap-outputs drill on the built-in engine: 400 distinct prompts, 16 tokens (~9 s)."""
+    from lpf.zoo import registry
+
+    tmp = tmp_path_factory.mktemp("swap")
+    items = registry.workload_items("oracle", seed=3, n=400)
+    prompts = write_prompts(tmp / "p.jsonl", [{"id": i["id"], "prompt": i["prompt"]} for i in items])
+    proc = lpf_subprocess("audit", "--engine", "builtin", "--model", "zoo:hybrid", "--workload", prompts,
+                          "--max-tokens", 16, "--inject", "swap-outputs:5", "--out", tmp / "run", "--fail-on", "never")
+    assert proc.returncode == 0, proc.stderr
+    return tmp / "run"
+
+
+def test_drill_run_streamed_is_byte_identical(swap_run, tmp_path, monkeypatch):
+    (mem_raw, mem_sum, f), (st_raw, st_sum, _), ranged = both_ways(swap_run, tmp_path, monkeypatch, 500)
+    assert f["flagged"] and f["hypotheses"][0]["feature"] == "crossed_wires" and f["trace"]["recorded"]
+    assert f["attribution"]["n_tested"] > 0 and "run_test" in f
+    assert ranged  # the reference was scored in length order: parts do not line up with the tokens
+    assert st_raw == mem_raw
+    assert st_sum.equals(mem_sum)
+
+
+@pytest.mark.parametrize("shuffle", [False, True], ids=["zip", "ranges"])
+def test_synthetic_run_in_many_parts(tmp_path, monkeypatch, shuffle):
+    """60k tokens in parts of 2,000 tokens (reference parts reversed when shuffled), chunks of 777
+    rows (cutting through requests' neighbourhoods), sampled at temperature 0.7 with top-5 lists,
+    and the run-level test on every 7th token (MAX_TOKENS lowered)."""
+    from lpf.analysis import run_test
+
+    monkeypatch.setattr(run_test, "MAX_TOKENS", 9000)
+    bench = _bench()
+    run, n_bad = bench.write_synthetic_run(tmp_path / "run", 60_000, part_tokens=2000, topk=5, temperature=0.7,
+                                           shuffle_reference=shuffle, out_tokens=24)
+    assert n_bad > 0
+    (mem_raw, mem_sum, f), (st_raw, st_sum, _), ranged = both_ways(run.path, tmp_path, monkeypatch, 777,
+                                                                   attribute=False)
+    assert ranged == shuffle
+    assert f["counts"]["corrupt"] > 0 and f["run_test"]["sampled_every"] == 7
+    if shuffle:
+        assert f["unscored"] > 0
+    assert st_raw == mem_raw
+    assert st_sum.equals(mem_sum)
+
+
+def test_stream_refuses_a_calibration_run(swap_run, tmp_path, lpf_cli):
+    run = tmp_path / "run"
+    shutil.copytree(swap_run, run)
+    m = json.loads((run / "manifest.json").read_text())
+    m["calibration"] = {"spec": m["reference"]["spec"], "reference_dtype": m["reference"]["dtype"],
+                        "same_as_reference": True}
+    (run / "manifest.json").write_text(json.dumps(m))
+    r = lpf_cli("analyze", str(run), "--stream", "--no-attribution")
+    assert r.code == 2 and "--no-stream" in r.err
+
+
+def test_cli_stream_and_no_stream_write_the_same_findings(swap_run, tmp_path, lpf_cli):
+    run = tmp_path / "run"
+    shutil.copytree(swap_run, run)
+    (run / "report.html").unlink()
+    written = []
+    for flag in ("--no-stream", "--stream"):
+        r = lpf_cli("analyze", str(run), flag, "--fail-on", "never")
+        assert r.code == 0, r.err
+        written.append((run / "findings.json").read_bytes())
+    assert written[0] == written[1] and json.loads(written[1])["flagged"]
+    assert (run / "report.html").is_file()
+
+
+@pytest.mark.slow  # its own audit, ~10 s
+def test_sampled_drill_with_tempered_logprobs_is_byte_identical(tmp_path, monkeypatch):
+    """The processed-logprobs drill at temperature 0.6 (500 requests, ~9 s): the tempered-logprob
+    signature ranks first and the run-level test finds the run `systematic`, both ways alike."""
+    proc = lpf_subprocess("audit", "--engine", "builtin", "--model", "zoo:hybrid", "--workload", "zoo:oracle",
+                          "--n", 1, "--max-tokens", 8, "--ignore-eos", "--temperature", 0.6, "--inject",
+                          "processed-logprobs", "--no-attribution", "--out", tmp_path / "run", "--fail-on", "never")
+    assert proc.returncode == 0, proc.stderr
+    (mem_raw, mem_sum, f), (st_raw, st_sum, _), _ = both_ways(tmp_path / "run", tmp_path, monkeypatch, 300,
+                                                              attribute=False)
+    assert f["hypotheses"][0]["feature"] == "tempered_logprobs" and f["verdict"] == "systematic"
+    assert st_raw == mem_raw
+    assert st_sum.equals(mem_sum)
