@@ -354,3 +354,27 @@ def test_prompt_section_and_conformance_matrix_render(xss_run, browser, tmp_path
     assert "no selective_scan_fwd" in browser.find_element(By.ID, "not-audited").text
     links = [a.get_attribute("href") for a in browser.find_elements(By.CSS_SELECTOR, "#matrix a")]
     assert len(links) == 1 and links[0].endswith("fp32/report.html")
+
+
+def test_a_large_runs_histogram_is_drawn_from_every_kth_request(xss_run, monkeypatch):
+    """Above HISTOGRAM_TOKENS scored tokens the report reads the token rows of every k-th request only
+    (bounded memory on a 100M-token run), says so, and counts exactly those requests' tokens."""
+    import pyarrow.parquet as pq
+
+    from lpf.report import run_page
+
+    run, _, _ = xss_run
+    summary = pq.read_table(run / "summary.parquet")
+    scored = summary.column("n_scored_tokens").to_pylist()
+
+    def drawn(page) -> int:
+        return sum(sum(d["y"]) for d in page["charts"]["histogram"]["data"] if d.get("type") == "bar")
+
+    whole = run_page.load(run)
+    assert whole["notes"]["histogram_every"] == 1 and drawn(whole) == sum(scored)
+    monkeypatch.setattr(run_page, "HISTOGRAM_TOKENS", sum(scored) // 4)
+    sampled = run_page.load(run)
+    every = sampled["notes"]["histogram_every"]
+    assert every in (4, 5) and drawn(sampled) == sum(scored[::every]) < sum(scored) // 3
+    # the rest of the page does not change with the sample
+    assert sampled["findings"] == whole["findings"] and sampled["drill"] == whole["drill"]

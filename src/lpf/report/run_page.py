@@ -2,7 +2,8 @@
 
 `load(path)` reads the run (manifest, findings.json, summary.parquet, tokens/reference/trace parts)
 and the run's tokenizer, then hands arrays to the pure builders in `charts` and `drilldown`. Only
-the columns a chart needs are read for the whole run; top-k lists are read for the drilled-down
+the columns a chart needs are read for the whole run (for the token histogram of a run over
+HISTOGRAM_TOKENS scored tokens, for every k-th request only); top-k lists are read for the drilled-down
 requests alone, so a 100k-request run stays fast. Keys the analysis may not write yet (shape,
 calibrated thresholds, hypotheses, the run-level test) pass through as found; the page shows what
 is there (the run-level test with its floor chart, observed against expected, when findings have one).
@@ -25,6 +26,9 @@ from lpf.report.scan import rows_of, scan
 from lpf.run.store import RunDir
 
 WORST_N = 20
+# above this many scored tokens the token histogram is drawn from every k-th request (arrival order),
+# so the report of a 100M-token run reads a sample of its parts' rows, not all of them
+HISTOGRAM_TOKENS = 2_000_000
 TRACE_COLUMNS = ["step", "request_id", "batch_size", "batch_tokens", "preempted"]
 TRACE_DETAIL = ["step", "phase", "num_computed_tokens", "num_scheduled_tokens", "state_slot", "batch_size",
                 "batch_tokens", "preempted"]
@@ -55,8 +59,12 @@ def load(path: Path, worst_n: int = WORST_N, max_points: int = charts.MAX_SCATTE
     rows = drilldown.select_worst(summary, worst_n)
     picks = summary.take(pa.array(rows, pa.int64())).to_pylist() if rows else []
     wanted = pa.array(sorted(p["request_id"] for p in picks), pa.string())
-    tok, tok_files = scan(run.parts("tokens"), ["request_id", "position", "engine_logprob"], wanted)
-    ref, ref_files = scan(run.parts("reference"), ["request_id", "position", "ref_logprob"], wanted)
+    n_scored = int(pc.sum(summary.column("n_scored_tokens")).as_py() or 0) if summary.num_rows else 0
+    every = max(1, -(-n_scored // HISTOGRAM_TOKENS))
+    ids = summary.column("request_id").combine_chunks()
+    keep = None if every == 1 else ids.take(pa.array(np.arange(0, len(ids), every)))
+    tok, tok_files = scan(run.parts("tokens"), ["request_id", "position", "engine_logprob"], wanted, keep)
+    ref, ref_files = scan(run.parts("reference"), ["request_id", "position", "ref_logprob"], wanted, keep)
     trace, trace_files = scan(run.parts("trace"), TRACE_COLUMNS, wanted)
     page = {
         "kind": "run",
@@ -64,14 +72,14 @@ def load(path: Path, worst_n: int = WORST_N, max_points: int = charts.MAX_SCATTE
         "n_flagged": int(flagged_mask.sum()),
         "manifest": _manifest_info(m),
         "charts": {
-            "histogram": charts.diff_histogram(_token_abs_diff(tok, ref, summary.column("request_id").combine_chunks()),
+            "histogram": charts.diff_histogram(_token_abs_diff(tok, ref, ids),
                                                clean_th, div_th),
             "scatter": scatter,
             "first_divergence": charts.first_divergence_chart(fd_values[has_fd], verdict[has_fd]),
             "steps": _step_chart(trace, flagged_ids, findings),
             "run_test": charts.floor_chart(findings["run_test"]) if findings.get("run_test") else None,
         },
-        "notes": {"scatter_shown": shown, "n_requests": summary.num_rows},
+        "notes": {"scatter_shown": shown, "n_requests": summary.num_rows, "histogram_every": every},
         "drill": _drill(run, picks, tok_files, ref_files, trace_files),
     }
     return page

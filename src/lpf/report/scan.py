@@ -1,8 +1,9 @@
 """Reading a run's parts for the report.
 
-`scan(paths, columns, wanted)` reads some columns of every part in one multi-file scan (several
-times faster than part by part on runs of thousands of parts) and notes which part files hold any
-of a few `wanted` request ids; `rows_of(files, columns, ids)` then reads those requests' full rows
+`scan(paths, columns, wanted, keep=None)` reads some columns of every part in one multi-file scan
+(several times faster than part by part on runs of thousands of parts), keeping only the rows of the
+`keep` request ids when given (memory bounded by the sample, not the run), and notes which part files
+hold any of a few `wanted` request ids; `rows_of(files, columns, ids)` then reads those requests' full rows
 from those files alone. So the drill-down's cost follows the handful of parts that hold the worst
 requests, not the size of the run.
 """
@@ -16,7 +17,8 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
 
-def scan(paths: list[Path], columns: list[str], wanted: pa.Array) -> tuple[pa.Table | None, list[str]]:
+def scan(paths: list[Path], columns: list[str], wanted: pa.Array,
+         keep: pa.Array | None = None) -> tuple[pa.Table | None, list[str]]:
     """(the columns that exist, as one table; the files holding a wanted id). (None, []) for no parts."""
     if not paths:
         return None, []
@@ -30,6 +32,8 @@ def scan(paths: list[Path], columns: list[str], wanted: pa.Array) -> tuple[pa.Ta
         rb = tagged.record_batch
         if len(wanted) and rb.num_rows and pc.any(pc.is_in(rb.column("request_id"), value_set=wanted)).as_py():
             files.add(tagged.fragment.path)
+        if keep is not None:
+            rb = rb.filter(pc.is_in(rb.column("request_id"), value_set=keep))
         batches.append(rb.select(cols) if extra else rb)
     schema = pa.schema([dset.schema.field(c) for c in cols])
     return pa.Table.from_batches(batches, schema=schema), sorted(files)

@@ -223,6 +223,8 @@
     var dist = section("distribution", "Token error distribution",
       "|engine logprob − reference logprob| for every scored token, log scale; dashed lines are the verdict thresholds.", "Distribution");
     add(dist, plot(D.charts.histogram));
+    if ((D.notes || {}).histogram_every > 1) add(dist, txt("p", "note", "drawn from one request in " + fmt(D.notes.histogram_every) +
+      " (arrival order): a run this large is sampled for the histogram; the metrics below are over every token."));
     var mrows = [];
     Object.keys(F.metrics || {}).forEach(function (k) {
       var v = F.metrics[k];
