@@ -16,7 +16,8 @@ The streamed analysis at scale (`bench_scale`, issue #14): synthetic runs of 10M
 scored tokens written as real run-directory parts by the store's writers (`write_synthetic_run`),
 each analysed by `analyze_run` (no attribution) in a fresh child process, streamed, and in memory
 (the named baseline) where that fits (`--memory-up-to`); reported: wall seconds and the child's
-peak RSS (VmHWM), their ratios streamed / in-memory, and whether findings.json is byte-identical.
+peak RSS (VmHWM), their ratios streamed / in-memory, whether findings.json is byte-identical, and
+then `write_report` of the analysed run in a fresh process (its seconds and peak RSS).
 Usage: python bench/analysis.py [--tokens N] [--report-requests N] [--skip-report] [--run-test-tokens N]
        [--scale 10000000,30000000,100000000] [--memory-up-to N] [--only-scale [--shuffled]]
 (writes bench/results/analysis.json, or analysis_scale[_shuffled].json with --only-scale; prints a table)
@@ -218,6 +219,7 @@ def bench_scale(sizes: list[int], memory_up_to: int, shuffled: bool = False) -> 
                    "stream": analyse_in_child(path, "stream")}
             assert shuffled or (row["stream"]["corrupt"] == n_bad and row["stream"]["n_scored_tokens"] == n)
             streamed = (path / "findings.json").read_bytes()
+            row["report"] = _report_in_child(path)
             if n <= memory_up_to:
                 row["memory"] = analyse_in_child(path, "memory")
                 row["identical"] = (path / "findings.json").read_bytes() == streamed
@@ -226,10 +228,19 @@ def bench_scale(sizes: list[int], memory_up_to: int, shuffled: bool = False) -> 
             rows.append(row)
             print(f"scale ({row['chunks']}): {n:,} tokens ({row['parts_mb']} MB of parts, written in {row['write_s']} s): streamed "
                   f"{row['stream']['seconds']:.1f} s, peak RSS {row['stream']['peak_rss_mb']:.0f} MB"
+                  + f"; report {row['report']['seconds']:.1f} s, peak RSS {row['report']['peak_rss_mb']:.0f} MB"
                   + (f"; in memory {row['memory']['seconds']:.1f} s, {row['memory']['peak_rss_mb']:.0f} MB "
                      f"(streamed/in-memory: time {row['time_ratio']:.2f}x, RSS {row['rss_ratio']:.2f}x, "
                      f"findings identical: {row['identical']})" if "memory" in row else ""), flush=True)
     return rows
+
+
+def _report_in_child(path: Path) -> dict:
+    """`write_report` of the analysed run in a fresh process (bench/report.py's timer): seconds, peak RSS."""
+    import report as report_bench  # bench/report.py, beside this script
+
+    r = report_bench.timed_report(path)
+    return {"seconds": round(r["seconds"], 1), "peak_rss_mb": round(r["peak_rss_mb"]), "html_mb": round(r["html_mb"], 1)}
 
 
 def bench_report(n_requests: int) -> dict:

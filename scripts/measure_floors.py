@@ -36,7 +36,8 @@ from lpf.errors import LpfError  # noqa: E402
 
 MODELS = {  # model -> engines that run it here
     "zoo:hybrid": ["builtin", "vllm"], "zoo:jamba": ["builtin"], "zoo:llama": ["hf", "vllm"],
-    "tiny:hybrid": ["builtin", "vllm"], "tiny:jamba": ["builtin"], "tiny:jamba-longmem": ["builtin"],
+    "tiny:hybrid": ["builtin", "vllm"], "tiny:hybrid-longmem": ["builtin", "vllm"], "tiny:jamba": ["builtin"],
+    "tiny:jamba-longmem": ["builtin"],
     "tiny:llama": ["hf", "vllm"],
 }
 DTYPES = ("float32", "bfloat16", "float16")
