@@ -256,7 +256,7 @@ def stream_option(f):
     return click.option("--stream/--no-stream", default=None,
                         help="Analyse the run streamed, chunk by chunk in bounded memory (the same findings), or "
                              "all in memory. Default: streamed above 10M tokens, unless the run has a calibration "
-                             "run (read in memory).")(f)
+                             "run or prompt logprobs (read in memory).")(f)
 
 
 def audit_options(f):
