@@ -2,11 +2,12 @@
 
   common.py       what every command shares: consoles, progress bars, option decorators (each option
                   declared once), the run-spec builder, the report rule, the --fail-on rule
-  render.py       every terminal table and summary (domain modules return data and print nothing)
+  render.py       every terminal table and summary (domain modules return data and print nothing);
+                  render_compare.py: those of diff and conformance
   run.py          audit, run, rescore, analyze        views.py   query, inspect, report, engines, zoo
   experiments.py  sweep, repeat                       rl.py      rl analyze, rl simulate
   serve.py        serve                               compare.py diff, conformance
-Command modules import `common` and `render` only, never each other. `lpf --help` imports click,
+Command modules import `common` and the render modules only, never each other. `lpf --help` imports click,
 rich and a few light lpf modules: every heavy import sits inside a command's body.
 
 Exit codes everywhere: 0 fine, 1 findings at or above `--fail-on`, 2 bad usage or input (an

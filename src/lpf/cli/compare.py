@@ -14,7 +14,7 @@ import click
 
 from lpf.cli.common import (audit_option_kinds, build_run_spec, err, fail_on_option, fails, out, parse_audit_args,
                             progress_bar, write_report)
-from lpf.cli.render import print_conformance, print_diff
+from lpf.cli.render_compare import print_conformance, print_diff
 
 
 @click.command("diff")
