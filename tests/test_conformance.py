@@ -100,6 +100,22 @@ def test_unknown_architectures_and_cells_are_one_line_errors(lpf_cli, tmp_path):
     assert r.code == 2 and "did you mean" in r.err.lower() and "Traceback" not in r.err
     r = lpf_cli("conformance", "--engine", "builtin", "--cell", "fp33", "--out", tmp_path / "d")
     assert r.code == 2 and "unknown cell" in r.err
+    (tmp_path / "a-file").write_text("x")
+    r = lpf_cli("conformance", "--engine", "builtin", "--out", tmp_path / "a-file")
+    assert r.code == 2 and "is a file, not a conformance directory" in r.err and "Traceback" not in r.err
+
+
+def test_a_bf16_cell_conforms_only_against_a_measured_expectation():
+    """Within 2x the reference's own bf16 departure on every measured statistic, and the output p99
+    measured at all: a floor that could not be measured (no reference rows, a zero floor) is no pass."""
+    from lpf.conformance.matrix import EXPECT_FACTOR, within_expectation
+
+    measured = {"output_p99": 1.5, "output_max": 1.9, "prompt_p99": None, "prompt_max": None}
+    assert within_expectation(measured)
+    assert not within_expectation(dict(measured, output_max=EXPECT_FACTOR * 1.01))
+    assert not within_expectation(dict(measured, prompt_p99=EXPECT_FACTOR + 0.5))
+    assert not within_expectation({"output_p99": None, "output_max": None, "prompt_p99": None, "prompt_max": None})
+    assert not within_expectation({"output_p99": None, "output_max": 1.0, "prompt_p99": 1.0, "prompt_max": 1.0})
 
 
 @needs_vllm

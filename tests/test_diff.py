@@ -111,3 +111,7 @@ def test_diff_refuses_runs_that_do_not_compare(lpf_cli, pair, tmp_path, prompts_
     assert r.code == 2 and "different workloads" in r.err and "Traceback" not in r.err
     r = lpf_cli("diff", pair / "A", tmp_path / "nowhere")
     assert r.code == 2 and "not a run directory" in r.err
+    r = lpf_cli("diff", pair / "A", pair / "A")
+    assert r.code == 2 and "are the same directory" in r.err and "Traceback" not in r.err
+    r = lpf_cli("diff", pair / "A", pair / "B", "--out", tmp_path / "no" / "such" / "diff.json")
+    assert r.code == 2 and "is not a directory" in r.err and "Traceback" not in r.err

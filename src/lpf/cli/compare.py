@@ -32,6 +32,12 @@ def diff(run_a, run_b, as_json, out_file, fail_on):
     """
     from lpf.run_diff import diff_runs
 
+    from lpf.errors import LpfError
+
+    if run_a.resolve() == run_b.resolve():
+        raise LpfError(f"RUN_A and RUN_B are the same directory ({run_a}): diff two engines' runs")
+    if out_file is not None and not out_file.parent.is_dir():
+        raise LpfError(f"--out {out_file}: {out_file.parent} is not a directory")
     level = "divergent" if fail_on == "never" else fail_on
     _, doc = diff_runs(run_a, run_b, level)
     print_diff(doc, err if as_json else out)
@@ -50,6 +56,8 @@ _NOT_KNOBS = {"out", "json", "fail-on", "engine-option", "help", "part-size", "e
 # engine options every conformance cell of that engine gets: a short context keeps the KV cache small;
 # prefix caching off unless a cell turns it on (vLLM turns it on by default, and for a hybrid model that
 # selects mamba cache mode 'align', which refuses chunked prefill off)
+CRASHED = ("engine error", "lpf error")  # cell statuses that fail --fail-on at any level but never
+
 ENGINE_BASE = {"vllm": ["-E", "max_model_len=512", "-E", "enable_prefix_caching=false"], "builtin": []}
 
 
@@ -90,6 +98,8 @@ def conformance(engine, archs, grid, cell_names, knobs, n_prompts, max_tokens, o
 
     if max_tokens < 1:
         raise LpfError(f"--max-tokens must be >= 1, got {max_tokens}")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise LpfError(f"--out {out_dir} is a file, not a conformance directory")
     n_prompts = n_prompts or PROMPTS[grid]
     if n_prompts < 1:
         raise LpfError(f"--prompts must be >= 1, got {n_prompts}")
@@ -154,7 +164,10 @@ def conformance(engine, archs, grid, cell_names, knobs, n_prompts, max_tokens, o
     write_report(out_dir)
     if as_json:
         click.echo(json.dumps(doc, indent=2, default=str))
-    if fails([c.get("conformance") for c in doc["cells"]], fail_on):  # a bf16 cell: against its bf16 expectation
+    # a bf16 cell counts with its verdict against the bf16 expectation; a cell the engine crashed on
+    # (vLLM could not start, or failed every request) counts too: that is what the matrix looks for
+    crashed = any(c.get("status") in CRASHED for c in doc["cells"])
+    if fails([c.get("conformance") for c in doc["cells"]], fail_on) or (crashed and fail_on != "never"):
         sys.exit(1)
 
 
