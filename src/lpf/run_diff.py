@@ -3,9 +3,9 @@
 Contract: `diff_runs(a, b, level) -> (per-request table, document)`. Both directories must be
 analysed runs (findings.json + summary.parquet) of the same workload (their tokenized workload.jsonl
 is byte-identical), the same sampling (temperature, top-p, top-k, max tokens, seed, ignore_eos,
-rollouts) and the same reference (spec, weights sha256, dtype): otherwise `LpfError` says which
-differs, because a per-request comparison of different requests or different references means
-nothing. The document is the summary of `analysis.diff` plus what was compared (each side's run
+rollouts) and the same reference (weights sha256 and dtype; the spec may name the same weights two
+ways): otherwise `LpfError` says which differs, because a per-request comparison of different
+requests or different references means nothing. The document is the summary of `analysis.diff` plus what was compared (each side's run
 directory, engine, version and verdict, the reference) and the requests that have a suspect, worst
 first (at most `MAX_LISTED`).
 """

@@ -12,6 +12,7 @@ generate's prefill sees (rows of a few requests at a time, so [rows, width, voca
 
 from __future__ import annotations
 
+import inspect
 import time
 from typing import Iterator, Literal
 
@@ -123,10 +124,16 @@ class HFEngine(Engine):
         k, dev, width = self.sampling.logprobs, self.options.device, ids.shape[1]
         vocab = self.hf_model.get_output_embeddings().weight.shape[0]
         step = max(1, self.PROMPT_LOGIT_ELEMENTS // max(1, width * vocab))
+        # the positions generate's prefill gives a left-padded row (count from its first real token),
+        # for models whose forward takes them (pure state-space models have none)
+        takes_positions = "position_ids" in inspect.signature(self.hf_model.forward).parameters
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
         out = []
         for lo in range(0, len(batch), step):
+            extra = {"position_ids": positions[lo:lo + step].to(dev)} if takes_positions else {}
             with torch.inference_mode():
-                logits = self.hf_model(input_ids=ids[lo:lo + step].to(dev), attention_mask=mask[lo:lo + step].to(dev)).logits
+                logits = self.hf_model(input_ids=ids[lo:lo + step].to(dev), attention_mask=mask[lo:lo + step].to(dev),
+                                       **extra).logits
             for row, r in enumerate(batch[lo:lo + step]):
                 p = len(r.prompt_token_ids)
                 if p < 2:

@@ -2,13 +2,13 @@
 
 Contract:
   floor_stats(d, s, topk=None) -> floor dict: from per-token d (logprob error of the engine's
-      token), s (its sensitivity, `evidence.sensitivity`) and, where top-k was compared, the arrays
-      of `evidence.topk_spread` (w: spread of the shared top-k logprob errors, KL, top-2 margin):
+      token), s (its sensitivity, `token_evidence.sensitivity`) and, where top-k was compared, the arrays
+      of `token_evidence.topk_spread` (w: spread of the shared top-k logprob errors, KL, top-2 margin):
         token           median and q99 of |d| / s over tokens with s >= S_MIN (nats of logit error)
         settled         q99 of |d| over the others (the rounding left where both sides are sure)
         topk            median and q99 of w, mean KL (None without top-k)
         margin          q99 and max of how far the reference's top-2 margin moved, over contested
-                        positions (`evidence.topk_spread`; None without them)
+                        positions (`token_evidence.topk_spread`; None without them)
         token_abs_diff  median and MAD of |d| (the per-request thresholds' statistics, as
                         `calibration.noise_floor` has them)
         n_tokens

@@ -8,7 +8,7 @@ Contract: `run_level_test(joined, tokens, reference, requests, floor, sampling, 
 (findings.json's `run_test`): tables in (`metrics.join_grouped`'s table and the run's tokens,
 reference and requests), a dict out. `floor` is an expected floor (`lpf.analysis.floors`: a
 calibration run's or the shipped table's, never this run's). Underneath, on numpy columns in
-arrival order: `evidence.evidence_columns` -> `token_evidence(cols, floor, sampling)` ->
+arrival order: `token_evidence.evidence_columns` -> `token_evidence(cols, floor, sampling)` ->
 `run_test(evidence, floor, alpha)`; `decide(evidence, lo, hi, alpha)` is the decision over a window
 of tokens (the detection benchmark calls it on many windows).
 
