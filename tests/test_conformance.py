@@ -140,3 +140,25 @@ def test_conformance_on_vllm_writes_the_matrix(lpf_cli, tmp_path):
     (jamba,) = [a for a in doc["architectures"] if a["architecture"] == "JambaForCausalLM"]
     assert jamba["status"] == "not supported" and "selective_scan_fwd" in jamba["reason"]
     assert (out / "report.html").is_file()
+
+
+def test_a_reference_that_cannot_run_at_the_cells_dtype_is_not_an_engine_error(monkeypatch, tmp_path):
+    """The bf16 cell's calibration run stops when the reference has no kernel for bf16 here (HF Jamba on
+    CPU): the matrix says `reference cannot run`, which is no engine bug and fails no gate."""
+    from lpf import pipeline
+    from lpf.conformance import matrix
+    from lpf.errors import LpfError
+
+    class Run:
+        manifest = {"status": "complete"}
+
+    def cannot(run, budget):
+        raise LpfError("the calibration run stopped: the reference x does not run at bfloat16 here")
+
+    monkeypatch.setattr(pipeline, "create_run", lambda spec: Run())
+    monkeypatch.setattr(pipeline, "all_failed", lambda run: None)
+    monkeypatch.setattr(pipeline, "rescore_run", lambda *a: None)
+    monkeypatch.setattr(pipeline, "calibrate_run", cannot)
+    spec = type("Spec", (), {"out": tmp_path / "cell"})()
+    with pytest.raises(matrix.ReferenceCannotRun, match="does not run at bfloat16"):
+        matrix._audit(spec, matrix.Settings(None), "bfloat16")

@@ -53,6 +53,10 @@ SUSPECT_WORDS = {"A": "engine bug", "B": "second engine (HF generate) departs", 
                  "both": "both engines depart", "none": "no departure at this level"}
 
 
+class ReferenceCannotRun(LpfError):
+    """A cell's calibration run failed: the reference does not run at the cell's dtype on this machine."""
+
+
 @dataclass
 class CellPlan:
     arch: dict  # the discovery entry
@@ -90,7 +94,10 @@ def _audit(spec, settings: Settings, dtype: str) -> dict:
         raise LpfError(why)
     rescore_run(run, None, settings.reference_dtype, settings.token_budget)
     if dtype != settings.reference_dtype:
-        calibrate_run(run, settings.token_budget)
+        try:
+            calibrate_run(run, settings.token_budget)
+        except LpfError as e:  # the reference has no kernel for that dtype here: not the engine's fault
+            raise ReferenceCannotRun(str(e)) from None
     findings = analyze_run(run, settings.thresholds)
     try:
         from lpf.report import write_report
@@ -275,6 +282,8 @@ def _run_cells(out, doc, rows, plans, attribution, settings, hf_done, started, t
                     findings = _audit(plan.spec, settings, plan.cell.dtype)
                     if findings.get("errors") and findings.get("errors") == findings.get("n_requests"):
                         status, error = "engine error", "every request failed (see the cell's requests)"
+                except ReferenceCannotRun as e:
+                    status, error = "reference cannot run", str(e)
                 except LpfError as e:
                     status, error = ("refused" if not (Path(plan.spec.out) / "manifest.json").is_file()
                                      else "engine error"), str(e)
