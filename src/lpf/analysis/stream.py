@@ -29,8 +29,9 @@ integers (exact in any order); per-request reductions are request-local (one row
 the failure shape, hypotheses and evidence read the per-request summary and requests table; the
 run-level test at most `run_test.MAX_TOKENS` tokens. Means of float columns are computed over the
 whole column in token order, as in memory, so they are the same floating-point sums.
-Not streamed: a calibration run (`calibrate_from_run` joins it with the whole reference): the driver
-refuses it. The trace (when there is one) is read whole.
+Not streamed: a calibration run (`calibrate_from_run` joins it with the whole reference) and prompt
+logprobs (`lpf.analysis.prompt` reads whole tables): the driver
+refuses them (`lpf.pipeline.analyze` routes them to the in-memory path). The trace is read whole.
 """
 
 from __future__ import annotations
