@@ -30,8 +30,8 @@ the failure shape, hypotheses and evidence read the per-request summary and requ
 run-level test at most `run_test.MAX_TOKENS` tokens. Means of float columns are computed over the
 whole column in token order, as in memory, so they are the same floating-point sums.
 Not streamed: a calibration run (`calibrate_from_run` joins it with the whole reference) and prompt
-logprobs (`lpf.analysis.prompt` reads whole tables): the driver
-refuses them (`lpf.pipeline.analyze` routes them to the in-memory path). The trace is read whole.
+logprobs (`lpf.analysis.prompt` reads whole tables): `lpf.pipeline.analyze` routes such runs to the
+in-memory path and refuses `--stream` on them. The trace is read whole.
 """
 
 from __future__ import annotations
