@@ -69,13 +69,17 @@ async def _storm(base: str, prompts: list[list[int]], jobs: list[str]) -> list[d
                                      headers={"Content-Type": "application/json"})
                     out.append({"kind": kind, "status": r.status_code, "text": r.text[:200]})
                 elif kind == "disconnect":
-                    try:  # gives up mid-request: the connection closes under the server
-                        await asyncio.wait_for(c.post(base + "/v1/completions", json={**body, "max_tokens": 64,
-                                                                                       "ignore_eos": True}),
-                                               rng.uniform(0.01, 0.3))
-                        out.append({"kind": kind, "status": "finished first"})
-                    except asyncio.TimeoutError:
-                        out.append({"kind": kind, "status": "gone"})
+                    # gives up mid-request: the connection closes under the server. On a client of its
+                    # own: a request cancelled inside httpx can leave its pool's one connection checked
+                    # out, and this client's next request would wait for it until PoolTimeout
+                    async with httpx.AsyncClient(timeout=120) as gone:
+                        try:
+                            await asyncio.wait_for(gone.post(base + "/v1/completions",
+                                                             json={**body, "max_tokens": 64, "ignore_eos": True}),
+                                                   rng.uniform(0.01, 0.3))
+                            out.append({"kind": kind, "status": "finished first"})
+                        except asyncio.TimeoutError:
+                            out.append({"kind": kind, "status": "gone"})
                 else:
                     r = await c.post(base + "/v1/completions", json=body, headers={"X-Request-Id": f"s{i}"})
                     out.append({"kind": kind, "status": r.status_code, "prompt": p,
