@@ -167,7 +167,8 @@ def _check_drill(run, findings):
     is a decode with nothing computed, most of them on a block an earlier request had held (an early
     imposter can land on a block no request had held yet: its state is then vLLM's start-up residue,
     seen once through the server at step 19 of 500 requests); the top hypothesis names that mechanism
-    from the trace, with its counts."""
+    from the trace, with its counts (the clean requests that started the same way all did so on a
+    block no request had held)."""
     corrupted = ground_truth(run, "corrupted")
     assert corrupted and ground_truth(run) == corrupted  # no preemption threw a stale read away
     verdicts = dict(q(run, "SELECT request_id, verdict FROM summary"))
@@ -181,11 +182,18 @@ def _check_drill(run, findings):
         assert (phase, computed) == ("decode", 0)
         held += q(run, f"SELECT count(*) FROM trace WHERE list_contains(state_slots, {slot}) AND step < {step}")[0][0] > 0
     assert 2 * held > len(corrupted), (held, len(corrupted))
+    # a request whose first chunk got one token of budget also starts as a "decode" with nothing
+    # computed; on a block no request had held yet there is nothing stale to read and it stays clean
+    # (seen through the server, where arrival timing varies): the hypothesis counts it on the clean side
+    innocent = {r for r, (phase, computed, _, _) in first.items() if (phase, computed) == ("decode", 0)} - corrupted
+    for rid in innocent:
+        _, _, slot, step = first[rid]
+        assert q(run, f"SELECT count(*) FROM trace WHERE list_contains(state_slots, {slot}) AND step < {step}")[0][0] == 0
     top = findings["hypotheses"][0]
     n = len(corrupted)
-    assert top["feature"] == "first_decode_uncomputed"
-    assert top["sentence"].startswith(f"{n}/{n} corrupt requests started with a decode step while "
-                                      f"num_computed_tokens was 0; 0/{findings['n_requests'] - n} clean ones did")
+    assert top["feature"] == "first_decode_uncomputed" and len(innocent) <= 0.01 * (findings["n_requests"] - n)
+    assert top["sentence"].startswith(f"{n}/{n} corrupt requests started with a decode step while num_computed_tokens "
+                                      f"was 0; {len(innocent)}/{findings['n_requests'] - n} clean ones did")
     return corrupted
 
 
