@@ -3,9 +3,9 @@
 `analyze(requests, tokens, reference, th, greedy, trace=None, engine_info=None, temperature=0,
 calibration=None, calibration_info=None, floor_table=None, run_info=None, prompt_tokens=None,
 prompt_reference=None, chunk_budget=None)` -> (summary table, findings dict). Steps: join engine
-tokens with reference scores, calibrate the thresholds to the run's noise floor (`calibration`; or to a calibration run's, when given),
-per-token metrics, per-request verdicts, the
-failure's shape (`shape`), the ranked mechanisms (`features` and `timing` + `hypotheses`) and what the
+tokens with reference scores, calibrate the thresholds to the run's noise floor (`calibration`; or
+to a calibration run's, when given), per-token metrics, per-request verdicts, the failure's shape
+(`shape`), the ranked mechanisms (`features` and `timing` + `hypotheses`) and what the
 answers say beyond their tokens (`evidence`: inconsistent answers, at least `divergent` when scored
 and disagreeing; failed attempts; a dying server's suspects). Pure: tables and
 plain data in and out; `trace` and `engine_info` (the manifest's engine section) are optional, and
