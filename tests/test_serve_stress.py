@@ -58,7 +58,11 @@ async def _storm(base: str, prompts: list[list[int]], jobs: list[str]) -> list[d
     rng = random.Random(7)
 
     async def client():
-        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=1)) as c:
+        def connect():
+            return httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=1))
+
+        c = connect()
+        try:
             while not queue.empty():
                 i, kind = queue.get_nowait()
                 p = prompts[i % len(prompts)]
@@ -69,21 +73,24 @@ async def _storm(base: str, prompts: list[list[int]], jobs: list[str]) -> list[d
                                      headers={"Content-Type": "application/json"})
                     out.append({"kind": kind, "status": r.status_code, "text": r.text[:200]})
                 elif kind == "disconnect":
-                    # gives up mid-request: the connection closes under the server. On a client of its
-                    # own: a request cancelled inside httpx can leave its pool's one connection checked
-                    # out, and this client's next request would wait for it until PoolTimeout
-                    async with httpx.AsyncClient(timeout=120) as gone:
-                        try:
-                            await asyncio.wait_for(gone.post(base + "/v1/completions",
-                                                             json={**body, "max_tokens": 64, "ignore_eos": True}),
-                                                   rng.uniform(0.01, 0.3))
-                            out.append({"kind": kind, "status": "finished first"})
-                        except asyncio.TimeoutError:
-                            out.append({"kind": kind, "status": "gone"})
+                    try:  # gives up mid-request: the connection closes under the server
+                        await asyncio.wait_for(c.post(base + "/v1/completions", json={**body, "max_tokens": 64,
+                                                                                       "ignore_eos": True}),
+                                               rng.uniform(0.01, 0.3))
+                        out.append({"kind": kind, "status": "finished first"})
+                    except asyncio.TimeoutError:
+                        out.append({"kind": kind, "status": "gone"})
+                        # a request cancelled inside httpx can leave the pool's one connection checked
+                        # out (the next request then waits for it until PoolTimeout): a client that
+                        # gave up closes its connection and opens a new one, as a real one would
+                        await c.aclose()
+                        c = connect()
                 else:
                     r = await c.post(base + "/v1/completions", json=body, headers={"X-Request-Id": f"s{i}"})
                     out.append({"kind": kind, "status": r.status_code, "prompt": p,
                                 "answer": r.json() if r.status_code == 200 else r.text})
+        finally:
+            await c.aclose()
 
     await asyncio.gather(*(client() for _ in range(MAX_CLIENTS)))
     return out
