@@ -247,3 +247,24 @@ def test_the_vllm_reproducer_exits_2_when_the_plugin_did_not_arm_its_drill(monke
         repro_script.check_drill("stale-state")
     err = capsys.readouterr().err
     assert e.value.code == 2 and "did not arm the stale-state drill: the plugin is off (LPF_VLLM_TRACE_DIR" in err, err
+
+
+def test_sweep_shrink_and_conformance_refuse_an_out_they_cannot_resume(tmp_path):
+    """One rule (`sweep.read_out_doc`) for the three commands that resume from their --out: a file, or
+    their document not being JSON, is a one-line error."""
+    from lpf.conformance.matrix import check_out as conformance_out
+    from lpf.errors import LpfError
+    from lpf.shrink.state import State
+    from lpf.sweep import check_out as sweep_out
+
+    (tmp_path / "file").write_text("x")
+    opens = {"sweep.json": lambda out: sweep_out(out, [], []),
+             "shrink.json": lambda out: State.open(out, {"source_run_id": "x", "target": "t", "tries": 1, "need": 1}, {}, 1),
+             "conformance.json": lambda out: conformance_out(out, {})}
+    for name, open_out in opens.items():
+        with pytest.raises(LpfError, match="is a file, not a directory"):
+            open_out(tmp_path / "file")
+        (tmp_path / name).mkdir()
+        (tmp_path / name / name).write_text("{not json")
+        with pytest.raises(LpfError, match=f"{name} is unreadable: move it away"):
+            open_out(tmp_path / name)

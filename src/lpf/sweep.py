@@ -210,18 +210,28 @@ def run_cell(cell: Cell, run_dir: Path, log: Path) -> None:
             raise LpfError(f"cell {cell.name}: lpf {args[0]} failed with exit code {rc} ({_error_line(log)}); log: {log}")
 
 
+def read_out_doc(out: Path, name: str) -> dict | None:
+    """The document `name` an earlier run of the command left in its --out directory, or None when there
+    is none. Refuses, in one line, an --out that is a file and a document that is not JSON (the sweep's,
+    shrink's and conformance's resume rule)."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise LpfError(f"{out} is a file, not a directory: choose another --out")
+    path = out / name
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError:
+        raise LpfError(f"{path} is unreadable: move it away or choose another --out") from None
+
+
 def check_out(out: Path, knobs: list[Knob], base_args: list[str]) -> dict:
     """The sweep's identity ({knobs, base_args}); refuses an --out holding anything else."""
     out = Path(out)
     spec = {"knobs": [{"name": k.name, "values": list(k.values)} for k in knobs], "base_args": list(base_args)}
-    doc_path = out / "sweep.json"
-    if out.exists() and not out.is_dir():
-        raise LpfError(f"{out} is a file, not a directory: choose another --out")
-    if doc_path.is_file():
-        try:
-            old = json.loads(doc_path.read_text())
-        except json.JSONDecodeError:
-            raise LpfError(f"{doc_path} is unreadable: move it away or choose another --out") from None
+    old = read_out_doc(out, "sweep.json")
+    if old is not None:
         if {"knobs": old.get("knobs"), "base_args": old.get("base_args")} != spec:
             raise LpfError(f"{out} holds a different sweep (knobs {old.get('knobs')}, options {old.get('base_args')}): "
                            f"choose another --out")

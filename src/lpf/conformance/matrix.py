@@ -38,7 +38,7 @@ from pathlib import Path
 
 from lpf.conformance.grid import GridCell
 from lpf.errors import LpfError
-from lpf.sweep import cell_complete
+from lpf.sweep import cell_complete, read_out_doc
 
 EXPECT_FACTOR = 2.0
 SHORT_DTYPE = {"bfloat16": "bf16", "float16": "fp16"}
@@ -239,12 +239,8 @@ def write_doc(out: Path, doc: dict) -> None:
 
 def check_out(out: Path, spec: dict) -> None:
     """Refuses an --out that holds anything but this same conformance run (rerun = resume)."""
-    doc_path = Path(out) / "conformance.json"
-    if doc_path.is_file():
-        try:
-            old = json.loads(doc_path.read_text())
-        except json.JSONDecodeError:
-            raise LpfError(f"{doc_path} is unreadable: move it away or choose another --out") from None
+    old = read_out_doc(out, "conformance.json")
+    if old is not None:
         if old.get("spec") != spec:
             raise LpfError(f"{out} holds a different conformance run ({old.get('spec')}): choose another --out")
     elif Path(out).exists() and any(p.name != "workload.jsonl" for p in Path(out).iterdir()):

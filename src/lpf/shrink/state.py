@@ -24,6 +24,7 @@ from pathlib import Path
 
 from lpf.errors import LpfError
 from lpf.jsonsafe import finite
+from lpf.sweep import read_out_doc
 
 IDENTITY = ("source_run_id", "target", "tries", "need")
 
@@ -36,14 +37,8 @@ class State:
     @classmethod
     def open(cls, out: Path, identity: dict, header: dict, budget: int) -> "State":
         out = Path(out)
-        path = out / "shrink.json"
-        if out.exists() and not out.is_dir():
-            raise LpfError(f"{out} is a file, not a directory: choose another --out")
-        if path.is_file():
-            try:
-                doc = json.loads(path.read_text())
-            except json.JSONDecodeError:
-                raise LpfError(f"{path} is unreadable: move it away or choose another --out") from None
+        doc = read_out_doc(out, "shrink.json")
+        if doc is not None:
             old = {k: doc.get(k) for k in IDENTITY}
             if old != {k: identity[k] for k in IDENTITY}:
                 what = ", ".join(f"{k} {old[k]!r}, not {identity[k]!r}" for k in IDENTITY if old[k] != identity[k])
