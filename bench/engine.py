@@ -54,7 +54,7 @@ def in_engine_window(out: Path) -> float:
 def vllm_args() -> tuple[list[str] | None, str]:
     """`lpf run` arguments for the vLLM column, or None and why it is skipped."""
     from lpf.adapters.vllm import vllm_python
-    from lpf.errors import LpfError
+    from lpf.core.errors import LpfError
 
     try:
         python = vllm_python()

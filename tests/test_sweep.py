@@ -13,8 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import write_prompts
-from lpf.query import run_query
-from lpf.sweep import make_cells, parse_knobs, shape_moves, two_proportion_p
+from lpf.views.query import run_query
+from lpf.experiments.sweep import make_cells, parse_knobs, shape_moves, two_proportion_p
 
 CACHES = ("1", "4", "16")
 

@@ -14,7 +14,7 @@ from pydantic import Field, field_validator
 import lpf
 from lpf.adapters.base import Completion, Engine, Options
 from lpf.builtin.config import EngineConfig
-from lpf.workload import EngineRequest
+from lpf.core.workload import EngineRequest
 
 
 class BuiltinOptions(Options, EngineConfig):
@@ -41,7 +41,7 @@ class BuiltinEngine(Engine):
         super().__init__(model, sampling, options)
         from lpf.builtin.faults import FaultSet
         from lpf.builtin.llm_engine import LLMEngine
-        from lpf.model_specs import load_tokenizer
+        from lpf.core.model_specs import load_tokenizer
 
         self.engine = LLMEngine(model.path, EngineConfig.of(options), FaultSet.parse(options.inject))
         self.eos_id = load_tokenizer(model).eos_token_id
@@ -49,7 +49,7 @@ class BuiltinEngine(Engine):
     @classmethod
     def check_model(cls, config: dict) -> None:
         from lpf.builtin.config import SUPPORTED_ARCHITECTURES
-        from lpf.errors import LpfError
+        from lpf.core.errors import LpfError
 
         arch = (config.get("architectures") or ["?"])[0]
         if arch not in SUPPORTED_ARCHITECTURES:
@@ -62,7 +62,7 @@ class BuiltinEngine(Engine):
         from lpf.builtin.llm_engine import cache_sizes
         from lpf.builtin.models import model_shape
         from lpf.builtin.scheduler import never_runs_reason
-        from lpf.errors import LpfError
+        from lpf.core.errors import LpfError
 
         if not requests:
             return

@@ -19,7 +19,7 @@ from typing import Iterator, Literal
 from pydantic import Field
 
 from lpf.adapters.base import Completion, Engine, Options
-from lpf.workload import EngineRequest
+from lpf.core.workload import EngineRequest
 
 
 class HFOptions(Options):
@@ -39,7 +39,7 @@ class HFEngine(Engine):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from lpf.torch_utils import quiet_transformers, torch_dtype
+        from lpf.core.torch_utils import quiet_transformers, torch_dtype
 
         quiet_transformers()
         self._torch = torch
@@ -73,7 +73,7 @@ class HFEngine(Engine):
         torch = self._torch
         from transformers import GenerationConfig
 
-        from lpf.torch_utils import logprob_rows
+        from lpf.core.torch_utils import logprob_rows
 
         t0 = time.time()
         width = max(len(r.prompt_token_ids) for r in batch)
@@ -119,7 +119,7 @@ class HFEngine(Engine):
         """Per request (logprobs, top-k ids, top-k logprobs) of prompt positions 1..P-1, from the
         left-padded batch as generate's prefill runs it."""
         torch = self._torch
-        from lpf.torch_utils import logprob_rows
+        from lpf.core.torch_utils import logprob_rows
 
         k, dev, width = self.sampling.logprobs, self.options.device, ids.shape[1]
         vocab = self.hf_model.get_output_embeddings().weight.shape[0]

@@ -29,8 +29,8 @@ from pydantic import model_validator
 from lpf.adapters.base import Completion
 from lpf.adapters.http import RequestFailed
 from lpf.adapters.remote import Problems, RemoteEngine, RemoteOptions, as_logprob
-from lpf.errors import LpfError
-from lpf.workload import EngineRequest
+from lpf.core.errors import LpfError
+from lpf.core.workload import EngineRequest
 
 TOKEN_ID_PREFIX = "token_id:"
 _ID_FIELD = "return_tokens_as_token_ids"

@@ -35,8 +35,8 @@ from pydantic import Field, model_validator
 from lpf.adapters.base import Completion, Engine, Options
 from lpf.adapters.http import (CircuitBreaker, RequestFailed, RetryPolicy, Stats, api_key_from_env, make_client,
                               post_json, run_all)
-from lpf.errors import LpfError
-from lpf.workload import EngineRequest
+from lpf.core.errors import LpfError
+from lpf.core.workload import EngineRequest
 
 
 class RemoteOptions(Options):
@@ -79,7 +79,7 @@ class RemoteEngine(Engine):
 
     def __init__(self, model, sampling, options: RemoteOptions):
         super().__init__(model, sampling, options)
-        from lpf.model_specs import load_tokenizer
+        from lpf.core.model_specs import load_tokenizer
 
         self.api_key = api_key_from_env(options.api_key_env)
         self.tokenizer = load_tokenizer(model)
@@ -118,7 +118,7 @@ class RemoteEngine(Engine):
         if reference:
             return reference
         if model is None:
-            from lpf.model_specs import DEFAULT_MODEL
+            from lpf.core.model_specs import DEFAULT_MODEL
 
             return DEFAULT_MODEL
         raise LpfError(f"--model {model!r} is the served model's name, not a local directory or zoo: name: pass "

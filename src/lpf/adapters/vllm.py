@@ -45,8 +45,8 @@ from typing import Iterator, Literal
 from pydantic import Field, field_validator
 
 from lpf.adapters.base import Completion, Engine, Options
-from lpf.errors import LpfError
-from lpf.workload import EngineRequest
+from lpf.core.errors import LpfError
+from lpf.core.workload import EngineRequest
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
 REPO_VENV = Path(__file__).resolve().parents[3] / ".venv-vllm"

@@ -22,7 +22,7 @@ from lpf.run.schema import TRACE
 def cache_sizes(model, config: EngineConfig) -> tuple[int, int]:
     """(state slots, KV blocks) that `config.cache_mb` buys for `model` (weights or not: only the
     layer shapes count, so a model built on the meta device answers before any weight loads)."""
-    from lpf.torch_utils import torch_dtype
+    from lpf.core.torch_utils import torch_dtype
 
     elem = torch_dtype(config.dtype).itemsize
     n_attn, n_kv, head_dim = model.kv_spec()
@@ -34,7 +34,7 @@ def cache_sizes(model, config: EngineConfig) -> tuple[int, int]:
 class LLMEngine:
     def __init__(self, model_path: Path, config: EngineConfig, faults: FaultSet = FaultSet()):
         from lpf.builtin.models import load_model
-        from lpf.torch_utils import torch_dtype
+        from lpf.core.torch_utils import torch_dtype
 
         self.config = config
         self.faults = faults

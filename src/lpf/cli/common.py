@@ -34,7 +34,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from lpf.analysis.levels import FAIL_LEVELS, at_or_above
 from lpf.builtin.faults import DRILLS
-from lpf.errors import LpfError
+from lpf.core.errors import LpfError
 
 err = Console(stderr=True)
 out = Console()
@@ -296,10 +296,10 @@ def build_run_spec(params: Mapping):
     """The `RunSpec` of parsed run options (`run_options`' params; others are ignored). Engines
     behind a server name a model that is not a local path: their adapter picks the local one."""
     from lpf.adapters import get_engine_class
-    from lpf.model_specs import DEFAULT_MODEL
+    from lpf.core.model_specs import DEFAULT_MODEL
     from lpf.pipeline import RunSpec
-    from lpf.sampling import SamplingParams
-    from lpf.workload import DEFAULT_WORKLOAD
+    from lpf.core.sampling import SamplingParams
+    from lpf.core.workload import DEFAULT_WORKLOAD
 
     p = params
     options = engine_knobs(p, base_url=p.get("base_url"), api_key_env=p.get("api_key_env"),

@@ -1,7 +1,7 @@
 """Comparing engines: `lpf diff` (which of two runs, or the reference, departs) and `lpf conformance`
 (every architecture an engine claims, under a grid of knobs, each non-clean cell attributed by diff).
 
-`lpf.run_diff` and `lpf.conformance` do the work and return documents; `render` draws them.
+`lpf.views.diff` and `lpf.experiments.conformance` do the work and return documents; `render` draws them.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ def diff(run_a, run_b, as_json, out_file, fail_on):
     Per request: do A and B agree with each other, and which departs from the reference? When both
     agree with each other and not with the reference, the reference is named the suspect.
     """
-    from lpf.run_diff import diff_runs
+    from lpf.views.diff import diff_runs
 
-    from lpf.errors import LpfError
+    from lpf.core.errors import LpfError
 
     if run_a.resolve() == run_b.resolve():
         raise LpfError(f"RUN_A and RUN_B are the same directory ({run_a}): diff two engines' runs")
@@ -87,14 +87,14 @@ def conformance(engine, archs, grid, cell_names, knobs, n_prompts, max_tokens, o
     \b
     lpf conformance --engine vllm --grid full --out runs/conf
     """
-    from lpf import sweep as sw
+    from lpf.experiments import sweep as sw
     from lpf.adapters import get_engine_class
     from lpf.analysis.thresholds import Thresholds
-    from lpf.conformance import discover as disc
-    from lpf.conformance.grid import PROMPTS, GridCell, grid_cells, write_workload
-    from lpf.conformance.matrix import CellPlan, Settings, cell_dir, run_matrix
-    from lpf.conformance.tiny import build_tiny
-    from lpf.errors import LpfError
+    from lpf.experiments.conformance import discover as disc
+    from lpf.experiments.conformance.grid import PROMPTS, GridCell, grid_cells, write_workload
+    from lpf.experiments.conformance.matrix import CellPlan, Settings, cell_dir, run_matrix
+    from lpf.experiments.conformance.tiny import build_tiny
+    from lpf.core.errors import LpfError
 
     if max_tokens < 1:
         raise LpfError(f"--max-tokens must be >= 1, got {max_tokens}")
@@ -116,7 +116,7 @@ def conformance(engine, archs, grid, cell_names, knobs, n_prompts, max_tokens, o
     wanted = disc.select(found["architectures"], [a for a in (archs or "").split(",") if a.strip()])
     out_dir.mkdir(parents=True, exist_ok=True)
     workload = out_dir / "workload.jsonl"
-    from lpf.model_specs import ModelRef, load_tokenizer
+    from lpf.core.model_specs import ModelRef, load_tokenizer
     from lpf.zoo.registry import tokenizer_dir
 
     tok = load_tokenizer(ModelRef("zoo tokenizer", tokenizer_dir()))

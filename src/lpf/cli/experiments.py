@@ -2,8 +2,8 @@
 probe) and `lpf shrink` (a failing run cut down to the smallest reproducer).
 
 Everything is validated before the first engine starts (every sweep cell is parsed and built as a
-run spec; a shrink's source run, target and signature are read first); `lpf.sweep`, `lpf.repeat`
-and `lpf.shrink` do the work and return documents that `render` draws.
+run spec; a shrink's source run, target and signature are read first); `lpf.experiments.sweep`, `lpf.experiments.repeat`
+and `lpf.experiments.shrink` do the work and return documents that `render` draws.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from lpf.cli.common import (audit_option_kinds, build_run_spec, default_out, eng
                             fail_on_option, fails, knob_args, parse_audit_args, progress_bar, rescore_args,
                             rescore_settings, write_report)
 from lpf.cli.render import print_repeat, print_shrink, print_shrink_event, print_sweep
-from lpf.errors import LpfError
+from lpf.core.errors import LpfError
 
 # audit options that belong to the sweep itself, not to a cell
 _NOT_KNOBS = {"out", "json", "fail-on", "engine-option", "help", "part-size"}
@@ -42,7 +42,7 @@ def sweep(ctx, knobs, out_dir, as_json, fail_on):
     \b
     lpf sweep --knob cache-mb=1,4,16 --inject stale-state --model tiny:jamba --out runs/s1
     """
-    from lpf import sweep as sw
+    from lpf.experiments import sweep as sw
     from lpf.adapters import get_engine_class
     from lpf.analysis.thresholds import Thresholds
 
@@ -100,8 +100,8 @@ def repeat(engine, model, prompt, workload, index, times, max_tokens, seed, igno
     The engine's concurrency knob (max_num_seqs; batch_size for hf) is varied across copies unless
     you fix it.
     """
-    from lpf.model_specs import DEFAULT_MODEL
-    from lpf.repeat import DEFAULT_TOLERANCE, RepeatSpec, run_repeat
+    from lpf.core.model_specs import DEFAULT_MODEL
+    from lpf.experiments.repeat import DEFAULT_TOLERANCE, RepeatSpec, run_repeat
 
     options = engine_knobs(knobs)
     if max_tokens < 1:
@@ -143,7 +143,7 @@ def shrink(run_dir, out_dir, request_id, budget_runs, tries, need, as_json):
     \b
     lpf shrink runs/stale --out runs/stale-min
     """
-    from lpf.shrink import session
+    from lpf.experiments.shrink import session
 
     plan = session.prepare(run_dir, request_id)
     doc = session.run(plan, out_dir, tries, need, budget_runs, knob_args, lambda e: print_shrink_event(e, err))

@@ -17,7 +17,7 @@ import click
 
 from lpf.cli.common import engine_knob_options, engine_knobs, err, progress_bar, reference_options, write_report
 from lpf.cli.render import print_rl_rescore, print_rl_summary
-from lpf.errors import LpfError
+from lpf.core.errors import LpfError
 from lpf.rl import FORMAT_NAMES
 
 

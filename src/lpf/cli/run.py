@@ -18,7 +18,7 @@ from lpf.cli.common import (RESCORE_PARAMS, analysis_options, audit_options, bui
                             rescore_options, rescore_settings, run_options, stream_option, trace_dir_option,
                             write_report)
 from lpf.cli.render import print_calibration, print_summary
-from lpf.errors import LpfError
+from lpf.core.errors import LpfError
 
 
 def _generate(run) -> None:

@@ -32,7 +32,7 @@ def serve(model, served_model_name, host, port, trace_dir, log_level, **knobs):
     through HTTP (`lpf audit --engine openai --base-url http://HOST:PORT/v1 --model NAME`).
     """
     from lpf.adapters.builtin import BuiltinEngine, BuiltinOptions
-    from lpf.model_specs import DEFAULT_MODEL, resolve_model
+    from lpf.core.model_specs import DEFAULT_MODEL, resolve_model
     from lpf.pipeline import model_config
     from lpf.serve import server
 

@@ -26,14 +26,14 @@ import pyarrow.compute as pc
 
 import lpf
 from lpf.adapters import get_engine_class
-from lpf.errors import LpfError
-from lpf.model_specs import ModelRef, load_tokenizer, resolve_model, tokenizer_fingerprint
+from lpf.core.errors import LpfError
+from lpf.core.model_specs import ModelRef, load_tokenizer, resolve_model, tokenizer_fingerprint
 from lpf.pipeline.callbacks import OnStart, Tick, no_start, no_tick
 from lpf.pipeline.trace import check_joinable
 from lpf.run import schema
 from lpf.run.store import RunDir
-from lpf.sampling import SamplingParams
-from lpf.workload import EngineRequest, expand, load_prompts, normalized, read_normalized
+from lpf.core.sampling import SamplingParams
+from lpf.core.workload import EngineRequest, expand, load_prompts, normalized, read_normalized
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The third logprob column: the HF reference teacher-forced over a dump's responses (`lpf rl rescore`).
 
-`score(dump, reference, dtype, token_budget, ...)` runs `lpf.reference.Rescorer` over every response
+`score(dump, reference, dtype, token_budget, ...)` runs `lpf.pipeline.reference.Rescorer` over every response
 (its prompt_token_ids as context, every response position scored, masked ones too, so one file serves
 any metric) and returns the table `reference.parquet` holds: step, request_id, position, token_id,
 reference_logprob, with the reference's description under the Parquet key metadata "lpf".
@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from lpf.errors import LpfError
+from lpf.core.errors import LpfError
 from lpf.rl.dump import Dump
 
 REFERENCE_FILE = "reference.parquet"
@@ -35,8 +35,8 @@ def _noop(*_):
 
 def score(dump: Dump, reference: str, dtype: str = "float32", token_budget: int = 16384,
           on_start: Callable = _noop, tick: Callable = _noop, device: str = "cpu") -> pa.Table:
-    from lpf.model_specs import resolve_model
-    from lpf.reference import Rescorer, ScoreItem
+    from lpf.core.model_specs import resolve_model
+    from lpf.pipeline.reference import Rescorer, ScoreItem
 
     prompts = dump.sequences.column("prompt_token_ids").to_pylist()
     outputs = dump.sequences.column("response_token_ids").to_pylist()

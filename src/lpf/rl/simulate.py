@@ -25,7 +25,7 @@ from typing import Callable
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from lpf.errors import LpfError
+from lpf.core.errors import LpfError
 
 DUMP_SCHEMA = pa.schema([
     ("step", pa.int64()), ("request_id", pa.string()), ("prompt_id", pa.string()), ("rollout", pa.int32()),
@@ -66,10 +66,10 @@ def simulate(spec: SimSpec, out: Path, on_start: Callable = _noop, tick: Callabl
     from lpf.adapters.builtin import BuiltinEngine, BuiltinOptions
     from lpf.builtin.config import EngineConfig
     from lpf.builtin.faults import FaultSet
-    from lpf.model_specs import load_tokenizer, resolve_model
+    from lpf.core.model_specs import load_tokenizer, resolve_model
     from lpf.pipeline import model_config
-    from lpf.sampling import SamplingParams
-    from lpf.workload import load_prompts
+    from lpf.core.sampling import SamplingParams
+    from lpf.core.workload import load_prompts
 
     options = BuiltinOptions.parse({**spec.engine, "inject": spec.inject})  # knobs and drills checked first
     faults = FaultSet.parse(options.inject)
@@ -88,7 +88,7 @@ def simulate(spec: SimSpec, out: Path, on_start: Callable = _noop, tick: Callabl
     import torch
 
     from lpf.builtin.llm_engine import LLMEngine
-    from lpf.reference import Rescorer
+    from lpf.pipeline.reference import Rescorer
 
     engine = LLMEngine(model.path, config, faults)
     rescorer = Rescorer(model, dtype="float32", topk=1)
@@ -146,7 +146,7 @@ def faults_path(dump: Path) -> Path:
 
 def _rollout(engine, batch, step: int, sampling, max_tokens: int, eos: int | None) -> list:
     from lpf.builtin.request import Request
-    from lpf.sampling import request_seed
+    from lpf.core.sampling import request_seed
 
     by_id = {}
     for prompt, r, seq in batch:
@@ -177,7 +177,7 @@ def _slots(trace: pa.Table | None) -> dict[str, tuple[int, int]]:
 
 
 def _trainer_logprobs(rescorer, finished) -> dict[str, list[float]]:
-    from lpf.reference import ScoreItem
+    from lpf.pipeline.reference import ScoreItem
 
     items = [ScoreItem(req.request_id, list(prompt.prompt_token_ids), req.output_token_ids)
              for req, prompt, _ in finished]

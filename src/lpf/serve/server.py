@@ -16,7 +16,7 @@ import socket
 from pathlib import Path
 from typing import Callable
 
-from lpf.errors import LpfError
+from lpf.core.errors import LpfError
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -42,7 +42,7 @@ def run(ref, name: str, options, sock: socket.socket, trace_dir: Path | None, lo
     from lpf.builtin.config import EngineConfig
     from lpf.builtin.faults import FaultSet
     from lpf.builtin.llm_engine import LLMEngine
-    from lpf.model_specs import load_tokenizer
+    from lpf.core.model_specs import load_tokenizer
     from lpf.serve.app import create_app
     from lpf.serve.engine_loop import TraceSink
     from lpf.serve.protocol import ModelInfo

@@ -21,7 +21,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from lpf.errors import LpfError, did_you_mean
+from lpf.core.errors import LpfError, did_you_mean
 
 INIT_RANGE = 0.25
 
@@ -95,7 +95,7 @@ def tiny_config(model_type: str, vocab_size: int, special: dict) -> dict:
 
 
 def build_tiny(model_type: str) -> Path:
-    from lpf.model_specs import ModelRef, cache_root, load_tokenizer, save_model_dir
+    from lpf.core.model_specs import ModelRef, cache_root, load_tokenizer, save_model_dir
     from lpf.zoo.registry import tokenizer_dir
 
     tok_dir = tokenizer_dir()
@@ -113,7 +113,7 @@ def build_tiny(model_type: str) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from lpf.torch_utils import quiet_transformers
+    from lpf.core.torch_utils import quiet_transformers
 
     quiet_transformers()
     try:

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from lpf.errors import LpfError
-from lpf.shrink.config import Source
-from lpf.shrink.signature import Signature, mechanism_hypothesis, signature_of, target_feature
+from lpf.core.errors import LpfError
+from lpf.experiments.shrink.config import Source
+from lpf.experiments.shrink.signature import Signature, mechanism_hypothesis, signature_of, target_feature
 
 
 @dataclass
@@ -51,10 +51,10 @@ def prepare(run_dir: Path, request_id: str | None) -> Plan:
 
 def run(plan: Plan, out: Path, tries: int, need: int, budget: int, knob_args: Callable[[dict], list[str]],
         on_event: Callable[[dict], None] = lambda e: None) -> dict:
-    from lpf.shrink.judge import BudgetSpent, Judge
-    from lpf.shrink.repro import write_outputs
-    from lpf.shrink.search import Shrink
-    from lpf.shrink.state import State
+    from lpf.experiments.shrink.judge import BudgetSpent, Judge
+    from lpf.experiments.shrink.repro import write_outputs
+    from lpf.experiments.shrink.search import Shrink
+    from lpf.experiments.shrink.state import State
 
     if budget < 1:
         raise LpfError(f"--budget-runs must be >= 1, got {budget}")

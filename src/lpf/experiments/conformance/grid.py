@@ -29,7 +29,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from lpf.errors import LpfError, did_you_mean
+from lpf.core.errors import LpfError, did_you_mean
 
 CHUNK = 16  # a budget below every prompt's length: each prompt is prefilled in several chunks
 PREFIX = 136  # one 128-token block and then some

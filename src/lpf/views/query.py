@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lpf.errors import LpfError
+from lpf.core.errors import LpfError
 from lpf.run.store import RunDir
 
 

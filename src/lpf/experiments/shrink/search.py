@@ -36,10 +36,10 @@ import math
 from dataclasses import replace
 from typing import Callable
 
-from lpf.shrink.config import Config, Source
-from lpf.shrink.ddmin import ddmin
-from lpf.shrink.judge import BudgetSpent, Judge
-from lpf.shrink.state import State
+from lpf.experiments.shrink.config import Config, Source
+from lpf.experiments.shrink.ddmin import ddmin
+from lpf.experiments.shrink.judge import BudgetSpent, Judge
+from lpf.experiments.shrink.state import State
 
 
 class NotReproduced(Exception):

@@ -27,9 +27,9 @@ import json
 from pathlib import Path
 from typing import Callable
 
-from lpf.errors import LpfError
-from lpf.shrink.config import Config, Source
-from lpf.shrink.signature import TOKEN_SIGNATURES, Signature, shows, target_feature
+from lpf.core.errors import LpfError
+from lpf.experiments.shrink.config import Config, Source
+from lpf.experiments.shrink.signature import TOKEN_SIGNATURES, Signature, shows, target_feature
 
 
 class BudgetSpent(Exception):
@@ -79,7 +79,7 @@ class Judge:
         return path
 
     def _try(self, name: str, config: Config, workload: Path) -> dict:
-        from lpf import sweep
+        from lpf.experiments import sweep
 
         run_dir, log = self.out / "candidates" / name, self.out / "logs" / f"{name}.log"
         if not sweep.cell_complete(run_dir):

@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from lpf.errors import LpfError, did_you_mean
+from lpf.core.errors import LpfError, did_you_mean
 
 
 def quiet_transformers() -> None:

@@ -22,9 +22,9 @@ import json
 import os
 from pathlib import Path
 
-from lpf.errors import LpfError
-from lpf.jsonsafe import finite
-from lpf.sweep import read_out_doc
+from lpf.core.errors import LpfError
+from lpf.core.jsonsafe import finite
+from lpf.experiments.sweep import read_out_doc
 
 IDENTITY = ("source_run_id", "target", "tries", "need")
 

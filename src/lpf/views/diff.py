@@ -21,7 +21,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from lpf.analysis.diff import DiffSide, diff_tables
-from lpf.errors import LpfError
+from lpf.core.errors import LpfError
 from lpf.run.store import RunDir
 
 MAX_LISTED = 200

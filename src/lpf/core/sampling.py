@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import asdict, dataclass, fields
 
-from lpf.errors import LpfError
+from lpf.core.errors import LpfError
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from lpf.errors import LpfError
+from lpf.core.errors import LpfError
 
 DEVICES = ("cpu", "cuda", "auto")
 _FIT = 0.85  # of the free GPU memory: the rest is activations, the batch's logits and the allocator's slack

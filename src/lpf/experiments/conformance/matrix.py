@@ -5,7 +5,7 @@ Contract: `run_matrix(out, head, plans, attribution, settings, on_start, tick) -
 prompt logprobs, rescore, calibrate when the cell's dtype is not the reference's, analyze, report),
 and for every cell whose verdict is not clean runs the second engine (`attribution[(arch, dtype)]`,
 HF `generate` at the cell's dtype: one run per architecture and dtype, shared by the cells) and
-`lpf.run_diff` between the two: the cell's `attribution` says engine bug / second engine / reference
+`lpf.views.diff` between the two: the cell's `attribution` says engine bug / second engine / reference
 / both. It writes `out/conformance.json` after every cell (atomically), so a rerun of the same
 command skips complete cells and a crash loses at most the cell in flight. A cell the engine refuses
 or cannot start is recorded with its one-line reason (status `not applicable`, `refused`, `engine
@@ -36,9 +36,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lpf.conformance.grid import GridCell
-from lpf.errors import LpfError
-from lpf.sweep import cell_complete, read_out_doc
+from lpf.experiments.conformance.grid import GridCell
+from lpf.core.errors import LpfError
+from lpf.experiments.sweep import cell_complete, read_out_doc
 
 EXPECT_FACTOR = 2.0
 SHORT_DTYPE = {"bfloat16": "bf16", "float16": "fp16"}
@@ -116,9 +116,9 @@ def expectation(cell: Path, findings: dict) -> dict | None:
     import pyarrow as pa
 
     from lpf.analysis.metrics import percentiles
-    from lpf.model_specs import resolve_model
+    from lpf.core.model_specs import resolve_model
     from lpf.pipeline import engine_dtype
-    from lpf.reference import Rescorer, ScoreItem
+    from lpf.pipeline.reference import Rescorer, ScoreItem
     from lpf.run.store import RunDir
 
     run = RunDir.open(cell)
@@ -206,7 +206,7 @@ def cell_row(plan: CellPlan, out: Path, findings: dict | None, status: str, erro
 def _attribute(row: dict, plan: CellPlan, hf_spec, out: Path, settings: Settings, hf_done: dict) -> None:
     """Run (once per architecture and dtype) the second engine and diff it against the cell."""
     from lpf.analysis.levels import at_or_above
-    from lpf.run_diff import diff_runs
+    from lpf.views.diff import diff_runs
 
     if not at_or_above(row.get("conformance"), settings.attribution_level) or hf_spec is None:
         return

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from lpf.errors import LpfError, did_you_mean
+from lpf.core.errors import LpfError, did_you_mean
 
 # the knobs moved toward the engine's defaults, in this order (the cache first: it sets how fast
 # slots and blocks recycle); only those the engine has and the run set away from the default

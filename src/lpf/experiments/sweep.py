@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import median
 
-from lpf.errors import LpfError, did_you_mean
+from lpf.core.errors import LpfError, did_you_mean
 
 METRICS = ("rate", "onset", "position", "period")
 FIELDS = ("name", "run_dir", "verdict", "n_requests", "n_scored", "n_flagged", "rate", "onset_seq", "onset_step",

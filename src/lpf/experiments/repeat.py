@@ -21,9 +21,9 @@ import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from lpf.errors import LpfError
-from lpf.sampling import SamplingParams, request_seed
-from lpf.workload import EngineRequest, load_prompts
+from lpf.core.errors import LpfError
+from lpf.core.sampling import SamplingParams, request_seed
+from lpf.core.workload import EngineRequest, load_prompts
 
 CONCURRENCY_CYCLE = (1, 2, 4, 8, 16, 32, 64)
 FILLER_CYCLE = (3, 7, 12, 5, 15, 9, 2, 11)  # fillers per copy after copy 0 (which runs alone)
@@ -175,7 +175,7 @@ def _prompt_ids(spec: RepeatSpec, tokenizer, cfg: dict) -> tuple[tuple[int, ...]
 def run_repeat(spec: RepeatSpec, out: Path, on_start=lambda total: None, tick=lambda n: None) -> dict:
     """Generate the copies, compare them, write `out/repeat.json`; returns what it wrote."""
     from lpf.adapters import get_engine_class
-    from lpf.model_specs import load_tokenizer, resolve_model
+    from lpf.core.model_specs import load_tokenizer, resolve_model
     from lpf.pipeline import model_config
 
     if spec.times < 2:

@@ -28,8 +28,8 @@ import os
 import subprocess
 from pathlib import Path
 
-from lpf.conformance.tiny import SCALE
-from lpf.errors import LpfError, did_you_mean
+from lpf.experiments.conformance.tiny import SCALE
+from lpf.core.errors import LpfError, did_you_mean
 
 PROBE = Path(__file__).with_name("vllm_probe.py")
 STATE_KEYS = ("mamba_d_state", "ssm_state_size", "state_size", "mamba_n_heads", "linear_num_key_heads", "conv_L_cache",
@@ -43,7 +43,7 @@ def reference_architectures() -> dict[str, str]:
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    from lpf.torch_utils import quiet_transformers
+    from lpf.core.torch_utils import quiet_transformers
 
     quiet_transformers()
     out = {}

@@ -21,9 +21,9 @@ import shlex
 from pathlib import Path
 from typing import Callable
 
-from lpf.sampling import request_seed
-from lpf.shrink.config import Config, Source
-from lpf.shrink.signature import Signature
+from lpf.core.sampling import request_seed
+from lpf.experiments.shrink.config import Config, Source
+from lpf.experiments.shrink.signature import Signature
 
 SCRIPT_ENGINES = ("builtin", "vllm")
 CONFIG_FIELDS = ("architectures", "model_type", "hidden_size", "num_hidden_layers", "layer_types", "attn_layer_period",
@@ -124,7 +124,7 @@ def _evidence(run, request_id: str, position: int | None) -> dict | None:
     tok, ref = rows["tokens"], rows["reference"]
     if not tok or not ref:
         return None
-    from lpf.model_specs import ModelRef, load_tokenizer
+    from lpf.core.model_specs import ModelRef, load_tokenizer
 
     tokenizer = load_tokenizer(ModelRef(run.manifest["model"]["spec"], Path(run.manifest["model"]["path"])))
     return {"position": position, "token_id": tok["token_id"], "token": tokenizer.decode([tok["token_id"]]),

@@ -11,7 +11,7 @@ vocabulary, `chunk_rows` rows at a time into one reused buffer, with the head an
 float32 (weights stay in the reference dtype; `float32_head=False` keeps the head in it too, as an
 engine computing at that dtype would).
 
-Devices (`lpf.devices`): cpu, cuda or auto; a model larger than one GPU is spread with
+Devices (`lpf.core.devices`): cpu, cuda or auto; a model larger than one GPU is spread with
 `device_map="auto"`. Inputs go up through one pinned host buffer per batch and the results come
 back as one float32 block per batch: the only host synchronisation a batch makes.
 
@@ -29,11 +29,11 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from lpf.devices import load_model, resolve_device
-from lpf.errors import LpfError
-from lpf.model_specs import ModelRef, tokenizer_fingerprint
+from lpf.core.devices import load_model, resolve_device
+from lpf.core.errors import LpfError
+from lpf.core.model_specs import ModelRef, tokenizer_fingerprint
 from lpf.run import schema
-from lpf.torch_utils import logprob_rows, max_context, quiet_transformers, row_block, torch_dtype
+from lpf.core.torch_utils import logprob_rows, max_context, quiet_transformers, row_block, torch_dtype
 
 # The head's [chunk_rows, V] float32 logits buffer is about this size: on a CPU the matmul gains up to
 # ~500 rows (~15% from 128 to 512 at V = 32000) while logprob_rows reads the buffer in L2-sized blocks.

@@ -28,7 +28,7 @@ CONFIG = None  # lpf shrink writes the reproducer's data here
 
 @dataclass(frozen=True)
 class Sampling:
-    """The sampling parameters the built-in engine reads (the fields of lpf.sampling.SamplingParams)."""
+    """The sampling parameters the built-in engine reads (the fields of lpf.core.sampling.SamplingParams)."""
 
     temperature: float = 0.0
     top_p: float = 1.0

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lpf.errors import LpfError, did_you_mean
-from lpf.jsonsafe import finite
+from lpf.core.errors import LpfError, did_you_mean
+from lpf.core.jsonsafe import finite
 from lpf.run.store import RunDir
 
 TRACE_COLUMNS = ("step", "phase", "num_computed_tokens", "num_scheduled_tokens", "state_slot", "batch_size",
@@ -34,7 +34,7 @@ def _views(con) -> set[str]:
 
 def _decoder(run: RunDir):
     """(decode(id) -> text, note): token text from the run's own tokenizer, or ids when unavailable."""
-    from lpf.model_specs import load_tokenizer, resolve_model
+    from lpf.core.model_specs import load_tokenizer, resolve_model
 
     spec = run.manifest.get("model", {}).get("spec")
     try:
@@ -52,7 +52,7 @@ def _decoder(run: RunDir):
 
 
 def inspect_request(path: Path | str, request_id: str) -> dict:
-    from lpf.query import connect
+    from lpf.views.query import connect
 
     run = RunDir.open(path)
     con = connect(run)

@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from lpf.errors import LpfError, did_you_mean
+from lpf.core.errors import LpfError, did_you_mean
 
 DEFAULT_MODEL = "zoo:hybrid"
 
@@ -124,7 +124,7 @@ def load_tokenizer(model: ModelRef):
     """The model directory's HF tokenizer, offline. Raises LpfError when there is none."""
     from transformers import AutoTokenizer
 
-    from lpf.torch_utils import quiet_transformers
+    from lpf.core.torch_utils import quiet_transformers
 
     quiet_transformers()
     try:
@@ -159,7 +159,7 @@ def _build_tiny(name: str) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from lpf.torch_utils import quiet_transformers
+    from lpf.core.torch_utils import quiet_transformers
 
     quiet_transformers()
     cfg = dict(cfg)

@@ -13,8 +13,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from lpf.errors import LpfError
-from lpf.sampling import SamplingParams, request_seed
+from lpf.core.errors import LpfError
+from lpf.core.sampling import SamplingParams, request_seed
 
 DEFAULT_WORKLOAD = "zoo:oracle"
 
