@@ -9,19 +9,23 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from pydantic import Field, field_validator
+from pydantic import field_validator
 
 import lpf
 from lpf.adapters.base import Completion, Engine, Options
 from lpf.builtin.config import EngineConfig
+from lpf.builtin.faults import DRILLS
+from lpf.core.knobs import knob
 from lpf.core.workload import EngineRequest
 
 
 class BuiltinOptions(Options, EngineConfig):
     """The engine's own config (validated on parse, before a run starts) plus what the adapter adds."""
 
-    inject: str = ""  # comma-separated drills, e.g. "stale-state,offset-wrap:18"
-    threads: int = Field(1, ge=0)  # torch intra-op threads while generating (0: leave torch's)
+    inject: str = knob("", help="Fault drill (repeatable): built-in engine " + ", ".join(DRILLS) + "; vllm engine "
+                       "stale-state, offset-wrap[:BITS] (through lpf-vllm-trace).", flag=True, repeatable=True,
+                       metavar="FAULT[:ARG]")  # comma-separated in the options: "stale-state,offset-wrap:18"
+    threads: int = knob(1, ge=0, help="torch intra-op threads while generating (0: leave torch's).")
 
     @field_validator("inject")
     @classmethod
@@ -39,11 +43,10 @@ class BuiltinEngine(Engine):
 
     def __init__(self, model, sampling, options: BuiltinOptions):
         super().__init__(model, sampling, options)
-        from lpf.builtin.faults import FaultSet
         from lpf.builtin.llm_engine import LLMEngine
         from lpf.core.model_specs import load_tokenizer
 
-        self.engine = LLMEngine(model.path, EngineConfig.of(options), FaultSet.parse(options.inject))
+        self.engine = LLMEngine.from_options(model.path, options)
         self.eos_id = load_tokenizer(model).eos_token_id
 
     @classmethod

@@ -16,16 +16,17 @@ import inspect
 import time
 from typing import Iterator, Literal
 
-from pydantic import Field
-
+from lpf.core.knobs import knob
 from lpf.adapters.base import Completion, Engine, Options
 from lpf.core.workload import EngineRequest
 
 
 class HFOptions(Options):
-    batch_size: int = Field(32, ge=1)
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    device: str = "cpu"
+    batch_size: int = knob(32, ge=1, help="Requests generated together (one padded generate() batch).",
+                           roles=("concurrency",), shrink_order=100)
+    dtype: Literal["float32", "bfloat16", "float16"] = knob("float32", help="Engine dtype: float32, bfloat16 or float16.",
+                                                            shrink_order=130, flag=True)
+    device: str = knob("cpu", help="Where the model runs (cpu, cuda).")
 
 
 class HFEngine(Engine):

@@ -30,6 +30,7 @@ from lpf.adapters.base import Completion
 from lpf.adapters.http import RequestFailed
 from lpf.adapters.remote import Problems, RemoteEngine, RemoteOptions, as_logprob
 from lpf.core.errors import LpfError
+from lpf.core.knobs import knob
 from lpf.core.workload import EngineRequest
 
 TOKEN_ID_PREFIX = "token_id:"
@@ -37,9 +38,12 @@ _ID_FIELD = "return_tokens_as_token_ids"
 
 
 class OpenAIOptions(RemoteOptions):
-    served_model: str = ""
-    token_ids: Literal["auto", "server", "tokenizer"] = "auto"  # server: demand token_id:N; tokenizer: map strings
-    prompt_logprobs: Literal["echo", "field"] = "echo"  # how --prompt-logprobs asks: echo+logprobs or vLLM's field
+    served_model: str = knob("", help="openai engine: the name the server serves, when --model is the local copy.",
+                             flag=True)
+    token_ids: Literal["auto", "server", "tokenizer"] = knob(
+        "auto", help="How token ids are known: server (demand token_id:N), tokenizer (map the strings), auto.")
+    prompt_logprobs: Literal["echo", "field"] = knob(
+        "echo", help="How --prompt-logprobs asks: echo + logprobs, or vLLM's prompt_logprobs field.")
 
     @model_validator(mode="after")
     def _named(self):

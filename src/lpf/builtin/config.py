@@ -10,22 +10,33 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
+
+from lpf.core.knobs import knob
 
 # What `lpf.builtin.models` implements; kept here (no torch) so a run can be refused before it starts.
 SUPPORTED_ARCHITECTURES = ("GraniteMoeHybridForCausalLM", "JambaForCausalLM")
 
 
 class EngineConfig(BaseModel):
+    """The engine's knobs (the builtin adapter's `Options` adds its own); roles and flags: lpf.core.knobs.
+    shrink_order numbers are shared by every engine's knob of the same name (shrink.config)."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    max_num_seqs: int = Field(64, ge=1)
-    max_num_batched_tokens: int = Field(256, ge=1)
-    block_size: int = Field(16, ge=1)
-    cache_mb: float = Field(64.0, gt=0)
-    enable_chunked_prefill: bool = True
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    device: str = "cpu"
+    max_num_seqs: int = knob(64, ge=1, help="Most requests in one engine step (vLLM's name).",
+                             roles=("concurrency",), shrink_order=50, flag=True)
+    max_num_batched_tokens: int = knob(256, ge=1, help="Token budget of one engine step (vLLM's name).",
+                                       roles=("step_budget",), shrink_order=60, flag=True)
+    block_size: int = knob(16, ge=1, help="Tokens per paged KV-cache block.", shrink_order=90)
+    cache_mb: float = knob(64.0, gt=0, help="Built-in engine: cache size in MiB (the gpu_memory_utilization analogue).",
+                           roles=("cache_size",), shrink_order=10, flag=True)
+    enable_chunked_prefill: bool = knob(True, help="Split long prompts over several steps (vLLM's name).",
+                                        shrink_order=70, flag=True)
+    dtype: Literal["float32", "bfloat16", "float16"] = knob("float32", help="Engine dtype: float32, bfloat16 or float16.",
+                                                            shrink_order=130, flag=True)
+    device: str = knob("cpu", help="Where the engine runs (cpu, cuda).")
+
 
     @classmethod
     def of(cls, options: BaseModel) -> "EngineConfig":

@@ -49,6 +49,13 @@ class LLMEngine:
                                   self.truth, dtype, config.device)
         self._trace: list[dict] = []
 
+    @classmethod
+    def from_options(cls, model_path: Path, options) -> "LLMEngine":
+        """The engine for validated options that carry the engine's own fields (`EngineConfig`) and
+        `inject` (the drills): the builtin adapter's `BuiltinOptions`, as `lpf audit`, `lpf serve` and
+        `lpf rl simulate` all build it. Other fields (the adapter's `threads`) are the caller's."""
+        return cls(model_path, EngineConfig.of(options), FaultSet.parse(getattr(options, "inject", "")))
+
     def add_request(self, req: Request) -> Request | None:
         """Queue a request; returns it at once, finished with an error, if it could never run."""
         reason = self.scheduler.why_never_runs(req)

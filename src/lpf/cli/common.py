@@ -33,7 +33,6 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from lpf.analysis.levels import FAIL_LEVELS, at_or_above
-from lpf.builtin.faults import DRILLS
 from lpf.core.errors import LpfError
 
 err = Console(stderr=True)
@@ -81,49 +80,66 @@ def _apply(f, opts: list):
 
 
 # -- options ----------------------------------------------------------------------------------------
-KNOB_PARAMS = ("dtype", "engine_option", "inject", "cache_mb", "max_num_seqs", "max_num_batched_tokens",
-               "enable_chunked_prefill")
+def _engine_flags(engines: tuple[str, ...] | None) -> list:
+    """The flagged knobs (lpf.core.knobs) of these engines' Options, every engine when None."""
+    from lpf.adapters import engine_names, get_engine_class
+    from lpf.core.knobs import flag_knobs
+
+    return flag_knobs(get_engine_class(e).Options for e in (engines or engine_names()))
 
 
-def engine_knob_options(f):
-    """The engine knobs, under vLLM's names where vLLM has one. Each engine refuses knobs it lacks."""
-    return _apply(f, [
-        click.option("--dtype", default=None, help="Engine dtype: float32, bfloat16 or float16."),
-        click.option("-E", "--engine-option", "engine_option", multiple=True, metavar="KEY=VALUE",
-                     help="Any other engine knob, e.g. -E block_size=32 (repeatable; `lpf engines` lists them)."),
-        click.option("--inject", multiple=True, metavar="FAULT[:ARG]",
-                     help="Fault drill (repeatable): built-in engine " + ", ".join(DRILLS) + "; vllm engine "
-                          "stale-state, offset-wrap[:BITS] (through lpf-vllm-trace)."),
-        click.option("--cache-mb", type=float, default=None,
-                     help="Built-in engine: cache size in MiB (the gpu_memory_utilization analogue)."),
-        click.option("--max-num-seqs", type=int, default=None, help="Most requests in one engine step (vLLM's name)."),
-        click.option("--max-num-batched-tokens", type=int, default=None,
-                     help="Token budget of one engine step (vLLM's name)."),
-        click.option("--enable-chunked-prefill/--no-enable-chunked-prefill", default=None,
-                     help="Split long prompts over several steps (vLLM's name)."),
-    ])
+def _flag_option(k) -> click.Option:
+    """The click option of one flagged knob: its type from the field, its help from the field's description."""
+    if k.kind == "bool":
+        return click.Option([f"{k.flag_name}/--no-{k.flag_name[2:]}", k.name], default=None, help=k.help)
+    kind = {"int": int, "float": float}.get(k.kind, str)
+    return click.Option([k.flag_name, k.name], type=kind, default=None, multiple=k.repeatable, metavar=k.metavar,
+                        help=k.help)
 
 
-def engine_knobs(params: Mapping, **extra) -> dict:
+class KnobCommand(click.Command):
+    """A command with engine knobs (`engine_knob_options`): the named knob flags are generated from the
+    engines' Options fields the first time the command parses or shows help, so `lpf --help` imports
+    no engine module (and no pydantic)."""
+
+    def get_params(self, ctx: click.Context) -> list[click.Parameter]:
+        if not getattr(self, "_knob_flags_added", False):
+            self._knob_flags_added = True
+            engines = getattr(self.callback, "__lpf_knob_engines__", None)
+            at = next(i for i, p in enumerate(self.params) if p.name == "engine_option") + 1
+            self.params[at:at] = [_flag_option(k) for k in _engine_flags(engines)]
+        return super().get_params(ctx)
+
+
+def engine_knob_options(f=None, *, engines: tuple[str, ...] | None = None):
+    """The engine knobs: -E KEY=VALUE for every knob, and a named option for each flagged knob of these
+    engines (all by default), generated from their Options fields by `KnobCommand` (the command's
+    class: `@click.command(cls=KnobCommand)`). Each engine refuses knobs it lacks."""
+    def apply(g):
+        g.__lpf_knob_engines__ = engines
+        return click.option("-E", "--engine-option", "engine_option", multiple=True, metavar="KEY=VALUE",
+                            help="Any other engine knob, e.g. -E block_size=32 (repeatable; `lpf engines` lists "
+                                 "them).")(g)
+    return apply if f is None else apply(f)
+
+
+def engine_knobs(params: Mapping, engines: tuple[str, ...] | None = None) -> dict:
     """{knob: value} of every knob given (None = not given, left out; -E values stay strings: the
-    engine's `Options.parse` converts and validates them); `extra` adds named options the same way."""
+    engine's `Options.parse` converts and validates them); a named option wins over -E. A repeatable
+    flag's values are joined with ","."""
     options = {}
     for kv in params.get("engine_option") or ():
         key, sep, value = kv.partition("=")
         if not sep:
             raise LpfError(f"--engine-option expects KEY=VALUE, got {kv!r}")
         options[key.strip()] = value.strip()
-    named = {k: params.get(k) for k in KNOB_PARAMS if k not in ("engine_option", "inject")}
-    named["inject"] = ",".join(params["inject"]) if params.get("inject") else None
-    named.update(extra)
-    options.update({k: v for k, v in named.items() if v is not None})
+    for k in _engine_flags(engines):
+        value = params.get(k.name)
+        if k.repeatable:
+            value = ",".join(value) if value else None
+        if value is not None:
+            options[k.name] = value
     return options
-
-
-# engine options that have an option of their own on the command line (the rest go through -E)
-_NAMED_KNOBS = {"dtype": "--dtype", "cache_mb": "--cache-mb", "max_num_seqs": "--max-num-seqs",
-                "max_num_batched_tokens": "--max-num-batched-tokens", "base_url": "--base-url",
-                "api_key_env": "--api-key-env", "served_model": "--served-model"}
 
 
 def knob_args(options: Mapping) -> list[str]:
@@ -132,16 +148,18 @@ def knob_args(options: Mapping) -> list[str]:
     def text(v) -> str:
         return ("true" if v else "false") if isinstance(v, bool) else str(v)
 
+    flags = {k.name: k for k in _engine_flags(None)}
     args: list[str] = []
     for name, value in options.items():
+        k = flags.get(name)
         if value is None:
             continue
-        if name == "inject":
-            args += [a for drill in str(value).split(",") if drill.strip() for a in ("--inject", drill.strip())]
-        elif name == "enable_chunked_prefill":
-            args.append("--enable-chunked-prefill" if value else "--no-enable-chunked-prefill")
-        elif name in _NAMED_KNOBS:
-            args += [_NAMED_KNOBS[name], text(value)]
+        if k is not None and k.repeatable:
+            args += [a for part in str(value).split(",") if part.strip() for a in (k.flag_name, part.strip())]
+        elif k is not None and k.kind == "bool":
+            args.append(k.flag_name if value else f"--no-{k.flag_name[2:]}")
+        elif k is not None:
+            args += [k.flag_name, text(value)]
         else:
             args += ["-E", f"{name}={text(value)}"]
     return args
@@ -172,11 +190,6 @@ def run_options(f):
         click.option("--logprobs", type=int, default=5, show_default=True, help="Top-k alternatives recorded per token."),
         click.option("--prompt-logprobs", is_flag=True,
                      help="Also record the engine's logprob of every prompt token (the prefill path), audited apart."),
-        click.option("--base-url", default=None, help="openai/sglang engines: the server, e.g. http://127.0.0.1:8000/v1."),
-        click.option("--api-key-env", default=None, metavar="VAR",
-                     help="openai/sglang engines: environment variable holding the API key (never written anywhere)."),
-        click.option("--served-model", default=None,
-                     help="openai engine: the name the server serves, when --model is the local copy."),
         click.option("--part-size", type=int, default=64, show_default=True, hidden=True),
     ])
 
@@ -266,7 +279,7 @@ def audit_options(f):
 
 def _audit_parser() -> click.Command:
     """A command with exactly `lpf audit`'s options, to parse argument lists without running anything."""
-    return click.command("audit")(audit_options(lambda **kw: kw))
+    return click.command("audit", cls=KnobCommand)(audit_options(lambda **kw: kw))
 
 
 def parse_audit_args(argv: list[str], what: str) -> dict:
@@ -281,7 +294,8 @@ def parse_audit_args(argv: list[str], what: str) -> dict:
 def audit_option_kinds() -> dict[str, str]:
     """`lpf audit` option name -> kind (option | switch | flag | multi), for sweep knobs."""
     kinds = {}
-    for p in _audit_parser().params:
+    parser = _audit_parser()
+    for p in parser.get_params(click.Context(parser)):
         if not isinstance(p, click.Option) or p.hidden:
             continue
         kind = ("switch" if p.secondary_opts else "flag") if p.is_flag else ("multi" if p.multiple else "option")
@@ -302,8 +316,7 @@ def build_run_spec(params: Mapping):
     from lpf.core.workload import DEFAULT_WORKLOAD
 
     p = params
-    options = engine_knobs(p, base_url=p.get("base_url"), api_key_env=p.get("api_key_env"),
-                           served_model=p.get("served_model"))
+    options = engine_knobs(p)
     hook = getattr(get_engine_class(p["engine"]), "resolve_model_spec", None)
     model = hook(p.get("model"), p.get("reference"), options) if hook else p.get("model")
     if p["part_size"] < 1:

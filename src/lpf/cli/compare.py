@@ -53,16 +53,24 @@ def diff(run_a, run_b, as_json, out_file, fail_on):
 _NOT_KNOBS = {"out", "json", "fail-on", "engine-option", "help", "part-size", "engine", "model", "workload",
               "prompt-logprobs", "base-url", "api-key-env", "served-model"}
 
-# engine options every conformance cell of that engine gets: a short context keeps the KV cache small;
-# prefix caching off unless a cell turns it on (vLLM turns it on by default, and for a hybrid model that
-# selects mamba cache mode 'align', which refuses chunked prefill off)
 CRASHED = ("engine error", "lpf error")  # cell statuses that fail --fail-on at any level but never
+ENGINES = ("builtin", "vllm")  # the engines discovery can ask
 
-ENGINE_BASE = {"vllm": ["-E", "max_model_len=512", "-E", "enable_prefix_caching=false"], "builtin": []}
+
+def _engine_base(engine: str) -> list[str]:
+    """Engine options every conformance cell gets, by knob role: a short context keeps the KV cache small;
+    prefix caching off unless a cell turns it on (vLLM turns it on by default, and for a hybrid model that
+    selects mamba cache mode 'align', which refuses chunked prefill off)."""
+    from lpf.adapters import get_engine_class
+    from lpf.core.knobs import knob_with_role
+
+    options = get_engine_class(engine).Options
+    base = {knob_with_role(options, "context_length"): 512, knob_with_role(options, "prefix_cache"): "false"}
+    return [a for name, value in base.items() if name is not None for a in ("-E", f"{name}={value}")]
 
 
 @click.command("conformance")
-@click.option("--engine", type=click.Choice(sorted(ENGINE_BASE)), default="vllm", show_default=True,
+@click.option("--engine", type=click.Choice(ENGINES), default="vllm", show_default=True,
               help="Engine under test.")
 @click.option("--arch", "archs", default=None, metavar="A,B,...",
               help="Only these architectures (name, name without ForCausalLM, or model type) [default: all].")
@@ -134,7 +142,7 @@ def conformance(engine, archs, grid, cell_names, knobs, n_prompts, max_tokens, o
         common = ["--model", str(model), "--workload", str(workload), "--max-tokens", str(max_tokens)]
         for c in cells:
             argv = ["--engine", engine, *common, *(["--prompt-logprobs"] if c.prompt_logprobs else []),
-                    *ENGINE_BASE[engine], *c.args,
+                    *_engine_base(engine), *c.args,
                     "--out", str(cell_dir(out_dir, a["architecture"], c.name))]
             try:
                 spec = build_run_spec(parse_audit_args(argv, f"cell {c.name}"))

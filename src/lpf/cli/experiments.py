@@ -14,7 +14,7 @@ from pathlib import Path
 
 import click
 
-from lpf.cli.common import (audit_option_kinds, build_run_spec, default_out, engine_knob_options, engine_knobs, err,
+from lpf.cli.common import (KnobCommand, audit_option_kinds, build_run_spec, default_out, engine_knob_options, engine_knobs, err,
                             fail_on_option, fails, knob_args, parse_audit_args, progress_bar, rescore_args,
                             rescore_settings, write_report)
 from lpf.cli.render import print_repeat, print_shrink, print_shrink_event, print_sweep
@@ -78,7 +78,7 @@ def sweep(ctx, knobs, out_dir, as_json, fail_on):
         sys.exit(1)
 
 
-@click.command()
+@click.command(cls=KnobCommand)
 @click.option("--engine", default="builtin", show_default=True, help="Engine under test (see `lpf engines`).")
 @click.option("--model", default=None, help="Model dir, zoo:NAME or tiny:NAME [default: zoo:hybrid].")
 @click.option("--prompt", default=None, help="The prompt text (tokenized as a workload's 'prompt' would be).")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import click
 
-from lpf.cli.common import engine_knob_options, engine_knobs, err, progress_bar, reference_options, write_report
+from lpf.cli.common import KnobCommand, engine_knob_options, engine_knobs, err, progress_bar, reference_options, write_report
 from lpf.cli.render import print_rl_rescore, print_rl_summary
 from lpf.core.errors import LpfError
 from lpf.rl import FORMAT_NAMES
@@ -95,7 +95,7 @@ def rescore_cmd(dump, out_dir, fmt, strict, reference, reference_dtype, referenc
     err.print(f"next: lpf rl analyze {dump}{where}", highlight=False)
 
 
-@rl.command("simulate")
+@rl.command("simulate", cls=KnobCommand)
 @click.option("--steps", type=int, default=20, show_default=True, help="Training steps.")
 @click.option("--prompts", type=int, default=1, show_default=True, help="Prompts per step.")
 @click.option("--rollouts", type=int, default=8, show_default=True, help="Rollouts per prompt.")
@@ -104,7 +104,7 @@ def rescore_cmd(dump, out_dir, fmt, strict, reference, reference_dtype, referenc
 @click.option("--max-tokens", type=int, default=16, show_default=True)
 @click.option("--temperature", type=float, default=1.0, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
-@engine_knob_options
+@engine_knob_options(engines=("builtin",))
 @click.option("--out", "out_path", type=click.Path(path_type=Path), default=Path("rl-dump.parquet"), show_default=True,
               help="The dump: a file when it ends in .parquet, else a directory holding dump.parquet.")
 def simulate_cmd(steps, prompts, rollouts, model, workload, max_tokens, temperature, seed, out_path, **knobs):
@@ -114,7 +114,7 @@ def simulate_cmd(steps, prompts, rollouts, model, workload, max_tokens, temperat
     """
     from lpf.rl.simulate import SimSpec, simulate
 
-    engine = engine_knobs(knobs)
+    engine = engine_knobs(knobs, ("builtin",))
     inject = engine.pop("inject", "")
     spec = SimSpec(steps=steps, prompts=prompts, rollouts=rollouts, inject=inject, model=model,
                    workload=workload, max_tokens=max_tokens, temperature=temperature, seed=seed, engine=engine)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import click
 
-from lpf.cli.common import (RESCORE_PARAMS, analysis_options, audit_options, build_run_spec, err, fails, progress_bar,
+from lpf.cli.common import (RESCORE_PARAMS, KnobCommand, analysis_options, audit_options, build_run_spec, err, fails, progress_bar,
                             progress_bars,
                             rescore_options, rescore_settings, run_options, stream_option, trace_dir_option,
                             write_report)
@@ -72,7 +72,7 @@ def _analyze(run, threshold, as_json, fail_on, attribution=True, stream=None) ->
         sys.exit(1)
 
 
-@click.command()
+@click.command(cls=KnobCommand)
 @audit_options
 def audit(calibrate, threshold, attribution, as_json, fail_on, **params):
     """Run a workload on an engine, rescore it with the reference, analyze: all in one."""
@@ -87,7 +87,7 @@ def audit(calibrate, threshold, attribution, as_json, fail_on, **params):
     _analyze(run, threshold, as_json, fail_on, attribution)
 
 
-@click.command()
+@click.command(cls=KnobCommand)
 @run_options
 @click.option("--resume", type=click.Path(path_type=Path), default=None,
               help="Finish an interrupted run (its manifest supplies every other option).")

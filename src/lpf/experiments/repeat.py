@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from lpf.core.errors import LpfError
+from lpf.core.knobs import knob_with_role
 from lpf.core.sampling import SamplingParams, request_seed
 from lpf.core.workload import EngineRequest, load_prompts
 
@@ -71,12 +72,11 @@ class RepeatSpec:
     tolerance: float = DEFAULT_TOLERANCE
 
 
-def concurrency_knob(option_names: set[str], fixed: set[str]) -> str | None:
-    """The engine knob varied across copies: one the engine has and the user left free."""
-    for name in ("max_num_seqs", "batch_size"):
-        if name in option_names and name not in fixed:
-            return name
-    return None
+def concurrency_knob(options_cls, fixed: set[str]) -> str | None:
+    """The engine knob varied across copies: the one whose role is concurrency (lpf.core.knobs), when
+    the user left it free."""
+    name = knob_with_role(options_cls, "concurrency")
+    return name if name is not None and name not in fixed else None
 
 
 def plan_copies(times: int, vary: bool) -> list[CopyPlan]:
@@ -185,8 +185,7 @@ def run_repeat(spec: RepeatSpec, out: Path, on_start=lambda total: None, tick=la
         raise LpfError(f"{target} already exists: choose another --out")
     engine_cls = get_engine_class(spec.engine)
     base_opts = engine_cls.Options.parse(spec.engine_options)  # unknown knobs refused before any work
-    option_names = set(engine_cls.Options.model_fields)
-    knob = concurrency_knob(option_names, {k.replace("-", "_") for k in spec.engine_options})
+    knob = concurrency_knob(engine_cls.Options, {k.replace("-", "_") for k in spec.engine_options})
     model = resolve_model(spec.model)
     cfg = model_config(model)
     engine_cls.check_model(cfg)

@@ -64,16 +64,12 @@ def _noop(*_):
 def simulate(spec: SimSpec, out: Path, on_start: Callable = _noop, tick: Callable = _noop) -> dict:
     """Run the loop and write the dump to `out`; returns the engine description and counts."""
     from lpf.adapters.builtin import BuiltinEngine, BuiltinOptions
-    from lpf.builtin.config import EngineConfig
-    from lpf.builtin.faults import FaultSet
     from lpf.core.model_specs import load_tokenizer, resolve_model
     from lpf.pipeline import model_config
     from lpf.core.sampling import SamplingParams
     from lpf.core.workload import load_prompts
 
     options = BuiltinOptions.parse({**spec.engine, "inject": spec.inject})  # knobs and drills checked first
-    faults = FaultSet.parse(options.inject)
-    config = EngineConfig.of(options)
     model = resolve_model(spec.model)
     cfg = model_config(model)
     BuiltinEngine.check_model(cfg)
@@ -90,7 +86,7 @@ def simulate(spec: SimSpec, out: Path, on_start: Callable = _noop, tick: Callabl
     from lpf.builtin.llm_engine import LLMEngine
     from lpf.pipeline.reference import Rescorer
 
-    engine = LLMEngine(model.path, config, faults)
+    engine = LLMEngine.from_options(model.path, options)
     rescorer = Rescorer(model, dtype="float32", topk=1)
     desc = engine.describe()
     stride = desc["state_slot_stride"]

@@ -39,8 +39,6 @@ def run(ref, name: str, options, sock: socket.socket, trace_dir: Path | None, lo
     import torch
     import uvicorn
 
-    from lpf.builtin.config import EngineConfig
-    from lpf.builtin.faults import FaultSet
     from lpf.builtin.llm_engine import LLMEngine
     from lpf.core.model_specs import load_tokenizer
     from lpf.serve.app import create_app
@@ -49,8 +47,8 @@ def run(ref, name: str, options, sock: socket.socket, trace_dir: Path | None, lo
 
     if options.threads > 0:
         torch.set_num_threads(options.threads)
-    cfg = EngineConfig.of(options)
-    engine = LLMEngine(ref.path, cfg, FaultSet.parse(options.inject))
+    engine = LLMEngine.from_options(ref.path, options)
+    cfg = engine.config
     tokenizer = load_tokenizer(ref)
     info = ModelInfo(name=name, root=str(ref.path), vocab_size=int(engine.model.config.vocab_size),
                      max_context=engine.max_context, eos_token_id=tokenizer.eos_token_id,

@@ -26,12 +26,8 @@ from pathlib import Path
 from typing import Callable
 
 from lpf.core.errors import LpfError, did_you_mean
+from lpf.core.knobs import shrink_knobs
 
-# the knobs moved toward the engine's defaults, in this order (the cache first: it sets how fast
-# slots and blocks recycle); only those the engine has and the run set away from the default
-MOVABLE = ("cache_mb", "gpu_memory_utilization", "cpu_kvcache_space", "num_gpu_blocks_override", "max_num_seqs",
-           "max_num_batched_tokens", "enable_chunked_prefill", "enable_prefix_caching", "block_size", "batch_size",
-           "concurrency", "max_model_len", "dtype")
 PINNED_THRESHOLDS = ("clean_abs_diff", "divergent_abs_diff", "tie_margin")
 
 
@@ -87,6 +83,9 @@ class Source:
     expected: dict[int, str | None]
     max_tokens: dict[int, int]
     defaults: dict  # the engine's option defaults
+    # the knobs moved toward the defaults, in this order: those with a shrink_order on the engine's
+    # Options (lpf.core.knobs; the cache first: it sets how fast slots and blocks recycle)
+    shrink_order: tuple[str, ...] = ()
 
     @classmethod
     def open(cls, run_dir: Path) -> "Source":
@@ -118,7 +117,8 @@ class Source:
                    ids={r["seq"]: r["request_id"] for r in req},
                    expected={r["seq"]: r["oracle_expected"] for r in req},
                    max_tokens={r["seq"]: per_item.get(r["prompt_id"]) or default_mt for r in req},
-                   defaults={name: f.default for name, f in engine_cls.Options.model_fields.items()})
+                   defaults={name: f.default for name, f in engine_cls.Options.model_fields.items()},
+                   shrink_order=tuple(shrink_knobs(engine_cls.Options)))
 
     # -- the request to shrink for -----------------------------------------------------------------
     def target(self, request_id: str | None) -> dict:
@@ -169,9 +169,10 @@ class Source:
         return {k: v for k, v in config.knobs if v is not None and v != self.defaults.get(k)}
 
     def movable(self, config: Config) -> list[str]:
-        """The knobs to move toward the engine's defaults (the drill under study is not one)."""
+        """The knobs to move toward the engine's defaults, in the engine's shrink order (the drill under
+        study has none: it is not moved)."""
         off = self.off_default(config)
-        return [k for k in MOVABLE if k in off and k in self.defaults]
+        return [k for k in self.shrink_order if k in off]
 
     def size(self, config: Config) -> tuple[int, int, int]:
         return (len(config.members), sum(m.prompt_len + m.max_tokens for m in config.members),
