@@ -62,7 +62,7 @@ class BuiltinEngine(Engine):
     @classmethod
     def check_capacity(cls, model, options: BuiltinOptions, requests: list[EngineRequest]) -> None:
         """The cache these knobs buy (layer shapes only, no weights) must hold at least one request."""
-        from lpf.builtin.llm_engine import cache_sizes
+        from lpf.builtin.llm_engine import cache_sizes, max_context
         from lpf.builtin.models import model_shape
         from lpf.builtin.scheduler import never_runs_reason
         from lpf.core.errors import LpfError
@@ -70,10 +70,17 @@ class BuiltinEngine(Engine):
         if not requests:
             return
         config = EngineConfig.of(options)
-        _, num_blocks = cache_sizes(model_shape(model.path), config)
+        shape = model_shape(model.path)
+        _, num_blocks = cache_sizes(shape, config)
+        context = max_context(getattr(shape.config, "max_position_embeddings", None), config)
+
+        def why(r: EngineRequest) -> str | None:
+            return never_runs_reason(len(r.prompt_token_ids) + r.max_tokens, num_blocks, config,
+                                     len(r.prompt_token_ids), context)
+
         smallest = min(requests, key=lambda r: len(r.prompt_token_ids) + r.max_tokens)
-        reason = never_runs_reason(len(smallest.prompt_token_ids) + smallest.max_tokens, num_blocks, config)
-        if reason is not None:
+        reason = why(smallest)
+        if reason is not None and all(why(r) is not None for r in requests):
             raise LpfError(f"these engine knobs can hold no request of the workload: even the smallest "
                            f"({smallest.request_id}) {reason}")
 

@@ -36,7 +36,9 @@ class EngineConfig(BaseModel):
     dtype: Literal["float32", "bfloat16", "float16"] = knob("float32", help="Engine dtype: float32, bfloat16 or float16.",
                                                             shrink_order=130, flag=True)
     device: str = knob("cpu", help="Where the engine runs (cpu, cuda).")
-
+    max_model_len: int | None = knob(None, ge=1, help="Longest prompt + output a request may have: outputs stop there "
+                                     "and a longer prompt is refused (vLLM's name) [default: the model's context].",
+                                     roles=("context_length",), shrink_order=120, flag=True)
 
     @classmethod
     def of(cls, options: BaseModel) -> "EngineConfig":

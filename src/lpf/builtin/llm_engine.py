@@ -31,6 +31,12 @@ def cache_sizes(model, config: EngineConfig) -> tuple[int, int]:
     return config.cache_sizes(slot_bytes, block_bytes)
 
 
+def max_context(model_context: int | None, config: EngineConfig) -> int | None:
+    """The longest prompt + output a request may have: the model's context, capped by max_model_len."""
+    limits = [n for n in (model_context, config.max_model_len) if n is not None]
+    return min(limits) if limits else None
+
+
 class LLMEngine:
     def __init__(self, model_path: Path, config: EngineConfig, faults: FaultSet = FaultSet()):
         from lpf.builtin.models import load_model
@@ -40,7 +46,7 @@ class LLMEngine:
         self.faults = faults
         dtype = torch_dtype(config.dtype)
         self.model = load_model(model_path, dtype=dtype, device=config.device)
-        self.max_context = getattr(self.model.config, "max_position_embeddings", None)
+        self.max_context = max_context(getattr(self.model.config, "max_position_embeddings", None), config)
         self.num_slots, self.num_blocks = cache_sizes(self.model, config)
         self.truth = GroundTruth()
         self.scheduler = Scheduler(config, self.num_slots, self.num_blocks, self.max_context,
