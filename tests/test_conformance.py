@@ -155,10 +155,10 @@ def test_a_reference_that_cannot_run_at_the_cells_dtype_is_not_an_engine_error(m
     def cannot(run, budget):
         raise LpfError("the calibration run stopped: the reference x does not run at bfloat16 here")
 
-    monkeypatch.setattr(pipeline, "create_run", lambda spec: Run())
+    monkeypatch.setattr(pipeline, "open_audit", lambda spec: Run())
     monkeypatch.setattr(pipeline, "all_failed", lambda run: None)
-    monkeypatch.setattr(pipeline, "rescore_run", lambda *a: None)
+    monkeypatch.setattr(pipeline, "rescore_run", lambda *a, **k: None)
     monkeypatch.setattr(pipeline, "calibrate_run", cannot)
-    spec = type("Spec", (), {"out": tmp_path / "cell"})()
+    spec = pipeline.AuditSpec(run=pipeline.RunSpec(out=tmp_path / "cell"))
     with pytest.raises(matrix.ReferenceCannotRun, match="does not run at bfloat16"):
-        matrix._audit(spec, matrix.Settings(None), "bfloat16")
+        matrix._audit(spec, "bfloat16")

@@ -276,7 +276,6 @@ def test_the_vllm_minimum_reproduces_with_vllms_interpreter_alone(tmp_path):
     exits 0, vLLM and transformers agreeing to float32 rounding."""
     import shutil
 
-    from lpf.cli.common import knob_args
     from lpf.experiments.shrink.config import Source
     from lpf.experiments.shrink.judge import Judge
     from lpf.experiments.shrink.repro import write_outputs, write_script
@@ -301,12 +300,12 @@ def test_the_vllm_minimum_reproduces_with_vllms_interpreter_alone(tmp_path):
                        {"signature": sig.to_dict(), "signature_note": None}, 1)
     shutil.copytree(run, out / "candidates" / "c001-1")  # the minimum's one run
     seq = source.target(target)["seq"]
-    shrink = Shrink(source, seq, Judge(out, source, sig, seq, 1, 1, knob_args, lambda name: None), state)
+    shrink = Shrink(source, seq, Judge(out, source, sig, seq, 1, 1, lambda name: None), state)
     config = source.original()
     assert shrink.test(config, "original", "the minimum lpf shrink found on vLLM"), state.doc["candidates"]
     shrink.adopt(config)
     state.set(minimal={"candidate": "c001", "config": source.to_json(config)}, status="done")
-    write_outputs(out, source, state.doc, knob_args)
+    write_outputs(out, source, state.doc)
     cfg = script_config(out / "repro.py")
     assert cfg["engine"] == "vllm" and cfg["env"]["LPF_VLLM_INJECT"] == "stale-state"
     assert cfg["engine_args"]["max_num_seqs"] == 2 and [r["id"] for r in cfg["requests"]][-1] == target

@@ -4,18 +4,17 @@
   are the command's output).
 - `progress_bar(label, unit)`: one rich bar on stderr, shown once the stage has validated its inputs;
   `progress_bars(*stages)` several, for stages that run one after another in one call.
-- Option decorators, each option declared once: `engine_knob_options` (the engine knobs, on every
+- Option decorators, each option declared once: `engine_knob_options` (-E for every engine knob, and
+  the named knob flags generated from the engines' Options fields by `KnobCommand`, the class of every
   command that starts an engine), `trace_dir_option` (a vLLM server's trace to join: run options and
   `lpf analyze`), `run_options`, `reference_options` (the rescorer's model, dtype, device and budget),
   `rescore_options` (those + the executor + --calibrate), `analysis_options`, `stream_option`
-  (`lpf analyze`), and `audit_options` (all of
-  them: `lpf audit`'s own set, which `sweep` also parses cells with).
-- `rescore_settings(params)` / `rescore_args(params)`: parsed rescore options as the stage's
-  settings, and back as `lpf rescore` arguments.
-- `engine_knobs(params)`: the knob values a command got, as one engine-options dict;
-  `knob_args(options)` is its inverse (the audit arguments that set engine options).
-- `build_run_spec(params)`: the one run-spec builder, from parsed run options.
-- `parse_audit_args(argv, what)`: an `lpf audit` argument list parsed into its params.
+  (`lpf analyze`), `audit_settings_options` (what one audit is: `lpf sweep`'s cells) and
+  `audit_options` (all of them: `lpf audit`'s own set).
+- `engine_knobs(params)`: the knob values a command got, as one engine-options dict.
+- `rescore_settings(params)`: parsed rescore options as the stage's settings (validated).
+- `build_audit_spec(params)`: the one `AuditSpec` builder, from parsed options. Options become a spec
+  here and nowhere else; nothing turns a spec or options back into arguments in this package.
 - `write_report(path)`: the one rule for writing report.html after findings exist.
 - `fails(verdicts, fail_on)`: the one `--fail-on` rule.
 Imports here are click, rich and light lpf modules only: `lpf --help` must stay fast.
@@ -142,43 +141,19 @@ def engine_knobs(params: Mapping, engines: tuple[str, ...] | None = None) -> dic
     return options
 
 
-def knob_args(options: Mapping) -> list[str]:
-    """The `lpf audit` arguments that set these engine options (the inverse of `engine_knobs`):
-    the named option where there is one, `-E NAME=VALUE` otherwise; None values are left out."""
-    def text(v) -> str:
-        return ("true" if v else "false") if isinstance(v, bool) else str(v)
-
-    flags = {k.name: k for k in _engine_flags(None)}
-    args: list[str] = []
-    for name, value in options.items():
-        k = flags.get(name)
-        if value is None:
-            continue
-        if k is not None and k.repeatable:
-            args += [a for part in str(value).split(",") if part.strip() for a in (k.flag_name, part.strip())]
-        elif k is not None and k.kind == "bool":
-            args.append(k.flag_name if value else f"--no-{k.flag_name[2:]}")
-        elif k is not None:
-            args += [k.flag_name, text(value)]
-        else:
-            args += ["-E", f"{name}={text(value)}"]
-    return args
-
-
 def trace_dir_option(f):
     return click.option("--trace-dir", type=click.Path(path_type=Path), default=None, metavar="DIR",
                         help="openai engine: the LPF_VLLM_TRACE_DIR of the vLLM server (with lpf-vllm-trace) "
                              "that served the run; its step trace is joined to the run by request id.")(f)
 
 
-def run_options(f):
-    """What a run is: engine, model, workload, sampling, knobs, where it goes."""
+def _run_settings(f):
+    """What a run is, but where it goes: engine, model, workload, sampling, knobs."""
     f = trace_dir_option(engine_knob_options(f))
     return _apply(f, [
         click.option("--engine", default="builtin", show_default=True, help="Engine under test (see `lpf engines`)."),
         click.option("--model", default=None, help="Model dir, zoo:NAME or tiny:NAME [default: zoo:hybrid]."),
         click.option("--workload", default=None, help="Prompts JSONL or zoo:NAME [default: zoo:oracle]."),
-        click.option("--out", type=click.Path(path_type=Path), default=None, help="Run directory to create."),
         click.option("--n", "n", type=int, default=1, show_default=True, help="Rollouts per prompt."),
         click.option("--temperature", type=float, default=0.0, show_default=True),
         click.option("--top-p", type=float, default=1.0, show_default=True),
@@ -194,8 +169,13 @@ def run_options(f):
     ])
 
 
-RESCORE_PARAMS = ("reference", "reference_dtype", "token_budget", "reference_device", "executor", "ray_address",
-                  "actors", "gpus_per_actor")
+def out_option(f):
+    return click.option("--out", type=click.Path(path_type=Path), default=None, help="Run directory to create.")(f)
+
+
+def run_options(f):
+    """What a run is: engine, model, workload, sampling, knobs, where it goes."""
+    return _run_settings(out_option(f))
 
 
 def reference_options(f):
@@ -239,27 +219,23 @@ def rescore_settings(params: Mapping):
     return settings
 
 
-def rescore_args(params: Mapping) -> list[str]:
-    """The `lpf rescore` arguments that reproduce parsed rescore options (a sweep cell's resume)."""
-    args = []
-    for name in RESCORE_PARAMS:
-        value = params.get(name)
-        if value is not None:
-            args += [f"--{name.replace('_', '-')}", str(value)]
-    return args
-
-
 def fail_on_option(what: str = "any request"):
     return click.option("--fail-on", type=click.Choice(FAIL_LEVELS), default="divergent", show_default=True,
                         help=f"Exit 1 when {what} is at or above this verdict.")
 
 
-def analysis_options(f):
+def _analysis_settings(f):
     return _apply(f, [
         click.option("--threshold", multiple=True, metavar="NAME=VALUE", help="Override a verdict threshold (repeatable)."),
         click.option("--attribution/--no-attribution", default=True, show_default=True,
                      help="Re-score flagged outputs under the prompts of requests served alongside them "
                           "(whose answer is this?)."),
+    ])
+
+
+def analysis_options(f):
+    f = _analysis_settings(f)
+    return _apply(f, [
         click.option("--json", "as_json", is_flag=True, help="Print findings JSON on stdout."),
         fail_on_option(),
     ])
@@ -272,48 +248,27 @@ def stream_option(f):
                              "run or prompt logprobs (read in memory).")(f)
 
 
+def audit_settings_options(f):
+    """What one audit is, without where it goes or what it prints (run + rescore + analysis settings):
+    `lpf audit`'s options but --out, --json and --fail-on; `lpf sweep` takes these for its cells."""
+    return _run_settings(rescore_options(_analysis_settings(f)))
+
+
 def audit_options(f):
     """`lpf audit`'s whole option set (run + rescore + analysis)."""
     return run_options(rescore_options(analysis_options(f)))
 
 
-def _audit_parser() -> click.Command:
-    """A command with exactly `lpf audit`'s options, to parse argument lists without running anything."""
-    return click.command("audit", cls=KnobCommand)(audit_options(lambda **kw: kw))
-
-
-def parse_audit_args(argv: list[str], what: str) -> dict:
-    """`lpf audit` arguments parsed into their params (defaults filled), or LpfError naming `what`."""
-    try:
-        with _audit_parser().make_context("audit", list(argv), resilient_parsing=False) as ctx:
-            return dict(ctx.params)
-    except click.ClickException as e:
-        raise LpfError(f"{what}: {e.format_message()}") from None
-
-
-def audit_option_kinds() -> dict[str, str]:
-    """`lpf audit` option name -> kind (option | switch | flag | multi), for sweep knobs."""
-    kinds = {}
-    parser = _audit_parser()
-    for p in parser.get_params(click.Context(parser)):
-        if not isinstance(p, click.Option) or p.hidden:
-            continue
-        kind = ("switch" if p.secondary_opts else "flag") if p.is_flag else ("multi" if p.multiple else "option")
-        for opt in p.opts:
-            if opt.startswith("--"):
-                kinds[opt[2:]] = kind
-    return kinds
-
-
-# -- building a run ---------------------------------------------------------------------------------
-def build_run_spec(params: Mapping):
-    """The `RunSpec` of parsed run options (`run_options`' params; others are ignored). Engines
-    behind a server name a model that is not a local path: their adapter picks the local one."""
+# -- building an audit ------------------------------------------------------------------------------
+def build_audit_spec(params: Mapping):
+    """The one `AuditSpec` builder, from parsed options: `run_options`' params and, where the command
+    has them, the rescore and analysis options (else their defaults: `lpf run`). Engines behind a server
+    name a model that is not a local path: their adapter picks the local one. Validates everything
+    (engine knobs, thresholds, rescore settings) or raises LpfError."""
     from lpf.adapters import get_engine_class
-    from lpf.core.model_specs import DEFAULT_MODEL
-    from lpf.pipeline import RunSpec
+    from lpf.analysis.thresholds import Thresholds
     from lpf.core.sampling import SamplingParams
-    from lpf.core.workload import DEFAULT_WORKLOAD
+    from lpf.pipeline.spec import AnalysisSpec, AuditSpec, RunSpec
 
     p = params
     options = engine_knobs(p)
@@ -324,10 +279,15 @@ def build_run_spec(params: Mapping):
     sampling = SamplingParams(temperature=p["temperature"], top_p=p["top_p"], top_k=p["top_k"],
                               max_tokens=p["max_tokens"], seed=p["seed"], ignore_eos=p["ignore_eos"],
                               logprobs=p["logprobs"], prompt_logprobs=bool(p.get("prompt_logprobs")))
-    out_dir = p.get("out") or Path("runs") / time.strftime("run-%Y%m%d-%H%M%S")
-    return RunSpec(engine=p["engine"], model=model or DEFAULT_MODEL, workload=p.get("workload") or DEFAULT_WORKLOAD,
-                   out=out_dir, n=p["n"], sampling=sampling, engine_options=options, part_size=p["part_size"],
-                   trace_dir=p.get("trace_dir"))
+    run = RunSpec(engine=p["engine"], **({"model": model} if model else {}),
+                  **({"workload": p["workload"]} if p.get("workload") else {}),
+                  out=p.get("out") or default_out("run"), n=p["n"], sampling=sampling, engine_options=options,
+                  part_size=p["part_size"], trace_dir=p.get("trace_dir"))
+    pinned = Thresholds().with_overrides(list(p.get("threshold") or ()))
+    kw = {"rescore": rescore_settings(p)} if "token_budget" in p else {}
+    return AuditSpec(run=run, analysis=AnalysisSpec(calibrate=bool(p.get("calibrate")),
+                                                    attribution=p.get("attribution", True)),
+                     thresholds={name: getattr(pinned, name) for name in pinned.pinned}, **kw)
 
 
 def default_out(kind: str) -> Path:

@@ -1,19 +1,22 @@
 """`lpf sweep`: one audit per cell of a knob grid, and what moves the failure's shape.
 
 Contract:
-- `parse_knobs` turns `NAME=V1,V2,...` specs into `Knob`s. A knob is an `lpf audit` option (kinds
-  from the CLI: a valued option, an on/off switch, a flag, a repeatable option whose value joins
-  parts with `+`, e.g. `inject=none,stale-state+offset-wrap:18`) or, failing that, an engine option
-  (`-E NAME=V`) of the engine(s) in play. Unknown names raise `LpfError` with a did-you-mean before
-  anything runs; a knob also given as a fixed option is refused (which value would win is unclear).
-- `make_cells` is the cartesian product, each cell named from its values (filesystem-safe) and
-  holding the exact `lpf audit` argv it runs.
-- `run_sweep` runs every cell not yet complete as its own `lpf audit` subprocess (engines such as
-  vLLM cannot be re-sized in place) into `DIR/cells/<name>`, an ordinary run directory; its log goes
-  to `DIR/logs/<name>.log`. A cell whose run was interrupted is finished with `lpf run --resume`,
-  `lpf rescore` and `lpf analyze`, so a rerun of the same sweep redoes nothing (`run_cell`: one
-  cell, which `lpf shrink` runs each candidate with). `DIR/sweep.json`
-  (rewritten after every cell) and `DIR/sweep.parquet` follow the sweep-dir contract.
+- `parse_knobs(specs, settings, engine_fields, fixed)` turns `NAME=V1,V2,...` specs into `Knob`s. A
+  knob names one of an audit's settings (`settings`: the names `lpf audit` spells them with, dashed:
+  cache-mb, n, temperature, inject, ...) or, failing that, an engine option of every engine in play
+  (`engine_fields`: engine -> its Options field names, e.g. block_size). Unknown names raise
+  `LpfError` with a did-you-mean before anything runs; a knob also given as a fixed setting (`fixed`:
+  name -> how it was given, e.g. "--cache-mb" or "-E") is refused (which value would win is unclear).
+  Values stay text here: whoever builds a cell's `AuditSpec` converts them (the command line, with
+  its own option types), so a bad value is refused while the cells are built, before the first runs.
+- `make_cells(knobs)` is the cartesian product, each cell named from its values (filesystem-safe);
+  a `Cell` gets its `spec` (an AuditSpec into `DIR/cells/<name>`) from the caller.
+- `run_sweep` runs every cell not yet complete (`cells.run_cell`: its own `lpf audit --spec -`
+  process, an ordinary run directory `DIR/cells/<name>`, its log `DIR/logs/<name>.log`; an
+  interrupted cell is finished, not redone), so a rerun of the same sweep redoes nothing.
+  `DIR/sweep.json` (rewritten after every cell) and `DIR/sweep.parquet` follow the sweep-dir contract;
+  the sweep's identity (what a rerun must match) is its knobs and its cells' specs (`specs_sha256`,
+  over each spec without its directory).
 - `cell_row` reads a cell's `findings.json` (its `shape` block when present, else counts/flagged);
   `shape_moves` is pure: per knob, with the other knobs fixed, whether rate, onset, first-divergence
   position and period change, each as one sentence with the numbers.
@@ -21,19 +24,18 @@ Contract:
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import math
-import os
 import re
-import shutil
-import subprocess
-import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from statistics import median
 
 from lpf.core.errors import LpfError, did_you_mean
+from lpf.experiments.cells import cell_complete, read_out_doc, run_cell
+from lpf.pipeline.spec import with_run
 
 METRICS = ("rate", "onset", "position", "period")
 FIELDS = ("name", "run_dir", "verdict", "n_requests", "n_scored", "n_flagged", "rate", "onset_seq", "onset_step",
@@ -44,34 +46,20 @@ RATE_ALPHA = 0.01  # two-proportion z-test level for "the rate moved"
 
 @dataclass(frozen=True)
 class Knob:
-    name: str  # dashed, as on the command line (cache-mb) or the engine's own name (block_size)
+    name: str  # dashed, as `lpf audit` spells the setting (cache-mb), or the engine's own name (block_size)
     values: tuple[str, ...]
-    kind: str  # option | switch | flag | multi | engine
-
-    def args(self, value: str) -> list[str]:
-        """The audit arguments that set this knob to `value`."""
-        if self.kind == "option":
-            return [f"--{self.name}", value]
-        if self.kind in ("switch", "flag"):
-            on = _bool(self.name, value)
-            if self.kind == "flag":
-                return [f"--{self.name}"] if on else []
-            return [f"--{self.name}" if on else f"--no-{self.name}"]
-        if self.kind == "multi":
-            parts = [] if value.lower() in ("none", "off") else [p for p in value.split("+") if p]
-            return [a for p in parts for a in (f"--{self.name}", p)]
-        return ["-E", f"{self.name}={value}"]
+    kind: str  # setting | engine (an engine option without a setting of its own: -E NAME=V)
 
 
 @dataclass
 class Cell:
     name: str
     values: dict[str, str]
-    argv: list[str]  # `lpf audit` arguments, without --out
-    resume: dict[str, list[str]] = field(default_factory=dict)  # rescore/analyze arguments for a resume
+    spec: object = None  # its AuditSpec (lpf.pipeline.spec), built by the caller from the values
 
 
-def _bool(name: str, value: str) -> bool:
+def parse_bool(name: str, value: str) -> bool:
+    """A knob's on/off value: 1/true/yes/on or 0/false/no/off."""
     v = value.lower()
     if v in ("1", "true", "yes", "on"):
         return True
@@ -80,9 +68,8 @@ def _bool(name: str, value: str) -> bool:
     raise LpfError(f"knob {name}: expected true/false, got {value!r}")
 
 
-def parse_knobs(specs: list[str], audit_kinds: dict[str, str], engine_fields: dict[str, set[str]],
-                base_args: list[str]) -> list[Knob]:
-    """`audit_kinds`: audit option name -> kind; `engine_fields`: engine name -> its option names."""
+def parse_knobs(specs: list[str], settings: set[str], engine_fields: dict[str, set[str]],
+                fixed: dict[str, str]) -> list[Knob]:
     if not specs:
         raise LpfError("give at least one --knob NAME=V1,V2,...")
     knobs, seen = [], set()
@@ -98,44 +85,33 @@ def parse_knobs(specs: list[str], audit_kinds: dict[str, str], engine_fields: di
         if len(set(values)) != len(values):
             raise LpfError(f"--knob {name}: a value is listed twice")
         dashed, under = name.replace("_", "-"), name.replace("-", "_")
-        if dashed in audit_kinds:
-            knob = Knob(dashed, values, audit_kinds[dashed])
+        if dashed in settings:
+            knob = Knob(dashed, values, "setting")
         elif under in engine_names:
             missing = [e for e, fs in engine_fields.items() if under not in fs]
             if missing:
                 raise LpfError(f"knob {name}: engine {missing[0]} has no option {under}")
             knob = Knob(under, values, "engine")
         else:
-            known = sorted(audit_kinds) + engine_names
+            known = sorted(settings) + engine_names
             raise LpfError(f"unknown knob {name!r}{did_you_mean(dashed, known)}; knobs are lpf audit options "
-                           f"({', '.join(sorted(audit_kinds))}) and engine options ({', '.join(engine_names)})")
+                           f"({', '.join(sorted(settings))}) and engine options ({', '.join(engine_names)})")
         if knob.name in seen:
             raise LpfError(f"knob {knob.name} is given twice")
         seen.add(knob.name)
-        for v in values:
-            knob.args(v)  # a bad boolean is refused now, not in the middle of the sweep
-        _refuse_fixed(knob, base_args)
+        if knob.name in fixed:
+            how = fixed[knob.name]
+            raise LpfError(f"{knob.name} is both a knob and a fixed -E option: drop one" if how == "-E" else
+                           f"{knob.name} is both a knob and a fixed option ({how}): drop one")
         knobs.append(knob)
     return knobs
-
-
-def _refuse_fixed(knob: Knob, base_args: list[str]) -> None:
-    if knob.kind == "engine":
-        for a, b in zip(base_args, base_args[1:]):
-            if a in ("-E", "--engine-option") and b.partition("=")[0].strip().replace("-", "_") == knob.name:
-                raise LpfError(f"{knob.name} is both a knob and a fixed -E option: drop one")
-        return
-    for a in base_args:
-        flag = a.partition("=")[0]
-        if flag in (f"--{knob.name}", f"--no-{knob.name}"):
-            raise LpfError(f"{knob.name} is both a knob and a fixed option ({flag}): drop one")
 
 
 def _safe(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_") or "x"
 
 
-def make_cells(knobs: list[Knob], base_args: list[str]) -> list[Cell]:
+def make_cells(knobs: list[Knob]) -> list[Cell]:
     cells, used = [], set()
     for combo in itertools.product(*(k.values for k in knobs)):
         name = "__".join(f"{_safe(k.name)}-{_safe(v)}" for k, v in zip(knobs, combo))
@@ -143,108 +119,36 @@ def make_cells(knobs: list[Knob], base_args: list[str]) -> list[Cell]:
         while name in used:  # two values that differ only in unsafe characters
             name, i = f"{base}-{i}", i + 1
         used.add(name)
-        argv = list(base_args) + [a for k, v in zip(knobs, combo) for a in k.args(v)]
-        cells.append(Cell(name, {k.name: v for k, v in zip(knobs, combo)}, argv))
+        cells.append(Cell(name, {k.name: v for k, v in zip(knobs, combo)}))
     return cells
 
 
-# -- running ----------------------------------------------------------------------------------------
-def _die_with_parent() -> None:
-    """In the child, before exec: the kernel kills it when the sweep dies (a SIGKILLed sweep must not
-    leave a cell's audit writing into the run a rerun resumes). Linux only; elsewhere a no-op (the
-    run directory's lock still refuses a second writer)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
-    except (OSError, AttributeError):
-        pass
+def identity(knobs: list[Knob], cells: list[Cell]) -> dict:
+    """What a rerun of the sweep must match: its knobs, and its cells' specs (without their directories)."""
+    digest = hashlib.sha256(json.dumps([[c.name, c.spec.identity()] for c in cells], sort_keys=True,
+                                       default=str).encode()).hexdigest()
+    return {"knobs": [{"name": k.name, "values": list(k.values)} for k in knobs], "specs_sha256": digest}
 
 
-def _lpf(args: list[str], log: Path) -> int:
-    """Run `lpf ARGS` in a child process, stdout+stderr appended to `log`; its exit code."""
-    cmd = [sys.executable, "-c", "import sys; sys.argv[0] = 'lpf'; from lpf.cli import main; main()", *args]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    with open(log, "a") as f:
-        f.write("$ lpf " + " ".join(args) + "\n")
-        f.flush()
-        return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
-                              preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None).returncode
-
-
-def _error_line(log: Path) -> str:
-    lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
-    errs = [ln for ln in lines if ln.startswith("error:")]
-    return (errs or lines or ["(no output)"])[-1]
-
-
-def cell_complete(run_dir: Path) -> bool:
-    f = run_dir / "findings.json"
-    if not f.is_file():
-        return False
-    try:
-        findings = json.loads(f.read_text())
-        manifest = json.loads((run_dir / "manifest.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return False
-    return manifest.get("status") == "complete" and findings.get("run_complete") and not findings.get("unscored")
-
-
-def run_cell(cell: Cell, run_dir: Path, log: Path) -> None:
-    if run_dir.exists() and not (run_dir / "manifest.json").is_file():
-        if any(p.is_file() for p in run_dir.rglob("*")):
-            raise LpfError(f"{run_dir} holds files but no manifest.json: move it away to rerun this cell")
-        shutil.rmtree(run_dir)  # only empty directories left by a run killed while being created
-    if not run_dir.exists():
-        steps = [["audit", *cell.argv, "--out", str(run_dir), "--fail-on", "never"]]
-    else:
-        manifest = json.loads((run_dir / "manifest.json").read_text())
-        steps = [] if manifest.get("status") == "complete" else [["run", "--resume", str(run_dir)]]
-        steps += [["rescore", str(run_dir), *cell.resume.get("rescore", [])],
-                  ["analyze", str(run_dir), *cell.resume.get("analyze", []), "--fail-on", "never"]]
-    for args in steps:
-        rc = _lpf(args, log)
-        if rc == 2:
-            raise LpfError(f"cell {cell.name}: {_error_line(log).removeprefix('error:').strip()} (log: {log})")
-        if rc != 0:  # cells run with --fail-on never: 1 is a crash here, not findings
-            raise LpfError(f"cell {cell.name}: lpf {args[0]} failed with exit code {rc} ({_error_line(log)}); log: {log}")
-
-
-def read_out_doc(out: Path, name: str) -> dict | None:
-    """The document `name` an earlier run of the command left in its --out directory, or None when there
-    is none. Refuses, in one line, an --out that is a file and a document that is not JSON (the sweep's,
-    shrink's and conformance's resume rule)."""
+def check_out(out: Path, spec: dict) -> dict:
+    """Refuses an --out holding anything but this same sweep (`identity`); returns `spec`."""
     out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise LpfError(f"{out} is a file, not a directory: choose another --out")
-    path = out / name
-    if not path.is_file():
-        return None
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError:
-        raise LpfError(f"{path} is unreadable: move it away or choose another --out") from None
-
-
-def check_out(out: Path, knobs: list[Knob], base_args: list[str]) -> dict:
-    """The sweep's identity ({knobs, base_args}); refuses an --out holding anything else."""
-    out = Path(out)
-    spec = {"knobs": [{"name": k.name, "values": list(k.values)} for k in knobs], "base_args": list(base_args)}
     old = read_out_doc(out, "sweep.json")
     if old is not None:
-        if {"knobs": old.get("knobs"), "base_args": old.get("base_args")} != spec:
-            raise LpfError(f"{out} holds a different sweep (knobs {old.get('knobs')}, options {old.get('base_args')}): "
-                           f"choose another --out")
+        if {"knobs": old.get("knobs"), "specs_sha256": old.get("specs_sha256")} != spec:
+            same_knobs = old.get("knobs") == spec["knobs"]
+            raise LpfError(f"{out} holds a different sweep (knobs {old.get('knobs')}"
+                           f"{', other options' if same_knobs else ''}): choose another --out")
     elif out.exists() and any(out.iterdir()):
         raise LpfError(f"{out} exists, is not empty and holds no sweep.json: choose another --out")
     return spec
 
 
-def run_sweep(out: Path, knobs: list[Knob], base_args: list[str], cells: list[Cell],
-              on_start=lambda total, done: None, tick=lambda n: None) -> dict:
+def run_sweep(out: Path, knobs: list[Knob], cells: list[Cell], on_start=lambda total, done: None,
+              tick=lambda n: None) -> dict:
     """Run every incomplete cell; returns (and writes) the sweep document."""
     out = Path(out)
-    spec = check_out(out, knobs, base_args)
+    spec = check_out(out, identity(knobs, cells))
     (out / "cells").mkdir(parents=True, exist_ok=True)
     (out / "logs").mkdir(exist_ok=True)
     done = {c.name for c in cells if cell_complete(out / "cells" / c.name)}
@@ -253,7 +157,7 @@ def run_sweep(out: Path, knobs: list[Knob], base_args: list[str], cells: list[Ce
     try:
         for c in cells:
             if c.name not in done:
-                run_cell(c, out / "cells" / c.name, out / "logs" / f"{c.name}.log")
+                run_cell(with_run(c.spec, out=out / "cells" / c.name), out / "logs" / f"{c.name}.log", c.name)
                 done.add(c.name)
                 tick(1)
                 write_sweep(out, spec, cells, done)

@@ -1,7 +1,9 @@
 """The knob cells of a conformance matrix, and the workload every cell runs.
 
-Contract: `GRIDS[name]` lists `GridCell`s (a name, the `lpf audit` arguments that set its knobs, what
-it stresses). `small` is the CI grid (2 cells); `full` is the documented matrix (9 cells): chunked
+Contract: `GRIDS[name]` lists `GridCell`s (a name, the engine options that set its knobs, what it
+stresses; `args` is the same as `lpf audit` arguments, for people: the matrix page shows them).
+`knob_cells(knobs)` makes cells of `lpf conformance --knob` (the sweep's grid product, engine knobs
+only: a cell is a setting of the engine's knobs, the matrix fixes the rest). `small` is the CI grid (2 cells); `full` is the documented matrix (9 cells): chunked
 prefill with a budget small enough to split every prompt, chunked prefill off, prefix caching on
 (the workload shares prompt prefixes), both, max_num_seqs 1 against many sequences sharing a small
 budget (vLLM needs the budget >= max_num_seqs), and bfloat16 with and without small chunks. Knob names are vLLM's; an engine that lacks a
@@ -38,33 +40,43 @@ PREFIX = 136  # one 128-token block and then some
 @dataclass(frozen=True)
 class GridCell:
     name: str
-    args: tuple[str, ...]
+    options: tuple[tuple[str, object], ...]  # engine options (vLLM's names), in the order people read them
     stresses: str
     prompt_logprobs: bool = True  # False where asking for them would disable what the cell tests
 
     @property
     def dtype(self) -> str:
-        return self.args[self.args.index("--dtype") + 1] if "--dtype" in self.args else "float32"
+        return str(dict(self.options).get("dtype", "float32"))
+
+    @property
+    def args(self) -> list[str]:
+        """The cell's knobs as `lpf audit` arguments (for people: the matrix page, conformance.json; the
+        knobs' names are vLLM's, the same arguments for the built-in engine)."""
+        from lpf.pipeline.spec import engine_option_args
+
+        return engine_option_args("vllm", dict(self.options))
+
+
+def _cell(name: str, stresses: str, prompt_logprobs: bool = True, **options) -> GridCell:
+    return GridCell(name, tuple(options.items()), stresses, prompt_logprobs)
 
 
 _CELLS = {c.name: c for c in [
-    GridCell("fp32", ("--dtype", "float32"), "the default path: every prompt in one prefill step"),
-    GridCell("fp32-chunk16", ("--dtype", "float32", "--max-num-batched-tokens", str(CHUNK), "--enable-chunked-prefill"),
-             f"chunked prefill: each prompt split into {CHUNK}-token chunks (state handed from chunk to chunk)"),
-    GridCell("fp32-no-chunked", ("--dtype", "float32", "--no-enable-chunked-prefill", "--max-num-batched-tokens", "512"),
-             "chunked prefill off: every prompt in one step whatever the budget"),
-    GridCell("fp32-prefix-cache", ("--dtype", "float32", "-E", "enable_prefix_caching=true", "--max-num-seqs", "1"),
-             f"prefix caching: prompts sharing a {PREFIX}-token prefix start from a cached state", prompt_logprobs=False),
-    GridCell("fp32-prefix-cache-chunk16", ("--dtype", "float32", "-E", "enable_prefix_caching=true", "--max-num-seqs",
-                                           "1", "--max-num-batched-tokens", str(CHUNK), "--enable-chunked-prefill"),
-             "prefix caching and small chunks together", prompt_logprobs=False),
-    GridCell("fp32-seqs1", ("--dtype", "float32", "--max-num-seqs", "1"), "one sequence at a time (no batching)"),
-    GridCell("fp32-seqs32-chunk32", ("--dtype", "float32", "--max-num-seqs", "32", "--max-num-batched-tokens", "32",
-                                     "--enable-chunked-prefill"),
-             "many sequences sharing a 32-token budget: prefills and decodes mixed in every step"),
-    GridCell("bf16", ("--dtype", "bfloat16"), "bfloat16, judged against the reference at bfloat16"),
-    GridCell("bf16-chunk16", ("--dtype", "bfloat16", "--max-num-batched-tokens", str(CHUNK),
-                              "--enable-chunked-prefill"), "bfloat16 with small chunks"),
+    _cell("fp32", "the default path: every prompt in one prefill step", dtype="float32"),
+    _cell("fp32-chunk16", f"chunked prefill: each prompt split into {CHUNK}-token chunks (state handed from chunk "
+          f"to chunk)", dtype="float32", max_num_batched_tokens=CHUNK, enable_chunked_prefill=True),
+    _cell("fp32-no-chunked", "chunked prefill off: every prompt in one step whatever the budget", dtype="float32",
+          enable_chunked_prefill=False, max_num_batched_tokens=512),
+    _cell("fp32-prefix-cache", f"prefix caching: prompts sharing a {PREFIX}-token prefix start from a cached state",
+          False, dtype="float32", enable_prefix_caching=True, max_num_seqs=1),
+    _cell("fp32-prefix-cache-chunk16", "prefix caching and small chunks together", False, dtype="float32",
+          enable_prefix_caching=True, max_num_seqs=1, max_num_batched_tokens=CHUNK, enable_chunked_prefill=True),
+    _cell("fp32-seqs1", "one sequence at a time (no batching)", dtype="float32", max_num_seqs=1),
+    _cell("fp32-seqs32-chunk32", "many sequences sharing a 32-token budget: prefills and decodes mixed in every step",
+          dtype="float32", max_num_seqs=32, max_num_batched_tokens=32, enable_chunked_prefill=True),
+    _cell("bf16", "bfloat16, judged against the reference at bfloat16", dtype="bfloat16"),
+    _cell("bf16-chunk16", "bfloat16 with small chunks", dtype="bfloat16", max_num_batched_tokens=CHUNK,
+          enable_chunked_prefill=True),
 ]}
 
 GRIDS = {
@@ -84,6 +96,27 @@ def grid_cells(grid: str, only: list[str] | None = None) -> list[GridCell]:
         if name not in _CELLS:
             raise LpfError(f"unknown cell {name!r}{did_you_mean(name, _CELLS)}; cells: {', '.join(_CELLS)}")
     return [c for c in _CELLS.values() if c.name in only]
+
+
+def knob_cells(knobs, options_cls) -> list[GridCell]:
+    """Cells of `--knob` specs (`sweep.parse_knobs`' Knobs over the engine's knobs): their product, each
+    value converted by the engine's Options (`options_cls`; a bad one is an LpfError now, before any
+    cell runs); a repeatable knob's `+`-joined parts are its comma-separated value, none/off none."""
+    from lpf.core.knobs import knob_info
+    from lpf.experiments.sweep import make_cells
+
+    cells = []
+    for c in make_cells(knobs):
+        options = {}
+        for name, text in c.values.items():
+            option = name.replace("-", "_")
+            k = knob_info(options_cls, option)
+            if k is not None and k.repeatable:
+                text = "" if text.lower() in ("none", "off") else text.replace("+", ",")
+            options[option] = getattr(options_cls.parse({option: text}), option)
+        cells.append(GridCell(c.name, tuple(options.items()),
+                              "--knob " + ", ".join(f"{k}={v}" for k, v in c.values.items())))
+    return cells
 
 
 def write_workload(path: Path, n_prompts: int, vocab_size: int, seed: int = 0, bos: int = 1,

@@ -16,7 +16,7 @@ Cells run in this process, a fresh engine per cell (vLLM: a new vllm.LLM in one 
 `adapters.vllm.kept_workers`), instead of one `lpf audit` process per cell as `lpf sweep` does: vLLM's
 import and lpf's own start are paid once, which is what keeps the full matrix under 30 minutes
 (docs/benchmarks.md has the measured cost per cell both ways).
-The cell directories are ordinary run directories (`sweep.cell_complete` decides completeness).
+The cell directories are ordinary run directories (`cells.cell_complete` decides completeness).
 
 A cell at another dtype than the reference's is judged against the bfloat16 (float16) expectation: the
 reference itself at that dtype, teacher-forced over the cell's tokens (outputs and prompts), is what an
@@ -33,12 +33,12 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from lpf.experiments.conformance.grid import GridCell
 from lpf.core.errors import LpfError
-from lpf.experiments.sweep import cell_complete, read_out_doc
+from lpf.experiments.cells import cell_complete, read_out_doc
 
 EXPECT_FACTOR = 2.0
 SHORT_DTYPE = {"bfloat16": "bf16", "float16": "fp16"}
@@ -61,44 +61,40 @@ class ReferenceCannotRun(LpfError):
 class CellPlan:
     arch: dict  # the discovery entry
     cell: GridCell
-    spec: object | None  # the cell's RunSpec; None when the cell cannot run on this engine
+    spec: object | None  # the cell's AuditSpec (lpf.pipeline.spec); None when the cell cannot run on this engine
     refused: str | None = None  # why not (an engine without the knob)
 
 
 @dataclass
 class Settings:
-    thresholds: object  # lpf.analysis.thresholds.Thresholds
-    reference_dtype: str = "float32"
-    token_budget: int = 16384
     attribution_level: str = "noise"  # a cell departs when its verdict is at least this
-    extra: dict = field(default_factory=dict)
 
 
 def cell_dir(out: Path, arch: str, cell: str) -> Path:
     return Path(out) / "cells" / arch.removesuffix("ForCausalLM") / cell
 
 
-def _audit(spec, settings: Settings, dtype: str) -> dict:
-    """create (or reopen) -> generate -> rescore -> calibrate (other dtype) -> analyze -> report; findings."""
-    from lpf.pipeline import all_failed, analyze_run, calibrate_run, create_run, execute_run, rescore_run
-    from lpf.run.store import RunDir
+def _audit(spec, dtype: str) -> dict:
+    """An AuditSpec's cell: create (or reopen) -> generate -> rescore -> calibrate (other dtype) ->
+    analyze -> report; its findings."""
+    from lpf import pipeline
 
-    out = Path(spec.out)
+    out = Path(spec.run.out)
     if cell_complete(out):
         return json.loads((out / "findings.json").read_text())
-    run = RunDir.open(out) if (out / "manifest.json").is_file() else create_run(spec)
+    run = pipeline.open_audit(spec)
     if run.manifest.get("status") != "complete":
-        execute_run(run)
-    why = all_failed(run)
+        pipeline.execute_run(run)
+    why = pipeline.all_failed(run)
     if why:  # nothing to score (a bf16 cell's calibration would only say "no reference scores yet")
         raise LpfError(why)
-    rescore_run(run, None, settings.reference_dtype, settings.token_budget)
-    if dtype != settings.reference_dtype:
+    pipeline.rescore_run(run, settings=spec.rescore)
+    if dtype != spec.rescore.dtype:
         try:
-            calibrate_run(run, settings.token_budget)
+            pipeline.calibrate_run(run, spec.rescore.token_budget)
         except LpfError as e:  # the reference has no kernel for that dtype here: not the engine's fault
             raise ReferenceCannotRun(str(e)) from None
-    findings = analyze_run(run, settings.thresholds)
+    findings = pipeline.analyze_run(run, spec.threshold_values(), spec.analysis.attribution)
     try:
         from lpf.report import write_report
 
@@ -210,10 +206,10 @@ def _attribute(row: dict, plan: CellPlan, hf_spec, out: Path, settings: Settings
 
     if not at_or_above(row.get("conformance"), settings.attribution_level) or hf_spec is None:
         return
-    key = str(hf_spec.out)
+    key = str(hf_spec.run.out)
     if key not in hf_done:
         try:
-            f = _audit(hf_spec, settings, plan.cell.dtype)
+            f = _audit(hf_spec, plan.cell.dtype)
             hf_done[key] = {"ok": True, "verdict": f.get("verdict")}
         except LpfError as e:
             hf_done[key] = {"ok": False, "error": str(e)}
@@ -275,13 +271,13 @@ def _run_cells(out, doc, rows, plans, attribution, settings, hf_done, started, t
                 status, error = "not applicable", plan.refused
             else:
                 try:
-                    findings = _audit(plan.spec, settings, plan.cell.dtype)
+                    findings = _audit(plan.spec, plan.cell.dtype)
                     if findings.get("errors") and findings.get("errors") == findings.get("n_requests"):
                         status, error = "engine error", "every request failed (see the cell's requests)"
                 except ReferenceCannotRun as e:
                     status, error = "reference cannot run", str(e)
                 except LpfError as e:
-                    status, error = ("refused" if not (Path(plan.spec.out) / "manifest.json").is_file()
+                    status, error = ("refused" if not (Path(plan.spec.run.out) / "manifest.json").is_file()
                                      else "engine error"), str(e)
                 except Exception as e:  # noqa: BLE001 - a bug in lpf: said in the matrix, the other cells still run
                     import traceback

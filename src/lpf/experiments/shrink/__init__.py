@@ -3,7 +3,7 @@
   config.py        the source run, the target, a candidate's configuration (requests, lengths, knobs)
   signature.py     what "the same lie" means (verdict, first-divergence position class, mechanism)
   ddmin.py         Zeller's delta debugging, generic
-  judge.py         one configuration run as `lpf audit` processes (the sweep machinery), judged k-of-n
+  judge.py         one configuration run as cells (experiments.cells: `lpf audit` processes), judged k-of-n
   state.py         DIR/shrink.json: every candidate and its outcome, rewritten after every run
   search.py        the plan: requests, then lengths, then knobs toward the engine's defaults
   repro.py         DIR/workload.jsonl, command.sh, repro.py (from repro_script.py), report.md

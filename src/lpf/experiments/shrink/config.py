@@ -12,18 +12,18 @@ Contract:
   (requests, then tokens, then knobs away from the engine's defaults), `workload_items()` is the
   JSONL that runs it (ids are the original request ids, one rollout each), `to_json()` records it
   compactly relative to the source and `Source.config(doc)` reads that back.
-- `Source.audit_args(config, workload, knob_args)`: the `lpf audit` arguments that run a config,
-  with everything else (model, reference, sampling, thresholds) taken from the original run, and
-  the calibrated verdict thresholds pinned so every candidate is judged by the original's yardstick.
+- `Source.spec(config, workload, out)`: the `AuditSpec` that runs a config into `out`, with
+  everything else (model, reference, sampling) taken from the original run, and the calibrated
+  verdict thresholds pinned so every candidate is judged by the original's yardstick.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from lpf.core.errors import LpfError, did_you_mean
 from lpf.core.knobs import shrink_knobs
@@ -217,32 +217,37 @@ class Source:
         return Config.of(members, knobs)
 
     # -- running a config --------------------------------------------------------------------------
-    def audit_args(self, config: Config, workload: Path, knob_args: Callable[[dict], list[str]]) -> list[str]:
+    def spec(self, config: Config, workload: Path, out: Path):
+        """The AuditSpec of a candidate: one rollout per request, the original's sampling (its output
+        positions: prompt logprobs are not asked for) and reference, the knobs off the defaults."""
+        from lpf.core.sampling import SamplingParams
+        from lpf.pipeline.spec import AuditSpec, RunSpec
+
         m, s = self.manifest, self.manifest["sampling"]
-        args = ["--engine", m["engine"]["name"], "--model", self.model_spec(), "--workload", str(workload),
-                "--n", "1", "--temperature", repr(s["temperature"]), "--top-p", repr(s["top_p"]),
-                "--top-k", str(s["top_k"]), "--max-tokens", str(s["max_tokens"]), "--seed", str(s["seed"]),
-                "--logprobs", str(s["logprobs"])]
-        if s.get("ignore_eos"):
-            args.append("--ignore-eos")
+        sampling = SamplingParams(**{k: s[k] for k in ("temperature", "top_p", "top_k", "max_tokens", "seed",
+                                                         "logprobs")}, ignore_eos=bool(s.get("ignore_eos")))
+        run = RunSpec(engine=m["engine"]["name"], model=self.model_spec(), workload=str(workload), out=out, n=1,
+                      sampling=sampling, engine_options=self.off_default(config))
         ref = m.get("reference") or {}
-        if ref.get("spec") and ref["spec"] != m["model"]["spec"]:
-            args += ["--reference", ref["spec"]]
-        if ref.get("dtype") and ref["dtype"] != "float32":
-            args += ["--reference-dtype", ref["dtype"]]
-        args += knob_args(self.off_default(config))
-        return args + [a for t in self.thresholds() for a in ("--threshold", t)]
+        rescore = dataclasses.replace(AuditSpec.model_fields["rescore"].default, dtype=ref.get("dtype") or "float32",
+                                      reference=ref["spec"] if ref.get("spec") and ref["spec"] != m["model"]["spec"]
+                                      else None)
+        return AuditSpec(run=run, rescore=rescore, thresholds=self.threshold_values())
 
     def model_spec(self) -> str:
         model = self.manifest["model"]
         spec = model["spec"]
         return spec if spec.startswith(("zoo:", "tiny:")) else model["path"]
 
-    def thresholds(self) -> list[str]:
-        """NAME=VALUE of the thresholds the original run calibrated, and of those its user pinned."""
+    def threshold_values(self) -> dict:
+        """The thresholds the original run calibrated, and those its user pinned: {name: value}."""
         th = self.findings.get("thresholds") or {}
         names = list(PINNED_THRESHOLDS) + [p for p in th.get("pinned") or [] if p not in PINNED_THRESHOLDS]
-        return [f"{n}={th[n]!r}" for n in names if isinstance(th.get(n), (int, float))]
+        return {n: th[n] for n in names if isinstance(th.get(n), (int, float))}
+
+    def thresholds(self) -> list[str]:
+        """The same as NAME=VALUE text (for the report)."""
+        return [f"{n}={v!r}" for n, v in self.threshold_values().items()]
 
 
 def _item_max_tokens(path: Path) -> dict[str, int]:

@@ -1,9 +1,9 @@
 """Running a configuration and judging it k-of-n: does the target still tell the same lie?
 
 Contract:
-- Each try is one `lpf audit` in its own process through the sweep machinery (`sweep.run_cell`:
-  an engine such as vLLM cannot be re-sized in place, and an interrupted try is finished, not
-  redone), into `DIR/candidates/<id>-<try>/`, its log in `DIR/logs/`, its workload in
+- Each try is the candidate's `AuditSpec` (`Source.spec`) run as one cell (`cells.run_cell`: its
+  own `lpf audit` process, since an engine such as vLLM cannot be re-sized in place, and an
+  interrupted try is finished, not redone), into `DIR/candidates/<id>-<try>/`, its log in `DIR/logs/`, its workload in
   `DIR/workloads/<id>.jsonl`. A try whose directory is already complete is read, not rerun.
 - `Judge.judge(cid, config, every_try=False) -> (reproduces, tries)`: a configuration reproduces
   when the lie shows in at least `need` of up to `tries` runs; runs stop once the outcome is
@@ -38,9 +38,9 @@ class BudgetSpent(Exception):
 
 class Judge:
     def __init__(self, out: Path, source: Source, signature: Signature, target_seq: int, tries: int, need: int,
-                 knob_args: Callable[[dict], list[str]], charge: Callable[[str], None], deterministic: bool | None = None):
+                 charge: Callable[[str], None], deterministic: bool | None = None):
         self.out, self.source, self.signature, self.target_seq = Path(out), source, signature, target_seq
-        self.tries, self.need, self.knob_args, self.charge = tries, need, knob_args, charge
+        self.tries, self.need, self.charge = tries, need, charge
         self.deterministic = deterministic  # None until two runs of one configuration say
 
     def judge(self, cid: str, config: Config, every_try: bool = False,
@@ -79,26 +79,21 @@ class Judge:
         return path
 
     def _try(self, name: str, config: Config, workload: Path) -> dict:
-        from lpf.experiments import sweep
+        from lpf.experiments import cells
 
         run_dir, log = self.out / "candidates" / name, self.out / "logs" / f"{name}.log"
-        if not sweep.cell_complete(run_dir):
+        if not cells.cell_complete(run_dir):
             self.charge(name)
             log.parent.mkdir(parents=True, exist_ok=True)
             run_dir.parent.mkdir(parents=True, exist_ok=True)
-            argv = self.source.audit_args(config, workload, self.knob_args)
-            cell = sweep.Cell(name, {}, argv, resume={"rescore": [], "analyze": self._threshold_args()})
             try:
-                sweep.run_cell(cell, run_dir, log)
+                cells.run_cell(self.source.spec(config, workload, run_dir), log, name)
             except LpfError:
                 if not (run_dir / "findings.json").is_file():
                     raise
                 # the audit judged its requests and then said why it failed (every request failed in
                 # the engine, say): for the shrink that is an outcome, the target's row says which
         return self._read(run_dir, config.index(self.target_seq))
-
-    def _threshold_args(self) -> list[str]:
-        return [a for t in self.source.thresholds() for a in ("--threshold", t)]
 
     def _read(self, run_dir: Path, index: int) -> dict:
         import pyarrow.compute as pc

@@ -1,9 +1,10 @@
 """What a shrink leaves for a bug report: `DIR/workload.jsonl`, `command.sh`, `repro.py`, `report.md`.
 
-Contract: `write_outputs(out, source, doc, knob_args) -> list[Path]` writes, for the shrink
+Contract: `write_outputs(out, source, doc) -> list[Path]` writes, for the shrink
 document's minimum (`doc["minimal"]`):
 - `workload.jsonl`: the minimal requests in arrival order (ids are the original request ids);
-- `command.sh`: the one `lpf audit` line that reproduces it (exit 1 when the lie shows);
+- `command.sh`: the one `lpf audit` line that reproduces it (exit 1 when the lie shows), rendered
+  from the minimum's AuditSpec (`spec.audit_command`: argv exists only here, for people);
 - `repro.py` (built-in engine and vLLM only): `repro_script.py` with its `CONFIG` filled in
   (`script_config`), standalone: the engine and transformers, nothing else of lpf;
 - `report.md`: engine and model versions, the model config fields that matter, the knobs, the
@@ -19,7 +20,6 @@ import json
 import os
 import shlex
 from pathlib import Path
-from typing import Callable
 
 from lpf.core.sampling import request_seed
 from lpf.experiments.shrink.config import Config, Source
@@ -81,7 +81,7 @@ def write_script(path: Path, cfg: dict) -> Path:
     return _write(Path(path), template.replace(marker, f"CONFIG = json.loads(r'''{data}''')"), 0o755)
 
 
-def write_outputs(out: Path, source: Source, doc: dict, knob_args: Callable[[dict], list[str]]) -> list[Path]:
+def write_outputs(out: Path, source: Source, doc: dict) -> list[Path]:
     from lpf.run.store import RunDir
 
     out = Path(out)
@@ -93,7 +93,9 @@ def write_outputs(out: Path, source: Source, doc: dict, knob_args: Callable[[dic
     items = source.workload_items(config)
     sig = Signature.from_dict(doc["signature"])
     written = [_write(out / "workload.jsonl", "".join(json.dumps(i) + "\n" for i in items))]
-    args = ["lpf", "audit", *source.audit_args(config, Path("workload.jsonl"), knob_args)]
+    from lpf.pipeline.spec import audit_command
+
+    args = ["lpf", "audit", *audit_command(source.spec(config, Path("workload.jsonl"), out), with_out=False)]
     written.append(_write(out / "command.sh", "#!/bin/sh\n"
                           f"# The lie of {doc['target']} ({sig.describe()}), reproduced with {len(items)} request(s)\n"
                           f"# by `lpf shrink` from {source.path.resolve()}. Exit 1 when the lie shows (--fail-on divergent).\n"

@@ -4,7 +4,7 @@ Contract:
 - `prepare(run_dir, request_id) -> Plan`: reads the source run, picks the target (the given
   flagged request, or the worst one) and builds its signature from the run's own findings and
   tables, all before anything runs; every problem is an `LpfError` in one line.
-- `run(plan, out, tries, need, budget, knob_args, on_event) -> dict`: opens (or resumes) the
+- `run(plan, out, tries, need, budget, on_event) -> dict`: opens (or resumes) the
   shrink state in `out` (then `on_event({"type": "begin", ...})`), runs the search (`search.Shrink`), writes the reproducer's files
   (`repro.write_outputs`) when there is a minimum, and returns the shrink.json document.
 """
@@ -49,7 +49,7 @@ def prepare(run_dir: Path, request_id: str | None) -> Plan:
     return Plan(source, target, signature, note)
 
 
-def run(plan: Plan, out: Path, tries: int, need: int, budget: int, knob_args: Callable[[dict], list[str]],
+def run(plan: Plan, out: Path, tries: int, need: int, budget: int,
         on_event: Callable[[dict], None] = lambda e: None) -> dict:
     from lpf.experiments.shrink.judge import BudgetSpent, Judge
     from lpf.experiments.shrink.repro import write_outputs
@@ -78,11 +78,11 @@ def run(plan: Plan, out: Path, tries: int, need: int, budget: int, knob_args: Ca
         if not state.charge(name, state.doc["budget_runs"]):
             raise BudgetSpent
 
-    judge = Judge(out, source, plan.signature, t["seq"], tries, need, knob_args, charge,
+    judge = Judge(out, source, plan.signature, t["seq"], tries, need, charge,
                   deterministic=state.doc.get("deterministic"))
     state.set(status="running")
     doc = Shrink(source, t["seq"], judge, state, on_event).run()
     if doc.get("minimal"):
-        written = write_outputs(out, source, doc, knob_args)
+        written = write_outputs(out, source, doc)
         state.set(files=[p.name for p in written])
     return state.doc

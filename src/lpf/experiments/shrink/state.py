@@ -24,7 +24,7 @@ from pathlib import Path
 
 from lpf.core.errors import LpfError
 from lpf.core.jsonsafe import finite
-from lpf.experiments.sweep import read_out_doc
+from lpf.experiments.cells import read_out_doc
 
 IDENTITY = ("source_run_id", "target", "tries", "need")
 
