@@ -121,7 +121,7 @@ def _check_imposters(run):
                             arg_min(state_slot, step), min(step)
                      FROM trace WHERE NOT preempted AND request_id IN (SELECT request_id FROM faults) GROUP BY 1""")
     assert {r[0] for r in rows} == truth
-    for rid, phase, computed, slot, first in rows:
+    for _rid, phase, computed, slot, first in rows:
         assert phase == "decode" and computed == 0
         assert q(run, f"SELECT count(*) FROM trace WHERE state_slot = {slot} AND step < {first}")[0][0] > 0
     return truth

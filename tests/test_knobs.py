@@ -3,7 +3,6 @@ command-line flags generated from them, and a knob added as one field (max_model
 
 from __future__ import annotations
 
-import json
 
 import pytest
 from pydantic import Field

@@ -47,7 +47,7 @@ class RunSpec(BaseModel):
     out: Path
     n: int = Field(1, ge=1)
     sampling: SamplingParams = SamplingParams()
-    engine_options: dict[str, Any] = {}
+    engine_options: dict[str, Any] = Field({}, validate_default=True)  # the engine checks even none given
     part_size: int = Field(64, ge=1)
     trace_dir: Path | None = None  # a vLLM server's lpf-vllm-trace directory, joined after the run
 
