@@ -248,3 +248,26 @@ def test_every_command_with_engine_knobs_generates_their_flags():
             assert isinstance(cmd, KnobCommand), path
             names = {p.name for p in cmd.get_params(click.Context(cmd))}
             assert {"cache_mb", "max_num_seqs", "inject"} <= names, path
+
+
+# lpf/__init__.py's package map, top to bottom: a package imports only packages below it
+LAYERS = ["cli", "experiments", "views", "serve", "rl", "report", "pipeline", "adapters", "builtin", "analysis",
+          "run", "zoo", "core"]
+ALLOWED_UP = {("core", "zoo")}  # core resolves zoo: specs through zoo/registry (lazily)
+
+
+def test_the_package_map_is_complete_and_imports_run_down_it():
+    import lpf
+
+    entries = {p.stem if p.is_file() else p.name for p in (SRC / "lpf").iterdir()
+               if (p.is_dir() and (p / "__init__.py").is_file()) or (p.suffix == ".py" and p.stem != "__init__")}
+    assert entries - {"__main__"} <= set(LAYERS) and set(LAYERS) <= entries, entries ^ set(LAYERS)
+    for name in LAYERS:
+        assert f"  {name}/" in lpf.__doc__, name
+    up = []
+    for m, deps in _module_imports().items():
+        for d in deps:
+            a, b = (x.split(".")[1] if x.count(".") else "" for x in (m, d))
+            if a in LAYERS and b in LAYERS and LAYERS.index(b) < LAYERS.index(a) and (a, b) not in ALLOWED_UP:
+                up.append((m, d))
+    assert up == [], up
