@@ -43,8 +43,9 @@ def cpu_seconds(pid: int) -> float:
 
 
 def requests(cfg: dict, tmp: Path):
-    from lpf.pipeline import RunSpec, create_run, pending_requests
     from lpf.core.sampling import SamplingParams
+    from lpf.pipeline import create_run, pending_requests
+    from lpf.pipeline.spec import RunSpec
 
     run = create_run(RunSpec(engine="vllm", model=MODEL, workload=_workload(cfg, tmp), out=tmp / f"spec-{cfg['workload'][4:]}",
                              sampling=SamplingParams(max_tokens=cfg["max_tokens"], ignore_eos=cfg["ignore_eos"])))

@@ -159,6 +159,8 @@ def test_a_reference_that_cannot_run_at_the_cells_dtype_is_not_an_engine_error(m
     monkeypatch.setattr(pipeline, "all_failed", lambda run: None)
     monkeypatch.setattr(pipeline, "rescore_run", lambda *a, **k: None)
     monkeypatch.setattr(pipeline, "calibrate_run", cannot)
-    spec = pipeline.AuditSpec(run=pipeline.RunSpec(out=tmp_path / "cell"))
+    from lpf.pipeline.spec import AuditSpec, RunSpec
+
+    spec = AuditSpec(run=RunSpec(out=tmp_path / "cell"))
     with pytest.raises(matrix.ReferenceCannotRun, match="does not run at bfloat16"):
         matrix._audit(spec, "bfloat16")

@@ -7,6 +7,8 @@
   trace.py      join_trace: a vLLM server's lpf-vllm-trace rows joined to the run; trace_summary
   analyze.py    analyze_run: summary.parquet and findings.json
   callbacks.py  the progress callbacks every stage takes
+The spec (pydantic) is imported from lpf.pipeline.spec, not from here: the package itself stays
+importable where only torch, transformers, pyarrow and numpy are (the rescorer on a bare GPU machine).
 Progress is reported through `on_start(total, done)` / `tick(n)` callbacks: nothing here draws.
 """
 
@@ -14,8 +16,7 @@ from lpf.pipeline.analyze import analyze_run
 from lpf.pipeline.calibrate import calibrate_run, engine_dtype
 from lpf.pipeline.generate import all_failed, create_run, execute_run, model_config, open_audit, pending_requests
 from lpf.pipeline.rescore import rescore_run
-from lpf.pipeline.spec import AnalysisSpec, AuditSpec, RunSpec
 from lpf.pipeline.trace import join_trace, trace_summary
 
-__all__ = ["AnalysisSpec", "AuditSpec", "RunSpec", "all_failed", "analyze_run", "calibrate_run", "create_run", "engine_dtype", "execute_run",
+__all__ = ["all_failed", "analyze_run", "calibrate_run", "create_run", "engine_dtype", "execute_run",
            "join_trace", "model_config", "open_audit", "pending_requests", "rescore_run", "trace_summary"]

@@ -30,7 +30,6 @@ from lpf.adapters import get_engine_class
 from lpf.core.errors import LpfError
 from lpf.core.model_specs import ModelRef, load_tokenizer, resolve_model, tokenizer_fingerprint
 from lpf.pipeline.callbacks import OnStart, Tick, no_start, no_tick
-from lpf.pipeline.spec import AuditSpec, RunSpec, read_spec
 from lpf.pipeline.trace import check_joinable
 from lpf.run import schema
 from lpf.run.store import RunDir
@@ -46,7 +45,10 @@ def model_config(model: ModelRef) -> dict:
     return cfg.get("text_config", cfg)
 
 
-def create_run(spec: AuditSpec | RunSpec) -> RunDir:
+def create_run(spec) -> RunDir:
+    """`spec`: an AuditSpec, or a RunSpec (audited with the defaults)."""
+    from lpf.pipeline.spec import AuditSpec  # pydantic: not for every importer of lpf.pipeline (the rescorer's)
+
     audit = spec if isinstance(spec, AuditSpec) else AuditSpec(run=spec)
     spec = audit.run
     engine_cls = get_engine_class(spec.engine)
@@ -83,9 +85,11 @@ def create_run(spec: AuditSpec | RunSpec) -> RunDir:
                                               "spec.json": audit.to_json().encode()})
 
 
-def open_audit(spec: AuditSpec) -> RunDir:
+def open_audit(spec) -> RunDir:
     """`create_run(spec)`, or the run directory reopened when it already holds this same audit (its
     spec.json equal but for the directory's own path)."""
+    from lpf.pipeline.spec import read_spec
+
     out = Path(spec.run.out)
     if not (out / "manifest.json").is_file():
         return create_run(spec)
