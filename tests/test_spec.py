@@ -61,18 +61,23 @@ def test_what_the_engine_or_the_analysis_would_refuse_is_refused_on_construction
 def test_a_run_keeps_its_spec_and_lpf_audit_spec_runs_it_again(lpf_cli, tmp_path):
     work = write_prompts(tmp_path / "w.jsonl", [{"id": f"p{i}", "prompt": f"K{i}:V{i}|K{i}|"} for i in range(2)])
     first = tmp_path / "first"
-    r = lpf_cli("audit", "--model", "tiny:hybrid", "--workload", work, "--max-tokens", 3, "--max-num-seqs", 2,
-                "-E", "block_size=8", "--threshold", "clean_abs_diff=0.002", "--out", first, "--fail-on", "never")
+    r = lpf_cli("run", "--model", "tiny:hybrid", "--workload", work, "--max-tokens", 3, "--max-num-seqs", 2,
+                "-E", "block_size=8", "--out", first)
     assert r.code == 0, r.err
     stored = AuditSpec.model_validate_json((first / "spec.json").read_text())
     assert stored.run.out == first and stored.run.engine_options == {"max_num_seqs": 2, "block_size": 8}
-    assert stored.thresholds == {"clean_abs_diff": 0.002} and stored.run.sampling.max_tokens == 3
-    # the same audit elsewhere, from the spec alone
+    assert stored.run.sampling.max_tokens == 3 and stored.rescore == AuditSpec.model_fields["rescore"].default
+    # the same run elsewhere from the spec alone (the same tokens), audited this time
     again = tmp_path / "again"
     r = lpf_cli("audit", "--spec", first / "spec.json", "--out", again, "--json", "--fail-on", "never")
     assert r.code == 0, r.err
-    a, b = (json.loads((d / "findings.json").read_text()) for d in (first, again))
-    assert (a["counts"], a["n_requests"]) == (b["counts"], b["n_requests"])
+    b = json.loads(r.out)
+    assert b["n_requests"] == 2 and b["counts"]["clean"] == 2, b["counts"]  # tiny:hybrid is its own reference
+    from lpf.run.store import RunDir
+
+    outputs = [{r["request_id"]: r["output_token_ids"] for r in RunDir.open(d).read("requests").to_pylist()}
+               for d in (first, again)]
+    assert outputs[0] == outputs[1]
     assert AuditSpec.model_validate_json((again / "spec.json").read_text()).identity() == stored.identity()
     run_id = json.loads((again / "manifest.json").read_text())["run_id"]
     # rerunning a spec on its own directory finishes it (nothing left: the same run, analysed again)

@@ -4,6 +4,7 @@ command's --help works, and `lpf --help` stays light (no torch, no transformers)
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import subprocess
 import sys
@@ -18,7 +19,12 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 def _module_imports() -> dict[str, set[str]]:
     """{module: lpf modules it imports} read from the source (ast), so nothing is imported here.
     A package's `__init__` counts as the package; importing a name from a package counts as
-    importing the submodule of that name when there is one."""
+    importing the submodule of that name when there is one. (Read once per session; a copy each call.)"""
+    return {m: set(deps) for m, deps in _read_module_imports().items()}
+
+
+@functools.lru_cache(maxsize=1)
+def _read_module_imports() -> dict[str, set[str]]:
     mods = {}
     for p in (SRC / "lpf").rglob("*.py"):
         mods[".".join(p.relative_to(SRC).with_suffix("").parts).removesuffix(".__init__")] = p
