@@ -105,7 +105,7 @@ class KnobCommand(click.Command):
         if not getattr(self, "_knob_flags_added", False):
             self._knob_flags_added = True
             engines = getattr(self.callback, "__lpf_knob_engines__", None)
-            at = next(i for i, p in enumerate(self.params) if p.name == "engine_option") + 1
+            at = next((i + 1 for i, p in enumerate(self.params) if p.name == "engine_option"), len(self.params))
             self.params[at:at] = [_flag_option(k) for k in _engine_flags(engines)]
         return super().get_params(ctx)
 
