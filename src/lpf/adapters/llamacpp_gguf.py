@@ -205,7 +205,8 @@ def _run(cmd: list[str], what: str) -> str:
 
 
 def _slug(spec: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_" else "-" for c in spec.replace("zoo:", "zoo-").replace("tiny:", "tiny-"))[-48:]
+    name = spec.replace("zoo:", "zoo-").replace("tiny:", "tiny-") if spec.startswith(("zoo:", "tiny:")) else Path(spec).name
+    return "".join(c if c.isalnum() or c in "-_" else "-" for c in name)[-48:] or "model"
 
 
 def _write_json(path: Path, obj: dict) -> None:

@@ -95,9 +95,20 @@ def parse(req: EngineRequest, body: Any, s: SamplingParams, vocab_size: int, tok
         top_lps.append([v for v, _ in pairs[:s.logprobs]])
     tokens = body.get("tokens")
     if isinstance(tokens, list) and tokens != ids:
-        at = next((i for i, (a, b) in enumerate(zip(tokens, ids)) if a != b), min(len(tokens), len(ids)))
-        problems.add("tokens", f"tokens ({len(tokens)}) and completion_probabilities ({len(ids)}) disagree at "
-                               f"position {at}")
+        at = _subsequence(ids, tokens, vocab_size)
+        if at is None:
+            bad = next((i for i, (a, b) in enumerate(zip(tokens, ids)) if a != b), min(len(tokens), len(ids)))
+            problems.add("tokens", f"tokens ({len(tokens)}) and completion_probabilities ({len(ids)}) disagree at "
+                                   f"position {bad}")
+        else:  # entries missing, the rest in order: the generated tokens stand, NaN where none was sent
+            missing = sorted(set(range(len(tokens))) - set(at))
+            problems.add("logprobs_missing", f"no completion_probabilities entry for {len(missing)} of {len(tokens)} "
+                                             f"tokens (positions {snippet(missing)}): llama-server adds a token's "
+                                             f"probabilities only once the text is complete UTF-8")
+            full = [math.nan] * len(tokens), [[] for _ in tokens], [[] for _ in tokens]
+            for j, i in enumerate(at):
+                full[0][i], full[1][i], full[2][i] = lps[j], top_ids[j], top_lps[j]
+            ids, (lps, top_ids, top_lps) = list(tokens), full
     if body.get("truncated"):
         problems.add("truncated", "the server truncated the prompt to fit its context (the tokens answer another prompt)")
     stop_type = body.get("stop_type")
@@ -108,6 +119,22 @@ def parse(req: EngineRequest, body: Any, s: SamplingParams, vocab_size: int, tok
     return Completion(request_id=req.request_id, output_token_ids=ids, logprobs=lps,
                       topk_ids=top_ids if keep_top else [], topk_logprobs=top_lps if keep_top else [],
                       finish_reason=str(finish), inconsistency=problems.text())
+
+
+def _subsequence(sub: list, full: list, vocab_size: int) -> list[int] | None:
+    """Where each item of `sub` sits in `full` (greedy, in order), or None when `sub` is not a
+    subsequence of `full` (or `full` holds something other than the vocabulary's token ids)."""
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in full):
+        return None
+    at, i = [], 0
+    for t in sub:
+        while i < len(full) and full[i] != t:
+            i += 1
+        if i == len(full):
+            return None
+        at.append(i)
+        i += 1
+    return at
 
 
 def slot_row(req: EngineRequest, body: Any) -> dict:
