@@ -56,6 +56,9 @@ class OpenAIOptions(RemoteOptions):
         "auto", description="completions prompts as token ids or text; auto: ids, text once a server refuses ids")
     logprobs: Literal["auto", "require"] = Field(
         "auto", description="an answer without logprobs: audited from its tokens (auto) or the request's error")
+    dtype: str | None = Field(
+        None, description="the dtype the server says it computes in (its floor is the one judged against); "
+                          "unset: the most lenient pair measured")
 
     @model_validator(mode="after")
     def _named(self):

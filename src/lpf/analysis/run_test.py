@@ -291,3 +291,8 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     if a is None or b is None:
         return None
     return float(a / b) if b > 0 else (None if a == 0 else math.inf)
+
+
+# the pieces the tokens-only test (`token_test`) shares with this one
+sampling_evidence = _sampling_evidence
+freedman_log_bound = _freedman

@@ -9,6 +9,8 @@ It hands analysis the expected-floor table shipped with the package (`lpf/analys
 read here so analysis does no I/O) and what the manifest says about the dtype pair, the reference
 model and the sampling, from which the run-level test gets its floor.
 
+A run whose engine returned no logprobs is judged from its tokens (`lpf.analysis.tokens_only`), and every
+run's findings say what came back and what each step could judge from it (`judged`).
 A run of more than STREAM_ABOVE tokens is analysed streamed (`analyze_stream`: by chunk of whole
 requests, bounded memory, the same summary and findings byte for byte); `stream` forces either path.
 """
@@ -23,6 +25,8 @@ import pyarrow.parquet as pq
 
 from lpf.analysis import attribution
 from lpf.analysis.findings import analyze
+from lpf.analysis.returned import tokens_only, what_came_back
+from lpf.analysis.tokens_only import analyze_tokens_only
 from lpf.analysis.thresholds import Thresholds
 from lpf.errors import LpfError
 from lpf.jsonsafe import finite
@@ -59,7 +63,10 @@ def analyze_run(run: RunDir, thresholds: Thresholds, attribute: bool = True, on_
     `progress` reports the streamed path's two passes over the tokens."""
     m = run.manifest
     has_prompt = run.has("prompt_reference")
-    if stream is None:
+    no_logprobs = tokens_only(run.read("tokens", ["engine_logprob"]))
+    if no_logprobs:  # judged from tokens alone, in memory (`lpf.analysis.tokens_only`)
+        stream = False
+    elif stream is None:
         stream = not calibration_applies(m) and not has_prompt and scored_token_count(run) > STREAM_ABOVE
     elif stream and calibration_applies(m):
         raise LpfError(f"{run.path} has a calibration run, which the streamed analysis does not read yet: "
@@ -84,9 +91,10 @@ def analyze_run(run: RunDir, thresholds: Thresholds, attribute: bool = True, on_
         reference = run.read("reference")
         calibration, cal_info = calibration_for(run, reference)
         prompt = (run.read("prompt_tokens"), run.read("prompt_reference")) if has_prompt else (None, None)
-        summary, findings = analyze(requests, run.read("tokens"), reference, thresholds,
-                                    calibration=calibration, calibration_info=cal_info, prompt_tokens=prompt[0],
-                                    prompt_reference=prompt[1], chunk_budget=chunk_budget(m), **kw)
+        judge = analyze_tokens_only if no_logprobs else analyze
+        summary, findings = judge(requests, run.read("tokens"), reference, thresholds,
+                                  calibration=calibration, calibration_info=cal_info, prompt_tokens=prompt[0],
+                                  prompt_reference=prompt[1], chunk_budget=chunk_budget(m), **kw)
         own = partial(own_sums, reference)
     if attribute and stream:  # the plan compares prompts, which the streamed analysis reads as lengths only
         requests = run.read("requests", ["request_id", "seq", "prompt_token_ids", "t_submit", "t_finish"])
@@ -95,6 +103,8 @@ def analyze_run(run: RunDir, thresholds: Thresholds, attribute: bool = True, on_
     findings = {"run_id": m.get("run_id"), "engine": m["engine"].get("name"), "model": m["model"].get("spec"),
                 "reference": (m.get("reference") or {}).get("spec"), **findings}
     findings["run_complete"] = m.get("status") == "complete"
+    findings["judged"] = what_came_back(run.read("tokens", ["engine_logprob", "engine_topk_ids"]), has_prompt,
+                                        m.get("engine"), m["sampling"])
     findings["trace"] = trace_summary(run)
     pq.write_table(summary, run.path / "summary.parquet")
     run.write_json("findings.json", finite(findings))

@@ -1,6 +1,8 @@
 """The rescore stage: the reference teacher-forced over every completed, not-yet-scored request.
 
-Resumable (a request is scored iff it has reference rows), scores the prompt positions of every request
+Resumable (a request is scored iff it has reference rows; an answer whose tokens could not be recovered
+from its text, `retokenized` in its inconsistency, is never scored: the ids are not the server's, and
+it stays `unscored` with its reason), scores the prompt positions of every request
 whose engine returned prompt logprobs in the same pass (`prompt_reference/`, committed with its
 reference part), refuses a reference with another tokenizer
 (ids would not mean the same text) and a silent switch of reference (`--redo` replaces the scores).
@@ -73,9 +75,10 @@ def unscored_requests(run: RunDir) -> tuple[pa.Table, int, int]:
     done = run.read("reference", ["request_id"]).column("request_id").unique()
     pieces, total = [], 0
     for i, path in enumerate(run.parts("requests")):
-        t = read_part(path, "requests", ["request_id", "prompt_token_ids", "output_token_ids", "error"])
+        t = read_part(path, "requests", ["request_id", "prompt_token_ids", "output_token_ids", "error", "inconsistency"])
         n_out = pc.list_value_length(t.column("output_token_ids")).fill_null(0)
-        no_error = pc.is_null(t.column("error"))
+        recovered = pc.invert(pc.fill_null(pc.match_substring(t.column("inconsistency"), "retokenized:"), False))
+        no_error = pc.and_(pc.is_null(t.column("error")), recovered)
         total += pc.sum(pc.if_else(no_error, n_out, 0)).as_py() or 0
         keep = pc.and_(pc.and_(no_error, pc.greater(n_out, 0)),
                        pc.invert(pc.is_in(t.column("request_id"), value_set=done)))
