@@ -3,6 +3,7 @@
 Contract (pure: numpy arrays in arrival order in, dicts out):
   token_evidence(cols, floor, sampling, seeded=None) -> per-token evidence from `token_evidence.
       evidence_columns`' reference arrays and the engine's token ids only (engine logprobs are never read).
+  seeded_columns(seeded, joined, order) -> the `seeded` table's draws lined up with those arrays.
   decide(ev, lo, hi, alpha) -> the decision over tokens lo..hi (the detection benchmark's windows).
   run_test(ev, floor, alpha) -> findings.json's `run_test` for a tokens-only run (`kind: "tokens"`).
 What it can judge, by the run's sampling:
@@ -21,10 +22,10 @@ What it can judge, by the run's sampling:
             margin allowed); it needs no engine logprob.
   seeded    (`seeded`: the reference's own draw with the engine's sampler and the request's seed, from
             the rescore stage's replay: per token the draw, `margin` (how far the engine's token was from
-            being drawn), `runner_up` (how far the closest other token was from winning) and `allow`
-            (what the floor lets an honest implementation move that by)) `seeded`: the engine's token
-            differs from the reference's draw by more than `allow`, tested like the flips with pi from
-            `runner_up`.
+            being drawn) and `runner_up` (how far the closest other token was from winning), nats of
+            log p - log q) `seeded`: the engine's token differs from the reference's draw by more than
+            allow = 2 KAPPA (token.q99 + settled.q99) / T (each of the two tokens' log p moved by the
+            floor at that temperature), tested like the flips with pi from `runner_up`.
 What it cannot judge: logprob error, the top-k spread (the engine's numbers are not there), `noise`
 verdicts; at T > 1 or with top-k / top-p sampling and no seed, no test runs (`result` None, said why).
 `tokens_needed`: the smallest prefix (every length to 200, then 5% steps) at which it rejects.
@@ -35,6 +36,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pyarrow as pa
 
 from lpf.analysis.floors import KAPPA
 from lpf.analysis.run_test import DEFAULT_ALPHA, MIN_TOKENS, NULL_RATE, freedman_log_bound, sampling_evidence
@@ -62,8 +64,8 @@ def token_evidence(cols: dict, floor: dict, sampling: dict, seeded: dict | None 
         ev["flip_pi"] = _graded(top1 - top2, tie)
     elif 0 < temperature <= 1 and not sampling.get("top_k") and (sampling.get("top_p") or 1.0) >= 1.0:
         ev.update(sampling_evidence(tok, cols, temperature, floor))
-    if seeded is not None:
-        allow = np.asarray(seeded["allow"], dtype=np.float64)
+    if seeded is not None and temperature > 0:
+        allow = seeded_allow(floor, temperature)
         margin = np.asarray(seeded["margin"], dtype=np.float64)
         ev["seeded"] = (tok != np.asarray(seeded["token"])) & (margin > allow)
         runner_up = np.asarray(seeded["runner_up"], dtype=np.float64)
@@ -71,6 +73,24 @@ def token_evidence(cols: dict, floor: dict, sampling: dict, seeded: dict | None 
             tail = NULL_RATE * np.minimum(1.0, (allow / np.maximum(runner_up, 1e-300)) ** 2)
         ev["seeded_pi"] = np.where(runner_up > allow, tail, 1.0)
     return ev
+
+
+def seeded_allow(floor: dict, temperature: float) -> float:
+    """How far an honest implementation can move a seeded draw's margin: both tokens' log p by tau / T."""
+    return 2 * KAPPA * (floor["token"]["q99"] + floor["settled"]["q99"]) / temperature
+
+
+def seeded_columns(seeded: pa.Table | None, joined: pa.Table, order: np.ndarray) -> dict | None:
+    """The replay's columns for the rows of `joined` taken in `order` (`evidence_columns`' order); a row
+    without a draw gets none (token -1, margin 0, runner-up inf: no evidence either way)."""
+    if seeded is None or seeded.num_rows == 0:
+        return None
+    keys = joined.select(["request_id", "position"]).take(pa.array(order))
+    keys = keys.append_column("_k", pa.array(np.arange(keys.num_rows)))
+    j = keys.join(seeded, keys=["request_id", "position"], join_type="left outer").sort_by("_k")
+    return {"token": j.column("seeded_token").fill_null(-1).to_numpy(),
+            "margin": j.column("seeded_margin").fill_null(0.0).to_numpy(),
+            "runner_up": j.column("seeded_runner_up").fill_null(np.inf).to_numpy()}
 
 
 def _chernoff(k: int, mu: float) -> float:

@@ -9,7 +9,9 @@ reference part), refuses a reference with another tokenizer
 Two executors write the same `reference/` parts through `RunDir.append`: `local` (one `Rescorer` in
 this process) and `ray` (`lpf.pipeline.rescore_ray`: an actor pool of rescorers on Ray Data, the
 parts committed by this process). Both pack batches with `lpf.reference.plan_batches`. Prompt
-positions are scored by the local executor only (a run with prompt logprobs is refused by `ray`).
+positions are scored by the local executor only (a run with prompt logprobs is refused by `ray`), and so
+is the seeded replay (`lpf.replay`: sampled runs of an engine whose sampler lpf knows), committed in
+`seeded/` with its reference part.
 """
 
 from __future__ import annotations
@@ -120,7 +122,11 @@ def _rescore(run: RunDir, s: RescoreSettings, redo: bool, on_start: OnStart, tic
     if s.executor == "local":
         from lpf.reference import Rescorer
 
-        rescorer = Rescorer(model, dtype=s.dtype, device=s.device, token_budget=s.token_budget, topk=topk)
+        from lpf.replay import replay_for
+
+        replay = replay_for(m["engine"]["name"], m["sampling"])
+        rescorer = Rescorer(model, dtype=s.dtype, device=s.device, token_budget=s.token_budget, topk=topk,
+                            replay=replay)
         desc = rescorer.describe()
     else:  # the weights load on the actors, not here
         from lpf.reference import describe_reference
@@ -131,10 +137,12 @@ def _rescore(run: RunDir, s: RescoreSettings, redo: bool, on_start: OnStart, tic
                        f"{m['model']['spec']}: token ids would not mean the same text")
     if redo:
         # a calibration run, like the prompt scores, belongs to the old reference
-        for p in run.parts("prompt_reference") + run.parts("reference") + run.parts("calibration"):
+        for p in run.parts("prompt_reference") + run.parts("seeded") + run.parts("reference") + run.parts("calibration"):
             p.unlink()
         m.pop("calibration", None)
     m["reference"] = {**desc, "executor": s.executor}
+    if s.executor == "local" and rescorer.replay is not None:
+        m["reference"]["seeded_replay"] = rescorer.replay.kind
     run.save_manifest()
     pending, total, done = unscored_requests(run)
     on_start(total, done)
@@ -147,8 +155,12 @@ def _rescore(run: RunDir, s: RescoreSettings, redo: bool, on_start: OnStart, tic
 
     with_prompt = set(run.read("prompt_tokens", ["request_id"]).column("request_id").unique().to_pylist())
     todo = set(pending.column("request_id").to_pylist())
-    req = run.read("requests", ["request_id", "prompt_token_ids", "output_token_ids"]).to_pylist()
-    items = [ScoreItem(r["request_id"], r["prompt_token_ids"], r["output_token_ids"], r["request_id"] in with_prompt)
+    from lpf.sampling import request_seed
+
+    req = run.read("requests", ["request_id", "seq", "prompt_token_ids", "output_token_ids"]).to_pylist()
+    run_seed = m["sampling"].get("seed", 0)
+    items = [ScoreItem(r["request_id"], r["prompt_token_ids"], r["output_token_ids"], r["request_id"] in with_prompt,
+                       request_seed(run_seed, r["seq"]))
              for r in req if r["request_id"] in todo]
     for scored in rescorer.score_all(items, tick):
-        run.append_reference(scored.reference, scored.prompt_reference)
+        run.append_reference(scored.reference, scored.prompt_reference, scored.seeded)
