@@ -275,7 +275,8 @@ def _floor_sentence(r: dict, floor: dict) -> str:
     times = f"{ratio:.2g}x" if math.isfinite(ratio) else "far above"
     return (f"this run's own floor ({name}, 99th percentile) is {times} the floor expected for "
             f"{r.get('floor_pair')} ({floor.get('detail') or floor.get('source')}): the engine does not compute "
-            f"what an honest implementation at its dtype computes")
+            f"what an honest implementation at its dtype computes"
+            + (f" (that floor was measured over {floor['settings']})" if floor.get("settings") else ""))
 
 
 def _g(x) -> str:
