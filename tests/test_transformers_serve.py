@@ -4,7 +4,8 @@ A real server started here on 127.0.0.1 serves a zoo model under the name `hybri
 prompts ("prompt must be a string") and returns no logprobs, so lpf falls back to text prompts (once, said
 in the findings) and audits from tokens alone. The full-precision model is clean and the tokens-only
 run-level test `same`; a 4-bit copy (every decoder linear weight rounded group-wise to 4 bits, written
-here) served under the same name is `different`. The workload is prose the zoo models were not trained
+here) served under the same name is `different`; and asked to sample at temperature 1 the server answers
+greedily (transformers' own behaviour, traced below), which the tokens-only test calls `different` too. The workload is prose the zoo models were not trained
 to continue: their greedy tokens are contested there, which is where tokens alone can show a changed
 model (on the trained tasks the 4-bit copy flips no token). Answers whose text does not re-encode to the
 server's token count (a lone byte of a UTF-8 character decodes to U+FFFD) stay unscored, with why.
@@ -108,10 +109,10 @@ def prose(tmp_path_factory) -> Path:
                          [{"id": f"f{i:03d}", "prompt": filler_text(rng, rng.randint(8, 20))} for i in range(32)])
 
 
-def _audit(lpf_cli, server: _Server, prompts: Path, out: Path):
+def _audit(lpf_cli, server: _Server, prompts: Path, out: Path, *extra):
     return lpf_cli("audit", "--engine", "openai", "--base-url", server.url + "/v1", "--model", SERVED,
                    "--reference", "zoo:hybrid", "-E", "dtype=float32", "--workload", prompts, "--max-tokens", 16,
-                   "--out", out, "--json", "--fail-on", "never")
+                   "--out", out, "--json", "--fail-on", "never", *extra)
 
 
 @needs_serving
@@ -119,6 +120,14 @@ def test_transformers_serve_audited_from_tokens_alone_clean_then_a_4bit_copy_is_
     full, quant = _model_copies(tmp_path / "models")
     with _Server(full, tmp_path / "full.log") as server:
         r = _audit(lpf_cli, server, prose, tmp_path / "clean")
+        # asked to sample at temperature 1, transformers 5.24 answers greedily: it sets the temperature but
+        # turns do_sample on never (cli/serving/utils.py, _build_generation_config: do_sample is only set,
+        # to False, at temperature 0; the model's generation_config says do_sample false)
+        hot = _audit(lpf_cli, server, prose, tmp_path / "t1", "--temperature", 1, "--seed", 4)
+    assert hot.code == 0, hot.err
+    h = json.loads(hot.out)["run_test"]
+    assert h["result"] == "different" and h["test"] == "sampling", h["sentence"]  # every token the top-1
+    assert h["tests"]["sampling"]["k"] == h["tests"]["sampling"]["n"]
     assert r.code == 0, r.err
     f = json.loads(r.out)
     assert f["errors"] == 0 and f["n_requests"] == 32
