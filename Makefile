@@ -34,7 +34,7 @@ LLAMACPP_STAMP := $(LLAMACPP_DIR)/.built-$(LLAMACPP_VERSION)-$(shell echo '$(LLA
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
-	$(VENV)/bin/pip install -q -c $(CONSTRAINTS) -e '.[test,ray]'
+	$(VENV)/bin/pip install -q -c $(CONSTRAINTS) -e '.[test,ray,serving]'
 	rm -f $(VENV)/.installed-* && touch $@
 
 venv: $(STAMP)
