@@ -109,13 +109,13 @@ def test_parse_keeps_inconsistent_answers_as_evidence_and_refuses_unusable_ones(
         _parse(_body([600], [-0.1]))
 
 
-def test_missing_probabilities_are_aligned_by_id_and_stored_as_nan():
+def test_missing_probabilities_are_aligned_by_id_and_stored_as_none():
     # llama-server sends no entry for a token that ends inside a UTF-8 character (process_token):
-    # tokens 6 and 8 here; the generated tokens stand, NaN (and no top-k) where nothing came
+    # tokens 6 and 8 here; the generated tokens stand, no logprob (and no top-k) where nothing came
     body = _body([5, 7], [-0.1, -0.3], tokens=[5, 6, 7, 8], tokens_predicted=4)
     c = _parse(body)
     assert c.output_token_ids == [5, 6, 7, 8] and c.logprobs[0] == -0.1 and c.logprobs[2] == -0.3
-    assert math.isnan(c.logprobs[1]) and math.isnan(c.logprobs[3]) and c.topk_ids[1] == [] and c.topk_ids[2] == [7, 9]
+    assert c.logprobs[1] is None and c.logprobs[3] is None and c.topk_ids[1] == [] and c.topk_ids[2] == [7, 9]
     assert c.inconsistency.startswith("logprobs_missing: no completion_probabilities entry for 2 of 4 tokens")
 
 

@@ -11,8 +11,8 @@ which appends the token's probabilities, only `if (!incomplete)`, while `generat
 `tokens` field) takes every token; `send_final_response` then sends `generated_token_probs` as
 `completion_probabilities` (the OpenAI route's `logprobs.content` too). A client that pairs the i-th
 entry with the i-th token (or counts on one entry per token) pairs logprobs with the wrong tokens
-from the first such token on; the `llamacpp` adapter aligns the entries by id and stores NaN where
-none came (`logprobs_missing`).
+from the first such token on; the `llamacpp` adapter aligns the entries by id and stores no logprob
+where none came (`logprobs_missing`).
 """
 
 import json

@@ -111,7 +111,7 @@ def content_key(model: ModelRef, dtype: str, tools: Tools) -> str:
     h = hashlib.sha256(dtype.encode())
     h.update(str(weights_sha256(model.path)).encode())
     _hash_files(h, sorted(p for p in model.path.iterdir()
-                          if p.is_file() and p.suffix in (".json", ".model", ".txt") and p.name != "lpf_card.json"))
+                          if p.is_file() and p.suffix in (".json", ".model", ".txt", ".jinja") and p.name != "lpf_card.json"))
     conv = tools.converter_dir
     _hash_files(h, [conv / "convert_hf_to_gguf.py", CONVERT, *sorted((conv / "conversion").glob("*.py")),
                     *sorted((conv / "gguf-py" / "gguf").rglob("*.py"))])

@@ -100,12 +100,12 @@ def parse(req: EngineRequest, body: Any, s: SamplingParams, vocab_size: int, tok
             bad = next((i for i, (a, b) in enumerate(zip(tokens, ids)) if a != b), min(len(tokens), len(ids)))
             problems.add("tokens", f"tokens ({len(tokens)}) and completion_probabilities ({len(ids)}) disagree at "
                                    f"position {bad}")
-        else:  # entries missing, the rest in order: the generated tokens stand, NaN where none was sent
+        else:  # entries missing, the rest in order: the generated tokens stand, no logprob where none was sent
             missing = sorted(set(range(len(tokens))) - set(at))
             problems.add("logprobs_missing", f"no completion_probabilities entry for {len(missing)} of {len(tokens)} "
                                              f"tokens (positions {snippet(missing)}): llama-server adds a token's "
                                              f"probabilities only once the text is complete UTF-8")
-            full = [math.nan] * len(tokens), [[] for _ in tokens], [[] for _ in tokens]
+            full = [None] * len(tokens), [[] for _ in tokens], [[] for _ in tokens]
             for j, i in enumerate(at):
                 full[0][i], full[1][i], full[2][i] = lps[j], top_ids[j], top_lps[j]
             ids, (lps, top_ids, top_lps) = list(tokens), full
