@@ -118,9 +118,9 @@ class LlamaCppEngine(RemoteEngine):
             return
         slot = slot_context(options, _model_context(model))
         if all(len(r.prompt_token_ids) + r.max_tokens > slot for r in requests):
-            longest = min(len(r.prompt_token_ids) + r.max_tokens for r in requests)
+            shortest = min(len(r.prompt_token_ids) + r.max_tokens for r in requests)
             raise LpfError(f"each llama.cpp slot holds {slot} tokens (ctx_size / parallel), but the shortest request "
-                           f"needs {longest} (prompt + max_tokens): raise -E ctx_size")
+                           f"needs {shortest} (prompt + max_tokens): raise -E ctx_size")
 
     def __init__(self, model, sampling, options: LlamaCppOptions):
         if sampling.ignore_eos and not options.ban_eos:

@@ -21,10 +21,16 @@ Answer (`parse`, `server_task_result_cmpl_final::to_json_non_oaicompat`): `token
 `stop_type` (eos | limit | word | none), `truncated`, `tokens_predicted`, `id_slot`, `tokens_cached`,
 `timings` {cache_n (prompt tokens reused from the slot's cache), prompt_n (prompt tokens computed),
 predicted_n, prompt_ms, predicted_ms}, `completion_probabilities` [{id, token, bytes, logprob,
-top_logprobs: [{id, token, bytes, logprob}]}]. The ids paired with logprobs are the ones stored; they
-must agree with `tokens`, the count with `tokens_predicted`, the text with the tokens, and the prompt
-must not have been truncated, else the answer is kept with an `inconsistency`. `slot_row` is the
-trace's view of the answer (which slot, how much of the prompt came from its cache).
+top_logprobs: [{id, token, bytes, logprob}]}]. `tokens` are the generated ids (`return_tokens`), but
+`completion_probabilities` may hold fewer: `process_token` (server-context.cpp) adds a token's
+probabilities only when the text so far is complete UTF-8, so a token that ends inside a multi-byte
+character gets none. When the entries are `tokens` in order with some missing, the tokens are stored
+with no logprob (None, as for any server that returned none; never clean) and no top-k where none
+came, and the answer notes `logprobs_missing`; entries that are no such subsequence are stored as sent
+with a `tokens` inconsistency. The count must agree with `tokens_predicted`, the text with the tokens,
+and `truncated` must be false (the slot's context ran out, or a context shift dropped tokens), else the
+answer is kept with an `inconsistency`. `slot_row` is the trace's view of the answer (which slot, how
+much of the prompt came from its cache).
 """
 
 from __future__ import annotations
@@ -110,7 +116,8 @@ def parse(req: EngineRequest, body: Any, s: SamplingParams, vocab_size: int, tok
                 full[0][i], full[1][i], full[2][i] = lps[j], top_ids[j], top_lps[j]
             ids, (lps, top_ids, top_lps) = list(tokens), full
     if body.get("truncated"):
-        problems.add("truncated", "the server truncated the prompt to fit its context (the tokens answer another prompt)")
+        problems.add("truncated", "the server says truncated: the slot's context (ctx_size / parallel) ran out before "
+                                  "max_tokens, or a context shift discarded tokens the answer was computed without")
     stop_type = body.get("stop_type")
     finish = FINISH.get(stop_type, stop_type if isinstance(stop_type, str) else "length")
     check_answer(req, ids, body.get("tokens_predicted"), finish, body.get("content"), problems,
