@@ -16,7 +16,8 @@ from lpf.core.knobs import flag_knobs, knob, knob_info, knob_with_role, knobs, k
 def test_roles_answer_what_the_name_lists_used_to():
     opts = {name: get_engine_class(name).Options for name in engine_names()}
     assert {n: knob_with_role(o, "concurrency") for n, o in opts.items()} == {
-        "builtin": "max_num_seqs", "hf": "batch_size", "vllm": "max_num_seqs", "openai": None, "sglang": None}
+        "builtin": "max_num_seqs", "hf": "batch_size", "vllm": "max_num_seqs", "openai": None, "sglang": None,
+        "llamacpp": "parallel"}  # llama-server's slots; its `batch_size` is a step budget, not concurrency
     assert knobs_with_role(opts["vllm"], "cache_size") == ["gpu_memory_utilization", "num_gpu_blocks_override",
                                                            "cpu_kvcache_space"]
     assert knob_with_role(opts["vllm"], "prefix_cache") == "enable_prefix_caching"

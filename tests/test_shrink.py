@@ -144,7 +144,7 @@ def test_the_stale_state_reproducer_stands_alone(stale, tmp_path):
         assert part in report, part
 
 
-def test_the_shrink_report_page_draws_in_a_browser(stale, browser):  # noqa: F811 - the fixture, imported
+def test_the_shrink_report_page_draws_in_a_browser(stale, browser):
     """`lpf report DIR` detects the shrink directory; the page draws its chart with no console error."""
     _, out, _, _ = stale
     proc = lpf_subprocess("report", out)

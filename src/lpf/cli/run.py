@@ -50,11 +50,12 @@ def _rescore(run, settings, redo=False, calibrate=False) -> None:
         print_calibration(cal, run.path, err)
 
 
-def _analyze(run, thresholds, as_json, fail_on, attribution=True, stream=None) -> None:
+def _analyze(run, thresholds, as_json, fail_on, attribution=True, stream=None, tokens_only=False) -> None:
     from lpf.pipeline import analyze_run
 
     with progress_bars(("analyze  ", "tokens"), ("attribute", "tokens")) as (analysis, (on_start, tick)):
-        findings = analyze_run(run, thresholds, attribution, on_start, tick, stream=stream, progress=analysis)
+        findings = analyze_run(run, thresholds, attribution, on_start, tick, stream=stream, progress=analysis,
+                               tokens_only=tokens_only)
     print_summary(findings, run.path, err)
     write_report(run.path)
     if as_json:
@@ -151,7 +152,10 @@ def rescore(run_dir, calibrate, redo, **params):
 @trace_dir_option
 @analysis_options
 @stream_option
-def analyze(run_dir, trace_dir, threshold, attribution, as_json, fail_on, stream):
+@click.option("--tokens-only", is_flag=True,
+              help="Judge from the tokens alone, as if the engine had returned no logprobs (what a tokens-only "
+                   "server's audit would say).")
+def analyze(run_dir, trace_dir, threshold, attribution, as_json, fail_on, stream, tokens_only):
     """Re-run the analysis on a stored, rescored run and rewrite findings.json."""
     from lpf.run.store import RunDir
 
@@ -160,7 +164,7 @@ def analyze(run_dir, trace_dir, threshold, attribution, as_json, fail_on, stream
         _join(run, trace_dir)
     from lpf.analysis.thresholds import Thresholds
 
-    _analyze(run, Thresholds().with_overrides(list(threshold)), as_json, fail_on, attribution, stream)
+    _analyze(run, Thresholds().with_overrides(list(threshold)), as_json, fail_on, attribution, stream, tokens_only)
 
 
 COMMANDS = (audit, run, rescore, analyze)
