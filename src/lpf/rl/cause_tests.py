@@ -1,0 +1,179 @@
+"""The statistics behind `lpf.rl.causes`: one test per named cause of rollout/trainer mismatch. Pure numpy.
+
+Per scored token, d = trainer - rollout logprob.
+
+Exact causes (a per-token prediction of d exists):
+  `exact_fit(d, comps)` least squares d ~ sum_j beta_j c_j over the tokens where every c_j is known,
+  with heteroskedasticity-robust standard errors. A cause passes (`exact_passes`) when its beta is
+  within BETA_TOL of 1 (the offset IS the prediction, not a correlate of it) with beta / se >= Z_MIN:
+  processed logprobs (c = log kept mass, which a processed logprob subtracts exactly) and stale
+  weights (c = the trainer's, or the reference's, score now minus its score at the generating step).
+  The tolerance widens by two standard errors: another cause's noise (a large state error is also
+  biased: tokens are sampled where the rollout overrates them) makes the slope uncertain, not wrong.
+
+Statistical causes, on the residual e (d minus the exact causes that passed), normalised by the
+token's sensitivity s (`u = e / max(s, S_MIN)`: one nat of logit noise moves a logprob by s):
+  `cell_variances` the robust variance of u (median |u| / 0.6745, squared) in each cell of
+  (batch group, position bucket); buckets are 0, 1, 2-3, 4-7, ... (log2 of the position).
+  `fit_variance(cells, use_groups, use_positions)` independent error sources add in variance:
+  v[g, b] = phi + beta[g] + pi[b], beta >= 0 with its smallest group at 0, pi >= 0 with bucket 0 at 0
+  (backfitting, weighted by the cells' token counts).
+  `permutation_p(stat, shuffles)` the share of shuffled statistics at least the observed one:
+  position growth shuffles positions within each response (keeps every response's own level),
+  batch shape shuffles the batch feature across responses within each step (keeps step levels).
+  A statistical cause passes with p <= P_MAX and an effect of at least EFFECT_MIN in variance (the
+  late positions' / the worst group's sigma at least twice the baseline's).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+S_MIN = 1e-2  # floors.S_MIN: below it a token is settled and its error is rounding, not logit noise
+BETA_TOL = 0.2
+Z_MIN = 10.0
+P_MAX = 0.01
+EFFECT_MIN = 4.0  # variance ratio (sigma ratio 2)
+MIN_CELL = 8  # tokens for a cell's robust variance
+N_SHUFFLES = 199
+MAX_TOKENS_TESTED = 200_000  # permutation statistics subsample beyond this (the fits use every token)
+
+
+def exact_fit(d: np.ndarray, comps: dict[str, np.ndarray]) -> dict[str, dict]:
+    """{name: {beta, se, z, n}} of the joint least-squares fit (tokens where every component is finite)."""
+    names = [k for k, c in comps.items() if c is not None]
+    if not names:
+        return {}
+    C = np.stack([comps[k] for k in names], axis=1)
+    ok = np.isfinite(C).all(axis=1) & np.isfinite(d)
+    C, y = C[ok], d[ok]
+    out = {}
+    if not ok.any() or not np.any(C):
+        return {k: {"beta": None, "se": None, "z": 0.0, "n": int(ok.sum())} for k in names}
+    xtx = C.T @ C
+    try:
+        inv = np.linalg.inv(xtx)
+    except np.linalg.LinAlgError:
+        inv = np.linalg.pinv(xtx)
+    beta = inv @ (C.T @ y)
+    e = y - C @ beta
+    meat = (C * (e * e)[:, None]).T @ C
+    cov = inv @ meat @ inv
+    for j, k in enumerate(names):
+        se = float(np.sqrt(max(cov[j, j], 0.0)))
+        b = float(beta[j])
+        out[k] = {"beta": b, "se": se, "z": float(b / se) if se > 0 else (np.inf if b else 0.0), "n": int(ok.sum())}
+    return out
+
+
+def exact_passes(fit: dict | None) -> bool:
+    return bool(fit and fit["beta"] is not None and abs(fit["beta"] - 1.0) <= BETA_TOL + 2 * fit["se"]
+                and fit["z"] >= Z_MIN)
+
+
+def position_bucket(pos: np.ndarray) -> np.ndarray:
+    """0 for position 0, else 1 + floor(log2(position)): 0 | 1 | 2-3 | 4-7 | 8-15 | ..."""
+    p = np.asarray(pos, dtype=np.int64)
+    out = np.zeros(p.shape, dtype=np.int64)
+    nz = p > 0
+    out[nz] = 1 + np.floor(np.log2(p[nz])).astype(np.int64)
+    return out
+
+
+def bucket_label(b: int) -> str:
+    if b == 0:
+        return "0"
+    lo, hi = 2 ** (b - 1), 2 ** b - 1
+    return str(lo) if lo == hi else f"{lo}-{hi}"
+
+
+def cell_variances(u: np.ndarray, group: np.ndarray, bucket: np.ndarray, n_groups: int, n_buckets: int):
+    """(v [G, B] robust variance or NaN, n [G, B] tokens)."""
+    v = np.full((n_groups, n_buckets), np.nan)
+    n = np.zeros((n_groups, n_buckets), dtype=np.int64)
+    key = group * n_buckets + bucket
+    order = np.argsort(key, kind="stable")
+    ks, starts = np.unique(key[order], return_index=True)
+    ends = np.append(starts[1:], order.size)
+    au = np.abs(u[order])
+    for k, a, b in zip(ks, starts, ends):
+        g, bb = divmod(int(k), n_buckets)
+        n[g, bb] = b - a
+        if b - a >= MIN_CELL:
+            v[g, bb] = (np.median(au[a:b]) / 0.6745) ** 2
+    return v, n
+
+
+def fit_variance(v: np.ndarray, n: np.ndarray, use_groups: bool, use_positions: bool, iters: int = 500) -> dict:
+    """phi, beta [G], pi [B] of v[g, b] ~ phi + beta[g] + pi[b] (see the module doc): weighted least
+    squares with every term >= 0 and pi[0] = 0, by exact block-coordinate descent (each block's
+    constrained minimiser in turn: a convex problem, so it converges to the optimum); then the
+    smallest group's beta is moved into phi (the same fit)."""
+    ok = np.isfinite(v)
+    w = np.where(ok, n, 0).astype(np.float64)
+    vv = np.where(ok, v, 0.0)
+    G, B = v.shape
+    beta, pi = np.zeros(G), np.zeros(B)
+    if not w.sum():
+        return {"phi": 0.0, "beta": beta, "pi": pi}
+    wb, wg, wt = w.sum(axis=0), w.sum(axis=1), w.sum()
+    phi = float((vv * w).sum() / wt)
+    for _ in range(iters):
+        old = (phi, beta.copy(), pi.copy())
+        phi = max(float(((vv - beta[:, None] - pi[None, :]) * w).sum() / wt), 0.0)
+        if use_positions:
+            pi = np.maximum(np.where(wb > 0, ((vv - phi - beta[:, None]) * w).sum(axis=0) / np.maximum(wb, 1e-300), 0.0), 0.0)
+            pi[0] = 0.0
+        if use_groups:
+            beta = np.maximum(np.where(wg > 0, ((vv - phi - pi[None, :]) * w).sum(axis=1) / np.maximum(wg, 1e-300), 0.0), 0.0)
+        scale = max(phi, float(beta.max()), float(pi.max()), 1e-300)
+        if (abs(phi - old[0]) + np.abs(beta - old[1]).max() + np.abs(pi - old[2]).max()) <= 1e-10 * scale:
+            break
+    if use_groups and (wg > 0).any():
+        low = float(np.min(beta[wg > 0]))
+        beta, phi = beta - low, phi + low
+    return {"phi": phi, "beta": np.maximum(beta, 0.0) * (wg > 0), "pi": pi * (wb > 0)}
+
+
+def permutation_p(observed: float, shuffled: list[float]) -> float:
+    s = np.asarray(shuffled, dtype=np.float64)
+    return float((1 + np.count_nonzero(s >= observed)) / (1 + s.size))
+
+
+def spearman(x: np.ndarray, y: np.ndarray) -> float:
+    if x.size < 3:
+        return 0.0
+    rx = np.argsort(np.argsort(x, kind="stable"), kind="stable").astype(np.float64)
+    ry = np.argsort(np.argsort(y, kind="stable"), kind="stable").astype(np.float64)
+    rx -= rx.mean()
+    ry -= ry.mean()
+    den = np.sqrt((rx * rx).sum() * (ry * ry).sum())
+    return float((rx * ry).sum() / den) if den > 0 else 0.0
+
+
+def shuffle_within(labels: np.ndarray, blocks: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """`labels` permuted inside each block (the same block id), blocks untouched."""
+    order = np.lexsort((rng.random(labels.size), blocks))
+    out = np.empty_like(labels)
+    sorted_idx = np.argsort(blocks, kind="stable")
+    out[sorted_idx] = labels[order]
+    return out
+
+
+def group_spread(u2: np.ndarray, resp: np.ndarray, group_of_resp: np.ndarray, n_groups: int) -> float:
+    """Token-weighted variance across groups of each group's log median u^2 (responses pooled)."""
+    g = group_of_resp[resp]
+    med = np.full(n_groups, np.nan)
+    cnt = np.bincount(g, minlength=n_groups)
+    order = np.argsort(g, kind="stable")
+    starts = np.concatenate([[0], np.cumsum(cnt)[:-1]])
+    vals = u2[order]
+    for k in range(n_groups):
+        if cnt[k] >= MIN_CELL:
+            med[k] = np.log(max(np.median(vals[starts[k]:starts[k] + cnt[k]]), 1e-300))
+    ok = np.isfinite(med)
+    if ok.sum() < 2:
+        return 0.0
+    w = cnt[ok].astype(np.float64)
+    m = (med[ok] * w).sum() / w.sum()
+    return float(((med[ok] - m) ** 2 * w).sum() / w.sum())
