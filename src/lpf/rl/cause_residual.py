@@ -4,8 +4,11 @@
 `lpf.rl.causes` fits the rollout side (reference - rollout) and the trainer side (trainer -
 reference) apart, since a batch-shape effect lives in the trainer and a state path in the engine;
 without one, the whole residual. On u = e / max(sensitivity, S_MIN):
-- batch shape: of the dump's batch features, the one whose groups separate most (after the position
-  profile is divided out), by permutation within steps (`lpf.rl.cause_tests`);
+- batch shape: of the dump's batch features (the trainer's micro-batches: tested on the trainer side,
+  or on the whole residual without a reference), the one whose groups separate most (after the
+  position profile is divided out), by permutation (`lpf.rl.cause_tests`): across every response on
+  the trainer side, within steps on the whole residual (where the rollout's own level may follow the
+  prompt the layout follows too);
 - position growth: Spearman of |u| against position, positions shuffled within responses;
 - the variance model v[g, b] = phi + beta[g] + pi[b] with the factors that passed;
 - the dtype floor: phi within KAPPA^2 sigma_F^2 (sigma_F from the floor row of this side's dtype
@@ -64,32 +67,38 @@ def _position_test(inp, u, rng, idx):
     return obs, ct.permutation_p(obs, shuffled)
 
 
-def _batch_test(inp, u, bucket, rng, idx):
-    """(feature, groups per response, statistic, p) of the batch feature that separates most, or None."""
+def _batch_test(inp, u, bucket, rng, idx, within_steps: bool):
+    """(feature, groups per response, statistic, p) of the batch feature that separates most, or None.
+    The feature is shuffled across all responses, or only within each step (`within_steps`: when the
+    residual also holds the rollout's errors, whose level may follow the prompt that the micro-batch
+    layout also follows)."""
     u2 = u * u
     # the position profile out first: a feature that tracks response length must not pass for batch shape
     med_b = np.array([np.median(u2[bucket == b]) if np.any(bucket == b) else 1.0 for b in range(bucket.max() + 1)])
     u2n = u2 / np.maximum(med_b[bucket], 1e-300)
+    levels = ct.response_levels(u2n[idx], inp.tok_resp[idx], inp.steps.size)
+    blocks = inp.steps if within_steps else np.zeros(inp.steps.size, dtype=np.int64)
     best = None
     for name, x in inp.batch.items():
         g = _groups(x)
-        n_g = int(g.max()) + 1
-        obs = ct.group_spread(u2n[idx], inp.tok_resp[idx], g, n_g)
-        shuffled = [ct.group_spread(u2n[idx], inp.tok_resp[idx], ct.shuffle_within(g, inp.steps, rng), n_g)
-                    for _ in range(ct.N_SHUFFLES)]
+        obs = ct.kruskal(levels, g)
+        shuffled = [ct.kruskal(levels, ct.shuffle_within(g, blocks, rng)) for _ in range(ct.N_SHUFFLES)]
         p = ct.permutation_p(obs, shuffled)
         if best is None or (p, -obs) < (best[3], -best[2]):
             best = (name, g, obs, p)
     return best
 
 
-def fit_side(inp, e: np.ndarray, floor: dict | None, rng: np.random.Generator, idx: np.ndarray) -> Side:
+def fit_side(inp, e: np.ndarray, floor: dict | None, rng: np.random.Generator, idx: np.ndarray,
+             batch: str = "within steps") -> Side:
+    """`batch`: "all" (the trainer side: shuffle the feature across every response), "within steps"
+    (the whole residual), or "none" (the rollout side: the dump's micro-batches are the trainer's)."""
     n_resp = inp.steps.size
     sens = np.maximum(np.nan_to_num(inp.sensitivity), ct.S_MIN)
     u = e / sens
     bucket = ct.position_bucket(inp.tok_pos)
     n_b = int(bucket.max()) + 1
-    batch = _batch_test(inp, u, bucket, rng, idx) if inp.batch else None
+    batch = _batch_test(inp, u, bucket, rng, idx, batch == "within steps") if inp.batch and batch != "none" else None
     group_resp = batch[1] if batch is not None else np.zeros(n_resp, dtype=np.int64)
     n_g = int(group_resp.max()) + 1
     g_tok = group_resp[inp.tok_resp]

@@ -20,7 +20,9 @@ token's sensitivity s (`u = e / max(s, S_MIN)`: one nat of logit noise moves a l
   (backfitting, weighted by the cells' token counts).
   `permutation_p(stat, shuffles)` the share of shuffled statistics at least the observed one:
   position growth shuffles positions within each response (keeps every response's own level),
-  batch shape shuffles the batch feature across responses within each step (keeps step levels).
+  batch shape shuffles the batch feature across responses within each step (keeps step levels),
+  its statistic a stratified Kruskal-Wallis: the responses' median u^2 ranked within their step,
+  the groups' mean ranks against 1/2 (`rank_spread`).
   A statistical cause passes with p <= P_MAX and an effect of at least EFFECT_MIN in variance (the
   late positions' / the worst group's sigma at least twice the baseline's).
 """
@@ -160,20 +162,33 @@ def shuffle_within(labels: np.ndarray, blocks: np.ndarray, rng: np.random.Genera
     return out
 
 
-def group_spread(u2: np.ndarray, resp: np.ndarray, group_of_resp: np.ndarray, n_groups: int) -> float:
-    """Token-weighted variance across groups of each group's log median u^2 (responses pooled)."""
-    g = group_of_resp[resp]
-    med = np.full(n_groups, np.nan)
-    cnt = np.bincount(g, minlength=n_groups)
-    order = np.argsort(g, kind="stable")
+def response_levels(u2: np.ndarray, resp: np.ndarray, n_resp: int) -> np.ndarray:
+    """Per response: the median of its tokens' u^2 (NaN for a response without tokens)."""
+    order = np.argsort(resp, kind="stable")
+    cnt = np.bincount(resp, minlength=n_resp)
     starts = np.concatenate([[0], np.cumsum(cnt)[:-1]])
     vals = u2[order]
-    for k in range(n_groups):
-        if cnt[k] >= MIN_CELL:
-            med[k] = np.log(max(np.median(vals[starts[k]:starts[k] + cnt[k]]), 1e-300))
-    ok = np.isfinite(med)
-    if ok.sum() < 2:
+    out = np.full(n_resp, np.nan)
+    for j in np.flatnonzero(cnt):
+        out[j] = np.median(vals[starts[j]:starts[j] + cnt[j]])
+    return out
+
+
+def kruskal(levels: np.ndarray, groups: np.ndarray) -> float:
+    """Kruskal-Wallis H of the responses' levels across groups (average ranks for ties): how far the
+    groups' mean ranks are apart. Rank-based, so a few clean responses in a group of their own
+    separate as surely as many do."""
+    ok = np.isfinite(levels)
+    x, g = levels[ok], groups[ok]
+    n = x.size
+    if n < 3 or np.unique(g).size < 2:
         return 0.0
-    w = cnt[ok].astype(np.float64)
-    m = (med[ok] * w).sum() / w.sum()
-    return float(((med[ok] - m) ** 2 * w).sum() / w.sum())
+    order = np.argsort(x, kind="stable")
+    ranks = np.empty(n)
+    ranks[order] = np.arange(1, n + 1)
+    _, inv, counts = np.unique(x, return_inverse=True, return_counts=True)
+    ranks = (np.bincount(inv, weights=ranks) / counts)[inv]  # average rank of each distinct value
+    sums = np.bincount(g, weights=ranks)
+    cnt = np.bincount(g).astype(np.float64)
+    has = cnt > 0
+    return float(12.0 / (n * (n + 1)) * (sums[has] ** 2 / cnt[has]).sum() - 3 * (n + 1))

@@ -120,7 +120,8 @@ def explain(inp: ExplainInputs, seed: int = 0) -> Explanation:
         residuals = {"rollout": e - e_t, "trainer": e_t}
     else:
         residuals = {"rollout and trainer": e}
-    sides = {name: fit_side(inp, res, inp.floors.get(name), rng, idx) for name, res in residuals.items()}
+    mode = {"rollout": "none", "trainer": "all", "rollout and trainer": "within steps"}
+    sides = {name: fit_side(inp, res, inp.floors.get(name), rng, idx, mode[name]) for name, res in residuals.items()}
     col = {c: i for i, c in enumerate(CAUSES)}
     parts = np.zeros((n_tok, len(CAUSES)))
     for c, comp in comps.items():
