@@ -32,6 +32,7 @@ OUTLIER_Z = 6.0
 OUTLIER_RATIO = 10.0
 MAX_GROUPS = 6  # batch groups: more values are cut at their quantiles (cells need tokens at every position)
 SIDE_CAUSES = ("dtype_floor", "unexplained", "batch_shape", "position_growth")
+BLIND = 1e-6  # |rollout logprob| below this: the rollout reported certainty
 
 
 @dataclass
@@ -72,11 +73,10 @@ def _batch_test(inp, u, bucket, rng, idx, within_steps: bool):
     The feature is shuffled across all responses, or only within each step (`within_steps`: when the
     residual also holds the rollout's errors, whose level may follow the prompt that the micro-batch
     layout also follows)."""
-    u2 = u * u
+    u2, b_idx = (u * u)[idx], bucket[idx]
     # the position profile out first: a feature that tracks response length must not pass for batch shape
-    med_b = np.array([np.median(u2[bucket == b]) if np.any(bucket == b) else 1.0 for b in range(bucket.max() + 1)])
-    u2n = u2 / np.maximum(med_b[bucket], 1e-300)
-    levels = ct.response_levels(u2n[idx], inp.tok_resp[idx], inp.steps.size)
+    med_b = np.array([np.median(u2[b_idx == b]) if np.any(b_idx == b) else 1.0 for b in range(bucket.max() + 1)])
+    levels = ct.response_levels(u2 / np.maximum(med_b[b_idx], 1e-300), inp.tok_resp[idx], inp.steps.size)
     blocks = inp.steps if within_steps else np.zeros(inp.steps.size, dtype=np.int64)
     best = None
     for name, x in inp.batch.items():
@@ -90,19 +90,26 @@ def _batch_test(inp, u, bucket, rng, idx, within_steps: bool):
 
 
 def fit_side(inp, e: np.ndarray, floor: dict | None, rng: np.random.Generator, idx: np.ndarray,
-             batch: str = "within steps") -> Side:
-    """`batch`: "all" (the trainer side: shuffle the feature across every response), "within steps"
-    (the whole residual), or "none" (the rollout side: the dump's micro-batches are the trainer's)."""
+             batch_mode: str = "within steps") -> Side:
+    """`batch_mode`: "all" (the trainer side: shuffle the feature across every response), "within steps"
+    (the whole residual), or "none" (the rollout side: the dump's micro-batches are the trainer's).
+    Where the rollout's logprob is 0 (a lone token kept by top-p/top-k reports 0 under processed
+    logprobs, whatever the engine's error) its side holds nothing to measure: such tokens are left
+    out of the fits and tests of every side but the trainer's (they are still allocated)."""
     n_resp = inp.steps.size
+    if batch_mode != "all":
+        idx = idx[np.abs(inp.r[idx]) > BLIND]
     sens = np.maximum(np.nan_to_num(inp.sensitivity), ct.S_MIN)
     u = e / sens
     bucket = ct.position_bucket(inp.tok_pos)
     n_b = int(bucket.max()) + 1
-    batch = _batch_test(inp, u, bucket, rng, idx, batch == "within steps") if inp.batch and batch != "none" else None
+    batch = None
+    if inp.batch and batch_mode != "none":
+        batch = _batch_test(inp, u, bucket, rng, idx, batch_mode == "within steps")
     group_resp = batch[1] if batch is not None else np.zeros(n_resp, dtype=np.int64)
     n_g = int(group_resp.max()) + 1
     g_tok = group_resp[inp.tok_resp]
-    v, cnt = ct.cell_variances(u, g_tok, bucket, n_g, n_b)
+    v, cnt = ct.cell_variances(u[idx], g_tok[idx], bucket[idx], n_g, n_b)
     full = ct.fit_variance(v, cnt, use_groups=batch is not None, use_positions=True)
     # a factor is material against the larger of the base level and the dtype floor: rounding that
     # varies by position or batch is still rounding
@@ -145,7 +152,7 @@ def fit_side(inp, e: np.ndarray, floor: dict | None, rng: np.random.Generator, i
     sB, sP = np.sqrt(beta)[g_tok], np.sqrt(pi)[bucket]
     sF, sS = np.sqrt(v_floor), np.sqrt(v_sys)
     sigma = np.sqrt(v_floor + v_sys + beta[g_tok] + pi[bucket])
-    ratio = _response_ratio(u, sigma, inp.tok_resp, n_resp)
+    ratio = _response_ratio(u[idx], sigma[idx], inp.tok_resp[idx], n_resp)
     z, _ = robust_z(np.log10(np.maximum(ratio, 1e-300)))
     outlier = (np.nan_to_num(z, nan=-np.inf) >= OUTLIER_Z) & (ratio >= OUTLIER_RATIO)
     excess = np.where(outlier[inp.tok_resp], 1.0 - 1.0 / np.maximum(ratio[inp.tok_resp], 1.0), 0.0)

@@ -121,7 +121,7 @@ def explain(inp: ExplainInputs, seed: int = 0) -> Explanation:
     else:
         residuals = {"rollout and trainer": e}
     mode = {"rollout": "none", "trainer": "all", "rollout and trainer": "within steps"}
-    sides = {name: fit_side(inp, res, inp.floors.get(name), rng, idx, mode[name]) for name, res in residuals.items()}
+    sides = {name: fit_side(inp, res, inp.floors.get(name), rng, idx, batch_mode=mode[name]) for name, res in residuals.items()}
     col = {c: i for i, c in enumerate(CAUSES)}
     parts = np.zeros((n_tok, len(CAUSES)))
     for c, comp in comps.items():
@@ -135,7 +135,8 @@ def explain(inp: ExplainInputs, seed: int = 0) -> Explanation:
     shares = np.divide(parts, denom[:, None], out=np.zeros_like(parts), where=ok[:, None])
     for c in ("position_growth", "batch_shape", "dtype_floor", "unexplained"):
         per = {name: side.tests[c] for name, side in sides.items() if c in side.tests}
-        if c in tests and not per:
+        if not per:  # batch shape without batch features: untested, with what inputs_of said is missing
+            tests.setdefault(c, {"status": "untested", "missing": "the dump records no micro-batches"})
             continue
         tests[c] = _combine(c, per, tests.get(c), inp)
     outliers = np.zeros(inp.steps.size, dtype=bool)
@@ -168,7 +169,7 @@ def _combine(cause: str, per: dict, prior: dict | None, inp: ExplainInputs) -> d
         return {**first, "status": "exceeded" if exceeded else "inside", "side": exceeded[0] if exceeded else None,
                 "sides": per, "test": _TEXT[cause]}
     passed = [n for n, t in per.items() if t["status"] == "passed"]
-    name = passed[0] if passed else max(per, key=lambda n: -per[n].get("p_value", 1.0))
+    name = passed[0] if passed else max(per, key=lambda n: per[n].get("variance_ratio", 1.0))
     out = {**per[name], "side": name, "sides": per, "test": _TEXT[cause]}
     if cause == "position_growth":
         out["layers"] = inp.layers
