@@ -199,3 +199,41 @@ def test_rescore_refuses_lags_without_checkpoints(tmp_path, lpf_cli):
                           (["--lags", "1"], "must include 0"), (["--top-p", "1.5"], "--top-p in (0, 1]")):
         r = lpf_cli("rl", "rescore", p, "--reference", "zoo:hybrid", *args)
         assert r.code == 2 and message in r.err and "Traceback" not in r.err, (args, r.err)
+
+
+@pytest.mark.slow
+def test_log_kept_mass_is_vllms_processed_logprob_offset(tmp_path):
+    """vLLM's own sampler code (the CPU build in .venv-vllm: vllm/v1/sample/ops/topk_topp_sampler.py
+    apply_top_k_top_p, then log_softmax as forward_native/forward_cpu do under processed_logprobs) on
+    the same logits: its processed logprob is the tempered logprob minus `log_kept_mass`, token by token."""
+    import subprocess
+
+    import torch
+
+    from lpf.rl.row_stats import log_kept_mass
+    from test_vllm import _vllm_python
+
+    python = _vllm_python()
+    if python is None:
+        pytest.skip("no vLLM venv: run `make vllm` (make test does)")
+    g = torch.Generator().manual_seed(1)
+    z = torch.randn(48, 200, generator=g) * 3
+    cases = [(1.0, 0, 0.9), (1.0, 20, 1.0), (0.7, 50, 0.8), (1.3, 0, 0.5)]
+    np.save(tmp_path / "z.npy", z.numpy())
+    probe = (
+        "import json, sys, numpy as np, torch\n"
+        "from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p\n"
+        "z = torch.from_numpy(np.load(sys.argv[1])); out = {}\n"
+        f"for i, (t, k, p) in enumerate({cases!r}):\n"
+        "    n, v = z.shape\n"
+        "    kk = torch.full((n,), k if k else v, dtype=torch.long)\n"  # vLLM passes the vocabulary size for 'off'
+        "    lp = apply_top_k_top_p((z / t).clone(), kk, torch.full((n,), float(p))).log_softmax(-1, dtype=torch.float32)\n"
+        "    np.save(sys.argv[1] + f'.{i}.npy', lp.numpy())\n")
+    r = subprocess.run([str(python), "-c", probe, str(tmp_path / "z.npy")], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    for i, (t, k, p) in enumerate(cases):
+        processed = torch.from_numpy(np.load(tmp_path / f"z.npy.{i}.npy"))
+        kept = torch.isfinite(processed)
+        offset = (torch.log_softmax(z / t, -1) - processed)[kept]
+        want = log_kept_mass(z, t, k, p)[:, None].expand_as(processed)[kept]
+        assert torch.allclose(offset, want, atol=2e-5), (t, k, p, float((offset - want).abs().max()))

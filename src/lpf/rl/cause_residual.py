@@ -111,13 +111,18 @@ def fit_side(inp, e: np.ndarray, floor: dict | None, rng: np.random.Generator, i
     g_tok = group_resp[inp.tok_resp]
     v, cnt = ct.cell_variances(u[idx], g_tok[idx], bucket[idx], n_g, n_b)
     full = ct.fit_variance(v, cnt, use_groups=batch is not None, use_positions=True)
-    # a factor is material against the larger of the base level and the dtype floor: rounding that
-    # varies by position or batch is still rounding
+    # a factor is material against the level it adds to (at the first position for growth, in the
+    # cleanest group for batch shape), never below the dtype floor: rounding that varies is rounding
     sigma_f = floor_sigma(floor)
-    base = max(full["phi"], (sigma_f or 0.0) ** 2, 1e-300)
+    floor2 = (sigma_f or 0.0) ** 2
+    w0, wb = cnt[:, 0].astype(np.float64), cnt.sum(axis=0).astype(np.float64)
+    level0 = full["phi"] + (float((full["beta"] * w0).sum() / w0.sum()) if w0.sum() else 0.0)
+    level_g = full["phi"] + (float((full["pi"] * wb).sum() / wb.sum()) if wb.sum() else 0.0)
     tests = {}
     rho, p_pos = _position_test(inp, u, rng, idx)
-    pos_effect = (base + float(full["pi"].max())) / base
+    late = [b for b in range(n_b) if wb[b] > 0][-2:]  # the latest positions: growth is where it ends up
+    pi_late = float(np.mean(full["pi"][late])) if late else 0.0
+    pos_effect = (level0 + pi_late) / max(level0, floor2, 1e-300)
     pos_ok = p_pos <= ct.P_MAX and rho > 0 and pos_effect >= ct.EFFECT_MIN
     tests["position_growth"] = {
         "status": "passed" if pos_ok else "failed", "spearman": rho, "p_value": p_pos, "variance_ratio": pos_effect,
@@ -125,7 +130,7 @@ def fit_side(inp, e: np.ndarray, floor: dict | None, rng: np.random.Generator, i
                     if cnt[:, b].sum()}}
     batch_ok = False
     if batch is not None:
-        b_effect = (base + float(full["beta"].max())) / base
+        b_effect = (level_g + float(full["beta"].max())) / max(level_g, floor2, 1e-300)
         batch_ok = batch[3] <= ct.P_MAX and b_effect >= ct.EFFECT_MIN
         x = inp.batch[batch[0]]
         levels = {}

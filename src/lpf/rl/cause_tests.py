@@ -3,8 +3,8 @@
 Per scored token, d = trainer - rollout logprob.
 
 Exact causes (a per-token prediction of d exists):
-  `exact_fit(d, comps)` least squares d ~ sum_j beta_j c_j over the tokens where every c_j is known,
-  with heteroskedasticity-robust standard errors. A cause passes (`exact_passes`) when its beta is
+  `exact_fit(d, comps, resp)` least absolute deviations d ~ sum_j beta_j c_j over the tokens where
+  every c_j is known, standard errors by resampling responses. A cause passes (`exact_passes`) when its beta is
   within BETA_TOL of 1 (the offset IS the prediction, not a correlate of it) with beta / se >= Z_MIN:
   processed logprobs (c = log kept mass, which a processed logprob subtracts exactly) and stale
   weights (c = the trainer's, or the reference's, score now minus its score at the generating step).
@@ -38,33 +38,62 @@ P_MAX = 0.01
 EFFECT_MIN = 4.0  # variance ratio (sigma ratio 2)
 MIN_CELL = 8  # tokens for a cell's robust variance
 N_SHUFFLES = 199
+N_BOOT = 40  # response resamples for the exact fit's standard error
 MAX_TOKENS_TESTED = 200_000  # permutation statistics subsample beyond this (the fits use every token)
 
 
-def exact_fit(d: np.ndarray, comps: dict[str, np.ndarray]) -> dict[str, dict]:
-    """{name: {beta, se, z, n}} of the joint least-squares fit (tokens where every component is finite)."""
+def _lad(C: np.ndarray, y: np.ndarray, w0: np.ndarray | None = None, iters: int = 60) -> np.ndarray:
+    """Least absolute deviations by iteratively reweighted least squares (`w0`: token multiplicities)."""
+    w0 = np.ones(y.size) if w0 is None else w0
+    scale = max(float(np.median(np.abs(y))), 1e-12)
+    beta = np.linalg.lstsq(C * np.sqrt(w0)[:, None], y * np.sqrt(w0), rcond=None)[0]
+    for _ in range(iters):
+        w = w0 / np.maximum(np.abs(y - C @ beta), 1e-6 * scale)
+        sw = np.sqrt(w)
+        new = np.linalg.lstsq(C * sw[:, None], y * sw, rcond=None)[0]
+        if np.allclose(new, beta, rtol=1e-9, atol=1e-12):
+            return new
+        beta = new
+    return beta
+
+
+def exact_fit(d: np.ndarray, comps: dict[str, np.ndarray], resp: np.ndarray | None = None,
+              rng: np.random.Generator | None = None) -> dict[str, dict]:
+    """{name: {beta, se, z, n, ols_beta}}: the joint least-absolute-deviations fit of d on the
+    components (tokens where every one is known), its standard error by resampling whole responses
+    (`resp`, N_BOOT times; by token without it). LAD, not least squares: another cause's error is
+    skewed (a state error is biased: tokens are sampled where the rollout overrates them, so it
+    correlates with the kept mass), and the median token still obeys d = c exactly."""
     names = [k for k, c in comps.items() if c is not None]
     if not names:
         return {}
     C = np.stack([comps[k] for k in names], axis=1)
     ok = np.isfinite(C).all(axis=1) & np.isfinite(d)
     C, y = C[ok], d[ok]
-    out = {}
     if not ok.any() or not np.any(C):
         return {k: {"beta": None, "se": None, "z": 0.0, "n": int(ok.sum())} for k in names}
-    xtx = C.T @ C
-    try:
-        inv = np.linalg.inv(xtx)
-    except np.linalg.LinAlgError:
-        inv = np.linalg.pinv(xtx)
-    beta = inv @ (C.T @ y)
-    e = y - C @ beta
-    meat = (C * (e * e)[:, None]).T @ C
-    cov = inv @ meat @ inv
+    rng = rng or np.random.default_rng(0)
+    if y.size > MAX_TOKENS_TESTED:
+        keep = np.sort(rng.choice(y.size, MAX_TOKENS_TESTED, replace=False))
+        C, y = C[keep], y[keep]
+        groups = (resp[ok][keep] if resp is not None else np.arange(y.size))
+    else:
+        groups = resp[ok] if resp is not None else np.arange(y.size)
+    beta = _lad(C, y)
+    ols = np.linalg.lstsq(C, y, rcond=None)[0]
+    _, g = np.unique(groups, return_inverse=True)
+    n_g = int(g.max()) + 1
+    boots = []
+    for _ in range(N_BOOT):
+        w = np.bincount(rng.integers(0, n_g, n_g), minlength=n_g)[g].astype(np.float64)
+        if w.sum() and np.any(C[w > 0]):
+            boots.append(_lad(C, y, w, iters=30))
+    se = np.std(np.asarray(boots), axis=0, ddof=1) if len(boots) > 1 else np.full(len(names), np.inf)
+    out = {}
     for j, k in enumerate(names):
-        se = float(np.sqrt(max(cov[j, j], 0.0)))
-        b = float(beta[j])
-        out[k] = {"beta": b, "se": se, "z": float(b / se) if se > 0 else (np.inf if b else 0.0), "n": int(ok.sum())}
+        b, s = float(beta[j]), float(se[j])
+        out[k] = {"beta": b, "se": s, "z": float(abs(b) / s) if s > 0 else (np.inf if b else 0.0), "n": int(y.size),
+                  "ols_beta": float(ols[j])}
     return out
 
 

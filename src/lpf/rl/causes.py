@@ -4,7 +4,7 @@
 token d = t - r (trainer - rollout logprob); its mass is |d| (and, for the framework's own metric,
 that metric's per-token term, split in the same proportions). The tests are `lpf.rl.cause_tests`:
 
-1. Exact causes, one least-squares fit of d on their per-token predictions: processed logprobs
+1. Exact causes, one least-absolute-deviations fit of d on their per-token predictions: processed logprobs
    (c = log kept mass; d = c exactly when the rollout reports post-filter logprobs) and stale weights
    (c = score now - score of the generating policy, the lag that fits best; applied to the responses
    whose |d| it lowers). A cause that passes is subtracted: e = d - sum c.
@@ -52,7 +52,10 @@ def _exact(inp: ExplainInputs, d: np.ndarray) -> tuple[dict, dict]:
                                        "(top-p 1, top-k off): processed and raw logprobs coincide"}
         lk = None
     lags = sorted(inp.stale_scores)
-    cand = [(None, _fit_for(d, lk, None))] + [(k, _fit_for(d, lk, inp.stale_base - inp.stale_scores[k])) for k in lags]
+    def fit_with(lk_, stale):
+        return _fit_for(d, lk_, stale, inp.tok_resp)
+
+    cand = [(None, fit_with(lk, None))] + [(k, fit_with(lk, inp.stale_base - inp.stale_scores[k])) for k in lags]
     best_lag, best = cand[0]
     for k, fit in cand[1:]:
         z = (fit.get("stale_weights") or {}).get("z") or 0.0
@@ -61,12 +64,12 @@ def _exact(inp: ExplainInputs, d: np.ndarray) -> tuple[dict, dict]:
     stale_ok = best_lag is not None
     if stale_ok and best_lag in inp.log_kept_lag and inp.log_kept_lag[best_lag] is not None and lk is not None:
         lk = inp.log_kept_lag[best_lag]  # the kept mass of the policy that generated the rollouts
-        best = _fit_for(d, lk, inp.stale_base - inp.stale_scores[best_lag])
+        best = fit_with(lk, inp.stale_base - inp.stale_scores[best_lag])
     if lk is not None:
         f = best.get("processed_logprobs")
         ok = ct.exact_passes(f)
         tests["processed_logprobs"] = {"status": "passed" if ok else "failed", "fit": f,
-                                       "test": "d = log kept mass per token: least-squares slope within "
+                                       "test": "d = log kept mass per token: least-absolute-deviations slope within "
                                                f"{ct.BETA_TOL:g} (+ 2 standard errors) of 1 and {ct.Z_MIN:g} "
                                                f"standard errors from 0",
                                        "sampling": inp.sampling}
@@ -95,13 +98,13 @@ def _exact(inp: ExplainInputs, d: np.ndarray) -> tuple[dict, dict]:
     return tests, comps
 
 
-def _fit_for(d, lk, stale):
+def _fit_for(d, lk, stale, resp):
     comps = {}
     if lk is not None:
         comps["processed_logprobs"] = lk
     if stale is not None:
         comps["stale_weights"] = stale
-    return ct.exact_fit(d, comps) if comps else {}
+    return ct.exact_fit(d, comps, resp) if comps else {}
 
 
 def explain(inp: ExplainInputs, seed: int = 0) -> Explanation:
@@ -149,10 +152,11 @@ def explain(inp: ExplainInputs, seed: int = 0) -> Explanation:
 
 _TEXT = {
     "position_growth": f"|e| / sensitivity rises with position (Spearman, positions shuffled within responses, "
-                       f"p <= {ct.P_MAX:g}) and the latest positions' variance >= {ct.EFFECT_MIN:g}x the base",
+                       f"p <= {ct.P_MAX:g}) and the two latest position buckets' variance >= {ct.EFFECT_MIN:g}x the "
+                       f"first position's (never below the dtype floor)",
     "batch_shape": f"|e| / sensitivity differs across the dump's micro-batch groups beyond the position profile "
-                   f"(feature shuffled across responses within steps, p <= {ct.P_MAX:g}) by >= {ct.EFFECT_MIN:g}x in "
-                   f"variance",
+                   f"(feature shuffled across responses, within steps without a reference, p <= {ct.P_MAX:g}) by >= "
+                   f"{ct.EFFECT_MIN:g}x in variance over the cleanest group (never below the dtype floor)",
     "dtype_floor": "the residual's base level within 2x the floor table's for the side's dtype pair",
 }
 
