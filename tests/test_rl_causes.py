@@ -230,3 +230,21 @@ def test_analyze_carries_the_causes_section(sims, lpf_cli, tmp_path):
     np.testing.assert_allclose(np.sum([steps.column(f"cause_{c}").to_numpy() for c in f["causes"]["shares"]], 0), 1.0,
                                atol=1e-9)
     assert (out / "report.html").is_file() and "causes (causes)" in r.err
+
+
+@pytest.mark.slow
+def test_without_a_reference_the_state_path_is_still_found_and_the_rest_says_what_it_needs(sims, lpf_cli, tmp_path):
+    import shutil
+
+    for drills in (("state-dtype",), ("processed-logprobs",)):
+        src = sims[("A", drills)]
+        dump = tmp_path / src.name
+        shutil.copy(src, dump)  # no RL directory beside it: no reference scores
+        b = explain(lpf_cli, dump)
+        status = {c["cause"]: c["status"] for c in b["causes"]}
+        assert status["processed_logprobs"] == status["stale_weights"] == "untested"
+        if drills == ("state-dtype",):
+            assert b["named"] == ["position_growth"] and b["shares"]["position_growth"] >= 0.9, b["summary"]
+        else:  # the offset is systematic: unexplained, with the processed-logprob signature named as a hint
+            assert b["named"] == [] and b["shares"]["unexplained"] >= 0.95
+            assert any("signature of processed logprobs" in h for h in b["hints"])

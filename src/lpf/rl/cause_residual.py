@@ -111,25 +111,15 @@ def fit_side(inp, e: np.ndarray, floor: dict | None, rng: np.random.Generator, i
     g_tok = group_resp[inp.tok_resp]
     v, cnt = ct.cell_variances(u[idx], g_tok[idx], bucket[idx], n_g, n_b)
     full = ct.fit_variance(v, cnt, use_groups=batch is not None, use_positions=True)
-    # a factor is material against the level it adds to (at the first position for growth, in the
-    # cleanest group for batch shape), never below the dtype floor: rounding that varies is rounding
+    # a factor is material against the level it adds to (in the cleanest group for batch shape, at
+    # the first position for growth), never below the dtype floor: rounding that varies is rounding
     sigma_f = floor_sigma(floor)
     floor2 = (sigma_f or 0.0) ** 2
     w0, wb = cnt[:, 0].astype(np.float64), cnt.sum(axis=0).astype(np.float64)
-    level0 = full["phi"] + (float((full["beta"] * w0).sum() / w0.sum()) if w0.sum() else 0.0)
-    level_g = full["phi"] + (float((full["pi"] * wb).sum() / wb.sum()) if wb.sum() else 0.0)
     tests = {}
-    rho, p_pos = _position_test(inp, u, rng, idx)
-    late = [b for b in range(n_b) if wb[b] > 0][-2:]  # the latest positions: growth is where it ends up
-    pi_late = float(np.mean(full["pi"][late])) if late else 0.0
-    pos_effect = (level0 + pi_late) / max(level0, floor2, 1e-300)
-    pos_ok = p_pos <= ct.P_MAX and rho > 0 and pos_effect >= ct.EFFECT_MIN
-    tests["position_growth"] = {
-        "status": "passed" if pos_ok else "failed", "spearman": rho, "p_value": p_pos, "variance_ratio": pos_effect,
-        "profile": {ct.bucket_label(b): float(np.sqrt(full["phi"] + full["pi"][b])) for b in range(n_b)
-                    if cnt[:, b].sum()}}
     batch_ok = False
     if batch is not None:
+        level_g = full["phi"] + (float((full["pi"] * wb).sum() / wb.sum()) if wb.sum() else 0.0)
         b_effect = (level_g + float(full["beta"].max())) / max(level_g, floor2, 1e-300)
         batch_ok = batch[3] <= ct.P_MAX and b_effect >= ct.EFFECT_MIN
         x = inp.batch[batch[0]]
@@ -142,6 +132,18 @@ def fit_side(inp, e: np.ndarray, floor: dict | None, rng: np.random.Generator, i
         tests["batch_shape"] = {"status": "passed" if batch_ok else "failed", "feature": batch[0],
                                 "p_value": batch[3], "variance_ratio": b_effect,
                                 "features_tested": sorted(inp.batch), "levels": levels}
+        if not batch_ok:  # groups that are no cause must not soak up the position profile's variance
+            full = ct.fit_variance(v, cnt, use_groups=False, use_positions=True)
+    level0 = full["phi"] + (float((full["beta"] * w0).sum() / w0.sum()) if w0.sum() else 0.0)
+    rho, p_pos = _position_test(inp, u, rng, idx)
+    late = [b for b in range(n_b) if wb[b] > 0][-2:]  # the latest positions: growth is where it ends up
+    pi_late = float(np.mean(full["pi"][late])) if late else 0.0
+    pos_effect = (level0 + pi_late) / max(level0, floor2, 1e-300)
+    pos_ok = p_pos <= ct.P_MAX and rho > 0 and pos_effect >= ct.EFFECT_MIN
+    tests["position_growth"] = {
+        "status": "passed" if pos_ok else "failed", "spearman": rho, "p_value": p_pos, "variance_ratio": pos_effect,
+        "profile": {ct.bucket_label(b): float(np.sqrt(full["phi"] + full["pi"][b])) for b in range(n_b)
+                    if cnt[:, b].sum()}}
     model = ct.fit_variance(v, cnt, use_groups=batch_ok, use_positions=pos_ok)
     beta = model["beta"] if batch_ok else np.zeros(n_g)
     pi = model["pi"] if pos_ok else np.zeros(n_b)
