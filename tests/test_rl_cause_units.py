@@ -237,3 +237,26 @@ def test_log_kept_mass_is_vllms_processed_logprob_offset(tmp_path):
         offset = (torch.log_softmax(z / t, -1) - processed)[kept]
         want = log_kept_mass(z, t, k, p)[:, None].expand_as(processed)[kept]
         assert torch.allclose(offset, want, atol=2e-5), (t, k, p, float((offset - want).abs().max()))
+
+
+def test_mamba_ssm_cache_dtype_rounds_the_ssm_state_and_sizes_the_cache():
+    import torch
+
+    from lpf.builtin.config import EngineConfig
+    from lpf.builtin.llm_engine import cache_sizes, state_buffer_dtype
+    from lpf.builtin.models import model_shape
+    from lpf.builtin.state_cache import StateCache
+    from lpf.model_specs import resolve_model
+
+    sc = StateCache([[("conv", (4, 3)), ("ssm", (2, 8))]], 2, torch.float32, part_dtypes={"conv": torch.float32,
+                                                                                          "ssm": torch.bfloat16})
+    x = torch.randn(1, 2, 8) * 1.000123
+    sc.write(0, "ssm", [1], x, "decode")
+    sc.write(0, "conv", [1], torch.full((1, 4, 3), 1.000123), "decode")
+    assert torch.equal(sc.read(0, "ssm", [1], "decode"), x.to(torch.bfloat16).float())  # stored as bf16 would be
+    assert torch.equal(sc.read(0, "conv", [1], "decode"), torch.full((1, 4, 3), 1.000123))
+    shape = model_shape(resolve_model("zoo:hybrid").path)
+    bf16 = EngineConfig(dtype="bfloat16", cache_mb=8)
+    wide = EngineConfig(dtype="bfloat16", cache_mb=8, mamba_ssm_cache_dtype="float32")
+    assert state_buffer_dtype(wide) == "float32" and state_buffer_dtype(bf16) == "bfloat16"
+    assert cache_sizes(shape, wide)[0] < cache_sizes(shape, bf16)[0]  # a wider state buys fewer slots

@@ -7,8 +7,6 @@ escaped before it reaches rich markup (a `[bold]` in a prompt is text).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from rich import box
 from rich.console import Console
 from rich.markup import escape

@@ -175,7 +175,7 @@ def _sampling(top_p, top_k, temperature) -> dict | None:
     top_k = 0 if top_k in (None, -1) else top_k
     temperature = 1.0 if temperature is None else temperature
     if not 0 < top_p <= 1 or top_k < 0 or not temperature > 0:
-        raise LpfError(f"rollout sampling out of range: --top-p in (0, 1], --top-k >= 0 (or -1), --temperature > 0")
+        raise LpfError("rollout sampling out of range: --top-p in (0, 1], --top-k >= 0 (or -1), --temperature > 0")
     return {"temperature": temperature, "top_k": top_k, "top_p": top_p}
 
 
