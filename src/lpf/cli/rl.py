@@ -155,7 +155,7 @@ def rescore_cmd(dump, out_dir, fmt, strict, reference, reference_dtype, referenc
         path = write(out_dir, table, lag)
         print_rl_rescore(path, table.num_rows, d.responses.num_rows, reference, reference_dtype, err)
     where = "" if out_dir == _default_out(dump) else f" --out {out_dir}"
-    err.print(f"next: lpf rl explain {dump}{where}", highlight=False)
+    err.print(f"next: lpf rl analyze {dump}{where}  (lpf rl explain: the causes alone)", highlight=False)
 
 
 def _parse_lags(text: str) -> list[int]:
@@ -218,7 +218,11 @@ def simulate_cmd(steps, prompts, rollouts, model, workload, max_tokens, temperat
     with progress_bar("simulate", "steps") as (on_start, tick):
         info = simulate(spec, out_path, on_start, tick)
     print_rl_simulate(info, steps, err)
-    err.print(f"next: lpf rl {'rescore' if info['policy'] else 'explain'} {out_path}", highlight=False)
+    if info["policy"]:  # stale weights are tested against the checkpoints the run just wrote
+        err.print(f"next: lpf rl rescore {out_path} (each step's checkpoint and the one before), then "
+                  f"lpf rl analyze {out_path}", highlight=False)
+    else:
+        err.print(f"next: lpf rl analyze {out_path}  (lpf rl explain: the causes alone)", highlight=False)
 
 
 COMMANDS = (rl,)
