@@ -17,7 +17,7 @@ PYTEST_ARGS ?=
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
-	$(VENV)/bin/pip install -q -c $(CONSTRAINTS) -e '.[test,ray]'
+	$(VENV)/bin/pip install -q -c $(CONSTRAINTS) -e '.[test,ray,serving]'
 	rm -f $(VENV)/.installed-* && touch $@
 
 venv: $(STAMP)

@@ -37,6 +37,7 @@ def print_summary(findings: dict, run_path, console: Console) -> None:
         console.print("|logprob diff|  " + "  ".join(f"{k} {d[k]:.3g}" for k in ("p50", "p90", "p99", "p99_9", "max")))
     _print_thresholds(findings["thresholds"], console)
     _print_trace(findings.get("trace"), console)
+    _print_judged(findings.get("judged"), console)
     print_run_test(findings.get("run_test"), console)
     _print_shape(findings.get("shape"), console)
     flagged = findings.get("flagged") or []
@@ -113,6 +114,16 @@ def _print_trace(trace: dict | None, console: Console) -> None:
         console.print(f"[dim]trace: {trace['rows']} rows {_TRACE_SOURCE.get(trace['source'], '')}[/]{why}", highlight=False)
     else:
         console.print(f"[dim]trace: none ({escape(trace.get('why') or 'no reason given')})[/]", highlight=False)
+
+
+def _print_judged(judged: dict | None, console: Console) -> None:
+    """What came back, when it limits what was judged (no logprobs, some missing), and the adapter's notes."""
+    if not judged:
+        return
+    if judged.get("logprobs") != "all":
+        console.print(f"[bold]judged:[/] {escape(judged['steps']['per_request'])}", highlight=False)
+    for note in judged.get("notes") or []:
+        console.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
 
 
 def print_run_test(rt: dict | None, console: Console) -> None:
