@@ -39,7 +39,8 @@ EFFECT_MIN = 4.0  # variance ratio (sigma ratio 2)
 MIN_CELL = 8  # tokens for a cell's robust variance
 N_SHUFFLES = 199
 N_BOOT = 40  # response resamples for the exact fit's standard error
-MAX_TOKENS_TESTED = 200_000  # permutation statistics subsample beyond this (the fits use every token)
+MAX_TOKENS_TESTED = 50_000  # the statistical tests and the variance fit subsample beyond this (shares: every token)
+MAX_TOKENS_FIT = 200_000  # the exact fit subsamples beyond this
 
 
 def _lad(C: np.ndarray, y: np.ndarray, w0: np.ndarray | None = None, iters: int = 60) -> np.ndarray:
@@ -73,8 +74,8 @@ def exact_fit(d: np.ndarray, comps: dict[str, np.ndarray], resp: np.ndarray | No
     if not ok.any() or not np.any(C):
         return {k: {"beta": None, "se": None, "z": 0.0, "n": int(ok.sum())} for k in names}
     rng = rng or np.random.default_rng(0)
-    if y.size > MAX_TOKENS_TESTED:
-        keep = np.sort(rng.choice(y.size, MAX_TOKENS_TESTED, replace=False))
+    if y.size > MAX_TOKENS_FIT:
+        keep = np.sort(rng.choice(y.size, MAX_TOKENS_FIT, replace=False))
         C, y = C[keep], y[keep]
         groups = (resp[ok][keep] if resp is not None else np.arange(y.size))
     else:
@@ -172,23 +173,38 @@ def permutation_p(observed: float, shuffled: list[float]) -> float:
 
 
 def spearman(x: np.ndarray, y: np.ndarray) -> float:
+    """Spearman's rank correlation with average ranks for ties."""
     if x.size < 3:
         return 0.0
-    rx = np.argsort(np.argsort(x, kind="stable"), kind="stable").astype(np.float64)
-    ry = np.argsort(np.argsort(y, kind="stable"), kind="stable").astype(np.float64)
+    rx, ry = average_ranks(x), average_ranks(y)
     rx -= rx.mean()
     ry -= ry.mean()
     den = np.sqrt((rx * rx).sum() * (ry * ry).sum())
     return float((rx * ry).sum() / den) if den > 0 else 0.0
 
 
+def within_permutation(blocks: np.ndarray, rng: np.random.Generator, by_block: np.ndarray | None = None) -> np.ndarray:
+    """Indices that permute positions inside each block (same block id) and leave blocks in place:
+    `labels[perm]` is `labels` shuffled within blocks. `by_block` (np.argsort(blocks, kind="stable"))
+    may be passed in when many permutations are drawn."""
+    by_block = np.argsort(blocks, kind="stable") if by_block is None else by_block
+    keys = blocks[by_block].astype(np.float64) + rng.random(blocks.size)  # block ids are integers: order kept
+    perm = np.empty(blocks.size, dtype=np.int64)
+    perm[by_block] = by_block[np.argsort(keys, kind="stable")]
+    return perm
+
+
 def shuffle_within(labels: np.ndarray, blocks: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     """`labels` permuted inside each block (the same block id), blocks untouched."""
-    order = np.lexsort((rng.random(labels.size), blocks))
-    out = np.empty_like(labels)
-    sorted_idx = np.argsort(blocks, kind="stable")
-    out[sorted_idx] = labels[order]
-    return out
+    return labels[within_permutation(blocks, rng)]
+
+
+def average_ranks(x: np.ndarray) -> np.ndarray:
+    order = np.argsort(x, kind="stable")
+    r = np.empty(x.size)
+    r[order] = np.arange(1, x.size + 1)
+    _, inv, counts = np.unique(x, return_inverse=True, return_counts=True)
+    return (np.bincount(inv, weights=r) / counts)[inv]
 
 
 def response_levels(u2: np.ndarray, resp: np.ndarray, n_resp: int) -> np.ndarray:

@@ -53,10 +53,6 @@ def file_name(lag: int) -> str:
 def score(dump: Dump, reference: str, dtype: str = "float32", token_budget: int = 16384,
           on_start: Callable = _noop, tick: Callable = _noop, device: str = "cpu", sampling: dict | None = None,
           lag: int = 0) -> pa.Table:
-    from lpf.model_specs import resolve_model
-    from lpf.reference import Rescorer, ScoreItem
-    from lpf.rl.row_stats import RowStats
-
     prompts = dump.sequences.column("prompt_token_ids").to_pylist()
     outputs = dump.sequences.column("response_token_ids").to_pylist()
     ids = dump.responses.column("request_id").to_pylist()
@@ -73,6 +69,10 @@ def score(dump: Dump, reference: str, dtype: str = "float32", token_budget: int 
     if lag and not templated:
         raise LpfError(f"--lags {lag} needs a reference per step: give --reference as a template holding {{step}} "
                        f"(the policy's checkpoints, e.g. ckpt/step_{{step}})")
+    from lpf.model_specs import resolve_model  # torch and transformers only once the request is sound
+    from lpf.reference import Rescorer, ScoreItem
+    from lpf.rl.row_stats import RowStats
+
     groups = {}  # checkpoint spec -> response indices
     missing = 0
     for i, s in enumerate(steps):
