@@ -147,6 +147,9 @@ def rescore_cmd(dump, out_dir, fmt, strict, reference, reference_dtype, referenc
         raise LpfError("--reference is required: this dump does not name its model (give the policy's HF checkpoint)")
     lag_list = _parse_lags(lags) if lags is not None else ([0, 1] if policy.get("checkpoints") else [0])
     sampling = _sampling(top_p, top_k, temperature) or sim.get("sampling")
+    if max(lag_list) > 0 and "{step}" not in reference:  # refused before any scoring starts
+        raise LpfError(f"--lags {','.join(map(str, lag_list))} needs a reference per step: give --reference as a "
+                       f"template holding {{step}} (the policy's checkpoints, e.g. ckpt/step_{{step}})")
     out_dir = out_dir or _default_out(dump)
     for lag in lag_list:
         with progress_bar("rescore " if not lag else f"lag {lag}  ", "tokens") as (on_start, tick):
