@@ -4,6 +4,11 @@ ranges, unknown names refused).
 `cache_mb` plays the role of vLLM's `gpu_memory_utilization`: the bytes given to caches. Half goes
 to Mamba state slots and half to paged KV blocks (all of it to one kind when the model has only
 that kind of layer), so shrinking it makes slots and blocks recycle sooner.
+
+`mamba_ssm_cache_dtype` is vLLM's knob of that name: the dtype the SSM part of each state slot is
+stored in ("auto": the engine dtype). Stored in bfloat16 under a float32 engine, every decode step
+rounds the recurrent state, so the error compounds with position (the hybrid-model RL mismatch that
+NeMo-RL's recipes fix with `mamba_ssm_cache_dtype: float32`).
 """
 
 from __future__ import annotations
@@ -35,6 +40,10 @@ class EngineConfig(BaseModel):
                                         shrink_order=70, flag=True)
     dtype: Literal["float32", "bfloat16", "float16"] = knob("float32", help="Engine dtype: float32, bfloat16 or float16.",
                                                             shrink_order=130, flag=True)
+    # a wider state dtype buys fewer slots; not moved by shrink (a numeric choice, not a size)
+    mamba_ssm_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = knob(
+        "auto", help="dtype the SSM state is kept in between steps (vLLM's name); auto = the engine dtype",
+        roles=("cache_size",))
     device: str = knob("cpu", help="Where the engine runs (cpu, cuda).")
     max_model_len: int | None = knob(None, ge=1, help="Longest prompt + output a request may have: outputs stop there "
                                      "and a longer prompt is refused (vLLM's name) [default: the model's context].",
