@@ -2,8 +2,10 @@
 
 Each JSONL line is an object with `prompt` (text, tokenized with the model tokenizer's special tokens,
 e.g. a leading BOS, as an engine would) or `prompt_token_ids` (used as given), optional `id`, `expected`
-(the known right answer) and `max_tokens`. Every problem is reported with its line number before any
-engine starts. `expand()` turns prompts into engine requests: `n` rollouts each, arrival index `seq`.
+(the known right answer), `max_tokens` and `abort_after_tokens` (a client that cancels the request
+once the engine has scheduled it past that many prompt tokens, mid-prefill, then resends it: the
+resend's answer is the request's; honoured by the built-in engine, sent once by the others). Every
+problem is reported with its line number before any engine starts. `expand()` turns prompts into engine requests: `n` rollouts each, arrival index `seq`.
 """
 
 from __future__ import annotations
@@ -25,10 +27,14 @@ class Prompt:
     prompt_token_ids: tuple[int, ...]
     expected: str | None = None
     max_tokens: int | None = None
+    abort_after_tokens: int | None = None
 
     def to_json(self) -> dict:
-        return {"id": self.prompt_id, "prompt_token_ids": list(self.prompt_token_ids),
-                "expected": self.expected, "max_tokens": self.max_tokens}
+        out = {"id": self.prompt_id, "prompt_token_ids": list(self.prompt_token_ids),
+               "expected": self.expected, "max_tokens": self.max_tokens}
+        if self.abort_after_tokens is not None:
+            out["abort_after_tokens"] = self.abort_after_tokens
+        return out
 
 
 @dataclass(frozen=True)
@@ -43,6 +49,7 @@ class EngineRequest:
     max_tokens: int
     seed: int
     expected: str | None = None
+    abort_after_tokens: int | None = None  # the client cancels once past this many prompt tokens, then resends
 
 
 def read_items(spec: str) -> tuple[list[tuple[int, dict]], dict]:
@@ -79,7 +86,8 @@ def load_prompts(spec: str, tokenizer, vocab_size: int, max_context: int | None)
     prompts, seen = [], set()
     for lineno, obj in items:
         at = f"{where}:{lineno}"
-        unknown = set(obj) - {"id", "prompt", "prompt_token_ids", "expected", "max_tokens", "task"}
+        unknown = set(obj) - {"id", "prompt", "prompt_token_ids", "expected", "max_tokens", "task",
+                              "abort_after_tokens", "group"}
         if unknown:
             raise LpfError(f"{at}: unknown field(s) {', '.join(sorted(unknown))}")
         if ("prompt" in obj) == ("prompt_token_ids" in obj):
@@ -112,7 +120,11 @@ def load_prompts(spec: str, tokenizer, vocab_size: int, max_context: int | None)
         mt = obj.get("max_tokens")
         if mt is not None and (not isinstance(mt, int) or mt < 1):
             raise LpfError(f"{at}: 'max_tokens' must be a positive integer")
-        prompts.append(Prompt(pid, tuple(ids), expected, mt))
+        abort = obj.get("abort_after_tokens")
+        if abort is not None and (not isinstance(abort, int) or isinstance(abort, bool) or not 1 <= abort < len(ids)):
+            raise LpfError(f"{at}: 'abort_after_tokens' must be an integer from 1 to the prompt length - 1 "
+                           f"({len(ids) - 1}): the cancel lands mid-prefill")
+        prompts.append(Prompt(pid, tuple(ids), expected, mt, abort))
     return prompts, source
 
 
@@ -136,7 +148,7 @@ def expand(prompts: list[Prompt], n: int, sampling: SamplingParams,
                 request_id=f"{p.prompt_id}-r{r}", seq=seq, prompt_id=p.prompt_id, rollout=r,
                 prompt_token_ids=p.prompt_token_ids,
                 max_tokens=budget,
-                seed=request_seed(sampling.seed, seq), expected=p.expected))
+                seed=request_seed(sampling.seed, seq), expected=p.expected, abort_after_tokens=p.abort_after_tokens))
     return out
 
 
@@ -150,5 +162,6 @@ def read_normalized(path: Path) -> list[Prompt]:
     with open(path) as f:
         for line in f:
             d = json.loads(line)
-            out.append(Prompt(d["id"], tuple(d["prompt_token_ids"]), d.get("expected"), d.get("max_tokens")))
+            out.append(Prompt(d["id"], tuple(d["prompt_token_ids"]), d.get("expected"), d.get("max_tokens"),
+                              d.get("abort_after_tokens")))
     return out
