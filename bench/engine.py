@@ -79,7 +79,7 @@ def prefix_caching(model: str, tmp: Path, repeats: int, base: float) -> dict:
 
     exe = Path(sys.executable).with_name("lpf")
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    knobs = ["--max-num-seqs", "64", "--max-num-batched-tokens", "256", "--max-tokens", "16", "--cache-mb", "16"]
+    knobs = ["--max-num-seqs", "64", "--max-num-batched-tokens", "64", "--max-tokens", "16", "--cache-mb", "16"]
     arms = {"off": [], "on": ["--enable-prefix-caching"]}
     rows: dict[str, dict] = {arm: {"seconds": [], "window_s": []} for arm in arms}
     for rep in range(repeats):
@@ -95,16 +95,22 @@ def prefix_caching(model: str, tmp: Path, repeats: int, base: float) -> dict:
                 prefill = tr.filter(pc.is_in(tr.column("phase"), value_set=pa_strings(["prefill", "extend"])))
                 rows[arm]["prompt_tokens_computed"] = int(pc.sum(prefill.column("num_scheduled_tokens")).as_py())
                 rows[arm]["hit_tokens"] = int(pc.sum(tr.column("prefix_cache_hit_tokens").fill_null(0)).as_py() or 0)
-                rows[arm]["outputs"] = pq.read_table(out / "requests").sort_by("seq").column("output_token_ids").to_pylist()
+                rows[arm]["engine_steps"] = int(pc.max(tr.column("step")).as_py())
+                req = pq.read_table(out / "requests").sort_by("seq")
+                rows[arm]["outputs"] = req.column("output_token_ids").to_pylist()
     same = sum(a == b for a, b in zip(rows["off"].pop("outputs"), rows["on"].pop("outputs")))
     for r in rows.values():
         r["median_seconds"], r["median_window_s"] = statistics.median(r["seconds"]), statistics.median(r["window_s"])
     off, on = rows["off"], rows["on"]
     return {"model": model, "workload": "zoo:shared-prefix", "knobs": knobs, "repeats": repeats, "arms": rows,
-            "identical_greedy_outputs": same, "prefill_tokens_saved": off["prompt_tokens_computed"] - on["prompt_tokens_computed"],
+            "identical_greedy_outputs": same,
+            "prefill_tokens_saved": off["prompt_tokens_computed"] - on["prompt_tokens_computed"],
             "prefill_saved_fraction": 1 - on["prompt_tokens_computed"] / off["prompt_tokens_computed"],
             "time_ratio_on_vs_off": on["median_seconds"] / off["median_seconds"],
-            "window_ratio_on_vs_off": on["median_window_s"] / off["median_window_s"]}
+            "window_ratio_on_vs_off": on["median_window_s"] / off["median_window_s"],
+            # the fastest repeat of each arm: the least disturbed by other processes on a shared machine
+            "best_window_ratio_on_vs_off": min(on["window_s"]) / min(off["window_s"]),
+            "steps_ratio_on_vs_off": on["engine_steps"] / off["engine_steps"]}
 
 
 def pa_strings(values):
@@ -115,13 +121,15 @@ def pa_strings(values):
 
 def print_prefix(p: dict) -> None:
     off, on = p["arms"]["off"], p["arms"]["on"]
-    print("\n| built-in engine on zoo:shared-prefix | prompt tokens computed | supplied by the cache | "
-          "generation s (median) | in-engine window s | vs no caching |")
-    print("|---|---|---|---|---|---|")
-    print(f"| prefix caching off | {off['prompt_tokens_computed']:,} | 0 | {off['median_seconds']:.1f} | "
-          f"{off['median_window_s']:.1f} | 1.00x |")
-    print(f"| prefix caching on | {on['prompt_tokens_computed']:,} | {on['hit_tokens']:,} | {on['median_seconds']:.1f} | "
-          f"{on['median_window_s']:.1f} | {p['time_ratio_on_vs_off']:.2f}x time, {p['window_ratio_on_vs_off']:.2f}x window |")
+    print("\n| built-in engine on zoo:shared-prefix | prompt tokens computed | supplied by the cache | engine steps | "
+          "generation s (median) | in-engine window s (median) | vs no caching |")
+    print("|---|---|---|---|---|---|---|")
+    print(f"| prefix caching off | {off['prompt_tokens_computed']:,} | 0 | {off['engine_steps']} | "
+          f"{off['median_seconds']:.1f} | {off['median_window_s']:.1f} | 1.00x |")
+    print(f"| prefix caching on | {on['prompt_tokens_computed']:,} | {on['hit_tokens']:,} | {on['engine_steps']} | "
+          f"{on['median_seconds']:.1f} | {on['median_window_s']:.1f} | {p['time_ratio_on_vs_off']:.2f}x time, "
+          f"{p['window_ratio_on_vs_off']:.2f}x window |")
+    print(f"best repeat's window {p['best_window_ratio_on_vs_off']:.2f}x, engine steps {p['steps_ratio_on_vs_off']:.2f}x")
     print(f"\n{p['prefill_tokens_saved']:,} prefill tokens saved ({p['prefill_saved_fraction']:.1%}); identical greedy "
           f"outputs {p['identical_greedy_outputs']}/400; {p['model']}, {' '.join(p['knobs'])}, median of {p['repeats']}")
 

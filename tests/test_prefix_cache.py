@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from lpf.adapters.builtin import BuiltinEngine, BuiltinOptions
+from lpf.builtin.prefix_drills import KNOBS as DRILL_KNOBS
 from lpf.model_specs import load_tokenizer, resolve_model
 from lpf.sampling import SamplingParams
 from lpf.workload import expand, load_prompts
@@ -76,13 +77,7 @@ def test_caching_agrees_with_no_caching_while_really_hitting(model, mode):
                         r["resume_writer"] == r["resume_publisher"] for r in rows)
 
 
-DRILLS = {
-    "conv-into-shared-block": {},
-    "unaligned-chunk-hashed": {},
-    "publish-before-write": {},
-    "incomplete-block-cached": {"mamba_cache_mode": "all"},
-    "resume-wrong-units": {"mamba_block_size": 32},
-}
+DRILLS = {d: k for d, k in DRILL_KNOBS.items() if d not in ("prefix-cache-inert", "stale-conv-on-reuse")}
 
 
 @pytest.mark.slow  # a run per drill beside the baseline run

@@ -22,14 +22,13 @@ pytestmark = pytest.mark.slow  # eight audits of 240 requests
 MODEL = "tiny:jamba-longmem"
 KNOBS = ["--max-tokens", 8, "--max-num-batched-tokens", 48, "--cache-mb", 3]
 
+from lpf.builtin.prefix_drills import KNOBS as DRILL_KNOBS  # noqa: E402
+from lpf.builtin.prefix_drills import NAMED_BY  # noqa: E402
+
 # drill -> (extra knobs, features the first hypothesis may name)
-DRILLS = {
-    "conv-into-shared-block": ([], {"short_resumed_chunk"}),
-    "unaligned-chunk-hashed": ([], {"resumed_truncated_state"}),
-    "publish-before-write": ([], {"resumed_from_aborted_publisher"}),
-    "incomplete-block-cached": (["-E", "mamba_cache_mode=all"], {"resumed_unwritten_state", "resumed_truncated_state"}),
-    "resume-wrong-units": (["-E", "mamba_block_size=32"], {"resumed_wrong_block"}),
-}
+DRILLS = {d: ([a for k, v in DRILL_KNOBS[d].items() for a in ("-E", f"{k}={v}")], NAMED_BY[d])
+          for d in ("conv-into-shared-block", "unaligned-chunk-hashed", "publish-before-write",
+                    "incomplete-block-cached", "resume-wrong-units")}
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +83,7 @@ def test_prefix_drill_is_caught_and_named(lpf_cli, tmp_path, workload, drill):
 
 def test_stale_conv_on_reuse_is_caught_and_named(lpf_cli, tmp_path, workload):
     findings, _ = audit(lpf_cli, tmp_path / "s", workload, "--inject", "stale-conv-on-reuse")
-    top = check_caught(tmp_path / "s", findings, {"first_slot_used_before"})
+    top = check_caught(tmp_path / "s", findings, NAMED_BY["stale-conv-on-reuse"])
     assert "started on a state slot an earlier request had used" in top["sentence"]
 
 

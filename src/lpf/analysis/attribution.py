@@ -6,7 +6,7 @@ Contract (pure: tables in, plain data out; the scoring itself is `lpf.pipeline.a
   received an answer from: those in flight at an overlapping time (`t_submit`..`t_finish`), or every
   request when the run has at most `small_run` requests or the flagged one has no timestamps; one candidate per
   distinct prompt (rollouts of one prompt would score alike), never its own prompt, nor one sharing
-  at least half of its prompt as a common prefix (a prefix cache hands such requests the same state:
+  at least half of its prompt (and 16 tokens) as a common prefix (a prefix cache hands such requests the same state:
   a wrong state of the shared part makes the output likelier under either prompt, so a likeness there
   says nothing about crossed answers), the nearest arrivals first, at most `max_candidates`. Each entry: {request_id, candidates, same_prompt
   {candidate: [other requests with that prompt]}}.
@@ -87,10 +87,13 @@ def plan(requests: pa.Table, summary: pa.Table, max_flagged: int = 32, max_candi
     return out
 
 
+SHARED_PREFIX_MIN = 16  # tokens: the shortest common prefix a prefix cache hands out (a block)
+
+
 def _shares_most(own: tuple, other: tuple) -> bool:
-    """Whether `other` starts with at least half of `own` (a common prefix that long)."""
-    half = max(1, (len(own) + 1) // 2)
-    return len(other) >= half and other[:half] == own[:half]
+    """Whether `other` starts with at least half of `own`, and at least SHARED_PREFIX_MIN tokens of it."""
+    need = max(SHARED_PREFIX_MIN, (len(own) + 1) // 2)
+    return len(own) >= need and len(other) >= need and other[:need] == own[:need]
 
 
 def judge(plans: list[dict], scores: pa.Table, own: dict[str, float], lost: set[str] = frozenset(),

@@ -19,7 +19,7 @@ state is wrong too, and the trace says who computed it. Listed most specific fir
                                  (< conv width - 1 tokens; needs the engine's conv_width)
   resumed_truncated_state        the state covers fewer tokens than the hit, written by its publisher
   resumed_overwritten_state      the last write into it came after its publication, by another request
-  resumed_unwritten_state        never written, or last written before its publication
+  resumed_unwritten_state        never written, or last written before the step that published it
   prefix_cache_hit               part of its prompt came from the prefix cache
 """
 
@@ -109,8 +109,8 @@ def prefix_features(requests: pa.Table, trace: pa.Table | None, engine_info: dic
         Feature("resumed_overwritten_state", "bool", state["over"],
                 "resumed from a shared state another request wrote into after it was published"),
         Feature("resumed_unwritten_state", "bool", state["unwritten"],
-                "resumed from a state its publisher never wrote (the slot's last write predates the publication), "
-                "or from a state computed on one"),
+                "resumed from a state not written by the step that published it (written earlier, or never: a block "
+                "cached before its state was complete), or from a state computed on one"),
         Feature("prefix_cache_hit", "bool", hit, "had part of their prompt from the prefix cache"),
     ]
     return [f for f in feats if f.name == "prefix_cache_hit" or f.values.any()]

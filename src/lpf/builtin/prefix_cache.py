@@ -206,8 +206,8 @@ class PrefixCache:
             h = self.boundary_hash(req, (entry + 1) * self.mbs)
             if h is not None and self.slots.cached(h) is not None:
                 continue  # someone published this boundary already: nothing to save
-            slot = req.state_entries.get(entry)
-            if slot is None or slot == req.resume_slot:
+            slot = req.state_entries.get(entry)  # (never the resume entry: positions lie past the hit)
+            if slot is None:
                 slot = self.slots.allocate()
                 if slot is None:
                     self.stats["checkpoints_skipped"] += 1
@@ -224,10 +224,10 @@ class PrefixCache:
         """After the runner ran the request's step of n tokens (num_computed_tokens already advanced):
         its writes' provenance, its resume checked against what it should have read (ground truth),
         then what is now written and full gets published and the writer lets go of it."""
+        if read is not None:  # first: what the slot held when it was read, before this step's writes
+            self._resumed(req, step, read)
         for w in writes:
             self._wrote(req, step, n, w)
-        if read is not None:
-            self._resumed(req, step, read)
         if req.resume_slot is not None:
             entry = req.prefix_hit_tokens // self.mbs - 1
             if req.state_entries.get(entry) == req.resume_slot:

@@ -48,9 +48,6 @@ class Request:
     num_preemptions: int = 0
     finish_reason: str | None = None
     error: str | None = None
-    # the client cancels it once the engine schedules it past this many prompt tokens (an abort that
-    # lands while that step is in flight: the step's chunk never runs for it); None: never
-    cancel_after_tokens: int | None = None
     # prefix caching (see prefix_cache): chained hashes of its full KV blocks, the checkpoint entries it
     # holds (Mamba block index -> slot; the hit's entry too until its first step ran), the entries it
     # published but still holds until its step is committed, the checkpoint slot its next step resumes
