@@ -116,3 +116,21 @@ def test_a_cancelled_request_is_resent_and_both_attempts_are_kept():
     aborted = [r for r in trace.to_pylist() if r["aborted"]]
     assert {r["request_id"] for r in aborted} == {f"{c.request_id}~attempt0" for c in resent}
     assert all(r["phase"] is None and r["num_scheduled_tokens"] > 0 for r in aborted)
+
+
+def test_bad_prefix_knobs_and_cancel_points_are_refused_in_one_line(lpf_cli, tmp_path):
+    from conftest import write_prompts
+
+    base = ["audit", "--engine", "builtin", "--model", "tiny:jamba-longmem", "--out"]
+    cases = [
+        (["--inject", "conv-into-shared-block"], "needs --enable-prefix-caching"),
+        (["--enable-prefix-caching", "--inject", "resume-wrong-units"], "add -E mamba_block_size=32"),
+        (["--enable-prefix-caching", "--inject", "incomplete-block-cached"], "mamba_cache_mode=all"),
+        (["--enable-prefix-caching", "-E", "mamba_block_size=20"], "must be a multiple of block_size"),
+    ]
+    for i, (args, words) in enumerate(cases):
+        r = lpf_cli(*base, tmp_path / f"r{i}", *args)
+        assert r.code == 2 and words in r.err and "Traceback" not in r.err, (args, r.err)
+    bad = write_prompts(tmp_path / "bad.jsonl", [{"prompt": "R:A12|A", "abort_after_tokens": 40}])
+    r = lpf_cli(*base, tmp_path / "w", "--workload", bad)
+    assert r.code == 2 and "bad.jsonl:1: 'abort_after_tokens' must be an integer from 1" in r.err
