@@ -21,8 +21,8 @@ From the trace (first = the request's first scheduled, non-preempted step):
   max_state_slot, first_batch_size, max_batch_size, first_batch_decode_share, n_prefill_chunks
 From vLLM's trace (lpf-vllm-trace's columns, present only there):
   first_step_reordered      the batch reorder moved its row on its first step
-From the prefix-cache columns (any engine that fills them): `prefix_features` (prefix_cache_hit and
-the provenance of restored states).
+From the prefix-cache columns (any engine that fills them: the built-in engine, vLLM's plugin,
+llama.cpp's timings.cache_n): `prefix_features` (prefix_cache_hit and the provenance of restored states).
 From the requests: prompt_length, rollout, seq (arrival index).
 """
 

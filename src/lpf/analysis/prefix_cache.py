@@ -86,7 +86,7 @@ def prefix_cache_summary(requests: pa.Table, trace: pa.Table | None, engine_info
     n_hit = len(pc.unique(hits.column("request_id")))
     out.update(requests_hit=n_hit, hit_tokens=hit_tokens,
                hit_rate=hit_tokens / out["prompt_tokens"] if out["prompt_tokens"] else None)
-    out["inert"] = bool(enabled is not False and out["requests_sharing"] and n_hit == 0)
+    out["inert"] = bool(enabled is True and out["requests_sharing"] and n_hit == 0)  # on by the knobs, not assumed
     if out["inert"]:
         out["finding"] = "prefix-cache-inert"
         out["sentence"] = (f"prefix caching is on but inert: {out['requests_sharing']}/{req.num_rows} requests share "

@@ -11,6 +11,11 @@ tokens, a multiple of `block_size`; vLLM's `--mamba-block-size`), as vLLM does f
 `mamba_cache_mode` is vLLM's: `align` (the scheduler keeps chunk ends on the boundaries where a
 checkpoint is due; the state is saved at chunk ends) or `all` (chunks end anywhere; the Mamba layers
 save the state at every boundary a chunk crosses). See `prefix_cache` and docs/builtin-engine.md.
+
+`mamba_ssm_cache_dtype` is vLLM's knob of that name: the dtype the SSM part of each state slot is
+stored in ("auto": the engine dtype). Stored in bfloat16 under a float32 engine, every decode step
+rounds the recurrent state, so the error compounds with position (the hybrid-model RL mismatch that
+NeMo-RL's recipes fix with `mamba_ssm_cache_dtype: float32`).
 """
 
 from __future__ import annotations
@@ -32,6 +37,9 @@ class EngineConfig(BaseModel):
     cache_mb: float = Field(64.0, gt=0)
     enable_chunked_prefill: bool = True
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # sizes the cache (a wider state dtype buys fewer slots)
+    mamba_ssm_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="dtype the SSM state is kept in between steps (vLLM's name); auto = the engine dtype")
     device: str = "cpu"
     # role: sets the cache (what a request may reuse; checkpoint slots come out of --cache-mb's state half)
     enable_prefix_caching: bool = Field(False, description=(

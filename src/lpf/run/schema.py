@@ -7,7 +7,7 @@ storage never adds error of its own; top-k lists are float32.
 
 v2 (over v1): `requests.inconsistency` and `requests.attempts` (what a server returned, kept as
 evidence), and the prompt-position tables `prompt_tokens` / `prompt_reference` (the prefill path).
-The optional `attribution` table is derived (re-computable from the others), so it needs no bump.
+The optional `attribution` and `seeded` tables are derived (re-computable from the others), so it needs no bump.
 """
 
 import pyarrow as pa
@@ -80,6 +80,12 @@ REFERENCE = pa.schema(
 PROMPT_TOKENS = TOKENS
 PROMPT_REFERENCE = REFERENCE
 
+# the optional seeded replay (`lpf.replay`, engines whose sampler lpf knows, sampled runs): per output position
+# the token the reference drew with the engine's sampler and the request's seed, how far the engine's token was
+# from being drawn (nats of log p - log q; 0 when it was) and how far the closest other token was from winning
+SEEDED = pa.schema([("request_id", pa.string()), ("position", pa.int32()), ("seeded_token", pa.int32()),
+                    ("seeded_margin", pa.float64()), ("seeded_runner_up", pa.float64())])
+
 # the optional calibration run (`lpf rescore --calibrate`): the same reference model teacher-forced a
 # second time at the engine's dtype over the same tokens, in the reference's columns
 CALIBRATION = REFERENCE
@@ -118,4 +124,5 @@ FAULTS = pa.schema([("request_id", pa.string()), ("step", pa.int64()), ("fault",
 ADDED_LATER = {"requests": {"inconsistency", "attempts"}}
 
 TABLES = {"requests": REQUESTS, "tokens": TOKENS, "reference": REFERENCE, "calibration": CALIBRATION,
-          "prompt_tokens": PROMPT_TOKENS, "prompt_reference": PROMPT_REFERENCE, "attribution": ATTRIBUTION}
+          "prompt_tokens": PROMPT_TOKENS, "prompt_reference": PROMPT_REFERENCE, "attribution": ATTRIBUTION,
+          "seeded": SEEDED}
