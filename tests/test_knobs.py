@@ -21,11 +21,13 @@ def test_roles_answer_what_the_name_lists_used_to():
     assert knobs_with_role(opts["vllm"], "cache_size") == ["gpu_memory_utilization", "num_gpu_blocks_override",
                                                            "cpu_kvcache_space"]
     assert knob_with_role(opts["vllm"], "prefix_cache") == "enable_prefix_caching"
-    assert knob_with_role(opts["builtin"], "prefix_cache") is None
+    assert knob_with_role(opts["builtin"], "prefix_cache") == "enable_prefix_caching"
+    assert knob_with_role(opts["hf"], "prefix_cache") is None
     # shrink's order: the cache first, then concurrency, budget, chunking, ..., dtype last (the order
     # the old MOVABLE list gave, now per engine)
     assert shrink_knobs(opts["builtin"]) == ["cache_mb", "max_num_seqs", "max_num_batched_tokens",
-                                             "enable_chunked_prefill", "block_size", "max_model_len", "dtype"]
+                                             "enable_chunked_prefill", "enable_prefix_caching", "mamba_block_size",
+                                             "block_size", "max_model_len", "dtype"]
     assert shrink_knobs(opts["vllm"]) == ["gpu_memory_utilization", "cpu_kvcache_space", "num_gpu_blocks_override",
                                           "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill",
                                           "enable_prefix_caching", "max_model_len", "dtype"]

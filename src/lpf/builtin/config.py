@@ -5,6 +5,13 @@ ranges, unknown names refused).
 to Mamba state slots and half to paged KV blocks (all of it to one kind when the model has only
 that kind of layer), so shrinking it makes slots and blocks recycle sooner.
 
+Prefix caching (`enable_prefix_caching`, vLLM's name) shares attention KV blocks by content hash and
+checkpoints every Mamba layer's conv + SSM state at Mamba block boundaries (`mamba_block_size`
+tokens, a multiple of `block_size`; vLLM's `--mamba-block-size`), as vLLM does for hybrids;
+`mamba_cache_mode` is vLLM's: `align` (the scheduler keeps chunk ends on the boundaries where a
+checkpoint is due; the state is saved at chunk ends) or `all` (chunks end anywhere; the Mamba layers
+save the state at every boundary a chunk crosses). See `prefix_cache` and docs/builtin-engine.md.
+
 `mamba_ssm_cache_dtype` is vLLM's knob of that name: the dtype the SSM part of each state slot is
 stored in ("auto": the engine dtype). Stored in bfloat16 under a float32 engine, every decode step
 rounds the recurrent state, so the error compounds with position (the hybrid-model RL mismatch that
@@ -15,7 +22,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
 
 from lpf.core.knobs import knob
 
@@ -48,6 +55,30 @@ class EngineConfig(BaseModel):
     max_model_len: int | None = knob(None, ge=1, help="Longest prompt + output a request may have: outputs stop there "
                                      "and a longer prompt is refused (vLLM's name) [default: the model's context].",
                                      roles=("context_length",), shrink_order=120, flag=True)
+    # attention KV blocks shared by content hash, Mamba conv + SSM state checkpointed at Mamba block
+    # boundaries; a request resumes from the deepest boundary every layer hits (checkpoint slots come
+    # out of --cache-mb's state half)
+    enable_prefix_caching: bool = knob(False, help=(
+        "Reuse cached prefixes: KV blocks by hash, Mamba state checkpoints (vLLM's name; built-in: -E "
+        "mamba_block_size=N, -E mamba_cache_mode=align|all)."), roles=("prefix_cache",), shrink_order=80, flag=True)
+    mamba_block_size: int | None = knob(None, ge=1, help=(
+        "Tokens per Mamba state checkpoint with prefix caching (vLLM's --mamba-block-size): a multiple of "
+        "block_size; default: block_size."), shrink_order=85)  # the checkpoint granularity
+    mamba_cache_mode: Literal["align", "all"] = knob("align", help=(
+        "vLLM's mamba_cache_mode: align (chunk ends kept on the boundaries where a checkpoint is due) or all "
+        "(the Mamba layers checkpoint every boundary a chunk crosses)."))
+
+    @model_validator(mode="after")
+    def _mamba_blocks_hold_whole_kv_blocks(self) -> "EngineConfig":
+        if self.mamba_block_size is not None and self.mamba_block_size % self.block_size:
+            raise ValueError(f"mamba_block_size ({self.mamba_block_size}) must be a multiple of block_size "
+                             f"({self.block_size}): a checkpoint boundary must end a KV block")
+        return self
+
+    @property
+    def checkpoint_block_size(self) -> int:
+        """Tokens per Mamba checkpoint block (mamba_block_size, or block_size when not given)."""
+        return self.mamba_block_size or self.block_size
 
     @classmethod
     def of(cls, options: BaseModel) -> "EngineConfig":
