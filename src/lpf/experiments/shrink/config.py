@@ -160,6 +160,27 @@ class Source:
             later = {r["seq"] for r in req if end is not None and r["t_submit"] is not None and r["t_submit"] <= end}
         return sorted(s for s in later if s is not None and s > seq)
 
+    def suspects(self, seq: int) -> dict[int, str]:
+        """Arrival indexes of the requests the trace ties to request `seq`'s state, with why
+        (`suspects.trace_suspects`); empty without a trace."""
+        from lpf.experiments.shrink.suspects import trace_suspects
+        from lpf.run.store import RunDir
+
+        run = RunDir(self.path, self.manifest)
+        if not run.has("trace"):
+            return {}
+        by_id = {r: s for s, r in self.ids.items()}
+        named = trace_suspects(run.read("trace"), self.ids[seq])
+        return {by_id[r]: why for r, why in named.items() if r in by_id}
+
+    def named_knob(self, config: "Config"):
+        """(knob, role, values) the first-ranked hypothesis points at (`suspects.named_knob`), or None."""
+        from lpf.adapters import get_engine_class
+        from lpf.experiments.shrink.suspects import named_knob
+
+        return named_knob(self.findings.get("hypotheses"), get_engine_class(self.manifest["engine"]["name"]).Options,
+                          config.knob_dict)
+
     # -- configurations ----------------------------------------------------------------------------
     def original(self) -> Config:
         knobs = dict(self.manifest["engine"].get("options") or {})

@@ -7,7 +7,11 @@ then has the judge run it (k-of-n, charged against `--budget-runs`). The current
 only ever moves to one that reproduced (`adopt`), and `state.path` lists those moves.
 
 The plan:
-1. A starting point, small before large: the target alone, then with the last 1, 2, 4, ...
+0. What the run knows first (`suspects`): the target with the requests its trace names (who held
+   its state slot before it, who wrote or published the block it resumed from, who shared its
+   first step), then that set at the values of the knob the top hypothesis names (the step budget
+   for a one-token first step, the cache size for a reused slot). A hit here is the starting point.
+1. Else a starting point, small before large: the target alone, then with the last 1, 2, 4, ...
    requests that arrived before it (an engine's state comes mostly from what ran just before),
    then with every earlier request and the later ones that ran beside it, then the original
    configuration itself with every try. If even that does not show the lie, the shrink ends
@@ -125,6 +129,8 @@ class Shrink:
         target = original.member(self.t)
         before = [m for m in original.members if m.seq < self.t]
         tried, w = set(), 0
+        if self.named(original, target, tried):
+            return
         while True:
             config = original.with_members(before[len(before) - w:] + [target] if w else [target])
             if config.key() != original.key():
@@ -146,6 +152,32 @@ class Shrink:
             self.adopt(original)
             return
         raise NotReproduced
+
+    def named(self, original: Config, target, tried: set) -> bool:
+        """The requests the trace names (`Source.suspects`) with the target, at the original knobs,
+        then at the values of the knob the top hypothesis names (`Source.named_knob`)."""
+        suspects = self.source.suspects(self.t)
+        if not suspects:
+            return False
+        config = original.with_members([m for m in original.members if m.seq in suspects] + [target])
+        n = len(config.members) - 1
+        what = f"the target and the {n} request{'s' * (n != 1)} its trace names"
+        tried.add(config.key())
+        if self.test(config, "requests", what):
+            self.adopt(config)
+            return True
+        knob = self.source.named_knob(config)
+        if knob is None:
+            return False
+        name, role, values = knob
+        for value in values:
+            moved = config.with_knob(name, value)
+            tried.add(moved.key())
+            if self.test(moved, "requests", f"{what}, {name} {config.knob_dict[name]} -> {value} "
+                                            f"(the {role.replace('_', ' ')} the top hypothesis names)"):
+                self.adopt(moved)
+                return True
+        return False
 
     def requests(self) -> bool:
         start, target = self.cur, self.cur.member(self.t)
