@@ -5,7 +5,8 @@ Contract (pure: a trace table and findings data in, plain data out):
   the target's state: who held the target's first state slot before it (the last SLOT_HOLDERS
   distinct occupants before its first step), who wrote or published the prefix-cache block it
   resumed from (`resume_writer`, `resume_publisher`, on any of its rows), and who shared its first
-  step. The target itself is never a suspect; an empty dict without a trace or without the target.
+  step. Ids are requests' (`request_of`: a cancelled first attempt counts as its request). The
+  target itself is never a suspect; an empty dict without a trace or without the target.
 - `named_knob(hypotheses, options_cls) -> (knob, role, [values]) | None`: the engine knob the
   first-ranked hypothesis points at, with the values to try first. A one-token first step is made by
   the step budget: the smallest budgets that leave a new request one token beside one or a few
@@ -30,10 +31,17 @@ FEATURE_ROLE = {
     "chunked_prefill": "step_budget",
     "n_prefill_chunks": "step_budget",
     "short_resumed_chunk": "step_budget",
+    "first_decode_uncomputed": "step_budget",  # a one-token first step runs as a decode
+    "first_phase_decode": "step_budget",
     "first_slot_used_before": "cache_size",
-    "first_decode_uncomputed": "cache_size",
     "max_state_slot": "cache_size",
 }
+
+
+def request_of(trace_id: str) -> str:
+    """The request a trace row's id belongs to: a cancelled first attempt (`ID~attempt0`, the built-in
+    engine's aborted-then-resent prefill) is its request's."""
+    return trace_id.split("~attempt", 1)[0]
 
 
 def trace_suspects(trace: pa.Table | None, target_id: str) -> dict[str, str]:
@@ -53,17 +61,17 @@ def trace_suspects(trace: pa.Table | None, target_id: str) -> dict[str, str]:
         for rid in before.column("request_id").to_pylist():
             if len({r for r, w in out.items() if w.startswith("held")}) >= SLOT_HOLDERS:
                 break
-            out.setdefault(rid, f"held its state slot {slot} before it")
+            out.setdefault(request_of(rid), f"held its state slot {slot} before it")
     for col, why in (("resume_writer", "wrote the state it resumed from"),
                      ("resume_publisher", "published the block hash it resumed from")):
         if col in mine.column_names:
             for rid in mine.column(col).drop_null().to_pylist():
-                if rid != target_id:
-                    out.setdefault(rid, why)
+                if request_of(rid) != target_id:
+                    out.setdefault(request_of(rid), why)
     mates = trace.filter(pc.equal(trace.column("step"), first["step"])).column("request_id").to_pylist()
     for rid in mates:
-        if rid != target_id:
-            out.setdefault(rid, "shared its first step")
+        if request_of(rid) != target_id:
+            out.setdefault(request_of(rid), "shared its first step")
     return out
 
 
