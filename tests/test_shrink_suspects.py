@@ -5,7 +5,7 @@ test_shrink and bench/bugs.py)."""
 import pyarrow as pa
 
 from lpf.adapters.builtin import BuiltinEngine
-from lpf.experiments.shrink.suspects import named_knob, request_of, trace_suspects
+from lpf.experiments.shrink.suspects import named_moves, request_of, trace_suspects
 
 
 def trace(rows):
@@ -39,11 +39,17 @@ def test_no_trace_or_no_target_names_nobody():
     assert request_of("x~attempt0") == "x" and request_of("x") == "x"
 
 
-def test_the_knob_the_top_hypothesis_names():
+def test_the_moves_the_top_hypothesis_names():
     knobs = {"max_num_batched_tokens": 32, "cache_mb": 3.0, "max_num_seqs": 16}
     one_token = [{"feature": "first_decode_uncomputed"}, {"feature": "first_slot_used_before"}]
-    assert named_knob(one_token, BuiltinEngine.Options, knobs) == ("max_num_batched_tokens", "step_budget", [2, 3, 4])
-    assert named_knob([{"feature": "first_slot_used_before"}], BuiltinEngine.Options, knobs) == \
-        ("cache_mb", "cache_size", [1.5, 0.75])
-    assert named_knob([{"feature": "resumed_from_aborted_publisher"}], BuiltinEngine.Options, knobs) is None
-    assert named_knob([], BuiltinEngine.Options, knobs) is None
+    what, moves = named_moves(one_token, BuiltinEngine.Options, knobs)
+    assert "one-token first step" in what
+    assert moves == [{"max_num_batched_tokens": 2, "max_num_seqs": 2}, {"max_num_batched_tokens": 1, "max_num_seqs": 1},
+                     {"max_num_batched_tokens": 3, "max_num_seqs": 2}]
+    assert named_moves([{"feature": "max_state_slot"}], BuiltinEngine.Options, knobs)[1] == \
+        [{"cache_mb": 1.5}, {"cache_mb": 0.75}]
+    # a move that changes nothing is left out
+    assert named_moves([{"feature": "first_slot_used_before"}], BuiltinEngine.Options, {**knobs, "max_num_seqs": 1})[1] \
+        == [{"max_num_seqs": 2}]
+    assert named_moves([{"feature": "resumed_from_aborted_publisher"}], BuiltinEngine.Options, knobs) is None
+    assert named_moves([], BuiltinEngine.Options, knobs) is None

@@ -177,13 +177,13 @@ class Source:
         named = trace_suspects(run.read("trace"), self.ids[seq])
         return {by_id[r]: why for r, why in named.items() if r in by_id}
 
-    def named_knob(self, config: "Config"):
-        """(knob, role, values) the first-ranked hypothesis points at (`suspects.named_knob`), or None."""
+    def named_moves(self, config: "Config"):
+        """(what, [{knob: value}]) the first-ranked hypothesis points at (`suspects.named_moves`), or None."""
         from lpf.adapters import get_engine_class
-        from lpf.experiments.shrink.suspects import named_knob
+        from lpf.experiments.shrink.suspects import named_moves
 
-        return named_knob(self.findings.get("hypotheses"), get_engine_class(self.manifest["engine"]["name"]).Options,
-                          config.knob_dict)
+        return named_moves(self.findings.get("hypotheses"), get_engine_class(self.manifest["engine"]["name"]).Options,
+                           config.knob_dict)
 
     # -- configurations ----------------------------------------------------------------------------
     def original(self) -> Config:

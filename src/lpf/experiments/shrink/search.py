@@ -9,8 +9,9 @@ only ever moves to one that reproduced (`adopt`), and `state.path` lists those m
 The plan:
 0. What the run knows first (`suspects`): the target with the requests its trace names (who held
    its state slot before it, who wrote or published the block it resumed from, who shared its
-   first step), then that set at the values of the knob the top hypothesis names (the step budget
-   for a one-token first step, the cache size for a reused slot). A hit here is the starting point.
+   first step), then that set under the knob moves that make what the top hypothesis names (a
+   one-token first step on a reused slot: step budget 2 with 2 sequences, or 1 with 1; short chunks:
+   a small step budget). A hit here is the starting point.
 1. Else a starting point, small before large: the target alone, then with the last 1, 2, 4, ...
    requests that arrived before it (an engine's state comes mostly from what ran just before),
    then with every earlier request and the later ones that ran beside it, then the original
@@ -166,15 +167,17 @@ class Shrink:
         if self.test(config, "requests", what):
             self.adopt(config)
             return True
-        knob = self.source.named_knob(config)
-        if knob is None:
+        named = self.source.named_moves(config)
+        if named is None:
             return False
-        name, role, values = knob
-        for value in values:
-            moved = config.with_knob(name, value)
+        makes, moves = named
+        for move in moves:
+            moved = config
+            for name, value in move.items():
+                moved = moved.with_knob(name, value)
             tried.add(moved.key())
-            if self.test(moved, "requests", f"{what}, {name} {config.knob_dict[name]} -> {value} "
-                                            f"(the {role.replace('_', ' ')} the top hypothesis names)"):
+            change = ", ".join(f"{k} {config.knob_dict[k]} -> {v}" for k, v in move.items())
+            if self.test(moved, "requests", f"{what}, {change} ({makes}: the top hypothesis)"):
                 self.adopt(moved)
                 return True
         return False

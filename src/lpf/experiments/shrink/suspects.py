@@ -7,13 +7,14 @@ Contract (pure: a trace table and findings data in, plain data out):
   resumed from (`resume_writer`, `resume_publisher`, on any of its rows), and who shared its first
   step. Ids are requests' (`request_of`: a cancelled first attempt counts as its request). The
   target itself is never a suspect; an empty dict without a trace or without the target.
-- `named_knob(hypotheses, options_cls) -> (knob, role, [values]) | None`: the engine knob the
-  first-ranked hypothesis points at, with the values to try first. A one-token first step is made by
-  the step budget: the smallest budgets that leave a new request one token beside one or a few
-  running ones (2, then 3, 4). A request that started on a slot another had used, or resumed a
-  state another wrote, recycles sooner in a smaller cache (role cache_size: half, then a quarter).
-  None when the hypothesis names no knob the engine has.
-The shrink (`search`) tries the suspects before its blind search and the named knob right after.
+- `named_moves(hypotheses, options_cls, current) -> (what, [{knob: value}]) | None`: the knob moves
+  that make what the first-ranked hypothesis names (`FEATURE_MOVES`, by knob role). A one-token first
+  step on a slot another request freed (stale state) is a step budget of 2 beside one decode with at
+  most 2 sequences running, or a budget of 1 with one sequence; short prefill chunks are a budget of
+  1-4; recycled slots are one or two sequences at a time; fewer slots a smaller cache. None when the
+  hypothesis names none the engine has.
+The shrink (`search`) tries the suspects before its blind search, at the original knobs and then
+at each named move.
 """
 
 from __future__ import annotations
@@ -25,16 +26,20 @@ from lpf.core.knobs import knob_with_role
 
 SLOT_HOLDERS = 2
 
-# hypothesis feature -> the knob role that makes (or unmakes) it
-FEATURE_ROLE = {
-    "first_step_one_token": "step_budget",
-    "chunked_prefill": "step_budget",
-    "n_prefill_chunks": "step_budget",
-    "short_resumed_chunk": "step_budget",
-    "first_decode_uncomputed": "step_budget",  # a one-token first step runs as a decode
-    "first_phase_decode": "step_budget",
-    "first_slot_used_before": "cache_size",
-    "max_state_slot": "cache_size",
+# hypothesis feature -> (what makes it, the knob moves that make it: {role: value}, tried in order)
+ONE_TOKEN_ON_A_USED_SLOT = ("a one-token first step on a slot another request freed",
+                            ({"step_budget": 2, "concurrency": 2}, {"step_budget": 1, "concurrency": 1},
+                             {"step_budget": 3, "concurrency": 2}))
+SMALL_CHUNKS = ("short prefill chunks", ({"step_budget": 2}, {"step_budget": 1}, {"step_budget": 4}))
+FEATURE_MOVES = {
+    "first_decode_uncomputed": ONE_TOKEN_ON_A_USED_SLOT,  # a one-token first step runs as a decode
+    "first_phase_decode": ONE_TOKEN_ON_A_USED_SLOT,
+    "first_step_one_token": ONE_TOKEN_ON_A_USED_SLOT,
+    "first_slot_used_before": ("slots recycled at once", ({"concurrency": 1}, {"concurrency": 2})),
+    "chunked_prefill": SMALL_CHUNKS,
+    "n_prefill_chunks": SMALL_CHUNKS,
+    "short_resumed_chunk": SMALL_CHUNKS,
+    "max_state_slot": ("fewer state slots", ({"cache_size": 0.5}, {"cache_size": 0.25})),  # a share of the cache
 }
 
 
@@ -75,20 +80,25 @@ def trace_suspects(trace: pa.Table | None, target_id: str) -> dict[str, str]:
     return out
 
 
-def named_knob(hypotheses: list[dict] | None, options_cls, current: dict) -> tuple[str, str, list] | None:
-    """`current`: the knob values of the configuration being shrunk (values equal to them are left out)."""
-    for h in (hypotheses or [])[:1]:
-        role = FEATURE_ROLE.get(h.get("feature"))
-        name = knob_with_role(options_cls, role) if role else None
-        if name is None or name not in current:
-            return None
-        value = current[name]
-        if role == "step_budget":
-            values = [2, 3, 4]
-        elif isinstance(value, (int, float)) and value > 0:
-            values = [type(value)(value / 2), type(value)(value / 4)]
+def named_moves(hypotheses: list[dict] | None, options_cls, current: dict) -> tuple[str, list[dict]] | None:
+    """(what the moves make, [{knob: value}, ...]) for the first-ranked hypothesis, or None. `current`:
+    the knob values of the configuration being shrunk; a cache_size entry is a share of its value;
+    moves that change nothing, or name a knob the engine lacks, are left out."""
+    top = (hypotheses or [None])[0]
+    if not top or top.get("feature") not in FEATURE_MOVES:
+        return None
+    what, moves = FEATURE_MOVES[top["feature"]]
+    out = []
+    for move in moves:
+        knobs = {}
+        for role, value in move.items():
+            name = knob_with_role(options_cls, role)
+            if name is None or name not in current:
+                break
+            if role == "cache_size":
+                value = round(float(current[name]) * value, 3)
+            knobs[name] = value
         else:
-            return None
-        values = [v for v in values if v != value and v > 0]
-        return (name, role, values) if values else None
-    return None
+            if any(current[k] != v for k, v in knobs.items()) and knobs not in out:
+                out.append(knobs)
+    return (what, out) if out else None
