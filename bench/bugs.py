@@ -147,6 +147,7 @@ def main() -> None:
     ap.add_argument("--drill", action="append", help="only these drills")
     ap.add_argument("--no-shrink", action="store_true")
     ap.add_argument("--engine", default="builtin", choices=("builtin", "vllm"))
+    ap.add_argument("--results", type=Path, help="where the JSON goes (default bench/results/bugs[_quick].json)")
     a = ap.parse_args()
     from lpf.zoo import registry
 
@@ -169,7 +170,7 @@ def main() -> None:
         if not (a.quick or a.no_shrink or d == "prefix-cache-inert"):
             results[d]["shrink"] = shrink(run, out / f"{d}-shrink", d)
         print(f"{d}: {json.dumps(results[d], default=str)}", flush=True)
-    dest = ROOT / "bench" / "results" / ("bugs_quick.json" if a.quick else "bugs.json")
+    dest = a.results or ROOT / "bench" / "results" / ("bugs_quick.json" if a.quick else "bugs.json")
     dest.parent.mkdir(parents=True, exist_ok=True)
     dest.write_text(json.dumps({"results": results, "config": {"model": MODEL, "prefix": PREFIX_ARGS,
                                                                "stale_state": STALE_ARGS}}, indent=1, default=str))
