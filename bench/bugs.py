@@ -101,16 +101,22 @@ def score(run: Path, named_by: set[str]) -> dict:
                                                     "requests_sharing")}}
 
 
-def shrink(run: Path, out: Path, drill: str) -> dict:
-    if not (out / "shrink.json").is_file() or json.loads((out / "shrink.json").read_text()).get("status") == "running":
+def shrink(run: Path, out: Path, drill: str, run_it: bool = True) -> dict:
+    """`run_it=False` (--no-shrink): only read a shrink already in `out` (finished or not)."""
+    if not run_it and not (out / "shrink.json").is_file():
+        return {}
+    if run_it and (not (out / "shrink.json").is_file() or
+                   json.loads((out / "shrink.json").read_text()).get("status") == "running"):
         t0 = time.perf_counter()
         lpf("shrink", run, "--out", out, "--json")
         wall = time.perf_counter() - t0
     else:
         wall = None
     doc = json.loads((out / "shrink.json").read_text())
+    best = next((c for c in doc.get("candidates", []) if c["id"] == doc.get("best")), None)
     res = {"status": doc.get("status"), "runs_used": doc.get("runs_used"), "wall_s": wall,
-           "size": (doc.get("minimal") or {}).get("size"), "original_size": (doc.get("original") or {}).get("size")}
+           "size": (doc.get("minimal") or {}).get("size") or (best or {}).get("size"),
+           "original_size": (doc.get("original") or {}).get("size")}
     repro = out / "repro.py"
     if repro.is_file():
         res["repro_exit"] = subprocess.run([sys.executable, str(repro)], capture_output=True, text=True).returncode
@@ -126,8 +132,9 @@ def table(results: dict) -> str:
              "|---|---|---|---|---|---|---|---|"]
     for d, r in results.items():
         s = r.get("shrink") or {}
-        shr = (f"{s.get('runs_used')}, {s['size'][0]} req / {s['size'][1]} tok, {s.get('repro_exit')} "
-               f"({s.get('repro_off_exit')})" if s.get("size") else (s.get("status") or "not run"))
+        shr = (f"{s.get('runs_used')} runs ({s.get('status')}), {s['original_size'][0]} -> {s['size'][0]} req / {s['size'][1]} tok, "
+               f"repro {s.get('repro_exit', '-')} ({s.get('repro_off_exit', '-')})" if s.get("size")
+               else (s.get("status") or "not run"))
         if d == "prefix-cache-inert":
             pc = r["prefix_cache"]
             lines.append(f"| {d} | {r['requests']} | finding: {pc['finding']} | - | {r['false_positives']} | "
@@ -167,8 +174,8 @@ def main() -> None:
         run = out / d
         wall = audit(run, d, args, workload, a.engine)
         results[d] = {**score(run, named_by), "audit_s": wall}
-        if not (a.quick or a.no_shrink or d == "prefix-cache-inert"):
-            results[d]["shrink"] = shrink(run, out / f"{d}-shrink", d)
+        if not (a.quick or d == "prefix-cache-inert"):
+            results[d]["shrink"] = shrink(run, out / f"{d}-shrink", d, run_it=not a.no_shrink)
         print(f"{d}: {json.dumps(results[d], default=str)}", flush=True)
     dest = a.results or ROOT / "bench" / "results" / ("bugs_quick.json" if a.quick else "bugs.json")
     dest.parent.mkdir(parents=True, exist_ok=True)
