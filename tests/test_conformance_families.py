@@ -141,8 +141,8 @@ def test_reference_column_names_zamba2s_decode_path():
 @pytest.mark.slow
 def test_conformance_on_llamacpp_judges_cells_per_token(lpf_cli, tmp_path):
     out = tmp_path / "conf"
-    r = lpf_cli("conformance", "--engine", "llamacpp", "--arch", "Mamba2", "--cell", "fp32", "--prompts", 4,
-                "--max-tokens", 6, "--out", out, "--json")
+    r = lpf_cli("conformance", "--engine", "llamacpp", "--arch", "Mamba2,Zamba2", "--cell", "fp32", "--prompts", 4,
+                "--max-tokens", 6, "--reference-column", "--out", out, "--json")
     assert r.code == 0, r.err
     doc = json.loads(r.out)
     (cell,) = doc["cells"]
@@ -152,3 +152,9 @@ def test_conformance_on_llamacpp_judges_cells_per_token(lpf_cli, tmp_path):
     assert Path(out / cell["run_dir"] / "findings.json").is_file()
     zamba = [a for a in doc["architectures"] if a["architecture"] == "Zamba2ForCausalLM"]
     assert zamba and zamba[0]["status"] == "not supported" and "converter" in zamba[0]["reason"]
+    # the reference column covers the architecture llama.cpp cannot convert too
+    column = {r["architecture"]: r for r in doc["reference_column"]}
+    assert column["Mamba2ForCausalLM"]["status"] == "reference consistent"
+    assert column["Zamba2ForCausalLM"]["status"] == "reference inconsistent"
+    assert column["Zamba2ForCausalLM"]["departing"] == ["decode"]
+    assert "reference column" in r.err
