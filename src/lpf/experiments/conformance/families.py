@@ -63,7 +63,7 @@ def fold(entries: list[dict], pairs: dict[str, list[tuple]], engine_name: str) -
             entry = {**entry, "family": entry["architecture"].removesuffix("ForCausalLM"),
                      "engine_architectures": names, "paired_by": [w for _, w in found]}
             said = f"one family: {engine_name} serves model type {entry.get('model_type')!r} as " \
-                   f"{', '.join(n.removesuffix('ForCausalLM') for n in names)} ({'; '.join(entry['paired_by'])})"
+                   f"{', '.join(n.removesuffix('ForCausalLM') for n in names)} ({'; '.join(dict.fromkeys(entry['paired_by']))})"
             if entry["status"] == "no engine implementation":  # it has one, under another name
                 from lpf.experiments.conformance.tiny import SCALE
 

@@ -9,6 +9,9 @@ chunked prefill kernels of a state-space layer) and with eager attention. Per pa
 |logprob - gold logprob| of the actual tokens on output positions (and prompt positions for the
 teacher-forced paths):
   decode            generate's per-step logits (recurrent / cached path) vs the float64 teacher-forced pass
+  recurrent         every position, prompt included, through that cached one-token step (generate from
+                    the first token with each next token forced; its raw logits): recurrent vs chunked
+                    kernels on the prompt as well
   teacher-forced    the float32 forward (chunked / parallel kernels)
   eager             the float32 forward with attn_implementation="eager" (absent when the model has
                     no other attention kernel)
@@ -35,6 +38,25 @@ def _forward_logprobs(model, ids, torch):
     return torch.log_softmax(out.logits[0].double(), dim=-1)  # [T, V]; row t predicts token t+1
 
 
+def _recurrent_logprobs(model, ids, torch):
+    """Every position of `ids` through the cached one-token step (generate from the first token, each next
+    token forced): the recurrent path over the prompt too. generate's `logits` are the raw ones, before
+    the forcing processor."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class Force(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            forced = torch.full_like(scores, -float("inf"))
+            forced[:, ids[input_ids.shape[1]]] = 0.0
+            return forced
+
+    with torch.no_grad():
+        g = model.generate(torch.tensor([ids[:1]]), max_new_tokens=len(ids) - 1, min_new_tokens=len(ids) - 1,
+                           do_sample=False, use_cache=True, output_logits=True, return_dict_in_generate=True,
+                           logits_processor=LogitsProcessorList([Force()]), pad_token_id=model.config.pad_token_id)
+    return torch.stack([torch.log_softmax(lg[0].double(), -1)[t] for lg, t in zip(g.logits, ids[1:])])
+
+
 def check_reference(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
@@ -57,7 +79,7 @@ def check_reference(model_dir: Path, prompts: list[list[int]], max_tokens: int) 
                 eager = None  # one kernel only: nothing to compare
         except Exception:  # noqa: BLE001 - a model without a choice of attention kernel
             eager, default_attn = None, getattr(m32.config, "_attn_implementation", None)
-        paths = {"decode": [], "teacher-forced": [], "eager": []}
+        paths = {"decode": [], "recurrent": [], "teacher-forced": [], "eager": []}
         first: dict[str, tuple | None] = {}
         for pi, prompt in enumerate(prompts):
             with torch.no_grad():
@@ -70,6 +92,8 @@ def check_reference(model_dir: Path, prompts: list[list[int]], max_tokens: int) 
             gold_tok = gold[:-1].gather(1, targets[:, None])[:, 0]
             dec = torch.stack([torch.log_softmax(lg[0].double(), -1)[t] for lg, t in zip(g.logits, new)])
             _add(paths, first, "decode", (dec - gold_tok[len(prompt) - 1:]).abs(), len(prompt), pi)
+            rec = _recurrent_logprobs(m32, ids, torch)
+            _add(paths, first, "recurrent", (rec - gold_tok).abs(), 1, pi)
             for name, model in (("teacher-forced", m32), ("eager", eager)):
                 if model is None:
                     continue
