@@ -185,6 +185,17 @@ class Source:
         return named_moves(self.findings.get("hypotheses"), get_engine_class(self.manifest["engine"]["name"]).Options,
                            config.knob_dict)
 
+    def refused(self, config: "Config") -> str | None:
+        """Why the engine's Options refuse this config's knobs (a drill that needs a knob moved off,
+        say), or None: a refused knob move is not tried (its audit would stop the shrink)."""
+        from lpf.adapters import get_engine_class
+
+        try:
+            get_engine_class(self.manifest["engine"]["name"]).Options(**config.knob_dict)
+        except Exception as e:  # noqa: BLE001 - pydantic's ValidationError or LpfError: either way refused
+            return " ".join(str(e).split())[:200]
+        return None
+
     # -- configurations ----------------------------------------------------------------------------
     def original(self) -> Config:
         knobs = dict(self.manifest["engine"].get("options") or {})

@@ -253,12 +253,14 @@ class Shrink:
         for name in self.source.movable(self.cur):
             value, default = self.cur.knob_dict[name], self.source.defaults[name]
             config = self.cur.with_knob(name, default)
+            if self.source.refused(config):  # e.g. a prefix drill with prefix caching off: never run
+                continue
             if self.test(config, "knobs", f"{name} {value} -> {default} (the engine's default)"):
                 self.adopt(config)
                 moved = True
                 continue
             mid = midpoint(value, default)
-            if mid is not None:
+            if mid is not None and not self.source.refused(self.cur.with_knob(name, mid)):
                 config = self.cur.with_knob(name, mid)
                 if self.test(config, "knobs", f"{name} {value} -> {mid} (halfway to the default {default})"):
                     self.adopt(config)
