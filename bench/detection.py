@@ -13,7 +13,10 @@ with the engine's top-k withheld (only the sampled token's logprob, as a provide
 alternatives), and the named baseline: the per-request verdicts under the run's own floor (what lpf
 did before; score = the window's tokens flagged divergent or worse), whose AUC stays near 0.5 for a
 lie that is small everywhere.
-Usage: python bench/detection.py [--windows 500] [--out runs/bench-detection]
+`--quick` is the smoke run `make test` does (seconds; nothing asserted of the numbers, no results
+file): two configs (clean float32 and quantize-weights:4) on 40 requests of at most 8 tokens, in a
+temporary folder, 50 windows.
+Usage: python bench/detection.py [--windows 500] [--out runs/bench-detection] [--quick]
 (writes bench/results/detection.json, prints the tables)
 """
 
@@ -44,11 +47,11 @@ CONFIGS = {  # name -> (engine dtype, drill or None)
 }
 
 
-def audit(out: Path, dtype: str, drill: str | None) -> Path:
+def audit(out: Path, dtype: str, drill: str | None, workload: str = "zoo:stress", max_tokens: int = 16) -> Path:
     if (out / "findings.json").is_file():
         return out
-    args = [str(Path(sys.executable).with_name("lpf")), "audit", "--model", "zoo:hybrid", "--workload", "zoo:stress",
-            "--max-tokens", "16", "--dtype", dtype, "--out", str(out), "--fail-on", "never", "-E", "threads=1"]
+    args = [str(Path(sys.executable).with_name("lpf")), "audit", "--model", "zoo:hybrid", "--workload", workload,
+            "--max-tokens", str(max_tokens), "--dtype", dtype, "--out", str(out), "--fail-on", "never", "-E", "threads=1"]
     if drill:
         args += ["--inject", drill]
     t0 = time.time()
@@ -110,15 +113,28 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=500)
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-detection")
     ap.add_argument("--alpha", type=float, default=None)
+    ap.add_argument("--quick", action="store_true", help="two configs, 40 short requests, a temporary folder (a smoke run)")
     a = ap.parse_args()
     from lpf.analysis.run_test import DEFAULT_ALPHA
 
     alpha = a.alpha or DEFAULT_ALPHA
+    configs, workload, max_tokens = CONFIGS, "zoo:stress", 16
+    if a.quick:
+        import tempfile
+
+        from lpf.zoo import registry
+
+        configs = {k: CONFIGS[k] for k in ("clean float32", "quantize-weights:4")}
+        a.out, a.windows, max_tokens = Path(tempfile.mkdtemp(prefix="lpf-bench-detection-")), 50, 8
+        workload = str(a.out / "stress40.jsonl")
+        Path(workload).write_text("".join(json.dumps({"id": i["id"], "prompt": i["prompt"]}) + "\n"
+                                          for i in registry.workload_items("stress", seed=0, n=40)))
     a.out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
     ev = {}
-    for name, (dtype, drill) in CONFIGS.items():
-        ev[name] = evidence(audit(a.out / name.replace(" ", "-").replace(":", "-").replace("+", "p"), dtype, drill))
+    for name, (dtype, drill) in configs.items():
+        ev[name] = evidence(audit(a.out / name.replace(" ", "-").replace(":", "-").replace("+", "p"), dtype, drill,
+                                  workload, max_tokens))
     n_min = min(e["shipped"]["n"] for e in ev.values())
     sizes = [s for s in SIZES if s <= n_min]
     starts = {s: rng.integers(0, n_min - s + 1, a.windows) for s in sizes}
@@ -129,18 +145,23 @@ def main() -> None:
               "n_tokens": {k: e["shipped"]["n"] for k, e in ev.items()},
               "floors": {k: e["floor"]["pair"] + " (" + e["floor"]["detail"] + ")" for k, e in ev.items()},
               "false_alarm": {}, "auc": {}, "smallest_n": {}}
-    for name in ("clean float32", "clean bfloat16"):
+    for name in [c for c in ("clean float32", "clean bfloat16") if c in configs]:
         result["false_alarm"][name] = {m: {s: float(np.mean(scores[name][m][s] > -np.log10(alpha))) for s in sizes}
                                        for m in ("shipped", "token only")}
-    for name, (dtype, drill) in CONFIGS.items():
+    for name, (dtype, drill) in configs.items():
         if drill is None:
             continue
         clean = "clean float32" if dtype == "float32" else "clean bfloat16"
         result["auc"][name] = {m: {s: auc(scores[name][m][s], scores[clean][m][s]) for s in sizes} for m in methods}
         result["smallest_n"][name] = {m: next((s for s in sizes if result["auc"][name][m][s] >= 0.999), None)
                                       for m in methods}
-    (ROOT / "bench" / "results").mkdir(exist_ok=True)
-    (ROOT / "bench" / "results" / "detection.json").write_text(json.dumps(result, indent=1) + "\n")
+    if a.quick:
+        import shutil
+
+        shutil.rmtree(a.out, ignore_errors=True)
+    else:
+        (ROOT / "bench" / "results").mkdir(exist_ok=True)
+        (ROOT / "bench" / "results" / "detection.json").write_text(json.dumps(result, indent=1) + "\n")
     head = "| run | " + " | ".join(f"N={s}" for s in sizes) + " | smallest N (AUC >= 0.999) |"
     for meth in methods:
         print(f"\nAUC, {meth}:\n{head}\n|" + "---|" * (len(sizes) + 2))

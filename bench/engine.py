@@ -11,7 +11,10 @@ subtract, so its generation time is the in-engine window instead: first request 
 last request finished (the worker's own t_submit/t_finish, stored in the run's requests table).
 The same window is recorded for HF and builtin as a cross-check of the two measures. Without the
 venv the vLLM column is skipped, and the bench says so.
-Usage: python bench/engine.py [--requests N] [--model SPEC]   (writes bench/results/engine.json)
+`--quick` is the smoke run `make test` does (nothing timed is asserted, no results file): 6 requests
+of at most 8 tokens, one run each, start-up not subtracted, no vLLM column (bench/vllm_trace.py
+--quick runs the vllm adapter).
+Usage: python bench/engine.py [--requests N] [--model SPEC] [--quick]   (writes bench/results/engine.json)
 """
 
 from __future__ import annotations
@@ -27,14 +30,14 @@ import time
 from pathlib import Path
 
 
-def lpf_run(engine: str, model: str, workload: Path, out: Path, extra: list[str]) -> float:
+def lpf_run(engine: str, model: str, workload: Path, out: Path, extra: list[str], max_tokens: int = 128) -> float:
     exe = Path(sys.executable).with_name("lpf")
     # one intra-op thread for both: at these model sizes more threads only add scheduling overhead,
     # and the builtin engine defaults to 1
     env = dict(os.environ, OMP_NUM_THREADS="1")
     t0 = time.perf_counter()
     subprocess.run([str(exe), "run", "--engine", engine, "--model", model, "--workload", str(workload),
-                    "--out", str(out), "--ignore-eos", "--max-tokens", "128", "--part-size", "100000", *extra],
+                    "--out", str(out), "--ignore-eos", "--max-tokens", str(max_tokens), "--part-size", "100000", *extra],
                    check=True, capture_output=True, text=True, env=env)
     return time.perf_counter() - t0
 
@@ -77,7 +80,11 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--model", default=None)
     ap.add_argument("--repeats", type=int, default=3, help="runs per engine, interleaved; the median is reported")
+    ap.add_argument("--quick", action="store_true", help="6 short requests, one run each, no start-up runs, no vLLM (a smoke run)")
     a = ap.parse_args()
+    max_tokens = 8 if a.quick else 128
+    if a.quick:
+        a.requests, a.repeats = 6, 1
     import pyarrow.parquet as pq
 
     from lpf.zoo import registry
@@ -85,27 +92,27 @@ def main() -> None:
     model = a.model or ("zoo:hybrid" if registry.model_available("hybrid") else "tiny:hybrid")
     items = registry.workload_items("stress", seed=1, n=a.requests)
     engines = {"hf": ["-E", "batch_size=32"], "builtin": ["--max-num-seqs", "64", "--max-num-batched-tokens", "512"]}
-    vllm_extra, vllm_where = vllm_args()
+    vllm_extra, vllm_where = vllm_args() if not a.quick else (None, "--quick (the vLLM benches' own --quick runs vLLM)")
     if vllm_extra is None:
         print(f"vLLM column skipped: {vllm_where}", file=sys.stderr)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         wl = tmp / "stress.jsonl"
-        wl.write_text("".join(json.dumps({"id": it["id"], "prompt": it["prompt"], "max_tokens": it["max_tokens"]}) + "\n"
-                              for it in items))
+        wl.write_text("".join(json.dumps({"id": it["id"], "prompt": it["prompt"],
+                                          "max_tokens": min(it["max_tokens"], max_tokens)}) + "\n" for it in items))
         times: dict[str, list[float]] = {name: [] for name in engines}
-        base = {name: startup(name, model, tmp, extra) for name, extra in engines.items()}
+        base = {name: 0.0 if a.quick else startup(name, model, tmp, extra) for name, extra in engines.items()}
         windows: dict[str, list[float]] = {name: [] for name in [*engines, "vllm"]}
         vllm_walls: list[float] = []
         for rep in range(a.repeats):  # interleaved, so a noisy minute hurts both engines alike
             for name, extra in engines.items():
                 out = tmp / f"{name}-{rep}"
-                times[name].append(lpf_run(name, model, wl, out, extra) - base[name])
+                times[name].append(lpf_run(name, model, wl, out, extra, max_tokens) - base[name])
                 windows[name].append(in_engine_window(out))
             if vllm_extra is not None:
                 out = tmp / f"vllm-{rep}"
-                vllm_walls.append(lpf_run("vllm", model, wl, out, vllm_extra))
+                vllm_walls.append(lpf_run("vllm", model, wl, out, vllm_extra, max_tokens))
                 windows["vllm"].append(in_engine_window(out))
         for name in engines:
             req = pq.read_table(tmp / f"{name}-0" / "requests")
@@ -143,8 +150,9 @@ def main() -> None:
     if has_vllm:
         out["ratio_vllm_vs_hf"] = results["vllm"]["tokens_per_s"] / results["hf"]["tokens_per_s"]
         out["ratio_builtin_vs_vllm"] = results["builtin"]["tokens_per_s"] / results["vllm"]["tokens_per_s"]
-    Path(__file__).with_name("results").mkdir(exist_ok=True)
-    Path(__file__).with_name("results").joinpath("engine.json").write_text(json.dumps(out, indent=2))
+    if not a.quick:
+        Path(__file__).with_name("results").mkdir(exist_ok=True)
+        Path(__file__).with_name("results").joinpath("engine.json").write_text(json.dumps(out, indent=2))
     vl = results["vllm"].get("tokens_per_s")
     col = (lambda tps: f" {tps / vl:.2f}x |") if has_vllm else (lambda tps: "")
     print("| engine | output tokens/s | vs HF generate |" + (" vs vLLM |" if has_vllm else ""))

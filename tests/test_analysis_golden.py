@@ -96,7 +96,7 @@ def edge_run(temperature: float = 0.0, seed: int = 11):
     attempts = [[{"attempt": 0, "sent": True, "status": 200 if not failed[i] else 500,
                   "error": None if not failed[i] else "HTTP 500", "t_start": 100.0 + i, "t_end": 100.5 + i}]
                 for i in range(n_req)]
-    requests = schema_table(schema.REQUESTS, {
+    requests = schema.table(schema.REQUESTS, {
         "request_id": ids, "seq": np.arange(n_req, dtype=np.int64), "prompt_id": np.array([f"p{i // 2}" for i in range(n_req)], dtype=object),
         "rollout": (np.arange(n_req) % 2).astype(np.int32),
         "prompt_token_ids": pa.array([list(range(1, p + 1)) for p in plen], schema.REQUESTS.field("prompt_token_ids").type),
@@ -113,10 +113,10 @@ def edge_run(temperature: float = 0.0, seed: int = 11):
     rid = np.repeat(ids[order], n_tok)
     flat = lambda x: x[order].reshape(order.size * n_tok, *x.shape[2:])  # noqa: E731
     p = np.tile(np.arange(n_tok, dtype=np.int32), order.size)
-    tokens = schema_table(schema.TOKENS, {
+    tokens = schema.table(schema.TOKENS, {
         "request_id": rid, "position": p, "token_id": flat(token), "engine_logprob": flat(eng_lp),
         "engine_topk_ids": _lists(flat(etop), pa.int32()), "engine_topk_logprobs": _lists(flat(etop_lp), pa.float32())})
-    reference = schema_table(schema.REFERENCE, {
+    reference = schema.table(schema.REFERENCE, {
         "request_id": rid, "position": p, "ref_logprob": flat(ref_lp), "ref_rank": flat(rank),
         "ref_entropy": np.full(rid.size, 0.4, np.float32), "ref_top1_id": flat(top1), "ref_top1_logprob": flat(top1_lp),
         "ref_topk_ids": _lists(flat(rtop), pa.int32()), "ref_topk_logprobs": _lists(flat(rtop_lp), pa.float32())})
@@ -138,10 +138,10 @@ def edge_run(temperature: float = 0.0, seed: int = 11):
     p_eng[(prid == ids[pr[3]]) & (ppos >= 3)] -= 2.5
     empty_i = pa.array([[]] * prid.size, pa.list_(pa.int32()))
     empty_f = pa.array([[]] * prid.size, pa.list_(pa.float32()))
-    prompt_tokens = schema_table(schema.PROMPT_TOKENS, {
+    prompt_tokens = schema.table(schema.PROMPT_TOKENS, {
         "request_id": prid, "position": ppos, "token_id": np.ones(prid.size, np.int32), "engine_logprob": p_eng,
         "engine_topk_ids": empty_i, "engine_topk_logprobs": empty_f})
-    prompt_reference = schema_table(schema.PROMPT_REFERENCE, {
+    prompt_reference = schema.table(schema.PROMPT_REFERENCE, {
         "request_id": prid, "position": ppos, "ref_logprob": p_ref, "ref_rank": np.ones(prid.size, np.int32),
         "ref_entropy": np.ones(prid.size, np.float32), "ref_top1_id": np.ones(prid.size, np.int32),
         "ref_top1_logprob": p_ref, "ref_topk_ids": empty_i, "ref_topk_logprobs": empty_f})
@@ -149,13 +149,6 @@ def edge_run(temperature: float = 0.0, seed: int = 11):
     calibration = reference.set_column(2, "ref_logprob", pa.array(reference.column("ref_logprob").to_numpy()
                                                                   + rng.normal(0, 3e-6, reference.num_rows)))
     return requests, tokens, reference, trace, prompt_tokens, prompt_reference, calibration
-
-
-def schema_table(target: pa.Schema, columns: dict) -> pa.Table:
-    """A table of `target` with these columns, the others null."""
-    n = len(next(iter(columns.values())))
-    return pa.table({f.name: (columns[f.name] if f.name in columns else pa.nulls(n, f.type)) for f in target},
-                    schema=target)
 
 
 def shuffled(table: pa.Table, seed: int) -> pa.Table:
