@@ -4,9 +4,9 @@ Per-request verdicts catch a lie that is large in a few requests; this catches o
 everywhere (a quantized model under a full-precision name, a quantized KV cache, another fine-tune,
 logprobs from another temperature), which a floor calibrated on the run itself would absorb.
 
-Contract: `run_level_test(joined, tokens, reference, requests, floor, sampling, alpha) -> dict`
-(findings.json's `run_test`): tables in (`metrics.join_grouped`'s table and the run's tokens,
-reference and requests), a dict out. `floor` is an expected floor (`lpf.analysis.floors`: a
+Contract: `run_level_test(joined, tokens, reference, requests, floor, sampling, alpha, cols, starts)
+-> dict` (findings.json's `run_test`): tables in (`metrics.join_grouped`'s table, its request starts
+when the caller has them, and the run's tokens, reference and requests), a dict out. `floor` is an expected floor (`lpf.analysis.floors`: a
 calibration run's or the shipped table's, never this run's). Underneath, on numpy columns in
 arrival order: `token_evidence.evidence_columns` -> `token_evidence(cols, floor, sampling)` ->
 `run_test(evidence, floor, alpha)`; `decide(evidence, lo, hi, alpha)` is the decision over a window
@@ -62,12 +62,14 @@ MAX_TOKENS = 2_000_000  # the test itself: on at most this many (p-values are as
 
 
 def run_level_test(joined: pa.Table, tokens: pa.Table, reference: pa.Table, requests: pa.Table, floor: dict,
-                   sampling: dict, alpha: float = DEFAULT_ALPHA, cols: dict | None = None) -> dict:
-    """findings.json's `run_test` from the run's tables (`cols`: their `evidence_columns`, when the
-    caller already has them)."""
-    cols = evidence_columns(joined, tokens, reference, requests) if cols is None else cols
+                   sampling: dict, alpha: float = DEFAULT_ALPHA, cols: dict | None = None,
+                   starts: np.ndarray | None = None) -> dict:
+    """findings.json's `run_test` from the run's tables (`cols`: their `evidence_columns` over every
+    token, when the caller already has them; else only the tokens the test reads are gathered)."""
     step = -(-joined.num_rows // MAX_TOKENS)  # a huge run: every step-th token (arrival order), all of it covered
-    if step > 1:
+    if cols is None:
+        cols = evidence_columns(joined, tokens, reference, requests, every=step, starts=starts)
+    elif step > 1:
         cols = {k: v[::step] for k, v in cols.items()}
     out = run_test(token_evidence(cols, floor, sampling), floor, alpha)
     out["sampled_every"] = step
