@@ -3,7 +3,9 @@
 Contract (pure): `one_array(col)` -> the column as one Array (a ChunkedArray's only chunk as it is:
 `combine_chunks` copies even one chunk, a fresh 340 MB for the request ids of a 20M-token run);
 `change_points(ids)` -> the rows i where ids[i] != ids[i + 1] (int64, ascending), chunk by chunk
-(a multi-chunk column is never combined).
+(a multi-chunk column is never combined); `same_rows(a, b)` -> whether two columns are the same
+buffers at the same offsets (a table's column handed on as another's, e.g. `metrics.join_grouped`'s
+zip: then row i of one is row i of the other).
 """
 
 from __future__ import annotations
@@ -30,3 +32,11 @@ def change_points(ids) -> np.ndarray:
                        + base)
         last, base = c[len(c) - 1], base + len(c)
     return np.concatenate(out) if out else np.zeros(0, np.int64)
+
+
+def same_rows(a, b) -> bool:
+    ca = a.chunks if isinstance(a, pa.ChunkedArray) else [a]
+    cb = b.chunks if isinstance(b, pa.ChunkedArray) else [b]
+    return len(ca) == len(cb) and all(
+        len(x) == len(y) and x.offset == y.offset and x.buffers()[-1] is not None and y.buffers()[-1] is not None
+        and x.buffers()[-1].address == y.buffers()[-1].address for x, y in zip(ca, cb))

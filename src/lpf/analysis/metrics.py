@@ -103,12 +103,13 @@ def join_grouped(tokens: pa.Table, reference: pa.Table) -> tuple[pa.Table, np.nd
         else np.full(tokens.num_rows, -1, dtype=np.int64)
     eng = eng.append_column("engine_top1_id", pa.array(top1))
     starts = zipped_starts(eng, reference)
+    ref_cols = [c for c in _REF_COLS if c in reference.column_names]  # ref_entropy: carried when read
     if starts is not None:
         out = eng
-        for name in _REF_COLS[2:]:
+        for name in ref_cols[2:]:
             out = out.append_column(name, reference.column(name))
         return out, starts
-    joined = eng.join(reference.select(_REF_COLS), keys=["request_id", "position"], join_type="inner")
+    joined = eng.join(reference.select(ref_cols), keys=["request_id", "position"], join_type="inner")
     joined = joined.sort_by([("request_id", "ascending"), ("position", "ascending")])
     return joined, segment_starts(joined.column("request_id"))
 

@@ -6,8 +6,10 @@ Contract (pure: numpy columns in, numpy arrays and dicts out):
   request starts. `per` holds `verdicts.reduce_requests`' columns for every request, bit for bit what
   `metrics.metric_arrays` then `reduce_requests` give (verdicts as `verdicts.CODES` indices); `flips`
   the greedy flips, `same` the tokens that are the reference's top-1.
-- `metric_summary(cols, flips, same) -> findings' "metrics"`, bit for bit `findings.token_metric_summary`
-  over the whole-run metric columns, from one pass over `column_stats.leaves` that never holds one.
+- `metric_summary(cols, flips, same[, n]) -> findings' "metrics"`, bit for bit
+  `findings.token_metric_summary` over the whole-run metric columns, from one pass over
+  `column_stats` leaves that never holds one; `cols` the engine and reference logprob columns, in
+  memory or read piece by piece (the streamed analysis reads them from its spill files).
 Sparse where the data is: the flags that need more than a comparison (greedy flip, lie strength)
 are computed only at rows that can have them (the engine's token is not the reference's top-1, or
 the reference finds it improbable), the from-the-first-divergence reductions only over requests with
@@ -162,20 +164,27 @@ _BUFFERS = ("d", "t", "abs_logprob_diff", "prob_diff", "k3_kl", "token_mult_prob
 SUMMARIZED = ("abs_logprob_diff", "prob_diff", "k3_kl")  # percentiles; token_mult_prob_error: its mean only
 
 
-def metric_summary(cols: dict[str, np.ndarray], flips: int, same: int) -> dict:
-    eng, ref = cols["engine_logprob"], cols["ref_logprob"]
-    n = len(eng)
+def metric_summary(cols, flips: int, same: int, n: int | None = None) -> dict:
+    """`cols`: the whole-run engine_logprob and ref_logprob columns (a dict of arrays), or a
+    function (name, rows) -> that column's values at `rows` (a slice or row indices) for columns
+    that are not in memory (`n`: their length)."""
+    read = (lambda name, rows: cols[name][rows]) if isinstance(cols, dict) else cols  # noqa: E731
+    n = len(cols["engine_logprob"]) if isinstance(cols, dict) else n
     rows = cs.sample_rows(n)
-    sample = _metric_values(eng[rows], ref[rows])
+    sample = _metric_values(read("engine_logprob", rows), read("ref_logprob", rows))
     stats = cs.ColumnStats(n, {**{name: sample[name] for name in SUMMARIZED}, "token_mult_prob_error": None})
     pieces = stats.leaves()
     size = max((hi - lo for lo, hi in pieces), default=0)
     buf = {k: np.empty(size) for k in _BUFFERS}
     for lo, hi in pieces:
-        stats.add(_metric_values(eng[lo:hi], ref[lo:hi], buf))
+        stats.add(_metric_values(read("engine_logprob", slice(lo, hi)), read("ref_logprob", slice(lo, hi)), buf))
 
-    def column(name):  # the whole column, only where one pass could not be exact
-        return _metric_values(eng, ref)[name]
+    def column(name):  # the whole column, built piece by piece, only where one pass could not be exact
+        out = np.empty(n)
+        for lo, hi in pieces:
+            out[lo:hi] = _metric_values(read("engine_logprob", slice(lo, hi)), read("ref_logprob", slice(lo, hi)),
+                                        buf)[name]
+        return out
 
     metrics = {name: stats.result(name) or m.percentiles(column(name)) for name in SUMMARIZED}
     total = stats.sum("token_mult_prob_error")

@@ -43,16 +43,17 @@ import pyarrow.compute as pc
 from lpf.analysis import metrics as m
 from lpf.analysis.calibration import calibrate, calibrate_to_floor
 from lpf.analysis.evidence import apply_inconsistency
-from lpf.analysis.findings import (METRIC_COLUMNS, conclude, findings_dict, token_metric_summary,
-                                   wants_tempered)
+from lpf.analysis.columns import same_rows
+from lpf.analysis.findings import conclude, findings_dict, wants_tempered
 from lpf.analysis import run_test as run_level
 from lpf.analysis.run_test import run_test, token_evidence
 from lpf.analysis.signatures import crossed_wires, tempered_logprobs
 from lpf.analysis.thresholds import Thresholds
 from lpf.analysis.token_evidence import evidence_columns
-from lpf.analysis.verdicts import by_arrival, reduce_requests, summarize_requests
+from lpf.analysis.scoring import metric_summary, score_requests
+from lpf.analysis.verdicts import by_arrival, segment_starts, summarize_requests
 
-SPILLED = ("prob_diff", "k3_kl")  # metric columns the driver keeps on disk between the passes
+SPILLED = ("engine_logprob", "ref_logprob")  # what the driver keeps on disk for the metric summary
 _EVIDENCE_JOINED = ["request_id", "position", "token_id", "engine_logprob", "ref_logprob", "ref_top1_id",
                     "ref_top1_logprob"]  # what `evidence_columns` reads of the joined rows
 _EVIDENCE_TOKENS = ["request_id", "position", "engine_topk_ids", "engine_topk_logprobs"]
@@ -70,6 +71,18 @@ def chunk_abs_diff(tokens: pa.Table, reference: pa.Table) -> tuple[np.ndarray, n
         ad = np.subtract(tokens.column("engine_logprob").to_numpy(), reference.column("ref_logprob").to_numpy())
         np.abs(ad, out=ad)
     return ad, starts, _ids_at(tokens, starts)
+
+
+def chunk_starts(tokens: pa.Table, reference: pa.Table) -> tuple[int, np.ndarray, pa.Array]:
+    """(joined rows, request starts, request ids at the starts) of a chunk: `chunk_abs_diff`
+    without the logprobs (what the first pass needs when the thresholds come from an expected floor)."""
+    starts = m.zipped_starts(tokens, reference)
+    if starts is None:
+        keys = ["request_id", "position"]
+        tokens = tokens.select(keys).join(reference.select(keys), keys=keys, join_type="inner") \
+            .sort_by([("request_id", "ascending"), ("position", "ascending")])
+        starts = segment_starts(tokens.column("request_id"))
+    return tokens.num_rows, starts, _ids_at(tokens, starts)
 
 
 def thresholds(ad: np.ndarray, starts: np.ndarray, th: Thresholds, expected: dict | None):
@@ -105,22 +118,18 @@ class StreamedAnalysis:
     def score(self, tokens: pa.Table, reference: pa.Table) -> dict[str, np.ndarray]:
         """Score one chunk; returns its `SPILLED` columns (in token order) for the driver to keep."""
         joined, starts = m.join_grouped(tokens, reference)
-        inputs = m.input_arrays(joined)
-        inputs["position"] = joined.column("position").to_numpy()
-        cols = m.metric_arrays(inputs, self.greedy, self.th)
-        per = reduce_requests({**inputs, **cols}, self.th, starts)
+        cols = m.input_arrays(joined)
+        cols["position"] = joined.column("position").to_numpy()
+        per, flips, same = score_requests(cols, starts, self.greedy, self.th)
         self.ids.append(_ids_at(joined, starts))
         self.per.append(per)
-        self.flips += int(per["n_greedy_flips"].sum())
-        self.same += int(np.count_nonzero(inputs["token_id"] == inputs["ref_top1_id"]))
-        tok = joined
-        for name in METRIC_COLUMNS:
-            tok = tok.append_column(name, pa.array(cols[name]))
+        self.flips += flips
+        self.same += same
         if self.trace is not None and self.trace.num_rows:
             miss = pc.not_equal(joined.column("token_id"), joined.column("ref_top1_id"))
             self.missed.append(joined.filter(miss).select(["request_id", "position", "token_id", "ref_top1_id"]))
         if self.tempered:
-            self.tempered_ids.append(tempered_logprobs(tok, reference, self.temperature, self.th))
+            self.tempered_ids.append(tempered_logprobs(joined, reference, self.temperature, self.th))
         if self.arrival is not None:
             self._keep_evidence(joined, starts, tokens, reference)
         self.at += len(starts)
@@ -131,14 +140,20 @@ class StreamedAnalysis:
         counts = np.diff(np.r_[starts, joined.num_rows])
         first = self.arrival[self.at:self.at + len(starts)]
         index = np.repeat(first - starts, counts) + np.arange(joined.num_rows)
-        keys = joined.select(_EVIDENCE_JOINED).filter(pa.array(index % self.step == 0))
+        keep = pa.array(index % self.step == 0)
+        keys = joined.select(_EVIDENCE_JOINED).filter(keep)
         have = [c for c in _EVIDENCE_TOKENS if c in tokens.column_names]
+        zipped = same_rows(tokens.column("token_id"), joined.column("token_id")) and \
+            same_rows(reference.column("ref_logprob"), joined.column("ref_logprob"))
+        if zipped:  # the chunk's rows are the joined rows: no join to find them
+            self.evidence.append((keys, tokens.select(have).filter(keep), reference.select(_EVIDENCE_REFERENCE).filter(keep)))
+            return
         self.evidence.append((keys, _rows_for(tokens.select(have), keys),
                               _rows_for(reference.select(_EVIDENCE_REFERENCE), keys)))
 
-    def finish(self, column) -> tuple[pa.Table, dict]:
-        """(summary, findings) as `findings.analyze` gives them. `column(name)`: a `SPILLED` column
-        over the whole run, in token order."""
+    def finish(self, read) -> tuple[pa.Table, dict]:
+        """(summary, findings) as `findings.analyze` gives them. `read(name, rows)`: a `SPILLED`
+        column's values at `rows` (a slice or row indices) of the whole run, in token order."""
         test = None
         if self.arrival is not None:  # first: its tokens are freed before the metric columns are read
             keys, toks, refs = (pa.concat_tables(t) for t in zip(*self.evidence))
@@ -149,14 +164,13 @@ class StreamedAnalysis:
             del keys, toks, refs, cols
         ids = pa.concat_arrays(self.ids) if self.ids else pa.array([], pa.string())
         merged = {k: np.concatenate([p[k] for p in self.per]) for k in self.per[0]} if self.per else \
-            reduce_requests({n: np.zeros(0) for n in ("position", "abs_logprob_diff", "engine_logprob",
-                                                      "ref_logprob", "greedy_flip", "gibberish")}, self.th,
-                            np.zeros(0, np.int64))
+            score_requests({n: np.zeros(0) for n in ("position", "engine_logprob", "ref_logprob")}, np.zeros(0, np.int64),
+                           self.greedy, self.th)[0]
         self.per.clear(), self.ids.clear()
         summary = apply_inconsistency(summarize_requests(None, self.requests, self.th, per=(ids, merged)),
                                       self.requests)
         del merged
-        metrics = token_metric_summary(column, self.n, self.flips, self.same)
+        metrics = metric_summary(read, self.flips, self.same, self.n)
         findings = findings_dict(summary, self.th, metrics, self.n)
         findings["thresholds"].update(self.calib, pinned=sorted(self.th.pinned))
         tempered = pa.chunked_array(self.tempered_ids, pa.string()).combine_chunks() if self.tempered else None

@@ -25,7 +25,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from lpf.analysis.columns import one_array
+from lpf.analysis.columns import one_array, same_rows
 from lpf.analysis.floors import floor_stats
 from lpf.analysis.verdicts import segment_starts
 
@@ -87,16 +87,6 @@ def list_matrix(col, fill, widths: tuple[int, bool] | None = None) -> np.ndarray
     return np.where(np.arange(k) < width[:, None], values[np.minimum(idx, values.size - 1)], fill)
 
 
-def _same_rows(a, b) -> bool:
-    """Whether two columns are the same buffers at the same offsets (a table's column handed on as
-    another's, e.g. `metrics.join_grouped`'s zip): then row i of one is row i of the other."""
-    ca = a.chunks if isinstance(a, pa.ChunkedArray) else [a]
-    cb = b.chunks if isinstance(b, pa.ChunkedArray) else [b]
-    return len(ca) == len(cb) and all(
-        len(x) == len(y) and x.offset == y.offset and x.buffers()[-1] is not None and y.buffers()[-1] is not None
-        and x.buffers()[-1].address == y.buffers()[-1].address for x, y in zip(ca, cb))
-
-
 def _same_keys(table: pa.Table, keys: pa.Table) -> bool:
     return table.num_rows == keys.num_rows and table.column("position").equals(keys.column("position")) and \
         table.column("request_id").equals(keys.column("request_id"))
@@ -120,7 +110,7 @@ def _table_rows(table: pa.Table, joined: pa.Table, rows, column: str):
     indices), by key; `rows` itself when `table` lines up with `joined` (its `column` handed on as
     it is, or the same keys row for row)."""
     carried = column in table.column_names and column in joined.column_names \
-        and _same_rows(table.column(column), joined.column(column))
+        and same_rows(table.column(column), joined.column(column))
     if table.num_rows == joined.num_rows and (carried or _same_keys(table, joined)):
         return rows
     if isinstance(rows, slice):

@@ -97,8 +97,9 @@ def analyze_run(run: RunDir, thresholds: Thresholds, attribute: bool = True, on_
     findings["run_complete"] = m.get("status") == "complete"
     findings["trace"] = trace_summary(run)
     pq.write_table(summary, run.path / "summary.parquet")
-    run.write_json("findings.json", finite(findings))
-    return finite(findings)
+    findings = finite(findings)  # once: a big run's findings hold thousands of values
+    run.write_json("findings.json", findings)
+    return findings
 
 
 def _attribute(run: RunDir, requests, summary, own_sums_of, findings: dict, on_start: OnStart, tick: Tick) -> dict:

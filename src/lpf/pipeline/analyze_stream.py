@@ -44,8 +44,8 @@ from lpf.run.store import RunDir
 CHUNK_ROWS = 1 << 20
 _COMPRESSED = pa.ipc.IpcWriteOptions(compression="lz4")  # the range files: half the disk for ~10% more time
 TOKEN_COLUMNS = ["request_id", "position", "token_id", "engine_logprob", "engine_topk_ids", "engine_topk_logprobs"]
-REFERENCE_COLUMNS = ["request_id", "position", "ref_logprob", "ref_rank", "ref_entropy", "ref_top1_id",
-                     "ref_top1_logprob", "ref_topk_ids", "ref_topk_logprobs"]
+REFERENCE_COLUMNS = ["request_id", "position", "ref_logprob", "ref_rank", "ref_top1_id",
+                     "ref_top1_logprob", "ref_topk_ids", "ref_topk_logprobs"]  # ref_entropy: no analysis reads it
 _FIRST_PASS = (["request_id", "position", "engine_logprob"], ["request_id", "position", "ref_logprob"])  # zip: |d| only
 
 
@@ -111,12 +111,14 @@ class _Rows:
         return self.left(n)
 
 
-def _zip_sizes(run: RunDir, chunk_pass):
+def _zip_sizes(run: RunDir, chunk_pass, keys_only: bool = False):
     """First pass over the parts as they lie, in request-aligned chunks of ~CHUNK_ROWS rows:
-    `chunk_pass(tokens, reference)` per chunk; the chunk sizes, or None at the first chunk whose
-    sides do not line up (the in-memory analysis would join and sort)."""
-    tok = _Rows(run.iter_parts("tokens", _FIRST_PASS[0]))
-    ref = _Rows(run.iter_parts("reference", _FIRST_PASS[1]))
+    `chunk_pass(tokens, reference)` per chunk (`keys_only`: request_id and position alone); the
+    chunk sizes, or None at the first chunk whose sides do not line up (the in-memory analysis
+    would join and sort)."""
+    want = [c[:2] for c in _FIRST_PASS] if keys_only else _FIRST_PASS
+    tok = _Rows(run.iter_parts("tokens", want[0]))
+    ref = _Rows(run.iter_parts("reference", want[1]))
     sizes = []
     while True:
         n = tok.request_cut(CHUNK_ROWS)
@@ -207,6 +209,22 @@ class _Spill:
         f.close()
         return np.fromfile(self.folder / f"{name}.f64", np.float64)
 
+    def rows(self, name: str, rows) -> np.ndarray:
+        """A column's values at `rows`: a slice (read from its offset) or row indices (gathered
+        through a memory map): a piece at a time, never the whole column."""
+        f = self.files.get(name)
+        if f is None:
+            return np.zeros(0)
+        if not f.closed:
+            f.close()
+        path = self.folder / f"{name}.f64"
+        if isinstance(rows, slice):
+            lo, hi, _ = rows.indices(path.stat().st_size // 8)
+            return np.fromfile(path, np.float64, count=hi - lo, offset=8 * lo)
+        if not len(rows):
+            return np.zeros(0)
+        return np.array(np.memmap(path, np.float64, mode="r")[rows])
+
 
 def analyze_streamed(run: RunDir, requests: pa.Table, th: Thresholds, greedy: bool, *,
                      trace: pa.Table | None = None, engine_info: dict | None = None, temperature: float = 0.0,
@@ -228,20 +246,28 @@ def analyze_streamed(run: RunDir, requests: pa.Table, th: Thresholds, greedy: bo
 def _analyze(run, requests, th, greedy, spill, *, trace, engine_info, temperature, floor_table, run_info, progress):
     from lpf.analysis.floors import expected_floor
 
-    # |d| goes to disk chunk by chunk and comes back as one array: chunks kept in memory would leave
-    # the heap holding their pages (below glibc's mmap threshold) after the whole-run copy is made
+    # the expected floor needs nothing of the tokens: with one, the first pass reads no logprob
+    expected = expected_floor(floor_table, run_info.get("engine_dtype"), run_info.get("reference_dtype"),
+                              run_info.get("model"), None) if floor_table is not None else None
+    # |d| (only without an expected floor: the run's own calibration) goes to disk chunk by chunk and
+    # comes back as one array: chunks kept in memory would leave the heap holding their pages
     cols = _Spill(spill)
     starts, ids, at = [], [], [0]
     total, tick = 2 * scored_token_count(run), progress[1]
     progress[0](total, 0)
 
     def first_pass(tok, ref):
-        ad, s, i = stream.chunk_abs_diff(tok, ref)
-        cols.add({"abs_logprob_diff": ad}), starts.append(s + at[0]), ids.append(i)
-        at[0] += ad.size
+        if expected:
+            n, s, i = stream.chunk_starts(tok, ref)
+        else:
+            ad, s, i = stream.chunk_abs_diff(tok, ref)
+            cols.add({"abs_logprob_diff": ad})
+            n = ad.size
+        starts.append(s + at[0]), ids.append(i)
+        at[0] += n
         tick(tok.num_rows)
 
-    sizes = _zip_sizes(run, first_pass)
+    sizes = _zip_sizes(run, first_pass, keys_only=bool(expected))
     heads = pa.concat_arrays(ids) if ids else pa.array([], pa.string())
     if sizes is not None and len(pc.unique(heads)) != len(heads):
         sizes = None  # a request in two places: the in-memory analysis joins and sorts
@@ -256,31 +282,27 @@ def _analyze(run, requests, th, greedy, spill, *, trace, engine_info, temperatur
             first_pass(*chunk)
         heads = pa.concat_arrays(ids) if ids else pa.array([], pa.string())
     pa.default_memory_pool().release_unused()
-    ad = cols.read("abs_logprob_diff")
+    n_scored = at[0]
     starts = np.concatenate(starts) if starts else np.zeros(0, np.int64)
-    counts = np.diff(np.r_[starts, ad.size]).astype(np.int64)
-    expected = expected_floor(floor_table, run_info.get("engine_dtype"), run_info.get("reference_dtype"),
-                              run_info.get("model"), None) if floor_table is not None and ad.size else None
-    th, calib = stream.thresholds(ad, starts, th, expected)
+    counts = np.diff(np.r_[starts, n_scored]).astype(np.int64)
+    expected = expected if n_scored else None
+    if expected:
+        th, calib = stream.thresholds(None, starts, th, expected)
+    else:
+        ad = cols.read("abs_logprob_diff")
+        th, calib = stream.thresholds(ad, starts, th, None)
+        del ad
+        cols.drop("abs_logprob_diff")
     acc = StreamedAnalysis(requests, th, calib, greedy, heads, counts, trace=trace, engine_info=engine_info,
                            temperature=temperature, expected=expected, sampling=run_info.get("sampling"),
                            reference_columns=REFERENCE_COLUMNS)
-    del ad  # not needed again until the percentiles: read back from disk then
     second = ranges.chunks() if ranges is not None else _zip_chunks(run, sizes)
     for tok, ref in second:
         cols.add(acc.score(tok, ref))
         tick(tok.num_rows)
     tok = ref = second = None  # the last chunk
     pa.default_memory_pool().release_unused()
-
-    def column(name: str) -> np.ndarray:
-        if name == "token_mult_prob_error":
-            values = cols.read("abs_logprob_diff")
-            with np.errstate(over="ignore", invalid="ignore"):
-                return np.exp(values, out=values)
-        return cols.read(name)
-
-    return acc.finish(column)
+    return acc.finish(cols.rows)
 
 
 def reference_sums(run: RunDir, ids: set[str]) -> dict[str, float]:
