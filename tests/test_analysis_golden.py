@@ -208,6 +208,7 @@ def test_in_memory_findings_are_pinned(name, monkeypatch):
     from lpf.analysis import run_test
 
     monkeypatch.setattr(run_test, "MAX_TOKENS", 700)  # the run-level test on every k-th token in arrival order
+    monkeypatch.setattr(run_test, "EVIDENCE_BLOCK", 250, raising=False)  # its evidence in blocks (later code)
     req, tok, ref, kw = case_tables(name)
     summary, findings = analyze(req, tok, ref, Thresholds(), **kw)
     assert findings["flagged"] and findings["counts"]["corrupt"] > 0  # the run has lies to find
@@ -232,6 +233,7 @@ def test_run_directory_findings_are_pinned_both_ways(tmp_path, monkeypatch, shuf
     from lpf.run.store import RunDir
 
     monkeypatch.setattr(run_test, "MAX_TOKENS", 8000)
+    monkeypatch.setattr(run_test, "EVIDENCE_BLOCK", 1000, raising=False)
     monkeypatch.setattr(analyze_stream, "CHUNK_ROWS", 999)
     run, _ = _bench().write_synthetic_run(tmp_path / "run", 40_000, part_tokens=3000, topk=5,
                                           temperature=0.7 if shuffle else 0.0, shuffle_reference=shuffle, out_tokens=20)

@@ -25,7 +25,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from lpf.analysis.columns import change_points, one_array
+from lpf.analysis.columns import change_points, falls, one_array, within
 from lpf.analysis.thresholds import Thresholds
 from lpf.analysis.verdicts import segment_starts
 
@@ -63,9 +63,7 @@ def _group_starts(ids: pa.ChunkedArray, pos: np.ndarray) -> np.ndarray | None:
     if n < 2:
         return np.arange(n, dtype=np.int64)
     change = change_points(ids)
-    falls = np.flatnonzero(pos[1:] <= pos[:-1])  # a position that does not rise must start a request
-    at = np.searchsorted(change, falls)
-    if falls.size and (at.max() >= change.size or not np.array_equal(change[at], falls)):
+    if not within(falls(pos), change):  # a position that does not rise must start a request
         return None
     starts = np.r_[0, change + 1]
     heads = ids.take(pa.array(starts))

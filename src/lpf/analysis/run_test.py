@@ -76,12 +76,31 @@ def run_level_test(joined: pa.Table, tokens: pa.Table, reference: pa.Table, requ
     return out
 
 
+EVIDENCE_BLOCK = 1 << 17  # rows a block: every value is a row's own, so blocks change none of them
+
+
 def token_evidence(cols: dict, floor: dict, sampling: dict) -> dict:
     """Per-token evidence arrays (in the order of `cols`) against `floor`.
 
     `cols`: token_id, engine_logprob, ref_logprob, ref_top1_id, ref_top1_logprob, ref_topk_ids and
     ref_topk_logprobs ([n, k] matrices, ids -1 where a list is short), optionally engine_topk_ids and
-    engine_topk_logprobs. `sampling`: temperature, top_k, top_p of the run."""
+    engine_topk_logprobs. `sampling`: temperature, top_k, top_p of the run. Computed in blocks of
+    EVIDENCE_BLOCK rows (the temporaries of a block stay small and are reused; fresh whole-length
+    ones cost a page fault per page, a huge-page compaction on a busy machine)."""
+    n = len(cols["token_id"])
+    if n <= EVIDENCE_BLOCK:
+        return _token_evidence(cols, floor, sampling)
+    rows = {k: v for k, v in cols.items() if k != "order"}
+    parts = [_token_evidence({k: v[lo:lo + EVIDENCE_BLOCK] for k, v in rows.items()}, floor, sampling)
+             for lo in range(0, n, EVIDENCE_BLOCK)]
+    ev = {k: np.concatenate([p[k] for p in parts]) for k in parts[0] if k not in ("n", "cols")}
+    ev["n"] = n
+    if "cols" in parts[0]:
+        ev["cols"] = cols
+    return ev
+
+
+def _token_evidence(cols: dict, floor: dict, sampling: dict) -> dict:
     tok = np.asarray(cols["token_id"])
     eng = np.asarray(cols["engine_logprob"], dtype=np.float64)
     ref = np.asarray(cols["ref_logprob"], dtype=np.float64)

@@ -53,21 +53,21 @@ def _clusters(rows: dict, flagged: np.ndarray, scored: np.ndarray, plen: np.ndar
     n_f = int(flagged.sum())
     if n_f == 0:
         return out
-    # by prompt: prompts whose rollouts are all flagged. Counted per prompt with a flagged request
-    # (named as str() names them, a missing id "None"); ties ranked by name
-    prompts = rows["prompt_id"].cast(pa.string()).fill_null("None")
-    scored_prompts = prompts.filter(pa.array(scored))
-    hits = pc.value_counts(prompts.filter(pa.array(flagged))).flatten()
-    names, n_hit = hits[0], hits[1].to_numpy(zero_copy_only=False).astype(np.float64)
-    everyone = pc.value_counts(scored_prompts.filter(pc.is_in(scored_prompts, value_set=names))).flatten()
-    n_all = everyone[1].to_numpy(zero_copy_only=False)[pc.index_in(names, value_set=everyone[0]).to_numpy()]
-    n_prompts = pc.count_distinct(scored_prompts).as_py()
-    full = (n_hit == n_all) & (n_all > 1)
-    by_name = np.argsort(np.argsort(names.to_numpy(zero_copy_only=False).astype(str), kind="stable"), kind="stable")
-    top = np.lexsort((by_name, -n_hit))[:5]
-    out.append({"by": "prompt", "n_prompts": len(names), "all_rollouts_flagged": int(full.sum()),
-                "top": [names[int(i)].as_py() for i in top],
-                "sentence": f"{n_f} flagged requests come from {len(names)} of {n_prompts} prompts"
+    # by prompt: prompts whose rollouts are all flagged (named as str() names them, a missing id
+    # "None"; ties ranked by name). One hash pass over the scored requests' prompts
+    scored_prompts = rows["prompt_id"].cast(pa.string()).fill_null("None").filter(pa.array(scored))
+    enc = pc.dictionary_encode(scored_prompts).combine_chunks()
+    code = enc.indices.to_numpy(zero_copy_only=False)
+    n_all = np.bincount(code, minlength=len(enc.dictionary))
+    n_hit = np.bincount(code, weights=flagged[scored].astype(np.float64), minlength=len(enc.dictionary))
+    hit = np.flatnonzero(n_hit > 0)
+    names = enc.dictionary.take(pa.array(hit)).to_numpy(zero_copy_only=False).astype(str)
+    full = (n_hit[hit] == n_all[hit]) & (n_all[hit] > 1)
+    by_name = np.argsort(np.argsort(names, kind="stable"), kind="stable")
+    top = np.lexsort((by_name, -n_hit[hit]))[:5]
+    out.append({"by": "prompt", "n_prompts": int(hit.size), "all_rollouts_flagged": int(full.sum()),
+                "top": [str(names[i]) for i in top],
+                "sentence": f"{n_f} flagged requests come from {int(hit.size)} of {len(enc.dictionary)} prompts"
                             + (f"; {int(full.sum())} prompts have every rollout flagged" if full.any() else "") + "."})
     # by rollout index
     roll = np.asarray(rows["rollout"], dtype=np.int64)

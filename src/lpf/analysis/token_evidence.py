@@ -25,7 +25,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from lpf.analysis.columns import one_array, same_rows
+from lpf.analysis.columns import falls, one_array, same_rows, within
 from lpf.analysis.floors import floor_stats
 from lpf.analysis.verdicts import segment_starts
 
@@ -123,8 +123,8 @@ def _pair_widths(table: pa.Table, ids: str, lps: str) -> tuple[tuple[int, bool],
     have the same offsets and no nulls, as every writer makes them)."""
     a, b = one_array(table.column(ids)), one_array(table.column(lps))
     wa = _widths(a)
-    same = len(a) == len(b) and not a.null_count and not b.null_count and \
-        np.array_equal(a.offsets.to_numpy(), b.offsets.to_numpy())
+    same = len(a) == len(b) and not a.null_count and not b.null_count and a.offset == b.offset == 0 and \
+        a.buffers()[1].equals(b.buffers()[1])  # the same offsets, byte for byte (one memcmp)
     return wa, wa if same else _widths(b)
 
 
@@ -172,10 +172,9 @@ def _arrival_rows(joined: pa.Table, requests: pa.Table, every: int, starts: np.n
     pos = joined.column("position").to_numpy()
     seq_of = pc.index_in(ids.take(pa.array(starts)), value_set=requests.column("request_id").combine_chunks())
     seq = requests.column("seq").to_numpy()[seq_of.fill_null(0).to_numpy(zero_copy_only=False)]
-    rising = pos[1:] > pos[:-1]
-    rising[starts[1:] - 1] = True
+    rising = within(falls(pos), starts[1:] - 1)  # positions rise within each request
     by_value = np.sort(seq)
-    if not bool(rising.all()) or not bool(np.all(by_value[1:] != by_value[:-1])):
+    if not rising or not bool(np.all(by_value[1:] != by_value[:-1])):
         order = _token_order(joined, requests)  # a request in pieces or a seq twice: token by token
         if order is None:
             return None if every == 1 else slice(0, n, every)
