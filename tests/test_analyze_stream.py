@@ -100,6 +100,34 @@ def test_synthetic_run_in_many_parts(tmp_path, monkeypatch, shuffle):
     assert st_sum.equals(mem_sum)
 
 
+@pytest.mark.parametrize("short", [False, True], ids=["one-pass", "rows-not-output"])
+def test_one_pass_and_its_checks(tmp_path, monkeypatch, short):
+    """With an expected floor and parts that line up, one pass over the parts (its arrival order
+    from the requests' output lengths); a request whose rows are not its output (a token row gone
+    on both sides) fails that check part way, and the two passes give the in-memory findings."""
+    import pyarrow.compute as pc
+
+    from lpf.analysis import run_test
+
+    monkeypatch.setattr(run_test, "MAX_TOKENS", 5000)
+    run, _ = _bench().write_synthetic_run(tmp_path / "run", 30_000, part_tokens=3000, topk=2, out_tokens=20)
+    if short:  # request 700's last position dropped from its tokens and reference parts
+        for table in ("tokens", "reference"):
+            for part in run.parts(table):
+                t = pq.read_table(part)
+                keep = pc.invert(pc.and_(pc.equal(t.column("request_id"), "bench-00000700-r0"), pc.equal(t.column("position"), 19)))
+                if not pc.all(keep).as_py():
+                    pq.write_table(t.filter(keep), part)
+    passes = []
+    real = analyze_stream._two_passes
+    monkeypatch.setattr(analyze_stream, "_two_passes", lambda *a, **k: passes.append(1) or real(*a, **k))
+    (mem_raw, mem_sum, f), (st_raw, st_sum, _), ranged = both_ways(run.path, tmp_path, monkeypatch, 1500,
+                                                                   attribute=False)
+    assert passes == ([1] if short else []) and not ranged and f["run_test"]["sampled_every"] == 6
+    assert st_raw == mem_raw
+    assert st_sum.equals(mem_sum)
+
+
 def test_stream_refuses_a_calibration_run(swap_run, tmp_path, lpf_cli):
     run = tmp_path / "run"
     shutil.copytree(swap_run, run)

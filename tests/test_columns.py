@@ -34,3 +34,11 @@ def test_falls_within_and_same_rows(monkeypatch):
     t = pa.table({"x": a})
     assert c.same_rows(t.column("x"), a) and not c.same_rows(pa.chunked_array([pa.array([1.0, 2.0, 3.0])]), a)
     assert not c.same_rows(a.slice(1), a)
+
+
+def test_lookup_finds_every_key_and_says_when_one_is_absent():
+    ids = pa.array(["b", "a", "c\x00", "c", "dd"])  # two ids numpy's fixed-width text cannot tell apart
+    lookup = c.Lookup(ids)
+    assert lookup.index(pa.array(["a", "c", "c\x00", "zz", "dd"])).tolist() == [1, 3, 2, -1, 4]
+    assert lookup.index(pa.chunked_array([pa.array(["dd"]), pa.array(["b"])])).tolist() == [4, 0]
+    assert c.Lookup(pa.array([], pa.string())).index(pa.array(["a"])).tolist() == [-1]

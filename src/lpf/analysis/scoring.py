@@ -50,11 +50,10 @@ def score_requests(cols: dict[str, np.ndarray], starts: np.ndarray, greedy: bool
         parts.append(per)
         flips, other = flips + f, other + o
     if not parts:
-        empty = {name: np.zeros(0) for name in ("position", "abs_logprob_diff", "engine_logprob", "ref_logprob",
-                                                 "greedy_flip", "gibberish")}
-        per = reduce_requests(empty, th, np.zeros(0, np.int64))
-        per["verdict"] = np.zeros(0, np.int8)
-        return per, 0, 0
+        empty = {"position": np.zeros(0, np.int32), **{k: np.zeros(0) for k in ("abs_logprob_diff", "engine_logprob",
+                                                                               "ref_logprob")},
+                 "greedy_flip": np.zeros(0, bool), "gibberish": np.zeros(0, bool)}
+        return reduce_requests(empty, th, np.zeros(0, np.int64)), 0, 0
     return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}, flips, n - other
 
 

@@ -43,7 +43,7 @@ import pyarrow.compute as pc
 from lpf.analysis import metrics as m
 from lpf.analysis.calibration import calibrate, calibrate_to_floor
 from lpf.analysis.evidence import apply_inconsistency
-from lpf.analysis.columns import same_rows
+from lpf.analysis.columns import Lookup, same_rows
 from lpf.analysis.findings import conclude, findings_dict, wants_tempered
 from lpf.analysis import run_test as run_level
 from lpf.analysis.run_test import run_test, token_evidence
@@ -109,9 +109,10 @@ class StreamedAnalysis:
         self.expected, self.sampling = expected, sampling or {"temperature": temperature}
         self.n = int(counts.sum())
         self.step = -(-self.n // run_level.MAX_TOKENS)  # as run_test.run_level_test samples a huge run
-        self.arrival = _arrival_offsets(requests, ids, counts) if expected and self.n else None
+        self.arrival = (Lookup(ids), _arrival_offsets(requests, ids, counts)) \
+            if expected and self.n else None  # request ids, the arrival index of each one's first scored token
         self.tempered = wants_tempered(temperature, reference_columns)
-        self.at = 0  # requests scored so far (index into ids/counts)
+        self.zipped, self.heads, self.counts = False, None, None  # of the last chunk scored
         self.ids, self.per, self.flips, self.same = [], [], 0, 0
         self.missed, self.tempered_ids, self.evidence = [], [], []
 
@@ -130,22 +131,24 @@ class StreamedAnalysis:
             self.missed.append(joined.filter(miss).select(["request_id", "position", "token_id", "ref_top1_id"]))
         if self.tempered:
             self.tempered_ids.append(tempered_logprobs(joined, reference, self.temperature, self.th))
+        heads = self.ids[-1]
+        self.zipped = same_rows(tokens.column("token_id"), joined.column("token_id")) and \
+            same_rows(reference.column("ref_logprob"), joined.column("ref_logprob"))
+        self.heads, self.counts = heads, np.diff(np.r_[starts, joined.num_rows])  # what a one-pass driver checks
         if self.arrival is not None:
-            self._keep_evidence(joined, starts, tokens, reference)
-        self.at += len(starts)
+            self._keep_evidence(joined, starts, heads, tokens, reference)
         return {name: cols[name] for name in SPILLED}
 
-    def _keep_evidence(self, joined, starts, tokens, reference) -> None:
+    def _keep_evidence(self, joined, starts, heads, tokens, reference) -> None:
         """The rows the run-level test reads: arrival index (request offset + rank in request) % step == 0."""
         counts = np.diff(np.r_[starts, joined.num_rows])
-        first = self.arrival[self.at:self.at + len(starts)]
+        at = self.arrival[0].index(heads)
+        first = np.where(at >= 0, self.arrival[1][at], 0)
         index = np.repeat(first - starts, counts) + np.arange(joined.num_rows)
         keep = pa.array(index % self.step == 0)
         keys = joined.select(_EVIDENCE_JOINED).filter(keep)
         have = [c for c in _EVIDENCE_TOKENS if c in tokens.column_names]
-        zipped = same_rows(tokens.column("token_id"), joined.column("token_id")) and \
-            same_rows(reference.column("ref_logprob"), joined.column("ref_logprob"))
-        if zipped:  # the chunk's rows are the joined rows: no join to find them
+        if self.zipped:  # the chunk's rows are the joined rows: no join to find them
             self.evidence.append((keys, tokens.select(have).filter(keep), reference.select(_EVIDENCE_REFERENCE).filter(keep)))
             return
         self.evidence.append((keys, _rows_for(tokens.select(have), keys),

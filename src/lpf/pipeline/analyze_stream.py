@@ -25,8 +25,10 @@ Between the passes, memory the Arrow pool holds free goes back to the system (`r
 
 from __future__ import annotations
 
+import queue
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +36,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from lpf.analysis import stream
+from lpf.analysis.columns import Lookup
 from lpf.analysis.metrics import zipped_starts
 from lpf.analysis.stream import StreamedAnalysis
 from lpf.analysis.thresholds import Thresholds
@@ -104,11 +107,57 @@ class _Rows:
         """The number of rows from here to the first request boundary at or after `n` rows."""
         while self.left(n) > n:
             ids = self.buf.column("request_id")
-            hit = np.flatnonzero(pc.not_equal(ids.slice(n), ids[n - 1]).to_numpy(zero_copy_only=False))
-            if hit.size:
-                return n + int(hit[0])
-            n = self.buf.num_rows  # the whole buffer is one request's tail: read on
+            last, window = ids[n - 1], 4096
+            while n < self.buf.num_rows:  # look a window ahead, then a wider one: requests are short
+                ahead = ids.slice(n, window)
+                hit = pc.indices_nonzero(pc.not_equal(ahead, last))
+                if len(hit):
+                    return n + int(hit[0].as_py())
+                n, window = n + len(ahead), window * 4
+            # the whole buffer is one request's tail: read on
         return self.left(n)
+
+
+def _ahead(parts, depth: int = 1):
+    """`parts` (an iterator of tables) read in a background thread, `depth` parts ahead of the
+    consumer: Parquet decoding releases the GIL, so reading the next part overlaps analysing the
+    chunk before it. Memory: `depth` parts more. An error reading a part is raised here, in order."""
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+    done = object()
+
+    def work():
+        try:
+            for part in parts:
+                while not stop.is_set():
+                    try:
+                        q.put(part, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            q.put(done)
+        except BaseException as e:  # noqa: BLE001 (handed to the consumer, raised there)
+            q.put(e)
+
+    worker = threading.Thread(target=work, name="lpf-analyze-read-ahead", daemon=True)
+    worker.start()
+    try:
+        while True:
+            item = q.get()
+            if item is done:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        while worker.is_alive():  # let it see the stop: drain what it may be putting
+            try:
+                q.get(timeout=0.1)
+            except queue.Empty:
+                pass
 
 
 def _zip_sizes(run: RunDir, chunk_pass, keys_only: bool = False):
@@ -117,8 +166,8 @@ def _zip_sizes(run: RunDir, chunk_pass, keys_only: bool = False):
     chunk sizes, or None at the first chunk whose sides do not line up (the in-memory analysis
     would join and sort)."""
     want = [c[:2] for c in _FIRST_PASS] if keys_only else _FIRST_PASS
-    tok = _Rows(run.iter_parts("tokens", want[0]))
-    ref = _Rows(run.iter_parts("reference", want[1]))
+    tok = _Rows(_ahead(run.iter_parts("tokens", want[0])))
+    ref = _Rows(_ahead(run.iter_parts("reference", want[1])))
     sizes = []
     while True:
         n = tok.request_cut(CHUNK_ROWS)
@@ -133,8 +182,8 @@ def _zip_sizes(run: RunDir, chunk_pass, keys_only: bool = False):
 
 def _zip_chunks(run: RunDir, sizes: list[int]):
     """The chunks of `_zip_sizes` again, with every column the analysis reads."""
-    tok = _Rows(run.iter_parts("tokens", TOKEN_COLUMNS))
-    ref = _Rows(run.iter_parts("reference", REFERENCE_COLUMNS))
+    tok = _Rows(_ahead(run.iter_parts("tokens", TOKEN_COLUMNS)))
+    ref = _Rows(_ahead(run.iter_parts("reference", REFERENCE_COLUMNS)))
     for n in sizes:
         yield tok.take(n), ref.take(n)
 
@@ -246,9 +295,65 @@ def analyze_streamed(run: RunDir, requests: pa.Table, th: Thresholds, greedy: bo
 def _analyze(run, requests, th, greedy, spill, *, trace, engine_info, temperature, floor_table, run_info, progress):
     from lpf.analysis.floors import expected_floor
 
-    # the expected floor needs nothing of the tokens: with one, the first pass reads no logprob
+    # the expected floor needs nothing of the tokens: with one, the thresholds are known before any
     expected = expected_floor(floor_table, run_info.get("engine_dtype"), run_info.get("reference_dtype"),
                               run_info.get("model"), None) if floor_table is not None else None
+    kw = dict(trace=trace, engine_info=engine_info, temperature=temperature, expected=expected,
+              sampling=run_info.get("sampling"), reference_columns=REFERENCE_COLUMNS)
+    if expected:
+        done = _one_pass(run, requests, th, greedy, spill, kw, progress)
+        if done is not None:
+            return done
+        for old in spill.iterdir():  # a check failed part way: nothing of it is kept
+            old.unlink()
+    return _two_passes(run, requests, th, greedy, spill, kw, progress)
+
+
+def _one_pass(run, requests, th, greedy, spill, kw, progress):
+    """With an expected floor (thresholds known) and parts that line up, the analysis in one pass
+    over the parts: the counts that place every token in arrival order for the run-level test are
+    the requests' output lengths, checked chunk by chunk against the rows scored (and, at the end,
+    every request with an output seen once). None when a check fails: the caller starts over."""
+    n_out = pc.list_value_length(requests.column("output_token_ids")).fill_null(0).to_numpy(zero_copy_only=False)
+    has = n_out > 0
+    ids, counts = requests.column("request_id").filter(pa.array(has)).combine_chunks(), n_out[has].astype(np.int64)
+    declared = Lookup(ids)
+    th, calib = stream.thresholds(None, None, th, kw["expected"])
+    acc = StreamedAnalysis(requests, th, calib, greedy, ids, counts, **kw)
+    progress[0](scored_token_count(run), 0)
+    cols = _Spill(spill)
+    tok = _Rows(_ahead(run.iter_parts("tokens", TOKEN_COLUMNS)))
+    ref = _Rows(_ahead(run.iter_parts("reference", REFERENCE_COLUMNS)))
+    seen, heads = 0, []
+    while True:
+        n = tok.request_cut(CHUNK_ROWS)
+        if n == 0:
+            if ref.left(0):
+                return None  # reference rows no token has: the in-memory analysis would join
+            break
+        t, r = tok.take(n), ref.take(n)
+        if r is None or r.num_rows != n:
+            return None
+        cols.add(acc.score(t, r))
+        at = declared.index(acc.heads)
+        if not acc.zipped or (at < 0).any() or not np.array_equal(counts[at], acc.counts):
+            return None  # the sides do not line up, or a request's rows are not its output
+        heads.append(acc.heads)
+        seen += n
+        progress[1](n)
+    heads = pa.concat_arrays(heads) if heads else pa.array([], pa.string())
+    if seen != acc.n or len(heads) != len(ids) or len(pc.unique(heads)) != len(heads):
+        return None  # a request in two places, or one with an output never scored
+    t = r = tok = ref = None
+    pa.default_memory_pool().release_unused()
+    return acc.finish(cols.rows)
+
+
+def _two_passes(run, requests, th, greedy, spill, kw, progress):
+    """The first pass finds the request starts (and |d| for the run's own calibration when there
+    is no expected floor), the second scores; chunks by zip or, when parts do not line up, by
+    request range."""
+    expected = kw["expected"]
     # |d| (only without an expected floor: the run's own calibration) goes to disk chunk by chunk and
     # comes back as one array: chunks kept in memory would leave the heap holding their pages
     cols = _Spill(spill)
@@ -293,9 +398,7 @@ def _analyze(run, requests, th, greedy, spill, *, trace, engine_info, temperatur
         th, calib = stream.thresholds(ad, starts, th, None)
         del ad
         cols.drop("abs_logprob_diff")
-    acc = StreamedAnalysis(requests, th, calib, greedy, heads, counts, trace=trace, engine_info=engine_info,
-                           temperature=temperature, expected=expected, sampling=run_info.get("sampling"),
-                           reference_columns=REFERENCE_COLUMNS)
+    acc = StreamedAnalysis(requests, th, calib, greedy, heads, counts, **{**kw, "expected": expected})
     second = ranges.chunks() if ranges is not None else _zip_chunks(run, sizes)
     for tok, ref in second:
         cols.add(acc.score(tok, ref))
