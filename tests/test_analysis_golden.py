@@ -228,13 +228,13 @@ def test_run_directory_findings_are_pinned_both_ways(tmp_path, monkeypatch, shuf
     or sampled at 0.7 with reference parts that do not line up), analysed by `analyze_run` in memory
     and streamed in chunks of 999 rows, the run-level test on every 5th token."""
     from lpf.analysis import run_test
-    from lpf.pipeline import analyze_stream
+    from lpf.pipeline import stream_parts
     from lpf.pipeline.analyze import analyze_run
     from lpf.run.store import RunDir
 
     monkeypatch.setattr(run_test, "MAX_TOKENS", 8000)
     monkeypatch.setattr(run_test, "EVIDENCE_BLOCK", 1000, raising=False)
-    monkeypatch.setattr(analyze_stream, "CHUNK_ROWS", 999)
+    monkeypatch.setattr(stream_parts, "CHUNK_ROWS", 999)
     run, _ = _bench().write_synthetic_run(tmp_path / "run", 40_000, part_tokens=3000, topk=5,
                                           temperature=0.7 if shuffle else 0.0, shuffle_reference=shuffle, out_tokens=20)
     name = "rundir-ranges" if shuffle else "rundir-zip"

@@ -18,7 +18,7 @@ import pytest
 
 from conftest import lpf_subprocess, write_prompts
 from lpf.analysis.thresholds import Thresholds
-from lpf.pipeline import analyze_stream
+from lpf.pipeline import analyze_stream, stream_parts
 from lpf.pipeline.analyze import analyze_run
 from lpf.run.store import RunDir
 
@@ -35,15 +35,15 @@ def _bench():
 def both_ways(src: Path, tmp: Path, monkeypatch, chunk_rows: int, attribute: bool = True):
     """(in-memory, streamed) (findings bytes, summary table, findings), each on its own copy, and
     whether the streamed one bucketed by request range."""
-    monkeypatch.setattr(analyze_stream, "CHUNK_ROWS", chunk_rows)
+    monkeypatch.setattr(stream_parts, "CHUNK_ROWS", chunk_rows)
     ranged = []
-    real = analyze_stream._Ranges.__init__
+    real = stream_parts.Ranges.__init__
 
     def spy(self, *a, **k):
         ranged.append(True)
         real(self, *a, **k)
 
-    monkeypatch.setattr(analyze_stream._Ranges, "__init__", spy)
+    monkeypatch.setattr(stream_parts.Ranges, "__init__", spy)
     out = []
     for stream in (False, True):
         d = tmp / f"stream-{stream}"
