@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # bench -> (extra argv, the lines it must print)
 BENCHES = {
-    "analysis": ([], [r"analysis \(in memory, run-level test on\): .* tokens/s \([\d.]+x the 15M tokens/s target\)",
+    "analysis": ([], [r"analysis \(in memory, run-level test on\): .* tokens/s \([\d.]+x the 15M tokens/s target",
                       r"run-level test: .*: [\d.]+x",
                       r"scale \(zip\): .*\([\d.]+x the 5M tokens/s target\).*findings identical: True"]),
     "report": ([], [r"report for 2,000 requests .* MB, [\d.]+x\)"]),

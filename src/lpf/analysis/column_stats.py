@@ -86,7 +86,7 @@ class _Column:
         self.sum_only = sample is None
         self.small = n <= m.SMALL_SELECT and not self.sum_only  # a short column is kept whole: as fast
         self.parts: list[np.ndarray] = []
-        if self.sum_only:
+        if self.sum_only or self.small:
             return
         self.h, self.groups = _ranks(n)
         s = np.sort(sample)

@@ -26,9 +26,10 @@ columns' percentiles and means without ever holding one); results do not depend 
 Prompt positions (`prompt_tokens` / `prompt_reference`, when the engine returned them) are judged
 apart by `lpf.analysis.prompt` with the same thresholds: their own block `findings.prompt`, `prompt_`
 columns in the summary, and the run verdict becomes the worst of the output and prompt verdicts.
-The steps the streamed analysis (`lpf.analysis.stream`) shares: `token_metric_summary` (the metric
-columns' percentiles and means, one column at a time), `findings_dict` (the body from the summary)
-and `conclude` (run-level test verdict, shape, hypotheses, evidence: request-level only).
+The steps the streamed analysis (`lpf.analysis.stream`) shares: `scoring` (the token pass and the
+metric summary), `findings_dict` (the body from the summary) and `conclude` (run-level test verdict,
+shape, hypotheses, evidence: request-level only). `token_metric_summary` is the same metric summary
+over whole-run columns (the statement `scoring.metric_summary` is tested against).
 """
 
 from __future__ import annotations

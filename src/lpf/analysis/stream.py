@@ -8,27 +8,30 @@ the chunks come in the whole run's join order: `metrics.join_grouped` of each ch
 in the order `join_grouped` of the whole run gives them, so the concatenation of the chunks' rows
 is the in-memory analysis' token order. (The driver makes chunks either by slicing parts that line
 up row for row, the in-memory zip case, or by request-id ranges sorted by (request_id, position),
-the in-memory join-and-sort case.) Over the chunks, twice:
+the in-memory join-and-sort case.)
 
-1. `chunk_abs_diff(tokens, reference)` -> (|d|, request starts, ids at the starts) per chunk; the
-   driver spills |d| and reads it back as one float64 column (8 bytes a scored token: the one
-   whole-run token column the analysis holds, and only for the calibration and the percentiles),
-   and the starts as run-wide starts. `thresholds(ad, starts, th, expected)`: the in-memory
-   calibration on that column.
-2. `StreamedAnalysis(requests, th, ...)`, then `.score(tokens, reference)` per chunk (the same
-   order): token metrics and per-request reductions, greedy flips and top-1 agreement counted, the
-   crossed-wires candidates (tokens that missed the reference's top-1, when there is a trace), the
-   tempered-logprob signature per request, and the run-level test's tokens (every k-th in arrival
-   order: exactly the tokens the in-memory test reads). It returns the chunk's prob_diff and k3_kl
-   columns, which the driver spills; `.finish(column)` takes them back one at a time (`column(name)`
-   -> the whole-run column) for the exact percentiles and means, and returns (summary, findings).
+1. Without an expected floor, a first pass: `chunk_abs_diff(tokens, reference)` -> (|d|, request
+   starts, ids at the starts) per chunk; the driver spills |d| and reads it back as one float64
+   column for `thresholds(ad, starts, th, None)`, the in-memory calibration. With one, the
+   thresholds need no token (`thresholds(None, ...)`), and the first pass, when there is one, only
+   finds the request starts (`chunk_starts`).
+2. `StreamedAnalysis(requests, th, calib, greedy, ids, counts, ...)` (`ids`/`counts`: each scored
+   request and its scored-token count, which place every token in arrival order for the run-level
+   test), then `.score(tokens, reference)` per chunk (the same order): `scoring.score_requests`
+   (per-request reductions, greedy flips, top-1 agreement), the crossed-wires candidates (tokens that
+   missed the reference's top-1, when there is a trace), the tempered-logprob signature per request,
+   and the run-level test's tokens (every k-th in arrival order: exactly the tokens the in-memory
+   test reads). It returns the chunk's `SPILLED` logprob columns for the driver to keep, and leaves
+   `zipped`, `heads` and `counts` of the chunk for a one-pass driver to check. `.finish(read)`
+   summarizes the metric columns from those spilled columns a leaf at a time (`read(name, rows)`,
+   `scoring.metric_summary`: numpy's own means, exact percentiles) and returns (summary, findings).
 
-Run-wide inputs and what is kept of them: the calibration and |d|'s percentiles read the |d| column
-(from disk); the other metric columns' percentiles and means one spilled column at a time; counts are
-integers (exact in any order); per-request reductions are request-local (one row per request);
-the failure shape, hypotheses and evidence read the per-request summary and requests table; the
-run-level test at most `run_test.MAX_TOKENS` tokens. Means of float columns are computed over the
-whole column in token order, as in memory, so they are the same floating-point sums.
+Run-wide inputs and what is kept of them: the calibration reads the |d| column (from disk); the
+metric summary the spilled logprob columns, a piece at a time; counts are integers (exact in any
+order); per-request reductions are request-local (one row per request); the failure shape,
+hypotheses and evidence read the per-request summary and requests table; the run-level test at most
+`run_test.MAX_TOKENS` tokens. Means are numpy's pairwise sums over the whole column in token order,
+as in memory (`column_stats`), so they are the same floating-point sums.
 Not streamed: a calibration run (`calibrate_from_run` joins it with the whole reference) and prompt
 logprobs (`lpf.analysis.prompt` reads whole tables): `lpf.pipeline.analyze` routes such runs to the
 in-memory path and refuses `--stream` on them. The trace is read whole.
