@@ -13,11 +13,16 @@ with the engine's top-k withheld (only the sampled token's logprob, as a provide
 alternatives), and the named baseline: the per-request verdicts under the run's own floor (what lpf
 did before; score = the window's tokens flagged divergent or worse), whose AUC stays near 0.5 for a
 lie that is small everywhere.
+The tokens-only column (`--part tokens`, bench/results/detection_tokens.json): what a server that returns
+no logprobs allows (`lpf.analysis.token_test`, the engine's logprobs never read), greedy and sampled
+(temperature 1, with the seeded replay of the built-in engine's sampler, Token-DiFR's setting, and without
+it), on prose the zoo model was not trained to continue (400 prompts, 16 tokens each past EOS): on its
+trained tasks the 4-bit copy changes no greedy token, so tokens alone cannot see it there.
 `--quick` is the smoke run `make test` does (seconds; nothing asserted of the numbers, no results
-file): two configs (clean float32 and quantize-weights:4) on 40 requests of at most 8 tokens, in a
-temporary folder, 50 windows.
-Usage: python bench/detection.py [--windows 500] [--out runs/bench-detection] [--quick]
-(writes bench/results/detection.json, prints the tables)
+file): two configs of each part (clean float32 and quantize-weights:4, greedy) on 40 requests of at
+most 8 tokens, in a temporary folder, 50 windows.
+Usage: python bench/detection.py [--windows 500] [--out runs/bench-detection] [--part logprobs|tokens|both] [--quick]
+(writes bench/results/detection.json and detection_tokens.json, prints the tables)
 """
 
 from __future__ import annotations
@@ -47,11 +52,24 @@ CONFIGS = {  # name -> (engine dtype, drill or None)
 }
 
 
-def audit(out: Path, dtype: str, drill: str | None, workload: str = "zoo:stress", max_tokens: int = 16) -> Path:
+TOKEN_CONFIGS = {  # name -> (engine dtype, drill or None, temperature)
+    "greedy clean float32": ("float32", None, 0.0),
+    "greedy clean bfloat16": ("bfloat16", None, 0.0),
+    "greedy quantize-weights:4": ("float32", "quantize-weights:4", 0.0),
+    "sampled clean float32": ("float32", None, 1.0),
+    "sampled clean bfloat16": ("bfloat16", None, 1.0),
+    "sampled quantize-weights:4": ("float32", "quantize-weights:4", 1.0),
+}
+TOKEN_SIZES = (25, 50, 100, 300, 1000, 3000)
+
+
+def audit(out: Path, dtype: str, drill: str | None, workload: str = "zoo:stress", extra: tuple = (),
+          max_tokens: int = 16) -> Path:
     if (out / "findings.json").is_file():
         return out
     args = [str(Path(sys.executable).with_name("lpf")), "audit", "--model", "zoo:hybrid", "--workload", workload,
-            "--max-tokens", str(max_tokens), "--dtype", dtype, "--out", str(out), "--fail-on", "never", "-E", "threads=1"]
+            "--max-tokens", str(max_tokens), "--dtype", dtype, "--out", str(out), "--fail-on", "never", "-E", "threads=1",
+            *extra]
     if drill:
         args += ["--inject", drill]
     t0 = time.time()
@@ -108,12 +126,98 @@ def auc(pos: np.ndarray, neg: np.ndarray) -> float:
     return float((ranks[: len(pos)].sum() - len(pos) * (len(pos) - 1) / 2) / (len(pos) * len(neg)))
 
 
+def prose_workload(path: Path, n: int = 400) -> Path:
+    import random
+
+    from lpf.zoo.tasks import filler_text
+
+    rng = random.Random(5)
+    path.write_text("".join(json.dumps({"id": f"prose-{i:04d}", "prompt": filler_text(rng, rng.randint(8, 20))}) + "\n"
+                            for i in range(n)))
+    return path
+
+
+def token_evidence(run: Path) -> dict:
+    """{"seeded", "unseeded"}: tokens-only evidence (arrival order) of one run (the same without a seed
+    for greedy runs), judged against the run's expected floor."""
+    import pyarrow.parquet as pq
+
+    from lpf.analysis import metrics, token_test
+    from lpf.analysis.floors import expected_floor
+    from lpf.analysis.token_evidence import evidence_columns
+    from lpf.pipeline.analyze import floor_table
+    from lpf.pipeline.calibrate import engine_dtype
+
+    m = json.loads((run / "manifest.json").read_text())
+    tokens, reference, requests = (pq.read_table(run / t) for t in ("tokens", "reference", "requests"))
+    joined, _ = metrics.join_grouped(tokens, reference)
+    cols = evidence_columns(joined, tokens, reference, requests)
+    cols = {k: v for k, v in cols.items() if not k.startswith("engine_topk")}
+    floor = expected_floor(floor_table(), engine_dtype(m), m["reference"]["dtype"], m["reference"]["spec"])
+    seeded = pq.read_table(run / "seeded") if (run / "seeded").is_dir() else None
+    draws = token_test.seeded_columns(seeded, joined, cols["order"])
+    out = {"unseeded": token_test.token_evidence(cols, floor, m["sampling"])}
+    out["seeded"] = token_test.token_evidence(cols, floor, m["sampling"], draws) if draws is not None else out["unseeded"]
+    return out
+
+
+def token_scores(ev: dict, size: int, starts: np.ndarray, alpha: float) -> np.ndarray:
+    from lpf.analysis.token_test import decide
+
+    return np.array([-(decide(ev, int(s), int(s) + size, alpha)["log10_p_value"] or 0.0) for s in starts])
+
+
+def tokens_part(a, alpha: float, rng) -> None:
+    out = a.out / "tokens-only"
+    out.mkdir(parents=True, exist_ok=True)
+    workload = prose_workload(out / "prose400.jsonl", 40 if a.quick else 400)
+    configs = {k: TOKEN_CONFIGS[k] for k in ("greedy clean float32", "greedy quantize-weights:4")} if a.quick \
+        else TOKEN_CONFIGS
+    ev = {}
+    for name, (dtype, drill, temp) in configs.items():
+        extra = ("--ignore-eos", "--temperature", str(temp), "--seed", "3")
+        ev[name] = token_evidence(audit(out / name.replace(" ", "-").replace(":", "-"), dtype, drill, str(workload),
+                                        extra, 8 if a.quick else 16))
+    n_min = min(e["unseeded"]["n"] for e in ev.values())
+    sizes = [s for s in TOKEN_SIZES if s <= n_min]
+    starts = {s: rng.integers(0, n_min - s + 1, a.windows) for s in sizes}
+    methods = ("unseeded", "seeded")
+    scores = {name: {meth: {s: token_scores(e[meth], s, starts[s], alpha) for s in sizes} for meth in methods}
+              for name, e in ev.items()}
+    result = {"measured": time.strftime("%Y-%m-%d"), "alpha": alpha, "windows": a.windows, "sizes": sizes,
+              "workload": "400 prose prompts (zoo filler text), 16 tokens each (--ignore-eos), zoo:hybrid, built-in engine",
+              "n_tokens": {k: e["unseeded"]["n"] for k, e in ev.items()}, "false_alarm": {}, "auc": {}, "smallest_n": {}}
+    for name, (dtype, drill, temp) in configs.items():
+        kind = "greedy" if temp == 0 else "sampled"
+        if drill is None:
+            result["false_alarm"][name] = {m: {s: float(np.mean(scores[name][m][s] > -np.log10(alpha))) for s in sizes}
+                                           for m in methods}
+            continue
+        clean = f"{kind} clean {dtype}"
+        result["auc"][name] = {m: {s: auc(scores[name][m][s], scores[clean][m][s]) for s in sizes} for m in methods}
+        result["smallest_n"][name] = {m: next((s for s in sizes if result["auc"][name][m][s] >= 0.999), None)
+                                      for m in methods}
+    if not a.quick:
+        (ROOT / "bench" / "results").mkdir(exist_ok=True)
+        (ROOT / "bench" / "results" / "detection_tokens.json").write_text(json.dumps(result, indent=1) + "\n")
+    head = "| run | " + " | ".join(f"N={s}" for s in sizes) + " | smallest N (AUC >= 0.999) |"
+    for meth in methods:
+        print(f"\ntokens only, AUC, {meth}:\n{head}\n|" + "---|" * (len(sizes) + 2))
+        for name, by in result["auc"].items():
+            print(f"| {name} | " + " | ".join(f"{by[meth][s]:.3f}" for s in sizes) +
+                  f" | {result['smallest_n'][name][meth] or '-'} |")
+    print(f"\ntokens only, false alarms at p < {alpha:g}: " + "; ".join(
+        f"{k} {m}: " + ", ".join(f"{v:.3f}" for v in fa[m].values()) for k, fa in result["false_alarm"].items()
+        for m in methods))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--windows", type=int, default=500)
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-detection")
     ap.add_argument("--alpha", type=float, default=None)
-    ap.add_argument("--quick", action="store_true", help="two configs, 40 short requests, a temporary folder (a smoke run)")
+    ap.add_argument("--part", choices=("logprobs", "tokens", "both"), default="both")
+    ap.add_argument("--quick", action="store_true", help="two configs a part, 40 short requests, a temporary folder (a smoke run)")
     a = ap.parse_args()
     from lpf.analysis.run_test import DEFAULT_ALPHA
 
@@ -130,11 +234,24 @@ def main() -> None:
         Path(workload).write_text("".join(json.dumps({"id": i["id"], "prompt": i["prompt"]}) + "\n"
                                           for i in registry.workload_items("stress", seed=0, n=40)))
     a.out.mkdir(parents=True, exist_ok=True)
+    try:
+        if a.part in ("tokens", "both"):
+            tokens_part(a, alpha, np.random.default_rng(1))
+        if a.part != "tokens":
+            logprobs_part(a, alpha, configs, workload, max_tokens)
+    finally:
+        if a.quick:
+            import shutil
+
+            shutil.rmtree(a.out, ignore_errors=True)
+
+
+def logprobs_part(a, alpha: float, configs: dict, workload: str, max_tokens: int) -> None:
     rng = np.random.default_rng(0)
     ev = {}
     for name, (dtype, drill) in configs.items():
         ev[name] = evidence(audit(a.out / name.replace(" ", "-").replace(":", "-").replace("+", "p"), dtype, drill,
-                                  workload, max_tokens))
+                                  workload, (), max_tokens))
     n_min = min(e["shipped"]["n"] for e in ev.values())
     sizes = [s for s in SIZES if s <= n_min]
     starts = {s: rng.integers(0, n_min - s + 1, a.windows) for s in sizes}
@@ -155,11 +272,7 @@ def main() -> None:
         result["auc"][name] = {m: {s: auc(scores[name][m][s], scores[clean][m][s]) for s in sizes} for m in methods}
         result["smallest_n"][name] = {m: next((s for s in sizes if result["auc"][name][m][s] >= 0.999), None)
                                       for m in methods}
-    if a.quick:
-        import shutil
-
-        shutil.rmtree(a.out, ignore_errors=True)
-    else:
+    if not a.quick:
         (ROOT / "bench" / "results").mkdir(exist_ok=True)
         (ROOT / "bench" / "results" / "detection.json").write_text(json.dumps(result, indent=1) + "\n")
     head = "| run | " + " | ".join(f"N={s}" for s in sizes) + " | smallest N (AUC >= 0.999) |"

@@ -106,7 +106,9 @@ def write_run(path: Path, model_dir: Path, seqs) -> None:
     from lpf.run.store import RunDir
 
     model = resolve_model(str(model_dir))
-    run = RunDir.create(path, {"run_id": "bench", "status": "complete", "model": {"spec": str(model_dir)},
+    # no engine sampled these (random tokens): a name whose sampler lpf does not replay
+    run = RunDir.create(path, {"run_id": "bench", "status": "complete", "engine": {"name": "bench"},
+                               "model": {"spec": str(model_dir)},
                                "tokenizer_sha256": tokenizer_fingerprint(load_tokenizer(model)),
                                "sampling": {"logprobs": 5}})
     for start in range(0, len(seqs), 8):  # parts of 8 requests, as `lpf run --part-size 8` writes them

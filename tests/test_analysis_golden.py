@@ -8,8 +8,11 @@ calibration, a calibration run, an expected floor, prompt positions, a trace (cr
 features, divergence steps), NaN logprobs, failed, unscored and inconsistent requests, attempts, the
 tempered-logprob signature; and two run directories analysed by `analyze_run` in memory and streamed.
 
-Regenerate only for a change meant to change findings, and say so in its commit:
-`LPF_WRITE_GOLDEN=1 pytest tests/test_analysis_golden.py` rewrites tests/data/golden/.
+Regenerate only for a change meant to change findings (or after merging one), and say so in its commit,
+with the code that makes that change and not the code under test, e.g. main's after a merge:
+`git archive main src | tar -x -C /tmp/m && LPF_WRITE_GOLDEN=1 PYTHONPATH=/tmp/m/src pytest
+tests/test_analysis_golden.py` rewrites tests/data/golden/. So the module builds its tables itself and
+patches only knobs every version has (where they live moved: `_knob`).
 """
 
 from __future__ import annotations
@@ -96,7 +99,7 @@ def edge_run(temperature: float = 0.0, seed: int = 11):
     attempts = [[{"attempt": 0, "sent": True, "status": 200 if not failed[i] else 500,
                   "error": None if not failed[i] else "HTTP 500", "t_start": 100.0 + i, "t_end": 100.5 + i}]
                 for i in range(n_req)]
-    requests = schema.table(schema.REQUESTS, {
+    requests = schema_table(schema.REQUESTS, {
         "request_id": ids, "seq": np.arange(n_req, dtype=np.int64), "prompt_id": np.array([f"p{i // 2}" for i in range(n_req)], dtype=object),
         "rollout": (np.arange(n_req) % 2).astype(np.int32),
         "prompt_token_ids": pa.array([list(range(1, p + 1)) for p in plen], schema.REQUESTS.field("prompt_token_ids").type),
@@ -113,10 +116,10 @@ def edge_run(temperature: float = 0.0, seed: int = 11):
     rid = np.repeat(ids[order], n_tok)
     flat = lambda x: x[order].reshape(order.size * n_tok, *x.shape[2:])  # noqa: E731
     p = np.tile(np.arange(n_tok, dtype=np.int32), order.size)
-    tokens = schema.table(schema.TOKENS, {
+    tokens = schema_table(schema.TOKENS, {
         "request_id": rid, "position": p, "token_id": flat(token), "engine_logprob": flat(eng_lp),
         "engine_topk_ids": _lists(flat(etop), pa.int32()), "engine_topk_logprobs": _lists(flat(etop_lp), pa.float32())})
-    reference = schema.table(schema.REFERENCE, {
+    reference = schema_table(schema.REFERENCE, {
         "request_id": rid, "position": p, "ref_logprob": flat(ref_lp), "ref_rank": flat(rank),
         "ref_entropy": np.full(rid.size, 0.4, np.float32), "ref_top1_id": flat(top1), "ref_top1_logprob": flat(top1_lp),
         "ref_topk_ids": _lists(flat(rtop), pa.int32()), "ref_topk_logprobs": _lists(flat(rtop_lp), pa.float32())})
@@ -138,10 +141,10 @@ def edge_run(temperature: float = 0.0, seed: int = 11):
     p_eng[(prid == ids[pr[3]]) & (ppos >= 3)] -= 2.5
     empty_i = pa.array([[]] * prid.size, pa.list_(pa.int32()))
     empty_f = pa.array([[]] * prid.size, pa.list_(pa.float32()))
-    prompt_tokens = schema.table(schema.PROMPT_TOKENS, {
+    prompt_tokens = schema_table(schema.PROMPT_TOKENS, {
         "request_id": prid, "position": ppos, "token_id": np.ones(prid.size, np.int32), "engine_logprob": p_eng,
         "engine_topk_ids": empty_i, "engine_topk_logprobs": empty_f})
-    prompt_reference = schema.table(schema.PROMPT_REFERENCE, {
+    prompt_reference = schema_table(schema.PROMPT_REFERENCE, {
         "request_id": prid, "position": ppos, "ref_logprob": p_ref, "ref_rank": np.ones(prid.size, np.int32),
         "ref_entropy": np.ones(prid.size, np.float32), "ref_top1_id": np.ones(prid.size, np.int32),
         "ref_top1_logprob": p_ref, "ref_topk_ids": empty_i, "ref_topk_logprobs": empty_f})
@@ -149,6 +152,28 @@ def edge_run(temperature: float = 0.0, seed: int = 11):
     calibration = reference.set_column(2, "ref_logprob", pa.array(reference.column("ref_logprob").to_numpy()
                                                                   + rng.normal(0, 3e-6, reference.num_rows)))
     return requests, tokens, reference, trace, prompt_tokens, prompt_reference, calibration
+
+
+def schema_table(target: pa.Schema, columns: dict) -> pa.Table:
+    """A table of `target` with these columns, the others null (built here, not by the code under test)."""
+    n = len(next(iter(columns.values())))
+    return pa.table({f.name: (columns[f.name] if f.name in columns else pa.nulls(n, f.type)) for f in target},
+                    schema=target)
+
+
+def _knob(monkeypatch, modules: tuple[str, ...], name: str, value) -> None:
+    """Set `name` in the first of `modules` that has it (a knob that moved between versions)."""
+    import importlib
+
+    for mod in modules:
+        try:
+            m = importlib.import_module(mod)
+        except ImportError:
+            continue
+        if hasattr(m, name):
+            monkeypatch.setattr(m, name, value)
+            return
+    raise AssertionError(f"no {name} in {modules}")
 
 
 def shuffled(table: pa.Table, seed: int) -> pa.Table:
@@ -228,13 +253,12 @@ def test_run_directory_findings_are_pinned_both_ways(tmp_path, monkeypatch, shuf
     or sampled at 0.7 with reference parts that do not line up), analysed by `analyze_run` in memory
     and streamed in chunks of 999 rows, the run-level test on every 5th token."""
     from lpf.analysis import run_test
-    from lpf.pipeline import stream_parts
     from lpf.pipeline.analyze import analyze_run
     from lpf.run.store import RunDir
 
     monkeypatch.setattr(run_test, "MAX_TOKENS", 8000)
     monkeypatch.setattr(run_test, "EVIDENCE_BLOCK", 1000, raising=False)
-    monkeypatch.setattr(stream_parts, "CHUNK_ROWS", 999)
+    _knob(monkeypatch, ("lpf.pipeline.stream_parts", "lpf.pipeline.analyze_stream"), "CHUNK_ROWS", 999)
     run, _ = _bench().write_synthetic_run(tmp_path / "run", 40_000, part_tokens=3000, topk=5,
                                           temperature=0.7 if shuffle else 0.0, shuffle_reference=shuffle, out_tokens=20)
     name = "rundir-ranges" if shuffle else "rundir-zip"

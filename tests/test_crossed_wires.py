@@ -64,9 +64,11 @@ def test_crossed_wires_through_a_swapping_proxy_are_attributed_to_their_source(l
     assert len(top) == len(named) and f["hypotheses"][0]["feature"] == "answer_of_other_request"
     assert top[0]["sentence"].startswith(f"request {top[0]['request_id']} received the answer meant for request "
                                          f"{top[0]['source_request_id']}") and top[0]["gain_nats"] > 20
-    # the swapped answers keep their response's own usage: a count that disagrees is evidence, kept and scored
+    # the swapped answers keep their response's own usage and prompt_token_ids (lpf serve returns them when
+    # asked): a count or a prompt that is not this request's is evidence, kept and scored
     inc = f["evidence"]["inconsistent"]
-    assert inc["n"] >= 1 and set(inc["by_reason"]) == {"token_count"}
+    assert inc["n"] >= 1 and set(inc["by_reason"]) <= {"token_count", "prompt_tokens"}
+    assert inc["by_reason"].get("prompt_tokens", 0) >= 0.9 * len(swapped)  # a prompt, not this request's
     assert inc["scored"] == inc["n"] == inc["flagged"] and set(inc["requests"]) <= set(swapped)
 
 

@@ -117,7 +117,8 @@ def test_every_bad_answer_is_recorded_with_its_error_and_retries_are_bounded(lpf
     reqs = _requests(out)
     assert len(reqs) == len(CASES)  # nothing dropped
     err = {rid.removesuffix("-r0"): row["error"] for rid, row in reqs.items()}
-    good = {"ok", "retry_after_429", "503_then_ok", "string_tokens_ok"}
+    # no_logprobs: kept tokens only (its text re-encoded, checked against usage), its logprobs null
+    good = {"ok", "retry_after_429", "503_then_ok", "string_tokens_ok", "no_logprobs"}
     # answers that fail a consistency check are evidence: kept as returned, with the reason
     kept = {"count_mismatch": "token_count: the server counts 9 completion tokens but returned 4 with logprobs",
             "nan_logprob": "logprob: logprob at position 0 is nan, not a log-probability"}
@@ -130,7 +131,7 @@ def test_every_bad_answer_is_recorded_with_its_error_and_retries_are_bounded(lpf
               "garbage": "not valid JSON", "truncated_json": "not valid JSON",
               "short_body": "gave up after 3 attempts: connection broken",
               "slow": "gave up after 3 attempts: no complete answer within 1 s",
-              "no_logprobs": "no logprobs", "fewer_logprobs": "2 logprobs for 4 tokens",
+              "fewer_logprobs": "2 logprobs for 4 tokens",
               "unmappable_strings": "does not map back to one token id",
               "id_outside_vocab": "token id 999999 at position 1 is not in the model's vocabulary",
               }
@@ -146,6 +147,8 @@ def test_every_bad_answer_is_recorded_with_its_error_and_retries_are_bounded(lpf
     assert len(posts("short_body")) == MAX_RETRIES + 1
     assert len(posts("503_then_ok")) == 3
     assert len(posts("garbage")) == len(posts("no_logprobs")) == len(posts("unmappable_strings")) == 1
+    nolp_rows = [t for t in pq.read_table(out / "tokens").to_pylist() if t["request_id"] == "no_logprobs-r0"]
+    assert [t["token_id"] for t in nolp_rows] == OUT_IDS and all(t["engine_logprob"] is None for t in nolp_rows)
     first, second = posts("retry_after_429")
     assert second.t - first.t >= 0.95  # Retry-After: 1 honoured
     assert elapsed < 30
@@ -164,8 +167,8 @@ def test_every_bad_answer_is_recorded_with_its_error_and_retries_are_bounded(lpf
     assert reqs["503_then_ok-r0"]["attempts"][-1]["error"] is None
     (garbage,) = reqs["garbage-r0"]["attempts"]
     assert garbage["status"] == 200 and "not valid JSON" in garbage["error"]
-    (nolp,) = reqs["no_logprobs-r0"]["attempts"]
-    assert nolp["status"] == 200 and "no logprobs" in nolp["error"]  # the parse failure is on the attempt
+    (fewer,) = reqs["fewer_logprobs-r0"]["attempts"]
+    assert fewer["status"] == 200 and "2 logprobs for 4 tokens" in fewer["error"]  # the parse failure is on the attempt
 
     findings = json.loads(r.out)
     assert findings["errors"] == len(CASES) - len(good) - len(kept)
@@ -176,6 +179,8 @@ def test_every_bad_answer_is_recorded_with_its_error_and_retries_are_bounded(lpf
     # a NaN logprob can never be clean: the kept answer is scored and flagged
     verdict = {f["request_id"]: f["verdict"] for f in findings["flagged"]}
     assert verdict.get("nan_logprob-r0") in ("divergent", "corrupt")
+    # nor can a missing one, in a run whose other answers had logprobs
+    assert verdict.get("no_logprobs-r0") in ("divergent", "corrupt")
 
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["engine"]["options"]["api_key_env"] == "LPF_TEST_API_KEY"

@@ -222,3 +222,40 @@ def _my_workers() -> list[int]:
         if ppid == os.getpid():
             pids.append(int(d.name))
     return pids
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_vllm_chat_completions_audit_is_clean_with_tokens_aligned(lpf_cli, tmp_path, prompts8):
+    """vLLM's /v1/chat/completions on zoo:hybrid (its bundled chat template): the prompts go as one user turn
+    each, the reference scores the tokenizer's rendering, and the server's prompt (its `prompt_token_ids`)
+    must be exactly that rendering; tokens as vLLM's token_id:N, then mapped back from bytes and strings."""
+    from lpf.model_specs import resolve_model
+
+    model_dir = resolve_model(MODEL).path
+    port = free_port()
+    log = tmp_path / "vllm-serve.log"
+    proc = _serve(model_dir, port, log)
+    try:
+        _wait_healthy(proc, f"http://127.0.0.1:{port}", log)
+        runs = {}
+        for mode in ("auto", "tokenizer"):
+            out = tmp_path / mode
+            r = lpf_cli("audit", "--engine", "openai", "--api", "chat", "--base-url", f"http://127.0.0.1:{port}/v1",
+                        "--model", model_dir, "-E", f"token_ids={mode}", "-E", "dtype=float32", "--workload", prompts8,
+                        "--max-tokens", 8, "--out", out, "--json")
+            runs[mode] = (r, out)
+    finally:
+        _stop(proc)
+    for mode, (r, out) in runs.items():
+        assert r.code == 0, r.err
+        f = json.loads(r.out)
+        assert f["verdict"] == "clean" and f["n_requests"] == 8 and f["errors"] == 0, (mode, f["counts"])
+        assert f["metrics"]["abs_logprob_diff"]["max"] < 1e-4
+        assert f["judged"]["route"] == {"/chat/completions": 8} and f["judged"]["logprobs"] == "all"
+        assert f["evidence"]["inconsistent"]["n"] == 0  # every server prompt is the reference's rendering
+        req = pq.read_table(out / "requests").to_pylist()
+        # the zoo template's rendering ends "\nASSISTANT:" (one token per character)
+        assert all(r_["prompt_token_ids"][-11:] == [201, 35, 53, 53, 43, 53, 54, 35, 48, 54, 28] for r_ in req)
+        e = json.loads((out / "manifest.json").read_text())["engine"]
+        assert e["token_identity"] == (["server"] if mode == "auto" else ["bytes"]), e["token_identity"]

@@ -55,6 +55,7 @@ class ScoreItem:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     score_prompt: bool = False  # also score prompt positions 1..P-1
+    seed: int | None = None  # the request's seed, for a seeded replay (`lpf.replay`)
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,7 @@ class Scored:
 
     reference: pa.Table
     prompt_reference: pa.Table | None
+    seeded: pa.Table | None = None  # the replay's draws (`replay` given), schema.SEEDED
 
 
 def plan_batches(lengths: Sequence[int], request_ids: Sequence[str], token_budget: int) -> list[list[int]]:
@@ -100,7 +102,7 @@ def _chunk_rows(vocab: int, device: str) -> int:
 class Rescorer:
     def __init__(self, model: ModelRef, dtype: str = "float32", device: str = "cpu",
                  token_budget: int = 16384, chunk_rows: int | None = None, topk: int = 5,
-                 float32_head: bool = True):
+                 float32_head: bool = True, replay=None, on_rows: Callable | None = None):
         from transformers import AutoConfig, AutoTokenizer
 
         quiet_transformers()
@@ -109,6 +111,10 @@ class Rescorer:
         self.device = resolve_device(device)
         self.token_budget = token_budget
         self.topk = topk
+        self.replay = replay  # an `lpf.replay.Replay`: the engine's sampler redrawn on the reference's logits
+        # on_rows(logits [n, V] float32, targets [n]): sees every scored row's logits before they are
+        # overwritten, in table order (what a caller needs beyond the table: `lpf.rl.row_stats`)
+        self.on_rows = on_rows
         self.tokenizer = AutoTokenizer.from_pretrained(model.path)
         cfg = AutoConfig.from_pretrained(model.path)
         cfg = getattr(cfg, "text_config", None) or cfg
@@ -233,10 +239,21 @@ class Rescorer:
         targets = targets.to(self.head_device)
         logits_buf, work = self._chunk_buffers()
         k = self.topk
-        packed = []
+        packed, draws = [], []
+        n_out = sum(len(it.output_token_ids) for it in batch)
+        replaying = self.replay is not None and all(it.seed is not None for it in batch)
+        if replaying:
+            seeds = np.repeat([it.seed for it in batch], [len(it.output_token_ids) for it in batch])
+            positions = np.concatenate([np.arange(len(it.output_token_ids)) for it in batch])
+            engine_tokens = np.concatenate([np.asarray(it.output_token_ids) for it in batch])
         for i in range(0, h.shape[0], self.chunk_rows):
             hc = h[i:i + self.chunk_rows]
             z = self._logits(hc, out=logits_buf[:hc.shape[0]])
+            if replaying and i < n_out:  # before logprob_rows overwrites the logits
+                j = min(n_out, i + hc.shape[0])
+                draws.append(self.replay.draw(z[:j - i], seeds[i:j], positions[i:j], engine_tokens[i:j]))
+            if self.on_rows is not None:
+                self.on_rows(z, targets[i:i + self.chunk_rows])
             chosen, top_ids, top_lp, rank, entropy = logprob_rows(z, targets[i:i + self.chunk_rows], k, work,
                                                                   overwrite=True)
             # one float32 block per chunk; ids and ranks are < 2^24, so exact as float32
@@ -244,14 +261,19 @@ class Rescorer:
                                      top_ids.float()], dim=1))
         res = torch.cat(packed).cpu().numpy()  # the batch's one host synchronisation
         kk = max(k, 1)
-        n_out = sum(len(it.output_token_ids) for it in batch)
         reference = self._table(res[:n_out], kk, [it.request_id for it in batch],
                                 [np.arange(len(it.output_token_ids)) for it in batch])
         prompt = None
         if asked:
             prompt = self._table(res[n_out:], kk, [it.request_id for _, it in asked],
                                  [np.arange(1, len(it.prompt_token_ids)) for _, it in asked])
-        return Scored(reference, prompt)
+        seeded = None
+        if draws:
+            d = {key: np.concatenate([x[key] for x in draws]) for key in draws[0]}
+            seeded = pa.table({"request_id": reference.column("request_id"), "position": reference.column("position"),
+                               "seeded_token": pa.array(d["token"]), "seeded_margin": pa.array(d["margin"]),
+                               "seeded_runner_up": pa.array(d["runner_up"])}, schema=schema.SEEDED)
+        return Scored(reference, prompt, seeded)
 
     def _table(self, res: np.ndarray, kk: int, request_ids: list[str], positions: list[np.ndarray]) -> pa.Table:
         """Reference rows from the packed float32 block: request i has len(positions[i]) consecutive

@@ -30,7 +30,7 @@ from lpf.workload import EngineRequest
 class Completion:
     request_id: str
     output_token_ids: list[int]
-    logprobs: list[float]  # raw logprob of each output token
+    logprobs: list[float | None]  # raw logprob of each output token (None: the server returned none)
     topk_ids: list[list[int]] = field(default_factory=list)
     topk_logprobs: list[list[float]] = field(default_factory=list)
     finish_reason: str = "length"  # stop | length | error
@@ -123,6 +123,12 @@ class Engine(ABC):
     def check_model(cls, config: dict) -> None:
         """Raise LpfError if this engine cannot run a model with this config.json (checked before a
         run directory is created, so a refused run writes nothing)."""
+
+    @classmethod
+    def chat_prompts(cls, options: Options) -> bool | None:
+        """Whether this engine takes the workload as chat turns (True: render every prompt with the chat
+        template; None: when the workload has `messages`); engines that take token ids say False."""
+        return False
 
     @classmethod
     def check_capacity(cls, model: ModelRef, options: Options, requests: list[EngineRequest]) -> None:

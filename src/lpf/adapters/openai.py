@@ -1,45 +1,64 @@
-"""`openai` engine: any OpenAI-compatible server's `/v1/completions` (vLLM, SGLang, TGI, llama.cpp, `lpf serve`).
+"""`openai` engine: any OpenAI-compatible server (vLLM, SGLang, TGI, llama.cpp, `transformers serve`, `lpf serve`,
+hosted APIs), on `/v1/completions` or `/v1/chat/completions`.
 
-One HTTP request per run request (n=1: rollouts are separate requests, each with its own seed), the
-prompt sent as token ids, `logprobs=k`. Token identity: with `token_ids=auto` (default) the request
-asks for `return_tokens_as_token_ids` (vLLM and `lpf serve` answer "token_id:N"); a server that
-refuses that field is asked again without it, once for the whole run. Token strings are mapped back
-to ids with the local tokenizer and every mapping is checked (the id must decode back to the same
-string; two ids that decode alike cannot be told apart this way, which is why ids are asked for
-first); a sampled token that does not map is that request's error. Top-k entries that do not map are
-left out of that position's top-k (the sampled token's logprob is what gets compared).
-Answers are checked before they are trusted: logprobs present, one per token and ids inside the
-vocabulary (else the request's error), and the server's token count, its text, its finish reason
-and the logprob values (else the answer is kept with an `inconsistency`, see `remote`). Each
-attempt sends the run's request id as `X-Request-Id`.
-Prompt logprobs (`--prompt-logprobs`): `-E prompt_logprobs=echo` (default) asks for `echo` with
-`logprobs` (the OpenAI way: the answer's tokens start with the prompt, position 0 without a logprob);
-the echoed tokens must be the prompt (else its prompt logprobs are not stored and the answer says
-why), and the answer's text is not checked (it starts with the prompt's text). `=field` asks for
-vLLM's `prompt_logprobs: k` instead and reads `choices[0].prompt_logprobs` ({token id: {logprob, rank}}).
+One HTTP request per run request (n=1: rollouts are separate requests, each with its own seed).
+Route (`-E api=auto|completions|chat`; `--api`): chat when asked, or (auto) when the workload has
+`messages`; the messages are sent and the reference scores the tokenizer's rendering of them (`lpf.chat`).
+Prompt (`-E prompt=auto|ids|text`, completions only): token ids, or the prompt's text; auto sends ids
+and, when the server refuses them (4xx naming the prompt: "prompt must be a string"), sends text for the
+rest of the run, once, and says so (`notes`). The server's prompt is checked against the reference's:
+its `prompt_token_ids` (vLLM's `return_token_ids`) or `usage.prompt_tokens` must be the stored prompt's
+(else the answer is kept with `prompt_tokens`, or `chat_template` on the chat route: the server
+rendered the messages differently, and its tokens are scored after the reference's rendering).
+Logprobs: `logprobs=k` (completions) or `logprobs: true, top_logprobs: k` (chat), read in either shape
+on either route (`openai_shapes`: the legacy lists, or the `logprobs.content` list with or without ids
+and bytes). Token identity (`token_map`): with `token_ids=auto` the request asks for vLLM's
+`return_tokens_as_token_ids` and `return_token_ids`; a server that refuses them is asked again without
+them, once for the whole run; strings and bytes are mapped back to ids with the local tokenizer, each
+mapping checked. An answer with no logprobs at all (`-E logprobs=auto`, the default; `require` makes it
+the request's error) is kept tokens only: its ids from the server's `token_ids`, else its text
+re-encoded (checked: it must decode back to the same text and count what `usage` counts, the stop
+token added when the server skipped its text; else kept with `retokenized`), its logprobs null; a
+server that refuses `logprobs` altogether is asked without them (once, said in `notes`).
+Answers are checked before they are trusted (see `remote`); each attempt sends `X-Request-Id`.
+Prompt logprobs (`--prompt-logprobs`, completions route): `-E prompt_logprobs=echo` asks `echo` with
+`logprobs` (the answer's tokens then start with the prompt, which they must be), `=field` asks vLLM's
+`prompt_logprobs: k` and reads `choices[0].prompt_logprobs` ({token id: {logprob, rank}}).
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from typing import Any, Literal
 
-from pydantic import model_validator
+from pydantic import Field, model_validator
 
 from lpf.adapters.base import Completion
 from lpf.adapters.http import RequestFailed
+from lpf.adapters.openai_shapes import MISSING, read_logprobs
 from lpf.adapters.remote import Problems, RemoteEngine, RemoteOptions, as_logprob
+from lpf.adapters.token_map import TOKEN_ID_PREFIX, TokenMap  # noqa: F401  (TOKEN_ID_PREFIX re-exported)
 from lpf.errors import LpfError
 from lpf.workload import EngineRequest
 
-TOKEN_ID_PREFIX = "token_id:"
-_ID_FIELD = "return_tokens_as_token_ids"
+_ID_FIELDS = ("return_tokens_as_token_ids", "return_token_ids")
+MAX_ADAPTATIONS = 4
 
 
 class OpenAIOptions(RemoteOptions):
     served_model: str = ""
     token_ids: Literal["auto", "server", "tokenizer"] = "auto"  # server: demand token_id:N; tokenizer: map strings
     prompt_logprobs: Literal["echo", "field"] = "echo"  # how --prompt-logprobs asks: echo+logprobs or vLLM's field
+    api: Literal["auto", "completions", "chat"] = Field(
+        "auto", description="the route: /v1/completions, /v1/chat/completions, or chat when the workload has messages")
+    prompt: Literal["auto", "ids", "text"] = Field(
+        "auto", description="completions prompts as token ids or text; auto: ids, text once a server refuses ids")
+    logprobs: Literal["auto", "require"] = Field(
+        "auto", description="an answer without logprobs: audited from its tokens (auto) or the request's error")
+    dtype: str | None = Field(
+        None, description="the dtype the server says it computes in (its floor is the one judged against); "
+                          "unset: the most lenient pair measured")
 
     @model_validator(mode="after")
     def _named(self):
@@ -56,50 +75,119 @@ class OpenAIEngine(RemoteEngine):
 
     def __init__(self, model, sampling, options: OpenAIOptions):
         super().__init__(model, sampling, options)
+        if sampling.prompt_logprobs and options.api == "chat":
+            raise LpfError("--prompt-logprobs is read on the completions route only: drop it or use --api completions")
         self.ask_for_ids = options.token_ids != "tokenizer"
-        self.id_modes_seen: set[str] = set()
+        self.send_text = options.prompt == "text"
+        self.ask_logprobs = True
+        self.map = TokenMap(self.tokenizer, self.vocab_size, options.token_ids)
+        self.notes: list[str] = []
+        self.routes: Counter = Counter()
+        self.returned: Counter = Counter()  # answers by what came back: logprobs shape, or tokens only and from where
+        self.top_k_seen = 0
 
-    def endpoint(self) -> str:
-        return "/completions" if self.options.base_url.rstrip("/").endswith("/v1") else "/v1/completions"
+    @classmethod
+    def chat_prompts(cls, options) -> bool | None:
+        return {"chat": True, "completions": False}.get(options.api)
+
+    # -- the request ----------------------------------------------------------------------------------
+    @staticmethod
+    def is_chat(req: EngineRequest) -> bool:
+        return req.messages is not None
+
+    def endpoint(self, req: EngineRequest | None = None) -> str:
+        path = "/chat/completions" if req is not None and self.is_chat(req) else "/completions"
+        return path if self.options.base_url.rstrip("/").endswith("/v1") else "/v1" + path
+
+    def url_for(self, req: EngineRequest) -> str:
+        return self.url(self.endpoint(req))
 
     def describe(self) -> dict:
         d = super().describe()
-        d["token_identity"] = sorted(self.id_modes_seen) or None
+        d["token_identity"] = sorted(self.map.seen) or None
         d["return_tokens_as_token_ids"] = self.ask_for_ids
+        d["routes"] = dict(self.routes) or None
+        d["prompt_form"] = "text" if self.send_text else "ids"
+        d["returned"] = {"answers": dict(self.returned), "top_k": self.top_k_seen} if self.returned else None
+        d["notes"] = list(self.notes)
         return d
 
     def payload(self, req: EngineRequest) -> dict:
         s = self.sampling
-        body = {"model": self.options.served_model, "prompt": list(req.prompt_token_ids),
-                "max_tokens": req.max_tokens, "temperature": s.temperature, "top_p": s.top_p,
-                "seed": req.seed, "n": 1, "logprobs": s.logprobs, "stream": False}
+        body = {"model": self.options.served_model, "max_tokens": req.max_tokens, "temperature": s.temperature,
+                "top_p": s.top_p, "seed": req.seed, "n": 1, "stream": False}
+        if self.is_chat(req):
+            body["messages"] = [dict(m) for m in req.messages]
+            if self.ask_logprobs:
+                body["logprobs"], body["top_logprobs"] = True, s.logprobs
+        else:
+            body["prompt"] = self.prompt_text(req) if self.send_text else list(req.prompt_token_ids)
+            if self.ask_logprobs:
+                body["logprobs"] = s.logprobs
         # vLLM/SGLang extensions: sent only when they change something (strict servers refuse unknown fields)
         if s.top_k:
             body["top_k"] = s.top_k
         if s.ignore_eos:
             body["ignore_eos"] = True
         if self.ask_for_ids:
-            body[_ID_FIELD] = True
+            for name in _ID_FIELDS:
+                body[name] = True
         if s.prompt_logprobs and self.options.prompt_logprobs == "echo":
             body["echo"] = True
         elif s.prompt_logprobs:
             body["prompt_logprobs"] = s.logprobs
         return body
 
+    def prompt_text(self, req: EngineRequest) -> str:
+        """The prompt as text: the workload's, or its ids decoded when they round-trip through text."""
+        if req.text is not None:
+            return req.text
+        text = self.tokenizer.decode(list(req.prompt_token_ids), skip_special_tokens=True)
+        if self.tokenizer.encode(text) != list(req.prompt_token_ids):
+            raise RequestFailed("this prompt's token ids do not round-trip through text (decode, then encode): "
+                                "it cannot be sent to a server that takes text only")
+        return text
+
     def tag(self, req, payload, attempt):
         return payload, {"X-Request-Id": self.attempt_id(req, attempt)}  # vLLM and lpf serve adopt it
 
     async def call(self, client, req, deadline, breaker, attempts):
-        asked = self.ask_for_ids
-        try:
-            return await super().call(client, req, deadline, breaker, attempts)
-        except RequestFailed as e:
-            # A strict server rejects the vLLM extension: fall back to string tokens for the whole run.
-            if self.options.token_ids == "auto" and asked and "HTTP 4" in str(e) and _ID_FIELD in str(e):
-                self.ask_for_ids = False
-                return await super().call(client, req, deadline, breaker, attempts)
-            raise
+        from lpf.adapters.http import post_json
 
+        for _ in range(MAX_ADAPTATIONS + 1):
+            sent = self.payload(req)
+            try:
+                body = await post_json(client, self.url_for(req), sent, self.options.policy(), deadline,
+                                       self.stats, breaker, tag=lambda p, a: self.tag(req, p, a), attempts=attempts)
+                self.routes[self.endpoint(req).rsplit("/v1", 1)[-1]] += 1
+                return body
+            except RequestFailed as e:
+                self.adapt(str(e), sent)
+                if self.payload(req) == sent:  # nothing to route around (or another request already did)
+                    raise
+        raise RequestFailed(f"the server kept refusing after {MAX_ADAPTATIONS} adaptations")
+
+    def adapt(self, error: str, sent: dict) -> None:
+        """Route around a refusal, once for the whole run (requests in flight then retry with the new
+        payload): vLLM's id fields, token-id prompts, logprobs. A 404 (no such route or model) is not one."""
+        if "HTTP 4" not in error or "HTTP 404" in error:
+            return
+        said = error.split(":", 2)[-1].lower()
+        detail = error.split(": ", 1)[-1][:160]
+        if any(f in sent for f in _ID_FIELDS) and self.options.token_ids == "auto" and any(f in said for f in _ID_FIELDS):
+            self.ask_for_ids = False
+        elif isinstance(sent.get("prompt"), list) and self.options.prompt == "auto" and "prompt" in said:
+            if not self.send_text:
+                self.send_text = True
+                self.notes.append(f"the server refused token-id prompts ({detail}): prompts were sent as text from "
+                                  f"then on, and their tokenization checked against usage")
+        elif "logprobs" in sent and self.options.logprobs == "auto" and "logprob" in said:
+            if self.ask_logprobs:
+                self.ask_logprobs = False
+                self.notes.append(f"the server refused logprobs ({detail}): asked without them from then on; the "
+                                  f"answers are audited from their tokens alone")
+
+    # -- the answer -----------------------------------------------------------------------------------
     def parse(self, req: EngineRequest, body: Any) -> Completion:
         if not isinstance(body, dict):
             raise RequestFailed(f"answer is a JSON {type(body).__name__}, not an object")
@@ -107,38 +195,91 @@ class OpenAIEngine(RemoteEngine):
         if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
             raise RequestFailed("answer has no choices")
         choice = choices[0]
-        lp = choice.get("logprobs")
-        if not isinstance(lp, dict):
-            raise RequestFailed("answer has no logprobs (the server ignored logprobs=k)")
-        tokens, values = lp.get("tokens"), lp.get("token_logprobs")
-        if not isinstance(tokens, list) or not isinstance(values, list):
-            raise RequestFailed("answer's logprobs lack tokens / token_logprobs lists")
-        if len(values) != len(tokens):
-            raise RequestFailed(f"{len(values)} logprobs for {len(tokens)} tokens")
+        chat = self.is_chat(req)
+        message = choice.get("message") if isinstance(choice.get("message"), dict) else {}
+        text = message.get("content") if chat else choice.get("text")
         usage = body.get("usage") if isinstance(body.get("usage"), dict) else {}
-        ids = [self.token_id(t, pos, strict=True) for pos, t in enumerate(tokens)]
-        self.check_ids(ids)
         problems = Problems()
-        echoed = self.sampling.prompt_logprobs and self.options.prompt_logprobs == "echo"
-        # an echoed prompt's first token has no logprob (nothing precedes it): not a problem there
-        logprobs = [math.nan if echoed and pos == 0 else problems.logprob(v, pos) for pos, v in enumerate(values)]
-        top = lp.get("top_logprobs")
-        prompt = self._echoed_prompt(req, ids, logprobs, top, problems) if echoed else None
-        if echoed:  # the answer's tokens start with the prompt: the outputs follow it
-            n = len(req.prompt_token_ids)
-            ids, logprobs, top = ids[n:], logprobs[n:], top[n:] if isinstance(top, list) else top
-        elif self.sampling.prompt_logprobs:
-            prompt = self._prompt_field(req, choice.get("prompt_logprobs"), problems)
+        block = read_logprobs(choice.get("logprobs"))
+        echoed = self.sampling.prompt_logprobs and self.options.prompt_logprobs == "echo" and not chat
+        prompt, topk_ids, topk_lps = None, [], []
         finish = choice.get("finish_reason")
+        if block is None:
+            if self.options.logprobs == "require":
+                raise RequestFailed("answer has no logprobs (the server ignored logprobs=k)")
+            ids = self._tokens_only(req, choice, text, usage, finish, problems)
+            logprobs: list = [None] * len(ids)
+            claimed = None  # counted against usage while the ids were recovered
+        else:
+            self.returned[block.shape] += 1
+            ids = [self.map.resolve(p.token, p.tid, p.raw, pos, strict=True) for pos, p in enumerate(block.positions)]
+            self.check_ids(ids)
+            # an echoed prompt's first token has no logprob (nothing precedes it): not a problem there
+            logprobs = [math.nan if echoed and pos == 0 else
+                        problems.logprob(None if p.logprob is MISSING else p.logprob, pos)
+                        for pos, p in enumerate(block.positions)]
+            top = None if all(p.top is None for p in block.positions) else [p.top for p in block.positions]
+            if block.top_problem:
+                problems.add("top_logprobs", block.top_problem)
+            if echoed:
+                prompt = self._echoed_prompt(req, ids, logprobs, top, problems)
+                n = len(req.prompt_token_ids)  # the answer's tokens start with the prompt: the outputs follow it
+                ids, logprobs, top = ids[n:], logprobs[n:], top[n:] if isinstance(top, list) else top
+            elif self.sampling.prompt_logprobs:
+                prompt = self._prompt_field(req, choice.get("prompt_logprobs"), problems)
+            topk_ids, topk_lps = self.top_k(top, len(ids), "top_logprobs", self.top_pairs, problems)
+            self.top_k_seen = max([self.top_k_seen] + [len(t) for t in topk_ids])
+            claimed = usage.get("completion_tokens")
+        self._check_prompt(req, body, choice, usage, chat, problems)
         if finish is None:  # no claim to check; what the length says
             finish = "length" if len(ids) >= req.max_tokens else "stop"
-        self.check_answer(req, ids, usage.get("completion_tokens"), finish, None if echoed else choice.get("text"),
-                          problems)
-        topk_ids, topk_lps = self.top_k(top, len(ids), "top_logprobs", self.top_pairs, problems)
+        self.check_answer(req, ids, claimed, finish, None if echoed else text, problems)
         return Completion(request_id=req.request_id, output_token_ids=ids, logprobs=logprobs, topk_ids=topk_ids,
                           topk_logprobs=topk_lps, finish_reason=str(finish), inconsistency=problems.text(),
                           prompt_logprobs=prompt[0] if prompt else None, prompt_topk_ids=prompt[1] if prompt else [],
                           prompt_topk_logprobs=prompt[2] if prompt else [])
+
+    def _tokens_only(self, req, choice, text, usage, finish, problems) -> list[int]:
+        """The output ids of an answer without logprobs: the server's `token_ids`, else its text re-encoded."""
+        ids = choice.get("token_ids")
+        if isinstance(ids, list) and ids and all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            self.check_ids(ids)
+            self.returned["tokens only (ids)"] += 1
+            claimed = usage.get("completion_tokens")
+            if isinstance(claimed, int) and claimed != len(ids):
+                problems.add("token_count", f"the server counts {claimed} completion tokens but returned {len(ids)} ids")
+            return list(ids)
+        if not isinstance(text, str) or not text and not usage.get("completion_tokens"):
+            raise RequestFailed("the answer has neither logprobs nor token ids nor text")
+        ids, exact = self.map.text_ids(text)
+        self.returned["tokens only (text)"] += 1
+        claimed = usage.get("completion_tokens")
+        eos = self.tokenizer.eos_token_id
+        if isinstance(claimed, int) and claimed == len(ids) + 1 and finish == "stop" and eos is not None:
+            ids.append(eos)  # the stop token: its text is skipped, the server counts it
+        elif isinstance(claimed, int) and claimed != len(ids):
+            problems.add("retokenized", f"its text re-encodes to {len(ids)} tokens; the server counts {claimed} "
+                                        f"(the tokens scored are not the server's)")
+        if not exact:
+            problems.add("retokenized", "its text does not re-encode to tokens that decode back to it")
+        return ids
+
+    def _check_prompt(self, req, body, choice, usage, chat, problems) -> None:
+        """The server's prompt against the stored one (the reference's tokenization or chat rendering)."""
+        ours = list(req.prompt_token_ids)
+        theirs = body.get("prompt_token_ids", choice.get("prompt_token_ids"))
+        kind = "chat_template" if chat else "prompt_tokens"
+        how = "renders the messages with another chat template" if chat else "tokenized the prompt differently"
+        if isinstance(theirs, list) and theirs and all(isinstance(t, int) for t in theirs):
+            if theirs != ours:
+                at = next((i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b), min(len(theirs), len(ours)))
+                problems.add(kind, f"the server's prompt ({len(theirs)} tokens) differs from the reference's "
+                                   f"({len(ours)}) at position {at}: the server {how}")
+            return
+        n = usage.get("prompt_tokens")
+        if isinstance(n, int) and not isinstance(n, bool) and n != len(ours):
+            problems.add(kind, f"the server counts {n} prompt tokens, the reference's prompt has {len(ours)}: the "
+                               f"server {how}")
 
     def _echoed_prompt(self, req, ids, logprobs, top, problems) -> tuple[list, list, list] | None:
         """(logprobs, top-k ids, top-k logprobs) of prompt positions 1..P-1 from an echoed answer; None,
@@ -177,47 +318,13 @@ class OpenAIEngine(RemoteEngine):
         return lps, ids_out, lps_out
 
     def top_pairs(self, entry: Any, pos: int) -> list[tuple[float, int]]:
-        """One `top_logprobs` entry ({token: logprob}); alternatives without a usable id are left out."""
+        """One position's alternatives (`openai_shapes.Alt`s); those without a usable id are left out."""
         pairs = []
-        for key, value in (entry.items() if isinstance(entry, dict) else ()):
-            tid = self.token_id(key, pos, strict=False)
+        for alt in entry or ():
+            tid = self.map.resolve(alt.token, alt.tid, alt.raw, pos, strict=False)
             if tid is not None and 0 <= tid < self.vocab_size:
-                pairs.append((as_logprob(value, pos), tid))
+                pairs.append((as_logprob(None if alt.logprob is MISSING else alt.logprob, pos), tid))
         return pairs
 
-    def token_id(self, token: Any, pos: int, strict: bool) -> int | None:
-        """The id behind one answered token; None (strict=False) or RequestFailed when it has none."""
-        if isinstance(token, str) and token.startswith(TOKEN_ID_PREFIX):
-            try:
-                tid = int(token[len(TOKEN_ID_PREFIX):])
-                self.id_modes_seen.add("server")
-                return tid
-            except ValueError:
-                pass
-        if self.options.token_ids == "server":
-            if strict:
-                raise RequestFailed(f"token {token!r} at position {pos} is not in token_id:N form")
-            return None
-        tid = self.map_string(token) if isinstance(token, str) else None
-        if tid is None and strict:
-            raise RequestFailed(f"token {token!r} at position {pos} does not map back to one token id "
-                                f"of the local tokenizer")
-        if tid is not None:
-            self.id_modes_seen.add("tokenizer")
-        return tid
-
     def map_string(self, text: str) -> int | None:
-        """The one id whose decoding is exactly `text` (raw vocabulary pieces and decoded text both
-        accepted), checked by decoding it back; None when there is no such single id."""
-        tok = self.tokenizer
-        candidates = []
-        vocab_id = tok.convert_tokens_to_ids(text)
-        if isinstance(vocab_id, int) and vocab_id != tok.unk_token_id:
-            candidates.append(vocab_id)
-        encoded = tok.encode(text, add_special_tokens=False)
-        if len(encoded) == 1:
-            candidates.append(encoded[0])
-        for tid in candidates:
-            if tok.decode([tid]) == text or tok.convert_ids_to_tokens(tid) == text:
-                return tid
-        return None
+        return self.map.by_string(text)

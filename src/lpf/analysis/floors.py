@@ -25,6 +25,9 @@ Contract:
       kernels, which a calibration run at the reference's own dtype cannot see. An engine whose
       dtype is unknown (a server's `auto`) gets the most lenient pair measured for that reference
       dtype, and says so.
+  `settings` (when floors.json says): the prompts and knob settings the row was measured over
+      (scripts/measure_floor_settings.py widens float32's over long shared-prefix prompts, chunked
+      prefill and prefix caching, where an honest engine's top-k spread was 5x the zoo:stress floor).
   tie_margin = max(1e-3, KAPPA * margin.q99): a greedy flip is explained when the reference's margin
       between the two tokens is within twice what honest implementations at the dtype pair move a
       contested top-2 margin by at their 99th percentile (measured: bfloat16 moves it by up to ~0.5
@@ -145,4 +148,9 @@ def expected_floor(table: dict, engine_dtype: str | None, reference_dtype: str |
                          detail=f"the shipped table: the engine's dtype is {engine_dtype or 'not recorded'}, so the "
                                 f"most lenient pair measured, {lenient} ({rows[lenient][1]})")
     floor["tie_margin"] = tie_margin(floor)
+    # what the row was measured over (prompts, knob settings), where the table says: a floor far above it
+    # on other settings is said with them
+    settings = ((table.get("settings") or {}).get(f"{reference_dtype}/{reference_dtype}") or {}).get(model or "")
+    if settings:
+        floor["settings"] = settings
     return floor

@@ -296,7 +296,8 @@ def _floor_sentence(r: dict, floor: dict) -> str:
     times = f"{ratio:.2g}x" if math.isfinite(ratio) else "far above"
     return (f"this run's own floor ({name}, 99th percentile) is {times} the floor expected for "
             f"{r.get('floor_pair')} ({floor.get('detail') or floor.get('source')}): the engine does not compute "
-            f"what an honest implementation at its dtype computes")
+            f"what an honest implementation at its dtype computes"
+            + (f" (that floor was measured over {floor['settings']})" if floor.get("settings") else ""))
 
 
 def _g(x) -> str:
@@ -312,3 +313,8 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     if a is None or b is None:
         return None
     return float(a / b) if b > 0 else (None if a == 0 else math.inf)
+
+
+# the pieces the tokens-only test (`token_test`) shares with this one
+sampling_evidence = _sampling_evidence
+freedman_log_bound = _freedman

@@ -82,7 +82,7 @@ def _apply(f, opts: list):
 
 # -- options ----------------------------------------------------------------------------------------
 KNOB_PARAMS = ("dtype", "engine_option", "inject", "cache_mb", "max_num_seqs", "max_num_batched_tokens",
-               "enable_chunked_prefill")
+               "enable_chunked_prefill", "enable_prefix_caching")
 
 
 def engine_knob_options(f):
@@ -101,6 +101,9 @@ def engine_knob_options(f):
                      help="Token budget of one engine step (vLLM's name)."),
         click.option("--enable-chunked-prefill/--no-enable-chunked-prefill", default=None,
                      help="Split long prompts over several steps (vLLM's name)."),
+        click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=None,
+                     help="Reuse cached prefixes: KV blocks by hash, Mamba state checkpoints (vLLM's name; "
+                          "built-in: -E mamba_block_size=N, -E mamba_cache_mode=align|all)."),
     ])
 
 
@@ -123,7 +126,7 @@ def engine_knobs(params: Mapping, **extra) -> dict:
 # engine options that have an option of their own on the command line (the rest go through -E)
 _NAMED_KNOBS = {"dtype": "--dtype", "cache_mb": "--cache-mb", "max_num_seqs": "--max-num-seqs",
                 "max_num_batched_tokens": "--max-num-batched-tokens", "base_url": "--base-url",
-                "api_key_env": "--api-key-env", "served_model": "--served-model"}
+                "api_key_env": "--api-key-env", "served_model": "--served-model", "api": "--api"}
 
 
 def knob_args(options: Mapping) -> list[str]:
@@ -138,8 +141,9 @@ def knob_args(options: Mapping) -> list[str]:
             continue
         if name == "inject":
             args += [a for drill in str(value).split(",") if drill.strip() for a in ("--inject", drill.strip())]
-        elif name == "enable_chunked_prefill":
-            args.append("--enable-chunked-prefill" if value else "--no-enable-chunked-prefill")
+        elif name in ("enable_chunked_prefill", "enable_prefix_caching"):
+            flag = name.replace("_", "-")
+            args.append(f"--{flag}" if value else f"--no-{flag}")
         elif name in _NAMED_KNOBS:
             args += [_NAMED_KNOBS[name], text(value)]
         else:
@@ -172,11 +176,13 @@ def run_options(f):
         click.option("--logprobs", type=int, default=5, show_default=True, help="Top-k alternatives recorded per token."),
         click.option("--prompt-logprobs", is_flag=True,
                      help="Also record the engine's logprob of every prompt token (the prefill path), audited apart."),
-        click.option("--base-url", default=None, help="openai/sglang engines: the server, e.g. http://127.0.0.1:8000/v1."),
+        click.option("--base-url", default=None, help="openai/sglang/llamacpp engines: the server, e.g. http://127.0.0.1:8000/v1."),
         click.option("--api-key-env", default=None, metavar="VAR",
                      help="openai/sglang engines: environment variable holding the API key (never written anywhere)."),
         click.option("--served-model", default=None,
                      help="openai engine: the name the server serves, when --model is the local copy."),
+        click.option("--api", type=click.Choice(["auto", "completions", "chat"]), default=None,
+                     help="openai engine: /v1/completions or /v1/chat/completions (auto: chat when the workload has messages)."),
         click.option("--part-size", type=int, default=64, show_default=True, hidden=True),
     ])
 
@@ -303,7 +309,7 @@ def build_run_spec(params: Mapping):
 
     p = params
     options = engine_knobs(p, base_url=p.get("base_url"), api_key_env=p.get("api_key_env"),
-                           served_model=p.get("served_model"))
+                           served_model=p.get("served_model"), api=p.get("api"))
     hook = getattr(get_engine_class(p["engine"]), "resolve_model_spec", None)
     model = hook(p.get("model"), p.get("reference"), options) if hook else p.get("model")
     if p["part_size"] < 1:

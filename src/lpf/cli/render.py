@@ -7,8 +7,6 @@ escaped before it reaches rich markup (a `[bold]` in a prompt is text).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from rich import box
 from rich.console import Console
 from rich.markup import escape
@@ -39,6 +37,7 @@ def print_summary(findings: dict, run_path, console: Console) -> None:
         console.print("|logprob diff|  " + "  ".join(f"{k} {d[k]:.3g}" for k in ("p50", "p90", "p99", "p99_9", "max")))
     _print_thresholds(findings["thresholds"], console)
     _print_trace(findings.get("trace"), console)
+    _print_judged(findings.get("judged"), console)
     print_run_test(findings.get("run_test"), console)
     _print_shape(findings.get("shape"), console)
     flagged = findings.get("flagged") or []
@@ -52,6 +51,7 @@ def print_summary(findings: dict, run_path, console: Console) -> None:
                       str(f["first_divergence"]), "inf" if diff is None else f"{diff:.3g}")
         console.print(t)
     _print_hypotheses(findings.get("hypotheses") or [], console)
+    _print_prefix_cache(findings.get("prefix_cache"), console)
     _print_evidence(findings.get("evidence"), console)
     _print_prompt(findings.get("prompt"), console)
     console.print(f"results: {run_path}/findings.json  (lpf query {run_path} \"SELECT ...\")")
@@ -117,6 +117,16 @@ def _print_trace(trace: dict | None, console: Console) -> None:
         console.print(f"[dim]trace: none ({escape(trace.get('why') or 'no reason given')})[/]", highlight=False)
 
 
+def _print_judged(judged: dict | None, console: Console) -> None:
+    """What came back, when it limits what was judged (no logprobs, some missing), and the adapter's notes."""
+    if not judged:
+        return
+    if judged.get("logprobs") != "all":
+        console.print(f"[bold]judged:[/] {escape(judged['steps']['per_request'])}", highlight=False)
+    for note in judged.get("notes") or []:
+        console.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
+
+
 def print_run_test(rt: dict | None, console: Console) -> None:
     """The run-level test in one sentence with its numbers (and the floor finding when there is one)."""
     if not rt:
@@ -148,6 +158,16 @@ def _print_hypotheses(hyps: list, console: Console) -> None:
     console.print("[bold]likely mechanisms[/] (Fisher exact test, best first):")
     for h in hyps[:3]:
         console.print(f"  {h['rank']}. {h['sentence']} [dim](p={h['p_value']:.2g})[/]", highlight=False)
+
+
+def _print_prefix_cache(pcache: dict | None, console: Console) -> None:
+    """The prefix cache's line: what it supplied, or the prefix-cache-inert finding."""
+    if not pcache:
+        return
+    if pcache.get("inert"):
+        console.print(f"[bold yellow]finding: prefix-cache-inert[/] {escape(pcache['sentence'])}", highlight=False)
+    else:
+        console.print(f"[dim]{escape(pcache['sentence'])}[/]", highlight=False)
 
 
 def _print_evidence(ev: dict | None, console: Console) -> None:
@@ -385,35 +405,3 @@ def print_shrink(doc: dict, console: Console) -> None:
               "not-reproduced": "[bold yellow]not reproduced[/]"}.get(doc["status"], doc["status"])
     console.print(f"status: {status} · {doc['runs_used']} runs of {doc['budget_runs']} · "
                   f"deterministic: {doc.get('deterministic')}", highlight=False)
-
-
-def print_rl_summary(f: dict, out: Path, console: Console) -> None:
-    """`lpf rl analyze`: spike verdict, counts, bad rows, the best hypotheses, where the files are."""
-    console.print(f"[bold]{'SPIKES' if f['n_spikes'] else 'clean'}[/]  {f['summary']}", highlight=False)
-    console.print(f"steps {f['n_steps']} · responses {f['n_responses']} · tokens {f['n_tokens']} · "
-                  f"bad rows {len(f['bad_rows'])}" + (f" · empty steps {len(f['empty_steps'])}" if f["empty_steps"] else ""),
-                  highlight=False)
-    for b in f["bad_rows"][:5]:
-        console.print(f"  bad row {(b['file'] + ' ') if 'file' in b else ''}{b['row']}: {b['reason']}", highlight=False)
-    skipped = f.get("skipped_rows") or []
-    if skipped:
-        console.print(f"  {len(skipped)} rows left out by the framework itself (first: {skipped[0]['reason']})",
-                      highlight=False)
-    ignored = f.get("ignored_files") or []
-    if ignored:
-        console.print(f"  {len(ignored)} files of no dump layout ignored ({', '.join(ignored[:3])}"
-                      f"{', ...' if len(ignored) > 3 else ''})", highlight=False)
-    ref = f.get("reference")
-    if ref:
-        for s in f["spikes"][:8]:
-            console.print(f"  step {s['step']}: {s['side']} ({', '.join(f'{k} {v}' for k, v in s['sides'].items() if v)})",
-                          highlight=False)
-    for h in f["hypotheses"][:3]:
-        console.print(f"  #{h['rank']} {h['sentence']} (p={h['p_value']:.2g})", highlight=False)
-    console.print(f"results: {out}/rl_findings.json, {out}/rl_steps.parquet", highlight=False)
-
-
-def print_rl_rescore(path: Path, n_tokens: int, n_responses: int, model: str, dtype: str, console: Console) -> None:
-    """`lpf rl rescore`: what was scored, by which reference, where it went."""
-    console.print(f"reference scores: {path}  ({n_tokens} tokens of {n_responses} responses; {model}, {dtype})",
-                  highlight=False)

@@ -51,13 +51,14 @@ def _rescore(run, settings, redo=False, calibrate=False) -> None:
         print_calibration(cal, run.path, err)
 
 
-def _analyze(run, threshold, as_json, fail_on, attribution=True, stream=None) -> None:
+def _analyze(run, threshold, as_json, fail_on, attribution=True, stream=None, tokens_only=False) -> None:
     from lpf.analysis.thresholds import Thresholds
     from lpf.pipeline import analyze_run
 
     thresholds = Thresholds().with_overrides(list(threshold))
     with progress_bars(("analyze  ", "tokens"), ("attribute", "tokens")) as (analysis, (on_start, tick)):
-        findings = analyze_run(run, thresholds, attribution, on_start, tick, stream=stream, progress=analysis)
+        findings = analyze_run(run, thresholds, attribution, on_start, tick, stream=stream, progress=analysis,
+                               tokens_only=tokens_only)
     print_summary(findings, run.path, err)
     write_report(run.path)
     if as_json:
@@ -122,14 +123,17 @@ def rescore(run_dir, calibrate, redo, **params):
 @trace_dir_option
 @analysis_options
 @stream_option
-def analyze(run_dir, trace_dir, threshold, attribution, as_json, fail_on, stream):
+@click.option("--tokens-only", is_flag=True,
+              help="Judge from the tokens alone, as if the engine had returned no logprobs (what a tokens-only "
+                   "server's audit would say).")
+def analyze(run_dir, trace_dir, threshold, attribution, as_json, fail_on, stream, tokens_only):
     """Re-run the analysis on a stored, rescored run and rewrite findings.json."""
     from lpf.run.store import RunDir
 
     run = RunDir.open(run_dir)
     if trace_dir is not None:
         _join(run, trace_dir)
-    _analyze(run, threshold, as_json, fail_on, attribution, stream)
+    _analyze(run, threshold, as_json, fail_on, attribution, stream, tokens_only)
 
 
 COMMANDS = (audit, run, rescore, analyze)

@@ -9,6 +9,8 @@ It hands analysis the expected-floor table shipped with the package (`lpf/analys
 read here so analysis does no I/O) and what the manifest says about the dtype pair, the reference
 model and the sampling, from which the run-level test gets its floor.
 
+A run whose engine returned no logprobs is judged from its tokens (`lpf.analysis.tokens_only`), and every
+run's findings say what came back and what each step could judge from it (`judged`).
 A run of more than STREAM_ABOVE tokens is analysed streamed (`analyze_stream`: by chunk of whole
 requests, bounded memory, the same summary and findings byte for byte); `stream` forces either path.
 """
@@ -19,10 +21,13 @@ import json
 from functools import lru_cache, partial
 from importlib import resources
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from lpf.analysis import attribution
 from lpf.analysis.findings import analyze
+from lpf.analysis.returned import counts as returned_counts, tokens_only as returned_nothing, what_came_back
+from lpf.analysis.tokens_only import analyze_tokens_only
 from lpf.analysis.thresholds import Thresholds
 from lpf.errors import LpfError
 from lpf.jsonsafe import finite
@@ -51,15 +56,21 @@ STREAM_ABOVE = 10_000_000  # tokens: above this `lpf analyze` streams (in memory
 
 def analyze_run(run: RunDir, thresholds: Thresholds, attribute: bool = True, on_start: OnStart = no_start,
                 tick: Tick = no_tick, stream: bool | None = None,
-                progress: tuple[OnStart, Tick] = (no_start, no_tick)) -> dict:
+                progress: tuple[OnStart, Tick] = (no_start, no_tick), tokens_only: bool = False) -> dict:
     """`on_start`/`tick` report the attribution's re-scoring (tokens), when there is any. `stream`:
     the streamed path (`analyze_stream`: bounded memory, the same findings), the in-memory one, or
     (None) streamed when the run has more than STREAM_ABOVE tokens, no calibration run and no prompt
     logprobs (those two are read in memory);
-    `progress` reports the streamed path's two passes over the tokens."""
+    `progress` reports the streamed path's two passes over the tokens. `tokens_only`: judge from the tokens
+    alone even when the engine returned logprobs (what a tokens-only server's audit would say)."""
     m = run.manifest
     has_prompt = run.has("prompt_reference")
-    if stream is None:
+    # what came back, part by part (a streamed run is never read whole)
+    came_back = returned_counts(run.iter_parts("tokens", ["engine_logprob", "engine_topk_ids"]))
+    no_logprobs = tokens_only or returned_nothing(came_back)
+    if no_logprobs:  # judged from tokens alone, in memory (`lpf.analysis.tokens_only`)
+        stream = False
+    elif stream is None:
         stream = not calibration_applies(m) and not has_prompt and scored_token_count(run) > STREAM_ABOVE
     elif stream and calibration_applies(m):
         raise LpfError(f"{run.path} has a calibration run, which the streamed analysis does not read yet: "
@@ -84,9 +95,15 @@ def analyze_run(run: RunDir, thresholds: Thresholds, attribute: bool = True, on_
         reference = run.read("reference")
         calibration, cal_info = calibration_for(run, reference)
         prompt = (run.read("prompt_tokens"), run.read("prompt_reference")) if has_prompt else (None, None)
-        summary, findings = analyze(requests, run.read("tokens"), reference, thresholds,
-                                    calibration=calibration, calibration_info=cal_info, prompt_tokens=prompt[0],
-                                    prompt_reference=prompt[1], chunk_budget=chunk_budget(m), **kw)
+        judge = partial(analyze_tokens_only, seeded=run.read("seeded") if run.has("seeded") else None) \
+            if no_logprobs else analyze
+        tokens = run.read("tokens")
+        if no_logprobs:  # what a tokens-only server returns: the ids
+            tokens = tokens.set_column(tokens.column_names.index("engine_logprob"), "engine_logprob",
+                                       pa.nulls(tokens.num_rows, pa.float64()))
+        summary, findings = judge(requests, tokens, reference, thresholds,
+                                  calibration=calibration, calibration_info=cal_info, prompt_tokens=prompt[0],
+                                  prompt_reference=prompt[1], chunk_budget=chunk_budget(m), **kw)
         own = partial(own_sums, reference)
     if attribute and stream:  # the plan compares prompts, which the streamed analysis reads as lengths only
         requests = run.read("requests", ["request_id", "seq", "prompt_token_ids", "t_submit", "t_finish"])
@@ -95,6 +112,8 @@ def analyze_run(run: RunDir, thresholds: Thresholds, attribute: bool = True, on_
     findings = {"run_id": m.get("run_id"), "engine": m["engine"].get("name"), "model": m["model"].get("spec"),
                 "reference": (m.get("reference") or {}).get("spec"), **findings}
     findings["run_complete"] = m.get("status") == "complete"
+    findings["judged"] = what_came_back(came_back, has_prompt,
+                                        m.get("engine"), m["sampling"], run.has("seeded"))
     findings["trace"] = trace_summary(run)
     pq.write_table(summary, run.path / "summary.parquet")
     findings = finite(findings)  # once: a big run's findings hold thousands of values
@@ -108,14 +127,29 @@ def _attribute(run: RunDir, requests, summary, own_sums_of, findings: dict, on_s
     scores = attribution_scores(run, plans, on_start=on_start, tick=tick)
     own = own_sums_of({p["request_id"] for p in plans}) if plans else {}
     verdict = summary.column("verdict").to_pylist()
-    lost = {rid for rid, v in zip(summary.column("request_id").to_pylist(), verdict)
-            if v in ("divergent", "corrupt", "error")}
-    found = attribution.judge(plans, scores, own, lost)
+    ids = summary.column("request_id").to_pylist()
+    lost = {rid for rid, v in zip(ids, verdict) if v in ("divergent", "corrupt", "error")}
+    found = attribution.judge(plans, scores, own, lost, typical_fit(summary, own_sums_of) if plans else None)
     n_flagged = len(findings["flagged"])
     n_scored = sum(findings["counts"].values())
     findings["hypotheses"] = attribution.merge_ranked(
         findings["hypotheses"], attribution.hypotheses(found, n_flagged, n_scored - n_flagged))
     return {"n_tested": len(plans), "n_pairs_scored": scores.num_rows, "attributed": found}
+
+
+def typical_fit(summary, own_sums_of, sample: int = 256) -> float | None:
+    """Median per-token reference logprob of clean outputs under their own prompts (up to `sample` of
+    them, evenly spread over arrival order), for the attribution's plausibility check."""
+    import numpy as np
+
+    rows = [(r, n) for r, v, n in zip(summary.column("request_id").to_pylist(), summary.column("verdict").to_pylist(),
+                                      summary.column("n_output_tokens").to_pylist()) if v == "clean" and n]
+    if not rows:
+        return None
+    rows = [rows[i] for i in np.unique(np.linspace(0, len(rows) - 1, min(sample, len(rows))).round().astype(int))]
+    sums = own_sums_of({r for r, _ in rows})
+    fits = [sums[r] / n for r, n in rows if r in sums]
+    return float(np.median(fits)) if fits else None
 
 
 @lru_cache(maxsize=1)

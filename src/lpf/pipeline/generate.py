@@ -69,7 +69,8 @@ def create_run(spec: RunSpec) -> RunDir:
         raise LpfError(f"--prompt-logprobs: the {spec.engine} engine cannot return prompt logprobs")
     tokenizer = load_tokenizer(model)
     context = cfg.get("max_position_embeddings")
-    prompts, source = load_prompts(spec.workload, tokenizer, cfg.get("vocab_size", len(tokenizer)), context)
+    prompts, source = load_prompts(spec.workload, tokenizer, cfg.get("vocab_size", len(tokenizer)), context,
+                                   chat=engine_cls.chat_prompts(options))
     requests = expand(prompts, spec.n, spec.sampling, context)
     engine_cls.check_capacity(model, options, requests)
     manifest = {

@@ -1,13 +1,17 @@
 """The rescore stage: the reference teacher-forced over every completed, not-yet-scored request.
 
-Resumable (a request is scored iff it has reference rows), scores the prompt positions of every request
+Resumable (a request is scored iff it has reference rows; an answer whose tokens could not be recovered
+from its text, `retokenized` in its inconsistency, is never scored: the ids are not the server's, and
+it stays `unscored` with its reason), scores the prompt positions of every request
 whose engine returned prompt logprobs in the same pass (`prompt_reference/`, committed with its
 reference part), refuses a reference with another tokenizer
 (ids would not mean the same text) and a silent switch of reference (`--redo` replaces the scores).
 Two executors write the same `reference/` parts through `RunDir.append`: `local` (one `Rescorer` in
 this process) and `ray` (`lpf.pipeline.rescore_ray`: an actor pool of rescorers on Ray Data, the
 parts committed by this process). Both pack batches with `lpf.reference.plan_batches`. Prompt
-positions are scored by the local executor only (a run with prompt logprobs is refused by `ray`).
+positions are scored by the local executor only (a run with prompt logprobs is refused by `ray`), and so
+is the seeded replay (`lpf.replay`: sampled runs of an engine whose sampler lpf knows), committed in
+`seeded/` with its reference part.
 """
 
 from __future__ import annotations
@@ -73,9 +77,10 @@ def unscored_requests(run: RunDir) -> tuple[pa.Table, int, int]:
     done = run.read("reference", ["request_id"]).column("request_id").unique()
     pieces, total = [], 0
     for i, path in enumerate(run.parts("requests")):
-        t = read_part(path, "requests", ["request_id", "prompt_token_ids", "output_token_ids", "error"])
+        t = read_part(path, "requests", ["request_id", "prompt_token_ids", "output_token_ids", "error", "inconsistency"])
         n_out = pc.list_value_length(t.column("output_token_ids")).fill_null(0)
-        no_error = pc.is_null(t.column("error"))
+        recovered = pc.invert(pc.fill_null(pc.match_substring(t.column("inconsistency"), "retokenized:"), False))
+        no_error = pc.and_(pc.is_null(t.column("error")), recovered)
         total += pc.sum(pc.if_else(no_error, n_out, 0)).as_py() or 0
         keep = pc.and_(pc.and_(no_error, pc.greater(n_out, 0)),
                        pc.invert(pc.is_in(t.column("request_id"), value_set=done)))
@@ -117,7 +122,11 @@ def _rescore(run: RunDir, s: RescoreSettings, redo: bool, on_start: OnStart, tic
     if s.executor == "local":
         from lpf.reference import Rescorer
 
-        rescorer = Rescorer(model, dtype=s.dtype, device=s.device, token_budget=s.token_budget, topk=topk)
+        from lpf.replay import replay_for
+
+        replay = replay_for(m["engine"]["name"], m["sampling"])
+        rescorer = Rescorer(model, dtype=s.dtype, device=s.device, token_budget=s.token_budget, topk=topk,
+                            replay=replay)
         desc = rescorer.describe()
     else:  # the weights load on the actors, not here
         from lpf.reference import describe_reference
@@ -128,10 +137,12 @@ def _rescore(run: RunDir, s: RescoreSettings, redo: bool, on_start: OnStart, tic
                        f"{m['model']['spec']}: token ids would not mean the same text")
     if redo:
         # a calibration run, like the prompt scores, belongs to the old reference
-        for p in run.parts("prompt_reference") + run.parts("reference") + run.parts("calibration"):
+        for p in run.parts("prompt_reference") + run.parts("seeded") + run.parts("reference") + run.parts("calibration"):
             p.unlink()
         m.pop("calibration", None)
     m["reference"] = {**desc, "executor": s.executor}
+    if s.executor == "local" and rescorer.replay is not None:
+        m["reference"]["seeded_replay"] = rescorer.replay.kind
     run.save_manifest()
     pending, total, done = unscored_requests(run)
     on_start(total, done)
@@ -144,8 +155,12 @@ def _rescore(run: RunDir, s: RescoreSettings, redo: bool, on_start: OnStart, tic
 
     with_prompt = set(run.read("prompt_tokens", ["request_id"]).column("request_id").unique().to_pylist())
     todo = set(pending.column("request_id").to_pylist())
-    req = run.read("requests", ["request_id", "prompt_token_ids", "output_token_ids"]).to_pylist()
-    items = [ScoreItem(r["request_id"], r["prompt_token_ids"], r["output_token_ids"], r["request_id"] in with_prompt)
+    from lpf.sampling import request_seed
+
+    req = run.read("requests", ["request_id", "seq", "prompt_token_ids", "output_token_ids"]).to_pylist()
+    run_seed = m["sampling"].get("seed", 0)
+    items = [ScoreItem(r["request_id"], r["prompt_token_ids"], r["output_token_ids"], r["request_id"] in with_prompt,
+                       request_seed(run_seed, r["seq"]))
              for r in req if r["request_id"] in todo]
     for scored in rescorer.score_all(items, tick):
-        run.append_reference(scored.reference, scored.prompt_reference)
+        run.append_reference(scored.reference, scored.prompt_reference, scored.seeded)

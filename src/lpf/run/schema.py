@@ -7,7 +7,7 @@ storage never adds error of its own; top-k lists are float32.
 
 v2 (over v1): `requests.inconsistency` and `requests.attempts` (what a server returned, kept as
 evidence), and the prompt-position tables `prompt_tokens` / `prompt_reference` (the prefill path).
-The optional `attribution` table is derived (re-computable from the others), so it needs no bump.
+The optional `attribution` and `seeded` tables are derived (re-computable from the others), so it needs no bump.
 
 `table(target, columns)` builds a table of one of these schemas from the columns a writer has, every
 other column null (what `RunDir.read` gives a part of an older version): code that builds tables
@@ -85,16 +85,34 @@ REFERENCE = pa.schema(
 PROMPT_TOKENS = TOKENS
 PROMPT_REFERENCE = REFERENCE
 
+# the optional seeded replay (`lpf.replay`, engines whose sampler lpf knows, sampled runs): per output position
+# the token the reference drew with the engine's sampler and the request's seed, how far the engine's token was
+# from being drawn (nats of log p - log q; 0 when it was) and how far the closest other token was from winning
+SEEDED = pa.schema([("request_id", pa.string()), ("position", pa.int32()), ("seeded_token", pa.int32()),
+                    ("seeded_margin", pa.float64()), ("seeded_runner_up", pa.float64())])
+
 # the optional calibration run (`lpf rescore --calibrate`): the same reference model teacher-forced a
 # second time at the engine's dtype over the same tokens, in the reference's columns
 CALIBRATION = REFERENCE
 
 # engines that can (the built-in engine, vLLM through the lpf-vllm-trace plugin): one row per request
 # per engine step, plus one row per preemption (preempted = true, phase null)
+# The prefix-cache columns after `preempted` are nullable (null: the engine did not record them; old runs
+# and traces lack them): see docs/run-directory.md. With prefix caching, per row: tokens the cache
+# supplied at this (re)admission (0 on other rows); on the first step after a hit, the Mamba block
+# (in Mamba block units) whose state was restored, the last write into it (request, step, tokens it
+# really covers) and who published the hash the hit matched (request, step); whether the step ends on
+# a Mamba block boundary; whether the step was cancelled while in flight (its chunk never ran).
+PREFIX_TRACE = [
+    ("prefix_cache_hit_tokens", pa.int32()), ("resume_block", pa.int32()), ("resume_writer", pa.string()),
+    ("resume_write_step", pa.int64()), ("resume_covers_tokens", pa.int32()), ("resume_publisher", pa.string()),
+    ("resume_publish_step", pa.int64()), ("chunk_end_aligned", pa.bool_()), ("aborted", pa.bool_()),
+]
 TRACE = pa.schema([
     ("step", pa.int64()), ("request_id", pa.string()), ("phase", pa.string()),  # prefill | extend | decode
     ("num_computed_tokens", pa.int32()), ("num_scheduled_tokens", pa.int32()), ("state_slot", pa.int32()),
     ("batch_size", pa.int32()), ("batch_tokens", pa.int32()), ("preempted", pa.bool_()),
+    *PREFIX_TRACE,
 ])
 
 # "whose answer is this?" (`lpf.pipeline.attribute`): a flagged request's output re-scored by the reference
@@ -111,7 +129,8 @@ FAULTS = pa.schema([("request_id", pa.string()), ("step", pa.int64()), ("fault",
 ADDED_LATER = {"requests": {"inconsistency", "attempts"}}
 
 TABLES = {"requests": REQUESTS, "tokens": TOKENS, "reference": REFERENCE, "calibration": CALIBRATION,
-          "prompt_tokens": PROMPT_TOKENS, "prompt_reference": PROMPT_REFERENCE, "attribution": ATTRIBUTION}
+          "prompt_tokens": PROMPT_TOKENS, "prompt_reference": PROMPT_REFERENCE, "attribution": ATTRIBUTION,
+          "seeded": SEEDED}
 
 
 def table(target: pa.Schema, columns: dict) -> pa.Table:

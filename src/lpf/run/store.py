@@ -181,7 +181,7 @@ class RunDir:
             if p.name not in committed:
                 p.unlink()
         scored = {p.name for p in self.parts("reference")}
-        for p in self.parts("prompt_reference"):
+        for p in self.parts("prompt_reference") + self.parts("seeded"):
             if p.name not in scored:
                 p.unlink()
 
@@ -207,10 +207,15 @@ class RunDir:
             _atomic_write_table(self.path / "prompt_tokens" / name, prompt_tokens.cast(schema.PROMPT_TOKENS))
         _atomic_write_table(self.path / "requests" / name, requests.cast(schema.REQUESTS))
 
-    def append_reference(self, reference: pa.Table, prompt_reference: pa.Table | None = None) -> None:
-        """Commit reference scores with their prompt-position scores: reference last, see the contract."""
-        i = self._next_index("reference", "prompt_reference")
+    def append_reference(self, reference: pa.Table, prompt_reference: pa.Table | None = None,
+                         seeded: pa.Table | None = None) -> None:
+        """Commit reference scores with their prompt-position scores and seeded draws: reference last,
+        see the contract."""
+        i = self._next_index("reference", "prompt_reference", "seeded")
         name = f"part-{i:06d}.parquet"
+        if seeded is not None and seeded.num_rows:
+            (self.path / "seeded").mkdir(exist_ok=True)
+            _atomic_write_table(self.path / "seeded" / name, seeded.cast(schema.SEEDED))
         if prompt_reference is not None and prompt_reference.num_rows:
             (self.path / "prompt_reference").mkdir(exist_ok=True)
             _atomic_write_table(self.path / "prompt_reference" / name, prompt_reference.cast(schema.PROMPT_REFERENCE))
