@@ -141,7 +141,10 @@ def write_synthetic_run(path: Path, n_tokens: int, part_tokens: int = 2_000_000,
 
 
 def _findings_digest(findings: dict) -> str:
-    from lpf.jsonsafe import finite
+    try:  # the code measured may be a baseline from before lpf.core (issue 21) moved it
+        from lpf.core.jsonsafe import finite
+    except ImportError:
+        from lpf.jsonsafe import finite
 
     return hashlib.sha256(json.dumps(finite(findings), sort_keys=True, default=float).encode()).hexdigest()
 

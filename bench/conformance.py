@@ -29,9 +29,9 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="the fp32 cell alone, no results file (a smoke run)")
     quick = ap.parse_args().quick
     from lpf.adapters.vllm import vllm_python
-    from lpf.conformance.grid import PROMPTS, grid_cells, write_workload
-    from lpf.conformance.tiny import build_tiny
-    from lpf.errors import LpfError
+    from lpf.experiments.conformance.grid import PROMPTS, grid_cells, write_workload
+    from lpf.experiments.conformance.tiny import build_tiny
+    from lpf.core.errors import LpfError
 
     try:
         vllm_python()
@@ -42,7 +42,7 @@ def main() -> int:
     model = build_tiny("granitemoehybrid")
     cells = [c for c in grid_cells("full") if c.name in names]
     root = Path(tempfile.mkdtemp(prefix="lpf-bench-conf-"))
-    from lpf.model_specs import ModelRef, load_tokenizer
+    from lpf.core.model_specs import ModelRef, load_tokenizer
     from lpf.zoo.registry import tokenizer_dir
 
     tok = load_tokenizer(ModelRef("zoo tokenizer", tokenizer_dir()))  # the workload lpf conformance writes

@@ -31,7 +31,7 @@ import pytest
 
 from lpf.analysis.findings import analyze
 from lpf.analysis.thresholds import Thresholds
-from lpf.jsonsafe import finite
+from lpf.core.jsonsafe import finite
 from lpf.run import schema
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,7 +53,7 @@ def edge_run(temperature: float = 0.0, seed: int = 11):
     requests, an unscored one, inconsistent answers, HTTP attempts. Token rows are grouped by
     request in an order other than arrival."""
     rng = np.random.default_rng(seed)
-    n_req, n_tok, k, plen_max = 240, 12, 3, 40
+    n_req, n_tok, plen_max = 240, 12, 40
     ids = np.array([f"p{i // 2}-r{i % 2}" for i in range(n_req)], dtype=object)  # ids of varying length
     plen = rng.integers(4, plen_max, n_req)
     failed = np.zeros(n_req, bool)
