@@ -409,6 +409,7 @@ def main() -> None:
         r = result["report"]
         print(f"report: {r['requests']:,} requests in {r['seconds']:.1f} s, {r['html_mb']:.1f} MB (targets 30 s, 20 MB): "
               f"{r['seconds'] / 30:.2f}x the time target")
+    result["load_average_end"] = os.getloadavg()  # the machine is shared: its load at both ends of the run
     if not a.quick:
         out = ROOT / "bench" / "results" / "analysis.json"
         out.parent.mkdir(parents=True, exist_ok=True)
