@@ -35,7 +35,8 @@ class ModelRunner:
                                 rounding=self.drills.kv_rounding())
 
     @torch.inference_mode()
-    def execute(self, so: SchedulerOutput) -> StepResult:
+    def execute(self, so: SchedulerOutput, capture=None) -> StepResult:
+        """One step; `capture` (lpf locate) is handed to the layers through the forward context."""
         drills = self.drills
         drills.preempted(so.preempted)
         seqs, ids, pos, start = [], [], [], 0
@@ -52,7 +53,7 @@ class ModelRunner:
         phases = {m.request_id: m.phase for m in seqs}
         if not seqs:
             return StepResult(phases)
-        ctx = ForwardContext(so.step, seqs, self.kv_cache, self.state_cache)
+        ctx = ForwardContext(so.step, seqs, self.kv_cache, self.state_cache, capture=capture)
         with set_forward_context(ctx):
             hidden = self.model(torch.tensor(ids, device=self.device), torch.tensor(pos, device=self.device))
         asked = [(m, s) for m, s in zip(seqs, so.scheduled) if s.prompt_targets]

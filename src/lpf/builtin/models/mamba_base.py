@@ -13,6 +13,11 @@ Contract (the fault drills depend on it exactly; see DESIGN.md "Built-in engine"
 Prefill/extend requests run first, one at a time, then the decode batch, as vLLM orders them: a
 prefill's (possibly misplaced) final-state write is visible to a decode of the same step.
 
+Under a capture (`lpf locate`, `forward_context.probe`) the state each request starts a step from
+(`state_in`, `conv_state_in`: what it read, or the zeros of a prefill) and the state it ends the
+step with (`state_out`, `conv_state_out`: what it writes) are probed, one row per request, with
+`ctx.rows` naming the request (or the decode batch) while its chunk runs; nothing else changes.
+
 The conv state is the last `d_conv - 1` conv inputs (the front zero-filled when fewer tokens came).
 Subclasses implement `prefill(proj [L, P], conv0, ssm0) -> (y [L, d_inner], conv, ssm)` and
 `decode(proj [B, P], conv [B, ...], ssm [B, ...]) -> (y, conv, ssm)`, where `proj` is the in_proj
@@ -25,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lpf.builtin.forward_context import get_forward_context
+from lpf.builtin.forward_context import get_forward_context, probe
 from lpf.builtin.models.layers import wide
 
 
@@ -49,7 +54,14 @@ class MambaMixerBase(nn.Module):
             else:
                 conv0 = proj.new_zeros(shapes["conv"])
                 ssm0 = torch.zeros(shapes["ssm"], dtype=ssm_dtype, device=x.device)
+            captured = ctx.capture is not None
+            if captured:
+                ctx.rows = [s]
+                self._probe_states("in", conv0[None], ssm0[None])
             y[s.start:s.end], conv, ssm = self.prefill(proj[s.start:s.end], conv0, ssm0)
+            if captured:
+                self._probe_states("out", conv[None], ssm[None])
+                ctx.rows = None
             cache.write(layer, "conv", [s.state_slot], conv, "prefill")
             cache.write(layer, "ssm", [s.state_slot], ssm, "prefill")
         decodes = ctx.decodes
@@ -61,10 +73,21 @@ class MambaMixerBase(nn.Module):
             idx = torch.tensor([s.start for s in decodes], dtype=torch.long, device=x.device)
             conv0 = cache.read(layer, "conv", slots, "decode").to(proj.dtype)
             ssm0 = cache.read(layer, "ssm", slots, "decode").to(ssm_dtype)
+            captured = ctx.capture is not None
+            if captured:
+                ctx.rows = decodes
+                self._probe_states("in", conv0, ssm0)
             y[idx], conv, ssm = self.decode(proj[idx], conv0, ssm0)
+            if captured:
+                self._probe_states("out", conv, ssm)
+                ctx.rows = None
             cache.write(layer, "conv", slots, conv, "decode")
             cache.write(layer, "ssm", slots, ssm, "decode")
         return self.out_proj(y)
+
+    def _probe_states(self, when: str, conv: torch.Tensor, ssm: torch.Tensor) -> None:
+        probe(self, f"conv_state_{when}", conv)
+        probe(self, f"state_{when}", ssm)
 
     def conv_prefill(self, xc: torch.Tensor, conv0: torch.Tensor):
         """Causal depthwise conv of one request's chunk xc [L, C] continuing from conv0 [C, K-1]:
@@ -74,7 +97,9 @@ class MambaMixerBase(nn.Module):
         # activation runs row by row as it does on HF's sliced conv output (vectorised and scalar
         # silu round differently; this keeps a one-step prefill bit-identical to HF)
         out = F.conv1d(full[None], self.conv1d.weight, self.conv1d.bias, padding=1, groups=full.shape[0])
-        return self.act(out[0, :, 1:-1]).t(), full[:, full.shape[1] - (self.d_conv - 1):]
+        act = self.act(out[0, :, 1:-1]).t()
+        probe(self, "conv", act)
+        return act, full[:, full.shape[1] - (self.d_conv - 1):]
 
     def conv_step(self, xc: torch.Tensor, conv0: torch.Tensor):
         """One token per request: xc [B, C], conv0 [B, C, K-1]."""
@@ -82,4 +107,6 @@ class MambaMixerBase(nn.Module):
         out = (full * self.conv1d.weight[:, 0][None]).sum(-1)
         if self.conv1d.bias is not None:
             out = out + self.conv1d.bias
-        return self.act(out), full[:, :, 1:]
+        act = self.act(out)
+        probe(self, "conv", act)
+        return act, full[:, :, 1:]
