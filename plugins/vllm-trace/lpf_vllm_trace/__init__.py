@@ -13,6 +13,8 @@ Contract:
   part atomically (a `.tmp-` name, then a rename). `request_id` there is vLLM's own id for the
   request as the runner knows it; lpf maps it back to its own.
 - `LPF_VLLM_INJECT=stale-state[,offset-wrap:BITS]` puts a drill in (`drills.py`).
+- `LPF_VLLM_CAPTURE=SPEC.json` (lpf locate) also captures the named requests' activations op by op
+  (`capture.py`), written with the trace at each flush.
 - `status()` and `flush()` are for a caller in the same process (lpf's offline worker): the status
   dict, and "write every buffered row now" (before it reports the requests those rows describe).
 It never imports lpf: it runs in vLLM's interpreter.
@@ -26,6 +28,7 @@ __version__ = "0.1.0"
 
 ENV_DIR = "LPF_VLLM_TRACE_DIR"
 ENV_INJECT = "LPF_VLLM_INJECT"
+ENV_CAPTURE = "LPF_VLLM_CAPTURE"
 
 _session = None  # the recording session of this process, once register() has run with the plugin on
 
@@ -38,7 +41,7 @@ def register() -> None:
         return
     from lpf_vllm_trace.session import Session
 
-    _session = Session.start(out_dir, os.environ.get(ENV_INJECT, ""))
+    _session = Session.start(out_dir, os.environ.get(ENV_INJECT, ""), os.environ.get(ENV_CAPTURE) or None)
 
 
 def status() -> dict:

@@ -25,14 +25,15 @@ def _logger() -> logging.Logger:
 
 
 class Session:
-    def __init__(self, recorder, drills, why: str | None):
+    def __init__(self, recorder, drills, why: str | None, capture=None):
         self.recorder = recorder
         self.drills = drills
         self.why = why
+        self.capture = capture  # capture.Capture when LPF_VLLM_CAPTURE names a spec (lpf locate)
         self._warned = False
 
     @classmethod
-    def start(cls, out_dir: str, inject: str) -> "Session":
+    def start(cls, out_dir: str, inject: str, capture_spec: str | None = None) -> "Session":
         from lpf_vllm_trace import compat
         from lpf_vllm_trace.drills import Drills
         from lpf_vllm_trace.recorder import Recorder
@@ -47,7 +48,15 @@ class Session:
         except ValueError as e:
             why = str(e)
         why = why or compat.problem(version) or recorder.open()
-        session = cls(recorder, drills, why)
+        capture = None
+        if capture_spec and why is None:
+            from lpf_vllm_trace.capture import Capture, load_spec
+
+            try:
+                capture = Capture(load_spec(capture_spec))
+            except (OSError, ValueError, KeyError) as e:
+                why = f"capture spec {capture_spec} unreadable ({type(e).__name__}: {e})"
+        session = cls(recorder, drills, why, capture)
         if why is None:
             try:
                 from lpf_vllm_trace.hooks import install
@@ -81,15 +90,23 @@ class Session:
         return self.why is None
 
     def status(self) -> dict:
-        return {**self.recorder.status_fields, "rows": self.recorder.counts["trace"],
-                "recording": self.recording and self.recorder.failed is None,
-                "why": self.why or self.recorder.failed}
+        out = {**self.recorder.status_fields, "rows": self.recorder.counts["trace"],
+               "recording": self.recording and self.recorder.failed is None,
+               "why": self.why or self.recorder.failed}
+        if self.capture is not None:
+            out["capture"] = {"installed": self.capture.installed, "why": self.capture.why}
+        return out
 
     def flush(self) -> None:
         if self.why is None:
             failed = self.recorder.flush()
             if failed is not None:
                 self.warn_once(failed)
+            if self.capture is not None:
+                try:
+                    self.capture.write()
+                except OSError as e:
+                    self.capture.why = f"writing the capture failed ({e})"
 
 
 def _vllm_version() -> str:

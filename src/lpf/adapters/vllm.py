@@ -21,13 +21,15 @@ LPF_VLLM_INJECT. `side_tables()` hands over the plugin's parts with lpf's reques
 says which vLLM id is whose), and `describe()["trace"]` names the source and, when the plugin
 records nothing, its reason (an unknown vLLM version, a hook missing, a directory not writable);
 `describe()` also carries what the trace features read: the SSM state's slot stride and the drills.
+`capture` (set by `lpf locate`, never by hand) names a capture spec the plugin reads from
+LPF_VLLM_CAPTURE: one request's activations op by op (`lpf.locate.vllm_replay`).
 
 Inside `kept_workers()` a closed engine's worker is kept (one idle worker at a time) and handed to the
 next engine started with the same interpreter, environment and model, which rebuilds vllm.LLM in it
 (`configure`): a matrix of configurations (`lpf conformance`) pays vLLM's import once per model instead
 of once per configuration. The plugin's directory goes with the worker; the parts the earlier engines
 took are never handed over again. A worker that failed (a refused configuration, a failure mid-run)
-or that ran drills (`inject`: the plugin's drill state is per process) is never reused.
+or that ran drills or a capture (`inject`, `capture`: the plugin's state is per process) is never reused.
 """
 
 from __future__ import annotations
@@ -110,6 +112,8 @@ class VLLMOptions(Options):
     trace: bool = True  # the lpf-vllm-trace plugin records the step trace
     trace_dir: str | None = None  # where the plugin writes (default: a private temporary directory)
     inject: str = ""  # drills through the plugin: stale-state, offset-wrap[:BITS]
+    capture: str | None = Field(None, description="lpf locate's capture spec (a JSON file) for lpf-vllm-trace: "
+                                                  "set by lpf locate, not a knob")
 
     @field_validator("inject")
     @classmethod
@@ -152,7 +156,8 @@ class VLLMEngine(Engine):
         # parallel groups: an MoE model after a dense one finds no expert-parallel group)
         self._key = (str(self.python), str(model.path), options.trace, options.trace_dir,
                      options.cpu_kvcache_space, tuple(sorted(self._env(None).items())))
-        if not options.inject and _KEPT is not None and self._key in _KEPT and _KEPT[self._key][0].poll() is None:
+        if not (options.inject or options.capture) and _KEPT is not None and self._key in _KEPT \
+                and _KEPT[self._key][0].poll() is None:
             self._reuse(_KEPT.pop(self._key), config)
             return
         self.tmp = tempfile.TemporaryDirectory(prefix="lpf-vllm-")
@@ -221,12 +226,14 @@ class VLLMEngine(Engine):
             "PYTHONUNBUFFERED": "1",
         })
         env.pop("PYTHONPATH", None)  # lpf's paths must not shadow vLLM's packages
-        for var in ("LPF_VLLM_TRACE_DIR", "LPF_VLLM_INJECT"):  # this run's settings, not the caller's
+        for var in ("LPF_VLLM_TRACE_DIR", "LPF_VLLM_INJECT", "LPF_VLLM_CAPTURE"):  # this run's, not the caller's
             env.pop(var, None)
         if plugin is not None:
             env["LPF_VLLM_TRACE_DIR"] = str(plugin.path)
             if self.options.inject:
                 env["LPF_VLLM_INJECT"] = self.options.inject
+            if self.options.capture:
+                env["LPF_VLLM_CAPTURE"] = self.options.capture
         return env
 
     def _wait_ready(self) -> dict:
@@ -341,7 +348,7 @@ class VLLMEngine(Engine):
         """Hand this engine's live worker to kept_workers() (idle, for the next engine of its kind)."""
         proc, key = getattr(self, "proc", None), getattr(self, "_key", None)
         if _KEPT is None or key is None or proc is None or proc.poll() is not None or self.options.inject \
-                or getattr(self, "_failed", False):
+                or self.options.capture or getattr(self, "_failed", False):
             return False
         _close_kept()  # at most one idle worker: the next cells are of this model
         _KEPT[key] = (proc, self.results, self.log, self.tmp, self.plugin)

@@ -45,9 +45,12 @@ def locate(run_path, request_id: str | None = None, position: int | None = None,
     if engine_name not in ("builtin", "vllm", "hf"):
         raise LpfError(f"lpf locate knows the builtin, vllm and hf engines; this run's engine is {engine_name!r}")
     target = choose_target(run, request_id, position)
-    ids, prompt_len, upto = target["ids"], target["prompt_len"], target["row"]
+    ids, prompt_len = target["ids"], target["prompt_len"]
+    # every row the engine computed for the request is captured (the last output token was sampled, never
+    # fed); `target["row"]` is the one the analysis flagged
+    upto = len(ids) - 2
     stage(f"engine: replaying {target['request_id']} ({engine_name})")
-    engine = _engine_side(run, engine_name, target, trials)
+    engine = _engine_side(run, engine_name, target, upto)
     state_after = sorted({s["first_position"] - 1 for s in engine.steps} | {s["last_position"] for s in engine.steps}
                          | _step_positions(engine.acts))
     from lpf.locate.reference_side import reference_side
@@ -57,7 +60,9 @@ def locate(run_path, request_id: str | None = None, position: int | None = None,
         from lpf.model_specs import resolve_model
 
         ref_path = resolve_model((run.manifest.get("reference") or run.manifest["model"])["spec"]).path
-    ref = reference_side(ref_path, ids[:upto + 1], prompt_len, [p for p in state_after if 0 <= p <= upto],
+    # the reference runs over the whole request: the engine is compared up to its row, the reference's
+    # own paths over every position (its decode path is only on trial where there are decode steps)
+    ref = reference_side(ref_path, ids, prompt_len, [p for p in state_after if 0 <= p <= upto],
                          trials=trials, on_stage=stage)
     from lpf.locate import align
     from lpf.locate.finding import judge
@@ -88,15 +93,15 @@ def _step_positions(acts) -> set[int]:
     return out
 
 
-def _engine_side(run, engine_name: str, target: dict, trials: bool):
+def _engine_side(run, engine_name: str, target: dict, upto: int):
     if engine_name == "builtin":
         from lpf.locate.builtin_replay import replay
 
-        return replay(run, target["request_id"], target["row"])
+        return replay(run, target["request_id"], upto)
     if engine_name == "vllm":
         from lpf.locate.vllm_replay import replay
 
-        return replay(run, target["request_id"], target["row"])
+        return replay(run, target["request_id"], upto)
     from lpf.locate.builtin_replay import EngineSide
     from lpf.locate.hf_capture import HFCapture
     from lpf.locate.reference_side import _load
@@ -105,7 +110,7 @@ def _engine_side(run, engine_name: str, target: dict, trials: bool):
     dtype = (run.manifest["engine"].get("options") or {}).get("dtype", "float32")
     model = _load(resolve_model(run.manifest["model"]["spec"]).path, dtype)
     cap = HFCapture(model, "engine", dtype)
-    acts = cap.decode_path(target["ids"][:target["row"] + 1], target["prompt_len"])
+    acts = cap.decode_path(target["ids"][:upto + 1], target["prompt_len"])
     return EngineSide(acts, description={"engine": "hf", "schedule": "its decode path alone (generate's "
                                                                      "left-padded batch is not replayed)"})
 

@@ -7,11 +7,16 @@ any of its code:
   attributed to that layer, and on a shared block (Zamba2's `shared_transformer`) to `shared.`;
 - the modeling module's own kernel functions wrapped while a pass runs (`WRAPPED`: the causal conv,
   the Mamba2 chunk scan and its one-token update, the Mamba1 selective scan and its update, the
-  rotary `apply_rotary_pos_emb`), each calling the original and recording what it was given and
-  returned. Where an op is not a tensor the function returns, it is recomputed from the function's
+  eager attention function) and the attention function the model's implementation dispatches to
+  (`ALL_ATTENTION_FUNCTIONS[impl]`, sdpa), each calling the original and recording what it was
+  given and returned: q, k and v exactly as attention reads them (after any q/k norm, adapter and
+  rotary; k and v of the current tokens), its output, and each attention layer's geometry (heads,
+  kv heads, head size, the scale it was called with). Where an op is not a tensor the function returns, it is recomputed from the function's
   own arguments by the function's own contract: the step size `dt` is `softplus(dt + dt_bias)` (when
   the call says softplus) clamped to the call's `dt_limit` (the Mamba2 chunk scan; the one-token
-  updates take no limit, so their dt is not clamped: exactly what each path computes);
+  updates take no limit, so their dt is not clamped: exactly what each path computes). A Mamba2
+  kernel's output is `ssm_out` only when it was called without a gate `z` (FalconH1's decode step
+  gates inside the kernel, its prefill after it); Mamba1's kernels are always called with z;
 - Mamba states read from the model's own cache (`cache.get_conv_state` / `get_recurrent_state`,
   the conv state cut to its last d_conv - 1 columns, the engines' layout).
 Drivers: `teacher_forced(ids)` (one pass, no cache: every per-token op at positions 0..N-1),
@@ -44,12 +49,7 @@ RULES: list[tuple[str, list[tuple[str, str]]]] = [
     (r"(mamba|mixer|conv)\.in_proj", [("in_proj", OUT)]),
     (r"(mamba|mixer|conv)\.out_proj", [("out_proj", OUT)]),
     (r"(mamba|mixer)\.norm", [("gate_norm", OUT)]),
-    (r"self_attn\.q_proj", [("q", OUT)]),
-    (r"self_attn\.k_proj", [("k", OUT)]),
-    (r"self_attn\.v_proj", [("v", OUT)]),
-    (r"self_attn\.q_layernorm", [("q", OUT)]),  # Lfm2: q is normed per head before the rotary
-    (r"self_attn\.k_layernorm", [("k", OUT)]),
-    (r"self_attn\.(o_proj|out_proj)", [("attn_out", IN0), ("o_proj", OUT)]),
+    (r"self_attn\.(o_proj|out_proj)", [("o_proj", OUT)]),
     (r"(feed_forward|block_sparse_moe)\.(router|gate)", [("router", OUT)]),
     (r"(shared_mlp|mlp|feed_forward|block_sparse_moe)", [("ffn", OUT)]),  # moe or mlp: decided by its children
     (r"linear", [("linear", OUT)]),  # Zamba2's per-layer adapter of the shared block's output
@@ -60,7 +60,7 @@ GLOBAL_RULES = [(r"(model\.)?(embed_tokens|embeddings)|backbone\.embeddings", "e
                 (r"model\.(norm|final_layernorm|embedding_norm)|backbone\.norm_f", "final_norm")]
 _HERE = object()  # "the decoder layer running now"
 WRAPPED = ("causal_conv1d_fn", "causal_conv1d_update", "mamba2_chunk_scan", "mamba2_selective_state_update",
-           "mamba_selective_scan", "mamba_selective_state_update", "apply_rotary_pos_emb")
+           "mamba_selective_scan", "mamba_selective_state_update", "eager_attention_forward")
 
 
 def decoder_layers(model) -> tuple[str, torch.nn.ModuleList]:
@@ -193,27 +193,32 @@ class HFCapture:
                 if fn is not None:
                     setattr(self.module, name, self._wrap(name, fn))
                     patched.append((name, fn))
-            self._record_geometry()
+            registry, impl = self._attention_registry()
+            if registry is not None:
+                registry[impl] = self._wrap("eager_attention_forward", registry[impl])
             yield
         finally:
             for h in handles:
                 h.remove()
             for name, fn in patched:
                 setattr(self.module, name, fn)
+            if registry is not None:
+                del registry[impl]  # drops the local override: the shared mapping is what remains
             self.layer, self.sub = None, ""
 
-    def _record_geometry(self) -> None:
-        for i, layer in enumerate(self.layers):
-            for owner in (layer, getattr(layer, "shared_transformer", None)):
-                attn = getattr(owner, "self_attn", None) if owner is not None else None
-                if attn is None or not hasattr(attn, "head_dim"):
-                    continue
-                q = getattr(attn, "q_proj", None)
-                heads = q.out_features // attn.head_dim if q is not None else None
-                groups = getattr(attn, "num_key_value_groups", 1) or 1
-                scale = getattr(attn, "scaling", attn.head_dim ** -0.5)
-                if heads:
-                    self.geometry[i] = (heads, heads // groups, attn.head_dim, float(scale))
+    def _attention_registry(self):
+        """(ALL_ATTENTION_FUNCTIONS, the implementation's key) when the model dispatches attention to a
+        registered function (sdpa) rather than its module's eager one; else (None, None)."""
+        impl = getattr(self.model.config, "_attn_implementation", None)
+        registry = getattr(self.module, "ALL_ATTENTION_FUNCTIONS", None)
+        if registry is None or impl in (None, "eager") or impl not in registry:
+            return None, None
+        try:
+            if impl in registry._local_mapping:  # already overridden by someone: leave it alone
+                return None, None
+        except AttributeError:
+            return None, None
+        return registry, impl
 
     def _wrap(self, name: str, fn):
         sig = inspect.signature(fn)
@@ -237,20 +242,28 @@ class HFCapture:
             self._put("conv", out[0, :, -n:].t())
         elif name == "causal_conv1d_update":
             self._put("conv", out[0].t()[-1:])
-        elif name == "apply_rotary_pos_emb":
-            q, k = out[0], out[1]
-            self._put("q", q[0].transpose(0, 1).reshape(q.shape[2], -1))
-            self._put("k", k[0].transpose(0, 1).reshape(k.shape[2], -1))
+        elif name == "eager_attention_forward":
+            q, k, v = a["query"], a["key"], a["value"]  # [1, heads, tokens, head size]; k/v: past + current
+            t = q.shape[2]
+            self._put("q", q[0].transpose(0, 1).reshape(t, -1))
+            self._put("k", k[0, :, -t:].transpose(0, 1).reshape(t, -1))
+            self._put("v", v[0, :, -t:].transpose(0, 1).reshape(t, -1))
+            self._put("attn_out", _first(out)[0].reshape(t, -1))
+            scale = a.get("scaling")
+            self.geometry[self.layer] = (q.shape[1], k.shape[1], q.shape[-1],
+                                         float(scale if scale is not None else q.shape[-1] ** -0.5))
         elif name == "mamba2_chunk_scan":
             dt = _softplus_dt(a["dt"], a.get("dt_bias"), a.get("dt_softplus", False))
             lo, hi = a.get("dt_limit", (0.0, float("inf")))
             self._put("dt", torch.clamp(dt, min=lo, max=hi)[0])
             y = _first(out)
-            self._put("ssm_out", y[0].reshape(y.shape[1], -1))
+            if a.get("z") is None:  # ssm_out is the scan's output before any gating by z
+                self._put("ssm_out", y[0].reshape(y.shape[1], -1))
         elif name == "mamba2_selective_state_update":
             dt = _softplus_dt(a["dt"], a.get("dt_bias"), a.get("dt_softplus", False))
             self._put("dt", dt[..., 0].reshape(1, -1))
-            self._put("ssm_out", out.reshape(1, -1))
+            if a.get("z") is None:  # FalconH1's decode step gates inside the kernel, its prefill after it
+                self._put("ssm_out", out.reshape(1, -1))
         elif name == "mamba_selective_scan":
             bias = a.get("delta_bias")
             dt = _softplus_dt(a["dt"], None if bias is None else bias[..., None], a.get("delta_softplus", False))
