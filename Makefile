@@ -12,8 +12,25 @@ VLLM_PLUGIN := plugins/vllm-trace
 VLLM_PLUGIN_STAMP := $(VLLM_VENV)/.installed-lpf-vllm-trace
 VLLM_PLUGIN_FILES := $(wildcard $(VLLM_PLUGIN)/pyproject.toml $(VLLM_PLUGIN)/lpf_vllm_trace/*.py)
 PYTEST_ARGS ?=
+# llama.cpp (the `llamacpp` engine): llama-server + llama-quantize built from the llama.cpp that
+# llama-cpp-python's PyPI source distribution vendors, into .llamacpp/ (gitignored); its converter
+# (convert_hf_to_gguf.py + gguf-py, same source) runs in lpf's own venv. Rebuilt only when the version,
+# the sdist's hash or the CMake flags change (they name the stamp).
+LLAMACPP_VERSION := 0.3.36
+LLAMACPP_SHA256 := 832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
+LLAMACPP_DIR := .llamacpp
+LLAMACPP_SDIST := $(LLAMACPP_DIR)/dl/llama_cpp_python-$(LLAMACPP_VERSION).tar.gz
+# Portable x86-64-v3 (AVX2/FMA/F16C, not -march=native: CI machines differ), static, no network at
+# build or run time (no curl, no OpenSSL, no web UI download), only the two binaries lpf runs.
+LLAMACPP_CMAKE_FLAGS := -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+  -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF \
+  -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_APP=OFF
+LLAMACPP_TARGETS := llama-server llama-quantize
+# two cores at most: the build shares the machine (about 14 min on one core)
+LLAMACPP_JOBS ?= 2
+LLAMACPP_STAMP := $(LLAMACPP_DIR)/.built-$(LLAMACPP_VERSION)-$(shell echo '$(LLAMACPP_SHA256) $(LLAMACPP_CMAKE_FLAGS) $(LLAMACPP_TARGETS)' | sha1sum | cut -c1-12)
 
-.PHONY: venv demo test test-fast bench bench-vllm clean chromium vllm
+.PHONY: venv demo test test-fast bench bench-vllm clean chromium vllm llamacpp
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
@@ -32,7 +49,7 @@ demo: $(STAMP)
 
 # One intra-op thread: the suite starts many small-model processes one after another, where extra
 # threads only add overhead (and oversubscribe a busy machine); numerics do not depend on it.
-test: $(STAMP) chromium $(VLLM_STAMP) $(VLLM_PLUGIN_STAMP)
+test: $(STAMP) chromium $(VLLM_STAMP) $(VLLM_PLUGIN_STAMP) $(LLAMACPP_STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
 
 # The unit and small end-to-end tests (under 3 minutes here): everything not marked `slow`. Tests that
@@ -58,6 +75,32 @@ $(VLLM_PLUGIN_STAMP): $(VLLM_STAMP) $(VLLM_PLUGIN_FILES)
 	touch $@
 
 vllm: $(VLLM_STAMP) $(VLLM_PLUGIN_STAMP)
+
+# The sdist, checked against its pinned hash (pip picks the one source distribution of that version).
+$(LLAMACPP_SDIST): | $(STAMP)
+	mkdir -p $(dir $@)
+	$(VENV)/bin/pip download -q --no-binary :all: --no-deps llama-cpp-python==$(LLAMACPP_VERSION) -d $(dir $@)
+	echo "$(LLAMACPP_SHA256)  $@" | sha256sum -c --quiet
+
+# Only vendor/llama.cpp is unpacked (the Python bindings are not used); the build tree is removed once
+# the two static binaries are copied out. The converter is checked by importing it in lpf's venv,
+# which is where lpf runs it. SOURCE names what was built (llama-server's own build_info says
+# "b0-unknown": the sdist carries no git metadata).
+$(LLAMACPP_STAMP): $(LLAMACPP_SDIST) | $(STAMP)
+	rm -rf $(LLAMACPP_DIR)/llama.cpp $(LLAMACPP_DIR)/build $(LLAMACPP_DIR)/bin $(LLAMACPP_DIR)/.built-*
+	mkdir -p $(LLAMACPP_DIR)/llama.cpp $(LLAMACPP_DIR)/bin
+	tar xzf $(LLAMACPP_SDIST) -C $(LLAMACPP_DIR)/llama.cpp --strip-components=3 \
+	  llama_cpp_python-$(LLAMACPP_VERSION)/vendor/llama.cpp
+	cmake -S $(LLAMACPP_DIR)/llama.cpp -B $(LLAMACPP_DIR)/build $(LLAMACPP_CMAKE_FLAGS) >/dev/null
+	cmake --build $(LLAMACPP_DIR)/build --target $(LLAMACPP_TARGETS) -j $(LLAMACPP_JOBS) >/dev/null
+	cp $(addprefix $(LLAMACPP_DIR)/build/bin/,$(LLAMACPP_TARGETS)) $(LLAMACPP_DIR)/bin/
+	rm -rf $(LLAMACPP_DIR)/build
+	$(LLAMACPP_DIR)/bin/llama-server --version
+	cd $(LLAMACPP_DIR)/llama.cpp && PYTHONPATH=gguf-py $(abspath $(VENV))/bin/python -c "import convert_hf_to_gguf, gguf"
+	echo "llama.cpp vendored by llama-cpp-python $(LLAMACPP_VERSION) (sdist sha256 $(LLAMACPP_SHA256))" > $(LLAMACPP_DIR)/SOURCE
+	touch $@
+
+llamacpp: $(LLAMACPP_STAMP)
 
 # Headless Chromium + chromedriver (Debian packages) for the report tests, which render report.html in
 # a real browser. Idempotent and quiet: nothing runs when both are already installed.

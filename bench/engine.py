@@ -10,7 +10,12 @@ chunked prefill on, prefix caching off, one torch thread). Its start-up is 20-60
 subtract, so its generation time is the in-engine window instead: first request submitted to vLLM to
 last request finished (the worker's own t_submit/t_finish, stored in the run's requests table).
 The same window is recorded for HF and builtin as a cross-check of the two measures. Without the
-venv the vLLM column is skipped, and the bench says so.
+venv the vLLM column is skipped, and the bench says so. Where llama.cpp is built (`make llamacpp`),
+llama.cpp's llama-server (the `llamacpp` adapter: lpf converts the model to an f32 GGUF, cached, and
+starts the server) joins like HF and builtin (start-up subtracted, the 1-token run includes the server
+start): 16 parallel slots of 768 tokens, 32 requests in flight, one thread, flash attention off (the
+adapter's float32 default), `-E ban_eos=true` (llama-server's ignore_eos bans EOS where the others
+generate past it, so its outputs match the others' only up to the first EOS: counted so).
 Usage: python bench/engine.py [--requests N] [--model SPEC]   (writes bench/results/engine.json)
 """
 
@@ -65,6 +70,24 @@ def vllm_args() -> tuple[list[str] | None, str]:
              "--enable-chunked-prefill", "-E", "enable_prefix_caching=false"], str(python))
 
 
+def llamacpp_args() -> tuple[list[str] | None, str]:
+    """`lpf run` arguments for the llama.cpp column, or None and why it is skipped."""
+    from lpf.adapters.llamacpp_gguf import find_tools
+    from lpf.errors import LpfError
+
+    try:
+        tools = find_tools()
+    except LpfError as e:
+        return None, str(e)
+    return (["-E", "threads=1", "-E", "parallel=16", "-E", "ctx_size=12288", "-E", "ban_eos=true"], str(tools.server))
+
+
+def same_until_eos(a: list[int], b: list[int], eos: int) -> bool:
+    """Equal before the first EOS of either (llama.cpp with ban_eos never emits one)."""
+    n = min((s.index(eos) if eos in s else len(s)) for s in (a, b))
+    return a[:n] == b[:n]
+
+
 def startup(engine: str, model: str, tmp: Path, extra: list[str]) -> float:
     """Wall time of the same command on a 1-request, 1-token workload: process + model start-up."""
     w = tmp / f"one-{engine}.jsonl"
@@ -88,6 +111,11 @@ def main() -> None:
     vllm_extra, vllm_where = vllm_args()
     if vllm_extra is None:
         print(f"vLLM column skipped: {vllm_where}", file=sys.stderr)
+    llama_extra, llama_where = llamacpp_args()
+    if llama_extra is None:
+        print(f"llama.cpp column skipped: {llama_where}", file=sys.stderr)
+    else:
+        engines["llamacpp"] = llama_extra
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -95,6 +123,9 @@ def main() -> None:
         wl.write_text("".join(json.dumps({"id": it["id"], "prompt": it["prompt"], "max_tokens": it["max_tokens"]}) + "\n"
                               for it in items))
         times: dict[str, list[float]] = {name: [] for name in engines}
+        if llama_extra is not None:  # the first run writes the GGUF (cached): start-up is the second one
+            (tmp / "warm").mkdir()
+            startup("llamacpp", model, tmp / "warm", llama_extra)
         base = {name: startup(name, model, tmp, extra) for name, extra in engines.items()}
         windows: dict[str, list[float]] = {name: [] for name in [*engines, "vllm"]}
         vllm_walls: list[float] = []
@@ -120,6 +151,16 @@ def main() -> None:
         hf_out = pq.read_table(tmp / "hf-0" / "requests").sort_by("seq").column("output_token_ids").to_pylist()
         bi_out = pq.read_table(tmp / "builtin-0" / "requests").sort_by("seq").column("output_token_ids").to_pylist()
         results["identical_greedy_outputs"] = sum(x == y for x, y in zip(hf_out, bi_out)) / len(hf_out)
+        if llama_extra is not None:
+            from lpf.model_specs import load_tokenizer, resolve_model
+
+            eos = load_tokenizer(resolve_model(model)).eos_token_id
+            lc_out = pq.read_table(tmp / "llamacpp-0" / "requests").sort_by("seq").column("output_token_ids").to_pylist()
+            results["llamacpp"].update(server=llama_where, args=llama_extra,
+                                       identical_until_eos_vs_builtin=sum(same_until_eos(x, y, eos) for x, y in zip(lc_out, bi_out)),
+                                       of_requests=len(bi_out))
+        else:
+            results["llamacpp"] = {"skipped": llama_where}
         if vllm_extra is not None:
             req = pq.read_table(tmp / "vllm-0" / "requests").sort_by("seq")
             vl_out = req.column("output_token_ids").to_pylist()
@@ -145,6 +186,12 @@ def main() -> None:
         out["ratio_builtin_vs_vllm"] = results["builtin"]["tokens_per_s"] / results["vllm"]["tokens_per_s"]
     Path(__file__).with_name("results").mkdir(exist_ok=True)
     Path(__file__).with_name("results").joinpath("engine.json").write_text(json.dumps(out, indent=2))
+    has_llama = "tokens_per_s" in results["llamacpp"]
+    if has_llama:
+        out["ratio_llamacpp_vs_hf"] = results["llamacpp"]["tokens_per_s"] / results["hf"]["tokens_per_s"]
+        out["ratio_llamacpp_vs_builtin"] = results["llamacpp"]["tokens_per_s"] / results["builtin"]["tokens_per_s"]
+        if has_vllm:
+            out["ratio_llamacpp_vs_vllm"] = results["llamacpp"]["tokens_per_s"] / results["vllm"]["tokens_per_s"]
     vl = results["vllm"].get("tokens_per_s")
     col = (lambda tps: f" {tps / vl:.2f}x |") if has_vllm else (lambda tps: "")
     print("| engine | output tokens/s | vs HF generate |" + (" vs vLLM |" if has_vllm else ""))
@@ -156,13 +203,21 @@ def main() -> None:
     if has_vllm:
         print(f"| vLLM {results['vllm']['version']} CPU (offline LLM, chunked prefill) | {vl:.0f} | "
               f"{out['ratio_vllm_vs_hf']:.2f}x |" + col(vl))
-    else:
+    if has_llama:
+        lc = results["llamacpp"]["tokens_per_s"]
+        print(f"| llama.cpp llama-server (16 slots, f32 GGUF) | {lc:.0f} | {out['ratio_llamacpp_vs_hf']:.2f}x |" + col(lc))
+    if not has_vllm:
         print(f"\n(vLLM column skipped: {results['vllm']['skipped']})")
+    if not has_llama:
+        print(f"\n(llama.cpp column skipped: {results['llamacpp']['skipped']})")
     print(f"\n{a.requests} requests of zoo:stress on {model}, float32, greedy, ignore_eos, median of {a.repeats} "
           f"interleaved runs; "
           f"identical greedy outputs: {results['identical_greedy_outputs']:.1%}"
           + (f"; vLLM's greedy outputs identical to builtin's: {results['vllm']['identical_greedy_vs_builtin']}/"
-             f"{results['vllm']['of_requests']}" if has_vllm else ""))
+             f"{results['vllm']['of_requests']}" if has_vllm else "")
+          + (f"; llama.cpp's identical to builtin's up to the first EOS: "
+             f"{results['llamacpp']['identical_until_eos_vs_builtin']}/{results['llamacpp']['of_requests']}"
+             if has_llama else ""))
 
 
 if __name__ == "__main__":

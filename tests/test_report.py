@@ -295,6 +295,34 @@ def test_rl_report_with_a_third_opinion_draws_the_three_curves(browser, tmp_path
     assert sentence in text and "SIDE" in text.upper() and text.count("rollout") >= 4
 
 
+def test_rl_report_shows_the_causes_and_their_fixes(browser, tmp_path, lpf_cli):
+    """A real `lpf rl analyze` of a dump whose trainer errs only in micro-batches of more than one
+    sequence (as verl #6280): the Causes section names batch shape with its share and the frameworks'
+    fix, and the per-step shares are drawn."""
+    import numpy as np
+    from selenium.webdriver.common.by import By
+
+    rng = np.random.default_rng(0)
+    rows = []
+    for step in range(1, 11):
+        for i, mbs in enumerate([1, 1, 1, 2, 2, 2, 4, 4, 4, 4]):
+            r = -rng.uniform(0.05, 3.0, 24)
+            t = np.minimum(r + (rng.normal(0, 0.02, 24) if mbs > 1 else 0.0), 0.0)
+            rows.append({"step": step, "request_id": f"s{step}-{i}", "response_token_ids": list(range(3, 27)),
+                         "rollout_logprobs": r.tolist(), "trainer_logprobs": t.tolist(), "micro_batch_size": mbs})
+    dump = tmp_path / "mb.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), dump)
+    r = lpf_cli("rl", "analyze", dump, "--rollout-dtype", "float32", "--trainer-dtype", "float32")
+    assert r.code == 0, r.err
+    open_page(browser, tmp_path / "mb.rl" / "report.html")
+    titles = [e.text for e in browser.find_elements(By.CSS_SELECTOR, "#series h3")]
+    assert "mismatch causes per step (share of the step's sum |d|)" in titles
+    n, drawn = plots_drawn(browser)
+    assert drawn == n
+    text = browser.find_element(By.ID, "causes").text
+    assert "batch shape" in text and "named" in text and "log_prob_micro_batch_size_per_gpu" in text, text[:2000]
+
+
 def test_scatter_downsampling_keeps_flagged_and_envelope():
     """100k requests become at most MAX_SCATTER_POINTS points: every flagged request, and per arrival
     bin the largest |diff| of the rest (so a spike among clean requests is never dropped)."""

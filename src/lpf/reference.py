@@ -102,7 +102,7 @@ def _chunk_rows(vocab: int, device: str) -> int:
 class Rescorer:
     def __init__(self, model: ModelRef, dtype: str = "float32", device: str = "cpu",
                  token_budget: int = 16384, chunk_rows: int | None = None, topk: int = 5,
-                 float32_head: bool = True, replay=None):
+                 float32_head: bool = True, replay=None, on_rows: Callable | None = None):
         from transformers import AutoConfig, AutoTokenizer
 
         quiet_transformers()
@@ -112,6 +112,9 @@ class Rescorer:
         self.token_budget = token_budget
         self.topk = topk
         self.replay = replay  # an `lpf.replay.Replay`: the engine's sampler redrawn on the reference's logits
+        # on_rows(logits [n, V] float32, targets [n]): sees every scored row's logits before they are
+        # overwritten, in table order (what a caller needs beyond the table: `lpf.rl.row_stats`)
+        self.on_rows = on_rows
         self.tokenizer = AutoTokenizer.from_pretrained(model.path)
         cfg = AutoConfig.from_pretrained(model.path)
         cfg = getattr(cfg, "text_config", None) or cfg
@@ -249,6 +252,8 @@ class Rescorer:
             if replaying and i < n_out:  # before logprob_rows overwrites the logits
                 j = min(n_out, i + hc.shape[0])
                 draws.append(self.replay.draw(z[:j - i], seeds[i:j], positions[i:j], engine_tokens[i:j]))
+            if self.on_rows is not None:
+                self.on_rows(z, targets[i:i + self.chunk_rows])
             chosen, top_ids, top_lp, rank, entropy = logprob_rows(z, targets[i:i + self.chunk_rows], k, work,
                                                                   overwrite=True)
             # one float32 block per chunk; ids and ranks are < 2^24, so exact as float32

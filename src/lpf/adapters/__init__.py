@@ -16,6 +16,7 @@ REGISTRY: dict[str, str] = {
     "vllm": "lpf.adapters.vllm:VLLMEngine",
     "openai": "lpf.adapters.openai:OpenAIEngine",
     "sglang": "lpf.adapters.sglang:SGLangEngine",
+    "llamacpp": "lpf.adapters.llamacpp:LlamaCppEngine",
 }
 
 

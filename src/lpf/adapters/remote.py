@@ -159,10 +159,15 @@ class RemoteEngine(Engine):
         return {"name": self.name, "version": self.server_version, "options": self.options.to_dict(),
                 "client": {"retries": self.stats.to_dict()}}
 
+    def in_flight(self) -> int:
+        """How many requests are sent at once (an engine may derive it from its other knobs)."""
+        return self.options.concurrency
+
     def generate(self, requests: list[EngineRequest]) -> Iterator[Completion]:
         o = self.options
+        concurrency = self.in_flight()
         deadline = time.monotonic() + o.deadline_s
-        breaker = CircuitBreaker(o.concurrency + o.max_retries + 1)
+        breaker = CircuitBreaker(concurrency + o.max_retries + 1)
         started: dict[str, float] = {}
         attempts: dict[str, list] = {}
 
@@ -184,8 +189,8 @@ class RemoteEngine(Engine):
                               error=message, t_submit=started.get(req.request_id),
                               attempts=attempts.get(req.request_id, []))
 
-        for _, completion in run_all(requests, handler, concurrency=o.concurrency,
-                                     client_factory=lambda: make_client(o.concurrency, self.api_key),
+        for _, completion in run_all(requests, handler, concurrency=concurrency,
+                                     client_factory=lambda: make_client(concurrency, self.api_key),
                                      on_error=on_error, join_timeout=o.timeout_s + 5,
                                      start_at=self.arrivals(requests)):
             yield completion

@@ -19,9 +19,9 @@ From the trace (first = the request's first scheduled, non-preempted step):
                             reached 2^31 / 2^32 on a prefill/extend (the seed's 32-bit overflow)
   slot_offset_over_wrap     ... reached 2^BITS when the manifest's knobs say offset-wrap:BITS
   max_state_slot, first_batch_size, max_batch_size, first_batch_decode_share, n_prefill_chunks
-From vLLM's trace (lpf-vllm-trace's columns, present only there):
-  prefix_cache_hit          part of its prompt came from the prefix cache
-  first_step_reordered      the batch reorder moved its row on its first step
+From vLLM's trace (lpf-vllm-trace's columns) and llama.cpp's (the llamacpp adapter's):
+  prefix_cache_hit          part of its prompt came from the prefix cache (both)
+  first_step_reordered      the batch reorder moved its row on its first step (vLLM only)
 From the requests: prompt_length, rollout, seq (arrival index).
 """
 
@@ -68,12 +68,18 @@ def request_features(requests: pa.Table, trace: pa.Table | None, engine_info: di
 
 
 def _vllm_trace_features(req: pa.Table, trace: pa.Table) -> list[Feature]:
-    """Features from the columns only vLLM's trace has (absent elsewhere: no features)."""
-    if not {"prefix_cache_hit_tokens", "reordered"} <= set(trace.column_names):
+    """Features from the columns only some engines' traces have (vLLM's: both; llama.cpp's:
+    prefix_cache_hit_tokens, its timings.cache_n); absent columns give no features."""
+    cols = set(trace.column_names)
+    if "prefix_cache_hit_tokens" not in cols:
         return []
     ids = req.column("request_id")
     t = trace.filter(pc.invert(trace.column("preempted").fill_null(False))).sort_by([("step", "ascending")])
     hit_ids = t.filter(pc.greater(t.column("prefix_cache_hit_tokens").fill_null(0), 0)).column("request_id")
+    feats = [Feature("prefix_cache_hit", "bool", pc.is_in(ids, value_set=pc.unique(hit_ids)).to_numpy(zero_copy_only=False)
+                     if len(hit_ids) else np.zeros(req.num_rows, dtype=bool), "had part of their prompt from the prefix cache")]
+    if "reordered" not in cols:
+        return feats
     # each request's first row: the first occurrence in step order
     code = pc.index_in(t.column("request_id"), value_set=ids).fill_null(-1).to_numpy(zero_copy_only=False)
     reordered = t.column("reordered").fill_null(False).to_numpy(zero_copy_only=False).astype(bool)
@@ -81,11 +87,8 @@ def _vllm_trace_features(req: pa.Table, trace: pa.Table) -> list[Feature]:
     seen, idx = np.unique(code, return_index=True)
     keep = seen >= 0
     first_reordered[seen[keep]] = reordered[idx[keep]]
-    return [
-        Feature("prefix_cache_hit", "bool", pc.is_in(ids, value_set=pc.unique(hit_ids)).to_numpy(zero_copy_only=False)
-                if len(hit_ids) else np.zeros(req.num_rows, dtype=bool), "had part of their prompt from the prefix cache"),
-        Feature("first_step_reordered", "bool", first_reordered, "were moved by the batch reorder on their first step"),
-    ]
+    return feats + [Feature("first_step_reordered", "bool", first_reordered,
+                            "were moved by the batch reorder on their first step")]
 
 
 def _offset_wrap_bits(engine_info: dict) -> int | None:

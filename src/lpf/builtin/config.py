@@ -4,6 +4,11 @@ ranges, unknown names refused).
 `cache_mb` plays the role of vLLM's `gpu_memory_utilization`: the bytes given to caches. Half goes
 to Mamba state slots and half to paged KV blocks (all of it to one kind when the model has only
 that kind of layer), so shrinking it makes slots and blocks recycle sooner.
+
+`mamba_ssm_cache_dtype` is vLLM's knob of that name: the dtype the SSM part of each state slot is
+stored in ("auto": the engine dtype). Stored in bfloat16 under a float32 engine, every decode step
+rounds the recurrent state, so the error compounds with position (the hybrid-model RL mismatch that
+NeMo-RL's recipes fix with `mamba_ssm_cache_dtype: float32`).
 """
 
 from __future__ import annotations
@@ -25,6 +30,9 @@ class EngineConfig(BaseModel):
     cache_mb: float = Field(64.0, gt=0)
     enable_chunked_prefill: bool = True
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # sizes the cache (a wider state dtype buys fewer slots)
+    mamba_ssm_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="dtype the SSM state is kept in between steps (vLLM's name); auto = the engine dtype")
     device: str = "cpu"
 
     @classmethod

@@ -26,9 +26,17 @@ def cache_sizes(model, config: EngineConfig) -> tuple[int, int]:
 
     elem = torch_dtype(config.dtype).itemsize
     n_attn, n_kv, head_dim = model.kv_spec()
-    slot_bytes = sum(prod(shape) for parts in model.state_specs() for _, shape in parts) * elem
+    slot_elem = torch_dtype(state_buffer_dtype(config)).itemsize
+    slot_bytes = sum(prod(shape) for parts in model.state_specs() for _, shape in parts) * slot_elem
     block_bytes = n_attn * 2 * config.block_size * n_kv * head_dim * elem
     return config.cache_sizes(slot_bytes, block_bytes)
+
+
+def state_buffer_dtype(config: EngineConfig) -> str:
+    """The state slots' buffer dtype: the engine's, or a wider `mamba_ssm_cache_dtype` (the SSM part
+    then keeps that precision; the conv part is still rounded to the engine dtype)."""
+    ssm = config.mamba_ssm_cache_dtype
+    return "float32" if ssm == "float32" and config.dtype != "float32" else config.dtype
 
 
 class LLMEngine:
@@ -45,8 +53,11 @@ class LLMEngine:
         self.truth = GroundTruth()
         self.scheduler = Scheduler(config, self.num_slots, self.num_blocks, self.max_context,
                                    double_free=faults.kv_double_free, record=self.truth.record)
+        ssm = config.mamba_ssm_cache_dtype
         self.runner = ModelRunner(self.model, self.num_slots, self.num_blocks, config.block_size, faults,
-                                  self.truth, dtype, config.device)
+                                  self.truth, dtype, config.device,
+                                  state_dtypes=(torch_dtype(state_buffer_dtype(config)),
+                                                dtype if ssm == "auto" else torch_dtype(ssm)))
         self._trace: list[dict] = []
 
     def add_request(self, req: Request) -> Request | None:

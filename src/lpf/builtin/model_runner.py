@@ -24,11 +24,15 @@ from lpf.torch_utils import logprob_rows
 
 class ModelRunner:
     def __init__(self, model, num_slots: int, num_blocks: int, block_size: int, faults: FaultSet,
-                 truth: GroundTruth, dtype=torch.float32, device: str = "cpu"):
+                 truth: GroundTruth, dtype=torch.float32, device: str = "cpu",
+                 state_dtypes: tuple | None = None):
         self.model = model
         self.device = device
         n_attn, n_kv, head_dim = model.kv_spec()
-        self.state_cache = StateCache(model.state_specs(), num_slots, dtype, device, wrap_bits=faults.offset_wrap_bits)
+        # (buffer dtype, SSM state dtype): `mamba_ssm_cache_dtype` (EngineConfig); default both the engine's
+        buffer, ssm = state_dtypes or (dtype, dtype)
+        self.state_cache = StateCache(model.state_specs(), num_slots, buffer, device, wrap_bits=faults.offset_wrap_bits,
+                                      part_dtypes={"conv": dtype, "ssm": ssm})
         self.drills = Drills(faults, truth, self.state_cache)
         self.drills.edit_weights(model)
         self.kv_cache = KVCache(max(n_attn, 1), num_blocks, block_size, n_kv, head_dim, dtype, device,

@@ -35,6 +35,7 @@ class Request:
     logprobs: list[float] = field(default_factory=list)
     topk_ids: list[list[int]] = field(default_factory=list)
     topk_logprobs: list[list[float]] = field(default_factory=list)
+    raw_logprobs: list[float] = field(default_factory=list)  # only when a drill reports other than raw ones
     num_computed_tokens: int = 0
     status: Status = Status.WAITING
     state_slot: int | None = None
@@ -66,6 +67,8 @@ class Request:
         self.logprobs.append(sample.logprob)
         self.topk_ids.append(sample.topk_ids)
         self.topk_logprobs.append(sample.topk_logprobs)
+        if sample.raw_logprob is not None:
+            self.raw_logprobs.append(sample.raw_logprob)
 
     def add_prompt_rows(self, rows) -> None:
         for i, lp in enumerate(rows.logprobs):

@@ -51,8 +51,12 @@ def sample(logits: torch.Tensor, reqs: list[ScheduledRequest], processed: bool =
     source = torch.stack(proc_rows) if processed else (z if temperature is None else z / temperature)
     k = max((r.sampling.logprobs for r in reqs), default=0)
     chosen, top_ids, top_lp, _, _ = logprob_rows(source, torch.tensor(tokens), k)
+    raw = None
+    if processed:  # what raw logprobs would have said: the drill's ground truth, never reported
+        raw = logprob_rows(z if temperature is None else z / temperature, torch.tensor(tokens), 0)[0]
     out = {}
     for row, r in enumerate(reqs):
         kk = r.sampling.logprobs
-        out[r.request_id] = Sample(tokens[row], float(chosen[row]), top_ids[row, :kk].tolist(), top_lp[row, :kk].tolist())
+        out[r.request_id] = Sample(tokens[row], float(chosen[row]), top_ids[row, :kk].tolist(), top_lp[row, :kk].tolist(),
+                                   None if raw is None else float(raw[row]))
     return out

@@ -49,12 +49,14 @@ class SchedulerOutput:
 
 @dataclass(frozen=True)
 class Sample:
-    """One sampled token: its id, its logprob as reported (raw unless a drill says otherwise), the top-k."""
+    """One sampled token: its id, its logprob as reported (raw unless a drill says otherwise), the top-k;
+    `raw_logprob` is the raw one when the reported one is not (the processed-logprobs drill's ground truth)."""
 
     token_id: int
     logprob: float
     topk_ids: list[int]
     topk_logprobs: list[float]
+    raw_logprob: float | None = None
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,9 @@ state of (slot, layer, part) starts at `slot * slot_stride + part_offset`: real 
 so an overflow in it (the `offset-wrap` drill: the prefill path computes `slot * slot_stride` modulo
 2**bits) writes real data to the wrong place, exactly as a 32-bit offset in a kernel would.
 The decode path always uses exact (64-bit) offsets, as in vLLM.
+`part_dtypes` ({"conv": dtype, "ssm": dtype}) rounds a part to that dtype as it is written, as a
+cache that stores it in that dtype would (vLLM's `mamba_cache_dtype` / `mamba_ssm_cache_dtype`); a
+part whose dtype is the buffer's is stored as it is.
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ class StateCache:
     """
 
     def __init__(self, specs: list[list[tuple[str, tuple[int, ...]]]], num_slots: int, dtype=None,
-                 device="cpu", wrap_bits: int | None = None):
+                 device="cpu", wrap_bits: int | None = None, part_dtypes: dict | None = None):
         import torch
 
         self.num_slots = num_slots
@@ -79,6 +82,7 @@ class StateCache:
         self.slot_stride = off  # elements per slot
         self.wrap_bits = wrap_bits
         self.buffer = torch.zeros(num_slots * self.slot_stride, dtype=dtype or torch.float32, device=device)
+        self._round = {name: d for name, d in (part_dtypes or {}).items() if d is not None and d != self.buffer.dtype}
         self._torch = torch
 
     @property
@@ -120,6 +124,8 @@ class StateCache:
         return self.buffer[self._index(layer, name, slots, path)].view(shape)
 
     def write(self, layer: int, name: str, slots: list[int], values, path: str) -> None:
+        if name in self._round:
+            values = values.to(self._round[name])
         values = values.to(self.buffer.dtype)
         if self._exact(slots, path):
             table, index, cols = self._rows(layer, name, slots)

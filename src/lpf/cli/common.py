@@ -172,7 +172,7 @@ def run_options(f):
         click.option("--logprobs", type=int, default=5, show_default=True, help="Top-k alternatives recorded per token."),
         click.option("--prompt-logprobs", is_flag=True,
                      help="Also record the engine's logprob of every prompt token (the prefill path), audited apart."),
-        click.option("--base-url", default=None, help="openai/sglang engines: the server, e.g. http://127.0.0.1:8000/v1."),
+        click.option("--base-url", default=None, help="openai/sglang/llamacpp engines: the server, e.g. http://127.0.0.1:8000/v1."),
         click.option("--api-key-env", default=None, metavar="VAR",
                      help="openai/sglang engines: environment variable holding the API key (never written anywhere)."),
         click.option("--served-model", default=None,

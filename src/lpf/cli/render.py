@@ -7,8 +7,6 @@ escaped before it reaches rich markup (a `[bold]` in a prompt is text).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from rich import box
 from rich.console import Console
 from rich.markup import escape
@@ -396,35 +394,3 @@ def print_shrink(doc: dict, console: Console) -> None:
               "not-reproduced": "[bold yellow]not reproduced[/]"}.get(doc["status"], doc["status"])
     console.print(f"status: {status} · {doc['runs_used']} runs of {doc['budget_runs']} · "
                   f"deterministic: {doc.get('deterministic')}", highlight=False)
-
-
-def print_rl_summary(f: dict, out: Path, console: Console) -> None:
-    """`lpf rl analyze`: spike verdict, counts, bad rows, the best hypotheses, where the files are."""
-    console.print(f"[bold]{'SPIKES' if f['n_spikes'] else 'clean'}[/]  {f['summary']}", highlight=False)
-    console.print(f"steps {f['n_steps']} · responses {f['n_responses']} · tokens {f['n_tokens']} · "
-                  f"bad rows {len(f['bad_rows'])}" + (f" · empty steps {len(f['empty_steps'])}" if f["empty_steps"] else ""),
-                  highlight=False)
-    for b in f["bad_rows"][:5]:
-        console.print(f"  bad row {(b['file'] + ' ') if 'file' in b else ''}{b['row']}: {b['reason']}", highlight=False)
-    skipped = f.get("skipped_rows") or []
-    if skipped:
-        console.print(f"  {len(skipped)} rows left out by the framework itself (first: {skipped[0]['reason']})",
-                      highlight=False)
-    ignored = f.get("ignored_files") or []
-    if ignored:
-        console.print(f"  {len(ignored)} files of no dump layout ignored ({', '.join(ignored[:3])}"
-                      f"{', ...' if len(ignored) > 3 else ''})", highlight=False)
-    ref = f.get("reference")
-    if ref:
-        for s in f["spikes"][:8]:
-            console.print(f"  step {s['step']}: {s['side']} ({', '.join(f'{k} {v}' for k, v in s['sides'].items() if v)})",
-                          highlight=False)
-    for h in f["hypotheses"][:3]:
-        console.print(f"  #{h['rank']} {h['sentence']} (p={h['p_value']:.2g})", highlight=False)
-    console.print(f"results: {out}/rl_findings.json, {out}/rl_steps.parquet", highlight=False)
-
-
-def print_rl_rescore(path: Path, n_tokens: int, n_responses: int, model: str, dtype: str, console: Console) -> None:
-    """`lpf rl rescore`: what was scored, by which reference, where it went."""
-    console.print(f"reference scores: {path}  ({n_tokens} tokens of {n_responses} responses; {model}, {dtype})",
-                  highlight=False)

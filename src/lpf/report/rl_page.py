@@ -2,8 +2,9 @@
 rl_steps.parquet into one JSON-ready dict.
 
 Per-step series (probability gap between rollout and trainer, KL and error metrics under the
-frameworks' names, the robust z-score that marks spikes, importance-sampling health, and with a third
-opinion the rollout / trainer / reference curves) with spike steps marked; spikes (with their side),
+frameworks' names, the robust z-score that marks spikes, importance-sampling health, with a third
+opinion the rollout / trainer / reference curves, and the causes' shares of each step) with spike
+steps marked; spikes (with their side),
 bad rows, hypotheses and the noise floor pass through for tables. A panel whose first column the
 writer did not produce is skipped, not invented.
 """
@@ -32,6 +33,10 @@ PANELS = [  # (title, columns, log y); the first column must exist for a panel t
      ["policy_kl_error", "js_divergence_error", "mismatch_kl_median", "mismatch_kl_max"], True),
     ("importance-sampling health", ["ess", "rollout_is_eff_sample_size", "chi2_token"], False),
     ("responses and tokens per step", ["n_responses", "n_tokens"], True),
+    # lpf rl explain's split of each step's sum |d| into named causes (rl_findings.json `causes`)
+    ("mismatch causes per step (share of the step's sum |d|)",
+     ["cause_processed_logprobs", "cause_stale_weights", "cause_batch_shape", "cause_position_growth",
+      "cause_dtype_floor", "cause_unexplained"], False),
 ]
 
 
@@ -60,7 +65,7 @@ def load(path: Path) -> dict:
         band = None
         if "rollout_probs_diff_mean" in have and "rollout_probs_diff_std" in steps.column_names:
             band = (have["rollout_probs_diff_mean"], _col(steps, "rollout_probs_diff_std"))
-        marks = spikes if cols[0] != "n_responses" else None  # spikes mark metrics, not batch sizes
+        marks = spikes if cols[0] not in ("n_responses", "cause_processed_logprobs") else None  # metrics only
         panels.append({"title": title, "figure": charts.rl_series(x, have, marks, log_y=log_y, band=band,
                                                                   y_line=z_line if cols == ["robust_z"] else None)})
     return {"kind": "rl", "findings": findings, "charts": panels,

@@ -5,3 +5,4 @@ Its commands live in `lpf.cli.rl`. Importing this package is light (no numpy, no
 command line reads FORMAT_NAMES from it."""
 
 FORMAT_NAMES = ("lpf", "verl", "prime-rl", "nemo-rl", "slime")
+RL_DRILLS = ("processed-logprobs", "micro-batch", "state-dtype", "stale-policy")  # lpf.rl.drills checks it

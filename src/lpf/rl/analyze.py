@@ -6,7 +6,9 @@ STEP_METRICS, max_abs_logprob_diff, max_response_z, robust_z, spike, and with a 
 per-step curves of `lpf.rl.attribution.step_series`) and rl_findings.json (kind "rl", counts,
 bad_rows, skipped_rows, ignored_files, spikes with the implicated requests and their first off
 positions, period, hypotheses, noise_floor; with a third opinion each spike's `side`, `sides` and
-`request_sides`, and a `reference` block); the command line then draws report.html from them.
+`request_sides`, and a `reference` block); `add_causes` adds the mismatch's causes (`lpf.rl.explain`:
+rl_findings.json `causes`, rl_steps.parquet cause_<name> shares and abs_logprob_diff_sum); the
+command line then draws report.html from them.
 """
 
 from __future__ import annotations
@@ -186,6 +188,20 @@ def _summary(f: dict) -> str:
     if f.get("reference"):
         s += f"; {f['reference']['sentence']}"
     return s
+
+
+def add_causes(step_table: pa.Table, findings: dict, cause_steps: pa.Table, block: dict) -> pa.Table:
+    """The causes section (`lpf.rl.explain`) into the findings and its per-step shares into the step
+    table as cause_<name> columns (both tables hold the dump's steps in the same order)."""
+    if cause_steps.column("step").to_pylist() != step_table.column("step").to_pylist():
+        raise ValueError("cause steps do not line up with the step table")
+    for name in cause_steps.column_names:
+        if name.startswith("share_"):
+            step_table = step_table.append_column("cause_" + name[len("share_"):], cause_steps.column(name))
+    step_table = step_table.append_column("abs_logprob_diff_sum", cause_steps.column("mass"))
+    findings["causes"] = block
+    findings["summary"] += f"; causes: {block['summary']}"
+    return step_table
 
 
 def write_outputs(out: Path, step_table: pa.Table, findings: dict) -> None:

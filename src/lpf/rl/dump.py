@@ -12,6 +12,9 @@ the lpf record form:
   prompt_token_ids     list<int>  optional: the context before the response (what `lpf rl rescore` needs)
   group                any        optional: responses averaged as one unit by slime's per-sample mean
                                   (slime's rollout id); default: each response is its own unit
+  trainer_logprobs_lag{K} list<float> optional (K = 1..8): the trainer's logprob of the same tokens
+                                  with the weights of K steps before (what `lpf.rl.causes` tests stale
+                                  weights with; the reference at those checkpoints serves as well)
   any other scalar (int, float, bool, str) is kept as metadata for hypotheses.
 
 `build_dump(source, fmt, rows, strict)` validates them into a `Dump`. A row whose record is unusable
@@ -25,6 +28,7 @@ listed in `Dump.skipped_rows` and never an error. No usable row at all is an `Lp
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -37,6 +41,7 @@ _LOGPROB_SLACK = 1e-4  # a logprob may round a hair above 0; anything more is no
 # record keys that are data or bookkeeping, never hypothesis metadata
 RESERVED = {"step", "request_id", "response_token_ids", "rollout_logprobs", "trainer_logprobs", "loss_mask",
             "prompt_token_ids", "group", "uid"}
+LAG_KEY = re.compile(r"^trainer_logprobs_lag([1-8])$")
 
 
 @dataclass
@@ -56,8 +61,10 @@ class Dump:
     n_tokens, n_scored and metadata columns; `sequences` (same rows) holds prompt_token_ids (null when
     the dump has none) and response_token_ids; `tok_*` arrays are flat over scored tokens in response
     order (`tok_resp` indexes `responses`, `tok_pos` is the position in the response); `resp_group`
-    numbers the averaging units of slime's per-sample mean. `tok_reference` is filled by
-    `lpf.rl.reference_scores.attach` when a third opinion exists."""
+    numbers the averaging units of slime's per-sample mean; `tok_trainer_lag[K]` holds the trainer's
+    logprobs at the weights of K steps before when the dump carries them (NaN where a row had none).
+    `tok_reference` (and `tok_sensitivity`, `tok_log_kept`, the lagged `tok_reference_lag[K]` /
+    `tok_log_kept_lag[K]`) are filled by `lpf.rl.reference_scores.attach` when a third opinion exists."""
 
     source: str
     fmt: str
@@ -74,6 +81,11 @@ class Dump:
     metadata: dict = field(default_factory=dict)
     tok_reference: np.ndarray | None = None
     reference: dict | None = None
+    tok_trainer_lag: dict = field(default_factory=dict)
+    tok_sensitivity: np.ndarray | None = None
+    tok_log_kept: np.ndarray | None = None
+    tok_reference_lag: dict = field(default_factory=dict)
+    tok_log_kept_lag: dict = field(default_factory=dict)
 
 
 def _is_int(v) -> bool:
@@ -128,6 +140,21 @@ def check(rec: dict) -> tuple[dict | None, str | None]:
             return None, f"{name}[{bad[0]}] = {a[bad[0]]:.4g} is positive: not a logprob"
     if not keep.any():
         return None, "no scored tokens (empty response or loss_mask all 0)"
+    lags = {}
+    for key, v in rec.items():
+        m = LAG_KEY.match(key)
+        if m is None or v is None:
+            continue
+        if not _is_list(v) or len(v) != len(ids):
+            return None, f"{key} must be a list of {len(ids)} logprobs"
+        try:
+            a = np.asarray([np.nan if x is None else x for x in v], dtype=np.float64)
+        except (TypeError, ValueError):
+            return None, f"{key}: logprobs must be numbers"
+        bad = np.flatnonzero(keep & ((a > _LOGPROB_SLACK) | np.isinf(a)))
+        if bad.size:
+            return None, f"{key}[{bad[0]}] = {a[bad[0]]:.4g} is not a logprob"
+        lags[int(m.group(1))] = a
     rid = rec.get("request_id")
     if rid is None:
         if rec.get("prompt_id") is None or rec.get("rollout") is None:
@@ -135,7 +162,7 @@ def check(rec: dict) -> tuple[dict | None, str | None]:
         rid = f"{rec['prompt_id']}-r{rec['rollout']}"
     pos = np.flatnonzero(keep)
     return {"step": int(step), "request_id": str(rid), "positions": pos, "rollout": r[pos], "trainer": t[pos],
-            "n_tokens": len(ids), "ids": [int(x) for x in ids],
+            "n_tokens": len(ids), "ids": [int(x) for x in ids], "lags": {k: a[pos] for k, a in lags.items()},
             "prompt": None if prompt is None else [int(x) for x in prompt]}, None
 
 
@@ -164,7 +191,7 @@ def build_dump(source: str, fmt: str, rows: Iterable[RawRow], strict: bool = Fal
         rec = raw.record
         clean["row"] = raw.loc["row"]
         clean["group"] = rec.get("group")
-        clean["meta"] = {k: v for k, v in rec.items() if k not in RESERVED and _scalar(v)}
+        clean["meta"] = {k: v for k, v in rec.items() if k not in RESERVED and not LAG_KEY.match(k) and _scalar(v)}
         good.append(clean)
     if not good:
         first = f"; first: {where(bad[0])}: {bad[0]['reason']}" if bad else ""
@@ -188,7 +215,13 @@ def build_dump(source: str, fmt: str, rows: Iterable[RawRow], strict: bool = Fal
                 tok_rollout=np.concatenate([g["rollout"] for g in good]),
                 tok_trainer=np.concatenate([g["trainer"] for g in good]),
                 resp_group=_groups(good), bad_rows=bad, skipped_rows=skipped,
-                ignored_files=list(ignored_files or []), metadata=metadata or {})
+                ignored_files=list(ignored_files or []), metadata=metadata or {}, tok_trainer_lag=_lags(good))
+
+
+def _lags(good: list[dict]) -> dict[int, np.ndarray]:
+    """{K: the trainer's lag-K logprobs over all scored tokens, NaN for rows without them}."""
+    ks = sorted({k for g in good for k in g["lags"]})
+    return {k: np.concatenate([g["lags"].get(k, np.full(len(g["positions"]), np.nan)) for g in good]) for k in ks}
 
 
 def _groups(good: list[dict]) -> np.ndarray:

@@ -1,18 +1,27 @@
 """The third logprob column: the HF reference teacher-forced over a dump's responses (`lpf rl rescore`).
 
-`score(dump, reference, dtype, token_budget, ...)` runs `lpf.reference.Rescorer` over every response
-(its prompt_token_ids as context, every response position scored, masked ones too, so one file serves
-any metric) and returns the table `reference.parquet` holds: step, request_id, position, token_id,
-reference_logprob, with the reference's description under the Parquet key metadata "lpf".
-`write(out_dir, table)` writes it atomically into the RL directory; `attach(dump, out_dir)` reads it
-back for `lpf rl analyze`, checking that it was made for this dump (same responses, same token at
-every position), and fills `Dump.tok_reference`. Responses without a prompt cannot be given their
-context: `score` refuses, naming how many and why.
+`score(dump, reference, dtype, token_budget, ..., sampling, lag)` runs `lpf.reference.Rescorer` over
+every response (its prompt_token_ids as context, every response position scored, masked ones too, so
+one file serves any metric) and returns the table the RL directory holds: step, request_id, position,
+token_id, reference_logprob, reference_sensitivity (`lpf.rl.row_stats`), and reference_log_kept_mass
+when the rollout's sampling settings are known (`sampling` = {temperature, top_k, top_p}; null
+otherwise), with the reference's description, the sampling and the lag under the Parquet key
+metadata "lpf". `reference` may be a template holding `{step}` (the policy's checkpoint at each step:
+`ckpt/step_{step}`): the responses of step s are scored with the checkpoint of step s - lag (lag 0: the
+trainer's own weights; lag 1: the step before, what a one-step-stale rollout was generated with). A
+lag checkpoint that does not exist leaves its responses' scores null (counted in the metadata); a
+lag-0 one is an error. Lag 0 goes to `reference.parquet`, lag k to `reference_lag{k}.parquet`
+(`write`). `attach(dump, out_dir)` reads them back for `lpf rl analyze` / `explain`, checking that
+they were made for this dump (same responses, same token at every position), and fills
+`Dump.tok_reference`, `tok_sensitivity`, `tok_log_kept` and the lagged `tok_reference_lag` /
+`tok_log_kept_lag`. Responses without a prompt cannot be given their context: `score` refuses,
+naming how many and why.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Callable
 
@@ -26,46 +35,93 @@ from lpf.rl.dump import Dump
 
 REFERENCE_FILE = "reference.parquet"
 SCHEMA = pa.schema([("step", pa.int64()), ("request_id", pa.string()), ("position", pa.int32()),
-                    ("token_id", pa.int64()), ("reference_logprob", pa.float64())])
+                    ("token_id", pa.int64()), ("reference_logprob", pa.float64()),
+                    ("reference_sensitivity", pa.float64()), ("reference_log_kept_mass", pa.float64())])
+REQUIRED = ("step", "request_id", "position", "token_id", "reference_logprob")
+MAX_LAG = 8
+_LAG_FILE = re.compile(r"reference_lag(\d+)\.parquet$")
 
 
 def _noop(*_):
     pass
 
 
-def score(dump: Dump, reference: str, dtype: str = "float32", token_budget: int = 16384,
-          on_start: Callable = _noop, tick: Callable = _noop, device: str = "cpu") -> pa.Table:
-    from lpf.model_specs import resolve_model
-    from lpf.reference import Rescorer, ScoreItem
+def file_name(lag: int) -> str:
+    return REFERENCE_FILE if lag == 0 else f"reference_lag{lag}.parquet"
 
+
+def score(dump: Dump, reference: str, dtype: str = "float32", token_budget: int = 16384,
+          on_start: Callable = _noop, tick: Callable = _noop, device: str = "cpu", sampling: dict | None = None,
+          lag: int = 0) -> pa.Table:
     prompts = dump.sequences.column("prompt_token_ids").to_pylist()
     outputs = dump.sequences.column("response_token_ids").to_pylist()
     ids = dump.responses.column("request_id").to_pylist()
+    steps = dump.responses.column("step").to_numpy()
     none = [i for i, p in enumerate(prompts) if not p]
     if none:
         raise LpfError(f"{dump.source}: {len(none)} of {len(prompts)} responses carry no prompt token ids (first: "
                        f"{ids[none[0]]}), so the reference cannot be given their context; {_HOW.get(dump.fmt, '')}")
     if token_budget < 1:
         raise LpfError(f"--token-budget must be >= 1, got {token_budget}")
-    rescorer = Rescorer(resolve_model(reference), dtype=dtype, device=device, token_budget=token_budget, topk=1)
-    items = [ScoreItem(str(i), p, o) for i, (p, o) in enumerate(zip(prompts, outputs))]
-    for it in items:
-        rescorer.validate(it)  # every request checked before the bar starts: an error prints alone
-    on_start(sum(len(o) for o in outputs), 0)
-    parts = []
-    for table in rescorer.score(items, tick):
-        parts.append(table.select(["request_id", "position", "ref_logprob"]))
+    if not 0 <= lag <= MAX_LAG:
+        raise LpfError(f"--lags: each lag must be in 0..{MAX_LAG}, got {lag}")
+    templated = "{step}" in reference
+    if lag and not templated:
+        raise LpfError(f"--lags {lag} needs a reference per step: give --reference as a template holding {{step}} "
+                       f"(the policy's checkpoints, e.g. ckpt/step_{{step}})")
+    from lpf.model_specs import resolve_model  # torch and transformers only once the request is sound
+    from lpf.reference import Rescorer, ScoreItem
+    from lpf.rl.row_stats import RowStats
+
+    groups = {}  # checkpoint spec -> response indices
+    missing = 0
+    for i, s in enumerate(steps):
+        spec = reference.replace("{step}", str(int(s) - lag)) if templated else reference
+        groups.setdefault(spec, []).append(i)
+    resolved = {}
+    for spec in groups:
+        try:
+            resolved[spec] = resolve_model(spec)
+        except LpfError:
+            if lag == 0 or not templated:
+                raise
+            resolved[spec] = None
+    stats = RowStats(**sampling) if sampling else RowStats()
+    on_start(sum(len(outputs[i]) for spec, idx in groups.items() if resolved[spec] is not None for i in idx), 0)
+    parts, describe = [], None
+    for spec, idx in groups.items():
+        if resolved[spec] is None:
+            missing += len(idx)
+            continue
+        rescorer = Rescorer(resolved[spec], dtype=dtype, device=device, token_budget=token_budget, topk=1,
+                            on_rows=stats)
+        describe = describe or rescorer.describe()
+        items = [ScoreItem(str(i), prompts[i], outputs[i]) for i in idx]
+        for it in items:
+            rescorer.validate(it)  # every request checked before its checkpoint scores: an error prints alone
+        for table in rescorer.score(items, tick):
+            kept, sens = stats.take()
+            table = table.select(["request_id", "position", "ref_logprob"])
+            parts.append(table.append_column("sens", pa.array(sens, pa.float64()))
+                              .append_column("kept", pa.array(kept if kept is not None else [None] * len(sens),
+                                                              pa.float64())))
+        del rescorer
+    if not parts:
+        raise LpfError(f"no checkpoint of {reference!r} at lag {lag} exists for any step of {dump.source}")
     got = pa.concat_tables(parts)
     idx = np.asarray(pc.cast(got.column("request_id"), pa.int64()))
     pos = got.column("position").to_numpy()
-    steps = dump.responses.column("step").to_numpy()
     offsets = np.concatenate([[0], np.cumsum([len(o) for o in outputs])])
     flat = np.concatenate([np.asarray(o, dtype=np.int64) for o in outputs])
-    meta = {"reference": rescorer.describe(), "dump": dump.source, "format": dump.fmt, "n_responses": len(items)}
+    meta = {"reference": describe, "template": reference if templated else None, "dump": dump.source,
+            "format": dump.fmt, "n_responses": len(ids), "lag": lag, "sampling": sampling,
+            "n_responses_without_checkpoint": missing}
     table = pa.table({"step": pa.array(steps[idx], pa.int64()),
                       "request_id": pa.array(np.asarray(ids, dtype=object)[idx], pa.string()),
                       "position": pa.array(pos, pa.int32()), "token_id": pa.array(flat[offsets[idx] + pos], pa.int64()),
-                      "reference_logprob": got.column("ref_logprob").cast(pa.float64())}, schema=SCHEMA)
+                      "reference_logprob": got.column("ref_logprob").cast(pa.float64()),
+                      "reference_sensitivity": got.column("sens"), "reference_log_kept_mass": got.column("kept")},
+                     schema=SCHEMA)
     return table.replace_schema_metadata({"lpf": json.dumps(meta)})
 
 
@@ -73,9 +129,9 @@ _HOW = {"verl": "add prompts and attention_mask per sample to the dump",
         "lpf": "add a prompt_token_ids column"}
 
 
-def write(out_dir: Path, table: pa.Table) -> Path:
+def write(out_dir: Path, table: pa.Table, lag: int = 0) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / REFERENCE_FILE
+    path = out_dir / file_name(lag)
     tmp = path.with_name(path.name + ".tmp")
     pq.write_table(table, tmp)
     tmp.replace(path)
@@ -83,15 +139,33 @@ def write(out_dir: Path, table: pa.Table) -> Path:
 
 
 def attach(dump: Dump, out_dir: Path) -> bool:
-    """Fill `dump.tok_reference` from out_dir/reference.parquet; False when there is none."""
+    """Fill the dump's reference arrays from out_dir/reference.parquet (and reference_lag{k}.parquet);
+    False when there is no reference.parquet."""
     path = out_dir / REFERENCE_FILE
     if not path.is_file():
         return False
+    ref, sens, kept, meta = _read(dump, path, lagged=False)
+    dump.tok_reference, dump.tok_sensitivity, dump.tok_log_kept = ref, sens, kept
+    dump.reference = {"file": str(path), **meta}
+    for f in sorted(out_dir.glob("reference_lag*.parquet")):
+        m = _LAG_FILE.search(f.name)
+        if not m or not 1 <= int(m.group(1)) <= MAX_LAG:
+            continue
+        k = int(m.group(1))
+        dump.tok_reference_lag[k], _, dump.tok_log_kept_lag[k], lag_meta = _read(dump, f, lagged=True)
+        dump.reference.setdefault("lags", {})[k] = {"file": str(f), "template": lag_meta.get("template"),
+                                                   "n_responses_without_checkpoint":
+                                                       lag_meta.get("n_responses_without_checkpoint", 0)}
+    return True
+
+
+def _read(dump: Dump, path: Path, lagged: bool):
+    """(reference logprob, sensitivity or None, log kept mass or None, metadata) per scored token."""
     try:
         table = pq.read_table(path)
     except Exception as e:  # pyarrow raises many types for a damaged file
         raise LpfError(f"{path}: not a readable Parquet file ({str(e).splitlines()[0]}); rerun lpf rl rescore") from None
-    missing = [c for c in SCHEMA.names if c not in table.column_names]
+    missing = [c for c in REQUIRED if c not in table.column_names]
     if missing:
         raise LpfError(f"{path}: not a reference file of lpf rl rescore (no {', '.join(missing)})")
     meta = json.loads((table.schema.metadata or {}).get(b"lpf", b"{}"))
@@ -109,19 +183,26 @@ def attach(dump: Dump, out_dir: Path) -> bool:
     n_tok = np.diff(offsets)
     if (resp < 0).any() or ((pos < 0) | (pos >= n_tok[np.maximum(resp, 0)])).any():
         raise LpfError(stale)
-    flat_ref = np.full(int(offsets[-1]), np.nan)
-    flat_tok = np.full(int(offsets[-1]), -1, dtype=np.int64)
     at = offsets[resp] + pos
-    flat_ref[at] = table.column("reference_logprob").to_numpy()
+    flat_tok = np.full(int(offsets[-1]), -1, dtype=np.int64)
     flat_tok[at] = table.column("token_id").to_numpy()
     want = np.concatenate([np.asarray(o, dtype=np.int64) for o in outputs])
     scored = offsets[dump.tok_resp] + dump.tok_pos
-    if not np.array_equal(flat_tok[scored], want[scored]):
+    present = flat_tok[scored] >= 0
+    if (not lagged and not present.all()) or not np.array_equal(flat_tok[scored][present], want[scored][present]):
         raise LpfError(stale + " (token ids differ)")
-    ref = flat_ref[scored]
-    if not np.isfinite(ref).all():
+
+    def column(name):
+        if name not in table.column_names or table.column(name).null_count == len(table):
+            return None
+        flat = np.full(int(offsets[-1]), np.nan)
+        flat[at] = table.column(name).to_numpy(zero_copy_only=False).astype(np.float64)
+        return flat[scored]
+
+    ref = column("reference_logprob")
+    if ref is None:
+        ref = np.full(scored.size, np.nan)
+    if not lagged and not np.isfinite(ref).all():
         raise LpfError(f"{path}: reference logprobs missing or not finite for {int((~np.isfinite(ref)).sum())} scored "
                        f"tokens; rerun lpf rl rescore")
-    dump.tok_reference = ref
-    dump.reference = {"file": str(path), **meta}
-    return True
+    return ref, column("reference_sensitivity"), column("reference_log_kept_mass"), meta

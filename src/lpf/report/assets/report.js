@@ -576,6 +576,24 @@
       return ref ? row.concat([s.side || "–"]) : row;
     })) : txt("div", "empty", "no spikes"));
     main.appendChild(sp);
+    var C = F.causes;  // lpf rl explain: the mismatch split into named causes, each with its test and fix
+    if (C && C.causes) {
+      var cs = section("causes", "Causes", "The mismatch (" + C.mass + ") split into named causes; shares of sum |d| and of " +
+        ((C.framework_metric || {}).name || "the framework's metric") + ".", "Causes");
+      if (C.summary) add(cs, h("div", "lead" + (C.verdict === "inside-floor" ? " ok" : ""), C.summary));
+      add(cs, table(["cause", "status", "share", "share (metric)", "evidence"], C.causes.map(function (c) {
+        return [c.label, c.status, (100 * c.share).toFixed(1) + "%", (100 * c.share_metric).toFixed(1) + "%", c.evidence];
+      })));
+      C.causes.forEach(function (c) {
+        if (c.status !== "named" || !c.fix) return;
+        add(cs, [txt("h4", null, c.label + ": " + c.fix.why),
+          table(["what", "setting"], (c.fix.fix || []).map(function (x) { return ["fix", txt("span", "mono", x)]; })
+            .concat((c.fix.correction || []).map(function (x) { return ["correction", txt("span", "mono", x)]; })))]);
+      });
+      if ((C.wasted || []).length) add(cs, h("div", "lead", [txt("b", null, "Wasted on these causes: "), C.wasted.join("; ")]));
+      (C.hints || []).forEach(function (x) { add(cs, txt("div", "lead", "hint: " + x)); });
+      main.appendChild(cs);
+    }
     var hy = section("hypotheses", "Mechanisms", "Features tested for association with spike steps, best first.");
     add(hy, hypotheses(F.hypotheses, "rl_findings.json has no ranked hypotheses"));
     main.appendChild(hy);

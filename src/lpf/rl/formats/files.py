@@ -5,7 +5,8 @@ never by file name or suffix.
 "jsonl" (first non-empty line is a JSON object) or None. `first_keys(path, kind)` is the field
 names of a Parquet schema or of the first JSON line. `candidates(path)` lists a file, or every data
 file under a directory (MAX_DEPTH levels: prime-rl nests step_N/rank_R.jsonl, slime rollout_data/
-and train_data/), in natural order of their relative paths. `jsonl_rows` / `parquet_rows` yield
+and train_data/; not inside `<stem>.policy/`, the checkpoints `lpf rl simulate` writes beside its
+dump), in natural order of their relative paths. `jsonl_rows` / `parquet_rows` yield
 (line or row number, record or None, why unreadable).
 """
 
@@ -95,6 +96,8 @@ def candidates(path: Path) -> list[Path]:
     for p in path.rglob("*"):
         rel = p.relative_to(path)
         if len(rel.parts) > MAX_DEPTH or any(part.startswith(".") for part in rel.parts) or not p.is_file():
+            continue
+        if any(part.endswith(".policy") for part in rel.parts[:-1]):  # lpf rl simulate's checkpoints: no dump
             continue
         out.append(p)
     return sorted(out, key=lambda p: natural(p.relative_to(path)))

@@ -12,6 +12,9 @@ rollout data. The rollout dump is {"rollout_id", "samples": [Sample.to_dict()]}:
 only; it adds group_index (the GRPO prompt) and status to the train samples it lines up with.
 Rollout ids count from 0 (`--start-rollout-id`); the step is the rollout id.
 
+The train dump's `dp_shards` layout (per data-parallel rank: `partition`, the rollout positions of its
+local samples, and `micro_batch_indices`, the local samples of each micro-batch) gives each sample
+its micro_batch and micro_batch_size (the batch shape `lpf rl explain` tests).
 Files are read with `torch.load(path, weights_only=True)` only: no pickled code ever runs; a file
 that needs more is refused with a message saying so. Responses are named `sample_I` (Sample.index),
 or `position_P` when the index is unset. A sample whose loss_masks are all 0 (slime's remove_sample)
@@ -132,14 +135,37 @@ def raw_rows(files: list[Path], label, ignored: list[Path]) -> Iterator[RawRow]:
                        "writes: point lpf at the dump directory or at train_data/")
     for f, payload in train:
         rid = payload.get("rollout_id")
+        layout = micro_batches(payload)
         for i, s in enumerate(payload["samples"], 1):
             loc = {**label(f), "row": i}
             try:
-                yield RawRow(loc, record=convert(s, rid, _join(s, rollout.get(rid, []))))
+                rec = convert(s, rid, _join(s, rollout.get(rid, [])))
+                rec.update(layout.get(rec.get("rollout_position"), {}))
+                yield RawRow(loc, record=rec)
             except BadRow as e:
                 yield RawRow(loc, problem=str(e))
             except Skipped as e:
                 yield RawRow(loc, skipped=str(e))
+
+
+def micro_batches(payload: dict) -> dict:
+    """{rollout_position: {"micro_batch", "micro_batch_size"}} from the dump's dp_shards layout
+    (micro-batches numbered across ranks in file order); {} when the layout is missing or malformed."""
+    out, n = {}, 0
+    for shard in payload.get("dp_shards") or []:
+        if not isinstance(shard, dict):
+            return {}
+        part, mbs = shard.get("partition"), shard.get("micro_batch_indices")
+        if not isinstance(part, list) or not isinstance(mbs, list):
+            continue
+        for mb in mbs:
+            if not isinstance(mb, list):
+                return {}
+            for local in mb:
+                if isinstance(local, int) and 0 <= local < len(part):
+                    out[_scalar(part[local])] = {"micro_batch": n, "micro_batch_size": len(mb)}
+            n += 1
+    return out
 
 
 def _join(s, candidates: list[dict]) -> dict | None:
