@@ -14,7 +14,8 @@ Contract:
   request as the runner knows it; lpf maps it back to its own.
 - `LPF_VLLM_INJECT=stale-state[,offset-wrap:BITS]` puts a drill in (`drills.py`).
 - `LPF_VLLM_CAPTURE=SPEC.json` (lpf locate) also captures the named requests' activations op by op
-  (`capture.py`), written with the trace at each flush.
+  (`capture.py`), written with the trace at each flush; `set_capture(SPEC.json | None)` does the same
+  (or stops) from inside the process, for the next steps: lpf's offline worker, one capture per batch.
 - `status()` and `flush()` are for a caller in the same process (lpf's offline worker): the status
   dict, and "write every buffered row now" (before it reports the requests those rows describe).
 It never imports lpf: it runs in vLLM's interpreter.
@@ -49,6 +50,14 @@ def status() -> dict:
     if _session is None:
         return {"recording": False, "why": f"the plugin is off ({ENV_DIR} is not set)"}
     return _session.status()
+
+
+def set_capture(spec_path: str | None) -> str | None:
+    """Capture the requests `spec_path` names from the next step on (None: stop capturing); returns
+    why not, when the plugin records nothing or the spec cannot be read."""
+    if _session is None or not _session.recording:
+        return status().get("why") or "the plugin is not recording"
+    return _session.set_capture(spec_path)
 
 
 def flush() -> None:

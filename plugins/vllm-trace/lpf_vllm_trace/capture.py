@@ -33,6 +33,7 @@ import os
 import re
 
 KERNELS = ("causal_conv1d_fn", "causal_conv1d_update", "mamba_chunk_scan_combined_varlen", "selective_state_update")
+_ACTIVE: dict = {"capture": None}  # the capture the kernel wrappers feed (they are installed once per process)
 
 
 class Capture:
@@ -76,20 +77,9 @@ class Capture:
                     else:
                         mod.register_forward_hook(self._hook(op, what))
                     break
+        _ACTIVE["capture"] = self if self.kernels else None
         if self.kernels:
-            self._wrap_kernels()
-
-    def _wrap_kernels(self) -> None:
-        try:
-            from vllm.model_executor.layers.mamba import mamba_mixer2 as mm
-        except Exception:  # noqa: BLE001 - no Mamba2 layers in this build: nothing to wrap
-            return
-        for name in KERNELS:
-            fn = getattr(mm, name, None)
-            if fn is not None and not getattr(fn, "_lpf_capture", False):
-                wrapped = self._kernel(name, fn)
-                wrapped._lpf_capture = True
-                setattr(mm, name, wrapped)
+            _wrap_kernels()
 
     # -- per step ----------------------------------------------------------------------------------
     def begin_step(self, runner, scheduler_output, attn_metadata) -> None:
@@ -177,25 +167,6 @@ class Capture:
                     self._put_rows(prefix + op, t.reshape(t.shape[0], -1))
         return lambda mod, args, kwargs: pre(mod, args, kwargs)
 
-    def _kernel(self, name: str, fn):
-        sig = inspect.signature(fn)
-
-        def wrapper(*args, **kwargs):
-            observe = bool(self.rows) and self.why is None
-            a, before = {}, None
-            if observe:
-                try:
-                    a = sig.bind_partial(*args, **kwargs).arguments
-                    if name == "selective_state_update":
-                        before = {r["id"]: a["state"][_slot(a, r["index"])].clone() for r in self.rows if r["kind"] == "decode"}
-                except Exception as e:  # noqa: BLE001
-                    self.why, observe = f"capture stopped ({type(e).__name__}: {e})", False
-            out = fn(*args, **kwargs)
-            if observe:
-                self._guard(self._observe)(name, a, out, before)
-            return out
-        return wrapper
-
     def _observe(self, name: str, a: dict, out, before) -> None:
         import torch.nn.functional as F
 
@@ -251,6 +222,42 @@ class Capture:
         with open(stem + ".tmp.json", "w") as f:
             json.dump(index, f)
         os.replace(stem + ".tmp.json", stem + ".json")
+
+
+def _wrap_kernels() -> None:
+    """Wrap vLLM's Mamba2 kernels where the mixer looks them up, once per process: each call is seen
+    by the capture active then (`_ACTIVE`), if any."""
+    try:
+        from vllm.model_executor.layers.mamba import mamba_mixer2 as mm
+    except Exception:  # noqa: BLE001 - no Mamba2 layers in this build: nothing to wrap
+        return
+    for name in KERNELS:
+        fn = getattr(mm, name, None)
+        if fn is not None and not getattr(fn, "_lpf_capture", False):
+            wrapped = _kernel(name, fn)
+            wrapped._lpf_capture = True
+            setattr(mm, name, wrapped)
+
+
+def _kernel(name: str, fn):
+    sig = inspect.signature(fn)
+
+    def wrapper(*args, **kwargs):
+        cap = _ACTIVE["capture"]
+        observe = cap is not None and bool(cap.rows) and cap.why is None
+        a, before = {}, None
+        if observe:
+            try:
+                a = sig.bind_partial(*args, **kwargs).arguments
+                if name == "selective_state_update":
+                    before = {r["id"]: a["state"][_slot(a, r["index"])].clone() for r in cap.rows if r["kind"] == "decode"}
+            except Exception as e:  # noqa: BLE001
+                cap.why, observe = f"capture stopped ({type(e).__name__}: {e})", False
+        out = fn(*args, **kwargs)
+        if observe:
+            cap._guard(cap._observe)(name, a, out, before)
+        return out
+    return wrapper
 
 
 def _slot(a: dict, i: int) -> int:

@@ -48,15 +48,9 @@ class Session:
         except ValueError as e:
             why = str(e)
         why = why or compat.problem(version) or recorder.open()
-        capture = None
+        session = cls(recorder, drills, why)
         if capture_spec and why is None:
-            from lpf_vllm_trace.capture import Capture, load_spec
-
-            try:
-                capture = Capture(load_spec(capture_spec))
-            except (OSError, ValueError, KeyError) as e:
-                why = f"capture spec {capture_spec} unreadable ({type(e).__name__}: {e})"
-        session = cls(recorder, drills, why, capture)
+            session.why = why = session.set_capture(capture_spec)
         if why is None:
             try:
                 from lpf_vllm_trace.hooks import install
@@ -71,6 +65,22 @@ class Session:
         recorder.start_flusher(session.warn_once)
         atexit.register(session.flush)
         return session
+
+    def set_capture(self, spec_path: str | None) -> str | None:
+        """A new capture from `spec_path` (None: none); returns why not when the spec is unreadable."""
+        from lpf_vllm_trace import capture as cap
+
+        if self.capture is not None:
+            self.flush()
+        self.capture = None
+        cap._ACTIVE["capture"] = None
+        if spec_path is None:
+            return None
+        try:
+            self.capture = cap.Capture(cap.load_spec(spec_path))
+        except (OSError, ValueError, KeyError) as e:
+            return f"capture spec {spec_path} unreadable ({type(e).__name__}: {e})"
+        return None
 
     def warn_once(self, why: str) -> None:
         if not self._warned:

@@ -21,15 +21,16 @@ LPF_VLLM_INJECT. `side_tables()` hands over the plugin's parts with lpf's reques
 says which vLLM id is whose), and `describe()["trace"]` names the source and, when the plugin
 records nothing, its reason (an unknown vLLM version, a hook missing, a directory not writable);
 `describe()` also carries what the trace features read: the SSM state's slot stride and the drills.
-`capture` (set by `lpf locate`, never by hand) names a capture spec the plugin reads from
-LPF_VLLM_CAPTURE: one request's activations op by op (`lpf.locate.vllm_replay`).
+`capture` (set by `lpf locate`, never by hand) names a capture spec sent to the worker before the
+batch (a kept worker included), which hands it to the plugin: one request's activations op by op
+(`lpf.locate.vllm_replay`).
 
 Inside `kept_workers()` a closed engine's worker is kept (one idle worker at a time) and handed to the
 next engine started with the same interpreter, environment and model, which rebuilds vllm.LLM in it
 (`configure`): a matrix of configurations (`lpf conformance`) pays vLLM's import once per model instead
 of once per configuration. The plugin's directory goes with the worker; the parts the earlier engines
 took are never handed over again. A worker that failed (a refused configuration, a failure mid-run)
-or that ran drills or a capture (`inject`, `capture`: the plugin's state is per process) is never reused.
+or that ran drills (`inject`: the plugin's drill state is per process) is never reused.
 """
 
 from __future__ import annotations
@@ -156,8 +157,7 @@ class VLLMEngine(Engine):
         # parallel groups: an MoE model after a dense one finds no expert-parallel group)
         self._key = (str(self.python), str(model.path), options.trace, options.trace_dir,
                      options.cpu_kvcache_space, tuple(sorted(self._env(None).items())))
-        if not (options.inject or options.capture) and _KEPT is not None and self._key in _KEPT \
-                and _KEPT[self._key][0].poll() is None:
+        if not options.inject and _KEPT is not None and self._key in _KEPT and _KEPT[self._key][0].poll() is None:
             self._reuse(_KEPT.pop(self._key), config)
             return
         self.tmp = tempfile.TemporaryDirectory(prefix="lpf-vllm-")
@@ -232,8 +232,6 @@ class VLLMEngine(Engine):
             env["LPF_VLLM_TRACE_DIR"] = str(plugin.path)
             if self.options.inject:
                 env["LPF_VLLM_INJECT"] = self.options.inject
-            if self.options.capture:
-                env["LPF_VLLM_CAPTURE"] = self.options.capture
         return env
 
     def _wait_ready(self) -> dict:
@@ -310,6 +308,8 @@ class VLLMEngine(Engine):
         pending = {r.request_id: r for r in requests}
         failure = None
         try:
+            # lpf locate's capture for this batch, or none (a kept worker may have captured for the last engine)
+            self.proc.stdin.write(json.dumps({"type": "capture", "spec": self.options.capture}) + "\n")
             for r in requests:
                 self.proc.stdin.write(json.dumps({"request_id": r.request_id, "prompt_token_ids": list(r.prompt_token_ids),
                                                   "max_tokens": r.max_tokens, "seed": r.seed}) + "\n")
@@ -348,7 +348,7 @@ class VLLMEngine(Engine):
         """Hand this engine's live worker to kept_workers() (idle, for the next engine of its kind)."""
         proc, key = getattr(self, "proc", None), getattr(self, "_key", None)
         if _KEPT is None or key is None or proc is None or proc.poll() is not None or self.options.inject \
-                or self.options.capture or getattr(self, "_failed", False):
+                or getattr(self, "_failed", False):
             return False
         _close_kept()  # at most one idle worker: the next cells are of this model
         _KEPT[key] = (proc, self.results, self.log, self.tmp, self.plugin)

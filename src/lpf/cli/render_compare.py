@@ -62,6 +62,8 @@ def print_conformance(doc: dict, console: Console) -> None:
     console.print(t)
     for name, says, sentence in v["not_clean"]:
         console.print(f"  {name}: [bold]{escape(says)}[/]" + (f" — {escape(sentence)}" if sentence else ""))
+    for name, sentence in v["located"]:
+        console.print(f"  {name}: [bold]locate:[/] {escape(sentence)}")
     for name, status, error in v["failed"]:
         console.print(f"  [dim]{name}: {status}: {escape(error)[:300]}[/]")
     if v["not_audited"]:

@@ -32,6 +32,8 @@ def print_locate(doc: dict, out_dir, console: Console) -> None:
                   f"({escape(t.get('why') or '')}) · engine {escape(str((doc.get('engine') or {}).get('name')))}")
     console.print(f"[bold]suspect:[/] [{SUSPECT_STYLE.get(suspect, 'white')}]{suspect}[/]")
     console.print(escape(doc.get("sentence") or ""), soft_wrap=True)
+    if doc.get("details"):
+        console.print(f"[dim]{escape(doc['details'])}[/]", soft_wrap=True)
     chk = rp.get("check") or {}
     replayed = f"replayed {rp.get('steps_replayed')} of {rp.get('steps_scheduled')} steps" if rp.get("steps_scheduled") else "replayed"
     if chk.get("positions"):

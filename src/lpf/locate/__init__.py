@@ -26,7 +26,7 @@ from pathlib import Path
 from lpf.errors import LpfError
 
 SCHEMA = 1
-HTTP_ENGINES = ("openai", "sglang")
+HTTP_ENGINES = ("openai", "sglang", "llamacpp")
 
 
 def locate(run_path, request_id: str | None = None, position: int | None = None, out=None, trials: bool = True,
@@ -39,9 +39,10 @@ def locate(run_path, request_id: str | None = None, position: int | None = None,
     run = RunDir.open(run_path)
     engine_name = (run.manifest.get("engine") or {}).get("name")
     if engine_name in HTTP_ENGINES:
-        raise LpfError(f"lpf locate needs the engine's activations, and a {engine_name} server returns none: "
-                       f"rerun the workload offline (--engine vllm, through lpf-vllm-trace) or on a server whose "
-                       f"worker runs a capture plugin, then locate that run")
+        raise LpfError(f"lpf locate needs the engine's activations op by op, and a {engine_name} server answers "
+                       f"over HTTP with tokens and logprobs only: it would need a capture hook inside its forward "
+                       f"pass (as lpf-vllm-trace has for vLLM); rerun the workload with --engine vllm or builtin "
+                       f"and locate that run")
     if engine_name not in ("builtin", "vllm", "hf"):
         raise LpfError(f"lpf locate knows the builtin, vllm and hf engines; this run's engine is {engine_name!r}")
     target = choose_target(run, request_id, position)
@@ -144,7 +145,8 @@ def _document(run, target, engine, ref, judged, dtype, seconds) -> dict:
                    "check": engine.check, "reproduces": _reproduces(engine.check), "steps": engine.steps,
                    "slot_stride": engine.slot_stride},
         "located": judged["located"], "mamba": judged["mamba"], "input": judged["input"],
-        "verdict": judged["verdict"], "sentence": judged["sentence"], "trials": judged["trials"],
+        "verdict": judged["verdict"], "sentence": judged["sentence"], "details": judged["details"],
+        "trials": judged["trials"],
         "modules": judged["modules"], "grid": judged["grid"], "mismatched": judged["mismatched"],
         "seconds": {"total": seconds, "engine": engine.seconds, "reference": ref.seconds},
     }

@@ -176,15 +176,10 @@ def _compute(engine, schedule, request_id, upto, dtype, on_step) -> EngineSide:
         for i, (so, step_nodes) in enumerate(zip(schedule, nodes)):
             if so.step not in steps:
                 continue
-            cap.hidden = None
+            cap.hidden = cap.step_hidden = None
             engine.runner.execute(so, capture=cap)
             if cap.hidden is not None:
-                positions, rows = cap.hidden
-                with torch.inference_mode():
-                    lg = engine.runner.drills.logits(engine.model, rows, batch_size=len(so.scheduled))
-                for p, row in zip(positions, lg):
-                    logits[p] = row.detach().float().cpu()
-                    cap.acts.put("logits", p, row.detach().to(torch.float64).cpu().numpy())
+                _project(engine, so, cap, logits)
             for n in step_nodes:
                 if n.request_id == request_id:
                     side.steps.append(_step_info(so, n, deps, engine.runner.drills))
@@ -194,6 +189,28 @@ def _compute(engine, schedule, request_id, upto, dtype, on_step) -> EngineSide:
         hooks.remove()
     side.logits = logits
     return side
+
+
+def _project(engine, so, cap, logits: dict) -> None:
+    """The request's logits this step. Its sampled row goes through the LM head in the same matmul as
+    the runner's (every sampling row of the step, in batch order: a matmul's rounding follows its
+    shape), so its logprob is the run's to the bit; its other rows alone (they are compared with the
+    reference, not with the run)."""
+    import torch
+
+    positions, rows = cap.hidden
+    seqs, hidden = cap.step_hidden
+    drills = engine.runner.drills
+    sampling = [(m, s) for m, s in zip(seqs, so.scheduled) if s.will_sample]
+    with torch.inference_mode():
+        lg = drills.logits(engine.model, rows, batch_size=len(so.scheduled))
+        for p, row in zip(positions, lg):
+            cap.acts.put("logits", p, row.detach().to(torch.float64).cpu().numpy())
+        at = next((i for i, (m, _) in enumerate(sampling) if m.request_id == cap.request_id), None)
+        if at is not None:
+            idx = torch.tensor([m.end - 1 for m, _ in sampling], device=hidden.device)
+            batch = drills.logits(engine.model, hidden[idx], batch_size=len(so.scheduled))
+            logits[sampling[at][0].num_computed + sampling[at][0].num_tokens - 1] = batch[at].detach().float().cpu()
 
 
 def _step_info(so, n: Node, deps: Dependencies, drills) -> dict:

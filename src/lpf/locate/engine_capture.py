@@ -8,8 +8,9 @@ engine's modules for what a boundary does show (`RULES`: norms, projections, MLP
 each layer's output, embeddings, final norm). Every tensor is a slice of the step's packed batch, of
 one request's chunk or of the decode batch (`rows`, see `forward_context`); only the rows of
 `request_id` are kept, as float64 vectors in an `ops.Activations` under the same op names the
-reference side uses (`ops.NAMES`). The final norm's rows of the current step are also kept as the
-engine's own tensor (`hidden`), so the replay can project them with the engine's LM head.
+reference side uses (`ops.NAMES`). The final norm's output of the current step is also kept as the
+engine's own tensor (`hidden`: the request's rows; `step_hidden`: the whole batch), so the replay can
+project them with the engine's LM head exactly as the runner does.
 `install()` returns a handle whose `remove()` takes the hooks off again.
 """
 
@@ -50,7 +51,8 @@ class EngineCapture:
         self.model = model
         self.request_id = request_id
         self.acts = Activations("engine", dtype)
-        self.hidden: tuple[list[int], torch.Tensor] | None = None  # this step's final-norm rows
+        self.hidden: tuple[list[int], torch.Tensor] | None = None  # this step's final-norm rows of the request
+        self.step_hidden: tuple[list, torch.Tensor] | None = None  # the whole batch's (its seqs, the rows)
         self.layer_of: dict[int, int] = {}  # id(module) -> its decoder layer
         for i, layer in enumerate(model.model.layers):
             for mod in layer.modules():
@@ -83,6 +85,8 @@ class EngineCapture:
     def put(self, module, name: str, tensor, rows) -> None:
         if rows is None:
             rows = get_forward_context().seqs
+        if name == "final_norm":
+            self.step_hidden = (list(rows), tensor.detach())
         layer = self.layer_of.get(id(module)) if name not in ("embed", "final_norm") else None
         op = op_name(layer, name)
         if is_step_op(name):  # one row per request: the state before its first token or after its last

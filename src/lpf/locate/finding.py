@@ -16,7 +16,7 @@ Contract: `judge(engine, ref, prompt_len, engine_dtype, engine_steps=None, slot_
 - `verdict`: `suspect` engine | reference | both | nobody, and the sentence saying so with numbers;
 - `modules`: `align.summary` rows (engine vs reference) with the trials' errors at each op beside
   them, in execution order: the chart's data; `grid`: log10(error / floor) per op and position;
-- `sentence`: the finding in one sentence.
+- `sentence`: the finding in one sentence; `details`: the numbers and the verdict behind it.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from lpf.locate.ops import NAMES, SHORT, STEP_OPS, base_name, is_step_op, merged
 # ops of a Mamba layer that its input state reaches (in_proj and dt do not read it)
 MAMBA_OPS = ("conv", "conv_state_in", "state_in", "ssm_out", "conv_state_out", "state_out", "gate_norm", "out_proj")
 LINEAR_OPS = ("in_proj", "out_proj", "o_proj", "router")
+PAIRS = {"q": "k", "k": "q", "conv_state_in": "state_in", "state_in": "conv_state_in"}
 
 
 def token_label(position: int, prompt_len: int) -> str:
@@ -79,10 +80,10 @@ def judge(engine, ref, prompt_len: int, engine_dtype: str, engine_steps: list[di
         trials["decode_path"]["engine_there"] = None if e is None else {"rel_error": e, "floor": f, "agrees": e <= f}
     out["trials"] = trials
     out["located"] = _point(located, engine, ref.tf, prompt_len)
-    if out["located"] is not None:
-        layer, p = out["located"]["layer"], out["located"]["position"]
-        out["located"]["also"] = [op for op in order if op != out["located"]["op"] and split_op(op)[0] == layer
-                                  and layer is not None and errs.get(op, {}).get(p, 0) > floor_of.get(op, float("inf"))][:4]
+    if out["located"] is not None:  # its sibling computed from the same input (q and k, the two states)
+        op, p = out["located"]["op"], out["located"]["position"]
+        sibling = op.rpartition(".")[0] + "." + PAIRS[base_name(op)] if base_name(op) in PAIRS else None
+        out["located"]["also"] = [sibling] if sibling and errs.get(sibling, {}).get(p, 0) > floor_of.get(sibling, 1e300) else []
     if out["located"] is not None and engine_steps:
         out["located"]["step"] = _step_at(engine_steps, out["located"]["position"])
     out["mamba"] = _mamba(out["located"], errs, floor_of, engine, ref.tf, prompt_len, engine_steps)
@@ -92,7 +93,7 @@ def judge(engine, ref, prompt_len: int, engine_dtype: str, engine_steps: list[di
     out["modules"] = _modules(errs, floor_of, order, side_errs)
     out["grid"] = _grid(errs, floor_of, order)
     out["verdict"] = _verdict(out, trials)
-    out["sentence"] = _sentence(out, prompt_len)
+    out["sentence"], out["details"] = _sentence(out, prompt_len)
     return out
 
 
@@ -260,27 +261,27 @@ def _state_words(mamba: dict) -> str:
     return words
 
 
-def _sentence(out, prompt_len: int) -> str:
-    loc, mamba, inp = out["located"], out["mamba"], out["input"]
-    suspect = out["verdict"]["suspect"]
+def _sentence(out, prompt_len: int) -> tuple[str, str]:
+    """(the finding in one sentence, the numbers and the verdict behind it)."""
+    loc, mamba, inp, verdict = out["located"], out["mamba"], out["input"], out["verdict"]
+    suspect = verdict["suspect"]
     if loc is None:
-        return f"Nothing departs: {out['verdict']['sentence']}."
-    head = (f"The first departure is {loc['short']} at {loc['token']}: rel error {_g(loc['rel_error'])}, "
-            f"{_g(loc['ratio'])}x its floor")
-    if loc.get("also"):
-        head += f" (at the same token also {', '.join(loc['also'])})"
+        return f"Nothing departs beyond its floor; suspect: {suspect} ({verdict['sentence']}).", verdict["sentence"]
+    head = (f"the first departure is {loc['short']} at {loc['token']}: rel error {_g(loc['rel_error'])}, "
+            f"{_g(loc['ratio'])}x its floor" + (f" (at the same token also {', '.join(loc['also'])})" if loc.get("also") else ""))
+    details = f"{head[0].upper()}{head[1:]}; {verdict['sentence']}."
     if mamba is not None and mamba["input_state"] == "differed":
         return (f"Mamba layer {mamba['layer']}'s input state at {mamba['start_token']} already differed (engine state "
                 f"norm {_g(mamba['engine_state_norm'])}, reference {_g(mamba['reference_state_norm'])})"
-                f"{_state_words(mamba)}. {head}. Suspect: {suspect}.")
+                f"{_state_words(mamba)}; suspect: {suspect}."), details
     if mamba is not None:
-        return (f"{head}; Mamba layer {mamba['layer']} computed wrong from the right input (its input state at "
-                f"{mamba['start_token']} agreed, rel error {_g(mamba['state_in_rel_error'])}). "
-                f"Suspect: {suspect}: {out['verdict']['sentence']}.")
+        return (f"In Mamba layer {mamba['layer']} {head}, while its input state at {mamba['start_token']} agreed "
+                f"(rel error {_g(mamba['state_in_rel_error'])}): the layer computed wrong from the right input; "
+                f"suspect: {suspect}."), details
     extra = ""
     if inp is not None:
-        extra = (f"; its input ({_short(inp['op'])}) {'agreed' if inp['agreed'] else 'already differed'} there "
+        extra = (f", its input ({_short(inp['op'])}) {'agreeing' if inp['agreed'] else 'already differing'} there "
                  f"(rel error {_g(inp['rel_error'])})")
         if inp["agreed"] and loc["name"] in LINEAR_OPS:
             extra += ": a linear op computes another function of the same input (its weights or its matmul differ)"
-    return f"{head}{extra}. Suspect: {suspect}: {out['verdict']['sentence']}."
+    return f"{head[0].upper()}{head[1:]}{extra}; suspect: {suspect}.", details

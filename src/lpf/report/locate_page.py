@@ -33,7 +33,7 @@ def load(path: Path) -> dict:
     modules = [m for m in doc.get("modules") or [] if isinstance(m, dict)]
     grid = doc.get("grid") or {}
     return {"kind": "locate", "doc": {k: doc.get(k) for k in ("request_id", "target", "engine", "reference", "replay",
-                                                            "located", "mamba", "input", "verdict", "sentence",
+                                                            "located", "mamba", "input", "verdict", "sentence", "details",
                                                             "trials", "seconds", "run")},
             "modules": modules, "chart": departure_chart(modules, doc.get("located")) if modules else None,
             "map": departure_map(grid) if grid.get("ops") else None}

@@ -22,7 +22,7 @@
 
     var fs = UI.section("finding", "Finding", "The first op, in execution order and token order, whose engine value departs from the reference beyond that op's own dtype floor.", "Finding");
     add(fs, h("div", "lead" + (V.suspect === "nobody" ? " ok" : ""), [txt("b", null, "Suspect: " + (V.suspect || "?") + ". "), L.sentence || ""]));
-    if (V.sentence) add(fs, txt("p", "note", V.sentence));
+    if (L.details) add(fs, txt("p", "note", L.details));
     if (loc) add(fs, UI.table(["op", "what", "token", "rel error", "floor", "engine norm", "reference norm"],
       [[txt("span", "mono", loc.op), loc.description, loc.token, sci(loc.rel_error), sci(loc.floor), sci(loc.engine_norm), sci(loc.reference_norm)]]));
     if (M) add(fs, UI.table(["Mamba layer", "step starts at", "input state", "engine state norm", "reference state norm", "rel error"],
