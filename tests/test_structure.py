@@ -76,7 +76,7 @@ def test_the_cycle_check_finds_a_cycle():
 
 def test_command_modules_import_only_common_and_render():
     graph = _module_imports()
-    shared = {"lpf.cli.common", "lpf.cli.render", "lpf.cli.render_compare", "lpf.cli.render_rl"}
+    shared = {"lpf.cli.common", "lpf.cli.render", "lpf.cli.render_compare", "lpf.cli.render_rl", "lpf.cli.render_locate"}
     commands = [m for m in graph if m.startswith("lpf.cli.") and m not in shared]
     assert {"lpf.cli.run", "lpf.cli.views", "lpf.cli.experiments", "lpf.cli.rl", "lpf.cli.serve"} <= set(commands)
     for m in commands:
