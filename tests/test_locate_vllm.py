@@ -16,6 +16,7 @@ import json
 
 import pytest
 
+from test_report import browser  # noqa: F401 - the real headless Chromium fixture
 from test_vllm import needs_vllm
 
 pytestmark = [pytest.mark.slow, needs_vllm]
@@ -74,3 +75,17 @@ def test_zamba2_s_dt_clamp_is_located_to_the_mixer_s_dt_and_the_reference_disagr
     assert dp["first_departure"]["name"] == "dt" and dp["first_departure"]["position"] >= doc["target"]["prompt_len"]
     assert dp["engine_there"]["agrees"], dp  # vLLM computes what transformers' own decode step computes
     assert doc["verdict"]["suspect"] == "both"
+
+
+def test_the_conformance_report_links_each_locate_line_to_its_page(matrix, browser):
+    from selenium.webdriver.common.by import By
+
+    from test_report import open_page, severe
+
+    out, cells, _ = matrix
+    log = open_page(browser, out / "report.html")
+    assert severe(log) == [], log
+    findings = browser.find_element(By.ID, "findings")
+    assert findings.text.count("locate:") == len(cells)
+    links = {a.get_attribute("href").split("/conf/")[-1] for a in findings.find_elements(By.CSS_SELECTOR, ".note a")}
+    assert links == {c["locate"]["link"] for c in cells.values()}

@@ -36,8 +36,8 @@ def locate_cmd(run_dir, request_id, position, out_dir, no_trials, as_json):
     with err.status("locating") as status:
         doc, where = locate(run_dir, request_id, position, out_dir, trials=not no_trials,
                             on_stage=lambda s: status.update(s))
-    write_report(where)
     print_locate(doc, where, err if as_json else out)
+    write_report(where)
     if as_json:
         click.echo(json.dumps(doc, indent=2, default=str))
 

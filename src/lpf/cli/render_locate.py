@@ -63,4 +63,4 @@ def print_locate(doc: dict, out_dir, console: Console) -> None:
                       "–" if m.get("first_departure") is None else str(m["first_departure"]), _bar(m.get("ratio")),
                       style=style)
     console.print(table)
-    console.print(f"results: {out_dir}/locate.json  ·  report: {out_dir}/report.html")
+    console.print(f"results: {out_dir}/locate.json")

@@ -6,7 +6,8 @@ adapter added them; the scheduler then runs step by step with the run's recorded
 back as its samples, so it makes the same decisions (batches, budgets, state slots, KV blocks,
 preemptions) the run made, which is checked against the run's trace step by step (`LpfError` at the
 first step that differs: a resumed run, or one whose engine changed since). Of those steps, only the
-ones the request's numbers depend on are computed (`depends.Dependencies.closure`: its own steps and
+ones the request's numbers depend on are computed (every one with prefix caching on: states restored
+from checkpoints are not followed) (`depends.Dependencies.closure`: its own steps and
 the steps whose state or KV writes it read, transitively), each with its whole original batch, with
 an `EngineCapture` on the request's rows up to absolute position `upto` (the row that predicts the
 located output token). The request's logprobs at its output positions are recomputed from the
@@ -41,6 +42,7 @@ class EngineSide:
     slot_stride: int | None = None
     seconds: float = 0.0
     description: dict = field(default_factory=dict)
+    logits: dict = field(default_factory=dict)  # position -> the engine's float32 logits row (sampled rows)
 
 
 def _run_requests(run: RunDir):
@@ -95,7 +97,10 @@ def replay(run: RunDir, request_id: str, upto: int, on_step=None) -> EngineSide:
             engine.add_request(Request(r.request_id, list(r.prompt_token_ids), sampling, r.max_tokens, r.seed, eos,
                                        seq=r.seq))
         schedule = _schedule(engine, run, request_id, upto, recorded, Sample)
-        side = _compute(engine, schedule, request_id, upto, m["engine"]["options"].get("dtype", "float32"), on_step)
+        # prefix caching restores states from checkpoints the dependency analysis does not follow: every step
+        every = bool(getattr(options, "enable_prefix_caching", False))
+        side = _compute(engine, schedule, request_id, upto, m["engine"]["options"].get("dtype", "float32"), on_step,
+                        every)
     finally:
         torch.set_num_threads(before)
     prompt_len = next(len(r.prompt_token_ids) for r in requests if r.request_id == request_id)
@@ -112,8 +117,8 @@ def _schedule(engine, run, request_id, upto, recorded, Sample) -> list:
     sched, out = engine.scheduler, []
     while sched.has_unfinished():
         so = sched.schedule()
-        want = trace.get(so.step)
-        if trace and want is not None:
+        want = trace.get(so.step, {} if trace else None)
+        if want is not None and (want or so.scheduled):
             got = {s.request_id: (engine.runner.drills.phase(s), s.num_computed_tokens, s.num_scheduled_tokens,
                                   s.state_slot) for s in so.scheduled}
             if got != want:
@@ -159,14 +164,12 @@ def _nodes(engine, so) -> list[Node]:
     return out
 
 
-def _compute(engine, schedule, request_id, upto, dtype, on_step) -> EngineSide:
-    import torch
-
+def _compute(engine, schedule, request_id, upto, dtype, on_step, every: bool = False) -> EngineSide:
     nodes = [_nodes(engine, so) for so in schedule]
     deps = Dependencies(nodes, engine.runner.state_cache.slot_stride or 1, engine.config.block_size)
     own = [n.key for step in nodes for n in step if n.request_id == request_id]
     needed = deps.closure(own)
-    steps = sorted({k[0] for k in needed})
+    steps = sorted({so.step for so in schedule} if every else {k[0] for k in needed})
     cap = EngineCapture(engine.model, request_id, dtype)
     side = EngineSide(cap.acts, steps_replayed=len(steps), steps_scheduled=len(schedule),
                       slot_stride=engine.runner.state_cache.slot_stride)
