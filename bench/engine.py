@@ -16,7 +16,14 @@ starts the server) joins like HF and builtin (start-up subtracted, the 1-token r
 start): 16 parallel slots of 768 tokens, 32 requests in flight, one thread, flash attention off (the
 adapter's float32 default), `-E ban_eos=true` (llama-server's ignore_eos bans EOS where the others
 generate past it, so its outputs match the others' only up to the first EOS: counted so).
-Usage: python bench/engine.py [--requests N] [--model SPEC]   (writes bench/results/engine.json)
+
+Prefix caching (`prefix_caching` in the results; `--only prefix` runs just this part and keeps the
+rest of engine.json): the built-in engine on zoo:shared-prefix (400 requests, greedy, 16 output
+tokens) with and without `--enable-prefix-caching`, same knobs, interleaved repeats. Reported: the
+prompt tokens the engine computed (prefill and extend rows of the trace) and the tokens the cache
+supplied (its hit tokens), the fraction saved, the in-engine window and the generation time (wall
+minus the same start-up subtraction), each as a ratio to the run without caching.
+Usage: python bench/engine.py [--requests N] [--model SPEC] [--only prefix]   (writes bench/results/engine.json)
 """
 
 from __future__ import annotations
@@ -70,6 +77,68 @@ def vllm_args() -> tuple[list[str] | None, str]:
              "--enable-chunked-prefill", "-E", "enable_prefix_caching=false"], str(python))
 
 
+def prefix_caching(model: str, tmp: Path, repeats: int, base: float) -> dict:
+    """The with/without prefix caching rows on zoo:shared-prefix (see the module docstring)."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    exe = Path(sys.executable).with_name("lpf")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    knobs = ["--max-num-seqs", "64", "--max-num-batched-tokens", "64", "--max-tokens", "16", "--cache-mb", "16"]
+    arms = {"off": [], "on": ["--enable-prefix-caching"]}
+    rows: dict[str, dict] = {arm: {"seconds": [], "window_s": []} for arm in arms}
+    for rep in range(repeats):
+        for arm, extra in arms.items():
+            out = tmp / f"prefix-{arm}-{rep}"
+            t0 = time.perf_counter()
+            subprocess.run([str(exe), "run", "--engine", "builtin", "--model", model, "--workload", "zoo:shared-prefix",
+                            "--out", str(out), *knobs, *extra], check=True, capture_output=True, text=True, env=env)
+            rows[arm]["seconds"].append(time.perf_counter() - t0 - base)
+            rows[arm]["window_s"].append(in_engine_window(out))
+            if rep == 0:
+                tr = pq.read_table(out / "trace")
+                prefill = tr.filter(pc.is_in(tr.column("phase"), value_set=pa_strings(["prefill", "extend"])))
+                rows[arm]["prompt_tokens_computed"] = int(pc.sum(prefill.column("num_scheduled_tokens")).as_py())
+                rows[arm]["hit_tokens"] = int(pc.sum(tr.column("prefix_cache_hit_tokens").fill_null(0)).as_py() or 0)
+                rows[arm]["engine_steps"] = int(pc.max(tr.column("step")).as_py())
+                req = pq.read_table(out / "requests").sort_by("seq")
+                rows[arm]["outputs"] = req.column("output_token_ids").to_pylist()
+    same = sum(a == b for a, b in zip(rows["off"].pop("outputs"), rows["on"].pop("outputs")))
+    for r in rows.values():
+        r["median_seconds"], r["median_window_s"] = statistics.median(r["seconds"]), statistics.median(r["window_s"])
+    off, on = rows["off"], rows["on"]
+    return {"model": model, "workload": "zoo:shared-prefix", "knobs": knobs, "repeats": repeats, "arms": rows,
+            "identical_greedy_outputs": same,
+            "prefill_tokens_saved": off["prompt_tokens_computed"] - on["prompt_tokens_computed"],
+            "prefill_saved_fraction": 1 - on["prompt_tokens_computed"] / off["prompt_tokens_computed"],
+            "time_ratio_on_vs_off": on["median_seconds"] / off["median_seconds"],
+            "window_ratio_on_vs_off": on["median_window_s"] / off["median_window_s"],
+            # the fastest repeat of each arm: the least disturbed by other processes on a shared machine
+            "best_window_ratio_on_vs_off": min(on["window_s"]) / min(off["window_s"]),
+            "steps_ratio_on_vs_off": on["engine_steps"] / off["engine_steps"]}
+
+
+def pa_strings(values):
+    import pyarrow as pa
+
+    return pa.array(values, pa.string())
+
+
+def print_prefix(p: dict) -> None:
+    off, on = p["arms"]["off"], p["arms"]["on"]
+    print("\n| built-in engine on zoo:shared-prefix | prompt tokens computed | supplied by the cache | engine steps | "
+          "generation s (median) | in-engine window s (median) | vs no caching |")
+    print("|---|---|---|---|---|---|---|")
+    print(f"| prefix caching off | {off['prompt_tokens_computed']:,} | 0 | {off['engine_steps']} | "
+          f"{off['median_seconds']:.1f} | {off['median_window_s']:.1f} | 1.00x |")
+    print(f"| prefix caching on | {on['prompt_tokens_computed']:,} | {on['hit_tokens']:,} | {on['engine_steps']} | "
+          f"{on['median_seconds']:.1f} | {on['median_window_s']:.1f} | {p['time_ratio_on_vs_off']:.2f}x time, "
+          f"{p['window_ratio_on_vs_off']:.2f}x window |")
+    print(f"best repeat's window {p['best_window_ratio_on_vs_off']:.2f}x, engine steps {p['steps_ratio_on_vs_off']:.2f}x")
+    print(f"\n{p['prefill_tokens_saved']:,} prefill tokens saved ({p['prefill_saved_fraction']:.1%}); identical greedy "
+          f"outputs {p['identical_greedy_outputs']}/400; {p['model']}, {' '.join(p['knobs'])}, median of {p['repeats']}")
+
+
 def llamacpp_args() -> tuple[list[str] | None, str]:
     """`lpf run` arguments for the llama.cpp column, or None and why it is skipped."""
     from lpf.adapters.llamacpp_gguf import find_tools
@@ -100,12 +169,24 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--model", default=None)
     ap.add_argument("--repeats", type=int, default=3, help="runs per engine, interleaved; the median is reported")
+    ap.add_argument("--only", choices=["prefix"], default=None, help="run only the prefix-caching rows")
     a = ap.parse_args()
     import pyarrow.parquet as pq
 
     from lpf.zoo import registry
 
     model = a.model or ("zoo:hybrid" if registry.model_available("hybrid") else "tiny:hybrid")
+    results_file = Path(__file__).with_name("results") / "engine.json"
+    if a.only == "prefix":
+        with tempfile.TemporaryDirectory() as tmp:
+            base = startup("builtin", model, Path(tmp), [])
+            p = prefix_caching(model, Path(tmp), a.repeats, base)
+        doc = json.loads(results_file.read_text()) if results_file.is_file() else {}
+        doc["prefix_caching"] = {**p, "date": time.strftime("%Y-%m-%d")}
+        results_file.parent.mkdir(exist_ok=True)
+        results_file.write_text(json.dumps(doc, indent=2))
+        print_prefix(p)
+        return
     items = registry.workload_items("stress", seed=1, n=a.requests)
     engines = {"hf": ["-E", "batch_size=32"], "builtin": ["--max-num-seqs", "64", "--max-num-batched-tokens", "512"]}
     vllm_extra, vllm_where = vllm_args()
@@ -178,20 +259,22 @@ def main() -> None:
                   f"{same}/{len(bi_out)}", file=sys.stderr)
         else:
             results["vllm"] = {"skipped": vllm_where}
+        prefix = prefix_caching(model, tmp, a.repeats, base["builtin"])
     ratio = results["builtin"]["tokens_per_s"] / results["hf"]["tokens_per_s"]
-    out = {"model": model, "requests": a.requests, "ratio": ratio, "results": results, "date": time.strftime("%Y-%m-%d")}
+    out = {"model": model, "requests": a.requests, "ratio": ratio, "results": results, "date": time.strftime("%Y-%m-%d"),
+           "prefix_caching": {**prefix, "date": time.strftime("%Y-%m-%d")}}
     has_vllm = "tokens_per_s" in results["vllm"]
     if has_vllm:
         out["ratio_vllm_vs_hf"] = results["vllm"]["tokens_per_s"] / results["hf"]["tokens_per_s"]
         out["ratio_builtin_vs_vllm"] = results["builtin"]["tokens_per_s"] / results["vllm"]["tokens_per_s"]
-    Path(__file__).with_name("results").mkdir(exist_ok=True)
-    Path(__file__).with_name("results").joinpath("engine.json").write_text(json.dumps(out, indent=2))
     has_llama = "tokens_per_s" in results["llamacpp"]
     if has_llama:
         out["ratio_llamacpp_vs_hf"] = results["llamacpp"]["tokens_per_s"] / results["hf"]["tokens_per_s"]
         out["ratio_llamacpp_vs_builtin"] = results["llamacpp"]["tokens_per_s"] / results["builtin"]["tokens_per_s"]
         if has_vllm:
             out["ratio_llamacpp_vs_vllm"] = results["llamacpp"]["tokens_per_s"] / results["vllm"]["tokens_per_s"]
+    results_file.parent.mkdir(exist_ok=True)
+    results_file.write_text(json.dumps(out, indent=2))
     vl = results["vllm"].get("tokens_per_s")
     col = (lambda tps: f" {tps / vl:.2f}x |") if has_vllm else (lambda tps: "")
     print("| engine | output tokens/s | vs HF generate |" + (" vs vLLM |" if has_vllm else ""))
@@ -218,6 +301,7 @@ def main() -> None:
           + (f"; llama.cpp's identical to builtin's up to the first EOS: "
              f"{results['llamacpp']['identical_until_eos_vs_builtin']}/{results['llamacpp']['of_requests']}"
              if has_llama else ""))
+    print_prefix(prefix)
 
 
 if __name__ == "__main__":

@@ -74,12 +74,26 @@ def test_conformance_on_the_builtin_engine_writes_the_matrix(lpf_cli, tmp_path):
     assert r.code == 2 and "different conformance run" in r.err
 
 
-def test_a_cell_the_engine_cannot_run_is_reported_not_dropped(lpf_cli, tmp_path):
+def test_a_cell_the_engine_cannot_run_is_reported_not_dropped(lpf_cli, tmp_path, monkeypatch):
+    """The built-in engine has every knob of the shipped grid now (prefix caching included): a cell with
+    a vLLM-only knob stands in for one it cannot run."""
+    from lpf.conformance import grid
+
+    monkeypatch.setitem(grid._CELLS, "fp32-eager", grid.GridCell("fp32-eager", ("--dtype", "float32", "-E",
+                                                                               "enforce_eager=true"), "vLLM only"))
+    r = lpf_cli("conformance", "--engine", "builtin", "--arch", "GraniteMoeHybrid", "--cell", "fp32-eager",
+                "--prompts", 2, "--max-tokens", 4, "--out", tmp_path / "c", "--json")
+    assert r.code == 0, r.err
+    (cell,) = json.loads(r.out)["cells"]
+    assert cell["status"] == "not applicable" and "enforce_eager" in cell["error"]
+
+
+def test_the_builtin_engine_runs_the_prefix_cache_cell_clean(lpf_cli, tmp_path):
     r = lpf_cli("conformance", "--engine", "builtin", "--arch", "GraniteMoeHybrid", "--cell", "fp32-prefix-cache",
                 "--prompts", 2, "--max-tokens", 4, "--out", tmp_path / "c", "--json")
     assert r.code == 0, r.err
     (cell,) = json.loads(r.out)["cells"]
-    assert cell["status"] == "not applicable" and "enable_prefix_caching" in cell["error"]
+    assert cell["status"] == "ok" and cell["verdict"] == "clean", cell
 
 
 def test_an_engine_error_the_build_explains_is_not_supported_not_a_bug():

@@ -101,3 +101,155 @@ def test_no_chunking_refuses_what_one_step_can_never_hold():
                   num_slots=2, num_blocks=64)
     assert "max_num_batched_tokens is 16" in s.why_never_runs(_req(0, prompt_len=14, max_tokens=4))
     assert s.why_never_runs(_req(0, prompt_len=12, max_tokens=4)) is None
+
+
+# --- prefix caching: the chunk alignment rules (align mode), one test per rule ----------------------
+
+from lpf.builtin import chunk_align  # noqa: E402
+
+
+def test_align_a_chunk_that_does_not_finish_ends_on_the_last_boundary_it_reaches():
+    # 100-token prompt, 16-token Mamba blocks: a 40-token budget from 0 stops at 32, from 32 at 64
+    assert chunk_align.aligned_chunk(0, 40, 100, 100, 16, max_chunk=64) == 32
+    assert chunk_align.aligned_chunk(32, 40, 100, 100, 16, max_chunk=64) == 32
+
+
+def test_align_a_chunk_that_reaches_no_boundary_waits_unless_a_block_never_fits_one_step():
+    assert chunk_align.aligned_chunk(32, 10, 100, 100, 16, max_chunk=64) == 0  # wait for budget
+    # a block wider than one step's budget: advance inside it (and end on its boundary later)
+    assert chunk_align.aligned_chunk(0, 10, 100, 100, 64, max_chunk=10) == 10
+    assert chunk_align.aligned_chunk(60, 10, 100, 100, 64, max_chunk=10) == 4  # mid-block start: stop at 64
+
+
+def test_align_the_last_chunk_is_exempt_but_stops_where_a_resend_can_hit():
+    # the whole 50-token prompt in one step: it stops at 48 = (50 - 1) // 16 * 16, then finishes
+    assert chunk_align.aligned_chunk(0, 50, 50, 50, 16, max_chunk=64) == 48
+    assert chunk_align.aligned_chunk(48, 2, 50, 50, 16, max_chunk=64) == 2
+    # decodes and recomputes past the prompt are left alone / aligned like a prompt
+    assert chunk_align.aligned_chunk(50, 1, 50, 51, 16, max_chunk=64) == 1
+    assert chunk_align.aligned_chunk(0, 40, 50, 60, 16, max_chunk=64) == 32
+
+
+def test_pre_fix_rule_accepts_any_chunk_end_past_the_backed_off_last_cache_position():
+    """vLLM #45477 / #51113: with EAGLE's prune, last_cache_position of a 40-token prompt is 16: a chunk
+    from 16 may end at 30, mid-block (the honest rule waits, or stops at 32)."""
+    assert chunk_align.pre_fix_chunk(16, 14, 40, 40, 16) == 14
+    assert chunk_align.aligned_chunk(16, 14, 40, 40, 16, max_chunk=64) == 0
+    assert chunk_align.pre_fix_chunk(0, 20, 40, 40, 16) == 16  # the forced stop at last_cache_position
+    assert chunk_align.pre_fix_chunk(0, 20, 20, 20, 16) == 20  # prompts under two blocks: no alignment at all
+
+
+# --- prefix caching: the scheduler and the cache, with a stand-in for the runner's writes -----------
+
+from lpf.builtin.faults import FaultSet  # noqa: E402
+from lpf.builtin.sched_output import StateWrite  # noqa: E402
+
+
+def _caching(mamba_block_size=16, faults="", budget=64, **kw):
+    cfg = EngineConfig(max_num_batched_tokens=budget, block_size=8, enable_prefix_caching=True,
+                       mamba_block_size=mamba_block_size, **kw)
+    truth = []
+    s = Scheduler(cfg, num_slots=16, num_blocks=64, faults=FaultSet.parse(faults),
+                  record=lambda *a, **k: truth.append((a, k)))
+    return s, truth
+
+
+def _tokens(n, start=3):
+    return [start + i % 40 for i in range(n)]
+
+
+def _cached_req(i, tokens, max_tokens=2):
+    return Request(f"r{i}", list(tokens), SamplingParams(), max_tokens, seed=i, eos_token_id=None, seq=i)
+
+
+def _step(sched, out=None):
+    """Run one scheduled step as an honest runner would report it: each request's own slot and every
+    checkpoint it was asked to save hold its state after the positions written."""
+    out = out or sched.schedule()
+    writes = []
+    for s in out.scheduled:
+        end = s.num_computed_tokens + s.num_scheduled_tokens
+        writes.append(StateWrite(s.state_slot, s.request_id, end))
+        writes += [StateWrite(slot, s.request_id, pos) for pos, slot in s.state_writes]
+    reads = {}
+    for s in out.scheduled:
+        if s.resume_tokens:
+            idx = (s.resume_tokens - 1) // sched.prefix.mbs
+            reads[s.request_id] = (idx, dict(s.state_table).get(idx))
+    sampled = {s.request_id: Sample(7, -0.1, [], []) for s in out.scheduled if s.will_sample}
+    return out, sched.update(out, sampled, state_writes=writes, resume_reads=reads)
+
+
+def _drain(sched):
+    finished = []
+    while sched.has_unfinished():
+        finished += _step(sched)[1]
+    return finished
+
+
+def test_a_hit_resumes_from_the_deepest_boundary_every_layer_group_hits():
+    s, truth = _caching()
+    shared = _tokens(40)
+    s.add(_cached_req(0, shared + [90, 91]))
+    _drain(s)
+    # 40 shared tokens: attention hits 5 blocks (40 tokens), the deepest Mamba checkpoint inside is 32
+    s.add(_cached_req(1, shared + [92, 93, 94]))
+    out, _ = _step(s)
+    (r1,) = out.scheduled
+    assert r1.num_computed_tokens == 32 and r1.resume_tokens == 32
+    assert dict(r1.state_table)[1] is not None  # Mamba block 1 ends at 32: the checkpoint it reads
+    assert s.prefix.stats["hits"] == 1 and s.prefix.stats["hit_tokens"] == 32 and not truth
+
+
+def test_an_exact_resend_leaves_one_token_to_compute():
+    s, _ = _caching()
+    prompt = _tokens(48)
+    s.add(_cached_req(0, prompt))
+    _drain(s)
+    s.add(_cached_req(1, prompt))
+    out, _ = _step(s)
+    # a hit is capped at 47 tokens: the deepest boundary there is 32 (48 itself is never a hit)
+    assert out.scheduled[0].resume_tokens == 32
+
+
+def test_a_hash_is_published_only_once_its_state_is_written():
+    s, _ = _caching()
+    s.add(_cached_req(0, _tokens(40)))
+    out = s.schedule()  # scheduled, not run: nothing of it may be found yet
+    s.add(_cached_req(1, _tokens(40) + [99]))
+    assert s.prefix.lookup(s.waiting[0]).tokens == 0
+    _step(s, out)  # ran and committed: its checkpoints at 16 and 32 are published
+    assert s.prefix.lookup(s.waiting[0]).tokens == 32
+
+
+def test_a_request_aborted_in_flight_publishes_nothing():
+    s, _ = _caching()
+    s.add(_cached_req(0, _tokens(40)))
+    s.schedule()
+    s.abort("r0", in_flight=True)
+    assert s.slots.num_free == 16 and s.blocks.num_free == 64 and not s.slots.by_hash and not s.blocks.by_hash
+
+
+def test_publish_before_write_publishes_at_schedule_time_and_an_abort_leaves_it_unwritten():
+    """vLLM #56525: the drill publishes when the chunk is scheduled; the abort leaves the hash naming a
+    state never written, and a retry resumes from it (recorded as corrupted)."""
+    s, truth = _caching(faults="publish-before-write")
+    s.add(_cached_req(0, _tokens(40)))
+    s.schedule()
+    assert s.slots.by_hash  # published before the chunk ran
+    s.abort("r0", in_flight=True)
+    s.add(_cached_req(1, _tokens(40)))
+    out, _ = _step(s)
+    assert out.scheduled[0].resume_tokens == 32
+    assert [(a[0], a[2]) for a, _ in truth] == [("r1", "publish-before-write")]
+
+
+def test_chunk_ends_stay_on_mamba_boundaries_when_checkpoints_are_due():
+    s, _ = _caching(budget=20)
+    s.add(_cached_req(0, _tokens(60)))
+    ends = []
+    while s.has_unfinished():
+        out, _ = _step(s)
+        ends += [x.num_computed_tokens + x.num_scheduled_tokens for x in out.scheduled]
+    # 20 tokens of budget: chunks end at 16, 32, 48 (the deepest boundary a resend can hit), then 60
+    assert ends[:4] == [16, 32, 48, 60]

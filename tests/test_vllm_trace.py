@@ -64,7 +64,8 @@ def test_plugin_schema_is_lpfs_trace_then_vllm_columns(plugin):
     ours = trace_schema()
     assert ours.names[: len(TRACE)] == TRACE.names
     assert all(ours.field(f.name).type == f.type for f in TRACE)
-    assert {"vllm_request_id", "reordered", "prefix_cache_hit_tokens", "state_slots"} <= set(ours.names[len(TRACE):])
+    assert {"vllm_request_id", "reordered", "state_slots"} <= set(ours.names[len(TRACE):])
+    assert "prefix_cache_hit_tokens" in TRACE.names  # lpf's own column now: the built-in engine fills it too
     assert faults_schema() == FAULTS
 
 
@@ -117,7 +118,8 @@ def test_a_servers_request_ids_map_back_to_the_runs():
 
 
 def test_vllm_only_columns_become_features(plugin):
-    """prefix-cache hits and a reordered first row, from the plugin's own columns (other traces: none)."""
+    """prefix-cache hits and a reordered first row, from the plugin's columns (a trace without them, or with
+    the prefix-cache columns null: none)."""
     import pyarrow as pa
     from lpf_vllm_trace.schema import trace_schema
 
@@ -134,7 +136,10 @@ def test_vllm_only_columns_become_features(plugin):
             dict(base, step=1, request_id="c", vllm_request_id="c", batch_index=1, reordered=False, prefix_cache_hit_tokens=0)]
     feats = {f.name: f.values.tolist() for f in request_features(req, pa.Table.from_pylist(rows, schema=trace_schema()))}
     assert feats["prefix_cache_hit"] == [False, True, False] and feats["first_step_reordered"] == [True, False, False]
-    plain = pa.Table.from_pylist([{k: r[k] for k in TRACE.names} for r in rows], schema=TRACE)
+    from lpf.run.schema import PREFIX_TRACE
+
+    nulls = {name for name, _ in PREFIX_TRACE}
+    plain = pa.Table.from_pylist([{k: None if k in nulls else r[k] for k in TRACE.names} for r in rows], schema=TRACE)
     assert not {"prefix_cache_hit", "first_step_reordered"} & {f.name for f in request_features(req, plain)}
 
 

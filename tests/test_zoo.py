@@ -137,7 +137,7 @@ def test_unknown_names_suggest_the_close_one():
 
 
 def test_workloads():
-    assert {w["name"] for w in registry.list_workloads()} == {"oracle", "stress"}
+    assert {w["name"] for w in registry.list_workloads()} == {"oracle", "stress", "shared-prefix"}
     assert len(registry.workload_items("oracle")) == 500
     assert registry.workload_items("oracle", seed=2, n=10) == tasks.oracle_items(10, seed=2)
     assert len(registry.workload_items("stress", n=25)) == 25

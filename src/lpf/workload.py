@@ -2,12 +2,14 @@
 
 Each JSONL line is an object with `prompt` (text, tokenized with the model tokenizer's special tokens,
 e.g. a leading BOS, as an engine would) or `prompt_token_ids` (used as given), optional `id`, `expected`
-(the known right answer) and `max_tokens`. A chat workload (`chat=True`, or any item with `messages`:
-a list of {"role", "content"}) is rendered with the tokenizer's chat template (`lpf.chat`); a plain
-`prompt` becomes one user turn. The text and messages travel with each prompt (`text`, `messages`), for
-engines that send text or chat turns instead of token ids. Every problem is reported with its line
-number before any engine starts. `expand()` turns prompts into engine requests: `n` rollouts each,
-arrival index `seq`.
+(the known right answer), `max_tokens` and `abort_after_tokens` (a client that cancels the request
+once the engine has scheduled it past that many prompt tokens, mid-prefill, then resends it: the
+resend's answer is the request's; honoured by the built-in engine, sent once by the others). A chat
+workload (`chat=True`, or any item with `messages`: a list of {"role", "content"}) is rendered with the
+tokenizer's chat template (`lpf.chat`); a plain `prompt` becomes one user turn. The text and messages
+travel with each prompt (`text`, `messages`), for engines that send text or chat turns instead of token
+ids. Every problem is reported with its line number before any engine starts. `expand()` turns prompts
+into engine requests: `n` rollouts each, arrival index `seq`.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class Prompt:
     max_tokens: int | None = None
     text: str | None = None  # the prompt's text as given (None for token-id prompts)
     messages: tuple | None = None  # chat turns (a chat workload); prompt_token_ids are their rendering
+    abort_after_tokens: int | None = None
 
     def to_json(self) -> dict:
         d = {"id": self.prompt_id, "prompt_token_ids": list(self.prompt_token_ids),
@@ -39,6 +42,8 @@ class Prompt:
             d["text"] = self.text
         if self.messages is not None:
             d["messages"] = list(self.messages)
+        if self.abort_after_tokens is not None:
+            d["abort_after_tokens"] = self.abort_after_tokens
         return d
 
 
@@ -56,6 +61,7 @@ class EngineRequest:
     expected: str | None = None
     text: str | None = None
     messages: tuple | None = None
+    abort_after_tokens: int | None = None  # the client cancels once past this many prompt tokens, then resends
 
 
 def read_items(spec: str) -> tuple[list[tuple[int, dict]], dict]:
@@ -97,7 +103,8 @@ def load_prompts(spec: str, tokenizer, vocab_size: int, max_context: int | None,
     prompts, seen = [], set()
     for lineno, obj in items:
         at = f"{where}:{lineno}"
-        unknown = set(obj) - {"id", "prompt", "prompt_token_ids", "messages", "expected", "max_tokens", "task"}
+        unknown = set(obj) - {"id", "prompt", "prompt_token_ids", "messages", "expected", "max_tokens", "task",
+                              "abort_after_tokens", "group"}
         if unknown:
             raise LpfError(f"{at}: unknown field(s) {', '.join(sorted(unknown))}")
         messages = None
@@ -143,8 +150,12 @@ def load_prompts(spec: str, tokenizer, vocab_size: int, max_context: int | None,
         mt = obj.get("max_tokens")
         if mt is not None and (not isinstance(mt, int) or mt < 1):
             raise LpfError(f"{at}: 'max_tokens' must be a positive integer")
+        abort = obj.get("abort_after_tokens")
+        if abort is not None and (not isinstance(abort, int) or isinstance(abort, bool) or not 1 <= abort < len(ids)):
+            raise LpfError(f"{at}: 'abort_after_tokens' must be an integer from 1 to the prompt length - 1 "
+                           f"({len(ids) - 1}): the cancel lands mid-prefill")
         text = obj["prompt"] if isinstance(obj.get("prompt"), str) and messages is None else None
-        prompts.append(Prompt(pid, tuple(ids), expected, mt, text, messages))
+        prompts.append(Prompt(pid, tuple(ids), expected, mt, text, messages, abort))
     return prompts, source
 
 
@@ -168,7 +179,8 @@ def expand(prompts: list[Prompt], n: int, sampling: SamplingParams,
                 request_id=f"{p.prompt_id}-r{r}", seq=seq, prompt_id=p.prompt_id, rollout=r,
                 prompt_token_ids=p.prompt_token_ids,
                 max_tokens=budget,
-                seed=request_seed(sampling.seed, seq), expected=p.expected, text=p.text, messages=p.messages))
+                seed=request_seed(sampling.seed, seq), expected=p.expected, text=p.text, messages=p.messages,
+                abort_after_tokens=p.abort_after_tokens))
     return out
 
 
@@ -184,5 +196,5 @@ def read_normalized(path: Path) -> list[Prompt]:
             d = json.loads(line)
             messages = tuple(d["messages"]) if d.get("messages") is not None else None
             out.append(Prompt(d["id"], tuple(d["prompt_token_ids"]), d.get("expected"), d.get("max_tokens"),
-                              d.get("text"), messages))
+                              d.get("text"), messages, d.get("abort_after_tokens")))
     return out

@@ -82,7 +82,10 @@ class Recorder:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        data = pa.table({f.name: pa.array(list(chain.from_iterable(c[f.name] for c in chunks)), f.type)
+        def column(c, name):  # a column the rows lack (lpf's nullable prefix-cache columns) is null
+            return c[name] if name in c else [None] * len(next(iter(c.values()), []))
+
+        data = pa.table({f.name: pa.array(list(chain.from_iterable(column(c, f.name) for c in chunks)), f.type)
                          for f in schema}, schema=schema)
         if not data.num_rows:
             return 0

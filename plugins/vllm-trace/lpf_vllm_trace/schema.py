@@ -1,14 +1,13 @@
 """The parts' columns: lpf's `trace` and `faults` schemas, copied (this plugin never imports lpf).
 
-`TRACE` starts with exactly lpf's `lpf.run.schema.TRACE` columns (lpf's tests check the copy), then
-columns only vLLM has:
+`TRACE` starts with exactly lpf's `lpf.run.schema.TRACE` columns (lpf's tests check the copy; the
+prefix-cache ones, prefix_cache_hit_tokens included, are nullable: a row that lacks one writes null),
+then columns only vLLM has:
   vllm_request_id          vLLM's id for the request in the runner (request_id holds the same until
                            lpf maps it to its own id)
   batch_index              the row's position in the runner's batch this step, after the reorder
   reordered                the batch reorder moved this row this step
   num_prompt_tokens        the request's prompt length
-  prefix_cache_hit_tokens  prompt tokens the prefix cache supplied when the request was (re)admitted
-                           at this step; 0 on every other row
   state_slots              the state slot in every Mamba KV-cache group (state_slot is the first)
 Rows: one per scheduled request per step, plus one per preemption (preempted = true, phase null) at
 the step whose scheduling preempted it.
@@ -18,10 +17,14 @@ TRACE_COLUMNS = [
     ("step", "int64"), ("request_id", "string"), ("phase", "string"),
     ("num_computed_tokens", "int32"), ("num_scheduled_tokens", "int32"), ("state_slot", "int32"),
     ("batch_size", "int32"), ("batch_tokens", "int32"), ("preempted", "bool"),
+    # lpf's prefix-cache columns (nullable; a row that lacks one writes null)
+    ("prefix_cache_hit_tokens", "int32"), ("resume_block", "int32"), ("resume_writer", "string"),
+    ("resume_write_step", "int64"), ("resume_covers_tokens", "int32"), ("resume_publisher", "string"),
+    ("resume_publish_step", "int64"), ("chunk_end_aligned", "bool"), ("aborted", "bool"),
 ]
 VLLM_COLUMNS = [
     ("vllm_request_id", "string"), ("batch_index", "int32"), ("reordered", "bool"),
-    ("num_prompt_tokens", "int32"), ("prefix_cache_hit_tokens", "int32"), ("state_slots", "list<int32>"),
+    ("num_prompt_tokens", "int32"), ("state_slots", "list<int32>"),
 ]
 FAULT_COLUMNS = [("request_id", "string"), ("step", "int64"), ("fault", "string"), ("role", "string"),
                  ("detail", "string")]

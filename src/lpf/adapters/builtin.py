@@ -1,15 +1,20 @@
 """`builtin` engine: lpf's own continuous-batching hybrid engine (`lpf.builtin`), with fault drills.
 
-Knobs keep vLLM's names (max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, block_size)
-plus `cache_mb` (the gpu_memory_utilization analogue) and `inject` (comma-separated drills). Besides
+Knobs keep vLLM's names (max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, block_size,
+enable_prefix_caching, mamba_block_size, mamba_cache_mode) plus `cache_mb` (the gpu_memory_utilization analogue) and `inject` (comma-separated drills). Besides
 completions it hands the pipeline two side tables: the per-step `trace` and the fault ground truth.
+
+A request with `abort_after_tokens` is a client that cancels it once the engine has scheduled it
+past that many prompt tokens (the cancel lands while that step is in flight) and then resends it:
+the first attempt runs as `ID~attempt0` (its trace rows keep that id), the resend as `ID`, and both
+are kept in the completion's `attempts` (the cancelled one with its error).
 """
 
 from __future__ import annotations
 
 from typing import Iterator
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 import lpf
 from lpf.adapters.base import Completion, Engine, Options
@@ -30,6 +35,28 @@ class BuiltinOptions(Options, EngineConfig):
 
         FaultSet.parse(value)  # an unknown drill is refused before anything is written (LpfError)
         return value
+
+    @model_validator(mode="after")
+    def _drills_fit_the_cache(self) -> "BuiltinOptions":
+        """A prefix-caching drill needs the cache configured the way its bug needed (one line each)."""
+        from lpf.builtin.faults import FaultSet
+
+        f = FaultSet.parse(self.inject)
+        need = []
+        if f.prefix_drills() and not self.enable_prefix_caching:
+            need.append(f"{', '.join(f.prefix_drills())} needs --enable-prefix-caching")
+        if f.incomplete_block_cached and self.mamba_cache_mode != "all":
+            need.append("incomplete-block-cached is vLLM's all-mode bug: add -E mamba_cache_mode=all")
+        if f.unaligned_chunk_hashed and self.mamba_cache_mode != "align":
+            need.append("unaligned-chunk-hashed is vLLM's align-mode bug: leave mamba_cache_mode=align")
+        if f.resume_wrong_units and self.checkpoint_block_size <= self.block_size:
+            need.append(f"resume-wrong-units needs a Mamba block larger than the KV block (the two units differ): "
+                        f"add -E mamba_block_size={2 * self.block_size}")
+        if f.kv_double_free and self.enable_prefix_caching:
+            need.append("kv-double-free runs without prefix caching (shared blocks are reference-counted)")
+        if need:
+            raise ValueError("; ".join(need))
+        return self
 
 
 class BuiltinEngine(Engine):
@@ -92,25 +119,55 @@ class BuiltinEngine(Engine):
     def _generate(self, requests: list[EngineRequest]) -> Iterator[Completion]:
         from lpf.builtin.request import Request
 
-        for r in requests:
-            req = Request(r.request_id, list(r.prompt_token_ids), self.sampling, r.max_tokens, r.seed,
-                          self.eos_id, seq=r.seq)
+        cancelled: dict[str, EngineRequest] = {}  # first attempt's id -> the request it is an attempt of
+        attempts: dict[str, list[dict]] = {}
+
+        def submit(r: EngineRequest, rid: str) -> Completion | None:
+            req = Request(rid, list(r.prompt_token_ids), self.sampling, r.max_tokens, r.seed, self.eos_id, seq=r.seq)
             rejected = self.engine.add_request(req)
+            return None if rejected is None else self._completion(rejected, r.request_id, attempts.pop(r.request_id, []))
+
+        for r in requests:
+            rid = r.request_id
+            if r.abort_after_tokens is not None:
+                rid = f"{r.request_id}~attempt0"
+                cancelled[rid] = r
+                self.engine.cancel_after(rid, r.abort_after_tokens)
+            rejected = submit(r, rid)
             if rejected is not None:
-                yield self._completion(rejected)
+                cancelled.pop(rid, None)
+                yield rejected
         while self.engine.has_unfinished():
             for req in self.engine.step():
-                yield self._completion(req)
+                r = cancelled.pop(req.request_id, None)
+                if r is not None and req.error is not None:  # the client gave up: it resends at once
+                    attempts[r.request_id] = [_attempt(0, req, req.error)]
+                    rejected = submit(r, r.request_id)
+                    if rejected is not None:
+                        yield rejected
+                    continue
+                rid = r.request_id if r is not None else req.request_id
+                yield self._completion(req, rid, attempts.pop(rid, []))
 
     def side_tables(self) -> dict:
         return {"trace": self.engine.drain_trace(), "faults": self.engine.truth.drain()}
 
     @staticmethod
-    def _completion(req) -> Completion:
+    def _completion(req, request_id: str | None = None, attempts: list[dict] = ()) -> Completion:
         prompt = req.prompt_rows() if req.error is None else None
-        return Completion(request_id=req.request_id, output_token_ids=req.output_token_ids, logprobs=req.logprobs,
+        attempts = [*attempts, _attempt(len(attempts), req, req.error)] if attempts else []
+        return Completion(request_id=request_id or req.request_id, output_token_ids=req.output_token_ids,
+                          logprobs=req.logprobs, attempts=attempts,
                           topk_ids=req.topk_ids, topk_logprobs=req.topk_logprobs, finish_reason=req.finish_reason,
                           error=req.error, t_submit=req.t_arrival, t_first_token=req.t_first_token,
                           t_finish=req.t_finish, prompt_logprobs=None if prompt is None else [r[0] for r in prompt],
                           prompt_topk_ids=[r[2] for r in prompt or []],
                           prompt_topk_logprobs=[r[3] for r in prompt or []])
+
+
+def _attempt(i: int, req, error: str | None) -> dict:
+    """One attempt as `lpf.run.schema.ATTEMPT` (an in-process engine: sent, no HTTP status)."""
+    import time
+
+    return {"attempt": i, "sent": True, "status": None, "error": error, "t_start": req.t_arrival,
+            "t_end": req.t_finish or time.time()}

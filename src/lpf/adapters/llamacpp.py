@@ -25,7 +25,8 @@ The trace (`side_tables()["trace"]`): one row per answered request, lpf's trace 
 requests; `phase` prefill, or extend when part of the prompt came from the slot's cache;
 `num_computed_tokens` = timings.cache_n; `num_scheduled_tokens` = timings.prompt_n; `state_slot` =
 id_slot; `preempted` false; batch columns null: the server does not say) and llama.cpp's own after
-them (`LLAMACPP_COLUMNS`; `prefix_cache_hit_tokens` = cache_n, which the prefix-cache feature reads).
+them (`LLAMACPP_COLUMNS`); of lpf's prefix-cache columns it fills `prefix_cache_hit_tokens` = cache_n
+(which the prefix-cache feature reads), the rest null (the server does not say).
 `describe()` records the GGUF (path, dtype, content key, the vocabulary check, tensor types), the
 server's command line and build, its /props, and the dtype the run is judged at.
 """
@@ -44,12 +45,12 @@ from lpf.adapters import llamacpp_gguf as gguf_files
 from lpf.adapters import llamacpp_wire as wire
 from lpf.adapters.remote import RemoteEngine, RemoteOptions
 from lpf.errors import LpfError
-from lpf.run.schema import TRACE
+from lpf.run.schema import PREFIX_TRACE, TRACE
 from lpf.workload import EngineRequest
 
 DTYPE = Literal["float32", "float16", "bfloat16", "q8_0", "q6_k", "q5_k_m", "q4_k_m", "q4_k_s", "q4_0"]
 KV_TYPE = Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"]
-LLAMACPP_COLUMNS = [("prefix_cache_hit_tokens", pa.int32()), ("num_prompt_tokens", pa.int32()),
+LLAMACPP_COLUMNS = [("num_prompt_tokens", pa.int32()),
                     ("predicted_n", pa.int32()), ("tokens_cached", pa.int32()), ("prompt_ms", pa.float64()),
                     ("predicted_ms", pa.float64())]
 TRACE_SCHEMA = pa.schema(list(TRACE) + [pa.field(n, t) for n, t in LLAMACPP_COLUMNS])
@@ -275,6 +276,7 @@ def trace_table(rows: list[dict]) -> pa.Table:
         "num_computed_tokens": [r["cache_n"] for r in rows], "num_scheduled_tokens": [r["prompt_n"] for r in rows],
         "state_slot": [r["state_slot"] for r in rows], "batch_size": [None] * len(rows),
         "batch_tokens": [None] * len(rows), "preempted": [False] * len(rows),
+        **{name: [None] * len(rows) for name, _ in PREFIX_TRACE},
         "prefix_cache_hit_tokens": [r["cache_n"] for r in rows], "num_prompt_tokens": [r["n_prompt_tokens"] for r in rows],
         "predicted_n": [r["predicted_n"] for r in rows], "tokens_cached": [r["tokens_cached"] for r in rows],
         "prompt_ms": [r["prompt_ms"] for r in rows], "predicted_ms": [r["predicted_ms"] for r in rows],

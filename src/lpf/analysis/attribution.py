@@ -5,8 +5,10 @@ Contract (pure: tables in, plain data out; the scoring itself is `lpf.pipeline.a
   request (divergent, corrupt; worst first, at most `max_flagged`), the requests it could have
   received an answer from: those in flight at an overlapping time (`t_submit`..`t_finish`), or every
   request when the run has at most `small_run` requests or the flagged one has no timestamps; one candidate per
-  distinct prompt (rollouts of one prompt would score alike), never its own prompt, the nearest
-  arrivals first, at most `max_candidates`. Each entry: {request_id, candidates, same_prompt
+  distinct prompt (rollouts of one prompt would score alike), never its own prompt, nor one sharing
+  at least half of its prompt (and 16 tokens) as a common prefix (a prefix cache hands such requests the same state:
+  a wrong state of the shared part makes the output likelier under either prompt, so a likeness there
+  says nothing about crossed answers), the nearest arrivals first, at most `max_candidates`. Each entry: {request_id, candidates, same_prompt
   {candidate: [other requests with that prompt]}}.
 - `judge(plans, scores, own, lost) -> list[dict]`: `scores` holds (request_id, candidate_id, n_tokens,
   logprob_sum) of each flagged output under each candidate's prompt, `own` maps a request to the
@@ -18,7 +20,12 @@ Contract (pure: tables in, plain data out; the scoring itself is `lpf.pipeline.a
   is a Bonferroni factor), and no other candidate comes within MIN_MARGIN nats of it. Two prompts
   that explain the output alike (their answers coincide) are told apart only by who lost an answer:
   a request that got its own right answer cannot also have given it away, so when exactly one of
-  the near-tied candidates is in `lost`, it is the one; otherwise nothing is claimed.
+  the near-tied candidates is in `lost`, it is the one; otherwise nothing is claimed. `typical` (the
+  median per-token reference logprob of the run's clean outputs under their own prompts, when known):
+  a crossed answer is an honest sample of its source's prompt, so under that prompt it must fit about
+  as well as clean outputs fit theirs, within FIT_SLACK nats per token; a wrong output that another
+  prompt merely explains less badly than its own (a state gone wrong produces such garbage) is no
+  crossed answer, however large its gain over its own prompt.
 - `hypotheses(attributed, n_flagged, n_other) -> list[dict]`: each attribution as a hypothesis in
   the shape of `hypotheses.rank_hypotheses` ("request X received the answer meant for request Y",
   with the gain), for `merge_ranked` to rank with the others.
@@ -35,6 +42,7 @@ from lpf.analysis.verdicts import SEVERITY, by_arrival
 
 MAX_P = 1e-3
 MIN_MARGIN = 3.0  # nats between the best candidate prompt and the runner-up
+FIT_SLACK = 2.0  # nats per token a crossed answer may fit its source's prompt worse than clean outputs fit theirs
 FEATURE = "answer_of_other_request"
 
 
@@ -64,7 +72,7 @@ def plan(requests: pa.Table, summary: pa.Table, max_flagged: int = 32, max_candi
         chosen, same = [], {}
         by_prompt: dict[tuple, str] = {}
         for j in pool.tolist():
-            if j == i or prompts[j] == prompts[i]:
+            if j == i or prompts[j] == prompts[i] or _shares_most(prompts[i], prompts[j]):
                 continue
             rep = by_prompt.get(prompts[j])
             if rep is not None:
@@ -79,7 +87,17 @@ def plan(requests: pa.Table, summary: pa.Table, max_flagged: int = 32, max_candi
     return out
 
 
-def judge(plans: list[dict], scores: pa.Table, own: dict[str, float], lost: set[str] = frozenset()) -> list[dict]:
+SHARED_PREFIX_MIN = 16  # tokens: the shortest common prefix a prefix cache hands out (a block)
+
+
+def _shares_most(own: tuple, other: tuple) -> bool:
+    """Whether `other` starts with at least half of `own`, and at least SHARED_PREFIX_MIN tokens of it."""
+    need = max(SHARED_PREFIX_MIN, (len(own) + 1) // 2)
+    return len(own) >= need and len(other) >= need and other[:need] == own[:need]
+
+
+def judge(plans: list[dict], scores: pa.Table, own: dict[str, float], lost: set[str] = frozenset(),
+          typical: float | None = None) -> list[dict]:
     got: dict[tuple[str, str], tuple[int, float]] = {}
     for r in scores.to_pylist():
         got[(r["request_id"], r["candidate_id"])] = (r["n_tokens"], r["logprob_sum"])
@@ -99,6 +117,8 @@ def judge(plans: list[dict], scores: pa.Table, own: dict[str, float], lost: set[
             if len(near) != 1:
                 continue  # which request it was is unclear: claim nothing
         best, (n_tok, best_sum) = near[0]
+        if typical is not None and best_sum / max(n_tok, 1) < typical - FIT_SLACK:
+            continue  # no prompt makes it a plausible answer: not crossed, just wrong
         gain = best_sum - base
         others = [t[1][1] for t in tried if t[0] != best]
         runner_up = max(others) - base if others else -math.inf

@@ -19,34 +19,25 @@ From the trace (first = the request's first scheduled, non-preempted step):
                             reached 2^31 / 2^32 on a prefill/extend (the seed's 32-bit overflow)
   slot_offset_over_wrap     ... reached 2^BITS when the manifest's knobs say offset-wrap:BITS
   max_state_slot, first_batch_size, max_batch_size, first_batch_decode_share, n_prefill_chunks
-From vLLM's trace (lpf-vllm-trace's columns) and llama.cpp's (the llamacpp adapter's):
-  prefix_cache_hit          part of its prompt came from the prefix cache (both)
-  first_step_reordered      the batch reorder moved its row on its first step (vLLM only)
+From vLLM's trace (lpf-vllm-trace's columns, present only there):
+  first_step_reordered      the batch reorder moved its row on its first step
+From the prefix-cache columns (any engine that fills them: the built-in engine, vLLM's plugin,
+llama.cpp's timings.cache_n): `prefix_features` (prefix_cache_hit and the provenance of restored states).
 From the requests: prompt_length, rollout, seq (arrival index).
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from lpf.analysis.feature import Feature
+from lpf.analysis.prefix_features import prefix_features
 from lpf.analysis.verdicts import by_arrival
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
-
-
-@dataclass
-class Feature:
-    name: str
-    kind: str  # "bool" | "numeric"
-    values: np.ndarray  # bool, or float (NaN = unknown)
-    phrase: str  # bool: what a request with it did; numeric: the quantity's name
-    stride: int | None = None  # numeric slot features: elements per slot, to state splits as offsets
-    template: str | None = None  # numeric: the split's words, "{op}" and "{cut}" filled in ("arrived while ...")
 
 
 def _prompt_lengths(req: pa.Table) -> np.ndarray:
@@ -64,22 +55,16 @@ def request_features(requests: pa.Table, trace: pa.Table | None, engine_info: di
     if trace is not None and trace.num_rows:
         feats += _trace_features(req, trace, engine_info or {})
         feats += _vllm_trace_features(req, trace)
+        feats += prefix_features(req, trace, engine_info)
     return feats
 
 
 def _vllm_trace_features(req: pa.Table, trace: pa.Table) -> list[Feature]:
-    """Features from the columns only some engines' traces have (vLLM's: both; llama.cpp's:
-    prefix_cache_hit_tokens, its timings.cache_n); absent columns give no features."""
-    cols = set(trace.column_names)
-    if "prefix_cache_hit_tokens" not in cols:
+    """Features from the columns only vLLM's trace has (absent elsewhere: no features)."""
+    if "reordered" not in trace.column_names:
         return []
     ids = req.column("request_id")
     t = trace.filter(pc.invert(trace.column("preempted").fill_null(False))).sort_by([("step", "ascending")])
-    hit_ids = t.filter(pc.greater(t.column("prefix_cache_hit_tokens").fill_null(0), 0)).column("request_id")
-    feats = [Feature("prefix_cache_hit", "bool", pc.is_in(ids, value_set=pc.unique(hit_ids)).to_numpy(zero_copy_only=False)
-                     if len(hit_ids) else np.zeros(req.num_rows, dtype=bool), "had part of their prompt from the prefix cache")]
-    if "reordered" not in cols:
-        return feats
     # each request's first row: the first occurrence in step order
     code = pc.index_in(t.column("request_id"), value_set=ids).fill_null(-1).to_numpy(zero_copy_only=False)
     reordered = t.column("reordered").fill_null(False).to_numpy(zero_copy_only=False).astype(bool)
@@ -87,8 +72,7 @@ def _vllm_trace_features(req: pa.Table, trace: pa.Table) -> list[Feature]:
     seen, idx = np.unique(code, return_index=True)
     keep = seen >= 0
     first_reordered[seen[keep]] = reordered[idx[keep]]
-    return feats + [Feature("first_step_reordered", "bool", first_reordered,
-                            "were moved by the batch reorder on their first step")]
+    return [Feature("first_step_reordered", "bool", first_reordered, "were moved by the batch reorder on their first step")]
 
 
 def _offset_wrap_bits(engine_info: dict) -> int | None:
@@ -132,10 +116,13 @@ def _trace_features(req: pa.Table, trace: pa.Table, engine_info: dict) -> list[F
     first_decode = at_first(is_decode, False).astype(bool)
     first_uncomputed = first_decode & (at_first(computed, 1) == 0)
     first_one = at_first(sched, 0) == 1
-    # was the first slot used by another request at an earlier step?
+    # was the first slot used by another request at an earlier step? (any row counts: an attempt the
+    # run did not keep, e.g. one its client cancelled, used its slot too)
     slot_first_step = {}
-    order = np.argsort(slot, kind="stable")
-    s_sorted, st_sorted = slot[order], step[order]
+    all_slot = t.column("state_slot").fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)
+    all_step = t.column("step").to_numpy()
+    order = np.argsort(all_slot, kind="stable")
+    s_sorted, st_sorted = all_slot[order], all_step[order]
     starts = np.flatnonzero(np.r_[True, s_sorted[1:] != s_sorted[:-1]])
     for s0, i in zip(s_sorted[starts], starts):
         slot_first_step[int(s0)] = int(st_sorted[i])

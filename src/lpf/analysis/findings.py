@@ -43,6 +43,7 @@ from lpf.analysis.features import Feature, request_features
 from lpf.analysis.floors import expected_floor
 from lpf.analysis.hypotheses import rank_hypotheses
 from lpf.analysis.levels import REQUEST_VERDICTS, SEVERITY
+from lpf.analysis.prefix_cache import prefix_cache_summary
 from lpf.analysis.prompt import merge_summary, prompt_analysis, worst_verdict
 from lpf.analysis.run_test import run_level_test
 from lpf.analysis.shape import failure_shape
@@ -118,8 +119,9 @@ def conclude(findings: dict, summary: pa.Table, requests: pa.Table, trace: pa.Ta
              tempered: pa.Array | None, crossed: pa.Array | None) -> dict:
     """The request-level steps after scoring, shared by the in-memory and the streamed analysis
     (`lpf.analysis.stream`): the run-level test's verdict (`test`, or None), the failure's shape,
-    the ranked hypotheses (with the two token signatures' request ids, None when not computed) and
-    the evidence beyond the tokens. Reads no token table."""
+    the ranked hypotheses (with the two token signatures' request ids, None when not computed), the
+    evidence beyond the tokens and the prefix cache's block (`prefix_cache`: on, hits, inert; None
+    when the run has no prefix cache). Reads no token table."""
     if test is not None:
         findings["run_test"] = test
         if test["result"] == "different" and findings["verdict"] in SEVERITY and \
@@ -132,6 +134,7 @@ def conclude(findings: dict, summary: pa.Table, requests: pa.Table, trace: pa.Ta
     findings["shape"] = shape
     findings["hypotheses"] = _hypotheses(summary, requests, trace, engine_info, temperature, tempered, crossed)
     findings["evidence"] = evidence(requests, summary)
+    findings["prefix_cache"] = prefix_cache_summary(requests, trace, engine_info)
     return findings
 
 

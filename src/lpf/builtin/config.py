@@ -5,6 +5,13 @@ ranges, unknown names refused).
 to Mamba state slots and half to paged KV blocks (all of it to one kind when the model has only
 that kind of layer), so shrinking it makes slots and blocks recycle sooner.
 
+Prefix caching (`enable_prefix_caching`, vLLM's name) shares attention KV blocks by content hash and
+checkpoints every Mamba layer's conv + SSM state at Mamba block boundaries (`mamba_block_size`
+tokens, a multiple of `block_size`; vLLM's `--mamba-block-size`), as vLLM does for hybrids;
+`mamba_cache_mode` is vLLM's: `align` (the scheduler keeps chunk ends on the boundaries where a
+checkpoint is due; the state is saved at chunk ends) or `all` (chunks end anywhere; the Mamba layers
+save the state at every boundary a chunk crosses). See `prefix_cache` and docs/builtin-engine.md.
+
 `mamba_ssm_cache_dtype` is vLLM's knob of that name: the dtype the SSM part of each state slot is
 stored in ("auto": the engine dtype). Stored in bfloat16 under a float32 engine, every decode step
 rounds the recurrent state, so the error compounds with position (the hybrid-model RL mismatch that
@@ -15,7 +22,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 # What `lpf.builtin.models` implements; kept here (no torch) so a run can be refused before it starts.
 SUPPORTED_ARCHITECTURES = ("GraniteMoeHybridForCausalLM", "JambaForCausalLM")
@@ -34,6 +41,29 @@ class EngineConfig(BaseModel):
     mamba_ssm_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="dtype the SSM state is kept in between steps (vLLM's name); auto = the engine dtype")
     device: str = "cpu"
+    # role: sets the cache (what a request may reuse; checkpoint slots come out of --cache-mb's state half)
+    enable_prefix_caching: bool = Field(False, description=(
+        "Prefix caching (vLLM's name): attention KV blocks shared by content hash, Mamba conv + SSM state "
+        "checkpointed at Mamba block boundaries; a request resumes from the deepest boundary every layer hits."))
+    # role: sets the cache (checkpoint granularity); shrink may move it
+    mamba_block_size: int | None = Field(None, ge=1, description=(
+        "Tokens per Mamba state checkpoint with prefix caching (vLLM's --mamba-block-size): a multiple of "
+        "block_size; default: block_size."))
+    mamba_cache_mode: Literal["align", "all"] = Field("align", description=(
+        "vLLM's mamba_cache_mode: align (chunk ends kept on the boundaries where a checkpoint is due) or all "
+        "(the Mamba layers checkpoint every boundary a chunk crosses)."))
+
+    @model_validator(mode="after")
+    def _mamba_blocks_hold_whole_kv_blocks(self) -> "EngineConfig":
+        if self.mamba_block_size is not None and self.mamba_block_size % self.block_size:
+            raise ValueError(f"mamba_block_size ({self.mamba_block_size}) must be a multiple of block_size "
+                             f"({self.block_size}): a checkpoint boundary must end a KV block")
+        return self
+
+    @property
+    def checkpoint_block_size(self) -> int:
+        """Tokens per Mamba checkpoint block (mamba_block_size, or block_size when not given)."""
+        return self.mamba_block_size or self.block_size
 
     @classmethod
     def of(cls, options: BaseModel) -> "EngineConfig":

@@ -20,6 +20,10 @@ Each drill changes how the engine works, never its outputs directly:
                         from zero conv/SSM state instead of the state the previous chunk wrote: only
                         the prefill path is wrong; prompt positions after the chunk boundary diverge
                         first, and decodes inherit the wrong final state.
+Prefix caching of Mamba state (each needs --enable-prefix-caching but the last; the mechanisms,
+their vLLM / SGLang pull requests and their ground truth are in `prefix_drills`):
+  conv-into-shared-block, unaligned-chunk-hashed, publish-before-write, incomplete-block-cached,
+  resume-wrong-units, prefix-cache-inert, and stale-conv-on-reuse (no prefix caching needed).
 Substitutions (the engine computes another function than the model it claims, a little, everywhere;
 the arithmetic is in `numeric_drills`):
   quantize-weights[:BITS]      every decoder linear weight rounded group-wise to BITS bits (default 4;
@@ -53,8 +57,11 @@ from lpf.errors import LpfError, did_you_mean
 PERTURB_SEED = 1234  # perturb-weights draws the same "fine-tune" on every run
 GROUP_SIZE = 128  # quantize-weights: inputs per quantization group
 
+PREFIX_DRILLS = ("conv-into-shared-block", "unaligned-chunk-hashed", "publish-before-write", "incomplete-block-cached",
+                 "resume-wrong-units", "prefix-cache-inert")
 DRILLS = ("stale-state", "offset-wrap", "batch-variant", "swap-outputs", "processed-logprobs", "kv-double-free",
-          "lost-chunk-state", "quantize-weights", "kv-quant", "perturb-weights", "sampling-temperature")
+          "lost-chunk-state", *PREFIX_DRILLS, "stale-conv-on-reuse", "quantize-weights", "kv-quant", "perturb-weights",
+          "sampling-temperature")
 
 # drill -> (FaultSet field, argument type, default, lowest, highest); drills not listed take no argument
 _ARGS = {
@@ -76,6 +83,13 @@ class FaultSet:
     processed_logprobs: bool = False
     kv_double_free: bool = False
     lost_chunk_state: bool = False
+    conv_into_shared_block: bool = False
+    unaligned_chunk_hashed: bool = False
+    publish_before_write: bool = False
+    incomplete_block_cached: bool = False
+    resume_wrong_units: bool = False
+    prefix_cache_inert: bool = False
+    stale_conv_on_reuse: bool = False
     quantize_weights_bits: int | None = None
     kv_quant_bits: int | None = None
     perturb_weights_scale: float | None = None
@@ -105,6 +119,10 @@ class FaultSet:
             else:
                 kw[name.replace("-", "_")] = True
         return cls(**kw)
+
+    def prefix_drills(self) -> list[str]:
+        """The prefix-caching drills in force (they need the engine's prefix caching on)."""
+        return [n for n in PREFIX_DRILLS if getattr(self, n.replace("-", "_"))]
 
     def names(self) -> list[str]:
         out = []
@@ -175,7 +193,7 @@ class Drills:
         self.faults = faults
         self.truth = truth
         self.state_cache = state_cache  # offset arithmetic: where a wrapped prefill's write lands
-        self._stale_reads: dict[str, tuple[int, str]] = {}  # read, not yet followed by a sample
+        self._stale_reads: dict[str, tuple[int, str, str]] = {}  # (step, detail, fault) read, no sample yet
         self._wrapped: dict[str, tuple[int, str]] = {}  # wrapped prefill, not yet followed by a decode
 
     @property
@@ -223,8 +241,12 @@ class Drills:
         return phase == "extend" and not self.faults.lost_chunk_state
 
     def zero_new_slot(self, s) -> bool:
-        """Defence in depth: a newly allocated slot starts clean (not under stale-state)."""
-        return s.slot_is_new and not self.faults.stale_state
+        """Defence in depth: a newly allocated slot starts clean (not under stale-state or stale-conv-on-reuse)."""
+        return s.slot_is_new and not (self.faults.stale_state or self.faults.stale_conv_on_reuse)
+
+    def conv_reads_slot(self, phase: str) -> bool:
+        """stale-conv-on-reuse: a prefill's conv takes its slot's content as its initial state."""
+        return self.faults.stale_conv_on_reuse and phase == "prefill"
 
     def preempted(self, request_ids) -> None:
         for rid in request_ids:
@@ -236,10 +258,14 @@ class Drills:
         f, t, step = self.faults, self.truth, so.step
         if f.stale_state and phase == "decode" and s.num_computed_tokens == 0 and s.slot_reused:
             self._stale_reads[s.request_id] = (step, f"first step ran as decode on slot {s.state_slot}, "
-                                                     f"which held an earlier request's state")
+                                                     f"which held an earlier request's state", "stale-state")
+        if f.stale_conv_on_reuse and phase == "prefill" and s.slot_reused:
+            self._stale_reads[s.request_id] = (step, f"prefill on slot {s.state_slot} took the conv state an earlier "
+                                                     f"request left there as its initial conv state (no "
+                                                     f"has_initial_state)", "stale-conv-on-reuse")
         if s.will_sample and s.request_id in self._stale_reads:
-            read_step, detail = self._stale_reads.pop(s.request_id)
-            t.record(s.request_id, read_step, "stale-state", detail)
+            read_step, detail, fault = self._stale_reads.pop(s.request_id)
+            t.record(s.request_id, read_step, fault, detail)
         if f.offset_wrap_bits is not None and phase in ("prefill", "extend") and self.state_cache.wraps(s.state_slot):
             self._record_wrap(so, s)
         if phase == "decode" and s.num_computed_tokens > 0 and s.request_id in self._wrapped:
@@ -305,8 +331,8 @@ class Drills:
         """Preempted before sampling: recompute restarts from a prefill, so the stale read never
         reached an output. Kept in the ground truth with its own role, never silently dropped."""
         if request_id in self._stale_reads:
-            step, detail = self._stale_reads.pop(request_id)
-            self.truth.record(request_id, step, "stale-state", detail + "; preempted before its first sample, "
+            step, detail, fault = self._stale_reads.pop(request_id)
+            self.truth.record(request_id, step, fault, detail + "; preempted before its first sample, "
                               "so recompute discarded the stale state", role="discarded")
 
     def _record_wrap(self, so, s) -> None:

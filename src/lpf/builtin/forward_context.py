@@ -36,6 +36,17 @@ class SeqMeta:
     # a prefill or extend chunk continues from the state in its slot (vLLM's has_initial_state);
     # None: the phase decides (extend does, prefill does not)
     has_initial_state: bool | None = None
+    # prefix caching: where the initial state is read (a checkpoint slot: vLLM's initial_state_idx),
+    # None = the request's own slot; the kernel reads every such state before it writes any
+    initial_slot: int | None = None
+    # where the chunk's final conv state is written (None = its own slot and its chunk-end checkpoint)
+    conv_write_slot: int | None = None
+    # (position, slot): the state after `position` tokens is also saved to `slot` (a Mamba checkpoint);
+    # positions in (num_computed, num_computed + num_tokens], ascending
+    checkpoints: tuple[tuple[int, int], ...] = ()
+    # a prefill takes its slot's conv state as its initial conv state (no has_initial_state passed to
+    # the conv kernel; the SSM still starts from zero): the stale-conv-on-reuse drill
+    conv_reads_slot: bool = False
 
     @property
     def end(self) -> int:
@@ -43,7 +54,9 @@ class SeqMeta:
 
     @property
     def reads_initial_state(self) -> bool:
-        return self.phase == "extend" if self.has_initial_state is None else self.has_initial_state
+        if self.has_initial_state is None:
+            return self.phase == "extend" or (self.phase == "decode" and self.initial_slot is not None)
+        return self.has_initial_state
 
 
 @dataclass

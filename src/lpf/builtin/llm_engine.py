@@ -1,11 +1,16 @@
 """The engine loop: add requests, step (schedule -> run -> update), collect finished requests.
 
 One step fits on a screen. Every step appends one trace row per scheduled request (and one per
-preemption) so `lpf query` can answer "what happened to request X at each step".
+preemption) so `lpf query` can answer "what happened to request X at each step"; with prefix caching
+the row also says what the cache supplied, which checkpoint the request resumed from and who wrote
+it (`prefix_trace`). `abort(id)` cancels between steps; `cancel_after(id, tokens)` is a client
+that cancels once the engine schedules the request past `tokens` prompt tokens: the cancel lands
+while that step is in flight (after it was scheduled, before it runs), so the step runs without it.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from math import prod
 from pathlib import Path
 
@@ -14,6 +19,7 @@ import pyarrow as pa
 from lpf.builtin.config import EngineConfig
 from lpf.builtin.faults import FaultSet, GroundTruth
 from lpf.builtin.model_runner import ModelRunner
+from lpf.builtin.prefix_trace import trace_columns
 from lpf.builtin.request import Request
 from lpf.builtin.scheduler import Scheduler
 from lpf.run.schema import TRACE
@@ -51,14 +57,19 @@ class LLMEngine:
         self.max_context = getattr(self.model.config, "max_position_embeddings", None)
         self.num_slots, self.num_blocks = cache_sizes(self.model, config)
         self.truth = GroundTruth()
+        has_mamba = bool(self.model.state_specs())
         self.scheduler = Scheduler(config, self.num_slots, self.num_blocks, self.max_context,
-                                   double_free=faults.kv_double_free, record=self.truth.record)
+                                   double_free=faults.kv_double_free, record=self.truth.record, faults=faults,
+                                   has_mamba=has_mamba)
+        px = self.scheduler.prefix
         ssm = config.mamba_ssm_cache_dtype
         self.runner = ModelRunner(self.model, self.num_slots, self.num_blocks, config.block_size, faults,
                                   self.truth, dtype, config.device,
                                   state_dtypes=(torch_dtype(state_buffer_dtype(config)),
-                                                dtype if ssm == "auto" else torch_dtype(ssm)))
+                                                dtype if ssm == "auto" else torch_dtype(ssm)),
+                                  mamba_block_size=px.mbs if px else None)
         self._trace: list[dict] = []
+        self._cancels: dict[str, int] = {}
 
     def add_request(self, req: Request) -> Request | None:
         """Queue a request; returns it at once, finished with an error, if it could never run."""
@@ -74,7 +85,13 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> Request | None:
         """Cancel a request between steps (a client that went away): its slot and blocks are freed."""
+        self._cancels.pop(request_id, None)
         return self.scheduler.abort(request_id)
+
+    def cancel_after(self, request_id: str, prompt_tokens: int) -> None:
+        """A client that cancels `request_id` once a step takes it past `prompt_tokens` prompt tokens;
+        step() then returns it finished with an error saying so."""
+        self._cancels[request_id] = prompt_tokens
 
     @property
     def num_free_slots(self) -> int:
@@ -82,18 +99,47 @@ class LLMEngine:
 
     def step(self) -> list[Request]:
         so = self.scheduler.schedule()
+        so, cancelled = self._land_cancels(so)
         result = self.runner.execute(so)
-        n, tokens = len(so.scheduled), so.total_tokens
+        n, tokens = len(so.scheduled) + len(cancelled), so.total_tokens + sum(c.num_scheduled_tokens for c, _ in cancelled)
+        px = self.scheduler.prefix
         for s in so.scheduled:
             self._trace.append({"step": so.step, "request_id": s.request_id, "phase": result.phases[s.request_id],
                                 "num_computed_tokens": s.num_computed_tokens,
                                 "num_scheduled_tokens": s.num_scheduled_tokens, "state_slot": s.state_slot,
-                                "batch_size": n, "batch_tokens": tokens, "preempted": False})
+                                "batch_size": n, "batch_tokens": tokens, "preempted": False,
+                                **trace_columns(px, s, result.resume_reads.get(s.request_id))})
+        for s, _ in cancelled:
+            self._trace.append({"step": so.step, "request_id": s.request_id, "phase": None,
+                                "num_computed_tokens": s.num_computed_tokens,
+                                "num_scheduled_tokens": s.num_scheduled_tokens, "state_slot": s.state_slot,
+                                "batch_size": n, "batch_tokens": tokens, "preempted": False,
+                                **trace_columns(px, s, None), "aborted": True})
         for rid in so.preempted:
             self._trace.append({"step": so.step, "request_id": rid, "phase": None, "num_computed_tokens": 0,
                                 "num_scheduled_tokens": 0, "state_slot": None, "batch_size": n,
                                 "batch_tokens": tokens, "preempted": True})
-        return self.scheduler.update(so, result.samples, result.prompt_rows)
+        finished = self.scheduler.update(so, result.samples, result.prompt_rows, result.state_writes,
+                                         result.resume_reads)
+        return [req for _, req in cancelled] + finished
+
+    def _land_cancels(self, so):
+        """(the step without the requests whose client cancels while it is in flight, [(their scheduled
+        part, the request, finished with the cancel as its error)])."""
+        if not self._cancels:
+            return so, []
+        keep, cancelled = [], []
+        for s in so.scheduled:
+            at = self._cancels.get(s.request_id)
+            if at is None or s.num_computed_tokens + s.num_scheduled_tokens < at:
+                keep.append(s)
+                continue
+            del self._cancels[s.request_id]
+            req = self.scheduler.abort(s.request_id, in_flight=True, reason=(
+                f"cancelled by the client after {s.num_computed_tokens} of {at}+ prompt tokens, "
+                f"while its step {so.step} was in flight"))
+            cancelled.append((s, req))
+        return (replace(so, scheduled=keep), cancelled) if cancelled else (so, [])
 
     def drain_trace(self) -> pa.Table | None:
         if not self._trace:
@@ -103,6 +149,12 @@ class LLMEngine:
         return table
 
     def describe(self) -> dict:
-        return {"num_state_slots": self.num_slots, "num_kv_blocks": self.num_blocks,
-                "state_slot_stride": self.runner.state_cache.slot_stride, "faults": self.faults.names()}
+        out = {"num_state_slots": self.num_slots, "num_kv_blocks": self.num_blocks,
+               "state_slot_stride": self.runner.state_cache.slot_stride, "faults": self.faults.names()}
+        mixers = self.model.mamba_mixers()
+        if mixers:
+            out["conv_width"] = mixers[0].d_conv
+        if self.scheduler.prefix is not None:
+            out["prefix_cache"] = self.scheduler.prefix.describe()
+        return out
 

@@ -7,15 +7,22 @@ which phase each request runs in (the fixed rule unless a drill puts the old one
 and samples; when prompt logprobs are asked, the rows of prompt tokens are projected too (each
 predicts the next prompt token). The reply is a `StepResult`. Every fault-drill decision and its ground truth lives
 behind `Drills`; with no drill on, each of its hooks is the honest behaviour.
+With prefix caching (`mamba_block_size` given) a request resuming from a checkpoint reads its initial
+state from the entry of its Mamba block table that its hit ends in, the Mamba layers save the
+states the scheduler asked for, and the reply says which slots were written and read
+(`prefix_drills.PrefixDrills` holds those decisions and the drills that change them).
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
 from lpf.builtin.faults import Drills, FaultSet, GroundTruth
 from lpf.builtin.forward_context import ForwardContext, SeqMeta, set_forward_context
 from lpf.builtin.kv_cache import KVCache
+from lpf.builtin.prefix_drills import PrefixDrills
 from lpf.builtin.sampler import sample
 from lpf.builtin.sched_output import PromptRows, SchedulerOutput, StepResult
 from lpf.builtin.state_cache import StateCache
@@ -25,7 +32,7 @@ from lpf.torch_utils import logprob_rows
 class ModelRunner:
     def __init__(self, model, num_slots: int, num_blocks: int, block_size: int, faults: FaultSet,
                  truth: GroundTruth, dtype=torch.float32, device: str = "cpu",
-                 state_dtypes: tuple | None = None):
+                 state_dtypes: tuple | None = None, mamba_block_size: int | None = None):
         self.model = model
         self.device = device
         n_attn, n_kv, head_dim = model.kv_spec()
@@ -37,6 +44,9 @@ class ModelRunner:
         self.drills.edit_weights(model)
         self.kv_cache = KVCache(max(n_attn, 1), num_blocks, block_size, n_kv, head_dim, dtype, device,
                                 rounding=self.drills.kv_rounding())
+        mixers = model.mamba_mixers()
+        self.prefix = None if mamba_block_size is None else \
+            PrefixDrills(faults, block_size, mamba_block_size, mixers[0].d_conv if mixers else 1)
 
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput, capture=None) -> StepResult:
@@ -44,19 +54,46 @@ class ModelRunner:
         drills = self.drills
         drills.preempted(so.preempted)
         seqs, ids, pos, start = [], [], [], 0
+        writes, reads = [], {}
         for s in so.scheduled:
             phase = drills.phase(s)
             if drills.zero_new_slot(s):
                 self.state_cache.zero(s.state_slot)
             drills.scheduled(so, s, phase)
-            seqs.append(SeqMeta(s.request_id, start, s.num_scheduled_tokens, s.num_computed_tokens, phase,
-                                s.state_slot, s.block_table, drills.has_initial_state(s, phase)))
+            meta = SeqMeta(s.request_id, start, s.num_scheduled_tokens, s.num_computed_tokens, phase, s.state_slot,
+                           s.block_table, drills.has_initial_state(s, phase) if phase != "decode" else None,
+                           conv_reads_slot=drills.conv_reads_slot(phase))
+            if self.prefix is not None:
+                meta = self._with_prefix(s, meta, writes, reads)
+            seqs.append(meta)
             ids.extend(s.token_ids)
             pos.extend(range(s.num_computed_tokens, s.num_computed_tokens + s.num_scheduled_tokens))
             start += s.num_scheduled_tokens
         phases = {m.request_id: m.phase for m in seqs}
         if not seqs:
             return StepResult(phases)
+        result = self._forward(so, seqs, ids, pos, phases, capture)
+        return replace(result, state_writes=writes, resume_reads=reads)
+
+    def _with_prefix(self, s, meta: SeqMeta, writes: list, reads: dict) -> SeqMeta:
+        """The prefix cache's part of a request's step: where it resumes from, where its conv state and
+        checkpoints go; what it writes is appended to `writes`, where it resumed to `reads`."""
+        px = self.prefix
+        if s.resume_tokens:
+            index, slot = px.resume(s)
+            reads[s.request_id] = (index, slot)
+            if slot is None:  # the null block: nothing to resume from
+                meta = replace(meta, has_initial_state=False)
+            else:
+                meta = replace(meta, initial_slot=slot)
+        cps = px.checkpoints(s)
+        conv_to = px.conv_write_slot(s, meta.phase, meta.initial_slot)
+        writes.extend(px.writes(s, cps, conv_to))
+        return replace(meta, checkpoints=cps, conv_write_slot=conv_to)
+
+    def _forward(self, so: SchedulerOutput, seqs: list[SeqMeta], ids: list[int], pos: list[int],
+                 phases: dict[str, str], capture=None) -> StepResult:
+        drills = self.drills
         ctx = ForwardContext(so.step, seqs, self.kv_cache, self.state_cache, capture=capture)
         with set_forward_context(ctx):
             hidden = self.model(torch.tensor(ids, device=self.device), torch.tensor(pos, device=self.device))

@@ -4,6 +4,8 @@ There are no prefill/decode phases here, only `num_computed_tokens` against the 
 (prompt + outputs), as in vLLM v1: a request needs `num_tokens - num_computed_tokens` more tokens of
 compute before it can sample. Preemption by recompute resets `num_computed_tokens` to 0 and keeps the
 outputs, so the request later recomputes prompt + outputs and continues where it stopped.
+With prefix caching the request also carries its block hashes and the prefix cache's bookkeeping
+(`prefix_cache` reads and writes those fields; nothing else does).
 """
 
 from __future__ import annotations
@@ -47,6 +49,21 @@ class Request:
     num_preemptions: int = 0
     finish_reason: str | None = None
     error: str | None = None
+    # prefix caching (see prefix_cache): chained hashes of its full KV blocks, the checkpoint entries it
+    # holds (Mamba block index -> slot; the hit's entry too until its first step ran), the entries it
+    # published but still holds until its step is committed, the checkpoint slot its next step resumes
+    # from, tokens the cache supplied at its last admission, how many of its blocks are published, what
+    # its in-flight step published at schedule time, and (drills) why its state is wrong
+    block_hashes: list[int] = field(default_factory=list)
+    state_entries: dict[int, int] = field(default_factory=dict)
+    held_published: list[int] = field(default_factory=list)
+    resume_slot: int | None = None
+    resume_pending: bool = False
+    prefix_hit_tokens: int = 0
+    published_blocks: int = 0
+    in_flight: dict | None = None
+    state_taint: tuple[str, str] | None = None
+    pending_taint: tuple[str, str] | None = None
     t_arrival: float = field(default_factory=time.time)
     t_first_token: float | None = None
     t_finish: float | None = None

@@ -3,7 +3,10 @@
 `ScheduledRequest` is everything the runner needs about one request this step: which tokens to
 compute (from which position), where its KV blocks and state slot are, and whether this step ends
 with a sample. The runner never sees `Request` objects, so it cannot depend on scheduler state.
-Its reply is a `StepResult`: the phase it ran each request in and a `Sample` per sampling request.
+Its reply is a `StepResult`: the phase it ran each request in and a `Sample` per sampling request,
+and, with prefix caching, which state slots it wrote (`StateWrite`: who, how many tokens the state
+covers) and which slot each resuming request read its state from: the provenance the prefix cache
+keeps and the trace reports.
 """
 
 from __future__ import annotations
@@ -29,6 +32,13 @@ class ScheduledRequest:
     # prompt logprobs asked (sampling.prompt_logprobs): the prompt tokens this step's rows predict, row
     # i predicting token num_computed_tokens + i + 1 (empty when not asked or past the prompt)
     prompt_targets: list[int] = field(default_factory=list)
+    # prefix caching: tokens the cache supplied when this is the first step after a hit (0 otherwise),
+    # the request's Mamba block table then ((Mamba block index, slot) of the checkpoints it holds; the
+    # runner picks the entry to resume from), and where this step's states must be saved
+    # ((position, slot): the state after `position` tokens goes to `slot`)
+    resume_tokens: int = 0
+    state_table: tuple[tuple[int, int], ...] = ()
+    state_writes: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -71,9 +81,23 @@ class PromptRows:
 
 
 @dataclass(frozen=True)
+class StateWrite:
+    """A state the runner wrote this step: into `slot`, by `request_id`, covering its first `covers`
+    tokens; `part` is "state" (conv + SSM), or "conv" / "ssm" when only one part went there."""
+
+    slot: int
+    request_id: str
+    covers: int
+    part: str = "state"
+
+
+@dataclass(frozen=True)
 class StepResult:
     """The runner's reply to one `SchedulerOutput`."""
 
     phases: dict[str, str] = field(default_factory=dict)  # request id -> prefill | extend | decode
     samples: dict[str, Sample] = field(default_factory=dict)  # request id -> this step's sample
     prompt_rows: dict[str, PromptRows] = field(default_factory=dict)  # request id -> its prompt logprobs
+    state_writes: list[StateWrite] = field(default_factory=list)  # with prefix caching
+    # request id -> (Mamba block index, slot it read; None = the null block) of a resuming request
+    resume_reads: dict[str, tuple[int, int | None]] = field(default_factory=dict)

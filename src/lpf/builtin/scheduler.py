@@ -7,6 +7,13 @@ while budget, `max_num_seqs`, a free state slot and enough KV blocks remain; a n
 whatever budget is left, even 1 token (this is how the seed's "imposter" arose). When KV blocks run
 out for a running request, the most recently admitted request is preempted by recompute: its blocks
 and slot are freed and it returns to the front of the waiting queue.
+
+With prefix caching (`prefix_cache.PrefixCache`, which then owns the block and slot pools) a waiting
+request is looked up when admitted and starts after its hit; in align mode every prefill chunk is
+clipped so it ends where a checkpoint is due (`chunk_align`); every step plans the checkpoint
+entries it saves into, and `update` commits what the runner wrote (publication after the write).
+`abort(id, in_flight=True)` drops a request whose step was scheduled but has not run (a client's
+cancel landing while that step is in flight): nothing that step would have written is published.
 """
 
 from __future__ import annotations
@@ -16,9 +23,11 @@ from collections import deque
 from typing import Callable
 
 from lpf.builtin.config import EngineConfig
+from lpf.builtin.faults import FaultSet
 from lpf.builtin.kv_cache import BlockAllocator, blocks_needed
+from lpf.builtin.prefix_cache import PrefixCache
 from lpf.builtin.request import Request, Status
-from lpf.builtin.sched_output import PromptRows, Sample, ScheduledRequest, SchedulerOutput
+from lpf.builtin.sched_output import PromptRows, Sample, ScheduledRequest, SchedulerOutput, StateWrite
 from lpf.builtin.state_cache import SlotPool
 
 
@@ -36,17 +45,24 @@ def never_runs_reason(need: int, num_blocks: int, config: EngineConfig) -> str |
 
 class Scheduler:
     def __init__(self, config: EngineConfig, num_slots: int, num_blocks: int, max_context: int | None = None,
-                 double_free: bool = False, record: Callable[..., None] | None = None):
+                 double_free: bool = False, record: Callable[..., None] | None = None,
+                 faults: FaultSet | None = None, has_mamba: bool = True):
         self.config = config
-        self.slots = SlotPool(num_slots)
-        self.blocks = BlockAllocator(num_blocks)
+        self.record = record or (lambda *a, **k: None)
+        self.prefix: PrefixCache | None = None
+        if config.enable_prefix_caching:
+            self.prefix = PrefixCache(config, num_slots, num_blocks, faults or FaultSet(), self.record, has_mamba,
+                                      max_context)
+            self.slots, self.blocks = self.prefix.slots, self.prefix.blocks
+        else:
+            self.slots = SlotPool(num_slots)
+            self.blocks = BlockAllocator(num_blocks)
         self.max_context = max_context
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.step = 0
         # kv-double-free drill: a finished request's last block is freed twice
         self.double_free = double_free
-        self.record = record or (lambda *a, **k: None)
         self._block_owner: dict[int, str] = {}
 
     # -- queue -------------------------------------------------------------------------------------
@@ -59,15 +75,16 @@ class Scheduler:
     def why_never_runs(self, req: Request) -> str | None:
         return never_runs_reason(len(req.prompt_token_ids) + req.max_tokens, self.blocks.num_blocks, self.config)
 
-    def abort(self, request_id: str) -> Request | None:
+    def abort(self, request_id: str, in_flight: bool = False, reason: str = "aborted") -> Request | None:
         """Drop a request wherever it is (waiting or running), freeing its slot and KV blocks; the
-        request, finished with an error, or None when the scheduler does not hold it."""
+        request, finished with an error, or None when the scheduler does not hold it. `in_flight`: its
+        step was scheduled and will not run (the runner is not given it)."""
         for queue in (self.waiting, self.running):
             for req in queue:
                 if req.request_id == request_id:
                     queue.remove(req)
-                    self._release(req)
-                    req.status, req.finish_reason, req.error = Status.FINISHED, "error", "aborted"
+                    self._release(req, in_flight=in_flight)
+                    req.status, req.finish_reason, req.error = Status.FINISHED, "error", reason
                     return req
         return None
 
@@ -77,6 +94,9 @@ class Scheduler:
         chunked = self.config.enable_chunked_prefill
         plan: list[tuple[Request, int]] = []
         preempted: list[str] = []
+        px = self.prefix
+        if px is not None:
+            px.new_pass()
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -85,7 +105,10 @@ class Scheduler:
             if want > budget and not chunked:
                 i += 1
                 continue
-            n = min(want, budget)
+            n = min(want, budget) if px is None else px.align(req, min(want, budget))
+            if n == 0:  # no checkpoint boundary within reach this step
+                i += 1
+                continue
             while not self._grow(req, req.num_computed_tokens + n):
                 victim = self.running.pop()  # the newest request yields first
                 self._preempt(victim)
@@ -102,17 +125,23 @@ class Scheduler:
         if not preempted:
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 req = self.waiting[0]
+                hit = None
+                if px is not None and req.num_computed_tokens == 0:
+                    hit = px.lookup(req)
+                    px.acquire(req, hit)
                 want = req.num_tokens - req.num_computed_tokens
-                if want > budget and not chunked:
-                    break
-                n = min(want, budget)
-                slot = self.slots.allocate()
+                n = min(want, budget) if px is None else px.align(req, min(want, budget))
+                slot = None if (want > budget and not chunked) or n == 0 else self.slots.allocate()
                 if slot is None:
+                    if hit is not None:
+                        px.undo(req, hit)
                     break
                 req.state_slot, req.slot_is_new = slot, True
-                if not self._grow(req, n):
+                if not self._grow(req, req.num_computed_tokens + n):
                     self.slots.unallocate(slot)
                     req.state_slot = None
+                    if hit is not None:
+                        px.undo(req, hit)
                     break
                 self.waiting.popleft()
                 req.status = Status.RUNNING
@@ -126,12 +155,15 @@ class Scheduler:
             start = req.num_computed_tokens
             last = min(start + n, len(req.prompt_token_ids) - 1)  # rows up to here predict a prompt token
             targets = req.prompt_token_ids[start + 1:last + 1] if req.sampling.prompt_logprobs else []
+            writes, table = px.plan(req, n, self.step) if px is not None else ((), ())
+            resume = req.prefix_hit_tokens if px is not None and req.resume_pending else 0
             scheduled.append(ScheduledRequest(
                 request_id=req.request_id, token_ids=req.token_ids(start, start + n), num_computed_tokens=start,
                 state_slot=req.state_slot, block_table=list(req.block_table), slot_is_new=req.slot_is_new,
                 slot_reused=req.slot_is_new and req.state_slot in self.slots.ever_used,
                 will_sample=start + n == req.num_tokens, output_position=len(req.output_token_ids),
-                sampling=req.sampling, seed=req.seed, prompt_targets=targets))
+                sampling=req.sampling, seed=req.seed, prompt_targets=targets, resume_tokens=resume,
+                state_table=table if resume else (), state_writes=writes))
             req.slot_is_new = False
         owners = {r.state_slot: r.request_id for r in self.running}
         return SchedulerOutput(step=self.step, scheduled=scheduled, preempted=preempted, slot_owners=owners)
@@ -152,7 +184,9 @@ class Scheduler:
         req.block_table.extend(got)
         return True
 
-    def _release(self, req: Request, double_free: bool = False) -> None:
+    def _release(self, req: Request, double_free: bool = False, in_flight: bool = False) -> None:
+        if self.prefix is not None:
+            self.prefix.release(req, self.step, in_flight)
         for b in req.block_table:
             if self._block_owner.get(b) == req.request_id:
                 del self._block_owner[b]
@@ -174,22 +208,33 @@ class Scheduler:
 
     # -- after the runner ------------------------------------------------------------------------
     def update(self, out: SchedulerOutput, sampled: dict[str, Sample],
-               prompt_rows: dict[str, PromptRows] | None = None) -> list[Request]:
-        """Advance computed tokens, record prompt logprobs, append samples, retire finished requests (returned)."""
+               prompt_rows: dict[str, PromptRows] | None = None, state_writes: list[StateWrite] = (),
+               resume_reads: dict[str, tuple[int, int | None]] | None = None) -> list[Request]:
+        """Advance computed tokens, record prompt logprobs, append samples, commit what the step wrote
+        to the prefix cache, retire finished requests (returned)."""
         prompt_rows = prompt_rows or {}
         by_id = {r.request_id: r for r in self.running}
-        finished = []
+        finished, ran = [], []
         for s in out.scheduled:
             req = by_id.get(s.request_id)
             if req is None:  # preempted later in the same step
                 continue
             req.num_computed_tokens += s.num_scheduled_tokens
+            ran.append((req, s.num_scheduled_tokens))
             if s.request_id in prompt_rows:
                 req.add_prompt_rows(prompt_rows[s.request_id])
             if s.will_sample and s.request_id in sampled:
                 req.append_output(sampled[s.request_id])
                 if req.check_stop(self.max_context):
                     finished.append(req)
+        if self.prefix is not None:
+            writes: dict[str, list[StateWrite]] = {}
+            for w in state_writes:
+                writes.setdefault(w.request_id, []).append(w)
+            done = {id(r) for r in finished}
+            for req, n in ran:
+                self.prefix.commit(req, out.step, n, writes.get(req.request_id, ()),
+                                   (resume_reads or {}).get(req.request_id), continues=id(req) not in done)
         for req in finished:
             self.running.remove(req)
             self._release(req, double_free=self.double_free)

@@ -82,7 +82,7 @@ def _apply(f, opts: list):
 
 # -- options ----------------------------------------------------------------------------------------
 KNOB_PARAMS = ("dtype", "engine_option", "inject", "cache_mb", "max_num_seqs", "max_num_batched_tokens",
-               "enable_chunked_prefill")
+               "enable_chunked_prefill", "enable_prefix_caching")
 
 
 def engine_knob_options(f):
@@ -101,6 +101,9 @@ def engine_knob_options(f):
                      help="Token budget of one engine step (vLLM's name)."),
         click.option("--enable-chunked-prefill/--no-enable-chunked-prefill", default=None,
                      help="Split long prompts over several steps (vLLM's name)."),
+        click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=None,
+                     help="Reuse cached prefixes: KV blocks by hash, Mamba state checkpoints (vLLM's name; "
+                          "built-in: -E mamba_block_size=N, -E mamba_cache_mode=align|all)."),
     ])
 
 
@@ -138,8 +141,9 @@ def knob_args(options: Mapping) -> list[str]:
             continue
         if name == "inject":
             args += [a for drill in str(value).split(",") if drill.strip() for a in ("--inject", drill.strip())]
-        elif name == "enable_chunked_prefill":
-            args.append("--enable-chunked-prefill" if value else "--no-enable-chunked-prefill")
+        elif name in ("enable_chunked_prefill", "enable_prefix_caching"):
+            flag = name.replace("_", "-")
+            args.append(f"--{flag}" if value else f"--no-{flag}")
         elif name in _NAMED_KNOBS:
             args += [_NAMED_KNOBS[name], text(value)]
         else:

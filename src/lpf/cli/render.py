@@ -51,6 +51,7 @@ def print_summary(findings: dict, run_path, console: Console) -> None:
                       str(f["first_divergence"]), "inf" if diff is None else f"{diff:.3g}")
         console.print(t)
     _print_hypotheses(findings.get("hypotheses") or [], console)
+    _print_prefix_cache(findings.get("prefix_cache"), console)
     _print_evidence(findings.get("evidence"), console)
     _print_prompt(findings.get("prompt"), console)
     console.print(f"results: {run_path}/findings.json  (lpf query {run_path} \"SELECT ...\")")
@@ -157,6 +158,16 @@ def _print_hypotheses(hyps: list, console: Console) -> None:
     console.print("[bold]likely mechanisms[/] (Fisher exact test, best first):")
     for h in hyps[:3]:
         console.print(f"  {h['rank']}. {h['sentence']} [dim](p={h['p_value']:.2g})[/]", highlight=False)
+
+
+def _print_prefix_cache(pcache: dict | None, console: Console) -> None:
+    """The prefix cache's line: what it supplied, or the prefix-cache-inert finding."""
+    if not pcache:
+        return
+    if pcache.get("inert"):
+        console.print(f"[bold yellow]finding: prefix-cache-inert[/] {escape(pcache['sentence'])}", highlight=False)
+    else:
+        console.print(f"[dim]{escape(pcache['sentence'])}[/]", highlight=False)
 
 
 def _print_evidence(ev: dict | None, console: Console) -> None:

@@ -185,7 +185,7 @@ def _compute(engine, schedule, request_id, upto, dtype, on_step, every: bool = F
                 _project(engine, so, cap, logits)
             for n in step_nodes:
                 if n.request_id == request_id:
-                    side.steps.append(_step_info(so, n, deps, engine.runner.drills))
+                    side.steps.append(_step_info(so, n, deps, engine.runner.drills, every))
             if on_step:
                 on_step(i + 1, len(schedule))
     finally:
@@ -216,8 +216,11 @@ def _project(engine, so, cap, logits: dict) -> None:
             logits[sampling[at][0].num_computed + sampling[at][0].num_tokens - 1] = batch[at].detach().float().cpu()
 
 
-def _step_info(so, n: Node, deps: Dependencies, drills) -> dict:
+def _step_info(so, n: Node, deps: Dependencies, drills, prefix_caching: bool = False) -> dict:
     s = next(x for x in so.scheduled if x.request_id == n.request_id)
+    if prefix_caching:  # a state may come from a checkpoint slot: where it was read is not modelled here
+        return {"step": so.step, "phase": drills.phase(s), "first_position": n.kv_start, "last_position": n.kv_end - 1,
+                "num_tokens": n.kv_end - n.kv_start, "batch_size": len(so.scheduled), "state_slot": s.state_slot}
     writers = deps.state_writers(n)
     return {"step": so.step, "phase": drills.phase(s),
             "first_position": n.kv_start, "last_position": n.kv_end - 1, "num_tokens": n.kv_end - n.kv_start,

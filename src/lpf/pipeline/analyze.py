@@ -124,14 +124,29 @@ def _attribute(run: RunDir, requests, summary, own_sums_of, findings: dict, on_s
     scores = attribution_scores(run, plans, on_start=on_start, tick=tick)
     own = own_sums_of({p["request_id"] for p in plans}) if plans else {}
     verdict = summary.column("verdict").to_pylist()
-    lost = {rid for rid, v in zip(summary.column("request_id").to_pylist(), verdict)
-            if v in ("divergent", "corrupt", "error")}
-    found = attribution.judge(plans, scores, own, lost)
+    ids = summary.column("request_id").to_pylist()
+    lost = {rid for rid, v in zip(ids, verdict) if v in ("divergent", "corrupt", "error")}
+    found = attribution.judge(plans, scores, own, lost, typical_fit(summary, own_sums_of) if plans else None)
     n_flagged = len(findings["flagged"])
     n_scored = sum(findings["counts"].values())
     findings["hypotheses"] = attribution.merge_ranked(
         findings["hypotheses"], attribution.hypotheses(found, n_flagged, n_scored - n_flagged))
     return {"n_tested": len(plans), "n_pairs_scored": scores.num_rows, "attributed": found}
+
+
+def typical_fit(summary, own_sums_of, sample: int = 256) -> float | None:
+    """Median per-token reference logprob of clean outputs under their own prompts (up to `sample` of
+    them, evenly spread over arrival order), for the attribution's plausibility check."""
+    import numpy as np
+
+    rows = [(r, n) for r, v, n in zip(summary.column("request_id").to_pylist(), summary.column("verdict").to_pylist(),
+                                      summary.column("n_output_tokens").to_pylist()) if v == "clean" and n]
+    if not rows:
+        return None
+    rows = [rows[i] for i in np.unique(np.linspace(0, len(rows) - 1, min(sample, len(rows))).round().astype(int))]
+    sums = own_sums_of({r for r, _ in rows})
+    fits = [sums[r] / n for r, n in rows if r in sums]
+    return float(np.median(fits)) if fits else None
 
 
 @lru_cache(maxsize=1)

@@ -92,10 +92,22 @@ CALIBRATION = REFERENCE
 
 # engines that can (the built-in engine, vLLM through the lpf-vllm-trace plugin): one row per request
 # per engine step, plus one row per preemption (preempted = true, phase null)
+# The prefix-cache columns after `preempted` are nullable (null: the engine did not record them; old runs
+# and traces lack them): see docs/run-directory.md. With prefix caching, per row: tokens the cache
+# supplied at this (re)admission (0 on other rows); on the first step after a hit, the Mamba block
+# (in Mamba block units) whose state was restored, the last write into it (request, step, tokens it
+# really covers) and who published the hash the hit matched (request, step); whether the step ends on
+# a Mamba block boundary; whether the step was cancelled while in flight (its chunk never ran).
+PREFIX_TRACE = [
+    ("prefix_cache_hit_tokens", pa.int32()), ("resume_block", pa.int32()), ("resume_writer", pa.string()),
+    ("resume_write_step", pa.int64()), ("resume_covers_tokens", pa.int32()), ("resume_publisher", pa.string()),
+    ("resume_publish_step", pa.int64()), ("chunk_end_aligned", pa.bool_()), ("aborted", pa.bool_()),
+]
 TRACE = pa.schema([
     ("step", pa.int64()), ("request_id", pa.string()), ("phase", pa.string()),  # prefill | extend | decode
     ("num_computed_tokens", pa.int32()), ("num_scheduled_tokens", pa.int32()), ("state_slot", pa.int32()),
     ("batch_size", pa.int32()), ("batch_tokens", pa.int32()), ("preempted", pa.bool_()),
+    *PREFIX_TRACE,
 ])
 
 # "whose answer is this?" (`lpf.pipeline.attribute`): a flagged request's output re-scored by the reference

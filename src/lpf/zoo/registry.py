@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from lpf.errors import LpfError, did_you_mean
-from lpf.zoo import tasks
+from lpf.zoo import shared_prefix, tasks
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 
@@ -30,6 +30,9 @@ WORKLOADS = {
                "default_n": 500},
     "stress": {"description": "filler prose (8..~450 tokens) + a task, max_tokens 4..128: cache pressure",
                "default_n": 2000},
+    "shared-prefix": {"description": "recall groups sharing prefixes (fan-outs, sub-block prefixes, multi-turn "
+                                     "conversations, exact resends, a cancel-and-resend): prefix caching",
+                      "default_n": 400},
 }
 
 
@@ -84,6 +87,8 @@ def workload_items(name: str, seed: int = 0, n: int | None = None) -> list[dict]
         raise LpfError(f"workload size must be >= 0, got {n}")
     if name == "oracle":
         return tasks.oracle_items(n, seed)
+    if name == "shared-prefix":
+        return shared_prefix.shared_prefix_items(n, seed)
     return tasks.stress_items(n, seed)
 
 

@@ -12,11 +12,21 @@ Contract (the fault drills depend on it exactly; see DESIGN.md "Built-in engine"
   also for a brand-new request that the runner (mis)classified as decode: never special-cased.
 Prefill/extend requests run first, one at a time, then the decode batch, as vLLM orders them: a
 prefill's (possibly misplaced) final-state write is visible to a decode of the same step.
+- Prefix caching (`SeqMeta.initial_slot`, `checkpoints`, `conv_write_slot`): a request resuming
+  from a checkpoint reads its initial state from the checkpoint's slot (vLLM's initial_state_idx)
+  and writes its final state to its own slot; every such foreign state is read before the layer
+  writes anything, as one batched kernel would. A checkpoint `(position, slot)` saves the state
+  after `position` tokens to `slot`: at the chunk's end, or (all mode) inside it, where the chunk
+  is scanned in pieces split at those positions. `conv_write_slot` redirects the chunk's final
+  conv state (own slot and chunk-end checkpoint); a resumed decode reads zero state when its
+  `has_initial_state` is False (the null block). `conv_reads_slot`: a prefill's initial conv
+  state is its slot's content (no has_initial_state for the conv), its SSM state zero.
 
 Under a capture (`lpf locate`, `forward_context.probe`) the state each request starts a step from
 (`state_in`, `conv_state_in`: what it read, or the zeros of a prefill) and the state it ends the
-step with (`state_out`, `conv_state_out`: what it writes) are probed, one row per request, with
-`ctx.rows` naming the request (or the decode batch) while its chunk runs; nothing else changes.
+step with, or each piece of a chunk split at checkpoints ends with (`state_out`, `conv_state_out`),
+are probed, one row per request, with `ctx.rows` naming the request (the piece of its chunk, or the
+decode batch) while it runs; nothing else changes.
 
 The conv state is the last `d_conv - 1` conv inputs (the front zero-filled when fewer tokens came).
 Subclasses implement `prefill(proj [L, P], conv0, ssm0) -> (y [L, d_inner], conv, ssm)` and
@@ -25,6 +35,8 @@ output of the tokens concerned; the base applies `out_proj` to the whole packed 
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -45,25 +57,24 @@ class MambaMixerBase(nn.Module):
         y = x.new_zeros(x.shape[0], self.d_inner)
         shapes = dict(self.state_spec())
         ssm_dtype = wide(proj[:0]).dtype
+        foreign = self._read_foreign(ctx, cache, layer, proj.dtype, ssm_dtype)
         for s in ctx.non_decodes:
             if s.phase not in ("prefill", "extend"):
                 raise ValueError(f"unknown phase {s.phase!r} for request {s.request_id}")
-            if s.reads_initial_state:
+            if s.request_id in foreign:
+                conv0, ssm0 = foreign[s.request_id]
+            elif s.reads_initial_state:
                 conv0 = cache.read(layer, "conv", [s.state_slot], "prefill")[0].to(proj.dtype)
                 ssm0 = cache.read(layer, "ssm", [s.state_slot], "prefill")[0].to(ssm_dtype)
             else:
-                conv0 = proj.new_zeros(shapes["conv"])
+                conv0 = cache.read(layer, "conv", [s.state_slot], "prefill")[0].to(proj.dtype) \
+                    if s.conv_reads_slot else proj.new_zeros(shapes["conv"])
                 ssm0 = torch.zeros(shapes["ssm"], dtype=ssm_dtype, device=x.device)
-            captured = ctx.capture is not None
-            if captured:
+            if ctx.capture is not None:
                 ctx.rows = [s]
                 self._probe_states("in", conv0[None], ssm0[None])
-            y[s.start:s.end], conv, ssm = self.prefill(proj[s.start:s.end], conv0, ssm0)
-            if captured:
-                self._probe_states("out", conv[None], ssm[None])
-                ctx.rows = None
-            cache.write(layer, "conv", [s.state_slot], conv, "prefill")
-            cache.write(layer, "ssm", [s.state_slot], ssm, "prefill")
+            y[s.start:s.end] = self._chunk(cache, layer, s, proj[s.start:s.end], conv0, ssm0)
+            ctx.rows = None
         decodes = ctx.decodes
         if decodes:
             for s in decodes:
@@ -73,6 +84,9 @@ class MambaMixerBase(nn.Module):
             idx = torch.tensor([s.start for s in decodes], dtype=torch.long, device=x.device)
             conv0 = cache.read(layer, "conv", slots, "decode").to(proj.dtype)
             ssm0 = cache.read(layer, "ssm", slots, "decode").to(ssm_dtype)
+            for i, s in enumerate(decodes):
+                if s.request_id in foreign:
+                    conv0[i], ssm0[i] = foreign[s.request_id]
             captured = ctx.capture is not None
             if captured:
                 ctx.rows = decodes
@@ -83,11 +97,64 @@ class MambaMixerBase(nn.Module):
                 ctx.rows = None
             cache.write(layer, "conv", slots, conv, "decode")
             cache.write(layer, "ssm", slots, ssm, "decode")
+            for i, s in enumerate(decodes):
+                for _, slot in s.checkpoints:  # a decode saves only at its end (one token)
+                    cache.write(layer, "conv", [slot], conv[i:i + 1], "decode")
+                    cache.write(layer, "ssm", [slot], ssm[i:i + 1], "decode")
         return self.out_proj(y)
 
     def _probe_states(self, when: str, conv: torch.Tensor, ssm: torch.Tensor) -> None:
         probe(self, f"conv_state_{when}", conv)
         probe(self, f"state_{when}", ssm)
+
+    def _read_foreign(self, ctx, cache, layer: int, dtype, ssm_dtype) -> dict:
+        """{request id: (conv0, ssm0)} of every request resuming from another slot this step (zeros for
+        a resume from the null block), all read before this layer writes anything."""
+        out = {}
+        for s in ctx.seqs:
+            if s.initial_slot is not None and s.reads_initial_state:
+                out[s.request_id] = (cache.read(layer, "conv", [s.initial_slot], "prefill")[0].to(dtype),
+                                     cache.read(layer, "ssm", [s.initial_slot], "prefill")[0].to(ssm_dtype))
+            elif s.phase == "decode" and s.has_initial_state is False:
+                shapes = dict(self.state_spec())
+                out[s.request_id] = (torch.zeros(shapes["conv"], dtype=dtype, device=cache.buffer.device),
+                                     torch.zeros(shapes["ssm"], dtype=ssm_dtype, device=cache.buffer.device))
+        return out
+
+    def _chunk(self, cache, layer: int, s, proj: torch.Tensor, conv, ssm) -> torch.Tensor:
+        """One prefill/extend chunk: scanned in pieces split at its inner checkpoints (each saved as it
+        is reached), its final state written to its own slot (the conv to `conv_write_slot` when set)
+        and to a checkpoint at its end."""
+        end = s.num_computed + s.num_tokens
+        cuts = [p - s.num_computed for p, _ in s.checkpoints if p < end]
+        ys, at = [], 0
+        for cut, (_, slot) in zip(cuts, [c for c in s.checkpoints if c[0] < end]):
+            self._piece(s, at, cut - at)
+            piece, conv, ssm = self.prefill(proj[at:cut], conv, ssm)
+            self._piece_done(conv, ssm)
+            ys.append(piece)
+            cache.write(layer, "conv", [slot], conv, "prefill")
+            cache.write(layer, "ssm", [slot], ssm, "prefill")
+            at = cut
+        self._piece(s, at, proj.shape[0] - at)
+        piece, conv, ssm = self.prefill(proj[at:], conv, ssm)
+        self._piece_done(conv, ssm)
+        ys.append(piece)
+        at_end = [slot for p, slot in s.checkpoints if p == end]
+        conv_to = [s.conv_write_slot] if s.conv_write_slot is not None else [s.state_slot, *at_end]
+        cache.write(layer, "conv", conv_to, conv.expand(len(conv_to), *conv.shape), "prefill")
+        cache.write(layer, "ssm", [s.state_slot, *at_end], ssm.expand(1 + len(at_end), *ssm.shape), "prefill")
+        return ys[0] if len(ys) == 1 else torch.cat(ys)
+
+    def _piece(self, s, at: int, n: int) -> None:
+        """Under a capture: the piece of `s`'s chunk scanned next (positions num_computed + at ..)."""
+        ctx = get_forward_context()
+        if ctx.capture is not None:
+            ctx.rows = [replace(s, start=s.start + at, num_computed=s.num_computed + at, num_tokens=n)]
+
+    def _piece_done(self, conv: torch.Tensor, ssm: torch.Tensor) -> None:
+        if get_forward_context().capture is not None:
+            self._probe_states("out", conv[None], ssm[None])
 
     def conv_prefill(self, xc: torch.Tensor, conv0: torch.Tensor):
         """Causal depthwise conv of one request's chunk xc [L, C] continuing from conv0 [C, K-1]:

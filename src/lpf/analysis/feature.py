@@ -1,0 +1,22 @@
+"""`Feature`: one candidate mechanism's value per request, and the words its hypothesis sentence uses.
+
+A boolean says what a request with it did ("started with a decode step"); a numeric names its
+quantity ("state slot id") and `hypotheses` splits it at the best threshold. Values are aligned to the
+requests sorted by `seq`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class Feature:
+    name: str
+    kind: str  # "bool" | "numeric"
+    values: np.ndarray  # bool, or float (NaN = unknown)
+    phrase: str  # bool: what a request with it did; numeric: the quantity's name
+    stride: int | None = None  # numeric slot features: elements per slot, to state splits as offsets
+    template: str | None = None  # numeric: the split's words, "{op}" and "{cut}" filled in ("arrived while ...")
