@@ -121,20 +121,29 @@ def _gold_trial(gold_errs) -> dict:
 
 
 def _mamba(located, errs, floor_of, engine, ref, prompt_len, steps):
+    """The Mamba layer's input state (its SSM and conv state) at the start of the step that computed
+    the located position: did either already differ?"""
     if located is None or located["name"] not in MAMBA_OPS:
         return None
     layer, p = located["layer"], located["position"]
-    ins = [q for q in engine.positions(f"L{layer}.state_in") if q <= p]
+    ins = [q for q in engine.positions(f"L{layer}.state_in") + engine.positions(f"L{layer}.conv_state_in") if q <= p]
     if not ins:
         return None
     start = max(ins)
-    e = errs.get(f"L{layer}.state_in", {}).get(start)
-    f = floor_of.get(f"L{layer}.state_in")
-    differed = e is not None and f is not None and e > f
+    parts = {}
+    for part, op in (("ssm", f"L{layer}.state_in"), ("conv", f"L{layer}.conv_state_in")):
+        e, f = errs.get(op, {}).get(start), floor_of.get(op)
+        if e is not None and f is not None:
+            parts[part] = {"rel_error": e, "floor": f, "differed": e > f, "engine_norm": align.norms(engine, op, start),
+                           "reference_norm": align.norms(ref, op, start)}
+    if not parts:
+        return None
+    differed = [k for k, v in parts.items() if v["differed"]]
+    shown = parts.get(differed[0] if differed else "ssm") or next(iter(parts.values()))
     info = {"layer": layer, "step_start": start, "start_token": token_label(start, prompt_len),
-            "input_state": "differed" if differed else "agreed", "state_in_rel_error": e, "floor": f,
-            "engine_state_norm": align.norms(engine, f"L{layer}.state_in", start),
-            "reference_state_norm": align.norms(ref, f"L{layer}.state_in", start)}
+            "input_state": "differed" if differed else "agreed", "differed_parts": differed, "parts": parts,
+            "state_in_rel_error": shown["rel_error"], "floor": shown["floor"],
+            "engine_state_norm": shown["engine_norm"], "reference_state_norm": shown["reference_norm"]}
     if steps:
         step = _step_at(steps, start)
         info["step"] = step
@@ -271,7 +280,9 @@ def _sentence(out, prompt_len: int) -> tuple[str, str]:
             f"{_g(loc['ratio'])}x its floor" + (f" (at the same token also {', '.join(loc['also'])})" if loc.get("also") else ""))
     details = f"{head[0].upper()}{head[1:]}; {verdict['sentence']}."
     if mamba is not None and mamba["input_state"] == "differed":
-        return (f"Mamba layer {mamba['layer']}'s input state at {mamba['start_token']} already differed (engine state "
+        which = "input state" if len(mamba["differed_parts"]) == 2 else \
+            ("input SSM state" if mamba["differed_parts"] == ["ssm"] else "input conv state (its SSM state agreed)")
+        return (f"Mamba layer {mamba['layer']}'s {which} at {mamba['start_token']} already differed (engine state "
                 f"norm {_g(mamba['engine_state_norm'])}, reference {_g(mamba['reference_state_norm'])})"
                 f"{_state_words(mamba)}; suspect: {suspect}."), details
     if mamba is not None:
