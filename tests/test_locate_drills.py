@@ -68,11 +68,13 @@ def q(run, sql):
     return run_query(run, sql)[1]
 
 
-def _shared(doc):
+def _shared(doc, exact: bool = True):
     """What every located drill shows: the engine departs, the reference agrees with itself, and
-    the replay reproduced the run's logprobs exactly."""
+    the replay reproduced the run's logprobs (to the bit on a dense model; with MoE layers a pruned
+    step's other requests route their tokens differently, so an expert's matmul may round differently)."""
     assert doc["verdict"]["suspect"] == "engine", doc["sentence"]
-    assert doc["replay"]["reproduces"] is True and doc["replay"]["check"]["max_abs_logprob_diff"] == 0.0
+    worst = doc["replay"]["check"]["max_abs_logprob_diff"]
+    assert doc["replay"]["reproduces"] is True and (worst == 0.0 if exact else worst <= 1e-5), worst
     assert doc["trials"]["gold"]["agrees"] is True
     assert doc["trials"]["decode_path"]["first_departure"] is None
     assert doc["sentence"].count(". ") == 0 and doc["sentence"].endswith("suspect: engine.")
@@ -81,7 +83,7 @@ def _shared(doc):
 def test_stale_state_is_located_to_the_first_mamba_layer_s_input_state(lpf_cli, runs):
     run = runs / "stale"
     doc = locate(lpf_cli, run)
-    _shared(doc)
+    _shared(doc, exact=False)  # tiny:jamba-longmem has MoE layers
     loc, mamba = doc["located"], doc["mamba"]
     assert loc["layer"] == 0 and loc["name"] in ("state_in", "conv_state_in") and loc["position"] == 0
     assert mamba["input_state"] == "differed" and mamba["reference_state_norm"] == 0.0 and mamba["engine_state_norm"] > 1
@@ -99,7 +101,7 @@ def test_stale_state_is_located_to_the_first_mamba_layer_s_input_state(lpf_cli, 
 def test_offset_wrap_is_located_to_the_state_its_prefill_wrote_elsewhere(lpf_cli, runs):
     run = runs / "wrap"
     doc = locate(lpf_cli, run)
-    _shared(doc)
+    _shared(doc, exact=False)
     loc, mamba = doc["located"], doc["mamba"]
     stride = json.loads((run / "manifest.json").read_text())["engine"]["cache"]["state_slot_stride"]
     assert loc["layer"] == 0 and loc["name"] in ("state_in", "conv_state_in")

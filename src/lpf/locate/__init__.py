@@ -76,6 +76,11 @@ def locate(run_path, request_id: str | None = None, position: int | None = None,
     dtype = "float32" if dtype in (None, "auto") else dtype
     judged = judge(engine.acts, ref, prompt_len, dtype, engine.steps or None, engine.slot_stride)
     doc = _document(run, target, engine, ref, judged, dtype, time.monotonic() - t0)
+    if doc["replay"]["reproduces"] is False:  # said first: the activations compared are not the run's
+        chk = engine.check
+        doc["sentence"] = (f"The replay does not reproduce the run (its logprobs differ from the run's by up to "
+                           f"{chk['max_abs_logprob_diff']:.3g}), so what follows is not the run's computation: "
+                           + doc["sentence"])
     out_dir = Path(out) if out is not None else run.path / "locate" / f"{_safe(target['request_id'])}-o{target['output_position']}"
     out_dir.mkdir(parents=True, exist_ok=True)
     _write_json(out_dir / "locate.json", doc)

@@ -1,16 +1,15 @@
 """Replay one request of a built-in engine run with its original schedule, capturing its activations.
 
-Contract: `replay(run, request_id, upto) -> EngineSide`. The run's own engine configuration (knobs
-and drills, from the manifest) is rebuilt and the run's requests are added in arrival order, as the
-adapter added them; the scheduler then runs step by step with the run's recorded output tokens fed
-back as its samples, so it makes the same decisions (batches, budgets, state slots, KV blocks,
-preemptions) the run made, which is checked against the run's trace step by step (`LpfError` at the
-first step that differs: a resumed run, or one whose engine changed since). Of those steps, only the
-ones the request's numbers depend on are computed (every one with prefix caching on: states restored
-from checkpoints are not followed) (`depends.Dependencies.closure`: its own steps and
-the steps whose state or KV writes it read, transitively), each with its whole original batch, with
-an `EngineCapture` on the request's rows up to absolute position `upto` (the row that predicts the
-located output token). The request's logprobs at its output positions are recomputed from the
+Contract: `replay(run, request_id, upto) -> EngineSide`. The run's schedule is replayed
+(`builtin_schedule.replay_schedule`: the run's own adapter, knobs and drills, its recorded tokens fed
+back as the samples, checked against its trace step by step) up to the step that computes absolute
+position `upto` of the request. Of those steps only the ones the request's numbers depend on are
+computed (`depends.Dependencies.closure`: its own steps and the steps whose state or KV writes it
+read, transitively; with prefix caching on every step, as it is scheduled: states restored from
+checkpoints are not followed), each with its whole original batch, with an `EngineCapture` on the
+request's rows. The request's own numbers are the run's to the bit on a dense model; with MoE layers a
+pruned step's other requests (not recomputed from their own history) route their tokens differently,
+so an expert's matmul may round the request's rows differently (measured: <= 4e-6 in a logprob). The request's logprobs at its output positions are recomputed from the
 engine's own LM head (the drills' too) and compared with what the run recorded (`check`), so a
 replay that does not reproduce the run says so.
 
@@ -26,7 +25,7 @@ from dataclasses import dataclass, field
 
 import pyarrow.compute as pc
 
-from lpf.errors import LpfError
+
 from lpf.locate.depends import Dependencies, Node
 from lpf.locate.engine_capture import EngineCapture
 from lpf.run.store import RunDir
@@ -45,106 +44,46 @@ class EngineSide:
     logits: dict = field(default_factory=dict)  # position -> the engine's float32 logits row (sampled rows)
 
 
-def _run_requests(run: RunDir):
-    from lpf.sampling import SamplingParams
-    from lpf.workload import expand, read_normalized
-
-    m = run.manifest
-    sampling = SamplingParams.from_dict(m["sampling"])
-    return expand(read_normalized(run.path / "workload.jsonl"), m["workload"]["n"], sampling), sampling
-
-
-def _trace_by_step(run: RunDir) -> dict[int, dict[str, tuple]]:
-    if not run.has("trace"):
-        return {}
-    t = run.read("trace", ["step", "request_id", "phase", "num_computed_tokens", "num_scheduled_tokens",
-                           "state_slot", "preempted"])
-    t = t.filter(pc.invert(pc.fill_null(t.column("preempted"), False)))
-    out: dict[int, dict[str, tuple]] = {}
-    for r in t.to_pylist():
-        out.setdefault(r["step"], {})[r["request_id"]] = (r["phase"], r["num_computed_tokens"],
-                                                          r["num_scheduled_tokens"], r["state_slot"])
-    return out
-
-
 def replay(run: RunDir, request_id: str, upto: int, on_step=None) -> EngineSide:
     import torch
 
-    from lpf.adapters.builtin import BuiltinOptions
-    from lpf.builtin.config import EngineConfig
     from lpf.builtin.faults import FaultSet
-    from lpf.builtin.llm_engine import LLMEngine
-    from lpf.builtin.request import Request
-    from lpf.builtin.sched_output import Sample
-    from lpf.model_specs import load_tokenizer, resolve_model
+    from lpf.locate.builtin_schedule import prompt_len, replay_schedule
 
     t0 = time.monotonic()
     m = run.manifest
-    options = BuiltinOptions.parse(m["engine"]["options"])
-    model = resolve_model(m["model"]["spec"])
-    requests, sampling = _run_requests(run)
-    recorded = {r["request_id"]: r["output_token_ids"] or []
-                for r in run.read("requests", ["request_id", "output_token_ids"]).to_pylist()}
-    if request_id not in recorded:
-        raise LpfError(f"request {request_id!r} is not in {run.path}")
-    before = torch.get_num_threads()
-    if options.threads > 0:
-        torch.set_num_threads(options.threads)  # matmul splits follow the thread count: the run's own
+    options = m["engine"]["options"]
+    dtype = options.get("dtype", "float32")
+    # prefix caching restores states from checkpoints the dependency analysis does not follow: every step
+    # is computed, in the scheduling pass itself (the cache's checkpoints follow what the runner writes)
+    every = bool(options.get("enable_prefix_caching"))
+    live: dict = {}
+
+    def compute(so, real, adapter):
+        if "cap" not in live:  # the first step: the capture goes on the adapter's model
+            live.update(cap=EngineCapture(adapter.engine.model, request_id, dtype), logits={})
+            live["hooks"] = live["cap"].install()
+        return _execute(adapter.engine, so, real, live["cap"], live["logits"])
+
     try:
-        engine = LLMEngine(model.path, EngineConfig.of(options), FaultSet.parse(options.inject))
-        eos = load_tokenizer(model).eos_token_id
-        for r in requests:
-            engine.add_request(Request(r.request_id, list(r.prompt_token_ids), sampling, r.max_tokens, r.seed, eos,
-                                       seq=r.seq))
-        schedule = _schedule(engine, run, request_id, upto, recorded, Sample)
-        # prefix caching restores states from checkpoints the dependency analysis does not follow: every step
-        every = bool(getattr(options, "enable_prefix_caching", False))
-        side = _compute(engine, schedule, request_id, upto, m["engine"]["options"].get("dtype", "float32"), on_step,
-                        every)
+        adapter, schedule = replay_schedule(run, request_id, upto, compute=compute if every else None)
+    finally:
+        if "hooks" in live:
+            live["hooks"].remove()
+    before = torch.get_num_threads()
+    threads = int(options.get("threads", 1) or 0)
+    if threads > 0:
+        torch.set_num_threads(threads)  # matmul splits follow the thread count: the run's own
+    try:
+        side = _compute(adapter.engine, schedule, request_id, dtype, on_step, every, live)
     finally:
         torch.set_num_threads(before)
-    prompt_len = next(len(r.prompt_token_ids) for r in requests if r.request_id == request_id)
-    side.check = _check(run, request_id, side, prompt_len)
+    side.check = _check(run, request_id, side, prompt_len(run, request_id))
     side.seconds = time.monotonic() - t0
-    side.description = {"engine": "builtin", "drills": FaultSet.parse(options.inject).names(),
-                        "schedule": "the run's trace, checked step by step"}
+    side.description = {"engine": "builtin", "drills": FaultSet.parse(options.get("inject") or "").names(),
+                        "schedule": "the run's own, replayed through its adapter and checked against its trace "
+                                    "step by step" + ("; every step computed (prefix caching)" if every else "")}
     return side
-
-
-def _schedule(engine, run, request_id, upto, recorded, Sample) -> list:
-    """Every SchedulerOutput up to the step that computes position `upto` of the request."""
-    trace = _trace_by_step(run)
-    sched, out = engine.scheduler, []
-    while sched.has_unfinished():
-        so = sched.schedule()
-        want = trace.get(so.step, {} if trace else None)
-        if want is not None and (want or so.scheduled):
-            got = {s.request_id: (engine.runner.drills.phase(s), s.num_computed_tokens, s.num_scheduled_tokens,
-                                  s.state_slot) for s in so.scheduled}
-            if got != want:
-                raise LpfError(f"the built-in engine does not replay this run's schedule at step {so.step} "
-                               f"(the trace has {len(want)} requests there, the replay {len(got)}{_first_diff(want, got)}): "
-                               f"a resumed run, or the engine changed since; locate needs one uninterrupted session")
-        out.append(so)
-        samples = {}
-        for s in so.scheduled:
-            if s.will_sample:
-                toks = recorded.get(s.request_id) or []
-                if s.output_position < len(toks):
-                    samples[s.request_id] = Sample(toks[s.output_position], 0.0, [], [])
-        sched.update(so, samples, {})
-        done = any(s.request_id == request_id and s.num_computed_tokens + s.num_scheduled_tokens > upto
-                   for s in so.scheduled)
-        if done:
-            return out
-    raise LpfError(f"request {request_id}: the replayed schedule never computes position {upto}")
-
-
-def _first_diff(want: dict, got: dict) -> str:
-    for rid in sorted(set(want) | set(got)):
-        if want.get(rid) != got.get(rid):
-            return f"; {rid}: trace {want.get(rid)}, replay {got.get(rid)}"
-    return ""
 
 
 def _nodes(engine, so) -> list[Node]:
@@ -155,7 +94,9 @@ def _nodes(engine, so) -> list[Node]:
         phase = drills.phase(s)
         decode = phase == "decode"
         path = "decode" if decode else "prefill"
-        reads = decode or drills.has_initial_state(s, phase)
+        # a chunk reads its slot when it continues from it, or (stale-conv-on-reuse) takes its conv from it
+        conv_reads = getattr(drills, "conv_reads_slot", lambda _phase: False)(phase)
+        reads = decode or drills.has_initial_state(s, phase) or conv_reads
         zero = s.state_slot * sc.slot_stride if drills.zero_new_slot(s) else None
         out.append(Node(so.step, s.request_id, decode, zero if has_state else None,
                         sc.base(s.state_slot, path) if has_state and reads else None,
@@ -164,33 +105,38 @@ def _nodes(engine, so) -> list[Node]:
     return out
 
 
-def _compute(engine, schedule, request_id, upto, dtype, on_step, every: bool = False) -> EngineSide:
+def _execute(engine, so, real, cap, logits):
+    """One step computed with the capture on (the request's logits projected as the runner does)."""
+    cap.hidden = cap.step_hidden = None
+    result = real(so, capture=cap)
+    if cap.hidden is not None:
+        _project(engine, so, cap, logits)
+    return result
+
+
+def _compute(engine, schedule, request_id, dtype, on_step, every: bool, live: dict) -> EngineSide:
     nodes = [_nodes(engine, so) for so in schedule]
     deps = Dependencies(nodes, engine.runner.state_cache.slot_stride or 1, engine.config.block_size)
-    own = [n.key for step in nodes for n in step if n.request_id == request_id]
-    needed = deps.closure(own)
-    steps = sorted({so.step for so in schedule} if every else {k[0] for k in needed})
-    cap = EngineCapture(engine.model, request_id, dtype)
+    if every:  # computed while scheduling
+        cap, logits, steps = live["cap"], live["logits"], sorted({so.step for so in schedule})
+    else:
+        cap, logits = EngineCapture(engine.model, request_id, dtype), {}
+        steps = sorted({k[0] for k in deps.closure([n.key for step in nodes for n in step if n.request_id == request_id])})
+        hooks = cap.install()
+        try:
+            for i, so in enumerate(schedule):
+                if so.step in steps:
+                    _execute(engine, so, engine.runner.execute, cap, logits)
+                if on_step:
+                    on_step(i + 1, len(schedule))
+        finally:
+            hooks.remove()
     side = EngineSide(cap.acts, steps_replayed=len(steps), steps_scheduled=len(schedule),
-                      slot_stride=engine.runner.state_cache.slot_stride)
-    hooks = cap.install()
-    logits = {}
-    try:
-        for i, (so, step_nodes) in enumerate(zip(schedule, nodes)):
-            if so.step not in steps:
-                continue
-            cap.hidden = cap.step_hidden = None
-            engine.runner.execute(so, capture=cap)
-            if cap.hidden is not None:
-                _project(engine, so, cap, logits)
-            for n in step_nodes:
-                if n.request_id == request_id:
-                    side.steps.append(_step_info(so, n, deps, engine.runner.drills, every))
-            if on_step:
-                on_step(i + 1, len(schedule))
-    finally:
-        hooks.remove()
-    side.logits = logits
+                      slot_stride=engine.runner.state_cache.slot_stride, logits=logits)
+    for so, step_nodes in zip(schedule, nodes):
+        for n in step_nodes:
+            if n.request_id == request_id:
+                side.steps.append(_step_info(so, n, deps, engine.runner.drills, every))
     return side
 
 

@@ -22,7 +22,8 @@ import numpy as np
 import pyarrow.compute as pc
 
 from lpf.errors import LpfError
-from lpf.locate.builtin_replay import EngineSide, _run_requests
+from lpf.locate.builtin_replay import EngineSide
+from lpf.locate.builtin_schedule import _run_requests
 from lpf.locate.ops import Activations
 from lpf.locate.vllm_names import capture_spec
 
