@@ -38,6 +38,12 @@ CONFIGS = {
                                                       "--max-num-batched-tokens", "16", "--inject", "lost-chunk-state"]),
     "quantize-weights, zoo:hybrid (tests)": ("zoo:hybrid", 60, ["--max-tokens", "8", "--inject", "quantize-weights"]),
     "quantize-weights:8, zoo:jamba": ("zoo:jamba", 60, ["--max-tokens", "8", "--inject", "quantize-weights:8"]),
+    # the prefix-caching drills (zoo:shared-prefix traffic, a cancel-and-resend client included)
+    "stale-conv-on-reuse, tiny:jamba-longmem": ("tiny:jamba-longmem", "shared-prefix", [
+        "--max-tokens", "8", "--max-num-batched-tokens", "48", "--cache-mb", "3", "--inject", "stale-conv-on-reuse"]),
+    "resume-wrong-units, tiny:jamba-longmem": ("tiny:jamba-longmem", "shared-prefix", [
+        "--max-tokens", "8", "--max-num-batched-tokens", "48", "--cache-mb", "3", "--enable-prefix-caching",
+        "-E", "mamba_block_size=32", "--inject", "resume-wrong-units"]),
 }
 QUICK = {"lost-chunk-state, zoo:hybrid (quick)": ("zoo:hybrid", 8, ["--max-tokens", "4", "--prompt-logprobs",
                                                                    "--max-num-batched-tokens", "16", "--inject",
@@ -54,10 +60,16 @@ def _lpf(*args, timeout=1800) -> tuple[subprocess.CompletedProcess, float]:
     return proc, time.monotonic() - t
 
 
-def _workload(path: Path, n: int) -> Path:
+def _workload(base: Path, n) -> Path:
+    """`n` oracle prompts, or the zoo workload named `n` (240 items)."""
     sys.path.insert(0, str(ROOT / "src"))
     from lpf.zoo import registry
 
+    path = base / f"w-{n}.jsonl"
+    if isinstance(n, str):
+        items = registry.workload_items(n, n=240)
+        path.write_text("".join(json.dumps(i) + "\n" for i in items))
+        return path
     items = registry.workload_items("oracle", seed=0, n=n)
     path.write_text("".join(json.dumps({"id": i["id"], "prompt": i["prompt"]}) + "\n" for i in items))
     return path
@@ -92,9 +104,9 @@ def main() -> None:
     base.mkdir(parents=True, exist_ok=True)
     rows = []
     for name, (model, n, extra) in (QUICK if args.quick else CONFIGS).items():
-        run = base / name.split(",")[0].replace(" ", "_").replace(":", "") / model.replace(":", "_")
-        proc, audit_s = _lpf("audit", "--engine", "builtin", "--model", model, "--workload",
-                             _workload(base / f"w{n}.jsonl", n), *extra, "--out", run, "--fail-on", "never")
+        run = base / name.replace(" ", "_").replace(":", "").replace(",", "")
+        proc, audit_s = _lpf("audit", "--engine", "builtin", "--model", model, "--workload", _workload(base, n),
+                             *extra, "--out", run, "--fail-on", "never")
         if proc.returncode != 0:
             raise SystemExit(f"{name}: lpf audit failed:\n{proc.stderr[-2000:]}")
         rows.append(_row(name, audit_s, run))
