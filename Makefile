@@ -30,7 +30,7 @@ LLAMACPP_TARGETS := llama-server llama-quantize
 LLAMACPP_JOBS ?= 2
 LLAMACPP_STAMP := $(LLAMACPP_DIR)/.built-$(LLAMACPP_VERSION)-$(shell echo '$(LLAMACPP_SHA256) $(LLAMACPP_CMAKE_FLAGS) $(LLAMACPP_TARGETS)' | sha1sum | cut -c1-12)
 
-.PHONY: venv demo test test-fast bench bench-vllm clean chromium vllm llamacpp
+.PHONY: venv demo lint test test-fast bench bench-vllm clean chromium vllm llamacpp
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
@@ -47,14 +47,19 @@ demo: $(STAMP)
 	$(VENV)/bin/lpf audit --out runs/demo-$$stamp-offset-wrap --inject offset-wrap:18 --cache-mb 4 --fail-on never && \
 	echo "results: runs/demo-$$stamp-clean and runs/demo-$$stamp-offset-wrap (report.html, findings.json; lpf query DIR \"SQL\", lpf inspect DIR REQUEST_ID)"
 
+# ruff's lint rules ([tool.ruff] in pyproject.toml), before every test run; `ruff format` is configured
+# there too but not yet applied to the tree
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests bench scripts plugins
+
 # One intra-op thread: the suite starts many small-model processes one after another, where extra
 # threads only add overhead (and oversubscribe a busy machine); numerics do not depend on it.
-test: $(STAMP) chromium $(VLLM_STAMP) $(VLLM_PLUGIN_STAMP) $(LLAMACPP_STAMP)
+test: lint $(STAMP) chromium $(VLLM_STAMP) $(VLLM_PLUGIN_STAMP) $(LLAMACPP_STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
 
 # The unit and small end-to-end tests (under 3 minutes here): everything not marked `slow`. Tests that
 # need vLLM are slow, so this needs no .venv-vllm.
-test-fast: $(STAMP) chromium
+test-fast: lint $(STAMP) chromium
 	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 # vLLM's CPU build in its own venv (the `vllm` engine runs it as a child process; lpf never imports it).

@@ -21,13 +21,13 @@ CELLS = ("fp32", "fp32-chunk16", "fp32-seqs1")
 
 
 def main() -> int:
-    from lpf.conformance.grid import PROMPTS, grid_cells, write_workload
-    from lpf.conformance.tiny import build_tiny
+    from lpf.experiments.conformance.grid import PROMPTS, grid_cells, write_workload
+    from lpf.experiments.conformance.tiny import build_tiny
 
     model = build_tiny("granitemoehybrid")
     cells = [c for c in grid_cells("full") if c.name in CELLS]
     root = Path(tempfile.mkdtemp(prefix="lpf-bench-conf-"))
-    from lpf.model_specs import ModelRef, load_tokenizer
+    from lpf.core.model_specs import ModelRef, load_tokenizer
     from lpf.zoo.registry import tokenizer_dir
 
     tok = load_tokenizer(ModelRef("zoo tokenizer", tokenizer_dir()))  # the workload lpf conformance writes

@@ -66,7 +66,7 @@ def in_engine_window(out: Path) -> float:
 def vllm_args() -> tuple[list[str] | None, str]:
     """`lpf run` arguments for the vLLM column, or None and why it is skipped."""
     from lpf.adapters.vllm import vllm_python
-    from lpf.errors import LpfError
+    from lpf.core.errors import LpfError
 
     try:
         python = vllm_python()
@@ -142,7 +142,7 @@ def print_prefix(p: dict) -> None:
 def llamacpp_args() -> tuple[list[str] | None, str]:
     """`lpf run` arguments for the llama.cpp column, or None and why it is skipped."""
     from lpf.adapters.llamacpp_gguf import find_tools
-    from lpf.errors import LpfError
+    from lpf.core.errors import LpfError
 
     try:
         tools = find_tools()
@@ -233,7 +233,7 @@ def main() -> None:
         bi_out = pq.read_table(tmp / "builtin-0" / "requests").sort_by("seq").column("output_token_ids").to_pylist()
         results["identical_greedy_outputs"] = sum(x == y for x, y in zip(hf_out, bi_out)) / len(hf_out)
         if llama_extra is not None:
-            from lpf.model_specs import load_tokenizer, resolve_model
+            from lpf.core.model_specs import load_tokenizer, resolve_model
 
             eos = load_tokenizer(resolve_model(model)).eos_token_id
             lc_out = pq.read_table(tmp / "llamacpp-0" / "requests").sort_by("seq").column("output_token_ids").to_pylist()

@@ -34,7 +34,7 @@ def build(path: Path, n: int, seed: int = 0) -> None:
     from lpf.run import schema
     from lpf.run.store import RunDir
 
-    from lpf.model_specs import load_tokenizer, resolve_model, tokenizer_fingerprint
+    from lpf.core.model_specs import load_tokenizer, resolve_model, tokenizer_fingerprint
 
     rng = np.random.default_rng(seed)
     model = resolve_model("zoo:hybrid")

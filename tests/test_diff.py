@@ -82,7 +82,7 @@ def test_diff_names_the_engine_that_carries_the_drill(lpf_cli, pair):
 
 @pytest.mark.slow  # the pair of runs takes ~17 s to make
 def test_diff_names_a_broken_reference_when_both_engines_agree(lpf_cli, pair, tmp_path):
-    from lpf.model_specs import resolve_model
+    from lpf.core.model_specs import resolve_model
 
     broken = tmp_path / "broken-reference"
     shutil.copytree(resolve_model(MODEL).path, broken)

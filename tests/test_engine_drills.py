@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import lpf_subprocess, write_prompts
-from lpf.query import run_query
+from lpf.views.query import run_query
 
 pytestmark = pytest.mark.slow  # long end-to-end runs: `make test-fast` skips them
 
@@ -93,14 +93,14 @@ def lying(findings_run):
 
 @pytest.fixture(scope="module")
 def long_memory():
-    """tiny:jamba with slow SSM decay and a sharper head (lpf.model_specs TINY_VARIANTS says why)."""
+    """tiny:jamba with slow SSM decay and a sharper head (lpf.core.model_specs TINY_VARIANTS says why)."""
     return "tiny:jamba-longmem"
 
 
 @pytest.fixture(scope="module")
 def stale_runs(tmp_path_factory, long_memory):
     """The seed's architecture (Mamba1 + attention + MoE) with a state that carries long memory
-    (lpf.model_specs says why), 2000 greedy requests, twice with the fault and once without.
+    (lpf.core.model_specs says why), 2000 greedy requests, twice with the fault and once without.
 
     The cache (3 MB: 40 state slots, 48 KV blocks) and budget (32 tokens per step, at most 16
     sequences) make slots recycle and leave exactly 1 token of budget for a new request now and
@@ -121,7 +121,7 @@ def _check_imposters(run):
                             arg_min(state_slot, step), min(step)
                      FROM trace WHERE NOT preempted AND request_id IN (SELECT request_id FROM faults) GROUP BY 1""")
     assert {r[0] for r in rows} == truth
-    for rid, phase, computed, slot, first in rows:
+    for _rid, phase, computed, slot, first in rows:
         assert phase == "decode" and computed == 0
         assert q(run, f"SELECT count(*) FROM trace WHERE state_slot = {slot} AND step < {first}")[0][0] > 0
     return truth

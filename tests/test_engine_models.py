@@ -22,7 +22,7 @@ import torch
 from lpf.builtin.forward_context import ForwardContext, SeqMeta, get_forward_context, set_forward_context
 from lpf.builtin.kv_cache import KVCache
 from lpf.builtin.state_cache import StateCache
-from lpf.errors import LpfError
+from lpf.core.errors import LpfError
 
 BLOCK = 4
 TOL = 1e-4
@@ -185,7 +185,7 @@ def results(tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
     from lpf.builtin.models import load_model
-    from lpf.model_specs import resolve_model
+    from lpf.core.model_specs import resolve_model
 
     root = tmp_path_factory.mktemp("engine-models")
     out = {}
@@ -277,7 +277,7 @@ def test_forward_outside_a_context_raises(results):
 
 def test_unsupported_architecture():
     from lpf.builtin.models import load_model
-    from lpf.model_specs import resolve_model
+    from lpf.core.model_specs import resolve_model
 
     with pytest.raises(LpfError, match="runs GraniteMoeHybrid and Jamba models; LlamaForCausalLM is not supported"):
         load_model(resolve_model("tiny:llama").path)

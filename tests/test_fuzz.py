@@ -10,18 +10,15 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import tempfile
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lpf.errors import LpfError
+from lpf.core.errors import LpfError
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 MODEL = "zoo:hybrid"
@@ -35,7 +32,7 @@ json_values = st.recursive(scalars, lambda kids: st.lists(kids, max_size=5) | st
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from lpf.model_specs import load_tokenizer, resolve_model
+    from lpf.core.model_specs import load_tokenizer, resolve_model
 
     return load_tokenizer(resolve_model(MODEL))
 
@@ -51,7 +48,7 @@ lines = st.lists(st.one_of(item_values.map(json.dumps), json_values.map(json.dum
 @FAST
 @given(content=lines, raw=st.binary(max_size=40))
 def test_the_workload_reader_never_crashes(tokenizer, content, raw):
-    from lpf.workload import load_prompts
+    from lpf.core.workload import load_prompts
 
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "w.jsonl"
@@ -69,8 +66,8 @@ def test_the_workload_reader_never_crashes(tokenizer, content, raw):
 # -- the response parsers --------------------------------------------------------------------------
 def _engine(kind: str):
     from lpf.adapters import get_engine_class
-    from lpf.model_specs import resolve_model
-    from lpf.sampling import SamplingParams
+    from lpf.core.model_specs import resolve_model
+    from lpf.core.sampling import SamplingParams
     from scripted_http import free_port
 
     cls = get_engine_class(kind)
@@ -85,7 +82,7 @@ def engines():
 
 
 def _request():
-    from lpf.workload import EngineRequest
+    from lpf.core.workload import EngineRequest
 
     return EngineRequest("r", 0, "p", 0, (1, 30, 31), 4, 7)
 

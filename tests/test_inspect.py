@@ -69,7 +69,7 @@ def test_clean_request_without_trace_or_reference(lpf_cli, stale_run, tmp_path):
     shutil.rmtree(copy / "trace")
     shutil.rmtree(copy / "reference")
     (copy / "summary.parquet").unlink()
-    from lpf.query import run_query
+    from lpf.views.query import run_query
 
     rid = next(r[0] for r in run_query(run, "SELECT request_id FROM requests ORDER BY seq")[1] if r[0] not in flagged)
     info = json.loads(lpf_cli("inspect", copy, rid, "--json").out)

@@ -21,9 +21,9 @@ import pytest
 from conftest import write_prompts
 from lpf.adapters.base import Completion
 from lpf.adapters.http import RequestFailed
-from lpf.errors import LpfError
-from lpf.sampling import SamplingParams
-from lpf.workload import EngineRequest
+from lpf.core.errors import LpfError
+from lpf.core.sampling import SamplingParams
+from lpf.core.workload import EngineRequest
 
 
 def _built() -> bool:
@@ -149,7 +149,7 @@ def test_zoo_tokenizer_is_registered_under_the_hash_the_converter_computes():
 
     from lpf.adapters import llamacpp_convert
     from lpf.adapters.llamacpp_gguf import find_tools
-    from lpf.model_specs import ModelRef, load_tokenizer
+    from lpf.core.model_specs import ModelRef, load_tokenizer
     from lpf.zoo.registry import tokenizer_dir
 
     source = (find_tools().converter_dir / "conversion" / "base.py").read_text()
@@ -239,7 +239,7 @@ def hybrid_server_q4(tmp_path_factory):
     """llama-server started by the test on a Q4_K_M GGUF of zoo:hybrid (the user's server)."""
     from lpf.adapters.llamacpp_gguf import find_tools, gguf_for
     from lpf.adapters.llamacpp_server import LlamaServer
-    from lpf.model_specs import resolve_model
+    from lpf.core.model_specs import resolve_model
 
     tools = find_tools()
     gguf = gguf_for(resolve_model("zoo:hybrid"), "q4_k_m", tools)
@@ -271,7 +271,7 @@ def test_q4_k_gguf_under_the_float32_name_is_caught_by_the_run_level_test(lpf_cl
 def test_vocabulary_round_trips_through_the_server(hybrid_server_q4):
     import httpx
 
-    from lpf.model_specs import load_tokenizer, resolve_model
+    from lpf.core.model_specs import load_tokenizer, resolve_model
     from lpf.zoo import registry
 
     server, gguf = hybrid_server_q4
@@ -300,7 +300,7 @@ def test_reported_logprobs_are_the_float32_running_sum_normaliser():
 
     from lpf.adapters.llamacpp_gguf import find_tools, gguf_for
     from lpf.adapters.llamacpp_server import LlamaServer
-    from lpf.model_specs import load_tokenizer, resolve_model
+    from lpf.core.model_specs import load_tokenizer, resolve_model
 
     model = resolve_model("zoo:jamba")
     tok, tools = load_tokenizer(model), find_tools()

@@ -22,7 +22,7 @@ import json
 import pytest
 
 from conftest import lpf_subprocess, write_prompts
-from lpf.query import run_query
+from lpf.views.query import run_query
 from test_report import browser  # noqa: F401 - the real headless Chromium fixture
 
 pytestmark = pytest.mark.slow
@@ -149,7 +149,7 @@ def test_the_float64_gold_agrees_with_the_float32_reference_on_every_zoo_model(s
     from lpf.locate import align
     from lpf.locate.finding import _gold_trial
     from lpf.locate.reference_side import reference_side
-    from lpf.model_specs import resolve_model
+    from lpf.core.model_specs import resolve_model
 
     ids = [1] + list(range(30, 90))
     side = reference_side(resolve_model(spec).path, ids, 40, [19, 39], trials=False)

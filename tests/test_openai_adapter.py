@@ -31,7 +31,7 @@ MAX_RETRIES = 2
 
 
 def _tokenizer():
-    from lpf.model_specs import load_tokenizer, resolve_model
+    from lpf.core.model_specs import load_tokenizer, resolve_model
 
     return load_tokenizer(resolve_model(MODEL))
 

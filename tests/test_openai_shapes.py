@@ -42,7 +42,7 @@ def shapes(server, path, body, attempt) -> Reply:
     usage = {"prompt_tokens": len(body["prompt"]) if "prompt" in body else None, "completion_tokens": len(ids)}
     if path.endswith("/chat/completions"):
         user = body["messages"][-1]["content"]
-        from lpf.chat import render
+        from lpf.core.chat import render
 
         n = len(render(tok, body["messages"])) + (3 if "mismatch" in user else 0)
         return Reply(200, {"choices": [{"index": 0, "message": {"role": "assistant", "content": tok.decode(ids)},
@@ -85,7 +85,7 @@ def test_content_list_shapes_and_token_ids_only_answers_store_the_tokens_sent(lp
 
 
 def test_chat_route_sends_messages_scores_the_rendering_and_names_a_template_mismatch(lpf_cli, tmp_path):
-    from lpf.chat import render
+    from lpf.core.chat import render
 
     items = [{"id": "plain", "prompt": "K12,A37|K12|"},
              {"id": "turns", "messages": [{"role": "system", "content": "R:A37"}, {"role": "user", "content": "A"}]},

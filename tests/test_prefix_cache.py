@@ -13,9 +13,9 @@ import pytest
 
 from lpf.adapters.builtin import BuiltinEngine, BuiltinOptions
 from lpf.builtin.prefix_drills import KNOBS as DRILL_KNOBS
-from lpf.model_specs import load_tokenizer, resolve_model
-from lpf.sampling import SamplingParams
-from lpf.workload import expand, load_prompts
+from lpf.core.model_specs import load_tokenizer, resolve_model
+from lpf.core.sampling import SamplingParams
+from lpf.core.workload import expand, load_prompts
 
 N = 160
 KNOBS = {"max_num_batched_tokens": 48, "cache_mb": 3}

@@ -15,7 +15,7 @@ import json
 import pytest
 
 from conftest import write_prompts
-from lpf.query import run_query
+from lpf.views.query import run_query
 
 pytestmark = pytest.mark.slow  # eight audits of 240 requests
 

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from lpf.repeat import compare, plan_copies
+from lpf.experiments.repeat import compare, plan_copies
 
 ARGS = ["--engine", "builtin", "--model", "zoo:hybrid", "--times", 8, "--max-tokens", 12, "--ignore-eos"]
 

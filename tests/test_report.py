@@ -77,7 +77,7 @@ def plots_drawn(driver) -> tuple[int, int]:
 def _replace_output(run, request_id: str, text: str) -> list[int]:
     """Rewrite one request's output as the tokens of `text`, in its requests part and its tokens
     part (written as a pair, same part name), the way an engine that produced it would have."""
-    from lpf.model_specs import load_tokenizer, resolve_model
+    from lpf.core.model_specs import load_tokenizer, resolve_model
 
     tok = load_tokenizer(resolve_model("zoo:hybrid"))
     ids = tok.encode(text, add_special_tokens=False)

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from lpf.model_specs import resolve_model
-from lpf.reference import Rescorer, ScoreItem
+from lpf.core.model_specs import resolve_model
+from lpf.pipeline.reference import Rescorer, ScoreItem
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,7 @@ def test_matches_full_logits_one_sequence_at_a_time(rescorer):
 
 
 def test_context_and_vocab_checked(rescorer):
-    from lpf.errors import LpfError
+    from lpf.core.errors import LpfError
 
     with pytest.raises(LpfError, match="outside the reference vocabulary"):
         rescorer.validate(ScoreItem("x", [1, 2], [10**6]))
@@ -69,7 +69,7 @@ def _float64_rows(z, tok, k):
 def test_logprob_rows_matches_float64(vocab, k):
     """The fused passes (column-max top-k, one work buffer, exps over the logits) against float64
     log_softmax: tokens inside and outside the top-k, -inf logits (a top-k-masked row), k = 0."""
-    from lpf.torch_utils import logprob_rows
+    from lpf.core.torch_utils import logprob_rows
 
     g = torch.Generator().manual_seed(vocab)
     z = torch.randn(37, vocab, generator=g) * 4
@@ -89,7 +89,7 @@ def test_logprob_rows_matches_float64(vocab, k):
 
 
 def test_batches_sorted_by_length_then_id_under_the_budget_and_the_padding_slack():
-    from lpf.reference import PAD_SLACK, plan_batches
+    from lpf.pipeline.reference import PAD_SLACK, plan_batches
 
     lengths, ids = [5, 3, 5, 9, 3, 20], ["e", "b", "a", "c", "z", "x"]
     assert plan_batches(lengths, ids, 10) == [[1, 4], [2, 0], [3], [5]]  # 2 x 5 fits 10; 20 goes alone
@@ -124,8 +124,8 @@ def test_bfloat16_reference_head_in_float32(float32_head):
 
 
 def test_reference_device_errors():
-    from lpf.devices import resolve_device
-    from lpf.errors import LpfError
+    from lpf.core.devices import resolve_device
+    from lpf.core.errors import LpfError
 
     assert resolve_device("cpu") == "cpu"
     assert resolve_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
@@ -153,7 +153,7 @@ def test_the_rescorer_imports_only_what_a_bare_gpu_machine_has():
     import subprocess
     import sys
 
-    probe = ("import sys, lpf.reference, lpf.devices, lpf.pipeline.rescore, lpf.run.store, lpf.model_specs\n"
+    probe = ("import sys, lpf.pipeline.reference, lpf.core.devices, lpf.pipeline.rescore, lpf.run.store, lpf.core.model_specs\n"
              "import lpf.zoo.registry\n"
              "import json; print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in "
              "('duckdb', 'plotly', 'rich', 'click', 'pydantic', 'httpx', 'fastapi', 'uvicorn', 'ray', 'vllm'))))")

@@ -134,7 +134,7 @@ def test_log_kept_mass_is_what_the_builtin_sampler_renormalises_by():
 
 
 def test_drills_and_fixes_are_named_as_documented():
-    from lpf.errors import LpfError
+    from lpf.core.errors import LpfError
     from lpf.rl import fixes
     from lpf.rl.drills import RLDrills
 
@@ -246,7 +246,7 @@ def test_mamba_ssm_cache_dtype_rounds_the_ssm_state_and_sizes_the_cache():
     from lpf.builtin.llm_engine import cache_sizes, state_buffer_dtype
     from lpf.builtin.models import model_shape
     from lpf.builtin.state_cache import StateCache
-    from lpf.model_specs import resolve_model
+    from lpf.core.model_specs import resolve_model
 
     sc = StateCache([[("conv", (4, 3)), ("ssm", (2, 8))]], 2, torch.float32, part_dtypes={"conv": torch.float32,
                                                                                           "ssm": torch.bfloat16})

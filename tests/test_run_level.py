@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import lpf_subprocess, write_prompts
-from lpf.query import run_query
+from lpf.views.query import run_query
 from test_vllm import needs_vllm
 
 pytestmark = pytest.mark.slow  # long end-to-end runs: `make test-fast` skips them

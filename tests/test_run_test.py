@@ -204,7 +204,7 @@ def test_substitution_drills_parse_and_compute():
 
     from lpf.builtin import numeric_drills as nd
     from lpf.builtin.faults import FaultSet
-    from lpf.errors import LpfError
+    from lpf.core.errors import LpfError
 
     f = FaultSet.parse("quantize-weights:4,kv-quant,perturb-weights:0.02,sampling-temperature:1.3")
     assert (f.quantize_weights_bits, f.kv_quant_bits, f.perturb_weights_scale, f.sampling_temperature) == (4, 8, 0.02, 1.3)

@@ -8,7 +8,7 @@ from lpf.builtin.request import Request
 from lpf.builtin.sched_output import Sample
 from lpf.builtin.scheduler import Scheduler
 from lpf.builtin.state_cache import SlotPool
-from lpf.sampling import SamplingParams
+from lpf.core.sampling import SamplingParams
 
 
 def _req(i, prompt_len=10, max_tokens=4):
@@ -101,6 +101,19 @@ def test_no_chunking_refuses_what_one_step_can_never_hold():
                   num_slots=2, num_blocks=64)
     assert "max_num_batched_tokens is 16" in s.why_never_runs(_req(0, prompt_len=14, max_tokens=4))
     assert s.why_never_runs(_req(0, prompt_len=12, max_tokens=4)) is None
+
+
+def test_max_model_len_caps_outputs_and_refuses_a_prompt_with_no_room():
+    """The context limit (the model's, or max_model_len below it): outputs stop there with "length",
+    a request never needs more KV than the context, and a prompt that fills it is refused when added."""
+    s = Scheduler(EngineConfig(block_size=4), num_slots=2, num_blocks=2, max_context=8)
+    assert "no room for an output in a 8-token context" in s.why_never_runs(_req(0, prompt_len=8, max_tokens=1))
+    req = _req(1, prompt_len=5, max_tokens=100)  # 105 tokens uncapped: more than the 8-token cache
+    assert s.why_never_runs(req) is None
+    s.add(req)
+    while s.has_unfinished():
+        _finish_step(s, s.schedule())
+    assert len(req.output_token_ids) == 3 and req.finish_reason == "length"
 
 
 # --- prefix caching: the chunk alignment rules (align mode), one test per rule ----------------------

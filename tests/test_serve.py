@@ -31,8 +31,8 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def rescorer():
-    from lpf.model_specs import resolve_model
-    from lpf.reference import Rescorer
+    from lpf.core.model_specs import resolve_model
+    from lpf.pipeline.reference import Rescorer
 
     return Rescorer(resolve_model(MODEL))
 
@@ -58,7 +58,7 @@ async def _concurrent_completions(base_url: str, prompts: list[str]) -> list[htt
 
 
 def test_64_concurrent_completions_are_batched_and_match_the_reference(server, rescorer):
-    from lpf.reference import ScoreItem
+    from lpf.pipeline.reference import ScoreItem
 
     prompts = _oracle_prompts(64)
     before = httpx.get(f"{server.base_url}/metrics").text
@@ -89,7 +89,7 @@ def test_64_concurrent_completions_are_batched_and_match_the_reference(server, r
 
     table = pa.concat_tables(list(rescorer.score(items)))
     worst = 0.0
-    for rid, pos, ref_lp, top1, top1_lp, tok in zip(
+    for rid, pos, ref_lp, _top1, top1_lp, _tok in zip(
             table["request_id"].to_pylist(), table["position"].to_pylist(), table["ref_logprob"].to_pylist(),
             table["ref_top1_id"].to_pylist(), table["ref_top1_logprob"].to_pylist(),
             [it.output_token_ids for it in items for _ in it.output_token_ids]):
@@ -175,8 +175,7 @@ def test_stop_strings_cut_the_output_where_a_stopping_server_would(server):
 def test_prompts_the_engine_could_never_schedule_are_refused():
     """With chunked prefill off the engine needs prompt + output inside one step's token budget;
     planning refuses such a request instead of queueing it forever (pure protocol, no server)."""
-    from lpf.builtin.sched_output import Sample
-    from lpf.model_specs import load_tokenizer, resolve_model
+    from lpf.core.model_specs import load_tokenizer, resolve_model
     from lpf.serve.openai_api import CompletionRequest, plan_completion
     from lpf.serve.protocol import ApiError, ModelInfo
 
@@ -195,7 +194,7 @@ def test_non_finite_logprobs_still_render_as_json():
     import json
 
     from lpf.builtin.sched_output import Sample
-    from lpf.model_specs import load_tokenizer, resolve_model
+    from lpf.core.model_specs import load_tokenizer, resolve_model
     from lpf.serve.openai_api import CompletionRequest, plan_completion, render_completion
     from lpf.serve.protocol import ModelInfo
     from lpf.serve.sglang_api import GenerateRequest, plan_generate, render_generate

@@ -41,7 +41,7 @@ def _rss_mb(pid: int) -> float:
 
 
 def _prompts():
-    from lpf.model_specs import load_tokenizer, resolve_model
+    from lpf.core.model_specs import load_tokenizer, resolve_model
     from lpf.zoo import registry
 
     tok = load_tokenizer(resolve_model(MODEL))
@@ -97,8 +97,8 @@ async def _storm(base: str, prompts: list[list[int]], jobs: list[str]) -> list[d
 
 
 def test_serve_stays_healthy_right_and_bounded_under_a_storm():
-    from lpf.model_specs import resolve_model
-    from lpf.reference import Rescorer, ScoreItem
+    from lpf.core.model_specs import resolve_model
+    from lpf.pipeline.reference import Rescorer, ScoreItem
     from lpf.serve.process import served
 
     prompts = _prompts()

@@ -33,7 +33,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import lpf_subprocess, write_prompts
-from lpf.query import run_query
+from lpf.views.query import run_query
 from test_report import browser, open_page, plots_drawn, severe  # noqa: F401  (browser: the fixture)
 from test_vllm import _vllm_python, needs_vllm
 
@@ -44,7 +44,7 @@ MODEL = "tiny:jamba-longmem"
 
 def short_prompts(path: Path, n: int) -> Path:
     """`n` oracle prompts of at most 20 tokens."""
-    from lpf.model_specs import load_tokenizer, resolve_model
+    from lpf.core.model_specs import load_tokenizer, resolve_model
     from lpf.zoo import registry
 
     tok = load_tokenizer(resolve_model(MODEL))
@@ -133,7 +133,7 @@ def test_shrink_offers_locate_on_its_minimum_and_it_locates_the_stale_state(stal
 def test_the_stale_state_reproducer_stands_alone(stale, tmp_path):
     """repro.py in a fresh process exits 1 and says where the lie starts; the same script with the
     drill switched off exits 0 (it is no constant 1); command.sh's lpf audit exits 1 on the lie."""
-    from lpf.shrink.repro import write_script
+    from lpf.experiments.shrink.repro import write_script
 
     _, out, doc, _ = stale
     proc = fresh_python(out / "repro.py")
@@ -289,13 +289,12 @@ def test_the_vllm_minimum_reproduces_with_vllms_interpreter_alone(tmp_path):
     exits 0, vLLM and transformers agreeing to float32 rounding."""
     import shutil
 
-    from lpf.cli.common import knob_args
-    from lpf.shrink.config import Source
-    from lpf.shrink.judge import Judge
-    from lpf.shrink.repro import write_outputs, write_script
-    from lpf.shrink.search import Shrink
-    from lpf.shrink.signature import Signature
-    from lpf.shrink.state import State
+    from lpf.experiments.shrink.config import Source
+    from lpf.experiments.shrink.judge import Judge
+    from lpf.experiments.shrink.repro import write_outputs, write_script
+    from lpf.experiments.shrink.search import Shrink
+    from lpf.experiments.shrink.signature import Signature
+    from lpf.experiments.shrink.state import State
 
     workload = tmp_path / "minimum.jsonl"
     workload.write_text("".join(json.dumps(item) + "\n" for item in VLLM_MINIMUM))
@@ -314,12 +313,12 @@ def test_the_vllm_minimum_reproduces_with_vllms_interpreter_alone(tmp_path):
                        {"signature": sig.to_dict(), "signature_note": None}, 1)
     shutil.copytree(run, out / "candidates" / "c001-1")  # the minimum's one run
     seq = source.target(target)["seq"]
-    shrink = Shrink(source, seq, Judge(out, source, sig, seq, 1, 1, knob_args, lambda name: None), state)
+    shrink = Shrink(source, seq, Judge(out, source, sig, seq, 1, 1, lambda name: None), state)
     config = source.original()
     assert shrink.test(config, "original", "the minimum lpf shrink found on vLLM"), state.doc["candidates"]
     shrink.adopt(config)
     state.set(minimal={"candidate": "c001", "config": source.to_json(config)}, status="done")
-    write_outputs(out, source, state.doc, knob_args)
+    write_outputs(out, source, state.doc)
     cfg = script_config(out / "repro.py")
     assert cfg["engine"] == "vllm" and cfg["env"]["LPF_VLLM_INJECT"] == "stale-state"
     assert cfg["engine_args"]["max_num_seqs"] == 2 and [r["id"] for r in cfg["requests"]][-1] == target

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from lpf.shrink.ddmin import ddmin, split
-from lpf.shrink.search import midpoint
-from lpf.shrink.signature import Signature, carries, mechanism_hypothesis, position_class, shows, signature_of
+from lpf.experiments.shrink.ddmin import ddmin, split
+from lpf.experiments.shrink.search import midpoint
+from lpf.experiments.shrink.signature import Signature, carries, mechanism_hypothesis, position_class, shows, signature_of
 
 
 # -- ddmin ---------------------------------------------------------------------------------------
@@ -95,17 +95,33 @@ def test_midpoint_moves_halfway_and_stays_between():
     assert midpoint(True, False) is None and midpoint("bfloat16", "float32") is None and midpoint(4, None) is None
 
 
-def test_knob_args_are_the_inverse_of_engine_knobs():
-    from lpf.adapters.builtin import BuiltinOptions
-    from lpf.cli.common import engine_knobs, knob_args, parse_audit_args
+def test_command_sh_is_rendered_from_the_spec_and_parses_back_to_it(tmp_path):
+    """command.sh's `lpf audit` line (`spec.audit_command`, for people) is the same audit: `lpf audit`'s
+    own parser and spec builder turn it back into an equal AuditSpec (knobs with a named flag, booleans
+    as --no-..., a repeatable drill twice, the rest as -E; rescore settings and pinned thresholds)."""
+    from click import Context
+
+    from lpf.cli.common import build_audit_spec
+    from lpf.cli.run import audit
+    from lpf.core.sampling import SamplingParams
+    from lpf.pipeline.rescore import RescoreSettings
+    from lpf.pipeline.spec import AuditSpec, RunSpec, audit_command
 
     options = {"cache_mb": 0.2, "max_num_batched_tokens": 6, "enable_chunked_prefill": False, "block_size": 4,
                "inject": "stale-state,offset-wrap:14", "dtype": "bfloat16", "threads": 2}
-    args = knob_args(options)
-    assert args[:2] == ["--cache-mb", "0.2"] and "--no-enable-chunked-prefill" in args
-    assert args.count("--inject") == 2 and "-E" in args
-    back = BuiltinOptions.parse(engine_knobs(parse_audit_args(args, "test")))
-    assert {k: getattr(back, k) for k in options} == options
+    spec = AuditSpec(run=RunSpec(model="tiny:hybrid", workload="w.jsonl", out=tmp_path / "r", engine_options=options,
+                                 sampling=SamplingParams(temperature=0.7, max_tokens=9, seed=3, ignore_eos=True)),
+                     rescore=RescoreSettings(dtype="float64", device="auto"), thresholds={"clean_abs_diff": 0.002})
+    args = audit_command(spec)
+    assert args[args.index("--cache-mb") + 1] == "0.2" and "--no-enable-chunked-prefill" in args
+    assert args.count("--inject") == 2 and "-E" in args and "--ignore-eos" in args
+    ctx = audit.make_context("audit", list(args))
+    try:
+        back = build_audit_spec({k: v for k, v in ctx.params.items() if k not in ("spec_file", "as_json", "fail_on")})
+    finally:
+        Context.close(ctx)
+    assert back == spec
+    assert back.run.engine_options == options and back.thresholds == {"clean_abs_diff": 0.002}
 
 
 # -- the signature --------------------------------------------------------------------------------------
@@ -142,7 +158,7 @@ def test_signature_of_a_target_and_what_shows_it():
 
 
 # -- the standalone reproducer's template ------------------------------------------------------------
-TEMPLATE = Path(__file__).resolve().parents[1] / "src" / "lpf" / "shrink" / "repro_script.py"
+TEMPLATE = Path(__file__).resolve().parents[1] / "src" / "lpf" / "experiments" / "shrink" / "repro_script.py"
 
 
 def test_the_reproducer_imports_only_the_engine_transformers_and_the_standard_library():
@@ -163,8 +179,8 @@ def test_the_reproducer_imports_only_the_engine_transformers_and_the_standard_li
 
 def test_the_reproducer_mirrors_lpfs_sampling_fields():
     """The built-in engine reads its sampling parameters by attribute; the script's copy must not drift."""
-    from lpf.sampling import SamplingParams
-    from lpf.shrink import repro_script
+    from lpf.core.sampling import SamplingParams
+    from lpf.experiments.shrink import repro_script
 
     assert [f.name for f in fields(repro_script.Sampling)] == [f.name for f in fields(SamplingParams)]
     assert repro_script.Sampling(temperature=0).greedy and not repro_script.Sampling(temperature=0.7).greedy
@@ -194,9 +210,9 @@ def test_the_plan_cuts_the_target_before_ddmin_so_a_schedule_bound_lie_shrinks(t
     one-token prompt is one token whatever runs, and then the lie needs only a recycled sequence (at
     least max_num_seqs=4 requests before it). The plan cuts the target before ddmin, so the shrink
     ends at 5 requests in 27 judgements instead of 137 (most of them subsets that cannot lie)."""
-    from lpf.shrink.config import Member, Source
-    from lpf.shrink.search import Shrink
-    from lpf.shrink.state import State
+    from lpf.experiments.shrink.config import Member, Source
+    from lpf.experiments.shrink.search import Shrink
+    from lpf.experiments.shrink.state import State
 
     t = 30
     source = Source(path=tmp_path, manifest={"engine": {"options": {"max_num_seqs": 4, "inject": "stale-state"}}},
@@ -231,7 +247,7 @@ def test_the_vllm_reproducer_exits_2_when_the_plugin_did_not_arm_its_drill(monke
     lie: repro.py stops with exit 2 when lpf-vllm-trace is missing, or installed but not recording."""
     import sys
 
-    from lpf.shrink import repro_script
+    from lpf.experiments.shrink import repro_script
 
     monkeypatch.setitem(sys.modules, "lpf_vllm_trace", None)  # not installed in this Python
     with pytest.raises(SystemExit) as e:
@@ -250,15 +266,15 @@ def test_the_vllm_reproducer_exits_2_when_the_plugin_did_not_arm_its_drill(monke
 
 
 def test_sweep_shrink_and_conformance_refuse_an_out_they_cannot_resume(tmp_path):
-    """One rule (`sweep.read_out_doc`) for the three commands that resume from their --out: a file, or
+    """One rule (`cells.read_out_doc`) for the three commands that resume from their --out: a file, or
     their document not being JSON, is a one-line error."""
-    from lpf.conformance.matrix import check_out as conformance_out
-    from lpf.errors import LpfError
-    from lpf.shrink.state import State
-    from lpf.sweep import check_out as sweep_out
+    from lpf.experiments.conformance.matrix import check_out as conformance_out
+    from lpf.core.errors import LpfError
+    from lpf.experiments.shrink.state import State
+    from lpf.experiments.sweep import check_out as sweep_out
 
     (tmp_path / "file").write_text("x")
-    opens = {"sweep.json": lambda out: sweep_out(out, [], []),
+    opens = {"sweep.json": lambda out: sweep_out(out, {"knobs": [], "specs_sha256": ""}),
              "shrink.json": lambda out: State.open(out, {"source_run_id": "x", "target": "t", "tries": 1, "need": 1}, {}, 1),
              "conformance.json": lambda out: conformance_out(out, {})}
     for name, open_out in opens.items():

@@ -13,8 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import write_prompts
-from lpf.query import run_query
-from lpf.sweep import make_cells, parse_knobs, shape_moves, two_proportion_p
+from lpf.views.query import run_query
+from lpf.experiments.sweep import shape_moves, two_proportion_p
 
 CACHES = ("1", "4", "16")
 
@@ -113,10 +113,11 @@ def test_rerun_resumes_without_redoing_cells(stale_sweep, workload):
             for c in after["cells"]} == run_ids, "no cell was re-created"
     for a, b in zip(before["cells"], after["cells"]):
         assert (a["name"], a["counts"], a["n_flagged"]) == (b["name"], b["counts"], b["n_flagged"])
+    # the victim was finished (its own spec, rescored and analysed again), the complete cells not touched
     log = (out / "logs" / f"{before['cells'][0]['name']}.log").read_text()
-    assert "$ lpf rescore" in log and "$ lpf analyze" in log
+    assert "(finishing the interrupted run)" in log and log.count("$ lpf audit") == 2
     for c in before["cells"][1:]:
-        assert "$ lpf rescore" not in (out / "logs" / f"{c['name']}.log").read_text()
+        assert (out / "logs" / f"{c['name']}.log").read_text().count("$ lpf audit") == 1
     # the same --out with other knobs is refused, and nothing is touched
     other = lpf_subprocess("sweep", "--knob", "cache-mb=2,3", "--out", out, "--max-tokens", 4)
     assert other.returncode == 2 and "different sweep" in other.stderr and "Traceback" not in other.stderr
@@ -159,17 +160,27 @@ def test_engine_knobs_run_as_cells(lpf_cli, tmp_path, workload):
     assert not any(m["moves"] for m in doc["moves"])
 
 
-def test_cells_are_the_product_of_the_knobs():
-    kinds = {"cache-mb": "option", "inject": "multi", "enable-chunked-prefill": "switch", "ignore-eos": "flag"}
-    knobs = parse_knobs(["cache-mb=1,2", "inject=none,stale-state+offset-wrap:18", "enable_chunked_prefill=on,off",
-                         "ignore-eos=false,true", "block_size=8"], kinds, {"builtin": {"block_size"}}, ["--n", "2"])
-    cells = make_cells(knobs, ["--n", "2"])
+def test_cells_are_the_product_of_the_knobs(tmp_path):
+    """Each cell is the sweep's options with its values put in, as one AuditSpec (a multi-valued option
+    joins parts with +, none = no part; switches and flags take on/off; engine options go in as -E)."""
+    from lpf.cli.experiments import plan_sweep, sweep
+
+    args = ["--knob", "cache-mb=1,2", "--knob", "inject=none,stale-state+offset-wrap:18", "--knob",
+            "enable_chunked_prefill=on,off", "--knob", "ignore-eos=false,true", "--knob", "block_size=8", "--n", "2",
+            "--out", str(tmp_path / "s")]
+    ctx = sweep.make_context("sweep", args)
+    knobs, cells = plan_sweep(ctx, list(ctx.params["knobs"]), tmp_path / "s", {
+        k: v for k, v in ctx.params.items() if k not in ("knobs", "out_dir", "as_json", "fail_on")})
+    assert [k.name for k in knobs] == ["cache-mb", "inject", "enable-chunked-prefill", "ignore-eos", "block_size"]
     assert len(cells) == 16 and len({c.name for c in cells}) == 16
     c = next(c for c in cells if c.values == {"cache-mb": "2", "inject": "stale-state+offset-wrap:18",
                                               "enable-chunked-prefill": "off", "ignore-eos": "true", "block_size": "8"})
     assert c.name == "cache-mb-2__inject-stale-state_offset-wrap_18__enable-chunked-prefill-off__ignore-eos-true__block_size-8"
-    assert c.argv == ["--n", "2", "--cache-mb", "2", "--inject", "stale-state", "--inject", "offset-wrap:18",
-                      "--no-enable-chunked-prefill", "--ignore-eos", "-E", "block_size=8"]
+    assert c.spec.run.out == tmp_path / "s" / "cells" / c.name and c.spec.run.n == 2 and c.spec.run.sampling.ignore_eos
+    assert c.spec.run.engine_options == {"cache_mb": 2.0, "inject": "stale-state,offset-wrap:18",
+                                         "enable_chunked_prefill": False, "block_size": 8}
+    plain = next(c for c in cells if c.values["inject"] == "none" and c.values["ignore-eos"] == "false")
+    assert "inject" not in plain.spec.run.engine_options and not plain.spec.run.sampling.ignore_eos
 
 
 def _row(values, flagged, scored=200, onset=None, pos=None, period=None):

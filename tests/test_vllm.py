@@ -37,7 +37,7 @@ def _prompt_rows_are_clean(out: Path, f: dict) -> None:
 
 def _vllm_python() -> Path | None:
     from lpf.adapters.vllm import vllm_python
-    from lpf.errors import LpfError
+    from lpf.core.errors import LpfError
 
     try:
         return vllm_python()
@@ -80,7 +80,7 @@ def test_offline_vllm_audit_is_clean_and_records_its_knobs_and_trace(lpf_cli, tm
 def _check_trace(out: Path, findings: dict) -> None:
     """The trace lpf-vllm-trace recorded inside vLLM: one row per request per step, in the
     scheduler's own numbers, and phases that agree with them (each request starts with a prefill)."""
-    from lpf.query import run_query
+    from lpf.views.query import run_query
 
     def q(sql):
         return run_query(out, sql)[1]
@@ -157,7 +157,7 @@ def _wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout: float = 
 @needs_vllm
 @pytest.mark.slow
 def test_vllm_openai_server_audit_is_clean(lpf_cli, tmp_path, prompts8):
-    from lpf.model_specs import resolve_model
+    from lpf.core.model_specs import resolve_model
 
     model_dir = resolve_model(MODEL).path
     port = free_port()
@@ -230,7 +230,7 @@ def test_vllm_chat_completions_audit_is_clean_with_tokens_aligned(lpf_cli, tmp_p
     """vLLM's /v1/chat/completions on zoo:hybrid (its bundled chat template): the prompts go as one user turn
     each, the reference scores the tokenizer's rendering, and the server's prompt (its `prompt_token_ids`)
     must be exactly that rendering; tokens as vLLM's token_id:N, then mapped back from bytes and strings."""
-    from lpf.model_specs import resolve_model
+    from lpf.core.model_specs import resolve_model
 
     model_dir = resolve_model(MODEL).path
     port = free_port()

@@ -232,7 +232,7 @@ def test_without_the_drill_the_same_run_is_clean(stale_runs):
 # -- the same drill through vLLM's OpenAI server ---------------------------------------------------------
 @pytest.fixture(scope="module")
 def served_drill(tmp_path_factory):
-    from lpf.model_specs import resolve_model
+    from lpf.core.model_specs import resolve_model
 
     base = tmp_path_factory.mktemp("vllm-served")
     model_dir = resolve_model(DRILL_MODEL).path

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from lpf.errors import LpfError
+from lpf.core.errors import LpfError
 from lpf.zoo import registry, tasks
 
 

@@ -22,7 +22,7 @@ import httpx
 
 from lpf.adapters.llamacpp_gguf import find_tools, gguf_for
 from lpf.adapters.llamacpp_server import LlamaServer
-from lpf.model_specs import load_tokenizer, resolve_model
+from lpf.core.model_specs import load_tokenizer, resolve_model
 
 
 def byte_pieces(tok) -> dict[int, bytes]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 
-from lpf.errors import LpfError, did_you_mean
+from lpf.core.errors import LpfError, did_you_mean
 
 REGISTRY: dict[str, str] = {
     "builtin": "lpf.adapters.builtin:BuiltinEngine",

@@ -20,10 +20,10 @@ from typing import Any, Iterator, Mapping
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from lpf.errors import LpfError, did_you_mean
-from lpf.model_specs import ModelRef
-from lpf.sampling import SamplingParams
-from lpf.workload import EngineRequest
+from lpf.core.errors import LpfError, did_you_mean
+from lpf.core.model_specs import ModelRef
+from lpf.core.sampling import SamplingParams
+from lpf.core.workload import EngineRequest
 
 
 @dataclass

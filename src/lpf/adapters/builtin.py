@@ -14,19 +14,23 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import field_validator, model_validator
 
 import lpf
 from lpf.adapters.base import Completion, Engine, Options
 from lpf.builtin.config import EngineConfig
-from lpf.workload import EngineRequest
+from lpf.builtin.faults import DRILLS
+from lpf.core.knobs import knob
+from lpf.core.workload import EngineRequest
 
 
 class BuiltinOptions(Options, EngineConfig):
     """The engine's own config (validated on parse, before a run starts) plus what the adapter adds."""
 
-    inject: str = ""  # comma-separated drills, e.g. "stale-state,offset-wrap:18"
-    threads: int = Field(1, ge=0)  # torch intra-op threads while generating (0: leave torch's)
+    inject: str = knob("", help="Fault drill (repeatable): built-in engine " + ", ".join(DRILLS) + "; vllm engine "
+                       "stale-state, offset-wrap[:BITS] (through lpf-vllm-trace).", flag=True, repeatable=True,
+                       metavar="FAULT[:ARG]")  # comma-separated in the options: "stale-state,offset-wrap:18"
+    threads: int = knob(1, ge=0, help="torch intra-op threads while generating (0: leave torch's).")
 
     @field_validator("inject")
     @classmethod
@@ -66,17 +70,16 @@ class BuiltinEngine(Engine):
 
     def __init__(self, model, sampling, options: BuiltinOptions):
         super().__init__(model, sampling, options)
-        from lpf.builtin.faults import FaultSet
         from lpf.builtin.llm_engine import LLMEngine
-        from lpf.model_specs import load_tokenizer
+        from lpf.core.model_specs import load_tokenizer
 
-        self.engine = LLMEngine(model.path, EngineConfig.of(options), FaultSet.parse(options.inject))
+        self.engine = LLMEngine.from_options(model.path, options)
         self.eos_id = load_tokenizer(model).eos_token_id
 
     @classmethod
     def check_model(cls, config: dict) -> None:
         from lpf.builtin.config import SUPPORTED_ARCHITECTURES
-        from lpf.errors import LpfError
+        from lpf.core.errors import LpfError
 
         arch = (config.get("architectures") or ["?"])[0]
         if arch not in SUPPORTED_ARCHITECTURES:
@@ -86,18 +89,25 @@ class BuiltinEngine(Engine):
     @classmethod
     def check_capacity(cls, model, options: BuiltinOptions, requests: list[EngineRequest]) -> None:
         """The cache these knobs buy (layer shapes only, no weights) must hold at least one request."""
-        from lpf.builtin.llm_engine import cache_sizes
+        from lpf.builtin.llm_engine import cache_sizes, max_context
         from lpf.builtin.models import model_shape
         from lpf.builtin.scheduler import never_runs_reason
-        from lpf.errors import LpfError
+        from lpf.core.errors import LpfError
 
         if not requests:
             return
         config = EngineConfig.of(options)
-        _, num_blocks = cache_sizes(model_shape(model.path), config)
+        shape = model_shape(model.path)
+        _, num_blocks = cache_sizes(shape, config)
+        context = max_context(getattr(shape.config, "max_position_embeddings", None), config)
+
+        def why(r: EngineRequest) -> str | None:
+            return never_runs_reason(len(r.prompt_token_ids) + r.max_tokens, num_blocks, config,
+                                     len(r.prompt_token_ids), context)
+
         smallest = min(requests, key=lambda r: len(r.prompt_token_ids) + r.max_tokens)
-        reason = never_runs_reason(len(smallest.prompt_token_ids) + smallest.max_tokens, num_blocks, config)
-        if reason is not None:
+        reason = why(smallest)
+        if reason is not None and all(why(r) is not None for r in requests):
             raise LpfError(f"these engine knobs can hold no request of the workload: even the smallest "
                            f"({smallest.request_id}) {reason}")
 

@@ -16,16 +16,17 @@ import inspect
 import time
 from typing import Iterator, Literal
 
-from pydantic import Field
-
+from lpf.core.knobs import knob
 from lpf.adapters.base import Completion, Engine, Options
-from lpf.workload import EngineRequest
+from lpf.core.workload import EngineRequest
 
 
 class HFOptions(Options):
-    batch_size: int = Field(32, ge=1)
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    device: str = "cpu"
+    batch_size: int = knob(32, ge=1, help="Requests generated together (one padded generate() batch).",
+                           roles=("concurrency",), shrink_order=100)
+    dtype: Literal["float32", "bfloat16", "float16"] = knob("float32", help="Engine dtype: float32, bfloat16 or float16.",
+                                                            shrink_order=130, flag=True)
+    device: str = knob("cpu", help="Where the model runs (cpu, cuda).")
 
 
 class HFEngine(Engine):
@@ -39,7 +40,7 @@ class HFEngine(Engine):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from lpf.torch_utils import quiet_transformers, torch_dtype
+        from lpf.core.torch_utils import quiet_transformers, torch_dtype
 
         quiet_transformers()
         self._torch = torch
@@ -73,7 +74,7 @@ class HFEngine(Engine):
         torch = self._torch
         from transformers import GenerationConfig
 
-        from lpf.torch_utils import logprob_rows
+        from lpf.core.torch_utils import logprob_rows
 
         t0 = time.time()
         width = max(len(r.prompt_token_ids) for r in batch)
@@ -119,7 +120,7 @@ class HFEngine(Engine):
         """Per request (logprobs, top-k ids, top-k logprobs) of prompt positions 1..P-1, from the
         left-padded batch as generate's prefill runs it."""
         torch = self._torch
-        from lpf.torch_utils import logprob_rows
+        from lpf.core.torch_utils import logprob_rows
 
         k, dev, width = self.sampling.logprobs, self.options.device, ids.shape[1]
         vocab = self.hf_model.get_output_embeddings().weight.shape[0]

@@ -35,7 +35,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Iterable, Iterator
 
-from lpf.errors import LpfError
+from lpf.core.errors import LpfError
 
 
 class RequestFailed(Exception):

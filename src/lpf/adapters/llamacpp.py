@@ -44,9 +44,10 @@ from pydantic import Field, model_validator
 from lpf.adapters import llamacpp_gguf as gguf_files
 from lpf.adapters import llamacpp_wire as wire
 from lpf.adapters.remote import RemoteEngine, RemoteOptions
-from lpf.errors import LpfError
+from lpf.core.errors import LpfError
+from lpf.core.knobs import knob
+from lpf.core.workload import EngineRequest
 from lpf.run.schema import PREFIX_TRACE, TRACE
-from lpf.workload import EngineRequest
 
 DTYPE = Literal["float32", "float16", "bfloat16", "q8_0", "q6_k", "q5_k_m", "q4_k_m", "q4_k_s", "q4_0"]
 KV_TYPE = Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"]
@@ -63,28 +64,26 @@ SLOT_CTX_CAP = 4096  # default context per slot: the model's own, at most this (
 
 class LlamaCppOptions(RemoteOptions):
     base_url: str = Field("", description="a llama-server the user started (http://HOST:PORT); empty: lpf starts one")
-    dtype: DTYPE | None = Field(None, description="GGUF type: what lpf converts to (default float32), what -E gguf= "
-                                                  "holds, or what a --base-url server serves (unknown if not given)")
+    dtype: DTYPE | None = knob(None, help="GGUF type: what lpf converts to (default float32), what -E gguf= holds, or "
+                                          "what a --base-url server serves (unknown if not given)", shrink_order=130)
     gguf: str = Field("", description="serve this GGUF file instead of converting the model (its header gives the dtype)")
-    # sets concurrency
-    parallel: int = Field(1, ge=1, le=256, description="llama-server -np: parallel slots (each with its own state)")
-    # sizes the cache
-    ctx_size: int | None = Field(None, ge=256, description="llama-server -c: context over all slots (default: "
-                                                          "parallel x min(model's, 4096))")
+    parallel: int = knob(1, ge=1, le=256, help="llama-server -np: parallel slots (each with its own state)",
+                         roles=("concurrency",), shrink_order=50)
+    ctx_size: int | None = knob(None, ge=256, help="llama-server -c: context over all slots (default: parallel x "
+                                "min(model's, 4096))", roles=("cache_size",), shrink_order=10)
     cache_prompt: bool = Field(True, description="reuse a slot's cached prompt prefix (cache_prompt per request)")
-    # step budget
-    batch_size: int | None = Field(None, ge=1, description="llama-server -b: logical batch (tokens per decode call)")
-    # step budget
-    ubatch_size: int | None = Field(None, ge=1, description="llama-server -ub: physical batch (tokens per compute pass)")
+    batch_size: int | None = knob(None, ge=1, help="llama-server -b: logical batch (tokens per decode call)",
+                                  roles=("step_budget",), shrink_order=60)
+    ubatch_size: int | None = knob(None, ge=1, help="llama-server -ub: physical batch (tokens per compute pass)",
+                                   roles=("step_budget",), shrink_order=65)
     threads: int | None = Field(None, ge=1, description="llama-server -t: generation threads (default: llama.cpp's)")
     threads_batch: int | None = Field(None, ge=1, description="llama-server -tb: prompt-processing threads")
     cache_type_k: KV_TYPE | None = Field(None, description="llama-server -ctk: K cache type (default: the dtype's "
                                                            "float type, f16 for quantized GGUFs)")
     cache_type_v: KV_TYPE | None = Field(None, description="llama-server -ctv: V cache type (default as cache_type_k)")
     kv_unified: bool | None = Field(None, description="llama-server -kvu/-no-kvu: one KV buffer shared by all slots")
-    # sizes the cache
-    cache_ram: int | None = Field(None, ge=-1, description="llama-server -cram MiB: host-memory prompt cache "
-                                                           "(0 off, -1 no limit; default llama.cpp's 8192)")
+    cache_ram: int | None = knob(None, ge=-1, help="llama-server -cram MiB: host-memory prompt cache (0 off, -1 no "
+                                 "limit; default llama.cpp's 8192)", roles=("cache_size",), shrink_order=15)
     ctx_checkpoints: int | None = Field(None, ge=0, description="llama-server -ctxcp: context checkpoints per slot "
                                                                 "(recurrent/SWA state snapshots for prompt reuse)")
     cont_batching: bool = Field(True, description="llama-server -cb/-nocb: continuous batching")
@@ -95,8 +94,8 @@ class LlamaCppOptions(RemoteOptions):
     start_timeout_s: float = Field(120.0, gt=0, description="seconds llama-server may take to load the model")
     ban_eos: bool = Field(False, description="accept --ignore-eos in llama-server's meaning: end-of-generation tokens "
                                              "banned (fixed-length throughput runs; a greedy audit flags each ban)")
-    # sets concurrency
-    concurrency: int | None = Field(None, ge=1, description="requests in flight (default: 2 x parallel)")
+    # the client's requests in flight (as RemoteOptions'): no role, `parallel` is the server's concurrency
+    concurrency: int | None = knob(None, ge=1, help="requests in flight (default: 2 x parallel)", shrink_order=110)
 
     @model_validator(mode="after")
     def _usable(self):

@@ -31,8 +31,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lpf.errors import LpfError
-from lpf.model_specs import ModelRef, cache_root, weights_sha256
+from lpf.core.errors import LpfError
+from lpf.core.model_specs import ModelRef, cache_root, weights_sha256
 
 REPO_DIR = Path(__file__).resolve().parents[3] / ".llamacpp"
 CONVERT = Path(__file__).with_name("llamacpp_convert.py")

@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from lpf.errors import LpfError
+from lpf.core.errors import LpfError
 
 HOST = "127.0.0.1"
 _BIND_WORDS = ("couldn't bind", "address already in use", "failed to bind")
@@ -49,7 +49,7 @@ class LlamaServer:
         return [str(self.binary), "-m", str(self.gguf), "--host", HOST, "--port", str(port), *self.args]
 
     def start(self) -> "LlamaServer":
-        for attempt in range(3):
+        for _attempt in range(3):
             self.port = free_port()
             with open(self.log_path, "wb") as log:
                 self.proc = subprocess.Popen(self.command(self.port), stdin=subprocess.DEVNULL, stdout=log,

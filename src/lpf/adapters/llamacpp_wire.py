@@ -41,8 +41,8 @@ from typing import Any
 from lpf.adapters.base import Completion
 from lpf.adapters.http import RequestFailed
 from lpf.adapters.remote import Problems, as_logprob, snippet
-from lpf.sampling import SamplingParams
-from lpf.workload import EngineRequest
+from lpf.core.sampling import SamplingParams
+from lpf.core.workload import EngineRequest
 
 _FLT_MAX = 3.4028234663852886e38
 FINISH = {"eos": "stop", "word": "stop", "limit": "length"}

@@ -3,7 +3,7 @@ hosted APIs), on `/v1/completions` or `/v1/chat/completions`.
 
 One HTTP request per run request (n=1: rollouts are separate requests, each with its own seed).
 Route (`-E api=auto|completions|chat`; `--api`): chat when asked, or (auto) when the workload has
-`messages`; the messages are sent and the reference scores the tokenizer's rendering of them (`lpf.chat`).
+`messages`; the messages are sent and the reference scores the tokenizer's rendering of them (`lpf.core.chat`).
 Prompt (`-E prompt=auto|ids|text`, completions only): token ids, or the prompt's text; auto sends ids
 and, when the server refuses them (4xx naming the prompt: "prompt must be a string"), sends text for the
 rest of the run, once, and says so (`notes`). The server's prompt is checked against the reference's:
@@ -39,19 +39,24 @@ from lpf.adapters.http import RequestFailed
 from lpf.adapters.openai_shapes import MISSING, read_logprobs
 from lpf.adapters.remote import Problems, RemoteEngine, RemoteOptions, as_logprob
 from lpf.adapters.token_map import TOKEN_ID_PREFIX, TokenMap  # noqa: F401  (TOKEN_ID_PREFIX re-exported)
-from lpf.errors import LpfError
-from lpf.workload import EngineRequest
+from lpf.core.errors import LpfError
+from lpf.core.knobs import knob
+from lpf.core.workload import EngineRequest
 
 _ID_FIELDS = ("return_tokens_as_token_ids", "return_token_ids")
 MAX_ADAPTATIONS = 4
 
 
 class OpenAIOptions(RemoteOptions):
-    served_model: str = ""
-    token_ids: Literal["auto", "server", "tokenizer"] = "auto"  # server: demand token_id:N; tokenizer: map strings
-    prompt_logprobs: Literal["echo", "field"] = "echo"  # how --prompt-logprobs asks: echo+logprobs or vLLM's field
-    api: Literal["auto", "completions", "chat"] = Field(
-        "auto", description="the route: /v1/completions, /v1/chat/completions, or chat when the workload has messages")
+    served_model: str = knob("", help="openai engine: the name the server serves, when --model is the local copy.",
+                             flag=True)
+    token_ids: Literal["auto", "server", "tokenizer"] = knob(
+        "auto", help="How token ids are known: server (demand token_id:N), tokenizer (map the strings), auto.")
+    prompt_logprobs: Literal["echo", "field"] = knob(
+        "echo", help="How --prompt-logprobs asks: echo + logprobs, or vLLM's prompt_logprobs field.")
+    api: Literal["auto", "completions", "chat"] = knob(
+        "auto", flag=True, help="openai engine: the route, /v1/completions or /v1/chat/completions (auto: chat "
+                                "when the workload has messages).")
     prompt: Literal["auto", "ids", "text"] = Field(
         "auto", description="completions prompts as token ids or text; auto: ids, text once a server refuses ids")
     logprobs: Literal["auto", "require"] = Field(

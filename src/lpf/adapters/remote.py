@@ -30,26 +30,30 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 from urllib.parse import urlsplit
 
-from pydantic import Field, model_validator
+from pydantic import model_validator
 
 from lpf.adapters.base import Completion, Engine, Options
 from lpf.adapters.http import (CircuitBreaker, RequestFailed, RetryPolicy, Stats, api_key_from_env, make_client,
                               post_json, run_all)
-from lpf.errors import LpfError
-from lpf.workload import EngineRequest
+from lpf.core.errors import LpfError
+from lpf.core.knobs import knob
+from lpf.core.workload import EngineRequest
 
 
 class RemoteOptions(Options):
-    base_url: str = ""
-    api_key_env: str = ""  # name of the environment variable holding the key
-    concurrency: int = Field(16, ge=1)
-    timeout_s: float = Field(60.0, gt=0)  # one attempt
-    max_retries: int = Field(4, ge=0)
-    deadline_s: float = Field(3600.0, gt=0)  # the whole run
-    backoff_s: float = Field(0.5, gt=0)
-    # open-loop load: Poisson arrivals at this many requests per second (seeded by the run's seed);
-    # 0 = closed loop, a new request as soon as one of `concurrency` finishes
-    arrival_rate: float = Field(0.0, ge=0)
+    base_url: str = knob("", help="openai/sglang/llamacpp engines: the server, e.g. http://127.0.0.1:8000/v1.",
+                         flag=True)
+    api_key_env: str = knob("", help="openai/sglang engines: environment variable holding the API key (never written "
+                            "anywhere).", flag=True, metavar="VAR")
+    # the client's requests in flight, not a batch the server forms: no role (lpf repeat does not vary it)
+    concurrency: int = knob(16, ge=1, help="Requests in flight at once.", shrink_order=110)
+    timeout_s: float = knob(60.0, gt=0, help="Seconds one attempt may take.")
+    max_retries: int = knob(4, ge=0, help="Attempts after the first, for failures worth retrying.")
+    deadline_s: float = knob(3600.0, gt=0, help="Seconds the whole run may take.")
+    backoff_s: float = knob(0.5, gt=0, help="First retry's wait in seconds (doubling, with jitter).")
+    # open-loop load: Poisson arrivals (seeded by the run's seed); 0 = closed loop
+    arrival_rate: float = knob(0.0, ge=0, help="Requests per second, Poisson arrivals (0: a new request as soon as "
+                               "one of `concurrency` finishes).")
 
     @model_validator(mode="after")
     def _usable(self):
@@ -79,7 +83,7 @@ class RemoteEngine(Engine):
 
     def __init__(self, model, sampling, options: RemoteOptions):
         super().__init__(model, sampling, options)
-        from lpf.model_specs import load_tokenizer
+        from lpf.core.model_specs import load_tokenizer
 
         self.api_key = api_key_from_env(options.api_key_env)
         self.tokenizer = load_tokenizer(model)
@@ -118,7 +122,7 @@ class RemoteEngine(Engine):
         if reference:
             return reference
         if model is None:
-            from lpf.model_specs import DEFAULT_MODEL
+            from lpf.core.model_specs import DEFAULT_MODEL
 
             return DEFAULT_MODEL
         raise LpfError(f"--model {model!r} is the served model's name, not a local directory or zoo: name: pass "

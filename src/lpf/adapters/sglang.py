@@ -21,7 +21,7 @@ from typing import Any
 from lpf.adapters.base import Completion
 from lpf.adapters.http import RequestFailed
 from lpf.adapters.remote import Problems, RemoteEngine, snippet, as_logprob
-from lpf.workload import EngineRequest
+from lpf.core.workload import EngineRequest
 
 
 class SGLangEngine(RemoteEngine):

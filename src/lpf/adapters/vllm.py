@@ -48,8 +48,9 @@ from typing import Iterator, Literal
 from pydantic import Field, field_validator
 
 from lpf.adapters.base import Completion, Engine, Options
-from lpf.errors import LpfError
-from lpf.workload import EngineRequest
+from lpf.core.knobs import knob
+from lpf.core.errors import LpfError
+from lpf.core.workload import EngineRequest
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
 REPO_VENV = Path(__file__).resolve().parents[3] / ".venv-vllm"
@@ -97,24 +98,36 @@ VLLM_DRILLS = ("stale-state", "offset-wrap")
 
 
 class VLLMOptions(Options):
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "float32"
-    seed: int | None = None  # engine seed; default: the run's --seed
-    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
-    max_num_seqs: int | None = Field(None, ge=1)
-    max_num_batched_tokens: int | None = Field(None, ge=1)
-    enable_chunked_prefill: bool | None = None
-    enable_prefix_caching: bool | None = None
-    enforce_eager: bool = True  # no CUDA graphs / compile: faster start, same numerics
-    max_model_len: int | None = Field(None, ge=1)
-    num_gpu_blocks_override: int | None = Field(None, ge=1)  # KV-cache blocks (state slots come from them too)
-    logprobs_mode: Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"] = "raw_logprobs"
-    cpu_kvcache_space: int = Field(1, ge=1)  # whole GiB (vLLM reads it as an int), VLLM_CPU_KVCACHE_SPACE
-    start_timeout_s: float = Field(600.0, gt=0)
-    trace: bool = True  # the lpf-vllm-trace plugin records the step trace
-    trace_dir: str | None = None  # where the plugin writes (default: a private temporary directory)
-    inject: str = ""  # drills through the plugin: stale-state, offset-wrap[:BITS]
-    capture: str | None = Field(None, description="lpf locate's capture spec (a JSON file) for lpf-vllm-trace: "
-                                                  "set by lpf locate, not a knob")
+    # None: vLLM's own default (the knob is not passed to vllm.LLM)
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = knob("float32", help="vLLM's dtype (auto: the model's).",
+                                                                    shrink_order=130, flag=True)
+    seed: int | None = Field(None, description="Engine seed [default: the run's --seed].")
+    gpu_memory_utilization: float | None = knob(None, gt=0, le=1, help="Share of GPU memory vLLM may take (its cache "
+                                                "size on a GPU).", roles=("cache_size",), shrink_order=20)
+    max_num_seqs: int | None = knob(None, ge=1, help="Most requests in one engine step.", roles=("concurrency",),
+                                    shrink_order=50, flag=True)
+    max_num_batched_tokens: int | None = knob(None, ge=1, help="Token budget of one engine step.",
+                                              roles=("step_budget",), shrink_order=60, flag=True)
+    enable_chunked_prefill: bool | None = knob(None, help="Split long prompts over several steps.", shrink_order=70,
+                                               flag=True)
+    enable_prefix_caching: bool | None = knob(None, help="Automatic prefix caching (vLLM turns it on by default).",
+                                              roles=("prefix_cache",), shrink_order=80)
+    enforce_eager: bool = knob(True, help="No CUDA graphs / compile: faster start, same numerics.")
+    max_model_len: int | None = knob(None, ge=1, help="Longest prompt + output a request may have.",
+                                     roles=("context_length",), shrink_order=120, flag=True)
+    num_gpu_blocks_override: int | None = knob(None, ge=1, help="KV-cache blocks (state slots come from them too).",
+                                               roles=("cache_size",), shrink_order=40)
+    logprobs_mode: Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"] = knob(
+        "raw_logprobs", help="What vLLM returns as logprobs (raw: the model's, before any processing).")
+    cpu_kvcache_space: int = knob(1, ge=1, help="CPU build: KV-cache GiB, whole (VLLM_CPU_KVCACHE_SPACE; vLLM reads "
+                                  "an int).", roles=("cache_size",), shrink_order=30)
+    start_timeout_s: float = knob(600.0, gt=0, help="Seconds vLLM may take to start.")
+    trace: bool = knob(True, help="The lpf-vllm-trace plugin records the step trace.")
+    trace_dir: str | None = knob(None, help="Where the plugin writes [default: a private temporary directory].")
+    inject: str = knob("", help="Drills through the plugin: stale-state, offset-wrap[:BITS].", flag=True,
+                       repeatable=True, metavar="FAULT[:ARG]")
+    capture: str | None = knob(None, help="lpf locate's capture spec (a JSON file) for lpf-vllm-trace: set by lpf "
+                               "locate, not by hand.")
 
     @field_validator("inject")
     @classmethod

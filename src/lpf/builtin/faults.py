@@ -52,7 +52,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lpf.errors import LpfError, did_you_mean
+from lpf.core.errors import LpfError, did_you_mean
 
 PERTURB_SEED = 1234  # perturb-weights draws the same "fine-tune" on every run
 GROUP_SIZE = 128  # quantize-weights: inputs per quantization group

@@ -28,7 +28,7 @@ from lpf.run.schema import TRACE
 def cache_sizes(model, config: EngineConfig) -> tuple[int, int]:
     """(state slots, KV blocks) that `config.cache_mb` buys for `model` (weights or not: only the
     layer shapes count, so a model built on the meta device answers before any weight loads)."""
-    from lpf.torch_utils import torch_dtype
+    from lpf.core.torch_utils import torch_dtype
 
     elem = torch_dtype(config.dtype).itemsize
     n_attn, n_kv, head_dim = model.kv_spec()
@@ -36,6 +36,12 @@ def cache_sizes(model, config: EngineConfig) -> tuple[int, int]:
     slot_bytes = sum(prod(shape) for parts in model.state_specs() for _, shape in parts) * slot_elem
     block_bytes = n_attn * 2 * config.block_size * n_kv * head_dim * elem
     return config.cache_sizes(slot_bytes, block_bytes)
+
+
+def max_context(model_context: int | None, config: EngineConfig) -> int | None:
+    """The longest prompt + output a request may have: the model's context, capped by max_model_len."""
+    limits = [n for n in (model_context, config.max_model_len) if n is not None]
+    return min(limits) if limits else None
 
 
 def state_buffer_dtype(config: EngineConfig) -> str:
@@ -48,13 +54,13 @@ def state_buffer_dtype(config: EngineConfig) -> str:
 class LLMEngine:
     def __init__(self, model_path: Path, config: EngineConfig, faults: FaultSet = FaultSet()):
         from lpf.builtin.models import load_model
-        from lpf.torch_utils import torch_dtype
+        from lpf.core.torch_utils import torch_dtype
 
         self.config = config
         self.faults = faults
         dtype = torch_dtype(config.dtype)
         self.model = load_model(model_path, dtype=dtype, device=config.device)
-        self.max_context = getattr(self.model.config, "max_position_embeddings", None)
+        self.max_context = max_context(getattr(self.model.config, "max_position_embeddings", None), config)
         self.num_slots, self.num_blocks = cache_sizes(self.model, config)
         self.truth = GroundTruth()
         has_mamba = bool(self.model.state_specs())
@@ -70,6 +76,13 @@ class LLMEngine:
                                   mamba_block_size=px.mbs if px else None)
         self._trace: list[dict] = []
         self._cancels: dict[str, int] = {}
+
+    @classmethod
+    def from_options(cls, model_path: Path, options) -> "LLMEngine":
+        """The engine for validated options that carry the engine's own fields (`EngineConfig`) and
+        `inject` (the drills): the builtin adapter's `BuiltinOptions`, as `lpf audit`, `lpf serve` and
+        `lpf rl simulate` all build it. Other fields (the adapter's `threads`) are the caller's."""
+        return cls(model_path, EngineConfig.of(options), FaultSet.parse(getattr(options, "inject", "")))
 
     def add_request(self, req: Request) -> Request | None:
         """Queue a request; returns it at once, finished with an error, if it could never run."""

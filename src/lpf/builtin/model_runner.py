@@ -26,7 +26,7 @@ from lpf.builtin.prefix_drills import PrefixDrills
 from lpf.builtin.sampler import sample
 from lpf.builtin.sched_output import PromptRows, SchedulerOutput, StepResult
 from lpf.builtin.state_cache import StateCache
-from lpf.torch_utils import logprob_rows
+from lpf.core.torch_utils import logprob_rows
 
 
 class ModelRunner:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from lpf.builtin.sched_output import Sample
-from lpf.sampling import SamplingParams
+from lpf.core.sampling import SamplingParams
 
 
 class Status(Enum):

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from lpf.builtin.sched_output import Sample, ScheduledRequest
-from lpf.sampling import request_seed
-from lpf.torch_utils import logprob_rows
+from lpf.core.sampling import request_seed
+from lpf.core.torch_utils import logprob_rows
 
 
 def processed_logits(z: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lpf.sampling import SamplingParams
+from lpf.core.sampling import SamplingParams
 
 
 @dataclass(frozen=True)

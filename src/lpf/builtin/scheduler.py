@@ -31,10 +31,17 @@ from lpf.builtin.sched_output import PromptRows, Sample, ScheduledRequest, Sched
 from lpf.builtin.state_cache import SlotPool
 
 
-def never_runs_reason(need: int, num_blocks: int, config: EngineConfig) -> str | None:
+def never_runs_reason(need: int, num_blocks: int, config: EngineConfig, prompt_len: int | None = None,
+                      max_context: int | None = None) -> str | None:
     """Why a request needing `need` tokens (prompt + max_tokens) could wait forever, None when it can
-    run: more KV than the whole cache, or, without chunked prefill, more tokens than one step's budget
-    (a recompute after preemption needs prompt + outputs in one step)."""
+    run: a prompt that leaves no room for an output in the context (`max_context`: the model's,
+    capped by max_model_len), more KV than the whole cache, or, without chunked prefill, more tokens
+    than one step's budget (a recompute after preemption needs prompt + outputs in one step). Outputs
+    stop at the context, so a request never needs more than it."""
+    if max_context is not None:
+        if prompt_len is not None and prompt_len >= max_context:
+            return f"has a {prompt_len}-token prompt: no room for an output in a {max_context}-token context"
+        need = min(need, max_context)
     if blocks_needed(need, config.block_size) > num_blocks:
         return f"needs {need} tokens of KV cache; the cache holds {num_blocks * config.block_size} (raise --cache-mb)"
     if not config.enable_chunked_prefill and need > config.max_num_batched_tokens:
@@ -73,7 +80,8 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def why_never_runs(self, req: Request) -> str | None:
-        return never_runs_reason(len(req.prompt_token_ids) + req.max_tokens, self.blocks.num_blocks, self.config)
+        return never_runs_reason(len(req.prompt_token_ids) + req.max_tokens, self.blocks.num_blocks, self.config,
+                                 len(req.prompt_token_ids), self.max_context)
 
     def abort(self, request_id: str, in_flight: bool = False, reason: str = "aborted") -> Request | None:
         """Drop a request wherever it is (waiting or running), freeing its slot and KV blocks; the

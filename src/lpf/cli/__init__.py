@@ -24,7 +24,7 @@ import click
 
 from lpf.cli import compare, experiments, locate, rl, run, serve, views
 from lpf.cli.common import err
-from lpf.errors import LpfError
+from lpf.core.errors import LpfError
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

@@ -4,18 +4,17 @@
   are the command's output).
 - `progress_bar(label, unit)`: one rich bar on stderr, shown once the stage has validated its inputs;
   `progress_bars(*stages)` several, for stages that run one after another in one call.
-- Option decorators, each option declared once: `engine_knob_options` (the engine knobs, on every
+- Option decorators, each option declared once: `engine_knob_options` (-E for every engine knob, and
+  the named knob flags generated from the engines' Options fields by `KnobCommand`, the class of every
   command that starts an engine), `trace_dir_option` (a vLLM server's trace to join: run options and
   `lpf analyze`), `run_options`, `reference_options` (the rescorer's model, dtype, device and budget),
   `rescore_options` (those + the executor + --calibrate), `analysis_options`, `stream_option`
-  (`lpf analyze`), and `audit_options` (all of
-  them: `lpf audit`'s own set, which `sweep` also parses cells with).
-- `rescore_settings(params)` / `rescore_args(params)`: parsed rescore options as the stage's
-  settings, and back as `lpf rescore` arguments.
-- `engine_knobs(params)`: the knob values a command got, as one engine-options dict;
-  `knob_args(options)` is its inverse (the audit arguments that set engine options).
-- `build_run_spec(params)`: the one run-spec builder, from parsed run options.
-- `parse_audit_args(argv, what)`: an `lpf audit` argument list parsed into its params.
+  (`lpf analyze`), `audit_settings_options` (what one audit is: `lpf sweep`'s cells) and
+  `audit_options` (all of them: `lpf audit`'s own set).
+- `engine_knobs(params)`: the knob values a command got, as one engine-options dict.
+- `rescore_settings(params)`: parsed rescore options as the stage's settings (validated).
+- `build_audit_spec(params)`: the one `AuditSpec` builder, from parsed options. Options become a spec
+  here and nowhere else; nothing turns a spec or options back into arguments in this package.
 - `write_report(path)`: the one rule for writing report.html after findings exist.
 - `fails(verdicts, fail_on)`: the one `--fail-on` rule.
 Imports here are click, rich and light lpf modules only: `lpf --help` must stay fast.
@@ -33,8 +32,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from lpf.analysis.levels import FAIL_LEVELS, at_or_above
-from lpf.builtin.faults import DRILLS
-from lpf.errors import LpfError
+from lpf.core.errors import LpfError
 
 err = Console(stderr=True)
 out = Console()
@@ -81,74 +79,66 @@ def _apply(f, opts: list):
 
 
 # -- options ----------------------------------------------------------------------------------------
-KNOB_PARAMS = ("dtype", "engine_option", "inject", "cache_mb", "max_num_seqs", "max_num_batched_tokens",
-               "enable_chunked_prefill", "enable_prefix_caching")
+def _engine_flags(engines: tuple[str, ...] | None) -> list:
+    """The flagged knobs (lpf.core.knobs) of these engines' Options, every engine when None."""
+    from lpf.adapters import engine_names, get_engine_class
+    from lpf.core.knobs import flag_knobs
+
+    return flag_knobs(get_engine_class(e).Options for e in (engines or engine_names()))
 
 
-def engine_knob_options(f):
-    """The engine knobs, under vLLM's names where vLLM has one. Each engine refuses knobs it lacks."""
-    return _apply(f, [
-        click.option("--dtype", default=None, help="Engine dtype: float32, bfloat16 or float16."),
-        click.option("-E", "--engine-option", "engine_option", multiple=True, metavar="KEY=VALUE",
-                     help="Any other engine knob, e.g. -E block_size=32 (repeatable; `lpf engines` lists them)."),
-        click.option("--inject", multiple=True, metavar="FAULT[:ARG]",
-                     help="Fault drill (repeatable): built-in engine " + ", ".join(DRILLS) + "; vllm engine "
-                          "stale-state, offset-wrap[:BITS] (through lpf-vllm-trace)."),
-        click.option("--cache-mb", type=float, default=None,
-                     help="Built-in engine: cache size in MiB (the gpu_memory_utilization analogue)."),
-        click.option("--max-num-seqs", type=int, default=None, help="Most requests in one engine step (vLLM's name)."),
-        click.option("--max-num-batched-tokens", type=int, default=None,
-                     help="Token budget of one engine step (vLLM's name)."),
-        click.option("--enable-chunked-prefill/--no-enable-chunked-prefill", default=None,
-                     help="Split long prompts over several steps (vLLM's name)."),
-        click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=None,
-                     help="Reuse cached prefixes: KV blocks by hash, Mamba state checkpoints (vLLM's name; "
-                          "built-in: -E mamba_block_size=N, -E mamba_cache_mode=align|all)."),
-    ])
+def _flag_option(k) -> click.Option:
+    """The click option of one flagged knob: its type from the field, its help from the field's description."""
+    if k.kind == "bool":
+        return click.Option([f"{k.flag_name}/--no-{k.flag_name[2:]}", k.name], default=None, help=k.help)
+    kind = {"int": int, "float": float}.get(k.kind, str)
+    return click.Option([k.flag_name, k.name], type=kind, default=None, multiple=k.repeatable, metavar=k.metavar,
+                        help=k.help)
 
 
-def engine_knobs(params: Mapping, **extra) -> dict:
+class KnobCommand(click.Command):
+    """A command with engine knobs (`engine_knob_options`): the named knob flags are generated from the
+    engines' Options fields the first time the command parses or shows help, so `lpf --help` imports
+    no engine module (and no pydantic)."""
+
+    def get_params(self, ctx: click.Context) -> list[click.Parameter]:
+        if not getattr(self, "_knob_flags_added", False):
+            self._knob_flags_added = True
+            engines = getattr(self.callback, "__lpf_knob_engines__", None)
+            at = next((i + 1 for i, p in enumerate(self.params) if p.name == "engine_option"), len(self.params))
+            self.params[at:at] = [_flag_option(k) for k in _engine_flags(engines)]
+        return super().get_params(ctx)
+
+
+def engine_knob_options(f=None, *, engines: tuple[str, ...] | None = None):
+    """The engine knobs: -E KEY=VALUE for every knob, and a named option for each flagged knob of these
+    engines (all by default), generated from their Options fields by `KnobCommand` (the command's
+    class: `@click.command(cls=KnobCommand)`). Each engine refuses knobs it lacks."""
+    def apply(g):
+        g.__lpf_knob_engines__ = engines
+        return click.option("-E", "--engine-option", "engine_option", multiple=True, metavar="KEY=VALUE",
+                            help="Any other engine knob, e.g. -E block_size=32 (repeatable; `lpf engines` lists "
+                                 "them).")(g)
+    return apply if f is None else apply(f)
+
+
+def engine_knobs(params: Mapping, engines: tuple[str, ...] | None = None) -> dict:
     """{knob: value} of every knob given (None = not given, left out; -E values stay strings: the
-    engine's `Options.parse` converts and validates them); `extra` adds named options the same way."""
+    engine's `Options.parse` converts and validates them); a named option wins over -E. A repeatable
+    flag's values are joined with ","."""
     options = {}
     for kv in params.get("engine_option") or ():
         key, sep, value = kv.partition("=")
         if not sep:
             raise LpfError(f"--engine-option expects KEY=VALUE, got {kv!r}")
         options[key.strip()] = value.strip()
-    named = {k: params.get(k) for k in KNOB_PARAMS if k not in ("engine_option", "inject")}
-    named["inject"] = ",".join(params["inject"]) if params.get("inject") else None
-    named.update(extra)
-    options.update({k: v for k, v in named.items() if v is not None})
+    for k in _engine_flags(engines):
+        value = params.get(k.name)
+        if k.repeatable:
+            value = ",".join(value) if value else None
+        if value is not None:
+            options[k.name] = value
     return options
-
-
-# engine options that have an option of their own on the command line (the rest go through -E)
-_NAMED_KNOBS = {"dtype": "--dtype", "cache_mb": "--cache-mb", "max_num_seqs": "--max-num-seqs",
-                "max_num_batched_tokens": "--max-num-batched-tokens", "base_url": "--base-url",
-                "api_key_env": "--api-key-env", "served_model": "--served-model", "api": "--api"}
-
-
-def knob_args(options: Mapping) -> list[str]:
-    """The `lpf audit` arguments that set these engine options (the inverse of `engine_knobs`):
-    the named option where there is one, `-E NAME=VALUE` otherwise; None values are left out."""
-    def text(v) -> str:
-        return ("true" if v else "false") if isinstance(v, bool) else str(v)
-
-    args: list[str] = []
-    for name, value in options.items():
-        if value is None:
-            continue
-        if name == "inject":
-            args += [a for drill in str(value).split(",") if drill.strip() for a in ("--inject", drill.strip())]
-        elif name in ("enable_chunked_prefill", "enable_prefix_caching"):
-            flag = name.replace("_", "-")
-            args.append(f"--{flag}" if value else f"--no-{flag}")
-        elif name in _NAMED_KNOBS:
-            args += [_NAMED_KNOBS[name], text(value)]
-        else:
-            args += ["-E", f"{name}={text(value)}"]
-    return args
 
 
 def trace_dir_option(f):
@@ -157,14 +147,13 @@ def trace_dir_option(f):
                              "that served the run; its step trace is joined to the run by request id.")(f)
 
 
-def run_options(f):
-    """What a run is: engine, model, workload, sampling, knobs, where it goes."""
+def _run_settings(f):
+    """What a run is, but where it goes: engine, model, workload, sampling, knobs."""
     f = trace_dir_option(engine_knob_options(f))
     return _apply(f, [
         click.option("--engine", default="builtin", show_default=True, help="Engine under test (see `lpf engines`)."),
         click.option("--model", default=None, help="Model dir, zoo:NAME or tiny:NAME [default: zoo:hybrid]."),
         click.option("--workload", default=None, help="Prompts JSONL or zoo:NAME [default: zoo:oracle]."),
-        click.option("--out", type=click.Path(path_type=Path), default=None, help="Run directory to create."),
         click.option("--n", "n", type=int, default=1, show_default=True, help="Rollouts per prompt."),
         click.option("--temperature", type=float, default=0.0, show_default=True),
         click.option("--top-p", type=float, default=1.0, show_default=True),
@@ -176,19 +165,17 @@ def run_options(f):
         click.option("--logprobs", type=int, default=5, show_default=True, help="Top-k alternatives recorded per token."),
         click.option("--prompt-logprobs", is_flag=True,
                      help="Also record the engine's logprob of every prompt token (the prefill path), audited apart."),
-        click.option("--base-url", default=None, help="openai/sglang/llamacpp engines: the server, e.g. http://127.0.0.1:8000/v1."),
-        click.option("--api-key-env", default=None, metavar="VAR",
-                     help="openai/sglang engines: environment variable holding the API key (never written anywhere)."),
-        click.option("--served-model", default=None,
-                     help="openai engine: the name the server serves, when --model is the local copy."),
-        click.option("--api", type=click.Choice(["auto", "completions", "chat"]), default=None,
-                     help="openai engine: /v1/completions or /v1/chat/completions (auto: chat when the workload has messages)."),
         click.option("--part-size", type=int, default=64, show_default=True, hidden=True),
     ])
 
 
-RESCORE_PARAMS = ("reference", "reference_dtype", "token_budget", "reference_device", "executor", "ray_address",
-                  "actors", "gpus_per_actor")
+def out_option(f):
+    return click.option("--out", type=click.Path(path_type=Path), default=None, help="Run directory to create.")(f)
+
+
+def run_options(f):
+    """What a run is: engine, model, workload, sampling, knobs, where it goes."""
+    return _run_settings(out_option(f))
 
 
 def reference_options(f):
@@ -232,27 +219,23 @@ def rescore_settings(params: Mapping):
     return settings
 
 
-def rescore_args(params: Mapping) -> list[str]:
-    """The `lpf rescore` arguments that reproduce parsed rescore options (a sweep cell's resume)."""
-    args = []
-    for name in RESCORE_PARAMS:
-        value = params.get(name)
-        if value is not None:
-            args += [f"--{name.replace('_', '-')}", str(value)]
-    return args
-
-
 def fail_on_option(what: str = "any request"):
     return click.option("--fail-on", type=click.Choice(FAIL_LEVELS), default="divergent", show_default=True,
                         help=f"Exit 1 when {what} is at or above this verdict.")
 
 
-def analysis_options(f):
+def _analysis_settings(f):
     return _apply(f, [
         click.option("--threshold", multiple=True, metavar="NAME=VALUE", help="Override a verdict threshold (repeatable)."),
         click.option("--attribution/--no-attribution", default=True, show_default=True,
                      help="Re-score flagged outputs under the prompts of requests served alongside them "
                           "(whose answer is this?)."),
+    ])
+
+
+def analysis_options(f):
+    f = _analysis_settings(f)
+    return _apply(f, [
         click.option("--json", "as_json", is_flag=True, help="Print findings JSON on stdout."),
         fail_on_option(),
     ])
@@ -265,51 +248,30 @@ def stream_option(f):
                              "run or prompt logprobs (read in memory).")(f)
 
 
+def audit_settings_options(f):
+    """What one audit is, without where it goes or what it prints (run + rescore + analysis settings):
+    `lpf audit`'s options but --out, --json and --fail-on; `lpf sweep` takes these for its cells."""
+    return _run_settings(rescore_options(_analysis_settings(f)))
+
+
 def audit_options(f):
     """`lpf audit`'s whole option set (run + rescore + analysis)."""
     return run_options(rescore_options(analysis_options(f)))
 
 
-def _audit_parser() -> click.Command:
-    """A command with exactly `lpf audit`'s options, to parse argument lists without running anything."""
-    return click.command("audit")(audit_options(lambda **kw: kw))
-
-
-def parse_audit_args(argv: list[str], what: str) -> dict:
-    """`lpf audit` arguments parsed into their params (defaults filled), or LpfError naming `what`."""
-    try:
-        with _audit_parser().make_context("audit", list(argv), resilient_parsing=False) as ctx:
-            return dict(ctx.params)
-    except click.ClickException as e:
-        raise LpfError(f"{what}: {e.format_message()}") from None
-
-
-def audit_option_kinds() -> dict[str, str]:
-    """`lpf audit` option name -> kind (option | switch | flag | multi), for sweep knobs."""
-    kinds = {}
-    for p in _audit_parser().params:
-        if not isinstance(p, click.Option) or p.hidden:
-            continue
-        kind = ("switch" if p.secondary_opts else "flag") if p.is_flag else ("multi" if p.multiple else "option")
-        for opt in p.opts:
-            if opt.startswith("--"):
-                kinds[opt[2:]] = kind
-    return kinds
-
-
-# -- building a run ---------------------------------------------------------------------------------
-def build_run_spec(params: Mapping):
-    """The `RunSpec` of parsed run options (`run_options`' params; others are ignored). Engines
-    behind a server name a model that is not a local path: their adapter picks the local one."""
+# -- building an audit ------------------------------------------------------------------------------
+def build_audit_spec(params: Mapping):
+    """The one `AuditSpec` builder, from parsed options: `run_options`' params and, where the command
+    has them, the rescore and analysis options (else their defaults: `lpf run`). Engines behind a server
+    name a model that is not a local path: their adapter picks the local one. Validates everything
+    (engine knobs, thresholds, rescore settings) or raises LpfError."""
     from lpf.adapters import get_engine_class
-    from lpf.model_specs import DEFAULT_MODEL
-    from lpf.pipeline import RunSpec
-    from lpf.sampling import SamplingParams
-    from lpf.workload import DEFAULT_WORKLOAD
+    from lpf.analysis.thresholds import Thresholds
+    from lpf.core.sampling import SamplingParams
+    from lpf.pipeline.spec import AnalysisSpec, AuditSpec, RunSpec
 
     p = params
-    options = engine_knobs(p, base_url=p.get("base_url"), api_key_env=p.get("api_key_env"),
-                           served_model=p.get("served_model"), api=p.get("api"))
+    options = engine_knobs(p)
     hook = getattr(get_engine_class(p["engine"]), "resolve_model_spec", None)
     model = hook(p.get("model"), p.get("reference"), options) if hook else p.get("model")
     if p["part_size"] < 1:
@@ -317,10 +279,15 @@ def build_run_spec(params: Mapping):
     sampling = SamplingParams(temperature=p["temperature"], top_p=p["top_p"], top_k=p["top_k"],
                               max_tokens=p["max_tokens"], seed=p["seed"], ignore_eos=p["ignore_eos"],
                               logprobs=p["logprobs"], prompt_logprobs=bool(p.get("prompt_logprobs")))
-    out_dir = p.get("out") or Path("runs") / time.strftime("run-%Y%m%d-%H%M%S")
-    return RunSpec(engine=p["engine"], model=model or DEFAULT_MODEL, workload=p.get("workload") or DEFAULT_WORKLOAD,
-                   out=out_dir, n=p["n"], sampling=sampling, engine_options=options, part_size=p["part_size"],
-                   trace_dir=p.get("trace_dir"))
+    run = RunSpec(engine=p["engine"], **({"model": model} if model else {}),
+                  **({"workload": p["workload"]} if p.get("workload") else {}),
+                  out=p.get("out") or default_out("run"), n=p["n"], sampling=sampling, engine_options=options,
+                  part_size=p["part_size"], trace_dir=p.get("trace_dir"))
+    pinned = Thresholds().with_overrides(list(p.get("threshold") or ()))
+    kw = {"rescore": rescore_settings(p)} if "token_budget" in p else {}
+    return AuditSpec(run=run, analysis=AnalysisSpec(calibrate=bool(p.get("calibrate")),
+                                                    attribution=p.get("attribution", True)),
+                     thresholds={name: getattr(pinned, name) for name in pinned.pinned}, **kw)
 
 
 def default_out(kind: str) -> Path:

@@ -1,7 +1,8 @@
 """Comparing engines: `lpf diff` (which of two runs, or the reference, departs) and `lpf conformance`
 (every architecture an engine claims, under a grid of knobs, each non-clean cell attributed by diff).
 
-`lpf.run_diff` and `lpf.conformance` do the work and return documents; `render` draws them.
+`lpf.views.diff` and `lpf.experiments.conformance` (its planner included) do the work and return
+documents; `render` draws them.
 """
 
 from __future__ import annotations
@@ -12,8 +13,7 @@ from pathlib import Path
 
 import click
 
-from lpf.cli.common import (audit_option_kinds, build_run_spec, err, fail_on_option, fails, out, parse_audit_args,
-                            progress_bar, write_report)
+from lpf.cli.common import err, fail_on_option, fails, out, progress_bar, write_report
 from lpf.cli.render_compare import print_conformance, print_diff
 
 
@@ -30,9 +30,9 @@ def diff(run_a, run_b, as_json, out_file, fail_on):
     Per request: do A and B agree with each other, and which departs from the reference? When both
     agree with each other and not with the reference, the reference is named the suspect.
     """
-    from lpf.run_diff import diff_runs
+    from lpf.views.diff import diff_runs
 
-    from lpf.errors import LpfError
+    from lpf.core.errors import LpfError
 
     if run_a.resolve() == run_b.resolve():
         raise LpfError(f"RUN_A and RUN_B are the same directory ({run_a}): diff two engines' runs")
@@ -49,20 +49,12 @@ def diff(run_a, run_b, as_json, out_file, fail_on):
         sys.exit(1)
 
 
-# audit options a conformance cell may not vary: the matrix fixes them (or they are not knobs at all)
-_NOT_KNOBS = {"out", "json", "fail-on", "engine-option", "help", "part-size", "engine", "model", "workload",
-              "prompt-logprobs", "base-url", "api-key-env", "served-model"}
-
-# engine options every conformance cell of that engine gets: a short context keeps the KV cache small;
-# prefix caching off unless a cell turns it on (vLLM turns it on by default, and for a hybrid model that
-# selects mamba cache mode 'align', which refuses chunked prefill off)
 CRASHED = ("engine error", "lpf error")  # cell statuses that fail --fail-on at any level but never
-
-ENGINE_BASE = {"vllm": ["-E", "max_model_len=512", "-E", "enable_prefix_caching=false"], "builtin": []}
+ENGINES = ("builtin", "vllm")  # the engines discovery can ask
 
 
 @click.command("conformance")
-@click.option("--engine", type=click.Choice(sorted(ENGINE_BASE)), default="vllm", show_default=True,
+@click.option("--engine", type=click.Choice(ENGINES), default="vllm", show_default=True,
               help="Engine under test.")
 @click.option("--arch", "archs", default=None, metavar="A,B,...",
               help="Only these architectures (name, name without ForCausalLM, or model type) [default: all].")
@@ -87,14 +79,14 @@ def conformance(engine, archs, grid, cell_names, knobs, n_prompts, max_tokens, o
     \b
     lpf conformance --engine vllm --grid full --out runs/conf
     """
-    from lpf import sweep as sw
     from lpf.adapters import get_engine_class
-    from lpf.analysis.thresholds import Thresholds
-    from lpf.conformance import discover as disc
-    from lpf.conformance.grid import PROMPTS, GridCell, grid_cells, write_workload
-    from lpf.conformance.matrix import CellPlan, Settings, cell_dir, run_matrix
-    from lpf.conformance.tiny import build_tiny
-    from lpf.errors import LpfError
+    from lpf.core.errors import LpfError
+    from lpf.core.knobs import flag_knobs
+    from lpf.experiments import sweep as sw
+    from lpf.experiments.conformance import discover as disc
+    from lpf.experiments.conformance.grid import PROMPTS, grid_cells, knob_cells
+    from lpf.experiments.conformance.matrix import Settings, run_matrix
+    from lpf.experiments.conformance.plan import plan
 
     if max_tokens < 1:
         raise LpfError(f"--max-tokens must be >= 1, got {max_tokens}")
@@ -103,63 +95,21 @@ def conformance(engine, archs, grid, cell_names, knobs, n_prompts, max_tokens, o
     n_prompts = n_prompts or PROMPTS[grid]
     if n_prompts < 1:
         raise LpfError(f"--prompts must be >= 1, got {n_prompts}")
-    if knobs:
-        fields = {engine: set(get_engine_class(engine).Options.model_fields)}
-        kinds = {k: v for k, v in audit_option_kinds().items() if k not in _NOT_KNOBS}
-        parsed = sw.parse_knobs(list(knobs), kinds, fields, [])
-        cells = [GridCell(c.name, tuple(c.argv), "--knob " + ", ".join(f"{k}={v}" for k, v in c.values.items()))
-                 for c in sw.make_cells(parsed, [])]
+    if knobs:  # a cell is a setting of the engine's knobs: by its flag's name or its own
+        options = get_engine_class(engine).Options
+        flags = {k.flag_name[2:] for k in flag_knobs([options])}
+        cells = knob_cells(sw.parse_knobs(list(knobs), flags, {engine: set(options.model_fields)}, {}), options)
     else:
         cells = grid_cells(grid, list(cell_names))
     err.print(f"asking {engine} and transformers which stateful architectures they load ...")
     found = disc.discover(engine)
     wanted = disc.select(found["architectures"], [a for a in (archs or "").split(",") if a.strip()])
-    out_dir.mkdir(parents=True, exist_ok=True)
-    workload = out_dir / "workload.jsonl"
-    from lpf.model_specs import ModelRef, load_tokenizer
-    from lpf.zoo.registry import tokenizer_dir
-
-    tok = load_tokenizer(ModelRef("zoo tokenizer", tokenizer_dir()))
-    if not workload.is_file():
-        write_workload(workload, n_prompts, len(tok), bos=tok.bos_token_id)
-    plans, attribution = [], {}
-    for a in wanted:
-        if a["status"] != disc.AUDIT:
-            continue
-        try:
-            model = build_tiny(a["model_type"])
-        except LpfError as e:
-            a.update(status="no tiny recipe", reason=str(e))
-            continue
-        common = ["--model", str(model), "--workload", str(workload), "--max-tokens", str(max_tokens)]
-        for c in cells:
-            argv = ["--engine", engine, *common, *(["--prompt-logprobs"] if c.prompt_logprobs else []),
-                    *ENGINE_BASE[engine], *c.args,
-                    "--out", str(cell_dir(out_dir, a["architecture"], c.name))]
-            try:
-                spec = build_run_spec(parse_audit_args(argv, f"cell {c.name}"))
-                get_engine_class(engine).Options.parse(spec.engine_options)
-                plans.append(CellPlan(a, c, spec))
-            except LpfError as e:
-                plans.append(CellPlan(a, c, None, refused=str(e)))
-            key = (a["architecture"], c.dtype)
-            if key not in attribution:
-                hf = ["--engine", "hf", *common, "--prompt-logprobs", "--dtype", c.dtype,
-                      "--out", str(cell_dir(out_dir, a["architecture"], f"hf-{c.dtype}"))]
-                attribution[key] = build_run_spec(parse_audit_args(hf, "the HF generate run"))
-    spec = {"engine": engine, "architectures": [a["architecture"] for a in wanted],
-            "cells": [[c.name, list(c.args)] for c in cells], "n_prompts": n_prompts, "max_tokens": max_tokens}
-    head = {"spec": spec, "engine": engine, "engine_version": found.get("engine_version"),
-            "cpu_build": found.get("cpu_build"), "reference": found["reference"], "grid": None if knobs else grid,
-            "cell_catalogue": [{"name": c.name, "args": list(c.args), "stresses": c.stresses, "dtype": c.dtype,
-                                "prompt_logprobs": c.prompt_logprobs} for c in cells],
-            "architectures": wanted, "workload": {"path": "workload.jsonl", "n_prompts": n_prompts,
-                                                   "max_tokens": max_tokens}}
-    n_arch = len({p.arch["architecture"] for p in plans})
+    p = plan(engine, wanted, cells, out_dir, n_prompts, max_tokens, None if knobs else grid, found)
+    n_arch = len({c.arch["architecture"] for c in p.plans})
     err.print(f"conformance directory: {out_dir}  ({n_arch} architectures x {len(cells)} cells; "
               f"{len(wanted) - n_arch} listed with the reason they are not audited)")
     with progress_bar("cells   ", "cells") as (on_start, tick):
-        doc = run_matrix(out_dir, head, plans, attribution, Settings(Thresholds()), on_start, tick)
+        doc = run_matrix(out_dir, p.head, p.plans, p.attribution, Settings(), on_start, tick)
     print_conformance(doc, err if as_json else out)
     write_report(out_dir)
     if as_json:

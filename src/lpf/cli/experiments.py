@@ -1,9 +1,10 @@
 """Experiments around audits: `lpf sweep` (one audit per knob cell), `lpf repeat` (the determinism
 probe) and `lpf shrink` (a failing run cut down to the smallest reproducer).
 
-Everything is validated before the first engine starts (every sweep cell is parsed and built as a
-run spec; a shrink's source run, target and signature are read first); `lpf.sweep`, `lpf.repeat`
-and `lpf.shrink` do the work and return documents that `render` draws.
+Everything is validated before the first engine starts (every sweep cell's `AuditSpec` is built from
+the options with the cell's values put in; a shrink's source run, target and signature are read
+first); `lpf.experiments.sweep`, `.repeat` and `.shrink` do the work and return documents that
+`render` draws.
 """
 
 from __future__ import annotations
@@ -14,17 +15,16 @@ from pathlib import Path
 
 import click
 
-from lpf.cli.common import (audit_option_kinds, build_run_spec, default_out, engine_knob_options, engine_knobs, err,
-                            fail_on_option, fails, knob_args, parse_audit_args, progress_bar, rescore_args,
-                            rescore_settings, write_report)
+from lpf.cli.common import (KnobCommand, audit_settings_options, build_audit_spec, default_out, engine_knob_options,
+                            engine_knobs, err, fail_on_option, fails, progress_bar, write_report)
 from lpf.cli.render import print_repeat, print_shrink, print_shrink_event, print_sweep
-from lpf.errors import LpfError
+from lpf.core.errors import LpfError, did_you_mean
 
-# audit options that belong to the sweep itself, not to a cell
-_NOT_KNOBS = {"out", "json", "fail-on", "engine-option", "help", "part-size"}
+# the sweep's own parameters, and settings no cell varies (the rest are audit settings a knob may vary)
+_NOT_KNOBS = {"knobs", "out_dir", "as_json", "fail_on", "engine_option", "part_size"}
 
 
-@click.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@click.command(cls=KnobCommand, context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
 @click.option("--knob", "knobs", multiple=True, required=True, metavar="NAME=V1,V2,...",
               help="A knob and its values (repeatable; cells are the cartesian product). Any lpf audit option "
                    "(cache-mb, max-num-seqs, n, temperature, dtype, inject, ...) or an engine -E option.")
@@ -32,43 +32,24 @@ _NOT_KNOBS = {"out", "json", "fail-on", "engine-option", "help", "part-size"}
               help="Sweep directory (rerun to resume).")
 @click.option("--json", "as_json", is_flag=True, help="Print sweep.json on stdout.")
 @fail_on_option("any cell")
+@audit_settings_options
 @click.pass_context
-def sweep(ctx, knobs, out_dir, as_json, fail_on):
+def sweep(ctx, knobs, out_dir, as_json, fail_on, **params):
     """One audit per cell of a knob grid, each in its own process; what moves the failure's shape.
 
-    Every other option is passed to each cell's `lpf audit` unchanged; rerun the same command to
+    Every other option is every cell's (as `lpf audit` takes it); rerun the same command to
     resume (complete cells are skipped). Example:
 
     \b
     lpf sweep --knob cache-mb=1,4,16 --inject stale-state --model tiny:jamba --out runs/s1
     """
-    from lpf import sweep as sw
-    from lpf.adapters import get_engine_class
-    from lpf.analysis.thresholds import Thresholds
+    from lpf.experiments import sweep as sw
 
-    base_args = list(ctx.args)
-    base = parse_audit_args(base_args, "audit options")
-    engines = {base["engine"]}
-    engine_knob = [k for k in knobs if k.partition("=")[0].strip().lstrip("-") == "engine"]
-    if engine_knob:
-        engines = {v.strip() for v in engine_knob[0].partition("=")[2].split(",") if v.strip()}
-    engine_fields = {e: set(get_engine_class(e).Options.model_fields) for e in engines}
-    kinds = {k: v for k, v in audit_option_kinds().items() if k not in _NOT_KNOBS}
-    parsed = sw.parse_knobs(list(knobs), kinds, engine_fields, base_args)
-    cells = sw.make_cells(parsed, base_args)
-    for c in cells:  # every cell is checked before the first one runs
-        p = parse_audit_args(c.argv, f"cell {c.name}")
-        spec = build_run_spec(p)
-        get_engine_class(spec.engine).Options.parse(spec.engine_options)
-        Thresholds().with_overrides(list(p["threshold"]))
-        rescore_settings(p)  # a bad rescore option is refused before the first cell runs
-        c.resume = {"rescore": rescore_args(p), "analyze": [a for t in p["threshold"] for a in ("--threshold", t)]
-                    + ([] if p["attribution"] else ["--no-attribution"])}
-    sw.check_out(out_dir, parsed, base_args)
+    parsed, cells = plan_sweep(ctx, list(knobs), out_dir, params)
     err.print(f"sweep directory: {out_dir}  ({len(cells)} cells: "
               + " x ".join(f"{k.name} {len(k.values)}" for k in parsed) + ")")
     with progress_bar("cells   ", "cells") as (on_start, tick):
-        doc = sw.run_sweep(out_dir, parsed, base_args, cells, on_start, tick)
+        doc = sw.run_sweep(out_dir, parsed, cells, on_start, tick)
     print_sweep(doc, err)
     write_report(out_dir)
     err.print(f"results: {out_dir}/sweep.json, {out_dir}/sweep.parquet, cells under {out_dir}/cells/")
@@ -78,7 +59,59 @@ def sweep(ctx, knobs, out_dir, as_json, fail_on):
         sys.exit(1)
 
 
-@click.command()
+def plan_sweep(ctx: click.Context, knobs: list[str], out_dir: Path, params: dict):
+    """The sweep's knobs and its cells, each with its AuditSpec built from these options with the cell's
+    values put in (every cell is built, so checked, before the first one runs)."""
+    from lpf.adapters import get_engine_class
+    from lpf.experiments import sweep as sw
+
+    if ctx.args:
+        names = [o for p in ctx.command.get_params(ctx) for o in p.opts]
+        raise LpfError(f"audit options: No such option: {ctx.args[0]}{did_you_mean(ctx.args[0], names)}")
+    by_dashed = {o[2:]: p for p in ctx.command.get_params(ctx) if p.name not in _NOT_KNOBS
+                 for o in p.opts if o.startswith("--")}
+    fixed = {o[2:]: o for p in ctx.command.get_params(ctx) if p.name not in _NOT_KNOBS
+             and ctx.get_parameter_source(p.name) == click.core.ParameterSource.COMMANDLINE
+             for o in p.opts if o.startswith("--")}
+    fixed.update({kv.partition("=")[0].strip().replace("-", "_"): "-E" for kv in params.get("engine_option") or ()})
+    engines = {params["engine"]}
+    engine_knob = [k for k in knobs if k.partition("=")[0].strip().lstrip("-") == "engine"]
+    if engine_knob:
+        engines = {v.strip() for v in engine_knob[0].partition("=")[2].split(",") if v.strip()}
+    engine_fields = {e: set(get_engine_class(e).Options.model_fields) for e in engines}
+    parsed = sw.parse_knobs(knobs, set(by_dashed), engine_fields, fixed)
+    cells = sw.make_cells(parsed)
+    for c in cells:
+        values = dict(params, out=out_dir / "cells" / c.name)
+        for k in parsed:
+            text = c.values[k.name]
+            if k.kind == "engine":
+                values["engine_option"] = (*values.get("engine_option", ()), f"{k.name}={text}")
+            else:
+                values[by_dashed[k.name].name] = _knob_value(ctx, by_dashed[k.name], k.name, text)
+        try:
+            c.spec = build_audit_spec(values)
+        except LpfError as e:
+            raise LpfError(f"cell {c.name}: {e}") from None
+    return parsed, cells
+
+
+def _knob_value(ctx: click.Context, param: click.Parameter, name: str, text: str):
+    """A knob's value as its option takes it: on/off for a flag or switch, `+`-joined parts for a
+    repeatable option (none/off: no part), else the option's own type."""
+    from lpf.experiments.sweep import parse_bool
+
+    if getattr(param, "is_flag", False):
+        return parse_bool(name, text)
+    parts = ([] if text.lower() in ("none", "off") else [p for p in text.split("+") if p]) if param.multiple else [text]
+    try:
+        converted = [param.type.convert(p, param, ctx) for p in parts]
+    except click.BadParameter as e:
+        raise LpfError(f"knob {name}: {e.format_message()}") from None
+    return tuple(converted) if param.multiple else converted[0]
+
+
+@click.command(cls=KnobCommand)
 @click.option("--engine", default="builtin", show_default=True, help="Engine under test (see `lpf engines`).")
 @click.option("--model", default=None, help="Model dir, zoo:NAME or tiny:NAME [default: zoo:hybrid].")
 @click.option("--prompt", default=None, help="The prompt text (tokenized as a workload's 'prompt' would be).")
@@ -100,8 +133,8 @@ def repeat(engine, model, prompt, workload, index, times, max_tokens, seed, igno
     The engine's concurrency knob (max_num_seqs; batch_size for hf) is varied across copies unless
     you fix it.
     """
-    from lpf.model_specs import DEFAULT_MODEL
-    from lpf.repeat import DEFAULT_TOLERANCE, RepeatSpec, run_repeat
+    from lpf.core.model_specs import DEFAULT_MODEL
+    from lpf.experiments.repeat import DEFAULT_TOLERANCE, RepeatSpec, run_repeat
 
     options = engine_knobs(knobs)
     if max_tokens < 1:
@@ -143,10 +176,10 @@ def shrink(run_dir, out_dir, request_id, budget_runs, tries, need, as_json):
     \b
     lpf shrink runs/stale --out runs/stale-min
     """
-    from lpf.shrink import session
+    from lpf.experiments.shrink import session
 
     plan = session.prepare(run_dir, request_id)
-    doc = session.run(plan, out_dir, tries, need, budget_runs, knob_args, lambda e: print_shrink_event(e, err))
+    doc = session.run(plan, out_dir, tries, need, budget_runs, lambda e: print_shrink_event(e, err))
     print_shrink(doc, err)
     if doc["status"] == "not-reproduced":
         err.print(f"the lie of {plan.target['request_id']} did not reproduce in {tries} tries of the original "

@@ -28,7 +28,7 @@ from lpf.cli.render_locate import print_locate
 def locate_cmd(run_dir, request_id, position, out_dir, no_trials, as_json):
     """Replay one request through the engine with per-op capture, align it op by op against the reference
     (and the reference against itself), and name the first op and token that depart."""
-    from lpf.errors import LpfError
+    from lpf.core.errors import LpfError
     from lpf.locate import locate
 
     if not run_dir.is_dir():

@@ -253,7 +253,7 @@ def print_rows(columns: list[str], rows: list, console: Console, fmt: str = "tab
 
 def print_sweep(doc: dict, console: Console) -> None:
     """The sweep table and the moves."""
-    from lpf.sweep import fmt_rate
+    from lpf.experiments.sweep import fmt_rate
 
     knobs = [k["name"] for k in doc["knobs"]]
     t = Table(title=f"sweep: {len(doc['cells'])}/{doc['n_cells']} cells", title_justify="left")
@@ -273,7 +273,7 @@ def print_sweep(doc: dict, console: Console) -> None:
 
 def print_request(info: dict, console: Console, top: int = 3) -> None:
     """`lpf inspect`: the request, its tokens and its trace as tables."""
-    from lpf.inspect_request import TRACE_COLUMNS
+    from lpf.views.inspect import TRACE_COLUMNS
 
     r = info["request"]
     s = r.get("summary") or {}

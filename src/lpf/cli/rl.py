@@ -17,9 +17,9 @@ from pathlib import Path
 
 import click
 
-from lpf.cli.common import engine_knob_options, engine_knobs, err, progress_bar, reference_options, write_report
+from lpf.cli.common import KnobCommand, engine_knob_options, engine_knobs, err, progress_bar, reference_options, write_report
 from lpf.cli.render_rl import print_rl_explain, print_rl_rescore, print_rl_simulate, print_rl_summary
-from lpf.errors import LpfError
+from lpf.core.errors import LpfError
 from lpf.rl import FORMAT_NAMES, RL_DRILLS
 
 
@@ -182,7 +182,7 @@ def _sampling(top_p, top_k, temperature) -> dict | None:
     return {"temperature": temperature, "top_k": top_k, "top_p": top_p}
 
 
-@rl.command("simulate")
+@rl.command("simulate", cls=KnobCommand)
 @click.option("--steps", type=int, default=20, show_default=True, help="Training steps.")
 @click.option("--prompts", type=int, default=1, show_default=True, help="Prompts per step.")
 @click.option("--rollouts", type=int, default=8, show_default=True, help="Rollouts per prompt.")
@@ -200,7 +200,7 @@ def _sampling(top_p, top_k, temperature) -> dict | None:
               help="Relative weight change per step (simulated training; stale-policy brings 0.002).")
 @click.option("--micro-batch-tokens", type=int, default=96, show_default=True,
               help="The trainer's micro-batch budget in padded tokens.")
-@engine_knob_options
+@engine_knob_options(engines=("builtin",))
 @click.option("--out", "out_path", type=click.Path(path_type=Path), default=Path("rl-dump.parquet"), show_default=True,
               help="The dump: a file when it ends in .parquet, else a directory holding dump.parquet.")
 def simulate_cmd(steps, prompts, rollouts, model, workload, max_tokens, temperature, top_p, top_k, ignore_eos, seed,
@@ -212,7 +212,7 @@ def simulate_cmd(steps, prompts, rollouts, model, workload, max_tokens, temperat
     """
     from lpf.rl.simulate import SimSpec, simulate
 
-    engine = engine_knobs(knobs)
+    engine = engine_knobs(knobs, ("builtin",))
     inject = engine.pop("inject", "")
     spec = SimSpec(steps=steps, prompts=prompts, rollouts=rollouts, inject=inject, model=model,
                    workload=workload, max_tokens=max_tokens, temperature=temperature, seed=seed, engine=engine,

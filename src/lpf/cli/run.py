@@ -13,12 +13,11 @@ from pathlib import Path
 
 import click
 
-from lpf.cli.common import (RESCORE_PARAMS, analysis_options, audit_options, build_run_spec, err, fails, progress_bar,
-                            progress_bars,
-                            rescore_options, rescore_settings, run_options, stream_option, trace_dir_option,
-                            write_report)
+from lpf.cli.common import (KnobCommand, analysis_options, audit_options, build_audit_spec, err, fails,
+                            progress_bar, progress_bars, rescore_options, rescore_settings, run_options, stream_option,
+                            trace_dir_option, write_report)
 from lpf.cli.render import print_calibration, print_summary
-from lpf.errors import LpfError
+from lpf.core.errors import LpfError
 
 
 def _generate(run) -> None:
@@ -51,11 +50,9 @@ def _rescore(run, settings, redo=False, calibrate=False) -> None:
         print_calibration(cal, run.path, err)
 
 
-def _analyze(run, threshold, as_json, fail_on, attribution=True, stream=None, tokens_only=False) -> None:
-    from lpf.analysis.thresholds import Thresholds
+def _analyze(run, thresholds, as_json, fail_on, attribution=True, stream=None, tokens_only=False) -> None:
     from lpf.pipeline import analyze_run
 
-    thresholds = Thresholds().with_overrides(list(threshold))
     with progress_bars(("analyze  ", "tokens"), ("attribute", "tokens")) as (analysis, (on_start, tick)):
         findings = analyze_run(run, thresholds, attribution, on_start, tick, stream=stream, progress=analysis,
                                tokens_only=tokens_only)
@@ -73,22 +70,54 @@ def _analyze(run, threshold, as_json, fail_on, attribution=True, stream=None, to
         sys.exit(1)
 
 
-@click.command()
+_WITH_SPEC = {"spec_file", "out", "as_json", "fail_on"}  # what may go with --spec: the spec holds the rest
+
+
+@click.command(cls=KnobCommand)
 @audit_options
-def audit(calibrate, threshold, attribution, as_json, fail_on, **params):
+@click.option("--spec", "spec_file", type=click.File("r"), default=None, metavar="FILE|-",
+              help="Run this audit spec (JSON: a run directory's spec.json; - reads stdin) instead of the options "
+                   "above (--out, --json, --fail-on still apply); rerun it to finish an interrupted audit.")
+@click.pass_context
+def audit(ctx, spec_file, as_json, fail_on, **params):
     """Run a workload on an engine, rescore it with the reference, analyze: all in one."""
-    from lpf.pipeline import create_run
+    from lpf.pipeline import create_run, open_audit
 
-    settings = rescore_settings(params)  # checked before the engine starts
-    run_params = {k: v for k, v in params.items() if k not in RESCORE_PARAMS}
-    run = create_run(build_run_spec({**run_params, "reference": params["reference"]}))
+    if spec_file is None:  # a new audit: an --out that exists is refused (`lpf run --resume` finishes a run)
+        spec = build_audit_spec(params)  # every setting checked before the engine starts
+        run = create_run(spec)
+    else:  # a spec's audit: rerunning it finishes it where it stopped
+        spec = _read_spec(ctx, spec_file, params.get("out"))
+        run = open_audit(spec)
     err.print(f"run directory: {run.path}")
-    _generate(run)
-    _rescore(run, settings, calibrate=calibrate)
-    _analyze(run, threshold, as_json, fail_on, attribution)
+    if run.manifest.get("status") != "complete":
+        _generate(run)
+    _rescore(run, spec.rescore, calibrate=spec.analysis.calibrate)
+    _analyze(run, spec.threshold_values(), as_json, fail_on, spec.analysis.attribution)
 
 
-@click.command()
+def _read_spec(ctx: click.Context, spec_file, out: Path | None):
+    from pydantic import ValidationError
+
+    from lpf.pipeline.spec import AuditSpec, with_run
+
+    given = [p.opts[0] for p in ctx.command.get_params(ctx) if p.name not in _WITH_SPEC
+             and ctx.get_parameter_source(p.name) == click.core.ParameterSource.COMMANDLINE]
+    if given:
+        raise LpfError(f"--spec holds every setting of the audit: drop {given[0]} (only --out, --json and --fail-on "
+                       f"go with it)")
+    name = getattr(spec_file, "name", "-")
+    try:
+        spec = AuditSpec.model_validate_json(spec_file.read())
+    except ValidationError as e:
+        first = e.errors(include_url=False)[0]
+        where = ".".join(str(x) for x in first.get("loc", ()))
+        raise LpfError(f"--spec {name}: not an audit spec ({where + ': ' if where else ''}{first['msg']})") from None
+    spec.rescore.validate()
+    return with_run(spec, out=out) if out is not None else spec
+
+
+@click.command(cls=KnobCommand)
 @run_options
 @click.option("--resume", type=click.Path(path_type=Path), default=None,
               help="Finish an interrupted run (its manifest supplies every other option).")
@@ -97,7 +126,7 @@ def run(resume, **run_params):
     from lpf.pipeline import all_failed, create_run
     from lpf.run.store import RunDir
 
-    run_dir = RunDir.open(resume) if resume else create_run(build_run_spec(run_params))
+    run_dir = RunDir.open(resume) if resume else create_run(build_audit_spec(run_params))
     err.print(f"run directory: {run_dir.path}")
     _generate(run_dir)
     why = all_failed(run_dir)
@@ -133,7 +162,9 @@ def analyze(run_dir, trace_dir, threshold, attribution, as_json, fail_on, stream
     run = RunDir.open(run_dir)
     if trace_dir is not None:
         _join(run, trace_dir)
-    _analyze(run, threshold, as_json, fail_on, attribution, stream, tokens_only)
+    from lpf.analysis.thresholds import Thresholds
+
+    _analyze(run, Thresholds().with_overrides(list(threshold)), as_json, fail_on, attribution, stream, tokens_only)
 
 
 COMMANDS = (audit, run, rescore, analyze)

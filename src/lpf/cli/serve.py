@@ -12,15 +12,15 @@ from pathlib import Path
 
 import click
 
-from lpf.cli.common import engine_knob_options, engine_knobs
+from lpf.cli.common import KnobCommand, engine_knob_options, engine_knobs
 
 
-@click.command("serve")
+@click.command("serve", cls=KnobCommand)
 @click.option("--model", default=None, help="Model dir, zoo:NAME or tiny:NAME [default: zoo:hybrid].")
 @click.option("--served-model-name", default=None, help="Name clients send as `model` [default: the --model text].")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=int, default=8000, show_default=True, help="0 = any free port (printed when ready).")
-@engine_knob_options
+@engine_knob_options(engines=("builtin",))
 @click.option("--trace-dir", type=click.Path(path_type=Path), default=None,
               help="Append the engine's per-step trace and fault ground truth here as Parquet parts.")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]),
@@ -32,11 +32,11 @@ def serve(model, served_model_name, host, port, trace_dir, log_level, **knobs):
     through HTTP (`lpf audit --engine openai --base-url http://HOST:PORT/v1 --model NAME`).
     """
     from lpf.adapters.builtin import BuiltinEngine, BuiltinOptions
-    from lpf.model_specs import DEFAULT_MODEL, resolve_model
+    from lpf.core.model_specs import DEFAULT_MODEL, resolve_model
     from lpf.pipeline import model_config
     from lpf.serve import server
 
-    options = BuiltinOptions.parse(engine_knobs(knobs))
+    options = BuiltinOptions.parse(engine_knobs(knobs, ("builtin",)))
     spec = model or DEFAULT_MODEL
     name = served_model_name or spec
     shown = f"[{host}]" if ":" in host else host

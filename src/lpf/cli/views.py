@@ -20,7 +20,7 @@ from lpf.cli.render import print_engines, print_request, print_rows, print_zoo
 @click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True)
 def query(run_dir, sql, fmt):
     """SQL (DuckDB) over a run: views requests, tokens, reference, summary (and trace, faults, calibration)."""
-    from lpf.query import run_query
+    from lpf.views.query import run_query
 
     columns, rows = run_query(run_dir, sql)
     print_rows(columns, rows, out, fmt)
@@ -33,7 +33,7 @@ def query(run_dir, sql, fmt):
 @click.option("--top", type=int, default=3, show_default=True, help="Top-k alternatives shown per side.")
 def inspect_cmd(run_dir, request_id, as_json, top):
     """One request token by token (engine vs reference) and its trace step by step."""
-    from lpf.inspect_request import inspect_request
+    from lpf.views.inspect import inspect_request
 
     info = inspect_request(run_dir, request_id)
     if as_json:

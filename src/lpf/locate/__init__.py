@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from lpf.errors import LpfError
+from lpf.core.errors import LpfError
 
 SCHEMA = 1
 HTTP_ENGINES = ("openai", "sglang", "llamacpp")
@@ -58,7 +58,7 @@ def locate(run_path, request_id: str | None = None, position: int | None = None,
 
     ref_path = Path((run.manifest.get("reference") or run.manifest["model"])["path"])
     if not ref_path.is_dir():
-        from lpf.model_specs import resolve_model
+        from lpf.core.model_specs import resolve_model
 
         ref_path = resolve_model((run.manifest.get("reference") or run.manifest["model"])["spec"]).path
     # the reference runs over the whole request: the engine is compared up to its row, the reference's
@@ -111,7 +111,7 @@ def _engine_side(run, engine_name: str, target: dict, upto: int):
     from lpf.locate.builtin_replay import EngineSide
     from lpf.locate.hf_capture import HFCapture
     from lpf.locate.reference_side import _load
-    from lpf.model_specs import resolve_model
+    from lpf.core.model_specs import resolve_model
 
     dtype = (run.manifest["engine"].get("options") or {}).get("dtype", "float32")
     model = _load(resolve_model(run.manifest["model"]["spec"]).path, dtype)

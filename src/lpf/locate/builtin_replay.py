@@ -180,7 +180,7 @@ def _check(run: RunDir, request_id: str, side: EngineSide, prompt_len: int) -> d
     recorded ones."""
     import torch
 
-    from lpf.torch_utils import logprob_rows
+    from lpf.core.torch_utils import logprob_rows
 
     t = run.read("tokens", ["request_id", "position", "token_id", "engine_logprob"])
     t = t.filter(pc.equal(t.column("request_id"), request_id)).to_pylist()

@@ -20,7 +20,7 @@ from dataclasses import replace
 
 import pyarrow.compute as pc
 
-from lpf.errors import LpfError
+from lpf.core.errors import LpfError
 
 
 class _Done(Exception):
@@ -28,8 +28,8 @@ class _Done(Exception):
 
 
 def _run_requests(run):
-    from lpf.sampling import SamplingParams
-    from lpf.workload import expand, read_normalized
+    from lpf.core.sampling import SamplingParams
+    from lpf.core.workload import expand, read_normalized
 
     m = run.manifest
     sampling = SamplingParams.from_dict(m["sampling"])
@@ -49,7 +49,7 @@ def _rows_by_step(table) -> dict[int, set]:
 def replay_schedule(run, request_id: str, upto: int, compute=None):
     from lpf.adapters.builtin import BuiltinEngine, BuiltinOptions
     from lpf.builtin.sched_output import PromptRows, Sample, StepResult
-    from lpf.model_specs import resolve_model
+    from lpf.core.model_specs import resolve_model
 
     m = run.manifest
     requests, sampling = _run_requests(run)

@@ -36,7 +36,7 @@ def _load(path, dtype, attn: str | None = None):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from lpf.torch_utils import quiet_transformers
+    from lpf.core.torch_utils import quiet_transformers
 
     quiet_transformers()
     kwargs = {"dtype": getattr(torch, dtype)}

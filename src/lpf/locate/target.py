@@ -20,7 +20,7 @@ import json
 
 import pyarrow.compute as pc
 
-from lpf.errors import LpfError
+from lpf.core.errors import LpfError
 
 
 def _findings(run) -> dict:

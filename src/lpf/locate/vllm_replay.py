@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.compute as pc
 
-from lpf.errors import LpfError
+from lpf.core.errors import LpfError
 from lpf.locate.builtin_replay import EngineSide
 from lpf.locate.builtin_schedule import _run_requests
 from lpf.locate.ops import Activations
@@ -30,7 +30,7 @@ from lpf.locate.vllm_names import capture_spec
 
 def replay(run, request_id: str, upto: int) -> EngineSide:
     from lpf.adapters.vllm import VLLMEngine, VLLMOptions
-    from lpf.model_specs import resolve_model
+    from lpf.core.model_specs import resolve_model
 
     t0 = time.monotonic()
     m = run.manifest

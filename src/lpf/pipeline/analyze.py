@@ -29,8 +29,8 @@ from lpf.analysis.findings import analyze
 from lpf.analysis.returned import tokens_only as returned_nothing, what_came_back
 from lpf.analysis.tokens_only import analyze_tokens_only
 from lpf.analysis.thresholds import Thresholds
-from lpf.errors import LpfError
-from lpf.jsonsafe import finite
+from lpf.core.errors import LpfError
+from lpf.core.jsonsafe import finite
 from lpf.pipeline.analyze_stream import analyze_streamed, light_requests, own_sums, reference_sums, scored_token_count
 from lpf.pipeline.attribute import attribution_scores
 from lpf.pipeline.calibrate import calibration_applies, calibration_for, engine_dtype

@@ -3,7 +3,7 @@
 `attribution_scores(run, plans, token_budget, on_start, tick) -> table` returns the `attribution`
 table (schema.ATTRIBUTION) for every (flagged request, candidate) pair of `plans`
 (`lpf.analysis.attribution.plan`), scoring only the pairs not yet stored, batched through
-`lpf.reference.Rescorer` (one teacher-forced pass per pair: the candidate's prompt + the flagged
+`lpf.pipeline.reference.Rescorer` (one teacher-forced pass per pair: the candidate's prompt + the flagged
 request's output tokens). Scores belong to one reference: when the run's reference changes, the
 stored parts are dropped. Pairs whose prompt + output exceed the reference's context are skipped.
 A run that was never rescored has nothing to attribute: an empty table, no model loaded.
@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from lpf.model_specs import resolve_model
+from lpf.core.model_specs import resolve_model
 from lpf.pipeline.callbacks import OnStart, Tick, no_start, no_tick
 from lpf.run import schema
 from lpf.run.store import RunDir
@@ -44,7 +44,7 @@ def attribution_scores(run: RunDir, plans: list[dict], token_budget: int = 16384
 
 def _score(run: RunDir, pairs: list[tuple[str, str]], ref: dict, token_budget: int, on_start: OnStart,
            tick: Tick) -> None:
-    from lpf.reference import Rescorer, ScoreItem
+    from lpf.pipeline.reference import Rescorer, ScoreItem
 
     need = {r for pair in pairs for r in pair}
     req = run.read("requests", ["request_id", "prompt_token_ids", "output_token_ids"])

@@ -10,9 +10,9 @@ from __future__ import annotations
 import pyarrow as pa
 
 from lpf.adapters import get_engine_class
-from lpf.errors import LpfError
+from lpf.core.errors import LpfError
 from lpf.pipeline.callbacks import OnStart, Tick, no_start, no_tick
-from lpf.model_specs import resolve_model
+from lpf.core.model_specs import resolve_model
 from lpf.run.store import RunDir
 
 def engine_dtype(m: dict) -> str | None:
@@ -42,7 +42,7 @@ def calibrate_run(run: RunDir, token_budget: int = 16384,
 
 
 def _calibrate(run: RunDir, token_budget: int, on_start: OnStart, tick: Tick, device: str) -> dict:
-    from lpf.reference import Rescorer, ScoreItem
+    from lpf.pipeline.reference import Rescorer, ScoreItem
 
     m = run.manifest
     ref = m.get("reference")

@@ -1,8 +1,10 @@
 """The run stage: a validated `RunSpec` becomes a run directory, and its requests become committed parts.
 
-`create_run(spec)` checks everything the user can get wrong (engine name, knobs, model, workload, a
-configuration that can hold no request) before the directory exists, so a bad invocation writes
-nothing. `execute_run(run, on_start, tick)` sends every not-yet-completed request to the engine and
+`create_run(spec)` (an `AuditSpec`, or a bare `RunSpec` audited with the defaults) checks everything
+the user can get wrong (engine name, knobs, model, workload, a configuration that can hold no request)
+before the directory exists, so a bad invocation writes nothing; the spec goes to `RUN/spec.json`.
+`open_audit(spec)` is the same, or the directory reopened when it already holds this same audit (an
+interrupted one: rerunning it finishes it), and refuses a directory holding another. `execute_run(run, on_start, tick)` sends every not-yet-completed request to the engine and
 commits completions in parts as they finish (side tables such as the trace first, then tokens, then
 requests: a request part never exists without what led to it); what finished before an error or
 Ctrl-C is kept, and a rerun resumes (its engine's steps numbered after the earlier sessions', so a
@@ -18,7 +20,6 @@ import socket
 import time
 import uuid
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
@@ -26,27 +27,14 @@ import pyarrow.compute as pc
 
 import lpf
 from lpf.adapters import get_engine_class
-from lpf.errors import LpfError
-from lpf.model_specs import ModelRef, load_tokenizer, resolve_model, tokenizer_fingerprint
+from lpf.core.errors import LpfError
+from lpf.core.model_specs import ModelRef, load_tokenizer, resolve_model, tokenizer_fingerprint
 from lpf.pipeline.callbacks import OnStart, Tick, no_start, no_tick
 from lpf.pipeline.trace import check_joinable
 from lpf.run import schema
 from lpf.run.store import RunDir
-from lpf.sampling import SamplingParams
-from lpf.workload import EngineRequest, expand, load_prompts, normalized, read_normalized
-
-
-@dataclass
-class RunSpec:
-    engine: str
-    model: str
-    workload: str
-    out: Path
-    n: int = 1
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    engine_options: dict = field(default_factory=dict)
-    part_size: int = 64
-    trace_dir: Path | None = None  # a vLLM server's lpf-vllm-trace directory, joined after the run
+from lpf.core.sampling import SamplingParams
+from lpf.core.workload import EngineRequest, expand, load_prompts, normalized, read_normalized
 
 
 def model_config(model: ModelRef) -> dict:
@@ -57,7 +45,12 @@ def model_config(model: ModelRef) -> dict:
     return cfg.get("text_config", cfg)
 
 
-def create_run(spec: RunSpec) -> RunDir:
+def create_run(spec) -> RunDir:
+    """`spec`: an AuditSpec, or a RunSpec (audited with the defaults)."""
+    from lpf.pipeline.spec import AuditSpec  # pydantic: not for every importer of lpf.pipeline (the rescorer's)
+
+    audit = spec if isinstance(spec, AuditSpec) else AuditSpec(run=spec)
+    spec = audit.run
     engine_cls = get_engine_class(spec.engine)
     if spec.trace_dir is not None:
         check_joinable(spec.engine)
@@ -89,7 +82,24 @@ def create_run(spec: RunSpec) -> RunDir:
         "host": {"hostname": socket.gethostname(), "platform": platform.platform(),
                  "python": platform.python_version()},
     }
-    return RunDir.create(spec.out, manifest, {"workload.jsonl": normalized(prompts)})
+    return RunDir.create(spec.out, manifest, {"workload.jsonl": normalized(prompts),
+                                              "spec.json": audit.to_json().encode()})
+
+
+def open_audit(spec) -> RunDir:
+    """`create_run(spec)`, or the run directory reopened when it already holds this same audit (its
+    spec.json equal but for the directory's own path)."""
+    from lpf.pipeline.spec import read_spec
+
+    out = Path(spec.run.out)
+    if not (out / "manifest.json").is_file():
+        return create_run(spec)
+    run = RunDir.open(out)
+    stored = read_spec(out)
+    if stored is None or stored.identity() != spec.identity():
+        what = "a run without spec.json" if stored is None else "another audit (its spec.json differs)"
+        raise LpfError(f"{out} holds {what}: choose another --out")
+    return run
 
 
 def pending_requests(run: RunDir) -> list[EngineRequest]:

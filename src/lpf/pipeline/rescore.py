@@ -8,9 +8,9 @@ reference part), refuses a reference with another tokenizer
 (ids would not mean the same text) and a silent switch of reference (`--redo` replaces the scores).
 Two executors write the same `reference/` parts through `RunDir.append`: `local` (one `Rescorer` in
 this process) and `ray` (`lpf.pipeline.rescore_ray`: an actor pool of rescorers on Ray Data, the
-parts committed by this process). Both pack batches with `lpf.reference.plan_batches`. Prompt
+parts committed by this process). Both pack batches with `lpf.pipeline.reference.plan_batches`. Prompt
 positions are scored by the local executor only (a run with prompt logprobs is refused by `ray`), and so
-is the seeded replay (`lpf.replay`: sampled runs of an engine whose sampler lpf knows), committed in
+is the seeded replay (`lpf.pipeline.replay`: sampled runs of an engine whose sampler lpf knows), committed in
 `seeded/` with its reference part.
 """
 
@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from lpf.errors import LpfError
-from lpf.model_specs import load_tokenizer, resolve_model
+from lpf.core.errors import LpfError
+from lpf.core.model_specs import load_tokenizer, resolve_model
 from lpf.pipeline.callbacks import OnStart, Tick, no_start, no_tick
 from lpf.run.store import RunDir, read_part
 
@@ -120,16 +120,16 @@ def _rescore(run: RunDir, s: RescoreSettings, redo: bool, on_start: OnStart, tic
     model = resolve_model(spec)
     topk = m["sampling"].get("logprobs", 5)
     if s.executor == "local":
-        from lpf.reference import Rescorer
+        from lpf.pipeline.reference import Rescorer
 
-        from lpf.replay import replay_for
+        from lpf.pipeline.replay import replay_for
 
         replay = replay_for(m["engine"]["name"], m["sampling"])
         rescorer = Rescorer(model, dtype=s.dtype, device=s.device, token_budget=s.token_budget, topk=topk,
                             replay=replay)
         desc = rescorer.describe()
     else:  # the weights load on the actors, not here
-        from lpf.reference import describe_reference
+        from lpf.pipeline.reference import describe_reference
 
         desc = {**describe_reference(model, s.dtype, load_tokenizer(model)), "device": s.device}
     if desc["tokenizer_sha256"] != m["tokenizer_sha256"]:
@@ -151,11 +151,11 @@ def _rescore(run: RunDir, s: RescoreSettings, redo: bool, on_start: OnStart, tic
 
         rescore_on_ray(run, pending, model, s, topk, tick)
         return
-    from lpf.reference import ScoreItem
+    from lpf.pipeline.reference import ScoreItem
 
     with_prompt = set(run.read("prompt_tokens", ["request_id"]).column("request_id").unique().to_pylist())
     todo = set(pending.column("request_id").to_pylist())
-    from lpf.sampling import request_seed
+    from lpf.core.sampling import request_seed
 
     req = run.read("requests", ["request_id", "seq", "prompt_token_ids", "output_token_ids"]).to_pylist()
     run_seed = m["sampling"].get("seed", 0)

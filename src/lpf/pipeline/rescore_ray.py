@@ -31,8 +31,8 @@ from typing import Iterator
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from lpf.errors import LpfError
-from lpf.model_specs import ModelRef
+from lpf.core.errors import LpfError
+from lpf.core.model_specs import ModelRef
 from lpf.pipeline.callbacks import Tick
 from lpf.run import schema
 from lpf.run.store import RunDir, read_part
@@ -59,7 +59,7 @@ def plan(pending: pa.Table, token_budget: int, target_tokens: int) -> tuple[list
     """(batch number of each pending request, in the table's order; the first batch number of each
     work unit after the first). Batches are `plan_batches`' (the local executor's), numbered in
     their order; units are runs of consecutive batches of about target_tokens tokens each."""
-    from lpf.reference import plan_batches
+    from lpf.pipeline.reference import plan_batches
 
     n_prompt, n_output = pending.column("n_prompt").to_pylist(), pending.column("n_output").to_pylist()
     lengths = [p + o for p, o in zip(n_prompt, n_output)]
@@ -94,12 +94,12 @@ class RescoreUDF:
     planned batches) and scores each batch as the local executor would."""
 
     def __init__(self, model: ModelRef, dtype: str, device: str, token_budget: int, topk: int):
-        from lpf.reference import Rescorer
+        from lpf.pipeline.reference import Rescorer
 
         self.rescorer = Rescorer(model, dtype=dtype, device=device, token_budget=token_budget, topk=topk)
 
     def __call__(self, unit: pa.Table) -> pa.Table:
-        from lpf.reference import ScoreItem
+        from lpf.pipeline.reference import ScoreItem
 
         batches: dict[int, list] = {}
         for r in unit.to_pylist():

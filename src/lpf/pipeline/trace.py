@@ -20,7 +20,7 @@ from pathlib import Path
 import pyarrow.compute as pc
 
 from lpf.adapters.vllm_trace import PluginDir, relabel, served_ids
-from lpf.errors import LpfError
+from lpf.core.errors import LpfError
 from lpf.run.store import RunDir
 
 

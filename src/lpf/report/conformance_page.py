@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from lpf.errors import LpfError
+from lpf.core.errors import LpfError
 
 
 def load(path: Path) -> dict:

@@ -1,7 +1,7 @@
 """Token ids to text for the report, with the run's own tokenizer.
 
 `decoder(manifest)` returns (decode each id, decode a sequence, note). It uses the tokenizer of the
-run's model, and only when its fingerprint (lpf.model_specs.tokenizer_fingerprint: the token -> id map)
+run's model, and only when its fingerprint (lpf.core.model_specs.tokenizer_fingerprint: the token -> id map)
 equals the one the run recorded, so a model directory changed since the run cannot mislabel tokens.
 The model directory's tokenizer.json is read with `tokenizers` directly when it has one (the
 same backend HF's fast tokenizers decode with; no torch or transformers import, which would cost a
@@ -33,7 +33,7 @@ def _fast(path: Path, expected: str | None):
 
 
 def _hf(spec: str, expected: str | None):
-    from lpf.model_specs import load_tokenizer, resolve_model, tokenizer_fingerprint
+    from lpf.core.model_specs import load_tokenizer, resolve_model, tokenizer_fingerprint
 
     tok = load_tokenizer(resolve_model(spec))
     if expected and tokenizer_fingerprint(tok) != expected:

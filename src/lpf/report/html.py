@@ -18,7 +18,7 @@ from importlib import resources
 import numpy as np
 
 import lpf
-from lpf.errors import LpfError
+from lpf.core.errors import LpfError
 
 _ESCAPES = {"<": "\\u003c", ">": "\\u003e", "&": "\\u0026", "\u2028": "\\u2028", "\u2029": "\\u2029"}
 _ESCAPE_RE = re.compile("[<>&\u2028\u2029]")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from lpf.errors import LpfError
+from lpf.core.errors import LpfError
 from lpf.report.charts import ACCENT, MUTED, SERIES, VERDICT_COLORS, base_layout, ptext, sig
 
 TRIAL_SERIES = (("gold_max_rel_error", "float32 reference vs float64 gold"),

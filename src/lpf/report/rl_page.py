@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
-from lpf.errors import LpfError
+from lpf.core.errors import LpfError
 from lpf.report import charts
 
 PANELS = [  # (title, columns, log y); the first column must exist for a panel to be drawn

@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from lpf.errors import LpfError
+from lpf.core.errors import LpfError
 from lpf.report import charts, drilldown
 from lpf.report.decode import decoder
 from lpf.report.scan import rows_of, scan

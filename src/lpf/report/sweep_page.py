@@ -12,7 +12,7 @@ import itertools
 import json
 from pathlib import Path
 
-from lpf.errors import LpfError
+from lpf.core.errors import LpfError
 from lpf.report import charts
 
 METRICS = [  # (cell key, title, log y)

@@ -21,8 +21,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from lpf.errors import LpfError
-from lpf.jsonsafe import finite
+from lpf.core.errors import LpfError
+from lpf.core.jsonsafe import finite
 from lpf.rl import attribution, hypotheses, spikes
 from lpf.rl.dump import Dump
 from lpf.rl.metrics import STEP_METRICS, first_over, response_max_abs, series, token_terms

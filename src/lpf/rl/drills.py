@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lpf.errors import LpfError, did_you_mean
+from lpf.core.errors import LpfError, did_you_mean
 from lpf.rl import RL_DRILLS
 CAUSE_OF = {"processed-logprobs": "processed_logprobs", "micro-batch": "batch_shape",
             "state-dtype": "position_growth", "stale-policy": "stale_weights"}

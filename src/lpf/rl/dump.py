@@ -35,7 +35,7 @@ from typing import Iterable
 import numpy as np
 import pyarrow as pa
 
-from lpf.errors import LpfError
+from lpf.core.errors import LpfError
 
 _LOGPROB_SLACK = 1e-4  # a logprob may round a hair above 0; anything more is not a logprob
 # record keys that are data or bookkeeping, never hypothesis metadata

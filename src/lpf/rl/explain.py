@@ -26,7 +26,7 @@ import numpy as np
 import pyarrow as pa
 
 from lpf.analysis.floors import expected_floor
-from lpf.jsonsafe import finite
+from lpf.core.jsonsafe import finite
 from lpf.rl import fixes
 from lpf.rl.cause_inputs import inputs_of
 from lpf.rl.causes import CAUSES, NAMED_MIN, explain
@@ -71,7 +71,7 @@ def _model_of(dump: Dump) -> tuple[str | None, str | None]:
     path = ref.get("path")
     if spec and not path:
         try:
-            from lpf.model_specs import resolve_model
+            from lpf.core.model_specs import resolve_model
 
             path = str(resolve_model(spec).path)
         except Exception:  # a name that no longer resolves here: the floor row is enough

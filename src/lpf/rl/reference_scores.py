@@ -1,6 +1,6 @@
 """The third logprob column: the HF reference teacher-forced over a dump's responses (`lpf rl rescore`).
 
-`score(dump, reference, dtype, token_budget, ..., sampling, lag)` runs `lpf.reference.Rescorer` over
+`score(dump, reference, dtype, token_budget, ..., sampling, lag)` runs `lpf.pipeline.reference.Rescorer` over
 every response (its prompt_token_ids as context, every response position scored, masked ones too, so
 one file serves any metric) and returns the table the RL directory holds: step, request_id, position,
 token_id, reference_logprob, reference_sensitivity (`lpf.rl.row_stats`), and reference_log_kept_mass
@@ -30,7 +30,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from lpf.errors import LpfError
+from lpf.core.errors import LpfError
 from lpf.rl.dump import Dump
 
 REFERENCE_FILE = "reference.parquet"
@@ -69,8 +69,8 @@ def score(dump: Dump, reference: str, dtype: str = "float32", token_budget: int 
     if lag and not templated:
         raise LpfError(f"--lags {lag} needs a reference per step: give --reference as a template holding {{step}} "
                        f"(the policy's checkpoints, e.g. ckpt/step_{{step}})")
-    from lpf.model_specs import resolve_model  # torch and transformers only once the request is sound
-    from lpf.reference import Rescorer, ScoreItem
+    from lpf.core.model_specs import resolve_model  # torch and transformers only once the request is sound
+    from lpf.pipeline.reference import Rescorer, ScoreItem
     from lpf.rl.row_stats import RowStats
 
     groups = {}  # checkpoint spec -> response indices

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
-from lpf.reference import ScoreItem
+from lpf.pipeline.reference import ScoreItem
 
 TRUTH_CAUSES = ("processed_logprobs", "batch_shape", "position_growth", "stale_weights", "floor")
 TRUTH_SCHEMA = pa.schema([("step", pa.int64()), ("request_id", pa.string()), ("drills", pa.list_(pa.string())),

@@ -35,9 +35,9 @@ from typing import Callable
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from lpf.errors import LpfError
+from lpf.core.errors import LpfError
 from lpf.rl.drills import DEFAULT_DRIFT, RLDrills
-from lpf.sampling import SamplingParams
+from lpf.core.sampling import SamplingParams
 
 DUMP_SCHEMA = pa.schema([
     ("step", pa.int64()), ("request_id", pa.string()), ("prompt_id", pa.string()), ("rollout", pa.int32()),
@@ -100,11 +100,9 @@ def _noop(*_):
 def simulate(spec: SimSpec, out: Path, on_start: Callable = _noop, tick: Callable = _noop) -> dict:
     """Run the loop and write the dump to `out`; returns the engine description and counts."""
     from lpf.adapters.builtin import BuiltinEngine, BuiltinOptions
-    from lpf.builtin.config import EngineConfig
-    from lpf.builtin.faults import FaultSet
-    from lpf.model_specs import load_tokenizer, resolve_model
+    from lpf.core.model_specs import load_tokenizer, resolve_model
+    from lpf.core.workload import load_prompts
     from lpf.pipeline import model_config
-    from lpf.workload import load_prompts
 
     drills = spec.rl_drills
     inject = ",".join(x for x in (spec.inject, "processed-logprobs" if drills.top_p is not None else "") if x)
@@ -112,8 +110,6 @@ def simulate(spec: SimSpec, out: Path, on_start: Callable = _noop, tick: Callabl
     if drills.state_dtype is not None:
         knobs["mamba_ssm_cache_dtype"] = drills.state_dtype
     options = BuiltinOptions.parse(knobs)  # knobs and drills checked first
-    faults = FaultSet.parse(options.inject)
-    config = EngineConfig.of(options)
     model = resolve_model(spec.model)
     cfg = model_config(model)
     BuiltinEngine.check_model(cfg)
@@ -132,7 +128,7 @@ def simulate(spec: SimSpec, out: Path, on_start: Callable = _noop, tick: Callabl
     from lpf.rl import sim_truth
     from lpf.rl.trainer import SimTrainer
 
-    engine = LLMEngine(model.path, config, faults)
+    engine = LLMEngine.from_options(model.path, options)
     trainer = SimTrainer(model, spec.micro_batch_tokens, batch_variant=drills.micro_batch)
     policy, lag = None, drills.stale_lag or 0
     if spec.drift > 0:
@@ -180,7 +176,7 @@ def simulate(spec: SimSpec, out: Path, on_start: Callable = _noop, tick: Callabl
         tick(1)
     meta = {"engine": desc, "spec": asdict(spec), "n_state_slots": desc["num_state_slots"],
             "sampling": {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k},
-            "dtypes": {"rollout": config.dtype, "trainer": "float32"}, "rl_drills": drills.names()}
+            "dtypes": {"rollout": options.dtype, "trainer": "float32"}, "rl_drills": drills.names()}
     if policy is not None:
         meta["policy"] = {"drift": spec.drift, "checkpoints": str(policy_dir / "step_{step}"), "lag": lag}
     table = pa.Table.from_pylist(rows, schema=DUMP_SCHEMA.with_metadata({"lpf": json.dumps(meta)}))
@@ -221,7 +217,7 @@ def policy_path(dump: Path) -> Path:
 
 def _rollout(engine, batch, step: int, sampling, max_tokens: int, eos: int | None) -> list:
     from lpf.builtin.request import Request
-    from lpf.sampling import request_seed
+    from lpf.core.sampling import request_seed
 
     by_id = {}
     for prompt, r, seq in batch:

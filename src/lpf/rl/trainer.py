@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from lpf.reference import Rescorer, ScoreItem
+from lpf.pipeline.reference import Rescorer, ScoreItem
 
 MAX_SPLITS = 8
 

@@ -80,7 +80,7 @@ REFERENCE = pa.schema(
 PROMPT_TOKENS = TOKENS
 PROMPT_REFERENCE = REFERENCE
 
-# the optional seeded replay (`lpf.replay`, engines whose sampler lpf knows, sampled runs): per output position
+# the optional seeded replay (`lpf.pipeline.replay`, engines whose sampler lpf knows, sampled runs): per output position
 # the token the reference drew with the engine's sampler and the request's seed, how far the engine's token was
 # from being drawn (nats of log p - log q; 0 when it was) and how far the closest other token was from winning
 SEEDED = pa.schema([("request_id", pa.string()), ("position", pa.int32()), ("seeded_token", pa.int32()),

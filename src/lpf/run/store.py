@@ -35,7 +35,7 @@ from typing import Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from lpf.errors import LpfError
+from lpf.core.errors import LpfError
 from lpf.run import schema
 
 _PART = re.compile(r"^part-(\d{6})\.parquet$")

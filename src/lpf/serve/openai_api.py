@@ -12,7 +12,6 @@ import math
 
 from pydantic import BaseModel, ConfigDict
 
-from lpf.builtin.request import Request
 from lpf.serve.protocol import (ApiError, ModelInfo, Planned, PromptField, TokenText, apply_stop, engine_requests,
                                 make_sampling, output_budget, prompt_entries, refuse_non_neutral, tokenize_prompts)
 

@@ -26,8 +26,8 @@ from typing import Annotated, Any, Union
 from pydantic import Field, StrictInt, StrictStr
 
 from lpf.builtin.request import Request
-from lpf.errors import LpfError
-from lpf.sampling import SamplingParams, request_seed
+from lpf.core.errors import LpfError
+from lpf.core.sampling import SamplingParams, request_seed
 
 TokenId = Annotated[StrictInt, Field(ge=0)]
 PromptField = Union[StrictStr, list[StrictStr], list[TokenId], list[list[TokenId]]]

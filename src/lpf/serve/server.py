@@ -16,7 +16,7 @@ import socket
 from pathlib import Path
 from typing import Callable
 
-from lpf.errors import LpfError
+from lpf.core.errors import LpfError
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -39,18 +39,16 @@ def run(ref, name: str, options, sock: socket.socket, trace_dir: Path | None, lo
     import torch
     import uvicorn
 
-    from lpf.builtin.config import EngineConfig
-    from lpf.builtin.faults import FaultSet
     from lpf.builtin.llm_engine import LLMEngine
-    from lpf.model_specs import load_tokenizer
+    from lpf.core.model_specs import load_tokenizer
     from lpf.serve.app import create_app
     from lpf.serve.engine_loop import TraceSink
     from lpf.serve.protocol import ModelInfo
 
     if options.threads > 0:
         torch.set_num_threads(options.threads)
-    cfg = EngineConfig.of(options)
-    engine = LLMEngine(ref.path, cfg, FaultSet.parse(options.inject))
+    engine = LLMEngine.from_options(ref.path, options)
+    cfg = engine.config
     tokenizer = load_tokenizer(ref)
     info = ModelInfo(name=name, root=str(ref.path), vocab_size=int(engine.model.config.vocab_size),
                      max_context=engine.max_context, eos_token_id=tokenizer.eos_token_id,

@@ -4,7 +4,7 @@ Contract:
 - `lpf.zoo.registry`: `MODELS` and `model_dir(name)` resolve `zoo:NAME` to a bundled Hugging Face
   directory (config.json, model.safetensors, tokenizer files, README.md card, lpf_card.json);
   `tokenizer_dir()`; `list_models()`; `WORKLOADS`, `workload_items(name, seed, n)`, `list_workloads()`.
-  Unknown names raise `lpf.errors.LpfError` with a "did you mean" suggestion.
+  Unknown names raise `lpf.core.errors.LpfError` with a "did you mean" suggestion.
 - `lpf.zoo.tasks`: seeded, deterministic task generators with exact expected answers; items are dicts with
   `id`, `task`, `prompt` (the text before the answer), `expected` (the text before `</s>`), optional
   `max_tokens`.

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from lpf.errors import LpfError, did_you_mean
+from lpf.core.errors import LpfError, did_you_mean
 from lpf.zoo import shared_prefix, tasks
 
 DATA_DIR = Path(__file__).resolve().parent / "data"

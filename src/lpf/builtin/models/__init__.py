@@ -18,7 +18,7 @@ from pathlib import Path
 
 from lpf.builtin.config import SUPPORTED_ARCHITECTURES
 from lpf.builtin.models.base import EngineModel
-from lpf.errors import LpfError
+from lpf.core.errors import LpfError
 
 __all__ = ["EngineModel", "load_model", "model_shape", "SUPPORTED_ARCHITECTURES"]
 
@@ -54,7 +54,7 @@ def _class_and_config(path: Path):
     cls = _model_class(arch)
     from transformers import AutoConfig
 
-    from lpf.torch_utils import quiet_transformers
+    from lpf.core.torch_utils import quiet_transformers
 
     quiet_transformers()
     return cls, AutoConfig.from_pretrained(path)

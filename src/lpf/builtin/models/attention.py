@@ -48,7 +48,7 @@ def _length_groups(decodes: list, block_size: int, max_groups: int = 4) -> list[
     ordered = sorted(decodes, key=lambda s: s.num_computed)
     blocks = [s.num_computed // block_size + 1 for s in ordered]
     groups, start = [], 0
-    for cut in range(1, max_groups):
+    for _ in range(1, max_groups):
         # split the remaining run at the point that halves its padded block count the most
         best, at = 0, None
         for i in range(start + 1, len(ordered)):

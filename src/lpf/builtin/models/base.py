@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from lpf.builtin.models.layers import wide
-from lpf.errors import LpfError
+from lpf.core.errors import LpfError
 
 
 class EngineModel(nn.Module):

@@ -18,7 +18,7 @@ from lpf.builtin.models.attention import PagedAttention, Rotary
 from lpf.builtin.models.base import EngineModel
 from lpf.builtin.models.layers import FusedGatedMLP, GraniteMoE, RMSNorm
 from lpf.builtin.models.mamba2 import Mamba2Mixer
-from lpf.errors import LpfError
+from lpf.core.errors import LpfError
 
 MAMBA_TYPES = ("mamba", "linear_attention")
 ATTENTION_TYPES = ("attention", "full_attention")

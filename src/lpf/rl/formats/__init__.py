@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterator
 
-from lpf.errors import LpfError
+from lpf.core.errors import LpfError
 from lpf.rl import FORMAT_NAMES
 from lpf.rl.dump import Dump, RawRow, build_dump
 from lpf.rl.formats import files, lpf_layout, nemorl, primerl, slime, verl

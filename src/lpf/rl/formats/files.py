@@ -18,7 +18,7 @@ import zipfile
 from pathlib import Path
 from typing import Iterator
 
-from lpf.errors import LpfError
+from lpf.core.errors import LpfError
 
 MAX_DEPTH = 3
 _PROBE = 1 << 16

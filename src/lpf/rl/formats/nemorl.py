@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from lpf.errors import LpfError
+from lpf.core.errors import LpfError
 from lpf.rl.formats.common import BadRow, Ctx, Skipped, step_from_name, unbatch
 
 NAME = "nemo-rl"

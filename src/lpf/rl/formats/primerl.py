@@ -64,7 +64,6 @@ def convert(rec: dict, ctx: Ctx) -> list[dict]:
         if not isinstance(rec.get(k), list):
             raise BadRow(f"missing {k}" if rec.get(k) is None else f"{k} must be a list")
     ids = rec["token_ids"]
-    n = len(ids)
     lens = {k: len(rec[k]) for k in _LISTS}
     if len(set(lens.values())) != 1:
         raise BadRow("length mismatch: " + ", ".join(f"{k} {v}" for k, v in lens.items()))

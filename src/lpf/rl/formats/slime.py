@@ -27,7 +27,7 @@ import re
 from pathlib import Path
 from typing import Iterator
 
-from lpf.errors import LpfError
+from lpf.core.errors import LpfError
 from lpf.rl.dump import RawRow
 from lpf.rl.formats.common import BadRow, Skipped
 

@@ -1,0 +1,12 @@
+"""`lpf shrink`: from a failing audit to the smallest configuration that still makes a request lie.
+
+  config.py        the source run, the target, a candidate's configuration (requests, lengths, knobs)
+  signature.py     what "the same lie" means (verdict, first-divergence position class, mechanism)
+  ddmin.py         Zeller's delta debugging, generic
+  judge.py         one configuration run as cells (experiments.cells: `lpf audit` processes), judged k-of-n
+  state.py         DIR/shrink.json: every candidate and its outcome, rewritten after every run
+  search.py        the plan: requests, then lengths, then knobs toward the engine's defaults
+  repro.py         DIR/workload.jsonl, command.sh, repro.py (from repro_script.py), report.md
+  session.py       one shrink from start to files: `prepare`, then `run`
+Domain modules: they return data and print nothing; `lpf.cli` draws the progress.
+"""

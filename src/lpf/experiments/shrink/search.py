@@ -1,0 +1,250 @@
+"""The shrink's plan: from a run's lying request to the smallest configuration that still tells the same lie.
+
+Contract: `Shrink(source, target_seq, judge, state, on_event).run() -> dict` (the shrink.json
+document, also on disk). Every configuration goes through `test`, which looks it up in the state
+first (a rerun after a kill replays the plan from the recorded outcomes and runs nothing twice),
+then has the judge run it (k-of-n, charged against `--budget-runs`). The current configuration
+only ever moves to one that reproduced (`adopt`), and `state.path` lists those moves.
+
+The plan:
+1. A starting point, small before large: the target alone, then with the last 1, 2, 4, ...
+   requests that arrived before it (an engine's state comes mostly from what ran just before),
+   then with every earlier request and the later ones that ran beside it, then the original
+   configuration itself with every try. If even that does not show the lie, the shrink ends
+   `not-reproduced`: "did not reproduce in K tries", never a false minimum.
+2. The cheap cuts, before any ddmin: the target's max_tokens (bisection) and prompt (a prefix: 1
+   token first, then bisection), then every other request at 1 prompt token and max_tokens 1 at
+   once. A few runs each, and they can take the timing out of the lie: an engine that queues
+   every request at once (vLLM offline) gives the target its one token of budget only in the
+   original's exact schedule, so no subset of the requests keeps that, while a one-token prompt
+   is scheduled as one token whatever else runs.
+3. Requests: ddmin (`ddmin.ddmin`) over the other requests, arrival order kept.
+4. Lengths of the others that ddmin kept: at their shortest at once again, else each one alone
+   (1, then once halfway).
+5. Knobs, one at a time, each off the engine's default (`Source.movable`): the default, else
+   halfway to it (geometric for positive numbers).
+6. If 4 or 5 moved, requests once more (shorter requests and default knobs can make more of them
+   unnecessary).
+A spent budget ends the search where it stands (`budget-spent`, the best configuration so far is
+the minimum). When the engine was not shown deterministic, the minimum is then run until `--tries`
+runs and the count of runs that showed the lie is reported (`confirmation`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Callable
+
+from lpf.experiments.shrink.config import Config, Source
+from lpf.experiments.shrink.ddmin import ddmin
+from lpf.experiments.shrink.judge import BudgetSpent, Judge
+from lpf.experiments.shrink.state import State
+
+
+class NotReproduced(Exception):
+    """Neither the original configuration nor any smaller one showed the target's lie."""
+
+
+def midpoint(value, default):
+    """A value halfway from `value` to `default` (geometric for positive numbers), or None."""
+    if isinstance(value, bool) or isinstance(default, bool) or not all(isinstance(x, (int, float)) for x in (value, default)):
+        return None
+    mid = math.sqrt(value * default) if value > 0 and default > 0 else (value + default) / 2
+    if isinstance(value, int) and isinstance(default, int):
+        mid = int(round(mid))
+    else:
+        mid = float(f"{mid:.3g}")
+    return None if mid in (value, default) else mid
+
+
+class Shrink:
+    def __init__(self, source: Source, target_seq: int, judge: Judge, state: State,
+                 on_event: Callable[[dict], None] = lambda e: None):
+        self.source, self.t, self.judge, self.state, self.on_event = source, target_seq, judge, state, on_event
+        self.cur: Config | None = None
+        self.last: dict | None = None  # the candidate `test` judged last
+
+    # -- one configuration ---------------------------------------------------------------------------
+    def test(self, config: Config, phase: str, step: str, every_try: bool = False) -> bool:
+        cand = self.state.lookup(config.key())
+        if cand is not None and cand["status"] in ("reproduces", "gone"):
+            self.last = cand
+            self._emit(cand, replayed=True)
+            return cand["status"] == "reproduces"
+        if cand is None:
+            cand = self.state.add(config.key(), phase, step, self.source.to_json(config),
+                                  list(self.source.size(config)), self.source.describe_size(config))
+        self.on_event({"type": "start", "candidate": cand})
+        ok, _ = self.judge.judge(cand["id"], config, every_try,
+                                 on_try=lambda t: (self.state.record_try(cand, t), self.on_event({"type": "try", "try": t})))
+        self.state.finish(cand, ok)
+        self.state.set(deterministic=self.judge.deterministic)
+        self.last = cand
+        self._emit(cand)
+        return ok
+
+    def adopt(self, config: Config) -> None:
+        self.cur = config
+        if not self.state.doc["path"] or self.state.doc["path"][-1] != self.last["id"]:
+            self.state.doc["path"].append(self.last["id"])
+        self.state.set(best=self.last["id"])
+
+    def _emit(self, cand: dict, replayed: bool = False) -> None:
+        best = self.state.lookup(self.cur.key()) if self.cur is not None else None
+        self.on_event({"type": "done", "candidate": cand, "replayed": replayed, "runs_used": self.state.doc["runs_used"],
+                       "budget": self.state.doc["budget_runs"], "best": best})
+
+    # -- the plan ------------------------------------------------------------------------------------
+    def run(self) -> dict:
+        status = "done"
+        try:
+            self.start()
+            self.target_lengths()
+            self.others_shortest()
+            self.requests()
+            moved = self.other_lengths()
+            moved = self.knobs() or moved
+            if moved:
+                self.requests()
+        except BudgetSpent:
+            status = "budget-spent"
+        except NotReproduced:
+            status = "not-reproduced"
+        if self.cur is not None:
+            self.state.set(minimal={"candidate": self.state.lookup(self.cur.key())["id"],
+                                    "config": self.source.to_json(self.cur), "size": list(self.source.size(self.cur)),
+                                    "description": self.source.describe_size(self.cur)})
+            if status == "done":
+                self.confirm()
+        self.state.set(status=status)
+        return self.state.doc
+
+    def start(self) -> None:
+        original = self.source.original()
+        target = original.member(self.t)
+        before = [m for m in original.members if m.seq < self.t]
+        tried, w = set(), 0
+        while True:
+            config = original.with_members(before[len(before) - w:] + [target] if w else [target])
+            if config.key() != original.key():
+                tried.add(config.key())
+                step = "the target alone" if not w else f"the target and the {w} request{'s' * (w != 1)} before it"
+                if self.test(config, "requests", step):
+                    self.adopt(config)
+                    return
+            if w >= len(before):
+                break
+            w = min(len(before), max(1, 2 * w))
+        beside = set(self.source.beside(self.t))
+        config = original.with_members([m for m in original.members if m.seq <= self.t or m.seq in beside])
+        if beside and config.key() not in tried and config.key() != original.key():
+            if self.test(config, "requests", f"every request before the target and the {len(beside)} that ran beside it"):
+                self.adopt(config)
+                return
+        if self.test(original, "original", "the original configuration", every_try=True):
+            self.adopt(original)
+            return
+        raise NotReproduced
+
+    def requests(self) -> bool:
+        start, target = self.cur, self.cur.member(self.t)
+        others = [m for m in start.members if m.seq != self.t]
+        if not others:
+            return False
+        ddmin(others, lambda sub: self.test(start.with_members(sub + [target]), "requests",
+                                            f"ddmin: {len(sub) + 1} of {len(start.members)} requests"),
+              on_reduce=lambda sub: self.adopt(start.with_members(sub + [target])))
+        return len(self.cur.members) < len(start.members)
+
+    def target_lengths(self) -> bool:
+        moved = self.smallest(self.t, "max_tokens", lowest_first=False)
+        return self.smallest(self.t, "prompt_len", lowest_first=True) or moved
+
+    def others_shortest(self) -> bool:
+        """Every other request at 1 prompt token and max_tokens 1, in one candidate."""
+        others = [m for m in self.cur.members if m.seq != self.t and (m.prompt_len > 1 or m.max_tokens > 1)]
+        if not others:
+            return False
+        config = self.cur.with_members([m if m.seq == self.t else replace(m, prompt_len=1, max_tokens=1)
+                                        for m in self.cur.members])
+        if self.test(config, "lengths", "every other request at 1 prompt token and max_tokens 1"):
+            self.adopt(config)
+            return True
+        return False
+
+    def other_lengths(self) -> bool:
+        """After ddmin: the others at their shortest at once again (fewer of them now), else each
+        one's max_tokens and prompt alone (1, then once halfway)."""
+        others = [m for m in self.cur.members if m.seq != self.t and (m.prompt_len > 1 or m.max_tokens > 1)]
+        if not others or self.others_shortest():
+            return bool(others)
+        moved = False
+        for m in others:
+            for dim in ("max_tokens", "prompt_len"):
+                moved = self.smallest(m.seq, dim, lowest_first=True, probes=2) or moved
+        return moved
+
+    def smallest(self, seq: int, dim: str, lowest_first: bool, probes: int | None = None) -> bool:
+        """The smallest value of one request's `dim` that still reproduces (bisection: the current
+        value does; `lowest_first` tries 1 before anything else; `probes` bounds the tries)."""
+        start = getattr(self.cur.member(seq), dim)
+        lo, hi, used = 1, start, 0
+        words = {"max_tokens": "max_tokens", "prompt_len": "prompt tokens"}[dim]
+        who = "the target's" if seq == self.t else f"request {self.source.ids[seq]}'s"
+
+        def attempt(value: int) -> bool:
+            config = self.cur.with_member(replace(self.cur.member(seq), **{dim: value}))
+            if self.test(config, "lengths", f"{who} {words} {getattr(self.cur.member(seq), dim)} -> {value}"):
+                self.adopt(config)
+                return True
+            return False
+
+        if lowest_first and hi > 1:
+            used += 1
+            if attempt(1):
+                return True
+            lo = 2
+        while lo < hi and (probes is None or used < probes):
+            mid, used = (lo + hi) // 2, used + 1
+            if attempt(mid):
+                hi = mid
+            else:
+                lo = mid + 1
+        return getattr(self.cur.member(seq), dim) < start
+
+    def knobs(self) -> bool:
+        moved = False
+        for name in self.source.movable(self.cur):
+            value, default = self.cur.knob_dict[name], self.source.defaults[name]
+            config = self.cur.with_knob(name, default)
+            if self.test(config, "knobs", f"{name} {value} -> {default} (the engine's default)"):
+                self.adopt(config)
+                moved = True
+                continue
+            mid = midpoint(value, default)
+            if mid is not None:
+                config = self.cur.with_knob(name, mid)
+                if self.test(config, "knobs", f"{name} {value} -> {mid} (halfway to the default {default})"):
+                    self.adopt(config)
+                    moved = True
+        return moved
+
+    def confirm(self) -> None:
+        """How often the minimum shows the lie, unless the engine proved deterministic."""
+        cand = self.state.lookup(self.cur.key())
+        if self.judge.deterministic or self.judge.tries < 2:
+            why = ("two runs of one configuration were bit-identical: the engine is deterministic here"
+                   if self.judge.deterministic else "--tries 1: each configuration ran once")
+            self.state.set(confirmation={"runs": len(cand["tries"]), "lies": sum(t["lie"] for t in cand["tries"]),
+                                         "note": why})
+            return
+        try:
+            self.judge.top_up(cand["id"], self.cur, len(cand["tries"]),
+                              on_try=lambda t: self.state.record_try(cand, t))
+        except BudgetSpent:
+            pass
+        runs = cand["tries"]
+        self.state.set(confirmation={"runs": len(runs), "lies": sum(t["lie"] for t in runs),
+                                     "note": f"the minimum showed the lie in {sum(t['lie'] for t in runs)} of "
+                                             f"{len(runs)} runs (the engine is not deterministic here)"})
