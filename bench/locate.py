@@ -7,8 +7,9 @@ them). Every line reports the located op, the verdict and the ratio locate / 60 
 locate / audit. The configurations are the tests' (tests/test_locate_drills.py) and one more each
 (another model or another drill argument), so a claim never rests on the configuration it was tuned
 on; `--vllm` adds the conformance tiny Lfm2, Lfm2Moe and Zamba2 on vLLM (fp32, and 16-token chunks).
-Usage: python bench/locate.py [--quick] [--vllm] [--keep DIR]   (writes bench/results/locate.json;
---quick: one small configuration, nothing written)
+Usage: python bench/locate.py [--quick] [--vllm] [--only TEXT] [--keep DIR]   (writes
+bench/results/locate.json; --quick: one small configuration, nothing written; --only: the configurations
+whose name contains TEXT, their rows replaced in the results file, the others kept)
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ CONFIGS = {
     "stale-state, zoo:hybrid": ("zoo:hybrid", 60, ["--n", "4", "--max-tokens", "16", "--cache-mb", "2",
                                                    "--max-num-batched-tokens", "64", "--inject", "stale-state"]),
     "offset-wrap:18, tiny:jamba-longmem (tests)": ("tiny:jamba-longmem", 60, [*JAMBA, "--inject", "offset-wrap:18"]),
-    "offset-wrap:19, tiny:hybrid-longmem": ("tiny:hybrid-longmem", 60, [*JAMBA, "--inject", "offset-wrap:19"]),
+    # 26 slots of 14880 elements at 3 MB: slots >= 18 wrap at 2^18 (at 2^19 none would: nothing to locate)
+    "offset-wrap:18, tiny:hybrid-longmem": ("tiny:hybrid-longmem", 60, [*JAMBA, "--inject", "offset-wrap:18"]),
     "lost-chunk-state, zoo:hybrid (tests)": ("zoo:hybrid", 60, ["--max-tokens", "8", "--prompt-logprobs",
                                                                 "--max-num-batched-tokens", "16", "--inject", "lost-chunk-state"]),
     "lost-chunk-state, zoo:jamba": ("zoo:jamba", 60, ["--max-tokens", "8", "--prompt-logprobs",
@@ -98,12 +100,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--vllm", action="store_true")
+    ap.add_argument("--only", default=None, help="only the configurations whose name contains this")
     ap.add_argument("--keep", type=Path, default=None)
     args = ap.parse_args()
     base = args.keep or Path(tempfile.mkdtemp(prefix="lpf-bench-locate-"))
     base.mkdir(parents=True, exist_ok=True)
     rows = []
+    keep = (lambda name: args.only in name) if args.only else (lambda name: True)
     for name, (model, n, extra) in (QUICK if args.quick else CONFIGS).items():
+        if not keep(name):
+            continue
         run = base / name.replace(" ", "_").replace(":", "").replace(",", "")
         proc, audit_s = _lpf("audit", "--engine", "builtin", "--model", model, "--workload", _workload(base, n),
                              *extra, "--out", run, "--fail-on", "never")
@@ -112,7 +118,7 @@ def main() -> None:
         rows.append(_row(name, audit_s, run))
         _print(rows[-1])
     if args.vllm and not args.quick:
-        for name, (arch, cell) in VLLM.items():
+        for name, (arch, cell) in ((k, v) for k, v in VLLM.items() if keep(k)):
             out = base / "conformance" / f"{arch}-{cell}"
             proc, conf_s = _lpf("conformance", "--engine", "vllm", "--arch", arch, "--cell", cell, "--prompts", "4",
                                 "--max-tokens", "8", "--out", out, "--json", "--fail-on", "never")
@@ -123,6 +129,10 @@ def main() -> None:
             _print(rows[-1])
     if not args.quick:
         dest = ROOT / "bench" / "results" / "locate.json"
+        if args.only and dest.is_file():  # the other configurations' rows stay, in their order
+            new = {r["config"]: r for r in rows}
+            old = [r for r in json.loads(dest.read_text())["rows"] if r["config"] in {*CONFIGS, *VLLM}]
+            rows = [new.pop(r["config"], r) for r in old] + list(new.values())
         dest.write_text(json.dumps({"target_s": TARGET_S, "machine": os.uname().nodename, "rows": rows}, indent=1) + "\n")
         print(f"wrote {dest}")
 
