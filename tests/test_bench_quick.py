@@ -4,7 +4,7 @@ never again leave `make bench` broken with nothing noticing (issue 27: bench/rep
 schema v2 for a day). The vLLM benches skip without `.venv-vllm`, as the vLLM tests do.
 
 Measured on this 2-core machine: analysis ~5 s; report, rescore ~8-12 s each; engine ~20 s, detection
-~45 s and nondeterminism ~20 s (process start-ups: one `lpf run` or `lpf audit` costs ~8 s here); the
+~45 s, nondeterminism ~20 s and locate ~50 s (process start-ups: one `lpf run` or `lpf audit` costs ~8 s here); the
 vLLM ones 30 s to 2 min each (vLLM start-ups), so all but the analysis smoke are `slow`.
 """
 
@@ -39,6 +39,8 @@ BENCHES = {
     "vllm_trace": ([], [r'\{"drill": \{"cpu": [\d.]+, "wall": [\d.]+\}\}']),
     "conformance": ([], [r"conformance cell: .* in-process: [\d.]+x"]),
     "vllm_trace_profile": (["src/lpf/zoo/data/models/hybrid"], [r'"ratio_cpu": [\d.]+, "ratio_wall": [\d.]+']),
+    "locate": ([], [r"lost-chunk-state, zoo:hybrid \(quick\): located L0\.\S+ at prompt token \d+ \(suspect engine\) "
+                    r"in [\d.]+ s \([\d.]+x the 60 s target"]),
 }
 
 
@@ -72,7 +74,7 @@ def test_analysis_bench_quick(tmp_path):
 
 
 @pytest.mark.slow  # 8-25 s each: process start-ups (lpf run, lpf audit, a tokenizer, torch)
-@pytest.mark.parametrize("name", ["report", "rescore", "engine", "detection", "nondeterminism"])
+@pytest.mark.parametrize("name", ["report", "rescore", "engine", "detection", "nondeterminism", "locate"])
 def test_bench_quick(name, tmp_path):
     _check(name, tmp_path)
 

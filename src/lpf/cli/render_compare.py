@@ -64,6 +64,8 @@ def print_conformance(doc: dict, console: Console) -> None:
         console.print(f"  {name}: [bold]{escape(says)}[/]" + (f" — {escape(sentence)}" if sentence else ""))
     for name, cause, evidence in v.get("named") or []:
         console.print(f"  [dim]{name}: clean* per token, known departure {cause}: {escape(evidence)}[/]")
+    for name, sentence in v["located"]:
+        console.print(f"  {name}: [bold]locate:[/] {escape(sentence)}")
     for name, status, error in v["failed"]:
         console.print(f"  [dim]{name}: {status}: {escape(error)[:300]}[/]")
     if v.get("reference"):

@@ -6,7 +6,9 @@ prompt logprobs, rescore, calibrate when the cell's dtype is not the reference's
 and for every cell whose verdict is not clean runs the second engine (`attribution[(arch, dtype)]`,
 HF `generate` at the cell's dtype: one run per architecture and dtype, shared by the cells) and
 `lpf.views.diff` between the two: the cell's `attribution` says engine bug / second engine / reference
-/ both. It writes `out/conformance.json` after every cell (atomically), so a rerun of the same
+/ both; and `lpf locate` on the cell's worst request (`locate`: the first op that departs, its
+sentence, a link to its page; vLLM's replay reuses the kept worker). It writes `out/conformance.json`
+after every cell (atomically), so a rerun of the same
 command skips complete cells and a crash loses at most the cell in flight. A cell the engine refuses
 or cannot start is recorded with its one-line reason (status `not applicable`, `refused`, `engine
 error`, or `not supported` when the engine's own message says this build lacks what the architecture
@@ -72,6 +74,7 @@ class CellPlan:
 @dataclass
 class Settings:
     attribution_level: str = "noise"  # a cell departs when its verdict is at least this
+    locate: bool = True  # every cell that does not conform gets a locate line (lpf locate on its worst request)
 
 
 def cell_dir(out: Path, arch: str, cell: str) -> Path:
@@ -243,6 +246,28 @@ def _attribute(row: dict, plan: CellPlan, hf_spec, out: Path, settings: Settings
                           "diff": os.path.relpath(cell / "diff.json", out)}
 
 
+def _locate(row: dict, out: Path) -> None:
+    """The locate line of a cell that does not conform: `lpf locate` on its worst request (the first op
+    that departs, whose fault), its locate.json and report page inside the cell directory."""
+    from lpf.locate import locate
+    from lpf.report import write_report
+
+    cell = out / row["run_dir"]
+    try:
+        doc, where = locate(cell)
+    except LpfError as e:
+        row["locate"] = {"error": str(e)}
+        return
+    try:
+        write_report(where)
+    except LpfError:
+        pass
+    loc = doc.get("located") or {}
+    row["locate"] = {"request_id": doc["request_id"], "suspect": doc["verdict"]["suspect"], "op": loc.get("op"),
+                     "token": loc.get("token"), "sentence": doc["sentence"],
+                     "link": os.path.relpath(where / "report.html", out), "dir": os.path.relpath(where, out)}
+
+
 def write_doc(out: Path, doc: dict) -> None:
     tmp = out / ".tmp-conformance.json"
     tmp.write_text(json.dumps(doc, indent=2, default=str) + "\n")
@@ -309,6 +334,8 @@ def _run_cells(out, doc, rows, plans, attribution, settings, hf_done, started, t
                                settings, hf_done)
                 except LpfError as e:
                     row["attribution"] = {"suspect": None, "error": str(e)}
+                if settings.locate and row.get("conformance") not in ("clean", None):
+                    _locate(row, out)
             rows.append(row)
             doc["elapsed_s"] = round(time.monotonic() - started, 1)
             write_doc(out, doc)
@@ -317,7 +344,6 @@ def _run_cells(out, doc, rows, plans, attribution, settings, hf_done, started, t
     finally:
         doc["elapsed_s"] = round(time.monotonic() - started, 1)
         write_doc(out, doc)
-
 
 
 def matrix_view(doc: dict) -> dict:
@@ -348,7 +374,7 @@ def matrix_view(doc: dict) -> dict:
                             "max": max([x for x in (r.get("max_abs_output"), r.get("max_abs_prompt")) if x is not None]
                                        or [0.0])})
         grid.append((short[a], entries))
-    not_clean, failed, named = [], [], []
+    not_clean, failed, located, named = [], [], [], []
     for r in rows:
         name = f"{r['architecture'].removesuffix('ForCausalLM')} · {r['cell']}"
         for cause in (r.get("engine_judgement") or {}).get("causes") or []:
@@ -359,6 +385,9 @@ def matrix_view(doc: dict) -> dict:
             at = r.get("attribution") or {}
             says = at.get("says") or (f"not attributed: {at['error']}" if at.get("error") else "not attributed")
             not_clean.append((name, says, at.get("sentence")))
+            lc = r.get("locate") or {}
+            if lc:
+                located.append((name, lc.get("sentence") or f"not located: {lc.get('error')}"))
     groups: dict[tuple, list[str]] = {}
     for a in doc.get("architectures") or []:
         if a.get("status") != "audit":
@@ -367,6 +396,6 @@ def matrix_view(doc: dict) -> dict:
                   ", ".join(f"{n} {(r.get('paths') or {}).get(n, {}).get('max_abs', 0):.2g}" for n in r.get("departing") or [])
                   or r.get("error") or r.get("reason") or "")
                  for r in doc.get("reference_column") or []]
-    return {"cells": cells, "archs": archs, "grid": grid, "not_clean": not_clean, "failed": failed, "named": named,
-            "reference": reference,
+    return {"cells": cells, "archs": archs, "grid": grid, "not_clean": not_clean, "failed": failed, "located": located,
+            "named": named, "reference": reference,
             "not_audited": [(s, r, names) for (s, r), names in groups.items()]}
