@@ -1,7 +1,8 @@
 """Benchmark: the 2026 bug class (prefix caching of Mamba state), drill by drill, scored against ground truth.
 
 For every built-in drill of the class (`lpf.builtin.prefix_drills`, plus stale-state in the configuration
-issue 22 names), one `lpf audit` of >= 1,000 requests (`--quick`: one drill, 240 requests, no shrink),
+issue 22 names), one `lpf audit` of >= 1,000 requests (`--quick`: one drill, 240 requests, no shrink;
+its smoke run is in tests/test_bench_quick.py),
 then, from the run directory's `faults/` (ground truth, which analysis never reads) and its findings:
   recall        flagged (divergent or corrupt) ground-truth requests / ground-truth requests
   false pos.    requests flagged, or merely `noise`, outside the ground truth
@@ -22,7 +23,7 @@ vLLM drills: VLLM_DRILLS is the hook (empty until the real-vLLM half lands its d
 args, accepted features)); `--engine vllm` scores them the same way.
 
 Usage: python bench/bugs.py [--quick] [--out runs/bench-bugs] [--drill NAME ...] [--no-shrink]
-Writes bench/results/bugs.json (bugs_quick.json with --quick) and prints the table. Runs are reused when
+Writes bench/results/bugs.json (with --quick: OUT/quick/bugs_quick.json, never bench/results) and prints the table. Runs are reused when
 complete (delete --out to start over).
 """
 
@@ -177,7 +178,7 @@ def main() -> None:
         if not (a.quick or d == "prefix-cache-inert"):
             results[d]["shrink"] = shrink(run, out / f"{d}-shrink", d, run_it=not a.no_shrink)
         print(f"{d}: {json.dumps(results[d], default=str)}", flush=True)
-    dest = a.results or ROOT / "bench" / "results" / ("bugs_quick.json" if a.quick else "bugs.json")
+    dest = a.results or (out / "bugs_quick.json" if a.quick else ROOT / "bench" / "results" / "bugs.json")
     dest.parent.mkdir(parents=True, exist_ok=True)
     dest.write_text(json.dumps({"results": results, "config": {"model": MODEL, "prefix": PREFIX_ARGS,
                                                                "stale_state": STALE_ARGS}}, indent=1, default=str))
