@@ -39,6 +39,7 @@ BENCHES = {
     "vllm_trace": ([], [r'\{"drill": \{"cpu": [\d.]+, "wall": [\d.]+\}\}']),
     "conformance": ([], [r"conformance cell: .* in-process: [\d.]+x"]),
     "vllm_trace_profile": (["src/lpf/zoo/data/models/hybrid"], [r'"ratio_cpu": [\d.]+, "ratio_wall": [\d.]+']),
+    "bugs": (["--out", "{tmp}"], [r"\| stale-conv-on-reuse \| 240 \| \d+ \| 1\.000 \| 0 \| yes \(first_slot_used_before\) \|"]),
     "locate": ([], [r"lost-chunk-state, zoo:hybrid \(quick\): located L0\.\S+ at prompt token \d+ \(suspect engine\) "
                     r"in [\d.]+ s \([\d.]+x the 60 s target"]),
 }
@@ -74,7 +75,7 @@ def test_analysis_bench_quick(tmp_path):
 
 
 @pytest.mark.slow  # 8-25 s each: process start-ups (lpf run, lpf audit, a tokenizer, torch)
-@pytest.mark.parametrize("name", ["report", "rescore", "engine", "detection", "nondeterminism", "locate"])
+@pytest.mark.parametrize("name", ["report", "rescore", "engine", "detection", "nondeterminism", "locate", "bugs"])
 def test_bench_quick(name, tmp_path):
     _check(name, tmp_path)
 

@@ -64,12 +64,12 @@ def check_caught(run, findings, features):
     flagged = {f["request_id"] for f in findings["flagged"]}
     assert corrupted, "the drill never fired"
     assert {r for r, x in v.items() if x != "clean"} == corrupted, "exactly the ground truth departs"
-    assert flagged <= corrupted
-    # a state that misses a token or two can shift logprobs below the divergent threshold: those are noise
-    assert {v[r] for r in corrupted - flagged} <= {"noise"} and len(flagged) >= 0.9 * len(corrupted)
+    # every one flagged: a nearly-right state (a few tenths of a nat, under the divergent threshold) is
+    # still past the expected floor on most of its tokens (`analysis.localized`)
+    assert flagged == corrupted
     top = findings["hypotheses"][0]
     assert top["feature"] in features, top
-    assert top["flagged_with"] == top["flagged_total"] and top["clean_with"] <= len(corrupted - flagged)
+    assert top["flagged_with"] == top["flagged_total"] and top["clean_with"] == 0
     return top
 
 

@@ -47,7 +47,8 @@ from lpf.analysis.hypotheses import rank_hypotheses
 from lpf.analysis.levels import REQUEST_VERDICTS, SEVERITY
 from lpf.analysis.prefix_cache import prefix_cache_summary
 from lpf.analysis.prompt import merge_summary, prompt_analysis, worst_verdict
-from lpf.analysis.run_test import run_level_test
+from lpf.analysis.localized import raise_localized
+from lpf.analysis.run_test import run_level_test, token_evidence
 from lpf.analysis.shape import failure_shape
 from lpf.analysis.signatures import crossed_wires, tempered_logprobs
 from lpf.analysis.thresholds import Thresholds
@@ -88,12 +89,13 @@ def analyze(requests: pa.Table, tokens: pa.Table, reference: pa.Table, th: Thres
     per, flips, same = score_requests(cols, starts, greedy, th)
     ids = joined.column("request_id").take(pa.array(starts)).combine_chunks() if len(starts) else pa.array([], pa.string())
     summary = apply_inconsistency(summarize_requests(None, requests, th, per=(ids, per)), requests)
-    findings = findings_dict(summary, th, metric_summary(cols, flips, same), joined.num_rows)
-    findings["thresholds"].update(calib, pinned=sorted(th.pinned))
     test = None
     if expected:
         sampling = (run_info or {}).get("sampling") or {"temperature": temperature}
         test = run_level_test(joined, tokens, reference, requests, expected, sampling, cols=cal_cols, starts=starts)
+        summary = _localized(summary, test, cal_cols, expected, sampling, joined, tokens, reference, requests, starts)
+    findings = findings_dict(summary, th, metric_summary(cols, flips, same), joined.num_rows)
+    findings["thresholds"].update(calib, pinned=sorted(th.pinned))
     tempered = tempered_logprobs(joined, reference, temperature, th) \
         if wants_tempered(temperature, reference.column_names) else None
     findings = conclude(findings, summary, requests, trace, engine_info, temperature, test,
@@ -141,6 +143,23 @@ def conclude(findings: dict, summary: pa.Table, requests: pa.Table, trace: pa.Ta
     findings["evidence"] = evidence(requests, summary)
     findings["prefix_cache"] = prefix_cache_summary(requests, trace, engine_info)
     return findings
+
+
+def _localized(summary, test, cols, expected, sampling, joined, tokens, reference, requests, starts):
+    """`localized.raise_localized` over the tokens the run test read (every `sampled_every`-th in
+    arrival order, as the streamed analysis keeps them; only asked when the run was rejected); its
+    info joins the run test's block. `cols`: every token's evidence columns when the caller has them."""
+    if test.get("result") != "different":
+        return summary
+    step = test.get("sampled_every") or 1
+    if cols is None:
+        cols = evidence_columns(joined, tokens, reference, requests, every=step, starts=starts)
+    elif step > 1:
+        cols = {k: v[::step] for k, v in cols.items()}
+    exceed = token_evidence(cols, expected, sampling)["logprob"]
+    summary, info = raise_localized(summary, test, exceed, joined.column("request_id").take(pa.array(cols["order"])))
+    test["localized"] = info
+    return summary
 
 
 def _expected_floor(joined, tokens, reference, requests, calibration, calibration_info, floor_table, info):

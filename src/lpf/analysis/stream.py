@@ -49,6 +49,7 @@ from lpf.analysis.evidence import apply_inconsistency
 from lpf.analysis.columns import Lookup, same_rows
 from lpf.analysis.findings import conclude, findings_dict, wants_tempered
 from lpf.analysis import run_test as run_level
+from lpf.analysis.localized import raise_localized
 from lpf.analysis.run_test import run_test, token_evidence
 from lpf.analysis.signatures import crossed_wires, tempered_logprobs
 from lpf.analysis.thresholds import Thresholds
@@ -165,9 +166,11 @@ class StreamedAnalysis:
             keys, toks, refs = (pa.concat_tables(t) for t in zip(*self.evidence))
             self.evidence.clear()
             cols = evidence_columns(keys, toks, refs, self.requests)
-            test = run_test(token_evidence(cols, self.expected, self.sampling), self.expected)
+            ev = token_evidence(cols, self.expected, self.sampling)
+            test = run_test(ev, self.expected)
             test["sampled_every"] = self.step
-            del keys, toks, refs, cols
+            exceed, exceed_ids = ev["logprob"], keys.column("request_id").take(pa.array(cols["order"]))
+            del keys, toks, refs, cols, ev
         ids = pa.concat_arrays(self.ids) if self.ids else pa.array([], pa.string())
         merged = {k: np.concatenate([p[k] for p in self.per]) for k in self.per[0]} if self.per else \
             score_requests({n: np.zeros(0) for n in ("position", "engine_logprob", "ref_logprob")}, np.zeros(0, np.int64),
@@ -175,6 +178,8 @@ class StreamedAnalysis:
         self.per.clear(), self.ids.clear()
         summary = apply_inconsistency(summarize_requests(None, self.requests, self.th, per=(ids, merged)),
                                       self.requests)
+        if test is not None and test["result"] == "different":
+            summary, test["localized"] = raise_localized(summary, test, exceed, exceed_ids)
         del merged
         metrics = metric_summary(read, self.flips, self.same, self.n)
         findings = findings_dict(summary, self.th, metrics, self.n)

@@ -5,7 +5,8 @@
   ddmin.py         Zeller's delta debugging, generic
   judge.py         one configuration run as cells (experiments.cells: `lpf audit` processes), judged k-of-n
   state.py         DIR/shrink.json: every candidate and its outcome, rewritten after every run
-  search.py        the plan: requests, then lengths, then knobs toward the engine's defaults
+  suspects.py      what the run knows: the requests the trace ties to the target, the knob its top hypothesis names
+  search.py        the plan: the suspects, then requests, then lengths, then knobs toward the engine's defaults
   repro.py         DIR/workload.jsonl, command.sh, repro.py (from repro_script.py), report.md
   session.py       one shrink from start to files: `prepare`, then `run`
 Domain modules: they return data and print nothing; `lpf.cli` draws the progress.

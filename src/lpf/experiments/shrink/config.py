@@ -7,7 +7,9 @@ Contract:
   given one, which must be flagged, or the worst flagged one; a run with nothing flagged, an unknown
   id or an unflagged one raise `LpfError` in one line.
 - A `Config` is which of the original requests run (by arrival index, in arrival order), how much
-  of each prompt (a prefix) and how many output tokens each may produce, and the engine's knobs.
+  of each prompt (a prefix) and how many output tokens each may produce (a request its client
+  cancelled mid-prefill, `abort_after_tokens`, is cancelled at the same token while its prompt is longer),
+  and the engine's knobs.
   `key()` identifies it (the cache of outcomes and a resume rely on it), `size()` orders candidates
   (requests, then tokens, then knobs away from the engine's defaults), `workload_items()` is the
   JSONL that runs it (ids are the original request ids, one rollout each), `to_json()` records it
@@ -83,6 +85,7 @@ class Source:
     expected: dict[int, str | None]
     max_tokens: dict[int, int]
     defaults: dict  # the engine's option defaults
+    aborts: dict = dataclasses.field(default_factory=dict)  # seq -> abort_after_tokens (a client's cancel)
     # the knobs moved toward the defaults, in this order: those with a shrink_order on the engine's
     # Options (lpf.core.knobs; the cache first: it sets how fast slots and blocks recycle)
     shrink_order: tuple[str, ...] = ()
@@ -109,7 +112,7 @@ class Source:
                                                 "max_abs_logprob_diff"]).sort_by("seq").to_pylist()
         req = run.read("requests", ["seq", "request_id", "prompt_id", "prompt_token_ids", "output_token_ids",
                                     "oracle_expected"]).sort_by("seq").to_pylist()
-        per_item = _item_max_tokens(run.path / "workload.jsonl")
+        per_item, aborts = _item_max_tokens(run.path / "workload.jsonl")
         default_mt = run.manifest["sampling"]["max_tokens"]
         engine_cls = get_engine_class(run.manifest["engine"]["name"])
         return cls(path=run.path, manifest=run.manifest, findings=findings, summary=summary,
@@ -117,6 +120,7 @@ class Source:
                    ids={r["seq"]: r["request_id"] for r in req},
                    expected={r["seq"]: r["oracle_expected"] for r in req},
                    max_tokens={r["seq"]: per_item.get(r["prompt_id"]) or default_mt for r in req},
+                   aborts={r["seq"]: aborts[r["prompt_id"]] for r in req if aborts.get(r["prompt_id"])},
                    defaults={name: f.default for name, f in engine_cls.Options.model_fields.items()},
                    shrink_order=tuple(shrink_knobs(engine_cls.Options)))
 
@@ -160,6 +164,38 @@ class Source:
             later = {r["seq"] for r in req if end is not None and r["t_submit"] is not None and r["t_submit"] <= end}
         return sorted(s for s in later if s is not None and s > seq)
 
+    def suspects(self, seq: int) -> dict[int, str]:
+        """Arrival indexes of the requests the trace ties to request `seq`'s state, with why
+        (`suspects.trace_suspects`); empty without a trace."""
+        from lpf.experiments.shrink.suspects import trace_suspects
+        from lpf.run.store import RunDir
+
+        run = RunDir(self.path, self.manifest)
+        if not run.has("trace"):
+            return {}
+        by_id = {r: s for s, r in self.ids.items()}
+        named = trace_suspects(run.read("trace"), self.ids[seq])
+        return {by_id[r]: why for r, why in named.items() if r in by_id}
+
+    def named_moves(self, config: "Config"):
+        """(what, [{knob: value}]) the first-ranked hypothesis points at (`suspects.named_moves`), or None."""
+        from lpf.adapters import get_engine_class
+        from lpf.experiments.shrink.suspects import named_moves
+
+        return named_moves(self.findings.get("hypotheses"), get_engine_class(self.manifest["engine"]["name"]).Options,
+                           config.knob_dict)
+
+    def refused(self, config: "Config") -> str | None:
+        """Why the engine's Options refuse this config's knobs (a drill that needs a knob moved off,
+        say), or None: a refused knob move is not tried (its audit would stop the shrink)."""
+        from lpf.adapters import get_engine_class
+
+        try:
+            get_engine_class(self.manifest["engine"]["name"]).Options(**config.knob_dict)
+        except Exception as e:  # noqa: BLE001 - pydantic's ValidationError or LpfError: either way refused
+            return " ".join(str(e).split())[:200]
+        return None
+
     # -- configurations ----------------------------------------------------------------------------
     def original(self) -> Config:
         knobs = dict(self.manifest["engine"].get("options") or {})
@@ -189,6 +225,8 @@ class Source:
             item = {"id": self.ids[m.seq], "prompt_token_ids": list(prompt[:m.prompt_len]), "max_tokens": m.max_tokens}
             if m.prompt_len == len(prompt) and self.expected.get(m.seq) is not None:
                 item["expected"] = self.expected[m.seq]  # a cut prompt asks something else
+            if self.aborts.get(m.seq) and self.aborts[m.seq] < m.prompt_len:  # the client cancels it as it did
+                item["abort_after_tokens"] = self.aborts[m.seq]
             items.append(item)
         return items
 
@@ -250,14 +288,17 @@ class Source:
         return [f"{n}={v!r}" for n, v in self.threshold_values().items()]
 
 
-def _item_max_tokens(path: Path) -> dict[str, int]:
-    """prompt id -> the item's own max_tokens, from the run's normalized workload."""
+def _item_max_tokens(path: Path) -> tuple[dict[str, int], dict[str, int]]:
+    """(prompt id -> the item's own max_tokens, prompt id -> its abort_after_tokens), from the run's
+    normalized workload."""
     if not path.is_file():
-        return {}
-    out = {}
+        return {}, {}
+    out, aborts = {}, {}
     for line in path.read_text().splitlines():
         if line.strip():
             d = json.loads(line)
             if d.get("max_tokens"):
                 out[d["id"]] = d["max_tokens"]
-    return out
+            if d.get("abort_after_tokens"):
+                aborts[d["id"]] = d["abort_after_tokens"]
+    return out, aborts

@@ -56,7 +56,9 @@ def script_config(engine: dict, model_dir: str, items: list[dict], target_id: st
            "sampling": {k: sampling[k] for k in ("temperature", "top_p", "top_k", "max_tokens", "seed", "ignore_eos",
                                                  "logprobs")},
            "requests": [{"id": it["id"], "prompt_token_ids": it["prompt_token_ids"], "max_tokens": it["max_tokens"],
-                         "seed": request_seed(sampling["seed"], i)} for i, it in enumerate(items)]}
+                         "seed": request_seed(sampling["seed"], i),
+                         **({"abort_after_tokens": it["abort_after_tokens"]} if it.get("abort_after_tokens") else {})}
+                        for i, it in enumerate(items)]}
     if name == "builtin":
         from lpf.builtin.config import EngineConfig
 

@@ -58,15 +58,28 @@ def generate_builtin(cfg: dict, model_dir: str):
     engine = LLMEngine(model_dir, EngineConfig(**cfg["engine_config"]), FaultSet.parse(cfg["inject"]))
     eos = AutoTokenizer.from_pretrained(model_dir).eos_token_id
     sampling = Sampling(**cfg["sampling"])
-    done = {}
+    done, cancelled = {}, {}  # cancelled: a first attempt the client cancels mid-prefill, then resends
     for i, r in enumerate(cfg["requests"]):
-        req = Request(r["id"], list(r["prompt_token_ids"]), sampling, r["max_tokens"], r["seed"], eos, seq=i)
-        rejected = engine.add_request(req)
+        rid = r["id"]
+        if r.get("abort_after_tokens"):
+            rid = f"{r['id']}~attempt0"
+            cancelled[rid] = (i, r)
+            engine.cancel_after(rid, r["abort_after_tokens"])
+        rejected = engine.add_request(Request(rid, list(r["prompt_token_ids"]), sampling, r["max_tokens"], r["seed"],
+                                              eos, seq=i))
         if rejected is not None:
             done[rejected.request_id] = rejected
     while engine.has_unfinished():
         for req in engine.step():
-            done[req.request_id] = req
+            first = cancelled.pop(req.request_id, None)
+            if first is not None and req.error is not None:
+                i, r = first
+                again = Request(r["id"], list(r["prompt_token_ids"]), sampling, r["max_tokens"], r["seed"], eos, seq=i)
+                rejected = engine.add_request(again)
+                if rejected is not None:
+                    done[rejected.request_id] = rejected
+                continue
+            done[first[1]["id"] if first else req.request_id] = req
     target = done[cfg["target"]]
     if target.error:
         print(f"error: the engine could not run the target: {target.error}", file=sys.stderr)

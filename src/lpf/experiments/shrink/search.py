@@ -7,7 +7,12 @@ then has the judge run it (k-of-n, charged against `--budget-runs`). The current
 only ever moves to one that reproduced (`adopt`), and `state.path` lists those moves.
 
 The plan:
-1. A starting point, small before large: the target alone, then with the last 1, 2, 4, ...
+0. What the run knows first (`suspects`): the target with the requests its trace names (who held
+   its state slot before it, who wrote or published the block it resumed from, who shared its
+   first step), then that set under the knob moves that make what the top hypothesis names (a
+   one-token first step on a reused slot: step budget 2 with 2 sequences, or 1 with 1; short chunks:
+   a small step budget). A hit here is the starting point.
+1. Else a starting point, small before large: the target alone, then with the last 1, 2, 4, ...
    requests that arrived before it (an engine's state comes mostly from what ran just before),
    then with every earlier request and the later ones that ran beside it, then the original
    configuration itself with every try. If even that does not show the lie, the shrink ends
@@ -125,6 +130,8 @@ class Shrink:
         target = original.member(self.t)
         before = [m for m in original.members if m.seq < self.t]
         tried, w = set(), 0
+        if self.named(original, target, tried):
+            return
         while True:
             config = original.with_members(before[len(before) - w:] + [target] if w else [target])
             if config.key() != original.key():
@@ -146,6 +153,34 @@ class Shrink:
             self.adopt(original)
             return
         raise NotReproduced
+
+    def named(self, original: Config, target, tried: set) -> bool:
+        """The requests the trace names (`Source.suspects`) with the target, at the original knobs,
+        then at the values of the knob the top hypothesis names (`Source.named_knob`)."""
+        suspects = self.source.suspects(self.t)
+        if not suspects:
+            return False
+        config = original.with_members([m for m in original.members if m.seq in suspects] + [target])
+        n = len(config.members) - 1
+        what = f"the target and the {n} request{'s' * (n != 1)} its trace names"
+        tried.add(config.key())
+        if self.test(config, "requests", what):
+            self.adopt(config)
+            return True
+        named = self.source.named_moves(config)
+        if named is None:
+            return False
+        makes, moves = named
+        for move in moves:
+            moved = config
+            for name, value in move.items():
+                moved = moved.with_knob(name, value)
+            tried.add(moved.key())
+            change = ", ".join(f"{k} {config.knob_dict[k]} -> {v}" for k, v in move.items())
+            if self.test(moved, "requests", f"{what}, {change} ({makes}: the top hypothesis)"):
+                self.adopt(moved)
+                return True
+        return False
 
     def requests(self) -> bool:
         start, target = self.cur, self.cur.member(self.t)
@@ -218,12 +253,14 @@ class Shrink:
         for name in self.source.movable(self.cur):
             value, default = self.cur.knob_dict[name], self.source.defaults[name]
             config = self.cur.with_knob(name, default)
+            if self.source.refused(config):  # e.g. a prefix drill with prefix caching off: never run
+                continue
             if self.test(config, "knobs", f"{name} {value} -> {default} (the engine's default)"):
                 self.adopt(config)
                 moved = True
                 continue
             mid = midpoint(value, default)
-            if mid is not None:
+            if mid is not None and not self.source.refused(self.cur.with_knob(name, mid)):
                 config = self.cur.with_knob(name, mid)
                 if self.test(config, "knobs", f"{name} {value} -> {mid} (halfway to the default {default})"):
                     self.adopt(config)

@@ -1,0 +1,189 @@
+"""Benchmark: the 2026 bug class (prefix caching of Mamba state), drill by drill, scored against ground truth.
+
+For every built-in drill of the class (`lpf.builtin.prefix_drills`, plus stale-state in the configuration
+issue 22 names), one `lpf audit` of >= 1,000 requests (`--quick`: one drill, 240 requests, no shrink;
+its smoke run is in tests/test_bench_quick.py),
+then, from the run directory's `faults/` (ground truth, which analysis never reads) and its findings:
+  recall        flagged (divergent or corrupt) ground-truth requests / ground-truth requests
+  false pos.    requests flagged, or merely `noise`, outside the ground truth
+  named         whether the first-ranked hypothesis' feature is one `prefix_drills.NAMED_BY` accepts
+  tokens        scored tokens (arrival order: request seq, then position) up to the first flagged
+                request's first divergence (its first token past the floor when it has none), and
+                the run-level test's `tokens_needed`
+  shrink        `lpf shrink` with its defaults (budget 60 runs): runs used, the minimum's size
+                (requests, tokens), whether its repro.py exits 1 (and 0 with the drill off)
+prefix-cache-inert is not a verdict: its row reports the run's prefix-cache finding and hit counts.
+
+Configurations (ground truth and knobs from `prefix_drills.KNOBS`):
+  prefix drills  tiny:jamba-longmem, zoo:shared-prefix (1,000 requests), --max-tokens 8,
+                 --max-num-batched-tokens 48, --cache-mb 3, --enable-prefix-caching
+  stale-state    tiny:jamba-longmem, zoo:oracle --n 4 (2,000 requests), --cache-mb 3 --max-num-seqs 16
+                 --max-num-batched-tokens 32 (the configuration issue 22 reports shrink stalling on)
+vLLM drills: VLLM_DRILLS is the hook (empty until the real-vLLM half lands its drills: name -> (knob
+args, accepted features)); `--engine vllm` scores them the same way.
+
+Usage: python bench/bugs.py [--quick] [--out runs/bench-bugs] [--drill NAME ...] [--no-shrink]
+Writes bench/results/bugs.json (with --quick: OUT/quick/bugs_quick.json, never bench/results) and prints the table. Runs are reused when
+complete (delete --out to start over).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+MODEL = "tiny:jamba-longmem"
+PREFIX_ARGS = ["--max-tokens", "8", "--max-num-batched-tokens", "48", "--cache-mb", "3"]
+STALE_ARGS = ["--workload", "zoo:oracle", "--n", "4", "--cache-mb", "3", "--max-num-seqs", "16",
+              "--max-num-batched-tokens", "32"]
+VLLM_DRILLS: dict[str, tuple[list[str], set[str]]] = {}  # the hook for the real-vLLM half (issue 22b)
+
+
+def lpf(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([str(Path(sys.executable).with_name("lpf")), *map(str, args)], capture_output=True, text=True)
+
+
+def drills(quick: bool) -> dict[str, tuple[list[str], set[str]]]:
+    from lpf.builtin.prefix_drills import KNOBS, NAMED_BY
+
+    out = {}
+    for d, knobs in KNOBS.items():
+        extra = [a for k, v in knobs.items() for a in ("-E", f"{k}={v}")]
+        caching = [] if d == "stale-conv-on-reuse" else ["--enable-prefix-caching"]
+        out[d] = (["--workload", "SHARED", *PREFIX_ARGS, *caching, *extra], NAMED_BY[d])
+    out["stale-state"] = (STALE_ARGS, {"first_decode_uncomputed", "first_slot_used_before", "first_step_one_token"})
+    return {"stale-conv-on-reuse": out["stale-conv-on-reuse"]} if quick else out
+
+
+def audit(out: Path, drill: str, args: list[str], workload: Path, engine: str) -> float:
+    if (out / "findings.json").is_file():
+        return 0.0
+    args = [str(workload) if a == "SHARED" else a for a in args]
+    t0 = time.perf_counter()
+    proc = lpf("audit", "--engine", engine, "--model", MODEL, *args, "--inject", drill, "--out", out, "--fail-on", "never")
+    if proc.returncode != 0:
+        raise SystemExit(f"audit of {drill} failed:\n{proc.stderr[-2000:]}")
+    return time.perf_counter() - t0
+
+
+def score(run: Path, named_by: set[str]) -> dict:
+    from lpf.views.query import run_query
+
+    def q(sql):
+        return run_query(run, sql)[1]
+
+    findings = json.loads((run / "findings.json").read_text())
+    truth = {r[0] for r in q("SELECT DISTINCT request_id FROM faults WHERE role = 'corrupted'")} \
+        if (run / "faults").is_dir() else set()
+    rows = q("SELECT request_id, seq, verdict, first_divergence, n_scored_tokens FROM summary ORDER BY seq")
+    flagged = {r[0] for r in rows if r[2] in ("divergent", "corrupt")}
+    departed = {r[0] for r in rows if r[2] not in ("clean", "error", "unscored")}
+    tokens, first = 0, None
+    for _rid, _, verdict, fd, n in rows:
+        if verdict in ("divergent", "corrupt"):
+            first = tokens + (fd + 1 if fd is not None else n)
+            break
+        tokens += n or 0
+    top = (findings.get("hypotheses") or [None])[0]
+    pc = findings.get("prefix_cache") or {}
+    return {"requests": findings["n_requests"], "truth": len(truth), "flagged": len(flagged),
+            "recall": len(flagged & truth) / len(truth) if truth else None,
+            "false_positives": len(departed - truth), "top_feature": top and top["feature"],
+            "named": bool(top and top["feature"] in named_by), "top_sentence": top and top["sentence"],
+            "tokens_to_first_flag": first, "run_test_tokens_needed": (findings.get("run_test") or {}).get("tokens_needed"),
+            "prefix_cache": {k: pc.get(k) for k in ("finding", "inert", "requests_hit", "hit_tokens", "hit_rate",
+                                                    "requests_sharing")}}
+
+
+def shrink(run: Path, out: Path, drill: str, run_it: bool = True) -> dict:
+    """`run_it=False` (--no-shrink): only read a shrink already in `out` (finished or not)."""
+    if not run_it and not (out / "shrink.json").is_file():
+        return {}
+    if run_it and (not (out / "shrink.json").is_file() or
+                   json.loads((out / "shrink.json").read_text()).get("status") == "running"):
+        t0 = time.perf_counter()
+        lpf("shrink", run, "--out", out, "--json")
+        wall = time.perf_counter() - t0
+    else:
+        wall = None
+    doc = json.loads((out / "shrink.json").read_text())
+    best = next((c for c in doc.get("candidates", []) if c["id"] == doc.get("best")), None)
+    res = {"status": doc.get("status"), "runs_used": doc.get("runs_used"), "wall_s": wall,
+           "size": (doc.get("minimal") or {}).get("size") or (best or {}).get("size"),
+           "original_size": (doc.get("original") or {}).get("size")}
+    repro = out / "repro.py"
+    if repro.is_file():
+        res["repro_exit"] = subprocess.run([sys.executable, str(repro)], capture_output=True, text=True).returncode
+        off = repro.with_name("repro_off.py")
+        off.write_text(repro.read_text().replace(f'"inject": "{drill}"', '"inject": ""'))
+        res["repro_off_exit"] = subprocess.run([sys.executable, str(off)], capture_output=True, text=True).returncode
+    return res
+
+
+def table(results: dict) -> str:
+    lines = ["| drill | requests | ground truth | recall | false pos. | top hypothesis names it | tokens to first flag "
+             "(run test) | shrink: runs, minimum (requests, tokens), repro exit (drill off) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for d, r in results.items():
+        s = r.get("shrink") or {}
+        shr = (f"{s.get('runs_used')} runs ({s.get('status')}), {s['original_size'][0]} -> {s['size'][0]} req / {s['size'][1]} tok, "
+               f"repro {s.get('repro_exit', '-')} ({s.get('repro_off_exit', '-')})" if s.get("size")
+               else (s.get("status") or "not run"))
+        if d == "prefix-cache-inert":
+            pc = r["prefix_cache"]
+            lines.append(f"| {d} | {r['requests']} | finding: {pc['finding']} | - | {r['false_positives']} | "
+                         f"- ({pc['requests_hit']} hit, {pc['requests_sharing']} share a block) | - | - |")
+            continue
+        recall = "-" if r["recall"] is None else f"{r['recall']:.3f}"
+        lines.append(f"| {d} | {r['requests']} | {r['truth']} | {recall} | {r['false_positives']} | "
+                     f"{'yes' if r['named'] else 'no'} ({r['top_feature']}) | {r['tokens_to_first_flag']} "
+                     f"({r['run_test_tokens_needed']}) | {shr} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="one drill, 240 requests, no shrink (the test's smoke run)")
+    ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-bugs")
+    ap.add_argument("--drill", action="append", help="only these drills")
+    ap.add_argument("--no-shrink", action="store_true")
+    ap.add_argument("--engine", default="builtin", choices=("builtin", "vllm"))
+    ap.add_argument("--results", type=Path, help="where the JSON goes (default bench/results/bugs[_quick].json)")
+    a = ap.parse_args()
+    from lpf.zoo import registry
+
+    out = a.out / ("quick" if a.quick else "full")
+    out.mkdir(parents=True, exist_ok=True)
+    workload = out / "shared-prefix.jsonl"
+    if not workload.is_file():
+        items = registry.workload_items("shared-prefix", n=240 if a.quick else 1000)
+        workload.write_text("".join(json.dumps(i) + "\n" for i in items))
+    plan = VLLM_DRILLS if a.engine == "vllm" else drills(a.quick)
+    if a.engine == "vllm" and not plan:
+        raise SystemExit("no vLLM drills registered yet (VLLM_DRILLS in bench/bugs.py: the real-vLLM half fills it)")
+    results = {}
+    for d, (args, named_by) in plan.items():
+        if a.drill and d not in a.drill:
+            continue
+        run = out / d
+        wall = audit(run, d, args, workload, a.engine)
+        results[d] = {**score(run, named_by), "audit_s": wall}
+        if not (a.quick or d == "prefix-cache-inert"):
+            results[d]["shrink"] = shrink(run, out / f"{d}-shrink", d, run_it=not a.no_shrink)
+        print(f"{d}: {json.dumps(results[d], default=str)}", flush=True)
+    dest = a.results or (out / "bugs_quick.json" if a.quick else ROOT / "bench" / "results" / "bugs.json")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.write_text(json.dumps({"results": results, "config": {"model": MODEL, "prefix": PREFIX_ARGS,
+                                                               "stale_state": STALE_ARGS}}, indent=1, default=str))
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()
