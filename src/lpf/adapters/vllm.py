@@ -279,11 +279,9 @@ class VLLMEngine(Engine):
 
     def describe(self) -> dict:
         status = self.trace_status or {}
-        cache = {}
-        if status.get("provenance"):  # the plugin read vLLM's align-mode Mamba prefix cache (its block: every group's)
-            cache = {"cache": {"prefix_cache": {"block_size": status.get("mamba_block_size"),
-                                                "mamba_block_size": status.get("mamba_block_size"),
-                                                "mamba_cache_mode": status.get("mamba_cache_mode")}}}
+        from lpf.adapters.vllm_trace import prefix_cache_info
+
+        cache = {"cache": prefix_cache_info(status)} if prefix_cache_info(status) else {}
         return {"name": self.name, "version": self.ready.get("vllm_version"), "options": self.options.to_dict(), **cache,
                 "engine_args": self.engine_args, "logprobs_mode": self.ready.get("logprobs_mode"),
                 "python": str(self.python), "cpu_build": _is_cpu_build(self.python), "trace": self._trace_info(),
