@@ -8,7 +8,7 @@ Contract (pure helpers `RemoteEngine` calls; no I/O of their own):
   (`ID~attempt0`, as the built-in engine names its cancelled attempt), so its trace rows stay apart
   from the answer's; `cancel_record(...)` is its attempt record (`schema.ATTEMPT` fields, `cancelled`
   in the error, never an answer thrown away: an answer that came back before the cancel is the
-  request's answer and is recorded as such).
+  request's answer, its one attempt, and its server trace rows keep the id `ID~attempt0`).
 - `burst_arrivals(requests, prefix_tokens, gap_s)`: send times (seconds after the start) that put
   every request whose first `prefix_tokens` prompt tokens agree into one burst at the same instant,
   bursts `gap_s` apart in the arrival order of their first request: N requests sharing a prefix

@@ -224,9 +224,11 @@ class RemoteEngine(Engine):
         first: list = []
         t = time.time()
         try:
-            return await asyncio.wait_for(
+            body = await asyncio.wait_for(
                 self.call(client, dataclasses.replace(req, request_id=CANCELLED_ID(req.request_id)), deadline,
                           breaker, first), ms / 1000)
+            log.extend(first)  # it beat the cancel: the request's answer (its server rows keep ID~attempt0)
+            return body
         except asyncio.TimeoutError:
             cancel_record(log, t, time.time(), ms)
         except RequestFailed:
