@@ -12,7 +12,9 @@ Contract:
   vLLM-only ones) and, under a drill, `DIR/faults/part-<pid>-<n>.parquet` (`schema.FAULTS`), each
   part atomically (a `.tmp-` name, then a rename). `request_id` there is vLLM's own id for the
   request as the runner knows it; lpf maps it back to its own.
-- `LPF_VLLM_INJECT=stale-state[,offset-wrap:BITS]` puts a drill in (`drills.py`).
+- `LPF_VLLM_INJECT=stale-state[,offset-wrap:BITS][,publish-before-write][,unaligned-chunk-hashed]` puts
+  drills in (`drills.py`). With vLLM's align-mode prefix cache on, the prefix-cache columns are filled
+  from its cache manager (`prefix_log.py`).
 - `status()` and `flush()` are for a caller in the same process (lpf's offline worker): the status
   dict, and "write every buffered row now" (before it reports the requests those rows describe).
 It never imports lpf: it runs in vLLM's interpreter.

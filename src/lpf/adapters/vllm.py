@@ -92,6 +92,12 @@ def _is_cpu_build(python: Path) -> bool:
 
 
 VLLM_DRILLS = ("stale-state", "offset-wrap", "publish-before-write", "unaligned-chunk-hashed")
+# the prefix-cache drills: the knobs they run under on the CPU build (prefix caching on, a step budget below the
+# 128-token Mamba block: docs/real-engines.md) and the hypothesis that names each (bench/bugs.py, the tests)
+PREFIX_DRILL_KNOBS = {"enable_prefix_caching": True, "enable_chunked_prefill": True, "max_num_batched_tokens": 48,
+                      "max_num_seqs": 4}
+PREFIX_DRILL_NAMED_BY = {"publish-before-write": {"resumed_in_publishing_step"},
+                         "unaligned-chunk-hashed": {"resumed_truncated_state"}}
 
 
 class VLLMOptions(Options):
