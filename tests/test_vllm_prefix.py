@@ -42,6 +42,12 @@ def prefix_runs(tmp_path_factory):
     return base, runs
 
 
+def test_a_prefix_drill_without_the_prefix_cache_is_refused(lpf_cli, tmp_path):
+    r = lpf_cli("run", "--engine", "vllm", "--model", "tiny:hybrid", "--inject", "unaligned-chunk-hashed",
+                "-E", "enable_prefix_caching=false", "--out", tmp_path / "r")
+    assert r.code == 2 and "needs -E enable_prefix_caching=true" in r.err and not (tmp_path / "r").exists()
+
+
 def _hits(run):
     return q(run, """SELECT request_id, step, prefix_cache_hit_tokens, resume_block, resume_writer, resume_write_step,
                             resume_covers_tokens, resume_publisher, resume_publish_step

@@ -42,7 +42,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from lpf.adapters.base import Completion, Engine, Options
 from lpf.core.knobs import knob
@@ -142,6 +142,13 @@ class VLLMOptions(Options):
             raise LpfError(f"the vllm engine has no drill {missing[0]!r}: it re-creates "
                            f"{', '.join(VLLM_DRILLS)} through lpf-vllm-trace (the built-in engine has them all)")
         return value
+
+    @model_validator(mode="after")
+    def _prefix_drills_need_the_cache(self):
+        drills = [d for d in PREFIX_DRILL_NAMED_BY if d in self.inject.split(",")]
+        if drills and self.enable_prefix_caching is False:
+            raise LpfError(f"--inject {drills[0]} re-creates a prefix-caching bug: it needs -E enable_prefix_caching=true")
+        return self
 
 
 class VLLMEngine(Engine):
