@@ -18,7 +18,10 @@ no logprobs allows (`lpf.analysis.token_test`, the engine's logprobs never read)
 (temperature 1, with the seeded replay of the built-in engine's sampler, Token-DiFR's setting, and without
 it), on prose the zoo model was not trained to continue (400 prompts, 16 tokens each past EOS): on its
 trained tasks the 4-bit copy changes no greedy token, so tokens alone cannot see it there.
-Usage: python bench/detection.py [--windows 500] [--out runs/bench-detection] [--part logprobs|tokens|both]
+`--quick` is the smoke run `make test` does (seconds; nothing asserted of the numbers, no results
+file): two configs of each part (clean float32 and quantize-weights:4, greedy) on 40 requests of at
+most 8 tokens, in a temporary folder, 50 windows.
+Usage: python bench/detection.py [--windows 500] [--out runs/bench-detection] [--part logprobs|tokens|both] [--quick]
 (writes bench/results/detection.json and detection_tokens.json, prints the tables)
 """
 
@@ -60,11 +63,12 @@ TOKEN_CONFIGS = {  # name -> (engine dtype, drill or None, temperature)
 TOKEN_SIZES = (25, 50, 100, 300, 1000, 3000)
 
 
-def audit(out: Path, dtype: str, drill: str | None, workload: str = "zoo:stress", extra: tuple = ()) -> Path:
+def audit(out: Path, dtype: str, drill: str | None, workload: str = "zoo:stress", extra: tuple = (),
+          max_tokens: int = 16) -> Path:
     if (out / "findings.json").is_file():
         return out
     args = [str(Path(sys.executable).with_name("lpf")), "audit", "--model", "zoo:hybrid", "--workload", workload,
-            "--max-tokens", "16", "--dtype", dtype, "--out", str(out), "--fail-on", "never", "-E", "threads=1",
+            "--max-tokens", str(max_tokens), "--dtype", dtype, "--out", str(out), "--fail-on", "never", "-E", "threads=1",
             *extra]
     if drill:
         args += ["--inject", drill]
@@ -166,12 +170,14 @@ def token_scores(ev: dict, size: int, starts: np.ndarray, alpha: float) -> np.nd
 def tokens_part(a, alpha: float, rng) -> None:
     out = a.out / "tokens-only"
     out.mkdir(parents=True, exist_ok=True)
-    workload = prose_workload(out / "prose400.jsonl")
+    workload = prose_workload(out / "prose400.jsonl", 40 if a.quick else 400)
+    configs = {k: TOKEN_CONFIGS[k] for k in ("greedy clean float32", "greedy quantize-weights:4")} if a.quick \
+        else TOKEN_CONFIGS
     ev = {}
-    for name, (dtype, drill, temp) in TOKEN_CONFIGS.items():
+    for name, (dtype, drill, temp) in configs.items():
         extra = ("--ignore-eos", "--temperature", str(temp), "--seed", "3")
         ev[name] = token_evidence(audit(out / name.replace(" ", "-").replace(":", "-"), dtype, drill, str(workload),
-                                        extra))
+                                        extra, 8 if a.quick else 16))
     n_min = min(e["unseeded"]["n"] for e in ev.values())
     sizes = [s for s in TOKEN_SIZES if s <= n_min]
     starts = {s: rng.integers(0, n_min - s + 1, a.windows) for s in sizes}
@@ -181,7 +187,7 @@ def tokens_part(a, alpha: float, rng) -> None:
     result = {"measured": time.strftime("%Y-%m-%d"), "alpha": alpha, "windows": a.windows, "sizes": sizes,
               "workload": "400 prose prompts (zoo filler text), 16 tokens each (--ignore-eos), zoo:hybrid, built-in engine",
               "n_tokens": {k: e["unseeded"]["n"] for k, e in ev.items()}, "false_alarm": {}, "auc": {}, "smallest_n": {}}
-    for name, (dtype, drill, temp) in TOKEN_CONFIGS.items():
+    for name, (dtype, drill, temp) in configs.items():
         kind = "greedy" if temp == 0 else "sampled"
         if drill is None:
             result["false_alarm"][name] = {m: {s: float(np.mean(scores[name][m][s] > -np.log10(alpha))) for s in sizes}
@@ -191,8 +197,9 @@ def tokens_part(a, alpha: float, rng) -> None:
         result["auc"][name] = {m: {s: auc(scores[name][m][s], scores[clean][m][s]) for s in sizes} for m in methods}
         result["smallest_n"][name] = {m: next((s for s in sizes if result["auc"][name][m][s] >= 0.999), None)
                                       for m in methods}
-    (ROOT / "bench" / "results").mkdir(exist_ok=True)
-    (ROOT / "bench" / "results" / "detection_tokens.json").write_text(json.dumps(result, indent=1) + "\n")
+    if not a.quick:
+        (ROOT / "bench" / "results").mkdir(exist_ok=True)
+        (ROOT / "bench" / "results" / "detection_tokens.json").write_text(json.dumps(result, indent=1) + "\n")
     head = "| run | " + " | ".join(f"N={s}" for s in sizes) + " | smallest N (AUC >= 0.999) |"
     for meth in methods:
         print(f"\ntokens only, AUC, {meth}:\n{head}\n|" + "---|" * (len(sizes) + 2))
@@ -210,19 +217,41 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-detection")
     ap.add_argument("--alpha", type=float, default=None)
     ap.add_argument("--part", choices=("logprobs", "tokens", "both"), default="both")
+    ap.add_argument("--quick", action="store_true", help="two configs a part, 40 short requests, a temporary folder (a smoke run)")
     a = ap.parse_args()
     from lpf.analysis.run_test import DEFAULT_ALPHA
 
     alpha = a.alpha or DEFAULT_ALPHA
+    configs, workload, max_tokens = CONFIGS, "zoo:stress", 16
+    if a.quick:
+        import tempfile
+
+        from lpf.zoo import registry
+
+        configs = {k: CONFIGS[k] for k in ("clean float32", "quantize-weights:4")}
+        a.out, a.windows, max_tokens = Path(tempfile.mkdtemp(prefix="lpf-bench-detection-")), 50, 8
+        workload = str(a.out / "stress40.jsonl")
+        Path(workload).write_text("".join(json.dumps({"id": i["id"], "prompt": i["prompt"]}) + "\n"
+                                          for i in registry.workload_items("stress", seed=0, n=40)))
     a.out.mkdir(parents=True, exist_ok=True)
-    if a.part in ("tokens", "both"):
-        tokens_part(a, alpha, np.random.default_rng(1))
-    if a.part == "tokens":
-        return
+    try:
+        if a.part in ("tokens", "both"):
+            tokens_part(a, alpha, np.random.default_rng(1))
+        if a.part != "tokens":
+            logprobs_part(a, alpha, configs, workload, max_tokens)
+    finally:
+        if a.quick:
+            import shutil
+
+            shutil.rmtree(a.out, ignore_errors=True)
+
+
+def logprobs_part(a, alpha: float, configs: dict, workload: str, max_tokens: int) -> None:
     rng = np.random.default_rng(0)
     ev = {}
-    for name, (dtype, drill) in CONFIGS.items():
-        ev[name] = evidence(audit(a.out / name.replace(" ", "-").replace(":", "-").replace("+", "p"), dtype, drill))
+    for name, (dtype, drill) in configs.items():
+        ev[name] = evidence(audit(a.out / name.replace(" ", "-").replace(":", "-").replace("+", "p"), dtype, drill,
+                                  workload, (), max_tokens))
     n_min = min(e["shipped"]["n"] for e in ev.values())
     sizes = [s for s in SIZES if s <= n_min]
     starts = {s: rng.integers(0, n_min - s + 1, a.windows) for s in sizes}
@@ -233,18 +262,19 @@ def main() -> None:
               "n_tokens": {k: e["shipped"]["n"] for k, e in ev.items()},
               "floors": {k: e["floor"]["pair"] + " (" + e["floor"]["detail"] + ")" for k, e in ev.items()},
               "false_alarm": {}, "auc": {}, "smallest_n": {}}
-    for name in ("clean float32", "clean bfloat16"):
+    for name in [c for c in ("clean float32", "clean bfloat16") if c in configs]:
         result["false_alarm"][name] = {m: {s: float(np.mean(scores[name][m][s] > -np.log10(alpha))) for s in sizes}
                                        for m in ("shipped", "token only")}
-    for name, (dtype, drill) in CONFIGS.items():
+    for name, (dtype, drill) in configs.items():
         if drill is None:
             continue
         clean = "clean float32" if dtype == "float32" else "clean bfloat16"
         result["auc"][name] = {m: {s: auc(scores[name][m][s], scores[clean][m][s]) for s in sizes} for m in methods}
         result["smallest_n"][name] = {m: next((s for s in sizes if result["auc"][name][m][s] >= 0.999), None)
                                       for m in methods}
-    (ROOT / "bench" / "results").mkdir(exist_ok=True)
-    (ROOT / "bench" / "results" / "detection.json").write_text(json.dumps(result, indent=1) + "\n")
+    if not a.quick:
+        (ROOT / "bench" / "results").mkdir(exist_ok=True)
+        (ROOT / "bench" / "results" / "detection.json").write_text(json.dumps(result, indent=1) + "\n")
     head = "| run | " + " | ".join(f"N={s}" for s in sizes) + " | smallest N (AUC >= 0.999) |"
     for meth in methods:
         print(f"\nAUC, {meth}:\n{head}\n|" + "---|" * (len(sizes) + 2))

@@ -23,7 +23,10 @@ tokens) with and without `--enable-prefix-caching`, same knobs, interleaved repe
 prompt tokens the engine computed (prefill and extend rows of the trace) and the tokens the cache
 supplied (its hit tokens), the fraction saved, the in-engine window and the generation time (wall
 minus the same start-up subtraction), each as a ratio to the run without caching.
-Usage: python bench/engine.py [--requests N] [--model SPEC] [--only prefix]   (writes bench/results/engine.json)
+`--quick` is the smoke run `make test` does (nothing timed is asserted, no results file): 6 requests
+of at most 8 tokens, one run each, start-up not subtracted, no vLLM or llama.cpp column and no
+prefix-caching rows (bench/vllm_trace.py --quick runs the vllm adapter).
+Usage: python bench/engine.py [--requests N] [--model SPEC] [--only prefix] [--quick]   (writes bench/results/engine.json)
 """
 
 from __future__ import annotations
@@ -39,14 +42,14 @@ import time
 from pathlib import Path
 
 
-def lpf_run(engine: str, model: str, workload: Path, out: Path, extra: list[str]) -> float:
+def lpf_run(engine: str, model: str, workload: Path, out: Path, extra: list[str], max_tokens: int = 128) -> float:
     exe = Path(sys.executable).with_name("lpf")
     # one intra-op thread for both: at these model sizes more threads only add scheduling overhead,
     # and the builtin engine defaults to 1
     env = dict(os.environ, OMP_NUM_THREADS="1")
     t0 = time.perf_counter()
     subprocess.run([str(exe), "run", "--engine", engine, "--model", model, "--workload", str(workload),
-                    "--out", str(out), "--ignore-eos", "--max-tokens", "128", "--part-size", "100000", *extra],
+                    "--out", str(out), "--ignore-eos", "--max-tokens", str(max_tokens), "--part-size", "100000", *extra],
                    check=True, capture_output=True, text=True, env=env)
     return time.perf_counter() - t0
 
@@ -170,7 +173,12 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--repeats", type=int, default=3, help="runs per engine, interleaved; the median is reported")
     ap.add_argument("--only", choices=["prefix"], default=None, help="run only the prefix-caching rows")
+    ap.add_argument("--quick", action="store_true",
+                    help="6 short requests, one run each, no start-up runs, no vLLM, llama.cpp or prefix rows (a smoke run)")
     a = ap.parse_args()
+    max_tokens = 8 if a.quick else 128
+    if a.quick:
+        a.requests, a.repeats = 6, 1
     import pyarrow.parquet as pq
 
     from lpf.zoo import registry
@@ -189,10 +197,10 @@ def main() -> None:
         return
     items = registry.workload_items("stress", seed=1, n=a.requests)
     engines = {"hf": ["-E", "batch_size=32"], "builtin": ["--max-num-seqs", "64", "--max-num-batched-tokens", "512"]}
-    vllm_extra, vllm_where = vllm_args()
+    vllm_extra, vllm_where = vllm_args() if not a.quick else (None, "--quick (the vLLM benches' own --quick runs vLLM)")
     if vllm_extra is None:
         print(f"vLLM column skipped: {vllm_where}", file=sys.stderr)
-    llama_extra, llama_where = llamacpp_args()
+    llama_extra, llama_where = llamacpp_args() if not a.quick else (None, "--quick")
     if llama_extra is None:
         print(f"llama.cpp column skipped: {llama_where}", file=sys.stderr)
     else:
@@ -201,23 +209,23 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         wl = tmp / "stress.jsonl"
-        wl.write_text("".join(json.dumps({"id": it["id"], "prompt": it["prompt"], "max_tokens": it["max_tokens"]}) + "\n"
-                              for it in items))
+        wl.write_text("".join(json.dumps({"id": it["id"], "prompt": it["prompt"],
+                                          "max_tokens": min(it["max_tokens"], max_tokens)}) + "\n" for it in items))
         times: dict[str, list[float]] = {name: [] for name in engines}
         if llama_extra is not None:  # the first run writes the GGUF (cached): start-up is the second one
             (tmp / "warm").mkdir()
             startup("llamacpp", model, tmp / "warm", llama_extra)
-        base = {name: startup(name, model, tmp, extra) for name, extra in engines.items()}
+        base = {name: 0.0 if a.quick else startup(name, model, tmp, extra) for name, extra in engines.items()}
         windows: dict[str, list[float]] = {name: [] for name in [*engines, "vllm"]}
         vllm_walls: list[float] = []
         for rep in range(a.repeats):  # interleaved, so a noisy minute hurts both engines alike
             for name, extra in engines.items():
                 out = tmp / f"{name}-{rep}"
-                times[name].append(lpf_run(name, model, wl, out, extra) - base[name])
+                times[name].append(lpf_run(name, model, wl, out, extra, max_tokens) - base[name])
                 windows[name].append(in_engine_window(out))
             if vllm_extra is not None:
                 out = tmp / f"vllm-{rep}"
-                vllm_walls.append(lpf_run("vllm", model, wl, out, vllm_extra))
+                vllm_walls.append(lpf_run("vllm", model, wl, out, vllm_extra, max_tokens))
                 windows["vllm"].append(in_engine_window(out))
         for name in engines:
             req = pq.read_table(tmp / f"{name}-0" / "requests")
@@ -259,10 +267,10 @@ def main() -> None:
                   f"{same}/{len(bi_out)}", file=sys.stderr)
         else:
             results["vllm"] = {"skipped": vllm_where}
-        prefix = prefix_caching(model, tmp, a.repeats, base["builtin"])
+        prefix = prefix_caching(model, tmp, a.repeats, base["builtin"]) if not a.quick else None
     ratio = results["builtin"]["tokens_per_s"] / results["hf"]["tokens_per_s"]
     out = {"model": model, "requests": a.requests, "ratio": ratio, "results": results, "date": time.strftime("%Y-%m-%d"),
-           "prefix_caching": {**prefix, "date": time.strftime("%Y-%m-%d")}}
+           "prefix_caching": {**prefix, "date": time.strftime("%Y-%m-%d")} if prefix else None}
     has_vllm = "tokens_per_s" in results["vllm"]
     if has_vllm:
         out["ratio_vllm_vs_hf"] = results["vllm"]["tokens_per_s"] / results["hf"]["tokens_per_s"]
@@ -273,8 +281,9 @@ def main() -> None:
         out["ratio_llamacpp_vs_builtin"] = results["llamacpp"]["tokens_per_s"] / results["builtin"]["tokens_per_s"]
         if has_vllm:
             out["ratio_llamacpp_vs_vllm"] = results["llamacpp"]["tokens_per_s"] / results["vllm"]["tokens_per_s"]
-    results_file.parent.mkdir(exist_ok=True)
-    results_file.write_text(json.dumps(out, indent=2))
+    if not a.quick:
+        results_file.parent.mkdir(exist_ok=True)
+        results_file.write_text(json.dumps(out, indent=2))
     vl = results["vllm"].get("tokens_per_s")
     col = (lambda tps: f" {tps / vl:.2f}x |") if has_vllm else (lambda tps: "")
     print("| engine | output tokens/s | vs HF generate |" + (" vs vLLM |" if has_vllm else ""))
@@ -301,7 +310,10 @@ def main() -> None:
           + (f"; llama.cpp's identical to builtin's up to the first EOS: "
              f"{results['llamacpp']['identical_until_eos_vs_builtin']}/{results['llamacpp']['of_requests']}"
              if has_llama else ""))
-    print_prefix(prefix)
+    if prefix:
+        print_prefix(prefix)
+    else:
+        print("\n(prefix-caching rows skipped: --quick)")
 
 
 if __name__ == "__main__":

@@ -4,8 +4,12 @@ A synthetic but schema-true run directory is written once (zoo:hybrid's tokenize
 32 output tokens with top-5 on both sides, a per-step trace, 0.5% of requests corrupted from some
 position on; parts of 64 requests as `lpf run` writes them, reference parts of 512 requests), analysed with the real `lpf analyze` code, then `write_report` is timed in a fresh
 subprocess (imports included, as a user running `lpf report` pays them). The baseline for size is
-the same page with every request drawn in the scatter (no downsampling).
-Usage: python bench/report.py [--requests N] [--keep DIR]   (writes bench/results/report.json)
+the same page with every request drawn in the scatter (no downsampling). Tables are built with
+`lpf.run.schema.table` (the columns the bench has, the others null), so a schema change cannot
+break the bench.
+`--quick`: 2,000 requests, one timed report, nothing written under bench/results (the smoke run
+`make test` does: it checks the bench runs, not how fast).
+Usage: python bench/report.py [--requests N] [--keep DIR] [--quick]   (writes bench/results/report.json)
 """
 
 from __future__ import annotations
@@ -61,23 +65,22 @@ def build(path: Path, n: int, seed: int = 0) -> None:
         topk_ids = np.concatenate([out[..., None], rng.integers(4, 500, (m, OUT_TOKENS, TOPK - 1), dtype=np.int32)], -1)
         topk_lp = np.sort(-rng.exponential(3, (m, OUT_TOKENS, TOPK)), -1)[..., ::-1].astype(np.float32)
         rid = np.repeat(ids[lo:hi], OUT_TOKENS)
-        requests = pa.table({
+        requests = schema.table(schema.REQUESTS, {
             "request_id": ids[lo:hi], "seq": np.arange(lo, hi), "prompt_id": ids[lo:hi], "rollout": np.zeros(m, np.int32),
             "prompt_token_ids": _lists(rng.integers(4, 500, (m, PROMPT), dtype=np.int32), PROMPT, pa.int32()),
             "output_token_ids": _lists(out, OUT_TOKENS, pa.int32()),
             "output_text": np.array(["synthetic output"] * m, dtype=object), "finish_reason": np.array(["length"] * m, dtype=object),
-            "error": pa.nulls(m, pa.string()), "t_submit": np.zeros(m), "t_first_token": np.zeros(m), "t_finish": np.zeros(m),
-            "oracle_expected": pa.nulls(m, pa.string()), "oracle_ok": pa.nulls(m, pa.bool_())}, schema=schema.REQUESTS)
-        tokens = pa.table({"request_id": rid, "position": pos, "token_id": out.ravel(), "engine_logprob": eng.ravel(),
-                           "engine_topk_ids": _lists(topk_ids, TOPK, pa.int32()),
-                           "engine_topk_logprobs": _lists(topk_lp, TOPK, pa.float32())}, schema=schema.TOKENS)
+            "t_submit": np.zeros(m), "t_first_token": np.zeros(m), "t_finish": np.zeros(m)})
+        tokens = schema.table(schema.TOKENS, {
+            "request_id": rid, "position": pos, "token_id": out.ravel(), "engine_logprob": eng.ravel(),
+            "engine_topk_ids": _lists(topk_ids, TOPK, pa.int32()), "engine_topk_logprobs": _lists(topk_lp, TOPK, pa.float32())})
         for a in range(0, m, PART):
             run.append_requests(requests.slice(a, PART), tokens.slice(a * OUT_TOKENS, PART * OUT_TOKENS))
-        reference = pa.table({
+        reference = schema.table(schema.REFERENCE, {
             "request_id": rid, "position": pos, "ref_logprob": ref.ravel(), "ref_rank": np.where(bad, 7, 1).ravel().astype(np.int32),
             "ref_entropy": np.full(m * OUT_TOKENS, 0.1, np.float32), "ref_top1_id": np.where(bad, 3, out).ravel().astype(np.int32),
             "ref_top1_logprob": np.where(bad, -0.01, ref).ravel(), "ref_topk_ids": _lists(topk_ids, TOPK, pa.int32()),
-            "ref_topk_logprobs": _lists(topk_lp, TOPK, pa.float32())}, schema=schema.REFERENCE)
+            "ref_topk_logprobs": _lists(topk_lp, TOPK, pa.float32())})
         for a in range(0, m, REF_PART):
             run.append("reference", reference.slice(a * OUT_TOKENS, REF_PART * OUT_TOKENS))
         # trace: request i arrives at step i // 8 and runs 1 prefill + 32 decode steps
@@ -85,7 +88,7 @@ def build(path: Path, n: int, seed: int = 0) -> None:
         req = np.repeat(np.arange(lo, hi), OUT_TOKENS + 1)
         step = (req // PER_STEP_ARRIVALS) + np.tile(k, m)
         live = (OUT_TOKENS + 1) * PER_STEP_ARRIVALS
-        trace = pa.table({
+        trace = schema.table(schema.TRACE, {
             "step": step.astype(np.int64), "request_id": ids[req], "phase": np.where(np.tile(k, m) == 0, "prefill", "decode"),
             "num_computed_tokens": np.where(np.tile(k, m) == 0, 0, PROMPT + np.tile(k, m) - 1).astype(np.int32),
             "num_scheduled_tokens": np.where(np.tile(k, m) == 0, PROMPT, 1).astype(np.int32),
@@ -130,26 +133,30 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=100_000)
     ap.add_argument("--keep", type=Path, default=None, help="build the run here and keep it")
+    ap.add_argument("--quick", action="store_true", help="2,000 requests, one report, no results file (a smoke run)")
     args = ap.parse_args()
+    if args.quick:
+        args.requests = min(args.requests, 2000)
     with tempfile.TemporaryDirectory() as tmp:
         path = args.keep or Path(tmp) / "run"
         t = time.perf_counter()
         build(path, args.requests)
         built = time.perf_counter() - t
         analysed = analyze(path)
-        runs = [timed_report(path) for _ in range(3)]
+        runs = [timed_report(path) for _ in range(1 if args.quick else 3)]
         best = min(runs, key=lambda r: r["seconds"])
         result = {"requests": args.requests, "tokens": args.requests * OUT_TOKENS, "build_s": built,
                   "analyze_s": analysed, "report_s_runs": [r["seconds"] for r in runs], "report_s": best["seconds"],
                   "peak_rss_mb": best["peak_rss_mb"], "html_mb": best["html_mb"], "baseline_html_mb": baseline_size(path),
                   "target_s": 30, "target_mb": 20}
-    out = Path(__file__).with_name("results") / "report.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    if not args.quick:
+        out = Path(__file__).with_name("results") / "report.json"
+        out.parent.mkdir(exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"report for {result['requests']:,} requests ({result['tokens']:,} tokens): "
           f"{result['report_s']:.1f} s (target < 30 s; runs {', '.join(f'{s:.1f}' for s in result['report_s_runs'])}), "
-          f"{result['html_mb']:.1f} MB (target < 20 MB; every request drawn: {result['baseline_html_mb']:.1f} MB), "
-          f"peak RSS {result['peak_rss_mb']:.0f} MB")
+          f"{result['html_mb']:.1f} MB (target < 20 MB; every request drawn: {result['baseline_html_mb']:.1f} MB, "
+          f"{result['html_mb'] / result['baseline_html_mb']:.2f}x), peak RSS {result['peak_rss_mb']:.0f} MB")
 
 
 if __name__ == "__main__":

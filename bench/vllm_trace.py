@@ -13,7 +13,9 @@ share the cores). vLLM's 10-30 s start-up is outside the window.
 Two configurations: the drill's (zoo:oracle, 500 requests, 16 tokens, a 32-token step budget over 16
 sequences: many small steps, the worst case for a per-step cost) and the engine bench's (zoo:stress,
 200 requests, 128 tokens, 512-token budget over 64 sequences).
-Usage: python bench/vllm_trace.py [--repeats N]   (writes bench/results/vllm_trace.json; needs .venv-vllm)
+`--quick` is the smoke run `make test` does (nothing timed is asserted, no results file): the drill
+config on 40 requests, one repeat of each mode.
+Usage: python bench/vllm_trace.py [--repeats N] [--quick]   (writes bench/results/vllm_trace.json; needs .venv-vllm)
 """
 
 from __future__ import annotations
@@ -93,7 +95,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "vllm_trace.json")
+    ap.add_argument("--quick", action="store_true", help="the drill config, 40 requests, one repeat, no results file")
     args = ap.parse_args()
+    configs = CONFIGS
+    if args.quick:
+        args.repeats = 1
+        configs = {"drill": {**CONFIGS["drill"], "n_requests": 40}}
     try:
         vllm_python()
     except LpfError as e:
@@ -101,7 +108,7 @@ def main() -> None:
     os.environ["OMP_NUM_THREADS"] = "1"  # reaches the worker: one intra-op thread, as in bench/engine.py
     results = {"date": time.strftime("%Y-%m-%d"), "model": MODEL, "repeats": args.repeats, "configs": {}}
     with tempfile.TemporaryDirectory(prefix="lpf-bench-vllm-trace-") as tmp:
-        for name, cfg in CONFIGS.items():
+        for name, cfg in configs.items():
             run, reqs = requests(cfg, Path(tmp))
             runs = []
             for i in range(args.repeats):
@@ -119,8 +126,9 @@ def main() -> None:
             c = results["configs"][name]
             print(f"{name}: cpu {c['median_cpu_off']:.2f} -> {c['median_cpu_on']:.2f} s ({c['ratio_cpu']:.3f}x), "
                   f"wall {c['median_wall_off']:.2f} -> {c['median_wall_on']:.2f} s ({c['ratio_wall']:.3f}x)", file=sys.stderr)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    if not args.quick:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=2) + "\n")
     print(json.dumps({k: {"cpu": round(v["ratio_cpu"], 3), "wall": round(v["ratio_wall"], 3)}
                       for k, v in results["configs"].items()}))
 

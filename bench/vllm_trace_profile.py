@@ -10,6 +10,7 @@
 Run it with vLLM's interpreter and the plugin installed (`make vllm`):
   .venv-vllm/bin/python bench/vllm_trace_profile.py MODEL_DIR [--max-num-seqs N] [--max-num-batched-tokens N]
 Prints one JSON line (`make bench-vllm` appends one per configuration to bench/results/vllm_trace_profile.jsonl).
+`--quick` is the smoke run `make test` does (nothing timed is asserted): 32 requests, one round of each mode.
 """
 
 import argparse
@@ -32,7 +33,10 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--requests", type=int, default=500)
     ap.add_argument("--rounds", type=int, default=5, help="rounds per mode")
+    ap.add_argument("--quick", action="store_true", help="32 requests, one round per mode (a smoke run)")
     args = ap.parse_args()
+    if args.quick:
+        args.requests, args.rounds = 32, 1
     os.environ.setdefault("LPF_VLLM_TRACE_DIR", tempfile.mkdtemp(prefix="lpf-trace-profile-"))
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")

@@ -206,14 +206,18 @@ def test_estimate_period():
 
 
 def test_chunked_scoring_equals_whole_run(monkeypatch):
-    """Big runs are scored in request-aligned chunks: the results must not depend on the cut."""
+    """Big runs are scored in request-aligned chunks, their metric columns summarized leaf by leaf:
+    the results must not depend on the cut."""
     import json
 
     import lpf.analysis.findings as findings
+    from lpf.analysis import column_stats, metrics, scoring
 
     tables = _noise_run(120, 9, 0.01, seed=4, liars={7, 80})
     whole = findings.analyze(*tables, Thresholds(), greedy=True)
-    monkeypatch.setattr(findings, "CHUNK", 50)  # cuts inside the 9-token requests move to their starts
+    monkeypatch.setattr(scoring, "CHUNK", 50)  # cuts inside the 9-token requests move to their starts
+    monkeypatch.setattr(column_stats, "LEAF", 200)  # smaller nodes of the same summation tree
+    monkeypatch.setattr(metrics, "SMALL_SELECT", 100)  # percentiles from brackets, not a kept column
     chunked = findings.analyze(*tables, Thresholds(), greedy=True)
     assert chunked[0].equals(whole[0])
     assert json.dumps(chunked[1], sort_keys=True) == json.dumps(whole[1], sort_keys=True)

@@ -18,7 +18,7 @@ import pytest
 
 from conftest import lpf_subprocess, write_prompts
 from lpf.analysis.thresholds import Thresholds
-from lpf.pipeline import analyze_stream
+from lpf.pipeline import analyze_stream, stream_parts
 from lpf.pipeline.analyze import analyze_run
 from lpf.run.store import RunDir
 
@@ -35,15 +35,15 @@ def _bench():
 def both_ways(src: Path, tmp: Path, monkeypatch, chunk_rows: int, attribute: bool = True):
     """(in-memory, streamed) (findings bytes, summary table, findings), each on its own copy, and
     whether the streamed one bucketed by request range."""
-    monkeypatch.setattr(analyze_stream, "CHUNK_ROWS", chunk_rows)
+    monkeypatch.setattr(stream_parts, "CHUNK_ROWS", chunk_rows)
     ranged = []
-    real = analyze_stream._Ranges.__init__
+    real = stream_parts.Ranges.__init__
 
     def spy(self, *a, **k):
         ranged.append(True)
         real(self, *a, **k)
 
-    monkeypatch.setattr(analyze_stream._Ranges, "__init__", spy)
+    monkeypatch.setattr(stream_parts.Ranges, "__init__", spy)
     out = []
     for stream in (False, True):
         d = tmp / f"stream-{stream}"
@@ -96,6 +96,34 @@ def test_synthetic_run_in_many_parts(tmp_path, monkeypatch, shuffle):
     assert f["counts"]["corrupt"] > 0 and f["run_test"]["sampled_every"] == 7
     if shuffle:
         assert f["unscored"] > 0
+    assert st_raw == mem_raw
+    assert st_sum.equals(mem_sum)
+
+
+@pytest.mark.parametrize("short", [False, True], ids=["one-pass", "rows-not-output"])
+def test_one_pass_and_its_checks(tmp_path, monkeypatch, short):
+    """With an expected floor and parts that line up, one pass over the parts (its arrival order
+    from the requests' output lengths); a request whose rows are not its output (a token row gone
+    on both sides) fails that check part way, and the two passes give the in-memory findings."""
+    import pyarrow.compute as pc
+
+    from lpf.analysis import run_test
+
+    monkeypatch.setattr(run_test, "MAX_TOKENS", 5000)
+    run, _ = _bench().write_synthetic_run(tmp_path / "run", 30_000, part_tokens=3000, topk=2, out_tokens=20)
+    if short:  # request 700's last position dropped from its tokens and reference parts
+        for table in ("tokens", "reference"):
+            for part in run.parts(table):
+                t = pq.read_table(part)
+                keep = pc.invert(pc.and_(pc.equal(t.column("request_id"), "bench-00000700-r0"), pc.equal(t.column("position"), 19)))
+                if not pc.all(keep).as_py():
+                    pq.write_table(t.filter(keep), part)
+    passes = []
+    real = analyze_stream._two_passes
+    monkeypatch.setattr(analyze_stream, "_two_passes", lambda *a, **k: passes.append(1) or real(*a, **k))
+    (mem_raw, mem_sum, f), (st_raw, st_sum, _), ranged = both_ways(run.path, tmp_path, monkeypatch, 1500,
+                                                                   attribute=False)
+    assert passes == ([1] if short else []) and not ranged and f["run_test"]["sampled_every"] == 6
     assert st_raw == mem_raw
     assert st_sum.equals(mem_sum)
 

@@ -178,7 +178,7 @@ def test_report_command_and_bad_directories(xss_run, tmp_path):
     proc = lpf_subprocess("report", run)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == str(run / "report.html") and (run / "report.html").is_file()
-    for bad, message in ((tmp_path / "nope", "not a directory"), (tmp_path, "not a run, sweep, shrink, conformance or RL directory")):
+    for bad, message in ((tmp_path / "nope", "not a directory"), (tmp_path, "not a run, sweep, shrink, conformance, locate or RL directory")):
         proc = lpf_subprocess("report", bad)
         assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 

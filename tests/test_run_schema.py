@@ -1,5 +1,6 @@
 """The run directory across schema versions: a v1 run (no evidence columns) still reads and analyzes the
-same, a newer schema is refused, and prompt-token parts follow the commit rule of tokens parts."""
+same, a newer schema is refused, and prompt-token parts follow the commit rule of tokens parts;
+`schema.table` builds a table of the current schema from the columns a writer has."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import shutil
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
 from lpf.run import schema
 from lpf.run.store import RunDir
@@ -72,3 +74,15 @@ def test_prompt_tokens_commit_with_their_requests(tmp_path):
     pq.write_table(tok, run.path / "tokens" / "part-000001.parquet")
     reopened = RunDir.open(run.path)
     assert len(reopened.parts("prompt_tokens")) == 1 and len(reopened.parts("tokens")) == 1
+
+
+def test_schema_table_fills_what_a_writer_lacks_and_refuses_what_the_schema_lacks(tmp_path):
+    req = schema.table(schema.REQUESTS, {"request_id": ["a", "b"], "seq": [0, 1], "output_token_ids": [[4], [5, 6]]})
+    assert req.schema == schema.REQUESTS and req.num_rows == 2
+    assert req.column("attempts").null_count == 2 and req.column("inconsistency").null_count == 2
+    run = RunDir.create(tmp_path / "run", {"run_id": "x"})
+    run.append_requests(req, schema.table(schema.TOKENS, {"request_id": ["a", "b", "b"], "position": [0, 0, 1]}))
+    assert run.read("tokens").num_rows == 3 and run.read("requests").equals(req)
+    assert schema.table(schema.TOKENS, {}).schema == schema.TOKENS
+    with pytest.raises(ValueError, match="no column state_slot"):
+        schema.table(schema.TOKENS, {"request_id": ["a"], "state_slot": [3]})

@@ -251,3 +251,21 @@ def test_a_huge_run_is_tested_on_every_kth_token(table, monkeypatch):
     _, f = run(synthetic_run(sigma=0.08, seed=4), table)
     t = f["run_test"]
     assert t["sampled_every"] == 4 and t["n_tokens"] == 500 and t["result"] == "different"
+
+
+def test_evidence_in_blocks_is_the_evidence_of_the_whole(table, monkeypatch):
+    """`token_evidence` of a long run is computed in row blocks: every array is the same, bit for bit."""
+    tables = synthetic_run(n_req=300, n_tok=10, sigma=0.05, seed=9, temperature=0.8)
+    requests, tokens, reference = tables
+    from lpf.analysis.metrics import join_grouped
+
+    joined, _ = join_grouped(tokens, reference)
+    cols = ev.evidence_columns(joined, tokens, reference, requests)
+    floor = table["pairs"]["bfloat16/float32"]["envelope"]
+    whole = rt.token_evidence(cols, floor, {"temperature": 0.8})
+    monkeypatch.setattr(rt, "EVIDENCE_BLOCK", 128)
+    blocked = rt.token_evidence(cols, floor, {"temperature": 0.8})
+    assert whole.keys() == blocked.keys() and "p_top1_lo" in whole and "w" in whole
+    for k, v in whole.items():
+        if isinstance(v, np.ndarray):
+            assert np.array_equal(v, blocked[k], equal_nan=True), k

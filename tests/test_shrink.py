@@ -117,6 +117,19 @@ def test_stale_state_shrinks_from_2000_requests_to_at_most_3(stale):
     assert [json.loads(x)["id"] for x in (out / "workload.jsonl").read_text().splitlines()][-1] == doc["target"]
 
 
+def test_shrink_offers_locate_on_its_minimum_and_it_locates_the_stale_state(stale, lpf_cli):
+    """The minimum's `lpf locate` line (shrink.json, report.md, the terminal) runs as written: the
+    first Mamba layer's input state differs at the imposter's first token."""
+    _, out, doc, _ = stale
+    offer = doc["locate"]
+    assert offer["command"] in (out / "report.md").read_text()
+    r = lpf_cli("locate", offer["run_dir"], "--request", offer["request_id"], "--json")
+    assert r.code == 0, r.err
+    located = json.loads(r.out)
+    assert located["located"]["name"] in ("state_in", "conv_state_in") and located["located"]["position"] == 0
+    assert located["mamba"]["input_state"] == "differed" and located["verdict"]["suspect"] == "engine"
+
+
 def test_the_stale_state_reproducer_stands_alone(stale, tmp_path):
     """repro.py in a fresh process exits 1 and says where the lie starts; the same script with the
     drill switched off exits 0 (it is no constant 1); command.sh's lpf audit exits 1 on the lie."""

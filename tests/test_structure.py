@@ -82,7 +82,7 @@ def test_the_cycle_check_finds_a_cycle():
 
 def test_command_modules_import_only_common_and_render():
     graph = _module_imports()
-    shared = {"lpf.cli.common", "lpf.cli.render", "lpf.cli.render_compare", "lpf.cli.render_rl"}
+    shared = {"lpf.cli.common", "lpf.cli.render", "lpf.cli.render_compare", "lpf.cli.render_rl", "lpf.cli.render_locate"}
     commands = [m for m in graph if m.startswith("lpf.cli.") and m not in shared]
     assert {"lpf.cli.run", "lpf.cli.views", "lpf.cli.experiments", "lpf.cli.rl", "lpf.cli.serve"} <= set(commands)
     for m in commands:
@@ -257,8 +257,8 @@ def test_every_command_with_engine_knobs_generates_their_flags():
 
 
 # lpf/__init__.py's package map, top to bottom: a package imports only packages below it
-LAYERS = ["cli", "experiments", "views", "serve", "rl", "report", "pipeline", "adapters", "builtin", "analysis",
-          "run", "zoo", "core"]
+LAYERS = ["cli", "experiments", "locate", "views", "serve", "rl", "report", "pipeline", "adapters", "builtin",
+          "analysis", "run", "zoo", "core"]
 ALLOWED_UP = {("core", "zoo")}  # core resolves zoo: specs through zoo/registry (lazily)
 
 

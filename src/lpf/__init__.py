@@ -6,6 +6,8 @@ Where things are (imports run down this list: a package never imports one above 
                 (__main__: `python -m lpf`, the same command line)
   experiments/  many audits and what they show: cells (a spec in its own process), sweep, repeat,
                 shrink/, conformance/; handed AuditSpecs, never argv
+  locate/       `lpf locate`: one request replayed with per-op capture, aligned op by op against the
+                reference (and the reference against itself): the first op that departs, whose fault
   views/        reading finished directories for people: query (SQL), inspect (one request), diff (two runs)
   serve/        `lpf serve`: HTTP over the built-in engine    rl/   RL rollout-vs-trainer dumps, rl simulate
   report/       report.html for every directory kind

@@ -15,6 +15,9 @@ Contract:
 - `LPF_VLLM_INJECT=stale-state[,offset-wrap:BITS][,publish-before-write][,unaligned-chunk-hashed]` puts
   drills in (`drills.py`). With vLLM's align-mode prefix cache on, the prefix-cache columns are filled
   from its cache manager (`prefix_log.py`).
+- `LPF_VLLM_CAPTURE=SPEC.json` (lpf locate) also captures the named requests' activations op by op
+  (`capture.py`), written with the trace at each flush; `set_capture(SPEC.json | None)` does the same
+  (or stops) from inside the process, for the next steps: lpf's offline worker, one capture per batch.
 - `status()` and `flush()` are for a caller in the same process (lpf's offline worker): the status
   dict, and "write every buffered row now" (before it reports the requests those rows describe).
 It never imports lpf: it runs in vLLM's interpreter.
@@ -28,6 +31,7 @@ __version__ = "0.1.0"
 
 ENV_DIR = "LPF_VLLM_TRACE_DIR"
 ENV_INJECT = "LPF_VLLM_INJECT"
+ENV_CAPTURE = "LPF_VLLM_CAPTURE"
 
 _session = None  # the recording session of this process, once register() has run with the plugin on
 
@@ -40,7 +44,7 @@ def register() -> None:
         return
     from lpf_vllm_trace.session import Session
 
-    _session = Session.start(out_dir, os.environ.get(ENV_INJECT, ""))
+    _session = Session.start(out_dir, os.environ.get(ENV_INJECT, ""), os.environ.get(ENV_CAPTURE) or None)
 
 
 def status() -> dict:
@@ -48,6 +52,14 @@ def status() -> dict:
     if _session is None:
         return {"recording": False, "why": f"the plugin is off ({ENV_DIR} is not set)"}
     return _session.status()
+
+
+def set_capture(spec_path: str | None) -> str | None:
+    """Capture the requests `spec_path` names from the next step on (None: stop capturing); returns
+    why not, when the plugin records nothing or the spec cannot be read."""
+    if _session is None or not _session.recording:
+        return status().get("why") or "the plugin is not recording"
+    return _session.set_capture(spec_path)
 
 
 def flush() -> None:

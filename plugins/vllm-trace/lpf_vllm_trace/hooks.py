@@ -17,6 +17,8 @@
   block-aligned split no longer clips a prompt's inner chunks (`drills.unaligned_split`).
 - `mamba_attn.split_decodes_and_prefills` (stale-state only): counts short extends as decodes and
   ignores `is_prefilling`, the split before the fix.
+- with a capture (lpf locate): the model's hooks are installed at the first real step, and each step's
+  batch layout is handed to it once its metadata is built (`capture.Capture.begin_step`).
 Anything unexpected inside a hook stops the recording with its reason (never the engine); offset-wrap,
 which acts where the rows are read, stops with it, stale-state's reorder and split stay in force.
 """
@@ -54,10 +56,18 @@ def install(session) -> None:
             return orig_execute(self, scheduler_output, *args, **kwargs)
         _tls.step = _Step(counter["step"], scheduler_output)
         counter["step"] += 1
+        capture = session.capture
+        if capture is not None and not capture.installed:
+            try:
+                capture.install(self.model)
+            except Exception as e:  # noqa: BLE001 - a capture bug costs the capture, never the engine
+                capture.installed, capture.why = True, f"capture not installed ({type(e).__name__}: {e})"
         try:
             return orig_execute(self, scheduler_output, *args, **kwargs)
         finally:
             _tls.step = None
+            if capture is not None:
+                capture.end_step()
 
     def _may_reorder_batch(self, scheduler_output):
         step = getattr(_tls, "step", None)
@@ -75,7 +85,13 @@ def install(session) -> None:
             return result
         try:
             attn_metadata, spec_decode_metadata = result  # vLLM 0.32 returns this pair
-            return reader.read(self, step, attn_metadata), spec_decode_metadata
+            attn_metadata = reader.read(self, step, attn_metadata)
+            if session.capture is not None:
+                try:
+                    session.capture.begin_step(self, step.so, attn_metadata)
+                except Exception as e:  # noqa: BLE001
+                    session.capture.why = f"capture stopped at step {step.index} ({type(e).__name__}: {e})"
+            return attn_metadata, spec_decode_metadata
         except Exception as e:  # noqa: BLE001 - a plugin bug costs the trace, never the engine
             session.stop(f"recording stopped at step {step.index}, the plugin failed ({type(e).__name__}: {e})")
             return result

@@ -25,14 +25,15 @@ def _logger() -> logging.Logger:
 
 
 class Session:
-    def __init__(self, recorder, drills, why: str | None):
+    def __init__(self, recorder, drills, why: str | None, capture=None):
         self.recorder = recorder
         self.drills = drills
         self.why = why
+        self.capture = capture  # capture.Capture when LPF_VLLM_CAPTURE names a spec (lpf locate)
         self._warned = False
 
     @classmethod
-    def start(cls, out_dir: str, inject: str) -> "Session":
+    def start(cls, out_dir: str, inject: str, capture_spec: str | None = None) -> "Session":
         from lpf_vllm_trace import compat
         from lpf_vllm_trace.drills import Drills
         from lpf_vllm_trace.recorder import Recorder
@@ -48,6 +49,8 @@ class Session:
             why = str(e)
         why = why or compat.problem(version) or recorder.open()
         session = cls(recorder, drills, why)
+        if capture_spec and why is None:
+            session.why = why = session.set_capture(capture_spec)
         if why is None:
             try:
                 from lpf_vllm_trace.hooks import install
@@ -62,6 +65,22 @@ class Session:
         recorder.start_flusher(session.warn_once)
         atexit.register(session.flush)
         return session
+
+    def set_capture(self, spec_path: str | None) -> str | None:
+        """A new capture from `spec_path` (None: none); returns why not when the spec is unreadable."""
+        from lpf_vllm_trace import capture as cap
+
+        if self.capture is not None:
+            self.flush()
+        self.capture = None
+        cap._ACTIVE["capture"] = None
+        if spec_path is None:
+            return None
+        try:
+            self.capture = cap.Capture(cap.load_spec(spec_path))
+        except (OSError, ValueError, KeyError) as e:
+            return f"capture spec {spec_path} unreadable ({type(e).__name__}: {e})"
+        return None
 
     def warn_once(self, why: str) -> None:
         if not self._warned:
@@ -81,15 +100,23 @@ class Session:
         return self.why is None
 
     def status(self) -> dict:
-        return {**self.recorder.status_fields, "rows": self.recorder.counts["trace"],
-                "recording": self.recording and self.recorder.failed is None,
-                "why": self.why or self.recorder.failed}
+        out = {**self.recorder.status_fields, "rows": self.recorder.counts["trace"],
+               "recording": self.recording and self.recorder.failed is None,
+               "why": self.why or self.recorder.failed}
+        if self.capture is not None:
+            out["capture"] = {"installed": self.capture.installed, "why": self.capture.why}
+        return out
 
     def flush(self) -> None:
         if self.why is None:
             failed = self.recorder.flush()
             if failed is not None:
                 self.warn_once(failed)
+            if self.capture is not None:
+                try:
+                    self.capture.write()
+                except OSError as e:
+                    self.capture.why = f"writing the capture failed ({e})"
 
 
 def _vllm_version() -> str:

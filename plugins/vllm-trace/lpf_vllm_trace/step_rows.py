@@ -48,7 +48,9 @@ class StepReader:
         if groups:
             layer = runner.compilation_config.static_forward_context[groups[0][1]]
             # elements between two slots of the first Mamba layer's SSM state: what `slot * stride` means
-            self.stride = int(layer.kv_cache[1].stride(0))
+            # (a short-conv layer, Lfm2's, holds a conv state only: its stride then)
+            states = layer.kv_cache
+            self.stride = int(states[1 if len(states) > 1 else 0].stride(0))
         if self.writes:
             self.session.recorder.write_status({"mamba_groups": len(groups), "state_slot_stride": self.stride,
                                                 "kv_cache_blocks": int(runner.kv_cache_config.num_blocks),

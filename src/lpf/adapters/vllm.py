@@ -21,6 +21,9 @@ LPF_VLLM_INJECT. `side_tables()` hands over the plugin's parts with lpf's reques
 says which vLLM id is whose), and `describe()["trace"]` names the source and, when the plugin
 records nothing, its reason (an unknown vLLM version, a hook missing, a directory not writable);
 `describe()` also carries what the trace features read: the SSM state's slot stride and the drills.
+`capture` (set by `lpf locate`, never by hand) names a capture spec sent to the worker before the
+batch (a kept worker included), which hands it to the plugin: one request's activations op by op
+(`lpf.locate.vllm_replay`).
 
 Inside `kept_workers()` a closed engine's worker is kept (one idle worker at a time) and handed to the
 next engine started with the same interpreter, environment and model, which rebuilds vllm.LLM in it
@@ -130,6 +133,8 @@ class VLLMOptions(Options):
     inject: str = knob("", help="Drills through the plugin: stale-state, offset-wrap[:BITS], "
                        "publish-before-write, unaligned-chunk-hashed (these two with -E enable_prefix_caching=true).", flag=True,
                        repeatable=True, metavar="FAULT[:ARG]")
+    capture: str | None = knob(None, help="lpf locate's capture spec (a JSON file) for lpf-vllm-trace: set by lpf "
+                               "locate, not by hand.")
 
     @field_validator("inject")
     @classmethod
@@ -248,7 +253,7 @@ class VLLMEngine(Engine):
             "PYTHONUNBUFFERED": "1",
         })
         env.pop("PYTHONPATH", None)  # lpf's paths must not shadow vLLM's packages
-        for var in ("LPF_VLLM_TRACE_DIR", "LPF_VLLM_INJECT"):  # this run's settings, not the caller's
+        for var in ("LPF_VLLM_TRACE_DIR", "LPF_VLLM_INJECT", "LPF_VLLM_CAPTURE"):  # this run's, not the caller's
             env.pop(var, None)
         if plugin is not None:
             env["LPF_VLLM_TRACE_DIR"] = str(plugin.path)
@@ -333,6 +338,8 @@ class VLLMEngine(Engine):
         pending = {r.request_id: r for r in requests}
         failure = None
         try:
+            # lpf locate's capture for this batch, or none (a kept worker may have captured for the last engine)
+            self.proc.stdin.write(json.dumps({"type": "capture", "spec": self.options.capture}) + "\n")
             for r in requests:
                 self.proc.stdin.write(json.dumps({"request_id": r.request_id, "prompt_token_ids": list(r.prompt_token_ids),
                                                   "max_tokens": r.max_tokens, "seed": r.seed}) + "\n")

@@ -17,7 +17,8 @@ Protocol, JSON lines:
 - stdin: requests {"request_id", "prompt_token_ids", "max_tokens", "seed"}, a batch closed by
   {"type": "end"}; {"type": "configure", "config": {...}} drops the engine and builds a new one from
   that config (answered by "ready", or "fatal" and exit), so one process can serve several
-  configurations of one model and pay vLLM's import once; EOF ends the process.
+  configurations of one model and pay vLLM's import once; {"type": "capture", "spec": PATH | null}
+before a batch sets lpf locate's capture (lpf-vllm-trace's `set_capture`) for it; EOF ends the process.
 The config holds `engine_args` (passed to vllm.LLM as given, `logprobs_mode` dropped where this vLLM
 lacks it) and the run's `sampling` (temperature, top_p, top_k, ignore_eos, logprobs). A request that
 vLLM refuses on submission (say, too long) comes back alone with its error.
@@ -125,6 +126,17 @@ def trace_status() -> dict:
     return lpf_vllm_trace.status()
 
 
+def set_capture(spec) -> str | None:
+    """lpf locate's capture for the next batch (None: none), through the plugin; why not, when it cannot."""
+    try:
+        import lpf_vllm_trace
+    except ImportError:
+        return None if spec is None else "lpf-vllm-trace is not installed in vLLM's Python"
+    if not hasattr(lpf_vllm_trace, "set_capture"):
+        return None if spec is None else "this lpf-vllm-trace has no capture (reinstall it: `make vllm`)"
+    return lpf_vllm_trace.set_capture(spec)
+
+
 def flush_trace() -> None:
     try:
         import lpf_vllm_trace
@@ -217,6 +229,11 @@ def main() -> int:
             llm = start(config, out)
             if llm is None:  # a failed build may leave vLLM's process state half made: never reused
                 return 1
+            continue
+        if msg.get("type") == "capture":  # before a batch: whose activations the plugin captures in it
+            why = set_capture(msg.get("spec"))
+            if why is not None:
+                print(f"lpf worker: no capture: {why}", file=sys.stderr)
             continue
         if msg.get("type") != "end":
             batch.append(msg)

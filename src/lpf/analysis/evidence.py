@@ -45,49 +45,45 @@ def apply_inconsistency(summary: pa.Table, requests: pa.Table) -> pa.Table:
     else:
         inc = pa.nulls(req.num_rows, pa.string())
     # the summary is aligned to the requests in arrival order (`summarize_requests`)
-    verdict = np.asarray(summary.column("verdict").to_pylist(), dtype=object)
-    raise_to = inc.is_valid().to_numpy(zero_copy_only=False) & (verdict == "noise")
-    if raise_to.any():
-        verdict[raise_to] = "divergent"
+    verdict = summary.column("verdict")
+    raise_to = pc.and_(pc.is_valid(inc), pc.equal(verdict, "noise"))
+    if pc.any(raise_to).as_py():
         summary = summary.set_column(summary.column_names.index("verdict"), "verdict",
-                                     pa.array(verdict, pa.string()))
+                                     pc.if_else(raise_to, pa.scalar("divergent"), verdict))
     return summary.append_column("inconsistency", inc)
 
 
 def _attempt_rows(req: pa.Table) -> dict[str, np.ndarray] | None:
-    """Every attempt as flat numpy columns (+ `row`: the request's row in `req`), None when none."""
+    """Every attempt as flat numpy columns (+ `row`: the request's row in `req`), None when none;
+    `error` stays an Arrow array (only the first failure's is read)."""
     if "attempts" not in req.column_names:
         return None
     col = req.column("attempts").combine_chunks()
     flat = pc.list_flatten(col)
     if len(flat) == 0:
         return None
-    parents = pc.list_parent_indices(col).to_numpy(zero_copy_only=False)
-    out = {"row": parents.astype(np.int64)}
-    for name in ("sent", "status", "t_start", "t_end"):
-        out[name] = pc.struct_field(flat, name).to_numpy(zero_copy_only=False)
-    out["error"] = np.asarray(pc.struct_field(flat, "error").to_pylist(), dtype=object)
-    out["sent"] = np.asarray([bool(s) if s is not None else False for s in out["sent"]])
-    status = pc.struct_field(flat, "status")
-    out["status"] = status.fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)
+    out = {"row": pc.list_parent_indices(col).to_numpy(zero_copy_only=False).astype(np.int64),
+           "error": pc.struct_field(flat, "error"),
+           "sent": pc.struct_field(flat, "sent").fill_null(False).to_numpy(zero_copy_only=False).astype(bool),
+           "status": pc.struct_field(flat, "status").fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)}
     for name in ("t_start", "t_end"):
-        out[name] = np.asarray(out[name], dtype=np.float64)
+        out[name] = np.asarray(pc.struct_field(flat, name).to_numpy(zero_copy_only=False), dtype=np.float64)
     return out
 
 
 def evidence(requests: pa.Table, summary: pa.Table) -> dict:
     req = by_arrival(requests)
     n = req.num_rows
-    ids = np.asarray(req.column("request_id").to_pylist(), dtype=object)
-    inc = req.column("inconsistency").to_pylist() if "inconsistency" in req.column_names else [None] * n
-    verdict = np.asarray(summary.column("verdict").to_pylist(), dtype=object)
-    has_inc = np.array([t is not None for t in inc], dtype=bool)
-    kinds = Counter(k for t in inc if t for k in set(reason_kinds(t)))
-    scored = np.isin(verdict, ["clean", "noise", "divergent", "corrupt"])
-    flagged = np.isin(verdict, ["divergent", "corrupt"])
+    ids = req.column("request_id")
+    inc = req.column("inconsistency") if "inconsistency" in req.column_names else pa.nulls(n, pa.string())
+    verdict = summary.column("verdict")
+    has_inc = pc.is_valid(inc).to_numpy(zero_copy_only=False)
+    kinds = Counter(k for t in pc.drop_null(inc).to_pylist() if t for k in set(reason_kinds(t)))
+    scored = pc.is_in(verdict, value_set=pa.array(["clean", "noise", "divergent", "corrupt"])).to_numpy(zero_copy_only=False)
+    flagged = pc.is_in(verdict, value_set=pa.array(["divergent", "corrupt"])).to_numpy(zero_copy_only=False)
     out = {"inconsistent": {"n": int(has_inc.sum()), "by_reason": dict(sorted(kinds.items())),
                             "scored": int((has_inc & scored).sum()), "flagged": int((has_inc & flagged).sum()),
-                            "requests": sorted(ids[has_inc].tolist())[:MAX_LISTED]}}
+                            "requests": sorted(ids.filter(pa.array(has_inc)).to_pylist())[:MAX_LISTED]}}
 
     errors = req.column("error").is_valid().to_numpy(zero_copy_only=False)
     att = _attempt_rows(req)
@@ -103,14 +99,17 @@ def evidence(requests: pa.Table, summary: pa.Table) -> dict:
         out["attempts"] = {"n": 0, "retries": 0, "by_status": {}}
         out["server_died"] = None
         return out
-    by_status = Counter("none" if s < 0 else str(int(s)) for s in att["status"])
+    codes, freq = np.unique(att["status"], return_counts=True)
+    by_status = Counter()
+    for s, c in zip(codes.tolist(), freq.tolist()):
+        by_status["none" if s < 0 else str(int(s))] += int(c)
     out["attempts"] = {"n": int(att["row"].size), "retries": int(att["row"].size - any_attempt.sum()),
                        "by_status": dict(sorted(by_status.items()))}
     out["server_died"] = _server_death(req, ids, att)
     return out
 
 
-def _server_death(req: pa.Table, ids: np.ndarray, att: dict) -> dict | None:
+def _server_death(req: pa.Table, ids, att: dict) -> dict | None:
     answered = att["status"] >= 0  # any HTTP answer: the server was alive then (even a 4xx)
     alive = answered & (att["status"] < 500)
     unreachable = ~att["sent"]
@@ -126,15 +125,15 @@ def _server_death(req: pa.Table, ids: np.ndarray, att: dict) -> dict | None:
     t_death = float(att["t_end"][first])
     eps = 1e-3
     in_flight_att = att["sent"] & (att["t_start"] <= t_death + eps) & (att["t_end"] >= t_death - eps) & ~alive
-    started = np.full(len(ids), np.inf)  # each suspect's earliest in-flight attempt: their arrival order
+    started = np.full(req.num_rows, np.inf)  # each suspect's earliest in-flight attempt: their arrival order
     np.minimum.at(started, att["row"][in_flight_att], att["t_start"][in_flight_att])
     rows = np.flatnonzero(np.isfinite(started))
     order = rows[np.argsort(started[rows], kind="stable")]
     plen = pc.list_value_length(req.column("prompt_token_ids")).to_numpy(zero_copy_only=False).astype(np.int64)
     seq = req.column("seq").to_numpy().astype(np.int64)
     common = _common(plen, seq, order)
-    first_error = att["error"][first]
-    listed = ids[order].tolist()
+    first_error = att["error"][int(first)].as_py()
+    listed = ids.take(pa.array(order, pa.int64())).to_pylist()
     sentence = (f"the server stopped answering after {len(listed)} request(s) were in flight "
                 f"(first failure: {first_error})" + (f"; {common['sentence']}" if common.get("sentence") else "") + ".")
     return {"t": t_death, "first_error": first_error, "n_in_flight": int(len(listed)),

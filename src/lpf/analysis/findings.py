@@ -21,13 +21,15 @@ Two signatures join the trace features as candidate mechanisms, both computed fr
 reference expected and vice versa: outputs delivered to the wrong request) and, for runs sampled at
 a temperature other than 1, `tempered_logprobs` (the reported logprobs fit the reference's
 temperature-scaled distribution better than its raw one: processed logprobs reported as raw).
-Runs over CHUNK tokens are scored in request-aligned chunks (`_score`); results do not depend on it.
+The token pass is `lpf.analysis.scoring` (cache-sized chunks, sparse where the flags are; the metric
+columns' percentiles and means without ever holding one); results do not depend on the chunking.
 Prompt positions (`prompt_tokens` / `prompt_reference`, when the engine returned them) are judged
 apart by `lpf.analysis.prompt` with the same thresholds: their own block `findings.prompt`, `prompt_`
 columns in the summary, and the run verdict becomes the worst of the output and prompt verdicts.
-The steps the streamed analysis (`lpf.analysis.stream`) shares: `token_metric_summary` (the metric
-columns' percentiles and means, one column at a time), `findings_dict` (the body from the summary)
-and `conclude` (run-level test verdict, shape, hypotheses, evidence: request-level only).
+The steps the streamed analysis (`lpf.analysis.stream`) shares: `scoring` (the token pass and the
+metric summary), `findings_dict` (the body from the summary) and `conclude` (run-level test verdict,
+shape, hypotheses, evidence: request-level only). `token_metric_summary` is the same metric summary
+over whole-run columns (the statement `scoring.metric_summary` is tested against).
 """
 
 from __future__ import annotations
@@ -51,11 +53,11 @@ from lpf.analysis.signatures import crossed_wires, tempered_logprobs
 from lpf.analysis.thresholds import Thresholds
 from lpf.analysis.timing import timing_features
 from lpf.analysis.token_evidence import calibration_floor, evidence_columns
-from lpf.analysis.verdicts import reduce_requests, summarize_requests
+from lpf.analysis.scoring import metric_summary, score_requests
+from lpf.analysis.verdicts import summarize_requests
 from lpf.run.schema import SCHEMA_VERSION
 
 METRIC_COLUMNS = ("abs_logprob_diff", "prob_diff", "k3_kl", "token_mult_prob_error")
-CHUNK = 1 << 20
 
 
 def analyze(requests: pa.Table, tokens: pa.Table, reference: pa.Table, th: Thresholds, greedy: bool,
@@ -69,30 +71,33 @@ def analyze(requests: pa.Table, tokens: pa.Table, reference: pa.Table, th: Thres
     `floor_table` (floors.json) and `run_info` (engine_dtype, reference_dtype, model, sampling) give
     the expected floor: thresholds and tie margin from it, and the run-level test (`run_test`)."""
     joined, starts = m.join_grouped(tokens, reference)
-    with np.errstate(invalid="ignore"):
-        ad = np.subtract(joined.column("engine_logprob").to_numpy(), joined.column("ref_logprob").to_numpy())
-        np.abs(ad, out=ad)
-    cols, expected = _expected_floor(joined, tokens, reference, requests, calibration, calibration_info,
-                                     floor_table, run_info or {})
+    cols = m.input_arrays(joined)
+    cols["position"] = joined.column("position").to_numpy()
+    expected, cal_cols = _expected_floor(joined, tokens, reference, requests, calibration, calibration_info,
+                                         floor_table, run_info or {})
     if calibration is not None:
         th, calib = calibrate_from_run(reference, calibration, th, calibration_info)
         th = with_expected_tie_margin(th, expected) if expected else th
     elif expected:
         th, calib = calibrate_to_floor(th, expected)
     else:
+        with np.errstate(invalid="ignore"):
+            ad = np.abs(np.subtract(cols["engine_logprob"], cols["ref_logprob"]))
         th, calib = calibrate(ad, starts, th)
-    tok, per = _score(joined, starts, ad, greedy, th)
-    summary = apply_inconsistency(summarize_requests(tok, requests, th, starts, per=per), requests)
-    findings = build_findings(tok, summary, th, flips=int(per[1]["n_greedy_flips"].sum()))
+        del ad
+    per, flips, same = score_requests(cols, starts, greedy, th)
+    ids = joined.column("request_id").take(pa.array(starts)).combine_chunks() if len(starts) else pa.array([], pa.string())
+    summary = apply_inconsistency(summarize_requests(None, requests, th, per=(ids, per)), requests)
+    findings = findings_dict(summary, th, metric_summary(cols, flips, same), joined.num_rows)
     findings["thresholds"].update(calib, pinned=sorted(th.pinned))
     test = None
-    if expected and cols is not None:
+    if expected:
         sampling = (run_info or {}).get("sampling") or {"temperature": temperature}
-        test = run_level_test(joined, tokens, reference, requests, expected, sampling, cols=cols)
-    tempered = tempered_logprobs(tok, reference, temperature, th) \
+        test = run_level_test(joined, tokens, reference, requests, expected, sampling, cols=cal_cols, starts=starts)
+    tempered = tempered_logprobs(joined, reference, temperature, th) \
         if wants_tempered(temperature, reference.column_names) else None
     findings = conclude(findings, summary, requests, trace, engine_info, temperature, test,
-                        tempered, crossed_wires(tok, requests, trace))
+                        tempered, crossed_wires(joined, requests, trace))
     return with_prompt(summary, findings, prompt_tokens, prompt_reference, requests, th, trace, chunk_budget)
 
 
@@ -139,50 +144,17 @@ def conclude(findings: dict, summary: pa.Table, requests: pa.Table, trace: pa.Ta
 
 
 def _expected_floor(joined, tokens, reference, requests, calibration, calibration_info, floor_table, info):
-    """(run-test columns, expected floor) or (None, None) without a floor table or an expected
-    floor for the run's reference dtype."""
+    """(expected floor, the run-test columns of every token when a calibration run needed them) or
+    (None, None) without a floor table or an expected floor for the run's reference dtype."""
     if floor_table is None or joined.num_rows == 0:
         return None, None
-    cols = evidence_columns(joined, tokens, reference, requests)
-    cal = None
+    cols = cal = None
     if calibration is not None:
+        cols = evidence_columns(joined, tokens, reference, requests)
         cal = calibration_floor(cols, joined, calibration)
     engine_dtype = (calibration_info or {}).get("dtype") or info.get("engine_dtype")
     floor = expected_floor(floor_table, engine_dtype, info.get("reference_dtype"), info.get("model"), cal)
-    return (cols, floor) if floor else (None, None)
-
-
-def _score(joined: pa.Table, starts: np.ndarray, ad: np.ndarray, greedy: bool, th: Thresholds):
-    """Token metrics and per-request reductions in request-aligned chunks of ~CHUNK tokens: the
-    temporaries of a chunk fit in cache and their memory is reused, where whole-run temporaries of
-    a 20M-token run cost a fresh 160 MB mapping (and its page faults) each. The metric columns are
-    written straight into whole-run arrays (`ad`, the calibration's |d|, is the abs_logprob_diff
-    column: rewritten with the same values), so each is one contiguous column. The token table
-    keeps the four error metrics (`METRIC_COLUMNS`); flips and lie strengths live per chunk, as
-    only the per-request reductions read them."""
-    n = joined.num_rows
-    cuts = [0]  # chunk bounds at request starts, each chunk at least CHUNK rows (the last: the rest)
-    while cuts[-1] + CHUNK < n:
-        i = int(np.searchsorted(starts, cuts[-1] + CHUNK))
-        if i >= starts.size:
-            break
-        cuts.append(int(starts[i]))
-    cuts.append(n)
-    inputs = m.input_arrays(joined)
-    inputs["position"] = joined.column("position").to_numpy()
-    out = {name: np.empty(n, np.float64) for name in METRIC_COLUMNS[1:]}
-    out["abs_logprob_diff"] = ad
-    cols = []
-    for lo, hi in zip(cuts, cuts[1:]):
-        part = {name: values[lo:hi] for name, values in inputs.items()}
-        part.update(m.metric_arrays(part, greedy, th, out={name: values[lo:hi] for name, values in out.items()}))
-        cols.append(reduce_requests(part, th, starts[(starts >= lo) & (starts < hi)] - lo))
-    merged = {k: np.concatenate([c[k] for c in cols]) for k in cols[0]}
-    ids = joined.column("request_id").take(pa.array(starts)).combine_chunks() if n else pa.array([], pa.string())
-    tok = joined
-    for name in METRIC_COLUMNS:
-        tok = tok.append_column(name, pa.array(out[name]))
-    return tok, (ids, merged)
+    return (floor, cols) if floor else (None, None)
 
 
 def _hypotheses(summary, requests, trace, engine_info, temperature, tempered, crossed) -> list[dict]:
@@ -215,17 +187,6 @@ def _hypotheses(summary, requests, trace, engine_info, temperature, tempered, cr
     return rank_hypotheses(feats, flagged, scored, label, other, signatures=sigs)
 
 
-def build_findings(tok: pa.Table, summary: pa.Table, th: Thresholds, flips: int | None = None) -> dict:
-    """`flips`: the greedy flips over all scored tokens when the caller counted them (else read from
-    the token table's greedy_flip column)."""
-    n = tok.num_rows
-    if n and flips is None:
-        flips = pc.sum(tok.column("greedy_flip")).as_py()
-    same = np.count_nonzero(tok.column("token_id").to_numpy() == tok.column("ref_top1_id").to_numpy()) if n else 0
-    metrics = token_metric_summary(lambda name: tok.column(name).to_numpy(), n, flips or 0, same)
-    return findings_dict(summary, th, metrics, n)
-
-
 def token_metric_summary(column, n_scored: int, flips: int, same_top1: int) -> dict:
     """findings' `metrics` from the whole-run metric columns, asked for one at a time (`column(name)`
     -> numpy array over all scored tokens, in the analysis' token order: the means are order-exact),
@@ -252,8 +213,9 @@ def findings_dict(summary: pa.Table, th: Thresholds, metrics: dict, n_scored: in
     # a run with nothing scored has no verdict to give: say why instead of calling it clean
     nothing = "error" if summary.num_rows and set(tally) == {"error"} else "unscored"
     worst = max((v for v in tally if v in SEVERITY), key=SEVERITY.get, default=nothing)
-    oracle = summary.column("oracle_ok").to_pylist()
-    judged = [o for o in oracle if o is not None]
+    oracle = summary.column("oracle_ok")
+    n_judged = len(oracle) - oracle.null_count
+    correct = int(pc.sum(oracle.cast(pa.int64())).as_py() or 0) if n_judged else 0
     flagged_tab = summary.filter(pc.is_in(summary.column("verdict"), value_set=pa.array(["divergent", "corrupt"])))
     rows = flagged_tab.to_pylist()
     flagged = sorted(rows, key=lambda r: (-SEVERITY[r["verdict"]], -r["max_abs_logprob_diff"], r["seq"]))
@@ -269,8 +231,7 @@ def findings_dict(summary: pa.Table, th: Thresholds, metrics: dict, n_scored: in
         "unscored": tally.get("unscored", 0),
         "thresholds": th.to_dict(),
         "metrics": metrics,
-        "oracle": {"n": len(judged), "correct": sum(judged),
-                   "accuracy": (sum(judged) / len(judged)) if judged else None},
+        "oracle": {"n": n_judged, "correct": correct, "accuracy": (correct / n_judged) if n_judged else None},
         "flagged": [{"request_id": r["request_id"], "seq": r["seq"], "verdict": r["verdict"],
                      "first_divergence": r["first_divergence"],
                      "max_abs_logprob_diff": r["max_abs_logprob_diff"],

@@ -25,6 +25,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from lpf.analysis.columns import change_points, falls, one_array, within
 from lpf.analysis.thresholds import Thresholds
 from lpf.analysis.verdicts import segment_starts
 
@@ -33,7 +34,7 @@ _REF_COLS = ["request_id", "position", "ref_logprob", "ref_rank", "ref_entropy",
 
 def first_of_lists(col) -> np.ndarray:
     """First element of each list (the ids' integer type, else int64), -1 where the list is empty or null."""
-    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    arr = one_array(col)
     if len(arr) == 0:
         return np.zeros(0, dtype=np.int64)
     offsets = arr.offsets.to_numpy()
@@ -61,11 +62,10 @@ def _group_starts(ids: pa.ChunkedArray, pos: np.ndarray) -> np.ndarray | None:
     n = len(pos)
     if n < 2:
         return np.arange(n, dtype=np.int64)
-    ids = ids.combine_chunks()
-    change = pc.not_equal(ids.slice(0, n - 1), ids.slice(1)).to_numpy(zero_copy_only=False)
-    if np.any(~change & (pos[1:] <= pos[:-1])):
+    change = change_points(ids)
+    if not within(falls(pos), change):  # a position that does not rise must start a request
         return None
-    starts = np.flatnonzero(np.r_[True, change])
+    starts = np.r_[0, change + 1]
     heads = ids.take(pa.array(starts))
     return starts if len(heads) == len(pc.unique(heads)) else None
 
@@ -76,7 +76,7 @@ def _aligned(tokens: pa.Table, reference: pa.Table) -> bool:
     if tokens.num_rows == 0:
         return True
     same_pos = np.array_equal(tokens.column("position").to_numpy(), reference.column("position").to_numpy())
-    return same_pos and pc.all(pc.equal(tokens.column("request_id"), reference.column("request_id"))).as_py()
+    return same_pos and tokens.column("request_id").equals(reference.column("request_id"))
 
 
 def zipped_starts(tokens: pa.Table, reference: pa.Table) -> np.ndarray | None:
@@ -101,12 +101,13 @@ def join_grouped(tokens: pa.Table, reference: pa.Table) -> tuple[pa.Table, np.nd
         else np.full(tokens.num_rows, -1, dtype=np.int64)
     eng = eng.append_column("engine_top1_id", pa.array(top1))
     starts = zipped_starts(eng, reference)
+    ref_cols = [c for c in _REF_COLS if c in reference.column_names]  # ref_entropy: carried when read
     if starts is not None:
         out = eng
-        for name in _REF_COLS[2:]:
+        for name in ref_cols[2:]:
             out = out.append_column(name, reference.column(name))
         return out, starts
-    joined = eng.join(reference.select(_REF_COLS), keys=["request_id", "position"], join_type="inner")
+    joined = eng.join(reference.select(ref_cols), keys=["request_id", "position"], join_type="inner")
     joined = joined.sort_by([("request_id", "ascending"), ("position", "ascending")])
     return joined, segment_starts(joined.column("request_id"))
 

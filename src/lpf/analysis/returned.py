@@ -5,6 +5,8 @@ Contract: `what_came_back(tokens, has_prompt, engine_info, sampling, seeded)` ->
 "route", "notes" (the adapter's, e.g. a fallback to text prompts), "steps": {step: sentence}}, one
 sentence per analysis step saying what it judged from that and what it could not. `tokens_only(tokens)`:
 whether no scored token has an engine logprob (the run is then judged by `lpf.analysis.tokens_only`).
+Both take the tokens table, or its `counts(parts)`: rows, rows without a logprob and the widest
+top-k, summed part by part (what a caller that must not hold the whole table passes).
 Pure: an Arrow table and plain data in, plain data out.
 """
 
@@ -14,8 +16,19 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 
-def tokens_only(tokens: pa.Table) -> bool:
-    return tokens.num_rows > 0 and tokens.column("engine_logprob").null_count == tokens.num_rows
+def counts(parts) -> dict:
+    """{rows, no_logprob, top_k} of tokens tables (each with engine_logprob, engine_topk_ids optional)."""
+    out = {"rows": 0, "no_logprob": 0, "top_k": 0}
+    for t in parts:
+        out["rows"] += t.num_rows
+        out["no_logprob"] += t.column("engine_logprob").null_count if t.num_rows else 0
+        out["top_k"] = max(out["top_k"], _top_k(t))
+    return out
+
+
+def tokens_only(tokens) -> bool:
+    c = tokens if isinstance(tokens, dict) else counts([tokens])
+    return c["rows"] > 0 and c["no_logprob"] == c["rows"]
 
 
 def _top_k(tokens: pa.Table) -> int:
@@ -24,12 +37,13 @@ def _top_k(tokens: pa.Table) -> int:
     return int(pc.max(pc.list_value_length(tokens.column("engine_topk_ids"))).as_py() or 0)
 
 
-def what_came_back(tokens: pa.Table, has_prompt: bool, engine_info: dict | None, sampling: dict,
+def what_came_back(tokens, has_prompt: bool, engine_info: dict | None, sampling: dict,
                    seeded: bool = False) -> dict:
     info = engine_info or {}
-    nulls = tokens.column("engine_logprob").null_count if tokens.num_rows else 0
-    logprobs = "none" if tokens.num_rows and nulls == tokens.num_rows else ("some" if nulls else "all")
-    k = _top_k(tokens)
+    c = tokens if isinstance(tokens, dict) else counts([tokens])
+    nulls = c["no_logprob"]
+    logprobs = "none" if c["rows"] and nulls == c["rows"] else ("some" if nulls else "all")
+    k = c["top_k"]
     greedy = not (sampling.get("temperature") or 0)
     steps = {}
     if logprobs == "none":

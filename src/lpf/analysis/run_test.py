@@ -4,9 +4,9 @@ Per-request verdicts catch a lie that is large in a few requests; this catches o
 everywhere (a quantized model under a full-precision name, a quantized KV cache, another fine-tune,
 logprobs from another temperature), which a floor calibrated on the run itself would absorb.
 
-Contract: `run_level_test(joined, tokens, reference, requests, floor, sampling, alpha) -> dict`
-(findings.json's `run_test`): tables in (`metrics.join_grouped`'s table and the run's tokens,
-reference and requests), a dict out. `floor` is an expected floor (`lpf.analysis.floors`: a
+Contract: `run_level_test(joined, tokens, reference, requests, floor, sampling, alpha, cols, starts)
+-> dict` (findings.json's `run_test`): tables in (`metrics.join_grouped`'s table, its request starts
+when the caller has them, and the run's tokens, reference and requests), a dict out. `floor` is an expected floor (`lpf.analysis.floors`: a
 calibration run's or the shipped table's, never this run's). Underneath, on numpy columns in
 arrival order: `token_evidence.evidence_columns` -> `token_evidence(cols, floor, sampling)` ->
 `run_test(evidence, floor, alpha)`; `decide(evidence, lo, hi, alpha)` is the decision over a window
@@ -62,16 +62,21 @@ MAX_TOKENS = 2_000_000  # the test itself: on at most this many (p-values are as
 
 
 def run_level_test(joined: pa.Table, tokens: pa.Table, reference: pa.Table, requests: pa.Table, floor: dict,
-                   sampling: dict, alpha: float = DEFAULT_ALPHA, cols: dict | None = None) -> dict:
-    """findings.json's `run_test` from the run's tables (`cols`: their `evidence_columns`, when the
-    caller already has them)."""
-    cols = evidence_columns(joined, tokens, reference, requests) if cols is None else cols
+                   sampling: dict, alpha: float = DEFAULT_ALPHA, cols: dict | None = None,
+                   starts: np.ndarray | None = None) -> dict:
+    """findings.json's `run_test` from the run's tables (`cols`: their `evidence_columns` over every
+    token, when the caller already has them; else only the tokens the test reads are gathered)."""
     step = -(-joined.num_rows // MAX_TOKENS)  # a huge run: every step-th token (arrival order), all of it covered
-    if step > 1:
+    if cols is None:
+        cols = evidence_columns(joined, tokens, reference, requests, every=step, starts=starts)
+    elif step > 1:
         cols = {k: v[::step] for k, v in cols.items()}
     out = run_test(token_evidence(cols, floor, sampling), floor, alpha)
     out["sampled_every"] = step
     return out
+
+
+EVIDENCE_BLOCK = 1 << 17  # rows a block: every value is a row's own, so blocks change none of them
 
 
 def token_evidence(cols: dict, floor: dict, sampling: dict) -> dict:
@@ -79,7 +84,23 @@ def token_evidence(cols: dict, floor: dict, sampling: dict) -> dict:
 
     `cols`: token_id, engine_logprob, ref_logprob, ref_top1_id, ref_top1_logprob, ref_topk_ids and
     ref_topk_logprobs ([n, k] matrices, ids -1 where a list is short), optionally engine_topk_ids and
-    engine_topk_logprobs. `sampling`: temperature, top_k, top_p of the run."""
+    engine_topk_logprobs. `sampling`: temperature, top_k, top_p of the run. Computed in blocks of
+    EVIDENCE_BLOCK rows (the temporaries of a block stay small and are reused; fresh whole-length
+    ones cost a page fault per page, a huge-page compaction on a busy machine)."""
+    n = len(cols["token_id"])
+    if n <= EVIDENCE_BLOCK:
+        return _token_evidence(cols, floor, sampling)
+    rows = {k: v for k, v in cols.items() if k != "order"}
+    parts = [_token_evidence({k: v[lo:lo + EVIDENCE_BLOCK] for k, v in rows.items()}, floor, sampling)
+             for lo in range(0, n, EVIDENCE_BLOCK)]
+    ev = {k: np.concatenate([p[k] for p in parts]) for k in parts[0] if k not in ("n", "cols")}
+    ev["n"] = n
+    if "cols" in parts[0]:
+        ev["cols"] = cols
+    return ev
+
+
+def _token_evidence(cols: dict, floor: dict, sampling: dict) -> dict:
     tok = np.asarray(cols["token_id"])
     eng = np.asarray(cols["engine_logprob"], dtype=np.float64)
     ref = np.asarray(cols["ref_logprob"], dtype=np.float64)

@@ -48,22 +48,26 @@ def divergence_steps(trace: pa.Table, requests: pa.Table, ids: list[str], positi
 
 
 def _clusters(rows: dict, flagged: np.ndarray, scored: np.ndarray, plen: np.ndarray) -> list[dict]:
-    """`rows`: numpy arrays `prompt_id` (object) and `rollout`, aligned to the masks."""
+    """`rows`: `prompt_id` (an Arrow column) and `rollout` (numpy), aligned to the masks."""
     out = []
     n_f = int(flagged.sum())
     if n_f == 0:
         return out
-    # by prompt: prompts whose rollouts are all flagged
-    prompts = np.asarray(rows["prompt_id"], dtype=object)[scored]
-    uniq, inv = np.unique(prompts.astype(str), return_inverse=True)
-    n_hit = np.bincount(inv, weights=flagged[scored].astype(np.float64), minlength=uniq.size)
-    n_all = np.bincount(inv, minlength=uniq.size)
-    hit = n_hit > 0
-    full = hit & (n_hit == n_all) & (n_all > 1)
-    top = np.argsort(-n_hit, kind="stable")[:5]
-    out.append({"by": "prompt", "n_prompts": int(hit.sum()), "all_rollouts_flagged": int(full.sum()),
-                "top": [str(uniq[i]) for i in top if n_hit[i] > 0],
-                "sentence": f"{n_f} flagged requests come from {int(hit.sum())} of {uniq.size} prompts"
+    # by prompt: prompts whose rollouts are all flagged (named as str() names them, a missing id
+    # "None"; ties ranked by name). One hash pass over the scored requests' prompts
+    scored_prompts = rows["prompt_id"].cast(pa.string()).fill_null("None").filter(pa.array(scored))
+    enc = pc.dictionary_encode(scored_prompts).combine_chunks()
+    code = enc.indices.to_numpy(zero_copy_only=False)
+    n_all = np.bincount(code, minlength=len(enc.dictionary))
+    n_hit = np.bincount(code, weights=flagged[scored].astype(np.float64), minlength=len(enc.dictionary))
+    hit = np.flatnonzero(n_hit > 0)
+    names = enc.dictionary.take(pa.array(hit)).to_numpy(zero_copy_only=False).astype(str)
+    full = (n_hit[hit] == n_all[hit]) & (n_all[hit] > 1)
+    by_name = np.argsort(np.argsort(names, kind="stable"), kind="stable")
+    top = np.lexsort((by_name, -n_hit[hit]))[:5]
+    out.append({"by": "prompt", "n_prompts": int(hit.size), "all_rollouts_flagged": int(full.sum()),
+                "top": [str(names[i]) for i in top],
+                "sentence": f"{n_f} flagged requests come from {int(hit.size)} of {len(enc.dictionary)} prompts"
                             + (f"; {int(full.sum())} prompts have every rollout flagged" if full.any() else "") + "."})
     # by rollout index
     roll = np.asarray(rows["rollout"], dtype=np.int64)
@@ -132,7 +136,7 @@ def failure_shape(summary: pa.Table, requests: pa.Table, trace: pa.Table | None)
             "at_zero_fraction": float(np.mean(fd_known == 0)) if fd_known.size else None,
         },
         "periodicity": period,
-        "clusters": _clusters({"prompt_id": summary.column("prompt_id").to_numpy(zero_copy_only=False),
+        "clusters": _clusters({"prompt_id": summary.column("prompt_id"),
                                "rollout": summary.column("rollout").to_numpy(zero_copy_only=False)},
                               flagged, scored, plen),
         "_divergence_steps": dict(zip(ids, steps)),

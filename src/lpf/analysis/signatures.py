@@ -18,6 +18,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from lpf.analysis.columns import one_array
 from lpf.analysis.thresholds import Thresholds
 
 
@@ -58,7 +59,7 @@ def crossed_wires(tok: pa.Table, requests: pa.Table, trace: pa.Table | None) -> 
 
 def _lse_over_lists(col, temperature: float) -> tuple[np.ndarray, np.ndarray]:
     """(logsumexp of values / T, min value / T) per list; NaN for empty lists."""
-    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    arr = one_array(col)
     offsets = arr.offsets.to_numpy().astype(np.int64)
     o = offsets - offsets[0]
     v = arr.values.to_numpy(zero_copy_only=False)[offsets[0]:offsets[-1]].astype(np.float64) / temperature

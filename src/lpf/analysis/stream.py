@@ -8,27 +8,30 @@ the chunks come in the whole run's join order: `metrics.join_grouped` of each ch
 in the order `join_grouped` of the whole run gives them, so the concatenation of the chunks' rows
 is the in-memory analysis' token order. (The driver makes chunks either by slicing parts that line
 up row for row, the in-memory zip case, or by request-id ranges sorted by (request_id, position),
-the in-memory join-and-sort case.) Over the chunks, twice:
+the in-memory join-and-sort case.)
 
-1. `chunk_abs_diff(tokens, reference)` -> (|d|, request starts, ids at the starts) per chunk; the
-   driver spills |d| and reads it back as one float64 column (8 bytes a scored token: the one
-   whole-run token column the analysis holds, and only for the calibration and the percentiles),
-   and the starts as run-wide starts. `thresholds(ad, starts, th, expected)`: the in-memory
-   calibration on that column.
-2. `StreamedAnalysis(requests, th, ...)`, then `.score(tokens, reference)` per chunk (the same
-   order): token metrics and per-request reductions, greedy flips and top-1 agreement counted, the
-   crossed-wires candidates (tokens that missed the reference's top-1, when there is a trace), the
-   tempered-logprob signature per request, and the run-level test's tokens (every k-th in arrival
-   order: exactly the tokens the in-memory test reads). It returns the chunk's prob_diff and k3_kl
-   columns, which the driver spills; `.finish(column)` takes them back one at a time (`column(name)`
-   -> the whole-run column) for the exact percentiles and means, and returns (summary, findings).
+1. Without an expected floor, a first pass: `chunk_abs_diff(tokens, reference)` -> (|d|, request
+   starts, ids at the starts) per chunk; the driver spills |d| and reads it back as one float64
+   column for `thresholds(ad, starts, th, None)`, the in-memory calibration. With one, the
+   thresholds need no token (`thresholds(None, ...)`), and the first pass, when there is one, only
+   finds the request starts (`chunk_starts`).
+2. `StreamedAnalysis(requests, th, calib, greedy, ids, counts, ...)` (`ids`/`counts`: each scored
+   request and its scored-token count, which place every token in arrival order for the run-level
+   test), then `.score(tokens, reference)` per chunk (the same order): `scoring.score_requests`
+   (per-request reductions, greedy flips, top-1 agreement), the crossed-wires candidates (tokens that
+   missed the reference's top-1, when there is a trace), the tempered-logprob signature per request,
+   and the run-level test's tokens (every k-th in arrival order: exactly the tokens the in-memory
+   test reads). It returns the chunk's `SPILLED` logprob columns for the driver to keep, and leaves
+   `zipped`, `heads` and `counts` of the chunk for a one-pass driver to check. `.finish(read)`
+   summarizes the metric columns from those spilled columns a leaf at a time (`read(name, rows)`,
+   `scoring.metric_summary`: numpy's own means, exact percentiles) and returns (summary, findings).
 
-Run-wide inputs and what is kept of them: the calibration and |d|'s percentiles read the |d| column
-(from disk); the other metric columns' percentiles and means one spilled column at a time; counts are
-integers (exact in any order); per-request reductions are request-local (one row per request);
-the failure shape, hypotheses and evidence read the per-request summary and requests table; the
-run-level test at most `run_test.MAX_TOKENS` tokens. Means of float columns are computed over the
-whole column in token order, as in memory, so they are the same floating-point sums.
+Run-wide inputs and what is kept of them: the calibration reads the |d| column (from disk); the
+metric summary the spilled logprob columns, a piece at a time; counts are integers (exact in any
+order); per-request reductions are request-local (one row per request); the failure shape,
+hypotheses and evidence read the per-request summary and requests table; the run-level test at most
+`run_test.MAX_TOKENS` tokens. Means are numpy's pairwise sums over the whole column in token order,
+as in memory (`column_stats`), so they are the same floating-point sums.
 Not streamed: a calibration run (`calibrate_from_run` joins it with the whole reference) and prompt
 logprobs (`lpf.analysis.prompt` reads whole tables): `lpf.pipeline.analyze` routes such runs to the
 in-memory path and refuses `--stream` on them. The trace is read whole.
@@ -43,16 +46,17 @@ import pyarrow.compute as pc
 from lpf.analysis import metrics as m
 from lpf.analysis.calibration import calibrate, calibrate_to_floor
 from lpf.analysis.evidence import apply_inconsistency
-from lpf.analysis.findings import (METRIC_COLUMNS, conclude, findings_dict, token_metric_summary,
-                                   wants_tempered)
+from lpf.analysis.columns import Lookup, same_rows
+from lpf.analysis.findings import conclude, findings_dict, wants_tempered
 from lpf.analysis import run_test as run_level
 from lpf.analysis.run_test import run_test, token_evidence
 from lpf.analysis.signatures import crossed_wires, tempered_logprobs
 from lpf.analysis.thresholds import Thresholds
 from lpf.analysis.token_evidence import evidence_columns
-from lpf.analysis.verdicts import by_arrival, reduce_requests, summarize_requests
+from lpf.analysis.scoring import metric_summary, score_requests
+from lpf.analysis.verdicts import by_arrival, segment_starts, summarize_requests
 
-SPILLED = ("prob_diff", "k3_kl")  # metric columns the driver keeps on disk between the passes
+SPILLED = ("engine_logprob", "ref_logprob")  # what the driver keeps on disk for the metric summary
 _EVIDENCE_JOINED = ["request_id", "position", "token_id", "engine_logprob", "ref_logprob", "ref_top1_id",
                     "ref_top1_logprob"]  # what `evidence_columns` reads of the joined rows
 _EVIDENCE_TOKENS = ["request_id", "position", "engine_topk_ids", "engine_topk_logprobs"]
@@ -70,6 +74,18 @@ def chunk_abs_diff(tokens: pa.Table, reference: pa.Table) -> tuple[np.ndarray, n
         ad = np.subtract(tokens.column("engine_logprob").to_numpy(), reference.column("ref_logprob").to_numpy())
         np.abs(ad, out=ad)
     return ad, starts, _ids_at(tokens, starts)
+
+
+def chunk_starts(tokens: pa.Table, reference: pa.Table) -> tuple[int, np.ndarray, pa.Array]:
+    """(joined rows, request starts, request ids at the starts) of a chunk: `chunk_abs_diff`
+    without the logprobs (what the first pass needs when the thresholds come from an expected floor)."""
+    starts = m.zipped_starts(tokens, reference)
+    if starts is None:
+        keys = ["request_id", "position"]
+        tokens = tokens.select(keys).join(reference.select(keys), keys=keys, join_type="inner") \
+            .sort_by([("request_id", "ascending"), ("position", "ascending")])
+        starts = segment_starts(tokens.column("request_id"))
+    return tokens.num_rows, starts, _ids_at(tokens, starts)
 
 
 def thresholds(ad: np.ndarray, starts: np.ndarray, th: Thresholds, expected: dict | None):
@@ -96,49 +112,54 @@ class StreamedAnalysis:
         self.expected, self.sampling = expected, sampling or {"temperature": temperature}
         self.n = int(counts.sum())
         self.step = -(-self.n // run_level.MAX_TOKENS)  # as run_test.run_level_test samples a huge run
-        self.arrival = _arrival_offsets(requests, ids, counts) if expected and self.n else None
+        self.arrival = (Lookup(ids), _arrival_offsets(requests, ids, counts)) \
+            if expected and self.n else None  # request ids, the arrival index of each one's first scored token
         self.tempered = wants_tempered(temperature, reference_columns)
-        self.at = 0  # requests scored so far (index into ids/counts)
+        self.zipped, self.heads, self.counts = False, None, None  # of the last chunk scored
         self.ids, self.per, self.flips, self.same = [], [], 0, 0
         self.missed, self.tempered_ids, self.evidence = [], [], []
 
     def score(self, tokens: pa.Table, reference: pa.Table) -> dict[str, np.ndarray]:
         """Score one chunk; returns its `SPILLED` columns (in token order) for the driver to keep."""
         joined, starts = m.join_grouped(tokens, reference)
-        inputs = m.input_arrays(joined)
-        inputs["position"] = joined.column("position").to_numpy()
-        cols = m.metric_arrays(inputs, self.greedy, self.th)
-        per = reduce_requests({**inputs, **cols}, self.th, starts)
+        cols = m.input_arrays(joined)
+        cols["position"] = joined.column("position").to_numpy()
+        per, flips, same = score_requests(cols, starts, self.greedy, self.th)
         self.ids.append(_ids_at(joined, starts))
         self.per.append(per)
-        self.flips += int(per["n_greedy_flips"].sum())
-        self.same += int(np.count_nonzero(inputs["token_id"] == inputs["ref_top1_id"]))
-        tok = joined
-        for name in METRIC_COLUMNS:
-            tok = tok.append_column(name, pa.array(cols[name]))
+        self.flips += flips
+        self.same += same
         if self.trace is not None and self.trace.num_rows:
             miss = pc.not_equal(joined.column("token_id"), joined.column("ref_top1_id"))
             self.missed.append(joined.filter(miss).select(["request_id", "position", "token_id", "ref_top1_id"]))
         if self.tempered:
-            self.tempered_ids.append(tempered_logprobs(tok, reference, self.temperature, self.th))
+            self.tempered_ids.append(tempered_logprobs(joined, reference, self.temperature, self.th))
+        heads = self.ids[-1]
+        self.zipped = same_rows(tokens.column("token_id"), joined.column("token_id")) and \
+            same_rows(reference.column("ref_logprob"), joined.column("ref_logprob"))
+        self.heads, self.counts = heads, np.diff(np.r_[starts, joined.num_rows])  # what a one-pass driver checks
         if self.arrival is not None:
-            self._keep_evidence(joined, starts, tokens, reference)
-        self.at += len(starts)
+            self._keep_evidence(joined, starts, heads, tokens, reference)
         return {name: cols[name] for name in SPILLED}
 
-    def _keep_evidence(self, joined, starts, tokens, reference) -> None:
+    def _keep_evidence(self, joined, starts, heads, tokens, reference) -> None:
         """The rows the run-level test reads: arrival index (request offset + rank in request) % step == 0."""
         counts = np.diff(np.r_[starts, joined.num_rows])
-        first = self.arrival[self.at:self.at + len(starts)]
+        at = self.arrival[0].index(heads)
+        first = np.where(at >= 0, self.arrival[1][at], 0)
         index = np.repeat(first - starts, counts) + np.arange(joined.num_rows)
-        keys = joined.select(_EVIDENCE_JOINED).filter(pa.array(index % self.step == 0))
+        keep = pa.array(index % self.step == 0)
+        keys = joined.select(_EVIDENCE_JOINED).filter(keep)
         have = [c for c in _EVIDENCE_TOKENS if c in tokens.column_names]
+        if self.zipped:  # the chunk's rows are the joined rows: no join to find them
+            self.evidence.append((keys, tokens.select(have).filter(keep), reference.select(_EVIDENCE_REFERENCE).filter(keep)))
+            return
         self.evidence.append((keys, _rows_for(tokens.select(have), keys),
                               _rows_for(reference.select(_EVIDENCE_REFERENCE), keys)))
 
-    def finish(self, column) -> tuple[pa.Table, dict]:
-        """(summary, findings) as `findings.analyze` gives them. `column(name)`: a `SPILLED` column
-        over the whole run, in token order."""
+    def finish(self, read) -> tuple[pa.Table, dict]:
+        """(summary, findings) as `findings.analyze` gives them. `read(name, rows)`: a `SPILLED`
+        column's values at `rows` (a slice or row indices) of the whole run, in token order."""
         test = None
         if self.arrival is not None:  # first: its tokens are freed before the metric columns are read
             keys, toks, refs = (pa.concat_tables(t) for t in zip(*self.evidence))
@@ -149,14 +170,13 @@ class StreamedAnalysis:
             del keys, toks, refs, cols
         ids = pa.concat_arrays(self.ids) if self.ids else pa.array([], pa.string())
         merged = {k: np.concatenate([p[k] for p in self.per]) for k in self.per[0]} if self.per else \
-            reduce_requests({n: np.zeros(0) for n in ("position", "abs_logprob_diff", "engine_logprob",
-                                                      "ref_logprob", "greedy_flip", "gibberish")}, self.th,
-                            np.zeros(0, np.int64))
+            score_requests({n: np.zeros(0) for n in ("position", "engine_logprob", "ref_logprob")}, np.zeros(0, np.int64),
+                           self.greedy, self.th)[0]
         self.per.clear(), self.ids.clear()
         summary = apply_inconsistency(summarize_requests(None, self.requests, self.th, per=(ids, merged)),
                                       self.requests)
         del merged
-        metrics = token_metric_summary(column, self.n, self.flips, self.same)
+        metrics = metric_summary(read, self.flips, self.same, self.n)
         findings = findings_dict(summary, self.th, metrics, self.n)
         findings["thresholds"].update(self.calib, pinned=sorted(self.th.pinned))
         tempered = pa.chunked_array(self.tempered_ids, pa.string()).combine_chunks() if self.tempered else None

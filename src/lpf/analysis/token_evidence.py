@@ -1,10 +1,12 @@
 """Per-token evidence for the run-level test (`run_test`), from the run's tables.
 
 Contract (pure: Arrow tables and numpy arrays in, numpy arrays and dicts out):
-  evidence_columns(joined, tokens, reference, requests) -> the arrays `run_test.token_evidence`
-      reads, one row per scored token in arrival order (request seq, then position), top-k lists as
-      [n, k] matrices (`list_matrix`; ids -1 and logprobs -inf where a list is short), `order` the
-      permutation from `joined`'s rows.
+  evidence_columns(joined, tokens, reference, requests, every=1, starts=None) -> the arrays
+      `run_test.token_evidence` reads, one row per scored token in arrival order (request seq, then
+      position), top-k lists as [n, k] matrices (`list_matrix`; ids -1 and logprobs -inf where a
+      list is short), `order` the row of `joined` each comes from. `every`: only every k-th token
+      in arrival order (what the run-level test reads of a huge run), the others never gathered;
+      `starts`: `joined`'s request starts, when the caller has them.
   sensitivity(...)   s per token: sqrt((1 - p_t)^2 + sum_{j != t} p_j^2) over the reference's top-k,
                      how far one nat of logit error moves the token's logprob.
   topk_spread(...)   per position, over the ids both top-k lists share: the spread w of engine -
@@ -23,20 +25,56 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from lpf.analysis.columns import falls, one_array, same_rows, within
 from lpf.analysis.floors import floor_stats
+from lpf.analysis.verdicts import segment_starts
 
 MARGIN_P = 0.01  # a position is contested when the reference's second choice has at least this probability
 CHUNK = 1 << 18
 
 
-def list_matrix(col, fill) -> np.ndarray:
+def list_rows(col, rows, fill, widths: tuple[int, bool] | None = None) -> np.ndarray:
+    """`list_matrix(col, fill)[rows]` (`rows`: None for all, a slice or row indices), building only
+    those rows: k is still the column's longest list. `widths`: the column's `_widths`, when known."""
+    arr = one_array(col)
+    n = len(arr)
+    if rows is None or n == 0:
+        return list_matrix(arr, fill, widths)
+    k, fixed = widths or _widths(arr)
+    values = arr.values.to_numpy(zero_copy_only=False)
+    offsets = arr.offsets.to_numpy()
+    if k and fixed:  # fixed width: a view, then the rows
+        return np.ascontiguousarray(values[offsets[0]:offsets[0] + n * k].reshape(n, k)[rows])
+    if isinstance(rows, slice):
+        rows = _indices(rows, n)
+    width = np.diff(offsets)
+    if arr.null_count:
+        width = np.where(arr.is_valid().to_numpy(zero_copy_only=False), width, 0)
+    if k == 0 or values.size == 0:
+        return np.full((len(rows), 0), fill, dtype=values.dtype if values.size else np.float64)
+    idx = offsets[rows][:, None] + np.arange(k)
+    return np.where(np.arange(k) < width[rows][:, None], values[np.minimum(idx, values.size - 1)], fill)
+
+
+def _widths(arr: pa.Array) -> tuple[int, bool]:
+    """(its longest list, whether every list is that long and none null), in Arrow's kernels."""
+    lengths = pc.list_value_length(arr)
+    mm = pc.min_max(lengths.fill_null(0) if arr.null_count else lengths).as_py()
+    k = int(mm["max"] or 0)
+    return k, not arr.null_count and int(mm["min"] or 0) == k
+
+
+def list_matrix(col, fill, widths: tuple[int, bool] | None = None) -> np.ndarray:
     """A list column as an [n, k] matrix (k its longest list; short or null lists padded with `fill`)."""
-    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    arr = one_array(col)
     n = len(arr)
     if n == 0:
         return np.zeros((0, 0))
     offsets = arr.offsets.to_numpy()
     values = arr.values.to_numpy(zero_copy_only=False)
+    k, fixed = widths or _widths(arr)
+    if fixed and k and values.size:
+        return values[offsets[0]:offsets[0] + n * k].reshape(n, k)
     width = np.diff(offsets)
     if arr.null_count:
         width = np.where(arr.is_valid().to_numpy(zero_copy_only=False), width, 0)
@@ -49,46 +87,109 @@ def list_matrix(col, fill) -> np.ndarray:
     return np.where(np.arange(k) < width[:, None], values[np.minimum(idx, values.size - 1)], fill)
 
 
-def _row_index(table: pa.Table, keys: pa.Table) -> np.ndarray:
-    """The row of `table` holding each (request_id, position) of `keys` (all present)."""
-    if table.num_rows == keys.num_rows and table.column("position").equals(keys.column("position")) and \
-            table.column("request_id").equals(keys.column("request_id")):
-        return np.arange(keys.num_rows)
+def _same_keys(table: pa.Table, keys: pa.Table) -> bool:
+    return table.num_rows == keys.num_rows and table.column("position").equals(keys.column("position")) and \
+        table.column("request_id").equals(keys.column("request_id"))
+
+
+def _join_rows(table: pa.Table, keys: pa.Table) -> np.ndarray:
+    """The row of `table` holding each (request_id, position) of `keys` (all present), by a join."""
     left = keys.select(["request_id", "position"]).append_column("_k", pa.array(np.arange(keys.num_rows)))
     right = table.select(["request_id", "position"]).append_column("_t", pa.array(np.arange(table.num_rows)))
     j = left.join(right, keys=["request_id", "position"], join_type="inner").sort_by("_k")
     return j.column("_t").to_numpy()
 
 
-def evidence_columns(joined: pa.Table, tokens: pa.Table, reference: pa.Table, requests: pa.Table) -> dict:
-    """The `token_evidence` inputs for every row of `joined`, in arrival order (request `seq`, then
-    position). Top-k lists come from `tokens` / `reference` by key (Arrow joins carry no lists)."""
-    order = _arrival_order(joined, requests)
-    pick = (lambda a: a) if order is None else (lambda a: a[order])  # noqa: E731  (None: already in order)
-    cols = {name: pick(joined.column(name).to_numpy())
+def _row_index(table: pa.Table, keys: pa.Table) -> np.ndarray:
+    """The row of `table` holding each (request_id, position) of `keys` (all present)."""
+    return np.arange(keys.num_rows) if _same_keys(table, keys) else _join_rows(table, keys)
+
+
+def _table_rows(table: pa.Table, joined: pa.Table, rows, column: str):
+    """The row of `table` holding each of `joined`'s `rows` (None: all of them; a slice or row
+    indices), by key; `rows` itself when `table` lines up with `joined` (its `column` handed on as
+    it is, or the same keys row for row)."""
+    carried = column in table.column_names and column in joined.column_names \
+        and same_rows(table.column(column), joined.column(column))
+    if table.num_rows == joined.num_rows and (carried or _same_keys(table, joined)):
+        return rows
+    if isinstance(rows, slice):
+        rows = _indices(rows, joined.num_rows)
+    return _join_rows(table, joined if rows is None else joined.select(["request_id", "position"]).take(pa.array(rows)))
+
+
+def _pair_widths(table: pa.Table, ids: str, lps: str) -> tuple[tuple[int, bool], tuple[int, bool]]:
+    """`_widths` of a table's top-k ids and logprobs lists (the second for free when both columns
+    have the same offsets and no nulls, as every writer makes them)."""
+    a, b = one_array(table.column(ids)), one_array(table.column(lps))
+    wa = _widths(a)
+    same = len(a) == len(b) and not a.null_count and not b.null_count and a.offset == b.offset == 0 and \
+        a.buffers()[1].equals(b.buffers()[1])  # the same offsets, byte for byte (one memcmp)
+    return wa, wa if same else _widths(b)
+
+
+def evidence_columns(joined: pa.Table, tokens: pa.Table, reference: pa.Table, requests: pa.Table,
+                     every: int = 1, starts: np.ndarray | None = None) -> dict:
+    """The `token_evidence` inputs for every `every`-th row of `joined` in arrival order (request
+    `seq`, then position). Top-k lists come from `tokens` / `reference` by key (Arrow joins carry no lists)."""
+    rows = _arrival_rows(joined, requests, every, starts)  # None: all of them, in order; a slice: in order
+    cols = {name: _take(joined.column(name).to_numpy(), rows)
             for name in ("token_id", "engine_logprob", "ref_logprob", "ref_top1_id", "ref_top1_logprob")}
-    r = pick(_row_index(reference, joined))
-    cols["ref_topk_ids"] = _rows(list_matrix(reference.column("ref_topk_ids"), -1), r)
-    cols["ref_topk_logprobs"] = _rows(list_matrix(reference.column("ref_topk_logprobs"), -np.inf), r)
-    if "engine_topk_ids" in tokens.column_names:
-        ids = list_matrix(tokens.column("engine_topk_ids"), -1)
-        if ids.shape[1]:
-            t = pick(_row_index(tokens, joined))
-            cols["engine_topk_ids"] = _rows(ids, t)
-            cols["engine_topk_logprobs"] = _rows(list_matrix(tokens.column("engine_topk_logprobs"), -np.inf), t)
-    cols["order"] = np.arange(joined.num_rows) if order is None else order
+    r = _table_rows(reference, joined, rows, "ref_logprob")
+    wi, wl = _pair_widths(reference, "ref_topk_ids", "ref_topk_logprobs") if reference.num_rows else (None, None)
+    cols["ref_topk_ids"] = list_rows(reference.column("ref_topk_ids"), r, -1, wi)
+    cols["ref_topk_logprobs"] = list_rows(reference.column("ref_topk_logprobs"), r, -np.inf, wl)
+    if "engine_topk_ids" in tokens.column_names and tokens.num_rows:
+        wi, wl = _pair_widths(tokens, "engine_topk_ids", "engine_topk_logprobs")
+        values = one_array(tokens.column("engine_topk_ids")).values
+        if wi[0] and values is not None and len(values):  # what list_matrix gives width > 0
+            t = _table_rows(tokens, joined, rows, "token_id")
+            cols["engine_topk_ids"] = list_rows(tokens.column("engine_topk_ids"), t, -1, wi)
+            cols["engine_topk_logprobs"] = list_rows(tokens.column("engine_topk_logprobs"), t, -np.inf, wl)
+    cols["order"] = np.arange(joined.num_rows) if rows is None else _indices(rows, joined.num_rows)
     return cols
 
 
-def _rows(matrix: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """matrix[rows], without the copy when `rows` is 0..n-1."""
-    if len(rows) == len(matrix) and (len(rows) == 0 or (rows[0] == 0 and rows[-1] == len(rows) - 1
-                                                         and bool(np.all(np.diff(rows) == 1)))):
-        return matrix
-    return matrix[rows]
+def _indices(rows, n: int) -> np.ndarray:
+    return np.arange(*rows.indices(n)) if isinstance(rows, slice) else rows
 
 
-def _arrival_order(joined: pa.Table, requests: pa.Table) -> np.ndarray | None:
+def _take(a: np.ndarray, rows) -> np.ndarray:
+    if rows is None:
+        return a
+    return np.ascontiguousarray(a[rows]) if isinstance(rows, slice) else a[rows]
+
+
+def _arrival_rows(joined: pa.Table, requests: pa.Table, every: int, starts: np.ndarray | None):
+    """`joined`'s rows in arrival order (request seq, then position), every `every`-th; None for all
+    rows and a slice for every k-th when they already are in that order. Per request where it can (each request's rows
+    contiguous with positions ascending, each seq once), else per token."""
+    n = joined.num_rows
+    if n < 2:
+        return None if every == 1 or n == 0 else slice(0, n, every)
+    ids = joined.column("request_id")
+    starts = segment_starts(ids) if starts is None else starts
+    pos = joined.column("position").to_numpy()
+    seq_of = pc.index_in(ids.take(pa.array(starts)), value_set=requests.column("request_id").combine_chunks())
+    seq = requests.column("seq").to_numpy()[seq_of.fill_null(0).to_numpy(zero_copy_only=False)]
+    rising = within(falls(pos), starts[1:] - 1)  # positions rise within each request
+    by_value = np.sort(seq)
+    if not rising or not bool(np.all(by_value[1:] != by_value[:-1])):
+        order = _token_order(joined, requests)  # a request in pieces or a seq twice: token by token
+        if order is None:
+            return None if every == 1 else slice(0, n, every)
+        return order[::every]
+    if bool(np.all(seq[1:] > seq[:-1])):
+        return None if every == 1 else slice(0, n, every)
+    by_seq = np.argsort(seq, kind="stable")
+    counts = np.diff(np.r_[starts, n])[by_seq]
+    first = np.cumsum(counts) - counts  # arrival index of each request's first row, in seq order
+    j = np.arange(0, n, every)
+    at = np.searchsorted(first, j, side="right") - 1
+    return starts[by_seq[at]] + (j - first[at])
+
+
+def _token_order(joined: pa.Table, requests: pa.Table) -> np.ndarray | None:
     """The permutation of `joined` into (request seq, position) order; None when it is in order."""
     seq_of = pc.index_in(joined.column("request_id"), value_set=requests.column("request_id").combine_chunks())
     seq = requests.column("seq").to_numpy()[seq_of.fill_null(0).to_numpy(zero_copy_only=False)]

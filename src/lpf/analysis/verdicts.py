@@ -13,7 +13,8 @@ the flipped token is one the reference also found likely, and the teacher-forced
 agrees with the reference again, so the score is ~0: `divergent`) from a corrupted state (the
 reference keeps disagreeing with a confident engine: score near 1: `corrupt`).
 Vectorised: one pass of numpy reductions over request segments (`reduce_requests`, on numpy
-columns, which a chunked caller runs chunk by chunk).
+columns: the dense statement of the rule, which `scoring.score_requests` computes sparsely and is
+tested against). Verdicts travel as small integers (`CODES`) until the summary's string column.
 """
 
 from __future__ import annotations
@@ -22,10 +23,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from lpf.analysis.columns import change_points
 from lpf.analysis.levels import SEVERITY, VERDICTS  # noqa: F401  (re-exported: the verdict names live there)
 from lpf.analysis.thresholds import Thresholds
 
 _BIG = np.iinfo(np.int32).max
+CODES = ("clean", "noise", "divergent", "corrupt", "unscored", "error")  # a request verdict's code: its index
+_CODE = {v: i for i, v in enumerate(CODES)}
 
 
 def by_arrival(requests: pa.Table) -> pa.Table:
@@ -36,12 +40,9 @@ def by_arrival(requests: pa.Table) -> pa.Table:
 
 def segment_starts(request_ids) -> np.ndarray:
     """Row indices where a new request begins in a table grouped by request."""
-    n = len(request_ids)
-    if n == 0:
+    if len(request_ids) == 0:
         return np.zeros(0, dtype=np.int64)
-    ids = request_ids.combine_chunks() if isinstance(request_ids, pa.ChunkedArray) else request_ids
-    change = pc.not_equal(ids.slice(0, n - 1), ids.slice(1)).to_numpy(zero_copy_only=False)
-    return np.flatnonzero(np.r_[True, change])
+    return np.r_[0, change_points(request_ids) + 1]
 
 
 def per_request(metrics: pa.Table, th: Thresholds, starts: np.ndarray | None = None) -> tuple[pa.Array, dict]:
@@ -105,11 +106,11 @@ def reduce_requests(cols: dict[str, np.ndarray], th: Thresholds, starts: np.ndar
         "gibberish_tokens": count(lie),
         "gibberish_score": score,
     }
-    verdict = np.full(len(starts), "clean", dtype=object)
-    verdict[out["max_abs_logprob_diff"] > th.clean_abs_diff] = "noise"
-    verdict[(first != _BIG)] = "divergent"
-    verdict[sustained & (score >= th.gibberish_min_score)] = "corrupt"
-    out["verdict"] = verdict
+    verdict = np.zeros(len(starts), np.int8)
+    verdict[out["max_abs_logprob_diff"] > th.clean_abs_diff] = _CODE["noise"]
+    verdict[(first != _BIG)] = _CODE["divergent"]
+    verdict[sustained & (score >= th.gibberish_min_score)] = _CODE["corrupt"]
+    out["verdict"] = verdict  # codes into CODES
     return out
 
 
@@ -132,9 +133,9 @@ def summarize_requests(metrics: pa.Table, requests: pa.Table, th: Thresholds,
 
     n_out = pc.list_value_length(req.column("output_token_ids")).to_numpy(zero_copy_only=False)
     errors = req.column("error").is_valid().to_numpy(zero_copy_only=False)
-    final = take(by_id["verdict"], "clean").astype(object)
-    final[~has & (n_out > 0)] = "unscored"
-    final[errors] = "error"
+    final = take(np.asarray(by_id["verdict"], np.int8), np.int8(_CODE["clean"]))
+    final[~has & (n_out > 0)] = _CODE["unscored"]
+    final[errors] = _CODE["error"]
     first_col = take(by_id["first_divergence"], _BIG)
     return pa.table({
         "request_id": req.column("request_id"),
@@ -151,7 +152,7 @@ def summarize_requests(metrics: pa.Table, requests: pa.Table, th: Thresholds,
         "n_greedy_flips": pa.array(take(by_id["n_greedy_flips"], 0).astype(np.int32)),
         "gibberish_tokens": pa.array(take(by_id["gibberish_tokens"], 0).astype(np.int32)),
         "gibberish_score": pa.array(take(by_id["gibberish_score"], 0.0).astype(np.float64)),
-        "verdict": pa.array(final, type=pa.string()),
+        "verdict": pa.array(CODES, pa.string()).take(pa.array(final)),
         "error": req.column("error"),
         "oracle_ok": req.column("oracle_ok"),
     })

@@ -4,6 +4,13 @@ The runner builds one `ForwardContext` per step and enters `set_forward_context(
 `get_forward_context()`, which fails loudly outside a step. The context is restored on exit (nesting
 is allowed, as in vLLM). Tokens of all scheduled requests are packed into one flat batch; `SeqMeta`
 says where each request's tokens are and how the runner classified them.
+
+Activation capture (`lpf locate`): a context may carry a `capture`; layers hand it internal tensors
+with `probe(module, name, tensor)` (a q after rotary, a Mamba input state, dt). With no capture set,
+`probe` returns at once, so the engine computes exactly what it computes without it. `rows` says whose
+tokens a layer is working on while it runs one request (a prefill chunk) or the decode batch: a
+probed tensor's first dimension runs over the tokens of `rows` in order (one row per request for a
+state), over the whole packed batch when `rows` is None.
 """
 
 from __future__ import annotations
@@ -58,6 +65,8 @@ class ForwardContext:
     seqs: list[SeqMeta]
     kv_cache: Any  # lpf.builtin.kv_cache.KVCache
     state_cache: Any  # lpf.builtin.state_cache.StateCache
+    capture: Any = None  # lpf.locate's capture: `put(module, name, tensor, rows)`; None: nothing captured
+    rows: list[SeqMeta] | None = None  # while a layer runs part of the batch: whose tokens (see module doc)
 
     @property
     def decodes(self) -> list[SeqMeta]:
@@ -79,6 +88,13 @@ def set_forward_context(ctx: ForwardContext):
         yield ctx
     finally:
         _current = prev
+
+
+def probe(module, name: str, tensor) -> None:
+    """Hand `tensor` (computed by `module` for `ctx.rows`) to the step's capture, if there is one."""
+    ctx = _current
+    if ctx is not None and ctx.capture is not None:
+        ctx.capture.put(module, name, tensor, ctx.rows)
 
 
 def get_forward_context() -> ForwardContext:

@@ -49,7 +49,8 @@ class ModelRunner:
             PrefixDrills(faults, block_size, mamba_block_size, mixers[0].d_conv if mixers else 1)
 
     @torch.inference_mode()
-    def execute(self, so: SchedulerOutput) -> StepResult:
+    def execute(self, so: SchedulerOutput, capture=None) -> StepResult:
+        """One step; `capture` (lpf locate) is handed to the layers through the forward context."""
         drills = self.drills
         drills.preempted(so.preempted)
         seqs, ids, pos, start = [], [], [], 0
@@ -71,7 +72,7 @@ class ModelRunner:
         phases = {m.request_id: m.phase for m in seqs}
         if not seqs:
             return StepResult(phases)
-        result = self._forward(so, seqs, ids, pos, phases)
+        result = self._forward(so, seqs, ids, pos, phases, capture)
         return replace(result, state_writes=writes, resume_reads=reads)
 
     def _with_prefix(self, s, meta: SeqMeta, writes: list, reads: dict) -> SeqMeta:
@@ -91,9 +92,9 @@ class ModelRunner:
         return replace(meta, checkpoints=cps, conv_write_slot=conv_to)
 
     def _forward(self, so: SchedulerOutput, seqs: list[SeqMeta], ids: list[int], pos: list[int],
-                 phases: dict[str, str]) -> StepResult:
+                 phases: dict[str, str], capture=None) -> StepResult:
         drills = self.drills
-        ctx = ForwardContext(so.step, seqs, self.kv_cache, self.state_cache)
+        ctx = ForwardContext(so.step, seqs, self.kv_cache, self.state_cache, capture=capture)
         with set_forward_context(ctx):
             hidden = self.model(torch.tensor(ids, device=self.device), torch.tensor(pos, device=self.device))
         asked = [(m, s) for m, s in zip(seqs, so.scheduled) if s.prompt_targets]

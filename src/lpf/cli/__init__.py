@@ -7,6 +7,7 @@
   run.py          audit, run, rescore, analyze        views.py   query, inspect, report, engines, zoo
   experiments.py  sweep, repeat                       rl.py      rl analyze, rl simulate
   serve.py        serve                               compare.py diff, conformance
+  locate.py       locate (render_locate.py draws its summary)
 Command modules import `common` and the render modules only, never each other. `lpf --help` imports click,
 rich and a few light lpf modules: every heavy import sits inside a command's body.
 
@@ -21,7 +22,7 @@ import sys
 
 import click
 
-from lpf.cli import compare, experiments, rl, run, serve, views
+from lpf.cli import compare, experiments, locate, rl, run, serve, views
 from lpf.cli.common import err
 from lpf.core.errors import LpfError
 
@@ -32,7 +33,7 @@ def cli():
     """logprob-forensics: re-score an engine's exact tokens with a reference and find the requests that lie."""
 
 
-for _module in (run, views, experiments, rl, serve, compare):
+for _module in (run, views, experiments, rl, serve, compare, locate):
     for _command in _module.COMMANDS:
         cli.add_command(_command)
 

@@ -405,3 +405,5 @@ def print_shrink(doc: dict, console: Console) -> None:
               "not-reproduced": "[bold yellow]not reproduced[/]"}.get(doc["status"], doc["status"])
     console.print(f"status: {status} · {doc['runs_used']} runs of {doc['budget_runs']} · "
                   f"deterministic: {doc.get('deterministic')}", highlight=False)
+    if doc.get("locate"):
+        console.print(f"where the lie is born: [bold]{escape(doc['locate']['command'])}[/]", highlight=False)

@@ -106,7 +106,9 @@ def load_prompts(spec: str, tokenizer, vocab_size: int, max_context: int | None,
         unknown = set(obj) - {"id", "prompt", "prompt_token_ids", "messages", "expected", "max_tokens", "task",
                               "abort_after_tokens", "group"}
         if unknown:
-            raise LpfError(f"{at}: unknown field(s) {', '.join(sorted(unknown))}")
+            # a key with a newline would break the one-line error: such keys are shown quoted
+            shown = (k if k.isprintable() else repr(k) for k in sorted(unknown))
+            raise LpfError(f"{at}: unknown field(s) {', '.join(shown)}")
         messages = None
         if sum(k in obj for k in ("prompt", "prompt_token_ids", "messages")) != 1:
             raise LpfError(f"{at}: give exactly one of 'prompt' (text), 'prompt_token_ids' or 'messages'")

@@ -26,7 +26,7 @@ import pyarrow.parquet as pq
 
 from lpf.analysis import attribution
 from lpf.analysis.findings import analyze
-from lpf.analysis.returned import tokens_only as returned_nothing, what_came_back
+from lpf.analysis.returned import counts as returned_counts, tokens_only as returned_nothing, what_came_back
 from lpf.analysis.tokens_only import analyze_tokens_only
 from lpf.analysis.thresholds import Thresholds
 from lpf.core.errors import LpfError
@@ -65,7 +65,9 @@ def analyze_run(run: RunDir, thresholds: Thresholds, attribute: bool = True, on_
     alone even when the engine returned logprobs (what a tokens-only server's audit would say)."""
     m = run.manifest
     has_prompt = run.has("prompt_reference")
-    no_logprobs = tokens_only or returned_nothing(run.read("tokens", ["engine_logprob"]))
+    # what came back, part by part (a streamed run is never read whole)
+    came_back = returned_counts(run.iter_parts("tokens", ["engine_logprob", "engine_topk_ids"]))
+    no_logprobs = tokens_only or returned_nothing(came_back)
     if no_logprobs:  # judged from tokens alone, in memory (`lpf.analysis.tokens_only`)
         stream = False
     elif stream is None:
@@ -110,12 +112,13 @@ def analyze_run(run: RunDir, thresholds: Thresholds, attribute: bool = True, on_
     findings = {"run_id": m.get("run_id"), "engine": m["engine"].get("name"), "model": m["model"].get("spec"),
                 "reference": (m.get("reference") or {}).get("spec"), **findings}
     findings["run_complete"] = m.get("status") == "complete"
-    findings["judged"] = what_came_back(run.read("tokens", ["engine_logprob", "engine_topk_ids"]), has_prompt,
+    findings["judged"] = what_came_back(came_back, has_prompt,
                                         m.get("engine"), m["sampling"], run.has("seeded"))
     findings["trace"] = trace_summary(run)
     pq.write_table(summary, run.path / "summary.parquet")
-    run.write_json("findings.json", finite(findings))
-    return finite(findings)
+    findings = finite(findings)  # once: a big run's findings hold thousands of values
+    run.write_json("findings.json", findings)
+    return findings
 
 
 def _attribute(run: RunDir, requests, summary, own_sums_of, findings: dict, on_start: OnStart, tick: Tick) -> dict:

@@ -3,12 +3,17 @@
 Contract: `analyze_streamed(run, requests, th, greedy, ...) -> (summary, findings)`, the same as
 `lpf.analysis.findings.analyze` over `run.read(...)` of the same run (byte for byte once written:
 `tests/test_analyze_stream.py`), holding at most a chunk of ~CHUNK_ROWS tokens of the tokens and
-reference tables at once, plus 8 bytes a scored token (|d|, for the calibration; spilled to disk
-during the scoring pass) and, while the percentiles are taken, one such column at a time. The pure
-steps are `lpf.analysis.stream`; this module reads parts, makes the chunks and spills columns to a
-temporary folder in the run directory (`.tmp-analyze-*`, removed afterwards; a killed analysis
-leaves it, and the next one removes it).
+reference tables at once (and the next part being read ahead), plus what it spills to a temporary
+folder in the run directory (`.tmp-analyze-*`, removed afterwards; a killed analysis leaves it, and
+the next one removes it): the logprob columns (16 bytes a scored token, read back a piece at a time
+for the metric summary) and, without an expected floor, |d| (read back whole for the run's own
+calibration). The pure steps are `lpf.analysis.stream`; reading parts, chunks and spill files are
+`lpf.pipeline.stream_parts`.
 
+One pass when it can: with an expected floor the thresholds need no token, and when the parts line
+up row for row the run-level test's arrival order comes from the requests' output lengths, checked
+chunk by chunk against the rows scored; any check that fails starts over with two passes (the
+first finds the request starts, and |d| when the run calibrates on itself; the second scores).
 Chunks follow the whole run's join order (see `lpf.analysis.stream`):
 - zip: when the tokens and reference parts line up row for row (as they do when the reference
   was scored in the tokens' order), slices of ~CHUNK_ROWS rows cut at request boundaries, read
@@ -34,20 +39,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from lpf.analysis import stream
-from lpf.analysis.metrics import zipped_starts
+from lpf.analysis.columns import Lookup
 from lpf.analysis.stream import StreamedAnalysis
 from lpf.analysis.thresholds import Thresholds
+from lpf.pipeline import stream_parts
 from lpf.pipeline.callbacks import OnStart, Tick, no_start, no_tick
+from lpf.pipeline.stream_parts import REFERENCE_COLUMNS, TOKEN_COLUMNS, Ranges, Rows, Spill, read_ahead, zip_chunks, zip_sizes
 from lpf.run import schema
 from lpf.run.store import RunDir
-
-CHUNK_ROWS = 1 << 20
-_COMPRESSED = pa.ipc.IpcWriteOptions(compression="lz4")  # the range files: half the disk for ~10% more time
-TOKEN_COLUMNS = ["request_id", "position", "token_id", "engine_logprob", "engine_topk_ids", "engine_topk_logprobs"]
-REFERENCE_COLUMNS = ["request_id", "position", "ref_logprob", "ref_rank", "ref_entropy", "ref_top1_id",
-                     "ref_top1_logprob", "ref_topk_ids", "ref_topk_logprobs"]
-_FIRST_PASS = (["request_id", "position", "engine_logprob"], ["request_id", "position", "ref_logprob"])  # zip: |d| only
-
 
 def scored_token_count(run: RunDir) -> int:
     """Rows of the tokens parts, from their footers (what chooses the streamed path)."""
@@ -73,141 +72,6 @@ def light_requests(run: RunDir) -> pa.Table:
     return pa.concat_tables(out) if out else schema.REQUESTS.empty_table()
 
 
-class _Rows:
-    """A table's parts in order, handed out a number of rows at a time."""
-
-    def __init__(self, parts):
-        self.parts, self.buf = iter(parts), None
-
-    def _more(self) -> bool:
-        part = next(self.parts, None)
-        if part is None:
-            return False
-        self.buf = part if self.buf is None else pa.concat_tables([self.buf, part])
-        return True
-
-    def left(self, n: int) -> int:
-        """How many rows are buffered, reading parts until there are more than `n` (or none are left)."""
-        while (self.buf is None or self.buf.num_rows <= n) and self._more():
-            pass
-        return 0 if self.buf is None else self.buf.num_rows
-
-    def take(self, n: int) -> pa.Table | None:
-        """The next `n` rows (fewer at the end; None when the table has no parts)."""
-        self.left(n - 1)
-        if self.buf is None:
-            return None
-        head, self.buf = self.buf.slice(0, n), self.buf.slice(n)
-        return head
-
-    def request_cut(self, n: int) -> int:
-        """The number of rows from here to the first request boundary at or after `n` rows."""
-        while self.left(n) > n:
-            ids = self.buf.column("request_id")
-            hit = np.flatnonzero(pc.not_equal(ids.slice(n), ids[n - 1]).to_numpy(zero_copy_only=False))
-            if hit.size:
-                return n + int(hit[0])
-            n = self.buf.num_rows  # the whole buffer is one request's tail: read on
-        return self.left(n)
-
-
-def _zip_sizes(run: RunDir, chunk_pass):
-    """First pass over the parts as they lie, in request-aligned chunks of ~CHUNK_ROWS rows:
-    `chunk_pass(tokens, reference)` per chunk; the chunk sizes, or None at the first chunk whose
-    sides do not line up (the in-memory analysis would join and sort)."""
-    tok = _Rows(run.iter_parts("tokens", _FIRST_PASS[0]))
-    ref = _Rows(run.iter_parts("reference", _FIRST_PASS[1]))
-    sizes = []
-    while True:
-        n = tok.request_cut(CHUNK_ROWS)
-        if n == 0:
-            return sizes if ref.left(0) == 0 else None
-        t, r = tok.take(n), ref.take(n)
-        if r is None or zipped_starts(t, r) is None:
-            return None
-        chunk_pass(t, r)
-        sizes.append(n)
-
-
-def _zip_chunks(run: RunDir, sizes: list[int]):
-    """The chunks of `_zip_sizes` again, with every column the analysis reads."""
-    tok = _Rows(run.iter_parts("tokens", TOKEN_COLUMNS))
-    ref = _Rows(run.iter_parts("reference", REFERENCE_COLUMNS))
-    for n in sizes:
-        yield tok.take(n), ref.take(n)
-
-
-class _Ranges:
-    """Requests in request-id ranges of ~CHUNK_ROWS tokens, bucketed to Arrow files and sorted."""
-
-    def __init__(self, run: RunDir, requests: pa.Table, spill: Path):
-        self.spill = spill
-        ids = requests.column("request_id").combine_chunks()
-        order = pc.sort_indices(ids).to_numpy()
-        self.sorted_ids = ids.take(pa.array(order))
-        n_out = pc.list_value_length(requests.column("output_token_ids")).fill_null(0).to_numpy(zero_copy_only=False)
-        total = np.cumsum(n_out[order])
-        self.cuts = np.r_[0, np.flatnonzero(np.diff(total // CHUNK_ROWS)) + 1] if total.size else np.zeros(1, np.int64)
-        for table, columns in (("tokens", TOKEN_COLUMNS), ("reference", REFERENCE_COLUMNS)):
-            self._bucket(run, table, columns)
-
-    def _path(self, table: str, i: int) -> Path:
-        return self.spill / f"{table}-{i:05d}.arrow"
-
-    def _bucket(self, run: RunDir, table: str, columns: list[str]) -> None:
-        want = pa.schema([schema.TABLES[table].field(c) for c in columns])
-        writers = [pa.ipc.new_file(self._path(table, i), want, options=_COMPRESSED) for i in range(len(self.cuts))]
-        try:
-            for part in run.iter_parts(table, columns):
-                at = pc.index_in(part.column("request_id"), value_set=self.sorted_ids)
-                known = at.is_valid()
-                part = part.filter(known)  # rows of no committed request join no token
-                rng = np.searchsorted(self.cuts, at.drop_null().to_numpy(), side="right") - 1
-                order = np.argsort(rng, kind="stable")
-                part, rng = part.take(pa.array(order)), rng[order]
-                bounds = np.searchsorted(rng, np.arange(len(self.cuts) + 1))
-                for i, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
-                    if hi > lo:
-                        writers[i].write_table(part.slice(lo, hi - lo))
-        finally:
-            for w in writers:
-                w.close()
-
-    def chunks(self):
-        for i in range(len(self.cuts)):
-            yield tuple(_sorted(pa.ipc.open_file(self._path(t, i)).read_all()) for t in ("tokens", "reference"))
-
-
-def _sorted(t: pa.Table) -> pa.Table:
-    return t.sort_by([("request_id", "ascending"), ("position", "ascending")])
-
-
-class _Spill:
-    """Whole-run float64 columns written chunk by chunk, read back one at a time (as often as asked)."""
-
-    def __init__(self, folder: Path):
-        self.folder, self.files = folder, {}
-
-    def add(self, cols: dict[str, np.ndarray]) -> None:
-        for name, values in cols.items():
-            if name not in self.files:
-                self.files[name] = open(self.folder / f"{name}.f64", "wb")
-            np.ascontiguousarray(values, np.float64).tofile(self.files[name])
-
-    def drop(self, name: str) -> None:
-        f = self.files.pop(name, None)
-        if f is not None:
-            f.close()
-            (self.folder / f"{name}.f64").unlink()
-
-    def read(self, name: str) -> np.ndarray:
-        f = self.files.get(name)
-        if f is None:
-            return np.zeros(0)
-        f.close()
-        return np.fromfile(self.folder / f"{name}.f64", np.float64)
-
-
 def analyze_streamed(run: RunDir, requests: pa.Table, th: Thresholds, greedy: bool, *,
                      trace: pa.Table | None = None, engine_info: dict | None = None, temperature: float = 0.0,
                      floor_table: dict | None = None, run_info: dict | None = None,
@@ -228,20 +92,84 @@ def analyze_streamed(run: RunDir, requests: pa.Table, th: Thresholds, greedy: bo
 def _analyze(run, requests, th, greedy, spill, *, trace, engine_info, temperature, floor_table, run_info, progress):
     from lpf.analysis.floors import expected_floor
 
-    # |d| goes to disk chunk by chunk and comes back as one array: chunks kept in memory would leave
-    # the heap holding their pages (below glibc's mmap threshold) after the whole-run copy is made
-    cols = _Spill(spill)
+    # the expected floor needs nothing of the tokens: with one, the thresholds are known before any
+    expected = expected_floor(floor_table, run_info.get("engine_dtype"), run_info.get("reference_dtype"),
+                              run_info.get("model"), None) if floor_table is not None else None
+    kw = dict(trace=trace, engine_info=engine_info, temperature=temperature, expected=expected,
+              sampling=run_info.get("sampling"), reference_columns=REFERENCE_COLUMNS)
+    if expected:
+        done = _one_pass(run, requests, th, greedy, spill, kw, progress)
+        if done is not None:
+            return done
+        for old in spill.iterdir():  # a check failed part way: nothing of it is kept
+            old.unlink()
+    return _two_passes(run, requests, th, greedy, spill, kw, progress)
+
+
+def _one_pass(run, requests, th, greedy, spill, kw, progress):
+    """With an expected floor (thresholds known) and parts that line up, the analysis in one pass
+    over the parts: the counts that place every token in arrival order for the run-level test are
+    the requests' output lengths, checked chunk by chunk against the rows scored (and, at the end,
+    every request with an output seen once). None when a check fails: the caller starts over."""
+    n_out = pc.list_value_length(requests.column("output_token_ids")).fill_null(0).to_numpy(zero_copy_only=False)
+    has = n_out > 0
+    ids, counts = requests.column("request_id").filter(pa.array(has)).combine_chunks(), n_out[has].astype(np.int64)
+    declared = Lookup(ids)
+    th, calib = stream.thresholds(None, None, th, kw["expected"])
+    acc = StreamedAnalysis(requests, th, calib, greedy, ids, counts, **kw)
+    progress[0](scored_token_count(run), 0)
+    cols = Spill(spill)
+    tok = Rows(read_ahead(run.iter_parts("tokens", TOKEN_COLUMNS)))
+    ref = Rows(read_ahead(run.iter_parts("reference", REFERENCE_COLUMNS)))
+    seen, heads = 0, []
+    while True:
+        n = tok.request_cut(stream_parts.CHUNK_ROWS)
+        if n == 0:
+            if ref.left(0):
+                return None  # reference rows no token has: the in-memory analysis would join
+            break
+        t, r = tok.take(n), ref.take(n)
+        if r is None or r.num_rows != n:
+            return None
+        cols.add(acc.score(t, r))
+        at = declared.index(acc.heads)
+        if not acc.zipped or (at < 0).any() or not np.array_equal(counts[at], acc.counts):
+            return None  # the sides do not line up, or a request's rows are not its output
+        heads.append(acc.heads)
+        seen += n
+        progress[1](n)
+    heads = pa.concat_arrays(heads) if heads else pa.array([], pa.string())
+    if seen != acc.n or len(heads) != len(ids) or len(pc.unique(heads)) != len(heads):
+        return None  # a request in two places, or one with an output never scored
+    t = r = tok = ref = None
+    pa.default_memory_pool().release_unused()
+    return acc.finish(cols.rows)
+
+
+def _two_passes(run, requests, th, greedy, spill, kw, progress):
+    """The first pass finds the request starts (and |d| for the run's own calibration when there
+    is no expected floor), the second scores; chunks by zip or, when parts do not line up, by
+    request range."""
+    expected = kw["expected"]
+    # |d| (only without an expected floor: the run's own calibration) goes to disk chunk by chunk and
+    # comes back as one array: chunks kept in memory would leave the heap holding their pages
+    cols = Spill(spill)
     starts, ids, at = [], [], [0]
     total, tick = 2 * scored_token_count(run), progress[1]
     progress[0](total, 0)
 
     def first_pass(tok, ref):
-        ad, s, i = stream.chunk_abs_diff(tok, ref)
-        cols.add({"abs_logprob_diff": ad}), starts.append(s + at[0]), ids.append(i)
-        at[0] += ad.size
+        if expected:
+            n, s, i = stream.chunk_starts(tok, ref)
+        else:
+            ad, s, i = stream.chunk_abs_diff(tok, ref)
+            cols.add({"abs_logprob_diff": ad})
+            n = ad.size
+        starts.append(s + at[0]), ids.append(i)
+        at[0] += n
         tick(tok.num_rows)
 
-    sizes = _zip_sizes(run, first_pass)
+    sizes = zip_sizes(run, first_pass, keys_only=bool(expected))
     heads = pa.concat_arrays(ids) if ids else pa.array([], pa.string())
     if sizes is not None and len(pc.unique(heads)) != len(heads):
         sizes = None  # a request in two places: the in-memory analysis joins and sorts
@@ -251,36 +179,30 @@ def _analyze(run, requests, th, greedy, spill, *, trace, engine_info, temperatur
         progress[0](total, 0)  # the zip pass stopped part way: the first pass starts again
         starts.clear(), ids.clear()
         at[0] = 0
-        ranges = _Ranges(run, requests, spill)
+        ranges = Ranges(run, requests, spill)
         for chunk in ranges.chunks():
             first_pass(*chunk)
         heads = pa.concat_arrays(ids) if ids else pa.array([], pa.string())
     pa.default_memory_pool().release_unused()
-    ad = cols.read("abs_logprob_diff")
+    n_scored = at[0]
     starts = np.concatenate(starts) if starts else np.zeros(0, np.int64)
-    counts = np.diff(np.r_[starts, ad.size]).astype(np.int64)
-    expected = expected_floor(floor_table, run_info.get("engine_dtype"), run_info.get("reference_dtype"),
-                              run_info.get("model"), None) if floor_table is not None and ad.size else None
-    th, calib = stream.thresholds(ad, starts, th, expected)
-    acc = StreamedAnalysis(requests, th, calib, greedy, heads, counts, trace=trace, engine_info=engine_info,
-                           temperature=temperature, expected=expected, sampling=run_info.get("sampling"),
-                           reference_columns=REFERENCE_COLUMNS)
-    del ad  # not needed again until the percentiles: read back from disk then
-    second = ranges.chunks() if ranges is not None else _zip_chunks(run, sizes)
+    counts = np.diff(np.r_[starts, n_scored]).astype(np.int64)
+    expected = expected if n_scored else None
+    if expected:
+        th, calib = stream.thresholds(None, starts, th, expected)
+    else:
+        ad = cols.read("abs_logprob_diff")
+        th, calib = stream.thresholds(ad, starts, th, None)
+        del ad
+        cols.drop("abs_logprob_diff")
+    acc = StreamedAnalysis(requests, th, calib, greedy, heads, counts, **{**kw, "expected": expected})
+    second = ranges.chunks() if ranges is not None else zip_chunks(run, sizes)
     for tok, ref in second:
         cols.add(acc.score(tok, ref))
         tick(tok.num_rows)
     tok = ref = second = None  # the last chunk
     pa.default_memory_pool().release_unused()
-
-    def column(name: str) -> np.ndarray:
-        if name == "token_mult_prob_error":
-            values = cols.read("abs_logprob_diff")
-            with np.errstate(over="ignore", invalid="ignore"):
-                return np.exp(values, out=values)
-        return cols.read(name)
-
-    return acc.finish(column)
+    return acc.finish(cols.rows)
 
 
 def reference_sums(run: RunDir, ids: set[str]) -> dict[str, float]:

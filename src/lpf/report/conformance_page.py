@@ -2,7 +2,8 @@
 
 Architecture x cell: each entry shows the cell's verdict (output, and prompt positions when they
 differ), the largest |logprob diff| on prompt and output positions, the first divergence, the top
-hypothesis and the `lpf diff` attribution, and links to the cell's own report. The architectures that
+hypothesis, the `lpf diff` attribution and the `lpf locate` line (linked to its page), and links to
+the cell's own report. The architectures that
 were not audited are listed with their reason. Fields missing from an older document are tolerated.
 """
 
@@ -25,6 +26,10 @@ def load(path: Path) -> dict:
     for r in rows:  # a link only to a page that exists inside the directory
         link = r.get("link")
         r["link"] = link if isinstance(link, str) and (path / link).is_file() and ".." not in Path(link).parts else None
+        lc = r.get("locate")
+        if isinstance(lc, dict):  # the locate line links to its page only when it is there
+            ll = lc.get("link")
+            lc["link"] = ll if isinstance(ll, str) and (path / ll).is_file() and ".." not in Path(ll).parts else None
     order = [a.get("architecture") for a in doc.get("architectures") or [] if isinstance(a, dict)]
     audited = [a for a in order if any(r.get("architecture") == a for r in rows)]
     return {"kind": "conformance", "engine": doc.get("engine"), "engine_version": doc.get("engine_version"),

@@ -60,7 +60,7 @@ def plotly_js() -> tuple[str, str]:
 
 # pages drawn by a script of their own (it registers `window.lpfPages[kind]`, which report.js calls
 # with its DOM helpers), so a new directory kind does not grow report.js
-PAGE_SCRIPTS = {"shrink": "shrink_page.js"}
+PAGE_SCRIPTS = {"shrink": "shrink_page.js", "locate": "locate_page.js"}
 
 
 def _asset(name: str) -> str:

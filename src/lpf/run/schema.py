@@ -8,6 +8,11 @@ storage never adds error of its own; top-k lists are float32.
 v2 (over v1): `requests.inconsistency` and `requests.attempts` (what a server returned, kept as
 evidence), and the prompt-position tables `prompt_tokens` / `prompt_reference` (the prefill path).
 The optional `attribution` and `seeded` tables are derived (re-computable from the others), so it needs no bump.
+
+`table(target, columns)` builds a table of one of these schemas from the columns a writer has, every
+other column null (what `RunDir.read` gives a part of an older version): code that builds tables
+outside the adapters (benchmarks, synthetic runs) names only its own columns, so a column added here
+cannot break it.
 """
 
 import pyarrow as pa
@@ -126,3 +131,16 @@ ADDED_LATER = {"requests": {"inconsistency", "attempts"}}
 TABLES = {"requests": REQUESTS, "tokens": TOKENS, "reference": REFERENCE, "calibration": CALIBRATION,
           "prompt_tokens": PROMPT_TOKENS, "prompt_reference": PROMPT_REFERENCE, "attribution": ATTRIBUTION,
           "seeded": SEEDED}
+
+
+def table(target: pa.Schema, columns: dict) -> pa.Table:
+    """A table of schema `target` from `columns` (name -> equal-length array-likes), every column of
+    `target` it does not name all nulls. A name `target` lacks is a ValueError, never dropped."""
+    unknown = sorted(set(columns) - set(target.names))
+    if unknown:
+        raise ValueError(f"no column {', '.join(unknown)} in the schema (columns: {', '.join(target.names)})")
+    if not columns:
+        return target.empty_table()
+    n = len(next(iter(columns.values())))
+    return pa.table({f.name: columns[f.name] if f.name in columns else pa.nulls(n, f.type) for f in target},
+                    schema=target)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lpf.builtin.forward_context import get_forward_context
+from lpf.builtin.forward_context import get_forward_context, probe
 
 
 class Rotary:
@@ -94,6 +94,9 @@ class PagedAttention(nn.Module):
         v = self.v_proj(x).view(T, self.n_kv, self.head_dim)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        probe(self, "q", q)
+        probe(self, "k", k)
+        probe(self, "v", v)
         out = x.new_zeros(T, self.n_heads, self.head_dim)
         for s in ctx.non_decodes:
             out[s.start:s.end] = self._attend_one(ctx.kv_cache, s, q[s.start:s.end], k[s.start:s.end],
@@ -103,6 +106,7 @@ class PagedAttention(nn.Module):
         for g, group in enumerate(_length_groups(ctx.decodes, ctx.kv_cache.block_size)):
             idx = torch.tensor([s.start for s in group], dtype=torch.long, device=x.device)
             out[idx] = self._attend_decodes(ctx.kv_cache, group, q[idx], k[idx], v[idx], g)
+        probe(self, "attn_out", out)
         return self.o_proj(out.view(T, -1))
 
     def _attend_one(self, cache, s, q, k, v) -> torch.Tensor:

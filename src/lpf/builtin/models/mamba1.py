@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lpf.builtin.forward_context import probe
 from lpf.builtin.models.layers import RMSNorm, activation, wide
 from lpf.builtin.models.mamba_base import MambaMixerBase
 
@@ -57,6 +58,7 @@ class JambaMambaMixer(MambaMixerBase):
         dt, B, C = self.dt_layernorm(dt), self.b_layernorm(B), self.c_layernorm(C)
         # the bias is added after the projection (in float32), as HF's scan does with delta_bias
         dt = F.softplus(wide(F.linear(dt, self.dt_proj.weight)) + wide(self.dt_proj.bias))
+        probe(self, "dt", dt)
         return dt, wide(B), wide(C)
 
     def _discretise(self, x, dt, B):
@@ -67,7 +69,9 @@ class JambaMambaMixer(MambaMixerBase):
 
     def _output(self, states, x, C, z, dtype):
         y = torch.einsum("ldn,ln->ld", states, C) + wide(x) * wide(self.D)
-        return (y * F.silu(wide(z))).to(dtype)
+        y = y * F.silu(wide(z))
+        probe(self, "ssm_out", y)  # Mamba1's scan output is gated by z, as HF's selective scan returns it
+        return y.to(dtype)
 
     def prefill(self, proj, conv0, ssm0):
         x, z = proj.chunk(2, dim=-1)

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lpf.builtin.forward_context import probe
 from lpf.builtin.models.layers import GatedRMSNorm, activation, wide
 from lpf.builtin.models.mamba_base import MambaMixerBase
 
@@ -102,6 +103,7 @@ class Mamba2Mixer(MambaMixerBase):
         B = B.reshape(n, self.n_groups, self.d_state).repeat_interleave(rep, dim=1)
         C = C.reshape(n, self.n_groups, self.d_state).repeat_interleave(rep, dim=1)
         dt = F.softplus(wide(dt) + wide(self.dt_bias)).clamp(*self.dt_limit)
+        probe(self, "dt", dt)
         return x.reshape(n, self.n_heads, self.head_dim), B, C, dt
 
     def prefill(self, proj, conv0, ssm0):
@@ -110,6 +112,7 @@ class Mamba2Mixer(MambaMixerBase):
         x, B, C, dt = self._ssm_inputs(xbc, dt)
         A = -torch.exp(wide(self.A_log))
         y, ssm = ssd_scan(x, dt, A, B, C, wide(self.D), self.chunk_size, ssm0)
+        probe(self, "ssm_out", y)
         return self.norm(y.reshape(proj.shape[0], -1), gate).to(proj.dtype), conv, ssm
 
     def decode(self, proj, conv0, ssm0):
@@ -120,4 +123,5 @@ class Mamba2Mixer(MambaMixerBase):
         dA = torch.exp(dt * A)[..., None, None]
         ssm = ssm0 * dA + (dt[..., None] * x)[..., None] * B[:, :, None, :]
         y = torch.einsum("bhpn,bhn->bhp", ssm, C) + wide(self.D)[:, None] * x
+        probe(self, "ssm_out", y)
         return self.norm(y.reshape(proj.shape[0], -1), gate).to(proj.dtype), conv, ssm

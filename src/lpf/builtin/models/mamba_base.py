@@ -22,6 +22,12 @@ prefill's (possibly misplaced) final-state write is visible to a decode of the s
   `has_initial_state` is False (the null block). `conv_reads_slot`: a prefill's initial conv
   state is its slot's content (no has_initial_state for the conv), its SSM state zero.
 
+Under a capture (`lpf locate`, `forward_context.probe`) the state each request starts a step from
+(`state_in`, `conv_state_in`: what it read, or the zeros of a prefill) and the state it ends the
+step with, or each piece of a chunk split at checkpoints ends with (`state_out`, `conv_state_out`),
+are probed, one row per request, with `ctx.rows` naming the request (the piece of its chunk, or the
+decode batch) while it runs; nothing else changes.
+
 The conv state is the last `d_conv - 1` conv inputs (the front zero-filled when fewer tokens came).
 Subclasses implement `prefill(proj [L, P], conv0, ssm0) -> (y [L, d_inner], conv, ssm)` and
 `decode(proj [B, P], conv [B, ...], ssm [B, ...]) -> (y, conv, ssm)`, where `proj` is the in_proj
@@ -30,11 +36,13 @@ output of the tokens concerned; the base applies `out_proj` to the whole packed 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lpf.builtin.forward_context import get_forward_context
+from lpf.builtin.forward_context import get_forward_context, probe
 from lpf.builtin.models.layers import wide
 
 
@@ -62,7 +70,11 @@ class MambaMixerBase(nn.Module):
                 conv0 = cache.read(layer, "conv", [s.state_slot], "prefill")[0].to(proj.dtype) \
                     if s.conv_reads_slot else proj.new_zeros(shapes["conv"])
                 ssm0 = torch.zeros(shapes["ssm"], dtype=ssm_dtype, device=x.device)
+            if ctx.capture is not None:
+                ctx.rows = [s]
+                self._probe_states("in", conv0[None], ssm0[None])
             y[s.start:s.end] = self._chunk(cache, layer, s, proj[s.start:s.end], conv0, ssm0)
+            ctx.rows = None
         decodes = ctx.decodes
         if decodes:
             for s in decodes:
@@ -75,7 +87,14 @@ class MambaMixerBase(nn.Module):
             for i, s in enumerate(decodes):
                 if s.request_id in foreign:
                     conv0[i], ssm0[i] = foreign[s.request_id]
+            captured = ctx.capture is not None
+            if captured:
+                ctx.rows = decodes
+                self._probe_states("in", conv0, ssm0)
             y[idx], conv, ssm = self.decode(proj[idx], conv0, ssm0)
+            if captured:
+                self._probe_states("out", conv, ssm)
+                ctx.rows = None
             cache.write(layer, "conv", slots, conv, "decode")
             cache.write(layer, "ssm", slots, ssm, "decode")
             for i, s in enumerate(decodes):
@@ -83,6 +102,10 @@ class MambaMixerBase(nn.Module):
                     cache.write(layer, "conv", [slot], conv[i:i + 1], "decode")
                     cache.write(layer, "ssm", [slot], ssm[i:i + 1], "decode")
         return self.out_proj(y)
+
+    def _probe_states(self, when: str, conv: torch.Tensor, ssm: torch.Tensor) -> None:
+        probe(self, f"conv_state_{when}", conv)
+        probe(self, f"state_{when}", ssm)
 
     def _read_foreign(self, ctx, cache, layer: int, dtype, ssm_dtype) -> dict:
         """{request id: (conv0, ssm0)} of every request resuming from another slot this step (zeros for
@@ -106,18 +129,32 @@ class MambaMixerBase(nn.Module):
         cuts = [p - s.num_computed for p, _ in s.checkpoints if p < end]
         ys, at = [], 0
         for cut, (_, slot) in zip(cuts, [c for c in s.checkpoints if c[0] < end]):
+            self._piece(s, at, cut - at)
             piece, conv, ssm = self.prefill(proj[at:cut], conv, ssm)
+            self._piece_done(conv, ssm)
             ys.append(piece)
             cache.write(layer, "conv", [slot], conv, "prefill")
             cache.write(layer, "ssm", [slot], ssm, "prefill")
             at = cut
+        self._piece(s, at, proj.shape[0] - at)
         piece, conv, ssm = self.prefill(proj[at:], conv, ssm)
+        self._piece_done(conv, ssm)
         ys.append(piece)
         at_end = [slot for p, slot in s.checkpoints if p == end]
         conv_to = [s.conv_write_slot] if s.conv_write_slot is not None else [s.state_slot, *at_end]
         cache.write(layer, "conv", conv_to, conv.expand(len(conv_to), *conv.shape), "prefill")
         cache.write(layer, "ssm", [s.state_slot, *at_end], ssm.expand(1 + len(at_end), *ssm.shape), "prefill")
         return ys[0] if len(ys) == 1 else torch.cat(ys)
+
+    def _piece(self, s, at: int, n: int) -> None:
+        """Under a capture: the piece of `s`'s chunk scanned next (positions num_computed + at ..)."""
+        ctx = get_forward_context()
+        if ctx.capture is not None:
+            ctx.rows = [replace(s, start=s.start + at, num_computed=s.num_computed + at, num_tokens=n)]
+
+    def _piece_done(self, conv: torch.Tensor, ssm: torch.Tensor) -> None:
+        if get_forward_context().capture is not None:
+            self._probe_states("out", conv[None], ssm[None])
 
     def conv_prefill(self, xc: torch.Tensor, conv0: torch.Tensor):
         """Causal depthwise conv of one request's chunk xc [L, C] continuing from conv0 [C, K-1]:
@@ -127,7 +164,9 @@ class MambaMixerBase(nn.Module):
         # activation runs row by row as it does on HF's sliced conv output (vectorised and scalar
         # silu round differently; this keeps a one-step prefill bit-identical to HF)
         out = F.conv1d(full[None], self.conv1d.weight, self.conv1d.bias, padding=1, groups=full.shape[0])
-        return self.act(out[0, :, 1:-1]).t(), full[:, full.shape[1] - (self.d_conv - 1):]
+        act = self.act(out[0, :, 1:-1]).t()
+        probe(self, "conv", act)
+        return act, full[:, full.shape[1] - (self.d_conv - 1):]
 
     def conv_step(self, xc: torch.Tensor, conv0: torch.Tensor):
         """One token per request: xc [B, C], conv0 [B, C, K-1]."""
@@ -135,4 +174,6 @@ class MambaMixerBase(nn.Module):
         out = (full * self.conv1d.weight[:, 0][None]).sum(-1)
         if self.conv1d.bias is not None:
             out = out + self.conv1d.bias
-        return self.act(out), full[:, :, 1:]
+        act = self.act(out)
+        probe(self, "conv", act)
+        return act, full[:, :, 1:]

@@ -6,7 +6,9 @@ prompt logprobs, rescore, calibrate when the cell's dtype is not the reference's
 and for every cell whose verdict is not clean runs the second engine (`attribution[(arch, dtype)]`,
 HF `generate` at the cell's dtype: one run per architecture and dtype, shared by the cells) and
 `lpf.views.diff` between the two: the cell's `attribution` says engine bug / second engine / reference
-/ both. It writes `out/conformance.json` after every cell (atomically), so a rerun of the same
+/ both; and `lpf locate` on the cell's worst request (`locate`: the first op that departs, its
+sentence, a link to its page; vLLM's replay reuses the kept worker). It writes `out/conformance.json`
+after every cell (atomically), so a rerun of the same
 command skips complete cells and a crash loses at most the cell in flight. A cell the engine refuses
 or cannot start is recorded with its one-line reason (status `not applicable`, `refused`, `engine
 error`, or `not supported` when the engine's own message says this build lacks what the architecture
@@ -25,7 +27,11 @@ honest implementation at that dtype deviates by. The analysis' thresholds are ca
 compares distributions instead: the cell's p99 and max |d| (output and prompt positions) against
 `EXPECT_FACTOR` x that expectation's own p99 and max on the same positions. Within that envelope the cell conforms
 (`conformance` clean, with `expectation` saying so and by how much); beyond it, the analysis verdict
-stands. A float32 cell's `conformance` is its verdict.
+stands. That envelope is kept in the row (`expectation`) but no longer decides: the per-position
+paired test against an ensemble of honest bf16 runs does (`judging.bf16_per_position`, the row's
+`bf16_paired`: departs -> the analysis verdict, within -> clean). A float32 cell's `conformance` is its
+verdict, except on llama.cpp, judged per token with its traced departures named
+(`judging.judge_llamacpp`, the row's `engine_judgement`: clean when only those explain the verdict).
 """
 
 from __future__ import annotations
@@ -68,6 +74,7 @@ class CellPlan:
 @dataclass
 class Settings:
     attribution_level: str = "noise"  # a cell departs when its verdict is at least this
+    locate: bool = True  # every cell that does not conform gets a locate line (lpf locate on its worst request)
 
 
 def cell_dir(out: Path, arch: str, cell: str) -> Path:
@@ -194,8 +201,20 @@ def cell_row(plan: CellPlan, out: Path, findings: dict | None, status: str, erro
         "report_error": findings.get("report_error"),
     })
     exp = expectation(d, findings) if cell.dtype != "float32" else None
-    row["expectation"] = exp
+    row["expectation"] = exp  # the old envelope, reported beside the paired test for one release
     row["conformance"] = "clean" if exp is not None and exp["within"] else row["verdict"]
+    if cell.dtype != "float32":
+        from lpf.experiments.conformance.judging import bf16_per_position
+
+        row["bf16_paired"] = bf16_per_position(d)
+        if (row["bf16_paired"] or {}).get("result") is not None:  # the per-position test decides
+            row["conformance"] = row["verdict"] if row["bf16_paired"]["departs"] else "clean"
+    if plan.spec is not None and plan.spec.run.engine == "llamacpp" and cell.dtype == "float32":
+        from lpf.experiments.conformance.judging import judge_llamacpp
+
+        row["engine_judgement"] = judge_llamacpp(d, findings, plan.spec.run.model)
+        if row["engine_judgement"]["conformance"] == "clean":
+            row["conformance"] = "clean"
     return row
 
 
@@ -225,6 +244,28 @@ def _attribute(row: dict, plan: CellPlan, hf_spec, out: Path, settings: Settings
     row["attribution"] = {**attribution, "suspect": doc["suspect"], "says": SUSPECT_WORDS[doc["suspect"]],
                           "sentence": doc["sentence"], "counts": doc["counts"], "level": doc["level"],
                           "diff": os.path.relpath(cell / "diff.json", out)}
+
+
+def _locate(row: dict, out: Path) -> None:
+    """The locate line of a cell that does not conform: `lpf locate` on its worst request (the first op
+    that departs, whose fault), its locate.json and report page inside the cell directory."""
+    from lpf.locate import locate
+    from lpf.report import write_report
+
+    cell = out / row["run_dir"]
+    try:
+        doc, where = locate(cell)
+    except LpfError as e:
+        row["locate"] = {"error": str(e)}
+        return
+    try:
+        write_report(where)
+    except LpfError:
+        pass
+    loc = doc.get("located") or {}
+    row["locate"] = {"request_id": doc["request_id"], "suspect": doc["verdict"]["suspect"], "op": loc.get("op"),
+                     "token": loc.get("token"), "sentence": doc["sentence"],
+                     "link": os.path.relpath(where / "report.html", out), "dir": os.path.relpath(where, out)}
 
 
 def write_doc(out: Path, doc: dict) -> None:
@@ -293,6 +334,8 @@ def _run_cells(out, doc, rows, plans, attribution, settings, hf_done, started, t
                                settings, hf_done)
                 except LpfError as e:
                     row["attribution"] = {"suspect": None, "error": str(e)}
+                if settings.locate and row.get("conformance") not in ("clean", None):
+                    _locate(row, out)
             rows.append(row)
             doc["elapsed_s"] = round(time.monotonic() - started, 1)
             write_doc(out, doc)
@@ -303,12 +346,13 @@ def _run_cells(out, doc, rows, plans, attribution, settings, hf_done, started, t
         write_doc(out, doc)
 
 
-
 def matrix_view(doc: dict) -> dict:
     """What the terminal table shows, as plain data: `cells` (names), `grid` [(architecture, [entry per
     cell])] with entry {status, verdict, label ("verdict" or "verdict/prompt verdict"), max (largest |d|
     on output or prompt positions)}, `not_clean` [(name, what the attribution says, its sentence)],
-    `failed` [(name, status, reason)] and `not_audited` [(status, reason, architectures)]."""
+    `failed` [(name, status, reason)], `named` [(name, cause, evidence)]: the known departures a
+    per-token judgement names (llama.cpp), `reference` [(name, status, departing paths or why)]: the
+    reference column, and `not_audited` [(status, reason, architectures)]."""
     cells = [c["name"] for c in doc.get("cell_catalogue") or []]
     rows = doc.get("cells") or []
     by = {(r["architecture"], r["cell"]): r for r in rows}
@@ -322,24 +366,36 @@ def matrix_view(doc: dict) -> dict:
             r = by.get((a, c)) or {"status": "–"}
             v, pv = r.get("verdict"), r.get("prompt_verdict")
             label = f"{v}/{pv}" if pv and pv != v else str(v)
-            if r.get("conformance") == "clean" and v != "clean":  # within the bf16 expectation
+            if r.get("conformance") == "clean" and v != "clean" and r.get("engine_judgement"):
+                label = "clean*"  # per token, its named departures beside it (`named`)
+            elif r.get("conformance") == "clean" and v != "clean":  # within the bf16 expectation
                 label = f"{SHORT_DTYPE.get(r['dtype'], r['dtype'])} ok"
             entries.append({"status": r["status"], "verdict": r.get("conformance", v), "label": label,
                             "max": max([x for x in (r.get("max_abs_output"), r.get("max_abs_prompt")) if x is not None]
                                        or [0.0])})
         grid.append((short[a], entries))
-    not_clean, failed = [], []
+    not_clean, failed, located, named = [], [], [], []
     for r in rows:
         name = f"{r['architecture'].removesuffix('ForCausalLM')} · {r['cell']}"
+        for cause in (r.get("engine_judgement") or {}).get("causes") or []:
+            named.append((name, cause["name"], cause["evidence"]))
         if r.get("status") != "ok":
             failed.append((name, r.get("status"), str(r.get("error") or "")))
         elif r.get("conformance") not in ("clean", None):
             at = r.get("attribution") or {}
             says = at.get("says") or (f"not attributed: {at['error']}" if at.get("error") else "not attributed")
             not_clean.append((name, says, at.get("sentence")))
+            lc = r.get("locate") or {}
+            if lc:
+                located.append((name, lc.get("sentence") or f"not located: {lc.get('error')}"))
     groups: dict[tuple, list[str]] = {}
     for a in doc.get("architectures") or []:
         if a.get("status") != "audit":
             groups.setdefault((a["status"], a.get("reason") or ""), []).append(a["architecture"].removesuffix("ForCausalLM"))
-    return {"cells": cells, "archs": archs, "grid": grid, "not_clean": not_clean, "failed": failed,
+    reference = [(r["architecture"].removesuffix("ForCausalLM"), r.get("status"),
+                  ", ".join(f"{n} {(r.get('paths') or {}).get(n, {}).get('max_abs', 0):.2g}" for n in r.get("departing") or [])
+                  or r.get("error") or r.get("reason") or "")
+                 for r in doc.get("reference_column") or []]
+    return {"cells": cells, "archs": archs, "grid": grid, "not_clean": not_clean, "failed": failed, "located": located,
+            "named": named, "reference": reference,
             "not_audited": [(s, r, names) for (s, r), names in groups.items()]}

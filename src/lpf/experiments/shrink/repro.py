@@ -81,6 +81,16 @@ def write_script(path: Path, cfg: dict) -> Path:
     return _write(Path(path), template.replace(marker, f"CONFIG = json.loads(r'''{data}''')"), 0o755)
 
 
+def locate_offer(out: Path, doc: dict) -> dict:
+    """`lpf locate` on the minimum: the minimal run that showed the lie and its target request."""
+    minimal = doc["minimal"]
+    cand = next(c for c in doc["candidates"] if c["id"] == minimal["candidate"])
+    shown = next((t for t in cand["tries"] if t["lie"]), cand["tries"][0])
+    run_dir = Path(out) / shown["dir"]
+    return {"run_dir": str(run_dir), "request_id": shown["request_id"],
+            "command": f"lpf locate {run_dir} --request {shown['request_id']}"}
+
+
 def write_outputs(out: Path, source: Source, doc: dict) -> list[Path]:
     from lpf.run.store import RunDir
 
@@ -108,7 +118,7 @@ def write_outputs(out: Path, source: Source, doc: dict) -> list[Path]:
         cfg = script_config(engine, run.manifest["model"]["path"], items, doc["target"], run.manifest["sampling"], th,
                             sig.position_class, (run.manifest.get("reference") or {}).get("dtype") or "float32")
         written.append(write_script(out / "repro.py", cfg))
-    written.append(_write(out / "report.md", report_md(source, doc, config, run, shown, sig)))
+    written.append(_write(out / "report.md", report_md(out, source, doc, config, run, shown, sig)))
     return written
 
 
@@ -139,7 +149,7 @@ def _knobs(d: dict) -> str:
     return ", ".join(f"{k}={v}" for k, v in sorted(d.items())) or "all at the engine's defaults"
 
 
-def report_md(source: Source, doc: dict, config: Config, run, shown: dict, sig: Signature) -> str:
+def report_md(out: Path, source: Source, doc: dict, config: Config, run, shown: dict, sig: Signature) -> str:
     m, original = run.manifest, source.original()
     ev = _evidence(run, shown["request_id"], shown["first_divergence"])
     model_cfg = json.loads((Path(m["model"]["path"]) / "config.json").read_text())
@@ -171,6 +181,9 @@ def report_md(source: Source, doc: dict, config: Config, run, shown: dict, sig: 
                   f"{json.dumps(ev['ref_top1'])} (#{ev['ref_top1_id']}, {ev['ref_top1_logprob']:.4f}).", ""]
     else:
         lines += [f"The minimal run (`{shown['dir']}`): {shown['seen']}.", ""]
+    offer = locate_offer(out, doc)
+    lines += ["## Where the lie is born", "", "The first op of the forward pass that departs, and whose fault it is "
+              f"(the engine's or the reference's): `{offer['command']}`.", ""]
     lines += ["## Ranked hypotheses (original run)", ""]
     hyps = (source.findings.get("hypotheses") or [])[:5]
     lines += [f"{h['rank']}. {h['sentence']} (p={h['p_value']:.2g})" for h in hyps] or ["(none)"]

@@ -52,7 +52,7 @@ def prepare(run_dir: Path, request_id: str | None) -> Plan:
 def run(plan: Plan, out: Path, tries: int, need: int, budget: int,
         on_event: Callable[[dict], None] = lambda e: None) -> dict:
     from lpf.experiments.shrink.judge import BudgetSpent, Judge
-    from lpf.experiments.shrink.repro import write_outputs
+    from lpf.experiments.shrink.repro import locate_offer, write_outputs
     from lpf.experiments.shrink.search import Shrink
     from lpf.experiments.shrink.state import State
 
@@ -84,5 +84,5 @@ def run(plan: Plan, out: Path, tries: int, need: int, budget: int,
     doc = Shrink(source, t["seq"], judge, state, on_event).run()
     if doc.get("minimal"):
         written = write_outputs(out, source, doc)
-        state.set(files=[p.name for p in written])
+        state.set(files=[p.name for p in written], locate=locate_offer(out, doc))
     return state.doc

@@ -524,13 +524,21 @@
     });
     add(mx, body.length ? table(head, body) : txt("div", "empty", "no architecture was audited"));
     main.appendChild(mx);
+    function locateLine(lc) {  // the cell's `lpf locate` line, linked to its page
+      if (!lc) return null;
+      var el = h("div", "note", [txt("b", null, "locate: ")]);
+      if (lc.link) { var a = txt("a", null, lc.sentence || "?"); a.href = lc.link; el.appendChild(a); }
+      else el.appendChild(document.createTextNode(lc.sentence || ("not located: " + (lc.error || "?"))));
+      return el;
+    }
     var nc = section("findings", "Cells that are not clean", "Who departs (lpf diff against HF generate) and the best explanation.", "Findings");
     var badRows = rows.filter(function (r) { return r.status === "ok" && r.verdict && r.verdict !== "clean"; });
     add(nc, badRows.length ? h("ul", "sentences", badRows.map(function (r) {
       var at = r.attribution || {};
       return h("li", null, [txt("span", "pill", r.architecture.replace(/ForCausalLM$/, "") + " · " + r.cell), " ",
         txt("b", null, at.says || (at.error ? "not attributed: " + at.error : "not attributed")), " ",
-        at.sentence || "", r.prompt_shape ? " · prompt: " + r.prompt_shape : "", r.top_hypothesis ? " · " + r.top_hypothesis : ""]);
+        at.sentence || "", r.prompt_shape ? " · prompt: " + r.prompt_shape : "", r.top_hypothesis ? " · " + r.top_hypothesis : "",
+        locateLine(r.locate)]);
     })) : txt("div", "empty", "every audited cell is clean"));
     var failed = rows.filter(function (r) { return r.status !== "ok"; });
     if (failed.length) add(nc, [txt("h4", null, "cells that did not run"), table(["architecture", "cell", "status", "reason"],

@@ -1,0 +1,236 @@
+"""Reading a run's parts for the streamed analysis: chunks of whole requests, read ahead, spilled columns.
+
+Contract (I/O only; the analysis is `lpf.analysis.stream`, the stage `lpf.pipeline.analyze_stream`):
+- `Rows(parts)` hands a table's parts out a number of rows at a time, cut at request boundaries
+  (`request_cut`); `read_ahead(parts)` reads them in a background thread one part ahead (Parquet
+  decoding releases the GIL: it overlaps the analysis of the chunk before).
+- `zip_sizes(run, chunk_pass)` is the first pass over parts that line up row for row: chunks of
+  ~CHUNK_ROWS rows, `chunk_pass(tokens, reference)` each, their sizes (None at the first chunk whose
+  sides do not line up); `zip_chunks(run, sizes)` the same chunks again with every column.
+- `Ranges(run, requests, folder)`: requests cut into request-id ranges of ~CHUNK_ROWS tokens, both
+  tables bucketed to lz4 Arrow files (~1.7x the parts on disk), each range sorted by (request_id,
+  position) as it is read back: the order the in-memory join-and-sort gives.
+- `Spill(folder)`: whole-run float64 columns written chunk by chunk, read back whole or a piece at a
+  time (`rows`).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from lpf.analysis.metrics import zipped_starts
+from lpf.run import schema
+from lpf.run.store import RunDir
+
+CHUNK_ROWS = 1 << 20
+_COMPRESSED = pa.ipc.IpcWriteOptions(compression="lz4")  # the range files: half the disk for ~10% more time
+TOKEN_COLUMNS = ["request_id", "position", "token_id", "engine_logprob", "engine_topk_ids", "engine_topk_logprobs"]
+REFERENCE_COLUMNS = ["request_id", "position", "ref_logprob", "ref_rank", "ref_top1_id",
+                     "ref_top1_logprob", "ref_topk_ids", "ref_topk_logprobs"]  # ref_entropy: no analysis reads it
+FIRST_PASS = (["request_id", "position", "engine_logprob"], ["request_id", "position", "ref_logprob"])  # zip: |d| only
+
+
+
+class Rows:
+    """A table's parts in order, handed out a number of rows at a time."""
+
+    def __init__(self, parts):
+        self.parts, self.buf = iter(parts), None
+
+    def _more(self) -> bool:
+        part = next(self.parts, None)
+        if part is None:
+            return False
+        self.buf = part if self.buf is None else pa.concat_tables([self.buf, part])
+        return True
+
+    def left(self, n: int) -> int:
+        """How many rows are buffered, reading parts until there are more than `n` (or none are left)."""
+        while (self.buf is None or self.buf.num_rows <= n) and self._more():
+            pass
+        return 0 if self.buf is None else self.buf.num_rows
+
+    def take(self, n: int) -> pa.Table | None:
+        """The next `n` rows (fewer at the end; None when the table has no parts)."""
+        self.left(n - 1)
+        if self.buf is None:
+            return None
+        head, self.buf = self.buf.slice(0, n), self.buf.slice(n)
+        return head
+
+    def request_cut(self, n: int) -> int:
+        """The number of rows from here to the first request boundary at or after `n` rows."""
+        while self.left(n) > n:
+            ids = self.buf.column("request_id")
+            last, window = ids[n - 1], 4096
+            while n < self.buf.num_rows:  # look a window ahead, then a wider one: requests are short
+                ahead = ids.slice(n, window)
+                hit = pc.indices_nonzero(pc.not_equal(ahead, last))
+                if len(hit):
+                    return n + int(hit[0].as_py())
+                n, window = n + len(ahead), window * 4
+            # the whole buffer is one request's tail: read on
+        return self.left(n)
+
+
+def read_ahead(parts, depth: int = 1):
+    """`parts` (an iterator of tables) read in a background thread, `depth` parts ahead of the
+    consumer: Parquet decoding releases the GIL, so reading the next part overlaps analysing the
+    chunk before it. Memory: `depth` parts more. An error reading a part is raised here, in order."""
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+    done = object()
+
+    def work():
+        try:
+            for part in parts:
+                while not stop.is_set():
+                    try:
+                        q.put(part, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            q.put(done)
+        except BaseException as e:  # noqa: BLE001 (handed to the consumer, raised there)
+            q.put(e)
+
+    worker = threading.Thread(target=work, name="lpf-analyze-read-ahead", daemon=True)
+    worker.start()
+    try:
+        while True:
+            item = q.get()
+            if item is done:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        while worker.is_alive():  # let it see the stop: drain what it may be putting
+            try:
+                q.get(timeout=0.1)
+            except queue.Empty:
+                pass
+
+
+def zip_sizes(run: RunDir, chunk_pass, keys_only: bool = False):
+    """First pass over the parts as they lie, in request-aligned chunks of ~CHUNK_ROWS rows:
+    `chunk_pass(tokens, reference)` per chunk (`keys_only`: request_id and position alone); the
+    chunk sizes, or None at the first chunk whose sides do not line up (the in-memory analysis
+    would join and sort)."""
+    want = [c[:2] for c in FIRST_PASS] if keys_only else FIRST_PASS
+    tok = Rows(read_ahead(run.iter_parts("tokens", want[0])))
+    ref = Rows(read_ahead(run.iter_parts("reference", want[1])))
+    sizes = []
+    while True:
+        n = tok.request_cut(CHUNK_ROWS)
+        if n == 0:
+            return sizes if ref.left(0) == 0 else None
+        t, r = tok.take(n), ref.take(n)
+        if r is None or zipped_starts(t, r) is None:
+            return None
+        chunk_pass(t, r)
+        sizes.append(n)
+
+
+def zip_chunks(run: RunDir, sizes: list[int]):
+    """The chunks of `zip_sizes` again, with every column the analysis reads."""
+    tok = Rows(read_ahead(run.iter_parts("tokens", TOKEN_COLUMNS)))
+    ref = Rows(read_ahead(run.iter_parts("reference", REFERENCE_COLUMNS)))
+    for n in sizes:
+        yield tok.take(n), ref.take(n)
+
+
+class Ranges:
+    """Requests in request-id ranges of ~CHUNK_ROWS tokens, bucketed to Arrow files and sorted."""
+
+    def __init__(self, run: RunDir, requests: pa.Table, spill: Path):
+        self.spill = spill
+        ids = requests.column("request_id").combine_chunks()
+        order = pc.sort_indices(ids).to_numpy()
+        self.sorted_ids = ids.take(pa.array(order))
+        n_out = pc.list_value_length(requests.column("output_token_ids")).fill_null(0).to_numpy(zero_copy_only=False)
+        total = np.cumsum(n_out[order])
+        self.cuts = np.r_[0, np.flatnonzero(np.diff(total // CHUNK_ROWS)) + 1] if total.size else np.zeros(1, np.int64)
+        for table, columns in (("tokens", TOKEN_COLUMNS), ("reference", REFERENCE_COLUMNS)):
+            self._bucket(run, table, columns)
+
+    def _path(self, table: str, i: int) -> Path:
+        return self.spill / f"{table}-{i:05d}.arrow"
+
+    def _bucket(self, run: RunDir, table: str, columns: list[str]) -> None:
+        want = pa.schema([schema.TABLES[table].field(c) for c in columns])
+        writers = [pa.ipc.new_file(self._path(table, i), want, options=_COMPRESSED) for i in range(len(self.cuts))]
+        try:
+            for part in run.iter_parts(table, columns):
+                at = pc.index_in(part.column("request_id"), value_set=self.sorted_ids)
+                known = at.is_valid()
+                part = part.filter(known)  # rows of no committed request join no token
+                rng = np.searchsorted(self.cuts, at.drop_null().to_numpy(), side="right") - 1
+                order = np.argsort(rng, kind="stable")
+                part, rng = part.take(pa.array(order)), rng[order]
+                bounds = np.searchsorted(rng, np.arange(len(self.cuts) + 1))
+                for i, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+                    if hi > lo:
+                        writers[i].write_table(part.slice(lo, hi - lo))
+        finally:
+            for w in writers:
+                w.close()
+
+    def chunks(self):
+        for i in range(len(self.cuts)):
+            yield tuple(_sorted(pa.ipc.open_file(self._path(t, i)).read_all()) for t in ("tokens", "reference"))
+
+
+def _sorted(t: pa.Table) -> pa.Table:
+    return t.sort_by([("request_id", "ascending"), ("position", "ascending")])
+
+
+class Spill:
+    """Whole-run float64 columns written chunk by chunk, read back one at a time (as often as asked)."""
+
+    def __init__(self, folder: Path):
+        self.folder, self.files = folder, {}
+
+    def add(self, cols: dict[str, np.ndarray]) -> None:
+        for name, values in cols.items():
+            if name not in self.files:
+                self.files[name] = open(self.folder / f"{name}.f64", "wb")
+            np.ascontiguousarray(values, np.float64).tofile(self.files[name])
+
+    def drop(self, name: str) -> None:
+        f = self.files.pop(name, None)
+        if f is not None:
+            f.close()
+            (self.folder / f"{name}.f64").unlink()
+
+    def read(self, name: str) -> np.ndarray:
+        f = self.files.get(name)
+        if f is None:
+            return np.zeros(0)
+        f.close()
+        return np.fromfile(self.folder / f"{name}.f64", np.float64)
+
+    def rows(self, name: str, rows) -> np.ndarray:
+        """A column's values at `rows`: a slice (read from its offset) or row indices (gathered
+        through a memory map): a piece at a time, never the whole column."""
+        f = self.files.get(name)
+        if f is None:
+            return np.zeros(0)
+        if not f.closed:
+            f.close()
+        path = self.folder / f"{name}.f64"
+        if isinstance(rows, slice):
+            lo, hi, _ = rows.indices(path.stat().st_size // 8)
+            return np.fromfile(path, np.float64, count=hi - lo, offset=8 * lo)
+        if not len(rows):
+            return np.zeros(0)
+        return np.array(np.memmap(path, np.float64, mode="r")[rows])
