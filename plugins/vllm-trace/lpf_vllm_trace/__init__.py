@@ -12,7 +12,9 @@ Contract:
   vLLM-only ones) and, under a drill, `DIR/faults/part-<pid>-<n>.parquet` (`schema.FAULTS`), each
   part atomically (a `.tmp-` name, then a rename). `request_id` there is vLLM's own id for the
   request as the runner knows it; lpf maps it back to its own.
-- `LPF_VLLM_INJECT=stale-state[,offset-wrap:BITS]` puts a drill in (`drills.py`).
+- `LPF_VLLM_INJECT=stale-state[,offset-wrap:BITS][,publish-before-write][,unaligned-chunk-hashed]` puts
+  drills in (`drills.py`). With vLLM's align-mode prefix cache on, the prefix-cache columns are filled
+  from its cache manager (`prefix_log.py`).
 - `LPF_VLLM_CAPTURE=SPEC.json` (lpf locate) also captures the named requests' activations op by op
   (`capture.py`), written with the trace at each flush; `set_capture(SPEC.json | None)` does the same
   (or stops) from inside the process, for the next steps: lpf's offline worker, one capture per batch.

@@ -15,6 +15,9 @@ KNOWN_VLLM = ("0.32.0",)
 
 RUNNER = "vllm.v1.worker.gpu_model_runner"
 MAMBA = "vllm.v1.attention.backends.mamba_attn"
+SCHED = "vllm.v1.core.sched.scheduler"
+MANAGER = "vllm.v1.core.single_type_kv_cache_manager"
+MAMBA_UTILS = "vllm.v1.worker.mamba_utils"
 # (module, attribute path, what it is for)
 HOOKS = [
     (RUNNER, "GPUModelRunner.execute_model", "one call per engine step (dummy and capture runs bypass it)"),
@@ -22,6 +25,11 @@ HOOKS = [
     (RUNNER, "GPUModelRunner._build_attention_metadata", "the per-layer metadata, Mamba's split included"),
     (MAMBA, "split_decodes_and_prefills", "the Mamba metadata's prefill/decode split (stale-state drill)"),
     (MAMBA, "BaseMambaAttentionMetadata", "the Mamba metadata"),
+    (SCHED, "Scheduler.schedule", "one scheduler step: the prefix-cache publications travel on its output"),
+    (SCHED, "Scheduler._mamba_block_aligned_split", "the align-mode chunk clip (unaligned-chunk-hashed drill)"),
+    (MANAGER, "MambaManager.cache_blocks", "where vLLM publishes a Mamba state block's hash"),
+    (MANAGER, "MambaManager.__init__", "the same-step hit guard (publish-before-write drill)"),
+    (MAMBA_UTILS, "collect_mamba_copy_meta", "the block column an align-mode resume copies its state from"),
 ]
 MAMBA_FIELDS = ("num_prefills", "num_decodes", "num_reqs", "state_indices_tensor_p", "state_indices_tensor_d")
 

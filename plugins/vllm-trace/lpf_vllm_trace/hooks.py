@@ -9,6 +9,12 @@
   indices_tensor_d` / `_p`) in the runner's own batch order (`input_batch.req_ids`); under
   offset-wrap, swaps the wrapped slots into the prefill indices (a new metadata object, so vLLM's
   block table is never written).
+- `Scheduler.schedule` and `MambaManager.cache_blocks` (scheduler process): every Mamba state block
+  whose hash vLLM's cache manager published, carried to the runner on the step's output
+  (`prefix_log`); `mamba_utils.collect_mamba_copy_meta` (runner): the block column an align-mode
+  resume really copied its state from. Under publish-before-write, `MambaManager` forgets the blocks
+  it cached this step (`drills.forget_same_step_guard`); under unaligned-chunk-hashed the scheduler's
+  block-aligned split no longer clips a prompt's inner chunks (`drills.unaligned_split`).
 - `mamba_attn.split_decodes_and_prefills` (stale-state only): counts short extends as decodes and
   ignores `is_prefilling`, the split before the fix.
 - with a capture (lpf locate): the model's hooks are installed at the first real step, and each step's
@@ -90,6 +96,7 @@ def install(session) -> None:
             session.stop(f"recording stopped at step {step.index}, the plugin failed ({type(e).__name__}: {e})")
             return result
 
+    _install_prefix(session, reader)
     GPUModelRunner.execute_model = execute_model
     GPUModelRunner._may_reorder_batch = _may_reorder_batch
     GPUModelRunner._build_attention_metadata = _build_attention_metadata
@@ -102,3 +109,56 @@ def install(session) -> None:
 
         mamba_attn.split_decodes_and_prefills = split_decodes_and_prefills
 
+
+
+def _install_prefix(session, reader) -> None:
+    """The prefix-cache hooks (see the module's docstring); inert where the engine does not cache."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.core.single_type_kv_cache_manager import MambaManager
+    from vllm.v1.worker import mamba_utils
+
+    from lpf_vllm_trace import drills as drill_mod
+    from lpf_vllm_trace import prefix_log
+
+    drills = session.drills
+    orig_schedule = Scheduler.schedule
+    orig_cache = MambaManager.cache_blocks
+    orig_init = MambaManager.__init__
+    orig_copy = mamba_utils.collect_mamba_copy_meta
+    orig_split = Scheduler._mamba_block_aligned_split
+
+    def schedule(self, *args, **kwargs):
+        out = orig_schedule(self, *args, **kwargs)
+        prefix_log.attach(out)
+        return out
+
+    def cache_blocks(self, request, num_tokens, *args, **kwargs):
+        before = self.num_cached_block.get(request.request_id, 0)
+        result = orig_cache(self, request, num_tokens, *args, **kwargs)
+        after = self.num_cached_block.get(request.request_id, 0)
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        for idx in range(before, min(after, len(blocks))):
+            b = blocks[idx]
+            if not b.is_null and b.block_hash is not None:
+                prefix_log.note_published(b.block_id, request.request_id, (idx + 1) * self.block_size)
+        return result
+
+    def init(self, *args, **kwargs):
+        orig_init(self, *args, **kwargs)
+        if drills.publish_before_write:
+            drill_mod.forget_same_step_guard(self)
+
+    def collect_mamba_copy_meta(copy_bufs, kv_cache_config, funcs, group_ids, src, dst, bias, req_state, *rest, **kw):
+        if reader.prefix is not None and getattr(_tls, "step", None) is not None:
+            reader.prefix.note_copy(req_state.req_id, src, dst)
+        return orig_copy(copy_bufs, kv_cache_config, funcs, group_ids, src, dst, bias, req_state, *rest, **kw)
+
+    def _mamba_block_aligned_split(self, request, num_new_tokens, *args, **kwargs):
+        return drill_mod.unaligned_split(orig_split, self, request, num_new_tokens, *args, **kwargs)
+
+    Scheduler.schedule = schedule
+    MambaManager.cache_blocks = cache_blocks
+    MambaManager.__init__ = init
+    mamba_utils.collect_mamba_copy_meta = collect_mamba_copy_meta
+    if drills.unaligned_chunk:
+        Scheduler._mamba_block_aligned_split = _mamba_block_aligned_split

@@ -6,7 +6,8 @@ schema column), `add_rows(table, rows)` a list of row dicts; `flush()` writes wh
 part per table (`part-<pid>-<n>.parquet`: several vLLM processes may share a directory) and
 then the status; `write_status(dict)` writes `trace_status.json`. A background thread flushes every
 `interval` seconds so a server's rows reach disk without anyone asking, and refreshes the status'
-`heartbeat` (unix seconds: every row buffered before it is on disk). A failed write stops the
+`heartbeat` (unix seconds: every row buffered before it is on disk). Another process's runner facts
+(`RUNNER_FIELDS`) already in the status survive a rewrite. A failed write stops the
 recording (one warning, the reason in the status) and never raises into the engine.
 """
 
@@ -18,6 +19,12 @@ import threading
 import time
 from itertools import chain
 from pathlib import Path
+
+
+# what a runner learns about its engine (step_rows.StepReader._init), kept when another process of the
+# same server (vLLM's API process, which runs no model) rewrites the status
+RUNNER_FIELDS = ("mamba_groups", "state_slot_stride", "kv_cache_blocks", "enable_prefix_caching", "mamba_cache_mode",
+                 "mamba_block_size", "cache_config_block_size", "kv_cache_group_block_sizes", "provenance")
 
 
 class Recorder:
@@ -112,6 +119,10 @@ class Recorder:
         if self.failed is not None:
             doc.update(recording=False, why=self.failed)
         path = self.dir / "trace_status.json"
+        try:  # a server's API process shares the file with its engine process: keep what the runner said
+            doc = {**{k: v for k, v in json.loads(path.read_text()).items() if k in RUNNER_FIELDS}, **doc}
+        except (OSError, ValueError, AttributeError):
+            pass
         tmp = self.dir / f".tmp-trace_status-{self.pid}.json"
         tmp.write_text(json.dumps(doc, indent=2) + "\n")
         os.replace(tmp, path)

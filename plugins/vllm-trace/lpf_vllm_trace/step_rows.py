@@ -24,6 +24,7 @@ class StepReader:
         self.stride: int | None = None
         self.used_blocks: set[int] = set()  # every block some request has held (stale-state)
         self.writes = True  # this process's runner writes the rows (rank 0)
+        self.prefix = None  # ProvenanceLog, when vLLM runs the align-mode Mamba prefix cache
 
     def _init(self, runner) -> None:
         import torch.distributed as dist
@@ -37,6 +38,13 @@ class StepReader:
             if isinstance(group.kv_cache_spec, MambaSpec) and group.layer_names:
                 groups.append((gid, group.layer_names[0]))
         self.groups = groups
+        cache = runner.cache_config
+        mode = getattr(cache, "mamba_cache_mode", None)
+        mbs = int(runner.kv_cache_config.kv_cache_groups[groups[0][0]].kv_cache_spec.block_size) if groups else None
+        if groups and cache.enable_prefix_caching and mode == "align":
+            from lpf_vllm_trace.prefix_log import ProvenanceLog
+
+            self.prefix = ProvenanceLog(mbs)
         if groups:
             layer = runner.compilation_config.static_forward_context[groups[0][1]]
             # elements between two slots of the first Mamba layer's SSM state: what `slot * stride` means
@@ -45,7 +53,14 @@ class StepReader:
             self.stride = int(states[1 if len(states) > 1 else 0].stride(0))
         if self.writes:
             self.session.recorder.write_status({"mamba_groups": len(groups), "state_slot_stride": self.stride,
-                                                "kv_cache_blocks": int(runner.kv_cache_config.num_blocks)})
+                                                "kv_cache_blocks": int(runner.kv_cache_config.num_blocks),
+                                                "enable_prefix_caching": bool(cache.enable_prefix_caching),
+                                                "mamba_cache_mode": mode, "mamba_block_size": mbs,
+                                                "cache_config_block_size": int(cache.block_size),
+                                                "kv_cache_group_block_sizes": [
+                                                    int(g.kv_cache_spec.block_size)
+                                                    for g in runner.kv_cache_config.kv_cache_groups],
+                                                "provenance": self.prefix is not None})
 
     def read(self, runner, step, attn_metadata):
         if self.groups is None:
@@ -91,6 +106,15 @@ class StepReader:
                 "reordered": [False] * k + [before.get(rid, i) != i for i, rid in enumerate(req_ids)],
                 "num_prompt_tokens": [0] * k + prompt, "prefix_cache_hit_tokens": [0] * k + [hits.get(r, 0) for r in req_ids],
                 "state_slots": [[]] * k + slots_per_row}
+        if self.prefix is not None:
+            gid = self.groups[0][0]
+            tables = [list(runner.requests[r].block_ids[gid]) for r in req_ids]
+            first = [s[0] if s else None for s in slots_per_row]
+            prefix = self.prefix.columns(step.index, so, req_ids, computed, sched, first, tables, hits)
+            for name, values in prefix.items():
+                cols[name] = [0 if name == "prefix_cache_hit_tokens" else None] * k + values
+            if drills.prefix:
+                self.session.recorder.add_rows("faults", drills.observe_prefix(step.index, req_ids, prefix))
         rec = self.session.recorder
         rec.add("trace", cols)
         if drills.any:

@@ -54,6 +54,12 @@ class RemoteOptions(Options):
     # open-loop load: Poisson arrivals (seeded by the run's seed); 0 = closed loop
     arrival_rate: float = knob(0.0, ge=0, help="Requests per second, Poisson arrivals (0: a new request as soon as "
                                "one of `concurrency` finishes).")
+    # client behaviours that trigger prefix-cache bugs (`lpf.adapters.client_behaviour`)
+    cancel_after_ms: float = knob(0.0, ge=0, help="A request the workload marks (abort_after_tokens) is first sent "
+                                  "and cancelled after this many ms, then resent (0: sent once).")
+    burst_prefix_tokens: int = knob(0, ge=0, help="Send requests whose first N prompt tokens agree together, one "
+                                    "burst per prefix (0: no bursts).")
+    burst_gap_ms: float = knob(500.0, ge=0, help="Milliseconds between two bursts (burst_prefix_tokens).")
 
     @model_validator(mode="after")
     def _usable(self):
@@ -66,6 +72,8 @@ class RemoteOptions(Options):
             raise LpfError("--base-url must not carry credentials (they would be written to the manifest); "
                            "put the key in an environment variable and pass --api-key-env NAME")
         api_key_from_env(self.api_key_env)  # a missing key is refused before the run directory exists
+        if self.burst_prefix_tokens and self.arrival_rate:
+            raise LpfError("-E burst_prefix_tokens and -E arrival_rate both set send times: pick one")
         return self
 
     def policy(self) -> RetryPolicy:
@@ -178,7 +186,9 @@ class RemoteEngine(Engine):
         async def handler(client, req: EngineRequest) -> Completion:
             started[req.request_id] = time.time()
             log = attempts.setdefault(req.request_id, [])
-            body = await self.call(client, req, deadline, breaker, log)
+            body = await self._cancelled_first(client, req, deadline, breaker, log)
+            if body is None:
+                body = await self.call(client, req, deadline, breaker, log)
             try:
                 c = self.parse(req, body)
             except RequestFailed as e:  # the attempt got an answer we cannot use: say so on the attempt too
@@ -199,9 +209,41 @@ class RemoteEngine(Engine):
                                      start_at=self.arrivals(requests)):
             yield completion
 
+    async def _cancelled_first(self, client, req: EngineRequest, deadline: float, breaker, log: list) -> Any:
+        """With `cancel_after_ms`, a marked request's first attempt (as `ID~attempt0`), cancelled after
+        that long (the connection closes: vLLM aborts the request); None then, and the caller resends.
+        An answer that beat the cancel is the request's answer (returned); a failure is kept, then resent."""
+        import asyncio
+        import dataclasses
+
+        from lpf.adapters.client_behaviour import CANCELLED_ID, cancel_record, cancelled_attempt
+
+        ms = self.options.cancel_after_ms
+        if not cancelled_attempt(req, ms):
+            return None
+        first: list = []
+        t = time.time()
+        try:
+            body = await asyncio.wait_for(
+                self.call(client, dataclasses.replace(req, request_id=CANCELLED_ID(req.request_id)), deadline,
+                          breaker, first), ms / 1000)
+            log.extend(first)  # it beat the cancel: the request's answer (its server rows keep ID~attempt0)
+            return body
+        except asyncio.TimeoutError:
+            cancel_record(log, t, time.time(), ms)
+        except RequestFailed:
+            log.extend(first)
+        return None
+
     def arrivals(self, requests: list[EngineRequest]) -> Callable[[EngineRequest], float] | None:
         """With `arrival_rate`, each request's send time (seconds after the start): a Poisson process
-        seeded by the run's seed, in arrival order, so a rerun sends the same schedule."""
+        seeded by the run's seed, in arrival order, so a rerun sends the same schedule. With
+        `burst_prefix_tokens`, the bursts of `client_behaviour.burst_arrivals`."""
+        if self.options.burst_prefix_tokens:
+            from lpf.adapters.client_behaviour import burst_arrivals
+
+            at = burst_arrivals(requests, self.options.burst_prefix_tokens, self.options.burst_gap_ms / 1000)
+            return lambda r: at[r.request_id]
         rate = self.options.arrival_rate
         if not rate:
             return None

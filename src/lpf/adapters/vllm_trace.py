@@ -7,8 +7,9 @@ request ids. Here:
   taken before, of process `pid` only when given, concatenated, steps made unique across vLLM
   processes), `wait_for(t)` (until the plugin's heartbeat passes t: every row of a step before t is
   then on disk).
-- `relabel(table, ids)`: request ids mapped to lpf's (`ids`: vLLM's -> lpf's); the trace keeps the
+- `relabel(table, ids)`: request ids (the row's, resume_writer's, resume_publisher's) mapped to lpf's (`ids`: vLLM's -> lpf's); the trace keeps the
   original in `vllm_request_id`, and ids with no mapping are kept as they are, never dropped.
+- `prefix_cache_info(status)`: the prefix-cache facts for the manifest's engine section, or None.
 - `served_ids(vllm_ids, runs)`: vLLM's ids on an OpenAI server -> lpf's: vLLM names a completion
   `cmpl-<X-Request-Id>-<i>` and its runner adds `-<8 random chars>`; lpf sends its request id as
   X-Request-Id, `~retryN` on retries. A retry's rows map to the request only when it is the attempt
@@ -30,6 +31,7 @@ _PART = re.compile(r"^part-(\d+)-(\d+)\.parquet$")
 _RANDOM_SUFFIX = re.compile(r"^(.*)-[0-9a-zA-Z]{8}$")
 _SERVED = re.compile(r"^cmpl-(.*)-\d+$")
 _RETRY = re.compile(r"^(.*)~retry(\d+)$")
+_CANCELLED = re.compile(r"^(.*)~attempt0$")  # a cancelled first attempt (lpf.adapters.client_behaviour)
 
 
 class PluginDir:
@@ -83,9 +85,26 @@ class PluginDir:
             time.sleep(0.2)
 
 
+def prefix_cache_info(status: dict) -> dict | None:
+    """The engine's prefix-cache facts the analysis reads (`engine.cache.prefix_cache`), from the plugin's
+    status when it read vLLM's align-mode Mamba prefix cache (its block is every KV-cache group's)."""
+    if not status.get("provenance"):
+        return None
+    mbs = status.get("mamba_block_size")
+    return {"prefix_cache": {"block_size": mbs, "mamba_block_size": mbs, "mamba_cache_mode": status.get("mamba_cache_mode")}}
+
+
+# columns naming a request: the row's own, and the prefix cache's writer and publisher of a restored state
+ID_COLUMNS = ("request_id", "resume_writer", "resume_publisher")
+
+
 def relabel(table: pa.Table, ids: dict[str, str]) -> pa.Table:
-    mapped = pa.array([ids.get(r, r) for r in table.column("request_id").to_pylist()], pa.string())
-    return table.set_column(table.column_names.index("request_id"), "request_id", mapped)
+    for name in ID_COLUMNS:
+        if name in table.column_names:
+            mapped = pa.array([ids.get(r, r) if r is not None else None for r in table.column(name).to_pylist()],
+                              pa.string())
+            table = table.set_column(table.column_names.index(name), name, mapped)
+    return table
 
 
 def served_ids(vllm_ids, runs: dict[str, int]) -> dict[str, str]:
@@ -99,6 +118,10 @@ def served_ids(vllm_ids, runs: dict[str, int]) -> dict[str, str]:
             if not served:
                 continue
             x = served.group(1)
+            cancelled = _CANCELLED.match(x)
+            if cancelled and cancelled.group(1) in runs:  # kept as an attempt of its own, never as the answer
+                out[vid] = x
+                break
             retry = _RETRY.match(x)
             base, attempt = (retry.group(1), int(retry.group(2))) if retry else (x, 0)
             if base in runs:

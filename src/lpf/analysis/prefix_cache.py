@@ -33,8 +33,9 @@ def _enabled(engine_info: dict) -> bool | None:
 
 
 def _block_size(engine_info: dict) -> int:
-    for section in ("options", "engine_args"):
-        value = (engine_info.get(section) or {}).get("block_size")
+    cache = ((engine_info.get("cache") or {}).get("prefix_cache") or {})
+    for value in [(engine_info.get(s) or {}).get("block_size") for s in ("options", "engine_args")] + [
+            cache.get("block_size")]:
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
     return DEFAULT_BLOCK

@@ -15,6 +15,9 @@ state is wrong too, and the trace says who computed it. Listed most specific fir
                                  block size - 1; needs the engine's mamba_block_size)
   resumed_from_aborted_publisher the hash it matched was published by a request whose step was
                                  cancelled in flight at the publishing step: published before written
+  resumed_in_publishing_step     it resumed in the very step another request published the hash it matched
+                                 (vLLM publishes at schedule time, before that step's forward writes the
+                                 state): it read the block before its state existed
   short_resumed_chunk            its resume step was a prefill chunk shorter than the conv state
                                  (< conv width - 1 tokens; needs the engine's conv_width)
   resumed_truncated_state        the state covers fewer tokens than the hit, written by its publisher
@@ -64,7 +67,8 @@ def prefix_features(requests: pa.Table, trace: pa.Table | None, engine_info: dic
     mbs, width = info["mamba_block_size"], info["conv_width"]
     n = len(ids)
     hit = np.zeros(n, dtype=bool)
-    base = {name: np.zeros(n, dtype=bool) for name in ("wrong", "aborted", "short", "truncated", "over", "unwritten")}
+    base = {name: np.zeros(n, dtype=bool)
+            for name in ("wrong", "aborted", "same_step", "short", "truncated", "over", "unwritten")}
     writers: list[tuple[int, str]] = []  # (request row, the request whose write it resumed from)
     for k in range(rows.num_rows):
         i = index.get(cols["request_id"][k])
@@ -80,6 +84,8 @@ def prefix_features(requests: pa.Table, trace: pa.Table | None, engine_info: dic
             base["wrong"][i] = True
         if publisher is not None and (publisher, pstep) in aborted:
             base["aborted"][i] = True
+        if publisher is not None and publisher != cols["request_id"][k] and pstep == cols["step"][k]:
+            base["same_step"][i] = True
         if width and cols["phase"][k] != "decode" and (cols["num_scheduled_tokens"][k] or 0) < width - 1:
             base["short"][i] = True
         if writer is not None and writer == publisher and covers is not None and covers < h:
@@ -98,6 +104,10 @@ def prefix_features(requests: pa.Table, trace: pa.Table | None, engine_info: dic
     feats.append(Feature("resumed_from_aborted_publisher", "bool", state["aborted"],
                          "resumed from a state published by a request that was aborted before the chunk writing "
                          "it ran (or from a state computed on one)"))
+    feats.append(Feature("resumed_in_publishing_step", "bool", state["same_step"],
+                         "resumed in the step another request published the hash they matched, before that step's "
+                         "forward wrote the state (a hash published before its state was written), or from a state "
+                         "computed on one"))
     if width:
         feats.append(Feature("short_resumed_chunk", "bool", state["short"],
                              f"resumed with a prefill chunk shorter than the conv state (< {width - 1} tokens), or "

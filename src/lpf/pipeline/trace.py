@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pyarrow.compute as pc
 
-from lpf.adapters.vllm_trace import PluginDir, relabel, served_ids
+from lpf.adapters.client_behaviour import is_cancel_record
+from lpf.adapters.vllm_trace import PluginDir, prefix_cache_info, relabel, served_ids
 from lpf.core.errors import LpfError
 from lpf.run.store import RunDir
 
@@ -54,10 +55,14 @@ def join_trace(run: RunDir, trace_dir: Path | str) -> dict:
         late = last is not None and status.get("recording") and not plugin.wait_for(last)
         status = plugin.status() or status  # as of the last flush
         info.update(plugin_version=status.get("plugin_version"), vllm_version=status.get("vllm_version"),
-                    state_slot_stride=status.get("state_slot_stride"), faults=_drills(status))
+                    state_slot_stride=status.get("state_slot_stride"), faults=_drills(status),
+                    cache=prefix_cache_info(status))
         info["why"] = status.get("why") or ("the plugin's heartbeat never passed the run's last answer (server "
                                             "stopped?): the last steps may be missing" if late else None)
-        kept = {r["request_id"]: max(0, len(r["attempts"] or []) - 1) for r in requests.to_pylist()}
+        # the attempt whose answer the run kept, counted as the server named them: a cancelled first
+        # attempt (`ID~attempt0`, client_behaviour) is not one of the numbered retries
+        kept = {r["request_id"]: max(0, len([a for a in r["attempts"] or [] if not is_cancel_record(a)]) - 1)
+                for r in requests.to_pylist()}
         trace, faults = plugin.take("trace"), plugin.take("faults")
         ids = served_ids(trace.column("request_id").to_pylist(), kept) if trace is not None else {}
         for name in ("trace", "faults"):
@@ -111,7 +116,7 @@ def engine_info(run: RunDir) -> dict:
     m = run.manifest
     info = dict(m.get("engine") or {})
     joined = m.get("trace") or {}
-    for key in ("state_slot_stride", "faults"):
+    for key in ("state_slot_stride", "faults", "cache"):
         if joined.get(key):
             info[key] = joined[key]
     return info
