@@ -342,7 +342,9 @@ def snippet(value: Any, width: int = 40) -> str:
 
 
 def as_logprob(value: Any, pos: int) -> float:
-    """A top-k alternative's logprob: a usable number, or NaN (the alternative is then left out)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value > 1e-6:
+    """A top-k alternative's logprob: a usable number, or NaN (the alternative is then left out).
+    -inf is left out too: a zero-probability alternative says nothing about the ranking, and the
+    top-k metrics take finite values."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value > 1e-6:
         return math.nan
     return float(min(value, 0.0))
