@@ -1,7 +1,14 @@
-"""Shared fixtures: an isolated model cache, a CLI driver, and small prompt files.
+"""Shared fixtures: an isolated model cache, a CLI driver, and small prompt files; how the suite splits
+over pytest-xdist workers.
 
 `lpf_cli(*args)` runs the real `lpf` entry point in-process (argv, exit code, stdout, stderr), so
 tests exercise the same parsing and error handling a user gets, without a process start each time.
+
+Parallel runs (`make test`: `-n 2 --dist loadgroup --no-loadscope-reorder`): every test gets an
+`xdist_group`, so a work unit is never smaller than what its fixtures share. By default the group is
+the test's module (module-scoped servers and runs are built once, on one worker); modules that share a
+session fixture or a resource two workers must not hold at once share one group (`SHARED_GROUPS`);
+groups are handed out longest first (`LONGEST_FIRST`), so the last one to finish is a short one.
 """
 
 from __future__ import annotations
@@ -12,6 +19,38 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+# Modules that must run on one worker, one after another: they read one session-scoped fixture (built
+# once per worker: two workers would each build it), or each start a vLLM engine (two vLLM CPU
+# engines at once take ~2x the memory of one on a machine shared with others).
+SHARED_GROUPS = {
+    "hybrid-audit": ["test_audit_hf", "test_bad_input", "test_edit_flags", "test_query", "test_run_schema"],
+    "vllm": ["test_vllm", "test_vllm_trace"],
+}
+# Measured with --durations (serial seconds on this machine, 2026-12-02); an unlisted group goes after these
+# in collection order.
+LONGEST_FIRST = ["vllm"]
+
+
+def _group_of(module: str) -> str:
+    for group, modules in SHARED_GROUPS.items():
+        if module in modules:
+            return group
+    return module
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks into the node ids
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if not any(True for _ in item.iter_markers("xdist_group")):
+            item.add_marker(pytest.mark.xdist_group(_group_of(item.module.__name__)))
+    rank = {g: i for i, g in enumerate(LONGEST_FIRST)}
+
+    def key(item):
+        mark = next(item.iter_markers("xdist_group"))
+        return rank.get(mark.args[0] if mark.args else mark.kwargs.get("name"), len(rank))
+
+    items.sort(key=key)  # stable: collection order within a rank
 
 
 @pytest.fixture(scope="session", autouse=True)
