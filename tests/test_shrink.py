@@ -266,7 +266,6 @@ VLLM_KNOBS = ["--max-num-seqs", 2, "--inject", "stale-state"]
 PINNED = ["--threshold", "clean_abs_diff=0.001", "--threshold", "divergent_abs_diff=0.5", "--threshold", "tie_margin=0.001"]
 
 
-@pytest.mark.xdist_group("vllm")  # one vLLM engine at a time (tests/conftest.py)
 @needs_vllm
 def test_the_vllm_minimum_reproduces_with_vllms_interpreter_alone(tmp_path):
     """Three vLLM starts. The minimum as one `lpf audit --engine vllm` run: its target is corrupt at
