@@ -52,8 +52,9 @@ def group_of(nodeid: str) -> str:
 @pytest.hookimpl(optionalhook=True, tryfirst=True)
 def pytest_xdist_make_scheduler(config, log):
     """`--dist loadgroup` with `group_of`'s groups. xdist's own loadgroup reads `xdist_group` marks into
-    the node ids, which pytest 9.2's structured node ids no longer let it do (every test became its own
-    unit, module-scoped servers started on both workers); the scope rule itself is the same."""
+    the node ids (`item._nodeid`), which pytest 9.2's structured node ids no longer let it do: every test
+    silently became its own unit and module-scoped servers started on both workers (pytest-dev/pytest-xdist
+    issue 1386, open; src/xdist/remote.py pytest_collection_modifyitems). The scope rule is the same."""
     if config.getvalue("dist") != "loadgroup":
         return None
     from xdist.scheduler import LoadScopeScheduling
