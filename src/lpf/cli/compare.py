@@ -50,7 +50,7 @@ def diff(run_a, run_b, as_json, out_file, fail_on):
 
 
 CRASHED = ("engine error", "lpf error")  # cell statuses that fail --fail-on at any level but never
-ENGINES = ("builtin", "vllm")  # the engines discovery can ask
+ENGINES = ("builtin", "vllm", "llamacpp")  # the engines discovery can ask
 
 
 @click.command("conformance")
@@ -68,8 +68,12 @@ ENGINES = ("builtin", "vllm")  # the engines discovery can ask
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), required=True,
               help="Conformance directory (rerun the same command to resume).")
 @click.option("--json", "as_json", is_flag=True, help="Print conformance.json on stdout.")
+@click.option("--reference-column/--no-reference-column", default=None,
+              help="Also check the reference against itself (decode vs teacher-forced, eager vs sdpa, float64 gold) "
+                   "on every selected stateful architecture with a tiny recipe [default: on with --grid full].")
 @fail_on_option("any cell")
-def conformance(engine, archs, grid, cell_names, knobs, n_prompts, max_tokens, out_dir, as_json, fail_on):
+def conformance(engine, archs, grid, cell_names, knobs, n_prompts, max_tokens, out_dir, as_json, reference_column,
+                fail_on):
     """Audit every hybrid architecture the engine and transformers both load, under a grid of knob cells.
 
     Each cell is a run directory (outputs and prompt logprobs, rescored and analysed); each cell that
@@ -98,9 +102,9 @@ def conformance(engine, archs, grid, cell_names, knobs, n_prompts, max_tokens, o
     if knobs:  # a cell is a setting of the engine's knobs: by its flag's name or its own
         options = get_engine_class(engine).Options
         flags = {k.flag_name[2:] for k in flag_knobs([options])}
-        cells = knob_cells(sw.parse_knobs(list(knobs), flags, {engine: set(options.model_fields)}, {}), options)
+        cells = knob_cells(sw.parse_knobs(list(knobs), flags, {engine: set(options.model_fields)}, {}), options, engine)
     else:
-        cells = grid_cells(grid, list(cell_names))
+        cells = grid_cells(grid, list(cell_names), engine)
     err.print(f"asking {engine} and transformers which stateful architectures they load ...")
     found = disc.discover(engine)
     wanted = disc.select(found["architectures"], [a for a in (archs or "").split(",") if a.strip()])
@@ -110,6 +114,14 @@ def conformance(engine, archs, grid, cell_names, knobs, n_prompts, max_tokens, o
               f"{len(wanted) - n_arch} listed with the reason they are not audited)")
     with progress_bar("cells   ", "cells") as (on_start, tick):
         doc = run_matrix(out_dir, p.head, p.plans, p.attribution, Settings(), on_start, tick)
+    if reference_column or (reference_column is None and grid == "full" and not knobs):
+        from lpf.experiments.conformance.matrix import write_doc
+        from lpf.experiments.conformance.reference_column import reference_column as check_column
+
+        with progress_bar("reference", "architectures") as (on_start, tick):
+            on_start(len(wanted), 0)
+            doc["reference_column"] = check_column(out_dir, wanted, out_dir / "workload.jsonl", max_tokens, tick=tick)
+        write_doc(out_dir, doc)
     print_conformance(doc, err if as_json else out)
     write_report(out_dir)
     if as_json:

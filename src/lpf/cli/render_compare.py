@@ -62,8 +62,15 @@ def print_conformance(doc: dict, console: Console) -> None:
     console.print(t)
     for name, says, sentence in v["not_clean"]:
         console.print(f"  {name}: [bold]{escape(says)}[/]" + (f" — {escape(sentence)}" if sentence else ""))
+    for name, cause, evidence in v.get("named") or []:
+        console.print(f"  [dim]{name}: clean* per token, known departure {cause}: {escape(evidence)}[/]")
     for name, status, error in v["failed"]:
         console.print(f"  [dim]{name}: {status}: {escape(error)[:300]}[/]")
+    if v.get("reference"):
+        console.print("reference column (transformers against itself, float64 gold):")
+    for name, status, what in v.get("reference") or []:
+        style = "bold" if status == "reference inconsistent" else "dim"
+        console.print(f"  [{style}]{name}: {status}[/]" + (f" — {escape(what)[:200]}" if what else ""))
     if v["not_audited"]:
         console.print("not audited:")
     for status, reason, names in v["not_audited"]:

@@ -118,8 +118,20 @@ def discover(engine: str) -> dict:
         from lpf.adapters.vllm import vllm_python
 
         probe = probe_vllm(vllm_python(), list(ref))
+        entries = classify_vllm(ref, probe)
         return {"engine": engine, "engine_version": probe.get("vllm_version"), "cpu_build": probe.get("cpu_build"),
-                "reference": f"transformers {transformers.__version__}", "architectures": classify_vllm(ref, probe)}
+                "reference": f"transformers {transformers.__version__}",
+                "architectures": _paired(entries, ref, vllm_source(vllm_python()), "vLLM")}
+    if engine == "llamacpp":
+        from lpf.adapters.llamacpp_gguf import find_tools
+        from lpf.experiments.conformance.llamacpp_side import classify_llamacpp, converter_architectures
+
+        tools = find_tools()
+        version = tools.source() or str(tools.root)
+        registered = converter_architectures(tools.converter_dir)
+        return {"engine": engine, "engine_version": version, "cpu_build": True,
+                "reference": f"transformers {transformers.__version__}",
+                "architectures": classify_llamacpp(ref, registered, version)}
     if engine == "builtin":
         import lpf
         from lpf.builtin.config import SUPPORTED_ARCHITECTURES
@@ -132,7 +144,26 @@ def discover(engine: str) -> dict:
                 a.update(status="no tiny recipe", reason=f"lpf has no scaled-down recipe for {a['model_type']} yet")
         return {"engine": engine, "engine_version": lpf.__version__,
                 "reference": f"transformers {transformers.__version__}", "architectures": archs}
-    raise LpfError(f"lpf conformance audits the vllm or builtin engine, not {engine!r}")
+    raise LpfError(f"lpf conformance audits the vllm, llamacpp or builtin engine, not {engine!r}")
+
+
+def vllm_source(python: Path) -> Path | None:
+    """vLLM's installed package directory in the venv of its interpreter (read as text for family pairing;
+    the interpreter itself is a link out of the venv, so its path is not resolved)."""
+    found = sorted(Path(python).absolute().parent.parent.glob("lib/python3*/site-packages/vllm"))
+    return found[0] if found else None
+
+
+def _paired(entries: list[dict], ref: dict[str, str], source: Path | None, engine_name: str) -> list[dict]:
+    """`families.fold` over the entries, with the pairs the engine's own source states (`families`)."""
+    from lpf.experiments.conformance.families import fold, pairing_evidence
+
+    if source is None:
+        return entries
+    engine_only = [e["architecture"] for e in entries if e["status"] == "no reference implementation"]
+    ref_only = {e["architecture"]: ref[e["architecture"]] for e in entries
+                if e["status"] == "no engine implementation" and e["architecture"] in ref}
+    return fold(entries, pairing_evidence(source, engine_only, ref_only), engine_name)
 
 
 def select(architectures: list[dict], wanted: list[str]) -> list[dict]:

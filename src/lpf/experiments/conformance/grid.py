@@ -2,7 +2,7 @@
 
 Contract: `GRIDS[name]` lists `GridCell`s (a name, the engine options that set its knobs, what it
 stresses; `args` is the same as `lpf audit` arguments, for people: the matrix page shows them).
-`knob_cells(knobs)` makes cells of `lpf conformance --knob` (the sweep's grid product, engine knobs
+`knob_cells(knobs, options_cls, engine)` makes cells of `lpf conformance --knob` (the sweep's grid product, engine knobs
 only: a cell is a setting of the engine's knobs, the matrix fixes the rest). `small` is the CI grid (2 cells); `full` is the documented matrix (9 cells): chunked
 prefill with a budget small enough to split every prompt, chunked prefill off, prefix caching on
 (the workload shares prompt prefixes), both, max_num_seqs 1 against many sequences sharing a small
@@ -11,6 +11,9 @@ knob refuses that cell in one line and the matrix says "not applicable" there.
 Prefix-caching cells audit output positions only: vLLM skips reading the prefix cache for any request
 that asks for prompt logprobs (vllm/sampling_params.py, `skip_reading_prefix_cache` defaults to
 `prompt_logprobs is not None`), so asking for them would switch off the very cache under test.
+`grid_cells(grid, only, engine)` takes the engine's catalogue (`CATALOGUES`): llama.cpp has its own
+(llama-server's knob names: `fp32`, `fp32-ub16`, `fp32-np4`, `bf16`; small is the first two), outputs
+only since llama-server returns no prompt logprobs.
 Cells at another dtype than the reference's float32 are calibrated (`matrix`): judged against the
 reference at that dtype (the floor an honest bfloat16 implementation shows), not float32 rounding.
 
@@ -43,6 +46,7 @@ class GridCell:
     options: tuple[tuple[str, object], ...]  # engine options (vLLM's names), in the order people read them
     stresses: str
     prompt_logprobs: bool = True  # False where asking for them would disable what the cell tests
+    engine: str = "vllm"  # whose knob names `options` uses (the catalogue it comes from)
 
     @property
     def dtype(self) -> str:
@@ -54,11 +58,11 @@ class GridCell:
         knobs' names are vLLM's, the same arguments for the built-in engine)."""
         from lpf.pipeline.spec import engine_option_args
 
-        return engine_option_args("vllm", dict(self.options))
+        return engine_option_args(self.engine, dict(self.options))
 
 
-def _cell(name: str, stresses: str, prompt_logprobs: bool = True, **options) -> GridCell:
-    return GridCell(name, tuple(options.items()), stresses, prompt_logprobs)
+def _cell(name: str, stresses: str, prompt_logprobs: bool = True, engine: str = "vllm", **options) -> GridCell:
+    return GridCell(name, tuple(options.items()), stresses, prompt_logprobs, engine)
 
 
 _CELLS = {c.name: c for c in [
@@ -79,26 +83,45 @@ _CELLS = {c.name: c for c in [
           enable_chunked_prefill=True),
 ]}
 
+# llama.cpp's column family: llama-server's own knobs. It returns no prompt logprobs, so every cell
+# audits outputs only; the ubatch cell is its chunked prefill (the recurrent state handed from one
+# 16-token compute pass to the next), -np 4 its batching (four slots decoding together)
+_LLAMACPP = "llamacpp"
+_LLAMACPP_CELLS = {c.name: c for c in [
+    _cell("fp32", "the default path: float32 GGUF, one slot, the whole prompt in one batch", False, _LLAMACPP,
+          dtype="float32"),
+    _cell("fp32-ub16", f"the prompt in {CHUNK}-token compute passes (llama-server -b/-ub {CHUNK}): state handed "
+          f"pass to pass", False, _LLAMACPP, dtype="float32", batch_size=CHUNK, ubatch_size=CHUNK),
+    _cell("fp32-np4", "four slots (-np 4) decoding together: sequences batched in every step", False, _LLAMACPP,
+          dtype="float32", parallel=4),
+    _cell("bf16", "bfloat16 GGUF, judged against the reference at bfloat16", False, _LLAMACPP, dtype="bfloat16"),
+]}
+CATALOGUES = {"vllm": _CELLS, "builtin": _CELLS, _LLAMACPP: _LLAMACPP_CELLS}
+
 GRIDS = {
     "small": [_CELLS["fp32"], _CELLS["fp32-chunk16"]],
     "full": list(_CELLS.values()),
 }
+ENGINE_GRIDS = {_LLAMACPP: {"small": [_LLAMACPP_CELLS["fp32"], _LLAMACPP_CELLS["fp32-ub16"]],
+                            "full": list(_LLAMACPP_CELLS.values())}}
 PROMPTS = {"small": 8, "full": 16}
 
 
-def grid_cells(grid: str, only: list[str] | None = None) -> list[GridCell]:
-    """The cells of a grid, or of the named cells (`--cell`), in grid order."""
-    if grid not in GRIDS:
-        raise LpfError(f"unknown grid {grid!r}{did_you_mean(grid, GRIDS)}; grids: {', '.join(GRIDS)}")
+def grid_cells(grid: str, only: list[str] | None = None, engine: str = "vllm") -> list[GridCell]:
+    """The cells of a grid, or of the named cells (`--cell`), in grid order, from the engine's catalogue
+    (vLLM's names for vLLM and the built-in engine; llama-server's for llamacpp)."""
+    grids, catalogue = ENGINE_GRIDS.get(engine, GRIDS), CATALOGUES.get(engine, _CELLS)
+    if grid not in grids:
+        raise LpfError(f"unknown grid {grid!r}{did_you_mean(grid, grids)}; grids: {', '.join(grids)}")
     if not only:
-        return list(GRIDS[grid])
+        return list(grids[grid])
     for name in only:
-        if name not in _CELLS:
-            raise LpfError(f"unknown cell {name!r}{did_you_mean(name, _CELLS)}; cells: {', '.join(_CELLS)}")
-    return [c for c in _CELLS.values() if c.name in only]
+        if name not in catalogue:
+            raise LpfError(f"unknown cell {name!r}{did_you_mean(name, catalogue)}; cells: {', '.join(catalogue)}")
+    return [c for c in catalogue.values() if c.name in only]
 
 
-def knob_cells(knobs, options_cls) -> list[GridCell]:
+def knob_cells(knobs, options_cls, engine: str = "vllm") -> list[GridCell]:
     """Cells of `--knob` specs (`sweep.parse_knobs`' Knobs over the engine's knobs): their product, each
     value converted by the engine's Options (`options_cls`; a bad one is an LpfError now, before any
     cell runs); a repeatable knob's `+`-joined parts are its comma-separated value, none/off none."""
@@ -115,7 +138,7 @@ def knob_cells(knobs, options_cls) -> list[GridCell]:
                 text = "" if text.lower() in ("none", "off") else text.replace("+", ",")
             options[option] = getattr(options_cls.parse({option: text}), option)
         cells.append(GridCell(c.name, tuple(options.items()),
-                              "--knob " + ", ".join(f"{k}={v}" for k, v in c.values.items())))
+                              "--knob " + ", ".join(f"{k}={v}" for k, v in c.values.items()), engine=engine))
     return cells
 
 

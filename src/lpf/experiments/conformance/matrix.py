@@ -25,7 +25,11 @@ honest implementation at that dtype deviates by. The analysis' thresholds are ca
 compares distributions instead: the cell's p99 and max |d| (output and prompt positions) against
 `EXPECT_FACTOR` x that expectation's own p99 and max on the same positions. Within that envelope the cell conforms
 (`conformance` clean, with `expectation` saying so and by how much); beyond it, the analysis verdict
-stands. A float32 cell's `conformance` is its verdict.
+stands. That envelope is kept in the row (`expectation`) but no longer decides: the per-position
+paired test against an ensemble of honest bf16 runs does (`judging.bf16_per_position`, the row's
+`bf16_paired`: departs -> the analysis verdict, within -> clean). A float32 cell's `conformance` is its
+verdict, except on llama.cpp, judged per token with its traced departures named
+(`judging.judge_llamacpp`, the row's `engine_judgement`: clean when only those explain the verdict).
 """
 
 from __future__ import annotations
@@ -194,8 +198,20 @@ def cell_row(plan: CellPlan, out: Path, findings: dict | None, status: str, erro
         "report_error": findings.get("report_error"),
     })
     exp = expectation(d, findings) if cell.dtype != "float32" else None
-    row["expectation"] = exp
+    row["expectation"] = exp  # the old envelope, reported beside the paired test for one release
     row["conformance"] = "clean" if exp is not None and exp["within"] else row["verdict"]
+    if cell.dtype != "float32":
+        from lpf.experiments.conformance.judging import bf16_per_position
+
+        row["bf16_paired"] = bf16_per_position(d)
+        if (row["bf16_paired"] or {}).get("result") is not None:  # the per-position test decides
+            row["conformance"] = row["verdict"] if row["bf16_paired"]["departs"] else "clean"
+    if plan.spec is not None and plan.spec.run.engine == "llamacpp" and cell.dtype == "float32":
+        from lpf.experiments.conformance.judging import judge_llamacpp
+
+        row["engine_judgement"] = judge_llamacpp(d, findings, plan.spec.run.model)
+        if row["engine_judgement"]["conformance"] == "clean":
+            row["conformance"] = "clean"
     return row
 
 
@@ -308,7 +324,9 @@ def matrix_view(doc: dict) -> dict:
     """What the terminal table shows, as plain data: `cells` (names), `grid` [(architecture, [entry per
     cell])] with entry {status, verdict, label ("verdict" or "verdict/prompt verdict"), max (largest |d|
     on output or prompt positions)}, `not_clean` [(name, what the attribution says, its sentence)],
-    `failed` [(name, status, reason)] and `not_audited` [(status, reason, architectures)]."""
+    `failed` [(name, status, reason)], `named` [(name, cause, evidence)]: the known departures a
+    per-token judgement names (llama.cpp), `reference` [(name, status, departing paths or why)]: the
+    reference column, and `not_audited` [(status, reason, architectures)]."""
     cells = [c["name"] for c in doc.get("cell_catalogue") or []]
     rows = doc.get("cells") or []
     by = {(r["architecture"], r["cell"]): r for r in rows}
@@ -322,15 +340,19 @@ def matrix_view(doc: dict) -> dict:
             r = by.get((a, c)) or {"status": "–"}
             v, pv = r.get("verdict"), r.get("prompt_verdict")
             label = f"{v}/{pv}" if pv and pv != v else str(v)
-            if r.get("conformance") == "clean" and v != "clean":  # within the bf16 expectation
+            if r.get("conformance") == "clean" and v != "clean" and r.get("engine_judgement"):
+                label = "clean*"  # per token, its named departures beside it (`named`)
+            elif r.get("conformance") == "clean" and v != "clean":  # within the bf16 expectation
                 label = f"{SHORT_DTYPE.get(r['dtype'], r['dtype'])} ok"
             entries.append({"status": r["status"], "verdict": r.get("conformance", v), "label": label,
                             "max": max([x for x in (r.get("max_abs_output"), r.get("max_abs_prompt")) if x is not None]
                                        or [0.0])})
         grid.append((short[a], entries))
-    not_clean, failed = [], []
+    not_clean, failed, named = [], [], []
     for r in rows:
         name = f"{r['architecture'].removesuffix('ForCausalLM')} · {r['cell']}"
+        for cause in (r.get("engine_judgement") or {}).get("causes") or []:
+            named.append((name, cause["name"], cause["evidence"]))
         if r.get("status") != "ok":
             failed.append((name, r.get("status"), str(r.get("error") or "")))
         elif r.get("conformance") not in ("clean", None):
@@ -341,5 +363,10 @@ def matrix_view(doc: dict) -> dict:
     for a in doc.get("architectures") or []:
         if a.get("status") != "audit":
             groups.setdefault((a["status"], a.get("reason") or ""), []).append(a["architecture"].removesuffix("ForCausalLM"))
-    return {"cells": cells, "archs": archs, "grid": grid, "not_clean": not_clean, "failed": failed,
+    reference = [(r["architecture"].removesuffix("ForCausalLM"), r.get("status"),
+                  ", ".join(f"{n} {(r.get('paths') or {}).get(n, {}).get('max_abs', 0):.2g}" for n in r.get("departing") or [])
+                  or r.get("error") or r.get("reason") or "")
+                 for r in doc.get("reference_column") or []]
+    return {"cells": cells, "archs": archs, "grid": grid, "not_clean": not_clean, "failed": failed, "named": named,
+            "reference": reference,
             "not_audited": [(s, r, names) for (s, r), names in groups.items()]}

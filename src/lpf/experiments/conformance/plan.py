@@ -66,7 +66,10 @@ def plan(engine: str, architectures: list[dict], cells: list[GridCell], out: Pat
     if not workload.is_file():
         tok = load_tokenizer(ModelRef("zoo tokenizer", tokenizer_dir()))
         write_workload(workload, n_prompts, len(tok), bos=tok.bos_token_id)
-    base = engine_base(get_engine_class(engine).Options)
+    engine_cls = get_engine_class(engine)
+    base = engine_base(engine_cls.Options)
+    # an engine that returns no prompt logprobs (llama-server) audits outputs only, in every cell
+    with_prompts = bool(getattr(engine_cls, "supports_prompt_logprobs", False))
     result = Plan(head={})
     for a in architectures:
         if a["status"] != disc.AUDIT:
@@ -79,7 +82,7 @@ def plan(engine: str, architectures: list[dict], cells: list[GridCell], out: Pat
         for c in cells:
             try:
                 spec = _spec(engine, model, workload, cell_dir(out, a["architecture"], c.name), max_tokens,
-                             c.prompt_logprobs, {**base, **dict(c.options)})
+                             c.prompt_logprobs and with_prompts, {**base, **dict(c.options)})
                 result.plans.append(CellPlan(a, c, spec))
             except LpfError as e:
                 result.plans.append(CellPlan(a, c, None, refused=str(e)))
