@@ -27,7 +27,8 @@ SHARED_GROUPS = {
     "hybrid-audit": ["test_audit_hf", "test_bad_input", "test_edit_flags", "test_query", "test_run_schema"],
     "vllm": ["test_vllm", "test_vllm_trace", "test_conformance::test_conformance_on_vllm_writes_the_matrix",
              "test_run_level::test_healthy_bf16_vllm_passes_the_default_gate",
-             "test_shrink::test_the_vllm_minimum_reproduces_with_vllms_interpreter_alone"],
+             "test_shrink::test_the_vllm_minimum_reproduces_with_vllms_interpreter_alone",
+             "test_conformance_families::test_vllm_source_pairs_bailing_hybrid_with_its_two_names"],
 }
 # The longest work units, handed out first so that neither worker is left with a long one at the end: the
 # vLLM group (several engine starts of ~25 s each), then the slow modules by the figures in their
