@@ -18,9 +18,16 @@ TESTS = Path(__file__).resolve().parent
 def _tests():
     """(module, test name, argument names, decorator names) of every top-level test function."""
     for path in sorted(TESTS.glob("test_*.py")):
-        for node in ast.parse(path.read_text()).body:
+        body = ast.parse(path.read_text()).body
+        # a module-wide `pytestmark = [...]` marks every test in it, as a decorator would
+        marks = set()
+        for node in body:
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "pytestmark" for t in node.targets):
+                values = node.value.elts if isinstance(node.value, (ast.List, ast.Tuple)) else [node.value]
+                marks |= {ast.unparse(v).split("(")[0] for v in values}
+        for node in body:
             if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
-                decorators = {ast.unparse(d).split("(")[0] for d in node.decorator_list}
+                decorators = {ast.unparse(d).split("(")[0] for d in node.decorator_list} | marks
                 yield path.stem, node.name, {a.arg for a in node.args.args}, decorators
 
 
