@@ -54,10 +54,11 @@ demo: $(STAMP)
 	$(VENV)/bin/lpf audit --out runs/demo-$$stamp-offset-wrap --inject offset-wrap:18 --cache-mb 4 --fail-on never && \
 	echo "results: runs/demo-$$stamp-clean and runs/demo-$$stamp-offset-wrap (report.html, findings.json; lpf query DIR \"SQL\", lpf inspect DIR REQUEST_ID)"
 
-# ruff's lint rules ([tool.ruff] in pyproject.toml), before every test run; `ruff format` is configured
-# there too but not yet applied to the tree
+# ruff's lint rules and its formatter ([tool.ruff] in pyproject.toml), checked before every test run
+# (`ruff format src tests bench scripts plugins` rewrites what the check refuses)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests bench scripts plugins
+	$(VENV)/bin/ruff format --check src tests bench scripts plugins
 
 # One intra-op thread: the suite starts many small-model processes one after another, where extra
 # threads only add overhead (and oversubscribe a busy machine); numerics do not depend on it.

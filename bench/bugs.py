@@ -41,8 +41,18 @@ sys.path.insert(0, str(ROOT / "src"))
 
 MODEL = "tiny:jamba-longmem"
 PREFIX_ARGS = ["--max-tokens", "8", "--max-num-batched-tokens", "48", "--cache-mb", "3"]
-STALE_ARGS = ["--workload", "zoo:oracle", "--n", "4", "--cache-mb", "3", "--max-num-seqs", "16",
-              "--max-num-batched-tokens", "32"]
+STALE_ARGS = [
+    "--workload",
+    "zoo:oracle",
+    "--n",
+    "4",
+    "--cache-mb",
+    "3",
+    "--max-num-seqs",
+    "16",
+    "--max-num-batched-tokens",
+    "32",
+]
 VLLM_DRILLS: dict[str, tuple[list[str], set[str]]] = {}  # the hook for the real-vLLM half (issue 22b)
 
 
@@ -67,7 +77,9 @@ def audit(out: Path, drill: str, args: list[str], workload: Path, engine: str) -
         return 0.0
     args = [str(workload) if a == "SHARED" else a for a in args]
     t0 = time.perf_counter()
-    proc = lpf("audit", "--engine", engine, "--model", MODEL, *args, "--inject", drill, "--out", out, "--fail-on", "never")
+    proc = lpf(
+        "audit", "--engine", engine, "--model", MODEL, *args, "--inject", drill, "--out", out, "--fail-on", "never"
+    )
     if proc.returncode != 0:
         raise SystemExit(f"audit of {drill} failed:\n{proc.stderr[-2000:]}")
     return time.perf_counter() - t0
@@ -80,8 +92,11 @@ def score(run: Path, named_by: set[str]) -> dict:
         return run_query(run, sql)[1]
 
     findings = json.loads((run / "findings.json").read_text())
-    truth = {r[0] for r in q("SELECT DISTINCT request_id FROM faults WHERE role = 'corrupted'")} \
-        if (run / "faults").is_dir() else set()
+    truth = (
+        {r[0] for r in q("SELECT DISTINCT request_id FROM faults WHERE role = 'corrupted'")}
+        if (run / "faults").is_dir()
+        else set()
+    )
     rows = q("SELECT request_id, seq, verdict, first_divergence, n_scored_tokens FROM summary ORDER BY seq")
     flagged = {r[0] for r in rows if r[2] in ("divergent", "corrupt")}
     departed = {r[0] for r in rows if r[2] not in ("clean", "error", "unscored")}
@@ -93,21 +108,30 @@ def score(run: Path, named_by: set[str]) -> dict:
         tokens += n or 0
     top = (findings.get("hypotheses") or [None])[0]
     pc = findings.get("prefix_cache") or {}
-    return {"requests": findings["n_requests"], "truth": len(truth), "flagged": len(flagged),
-            "recall": len(flagged & truth) / len(truth) if truth else None,
-            "false_positives": len(departed - truth), "top_feature": top and top["feature"],
-            "named": bool(top and top["feature"] in named_by), "top_sentence": top and top["sentence"],
-            "tokens_to_first_flag": first, "run_test_tokens_needed": (findings.get("run_test") or {}).get("tokens_needed"),
-            "prefix_cache": {k: pc.get(k) for k in ("finding", "inert", "requests_hit", "hit_tokens", "hit_rate",
-                                                    "requests_sharing")}}
+    return {
+        "requests": findings["n_requests"],
+        "truth": len(truth),
+        "flagged": len(flagged),
+        "recall": len(flagged & truth) / len(truth) if truth else None,
+        "false_positives": len(departed - truth),
+        "top_feature": top and top["feature"],
+        "named": bool(top and top["feature"] in named_by),
+        "top_sentence": top and top["sentence"],
+        "tokens_to_first_flag": first,
+        "run_test_tokens_needed": (findings.get("run_test") or {}).get("tokens_needed"),
+        "prefix_cache": {
+            k: pc.get(k) for k in ("finding", "inert", "requests_hit", "hit_tokens", "hit_rate", "requests_sharing")
+        },
+    }
 
 
 def shrink(run: Path, out: Path, drill: str, run_it: bool = True) -> dict:
     """`run_it=False` (--no-shrink): only read a shrink already in `out` (finished or not)."""
     if not run_it and not (out / "shrink.json").is_file():
         return {}
-    if run_it and (not (out / "shrink.json").is_file() or
-                   json.loads((out / "shrink.json").read_text()).get("status") == "running"):
+    if run_it and (
+        not (out / "shrink.json").is_file() or json.loads((out / "shrink.json").read_text()).get("status") == "running"
+    ):
         t0 = time.perf_counter()
         lpf("shrink", run, "--out", out, "--json")
         wall = time.perf_counter() - t0
@@ -115,9 +139,13 @@ def shrink(run: Path, out: Path, drill: str, run_it: bool = True) -> dict:
         wall = None
     doc = json.loads((out / "shrink.json").read_text())
     best = next((c for c in doc.get("candidates", []) if c["id"] == doc.get("best")), None)
-    res = {"status": doc.get("status"), "runs_used": doc.get("runs_used"), "wall_s": wall,
-           "size": (doc.get("minimal") or {}).get("size") or (best or {}).get("size"),
-           "original_size": (doc.get("original") or {}).get("size")}
+    res = {
+        "status": doc.get("status"),
+        "runs_used": doc.get("runs_used"),
+        "wall_s": wall,
+        "size": (doc.get("minimal") or {}).get("size") or (best or {}).get("size"),
+        "original_size": (doc.get("original") or {}).get("size"),
+    }
     repro = out / "repro.py"
     if repro.is_file():
         res["repro_exit"] = subprocess.run([sys.executable, str(repro)], capture_output=True, text=True).returncode
@@ -128,23 +156,32 @@ def shrink(run: Path, out: Path, drill: str, run_it: bool = True) -> dict:
 
 
 def table(results: dict) -> str:
-    lines = ["| drill | requests | ground truth | recall | false pos. | top hypothesis names it | tokens to first flag "
-             "(run test) | shrink: runs, minimum (requests, tokens), repro exit (drill off) |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| drill | requests | ground truth | recall | false pos. | top hypothesis names it | tokens to first flag "
+        "(run test) | shrink: runs, minimum (requests, tokens), repro exit (drill off) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for d, r in results.items():
         s = r.get("shrink") or {}
-        shr = (f"{s.get('runs_used')} runs ({s.get('status')}), {s['original_size'][0]} -> {s['size'][0]} req / {s['size'][1]} tok, "
-               f"repro {s.get('repro_exit', '-')} ({s.get('repro_off_exit', '-')})" if s.get("size")
-               else (s.get("status") or "not run"))
+        shr = (
+            f"{s.get('runs_used')} runs ({s.get('status')}), {s['original_size'][0]} -> {s['size'][0]} req / {s['size'][1]} tok, "
+            f"repro {s.get('repro_exit', '-')} ({s.get('repro_off_exit', '-')})"
+            if s.get("size")
+            else (s.get("status") or "not run")
+        )
         if d == "prefix-cache-inert":
             pc = r["prefix_cache"]
-            lines.append(f"| {d} | {r['requests']} | finding: {pc['finding']} | - | {r['false_positives']} | "
-                         f"- ({pc['requests_hit']} hit, {pc['requests_sharing']} share a block) | - | - |")
+            lines.append(
+                f"| {d} | {r['requests']} | finding: {pc['finding']} | - | {r['false_positives']} | "
+                f"- ({pc['requests_hit']} hit, {pc['requests_sharing']} share a block) | - | - |"
+            )
             continue
         recall = "-" if r["recall"] is None else f"{r['recall']:.3f}"
-        lines.append(f"| {d} | {r['requests']} | {r['truth']} | {recall} | {r['false_positives']} | "
-                     f"{'yes' if r['named'] else 'no'} ({r['top_feature']}) | {r['tokens_to_first_flag']} "
-                     f"({r['run_test_tokens_needed']}) | {shr} |")
+        lines.append(
+            f"| {d} | {r['requests']} | {r['truth']} | {recall} | {r['false_positives']} | "
+            f"{'yes' if r['named'] else 'no'} ({r['top_feature']}) | {r['tokens_to_first_flag']} "
+            f"({r['run_test_tokens_needed']}) | {shr} |"
+        )
     return "\n".join(lines)
 
 
@@ -180,8 +217,13 @@ def main() -> None:
         print(f"{d}: {json.dumps(results[d], default=str)}", flush=True)
     dest = a.results or (out / "bugs_quick.json" if a.quick else ROOT / "bench" / "results" / "bugs.json")
     dest.parent.mkdir(parents=True, exist_ok=True)
-    dest.write_text(json.dumps({"results": results, "config": {"model": MODEL, "prefix": PREFIX_ARGS,
-                                                               "stale_state": STALE_ARGS}}, indent=1, default=str))
+    dest.write_text(
+        json.dumps(
+            {"results": results, "config": {"model": MODEL, "prefix": PREFIX_ARGS, "stale_state": STALE_ARGS}},
+            indent=1,
+            default=str,
+        )
+    )
     print(table(results))
 
 

@@ -48,29 +48,71 @@ def main() -> int:
     tok = load_tokenizer(ModelRef("zoo tokenizer", tokenizer_dir()))  # the workload lpf conformance writes
     wl = write_workload(root / "workload.jsonl", PROMPTS["full"], len(tok), bos=tok.bos_token_id)
     exe = Path(sys.executable).with_name("lpf")
-    common = ["--engine", "vllm", "--model", str(model), "--workload", str(wl), "--prompt-logprobs", "--max-tokens", "12",
-              "-E", "max_model_len=512", "-E", "enable_prefix_caching=false", "--fail-on", "never"]
+    common = [
+        "--engine",
+        "vllm",
+        "--model",
+        str(model),
+        "--workload",
+        str(wl),
+        "--prompt-logprobs",
+        "--max-tokens",
+        "12",
+        "-E",
+        "max_model_len=512",
+        "-E",
+        "enable_prefix_caching=false",
+        "--fail-on",
+        "never",
+    ]
     t0 = time.perf_counter()
     for c in cells:  # the baseline: one process per cell, as lpf sweep runs them
-        subprocess.run([str(exe), "audit", *common, *c.args, "--out", str(root / "sub" / c.name)], check=True,
-                       capture_output=True, text=True)
+        subprocess.run(
+            [str(exe), "audit", *common, *c.args, "--out", str(root / "sub" / c.name)],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
     per_process = (time.perf_counter() - t0) / len(cells)
     t0 = time.perf_counter()
-    subprocess.run([str(exe), "conformance", "--engine", "vllm", "--arch", "GraniteMoeHybrid", *[a for c in cells for a in
-                    ("--cell", c.name)], "--out", str(root / "conf"), "--fail-on", "never"], check=True,
-                   capture_output=True, text=True)
+    subprocess.run(
+        [
+            str(exe),
+            "conformance",
+            "--engine",
+            "vllm",
+            "--arch",
+            "GraniteMoeHybrid",
+            *[a for c in cells for a in ("--cell", c.name)],
+            "--out",
+            str(root / "conf"),
+            "--fail-on",
+            "never",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     # the conformance command also asks vLLM's registry (~15 s) and builds nothing new: count it in, honestly
     in_process = (time.perf_counter() - t0) / len(cells)
-    doc = {"date": time.strftime("%Y-%m-%d"), "cells": list(names), "model": "conformance tiny granitemoehybrid",
-           "seconds_per_cell": {"lpf audit per cell (sweep's way)": round(per_process, 1),
-                                "lpf conformance (in-process, kept worker)": round(in_process, 1)},
-           "ratio": round(per_process / in_process, 2)}
+    doc = {
+        "date": time.strftime("%Y-%m-%d"),
+        "cells": list(names),
+        "model": "conformance tiny granitemoehybrid",
+        "seconds_per_cell": {
+            "lpf audit per cell (sweep's way)": round(per_process, 1),
+            "lpf conformance (in-process, kept worker)": round(in_process, 1),
+        },
+        "ratio": round(per_process / in_process, 2),
+    }
     if not quick:
         out = Path(__file__).with_name("results") / "conformance.json"
         out.write_text(json.dumps(doc, indent=2) + "\n")
     print(json.dumps(doc, indent=2))
-    print(f"conformance cell: {per_process:.1f} s one process per cell, {in_process:.1f} s in-process: "
-          f"{doc['ratio']:.2f}x")
+    print(
+        f"conformance cell: {per_process:.1f} s one process per cell, {in_process:.1f} s in-process: "
+        f"{doc['ratio']:.2f}x"
+    )
     return 0
 
 

@@ -63,13 +63,30 @@ TOKEN_CONFIGS = {  # name -> (engine dtype, drill or None, temperature)
 TOKEN_SIZES = (25, 50, 100, 300, 1000, 3000)
 
 
-def audit(out: Path, dtype: str, drill: str | None, workload: str = "zoo:stress", extra: tuple = (),
-          max_tokens: int = 16) -> Path:
+def audit(
+    out: Path, dtype: str, drill: str | None, workload: str = "zoo:stress", extra: tuple = (), max_tokens: int = 16
+) -> Path:
     if (out / "findings.json").is_file():
         return out
-    args = [str(Path(sys.executable).with_name("lpf")), "audit", "--model", "zoo:hybrid", "--workload", workload,
-            "--max-tokens", str(max_tokens), "--dtype", dtype, "--out", str(out), "--fail-on", "never", "-E", "threads=1",
-            *extra]
+    args = [
+        str(Path(sys.executable).with_name("lpf")),
+        "audit",
+        "--model",
+        "zoo:hybrid",
+        "--workload",
+        workload,
+        "--max-tokens",
+        str(max_tokens),
+        "--dtype",
+        dtype,
+        "--out",
+        str(out),
+        "--fail-on",
+        "never",
+        "-E",
+        "threads=1",
+        *extra,
+    ]
     if drill:
         args += ["--inject", drill]
     t0 = time.time()
@@ -132,8 +149,12 @@ def prose_workload(path: Path, n: int = 400) -> Path:
     from lpf.zoo.tasks import filler_text
 
     rng = random.Random(5)
-    path.write_text("".join(json.dumps({"id": f"prose-{i:04d}", "prompt": filler_text(rng, rng.randint(8, 20))}) + "\n"
-                            for i in range(n)))
+    path.write_text(
+        "".join(
+            json.dumps({"id": f"prose-{i:04d}", "prompt": filler_text(rng, rng.randint(8, 20))}) + "\n"
+            for i in range(n)
+        )
+    )
     return path
 
 
@@ -157,7 +178,9 @@ def token_evidence(run: Path) -> dict:
     seeded = pq.read_table(run / "seeded") if (run / "seeded").is_dir() else None
     draws = token_test.seeded_columns(seeded, joined, cols["order"])
     out = {"unseeded": token_test.token_evidence(cols, floor, m["sampling"])}
-    out["seeded"] = token_test.token_evidence(cols, floor, m["sampling"], draws) if draws is not None else out["unseeded"]
+    out["seeded"] = (
+        token_test.token_evidence(cols, floor, m["sampling"], draws) if draws is not None else out["unseeded"]
+    )
     return out
 
 
@@ -171,32 +194,50 @@ def tokens_part(a, alpha: float, rng) -> None:
     out = a.out / "tokens-only"
     out.mkdir(parents=True, exist_ok=True)
     workload = prose_workload(out / "prose400.jsonl", 40 if a.quick else 400)
-    configs = {k: TOKEN_CONFIGS[k] for k in ("greedy clean float32", "greedy quantize-weights:4")} if a.quick \
+    configs = (
+        {k: TOKEN_CONFIGS[k] for k in ("greedy clean float32", "greedy quantize-weights:4")}
+        if a.quick
         else TOKEN_CONFIGS
+    )
     ev = {}
     for name, (dtype, drill, temp) in configs.items():
         extra = ("--ignore-eos", "--temperature", str(temp), "--seed", "3")
-        ev[name] = token_evidence(audit(out / name.replace(" ", "-").replace(":", "-"), dtype, drill, str(workload),
-                                        extra, 8 if a.quick else 16))
+        ev[name] = token_evidence(
+            audit(
+                out / name.replace(" ", "-").replace(":", "-"), dtype, drill, str(workload), extra, 8 if a.quick else 16
+            )
+        )
     n_min = min(e["unseeded"]["n"] for e in ev.values())
     sizes = [s for s in TOKEN_SIZES if s <= n_min]
     starts = {s: rng.integers(0, n_min - s + 1, a.windows) for s in sizes}
     methods = ("unseeded", "seeded")
-    scores = {name: {meth: {s: token_scores(e[meth], s, starts[s], alpha) for s in sizes} for meth in methods}
-              for name, e in ev.items()}
-    result = {"measured": time.strftime("%Y-%m-%d"), "alpha": alpha, "windows": a.windows, "sizes": sizes,
-              "workload": "400 prose prompts (zoo filler text), 16 tokens each (--ignore-eos), zoo:hybrid, built-in engine",
-              "n_tokens": {k: e["unseeded"]["n"] for k, e in ev.items()}, "false_alarm": {}, "auc": {}, "smallest_n": {}}
+    scores = {
+        name: {meth: {s: token_scores(e[meth], s, starts[s], alpha) for s in sizes} for meth in methods}
+        for name, e in ev.items()
+    }
+    result = {
+        "measured": time.strftime("%Y-%m-%d"),
+        "alpha": alpha,
+        "windows": a.windows,
+        "sizes": sizes,
+        "workload": "400 prose prompts (zoo filler text), 16 tokens each (--ignore-eos), zoo:hybrid, built-in engine",
+        "n_tokens": {k: e["unseeded"]["n"] for k, e in ev.items()},
+        "false_alarm": {},
+        "auc": {},
+        "smallest_n": {},
+    }
     for name, (dtype, drill, temp) in configs.items():
         kind = "greedy" if temp == 0 else "sampled"
         if drill is None:
-            result["false_alarm"][name] = {m: {s: float(np.mean(scores[name][m][s] > -np.log10(alpha))) for s in sizes}
-                                           for m in methods}
+            result["false_alarm"][name] = {
+                m: {s: float(np.mean(scores[name][m][s] > -np.log10(alpha))) for s in sizes} for m in methods
+            }
             continue
         clean = f"{kind} clean {dtype}"
         result["auc"][name] = {m: {s: auc(scores[name][m][s], scores[clean][m][s]) for s in sizes} for m in methods}
-        result["smallest_n"][name] = {m: next((s for s in sizes if result["auc"][name][m][s] >= 0.999), None)
-                                      for m in methods}
+        result["smallest_n"][name] = {
+            m: next((s for s in sizes if result["auc"][name][m][s] >= 0.999), None) for m in methods
+        }
     if not a.quick:
         (ROOT / "bench" / "results").mkdir(exist_ok=True)
         (ROOT / "bench" / "results" / "detection_tokens.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -204,11 +245,19 @@ def tokens_part(a, alpha: float, rng) -> None:
     for meth in methods:
         print(f"\ntokens only, AUC, {meth}:\n{head}\n|" + "---|" * (len(sizes) + 2))
         for name, by in result["auc"].items():
-            print(f"| {name} | " + " | ".join(f"{by[meth][s]:.3f}" for s in sizes) +
-                  f" | {result['smallest_n'][name][meth] or '-'} |")
-    print(f"\ntokens only, false alarms at p < {alpha:g}: " + "; ".join(
-        f"{k} {m}: " + ", ".join(f"{v:.3f}" for v in fa[m].values()) for k, fa in result["false_alarm"].items()
-        for m in methods))
+            print(
+                f"| {name} | "
+                + " | ".join(f"{by[meth][s]:.3f}" for s in sizes)
+                + f" | {result['smallest_n'][name][meth] or '-'} |"
+            )
+    print(
+        f"\ntokens only, false alarms at p < {alpha:g}: "
+        + "; ".join(
+            f"{k} {m}: " + ", ".join(f"{v:.3f}" for v in fa[m].values())
+            for k, fa in result["false_alarm"].items()
+            for m in methods
+        )
+    )
 
 
 def main() -> None:
@@ -217,7 +266,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-detection")
     ap.add_argument("--alpha", type=float, default=None)
     ap.add_argument("--part", choices=("logprobs", "tokens", "both"), default="both")
-    ap.add_argument("--quick", action="store_true", help="two configs a part, 40 short requests, a temporary folder (a smoke run)")
+    ap.add_argument(
+        "--quick", action="store_true", help="two configs a part, 40 short requests, a temporary folder (a smoke run)"
+    )
     a = ap.parse_args()
     from lpf.analysis.run_test import DEFAULT_ALPHA
 
@@ -231,8 +282,12 @@ def main() -> None:
         configs = {k: CONFIGS[k] for k in ("clean float32", "quantize-weights:4")}
         a.out, a.windows, max_tokens = Path(tempfile.mkdtemp(prefix="lpf-bench-detection-")), 50, 8
         workload = str(a.out / "stress40.jsonl")
-        Path(workload).write_text("".join(json.dumps({"id": i["id"], "prompt": i["prompt"]}) + "\n"
-                                          for i in registry.workload_items("stress", seed=0, n=40)))
+        Path(workload).write_text(
+            "".join(
+                json.dumps({"id": i["id"], "prompt": i["prompt"]}) + "\n"
+                for i in registry.workload_items("stress", seed=0, n=40)
+            )
+        )
     a.out.mkdir(parents=True, exist_ok=True)
     try:
         if a.part in ("tokens", "both"):
@@ -250,28 +305,48 @@ def logprobs_part(a, alpha: float, configs: dict, workload: str, max_tokens: int
     rng = np.random.default_rng(0)
     ev = {}
     for name, (dtype, drill) in configs.items():
-        ev[name] = evidence(audit(a.out / name.replace(" ", "-").replace(":", "-").replace("+", "p"), dtype, drill,
-                                  workload, (), max_tokens))
+        ev[name] = evidence(
+            audit(
+                a.out / name.replace(" ", "-").replace(":", "-").replace("+", "p"),
+                dtype,
+                drill,
+                workload,
+                (),
+                max_tokens,
+            )
+        )
     n_min = min(e["shipped"]["n"] for e in ev.values())
     sizes = [s for s in SIZES if s <= n_min]
     starts = {s: rng.integers(0, n_min - s + 1, a.windows) for s in sizes}
     methods = ("shipped", "token only", "baseline")
-    scores = {name: {meth: {s: window_scores(e[meth], s, starts[s], alpha) for s in sizes} for meth in methods}
-              for name, e in ev.items()}
-    result = {"measured": time.strftime("%Y-%m-%d"), "alpha": alpha, "windows": a.windows, "sizes": sizes,
-              "n_tokens": {k: e["shipped"]["n"] for k, e in ev.items()},
-              "floors": {k: e["floor"]["pair"] + " (" + e["floor"]["detail"] + ")" for k, e in ev.items()},
-              "false_alarm": {}, "auc": {}, "smallest_n": {}}
+    scores = {
+        name: {meth: {s: window_scores(e[meth], s, starts[s], alpha) for s in sizes} for meth in methods}
+        for name, e in ev.items()
+    }
+    result = {
+        "measured": time.strftime("%Y-%m-%d"),
+        "alpha": alpha,
+        "windows": a.windows,
+        "sizes": sizes,
+        "n_tokens": {k: e["shipped"]["n"] for k, e in ev.items()},
+        "floors": {k: e["floor"]["pair"] + " (" + e["floor"]["detail"] + ")" for k, e in ev.items()},
+        "false_alarm": {},
+        "auc": {},
+        "smallest_n": {},
+    }
     for name in [c for c in ("clean float32", "clean bfloat16") if c in configs]:
-        result["false_alarm"][name] = {m: {s: float(np.mean(scores[name][m][s] > -np.log10(alpha))) for s in sizes}
-                                       for m in ("shipped", "token only")}
+        result["false_alarm"][name] = {
+            m: {s: float(np.mean(scores[name][m][s] > -np.log10(alpha))) for s in sizes}
+            for m in ("shipped", "token only")
+        }
     for name, (dtype, drill) in configs.items():
         if drill is None:
             continue
         clean = "clean float32" if dtype == "float32" else "clean bfloat16"
         result["auc"][name] = {m: {s: auc(scores[name][m][s], scores[clean][m][s]) for s in sizes} for m in methods}
-        result["smallest_n"][name] = {m: next((s for s in sizes if result["auc"][name][m][s] >= 0.999), None)
-                                      for m in methods}
+        result["smallest_n"][name] = {
+            m: next((s for s in sizes if result["auc"][name][m][s] >= 0.999), None) for m in methods
+        }
     if not a.quick:
         (ROOT / "bench" / "results").mkdir(exist_ok=True)
         (ROOT / "bench" / "results" / "detection.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -279,11 +354,18 @@ def logprobs_part(a, alpha: float, configs: dict, workload: str, max_tokens: int
     for meth in methods:
         print(f"\nAUC, {meth}:\n{head}\n|" + "---|" * (len(sizes) + 2))
         for name, by in result["auc"].items():
-            print(f"| {name} | " + " | ".join(f"{by[meth][s]:.3f}" for s in sizes) +
-                  f" | {result['smallest_n'][name][meth] or '-'} |")
+            print(
+                f"| {name} | "
+                + " | ".join(f"{by[meth][s]:.3f}" for s in sizes)
+                + f" | {result['smallest_n'][name][meth] or '-'} |"
+            )
     for meth in ("shipped", "token only"):
-        print(f"\nfalse alarms at p < {alpha:g}, {meth}: " + "; ".join(
-            f"{k}: " + ", ".join(f"{v:.3f}" for v in fa[meth].values()) for k, fa in result["false_alarm"].items()))
+        print(
+            f"\nfalse alarms at p < {alpha:g}, {meth}: "
+            + "; ".join(
+                f"{k}: " + ", ".join(f"{v:.3f}" for v in fa[meth].values()) for k, fa in result["false_alarm"].items()
+            )
+        )
 
 
 if __name__ == "__main__":

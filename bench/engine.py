@@ -48,9 +48,30 @@ def lpf_run(engine: str, model: str, workload: Path, out: Path, extra: list[str]
     # and the builtin engine defaults to 1
     env = dict(os.environ, OMP_NUM_THREADS="1")
     t0 = time.perf_counter()
-    subprocess.run([str(exe), "run", "--engine", engine, "--model", model, "--workload", str(workload),
-                    "--out", str(out), "--ignore-eos", "--max-tokens", str(max_tokens), "--part-size", "100000", *extra],
-                   check=True, capture_output=True, text=True, env=env)
+    subprocess.run(
+        [
+            str(exe),
+            "run",
+            "--engine",
+            engine,
+            "--model",
+            model,
+            "--workload",
+            str(workload),
+            "--out",
+            str(out),
+            "--ignore-eos",
+            "--max-tokens",
+            str(max_tokens),
+            "--part-size",
+            "100000",
+            *extra,
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     return time.perf_counter() - t0
 
 
@@ -76,8 +97,20 @@ def vllm_args() -> tuple[list[str] | None, str]:
     except LpfError as e:
         return None, str(e)
     # the builtin engine's knobs under vLLM's names; prefix caching off because the builtin engine has none
-    return (["--dtype", "float32", "--max-num-seqs", "64", "--max-num-batched-tokens", "512",
-             "--enable-chunked-prefill", "-E", "enable_prefix_caching=false"], str(python))
+    return (
+        [
+            "--dtype",
+            "float32",
+            "--max-num-seqs",
+            "64",
+            "--max-num-batched-tokens",
+            "512",
+            "--enable-chunked-prefill",
+            "-E",
+            "enable_prefix_caching=false",
+        ],
+        str(python),
+    )
 
 
 def prefix_caching(model: str, tmp: Path, repeats: int, base: float) -> dict:
@@ -94,8 +127,26 @@ def prefix_caching(model: str, tmp: Path, repeats: int, base: float) -> dict:
         for arm, extra in arms.items():
             out = tmp / f"prefix-{arm}-{rep}"
             t0 = time.perf_counter()
-            subprocess.run([str(exe), "run", "--engine", "builtin", "--model", model, "--workload", "zoo:shared-prefix",
-                            "--out", str(out), *knobs, *extra], check=True, capture_output=True, text=True, env=env)
+            subprocess.run(
+                [
+                    str(exe),
+                    "run",
+                    "--engine",
+                    "builtin",
+                    "--model",
+                    model,
+                    "--workload",
+                    "zoo:shared-prefix",
+                    "--out",
+                    str(out),
+                    *knobs,
+                    *extra,
+                ],
+                check=True,
+                capture_output=True,
+                text=True,
+                env=env,
+            )
             rows[arm]["seconds"].append(time.perf_counter() - t0 - base)
             rows[arm]["window_s"].append(in_engine_window(out))
             if rep == 0:
@@ -110,15 +161,21 @@ def prefix_caching(model: str, tmp: Path, repeats: int, base: float) -> dict:
     for r in rows.values():
         r["median_seconds"], r["median_window_s"] = statistics.median(r["seconds"]), statistics.median(r["window_s"])
     off, on = rows["off"], rows["on"]
-    return {"model": model, "workload": "zoo:shared-prefix", "knobs": knobs, "repeats": repeats, "arms": rows,
-            "identical_greedy_outputs": same,
-            "prefill_tokens_saved": off["prompt_tokens_computed"] - on["prompt_tokens_computed"],
-            "prefill_saved_fraction": 1 - on["prompt_tokens_computed"] / off["prompt_tokens_computed"],
-            "time_ratio_on_vs_off": on["median_seconds"] / off["median_seconds"],
-            "window_ratio_on_vs_off": on["median_window_s"] / off["median_window_s"],
-            # the fastest repeat of each arm: the least disturbed by other processes on a shared machine
-            "best_window_ratio_on_vs_off": min(on["window_s"]) / min(off["window_s"]),
-            "steps_ratio_on_vs_off": on["engine_steps"] / off["engine_steps"]}
+    return {
+        "model": model,
+        "workload": "zoo:shared-prefix",
+        "knobs": knobs,
+        "repeats": repeats,
+        "arms": rows,
+        "identical_greedy_outputs": same,
+        "prefill_tokens_saved": off["prompt_tokens_computed"] - on["prompt_tokens_computed"],
+        "prefill_saved_fraction": 1 - on["prompt_tokens_computed"] / off["prompt_tokens_computed"],
+        "time_ratio_on_vs_off": on["median_seconds"] / off["median_seconds"],
+        "window_ratio_on_vs_off": on["median_window_s"] / off["median_window_s"],
+        # the fastest repeat of each arm: the least disturbed by other processes on a shared machine
+        "best_window_ratio_on_vs_off": min(on["window_s"]) / min(off["window_s"]),
+        "steps_ratio_on_vs_off": on["engine_steps"] / off["engine_steps"],
+    }
 
 
 def pa_strings(values):
@@ -129,17 +186,27 @@ def pa_strings(values):
 
 def print_prefix(p: dict) -> None:
     off, on = p["arms"]["off"], p["arms"]["on"]
-    print("\n| built-in engine on zoo:shared-prefix | prompt tokens computed | supplied by the cache | engine steps | "
-          "generation s (median) | in-engine window s (median) | vs no caching |")
+    print(
+        "\n| built-in engine on zoo:shared-prefix | prompt tokens computed | supplied by the cache | engine steps | "
+        "generation s (median) | in-engine window s (median) | vs no caching |"
+    )
     print("|---|---|---|---|---|---|---|")
-    print(f"| prefix caching off | {off['prompt_tokens_computed']:,} | 0 | {off['engine_steps']} | "
-          f"{off['median_seconds']:.1f} | {off['median_window_s']:.1f} | 1.00x |")
-    print(f"| prefix caching on | {on['prompt_tokens_computed']:,} | {on['hit_tokens']:,} | {on['engine_steps']} | "
-          f"{on['median_seconds']:.1f} | {on['median_window_s']:.1f} | {p['time_ratio_on_vs_off']:.2f}x time, "
-          f"{p['window_ratio_on_vs_off']:.2f}x window |")
-    print(f"best repeat's window {p['best_window_ratio_on_vs_off']:.2f}x, engine steps {p['steps_ratio_on_vs_off']:.2f}x")
-    print(f"\n{p['prefill_tokens_saved']:,} prefill tokens saved ({p['prefill_saved_fraction']:.1%}); identical greedy "
-          f"outputs {p['identical_greedy_outputs']}/400; {p['model']}, {' '.join(p['knobs'])}, median of {p['repeats']}")
+    print(
+        f"| prefix caching off | {off['prompt_tokens_computed']:,} | 0 | {off['engine_steps']} | "
+        f"{off['median_seconds']:.1f} | {off['median_window_s']:.1f} | 1.00x |"
+    )
+    print(
+        f"| prefix caching on | {on['prompt_tokens_computed']:,} | {on['hit_tokens']:,} | {on['engine_steps']} | "
+        f"{on['median_seconds']:.1f} | {on['median_window_s']:.1f} | {p['time_ratio_on_vs_off']:.2f}x time, "
+        f"{p['window_ratio_on_vs_off']:.2f}x window |"
+    )
+    print(
+        f"best repeat's window {p['best_window_ratio_on_vs_off']:.2f}x, engine steps {p['steps_ratio_on_vs_off']:.2f}x"
+    )
+    print(
+        f"\n{p['prefill_tokens_saved']:,} prefill tokens saved ({p['prefill_saved_fraction']:.1%}); identical greedy "
+        f"outputs {p['identical_greedy_outputs']}/400; {p['model']}, {' '.join(p['knobs'])}, median of {p['repeats']}"
+    )
 
 
 def llamacpp_args() -> tuple[list[str] | None, str]:
@@ -173,8 +240,11 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--repeats", type=int, default=3, help="runs per engine, interleaved; the median is reported")
     ap.add_argument("--only", choices=["prefix"], default=None, help="run only the prefix-caching rows")
-    ap.add_argument("--quick", action="store_true",
-                    help="6 short requests, one run each, no start-up runs, no vLLM, llama.cpp or prefix rows (a smoke run)")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="6 short requests, one run each, no start-up runs, no vLLM, llama.cpp or prefix rows (a smoke run)",
+    )
     a = ap.parse_args()
     max_tokens = 8 if a.quick else 128
     if a.quick:
@@ -209,8 +279,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         wl = tmp / "stress.jsonl"
-        wl.write_text("".join(json.dumps({"id": it["id"], "prompt": it["prompt"],
-                                          "max_tokens": min(it["max_tokens"], max_tokens)}) + "\n" for it in items))
+        wl.write_text(
+            "".join(
+                json.dumps({"id": it["id"], "prompt": it["prompt"], "max_tokens": min(it["max_tokens"], max_tokens)})
+                + "\n"
+                for it in items
+            )
+        )
         times: dict[str, list[float]] = {name: [] for name in engines}
         if llama_extra is not None:  # the first run writes the GGUF (cached): start-up is the second one
             (tmp / "warm").mkdir()
@@ -231,12 +306,20 @@ def main() -> None:
             req = pq.read_table(tmp / f"{name}-0" / "requests")
             n_out = sum(len(x) for x in req.column("output_token_ids").to_pylist())
             secs = statistics.median(times[name])
-            results[name] = {"seconds": secs, "all_seconds": times[name], "startup_s": base[name],
-                             "output_tokens": n_out, "tokens_per_s": n_out / secs,
-                             "in_engine_window_s": windows[name]}
-            print(f"{name:8s} {n_out} tokens, median {secs:.1f}s of {[round(t, 1) for t in times[name]]} "
-                  f"(+{base[name]:.1f}s start-up): {results[name]['tokens_per_s']:.0f} tok/s; in-engine window "
-                  f"{[round(t, 1) for t in windows[name]]}", file=sys.stderr)
+            results[name] = {
+                "seconds": secs,
+                "all_seconds": times[name],
+                "startup_s": base[name],
+                "output_tokens": n_out,
+                "tokens_per_s": n_out / secs,
+                "in_engine_window_s": windows[name],
+            }
+            print(
+                f"{name:8s} {n_out} tokens, median {secs:.1f}s of {[round(t, 1) for t in times[name]]} "
+                f"(+{base[name]:.1f}s start-up): {results[name]['tokens_per_s']:.0f} tok/s; in-engine window "
+                f"{[round(t, 1) for t in windows[name]]}",
+                file=sys.stderr,
+            )
         hf_out = pq.read_table(tmp / "hf-0" / "requests").sort_by("seq").column("output_token_ids").to_pylist()
         bi_out = pq.read_table(tmp / "builtin-0" / "requests").sort_by("seq").column("output_token_ids").to_pylist()
         results["identical_greedy_outputs"] = sum(x == y for x, y in zip(hf_out, bi_out)) / len(hf_out)
@@ -244,10 +327,15 @@ def main() -> None:
             from lpf.core.model_specs import load_tokenizer, resolve_model
 
             eos = load_tokenizer(resolve_model(model)).eos_token_id
-            lc_out = pq.read_table(tmp / "llamacpp-0" / "requests").sort_by("seq").column("output_token_ids").to_pylist()
-            results["llamacpp"].update(server=llama_where, args=llama_extra,
-                                       identical_until_eos_vs_builtin=sum(same_until_eos(x, y, eos) for x, y in zip(lc_out, bi_out)),
-                                       of_requests=len(bi_out))
+            lc_out = (
+                pq.read_table(tmp / "llamacpp-0" / "requests").sort_by("seq").column("output_token_ids").to_pylist()
+            )
+            results["llamacpp"].update(
+                server=llama_where,
+                args=llama_extra,
+                identical_until_eos_vs_builtin=sum(same_until_eos(x, y, eos) for x, y in zip(lc_out, bi_out)),
+                of_requests=len(bi_out),
+            )
         else:
             results["llamacpp"] = {"skipped": llama_where}
         if vllm_extra is not None:
@@ -257,20 +345,38 @@ def main() -> None:
             secs = statistics.median(windows["vllm"])
             version = json.loads((tmp / "vllm-0" / "manifest.json").read_text())["engine"].get("version")
             same = sum(x == y for x, y in zip(vl_out, bi_out)) if len(vl_out) == len(bi_out) else 0
-            results["vllm"] = {"version": version, "python": vllm_where, "args": vllm_extra,
-                               "seconds": secs, "all_seconds": windows["vllm"], "measure": "in-engine window",
-                               "lpf_run_wall_s": vllm_walls, "output_tokens": n_out, "tokens_per_s": n_out / secs,
-                               "identical_greedy_vs_builtin": same, "of_requests": len(bi_out)}
-            print(f"vllm     {n_out} tokens, median {secs:.1f}s of {[round(t, 1) for t in windows['vllm']]} "
-                  f"(in-engine window; whole `lpf run` {[round(t, 1) for t in vllm_walls]}): "
-                  f"{results['vllm']['tokens_per_s']:.0f} tok/s; greedy outputs identical to builtin: "
-                  f"{same}/{len(bi_out)}", file=sys.stderr)
+            results["vllm"] = {
+                "version": version,
+                "python": vllm_where,
+                "args": vllm_extra,
+                "seconds": secs,
+                "all_seconds": windows["vllm"],
+                "measure": "in-engine window",
+                "lpf_run_wall_s": vllm_walls,
+                "output_tokens": n_out,
+                "tokens_per_s": n_out / secs,
+                "identical_greedy_vs_builtin": same,
+                "of_requests": len(bi_out),
+            }
+            print(
+                f"vllm     {n_out} tokens, median {secs:.1f}s of {[round(t, 1) for t in windows['vllm']]} "
+                f"(in-engine window; whole `lpf run` {[round(t, 1) for t in vllm_walls]}): "
+                f"{results['vllm']['tokens_per_s']:.0f} tok/s; greedy outputs identical to builtin: "
+                f"{same}/{len(bi_out)}",
+                file=sys.stderr,
+            )
         else:
             results["vllm"] = {"skipped": vllm_where}
         prefix = prefix_caching(model, tmp, a.repeats, base["builtin"]) if not a.quick else None
     ratio = results["builtin"]["tokens_per_s"] / results["hf"]["tokens_per_s"]
-    out = {"model": model, "requests": a.requests, "ratio": ratio, "results": results, "date": time.strftime("%Y-%m-%d"),
-           "prefix_caching": {**prefix, "date": time.strftime("%Y-%m-%d")} if prefix else None}
+    out = {
+        "model": model,
+        "requests": a.requests,
+        "ratio": ratio,
+        "results": results,
+        "date": time.strftime("%Y-%m-%d"),
+        "prefix_caching": {**prefix, "date": time.strftime("%Y-%m-%d")} if prefix else None,
+    }
     has_vllm = "tokens_per_s" in results["vllm"]
     if has_vllm:
         out["ratio_vllm_vs_hf"] = results["vllm"]["tokens_per_s"] / results["hf"]["tokens_per_s"]
@@ -288,28 +394,45 @@ def main() -> None:
     col = (lambda tps: f" {tps / vl:.2f}x |") if has_vllm else (lambda tps: "")
     print("| engine | output tokens/s | vs HF generate |" + (" vs vLLM |" if has_vllm else ""))
     print("|---|---|---|" + ("---|" if has_vllm else ""))
-    print(f"| HF generate (padded static batches of 32) | {results['hf']['tokens_per_s']:.0f} | 1.00x |"
-          + col(results['hf']['tokens_per_s']))
-    print(f"| lpf builtin (continuous batching) | {results['builtin']['tokens_per_s']:.0f} | {ratio:.2f}x |"
-          + col(results['builtin']['tokens_per_s']))
+    print(
+        f"| HF generate (padded static batches of 32) | {results['hf']['tokens_per_s']:.0f} | 1.00x |"
+        + col(results["hf"]["tokens_per_s"])
+    )
+    print(
+        f"| lpf builtin (continuous batching) | {results['builtin']['tokens_per_s']:.0f} | {ratio:.2f}x |"
+        + col(results["builtin"]["tokens_per_s"])
+    )
     if has_vllm:
-        print(f"| vLLM {results['vllm']['version']} CPU (offline LLM, chunked prefill) | {vl:.0f} | "
-              f"{out['ratio_vllm_vs_hf']:.2f}x |" + col(vl))
+        print(
+            f"| vLLM {results['vllm']['version']} CPU (offline LLM, chunked prefill) | {vl:.0f} | "
+            f"{out['ratio_vllm_vs_hf']:.2f}x |" + col(vl)
+        )
     if has_llama:
         lc = results["llamacpp"]["tokens_per_s"]
-        print(f"| llama.cpp llama-server (16 slots, f32 GGUF) | {lc:.0f} | {out['ratio_llamacpp_vs_hf']:.2f}x |" + col(lc))
+        print(
+            f"| llama.cpp llama-server (16 slots, f32 GGUF) | {lc:.0f} | {out['ratio_llamacpp_vs_hf']:.2f}x |" + col(lc)
+        )
     if not has_vllm:
         print(f"\n(vLLM column skipped: {results['vllm']['skipped']})")
     if not has_llama:
         print(f"\n(llama.cpp column skipped: {results['llamacpp']['skipped']})")
-    print(f"\n{a.requests} requests of zoo:stress on {model}, float32, greedy, ignore_eos, median of {a.repeats} "
-          f"interleaved runs; "
-          f"identical greedy outputs: {results['identical_greedy_outputs']:.1%}"
-          + (f"; vLLM's greedy outputs identical to builtin's: {results['vllm']['identical_greedy_vs_builtin']}/"
-             f"{results['vllm']['of_requests']}" if has_vllm else "")
-          + (f"; llama.cpp's identical to builtin's up to the first EOS: "
-             f"{results['llamacpp']['identical_until_eos_vs_builtin']}/{results['llamacpp']['of_requests']}"
-             if has_llama else ""))
+    print(
+        f"\n{a.requests} requests of zoo:stress on {model}, float32, greedy, ignore_eos, median of {a.repeats} "
+        f"interleaved runs; "
+        f"identical greedy outputs: {results['identical_greedy_outputs']:.1%}"
+        + (
+            f"; vLLM's greedy outputs identical to builtin's: {results['vllm']['identical_greedy_vs_builtin']}/"
+            f"{results['vllm']['of_requests']}"
+            if has_vllm
+            else ""
+        )
+        + (
+            f"; llama.cpp's identical to builtin's up to the first EOS: "
+            f"{results['llamacpp']['identical_until_eos_vs_builtin']}/{results['llamacpp']['of_requests']}"
+            if has_llama
+            else ""
+        )
+    )
     if prefix:
         print_prefix(prefix)
     else:

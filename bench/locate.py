@@ -29,36 +29,85 @@ JAMBA = ["--n", "4", "--max-tokens", "16", "--cache-mb", "3", "--max-num-seqs", 
 # name -> (model, workload prompts, audit args); the first of each pair is the tests' configuration
 CONFIGS = {
     "stale-state, tiny:jamba-longmem (tests)": ("tiny:jamba-longmem", 60, [*JAMBA, "--inject", "stale-state"]),
-    "stale-state, zoo:hybrid": ("zoo:hybrid", 60, ["--n", "4", "--max-tokens", "16", "--cache-mb", "2",
-                                                   "--max-num-batched-tokens", "64", "--inject", "stale-state"]),
+    "stale-state, zoo:hybrid": (
+        "zoo:hybrid",
+        60,
+        [
+            "--n",
+            "4",
+            "--max-tokens",
+            "16",
+            "--cache-mb",
+            "2",
+            "--max-num-batched-tokens",
+            "64",
+            "--inject",
+            "stale-state",
+        ],
+    ),
     "offset-wrap:18, tiny:jamba-longmem (tests)": ("tiny:jamba-longmem", 60, [*JAMBA, "--inject", "offset-wrap:18"]),
     # 26 slots of 14880 elements at 3 MB: slots >= 18 wrap at 2^18 (at 2^19 none would: nothing to locate)
     "offset-wrap:18, tiny:hybrid-longmem": ("tiny:hybrid-longmem", 60, [*JAMBA, "--inject", "offset-wrap:18"]),
-    "lost-chunk-state, zoo:hybrid (tests)": ("zoo:hybrid", 60, ["--max-tokens", "8", "--prompt-logprobs",
-                                                                "--max-num-batched-tokens", "16", "--inject", "lost-chunk-state"]),
-    "lost-chunk-state, zoo:jamba": ("zoo:jamba", 60, ["--max-tokens", "8", "--prompt-logprobs",
-                                                      "--max-num-batched-tokens", "16", "--inject", "lost-chunk-state"]),
+    "lost-chunk-state, zoo:hybrid (tests)": (
+        "zoo:hybrid",
+        60,
+        ["--max-tokens", "8", "--prompt-logprobs", "--max-num-batched-tokens", "16", "--inject", "lost-chunk-state"],
+    ),
+    "lost-chunk-state, zoo:jamba": (
+        "zoo:jamba",
+        60,
+        ["--max-tokens", "8", "--prompt-logprobs", "--max-num-batched-tokens", "16", "--inject", "lost-chunk-state"],
+    ),
     "quantize-weights, zoo:hybrid (tests)": ("zoo:hybrid", 60, ["--max-tokens", "8", "--inject", "quantize-weights"]),
     "quantize-weights:8, zoo:jamba": ("zoo:jamba", 60, ["--max-tokens", "8", "--inject", "quantize-weights:8"]),
     # the prefix-caching drills (zoo:shared-prefix traffic, a cancel-and-resend client included)
-    "stale-conv-on-reuse, tiny:jamba-longmem": ("tiny:jamba-longmem", "shared-prefix", [
-        "--max-tokens", "8", "--max-num-batched-tokens", "48", "--cache-mb", "3", "--inject", "stale-conv-on-reuse"]),
-    "resume-wrong-units, tiny:jamba-longmem": ("tiny:jamba-longmem", "shared-prefix", [
-        "--max-tokens", "8", "--max-num-batched-tokens", "48", "--cache-mb", "3", "--enable-prefix-caching",
-        "-E", "mamba_block_size=32", "--inject", "resume-wrong-units"]),
+    "stale-conv-on-reuse, tiny:jamba-longmem": (
+        "tiny:jamba-longmem",
+        "shared-prefix",
+        ["--max-tokens", "8", "--max-num-batched-tokens", "48", "--cache-mb", "3", "--inject", "stale-conv-on-reuse"],
+    ),
+    "resume-wrong-units, tiny:jamba-longmem": (
+        "tiny:jamba-longmem",
+        "shared-prefix",
+        [
+            "--max-tokens",
+            "8",
+            "--max-num-batched-tokens",
+            "48",
+            "--cache-mb",
+            "3",
+            "--enable-prefix-caching",
+            "-E",
+            "mamba_block_size=32",
+            "--inject",
+            "resume-wrong-units",
+        ],
+    ),
 }
-QUICK = {"lost-chunk-state, zoo:hybrid (quick)": ("zoo:hybrid", 8, ["--max-tokens", "4", "--prompt-logprobs",
-                                                                   "--max-num-batched-tokens", "16", "--inject",
-                                                                   "lost-chunk-state"])}
-VLLM = {f"vLLM {arch}, {cell}": (arch, cell) for arch in ("Lfm2", "Lfm2Moe", "Zamba2") for cell in ("fp32", "fp32-chunk16")}
+QUICK = {
+    "lost-chunk-state, zoo:hybrid (quick)": (
+        "zoo:hybrid",
+        8,
+        ["--max-tokens", "4", "--prompt-logprobs", "--max-num-batched-tokens", "16", "--inject", "lost-chunk-state"],
+    )
+}
+VLLM = {
+    f"vLLM {arch}, {cell}": (arch, cell) for arch in ("Lfm2", "Lfm2Moe", "Zamba2") for cell in ("fp32", "fp32-chunk16")
+}
 
 
 def _lpf(*args, timeout=1800) -> tuple[subprocess.CompletedProcess, float]:
     env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="200")
     env.setdefault("PYTHONPATH", str(ROOT / "src"))
     t = time.monotonic()
-    proc = subprocess.run([str(Path(sys.executable).with_name("lpf")), *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=ROOT)
+    proc = subprocess.run(
+        [str(Path(sys.executable).with_name("lpf")), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=ROOT,
+    )
     return proc, time.monotonic() - t
 
 
@@ -83,17 +132,29 @@ def _row(name: str, audit_s: float, run: Path) -> dict:
         raise SystemExit(f"{name}: lpf locate failed:\n{proc.stderr[-2000:]}")
     doc = json.loads(proc.stdout)
     loc = doc.get("located") or {}
-    return {"config": name, "audit_s": round(audit_s, 1), "locate_s": round(locate_s, 1),
-            "ratio_to_target": round(locate_s / TARGET_S, 3), "ratio_to_audit": round(locate_s / audit_s, 2),
-            "request_id": doc["request_id"], "located": loc.get("op"), "token": loc.get("token"),
-            "suspect": doc["verdict"]["suspect"], "mamba_input_state": (doc.get("mamba") or {}).get("input_state"),
-            "replay_reproduces": doc["replay"].get("reproduces"), "sentence": doc["sentence"]}
+    return {
+        "config": name,
+        "audit_s": round(audit_s, 1),
+        "locate_s": round(locate_s, 1),
+        "ratio_to_target": round(locate_s / TARGET_S, 3),
+        "ratio_to_audit": round(locate_s / audit_s, 2),
+        "request_id": doc["request_id"],
+        "located": loc.get("op"),
+        "token": loc.get("token"),
+        "suspect": doc["verdict"]["suspect"],
+        "mamba_input_state": (doc.get("mamba") or {}).get("input_state"),
+        "replay_reproduces": doc["replay"].get("reproduces"),
+        "sentence": doc["sentence"],
+    }
 
 
 def _print(r: dict) -> None:
-    print(f"{r['config']}: located {r['located']} at {r['token']} (suspect {r['suspect']}) in {r['locate_s']:.1f} s "
-          f"({r['ratio_to_target']:.2f}x the {TARGET_S:.0f} s target; {r['ratio_to_audit']:.2f}x the {r['audit_s']:.1f} s "
-          f"audit it locates)", flush=True)
+    print(
+        f"{r['config']}: located {r['located']} at {r['token']} (suspect {r['suspect']}) in {r['locate_s']:.1f} s "
+        f"({r['ratio_to_target']:.2f}x the {TARGET_S:.0f} s target; {r['ratio_to_audit']:.2f}x the {r['audit_s']:.1f} s "
+        f"audit it locates)",
+        flush=True,
+    )
 
 
 def main() -> None:
@@ -111,8 +172,20 @@ def main() -> None:
         if not keep(name):
             continue
         run = base / name.replace(" ", "_").replace(":", "").replace(",", "")
-        proc, audit_s = _lpf("audit", "--engine", "builtin", "--model", model, "--workload", _workload(base, n),
-                             *extra, "--out", run, "--fail-on", "never")
+        proc, audit_s = _lpf(
+            "audit",
+            "--engine",
+            "builtin",
+            "--model",
+            model,
+            "--workload",
+            _workload(base, n),
+            *extra,
+            "--out",
+            run,
+            "--fail-on",
+            "never",
+        )
         if proc.returncode != 0:
             raise SystemExit(f"{name}: lpf audit failed:\n{proc.stderr[-2000:]}")
         rows.append(_row(name, audit_s, run))
@@ -120,8 +193,24 @@ def main() -> None:
     if args.vllm and not args.quick:
         for name, (arch, cell) in ((k, v) for k, v in VLLM.items() if keep(k)):
             out = base / "conformance" / f"{arch}-{cell}"
-            proc, conf_s = _lpf("conformance", "--engine", "vllm", "--arch", arch, "--cell", cell, "--prompts", "4",
-                                "--max-tokens", "8", "--out", out, "--json", "--fail-on", "never")
+            proc, conf_s = _lpf(
+                "conformance",
+                "--engine",
+                "vllm",
+                "--arch",
+                arch,
+                "--cell",
+                cell,
+                "--prompts",
+                "4",
+                "--max-tokens",
+                "8",
+                "--out",
+                out,
+                "--json",
+                "--fail-on",
+                "never",
+            )
             if proc.returncode != 0:
                 raise SystemExit(f"{name}: lpf conformance failed:\n{proc.stderr[-2000:]}")
             cell_doc = json.loads(proc.stdout)["cells"][0]
@@ -133,7 +222,9 @@ def main() -> None:
             new = {r["config"]: r for r in rows}
             old = [r for r in json.loads(dest.read_text())["rows"] if r["config"] in {*CONFIGS, *VLLM}]
             rows = [new.pop(r["config"], r) for r in old] + list(new.values())
-        dest.write_text(json.dumps({"target_s": TARGET_S, "machine": os.uname().nodename, "rows": rows}, indent=1) + "\n")
+        dest.write_text(
+            json.dumps({"target_s": TARGET_S, "machine": os.uname().nodename, "rows": rows}, indent=1) + "\n"
+        )
         print(f"wrote {dest}")
 
 

@@ -30,10 +30,30 @@ LOADS = {  # name -> (engine, knobs)
     "builtin seqs=32 budget=16": ("builtin", ["--max-num-seqs", "32", "--max-num-batched-tokens", "16"]),
     "builtin seqs=32 budget=512": ("builtin", ["--max-num-seqs", "32", "--max-num-batched-tokens", "512"]),
     "vllm seqs=1 budget=2048": ("vllm", ["--max-num-seqs", "1", "-E", "enable_prefix_caching=false"]),
-    "vllm seqs=16 budget=16": ("vllm", ["--max-num-seqs", "16", "--max-num-batched-tokens", "16",
-                                        "--enable-chunked-prefill", "-E", "enable_prefix_caching=false"]),
-    "vllm seqs=16 budget=16 prefix-cache": ("vllm", ["--max-num-seqs", "16", "--max-num-batched-tokens", "16",
-                                                     "--enable-chunked-prefill", "-E", "enable_prefix_caching=true"]),
+    "vllm seqs=16 budget=16": (
+        "vllm",
+        [
+            "--max-num-seqs",
+            "16",
+            "--max-num-batched-tokens",
+            "16",
+            "--enable-chunked-prefill",
+            "-E",
+            "enable_prefix_caching=false",
+        ],
+    ),
+    "vllm seqs=16 budget=16 prefix-cache": (
+        "vllm",
+        [
+            "--max-num-seqs",
+            "16",
+            "--max-num-batched-tokens",
+            "16",
+            "--enable-chunked-prefill",
+            "-E",
+            "enable_prefix_caching=true",
+        ],
+    ),
     "lpf serve 1 in flight": ("serve", ["-E", "concurrency=1"]),
     "lpf serve 32 in flight, 50 req/s": ("serve", ["-E", "concurrency=32", "-E", "arrival_rate=50"]),
     "lpf serve 32 in flight, 5 req/s": ("serve", ["-E", "concurrency=32", "-E", "arrival_rate=5"]),
@@ -54,8 +74,25 @@ def workload(path: Path, n: int = 24) -> Path:
 def audit(out: Path, engine: str, knobs: list[str], prompts: Path, url: str | None) -> dict:
     if not (out / "findings.json").is_file():
         lpf = str(Path(sys.executable).with_name("lpf"))
-        args = [lpf, "audit", "--model", "zoo:hybrid", "--workload", str(prompts), "--n", "4", "--max-tokens", "12",
-                "--out", str(out), "--fail-on", "never", "--dtype", "float32", *knobs]
+        args = [
+            lpf,
+            "audit",
+            "--model",
+            "zoo:hybrid",
+            "--workload",
+            str(prompts),
+            "--n",
+            "4",
+            "--max-tokens",
+            "12",
+            "--out",
+            str(out),
+            "--fail-on",
+            "never",
+            "--dtype",
+            "float32",
+            *knobs,
+        ]
         if engine == "serve":
             args[2:2] = ["--engine", "openai", "--base-url", url]
         else:
@@ -86,8 +123,11 @@ def spread(run: Path) -> dict:
         if t["engine_logprob"] is not None:
             at.setdefault((prompt_of[t["request_id"]], t["position"]), []).append(t["engine_logprob"])
     diffs = [max(v) - min(v) for v in at.values() if len(v) > 1]
-    return {"prompts_with_differing_tokens": sum(len(v) > 1 for v in by_prompt.values()),
-            "n_prompts": len(by_prompt), "max_logprob_spread": float(max(diffs)) if diffs else 0.0}
+    return {
+        "prompts_with_differing_tokens": sum(len(v) > 1 for v in by_prompt.values()),
+        "n_prompts": len(by_prompt),
+        "max_logprob_spread": float(max(diffs)) if diffs else 0.0,
+    }
 
 
 def main() -> None:
@@ -113,26 +153,40 @@ def main() -> None:
         else:
             f = audit(out, engine, knobs, prompts, None)
         rt = f.get("run_test") or {}
-        rows[name] = {"requests": f["n_requests"], "flagged": f["counts"]["divergent"] + f["counts"]["corrupt"],
-                      "verdict": f["verdict"], "run_test": rt.get("result"), "effect_size": rt.get("effect_size"),
-                      "topk_effect_size": rt.get("topk_effect_size"), "floor_sentence": rt.get("floor_sentence"),
-                      **spread(out), "seconds": round(time.time() - t0)}
+        rows[name] = {
+            "requests": f["n_requests"],
+            "flagged": f["counts"]["divergent"] + f["counts"]["corrupt"],
+            "verdict": f["verdict"],
+            "run_test": rt.get("result"),
+            "effect_size": rt.get("effect_size"),
+            "topk_effect_size": rt.get("topk_effect_size"),
+            "floor_sentence": rt.get("floor_sentence"),
+            **spread(out),
+            "seconds": round(time.time() - t0),
+        }
         print(f"  {name}: {rows[name]}", file=sys.stderr)
     n_req = sum(r["requests"] for r in rows.values())
-    result = {"measured": time.strftime("%Y-%m-%d"), "workload": "24 zoo:oracle + 24 prose prompts x 4 identical "
-              "greedy rollouts, 12 tokens, zoo:hybrid float32", "runs": rows,
-              "false_alarm_requests": sum(r["flagged"] for r in rows.values()) / max(n_req, 1),
-              "false_alarm_runs": sum(r["run_test"] == "different" for r in rows.values()) / max(len(rows), 1),
-              "floor_sentences": sum(bool(r["floor_sentence"]) for r in rows.values())}
+    result = {
+        "measured": time.strftime("%Y-%m-%d"),
+        "workload": "24 zoo:oracle + 24 prose prompts x 4 identical greedy rollouts, 12 tokens, zoo:hybrid float32",
+        "runs": rows,
+        "false_alarm_requests": sum(r["flagged"] for r in rows.values()) / max(n_req, 1),
+        "false_alarm_runs": sum(r["run_test"] == "different" for r in rows.values()) / max(len(rows), 1),
+        "floor_sentences": sum(bool(r["floor_sentence"]) for r in rows.values()),
+    }
     if not a.quick:
         (ROOT / "bench" / "results").mkdir(exist_ok=True)
         (ROOT / "bench" / "results" / "nondeterminism.json").write_text(json.dumps(result, indent=1) + "\n")
-    print("| load | requests | flagged | run-level test | top-k effect | prompts whose 4 identical requests differed "
-          "(tokens) | max logprob spread between them |\n|---|---|---|---|---|---|---|")
+    print(
+        "| load | requests | flagged | run-level test | top-k effect | prompts whose 4 identical requests differed "
+        "(tokens) | max logprob spread between them |\n|---|---|---|---|---|---|---|"
+    )
     for name, r in rows.items():
         eff = "-" if r["topk_effect_size"] is None else f"{r['topk_effect_size']:.2f}x"
-        print(f"| {name} | {r['requests']} | {r['flagged']} | {r['run_test']} | {eff} | "
-              f"{r['prompts_with_differing_tokens']}/{r['n_prompts']} | {r['max_logprob_spread']:.2g} |")
+        print(
+            f"| {name} | {r['requests']} | {r['flagged']} | {r['run_test']} | {eff} | "
+            f"{r['prompts_with_differing_tokens']}/{r['n_prompts']} | {r['max_logprob_spread']:.2g} |"
+        )
     print(f"false alarms: {result['false_alarm_requests']:.4f} of requests, {result['false_alarm_runs']:.3f} of runs")
 
 

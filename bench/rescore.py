@@ -47,9 +47,17 @@ def build_model(path: Path) -> None:
     from lpf.zoo.registry import tokenizer_dir
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=4096,
-                      initializer_range=0.1, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=4096,
+        initializer_range=0.1,
+        tie_word_embeddings=False,
+    )
     LlamaForCausalLM(cfg).save_pretrained(path)
     AutoTokenizer.from_pretrained(tokenizer_dir()).save_pretrained(path)
 
@@ -76,13 +84,13 @@ def naive_logprobs(model, seqs, device: str = "cpu"):
 
     out = []
     for i in range(0, len(seqs), NAIVE_BATCH):
-        batch = seqs[i:i + NAIVE_BATCH]
+        batch = seqs[i : i + NAIVE_BATCH]
         width = max(len(p) + len(o) for p, o in batch)
         ids = torch.zeros((len(batch), width), dtype=torch.long)
         mask = torch.zeros((len(batch), width), dtype=torch.long)
         for row, (p, o) in enumerate(batch):
-            ids[row, :len(p) + len(o)] = torch.tensor(p + o)
-            mask[row, :len(p) + len(o)] = 1
+            ids[row, : len(p) + len(o)] = torch.tensor(p + o)
+            mask[row, : len(p) + len(o)] = 1
         logp = torch.log_softmax(model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float(), dim=-1)
         for row, (p, o) in enumerate(batch):
             pos = torch.arange(len(p) - 1, len(p) - 1 + len(o), device=device)
@@ -106,18 +114,28 @@ def write_run(path: Path, model_dir: Path, seqs) -> None:
 
     model = resolve_model(str(model_dir))
     # no engine sampled these (random tokens): a name whose sampler lpf does not replay
-    run = RunDir.create(path, {"run_id": "bench", "status": "complete", "engine": {"name": "bench"},
-                               "model": {"spec": str(model_dir)},
-                               "tokenizer_sha256": tokenizer_fingerprint(load_tokenizer(model)),
-                               "sampling": {"logprobs": 5}})
+    run = RunDir.create(
+        path,
+        {
+            "run_id": "bench",
+            "status": "complete",
+            "engine": {"name": "bench"},
+            "model": {"spec": str(model_dir)},
+            "tokenizer_sha256": tokenizer_fingerprint(load_tokenizer(model)),
+            "sampling": {"logprobs": 5},
+        },
+    )
     for start in range(0, len(seqs), 8):  # parts of 8 requests, as `lpf run --part-size 8` writes them
         reqs, toks = [], []
-        for i, (p, o) in enumerate(seqs[start:start + 8], start):
+        for i, (p, o) in enumerate(seqs[start : start + 8], start):
             reqs.append({"request_id": f"r{i:04d}", "seq": i, "prompt_token_ids": p, "output_token_ids": o})
-            toks += [{"request_id": f"r{i:04d}", "position": j, "token_id": t, "engine_logprob": 0.0}
-                     for j, t in enumerate(o)]
-        run.append_requests(pa.Table.from_pylist(reqs, schema=schema.REQUESTS),
-                            pa.Table.from_pylist(toks, schema=schema.TOKENS))
+            toks += [
+                {"request_id": f"r{i:04d}", "position": j, "token_id": t, "engine_logprob": 0.0}
+                for j, t in enumerate(o)
+            ]
+        run.append_requests(
+            pa.Table.from_pylist(reqs, schema=schema.REQUESTS), pa.Table.from_pylist(toks, schema=schema.TOKENS)
+        )
 
 
 def worker(method: str, case: str, model_dir: str, quick: bool, threads: int) -> dict:
@@ -147,9 +165,17 @@ def worker(method: str, case: str, model_dir: str, quick: bool, threads: int) ->
         values = torch.tensor([lp for rid in sorted(by_id) for lp in by_id[rid]])
     seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"method": method, "case": case, "seconds": seconds, "cpu_seconds": cpu, "output_tokens": n_out,
-            "tokens_per_s": n_out / seconds, "peak_extra_bytes": max(0, peak - base),
-            "checksum": values.double().sum().item(), "n": int(values.numel())}
+    return {
+        "method": method,
+        "case": case,
+        "seconds": seconds,
+        "cpu_seconds": cpu,
+        "output_tokens": n_out,
+        "tokens_per_s": n_out / seconds,
+        "peak_extra_bytes": max(0, peak - base),
+        "checksum": values.double().sum().item(),
+        "n": int(values.numel()),
+    }
 
 
 def ray_worker(method: str, seqs, model_dir: Path, n_out: int) -> dict:
@@ -169,24 +195,46 @@ def ray_worker(method: str, seqs, model_dir: Path, n_out: int) -> dict:
         else:
             import ray
 
-            ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False,
-                     logging_level=logging.ERROR, log_to_driver=False)
+            ray.init(
+                address="local",
+                num_cpus=os.cpu_count(),
+                include_dashboard=False,
+                logging_level=logging.ERROR,
+                log_to_driver=False,
+            )
             settings = RescoreSettings(device="cpu", executor="ray", ray=RayOptions(actors=int(method[3:])))
         t0 = time.perf_counter()
         rescore_run(run, settings=settings)
         seconds = time.perf_counter() - t0
-        ref = pq.read_table(Path(tmp) / "run" / "reference").sort_by([("request_id", "ascending"),
-                                                                     ("position", "ascending")])
-    return {"method": method, "case": "ray", "seconds": seconds, "output_tokens": n_out,
-            "tokens_per_s": n_out / seconds, "checksum": sum(ref.column("ref_logprob").to_pylist()),
-            "n": ref.num_rows}
+        ref = pq.read_table(Path(tmp) / "run" / "reference").sort_by(
+            [("request_id", "ascending"), ("position", "ascending")]
+        )
+    return {
+        "method": method,
+        "case": "ray",
+        "seconds": seconds,
+        "output_tokens": n_out,
+        "tokens_per_s": n_out / seconds,
+        "checksum": sum(ref.column("ref_logprob").to_pylist()),
+        "n": ref.num_rows,
+    }
 
 
 def run_worker(method, case, model_dir, quick, threads) -> dict:
     if quick:  # the smoke run: no process per measurement (the numbers mean nothing there anyway)
         return worker(method, case, model_dir, quick, threads)
-    args = [sys.executable, __file__, "--worker", method, "--case", case, "--model-dir", model_dir,
-            "--threads", str(threads)]
+    args = [
+        sys.executable,
+        __file__,
+        "--worker",
+        method,
+        "--case",
+        case,
+        "--model-dir",
+        model_dir,
+        "--threads",
+        str(threads),
+    ]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     proc = subprocess.run(args + (["--quick"] if quick else []), capture_output=True, text=True, env=env)
     if proc.returncode:
@@ -217,13 +265,16 @@ def main() -> None:
     quiet_transformers()
     if a.quick:
         a.repeats = 1
-    plan = [(c, m) for _ in range(a.repeats) for c in SPEED for m in ("naive", "lpf")] + \
-        [("memory", "naive"), ("memory", "lpf")]
+    plan = [(c, m) for _ in range(a.repeats) for c in SPEED for m in ("naive", "lpf")] + [
+        ("memory", "naive"),
+        ("memory", "lpf"),
+    ]
     if a.quick:
         plan.append(("ray", "local"))  # the run-directory path, without starting Ray
     elif not a.no_ray:
         try:
             import ray  # noqa: F401
+
             plan += [("ray", m) for _ in range(a.repeats) for m in ("local", "ray1", "ray2")]
         except ImportError:
             print("ray rows skipped: Ray is not installed (pip install 'logprob-forensics[ray]')", file=sys.stderr)
@@ -233,10 +284,12 @@ def main() -> None:
         for case, method in plan:
             r = run_worker(method, case, tmp, a.quick, a.threads)
             runs.setdefault(f"{case}/{method}", []).append(r)
-            print(f"{case:6s} {method:5s} {r['seconds']:7.2f}s (cpu {r.get('cpu_seconds', 0):6.2f}s) "
-                  f"{r['tokens_per_s']:9.0f} tok/s"
-                  + (f"  peak +{r['peak_extra_bytes'] / 2**20:8.1f} MiB" if "peak_extra_bytes" in r else ""),
-                  file=sys.stderr)
+            print(
+                f"{case:6s} {method:5s} {r['seconds']:7.2f}s (cpu {r.get('cpu_seconds', 0):6.2f}s) "
+                f"{r['tokens_per_s']:9.0f} tok/s"
+                + (f"  peak +{r['peak_extra_bytes'] / 2**20:8.1f} MiB" if "peak_extra_bytes" in r else ""),
+                file=sys.stderr,
+            )
     best = {k: min(v, key=lambda r: r["seconds"]) for k, v in runs.items()}
     for case in (*SPEED, "memory"):
         agree(best[f"{case}/naive"], best[f"{case}/lpf"])
@@ -247,37 +300,58 @@ def main() -> None:
             agree(best["ray/local"], best[f"ray/{m}"])
     ratio = {c: best[f"{c}/lpf"]["tokens_per_s"] / best[f"{c}/naive"]["tokens_per_s"] for c in SPEED}
     # the same ratio on process CPU time (best run each): a cross-check that is blind to waiting for a core
-    cpu_ratio = {c: min(r["cpu_seconds"] for r in runs[f"{c}/naive"]) / min(r["cpu_seconds"] for r in runs[f"{c}/lpf"])
-                 for c in SPEED}
+    cpu_ratio = {
+        c: min(r["cpu_seconds"] for r in runs[f"{c}/naive"]) / min(r["cpu_seconds"] for r in runs[f"{c}/lpf"])
+        for c in SPEED
+    }
     mem = best["memory/lpf"]["peak_extra_bytes"] / max(1, best["memory/naive"]["peak_extra_bytes"])
-    summary = {"speedup": ratio, "speedup_cpu_time": cpu_ratio, "memory_ratio": mem, "quick": a.quick, "repeats": a.repeats, "threads": a.threads,
-               "best": best, "runs": runs, "machine": f"{os.cpu_count()} cores",
-               "load_average": os.getloadavg(), "date": time.strftime("%Y-%m-%d")}
+    summary = {
+        "speedup": ratio,
+        "speedup_cpu_time": cpu_ratio,
+        "memory_ratio": mem,
+        "quick": a.quick,
+        "repeats": a.repeats,
+        "threads": a.threads,
+        "best": best,
+        "runs": runs,
+        "machine": f"{os.cpu_count()} cores",
+        "load_average": os.getloadavg(),
+        "date": time.strftime("%Y-%m-%d"),
+    }
     if "ray/ray1" in best:
-        summary["ray"] = {m: best[f"ray/{m}"]["tokens_per_s"] / best["ray/local"]["tokens_per_s"]
-                          for m in ("ray1", "ray2")}
+        summary["ray"] = {
+            m: best[f"ray/{m}"]["tokens_per_s"] / best["ray/local"]["tokens_per_s"] for m in ("ray1", "ray2")
+        }
     if not a.quick:
         Path(__file__).with_name("results").mkdir(exist_ok=True)
         Path(__file__).with_name("results").joinpath("rescore.json").write_text(json.dumps(summary, indent=2))
     n_speed = len(make_case("rl", a.quick))
     print("| case | naive | lpf | lpf / naive | target |")
     print("|---|---|---|---|---|")
-    for c, label in (("rl", "outputs = second half of each sequence (RL-like)"),
-                     ("audit", "outputs <= 64 tokens (audit-like)")):
+    for c, label in (
+        ("rl", "outputs = second half of each sequence (RL-like)"),
+        ("audit", "outputs <= 64 tokens (audit-like)"),
+    ):
         n, o = best[f"{c}/naive"], best[f"{c}/lpf"]
-        print(f"| speed, output tokens/s: {n_speed} seqs of 16..{160 if a.quick else 1024} tokens, {label} | "
-              f"{n['tokens_per_s']:.0f} | {o['tokens_per_s']:.0f} | {ratio[c]:.1f}x | >= 3x |")
+        print(
+            f"| speed, output tokens/s: {n_speed} seqs of 16..{160 if a.quick else 1024} tokens, {label} | "
+            f"{n['tokens_per_s']:.0f} | {o['tokens_per_s']:.0f} | {ratio[c]:.1f}x | >= 3x |"
+        )
     mn, ml = best["memory/naive"], best["memory/lpf"]
-    print(f"| memory, peak RSS above the model: {len(make_case('memory', a.quick))} seqs of "
-          f"{len(make_case('memory', a.quick)[0][0]) * 2} tokens | "
-          f"{mn['peak_extra_bytes'] / 2**20:.0f} MiB | {ml['peak_extra_bytes'] / 2**20:.0f} MiB | {mem:.3f} | <= 0.125 |")
+    print(
+        f"| memory, peak RSS above the model: {len(make_case('memory', a.quick))} seqs of "
+        f"{len(make_case('memory', a.quick)[0][0]) * 2} tokens | "
+        f"{mn['peak_extra_bytes'] / 2**20:.0f} MiB | {ml['peak_extra_bytes'] / 2**20:.0f} MiB | {mem:.3f} | <= 0.125 |"
+    )
     if "ray" in summary:
         loc = best["ray/local"]["tokens_per_s"]
         print("\n| `lpf rescore` of the RL-like run | output tokens/s | vs local |")
         print("|---|---|---|")
         print(f"| --executor local | {loc:.0f} | 1.00x |")
         for m in ("ray1", "ray2"):
-            print(f"| --executor ray --actors {m[3:]} | {best[f'ray/{m}']['tokens_per_s']:.0f} | {summary['ray'][m]:.2f}x |")
+            print(
+                f"| --executor ray --actors {m[3:]} | {best[f'ray/{m}']['tokens_per_s']:.0f} | {summary['ray'][m]:.2f}x |"
+            )
 
 
 if __name__ == "__main__":

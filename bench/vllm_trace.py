@@ -30,10 +30,20 @@ import time
 from pathlib import Path
 
 CONFIGS = {
-    "drill": {"workload": "zoo:oracle", "n_requests": 500, "max_tokens": 16, "ignore_eos": False,
-              "knobs": {"max_num_seqs": 16, "max_num_batched_tokens": 32}},
-    "engine-bench": {"workload": "zoo:stress", "n_requests": 200, "max_tokens": 128, "ignore_eos": True,
-                     "knobs": {"max_num_seqs": 64, "max_num_batched_tokens": 512}},
+    "drill": {
+        "workload": "zoo:oracle",
+        "n_requests": 500,
+        "max_tokens": 16,
+        "ignore_eos": False,
+        "knobs": {"max_num_seqs": 16, "max_num_batched_tokens": 32},
+    },
+    "engine-bench": {
+        "workload": "zoo:stress",
+        "n_requests": 200,
+        "max_tokens": 128,
+        "ignore_eos": True,
+        "knobs": {"max_num_seqs": 64, "max_num_batched_tokens": 512},
+    },
 }
 MODEL = "zoo:hybrid"
 
@@ -49,8 +59,15 @@ def requests(cfg: dict, tmp: Path):
     from lpf.pipeline import create_run, pending_requests
     from lpf.pipeline.spec import RunSpec
 
-    run = create_run(RunSpec(engine="vllm", model=MODEL, workload=_workload(cfg, tmp), out=tmp / f"spec-{cfg['workload'][4:]}",
-                             sampling=SamplingParams(max_tokens=cfg["max_tokens"], ignore_eos=cfg["ignore_eos"])))
+    run = create_run(
+        RunSpec(
+            engine="vllm",
+            model=MODEL,
+            workload=_workload(cfg, tmp),
+            out=tmp / f"spec-{cfg['workload'][4:]}",
+            sampling=SamplingParams(max_tokens=cfg["max_tokens"], ignore_eos=cfg["ignore_eos"]),
+        )
+    )
     return run, pending_requests(run)
 
 
@@ -68,8 +85,9 @@ def one(cfg: dict, run, reqs, trace: bool) -> dict:
     from lpf.core.model_specs import resolve_model
     from lpf.core.sampling import SamplingParams
 
-    options = VLLMOptions.parse({**cfg["knobs"], "enable_chunked_prefill": True, "enable_prefix_caching": False,
-                                 "trace": trace})
+    options = VLLMOptions.parse(
+        {**cfg["knobs"], "enable_chunked_prefill": True, "enable_prefix_caching": False, "trace": trace}
+    )
     engine = VLLMEngine(resolve_model(MODEL), SamplingParams.from_dict(run.manifest["sampling"]), options)
     try:
         time.sleep(1.0)  # let start-up's last threads settle before the window opens
@@ -84,8 +102,13 @@ def one(cfg: dict, run, reqs, trace: bool) -> dict:
         sys.exit(f"{len(errors)} request(s) failed, first: {errors[0]}")
     if trace and not rows:
         sys.exit(f"tracing was on but no trace was recorded: {engine._trace_info()['why']}")
-    return {"trace": trace, "wall_s": wall, "cpu_s": cpu, "output_tokens": sum(len(c.output_token_ids) for c in done),
-            "trace_rows": rows}
+    return {
+        "trace": trace,
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "output_tokens": sum(len(c.output_token_ids) for c in done),
+        "trace_rows": rows,
+    }
 
 
 def main() -> None:
@@ -115,22 +138,41 @@ def main() -> None:
                 for trace in (False, True):  # interleaved: off, on, off, on, ...
                     r = one(cfg, run, reqs, trace)
                     runs.append(r)
-                    print(f"{name} #{i} trace={'on ' if trace else 'off'} cpu {r['cpu_s']:.2f} s, wall {r['wall_s']:.2f} s "
-                          f"({r['output_tokens']} tokens, {r['trace_rows']} trace rows)", file=sys.stderr)
-            med = {f"median_{k}_{m}": statistics.median(r[f"{k}_s"] for r in runs if r["trace"] == (m == "on"))
-                   for k in ("cpu", "wall") for m in ("off", "on")}
-            results["configs"][name] = {**{k: cfg[k] for k in ("workload", "n_requests", "max_tokens", "knobs")}, **med,
-                                        "ratio_cpu": med["median_cpu_on"] / med["median_cpu_off"],
-                                        "ratio_wall": med["median_wall_on"] / med["median_wall_off"],
-                                        "trace_rows": max(r["trace_rows"] for r in runs), "runs": runs}
+                    print(
+                        f"{name} #{i} trace={'on ' if trace else 'off'} cpu {r['cpu_s']:.2f} s, wall {r['wall_s']:.2f} s "
+                        f"({r['output_tokens']} tokens, {r['trace_rows']} trace rows)",
+                        file=sys.stderr,
+                    )
+            med = {
+                f"median_{k}_{m}": statistics.median(r[f"{k}_s"] for r in runs if r["trace"] == (m == "on"))
+                for k in ("cpu", "wall")
+                for m in ("off", "on")
+            }
+            results["configs"][name] = {
+                **{k: cfg[k] for k in ("workload", "n_requests", "max_tokens", "knobs")},
+                **med,
+                "ratio_cpu": med["median_cpu_on"] / med["median_cpu_off"],
+                "ratio_wall": med["median_wall_on"] / med["median_wall_off"],
+                "trace_rows": max(r["trace_rows"] for r in runs),
+                "runs": runs,
+            }
             c = results["configs"][name]
-            print(f"{name}: cpu {c['median_cpu_off']:.2f} -> {c['median_cpu_on']:.2f} s ({c['ratio_cpu']:.3f}x), "
-                  f"wall {c['median_wall_off']:.2f} -> {c['median_wall_on']:.2f} s ({c['ratio_wall']:.3f}x)", file=sys.stderr)
+            print(
+                f"{name}: cpu {c['median_cpu_off']:.2f} -> {c['median_cpu_on']:.2f} s ({c['ratio_cpu']:.3f}x), "
+                f"wall {c['median_wall_off']:.2f} -> {c['median_wall_on']:.2f} s ({c['ratio_wall']:.3f}x)",
+                file=sys.stderr,
+            )
     if not args.quick:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=2) + "\n")
-    print(json.dumps({k: {"cpu": round(v["ratio_cpu"], 3), "wall": round(v["ratio_wall"], 3)}
-                      for k, v in results["configs"].items()}))
+    print(
+        json.dumps(
+            {
+                k: {"cpu": round(v["ratio_cpu"], 3), "wall": round(v["ratio_wall"], 3)}
+                for k, v in results["configs"].items()
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -55,16 +55,25 @@ def main() -> None:
             finally:
                 acc[key] += time.thread_time() - t
                 acc["steps"] += count
+
         return wrapper
 
     step_rows.StepReader.read = timed(step_rows.StepReader.read, "reader_cpu_s", count=True)
     recorder.Recorder.flush = timed(recorder.Recorder.flush, "writer_cpu_s")
-    llm = LLM(model=args.model, dtype="float32", enforce_eager=True, enable_chunked_prefill=True,
-              enable_prefix_caching=False, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens)
+    llm = LLM(
+        model=args.model,
+        dtype="float32",
+        enforce_eager=True,
+        enable_chunked_prefill=True,
+        enable_prefix_caching=False,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
     rng = random.Random(0)
-    prompts = [TokensPrompt(prompt_token_ids=[rng.randrange(3, 500) for _ in range(rng.randrange(5, 60))])
-               for _ in range(args.requests)]
+    prompts = [
+        TokensPrompt(prompt_token_ids=[rng.randrange(3, 500) for _ in range(rng.randrange(5, 60))])
+        for _ in range(args.requests)
+    ]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     session = lpf_vllm_trace._session  # the bench pauses it between rounds (a private handle, on purpose)
     llm.generate(prompts[:32], params, use_tqdm=False)  # warm-up
@@ -80,15 +89,31 @@ def main() -> None:
     session.why = None
     if not lpf_vllm_trace.status()["recording"]:
         sys.exit(f"the plugin recorded nothing: {lpf_vllm_trace.status()['why']}")
-    med = {f"{m}_{k}": statistics.median(r[j] for r in rounds[on]) for m, on in (("on", True), ("paused", False))
-           for j, k in enumerate(("wall_s", "cpu_s"))}
+    med = {
+        f"{m}_{k}": statistics.median(r[j] for r in rounds[on])
+        for m, on in (("on", True), ("paused", False))
+        for j, k in enumerate(("wall_s", "cpu_s"))
+    }
     cpu_on = sum(r[1] for r in rounds[True])
-    print(json.dumps({"date": time.strftime("%Y-%m-%d"), "model": args.model, **med, "ratio_cpu": med["on_cpu_s"] / med["paused_cpu_s"],
-                      "ratio_wall": med["on_wall_s"] / med["paused_wall_s"], **acc,
-                      "reader_share": acc["reader_cpu_s"] / cpu_on, "writer_share": acc["writer_cpu_s"] / cpu_on,
-                      "reader_us_per_step": 1e6 * acc["reader_cpu_s"] / acc["steps"], "rounds": args.rounds,
-                      "requests": args.requests, "max_num_seqs": args.max_num_seqs,
-                      "max_num_batched_tokens": args.max_num_batched_tokens}))
+    print(
+        json.dumps(
+            {
+                "date": time.strftime("%Y-%m-%d"),
+                "model": args.model,
+                **med,
+                "ratio_cpu": med["on_cpu_s"] / med["paused_cpu_s"],
+                "ratio_wall": med["on_wall_s"] / med["paused_wall_s"],
+                **acc,
+                "reader_share": acc["reader_cpu_s"] / cpu_on,
+                "writer_share": acc["writer_cpu_s"] / cpu_on,
+                "reader_us_per_step": 1e6 * acc["reader_cpu_s"] / acc["steps"],
+                "rounds": args.rounds,
+                "requests": args.requests,
+                "max_num_seqs": args.max_num_seqs,
+                "max_num_batched_tokens": args.max_num_batched_tokens,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

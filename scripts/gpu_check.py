@@ -36,6 +36,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 from rescore import naive_logprobs  # noqa: E402 - the naive baseline bench/rescore.py measures against
+
 STORED = REPO / "tests" / "data" / "gpu-check-run"
 KEY = [("request_id", "ascending"), ("position", "ascending")]
 
@@ -65,7 +66,9 @@ def correctness(device: str, tmp: Path) -> dict:
     if same_keys:
         a, b = (t.column("ref_logprob").to_numpy() for t in (cpu, gpu))
         out["max_abs_logprob_diff"] = float(abs(a - b).max())
-        out["top1_agreement"] = float((cpu.column("ref_top1_id").to_numpy() == gpu.column("ref_top1_id").to_numpy()).mean())
+        out["top1_agreement"] = float(
+            (cpu.column("ref_top1_id").to_numpy() == gpu.column("ref_top1_id").to_numpy()).mean()
+        )
         out["rank_agreement"] = float((cpu.column("ref_rank").to_numpy() == gpu.column("ref_rank").to_numpy()).mean())
     out["ok"] = bool(same_keys and out["max_abs_logprob_diff"] <= 1e-3)
     return out
@@ -77,13 +80,28 @@ def build_llama(path: Path, small: bool, device: str) -> int:
     from lpf.zoo.registry import tokenizer_dir
 
     if small:
-        cfg = LlamaConfig(vocab_size=32000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=4096,
-                          tie_word_embeddings=False)
+        cfg = LlamaConfig(
+            vocab_size=32000,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            max_position_embeddings=4096,
+            tie_word_embeddings=False,
+        )
     else:  # Llama-3.2-1B's shape
-        cfg = LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                          num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
-                          rope_theta=500000.0, tie_word_embeddings=True)
+        cfg = LlamaConfig(
+            vocab_size=128256,
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            max_position_embeddings=8192,
+            rope_theta=500000.0,
+            tie_word_embeddings=True,
+        )
     torch.manual_seed(0)
     with torch.device(device):
         model = LlamaForCausalLM(cfg).to(torch.bfloat16)
@@ -100,7 +118,7 @@ def rl_mix(small: bool, vocab: int) -> list[tuple[list[int], list[int]]]:
     for _ in range(16 if small else 256):
         n = rng.randint(16, 256) if small else rng.randint(128, 2048)
         ids = [rng.randrange(3, vocab) for _ in range(n)]
-        seqs.append((ids[:n // 2], ids[n // 2:]))
+        seqs.append((ids[: n // 2], ids[n // 2 :]))
     return seqs
 
 
@@ -117,10 +135,17 @@ def throughput(device: str, small: bool, tmp: Path) -> dict:
     seqs = rl_mix(small, rescorer.vocab_size)
     items = [ScoreItem(f"r{i:04d}", p, o) for i, (p, o) in enumerate(seqs)]
     n_out = sum(len(o) for _, o in seqs)
-    result = {"parameters": n_params, "sequences": len(seqs), "output_tokens": n_out,
-              "input_tokens": sum(len(p) + len(o) for p, o in seqs)}
+    result = {
+        "parameters": n_params,
+        "sequences": len(seqs),
+        "output_tokens": n_out,
+        "input_tokens": sum(len(p) + len(o) for p, o in seqs),
+    }
     with torch.inference_mode():
-        for name, fn in (("lpf", lambda: rescorer.score(items)), ("naive", lambda: naive_logprobs(model, seqs, device))):
+        for name, fn in (
+            ("lpf", lambda: rescorer.score(items)),
+            ("naive", lambda: naive_logprobs(model, seqs, device)),
+        ):
             best, values = None, None
             for _ in range(2):  # the first run warms kernels and allocators up; the best run counts
                 if device.startswith("cuda"):
@@ -143,8 +168,10 @@ def throughput(device: str, small: bool, tmp: Path) -> dict:
             peak = torch.cuda.max_memory_allocated() if device.startswith("cuda") else None
             result[name] = {"seconds": best, "tokens_per_s": n_out / best, "peak_gpu_bytes": peak}
             result[f"{name}_values"] = values
-            log(f"{name}: {n_out / best:,.0f} output tokens/s ({best:.2f} s)"
-                + (f", peak GPU memory {peak / 2**30:.1f} GiB" if peak else ""))
+            log(
+                f"{name}: {n_out / best:,.0f} output tokens/s ({best:.2f} s)"
+                + (f", peak GPU memory {peak / 2**30:.1f} GiB" if peak else "")
+            )
     a, b = result.pop("lpf_values"), result.pop("naive_values")
     # naive's head is bfloat16, lpf's float32: they differ by bfloat16's rounding of the logits
     result["max_abs_logprob_diff_vs_naive"] = float((a - b).abs().max())
@@ -164,8 +191,11 @@ def main() -> int:
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         print(f"error: torch {torch.__version__} sees no GPU", file=sys.stderr)
         return 2
-    doc = {"torch": torch.__version__, "device": torch.cuda.get_device_name(0) if a.device.startswith("cuda") else "cpu",
-           "date": time.strftime("%Y-%m-%d %H:%M")}
+    doc = {
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(0) if a.device.startswith("cuda") else "cpu",
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+    }
     with tempfile.TemporaryDirectory() as tmp:
         log(f"correctness: {STORED.name} rescored on {a.device} against its stored CPU reference")
         doc["correctness"] = correctness(a.device, Path(tmp))
@@ -173,7 +203,9 @@ def main() -> int:
         log("throughput: lpf vs a plain HF forward, bfloat16, RL-like mix")
         doc["throughput"] = throughput(a.device, a.small, Path(tmp))
     t = doc["throughput"]
-    log(f"lpf / naive: {t['speedup']:.2f}x output tokens/s; max |lpf - naive| logprob {t['max_abs_logprob_diff_vs_naive']:.3g}")
+    log(
+        f"lpf / naive: {t['speedup']:.2f}x output tokens/s; max |lpf - naive| logprob {t['max_abs_logprob_diff_vs_naive']:.3g}"
+    )
     if os.environ.get("OUT"):
         Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
         Path(os.environ["OUT"], "gpu_check.json").write_text(json.dumps(doc, indent=2))

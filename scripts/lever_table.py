@@ -47,8 +47,22 @@ def run(*args) -> str:
 def one(tmp: Path, cache: float, n: int, steps: int) -> dict:
     dump = tmp / f"c{cache}-n{n}.parquet"
     t0 = time.time()
-    run("rl", "simulate", "--steps", steps, "--prompts", PROMPTS, "--rollouts", n, "--cache-mb", cache,
-        "--inject", f"offset-wrap:{BITS}", "--out", dump)
+    run(
+        "rl",
+        "simulate",
+        "--steps",
+        steps,
+        "--prompts",
+        PROMPTS,
+        "--rollouts",
+        n,
+        "--cache-mb",
+        cache,
+        "--inject",
+        f"offset-wrap:{BITS}",
+        "--out",
+        dump,
+    )
     f = json.loads(run("rl", "analyze", dump, "--out", tmp / f"c{cache}-n{n}.rl", "--json"))
     eng = f["simulation"]["engine"]
     slots, stride = eng["num_state_slots"], eng["state_slot_stride"]
@@ -60,33 +74,57 @@ def one(tmp: Path, cache: float, n: int, steps: int) -> dict:
     decoded = {w for w in wrapped if length.get(w, 0) >= 2}  # a 1-token response never reads its state
     found = {rid for s in f["spikes"] for rid in s["requests"]}
     top = f["hypotheses"][0] if f["hypotheses"] else None
-    return {"cache_mb": cache, "rollouts": n, "prompts": PROMPTS, "steps": steps, "slots": slots,
-            "wrap_slot": math.ceil(2 ** BITS / stride), "expected_K": slots / (PROMPTS * n),
-            "spike_steps": f["spike_steps"], "first_spike": f["first_spike_step"], "period": f["period"]["period"],
-            "confidence": f["period"]["confidence"], "implicated": f["implicated"]["n"],
-            "first_off": f["implicated"]["first_divergence"]["median"], "wrapped": len(wrapped),
-            "wrapped_decoded": len(decoded), "wrapped_found": len(decoded & found), "victims": len(victims),
-            "victims_found": len(victims & found), "outside_truth": len(found - wrapped - victims),
-            "top_hypothesis": top["feature"] if top else None, "top_sentence": top["sentence"] if top else None,
-            "seconds": round(time.time() - t0, 1)}
+    return {
+        "cache_mb": cache,
+        "rollouts": n,
+        "prompts": PROMPTS,
+        "steps": steps,
+        "slots": slots,
+        "wrap_slot": math.ceil(2**BITS / stride),
+        "expected_K": slots / (PROMPTS * n),
+        "spike_steps": f["spike_steps"],
+        "first_spike": f["first_spike_step"],
+        "period": f["period"]["period"],
+        "confidence": f["period"]["confidence"],
+        "implicated": f["implicated"]["n"],
+        "first_off": f["implicated"]["first_divergence"]["median"],
+        "wrapped": len(wrapped),
+        "wrapped_decoded": len(decoded),
+        "wrapped_found": len(decoded & found),
+        "victims": len(victims),
+        "victims_found": len(victims & found),
+        "outside_truth": len(found - wrapped - victims),
+        "top_hypothesis": top["feature"] if top else None,
+        "top_sentence": top["sentence"] if top else None,
+        "seconds": round(time.time() - t0, 1),
+    }
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| cache | slots (wrap from) | rollouts / prompt | steps | spike steps | first spike | period (conf.) "
-            "| expected K = slots / (P·N) | implicated | drill truth: wrapped and decoded (found) | victims (found) "
-            "| implicated outside truth | top hypothesis |\n|" + "---|" * 13 + "\n")
+    head = (
+        "| cache | slots (wrap from) | rollouts / prompt | steps | spike steps | first spike | period (conf.) "
+        "| expected K = slots / (P·N) | implicated | drill truth: wrapped and decoded (found) | victims (found) "
+        "| implicated outside truth | top hypothesis |\n|" + "---|" * 13 + "\n"
+    )
     lines = []
     for r in rows:
         sp = r["spike_steps"]
         spikes = ", ".join(map(str, sp[:10])) + (" ..." if len(sp) > 10 else "")
         every = bool(sp) and sp == list(range(sp[0], r["steps"] + 1))
-        per = (f"{r['period']:.3g} ({r['confidence']:.2f})" if r["period"] is not None
-               else f"every step from {sp[0]}" if every else "-")
-        lines.append(f"| {r['cache_mb']:g} MB | {r['slots']} ({r['wrap_slot']}) | {r['rollouts']} | {r['steps']} | "
-                     f"{spikes or 'none'} | {r['first_spike'] if r['first_spike'] is not None else '-'} | {per} | "
-                     f"{r['expected_K']:.2f} | {r['implicated']} | {r['wrapped_decoded']} ({r['wrapped_found']}) | "
-                     f"{r['victims']} ({r['victims_found']}) | {r['outside_truth']} | "
-                     f"{('`' + r['top_hypothesis'] + '`') if r['top_hypothesis'] else '-'} |")
+        per = (
+            f"{r['period']:.3g} ({r['confidence']:.2f})"
+            if r["period"] is not None
+            else f"every step from {sp[0]}"
+            if every
+            else "-"
+        )
+        lines.append(
+            f"| {r['cache_mb']:g} MB | {r['slots']} ({r['wrap_slot']}) | {r['rollouts']} | {r['steps']} | "
+            f"{spikes or 'none'} | {r['first_spike'] if r['first_spike'] is not None else '-'} | {per} | "
+            f"{r['expected_K']:.2f} | {r['implicated']} | {r['wrapped_decoded']} ({r['wrapped_found']}) | "
+            f"{r['victims']} ({r['victims_found']}) | {r['outside_truth']} | "
+            f"{('`' + r['top_hypothesis'] + '`') if r['top_hypothesis'] else '-'} |"
+        )
     return head + "\n".join(lines)
 
 
@@ -103,10 +141,15 @@ def main() -> None:
             print(json.dumps(rows[-1]), file=sys.stderr)
     md = table(rows)
     big = next((r for r in rows if r["top_sentence"]), None)
-    note = (f"\n\nOffset-wrap:{BITS}, {PROMPTS} prompt per step, zoo:hybrid, max 16 tokens, temperature 1; "
-            f"{time.strftime('%Y-%m-%d')}, {time.time() - t0:.0f} s on this machine. "
-            + (f"Top hypothesis in words ({big['cache_mb']:g} MB, {big['rollouts']} rollouts): \"{big['top_sentence']}\""
-               if big else ""))
+    note = (
+        f"\n\nOffset-wrap:{BITS}, {PROMPTS} prompt per step, zoo:hybrid, max 16 tokens, temperature 1; "
+        f"{time.strftime('%Y-%m-%d')}, {time.time() - t0:.0f} s on this machine. "
+        + (
+            f'Top hypothesis in words ({big["cache_mb"]:g} MB, {big["rollouts"]} rollouts): "{big["top_sentence"]}"'
+            if big
+            else ""
+        )
+    )
     print(md + note)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))

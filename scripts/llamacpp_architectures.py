@@ -20,18 +20,47 @@ from pathlib import Path
 def audit(model_dir: Path, workload: Path, out: Path) -> dict:
     exe = Path(sys.executable).with_name("lpf")
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([str(exe), "audit", "--engine", "llamacpp", "--model", str(model_dir), "--workload",
-                           str(workload), "--max-tokens", "8", "-E", "parallel=2", "-E", "threads=1", "--out", str(out),
-                           "--json", "--fail-on", "never"], capture_output=True, text=True, env=env)
+    proc = subprocess.run(
+        [
+            str(exe),
+            "audit",
+            "--engine",
+            "llamacpp",
+            "--model",
+            str(model_dir),
+            "--workload",
+            str(workload),
+            "--max-tokens",
+            "8",
+            "-E",
+            "parallel=2",
+            "-E",
+            "threads=1",
+            "--out",
+            str(out),
+            "--json",
+            "--fail-on",
+            "never",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     if proc.returncode != 0:
         line = next((ln for ln in reversed(proc.stderr.splitlines()) if ln.startswith("error:")), proc.stderr[-300:])
         stage = "convert" if "converter" in line else "load" if "before it was ready" in line else "run"
         return {"stage": stage, "error": line.removeprefix("error: ")[:400]}
     f = json.loads(proc.stdout)
     rt = f.get("run_test") or {}
-    return {"stage": "ran", "verdict": f["verdict"], "counts": f.get("counts"), "errors": f.get("errors"),
-            "max_abs_logprob_diff": f["metrics"]["abs_logprob_diff"]["max"], "run_test": rt.get("result"),
-            "effect_size": rt.get("effect_size")}
+    return {
+        "stage": "ran",
+        "verdict": f["verdict"],
+        "counts": f.get("counts"),
+        "errors": f.get("errors"),
+        "max_abs_logprob_diff": f["metrics"]["abs_logprob_diff"]["max"],
+        "run_test": rt.get("result"),
+        "effect_size": rt.get("effect_size"),
+    }
 
 
 def main() -> None:
@@ -42,8 +71,12 @@ def main() -> None:
     types = sys.argv[1:] or known_model_types()
     with tempfile.TemporaryDirectory() as tmp:
         workload = Path(tmp) / "oracle16.jsonl"
-        workload.write_text("".join(json.dumps({"id": it["id"], "prompt": it["prompt"]}) + "\n"
-                                    for it in registry.workload_items("oracle", seed=0, n=16)))
+        workload.write_text(
+            "".join(
+                json.dumps({"id": it["id"], "prompt": it["prompt"]}) + "\n"
+                for it in registry.workload_items("oracle", seed=0, n=16)
+            )
+        )
         for mt in types:
             row = {"model_type": mt}
             try:

@@ -28,28 +28,71 @@ def shared_prefix(path: Path, seed: int = 0) -> Path:
     rng = random.Random(f"shared-prefix:{seed}")
     passages = [tasks.filler_text(rng, rng.randint(40, 120)) for _ in range(10)]
     items = registry.workload_items("oracle", seed=seed, n=200)
-    path.write_text("".join(json.dumps({"id": f"prefix{i % 10}-{it['id']}", "prompt": passages[i % 10] + "\n" + it["prompt"],
-                                        "expected": it["expected"]}) + "\n" for i, it in enumerate(items)))
+    path.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "id": f"prefix{i % 10}-{it['id']}",
+                    "prompt": passages[i % 10] + "\n" + it["prompt"],
+                    "expected": it["expected"],
+                }
+            )
+            + "\n"
+            for i, it in enumerate(items)
+        )
+    )
     return path
 
 
 def audit(model: str, workload: str, out: Path, extra: list[str]) -> dict:
     exe = Path(sys.executable).with_name("lpf")
-    proc = subprocess.run([str(exe), "audit", "--engine", "llamacpp", "--model", model, "--workload", workload,
-                           "-E", "threads=1", "--out", str(out), "--json", "--fail-on", "never", *extra],
-                          capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = subprocess.run(
+        [
+            str(exe),
+            "audit",
+            "--engine",
+            "llamacpp",
+            "--model",
+            model,
+            "--workload",
+            workload,
+            "-E",
+            "threads=1",
+            "--out",
+            str(out),
+            "--json",
+            "--fail-on",
+            "never",
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     if proc.returncode != 0:
         return {"error": proc.stderr.strip().splitlines()[-1][:300]}
     f = json.loads(proc.stdout)
     import duckdb
 
-    hits = duckdb.connect().execute(f"""SELECT count(*) FILTER (WHERE num_computed_tokens > 0), max(num_computed_tokens),
-        count(DISTINCT state_slot) FROM '{out}/trace/*.parquet'""").fetchone()
+    hits = (
+        duckdb.connect()
+        .execute(f"""SELECT count(*) FILTER (WHERE num_computed_tokens > 0), max(num_computed_tokens),
+        count(DISTINCT state_slot) FROM '{out}/trace/*.parquet'""")
+        .fetchone()
+    )
     rt = f.get("run_test") or {}
-    return {"verdict": f["verdict"], "counts": f.get("counts"), "errors": f.get("errors"), "n_requests": f["n_requests"],
-            "max_abs_logprob_diff": f["metrics"]["abs_logprob_diff"]["max"], "run_test": rt.get("result"),
-            "run_test_side": rt.get("test"), "requests_with_cached_prompt": hits[0], "max_cache_n": hits[1],
-            "slots_used": hits[2]}
+    return {
+        "verdict": f["verdict"],
+        "counts": f.get("counts"),
+        "errors": f.get("errors"),
+        "n_requests": f["n_requests"],
+        "max_abs_logprob_diff": f["metrics"]["abs_logprob_diff"]["max"],
+        "run_test": rt.get("result"),
+        "run_test_side": rt.get("test"),
+        "requests_with_cached_prompt": hits[0],
+        "max_cache_n": hits[1],
+        "slots_used": hits[2],
+    }
 
 
 def main() -> None:
@@ -64,10 +107,17 @@ def main() -> None:
     from lpf.zoo import registry
 
     oracle100 = a.out / "oracle100.jsonl"
-    oracle100.write_text("".join(json.dumps({"id": it["id"], "prompt": it["prompt"], "expected": it["expected"]}) + "\n"
-                                 for it in registry.workload_items("oracle", seed=0, n=100)))
-    sources = {"shared-prefix": (str(shared_prefix(a.out / "shared-prefix.jsonl")), []),
-               "rollouts": (str(oracle100), ["--n", "4"]), "stress": ("zoo:stress", [])}
+    oracle100.write_text(
+        "".join(
+            json.dumps({"id": it["id"], "prompt": it["prompt"], "expected": it["expected"]}) + "\n"
+            for it in registry.workload_items("oracle", seed=0, n=100)
+        )
+    )
+    sources = {
+        "shared-prefix": (str(shared_prefix(a.out / "shared-prefix.jsonl")), []),
+        "rollouts": (str(oracle100), ["--n", "4"]),
+        "stress": ("zoo:stress", []),
+    }
     for name in a.workloads:
         workload, wargs = sources[name]
         for np_ in [int(x) for x in a.np.split(",")]:
@@ -76,8 +126,10 @@ def main() -> None:
                 extra = [*wargs, "-E", f"parallel={np_}", "-E", f"ctx_size={np_ * 768}"]
                 if ram != "default":
                     extra += ["-E", f"cache_ram={ram}"]
-                print(json.dumps({"model": a.model, "cell": cell, **audit(a.model, workload, a.out / cell, extra)}),
-                      flush=True)
+                print(
+                    json.dumps({"model": a.model, "cell": cell, **audit(a.model, workload, a.out / cell, extra)}),
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -33,10 +33,14 @@ from lpf.analysis.floors import envelope  # noqa: E402
 MODEL, SEED, PROMPTS, MAX_TOKENS = "zoo:hybrid", 1, 96, 12
 SETTINGS = {  # name -> (engine, knobs)
     "shared-prefix": ("vllm", ["-E", "enable_prefix_caching=false"]),
-    "shared-prefix,chunk16": ("vllm", ["-E", "enable_prefix_caching=false", "--max-num-batched-tokens", "16",
-                                       "--enable-chunked-prefill"]),
-    "shared-prefix,chunk16,prefix-cache": ("vllm", ["-E", "enable_prefix_caching=true", "--max-num-batched-tokens",
-                                                    "16", "--enable-chunked-prefill"]),
+    "shared-prefix,chunk16": (
+        "vllm",
+        ["-E", "enable_prefix_caching=false", "--max-num-batched-tokens", "16", "--enable-chunked-prefill"],
+    ),
+    "shared-prefix,chunk16,prefix-cache": (
+        "vllm",
+        ["-E", "enable_prefix_caching=true", "--max-num-batched-tokens", "16", "--enable-chunked-prefill"],
+    ),
     "shared-prefix,builtin-default": ("builtin", ["-E", "threads=1"]),
     "shared-prefix,builtin-chunk16": ("builtin", ["-E", "threads=1", "--max-num-batched-tokens", "16"]),
 }
@@ -47,9 +51,25 @@ def audit(out: Path, engine: str, knobs: list[str], workload: Path) -> Path:
 
     if (out / "findings.json").is_file():
         return out
-    args = [str(Path(sys.executable).with_name("lpf")), "audit", "--engine", engine, "--model", MODEL, "--dtype",
-            "float32", "--workload", str(workload), "--max-tokens", str(MAX_TOKENS), "--out", str(out),
-            "--fail-on", "never", *knobs] + (["-E", "max_model_len=512"] if engine == "vllm" else [])
+    args = [
+        str(Path(sys.executable).with_name("lpf")),
+        "audit",
+        "--engine",
+        engine,
+        "--model",
+        MODEL,
+        "--dtype",
+        "float32",
+        "--workload",
+        str(workload),
+        "--max-tokens",
+        str(MAX_TOKENS),
+        "--out",
+        str(out),
+        "--fail-on",
+        "never",
+        *knobs,
+    ] + (["-E", "max_model_len=512"] if engine == "vllm" else [])
     proc = subprocess.run(args, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{out}: audit failed:\n{proc.stderr[-2000:]}")
@@ -79,13 +99,19 @@ def main() -> None:
     new_row["implementations"] = impl
     pair["models"][MODEL] = new_row
     pair["envelope"] = envelope(*(r for m, r in pair["models"].items() if m.startswith("zoo:")))
-    table["settings"] = {"float32/float32": {
-        MODEL: "zoo:stress (seed 17, default knobs) and 96 prompts of random tokens sharing 136-token prefixes "
-               f"(seed {SEED}, 144-172 tokens) under: " + "; ".join(f"{e} {n.split(',', 1)[-1]}" if "," in n
-                                                                      else f"{e} default knobs"
-                                                                      for n, (e, _) in SETTINGS.items())}}
-    print(f"zoo:hybrid float32 row: top-k q99 {row['topk']['q99']:.3g} -> {new_row['topk']['q99']:.3g}; token q99 "
-          f"{row['token']['q99']:.3g} -> {new_row['token']['q99']:.3g}")
+    table["settings"] = {
+        "float32/float32": {
+            MODEL: "zoo:stress (seed 17, default knobs) and 96 prompts of random tokens sharing 136-token prefixes "
+            f"(seed {SEED}, 144-172 tokens) under: "
+            + "; ".join(
+                f"{e} {n.split(',', 1)[-1]}" if "," in n else f"{e} default knobs" for n, (e, _) in SETTINGS.items()
+            )
+        }
+    }
+    print(
+        f"zoo:hybrid float32 row: top-k q99 {row['topk']['q99']:.3g} -> {new_row['topk']['q99']:.3g}; token q99 "
+        f"{row['token']['q99']:.3g} -> {new_row['token']['q99']:.3g}"
+    )
     if a.write:
         path.write_text(json.dumps(table, indent=1) + "\n")
         print(f"wrote {path}", file=sys.stderr)

@@ -35,8 +35,12 @@ from lpf.analysis.token_evidence import calibration_floor, engine_floor, evidenc
 from lpf.core.errors import LpfError  # noqa: E402
 
 MODELS = {  # model -> engines that run it here
-    "zoo:hybrid": ["builtin", "vllm"], "zoo:jamba": ["builtin"], "zoo:llama": ["hf", "vllm"],
-    "tiny:hybrid": ["builtin", "vllm"], "tiny:hybrid-longmem": ["builtin", "vllm"], "tiny:jamba": ["builtin"],
+    "zoo:hybrid": ["builtin", "vllm"],
+    "zoo:jamba": ["builtin"],
+    "zoo:llama": ["hf", "vllm"],
+    "tiny:hybrid": ["builtin", "vllm"],
+    "tiny:hybrid-longmem": ["builtin", "vllm"],
+    "tiny:jamba": ["builtin"],
     "tiny:jamba-longmem": ["builtin"],
     "tiny:llama": ["hf", "vllm"],
 }
@@ -48,8 +52,24 @@ def audit(out: Path, model: str, engine: str, dtype: str, requests: int, max_tok
     if (out / "findings.json").is_file():
         return out
     lpf = str(Path(sys.executable).with_name("lpf"))
-    args = [lpf, "audit", "--engine", engine, "--model", model, "--dtype", dtype,
-            "--workload", str(workload), "--max-tokens", str(max_tokens), "--out", str(out), "--fail-on", "never"]
+    args = [
+        lpf,
+        "audit",
+        "--engine",
+        engine,
+        "--model",
+        model,
+        "--dtype",
+        dtype,
+        "--workload",
+        str(workload),
+        "--max-tokens",
+        str(max_tokens),
+        "--out",
+        str(out),
+        "--fail-on",
+        "never",
+    ]
     if engine == "vllm":
         args += ["-E", "enable_prefix_caching=false"]
     if engine == "builtin":
@@ -107,8 +127,15 @@ def main() -> None:
             for engine in engines:
                 if engine == "vllm" and not have_vllm:
                     continue
-                run = audit(a.out / f"{model.replace(':', '-')}-{engine}-{dtype}", model, engine, dtype,
-                            a.requests, a.max_tokens, workload)
+                run = audit(
+                    a.out / f"{model.replace(':', '-')}-{engine}-{dtype}",
+                    model,
+                    engine,
+                    dtype,
+                    a.requests,
+                    a.max_tokens,
+                    workload,
+                )
                 for name, stats in run_floors(run).items():
                     impl[engine if name == "engine" else "hf-reference"] = stats
                 if (run / "calibration-failed.txt").is_file():
@@ -123,12 +150,12 @@ def main() -> None:
         pairs[pair] = {"envelope": envelope(*(r for m, r in models.items() if m.startswith("zoo:"))), "models": models}
     table = {
         "about": "Expected floors: how far honest implementations at an engine dtype depart from a float32 "
-                 "reference (lpf.analysis.floors). Measured by scripts/measure_floors.py.",
+        "reference (lpf.analysis.floors). Measured by scripts/measure_floors.py.",
         "measured": time.strftime("%Y-%m-%d"),
         "method": f"greedy lpf audit of {a.requests} zoo:stress requests (seed 17), max_tokens {a.max_tokens}, "
-                  f"top-5 logprobs, per model and engine dtype, on every engine that runs the model here "
-                  f"(builtin, vLLM {'0.32.0 CPU' if have_vllm else 'absent'}, HF generate for Llama), plus "
-                  f"the reference itself at the engine dtype (--calibrate: 'hf-reference'); float32 reference",
+        f"top-5 logprobs, per model and engine dtype, on every engine that runs the model here "
+        f"(builtin, vLLM {'0.32.0 CPU' if have_vllm else 'absent'}, HF generate for Llama), plus "
+        f"the reference itself at the engine dtype (--calibrate: 'hf-reference'); float32 reference",
         "pairs": pairs,
     }
     text = json.dumps(table, indent=1, sort_keys=False)
@@ -137,11 +164,15 @@ def main() -> None:
         print("wrote src/lpf/analysis/floors.json", file=sys.stderr)
     for pair, entry in pairs.items():
         e = entry["envelope"]
-        print(f"{pair}: token median {e['token']['median']:.3g} q99 {e['token']['q99']:.3g}, settled q99 "
-              f"{e['settled']['q99']:.3g}, top-k median {e['topk']['median']:.3g} q99 {e['topk']['q99']:.3g}")
+        print(
+            f"{pair}: token median {e['token']['median']:.3g} q99 {e['token']['q99']:.3g}, settled q99 "
+            f"{e['settled']['q99']:.3g}, top-k median {e['topk']['median']:.3g} q99 {e['topk']['q99']:.3g}"
+        )
         for model, row in entry["models"].items():
-            print(f"    {model:20s} token q99 {row['token']['q99']:.3g}  top-k q99 {row['topk']['q99']:.3g}  "
-                  f"({', '.join(row['implementations'])})")
+            print(
+                f"    {model:20s} token q99 {row['token']['q99']:.3g}  top-k q99 {row['topk']['q99']:.3g}  "
+                f"({', '.join(row['implementations'])})"
+            )
 
 
 if __name__ == "__main__":

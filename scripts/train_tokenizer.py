@@ -30,10 +30,12 @@ def build(vocab_size: int):
 
     tok = Tokenizer(models.BPE())
     isolate = "[" + re.escape(tasks.TASK_CHARS) + "\n]"
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(isolate), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(isolate), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -55,25 +57,42 @@ def save(tok, out: Path) -> None:
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         (out / name).unlink(missing_ok=True)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-        clean_up_tokenization_spaces=False, model_max_length=4096,
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        clean_up_tokenization_spaces=False,
+        model_max_length=4096,
     )
     fast.save_pretrained(str(out))
     # Written explicitly too: some loaders (older transformers, vLLM) read these files directly.
     cfg_path = out / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text())
-    cfg.update({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-                "pad_token": "<pad>", "clean_up_tokenization_spaces": False, "padding_side": "left"})
+    cfg.update(
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": "<s>",
+            "eos_token": "</s>",
+            "pad_token": "<pad>",
+            "clean_up_tokenization_spaces": False,
+            "padding_side": "left",
+        }
+    )
     cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     (out / "special_tokens_map.json").write_text(
-        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}, indent=2) + "\n")
+        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}, indent=2) + "\n"
+    )
 
 
 def check(out: Path) -> None:
     from transformers import AutoTokenizer
 
     t = AutoTokenizer.from_pretrained(str(out))
-    assert (t.pad_token_id, t.bos_token_id, t.eos_token_id) == (0, 1, 2), (t.pad_token_id, t.bos_token_id, t.eos_token_id)
+    assert (t.pad_token_id, t.bos_token_id, t.eos_token_id) == (0, 1, 2), (
+        t.pad_token_id,
+        t.bos_token_id,
+        t.eos_token_id,
+    )
     for ch in tasks.TASK_CHARS + "\n":
         ids = t(ch, add_special_tokens=False)["input_ids"]
         assert len(ids) == 1, (ch, ids)

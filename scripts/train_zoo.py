@@ -58,28 +58,70 @@ def build_model(name: str, vocab: int):
     from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM, JambaConfig, JambaForCausalLM
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    common = dict(vocab_size=vocab, pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS,
-                  initializer_range=0.02, tie_word_embeddings=False, max_position_embeddings=4096)
+    common = dict(
+        vocab_size=vocab,
+        pad_token_id=PAD,
+        bos_token_id=BOS,
+        eos_token_id=EOS,
+        initializer_range=0.02,
+        tie_word_embeddings=False,
+        max_position_embeddings=4096,
+    )
     if name == "hybrid":
         cfg = GraniteMoeHybridConfig(
-            **common, hidden_size=128, num_hidden_layers=5,
+            **common,
+            hidden_size=128,
+            num_hidden_layers=5,
             layer_types=["mamba", "attention", "mamba", "mamba", "attention"],
-            num_attention_heads=4, num_key_value_heads=4, attention_multiplier=32 ** -0.5,
-            num_local_experts=0, num_experts_per_tok=0, shared_intermediate_size=256, intermediate_size=256,
-            position_embedding_type=None, mamba_n_heads=8, mamba_d_head=32, mamba_expand=2, mamba_n_groups=1,
-            mamba_d_state=16, mamba_d_conv=4, mamba_chunk_size=16,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            attention_multiplier=32**-0.5,
+            num_local_experts=0,
+            num_experts_per_tok=0,
+            shared_intermediate_size=256,
+            intermediate_size=256,
+            position_embedding_type=None,
+            mamba_n_heads=8,
+            mamba_d_head=32,
+            mamba_expand=2,
+            mamba_n_groups=1,
+            mamba_d_state=16,
+            mamba_d_conv=4,
+            mamba_chunk_size=16,
         )
         return GraniteMoeHybridForCausalLM(cfg)
     if name == "llama":
-        cfg = LlamaConfig(**common, hidden_size=192, intermediate_size=512, num_hidden_layers=4,
-                          num_attention_heads=6, num_key_value_heads=6, head_dim=32, rope_theta=10000.0)
+        cfg = LlamaConfig(
+            **common,
+            hidden_size=192,
+            intermediate_size=512,
+            num_hidden_layers=4,
+            num_attention_heads=6,
+            num_key_value_heads=6,
+            head_dim=32,
+            rope_theta=10000.0,
+        )
         return LlamaForCausalLM(cfg)
     if name == "jamba":
-        cfg = JambaConfig(**common, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                          num_attention_heads=4, num_key_value_heads=4, attn_layer_period=2, attn_layer_offset=1,
-                          num_experts=2, num_experts_per_tok=1, expert_layer_period=2, expert_layer_offset=1,
-                          mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, use_mamba_kernels=False,
-                          use_mambapy=True)
+        cfg = JambaConfig(
+            **common,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            attn_layer_period=2,
+            attn_layer_offset=1,
+            num_experts=2,
+            num_experts_per_tok=1,
+            expert_layer_period=2,
+            expert_layer_offset=1,
+            mamba_d_state=16,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            use_mamba_kernels=False,
+            use_mambapy=True,
+        )
         return JambaForCausalLM(cfg)
     raise SystemExit(f"unknown model {name!r}")
 
@@ -123,7 +165,7 @@ def training_batches(enc: Encoder, rng: random.Random, progress: float, pool: in
         mask.append(it["eos"])
         items.append((ids, mask, it["task"]))
     items.sort(key=lambda x: len(x[0]))
-    batches = [items[i:i + BATCH] for i in range(0, len(items), BATCH)]
+    batches = [items[i : i + BATCH] for i in range(0, len(items), BATCH)]
     rng.shuffle(batches)
     return batches
 
@@ -136,10 +178,10 @@ def collate(batch):
     attn = torch.zeros((len(batch), n), dtype=torch.long)
     labels = torch.full((len(batch), n), -100, dtype=torch.long)
     for r, (ids, mask, *_) in enumerate(batch):
-        input_ids[r, :len(ids)] = torch.tensor(ids)
-        attn[r, :len(ids)] = 1
+        input_ids[r, : len(ids)] = torch.tensor(ids)
+        attn[r, : len(ids)] = 1
         lab = torch.tensor([t if m else -100 for t, m in zip(ids, mask)])
-        labels[r, :len(ids)] = lab
+        labels[r, : len(ids)] = lab
     return input_ids, attn, labels
 
 
@@ -161,7 +203,7 @@ def teacher_forced(model, enc: Encoder, items, batch: int = 64):
     model.eval()
     with torch.no_grad():
         for s in range(0, len(order), batch):
-            idx = order[s:s + batch]
+            idx = order[s : s + batch]
             input_ids, attn, labels = collate([rows[i] for i in idx])
             logits = model(input_ids=input_ids, attention_mask=attn).logits.float()
             logp = torch.log_softmax(logits[:, :-1], -1)
@@ -189,15 +231,21 @@ def generate_eval(model, tok, items, extra: int = 4):
     with torch.no_grad():
         for _, idx in sorted(groups.items()):
             for s in range(0, len(idx), 64):
-                sub = idx[s:s + 64]
+                sub = idx[s : s + 64]
                 x = torch.tensor([enc[i] for i in sub])
                 budget = max(len(items[i]["expected"]) for i in sub) + extra
-                y = model.generate(input_ids=x, attention_mask=torch.ones_like(x), do_sample=False,
-                                   max_new_tokens=budget, eos_token_id=EOS, pad_token_id=PAD)
+                y = model.generate(
+                    input_ids=x,
+                    attention_mask=torch.ones_like(x),
+                    do_sample=False,
+                    max_new_tokens=budget,
+                    eos_token_id=EOS,
+                    pad_token_id=PAD,
+                )
                 for r, i in enumerate(sub):
-                    gen = y[r, x.shape[1]:].tolist()
+                    gen = y[r, x.shape[1] :].tolist()
                     ended = EOS in gen
-                    text = tok.decode(gen[:gen.index(EOS)] if ended else gen)
+                    text = tok.decode(gen[: gen.index(EOS)] if ended else gen)
                     outs[i] = {"text": text, "ended": ended}
     model.train()
     return outs
@@ -242,20 +290,21 @@ def save(model, name: str, card: dict, out: Path) -> None:
 
 def model_card(name: str, c: dict) -> str:
     ev, tr = c["eval"], c["training"]
-    rows = "\n".join(f"| {k} | {v:.1%} | {ev['median_answer_prob_by_task'][k]:.3f} |"
-                     for k, v in ev["accuracy_by_task"].items())
+    rows = "\n".join(
+        f"| {k} | {v:.1%} | {ev['median_answer_prob_by_task'][k]:.3f} |" for k, v in ev["accuracy_by_task"].items()
+    )
     return f"""# lpf zoo model `{name}`
 
-A tiny `{c['architecture']}` ({c['parameters']:,} parameters, float32) trained from scratch on synthetic
+A tiny `{c["architecture"]}` ({c["parameters"]:,} parameters, float32) trained from scratch on synthetic
 oracle tasks for `lpf` (logprob-forensics): key-value recall (`R:A37,K12,...|K` -> `12`), copying
 (`C:QX7RT2MB=` -> `QX7RT2MB`) and two-digit addition (`A:37+58=` -> `95`; evaluation pairs are held out
 from training). Answers end with `</s>`. Not a language model: it exists so that engine audits have
 peaked distributions and ground truth, offline.
 
-## Evaluation ({ev['n']} held-out `zoo:oracle` prompts, seed 0, HF greedy `generate`)
+## Evaluation ({ev["n"]} held-out `zoo:oracle` prompts, seed 0, HF greedy `generate`)
 
-Exact answers on the mix: **{ev['accuracy']:.1%}**; median answer-token probability **{ev['median_answer_prob']:.3f}**
-(10th percentile {ev['p10_answer_prob']:.3f}).
+Exact answers on the mix: **{ev["accuracy"]:.1%}**; median answer-token probability **{ev["median_answer_prob"]:.3f}**
+(10th percentile {ev["p10_answer_prob"]:.3f}).
 
 | task | exact | median answer-token prob |
 |---|---|---|
@@ -263,12 +312,12 @@ Exact answers on the mix: **{ev['accuracy']:.1%}**; median answer-token probabil
 
 ## Training
 
-- Command: `{tr['command']}`
-- Steps: {tr['steps']} of a {tr['step_budget']}-step schedule, batch {tr['batch_size']}; wall time {tr['wall_s'] / 60:.1f} min on
-  {tr['threads']} CPU thread(s); stopped by: {tr['stop_reason']}.
-- torch {tr['torch']}, transformers {tr['transformers']}; seed {tr['seed']}.
-- Recipe: AdamW lr {tr['peak_lr']:g} betas (0.9, 0.98) wd 0.01, warmup 150, cosine, clip 1.0; loss on answer tokens
-  only; curriculum: {'over the first 40% of the schedule' if tr['curriculum'] == 'schedule' else 'adaptive (a level up whenever recall and copy are >= 80% exact in training)'};
+- Command: `{tr["command"]}`
+- Steps: {tr["steps"]} of a {tr["step_budget"]}-step schedule, batch {tr["batch_size"]}; wall time {tr["wall_s"] / 60:.1f} min on
+  {tr["threads"]} CPU thread(s); stopped by: {tr["stop_reason"]}.
+- torch {tr["torch"]}, transformers {tr["transformers"]}; seed {tr["seed"]}.
+- Recipe: AdamW lr {tr["peak_lr"]:g} betas (0.9, 0.98) wd 0.01, warmup 150, cosine, clip 1.0; loss on answer tokens
+  only; curriculum: {"over the first 40% of the schedule" if tr["curriculum"] == "schedule" else "adaptive (a level up whenever recall and copy are >= 80% exact in training)"};
   multi-query recall form; batches grouped by length.
 """
 
@@ -289,8 +338,9 @@ def main(argv=None) -> int:
     ap.add_argument("--minutes", type=float, default=40.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=None, help="schedule length (default per model)")
-    ap.add_argument("--curriculum", choices=["schedule", "adaptive"], default=None,
-                    help="difficulty ramp (default per model)")
+    ap.add_argument(
+        "--curriculum", choices=["schedule", "adaptive"], default=None, help="difficulty ramp (default per model)"
+    )
     ap.add_argument("--lr", type=float, default=None, help="peak learning rate (default per model)")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--eval-n", type=int, default=500)
@@ -320,8 +370,11 @@ def main(argv=None) -> int:
     decay, no_decay = [], []
     for n, p in model.named_parameters():
         (decay if p.ndim >= 2 and "A_log" not in n else no_decay).append(p)
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=peak_lr, betas=(0.9, 0.98))
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=peak_lr,
+        betas=(0.9, 0.98),
+    )
     rng = random.Random(f"train:{args.seed}")
     quick_items = tasks.oracle_items(QUICK_EVAL_ITEMS, seed=1_000 + args.seed)
     fwd_kw = {"output_router_logits": True} if args.model == "jamba" else {}
@@ -364,13 +417,21 @@ def main(argv=None) -> int:
         step += 1
         loss_avg = loss.item() if loss_avg is None else 0.98 * loss_avg + 0.02 * loss.item()
         if step % 50 == 0:
-            print(f"step {step} loss {loss_avg:.4f} lr {lr_at(step, total, peak_lr):.2e} level {level} "
-                  f"{(time.time() - t0) / step:.3f} s/step", flush=True)
+            print(
+                f"step {step} loss {loss_avg:.4f} lr {lr_at(step, total, peak_lr):.2e} level {level} "
+                f"{(time.time() - t0) / step:.3f} s/step",
+                flush=True,
+            )
         if step % QUICK_EVAL_EVERY == 0:
             res = teacher_forced(model, enc, quick_items)
             s = summarize(quick_items, [r["exact"] for r in res], [r["probs"] for r in res])
-            history.append({"step": step, "wall_s": round(time.time() - t0), **{
-                k: s[k] for k in ("accuracy", "accuracy_by_task", "median_answer_prob")}})
+            history.append(
+                {
+                    "step": step,
+                    "wall_s": round(time.time() - t0),
+                    **{k: s[k] for k in ("accuracy", "accuracy_by_task", "median_answer_prob")},
+                }
+            )
             print(f"quick eval @ {step}: {json.dumps(history[-1])}", flush=True)
             full = step >= 0.4 * total if curriculum == "schedule" else level >= 10
             if full and min(s["accuracy_by_task"].values()) >= TARGET_QUICK:
@@ -400,10 +461,19 @@ def main(argv=None) -> int:
         "tokenizer": "lpf zoo byte-level BPE, vocab %d" % len(tok),
         "eval": ev,
         "training": {
-            "command": cmd, "seed": args.seed, "steps": step, "step_budget": total, "batch_size": BATCH,
-            "wall_s": round(train_s, 1), "threads": torch.get_num_threads(), "stop_reason": stop_reason,
-            "peak_lr": peak_lr, "curriculum": curriculum, "curriculum_levels": levels,
-            "torch": torch.__version__, "transformers": transformers.__version__,
+            "command": cmd,
+            "seed": args.seed,
+            "steps": step,
+            "step_budget": total,
+            "batch_size": BATCH,
+            "wall_s": round(train_s, 1),
+            "threads": torch.get_num_threads(),
+            "stop_reason": stop_reason,
+            "peak_lr": peak_lr,
+            "curriculum": curriculum,
+            "curriculum_levels": levels,
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
             "quick_eval_history": history,
         },
     }

@@ -25,23 +25,45 @@ import pytest
 # vLLM engine (two vLLM CPU engines at once take ~2x the memory of one on a machine shared with others).
 SHARED_GROUPS = {
     "hybrid-audit": ["test_audit_hf", "test_bad_input", "test_edit_flags", "test_query", "test_run_schema"],
-    "vllm": ["test_vllm", "test_vllm_trace", "test_conformance::test_conformance_on_vllm_writes_the_matrix",
-             "test_run_level::test_healthy_bf16_vllm_passes_the_default_gate",
-             "test_shrink::test_the_vllm_minimum_reproduces_with_vllms_interpreter_alone",
-             "test_conformance_families::test_vllm_source_pairs_bailing_hybrid_with_its_two_names",
-             "test_vllm_prefix", "test_locate_vllm",
-             "test_client_behaviour::test_cancel_then_resend_and_bursts_against_vllms_server",
-             "test_bench_quick::test_vllm_bench_quick"],
+    "vllm": [
+        "test_vllm",
+        "test_vllm_trace",
+        "test_conformance::test_conformance_on_vllm_writes_the_matrix",
+        "test_run_level::test_healthy_bf16_vllm_passes_the_default_gate",
+        "test_shrink::test_the_vllm_minimum_reproduces_with_vllms_interpreter_alone",
+        "test_conformance_families::test_vllm_source_pairs_bailing_hybrid_with_its_two_names",
+        "test_vllm_prefix",
+        "test_locate_vllm",
+        "test_client_behaviour::test_cancel_then_resend_and_bursts_against_vllms_server",
+        "test_bench_quick::test_vllm_bench_quick",
+    ],
 }
 # The longest work units, handed out first so that neither worker is left with a long one at the end: the
 # vLLM group (several engine starts of ~25 s each), then the slow modules by the figures in their
 # docstrings and docs/reliability.md, then the not-slow modules' --durations (2026-12-02, setup + calls).
 # (test_llamacpp .. test_transformers_serve: placed by their docstrings' figures, not yet measured in a
 # full run.) An unlisted group goes after these, in collection order.
-LONGEST_FIRST = ["vllm", "test_kill_resume", "test_shrink", "test_engine_drills", "test_prefix_drills",
-                 "test_run_level", "test_llamacpp", "test_rl_causes", "test_locate_drills",
-                 "test_conformance_families", "test_transformers_serve", "test_report", "test_serve_stress", "hybrid-audit", "test_inspect",
-                 "test_analyze_stream", "test_sglang_adapter", "test_serve", "test_calibration_run"]
+LONGEST_FIRST = [
+    "vllm",
+    "test_kill_resume",
+    "test_shrink",
+    "test_engine_drills",
+    "test_prefix_drills",
+    "test_run_level",
+    "test_llamacpp",
+    "test_rl_causes",
+    "test_locate_drills",
+    "test_conformance_families",
+    "test_transformers_serve",
+    "test_report",
+    "test_serve_stress",
+    "hybrid-audit",
+    "test_inspect",
+    "test_analyze_stream",
+    "test_sglang_adapter",
+    "test_serve",
+    "test_calibration_run",
+]
 
 
 def group_of(nodeid: str) -> str:
@@ -143,6 +165,18 @@ def hybrid_audit(tmp_path_factory, prompts_200):
     """One `lpf audit --engine hf` of the tiny hybrid over 200 prompts, float32, shared by tests
     that only read it (copy it before changing anything)."""
     out = tmp_path_factory.mktemp("runs") / "hybrid"
-    proc = lpf_subprocess("audit", "--engine", "hf", "--model", "tiny:hybrid", "--workload", prompts_200,
-                          "--max-tokens", 12, "--out", out, "--json")
+    proc = lpf_subprocess(
+        "audit",
+        "--engine",
+        "hf",
+        "--model",
+        "tiny:hybrid",
+        "--workload",
+        prompts_200,
+        "--max-tokens",
+        12,
+        "--out",
+        out,
+        "--json",
+    )
     return out, proc

@@ -31,8 +31,15 @@ import httpx
 
 
 class LyingProxy:
-    def __init__(self, upstream: str, swap_every: int | None = None, corrupt_at: int | None = None,
-                 shift: float = 2.5, delay_s: float = 0.0, pair_timeout: float = 20.0):
+    def __init__(
+        self,
+        upstream: str,
+        swap_every: int | None = None,
+        corrupt_at: int | None = None,
+        shift: float = 2.5,
+        delay_s: float = 0.0,
+        pair_timeout: float = 20.0,
+    ):
         self.upstream = upstream.rstrip("/")
         self.swap_every, self.corrupt_at, self.shift = swap_every, corrupt_at, shift
         self.delay_s, self.pair_timeout = delay_s, pair_timeout
@@ -105,10 +112,12 @@ class LyingProxy:
                 self.corrupted.append(rid)
             for choice in answer.get("choices") or []:
                 lp = choice.get("logprobs") or {}
-                lp["token_logprobs"] = [v - self.shift if isinstance(v, (int, float)) else v
-                                        for v in lp.get("token_logprobs") or []]
-                lp["top_logprobs"] = [{t: v - self.shift for t, v in (top or {}).items()}
-                                      for top in lp.get("top_logprobs") or []]
+                lp["token_logprobs"] = [
+                    v - self.shift if isinstance(v, (int, float)) else v for v in lp.get("token_logprobs") or []
+                ]
+                lp["top_logprobs"] = [
+                    {t: v - self.shift for t, v in (top or {}).items()} for top in lp.get("top_logprobs") or []
+                ]
         if self.swap_every and (k // 2) % self.swap_every == 0:
             partner = k ^ 1
             with self.lock:
@@ -117,8 +126,9 @@ class LyingProxy:
                 got = self.lock.wait_for(lambda: partner in self.answers, timeout=self.pair_timeout)
                 if got:
                     other = self.answers[partner]
-                    self.swaps.append({"got": rid, "from": other["rid"],
-                                       "same_tokens": _tokens(other["answer"]) == _tokens(answer)})
+                    self.swaps.append(
+                        {"got": rid, "from": other["rid"], "same_tokens": _tokens(other["answer"]) == _tokens(answer)}
+                    )
                     return {**answer, "choices": other["answer"]["choices"]}
         return answer
 

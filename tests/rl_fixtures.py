@@ -88,9 +88,15 @@ def make_run(steps, faulty_steps, seed: int = 0) -> list[list[Response]]:
                 t = np.minimum(r + rng.normal(0, 0.002, n), 0.0)
                 turns.append(Turn(rng.integers(3, VOCAB, n).tolist(), r.astype(np.float32), t.astype(np.float32)))
             tool = rng.integers(3, VOCAB, 3).tolist() if n_turns > 1 else []
-            resp = Response(step, i, prompt, turns, tool,
-                            prompt_trainer=-rng.uniform(0.1, 6.0, len(prompt)).astype(np.float32),
-                            tool_trainer=-rng.uniform(0.1, 6.0, len(tool)).astype(np.float32))
+            resp = Response(
+                step,
+                i,
+                prompt,
+                turns,
+                tool,
+                prompt_trainer=-rng.uniform(0.1, 6.0, len(prompt)).astype(np.float32),
+                tool_trainer=-rng.uniform(0.1, 6.0, len(tool)).astype(np.float32),
+            )
             if step in faulty_steps and i in FAULTY_IDX:
                 last = turns[-1]
                 lie = last.rollout.copy()
@@ -146,15 +152,34 @@ def write_prime_rl(run, root: Path) -> Path:
             adv = 0.5 if resp.index % 2 else -0.5
             hi, lo = delta > 0.2, delta < -0.2
             masked = [bool(m and (h if adv > 0 else lw)) for m, h, lw in zip(loss, hi, lo)]
-            by_rank.setdefault(rank, []).append({
-                "schema_version": 1, "step": step, "rank": rank, "micro_step": seq // 2, "micro_sequence_idx": seq % 2,
-                "export_sequence_idx": seq, "env_name": "math",
-                "token_ids": ids, "position_ids": list(range(n)), "loss_mask": loss, "advantages": [adv] * n,
-                "inference_logprobs": floats(inf), "trainer_logprobs": floats(tr),
-                "entropy": floats(np.full(n, 1.3)), "mismatch_kl": floats(mkl), "log_importance_ratio": floats(lr),
-                "importance_ratio": floats(ratio), "prob_delta": floats(delta), "is_masked": masked,
-                "is_masked_high": [m and adv > 0 for m in masked], "is_masked_low": [m and adv < 0 for m in masked],
-                "rl_weights": [None] * n, "ce_weights": [None] * n, "ref_kl_weights": [None] * n})
+            by_rank.setdefault(rank, []).append(
+                {
+                    "schema_version": 1,
+                    "step": step,
+                    "rank": rank,
+                    "micro_step": seq // 2,
+                    "micro_sequence_idx": seq % 2,
+                    "export_sequence_idx": seq,
+                    "env_name": "math",
+                    "token_ids": ids,
+                    "position_ids": list(range(n)),
+                    "loss_mask": loss,
+                    "advantages": [adv] * n,
+                    "inference_logprobs": floats(inf),
+                    "trainer_logprobs": floats(tr),
+                    "entropy": floats(np.full(n, 1.3)),
+                    "mismatch_kl": floats(mkl),
+                    "log_importance_ratio": floats(lr),
+                    "importance_ratio": floats(ratio),
+                    "prob_delta": floats(delta),
+                    "is_masked": masked,
+                    "is_masked_high": [m and adv > 0 for m in masked],
+                    "is_masked_low": [m and adv < 0 for m in masked],
+                    "rl_weights": [None] * n,
+                    "ce_weights": [None] * n,
+                    "ref_kl_weights": [None] * n,
+                }
+            )
         for rank, recs in by_rank.items():
             _jsonl(out / f"step_{step}" / f"rank_{rank}.jsonl", recs, separators=(",", ":"), allow_nan=False)
         (out / f"step_{step}" / "STABLE").touch()
@@ -194,12 +219,20 @@ def write_nemo_rl(run, root: Path) -> Path:
             gen = np.concatenate([resp.aligned("rollout", 0.0), np.zeros(pad, np.float32)])
             prev = np.concatenate([resp.trainer_full(), -rng.uniform(0.1, 9.0, pad).astype(np.float32)])
             prev[0] = 0.0
-            recs.append({"content": [["<user turn>", "<assistant turn>"]], "rewards": [float(resp.index % 2)],
-                         "input_lengths": [n], "token_ids": [ids + [0] * pad],
-                         "token_loss_mask": [[int(g) for g in resp.generated()] + [0] * pad],
-                         "sample_loss_mask": [0 if resp.index == NEMO_SKIPPED_IDX else 1],
-                         "advantages": [[0.25] * width], "generation_logprobs": [floats(gen)],
-                         "prev_logprobs": [floats(prev)], "idx": resp.index})
+            recs.append(
+                {
+                    "content": [["<user turn>", "<assistant turn>"]],
+                    "rewards": [float(resp.index % 2)],
+                    "input_lengths": [n],
+                    "token_ids": [ids + [0] * pad],
+                    "token_loss_mask": [[int(g) for g in resp.generated()] + [0] * pad],
+                    "sample_loss_mask": [0 if resp.index == NEMO_SKIPPED_IDX else 1],
+                    "advantages": [[0.25] * width],
+                    "generation_logprobs": [floats(gen)],
+                    "prev_logprobs": [floats(prev)],
+                    "idx": resp.index,
+                }
+            )
         _jsonl(root / f"train_data_step{step}.jsonl", recs, default=str)
     return root
 
@@ -232,7 +265,7 @@ def write_slime(run, root: Path) -> Path:
     rids = slime_rollout_ids()
     for step_resps in run:
         rid = step_resps[0].step
-        masks = [[int(g) for g in r.generated()[len(r.prompt):]] for r in step_resps]
+        masks = [[int(g) for g in r.generated()[len(r.prompt) :]] for r in step_resps]
         totals: dict[int, int] = {}
         for k, m in zip(rids, masks):
             totals[k] = totals.get(k, 0) + sum(m)
@@ -240,37 +273,89 @@ def write_slime(run, root: Path) -> Path:
         for pos, (resp, mask) in enumerate(zip(step_resps, masks)):
             ids = resp.sequence()
             n = len(ids) - len(resp.prompt)
-            rlp = resp.aligned("rollout", 0.0)[len(resp.prompt):]  # tool tokens: 0.0, as append_response_tokens
-            tlp = resp.trainer_full()[len(resp.prompt):]
-            rollout.append({
-                "group_index": rid * 2 + resp.index // 4, "index": slime_index(resp),
-                "rollout_id": rids[resp.index] if resp.index in SLIME_SIBLING else None,
-                "prompt": "<prompt>", "tokens": ids, "multimodal_inputs": None, "multimodal_train_inputs": None,
-                "multimodal_train_input_id": None, "apply_chat_template_kwargs": {}, "response": "<response>",
-                "response_length": n, "label": "7", "reward": float(resp.index % 2), "loss_mask": mask,
-                "weight_versions": ["0"], "rollout_log_probs": [float(v) for v in rlp],
-                "rollout_top_p_token_ids": None, "rollout_top_p_token_offsets": None, "rollout_routed_experts": None,
-                "remove_sample": False, "teacher_log_probs": None, "status": "completed", "metadata": {},
-                "generate_function_path": None, "custom_rm_path": None, "train_metadata": None, "session_id": None,
-                "non_generation_time": 0.0,
-                "spec_info": {"spec_accept_token_num": 0, "spec_draft_token_num": 0, "spec_verify_ct": 0,
-                              "completion_token_num": n},
-                "prefix_cache_info": {"cached_tokens": 0, "total_prompt_tokens": len(resp.prompt)}})
-            train.append({
-                "data_parallel_rank": 0, "sample_index": slime_index(resp), "rollout_position": pos,
-                "tokens": torch.tensor(ids, dtype=torch.long), "response_lengths": n, "total_lengths": len(ids),
-                "rewards": float(resp.index % 2), "truncated": 0, "rollout_ids": rids[resp.index],
-                "loss_masks": torch.tensor(mask, dtype=torch.int),
-                "rollout_mask_sums": torch.tensor(float(totals[rids[resp.index]]), dtype=torch.float32),
-                "rollout_log_probs": torch.tensor(rlp, dtype=torch.float32),
-                "log_probs": torch.tensor(tlp, dtype=torch.float32),
-                "advantages": torch.full((n,), 0.25), "returns": torch.full((n,), 0.25)})
+            rlp = resp.aligned("rollout", 0.0)[len(resp.prompt) :]  # tool tokens: 0.0, as append_response_tokens
+            tlp = resp.trainer_full()[len(resp.prompt) :]
+            rollout.append(
+                {
+                    "group_index": rid * 2 + resp.index // 4,
+                    "index": slime_index(resp),
+                    "rollout_id": rids[resp.index] if resp.index in SLIME_SIBLING else None,
+                    "prompt": "<prompt>",
+                    "tokens": ids,
+                    "multimodal_inputs": None,
+                    "multimodal_train_inputs": None,
+                    "multimodal_train_input_id": None,
+                    "apply_chat_template_kwargs": {},
+                    "response": "<response>",
+                    "response_length": n,
+                    "label": "7",
+                    "reward": float(resp.index % 2),
+                    "loss_mask": mask,
+                    "weight_versions": ["0"],
+                    "rollout_log_probs": [float(v) for v in rlp],
+                    "rollout_top_p_token_ids": None,
+                    "rollout_top_p_token_offsets": None,
+                    "rollout_routed_experts": None,
+                    "remove_sample": False,
+                    "teacher_log_probs": None,
+                    "status": "completed",
+                    "metadata": {},
+                    "generate_function_path": None,
+                    "custom_rm_path": None,
+                    "train_metadata": None,
+                    "session_id": None,
+                    "non_generation_time": 0.0,
+                    "spec_info": {
+                        "spec_accept_token_num": 0,
+                        "spec_draft_token_num": 0,
+                        "spec_verify_ct": 0,
+                        "completion_token_num": n,
+                    },
+                    "prefix_cache_info": {"cached_tokens": 0, "total_prompt_tokens": len(resp.prompt)},
+                }
+            )
+            train.append(
+                {
+                    "data_parallel_rank": 0,
+                    "sample_index": slime_index(resp),
+                    "rollout_position": pos,
+                    "tokens": torch.tensor(ids, dtype=torch.long),
+                    "response_lengths": n,
+                    "total_lengths": len(ids),
+                    "rewards": float(resp.index % 2),
+                    "truncated": 0,
+                    "rollout_ids": rids[resp.index],
+                    "loss_masks": torch.tensor(mask, dtype=torch.int),
+                    "rollout_mask_sums": torch.tensor(float(totals[rids[resp.index]]), dtype=torch.float32),
+                    "rollout_log_probs": torch.tensor(rlp, dtype=torch.float32),
+                    "log_probs": torch.tensor(tlp, dtype=torch.float32),
+                    "advantages": torch.full((n,), 0.25),
+                    "returns": torch.full((n,), 0.25),
+                }
+            )
         torch.save({"rollout_id": rid, "samples": rollout}, root / "rollout_data" / f"{rid}.pt")
-        layout = [{"rank": 0, "data_parallel_rank": 0, "sample_indices": [s["sample_index"] for s in train],
-                   "partition": list(range(len(train))), "micro_batch_indices": [list(range(len(train)))],
-                   "num_microbatches": [1], "global_batch_sizes": [len(set(rids))]}]
-        torch.save({"format_version": 2, "rollout_id": rid, "rank": 0, "samples": train, "dp_shards": layout,
-                    "raw_reward": [float(r.index % 2) for r in step_resps]}, root / "train_data" / f"{rid}.pt")
+        layout = [
+            {
+                "rank": 0,
+                "data_parallel_rank": 0,
+                "sample_indices": [s["sample_index"] for s in train],
+                "partition": list(range(len(train))),
+                "micro_batch_indices": [list(range(len(train)))],
+                "num_microbatches": [1],
+                "global_batch_sizes": [len(set(rids))],
+            }
+        ]
+        torch.save(
+            {
+                "format_version": 2,
+                "rollout_id": rid,
+                "rank": 0,
+                "samples": train,
+                "dp_shards": layout,
+                "raw_reward": [float(r.index % 2) for r in step_resps],
+            },
+            root / "train_data" / f"{rid}.pt",
+        )
     return root
 
 
@@ -288,17 +373,26 @@ def write_verl(run, root: Path) -> Path:
         rw = max(len(r.sequence()) - len(r.prompt) for r in step_resps)
         lines = []
         for resp in step_resps:
-            body = resp.sequence()[len(resp.prompt):]
+            body = resp.sequence()[len(resp.prompt) :]
             n = len(body)
-            gen = [int(g) for g in resp.generated()[len(resp.prompt):]]
-            rlp = resp.aligned("rollout", 0.0)[len(resp.prompt):]
-            tlp = resp.trainer_full()[len(resp.prompt):]
-            lines.append({"input": "<prompt>", "output": "<response>", "gts": "7", "score": float(resp.index % 2),
-                          "step": step, "uid": f"u{step}-{resp.index // 4}",
-                          "prompts": [0] * (pw - len(resp.prompt)) + resp.prompt, "responses": body + [0] * (rw - n),
-                          "attention_mask": [0] * (pw - len(resp.prompt)) + [1] * (len(resp.prompt) + n) + [0] * (rw - n),
-                          "response_mask": gen + [0] * (rw - n),
-                          "rollout_log_probs": floats(rlp) + [-1.0] * (rw - n),
-                          "old_log_probs": floats(tlp) + [0.0] * (rw - n)})
+            gen = [int(g) for g in resp.generated()[len(resp.prompt) :]]
+            rlp = resp.aligned("rollout", 0.0)[len(resp.prompt) :]
+            tlp = resp.trainer_full()[len(resp.prompt) :]
+            lines.append(
+                {
+                    "input": "<prompt>",
+                    "output": "<response>",
+                    "gts": "7",
+                    "score": float(resp.index % 2),
+                    "step": step,
+                    "uid": f"u{step}-{resp.index // 4}",
+                    "prompts": [0] * (pw - len(resp.prompt)) + resp.prompt,
+                    "responses": body + [0] * (rw - n),
+                    "attention_mask": [0] * (pw - len(resp.prompt)) + [1] * (len(resp.prompt) + n) + [0] * (rw - n),
+                    "response_mask": gen + [0] * (rw - n),
+                    "rollout_log_probs": floats(rlp) + [-1.0] * (rw - n),
+                    "old_log_probs": floats(tlp) + [0.0] * (rw - n),
+                }
+            )
         (root / f"{step}.jsonl").write_text("\n".join(json.dumps(x, ensure_ascii=False) for x in lines) + "\n")
     return root

@@ -62,19 +62,39 @@ def _prime_rl(rows, root: Path, vocab: int) -> Path:
             mb = r["micro_batch"]
             k = within.get(mb, 0)
             within[mb] = k + 1
-            lines.append({"schema_version": 1, "step": step, "rank": 0, "micro_step": mb, "micro_sequence_idx": k,
-                          "export_sequence_idx": i, "env_name": "oracle", "token_ids": list(p) + list(o),
-                          "position_ids": list(range(n)), "loss_mask": [False] * len(p) + [True] * len(o),
-                          "advantages": [0.0] * n, "inference_logprobs": _f32(inf), "trainer_logprobs": _f32(tr),
-                          "entropy": _f32(np.full(n, 1.0)), "mismatch_kl": _f32(np.exp(lr) - lr - np.float32(1.0)),
-                          "log_importance_ratio": _f32(lr), "importance_ratio": _f32(np.exp(lr)),
-                          "prob_delta": _f32(np.exp(tr) - np.exp(inf)), "is_masked": [False] * n,
-                          "is_masked_high": [False] * n, "is_masked_low": [False] * n,
-                          "rl_weights": [None] * n, "ce_weights": [None] * n, "ref_kl_weights": [None] * n})
+            lines.append(
+                {
+                    "schema_version": 1,
+                    "step": step,
+                    "rank": 0,
+                    "micro_step": mb,
+                    "micro_sequence_idx": k,
+                    "export_sequence_idx": i,
+                    "env_name": "oracle",
+                    "token_ids": list(p) + list(o),
+                    "position_ids": list(range(n)),
+                    "loss_mask": [False] * len(p) + [True] * len(o),
+                    "advantages": [0.0] * n,
+                    "inference_logprobs": _f32(inf),
+                    "trainer_logprobs": _f32(tr),
+                    "entropy": _f32(np.full(n, 1.0)),
+                    "mismatch_kl": _f32(np.exp(lr) - lr - np.float32(1.0)),
+                    "log_importance_ratio": _f32(lr),
+                    "importance_ratio": _f32(np.exp(lr)),
+                    "prob_delta": _f32(np.exp(tr) - np.exp(inf)),
+                    "is_masked": [False] * n,
+                    "is_masked_high": [False] * n,
+                    "is_masked_low": [False] * n,
+                    "rl_weights": [None] * n,
+                    "ce_weights": [None] * n,
+                    "ref_kl_weights": [None] * n,
+                }
+            )
         d = out / f"step_{step}"
         d.mkdir(parents=True, exist_ok=True)
-        (d / "rank_0.jsonl").write_text("".join(json.dumps(x, separators=(",", ":"), allow_nan=False) + "\n"
-                                                for x in lines))
+        (d / "rank_0.jsonl").write_text(
+            "".join(json.dumps(x, separators=(",", ":"), allow_nan=False) + "\n" for x in lines)
+        )
         (d / "STABLE").touch()
     return out
 
@@ -89,11 +109,20 @@ def _nemo_rl(rows, root: Path, vocab: int) -> Path:
             n, pad = len(p) + len(o), width - len(p) - len(o)
             gen = [0.0] * len(p) + list(r["rollout_logprobs"]) + [0.0] * pad
             prev = [0.0] + [PROMPT_LOGPROB] * (len(p) - 1) + list(r["trainer_logprobs"]) + [-5.0] * pad
-            recs.append({"content": [["<prompt>", "<response>"]], "rewards": [0.0], "input_lengths": [n],
-                         "token_ids": [list(p) + list(o) + [0] * pad],
-                         "token_loss_mask": [[0] * len(p) + [1] * len(o) + [0] * pad], "sample_loss_mask": [1],
-                         "advantages": [[0.0] * width], "generation_logprobs": [_f32(gen)],
-                         "prev_logprobs": [_f32(prev)], "idx": i})
+            recs.append(
+                {
+                    "content": [["<prompt>", "<response>"]],
+                    "rewards": [0.0],
+                    "input_lengths": [n],
+                    "token_ids": [list(p) + list(o) + [0] * pad],
+                    "token_loss_mask": [[0] * len(p) + [1] * len(o) + [0] * pad],
+                    "sample_loss_mask": [1],
+                    "advantages": [[0.0] * width],
+                    "generation_logprobs": [_f32(gen)],
+                    "prev_logprobs": [_f32(prev)],
+                    "idx": i,
+                }
+            )
         (root / f"train_data_step{step}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in recs))
     return root
 
@@ -107,17 +136,44 @@ def _slime(rows, root: Path, vocab: int) -> Path:
         samples, mbs = [], {}
         for i, r in enumerate(resps):
             p, o = r["prompt_token_ids"], r["response_token_ids"]
-            samples.append({"data_parallel_rank": 0, "sample_index": step * 1000 + i, "rollout_position": i,
-                            "tokens": torch.tensor(list(p) + list(o), dtype=torch.long),
-                            "response_lengths": len(o), "total_lengths": len(p) + len(o), "rewards": 0.0,
-                            "truncated": 0, "rollout_ids": i, "loss_masks": torch.ones(len(o), dtype=torch.int),
-                            "rollout_mask_sums": torch.tensor(float(len(o))),
-                            "rollout_log_probs": torch.tensor(r["rollout_logprobs"], dtype=torch.float32),
-                            "log_probs": torch.tensor(r["trainer_logprobs"], dtype=torch.float32)})
+            samples.append(
+                {
+                    "data_parallel_rank": 0,
+                    "sample_index": step * 1000 + i,
+                    "rollout_position": i,
+                    "tokens": torch.tensor(list(p) + list(o), dtype=torch.long),
+                    "response_lengths": len(o),
+                    "total_lengths": len(p) + len(o),
+                    "rewards": 0.0,
+                    "truncated": 0,
+                    "rollout_ids": i,
+                    "loss_masks": torch.ones(len(o), dtype=torch.int),
+                    "rollout_mask_sums": torch.tensor(float(len(o))),
+                    "rollout_log_probs": torch.tensor(r["rollout_logprobs"], dtype=torch.float32),
+                    "log_probs": torch.tensor(r["trainer_logprobs"], dtype=torch.float32),
+                }
+            )
             mbs.setdefault(r["micro_batch"], []).append(i)
-        layout = [{"rank": 0, "data_parallel_rank": 0, "sample_indices": [s["sample_index"] for s in samples],
-                   "partition": list(range(len(samples))), "micro_batch_indices": [mbs[k] for k in sorted(mbs)],
-                   "num_microbatches": [len(mbs)], "global_batch_sizes": [len(samples)]}]
-        torch.save({"format_version": 2, "rollout_id": step, "rank": 0, "samples": samples, "dp_shards": layout,
-                    "raw_reward": [0.0] * len(samples)}, d / f"{step}.pt")
+        layout = [
+            {
+                "rank": 0,
+                "data_parallel_rank": 0,
+                "sample_indices": [s["sample_index"] for s in samples],
+                "partition": list(range(len(samples))),
+                "micro_batch_indices": [mbs[k] for k in sorted(mbs)],
+                "num_microbatches": [len(mbs)],
+                "global_batch_sizes": [len(samples)],
+            }
+        ]
+        torch.save(
+            {
+                "format_version": 2,
+                "rollout_id": step,
+                "rank": 0,
+                "samples": samples,
+                "dp_shards": layout,
+                "raw_reward": [0.0] * len(samples),
+            },
+            d / f"{step}.pt",
+        )
     return root

@@ -53,8 +53,11 @@ class ScriptedServer:
                 pass
 
             def do_GET(self):
-                self._send(Reply(json={"object": "list", "data": []}) if self.path.endswith("/models")
-                           else Reply(status=200, raw=b""))
+                self._send(
+                    Reply(json={"object": "list", "data": []})
+                    if self.path.endswith("/models")
+                    else Reply(status=200, raw=b"")
+                )
 
             def do_POST(self):
                 raw = self.rfile.read(int(self.headers.get("content-length") or 0))

@@ -16,17 +16,50 @@ def _tables(specs):
     """specs: {request_id: [(token, engine_lp, ref_lp, ref_top1), ...]}"""
     req, tok, ref = [], [], []
     for seq, (rid, toks) in enumerate(specs.items()):
-        req.append({"request_id": rid, "seq": seq, "prompt_id": rid, "rollout": 0, "prompt_token_ids": [1],
-                    "output_token_ids": [t[0] for t in toks], "output_text": "", "finish_reason": "length",
-                    "error": None, "oracle_expected": None, "oracle_ok": None})
+        req.append(
+            {
+                "request_id": rid,
+                "seq": seq,
+                "prompt_id": rid,
+                "rollout": 0,
+                "prompt_token_ids": [1],
+                "output_token_ids": [t[0] for t in toks],
+                "output_text": "",
+                "finish_reason": "length",
+                "error": None,
+                "oracle_expected": None,
+                "oracle_ok": None,
+            }
+        )
         for pos, (t, e, r, top1) in enumerate(toks):
-            tok.append({"request_id": rid, "position": pos, "token_id": t, "engine_logprob": e,
-                        "engine_topk_ids": [], "engine_topk_logprobs": []})
-            ref.append({"request_id": rid, "position": pos, "ref_logprob": r, "ref_rank": 1 if t == top1 else 2, "ref_entropy": 0.0,
-                        "ref_top1_id": top1, "ref_top1_logprob": max(r, -0.01), "ref_topk_ids": [],
-                        "ref_topk_logprobs": []})
-    return (pa.Table.from_pylist(req, schema=schema.REQUESTS), pa.Table.from_pylist(tok, schema=schema.TOKENS),
-            pa.Table.from_pylist(ref, schema=schema.REFERENCE))
+            tok.append(
+                {
+                    "request_id": rid,
+                    "position": pos,
+                    "token_id": t,
+                    "engine_logprob": e,
+                    "engine_topk_ids": [],
+                    "engine_topk_logprobs": [],
+                }
+            )
+            ref.append(
+                {
+                    "request_id": rid,
+                    "position": pos,
+                    "ref_logprob": r,
+                    "ref_rank": 1 if t == top1 else 2,
+                    "ref_entropy": 0.0,
+                    "ref_top1_id": top1,
+                    "ref_top1_logprob": max(r, -0.01),
+                    "ref_topk_ids": [],
+                    "ref_topk_logprobs": [],
+                }
+            )
+    return (
+        pa.Table.from_pylist(req, schema=schema.REQUESTS),
+        pa.Table.from_pylist(tok, schema=schema.TOKENS),
+        pa.Table.from_pylist(ref, schema=schema.REFERENCE),
+    )
 
 
 def test_verdicts_and_metrics():
@@ -121,6 +154,7 @@ def test_calibration_adapts_to_the_floor_and_ignores_a_handful_of_liars():
     _, tok, ref = _noise_run(200, 8, 0.08)
     ad = np.abs(tok.column("engine_logprob").to_numpy() - ref.column("ref_logprob").to_numpy())
     from lpf.analysis.calibration import calibrate as cal
+
     out, _ = cal(ad, np.arange(0, 1600, 8), pinned)
     assert out.divergent_abs_diff == 0.7 and out.clean_abs_diff > 1e-3
 
@@ -155,8 +189,13 @@ def test_near_tie_flip_is_divergent_and_a_sustained_lie_is_corrupt():
     summary, _ = analyze(*_tables(specs), Thresholds(), greedy=True)
     rows = {r["request_id"]: r for r in summary.to_pylist()}
     assert {k: r["verdict"] for k, r in rows.items()} == {
-        "tie": "divergent", "state": "corrupt", "relative": "corrupt", "once": "divergent", "last": "corrupt",
-        "last_informative": "corrupt"}
+        "tie": "divergent",
+        "state": "corrupt",
+        "relative": "corrupt",
+        "once": "divergent",
+        "last": "corrupt",
+        "last_informative": "corrupt",
+    }
     assert rows["tie"]["gibberish_score"] < 1e-3 and rows["state"]["gibberish_score"] == 1.0
     assert rows["once"]["gibberish_score"] == pytest.approx(1 / 7)
 
@@ -175,14 +214,18 @@ def test_fisher_exact_and_best_split():
     slot[flagged] = 36 + np.arange(7) % 4  # flagged requests sit on slots >= 36
     first_decode = flagged.copy()
     first_decode[[5, 6, 7, 8]] = True  # four clean requests share it
-    feats = [Feature("noise", "bool", np.arange(n) % 3 == 0, "had an index divisible by 3"),
-             Feature("max_state_slot", "numeric", slot, "state slot id", stride=1000),
-             Feature("first_phase_decode", "bool", first_decode, "started with a decode step")]
+    feats = [
+        Feature("noise", "bool", np.arange(n) % 3 == 0, "had an index divisible by 3"),
+        Feature("max_state_slot", "numeric", slot, "state slot id", stride=1000),
+        Feature("first_phase_decode", "bool", first_decode, "started with a decode step"),
+    ]
     hyps = rank_hypotheses(feats, flagged, np.ones(n, bool), "corrupt", "clean")
     assert [h["feature"] for h in hyps][:2] == ["max_state_slot", "first_phase_decode"]
     top = hyps[0]
     assert top["split"] == {"op": ">=", "value": 36.0} and top["flagged_with"] == 7
-    assert top["sentence"].startswith("7/7 corrupt requests had state slot id >= 36 (slot * stride >= 36,000 = 2^15.14); 0/393")
+    assert top["sentence"].startswith(
+        "7/7 corrupt requests had state slot id >= 36 (slot * stride >= 36,000 = 2^15.14); 0/393"
+    )
     assert hyps[1]["sentence"] == "7/7 corrupt requests started with a decode step; 4/393 clean ones did."
     assert all(h["feature"] != "noise" for h in hyps)
 

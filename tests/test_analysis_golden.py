@@ -42,8 +42,7 @@ FLOAT32 = {"engine_dtype": "float32", "reference_dtype": "float32", "model": "zo
 
 def _lists(matrix: np.ndarray, typ) -> pa.Array:
     n, k = matrix.shape
-    return pa.ListArray.from_arrays(pa.array(np.arange(0, n * k + 1, k, dtype=np.int32)),
-                                    pa.array(matrix.ravel(), typ))
+    return pa.ListArray.from_arrays(pa.array(np.arange(0, n * k + 1, k, dtype=np.int32)), pa.array(matrix.ravel(), typ))
 
 
 def edge_run(temperature: float = 0.0, seed: int = 11):
@@ -96,40 +95,93 @@ def edge_run(temperature: float = 0.0, seed: int = 11):
 
     inconsistency = np.full(n_req, None, dtype=object)
     inconsistency[[5, 61]] = ["token_count: 12 tokens, 13 logprobs", "text: differs from the tokens"]
-    attempts = [[{"attempt": 0, "sent": True, "status": 200 if not failed[i] else 500,
-                  "error": None if not failed[i] else "HTTP 500", "t_start": 100.0 + i, "t_end": 100.5 + i}]
-                for i in range(n_req)]
-    requests = schema_table(schema.REQUESTS, {
-        "request_id": ids, "seq": np.arange(n_req, dtype=np.int64), "prompt_id": np.array([f"p{i // 2}" for i in range(n_req)], dtype=object),
-        "rollout": (np.arange(n_req) % 2).astype(np.int32),
-        "prompt_token_ids": pa.array([list(range(1, p + 1)) for p in plen], schema.REQUESTS.field("prompt_token_ids").type),
-        "output_token_ids": pa.array([[] if failed[i] else token[i].tolist() for i in range(n_req)],
-                                     schema.REQUESTS.field("output_token_ids").type),
-        "finish_reason": np.where(failed, "error", "length").astype(object),
-        "error": pa.array([("engine died" if f else None) for f in failed], pa.string()),
-        "t_submit": 100.0 + np.arange(n_req), "t_first_token": 100.2 + np.arange(n_req), "t_finish": 100.5 + np.arange(n_req),
-        "inconsistency": pa.array(inconsistency.tolist(), pa.string()),
-        "attempts": pa.array(attempts, schema.REQUESTS.field("attempts").type)})
+    attempts = [
+        [
+            {
+                "attempt": 0,
+                "sent": True,
+                "status": 200 if not failed[i] else 500,
+                "error": None if not failed[i] else "HTTP 500",
+                "t_start": 100.0 + i,
+                "t_end": 100.5 + i,
+            }
+        ]
+        for i in range(n_req)
+    ]
+    requests = schema_table(
+        schema.REQUESTS,
+        {
+            "request_id": ids,
+            "seq": np.arange(n_req, dtype=np.int64),
+            "prompt_id": np.array([f"p{i // 2}" for i in range(n_req)], dtype=object),
+            "rollout": (np.arange(n_req) % 2).astype(np.int32),
+            "prompt_token_ids": pa.array(
+                [list(range(1, p + 1)) for p in plen], schema.REQUESTS.field("prompt_token_ids").type
+            ),
+            "output_token_ids": pa.array(
+                [[] if failed[i] else token[i].tolist() for i in range(n_req)],
+                schema.REQUESTS.field("output_token_ids").type,
+            ),
+            "finish_reason": np.where(failed, "error", "length").astype(object),
+            "error": pa.array([("engine died" if f else None) for f in failed], pa.string()),
+            "t_submit": 100.0 + np.arange(n_req),
+            "t_first_token": 100.2 + np.arange(n_req),
+            "t_finish": 100.5 + np.arange(n_req),
+            "inconsistency": pa.array(inconsistency.tolist(), pa.string()),
+            "attempts": pa.array(attempts, schema.REQUESTS.field("attempts").type),
+        },
+    )
 
     rows = np.flatnonzero(~failed)
     order = np.r_[rows[rows % 3 == 1], rows[rows % 3 != 1]]  # grouped by request, not in arrival order
     rid = np.repeat(ids[order], n_tok)
     flat = lambda x: x[order].reshape(order.size * n_tok, *x.shape[2:])  # noqa: E731
     p = np.tile(np.arange(n_tok, dtype=np.int32), order.size)
-    tokens = schema_table(schema.TOKENS, {
-        "request_id": rid, "position": p, "token_id": flat(token), "engine_logprob": flat(eng_lp),
-        "engine_topk_ids": _lists(flat(etop), pa.int32()), "engine_topk_logprobs": _lists(flat(etop_lp), pa.float32())})
-    reference = schema_table(schema.REFERENCE, {
-        "request_id": rid, "position": p, "ref_logprob": flat(ref_lp), "ref_rank": flat(rank),
-        "ref_entropy": np.full(rid.size, 0.4, np.float32), "ref_top1_id": flat(top1), "ref_top1_logprob": flat(top1_lp),
-        "ref_topk_ids": _lists(flat(rtop), pa.int32()), "ref_topk_logprobs": _lists(flat(rtop_lp), pa.float32())})
+    tokens = schema_table(
+        schema.TOKENS,
+        {
+            "request_id": rid,
+            "position": p,
+            "token_id": flat(token),
+            "engine_logprob": flat(eng_lp),
+            "engine_topk_ids": _lists(flat(etop), pa.int32()),
+            "engine_topk_logprobs": _lists(flat(etop_lp), pa.float32()),
+        },
+    )
+    reference = schema_table(
+        schema.REFERENCE,
+        {
+            "request_id": rid,
+            "position": p,
+            "ref_logprob": flat(ref_lp),
+            "ref_rank": flat(rank),
+            "ref_entropy": np.full(rid.size, 0.4, np.float32),
+            "ref_top1_id": flat(top1),
+            "ref_top1_logprob": flat(top1_lp),
+            "ref_topk_ids": _lists(flat(rtop), pa.int32()),
+            "ref_topk_logprobs": _lists(flat(rtop_lp), pa.float32()),
+        },
+    )
     unscored = ids[order[7]]
     keep = np.asarray(reference.column("request_id").to_numpy(zero_copy_only=False) != unscored)
     reference = reference.filter(pa.array(keep))
 
     # the trace: a prefill step at arrival, then one decode a step per output token
-    t_rows = [(int(steps_of[i]) + j, ids[i], "prefill" if j == 0 else "decode", 0 if j == 0 else int(plen[i]) + j - 1,
-               int(plen[i]) if j == 0 else 1, int(slot[i]), 12, 40, False) for i in rows for j in range(n_tok)]
+    t_rows = [
+        (
+            int(steps_of[i]) + j,
+            ids[i],
+            "prefill" if j == 0 else "decode",
+            0 if j == 0 else int(plen[i]) + j - 1,
+            int(plen[i]) if j == 0 else 1,
+            int(slot[i]),
+            12,
+            40,
+            False,
+        )
+        for i in rows
+        for j in range(n_tok)
+    ]
     trace = pa.Table.from_pylist([dict(zip(schema.TRACE.names, r)) for r in t_rows], schema=schema.TRACE)
 
     # prompt positions 1..plen-1 of the honest half, one request departing at position 3
@@ -141,24 +193,44 @@ def edge_run(temperature: float = 0.0, seed: int = 11):
     p_eng[(prid == ids[pr[3]]) & (ppos >= 3)] -= 2.5
     empty_i = pa.array([[]] * prid.size, pa.list_(pa.int32()))
     empty_f = pa.array([[]] * prid.size, pa.list_(pa.float32()))
-    prompt_tokens = schema_table(schema.PROMPT_TOKENS, {
-        "request_id": prid, "position": ppos, "token_id": np.ones(prid.size, np.int32), "engine_logprob": p_eng,
-        "engine_topk_ids": empty_i, "engine_topk_logprobs": empty_f})
-    prompt_reference = schema_table(schema.PROMPT_REFERENCE, {
-        "request_id": prid, "position": ppos, "ref_logprob": p_ref, "ref_rank": np.ones(prid.size, np.int32),
-        "ref_entropy": np.ones(prid.size, np.float32), "ref_top1_id": np.ones(prid.size, np.int32),
-        "ref_top1_logprob": p_ref, "ref_topk_ids": empty_i, "ref_topk_logprobs": empty_f})
+    prompt_tokens = schema_table(
+        schema.PROMPT_TOKENS,
+        {
+            "request_id": prid,
+            "position": ppos,
+            "token_id": np.ones(prid.size, np.int32),
+            "engine_logprob": p_eng,
+            "engine_topk_ids": empty_i,
+            "engine_topk_logprobs": empty_f,
+        },
+    )
+    prompt_reference = schema_table(
+        schema.PROMPT_REFERENCE,
+        {
+            "request_id": prid,
+            "position": ppos,
+            "ref_logprob": p_ref,
+            "ref_rank": np.ones(prid.size, np.int32),
+            "ref_entropy": np.ones(prid.size, np.float32),
+            "ref_top1_id": np.ones(prid.size, np.int32),
+            "ref_top1_logprob": p_ref,
+            "ref_topk_ids": empty_i,
+            "ref_topk_logprobs": empty_f,
+        },
+    )
 
-    calibration = reference.set_column(2, "ref_logprob", pa.array(reference.column("ref_logprob").to_numpy()
-                                                                  + rng.normal(0, 3e-6, reference.num_rows)))
+    calibration = reference.set_column(
+        2, "ref_logprob", pa.array(reference.column("ref_logprob").to_numpy() + rng.normal(0, 3e-6, reference.num_rows))
+    )
     return requests, tokens, reference, trace, prompt_tokens, prompt_reference, calibration
 
 
 def schema_table(target: pa.Schema, columns: dict) -> pa.Table:
     """A table of `target` with these columns, the others null (built here, not by the code under test)."""
     n = len(next(iter(columns.values())))
-    return pa.table({f.name: (columns[f.name] if f.name in columns else pa.nulls(n, f.type)) for f in target},
-                    schema=target)
+    return pa.table(
+        {f.name: (columns[f.name] if f.name in columns else pa.nulls(n, f.type)) for f in target}, schema=target
+    )
 
 
 def _knob(monkeypatch, modules: tuple[str, ...], name: str, value) -> None:
@@ -201,9 +273,12 @@ def case_tables(name: str):
         ref = shuffled(ref, 1)
         kw.update(prompt_tokens=ptok, prompt_reference=shuffled(pref, 2), chunk_budget=16)
     elif name == "calibration-run":  # a calibration run's floor and the expected floor's test
-        kw.update(calibration=shuffled(cal, 3), calibration_info={"dtype": "float32", "reference_dtype": "float32",
-                                                                   "same_as_reference": True},
-                  floor_table=_floor_table(), run_info={**FLOAT32, "sampling": sampling})
+        kw.update(
+            calibration=shuffled(cal, 3),
+            calibration_info={"dtype": "float32", "reference_dtype": "float32", "same_as_reference": True},
+            floor_table=_floor_table(),
+            run_info={**FLOAT32, "sampling": sampling},
+        )
     elif name == "sampled-tempered":  # sampled, tempered logprobs, no trace
         kw.update(trace=None, floor_table=_floor_table(), run_info={**FLOAT32, "sampling": sampling})
     return req, tok, ref, kw
@@ -259,8 +334,15 @@ def test_run_directory_findings_are_pinned_both_ways(tmp_path, monkeypatch, shuf
     monkeypatch.setattr(run_test, "MAX_TOKENS", 8000)
     monkeypatch.setattr(run_test, "EVIDENCE_BLOCK", 1000, raising=False)
     _knob(monkeypatch, ("lpf.pipeline.stream_parts", "lpf.pipeline.analyze_stream"), "CHUNK_ROWS", 999)
-    run, _ = _bench().write_synthetic_run(tmp_path / "run", 40_000, part_tokens=3000, topk=5,
-                                          temperature=0.7 if shuffle else 0.0, shuffle_reference=shuffle, out_tokens=20)
+    run, _ = _bench().write_synthetic_run(
+        tmp_path / "run",
+        40_000,
+        part_tokens=3000,
+        topk=5,
+        temperature=0.7 if shuffle else 0.0,
+        shuffle_reference=shuffle,
+        out_tokens=20,
+    )
     name = "rundir-ranges" if shuffle else "rundir-zip"
     for stream in (False, True):
         d = tmp_path / f"stream-{stream}"

@@ -63,8 +63,23 @@ def swap_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("swap")
     items = registry.workload_items("oracle", seed=3, n=400)
     prompts = write_prompts(tmp / "p.jsonl", [{"id": i["id"], "prompt": i["prompt"]} for i in items])
-    proc = lpf_subprocess("audit", "--engine", "builtin", "--model", "zoo:hybrid", "--workload", prompts,
-                          "--max-tokens", 16, "--inject", "swap-outputs:5", "--out", tmp / "run", "--fail-on", "never")
+    proc = lpf_subprocess(
+        "audit",
+        "--engine",
+        "builtin",
+        "--model",
+        "zoo:hybrid",
+        "--workload",
+        prompts,
+        "--max-tokens",
+        16,
+        "--inject",
+        "swap-outputs:5",
+        "--out",
+        tmp / "run",
+        "--fail-on",
+        "never",
+    )
     assert proc.returncode == 0, proc.stderr
     return tmp / "run"
 
@@ -87,11 +102,13 @@ def test_synthetic_run_in_many_parts(tmp_path, monkeypatch, shuffle):
 
     monkeypatch.setattr(run_test, "MAX_TOKENS", 9000)
     bench = _bench()
-    run, n_bad = bench.write_synthetic_run(tmp_path / "run", 60_000, part_tokens=2000, topk=5, temperature=0.7,
-                                           shuffle_reference=shuffle, out_tokens=24)
+    run, n_bad = bench.write_synthetic_run(
+        tmp_path / "run", 60_000, part_tokens=2000, topk=5, temperature=0.7, shuffle_reference=shuffle, out_tokens=24
+    )
     assert n_bad > 0
-    (mem_raw, mem_sum, f), (st_raw, st_sum, _), ranged = both_ways(run.path, tmp_path, monkeypatch, 777,
-                                                                   attribute=False)
+    (mem_raw, mem_sum, f), (st_raw, st_sum, _), ranged = both_ways(
+        run.path, tmp_path, monkeypatch, 777, attribute=False
+    )
     assert ranged == shuffle
     assert f["counts"]["corrupt"] > 0 and f["run_test"]["sampled_every"] == 7
     if shuffle:
@@ -115,14 +132,17 @@ def test_one_pass_and_its_checks(tmp_path, monkeypatch, short):
         for table in ("tokens", "reference"):
             for part in run.parts(table):
                 t = pq.read_table(part)
-                keep = pc.invert(pc.and_(pc.equal(t.column("request_id"), "bench-00000700-r0"), pc.equal(t.column("position"), 19)))
+                keep = pc.invert(
+                    pc.and_(pc.equal(t.column("request_id"), "bench-00000700-r0"), pc.equal(t.column("position"), 19))
+                )
                 if not pc.all(keep).as_py():
                     pq.write_table(t.filter(keep), part)
     passes = []
     real = analyze_stream._two_passes
     monkeypatch.setattr(analyze_stream, "_two_passes", lambda *a, **k: passes.append(1) or real(*a, **k))
-    (mem_raw, mem_sum, f), (st_raw, st_sum, _), ranged = both_ways(run.path, tmp_path, monkeypatch, 1500,
-                                                                   attribute=False)
+    (mem_raw, mem_sum, f), (st_raw, st_sum, _), ranged = both_ways(
+        run.path, tmp_path, monkeypatch, 1500, attribute=False
+    )
     assert passes == ([1] if short else []) and not ranged and f["run_test"]["sampled_every"] == 6
     assert st_raw == mem_raw
     assert st_sum.equals(mem_sum)
@@ -132,8 +152,11 @@ def test_stream_refuses_a_calibration_run(swap_run, tmp_path, lpf_cli):
     run = tmp_path / "run"
     shutil.copytree(swap_run, run)
     m = json.loads((run / "manifest.json").read_text())
-    m["calibration"] = {"spec": m["reference"]["spec"], "reference_dtype": m["reference"]["dtype"],
-                        "same_as_reference": True}
+    m["calibration"] = {
+        "spec": m["reference"]["spec"],
+        "reference_dtype": m["reference"]["dtype"],
+        "same_as_reference": True,
+    }
     (run / "manifest.json").write_text(json.dumps(m))
     r = lpf_cli("analyze", str(run), "--stream", "--no-attribution")
     assert r.code == 2 and "--no-stream" in r.err
@@ -156,12 +179,33 @@ def test_cli_stream_and_no_stream_write_the_same_findings(swap_run, tmp_path, lp
 def test_sampled_drill_with_tempered_logprobs_is_byte_identical(tmp_path, monkeypatch):
     """The processed-logprobs drill at temperature 0.6 (500 requests, ~9 s): the tempered-logprob
     signature ranks first and the run-level test finds the run `systematic`, both ways alike."""
-    proc = lpf_subprocess("audit", "--engine", "builtin", "--model", "zoo:hybrid", "--workload", "zoo:oracle",
-                          "--n", 1, "--max-tokens", 8, "--ignore-eos", "--temperature", 0.6, "--inject",
-                          "processed-logprobs", "--no-attribution", "--out", tmp_path / "run", "--fail-on", "never")
+    proc = lpf_subprocess(
+        "audit",
+        "--engine",
+        "builtin",
+        "--model",
+        "zoo:hybrid",
+        "--workload",
+        "zoo:oracle",
+        "--n",
+        1,
+        "--max-tokens",
+        8,
+        "--ignore-eos",
+        "--temperature",
+        0.6,
+        "--inject",
+        "processed-logprobs",
+        "--no-attribution",
+        "--out",
+        tmp_path / "run",
+        "--fail-on",
+        "never",
+    )
     assert proc.returncode == 0, proc.stderr
-    (mem_raw, mem_sum, f), (st_raw, st_sum, _), _ = both_ways(tmp_path / "run", tmp_path, monkeypatch, 300,
-                                                              attribute=False)
+    (mem_raw, mem_sum, f), (st_raw, st_sum, _), _ = both_ways(
+        tmp_path / "run", tmp_path, monkeypatch, 300, attribute=False
+    )
     assert f["hypotheses"][0]["feature"] == "tempered_logprobs" and f["verdict"] == "systematic"
     assert st_raw == mem_raw
     assert st_sum.equals(mem_sum)

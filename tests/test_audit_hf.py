@@ -38,8 +38,20 @@ def test_audit_hf_hybrid_clean(hybrid_audit):
 
 def test_audit_hf_llama_clean(tmp_path, prompts_200):
     out = tmp_path / "llama"
-    proc = lpf_subprocess("audit", "--engine", "hf", "--model", "tiny:llama", "--workload", prompts_200,
-                          "--max-tokens", 12, "--out", out, "--json")
+    proc = lpf_subprocess(
+        "audit",
+        "--engine",
+        "hf",
+        "--model",
+        "tiny:llama",
+        "--workload",
+        prompts_200,
+        "--max-tokens",
+        12,
+        "--out",
+        out,
+        "--json",
+    )
     _check_clean(out, proc)
 
 
@@ -48,8 +60,26 @@ def test_sampled_run_is_clean_and_records_raw_logprobs(tmp_path, lpf_cli):
     from conftest import write_prompts
 
     prompts = write_prompts(tmp_path / "p.jsonl", [{"prompt": f"The baker {i} walked"} for i in range(12)])
-    r = lpf_cli("audit", "--engine", "hf", "--model", "tiny:llama", "--workload", prompts, "--temperature", 1.5, "--top-k", 20,
-                "--n", 2, "--max-tokens", 10, "--out", tmp_path / "run", "--json")
+    r = lpf_cli(
+        "audit",
+        "--engine",
+        "hf",
+        "--model",
+        "tiny:llama",
+        "--workload",
+        prompts,
+        "--temperature",
+        1.5,
+        "--top-k",
+        20,
+        "--n",
+        2,
+        "--max-tokens",
+        10,
+        "--out",
+        tmp_path / "run",
+        "--json",
+    )
     assert r.code == 0, r.err
     findings = json.loads(r.out)
     assert findings["n_requests"] == 24 and findings["verdict"] == "clean"

@@ -19,7 +19,9 @@ def _assert_clean_error(r, *needles):
 
 
 def test_missing_prompts_file(lpf_cli, tmp_path):
-    _assert_clean_error(lpf_cli("audit", "--workload", tmp_path / "nope.jsonl", "--out", tmp_path / "o"), "does not exist")
+    _assert_clean_error(
+        lpf_cli("audit", "--workload", tmp_path / "nope.jsonl", "--out", tmp_path / "o"), "does not exist"
+    )
     assert not (tmp_path / "o").exists()
 
 
@@ -30,28 +32,40 @@ def test_malformed_line_names_the_line(lpf_cli, tmp_path):
     assert not (tmp_path / "o").exists()
 
 
-@pytest.mark.parametrize("item, needle", [
-    ({"prompt": ""}, "empty prompt"),
-    ({"prompt_token_ids": []}, "empty prompt"),
-    ({"prompt_token_ids": [1, 2, 99999]}, "outside the vocabulary"),
-    ({"prompt_token_ids": [1, -3]}, "outside the vocabulary"),
-    ({"prompt_token_ids": "1 2 3"}, "list of integers"),
-    ({"text": "hi"}, "unknown field"),
-    ({"prompt": "a", "prompt_token_ids": [1]}, "exactly one"),
-    (["a list"], "JSON object"),
-])
+@pytest.mark.parametrize(
+    "item, needle",
+    [
+        ({"prompt": ""}, "empty prompt"),
+        ({"prompt_token_ids": []}, "empty prompt"),
+        ({"prompt_token_ids": [1, 2, 99999]}, "outside the vocabulary"),
+        ({"prompt_token_ids": [1, -3]}, "outside the vocabulary"),
+        ({"prompt_token_ids": "1 2 3"}, "list of integers"),
+        ({"text": "hi"}, "unknown field"),
+        ({"prompt": "a", "prompt_token_ids": [1]}, "exactly one"),
+        (["a list"], "JSON object"),
+    ],
+)
 def test_bad_items(lpf_cli, tmp_path, item, needle):
     p = write_prompts(tmp_path / "p.jsonl", [{"prompt": "fine"}, item])
-    _assert_clean_error(lpf_cli("run", "--engine", "hf", "--model", "tiny:llama", "--workload", p, "--out", tmp_path / "o"), ":2:", needle)
+    _assert_clean_error(
+        lpf_cli("run", "--engine", "hf", "--model", "tiny:llama", "--workload", p, "--out", tmp_path / "o"),
+        ":2:",
+        needle,
+    )
 
 
 def test_prompt_longer_than_context(lpf_cli, tmp_path):
     p = write_prompts(tmp_path / "p.jsonl", [{"prompt_token_ids": [5] * 5000}])
-    _assert_clean_error(lpf_cli("run", "--engine", "hf", "--model", "tiny:llama", "--workload", p, "--out", tmp_path / "o"), "model context is 4096")
+    _assert_clean_error(
+        lpf_cli("run", "--engine", "hf", "--model", "tiny:llama", "--workload", p, "--out", tmp_path / "o"),
+        "model context is 4096",
+    )
 
 
 def test_unknown_engine_suggests(lpf_cli, tmp_path):
-    _assert_clean_error(lpf_cli("audit", "--engine", "hff", "--out", tmp_path / "o"), "unknown engine 'hff'", "did you mean 'hf'")
+    _assert_clean_error(
+        lpf_cli("audit", "--engine", "hff", "--out", tmp_path / "o"), "unknown engine 'hff'", "did you mean 'hf'"
+    )
 
 
 def test_unknown_model_path(lpf_cli, tmp_path):
@@ -60,13 +74,19 @@ def test_unknown_model_path(lpf_cli, tmp_path):
 
 
 def test_builtin_refuses_an_architecture_it_does_not_run(lpf_cli, tmp_path):
-    _assert_clean_error(lpf_cli("run", "--model", "tiny:llama", "--out", tmp_path / "o"), "LlamaForCausalLM", "--engine hf")
+    _assert_clean_error(
+        lpf_cli("run", "--model", "tiny:llama", "--out", tmp_path / "o"), "LlamaForCausalLM", "--engine hf"
+    )
     assert not (tmp_path / "o").exists()
 
 
 def test_unknown_engine_option(lpf_cli, tmp_path):
-    _assert_clean_error(lpf_cli("run", "--engine", "hf", "-E", "batchsize=4", "--out", tmp_path / "o"), "did you mean 'batch_size'")
-    _assert_clean_error(lpf_cli("run", "--engine", "hf", "--cache-mb", "4", "--out", tmp_path / "o"), "unknown engine option 'cache_mb'")
+    _assert_clean_error(
+        lpf_cli("run", "--engine", "hf", "-E", "batchsize=4", "--out", tmp_path / "o"), "did you mean 'batch_size'"
+    )
+    _assert_clean_error(
+        lpf_cli("run", "--engine", "hf", "--cache-mb", "4", "--out", tmp_path / "o"), "unknown engine option 'cache_mb'"
+    )
 
 
 def test_existing_run_dir_is_not_overwritten(lpf_cli, tmp_path):

@@ -24,24 +24,52 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # bench -> (extra argv, the lines it must print)
 BENCHES = {
-    "analysis": ([], [r"analysis \(in memory, run-level test on\): .* tokens/s \([\d.]+x the 15M tokens/s target",
-                      r"run-level test: .*: [\d.]+x",
-                      r"scale \(zip\): .*\([\d.]+x the 5M tokens/s target\).*findings identical: True"]),
+    "analysis": (
+        [],
+        [
+            r"analysis \(in memory, run-level test on\): .* tokens/s \([\d.]+x the 15M tokens/s target",
+            r"run-level test: .*: [\d.]+x",
+            r"scale \(zip\): .*\([\d.]+x the 5M tokens/s target\).*findings identical: True",
+        ],
+    ),
     "report": ([], [r"report for 2,000 requests .* MB, [\d.]+x\)"]),
-    "rescore": ([], [r"\| speed, output tokens/s: .*RL-like\) \| \d+ \| \d+ \| [\d.]+x \|",
-                     r"\| speed, output tokens/s: .*audit-like\) \| \d+ \| \d+ \| [\d.]+x \|",
-                     r"\| memory, peak RSS above the model: .* \| [\d.]+ \|"]),
+    "rescore": (
+        [],
+        [
+            r"\| speed, output tokens/s: .*RL-like\) \| \d+ \| \d+ \| [\d.]+x \|",
+            r"\| speed, output tokens/s: .*audit-like\) \| \d+ \| \d+ \| [\d.]+x \|",
+            r"\| memory, peak RSS above the model: .* \| [\d.]+ \|",
+        ],
+    ),
     "engine": ([], [r"\| lpf builtin \(continuous batching\) \| \d+ \| [\d.]+x \|"]),
-    "detection": ([], [r"AUC, shipped:", r"\| quantize-weights:4 \| [\d.]+ \|", r"false alarms at p < 1e-06",
-                       r"tokens only, AUC, unseeded:", r"\| greedy quantize-weights:4 \| [\d.]+ \|"]),
-    "nondeterminism": (["--out", "{tmp}"], [r"\| builtin seqs=1 budget=512 \| \d+ \| \d+ \|",
-                                              r"false alarms: [\d.]+ of requests, [\d.]+ of runs"]),
+    "detection": (
+        [],
+        [
+            r"AUC, shipped:",
+            r"\| quantize-weights:4 \| [\d.]+ \|",
+            r"false alarms at p < 1e-06",
+            r"tokens only, AUC, unseeded:",
+            r"\| greedy quantize-weights:4 \| [\d.]+ \|",
+        ],
+    ),
+    "nondeterminism": (
+        ["--out", "{tmp}"],
+        [r"\| builtin seqs=1 budget=512 \| \d+ \| \d+ \|", r"false alarms: [\d.]+ of requests, [\d.]+ of runs"],
+    ),
     "vllm_trace": ([], [r'\{"drill": \{"cpu": [\d.]+, "wall": [\d.]+\}\}']),
     "conformance": ([], [r"conformance cell: .* in-process: [\d.]+x"]),
     "vllm_trace_profile": (["src/lpf/zoo/data/models/hybrid"], [r'"ratio_cpu": [\d.]+, "ratio_wall": [\d.]+']),
-    "bugs": (["--out", "{tmp}"], [r"\| stale-conv-on-reuse \| 240 \| \d+ \| 1\.000 \| 0 \| yes \(first_slot_used_before\) \|"]),
-    "locate": ([], [r"lost-chunk-state, zoo:hybrid \(quick\): located L0\.\S+ at prompt token \d+ \(suspect engine\) "
-                    r"in [\d.]+ s \([\d.]+x the 60 s target"]),
+    "bugs": (
+        ["--out", "{tmp}"],
+        [r"\| stale-conv-on-reuse \| 240 \| \d+ \| 1\.000 \| 0 \| yes \(first_slot_used_before\) \|"],
+    ),
+    "locate": (
+        [],
+        [
+            r"lost-chunk-state, zoo:hybrid \(quick\): located L0\.\S+ at prompt token \d+ \(suspect engine\) "
+            r"in [\d.]+ s \([\d.]+x the 60 s target"
+        ],
+    ),
 }
 
 
@@ -52,8 +80,14 @@ def _run(name: str, tmp: Path) -> subprocess.CompletedProcess:
     if name == "vllm_trace_profile":  # runs inside vLLM's own interpreter, with the plugin installed
         python, env["VLLM_CPU_KVCACHE_SPACE"] = str(_vllm_python()), "1"
         env.pop("PYTHONPATH")
-    return subprocess.run([python, str(ROOT / "bench" / f"{name}.py"), *args, "--quick"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
+    return subprocess.run(
+        [python, str(ROOT / "bench" / f"{name}.py"), *args, "--quick"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
 
 
 def _check(name: str, tmp: Path) -> None:
@@ -62,7 +96,9 @@ def _check(name: str, tmp: Path) -> None:
     proc = _run(name, tmp)
     assert proc.returncode == 0, f"bench/{name}.py --quick failed:\n{proc.stderr[-3000:]}"
     for pattern in BENCHES[name][1]:
-        assert re.search(pattern, proc.stdout), f"bench/{name}.py --quick did not print {pattern!r}:\n{proc.stdout[-3000:]}"
+        assert re.search(pattern, proc.stdout), (
+            f"bench/{name}.py --quick did not print {pattern!r}:\n{proc.stdout[-3000:]}"
+        )
     assert {p: p.stat().st_mtime_ns for p in results.glob("*")} == before, "--quick must not write bench/results"
 
 

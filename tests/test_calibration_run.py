@@ -31,7 +31,9 @@ def prompts(tmp_path_factory):
     def make(n: int, seed: int):
         items = registry.workload_items("oracle", seed=seed, n=n)
         path = tmp_path_factory.mktemp("workloads") / f"oracle{n}.jsonl"
-        return write_prompts(path, [{"id": it["id"], "prompt": it["prompt"], "expected": it["expected"]} for it in items])
+        return write_prompts(
+            path, [{"id": it["id"], "prompt": it["prompt"], "expected": it["expected"]} for it in items]
+        )
 
     return make
 
@@ -44,9 +46,26 @@ def test_bf16_engine_calibration_run(prompts, tmp_path, lpf_cli):
     """(1) bfloat16 engine, float32 reference: the floor comes from the reference at bfloat16, above
     float32's (~0); nothing corrupt; resumable; and engine logprobs cannot move the thresholds."""
     run = tmp_path / "bf16"
-    r = lpf_cli("audit", "--model", "tiny:hybrid", "--dtype", "bfloat16", "--workload", prompts(60, 11),
-                "--max-tokens", 8, "--ignore-eos", "--token-budget", 512, "--calibrate", "--out", run,
-                "--json", "--fail-on", "corrupt")
+    r = lpf_cli(
+        "audit",
+        "--model",
+        "tiny:hybrid",
+        "--dtype",
+        "bfloat16",
+        "--workload",
+        prompts(60, 11),
+        "--max-tokens",
+        8,
+        "--ignore-eos",
+        "--token-budget",
+        512,
+        "--calibrate",
+        "--out",
+        run,
+        "--json",
+        "--fail-on",
+        "corrupt",
+    )
     assert r.code == 0, r.err  # --fail-on corrupt: nothing corrupt
     f = json.loads(r.out)
     th = f["thresholds"]
@@ -68,13 +87,15 @@ def test_bf16_engine_calibration_run(prompts, tmp_path, lpf_cli):
     # and the calibration run was interrupted: its last parts are missing
     parts = sorted((run / "calibration").glob("part-*.parquet"))
     assert len(parts) >= 3
-    for p in parts[len(parts) // 2:]:
+    for p in parts[len(parts) // 2 :]:
         p.unlink()
     r2 = lpf_cli("rescore", run, "--calibrate", "--token-budget", 512)
     assert r2.code == 0, r2.err
     cal2 = pq.read_table(run / "calibration")
-    assert cal2.num_rows == 480 and len(set(zip(cal2.column("request_id").to_pylist(),
-                                                cal2.column("position").to_pylist()))) == 480
+    assert (
+        cal2.num_rows == 480
+        and len(set(zip(cal2.column("request_id").to_pylist(), cal2.column("position").to_pylist()))) == 480
+    )
     r3 = lpf_cli("analyze", run, "--json", "--fail-on", "never")
     assert r3.code == 0, r3.err
     lied = json.loads(r3.out)
@@ -85,8 +106,21 @@ def test_bf16_engine_calibration_run(prompts, tmp_path, lpf_cli):
 def test_float32_engine_keeps_defaults(prompts, tmp_path, lpf_cli):
     """(3) float32 engine: the calibration run would be the reference itself; floor 0, defaults."""
     run = tmp_path / "f32"
-    r = lpf_cli("audit", "--model", "tiny:hybrid", "--workload", prompts(30, 12), "--max-tokens", 8,
-                "--calibrate", "--out", run, "--json", "--fail-on", "never")
+    r = lpf_cli(
+        "audit",
+        "--model",
+        "tiny:hybrid",
+        "--workload",
+        prompts(30, 12),
+        "--max-tokens",
+        8,
+        "--calibrate",
+        "--out",
+        run,
+        "--json",
+        "--fail-on",
+        "never",
+    )
     assert r.code == 0, r.err
     f = json.loads(r.out)
     th = f["thresholds"]
@@ -120,8 +154,23 @@ def test_processed_logprobs_drill_with_calibration_run(prompts, tmp_path, lpf_cl
     the lie (its thresholds rise above the defaults); the expected floor (the shipped table, and a
     calibration run alike) keeps the defaults, and the run-level test calls the run systematic."""
     run = tmp_path / "p"
-    r = lpf_cli("audit", "--workload", prompts(300, 13), "--max-tokens", 8, "--ignore-eos", "--temperature", 0.6,
-                "--inject", "processed-logprobs", "--out", run, "--json", "--fail-on", "never")
+    r = lpf_cli(
+        "audit",
+        "--workload",
+        prompts(300, 13),
+        "--max-tokens",
+        8,
+        "--ignore-eos",
+        "--temperature",
+        0.6,
+        "--inject",
+        "processed-logprobs",
+        "--out",
+        run,
+        "--json",
+        "--fail-on",
+        "never",
+    )
     assert r.code == 0, r.err
     table = json.loads(r.out)
     own = _own_floor_thresholds(run)
@@ -135,8 +184,10 @@ def test_processed_logprobs_drill_with_calibration_run(prompts, tmp_path, lpf_cl
     cal = json.loads(r.out)
     assert cal["thresholds"]["source"] == "calibration-run" and _th(cal) == DEFAULTS
     assert cal["counts"] == table["counts"] and cal["run_test"]["result"] == "different"
-    print(f"processed-logprobs, {cal['n_requests']} requests: expected floor {cal['counts']} "
-          f"(own floor would set clean <= {own.clean_abs_diff:.3g}); run test: {cal['run_test']['sentence']}")
+    print(
+        f"processed-logprobs, {cal['n_requests']} requests: expected floor {cal['counts']} "
+        f"(own floor would set clean <= {own.clean_abs_diff:.3g}); run test: {cal['run_test']['sentence']}"
+    )
     assert cal["counts"]["clean"] < cal["n_requests"] // 2
 
 
@@ -146,9 +197,26 @@ def test_processed_logprobs_drill_where_the_lie_is_large(prompts, tmp_path, lpf_
     calibration run and the shipped table keep the defaults and flag (almost) every request.
     Measured: own floor 8/300 flagged, calibration run 299/300."""
     run = tmp_path / "t"
-    r = lpf_cli("audit", "--model", "tiny:hybrid", "--workload", prompts(300, 13), "--max-tokens", 8,
-                "--ignore-eos", "--temperature", 0.6, "--inject", "processed-logprobs", "--calibrate",
-                "--out", run, "--json", "--fail-on", "never")
+    r = lpf_cli(
+        "audit",
+        "--model",
+        "tiny:hybrid",
+        "--workload",
+        prompts(300, 13),
+        "--max-tokens",
+        8,
+        "--ignore-eos",
+        "--temperature",
+        0.6,
+        "--inject",
+        "processed-logprobs",
+        "--calibrate",
+        "--out",
+        run,
+        "--json",
+        "--fail-on",
+        "never",
+    )
     assert r.code == 0, r.err
     cal = json.loads(r.out)
     shutil.rmtree(run / "calibration")  # the same run judged by the shipped table
@@ -159,8 +227,10 @@ def test_processed_logprobs_drill_where_the_lie_is_large(prompts, tmp_path, lpf_
     assert r.code == 0, r.err
     table = json.loads(r.out)
     flagged = lambda f: f["counts"]["divergent"] + f["counts"]["corrupt"]  # noqa: E731
-    print(f"tiny:hybrid processed-logprobs, {cal['n_requests']} requests: table {table['counts']}; "
-          f"calibration run {cal['counts']}")
+    print(
+        f"tiny:hybrid processed-logprobs, {cal['n_requests']} requests: table {table['counts']}; "
+        f"calibration run {cal['counts']}"
+    )
     assert table["thresholds"]["source"] == "table" and cal["thresholds"]["source"] == "calibration-run"
     assert _th(cal) == _th(table) == DEFAULTS and _own_floor_thresholds(run).divergent_abs_diff > 1.0
     assert flagged(cal) >= 0.95 * cal["n_requests"] and flagged(table) == flagged(cal)

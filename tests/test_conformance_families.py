@@ -19,17 +19,36 @@ def test_one_family_under_two_names_is_one_row(tmp_path):
 
     src = tmp_path / "vllm" / "config"
     src.mkdir(parents=True)
-    (src / "spec.py").write_text('x = 1\nif cfg.model_type == "bailing_hybrid" or "BailingMoeV2_5ForCausalLM" in a:\n'
-                                 '    pass\n' + "\n" * 20 + 'if "ZambaForCausalLM": pass\n')
-    pairs = pairing_evidence(tmp_path / "vllm", ["BailingMoeV2_5ForCausalLM", "ZambaForCausalLM"],
-                             {"BailingHybridForCausalLM": "bailing_hybrid", "OtherForCausalLM": "other"})
+    (src / "spec.py").write_text(
+        'x = 1\nif cfg.model_type == "bailing_hybrid" or "BailingMoeV2_5ForCausalLM" in a:\n'
+        "    pass\n" + "\n" * 20 + 'if "ZambaForCausalLM": pass\n'
+    )
+    pairs = pairing_evidence(
+        tmp_path / "vllm",
+        ["BailingMoeV2_5ForCausalLM", "ZambaForCausalLM"],
+        {"BailingHybridForCausalLM": "bailing_hybrid", "OtherForCausalLM": "other"},
+    )
     assert pairs == {"BailingHybridForCausalLM": [("BailingMoeV2_5ForCausalLM", "vllm/config/spec.py:2")]}
-    entries = [{"architecture": "BailingHybridForCausalLM", "model_type": "bailing_hybrid",
-                "status": "no engine implementation", "reason": "vLLM 0.32.0 has no implementation"},
-               {"architecture": "BailingMoeV2_5ForCausalLM", "model_type": None, "status": "no reference implementation",
-                "reason": "the installed transformers has no causal-LM class of this name"},
-               {"architecture": "ZambaForCausalLM", "model_type": "zamba", "status": "no engine implementation",
-                "reason": "x"}]
+    entries = [
+        {
+            "architecture": "BailingHybridForCausalLM",
+            "model_type": "bailing_hybrid",
+            "status": "no engine implementation",
+            "reason": "vLLM 0.32.0 has no implementation",
+        },
+        {
+            "architecture": "BailingMoeV2_5ForCausalLM",
+            "model_type": None,
+            "status": "no reference implementation",
+            "reason": "the installed transformers has no causal-LM class of this name",
+        },
+        {
+            "architecture": "ZambaForCausalLM",
+            "model_type": "zamba",
+            "status": "no engine implementation",
+            "reason": "x",
+        },
+    ]
     rows = {r["architecture"]: r for r in fold(entries, pairs, "vLLM")}
     assert set(rows) == {"BailingHybridForCausalLM", "ZambaForCausalLM"}  # two gaps became one row
     fam = rows["BailingHybridForCausalLM"]
@@ -43,8 +62,11 @@ def test_vllm_source_pairs_bailing_hybrid_with_its_two_names():
     from lpf.experiments.conformance.discover import vllm_source
     from lpf.experiments.conformance.families import pairing_evidence
 
-    pairs = pairing_evidence(vllm_source(vllm_python()), ["BailingMoeV2_5ForCausalLM", "BailingMoeV3ForCausalLM"],
-                             {"BailingHybridForCausalLM": "bailing_hybrid", "ZambaForCausalLM": "zamba"})
+    pairs = pairing_evidence(
+        vllm_source(vllm_python()),
+        ["BailingMoeV2_5ForCausalLM", "BailingMoeV3ForCausalLM"],
+        {"BailingHybridForCausalLM": "bailing_hybrid", "ZambaForCausalLM": "zamba"},
+    )
     names = {e for e, _ in pairs["BailingHybridForCausalLM"]}
     assert names == {"BailingMoeV2_5ForCausalLM", "BailingMoeV3ForCausalLM"} and "ZambaForCausalLM" not in pairs
     assert all(w.startswith("vllm/config/speculative.py:") for _, w in pairs["BailingHybridForCausalLM"])
@@ -59,8 +81,11 @@ def test_llamacpp_discovery_reads_the_converters_registrations():
     assert {"FalconH1ForCausalLM", "JambaForCausalLM", "Mamba2ForCausalLM", "Lfm2MoeForCausalLM"} <= names
     ref = {"FalconH1ForCausalLM": "falcon_h1", "Zamba2ForCausalLM": "zamba2", "BambaForCausalLM": "bamba"}
     got = {e["architecture"]: e["status"] for e in classify_llamacpp(ref, names, "v")}
-    assert got == {"FalconH1ForCausalLM": "audit", "Zamba2ForCausalLM": "not supported",
-                   "BambaForCausalLM": "no tiny recipe"}
+    assert got == {
+        "FalconH1ForCausalLM": "audit",
+        "Zamba2ForCausalLM": "not supported",
+        "BambaForCausalLM": "no tiny recipe",
+    }
 
 
 def _tables(d_values, missing=0, top1_is_token=True):
@@ -69,18 +94,35 @@ def _tables(d_values, missing=0, top1_is_token=True):
     ref = np.full(n, -0.5)
     eng = [float(ref[i] + d) for i, d in enumerate(d_values)] + [None] * missing
     tokens = pa.table({"request_id": ids, "position": list(range(n)), "token_id": [7] * n, "engine_logprob": eng})
-    reference = pa.table({"request_id": ids, "position": list(range(n)), "ref_logprob": ref,
-                          "ref_top1_id": [7 if top1_is_token else 8] * n, "ref_top1_logprob": ref + (0 if top1_is_token else 1)})
+    reference = pa.table(
+        {
+            "request_id": ids,
+            "position": list(range(n)),
+            "ref_logprob": ref,
+            "ref_top1_id": [7 if top1_is_token else 8] * n,
+            "ref_top1_logprob": ref + (0 if top1_is_token else 1),
+        }
+    )
     return tokens, reference
 
 
 def test_llamacpp_cells_are_judged_per_token_with_their_known_departures_named():
     from lpf.experiments.conformance.llamacpp_judge import judge
 
-    shifted = {"verdict": "systematic", "thresholds": {"clean_abs_diff": 1e-3, "tie_margin": 1e-3},
-               "run_test": {"result": "different", "test": "over", "alpha": 1e-6,
-                            "tests": {"over": {"k": 30, "n": 40, "p_value": 1e-20}, "under": {"k": 0, "n": 40, "p_value": 1.0},
-                                      "topk": {"k": 0, "n": 40, "p_value": 1.0}}}}
+    shifted = {
+        "verdict": "systematic",
+        "thresholds": {"clean_abs_diff": 1e-3, "tie_margin": 1e-3},
+        "run_test": {
+            "result": "different",
+            "test": "over",
+            "alpha": 1e-6,
+            "tests": {
+                "over": {"k": 30, "n": 40, "p_value": 1e-20},
+                "under": {"k": 0, "n": 40, "p_value": 1.0},
+                "topk": {"k": 0, "n": 40, "p_value": 1.0},
+            },
+        },
+    }
     tokens, reference = _tables([2e-5] * 40, missing=3)
     j = judge(tokens, reference, shifted, vocab_size=512)
     assert j["conformance"] == "clean" and [c["name"] for c in j["causes"]] == ["normaliser", "utf8-missing"]
@@ -92,7 +134,10 @@ def test_llamacpp_cells_are_judged_per_token_with_their_known_departures_named()
     # a shift beyond what a float32 sum over 512 ids can lose, or a token past the clean threshold: not clean
     assert judge(*_tables([5e-3] * 40), shifted, 512)["conformance"] is None
     # a greedy token that is not the reference's top-1 by more than the tie margin: a flip, never clean
-    assert judge(*_tables([1e-6] * 40, top1_is_token=False), {**shifted, "run_test": {"result": "same"}}, 512)["flips"] == 40
+    assert (
+        judge(*_tables([1e-6] * 40, top1_is_token=False), {**shifted, "run_test": {"result": "same"}}, 512)["flips"]
+        == 40
+    )
 
 
 def test_bf16_per_position_finds_a_bug_below_the_envelope_and_passes_one_more_honest_run():
@@ -111,8 +156,9 @@ def test_bf16_per_position_finds_a_bug_below_the_envelope_and_passes_one_more_ho
     buggy = {k: v + 0.1 * (1 if i % 2 else -1) for i, (k, v) in enumerate(honest.items())}
     b = paired_test(buggy, members, reference)
     assert b["result"] == "departs" and b["p_value"] < 1e-6
-    assert max(abs(v - reference[k]) for k, v in buggy.items()) < max(abs(m[k] - reference[k]) for m in members.values()
-                                                                        for k in keys)
+    assert max(abs(v - reference[k]) for k, v in buggy.items()) < max(
+        abs(m[k] - reference[k]) for m in members.values() for k in keys
+    )
     assert paired_test(honest, {"m0": members["m0"]}, reference)["result"] is None  # one member is no ensemble
 
 
@@ -142,8 +188,23 @@ def test_reference_column_names_zamba2s_decode_path():
 @pytest.mark.slow
 def test_conformance_on_llamacpp_judges_cells_per_token(lpf_cli, tmp_path):
     out = tmp_path / "conf"
-    r = lpf_cli("conformance", "--engine", "llamacpp", "--arch", "Mamba2,Zamba2", "--cell", "fp32", "--prompts", 4,
-                "--max-tokens", 6, "--reference-column", "--out", out, "--json")
+    r = lpf_cli(
+        "conformance",
+        "--engine",
+        "llamacpp",
+        "--arch",
+        "Mamba2,Zamba2",
+        "--cell",
+        "fp32",
+        "--prompts",
+        4,
+        "--max-tokens",
+        6,
+        "--reference-column",
+        "--out",
+        out,
+        "--json",
+    )
     assert r.code == 0, r.err
     doc = json.loads(r.out)
     (cell,) = doc["cells"]

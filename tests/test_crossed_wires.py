@@ -40,16 +40,39 @@ def _workload(tmp_path, n, seed):
 
 
 def _audit(lpf_cli, url, workload, out, *extra):
-    r = lpf_cli("audit", "--engine", "openai", "--base-url", url + "/v1", "--model", MODEL, "--workload", workload,
-                "--out", out, "--json", "--fail-on", "never", *extra)
+    r = lpf_cli(
+        "audit",
+        "--engine",
+        "openai",
+        "--base-url",
+        url + "/v1",
+        "--model",
+        MODEL,
+        "--workload",
+        workload,
+        "--out",
+        out,
+        "--json",
+        "--fail-on",
+        "never",
+        *extra,
+    )
     assert r.code == 0, r.err
     return json.loads(r.out)
 
 
 def test_crossed_wires_through_a_swapping_proxy_are_attributed_to_their_source(lpf_cli, server, tmp_path):
     with LyingProxy(server.base_url, swap_every=4) as proxy:
-        f = _audit(lpf_cli, proxy.url, _workload(tmp_path, 128, seed=5), tmp_path / "run", "--max-tokens", 8,
-                   "-E", "concurrency=16")
+        f = _audit(
+            lpf_cli,
+            proxy.url,
+            _workload(tmp_path, 128, seed=5),
+            tmp_path / "run",
+            "--max-tokens",
+            8,
+            "-E",
+            "concurrency=16",
+        )
     swapped = {s["got"]: s["from"] for s in proxy.swaps if not s["same_tokens"]}  # an identical answer is no lie
     assert len(proxy.swaps) >= 28 and len(swapped) >= 24
     named = {a["request_id"]: a["source_request_id"] for a in f["attribution"]["attributed"]}
@@ -62,8 +85,12 @@ def test_crossed_wires_through_a_swapping_proxy_are_attributed_to_their_source(l
     # the hypotheses say it in words, with the gain
     top = [h for h in f["hypotheses"] if h["feature"] == "answer_of_other_request"]
     assert len(top) == len(named) and f["hypotheses"][0]["feature"] == "answer_of_other_request"
-    assert top[0]["sentence"].startswith(f"request {top[0]['request_id']} received the answer meant for request "
-                                         f"{top[0]['source_request_id']}") and top[0]["gain_nats"] > 20
+    assert (
+        top[0]["sentence"].startswith(
+            f"request {top[0]['request_id']} received the answer meant for request {top[0]['source_request_id']}"
+        )
+        and top[0]["gain_nats"] > 20
+    )
     # the swapped answers keep their response's own usage and prompt_token_ids (lpf serve returns them when
     # asked): a count or a prompt that is not this request's is evidence, kept and scored
     inc = f["evidence"]["inconsistent"]

@@ -21,11 +21,23 @@ MODEL = "zoo:hybrid"
 
 def _side(name, verdicts, tokens, lps, clean=1e-3, worst=None):
     ids = [f"r{i}" for i in range(len(verdicts))]
-    summary = pa.table({"request_id": ids, "seq": list(range(len(ids))), "verdict": verdicts,
-                        "max_abs_logprob_diff": worst or [0.0] * len(ids)})
+    summary = pa.table(
+        {
+            "request_id": ids,
+            "seq": list(range(len(ids))),
+            "verdict": verdicts,
+            "max_abs_logprob_diff": worst or [0.0] * len(ids),
+        }
+    )
     rows = [(rid, pos, t, lp) for rid, ts, ls in zip(ids, tokens, lps) for pos, (t, lp) in enumerate(zip(ts, ls))]
-    tok = pa.table({"request_id": [r[0] for r in rows], "position": [r[1] for r in rows],
-                    "token_id": [r[2] for r in rows], "engine_logprob": [r[3] for r in rows]})
+    tok = pa.table(
+        {
+            "request_id": [r[0] for r in rows],
+            "position": [r[1] for r in rows],
+            "token_id": [r[2] for r in rows],
+            "engine_logprob": [r[3] for r in rows],
+        }
+    )
     from lpf.analysis.diff import DiffSide
 
     return DiffSide(name, summary, tok, clean)
@@ -39,8 +51,8 @@ def test_the_rule_names_every_suspect():
     vb = ["clean", "clean", "corrupt", "divergent", "divergent"]
     ta = [[1, 2], [1, 2], [1, 2], [5, 6], [5, 6]]
     tb = [[1, 2], [1, 2], [1, 9], [5, 6], [5, 7]]
-    la = [[-.1, -.2], [-.9, -.2], [-.1, -.2], [-.5, -.5], [-.5, -.5]]
-    lb = [[-.1, -.2], [-.1, -.2], [-.1, -.2], [-.5, -.5], [-.5, -.5]]
+    la = [[-0.1, -0.2], [-0.9, -0.2], [-0.1, -0.2], [-0.5, -0.5], [-0.5, -0.5]]
+    lb = [[-0.1, -0.2], [-0.1, -0.2], [-0.1, -0.2], [-0.5, -0.5], [-0.5, -0.5]]
     a = _side("engine-a", va, ta, la, worst=[0, 1, 0, 2, 2])
     b = _side("engine-b", vb, tb, lb, worst=[0, 0, 3, 2, 2])
     table, doc = diff_tables(a, b, "divergent")
@@ -62,8 +74,11 @@ def pair(tmp_path_factory, prompts_200):
     lines = prompts_200.read_text().splitlines()[:16]
     wl = write_prompts(root / "p16.jsonl", [json.loads(x) for x in lines])
     common = ["--model", MODEL, "--workload", wl, "--max-tokens", 6, "--prompt-logprobs", "--fail-on", "never"]
-    runs = {"A": ["--max-num-batched-tokens", 16], "B": ["--max-num-batched-tokens", 16, "--inject", "lost-chunk-state"],
-            "H": ["--engine", "hf"]}
+    runs = {
+        "A": ["--max-num-batched-tokens", 16],
+        "B": ["--max-num-batched-tokens", 16, "--inject", "lost-chunk-state"],
+        "H": ["--engine", "hf"],
+    }
     for name, extra in runs.items():  # in this process: three interpreter starts cost more than the runs
         cli.main(["audit", *map(str, common), *map(str, extra), "--out", str(root / name)], standalone_mode=False)
     return root
@@ -105,7 +120,9 @@ def test_diff_names_a_broken_reference_when_both_engines_agree(lpf_cli, pair, tm
 
 @pytest.mark.slow  # the pair of runs takes ~17 s to make
 def test_diff_refuses_runs_that_do_not_compare(lpf_cli, pair, tmp_path, prompts_200):
-    other = write_prompts(tmp_path / "other.jsonl", [json.loads(x) for x in prompts_200.read_text().splitlines()[20:24]])
+    other = write_prompts(
+        tmp_path / "other.jsonl", [json.loads(x) for x in prompts_200.read_text().splitlines()[20:24]]
+    )
     assert lpf_cli("audit", "--model", MODEL, "--workload", other, "--max-tokens", 4, "--out", tmp_path / "O").code == 0
     r = lpf_cli("diff", pair / "A", tmp_path / "O")
     assert r.code == 2 and "different workloads" in r.err and "Traceback" not in r.err

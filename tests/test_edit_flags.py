@@ -22,8 +22,9 @@ def test_one_edited_logprob_flags_exactly_that_request(hybrid_audit, tmp_path, l
     assert table.column("position")[target].as_py() == 3
     lp = table.column("engine_logprob").to_pylist()
     lp[target] -= 2.0
-    table = table.set_column(table.schema.get_field_index("engine_logprob"), "engine_logprob",
-                             pa.array(lp, pa.float64()))
+    table = table.set_column(
+        table.schema.get_field_index("engine_logprob"), "engine_logprob", pa.array(lp, pa.float64())
+    )
     pq.write_table(table, part)
 
     r = lpf_cli("analyze", run, "--json")

@@ -18,8 +18,9 @@ SMALL = ["--cache-mb", "2", "--max-num-batched-tokens", "64"]
 
 
 def audit(out, *args, model="zoo:hybrid"):
-    proc = lpf_subprocess("audit", "--engine", "builtin", "--model", model, "--out", out, "--json",
-                          "--fail-on", "never", *args)
+    proc = lpf_subprocess(
+        "audit", "--engine", "builtin", "--model", model, "--out", out, "--json", "--fail-on", "never", *args
+    )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
 
@@ -44,27 +45,43 @@ def stress_320(tmp_path_factory):
     from lpf.zoo import registry
 
     items = registry.workload_items("stress", seed=5, n=320)
-    return write_prompts(tmp_path_factory.mktemp("w") / "stress320.jsonl",
-                         [{"id": i["id"], "prompt": i["prompt"], "max_tokens": min(i["max_tokens"], 48)} for i in items])
+    return write_prompts(
+        tmp_path_factory.mktemp("w") / "stress320.jsonl",
+        [{"id": i["id"], "prompt": i["prompt"], "max_tokens": min(i["max_tokens"], 48)} for i in items],
+    )
 
 
 @pytest.mark.parametrize("model, tol", [("zoo:hybrid", 1e-4), ("zoo:jamba", 1e-4)])
 def test_faults_off_matches_hf_exactly(tmp_path, stress_320, model, tol):
     """Chunked prefill, mixed prefill/decode batches and forced preemption: same greedy tokens as HF
     generate, and max |logprob diff| against the HF reference within float32 rounding."""
-    f = audit(tmp_path / "b", "--workload", stress_320, "--cache-mb", "3", "--max-num-batched-tokens", "96",
-              "--max-tokens", 16, model=model)
+    f = audit(
+        tmp_path / "b",
+        "--workload",
+        stress_320,
+        "--cache-mb",
+        "3",
+        "--max-num-batched-tokens",
+        "96",
+        "--max-tokens",
+        16,
+        model=model,
+    )
     assert f["verdict"] == "clean" and f["counts"]["clean"] == 320
     assert f["metrics"]["abs_logprob_diff"]["max"] <= tol
     run = tmp_path / "b"
     phases = dict(q(run, "SELECT phase, count(*) FROM trace WHERE NOT preempted GROUP BY 1"))
     assert phases["extend"] > 0 and phases["decode"] > 0 and phases["prefill"] >= 320
     assert q(run, "SELECT count(*) FROM trace WHERE preempted")[0][0] > 0, "the small cache must force preemption"
-    mixed = q(run, """SELECT count(*) FROM (SELECT step FROM trace WHERE NOT preempted GROUP BY step
-                      HAVING count(DISTINCT phase) > 1 AND bool_or(phase = 'decode'))""")[0][0]
+    mixed = q(
+        run,
+        """SELECT count(*) FROM (SELECT step FROM trace WHERE NOT preempted GROUP BY step
+                      HAVING count(DISTINCT phase) > 1 AND bool_or(phase = 'decode'))""",
+    )[0][0]
     assert mixed > 0
-    hf = lpf_subprocess("run", "--engine", "hf", "--model", model, "--workload", stress_320, "--out", tmp_path / "h",
-                        "--max-tokens", 16)
+    hf = lpf_subprocess(
+        "run", "--engine", "hf", "--model", model, "--workload", stress_320, "--out", tmp_path / "h", "--max-tokens", 16
+    )
     assert hf.returncode == 0, hf.stderr
     ours = pq.read_table(run / "requests").sort_by("seq").column("output_token_ids").to_pylist()
     theirs = pq.read_table(tmp_path / "h" / "requests").sort_by("seq").column("output_token_ids").to_pylist()
@@ -75,8 +92,11 @@ def test_trace_answers_what_happened_to_a_request(tmp_path):
     run = tmp_path / "t"
     audit(run, "--workload", "zoo:oracle", "--max-tokens", 8, *SMALL)
     rid = q(run, "SELECT request_id FROM trace WHERE phase = 'extend' LIMIT 1")[0][0]
-    steps = q(run, f"""SELECT step, phase, num_computed_tokens, num_scheduled_tokens, state_slot
-                       FROM trace WHERE request_id = '{rid}' ORDER BY step""")
+    steps = q(
+        run,
+        f"""SELECT step, phase, num_computed_tokens, num_scheduled_tokens, state_slot
+                       FROM trace WHERE request_id = '{rid}' ORDER BY step""",
+    )
     assert steps[0][1] == "prefill" and steps[0][2] == 0
     assert [s[1] for s in steps[1:]].count("extend") >= 1
     # computed tokens advance by exactly what was scheduled, step after step
@@ -107,19 +127,38 @@ def stale_runs(tmp_path_factory, long_memory):
     then, but never run out of KV blocks: no preemption, so no imposter's stale read is thrown away
     by a recompute before it reaches an output (the drill records such reads as role `discarded`)."""
     base = tmp_path_factory.mktemp("stale")
-    args = ["--workload", "zoo:oracle", "--n", 4, "--max-tokens", 16, "--cache-mb", "3",
-            "--max-num-seqs", 16, "--max-num-batched-tokens", 32]
-    return (base, *(audit(base / name, *args, *extra, model=long_memory)
-                     for name, extra in (("a", ["--inject", "stale-state"]), ("b", ["--inject", "stale-state"]),
-                                         ("off", []))))
+    args = [
+        "--workload",
+        "zoo:oracle",
+        "--n",
+        4,
+        "--max-tokens",
+        16,
+        "--cache-mb",
+        "3",
+        "--max-num-seqs",
+        16,
+        "--max-num-batched-tokens",
+        32,
+    ]
+    return (
+        base,
+        *(
+            audit(base / name, *args, *extra, model=long_memory)
+            for name, extra in (("a", ["--inject", "stale-state"]), ("b", ["--inject", "stale-state"]), ("off", []))
+        ),
+    )
 
 
 def _check_imposters(run):
     """Every ground-truth request's first step was a decode on a slot some earlier request had used."""
     truth = ground_truth(run)
-    rows = q(run, """SELECT request_id, arg_min(phase, step), arg_min(num_computed_tokens, step),
+    rows = q(
+        run,
+        """SELECT request_id, arg_min(phase, step), arg_min(num_computed_tokens, step),
                             arg_min(state_slot, step), min(step)
-                     FROM trace WHERE NOT preempted AND request_id IN (SELECT request_id FROM faults) GROUP BY 1""")
+                     FROM trace WHERE NOT preempted AND request_id IN (SELECT request_id FROM faults) GROUP BY 1""",
+    )
     assert {r[0] for r in rows} == truth
     for _rid, phase, computed, slot, first in rows:
         assert phase == "decode" and computed == 0
@@ -163,7 +202,9 @@ def test_stale_state_on_the_trained_hybrid(tmp_path):
     """zoo:hybrid carries its tasks through attention and every prompt starts with BOS: a stale state
     read for the first token shifts logprobs (noise-level) without flipping answers. Still, only
     imposters deviate from the reference at all."""
-    f = audit(tmp_path / "h", "--workload", "zoo:oracle", "--n", 4, "--max-tokens", 16, *SMALL, "--inject", "stale-state")
+    f = audit(
+        tmp_path / "h", "--workload", "zoo:oracle", "--n", 4, "--max-tokens", 16, *SMALL, "--inject", "stale-state"
+    )
     truth = _check_imposters(tmp_path / "h")
     assert truth and lying(tmp_path / "h") and lying(tmp_path / "h") <= truth
     assert f["counts"]["corrupt"] == 0
@@ -176,14 +217,32 @@ def test_offset_wrap_only_past_the_wrap(tmp_path, long_memory):
     sometimes still carries a short answer (measured, 5 MB, offset-wrap:19: 543 of 548 such
     requests corrupt, 5 with the right answer and |diff| <= 0.16: noise or clean)."""
     bits = 18
-    big = audit(tmp_path / "big", "--workload", "zoo:oracle", "--n", 4, "--max-tokens", 16, "--cache-mb", "3",
-                "--max-num-seqs", 16, "--max-num-batched-tokens", 32, "--inject", f"offset-wrap:{bits}",
-                model=long_memory)
+    big = audit(
+        tmp_path / "big",
+        "--workload",
+        "zoo:oracle",
+        "--n",
+        4,
+        "--max-tokens",
+        16,
+        "--cache-mb",
+        "3",
+        "--max-num-seqs",
+        16,
+        "--max-num-batched-tokens",
+        32,
+        "--inject",
+        f"offset-wrap:{bits}",
+        model=long_memory,
+    )
     stride = json.loads((tmp_path / "big" / "manifest.json").read_text())["engine"]["cache"]["state_slot_stride"]
     wrapping = ground_truth(tmp_path / "big", "corrupted")
     assert wrapping and big["n_requests"] == 2000
-    slots = q(tmp_path / "big", """SELECT DISTINCT t.state_slot FROM trace t JOIN faults f USING (request_id)
-                                   WHERE f.role = 'corrupted' AND t.phase IN ('prefill', 'extend')""")
+    slots = q(
+        tmp_path / "big",
+        """SELECT DISTINCT t.state_slot FROM trace t JOIN faults f USING (request_id)
+                                   WHERE f.role = 'corrupted' AND t.phase IN ('prefill', 'extend')""",
+    )
     assert all(s[0] * stride >= 2**bits for s in slots), "only slots past the wrap write elsewhere"
     assert flagged(big) and flagged(big) <= ground_truth(tmp_path / "big")
     # forensics: every request that decoded from its unwritten slot is corrupt, nobody outside the
@@ -192,11 +251,24 @@ def test_offset_wrap_only_past_the_wrap(tmp_path, long_memory):
     assert {verdicts[r] for r in wrapping} == {"corrupt"}
     top = big["hypotheses"][0]
     assert top["feature"] in ("max_state_slot", "slot_offset_over_wrap"), top
-    wrap_slot = -(-2**bits // stride)
-    assert (top["split"]["value"] == wrap_slot) if top["feature"] == "max_state_slot" else f"slot >= {wrap_slot}" in top["sentence"]
+    wrap_slot = -(-(2**bits) // stride)
+    assert (
+        (top["split"]["value"] == wrap_slot)
+        if top["feature"] == "max_state_slot"
+        else f"slot >= {wrap_slot}" in top["sentence"]
+    )
     # a smaller cache keeps every slot id below 2**bits / stride: nothing wraps, nothing lies
-    small = audit(tmp_path / "small", "--workload", "zoo:oracle", "--max-tokens", 16, "--cache-mb", "1.5",
-                  "--inject", f"offset-wrap:{bits}")
+    small = audit(
+        tmp_path / "small",
+        "--workload",
+        "zoo:oracle",
+        "--max-tokens",
+        16,
+        "--cache-mb",
+        "1.5",
+        "--inject",
+        f"offset-wrap:{bits}",
+    )
     max_slot = q(tmp_path / "small", "SELECT max(state_slot) FROM trace")[0][0]
     assert (max_slot + 1) * stride <= 2**bits
     assert small["verdict"] == "clean" and not ground_truth(tmp_path / "small")
@@ -223,8 +295,18 @@ def test_swap_outputs_crossed_wires(tmp_path):
 # The zoo model answers with p ~ 1, where logit noise cannot move a logprob; past EOS (--ignore-eos)
 # its tokens are uncertain, which is where numeric drift shows.
 def test_batch_variant_is_noise_only(tmp_path):
-    f = audit(tmp_path / "v", "--workload", "zoo:oracle", "--n", 4, "--max-tokens", 8, "--ignore-eos",
-              "--inject", "batch-variant")
+    f = audit(
+        tmp_path / "v",
+        "--workload",
+        "zoo:oracle",
+        "--n",
+        4,
+        "--max-tokens",
+        8,
+        "--ignore-eos",
+        "--inject",
+        "batch-variant",
+    )
     assert f["n_requests"] == 2000
     assert f["counts"]["noise"] > 0 and f["counts"]["corrupt"] == 0
     assert f["metrics"]["abs_logprob_diff"]["p99"] < 0.1
@@ -245,7 +327,9 @@ def test_processed_logprobs_are_caught(tmp_path):
 
 
 def test_kv_double_free_shares_a_block(tmp_path):
-    f = audit(tmp_path / "k", "--workload", "zoo:oracle", "--max-tokens", 16, "--n", 2, *SMALL, "--inject", "kv-double-free")
+    f = audit(
+        tmp_path / "k", "--workload", "zoo:oracle", "--max-tokens", 16, "--n", 2, *SMALL, "--inject", "kv-double-free"
+    )
     truth = ground_truth(tmp_path / "k")
     assert truth, "a block must have been handed to two live requests"
     assert flagged(f) <= truth

@@ -44,11 +44,28 @@ def _spread_mamba_constants(model):
 def _jamba_dir(root):
     from transformers import JambaConfig, JambaForCausalLM
 
-    cfg = JambaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, attn_layer_period=2, attn_layer_offset=1,
-                      num_experts=2, num_experts_per_tok=1, expert_layer_period=2, expert_layer_offset=1,
-                      mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, use_mamba_kernels=False,
-                      initializer_range=0.25, tie_word_embeddings=True, pad_token_id=0, eos_token_id=2)
+    cfg = JambaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        num_experts=2,
+        num_experts_per_tok=1,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+        mamba_d_state=8,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        use_mamba_kernels=False,
+        initializer_range=0.25,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        eos_token_id=2,
+    )
     torch.manual_seed(1)
     model = JambaForCausalLM(cfg)
     _spread_mamba_constants(model)
@@ -61,12 +78,30 @@ def _granite_moe_dir(root):
     from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
 
     cfg = GraniteMoeHybridConfig(
-        vocab_size=512, hidden_size=64, num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"],
-        num_attention_heads=4, num_key_value_heads=2, intermediate_size=48, shared_intermediate_size=96,
-        num_local_experts=3, num_experts_per_tok=2, position_embedding_type="rope", mamba_n_heads=4,
-        mamba_d_head=32, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4, mamba_chunk_size=8,
-        embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.15, logits_scaling=1.5,
-        initializer_range=0.25, tie_word_embeddings=True)
+        vocab_size=512,
+        hidden_size=64,
+        num_hidden_layers=3,
+        layer_types=["mamba", "attention", "mamba"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=48,
+        shared_intermediate_size=96,
+        num_local_experts=3,
+        num_experts_per_tok=2,
+        position_embedding_type="rope",
+        mamba_n_heads=4,
+        mamba_d_head=32,
+        mamba_n_groups=2,
+        mamba_d_state=8,
+        mamba_d_conv=4,
+        mamba_chunk_size=8,
+        embedding_multiplier=2.0,
+        residual_multiplier=0.5,
+        attention_multiplier=0.15,
+        logits_scaling=1.5,
+        initializer_range=0.25,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(2)
     model = GraniteMoeHybridForCausalLM(cfg)
     _spread_mamba_constants(model)
@@ -101,7 +136,7 @@ class Driver:
         """items: (req, n_tokens, phase) scheduled together in this step."""
         ids, pos, seqs, start = [], [], [], 0
         for req, n, phase in items:
-            ids += req.tokens[req.computed:req.computed + n]
+            ids += req.tokens[req.computed : req.computed + n]
             pos += range(req.computed, req.computed + n)
             seqs.append(SeqMeta(f"r{id(req)}", start, n, req.computed, phase, req.slot, req.blocks))
             start += n
@@ -190,8 +225,11 @@ def results(tmp_path_factory):
     root = tmp_path_factory.mktemp("engine-models")
     out = {}
     for name in MODELS:
-        path = {"hybrid": lambda: resolve_model("tiny:hybrid").path, "jamba": lambda: _jamba_dir(root),
-                "granite-moe": lambda: _granite_moe_dir(root)}[name]()
+        path = {
+            "hybrid": lambda: resolve_model("tiny:hybrid").path,
+            "jamba": lambda: _jamba_dir(root),
+            "granite-moe": lambda: _granite_moe_dir(root),
+        }[name]()
         m32, m64 = load_model(path), load_model(path, dtype=torch.float64)
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         runs = {c: (fn(Driver(m32)), fn(Driver(m64, torch.float64))) for c, fn in CASES.items()}
@@ -201,7 +239,7 @@ def results(tmp_path_factory):
 
 def _hf_logprobs(hf, req):
     with torch.no_grad():
-        return hf(torch.tensor([req.tokens[:req.computed]])).logits[0].float().log_softmax(-1)
+        return hf(torch.tensor([req.tokens[: req.computed]])).logits[0].float().log_softmax(-1)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -218,7 +256,7 @@ def test_float64_every_path_equals_a_one_step_prefill(results, name, case):
     """Chunking, extends, batched decodes and slot reuse change nothing but rounding."""
     r = results[name]
     for req in r["runs"][case][1]:
-        one = Req(req.tokens[:req.computed], slot=0, blocks=list(range(100, 128)))
+        one = Req(req.tokens[: req.computed], slot=0, blocks=list(range(100, 128)))
         Driver(r["m64"], torch.float64).step([(one, req.computed, "prefill")])
         assert (req.rows() - one.rows()).abs().max().item() <= TOL_F64_PATHS
 
@@ -230,8 +268,9 @@ def test_one_step_prefill_matches_hf_float64(results, name):
     from transformers import AutoModelForCausalLM
 
     r = results[name]
-    hf64 = AutoModelForCausalLM.from_pretrained(r["hf"].name_or_path, dtype=torch.float64,
-                                                experts_implementation="eager").eval()
+    hf64 = AutoModelForCausalLM.from_pretrained(
+        r["hf"].name_or_path, dtype=torch.float64, experts_implementation="eager"
+    ).eval()
     req = r["runs"]["prefill"][1][0]
     with torch.no_grad():
         ref = hf64(torch.tensor([req.tokens])).logits[0].log_softmax(-1)

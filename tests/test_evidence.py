@@ -23,8 +23,14 @@ from conftest import write_prompts
 from scripted_http import Reply, ScriptedServer, free_port
 from test_openai_adapter import CODE, MODEL, SERVED, completion_body
 
-DEAD = {"error": {"message": "EngineCore encountered an issue. See stack trace (above) for the root cause.",
-                  "type": "InternalServerError", "param": None, "code": 500}}
+DEAD = {
+    "error": {
+        "message": "EngineCore encountered an issue. See stack trace (above) for the root cause.",
+        "type": "InternalServerError",
+        "param": None,
+        "code": 500,
+    }
+}
 LONG = 60  # the poison prompt's length; the others have 3 tokens
 
 
@@ -48,10 +54,35 @@ def test_a_dying_server_names_the_requests_in_flight_and_keeps_what_it_said(lpf_
     items[10] = {"id": "poison", "prompt_token_ids": [1, CODE["ok"]] + [21] * (LONG - 2)}
     out = tmp_path / "run"
     with ScriptedServer(dies_on_a_long_prompt) as server:
-        r = lpf_cli("audit", "--engine", "openai", "--base-url", server.url + "/v1", "--model", SERVED,
-                    "--reference", MODEL, "--workload", write_prompts(tmp_path / "p.jsonl", items), "--max-tokens", 4,
-                    "--out", out, "--fail-on", "never", "--json", "-E", "concurrency=4", "-E", "max_retries=2",
-                    "-E", "backoff_s=0.05", "-E", "timeout_s=5", "--no-attribution")
+        r = lpf_cli(
+            "audit",
+            "--engine",
+            "openai",
+            "--base-url",
+            server.url + "/v1",
+            "--model",
+            SERVED,
+            "--reference",
+            MODEL,
+            "--workload",
+            write_prompts(tmp_path / "p.jsonl", items),
+            "--max-tokens",
+            4,
+            "--out",
+            out,
+            "--fail-on",
+            "never",
+            "--json",
+            "-E",
+            "concurrency=4",
+            "-E",
+            "max_retries=2",
+            "-E",
+            "backoff_s=0.05",
+            "-E",
+            "timeout_s=5",
+            "--no-attribution",
+        )
     assert r.code == 0, r.err
     reqs = {row["request_id"]: row for row in pq.read_table(out / "requests").to_pylist()}
     assert len(reqs) == 30
@@ -85,9 +116,25 @@ def test_a_dying_server_names_the_requests_in_flight_and_keeps_what_it_said(lpf_
 def test_lpf_run_against_a_dead_port_exits_2_with_one_line(lpf_cli, tmp_path):
     items = [{"id": f"q{i}", "prompt_token_ids": [1, 20 + i]} for i in range(5)]
     out = tmp_path / "run"
-    r = lpf_cli("run", "--engine", "openai", "--base-url", f"http://127.0.0.1:{free_port()}/v1",
-                "--served-model", SERVED, "--model", MODEL, "--workload", write_prompts(tmp_path / "p.jsonl", items), "--out", out,
-                "-E", "max_retries=1", "-E", "backoff_s=0.01")
+    r = lpf_cli(
+        "run",
+        "--engine",
+        "openai",
+        "--base-url",
+        f"http://127.0.0.1:{free_port()}/v1",
+        "--served-model",
+        SERVED,
+        "--model",
+        MODEL,
+        "--workload",
+        write_prompts(tmp_path / "p.jsonl", items),
+        "--out",
+        out,
+        "-E",
+        "max_retries=1",
+        "-E",
+        "backoff_s=0.01",
+    )
     assert r.code == 2, r.err
     line = [ln for ln in r.err.splitlines() if ln.startswith("error:")]
     assert len(line) == 1 and "every request failed (5 of 5)" in line[0] and "cannot connect" in line[0], r.err
@@ -108,14 +155,24 @@ def test_timing_features_follow_their_definitions():
 
     # a at 0..10, b at 1..2, c at 1.0005..3 (same burst as b), d at 5..6; b retried once after a 500
     att = [lambda **k: {"attempt": 0, "sent": True, "status": 200, "error": None, **k}]
-    reqs = pa.table({
-        "request_id": ["a", "b", "c", "d"], "seq": [0, 1, 2, 3],
-        "t_submit": [0.0, 1.0, 1.0005, 5.0], "t_finish": [10.0, 2.0, 3.0, 6.0], "t_first_token": [None] * 4,
-        "attempts": [[att[0](t_start=0.0, t_end=10.0)],
-                     [att[0](status=500, error="HTTP 500: x", t_start=1.0, t_end=1.2),
-                      att[0](attempt=1, t_start=1.5, t_end=2.0)],
-                     [att[0](t_start=1.0005, t_end=3.0)], [att[0](t_start=5.0, t_end=6.0)]],
-    })
+    reqs = pa.table(
+        {
+            "request_id": ["a", "b", "c", "d"],
+            "seq": [0, 1, 2, 3],
+            "t_submit": [0.0, 1.0, 1.0005, 5.0],
+            "t_finish": [10.0, 2.0, 3.0, 6.0],
+            "t_first_token": [None] * 4,
+            "attempts": [
+                [att[0](t_start=0.0, t_end=10.0)],
+                [
+                    att[0](status=500, error="HTTP 500: x", t_start=1.0, t_end=1.2),
+                    att[0](attempt=1, t_start=1.5, t_end=2.0),
+                ],
+                [att[0](t_start=1.0005, t_end=3.0)],
+                [att[0](t_start=5.0, t_end=6.0)],
+            ],
+        }
+    )
     f = {x.name: x.values for x in timing_features(reqs)}
     assert f["concurrency_at_arrival"].tolist() == [0, 1, 2, 1]
     assert f["arrival_rank"].tolist() == [0, 0, 1, 0]
@@ -126,13 +183,23 @@ def test_timing_features_follow_their_definitions():
 
 
 def _att_tables(n_flagged_ok: bool = True):
-    reqs = pa.table({
-        "request_id": ["x", "y", "z", "w", "v"], "seq": [0, 1, 2, 3, 4],
-        "prompt_token_ids": [[1, 2], [1, 3], [1, 4], [1, 3], [1, 9]],
-        "t_submit": [0.0, 0.1, 0.2, 0.3, 50.0], "t_finish": [1.0, 1.1, 1.2, 1.3, 51.0]})
-    summary = pa.table({
-        "request_id": ["x", "y", "z", "w", "v"], "verdict": ["corrupt", "divergent", "clean", "clean", "clean"],
-        "max_abs_logprob_diff": [9.0, 5.0, 0.0, 0.0, 0.0], "n_output_tokens": [4, 4, 4, 4, 4]})
+    reqs = pa.table(
+        {
+            "request_id": ["x", "y", "z", "w", "v"],
+            "seq": [0, 1, 2, 3, 4],
+            "prompt_token_ids": [[1, 2], [1, 3], [1, 4], [1, 3], [1, 9]],
+            "t_submit": [0.0, 0.1, 0.2, 0.3, 50.0],
+            "t_finish": [1.0, 1.1, 1.2, 1.3, 51.0],
+        }
+    )
+    summary = pa.table(
+        {
+            "request_id": ["x", "y", "z", "w", "v"],
+            "verdict": ["corrupt", "divergent", "clean", "clean", "clean"],
+            "max_abs_logprob_diff": [9.0, 5.0, 0.0, 0.0, 0.0],
+            "n_output_tokens": [4, 4, 4, 4, 4],
+        }
+    )
     return reqs, summary
 
 
@@ -144,8 +211,14 @@ def test_attribution_plans_overlapping_distinct_prompts_and_judges_by_gain():
     # v never overlapped anyone; y and w share a prompt (one candidate, the other listed with it)
     assert plans["x"]["candidates"] == ["y", "z"] and plans["x"]["same_prompt"] == {"y": ["w"]}
     assert plans["y"]["candidates"] == ["x", "z"]  # never its own prompt (w's)
-    scores = pa.table({"request_id": ["x", "x", "y", "y"], "candidate_id": ["y", "z", "x", "z"],
-                       "n_tokens": [4, 4, 4, 4], "logprob_sum": [-2.0, -30.0, -25.0, -24.0]})
+    scores = pa.table(
+        {
+            "request_id": ["x", "x", "y", "y"],
+            "candidate_id": ["y", "z", "x", "z"],
+            "n_tokens": [4, 4, 4, 4],
+            "logprob_sum": [-2.0, -30.0, -25.0, -24.0],
+        }
+    )
     own = {"x": -40.0, "y": -26.0}
     found = attribution.judge(list(plans.values()), scores, own, lost={"x", "y"})
     assert [(a["request_id"], a["source_request_id"]) for a in found] == [("x", "y")]  # y: gain 2 nats is chance
@@ -154,7 +227,8 @@ def test_attribution_plans_overlapping_distinct_prompts_and_judges_by_gain():
     assert hyp["sentence"].startswith("request x received the answer meant for request y (or w")
     assert hyp["p_value"] == 2 * np.exp(-38.0)
     # two prompts that explain the output alike: only the one that lost its own answer can be the source
-    tie = pa.table({"request_id": ["x", "x"], "candidate_id": ["y", "z"], "n_tokens": [4, 4],
-                    "logprob_sum": [-2.0, -2.5]})
+    tie = pa.table(
+        {"request_id": ["x", "x"], "candidate_id": ["y", "z"], "n_tokens": [4, 4], "logprob_sum": [-2.0, -2.5]}
+    )
     assert [a["source_request_id"] for a in attribution.judge([plans["x"]], tie, own, lost={"x", "y"})] == ["y"]
     assert attribution.judge([plans["x"]], tie, own, lost={"x"}) == []  # neither lost one: claim nothing

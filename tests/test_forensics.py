@@ -21,9 +21,27 @@ def bf16_run(tmp_path_factory):
     token-level floor stays at float32's; measured there: 861 clean, 1096 noise, 43 divergent, 0
     corrupt)."""
     out = tmp_path_factory.mktemp("bf16") / "run"
-    proc = lpf_subprocess("audit", "--engine", "builtin", "--model", "tiny:hybrid", "--dtype", "bfloat16",
-                          "--workload", "zoo:oracle", "--n", 4, "--max-tokens", 8, "--ignore-eos",
-                          "--out", out, "--json", "--fail-on", "corrupt")
+    proc = lpf_subprocess(
+        "audit",
+        "--engine",
+        "builtin",
+        "--model",
+        "tiny:hybrid",
+        "--dtype",
+        "bfloat16",
+        "--workload",
+        "zoo:oracle",
+        "--n",
+        4,
+        "--max-tokens",
+        8,
+        "--ignore-eos",
+        "--out",
+        out,
+        "--json",
+        "--fail-on",
+        "corrupt",
+    )
     return out, proc
 
 
@@ -57,8 +75,21 @@ def test_analyze_reports_shape_and_hypotheses_and_pins_thresholds(bf16_run, tmp_
     assert set(shape) >= {"rate", "n_flagged", "onset", "first_divergence", "periodicity", "clusters"}
     assert shape["n_flagged"] == f["counts"]["divergent"] + f["counts"]["corrupt"] > 0
     assert shape["periodicity"]["over"] == "step"
-    assert all(set(h) >= {"rank", "feature", "sentence", "flagged_with", "flagged_total", "clean_with",
-                          "clean_total", "p_value", "score"} for h in f["hypotheses"])
+    assert all(
+        set(h)
+        >= {
+            "rank",
+            "feature",
+            "sentence",
+            "flagged_with",
+            "flagged_total",
+            "clean_with",
+            "clean_total",
+            "p_value",
+            "score",
+        }
+        for h in f["hypotheses"]
+    )
     summary = json.loads((run / "findings.json").read_text())
     assert summary["thresholds"]["pinned"] == ["divergent_abs_diff"]
     import pyarrow.parquet as pq

@@ -23,11 +23,18 @@ from lpf.core.errors import LpfError
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 MODEL = "zoo:hybrid"
 
-scalars = (st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.floats(allow_nan=True, allow_infinity=True)
-           | st.text(max_size=12))
-json_values = st.recursive(scalars, lambda kids: st.lists(kids, max_size=5) | st.dictionaries(st.text(max_size=8), kids,
-                                                                                                max_size=5),
-                           max_leaves=25)
+scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**40), 2**40)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=12)
+)
+json_values = st.recursive(
+    scalars,
+    lambda kids: st.lists(kids, max_size=5) | st.dictionaries(st.text(max_size=8), kids, max_size=5),
+    max_leaves=25,
+)
 
 
 @pytest.fixture(scope="module")
@@ -38,10 +45,18 @@ def tokenizer():
 
 
 # -- the workload reader ---------------------------------------------------------------------------
-item_values = st.fixed_dictionaries({}, optional={
-    "id": scalars, "prompt": st.text(max_size=30) | scalars, "expected": scalars | st.text(max_size=5),
-    "prompt_token_ids": st.lists(st.integers(-5, 300), max_size=8) | json_values,
-    "max_tokens": st.integers(-3, 10) | scalars, "task": scalars, "colour": scalars})
+item_values = st.fixed_dictionaries(
+    {},
+    optional={
+        "id": scalars,
+        "prompt": st.text(max_size=30) | scalars,
+        "expected": scalars | st.text(max_size=5),
+        "prompt_token_ids": st.lists(st.integers(-5, 300), max_size=8) | json_values,
+        "max_tokens": st.integers(-3, 10) | scalars,
+        "task": scalars,
+        "colour": scalars,
+    },
+)
 lines = st.lists(st.one_of(item_values.map(json.dumps), json_values.map(json.dumps), st.text(max_size=30)), max_size=6)
 
 
@@ -71,8 +86,11 @@ def _engine(kind: str):
     from scripted_http import free_port
 
     cls = get_engine_class(kind)
-    opts = {"base_url": f"http://127.0.0.1:{free_port()}/v1", "served_model": "m"} if kind == "openai" else \
-        {"base_url": f"http://127.0.0.1:{free_port()}"}
+    opts = (
+        {"base_url": f"http://127.0.0.1:{free_port()}/v1", "served_model": "m"}
+        if kind == "openai"
+        else {"base_url": f"http://127.0.0.1:{free_port()}"}
+    )
     return cls(resolve_model(MODEL), SamplingParams(logprobs=2, max_tokens=4), cls.Options.parse(opts))
 
 
@@ -88,17 +106,33 @@ def _request():
 
 
 def _openai_body(ids, lps):
-    return {"choices": [{"text": "", "finish_reason": "length",
-                         "logprobs": {"tokens": [f"token_id:{t}" for t in ids], "token_logprobs": lps,
-                                      "top_logprobs": [{f"token_id:{t}": lp} for t, lp in zip(ids, lps)]}}],
-            "usage": {"completion_tokens": len(ids)}}
+    return {
+        "choices": [
+            {
+                "text": "",
+                "finish_reason": "length",
+                "logprobs": {
+                    "tokens": [f"token_id:{t}" for t in ids],
+                    "token_logprobs": lps,
+                    "top_logprobs": [{f"token_id:{t}": lp} for t, lp in zip(ids, lps)],
+                },
+            }
+        ],
+        "usage": {"completion_tokens": len(ids)},
+    }
 
 
 def _sglang_body(ids, lps):
-    return {"text": "", "output_ids": ids, "meta_info": {
-        "finish_reason": {"type": "length"}, "completion_tokens": len(ids),
-        "output_token_logprobs": [[lp, t, None] for t, lp in zip(ids, lps)],
-        "output_top_logprobs": [[[lp, t, None]] for t, lp in zip(ids, lps)]}}
+    return {
+        "text": "",
+        "output_ids": ids,
+        "meta_info": {
+            "finish_reason": {"type": "length"},
+            "completion_tokens": len(ids),
+            "output_token_logprobs": [[lp, t, None] for t, lp in zip(ids, lps)],
+            "output_top_logprobs": [[[lp, t, None]] for t, lp in zip(ids, lps)],
+        },
+    }
 
 
 def _mutate(body, path: list, value):
@@ -109,11 +143,14 @@ def _mutate(body, path: list, value):
         key = sorted(body)[path[0] % len(body)]
         return {**body, key: _mutate(body[key], path[1:], value)}
     i = path[0] % len(body)
-    return body[:i] + [_mutate(body[i], path[1:], value)] + body[i + 1:]
+    return body[:i] + [_mutate(body[i], path[1:], value)] + body[i + 1 :]
 
 
-answers = st.builds(lambda ids, lps: (ids, lps), st.lists(st.integers(-2, 300), min_size=0, max_size=6),
-                    st.lists(st.floats(allow_nan=True, allow_infinity=True) | scalars, min_size=0, max_size=6))
+answers = st.builds(
+    lambda ids, lps: (ids, lps),
+    st.lists(st.integers(-2, 300), min_size=0, max_size=6),
+    st.lists(st.floats(allow_nan=True, allow_infinity=True) | scalars, min_size=0, max_size=6),
+)
 
 
 def _check_parse(engine, body):
@@ -142,18 +179,28 @@ def _check_parse(engine, body):
 def test_the_response_parsers_keep_or_refuse_every_answer(engines, kind, build, answer, path, value, whole):
     """A valid answer with one part replaced by anything, and anything at all."""
     ids, lps = answer
-    _check_parse(engines[kind], _mutate(build(ids, lps[:len(ids)] + [-0.5] * (len(ids) - len(lps))), path, value))
+    _check_parse(engines[kind], _mutate(build(ids, lps[: len(ids)] + [-0.5] * (len(ids) - len(lps))), path, value))
     _check_parse(engines[kind], whole)
 
 
 # -- the RL dump reader ------------------------------------------------------------------------------
-rl_rows = st.fixed_dictionaries({}, optional={
-    "step": st.integers(-2, 5) | scalars, "request_id": scalars, "prompt_id": scalars, "rollout": scalars,
-    "response_token_ids": st.lists(st.integers(-1, 50), max_size=5) | json_values,
-    "rollout_logprobs": st.lists(st.floats(allow_nan=True, allow_infinity=True), max_size=5) | json_values,
-    "trainer_logprobs": st.lists(st.floats(allow_nan=True, allow_infinity=True), max_size=5) | json_values,
-    "loss_mask": st.lists(st.integers(0, 1), max_size=5) | json_values, "responses": json_values,
-    "rollout_log_probs": json_values, "old_log_probs": json_values, "extra": scalars})
+rl_rows = st.fixed_dictionaries(
+    {},
+    optional={
+        "step": st.integers(-2, 5) | scalars,
+        "request_id": scalars,
+        "prompt_id": scalars,
+        "rollout": scalars,
+        "response_token_ids": st.lists(st.integers(-1, 50), max_size=5) | json_values,
+        "rollout_logprobs": st.lists(st.floats(allow_nan=True, allow_infinity=True), max_size=5) | json_values,
+        "trainer_logprobs": st.lists(st.floats(allow_nan=True, allow_infinity=True), max_size=5) | json_values,
+        "loss_mask": st.lists(st.integers(0, 1), max_size=5) | json_values,
+        "responses": json_values,
+        "rollout_log_probs": json_values,
+        "old_log_probs": json_values,
+        "extra": scalars,
+    },
+)
 
 
 @FAST
@@ -185,8 +232,20 @@ def small_run(tmp_path_factory):
     items = [{"id": f"q{i}", "prompt": f"The fox {i} ran"} for i in range(12)]
     workload = tmp_path_factory.mktemp("fuzzw") / "w.jsonl"
     workload.write_text("".join(json.dumps(i) + "\n" for i in items))
-    r = lpf_subprocess("audit", "--model", MODEL, "--workload", workload, "--max-tokens", 6, "--part-size", 4,
-                       "--out", out, "--no-attribution")
+    r = lpf_subprocess(
+        "audit",
+        "--model",
+        MODEL,
+        "--workload",
+        workload,
+        "--max-tokens",
+        6,
+        "--part-size",
+        4,
+        "--out",
+        out,
+        "--no-attribution",
+    )
     assert r.returncode == 0, r.stderr
     return out
 
@@ -195,10 +254,15 @@ TABLES = ("requests", "tokens", "reference")
 
 
 @pytest.mark.slow  # a real audit to damage, then 80 damaged copies of it
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                 HealthCheck.too_slow])
-@given(which=st.integers(0, 10**6), how=st.sampled_from(["truncate", "overwrite", "flip", "append"]),
-       at=st.floats(0, 1), data=st.binary(min_size=1, max_size=64))
+@settings(
+    max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
+@given(
+    which=st.integers(0, 10**6),
+    how=st.sampled_from(["truncate", "overwrite", "flip", "append"]),
+    at=st.floats(0, 1),
+    data=st.binary(min_size=1, max_size=64),
+)
 def test_the_run_directory_reader_refuses_a_damaged_part_or_manifest(small_run, which, how, at, data):
     from lpf.run.store import RunDir
 
@@ -213,7 +277,7 @@ def test_the_run_directory_reader_refuses_a_damaged_part_or_manifest(small_run, 
         if how == "truncate":
             raw = raw[:cut]
         elif how == "overwrite":
-            raw[cut:cut + len(data)] = data
+            raw[cut : cut + len(data)] = data
         elif how == "flip":
             raw[min(cut, len(raw) - 1)] ^= 1 << (data[0] % 8)
         else:

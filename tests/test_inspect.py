@@ -21,9 +21,28 @@ def stale_run(tmp_path_factory):
     items = registry.workload_items("oracle", seed=3, n=60)
     w = write_prompts(base / "w.jsonl", [{"id": i["id"], "prompt": i["prompt"]} for i in items])
     run = base / "run"
-    proc = lpf_subprocess("audit", "--model", "tiny:jamba", "--workload", w, "--n", 2, "--max-tokens", 6,
-                          "--cache-mb", 1, "--max-num-batched-tokens", 17, "--inject", "stale-state",
-                          "--out", run, "--fail-on", "never", "--json")
+    proc = lpf_subprocess(
+        "audit",
+        "--model",
+        "tiny:jamba",
+        "--workload",
+        w,
+        "--n",
+        2,
+        "--max-tokens",
+        6,
+        "--cache-mb",
+        1,
+        "--max-num-batched-tokens",
+        17,
+        "--inject",
+        "stale-state",
+        "--out",
+        run,
+        "--fail-on",
+        "never",
+        "--json",
+    )
     assert proc.returncode == 0, proc.stderr
     findings = json.loads(proc.stdout)
     assert findings["flagged"], "the drill must produce at least one imposter"
@@ -53,7 +72,9 @@ def test_imposter_token_by_token_and_step_by_step(lpf_cli, stale_run):
     assert trace[0]["phase"] == "decode" and trace[0]["num_computed_tokens"] == 0, "the imposter's first step"
     steps = [s for s in trace if not s["preempted"]]
     for a, b in zip(steps, steps[1:]):
-        assert b["step"] > a["step"] and b["num_computed_tokens"] == a["num_computed_tokens"] + a["num_scheduled_tokens"]
+        assert (
+            b["step"] > a["step"] and b["num_computed_tokens"] == a["num_computed_tokens"] + a["num_scheduled_tokens"]
+        )
     assert all(s["state_slot"] == steps[0]["state_slot"] for s in steps)
     # the table form says the same things
     t = lpf_cli("inspect", run, rid)

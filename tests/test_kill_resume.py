@@ -36,8 +36,9 @@ def workload(tmp_path_factory):
     from lpf.zoo import registry
 
     items = registry.workload_items("oracle", seed=3, n=N)
-    return write_prompts(tmp_path_factory.mktemp("kill") / "w.jsonl",
-                         [{"id": it["id"], "prompt": it["prompt"]} for it in items])
+    return write_prompts(
+        tmp_path_factory.mktemp("kill") / "w.jsonl", [{"id": it["id"], "prompt": it["prompt"]} for it in items]
+    )
 
 
 def _parts(d: Path, table: str) -> int:
@@ -46,8 +47,13 @@ def _parts(d: Path, table: str) -> int:
 
 def _kill_at(cmd: list[str], trigger, timeout: float = 120) -> bool:
     """Start `cmd`, SIGKILL it when `trigger()` turns true; True when the kill landed on a live process."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        start_new_session=True,
+    )
     deadline = time.monotonic() + timeout
     try:
         while proc.poll() is None and not trigger():
@@ -73,6 +79,7 @@ def after(seconds: float):
     def go():
         state.setdefault("t0", time.monotonic())
         return time.monotonic() - state["t0"] >= seconds
+
     return go
 
 
@@ -83,6 +90,7 @@ def parts_more(count, k: int):
     def go():
         state.setdefault("base", count())
         return count() >= state["base"] + k
+
     return go
 
 
@@ -128,11 +136,21 @@ def test_sigkill_run_rescore_and_sweep_at_20_points_then_resume(workload, tmp_pa
     start = [EXE, "run", *RUN_ARGS, "--workload", str(workload), "--out", str(run)]
 
     def run_done():
-        return (run / "manifest.json").is_file() and json.loads((run / "manifest.json").read_text())["status"] == "complete"
+        return (run / "manifest.json").is_file() and json.loads((run / "manifest.json").read_text())[
+            "status"
+        ] == "complete"
 
     run_parts = lambda: _parts(run, "requests")  # noqa: E731
-    points = [after(0.2), after(0.6), after(1.2), lambda: (run / "manifest.json").is_file(),
-              parts_more(run_parts, 1), parts_more(run_parts, 2), parts_more(run_parts, 1), parts_more(run_parts, 3)]
+    points = [
+        after(0.2),
+        after(0.6),
+        after(1.2),
+        lambda: (run / "manifest.json").is_file(),
+        parts_more(run_parts, 1),
+        parts_more(run_parts, 2),
+        parts_more(run_parts, 1),
+        parts_more(run_parts, 3),
+    ]
     kills = _kill_and_resume_until_done(points, start, [EXE, "run", "--resume", str(run)], run, run_done)
     assert _exactly_once(run) == expected  # greedy: the same tokens as the uninterrupted run
 
@@ -143,19 +161,40 @@ def test_sigkill_run_rescore_and_sweep_at_20_points_then_resume(workload, tmp_pa
     shutil.rmtree(run / "reference")
     (run / "reference").mkdir()
     rescore = [EXE, "rescore", str(run), "--token-budget", "64"]
-    rescored = lambda: len(want) == sum(pq.ParquetFile(p).metadata.num_rows  # noqa: E731
-                                        for p in (run / "reference").glob("part-*.parquet"))
+
+    def rescored():
+        return len(want) == sum(pq.ParquetFile(p).metadata.num_rows for p in (run / "reference").glob("part-*.parquet"))
+
     ref_parts = lambda: _parts(run, "reference")  # noqa: E731
-    points = [after(0.3), after(1.0), after(2.0), parts_more(ref_parts, 1), parts_more(ref_parts, 2),
-              parts_more(ref_parts, 1), parts_more(ref_parts, 2)]
+    points = [
+        after(0.3),
+        after(1.0),
+        after(2.0),
+        parts_more(ref_parts, 1),
+        parts_more(ref_parts, 2),
+        parts_more(ref_parts, 1),
+        parts_more(ref_parts, 2),
+    ]
     kills += _kill_and_resume_until_done(points, rescore, rescore, run, rescored)
     got = _reference(run)
     assert got.keys() == want.keys() and max(abs(got[k] - want[k]) for k in want) < 1e-5
 
     # lpf sweep: two cells, each its own `lpf audit` child
     sweep = tmp_path / "sweep"
-    cmd = [EXE, "sweep", "--knob", "cache-mb=4,8", *RUN_ARGS, "--workload", str(workload), "--out", str(sweep),
-           "--no-attribution", "--fail-on", "never"]
+    cmd = [
+        EXE,
+        "sweep",
+        "--knob",
+        "cache-mb=4,8",
+        *RUN_ARGS,
+        "--workload",
+        str(workload),
+        "--out",
+        str(sweep),
+        "--no-attribution",
+        "--fail-on",
+        "never",
+    ]
 
     def cell_parts():
         return sum(_parts(c, t) for c in (sweep / "cells").glob("*") for t in ("requests", "reference"))

@@ -41,8 +41,19 @@ needs_llamacpp = pytest.mark.skipif(not _built(), reason="llama.cpp not built: r
 
 # -- options, wire format, trace (no server) ---------------------------------------------------------
 def test_base_url_refuses_the_knobs_of_a_server_lpf_starts(lpf_cli, tmp_path):
-    r = lpf_cli("audit", "--engine", "llamacpp", "--base-url", "http://127.0.0.1:9", "-E", "parallel=4",
-                "--model", "zoo:hybrid", "--out", tmp_path / "r")
+    r = lpf_cli(
+        "audit",
+        "--engine",
+        "llamacpp",
+        "--base-url",
+        "http://127.0.0.1:9",
+        "-E",
+        "parallel=4",
+        "--model",
+        "zoo:hybrid",
+        "--out",
+        tmp_path / "r",
+    )
     assert r.code == 2 and "parallel configure a server lpf starts" in r.err and "Traceback" not in r.err
     assert not (tmp_path / "r").exists()
     r = lpf_cli("audit", "--engine", "llamacpp", "--dtype", "q3_k", "--model", "zoo:hybrid", "--out", tmp_path / "r")
@@ -59,24 +70,54 @@ def test_payload_sets_every_sampler_and_asks_for_raw_probabilities():
     greedy = wire.payload(_req(), SamplingParams(logprobs=0), cache_prompt=True)
     assert greedy["samplers"] == ["temperature"] and greedy["temperature"] == 0.0
     assert greedy["n_probs"] == 1 and greedy["post_sampling_probs"] is False and greedy["prompt"] == [3, 4, 5, 6]
-    assert (greedy["min_p"], greedy["typical_p"], greedy["repeat_penalty"], greedy["top_k"], greedy["top_p"],
-            greedy["mirostat"], greedy["dry_multiplier"], greedy["xtc_probability"]) == (0.0, 1.0, 1.0, 0, 1.0, 0, 0.0, 0.0)
+    assert (
+        greedy["min_p"],
+        greedy["typical_p"],
+        greedy["repeat_penalty"],
+        greedy["top_k"],
+        greedy["top_p"],
+        greedy["mirostat"],
+        greedy["dry_multiplier"],
+        greedy["xtc_probability"],
+    ) == (0.0, 1.0, 1.0, 0, 1.0, 0, 0.0, 0.0)
     sampled = wire.payload(_req(), SamplingParams(temperature=0.7, top_k=5, top_p=0.9, logprobs=3), cache_prompt=False)
     assert sampled["samplers"] == ["temperature", "top_k", "top_p"] and sampled["n_probs"] == 3
-    assert (sampled["top_k"], sampled["top_p"], sampled["cache_prompt"], sampled["ignore_eos"]) == (5, 0.9, False, False)
+    assert (sampled["top_k"], sampled["top_p"], sampled["cache_prompt"], sampled["ignore_eos"]) == (
+        5,
+        0.9,
+        False,
+        False,
+    )
     assert wire.payload(_req(), SamplingParams(ignore_eos=True), True, ban_eos=True)["ignore_eos"] is True
 
 
 def _body(ids, lps, **over):
     """An answer in the shape of server_task_result_cmpl_final::to_json_non_oaicompat."""
-    probs = [{"id": t, "token": "x", "bytes": [120], "logprob": lp,
-              "top_logprobs": [{"id": t, "token": "x", "bytes": [120], "logprob": lp},
-                               {"id": 9, "token": "y", "bytes": [121], "logprob": -3.4028234663852886e38}]}
-             for t, lp in zip(ids, lps)]
-    body = {"content": None, "tokens": list(ids), "id_slot": 2, "stop": True, "tokens_predicted": len(ids),
-            "truncated": False, "stop_type": "limit", "tokens_cached": 8,
-            "timings": {"cache_n": 3, "prompt_n": 1, "predicted_n": len(ids), "prompt_ms": 1.5, "predicted_ms": 2.5},
-            "completion_probabilities": probs}
+    probs = [
+        {
+            "id": t,
+            "token": "x",
+            "bytes": [120],
+            "logprob": lp,
+            "top_logprobs": [
+                {"id": t, "token": "x", "bytes": [120], "logprob": lp},
+                {"id": 9, "token": "y", "bytes": [121], "logprob": -3.4028234663852886e38},
+            ],
+        }
+        for t, lp in zip(ids, lps)
+    ]
+    body = {
+        "content": None,
+        "tokens": list(ids),
+        "id_slot": 2,
+        "stop": True,
+        "tokens_predicted": len(ids),
+        "truncated": False,
+        "stop_type": "limit",
+        "tokens_cached": 8,
+        "timings": {"cache_n": 3, "prompt_n": 1, "predicted_n": len(ids), "prompt_ms": 1.5, "predicted_ms": 2.5},
+        "completion_probabilities": probs,
+    }
     body.update(over)
     return body
 
@@ -126,9 +167,14 @@ def test_trace_rows_use_lpf_columns_where_they_fit():
 
     row = {**wire.slot_row(_req(n_prompt=6), _body([5], [-0.1])), "step": 0}
     table = trace_table([row, {**row, "step": 1, "cache_n": 0}])
-    assert table.schema == TRACE_SCHEMA and table.schema.names[:len(TRACE.names)] == TRACE.names
+    assert table.schema == TRACE_SCHEMA and table.schema.names[: len(TRACE.names)] == TRACE.names
     first, second = table.to_pylist()
-    assert (first["state_slot"], first["num_computed_tokens"], first["num_scheduled_tokens"], first["phase"]) == (2, 3, 1, "extend")
+    assert (first["state_slot"], first["num_computed_tokens"], first["num_scheduled_tokens"], first["phase"]) == (
+        2,
+        3,
+        1,
+        "extend",
+    )
     assert second["phase"] == "prefill" and first["prefix_cache_hit_tokens"] == 3 and first["num_prompt_tokens"] == 6
     assert first["batch_size"] is None and first["preempted"] is False
 
@@ -153,7 +199,9 @@ def test_zoo_tokenizer_is_registered_under_the_hash_the_converter_computes():
     from lpf.zoo.registry import tokenizer_dir
 
     source = (find_tools().converter_dir / "conversion" / "base.py").read_text()
-    fn = next(n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.FunctionDef) and n.name == "get_vocab_base_pre")
+    fn = next(
+        n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.FunctionDef) and n.name == "get_vocab_base_pre"
+    )
     chktxt = llamacpp_convert.converter_chktxt(ast.get_source_segment(source, fn))
     assert chktxt and chktxt.startswith("\n \n\n")
     tok = load_tokenizer(ModelRef("zoo", tokenizer_dir()))
@@ -186,8 +234,24 @@ def _tokens_are_reference_greedy(out: Path) -> None:
 @pytest.mark.parametrize("model", ["zoo:jamba", "zoo:hybrid"])
 def test_llama_server_float32_is_clean_per_request_and_greedy_like_transformers(lpf_cli, tmp_path, oracle24, model):
     out = tmp_path / "run"
-    r = lpf_cli("audit", "--engine", "llamacpp", "--model", model, "--workload", oracle24, "--max-tokens", 24,
-                "-E", "threads=1", "--out", out, "--json", "--fail-on", "never")
+    r = lpf_cli(
+        "audit",
+        "--engine",
+        "llamacpp",
+        "--model",
+        model,
+        "--workload",
+        oracle24,
+        "--max-tokens",
+        24,
+        "-E",
+        "threads=1",
+        "--out",
+        out,
+        "--json",
+        "--fail-on",
+        "never",
+    )
     assert r.code == 0, r.err
     f = json.loads(r.out)
     assert f["counts"]["clean"] == f["n_requests"] == 24 and f["errors"] == 0
@@ -198,7 +262,9 @@ def test_llama_server_float32_is_clean_per_request_and_greedy_like_transformers(
     assert e["name"] == "llamacpp" and e["dtype"] == "float32" and e["options"]["dtype"] == "float32"
     assert e["gguf"]["vocab_check"]["n_mismatches"] == 0 and set(e["gguf"]["tensor_types"]) == {"F32"}
     cmd = e["server"]["command"]
-    assert cmd[cmd.index("-ctk") + 1] == "f32" and cmd[cmd.index("-fa") + 1] == "off" and e["samplers"] == ["temperature"]
+    assert (
+        cmd[cmd.index("-ctk") + 1] == "f32" and cmd[cmd.index("-fa") + 1] == "off" and e["samplers"] == ["temperature"]
+    )
     assert f["trace"] == {"recorded": True, "source": "engine", "rows": 24, "why": None}
 
 
@@ -212,9 +278,31 @@ def test_parallel_slots_are_reused_and_traced(lpf_cli, tmp_path, oracle24):
     runs = {}
     for name, extra in (("concurrent", []), ("sequential", ["-E", "concurrency=1"])):
         out = tmp_path / name
-        r = lpf_cli("audit", "--engine", "llamacpp", "--model", "zoo:hybrid", "--workload", oracle24, "--n", 2,
-                    "--max-tokens", 16, "-E", "parallel=4", "-E", "ctx_size=1024", "-E", "threads=1", *extra,
-                    "--out", out, "--json", "--fail-on", "never")
+        r = lpf_cli(
+            "audit",
+            "--engine",
+            "llamacpp",
+            "--model",
+            "zoo:hybrid",
+            "--workload",
+            oracle24,
+            "--n",
+            2,
+            "--max-tokens",
+            16,
+            "-E",
+            "parallel=4",
+            "-E",
+            "ctx_size=1024",
+            "-E",
+            "threads=1",
+            *extra,
+            "--out",
+            out,
+            "--json",
+            "--fail-on",
+            "never",
+        )
         assert r.code == 0, r.err
         f = json.loads(r.out)
         assert f["counts"]["clean"] == 48 and f["errors"] == 0 and f["metrics"]["abs_logprob_diff"]["max"] < 5e-5
@@ -230,8 +318,10 @@ def test_parallel_slots_are_reused_and_traced(lpf_cli, tmp_path, oracle24):
         runs[name] = {t["request_id"]: t for t in trace}
     reused = {rid for rid, t in runs["sequential"].items() if t["num_computed_tokens"] > 0}
     assert reused == {rid for rid in runs["sequential"] if rid.endswith("-r1")}
-    assert all(runs["sequential"][rid]["phase"] == "extend" and runs["sequential"][rid]["num_scheduled_tokens"] >= 1
-               for rid in reused)
+    assert all(
+        runs["sequential"][rid]["phase"] == "extend" and runs["sequential"][rid]["num_scheduled_tokens"] >= 1
+        for rid in reused
+    )
 
 
 @pytest.fixture(scope="module")
@@ -250,12 +340,32 @@ def hybrid_server_q4(tmp_path_factory):
 
 @needs_llamacpp
 @pytest.mark.slow
-def test_q4_k_gguf_under_the_float32_name_is_caught_by_the_run_level_test(lpf_cli, tmp_path, oracle24, hybrid_server_q4):
+def test_q4_k_gguf_under_the_float32_name_is_caught_by_the_run_level_test(
+    lpf_cli, tmp_path, oracle24, hybrid_server_q4
+):
     server, gguf = hybrid_server_q4
     assert gguf.dtype == "q4_k_m" and gguf.header["file_type_name"] == "MOSTLY_Q4_K_M"
     out = tmp_path / "run"
-    r = lpf_cli("audit", "--engine", "llamacpp", "--base-url", server.base_url, "--dtype", "float32", "--model",
-                "zoo:hybrid", "--workload", oracle24, "--max-tokens", 16, "--out", out, "--json", "--fail-on", "never")
+    r = lpf_cli(
+        "audit",
+        "--engine",
+        "llamacpp",
+        "--base-url",
+        server.base_url,
+        "--dtype",
+        "float32",
+        "--model",
+        "zoo:hybrid",
+        "--workload",
+        oracle24,
+        "--max-tokens",
+        16,
+        "--out",
+        out,
+        "--json",
+        "--fail-on",
+        "never",
+    )
     assert r.code == 0, r.err
     f = json.loads(r.out)
     rt = f["run_test"]
@@ -305,15 +415,30 @@ def test_reported_logprobs_are_the_float32_running_sum_normaliser():
     model = resolve_model("zoo:jamba")
     tok, tools = load_tokenizer(model), find_tools()
     ids = tok("copy:KQ7LMB3RZN|")["input_ids"]  # an uncertain position: a visible tail
-    server = LlamaServer(tools.server, gguf_for(model, "float32", tools).path,
-                         ["-np", "1", "-c", "512", "-ctk", "f32", "-ctv", "f32", "-fa", "off", "-t", "1"]).start()
+    server = LlamaServer(
+        tools.server,
+        gguf_for(model, "float32", tools).path,
+        ["-np", "1", "-c", "512", "-ctk", "f32", "-ctv", "f32", "-fa", "off", "-t", "1"],
+    ).start()
     try:
-        body = httpx.post(server.base_url + "/completion", timeout=60, json={
-            "prompt": ids, "n_predict": 1, "n_probs": len(tok), "post_sampling_probs": False,
-            "samplers": ["temperature"], "temperature": 0, "cache_prompt": False}).json()
+        body = httpx.post(
+            server.base_url + "/completion",
+            timeout=60,
+            json={
+                "prompt": ids,
+                "n_predict": 1,
+                "n_probs": len(tok),
+                "post_sampling_probs": False,
+                "samplers": ["temperature"],
+                "temperature": 0,
+                "cache_prompt": False,
+            },
+        ).json()
     finally:
         server.cleanup()
-    got = np.array([a["logprob"] for a in sorted(body["completion_probabilities"][0]["top_logprobs"], key=lambda a: a["id"])])
+    got = np.array(
+        [a["logprob"] for a in sorted(body["completion_probabilities"][0]["top_logprobs"], key=lambda a: a["id"])]
+    )
     m = AutoModelForCausalLM.from_pretrained(model.path, dtype=torch.float64, experts_implementation="eager").eval()
     with torch.no_grad():
         logits = m(torch.tensor([ids])).logits[0, -1].double().numpy()

@@ -23,10 +23,12 @@ def node(step, rid, decode=False, zero=None, read=None, write=None, start=0, end
 def test_a_stale_read_depends_on_the_slot_s_previous_owner_and_nothing_else():
     # step 1: A prefills in slot 0 (offset 0); step 2: B prefills in slot 1; step 3: A decodes;
     # step 4: A is gone, C is admitted to slot 0 as a 1-token "decode" (no zeroing: stale-state)
-    steps = [[node(1, "A", write=0, end=3, table=(0,))],
-             [node(2, "B", write=100, end=3, table=(1,))],
-             [node(3, "A", decode=True, read=0, write=0, start=3, end=4, table=(0,))],
-             [node(4, "C", decode=True, read=0, write=0, start=0, end=1, table=(2,))]]
+    steps = [
+        [node(1, "A", write=0, end=3, table=(0,))],
+        [node(2, "B", write=100, end=3, table=(1,))],
+        [node(3, "A", decode=True, read=0, write=0, start=3, end=4, table=(0,))],
+        [node(4, "C", decode=True, read=0, write=0, start=0, end=1, table=(2,))],
+    ]
     deps = Dependencies(steps, STRIDE, BS)
     c = deps.nodes[(4, "C")]
     assert deps.state_writers(c) == [(3, "A")]
@@ -34,9 +36,11 @@ def test_a_stale_read_depends_on_the_slot_s_previous_owner_and_nothing_else():
 
 
 def test_zeroing_ends_the_dependency_and_an_unwritten_region_reads_zeros():
-    steps = [[node(1, "A", write=0, end=2)],
-             [node(2, "C", decode=True, zero=0, read=0, write=0, table=(1,))],
-             [node(3, "D", decode=True, read=300, write=300, table=(2,))]]
+    steps = [
+        [node(1, "A", write=0, end=2)],
+        [node(2, "C", decode=True, zero=0, read=0, write=0, table=(1,))],
+        [node(3, "D", decode=True, read=300, write=300, table=(2,))],
+    ]
     deps = Dependencies(steps, STRIDE, BS)
     assert deps.state_writers(deps.nodes[(2, "C")]) == [None]  # zeroed before the read: not A's
     assert deps.state_writers(deps.nodes[(3, "D")]) == [None]  # never written
@@ -45,9 +49,11 @@ def test_zeroing_ends_the_dependency_and_an_unwritten_region_reads_zeros():
 
 def test_a_wrapped_write_is_seen_by_whoever_reads_the_region_it_hit():
     # W's prefill state lands at offset 150 (half in slot 1, half in slot 2); V then decodes from slot 1
-    steps = [[node(1, "V", write=100, end=2, table=(0,))],
-             [node(2, "W", write=150, end=2, table=(1,))],
-             [node(3, "V", decode=True, read=100, write=100, start=2, end=3, table=(0,))]]
+    steps = [
+        [node(1, "V", write=100, end=2, table=(0,))],
+        [node(2, "W", write=150, end=2, table=(1,))],
+        [node(3, "V", decode=True, read=100, write=100, start=2, end=3, table=(0,))],
+    ]
     deps = Dependencies(steps, STRIDE, BS)
     v = deps.nodes[(3, "V")]
     assert deps.state_writers(v) == [(2, "W"), (1, "V")]  # W overwrote the slot's upper half, V's own the rest
@@ -55,17 +61,23 @@ def test_a_wrapped_write_is_seen_by_whoever_reads_the_region_it_hit():
 
 
 def test_within_a_step_decodes_read_before_any_decode_writes_and_after_every_prefill():
-    steps = [[node(1, "P", write=0, end=2, table=(0,)),  # a prefill whose state goes to slot 0 ...
-              node(1, "D", decode=True, read=0, write=0, start=5, end=6, table=(1, 2))]]  # ... read by a decode
+    steps = [
+        [
+            node(1, "P", write=0, end=2, table=(0,)),  # a prefill whose state goes to slot 0 ...
+            node(1, "D", decode=True, read=0, write=0, start=5, end=6, table=(1, 2)),
+        ]
+    ]  # ... read by a decode
     deps = Dependencies(steps, STRIDE, BS)
     assert deps.state_writers(deps.nodes[(1, "D")]) == [(1, "P")]
 
 
 def test_a_shared_kv_block_makes_its_other_writer_a_dependency():
     # a double-freed block 5: X wrote positions 0..3 into it, then Y (holding it too) reads it
-    steps = [[node(1, "X", end=4, table=(5,))],
-             [node(2, "Y", end=3, table=(5,))],
-             [node(3, "Y", decode=True, start=3, end=4, table=(5,))]]
+    steps = [
+        [node(1, "X", end=4, table=(5,))],
+        [node(2, "Y", end=3, table=(5,))],
+        [node(3, "Y", decode=True, start=3, end=4, table=(5,))],
+    ]
     deps = Dependencies(steps, STRIDE, BS)
     assert deps.kv_writers(deps.nodes[(2, "Y")]) == set()  # Y rewrote rows 0..2 before reading them
     assert deps.kv_writers(deps.nodes[(3, "Y")]) == {(2, "Y")}  # its own rows 0..2, its own row 3 just written
@@ -92,7 +104,11 @@ def test_relative_errors_treat_zero_rows_and_size_mismatches_honestly():
 
 def test_the_first_departure_is_the_earliest_token_then_the_earliest_op():
     order = ["L0.norm", "L0.in_proj", "L1.q"]
-    errs = {"L0.norm": {0: 0.0, 1: 0.0, 2: 0.0}, "L0.in_proj": {0: 0.0, 1: 0.0, 2: 0.5}, "L1.q": {0: 0.0, 1: 0.3, 2: 0.9}}
+    errs = {
+        "L0.norm": {0: 0.0, 1: 0.0, 2: 0.0},
+        "L0.in_proj": {0: 0.0, 1: 0.0, 2: 0.5},
+        "L1.q": {0: 0.0, 1: 0.3, 2: 0.9},
+    }
     floors = {op: 1e-3 for op in order}
     first = align.first_departure(errs, floors, order)
     assert (first["op"], first["position"]) == ("L1.q", 1)  # a later op, but an earlier token
@@ -128,8 +144,15 @@ def test_op_names_and_merged_order():
 def _run_dir(tmp_path, engine: str):
     from lpf.run.store import RunDir
 
-    run = RunDir.create(tmp_path / engine, {"engine": {"name": engine, "options": {}}, "model": {"spec": "zoo:hybrid"},
-                                            "workload": {"n": 1}, "sampling": {}})
+    run = RunDir.create(
+        tmp_path / engine,
+        {
+            "engine": {"name": engine, "options": {}},
+            "model": {"spec": "zoo:hybrid"},
+            "workload": {"n": 1},
+            "sampling": {},
+        },
+    )
     return run.path
 
 

@@ -27,8 +27,20 @@ from test_report import browser  # noqa: F401 - the real headless Chromium fixtu
 
 pytestmark = pytest.mark.slow
 
-JAMBA = ["--model", "tiny:jamba-longmem", "--n", 4, "--max-tokens", 16, "--cache-mb", 3, "--max-num-seqs", 16,
-         "--max-num-batched-tokens", 32]
+JAMBA = [
+    "--model",
+    "tiny:jamba-longmem",
+    "--n",
+    4,
+    "--max-tokens",
+    16,
+    "--cache-mb",
+    3,
+    "--max-num-seqs",
+    16,
+    "--max-num-batched-tokens",
+    32,
+]
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +48,9 @@ def oracle60(tmp_path_factory):
     from lpf.zoo import registry
 
     items = registry.workload_items("oracle", seed=0, n=60)
-    return write_prompts(tmp_path_factory.mktemp("w") / "oracle60.jsonl",
-                         [{"id": i["id"], "prompt": i["prompt"]} for i in items])
+    return write_prompts(
+        tmp_path_factory.mktemp("w") / "oracle60.jsonl", [{"id": i["id"], "prompt": i["prompt"]} for i in items]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -46,14 +59,24 @@ def runs(tmp_path_factory, oracle60):
     configs = {
         "stale": [*JAMBA, "--inject", "stale-state"],
         "wrap": [*JAMBA, "--inject", "offset-wrap:18"],
-        "lost": ["--model", "zoo:hybrid", "--max-tokens", 8, "--prompt-logprobs", "--max-num-batched-tokens", 16,
-                 "--inject", "lost-chunk-state"],
+        "lost": [
+            "--model",
+            "zoo:hybrid",
+            "--max-tokens",
+            8,
+            "--prompt-logprobs",
+            "--max-num-batched-tokens",
+            16,
+            "--inject",
+            "lost-chunk-state",
+        ],
         "quant": ["--model", "zoo:hybrid", "--max-tokens", 8, "--inject", "quantize-weights"],
         "clean": ["--model", "zoo:hybrid", "--max-tokens", 8, "--max-num-batched-tokens", 24, "--cache-mb", 1],
     }
     for name, args in configs.items():
-        proc = lpf_subprocess("audit", "--engine", "builtin", "--workload", oracle60, *args, "--out", base / name,
-                              "--fail-on", "never")
+        proc = lpf_subprocess(
+            "audit", "--engine", "builtin", "--workload", oracle60, *args, "--out", base / name, "--fail-on", "never"
+        )
         assert proc.returncode == 0, proc.stderr
     return base
 
@@ -86,14 +109,19 @@ def test_stale_state_is_located_to_the_first_mamba_layer_s_input_state(lpf_cli, 
     _shared(doc, exact=False)  # tiny:jamba-longmem has MoE layers
     loc, mamba = doc["located"], doc["mamba"]
     assert loc["layer"] == 0 and loc["name"] in ("state_in", "conv_state_in") and loc["position"] == 0
-    assert mamba["input_state"] == "differed" and mamba["reference_state_norm"] == 0.0 and mamba["engine_state_norm"] > 1
+    assert (
+        mamba["input_state"] == "differed" and mamba["reference_state_norm"] == 0.0 and mamba["engine_state_norm"] > 1
+    )
     step = mamba["step"]
     assert step["phase"] == "decode" and step["first_position"] == 0  # the imposter's first step
     writers = [w for w in step["state_last_written_by"] if w]
     assert writers and writers[0]["request_id"] != doc["request_id"]
     # the trace agrees: that request ran on the same slot, earlier
-    rows = q(run, f"SELECT count(*) FROM trace WHERE request_id = '{writers[0]['request_id']}' "
-                  f"AND state_slot = {step['state_slot']} AND step < {step['step']}")
+    rows = q(
+        run,
+        f"SELECT count(*) FROM trace WHERE request_id = '{writers[0]['request_id']}' "
+        f"AND state_slot = {step['state_slot']} AND step < {step['step']}",
+    )
     assert rows[0][0] > 0
     assert doc["replay"]["steps_replayed"] < doc["replay"]["steps_scheduled"]  # only what the request depends on
 
@@ -109,8 +137,8 @@ def test_offset_wrap_is_located_to_the_state_its_prefill_wrote_elsewhere(lpf_cli
     prompt_len = doc["target"]["prompt_len"]
     assert loc["position"] >= prompt_len - 1  # a decode after the prompt
     slot, prev = mamba["step"]["state_slot"], mamba["previous_step"]
-    assert slot * stride >= 2 ** 18 and mamba["step"]["state_read_offset"] == slot * stride
-    assert prev["state_write_offset"] == (slot * stride) % 2 ** 18  # the wrapped slot
+    assert slot * stride >= 2**18 and mamba["step"]["state_read_offset"] == slot * stride
+    assert prev["state_write_offset"] == (slot * stride) % 2**18  # the wrapped slot
     assert "instead" in doc["sentence"]
 
 
@@ -121,9 +149,17 @@ def test_lost_chunk_state_is_located_to_the_chunk_boundary(lpf_cli, runs):
     loc, mamba = doc["located"], doc["mamba"]
     assert loc["layer"] == 0 and loc["name"] in ("state_in", "conv_state_in")
     step = mamba["step"]
-    assert step["phase"] == "extend" and step["state_read_offset"] is None and step["first_position"] == loc["position"] > 0
-    bounds = {r[0] for r in q(run, f"SELECT num_computed_tokens FROM trace WHERE request_id = '{doc['request_id']}' "
-                                   f"AND phase = 'extend'")}
+    assert (
+        step["phase"] == "extend"
+        and step["state_read_offset"] is None
+        and step["first_position"] == loc["position"] > 0
+    )
+    bounds = {
+        r[0]
+        for r in q(
+            run, f"SELECT num_computed_tokens FROM trace WHERE request_id = '{doc['request_id']}' AND phase = 'extend'"
+        )
+    }
     assert loc["position"] in bounds and mamba["reference_state_norm"] > 0 and mamba["engine_state_norm"] == 0.0
 
 
@@ -171,7 +207,8 @@ def test_the_locate_report_renders_in_chromium(lpf_cli, runs, browser):
     assert severe(log) == [], log
     drawn = browser.execute_script(  # the line chart's traces, the heat map's image layer
         "return [...document.querySelectorAll('.plot')].map(d => !!d.querySelector('svg.main-svg g.trace, "
-        "svg.main-svg g.hm image'));")
+        "svg.main-svg g.hm image'));"
+    )
     assert drawn == [True, True]
     assert doc["request_id"] in browser.find_element(By.TAG_NAME, "header").text
     assert "input state at prompt token 0 already differed" in browser.find_element(By.ID, "finding").text

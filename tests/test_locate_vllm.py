@@ -27,8 +27,25 @@ def matrix(tmp_path_factory):
     from conftest import lpf_subprocess
 
     out = tmp_path_factory.mktemp("locate-conf") / "conf"
-    proc = lpf_subprocess("conformance", "--engine", "vllm", "--arch", "Lfm2,Lfm2Moe,Zamba2", "--cell", "fp32",
-                          "--prompts", 4, "--max-tokens", 8, "--out", out, "--json", "--fail-on", "never", timeout=1800)
+    proc = lpf_subprocess(
+        "conformance",
+        "--engine",
+        "vllm",
+        "--arch",
+        "Lfm2,Lfm2Moe,Zamba2",
+        "--cell",
+        "fp32",
+        "--prompts",
+        4,
+        "--max-tokens",
+        8,
+        "--out",
+        out,
+        "--json",
+        "--fail-on",
+        "never",
+        timeout=1800,
+    )
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     return out, {c["architecture"]: c for c in doc["cells"]}, proc.stderr

@@ -22,9 +22,23 @@ SERVED = "tiny-served"
 SECRET = "sk-lpf-test-secret-9f3b"
 OUT_IDS = [35, 36, 37, 38]  # "ABCD" in the zoo tokenizer (one token per character)
 
-CASES = ["ok", "retry_after_429", "always_500", "503_then_ok", "garbage", "truncated_json", "short_body",
-         "slow", "no_logprobs", "fewer_logprobs", "unmappable_strings", "string_tokens_ok", "count_mismatch",
-         "id_outside_vocab", "nan_logprob"]
+CASES = [
+    "ok",
+    "retry_after_429",
+    "always_500",
+    "503_then_ok",
+    "garbage",
+    "truncated_json",
+    "short_body",
+    "slow",
+    "no_logprobs",
+    "fewer_logprobs",
+    "unmappable_strings",
+    "string_tokens_ok",
+    "count_mismatch",
+    "id_outside_vocab",
+    "nan_logprob",
+]
 CODE = {name: 100 + i for i, name in enumerate(CASES)}
 CASE_OF = {v: k for k, v in CODE.items()}
 MAX_RETRIES = 2
@@ -36,27 +50,60 @@ def _tokenizer():
     return load_tokenizer(resolve_model(MODEL))
 
 
-def completion_body(body: dict, *, token_form: str = "id", n_logprobs: int | None = None,
-                    tokens: list | None = None, completion_tokens: int | None = None, lp=-0.25) -> dict:
+def completion_body(
+    body: dict,
+    *,
+    token_form: str = "id",
+    n_logprobs: int | None = None,
+    tokens: list | None = None,
+    completion_tokens: int | None = None,
+    lp=-0.25,
+) -> dict:
     """A /v1/completions answer in vLLM's shape for OUT_IDS (cut to max_tokens)."""
     tok = _tokenizer()
-    ids = OUT_IDS[:body["max_tokens"]]
+    ids = OUT_IDS[: body["max_tokens"]]
     if tokens is None:
         tokens = [f"token_id:{t}" if token_form == "id" else tok.decode([t]) for t in ids]
     values = [lp] * len(tokens) if n_logprobs is None else [lp] * n_logprobs
     top = [{tokens[i]: lp, ("token_id:40" if token_form == "id" else "F"): -3.0} for i in range(len(tokens))]
-    return {"id": "cmpl-1", "object": "text_completion", "created": 0, "model": body["model"],
-            "choices": [{"index": 0, "text": tok.decode(ids), "finish_reason": "length",
-                         "logprobs": {"tokens": tokens, "token_logprobs": values, "top_logprobs": top,
-                                      "text_offset": list(range(len(tokens)))}}],
-            "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": completion_tokens or len(ids),
-                      "total_tokens": len(body["prompt"]) + len(ids)}}
+    return {
+        "id": "cmpl-1",
+        "object": "text_completion",
+        "created": 0,
+        "model": body["model"],
+        "choices": [
+            {
+                "index": 0,
+                "text": tok.decode(ids),
+                "finish_reason": "length",
+                "logprobs": {
+                    "tokens": tokens,
+                    "token_logprobs": values,
+                    "top_logprobs": top,
+                    "text_offset": list(range(len(tokens))),
+                },
+            }
+        ],
+        "usage": {
+            "prompt_tokens": len(body["prompt"]),
+            "completion_tokens": completion_tokens or len(ids),
+            "total_tokens": len(body["prompt"]) + len(ids),
+        },
+    }
 
 
 def misbehave(server, path, body, attempt) -> Reply:
     if body is None or body.get("model") != SERVED:
-        return Reply(404, {"error": {"message": f"The model `{(body or {}).get('model')}` does not exist.",
-                                     "type": "NotFoundError", "code": 404}})
+        return Reply(
+            404,
+            {
+                "error": {
+                    "message": f"The model `{(body or {}).get('model')}` does not exist.",
+                    "type": "NotFoundError",
+                    "code": 404,
+                }
+            },
+        )
     case = CASE_OF[body["prompt"][1]]
     if case == "retry_after_429" and attempt == 1:
         return Reply(429, {"error": {"message": "slow down"}}, headers={"Retry-After": "1"})
@@ -85,21 +132,48 @@ def misbehave(server, path, body, attempt) -> Reply:
     if case == "count_mismatch":
         return Reply(200, completion_body(body, completion_tokens=9))
     if case == "id_outside_vocab":
-        return Reply(200, completion_body(body, tokens=["token_id:35", "token_id:999999", "token_id:36", "token_id:37"]))
+        return Reply(
+            200, completion_body(body, tokens=["token_id:35", "token_id:999999", "token_id:36", "token_id:37"])
+        )
     if case == "nan_logprob":
         return Reply(200, raw=json.dumps(completion_body(body)).replace("-0.25", "NaN", 1).encode())
     return Reply(200, completion_body(body))
 
 
 def _prompts(tmp_path, cases):
-    return write_prompts(tmp_path / "cases.jsonl",
-                         [{"id": c, "prompt_token_ids": [1, CODE[c], 20 + i]} for i, c in enumerate(cases)])
+    return write_prompts(
+        tmp_path / "cases.jsonl", [{"id": c, "prompt_token_ids": [1, CODE[c], 20 + i]} for i, c in enumerate(cases)]
+    )
 
 
 def _audit(lpf_cli, url, prompts, out, *extra):
-    return lpf_cli("audit", "--engine", "openai", "--base-url", url, "--model", SERVED, "--reference", MODEL,
-                   "--workload", prompts, "--max-tokens", 4, "--out", out, "--fail-on", "never", "--json",
-                   "-E", f"max_retries={MAX_RETRIES}", "-E", "backoff_s=0.05", "-E", "timeout_s=1", *extra)
+    return lpf_cli(
+        "audit",
+        "--engine",
+        "openai",
+        "--base-url",
+        url,
+        "--model",
+        SERVED,
+        "--reference",
+        MODEL,
+        "--workload",
+        prompts,
+        "--max-tokens",
+        4,
+        "--out",
+        out,
+        "--fail-on",
+        "never",
+        "--json",
+        "-E",
+        f"max_retries={MAX_RETRIES}",
+        "-E",
+        "backoff_s=0.05",
+        "-E",
+        "timeout_s=1",
+        *extra,
+    )
 
 
 def _requests(out):
@@ -120,21 +194,25 @@ def test_every_bad_answer_is_recorded_with_its_error_and_retries_are_bounded(lpf
     # no_logprobs: kept tokens only (its text re-encoded, checked against usage), its logprobs null
     good = {"ok", "retry_after_429", "503_then_ok", "string_tokens_ok", "no_logprobs"}
     # answers that fail a consistency check are evidence: kept as returned, with the reason
-    kept = {"count_mismatch": "token_count: the server counts 9 completion tokens but returned 4 with logprobs",
-            "nan_logprob": "logprob: logprob at position 0 is nan, not a log-probability"}
+    kept = {
+        "count_mismatch": "token_count: the server counts 9 completion tokens but returned 4 with logprobs",
+        "nan_logprob": "logprob: logprob at position 0 is nan, not a log-probability",
+    }
     assert {c for c, e in err.items() if e is None} == good | set(kept)
     for case, reason in kept.items():
         row = reqs[f"{case}-r0"]
         assert row["inconsistency"] == reason and row["output_token_ids"] == OUT_IDS, row
     assert all(reqs[f"{c}-r0"]["inconsistency"] is None for c in good)
-    expect = {"always_500": "gave up after 3 attempts: HTTP 500: engine exploded",
-              "garbage": "not valid JSON", "truncated_json": "not valid JSON",
-              "short_body": "gave up after 3 attempts: connection broken",
-              "slow": "gave up after 3 attempts: no complete answer within 1 s",
-              "fewer_logprobs": "2 logprobs for 4 tokens",
-              "unmappable_strings": "does not map back to one token id",
-              "id_outside_vocab": "token id 999999 at position 1 is not in the model's vocabulary",
-              }
+    expect = {
+        "always_500": "gave up after 3 attempts: HTTP 500: engine exploded",
+        "garbage": "not valid JSON",
+        "truncated_json": "not valid JSON",
+        "short_body": "gave up after 3 attempts: connection broken",
+        "slow": "gave up after 3 attempts: no complete answer within 1 s",
+        "fewer_logprobs": "2 logprobs for 4 tokens",
+        "unmappable_strings": "does not map back to one token id",
+        "id_outside_vocab": "token id 999999 at position 1 is not in the model's vocabulary",
+    }
     for case, fragment in expect.items():
         assert fragment in err[case], (case, err[case])
 
@@ -174,8 +252,13 @@ def test_every_bad_answer_is_recorded_with_its_error_and_retries_are_bounded(lpf
     assert findings["errors"] == len(CASES) - len(good) - len(kept)
     assert sum(findings["counts"].values()) == len(good) + len(kept)
     ev = findings["evidence"]
-    assert ev["inconsistent"] == {"n": 2, "by_reason": {"logprob": 1, "token_count": 1}, "scored": 2, "flagged": 2,
-                                  "requests": sorted(f"{c}-r0" for c in kept)}
+    assert ev["inconsistent"] == {
+        "n": 2,
+        "by_reason": {"logprob": 1, "token_count": 1},
+        "scored": 2,
+        "flagged": 2,
+        "requests": sorted(f"{c}-r0" for c in kept),
+    }
     # a NaN logprob can never be clean: the kept answer is scored and flagged
     verdict = {f["request_id"]: f["verdict"] for f in findings["flagged"]}
     assert verdict.get("nan_logprob-r0") in ("divergent", "corrupt")
@@ -196,8 +279,21 @@ def test_every_bad_answer_is_recorded_with_its_error_and_retries_are_bounded(lpf
 def test_unknown_model_name_fails_every_request_and_exits_2(lpf_cli, tmp_path):
     out = tmp_path / "run"
     with ScriptedServer(misbehave) as server:
-        r = lpf_cli("audit", "--engine", "openai", "--base-url", server.url + "/v1", "--model", "not-served",
-                    "--reference", MODEL, "--workload", _prompts(tmp_path, ["ok"]), "--out", out)
+        r = lpf_cli(
+            "audit",
+            "--engine",
+            "openai",
+            "--base-url",
+            server.url + "/v1",
+            "--model",
+            "not-served",
+            "--reference",
+            MODEL,
+            "--workload",
+            _prompts(tmp_path, ["ok"]),
+            "--out",
+            out,
+        )
     assert r.code == 2
     assert "nothing could be audited" in r.err
     findings = json.loads((out / "findings.json").read_text())
@@ -218,8 +314,9 @@ def test_server_dying_mid_run_keeps_what_finished_and_fails_the_rest_fast(lpf_cl
         return Reply(200, completion_body(body))
 
     cases = ["ok"] * 12
-    prompts = write_prompts(tmp_path / "p.jsonl", [{"id": f"q{i}", "prompt_token_ids": [1, CODE["ok"], 20 + i]}
-                                                  for i in range(len(cases))])
+    prompts = write_prompts(
+        tmp_path / "p.jsonl", [{"id": f"q{i}", "prompt_token_ids": [1, CODE["ok"], 20 + i]} for i in range(len(cases))]
+    )
     out = tmp_path / "run"
     with ScriptedServer(dies_after_three) as server:
         t0 = time.monotonic()
@@ -252,8 +349,16 @@ def test_overall_deadline_ends_a_hung_server(lpf_cli, tmp_path):
     out = tmp_path / "run"
     with ScriptedServer(hangs) as server:
         t0 = time.monotonic()
-        r = _audit(lpf_cli, server.url + "/v1", _prompts(tmp_path, ["ok", "slow"]), out,
-                   "-E", "timeout_s=30", "-E", "deadline_s=2")
+        r = _audit(
+            lpf_cli,
+            server.url + "/v1",
+            _prompts(tmp_path, ["ok", "slow"]),
+            out,
+            "-E",
+            "timeout_s=30",
+            "-E",
+            "deadline_s=2",
+        )
         elapsed = time.monotonic() - t0
     assert r.code == 2
     assert all("deadline of 2 s" in row["error"] for row in _requests(out).values())
@@ -263,8 +368,15 @@ def test_overall_deadline_ends_a_hung_server(lpf_cli, tmp_path):
 def test_a_strict_server_that_refuses_the_token_id_field_gets_string_tokens_checked(lpf_cli, tmp_path):
     def strict(server, path, body, attempt):
         if "return_tokens_as_token_ids" in body:
-            return Reply(400, {"error": {"message": "Unrecognized request argument supplied: "
-                                                    "return_tokens_as_token_ids", "type": "invalid_request_error"}})
+            return Reply(
+                400,
+                {
+                    "error": {
+                        "message": "Unrecognized request argument supplied: return_tokens_as_token_ids",
+                        "type": "invalid_request_error",
+                    }
+                },
+            )
         return Reply(200, completion_body(body, token_form="text"))
 
     out = tmp_path / "run"
@@ -278,24 +390,39 @@ def test_a_strict_server_that_refuses_the_token_id_field_gets_string_tokens_chec
     assert 1 <= len(asked) <= 2  # refused at most once per request in flight, then never asked again
 
 
-@pytest.mark.parametrize("args, message", [
-    ([], "pass --base-url"),
-    (["--base-url", "ftp://x"], "must be an http(s)"),
-    (["--base-url", "http://user:pw@127.0.0.1:1/v1"], "must not carry credentials"),
-    (["--base-url", "http://127.0.0.1:1/v1", "--api-key-env", "LPF_SURELY_UNSET_VAR"], "not set or empty"),
-    (["--base-url", "http://127.0.0.1:1/v1", "-E", "max_retries=-1"], "max_retries must be >= 0"),
-    (["--base-url", "http://127.0.0.1:1/v1", "-E", "colour=red"], "unknown engine option 'colour'"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ([], "pass --base-url"),
+        (["--base-url", "ftp://x"], "must be an http(s)"),
+        (["--base-url", "http://user:pw@127.0.0.1:1/v1"], "must not carry credentials"),
+        (["--base-url", "http://127.0.0.1:1/v1", "--api-key-env", "LPF_SURELY_UNSET_VAR"], "not set or empty"),
+        (["--base-url", "http://127.0.0.1:1/v1", "-E", "max_retries=-1"], "max_retries must be >= 0"),
+        (["--base-url", "http://127.0.0.1:1/v1", "-E", "colour=red"], "unknown engine option 'colour'"),
+    ],
+)
 def test_bad_openai_options_are_one_line_errors_before_anything_is_written(lpf_cli, tmp_path, args, message):
     out = tmp_path / "run"
-    r = lpf_cli("audit", "--engine", "openai", "--model", MODEL, "--workload", _prompts(tmp_path, ["ok"]),
-                "--out", out, *args)
+    r = lpf_cli(
+        "audit", "--engine", "openai", "--model", MODEL, "--workload", _prompts(tmp_path, ["ok"]), "--out", out, *args
+    )
     assert r.code == 2 and message in r.err, r.err
     assert "Traceback" not in r.err
     assert not out.exists()
 
 
 def test_served_name_needs_a_local_reference(lpf_cli, tmp_path):
-    r = lpf_cli("audit", "--engine", "openai", "--base-url", "http://127.0.0.1:1/v1", "--model", "remote-name",
-                "--workload", _prompts(tmp_path, ["ok"]), "--out", tmp_path / "run")
+    r = lpf_cli(
+        "audit",
+        "--engine",
+        "openai",
+        "--base-url",
+        "http://127.0.0.1:1/v1",
+        "--model",
+        "remote-name",
+        "--workload",
+        _prompts(tmp_path, ["ok"]),
+        "--out",
+        tmp_path / "run",
+    )
     assert r.code == 2 and "pass --reference DIR" in r.err

@@ -32,22 +32,37 @@ def _entry(tok, tid: int, form: str, lp: float) -> dict:
 
 
 def _content(tok, ids, form: str) -> dict:
-    return {"content": [{**_entry(tok, t, form, -0.25), "top_logprobs": [_entry(tok, t, form, -0.25),
-                                                                         _entry(tok, 40, form, -3.0)]} for t in ids]}
+    return {
+        "content": [
+            {**_entry(tok, t, form, -0.25), "top_logprobs": [_entry(tok, t, form, -0.25), _entry(tok, 40, form, -3.0)]}
+            for t in ids
+        ]
+    }
 
 
 def shapes(server, path, body, attempt) -> Reply:
     tok = _tokenizer()
-    ids = OUT_IDS[:body["max_tokens"]]
+    ids = OUT_IDS[: body["max_tokens"]]
     usage = {"prompt_tokens": len(body["prompt"]) if "prompt" in body else None, "completion_tokens": len(ids)}
     if path.endswith("/chat/completions"):
         user = body["messages"][-1]["content"]
         from lpf.core.chat import render
 
         n = len(render(tok, body["messages"])) + (3 if "mismatch" in user else 0)
-        return Reply(200, {"choices": [{"index": 0, "message": {"role": "assistant", "content": tok.decode(ids)},
-                                        "finish_reason": "length", "logprobs": _content(tok, ids, "bytes")}],
-                           "usage": {"prompt_tokens": n, "completion_tokens": len(ids)}})
+        return Reply(
+            200,
+            {
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": tok.decode(ids)},
+                        "finish_reason": "length",
+                        "logprobs": _content(tok, ids, "bytes"),
+                    }
+                ],
+                "usage": {"prompt_tokens": n, "completion_tokens": len(ids)},
+            },
+        )
     case = CASES[body["prompt"][1] - 200]
     choice = {"index": 0, "text": tok.decode(ids), "finish_reason": "length"}
     if case == "token_ids_only":
@@ -58,8 +73,27 @@ def shapes(server, path, body, attempt) -> Reply:
 
 
 def _audit(lpf_cli, url, prompts, out, *extra):
-    return lpf_cli("audit", "--engine", "openai", "--base-url", url, "--model", SERVED, "--reference", MODEL,
-                   "--workload", prompts, "--max-tokens", 4, "--out", out, "--fail-on", "never", "--json", *extra)
+    return lpf_cli(
+        "audit",
+        "--engine",
+        "openai",
+        "--base-url",
+        url,
+        "--model",
+        SERVED,
+        "--reference",
+        MODEL,
+        "--workload",
+        prompts,
+        "--max-tokens",
+        4,
+        "--out",
+        out,
+        "--fail-on",
+        "never",
+        "--json",
+        *extra,
+    )
 
 
 def test_content_list_shapes_and_token_ids_only_answers_store_the_tokens_sent(lpf_cli, tmp_path):
@@ -69,8 +103,9 @@ def test_content_list_shapes_and_token_ids_only_answers_store_the_tokens_sent(lp
         r = _audit(lpf_cli, server.url + "/v1", prompts, out, "-E", "token_ids=tokenizer")
     assert r.code == 0, r.err
     reqs = {x["request_id"]: x for x in pq.read_table(out / "requests").to_pylist()}
-    assert all(x["error"] is None and x["inconsistency"] is None and x["output_token_ids"] == OUT_IDS
-               for x in reqs.values()), reqs
+    assert all(
+        x["error"] is None and x["inconsistency"] is None and x["output_token_ids"] == OUT_IDS for x in reqs.values()
+    ), reqs
     tokens = pq.read_table(out / "tokens").to_pylist()
     for case in CASES:
         rows = [t for t in tokens if t["request_id"] == f"{case}-r0"]
@@ -87,9 +122,11 @@ def test_content_list_shapes_and_token_ids_only_answers_store_the_tokens_sent(lp
 def test_chat_route_sends_messages_scores_the_rendering_and_names_a_template_mismatch(lpf_cli, tmp_path):
     from lpf.core.chat import render
 
-    items = [{"id": "plain", "prompt": "K12,A37|K12|"},
-             {"id": "turns", "messages": [{"role": "system", "content": "R:A37"}, {"role": "user", "content": "A"}]},
-             {"id": "odd", "prompt": "mismatch"}]
+    items = [
+        {"id": "plain", "prompt": "K12,A37|K12|"},
+        {"id": "turns", "messages": [{"role": "system", "content": "R:A37"}, {"role": "user", "content": "A"}]},
+        {"id": "odd", "prompt": "mismatch"},
+    ]
     out = tmp_path / "run"
     with ScriptedServer(shapes) as server:
         r = _audit(lpf_cli, server.url + "/v1", write_prompts(tmp_path / "c.jsonl", items), out, "--api", "chat")

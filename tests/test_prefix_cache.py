@@ -46,8 +46,10 @@ def departed(a: dict, b: dict, tol: float = 1e-3) -> set[str]:
     out = set()
     for rid, ca in a.items():
         cb = b[rid]
-        if ca.output_token_ids != cb.output_token_ids or \
-                np.max(np.abs(np.subtract(ca.logprobs, cb.logprobs)), initial=0) > tol:
+        if (
+            ca.output_token_ids != cb.output_token_ids
+            or np.max(np.abs(np.subtract(ca.logprobs, cb.logprobs)), initial=0) > tol
+        ):
             out.add(rid)
     return out
 
@@ -58,12 +60,14 @@ def baseline():
 
 
 @pytest.mark.slow  # two runs of a zoo model each
-@pytest.mark.parametrize("model, mode", [("zoo:hybrid", "align"), ("zoo:jamba", "all"),
-                                         ("tiny:jamba-longmem", "align")])
+@pytest.mark.parametrize(
+    "model, mode", [("zoo:hybrid", "align"), ("zoo:jamba", "all"), ("tiny:jamba-longmem", "align")]
+)
 def test_caching_agrees_with_no_caching_while_really_hitting(model, mode):
     off, _, _, _ = run(model)
-    on, trace, faults, info = run(model, enable_prefix_caching=True, mamba_cache_mode=mode,
-                                  mamba_block_size=16 if mode == "align" else 32)
+    on, trace, faults, info = run(
+        model, enable_prefix_caching=True, mamba_cache_mode=mode, mamba_block_size=16 if mode == "align" else 32
+    )
     assert faults is None
     assert [on[r].output_token_ids for r in off] == [off[r].output_token_ids for r in off]
     worst = max(np.max(np.abs(np.subtract(on[r].logprobs, off[r].logprobs)), initial=0) for r in off)
@@ -73,8 +77,10 @@ def test_caching_agrees_with_no_caching_while_really_hitting(model, mode):
     assert sum(hits) == stats["hit_tokens"] > 0.25 * stats["query_tokens"] and stats["hits"] > N // 3
     # every resume is honest: the state read covers exactly the hit and was written by its publisher
     rows = [r for r in trace.to_pylist() if r["prefix_cache_hit_tokens"]]
-    assert rows and all(r["resume_covers_tokens"] == r["prefix_cache_hit_tokens"] and
-                        r["resume_writer"] == r["resume_publisher"] for r in rows)
+    assert rows and all(
+        r["resume_covers_tokens"] == r["prefix_cache_hit_tokens"] and r["resume_writer"] == r["resume_publisher"]
+        for r in rows
+    )
 
 
 DRILLS = {d: k for d, k in DRILL_KNOBS.items() if d not in ("prefix-cache-inert", "stale-conv-on-reuse")}
@@ -111,8 +117,13 @@ def test_prefix_cache_inert_is_on_and_supplies_nothing(baseline):
 def test_a_cancelled_request_is_resent_and_both_attempts_are_kept():
     got, trace, _, _ = run("tiny:jamba-longmem", n=40, enable_prefix_caching=True)
     resent = [c for c in got.values() if c.attempts]
-    assert resent and all(len(c.attempts) == 2 and c.attempts[0]["error"].startswith("cancelled by the client")
-                          and c.attempts[1]["error"] is None and c.error is None for c in resent)
+    assert resent and all(
+        len(c.attempts) == 2
+        and c.attempts[0]["error"].startswith("cancelled by the client")
+        and c.attempts[1]["error"] is None
+        and c.error is None
+        for c in resent
+    )
     aborted = [r for r in trace.to_pylist() if r["aborted"]]
     assert {r["request_id"] for r in aborted} == {f"{c.request_id}~attempt0" for c in resent}
     assert all(r["phase"] is None and r["num_scheduled_tokens"] > 0 for r in aborted)

@@ -26,21 +26,43 @@ from lpf.builtin.prefix_drills import KNOBS as DRILL_KNOBS  # noqa: E402
 from lpf.builtin.prefix_drills import NAMED_BY  # noqa: E402
 
 # drill -> (extra knobs, features the first hypothesis may name)
-DRILLS = {d: ([a for k, v in DRILL_KNOBS[d].items() for a in ("-E", f"{k}={v}")], NAMED_BY[d])
-          for d in ("conv-into-shared-block", "unaligned-chunk-hashed", "publish-before-write",
-                    "incomplete-block-cached", "resume-wrong-units")}
+DRILLS = {
+    d: ([a for k, v in DRILL_KNOBS[d].items() for a in ("-E", f"{k}={v}")], NAMED_BY[d])
+    for d in (
+        "conv-into-shared-block",
+        "unaligned-chunk-hashed",
+        "publish-before-write",
+        "incomplete-block-cached",
+        "resume-wrong-units",
+    )
+}
 
 
 @pytest.fixture(scope="module")
 def workload(tmp_path_factory):
     from lpf.zoo import registry
 
-    return write_prompts(tmp_path_factory.mktemp("w") / "shared240.jsonl", registry.workload_items("shared-prefix", n=240))
+    return write_prompts(
+        tmp_path_factory.mktemp("w") / "shared240.jsonl", registry.workload_items("shared-prefix", n=240)
+    )
 
 
 def audit(lpf_cli, out, workload, *args):
-    r = lpf_cli("audit", "--engine", "builtin", "--model", MODEL, "--workload", workload, *KNOBS, "--out", out,
-                "--fail-on", "never", *args)
+    r = lpf_cli(
+        "audit",
+        "--engine",
+        "builtin",
+        "--model",
+        MODEL,
+        "--workload",
+        workload,
+        *KNOBS,
+        "--out",
+        out,
+        "--fail-on",
+        "never",
+        *args,
+    )
     assert r.code == 0, r.err
     return json.loads((out / "findings.json").read_text()), r.out + r.err
 
@@ -96,7 +118,9 @@ def test_honest_caching_has_no_false_positive_and_reports_its_hit_rate(lpf_cli, 
 
 
 def test_prefix_cache_inert_is_a_finding_not_a_verdict(lpf_cli, tmp_path, workload):
-    findings, out = audit(lpf_cli, tmp_path / "i", workload, "--enable-prefix-caching", "--inject", "prefix-cache-inert")
+    findings, out = audit(
+        lpf_cli, tmp_path / "i", workload, "--enable-prefix-caching", "--inject", "prefix-cache-inert"
+    )
     assert findings["verdict"] == "clean" and not findings["flagged"] and findings["hypotheses"] == []
     pc = findings["prefix_cache"]
     assert pc["finding"] == "prefix-cache-inert" and pc["inert"]

@@ -33,8 +33,21 @@ def _prompt_rows(out):
 
 def test_builtin_prompt_logprobs_are_clean_and_kept_apart(lpf_cli, tmp_path, prompts12):
     out = tmp_path / "run"
-    r = lpf_cli("audit", "--model", MODEL, "--workload", prompts12, "--max-tokens", 6, "--prompt-logprobs",
-                "--max-num-batched-tokens", 16, "--out", out, "--json")
+    r = lpf_cli(
+        "audit",
+        "--model",
+        MODEL,
+        "--workload",
+        prompts12,
+        "--max-tokens",
+        6,
+        "--prompt-logprobs",
+        "--max-num-batched-tokens",
+        16,
+        "--out",
+        out,
+        "--json",
+    )
     assert r.code == 0, r.err
     f = json.loads(r.out)
     req, want = _prompt_rows(out)
@@ -53,9 +66,25 @@ def test_builtin_prompt_logprobs_are_clean_and_kept_apart(lpf_cli, tmp_path, pro
 
 def test_lost_chunk_state_is_flagged_where_it_starts(lpf_cli, tmp_path, prompts12):
     out = tmp_path / "drill"
-    r = lpf_cli("audit", "--model", MODEL, "--workload", prompts12, "--max-tokens", 6, "--prompt-logprobs",
-                "--max-num-batched-tokens", 16, "--inject", "lost-chunk-state", "--out", out, "--json",
-                "--fail-on", "divergent")
+    r = lpf_cli(
+        "audit",
+        "--model",
+        MODEL,
+        "--workload",
+        prompts12,
+        "--max-tokens",
+        6,
+        "--prompt-logprobs",
+        "--max-num-batched-tokens",
+        16,
+        "--inject",
+        "lost-chunk-state",
+        "--out",
+        out,
+        "--json",
+        "--fail-on",
+        "divergent",
+    )
     assert r.code == 1, r.err  # the run verdict takes the prompt verdicts in
     f = json.loads(r.out)
     faults = pq.read_table(out / "faults").to_pylist()
@@ -79,8 +108,21 @@ def test_lost_chunk_state_is_flagged_where_it_starts(lpf_cli, tmp_path, prompts1
 
 def test_hf_engine_returns_prompt_logprobs(lpf_cli, tmp_path, prompts12):
     out = tmp_path / "hf"
-    r = lpf_cli("audit", "--engine", "hf", "--model", MODEL, "--workload", prompts12, "--max-tokens", 6,
-                "--prompt-logprobs", "--out", out, "--json")
+    r = lpf_cli(
+        "audit",
+        "--engine",
+        "hf",
+        "--model",
+        MODEL,
+        "--workload",
+        prompts12,
+        "--max-tokens",
+        6,
+        "--prompt-logprobs",
+        "--out",
+        out,
+        "--json",
+    )
     assert r.code == 0, r.err
     f = json.loads(r.out)
     _, want = _prompt_rows(out)
@@ -114,8 +156,17 @@ def test_an_orphaned_prompt_reference_part_is_dropped_on_open(tmp_path):
     from lpf.run.store import RunDir
 
     run = RunDir.create(tmp_path / "r", {"run_id": "x"})
-    row = {"request_id": "a", "position": 1, "ref_logprob": -1.0, "ref_rank": 1, "ref_entropy": 0.5, "ref_top1_id": 3,
-           "ref_top1_logprob": -1.0, "ref_topk_ids": [3], "ref_topk_logprobs": [-1.0]}
+    row = {
+        "request_id": "a",
+        "position": 1,
+        "ref_logprob": -1.0,
+        "ref_rank": 1,
+        "ref_entropy": 0.5,
+        "ref_top1_id": 3,
+        "ref_top1_logprob": -1.0,
+        "ref_topk_ids": [3],
+        "ref_topk_logprobs": [-1.0],
+    }
     table = pa.Table.from_pylist([row], schema=schema.REFERENCE)
     run.append_reference(table, table)
     assert [p.name for p in run.parts("prompt_reference")] == [p.name for p in run.parts("reference")]
@@ -128,12 +179,32 @@ def test_lpf_serve_returns_the_engines_prompt_logprobs_three_ways(lpf_cli, tmp_p
     from lpf.serve.process import served
 
     with served("--model", MODEL, "--max-num-batched-tokens", "16") as s:
-        runs = {"echo": ("openai", s.base_url + "/v1", []),
-                "field": ("openai", s.base_url + "/v1", ["-E", "prompt_logprobs=field"]),
-                "sglang": ("sglang", s.base_url, [])}
-        results = {name: lpf_cli("audit", "--engine", engine, "--base-url", url, "--model", MODEL, "--workload",
-                                 prompts12, "--max-tokens", 6, "--prompt-logprobs", *extra, "--out", tmp_path / name,
-                                 "--json") for name, (engine, url, extra) in runs.items()}
+        runs = {
+            "echo": ("openai", s.base_url + "/v1", []),
+            "field": ("openai", s.base_url + "/v1", ["-E", "prompt_logprobs=field"]),
+            "sglang": ("sglang", s.base_url, []),
+        }
+        results = {
+            name: lpf_cli(
+                "audit",
+                "--engine",
+                engine,
+                "--base-url",
+                url,
+                "--model",
+                MODEL,
+                "--workload",
+                prompts12,
+                "--max-tokens",
+                6,
+                "--prompt-logprobs",
+                *extra,
+                "--out",
+                tmp_path / name,
+                "--json",
+            )
+            for name, (engine, url, extra) in runs.items()
+        }
     for name, r in results.items():
         assert r.code == 0, (name, r.err)
         f = json.loads(r.out)

@@ -8,9 +8,15 @@ def test_query_views(lpf_cli, hybrid_audit):
     r = lpf_cli("query", run, "SELECT count(*) AS n FROM requests", "--format", "json")
     assert r.code == 0, r.err
     assert json.loads(r.out) == [{"n": 200}]
-    r = lpf_cli("query", run, """
+    r = lpf_cli(
+        "query",
+        run,
+        """
         SELECT count(*) AS n, max(abs(t.engine_logprob - f.ref_logprob)) AS worst
-        FROM tokens t JOIN reference f USING (request_id, position)""", "--format", "json")
+        FROM tokens t JOIN reference f USING (request_id, position)""",
+        "--format",
+        "json",
+    )
     row = json.loads(r.out)[0]
     findings = json.loads((run / "findings.json").read_text())
     assert row["n"] == findings["n_scored_tokens"]

@@ -53,8 +53,22 @@ def test_batch_variant_logprobs_differ_across_copies(lpf_cli, tmp_path):
 
 
 def test_prompt_text_and_fixed_concurrency(lpf_cli, tmp_path):
-    r = lpf_cli("repeat", "--model", "tiny:hybrid", "--prompt", "K12:A37|K12=", "--times", 3, "--max-tokens", 4,
-                "--max-num-seqs", 4, "--out", tmp_path / "p", "--json")
+    r = lpf_cli(
+        "repeat",
+        "--model",
+        "tiny:hybrid",
+        "--prompt",
+        "K12:A37|K12=",
+        "--times",
+        3,
+        "--max-tokens",
+        4,
+        "--max-num-seqs",
+        4,
+        "--out",
+        tmp_path / "p",
+        "--json",
+    )
     assert r.code == 0, r.err
     doc = json.loads(r.out)
     assert doc["prompt_text"] == "K12:A37|K12=" and doc["varied_knob"] is None
@@ -62,15 +76,18 @@ def test_prompt_text_and_fixed_concurrency(lpf_cli, tmp_path):
     assert all(max(c["batch_sizes"]) <= 4 for c in doc["copies"])
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--times", 1, "--prompt", "x"], "--times must be >= 2"),
-    (["--prompt", "x", "--workload", "zoo:oracle"], "exactly one of --prompt"),
-    ([], "exactly one of --prompt"),
-    (["--workload", "zoo:oracle", "--index", 9999], "out of range"),
-    (["--prompt", "x", "-E", "max_num_seq=4"], "did you mean 'max_num_seqs'"),
-    (["--prompt", "x", "--inject", "batch-varient"], "did you mean 'batch-variant'"),
-    (["--prompt", "x", "--engine", "bultin"], "did you mean 'builtin'"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--times", 1, "--prompt", "x"], "--times must be >= 2"),
+        (["--prompt", "x", "--workload", "zoo:oracle"], "exactly one of --prompt"),
+        ([], "exactly one of --prompt"),
+        (["--workload", "zoo:oracle", "--index", 9999], "out of range"),
+        (["--prompt", "x", "-E", "max_num_seq=4"], "did you mean 'max_num_seqs'"),
+        (["--prompt", "x", "--inject", "batch-varient"], "did you mean 'batch-variant'"),
+        (["--prompt", "x", "--engine", "bultin"], "did you mean 'builtin'"),
+    ],
+)
 def test_bad_input_is_one_line(lpf_cli, tmp_path, args, message):
     r = lpf_cli("repeat", "--model", "tiny:hybrid", "--max-tokens", 2, *args, "--out", tmp_path / "x")
     assert r.code == 2 and message in r.err and "Traceback" not in r.err, r.err

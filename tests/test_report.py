@@ -41,8 +41,15 @@ def browser():
     profile = tempfile.mkdtemp(prefix="lpf-chromium-")
     opts = webdriver.ChromeOptions()
     opts.binary_location = chromium
-    for arg in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--no-first-run",
-                f"--user-data-dir={profile}", "--window-size=1280,900"):
+    for arg in (
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-background-networking",
+        "--no-first-run",
+        f"--user-data-dir={profile}",
+        "--window-size=1280,900",
+    ):
         opts.add_argument(arg)
     opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     driver = webdriver.Chrome(service=Service(driver_path), options=opts)
@@ -68,9 +75,12 @@ def severe(log):
 
 
 def plots_drawn(driver) -> tuple[int, int]:
-    return tuple(driver.execute_script(
-        "const p = [...document.querySelectorAll('.plot')];"
-        "return [p.length, p.filter(d => d.querySelector('svg.main-svg g.trace')).length];"))
+    return tuple(
+        driver.execute_script(
+            "const p = [...document.querySelectorAll('.plot')];"
+            "return [p.length, p.filter(d => d.querySelector('svg.main-svg g.trace')).length];"
+        )
+    )
 
 
 # -- a real run with a <script> in its output ----------------------------------------------------
@@ -90,8 +100,17 @@ def _replace_output(run, request_id: str, text: str) -> list[int]:
             if r["request_id"] == request_id:
                 r.update(output_token_ids=ids, output_text=text, finish_reason="stop")
         toks = [t for t in pq.read_table(run / "tokens" / part.name).to_pylist() if t["request_id"] != request_id]
-        toks += [{"request_id": request_id, "position": i, "token_id": t, "engine_logprob": -0.01,
-                  "engine_topk_ids": [t], "engine_topk_logprobs": [-0.01]} for i, t in enumerate(ids)]
+        toks += [
+            {
+                "request_id": request_id,
+                "position": i,
+                "token_id": t,
+                "engine_logprob": -0.01,
+                "engine_topk_ids": [t],
+                "engine_topk_logprobs": [-0.01],
+            }
+            for i, t in enumerate(ids)
+        ]
         pq.write_table(pa.Table.from_pylist(toks, schema=schema.TOKENS), run / "tokens" / part.name)
         pq.write_table(pa.Table.from_pylist(rows, schema=schema.REQUESTS), part)
         return ids
@@ -107,8 +126,21 @@ def xss_run(tmp_path_factory):
     items.insert(40, {"id": "xss", "prompt": XSS})
     workload = write_prompts(base / "w.jsonl", items)
     run = base / "run"
-    proc = lpf_subprocess("run", "--engine", "builtin", "--model", "zoo:hybrid", "--workload", workload,
-                          "--max-tokens", 8, "--inject", "swap-outputs:3", "--out", run)
+    proc = lpf_subprocess(
+        "run",
+        "--engine",
+        "builtin",
+        "--model",
+        "zoo:hybrid",
+        "--workload",
+        workload,
+        "--max-tokens",
+        8,
+        "--inject",
+        "swap-outputs:3",
+        "--out",
+        run,
+    )
     assert proc.returncode == 0, proc.stderr
     _replace_output(run, XSS_ID, XSS)
     proc = lpf_subprocess("rescore", run)
@@ -150,9 +182,14 @@ def test_run_report_renders_and_model_script_stays_text(xss_run, browser):
     assert badge.text.lower() == findings["verdict"]
 
     # the drill-down shows the request: its output text, and its token strip spells the same text
-    card = next(d for d in browser.find_elements(By.CSS_SELECTOR, "details.req")
-                if d.find_element(By.CSS_SELECTOR, ".rid").text == XSS_ID)
-    browser.execute_script("arguments[0].open = true; arguments[0].scrollIntoView({block: 'center', behavior: 'instant'})", card)
+    card = next(
+        d
+        for d in browser.find_elements(By.CSS_SELECTOR, "details.req")
+        if d.find_element(By.CSS_SELECTOR, ".rid").text == XSS_ID
+    )
+    browser.execute_script(
+        "arguments[0].open = true; arguments[0].scrollIntoView({block: 'center', behavior: 'instant'})", card
+    )
     texts = [p.text for p in card.find_elements(By.CSS_SELECTOR, "pre.text")]
     assert XSS in texts  # the output text, shown as text
     assert any(XSS in t for t in texts[:1])  # and the prompt it was given
@@ -178,7 +215,10 @@ def test_report_command_and_bad_directories(xss_run, tmp_path):
     proc = lpf_subprocess("report", run)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == str(run / "report.html") and (run / "report.html").is_file()
-    for bad, message in ((tmp_path / "nope", "not a directory"), (tmp_path, "not a run, sweep, shrink, conformance, locate or RL directory")):
+    for bad, message in (
+        (tmp_path / "nope", "not a directory"),
+        (tmp_path, "not a run, sweep, shrink, conformance, locate or RL directory"),
+    ):
         proc = lpf_subprocess("report", bad)
         assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
@@ -202,15 +242,39 @@ def test_sweep_report_renders(xss_run, browser, tmp_path):
     for i, (cache, seqs) in enumerate((c, s) for c in (1.5, 3, 6) for s in (16, 64)):
         name = f"cache_mb={cache},max_num_seqs={seqs}"
         rate = round(0.08 / cache * (1.5 if seqs == 64 else 1.0), 4)
-        cells.append({"name": name, "values": {"cache_mb": cache, "max_num_seqs": seqs}, "run_dir": f"cells/{name}",
-                      "verdict": "corrupt" if rate > 0.03 else "clean",
-                      "counts": {"clean": 500 - int(500 * rate), "noise": 0, "divergent": 0, "corrupt": int(500 * rate)},
-                      "n_requests": 500, "rate": rate, "onset_seq": 40 * (i + 1), "onset_step": 7 * (i + 1),
-                      "first_divergence_median": 0.0, "period": None, "max_abs_logprob_diff": 12.5 / (i + 1)})
+        cells.append(
+            {
+                "name": name,
+                "values": {"cache_mb": cache, "max_num_seqs": seqs},
+                "run_dir": f"cells/{name}",
+                "verdict": "corrupt" if rate > 0.03 else "clean",
+                "counts": {"clean": 500 - int(500 * rate), "noise": 0, "divergent": 0, "corrupt": int(500 * rate)},
+                "n_requests": 500,
+                "rate": rate,
+                "onset_seq": 40 * (i + 1),
+                "onset_step": 7 * (i + 1),
+                "first_divergence_median": 0.0,
+                "period": None,
+                "max_abs_logprob_diff": 12.5 / (i + 1),
+            }
+        )
     shutil.copytree(run, sweep / "cells" / cells[0]["name"])
-    (sweep / "sweep.json").write_text(json.dumps({
-        "kind": "sweep", "knobs": knobs, "cells": cells,
-        "moves": [{"knob": "cache_mb", "metric": "rate", "sentence": "rate falls from 5.3% to 1.3% as cache_mb grows 1.5 -> 6"}]}))
+    (sweep / "sweep.json").write_text(
+        json.dumps(
+            {
+                "kind": "sweep",
+                "knobs": knobs,
+                "cells": cells,
+                "moves": [
+                    {
+                        "knob": "cache_mb",
+                        "metric": "rate",
+                        "sentence": "rate falls from 5.3% to 1.3% as cache_mb grows 1.5 -> 6",
+                    }
+                ],
+            }
+        )
+    )
     assert write_report(sweep) == sweep / "report.html"
     log = open_page(browser, sweep / "report.html")
     assert severe(log) == [], log
@@ -232,29 +296,68 @@ def test_rl_report_renders(browser, tmp_path):
     spike = steps % 12 == 0
     rng = np.random.default_rng(0)
     base = 0.002 + 0.0005 * rng.random(60)
-    cols = {"step": steps, "n_responses": np.full(60, 64), "n_tokens": np.full(60, 64 * 40),
-            "rollout_probs_diff_max": np.where(spike, 0.9, base * 10), "rollout_probs_diff_mean": np.where(spike, 0.03, base),
-            "rollout_probs_diff_std": np.where(spike, 0.1, base / 2), "k3_kl": np.where(spike, 0.2, base / 10),
-            "chi2_token": np.where(spike, 3.0, 0.01), "ess": np.where(spike, 0.6, 0.99),
-            "train_rollout_logprob_abs_diff": np.where(spike, 0.5, base), "token_mult_prob_error": np.where(spike, 1.6, 1 + base),
-            "robust_z": np.where(spike, 25.0, rng.normal(0, 1, 60)), "spike": spike}
+    cols = {
+        "step": steps,
+        "n_responses": np.full(60, 64),
+        "n_tokens": np.full(60, 64 * 40),
+        "rollout_probs_diff_max": np.where(spike, 0.9, base * 10),
+        "rollout_probs_diff_mean": np.where(spike, 0.03, base),
+        "rollout_probs_diff_std": np.where(spike, 0.1, base / 2),
+        "k3_kl": np.where(spike, 0.2, base / 10),
+        "chi2_token": np.where(spike, 3.0, 0.01),
+        "ess": np.where(spike, 0.6, 0.99),
+        "train_rollout_logprob_abs_diff": np.where(spike, 0.5, base),
+        "token_mult_prob_error": np.where(spike, 1.6, 1 + base),
+        "robust_z": np.where(spike, 25.0, rng.normal(0, 1, 60)),
+        "spike": spike,
+    }
     pq.write_table(pa.table(cols), rl / "rl_steps.parquet")
-    (rl / "rl_findings.json").write_text(json.dumps({
-        "kind": "rl", "n_steps": 60, "n_responses": 3840, "n_tokens": 153600,
-        "bad_rows": [{"row": 17, "reason": "logprobs and tokens differ in length (40 vs 39)"}],
-        "spikes": [{"step": int(s), "robust_z": 25.0, "requests": [f"p{s}-r{k}" for k in range(3)], "positions": {"0": 3}}
-                   for s in steps[spike]],
-        "period": {"period": 12.0, "confidence": 0.97},
-        "hypotheses": [{"rank": 1, "feature": "step_mod_12", "sentence": "5/5 spike steps are multiples of 12; 0/55 other steps are",
-                        "flagged_with": 5, "flagged_total": 5, "clean_with": 0, "clean_total": 55, "p_value": 1e-6, "score": 6.0}],
-        "noise_floor": {"median": 0.002, "mad": 0.0003, "z_threshold": 6.0}}))
+    (rl / "rl_findings.json").write_text(
+        json.dumps(
+            {
+                "kind": "rl",
+                "n_steps": 60,
+                "n_responses": 3840,
+                "n_tokens": 153600,
+                "bad_rows": [{"row": 17, "reason": "logprobs and tokens differ in length (40 vs 39)"}],
+                "spikes": [
+                    {
+                        "step": int(s),
+                        "robust_z": 25.0,
+                        "requests": [f"p{s}-r{k}" for k in range(3)],
+                        "positions": {"0": 3},
+                    }
+                    for s in steps[spike]
+                ],
+                "period": {"period": 12.0, "confidence": 0.97},
+                "hypotheses": [
+                    {
+                        "rank": 1,
+                        "feature": "step_mod_12",
+                        "sentence": "5/5 spike steps are multiples of 12; 0/55 other steps are",
+                        "flagged_with": 5,
+                        "flagged_total": 5,
+                        "clean_with": 0,
+                        "clean_total": 55,
+                        "p_value": 1e-6,
+                        "score": 6.0,
+                    }
+                ],
+                "noise_floor": {"median": 0.002, "mad": 0.0003, "z_threshold": 6.0},
+            }
+        )
+    )
     write_report(rl)
     log = open_page(browser, rl / "report.html")
     assert severe(log) == [], log
     n, drawn = plots_drawn(browser)
     assert n == 5 and drawn == n
     text = browser.execute_script("return document.body.innerText")
-    assert "every 12 steps" in text and "5/5 spike steps are multiples of 12" in text and "logprobs and tokens differ" in text
+    assert (
+        "every 12 steps" in text
+        and "5/5 spike steps are multiples of 12" in text
+        and "logprobs and tokens differ" in text
+    )
 
 
 def test_rl_report_with_a_third_opinion_draws_the_three_curves(browser, tmp_path):
@@ -269,21 +372,52 @@ def test_rl_report_with_a_third_opinion_draws_the_three_curves(browser, tmp_path
     steps = np.arange(1, 29)
     spike = steps % 7 == 0
     lie = np.where(spike, 0.8, 2e-4)
-    cols = {"step": steps, "n_responses": np.full(28, 8), "n_tokens": np.full(28, 100),
-            "rollout_probs_diff_max": lie, "robust_z": np.where(spike, 30.0, 0.0), "k3_kl": lie / 2,
-            "train_rollout_logprob_abs_diff_per_token": lie, "rollout_ref_abs_diff": lie,
-            "trainer_ref_abs_diff": np.full(28, 1e-6), "rollout_logprob_mean": -1.2 - lie,
-            "trainer_logprob_mean": np.full(28, -1.2), "reference_logprob_mean": np.full(28, -1.2), "spike": spike}
+    cols = {
+        "step": steps,
+        "n_responses": np.full(28, 8),
+        "n_tokens": np.full(28, 100),
+        "rollout_probs_diff_max": lie,
+        "robust_z": np.where(spike, 30.0, 0.0),
+        "k3_kl": lie / 2,
+        "train_rollout_logprob_abs_diff_per_token": lie,
+        "rollout_ref_abs_diff": lie,
+        "trainer_ref_abs_diff": np.full(28, 1e-6),
+        "rollout_logprob_mean": -1.2 - lie,
+        "trainer_logprob_mean": np.full(28, -1.2),
+        "reference_logprob_mean": np.full(28, -1.2),
+        "spike": spike,
+    }
     pq.write_table(pa.table(cols), rl / "rl_steps.parquet")
-    sentence = "against the reference zoo:hybrid, every spike is the rollout engine's (the trainer agrees with the reference)"
-    (rl / "rl_findings.json").write_text(json.dumps({
-        "kind": "rl", "n_steps": 28, "n_responses": 224, "n_tokens": 2800, "bad_rows": [],
-        "spikes": [{"step": int(s), "robust_z": 30.0, "requests": ["rank_1/seq_0", "rank_1/seq_1/span_1"],
-                    "positions": {"3": 2}, "side": "rollout", "sides": {"rollout": 2},
-                    "request_sides": ["rollout", "rollout"]} for s in steps[spike]],
-        "period": {"period": 7.0, "confidence": 1.0}, "hypotheses": [],
-        "reference": {"model": "zoo:hybrid", "spikes": {"rollout": 4}, "sentence": sentence},
-        "noise_floor": {"z_threshold": 6.0}}))
+    sentence = (
+        "against the reference zoo:hybrid, every spike is the rollout engine's (the trainer agrees with the reference)"
+    )
+    (rl / "rl_findings.json").write_text(
+        json.dumps(
+            {
+                "kind": "rl",
+                "n_steps": 28,
+                "n_responses": 224,
+                "n_tokens": 2800,
+                "bad_rows": [],
+                "spikes": [
+                    {
+                        "step": int(s),
+                        "robust_z": 30.0,
+                        "requests": ["rank_1/seq_0", "rank_1/seq_1/span_1"],
+                        "positions": {"3": 2},
+                        "side": "rollout",
+                        "sides": {"rollout": 2},
+                        "request_sides": ["rollout", "rollout"],
+                    }
+                    for s in steps[spike]
+                ],
+                "period": {"period": 7.0, "confidence": 1.0},
+                "hypotheses": [],
+                "reference": {"model": "zoo:hybrid", "spikes": {"rollout": 4}, "sentence": sentence},
+                "noise_floor": {"z_threshold": 6.0},
+            }
+        )
+    )
     write_report(rl)
     open_page(browser, rl / "report.html")
     titles = [e.text for e in browser.find_elements(By.CSS_SELECTOR, "#series h3")]
@@ -308,8 +442,16 @@ def test_rl_report_shows_the_causes_and_their_fixes(browser, tmp_path, lpf_cli):
         for i, mbs in enumerate([1, 1, 1, 2, 2, 2, 4, 4, 4, 4]):
             r = -rng.uniform(0.05, 3.0, 24)
             t = np.minimum(r + (rng.normal(0, 0.02, 24) if mbs > 1 else 0.0), 0.0)
-            rows.append({"step": step, "request_id": f"s{step}-{i}", "response_token_ids": list(range(3, 27)),
-                         "rollout_logprobs": r.tolist(), "trainer_logprobs": t.tolist(), "micro_batch_size": mbs})
+            rows.append(
+                {
+                    "step": step,
+                    "request_id": f"s{step}-{i}",
+                    "response_token_ids": list(range(3, 27)),
+                    "rollout_logprobs": r.tolist(),
+                    "trainer_logprobs": t.tolist(),
+                    "micro_batch_size": mbs,
+                }
+            )
     dump = tmp_path / "mb.parquet"
     pq.write_table(pa.Table.from_pylist(rows), dump)
     r = lpf_cli("rl", "analyze", dump, "--rollout-dtype", "float32", "--trainer-dtype", "float32")
@@ -353,8 +495,24 @@ def test_prompt_section_and_conformance_matrix_render(xss_run, browser, tmp_path
 
     wl = write_prompts(tmp_path / "p.jsonl", [json.loads(x) for x in prompts_200.read_text().splitlines()[:8]])
     run = tmp_path / "drill"
-    r = lpf_cli("audit", "--model", "zoo:hybrid", "--workload", wl, "--max-tokens", 4, "--prompt-logprobs",
-                "--max-num-batched-tokens", 16, "--inject", "lost-chunk-state", "--out", run, "--fail-on", "never")
+    r = lpf_cli(
+        "audit",
+        "--model",
+        "zoo:hybrid",
+        "--workload",
+        wl,
+        "--max-tokens",
+        4,
+        "--prompt-logprobs",
+        "--max-num-batched-tokens",
+        16,
+        "--inject",
+        "lost-chunk-state",
+        "--out",
+        run,
+        "--fail-on",
+        "never",
+    )
     assert r.code == 0, r.err
     log = open_page(browser, run / "report.html")
     assert severe(log) == [], log
@@ -362,18 +520,46 @@ def test_prompt_section_and_conformance_matrix_render(xss_run, browser, tmp_path
     assert "Prompt verdict" in text and "jumps at a chunk boundary" in text
     conf = tmp_path / "conf"
     shutil.copytree(xss_run[0], conf / "cells" / "GraniteMoeHybrid" / "fp32")
-    cell = {"architecture": "GraniteMoeHybridForCausalLM", "cell": "fp32", "status": "ok", "verdict": "divergent",
-            "prompt_verdict": "clean", "max_abs_output": 3.5, "max_abs_prompt": 1e-5, "first_divergence": 2,
-            "link": "cells/GraniteMoeHybrid/fp32/report.html", "top_hypothesis": "<script>alert(1)</script>",
-            "attribution": {"suspect": "A", "says": "engine bug", "sentence": "vllm (A) is the suspect"}}
-    failed = {"architecture": "GraniteMoeHybridForCausalLM", "cell": "bf16", "status": "engine error",
-              "error": "CPU GDN attention requires BF16"}
-    (conf / "conformance.json").write_text(json.dumps({
-        "kind": "conformance", "engine": "vllm", "engine_version": "0.32.0", "reference": "transformers 5.24.0",
-        "grid": "small", "complete": True, "cells": [cell, failed],
-        "cell_catalogue": [{"name": "fp32", "args": [], "dtype": "float32"}, {"name": "bf16", "args": [], "dtype": "bfloat16"}],
-        "architectures": [{"architecture": "GraniteMoeHybridForCausalLM", "status": "audit", "reason": ""},
-                          {"architecture": "JambaForCausalLM", "status": "not supported", "reason": "no selective_scan_fwd"}]}))
+    cell = {
+        "architecture": "GraniteMoeHybridForCausalLM",
+        "cell": "fp32",
+        "status": "ok",
+        "verdict": "divergent",
+        "prompt_verdict": "clean",
+        "max_abs_output": 3.5,
+        "max_abs_prompt": 1e-5,
+        "first_divergence": 2,
+        "link": "cells/GraniteMoeHybrid/fp32/report.html",
+        "top_hypothesis": "<script>alert(1)</script>",
+        "attribution": {"suspect": "A", "says": "engine bug", "sentence": "vllm (A) is the suspect"},
+    }
+    failed = {
+        "architecture": "GraniteMoeHybridForCausalLM",
+        "cell": "bf16",
+        "status": "engine error",
+        "error": "CPU GDN attention requires BF16",
+    }
+    (conf / "conformance.json").write_text(
+        json.dumps(
+            {
+                "kind": "conformance",
+                "engine": "vllm",
+                "engine_version": "0.32.0",
+                "reference": "transformers 5.24.0",
+                "grid": "small",
+                "complete": True,
+                "cells": [cell, failed],
+                "cell_catalogue": [
+                    {"name": "fp32", "args": [], "dtype": "float32"},
+                    {"name": "bf16", "args": [], "dtype": "bfloat16"},
+                ],
+                "architectures": [
+                    {"architecture": "GraniteMoeHybridForCausalLM", "status": "audit", "reason": ""},
+                    {"architecture": "JambaForCausalLM", "status": "not supported", "reason": "no selective_scan_fwd"},
+                ],
+            }
+        )
+    )
     assert write_report(conf) == conf / "report.html"
     log = open_page(browser, conf / "report.html")
     assert severe(log) == [], log

@@ -44,14 +44,29 @@ def hostile_run(tmp_path_factory):
     for k, text in enumerate(PAYLOADS):
         items.insert(5 + 7 * k, {"id": f"{text}#{k}", "prompt": text})
     run = base / "run"
-    r = lpf_subprocess("run", "--engine", "builtin", "--model", "zoo:hybrid", "--workload",
-                       write_prompts(base / "w.jsonl", items), "--max-tokens", 8, "--inject", "swap-outputs:3",
-                       "--out", run)
+    r = lpf_subprocess(
+        "run",
+        "--engine",
+        "builtin",
+        "--model",
+        "zoo:hybrid",
+        "--workload",
+        write_prompts(base / "w.jsonl", items),
+        "--max-tokens",
+        8,
+        "--inject",
+        "swap-outputs:3",
+        "--out",
+        run,
+    )
     assert r.returncode == 0, r.stderr
     # the evidence a hostile server would leave, on a request the drill corrupted (so it is drilled into):
     # a 100 KB output text, an inconsistency reason and an attempt error carrying the payloads
-    victim = pq.read_table(run / "faults").filter(pa.compute.equal(pq.read_table(run / "faults")["role"],
-                                                                   "corrupted"))["request_id"][0].as_py()
+    victim = (
+        pq.read_table(run / "faults")
+        .filter(pa.compute.equal(pq.read_table(run / "faults")["role"], "corrupted"))["request_id"][0]
+        .as_py()
+    )
     hostile_id = PAYLOADS[0] + "#victim"  # its id becomes hostile too, in its requests and tokens parts
     for part in sorted((run / "requests").glob("part-*.parquet")):
         rows = pq.read_table(part).to_pylist()
@@ -59,9 +74,14 @@ def hostile_run(tmp_path_factory):
             continue
         for row in rows:
             if row["request_id"] == victim:
-                row.update(request_id=hostile_id, output_text=HUGE, inconsistency="text: " + PAYLOADS[0],
-                           attempts=[{"attempt": 0, "sent": True, "status": 500, "error": PAYLOADS[1],
-                                      "t_start": 0.0, "t_end": 0.0}])
+                row.update(
+                    request_id=hostile_id,
+                    output_text=HUGE,
+                    inconsistency="text: " + PAYLOADS[0],
+                    attempts=[
+                        {"attempt": 0, "sent": True, "status": 500, "error": PAYLOADS[1], "t_start": 0.0, "t_end": 0.0}
+                    ],
+                )
         toks = pq.read_table(run / "tokens" / part.name).to_pylist()
         for t in toks:
             if t["request_id"] == victim:
@@ -94,11 +114,20 @@ def test_hostile_text_renders_as_text_and_runs_nothing(hostile_run, browser):  #
         browser.execute_script("arguments[0].open = true", d)
     assert browser.execute_script("return typeof window.__pwned") == "undefined"
     assert browser.execute_script("return document.scripts.length") == 3
-    assert browser.execute_script(
-        "return [...document.querySelectorAll('*')].filter(e => [...e.attributes].some(a => /^on/i.test(a.name)))"
-        ".length") == 0
-    assert browser.execute_script("return document.querySelectorAll('a[href^=\"javascript\" i], img, svg image,"
-                                  " iframe, object, embed').length") == 0
+    assert (
+        browser.execute_script(
+            "return [...document.querySelectorAll('*')].filter(e => [...e.attributes].some(a => /^on/i.test(a.name)))"
+            ".length"
+        )
+        == 0
+    )
+    assert (
+        browser.execute_script(
+            'return document.querySelectorAll(\'a[href^="javascript" i], img, svg image,'
+            " iframe, object, embed').length"
+        )
+        == 0
+    )
     text = browser.execute_script("return document.body.textContent")
     flagged_hostile = [f["request_id"] for f in findings["flagged"] if "#" in f["request_id"]]
     assert victim in flagged_hostile and all(rid in text for rid in flagged_hostile)  # ids shown as text

@@ -36,8 +36,25 @@ def ray_cluster():
 def run_2k(tmp_path_factory) -> Path:
     """2,000 requests of the built-in engine with the 18-bit state offset wrap: corrupt and clean ones."""
     out = tmp_path_factory.mktemp("ray") / "run"
-    proc = lpf_subprocess("run", "--engine", "builtin", "--model", "tiny:hybrid", "--workload", "zoo:oracle", "--n", 4,
-                          "--max-tokens", 6, "--inject", "offset-wrap:18", "--cache-mb", 4, "--out", out)
+    proc = lpf_subprocess(
+        "run",
+        "--engine",
+        "builtin",
+        "--model",
+        "tiny:hybrid",
+        "--workload",
+        "zoo:oracle",
+        "--n",
+        4,
+        "--max-tokens",
+        6,
+        "--inject",
+        "offset-wrap:18",
+        "--cache-mb",
+        4,
+        "--out",
+        out,
+    )
     assert proc.returncode == 0, proc.stderr
     return out
 
@@ -100,9 +117,24 @@ def test_sigkill_mid_ray_rescore_then_rerun_scores_every_token_once(tmp_path, ru
     shutil.copytree(run_2k, run)
     exe = Path(sys.executable).with_name("lpf")
     # the child joins this session's Ray (a real cluster's case: the driver dies, the cluster stays)
-    proc = subprocess.Popen([str(exe), "rescore", str(run), "--executor", "ray", "--ray-address", ray_cluster,
-                             "--actors", "1", "--token-budget", "256"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            str(exe),
+            "rescore",
+            str(run),
+            "--executor",
+            "ray",
+            "--ray-address",
+            ray_cluster,
+            "--actors",
+            "1",
+            "--token-budget",
+            "256",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 300
     try:
         while not list((run / "reference").glob("part-*.parquet")):
@@ -135,7 +167,8 @@ def test_sigkill_mid_ray_rescore_then_rerun_scores_every_token_once(tmp_path, ru
     assert len(keys) == len(set(keys)) == sum(expected.values())
     assert set(keys) == {(rid, p) for rid, n in expected.items() for p in range(n)}
     assert after.filter(pa.compute.is_in(after.column("request_id"), value_set=pa.array(sorted(scored)))).equals(
-        before), "the rerun rewrote committed rows"
+        before
+    ), "the rerun rewrote committed rows"
 
 
 def test_without_ray_the_error_says_how_to_install_it(tmp_path, lpf_cli, monkeypatch):
@@ -158,12 +191,15 @@ def test_plan_keeps_the_local_batches_whole_in_units():
     ids = [f"r{i:03d}" for i in range(300)]
     n_prompt = [(i * 37) % 90 + 1 for i in range(300)]
     n_output = [(i * 11) % 20 + 1 for i in range(300)]
-    pending = pa.table({"request_id": ids, "part": [i // 64 for i in range(300)],
-                        "n_prompt": n_prompt, "n_output": n_output})
+    pending = pa.table(
+        {"request_id": ids, "part": [i // 64 for i in range(300)], "n_prompt": n_prompt, "n_output": n_output}
+    )
     target = unit_tokens(sum(n_prompt) + sum(n_output), actors=2, token_budget=512)
     batch_of, starts = plan(pending, 512, target)
     local = plan_batches([p + o for p, o in zip(n_prompt, n_output)], ids, 512)
-    assert [sorted(i for i, b in enumerate(batch_of) if b == k) for k in range(len(local))] == [sorted(b) for b in local]
+    assert [sorted(i for i, b in enumerate(batch_of) if b == k) for k in range(len(local))] == [
+        sorted(b) for b in local
+    ]
     bounds = [0, *starts, len(local)]
     assert bounds == sorted(set(bounds)) and len(starts) >= 4  # >= 4 units per actor's worth of work
     for lo, hi in zip(bounds[:-2], bounds[1:-1]):  # every unit but the last holds >= target tokens
@@ -179,10 +215,20 @@ def test_committer_holds_a_request_back_until_all_its_rows_arrived(tmp_path):
 
     def rows(rid, positions):
         n = len(positions)
-        return pa.table({"request_id": [rid] * n, "position": positions, "ref_logprob": [-1.0] * n,
-                         "ref_rank": [1] * n, "ref_entropy": [0.5] * n, "ref_top1_id": [3] * n,
-                         "ref_top1_logprob": [-1.0] * n, "ref_topk_ids": [[3]] * n, "ref_topk_logprobs": [[-1.0]] * n},
-                        schema=schema.REFERENCE)
+        return pa.table(
+            {
+                "request_id": [rid] * n,
+                "position": positions,
+                "ref_logprob": [-1.0] * n,
+                "ref_rank": [1] * n,
+                "ref_entropy": [0.5] * n,
+                "ref_top1_id": [3] * n,
+                "ref_top1_logprob": [-1.0] * n,
+                "ref_topk_ids": [[3]] * n,
+                "ref_topk_logprobs": [[-1.0]] * n,
+            },
+            schema=schema.REFERENCE,
+        )
 
     ticks = []
     c = _Committer(run, {"a": 3, "b": 2}, ticks.append)

@@ -112,7 +112,7 @@ def test_bfloat16_reference_head_in_float32(float32_head):
         ids = torch.zeros((len(batch), width), dtype=torch.long)
         for row, it in enumerate(batch):
             seq = it.prompt_token_ids + it.output_token_ids
-            ids[row, :len(seq)] = torch.tensor(seq)
+            ids[row, : len(seq)] = torch.tensor(seq)
         with torch.no_grad():
             hidden = rs.model.base_model(input_ids=ids).last_hidden_state
             logits = hidden.float() @ w.float().T if float32_head else hidden @ w.T
@@ -120,7 +120,9 @@ def test_bfloat16_reference_head_in_float32(float32_head):
         for row, it in enumerate(batch):
             p = len(it.prompt_token_ids)
             for j, tok in enumerate(it.output_token_ids):
-                assert rows[(it.request_id, j)]["ref_logprob"] == pytest.approx(lp[row, p - 1 + j, tok].item(), abs=1e-4)
+                assert rows[(it.request_id, j)]["ref_logprob"] == pytest.approx(
+                    lp[row, p - 1 + j, tok].item(), abs=1e-4
+                )
 
 
 def test_reference_device_errors():
@@ -153,10 +155,12 @@ def test_the_rescorer_imports_only_what_a_bare_gpu_machine_has():
     import subprocess
     import sys
 
-    probe = ("import sys, lpf.pipeline.reference, lpf.core.devices, lpf.pipeline.rescore, lpf.run.store, lpf.core.model_specs\n"
-             "import lpf.zoo.registry\n"
-             "import json; print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in "
-             "('duckdb', 'plotly', 'rich', 'click', 'pydantic', 'httpx', 'fastapi', 'uvicorn', 'ray', 'vllm'))))")
+    probe = (
+        "import sys, lpf.pipeline.reference, lpf.core.devices, lpf.pipeline.rescore, lpf.run.store, lpf.core.model_specs\n"
+        "import lpf.zoo.registry\n"
+        "import json; print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('duckdb', 'plotly', 'rich', 'click', 'pydantic', 'httpx', 'fastapi', 'uvicorn', 'ray', 'vllm'))))"
+    )
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == []

@@ -19,9 +19,30 @@ def test_kill_and_resume(tmp_path):
     prompts = write_prompts(tmp_path / "p.jsonl", [{"prompt": f"The fox {i} ran near the river"} for i in range(60)])
     out = tmp_path / "run"
     exe = Path(sys.executable).with_name("lpf")
-    proc = subprocess.Popen([str(exe), "run", "--engine", "hf", "--model", "tiny:llama", "--workload", str(prompts), "--n", "2",
-                             "--max-tokens", "24", "--out", str(out), "-E", "batch_size=4", "--part-size", "4"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [
+            str(exe),
+            "run",
+            "--engine",
+            "hf",
+            "--model",
+            "tiny:llama",
+            "--workload",
+            str(prompts),
+            "--n",
+            "2",
+            "--max-tokens",
+            "24",
+            "--out",
+            str(out),
+            "-E",
+            "batch_size=4",
+            "--part-size",
+            "4",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     deadline = time.monotonic() + 300
     while len(list((out / "requests").glob("part-*.parquet"))) < 3:
         assert proc.poll() is None, proc.stderr.read().decode()

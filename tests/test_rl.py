@@ -33,7 +33,18 @@ SIMULATIONS = {
     # the real RL setting: a bfloat16 rollout engine against a float32 trainer (bf16 halves the
     # slot size, so 4.5 MB holds the same 79 slots)
     "bf16": ("--steps", 50, "--rollouts", 4, "--dtype", "bfloat16"),
-    "bf16_wrap": ("--steps", 12, "--rollouts", 16, "--dtype", "bfloat16", "--cache-mb", 4.5, "--inject", "offset-wrap:20"),
+    "bf16_wrap": (
+        "--steps",
+        12,
+        "--rollouts",
+        16,
+        "--dtype",
+        "bfloat16",
+        "--cache-mb",
+        4.5,
+        "--inject",
+        "offset-wrap:20",
+    ),
 }
 
 
@@ -96,7 +107,9 @@ def test_offset_wrap_spikes_are_periodic_and_named(dumps, lpf_cli, tmp_path):
     assert listed <= touched
     steps = pq.read_table(tmp_path / "w" / "rl_steps.parquet").to_pylist()
     assert {s["step"] for s in steps if s["spike"]} == set(f["spike_steps"])
-    assert all(s["k3_kl"] > 1e-3 for s in steps if s["spike"]) and all(s["k3_kl"] < 1e-9 for s in steps if not s["spike"])
+    assert all(s["k3_kl"] > 1e-3 for s in steps if s["spike"]) and all(
+        s["k3_kl"] < 1e-9 for s in steps if not s["spike"]
+    )
 
 
 @pytest.mark.slow
@@ -115,7 +128,7 @@ def test_smaller_cache_no_spike(dumps, lpf_cli, tmp_path):
     r, f = analyze(lpf_cli, dumps["small"], tmp_path / "s")
     assert r.code == 0 and f["n_spikes"] == 0, f["summary"]
     meta = f["simulation"]["engine"]
-    assert meta["num_state_slots"] * meta["state_slot_stride"] <= 2 ** 20  # no slot id reaches the wrap
+    assert meta["num_state_slots"] * meta["state_slot_stride"] <= 2**20  # no slot id reaches the wrap
     assert not dumps["small"].with_name("small.faults.parquet").exists()
 
 
@@ -132,7 +145,9 @@ def test_rescore_puts_every_offset_wrap_spike_on_the_rollout_side(dumps, lpf_cli
     assert "report:" in r.err and "report not written" not in r.err and (out / "report.html").is_file()
     assert {s["side"] for s in f["spikes"]} == {"rollout"}
     assert {side for s in f["spikes"] for side in s["request_sides"]} == {"rollout"}
-    assert f["reference"]["spikes"]["rollout"] == f["n_spikes"] and "every spike is the rollout engine's" in f["summary"]
+    assert (
+        f["reference"]["spikes"]["rollout"] == f["n_spikes"] and "every spike is the rollout engine's" in f["summary"]
+    )
     steps = pq.read_table(out / "rl_steps.parquet").to_pylist()
     # the three curves: on spike steps the rollout leaves the reference; the float32 trainer never does
     assert all(s["rollout_ref_abs_diff"] > 1e-3 for s in steps if s["spike"])
@@ -163,8 +178,18 @@ def test_rescore_and_reference_errors_are_one_line(tmp_path, lpf_cli):
     # a reference file made for other tokens is refused, not silently joined
     out = tmp_path / "d.rl"
     out.mkdir()
-    pq.write_table(pa.table({"step": [1, 1, 1], "request_id": ["r0"] * 3, "position": pa.array([0, 1, 2], pa.int32()),
-                             "token_id": [3, 4, 99], "reference_logprob": [-0.1, -0.2, -0.3]}), out / "reference.parquet")
+    pq.write_table(
+        pa.table(
+            {
+                "step": [1, 1, 1],
+                "request_id": ["r0"] * 3,
+                "position": pa.array([0, 1, 2], pa.int32()),
+                "token_id": [3, 4, 99],
+                "reference_logprob": [-0.1, -0.2, -0.3],
+            }
+        ),
+        out / "reference.parquet",
+    )
     r = lpf_cli("rl", "analyze", p)
     assert r.code == 2 and "made for another dump" in r.err and "Traceback" not in r.err
 
@@ -190,11 +215,18 @@ def to_verl(rows: list[dict], width: int, prompt_width: int = 0, inner_gap: bool
     for r in rows:
         n = len(r["response_token_ids"])
         pad = width - n
-        rec = {"input": "<prompt text>", "output": "<response text>", "gts": None, "score": 0.0,
-               "step": r["step"], "uid": r["prompt_id"], "request_id": r["request_id"],
-               "responses": r["response_token_ids"] + [0] * pad,
-               "rollout_log_probs": r["rollout_logprobs"] + [-1.0] * pad,
-               "old_log_probs": r["trainer_logprobs"] + [0.0] * pad}
+        rec = {
+            "input": "<prompt text>",
+            "output": "<response text>",
+            "gts": None,
+            "score": 0.0,
+            "step": r["step"],
+            "uid": r["prompt_id"],
+            "request_id": r["request_id"],
+            "responses": r["response_token_ids"] + [0] * pad,
+            "rollout_log_probs": r["rollout_logprobs"] + [-1.0] * pad,
+            "old_log_probs": r["trainer_logprobs"] + [0.0] * pad,
+        }
         mask = [1] * n + [0] * pad
         if inner_gap and n >= 3:  # a tool-output token inside a multi-turn response: masked out
             mask[1] = 0
@@ -234,9 +266,17 @@ def test_verl_rollout_dir_matches_lpf_layout(dumps, lpf_cli, tmp_path):
 
 
 def test_verl_attention_mask_and_multiturn_mask(tmp_path, lpf_cli):
-    rows = [{"step": 1, "prompt_id": "p", "request_id": f"q{i}", "response_token_ids": [5, 6, 7, 8],
-             "rollout_logprobs": [-0.1, -0.2, -0.3, -0.4], "trainer_logprobs": [-0.1, -0.2, -0.3, -0.4]}
-            for i in range(3)]
+    rows = [
+        {
+            "step": 1,
+            "prompt_id": "p",
+            "request_id": f"q{i}",
+            "response_token_ids": [5, 6, 7, 8],
+            "rollout_logprobs": [-0.1, -0.2, -0.3, -0.4],
+            "trainer_logprobs": [-0.1, -0.2, -0.3, -0.4],
+        }
+        for i in range(3)
+    ]
     recs = to_verl(rows, width=6, prompt_width=4, inner_gap=True)
     recs[0]["old_log_probs"][1] = -9.0  # inside the masked tool output: must not count
     r, f = analyze(lpf_cli, write_jsonl(tmp_path / "v.jsonl", recs), tmp_path / "o")
@@ -267,11 +307,13 @@ def test_step_metrics_follow_the_framework_definitions():
     assert g["rollout_probs_diff_max"][0] == pytest.approx(pd.max())
     assert g["rollout_probs_diff_std"][0] == pytest.approx(pd.std(ddof=1))  # torch.std is unbiased
     assert g["k3_kl"][0] == pytest.approx(k3.mean()) and g["gen_kl_error"][0] == g["k3_kl"][0]
-    assert g["mismatch_kl_median"][0] == pytest.approx(np.sort(k3)[2]) and g["mismatch_kl_max"][0] == pytest.approx(k3.max())
-    assert g["chi2_token"][0] == pytest.approx(np.mean(rho ** 2) - 1)
-    assert g["ess"][0] == pytest.approx(rho.sum() ** 2 / (5 * (rho ** 2).sum()))
+    assert g["mismatch_kl_median"][0] == pytest.approx(np.sort(k3)[2]) and g["mismatch_kl_max"][0] == pytest.approx(
+        k3.max()
+    )
+    assert g["chi2_token"][0] == pytest.approx(np.mean(rho**2) - 1)
+    assert g["ess"][0] == pytest.approx(rho.sum() ** 2 / (5 * (rho**2).sum()))
     w = np.clip(rho, 0.5, 2.0)
-    assert g["rollout_is_eff_sample_size"][0] == pytest.approx(w.mean() ** 2 / (w ** 2).mean())
+    assert g["rollout_is_eff_sample_size"][0] == pytest.approx(w.mean() ** 2 / (w**2).mean())
     seq = [d[:3], d[3:]]
     assert g["chi2_seq"][0] == pytest.approx(np.mean([np.exp(2 * s.sum()) for s in seq]) - 1)
     assert g["log_ppl_diff"][0] == pytest.approx(np.mean([-s.mean() for s in seq]))
@@ -290,8 +332,13 @@ def test_step_metrics_follow_the_framework_definitions():
 
 # -- malformed dumps ---------------------------------------------------------------------------------
 def good(i=0, step=1, **kw):
-    rec = {"step": step, "request_id": f"r{i}", "response_token_ids": [3, 4, 5],
-           "rollout_logprobs": [-0.1, -0.2, -0.3], "trainer_logprobs": [-0.1, -0.2, -0.3]}
+    rec = {
+        "step": step,
+        "request_id": f"r{i}",
+        "response_token_ids": [3, 4, 5],
+        "rollout_logprobs": [-0.1, -0.2, -0.3],
+        "trainer_logprobs": [-0.1, -0.2, -0.3],
+    }
     rec.update(kw)
     return rec
 
@@ -340,11 +387,15 @@ def test_empty_steps_are_reported(tmp_path, lpf_cli):
     assert r.code == 0 and f["empty_steps"] == [2, 3] and f["n_steps"] == 2 and len(f["bad_rows"]) == 1
 
 
-@pytest.mark.parametrize("content,message", [
-    ([{"step": 1, "request_id": "a", "response_token_ids": [1]}], "missing required column"),
-    ([good(0, rollout_logprobs=[-1.0])], "no usable rows"),
-    ([], "no rows"),
-], ids=["missing-columns", "all-rows-bad", "empty-file"])
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        ([{"step": 1, "request_id": "a", "response_token_ids": [1]}], "missing required column"),
+        ([good(0, rollout_logprobs=[-1.0])], "no usable rows"),
+        ([], "no rows"),
+    ],
+    ids=["missing-columns", "all-rows-bad", "empty-file"],
+)
 def test_unusable_dump_is_one_line_error(tmp_path, lpf_cli, content, message):
     r = lpf_cli("rl", "analyze", write_jsonl(tmp_path / "d.jsonl", content))
     assert r.code == 2 and message in r.err and "Traceback" not in r.err
@@ -353,12 +404,13 @@ def test_unusable_dump_is_one_line_error(tmp_path, lpf_cli, content, message):
 
 def test_unreadable_inputs(tmp_path, lpf_cli):
     (tmp_path / "x.parquet").write_bytes(b"PAR1 this is not parquet")
-    for args, message in ((["rl", "analyze", tmp_path / "nope.jsonl"], "does not exist"),
-                          (["rl", "analyze", tmp_path / "x.parquet"], "not a readable Parquet"),
-                          (["rl", "analyze", write_jsonl(tmp_path / "g.jsonl", [good(0)]), "--metric", "kl3"],
-                           "unknown metric"),
-                          (["rl", "simulate", "--rollouts", 0], "--rollouts must be >= 1"),
-                          (["rl", "simulate", "--inject", "offset-wrapp:20"], "unknown fault")):
+    for args, message in (
+        (["rl", "analyze", tmp_path / "nope.jsonl"], "does not exist"),
+        (["rl", "analyze", tmp_path / "x.parquet"], "not a readable Parquet"),
+        (["rl", "analyze", write_jsonl(tmp_path / "g.jsonl", [good(0)]), "--metric", "kl3"], "unknown metric"),
+        (["rl", "simulate", "--rollouts", 0], "--rollouts must be >= 1"),
+        (["rl", "simulate", "--inject", "offset-wrapp:20"], "unknown fault"),
+    ):
         r = lpf_cli(*args)
         assert r.code == 2 and message in r.err and "Traceback" not in r.err, (args, r.err)
 

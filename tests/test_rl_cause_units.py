@@ -61,9 +61,19 @@ def _inputs(d_parts: dict, pos, resp, steps, **kw) -> ExplainInputs:
     n = pos.size
     r = -np.full(n, 1.0)
     t = r + sum(d_parts.values())
-    base = dict(fmt="lpf", steps=steps, request_ids=[f"q{i}" for i in range(steps.size)], tok_resp=resp,
-                tok_pos=pos, r=r, t=t, resp_unit=np.arange(steps.size), sensitivity=np.full(n, 0.5),
-                sensitivity_source="reference", floors={"rollout and trainer": FLOOR})
+    base = dict(
+        fmt="lpf",
+        steps=steps,
+        request_ids=[f"q{i}" for i in range(steps.size)],
+        tok_resp=resp,
+        tok_pos=pos,
+        r=r,
+        t=t,
+        resp_unit=np.arange(steps.size),
+        sensitivity=np.full(n, 0.5),
+        sensitivity_source="reference",
+        floors={"rollout and trainer": FLOOR},
+    )
     base.update(kw)
     return ExplainInputs(**base)
 
@@ -165,8 +175,15 @@ def test_explain_without_a_reference_says_what_each_test_needs(tmp_path, lpf_cli
     for step in range(1, 5):
         for i in range(8):
             r = -rng.uniform(0.1, 2.0, 24)
-            rows.append({"step": step, "request_id": f"s{step}-{i}", "response_token_ids": list(range(3, 27)),
-                         "rollout_logprobs": r.tolist(), "trainer_logprobs": (r - 0.05).tolist()})
+            rows.append(
+                {
+                    "step": step,
+                    "request_id": f"s{step}-{i}",
+                    "response_token_ids": list(range(3, 27)),
+                    "rollout_logprobs": r.tolist(),
+                    "trainer_logprobs": (r - 0.05).tolist(),
+                }
+            )
     p = _dump(tmp_path, rows)
     r = lpf_cli("rl", "explain", p, "--json", "--rollout-dtype", "float32", "--fail-on-cause")
     assert r.code == 1, r.err  # a systematic offset well above a float32 floor: unexplained
@@ -180,23 +197,39 @@ def test_explain_without_a_reference_says_what_each_test_needs(tmp_path, lpf_cli
     assert "untested" in r.err and "hint:" in r.err
 
 
-@pytest.mark.parametrize("args,message", [
-    (["rl", "simulate", "--drill", "stale"], "unknown RL drill"),
-    (["rl", "simulate", "--drill", "processed-logprobs", "--top-p", "0.8"], "give one"),
-    (["rl", "simulate", "--policy-drift", "0.5"], "--policy-drift"),
-    (["rl", "simulate", "--micro-batch-tokens", "0"], "--micro-batch-tokens"),
-], ids=["unknown-drill", "two-top-p", "drift", "micro-batch-tokens"])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["rl", "simulate", "--drill", "stale"], "unknown RL drill"),
+        (["rl", "simulate", "--drill", "processed-logprobs", "--top-p", "0.8"], "give one"),
+        (["rl", "simulate", "--policy-drift", "0.5"], "--policy-drift"),
+        (["rl", "simulate", "--micro-batch-tokens", "0"], "--micro-batch-tokens"),
+    ],
+    ids=["unknown-drill", "two-top-p", "drift", "micro-batch-tokens"],
+)
 def test_simulate_refuses_bad_drills_in_one_line(lpf_cli, args, message):
     r = lpf_cli(*args)
     assert r.code == 2 and message in r.err and "Traceback" not in r.err, r.err
 
 
 def test_rescore_refuses_lags_without_checkpoints(tmp_path, lpf_cli):
-    rows = [{"step": 1, "request_id": "a", "prompt_token_ids": [3, 4], "response_token_ids": [5, 6],
-             "rollout_logprobs": [-0.1, -0.2], "trainer_logprobs": [-0.1, -0.2]}]
+    rows = [
+        {
+            "step": 1,
+            "request_id": "a",
+            "prompt_token_ids": [3, 4],
+            "response_token_ids": [5, 6],
+            "rollout_logprobs": [-0.1, -0.2],
+            "trainer_logprobs": [-0.1, -0.2],
+        }
+    ]
     p = _dump(tmp_path, rows)
-    for args, message in ((["--lags", "0,1"], "holding {step}"), (["--lags", "x"], "--lags expects integers"),
-                          (["--lags", "1"], "must include 0"), (["--top-p", "1.5"], "--top-p in (0, 1]")):
+    for args, message in (
+        (["--lags", "0,1"], "holding {step}"),
+        (["--lags", "x"], "--lags expects integers"),
+        (["--lags", "1"], "must include 0"),
+        (["--top-p", "1.5"], "--top-p in (0, 1]"),
+    ):
         r = lpf_cli("rl", "rescore", p, "--reference", "zoo:hybrid", *args)
         assert r.code == 2 and message in r.err and "Traceback" not in r.err, (args, r.err)
 
@@ -228,7 +261,8 @@ def test_log_kept_mass_is_vllms_processed_logprob_offset(tmp_path):
         "    n, v = z.shape\n"
         "    kk = torch.full((n,), k if k else v, dtype=torch.long)\n"  # vLLM passes the vocabulary size for 'off'
         "    lp = apply_top_k_top_p((z / t).clone(), kk, torch.full((n,), float(p))).log_softmax(-1, dtype=torch.float32)\n"
-        "    np.save(sys.argv[1] + f'.{i}.npy', lp.numpy())\n")
+        "    np.save(sys.argv[1] + f'.{i}.npy', lp.numpy())\n"
+    )
     r = subprocess.run([str(python), "-c", probe, str(tmp_path / "z.npy")], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     for i, (t, k, p) in enumerate(cases):
@@ -248,8 +282,12 @@ def test_mamba_ssm_cache_dtype_rounds_the_ssm_state_and_sizes_the_cache():
     from lpf.builtin.state_cache import StateCache
     from lpf.core.model_specs import resolve_model
 
-    sc = StateCache([[("conv", (4, 3)), ("ssm", (2, 8))]], 2, torch.float32, part_dtypes={"conv": torch.float32,
-                                                                                          "ssm": torch.bfloat16})
+    sc = StateCache(
+        [[("conv", (4, 3)), ("ssm", (2, 8))]],
+        2,
+        torch.float32,
+        part_dtypes={"conv": torch.float32, "ssm": torch.bfloat16},
+    )
     x = torch.randn(1, 2, 8) * 1.000123
     sc.write(0, "ssm", [1], x, "decode")
     sc.write(0, "conv", [1], torch.full((1, 4, 3), 1.000123), "decode")

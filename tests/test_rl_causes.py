@@ -22,10 +22,19 @@ import pytest
 import rl_sim_native as native
 
 DRILLS = ("processed-logprobs", "micro-batch", "state-dtype", "stale-policy")
-CAUSE_OF = {"processed-logprobs": "processed_logprobs", "micro-batch": "batch_shape",
-            "state-dtype": "position_growth", "stale-policy": "stale_weights"}
-TRUTH = {"processed_logprobs": "processed_logprobs", "batch_shape": "batch_shape",
-         "position_growth": "position_growth", "stale_weights": "stale_weights", "floor": "dtype_floor"}
+CAUSE_OF = {
+    "processed-logprobs": "processed_logprobs",
+    "micro-batch": "batch_shape",
+    "state-dtype": "position_growth",
+    "stale-policy": "stale_weights",
+}
+TRUTH = {
+    "processed_logprobs": "processed_logprobs",
+    "batch_shape": "batch_shape",
+    "position_growth": "position_growth",
+    "stale_weights": "stale_weights",
+    "floor": "dtype_floor",
+}
 SIZE = dict(steps=4, prompts=2, rollouts=4, max_tokens=32, ignore_eos=True, micro_batch_tokens=160)
 CONFIGS = {"A": dict(model="tiny:hybrid-longmem", seed=0), "B": dict(model="tiny:jamba-longmem", seed=1)}
 PAIRS = list(itertools.combinations(DRILLS, 2))
@@ -54,8 +63,9 @@ class Sims(dict):
         policy = d.metadata.get("policy")
         reference = policy["checkpoints"] if policy else d.metadata["spec"]["model"]
         for lag in (0, 1) if policy else (0,):
-            rs.write(path.with_name(path.stem + ".rl"), rs.score(d, reference, sampling=d.metadata["sampling"], lag=lag),
-                     lag)
+            rs.write(
+                path.with_name(path.stem + ".rl"), rs.score(d, reference, sampling=d.metadata["sampling"], lag=lag), lag
+            )
         self[key] = path
         return path
 
@@ -76,7 +86,10 @@ def truth(dump) -> tuple[dict, dict, dict]:
     from lpf.rl.formats import read_dump
 
     d = read_dump(dump)
-    rows = {(r["step"], r["request_id"]): r for r in pq.read_table(dump.with_name(dump.stem + ".causes.parquet")).to_pylist()}
+    rows = {
+        (r["step"], r["request_id"]): r
+        for r in pq.read_table(dump.with_name(dump.stem + ".causes.parquet")).to_pylist()
+    }
     keys = list(zip(d.responses.column("step").to_pylist(), d.responses.column("request_id").to_pylist()))
     comps = np.abs(np.concatenate([np.stack([np.asarray(rows[k][c]) for c in TRUTH], 1) for k in keys]))
     a = np.abs(d.tok_trainer - d.tok_rollout)
@@ -144,7 +157,9 @@ def test_raw_logprobs_at_top_p_are_not_called_processed(sims, lpf_cli):
     dump = sims[("A", ("state-dtype",), (("top_p", 0.9),))]
     b = explain(lpf_cli, dump)
     by = {c["cause"]: c for c in b["causes"]}
-    assert by["processed_logprobs"]["status"] == "not found" and abs(by["processed_logprobs"]["test"]["fit"]["beta"]) < 0.1
+    assert (
+        by["processed_logprobs"]["status"] == "not found" and abs(by["processed_logprobs"]["test"]["fit"]["beta"]) < 0.1
+    )
     assert b["named"] == ["position_growth"] and b["shares"]["position_growth"] >= 0.95
 
 
@@ -161,8 +176,11 @@ def test_a_clean_run_is_inside_the_floor_and_names_nothing(sims, lpf_cli):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("drills", [*((d,) for d in DRILLS), (), ("processed-logprobs", "state-dtype"),
-                                    ("micro-batch", "stale-policy")], ids=lambda d: "+".join(d) or "clean")
+@pytest.mark.parametrize(
+    "drills",
+    [*((d,) for d in DRILLS), (), ("processed-logprobs", "state-dtype"), ("micro-batch", "stale-policy")],
+    ids=lambda d: "+".join(d) or "clean",
+)
 def test_the_attribution_holds_on_a_second_configuration(sims, lpf_cli, drills):
     """tiny:jamba-longmem, seed 1: another architecture (Mamba1, MoE) and other tokens; not tuned on."""
     dump = sims[("B", drills)]
@@ -182,8 +200,11 @@ def test_the_attribution_holds_on_a_second_configuration(sims, lpf_cli, drills):
 def test_native_dumps_give_the_same_under_their_own_names(sims, lpf_cli, tmp_path, fmt):
     """The same runs written as prime-rl / NeMo-RL / slime write their dumps, rescored and explained
     from those files: the same causes and shares, the framework's response names and metric."""
-    metric = {"prime-rl": "mismatch_kl/all/mean", "nemo-rl": "token_mult_prob_error",
-              "slime": "train_rollout_logprob_abs_diff"}[fmt]
+    metric = {
+        "prime-rl": "mismatch_kl/all/mean",
+        "nemo-rl": "token_mult_prob_error",
+        "slime": "train_rollout_logprob_abs_diff",
+    }[fmt]
     for pair in (("processed-logprobs", "micro-batch"), ("state-dtype", "stale-policy")):
         dump = sims[("A", pair)]
         ours = explain(lpf_cli, dump)
@@ -191,8 +212,12 @@ def test_native_dumps_give_the_same_under_their_own_names(sims, lpf_cli, tmp_pat
         meta = json.loads(table.schema.metadata[b"lpf"])
         root = native.write(fmt, table.to_pylist(), tmp_path / fmt / "+".join(pair), vocab=256)
         policy = meta.get("policy")
-        args = ["--reference", policy["checkpoints"] if policy else meta["spec"]["model"],
-                "--top-p", meta["sampling"]["top_p"]] + (["--lags", "0,1"] if policy else [])
+        args = [
+            "--reference",
+            policy["checkpoints"] if policy else meta["spec"]["model"],
+            "--top-p",
+            meta["sampling"]["top_p"],
+        ] + (["--lags", "0,1"] if policy else [])
         r = lpf_cli("rl", "rescore", root, *args)
         assert r.code == 0, r.err
         b = explain(lpf_cli, root, "--rollout-dtype", "float32", "--trainer-dtype", "float32")
@@ -227,8 +252,9 @@ def test_analyze_carries_the_causes_section(sims, lpf_cli, tmp_path):
     steps = pq.read_table(out / "rl_steps.parquet")
     for c in ("processed_logprobs", "batch_shape", "dtype_floor", "unexplained"):
         assert f"cause_{c}" in steps.column_names
-    np.testing.assert_allclose(np.sum([steps.column(f"cause_{c}").to_numpy() for c in f["causes"]["shares"]], 0), 1.0,
-                               atol=1e-9)
+    np.testing.assert_allclose(
+        np.sum([steps.column(f"cause_{c}").to_numpy() for c in f["causes"]["shares"]], 0), 1.0, atol=1e-9
+    )
     assert (out / "report.html").is_file() and "causes (causes)" in r.err
 
 

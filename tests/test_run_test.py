@@ -24,8 +24,7 @@ def _log_softmax(z):
     return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
 
 
-def synthetic_run(n_req=200, n_tok=10, sigma=0.02, seed=0, temperature=0.0, engine_temperature=None,
-                  logit_scale=3.0):
+def synthetic_run(n_req=200, n_tok=10, sigma=0.02, seed=0, temperature=0.0, engine_temperature=None, logit_scale=3.0):
     """(requests, tokens, reference) tables. The engine's logits are the reference's plus
     N(0, sigma) per logit; it picks greedily (temperature 0) or samples at `engine_temperature`
     (default: the run's), and reports raw logprobs of its own logits with its top-K."""
@@ -42,22 +41,53 @@ def synthetic_run(n_req=200, n_tok=10, sigma=0.02, seed=0, temperature=0.0, engi
     req, tok, rows = [], [], []
     for i in range(n_req):
         rid = f"r{i:05d}"
-        req.append({"request_id": rid, "seq": i, "prompt_id": rid, "rollout": 0, "prompt_token_ids": [1],
-                    "output_token_ids": tokens[i].tolist(), "output_text": "", "finish_reason": "length",
-                    "error": None, "oracle_expected": None, "oracle_ok": None})
+        req.append(
+            {
+                "request_id": rid,
+                "seq": i,
+                "prompt_id": rid,
+                "rollout": 0,
+                "prompt_token_ids": [1],
+                "output_token_ids": tokens[i].tolist(),
+                "output_text": "",
+                "finish_reason": "length",
+                "error": None,
+                "oracle_expected": None,
+                "oracle_ok": None,
+            }
+        )
         for pos in range(n_tok):
             t = int(tokens[i, pos])
             e_top = np.argsort(-eng[i, pos])[:K]
             r_top = np.argsort(-ref[i, pos])[:K]
-            tok.append({"request_id": rid, "position": pos, "token_id": t, "engine_logprob": float(eng[i, pos, t]),
-                        "engine_topk_ids": e_top.tolist(), "engine_topk_logprobs": eng[i, pos, e_top].tolist()})
-            rows.append({"request_id": rid, "position": pos, "ref_logprob": float(ref[i, pos, t]),
-                         "ref_rank": int((ref[i, pos] > ref[i, pos, t]).sum()) + 1,
-                         "ref_entropy": float(-(np.exp(ref[i, pos]) * ref[i, pos]).sum()),
-                         "ref_top1_id": int(r_top[0]), "ref_top1_logprob": float(ref[i, pos, r_top[0]]),
-                         "ref_topk_ids": r_top.tolist(), "ref_topk_logprobs": ref[i, pos, r_top].tolist()})
-    return (pa.Table.from_pylist(req, schema=schema.REQUESTS), pa.Table.from_pylist(tok, schema=schema.TOKENS),
-            pa.Table.from_pylist(rows, schema=schema.REFERENCE))
+            tok.append(
+                {
+                    "request_id": rid,
+                    "position": pos,
+                    "token_id": t,
+                    "engine_logprob": float(eng[i, pos, t]),
+                    "engine_topk_ids": e_top.tolist(),
+                    "engine_topk_logprobs": eng[i, pos, e_top].tolist(),
+                }
+            )
+            rows.append(
+                {
+                    "request_id": rid,
+                    "position": pos,
+                    "ref_logprob": float(ref[i, pos, t]),
+                    "ref_rank": int((ref[i, pos] > ref[i, pos, t]).sum()) + 1,
+                    "ref_entropy": float(-(np.exp(ref[i, pos]) * ref[i, pos]).sum()),
+                    "ref_top1_id": int(r_top[0]),
+                    "ref_top1_logprob": float(ref[i, pos, r_top[0]]),
+                    "ref_topk_ids": r_top.tolist(),
+                    "ref_topk_logprobs": ref[i, pos, r_top].tolist(),
+                }
+            )
+    return (
+        pa.Table.from_pylist(req, schema=schema.REQUESTS),
+        pa.Table.from_pylist(tok, schema=schema.TOKENS),
+        pa.Table.from_pylist(rows, schema=schema.REFERENCE),
+    )
 
 
 def floor_of(tables) -> dict:
@@ -74,15 +104,24 @@ def table():
     on a run 100x quieter."""
     bf16 = floor_of(synthetic_run(sigma=0.02, seed=1))
     f32 = floor_of(synthetic_run(sigma=2e-4, seed=2))
-    return {"pairs": {"bfloat16/float32": {"envelope": bf16, "models": {MODEL: bf16}},
-                      "float32/float32": {"envelope": f32, "models": {MODEL: f32}}}}
+    return {
+        "pairs": {
+            "bfloat16/float32": {"envelope": bf16, "models": {MODEL: bf16}},
+            "float32/float32": {"envelope": f32, "models": {MODEL: f32}},
+        }
+    }
 
 
 def run(tables, table, engine_dtype="bfloat16", temperature=0.0):
-    info = {"engine_dtype": engine_dtype, "reference_dtype": "float32", "model": MODEL,
-            "sampling": {"temperature": temperature, "top_k": 0, "top_p": 1.0}}
-    return analyze(*tables, Thresholds(), greedy=temperature == 0, temperature=temperature, floor_table=table,
-                   run_info=info)
+    info = {
+        "engine_dtype": engine_dtype,
+        "reference_dtype": "float32",
+        "model": MODEL,
+        "sampling": {"temperature": temperature, "top_k": 0, "top_p": 1.0},
+    }
+    return analyze(
+        *tables, Thresholds(), greedy=temperature == 0, temperature=temperature, floor_table=table, run_info=info
+    )
 
 
 def test_binomial_tail_is_exact():
@@ -126,7 +165,10 @@ def test_tie_margin_and_thresholds_come_from_the_expected_floor(table):
     row.update(ref_logprob=row["ref_top1_logprob"] - 0.1, ref_rank=2)
     tk = tok.to_pylist()
     tk[0]["token_id"] = row["ref_topk_ids"][1]
-    ref2, tok2 = pa.Table.from_pylist(joined_ref, schema=schema.REFERENCE), pa.Table.from_pylist(tk, schema=schema.TOKENS)
+    ref2, tok2 = (
+        pa.Table.from_pylist(joined_ref, schema=schema.REFERENCE),
+        pa.Table.from_pylist(tk, schema=schema.TOKENS),
+    )
     s_bf16, f_bf16 = run((req, tok2, ref2), table)
     expected_tie = floors.tie_margin(table["pairs"]["bfloat16/float32"]["envelope"])
     assert f_bf16["thresholds"]["source"] == "table" and f_bf16["thresholds"]["tie_margin"] >= expected_tie > 0.1
@@ -167,11 +209,16 @@ def test_expected_floor_selection(table):
     assert got["token"]["q99"] == pytest.approx(floors.UNMEASURED_MARGIN * bf16["token"]["q99"])
     assert got["tie_margin"] == floors.tie_margin(got) and "not measured" in got["detail"]
     # a calibration run wins, but never goes below two honest float32 implementations' floor
-    zero = {k: ({"median": 0.0, "q99": 0.0} if k in ("token", "topk") else {"q99": 0.0}) for k in ("token", "topk", "settled")}
+    zero = {
+        k: ({"median": 0.0, "q99": 0.0} if k in ("token", "topk") else {"q99": 0.0})
+        for k in ("token", "topk", "settled")
+    }
     zero["token_abs_diff"] = {"median": 0.0, "mad": 0.0}
     cal = floors.expected_floor(table, "bfloat16", "float32", calibration=zero)
     assert cal["source"] == "calibration-run"
-    assert f32["token"]["q99"] > 0 and cal["token"]["q99"] == pytest.approx(floors.UNMEASURED_MARGIN * f32["token"]["q99"])
+    assert f32["token"]["q99"] > 0 and cal["token"]["q99"] == pytest.approx(
+        floors.UNMEASURED_MARGIN * f32["token"]["q99"]
+    )
     cal = floors.expected_floor(table, "bfloat16", "float32", model=MODEL, calibration=zero)
     assert cal["token"]["q99"] == f32["token"]["q99"]
     # a measured model's own row is preferred to the envelope
@@ -207,10 +254,19 @@ def test_substitution_drills_parse_and_compute():
     from lpf.core.errors import LpfError
 
     f = FaultSet.parse("quantize-weights:4,kv-quant,perturb-weights:0.02,sampling-temperature:1.3")
-    assert (f.quantize_weights_bits, f.kv_quant_bits, f.perturb_weights_scale, f.sampling_temperature) == (4, 8, 0.02, 1.3)
+    assert (f.quantize_weights_bits, f.kv_quant_bits, f.perturb_weights_scale, f.sampling_temperature) == (
+        4,
+        8,
+        0.02,
+        1.3,
+    )
     assert f.names() == ["quantize-weights:4", "kv-quant:8", "perturb-weights:0.02", "sampling-temperature:1.3"]
-    for bad, msg in (("quantize-weights:1", "in 2..16"), ("kv-quant:x", "an integer"),
-                     ("perturb-weights:abc", "a number"), ("sampling-temperature:0", "in 0.05..10")):
+    for bad, msg in (
+        ("quantize-weights:1", "in 2..16"),
+        ("kv-quant:x", "an integer"),
+        ("perturb-weights:abc", "a number"),
+        ("sampling-temperature:0", "in 0.05..10"),
+    ):
         with pytest.raises(LpfError, match=msg):
             FaultSet.parse(bad)
     w = torch.randn(16, 300, generator=torch.Generator().manual_seed(0))

@@ -12,7 +12,9 @@ from lpf.core.sampling import SamplingParams
 
 
 def _req(i, prompt_len=10, max_tokens=4):
-    return Request(f"r{i}", list(range(3, 3 + prompt_len)), SamplingParams(), max_tokens, seed=i, eos_token_id=None, seq=i)
+    return Request(
+        f"r{i}", list(range(3, 3 + prompt_len)), SamplingParams(), max_tokens, seed=i, eos_token_id=None, seq=i
+    )
 
 
 def _finish_step(sched, out, token=7):
@@ -21,8 +23,10 @@ def _finish_step(sched, out, token=7):
 
 
 def test_scheduler_module_never_imports_torch():
-    code = ("import sys, lpf.builtin.scheduler, lpf.builtin.sched_output, lpf.builtin.request, "
-            "lpf.builtin.kv_cache, lpf.builtin.state_cache; assert 'torch' not in sys.modules, 'torch imported'")
+    code = (
+        "import sys, lpf.builtin.scheduler, lpf.builtin.sched_output, lpf.builtin.request, "
+        "lpf.builtin.kv_cache, lpf.builtin.state_cache; assert 'torch' not in sys.modules, 'torch imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -33,14 +37,20 @@ def test_token_budget_chunked_prefill_and_imposter_budget():
         s.add(_req(i, prompt_len=6))
     out = s.schedule()
     # 6 + 6 + the last 1 token of budget goes to the third, new request
-    assert [(x.request_id, x.num_scheduled_tokens, x.num_computed_tokens) for x in out.scheduled] == \
-        [("r0", 6, 0), ("r1", 6, 0), ("r2", 1, 0)]
+    assert [(x.request_id, x.num_scheduled_tokens, x.num_computed_tokens) for x in out.scheduled] == [
+        ("r0", 6, 0),
+        ("r1", 6, 0),
+        ("r2", 1, 0),
+    ]
     assert [x.will_sample for x in out.scheduled] == [True, True, False]
     _finish_step(s, out)
     out = s.schedule()
     # two decodes (1 token each) and the rest of r2's prompt
-    assert [(x.request_id, x.num_scheduled_tokens, x.num_computed_tokens) for x in out.scheduled] == \
-        [("r0", 1, 6), ("r1", 1, 6), ("r2", 5, 1)]
+    assert [(x.request_id, x.num_scheduled_tokens, x.num_computed_tokens) for x in out.scheduled] == [
+        ("r0", 1, 6),
+        ("r1", 1, 6),
+        ("r2", 5, 1),
+    ]
     assert out.total_tokens <= 13
 
 
@@ -97,8 +107,9 @@ def test_request_that_can_never_fit_is_rejected_not_hung():
 def test_no_chunking_refuses_what_one_step_can_never_hold():
     """Without chunked prefill a request needs prompt + outputs (after a recompute) in one step: one
     that cannot get them would wait forever, so it is refused when added."""
-    s = Scheduler(EngineConfig(block_size=4, max_num_batched_tokens=16, enable_chunked_prefill=False),
-                  num_slots=2, num_blocks=64)
+    s = Scheduler(
+        EngineConfig(block_size=4, max_num_batched_tokens=16, enable_chunked_prefill=False), num_slots=2, num_blocks=64
+    )
     assert "max_num_batched_tokens is 16" in s.why_never_runs(_req(0, prompt_len=14, max_tokens=4))
     assert s.why_never_runs(_req(0, prompt_len=12, max_tokens=4)) is None
 
@@ -159,11 +170,13 @@ from lpf.builtin.sched_output import StateWrite  # noqa: E402
 
 
 def _caching(mamba_block_size=16, faults="", budget=64, **kw):
-    cfg = EngineConfig(max_num_batched_tokens=budget, block_size=8, enable_prefix_caching=True,
-                       mamba_block_size=mamba_block_size, **kw)
+    cfg = EngineConfig(
+        max_num_batched_tokens=budget, block_size=8, enable_prefix_caching=True, mamba_block_size=mamba_block_size, **kw
+    )
     truth = []
-    s = Scheduler(cfg, num_slots=16, num_blocks=64, faults=FaultSet.parse(faults),
-                  record=lambda *a, **k: truth.append((a, k)))
+    s = Scheduler(
+        cfg, num_slots=16, num_blocks=64, faults=FaultSet.parse(faults), record=lambda *a, **k: truth.append((a, k))
+    )
     return s, truth
 
 

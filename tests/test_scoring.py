@@ -26,9 +26,16 @@ def _run(seed: int, n_req: int = 3000, nan: bool = True):
     eng[liar], ref[liar] = -0.01, -rng.uniform(4, 20, int(liar.sum()))
     top1 = np.where(rng.random(n) < 0.08, (tok + 1) % 50, tok).astype(np.int32)
     top1_lp = np.where(top1 == tok, ref, ref + rng.exponential(0.3, n))
-    cols = {"position": pos, "token_id": tok, "engine_logprob": eng, "ref_logprob": ref, "ref_top1_id": top1,
-            "ref_top1_logprob": top1_lp, "ref_rank": np.where(top1 == tok, 1, rng.integers(2, 9, n)).astype(np.int32),
-            "engine_top1_id": np.where(rng.random(n) < 0.1, -1, np.where(rng.random(n) < 0.5, tok, top1)).astype(np.int32)}
+    cols = {
+        "position": pos,
+        "token_id": tok,
+        "engine_logprob": eng,
+        "ref_logprob": ref,
+        "ref_top1_id": top1,
+        "ref_top1_logprob": top1_lp,
+        "ref_rank": np.where(top1 == tok, 1, rng.integers(2, 9, n)).astype(np.int32),
+        "engine_top1_id": np.where(rng.random(n) < 0.1, -1, np.where(rng.random(n) < 0.5, tok, top1)).astype(np.int32),
+    }
     if nan:
         cols["engine_logprob"][rng.choice(n, 5, replace=False)] = np.nan
         cols["engine_logprob"][rng.choice(n, 2, replace=False)] = -np.inf
@@ -54,7 +61,9 @@ def test_requests_are_scored_as_the_dense_rule_scores_them(monkeypatch, greedy, 
     assert per.keys() == want.keys()
     for k in want:
         assert np.array_equal(per[k], want[k], equal_nan=True) and per[k].dtype.kind == want[k].dtype.kind, k
-    assert flips == int(arrays["greedy_flip"].sum()) and same == int(np.count_nonzero(cols["token_id"] == cols["ref_top1_id"]))
+    assert flips == int(arrays["greedy_flip"].sum()) and same == int(
+        np.count_nonzero(cols["token_id"] == cols["ref_top1_id"])
+    )
     assert set(np.unique(per["verdict"])) >= {0, 2, 3}  # clean, divergent and corrupt requests all there
 
 

@@ -50,11 +50,25 @@ def _metric(text: str, name: str) -> float:
 
 async def _concurrent_completions(base_url: str, prompts: list[str]) -> list[httpx.Response]:
     async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
-        return await asyncio.gather(*(
-            client.post("/v1/completions", headers={"X-Request-Id": f"conc-{i:03d}"}, json={
-                "model": MODEL, "prompt": p, "max_tokens": 8, "temperature": 0, "logprobs": 5,
-                "ignore_eos": True, "return_tokens_as_token_ids": True, "return_token_ids": True})
-            for i, p in enumerate(prompts)))
+        return await asyncio.gather(
+            *(
+                client.post(
+                    "/v1/completions",
+                    headers={"X-Request-Id": f"conc-{i:03d}"},
+                    json={
+                        "model": MODEL,
+                        "prompt": p,
+                        "max_tokens": 8,
+                        "temperature": 0,
+                        "logprobs": 5,
+                        "ignore_eos": True,
+                        "return_tokens_as_token_ids": True,
+                        "return_token_ids": True,
+                    },
+                )
+                for i, p in enumerate(prompts)
+            )
+        )
 
 
 def test_64_concurrent_completions_are_batched_and_match_the_reference(server, rescorer):
@@ -77,8 +91,12 @@ def test_64_concurrent_completions_are_batched_and_match_the_reference(server, r
         lp = choice["logprobs"]
         ids = [int(t.removeprefix("token_id:")) for t in lp["tokens"]]
         assert ids == choice["token_ids"] and len(ids) == 8 and choice["finish_reason"] == "length"
-        assert body["usage"] == {"prompt_tokens": len(choice["prompt_token_ids"]), "completion_tokens": 8,
-                                 "total_tokens": len(choice["prompt_token_ids"]) + 8, "prompt_tokens_details": None}
+        assert body["usage"] == {
+            "prompt_tokens": len(choice["prompt_token_ids"]),
+            "completion_tokens": 8,
+            "total_tokens": len(choice["prompt_token_ids"]) + 8,
+            "prompt_tokens_details": None,
+        }
         # text_offset: cumulative lengths of the rendered token strings, as vLLM computes it
         assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:j]) for j in range(8)]
         for tok, tok_lp, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
@@ -90,9 +108,13 @@ def test_64_concurrent_completions_are_batched_and_match_the_reference(server, r
     table = pa.concat_tables(list(rescorer.score(items)))
     worst = 0.0
     for rid, pos, ref_lp, _top1, top1_lp, _tok in zip(
-            table["request_id"].to_pylist(), table["position"].to_pylist(), table["ref_logprob"].to_pylist(),
-            table["ref_top1_id"].to_pylist(), table["ref_top1_logprob"].to_pylist(),
-            [it.output_token_ids for it in items for _ in it.output_token_ids]):
+        table["request_id"].to_pylist(),
+        table["position"].to_pylist(),
+        table["ref_logprob"].to_pylist(),
+        table["ref_top1_id"].to_pylist(),
+        table["ref_top1_logprob"].to_pylist(),
+        [it.output_token_ids for it in items for _ in it.output_token_ids],
+    ):
         worst = max(worst, abs(answers[rid][pos] - ref_lp))
         assert top1_lp - ref_lp <= 1e-4, f"{rid}@{pos}: the engine's greedy token is not the reference's argmax"
     assert table.num_rows == 64 * 8
@@ -101,12 +123,28 @@ def test_64_concurrent_completions_are_batched_and_match_the_reference(server, r
 
 def test_generate_returns_the_same_tokens_as_completions(server):
     prompts = _oracle_prompts(6, seed=5)
-    comp = httpx.post(f"{server.base_url}/v1/completions", timeout=60, json={
-        "model": MODEL, "prompt": prompts, "max_tokens": 6, "temperature": 0, "logprobs": 2,
-        "return_token_ids": True}).json()
-    gen = httpx.post(f"{server.base_url}/generate", timeout=60, json={
-        "text": prompts, "sampling_params": {"max_new_tokens": 6, "temperature": 0},
-        "return_logprob": True, "top_logprobs_num": 2}).json()
+    comp = httpx.post(
+        f"{server.base_url}/v1/completions",
+        timeout=60,
+        json={
+            "model": MODEL,
+            "prompt": prompts,
+            "max_tokens": 6,
+            "temperature": 0,
+            "logprobs": 2,
+            "return_token_ids": True,
+        },
+    ).json()
+    gen = httpx.post(
+        f"{server.base_url}/generate",
+        timeout=60,
+        json={
+            "text": prompts,
+            "sampling_params": {"max_new_tokens": 6, "temperature": 0},
+            "return_logprob": True,
+            "top_logprobs_num": 2,
+        },
+    ).json()
     assert isinstance(gen, list) and len(gen) == len(prompts) == len(comp["choices"])
     for c, g in zip(comp["choices"], gen):
         assert g["output_ids"] == c["token_ids"] and g["text"] == c["text"]
@@ -119,8 +157,14 @@ def test_generate_returns_the_same_tokens_as_completions(server):
         assert meta["completion_tokens"] == len(c["token_ids"]) and meta["input_token_logprobs"] == []
         stopped = c["finish_reason"] == "stop"
         assert meta["finish_reason"] == ({"type": "stop", "matched": 2} if stopped else {"type": "length", "length": 6})
-    single = httpx.post(f"{server.base_url}/generate", timeout=60, json={
-        "input_ids": comp["choices"][0]["prompt_token_ids"], "sampling_params": {"max_new_tokens": 6, "temperature": 0}}).json()
+    single = httpx.post(
+        f"{server.base_url}/generate",
+        timeout=60,
+        json={
+            "input_ids": comp["choices"][0]["prompt_token_ids"],
+            "sampling_params": {"max_new_tokens": 6, "temperature": 0},
+        },
+    ).json()
     assert isinstance(single, dict) and single["output_ids"] == comp["choices"][0]["token_ids"]
 
 
@@ -160,15 +204,24 @@ def test_bad_cli_options_fail_before_serving(lpf_cli):
 
 def test_stop_strings_cut_the_output_where_a_stopping_server_would(server):
     prompt = _oracle_prompts(1, seed=9)[0]
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
-            "logprobs": 0, "return_token_ids": True}
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": 8,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": 0,
+        "return_token_ids": True,
+    }
     full = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60).json()["choices"][0]
     stop = full["text"][1]  # the text of the second token (one character per token in the zoo tokenizer)
-    cut = httpx.post(f"{server.base_url}/v1/completions", json={**body, "stop": [stop]}, timeout=60).json()["choices"][0]
+    cut = httpx.post(f"{server.base_url}/v1/completions", json={**body, "stop": [stop]}, timeout=60).json()["choices"][
+        0
+    ]
     at = full["text"].index(stop)
     assert cut["text"] == full["text"][:at] and cut["finish_reason"] == "stop" and cut["stop_reason"] == stop
-    assert cut["token_ids"] == full["token_ids"][:at + 1]  # the token completing the match stays, as in vLLM
-    assert cut["logprobs"]["token_logprobs"] == full["logprobs"]["token_logprobs"][:at + 1]
+    assert cut["token_ids"] == full["token_ids"][: at + 1]  # the token completing the match stays, as in vLLM
+    assert cut["logprobs"]["token_logprobs"] == full["logprobs"]["token_logprobs"][: at + 1]
     assert all(len(top) == 1 for top in cut["logprobs"]["top_logprobs"])  # logprobs=0: the sampled token only
 
 
@@ -203,8 +256,13 @@ def test_non_finite_logprobs_still_render_as_json():
     info = ModelInfo(MODEL, "-", 512, 4096, tok.eos_token_id)
     req = CompletionRequest(prompt=[1, 45], max_tokens=2, logprobs=1, temperature=0)
     plans = plan_completion(req, tok, info, "cmpl-z")
-    gen_plans, _ = plan_generate(GenerateRequest(input_ids=[1, 45], return_logprob=True, top_logprobs_num=1,
-                                                 sampling_params={"max_new_tokens": 2}), tok, info)
+    gen_plans, _ = plan_generate(
+        GenerateRequest(
+            input_ids=[1, 45], return_logprob=True, top_logprobs_num=1, sampling_params={"max_new_tokens": 2}
+        ),
+        tok,
+        info,
+    )
     for done in (plans[0].requests[0], gen_plans[0].requests[0]):
         for tid, lp in ((19, float("-inf")), (20, float("nan"))):
             done.append_output(Sample(tid, lp, [tid], [lp]))
@@ -212,7 +270,10 @@ def test_non_finite_logprobs_still_render_as_json():
     body = json.loads(json.dumps(render_completion(req, plans, tok, info, "cmpl-z", 0), allow_nan=False))
     assert body["choices"][0]["logprobs"]["token_logprobs"] == [-9999.0, None]
     (gen,) = render_generate(gen_plans, tok, False)
-    assert json.loads(json.dumps(gen, allow_nan=False))["meta_info"]["output_token_logprobs"] == [[None, 19, None], [None, 20, None]]
+    assert json.loads(json.dumps(gen, allow_nan=False))["meta_info"]["output_token_logprobs"] == [
+        [None, 19, None],
+        [None, 20, None],
+    ]
 
 
 def test_sigterm_shuts_down_cleanly_and_leaves_the_trace(server):

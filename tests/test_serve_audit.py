@@ -29,13 +29,31 @@ def prompts64(tmp_path_factory):
     from lpf.zoo import registry
 
     items = registry.workload_items("oracle", seed=11, n=64)
-    return write_prompts(tmp_path_factory.mktemp("serve-audit") / "p64.jsonl",
-                         [{"id": it["id"], "prompt": it["prompt"], "expected": it["expected"]} for it in items])
+    return write_prompts(
+        tmp_path_factory.mktemp("serve-audit") / "p64.jsonl",
+        [{"id": it["id"], "prompt": it["prompt"], "expected": it["expected"]} for it in items],
+    )
 
 
 def _audit(lpf_cli, server, prompts, out):
-    return lpf_cli("audit", "--engine", "openai", "--base-url", server.base_url + "/v1", "--model", MODEL,
-                   "--workload", prompts, "--max-tokens", 16, "-E", "concurrency=64", "--out", out, "--json")
+    return lpf_cli(
+        "audit",
+        "--engine",
+        "openai",
+        "--base-url",
+        server.base_url + "/v1",
+        "--model",
+        MODEL,
+        "--workload",
+        prompts,
+        "--max-tokens",
+        16,
+        "-E",
+        "concurrency=64",
+        "--out",
+        out,
+        "--json",
+    )
 
 
 def _metric(server, name: str) -> float:
@@ -65,8 +83,10 @@ def test_audit_through_http_clean_then_stale_state_found(lpf_cli, tmp_path, prom
     flagged = {x["request_id"] for x in f["flagged"]}
     assert flagged and f["counts"]["divergent"] + f["counts"]["corrupt"] == len(flagged)
     # the server's ground truth names engine requests "cmpl-<X-Request-Id>-<choice>": our request ids
-    truth = {rid.removeprefix("cmpl-").removesuffix("-0")
-             for rid in pq.read_table(trace / "faults").column("request_id").to_pylist()}
-    assert flagged <= truth, (flagged - truth)
+    truth = {
+        rid.removeprefix("cmpl-").removesuffix("-0")
+        for rid in pq.read_table(trace / "faults").column("request_id").to_pylist()
+    }
+    assert flagged <= truth, flagged - truth
     run_ids = set(pq.read_table(tmp_path / "stale" / "requests").column("request_id").to_pylist())
     assert truth <= run_ids  # every imposter the server made is a request of this run

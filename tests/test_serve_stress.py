@@ -22,10 +22,18 @@ pytestmark = pytest.mark.slow
 
 MODEL = "zoo:hybrid"
 N_REQUESTS, MAX_CLIENTS = 2000, 256
-MALFORMED = [b"{not json", b"[]", b'{"prompt": 5}', b'{"prompt": [1, 2, 99999999], "max_tokens": 2}',
-             b'{"prompt": [1, 30], "max_tokens": "many"}', b'{"prompt": [1, 30], "n": 0}',
-             b'{"prompt": [1, 30], "stream": true}', b'{"model": "nope", "prompt": [1, 30]}', b"\xff\xfe\x00",
-             json.dumps({"prompt": [1] * 5000, "max_tokens": 2}).encode()]
+MALFORMED = [
+    b"{not json",
+    b"[]",
+    b'{"prompt": 5}',
+    b'{"prompt": [1, 2, 99999999], "max_tokens": 2}',
+    b'{"prompt": [1, 30], "max_tokens": "many"}',
+    b'{"prompt": [1, 30], "n": 0}',
+    b'{"prompt": [1, 30], "stream": true}',
+    b'{"model": "nope", "prompt": [1, 30]}',
+    b"\xff\xfe\x00",
+    json.dumps({"prompt": [1] * 5000, "max_tokens": 2}).encode(),
+]
 
 
 def _metrics(base: str) -> dict:
@@ -66,17 +74,27 @@ async def _storm(base: str, prompts: list[list[int]], jobs: list[str]) -> list[d
             while not queue.empty():
                 i, kind = queue.get_nowait()
                 p = prompts[i % len(prompts)]
-                body = {"model": MODEL, "prompt": p, "max_tokens": 4, "temperature": 0, "logprobs": 1,
-                        "return_tokens_as_token_ids": True}
+                body = {
+                    "model": MODEL,
+                    "prompt": p,
+                    "max_tokens": 4,
+                    "temperature": 0,
+                    "logprobs": 1,
+                    "return_tokens_as_token_ids": True,
+                }
                 if kind == "malformed":
-                    r = await c.post(base + "/v1/completions", content=MALFORMED[i % len(MALFORMED)],
-                                     headers={"Content-Type": "application/json"})
+                    r = await c.post(
+                        base + "/v1/completions",
+                        content=MALFORMED[i % len(MALFORMED)],
+                        headers={"Content-Type": "application/json"},
+                    )
                     out.append({"kind": kind, "status": r.status_code, "text": r.text[:200]})
                 elif kind == "disconnect":
                     try:  # gives up mid-request: the connection closes under the server
-                        await asyncio.wait_for(c.post(base + "/v1/completions", json={**body, "max_tokens": 64,
-                                                                                       "ignore_eos": True}),
-                                               rng.uniform(0.01, 0.3))
+                        await asyncio.wait_for(
+                            c.post(base + "/v1/completions", json={**body, "max_tokens": 64, "ignore_eos": True}),
+                            rng.uniform(0.01, 0.3),
+                        )
                         out.append({"kind": kind, "status": "finished first"})
                     except asyncio.TimeoutError:
                         out.append({"kind": kind, "status": "gone"})
@@ -87,8 +105,14 @@ async def _storm(base: str, prompts: list[list[int]], jobs: list[str]) -> list[d
                         c = connect()
                 else:
                     r = await c.post(base + "/v1/completions", json=body, headers={"X-Request-Id": f"s{i}"})
-                    out.append({"kind": kind, "status": r.status_code, "prompt": p,
-                                "answer": r.json() if r.status_code == 200 else r.text})
+                    out.append(
+                        {
+                            "kind": kind,
+                            "status": r.status_code,
+                            "prompt": p,
+                            "answer": r.json() if r.status_code == 200 else r.text,
+                        }
+                    )
         finally:
             await c.aclose()
 
@@ -124,8 +148,9 @@ def test_serve_stays_healthy_right_and_bounded_under_a_storm():
     gone = [r for r in results if r["kind"] == "disconnect" and r["status"] == "gone"]
     assert len(gone) >= 50
     # every request the server took ends finished, refused or cancelled; none is left holding a slot
-    assert m["lpf_requests_submitted_total"] == (m["lpf_requests_finished_total"] + m["lpf_requests_rejected_total"]
-                                                 + m["lpf_requests_cancelled_total"])
+    assert m["lpf_requests_submitted_total"] == (
+        m["lpf_requests_finished_total"] + m["lpf_requests_rejected_total"] + m["lpf_requests_cancelled_total"]
+    )
     assert m["lpf_requests_in_flight"] == 0 and m["lpf_state_slots_free"] == free0
     # most clients left after their request reached the engine (the others gave up while connecting)
     assert m["lpf_requests_cancelled_total"] >= 0.5 * len(gone)
@@ -151,5 +176,7 @@ def test_serve_stays_healthy_right_and_bounded_under_a_storm():
             assert row["ref_rank"] == 1 or row["ref_top1_logprob"] - row["ref_logprob"] < 1e-4, (p, ids, pos)
             assert max(abs(v[pos] - row["ref_logprob"]) for v in lps) < 1e-3, (p, ids, pos)
     assert len(answers) <= len(prompts)  # one answer per prompt, however busy the server was
-    print(f"storm: {N_REQUESTS} requests in {elapsed:.1f} s, rss {before:.0f} -> {after:.0f} MB, "
-          f"cancelled {m['lpf_requests_cancelled_total']:.0f} of {len(gone)} disconnects")
+    print(
+        f"storm: {N_REQUESTS} requests in {elapsed:.1f} s, rss {before:.0f} -> {after:.0f} MB, "
+        f"cancelled {m['lpf_requests_cancelled_total']:.0f} of {len(gone)} disconnects"
+    )

@@ -54,8 +54,23 @@ def short_prompts(path: Path, n: int) -> Path:
 
 
 def audit(out: Path, workload: Path, *args) -> dict:
-    proc = lpf_subprocess("audit", "--engine", "builtin", "--model", MODEL, "--workload", workload, "--max-tokens", 4,
-                          "--out", out, "--json", "--fail-on", "never", *args)
+    proc = lpf_subprocess(
+        "audit",
+        "--engine",
+        "builtin",
+        "--model",
+        MODEL,
+        "--workload",
+        workload,
+        "--max-tokens",
+        4,
+        "--out",
+        out,
+        "--json",
+        "--fail-on",
+        "never",
+        *args,
+    )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
 
@@ -66,8 +81,9 @@ def script_config(script: Path) -> dict:
 
 
 def fresh_python(*args, python=sys.executable, env=None, timeout=600):
-    return subprocess.run([str(python), *map(str, args)], capture_output=True, text=True, timeout=timeout,
-                          env=env or dict(os.environ))
+    return subprocess.run(
+        [str(python), *map(str, args)], capture_output=True, text=True, timeout=timeout, env=env or dict(os.environ)
+    )
 
 
 # -- stale state: 2,000 requests down to at most 3 ---------------------------------------------------
@@ -78,8 +94,20 @@ def stale(tmp_path_factory):
     blocks; then `lpf shrink` with its defaults (budget 60 runs, 1-of-3 tries)."""
     base = tmp_path_factory.mktemp("stale")
     run = base / "run"
-    findings = audit(run, short_prompts(base / "w.jsonl", 500), "--n", 4, "--cache-mb", 0.2, "-E", "block_size=4",
-                     "--max-num-batched-tokens", 6, "--inject", "stale-state")
+    findings = audit(
+        run,
+        short_prompts(base / "w.jsonl", 500),
+        "--n",
+        4,
+        "--cache-mb",
+        0.2,
+        "-E",
+        "block_size=4",
+        "--max-num-batched-tokens",
+        6,
+        "--inject",
+        "stale-state",
+    )
     assert findings["n_requests"] == 2000 and 0 < findings["counts"]["corrupt"] < 100
     out = base / "shrink"
     proc = lpf_subprocess("shrink", run, "--out", out, "--json")
@@ -91,9 +119,13 @@ def test_stale_state_shrinks_from_2000_requests_to_at_most_3(stale):
     run, out, doc, findings = stale
     assert doc == json.loads((out / "shrink.json").read_text()) and doc["status"] == "done"
     assert doc["target"] == findings["flagged"][0]["request_id"], "the worst flagged request by default"
-    assert doc["signature"] == {"verdict": "corrupt", "position_class": "first-token",
-                                "feature": "first_decode_uncomputed", "split": None,
-                                "phrase": "started with a decode step while num_computed_tokens was 0"}
+    assert doc["signature"] == {
+        "verdict": "corrupt",
+        "position_class": "first-token",
+        "feature": "first_decode_uncomputed",
+        "split": None,
+        "phrase": "started with a decode step while num_computed_tokens was 0",
+    }
     assert doc["original"]["size"][0] == 2000
     assert doc["runs_used"] <= 60 and doc["runs_used"] == len({d for d in doc["charged"]})
     n, tokens, knobs = doc["minimal"]["size"]
@@ -106,10 +138,15 @@ def test_stale_state_shrinks_from_2000_requests_to_at_most_3(stale):
     minimal_run = out / next(t["dir"] for t in cand["tries"] if t["lie"])
     target = json.loads((minimal_run / "findings.json").read_text())["flagged"][0]["request_id"]
     assert target == doc["target"] + "-r0"
-    first = run_query(minimal_run, f"""SELECT phase, num_computed_tokens, state_slot FROM trace
-                                       WHERE request_id = '{target}' AND NOT preempted ORDER BY step LIMIT 1""")[1][0]
+    first = run_query(
+        minimal_run,
+        f"""SELECT phase, num_computed_tokens, state_slot FROM trace
+                                       WHERE request_id = '{target}' AND NOT preempted ORDER BY step LIMIT 1""",
+    )[1][0]
     assert first[:2] == ("decode", 0)
-    assert run_query(minimal_run, f"SELECT count(*) FROM trace WHERE state_slot = {first[2]} AND request_id <> '{target}'")[1][0]
+    assert run_query(
+        minimal_run, f"SELECT count(*) FROM trace WHERE state_slot = {first[2]} AND request_id <> '{target}'"
+    )[1][0]
     assert run_query(minimal_run, f"SELECT role FROM faults WHERE request_id = '{target}'")[1] == [("corrupted",)]
     # every step of the path reproduced, and the path ends at the minimum
     by_id = {c["id"]: c for c in doc["candidates"]}
@@ -138,7 +175,9 @@ def test_the_stale_state_reproducer_stands_alone(stale, tmp_path):
     _, out, doc, _ = stale
     proc = fresh_python(out / "repro.py")
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "first divergence at output position 0: engine logprob" in proc.stdout and "the lie reproduces" in proc.stdout
+    assert (
+        "first divergence at output position 0: engine logprob" in proc.stdout and "the lie reproduces" in proc.stdout
+    )
     cfg = script_config(out / "repro.py")
     assert cfg["engine"] == "builtin" and cfg["inject"] == "stale-state" and len(cfg["requests"]) <= 3
     off = write_script(tmp_path / "off.py", dict(cfg, inject=""))
@@ -146,14 +185,22 @@ def test_the_stale_state_reproducer_stands_alone(stale, tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "no divergence" in proc.stdout
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
-    proc = subprocess.run(["sh", str(out / "command.sh"), str(tmp_path / "cmd")], capture_output=True, text=True,
-                          timeout=600, env=env)
+    proc = subprocess.run(
+        ["sh", str(out / "command.sh"), str(tmp_path / "cmd")], capture_output=True, text=True, timeout=600, env=env
+    )
     assert proc.returncode == 1, proc.stderr
     flagged = json.loads((tmp_path / "cmd" / "findings.json").read_text())["flagged"]
     assert [f["request_id"] for f in flagged] == [doc["target"] + "-r0"]
     report = (out / "report.md").read_text()
-    for part in ("## Versions", "## Model config fields that matter", "## The lie at the first divergence",
-                 "## Ranked hypotheses (original run)", "## Shrink log", "JambaForCausalLM", "the reference gives that token"):
+    for part in (
+        "## Versions",
+        "## Model config fields that matter",
+        "## The lie at the first divergence",
+        "## Ranked hypotheses (original run)",
+        "## Shrink log",
+        "JambaForCausalLM",
+        "the reference gives that token",
+    ):
         assert part in report, part
 
 
@@ -182,12 +229,18 @@ def test_offset_wrap_shrinks_to_the_wrapping_slot_and_resumes_after_a_kill(tmp_p
     wrap_slot = math.ceil(2**bits / stride)
     out = tmp_path / "shrink"
     exe = Path(sys.executable).with_name("lpf")
-    proc = subprocess.Popen([str(exe), "shrink", str(run), "--out", str(out)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [str(exe), "shrink", str(run), "--out", str(out)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 500
         while time.monotonic() < deadline and proc.poll() is None:
-            doc = json.loads((out / "shrink.json").read_text()) if (out / "shrink.json").is_file() else {"candidates": []}
+            doc = (
+                json.loads((out / "shrink.json").read_text()) if (out / "shrink.json").is_file() else {"candidates": []}
+            )
             if sum(c["status"] != "running" for c in doc["candidates"]) >= 3:
                 break
             time.sleep(0.2)
@@ -197,15 +250,23 @@ def test_offset_wrap_shrinks_to_the_wrapping_slot_and_resumes_after_a_kill(tmp_p
     before = json.loads((out / "shrink.json").read_text())
     finished = [c for c in before["candidates"] if c["status"] != "running"]
     assert len(finished) >= 3 and before["status"] == "running"
-    stamps = {t["dir"]: ((out / t["dir"] / "manifest.json").read_text(), (out / t["dir"] / "findings.json").stat().st_mtime_ns)
-              for c in finished for t in c["tries"]}
+    stamps = {
+        t["dir"]: (
+            (out / t["dir"] / "manifest.json").read_text(),
+            (out / t["dir"] / "findings.json").stat().st_mtime_ns,
+        )
+        for c in finished
+        for t in c["tries"]
+    }
     again = lpf_subprocess("shrink", run, "--out", out, "--json")
     assert again.returncode == 0, again.stderr
     doc = json.loads(again.stdout)
     for c in finished:
         assert f"{c['id']} {c['phase']} (recorded)" in again.stderr, c["id"]
     for d, (manifest, mtime) in stamps.items():
-        assert (out / d / "manifest.json").read_text() == manifest and (out / d / "findings.json").stat().st_mtime_ns == mtime
+        assert (out / d / "manifest.json").read_text() == manifest and (
+            out / d / "findings.json"
+        ).stat().st_mtime_ns == mtime
     keys = [c["key"] for c in doc["candidates"]]
     assert len(keys) == len(set(keys)) and doc["status"] == "done"
     assert doc["runs_used"] == len(doc["charged"]) == len({t["dir"] for c in doc["candidates"] for t in c["tries"]})
@@ -250,8 +311,11 @@ def test_nothing_flagged_is_refused_and_a_one_off_does_not_reproduce(tmp_path):
     proc = lpf_subprocess("analyze", run, "--json", "--fail-on", "never")
     assert proc.returncode == 0, proc.stderr
     assert [f["request_id"] for f in json.loads(proc.stdout)["flagged"]] == [target]
-    for args, words in ((["--request", target + "x"], "did you mean"), (["--request", other], "not flagged"),
-                        (["--tries", 2, "--need", 3], "--need between 1 and --tries")):
+    for args, words in (
+        (["--request", target + "x"], "did you mean"),
+        (["--request", other], "not flagged"),
+        (["--tries", 2, "--need", 3], "--need between 1 and --tries"),
+    ):
         proc = lpf_subprocess("shrink", run, "--out", tmp_path / "bad", *args)
         assert proc.returncode == 2 and words in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     out = tmp_path / "shrink"
@@ -272,11 +336,20 @@ def test_nothing_flagged_is_refused_and_a_one_off_does_not_reproduce(tmp_path):
 # every knob but max_num_seqs back at vLLM's default: two one-token requests take both sequences and
 # finish, then the target's one-token prompt runs as a decode on a block one of them freed.
 VLLM_MODEL = "tiny:hybrid-longmem"
-VLLM_MINIMUM = [{"id": rid, "prompt_token_ids": [1], "max_tokens": 1}
-                for rid in ("oracle-0-00365-add-r0", "oracle-0-00366-recall-r0", "oracle-0-00373-copy-r0")]
+VLLM_MINIMUM = [
+    {"id": rid, "prompt_token_ids": [1], "max_tokens": 1}
+    for rid in ("oracle-0-00365-add-r0", "oracle-0-00366-recall-r0", "oracle-0-00373-copy-r0")
+]
 VLLM_TARGET = "oracle-0-00373-copy-r0"
 VLLM_KNOBS = ["--max-num-seqs", 2, "--inject", "stale-state"]
-PINNED = ["--threshold", "clean_abs_diff=0.001", "--threshold", "divergent_abs_diff=0.5", "--threshold", "tie_margin=0.001"]
+PINNED = [
+    "--threshold",
+    "clean_abs_diff=0.001",
+    "--threshold",
+    "divergent_abs_diff=0.5",
+    "--threshold",
+    "tie_margin=0.001",
+]
 
 
 @needs_vllm
@@ -299,18 +372,46 @@ def test_the_vllm_minimum_reproduces_with_vllms_interpreter_alone(tmp_path):
     workload = tmp_path / "minimum.jsonl"
     workload.write_text("".join(json.dumps(item) + "\n" for item in VLLM_MINIMUM))
     run, target = tmp_path / "minimum", VLLM_TARGET + "-r0"
-    proc = lpf_subprocess("audit", "--engine", "vllm", "--model", VLLM_MODEL, "--workload", workload, "--n", 1,
-                          "--max-tokens", 16, *VLLM_KNOBS, *PINNED, "--out", run, "--json", "--fail-on", "never")
+    proc = lpf_subprocess(
+        "audit",
+        "--engine",
+        "vllm",
+        "--model",
+        VLLM_MODEL,
+        "--workload",
+        workload,
+        "--n",
+        1,
+        "--max-tokens",
+        16,
+        *VLLM_KNOBS,
+        *PINNED,
+        "--out",
+        run,
+        "--json",
+        "--fail-on",
+        "never",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     findings = json.loads(proc.stdout)
-    assert [(f["request_id"], f["verdict"], f["first_divergence"]) for f in findings["flagged"]] == [(target, "corrupt", 0)]
+    assert [(f["request_id"], f["verdict"], f["first_divergence"]) for f in findings["flagged"]] == [
+        (target, "corrupt", 0)
+    ]
     assert run_query(run, f"SELECT role FROM faults WHERE request_id = '{target}'")[1] == [("corrupted",)]
 
     source, out = Source.open(run), tmp_path / "shrink"
-    sig = Signature("corrupt", "first-token", "first_decode_uncomputed",
-                    phrase="started with a decode step while num_computed_tokens was 0")
-    state = State.open(out, {"source_run_id": source.manifest["run_id"], "target": target, "tries": 1, "need": 1},
-                       {"signature": sig.to_dict(), "signature_note": None}, 1)
+    sig = Signature(
+        "corrupt",
+        "first-token",
+        "first_decode_uncomputed",
+        phrase="started with a decode step while num_computed_tokens was 0",
+    )
+    state = State.open(
+        out,
+        {"source_run_id": source.manifest["run_id"], "target": target, "tries": 1, "need": 1},
+        {"signature": sig.to_dict(), "signature_note": None},
+        1,
+    )
     shutil.copytree(run, out / "candidates" / "c001-1")  # the minimum's one run
     seq = source.target(target)["seq"]
     shrink = Shrink(source, seq, Judge(out, source, sig, seq, 1, 1, lambda name: None), state)
@@ -326,12 +427,15 @@ def test_the_vllm_minimum_reproduces_with_vllms_interpreter_alone(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "LPF_VLLM_INJECT", "LPF_VLLM_TRACE_DIR")}
     python = _vllm_python()
     assert subprocess.run([str(python), "-c", "import lpf"], cwd=tmp_path, env=env, capture_output=True).returncode == 1
-    proc = subprocess.run([str(python), str(out / "repro.py")], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(
+        [str(python), str(out / "repro.py")], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "engine: vLLM 0.32.0" in proc.stdout and "the lie reproduces" in proc.stdout
     assert "first divergence at output position 0: engine logprob" in proc.stdout
-    off = write_script(tmp_path / "off.py", dict(cfg, env={k: v for k, v in cfg["env"].items() if k != "LPF_VLLM_INJECT"}))
+    off = write_script(
+        tmp_path / "off.py", dict(cfg, env={k: v for k, v in cfg["env"].items() if k != "LPF_VLLM_INJECT"})
+    )
     proc = subprocess.run([str(python), str(off)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "no divergence" in proc.stdout

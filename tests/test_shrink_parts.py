@@ -14,7 +14,14 @@ import pytest
 
 from lpf.experiments.shrink.ddmin import ddmin, split
 from lpf.experiments.shrink.search import midpoint
-from lpf.experiments.shrink.signature import Signature, carries, mechanism_hypothesis, position_class, shows, signature_of
+from lpf.experiments.shrink.signature import (
+    Signature,
+    carries,
+    mechanism_hypothesis,
+    position_class,
+    shows,
+    signature_of,
+)
 
 
 # -- ddmin ---------------------------------------------------------------------------------------
@@ -29,7 +36,7 @@ def counting(predicate):
 
 
 def one_minimal(result, predicate):
-    return predicate(result) and all(not predicate(result[:i] + result[i + 1:]) for i in range(len(result)))
+    return predicate(result) and all(not predicate(result[:i] + result[i + 1 :]) for i in range(len(result)))
 
 
 def test_split_covers_every_position_once_in_order():
@@ -107,11 +114,26 @@ def test_command_sh_is_rendered_from_the_spec_and_parses_back_to_it(tmp_path):
     from lpf.pipeline.rescore import RescoreSettings
     from lpf.pipeline.spec import AuditSpec, RunSpec, audit_command
 
-    options = {"cache_mb": 0.2, "max_num_batched_tokens": 6, "enable_chunked_prefill": False, "block_size": 4,
-               "inject": "stale-state,offset-wrap:14", "dtype": "bfloat16", "threads": 2}
-    spec = AuditSpec(run=RunSpec(model="tiny:hybrid", workload="w.jsonl", out=tmp_path / "r", engine_options=options,
-                                 sampling=SamplingParams(temperature=0.7, max_tokens=9, seed=3, ignore_eos=True)),
-                     rescore=RescoreSettings(dtype="float64", device="auto"), thresholds={"clean_abs_diff": 0.002})
+    options = {
+        "cache_mb": 0.2,
+        "max_num_batched_tokens": 6,
+        "enable_chunked_prefill": False,
+        "block_size": 4,
+        "inject": "stale-state,offset-wrap:14",
+        "dtype": "bfloat16",
+        "threads": 2,
+    }
+    spec = AuditSpec(
+        run=RunSpec(
+            model="tiny:hybrid",
+            workload="w.jsonl",
+            out=tmp_path / "r",
+            engine_options=options,
+            sampling=SamplingParams(temperature=0.7, max_tokens=9, seed=3, ignore_eos=True),
+        ),
+        rescore=RescoreSettings(dtype="float64", device="auto"),
+        thresholds={"clean_abs_diff": 0.002},
+    )
     args = audit_command(spec)
     assert args[args.index("--cache-mb") + 1] == "0.2" and "--no-enable-chunked-prefill" in args
     assert args.count("--inject") == 2 and "-E" in args and "--ignore-eos" in args
@@ -126,9 +148,15 @@ def test_command_sh_is_rendered_from_the_spec_and_parses_back_to_it(tmp_path):
 
 # -- the signature --------------------------------------------------------------------------------------
 HYPS = [
-    {"feature": "seq", "split": {"op": ">=", "value": 46}, "sentence": "46/46 flagged requests had arrival index >= 46; ..."},
-    {"feature": "first_decode_uncomputed",
-     "sentence": "7/7 corrupt requests started with a decode step while num_computed_tokens was 0; 0/93 clean ones did."},
+    {
+        "feature": "seq",
+        "split": {"op": ">=", "value": 46},
+        "sentence": "46/46 flagged requests had arrival index >= 46; ...",
+    },
+    {
+        "feature": "first_decode_uncomputed",
+        "sentence": "7/7 corrupt requests started with a decode step while num_computed_tokens was 0; 0/93 clean ones did.",
+    },
 ]
 
 
@@ -143,14 +171,25 @@ def test_position_classes_and_the_mechanism_hypothesis():
 def test_signature_of_a_target_and_what_shows_it():
     row = {"verdict": "corrupt", "first_divergence": 0}
     sig, note = signature_of(row, HYPS[1], True)
-    assert note is None and sig == Signature("corrupt", "first-token", "first_decode_uncomputed", None,
-                                             "started with a decode step while num_computed_tokens was 0")
+    assert note is None and sig == Signature(
+        "corrupt",
+        "first-token",
+        "first_decode_uncomputed",
+        None,
+        "started with a decode step while num_computed_tokens was 0",
+    )
     assert Signature.from_dict(sig.to_dict()) == sig
     assert "first_decode_uncomputed" in sig.describe()
-    assert shows(sig, {"verdict": "corrupt", "first_divergence": 0}, True) == (True, "corrupt at position 0, with first_decode_uncomputed")
+    assert shows(sig, {"verdict": "corrupt", "first_divergence": 0}, True) == (
+        True,
+        "corrupt at position 0, with first_decode_uncomputed",
+    )
     assert not shows(sig, {"verdict": "corrupt", "first_divergence": 2}, True)[0], "another place in the output"
     assert not shows(sig, {"verdict": "divergent", "first_divergence": 0}, True)[0], "another verdict"
-    assert shows(sig, {"verdict": "corrupt", "first_divergence": 0}, False) == (False, "corrupt at position 0, without first_decode_uncomputed")
+    assert shows(sig, {"verdict": "corrupt", "first_divergence": 0}, False) == (
+        False,
+        "corrupt at position 0, without first_decode_uncomputed",
+    )
     assert shows(sig, None, None) == (False, "missing from the run")
     # a target that does not carry the run's top mechanism is judged without it, and that is said
     plain, note = signature_of(row, HYPS[1], False)
@@ -215,10 +254,17 @@ def test_the_plan_cuts_the_target_before_ddmin_so_a_schedule_bound_lie_shrinks(t
     from lpf.experiments.shrink.state import State
 
     t = 30
-    source = Source(path=tmp_path, manifest={"engine": {"options": {"max_num_seqs": 4, "inject": "stale-state"}}},
-                    findings={}, summary=[], prompts={s: tuple(range(1, 41)) for s in range(t + 10)},
-                    ids={s: f"r{s}" for s in range(t + 10)}, expected={}, max_tokens={s: 16 for s in range(t + 10)},
-                    defaults={"max_num_seqs": None, "inject": ""})
+    source = Source(
+        path=tmp_path,
+        manifest={"engine": {"options": {"max_num_seqs": 4, "inject": "stale-state"}}},
+        findings={},
+        summary=[],
+        prompts={s: tuple(range(1, 41)) for s in range(t + 10)},
+        ids={s: f"r{s}" for s in range(t + 10)},
+        expected={},
+        max_tokens={s: 16 for s in range(t + 10)},
+        defaults={"max_num_seqs": None, "inject": ""},
+    )
 
     def lies(config):
         if config.knob_dict.get("max_num_seqs") != 4:
@@ -274,9 +320,11 @@ def test_sweep_shrink_and_conformance_refuse_an_out_they_cannot_resume(tmp_path)
     from lpf.experiments.sweep import check_out as sweep_out
 
     (tmp_path / "file").write_text("x")
-    opens = {"sweep.json": lambda out: sweep_out(out, {"knobs": [], "specs_sha256": ""}),
-             "shrink.json": lambda out: State.open(out, {"source_run_id": "x", "target": "t", "tries": 1, "need": 1}, {}, 1),
-             "conformance.json": lambda out: conformance_out(out, {})}
+    opens = {
+        "sweep.json": lambda out: sweep_out(out, {"knobs": [], "specs_sha256": ""}),
+        "shrink.json": lambda out: State.open(out, {"source_run_id": "x", "target": "t", "tries": 1, "need": 1}, {}, 1),
+        "conformance.json": lambda out: conformance_out(out, {}),
+    }
     for name, open_out in opens.items():
         with pytest.raises(LpfError, match="is a file, not a directory"):
             open_out(tmp_path / "file")

@@ -16,14 +16,20 @@ from lpf.pipeline.spec import AnalysisSpec, AuditSpec, RunSpec, with_run
 
 
 def _spec(tmp_path, **run) -> AuditSpec:
-    return AuditSpec(run=RunSpec(out=tmp_path / "r", model="tiny:hybrid", **run),
-                     rescore=RescoreSettings(dtype="float64", token_budget=512, ray=RayOptions()),
-                     analysis=AnalysisSpec(calibrate=True, attribution=False), thresholds={"clean_abs_diff": 0.01})
+    return AuditSpec(
+        run=RunSpec(out=tmp_path / "r", model="tiny:hybrid", **run),
+        rescore=RescoreSettings(dtype="float64", token_budget=512, ray=RayOptions()),
+        analysis=AnalysisSpec(calibrate=True, attribution=False),
+        thresholds={"clean_abs_diff": 0.01},
+    )
 
 
 def test_json_round_trip_frozen_and_closed(tmp_path):
-    spec = _spec(tmp_path, engine_options={"max_num_seqs": "4", "enable_chunked_prefill": "off"},
-                 sampling=SamplingParams(temperature=0.5, max_tokens=7))
+    spec = _spec(
+        tmp_path,
+        engine_options={"max_num_seqs": "4", "enable_chunked_prefill": "off"},
+        sampling=SamplingParams(temperature=0.5, max_tokens=7),
+    )
     assert spec.run.engine_options == {"max_num_seqs": 4, "enable_chunked_prefill": False}  # typed by the engine
     back = AuditSpec.model_validate_json(spec.to_json())
     assert back == spec and back.to_json() == spec.to_json()
@@ -61,8 +67,21 @@ def test_what_the_engine_or_the_analysis_would_refuse_is_refused_on_construction
 def test_a_run_keeps_its_spec_and_lpf_audit_spec_runs_it_again(lpf_cli, tmp_path):
     work = write_prompts(tmp_path / "w.jsonl", [{"id": f"p{i}", "prompt": f"K{i}:V{i}|K{i}|"} for i in range(2)])
     first = tmp_path / "first"
-    r = lpf_cli("run", "--model", "tiny:hybrid", "--workload", work, "--max-tokens", 3, "--max-num-seqs", 2,
-                "-E", "block_size=8", "--out", first)
+    r = lpf_cli(
+        "run",
+        "--model",
+        "tiny:hybrid",
+        "--workload",
+        work,
+        "--max-tokens",
+        3,
+        "--max-num-seqs",
+        2,
+        "-E",
+        "block_size=8",
+        "--out",
+        first,
+    )
     assert r.code == 0, r.err
     stored = AuditSpec.model_validate_json((first / "spec.json").read_text())
     assert stored.run.out == first and stored.run.engine_options == {"max_num_seqs": 2, "block_size": 8}
@@ -75,8 +94,10 @@ def test_a_run_keeps_its_spec_and_lpf_audit_spec_runs_it_again(lpf_cli, tmp_path
     assert b["n_requests"] == 2 and b["counts"]["clean"] == 2, b["counts"]  # tiny:hybrid is its own reference
     from lpf.run.store import RunDir
 
-    outputs = [{r["request_id"]: r["output_token_ids"] for r in RunDir.open(d).read("requests").to_pylist()}
-               for d in (first, again)]
+    outputs = [
+        {r["request_id"]: r["output_token_ids"] for r in RunDir.open(d).read("requests").to_pylist()}
+        for d in (first, again)
+    ]
     assert outputs[0] == outputs[1]
     assert AuditSpec.model_validate_json((again / "spec.json").read_text()).identity() == stored.identity()
     run_id = json.loads((again / "manifest.json").read_text())["run_id"]

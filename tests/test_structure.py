@@ -54,7 +54,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
         stack.append(u)
         for v in sorted(graph[u]):
             if state.get(v) == 1:
-                found.append(stack[stack.index(v):] + [v])
+                found.append(stack[stack.index(v) :] + [v])
             elif v not in state:
                 visit(v)
         state[u] = 2
@@ -82,7 +82,13 @@ def test_the_cycle_check_finds_a_cycle():
 
 def test_command_modules_import_only_common_and_render():
     graph = _module_imports()
-    shared = {"lpf.cli.common", "lpf.cli.render", "lpf.cli.render_compare", "lpf.cli.render_rl", "lpf.cli.render_locate"}
+    shared = {
+        "lpf.cli.common",
+        "lpf.cli.render",
+        "lpf.cli.render_compare",
+        "lpf.cli.render_rl",
+        "lpf.cli.render_locate",
+    }
     commands = [m for m in graph if m.startswith("lpf.cli.") and m not in shared]
     assert {"lpf.cli.run", "lpf.cli.views", "lpf.cli.experiments", "lpf.cli.rl", "lpf.cli.serve"} <= set(commands)
     for m in commands:
@@ -116,11 +122,13 @@ def test_every_help_exits_0(lpf_cli):
 
 
 def test_lpf_help_imports_neither_torch_nor_transformers():
-    probe = ("import sys; sys.argv = ['lpf', '--help']\n"
-             "from lpf.cli import main\n"
-             "try:\n    main()\nexcept SystemExit:\n    pass\n"
-             "import json; print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in "
-             "('torch', 'transformers', 'pyarrow', 'numpy', 'duckdb'))))")
+    probe = (
+        "import sys; sys.argv = ['lpf', '--help']\n"
+        "from lpf.cli import main\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        "import json; print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('torch', 'transformers', 'pyarrow', 'numpy', 'duckdb'))))"
+    )
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     heavy = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -154,13 +162,20 @@ def test_experiments_never_import_click_or_the_command_line():
     lpf/experiments/ imports click or lpf.cli, directly or through anything it imports."""
     graph = _module_imports()
     experiments = [m for m in graph if m.startswith("lpf.experiments")]
-    assert {"lpf.experiments.cells", "lpf.experiments.sweep", "lpf.experiments.repeat",
-            "lpf.experiments.shrink.judge", "lpf.experiments.conformance.plan"} <= set(experiments)
+    assert {
+        "lpf.experiments.cells",
+        "lpf.experiments.sweep",
+        "lpf.experiments.repeat",
+        "lpf.experiments.shrink.judge",
+        "lpf.experiments.conformance.plan",
+    } <= set(experiments)
     for m in experiments:
         assert not {d for d in _closure(graph, m) if _is_cli(d)}, m
-        tree = ast.parse((SRC / Path(*m.split("."))).with_suffix(".py").read_text()
-                         if (SRC / Path(*m.split("."))).with_suffix(".py").is_file()
-                         else (SRC / Path(*m.split(".")) / "__init__.py").read_text())
+        tree = ast.parse(
+            (SRC / Path(*m.split("."))).with_suffix(".py").read_text()
+            if (SRC / Path(*m.split("."))).with_suffix(".py").is_file()
+            else (SRC / Path(*m.split(".")) / "__init__.py").read_text()
+        )
         imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         imported |= {(n.module or "").split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
         assert "click" not in imported, m
@@ -176,13 +191,27 @@ def test_knobs_flow_down_from_the_command_line_and_never_climb_back():
     assert "lpf.experiments.sweep" in graph["lpf.cli.experiments"]
     assert "lpf.pipeline.spec" in graph["lpf.cli.common"] and "lpf.cli.common" in graph["lpf.cli.run"]
     sweep_path = ["lpf.experiments.sweep", "lpf.experiments.cells", "lpf.pipeline.spec", "lpf.core.knobs"]
-    audit_path = ["lpf.pipeline.spec", "lpf.pipeline.generate", "lpf.adapters", "lpf.adapters.builtin",
-                  "lpf.builtin.config", "lpf.builtin.llm_engine", "lpf.builtin.scheduler", "lpf.core.knobs"]
+    audit_path = [
+        "lpf.pipeline.spec",
+        "lpf.pipeline.generate",
+        "lpf.adapters",
+        "lpf.adapters.builtin",
+        "lpf.builtin.config",
+        "lpf.builtin.llm_engine",
+        "lpf.builtin.scheduler",
+        "lpf.core.knobs",
+    ]
     # the hand-offs along the way are imports (data flows down them)
-    for a, b in (("lpf.experiments.sweep", "lpf.experiments.cells"), ("lpf.experiments.cells", "lpf.pipeline.spec"),
-                 ("lpf.pipeline.spec", "lpf.adapters"), ("lpf.pipeline.generate", "lpf.pipeline.spec"),
-                 ("lpf.pipeline.generate", "lpf.adapters"), ("lpf.adapters.builtin", "lpf.builtin.config"),
-                 ("lpf.builtin.llm_engine", "lpf.builtin.scheduler"), ("lpf.builtin.config", "lpf.core.knobs")):
+    for a, b in (
+        ("lpf.experiments.sweep", "lpf.experiments.cells"),
+        ("lpf.experiments.cells", "lpf.pipeline.spec"),
+        ("lpf.pipeline.spec", "lpf.adapters"),
+        ("lpf.pipeline.generate", "lpf.pipeline.spec"),
+        ("lpf.pipeline.generate", "lpf.adapters"),
+        ("lpf.adapters.builtin", "lpf.builtin.config"),
+        ("lpf.builtin.llm_engine", "lpf.builtin.scheduler"),
+        ("lpf.builtin.config", "lpf.core.knobs"),
+    ):
         assert b in graph[a], (a, b)
     for m in sweep_path + audit_path:
         assert m in graph and not {d for d in _closure(graph, m) if _is_cli(d)}, m
@@ -211,9 +240,17 @@ def _argv_literals(fn: ast.AST) -> list[str]:
     (an option's own declaration aside)."""
     hits = []
     for node in (n for stmt in fn.body for n in ast.walk(stmt)):
-        items = node.elts if isinstance(node, (ast.List, ast.Tuple)) else (
-            node.args if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-            and node.func.attr in ("append", "extend", "insert") else [])
+        items = (
+            node.elts
+            if isinstance(node, (ast.List, ast.Tuple))
+            else (
+                node.args
+                if isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in ("append", "extend", "insert")
+                else []
+            )
+        )
         hits += [v for item in items for v in _strings_outside_declarations(item) if v.startswith("--") or v == "-E"]
     return hits
 
@@ -234,8 +271,10 @@ def test_the_command_line_never_turns_options_back_into_arguments():
 
 def test_the_argv_rule_finds_an_inverse_function():
     """The rule above can fail: the old knob_args shape trips it."""
-    fn = ast.parse('def knob_args(o):\n    args = []\n    args += ["--cache-mb", str(o)]\n'
-                   '    args.append("--inject")\n    return args + ["-E", "x=1"]\n').body[0]
+    fn = ast.parse(
+        'def knob_args(o):\n    args = []\n    args += ["--cache-mb", str(o)]\n'
+        '    args.append("--inject")\n    return args + ["-E", "x=1"]\n'
+    ).body[0]
     assert fn.name in INVERSE_NAMES and _argv_literals(fn) == ["--cache-mb", "--inject", "-E"]
     declares = ast.parse('def opts(f):\n    return _apply(f, [click.option("--n", type=int)])\n').body[0]
     assert _argv_literals(declares) == []
@@ -257,16 +296,33 @@ def test_every_command_with_engine_knobs_generates_their_flags():
 
 
 # lpf/__init__.py's package map, top to bottom: a package imports only packages below it
-LAYERS = ["cli", "experiments", "locate", "views", "serve", "rl", "report", "pipeline", "adapters", "builtin",
-          "analysis", "run", "zoo", "core"]
+LAYERS = [
+    "cli",
+    "experiments",
+    "locate",
+    "views",
+    "serve",
+    "rl",
+    "report",
+    "pipeline",
+    "adapters",
+    "builtin",
+    "analysis",
+    "run",
+    "zoo",
+    "core",
+]
 ALLOWED_UP = {("core", "zoo")}  # core resolves zoo: specs through zoo/registry (lazily)
 
 
 def test_the_package_map_is_complete_and_imports_run_down_it():
     import lpf
 
-    entries = {p.stem if p.is_file() else p.name for p in (SRC / "lpf").iterdir()
-               if (p.is_dir() and (p / "__init__.py").is_file()) or (p.suffix == ".py" and p.stem != "__init__")}
+    entries = {
+        p.stem if p.is_file() else p.name
+        for p in (SRC / "lpf").iterdir()
+        if (p.is_dir() and (p / "__init__.py").is_file()) or (p.suffix == ".py" and p.stem != "__init__")
+    }
     assert entries - {"__main__"} <= set(LAYERS) and set(LAYERS) <= entries, entries ^ set(LAYERS)
     for name in LAYERS:
         assert f"  {name}/" in lpf.__doc__, name

@@ -34,7 +34,9 @@ def _tests():
 def test_shared_fixtures_and_vllm_tests_are_each_in_one_group():
     tests = list(_tests())
     readers = [(m, t) for m, t, args, _ in tests if "hybrid_audit" in args]
-    vllm = [(m, t) for m, t, _, decorators in tests if "needs_vllm" in decorators or m in ("test_vllm", "test_vllm_trace")]
+    vllm = [
+        (m, t) for m, t, _, decorators in tests if "needs_vllm" in decorators or m in ("test_vllm", "test_vllm_trace")
+    ]
     assert readers and vllm
     for module, test in readers:
         assert conftest.group_of(f"tests/{module}.py::{test}") == "hybrid-audit", (module, test)
@@ -46,8 +48,11 @@ def test_every_grouped_name_exists_and_parameters_stay_with_their_test():
     names = {m for m, *_ in _tests()} | {f"{m}::{t}" for m, t, *_ in _tests()}
     for group, members in conftest.SHARED_GROUPS.items():
         assert set(members) <= names, (group, set(members) - names)
-    assert set(conftest.LONGEST_FIRST) <= {conftest.group_of(f"tests/{n.replace('::', '.py::', 1)}" if "::" in n
-                                                             else f"tests/{n}.py::t") for n in names}
+    assert set(conftest.LONGEST_FIRST) <= {
+        conftest.group_of(f"tests/{n.replace('::', '.py::', 1)}" if "::" in n else f"tests/{n}.py::t") for n in names
+    }
     assert conftest.group_of("tests/test_run_level.py::test_healthy_bf16_vllm_passes_the_default_gate") == "vllm"
-    assert conftest.group_of("tests/test_run_level.py::test_each_substitution_drill_is_different_and_systematic[a-b]") \
+    assert (
+        conftest.group_of("tests/test_run_level.py::test_each_substitution_drill_is_different_and_systematic[a-b]")
         == "test_run_level"
+    )

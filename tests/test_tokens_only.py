@@ -16,20 +16,33 @@ from test_run_test import MODEL, synthetic_run, table  # noqa: F401  (the fixtur
 def _no_logprobs(tables):
     requests, tokens, reference = tables
     n = tokens.num_rows
-    tokens = tokens.set_column(tokens.column_names.index("engine_logprob"), "engine_logprob",
-                               pa.nulls(n, pa.float64()))
+    tokens = tokens.set_column(tokens.column_names.index("engine_logprob"), "engine_logprob", pa.nulls(n, pa.float64()))
     empty = pa.array([[]] * n, pa.list_(pa.int32()))
     tokens = tokens.set_column(tokens.column_names.index("engine_topk_ids"), "engine_topk_ids", empty)
-    tokens = tokens.set_column(tokens.column_names.index("engine_topk_logprobs"), "engine_topk_logprobs",
-                               pa.array([[]] * n, pa.list_(pa.float32())))
+    tokens = tokens.set_column(
+        tokens.column_names.index("engine_topk_logprobs"),
+        "engine_topk_logprobs",
+        pa.array([[]] * n, pa.list_(pa.float32())),
+    )
     return requests, tokens, reference
 
 
 def _judge(tables, table, engine_dtype="float32", temperature=0.0, seeded=None):
-    info = {"engine_dtype": engine_dtype, "reference_dtype": "float32", "model": MODEL,
-            "sampling": {"temperature": temperature, "top_k": 0, "top_p": 1.0}}
-    return analyze_tokens_only(*tables, Thresholds(), greedy=temperature == 0, temperature=temperature,
-                               floor_table=table, run_info=info, seeded=seeded)
+    info = {
+        "engine_dtype": engine_dtype,
+        "reference_dtype": "float32",
+        "model": MODEL,
+        "sampling": {"temperature": temperature, "top_k": 0, "top_p": 1.0},
+    }
+    return analyze_tokens_only(
+        *tables,
+        Thresholds(),
+        greedy=temperature == 0,
+        temperature=temperature,
+        floor_table=table,
+        run_info=info,
+        seeded=seeded,
+    )
 
 
 def test_greedy_tokens_alone_honest_is_same_and_a_larger_error_is_different(table):
@@ -38,8 +51,11 @@ def test_greedy_tokens_alone_honest_is_same_and_a_larger_error_is_different(tabl
     summary, f = _judge(honest, table)
     assert f["run_test"]["kind"] == "tokens" and f["run_test"]["result"] == "same", f["run_test"]["sentence"]
     assert f["verdict"] == "clean" and f["counts"]["noise"] == 0
-    assert summary.column("max_abs_logprob_diff").null_count + np.isnan(
-        summary.column("max_abs_logprob_diff").to_numpy(zero_copy_only=False)).sum() >= summary.num_rows  # not judged
+    assert (
+        summary.column("max_abs_logprob_diff").null_count
+        + np.isnan(summary.column("max_abs_logprob_diff").to_numpy(zero_copy_only=False)).sum()
+        >= summary.num_rows
+    )  # not judged
     lying = _no_logprobs(synthetic_run(sigma=0.3, seed=5))
     _, f = _judge(lying, table)
     t = f["run_test"]
@@ -63,15 +79,21 @@ def test_sampled_tokens_alone_use_the_top1_share_and_a_seeded_replay(table):
     tok = tokens.column("token_id").to_numpy()
     n = len(tok)
     wrong = np.arange(n) % 10 == 0
-    draws = pa.table({"request_id": tokens.column("request_id"), "position": tokens.column("position"),
-                      "seeded_token": pa.array(np.where(wrong, tok + 1, tok).astype(np.int32)),
-                      "seeded_margin": pa.array(np.where(wrong, 2.0, 0.0)),
-                      "seeded_runner_up": pa.array(np.full(n, 1.0))})
+    draws = pa.table(
+        {
+            "request_id": tokens.column("request_id"),
+            "position": tokens.column("position"),
+            "seeded_token": pa.array(np.where(wrong, tok + 1, tok).astype(np.int32)),
+            "seeded_margin": pa.array(np.where(wrong, 2.0, 0.0)),
+            "seeded_runner_up": pa.array(np.full(n, 1.0)),
+        }
+    )
     _, f = _judge(honest, table, temperature=1.0, seeded=draws)
     assert f["run_test"]["result"] == "different" and f["run_test"]["test"] == "seeded"
     assert f["counts"]["clean"] < requests.num_rows
     agree = draws.set_column(2, "seeded_token", tokens.column("token_id")).set_column(
-        3, "seeded_margin", pa.array(np.zeros(n)))
+        3, "seeded_margin", pa.array(np.zeros(n))
+    )
     _, f = _judge(honest, table, temperature=1.0, seeded=agree)
     assert f["run_test"]["result"] == "same" and f["verdict"] == "clean"
 

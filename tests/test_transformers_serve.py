@@ -43,8 +43,9 @@ def _transformers_cli() -> Path | None:
     return exe if exe.is_file() else None
 
 
-needs_serving = pytest.mark.skipif(_transformers_cli() is None,
-                                   reason="transformers' [serving] extra is not installed (pip install '.[serving]')")
+needs_serving = pytest.mark.skipif(
+    _transformers_cli() is None, reason="transformers' [serving] extra is not installed (pip install '.[serving]')"
+)
 
 
 def _model_copies(root: Path) -> tuple[Path, Path]:
@@ -71,10 +72,26 @@ class _Server:
     def __init__(self, cwd: Path, log: Path):
         self.port = free_port()
         env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-        self.proc = subprocess.Popen([str(_transformers_cli()), "serve", SERVED, "--host", "127.0.0.1", "--port",
-                                      str(self.port), "--device", "cpu", "--dtype", "float32"],
-                                     cwd=cwd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            [
+                str(_transformers_cli()),
+                "serve",
+                SERVED,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--device",
+                "cpu",
+                "--dtype",
+                "float32",
+            ],
+            cwd=cwd,
+            stdout=open(log, "wb"),
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
         self.url, self.log = f"http://127.0.0.1:{self.port}", log
 
     def __enter__(self):
@@ -105,14 +122,36 @@ def prose(tmp_path_factory) -> Path:
     from lpf.zoo.tasks import filler_text
 
     rng = random.Random(5)
-    return write_prompts(tmp_path_factory.mktemp("prose") / "prose32.jsonl",
-                         [{"id": f"f{i:03d}", "prompt": filler_text(rng, rng.randint(8, 20))} for i in range(32)])
+    return write_prompts(
+        tmp_path_factory.mktemp("prose") / "prose32.jsonl",
+        [{"id": f"f{i:03d}", "prompt": filler_text(rng, rng.randint(8, 20))} for i in range(32)],
+    )
 
 
 def _audit(lpf_cli, server: _Server, prompts: Path, out: Path, *extra):
-    return lpf_cli("audit", "--engine", "openai", "--base-url", server.url + "/v1", "--model", SERVED,
-                   "--reference", "zoo:hybrid", "-E", "dtype=float32", "--workload", prompts, "--max-tokens", 16,
-                   "--out", out, "--json", "--fail-on", "never", *extra)
+    return lpf_cli(
+        "audit",
+        "--engine",
+        "openai",
+        "--base-url",
+        server.url + "/v1",
+        "--model",
+        SERVED,
+        "--reference",
+        "zoo:hybrid",
+        "-E",
+        "dtype=float32",
+        "--workload",
+        prompts,
+        "--max-tokens",
+        16,
+        "--out",
+        out,
+        "--json",
+        "--fail-on",
+        "never",
+        *extra,
+    )
 
 
 @needs_serving

@@ -59,9 +59,30 @@ def prompts8(tmp_path_factory, prompts_200):
 def test_offline_vllm_audit_is_clean_and_records_its_knobs_and_trace(lpf_cli, tmp_path, prompts8):
     out = tmp_path / "run"
     # a 16-token step budget with chunked prefill: prompts are split and prefill chunks share steps with decodes
-    r = lpf_cli("audit", "--engine", "vllm", "--model", MODEL, "--workload", prompts8, "--max-tokens", 8,
-                "--dtype", "float32", "--max-num-seqs", 4, "--max-num-batched-tokens", 16, "--enable-chunked-prefill",
-                "-E", "enable_prefix_caching=false", "--prompt-logprobs", "--out", out, "--json")
+    r = lpf_cli(
+        "audit",
+        "--engine",
+        "vllm",
+        "--model",
+        MODEL,
+        "--workload",
+        prompts8,
+        "--max-tokens",
+        8,
+        "--dtype",
+        "float32",
+        "--max-num-seqs",
+        4,
+        "--max-num-batched-tokens",
+        16,
+        "--enable-chunked-prefill",
+        "-E",
+        "enable_prefix_caching=false",
+        "--prompt-logprobs",
+        "--out",
+        out,
+        "--json",
+    )
     assert r.code == 0, r.err
     f = json.loads(r.out)
     assert f["verdict"] == "clean" and f["n_requests"] == 8 and f["errors"] == 0
@@ -85,24 +106,39 @@ def _check_trace(out: Path, findings: dict) -> None:
     def q(sql):
         return run_query(out, sql)[1]
 
-    assert findings["trace"] == {"recorded": True, "source": "vllm-plugin", "rows": q("SELECT count(*) FROM trace")[0][0],
-                                 "why": None}
+    assert findings["trace"] == {
+        "recorded": True,
+        "source": "vllm-plugin",
+        "rows": q("SELECT count(*) FROM trace")[0][0],
+        "why": None,
+    }
     assert q("SELECT count(*) FROM trace WHERE preempted")[0][0] == 0  # the cache is large enough
     assert q("SELECT count(*), count(DISTINCT (step, request_id)) FROM trace")[0] == (findings["trace"]["rows"],) * 2
-    assert {r[0] for r in q("SELECT DISTINCT request_id FROM trace")} == {r[0] for r in q("SELECT request_id FROM requests")}
+    assert {r[0] for r in q("SELECT DISTINCT request_id FROM trace")} == {
+        r[0] for r in q("SELECT request_id FROM requests")
+    }
     # each step's batch is exactly its rows, and its token count their scheduled tokens
-    assert q("""SELECT count(*) FROM (SELECT step, count(*) n, sum(num_scheduled_tokens) t, min(batch_size) b,
-                max(batch_size) b2, min(batch_tokens) bt FROM trace GROUP BY step) WHERE n <> b OR b <> b2 OR t <> bt""") == [(0,)]
+    assert (
+        q("""SELECT count(*) FROM (SELECT step, count(*) n, sum(num_scheduled_tokens) t, min(batch_size) b,
+                max(batch_size) b2, min(batch_tokens) bt FROM trace GROUP BY step) WHERE n <> b OR b <> b2 OR t <> bt""")
+        == [(0,)]
+    )
     assert q("SELECT max(batch_tokens) FROM trace")[0][0] <= 16
     first = q("SELECT request_id, arg_min(phase, step), arg_min(num_computed_tokens, step) FROM trace GROUP BY 1")
     assert {(p, c) for _, p, c in first} == {("prefill", 0)}
     # phases agree with the counts: prompt chunks before the prompt is computed, then single-token decodes
-    assert q("""SELECT count(*) FROM trace WHERE (phase IN ('prefill', 'extend') AND num_computed_tokens
+    assert (
+        q("""SELECT count(*) FROM trace WHERE (phase IN ('prefill', 'extend') AND num_computed_tokens
                 + num_scheduled_tokens > num_prompt_tokens) OR (phase = 'decode' AND (num_scheduled_tokens <> 1
-                OR num_computed_tokens < num_prompt_tokens)) OR (phase = 'prefill') <> (num_computed_tokens = 0)""") == [(0,)]
+                OR num_computed_tokens < num_prompt_tokens)) OR (phase = 'prefill') <> (num_computed_tokens = 0)""")
+        == [(0,)]
+    )
     assert q("SELECT count(*) FROM trace WHERE phase = 'extend'")[0][0] > 0, "16-token chunks split the prompts"
-    assert q("""SELECT count(*) FROM (SELECT step FROM trace GROUP BY step
-                HAVING bool_or(phase = 'decode') AND bool_or(phase <> 'decode'))""")[0][0] > 0, "mixed steps"
+    assert (
+        q("""SELECT count(*) FROM (SELECT step FROM trace GROUP BY step
+                HAVING bool_or(phase = 'decode') AND bool_or(phase <> 'decode'))""")[0][0]
+        > 0
+    ), "mixed steps"
     rows = q("""SELECT request_id, step, num_computed_tokens, num_scheduled_tokens, phase FROM trace
                 ORDER BY request_id, step""")
     n_out = dict(q("SELECT request_id, len(output_token_ids) FROM requests"))
@@ -119,15 +155,40 @@ def _serve(model_dir: Path, port: int, log: Path, *args: str, **env_vars: str) -
     """`python -m vllm.entrypoints.openai.api_server` on 127.0.0.1 (extra server args, extra environment)."""
     from lpf.adapters.vllm import vllm_python
 
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", TORCHDYNAMO_DISABLE="1", VLLM_CPU_KVCACHE_SPACE="1",
-               OMP_NUM_THREADS="1", **env_vars)
+    env = dict(
+        os.environ,
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        TORCHDYNAMO_DISABLE="1",
+        VLLM_CPU_KVCACHE_SPACE="1",
+        OMP_NUM_THREADS="1",
+        **env_vars,
+    )
     env.pop("PYTHONPATH", None)
     # vllm-cpu's `vllm` console script looks up package metadata named `vllm` and fails: use the module
-    return subprocess.Popen([str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-                             "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
-                             "--max-logprobs", "20", *args],
-                            stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env, cwd=log.parent,
-                            start_new_session=True)
+    return subprocess.Popen(
+        [
+            str(vllm_python()),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model_dir),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--dtype",
+            "float32",
+            "--enforce-eager",
+            "--max-logprobs",
+            "20",
+            *args,
+        ],
+        stdout=open(log, "wb"),
+        stderr=subprocess.STDOUT,
+        env=env,
+        cwd=log.parent,
+        start_new_session=True,
+    )
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -167,12 +228,43 @@ def test_vllm_openai_server_audit_is_clean(lpf_cli, tmp_path, prompts8):
         _wait_healthy(proc, f"http://127.0.0.1:{port}", log)
         out = tmp_path / "run"
         # the server's name for the model is the directory it loaded, so --model is both name and reference
-        r = lpf_cli("audit", "--engine", "openai", "--base-url", f"http://127.0.0.1:{port}/v1", "--model", model_dir,
-                    "--workload", prompts8, "--max-tokens", 8, "--prompt-logprobs", "--out", out, "--json")
+        r = lpf_cli(
+            "audit",
+            "--engine",
+            "openai",
+            "--base-url",
+            f"http://127.0.0.1:{port}/v1",
+            "--model",
+            model_dir,
+            "--workload",
+            prompts8,
+            "--max-tokens",
+            8,
+            "--prompt-logprobs",
+            "--out",
+            out,
+            "--json",
+        )
         # the same server asked through vLLM's own prompt_logprobs field instead of echo
-        r_field = lpf_cli("audit", "--engine", "openai", "--base-url", f"http://127.0.0.1:{port}/v1", "--model",
-                          model_dir, "--workload", prompts8, "--max-tokens", 8, "--prompt-logprobs",
-                          "-E", "prompt_logprobs=field", "--out", tmp_path / "field", "--json")
+        r_field = lpf_cli(
+            "audit",
+            "--engine",
+            "openai",
+            "--base-url",
+            f"http://127.0.0.1:{port}/v1",
+            "--model",
+            model_dir,
+            "--workload",
+            prompts8,
+            "--max-tokens",
+            8,
+            "--prompt-logprobs",
+            "-E",
+            "prompt_logprobs=field",
+            "--out",
+            tmp_path / "field",
+            "--json",
+        )
     finally:
         _stop(proc)
     assert r.code == 0, r.err
@@ -203,8 +295,19 @@ def test_jamba_is_refused_on_the_cpu_build(lpf_cli, tmp_path, prompts8):
 
 @needs_vllm
 def test_a_worker_that_cannot_start_in_time_is_stopped_and_reported(lpf_cli, tmp_path, prompts8):
-    r = lpf_cli("run", "--engine", "vllm", "--model", MODEL, "--workload", prompts8, "-E", "start_timeout_s=2",
-                "--out", tmp_path / "run")
+    r = lpf_cli(
+        "run",
+        "--engine",
+        "vllm",
+        "--model",
+        MODEL,
+        "--workload",
+        prompts8,
+        "-E",
+        "start_timeout_s=2",
+        "--out",
+        tmp_path / "run",
+    )
     assert r.code == 2 and "vLLM did not start within 2 s" in r.err and "Traceback" not in r.err
     assert not _my_workers()  # killed and reaped, not orphaned
 
@@ -241,9 +344,28 @@ def test_vllm_chat_completions_audit_is_clean_with_tokens_aligned(lpf_cli, tmp_p
         runs = {}
         for mode in ("auto", "tokenizer"):
             out = tmp_path / mode
-            r = lpf_cli("audit", "--engine", "openai", "--api", "chat", "--base-url", f"http://127.0.0.1:{port}/v1",
-                        "--model", model_dir, "-E", f"token_ids={mode}", "-E", "dtype=float32", "--workload", prompts8,
-                        "--max-tokens", 8, "--out", out, "--json")
+            r = lpf_cli(
+                "audit",
+                "--engine",
+                "openai",
+                "--api",
+                "chat",
+                "--base-url",
+                f"http://127.0.0.1:{port}/v1",
+                "--model",
+                model_dir,
+                "-E",
+                f"token_ids={mode}",
+                "-E",
+                "dtype=float32",
+                "--workload",
+                prompts8,
+                "--max-tokens",
+                8,
+                "--out",
+                out,
+                "--json",
+            )
             runs[mode] = (r, out)
     finally:
         _stop(proc)

@@ -22,8 +22,13 @@ from test_vllm_trace import audit
 
 from lpf.adapters.vllm import PREFIX_DRILL_KNOBS, PREFIX_DRILL_NAMED_BY as NAMED_BY  # noqa: E402
 
-KNOBS = ["--model", "tiny:hybrid-longmem", "--max-tokens", 8,
-         *[a for k, v in PREFIX_DRILL_KNOBS.items() for a in ("-E", f"{k}={str(v).lower()}")]]
+KNOBS = [
+    "--model",
+    "tiny:hybrid-longmem",
+    "--max-tokens",
+    8,
+    *[a for k, v in PREFIX_DRILL_KNOBS.items() for a in ("-E", f"{k}={str(v).lower()}")],
+]
 
 
 @pytest.fixture(scope="module")
@@ -43,15 +48,29 @@ def prefix_runs(tmp_path_factory):
 
 
 def test_a_prefix_drill_without_the_prefix_cache_is_refused(lpf_cli, tmp_path):
-    r = lpf_cli("run", "--engine", "vllm", "--model", "tiny:hybrid", "--inject", "unaligned-chunk-hashed",
-                "-E", "enable_prefix_caching=false", "--out", tmp_path / "r")
+    r = lpf_cli(
+        "run",
+        "--engine",
+        "vllm",
+        "--model",
+        "tiny:hybrid",
+        "--inject",
+        "unaligned-chunk-hashed",
+        "-E",
+        "enable_prefix_caching=false",
+        "--out",
+        tmp_path / "r",
+    )
     assert r.code == 2 and "needs -E enable_prefix_caching=true" in r.err and not (tmp_path / "r").exists()
 
 
 def _hits(run):
-    return q(run, """SELECT request_id, step, prefix_cache_hit_tokens, resume_block, resume_writer, resume_write_step,
+    return q(
+        run,
+        """SELECT request_id, step, prefix_cache_hit_tokens, resume_block, resume_writer, resume_write_step,
                             resume_covers_tokens, resume_publisher, resume_publish_step
-                     FROM trace WHERE prefix_cache_hit_tokens > 0""")
+                     FROM trace WHERE prefix_cache_hit_tokens > 0""",
+    )
 
 
 @needs_vllm

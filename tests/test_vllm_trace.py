@@ -33,15 +33,42 @@ PLUGIN = Path(__file__).resolve().parents[1] / "plugins" / "vllm-trace"
 DRILL_MODEL = "tiny:hybrid-longmem"
 # a 32-token budget over at most 16 sequences leaves single tokens for new requests now and then, and
 # 96 KV blocks (shared with the state slots) make slots recycle within a few dozen requests
-DRILL_KNOBS = ["--workload", "zoo:oracle", "--max-tokens", 16, "--max-num-seqs", 16, "--max-num-batched-tokens", 32,
-               "--enable-chunked-prefill", "-E", "enable_prefix_caching=false", "-E", "num_gpu_blocks_override=96"]
+DRILL_KNOBS = [
+    "--workload",
+    "zoo:oracle",
+    "--max-tokens",
+    16,
+    "--max-num-seqs",
+    16,
+    "--max-num-batched-tokens",
+    32,
+    "--enable-chunked-prefill",
+    "-E",
+    "enable_prefix_caching=false",
+    "-E",
+    "num_gpu_blocks_override=96",
+]
 
 
 def audit(out, *args, python: Path | None = None):
     """`lpf audit ... --json` in a child process; `python`: the worker's interpreter (LPF_VLLM_PYTHON)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="200", **({"LPF_VLLM_PYTHON": str(python)} if python else {}))
-    proc = subprocess.run([str(Path(sys.executable).with_name("lpf")), "audit", "--out", str(out), "--json",
-                           "--fail-on", "never", *map(str, args)], capture_output=True, text=True, timeout=600, env=env)
+    proc = subprocess.run(
+        [
+            str(Path(sys.executable).with_name("lpf")),
+            "audit",
+            "--out",
+            str(out),
+            "--json",
+            "--fail-on",
+            "never",
+            *map(str, args),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout)
 
@@ -64,16 +91,18 @@ def test_plugin_schema_is_lpfs_trace_then_vllm_columns(plugin):
     ours = trace_schema()
     assert ours.names[: len(TRACE)] == TRACE.names
     assert all(ours.field(f.name).type == f.type for f in TRACE)
-    assert {"vllm_request_id", "reordered", "state_slots"} <= set(ours.names[len(TRACE):])
+    assert {"vllm_request_id", "reordered", "state_slots"} <= set(ours.names[len(TRACE) :])
     assert "prefix_cache_hit_tokens" in TRACE.names  # lpf's own column now: the built-in engine fills it too
     assert faults_schema() == FAULTS
 
 
 def test_plugin_is_inert_when_off():
     """Off, register() imports nothing beyond the package (no vLLM, no pyarrow, no hooks module)."""
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import lpf_vllm_trace as p; p.register(); "
-            "print(sorted(m for m in sys.modules if m.startswith(('lpf_vllm_trace', 'vllm', 'pyarrow')))); "
-            "print(p.status()['recording'])")
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import lpf_vllm_trace as p; p.register(); "
+        "print(sorted(m for m in sys.modules if m.startswith(('lpf_vllm_trace', 'vllm', 'pyarrow')))); "
+        "print(p.status()['recording'])"
+    )
     env = {k: v for k, v in os.environ.items() if k not in ("LPF_VLLM_TRACE_DIR", "LPF_VLLM_INJECT")}
     out = subprocess.run([sys.executable, "-c", code, str(PLUGIN)], capture_output=True, text=True, env=env, check=True)
     assert out.stdout.split("\n")[:2] == ["['lpf_vllm_trace']", "False"]
@@ -95,8 +124,9 @@ def test_the_pre_fix_rule_is_the_token_count_alone(plugin):
     from lpf_vllm_trace.drills import Drills, prefix_reorder
 
     batch = _Batch(["old-decode", "long", "new-1-token", "chunk", "old-decode-2"])
-    so = SimpleNamespace(num_scheduled_tokens={"old-decode": 1, "long": 20, "new-1-token": 1, "chunk": 7,
-                                               "old-decode-2": 1})
+    so = SimpleNamespace(
+        num_scheduled_tokens={"old-decode": 1, "long": 20, "new-1-token": 1, "chunk": 7, "old-decode-2": 1}
+    )
     assert prefix_reorder(batch, so)
     # every 1-token row goes to the decode region in front, the new request's too
     assert set(batch.req_ids[:3]) == {"old-decode", "new-1-token", "old-decode-2"}
@@ -110,11 +140,18 @@ def test_a_servers_request_ids_map_back_to_the_runs():
     from lpf.adapters.vllm_trace import served_ids
 
     kept = {"oracle-0-00001-add-r0": 0, "r-2": 1, "r-3": 2}  # request -> index of the attempt kept
-    ids = ["cmpl-oracle-0-00001-add-r0-0-1a2b3c4d", "cmpl-r-2~retry1-0-0f0f0f0f", "cmpl-r-3~retry1-0-abcdefgh",
-           "cmpl-someone-else-0-12345678", "warmup"]
-    assert served_ids(ids, kept) == {"cmpl-oracle-0-00001-add-r0-0-1a2b3c4d": "oracle-0-00001-add-r0",
-                                     "cmpl-r-2~retry1-0-0f0f0f0f": "r-2",
-                                     "cmpl-r-3~retry1-0-abcdefgh": "r-3~retry1"}  # an attempt, not the answer
+    ids = [
+        "cmpl-oracle-0-00001-add-r0-0-1a2b3c4d",
+        "cmpl-r-2~retry1-0-0f0f0f0f",
+        "cmpl-r-3~retry1-0-abcdefgh",
+        "cmpl-someone-else-0-12345678",
+        "warmup",
+    ]
+    assert served_ids(ids, kept) == {
+        "cmpl-oracle-0-00001-add-r0-0-1a2b3c4d": "oracle-0-00001-add-r0",
+        "cmpl-r-2~retry1-0-0f0f0f0f": "r-2",
+        "cmpl-r-3~retry1-0-abcdefgh": "r-3~retry1",
+    }  # an attempt, not the answer
 
 
 def test_vllm_only_columns_become_features(plugin):
@@ -126,15 +163,44 @@ def test_vllm_only_columns_become_features(plugin):
     from lpf.analysis.features import request_features
     from lpf.run.schema import REQUESTS, TRACE
 
-    req = pa.Table.from_pylist([{"request_id": r, "seq": i, "rollout": 0, "prompt_token_ids": [1, 2]}
-                                for i, r in enumerate("abc")], schema=REQUESTS)
-    base = {"phase": "prefill", "num_computed_tokens": 0, "num_scheduled_tokens": 2, "state_slot": 1, "batch_size": 2,
-            "batch_tokens": 4, "preempted": False, "num_prompt_tokens": 2, "state_slots": [1]}
-    rows = [dict(base, step=0, request_id="a", vllm_request_id="a", batch_index=0, reordered=True, prefix_cache_hit_tokens=0),
-            dict(base, step=0, request_id="b", vllm_request_id="b", batch_index=1, reordered=False, prefix_cache_hit_tokens=16),
-            dict(base, step=1, request_id="b", vllm_request_id="b", batch_index=0, reordered=True, prefix_cache_hit_tokens=0),
-            dict(base, step=1, request_id="c", vllm_request_id="c", batch_index=1, reordered=False, prefix_cache_hit_tokens=0)]
-    feats = {f.name: f.values.tolist() for f in request_features(req, pa.Table.from_pylist(rows, schema=trace_schema()))}
+    req = pa.Table.from_pylist(
+        [{"request_id": r, "seq": i, "rollout": 0, "prompt_token_ids": [1, 2]} for i, r in enumerate("abc")],
+        schema=REQUESTS,
+    )
+    base = {
+        "phase": "prefill",
+        "num_computed_tokens": 0,
+        "num_scheduled_tokens": 2,
+        "state_slot": 1,
+        "batch_size": 2,
+        "batch_tokens": 4,
+        "preempted": False,
+        "num_prompt_tokens": 2,
+        "state_slots": [1],
+    }
+    rows = [
+        dict(
+            base, step=0, request_id="a", vllm_request_id="a", batch_index=0, reordered=True, prefix_cache_hit_tokens=0
+        ),
+        dict(
+            base,
+            step=0,
+            request_id="b",
+            vllm_request_id="b",
+            batch_index=1,
+            reordered=False,
+            prefix_cache_hit_tokens=16,
+        ),
+        dict(
+            base, step=1, request_id="b", vllm_request_id="b", batch_index=0, reordered=True, prefix_cache_hit_tokens=0
+        ),
+        dict(
+            base, step=1, request_id="c", vllm_request_id="c", batch_index=1, reordered=False, prefix_cache_hit_tokens=0
+        ),
+    ]
+    feats = {
+        f.name: f.values.tolist() for f in request_features(req, pa.Table.from_pylist(rows, schema=trace_schema()))
+    }
     assert feats["prefix_cache_hit"] == [False, True, False] and feats["first_step_reordered"] == [True, False, False]
     from lpf.run.schema import PREFIX_TRACE
 
@@ -144,7 +210,9 @@ def test_vllm_only_columns_become_features(plugin):
 
 
 def test_vllm_drills_and_trace_dir_are_refused_where_they_do_not_apply(lpf_cli, tmp_path):
-    r = lpf_cli("audit", "--engine", "vllm", "--model", "zoo:hybrid", "--inject", "batch-variant", "--out", tmp_path / "a")
+    r = lpf_cli(
+        "audit", "--engine", "vllm", "--model", "zoo:hybrid", "--inject", "batch-variant", "--out", tmp_path / "a"
+    )
     assert r.code == 2 and "the vllm engine has no drill 'batch-variant'" in r.err and "Traceback" not in r.err
     r = lpf_cli("run", "--engine", "builtin", "--trace-dir", tmp_path, "--out", tmp_path / "b")
     assert r.code == 2 and "--trace-dir joins the trace of a vLLM server" in r.err
@@ -162,9 +230,12 @@ def stale_runs(tmp_path_factory):
 
 
 def _first_rows(run):
-    return q(run, """SELECT request_id, arg_min(phase, step), arg_min(num_computed_tokens, step),
+    return q(
+        run,
+        """SELECT request_id, arg_min(phase, step), arg_min(num_computed_tokens, step),
                             arg_min(state_slot, step), min(step)
-                     FROM trace WHERE NOT preempted GROUP BY 1""")
+                     FROM trace WHERE NOT preempted GROUP BY 1""",
+    )
 
 
 def _check_drill(run, findings):
@@ -185,7 +256,9 @@ def _check_drill(run, findings):
     for rid in corrupted:
         phase, computed, slot, step = first[rid]
         assert (phase, computed) == ("decode", 0)
-        held += q(run, f"SELECT count(*) FROM trace WHERE list_contains(state_slots, {slot}) AND step < {step}")[0][0] > 0
+        held += (
+            q(run, f"SELECT count(*) FROM trace WHERE list_contains(state_slots, {slot}) AND step < {step}")[0][0] > 0
+        )
     assert 2 * held > len(corrupted), (held, len(corrupted))
     # a request whose first chunk got one token of budget also starts as a "decode" with nothing
     # computed; on a block no request had held yet there is nothing stale to read and it stays clean
@@ -193,12 +266,16 @@ def _check_drill(run, findings):
     innocent = {r for r, (phase, computed, _, _) in first.items() if (phase, computed) == ("decode", 0)} - corrupted
     for rid in innocent:
         _, _, slot, step = first[rid]
-        assert q(run, f"SELECT count(*) FROM trace WHERE list_contains(state_slots, {slot}) AND step < {step}")[0][0] == 0
+        assert (
+            q(run, f"SELECT count(*) FROM trace WHERE list_contains(state_slots, {slot}) AND step < {step}")[0][0] == 0
+        )
     top = findings["hypotheses"][0]
     n = len(corrupted)
     assert top["feature"] == "first_decode_uncomputed" and len(innocent) <= 0.01 * (findings["n_requests"] - n)
-    assert top["sentence"].startswith(f"{n}/{n} corrupt requests started with a decode step while num_computed_tokens "
-                                      f"was 0; {len(innocent)}/{findings['n_requests'] - n} clean ones did")
+    assert top["sentence"].startswith(
+        f"{n}/{n} corrupt requests started with a decode step while num_computed_tokens "
+        f"was 0; {len(innocent)}/{findings['n_requests'] - n} clean ones did"
+    )
     return corrupted
 
 
@@ -216,8 +293,10 @@ def test_stale_state_imposters_on_real_vllm(stale_runs, lpf_cli):
     r = lpf_cli("inspect", base / "on", sorted(corrupted)[0], "--json")
     steps = json.loads(r.out)["trace"]
     assert r.code == 0 and (steps[0]["phase"], steps[0]["num_computed_tokens"]) == ("decode", 0)
-    assert all(b["num_computed_tokens"] == a["num_computed_tokens"] + a["num_scheduled_tokens"]
-               for a, b in zip(steps, steps[1:]))
+    assert all(
+        b["num_computed_tokens"] == a["num_computed_tokens"] + a["num_scheduled_tokens"]
+        for a, b in zip(steps, steps[1:])
+    )
 
 
 @needs_vllm
@@ -238,13 +317,37 @@ def served_drill(tmp_path_factory):
     model_dir = resolve_model(DRILL_MODEL).path
     port, trace_dir = free_port(), base / "server-trace"
     # the offline drill's engine knobs, as server arguments
-    proc = _serve(model_dir, port, base / "serve.log", "--max-num-seqs", "16", "--max-num-batched-tokens", "32",
-                  "--enable-chunked-prefill", "--no-enable-prefix-caching", "--num-gpu-blocks-override", "96",
-                  LPF_VLLM_TRACE_DIR=str(trace_dir), LPF_VLLM_INJECT="stale-state")
+    proc = _serve(
+        model_dir,
+        port,
+        base / "serve.log",
+        "--max-num-seqs",
+        "16",
+        "--max-num-batched-tokens",
+        "32",
+        "--enable-chunked-prefill",
+        "--no-enable-prefix-caching",
+        "--num-gpu-blocks-override",
+        "96",
+        LPF_VLLM_TRACE_DIR=str(trace_dir),
+        LPF_VLLM_INJECT="stale-state",
+    )
     try:
         _wait_healthy(proc, f"http://127.0.0.1:{port}", base / "serve.log")
-        f = audit(base / "run", "--engine", "openai", "--base-url", f"http://127.0.0.1:{port}/v1", "--model", model_dir,
-                  *DRILL_KNOBS[:4], "-E", "concurrency=64", "--trace-dir", trace_dir)
+        f = audit(
+            base / "run",
+            "--engine",
+            "openai",
+            "--base-url",
+            f"http://127.0.0.1:{port}/v1",
+            "--model",
+            model_dir,
+            *DRILL_KNOBS[:4],
+            "-E",
+            "concurrency=64",
+            "--trace-dir",
+            trace_dir,
+        )
     finally:
         _stop(proc)
     return base, trace_dir, f
@@ -292,17 +395,26 @@ def test_analyze_joins_again_without_doubling_and_keeps_a_joined_trace(served_dr
     assert none["trace"]["recorded"] is False and "is not a directory" in none["trace"]["why"]
     # what needs no trace: request metadata, timing, and whose answer a flagged output is (the
     # stale-state drill's garbage is often the previous slot owner's continuation)
-    no_trace = {"prompt_length", "rollout", "seq", "concurrency_at_arrival", "arrival_rank",
-                "time_to_first_token", "answer_of_other_request"}
+    no_trace = {
+        "prompt_length",
+        "rollout",
+        "seq",
+        "concurrency_at_arrival",
+        "arrival_rank",
+        "time_to_first_token",
+        "answer_of_other_request",
+    }
     assert {h["feature"] for h in none["hypotheses"]} <= no_trace
 
 
 # -- bad input: one warning, the engine runs, the findings say why ----------------------------------------
 SHIMS = {
     "unknown-version": "import vllm\nvllm.__version__ = '0.99.0'\n",
-    "hook-moved": ("from vllm.v1.worker import cpu_model_runner, gpu_model_runner\n"
-                   "cpu_model_runner.CPUModelRunner._may_reorder_batch = gpu_model_runner.GPUModelRunner._may_reorder_batch\n"
-                   "del gpu_model_runner.GPUModelRunner._may_reorder_batch\n"),
+    "hook-moved": (
+        "from vllm.v1.worker import cpu_model_runner, gpu_model_runner\n"
+        "cpu_model_runner.CPUModelRunner._may_reorder_batch = gpu_model_runner.GPUModelRunner._may_reorder_batch\n"
+        "del gpu_model_runner.GPUModelRunner._may_reorder_batch\n"
+    ),
 }
 WHY = {
     "unwritable-dir": "not writable",
@@ -317,7 +429,7 @@ def _wrapper(d: Path, shim: str | None) -> Path:
     if shim:
         (d / "sitecustomize.py").write_text(shim)
     exe = d / "python"
-    exe.write_text(f"#!/bin/sh\nPYTHONPATH={':'.join(path)} exec {_vllm_python()} \"$@\" >> {d / 'worker.log'} 2>&1\n")
+    exe.write_text(f'#!/bin/sh\nPYTHONPATH={":".join(path)} exec {_vllm_python()} "$@" >> {d / "worker.log"} 2>&1\n')
     exe.chmod(0o755)
     return exe
 
@@ -332,8 +444,19 @@ def test_no_trace_says_why_and_the_engine_runs(tmp_path, prompts_200, case):
     if case == "unwritable-dir":
         (tmp_path / "a-file").write_text("")
         extra = ["-E", f"trace_dir={tmp_path / 'a-file' / 'trace'}"]  # under a file: nothing can be created
-    f = audit(tmp_path / "run", "--engine", "vllm", "--model", "zoo:hybrid", "--workload", prompts, "--max-tokens", 4,
-              *extra, python=python)
+    f = audit(
+        tmp_path / "run",
+        "--engine",
+        "vllm",
+        "--model",
+        "zoo:hybrid",
+        "--workload",
+        prompts,
+        "--max-tokens",
+        4,
+        *extra,
+        python=python,
+    )
     assert f["verdict"] == "clean" and f["n_requests"] == 2 and f["errors"] == 0  # the engine ran
     assert f["trace"]["recorded"] is False and f["trace"]["rows"] == 0 and WHY[case] in f["trace"]["why"]
     assert not (tmp_path / "run" / "trace").exists() and f["hypotheses"] == []

@@ -169,11 +169,16 @@ def _greedy_exact(model, tok, items) -> float:
         for group in groups.values():
             x = torch.tensor([ids for ids, _ in group])
             budget = max(len(it["expected"]) for _, it in group) + 3
-            y = model.generate(input_ids=x, attention_mask=torch.ones_like(x), do_sample=False,
-                               max_new_tokens=budget, pad_token_id=tok.pad_token_id)
-            for row, (_, it) in zip(y[:, x.shape[1]:].tolist(), group):
+            y = model.generate(
+                input_ids=x,
+                attention_mask=torch.ones_like(x),
+                do_sample=False,
+                max_new_tokens=budget,
+                pad_token_id=tok.pad_token_id,
+            )
+            for row, (_, it) in zip(y[:, x.shape[1] :].tolist(), group):
                 if tok.eos_token_id in row:
-                    ok += tok.decode(row[:row.index(tok.eos_token_id)]) == it["expected"]
+                    ok += tok.decode(row[: row.index(tok.eos_token_id)]) == it["expected"]
     return ok / len(items)
 
 

@@ -15,8 +15,9 @@ def build(model_type: str, **fields) -> str:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     out = tempfile.mkdtemp(prefix=f"repro-{model_type}-")
-    config = AutoConfig.for_model(model_type, vocab_size=512, initializer_range=0.25, pad_token_id=0,
-                                  bos_token_id=1, eos_token_id=2, **fields)
+    config = AutoConfig.for_model(
+        model_type, vocab_size=512, initializer_range=0.25, pad_token_id=0, bos_token_id=1, eos_token_id=2, **fields
+    )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
     return out

@@ -11,13 +11,30 @@ import sys
 from _tiny import build, prompt, versions
 
 SIZES = {
-    "lfm2_moe": dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=4,
-                     num_attention_heads=4, num_key_value_heads=2, layer_types=["conv", "full_attention", "conv", "conv"],
-                     num_dense_layers=1, num_experts=4, num_experts_per_tok=2),
+    "lfm2_moe": dict(
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        layer_types=["conv", "full_attention", "conv", "conv"],
+        num_dense_layers=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+    ),
     # conv_dim / block_dim: see lfm2_conv_dim.py
-    "lfm2": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
-                 num_key_value_heads=2, layer_types=["conv", "full_attention", "conv", "conv"], block_multiple_of=32,
-                 conv_dim=128, block_dim=128),
+    "lfm2": dict(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        layer_types=["conv", "full_attention", "conv", "conv"],
+        block_multiple_of=32,
+        conv_dim=128,
+        block_dim=128,
+    ),
 }
 
 
@@ -28,8 +45,7 @@ def patch_rotary() -> None:
 
     def flat(self, positions, query, key=None):
         qs, ks = query.shape, None if key is None else key.shape
-        q, k = original(self, positions, query.reshape(qs[0], -1),
-                        None if key is None else key.reshape(ks[0], -1))
+        q, k = original(self, positions, query.reshape(qs[0], -1), None if key is None else key.reshape(ks[0], -1))
         return q.view(qs), None if k is None else k.view(ks)
 
     RotaryEmbedding.forward_cpu = flat
@@ -47,10 +63,18 @@ if __name__ == "__main__":
         patch_rotary()
     path = build(model_type, **SIZES[model_type])
     ids = prompt(40)
-    llm = LLM(model=path, dtype="float32", enforce_eager=True, skip_tokenizer_init=True,
-              enable_prefix_caching=False, max_model_len=512)
-    out = llm.generate([TokensPrompt(prompt_token_ids=ids)],
-                       SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0, detokenize=False))[0]
+    llm = LLM(
+        model=path,
+        dtype="float32",
+        enforce_eager=True,
+        skip_tokenizer_init=True,
+        enable_prefix_caching=False,
+        max_model_len=512,
+    )
+    out = llm.generate(
+        [TokensPrompt(prompt_token_ids=ids)],
+        SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0, detokenize=False),
+    )[0]
     vllm_lp = [out.prompt_logprobs[i][ids[i]].logprob for i in range(1, len(ids))]
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     with torch.no_grad():

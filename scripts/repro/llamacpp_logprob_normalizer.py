@@ -48,13 +48,24 @@ if __name__ == "__main__":
     tools = find_tools()
     gguf = gguf_for(model, "float32", tools)
     ids = tok("R:G65,H14,R49,J25|J")["input_ids"]  # a recall prompt: a confident first answer token
-    server = LlamaServer(tools.server, gguf.path, ["-np", "1", "-c", "512", "-ctk", "f32", "-ctv", "f32", "-fa", "off",
-                                                  "-t", "1"]).start()
+    server = LlamaServer(
+        tools.server, gguf.path, ["-np", "1", "-c", "512", "-ctk", "f32", "-ctv", "f32", "-fa", "off", "-t", "1"]
+    ).start()
     try:
         n_vocab = len(tok)
-        body = httpx.post(server.base_url + "/completion", timeout=60, json={
-            "prompt": ids, "n_predict": 1, "n_probs": n_vocab, "post_sampling_probs": False, "samplers": ["temperature"],
-            "temperature": 0, "cache_prompt": False}).json()
+        body = httpx.post(
+            server.base_url + "/completion",
+            timeout=60,
+            json={
+                "prompt": ids,
+                "n_predict": 1,
+                "n_probs": n_vocab,
+                "post_sampling_probs": False,
+                "samplers": ["temperature"],
+                "temperature": 0,
+                "cache_prompt": False,
+            },
+        ).json()
     finally:
         server.cleanup()
     if "completion_probabilities" not in body:
@@ -69,10 +80,23 @@ if __name__ == "__main__":
     exact = logits - np.logaddexp.reduce(logits)
     sim = replay(logits)
     top = int(np.argmax(logits))
-    print(json.dumps({
-        "model": spec, "prompt_tokens": len(ids), "vocabulary": n_vocab, "returned": int(np.isfinite(got).sum()),
-        "sum_of_returned_probabilities": total,
-        "top_token": {"id": top, "server": got[top], "exact_float64": exact[top], "replayed_float32_sum": sim[top]},
-        "max_abs_server_minus_exact": float(np.nanmax(np.abs(got - exact))),
-        "max_abs_server_minus_replay": float(np.nanmax(np.abs(got - sim))),
-    }, indent=1))
+    print(
+        json.dumps(
+            {
+                "model": spec,
+                "prompt_tokens": len(ids),
+                "vocabulary": n_vocab,
+                "returned": int(np.isfinite(got).sum()),
+                "sum_of_returned_probabilities": total,
+                "top_token": {
+                    "id": top,
+                    "server": got[top],
+                    "exact_float64": exact[top],
+                    "replayed_float32_sum": sim[top],
+                },
+                "max_abs_server_minus_exact": float(np.nanmax(np.abs(got - exact))),
+                "max_abs_server_minus_replay": float(np.nanmax(np.abs(got - sim))),
+            },
+            indent=1,
+        )
+    )

@@ -55,22 +55,47 @@ if __name__ == "__main__":
     tok = load_tokenizer(model)
     pieces = byte_pieces(tok)
     tools = find_tools()
-    server = LlamaServer(tools.server, gguf_for(model, "float32", tools).path, ["-np", "1", "-c", "512", "-t", "1",
-                                                                             "-fa", "off"]).start()
+    server = LlamaServer(
+        tools.server, gguf_for(model, "float32", tools).path, ["-np", "1", "-c", "512", "-t", "1", "-fa", "off"]
+    ).start()
     rows = []
     try:
         for seed in range(8):
             prompt = [1] + [3 + (seed * 37 + 11 * i) % (len(tok) - 3) for i in range(12)]
-            body = httpx.post(server.base_url + "/completion", timeout=60, json={
-                "prompt": prompt, "n_predict": 16, "n_probs": 1, "return_tokens": True, "samplers": ["temperature"],
-                "temperature": 0, "cache_prompt": False}).json()
+            body = httpx.post(
+                server.base_url + "/completion",
+                timeout=60,
+                json={
+                    "prompt": prompt,
+                    "n_predict": 16,
+                    "n_probs": 1,
+                    "return_tokens": True,
+                    "samplers": ["temperature"],
+                    "temperature": 0,
+                    "cache_prompt": False,
+                },
+            ).json()
             tokens, probs = body["tokens"], [e["id"] for e in body["completion_probabilities"]]
-            expected_missing = [i for i in range(len(tokens)) if cut_off(b"".join(pieces[t] for t in tokens[:i + 1]))]
+            expected_missing = [i for i in range(len(tokens)) if cut_off(b"".join(pieces[t] for t in tokens[: i + 1]))]
             kept = [t for i, t in enumerate(tokens) if i not in expected_missing]
-            rows.append({"tokens": len(tokens), "entries": len(probs), "cut_off_positions": expected_missing,
-                         "entries_are_the_other_tokens": probs == kept})
+            rows.append(
+                {
+                    "tokens": len(tokens),
+                    "entries": len(probs),
+                    "cut_off_positions": expected_missing,
+                    "entries_are_the_other_tokens": probs == kept,
+                }
+            )
     finally:
         server.cleanup()
-    print(json.dumps({"model": spec, "requests": rows,
-                      "requests_with_missing_entries": sum(r["entries"] < r["tokens"] for r in rows),
-                      "all_explained_by_cut_off_utf8": all(r["entries_are_the_other_tokens"] for r in rows)}, indent=1))
+    print(
+        json.dumps(
+            {
+                "model": spec,
+                "requests": rows,
+                "requests_with_missing_entries": sum(r["entries"] < r["tokens"] for r in rows),
+                "all_explained_by_cut_off_utf8": all(r["entries_are_the_other_tokens"] for r in rows),
+            },
+            indent=1,
+        )
+    )

@@ -32,9 +32,15 @@ def decode_gap(model, prompt, n=12):
     """Greedy decode step by step with the cache, then the same tokens teacher-forced: max |d| of the
     chosen tokens' logprobs."""
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, output_scores=True,
-                             return_dict_in_generate=True, pad_token_id=0)
-    toks = out.sequences[0, len(prompt):].tolist()
+        out = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=n,
+            do_sample=False,
+            output_scores=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+    toks = out.sequences[0, len(prompt) :].tolist()
     step = [float(torch.log_softmax(s[0].float(), -1)[t]) for s, t in zip(out.scores, toks)]
     tf = teacher_forced(model, prompt + toks)
     forced = [float(tf[len(prompt) - 1 + i, t]) for i, t in enumerate(toks)]
@@ -49,8 +55,10 @@ if __name__ == "__main__":
     print(f"transformers {transformers.__version__}; time_step_min {low}")
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, model.config.vocab_size, (40,), generator=g).tolist()
-    print(f"decode vs teacher-forced, as transformers has it (prefill clamps at {low}, decode does not): "
-          f"max |d| {decode_gap(model, prompt):.3e}")
+    print(
+        f"decode vs teacher-forced, as transformers has it (prefill clamps at {low}, decode does not): "
+        f"max |d| {decode_gap(model, prompt):.3e}"
+    )
     set_limit(model, 0.0)
     print(f"decode vs teacher-forced, no clamp anywhere: max |d| {decode_gap(model, prompt):.3e}")
     if len(sys.argv) > 2:  # vLLM's prompt logprobs against transformers' prefill with and without the clamp
@@ -67,5 +75,7 @@ if __name__ == "__main__":
             set_limit(model, limit)
             tf = teacher_forced(model, ids)
             ref = [float(tf[p - 1, ids[p]]) for p in range(1, len(ids))]
-            print(f"vLLM prompt logprobs vs transformers' prefill {name}: max |d| "
-                  f"{max(abs(a - b) for a, b in zip(eng, ref)):.3e} over {len(ref)} positions")
+            print(
+                f"vLLM prompt logprobs vs transformers' prefill {name}: max |d| "
+                f"{max(abs(a - b) for a, b in zip(eng, ref)):.3e} over {len(ref)} positions"
+            )

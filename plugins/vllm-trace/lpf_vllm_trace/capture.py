@@ -98,8 +98,17 @@ class Capture:
             ours = self._ours(rid)
             if ours is not None:
                 kind, index = ("decode", i) if i < num_decodes else ("prefill", i - num_decodes)
-                self.rows.append({"id": ours, "start": start, "n": sched[i], "pos": int(computed[i]), "kind": kind,
-                                  "index": index, "kstart": start if kind == "decode" else start - decode_tokens})
+                self.rows.append(
+                    {
+                        "id": ours,
+                        "start": start,
+                        "n": sched[i],
+                        "pos": int(computed[i]),
+                        "kind": kind,
+                        "index": index,
+                        "kstart": start if kind == "decode" else start - decode_tokens,
+                    }
+                )
             start += sched[i]
 
     def end_step(self) -> None:
@@ -146,25 +155,30 @@ class Capture:
                 fn(*args, **kwargs)
             except Exception as e:  # noqa: BLE001 - a capture bug costs the capture, never the engine
                 self.why = f"capture stopped ({type(e).__name__}: {e})"
+
         return run
 
     def _hook(self, name: str, what: str):
         @self._guard
         def post(_mod, _args, output):
             if isinstance(output, (tuple, list)):
-                two = len(output) == 2 and all(hasattr(o, "shape") for o in output) and output[0].shape == output[1].shape
+                two = (
+                    len(output) == 2 and all(hasattr(o, "shape") for o in output) and output[0].shape == output[1].shape
+                )
                 output = output[0] + output[1] if what == "sum" and two else output[0]
             self._put_rows(name, output)
+
         return lambda mod, args, output: post(mod, args, output)
 
     def _attn_inputs(self, prefix: str):
         @self._guard
         def pre(_mod, args, kwargs):
             names = ("query", "key", "value")
-            vals = list(args[:3]) + [kwargs.get(k) for k in names[len(args[:3]):]]
+            vals = list(args[:3]) + [kwargs.get(k) for k in names[len(args[:3]) :]]
             for op, t in zip(("q", "k", "v"), vals):
                 if t is not None:
                     self._put_rows(prefix + op, t.reshape(t.shape[0], -1))
+
         return lambda mod, args, kwargs: pre(mod, args, kwargs)
 
     def _observe(self, name: str, a: dict, out, before) -> None:
@@ -250,13 +264,16 @@ def _kernel(name: str, fn):
             try:
                 a = sig.bind_partial(*args, **kwargs).arguments
                 if name == "selective_state_update":
-                    before = {r["id"]: a["state"][_slot(a, r["index"])].clone() for r in cap.rows if r["kind"] == "decode"}
+                    before = {
+                        r["id"]: a["state"][_slot(a, r["index"])].clone() for r in cap.rows if r["kind"] == "decode"
+                    }
             except Exception as e:  # noqa: BLE001
                 cap.why, observe = f"capture stopped ({type(e).__name__}: {e})", False
         out = fn(*args, **kwargs)
         if observe:
             cap._guard(cap._observe)(name, a, out, before)
         return out
+
     return wrapper
 
 

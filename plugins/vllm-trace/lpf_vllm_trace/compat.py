@@ -44,8 +44,10 @@ def _lookup(module: str, path: str):
 def problem(version: str, lookup=_lookup) -> str | None:
     base = version.split("+")[0]
     if base not in KNOWN_VLLM:
-        return (f"vLLM {version} is not a version the plugin knows (it was checked against "
-                f"{', '.join(KNOWN_VLLM)}); upgrade lpf-vllm-trace")
+        return (
+            f"vLLM {version} is not a version the plugin knows (it was checked against "
+            f"{', '.join(KNOWN_VLLM)}); upgrade lpf-vllm-trace"
+        )
     for module, path, what in HOOKS:
         try:
             obj = lookup(module, path)

@@ -86,10 +86,12 @@ class Drills:
         return self.publish_before_write or self.unaligned_chunk
 
     def names(self) -> list[str]:
-        return (["stale-state"] if self.stale_state else []) + (
-            [f"offset-wrap:{self.offset_wrap_bits}"] if self.offset_wrap_bits is not None else []) + (
-            ["publish-before-write"] if self.publish_before_write else []) + (
-            ["unaligned-chunk-hashed"] if self.unaligned_chunk else [])
+        return (
+            (["stale-state"] if self.stale_state else [])
+            + ([f"offset-wrap:{self.offset_wrap_bits}"] if self.offset_wrap_bits is not None else [])
+            + (["publish-before-write"] if self.publish_before_write else [])
+            + (["unaligned-chunk-hashed"] if self.unaligned_chunk else [])
+        )
 
     def observe_prefix(self, step: int, req_ids: list[str], cols: dict[str, list]) -> list[dict]:
         """Ground truth of the prefix drills for one step's rows (`cols`: the PREFIX columns, read off
@@ -102,19 +104,27 @@ class Drills:
             hit = cols["prefix_cache_hit_tokens"][i] or 0
             if hit <= 0:
                 continue
-            writer, covers, publisher = cols["resume_writer"][i], cols["resume_covers_tokens"][i], cols["resume_publisher"][i]
+            writer, covers, publisher = (
+                cols["resume_writer"][i],
+                cols["resume_covers_tokens"][i],
+                cols["resume_publisher"][i],
+            )
             fault = None
             if writer is None or covers != hit:
                 held = f"the state of {writer} after {covers} tokens" if writer else "a state nothing had written"
                 same_step = publisher not in (None, rid) and cols["resume_publish_step"][i] == step
                 if self.publish_before_write and (same_step or not self.unaligned_chunk):
                     fault = "publish-before-write"
-                    detail = (f"resumed at {hit} tokens from a block {publisher} published at step "
-                              f"{cols['resume_publish_step'][i]}, before its chunk wrote the state; it held {held}")
+                    detail = (
+                        f"resumed at {hit} tokens from a block {publisher} published at step "
+                        f"{cols['resume_publish_step'][i]}, before its chunk wrote the state; it held {held}"
+                    )
                 elif self.unaligned_chunk:
                     fault = "unaligned-chunk-hashed"
-                    detail = (f"resumed at {hit} tokens from a block hashed as the state after {hit} tokens by "
-                              f"{publisher}; it held {held} (a chunk that ended mid-block)")
+                    detail = (
+                        f"resumed at {hit} tokens from a block hashed as the state after {hit} tokens by "
+                        f"{publisher}; it held {held} (a chunk that ended mid-block)"
+                    )
             elif writer in self._tainted:
                 fault = self.names()[-1]
                 detail = f"resumed from a state written by {writer}, whose own restored state was wrong"
@@ -129,8 +139,15 @@ class Drills:
         return (slot * stride) % (1 << self.offset_wrap_bits) // stride
 
     # -- ground truth, per step ----------------------------------------------------------------
-    def observe(self, step: int, rows: list[dict], preempted: set[str], used_slots: set[int],
-                wrapped: dict[str, list[tuple[int, int]]], owners: dict[int, str]) -> list[dict]:
+    def observe(
+        self,
+        step: int,
+        rows: list[dict],
+        preempted: set[str],
+        used_slots: set[int],
+        wrapped: dict[str, list[tuple[int, int]]],
+        owners: dict[int, str],
+    ) -> list[dict]:
         """Fault rows for one step. `rows`: the step's trace rows (vLLM ids, before any wrap);
         `used_slots`: every slot some earlier step ran on; `wrapped`: request -> [(slot, target)]
         for rows whose prefill went elsewhere; `owners`: slot -> request holding it now."""
@@ -138,17 +155,30 @@ class Drills:
         for rid in preempted:
             if rid in self._stale_reads:
                 read_step, detail = self._stale_reads.pop(rid)
-                out.append(_fault(rid, read_step, "stale-state", "discarded",
-                                  detail + "; preempted before its first sample, so recompute discarded the stale state"))
+                out.append(
+                    _fault(
+                        rid,
+                        read_step,
+                        "stale-state",
+                        "discarded",
+                        detail + "; preempted before its first sample, so recompute discarded the stale state",
+                    )
+                )
             self._wrapped.pop(rid, None)
         for r in rows:
             if r["preempted"]:
                 continue
             rid, slots = r["vllm_request_id"], r["state_slots"] or []
-            if (self.stale_state and r["phase"] == "decode" and r["num_computed_tokens"] == 0
-                    and any(s in used_slots for s in slots)):
-                self._stale_reads[rid] = (step, f"first step ran as decode on slot(s) {_slots(slots)}, "
-                                                f"which held an earlier request's state")
+            if (
+                self.stale_state
+                and r["phase"] == "decode"
+                and r["num_computed_tokens"] == 0
+                and any(s in used_slots for s in slots)
+            ):
+                self._stale_reads[rid] = (
+                    step,
+                    f"first step ran as decode on slot(s) {_slots(slots)}, which held an earlier request's state",
+                )
             samples = r["num_computed_tokens"] + r["num_scheduled_tokens"] >= r["num_prompt_tokens"]
             if samples and rid in self._stale_reads:
                 read_step, detail = self._stale_reads.pop(rid)
@@ -161,12 +191,26 @@ class Drills:
                 for _, target in wrapped[rid]:
                     victim = owners.get(target)
                     if victim is not None and victim != rid:
-                        out.append(_fault(victim, step, "offset-wrap", "overwritten",
-                                          f"slot {target} overwritten by {rid}'s wrapped state write"))
+                        out.append(
+                            _fault(
+                                victim,
+                                step,
+                                "offset-wrap",
+                                "overwritten",
+                                f"slot {target} overwritten by {rid}'s wrapped state write",
+                            )
+                        )
             elif r["phase"] == "decode" and r["num_computed_tokens"] > 0 and rid in self._wrapped:
                 wrap_step, detail = self._wrapped.pop(rid)
-                out.append(_fault(rid, wrap_step, "offset-wrap", "corrupted",
-                                  detail + f"; step {step} decoded from slot(s) {_slots(slots)}, which its prefill never wrote"))
+                out.append(
+                    _fault(
+                        rid,
+                        wrap_step,
+                        "offset-wrap",
+                        "corrupted",
+                        detail + f"; step {step} decoded from slot(s) {_slots(slots)}, which its prefill never wrote",
+                    )
+                )
         return out
 
 
@@ -219,8 +263,14 @@ def forget_same_step_guard(manager) -> None:
     manager.cached_blocks_this_step = _NoGuard()
 
 
-def unaligned_split(orig, scheduler, request, num_new_tokens: int, num_new_local_computed_tokens: int = 0,
-                    num_external_computed_tokens: int = 0) -> int:
+def unaligned_split(
+    orig,
+    scheduler,
+    request,
+    num_new_tokens: int,
+    num_new_local_computed_tokens: int = 0,
+    num_external_computed_tokens: int = 0,
+) -> int:
     """unaligned-chunk-hashed (vLLM #45477 / #51113; the invariant of #30877's block-aligned scheduling):
     `Scheduler._mamba_block_aligned_split` clips a prefill chunk that is not the prompt's last so it
     ends on a Mamba block boundary ("slot p holds the state after exactly (p + 1) * block_size

@@ -73,7 +73,11 @@ def install(session) -> None:
         step = getattr(_tls, "step", None)
         if step is not None:
             step.order_before = list(self.input_batch.req_ids)
-        if drills.stale_state and len(self.kv_cache_config.kv_cache_groups) and self.reorder_batch_threshold is not None:
+        if (
+            drills.stale_state
+            and len(self.kv_cache_config.kv_cache_groups)
+            and self.reorder_batch_threshold is not None
+        ):
             prefix_reorder(self.input_batch, scheduler_output, self.reorder_batch_threshold)
             return None
         return orig_reorder(self, scheduler_output)
@@ -103,12 +107,12 @@ def install(session) -> None:
     if drills.stale_state:
         orig_split = mamba_attn.split_decodes_and_prefills
 
-        def split_decodes_and_prefills(common_attn_metadata, decode_threshold=1, require_uniform=False,
-                                       treat_short_extends_as_decodes=True):
+        def split_decodes_and_prefills(
+            common_attn_metadata, decode_threshold=1, require_uniform=False, treat_short_extends_as_decodes=True
+        ):
             return orig_split(common_attn_metadata, decode_threshold, require_uniform, True)
 
         mamba_attn.split_decodes_and_prefills = split_decodes_and_prefills
-
 
 
 def _install_prefix(session, reader) -> None:

@@ -51,9 +51,20 @@ class ProvenanceLog:
         `block_ids[i]`: row i's block table in the first Mamba group; `slots[i]`: its state slot."""
         for block, rid, tokens in getattr(so, "lpf_published", None) or ():
             self.published[block] = (rid, step, tokens)
-        cols = {name: [] for name in ("prefix_cache_hit_tokens", "resume_block", "resume_writer", "resume_write_step",
-                                      "resume_covers_tokens", "resume_publisher", "resume_publish_step",
-                                      "chunk_end_aligned", "aborted")}
+        cols = {
+            name: []
+            for name in (
+                "prefix_cache_hit_tokens",
+                "resume_block",
+                "resume_writer",
+                "resume_write_step",
+                "resume_covers_tokens",
+                "resume_publisher",
+                "resume_publish_step",
+                "chunk_end_aligned",
+                "aborted",
+            )
+        }
         for i, rid in enumerate(req_ids):
             hit = hits.get(rid, 0)
             block = writer = publisher = None

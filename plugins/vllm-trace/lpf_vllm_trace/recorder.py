@@ -23,8 +23,17 @@ from pathlib import Path
 
 # what a runner learns about its engine (step_rows.StepReader._init), kept when another process of the
 # same server (vLLM's API process, which runs no model) rewrites the status
-RUNNER_FIELDS = ("mamba_groups", "state_slot_stride", "kv_cache_blocks", "enable_prefix_caching", "mamba_cache_mode",
-                 "mamba_block_size", "cache_config_block_size", "kv_cache_group_block_sizes", "provenance")
+RUNNER_FIELDS = (
+    "mamba_groups",
+    "state_slot_stride",
+    "kv_cache_blocks",
+    "enable_prefix_caching",
+    "mamba_cache_mode",
+    "mamba_block_size",
+    "cache_config_block_size",
+    "kv_cache_group_block_sizes",
+    "provenance",
+)
 
 
 class Recorder:
@@ -92,8 +101,10 @@ class Recorder:
         def column(c, name):  # a column the rows lack (lpf's nullable prefix-cache columns) is null
             return c[name] if name in c else [None] * len(next(iter(c.values()), []))
 
-        data = pa.table({f.name: pa.array(list(chain.from_iterable(column(c, f.name) for c in chunks)), f.type)
-                         for f in schema}, schema=schema)
+        data = pa.table(
+            {f.name: pa.array(list(chain.from_iterable(column(c, f.name) for c in chunks)), f.type) for f in schema},
+            schema=schema,
+        )
         if not data.num_rows:
             return 0
         name = f"part-{self.pid}-{self.parts:06d}.parquet"
@@ -114,8 +125,7 @@ class Recorder:
     def _write_status_locked(self, heartbeat: float | None = None) -> None:
         if heartbeat is not None:
             self.status_fields["heartbeat"] = heartbeat
-        doc = {**self.status_fields, "rows": self.counts["trace"], "fault_rows": self.counts["faults"],
-               "pid": self.pid}
+        doc = {**self.status_fields, "rows": self.counts["trace"], "fault_rows": self.counts["faults"], "pid": self.pid}
         if self.failed is not None:
             doc.update(recording=False, why=self.failed)
         path = self.dir / "trace_status.json"

@@ -14,27 +14,52 @@ the step whose scheduling preempted it.
 """
 
 TRACE_COLUMNS = [
-    ("step", "int64"), ("request_id", "string"), ("phase", "string"),
-    ("num_computed_tokens", "int32"), ("num_scheduled_tokens", "int32"), ("state_slot", "int32"),
-    ("batch_size", "int32"), ("batch_tokens", "int32"), ("preempted", "bool"),
+    ("step", "int64"),
+    ("request_id", "string"),
+    ("phase", "string"),
+    ("num_computed_tokens", "int32"),
+    ("num_scheduled_tokens", "int32"),
+    ("state_slot", "int32"),
+    ("batch_size", "int32"),
+    ("batch_tokens", "int32"),
+    ("preempted", "bool"),
     # lpf's prefix-cache columns (nullable; a row that lacks one writes null)
-    ("prefix_cache_hit_tokens", "int32"), ("resume_block", "int32"), ("resume_writer", "string"),
-    ("resume_write_step", "int64"), ("resume_covers_tokens", "int32"), ("resume_publisher", "string"),
-    ("resume_publish_step", "int64"), ("chunk_end_aligned", "bool"), ("aborted", "bool"),
+    ("prefix_cache_hit_tokens", "int32"),
+    ("resume_block", "int32"),
+    ("resume_writer", "string"),
+    ("resume_write_step", "int64"),
+    ("resume_covers_tokens", "int32"),
+    ("resume_publisher", "string"),
+    ("resume_publish_step", "int64"),
+    ("chunk_end_aligned", "bool"),
+    ("aborted", "bool"),
 ]
 VLLM_COLUMNS = [
-    ("vllm_request_id", "string"), ("batch_index", "int32"), ("reordered", "bool"),
-    ("num_prompt_tokens", "int32"), ("state_slots", "list<int32>"),
+    ("vllm_request_id", "string"),
+    ("batch_index", "int32"),
+    ("reordered", "bool"),
+    ("num_prompt_tokens", "int32"),
+    ("state_slots", "list<int32>"),
 ]
-FAULT_COLUMNS = [("request_id", "string"), ("step", "int64"), ("fault", "string"), ("role", "string"),
-                 ("detail", "string")]
+FAULT_COLUMNS = [
+    ("request_id", "string"),
+    ("step", "int64"),
+    ("fault", "string"),
+    ("role", "string"),
+    ("detail", "string"),
+]
 
 
 def arrow_schema(columns):
     import pyarrow as pa
 
-    types = {"int64": pa.int64(), "int32": pa.int32(), "string": pa.string(), "bool": pa.bool_(),
-             "list<int32>": pa.list_(pa.int32())}
+    types = {
+        "int64": pa.int64(),
+        "int32": pa.int32(),
+        "string": pa.string(),
+        "bool": pa.bool_(),
+        "list<int32>": pa.list_(pa.int32()),
+    }
     return pa.schema([(name, types[kind]) for name, kind in columns])
 
 

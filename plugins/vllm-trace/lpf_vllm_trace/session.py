@@ -40,8 +40,13 @@ class Session:
 
         recorder = Recorder(out_dir)
         version = _vllm_version()
-        base = {"plugin": "lpf-vllm-trace", "plugin_version": lpf_vllm_trace.__version__, "vllm_version": version,
-                "inject": inject or None, "started": time.time()}
+        base = {
+            "plugin": "lpf-vllm-trace",
+            "plugin_version": lpf_vllm_trace.__version__,
+            "vllm_version": version,
+            "inject": inject or None,
+            "started": time.time(),
+        }
         drills, why = None, None
         try:
             drills = Drills.parse(inject)
@@ -100,9 +105,12 @@ class Session:
         return self.why is None
 
     def status(self) -> dict:
-        out = {**self.recorder.status_fields, "rows": self.recorder.counts["trace"],
-               "recording": self.recording and self.recorder.failed is None,
-               "why": self.why or self.recorder.failed}
+        out = {
+            **self.recorder.status_fields,
+            "rows": self.recorder.counts["trace"],
+            "recording": self.recording and self.recorder.failed is None,
+            "why": self.why or self.recorder.failed,
+        }
         if self.capture is not None:
             out["capture"] = {"installed": self.capture.installed, "why": self.capture.why}
         return out

@@ -52,15 +52,21 @@ class StepReader:
             states = layer.kv_cache
             self.stride = int(states[1 if len(states) > 1 else 0].stride(0))
         if self.writes:
-            self.session.recorder.write_status({"mamba_groups": len(groups), "state_slot_stride": self.stride,
-                                                "kv_cache_blocks": int(runner.kv_cache_config.num_blocks),
-                                                "enable_prefix_caching": bool(cache.enable_prefix_caching),
-                                                "mamba_cache_mode": mode, "mamba_block_size": mbs,
-                                                "cache_config_block_size": int(cache.block_size),
-                                                "kv_cache_group_block_sizes": [
-                                                    int(g.kv_cache_spec.block_size)
-                                                    for g in runner.kv_cache_config.kv_cache_groups],
-                                                "provenance": self.prefix is not None})
+            self.session.recorder.write_status(
+                {
+                    "mamba_groups": len(groups),
+                    "state_slot_stride": self.stride,
+                    "kv_cache_blocks": int(runner.kv_cache_config.num_blocks),
+                    "enable_prefix_caching": bool(cache.enable_prefix_caching),
+                    "mamba_cache_mode": mode,
+                    "mamba_block_size": mbs,
+                    "cache_config_block_size": int(cache.block_size),
+                    "kv_cache_group_block_sizes": [
+                        int(g.kv_cache_spec.block_size) for g in runner.kv_cache_config.kv_cache_groups
+                    ],
+                    "provenance": self.prefix is not None,
+                }
+            )
 
     def read(self, runner, step, attn_metadata):
         if self.groups is None:
@@ -90,22 +96,34 @@ class StepReader:
                 hits[rid] = int(cached.num_computed_tokens[j])
         before = {rid: i for i, rid in enumerate(step.order_before or req_ids)}
         if num_decodes is None:  # no Mamba metadata: vLLM's fixed rule on the counts
-            phases = ["prefill" if c == 0 else ("decode" if s == 1 and c >= p else "extend")
-                      for c, s, p in zip(computed, sched, prompt)]
+            phases = [
+                "prefill" if c == 0 else ("decode" if s == 1 and c >= p else "extend")
+                for c, s, p in zip(computed, sched, prompt)
+            ]
         else:
-            phases = ["decode" if i < num_decodes else ("prefill" if c == 0 else "extend") for i, c in enumerate(computed)]
+            phases = [
+                "decode" if i < num_decodes else ("prefill" if c == 0 else "extend") for i, c in enumerate(computed)
+            ]
         preempted = sorted(so.preempted_req_ids or ())
         k, m = len(preempted), len(preempted) + n
         # columns, not row dicts: a step costs a few list operations, and a part one Arrow conversion
-        cols = {"step": [step.index] * m, "request_id": preempted + req_ids, "phase": [None] * k + phases,
-                "num_computed_tokens": [0] * k + computed, "num_scheduled_tokens": [0] * k + sched,
-                "state_slot": [None] * k + [s[0] if s else None for s in slots_per_row],
-                "batch_size": [n] * m, "batch_tokens": [int(so.total_num_scheduled_tokens)] * m,
-                "preempted": [True] * k + [False] * n, "vllm_request_id": preempted + req_ids,
-                "batch_index": [None] * k + list(range(n)),
-                "reordered": [False] * k + [before.get(rid, i) != i for i, rid in enumerate(req_ids)],
-                "num_prompt_tokens": [0] * k + prompt, "prefix_cache_hit_tokens": [0] * k + [hits.get(r, 0) for r in req_ids],
-                "state_slots": [[]] * k + slots_per_row}
+        cols = {
+            "step": [step.index] * m,
+            "request_id": preempted + req_ids,
+            "phase": [None] * k + phases,
+            "num_computed_tokens": [0] * k + computed,
+            "num_scheduled_tokens": [0] * k + sched,
+            "state_slot": [None] * k + [s[0] if s else None for s in slots_per_row],
+            "batch_size": [n] * m,
+            "batch_tokens": [int(so.total_num_scheduled_tokens)] * m,
+            "preempted": [True] * k + [False] * n,
+            "vllm_request_id": preempted + req_ids,
+            "batch_index": [None] * k + list(range(n)),
+            "reordered": [False] * k + [before.get(rid, i) != i for i, rid in enumerate(req_ids)],
+            "num_prompt_tokens": [0] * k + prompt,
+            "prefix_cache_hit_tokens": [0] * k + [hits.get(r, 0) for r in req_ids],
+            "state_slots": [[]] * k + slots_per_row,
+        }
         if self.prefix is not None:
             gid = self.groups[0][0]
             tables = [list(runner.requests[r].block_ids[gid]) for r in req_ids]
@@ -174,4 +192,3 @@ class StepReader:
                 for b in blocks:
                     owners[int(b)] = rid
         return owners
-

@@ -50,8 +50,9 @@ class Completion:
     def __post_init__(self):
         # An adapter that loses logprobs must fail here, not write a run that cannot be analysed.
         if self.error is None and len(self.logprobs) != len(self.output_token_ids):
-            raise ValueError(f"{self.request_id}: {len(self.logprobs)} logprobs for "
-                             f"{len(self.output_token_ids)} tokens")
+            raise ValueError(
+                f"{self.request_id}: {len(self.logprobs)} logprobs for {len(self.output_token_ids)} tokens"
+            )
 
 
 class Options(BaseModel):
@@ -69,8 +70,10 @@ class Options(BaseModel):
         for key, value in raw.items():
             name = key.replace("-", "_")
             if name not in known:
-                raise LpfError(f"unknown engine option {key!r}{did_you_mean(name, known)}; "
-                               f"this engine takes: {', '.join(sorted(known)) or 'none'}")
+                raise LpfError(
+                    f"unknown engine option {key!r}{did_you_mean(name, known)}; "
+                    f"this engine takes: {', '.join(sorted(known)) or 'none'}"
+                )
             values[name] = value
         try:
             return cls(**values)
@@ -86,10 +89,16 @@ class Options(BaseModel):
 
 
 _RANGE_WORDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
-_TYPE_WORDS = {"int_parsing": "expected an integer", "int_from_float": "expected an integer",
-               "int_type": "expected an integer", "float_parsing": "expected a number", "float_type": "expected a number",
-               "bool_parsing": "expected true/false", "bool_type": "expected true/false",
-               "string_type": "expected text"}
+_TYPE_WORDS = {
+    "int_parsing": "expected an integer",
+    "int_from_float": "expected an integer",
+    "int_type": "expected an integer",
+    "float_parsing": "expected a number",
+    "float_type": "expected a number",
+    "bool_parsing": "expected true/false",
+    "bool_type": "expected true/false",
+    "string_type": "expected text",
+}
 
 
 def option_error(e: ValidationError) -> str:

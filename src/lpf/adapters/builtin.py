@@ -27,9 +27,14 @@ from lpf.core.workload import EngineRequest
 class BuiltinOptions(Options, EngineConfig):
     """The engine's own config (validated on parse, before a run starts) plus what the adapter adds."""
 
-    inject: str = knob("", help="Fault drill (repeatable): built-in engine " + ", ".join(DRILLS) + "; vllm engine "
-                       "stale-state, offset-wrap[:BITS] (through lpf-vllm-trace).", flag=True, repeatable=True,
-                       metavar="FAULT[:ARG]")  # comma-separated in the options: "stale-state,offset-wrap:18"
+    inject: str = knob(
+        "",
+        help="Fault drill (repeatable): built-in engine " + ", ".join(DRILLS) + "; vllm engine "
+        "stale-state, offset-wrap[:BITS] (through lpf-vllm-trace).",
+        flag=True,
+        repeatable=True,
+        metavar="FAULT[:ARG]",
+    )  # comma-separated in the options: "stale-state,offset-wrap:18"
     threads: int = knob(1, ge=0, help="torch intra-op threads while generating (0: leave torch's).")
 
     @field_validator("inject")
@@ -54,8 +59,10 @@ class BuiltinOptions(Options, EngineConfig):
         if f.unaligned_chunk_hashed and self.mamba_cache_mode != "align":
             need.append("unaligned-chunk-hashed is vLLM's align-mode bug: leave mamba_cache_mode=align")
         if f.resume_wrong_units and self.checkpoint_block_size <= self.block_size:
-            need.append(f"resume-wrong-units needs a Mamba block larger than the KV block (the two units differ): "
-                        f"add -E mamba_block_size={2 * self.block_size}")
+            need.append(
+                f"resume-wrong-units needs a Mamba block larger than the KV block (the two units differ): "
+                f"add -E mamba_block_size={2 * self.block_size}"
+            )
         if f.kv_double_free and self.enable_prefix_caching:
             need.append("kv-double-free runs without prefix caching (shared blocks are reference-counted)")
         if need:
@@ -83,8 +90,9 @@ class BuiltinEngine(Engine):
 
         arch = (config.get("architectures") or ["?"])[0]
         if arch not in SUPPORTED_ARCHITECTURES:
-            raise LpfError(f"the built-in engine runs GraniteMoeHybrid and Jamba models; {arch} is not supported "
-                           f"(use --engine hf)")
+            raise LpfError(
+                f"the built-in engine runs GraniteMoeHybrid and Jamba models; {arch} is not supported (use --engine hf)"
+            )
 
     @classmethod
     def check_capacity(cls, model, options: BuiltinOptions, requests: list[EngineRequest]) -> None:
@@ -102,18 +110,25 @@ class BuiltinEngine(Engine):
         context = max_context(getattr(shape.config, "max_position_embeddings", None), config)
 
         def why(r: EngineRequest) -> str | None:
-            return never_runs_reason(len(r.prompt_token_ids) + r.max_tokens, num_blocks, config,
-                                     len(r.prompt_token_ids), context)
+            return never_runs_reason(
+                len(r.prompt_token_ids) + r.max_tokens, num_blocks, config, len(r.prompt_token_ids), context
+            )
 
         smallest = min(requests, key=lambda r: len(r.prompt_token_ids) + r.max_tokens)
         reason = why(smallest)
         if reason is not None and all(why(r) is not None for r in requests):
-            raise LpfError(f"these engine knobs can hold no request of the workload: even the smallest "
-                           f"({smallest.request_id}) {reason}")
+            raise LpfError(
+                f"these engine knobs can hold no request of the workload: even the smallest "
+                f"({smallest.request_id}) {reason}"
+            )
 
     def describe(self) -> dict:
-        return {"name": self.name, "version": lpf.__version__, "options": self.options.to_dict(),
-                "cache": self.engine.describe()}
+        return {
+            "name": self.name,
+            "version": lpf.__version__,
+            "options": self.options.to_dict(),
+            "cache": self.engine.describe(),
+        }
 
     def generate(self, requests: list[EngineRequest]) -> Iterator[Completion]:
         import torch
@@ -135,7 +150,9 @@ class BuiltinEngine(Engine):
         def submit(r: EngineRequest, rid: str) -> Completion | None:
             req = Request(rid, list(r.prompt_token_ids), self.sampling, r.max_tokens, r.seed, self.eos_id, seq=r.seq)
             rejected = self.engine.add_request(req)
-            return None if rejected is None else self._completion(rejected, r.request_id, attempts.pop(r.request_id, []))
+            return (
+                None if rejected is None else self._completion(rejected, r.request_id, attempts.pop(r.request_id, []))
+            )
 
         for r in requests:
             rid = r.request_id
@@ -166,18 +183,33 @@ class BuiltinEngine(Engine):
     def _completion(req, request_id: str | None = None, attempts: list[dict] = ()) -> Completion:
         prompt = req.prompt_rows() if req.error is None else None
         attempts = [*attempts, _attempt(len(attempts), req, req.error)] if attempts else []
-        return Completion(request_id=request_id or req.request_id, output_token_ids=req.output_token_ids,
-                          logprobs=req.logprobs, attempts=attempts,
-                          topk_ids=req.topk_ids, topk_logprobs=req.topk_logprobs, finish_reason=req.finish_reason,
-                          error=req.error, t_submit=req.t_arrival, t_first_token=req.t_first_token,
-                          t_finish=req.t_finish, prompt_logprobs=None if prompt is None else [r[0] for r in prompt],
-                          prompt_topk_ids=[r[2] for r in prompt or []],
-                          prompt_topk_logprobs=[r[3] for r in prompt or []])
+        return Completion(
+            request_id=request_id or req.request_id,
+            output_token_ids=req.output_token_ids,
+            logprobs=req.logprobs,
+            attempts=attempts,
+            topk_ids=req.topk_ids,
+            topk_logprobs=req.topk_logprobs,
+            finish_reason=req.finish_reason,
+            error=req.error,
+            t_submit=req.t_arrival,
+            t_first_token=req.t_first_token,
+            t_finish=req.t_finish,
+            prompt_logprobs=None if prompt is None else [r[0] for r in prompt],
+            prompt_topk_ids=[r[2] for r in prompt or []],
+            prompt_topk_logprobs=[r[3] for r in prompt or []],
+        )
 
 
 def _attempt(i: int, req, error: str | None) -> dict:
     """One attempt as `lpf.run.schema.ATTEMPT` (an in-process engine: sent, no HTTP status)."""
     import time
 
-    return {"attempt": i, "sent": True, "status": None, "error": error, "t_start": req.t_arrival,
-            "t_end": req.t_finish or time.time()}
+    return {
+        "attempt": i,
+        "sent": True,
+        "status": None,
+        "error": error,
+        "t_start": req.t_arrival,
+        "t_end": req.t_finish or time.time(),
+    }

@@ -35,9 +35,14 @@ def is_cancel_record(rec: dict) -> bool:
 
 
 def cancel_record(attempts: list, t_start: float, t_end: float, cancel_after_ms: float) -> dict:
-    rec = {"attempt": len(attempts), "sent": True, "status": None,
-           "error": f"{CANCELLED} after {cancel_after_ms:g} ms (cancel_after_ms), then resent",
-           "t_start": t_start, "t_end": t_end}
+    rec = {
+        "attempt": len(attempts),
+        "sent": True,
+        "status": None,
+        "error": f"{CANCELLED} after {cancel_after_ms:g} ms (cancel_after_ms), then resent",
+        "t_start": t_start,
+        "t_end": t_end,
+    }
     attempts.append(rec)
     return rec
 

@@ -22,10 +22,16 @@ from lpf.core.workload import EngineRequest
 
 
 class HFOptions(Options):
-    batch_size: int = knob(32, ge=1, help="Requests generated together (one padded generate() batch).",
-                           roles=("concurrency",), shrink_order=100)
-    dtype: Literal["float32", "bfloat16", "float16"] = knob("float32", help="Engine dtype: float32, bfloat16 or float16.",
-                                                            shrink_order=130, flag=True)
+    batch_size: int = knob(
+        32,
+        ge=1,
+        help="Requests generated together (one padded generate() batch).",
+        roles=("concurrency",),
+        shrink_order=100,
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = knob(
+        "float32", help="Engine dtype: float32, bfloat16 or float16.", shrink_order=130, flag=True
+    )
     device: str = knob("cpu", help="Where the model runs (cpu, cuda).")
 
 
@@ -56,8 +62,10 @@ class HFEngine(Engine):
         # generate() fills every unset field from the model's generation_config (an eos_token_id of
         # None would silently become the model's EOS): replace it with a neutral one.
         self.hf_model.generation_config = GenerationConfig(
-            pad_token_id=self.pad_id, bos_token_id=self.tokenizer.bos_token_id,
-            eos_token_id=None if sampling.ignore_eos else self.eos_id)
+            pad_token_id=self.pad_id,
+            bos_token_id=self.tokenizer.bos_token_id,
+            eos_token_id=None if sampling.ignore_eos else self.eos_id,
+        )
 
     def describe(self) -> dict:
         import transformers
@@ -68,7 +76,7 @@ class HFEngine(Engine):
         order = sorted(requests, key=lambda r: (len(r.prompt_token_ids), r.seq))
         bs = max(1, self.options.batch_size)
         for i in range(0, len(order), bs):
-            yield from self._batch(order[i:i + bs])
+            yield from self._batch(order[i : i + bs])
 
     def _batch(self, batch: list[EngineRequest]) -> Iterator[Completion]:
         torch = self._torch
@@ -81,15 +89,20 @@ class HFEngine(Engine):
         ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(batch), width), dtype=torch.long)
         for row, r in enumerate(batch):
-            ids[row, width - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
-            mask[row, width - len(r.prompt_token_ids):] = 1
+            ids[row, width - len(r.prompt_token_ids) :] = torch.tensor(r.prompt_token_ids)
+            mask[row, width - len(r.prompt_token_ids) :] = 1
         s = self.sampling
         cfg = GenerationConfig(
-            max_new_tokens=max(r.max_tokens for r in batch), do_sample=not s.greedy,
-            temperature=s.temperature if not s.greedy else None, top_p=s.top_p if not s.greedy else None,
-            top_k=s.top_k if not s.greedy else None, pad_token_id=self.pad_id,
-            eos_token_id=None if s.ignore_eos else self.eos_id, output_logits=True,
-            return_dict_in_generate=True)
+            max_new_tokens=max(r.max_tokens for r in batch),
+            do_sample=not s.greedy,
+            temperature=s.temperature if not s.greedy else None,
+            top_p=s.top_p if not s.greedy else None,
+            top_k=s.top_k if not s.greedy else None,
+            pad_token_id=self.pad_id,
+            eos_token_id=None if s.ignore_eos else self.eos_id,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
         torch.manual_seed(batch[0].seed)
         dev = self.options.device
         with torch.inference_mode():
@@ -108,13 +121,19 @@ class HFEngine(Engine):
                 n = toks.index(self.eos_id) + 1  # the stop token is output too, as vLLM reports it
                 finish = "stop"
             yield Completion(
-                request_id=r.request_id, output_token_ids=toks[:n],
+                request_id=r.request_id,
+                output_token_ids=toks[:n],
                 logprobs=[float(per_step[t][0][row]) for t in range(n)],
-                topk_ids=[per_step[t][1][row, :s.logprobs].tolist() for t in range(n)],
-                topk_logprobs=[per_step[t][2][row, :s.logprobs].tolist() for t in range(n)],
-                finish_reason=finish, t_submit=t0, t_first_token=None, t_finish=t1,
-                prompt_logprobs=prompt[row][0] if prompt else None, prompt_topk_ids=prompt[row][1] if prompt else [],
-                prompt_topk_logprobs=prompt[row][2] if prompt else [])
+                topk_ids=[per_step[t][1][row, : s.logprobs].tolist() for t in range(n)],
+                topk_logprobs=[per_step[t][2][row, : s.logprobs].tolist() for t in range(n)],
+                finish_reason=finish,
+                t_submit=t0,
+                t_first_token=None,
+                t_finish=t1,
+                prompt_logprobs=prompt[row][0] if prompt else None,
+                prompt_topk_ids=prompt[row][1] if prompt else [],
+                prompt_topk_logprobs=prompt[row][2] if prompt else [],
+            )
 
     def _prompt_logprobs(self, ids, mask, batch: list[EngineRequest]) -> list[tuple[list, list, list]]:
         """Per request (logprobs, top-k ids, top-k logprobs) of prompt positions 1..P-1, from the
@@ -131,17 +150,18 @@ class HFEngine(Engine):
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         out = []
         for lo in range(0, len(batch), step):
-            extra = {"position_ids": positions[lo:lo + step].to(dev)} if takes_positions else {}
+            extra = {"position_ids": positions[lo : lo + step].to(dev)} if takes_positions else {}
             with torch.inference_mode():
-                logits = self.hf_model(input_ids=ids[lo:lo + step].to(dev), attention_mask=mask[lo:lo + step].to(dev),
-                                       **extra).logits
-            for row, r in enumerate(batch[lo:lo + step]):
+                logits = self.hf_model(
+                    input_ids=ids[lo : lo + step].to(dev), attention_mask=mask[lo : lo + step].to(dev), **extra
+                ).logits
+            for row, r in enumerate(batch[lo : lo + step]):
                 p = len(r.prompt_token_ids)
                 if p < 2:
                     out.append(([], [], []))
                     continue
                 targets = torch.tensor(r.prompt_token_ids[1:], device=logits.device)
-                chosen, top_ids, top_lp, _, _ = logprob_rows(logits[row, width - p:width - 1], targets, k)
+                chosen, top_ids, top_lp, _, _ = logprob_rows(logits[row, width - p : width - 1], targets, k)
                 out.append((chosen.tolist(), top_ids[:, :k].tolist(), top_lp[:, :k].tolist()))
             del logits
         return out

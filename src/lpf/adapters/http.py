@@ -103,15 +103,25 @@ def make_client(concurrency: int, api_key: str | None):
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     # httpx's own timeouts are per phase; the per-attempt bound is enforced around each attempt.
-    return httpx.AsyncClient(headers=headers, timeout=None,
-                             limits=httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency))
+    return httpx.AsyncClient(
+        headers=headers,
+        timeout=None,
+        limits=httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency),
+    )
 
 
-def attempt_record(attempts: list, sent: bool, status: int | None, error: str | None, t_start: float,
-                   t_end: float | None = None) -> dict:
+def attempt_record(
+    attempts: list, sent: bool, status: int | None, error: str | None, t_start: float, t_end: float | None = None
+) -> dict:
     """Append one attempt (the `schema.ATTEMPT` fields; numbered in order) and return it."""
-    rec = {"attempt": len(attempts), "sent": sent, "status": status, "error": error, "t_start": t_start,
-           "t_end": time.time() if t_end is None else t_end}
+    rec = {
+        "attempt": len(attempts),
+        "sent": sent,
+        "status": status,
+        "error": error,
+        "t_start": t_start,
+        "t_end": time.time() if t_end is None else t_end,
+    }
     attempts.append(rec)
     return rec
 
@@ -126,10 +136,17 @@ def failure_message(final: str, attempts: list) -> str:
     return final
 
 
-async def post_json(client, url: str, payload: dict, policy: RetryPolicy, deadline: float, stats: Stats,
-                    breaker: CircuitBreaker | None = None,
-                    tag: Callable[[dict, int], tuple[dict, dict]] | None = None,
-                    attempts: list | None = None) -> Any:
+async def post_json(
+    client,
+    url: str,
+    payload: dict,
+    policy: RetryPolicy,
+    deadline: float,
+    stats: Stats,
+    breaker: CircuitBreaker | None = None,
+    tag: Callable[[dict, int], tuple[dict, dict]] | None = None,
+    attempts: list | None = None,
+) -> Any:
     """`tag(payload, attempt)` -> (payload, headers) for that attempt (attempt 0 first), e.g. a request id;
     `attempts` collects every attempt's record (see the module docstring)."""
     import httpx
@@ -143,8 +160,9 @@ async def post_json(client, url: str, payload: dict, policy: RetryPolicy, deadli
     while True:
         now = time.time()
         if breaker is not None and breaker.open:
-            reason = (f"not sent: the server refused {breaker.refused_in_a_row} connections in a row "
-                      f"(last: {breaker.last})")
+            reason = (
+                f"not sent: the server refused {breaker.refused_in_a_row} connections in a row (last: {breaker.last})"
+            )
             attempt_record(log, False, None, reason, now, now)
             raise fail(reason)
         remaining = deadline - time.monotonic()
@@ -156,8 +174,9 @@ async def post_json(client, url: str, payload: dict, policy: RetryPolicy, deadli
         stats.attempts += 1
         body, headers = tag(payload, attempt) if tag else (payload, {})
         try:
-            resp = await asyncio.wait_for(client.post(url, json=body, headers=headers),
-                                          min(policy.timeout_s, remaining))
+            resp = await asyncio.wait_for(
+                client.post(url, json=body, headers=headers), min(policy.timeout_s, remaining)
+            )
         except asyncio.TimeoutError:  # (TimeoutError itself only from 3.11 on)
             kind, reason = "timeout", f"no complete answer within {min(policy.timeout_s, remaining):.3g} s"
         except httpx.ConnectError as e:
@@ -190,7 +209,7 @@ async def post_json(client, url: str, payload: dict, policy: RetryPolicy, deadli
         stats.reasons[kind] += 1
         if attempt >= policy.max_retries:
             raise fail(f"gave up after {attempt + 1} attempts: {reason}")
-        delay = random.uniform(0, min(policy.backoff_max_s, policy.backoff_s * 2 ** attempt))
+        delay = random.uniform(0, min(policy.backoff_max_s, policy.backoff_s * 2**attempt))
         if retry_after is not None:
             delay = max(delay, retry_after)
         if time.monotonic() + delay >= deadline:
@@ -241,9 +260,16 @@ def _short(e: BaseException) -> str:
     return _one_line(str(e))
 
 
-def run_all(items: Iterable, handler: Callable[[Any, Any], Awaitable[Any]], *, concurrency: int,
-            client_factory: Callable[[], Any], on_error: Callable[[Any, str], Any],
-            join_timeout: float, start_at: Callable[[Any], float] | None = None) -> Iterator[tuple[Any, Any]]:
+def run_all(
+    items: Iterable,
+    handler: Callable[[Any, Any], Awaitable[Any]],
+    *,
+    concurrency: int,
+    client_factory: Callable[[], Any],
+    on_error: Callable[[Any, str], Any],
+    join_timeout: float,
+    start_at: Callable[[Any], float] | None = None,
+) -> Iterator[tuple[Any, Any]]:
     """Yield (item, handler(client, item)) as each finishes; see the module docstring."""
     items = list(items)
     out: queue.Queue = queue.Queue()

@@ -51,49 +51,109 @@ from lpf.run.schema import PREFIX_TRACE, TRACE
 
 DTYPE = Literal["float32", "float16", "bfloat16", "q8_0", "q6_k", "q5_k_m", "q4_k_m", "q4_k_s", "q4_0"]
 KV_TYPE = Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"]
-LLAMACPP_COLUMNS = [("num_prompt_tokens", pa.int32()),
-                    ("predicted_n", pa.int32()), ("tokens_cached", pa.int32()), ("prompt_ms", pa.float64()),
-                    ("predicted_ms", pa.float64())]
+LLAMACPP_COLUMNS = [
+    ("num_prompt_tokens", pa.int32()),
+    ("predicted_n", pa.int32()),
+    ("tokens_cached", pa.int32()),
+    ("prompt_ms", pa.float64()),
+    ("predicted_ms", pa.float64()),
+]
 TRACE_SCHEMA = pa.schema(list(TRACE) + [pa.field(n, t) for n, t in LLAMACPP_COLUMNS])
 # knobs that configure a server lpf starts; refused with --base-url (the user's server has its own)
-SERVER_KNOBS = ("gguf", "parallel", "ctx_size", "batch_size", "ubatch_size", "threads", "threads_batch",
-                "cache_type_k", "cache_type_v", "kv_unified", "cache_ram", "ctx_checkpoints", "cont_batching",
-                "flash_attn", "slot_prompt_similarity", "extra_args")
+SERVER_KNOBS = (
+    "gguf",
+    "parallel",
+    "ctx_size",
+    "batch_size",
+    "ubatch_size",
+    "threads",
+    "threads_batch",
+    "cache_type_k",
+    "cache_type_v",
+    "kv_unified",
+    "cache_ram",
+    "ctx_checkpoints",
+    "cont_batching",
+    "flash_attn",
+    "slot_prompt_similarity",
+    "extra_args",
+)
 SLOT_CTX_CAP = 4096  # default context per slot: the model's own, at most this (KV for 2^20 positions is GiBs)
 
 
 class LlamaCppOptions(RemoteOptions):
     base_url: str = Field("", description="a llama-server the user started (http://HOST:PORT); empty: lpf starts one")
-    dtype: DTYPE | None = knob(None, help="GGUF type: what lpf converts to (default float32), what -E gguf= holds, or "
-                                          "what a --base-url server serves (unknown if not given)", shrink_order=130)
-    gguf: str = Field("", description="serve this GGUF file instead of converting the model (its header gives the dtype)")
-    parallel: int = knob(1, ge=1, le=256, help="llama-server -np: parallel slots (each with its own state)",
-                         roles=("concurrency",), shrink_order=50)
-    ctx_size: int | None = knob(None, ge=256, help="llama-server -c: context over all slots (default: parallel x "
-                                "min(model's, 4096))", roles=("cache_size",), shrink_order=10)
+    dtype: DTYPE | None = knob(
+        None,
+        help="GGUF type: what lpf converts to (default float32), what -E gguf= holds, or "
+        "what a --base-url server serves (unknown if not given)",
+        shrink_order=130,
+    )
+    gguf: str = Field(
+        "", description="serve this GGUF file instead of converting the model (its header gives the dtype)"
+    )
+    parallel: int = knob(
+        1,
+        ge=1,
+        le=256,
+        help="llama-server -np: parallel slots (each with its own state)",
+        roles=("concurrency",),
+        shrink_order=50,
+    )
+    ctx_size: int | None = knob(
+        None,
+        ge=256,
+        help="llama-server -c: context over all slots (default: parallel x min(model's, 4096))",
+        roles=("cache_size",),
+        shrink_order=10,
+    )
     cache_prompt: bool = Field(True, description="reuse a slot's cached prompt prefix (cache_prompt per request)")
-    batch_size: int | None = knob(None, ge=1, help="llama-server -b: logical batch (tokens per decode call)",
-                                  roles=("step_budget",), shrink_order=60)
-    ubatch_size: int | None = knob(None, ge=1, help="llama-server -ub: physical batch (tokens per compute pass)",
-                                   roles=("step_budget",), shrink_order=65)
+    batch_size: int | None = knob(
+        None,
+        ge=1,
+        help="llama-server -b: logical batch (tokens per decode call)",
+        roles=("step_budget",),
+        shrink_order=60,
+    )
+    ubatch_size: int | None = knob(
+        None,
+        ge=1,
+        help="llama-server -ub: physical batch (tokens per compute pass)",
+        roles=("step_budget",),
+        shrink_order=65,
+    )
     threads: int | None = Field(None, ge=1, description="llama-server -t: generation threads (default: llama.cpp's)")
     threads_batch: int | None = Field(None, ge=1, description="llama-server -tb: prompt-processing threads")
-    cache_type_k: KV_TYPE | None = Field(None, description="llama-server -ctk: K cache type (default: the dtype's "
-                                                           "float type, f16 for quantized GGUFs)")
+    cache_type_k: KV_TYPE | None = Field(
+        None, description="llama-server -ctk: K cache type (default: the dtype's float type, f16 for quantized GGUFs)"
+    )
     cache_type_v: KV_TYPE | None = Field(None, description="llama-server -ctv: V cache type (default as cache_type_k)")
     kv_unified: bool | None = Field(None, description="llama-server -kvu/-no-kvu: one KV buffer shared by all slots")
-    cache_ram: int | None = knob(None, ge=-1, help="llama-server -cram MiB: host-memory prompt cache (0 off, -1 no "
-                                 "limit; default llama.cpp's 8192)", roles=("cache_size",), shrink_order=15)
-    ctx_checkpoints: int | None = Field(None, ge=0, description="llama-server -ctxcp: context checkpoints per slot "
-                                                                "(recurrent/SWA state snapshots for prompt reuse)")
+    cache_ram: int | None = knob(
+        None,
+        ge=-1,
+        help="llama-server -cram MiB: host-memory prompt cache (0 off, -1 no limit; default llama.cpp's 8192)",
+        roles=("cache_size",),
+        shrink_order=15,
+    )
+    ctx_checkpoints: int | None = Field(
+        None,
+        ge=0,
+        description="llama-server -ctxcp: context checkpoints per slot "
+        "(recurrent/SWA state snapshots for prompt reuse)",
+    )
     cont_batching: bool = Field(True, description="llama-server -cb/-nocb: continuous batching")
     flash_attn: Literal["on", "off", "auto"] | None = Field(None, description="llama-server -fa")
-    slot_prompt_similarity: float | None = Field(None, ge=0, le=1, description="llama-server -sps: how alike a "
-                                                                               "prompt must be to pick a slot by it")
+    slot_prompt_similarity: float | None = Field(
+        None, ge=0, le=1, description="llama-server -sps: how alike a prompt must be to pick a slot by it"
+    )
     extra_args: str = Field("", description="more llama-server arguments, passed as given (shell-split)")
     start_timeout_s: float = Field(120.0, gt=0, description="seconds llama-server may take to load the model")
-    ban_eos: bool = Field(False, description="accept --ignore-eos in llama-server's meaning: end-of-generation tokens "
-                                             "banned (fixed-length throughput runs; a greedy audit flags each ban)")
+    ban_eos: bool = Field(
+        False,
+        description="accept --ignore-eos in llama-server's meaning: end-of-generation tokens "
+        "banned (fixed-length throughput runs; a greedy audit flags each ban)",
+    )
     # the client's requests in flight (as RemoteOptions'): no role, `parallel` is the server's concurrency
     concurrency: int | None = knob(None, ge=1, help="requests in flight (default: 2 x parallel)", shrink_order=110)
 
@@ -102,8 +162,10 @@ class LlamaCppOptions(RemoteOptions):
         if self.base_url:
             given = [k for k in SERVER_KNOBS if getattr(self, k) != type(self).model_fields[k].default]
             if given:
-                raise LpfError(f"--base-url talks to a server you started: {', '.join(given)} configure a server "
-                               f"lpf starts (set them on your llama-server instead)")
+                raise LpfError(
+                    f"--base-url talks to a server you started: {', '.join(given)} configure a server "
+                    f"lpf starts (set them on your llama-server instead)"
+                )
             RemoteOptions._usable(self)
         return self
 
@@ -119,14 +181,18 @@ class LlamaCppEngine(RemoteEngine):
         slot = slot_context(options, _model_context(model))
         if all(len(r.prompt_token_ids) + r.max_tokens > slot for r in requests):
             shortest = min(len(r.prompt_token_ids) + r.max_tokens for r in requests)
-            raise LpfError(f"each llama.cpp slot holds {slot} tokens (ctx_size / parallel), but the shortest request "
-                           f"needs {shortest} (prompt + max_tokens): raise -E ctx_size")
+            raise LpfError(
+                f"each llama.cpp slot holds {slot} tokens (ctx_size / parallel), but the shortest request "
+                f"needs {shortest} (prompt + max_tokens): raise -E ctx_size"
+            )
 
     def __init__(self, model, sampling, options: LlamaCppOptions):
         if sampling.ignore_eos and not options.ban_eos:
-            raise LpfError("--ignore-eos: llama-server's ignore_eos bans end-of-generation tokens (a -inf logit bias) "
-                           "where lpf's other engines generate past them, so a greedy audit would flag each ban as a "
-                           "flip; -E ban_eos=true accepts that (fixed-length throughput runs)")
+            raise LpfError(
+                "--ignore-eos: llama-server's ignore_eos bans end-of-generation tokens (a -inf logit bias) "
+                "where lpf's other engines generate past them, so a greedy audit would flag each ban as a "
+                "flip; -E ban_eos=true accepts that (fixed-length throughput runs)"
+            )
         self.server = None
         self.gguf = self.tools = None
         self._rows: list[dict] = []
@@ -147,20 +213,42 @@ class LlamaCppEngine(RemoteEngine):
         from lpf.adapters.llamacpp_server import LlamaServer
 
         tools = self.tools = gguf_files.find_tools()
-        self.gguf = (gguf_files.user_gguf(o.gguf, o.dtype, model, tools) if o.gguf
-                     else gguf_files.gguf_for(model, o.dtype or "float32", tools))
-        self.server = LlamaServer(tools.server, self.gguf.path, self.server_args(model, o),
-                                  start_timeout_s=o.start_timeout_s).start()
+        self.gguf = (
+            gguf_files.user_gguf(o.gguf, o.dtype, model, tools)
+            if o.gguf
+            else gguf_files.gguf_for(model, o.dtype or "float32", tools)
+        )
+        self.server = LlamaServer(
+            tools.server, self.gguf.path, self.server_args(model, o), start_timeout_s=o.start_timeout_s
+        ).start()
 
     def server_args(self, model, o: LlamaCppOptions) -> list[str]:
         kv = o.cache_type_k or _kv_default(self.gguf.dtype)
-        args = ["-np", str(o.parallel), "-c", str(o.ctx_size or o.parallel * slot_context(o, _model_context(model))),
-                "-ctk", kv, "-ctv", o.cache_type_v or kv, "--fit", "off", "--no-webui",
-                "--cache-prompt" if o.cache_prompt else "--no-cache-prompt", "-cb" if o.cont_batching else "-nocb"]
-        for flag, value in (("-b", o.batch_size), ("-ub", o.ubatch_size), ("-t", o.threads), ("-tb", o.threads_batch),
-                            ("-cram", o.cache_ram), ("-ctxcp", o.ctx_checkpoints),
-                            ("-fa", o.flash_attn or _fa_default(self.gguf.dtype)),
-                            ("-sps", o.slot_prompt_similarity)):
+        args = [
+            "-np",
+            str(o.parallel),
+            "-c",
+            str(o.ctx_size or o.parallel * slot_context(o, _model_context(model))),
+            "-ctk",
+            kv,
+            "-ctv",
+            o.cache_type_v or kv,
+            "--fit",
+            "off",
+            "--no-webui",
+            "--cache-prompt" if o.cache_prompt else "--no-cache-prompt",
+            "-cb" if o.cont_batching else "-nocb",
+        ]
+        for flag, value in (
+            ("-b", o.batch_size),
+            ("-ub", o.ubatch_size),
+            ("-t", o.threads),
+            ("-tb", o.threads_batch),
+            ("-cram", o.cache_ram),
+            ("-ctxcp", o.ctx_checkpoints),
+            ("-fa", o.flash_attn or _fa_default(self.gguf.dtype)),
+            ("-sps", o.slot_prompt_similarity),
+        ):
             if value is not None:
                 args += [flag, str(value)]
         if o.kv_unified is not None:
@@ -168,7 +256,9 @@ class LlamaCppEngine(RemoteEngine):
         return args + shlex.split(o.extra_args)
 
     def base(self) -> str:
-        return self.server.base_url if self.server is not None else self.options.base_url.rstrip("/").removesuffix("/v1")
+        return (
+            self.server.base_url if self.server is not None else self.options.base_url.rstrip("/").removesuffix("/v1")
+        )
 
     def url(self, path: str) -> str:
         return self.base() + path
@@ -217,9 +307,16 @@ class LlamaCppEngine(RemoteEngine):
         # the dtype the run is judged at goes into the options (the manifest's), so a resumed run keeps it
         d["options"] = {**o.to_dict(), "dtype": dtype if dtype in gguf_files.DTYPES else None}
         d["dtype"] = dtype
-        d["server"] = ({"started_by": "lpf", "command": self.server.command(self.server.port)[1:],
-                        "binary": str(self.server.binary), "source": self.tools.source()} if self.server is not None
-                       else {"started_by": "user", "base_url": o.base_url})
+        d["server"] = (
+            {
+                "started_by": "lpf",
+                "command": self.server.command(self.server.port)[1:],
+                "binary": str(self.server.binary),
+                "source": self.tools.source(),
+            }
+            if self.server is not None
+            else {"started_by": "user", "base_url": o.base_url}
+        )
         if self.server is not None and not self.server.alive():  # it died: what it said last is evidence
             d["server"]["died"] = self.server.log_tail(8).removeprefix("; llama-server log: ") or True
         d["gguf"] = self.gguf.describe() if self.gguf is not None else None
@@ -270,14 +367,21 @@ def _kv_default(dtype: str) -> str:
 
 def trace_table(rows: list[dict]) -> pa.Table:
     cols = {
-        "step": [r["step"] for r in rows], "request_id": [r["request_id"] for r in rows],
+        "step": [r["step"] for r in rows],
+        "request_id": [r["request_id"] for r in rows],
         "phase": [None if r["cache_n"] is None else ("extend" if r["cache_n"] > 0 else "prefill") for r in rows],
-        "num_computed_tokens": [r["cache_n"] for r in rows], "num_scheduled_tokens": [r["prompt_n"] for r in rows],
-        "state_slot": [r["state_slot"] for r in rows], "batch_size": [None] * len(rows),
-        "batch_tokens": [None] * len(rows), "preempted": [False] * len(rows),
+        "num_computed_tokens": [r["cache_n"] for r in rows],
+        "num_scheduled_tokens": [r["prompt_n"] for r in rows],
+        "state_slot": [r["state_slot"] for r in rows],
+        "batch_size": [None] * len(rows),
+        "batch_tokens": [None] * len(rows),
+        "preempted": [False] * len(rows),
         **{name: [None] * len(rows) for name, _ in PREFIX_TRACE},
-        "prefix_cache_hit_tokens": [r["cache_n"] for r in rows], "num_prompt_tokens": [r["n_prompt_tokens"] for r in rows],
-        "predicted_n": [r["predicted_n"] for r in rows], "tokens_cached": [r["tokens_cached"] for r in rows],
-        "prompt_ms": [r["prompt_ms"] for r in rows], "predicted_ms": [r["predicted_ms"] for r in rows],
+        "prefix_cache_hit_tokens": [r["cache_n"] for r in rows],
+        "num_prompt_tokens": [r["n_prompt_tokens"] for r in rows],
+        "predicted_n": [r["predicted_n"] for r in rows],
+        "tokens_cached": [r["tokens_cached"] for r in rows],
+        "prompt_ms": [r["prompt_ms"] for r in rows],
+        "predicted_ms": [r["predicted_ms"] for r in rows],
     }
     return pa.table(cols, schema=TRACE_SCHEMA)

@@ -37,8 +37,10 @@ REGISTERED = {"9b6ecb0387104826c4d1287138278dc1654bb1f231621b35ebc266e8fc1fdfd3"
 
 def main(argv: list[str]) -> int:
     if len(argv) < 3 or argv[1] not in ("--", "--describe"):
-        print("usage: llamacpp_convert.py LLAMA_CPP_DIR (-- CONVERTER_ARGS... | --describe FILE [MODEL_DIR])",
-              file=sys.stderr)
+        print(
+            "usage: llamacpp_convert.py LLAMA_CPP_DIR (-- CONVERTER_ARGS... | --describe FILE [MODEL_DIR])",
+            file=sys.stderr,
+        )
         return 2
     root, args = os.path.abspath(argv[0]), argv[2:]
     here = os.path.dirname(os.path.abspath(__file__))
@@ -75,8 +77,13 @@ def describe(path: str, model_dir: str | None) -> dict:
     for t in reader.tensors:
         types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
     arch = fields["general.architecture"].contents() if "general.architecture" in fields else None
-    return {"architecture": arch, "file_type": ftype, "file_type_name": ftype_name, "tensor_types": types,
-            "vocab_check": check_vocab(path, model_dir) if model_dir else None}
+    return {
+        "architecture": arch,
+        "file_type": ftype,
+        "file_type_name": ftype_name,
+        "tensor_types": types,
+        "vocab_check": check_vocab(path, model_dir) if model_dir else None,
+    }
 
 
 def check_vocab(gguf_path: str, model_dir: str) -> dict:
@@ -105,8 +112,13 @@ def check_vocab(gguf_path: str, model_dir: str) -> dict:
         got = value(f"tokenizer.ggml.{name}_token_id")
         if want is not None and got != want:
             bad.append(f"{name} id: {got} != {want}")
-    return {"n_tokens": len(tokens), "pre": value("tokenizer.ggml.pre"), "model": value("tokenizer.ggml.model"),
-            "n_mismatches": len(bad), "mismatches": bad[:5]}
+    return {
+        "n_tokens": len(tokens),
+        "pre": value("tokenizer.ggml.pre"),
+        "model": value("tokenizer.ggml.model"),
+        "n_mismatches": len(bad),
+        "mismatches": bad[:5],
+    }
 
 
 def registered_pre(chktxt: str | None, tokenizer) -> str | None:

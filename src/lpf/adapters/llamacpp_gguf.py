@@ -39,14 +39,29 @@ CONVERT = Path(__file__).with_name("llamacpp_convert.py")
 
 # lpf's name (what the run's dtype is) -> (converter --outtype, llama-quantize type or None)
 DTYPES = {
-    "float32": ("f32", None), "float16": ("f16", None), "bfloat16": ("bf16", None), "q8_0": ("q8_0", None),
-    "q6_k": ("f32", "Q6_K"), "q5_k_m": ("f32", "Q5_K_M"), "q4_k_m": ("f32", "Q4_K_M"), "q4_k_s": ("f32", "Q4_K_S"),
+    "float32": ("f32", None),
+    "float16": ("f16", None),
+    "bfloat16": ("bf16", None),
+    "q8_0": ("q8_0", None),
+    "q6_k": ("f32", "Q6_K"),
+    "q5_k_m": ("f32", "Q5_K_M"),
+    "q4_k_m": ("f32", "Q4_K_M"),
+    "q4_k_s": ("f32", "Q4_K_S"),
     "q4_0": ("f32", "Q4_0"),
 }
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 # general.file_type (llama.cpp's LLAMA_FTYPE_*) -> lpf's name, for reading a user's own file
-FILE_TYPES = {0: "float32", 1: "float16", 32: "bfloat16", 7: "q8_0", 18: "q6_k", 17: "q5_k_m", 15: "q4_k_m",
-              14: "q4_k_s", 2: "q4_0"}
+FILE_TYPES = {
+    0: "float32",
+    1: "float16",
+    32: "bfloat16",
+    7: "q8_0",
+    18: "q6_k",
+    17: "q5_k_m",
+    15: "q4_k_m",
+    14: "q4_k_s",
+    2: "q4_0",
+}
 TIMEOUT_S = 1800
 
 
@@ -83,9 +98,15 @@ class Gguf:
     header: dict = field(default_factory=dict)
 
     def describe(self) -> dict:
-        return {"path": str(self.path), "dtype": self.dtype, "key": self.key, "vocab_check": self.vocab,
-                "file_type": self.header.get("file_type_name"), "tensor_types": self.header.get("tensor_types"),
-                "size_bytes": self.path.stat().st_size if self.path.is_file() else None}
+        return {
+            "path": str(self.path),
+            "dtype": self.dtype,
+            "key": self.key,
+            "vocab_check": self.vocab,
+            "file_type": self.header.get("file_type_name"),
+            "tensor_types": self.header.get("tensor_types"),
+            "size_bytes": self.path.stat().st_size if self.path.is_file() else None,
+        }
 
 
 def find_tools() -> Tools:
@@ -94,9 +115,11 @@ def find_tools() -> Tools:
     where = f"LPF_LLAMACPP_DIR={env}" if env else str(REPO_DIR)
     for what in (tools.server, tools.converter_dir / "convert_hf_to_gguf.py"):
         if not what.is_file():
-            raise LpfError(f"llama.cpp is not built ({what} is missing under {where}): run `make llamacpp` in "
-                           f"the lpf checkout (about 15 minutes once), or set LPF_LLAMACPP_DIR to a directory "
-                           f"with bin/llama-server and llama.cpp/convert_hf_to_gguf.py")
+            raise LpfError(
+                f"llama.cpp is not built ({what} is missing under {where}): run `make llamacpp` in "
+                f"the lpf checkout (about 15 minutes once), or set LPF_LLAMACPP_DIR to a directory "
+                f"with bin/llama-server and llama.cpp/convert_hf_to_gguf.py"
+            )
     return tools
 
 
@@ -110,11 +133,24 @@ def content_key(model: ModelRef, dtype: str, tools: Tools) -> str:
     """What the GGUF depends on: the model's files, the converter's code, the quantizer."""
     h = hashlib.sha256(dtype.encode())
     h.update(str(weights_sha256(model.path)).encode())
-    _hash_files(h, sorted(p for p in model.path.iterdir()
-                          if p.is_file() and p.suffix in (".json", ".model", ".txt", ".jinja") and p.name != "lpf_card.json"))
+    _hash_files(
+        h,
+        sorted(
+            p
+            for p in model.path.iterdir()
+            if p.is_file() and p.suffix in (".json", ".model", ".txt", ".jinja") and p.name != "lpf_card.json"
+        ),
+    )
     conv = tools.converter_dir
-    _hash_files(h, [conv / "convert_hf_to_gguf.py", CONVERT, *sorted((conv / "conversion").glob("*.py")),
-                    *sorted((conv / "gguf-py" / "gguf").rglob("*.py"))])
+    _hash_files(
+        h,
+        [
+            conv / "convert_hf_to_gguf.py",
+            CONVERT,
+            *sorted((conv / "conversion").glob("*.py")),
+            *sorted((conv / "gguf-py" / "gguf").rglob("*.py")),
+        ],
+    )
     if DTYPES[dtype][1] is not None:
         _hash_files(h, [tools.quantize])
     return h.hexdigest()[:16]
@@ -137,8 +173,10 @@ def gguf_for(model: ModelRef, dtype: str, tools: Tools) -> Gguf:
         converted = tmp / f"convert-{outtype}.gguf"
         vocab = _convert(model, outtype, converted, tools)
         if vocab.get("n_mismatches"):
-            raise LpfError(f"llama.cpp's converter changed {model.spec}'s token ids "
-                           f"({vocab['n_mismatches']} differences, e.g. {vocab['mismatches'][0]}): not served")
+            raise LpfError(
+                f"llama.cpp's converter changed {model.spec}'s token ids "
+                f"({vocab['n_mismatches']} differences, e.g. {vocab['mismatches'][0]}): not served"
+            )
         final = converted
         if quant is not None:
             final = tmp / f"quant-{quant}.gguf"
@@ -160,35 +198,60 @@ def user_gguf(path: str, dtype: str | None, model: ModelRef, tools: Tools) -> Gg
     header = describe_gguf(file, tools, model.path)
     vocab = header.get("vocab_check") or {}
     if vocab.get("n_mismatches"):
-        raise LpfError(f"-E gguf={path}: its vocabulary is not {model.spec}'s ({vocab['n_mismatches']} differences, "
-                       f"e.g. {vocab['mismatches'][0]})")
+        raise LpfError(
+            f"-E gguf={path}: its vocabulary is not {model.spec}'s ({vocab['n_mismatches']} differences, "
+            f"e.g. {vocab['mismatches'][0]})"
+        )
     actual = header.get("dtype")
     if dtype is not None and actual is not None and dtype != actual:
-        raise LpfError(f"-E gguf={path} holds {header.get('file_type_name')} ({actual}), not {dtype}: drop --dtype "
-                       f"or pass the file it names")
+        raise LpfError(
+            f"-E gguf={path} holds {header.get('file_type_name')} ({actual}), not {dtype}: drop --dtype "
+            f"or pass the file it names"
+        )
     return Gguf(file.resolve(), actual or dtype or "unknown", None, vocab or None, header)
 
 
 def describe_gguf(path: Path, tools: Tools, model_dir: Path | None = None) -> dict:
     """Header facts read with the gguf-py that ships with the converter (in a child process, so lpf's
     own import path never holds the converter's modules); with `model_dir`, its vocabulary checked too."""
-    out = _run([sys.executable, str(CONVERT), str(tools.converter_dir), "--describe", str(path),
-                *([str(model_dir)] if model_dir else [])], "reading the GGUF header")
+    out = _run(
+        [
+            sys.executable,
+            str(CONVERT),
+            str(tools.converter_dir),
+            "--describe",
+            str(path),
+            *([str(model_dir)] if model_dir else []),
+        ],
+        "reading the GGUF header",
+    )
     line = next((ln for ln in out.splitlines() if ln.startswith("lpf-gguf: ")), None)
     if line is None:
         raise LpfError(f"could not read {path}'s GGUF header")
-    header = json.loads(line[len("lpf-gguf: "):])
+    header = json.loads(line[len("lpf-gguf: ") :])
     header["dtype"] = FILE_TYPES.get(header.get("file_type"))
     return header
 
 
 def _convert(model: ModelRef, outtype: str, out: Path, tools: Tools) -> dict:
-    output = _run([sys.executable, str(CONVERT), str(tools.converter_dir), "--", str(model.path),
-                   "--outtype", outtype, "--outfile", str(out)], f"llama.cpp's converter on {model.spec}")
+    output = _run(
+        [
+            sys.executable,
+            str(CONVERT),
+            str(tools.converter_dir),
+            "--",
+            str(model.path),
+            "--outtype",
+            outtype,
+            "--outfile",
+            str(out),
+        ],
+        f"llama.cpp's converter on {model.spec}",
+    )
     line = next((ln for ln in output.splitlines() if ln.startswith("lpf-vocab: ")), None)
     if line is None or not out.is_file():
         raise LpfError(f"llama.cpp's converter wrote no GGUF for {model.spec}")
-    return json.loads(line[len("lpf-vocab: "):])
+    return json.loads(line[len("lpf-vocab: ") :])
 
 
 def _run(cmd: list[str], what: str) -> str:
@@ -205,7 +268,11 @@ def _run(cmd: list[str], what: str) -> str:
 
 
 def _slug(spec: str) -> str:
-    name = spec.replace("zoo:", "zoo-").replace("tiny:", "tiny-") if spec.startswith(("zoo:", "tiny:")) else Path(spec).name
+    name = (
+        spec.replace("zoo:", "zoo-").replace("tiny:", "tiny-")
+        if spec.startswith(("zoo:", "tiny:"))
+        else Path(spec).name
+    )
     return "".join(c if c.isalnum() or c in "-_" else "-" for c in name)[-48:] or "model"
 
 

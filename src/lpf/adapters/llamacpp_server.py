@@ -52,8 +52,13 @@ class LlamaServer:
         for _attempt in range(3):
             self.port = free_port()
             with open(self.log_path, "wb") as log:
-                self.proc = subprocess.Popen(self.command(self.port), stdin=subprocess.DEVNULL, stdout=log,
-                                             stderr=subprocess.STDOUT, start_new_session=True)
+                self.proc = subprocess.Popen(
+                    self.command(self.port),
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
             try:
                 self._wait_ready()
                 return self
@@ -81,8 +86,10 @@ class LlamaServer:
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
-                raise LpfError(f"llama-server was not ready within {self.start_timeout_s:g} s "
-                               f"(raise -E start_timeout_s=...){self.log_tail()}")
+                raise LpfError(
+                    f"llama-server was not ready within {self.start_timeout_s:g} s "
+                    f"(raise -E start_timeout_s=...){self.log_tail()}"
+                )
             time.sleep(0.1)
 
     def log_tail(self, lines: int = 4) -> str:

@@ -54,14 +54,36 @@ def samplers(s: SamplingParams) -> list[str]:
 
 def payload(req: EngineRequest, s: SamplingParams, cache_prompt: bool, ban_eos: bool = False) -> dict:
     return {
-        "prompt": list(req.prompt_token_ids), "n_predict": req.max_tokens, "seed": req.seed, "stream": False,
-        "return_tokens": True, "cache_prompt": cache_prompt, "id_slot": -1,
-        "n_probs": max(1, s.logprobs), "post_sampling_probs": False,
-        "samplers": samplers(s), "temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p,
-        "min_p": 0.0, "typical_p": 1.0, "top_n_sigma": -1.0, "xtc_probability": 0.0, "dynatemp_range": 0.0,
-        "repeat_last_n": 0, "repeat_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
-        "dry_multiplier": 0.0, "mirostat": 0, "adaptive_target": -1.0, "min_keep": 0, "logit_bias": [],
-        "ignore_eos": bool(s.ignore_eos and ban_eos), "stop": [], "n_cmpl": 1,
+        "prompt": list(req.prompt_token_ids),
+        "n_predict": req.max_tokens,
+        "seed": req.seed,
+        "stream": False,
+        "return_tokens": True,
+        "cache_prompt": cache_prompt,
+        "id_slot": -1,
+        "n_probs": max(1, s.logprobs),
+        "post_sampling_probs": False,
+        "samplers": samplers(s),
+        "temperature": s.temperature,
+        "top_k": s.top_k,
+        "top_p": s.top_p,
+        "min_p": 0.0,
+        "typical_p": 1.0,
+        "top_n_sigma": -1.0,
+        "xtc_probability": 0.0,
+        "dynatemp_range": 0.0,
+        "repeat_last_n": 0,
+        "repeat_penalty": 1.0,
+        "frequency_penalty": 0.0,
+        "presence_penalty": 0.0,
+        "dry_multiplier": 0.0,
+        "mirostat": 0,
+        "adaptive_target": -1.0,
+        "min_keep": 0,
+        "logit_bias": [],
+        "ignore_eos": bool(s.ignore_eos and ban_eos),
+        "stop": [],
+        "n_cmpl": 1,
     }
 
 
@@ -71,8 +93,7 @@ def logprob(value: Any, pos: int, problems: Problems) -> float:
     return problems.logprob(value, pos)
 
 
-def parse(req: EngineRequest, body: Any, s: SamplingParams, vocab_size: int, tokenizer,
-          check_answer) -> Completion:
+def parse(req: EngineRequest, body: Any, s: SamplingParams, vocab_size: int, tokenizer, check_answer) -> Completion:
     """One answer -> Completion; `check_answer` is RemoteEngine.check_answer (count, finish, text)."""
     if not isinstance(body, dict):
         raise RequestFailed(f"answer is a JSON {type(body).__name__}, not an object")
@@ -84,8 +105,10 @@ def parse(req: EngineRequest, body: Any, s: SamplingParams, vocab_size: int, tok
     for pos, e in enumerate(probs):
         tid = e.get("id") if isinstance(e, dict) else None
         if not isinstance(tid, int) or isinstance(tid, bool) or not 0 <= tid < vocab_size:
-            raise RequestFailed(f"completion_probabilities[{pos}] has id {snippet(tid)}, not a token id of the "
-                                f"model's vocabulary (0..{vocab_size - 1})")
+            raise RequestFailed(
+                f"completion_probabilities[{pos}] has id {snippet(tid)}, not a token id of the "
+                f"model's vocabulary (0..{vocab_size - 1})"
+            )
         ids.append(tid)
         lps.append(logprob(e.get("logprob"), pos, problems))
         pairs = []
@@ -95,37 +118,59 @@ def parse(req: EngineRequest, body: Any, s: SamplingParams, vocab_size: int, tok
                 problems.add("top_logprobs", f"top_logprobs[{pos}] holds {snippet(alt)}, not a token id")
                 continue
             v = alt.get("logprob")
-            pairs.append((-math.inf if isinstance(v, (int, float)) and v <= -_FLT_MAX * 0.999 else as_logprob(v, pos), aid))
+            pairs.append(
+                (-math.inf if isinstance(v, (int, float)) and v <= -_FLT_MAX * 0.999 else as_logprob(v, pos), aid)
+            )
         pairs.sort(key=lambda p: -p[0])
-        top_ids.append([t for _, t in pairs[:s.logprobs]])
-        top_lps.append([v for v, _ in pairs[:s.logprobs]])
+        top_ids.append([t for _, t in pairs[: s.logprobs]])
+        top_lps.append([v for v, _ in pairs[: s.logprobs]])
     tokens = body.get("tokens")
     if isinstance(tokens, list) and tokens != ids:
         at = _subsequence(ids, tokens, vocab_size)
         if at is None:
             bad = next((i for i, (a, b) in enumerate(zip(tokens, ids)) if a != b), min(len(tokens), len(ids)))
-            problems.add("tokens", f"tokens ({len(tokens)}) and completion_probabilities ({len(ids)}) disagree at "
-                                   f"position {bad}")
+            problems.add(
+                "tokens", f"tokens ({len(tokens)}) and completion_probabilities ({len(ids)}) disagree at position {bad}"
+            )
         else:  # entries missing, the rest in order: the generated tokens stand, no logprob where none was sent
             missing = sorted(set(range(len(tokens))) - set(at))
-            problems.add("logprobs_missing", f"no completion_probabilities entry for {len(missing)} of {len(tokens)} "
-                                             f"tokens (positions {snippet(missing)}): llama-server adds a token's "
-                                             f"probabilities only once the text is complete UTF-8")
+            problems.add(
+                "logprobs_missing",
+                f"no completion_probabilities entry for {len(missing)} of {len(tokens)} "
+                f"tokens (positions {snippet(missing)}): llama-server adds a token's "
+                f"probabilities only once the text is complete UTF-8",
+            )
             full = [None] * len(tokens), [[] for _ in tokens], [[] for _ in tokens]
             for j, i in enumerate(at):
                 full[0][i], full[1][i], full[2][i] = lps[j], top_ids[j], top_lps[j]
             ids, (lps, top_ids, top_lps) = list(tokens), full
     if body.get("truncated"):
-        problems.add("truncated", "the server says truncated: the slot's context (ctx_size / parallel) ran out before "
-                                  "max_tokens, or a context shift discarded tokens the answer was computed without")
+        problems.add(
+            "truncated",
+            "the server says truncated: the slot's context (ctx_size / parallel) ran out before "
+            "max_tokens, or a context shift discarded tokens the answer was computed without",
+        )
     stop_type = body.get("stop_type")
     finish = FINISH.get(stop_type, stop_type if isinstance(stop_type, str) else "length")
-    check_answer(req, ids, body.get("tokens_predicted"), finish, body.get("content"), problems,
-                 f"stop_type {stop_type!r}" if finish not in ("stop", "length") else None)
+    check_answer(
+        req,
+        ids,
+        body.get("tokens_predicted"),
+        finish,
+        body.get("content"),
+        problems,
+        f"stop_type {stop_type!r}" if finish not in ("stop", "length") else None,
+    )
     keep_top = s.logprobs > 0
-    return Completion(request_id=req.request_id, output_token_ids=ids, logprobs=lps,
-                      topk_ids=top_ids if keep_top else [], topk_logprobs=top_lps if keep_top else [],
-                      finish_reason=str(finish), inconsistency=problems.text())
+    return Completion(
+        request_id=req.request_id,
+        output_token_ids=ids,
+        logprobs=lps,
+        topk_ids=top_ids if keep_top else [],
+        topk_logprobs=top_lps if keep_top else [],
+        finish_reason=str(finish),
+        inconsistency=problems.text(),
+    )
 
 
 def _subsequence(sub: list, full: list, vocab_size: int) -> list[int] | None:
@@ -153,7 +198,14 @@ def slot_row(req: EngineRequest, body: Any) -> dict:
         v = d.get(k)
         return kind(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
-    return {"request_id": req.request_id, "state_slot": num(body, "id_slot"), "cache_n": num(t, "cache_n"),
-            "prompt_n": num(t, "prompt_n"), "predicted_n": num(t, "predicted_n"),
-            "tokens_cached": num(body, "tokens_cached"), "prompt_ms": num(t, "prompt_ms", float),
-            "predicted_ms": num(t, "predicted_ms", float), "n_prompt_tokens": len(req.prompt_token_ids)}
+    return {
+        "request_id": req.request_id,
+        "state_slot": num(body, "id_slot"),
+        "cache_n": num(t, "cache_n"),
+        "prompt_n": num(t, "prompt_n"),
+        "predicted_n": num(t, "predicted_n"),
+        "tokens_cached": num(body, "tokens_cached"),
+        "prompt_ms": num(t, "prompt_ms", float),
+        "predicted_ms": num(t, "predicted_ms", float),
+        "n_prompt_tokens": len(req.prompt_token_ids),
+    }

@@ -48,22 +48,32 @@ MAX_ADAPTATIONS = 4
 
 
 class OpenAIOptions(RemoteOptions):
-    served_model: str = knob("", help="openai engine: the name the server serves, when --model is the local copy.",
-                             flag=True)
+    served_model: str = knob(
+        "", help="openai engine: the name the server serves, when --model is the local copy.", flag=True
+    )
     token_ids: Literal["auto", "server", "tokenizer"] = knob(
-        "auto", help="How token ids are known: server (demand token_id:N), tokenizer (map the strings), auto.")
+        "auto", help="How token ids are known: server (demand token_id:N), tokenizer (map the strings), auto."
+    )
     prompt_logprobs: Literal["echo", "field"] = knob(
-        "echo", help="How --prompt-logprobs asks: echo + logprobs, or vLLM's prompt_logprobs field.")
+        "echo", help="How --prompt-logprobs asks: echo + logprobs, or vLLM's prompt_logprobs field."
+    )
     api: Literal["auto", "completions", "chat"] = knob(
-        "auto", flag=True, help="openai engine: the route, /v1/completions or /v1/chat/completions (auto: chat "
-                                "when the workload has messages).")
+        "auto",
+        flag=True,
+        help="openai engine: the route, /v1/completions or /v1/chat/completions (auto: chat "
+        "when the workload has messages).",
+    )
     prompt: Literal["auto", "ids", "text"] = Field(
-        "auto", description="completions prompts as token ids or text; auto: ids, text once a server refuses ids")
+        "auto", description="completions prompts as token ids or text; auto: ids, text once a server refuses ids"
+    )
     logprobs: Literal["auto", "require"] = Field(
-        "auto", description="an answer without logprobs: audited from its tokens (auto) or the request's error")
+        "auto", description="an answer without logprobs: audited from its tokens (auto) or the request's error"
+    )
     dtype: str | None = Field(
-        None, description="the dtype the server says it computes in (its floor is the one judged against); "
-                          "unset: the most lenient pair measured")
+        None,
+        description="the dtype the server says it computes in (its floor is the one judged against); "
+        "unset: the most lenient pair measured",
+    )
 
     @model_validator(mode="after")
     def _named(self):
@@ -119,8 +129,15 @@ class OpenAIEngine(RemoteEngine):
 
     def payload(self, req: EngineRequest) -> dict:
         s = self.sampling
-        body = {"model": self.options.served_model, "max_tokens": req.max_tokens, "temperature": s.temperature,
-                "top_p": s.top_p, "seed": req.seed, "n": 1, "stream": False}
+        body = {
+            "model": self.options.served_model,
+            "max_tokens": req.max_tokens,
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "seed": req.seed,
+            "n": 1,
+            "stream": False,
+        }
         if self.is_chat(req):
             body["messages"] = [dict(m) for m in req.messages]
             if self.ask_logprobs:
@@ -149,8 +166,10 @@ class OpenAIEngine(RemoteEngine):
             return req.text
         text = self.tokenizer.decode(list(req.prompt_token_ids), skip_special_tokens=True)
         if self.tokenizer.encode(text) != list(req.prompt_token_ids):
-            raise RequestFailed("this prompt's token ids do not round-trip through text (decode, then encode): "
-                                "it cannot be sent to a server that takes text only")
+            raise RequestFailed(
+                "this prompt's token ids do not round-trip through text (decode, then encode): "
+                "it cannot be sent to a server that takes text only"
+            )
         return text
 
     def tag(self, req, payload, attempt):
@@ -162,8 +181,17 @@ class OpenAIEngine(RemoteEngine):
         for _ in range(MAX_ADAPTATIONS + 1):
             sent = self.payload(req)
             try:
-                body = await post_json(client, self.url_for(req), sent, self.options.policy(), deadline,
-                                       self.stats, breaker, tag=lambda p, a: self.tag(req, p, a), attempts=attempts)
+                body = await post_json(
+                    client,
+                    self.url_for(req),
+                    sent,
+                    self.options.policy(),
+                    deadline,
+                    self.stats,
+                    breaker,
+                    tag=lambda p, a: self.tag(req, p, a),
+                    attempts=attempts,
+                )
                 self.routes[self.endpoint(req).rsplit("/v1", 1)[-1]] += 1
                 return body
             except RequestFailed as e:
@@ -179,18 +207,26 @@ class OpenAIEngine(RemoteEngine):
             return
         said = error.split(":", 2)[-1].lower()
         detail = error.split(": ", 1)[-1][:160]
-        if any(f in sent for f in _ID_FIELDS) and self.options.token_ids == "auto" and any(f in said for f in _ID_FIELDS):
+        if (
+            any(f in sent for f in _ID_FIELDS)
+            and self.options.token_ids == "auto"
+            and any(f in said for f in _ID_FIELDS)
+        ):
             self.ask_for_ids = False
         elif isinstance(sent.get("prompt"), list) and self.options.prompt == "auto" and "prompt" in said:
             if not self.send_text:
                 self.send_text = True
-                self.notes.append(f"the server refused token-id prompts ({detail}): prompts were sent as text from "
-                                  f"then on, and their tokenization checked against usage")
+                self.notes.append(
+                    f"the server refused token-id prompts ({detail}): prompts were sent as text from "
+                    f"then on, and their tokenization checked against usage"
+                )
         elif "logprobs" in sent and self.options.logprobs == "auto" and "logprob" in said:
             if self.ask_logprobs:
                 self.ask_logprobs = False
-                self.notes.append(f"the server refused logprobs ({detail}): asked without them from then on; the "
-                                  f"answers are audited from their tokens alone")
+                self.notes.append(
+                    f"the server refused logprobs ({detail}): asked without them from then on; the "
+                    f"answers are audited from their tokens alone"
+                )
 
     # -- the answer -----------------------------------------------------------------------------------
     def parse(self, req: EngineRequest, body: Any) -> Completion:
@@ -220,9 +256,10 @@ class OpenAIEngine(RemoteEngine):
             ids = [self.map.resolve(p.token, p.tid, p.raw, pos, strict=True) for pos, p in enumerate(block.positions)]
             self.check_ids(ids)
             # an echoed prompt's first token has no logprob (nothing precedes it): not a problem there
-            logprobs = [math.nan if echoed and pos == 0 else
-                        problems.logprob(None if p.logprob is MISSING else p.logprob, pos)
-                        for pos, p in enumerate(block.positions)]
+            logprobs = [
+                math.nan if echoed and pos == 0 else problems.logprob(None if p.logprob is MISSING else p.logprob, pos)
+                for pos, p in enumerate(block.positions)
+            ]
             top = None if all(p.top is None for p in block.positions) else [p.top for p in block.positions]
             if block.top_problem:
                 problems.add("top_logprobs", block.top_problem)
@@ -239,10 +276,18 @@ class OpenAIEngine(RemoteEngine):
         if finish is None:  # no claim to check; what the length says
             finish = "length" if len(ids) >= req.max_tokens else "stop"
         self.check_answer(req, ids, claimed, finish, None if echoed else text, problems)
-        return Completion(request_id=req.request_id, output_token_ids=ids, logprobs=logprobs, topk_ids=topk_ids,
-                          topk_logprobs=topk_lps, finish_reason=str(finish), inconsistency=problems.text(),
-                          prompt_logprobs=prompt[0] if prompt else None, prompt_topk_ids=prompt[1] if prompt else [],
-                          prompt_topk_logprobs=prompt[2] if prompt else [])
+        return Completion(
+            request_id=req.request_id,
+            output_token_ids=ids,
+            logprobs=logprobs,
+            topk_ids=topk_ids,
+            topk_logprobs=topk_lps,
+            finish_reason=str(finish),
+            inconsistency=problems.text(),
+            prompt_logprobs=prompt[0] if prompt else None,
+            prompt_topk_ids=prompt[1] if prompt else [],
+            prompt_topk_logprobs=prompt[2] if prompt else [],
+        )
 
     def _tokens_only(self, req, choice, text, usage, finish, problems) -> list[int]:
         """The output ids of an answer without logprobs: the server's `token_ids`, else its text re-encoded."""
@@ -252,7 +297,9 @@ class OpenAIEngine(RemoteEngine):
             self.returned["tokens only (ids)"] += 1
             claimed = usage.get("completion_tokens")
             if isinstance(claimed, int) and claimed != len(ids):
-                problems.add("token_count", f"the server counts {claimed} completion tokens but returned {len(ids)} ids")
+                problems.add(
+                    "token_count", f"the server counts {claimed} completion tokens but returned {len(ids)} ids"
+                )
             return list(ids)
         if not isinstance(text, str) or not text and not usage.get("completion_tokens"):
             raise RequestFailed("the answer has neither logprobs nor token ids nor text")
@@ -263,8 +310,11 @@ class OpenAIEngine(RemoteEngine):
         if isinstance(claimed, int) and claimed == len(ids) + 1 and finish == "stop" and eos is not None:
             ids.append(eos)  # the stop token: its text is skipped, the server counts it
         elif isinstance(claimed, int) and claimed != len(ids):
-            problems.add("retokenized", f"its text re-encodes to {len(ids)} tokens; the server counts {claimed} "
-                                        f"(the tokens scored are not the server's)")
+            problems.add(
+                "retokenized",
+                f"its text re-encodes to {len(ids)} tokens; the server counts {claimed} "
+                f"(the tokens scored are not the server's)",
+            )
         if not exact:
             problems.add("retokenized", "its text does not re-encode to tokens that decode back to it")
         return ids
@@ -278,13 +328,17 @@ class OpenAIEngine(RemoteEngine):
         if isinstance(theirs, list) and theirs and all(isinstance(t, int) for t in theirs):
             if theirs != ours:
                 at = next((i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b), min(len(theirs), len(ours)))
-                problems.add(kind, f"the server's prompt ({len(theirs)} tokens) differs from the reference's "
-                                   f"({len(ours)}) at position {at}: the server {how}")
+                problems.add(
+                    kind,
+                    f"the server's prompt ({len(theirs)} tokens) differs from the reference's "
+                    f"({len(ours)}) at position {at}: the server {how}",
+                )
             return
         n = usage.get("prompt_tokens")
         if isinstance(n, int) and not isinstance(n, bool) and n != len(ours):
-            problems.add(kind, f"the server counts {n} prompt tokens, the reference's prompt has {len(ours)}: the "
-                               f"server {how}")
+            problems.add(
+                kind, f"the server counts {n} prompt tokens, the reference's prompt has {len(ours)}: the server {how}"
+            )
 
     def _echoed_prompt(self, req, ids, logprobs, top, problems) -> tuple[list, list, list] | None:
         """(logprobs, top-k ids, top-k logprobs) of prompt positions 1..P-1 from an echoed answer; None,
@@ -295,29 +349,35 @@ class OpenAIEngine(RemoteEngine):
             raise RequestFailed(f"echo returned {len(ids)} tokens for a prompt of {n} and at least one output")
         if ids[:n] != prompt:
             at = next(i for i, (a, b) in enumerate(zip(ids, prompt)) if a != b)
-            problems.add("echo", f"the echoed tokens differ from the prompt at position {at} (prompt logprobs not stored)")
+            problems.add(
+                "echo", f"the echoed tokens differ from the prompt at position {at} (prompt logprobs not stored)"
+            )
             return None
-        p_ids, p_lps = self.top_k(top[1:n] if isinstance(top, list) else top, n - 1, "top_logprobs (prompt)",
-                                  self.top_pairs, problems)
+        p_ids, p_lps = self.top_k(
+            top[1:n] if isinstance(top, list) else top, n - 1, "top_logprobs (prompt)", self.top_pairs, problems
+        )
         return logprobs[1:n], p_ids, p_lps
 
     def _prompt_field(self, req, field: Any, problems) -> tuple[list, list, list] | None:
         """vLLM's `prompt_logprobs`: [null, {token id: {logprob, rank, ...}}, ...], one per prompt token."""
         prompt = list(req.prompt_token_ids)
         if not isinstance(field, list) or len(field) != len(prompt):
-            problems.add("prompt_logprobs", f"prompt_logprobs has {len(field) if isinstance(field, list) else 'no'} "
-                                            f"entries for {len(prompt)} prompt tokens")
+            problems.add(
+                "prompt_logprobs",
+                f"prompt_logprobs has {len(field) if isinstance(field, list) else 'no'} "
+                f"entries for {len(prompt)} prompt tokens",
+            )
             return None
         lps, ids_out, lps_out = [], [], []
         for pos, (tid, entry) in enumerate(zip(prompt[1:], field[1:]), 1):
             pairs = {}
-            for key, value in (entry.items() if isinstance(entry, dict) else ()):
+            for key, value in entry.items() if isinstance(entry, dict) else ():
                 v = value.get("logprob") if isinstance(value, dict) else value
                 if str(key).lstrip("-").isdigit():
                     pairs[int(key)] = v
             lps.append(problems.logprob(pairs.get(tid), pos))
             best = sorted(((as_logprob(v, pos), t) for t, v in pairs.items()), key=lambda p: -p[0])
-            best = [(v, t) for v, t in best if v == v][:self.sampling.logprobs]
+            best = [(v, t) for v, t in best if v == v][: self.sampling.logprobs]
             ids_out.append([t for _, t in best])
             lps_out.append([v for v, _ in best])
         return lps, ids_out, lps_out

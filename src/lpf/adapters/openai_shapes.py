@@ -62,13 +62,19 @@ def read_logprobs(block: Any) -> Block | None:
             raise RequestFailed(f"{len(values)} logprobs for {len(tokens)} tokens")
         top = block.get("top_logprobs")
         lined_up = isinstance(top, list) and len(top) == len(tokens)
-        out = [Position(token=t, logprob=v, top=_legacy_top(top[i]) if lined_up else None)
-               for i, (t, v) in enumerate(zip(tokens, values))]
-        problem = None if top is None or lined_up else \
-            f"top_logprobs has {len(top) if isinstance(top, list) else 'no'} entries for {len(tokens)} tokens"
+        out = [
+            Position(token=t, logprob=v, top=_legacy_top(top[i]) if lined_up else None)
+            for i, (t, v) in enumerate(zip(tokens, values))
+        ]
+        problem = (
+            None
+            if top is None or lined_up
+            else f"top_logprobs has {len(top) if isinstance(top, list) else 'no'} entries for {len(tokens)} tokens"
+        )
         return Block("legacy", out, problem)
-    raise RequestFailed("answer's logprobs are neither the completions shape (tokens, token_logprobs) nor the "
-                        "chat shape (content)")
+    raise RequestFailed(
+        "answer's logprobs are neither the completions shape (tokens, token_logprobs) nor the chat shape (content)"
+    )
 
 
 def _legacy_top(entry: Any) -> list[Alt] | None:
@@ -90,5 +96,6 @@ def _content_entry(e: Any, pos: int) -> Position:
         raise RequestFailed(f"logprobs.content[{pos}] is {type(e).__name__}, not an object")
     top = e.get("top_logprobs")
     alts = [_alt(t) for t in top if isinstance(t, dict)] if isinstance(top, list) else None
-    return Position(token=e.get("token"), tid=e.get("id"), raw=e.get("bytes"), logprob=e.get("logprob", MISSING),
-                    top=alts)
+    return Position(
+        token=e.get("token"), tid=e.get("id"), raw=e.get("bytes"), logprob=e.get("logprob", MISSING), top=alts
+    )

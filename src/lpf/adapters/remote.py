@@ -33,18 +33,31 @@ from urllib.parse import urlsplit
 from pydantic import model_validator
 
 from lpf.adapters.base import Completion, Engine, Options
-from lpf.adapters.http import (CircuitBreaker, RequestFailed, RetryPolicy, Stats, api_key_from_env, make_client,
-                              post_json, run_all)
+from lpf.adapters.http import (
+    CircuitBreaker,
+    RequestFailed,
+    RetryPolicy,
+    Stats,
+    api_key_from_env,
+    make_client,
+    post_json,
+    run_all,
+)
 from lpf.core.errors import LpfError
 from lpf.core.knobs import knob
 from lpf.core.workload import EngineRequest
 
 
 class RemoteOptions(Options):
-    base_url: str = knob("", help="openai/sglang/llamacpp engines: the server, e.g. http://127.0.0.1:8000/v1.",
-                         flag=True)
-    api_key_env: str = knob("", help="openai/sglang engines: environment variable holding the API key (never written "
-                            "anywhere).", flag=True, metavar="VAR")
+    base_url: str = knob(
+        "", help="openai/sglang/llamacpp engines: the server, e.g. http://127.0.0.1:8000/v1.", flag=True
+    )
+    api_key_env: str = knob(
+        "",
+        help="openai/sglang engines: environment variable holding the API key (never written anywhere).",
+        flag=True,
+        metavar="VAR",
+    )
     # the client's requests in flight, not a batch the server forms: no role (lpf repeat does not vary it)
     concurrency: int = knob(16, ge=1, help="Requests in flight at once.", shrink_order=110)
     timeout_s: float = knob(60.0, gt=0, help="Seconds one attempt may take.")
@@ -52,13 +65,21 @@ class RemoteOptions(Options):
     deadline_s: float = knob(3600.0, gt=0, help="Seconds the whole run may take.")
     backoff_s: float = knob(0.5, gt=0, help="First retry's wait in seconds (doubling, with jitter).")
     # open-loop load: Poisson arrivals (seeded by the run's seed); 0 = closed loop
-    arrival_rate: float = knob(0.0, ge=0, help="Requests per second, Poisson arrivals (0: a new request as soon as "
-                               "one of `concurrency` finishes).")
+    arrival_rate: float = knob(
+        0.0,
+        ge=0,
+        help="Requests per second, Poisson arrivals (0: a new request as soon as one of `concurrency` finishes).",
+    )
     # client behaviours that trigger prefix-cache bugs (`lpf.adapters.client_behaviour`)
-    cancel_after_ms: float = knob(0.0, ge=0, help="A request the workload marks (abort_after_tokens) is first sent "
-                                  "and cancelled after this many ms, then resent (0: sent once).")
-    burst_prefix_tokens: int = knob(0, ge=0, help="Send requests whose first N prompt tokens agree together, one "
-                                    "burst per prefix (0: no bursts).")
+    cancel_after_ms: float = knob(
+        0.0,
+        ge=0,
+        help="A request the workload marks (abort_after_tokens) is first sent "
+        "and cancelled after this many ms, then resent (0: sent once).",
+    )
+    burst_prefix_tokens: int = knob(
+        0, ge=0, help="Send requests whose first N prompt tokens agree together, one burst per prefix (0: no bursts)."
+    )
     burst_gap_ms: float = knob(500.0, ge=0, help="Milliseconds between two bursts (burst_prefix_tokens).")
 
     @model_validator(mode="after")
@@ -69,16 +90,19 @@ class RemoteOptions(Options):
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise LpfError(f"--base-url must be an http(s)://HOST[:PORT][/PATH] URL, got {self.base_url!r}")
         if parts.username or parts.password:
-            raise LpfError("--base-url must not carry credentials (they would be written to the manifest); "
-                           "put the key in an environment variable and pass --api-key-env NAME")
+            raise LpfError(
+                "--base-url must not carry credentials (they would be written to the manifest); "
+                "put the key in an environment variable and pass --api-key-env NAME"
+            )
         api_key_from_env(self.api_key_env)  # a missing key is refused before the run directory exists
         if self.burst_prefix_tokens and self.arrival_rate:
             raise LpfError("-E burst_prefix_tokens and -E arrival_rate both set send times: pick one")
         return self
 
     def policy(self) -> RetryPolicy:
-        return RetryPolicy(max_retries=self.max_retries, backoff_s=self.backoff_s, timeout_s=self.timeout_s,
-                           deadline_s=self.deadline_s)
+        return RetryPolicy(
+            max_retries=self.max_retries, backoff_s=self.backoff_s, timeout_s=self.timeout_s, deadline_s=self.deadline_s
+        )
 
 
 def is_local_model(spec: str) -> bool:
@@ -133,8 +157,10 @@ class RemoteEngine(Engine):
             from lpf.core.model_specs import DEFAULT_MODEL
 
             return DEFAULT_MODEL
-        raise LpfError(f"--model {model!r} is the served model's name, not a local directory or zoo: name: pass "
-                       f"--reference DIR (the same model's weights and tokenizer, used for prompts and rescoring)")
+        raise LpfError(
+            f"--model {model!r} is the served model's name, not a local directory or zoo: name: pass "
+            f"--reference DIR (the same model's weights and tokenizer, used for prompts and rescoring)"
+        )
 
     # -- subclass hooks -------------------------------------------------------------------------------
     def endpoint(self) -> str:
@@ -155,21 +181,32 @@ class RemoteEngine(Engine):
     def attempt_id(req: EngineRequest, attempt: int) -> str:
         return req.request_id if attempt == 0 else f"{req.request_id}~retry{attempt}"
 
-    async def call(self, client, req: EngineRequest, deadline: float, breaker: CircuitBreaker,
-                   attempts: list) -> Any:
+    async def call(self, client, req: EngineRequest, deadline: float, breaker: CircuitBreaker, attempts: list) -> Any:
         """One request's JSON answer (a subclass may adapt the payload after a refusal); every attempt
         is appended to `attempts`."""
-        return await post_json(client, self.url(self.endpoint()), self.payload(req), self.options.policy(),
-                               deadline, self.stats, breaker, tag=lambda p, a: self.tag(req, p, a),
-                               attempts=attempts)
+        return await post_json(
+            client,
+            self.url(self.endpoint()),
+            self.payload(req),
+            self.options.policy(),
+            deadline,
+            self.stats,
+            breaker,
+            tag=lambda p, a: self.tag(req, p, a),
+            attempts=attempts,
+        )
 
     # -- shared machinery ---------------------------------------------------------------------------
     def url(self, path: str) -> str:
         return self.options.base_url.rstrip("/") + path
 
     def describe(self) -> dict:
-        return {"name": self.name, "version": self.server_version, "options": self.options.to_dict(),
-                "client": {"retries": self.stats.to_dict()}}
+        return {
+            "name": self.name,
+            "version": self.server_version,
+            "options": self.options.to_dict(),
+            "client": {"retries": self.stats.to_dict()},
+        }
 
     def in_flight(self) -> int:
         """How many requests are sent at once (an engine may derive it from its other knobs)."""
@@ -199,14 +236,25 @@ class RemoteEngine(Engine):
             return c
 
         def on_error(req: EngineRequest, message: str) -> Completion:
-            return Completion(request_id=req.request_id, output_token_ids=[], logprobs=[], finish_reason="error",
-                              error=message, t_submit=started.get(req.request_id),
-                              attempts=attempts.get(req.request_id, []))
+            return Completion(
+                request_id=req.request_id,
+                output_token_ids=[],
+                logprobs=[],
+                finish_reason="error",
+                error=message,
+                t_submit=started.get(req.request_id),
+                attempts=attempts.get(req.request_id, []),
+            )
 
-        for _, completion in run_all(requests, handler, concurrency=concurrency,
-                                     client_factory=lambda: make_client(concurrency, self.api_key),
-                                     on_error=on_error, join_timeout=o.timeout_s + 5,
-                                     start_at=self.arrivals(requests)):
+        for _, completion in run_all(
+            requests,
+            handler,
+            concurrency=concurrency,
+            client_factory=lambda: make_client(concurrency, self.api_key),
+            on_error=on_error,
+            join_timeout=o.timeout_s + 5,
+            start_at=self.arrivals(requests),
+        ):
             yield completion
 
     async def _cancelled_first(self, client, req: EngineRequest, deadline: float, breaker, log: list) -> Any:
@@ -225,8 +273,11 @@ class RemoteEngine(Engine):
         t = time.time()
         try:
             body = await asyncio.wait_for(
-                self.call(client, dataclasses.replace(req, request_id=CANCELLED_ID(req.request_id)), deadline,
-                          breaker, first), ms / 1000)
+                self.call(
+                    client, dataclasses.replace(req, request_id=CANCELLED_ID(req.request_id)), deadline, breaker, first
+                ),
+                ms / 1000,
+            )
             log.extend(first)  # it beat the cancel: the request's answer (its server rows keep ID~attempt0)
             return body
         except asyncio.TimeoutError:
@@ -258,11 +309,18 @@ class RemoteEngine(Engine):
     def check_ids(self, ids: list[int], what: str = "token id") -> None:
         for pos, t in enumerate(ids):
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
-                raise RequestFailed(f"{what} {t!r} at position {pos} is not in the model's vocabulary "
-                                    f"(0..{self.vocab_size - 1})")
+                raise RequestFailed(
+                    f"{what} {t!r} at position {pos} is not in the model's vocabulary (0..{self.vocab_size - 1})"
+                )
 
-    def top_k(self, top: Any, n: int, field: str,
-              entry_pairs: Callable[[Any, int], list[tuple[float, int]]], problems: "Problems") -> tuple[list, list]:
+    def top_k(
+        self,
+        top: Any,
+        n: int,
+        field: str,
+        entry_pairs: Callable[[Any, int], list[tuple[float, int]]],
+        problems: "Problems",
+    ) -> tuple[list, list]:
         """Per position, the best `--logprobs` alternatives (ids, logprobs), best first, from a server's
         `field` (one entry per output token); `entry_pairs(entry, pos)` reads one entry in that
         server's shape as (logprob, token id) pairs. Nothing asked or nothing sent: no top-k; a list
@@ -271,8 +329,9 @@ class RemoteEngine(Engine):
         if k == 0 or top is None:
             return [], []
         if not isinstance(top, list) or len(top) != n:
-            problems.add("top_logprobs", f"{field} has {len(top) if isinstance(top, list) else 'no'} entries "
-                                         f"for {n} tokens")
+            problems.add(
+                "top_logprobs", f"{field} has {len(top) if isinstance(top, list) else 'no'} entries for {n} tokens"
+            )
             return [], []
         ids_out, lps_out = [], []
         for pos, entry in enumerate(top):
@@ -282,8 +341,16 @@ class RemoteEngine(Engine):
             lps_out.append([v for v, _ in pairs[:k]])
         return ids_out, lps_out
 
-    def check_answer(self, req: EngineRequest, ids: list[int], claimed: Any, finish: Any, text: Any,
-                     problems: "Problems", finish_detail: str | None = None) -> None:
+    def check_answer(
+        self,
+        req: EngineRequest,
+        ids: list[int],
+        claimed: Any,
+        finish: Any,
+        text: Any,
+        problems: "Problems",
+        finish_detail: str | None = None,
+    ) -> None:
         """What every answer must agree with: tokens at all, at most max_tokens of them, the server's
         own count, its finish reason (a `length` finish short of both max_tokens and the context is
         not one) and its text (the tokens decoded, with or without special tokens)."""
@@ -332,13 +399,15 @@ class Problems:
     def text(self) -> str | None:
         if not self.items:
             return None
-        return "; ".join(f"{kind}: {detail}" + (f" ({self._counts[kind]} positions)" if self._counts[kind] > 1 else "")
-                         for kind, detail in self.items.items())
+        return "; ".join(
+            f"{kind}: {detail}" + (f" ({self._counts[kind]} positions)" if self._counts[kind] > 1 else "")
+            for kind, detail in self.items.items()
+        )
 
 
 def snippet(value: Any, width: int = 40) -> str:
     text = repr(value)
-    return text if len(text) <= width else text[:width - 3] + "..."
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def as_logprob(value: Any, pos: int) -> float:

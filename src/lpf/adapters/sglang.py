@@ -38,11 +38,22 @@ class SGLangEngine(RemoteEngine):
 
     def payload(self, req: EngineRequest) -> dict:
         s = self.sampling
-        return {"input_ids": list(req.prompt_token_ids),
-                "sampling_params": {"max_new_tokens": req.max_tokens, "temperature": s.temperature, "top_p": s.top_p,
-                                    "top_k": s.top_k or -1, "ignore_eos": s.ignore_eos, "sampling_seed": req.seed},
-                "return_logprob": True, "top_logprobs_num": s.logprobs, "logprob_start_len": 0 if s.prompt_logprobs else -1,
-                "return_text_in_logprobs": False, "stream": False}
+        return {
+            "input_ids": list(req.prompt_token_ids),
+            "sampling_params": {
+                "max_new_tokens": req.max_tokens,
+                "temperature": s.temperature,
+                "top_p": s.top_p,
+                "top_k": s.top_k or -1,
+                "ignore_eos": s.ignore_eos,
+                "sampling_seed": req.seed,
+            },
+            "return_logprob": True,
+            "top_logprobs_num": s.logprobs,
+            "logprob_start_len": 0 if s.prompt_logprobs else -1,
+            "return_text_in_logprobs": False,
+            "stream": False,
+        }
 
     def tag(self, req, payload, attempt):
         return {**payload, "rid": self.attempt_id(req, attempt)}, {}  # SGLang's own request id field
@@ -74,33 +85,62 @@ class SGLangEngine(RemoteEngine):
             if not isinstance(output_ids, list):
                 problems.add("output_ids", f"output_ids is {type(output_ids).__name__}, not a list")
             elif output_ids != ids:
-                pos = next((i for i, (a, b) in enumerate(zip(output_ids, ids)) if a != b), min(len(ids), len(output_ids)))
-                problems.add("output_ids", f"output_ids ({len(output_ids)} tokens) and output_token_logprobs "
-                                           f"({len(ids)}) disagree at position {pos} (output_ids there: "
-                                           f"{snippet(output_ids[pos:pos + 8])})")
+                pos = next(
+                    (i for i, (a, b) in enumerate(zip(output_ids, ids)) if a != b), min(len(ids), len(output_ids))
+                )
+                problems.add(
+                    "output_ids",
+                    f"output_ids ({len(output_ids)} tokens) and output_token_logprobs "
+                    f"({len(ids)}) disagree at position {pos} (output_ids there: "
+                    f"{snippet(output_ids[pos : pos + 8])})",
+                )
         self.check_answer(req, ids, meta.get("completion_tokens"), kind, body.get("text"), problems, detail)
-        topk_ids, topk_lps = self.top_k(meta.get("output_top_logprobs"), len(ids), "output_top_logprobs",
-                                        lambda entry, pos: self.top_pairs(entry, pos, problems), problems)
+        topk_ids, topk_lps = self.top_k(
+            meta.get("output_top_logprobs"),
+            len(ids),
+            "output_top_logprobs",
+            lambda entry, pos: self.top_pairs(entry, pos, problems),
+            problems,
+        )
         prompt = self._input_logprobs(req, meta, problems) if self.sampling.prompt_logprobs else None
-        return Completion(request_id=req.request_id, output_token_ids=ids, logprobs=logprobs, topk_ids=topk_ids,
-                          topk_logprobs=topk_lps, finish_reason=str(kind), inconsistency=problems.text(),
-                          prompt_logprobs=prompt[0] if prompt else None, prompt_topk_ids=prompt[1] if prompt else [],
-                          prompt_topk_logprobs=prompt[2] if prompt else [])
+        return Completion(
+            request_id=req.request_id,
+            output_token_ids=ids,
+            logprobs=logprobs,
+            topk_ids=topk_ids,
+            topk_logprobs=topk_lps,
+            finish_reason=str(kind),
+            inconsistency=problems.text(),
+            prompt_logprobs=prompt[0] if prompt else None,
+            prompt_topk_ids=prompt[1] if prompt else [],
+            prompt_topk_logprobs=prompt[2] if prompt else [],
+        )
 
     def _input_logprobs(self, req: EngineRequest, meta: dict, problems: Problems) -> tuple[list, list, list] | None:
         """(logprobs, top-k ids, top-k logprobs) of prompt positions 1..P-1 (logprob_start_len=0)."""
         prompt = list(req.prompt_token_ids)
         entries = meta.get("input_token_logprobs")
-        ok = isinstance(entries, list) and len(entries) == len(prompt) and all(
-            isinstance(e, list) and len(e) >= 2 for e in entries)
+        ok = (
+            isinstance(entries, list)
+            and len(entries) == len(prompt)
+            and all(isinstance(e, list) and len(e) >= 2 for e in entries)
+        )
         if not ok or [e[1] for e in entries] != prompt:
-            problems.add("input_token_logprobs", "input_token_logprobs are not one [logprob, id] per prompt token "
-                         "with the prompt's ids (prompt logprobs not stored)")
+            problems.add(
+                "input_token_logprobs",
+                "input_token_logprobs are not one [logprob, id] per prompt token "
+                "with the prompt's ids (prompt logprobs not stored)",
+            )
             return None
         lps = [problems.logprob(e[0], pos) for pos, e in enumerate(entries) if pos]
         top = meta.get("input_top_logprobs")
-        ids, tlps = self.top_k(top[1:] if isinstance(top, list) else top, len(prompt) - 1, "input_top_logprobs",
-                               lambda entry, pos: self.top_pairs(entry, pos, problems), problems)
+        ids, tlps = self.top_k(
+            top[1:] if isinstance(top, list) else top,
+            len(prompt) - 1,
+            "input_top_logprobs",
+            lambda entry, pos: self.top_pairs(entry, pos, problems),
+            problems,
+        )
         return lps, ids, tlps
 
     def top_pairs(self, entry: Any, pos: int, problems: Problems) -> list[tuple[float, int]]:
@@ -111,8 +151,10 @@ class SGLangEngine(RemoteEngine):
         for e in entry if isinstance(entry, list) else []:
             tid = e[1] if isinstance(e, list) and len(e) >= 2 else None
             if not isinstance(tid, int) or isinstance(tid, bool) or not 0 <= tid < self.vocab_size:
-                problems.add("top_logprobs", f"output_top_logprobs[{pos}] holds {snippet(e)}, not [logprob, "
-                                             f"token_id in the vocabulary, ...]")
+                problems.add(
+                    "top_logprobs",
+                    f"output_top_logprobs[{pos}] holds {snippet(e)}, not [logprob, token_id in the vocabulary, ...]",
+                )
                 continue
             pairs.append((as_logprob(e[0], pos), tid))
         return pairs

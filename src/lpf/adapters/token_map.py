@@ -24,7 +24,9 @@ TOKEN_ID_PREFIX = "token_id:"
 
 def _byte_alphabet() -> dict[str, int]:
     """GPT-2's byte-level alphabet: each of the 256 bytes as one printable character (char -> byte)."""
-    direct = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    direct = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     chars, extra = {}, 0
     for b in range(256):
         if b in direct:
@@ -47,7 +49,7 @@ class TokenMap:
             return tid
         if isinstance(token, str) and token.startswith(TOKEN_ID_PREFIX):
             try:
-                out = int(token[len(TOKEN_ID_PREFIX):])
+                out = int(token[len(TOKEN_ID_PREFIX) :])
                 self.seen.add("server")
                 return out
             except ValueError:
@@ -66,8 +68,9 @@ class TokenMap:
             if found is not None:
                 self.seen.add("tokenizer")
         if found is None and strict:
-            raise RequestFailed(f"token {token!r} at position {pos} does not map back to one token id of the "
-                                f"local tokenizer")
+            raise RequestFailed(
+                f"token {token!r} at position {pos} does not map back to one token id of the local tokenizer"
+            )
         return found
 
     def by_string(self, text: str) -> int | None:

@@ -84,8 +84,10 @@ def vllm_python() -> Path:
     path = Path(env).expanduser() if env else REPO_VENV / "bin" / "python"
     if not path.is_file():
         where = f"LPF_VLLM_PYTHON={env}" if env else str(path)
-        raise LpfError(f"vLLM's Python ({where}) does not exist: run `make vllm` to build .venv-vllm, "
-                       f"or set LPF_VLLM_PYTHON to a Python that has vLLM")
+        raise LpfError(
+            f"vLLM's Python ({where}) does not exist: run `make vllm` to build .venv-vllm, "
+            f"or set LPF_VLLM_PYTHON to a Python that has vLLM"
+        )
     return path
 
 
@@ -97,44 +99,80 @@ def _is_cpu_build(python: Path) -> bool:
 VLLM_DRILLS = ("stale-state", "offset-wrap", "publish-before-write", "unaligned-chunk-hashed")
 # the prefix-cache drills: the knobs they run under on the CPU build (prefix caching on, a step budget below the
 # 128-token Mamba block: docs/real-engines.md) and the hypothesis that names each (bench/bugs.py, the tests)
-PREFIX_DRILL_KNOBS = {"enable_prefix_caching": True, "enable_chunked_prefill": True, "max_num_batched_tokens": 48,
-                      "max_num_seqs": 4}
-PREFIX_DRILL_NAMED_BY = {"publish-before-write": {"resumed_in_publishing_step"},
-                         "unaligned-chunk-hashed": {"resumed_truncated_state"}}
+PREFIX_DRILL_KNOBS = {
+    "enable_prefix_caching": True,
+    "enable_chunked_prefill": True,
+    "max_num_batched_tokens": 48,
+    "max_num_seqs": 4,
+}
+PREFIX_DRILL_NAMED_BY = {
+    "publish-before-write": {"resumed_in_publishing_step"},
+    "unaligned-chunk-hashed": {"resumed_truncated_state"},
+}
 
 
 class VLLMOptions(Options):
     # None: vLLM's own default (the knob is not passed to vllm.LLM)
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] = knob("float32", help="vLLM's dtype (auto: the model's).",
-                                                                    shrink_order=130, flag=True)
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = knob(
+        "float32", help="vLLM's dtype (auto: the model's).", shrink_order=130, flag=True
+    )
     seed: int | None = Field(None, description="Engine seed [default: the run's --seed].")
-    gpu_memory_utilization: float | None = knob(None, gt=0, le=1, help="Share of GPU memory vLLM may take (its cache "
-                                                "size on a GPU).", roles=("cache_size",), shrink_order=20)
-    max_num_seqs: int | None = knob(None, ge=1, help="Most requests in one engine step.", roles=("concurrency",),
-                                    shrink_order=50, flag=True)
-    max_num_batched_tokens: int | None = knob(None, ge=1, help="Token budget of one engine step.",
-                                              roles=("step_budget",), shrink_order=60, flag=True)
-    enable_chunked_prefill: bool | None = knob(None, help="Split long prompts over several steps.", shrink_order=70,
-                                               flag=True)
-    enable_prefix_caching: bool | None = knob(None, help="Automatic prefix caching (vLLM turns it on by default).",
-                                              roles=("prefix_cache",), shrink_order=80)
+    gpu_memory_utilization: float | None = knob(
+        None,
+        gt=0,
+        le=1,
+        help="Share of GPU memory vLLM may take (its cache size on a GPU).",
+        roles=("cache_size",),
+        shrink_order=20,
+    )
+    max_num_seqs: int | None = knob(
+        None, ge=1, help="Most requests in one engine step.", roles=("concurrency",), shrink_order=50, flag=True
+    )
+    max_num_batched_tokens: int | None = knob(
+        None, ge=1, help="Token budget of one engine step.", roles=("step_budget",), shrink_order=60, flag=True
+    )
+    enable_chunked_prefill: bool | None = knob(
+        None, help="Split long prompts over several steps.", shrink_order=70, flag=True
+    )
+    enable_prefix_caching: bool | None = knob(
+        None, help="Automatic prefix caching (vLLM turns it on by default).", roles=("prefix_cache",), shrink_order=80
+    )
     enforce_eager: bool = knob(True, help="No CUDA graphs / compile: faster start, same numerics.")
-    max_model_len: int | None = knob(None, ge=1, help="Longest prompt + output a request may have.",
-                                     roles=("context_length",), shrink_order=120, flag=True)
-    num_gpu_blocks_override: int | None = knob(None, ge=1, help="KV-cache blocks (state slots come from them too).",
-                                               roles=("cache_size",), shrink_order=40)
+    max_model_len: int | None = knob(
+        None,
+        ge=1,
+        help="Longest prompt + output a request may have.",
+        roles=("context_length",),
+        shrink_order=120,
+        flag=True,
+    )
+    num_gpu_blocks_override: int | None = knob(
+        None, ge=1, help="KV-cache blocks (state slots come from them too).", roles=("cache_size",), shrink_order=40
+    )
     logprobs_mode: Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"] = knob(
-        "raw_logprobs", help="What vLLM returns as logprobs (raw: the model's, before any processing).")
-    cpu_kvcache_space: int = knob(1, ge=1, help="CPU build: KV-cache GiB, whole (VLLM_CPU_KVCACHE_SPACE; vLLM reads "
-                                  "an int).", roles=("cache_size",), shrink_order=30)
+        "raw_logprobs", help="What vLLM returns as logprobs (raw: the model's, before any processing)."
+    )
+    cpu_kvcache_space: int = knob(
+        1,
+        ge=1,
+        help="CPU build: KV-cache GiB, whole (VLLM_CPU_KVCACHE_SPACE; vLLM reads an int).",
+        roles=("cache_size",),
+        shrink_order=30,
+    )
     start_timeout_s: float = knob(600.0, gt=0, help="Seconds vLLM may take to start.")
     trace: bool = knob(True, help="The lpf-vllm-trace plugin records the step trace.")
     trace_dir: str | None = knob(None, help="Where the plugin writes [default: a private temporary directory].")
-    inject: str = knob("", help="Drills through the plugin: stale-state, offset-wrap[:BITS], "
-                       "publish-before-write, unaligned-chunk-hashed (these two with -E enable_prefix_caching=true).", flag=True,
-                       repeatable=True, metavar="FAULT[:ARG]")
-    capture: str | None = knob(None, help="lpf locate's capture spec (a JSON file) for lpf-vllm-trace: set by lpf "
-                               "locate, not by hand.")
+    inject: str = knob(
+        "",
+        help="Drills through the plugin: stale-state, offset-wrap[:BITS], "
+        "publish-before-write, unaligned-chunk-hashed (these two with -E enable_prefix_caching=true).",
+        flag=True,
+        repeatable=True,
+        metavar="FAULT[:ARG]",
+    )
+    capture: str | None = knob(
+        None, help="lpf locate's capture spec (a JSON file) for lpf-vllm-trace: set by lpf locate, not by hand."
+    )
 
     @field_validator("inject")
     @classmethod
@@ -144,15 +182,19 @@ class VLLMOptions(Options):
         names = [n.partition(":")[0] for n in FaultSet.parse(value).names()]  # unknown names: LpfError
         missing = [n for n in names if n not in VLLM_DRILLS]
         if missing:
-            raise LpfError(f"the vllm engine has no drill {missing[0]!r}: it re-creates "
-                           f"{', '.join(VLLM_DRILLS)} through lpf-vllm-trace (the built-in engine has them all)")
+            raise LpfError(
+                f"the vllm engine has no drill {missing[0]!r}: it re-creates "
+                f"{', '.join(VLLM_DRILLS)} through lpf-vllm-trace (the built-in engine has them all)"
+            )
         return value
 
     @model_validator(mode="after")
     def _prefix_drills_need_the_cache(self):
         drills = [d for d in PREFIX_DRILL_NAMED_BY if d in self.inject.split(",")]
         if drills and self.enable_prefix_caching is False:
-            raise LpfError(f"--inject {drills[0]} re-creates a prefix-caching bug: it needs -E enable_prefix_caching=true")
+            raise LpfError(
+                f"--inject {drills[0]} re-creates a prefix-caching bug: it needs -E enable_prefix_caching=true"
+            )
         return self
 
 
@@ -166,8 +208,10 @@ class VLLMEngine(Engine):
         python = vllm_python()
         arch = (config.get("architectures") or ["?"])[0]
         if arch == "JambaForCausalLM" and _is_cpu_build(python):
-            raise LpfError("vLLM's CPU build does not run Mamba1 models (Jamba); use a GraniteMoeHybrid or "
-                           "Llama model, or a GPU build of vLLM")
+            raise LpfError(
+                "vLLM's CPU build does not run Mamba1 models (Jamba); use a GraniteMoeHybrid or "
+                "Llama model, or a GPU build of vLLM"
+            )
 
     def __init__(self, model, sampling, options: VLLMOptions):
         super().__init__(model, sampling, options)
@@ -182,8 +226,14 @@ class VLLMEngine(Engine):
         config = {"engine_args": self.engine_args, "sampling": sampling.to_dict()}
         # one model per process: vLLM sets process-wide state from the first model it builds (its
         # parallel groups: an MoE model after a dense one finds no expert-parallel group)
-        self._key = (str(self.python), str(model.path), options.trace, options.trace_dir,
-                     options.cpu_kvcache_space, tuple(sorted(self._env(None).items())))
+        self._key = (
+            str(self.python),
+            str(model.path),
+            options.trace,
+            options.trace_dir,
+            options.cpu_kvcache_space,
+            tuple(sorted(self._env(None).items())),
+        )
         if not options.inject and _KEPT is not None and self._key in _KEPT and _KEPT[self._key][0].poll() is None:
             self._reuse(_KEPT.pop(self._key), config)
             return
@@ -195,10 +245,16 @@ class VLLMEngine(Engine):
         read_fd, write_fd = os.pipe()
         self.log = open(self.log_path, "wb")
         try:
-            self.proc = subprocess.Popen([str(self.python), str(WORKER), str(config), str(write_fd)],
-                                         stdin=subprocess.PIPE, stdout=self.log, stderr=subprocess.STDOUT,
-                                         pass_fds=(write_fd,), env=self._env(self.plugin), text=True,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                [str(self.python), str(WORKER), str(config), str(write_fd)],
+                stdin=subprocess.PIPE,
+                stdout=self.log,
+                stderr=subprocess.STDOUT,
+                pass_fds=(write_fd,),
+                env=self._env(self.plugin),
+                text=True,
+                start_new_session=True,
+            )
         finally:
             os.close(write_fd)  # the worker holds the only write end: EOF here means it exited
         self.results = os.fdopen(read_fd, "r")
@@ -231,11 +287,22 @@ class VLLMEngine(Engine):
 
     def _engine_args(self) -> dict:
         o = self.options
-        args = {"model": str(self.model.path), "dtype": o.dtype, "enforce_eager": o.enforce_eager,
-                "seed": self.sampling.seed if o.seed is None else o.seed, "logprobs_mode": o.logprobs_mode,
-                "max_logprobs": max(20, self.sampling.logprobs)}
-        for name in ("gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill",
-                     "enable_prefix_caching", "max_model_len"):
+        args = {
+            "model": str(self.model.path),
+            "dtype": o.dtype,
+            "enforce_eager": o.enforce_eager,
+            "seed": self.sampling.seed if o.seed is None else o.seed,
+            "logprobs_mode": o.logprobs_mode,
+            "max_logprobs": max(20, self.sampling.logprobs),
+        }
+        for name in (
+            "gpu_memory_utilization",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "enable_chunked_prefill",
+            "enable_prefix_caching",
+            "max_model_len",
+        ):
             if getattr(o, name) is not None:
                 args[name] = getattr(o, name)
         return args
@@ -243,15 +310,20 @@ class VLLMEngine(Engine):
     def _env(self, plugin) -> dict:
         """The worker's environment; `plugin` None: without the trace directory (the kept-worker key)."""
         venv = self.python.parent.parent
-        cache = venv / "lpf-cache" if (venv / "pyvenv.cfg").is_file() else Path(tempfile.gettempdir()) / "lpf-vllm-cache"
+        cache = (
+            venv / "lpf-cache" if (venv / "pyvenv.cfg").is_file() else Path(tempfile.gettempdir()) / "lpf-vllm-cache"
+        )
         env = dict(os.environ)
-        env.update({
-            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # in-process engine: ~25 s start instead of ~60
-            "TORCHDYNAMO_DISABLE": "1",  # logprobs trigger a torch.compile even with enforce_eager
-            "VLLM_CACHE_ROOT": str(cache), "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
-            "VLLM_CPU_KVCACHE_SPACE": str(self.options.cpu_kvcache_space),
-            "PYTHONUNBUFFERED": "1",
-        })
+        env.update(
+            {
+                "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # in-process engine: ~25 s start instead of ~60
+                "TORCHDYNAMO_DISABLE": "1",  # logprobs trigger a torch.compile even with enforce_eager
+                "VLLM_CACHE_ROOT": str(cache),
+                "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
+                "VLLM_CPU_KVCACHE_SPACE": str(self.options.cpu_kvcache_space),
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
         env.pop("PYTHONPATH", None)  # lpf's paths must not shadow vLLM's packages
         for var in ("LPF_VLLM_TRACE_DIR", "LPF_VLLM_INJECT", "LPF_VLLM_CAPTURE"):  # this run's, not the caller's
             env.pop(var, None)
@@ -271,8 +343,9 @@ class VLLMEngine(Engine):
             left = deadline - time.monotonic()
             if left <= 0:
                 tail = self._log_tail()
-                raise LpfError(f"vLLM did not start within {self.options.start_timeout_s:g} s "
-                               f"(raise -E start_timeout_s=...){tail}")
+                raise LpfError(
+                    f"vLLM did not start within {self.options.start_timeout_s:g} s (raise -E start_timeout_s=...){tail}"
+                )
             if not sel.select(timeout=min(left, 1.0)):
                 continue
             line = self.results.readline()
@@ -300,12 +373,20 @@ class VLLMEngine(Engine):
         from lpf.adapters.vllm_trace import prefix_cache_info
 
         cache = {"cache": prefix_cache_info(status)} if prefix_cache_info(status) else {}
-        return {"name": self.name, "version": self.ready.get("vllm_version"), "options": self.options.to_dict(), **cache,
-                "engine_args": self.engine_args, "logprobs_mode": self.ready.get("logprobs_mode"),
-                "python": str(self.python), "cpu_build": _is_cpu_build(self.python), "trace": self._trace_info(),
-                # what the trace features read: the SSM state's slot stride and the drills in force
-                "state_slot_stride": status.get("state_slot_stride"),
-                "faults": [f for f in self.options.inject.split(",") if f]}
+        return {
+            "name": self.name,
+            "version": self.ready.get("vllm_version"),
+            "options": self.options.to_dict(),
+            **cache,
+            "engine_args": self.engine_args,
+            "logprobs_mode": self.ready.get("logprobs_mode"),
+            "python": str(self.python),
+            "cpu_build": _is_cpu_build(self.python),
+            "trace": self._trace_info(),
+            # what the trace features read: the SSM state's slot stride and the drills in force
+            "state_slot_stride": status.get("state_slot_stride"),
+            "faults": [f for f in self.options.inject.split(",") if f],
+        }
 
     def _trace_info(self) -> dict:
         """Where the trace comes from and, when the plugin records none (or stopped), its reason; the
@@ -341,8 +422,17 @@ class VLLMEngine(Engine):
             # lpf locate's capture for this batch, or none (a kept worker may have captured for the last engine)
             self.proc.stdin.write(json.dumps({"type": "capture", "spec": self.options.capture}) + "\n")
             for r in requests:
-                self.proc.stdin.write(json.dumps({"request_id": r.request_id, "prompt_token_ids": list(r.prompt_token_ids),
-                                                  "max_tokens": r.max_tokens, "seed": r.seed}) + "\n")
+                self.proc.stdin.write(
+                    json.dumps(
+                        {
+                            "request_id": r.request_id,
+                            "prompt_token_ids": list(r.prompt_token_ids),
+                            "max_tokens": r.max_tokens,
+                            "seed": r.seed,
+                        }
+                    )
+                    + "\n"
+                )
             self.proc.stdin.write(json.dumps({"type": "end"}) + "\n")
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError) as e:
@@ -371,14 +461,25 @@ class VLLMEngine(Engine):
                 yield Completion(request_id=rid, output_token_ids=[], logprobs=[], finish_reason="error", error=failure)
         elif pending:  # the worker said done but skipped some: still never dropped
             for rid in pending:
-                yield Completion(request_id=rid, output_token_ids=[], logprobs=[], finish_reason="error",
-                                 error="vLLM's worker finished the batch without this request")
+                yield Completion(
+                    request_id=rid,
+                    output_token_ids=[],
+                    logprobs=[],
+                    finish_reason="error",
+                    error="vLLM's worker finished the batch without this request",
+                )
 
     def _keep(self) -> bool:
         """Hand this engine's live worker to kept_workers() (idle, for the next engine of its kind)."""
         proc, key = getattr(self, "proc", None), getattr(self, "_key", None)
-        if _KEPT is None or key is None or proc is None or proc.poll() is not None or self.options.inject \
-                or getattr(self, "_failed", False):
+        if (
+            _KEPT is None
+            or key is None
+            or proc is None
+            or proc.poll() is not None
+            or self.options.inject
+            or getattr(self, "_failed", False)
+        ):
             return False
         _close_kept()  # at most one idle worker: the next cells are of this model
         _KEPT[key] = (proc, self.results, self.log, self.tmp, self.plugin)
@@ -407,4 +508,3 @@ class VLLMEngine(Engine):
         if getattr(self, "tmp", None) is not None:
             self.tmp.cleanup()
             self.tmp = None
-

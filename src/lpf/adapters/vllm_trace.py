@@ -51,13 +51,15 @@ class PluginDir:
     def take(self, table: str) -> pa.Table | None:
         d = self.path / table
         by_pid: dict[int, list[tuple[int, Path]]] = {}
-        for p in (d.glob("part-*.parquet") if d.is_dir() else ()):
+        for p in d.glob("part-*.parquet") if d.is_dir() else ():
             m = _PART.match(p.name)
             if m and p.name not in self.taken[table] and self.pid in (None, int(m.group(1))):
                 by_pid.setdefault(int(m.group(1)), []).append((int(m.group(2)), p))
         parts = []
         # processes in the order they started writing: a restarted server's steps follow the first's
-        for pid in sorted(by_pid, key=lambda k: (k not in self.step_offset, min(p.stat().st_mtime for _, p in by_pid[k]))):
+        for pid in sorted(
+            by_pid, key=lambda k: (k not in self.step_offset, min(p.stat().st_mtime for _, p in by_pid[k]))
+        ):
             for _, p in sorted(by_pid[pid]):
                 parts.append(self._unique_steps(pq.read_table(p), pid))
                 self.taken[table].add(p.name)
@@ -91,7 +93,9 @@ def prefix_cache_info(status: dict) -> dict | None:
     if not status.get("provenance"):
         return None
     mbs = status.get("mamba_block_size")
-    return {"prefix_cache": {"block_size": mbs, "mamba_block_size": mbs, "mamba_cache_mode": status.get("mamba_cache_mode")}}
+    return {
+        "prefix_cache": {"block_size": mbs, "mamba_block_size": mbs, "mamba_cache_mode": status.get("mamba_cache_mode")}
+    }
 
 
 # columns naming a request: the row's own, and the prefix cache's writer and publisher of a restored state
@@ -101,8 +105,9 @@ ID_COLUMNS = ("request_id", "resume_writer", "resume_publisher")
 def relabel(table: pa.Table, ids: dict[str, str]) -> pa.Table:
     for name in ID_COLUMNS:
         if name in table.column_names:
-            mapped = pa.array([ids.get(r, r) if r is not None else None for r in table.column(name).to_pylist()],
-                              pa.string())
+            mapped = pa.array(
+                [ids.get(r, r) if r is not None else None for r in table.column(name).to_pylist()], pa.string()
+            )
             table = table.set_column(table.column_names.index(name), name, mapped)
     return table
 

@@ -65,10 +65,17 @@ def make_llm(engine_args: dict):
 def sampling_params(sampling: dict, req: dict):
     from vllm import SamplingParams
 
-    return SamplingParams(n=1, temperature=sampling["temperature"], top_p=sampling["top_p"],
-                          top_k=sampling["top_k"] or 0, seed=req["seed"], max_tokens=req["max_tokens"],
-                          ignore_eos=sampling["ignore_eos"], logprobs=sampling["logprobs"],
-                          prompt_logprobs=sampling["logprobs"] if sampling.get("prompt_logprobs") else None)
+    return SamplingParams(
+        n=1,
+        temperature=sampling["temperature"],
+        top_p=sampling["top_p"],
+        top_k=sampling["top_k"] or 0,
+        seed=req["seed"],
+        max_tokens=req["max_tokens"],
+        ignore_eos=sampling["ignore_eos"],
+        logprobs=sampling["logprobs"],
+        prompt_logprobs=sampling["logprobs"] if sampling.get("prompt_logprobs") else None,
+    )
 
 
 def prompt_part(output, k: int) -> dict:
@@ -94,35 +101,61 @@ def completion(req_id: str, output, t_submit: float, t_first: float | None, k: i
     lps, topk_ids, topk_lps = [], [], []
     per_pos = out.logprobs if out.logprobs is not None else []
     if len(per_pos) != len(ids):
-        return {"type": "completion", "request_id": req_id, "output_token_ids": [], "logprobs": [],
-                "finish_reason": "error", "t_submit": t_submit, "t_finish": time.time(),
-                "error": f"vLLM returned {len(per_pos)} logprob positions for {len(ids)} tokens"}
+        return {
+            "type": "completion",
+            "request_id": req_id,
+            "output_token_ids": [],
+            "logprobs": [],
+            "finish_reason": "error",
+            "t_submit": t_submit,
+            "t_finish": time.time(),
+            "error": f"vLLM returned {len(per_pos)} logprob positions for {len(ids)} tokens",
+        }
     for pos, tid in enumerate(ids):
         entry = per_pos[pos]
         items = sorted(((float(lp.logprob), int(t)) for t, lp in entry.items()), key=lambda p: -p[0])
         sampled = entry[tid] if tid in entry else None
         if sampled is None:
-            return {"type": "completion", "request_id": req_id, "output_token_ids": [], "logprobs": [],
-                    "finish_reason": "error", "t_submit": t_submit, "t_finish": time.time(),
-                    "error": f"vLLM gave no logprob for the sampled token at position {pos}"}
+            return {
+                "type": "completion",
+                "request_id": req_id,
+                "output_token_ids": [],
+                "logprobs": [],
+                "finish_reason": "error",
+                "t_submit": t_submit,
+                "t_finish": time.time(),
+                "error": f"vLLM gave no logprob for the sampled token at position {pos}",
+            }
         lps.append(float(sampled.logprob))
         topk_ids.append([t for _, t in items[:k]])
         topk_lps.append([v for v, _ in items[:k]])
     finish = out.finish_reason if out.finish_reason in ("stop", "length") else (out.finish_reason or "length")
     error = None if finish in ("stop", "length") else f"vLLM finished the request with reason {finish!r}"
-    return {"type": "completion", "request_id": req_id, **(prompt_part(output, k) if error is None else {}),
-            "output_token_ids": ids if error is None else [],
-            "logprobs": lps if error is None else [], "topk_ids": topk_ids if error is None else [],
-            "topk_logprobs": topk_lps if error is None else [], "finish_reason": "error" if error else finish,
-            "error": error, "t_submit": t_submit, "t_first_token": t_first, "t_finish": time.time()}
+    return {
+        "type": "completion",
+        "request_id": req_id,
+        **(prompt_part(output, k) if error is None else {}),
+        "output_token_ids": ids if error is None else [],
+        "logprobs": lps if error is None else [],
+        "topk_ids": topk_ids if error is None else [],
+        "topk_logprobs": topk_lps if error is None else [],
+        "finish_reason": "error" if error else finish,
+        "error": error,
+        "t_submit": t_submit,
+        "t_first_token": t_first,
+        "t_finish": time.time(),
+    }
 
 
 def trace_status() -> dict:
     try:
         import lpf_vllm_trace
     except ImportError:
-        return {"recording": False, "why": "lpf-vllm-trace is not installed in vLLM's Python "
-                                           "(`make vllm` installs it; see docs/real-engines.md)"}
+        return {
+            "recording": False,
+            "why": "lpf-vllm-trace is not installed in vLLM's Python "
+            "(`make vllm` installs it; see docs/real-engines.md)",
+        }
     return lpf_vllm_trace.status()
 
 
@@ -155,12 +188,25 @@ def run_batch(llm, sampling: dict, requests: list[dict], out) -> None:
     for req in requests:
         t = time.time()
         try:
-            vid = llm.llm_engine.add_request(req["request_id"], TokensPrompt(prompt_token_ids=req["prompt_token_ids"]),
-                                             sampling_params(sampling, req))
+            vid = llm.llm_engine.add_request(
+                req["request_id"],
+                TokensPrompt(prompt_token_ids=req["prompt_token_ids"]),
+                sampling_params(sampling, req),
+            )
         except Exception as e:  # noqa: BLE001 - vLLM refused this request alone
-            emit(out, {"type": "completion", "request_id": req["request_id"], "output_token_ids": [],
-                       "logprobs": [], "finish_reason": "error", "t_submit": t, "t_finish": time.time(),
-                       "error": f"vLLM refused the request: {type(e).__name__}: {' '.join(str(e).split())[:300]}"})
+            emit(
+                out,
+                {
+                    "type": "completion",
+                    "request_id": req["request_id"],
+                    "output_token_ids": [],
+                    "logprobs": [],
+                    "finish_reason": "error",
+                    "t_submit": t,
+                    "t_finish": time.time(),
+                    "error": f"vLLM refused the request: {type(e).__name__}: {' '.join(str(e).split())[:300]}",
+                },
+            )
             continue
         # outputs carry the id we passed; some versions return an internal one with a suffix
         for key in {req["request_id"], vid if isinstance(vid, str) else req["request_id"]}:
@@ -206,8 +252,16 @@ def start(config: dict, out):
         traceback.print_exc()
         emit(out, {"type": "fatal", "error": f"{type(e).__name__}: {' '.join(str(e).split())[:500]}"})
         return None
-    emit(out, {"type": "ready", "vllm_version": vllm.__version__, "logprobs_mode": mode,
-               "engine_args": config["engine_args"], "trace": trace_status()})
+    emit(
+        out,
+        {
+            "type": "ready",
+            "vllm_version": vllm.__version__,
+            "logprobs_mode": mode,
+            "engine_args": config["engine_args"],
+            "trace": trace_status(),
+        },
+    )
     return llm
 
 

@@ -46,8 +46,9 @@ FIT_SLACK = 2.0  # nats per token a crossed answer may fit its source's prompt w
 FEATURE = "answer_of_other_request"
 
 
-def plan(requests: pa.Table, summary: pa.Table, max_flagged: int = 32, max_candidates: int = 16,
-         small_run: int = 64) -> list[dict]:
+def plan(
+    requests: pa.Table, summary: pa.Table, max_flagged: int = 32, max_candidates: int = 16, small_run: int = 64
+) -> list[dict]:
     req = by_arrival(requests)
     ids = req.column("request_id").to_pylist()
     prompts = [tuple(p) for p in req.column("prompt_token_ids").to_pylist()]
@@ -58,8 +59,10 @@ def plan(requests: pa.Table, summary: pa.Table, max_flagged: int = 32, max_candi
     verdict = summary.column("verdict").to_pylist()
     worst = summary.column("max_abs_logprob_diff").fill_null(0.0).to_numpy(zero_copy_only=False)
     n_out = summary.column("n_output_tokens").to_numpy(zero_copy_only=False)
-    flagged = sorted((i for i, v in enumerate(verdict) if v in ("divergent", "corrupt") and n_out[i]),
-                     key=lambda i: (-SEVERITY[verdict[i]], -worst[i], i))
+    flagged = sorted(
+        (i for i, v in enumerate(verdict) if v in ("divergent", "corrupt") and n_out[i]),
+        key=lambda i: (-SEVERITY[verdict[i]], -worst[i], i),
+    )
     out = []
     for i in flagged[:max_flagged]:
         if req.num_rows <= small_run or not timed[i]:
@@ -82,8 +85,9 @@ def plan(requests: pa.Table, summary: pa.Table, max_flagged: int = 32, max_candi
                 by_prompt[prompts[j]] = ids[j]
                 chosen.append(ids[j])
         if chosen:
-            out.append({"request_id": ids[i], "candidates": chosen,
-                        "same_prompt": {c: same[c] for c in chosen if c in same}})
+            out.append(
+                {"request_id": ids[i], "candidates": chosen, "same_prompt": {c: same[c] for c in chosen if c in same}}
+            )
     return out
 
 
@@ -96,8 +100,13 @@ def _shares_most(own: tuple, other: tuple) -> bool:
     return len(own) >= need and len(other) >= need and other[:need] == own[:need]
 
 
-def judge(plans: list[dict], scores: pa.Table, own: dict[str, float], lost: set[str] = frozenset(),
-          typical: float | None = None) -> list[dict]:
+def judge(
+    plans: list[dict],
+    scores: pa.Table,
+    own: dict[str, float],
+    lost: set[str] = frozenset(),
+    typical: float | None = None,
+) -> list[dict]:
     got: dict[tuple[str, str], tuple[int, float]] = {}
     for r in scores.to_pylist():
         got[(r["request_id"], r["candidate_id"])] = (r["n_tokens"], r["logprob_sum"])
@@ -125,10 +134,19 @@ def judge(plans: list[dict], scores: pa.Table, own: dict[str, float], lost: set[
         p_value = min(1.0, len(tried) * math.exp(-min(gain, 700.0)))
         if p_value >= MAX_P:
             continue
-        out.append({"request_id": rid, "source_request_id": best, "gain_nats": gain,
-                    "gain_per_token": gain / max(n_tok, 1), "n_tokens": n_tok, "n_candidates": len(tried),
-                    "runner_up_gain_nats": runner_up if math.isfinite(runner_up) else None,
-                    "same_prompt": p["same_prompt"].get(best, []), "p_value": p_value})
+        out.append(
+            {
+                "request_id": rid,
+                "source_request_id": best,
+                "gain_nats": gain,
+                "gain_per_token": gain / max(n_tok, 1),
+                "n_tokens": n_tok,
+                "n_candidates": len(tried),
+                "runner_up_gain_nats": runner_up if math.isfinite(runner_up) else None,
+                "same_prompt": p["same_prompt"].get(best, []),
+                "p_value": p_value,
+            }
+        )
     return out
 
 
@@ -136,14 +154,27 @@ def hypotheses(attributed: list[dict], n_flagged: int, n_other: int) -> list[dic
     out = []
     for a in attributed:
         also = f" (or {', '.join(a['same_prompt'][:3])}, which share its prompt)" if a["same_prompt"] else ""
-        sentence = (f"request {a['request_id']} received the answer meant for request {a['source_request_id']}{also}: "
-                    f"its {a['n_tokens']} output tokens are {a['gain_nats']:.1f} nats ({a['gain_per_token']:.2f} per "
-                    f"token) more likely under that request's prompt than under its own (best of "
-                    f"{a['n_candidates']} requests in flight at an overlapping time).")
-        out.append({"feature": FEATURE, "sentence": sentence, "request_id": a["request_id"],
-                    "source_request_id": a["source_request_id"], "gain_nats": a["gain_nats"],
-                    "flagged_with": 1, "flagged_total": n_flagged, "clean_with": 0, "clean_total": n_other,
-                    "p_value": a["p_value"], "score": float(min(300.0, -math.log10(max(a["p_value"], 1e-300))))})
+        sentence = (
+            f"request {a['request_id']} received the answer meant for request {a['source_request_id']}{also}: "
+            f"its {a['n_tokens']} output tokens are {a['gain_nats']:.1f} nats ({a['gain_per_token']:.2f} per "
+            f"token) more likely under that request's prompt than under its own (best of "
+            f"{a['n_candidates']} requests in flight at an overlapping time)."
+        )
+        out.append(
+            {
+                "feature": FEATURE,
+                "sentence": sentence,
+                "request_id": a["request_id"],
+                "source_request_id": a["source_request_id"],
+                "gain_nats": a["gain_nats"],
+                "flagged_with": 1,
+                "flagged_total": n_flagged,
+                "clean_with": 0,
+                "clean_total": n_other,
+                "p_value": a["p_value"],
+                "score": float(min(300.0, -math.log10(max(a["p_value"], 1e-300)))),
+            }
+        )
     return out
 
 

@@ -68,8 +68,13 @@ def noise_floor(abs_diff: np.ndarray, starts: np.ndarray) -> dict:
         "n_requests": int(mx.size),
         "n_tokens": int(finite.sum()),
         "token_abs_diff": {"median": med, "mad": float(1.4826 * np.median(np.abs(tok - med)))},
-        "request_max_abs_diff": {"median": float(np.median(mx)), "q90": float(np.quantile(mx, 0.9)),
-                                 "q99": float(np.quantile(mx, 0.99))} if mx.size else {},
+        "request_max_abs_diff": {
+            "median": float(np.median(mx)),
+            "q90": float(np.quantile(mx, 0.9)),
+            "q99": float(np.quantile(mx, 0.99)),
+        }
+        if mx.size
+        else {},
     }
 
 
@@ -99,7 +104,8 @@ def calibration_abs_diff(reference: pa.Table, calibration: pa.Table) -> tuple[np
     grouped by request. Reads no engine column."""
     ref = reference.select(["request_id", "position", "ref_logprob"])
     cal = calibration.select(["request_id", "position", "ref_logprob"]).rename_columns(
-        ["request_id", "position", "cal_logprob"])
+        ["request_id", "position", "cal_logprob"]
+    )
     joined = ref.join(cal, keys=["request_id", "position"], join_type="inner")
     joined = joined.sort_by([("request_id", "ascending"), ("position", "ascending")])
     with np.errstate(invalid="ignore"):
@@ -107,8 +113,9 @@ def calibration_abs_diff(reference: pa.Table, calibration: pa.Table) -> tuple[np
     return ad, segment_starts(joined.column("request_id"))
 
 
-def calibrate_from_run(reference: pa.Table, calibration: pa.Table, th: Thresholds,
-                       info: dict | None = None) -> tuple[Thresholds, dict]:
+def calibrate_from_run(
+    reference: pa.Table, calibration: pa.Table, th: Thresholds, info: dict | None = None
+) -> tuple[Thresholds, dict]:
     """Thresholds raised to the calibration run's floor: the same statistics and rule as
     `calibrate`, over what the reference deviates from itself at the engine's dtype instead of over
     the engine's errors, so nothing the engine reported can move them. Any number of requests
@@ -133,6 +140,10 @@ def calibrate_to_floor(th: Thresholds, floor: dict) -> tuple[Thresholds, dict]:
     `calibrate` over the floor's token |d| statistics, then its tie margin. Nothing of the run moves them."""
     stats = floor["token_abs_diff"]
     raised = _raised(th, {"token_abs_diff": {"median": stats["median"], "mad": stats["mad"]}})
-    info = {"pair": floor.get("pair"), "detail": floor.get("detail"), "token_abs_diff": dict(stats),
-            "tie_margin": floor.get("tie_margin")}
+    info = {
+        "pair": floor.get("pair"),
+        "detail": floor.get("detail"),
+        "token_abs_diff": dict(stats),
+        "tie_margin": floor.get("tie_margin"),
+    }
     return with_expected_tie_margin(raised, floor), {"source": floor["source"], "noise_floor": info}

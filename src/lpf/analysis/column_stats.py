@@ -134,9 +134,17 @@ class _Column:
                 return None  # the sample missed this bracket: the caller selects from the whole column
             inside.partition([k - below for k in ranks])
             v.update({k: inside[k - below] for k in ranks})
-        q = [float(v[int(np.floor(x))] + (x - np.floor(x)) * (v[int(np.ceil(x))] - v[int(np.floor(x))])) for x in self.h]
-        return {"p50": float(q[0]), "p90": float(q[1]), "p99": float(q[2]), "p99_9": float(q[3]),
-                "max": float(self.max), "mean": float(tree_sum(self.sums, n, leaf) / n)}
+        q = [
+            float(v[int(np.floor(x))] + (x - np.floor(x)) * (v[int(np.ceil(x))] - v[int(np.floor(x))])) for x in self.h
+        ]
+        return {
+            "p50": float(q[0]),
+            "p90": float(q[1]),
+            "p99": float(q[2]),
+            "p99_9": float(q[3]),
+            "max": float(self.max),
+            "mean": float(tree_sum(self.sums, n, leaf) / n),
+        }
 
 
 class ColumnStats:

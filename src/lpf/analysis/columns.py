@@ -31,8 +31,9 @@ def change_points(ids) -> np.ndarray:
         if last is not None and c[0] != last:
             out.append(np.array([base - 1], np.int64))
         if len(c) > 1:
-            out.append(pc.indices_nonzero(pc.not_equal(c.slice(0, len(c) - 1), c.slice(1))).to_numpy().astype(np.int64)
-                       + base)
+            out.append(
+                pc.indices_nonzero(pc.not_equal(c.slice(0, len(c) - 1), c.slice(1))).to_numpy().astype(np.int64) + base
+            )
         last, base = c[len(c) - 1], base + len(c)
     return np.concatenate(out) if out else np.zeros(0, np.int64)
 
@@ -41,8 +42,13 @@ def same_rows(a, b) -> bool:
     ca = a.chunks if isinstance(a, pa.ChunkedArray) else [a]
     cb = b.chunks if isinstance(b, pa.ChunkedArray) else [b]
     return len(ca) == len(cb) and all(
-        len(x) == len(y) and x.offset == y.offset and x.buffers()[-1] is not None and y.buffers()[-1] is not None
-        and x.buffers()[-1].address == y.buffers()[-1].address for x, y in zip(ca, cb))
+        len(x) == len(y)
+        and x.offset == y.offset
+        and x.buffers()[-1] is not None
+        and y.buffers()[-1] is not None
+        and x.buffers()[-1].address == y.buffers()[-1].address
+        for x, y in zip(ca, cb)
+    )
 
 
 BLOCK = 1 << 20
@@ -52,7 +58,7 @@ def falls(pos: np.ndarray) -> np.ndarray:
     out = []
     for lo in range(0, max(0, len(pos) - 1), BLOCK):
         hi = min(len(pos) - 1, lo + BLOCK)
-        out.append(np.flatnonzero(pos[lo + 1:hi + 1] <= pos[lo:hi]) + lo)
+        out.append(np.flatnonzero(pos[lo + 1 : hi + 1] <= pos[lo:hi]) + lo)
     return np.concatenate(out) if out else np.zeros(0, np.int64)
 
 

@@ -68,7 +68,8 @@ def _by_request(tokens: pa.Table | None) -> dict[str, tuple[np.ndarray, np.ndarr
     if tokens is None or not tokens.num_rows:
         return {}
     t = tokens.select(["request_id", "position", "token_id", "engine_logprob"]).sort_by(
-        [("request_id", "ascending"), ("position", "ascending")])
+        [("request_id", "ascending"), ("position", "ascending")]
+    )
     ids = t.column("request_id").to_pylist()
     tok = t.column("token_id").to_numpy(zero_copy_only=False)
     lp = t.column("engine_logprob").to_numpy(zero_copy_only=False)
@@ -123,18 +124,27 @@ def diff_tables(a: DiffSide, b: DiffSide, level: str = "divergent") -> tuple[pa.
     suspect[~dep_a & dep_b] = "B"
     suspect[dep_a & dep_b & agree] = "reference"
     suspect[dep_a & dep_b & ~agree] = "both"
+
     def prompt_verdict(s: pa.Table):
         return s.column("prompt_verdict") if "prompt_verdict" in s.column_names else pa.nulls(s.num_rows, pa.string())
 
-    table = pa.table({
-        "request_id": pa.array(ids, pa.string()), "seq": sa.column("seq"),
-        "verdict_a": sa.column("verdict"), "verdict_b": sb.column("verdict"),
-        "prompt_verdict_a": prompt_verdict(sa), "prompt_verdict_b": prompt_verdict(sb),
-        "max_abs_diff_a": pa.array(worst_a), "max_abs_diff_b": pa.array(worst_b),
-        "same_tokens": pa.array(same_a), "first_token_difference": pa.array(first, pa.int32()),
-        "max_abs_diff_ab": pa.array(ab_a), "agree": pa.array(agree),
-        "suspect": pa.array(suspect, pa.string()),
-    })
+    table = pa.table(
+        {
+            "request_id": pa.array(ids, pa.string()),
+            "seq": sa.column("seq"),
+            "verdict_a": sa.column("verdict"),
+            "verdict_b": sb.column("verdict"),
+            "prompt_verdict_a": prompt_verdict(sa),
+            "prompt_verdict_b": prompt_verdict(sb),
+            "max_abs_diff_a": pa.array(worst_a),
+            "max_abs_diff_b": pa.array(worst_b),
+            "same_tokens": pa.array(same_a),
+            "first_token_difference": pa.array(first, pa.int32()),
+            "max_abs_diff_ab": pa.array(ab_a),
+            "agree": pa.array(agree),
+            "suspect": pa.array(suspect, pa.string()),
+        }
+    )
     counts = {s: int(np.count_nonzero(suspect == s)) for s in SUSPECTS}
     only = {"A": a.summary.num_rows - len(ids), "B": b.summary.num_rows - len(ids)}
     return table, _summary(a, b, counts, len(ids), int(agree.sum()), only, level)
@@ -145,21 +155,38 @@ def _summary(a: DiffSide, b: DiffSide, counts: dict, n: int, n_agree: int, only:
     blamed = {k: v for k, v in counts.items() if k != "none" and v}
     suspect = max(blamed, key=lambda k: (blamed[k], k == "reference")) if blamed else "none"
     if suspect == "none":
-        sentence = f"neither {a.name} (A) nor {b.name} (B) departs from the reference at or above {level} " \
-                   f"in any of {n} requests"
+        sentence = (
+            f"neither {a.name} (A) nor {b.name} (B) departs from the reference at or above {level} "
+            f"in any of {n} requests"
+        )
     elif suspect == "reference":
-        sentence = (f"the reference is the suspect: in {counts['reference']}/{n} requests {a.name} (A) and "
-                    f"{b.name} (B) agree with each other and both depart from the reference")
+        sentence = (
+            f"the reference is the suspect: in {counts['reference']}/{n} requests {a.name} (A) and "
+            f"{b.name} (B) agree with each other and both depart from the reference"
+        )
     elif suspect == "both":
-        sentence = (f"both engines depart: in {counts['both']}/{n} requests {a.name} (A) and {b.name} (B) "
-                    f"each depart from the reference and from each other")
+        sentence = (
+            f"both engines depart: in {counts['both']}/{n} requests {a.name} (A) and {b.name} (B) "
+            f"each depart from the reference and from each other"
+        )
     else:
         other = "B" if suspect == "A" else "A"
-        sentence = (f"{name[suspect]} ({suspect}) is the suspect: it departs from the reference in "
-                    f"{counts[suspect]}/{n} requests where {name[other]} ({other}) agrees with it")
+        sentence = (
+            f"{name[suspect]} ({suspect}) is the suspect: it departs from the reference in "
+            f"{counts[suspect]}/{n} requests where {name[other]} ({other}) agrees with it"
+        )
     rest = [f"{k}: {v}" for k, v in blamed.items() if k != suspect]
     if rest:
         sentence += " (also " + ", ".join(rest) + ")"
-    return {"n_requests": n, "level": level, "counts": counts, "n_agree": n_agree, "suspect": suspect,
-            "suspect_name": name.get(suspect), "only_in": only, "sentence": sentence,
-            "a": a.name, "b": b.name}
+    return {
+        "n_requests": n,
+        "level": level,
+        "counts": counts,
+        "n_agree": n_agree,
+        "suspect": suspect,
+        "suspect_name": name.get(suspect),
+        "only_in": only,
+        "sentence": sentence,
+        "a": a.name,
+        "b": b.name,
+    }

@@ -48,8 +48,9 @@ def apply_inconsistency(summary: pa.Table, requests: pa.Table) -> pa.Table:
     verdict = summary.column("verdict")
     raise_to = pc.and_(pc.is_valid(inc), pc.equal(verdict, "noise"))
     if pc.any(raise_to).as_py():
-        summary = summary.set_column(summary.column_names.index("verdict"), "verdict",
-                                     pc.if_else(raise_to, pa.scalar("divergent"), verdict))
+        summary = summary.set_column(
+            summary.column_names.index("verdict"), "verdict", pc.if_else(raise_to, pa.scalar("divergent"), verdict)
+        )
     return summary.append_column("inconsistency", inc)
 
 
@@ -62,10 +63,12 @@ def _attempt_rows(req: pa.Table) -> dict[str, np.ndarray] | None:
     flat = pc.list_flatten(col)
     if len(flat) == 0:
         return None
-    out = {"row": pc.list_parent_indices(col).to_numpy(zero_copy_only=False).astype(np.int64),
-           "error": pc.struct_field(flat, "error"),
-           "sent": pc.struct_field(flat, "sent").fill_null(False).to_numpy(zero_copy_only=False).astype(bool),
-           "status": pc.struct_field(flat, "status").fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)}
+    out = {
+        "row": pc.list_parent_indices(col).to_numpy(zero_copy_only=False).astype(np.int64),
+        "error": pc.struct_field(flat, "error"),
+        "sent": pc.struct_field(flat, "sent").fill_null(False).to_numpy(zero_copy_only=False).astype(bool),
+        "status": pc.struct_field(flat, "status").fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64),
+    }
     for name in ("t_start", "t_end"):
         out[name] = np.asarray(pc.struct_field(flat, name).to_numpy(zero_copy_only=False), dtype=np.float64)
     return out
@@ -79,11 +82,19 @@ def evidence(requests: pa.Table, summary: pa.Table) -> dict:
     verdict = summary.column("verdict")
     has_inc = pc.is_valid(inc).to_numpy(zero_copy_only=False)
     kinds = Counter(k for t in pc.drop_null(inc).to_pylist() if t for k in set(reason_kinds(t)))
-    scored = pc.is_in(verdict, value_set=pa.array(["clean", "noise", "divergent", "corrupt"])).to_numpy(zero_copy_only=False)
+    scored = pc.is_in(verdict, value_set=pa.array(["clean", "noise", "divergent", "corrupt"])).to_numpy(
+        zero_copy_only=False
+    )
     flagged = pc.is_in(verdict, value_set=pa.array(["divergent", "corrupt"])).to_numpy(zero_copy_only=False)
-    out = {"inconsistent": {"n": int(has_inc.sum()), "by_reason": dict(sorted(kinds.items())),
-                            "scored": int((has_inc & scored).sum()), "flagged": int((has_inc & flagged).sum()),
-                            "requests": sorted(ids.filter(pa.array(has_inc)).to_pylist())[:MAX_LISTED]}}
+    out = {
+        "inconsistent": {
+            "n": int(has_inc.sum()),
+            "by_reason": dict(sorted(kinds.items())),
+            "scored": int((has_inc & scored).sum()),
+            "flagged": int((has_inc & flagged).sum()),
+            "requests": sorted(ids.filter(pa.array(has_inc)).to_pylist())[:MAX_LISTED],
+        }
+    }
 
     errors = req.column("error").is_valid().to_numpy(zero_copy_only=False)
     att = _attempt_rows(req)
@@ -92,9 +103,12 @@ def evidence(requests: pa.Table, summary: pa.Table) -> dict:
     if att is not None:
         np.logical_or.at(any_sent, att["row"], att["sent"])
         any_attempt[att["row"]] = True
-    out["failed"] = {"n": int(errors.sum()), "sent": int((errors & any_sent).sum()),
-                     "never_sent": int((errors & any_attempt & ~any_sent).sum()),
-                     "in_process": int((errors & ~any_attempt).sum())}
+    out["failed"] = {
+        "n": int(errors.sum()),
+        "sent": int((errors & any_sent).sum()),
+        "never_sent": int((errors & any_attempt & ~any_sent).sum()),
+        "in_process": int((errors & ~any_attempt).sum()),
+    }
     if att is None:
         out["attempts"] = {"n": 0, "retries": 0, "by_status": {}}
         out["server_died"] = None
@@ -103,8 +117,11 @@ def evidence(requests: pa.Table, summary: pa.Table) -> dict:
     by_status = Counter()
     for s, c in zip(codes.tolist(), freq.tolist()):
         by_status["none" if s < 0 else str(int(s))] += int(c)
-    out["attempts"] = {"n": int(att["row"].size), "retries": int(att["row"].size - any_attempt.sum()),
-                       "by_status": dict(sorted(by_status.items()))}
+    out["attempts"] = {
+        "n": int(att["row"].size),
+        "retries": int(att["row"].size - any_attempt.sum()),
+        "by_status": dict(sorted(by_status.items())),
+    }
     out["server_died"] = _server_death(req, ids, att)
     return out
 
@@ -134,10 +151,18 @@ def _server_death(req: pa.Table, ids, att: dict) -> dict | None:
     common = _common(plen, seq, order)
     first_error = att["error"][int(first)].as_py()
     listed = ids.take(pa.array(order, pa.int64())).to_pylist()
-    sentence = (f"the server stopped answering after {len(listed)} request(s) were in flight "
-                f"(first failure: {first_error})" + (f"; {common['sentence']}" if common.get("sentence") else "") + ".")
-    return {"t": t_death, "first_error": first_error, "n_in_flight": int(len(listed)),
-            "in_flight": listed[:MAX_LISTED], "common": common, "sentence": sentence}
+    sentence = (
+        f"the server stopped answering after {len(listed)} request(s) were in flight "
+        f"(first failure: {first_error})" + (f"; {common['sentence']}" if common.get("sentence") else "") + "."
+    )
+    return {
+        "t": t_death,
+        "first_error": first_error,
+        "n_in_flight": int(len(listed)),
+        "in_flight": listed[:MAX_LISTED],
+        "common": common,
+        "sentence": sentence,
+    }
 
 
 def _common(plen: np.ndarray, seq: np.ndarray, rows: np.ndarray) -> dict:
@@ -149,12 +174,20 @@ def _common(plen: np.ndarray, seq: np.ndarray, rows: np.ndarray) -> dict:
     longest = np.argsort(-plen, kind="stable")[:k]
     n_longest = int(np.isin(rows, longest).sum())
     sp = plen[rows]
-    c = {"prompt_length": {"min": int(sp.min()), "max": int(sp.max()), "median": float(np.median(sp)),
-                           "run_median": float(np.median(plen))},
-         "among_longest": n_longest,
-         "seq": {"min": int(seq[rows].min()), "max": int(seq[rows].max())}}
-    words = [f"prompt length {c['prompt_length']['min']}..{c['prompt_length']['max']} tokens "
-             f"(run median {c['prompt_length']['run_median']:g})"]
+    c = {
+        "prompt_length": {
+            "min": int(sp.min()),
+            "max": int(sp.max()),
+            "median": float(np.median(sp)),
+            "run_median": float(np.median(plen)),
+        },
+        "among_longest": n_longest,
+        "seq": {"min": int(seq[rows].min()), "max": int(seq[rows].max())},
+    }
+    words = [
+        f"prompt length {c['prompt_length']['min']}..{c['prompt_length']['max']} tokens "
+        f"(run median {c['prompt_length']['run_median']:g})"
+    ]
     if n_longest:
         words.append(f"{n_longest} of them among the run's {k} longest prompts")
     words.append(f"arrival #{c['seq']['min']}..#{c['seq']['max']}")

@@ -48,8 +48,12 @@ def request_features(requests: pa.Table, trace: pa.Table | None, engine_info: di
     req = by_arrival(requests)
     feats = [
         Feature("prompt_length", "numeric", _prompt_lengths(req), "prompt length (tokens)"),
-        Feature("rollout", "numeric", req.column("rollout").to_numpy(zero_copy_only=False).astype(np.float64),
-                "rollout index"),
+        Feature(
+            "rollout",
+            "numeric",
+            req.column("rollout").to_numpy(zero_copy_only=False).astype(np.float64),
+            "rollout index",
+        ),
         Feature("seq", "numeric", req.column("seq").to_numpy().astype(np.float64), "arrival index"),
     ]
     if trace is not None and trace.num_rows:
@@ -72,7 +76,9 @@ def _vllm_trace_features(req: pa.Table, trace: pa.Table) -> list[Feature]:
     seen, idx = np.unique(code, return_index=True)
     keep = seen >= 0
     first_reordered[seen[keep]] = reordered[idx[keep]]
-    return [Feature("first_step_reordered", "bool", first_reordered, "were moved by the batch reorder on their first step")]
+    return [
+        Feature("first_step_reordered", "bool", first_reordered, "were moved by the batch reorder on their first step")
+    ]
 
 
 def _offset_wrap_bits(engine_info: dict) -> int | None:
@@ -127,8 +133,10 @@ def _trace_features(req: pa.Table, trace: pa.Table, engine_info: dict) -> list[F
     for s0, i in zip(s_sorted[starts], starts):
         slot_first_step[int(s0)] = int(st_sorted[i])
     fslot, fstep = at_first(slot, -1), at_first(step, -1)
-    used_before = np.array([has[i] and fslot[i] >= 0 and slot_first_step.get(int(fslot[i]), 1 << 62) < fstep[i]
-                            for i in range(n)], dtype=bool)
+    used_before = np.array(
+        [has[i] and fslot[i] >= 0 and slot_first_step.get(int(fslot[i]), 1 << 62) < fstep[i] for i in range(n)],
+        dtype=bool,
+    )
     # batch composition per step
     ustep, sinv = np.unique(step, return_inverse=True)
     dec_per_step = np.bincount(sinv, weights=is_decode.astype(np.float64))
@@ -154,39 +162,71 @@ def _trace_features(req: pa.Table, trace: pa.Table, engine_info: dict) -> list[F
     max_batch = per_request(bsize, np.maximum, np.nan)
     all_rows = trace.filter(pc.is_in(trace.column("request_id"), value_set=ids))
     preempted_ids = all_rows.filter(all_rows.column("preempted").fill_null(False)).column("request_id")
-    preempted = pc.is_in(ids, value_set=pc.unique(preempted_ids)).to_numpy(zero_copy_only=False) \
-        if len(preempted_ids) else np.zeros(n, dtype=bool)
+    preempted = (
+        pc.is_in(ids, value_set=pc.unique(preempted_ids)).to_numpy(zero_copy_only=False)
+        if len(preempted_ids)
+        else np.zeros(n, dtype=bool)
+    )
 
     cache = engine_info.get("cache") or {}
     stride = cache.get("state_slot_stride") or engine_info.get("state_slot_stride")
     feats = [
-        Feature("first_decode_uncomputed", "bool", first_uncomputed,
-                "started with a decode step while num_computed_tokens was 0"),
+        Feature(
+            "first_decode_uncomputed",
+            "bool",
+            first_uncomputed,
+            "started with a decode step while num_computed_tokens was 0",
+        ),
         Feature("first_phase_decode", "bool", first_decode, "started with a decode step"),
-        Feature("first_slot_used_before", "bool", used_before & has,
-                "started on a state slot an earlier request had used"),
+        Feature(
+            "first_slot_used_before", "bool", used_before & has, "started on a state slot an earlier request had used"
+        ),
         Feature("first_step_one_token", "bool", first_one & has, "got 1 token of budget on their first step"),
         Feature("first_batch_mixed", "bool", first_mixed & has, "started in a batch mixing decodes and prefills"),
         Feature("chunked_prefill", "bool", (n_chunks > 1) & has, "had its prompt prefilled in several chunks"),
         Feature("preempted", "bool", preempted, "were preempted and recomputed"),
         Feature("max_state_slot", "numeric", max_slot, "state slot id", stride=int(stride) if stride else None),
-        Feature("first_batch_size", "numeric", at_first(bsize, np.nan).astype(np.float64), "batch size at their first step"),
+        Feature(
+            "first_batch_size", "numeric", at_first(bsize, np.nan).astype(np.float64), "batch size at their first step"
+        ),
         Feature("max_batch_size", "numeric", max_batch, "largest batch they ran in (concurrency)"),
-        Feature("first_batch_decode_share", "numeric", first_share.astype(np.float64),
-                "a decode share in their first step's batch"),
+        Feature(
+            "first_batch_decode_share",
+            "numeric",
+            first_share.astype(np.float64),
+            "a decode share in their first step's batch",
+        ),
         Feature("n_prefill_chunks", "numeric", n_chunks, "number of prefill chunks"),
     ]
     if stride:
         offset = max_prefill_slot * float(stride)
         elem = _DTYPE_BYTES.get(str((engine_info.get("options") or {}).get("dtype") or "float32"), 4)
         for bits in (31, 32):
-            feats.append(Feature(f"slot_offset_over_2^{bits}", "bool", offset >= 2.0 ** bits,
-                                 f"had slot * stride >= 2^{bits} elements on a prefill"))
-            feats.append(Feature(f"slot_byte_offset_over_2^{bits}", "bool", offset * elem >= 2.0 ** bits,
-                                 f"had a state byte offset (slot * stride * {elem}) >= 2^{bits} on a prefill"))
+            feats.append(
+                Feature(
+                    f"slot_offset_over_2^{bits}",
+                    "bool",
+                    offset >= 2.0**bits,
+                    f"had slot * stride >= 2^{bits} elements on a prefill",
+                )
+            )
+            feats.append(
+                Feature(
+                    f"slot_byte_offset_over_2^{bits}",
+                    "bool",
+                    offset * elem >= 2.0**bits,
+                    f"had a state byte offset (slot * stride * {elem}) >= 2^{bits} on a prefill",
+                )
+            )
         bits = _offset_wrap_bits(engine_info)
         if bits is not None:
-            feats.append(Feature("slot_offset_over_wrap", "bool", offset >= 2.0 ** bits,
-                                 f"prefilled into a slot past the offset wrap (slot * stride >= 2^{bits}, "
-                                 f"slot >= {int(np.ceil(2.0 ** bits / stride))})"))
+            feats.append(
+                Feature(
+                    "slot_offset_over_wrap",
+                    "bool",
+                    offset >= 2.0**bits,
+                    f"prefilled into a slot past the offset wrap (slot * stride >= 2^{bits}, "
+                    f"slot >= {int(np.ceil(2.0**bits / stride))})",
+                )
+            )
     return feats

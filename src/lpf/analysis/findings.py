@@ -61,12 +61,23 @@ from lpf.run.schema import SCHEMA_VERSION
 METRIC_COLUMNS = ("abs_logprob_diff", "prob_diff", "k3_kl", "token_mult_prob_error")
 
 
-def analyze(requests: pa.Table, tokens: pa.Table, reference: pa.Table, th: Thresholds, greedy: bool,
-            trace: pa.Table | None = None, engine_info: dict | None = None,
-            temperature: float = 0.0, calibration: pa.Table | None = None,
-            calibration_info: dict | None = None, floor_table: dict | None = None,
-            run_info: dict | None = None, prompt_tokens: pa.Table | None = None,
-            prompt_reference: pa.Table | None = None, chunk_budget: int | None = None) -> tuple[pa.Table, dict]:
+def analyze(
+    requests: pa.Table,
+    tokens: pa.Table,
+    reference: pa.Table,
+    th: Thresholds,
+    greedy: bool,
+    trace: pa.Table | None = None,
+    engine_info: dict | None = None,
+    temperature: float = 0.0,
+    calibration: pa.Table | None = None,
+    calibration_info: dict | None = None,
+    floor_table: dict | None = None,
+    run_info: dict | None = None,
+    prompt_tokens: pa.Table | None = None,
+    prompt_reference: pa.Table | None = None,
+    chunk_budget: int | None = None,
+) -> tuple[pa.Table, dict]:
     """(per-request summary, findings dict). Pure: tables in, tables and plain data out.
     `calibration` (a calibration run's table, reference columns) replaces the run's own floor.
     `floor_table` (floors.json) and `run_info` (engine_dtype, reference_dtype, model, sampling) give
@@ -74,8 +85,9 @@ def analyze(requests: pa.Table, tokens: pa.Table, reference: pa.Table, th: Thres
     joined, starts = m.join_grouped(tokens, reference)
     cols = m.input_arrays(joined)
     cols["position"] = joined.column("position").to_numpy()
-    expected, cal_cols = _expected_floor(joined, tokens, reference, requests, calibration, calibration_info,
-                                         floor_table, run_info or {})
+    expected, cal_cols = _expected_floor(
+        joined, tokens, reference, requests, calibration, calibration_info, floor_table, run_info or {}
+    )
     if calibration is not None:
         th, calib = calibrate_from_run(reference, calibration, th, calibration_info)
         th = with_expected_tie_margin(th, expected) if expected else th
@@ -87,7 +99,11 @@ def analyze(requests: pa.Table, tokens: pa.Table, reference: pa.Table, th: Thres
         th, calib = calibrate(ad, starts, th)
         del ad
     per, flips, same = score_requests(cols, starts, greedy, th)
-    ids = joined.column("request_id").take(pa.array(starts)).combine_chunks() if len(starts) else pa.array([], pa.string())
+    ids = (
+        joined.column("request_id").take(pa.array(starts)).combine_chunks()
+        if len(starts)
+        else pa.array([], pa.string())
+    )
     summary = apply_inconsistency(summarize_requests(None, requests, th, per=(ids, per)), requests)
     test = None
     if expected:
@@ -96,16 +112,35 @@ def analyze(requests: pa.Table, tokens: pa.Table, reference: pa.Table, th: Thres
         summary = _localized(summary, test, cal_cols, expected, sampling, joined, tokens, reference, requests, starts)
     findings = findings_dict(summary, th, metric_summary(cols, flips, same), joined.num_rows)
     findings["thresholds"].update(calib, pinned=sorted(th.pinned))
-    tempered = tempered_logprobs(joined, reference, temperature, th) \
-        if wants_tempered(temperature, reference.column_names) else None
-    findings = conclude(findings, summary, requests, trace, engine_info, temperature, test,
-                        tempered, crossed_wires(joined, requests, trace))
+    tempered = (
+        tempered_logprobs(joined, reference, temperature, th)
+        if wants_tempered(temperature, reference.column_names)
+        else None
+    )
+    findings = conclude(
+        findings,
+        summary,
+        requests,
+        trace,
+        engine_info,
+        temperature,
+        test,
+        tempered,
+        crossed_wires(joined, requests, trace),
+    )
     return with_prompt(summary, findings, prompt_tokens, prompt_reference, requests, th, trace, chunk_budget)
 
 
-def with_prompt(summary: pa.Table, findings: dict, prompt_tokens: pa.Table | None, prompt_reference: pa.Table | None,
-                requests: pa.Table, th: Thresholds, trace: pa.Table | None,
-                chunk_budget: int | None) -> tuple[pa.Table, dict]:
+def with_prompt(
+    summary: pa.Table,
+    findings: dict,
+    prompt_tokens: pa.Table | None,
+    prompt_reference: pa.Table | None,
+    requests: pa.Table,
+    th: Thresholds,
+    trace: pa.Table | None,
+    chunk_budget: int | None,
+) -> tuple[pa.Table, dict]:
     """The prompt positions' block, their `prompt_` summary columns and the run verdict raised to the
     worst prompt verdict (`lpf.analysis.prompt`), when the run has scored prompt positions."""
     prompt_table, prompt_block = prompt_analysis(prompt_tokens, prompt_reference, requests, th, trace, chunk_budget)
@@ -121,9 +156,17 @@ def wants_tempered(temperature: float, reference_columns) -> bool:
     return bool(temperature) and temperature != 1.0 and "ref_topk_logprobs" in reference_columns
 
 
-def conclude(findings: dict, summary: pa.Table, requests: pa.Table, trace: pa.Table | None,
-             engine_info: dict | None, temperature: float, test: dict | None,
-             tempered: pa.Array | None, crossed: pa.Array | None) -> dict:
+def conclude(
+    findings: dict,
+    summary: pa.Table,
+    requests: pa.Table,
+    trace: pa.Table | None,
+    engine_info: dict | None,
+    temperature: float,
+    test: dict | None,
+    tempered: pa.Array | None,
+    crossed: pa.Array | None,
+) -> dict:
     """The request-level steps after scoring, shared by the in-memory and the streamed analysis
     (`lpf.analysis.stream`): the run-level test's verdict (`test`, or None), the failure's shape,
     the ranked hypotheses (with the two token signatures' request ids, None when not computed), the
@@ -131,8 +174,11 @@ def conclude(findings: dict, summary: pa.Table, requests: pa.Table, trace: pa.Ta
     when the run has no prefix cache). Reads no token table."""
     if test is not None:
         findings["run_test"] = test
-        if test["result"] == "different" and findings["verdict"] in SEVERITY and \
-                SEVERITY[findings["verdict"]] < SEVERITY["systematic"]:
+        if (
+            test["result"] == "different"
+            and findings["verdict"] in SEVERITY
+            and SEVERITY[findings["verdict"]] < SEVERITY["systematic"]
+        ):
             findings["verdict"] = "systematic"
     shape = failure_shape(summary, requests, trace)
     steps = shape.pop("_divergence_steps")
@@ -193,13 +239,25 @@ def _hypotheses(summary, requests, trace, engine_info, temperature, tempered, cr
     ids = summary.column("request_id")
     sigs = []
     if tempered is not None:
-        sigs.append(Feature("tempered_logprobs", "bool", pc.is_in(ids, value_set=tempered).to_numpy(zero_copy_only=False),
-                            f"reported logprobs that fit the reference's temperature-{temperature:g} "
-                            f"distribution better than its raw one (processed logprobs reported as raw)"))
+        sigs.append(
+            Feature(
+                "tempered_logprobs",
+                "bool",
+                pc.is_in(ids, value_set=tempered).to_numpy(zero_copy_only=False),
+                f"reported logprobs that fit the reference's temperature-{temperature:g} "
+                f"distribution better than its raw one (processed logprobs reported as raw)",
+            )
+        )
     if crossed is not None:
-        sigs.append(Feature("crossed_wires", "bool", pc.is_in(ids, value_set=crossed).to_numpy(zero_copy_only=False),
-                            "got, at a step where they diverged, the token another request's reference "
-                            "expected while that request got theirs (crossed wires)"))
+        sigs.append(
+            Feature(
+                "crossed_wires",
+                "bool",
+                pc.is_in(ids, value_set=crossed).to_numpy(zero_copy_only=False),
+                "got, at a step where they diverged, the token another request's reference "
+                "expected while that request got theirs (crossed wires)",
+            )
+        )
     kinds = {names[i] for i in np.unique(code[flagged])}
     label = kinds.pop() if len(kinds) == 1 else "flagged"
     other = "clean" if not np.any(having("noise")[scored & ~flagged]) else "unflagged"
@@ -216,8 +274,10 @@ def token_metric_summary(column, n_scored: int, flips: int, same_top1: int) -> d
     finite = np.isfinite(mult)
     if not finite.all():
         mult = mult[finite]
-    metrics["token_mult_prob_error"] = {**m.monotone_percentiles(metrics["abs_logprob_diff"], np.exp),
-                                        "mean": float(mult.mean()) if mult.size else None}
+    metrics["token_mult_prob_error"] = {
+        **m.monotone_percentiles(metrics["abs_logprob_diff"], np.exp),
+        "mean": float(mult.mean()) if mult.size else None,
+    }
     if n_scored:
         metrics["greedy_flip_rate"] = float(flips / n_scored)
         metrics["same_top1_pct"] = float(100.0 * (same_top1 / n_scored))
@@ -251,10 +311,17 @@ def findings_dict(summary: pa.Table, th: Thresholds, metrics: dict, n_scored: in
         "thresholds": th.to_dict(),
         "metrics": metrics,
         "oracle": {"n": n_judged, "correct": correct, "accuracy": (correct / n_judged) if n_judged else None},
-        "flagged": [{"request_id": r["request_id"], "seq": r["seq"], "verdict": r["verdict"],
-                     "first_divergence": r["first_divergence"],
-                     "max_abs_logprob_diff": r["max_abs_logprob_diff"],
-                     "gibberish_tokens": r["gibberish_tokens"],
-                     "gibberish_score": r["gibberish_score"]} for r in flagged],
+        "flagged": [
+            {
+                "request_id": r["request_id"],
+                "seq": r["seq"],
+                "verdict": r["verdict"],
+                "first_divergence": r["first_divergence"],
+                "max_abs_logprob_diff": r["max_abs_logprob_diff"],
+                "gibberish_tokens": r["gibberish_tokens"],
+                "gibberish_score": r["gibberish_score"],
+            }
+            for r in flagged
+        ],
         "hypotheses": [],
     }

@@ -67,23 +67,33 @@ def floor_stats(d: np.ndarray, s: np.ndarray, topk: dict | None = None) -> dict:
         "settled": {"q99": _qs(d[~informative], 0.99)[0]},
         "topk": None,
         "margin": None,
-        "token_abs_diff": {"median": med, "mad": None if med is None else
-                           float(1.4826 * np.median(np.abs(d[np.isfinite(d)] - med)))},
+        "token_abs_diff": {
+            "median": med,
+            "mad": None if med is None else float(1.4826 * np.median(np.abs(d[np.isfinite(d)] - med))),
+        },
         "n_tokens": int(np.isfinite(d).sum()) * step,
     }
     if topk is not None and np.isfinite(topk["w"]).any():
         w, kl, margin = (topk[k][::step] for k in ("w", "kl", "margin"))
         w_med, w99 = _qs(w, 0.5, 0.99)
-        out["topk"] = {"median": w_med, "q99": w99,
-                       "kl_mean": float(np.nanmean(kl)) if np.isfinite(kl).any() else None}
+        out["topk"] = {"median": w_med, "q99": w99, "kl_mean": float(np.nanmean(kl)) if np.isfinite(kl).any() else None}
         if np.isfinite(margin).any():
             m_med, m99, m_max = _qs(margin, 0.5, 0.99, 1.0)
             out["margin"] = {"median": m_med, "q99": m99, "max": m_max, "n": int(np.isfinite(margin).sum())}
     return out
 
 
-_FIELDS = (("token", "median"), ("token", "q99"), ("settled", "q99"), ("topk", "median"), ("topk", "q99"),
-           ("margin", "q99"), ("margin", "max"), ("token_abs_diff", "median"), ("token_abs_diff", "mad"))
+_FIELDS = (
+    ("token", "median"),
+    ("token", "q99"),
+    ("settled", "q99"),
+    ("topk", "median"),
+    ("topk", "q99"),
+    ("margin", "q99"),
+    ("margin", "max"),
+    ("token_abs_diff", "median"),
+    ("token_abs_diff", "mad"),
+)
 
 
 def envelope(*floors: dict | None) -> dict:
@@ -108,8 +118,9 @@ def _row(table: dict, pair: str, model: str | None) -> tuple[dict | None, str]:
     if model and model in (entry.get("models") or {}):
         return entry["models"][model], f"measured on {model}"
     n = sum(1 for m in entry.get("models") or {} if m.startswith("zoo:"))
-    return _scaled(entry.get("envelope"), UNMEASURED_MARGIN), \
-        f"{model or 'this model'} not measured: {UNMEASURED_MARGIN:g}x the envelope over the {n} trained models"
+    return _scaled(
+        entry.get("envelope"), UNMEASURED_MARGIN
+    ), f"{model or 'this model'} not measured: {UNMEASURED_MARGIN:g}x the envelope over the {n} trained models"
 
 
 def _scaled(floor: dict | None, factor: float) -> dict | None:
@@ -121,16 +132,24 @@ def _scaled(floor: dict | None, factor: float) -> dict | None:
     return out
 
 
-def expected_floor(table: dict, engine_dtype: str | None, reference_dtype: str | None, model: str | None = None,
-                   calibration: dict | None = None) -> dict | None:
+def expected_floor(
+    table: dict,
+    engine_dtype: str | None,
+    reference_dtype: str | None,
+    model: str | None = None,
+    calibration: dict | None = None,
+) -> dict | None:
     if not reference_dtype:
         return None
     same, how_same = _row(table, f"{reference_dtype}/{reference_dtype}", model)
     if calibration is not None and calibration.get("token", {}).get("median") is not None:
         floor = envelope(calibration, same)
-        floor.update(source="calibration-run", pair=f"{engine_dtype}/{reference_dtype}",
-                     detail=f"a calibration run (the reference at {engine_dtype}), at least the table's "
-                            f"{reference_dtype}/{reference_dtype} floor ({how_same})")
+        floor.update(
+            source="calibration-run",
+            pair=f"{engine_dtype}/{reference_dtype}",
+            detail=f"a calibration run (the reference at {engine_dtype}), at least the table's "
+            f"{reference_dtype}/{reference_dtype} floor ({how_same})",
+        )
     else:
         pair = f"{engine_dtype}/{reference_dtype}"
         row, how = _row(table, pair, model)
@@ -144,9 +163,13 @@ def expected_floor(table: dict, engine_dtype: str | None, reference_dtype: str |
             rows = {p: _row(table, p, model) for p in known}
             lenient = max(known, key=lambda p: (rows[p][0] or {}).get("token", {}).get("q99") or 0.0)
             floor = envelope(rows[lenient][0], same)
-            floor.update(source="table", pair=lenient, assumed_dtype=lenient.split("/")[0],
-                         detail=f"the shipped table: the engine's dtype is {engine_dtype or 'not recorded'}, so the "
-                                f"most lenient pair measured, {lenient} ({rows[lenient][1]})")
+            floor.update(
+                source="table",
+                pair=lenient,
+                assumed_dtype=lenient.split("/")[0],
+                detail=f"the shipped table: the engine's dtype is {engine_dtype or 'not recorded'}, so the "
+                f"most lenient pair measured, {lenient} ({rows[lenient][1]})",
+            )
     floor["tie_margin"] = tie_margin(floor)
     # what the row was measured over (prompts, knob settings), where the table says: a floor far above it
     # on other settings is said with them

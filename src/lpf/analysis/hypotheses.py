@@ -59,8 +59,9 @@ def binomial_greater(k: int, n: int, lf: LogFactorials | None = None) -> float:
     return float(min(1.0, math.exp(m) * np.exp(logp - m).sum()))
 
 
-def run_wide(feature: Feature, flagged: np.ndarray, scored: np.ndarray, flagged_label: str,
-             min_share: float = 0.5) -> dict | None:
+def run_wide(
+    feature: Feature, flagged: np.ndarray, scored: np.ndarray, flagged_label: str, min_share: float = 0.5
+) -> dict | None:
     """A signature carried by most scored requests is a property of the whole run, which a
     flagged-vs-clean contingency cannot see (both groups have it): tested against chance (sign test
     over requests) instead, and stated for the run."""
@@ -70,9 +71,17 @@ def run_wide(feature: Feature, flagged: np.ndarray, scored: np.ndarray, flagged_
         return None
     p = binomial_greater(k, n)
     n_f, a = int((flagged & scored).sum()), int((x & flagged).sum())
-    return {"feature": feature.name, "sentence": f"{k}/{n} requests ({a}/{n_f} {flagged_label} ones) {feature.phrase}.",
-            "flagged_with": a, "flagged_total": n_f, "clean_with": k - a, "clean_total": n - n_f,
-            "p_value": p, "score": float(min(300.0, -math.log10(max(p, 1e-300)))), "scope": "run"}
+    return {
+        "feature": feature.name,
+        "sentence": f"{k}/{n} requests ({a}/{n_f} {flagged_label} ones) {feature.phrase}.",
+        "flagged_with": a,
+        "flagged_total": n_f,
+        "clean_with": k - a,
+        "clean_total": n - n_f,
+        "p_value": p,
+        "score": float(min(300.0, -math.log10(max(p, 1e-300)))),
+        "scope": "run",
+    }
 
 
 def _fmt(x: float) -> str:
@@ -93,9 +102,14 @@ def _candidates(x: np.ndarray) -> np.ndarray:
     return np.unique(u[np.linspace(0, u.size - 1, MAX_CUTS).round().astype(np.int64)])  # values that occur
 
 
-def rank_hypotheses(features: list[Feature], flagged: np.ndarray, scored: np.ndarray,
-                    flagged_label: str = "flagged", other_label: str = "clean",
-                    signatures: list[Feature] = ()) -> list[dict]:
+def rank_hypotheses(
+    features: list[Feature],
+    flagged: np.ndarray,
+    scored: np.ndarray,
+    flagged_label: str = "flagged",
+    other_label: str = "clean",
+    signatures: list[Feature] = (),
+) -> list[dict]:
     """`signatures` are tested per request like features and, when most requests carry one, for
     the run as a whole (`run_wide`)."""
     flagged = flagged & scored
@@ -145,13 +159,24 @@ def rank_hypotheses(features: list[Feature], flagged: np.ndarray, scored: np.nda
         if p >= MAX_P:
             continue
         if split is not None:
-            phrase = f.template.format(op=split[0], cut=_fmt(split[1])) if f.template else \
-                "had " + _split_words(f, *split)
-        sentence = (f"{a}/{n_f} {flagged_label} requests {phrase}; {c}/{n_o} {other_label} ones did"
-                    + (" (best split)" if split is not None else "") + ".")
-        h = {"feature": f.name, "sentence": sentence, "flagged_with": a, "flagged_total": n_f,
-             "clean_with": c, "clean_total": n_o, "p_value": p,
-             "score": float(min(300.0, -math.log10(max(p, 1e-300))))}
+            phrase = (
+                f.template.format(op=split[0], cut=_fmt(split[1])) if f.template else "had " + _split_words(f, *split)
+            )
+        sentence = (
+            f"{a}/{n_f} {flagged_label} requests {phrase}; {c}/{n_o} {other_label} ones did"
+            + (" (best split)" if split is not None else "")
+            + "."
+        )
+        h = {
+            "feature": f.name,
+            "sentence": sentence,
+            "flagged_with": a,
+            "flagged_total": n_f,
+            "clean_with": c,
+            "clean_total": n_o,
+            "p_value": p,
+            "score": float(min(300.0, -math.log10(max(p, 1e-300)))),
+        }
         if split is not None:
             h["split"] = {"op": split[0], "value": split[1]}
         out.append((h, best[0][1], order))

@@ -39,12 +39,15 @@ from lpf.analysis.run_test import DEFAULT_ALPHA, NULL_RATE, log_binom_sf
 MIN_CLEAN = 5
 CLEAN_SHARE = 0.05
 
-RULE = ("a noise request whose own tokens reject the expected floor (Bonferroni over the scored requests) "
-        "in a run the run-level test rejects while some requests are clean is divergent")
+RULE = (
+    "a noise request whose own tokens reject the expected floor (Bonferroni over the scored requests) "
+    "in a run the run-level test rejects while some requests are clean is divergent"
+)
 
 
-def raise_localized(summary: pa.Table, test: dict | None, exceed: np.ndarray | None, token_request_ids,
-                    alpha: float = DEFAULT_ALPHA) -> tuple[pa.Table, dict | None]:
+def raise_localized(
+    summary: pa.Table, test: dict | None, exceed: np.ndarray | None, token_request_ids, alpha: float = DEFAULT_ALPHA
+) -> tuple[pa.Table, dict | None]:
     if test is None or test.get("result") != "different" or exceed is None or len(exceed) == 0:
         return summary, None
     verdict = np.asarray(summary.column("verdict").to_pylist(), dtype=object)
@@ -57,8 +60,13 @@ def raise_localized(summary: pa.Table, test: dict | None, exceed: np.ndarray | N
     if noise.any():
         ids = summary.column("request_id").combine_chunks()
         noise_ids = ids.filter(pa.array(noise))
-        tok_ids = token_request_ids.combine_chunks() if isinstance(token_request_ids, pa.ChunkedArray) \
-            else pa.array(token_request_ids) if not isinstance(token_request_ids, pa.Array) else token_request_ids
+        tok_ids = (
+            token_request_ids.combine_chunks()
+            if isinstance(token_request_ids, pa.ChunkedArray)
+            else pa.array(token_request_ids)
+            if not isinstance(token_request_ids, pa.Array)
+            else token_request_ids
+        )
         at = pc.index_in(tok_ids, value_set=noise_ids).fill_null(-1).to_numpy(zero_copy_only=False)
         keep = at >= 0
         n = np.bincount(at[keep], minlength=len(noise_ids))

@@ -42,7 +42,7 @@ def first_of_lists(col) -> np.ndarray:
     width = np.diff(offsets)
     k = int(width[0])
     if k > 0 and not arr.null_count and int(width.min()) == k == int(width.max()):
-        return _as_ids(values[offsets[0]:offsets[-1]:k])  # fixed-width top-k: a strided view
+        return _as_ids(values[offsets[0] : offsets[-1] : k])  # fixed-width top-k: a strided view
     has = width > 0
     if arr.null_count:
         has &= arr.is_valid().to_numpy(zero_copy_only=False)
@@ -83,8 +83,11 @@ def zipped_starts(tokens: pa.Table, reference: pa.Table) -> np.ndarray | None:
     """The request starts when `join_grouped` zips the two tables (they line up row for row, each
     request's rows contiguous with positions ascending, each request once); else None (it joins
     and sorts by request id and position)."""
-    return _group_starts(tokens.column("request_id"), tokens.column("position").to_numpy()) \
-        if _aligned(tokens, reference) else None
+    return (
+        _group_starts(tokens.column("request_id"), tokens.column("position").to_numpy())
+        if _aligned(tokens, reference)
+        else None
+    )
 
 
 def join_scored(tokens: pa.Table, reference: pa.Table) -> pa.Table:
@@ -97,8 +100,11 @@ def join_grouped(tokens: pa.Table, reference: pa.Table) -> tuple[pa.Table, np.nd
     """`join_scored` and the row indices where each request begins (`verdicts.segment_starts`),
     which the row-for-row case gets from its grouping check for free."""
     eng = tokens.select(["request_id", "position", "token_id", "engine_logprob"])
-    top1 = first_of_lists(tokens.column("engine_topk_ids")) if "engine_topk_ids" in tokens.column_names \
+    top1 = (
+        first_of_lists(tokens.column("engine_topk_ids"))
+        if "engine_topk_ids" in tokens.column_names
         else np.full(tokens.num_rows, -1, dtype=np.int64)
+    )
     eng = eng.append_column("engine_top1_id", pa.array(top1))
     starts = zipped_starts(eng, reference)
     ref_cols = [c for c in _REF_COLS if c in reference.column_names]  # ref_entropy: carried when read
@@ -113,18 +119,30 @@ def join_grouped(tokens: pa.Table, reference: pa.Table) -> tuple[pa.Table, np.nd
 
 
 # metric column -> dtype, in the order `token_metrics` appends them
-METRIC_DTYPES = {"abs_logprob_diff": np.float64, "prob_diff": np.float64, "k3_kl": np.float64,
-                 "token_mult_prob_error": np.float64, "greedy_flip": np.bool_, "lie_strength": np.float64,
-                 "gibberish": np.bool_}
+METRIC_DTYPES = {
+    "abs_logprob_diff": np.float64,
+    "prob_diff": np.float64,
+    "k3_kl": np.float64,
+    "token_mult_prob_error": np.float64,
+    "greedy_flip": np.bool_,
+    "lie_strength": np.float64,
+    "gibberish": np.bool_,
+}
 # the `join_scored` columns the metrics read (engine_top1_id is optional)
-INPUT_COLUMNS = ("token_id", "engine_logprob", "ref_logprob", "ref_rank", "ref_top1_id", "ref_top1_logprob",
-                 "engine_top1_id")
+INPUT_COLUMNS = (
+    "token_id",
+    "engine_logprob",
+    "ref_logprob",
+    "ref_rank",
+    "ref_top1_id",
+    "ref_top1_logprob",
+    "engine_top1_id",
+)
 
 
 def input_arrays(joined: pa.Table) -> dict[str, np.ndarray]:
     """The `INPUT_COLUMNS` of a `join_scored` table as numpy (no copy for single-chunk columns)."""
-    return {name: joined.column(name).to_numpy()
-            for name in INPUT_COLUMNS if name in joined.column_names}
+    return {name: joined.column(name).to_numpy() for name in INPUT_COLUMNS if name in joined.column_names}
 
 
 def token_metrics(joined: pa.Table, greedy: bool, th: Thresholds) -> pa.Table:
@@ -134,8 +152,9 @@ def token_metrics(joined: pa.Table, greedy: bool, th: Thresholds) -> pa.Table:
     return joined
 
 
-def metric_arrays(cols: dict[str, np.ndarray], greedy: bool, th: Thresholds,
-                  out: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+def metric_arrays(
+    cols: dict[str, np.ndarray], greedy: bool, th: Thresholds, out: dict[str, np.ndarray] | None = None
+) -> dict[str, np.ndarray]:
     """The metric columns (`METRIC_DTYPES`) from `input_arrays`, written into the arrays of `out`
     that it has (of the same length, e.g. one chunk's slices of whole-run arrays), all returned."""
     eng, ref, tok = cols["engine_logprob"], cols["ref_logprob"], cols["token_id"]
@@ -146,7 +165,7 @@ def metric_arrays(cols: dict[str, np.ndarray], greedy: bool, th: Thresholds,
         ad = np.abs(d, out=out["abs_logprob_diff"])
         np.abs(np.exp(eng) - np.exp(ref), out=out["prob_diff"])
         k3 = np.add(np.exp(-d), d, out=out["k3_kl"])  # rho - log(rho) - 1 with rho = exp(-d), log(rho) = -d:
-        k3 -= 1.0                                      # exact for large |d| too
+        k3 -= 1.0  # exact for large |d| too
         np.exp(ad, out=out["token_mult_prob_error"])
         rank, top1 = cols["ref_rank"], cols["ref_top1_id"]
         other_top = tok != top1
@@ -181,8 +200,14 @@ def percentiles(values: np.ndarray) -> dict:
     if values.size == 0:
         return {k: None for k in ("p50", "p90", "p99", "p99_9", "max", "mean")}
     q = linear_quantiles(values, QUANTILES)
-    return {"p50": float(q[0]), "p90": float(q[1]), "p99": float(q[2]), "p99_9": float(q[3]),
-            "max": float(values.max()), "mean": float(values.mean())}
+    return {
+        "p50": float(q[0]),
+        "p90": float(q[1]),
+        "p99": float(q[2]),
+        "p99_9": float(q[3]),
+        "max": float(values.max()),
+        "mean": float(values.mean()),
+    }
 
 
 def linear_quantiles(a: np.ndarray, qs) -> list[float]:

@@ -48,10 +48,10 @@ def estimate_period(values, min_confidence: float = 0.3, min_cycles: int = 3) ->
         return out
     acf = _autocorrelation(x - x.mean())
     lags = np.arange(2, max_lag + 1)
-    cand = acf[2:max_lag + 1]
+    cand = acf[2 : max_lag + 1]
     # a peak: at least as high as both neighbours (the edge lag counts as a peak if it is rising)
     left = acf[1:max_lag]
-    right = np.append(acf[3:max_lag + 2], -np.inf)[: len(cand)]
+    right = np.append(acf[3 : max_lag + 2], -np.inf)[: len(cand)]
     peaks = (cand >= left) & (cand >= right) & (cand > 0)
     if not peaks.any():
         return out

@@ -33,9 +33,10 @@ def _enabled(engine_info: dict) -> bool | None:
 
 
 def _block_size(engine_info: dict) -> int:
-    cache = ((engine_info.get("cache") or {}).get("prefix_cache") or {})
+    cache = (engine_info.get("cache") or {}).get("prefix_cache") or {}
     for value in [(engine_info.get(s) or {}).get("block_size") for s in ("options", "engine_args")] + [
-            cache.get("block_size")]:
+        cache.get("block_size")
+    ]:
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
     return DEFAULT_BLOCK
@@ -49,7 +50,7 @@ def shared_blocks(prompts: list[list[int]], block: int) -> list[int]:
     for p in prompts:
         chain, h = [], 0
         for k in range(len(p) // block):
-            h = hash((h, tuple(p[k * block:(k + 1) * block])))
+            h = hash((h, tuple(p[k * block : (k + 1) * block])))
             chain.append(h)
         limit = (len(p) - 1) // block
         n = 0
@@ -73,30 +74,54 @@ def prefix_cache_summary(requests: pa.Table, trace: pa.Table | None, engine_info
     # the streamed analysis reads prompts as lengths only (null ids): what they share is unknown then
     known = not any(p and p[0] is None for p in prompts[:1])
     shared = shared_blocks(prompts, block) if known else None
-    out = {"enabled": enabled, "recorded": recorded, "requests": req.num_rows, "block_size": block,
-           "prompt_tokens": int(sum(len(p) for p in prompts)),
-           "requests_sharing": int(sum(1 for s in shared if s)) if known else None,
-           "shareable_tokens": int(sum(shared) * block) if known else None}
+    out = {
+        "enabled": enabled,
+        "recorded": recorded,
+        "requests": req.num_rows,
+        "block_size": block,
+        "prompt_tokens": int(sum(len(p) for p in prompts)),
+        "requests_sharing": int(sum(1 for s in shared if s)) if known else None,
+        "shareable_tokens": int(sum(shared) * block) if known else None,
+    }
     if not recorded:
-        out.update(requests_hit=None, hit_tokens=None, hit_rate=None, inert=False,
-                   sentence="prefix caching is on; the engine's trace does not count its hits")
+        out.update(
+            requests_hit=None,
+            hit_tokens=None,
+            hit_rate=None,
+            inert=False,
+            sentence="prefix caching is on; the engine's trace does not count its hits",
+        )
         return out
     rows = trace.filter(pc.is_in(trace.column("request_id"), value_set=ids))
     hits = rows.filter(pc.greater(rows.column("prefix_cache_hit_tokens").fill_null(0), 0))
     hit_tokens = int(pc.sum(hits.column("prefix_cache_hit_tokens")).as_py() or 0)
     n_hit = len(pc.unique(hits.column("request_id")))
-    out.update(requests_hit=n_hit, hit_tokens=hit_tokens,
-               hit_rate=hit_tokens / out["prompt_tokens"] if out["prompt_tokens"] else None)
+    out.update(
+        requests_hit=n_hit,
+        hit_tokens=hit_tokens,
+        hit_rate=hit_tokens / out["prompt_tokens"] if out["prompt_tokens"] else None,
+    )
     out["inert"] = bool(enabled is True and out["requests_sharing"] and n_hit == 0)  # on by the knobs, not assumed
     if out["inert"]:
         out["finding"] = "prefix-cache-inert"
-        out["sentence"] = (f"prefix caching is on but inert: {out['requests_sharing']}/{req.num_rows} requests share "
-                           f"at least one {block}-token block with an earlier prompt ({out['shareable_tokens']:,} "
-                           f"shareable tokens), and the cache supplied 0 tokens (0 hits)")
+        out["sentence"] = (
+            f"prefix caching is on but inert: {out['requests_sharing']}/{req.num_rows} requests share "
+            f"at least one {block}-token block with an earlier prompt ({out['shareable_tokens']:,} "
+            f"shareable tokens), and the cache supplied 0 tokens (0 hits)"
+        )
     else:
-        rate = f" ({out['hit_rate']:.1%} of {out['prompt_tokens']:,} prompt tokens)" if out["hit_rate"] is not None else ""
-        shared_words = "" if not known else (
-            f"; {out['requests_sharing']} requests share a {block}-token block with an earlier prompt "
-            f"({out['shareable_tokens']:,} shareable tokens)")
-        out["sentence"] = f"prefix cache: {n_hit}/{req.num_rows} requests hit, {hit_tokens:,} tokens supplied{rate}{shared_words}"
+        rate = (
+            f" ({out['hit_rate']:.1%} of {out['prompt_tokens']:,} prompt tokens)" if out["hit_rate"] is not None else ""
+        )
+        shared_words = (
+            ""
+            if not known
+            else (
+                f"; {out['requests_sharing']} requests share a {block}-token block with an earlier prompt "
+                f"({out['shareable_tokens']:,} shareable tokens)"
+            )
+        )
+        out["sentence"] = (
+            f"prefix cache: {n_hit}/{req.num_rows} requests hit, {hit_tokens:,} tokens supplied{rate}{shared_words}"
+        )
     return out

@@ -35,13 +35,23 @@ import pyarrow.compute as pc
 from lpf.analysis.feature import Feature
 from lpf.analysis.verdicts import by_arrival
 
-COLUMNS = ("prefix_cache_hit_tokens", "resume_block", "resume_writer", "resume_write_step", "resume_covers_tokens",
-           "resume_publisher", "resume_publish_step")
+COLUMNS = (
+    "prefix_cache_hit_tokens",
+    "resume_block",
+    "resume_writer",
+    "resume_write_step",
+    "resume_covers_tokens",
+    "resume_publisher",
+    "resume_publish_step",
+)
 
 
 def has_prefix_columns(trace: pa.Table | None) -> bool:
-    return (trace is not None and "prefix_cache_hit_tokens" in trace.column_names
-            and trace.column("prefix_cache_hit_tokens").null_count < trace.num_rows)
+    return (
+        trace is not None
+        and "prefix_cache_hit_tokens" in trace.column_names
+        and trace.column("prefix_cache_hit_tokens").null_count < trace.num_rows
+    )
 
 
 def cache_info(engine_info: dict | None) -> dict:
@@ -60,15 +70,19 @@ def prefix_features(requests: pa.Table, trace: pa.Table | None, engine_info: dic
     index = {rid: i for i, rid in enumerate(ids)}
     rows = trace.filter(pc.invert(trace.column("preempted").fill_null(False)))
     have = set(rows.column_names)
-    cols = {c: rows.column(c).to_pylist() if c in have else [None] * rows.num_rows
-            for c in (*COLUMNS, "request_id", "step", "phase", "num_scheduled_tokens", "aborted")}
+    cols = {
+        c: rows.column(c).to_pylist() if c in have else [None] * rows.num_rows
+        for c in (*COLUMNS, "request_id", "step", "phase", "num_scheduled_tokens", "aborted")
+    }
     aborted = {(r, s) for r, s, a in zip(cols["request_id"], cols["step"], cols["aborted"]) if a}
     info = cache_info(engine_info)
     mbs, width = info["mamba_block_size"], info["conv_width"]
     n = len(ids)
     hit = np.zeros(n, dtype=bool)
-    base = {name: np.zeros(n, dtype=bool)
-            for name in ("wrong", "aborted", "same_step", "short", "truncated", "over", "unwritten")}
+    base = {
+        name: np.zeros(n, dtype=bool)
+        for name in ("wrong", "aborted", "same_step", "short", "truncated", "over", "unwritten")
+    }
     writers: list[tuple[int, str]] = []  # (request row, the request whose write it resumed from)
     for k in range(rows.num_rows):
         i = index.get(cols["request_id"][k])
@@ -97,30 +111,66 @@ def prefix_features(requests: pa.Table, trace: pa.Table | None, engine_info: dic
     state = {name: _descended(v, writers, ids) for name, v in base.items()}
     feats = []
     if mbs:
-        feats.append(Feature("resumed_wrong_block", "bool", state["wrong"],
-                             f"restored their state from another Mamba block than the one their prefix-cache hit "
-                             f"ends in (a resume index in other units than the {mbs}-token Mamba block), or from "
-                             f"a state computed on one"))
-    feats.append(Feature("resumed_from_aborted_publisher", "bool", state["aborted"],
-                         "resumed from a state published by a request that was aborted before the chunk writing "
-                         "it ran (or from a state computed on one)"))
-    feats.append(Feature("resumed_in_publishing_step", "bool", state["same_step"],
-                         "resumed in the step another request published the hash they matched, before that step's "
-                         "forward wrote the state (a hash published before its state was written), or from a state "
-                         "computed on one"))
+        feats.append(
+            Feature(
+                "resumed_wrong_block",
+                "bool",
+                state["wrong"],
+                f"restored their state from another Mamba block than the one their prefix-cache hit "
+                f"ends in (a resume index in other units than the {mbs}-token Mamba block), or from "
+                f"a state computed on one",
+            )
+        )
+    feats.append(
+        Feature(
+            "resumed_from_aborted_publisher",
+            "bool",
+            state["aborted"],
+            "resumed from a state published by a request that was aborted before the chunk writing "
+            "it ran (or from a state computed on one)",
+        )
+    )
+    feats.append(
+        Feature(
+            "resumed_in_publishing_step",
+            "bool",
+            state["same_step"],
+            "resumed in the step another request published the hash they matched, before that step's "
+            "forward wrote the state (a hash published before its state was written), or from a state "
+            "computed on one",
+        )
+    )
     if width:
-        feats.append(Feature("short_resumed_chunk", "bool", state["short"],
-                             f"resumed with a prefill chunk shorter than the conv state (< {width - 1} tokens), or "
-                             f"from a state such a request wrote (its conv state went into the shared prefix block)"))
+        feats.append(
+            Feature(
+                "short_resumed_chunk",
+                "bool",
+                state["short"],
+                f"resumed with a prefill chunk shorter than the conv state (< {width - 1} tokens), or "
+                f"from a state such a request wrote (its conv state went into the shared prefix block)",
+            )
+        )
     feats += [
-        Feature("resumed_truncated_state", "bool", state["truncated"],
-                "resumed from a state covering fewer tokens than their prefix-cache hit (a state from mid-block "
-                "hashed as the block's end), or from a state computed on one"),
-        Feature("resumed_overwritten_state", "bool", state["over"],
-                "resumed from a shared state another request wrote into after it was published"),
-        Feature("resumed_unwritten_state", "bool", state["unwritten"],
-                "resumed from a state not written by the step that published it (written earlier, or never: a block "
-                "cached before its state was complete), or from a state computed on one"),
+        Feature(
+            "resumed_truncated_state",
+            "bool",
+            state["truncated"],
+            "resumed from a state covering fewer tokens than their prefix-cache hit (a state from mid-block "
+            "hashed as the block's end), or from a state computed on one",
+        ),
+        Feature(
+            "resumed_overwritten_state",
+            "bool",
+            state["over"],
+            "resumed from a shared state another request wrote into after it was published",
+        ),
+        Feature(
+            "resumed_unwritten_state",
+            "bool",
+            state["unwritten"],
+            "resumed from a state not written by the step that published it (written earlier, or never: a block "
+            "cached before its state was complete), or from a state computed on one",
+        ),
         Feature("prefix_cache_hit", "bool", hit, "had part of their prompt from the prefix cache"),
     ]
     return [f for f in feats if f.name == "prefix_cache_hit" or f.values.any()]

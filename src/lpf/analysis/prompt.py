@@ -42,9 +42,14 @@ MAX_FLAGGED = 50
 AT_BOUNDARY_FRACTION = 0.5  # "jumps at a chunk boundary" needs at least half the first departures there
 
 
-def prompt_analysis(prompt_tokens: pa.Table | None, prompt_reference: pa.Table | None, requests: pa.Table,
-                    th: Thresholds, trace: pa.Table | None = None,
-                    chunk_budget: int | None = None) -> tuple[pa.Table | None, dict | None]:
+def prompt_analysis(
+    prompt_tokens: pa.Table | None,
+    prompt_reference: pa.Table | None,
+    requests: pa.Table,
+    th: Thresholds,
+    trace: pa.Table | None = None,
+    chunk_budget: int | None = None,
+) -> tuple[pa.Table | None, dict | None]:
     if prompt_tokens is None or prompt_reference is None or not prompt_tokens.num_rows or not prompt_reference.num_rows:
         return None, None
     joined, starts = m.join_grouped(prompt_tokens, prompt_reference)
@@ -67,23 +72,28 @@ def prompt_analysis(prompt_tokens: pa.Table | None, prompt_reference: pa.Table |
     verdict[worst > th.clean_abs_diff] = "noise"
     verdict[first_div != _BIG] = "divergent"
     ids = joined.column("request_id").take(pa.array(starts)).combine_chunks()
-    table = pa.table({
-        "request_id": ids,
-        "prompt_n_scored_tokens": pa.array(counts.astype(np.int32)),
-        "prompt_max_abs_logprob_diff": pa.array(worst),
-        "prompt_mean_abs_logprob_diff": pa.array(mean),
-        "prompt_first_departure": pa.array(first_dep.astype(np.int32), mask=first_dep == _BIG),
-        "prompt_first_divergence": pa.array(first_div.astype(np.int32), mask=first_div == _BIG),
-        "prompt_verdict": pa.array(verdict, type=pa.string()),
-    })
+    table = pa.table(
+        {
+            "request_id": ids,
+            "prompt_n_scored_tokens": pa.array(counts.astype(np.int32)),
+            "prompt_max_abs_logprob_diff": pa.array(worst),
+            "prompt_mean_abs_logprob_diff": pa.array(mean),
+            "prompt_first_departure": pa.array(first_dep.astype(np.int32), mask=first_dep == _BIG),
+            "prompt_first_divergence": pa.array(first_div.astype(np.int32), mask=first_div == _BIG),
+            "prompt_verdict": pa.array(verdict, type=pa.string()),
+        }
+    )
     tally = {v: int(np.count_nonzero(verdict == v)) for v in PROMPT_VERDICTS}
     block = {
         "n_requests": len(starts),
         "n_scored_tokens": int(len(pos)),
         "counts": tally,
         "verdict": max((v for v in PROMPT_VERDICTS if tally[v]), key=SEVERITY.get),
-        "metrics": {"abs_logprob_diff": m.percentiles(ad), "prob_diff": m.percentiles(prob),
-                    "k3_kl": m.percentiles(k3)},
+        "metrics": {
+            "abs_logprob_diff": m.percentiles(ad),
+            "prob_diff": m.percentiles(prob),
+            "k3_kl": m.percentiles(k3),
+        },
         "flagged": _flagged(table),
         "shape": prompt_shape(table, requests, trace, chunk_budget),
     }
@@ -93,27 +103,42 @@ def prompt_analysis(prompt_tokens: pa.Table | None, prompt_reference: pa.Table |
 def _flagged(table: pa.Table) -> list[dict]:
     rows = table.filter(pc.equal(table.column("prompt_verdict"), "divergent")).to_pylist()
     rows.sort(key=lambda r: (-r["prompt_max_abs_logprob_diff"], r["request_id"]))
-    return [{"request_id": r["request_id"], "first_departure": r["prompt_first_departure"],
-             "first_divergence": r["prompt_first_divergence"],
-             "max_abs_logprob_diff": r["prompt_max_abs_logprob_diff"]} for r in rows[:MAX_FLAGGED]]
+    return [
+        {
+            "request_id": r["request_id"],
+            "first_departure": r["prompt_first_departure"],
+            "first_divergence": r["prompt_first_divergence"],
+            "max_abs_logprob_diff": r["prompt_max_abs_logprob_diff"],
+        }
+        for r in rows[:MAX_FLAGGED]
+    ]
 
 
 def chunk_starts(requests: pa.Table, trace: pa.Table | None, chunk_budget: int | None) -> tuple[dict, str | None]:
     """({request_id: set of prompt positions where a chunk started}, source) from the trace, else
     estimated from the step budget; ({}, None) when neither is known."""
-    plen = dict(zip(requests.column("request_id").to_pylist(),
-                    pc.list_value_length(requests.column("prompt_token_ids")).to_pylist()))
+    plen = dict(
+        zip(
+            requests.column("request_id").to_pylist(),
+            pc.list_value_length(requests.column("prompt_token_ids")).to_pylist(),
+        )
+    )
     if trace is not None and trace.num_rows:
-        t = trace.filter(pc.and_(pc.invert(trace.column("preempted").fill_null(False)),
-                                 pc.not_equal(trace.column("phase").fill_null("decode"), "decode")))
+        t = trace.filter(
+            pc.and_(
+                pc.invert(trace.column("preempted").fill_null(False)),
+                pc.not_equal(trace.column("phase").fill_null("decode"), "decode"),
+            )
+        )
         out: dict[str, set[int]] = {}
         for rid, c in zip(t.column("request_id").to_pylist(), t.column("num_computed_tokens").to_pylist()):
             if c and rid in plen and 0 < c < plen[rid]:
                 out.setdefault(rid, set()).add(int(c))
         return out, "trace"
     if chunk_budget:
-        return {rid: set(range(chunk_budget, p, chunk_budget)) for rid, p in plen.items() if p > chunk_budget}, \
-            "max_num_batched_tokens (estimated: exact for a prompt that had each step's whole budget)"
+        return {
+            rid: set(range(chunk_budget, p, chunk_budget)) for rid, p in plen.items() if p > chunk_budget
+        }, "max_num_batched_tokens (estimated: exact for a prompt that had each step's whole budget)"
     return {}, None
 
 
@@ -129,24 +154,41 @@ def prompt_shape(table: pa.Table, requests: pa.Table, trace: pa.Table | None, ch
         shape["sentence"] = "every prompt position agrees with the reference to within the clean threshold"
         return shape
     values, freq = np.unique(first, return_counts=True)
-    shape["first_departure"] = {"positions": {int(v): int(c) for v, c in zip(values, freq)},
-                                "median": float(np.median(first)), "at_first_fraction": float(np.mean(first == 1))}
+    shape["first_departure"] = {
+        "positions": {int(v): int(c) for v, c in zip(values, freq)},
+        "median": float(np.median(first)),
+        "at_first_fraction": float(np.mean(first == 1)),
+    }
     starts, source = chunk_starts(requests, trace, chunk_budget)
     if source is None:
-        shape["sentence"] = (f"{pick.sum()} {label} prompts first depart from the reference at median position "
-                             f"{np.median(first):g}; no trace or step budget to place chunk boundaries")
+        shape["sentence"] = (
+            f"{pick.sum()} {label} prompts first depart from the reference at median position "
+            f"{np.median(first):g}; no trace or step budget to place chunk boundaries"
+        )
         return shape
-    plen = dict(zip(requests.column("request_id").to_pylist(),
-                    pc.list_value_length(requests.column("prompt_token_ids")).to_pylist()))
+    plen = dict(
+        zip(
+            requests.column("request_id").to_pylist(),
+            pc.list_value_length(requests.column("prompt_token_ids")).to_pylist(),
+        )
+    )
     at = [int(p - 1 in starts.get(rid, ())) for rid, p in zip(ids, first)]
     chance = float(np.mean([len(starts.get(rid, ())) / max(1, plen.get(rid, 2) - 1) for rid in ids]))
     k, n = sum(at), len(at)
     jumps = k >= 1 and k / n >= AT_BOUNDARY_FRACTION and k / n > 2 * chance
-    shape["chunk_boundary"] = {"source": source, "n_at_boundary": k, "n": n, "fraction": k / n,
-                               "chance_fraction": chance, "jumps_at_chunk_boundary": jumps,
-                               "requests_chunked": sum(1 for rid in ids if starts.get(rid))}
-    where = f"{k}/{n} {label} prompts first depart on the first position computed after a chunk boundary " \
-            f"(chunk start + 1; {100 * chance:.0f}% expected by chance; boundaries from {source.split(' (')[0]})"
+    shape["chunk_boundary"] = {
+        "source": source,
+        "n_at_boundary": k,
+        "n": n,
+        "fraction": k / n,
+        "chance_fraction": chance,
+        "jumps_at_chunk_boundary": jumps,
+        "requests_chunked": sum(1 for rid in ids if starts.get(rid)),
+    }
+    where = (
+        f"{k}/{n} {label} prompts first depart on the first position computed after a chunk boundary "
+        f"(chunk start + 1; {100 * chance:.0f}% expected by chance; boundaries from {source.split(' (')[0]})"
+    )
     shape["sentence"] = ("jumps at a chunk boundary: " + where) if jumps else where
     return shape
 

@@ -37,8 +37,7 @@ def _top_k(tokens: pa.Table) -> int:
     return int(pc.max(pc.list_value_length(tokens.column("engine_topk_ids"))).as_py() or 0)
 
 
-def what_came_back(tokens, has_prompt: bool, engine_info: dict | None, sampling: dict,
-                   seeded: bool = False) -> dict:
+def what_came_back(tokens, has_prompt: bool, engine_info: dict | None, sampling: dict, seeded: bool = False) -> dict:
     info = engine_info or {}
     c = tokens if isinstance(tokens, dict) else counts([tokens])
     nulls = c["no_logprob"]
@@ -47,24 +46,44 @@ def what_came_back(tokens, has_prompt: bool, engine_info: dict | None, sampling:
     greedy = not (sampling.get("temperature") or 0)
     steps = {}
     if logprobs == "none":
-        steps["per_request"] = ("from tokens alone: the reference's probability of each returned token (a request "
-                                "whose tokens the reference finds improbable, sustained, is corrupt; a greedy token "
-                                "that is not the reference's argmax past the tie margin is divergent); no logprob "
-                                "error, so no `noise` verdict")
-        steps["run_test"] = ("the tokens-only test: " + ("greedy flips against the flip rate the dtype explains" if greedy
-                             else "the sampled tokens' top-1 share at the requested temperature (a martingale)")
-                             + ("; the seeded draws replayed with the engine's sampler" if seeded else
-                                "; no seeded replay (the sampler is not one lpf can replay, or the run is greedy)"))
+        steps["per_request"] = (
+            "from tokens alone: the reference's probability of each returned token (a request "
+            "whose tokens the reference finds improbable, sustained, is corrupt; a greedy token "
+            "that is not the reference's argmax past the tie margin is divergent); no logprob "
+            "error, so no `noise` verdict"
+        )
+        steps["run_test"] = (
+            "the tokens-only test: "
+            + (
+                "greedy flips against the flip rate the dtype explains"
+                if greedy
+                else "the sampled tokens' top-1 share at the requested temperature (a martingale)"
+            )
+            + (
+                "; the seeded draws replayed with the engine's sampler"
+                if seeded
+                else "; no seeded replay (the sampler is not one lpf can replay, or the run is greedy)"
+            )
+        )
         steps["topk"] = "not judged: no top-k came back"
         steps["hypotheses"] = "ranked over the requests flagged from their tokens"
     else:
         steps["per_request"] = "logprob error of every returned token against the reference" + (
-            f" ({nulls} tokens came back without a logprob: counted as errors, never clean)" if nulls else "")
+            f" ({nulls} tokens came back without a logprob: counted as errors, never clean)" if nulls else ""
+        )
         steps["run_test"] = "logprob error against the expected floor" + (
-            f", and the top-{k} spread" if k >= 2 else "; the top-k spread not judged (fewer than 2 alternatives)")
+            f", and the top-{k} spread" if k >= 2 else "; the top-k spread not judged (fewer than 2 alternatives)"
+        )
         steps["topk"] = f"top-{k} lists compared" if k else "not judged: no top-k came back"
         steps["hypotheses"] = "ranked over the flagged requests"
     steps["prompt"] = "prompt positions judged apart" if has_prompt else "not judged: no prompt logprobs came back"
-    return {"logprobs": logprobs, "top_k": k, "prompt_logprobs": has_prompt, "seeded_replay": seeded,
-            "route": info.get("routes"), "prompt_form": info.get("prompt_form"), "notes": info.get("notes") or [],
-            "steps": steps}
+    return {
+        "logprobs": logprobs,
+        "top_k": k,
+        "prompt_logprobs": has_prompt,
+        "seeded_replay": seeded,
+        "route": info.get("routes"),
+        "prompt_form": info.get("prompt_form"),
+        "notes": info.get("notes") or [],
+        "steps": steps,
+    }

@@ -61,9 +61,17 @@ SAMPLE = 250_000  # the run's own floor statistics: on at most this many evenly 
 MAX_TOKENS = 2_000_000  # the test itself: on at most this many (p-values are astronomically small long before)
 
 
-def run_level_test(joined: pa.Table, tokens: pa.Table, reference: pa.Table, requests: pa.Table, floor: dict,
-                   sampling: dict, alpha: float = DEFAULT_ALPHA, cols: dict | None = None,
-                   starts: np.ndarray | None = None) -> dict:
+def run_level_test(
+    joined: pa.Table,
+    tokens: pa.Table,
+    reference: pa.Table,
+    requests: pa.Table,
+    floor: dict,
+    sampling: dict,
+    alpha: float = DEFAULT_ALPHA,
+    cols: dict | None = None,
+    starts: np.ndarray | None = None,
+) -> dict:
     """findings.json's `run_test` from the run's tables (`cols`: their `evidence_columns` over every
     token, when the caller already has them; else only the tokens the test reads are gathered)."""
     step = -(-joined.num_rows // MAX_TOKENS)  # a huge run: every step-th token (arrival order), all of it covered
@@ -91,8 +99,10 @@ def token_evidence(cols: dict, floor: dict, sampling: dict) -> dict:
     if n <= EVIDENCE_BLOCK:
         return _token_evidence(cols, floor, sampling)
     rows = {k: v for k, v in cols.items() if k != "order"}
-    parts = [_token_evidence({k: v[lo:lo + EVIDENCE_BLOCK] for k, v in rows.items()}, floor, sampling)
-             for lo in range(0, n, EVIDENCE_BLOCK)]
+    parts = [
+        _token_evidence({k: v[lo : lo + EVIDENCE_BLOCK] for k, v in rows.items()}, floor, sampling)
+        for lo in range(0, n, EVIDENCE_BLOCK)
+    ]
     ev = {k: np.concatenate([p[k] for p in parts]) for k in parts[0] if k not in ("n", "cols")}
     ev["n"] = n
     if "cols" in parts[0]:
@@ -118,13 +128,11 @@ def _token_evidence(cols: dict, floor: dict, sampling: dict) -> dict:
         flip = (tok != np.asarray(cols["ref_top1_id"])) & (margin > floor["tie_margin"])
     else:
         flip = np.zeros(len(tok), dtype=bool)
-    ev = {"n": len(tok), "d": d, "s": s, "over": over, "under": under, "flip": flip,
-          "logprob": over | under | flip}
+    ev = {"n": len(tok), "d": d, "s": s, "over": over, "under": under, "flip": flip, "logprob": over | under | flip}
     if "engine_topk_ids" in cols and (floor.get("topk") or {}).get("q99"):  # a floor without top-k tests none
         spread = topk_spread(cols["engine_topk_ids"], cols["engine_topk_logprobs"], ref_ids, ref_lp, details=False)
         has = spread["shared"] >= 2
-        ev.update(w=spread["w"], has_topk=has, topk=has & (spread["w"] > KAPPA * floor["topk"]["q99"]),
-                  cols=cols)
+        ev.update(w=spread["w"], has_topk=has, topk=has & (spread["w"] > KAPPA * floor["topk"]["q99"]), cols=cols)
     if 0 < temperature <= 1 and not sampling.get("top_k") and (sampling.get("top_p") or 1.0) >= 1.0:
         ev.update(_sampling_evidence(tok, cols, temperature, floor))
     return ev
@@ -142,8 +150,11 @@ def _sampling_evidence(tok, cols, temperature, floor) -> dict:
     mass = np.where(valid, np.exp(lp), 0.0).sum(axis=1)
     tail = np.clip(1.0 - mass, 0.0, 1.0)
     pk = np.where(valid, np.exp(lp), np.inf).min(axis=1)
-    tail_scaled = tail * np.exp((inv - 1.0) * np.log(np.maximum(pk, 1e-300)) - inv * top1) if temperature < 1 else \
-        tail / np.exp(top1)
+    tail_scaled = (
+        tail * np.exp((inv - 1.0) * np.log(np.maximum(pk, 1e-300)) - inv * top1)
+        if temperature < 1
+        else tail / np.exp(top1)
+    )
     z_lo = scaled.sum(axis=1)
     hi = 1.0 / np.maximum(z_lo, 1.0)
     lo = 1.0 / (z_lo + tail_scaled)
@@ -181,7 +192,7 @@ def _freedman(excess: float, variance: float) -> float:
     """log of Freedman's bound on P(martingale sum >= excess | predictable variance <= variance)."""
     if excess <= 0:
         return 0.0
-    return -excess**2 / (2.0 * (variance + excess / 3.0))
+    return -(excess**2) / (2.0 * (variance + excess / 3.0))
 
 
 def decide(ev: dict, lo: int, hi: int, alpha: float = DEFAULT_ALPHA) -> dict:
@@ -211,17 +222,31 @@ def decide(ev: dict, lo: int, hi: int, alpha: float = DEFAULT_ALPHA) -> dict:
     if n < MIN_TOKENS:
         for v in tests.values():
             v["log10_p"] = v.pop("log_p") / math.log(10)
-        return {"result": None, "reason": f"{n} scored tokens (the test needs {MIN_TOKENS})", "n_tokens": n,
-                "p_value": None, "log10_p_value": None, "test": None, "statistic": None, "tests": tests}
+        return {
+            "result": None,
+            "reason": f"{n} scored tokens (the test needs {MIN_TOKENS})",
+            "n_tokens": n,
+            "p_value": None,
+            "log10_p_value": None,
+            "test": None,
+            "statistic": None,
+            "tests": tests,
+        }
     best = min(tests, key=lambda t: tests[t]["log_p"])
     log_p = min(0.0, tests[best]["log_p"] + math.log(len(tests)))
     t = tests[best]
     statistic = t["k"] / t["n"] if t["n"] else 0.0
     for v in tests.values():
         v["log10_p"] = v.pop("log_p") / math.log(10)
-    return {"result": "different" if log_p < math.log(alpha) else "same", "n_tokens": n,
-            "p_value": math.exp(log_p), "log10_p_value": log_p / math.log(10), "test": best,
-            "statistic": statistic, "tests": tests}
+    return {
+        "result": "different" if log_p < math.log(alpha) else "same",
+        "n_tokens": n,
+        "p_value": math.exp(log_p),
+        "log10_p_value": log_p / math.log(10),
+        "test": best,
+        "statistic": statistic,
+        "tests": tests,
+    }
 
 
 def tokens_needed(ev: dict, alpha: float = DEFAULT_ALPHA) -> int | None:
@@ -243,8 +268,12 @@ def observed_floor(ev: dict) -> dict:
     spread = None
     if "w" in ev:
         c = ev["cols"]
-        spread = topk_spread(c["engine_topk_ids"][rows], c["engine_topk_logprobs"][rows], c["ref_topk_ids"][rows],
-                             c["ref_topk_logprobs"][rows])
+        spread = topk_spread(
+            c["engine_topk_ids"][rows],
+            c["engine_topk_logprobs"][rows],
+            c["ref_topk_ids"][rows],
+            c["ref_topk_logprobs"][rows],
+        )
     return floor_stats(ev["d"][rows], ev["s"][rows], spread)
 
 
@@ -252,8 +281,14 @@ def run_test(ev: dict, floor: dict, alpha: float = DEFAULT_ALPHA) -> dict:
     """findings.json's `run_test` over all scored tokens of `ev` (arrival order)."""
     out = decide(ev, 0, ev["n"], alpha)
     seen = observed_floor(ev)
-    keep = lambda f: {"token": dict(f["token"]), "settled": dict(f["settled"]),  # noqa: E731
-                      "topk": dict(f["topk"]) if f.get("topk") else None}
+
+    def keep(f):
+        return {
+            "token": dict(f["token"]),
+            "settled": dict(f["settled"]),
+            "topk": dict(f["topk"]) if f.get("topk") else None,
+        }
+
     out["floors"] = {"expected": keep(floor), "observed": keep(seen)}
     out["expected_floor"], out["observed_floor"] = floor["token"]["q99"], seen["token"]["q99"]
     out["effect_size"] = _ratio(out["observed_floor"], out["expected_floor"])
@@ -262,8 +297,14 @@ def run_test(ev: dict, floor: dict, alpha: float = DEFAULT_ALPHA) -> dict:
     ratios = [r for r in (out["effect_size"], topk_ratio) if r is not None]
     out["floor_far_above_expected"] = bool(ratios) and max(ratios) >= FAR_ABOVE
     out["tokens_needed"] = tokens_needed(ev, alpha) if out["result"] == "different" else None
-    out.update(alpha=alpha, kappa=KAPPA, null_rate=NULL_RATE, floor_source=floor.get("source"),
-               floor_pair=floor.get("pair"), floor_detail=floor.get("detail"))
+    out.update(
+        alpha=alpha,
+        kappa=KAPPA,
+        null_rate=NULL_RATE,
+        floor_source=floor.get("source"),
+        floor_pair=floor.get("pair"),
+        floor_detail=floor.get("detail"),
+    )
     out["sentence"] = _sentence(out)
     out["floor_sentence"] = _floor_sentence(out, floor) if out["floor_far_above_expected"] else None
     return out
@@ -277,27 +318,39 @@ def _sentence(r: dict) -> str:
     if r["result"] is None:
         return f"run-level test not decided: {r.get('reason')}"
     if r["result"] == "same":
-        return (f"same: within what {pair} explains ({floors}; p = {_p(r)} over "
-                f"{r['n_tokens']} scored tokens)")
+        return f"same: within what {pair} explains ({floors}; p = {_p(r)} over {r['n_tokens']} scored tokens)"
     t = r["tests"][r["test"]]
-    what = {"logprob": "tokens whose logprob error is past", "over": "tokens the engine overrates past",
-            "under": "tokens the engine underrates past", "topk": "positions whose top-k logprobs spread past",
-            "sampling": "tokens sampled as the reference's top-1 (the temperature's share differs) past"}[r["test"]]
-    past = f"{t['k']}/{t['n']} {what} {r['kappa']:g}x the expected 99th percentile (at most " \
-           f"{100 * t.get('null_rate', r['null_rate']):g}% expected)" if r["test"] != "sampling" else \
-           f"{t['k']}/{t['n']} tokens were the reference's top-1 where {t['expected'][0]:.0f}..{t['expected'][1]:.0f} were expected"
-    return (f"different: beyond what {pair} explains ({floors}); {past}; p = {_p(r)}, "
-            f"rejected after {r['tokens_needed']} tokens")
+    what = {
+        "logprob": "tokens whose logprob error is past",
+        "over": "tokens the engine overrates past",
+        "under": "tokens the engine underrates past",
+        "topk": "positions whose top-k logprobs spread past",
+        "sampling": "tokens sampled as the reference's top-1 (the temperature's share differs) past",
+    }[r["test"]]
+    past = (
+        f"{t['k']}/{t['n']} {what} {r['kappa']:g}x the expected 99th percentile (at most "
+        f"{100 * t.get('null_rate', r['null_rate']):g}% expected)"
+        if r["test"] != "sampling"
+        else f"{t['k']}/{t['n']} tokens were the reference's top-1 where {t['expected'][0]:.0f}..{t['expected'][1]:.0f} were expected"
+    )
+    return (
+        f"different: beyond what {pair} explains ({floors}); {past}; p = {_p(r)}, "
+        f"rejected after {r['tokens_needed']} tokens"
+    )
 
 
 def _floor_sentence(r: dict, floor: dict) -> str:
     token, topk = r["effect_size"], r["topk_effect_size"]
-    name, ratio = ("top-k spread", topk) if topk is not None and (token is None or topk > token) else ("token error", token)
+    name, ratio = (
+        ("top-k spread", topk) if topk is not None and (token is None or topk > token) else ("token error", token)
+    )
     times = f"{ratio:.2g}x" if math.isfinite(ratio) else "far above"
-    return (f"this run's own floor ({name}, 99th percentile) is {times} the floor expected for "
-            f"{r.get('floor_pair')} ({floor.get('detail') or floor.get('source')}): the engine does not compute "
-            f"what an honest implementation at its dtype computes"
-            + (f" (that floor was measured over {floor['settings']})" if floor.get("settings") else ""))
+    return (
+        f"this run's own floor ({name}, 99th percentile) is {times} the floor expected for "
+        f"{r.get('floor_pair')} ({floor.get('detail') or floor.get('source')}): the engine does not compute "
+        f"what an honest implementation at its dtype computes"
+        + (f" (that floor was measured over {floor['settings']})" if floor.get("settings") else "")
+    )
 
 
 def _g(x) -> str:

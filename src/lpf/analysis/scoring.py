@@ -50,9 +50,12 @@ def score_requests(cols: dict[str, np.ndarray], starts: np.ndarray, greedy: bool
         parts.append(per)
         flips, other = flips + f, other + o
     if not parts:
-        empty = {"position": np.zeros(0, np.int32), **{k: np.zeros(0) for k in ("abs_logprob_diff", "engine_logprob",
-                                                                               "ref_logprob")},
-                 "greedy_flip": np.zeros(0, bool), "gibberish": np.zeros(0, bool)}
+        empty = {
+            "position": np.zeros(0, np.int32),
+            **{k: np.zeros(0) for k in ("abs_logprob_diff", "engine_logprob", "ref_logprob")},
+            "greedy_flip": np.zeros(0, bool),
+            "gibberish": np.zeros(0, bool),
+        }
         return reduce_requests(empty, th, np.zeros(0, np.int64)), 0, 0
     return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}, flips, n - other
 
@@ -99,8 +102,12 @@ def _score_chunk(c: dict, st: np.ndarray, greedy: bool, th: Thresholds):
         "seq_log_ratio": np.add.reduceat(d0, st),
         "first_divergence": np.full(k, _BIG, np.int32),
         "n_flagged_tokens": np.bincount(seg, minlength=k).astype(np.int64),
-        "n_greedy_flips": np.bincount(np.searchsorted(st, cand[flip_c], side="right") - 1, minlength=k).astype(np.int64),
-        "gibberish_tokens": np.bincount(np.searchsorted(st, cand[lie_c], side="right") - 1, minlength=k).astype(np.int64),
+        "n_greedy_flips": np.bincount(np.searchsorted(st, cand[flip_c], side="right") - 1, minlength=k).astype(
+            np.int64
+        ),
+        "gibberish_tokens": np.bincount(np.searchsorted(st, cand[lie_c], side="right") - 1, minlength=k).astype(
+            np.int64
+        ),
         "gibberish_score": np.zeros(k),
     }
     sustained = np.zeros(k, bool)
@@ -181,8 +188,9 @@ def metric_summary(cols, flips: int, same: int, n: int | None = None) -> dict:
     def column(name):  # the whole column, built piece by piece, only where one pass could not be exact
         out = np.empty(n)
         for lo, hi in pieces:
-            out[lo:hi] = _metric_values(read("engine_logprob", slice(lo, hi)), read("ref_logprob", slice(lo, hi)),
-                                        buf)[name]
+            out[lo:hi] = _metric_values(read("engine_logprob", slice(lo, hi)), read("ref_logprob", slice(lo, hi)), buf)[
+                name
+            ]
         return out
 
     metrics = {name: stats.result(name) or m.percentiles(column(name)) for name in SUMMARIZED}

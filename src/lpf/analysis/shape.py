@@ -28,17 +28,25 @@ FLAGGED = ("divergent", "corrupt")
 def divergence_steps(trace: pa.Table, requests: pa.Table, ids: list[str], positions: list[int]) -> list[int | None]:
     if trace is None or not trace.num_rows or not ids:
         return [None] * len(ids)
-    plen = pa.table({"request_id": requests.column("request_id"),
-                     "plen": pc.list_value_length(requests.column("prompt_token_ids"))})
+    plen = pa.table(
+        {"request_id": requests.column("request_id"), "plen": pc.list_value_length(requests.column("prompt_token_ids"))}
+    )
     t = trace.filter(pc.invert(trace.column("preempted").fill_null(False)))
     t = t.filter(pc.is_in(t.column("request_id"), value_set=pa.array(ids, pa.string())))
     t = t.select(["request_id", "step", "num_computed_tokens", "num_scheduled_tokens"]).join(plen, "request_id")
-    e = pc.subtract(pc.add(t.column("num_computed_tokens").cast(pa.int64()),
-                           t.column("num_scheduled_tokens").cast(pa.int64())), t.column("plen").cast(pa.int64()))
+    e = pc.subtract(
+        pc.add(t.column("num_computed_tokens").cast(pa.int64()), t.column("num_scheduled_tokens").cast(pa.int64())),
+        t.column("plen").cast(pa.int64()),
+    )
     t = pa.table({"request_id": t.column("request_id"), "pos": e, "step": t.column("step")})
     first = t.group_by(["request_id", "pos"]).aggregate([("step", "min")])
-    want = pa.table({"request_id": pa.array(ids, pa.string()), "pos": pa.array(positions, pa.int64()),
-                     "i": pa.array(np.arange(len(ids)))})
+    want = pa.table(
+        {
+            "request_id": pa.array(ids, pa.string()),
+            "pos": pa.array(positions, pa.int64()),
+            "i": pa.array(np.arange(len(ids))),
+        }
+    )
     got = want.join(first, ["request_id", "pos"]).to_pydict()
     out: list[int | None] = [None] * len(ids)
     for i, s in zip(got["i"], got["step_min"]):
@@ -65,10 +73,17 @@ def _clusters(rows: dict, flagged: np.ndarray, scored: np.ndarray, plen: np.ndar
     full = (n_hit[hit] == n_all[hit]) & (n_all[hit] > 1)
     by_name = np.argsort(np.argsort(names, kind="stable"), kind="stable")
     top = np.lexsort((by_name, -n_hit[hit]))[:5]
-    out.append({"by": "prompt", "n_prompts": int(hit.size), "all_rollouts_flagged": int(full.sum()),
-                "top": [str(names[i]) for i in top],
-                "sentence": f"{n_f} flagged requests come from {int(hit.size)} of {len(enc.dictionary)} prompts"
-                            + (f"; {int(full.sum())} prompts have every rollout flagged" if full.any() else "") + "."})
+    out.append(
+        {
+            "by": "prompt",
+            "n_prompts": int(hit.size),
+            "all_rollouts_flagged": int(full.sum()),
+            "top": [str(names[i]) for i in top],
+            "sentence": f"{n_f} flagged requests come from {int(hit.size)} of {len(enc.dictionary)} prompts"
+            + (f"; {int(full.sum())} prompts have every rollout flagged" if full.any() else "")
+            + ".",
+        }
+    )
     # by rollout index
     roll = np.asarray(rows["rollout"], dtype=np.int64)
     rates = {}
@@ -77,9 +92,14 @@ def _clusters(rows: dict, flagged: np.ndarray, scored: np.ndarray, plen: np.ndar
         rates[int(r)] = float(flagged[m].sum() / max(m.sum(), 1))
     if len(rates) > 1:
         worst = max(rates, key=rates.get)
-        out.append({"by": "rollout", "rates": {str(k): v for k, v in rates.items()},
-                    "sentence": f"flagged rate by rollout index ranges {min(rates.values()):.1%}..{max(rates.values()):.1%} "
-                                f"(highest at rollout {worst})."})
+        out.append(
+            {
+                "by": "rollout",
+                "rates": {str(k): v for k, v in rates.items()},
+                "sentence": f"flagged rate by rollout index ranges {min(rates.values()):.1%}..{max(rates.values()):.1%} "
+                f"(highest at rollout {worst}).",
+            }
+        )
     # by prompt length: quartiles of the scored requests
     pl = plen[scored]
     if pl.size >= 8 and np.unique(pl).size > 1:
@@ -87,12 +107,18 @@ def _clusters(rows: dict, flagged: np.ndarray, scored: np.ndarray, plen: np.ndar
         bins = []
         for lo, hi in zip(edges[:-1], edges[1:]):
             m = scored & (plen >= lo) & ((plen <= hi) if hi == edges[-1] else (plen < hi))
-            bins.append({"lo": float(lo), "hi": float(hi), "n": int(m.sum()),
-                         "rate": float(flagged[m].sum() / max(m.sum(), 1))})
+            bins.append(
+                {"lo": float(lo), "hi": float(hi), "n": int(m.sum()), "rate": float(flagged[m].sum() / max(m.sum(), 1))}
+            )
         top = max(bins, key=lambda b: b["rate"])
-        out.append({"by": "length", "bins": bins,
-                    "sentence": f"flagged rate is highest ({top['rate']:.1%}) for prompts of "
-                                f"{_fmt(top['lo'])}..{_fmt(top['hi'])} tokens."})
+        out.append(
+            {
+                "by": "length",
+                "bins": bins,
+                "sentence": f"flagged rate is highest ({top['rate']:.1%}) for prompts of "
+                f"{_fmt(top['lo'])}..{_fmt(top['hi'])} tokens.",
+            }
+        )
     return out
 
 
@@ -103,7 +129,9 @@ def _fmt(x: float) -> str:
 def failure_shape(summary: pa.Table, requests: pa.Table, trace: pa.Table | None) -> dict:
     verdict = summary.column("verdict")
     flagged = pc.is_in(verdict, value_set=pa.array(FLAGGED)).to_numpy(zero_copy_only=False)
-    scored = pc.is_in(verdict, value_set=pa.array(["clean", "noise", "divergent", "corrupt"])).to_numpy(zero_copy_only=False)
+    scored = pc.is_in(verdict, value_set=pa.array(["clean", "noise", "divergent", "corrupt"])).to_numpy(
+        zero_copy_only=False
+    )
     n_scored, n_f = int(scored.sum()), int(flagged.sum())
     req = by_arrival(requests)
     plen = pc.list_value_length(req.column("prompt_token_ids")).to_numpy(zero_copy_only=False).astype(np.float64)
@@ -136,8 +164,14 @@ def failure_shape(summary: pa.Table, requests: pa.Table, trace: pa.Table | None)
             "at_zero_fraction": float(np.mean(fd_known == 0)) if fd_known.size else None,
         },
         "periodicity": period,
-        "clusters": _clusters({"prompt_id": summary.column("prompt_id"),
-                               "rollout": summary.column("rollout").to_numpy(zero_copy_only=False)},
-                              flagged, scored, plen),
+        "clusters": _clusters(
+            {
+                "prompt_id": summary.column("prompt_id"),
+                "rollout": summary.column("rollout").to_numpy(zero_copy_only=False),
+            },
+            flagged,
+            scored,
+            plen,
+        ),
         "_divergence_steps": dict(zip(ids, steps)),
     }

@@ -24,12 +24,18 @@ from lpf.analysis.thresholds import Thresholds
 
 def sample_steps(trace: pa.Table, requests: pa.Table) -> pa.Table:
     """(request_id, position, step): the engine step that sampled each output position."""
-    plen = pa.table({"request_id": requests.column("request_id"),
-                     "plen": pc.list_value_length(requests.column("prompt_token_ids")).cast(pa.int64())})
+    plen = pa.table(
+        {
+            "request_id": requests.column("request_id"),
+            "plen": pc.list_value_length(requests.column("prompt_token_ids")).cast(pa.int64()),
+        }
+    )
     t = trace.filter(pc.invert(trace.column("preempted").fill_null(False)))
     t = t.select(["request_id", "step", "num_computed_tokens", "num_scheduled_tokens"]).join(plen, "request_id")
-    pos = pc.subtract(pc.add(t.column("num_computed_tokens").cast(pa.int64()),
-                             t.column("num_scheduled_tokens").cast(pa.int64())), t.column("plen"))
+    pos = pc.subtract(
+        pc.add(t.column("num_computed_tokens").cast(pa.int64()), t.column("num_scheduled_tokens").cast(pa.int64())),
+        t.column("plen"),
+    )
     t = pa.table({"request_id": t.column("request_id"), "position": pos.cast(pa.int32()), "step": t.column("step")})
     t = t.filter(pc.greater_equal(t.column("position"), 0))
     out = t.group_by(["request_id", "position"]).aggregate([("step", "min")])
@@ -62,7 +68,7 @@ def _lse_over_lists(col, temperature: float) -> tuple[np.ndarray, np.ndarray]:
     arr = one_array(col)
     offsets = arr.offsets.to_numpy().astype(np.int64)
     o = offsets - offsets[0]
-    v = arr.values.to_numpy(zero_copy_only=False)[offsets[0]:offsets[-1]].astype(np.float64) / temperature
+    v = arr.values.to_numpy(zero_copy_only=False)[offsets[0] : offsets[-1]].astype(np.float64) / temperature
     lse, mn = np.full(len(arr), np.nan), np.full(len(arr), np.nan)
     ne = o[1:] > o[:-1]
     if v.size:

@@ -58,8 +58,15 @@ from lpf.analysis.scoring import metric_summary, score_requests
 from lpf.analysis.verdicts import by_arrival, segment_starts, summarize_requests
 
 SPILLED = ("engine_logprob", "ref_logprob")  # what the driver keeps on disk for the metric summary
-_EVIDENCE_JOINED = ["request_id", "position", "token_id", "engine_logprob", "ref_logprob", "ref_top1_id",
-                    "ref_top1_logprob"]  # what `evidence_columns` reads of the joined rows
+_EVIDENCE_JOINED = [
+    "request_id",
+    "position",
+    "token_id",
+    "engine_logprob",
+    "ref_logprob",
+    "ref_top1_id",
+    "ref_top1_logprob",
+]  # what `evidence_columns` reads of the joined rows
 _EVIDENCE_TOKENS = ["request_id", "position", "engine_topk_ids", "engine_topk_logprobs"]
 _EVIDENCE_REFERENCE = ["request_id", "position", "ref_topk_ids", "ref_topk_logprobs"]
 
@@ -83,8 +90,11 @@ def chunk_starts(tokens: pa.Table, reference: pa.Table) -> tuple[int, np.ndarray
     starts = m.zipped_starts(tokens, reference)
     if starts is None:
         keys = ["request_id", "position"]
-        tokens = tokens.select(keys).join(reference.select(keys), keys=keys, join_type="inner") \
+        tokens = (
+            tokens.select(keys)
+            .join(reference.select(keys), keys=keys, join_type="inner")
             .sort_by([("request_id", "ascending"), ("position", "ascending")])
+        )
         starts = segment_starts(tokens.column("request_id"))
     return tokens.num_rows, starts, _ids_at(tokens, starts)
 
@@ -95,8 +105,11 @@ def thresholds(ad: np.ndarray, starts: np.ndarray, th: Thresholds, expected: dic
 
 
 def _ids_at(joined: pa.Table, starts: np.ndarray) -> pa.Array:
-    return joined.column("request_id").take(pa.array(starts)).combine_chunks() if joined.num_rows \
+    return (
+        joined.column("request_id").take(pa.array(starts)).combine_chunks()
+        if joined.num_rows
         else pa.array([], pa.string())
+    )
 
 
 class StreamedAnalysis:
@@ -104,17 +117,30 @@ class StreamedAnalysis:
     starts and their scored-token counts (in token order), which place every token in arrival
     order for the run-level test."""
 
-    def __init__(self, requests: pa.Table, th: Thresholds, calib: dict, greedy: bool, ids: pa.Array,
-                 counts: np.ndarray, *, trace: pa.Table | None = None, engine_info: dict | None = None,
-                 temperature: float = 0.0, expected: dict | None = None, sampling: dict | None = None,
-                 reference_columns=()):
+    def __init__(
+        self,
+        requests: pa.Table,
+        th: Thresholds,
+        calib: dict,
+        greedy: bool,
+        ids: pa.Array,
+        counts: np.ndarray,
+        *,
+        trace: pa.Table | None = None,
+        engine_info: dict | None = None,
+        temperature: float = 0.0,
+        expected: dict | None = None,
+        sampling: dict | None = None,
+        reference_columns=(),
+    ):
         self.requests, self.th, self.calib, self.greedy = requests, th, calib, greedy
         self.trace, self.engine_info, self.temperature = trace, engine_info, temperature
         self.expected, self.sampling = expected, sampling or {"temperature": temperature}
         self.n = int(counts.sum())
         self.step = -(-self.n // run_level.MAX_TOKENS)  # as run_test.run_level_test samples a huge run
-        self.arrival = (Lookup(ids), _arrival_offsets(requests, ids, counts)) \
-            if expected and self.n else None  # request ids, the arrival index of each one's first scored token
+        self.arrival = (
+            (Lookup(ids), _arrival_offsets(requests, ids, counts)) if expected and self.n else None
+        )  # request ids, the arrival index of each one's first scored token
         self.tempered = wants_tempered(temperature, reference_columns)
         self.zipped, self.heads, self.counts = False, None, None  # of the last chunk scored
         self.ids, self.per, self.flips, self.same = [], [], 0, 0
@@ -136,8 +162,9 @@ class StreamedAnalysis:
         if self.tempered:
             self.tempered_ids.append(tempered_logprobs(joined, reference, self.temperature, self.th))
         heads = self.ids[-1]
-        self.zipped = same_rows(tokens.column("token_id"), joined.column("token_id")) and \
-            same_rows(reference.column("ref_logprob"), joined.column("ref_logprob"))
+        self.zipped = same_rows(tokens.column("token_id"), joined.column("token_id")) and same_rows(
+            reference.column("ref_logprob"), joined.column("ref_logprob")
+        )
         self.heads, self.counts = heads, np.diff(np.r_[starts, joined.num_rows])  # what a one-pass driver checks
         if self.arrival is not None:
             self._keep_evidence(joined, starts, heads, tokens, reference)
@@ -153,10 +180,13 @@ class StreamedAnalysis:
         keys = joined.select(_EVIDENCE_JOINED).filter(keep)
         have = [c for c in _EVIDENCE_TOKENS if c in tokens.column_names]
         if self.zipped:  # the chunk's rows are the joined rows: no join to find them
-            self.evidence.append((keys, tokens.select(have).filter(keep), reference.select(_EVIDENCE_REFERENCE).filter(keep)))
+            self.evidence.append(
+                (keys, tokens.select(have).filter(keep), reference.select(_EVIDENCE_REFERENCE).filter(keep))
+            )
             return
-        self.evidence.append((keys, _rows_for(tokens.select(have), keys),
-                              _rows_for(reference.select(_EVIDENCE_REFERENCE), keys)))
+        self.evidence.append(
+            (keys, _rows_for(tokens.select(have), keys), _rows_for(reference.select(_EVIDENCE_REFERENCE), keys))
+        )
 
     def finish(self, read) -> tuple[pa.Table, dict]:
         """(summary, findings) as `findings.analyze` gives them. `read(name, rows)`: a `SPILLED`
@@ -172,12 +202,20 @@ class StreamedAnalysis:
             exceed, exceed_ids = ev["logprob"], keys.column("request_id").take(pa.array(cols["order"]))
             del keys, toks, refs, cols, ev
         ids = pa.concat_arrays(self.ids) if self.ids else pa.array([], pa.string())
-        merged = {k: np.concatenate([p[k] for p in self.per]) for k in self.per[0]} if self.per else \
-            score_requests({n: np.zeros(0) for n in ("position", "engine_logprob", "ref_logprob")}, np.zeros(0, np.int64),
-                           self.greedy, self.th)[0]
+        merged = (
+            {k: np.concatenate([p[k] for p in self.per]) for k in self.per[0]}
+            if self.per
+            else score_requests(
+                {n: np.zeros(0) for n in ("position", "engine_logprob", "ref_logprob")},
+                np.zeros(0, np.int64),
+                self.greedy,
+                self.th,
+            )[0]
+        )
         self.per.clear(), self.ids.clear()
-        summary = apply_inconsistency(summarize_requests(None, self.requests, self.th, per=(ids, merged)),
-                                      self.requests)
+        summary = apply_inconsistency(
+            summarize_requests(None, self.requests, self.th, per=(ids, merged)), self.requests
+        )
         if test is not None and test["result"] == "different":
             summary, test["localized"] = raise_localized(summary, test, exceed, exceed_ids)
         del merged
@@ -187,20 +225,33 @@ class StreamedAnalysis:
         tempered = pa.chunked_array(self.tempered_ids, pa.string()).combine_chunks() if self.tempered else None
         crossed = None
         if self.trace is not None and self.trace.num_rows:
-            crossed = crossed_wires(pa.concat_tables(self.missed) if self.missed else _NO_MISS, self.requests, self.trace)
-        return summary, conclude(findings, summary, self.requests, self.trace, self.engine_info,
-                                 self.temperature, test, tempered, crossed)
+            crossed = crossed_wires(
+                pa.concat_tables(self.missed) if self.missed else _NO_MISS, self.requests, self.trace
+            )
+        return summary, conclude(
+            findings, summary, self.requests, self.trace, self.engine_info, self.temperature, test, tempered, crossed
+        )
 
 
-_NO_MISS = pa.table({"request_id": pa.array([], pa.string()), "position": pa.array([], pa.int32()),
-                     "token_id": pa.array([], pa.int32()), "ref_top1_id": pa.array([], pa.int32())})
+_NO_MISS = pa.table(
+    {
+        "request_id": pa.array([], pa.string()),
+        "position": pa.array([], pa.int32()),
+        "token_id": pa.array([], pa.int32()),
+        "ref_top1_id": pa.array([], pa.int32()),
+    }
+)
 
 
 def _arrival_offsets(requests: pa.Table, ids: pa.Array, counts: np.ndarray) -> np.ndarray:
     """Per request in token order: the arrival index (request seq, then position) of its first
     scored token, as `token_evidence.evidence_columns` orders them."""
     req = by_arrival(requests)
-    at = pc.index_in(ids, value_set=req.column("request_id").combine_chunks()).fill_null(0).to_numpy(zero_copy_only=False)
+    at = (
+        pc.index_in(ids, value_set=req.column("request_id").combine_chunks())
+        .fill_null(0)
+        .to_numpy(zero_copy_only=False)
+    )
     seq = req.column("seq").to_numpy()[at]
     order = np.argsort(seq, kind="stable")  # seq is unique per request
     offsets = np.empty(len(ids), np.int64)
@@ -210,8 +261,11 @@ def _arrival_offsets(requests: pa.Table, ids: pa.Array, counts: np.ndarray) -> n
 
 def _rows_for(table: pa.Table, keys: pa.Table) -> pa.Table:
     """`table`'s rows at the (request_id, position) of `keys`, in keys' order."""
-    if table.num_rows == keys.num_rows and table.column("request_id").equals(keys.column("request_id")) and \
-            table.column("position").equals(keys.column("position")):
+    if (
+        table.num_rows == keys.num_rows
+        and table.column("request_id").equals(keys.column("request_id"))
+        and table.column("position").equals(keys.column("position"))
+    ):
         return table
     left = keys.select(["request_id", "position"]).append_column("_k", pa.array(np.arange(keys.num_rows)))
     right = table.select(["request_id", "position"]).append_column("_t", pa.array(np.arange(table.num_rows)))

@@ -48,11 +48,24 @@ def timing_features(requests: pa.Table) -> list[Feature]:
         # in flight at t_i: arrived at or before t_i and not finished by then, less the request itself
         conc = (np.searchsorted(starts, ts, "right") - np.searchsorted(ends, ts, "right") - 1).astype(np.float64)
         conc[~known] = np.nan
-        feats.append(Feature("concurrency_at_arrival", "numeric", np.maximum(conc, 0.0),
-                             "requests in flight at arrival (concurrency)",
-                             template="arrived while {op} {cut} other requests were in flight"))
-        feats.append(Feature("arrival_rank", "numeric", _burst_rank(ts), "rank among concurrent arrivals",
-                             template="were at rank {op} {cut} among the requests arriving with them"))
+        feats.append(
+            Feature(
+                "concurrency_at_arrival",
+                "numeric",
+                np.maximum(conc, 0.0),
+                "requests in flight at arrival (concurrency)",
+                template="arrived while {op} {cut} other requests were in flight",
+            )
+        )
+        feats.append(
+            Feature(
+                "arrival_rank",
+                "numeric",
+                _burst_rank(ts),
+                "rank among concurrent arrivals",
+                template="were at rank {op} {cut} among the requests arriving with them",
+            )
+        )
     ttft = t1 - ts
     if np.isfinite(ttft).any():
         feats.append(Feature("time_to_first_token", "numeric", ttft, "time to first token (s)"))
@@ -103,6 +116,11 @@ def _attempt_features(req: pa.Table, ts: np.ndarray, tf: np.ndarray, n: int) -> 
     return [
         Feature("queue_wait", "numeric", wait, "queue wait before the answering attempt (s)"),
         Feature("retries", "numeric", retries, "retries"),
-        Feature("server_errors_nearby", "numeric", nearby, "server errors while in flight",
-                template="saw {op} {cut} server errors (5xx, 429, broken connections) while in flight"),
+        Feature(
+            "server_errors_nearby",
+            "numeric",
+            nearby,
+            "server errors while in flight",
+            template="saw {op} {cut} server errors (5xx, 429, broken connections) while in flight",
+        ),
     ]

@@ -44,7 +44,7 @@ def list_rows(col, rows, fill, widths: tuple[int, bool] | None = None) -> np.nda
     values = arr.values.to_numpy(zero_copy_only=False)
     offsets = arr.offsets.to_numpy()
     if k and fixed:  # fixed width: a view, then the rows
-        return np.ascontiguousarray(values[offsets[0]:offsets[0] + n * k].reshape(n, k)[rows])
+        return np.ascontiguousarray(values[offsets[0] : offsets[0] + n * k].reshape(n, k)[rows])
     if isinstance(rows, slice):
         rows = _indices(rows, n)
     width = np.diff(offsets)
@@ -74,7 +74,7 @@ def list_matrix(col, fill, widths: tuple[int, bool] | None = None) -> np.ndarray
     values = arr.values.to_numpy(zero_copy_only=False)
     k, fixed = widths or _widths(arr)
     if fixed and k and values.size:
-        return values[offsets[0]:offsets[0] + n * k].reshape(n, k)
+        return values[offsets[0] : offsets[0] + n * k].reshape(n, k)
     width = np.diff(offsets)
     if arr.null_count:
         width = np.where(arr.is_valid().to_numpy(zero_copy_only=False), width, 0)
@@ -82,14 +82,17 @@ def list_matrix(col, fill, widths: tuple[int, bool] | None = None) -> np.ndarray
     if k == 0 or values.size == 0:
         return np.full((n, 0), fill, dtype=values.dtype if values.size else np.float64)
     if int(width.min()) == k and not arr.null_count:
-        return values[offsets[0]:offsets[0] + n * k].reshape(n, k)
+        return values[offsets[0] : offsets[0] + n * k].reshape(n, k)
     idx = offsets[:-1, None] + np.arange(k)
     return np.where(np.arange(k) < width[:, None], values[np.minimum(idx, values.size - 1)], fill)
 
 
 def _same_keys(table: pa.Table, keys: pa.Table) -> bool:
-    return table.num_rows == keys.num_rows and table.column("position").equals(keys.column("position")) and \
-        table.column("request_id").equals(keys.column("request_id"))
+    return (
+        table.num_rows == keys.num_rows
+        and table.column("position").equals(keys.column("position"))
+        and table.column("request_id").equals(keys.column("request_id"))
+    )
 
 
 def _join_rows(table: pa.Table, keys: pa.Table) -> np.ndarray:
@@ -109,8 +112,11 @@ def _table_rows(table: pa.Table, joined: pa.Table, rows, column: str):
     """The row of `table` holding each of `joined`'s `rows` (None: all of them; a slice or row
     indices), by key; `rows` itself when `table` lines up with `joined` (its `column` handed on as
     it is, or the same keys row for row)."""
-    carried = column in table.column_names and column in joined.column_names \
+    carried = (
+        column in table.column_names
+        and column in joined.column_names
         and same_rows(table.column(column), joined.column(column))
+    )
     if table.num_rows == joined.num_rows and (carried or _same_keys(table, joined)):
         return rows
     if isinstance(rows, slice):
@@ -123,18 +129,31 @@ def _pair_widths(table: pa.Table, ids: str, lps: str) -> tuple[tuple[int, bool],
     have the same offsets and no nulls, as every writer makes them)."""
     a, b = one_array(table.column(ids)), one_array(table.column(lps))
     wa = _widths(a)
-    same = len(a) == len(b) and not a.null_count and not b.null_count and a.offset == b.offset == 0 and \
-        a.buffers()[1].equals(b.buffers()[1])  # the same offsets, byte for byte (one memcmp)
+    same = (
+        len(a) == len(b)
+        and not a.null_count
+        and not b.null_count
+        and a.offset == b.offset == 0
+        and a.buffers()[1].equals(b.buffers()[1])
+    )  # the same offsets, byte for byte (one memcmp)
     return wa, wa if same else _widths(b)
 
 
-def evidence_columns(joined: pa.Table, tokens: pa.Table, reference: pa.Table, requests: pa.Table,
-                     every: int = 1, starts: np.ndarray | None = None) -> dict:
+def evidence_columns(
+    joined: pa.Table,
+    tokens: pa.Table,
+    reference: pa.Table,
+    requests: pa.Table,
+    every: int = 1,
+    starts: np.ndarray | None = None,
+) -> dict:
     """The `token_evidence` inputs for every `every`-th row of `joined` in arrival order (request
     `seq`, then position). Top-k lists come from `tokens` / `reference` by key (Arrow joins carry no lists)."""
     rows = _arrival_rows(joined, requests, every, starts)  # None: all of them, in order; a slice: in order
-    cols = {name: _take(joined.column(name).to_numpy(), rows)
-            for name in ("token_id", "engine_logprob", "ref_logprob", "ref_top1_id", "ref_top1_logprob")}
+    cols = {
+        name: _take(joined.column(name).to_numpy(), rows)
+        for name in ("token_id", "engine_logprob", "ref_logprob", "ref_top1_id", "ref_top1_logprob")
+    }
     r = _table_rows(reference, joined, rows, "ref_logprob")
     wi, wl = _pair_widths(reference, "ref_topk_ids", "ref_topk_logprobs") if reference.num_rows else (None, None)
     cols["ref_topk_ids"] = list_rows(reference.column("ref_topk_ids"), r, -1, wi)
@@ -205,8 +224,13 @@ def _token_order(joined: pa.Table, requests: pa.Table) -> np.ndarray | None:
 def engine_floor(cols: dict) -> dict:
     """`floors.floor_stats` of the engine against the reference (`evidence_columns`' arrays)."""
     s = sensitivity(cols["ref_logprob"], cols["token_id"], cols["ref_topk_ids"], cols["ref_topk_logprobs"])
-    topk = topk_spread(cols["engine_topk_ids"], cols["engine_topk_logprobs"], cols["ref_topk_ids"],
-                       cols["ref_topk_logprobs"]) if "engine_topk_ids" in cols else None
+    topk = (
+        topk_spread(
+            cols["engine_topk_ids"], cols["engine_topk_logprobs"], cols["ref_topk_ids"], cols["ref_topk_logprobs"]
+        )
+        if "engine_topk_ids" in cols
+        else None
+    )
     return floor_stats(cols["engine_logprob"] - cols["ref_logprob"], s, topk)
 
 
@@ -218,16 +242,28 @@ def calibration_floor(cols: dict, joined: pa.Table, calibration: pa.Table) -> di
     if keys.num_rows == calibration.num_rows:
         pos, r = np.arange(keys.num_rows), _row_index(calibration, keys) if calibration.num_rows else None
     else:  # a partial calibration run: the tokens it scored
-        both = keys.append_column("_k", pa.array(np.arange(keys.num_rows))).join(
-            calibration.select(["request_id", "position"]).append_column("_c", pa.array(np.arange(calibration.num_rows))),
-            keys=["request_id", "position"], join_type="inner").sort_by("_k")
+        both = (
+            keys.append_column("_k", pa.array(np.arange(keys.num_rows)))
+            .join(
+                calibration.select(["request_id", "position"]).append_column(
+                    "_c", pa.array(np.arange(calibration.num_rows))
+                ),
+                keys=["request_id", "position"],
+                join_type="inner",
+            )
+            .sort_by("_k")
+        )
         pos, r = both.column("_k").to_numpy(), both.column("_c").to_numpy()
     if r is None or not len(pos):
         return None
     ref_ids, ref_lp = cols["ref_topk_ids"][pos], cols["ref_topk_logprobs"][pos]
     s = sensitivity(cols["ref_logprob"][pos], cols["token_id"][pos], ref_ids, ref_lp)
-    topk = topk_spread(list_matrix(calibration.column("ref_topk_ids"), -1)[r],
-                       list_matrix(calibration.column("ref_topk_logprobs"), -np.inf)[r], ref_ids, ref_lp)
+    topk = topk_spread(
+        list_matrix(calibration.column("ref_topk_ids"), -1)[r],
+        list_matrix(calibration.column("ref_topk_logprobs"), -np.inf)[r],
+        ref_ids,
+        ref_lp,
+    )
     return floor_stats(calibration.column("ref_logprob").to_numpy()[r] - cols["ref_logprob"][pos], s, topk)
 
 
@@ -255,7 +291,7 @@ def _aligned_topk(eng_ids, eng_lp, ref_ids) -> np.ndarray:
         out = np.full((n, kr), np.nan, dtype=np.float32)
         rest = np.arange(n)
     for lo in range(0, rest.size, CHUNK):
-        rows = rest[lo:lo + CHUNK]
+        rows = rest[lo : lo + CHUNK]
         ei, el, ri = eng_ids[rows], eng_lp[rows].astype(np.float32), ref_ids[rows]
         match = (ri[:, :, None] == ei[:, None, :]) & (ri[:, :, None] >= 0)
         at = np.take_along_axis(el, match.argmax(axis=2), axis=1)

@@ -88,9 +88,11 @@ def seeded_columns(seeded: pa.Table | None, joined: pa.Table, order: np.ndarray)
     keys = joined.select(["request_id", "position"]).take(pa.array(order))
     keys = keys.append_column("_k", pa.array(np.arange(keys.num_rows)))
     j = keys.join(seeded, keys=["request_id", "position"], join_type="left outer").sort_by("_k")
-    return {"token": j.column("seeded_token").fill_null(-1).to_numpy(),
-            "margin": j.column("seeded_margin").fill_null(0.0).to_numpy(),
-            "runner_up": j.column("seeded_runner_up").fill_null(np.inf).to_numpy()}
+    return {
+        "token": j.column("seeded_token").fill_null(-1).to_numpy(),
+        "margin": j.column("seeded_margin").fill_null(0.0).to_numpy(),
+        "runner_up": j.column("seeded_runner_up").fill_null(np.inf).to_numpy(),
+    }
 
 
 def _chernoff(k: int, mu: float) -> float:
@@ -109,8 +111,12 @@ def decide(ev: dict, lo: int, hi: int, alpha: float = DEFAULT_ALPHA) -> dict:
         if name in ev:
             k = int(np.count_nonzero(ev[name][lo:hi]))
             mu = float(ev[name + "_pi"][lo:hi].sum())
-            tests[{"flip": "flips", "seeded": "seeded"}[name]] = {"k": k, "n": n, "expected_at_most": mu,
-                                                                   "log_p": _chernoff(k, mu)}
+            tests[{"flip": "flips", "seeded": "seeded"}[name]] = {
+                "k": k,
+                "n": n,
+                "expected_at_most": mu,
+                "log_p": _chernoff(k, mu),
+            }
     if "is_top1" in ev:
         o = float(np.count_nonzero(ev["is_top1"][lo:hi]))
         e_lo, e_hi = float(ev["p_top1_lo"][lo:hi].sum()), float(ev["p_top1_hi"][lo:hi].sum())
@@ -120,16 +126,22 @@ def decide(ev: dict, lo: int, hi: int, alpha: float = DEFAULT_ALPHA) -> dict:
         tests["sampling"] = {"k": int(o), "n": n, "expected": [e_lo, e_hi], "log_p": min(0.0, log_p)}
     out = {"result": None, "n_tokens": n, "p_value": None, "log10_p_value": None, "test": None, "statistic": None}
     if not tests:
-        out["reason"] = "no tokens-only test applies to this sampling (temperature above 1, or top-k / top-p " \
-                        "without a seed the sampler can be replayed with)"
+        out["reason"] = (
+            "no tokens-only test applies to this sampling (temperature above 1, or top-k / top-p "
+            "without a seed the sampler can be replayed with)"
+        )
     elif n < MIN_TOKENS:
         out["reason"] = f"{n} scored tokens (the test needs {MIN_TOKENS})"
     else:
         best = min(tests, key=lambda t: tests[t]["log_p"])
         log_p = min(0.0, tests[best]["log_p"] + math.log(len(tests)))
-        out.update(result="different" if log_p < math.log(alpha) else "same", p_value=math.exp(log_p),
-                   log10_p_value=log_p / math.log(10), test=best,
-                   statistic=tests[best]["k"] / tests[best]["n"] if tests[best]["n"] else 0.0)
+        out.update(
+            result="different" if log_p < math.log(alpha) else "same",
+            p_value=math.exp(log_p),
+            log10_p_value=log_p / math.log(10),
+            test=best,
+            statistic=tests[best]["k"] / tests[best]["n"] if tests[best]["n"] else 0.0,
+        )
     for v in tests.values():
         v["log10_p"] = v.pop("log_p") / math.log(10)
     out["tests"] = tests
@@ -151,10 +163,21 @@ def run_test(ev: dict, floor: dict, alpha: float = DEFAULT_ALPHA) -> dict:
     out = decide(ev, 0, ev["n"], alpha)
     out["kind"] = "tokens"
     out["tokens_needed"] = tokens_needed(ev, alpha) if out["result"] == "different" else None
-    out.update(alpha=alpha, kappa=KAPPA, null_rate=NULL_RATE, tie_margin=ev["tie_margin"],
-               floor_source=floor.get("source"), floor_pair=floor.get("pair"), floor_detail=floor.get("detail"),
-               effect_size=None, topk_effect_size=None, floor_far_above_expected=False, floor_sentence=None,
-               expected_floor=None, observed_floor=None)
+    out.update(
+        alpha=alpha,
+        kappa=KAPPA,
+        null_rate=NULL_RATE,
+        tie_margin=ev["tie_margin"],
+        floor_source=floor.get("source"),
+        floor_pair=floor.get("pair"),
+        floor_detail=floor.get("detail"),
+        effect_size=None,
+        topk_effect_size=None,
+        floor_far_above_expected=False,
+        floor_sentence=None,
+        expected_floor=None,
+        observed_floor=None,
+    )
     out["sentence"] = _sentence(out)
     return out
 
@@ -167,11 +190,16 @@ def _sentence(r: dict) -> str:
     parts = []
     for name, t in r["tests"].items():
         if name == "sampling":
-            parts.append(f"{t['k']}/{t['n']} tokens were the reference's top-1 where {t['expected'][0]:.0f}.."
-                         f"{t['expected'][1]:.0f} were expected")
+            parts.append(
+                f"{t['k']}/{t['n']} tokens were the reference's top-1 where {t['expected'][0]:.0f}.."
+                f"{t['expected'][1]:.0f} were expected"
+            )
         else:
-            what = "greedy tokens not the reference's argmax past the tie margin" if name == "flips" else \
-                "sampled tokens not the reference's own draw under the same seed"
+            what = (
+                "greedy tokens not the reference's argmax past the tie margin"
+                if name == "flips"
+                else "sampled tokens not the reference's own draw under the same seed"
+            )
             parts.append(f"{t['k']}/{t['n']} {what} (at most {t['expected_at_most']:.2g} expected from {pair})")
     head = "same: within" if r["result"] == "same" else "different: beyond"
     tail = "" if r["result"] == "same" else f", rejected after {r['tokens_needed']} tokens"

@@ -30,8 +30,9 @@ from lpf.analysis.token_evidence import evidence_columns
 from lpf.analysis.verdicts import reduce_requests, summarize_requests
 
 
-def token_columns(joined: pa.Table, greedy: bool, th: Thresholds, temperature: float,
-                  draws: dict | None = None, allow: float = 0.0) -> dict[str, np.ndarray]:
+def token_columns(
+    joined: pa.Table, greedy: bool, th: Thresholds, temperature: float, draws: dict | None = None, allow: float = 0.0
+) -> dict[str, np.ndarray]:
     """The columns `verdicts.reduce_requests` reads, from the reference alone. The engine's logprob is
     set to the reference's plus the margin its token lost by (greedy: how much the reference prefers
     its argmax), so `d` is that margin and a token both find certain is settled as before. Sampled,
@@ -57,20 +58,39 @@ def token_columns(joined: pa.Table, greedy: bool, th: Thresholds, temperature: f
         flip = np.zeros(len(ref), dtype=bool)
         confident = top1 >= th.confident_logprob
         strength = np.where(improbable & confident & (temperature <= 1.0), 1.0, 0.0)
-    return {"position": joined.column("position").to_numpy(), "abs_logprob_diff": np.zeros(len(ref)),
-            "engine_logprob": ref + margin, "ref_logprob": ref, "greedy_flip": flip, "lie_strength": strength,
-            "gibberish": strength >= 0.5}
+    return {
+        "position": joined.column("position").to_numpy(),
+        "abs_logprob_diff": np.zeros(len(ref)),
+        "engine_logprob": ref + margin,
+        "ref_logprob": ref,
+        "greedy_flip": flip,
+        "lie_strength": strength,
+        "gibberish": strength >= 0.5,
+    }
 
 
-def analyze_tokens_only(requests: pa.Table, tokens: pa.Table, reference: pa.Table, th: Thresholds, greedy: bool,
-                        trace: pa.Table | None = None, engine_info: dict | None = None, temperature: float = 0.0,
-                        floor_table: dict | None = None, run_info: dict | None = None,
-                        seeded: pa.Table | None = None, **_ignored) -> tuple[pa.Table, dict]:
+def analyze_tokens_only(
+    requests: pa.Table,
+    tokens: pa.Table,
+    reference: pa.Table,
+    th: Thresholds,
+    greedy: bool,
+    trace: pa.Table | None = None,
+    engine_info: dict | None = None,
+    temperature: float = 0.0,
+    floor_table: dict | None = None,
+    run_info: dict | None = None,
+    seeded: pa.Table | None = None,
+    **_ignored,
+) -> tuple[pa.Table, dict]:
     """`seeded`: the run's seeded replay (`schema.SEEDED`), when the rescore stage made one."""
     info = run_info or {}
     joined, starts = m.join_grouped(tokens, reference)
-    floor = expected_floor(floor_table, info.get("engine_dtype"), info.get("reference_dtype"), info.get("model")) \
-        if floor_table is not None else None
+    floor = (
+        expected_floor(floor_table, info.get("engine_dtype"), info.get("reference_dtype"), info.get("model"))
+        if floor_table is not None
+        else None
+    )
     th, calib = calibrate_to_floor(th, floor) if floor else (th, {"source": "defaults"})
     draws = token_test.seeded_columns(seeded, joined, np.arange(joined.num_rows)) if temperature else None
     allow = token_test.seeded_allow(floor, temperature) if floor and draws is not None else 0.0
@@ -78,15 +98,20 @@ def analyze_tokens_only(requests: pa.Table, tokens: pa.Table, reference: pa.Tabl
     per = reduce_requests(cols, th, starts)
     for name in ("max_abs_logprob_diff", "mean_abs_logprob_diff", "seq_log_ratio"):
         per[name] = np.full(len(starts), np.nan)  # not judged: no engine logprob came back
-    ids = joined.column("request_id").take(pa.array(starts)).combine_chunks() if joined.num_rows \
+    ids = (
+        joined.column("request_id").take(pa.array(starts)).combine_chunks()
+        if joined.num_rows
         else pa.array([], pa.string())
+    )
     summary = apply_inconsistency(summarize_requests(joined, requests, th, starts, per=(ids, per)), requests)
     n = joined.num_rows
     ref = cols["ref_logprob"]
     same = int(np.count_nonzero(joined.column("token_id").to_numpy() == joined.column("ref_top1_id").to_numpy()))
     # the reference's surprisal (-logprob) of the returned tokens: what a lie raises
-    metrics = {"ref_surprisal": m.percentiles(-ref) if n else m.percentiles(np.zeros(0)),
-               "improbable_token_rate": float(np.mean(ref <= th.improbable_logprob)) if n else None}
+    metrics = {
+        "ref_surprisal": m.percentiles(-ref) if n else m.percentiles(np.zeros(0)),
+        "improbable_token_rate": float(np.mean(ref <= th.improbable_logprob)) if n else None,
+    }
     if n:
         metrics["greedy_flip_rate"] = float(per["n_greedy_flips"].sum() / n)
         metrics["same_top1_pct"] = 100.0 * same / n

@@ -50,7 +50,9 @@ def per_request(metrics: pa.Table, th: Thresholds, starts: np.ndarray | None = N
     n = metrics.num_rows
     starts = segment_starts(metrics.column("request_id")) if starts is None else starts
     ids = metrics.column("request_id").take(pa.array(starts)).combine_chunks() if n else pa.array([], pa.string())
-    cols = {name: metrics.column(name).to_numpy(zero_copy_only=False) for name in _REDUCED if name in metrics.column_names}
+    cols = {
+        name: metrics.column(name).to_numpy(zero_copy_only=False) for name in _REDUCED if name in metrics.column_names
+    }
     return ids, reduce_requests(cols, th, starts)
 
 
@@ -114,8 +116,9 @@ def reduce_requests(cols: dict[str, np.ndarray], th: Thresholds, starts: np.ndar
     return out
 
 
-def summarize_requests(metrics: pa.Table, requests: pa.Table, th: Thresholds,
-                       starts: np.ndarray | None = None, per: tuple | None = None) -> pa.Table:
+def summarize_requests(
+    metrics: pa.Table, requests: pa.Table, th: Thresholds, starts: np.ndarray | None = None, per: tuple | None = None
+) -> pa.Table:
     """`per`: the `per_request` result when the caller already has it (computed in chunks)."""
     seg_ids, by_id = per if per is not None else per_request(metrics, th, starts)
 
@@ -137,22 +140,24 @@ def summarize_requests(metrics: pa.Table, requests: pa.Table, th: Thresholds,
     final[~has & (n_out > 0)] = _CODE["unscored"]
     final[errors] = _CODE["error"]
     first_col = take(by_id["first_divergence"], _BIG)
-    return pa.table({
-        "request_id": req.column("request_id"),
-        "seq": req.column("seq"),
-        "prompt_id": req.column("prompt_id"),
-        "rollout": req.column("rollout"),
-        "n_output_tokens": pa.array(n_out.astype(np.int32)),
-        "n_scored_tokens": pa.array(take(by_id["n_scored_tokens"], 0).astype(np.int32)),
-        "max_abs_logprob_diff": pa.array(take(by_id["max_abs_logprob_diff"], 0.0)),
-        "mean_abs_logprob_diff": pa.array(take(by_id["mean_abs_logprob_diff"], 0.0)),
-        "seq_log_ratio": pa.array(take(by_id["seq_log_ratio"], 0.0)),
-        "first_divergence": pa.array(first_col.astype(np.int32), mask=first_col == _BIG),
-        "n_flagged_tokens": pa.array(take(by_id["n_flagged_tokens"], 0).astype(np.int32)),
-        "n_greedy_flips": pa.array(take(by_id["n_greedy_flips"], 0).astype(np.int32)),
-        "gibberish_tokens": pa.array(take(by_id["gibberish_tokens"], 0).astype(np.int32)),
-        "gibberish_score": pa.array(take(by_id["gibberish_score"], 0.0).astype(np.float64)),
-        "verdict": pa.array(CODES, pa.string()).take(pa.array(final)),
-        "error": req.column("error"),
-        "oracle_ok": req.column("oracle_ok"),
-    })
+    return pa.table(
+        {
+            "request_id": req.column("request_id"),
+            "seq": req.column("seq"),
+            "prompt_id": req.column("prompt_id"),
+            "rollout": req.column("rollout"),
+            "n_output_tokens": pa.array(n_out.astype(np.int32)),
+            "n_scored_tokens": pa.array(take(by_id["n_scored_tokens"], 0).astype(np.int32)),
+            "max_abs_logprob_diff": pa.array(take(by_id["max_abs_logprob_diff"], 0.0)),
+            "mean_abs_logprob_diff": pa.array(take(by_id["mean_abs_logprob_diff"], 0.0)),
+            "seq_log_ratio": pa.array(take(by_id["seq_log_ratio"], 0.0)),
+            "first_divergence": pa.array(first_col.astype(np.int32), mask=first_col == _BIG),
+            "n_flagged_tokens": pa.array(take(by_id["n_flagged_tokens"], 0).astype(np.int32)),
+            "n_greedy_flips": pa.array(take(by_id["n_greedy_flips"], 0).astype(np.int32)),
+            "gibberish_tokens": pa.array(take(by_id["gibberish_tokens"], 0).astype(np.int32)),
+            "gibberish_score": pa.array(take(by_id["gibberish_score"], 0.0).astype(np.float64)),
+            "verdict": pa.array(CODES, pa.string()).take(pa.array(final)),
+            "error": req.column("error"),
+            "oracle_ok": req.column("oracle_ok"),
+        }
+    )

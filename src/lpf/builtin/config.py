@@ -36,43 +36,90 @@ class EngineConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    max_num_seqs: int = knob(64, ge=1, help="Most requests in one engine step (vLLM's name).",
-                             roles=("concurrency",), shrink_order=50, flag=True)
-    max_num_batched_tokens: int = knob(256, ge=1, help="Token budget of one engine step (vLLM's name).",
-                                       roles=("step_budget",), shrink_order=60, flag=True)
+    max_num_seqs: int = knob(
+        64,
+        ge=1,
+        help="Most requests in one engine step (vLLM's name).",
+        roles=("concurrency",),
+        shrink_order=50,
+        flag=True,
+    )
+    max_num_batched_tokens: int = knob(
+        256,
+        ge=1,
+        help="Token budget of one engine step (vLLM's name).",
+        roles=("step_budget",),
+        shrink_order=60,
+        flag=True,
+    )
     block_size: int = knob(16, ge=1, help="Tokens per paged KV-cache block.", shrink_order=90)
-    cache_mb: float = knob(64.0, gt=0, help="Built-in engine: cache size in MiB (the gpu_memory_utilization analogue).",
-                           roles=("cache_size",), shrink_order=10, flag=True)
-    enable_chunked_prefill: bool = knob(True, help="Split long prompts over several steps (vLLM's name).",
-                                        shrink_order=70, flag=True)
-    dtype: Literal["float32", "bfloat16", "float16"] = knob("float32", help="Engine dtype: float32, bfloat16 or float16.",
-                                                            shrink_order=130, flag=True)
+    cache_mb: float = knob(
+        64.0,
+        gt=0,
+        help="Built-in engine: cache size in MiB (the gpu_memory_utilization analogue).",
+        roles=("cache_size",),
+        shrink_order=10,
+        flag=True,
+    )
+    enable_chunked_prefill: bool = knob(
+        True, help="Split long prompts over several steps (vLLM's name).", shrink_order=70, flag=True
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = knob(
+        "float32", help="Engine dtype: float32, bfloat16 or float16.", shrink_order=130, flag=True
+    )
     # a wider state dtype buys fewer slots; not moved by shrink (a numeric choice, not a size)
     mamba_ssm_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = knob(
-        "auto", help="dtype the SSM state is kept in between steps (vLLM's name); auto = the engine dtype",
-        roles=("cache_size",))
+        "auto",
+        help="dtype the SSM state is kept in between steps (vLLM's name); auto = the engine dtype",
+        roles=("cache_size",),
+    )
     device: str = knob("cpu", help="Where the engine runs (cpu, cuda).")
-    max_model_len: int | None = knob(None, ge=1, help="Longest prompt + output a request may have: outputs stop there "
-                                     "and a longer prompt is refused (vLLM's name) [default: the model's context].",
-                                     roles=("context_length",), shrink_order=120, flag=True)
+    max_model_len: int | None = knob(
+        None,
+        ge=1,
+        help="Longest prompt + output a request may have: outputs stop there "
+        "and a longer prompt is refused (vLLM's name) [default: the model's context].",
+        roles=("context_length",),
+        shrink_order=120,
+        flag=True,
+    )
     # attention KV blocks shared by content hash, Mamba conv + SSM state checkpointed at Mamba block
     # boundaries; a request resumes from the deepest boundary every layer hits (checkpoint slots come
     # out of --cache-mb's state half)
-    enable_prefix_caching: bool = knob(False, help=(
-        "Reuse cached prefixes: KV blocks by hash, Mamba state checkpoints (vLLM's name; built-in: -E "
-        "mamba_block_size=N, -E mamba_cache_mode=align|all)."), roles=("prefix_cache",), shrink_order=80, flag=True)
-    mamba_block_size: int | None = knob(None, ge=1, help=(
-        "Tokens per Mamba state checkpoint with prefix caching (vLLM's --mamba-block-size): a multiple of "
-        "block_size; default: block_size."), shrink_order=85)  # the checkpoint granularity
-    mamba_cache_mode: Literal["align", "all"] = knob("align", help=(
-        "vLLM's mamba_cache_mode: align (chunk ends kept on the boundaries where a checkpoint is due) or all "
-        "(the Mamba layers checkpoint every boundary a chunk crosses)."))
+    enable_prefix_caching: bool = knob(
+        False,
+        help=(
+            "Reuse cached prefixes: KV blocks by hash, Mamba state checkpoints (vLLM's name; built-in: -E "
+            "mamba_block_size=N, -E mamba_cache_mode=align|all)."
+        ),
+        roles=("prefix_cache",),
+        shrink_order=80,
+        flag=True,
+    )
+    mamba_block_size: int | None = knob(
+        None,
+        ge=1,
+        help=(
+            "Tokens per Mamba state checkpoint with prefix caching (vLLM's --mamba-block-size): a multiple of "
+            "block_size; default: block_size."
+        ),
+        shrink_order=85,
+    )  # the checkpoint granularity
+    mamba_cache_mode: Literal["align", "all"] = knob(
+        "align",
+        help=(
+            "vLLM's mamba_cache_mode: align (chunk ends kept on the boundaries where a checkpoint is due) or all "
+            "(the Mamba layers checkpoint every boundary a chunk crosses)."
+        ),
+    )
 
     @model_validator(mode="after")
     def _mamba_blocks_hold_whole_kv_blocks(self) -> "EngineConfig":
         if self.mamba_block_size is not None and self.mamba_block_size % self.block_size:
-            raise ValueError(f"mamba_block_size ({self.mamba_block_size}) must be a multiple of block_size "
-                             f"({self.block_size}): a checkpoint boundary must end a KV block")
+            raise ValueError(
+                f"mamba_block_size ({self.mamba_block_size}) must be a multiple of block_size "
+                f"({self.block_size}): a checkpoint boundary must end a KV block"
+            )
         return self
 
     @property

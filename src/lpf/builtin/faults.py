@@ -57,11 +57,29 @@ from lpf.core.errors import LpfError, did_you_mean
 PERTURB_SEED = 1234  # perturb-weights draws the same "fine-tune" on every run
 GROUP_SIZE = 128  # quantize-weights: inputs per quantization group
 
-PREFIX_DRILLS = ("conv-into-shared-block", "unaligned-chunk-hashed", "publish-before-write", "incomplete-block-cached",
-                 "resume-wrong-units", "prefix-cache-inert")
-DRILLS = ("stale-state", "offset-wrap", "batch-variant", "swap-outputs", "processed-logprobs", "kv-double-free",
-          "lost-chunk-state", *PREFIX_DRILLS, "stale-conv-on-reuse", "quantize-weights", "kv-quant", "perturb-weights",
-          "sampling-temperature")
+PREFIX_DRILLS = (
+    "conv-into-shared-block",
+    "unaligned-chunk-hashed",
+    "publish-before-write",
+    "incomplete-block-cached",
+    "resume-wrong-units",
+    "prefix-cache-inert",
+)
+DRILLS = (
+    "stale-state",
+    "offset-wrap",
+    "batch-variant",
+    "swap-outputs",
+    "processed-logprobs",
+    "kv-double-free",
+    "lost-chunk-state",
+    *PREFIX_DRILLS,
+    "stale-conv-on-reuse",
+    "quantize-weights",
+    "kv-quant",
+    "perturb-weights",
+    "sampling-temperature",
+)
 
 # drill -> (FaultSet field, argument type, default, lowest, highest); drills not listed take no argument
 _ARGS = {
@@ -143,8 +161,9 @@ class GroundTruth:
     rows: list[dict] = field(default_factory=list)
     _once: set = field(default_factory=set)
 
-    def record(self, request_id: str, step: int, fault: str, detail: str, other: str | None = None,
-               role: str = "corrupted") -> None:
+    def record(
+        self, request_id: str, step: int, fault: str, detail: str, other: str | None = None, role: str = "corrupted"
+    ) -> None:
         self.rows.append({"request_id": request_id, "step": step, "fault": fault, "role": role, "detail": detail})
         if other is not None:
             self.rows.append({"request_id": other, "step": step, "fault": fault, "role": role, "detail": detail})
@@ -257,12 +276,19 @@ class Drills:
         """Record what this step does to `s` under the drills in force."""
         f, t, step = self.faults, self.truth, so.step
         if f.stale_state and phase == "decode" and s.num_computed_tokens == 0 and s.slot_reused:
-            self._stale_reads[s.request_id] = (step, f"first step ran as decode on slot {s.state_slot}, "
-                                                     f"which held an earlier request's state", "stale-state")
+            self._stale_reads[s.request_id] = (
+                step,
+                f"first step ran as decode on slot {s.state_slot}, which held an earlier request's state",
+                "stale-state",
+            )
         if f.stale_conv_on_reuse and phase == "prefill" and s.slot_reused:
-            self._stale_reads[s.request_id] = (step, f"prefill on slot {s.state_slot} took the conv state an earlier "
-                                                     f"request left there as its initial conv state (no "
-                                                     f"has_initial_state)", "stale-conv-on-reuse")
+            self._stale_reads[s.request_id] = (
+                step,
+                f"prefill on slot {s.state_slot} took the conv state an earlier "
+                f"request left there as its initial conv state (no "
+                f"has_initial_state)",
+                "stale-conv-on-reuse",
+            )
         if s.will_sample and s.request_id in self._stale_reads:
             read_step, detail, fault = self._stale_reads.pop(s.request_id)
             t.record(s.request_id, read_step, fault, detail)
@@ -270,15 +296,26 @@ class Drills:
             self._record_wrap(so, s)
         if phase == "decode" and s.num_computed_tokens > 0 and s.request_id in self._wrapped:
             wrap_step, detail = self._wrapped.pop(s.request_id)
-            t.record(s.request_id, wrap_step, "offset-wrap", detail + f"; step {step} decoded from slot "
-                     f"{s.state_slot}, which its prefill never wrote")
+            t.record(
+                s.request_id,
+                wrap_step,
+                "offset-wrap",
+                detail + f"; step {step} decoded from slot {s.state_slot}, which its prefill never wrote",
+            )
         if f.lost_chunk_state and phase == "extend":
-            t.record(s.request_id, step, "lost-chunk-state", f"chunk at prompt position {s.num_computed_tokens} "
-                     f"started from a zero state (the state of positions < {s.num_computed_tokens} was lost)")
+            t.record(
+                s.request_id,
+                step,
+                "lost-chunk-state",
+                f"chunk at prompt position {s.num_computed_tokens} "
+                f"started from a zero state (the state of positions < {s.num_computed_tokens} was lost)",
+            )
         if f.batch_variant:
             t.record_once(s.request_id, step, "batch-variant", "logits from a batch-size-dependent split-K head")
         if f.processed_logprobs and s.will_sample and not s.sampling.greedy:
-            t.record_once(s.request_id, step, "processed-logprobs", "reported logprobs are post-temperature/top-k/top-p")
+            t.record_once(
+                s.request_id, step, "processed-logprobs", "reported logprobs are post-temperature/top-k/top-p"
+            )
         for name, detail in self._substitutions():
             t.record_once(s.request_id, step, name, detail)
 
@@ -316,15 +353,25 @@ class Drills:
         """(drill, what every request computed with) for the substitution drills in force."""
         f, out = self.faults, []
         if f.quantize_weights_bits is not None:
-            out.append(("quantize-weights", f"decoder linear weights rounded to {f.quantize_weights_bits} bits "
-                                            f"(groups of {GROUP_SIZE} inputs, round-to-nearest)"))
+            out.append(
+                (
+                    "quantize-weights",
+                    f"decoder linear weights rounded to {f.quantize_weights_bits} bits "
+                    f"(groups of {GROUP_SIZE} inputs, round-to-nearest)",
+                )
+            )
         if f.kv_quant_bits is not None:
             out.append(("kv-quant", f"K/V rounded to {f.kv_quant_bits} bits (absmax per token and head) in the cache"))
         if f.perturb_weights_scale is not None:
             out.append(("perturb-weights", f"decoder linear weights times (1 + {f.perturb_weights_scale:g} N(0, 1))"))
         if f.sampling_temperature is not None:
-            out.append(("sampling-temperature", f"sampled at temperature {f.sampling_temperature:g}, logprobs "
-                                                f"from that distribution, whatever the client asked"))
+            out.append(
+                (
+                    "sampling-temperature",
+                    f"sampled at temperature {f.sampling_temperature:g}, logprobs "
+                    f"from that distribution, whatever the client asked",
+                )
+            )
         return out
 
     def _discard_stale_read(self, request_id: str) -> None:
@@ -332,8 +379,13 @@ class Drills:
         reached an output. Kept in the ground truth with its own role, never silently dropped."""
         if request_id in self._stale_reads:
             step, detail, fault = self._stale_reads.pop(request_id)
-            self.truth.record(request_id, step, fault, detail + "; preempted before its first sample, "
-                              "so recompute discarded the stale state", role="discarded")
+            self.truth.record(
+                request_id,
+                step,
+                fault,
+                detail + "; preempted before its first sample, so recompute discarded the stale state",
+                role="discarded",
+            )
 
     def _record_wrap(self, so, s) -> None:
         sc, t, step = self.state_cache, self.truth, so.step
@@ -345,5 +397,10 @@ class Drills:
         for victim_slot in {first, last}:
             owner = so.slot_owners.get(victim_slot)
             if owner is not None and owner != s.request_id:
-                t.record(owner, step, "offset-wrap", f"slot {victim_slot} overwritten by {s.request_id}'s "
-                         f"wrapped state write", role="overwritten")
+                t.record(
+                    owner,
+                    step,
+                    "offset-wrap",
+                    f"slot {victim_slot} overwritten by {s.request_id}'s wrapped state write",
+                    role="overwritten",
+                )

@@ -99,6 +99,8 @@ def probe(module, name: str, tensor) -> None:
 
 def get_forward_context() -> ForwardContext:
     if _current is None:
-        raise RuntimeError("no forward context: model layers must run inside set_forward_context() "
-                           "(the model runner sets it for each step)")
+        raise RuntimeError(
+            "no forward context: model layers must run inside set_forward_context() "
+            "(the model runner sets it for each step)"
+        )
     return _current

@@ -44,8 +44,17 @@ class KVCache:
     through `store`, which applies `rounding` (None: stored as computed; the kv-quant drill passes
     its rounding) so prefill and decode paths store alike."""
 
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
-                 dtype=None, device="cpu", rounding=None):
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        n_kv_heads: int,
+        head_dim: int,
+        dtype=None,
+        device="cpu",
+        rounding=None,
+    ):
         import torch
 
         self.block_size = block_size

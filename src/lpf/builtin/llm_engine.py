@@ -64,16 +64,30 @@ class LLMEngine:
         self.num_slots, self.num_blocks = cache_sizes(self.model, config)
         self.truth = GroundTruth()
         has_mamba = bool(self.model.state_specs())
-        self.scheduler = Scheduler(config, self.num_slots, self.num_blocks, self.max_context,
-                                   double_free=faults.kv_double_free, record=self.truth.record, faults=faults,
-                                   has_mamba=has_mamba)
+        self.scheduler = Scheduler(
+            config,
+            self.num_slots,
+            self.num_blocks,
+            self.max_context,
+            double_free=faults.kv_double_free,
+            record=self.truth.record,
+            faults=faults,
+            has_mamba=has_mamba,
+        )
         px = self.scheduler.prefix
         ssm = config.mamba_ssm_cache_dtype
-        self.runner = ModelRunner(self.model, self.num_slots, self.num_blocks, config.block_size, faults,
-                                  self.truth, dtype, config.device,
-                                  state_dtypes=(torch_dtype(state_buffer_dtype(config)),
-                                                dtype if ssm == "auto" else torch_dtype(ssm)),
-                                  mamba_block_size=px.mbs if px else None)
+        self.runner = ModelRunner(
+            self.model,
+            self.num_slots,
+            self.num_blocks,
+            config.block_size,
+            faults,
+            self.truth,
+            dtype,
+            config.device,
+            state_dtypes=(torch_dtype(state_buffer_dtype(config)), dtype if ssm == "auto" else torch_dtype(ssm)),
+            mamba_block_size=px.mbs if px else None,
+        )
         self._trace: list[dict] = []
         self._cancels: dict[str, int] = {}
 
@@ -114,26 +128,59 @@ class LLMEngine:
         so = self.scheduler.schedule()
         so, cancelled = self._land_cancels(so)
         result = self.runner.execute(so)
-        n, tokens = len(so.scheduled) + len(cancelled), so.total_tokens + sum(c.num_scheduled_tokens for c, _ in cancelled)
+        n, tokens = (
+            len(so.scheduled) + len(cancelled),
+            so.total_tokens + sum(c.num_scheduled_tokens for c, _ in cancelled),
+        )
         px = self.scheduler.prefix
         for s in so.scheduled:
-            self._trace.append({"step": so.step, "request_id": s.request_id, "phase": result.phases[s.request_id],
-                                "num_computed_tokens": s.num_computed_tokens,
-                                "num_scheduled_tokens": s.num_scheduled_tokens, "state_slot": s.state_slot,
-                                "batch_size": n, "batch_tokens": tokens, "preempted": False,
-                                **trace_columns(px, s, result.resume_reads.get(s.request_id))})
+            self._trace.append(
+                {
+                    "step": so.step,
+                    "request_id": s.request_id,
+                    "phase": result.phases[s.request_id],
+                    "num_computed_tokens": s.num_computed_tokens,
+                    "num_scheduled_tokens": s.num_scheduled_tokens,
+                    "state_slot": s.state_slot,
+                    "batch_size": n,
+                    "batch_tokens": tokens,
+                    "preempted": False,
+                    **trace_columns(px, s, result.resume_reads.get(s.request_id)),
+                }
+            )
         for s, _ in cancelled:
-            self._trace.append({"step": so.step, "request_id": s.request_id, "phase": None,
-                                "num_computed_tokens": s.num_computed_tokens,
-                                "num_scheduled_tokens": s.num_scheduled_tokens, "state_slot": s.state_slot,
-                                "batch_size": n, "batch_tokens": tokens, "preempted": False,
-                                **trace_columns(px, s, None), "aborted": True})
+            self._trace.append(
+                {
+                    "step": so.step,
+                    "request_id": s.request_id,
+                    "phase": None,
+                    "num_computed_tokens": s.num_computed_tokens,
+                    "num_scheduled_tokens": s.num_scheduled_tokens,
+                    "state_slot": s.state_slot,
+                    "batch_size": n,
+                    "batch_tokens": tokens,
+                    "preempted": False,
+                    **trace_columns(px, s, None),
+                    "aborted": True,
+                }
+            )
         for rid in so.preempted:
-            self._trace.append({"step": so.step, "request_id": rid, "phase": None, "num_computed_tokens": 0,
-                                "num_scheduled_tokens": 0, "state_slot": None, "batch_size": n,
-                                "batch_tokens": tokens, "preempted": True})
-        finished = self.scheduler.update(so, result.samples, result.prompt_rows, result.state_writes,
-                                         result.resume_reads)
+            self._trace.append(
+                {
+                    "step": so.step,
+                    "request_id": rid,
+                    "phase": None,
+                    "num_computed_tokens": 0,
+                    "num_scheduled_tokens": 0,
+                    "state_slot": None,
+                    "batch_size": n,
+                    "batch_tokens": tokens,
+                    "preempted": True,
+                }
+            )
+        finished = self.scheduler.update(
+            so, result.samples, result.prompt_rows, result.state_writes, result.resume_reads
+        )
         return [req for _, req in cancelled] + finished
 
     def _land_cancels(self, so):
@@ -148,9 +195,14 @@ class LLMEngine:
                 keep.append(s)
                 continue
             del self._cancels[s.request_id]
-            req = self.scheduler.abort(s.request_id, in_flight=True, reason=(
-                f"cancelled by the client after {s.num_computed_tokens} of {at}+ prompt tokens, "
-                f"while its step {so.step} was in flight"))
+            req = self.scheduler.abort(
+                s.request_id,
+                in_flight=True,
+                reason=(
+                    f"cancelled by the client after {s.num_computed_tokens} of {at}+ prompt tokens, "
+                    f"while its step {so.step} was in flight"
+                ),
+            )
             cancelled.append((s, req))
         return (replace(so, scheduled=keep), cancelled) if cancelled else (so, [])
 
@@ -162,12 +214,15 @@ class LLMEngine:
         return table
 
     def describe(self) -> dict:
-        out = {"num_state_slots": self.num_slots, "num_kv_blocks": self.num_blocks,
-               "state_slot_stride": self.runner.state_cache.slot_stride, "faults": self.faults.names()}
+        out = {
+            "num_state_slots": self.num_slots,
+            "num_kv_blocks": self.num_blocks,
+            "state_slot_stride": self.runner.state_cache.slot_stride,
+            "faults": self.faults.names(),
+        }
         mixers = self.model.mamba_mixers()
         if mixers:
             out["conv_width"] = mixers[0].d_conv
         if self.scheduler.prefix is not None:
             out["prefix_cache"] = self.scheduler.prefix.describe()
         return out
-

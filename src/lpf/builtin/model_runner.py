@@ -30,23 +30,43 @@ from lpf.core.torch_utils import logprob_rows
 
 
 class ModelRunner:
-    def __init__(self, model, num_slots: int, num_blocks: int, block_size: int, faults: FaultSet,
-                 truth: GroundTruth, dtype=torch.float32, device: str = "cpu",
-                 state_dtypes: tuple | None = None, mamba_block_size: int | None = None):
+    def __init__(
+        self,
+        model,
+        num_slots: int,
+        num_blocks: int,
+        block_size: int,
+        faults: FaultSet,
+        truth: GroundTruth,
+        dtype=torch.float32,
+        device: str = "cpu",
+        state_dtypes: tuple | None = None,
+        mamba_block_size: int | None = None,
+    ):
         self.model = model
         self.device = device
         n_attn, n_kv, head_dim = model.kv_spec()
         # (buffer dtype, SSM state dtype): `mamba_ssm_cache_dtype` (EngineConfig); default both the engine's
         buffer, ssm = state_dtypes or (dtype, dtype)
-        self.state_cache = StateCache(model.state_specs(), num_slots, buffer, device, wrap_bits=faults.offset_wrap_bits,
-                                      part_dtypes={"conv": dtype, "ssm": ssm})
+        self.state_cache = StateCache(
+            model.state_specs(),
+            num_slots,
+            buffer,
+            device,
+            wrap_bits=faults.offset_wrap_bits,
+            part_dtypes={"conv": dtype, "ssm": ssm},
+        )
         self.drills = Drills(faults, truth, self.state_cache)
         self.drills.edit_weights(model)
-        self.kv_cache = KVCache(max(n_attn, 1), num_blocks, block_size, n_kv, head_dim, dtype, device,
-                                rounding=self.drills.kv_rounding())
+        self.kv_cache = KVCache(
+            max(n_attn, 1), num_blocks, block_size, n_kv, head_dim, dtype, device, rounding=self.drills.kv_rounding()
+        )
         mixers = model.mamba_mixers()
-        self.prefix = None if mamba_block_size is None else \
-            PrefixDrills(faults, block_size, mamba_block_size, mixers[0].d_conv if mixers else 1)
+        self.prefix = (
+            None
+            if mamba_block_size is None
+            else PrefixDrills(faults, block_size, mamba_block_size, mixers[0].d_conv if mixers else 1)
+        )
 
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput, capture=None) -> StepResult:
@@ -60,9 +80,17 @@ class ModelRunner:
             if drills.zero_new_slot(s):
                 self.state_cache.zero(s.state_slot)
             drills.scheduled(so, s, phase)
-            meta = SeqMeta(s.request_id, start, s.num_scheduled_tokens, s.num_computed_tokens, phase, s.state_slot,
-                           s.block_table, drills.has_initial_state(s, phase) if phase != "decode" else None,
-                           conv_reads_slot=drills.conv_reads_slot(phase))
+            meta = SeqMeta(
+                s.request_id,
+                start,
+                s.num_scheduled_tokens,
+                s.num_computed_tokens,
+                phase,
+                s.state_slot,
+                s.block_table,
+                drills.has_initial_state(s, phase) if phase != "decode" else None,
+                conv_reads_slot=drills.conv_reads_slot(phase),
+            )
             if self.prefix is not None:
                 meta = self._with_prefix(s, meta, writes, reads)
             seqs.append(meta)
@@ -91,8 +119,15 @@ class ModelRunner:
         writes.extend(px.writes(s, cps, conv_to))
         return replace(meta, checkpoints=cps, conv_write_slot=conv_to)
 
-    def _forward(self, so: SchedulerOutput, seqs: list[SeqMeta], ids: list[int], pos: list[int],
-                 phases: dict[str, str], capture=None) -> StepResult:
+    def _forward(
+        self,
+        so: SchedulerOutput,
+        seqs: list[SeqMeta],
+        ids: list[int],
+        pos: list[int],
+        phases: dict[str, str],
+        capture=None,
+    ) -> StepResult:
         drills = self.drills
         ctx = ForwardContext(so.step, seqs, self.kv_cache, self.state_cache, capture=capture)
         with set_forward_context(ctx):
@@ -104,8 +139,12 @@ class ModelRunner:
             return StepResult(phases, prompt_rows=prompt_rows)
         rows = hidden[torch.tensor([m.end - 1 for m, _ in sampling], device=self.device)]
         logits = drills.logits(self.model, rows, batch_size=len(seqs))
-        samples = sample(logits, [s for _, s in sampling], processed=drills.processed_logprobs,
-                         temperature=drills.sampling_temperature)
+        samples = sample(
+            logits,
+            [s for _, s in sampling],
+            processed=drills.processed_logprobs,
+            temperature=drills.sampling_temperature,
+        )
         decoding = [m.request_id for m, _ in sampling if m.phase == "decode"]
         return StepResult(phases, drills.deliver(so, decoding, samples), prompt_rows)
 
@@ -119,8 +158,12 @@ class ModelRunner:
         out, at = {}, 0
         for m, s in asked:
             n, k = len(s.prompt_targets), s.sampling.logprobs
-            out[m.request_id] = PromptRows(s.num_computed_tokens + 1, chosen[at:at + n].tolist(),
-                                           rank[at:at + n].tolist(), top_ids[at:at + n, :k].tolist(),
-                                           top_lp[at:at + n, :k].tolist())
+            out[m.request_id] = PromptRows(
+                s.num_computed_tokens + 1,
+                chosen[at : at + n].tolist(),
+                rank[at : at + n].tolist(),
+                top_ids[at : at + n, :k].tolist(),
+                top_lp[at : at + n, :k].tolist(),
+            )
             at += n
         return out

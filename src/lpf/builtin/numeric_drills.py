@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+
 def rtn_groupwise(w: torch.Tensor, bits: int, group: int) -> torch.Tensor:
     x = w.float()
     n_in = x.shape[-1]

@@ -79,8 +79,16 @@ class Hit:
 
 
 class PrefixCache:
-    def __init__(self, config, num_slots: int, num_blocks: int, faults, record: Callable[..., None],
-                 has_mamba: bool = True, max_context: int | None = None):
+    def __init__(
+        self,
+        config,
+        num_slots: int,
+        num_blocks: int,
+        faults,
+        record: Callable[..., None],
+        has_mamba: bool = True,
+        max_context: int | None = None,
+    ):
         self.bs = config.block_size
         mbs = config.checkpoint_block_size
         if faults.prefix_cache_inert:  # vLLM #48401: the hybrid page alignment raised the block past the context
@@ -99,8 +107,15 @@ class PrefixCache:
         self.last_write: dict[int, Write] = {}
         self.block_taint: dict[int, tuple[str, str]] = {}
         self._pass: set[int] = set()  # hashes published by this schedule pass (not hit by it)
-        self.stats = {"queries": 0, "hits": 0, "hit_tokens": 0, "query_tokens": 0, "published_blocks": 0,
-                      "published_checkpoints": 0, "checkpoints_skipped": 0}
+        self.stats = {
+            "queries": 0,
+            "hits": 0,
+            "hit_tokens": 0,
+            "query_tokens": 0,
+            "published_blocks": 0,
+            "published_checkpoints": 0,
+            "checkpoints_skipped": 0,
+        }
 
     # -- hashes ------------------------------------------------------------------------------------
     def hashes(self, req) -> list[int]:
@@ -110,7 +125,7 @@ class PrefixCache:
             tokens = req.token_ids(len(hs) * self.bs, full * self.bs)
             parent = hs[-1] if hs else 0
             for i in range(0, len(tokens), self.bs):
-                parent = block_hash(parent, tokens[i:i + self.bs])
+                parent = block_hash(parent, tokens[i : i + self.bs])
                 hs.append(parent)
         return hs
 
@@ -136,7 +151,7 @@ class PrefixCache:
             h = hs[k * self.per - 1]
             slot = self.slots.cached(h)
             if slot is not None and h not in self._pass:
-                return Hit(k * self.mbs, tuple(blocks[:k * self.per]), slot)
+                return Hit(k * self.mbs, tuple(blocks[: k * self.per]), slot)
         return Hit()
 
     def acquire(self, req, hit: Hit) -> None:
@@ -267,8 +282,14 @@ class PrefixCache:
         return None if slot is None else self.checkpoints.get(slot)
 
     def describe(self) -> dict:
-        return {"block_size": self.bs, "mamba_block_size": self.mbs, "mamba_cache_mode": self.mode,
-                **self.stats, "evicted_checkpoints": self.slots.evicted, "evicted_blocks": self.blocks.evicted}
+        return {
+            "block_size": self.bs,
+            "mamba_block_size": self.mbs,
+            "mamba_cache_mode": self.mode,
+            **self.stats,
+            "evicted_checkpoints": self.slots.evicted,
+            "evicted_blocks": self.blocks.evicted,
+        }
 
     # -- internals ---------------------------------------------------------------------------------
     def _evicted(self, slot: int, h: int) -> None:
@@ -314,12 +335,23 @@ class PrefixCache:
         if w is not None and w.request_id == req.request_id and w.covers == boundary and w.part == "state":
             return None
         got = "never written" if w is None else f"{w.request_id}'s state@{w.covers} ({w.part}, step {w.step})"
-        fault = ("conv-into-shared-block" if self.faults.conv_into_shared_block and w is not None and w.part != "state"
-                 else next((d for d in ("unaligned-chunk-hashed", "incomplete-block-cached")
-                            if getattr(self.faults, d.replace("-", "_"))), None))
+        fault = (
+            "conv-into-shared-block"
+            if self.faults.conv_into_shared_block and w is not None and w.part != "state"
+            else next(
+                (
+                    d
+                    for d in ("unaligned-chunk-hashed", "incomplete-block-cached")
+                    if getattr(self.faults, d.replace("-", "_"))
+                ),
+                None,
+            )
+        )
         if fault is None:
-            raise RuntimeError(f"prefix cache: {req.request_id} would publish slot {slot} as the state at {boundary} "
-                               f"tokens, but it holds {got}")
+            raise RuntimeError(
+                f"prefix cache: {req.request_id} would publish slot {slot} as the state at {boundary} "
+                f"tokens, but it holds {got}"
+            )
         return fault, f"checkpoint of {req.request_id} published as the state at {boundary} tokens holds {got}"
 
     def _wrote(self, req, step: int, n: int, w) -> None:
@@ -328,13 +360,19 @@ class PrefixCache:
             if not self.faults.conv_into_shared_block:
                 raise RuntimeError(f"prefix cache: {req.request_id} wrote into published checkpoint slot {w.slot}")
             if ck.taint is None:
-                ck.taint = ("conv-into-shared-block", f"{req.request_id}'s conv state after {w.covers} tokens was "
-                            f"written at step {step} into this shared checkpoint of {ck.publisher} (the state at "
-                            f"{ck.boundary} tokens)")
+                ck.taint = (
+                    "conv-into-shared-block",
+                    f"{req.request_id}'s conv state after {w.covers} tokens was "
+                    f"written at step {step} into this shared checkpoint of {ck.publisher} (the state at "
+                    f"{ck.boundary} tokens)",
+                )
                 ck.tainted_at = step
-            req.pending_taint = ("conv-into-shared-block", f"its {n}-token prefill chunk (shorter than the conv "
-                                 f"state) stored its new conv state into the shared checkpoint slot {w.slot} it "
-                                 f"resumed from at step {step}; its own slot's conv state was never written")
+            req.pending_taint = (
+                "conv-into-shared-block",
+                f"its {n}-token prefill chunk (shorter than the conv "
+                f"state) stored its new conv state into the shared checkpoint slot {w.slot} it "
+                f"resumed from at step {step}; its own slot's conv state was never written",
+            )
         self.last_write[w.slot] = Write(w.request_id, step, w.covers, w.part)
 
     def _resumed(self, req, step: int, read: tuple[int, int | None]) -> None:
@@ -342,18 +380,35 @@ class PrefixCache:
         want, expected = req.prefix_hit_tokens // self.mbs - 1, req.resume_slot
         if slot != expected:
             w = self.last_write.get(slot) if slot is not None else None
-            got = "the null block" if slot is None else (f"slot {slot}, holding " + (
-                f"{w.request_id}'s state@{w.covers} (step {w.step})" if w else "nothing written"))
-            self._taint(req, step, "resume-wrong-units", f"resumed at {req.prefix_hit_tokens} tokens from Mamba block "
-                        f"{index} ({got}) instead of block {want}")
+            got = (
+                "the null block"
+                if slot is None
+                else (
+                    f"slot {slot}, holding "
+                    + (f"{w.request_id}'s state@{w.covers} (step {w.step})" if w else "nothing written")
+                )
+            )
+            self._taint(
+                req,
+                step,
+                "resume-wrong-units",
+                f"resumed at {req.prefix_hit_tokens} tokens from Mamba block {index} ({got}) instead of block {want}",
+            )
             return
         ck = self.checkpoints.get(slot)
         if ck is not None and ck.taint is not None and ck.tainted_at < step:  # same step: read before the write
-            self._taint(req, step, ck.taint[0], f"resumed from the state at {ck.boundary} tokens published by "
-                        f"{ck.publisher} at step {ck.publish_step}: {ck.taint[1]}")
+            self._taint(
+                req,
+                step,
+                ck.taint[0],
+                f"resumed from the state at {ck.boundary} tokens published by "
+                f"{ck.publisher} at step {ck.publish_step}: {ck.taint[1]}",
+            )
             return
-        bad = next((self.block_taint[b] for b in req.block_table[:req.prefix_hit_tokens // self.bs]
-                    if b in self.block_taint), None)
+        bad = next(
+            (self.block_taint[b] for b in req.block_table[: req.prefix_hit_tokens // self.bs] if b in self.block_taint),
+            None,
+        )
         if bad is not None:
             self._taint(req, step, bad[0], f"resumed over a cached KV block: {bad[1]}")
 
@@ -368,9 +423,15 @@ class PrefixCache:
         for slot in req.in_flight["slots"]:
             ck, w = self.checkpoints.get(slot), self.last_write.get(slot)
             if ck is not None:
-                ck.taint = ("publish-before-write", f"published by {req.request_id} at step {step} when its chunk "
-                            f"was scheduled; it was aborted before the chunk ran, so the state was never written "
-                            f"(the slot holds " + (f"{w.request_id}'s state@{w.covers}" if w else "nothing") + ")")
+                ck.taint = (
+                    "publish-before-write",
+                    f"published by {req.request_id} at step {step} when its chunk "
+                    f"was scheduled; it was aborted before the chunk ran, so the state was never written "
+                    f"(the slot holds " + (f"{w.request_id}'s state@{w.covers}" if w else "nothing") + ")",
+                )
         for b in req.in_flight["blocks"]:
-            self.block_taint[b] = ("publish-before-write", f"KV block published by {req.request_id} at step {step} "
-                                   f"when its chunk was scheduled; aborted before the chunk ran, never written")
+            self.block_taint[b] = (
+                "publish-before-write",
+                f"KV block published by {req.request_id} at step {step} "
+                f"when its chunk was scheduled; aborted before the chunk ran, never written",
+            )

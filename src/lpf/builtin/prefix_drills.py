@@ -46,9 +46,13 @@ from lpf.builtin.sched_output import StateWrite
 # ran under (beside --enable-prefix-caching, which all but stale-conv-on-reuse need), and the hypothesis
 # features (`lpf.analysis.prefix_features`, `features`) whose first rank names its mechanism.
 KNOBS = {
-    "conv-into-shared-block": {}, "unaligned-chunk-hashed": {}, "publish-before-write": {},
-    "incomplete-block-cached": {"mamba_cache_mode": "all"}, "resume-wrong-units": {"mamba_block_size": 32},
-    "prefix-cache-inert": {}, "stale-conv-on-reuse": {},
+    "conv-into-shared-block": {},
+    "unaligned-chunk-hashed": {},
+    "publish-before-write": {},
+    "incomplete-block-cached": {"mamba_cache_mode": "all"},
+    "resume-wrong-units": {"mamba_block_size": 32},
+    "prefix-cache-inert": {},
+    "stale-conv-on-reuse": {},
 }
 NAMED_BY = {
     "conv-into-shared-block": {"short_resumed_chunk"},
@@ -98,8 +102,9 @@ class PrefixDrills:
         end = s.num_computed_tokens + s.num_scheduled_tokens
         moved = conv_write_slot is not None
         out = [StateWrite(s.state_slot, s.request_id, end, "ssm" if moved else "state")]
-        out += [StateWrite(slot, s.request_id, pos, "ssm" if moved and pos == end else "state")
-                for pos, slot in checkpoints]
+        out += [
+            StateWrite(slot, s.request_id, pos, "ssm" if moved and pos == end else "state") for pos, slot in checkpoints
+        ]
         if moved:
             out.append(StateWrite(conv_write_slot, s.request_id, end, "conv"))
         return out

@@ -17,9 +17,17 @@ no cache to report on, as in old runs and engines without the columns). With it 
 
 from __future__ import annotations
 
-EMPTY = {"prefix_cache_hit_tokens": None, "resume_block": None, "resume_writer": None, "resume_write_step": None,
-         "resume_covers_tokens": None, "resume_publisher": None, "resume_publish_step": None,
-         "chunk_end_aligned": None, "aborted": None}
+EMPTY = {
+    "prefix_cache_hit_tokens": None,
+    "resume_block": None,
+    "resume_writer": None,
+    "resume_write_step": None,
+    "resume_covers_tokens": None,
+    "resume_publisher": None,
+    "resume_publish_step": None,
+    "chunk_end_aligned": None,
+    "aborted": None,
+}
 
 
 def trace_columns(px, s, read: tuple[int, int | None] | None) -> dict:

@@ -74,8 +74,9 @@ class Request:
 
     def token_ids(self, start: int, end: int) -> list[int]:
         p = len(self.prompt_token_ids)
-        return (self.prompt_token_ids[start:end] if end <= p
-                else (self.prompt_token_ids + self.output_token_ids)[start:end])
+        return (
+            self.prompt_token_ids[start:end] if end <= p else (self.prompt_token_ids + self.output_token_ids)[start:end]
+        )
 
     def append_output(self, sample: Sample) -> None:
         if self.t_first_token is None:
@@ -102,8 +103,12 @@ class Request:
 
     def check_stop(self, max_context: int | None) -> bool:
         """Sets finish_reason when the last output ends the request."""
-        if (not self.sampling.ignore_eos and self.eos_token_id is not None
-                and self.output_token_ids and self.output_token_ids[-1] == self.eos_token_id):
+        if (
+            not self.sampling.ignore_eos
+            and self.eos_token_id is not None
+            and self.output_token_ids
+            and self.output_token_ids[-1] == self.eos_token_id
+        ):
             self.finish_reason = "stop"
         elif len(self.output_token_ids) >= self.max_tokens:
             self.finish_reason = "length"

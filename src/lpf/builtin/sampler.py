@@ -30,8 +30,9 @@ def processed_logits(z: torch.Tensor, temperature: float, top_k: int, top_p: flo
     return z
 
 
-def sample(logits: torch.Tensor, reqs: list[ScheduledRequest], processed: bool = False,
-           temperature: float | None = None) -> dict[str, Sample]:
+def sample(
+    logits: torch.Tensor, reqs: list[ScheduledRequest], processed: bool = False, temperature: float | None = None
+) -> dict[str, Sample]:
     """logits [N, V] for the N sampling requests -> {request_id: Sample}. `temperature` (the
     sampling-temperature drill) replaces every request's own, greedy ones included, and the
     reported logprobs come from z / temperature."""
@@ -57,6 +58,11 @@ def sample(logits: torch.Tensor, reqs: list[ScheduledRequest], processed: bool =
     out = {}
     for row, r in enumerate(reqs):
         kk = r.sampling.logprobs
-        out[r.request_id] = Sample(tokens[row], float(chosen[row]), top_ids[row, :kk].tolist(), top_lp[row, :kk].tolist(),
-                                   None if raw is None else float(raw[row]))
+        out[r.request_id] = Sample(
+            tokens[row],
+            float(chosen[row]),
+            top_ids[row, :kk].tolist(),
+            top_lp[row, :kk].tolist(),
+            None if raw is None else float(raw[row]),
+        )
     return out

@@ -31,8 +31,9 @@ from lpf.builtin.sched_output import PromptRows, Sample, ScheduledRequest, Sched
 from lpf.builtin.state_cache import SlotPool
 
 
-def never_runs_reason(need: int, num_blocks: int, config: EngineConfig, prompt_len: int | None = None,
-                      max_context: int | None = None) -> str | None:
+def never_runs_reason(
+    need: int, num_blocks: int, config: EngineConfig, prompt_len: int | None = None, max_context: int | None = None
+) -> str | None:
     """Why a request needing `need` tokens (prompt + max_tokens) could wait forever, None when it can
     run: a prompt that leaves no room for an output in the context (`max_context`: the model's,
     capped by max_model_len), more KV than the whole cache, or, without chunked prefill, more tokens
@@ -45,21 +46,32 @@ def never_runs_reason(need: int, num_blocks: int, config: EngineConfig, prompt_l
     if blocks_needed(need, config.block_size) > num_blocks:
         return f"needs {need} tokens of KV cache; the cache holds {num_blocks * config.block_size} (raise --cache-mb)"
     if not config.enable_chunked_prefill and need > config.max_num_batched_tokens:
-        return (f"needs up to {need} tokens in one step without chunked prefill; "
-                f"max_num_batched_tokens is {config.max_num_batched_tokens}")
+        return (
+            f"needs up to {need} tokens in one step without chunked prefill; "
+            f"max_num_batched_tokens is {config.max_num_batched_tokens}"
+        )
     return None
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, num_slots: int, num_blocks: int, max_context: int | None = None,
-                 double_free: bool = False, record: Callable[..., None] | None = None,
-                 faults: FaultSet | None = None, has_mamba: bool = True):
+    def __init__(
+        self,
+        config: EngineConfig,
+        num_slots: int,
+        num_blocks: int,
+        max_context: int | None = None,
+        double_free: bool = False,
+        record: Callable[..., None] | None = None,
+        faults: FaultSet | None = None,
+        has_mamba: bool = True,
+    ):
         self.config = config
         self.record = record or (lambda *a, **k: None)
         self.prefix: PrefixCache | None = None
         if config.enable_prefix_caching:
-            self.prefix = PrefixCache(config, num_slots, num_blocks, faults or FaultSet(), self.record, has_mamba,
-                                      max_context)
+            self.prefix = PrefixCache(
+                config, num_slots, num_blocks, faults or FaultSet(), self.record, has_mamba, max_context
+            )
             self.slots, self.blocks = self.prefix.slots, self.prefix.blocks
         else:
             self.slots = SlotPool(num_slots)
@@ -80,8 +92,13 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def why_never_runs(self, req: Request) -> str | None:
-        return never_runs_reason(len(req.prompt_token_ids) + req.max_tokens, self.blocks.num_blocks, self.config,
-                                 len(req.prompt_token_ids), self.max_context)
+        return never_runs_reason(
+            len(req.prompt_token_ids) + req.max_tokens,
+            self.blocks.num_blocks,
+            self.config,
+            len(req.prompt_token_ids),
+            self.max_context,
+        )
 
     def abort(self, request_id: str, in_flight: bool = False, reason: str = "aborted") -> Request | None:
         """Drop a request wherever it is (waiting or running), freeing its slot and KV blocks; the
@@ -162,16 +179,28 @@ class Scheduler:
         for req, n in plan:
             start = req.num_computed_tokens
             last = min(start + n, len(req.prompt_token_ids) - 1)  # rows up to here predict a prompt token
-            targets = req.prompt_token_ids[start + 1:last + 1] if req.sampling.prompt_logprobs else []
+            targets = req.prompt_token_ids[start + 1 : last + 1] if req.sampling.prompt_logprobs else []
             writes, table = px.plan(req, n, self.step) if px is not None else ((), ())
             resume = req.prefix_hit_tokens if px is not None and req.resume_pending else 0
-            scheduled.append(ScheduledRequest(
-                request_id=req.request_id, token_ids=req.token_ids(start, start + n), num_computed_tokens=start,
-                state_slot=req.state_slot, block_table=list(req.block_table), slot_is_new=req.slot_is_new,
-                slot_reused=req.slot_is_new and req.state_slot in self.slots.ever_used,
-                will_sample=start + n == req.num_tokens, output_position=len(req.output_token_ids),
-                sampling=req.sampling, seed=req.seed, prompt_targets=targets, resume_tokens=resume,
-                state_table=table if resume else (), state_writes=writes))
+            scheduled.append(
+                ScheduledRequest(
+                    request_id=req.request_id,
+                    token_ids=req.token_ids(start, start + n),
+                    num_computed_tokens=start,
+                    state_slot=req.state_slot,
+                    block_table=list(req.block_table),
+                    slot_is_new=req.slot_is_new,
+                    slot_reused=req.slot_is_new and req.state_slot in self.slots.ever_used,
+                    will_sample=start + n == req.num_tokens,
+                    output_position=len(req.output_token_ids),
+                    sampling=req.sampling,
+                    seed=req.seed,
+                    prompt_targets=targets,
+                    resume_tokens=resume,
+                    state_table=table if resume else (),
+                    state_writes=writes,
+                )
+            )
             req.slot_is_new = False
         owners = {r.state_slot: r.request_id for r in self.running}
         return SchedulerOutput(step=self.step, scheduled=scheduled, preempted=preempted, slot_owners=owners)
@@ -185,9 +214,13 @@ class Scheduler:
             return False
         for b in got:
             if b in self._block_owner:  # only possible after a double free
-                self.record(req.request_id, self.step + 1, "kv-double-free",
-                            f"KV block {b} handed out while {self._block_owner[b]} still holds it",
-                            other=self._block_owner[b])
+                self.record(
+                    req.request_id,
+                    self.step + 1,
+                    "kv-double-free",
+                    f"KV block {b} handed out while {self._block_owner[b]} still holds it",
+                    other=self._block_owner[b],
+                )
             self._block_owner[b] = req.request_id
         req.block_table.extend(got)
         return True
@@ -215,9 +248,14 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     # -- after the runner ------------------------------------------------------------------------
-    def update(self, out: SchedulerOutput, sampled: dict[str, Sample],
-               prompt_rows: dict[str, PromptRows] | None = None, state_writes: list[StateWrite] = (),
-               resume_reads: dict[str, tuple[int, int | None]] | None = None) -> list[Request]:
+    def update(
+        self,
+        out: SchedulerOutput,
+        sampled: dict[str, Sample],
+        prompt_rows: dict[str, PromptRows] | None = None,
+        state_writes: list[StateWrite] = (),
+        resume_reads: dict[str, tuple[int, int | None]] | None = None,
+    ) -> list[Request]:
         """Advance computed tokens, record prompt logprobs, append samples, commit what the step wrote
         to the prefix cache, retire finished requests (returned)."""
         prompt_rows = prompt_rows or {}
@@ -241,8 +279,14 @@ class Scheduler:
                 writes.setdefault(w.request_id, []).append(w)
             done = {id(r) for r in finished}
             for req, n in ran:
-                self.prefix.commit(req, out.step, n, writes.get(req.request_id, ()),
-                                   (resume_reads or {}).get(req.request_id), continues=id(req) not in done)
+                self.prefix.commit(
+                    req,
+                    out.step,
+                    n,
+                    writes.get(req.request_id, ()),
+                    (resume_reads or {}).get(req.request_id),
+                    continues=id(req) not in done,
+                )
         for req in finished:
             self.running.remove(req)
             self._release(req, double_free=self.double_free)

@@ -63,8 +63,15 @@ class StateCache:
     layer's ordinal (0 for the first Mamba layer), not its index in the whole stack.
     """
 
-    def __init__(self, specs: list[list[tuple[str, tuple[int, ...]]]], num_slots: int, dtype=None,
-                 device="cpu", wrap_bits: int | None = None, part_dtypes: dict | None = None):
+    def __init__(
+        self,
+        specs: list[list[tuple[str, tuple[int, ...]]]],
+        num_slots: int,
+        dtype=None,
+        device="cpu",
+        wrap_bits: int | None = None,
+        part_dtypes: dict | None = None,
+    ):
         import torch
 
         self.num_slots = num_slots
@@ -135,4 +142,4 @@ class StateCache:
 
     def zero(self, slot: int) -> None:
         start = slot * self.slot_stride
-        self.buffer[start:start + self.slot_stride] = 0
+        self.buffer[start : start + self.slot_stride] = 0

@@ -50,9 +50,16 @@ def progress_bar(label: str, unit: str):
 def progress_bars(*stages: tuple[str, str]):
     """`progress_bar` for stages that run one after another inside one call: a list of
     (on_start, tick) pairs, one (label, unit) each, as bars of one display, each shown at its on_start."""
-    p = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                 TextColumn("{task.fields[unit]}"), TimeElapsedColumn(), TimeRemainingColumn(),
-                 console=err, transient=False)
+    p = Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[unit]}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=err,
+        transient=False,
+    )
 
     def pair(label: str, unit: str):
         task = p.add_task(label, total=None, unit=unit, visible=False)
@@ -92,8 +99,9 @@ def _flag_option(k) -> click.Option:
     if k.kind == "bool":
         return click.Option([f"{k.flag_name}/--no-{k.flag_name[2:]}", k.name], default=None, help=k.help)
     kind = {"int": int, "float": float}.get(k.kind, str)
-    return click.Option([k.flag_name, k.name], type=kind, default=None, multiple=k.repeatable, metavar=k.metavar,
-                        help=k.help)
+    return click.Option(
+        [k.flag_name, k.name], type=kind, default=None, multiple=k.repeatable, metavar=k.metavar, help=k.help
+    )
 
 
 class KnobCommand(click.Command):
@@ -114,11 +122,18 @@ def engine_knob_options(f=None, *, engines: tuple[str, ...] | None = None):
     """The engine knobs: -E KEY=VALUE for every knob, and a named option for each flagged knob of these
     engines (all by default), generated from their Options fields by `KnobCommand` (the command's
     class: `@click.command(cls=KnobCommand)`). Each engine refuses knobs it lacks."""
+
     def apply(g):
         g.__lpf_knob_engines__ = engines
-        return click.option("-E", "--engine-option", "engine_option", multiple=True, metavar="KEY=VALUE",
-                            help="Any other engine knob, e.g. -E block_size=32 (repeatable; `lpf engines` lists "
-                                 "them).")(g)
+        return click.option(
+            "-E",
+            "--engine-option",
+            "engine_option",
+            multiple=True,
+            metavar="KEY=VALUE",
+            help="Any other engine knob, e.g. -E block_size=32 (repeatable; `lpf engines` lists them).",
+        )(g)
+
     return apply if f is None else apply(f)
 
 
@@ -142,31 +157,51 @@ def engine_knobs(params: Mapping, engines: tuple[str, ...] | None = None) -> dic
 
 
 def trace_dir_option(f):
-    return click.option("--trace-dir", type=click.Path(path_type=Path), default=None, metavar="DIR",
-                        help="openai engine: the LPF_VLLM_TRACE_DIR of the vLLM server (with lpf-vllm-trace) "
-                             "that served the run; its step trace is joined to the run by request id.")(f)
+    return click.option(
+        "--trace-dir",
+        type=click.Path(path_type=Path),
+        default=None,
+        metavar="DIR",
+        help="openai engine: the LPF_VLLM_TRACE_DIR of the vLLM server (with lpf-vllm-trace) "
+        "that served the run; its step trace is joined to the run by request id.",
+    )(f)
 
 
 def _run_settings(f):
     """What a run is, but where it goes: engine, model, workload, sampling, knobs."""
     f = trace_dir_option(engine_knob_options(f))
-    return _apply(f, [
-        click.option("--engine", default="builtin", show_default=True, help="Engine under test (see `lpf engines`)."),
-        click.option("--model", default=None, help="Model dir, zoo:NAME or tiny:NAME [default: zoo:hybrid]."),
-        click.option("--workload", default=None, help="Prompts JSONL or zoo:NAME [default: zoo:oracle]."),
-        click.option("--n", "n", type=int, default=1, show_default=True, help="Rollouts per prompt."),
-        click.option("--temperature", type=float, default=0.0, show_default=True),
-        click.option("--top-p", type=float, default=1.0, show_default=True),
-        click.option("--top-k", type=int, default=0, show_default=True, help="0 = off."),
-        click.option("--max-tokens", type=int, default=32, show_default=True,
-                     help="Default per request; an item's own max_tokens wins."),
-        click.option("--seed", type=int, default=0, show_default=True),
-        click.option("--ignore-eos", is_flag=True, help="Generate max_tokens even past EOS."),
-        click.option("--logprobs", type=int, default=5, show_default=True, help="Top-k alternatives recorded per token."),
-        click.option("--prompt-logprobs", is_flag=True,
-                     help="Also record the engine's logprob of every prompt token (the prefill path), audited apart."),
-        click.option("--part-size", type=int, default=64, show_default=True, hidden=True),
-    ])
+    return _apply(
+        f,
+        [
+            click.option(
+                "--engine", default="builtin", show_default=True, help="Engine under test (see `lpf engines`)."
+            ),
+            click.option("--model", default=None, help="Model dir, zoo:NAME or tiny:NAME [default: zoo:hybrid]."),
+            click.option("--workload", default=None, help="Prompts JSONL or zoo:NAME [default: zoo:oracle]."),
+            click.option("--n", "n", type=int, default=1, show_default=True, help="Rollouts per prompt."),
+            click.option("--temperature", type=float, default=0.0, show_default=True),
+            click.option("--top-p", type=float, default=1.0, show_default=True),
+            click.option("--top-k", type=int, default=0, show_default=True, help="0 = off."),
+            click.option(
+                "--max-tokens",
+                type=int,
+                default=32,
+                show_default=True,
+                help="Default per request; an item's own max_tokens wins.",
+            ),
+            click.option("--seed", type=int, default=0, show_default=True),
+            click.option("--ignore-eos", is_flag=True, help="Generate max_tokens even past EOS."),
+            click.option(
+                "--logprobs", type=int, default=5, show_default=True, help="Top-k alternatives recorded per token."
+            ),
+            click.option(
+                "--prompt-logprobs",
+                is_flag=True,
+                help="Also record the engine's logprob of every prompt token (the prefill path), audited apart.",
+            ),
+            click.option("--part-size", type=int, default=64, show_default=True, hidden=True),
+        ],
+    )
 
 
 def out_option(f):
@@ -180,30 +215,68 @@ def run_options(f):
 
 def reference_options(f):
     """The reference rescorer: which model, its dtype and device, its batch budget (`lpf rescore`, `lpf rl rescore`)."""
-    return _apply(f, [
-        click.option("--reference", default=None, help="Reference model [default: the engine's model]."),
-        click.option("--reference-dtype", default="float32", show_default=True),
-        click.option("--reference-device", type=click.Choice(["cpu", "cuda", "auto"]), default="auto",
-                     show_default=True, help="Where the reference runs (auto: a GPU when torch sees one)."),
-        click.option("--token-budget", type=int, default=16384, show_default=True,
-                     help="Rescorer tokens per batch (padding counted)."),
-    ])
+    return _apply(
+        f,
+        [
+            click.option("--reference", default=None, help="Reference model [default: the engine's model]."),
+            click.option("--reference-dtype", default="float32", show_default=True),
+            click.option(
+                "--reference-device",
+                type=click.Choice(["cpu", "cuda", "auto"]),
+                default="auto",
+                show_default=True,
+                help="Where the reference runs (auto: a GPU when torch sees one).",
+            ),
+            click.option(
+                "--token-budget",
+                type=int,
+                default=16384,
+                show_default=True,
+                help="Rescorer tokens per batch (padding counted).",
+            ),
+        ],
+    )
 
 
 def rescore_options(f):
     """How a run is rescored: the reference options, the executor, and --calibrate."""
-    return _apply(reference_options(f), [
-        click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True,
-                     help="local: in this process; ray: an actor pool of rescorers on Ray Data (the [ray] extra)."),
-        click.option("--ray-address", default=None, metavar="ADDR",
-                     help="--executor ray: the cluster to join, e.g. ray://head:10001 [default: a local Ray]."),
-        click.option("--actors", type=click.IntRange(min=1), default=1, show_default=True,
-                     help="--executor ray: rescorer actors (one CPU each)."),
-        click.option("--gpus-per-actor", type=click.FloatRange(min=0), default=0, show_default=True,
-                     help="--executor ray: GPUs per actor (0: CPU actors)."),
-        click.option("--calibrate", is_flag=True,
-                     help="Also score the reference at the engine's dtype: the noise floor the engine cannot move."),
-    ])
+    return _apply(
+        reference_options(f),
+        [
+            click.option(
+                "--executor",
+                type=click.Choice(["local", "ray"]),
+                default="local",
+                show_default=True,
+                help="local: in this process; ray: an actor pool of rescorers on Ray Data (the [ray] extra).",
+            ),
+            click.option(
+                "--ray-address",
+                default=None,
+                metavar="ADDR",
+                help="--executor ray: the cluster to join, e.g. ray://head:10001 [default: a local Ray].",
+            ),
+            click.option(
+                "--actors",
+                type=click.IntRange(min=1),
+                default=1,
+                show_default=True,
+                help="--executor ray: rescorer actors (one CPU each).",
+            ),
+            click.option(
+                "--gpus-per-actor",
+                type=click.FloatRange(min=0),
+                default=0,
+                show_default=True,
+                help="--executor ray: GPUs per actor (0: CPU actors).",
+            ),
+            click.option(
+                "--calibrate",
+                is_flag=True,
+                help="Also score the reference at the engine's dtype: the noise floor the engine cannot move.",
+            ),
+        ],
+    )
 
 
 def rescore_settings(params: Mapping):
@@ -211,41 +284,66 @@ def rescore_settings(params: Mapping):
     from lpf.pipeline.rescore import RayOptions, RescoreSettings
 
     settings = RescoreSettings(
-        reference=params.get("reference"), dtype=params["reference_dtype"], token_budget=params["token_budget"],
-        device=params["reference_device"], executor=params["executor"],
-        ray=RayOptions(address=params.get("ray_address"), actors=params["actors"],
-                       gpus_per_actor=float(params["gpus_per_actor"])))
+        reference=params.get("reference"),
+        dtype=params["reference_dtype"],
+        token_budget=params["token_budget"],
+        device=params["reference_device"],
+        executor=params["executor"],
+        ray=RayOptions(
+            address=params.get("ray_address"), actors=params["actors"], gpus_per_actor=float(params["gpus_per_actor"])
+        ),
+    )
     settings.validate()
     return settings
 
 
 def fail_on_option(what: str = "any request"):
-    return click.option("--fail-on", type=click.Choice(FAIL_LEVELS), default="divergent", show_default=True,
-                        help=f"Exit 1 when {what} is at or above this verdict.")
+    return click.option(
+        "--fail-on",
+        type=click.Choice(FAIL_LEVELS),
+        default="divergent",
+        show_default=True,
+        help=f"Exit 1 when {what} is at or above this verdict.",
+    )
 
 
 def _analysis_settings(f):
-    return _apply(f, [
-        click.option("--threshold", multiple=True, metavar="NAME=VALUE", help="Override a verdict threshold (repeatable)."),
-        click.option("--attribution/--no-attribution", default=True, show_default=True,
-                     help="Re-score flagged outputs under the prompts of requests served alongside them "
-                          "(whose answer is this?)."),
-    ])
+    return _apply(
+        f,
+        [
+            click.option(
+                "--threshold", multiple=True, metavar="NAME=VALUE", help="Override a verdict threshold (repeatable)."
+            ),
+            click.option(
+                "--attribution/--no-attribution",
+                default=True,
+                show_default=True,
+                help="Re-score flagged outputs under the prompts of requests served alongside them "
+                "(whose answer is this?).",
+            ),
+        ],
+    )
 
 
 def analysis_options(f):
     f = _analysis_settings(f)
-    return _apply(f, [
-        click.option("--json", "as_json", is_flag=True, help="Print findings JSON on stdout."),
-        fail_on_option(),
-    ])
+    return _apply(
+        f,
+        [
+            click.option("--json", "as_json", is_flag=True, help="Print findings JSON on stdout."),
+            fail_on_option(),
+        ],
+    )
 
 
 def stream_option(f):
-    return click.option("--stream/--no-stream", default=None,
-                        help="Analyse the run streamed, chunk by chunk in bounded memory (the same findings), or "
-                             "all in memory. Default: streamed above 10M tokens, unless the run has a calibration "
-                             "run or prompt logprobs (read in memory).")(f)
+    return click.option(
+        "--stream/--no-stream",
+        default=None,
+        help="Analyse the run streamed, chunk by chunk in bounded memory (the same findings), or "
+        "all in memory. Default: streamed above 10M tokens, unless the run has a calibration "
+        "run or prompt logprobs (read in memory).",
+    )(f)
 
 
 def audit_settings_options(f):
@@ -276,18 +374,35 @@ def build_audit_spec(params: Mapping):
     model = hook(p.get("model"), p.get("reference"), options) if hook else p.get("model")
     if p["part_size"] < 1:
         raise LpfError("--part-size must be >= 1")
-    sampling = SamplingParams(temperature=p["temperature"], top_p=p["top_p"], top_k=p["top_k"],
-                              max_tokens=p["max_tokens"], seed=p["seed"], ignore_eos=p["ignore_eos"],
-                              logprobs=p["logprobs"], prompt_logprobs=bool(p.get("prompt_logprobs")))
-    run = RunSpec(engine=p["engine"], **({"model": model} if model else {}),
-                  **({"workload": p["workload"]} if p.get("workload") else {}),
-                  out=p.get("out") or default_out("run"), n=p["n"], sampling=sampling, engine_options=options,
-                  part_size=p["part_size"], trace_dir=p.get("trace_dir"))
+    sampling = SamplingParams(
+        temperature=p["temperature"],
+        top_p=p["top_p"],
+        top_k=p["top_k"],
+        max_tokens=p["max_tokens"],
+        seed=p["seed"],
+        ignore_eos=p["ignore_eos"],
+        logprobs=p["logprobs"],
+        prompt_logprobs=bool(p.get("prompt_logprobs")),
+    )
+    run = RunSpec(
+        engine=p["engine"],
+        **({"model": model} if model else {}),
+        **({"workload": p["workload"]} if p.get("workload") else {}),
+        out=p.get("out") or default_out("run"),
+        n=p["n"],
+        sampling=sampling,
+        engine_options=options,
+        part_size=p["part_size"],
+        trace_dir=p.get("trace_dir"),
+    )
     pinned = Thresholds().with_overrides(list(p.get("threshold") or ()))
     kw = {"rescore": rescore_settings(p)} if "token_budget" in p else {}
-    return AuditSpec(run=run, analysis=AnalysisSpec(calibrate=bool(p.get("calibrate")),
-                                                    attribution=p.get("attribution", True)),
-                     thresholds={name: getattr(pinned, name) for name in pinned.pinned}, **kw)
+    return AuditSpec(
+        run=run,
+        analysis=AnalysisSpec(calibrate=bool(p.get("calibrate")), attribution=p.get("attribution", True)),
+        thresholds={name: getattr(pinned, name) for name in pinned.pinned},
+        **kw,
+    )
 
 
 def default_out(kind: str) -> Path:
@@ -308,8 +423,12 @@ def write_report(path: Path) -> Path | None:
         err.print(f"[yellow]report not written:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         return None
     except Exception as e:  # noqa: BLE001 - a report bug must not fail a command whose findings are written
-        err.print(f"[yellow]report not written (a bug in lpf.report, please report it):[/] "
-                  f"{type(e).__name__}: {escape(str(e))}", highlight=False, soft_wrap=True)
+        err.print(
+            f"[yellow]report not written (a bug in lpf.report, please report it):[/] "
+            f"{type(e).__name__}: {escape(str(e))}",
+            highlight=False,
+            soft_wrap=True,
+        )
         return None
     err.print(f"report: {written}", highlight=False)
     return written

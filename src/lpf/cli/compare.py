@@ -21,8 +21,13 @@ from lpf.cli.render_compare import print_conformance, print_diff
 @click.argument("run_a", type=click.Path(path_type=Path))
 @click.argument("run_b", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print the diff document on stdout.")
-@click.option("--out", "out_file", type=click.Path(path_type=Path), default=None,
-              help="Also write the diff document (JSON) to this file.")
+@click.option(
+    "--out",
+    "out_file",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Also write the diff document (JSON) to this file.",
+)
 @fail_on_option("any request's departure from the reference (by either engine, or the reference's own)")
 def diff(run_a, run_b, as_json, out_file, fail_on):
     """Who is wrong: two engines' runs of one workload, rescored by one reference, compared request by request.
@@ -54,26 +59,51 @@ ENGINES = ("builtin", "vllm", "llamacpp")  # the engines discovery can ask
 
 
 @click.command("conformance")
-@click.option("--engine", type=click.Choice(ENGINES), default="vllm", show_default=True,
-              help="Engine under test.")
-@click.option("--arch", "archs", default=None, metavar="A,B,...",
-              help="Only these architectures (name, name without ForCausalLM, or model type) [default: all].")
-@click.option("--grid", type=click.Choice(["small", "full"]), default="small", show_default=True,
-              help="Knob cells: small (CI, 2 cells) or full (the documented 9-cell matrix).")
-@click.option("--cell", "cell_names", multiple=True, metavar="NAME", help="Only these cells of the catalogue (repeatable).")
-@click.option("--knob", "knobs", multiple=True, metavar="NAME=V1,V2,...",
-              help="Instead of a grid: the cartesian product of these knobs, in lpf sweep's syntax (repeatable).")
+@click.option("--engine", type=click.Choice(ENGINES), default="vllm", show_default=True, help="Engine under test.")
+@click.option(
+    "--arch",
+    "archs",
+    default=None,
+    metavar="A,B,...",
+    help="Only these architectures (name, name without ForCausalLM, or model type) [default: all].",
+)
+@click.option(
+    "--grid",
+    type=click.Choice(["small", "full"]),
+    default="small",
+    show_default=True,
+    help="Knob cells: small (CI, 2 cells) or full (the documented 9-cell matrix).",
+)
+@click.option(
+    "--cell", "cell_names", multiple=True, metavar="NAME", help="Only these cells of the catalogue (repeatable)."
+)
+@click.option(
+    "--knob",
+    "knobs",
+    multiple=True,
+    metavar="NAME=V1,V2,...",
+    help="Instead of a grid: the cartesian product of these knobs, in lpf sweep's syntax (repeatable).",
+)
 @click.option("--prompts", "n_prompts", type=int, default=None, help="Prompts per cell [default: 8 small, 16 full].")
 @click.option("--max-tokens", type=int, default=12, show_default=True)
-@click.option("--out", "out_dir", type=click.Path(path_type=Path), required=True,
-              help="Conformance directory (rerun the same command to resume).")
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(path_type=Path),
+    required=True,
+    help="Conformance directory (rerun the same command to resume).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print conformance.json on stdout.")
-@click.option("--reference-column/--no-reference-column", default=None,
-              help="Also check the reference against itself (decode vs teacher-forced, eager vs sdpa, float64 gold) "
-                   "on every selected stateful architecture with a tiny recipe [default: on with --grid full].")
+@click.option(
+    "--reference-column/--no-reference-column",
+    default=None,
+    help="Also check the reference against itself (decode vs teacher-forced, eager vs sdpa, float64 gold) "
+    "on every selected stateful architecture with a tiny recipe [default: on with --grid full].",
+)
 @fail_on_option("any cell")
-def conformance(engine, archs, grid, cell_names, knobs, n_prompts, max_tokens, out_dir, as_json, reference_column,
-                fail_on):
+def conformance(
+    engine, archs, grid, cell_names, knobs, n_prompts, max_tokens, out_dir, as_json, reference_column, fail_on
+):
     """Audit every hybrid architecture the engine and transformers both load, under a grid of knob cells.
 
     Each cell is a run directory (outputs and prompt logprobs, rescored and analysed); each cell that
@@ -110,8 +140,10 @@ def conformance(engine, archs, grid, cell_names, knobs, n_prompts, max_tokens, o
     wanted = disc.select(found["architectures"], [a for a in (archs or "").split(",") if a.strip()])
     p = plan(engine, wanted, cells, out_dir, n_prompts, max_tokens, None if knobs else grid, found)
     n_arch = len({c.arch["architecture"] for c in p.plans})
-    err.print(f"conformance directory: {out_dir}  ({n_arch} architectures x {len(cells)} cells; "
-              f"{len(wanted) - n_arch} listed with the reason they are not audited)")
+    err.print(
+        f"conformance directory: {out_dir}  ({n_arch} architectures x {len(cells)} cells; "
+        f"{len(wanted) - n_arch} listed with the reason they are not audited)"
+    )
     with progress_bar("cells   ", "cells") as (on_start, tick):
         doc = run_matrix(out_dir, p.head, p.plans, p.attribution, Settings(), on_start, tick)
     if reference_column or (reference_column is None and grid == "full" and not knobs):

@@ -15,8 +15,19 @@ from pathlib import Path
 
 import click
 
-from lpf.cli.common import (KnobCommand, audit_settings_options, build_audit_spec, default_out, engine_knob_options,
-                            engine_knobs, err, fail_on_option, fails, progress_bar, write_report)
+from lpf.cli.common import (
+    KnobCommand,
+    audit_settings_options,
+    build_audit_spec,
+    default_out,
+    engine_knob_options,
+    engine_knobs,
+    err,
+    fail_on_option,
+    fails,
+    progress_bar,
+    write_report,
+)
 from lpf.cli.render import print_repeat, print_shrink, print_shrink_event, print_sweep
 from lpf.core.errors import LpfError, did_you_mean
 
@@ -25,11 +36,18 @@ _NOT_KNOBS = {"knobs", "out_dir", "as_json", "fail_on", "engine_option", "part_s
 
 
 @click.command(cls=KnobCommand, context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
-@click.option("--knob", "knobs", multiple=True, required=True, metavar="NAME=V1,V2,...",
-              help="A knob and its values (repeatable; cells are the cartesian product). Any lpf audit option "
-                   "(cache-mb, max-num-seqs, n, temperature, dtype, inject, ...) or an engine -E option.")
-@click.option("--out", "out_dir", type=click.Path(path_type=Path), required=True,
-              help="Sweep directory (rerun to resume).")
+@click.option(
+    "--knob",
+    "knobs",
+    multiple=True,
+    required=True,
+    metavar="NAME=V1,V2,...",
+    help="A knob and its values (repeatable; cells are the cartesian product). Any lpf audit option "
+    "(cache-mb, max-num-seqs, n, temperature, dtype, inject, ...) or an engine -E option.",
+)
+@click.option(
+    "--out", "out_dir", type=click.Path(path_type=Path), required=True, help="Sweep directory (rerun to resume)."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print sweep.json on stdout.")
 @fail_on_option("any cell")
 @audit_settings_options
@@ -46,8 +64,11 @@ def sweep(ctx, knobs, out_dir, as_json, fail_on, **params):
     from lpf.experiments import sweep as sw
 
     parsed, cells = plan_sweep(ctx, list(knobs), out_dir, params)
-    err.print(f"sweep directory: {out_dir}  ({len(cells)} cells: "
-              + " x ".join(f"{k.name} {len(k.values)}" for k in parsed) + ")")
+    err.print(
+        f"sweep directory: {out_dir}  ({len(cells)} cells: "
+        + " x ".join(f"{k.name} {len(k.values)}" for k in parsed)
+        + ")"
+    )
     with progress_bar("cells   ", "cells") as (on_start, tick):
         doc = sw.run_sweep(out_dir, parsed, cells, on_start, tick)
     print_sweep(doc, err)
@@ -68,11 +89,16 @@ def plan_sweep(ctx: click.Context, knobs: list[str], out_dir: Path, params: dict
     if ctx.args:
         names = [o for p in ctx.command.get_params(ctx) for o in p.opts]
         raise LpfError(f"audit options: No such option: {ctx.args[0]}{did_you_mean(ctx.args[0], names)}")
-    by_dashed = {o[2:]: p for p in ctx.command.get_params(ctx) if p.name not in _NOT_KNOBS
-                 for o in p.opts if o.startswith("--")}
-    fixed = {o[2:]: o for p in ctx.command.get_params(ctx) if p.name not in _NOT_KNOBS
-             and ctx.get_parameter_source(p.name) == click.core.ParameterSource.COMMANDLINE
-             for o in p.opts if o.startswith("--")}
+    by_dashed = {
+        o[2:]: p for p in ctx.command.get_params(ctx) if p.name not in _NOT_KNOBS for o in p.opts if o.startswith("--")
+    }
+    fixed = {
+        o[2:]: o
+        for p in ctx.command.get_params(ctx)
+        if p.name not in _NOT_KNOBS and ctx.get_parameter_source(p.name) == click.core.ParameterSource.COMMANDLINE
+        for o in p.opts
+        if o.startswith("--")
+    }
     fixed.update({kv.partition("=")[0].strip().replace("-", "_"): "-E" for kv in params.get("engine_option") or ()})
     engines = {params["engine"]}
     engine_knob = [k for k in knobs if k.partition("=")[0].strip().lstrip("-") == "engine"]
@@ -121,13 +147,18 @@ def _knob_value(ctx: click.Context, param: click.Parameter, name: str, text: str
 @click.option("--max-tokens", type=int, default=16, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--ignore-eos", is_flag=True, help="Generate max_tokens even past EOS.")
-@click.option("--tolerance", type=float, default=None,
-              help="Logprob vectors within this of each other count as one [default: 1e-4, above float32 rounding].")
+@click.option(
+    "--tolerance",
+    type=float,
+    default=None,
+    help="Logprob vectors within this of each other count as one [default: 1e-4, above float32 rounding].",
+)
 @engine_knob_options
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), default=None, help="Directory for repeat.json.")
 @click.option("--json", "as_json", is_flag=True, help="Print repeat.json on stdout.")
-def repeat(engine, model, prompt, workload, index, times, max_tokens, seed, ignore_eos, tolerance, out_dir, as_json,
-           **knobs):
+def repeat(
+    engine, model, prompt, workload, index, times, max_tokens, seed, ignore_eos, tolerance, out_dir, as_json, **knobs
+):
     """The determinism probe: one prompt N times at temperature 0 under different batches.
 
     The engine's concurrency knob (max_num_seqs; batch_size for hf) is varied across copies unless
@@ -143,9 +174,19 @@ def repeat(engine, model, prompt, workload, index, times, max_tokens, seed, igno
     if not tol >= 0:
         raise LpfError(f"--tolerance must be >= 0, got {tolerance}")
     out_dir = out_dir or default_out("repeat")
-    spec = RepeatSpec(engine=engine, model=model or DEFAULT_MODEL, times=times, max_tokens=max_tokens, seed=seed,
-                      ignore_eos=ignore_eos, engine_options=options, prompt=prompt, workload=workload,
-                      index=index, tolerance=tol)
+    spec = RepeatSpec(
+        engine=engine,
+        model=model or DEFAULT_MODEL,
+        times=times,
+        max_tokens=max_tokens,
+        seed=seed,
+        ignore_eos=ignore_eos,
+        engine_options=options,
+        prompt=prompt,
+        workload=workload,
+        index=index,
+        tolerance=tol,
+    )
     with progress_bar("repeat  ", "copies") as (on_start, tick):
         doc = run_repeat(spec, out_dir, lambda total: on_start(total, 0), tick)
     print_repeat(doc, err)
@@ -156,13 +197,30 @@ def repeat(engine, model, prompt, workload, index, times, max_tokens, seed, igno
 
 @click.command()
 @click.argument("run_dir", type=click.Path(path_type=Path))
-@click.option("--out", "out_dir", type=click.Path(path_type=Path), required=True,
-              help="Shrink directory (rerun the same command to resume).")
-@click.option("--request", "request_id", default=None, help="The flagged request to shrink for [default: the worst one].")
-@click.option("--budget-runs", type=int, default=60, show_default=True,
-              help="Most candidate runs (each one `lpf audit` in its own process).")
-@click.option("--tries", type=int, default=3, show_default=True,
-              help="Runs a configuration gets to show the lie (n of k-of-n; one once the engine proves deterministic).")
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(path_type=Path),
+    required=True,
+    help="Shrink directory (rerun the same command to resume).",
+)
+@click.option(
+    "--request", "request_id", default=None, help="The flagged request to shrink for [default: the worst one]."
+)
+@click.option(
+    "--budget-runs",
+    type=int,
+    default=60,
+    show_default=True,
+    help="Most candidate runs (each one `lpf audit` in its own process).",
+)
+@click.option(
+    "--tries",
+    type=int,
+    default=3,
+    show_default=True,
+    help="Runs a configuration gets to show the lie (n of k-of-n; one once the engine proves deterministic).",
+)
 @click.option("--need", type=int, default=1, show_default=True, help="Runs of --tries that must show it (k of k-of-n).")
 @click.option("--json", "as_json", is_flag=True, help="Print shrink.json on stdout.")
 def shrink(run_dir, out_dir, request_id, budget_runs, tries, need, as_json):
@@ -182,11 +240,17 @@ def shrink(run_dir, out_dir, request_id, budget_runs, tries, need, as_json):
     doc = session.run(plan, out_dir, tries, need, budget_runs, lambda e: print_shrink_event(e, err))
     print_shrink(doc, err)
     if doc["status"] == "not-reproduced":
-        err.print(f"the lie of {plan.target['request_id']} did not reproduce in {tries} tries of the original "
-                  f"configuration, nor in any smaller one: a one-off (the environment?), not a minimum", highlight=False)
+        err.print(
+            f"the lie of {plan.target['request_id']} did not reproduce in {tries} tries of the original "
+            f"configuration, nor in any smaller one: a one-off (the environment?), not a minimum",
+            highlight=False,
+        )
     elif not doc.get("minimal"):
-        err.print(f"the budget ran out before the lie of {plan.target['request_id']} reproduced: "
-                  f"raise --budget-runs and rerun to continue", highlight=False)
+        err.print(
+            f"the budget ran out before the lie of {plan.target['request_id']} reproduced: "
+            f"raise --budget-runs and rerun to continue",
+            highlight=False,
+        )
     else:
         write_report(out_dir)
         err.print(f"results: {out_dir}/" + ", ".join(doc.get("files") or []) + ", shrink.json", highlight=False)

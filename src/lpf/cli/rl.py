@@ -17,7 +17,15 @@ from pathlib import Path
 
 import click
 
-from lpf.cli.common import KnobCommand, engine_knob_options, engine_knobs, err, progress_bar, reference_options, write_report
+from lpf.cli.common import (
+    KnobCommand,
+    engine_knob_options,
+    engine_knobs,
+    err,
+    progress_bar,
+    reference_options,
+    write_report,
+)
 from lpf.cli.render_rl import print_rl_explain, print_rl_rescore, print_rl_simulate, print_rl_summary
 from lpf.core.errors import LpfError
 from lpf.rl import FORMAT_NAMES, RL_DRILLS
@@ -33,23 +41,43 @@ def _default_out(dump: Path) -> Path:
 
 
 def _dump_options(f):
-    f = click.option("--strict", is_flag=True,
-                     help="Stop at the first bad row (exit 2) instead of listing and skipping it.")(f)
-    f = click.option("--format", "fmt", type=click.Choice(["auto", *FORMAT_NAMES]), default="auto", show_default=True,
-                     help="Dump layout; auto tells it by content.")(f)
-    return click.option("--out", "out_dir", type=click.Path(path_type=Path), default=None,
-                        help="RL directory [default: DUMP's name + '.rl' next to it].")(f)
+    f = click.option(
+        "--strict", is_flag=True, help="Stop at the first bad row (exit 2) instead of listing and skipping it."
+    )(f)
+    f = click.option(
+        "--format",
+        "fmt",
+        type=click.Choice(["auto", *FORMAT_NAMES]),
+        default="auto",
+        show_default=True,
+        help="Dump layout; auto tells it by content.",
+    )(f)
+    return click.option(
+        "--out",
+        "out_dir",
+        type=click.Path(path_type=Path),
+        default=None,
+        help="RL directory [default: DUMP's name + '.rl' next to it].",
+    )(f)
 
 
 _DTYPES = click.Choice(["float32", "bfloat16", "float16"])
 
 
 def _dtype_options(f):
-    f = click.option("--trainer-dtype", type=_DTYPES, default=None,
-                     help="The trainer's logprob dtype, for the dtype floor [default: what the dump says, else float32].")(f)
-    return click.option("--rollout-dtype", type=_DTYPES, default=None,
-                        help="The rollout engine's dtype, for the dtype floor [default: what the dump says, else the "
-                             "most lenient pair measured, said so].")(f)
+    f = click.option(
+        "--trainer-dtype",
+        type=_DTYPES,
+        default=None,
+        help="The trainer's logprob dtype, for the dtype floor [default: what the dump says, else float32].",
+    )(f)
+    return click.option(
+        "--rollout-dtype",
+        type=_DTYPES,
+        default=None,
+        help="The rollout engine's dtype, for the dtype floor [default: what the dump says, else the "
+        "most lenient pair measured, said so].",
+    )(f)
 
 
 @rl.command("analyze")
@@ -83,7 +111,9 @@ def analyze_cmd(dump, out_dir, fmt, strict, metric, z_threshold, rollout_dtype, 
     if findings["n_spikes"] and not findings["reference"]:
         where = "" if out_dir == _default_out(dump) else f" --out {out_dir}"
         model = "" if (d.metadata.get("spec") or {}).get("model") else " --reference MODEL"
-        err.print(f"next: lpf rl rescore {dump}{model}{where}  (which side departs from the reference)", highlight=False)
+        err.print(
+            f"next: lpf rl rescore {dump}{model}{where}  (which side departs from the reference)", highlight=False
+        )
     if as_json:
         click.echo(json.dumps(findings, indent=2))
     if fail_on_spike and findings["n_spikes"]:
@@ -95,8 +125,9 @@ def analyze_cmd(dump, out_dir, fmt, strict, metric, z_threshold, rollout_dtype, 
 @_dump_options
 @_dtype_options
 @click.option("--json", "as_json", is_flag=True, help="Print rl_causes.json on stdout.")
-@click.option("--fail-on-cause", is_flag=True,
-              help="Exit 1 when a cause is named or more than 5% of the mismatch is unexplained.")
+@click.option(
+    "--fail-on-cause", is_flag=True, help="Exit 1 when a cause is named or more than 5% of the mismatch is unexplained."
+)
 def explain_cmd(dump, out_dir, fmt, strict, rollout_dtype, trainer_dtype, as_json, fail_on_cause):
     """Split the rollout/trainer mismatch into named causes, per step and per response: processed logprobs,
     stale weights, batch shape, position-dependent growth, the dtype floor, and what stays unexplained;
@@ -122,15 +153,37 @@ def explain_cmd(dump, out_dir, fmt, strict, rollout_dtype, trainer_dtype, as_jso
 @click.argument("dump", type=click.Path(path_type=Path))
 @_dump_options
 @reference_options
-@click.option("--lags", default=None, metavar="K[,K...]",
-              help="Checkpoints to score with, in steps before each step (needs --reference with {step}); "
-                   "0 = the trainer's own. [default: 0, and 1 for a simulated drifting policy]")
-@click.option("--top-p", type=float, default=None, help="The rollout's top-p (for the kept mass processed logprobs carry).")
+@click.option(
+    "--lags",
+    default=None,
+    metavar="K[,K...]",
+    help="Checkpoints to score with, in steps before each step (needs --reference with {step}); "
+    "0 = the trainer's own. [default: 0, and 1 for a simulated drifting policy]",
+)
+@click.option(
+    "--top-p", type=float, default=None, help="The rollout's top-p (for the kept mass processed logprobs carry)."
+)
 @click.option("--top-k", type=int, default=None, help="The rollout's top-k (0 or -1: off).")
-@click.option("--temperature", type=float, default=None, help="The rollout's sampling temperature [default: 1 "
-              "when --top-p or --top-k is given].")
-def rescore_cmd(dump, out_dir, fmt, strict, reference, reference_dtype, reference_device, token_budget, lags, top_p,
-                top_k, temperature):
+@click.option(
+    "--temperature",
+    type=float,
+    default=None,
+    help="The rollout's sampling temperature [default: 1 when --top-p or --top-k is given].",
+)
+def rescore_cmd(
+    dump,
+    out_dir,
+    fmt,
+    strict,
+    reference,
+    reference_dtype,
+    reference_device,
+    token_budget,
+    lags,
+    top_p,
+    top_k,
+    temperature,
+):
     """Score the dumped responses with the HF reference: the third opinion `lpf rl analyze` and `lpf rl explain`
     then read (RL directory/reference.parquet). --reference defaults to the model an `lpf rl simulate` dump
     names; a template holding {step} scores each step with its own checkpoint (and --lags with earlier ones,
@@ -148,13 +201,24 @@ def rescore_cmd(dump, out_dir, fmt, strict, reference, reference_dtype, referenc
     lag_list = _parse_lags(lags) if lags is not None else ([0, 1] if policy.get("checkpoints") else [0])
     sampling = _sampling(top_p, top_k, temperature) or sim.get("sampling")
     if max(lag_list) > 0 and "{step}" not in reference:  # refused before any scoring starts
-        raise LpfError(f"--lags {','.join(map(str, lag_list))} needs a reference per step: give --reference as a "
-                       f"template holding {{step}} (the policy's checkpoints, e.g. ckpt/step_{{step}})")
+        raise LpfError(
+            f"--lags {','.join(map(str, lag_list))} needs a reference per step: give --reference as a "
+            f"template holding {{step}} (the policy's checkpoints, e.g. ckpt/step_{{step}})"
+        )
     out_dir = out_dir or _default_out(dump)
     for lag in lag_list:
         with progress_bar("rescore " if not lag else f"lag {lag}  ", "tokens") as (on_start, tick):
-            table = score(d, reference, reference_dtype, token_budget, on_start, tick, device=reference_device,
-                          sampling=sampling, lag=lag)
+            table = score(
+                d,
+                reference,
+                reference_dtype,
+                token_budget,
+                on_start,
+                tick,
+                device=reference_device,
+                sampling=sampling,
+                lag=lag,
+            )
         path = write(out_dir, table, lag)
         print_rl_rescore(path, table.num_rows, d.responses.num_rows, reference, reference_dtype, err)
     where = "" if out_dir == _default_out(dump) else f" --out {out_dir}"
@@ -194,17 +258,54 @@ def _sampling(top_p, top_k, temperature) -> dict | None:
 @click.option("--top-k", type=int, default=0, show_default=True, help="Rollout top-k (0: off; logprobs stay raw).")
 @click.option("--ignore-eos", is_flag=True, help="Generate max-tokens tokens whatever the model says (long responses).")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--drill", "drills", multiple=True, metavar="NAME[:ARG]",
-              help="RL-cause drill (repeatable): " + ", ".join(RL_DRILLS) + " (docs/rl.md).")
-@click.option("--policy-drift", type=float, default=0.0, show_default=True,
-              help="Relative weight change per step (simulated training; stale-policy brings 0.002).")
-@click.option("--micro-batch-tokens", type=int, default=96, show_default=True,
-              help="The trainer's micro-batch budget in padded tokens.")
+@click.option(
+    "--drill",
+    "drills",
+    multiple=True,
+    metavar="NAME[:ARG]",
+    help="RL-cause drill (repeatable): " + ", ".join(RL_DRILLS) + " (docs/rl.md).",
+)
+@click.option(
+    "--policy-drift",
+    type=float,
+    default=0.0,
+    show_default=True,
+    help="Relative weight change per step (simulated training; stale-policy brings 0.002).",
+)
+@click.option(
+    "--micro-batch-tokens",
+    type=int,
+    default=96,
+    show_default=True,
+    help="The trainer's micro-batch budget in padded tokens.",
+)
 @engine_knob_options(engines=("builtin",))
-@click.option("--out", "out_path", type=click.Path(path_type=Path), default=Path("rl-dump.parquet"), show_default=True,
-              help="The dump: a file when it ends in .parquet, else a directory holding dump.parquet.")
-def simulate_cmd(steps, prompts, rollouts, model, workload, max_tokens, temperature, top_p, top_k, ignore_eos, seed,
-                 drills, policy_drift, micro_batch_tokens, out_path, **knobs):
+@click.option(
+    "--out",
+    "out_path",
+    type=click.Path(path_type=Path),
+    default=Path("rl-dump.parquet"),
+    show_default=True,
+    help="The dump: a file when it ends in .parquet, else a directory holding dump.parquet.",
+)
+def simulate_cmd(
+    steps,
+    prompts,
+    rollouts,
+    model,
+    workload,
+    max_tokens,
+    temperature,
+    top_p,
+    top_k,
+    ignore_eos,
+    seed,
+    drills,
+    policy_drift,
+    micro_batch_tokens,
+    out_path,
+    **knobs,
+):
     """An RL rollout loop on ONE persistent built-in engine; trainer logprobs from the float32 reference.
 
     --dtype sets the engine's (rollout) dtype; the trainer side stays float32, as in RL. --drill puts
@@ -214,16 +315,33 @@ def simulate_cmd(steps, prompts, rollouts, model, workload, max_tokens, temperat
 
     engine = engine_knobs(knobs, ("builtin",))
     inject = engine.pop("inject", "")
-    spec = SimSpec(steps=steps, prompts=prompts, rollouts=rollouts, inject=inject, model=model,
-                   workload=workload, max_tokens=max_tokens, temperature=temperature, seed=seed, engine=engine,
-                   drills=tuple(drills), top_p=top_p, top_k=top_k, ignore_eos=ignore_eos,
-                   policy_drift=policy_drift, micro_batch_tokens=micro_batch_tokens)
+    spec = SimSpec(
+        steps=steps,
+        prompts=prompts,
+        rollouts=rollouts,
+        inject=inject,
+        model=model,
+        workload=workload,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        seed=seed,
+        engine=engine,
+        drills=tuple(drills),
+        top_p=top_p,
+        top_k=top_k,
+        ignore_eos=ignore_eos,
+        policy_drift=policy_drift,
+        micro_batch_tokens=micro_batch_tokens,
+    )
     with progress_bar("simulate", "steps") as (on_start, tick):
         info = simulate(spec, out_path, on_start, tick)
     print_rl_simulate(info, steps, err)
     if info["policy"]:  # stale weights are tested against the checkpoints the run just wrote
-        err.print(f"next: lpf rl rescore {out_path} (each step's checkpoint and the one before), then "
-                  f"lpf rl analyze {out_path}", highlight=False)
+        err.print(
+            f"next: lpf rl rescore {out_path} (each step's checkpoint and the one before), then "
+            f"lpf rl analyze {out_path}",
+            highlight=False,
+        )
     else:
         err.print(f"next: lpf rl analyze {out_path}  (lpf rl explain: the causes alone)", highlight=False)
 

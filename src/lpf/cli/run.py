@@ -13,9 +13,22 @@ from pathlib import Path
 
 import click
 
-from lpf.cli.common import (KnobCommand, analysis_options, audit_options, build_audit_spec, err, fails,
-                            progress_bar, progress_bars, rescore_options, rescore_settings, run_options, stream_option,
-                            trace_dir_option, write_report)
+from lpf.cli.common import (
+    KnobCommand,
+    analysis_options,
+    audit_options,
+    build_audit_spec,
+    err,
+    fails,
+    progress_bar,
+    progress_bars,
+    rescore_options,
+    rescore_settings,
+    run_options,
+    stream_option,
+    trace_dir_option,
+    write_report,
+)
 from lpf.cli.render import print_calibration, print_summary
 from lpf.core.errors import LpfError
 
@@ -35,8 +48,12 @@ def _join(run, trace_dir) -> None:
     from lpf.pipeline import join_trace
 
     info = join_trace(run, trace_dir)
-    err.print(f"joined {info['rows']} trace rows from {escape(str(trace_dir))}" if info["recorded"] else
-              f"[yellow]no trace joined:[/] {escape(info['why'] or '')}", highlight=False)
+    err.print(
+        f"joined {info['rows']} trace rows from {escape(str(trace_dir))}"
+        if info["recorded"]
+        else f"[yellow]no trace joined:[/] {escape(info['why'] or '')}",
+        highlight=False,
+    )
 
 
 def _rescore(run, settings, redo=False, calibrate=False) -> None:
@@ -54,8 +71,9 @@ def _analyze(run, thresholds, as_json, fail_on, attribution=True, stream=None, t
     from lpf.pipeline import analyze_run
 
     with progress_bars(("analyze  ", "tokens"), ("attribute", "tokens")) as (analysis, (on_start, tick)):
-        findings = analyze_run(run, thresholds, attribution, on_start, tick, stream=stream, progress=analysis,
-                               tokens_only=tokens_only)
+        findings = analyze_run(
+            run, thresholds, attribution, on_start, tick, stream=stream, progress=analysis, tokens_only=tokens_only
+        )
     print_summary(findings, run.path, err)
     write_report(run.path)
     if as_json:
@@ -75,9 +93,15 @@ _WITH_SPEC = {"spec_file", "out", "as_json", "fail_on"}  # what may go with --sp
 
 @click.command(cls=KnobCommand)
 @audit_options
-@click.option("--spec", "spec_file", type=click.File("r"), default=None, metavar="FILE|-",
-              help="Run this audit spec (JSON: a run directory's spec.json; - reads stdin) instead of the options "
-                   "above (--out, --json, --fail-on still apply); rerun it to finish an interrupted audit.")
+@click.option(
+    "--spec",
+    "spec_file",
+    type=click.File("r"),
+    default=None,
+    metavar="FILE|-",
+    help="Run this audit spec (JSON: a run directory's spec.json; - reads stdin) instead of the options "
+    "above (--out, --json, --fail-on still apply); rerun it to finish an interrupted audit.",
+)
 @click.pass_context
 def audit(ctx, spec_file, as_json, fail_on, **params):
     """Run a workload on an engine, rescore it with the reference, analyze: all in one."""
@@ -101,11 +125,15 @@ def _read_spec(ctx: click.Context, spec_file, out: Path | None):
 
     from lpf.pipeline.spec import AuditSpec, with_run
 
-    given = [p.opts[0] for p in ctx.command.get_params(ctx) if p.name not in _WITH_SPEC
-             and ctx.get_parameter_source(p.name) == click.core.ParameterSource.COMMANDLINE]
+    given = [
+        p.opts[0]
+        for p in ctx.command.get_params(ctx)
+        if p.name not in _WITH_SPEC and ctx.get_parameter_source(p.name) == click.core.ParameterSource.COMMANDLINE
+    ]
     if given:
-        raise LpfError(f"--spec holds every setting of the audit: drop {given[0]} (only --out, --json and --fail-on "
-                       f"go with it)")
+        raise LpfError(
+            f"--spec holds every setting of the audit: drop {given[0]} (only --out, --json and --fail-on go with it)"
+        )
     name = getattr(spec_file, "name", "-")
     try:
         spec = AuditSpec.model_validate_json(spec_file.read())
@@ -119,8 +147,12 @@ def _read_spec(ctx: click.Context, spec_file, out: Path | None):
 
 @click.command(cls=KnobCommand)
 @run_options
-@click.option("--resume", type=click.Path(path_type=Path), default=None,
-              help="Finish an interrupted run (its manifest supplies every other option).")
+@click.option(
+    "--resume",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Finish an interrupted run (its manifest supplies every other option).",
+)
 def run(resume, **run_params):
     """Run a workload on an engine and store every token and logprob (no rescoring)."""
     from lpf.pipeline import all_failed, create_run
@@ -152,9 +184,12 @@ def rescore(run_dir, calibrate, redo, **params):
 @trace_dir_option
 @analysis_options
 @stream_option
-@click.option("--tokens-only", is_flag=True,
-              help="Judge from the tokens alone, as if the engine had returned no logprobs (what a tokens-only "
-                   "server's audit would say).")
+@click.option(
+    "--tokens-only",
+    is_flag=True,
+    help="Judge from the tokens alone, as if the engine had returned no logprobs (what a tokens-only "
+    "server's audit would say).",
+)
 def analyze(run_dir, trace_dir, threshold, attribution, as_json, fail_on, stream, tokens_only):
     """Re-run the analysis on a stored, rescored run and rewrite findings.json."""
     from lpf.run.store import RunDir

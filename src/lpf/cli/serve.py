@@ -21,10 +21,19 @@ from lpf.cli.common import KnobCommand, engine_knob_options, engine_knobs
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=int, default=8000, show_default=True, help="0 = any free port (printed when ready).")
 @engine_knob_options(engines=("builtin",))
-@click.option("--trace-dir", type=click.Path(path_type=Path), default=None,
-              help="Append the engine's per-step trace and fault ground truth here as Parquet parts.")
-@click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]),
-              default="warning", show_default=True, help="uvicorn's log level (info logs every request).")
+@click.option(
+    "--trace-dir",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Append the engine's per-step trace and fault ground truth here as Parquet parts.",
+)
+@click.option(
+    "--log-level",
+    type=click.Choice(["critical", "error", "warning", "info", "debug"]),
+    default="warning",
+    show_default=True,
+    help="uvicorn's log level (info logs every request).",
+)
 def serve(model, served_model_name, host, port, trace_dir, log_level, **knobs):
     """Serve the built-in engine over HTTP: OpenAI /v1/completions, SGLang /generate, /v1/models, /health.
 
@@ -44,12 +53,22 @@ def serve(model, served_model_name, host, port, trace_dir, log_level, **knobs):
     try:
         ref = resolve_model(spec)
         BuiltinEngine.check_model(model_config(ref))
-        stats = server.run(ref, name, options, sock, trace_dir, log_level,
-                           on_ready=lambda p: click.echo(f"serving {name} on http://{shown}:{p}", err=True))
+        stats = server.run(
+            ref,
+            name,
+            options,
+            sock,
+            trace_dir,
+            log_level,
+            on_ready=lambda p: click.echo(f"serving {name} on http://{shown}:{p}", err=True),
+        )
     finally:
         sock.close()
-    click.echo(f"lpf serve: shut down cleanly after {stats.steps} steps and {stats.requests_finished} requests "
-               f"(largest batch {stats.max_batch_size})", err=True)
+    click.echo(
+        f"lpf serve: shut down cleanly after {stats.steps} steps and {stats.requests_finished} requests "
+        f"(largest batch {stats.max_batch_size})",
+        err=True,
+    )
 
 
 COMMANDS = (serve,)

@@ -22,7 +22,7 @@ ROLES = ("system", "user", "assistant")
 
 def check_messages(value: Any, at: str) -> tuple[dict, ...]:
     if not isinstance(value, list) or not value:
-        raise LpfError(f"{at}: 'messages' must be a non-empty list of {{\"role\", \"content\"}} objects")
+        raise LpfError(f'{at}: \'messages\' must be a non-empty list of {{"role", "content"}} objects')
     out = []
     for i, m in enumerate(value):
         if not isinstance(m, dict) or set(m) - {"role", "content"} or not isinstance(m.get("content"), str):
@@ -40,10 +40,13 @@ def wrap(prompt: str) -> tuple[dict, ...]:
 
 def render(tokenizer, messages: tuple[dict, ...] | list[dict]) -> list[int]:
     if not getattr(tokenizer, "chat_template", None):
-        raise LpfError("chat prompts need a chat template: the model's tokenizer has none (add chat_template.jinja "
-                       "to its directory, as a chat server would need too)")
-    ids = tokenizer.apply_chat_template([dict(m) for m in messages], add_generation_prompt=True, tokenize=True,
-                                        return_dict=False)
+        raise LpfError(
+            "chat prompts need a chat template: the model's tokenizer has none (add chat_template.jinja "
+            "to its directory, as a chat server would need too)"
+        )
+    ids = tokenizer.apply_chat_template(
+        [dict(m) for m in messages], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     if isinstance(ids, dict):  # some versions answer a BatchEncoding whatever return_dict says
         ids = ids["input_ids"]
     return [int(t) for t in ids]

@@ -24,8 +24,20 @@ from lpf.core.errors import LpfError
 
 DEVICES = ("cpu", "cuda", "auto")
 _FIT = 0.85  # of the free GPU memory: the rest is activations, the batch's logits and the allocator's slack
-_SAFETENSORS_BYTES = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "BF16": 2, "F16": 2, "I16": 2, "I8": 1, "U8": 1,
-                      "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+_SAFETENSORS_BYTES = {
+    "F64": 8,
+    "I64": 8,
+    "F32": 4,
+    "I32": 4,
+    "BF16": 2,
+    "F16": 2,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+}
 
 
 def resolve_device(name: str) -> str:
@@ -37,8 +49,10 @@ def resolve_device(name: str) -> str:
     if name == "cuda" or name.startswith("cuda:"):
         if not torch.cuda.is_available():
             build = "a CPU-only build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}"
-            raise LpfError(f"--reference-device {name}: torch {torch.__version__} ({build}) sees no GPU; "
-                           f"use --reference-device cpu or auto")
+            raise LpfError(
+                f"--reference-device {name}: torch {torch.__version__} ({build}) sees no GPU; "
+                f"use --reference-device cpu or auto"
+            )
         return name
     raise LpfError(f"unknown reference device {name!r}; choose from {', '.join(DEVICES)}")
 
@@ -84,6 +98,8 @@ def load_model(path: Path, dtype: torch.dtype, device: str, extra_bytes: int = 0
     try:
         import accelerate  # noqa: F401
     except ImportError:
-        raise LpfError(f"the reference needs {need / 2**30:.1f} GiB and {device} has {free / 2**30:.1f} GiB free; "
-                       f"spreading it over GPUs (device_map='auto') needs accelerate: pip install accelerate") from None
+        raise LpfError(
+            f"the reference needs {need / 2**30:.1f} GiB and {device} has {free / 2**30:.1f} GiB free; "
+            f"spreading it over GPUs (device_map='auto') needs accelerate: pip install accelerate"
+        ) from None
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map="auto").eval(), "auto"

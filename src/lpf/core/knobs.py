@@ -43,8 +43,17 @@ ROLES = {
 _KEY = "lpf"
 
 
-def knob(default: Any = ..., *, help: str, roles: Iterable[str] = (), shrink_order: int | None = None,
-         flag: bool = False, repeatable: bool = False, metavar: str | None = None, **constraints) -> Any:
+def knob(
+    default: Any = ...,
+    *,
+    help: str,
+    roles: Iterable[str] = (),
+    shrink_order: int | None = None,
+    flag: bool = False,
+    repeatable: bool = False,
+    metavar: str | None = None,
+    **constraints,
+) -> Any:
     """A pydantic Field for an Options class, carrying lpf's knob metadata (see the module doc)."""
     roles = tuple(roles)
     unknown = [r for r in roles if r not in ROLES]
@@ -52,8 +61,13 @@ def knob(default: Any = ..., *, help: str, roles: Iterable[str] = (), shrink_ord
         raise ValueError(f"unknown knob role {unknown[0]!r}; roles: {', '.join(ROLES)}")
     if repeatable and not flag:
         raise ValueError("repeatable is about the command-line flag: it needs flag=True")
-    meta = {"roles": list(roles), "shrink_order": shrink_order, "flag": flag, "repeatable": repeatable,
-            "metavar": metavar}
+    meta = {
+        "roles": list(roles),
+        "shrink_order": shrink_order,
+        "flag": flag,
+        "repeatable": repeatable,
+        "metavar": metavar,
+    }
     return Field(default, description=help, json_schema_extra={_KEY: meta}, **constraints)
 
 
@@ -92,9 +106,17 @@ def _kind(annotation) -> str:
 def _info(name: str, field) -> Knob:
     extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
     meta = extra.get(_KEY) or {}
-    return Knob(name=name, help=field.description or "", default=field.default, kind=_kind(field.annotation),
-                roles=tuple(meta.get("roles") or ()), shrink_order=meta.get("shrink_order"),
-                flag=bool(meta.get("flag")), repeatable=bool(meta.get("repeatable")), metavar=meta.get("metavar"))
+    return Knob(
+        name=name,
+        help=field.description or "",
+        default=field.default,
+        kind=_kind(field.annotation),
+        roles=tuple(meta.get("roles") or ()),
+        shrink_order=meta.get("shrink_order"),
+        flag=bool(meta.get("flag")),
+        repeatable=bool(meta.get("repeatable")),
+        metavar=meta.get("metavar"),
+    )
 
 
 def knobs(options_cls) -> list[Knob]:

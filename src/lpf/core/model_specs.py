@@ -25,27 +25,65 @@ _TINY_INIT_RANGE = 0.25
 
 
 def _tiny_configs(vocab_size: int, special: dict) -> dict[str, dict]:
-    common = dict(vocab_size=vocab_size, initializer_range=_TINY_INIT_RANGE, max_position_embeddings=4096,
-                  tie_word_embeddings=False, **special)
+    common = dict(
+        vocab_size=vocab_size,
+        initializer_range=_TINY_INIT_RANGE,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        **special,
+    )
     return {
         # The zoo's hybrid shape: mamba/attention/mamba/mamba/attention, attention head_dim 32
         # (vLLM's CPU attention needs >= 32), Mamba2 8 heads x 32.
         "hybrid": dict(
-            model_type="granitemoehybrid", hidden_size=128, num_hidden_layers=5,
+            model_type="granitemoehybrid",
+            hidden_size=128,
+            num_hidden_layers=5,
             layer_types=["mamba", "attention", "mamba", "mamba", "attention"],
-            num_attention_heads=4, num_key_value_heads=4, intermediate_size=256,
-            shared_intermediate_size=256, num_local_experts=0, num_experts_per_tok=0,
-            mamba_n_heads=8, mamba_d_head=32, mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4,
-            mamba_expand=2, mamba_chunk_size=16, **common),
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            intermediate_size=256,
+            shared_intermediate_size=256,
+            num_local_experts=0,
+            num_experts_per_tok=0,
+            mamba_n_heads=8,
+            mamba_d_head=32,
+            mamba_n_groups=1,
+            mamba_d_state=16,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            mamba_chunk_size=16,
+            **common,
+        ),
         "llama": dict(
-            model_type="llama", hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=4, intermediate_size=256, **common),
+            model_type="llama",
+            hidden_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            intermediate_size=256,
+            **common,
+        ),
         # The seed's architecture: Mamba1 + attention + MoE (attention and experts on odd layers).
         "jamba": dict(
-            model_type="jamba", hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-            num_attention_heads=4, num_key_value_heads=4, attn_layer_period=2, attn_layer_offset=1,
-            num_experts=2, num_experts_per_tok=1, expert_layer_period=2, expert_layer_offset=1,
-            mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, use_mamba_kernels=False, **common),
+            model_type="jamba",
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            attn_layer_period=2,
+            attn_layer_offset=1,
+            num_experts=2,
+            num_experts_per_tok=1,
+            expert_layer_period=2,
+            expert_layer_offset=1,
+            mamba_d_state=16,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            use_mamba_kernels=False,
+            **common,
+        ),
     }
 
 
@@ -141,7 +179,9 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 def _build_tiny(name: str) -> Path:
     if name not in TINY_MODELS:
-        raise LpfError(f"unknown tiny model {name!r}{did_you_mean(name, TINY_MODELS)}; choose from {', '.join(TINY_MODELS)}")
+        raise LpfError(
+            f"unknown tiny model {name!r}{did_you_mean(name, TINY_MODELS)}; choose from {', '.join(TINY_MODELS)}"
+        )
     from lpf.zoo.registry import tokenizer_dir
 
     tok_dir = tokenizer_dir()
@@ -151,8 +191,9 @@ def _build_tiny(name: str) -> Path:
     base = TINY_VARIANTS.get(name, name)
     cfg = _tiny_configs(len(tok), special)[base]
     # a variant's name joins the key (a base model's key, and so its cache dir, stays as it was)
-    key = hashlib.sha256(json.dumps([cfg, tok_hash] + ([name] if base != name else []),
-                                    sort_keys=True).encode()).hexdigest()[:12]
+    key = hashlib.sha256(
+        json.dumps([cfg, tok_hash] + ([name] if base != name else []), sort_keys=True).encode()
+    ).hexdigest()[:12]
     out = cache_root() / "tiny" / f"{name}-{key}"
     if (out / "config.json").is_file():
         return out

@@ -18,6 +18,7 @@ def quiet_transformers() -> None:
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
 
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -68,8 +69,9 @@ def topk_rows(z: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return top_z, cand.gather(1, at)
 
 
-def logprob_rows(logits: torch.Tensor, token_ids: torch.Tensor, k: int, scratch: torch.Tensor | None = None,
-                 overwrite: bool = False):
+def logprob_rows(
+    logits: torch.Tensor, token_ids: torch.Tensor, k: int, scratch: torch.Tensor | None = None, overwrite: bool = False
+):
     """For rows of logits [N, V] and chosen tokens [N]: float32 logprobs of the tokens, the top
     max(k, 1) ids and logprobs (column 0 is the argmax), ranks (1 = argmax), entropies.
 
@@ -86,8 +88,12 @@ def logprob_rows(logits: torch.Tensor, token_ids: torch.Tensor, k: int, scratch:
     n, v = z.shape
     token_ids = token_ids.view(-1).to(z.device)
     block = row_block(n, v, z.device)
-    if scratch is not None and scratch.dtype == torch.float32 and scratch.device == z.device \
-            and scratch.numel() >= block * v:
+    if (
+        scratch is not None
+        and scratch.dtype == torch.float32
+        and scratch.device == z.device
+        and scratch.numel() >= block * v
+    ):
         work = scratch.view(-1)
     else:
         work = torch.empty(block * v, device=z.device)
@@ -95,10 +101,17 @@ def logprob_rows(logits: torch.Tensor, token_ids: torch.Tensor, k: int, scratch:
         exps = torch.empty(block * v, device=z.device)
     outs = []
     for i in range(0, n, block):
-        zb = z[i:i + block]
+        zb = z[i : i + block]
         b = zb.shape[0]
-        outs.append(_rows(zb, token_ids[i:i + block], max(k, 1), work[:b * v].view(b, v),
-                          zb if owned else exps[:b * v].view(b, v)))
+        outs.append(
+            _rows(
+                zb,
+                token_ids[i : i + block],
+                max(k, 1),
+                work[: b * v].view(b, v),
+                zb if owned else exps[: b * v].view(b, v),
+            )
+        )
     if len(outs) == 1:
         return outs[0]
     return tuple(torch.cat([o[j] for o in outs]) for j in range(5))

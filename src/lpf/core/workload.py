@@ -36,8 +36,12 @@ class Prompt:
     abort_after_tokens: int | None = None
 
     def to_json(self) -> dict:
-        d = {"id": self.prompt_id, "prompt_token_ids": list(self.prompt_token_ids),
-             "expected": self.expected, "max_tokens": self.max_tokens}
+        d = {
+            "id": self.prompt_id,
+            "prompt_token_ids": list(self.prompt_token_ids),
+            "expected": self.expected,
+            "max_tokens": self.max_tokens,
+        }
         if self.text is not None:
             d["text"] = self.text
         if self.messages is not None:
@@ -91,8 +95,9 @@ def read_items(spec: str) -> tuple[list[tuple[int, dict]], dict]:
     return items, {"source": str(path.resolve()), "sha256": hashlib.sha256(raw).hexdigest()}
 
 
-def load_prompts(spec: str, tokenizer, vocab_size: int, max_context: int | None,
-                 chat: bool | None = False) -> tuple[list[Prompt], dict]:
+def load_prompts(
+    spec: str, tokenizer, vocab_size: int, max_context: int | None, chat: bool | None = False
+) -> tuple[list[Prompt], dict]:
     """Validate and tokenize a workload. Raises LpfError naming the line of the first bad item.
     `chat`: render chat turns (None: when any item has `messages`); `source["chat"]` says which."""
     items, source = read_items(spec)
@@ -103,8 +108,17 @@ def load_prompts(spec: str, tokenizer, vocab_size: int, max_context: int | None,
     prompts, seen = [], set()
     for lineno, obj in items:
         at = f"{where}:{lineno}"
-        unknown = set(obj) - {"id", "prompt", "prompt_token_ids", "messages", "expected", "max_tokens", "task",
-                              "abort_after_tokens", "group"}
+        unknown = set(obj) - {
+            "id",
+            "prompt",
+            "prompt_token_ids",
+            "messages",
+            "expected",
+            "max_tokens",
+            "task",
+            "abort_after_tokens",
+            "group",
+        }
         if unknown:
             # a key with a newline would break the one-line error: such keys are shown quoted
             shown = (k if k.isprintable() else repr(k) for k in sorted(unknown))
@@ -121,8 +135,11 @@ def load_prompts(spec: str, tokenizer, vocab_size: int, max_context: int | None,
                 raise LpfError(f"{at}: a chat workload needs text: give 'prompt' or 'messages', not token ids")
             if "prompt" in obj and (not isinstance(obj["prompt"], str) or not obj["prompt"]):
                 raise LpfError(f"{at}: 'prompt' must be a non-empty string")
-            messages = chat_prompts.check_messages(obj["messages"], at) if "messages" in obj \
+            messages = (
+                chat_prompts.check_messages(obj["messages"], at)
+                if "messages" in obj
                 else chat_prompts.wrap(obj["prompt"])
+            )
             ids = chat_prompts.render(tokenizer, messages)
         elif "prompt" in obj:
             if not isinstance(obj["prompt"], str):
@@ -154,15 +171,18 @@ def load_prompts(spec: str, tokenizer, vocab_size: int, max_context: int | None,
             raise LpfError(f"{at}: 'max_tokens' must be a positive integer")
         abort = obj.get("abort_after_tokens")
         if abort is not None and (not isinstance(abort, int) or isinstance(abort, bool) or not 1 <= abort < len(ids)):
-            raise LpfError(f"{at}: 'abort_after_tokens' must be an integer from 1 to the prompt length - 1 "
-                           f"({len(ids) - 1}): the cancel lands mid-prefill")
+            raise LpfError(
+                f"{at}: 'abort_after_tokens' must be an integer from 1 to the prompt length - 1 "
+                f"({len(ids) - 1}): the cancel lands mid-prefill"
+            )
         text = obj["prompt"] if isinstance(obj.get("prompt"), str) and messages is None else None
         prompts.append(Prompt(pid, tuple(ids), expected, mt, text, messages, abort))
     return prompts, source
 
 
-def expand(prompts: list[Prompt], n: int, sampling: SamplingParams,
-           max_context: int | None = None) -> list[EngineRequest]:
+def expand(
+    prompts: list[Prompt], n: int, sampling: SamplingParams, max_context: int | None = None
+) -> list[EngineRequest]:
     """n rollouts per prompt, in arrival order; ids and seeds depend only on the workload and seed.
 
     An item's own `max_tokens` wins over the run's default (the workload's author chose it).
@@ -173,16 +193,27 @@ def expand(prompts: list[Prompt], n: int, sampling: SamplingParams,
     for i, p in enumerate(prompts):
         budget = p.max_tokens or sampling.max_tokens
         if max_context is not None and len(p.prompt_token_ids) + budget > max_context:
-            raise LpfError(f"prompt {p.prompt_id!r}: {len(p.prompt_token_ids)} prompt tokens + max_tokens "
-                           f"{budget} exceed the model context {max_context}")
+            raise LpfError(
+                f"prompt {p.prompt_id!r}: {len(p.prompt_token_ids)} prompt tokens + max_tokens "
+                f"{budget} exceed the model context {max_context}"
+            )
         for r in range(n):
             seq = i * n + r
-            out.append(EngineRequest(
-                request_id=f"{p.prompt_id}-r{r}", seq=seq, prompt_id=p.prompt_id, rollout=r,
-                prompt_token_ids=p.prompt_token_ids,
-                max_tokens=budget,
-                seed=request_seed(sampling.seed, seq), expected=p.expected, text=p.text, messages=p.messages,
-                abort_after_tokens=p.abort_after_tokens))
+            out.append(
+                EngineRequest(
+                    request_id=f"{p.prompt_id}-r{r}",
+                    seq=seq,
+                    prompt_id=p.prompt_id,
+                    rollout=r,
+                    prompt_token_ids=p.prompt_token_ids,
+                    max_tokens=budget,
+                    seed=request_seed(sampling.seed, seq),
+                    expected=p.expected,
+                    text=p.text,
+                    messages=p.messages,
+                    abort_after_tokens=p.abort_after_tokens,
+                )
+            )
     return out
 
 
@@ -197,6 +228,15 @@ def read_normalized(path: Path) -> list[Prompt]:
         for line in f:
             d = json.loads(line)
             messages = tuple(d["messages"]) if d.get("messages") is not None else None
-            out.append(Prompt(d["id"], tuple(d["prompt_token_ids"]), d.get("expected"), d.get("max_tokens"),
-                              d.get("text"), messages, d.get("abort_after_tokens")))
+            out.append(
+                Prompt(
+                    d["id"],
+                    tuple(d["prompt_token_ids"]),
+                    d.get("expected"),
+                    d.get("max_tokens"),
+                    d.get("text"),
+                    messages,
+                    d.get("abort_after_tokens"),
+                )
+            )
     return out

@@ -73,11 +73,19 @@ def run_cell(spec: AuditSpec, log: Path, name: str) -> None:
     cmd = [sys.executable, "-m", "lpf", "audit", "--spec", "-", "--fail-on", "never"]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     with open(log, "a") as f:
-        f.write(f"$ lpf audit --spec - --fail-on never{'   (finishing the interrupted run)' if resuming else ''}\n"
-                f"# the same audit: lpf audit {shlex.join(audit_command(spec))}\n")
+        f.write(
+            f"$ lpf audit --spec - --fail-on never{'   (finishing the interrupted run)' if resuming else ''}\n"
+            f"# the same audit: lpf audit {shlex.join(audit_command(spec))}\n"
+        )
         f.flush()
-        rc = subprocess.run(cmd, input=spec.model_dump_json().encode(), stdout=f, stderr=subprocess.STDOUT, env=env,
-                            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None).returncode
+        rc = subprocess.run(
+            cmd,
+            input=spec.model_dump_json().encode(),
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env=env,
+            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+        ).returncode
     if rc == 2:
         raise LpfError(f"cell {name}: {_error_line(log).removeprefix('error:').strip()} (log: {log})")
     if rc != 0:  # cells run with --fail-on never: 1 is a crash here, not findings

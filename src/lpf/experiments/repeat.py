@@ -127,18 +127,32 @@ def compare(outputs: list[tuple[list[int], list[float]]], tolerance: float = DEF
         lps = [lp[p] for t, lp in outputs if p < len(t)]
         same_tok = len(set(toks)) == 1
         if first_lp is None and (not same_tok or len(set(lps)) > 1):
-            first_lp = {"position": p, "min_logprob": min(lps), "max_logprob": max(lps),
-                        "tokens_agree": same_tok, "distinct_tokens": sorted({t for t in toks if t is not None})}
+            first_lp = {
+                "position": p,
+                "min_logprob": min(lps),
+                "max_logprob": max(lps),
+                "tokens_agree": same_tok,
+                "distinct_tokens": sorted({t for t in toks if t is not None}),
+            }
         if not same_tok:
-            first_tok = {"position": p, "distinct_tokens": sorted({t for t in toks if t is not None}),
-                         "copies_stopped": sum(t is None for t in toks)}
+            first_tok = {
+                "position": p,
+                "distinct_tokens": sorted({t for t in toks if t is not None}),
+                "copies_stopped": sum(t is None for t in toks),
+            }
             break
         spread = max(spread, max(lps) - min(lps))
-    return {"unique_token_sequences": len(tok_groups), "unique_logprob_vectors": len(lp_groups),
-            "unique_logprob_vectors_at_tolerance": len(reps), "tolerance": tolerance,
-            "tokens_group": tg, "logprobs_group": lg, "tolerance_group": tolg,
-            "first_divergence": {"tokens": first_tok, "logprobs": first_lp},
-            "max_logprob_spread": spread}
+    return {
+        "unique_token_sequences": len(tok_groups),
+        "unique_logprob_vectors": len(lp_groups),
+        "unique_logprob_vectors_at_tolerance": len(reps),
+        "tolerance": tolerance,
+        "tokens_group": tg,
+        "logprobs_group": lg,
+        "tolerance_group": tolg,
+        "first_divergence": {"tokens": first_tok, "logprobs": first_lp},
+        "max_logprob_spread": spread,
+    }
 
 
 def _fillers(copy: int, n: int, seed: int, vocab: list[int], max_tokens: int, context: int | None):
@@ -168,7 +182,9 @@ def _prompt_ids(spec: RepeatSpec, tokenizer, cfg: dict) -> tuple[tuple[int, ...]
 
     prompts, _ = load_prompts(spec.workload, tokenizer, cfg.get("vocab_size", len(tokenizer)), context)
     if not 0 <= spec.index < len(prompts):
-        raise LpfError(f"--index {spec.index} is out of range: {spec.workload} has {len(prompts)} prompts (0..{len(prompts) - 1})")
+        raise LpfError(
+            f"--index {spec.index} is out of range: {spec.workload} has {len(prompts)} prompts (0..{len(prompts) - 1})"
+        )
     return prompts[spec.index].prompt_token_ids, None
 
 
@@ -191,8 +207,9 @@ def run_repeat(spec: RepeatSpec, out: Path, on_start=lambda total: None, tick=la
     engine_cls.check_model(cfg)
     tokenizer = load_tokenizer(model)
     prompt_ids, prompt_text = _prompt_ids(spec, tokenizer, cfg)
-    sampling = SamplingParams(temperature=0.0, max_tokens=spec.max_tokens, seed=spec.seed,
-                              ignore_eos=spec.ignore_eos, logprobs=0)
+    sampling = SamplingParams(
+        temperature=0.0, max_tokens=spec.max_tokens, seed=spec.seed, ignore_eos=spec.ignore_eos, logprobs=0
+    )
     special = set(tokenizer.all_special_ids)
     vocab = [i for i in range(cfg.get("vocab_size", len(tokenizer))) if i not in special]
     plans = plan_copies(spec.times, knob is not None)
@@ -223,16 +240,26 @@ def run_repeat(spec: RepeatSpec, out: Path, on_start=lambda total: None, tick=la
             shared += 1
         r.max_abs_diff_vs_copy0 = max((abs(a - b) for a, b in zip(r.logprobs[:shared], ref_lps[:shared])), default=0.0)
     report = {
-        "kind": "repeat", "engine": spec.engine, "engine_describe": describe, "model": spec.model,
-        "varied_knob": knob, "times": spec.times, "max_tokens": spec.max_tokens, "seed": spec.seed,
-        "ignore_eos": spec.ignore_eos, "prompt_text": prompt_text, "prompt_token_ids": list(prompt_ids),
-        "workload": spec.workload, "index": spec.index if spec.workload else None,
+        "kind": "repeat",
+        "engine": spec.engine,
+        "engine_describe": describe,
+        "model": spec.model,
+        "varied_knob": knob,
+        "times": spec.times,
+        "max_tokens": spec.max_tokens,
+        "seed": spec.seed,
+        "ignore_eos": spec.ignore_eos,
+        "prompt_text": prompt_text,
+        "prompt_token_ids": list(prompt_ids),
+        "workload": spec.workload,
+        "index": spec.index if spec.workload else None,
         "unique_token_sequences": cmp["unique_token_sequences"],
         "unique_logprob_vectors": cmp["unique_logprob_vectors"],
         "unique_logprob_vectors_at_tolerance": cmp["unique_logprob_vectors_at_tolerance"],
         "tolerance": spec.tolerance,
         "bitwise_identical": cmp["unique_logprob_vectors"] == 1,
-        "first_divergence": cmp["first_divergence"], "max_logprob_spread": cmp["max_logprob_spread"],
+        "first_divergence": cmp["first_divergence"],
+        "max_logprob_spread": cmp["max_logprob_spread"],
         "copies": [asdict(r) for r in results],
     }
     Path(out).mkdir(parents=True, exist_ok=True)
@@ -245,24 +272,42 @@ def run_repeat(spec: RepeatSpec, out: Path, on_start=lambda total: None, tick=la
 def _run_copy(engine, plan: CopyPlan, prompt_ids, spec: RepeatSpec, vocab: list[int], cfg: dict) -> CopyResult:
     probe_id = f"probe-{plan.copy}"
     fillers = _fillers(plan.copy, plan.n_fillers, spec.seed, vocab, spec.max_tokens, cfg.get("max_position_embeddings"))
-    reqs = [EngineRequest(f"filler-{plan.copy}-{j}", 0, f"filler-{j}", 0, tuple(ids), budget,
-                          request_seed(spec.seed, 1 + j)) for j, (ids, budget) in enumerate(fillers)]
+    reqs = [
+        EngineRequest(
+            f"filler-{plan.copy}-{j}", 0, f"filler-{j}", 0, tuple(ids), budget, request_seed(spec.seed, 1 + j)
+        )
+        for j, (ids, budget) in enumerate(fillers)
+    ]
     # every copy gets the same per-request seed: only the batch around it changes
-    reqs.insert(plan.arrival, EngineRequest(probe_id, 0, "probe", 0, tuple(prompt_ids), spec.max_tokens,
-                                            request_seed(spec.seed, 0)))
-    reqs = [EngineRequest(r.request_id, k, r.prompt_id, 0, r.prompt_token_ids, r.max_tokens, r.seed)
-            for k, r in enumerate(reqs)]
+    reqs.insert(
+        plan.arrival,
+        EngineRequest(probe_id, 0, "probe", 0, tuple(prompt_ids), spec.max_tokens, request_seed(spec.seed, 0)),
+    )
+    reqs = [
+        EngineRequest(r.request_id, k, r.prompt_id, 0, r.prompt_token_ids, r.max_tokens, r.seed)
+        for k, r in enumerate(reqs)
+    ]
     probe = None
     for c in engine.generate(reqs):
         if c.request_id == probe_id:
             probe = c
     if probe is None or probe.error is not None:
-        raise LpfError(f"copy {plan.copy}: the engine did not complete the probe "
-                       f"({probe.error if probe is not None else 'no completion'})")
+        raise LpfError(
+            f"copy {plan.copy}: the engine did not complete the probe "
+            f"({probe.error if probe is not None else 'no completion'})"
+        )
     batch_sizes = None
     trace = engine.side_tables().get("trace")
     if trace is not None:
         rows = [r for r in trace.to_pylist() if r["request_id"] == probe_id and not r["preempted"]]
         batch_sizes = [r["batch_size"] for r in sorted(rows, key=lambda r: r["step"])]
-    return CopyResult(plan.copy, probe_id, plan.concurrency, plan.n_fillers, plan.arrival,
-                      list(probe.output_token_ids), [float(x) for x in probe.logprobs], batch_sizes)
+    return CopyResult(
+        plan.copy,
+        probe_id,
+        plan.concurrency,
+        plan.n_fillers,
+        plan.arrival,
+        list(probe.output_token_ids),
+        [float(x) for x in probe.logprobs],
+        batch_sizes,
+    )

@@ -38,8 +38,20 @@ from lpf.experiments.cells import cell_complete, read_out_doc, run_cell
 from lpf.pipeline.spec import with_run
 
 METRICS = ("rate", "onset", "position", "period")
-FIELDS = ("name", "run_dir", "verdict", "n_requests", "n_scored", "n_flagged", "rate", "onset_seq", "onset_step",
-          "first_divergence_median", "period", "max_abs_logprob_diff")
+FIELDS = (
+    "name",
+    "run_dir",
+    "verdict",
+    "n_requests",
+    "n_scored",
+    "n_flagged",
+    "rate",
+    "onset_seq",
+    "onset_step",
+    "first_divergence_median",
+    "period",
+    "max_abs_logprob_diff",
+)
 COUNTS = ("clean", "noise", "divergent", "corrupt")
 RATE_ALPHA = 0.01  # two-proportion z-test level for "the rate moved"
 
@@ -68,8 +80,9 @@ def parse_bool(name: str, value: str) -> bool:
     raise LpfError(f"knob {name}: expected true/false, got {value!r}")
 
 
-def parse_knobs(specs: list[str], settings: set[str], engine_fields: dict[str, set[str]],
-                fixed: dict[str, str]) -> list[Knob]:
+def parse_knobs(
+    specs: list[str], settings: set[str], engine_fields: dict[str, set[str]], fixed: dict[str, str]
+) -> list[Knob]:
     if not specs:
         raise LpfError("give at least one --knob NAME=V1,V2,...")
     knobs, seen = [], set()
@@ -94,15 +107,20 @@ def parse_knobs(specs: list[str], settings: set[str], engine_fields: dict[str, s
             knob = Knob(under, values, "engine")
         else:
             known = sorted(settings) + engine_names
-            raise LpfError(f"unknown knob {name!r}{did_you_mean(dashed, known)}; knobs are lpf audit options "
-                           f"({', '.join(sorted(settings))}) and engine options ({', '.join(engine_names)})")
+            raise LpfError(
+                f"unknown knob {name!r}{did_you_mean(dashed, known)}; knobs are lpf audit options "
+                f"({', '.join(sorted(settings))}) and engine options ({', '.join(engine_names)})"
+            )
         if knob.name in seen:
             raise LpfError(f"knob {knob.name} is given twice")
         seen.add(knob.name)
         if knob.name in fixed:
             how = fixed[knob.name]
-            raise LpfError(f"{knob.name} is both a knob and a fixed -E option: drop one" if how == "-E" else
-                           f"{knob.name} is both a knob and a fixed option ({how}): drop one")
+            raise LpfError(
+                f"{knob.name} is both a knob and a fixed -E option: drop one"
+                if how == "-E"
+                else f"{knob.name} is both a knob and a fixed option ({how}): drop one"
+            )
         knobs.append(knob)
     return knobs
 
@@ -125,8 +143,9 @@ def make_cells(knobs: list[Knob]) -> list[Cell]:
 
 def identity(knobs: list[Knob], cells: list[Cell]) -> dict:
     """What a rerun of the sweep must match: its knobs, and its cells' specs (without their directories)."""
-    digest = hashlib.sha256(json.dumps([[c.name, c.spec.identity()] for c in cells], sort_keys=True,
-                                       default=str).encode()).hexdigest()
+    digest = hashlib.sha256(
+        json.dumps([[c.name, c.spec.identity()] for c in cells], sort_keys=True, default=str).encode()
+    ).hexdigest()
     return {"knobs": [{"name": k.name, "values": list(k.values)} for k in knobs], "specs_sha256": digest}
 
 
@@ -137,15 +156,18 @@ def check_out(out: Path, spec: dict) -> dict:
     if old is not None:
         if {"knobs": old.get("knobs"), "specs_sha256": old.get("specs_sha256")} != spec:
             same_knobs = old.get("knobs") == spec["knobs"]
-            raise LpfError(f"{out} holds a different sweep (knobs {old.get('knobs')}"
-                           f"{', other options' if same_knobs else ''}): choose another --out")
+            raise LpfError(
+                f"{out} holds a different sweep (knobs {old.get('knobs')}"
+                f"{', other options' if same_knobs else ''}): choose another --out"
+            )
     elif out.exists() and any(out.iterdir()):
         raise LpfError(f"{out} exists, is not empty and holds no sweep.json: choose another --out")
     return spec
 
 
-def run_sweep(out: Path, knobs: list[Knob], cells: list[Cell], on_start=lambda total, done: None,
-              tick=lambda n: None) -> dict:
+def run_sweep(
+    out: Path, knobs: list[Knob], cells: list[Cell], on_start=lambda total, done: None, tick=lambda n: None
+) -> dict:
     """Run every incomplete cell; returns (and writes) the sweep document."""
     out = Path(out)
     spec = check_out(out, identity(knobs, cells))
@@ -175,20 +197,43 @@ def write_sweep(out: Path, spec: dict, cells: list[Cell], done: set[str]) -> dic
         if c.name in done:
             findings = json.loads((out / "cells" / c.name / "findings.json").read_text())
             rows.append(cell_row(c.name, c.values, f"cells/{c.name}", findings))
-    doc = {"kind": "sweep", **spec, "complete": len(rows) == len(cells), "n_cells": len(cells), "cells": rows,
-           "moves": shape_moves(spec["knobs"], rows)}
+    doc = {
+        "kind": "sweep",
+        **spec,
+        "complete": len(rows) == len(cells),
+        "n_cells": len(cells),
+        "cells": rows,
+        "moves": shape_moves(spec["knobs"], rows),
+    }
     tmp = out / ".tmp-sweep.json"
     tmp.write_text(json.dumps(doc, indent=2) + "\n")
     tmp.replace(out / "sweep.json")
-    flat = [{**{f: r[f] for f in FIELDS}, **{f"count_{k}": r["counts"].get(k, 0) for k in COUNTS},
-             **{(k if k not in FIELDS else f"knob_{k}"): str(v) for k, v in r["values"].items()}} for r in rows]
-    schema = pa.schema([("name", pa.string()), ("run_dir", pa.string()), ("verdict", pa.string()),
-                        ("n_requests", pa.int64()), ("n_scored", pa.int64()), ("n_flagged", pa.int64()),
-                        ("rate", pa.float64()), ("onset_seq", pa.int64()), ("onset_step", pa.int64()),
-                        ("first_divergence_median", pa.float64()), ("period", pa.float64()),
-                        ("max_abs_logprob_diff", pa.float64()), *[(f"count_{k}", pa.int64()) for k in COUNTS],
-                        *[((k["name"] if k["name"] not in FIELDS else f"knob_{k['name']}"), pa.string())
-                          for k in spec["knobs"]]])
+    flat = [
+        {
+            **{f: r[f] for f in FIELDS},
+            **{f"count_{k}": r["counts"].get(k, 0) for k in COUNTS},
+            **{(k if k not in FIELDS else f"knob_{k}"): str(v) for k, v in r["values"].items()},
+        }
+        for r in rows
+    ]
+    schema = pa.schema(
+        [
+            ("name", pa.string()),
+            ("run_dir", pa.string()),
+            ("verdict", pa.string()),
+            ("n_requests", pa.int64()),
+            ("n_scored", pa.int64()),
+            ("n_flagged", pa.int64()),
+            ("rate", pa.float64()),
+            ("onset_seq", pa.int64()),
+            ("onset_step", pa.int64()),
+            ("first_divergence_median", pa.float64()),
+            ("period", pa.float64()),
+            ("max_abs_logprob_diff", pa.float64()),
+            *[(f"count_{k}", pa.int64()) for k in COUNTS],
+            *[((k["name"] if k["name"] not in FIELDS else f"knob_{k['name']}"), pa.string()) for k in spec["knobs"]],
+        ]
+    )
     tmp = out / ".tmp-sweep.parquet"
     pq.write_table(pa.Table.from_pylist(flat, schema=schema), tmp)
     tmp.replace(out / "sweep.parquet")
@@ -212,11 +257,22 @@ def cell_row(name: str, values: dict, run_dir: str, findings: dict) -> dict:
     fd = shape.get("first_divergence") or {}
     pos = [f["first_divergence"] for f in flagged if f.get("first_divergence") is not None]
     fd_median = fd["median"] if "median" in fd else (float(median(pos)) if pos else None)
-    return {"name": name, "values": dict(values), "run_dir": run_dir, "verdict": findings.get("verdict"),
-            "counts": {k: counts.get(k, 0) for k in COUNTS}, "n_requests": n, "n_scored": scored,
-            "n_flagged": n_flagged, "rate": rate, "onset_seq": onset_seq, "onset_step": onset.get("step"),
-            "first_divergence_median": fd_median, "period": (shape.get("periodicity") or {}).get("period"),
-            "max_abs_logprob_diff": ((findings.get("metrics") or {}).get("abs_logprob_diff") or {}).get("max")}
+    return {
+        "name": name,
+        "values": dict(values),
+        "run_dir": run_dir,
+        "verdict": findings.get("verdict"),
+        "counts": {k: counts.get(k, 0) for k in COUNTS},
+        "n_requests": n,
+        "n_scored": scored,
+        "n_flagged": n_flagged,
+        "rate": rate,
+        "onset_seq": onset_seq,
+        "onset_step": onset.get("step"),
+        "first_divergence_median": fd_median,
+        "period": (shape.get("periodicity") or {}).get("period"),
+        "max_abs_logprob_diff": ((findings.get("metrics") or {}).get("abs_logprob_diff") or {}).get("max"),
+    }
 
 
 # -- what moves the shape (pure) ----------------------------------------------------------------------
@@ -254,9 +310,11 @@ def _group_verdict(metric: str, rows: list[dict]) -> tuple[bool, str, float]:
         hi = max(rows, key=lambda r: r["rate"] if r["rate"] is not None else -math.inf)
         p = two_proportion_p(lo["n_flagged"], lo["n_scored"], hi["n_flagged"], hi["n_scored"])
         return p < RATE_ALPHA, "; ".join(fmt_rate(r) for r in rows) + f" (two-proportion test, extremes: p={p:.2g})", -p
-    key, unit, rel = {"onset": ("onset_seq", "first flagged arrival index", 0.1),
-                      "position": ("first_divergence_median", "median first-divergence position", 0.25),
-                      "period": ("period", "period in steps", 0.1)}[metric]
+    key, unit, rel = {
+        "onset": ("onset_seq", "first flagged arrival index", 0.1),
+        "position": ("first_divergence_median", "median first-divergence position", 0.25),
+        "period": ("period", "period in steps", 0.1),
+    }[metric]
     vals = [r[key] for r in rows]
     fmt = [("none" if v is None else (f"{v:g}" if isinstance(v, float) else str(v))) for v in vals]
     if metric == "onset":
@@ -280,23 +338,42 @@ def shape_moves(knobs: list[dict], rows: list[dict]) -> list[dict]:
         for r in rows:
             groups.setdefault(tuple(r["values"].get(o) for o in others), []).append(r)
         order = {v: i for i, v in enumerate(k["values"])}
-        groups = {g: sorted(rs, key=lambda r: order.get(r["values"].get(k["name"]), 0))
-                  for g, rs in groups.items() if len({r["values"].get(k["name"]) for r in rs}) >= 2}
+        groups = {
+            g: sorted(rs, key=lambda r: order.get(r["values"].get(k["name"]), 0))
+            for g, rs in groups.items()
+            if len({r["values"].get(k["name"]) for r in rs}) >= 2
+        }
         for metric in METRICS:
             if not groups:
-                moves.append({"knob": k["name"], "metric": metric, "moves": False,
-                              "sentence": f"{k['name']}: not enough completed cells to compare its values yet"})
+                moves.append(
+                    {
+                        "knob": k["name"],
+                        "metric": metric,
+                        "moves": False,
+                        "sentence": f"{k['name']}: not enough completed cells to compare its values yet",
+                    }
+                )
                 continue
             judged = [(g, rs, *_group_verdict(metric, rs)) for g, rs in groups.items()]
             n_moved = sum(1 for j in judged if j[2])
             g, rs, moved, numbers, _ = max(judged, key=lambda j: (j[2], j[4]))
             at = ", ".join(f"{r['values'][k['name']]}" for r in rs)
             where = "" if not others else (" with " + ", ".join(f"{o}={v}" for o, v in zip(others, g)))
-            label = {"rate": "the rate", "onset": "the onset", "position": "the first-divergence position",
-                     "period": "the period"}[metric]
+            label = {
+                "rate": "the rate",
+                "onset": "the onset",
+                "position": "the first-divergence position",
+                "period": "the period",
+            }[metric]
             verb = f"moves {label}" if moved else f"does not move {label}"
             if len(judged) > 1:
                 verb += f" (in {n_moved} of {len(judged)} settings of the other knobs)"
-            moves.append({"knob": k["name"], "metric": metric, "moves": moved,
-                          "sentence": f"{k['name']} {verb}: at {k['name']} = {at}{where}: {numbers}."})
+            moves.append(
+                {
+                    "knob": k["name"],
+                    "metric": metric,
+                    "moves": moved,
+                    "sentence": f"{k['name']} {verb}: at {k['name']} = {at}{where}: {numbers}.",
+                }
+            )
     return moves

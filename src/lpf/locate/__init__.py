@@ -29,8 +29,9 @@ SCHEMA = 1
 HTTP_ENGINES = ("openai", "sglang", "llamacpp")
 
 
-def locate(run_path, request_id: str | None = None, position: int | None = None, out=None, trials: bool = True,
-           on_stage=None) -> tuple[dict, Path]:
+def locate(
+    run_path, request_id: str | None = None, position: int | None = None, out=None, trials: bool = True, on_stage=None
+) -> tuple[dict, Path]:
     from lpf.locate.target import choose_target
     from lpf.run.store import RunDir
 
@@ -39,10 +40,12 @@ def locate(run_path, request_id: str | None = None, position: int | None = None,
     run = RunDir.open(run_path)
     engine_name = (run.manifest.get("engine") or {}).get("name")
     if engine_name in HTTP_ENGINES:
-        raise LpfError(f"lpf locate needs the engine's activations op by op, and a {engine_name} server answers "
-                       f"over HTTP with tokens and logprobs only: it would need a capture hook inside its forward "
-                       f"pass (as lpf-vllm-trace has for vLLM); rerun the workload with --engine vllm or builtin "
-                       f"and locate that run")
+        raise LpfError(
+            f"lpf locate needs the engine's activations op by op, and a {engine_name} server answers "
+            f"over HTTP with tokens and logprobs only: it would need a capture hook inside its forward "
+            f"pass (as lpf-vllm-trace has for vLLM); rerun the workload with --engine vllm or builtin "
+            f"and locate that run"
+        )
     if engine_name not in ("builtin", "vllm", "hf"):
         raise LpfError(f"lpf locate knows the builtin, vllm and hf engines; this run's engine is {engine_name!r}")
     target = choose_target(run, request_id, position)
@@ -52,8 +55,11 @@ def locate(run_path, request_id: str | None = None, position: int | None = None,
     upto = len(ids) - 2
     stage(f"engine: replaying {target['request_id']} ({engine_name})")
     engine = _engine_side(run, engine_name, target, upto)
-    state_after = sorted({s["first_position"] - 1 for s in engine.steps} | {s["last_position"] for s in engine.steps}
-                         | _step_positions(engine.acts))
+    state_after = sorted(
+        {s["first_position"] - 1 for s in engine.steps}
+        | {s["last_position"] for s in engine.steps}
+        | _step_positions(engine.acts)
+    )
     from lpf.locate.reference_side import reference_side
 
     ref_path = Path((run.manifest.get("reference") or run.manifest["model"])["path"])
@@ -63,8 +69,9 @@ def locate(run_path, request_id: str | None = None, position: int | None = None,
         ref_path = resolve_model((run.manifest.get("reference") or run.manifest["model"])["spec"]).path
     # the reference runs over the whole request: the engine is compared up to its row, the reference's
     # own paths over every position (its decode path is only on trial where there are decode steps)
-    ref = reference_side(ref_path, ids, prompt_len, [p for p in state_after if 0 <= p <= upto],
-                         trials=trials, on_stage=stage)
+    ref = reference_side(
+        ref_path, ids, prompt_len, [p for p in state_after if 0 <= p <= upto], trials=trials, on_stage=stage
+    )
     from lpf.locate import align
     from lpf.locate.finding import judge
 
@@ -78,10 +85,15 @@ def locate(run_path, request_id: str | None = None, position: int | None = None,
     doc = _document(run, target, engine, ref, judged, dtype, time.monotonic() - t0)
     if doc["replay"]["reproduces"] is False:  # said first: the activations compared are not the run's
         chk = engine.check
-        doc["sentence"] = (f"The replay does not reproduce the run (its logprobs differ from the run's by up to "
-                           f"{chk['max_abs_logprob_diff']:.3g}), so what follows is not the run's computation: "
-                           + doc["sentence"])
-    out_dir = Path(out) if out is not None else run.path / "locate" / f"{_safe(target['request_id'])}-o{target['output_position']}"
+        doc["sentence"] = (
+            f"The replay does not reproduce the run (its logprobs differ from the run's by up to "
+            f"{chk['max_abs_logprob_diff']:.3g}), so what follows is not the run's computation: " + doc["sentence"]
+        )
+    out_dir = (
+        Path(out)
+        if out is not None
+        else run.path / "locate" / f"{_safe(target['request_id'])}-o{target['output_position']}"
+    )
     out_dir.mkdir(parents=True, exist_ok=True)
     _write_json(out_dir / "locate.json", doc)
     return doc, out_dir
@@ -116,9 +128,14 @@ def _engine_side(run, engine_name: str, target: dict, upto: int):
     dtype = (run.manifest["engine"].get("options") or {}).get("dtype", "float32")
     model = _load(resolve_model(run.manifest["model"]["spec"]).path, dtype)
     cap = HFCapture(model, "engine", dtype)
-    acts = cap.decode_path(target["ids"][:upto + 1], target["prompt_len"])
-    return EngineSide(acts, description={"engine": "hf", "schedule": "its decode path alone (generate's "
-                                                                     "left-padded batch is not replayed)"})
+    acts = cap.decode_path(target["ids"][: upto + 1], target["prompt_len"])
+    return EngineSide(
+        acts,
+        description={
+            "engine": "hf",
+            "schedule": "its decode path alone (generate's left-padded batch is not replayed)",
+        },
+    )
 
 
 def _safe(name: str) -> str:
@@ -139,20 +156,39 @@ def _write_json(path: Path, obj) -> None:
 def _document(run, target, engine, ref, judged, dtype, seconds) -> dict:
     m = run.manifest
     return {
-        "kind": "locate", "schema": SCHEMA, "run": str(run.path),
+        "kind": "locate",
+        "schema": SCHEMA,
+        "run": str(run.path),
         "request_id": target["request_id"],
-        "target": {k: target[k] for k in ("output_position", "row", "prompt_len", "why", "verdict",
-                                          "max_abs_logprob_diff")},
-        "engine": {"name": m["engine"].get("name"), "version": m["engine"].get("version"), "dtype": dtype,
-                   "model": m["model"].get("spec"), **engine.description},
+        "target": {
+            k: target[k] for k in ("output_position", "row", "prompt_len", "why", "verdict", "max_abs_logprob_diff")
+        },
+        "engine": {
+            "name": m["engine"].get("name"),
+            "version": m["engine"].get("version"),
+            "dtype": dtype,
+            "model": m["model"].get("spec"),
+            **engine.description,
+        },
         "reference": {"spec": (m.get("reference") or m["model"]).get("spec"), **ref.description},
-        "replay": {"steps_replayed": engine.steps_replayed, "steps_scheduled": engine.steps_scheduled,
-                   "check": engine.check, "reproduces": _reproduces(engine.check), "steps": engine.steps,
-                   "slot_stride": engine.slot_stride},
-        "located": judged["located"], "mamba": judged["mamba"], "input": judged["input"],
-        "verdict": judged["verdict"], "sentence": judged["sentence"], "details": judged["details"],
+        "replay": {
+            "steps_replayed": engine.steps_replayed,
+            "steps_scheduled": engine.steps_scheduled,
+            "check": engine.check,
+            "reproduces": _reproduces(engine.check),
+            "steps": engine.steps,
+            "slot_stride": engine.slot_stride,
+        },
+        "located": judged["located"],
+        "mamba": judged["mamba"],
+        "input": judged["input"],
+        "verdict": judged["verdict"],
+        "sentence": judged["sentence"],
+        "details": judged["details"],
         "trials": judged["trials"],
-        "modules": judged["modules"], "grid": judged["grid"], "mismatched": judged["mismatched"],
+        "modules": judged["modules"],
+        "grid": judged["grid"],
+        "mismatched": judged["mismatched"],
         "seconds": {"total": seconds, "engine": engine.seconds, "reference": ref.seconds},
     }
 

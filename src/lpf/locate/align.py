@@ -26,8 +26,12 @@ import numpy as np
 
 from lpf.locate.ops import Activations, split_op
 
-EPS = {"float64": float(np.finfo(np.float64).eps), "float32": float(np.finfo(np.float32).eps),
-       "bfloat16": 2.0 ** -7, "float16": float(np.finfo(np.float16).eps)}
+EPS = {
+    "float64": float(np.finfo(np.float64).eps),
+    "float32": float(np.finfo(np.float32).eps),
+    "bfloat16": 2.0**-7,
+    "float16": float(np.finfo(np.float16).eps),
+}
 SAFETY = 64.0  # honest float32 implementations measured within ~8x of the reference's own error (docs)
 GOLD_TOLERANCE = 1024  # float32 epsilons: the most a float32 forward of these depths rounds off the gold
 
@@ -83,7 +87,7 @@ def add_scores(acts: Activations, geometry: dict[int, tuple[int, int, int, float
             if p > top or qs[p].size != heads * hd:
                 continue
             q = qs[p].reshape(heads, hd)
-            s = np.einsum("hd,thd->ht", q, np.repeat(K[:p + 1], group, axis=1)) * scale
+            s = np.einsum("hd,thd->ht", q, np.repeat(K[: p + 1], group, axis=1)) * scale
             s = np.exp(s - s.max(axis=1, keepdims=True))
             acts.put(op[:-1] + "scores", p, s / s.sum(axis=1, keepdims=True))
         vop = op[:-1] + "v"
@@ -127,6 +131,15 @@ def summary(errors, floor_of, order: list[str]) -> list[dict]:
         worst = max(errs, key=errs.get)
         f = floor_of.get(op)
         first = next((p for p in sorted(errs) if f is not None and errs[p] > f), None)
-        out.append({"op": op, "max_rel_error": errs[worst], "at": worst, "floor": f,
-                    "ratio": None if not f else errs[worst] / f, "first_departure": first, "positions": len(errs)})
+        out.append(
+            {
+                "op": op,
+                "max_rel_error": errs[worst],
+                "at": worst,
+                "floor": f,
+                "ratio": None if not f else errs[worst] / f,
+                "first_departure": first,
+                "positions": len(errs),
+            }
+        )
     return out

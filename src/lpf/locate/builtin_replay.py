@@ -80,9 +80,12 @@ def replay(run: RunDir, request_id: str, upto: int, on_step=None) -> EngineSide:
         torch.set_num_threads(before)
     side.check = _check(run, request_id, side, prompt_len(run, request_id))
     side.seconds = time.monotonic() - t0
-    side.description = {"engine": "builtin", "drills": FaultSet.parse(options.get("inject") or "").names(),
-                        "schedule": "the run's own, replayed through its adapter and checked against its trace "
-                                    "step by step" + ("; every step computed (prefix caching)" if every else "")}
+    side.description = {
+        "engine": "builtin",
+        "drills": FaultSet.parse(options.get("inject") or "").names(),
+        "schedule": "the run's own, replayed through its adapter and checked against its trace "
+        "step by step" + ("; every step computed (prefix caching)" if every else ""),
+    }
     return side
 
 
@@ -98,10 +101,19 @@ def _nodes(engine, so) -> list[Node]:
         conv_reads = getattr(drills, "conv_reads_slot", lambda _phase: False)(phase)
         reads = decode or drills.has_initial_state(s, phase) or conv_reads
         zero = s.state_slot * sc.slot_stride if drills.zero_new_slot(s) else None
-        out.append(Node(so.step, s.request_id, decode, zero if has_state else None,
-                        sc.base(s.state_slot, path) if has_state and reads else None,
-                        sc.base(s.state_slot, path) if has_state else None,
-                        s.num_computed_tokens, s.num_computed_tokens + s.num_scheduled_tokens, tuple(s.block_table)))
+        out.append(
+            Node(
+                so.step,
+                s.request_id,
+                decode,
+                zero if has_state else None,
+                sc.base(s.state_slot, path) if has_state and reads else None,
+                sc.base(s.state_slot, path) if has_state else None,
+                s.num_computed_tokens,
+                s.num_computed_tokens + s.num_scheduled_tokens,
+                tuple(s.block_table),
+            )
+        )
     return out
 
 
@@ -121,7 +133,9 @@ def _compute(engine, schedule, request_id, dtype, on_step, every: bool, live: di
         cap, logits, steps = live["cap"], live["logits"], sorted({so.step for so in schedule})
     else:
         cap, logits = EngineCapture(engine.model, request_id, dtype), {}
-        steps = sorted({k[0] for k in deps.closure([n.key for step in nodes for n in step if n.request_id == request_id])})
+        steps = sorted(
+            {k[0] for k in deps.closure([n.key for step in nodes for n in step if n.request_id == request_id])}
+        )
         hooks = cap.install()
         try:
             for i, so in enumerate(schedule):
@@ -131,8 +145,13 @@ def _compute(engine, schedule, request_id, dtype, on_step, every: bool, live: di
                     on_step(i + 1, len(schedule))
         finally:
             hooks.remove()
-    side = EngineSide(cap.acts, steps_replayed=len(steps), steps_scheduled=len(schedule),
-                      slot_stride=engine.runner.state_cache.slot_stride, logits=logits)
+    side = EngineSide(
+        cap.acts,
+        steps_replayed=len(steps),
+        steps_scheduled=len(schedule),
+        slot_stride=engine.runner.state_cache.slot_stride,
+        logits=logits,
+    )
     for so, step_nodes in zip(schedule, nodes):
         for n in step_nodes:
             if n.request_id == request_id:
@@ -165,14 +184,29 @@ def _project(engine, so, cap, logits: dict) -> None:
 def _step_info(so, n: Node, deps: Dependencies, drills, prefix_caching: bool = False) -> dict:
     s = next(x for x in so.scheduled if x.request_id == n.request_id)
     if prefix_caching:  # a state may come from a checkpoint slot: where it was read is not modelled here
-        return {"step": so.step, "phase": drills.phase(s), "first_position": n.kv_start, "last_position": n.kv_end - 1,
-                "num_tokens": n.kv_end - n.kv_start, "batch_size": len(so.scheduled), "state_slot": s.state_slot}
+        return {
+            "step": so.step,
+            "phase": drills.phase(s),
+            "first_position": n.kv_start,
+            "last_position": n.kv_end - 1,
+            "num_tokens": n.kv_end - n.kv_start,
+            "batch_size": len(so.scheduled),
+            "state_slot": s.state_slot,
+        }
     writers = deps.state_writers(n)
-    return {"step": so.step, "phase": drills.phase(s),
-            "first_position": n.kv_start, "last_position": n.kv_end - 1, "num_tokens": n.kv_end - n.kv_start,
-            "batch_size": len(so.scheduled), "state_slot": s.state_slot, "slot_zeroed": n.zeroes_slot is not None,
-            "state_read_offset": n.state_read, "state_write_offset": n.state_write,
-            "state_last_written_by": [None if w is None else {"step": w[0], "request_id": w[1]} for w in writers]}
+    return {
+        "step": so.step,
+        "phase": drills.phase(s),
+        "first_position": n.kv_start,
+        "last_position": n.kv_end - 1,
+        "num_tokens": n.kv_end - n.kv_start,
+        "batch_size": len(so.scheduled),
+        "state_slot": s.state_slot,
+        "slot_zeroed": n.zeroes_slot is not None,
+        "state_read_offset": n.state_read,
+        "state_write_offset": n.state_write,
+        "state_last_written_by": [None if w is None else {"step": w[0], "request_id": w[1]} for w in writers],
+    }
 
 
 def _check(run: RunDir, request_id: str, side: EngineSide, prompt_len: int) -> dict:

@@ -53,8 +53,10 @@ def replay_schedule(run, request_id: str, upto: int, compute=None):
 
     m = run.manifest
     requests, sampling = _run_requests(run)
-    recorded = {r["request_id"]: r["output_token_ids"] or []
-                for r in run.read("requests", ["request_id", "output_token_ids"]).to_pylist()}
+    recorded = {
+        r["request_id"]: r["output_token_ids"] or []
+        for r in run.read("requests", ["request_id", "output_token_ids"]).to_pylist()
+    }
     if request_id not in recorded:
         raise LpfError(f"request {request_id!r} is not in {run.path}")
     adapter = BuiltinEngine(resolve_model(m["model"]["spec"]), sampling, BuiltinOptions.parse(m["engine"]["options"]))
@@ -73,13 +75,22 @@ def replay_schedule(run, request_id: str, upto: int, compute=None):
         if state["done"]:
             raise _Done
         schedule.append(so)
-        state["done"] = any(s.request_id == request_id and s.num_computed_tokens + s.num_scheduled_tokens > upto
-                            for s in so.scheduled)
+        state["done"] = any(
+            s.request_id == request_id and s.num_computed_tokens + s.num_scheduled_tokens > upto for s in so.scheduled
+        )
         if compute is not None:
             return replace(compute(so, real, adapter), samples=samples(so))
-        rows = {s.request_id: PromptRows(s.num_computed_tokens + 1, [0.0] * len(s.prompt_targets),
-                                         [1] * len(s.prompt_targets), [[]] * len(s.prompt_targets),
-                                         [[]] * len(s.prompt_targets)) for s in so.scheduled if s.prompt_targets}
+        rows = {
+            s.request_id: PromptRows(
+                s.num_computed_tokens + 1,
+                [0.0] * len(s.prompt_targets),
+                [1] * len(s.prompt_targets),
+                [[]] * len(s.prompt_targets),
+                [[]] * len(s.prompt_targets),
+            )
+            for s in so.scheduled
+            if s.prompt_targets
+        }
         return StepResult({s.request_id: drills.phase(s) for s in so.scheduled}, samples(so), rows)
 
     runner.execute = execute
@@ -105,9 +116,11 @@ def _check_trace(run, replayed, schedule) -> None:
         w, g = want.get(so.step, set()), got.get(so.step, set())
         if w != g:
             diff = sorted(w ^ g, key=str)[:2]
-            raise LpfError(f"the built-in engine does not replay this run's schedule at step {so.step} (the trace has "
-                           f"{len(w)} rows there, the replay {len(g)}; differing: {diff}): a resumed run, or the engine "
-                           f"changed since; locate needs one uninterrupted session")
+            raise LpfError(
+                f"the built-in engine does not replay this run's schedule at step {so.step} (the trace has "
+                f"{len(w)} rows there, the replay {len(g)}; differing: {diff}): a resumed run, or the engine "
+                f"changed since; locate needs one uninterrupted session"
+            )
 
 
 def prompt_len(run, request_id: str) -> int:

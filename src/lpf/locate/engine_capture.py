@@ -63,7 +63,7 @@ class EngineCapture:
         for name, mod in self.model.named_modules():
             op = GLOBAL.get(name)
             if op is None and name.startswith("model.layers."):
-                idx, _, rel = name[len("model.layers."):].partition(".")
+                idx, _, rel = name[len("model.layers.") :].partition(".")
                 if not rel:
                     op = "out"
                 for pat, candidate in RULES:
@@ -79,6 +79,7 @@ class EngineCapture:
     def _hook(self, name: str):
         def post(module, _args, output):
             self.put(module, name, output, get_forward_context().rows)
+
         return post
 
     # -- the capture protocol ---------------------------------------------------------------------
@@ -98,7 +99,7 @@ class EngineCapture:
         at = 0
         for s in rows:
             if s.request_id == self.request_id:
-                part = tensor[at:at + s.num_tokens].detach()
+                part = tensor[at : at + s.num_tokens].detach()
                 positions = list(range(s.num_computed, s.num_computed + s.num_tokens))
                 vals = part.to(torch.float64).reshape(s.num_tokens, -1).cpu().numpy()
                 for i, p in enumerate(positions):

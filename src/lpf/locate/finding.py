@@ -56,8 +56,14 @@ def _compare(a, b, dtype, growth, order):
     return errs, floor_of, align.first_departure(errs, floor_of, order), mismatched
 
 
-def judge(engine, ref, prompt_len: int, engine_dtype: str, engine_steps: list[dict] | None = None,
-          slot_stride: int | None = None) -> dict:
+def judge(
+    engine,
+    ref,
+    prompt_len: int,
+    engine_dtype: str,
+    engine_steps: list[dict] | None = None,
+    slot_stride: int | None = None,
+) -> dict:
     order = merged_order(engine.order, ref.tf.order)
     gold_errs, _ = align.rel_errors(ref.tf, ref.gold)
     growth = align.growth(gold_errs)
@@ -65,9 +71,11 @@ def judge(engine, ref, prompt_len: int, engine_dtype: str, engine_steps: list[di
     out = {"order": order, "growth": growth, "mismatched": mismatched}
     trials = {"gold": _gold_trial(gold_errs)}
     side_errs = {"gold": gold_errs}
-    for name, acts, a, b, dtype in (("decode_path", ref.decode, ref.decode, ref.tf, "float32"),
-                                    ("attention", ref.eager, ref.eager, ref.tf, "float32"),
-                                    ("engine_vs_decode_path", ref.decode, engine, ref.decode, engine_dtype)):
+    for name, acts, a, b, dtype in (
+        ("decode_path", ref.decode, ref.decode, ref.tf, "float32"),
+        ("attention", ref.eager, ref.eager, ref.tf, "float32"),
+        ("engine_vs_decode_path", ref.decode, engine, ref.decode, engine_dtype),
+    ):
         if acts is None:
             continue
         e, f, first, _ = _compare(a, b, dtype, growth, order)
@@ -83,7 +91,9 @@ def judge(engine, ref, prompt_len: int, engine_dtype: str, engine_steps: list[di
     if out["located"] is not None:  # its sibling computed from the same input (q and k, the two states)
         op, p = out["located"]["op"], out["located"]["position"]
         sibling = op.rpartition(".")[0] + "." + PAIRS[base_name(op)] if base_name(op) in PAIRS else None
-        out["located"]["also"] = [sibling] if sibling and errs.get(sibling, {}).get(p, 0) > floor_of.get(sibling, 1e300) else []
+        out["located"]["also"] = (
+            [sibling] if sibling and errs.get(sibling, {}).get(p, 0) > floor_of.get(sibling, 1e300) else []
+        )
     if out["located"] is not None and engine_steps:
         out["located"]["step"] = _step_at(engine_steps, out["located"]["position"])
     out["mamba"] = _mamba(out["located"], errs, floor_of, engine, ref.tf, prompt_len, engine_steps)
@@ -102,9 +112,16 @@ def _point(first, a, b, prompt_len):
         return None
     op, p = first["op"], first["position"]
     layer, _ = split_op(op)
-    return {**first, "layer": layer, "name": base_name(op), "description": _describe(op), "short": _short(op),
-            "token": token_label(p, prompt_len),
-            f"{a.side}_norm": align.norms(a, op, p), f"{b.side}_norm": align.norms(b, op, p)}
+    return {
+        **first,
+        "layer": layer,
+        "name": base_name(op),
+        "description": _describe(op),
+        "short": _short(op),
+        "token": token_label(p, prompt_len),
+        f"{a.side}_norm": align.norms(a, op, p),
+        f"{b.side}_norm": align.norms(b, op, p),
+    }
 
 
 def _step_at(steps: list[dict], position: int) -> dict | None:
@@ -116,8 +133,14 @@ def _gold_trial(gold_errs) -> dict:
     if worst is None:
         return {"agrees": None}
     eps = worst[1] / align.EPS["float32"]
-    return {"agrees": eps <= align.GOLD_TOLERANCE, "worst_op": worst[0], "worst_rel_error": worst[1],
-            "worst_epsilons": eps, "tolerance_epsilons": align.GOLD_TOLERANCE, "compared_ops": len(gold_errs)}
+    return {
+        "agrees": eps <= align.GOLD_TOLERANCE,
+        "worst_op": worst[0],
+        "worst_rel_error": worst[1],
+        "worst_epsilons": eps,
+        "tolerance_epsilons": align.GOLD_TOLERANCE,
+        "compared_ops": len(gold_errs),
+    }
 
 
 def _mamba(located, errs, floor_of, engine, ref, prompt_len, steps):
@@ -134,16 +157,29 @@ def _mamba(located, errs, floor_of, engine, ref, prompt_len, steps):
     for part, op in (("ssm", f"L{layer}.state_in"), ("conv", f"L{layer}.conv_state_in")):
         e, f = errs.get(op, {}).get(start), floor_of.get(op)
         if e is not None and f is not None:
-            parts[part] = {"rel_error": e, "floor": f, "differed": e > f, "engine_norm": align.norms(engine, op, start),
-                           "reference_norm": align.norms(ref, op, start)}
+            parts[part] = {
+                "rel_error": e,
+                "floor": f,
+                "differed": e > f,
+                "engine_norm": align.norms(engine, op, start),
+                "reference_norm": align.norms(ref, op, start),
+            }
     if not parts:
         return None
     differed = [k for k, v in parts.items() if v["differed"]]
     shown = parts.get(differed[0] if differed else "ssm") or next(iter(parts.values()))
-    info = {"layer": layer, "step_start": start, "start_token": token_label(start, prompt_len),
-            "input_state": "differed" if differed else "agreed", "differed_parts": differed, "parts": parts,
-            "state_in_rel_error": shown["rel_error"], "floor": shown["floor"],
-            "engine_state_norm": shown["engine_norm"], "reference_state_norm": shown["reference_norm"]}
+    info = {
+        "layer": layer,
+        "step_start": start,
+        "start_token": token_label(start, prompt_len),
+        "input_state": "differed" if differed else "agreed",
+        "differed_parts": differed,
+        "parts": parts,
+        "state_in_rel_error": shown["rel_error"],
+        "floor": shown["floor"],
+        "engine_state_norm": shown["engine_norm"],
+        "reference_state_norm": shown["reference_norm"],
+    }
     if steps:
         step = _step_at(steps, start)
         info["step"] = step
@@ -164,8 +200,13 @@ def _input(located, errs, floor_of, order):
         if is_step_op(prev) or p not in errs.get(prev, {}):
             continue
         e, f = errs[prev][p], floor_of.get(prev)
-        return {"op": prev, "description": _describe(prev), "rel_error": e, "floor": f,
-                "agreed": f is not None and e <= f}
+        return {
+            "op": prev,
+            "description": _describe(prev),
+            "rel_error": e,
+            "floor": f,
+            "agreed": f is not None and e <= f,
+        }
     return None
 
 
@@ -188,7 +229,7 @@ def _grid(errs, floor_of, order, max_positions: int = 512) -> dict:
     ops = [op for op in order if errs.get(op) and floor_of.get(op)]
     positions = sorted({p for op in ops for p in errs[op]})
     step = max(1, -(-len(positions) // max_positions))
-    cols = [positions[i:i + step] for i in range(0, len(positions), step)]
+    cols = [positions[i : i + step] for i in range(0, len(positions), step)]
     rows = []
     for op in ops:
         e, f = errs[op], floor_of[op]
@@ -208,8 +249,10 @@ def _verdict(out, trials) -> dict:
     # the gold sets the floors; float32 far off it is ill-conditioning (reported), not the reference contradicting itself
     ref_wrong = [t for t in (dp, at) if t is not None]
     if gold.get("agrees") is False:
-        note = (f"; note: the float32 reference is {gold['worst_epsilons']:.3g} float32 epsilons off its float64 gold "
-                f"at {gold['worst_op']} (beyond {gold['tolerance_epsilons']}: ill-conditioned here, the floors widen with it)")
+        note = (
+            f"; note: the float32 reference is {gold['worst_epsilons']:.3g} float32 epsilons off its float64 gold "
+            f"at {gold['worst_op']} (beyond {gold['tolerance_epsilons']}: ill-conditioned here, the floors widen with it)"
+        )
     else:
         note = ""
     verdict = _suspect(located, dp, at, ref_wrong, trials)
@@ -220,29 +263,44 @@ def _verdict(out, trials) -> dict:
 def _suspect(located, dp, at, ref_wrong, trials) -> dict:
     gold = trials["gold"]
     if located is None and not ref_wrong:
-        return {"suspect": "nobody", "sentence": "no op departs from the reference beyond its floor, and the "
-                                                 "reference agrees with itself"}
+        return {
+            "suspect": "nobody",
+            "sentence": "no op departs from the reference beyond its floor, and the reference agrees with itself",
+        }
     if located is None:
-        return {"suspect": "reference", "sentence": "the engine agrees with the reference's teacher-forced pass; "
-                                                    "the reference disagrees with itself (" + _ref_words(dp, at, gold) + ")"}
+        return {
+            "suspect": "reference",
+            "sentence": "the engine agrees with the reference's teacher-forced pass; "
+            "the reference disagrees with itself (" + _ref_words(dp, at, gold) + ")",
+        }
     if not ref_wrong:
-        return {"suspect": "engine", "sentence": f"the engine departs ({located['short']}, {located['token']}); "
-                                                 "the reference agrees with itself: its float64 gold, its decode path "
-                                                 "and its attention implementations"}
+        return {
+            "suspect": "engine",
+            "sentence": f"the engine departs ({located['short']}, {located['token']}); "
+            "the reference agrees with itself: its float64 gold, its decode path "
+            "and its attention implementations",
+        }
     there = (trials.get("decode_path") or {}).get("engine_there")
     tail = ""
     if dp is not None and there is not None:
-        tail = (f"; where the decode path departs, the engine {'agrees' if there['agrees'] else 'disagrees'} with it "
-                f"(rel error {_g(there['rel_error'])})")
-    return {"suspect": "both", "sentence": f"the engine departs ({located['short']}, {located['token']}) and "
-                                           f"the reference disagrees with itself ({_ref_words(dp, at, gold)}){tail}"}
+        tail = (
+            f"; where the decode path departs, the engine {'agrees' if there['agrees'] else 'disagrees'} with it "
+            f"(rel error {_g(there['rel_error'])})"
+        )
+    return {
+        "suspect": "both",
+        "sentence": f"the engine departs ({located['short']}, {located['token']}) and "
+        f"the reference disagrees with itself ({_ref_words(dp, at, gold)}){tail}",
+    }
 
 
 def _ref_words(dp, at, gold) -> str:
     parts = []
     if dp is not None:
-        parts.append(f"its decode path departs from its teacher-forced pass at {dp['short']}, {dp['token']}: "
-                     f"rel error {_g(dp['rel_error'])}, {_g(dp['ratio'])}x the floor")
+        parts.append(
+            f"its decode path departs from its teacher-forced pass at {dp['short']}, {dp['token']}: "
+            f"rel error {_g(dp['rel_error'])}, {_g(dp['ratio'])}x the floor"
+        )
     if at is not None:
         parts.append(f"its attention implementations depart at {at['short']}, {at['token']}")
     return "; ".join(parts)
@@ -252,21 +310,32 @@ def _state_words(mamba: dict) -> str:
     """What the step that computed the position read as its state, and who wrote it (built-in engine)."""
     step = mamba.get("step") or {}
     if "state_read_offset" not in step:  # an engine that does not say where it read its state (vLLM)
-        return ": the state is not this request's" + (f" (step {step['step']}, {step['phase']} on slot "
-                                                      f"{step['state_slot']})" if step else "")
+        return ": the state is not this request's" + (
+            f" (step {step['step']}, {step['phase']} on slot {step['state_slot']})" if step else ""
+        )
     if step.get("state_read_offset") is None:
-        return (f": step {step['step']} ({step['phase']}, tokens {step['first_position']}..{step['last_position']}) "
-                f"read no state and started from zeros, where the reference carries the state of the tokens before it")
+        return (
+            f": step {step['step']} ({step['phase']}, tokens {step['first_position']}..{step['last_position']}) "
+            f"read no state and started from zeros, where the reference carries the state of the tokens before it"
+        )
     writers = [w for w in step.get("state_last_written_by") or [] if w]
     who = ", ".join(f"{w['request_id']} at step {w['step']}" for w in writers) or "nobody (never written: zeros)"
-    words = (f": the state is not this request's: step {step['step']} ({step['phase']} on slot {step['state_slot']}) "
-             f"read it at element offset {step['state_read_offset']}, last written by {who}")
+    words = (
+        f": the state is not this request's: step {step['step']} ({step['phase']} on slot {step['state_slot']}) "
+        f"read it at element offset {step['state_read_offset']}, last written by {who}"
+    )
     prev = mamba.get("previous_step")
-    if prev and prev.get("state_write_offset") != step.get("state_read_offset") and prev.get("state_write_offset") is not None:
+    if (
+        prev
+        and prev.get("state_write_offset") != step.get("state_read_offset")
+        and prev.get("state_write_offset") is not None
+    ):
         stride = mamba.get("slot_stride")
         inside = f" (inside slot {prev['state_write_offset'] // stride})" if stride else ""
-        words += (f"; its previous step ({prev['phase']}, step {prev['step']}) wrote its final state at offset "
-                  f"{prev['state_write_offset']}{inside} instead")
+        words += (
+            f"; its previous step ({prev['phase']}, step {prev['step']}) wrote its final state at offset "
+            f"{prev['state_write_offset']}{inside} instead"
+        )
     return words
 
 
@@ -276,23 +345,37 @@ def _sentence(out, prompt_len: int) -> tuple[str, str]:
     suspect = verdict["suspect"]
     if loc is None:
         return f"Nothing departs beyond its floor; suspect: {suspect} ({verdict['sentence']}).", verdict["sentence"]
-    head = (f"the first departure is {loc['short']} at {loc['token']}: rel error {_g(loc['rel_error'])}, "
-            f"{_g(loc['ratio'])}x its floor" + (f" (at the same token also {', '.join(loc['also'])})" if loc.get("also") else ""))
+    head = (
+        f"the first departure is {loc['short']} at {loc['token']}: rel error {_g(loc['rel_error'])}, "
+        f"{_g(loc['ratio'])}x its floor"
+        + (f" (at the same token also {', '.join(loc['also'])})" if loc.get("also") else "")
+    )
     details = f"{head[0].upper()}{head[1:]}; {verdict['sentence']}."
     if mamba is not None and mamba["input_state"] == "differed":
-        which = "input state" if len(mamba["differed_parts"]) == 2 else \
-            ("input SSM state" if mamba["differed_parts"] == ["ssm"] else "input conv state (its SSM state agreed)")
-        return (f"Mamba layer {mamba['layer']}'s {which} at {mamba['start_token']} already differed (engine state "
-                f"norm {_g(mamba['engine_state_norm'])}, reference {_g(mamba['reference_state_norm'])})"
-                f"{_state_words(mamba)}; suspect: {suspect}."), details
+        which = (
+            "input state"
+            if len(mamba["differed_parts"]) == 2
+            else (
+                "input SSM state" if mamba["differed_parts"] == ["ssm"] else "input conv state (its SSM state agreed)"
+            )
+        )
+        return (
+            f"Mamba layer {mamba['layer']}'s {which} at {mamba['start_token']} already differed (engine state "
+            f"norm {_g(mamba['engine_state_norm'])}, reference {_g(mamba['reference_state_norm'])})"
+            f"{_state_words(mamba)}; suspect: {suspect}."
+        ), details
     if mamba is not None:
-        return (f"In Mamba layer {mamba['layer']} {head}, while its input state at {mamba['start_token']} agreed "
-                f"(rel error {_g(mamba['state_in_rel_error'])}): the layer computed wrong from the right input; "
-                f"suspect: {suspect}."), details
+        return (
+            f"In Mamba layer {mamba['layer']} {head}, while its input state at {mamba['start_token']} agreed "
+            f"(rel error {_g(mamba['state_in_rel_error'])}): the layer computed wrong from the right input; "
+            f"suspect: {suspect}."
+        ), details
     extra = ""
     if inp is not None:
-        extra = (f", its input ({_short(inp['op'])}) {'agreeing' if inp['agreed'] else 'already differing'} there "
-                 f"(rel error {_g(inp['rel_error'])})")
+        extra = (
+            f", its input ({_short(inp['op'])}) {'agreeing' if inp['agreed'] else 'already differing'} there "
+            f"(rel error {_g(inp['rel_error'])})"
+        )
         if inp["agreed"] and loc["name"] in LINEAR_OPS:
             extra += ": a linear op computes another function of the same input (its weights or its matmul differ)"
     return f"{head[0].upper()}{head[1:]}{extra}; suspect: {suspect}.", details

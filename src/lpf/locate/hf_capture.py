@@ -56,11 +56,20 @@ RULES: list[tuple[str, list[tuple[str, str]]]] = [
 ]
 # sub-blocks whose ops get their own prefix inside a layer (their module names repeat the layer's)
 SUB_BLOCKS = {"shared_transformer": "shared.", "mamba_decoder": ""}
-GLOBAL_RULES = [(r"(model\.)?(embed_tokens|embeddings)|backbone\.embeddings", "embed"),
-                (r"model\.(norm|final_layernorm|embedding_norm)|backbone\.norm_f", "final_norm")]
+GLOBAL_RULES = [
+    (r"(model\.)?(embed_tokens|embeddings)|backbone\.embeddings", "embed"),
+    (r"model\.(norm|final_layernorm|embedding_norm)|backbone\.norm_f", "final_norm"),
+]
 _HERE = object()  # "the decoder layer running now"
-WRAPPED = ("causal_conv1d_fn", "causal_conv1d_update", "mamba2_chunk_scan", "mamba2_selective_state_update",
-           "mamba_selective_scan", "mamba_selective_state_update", "eager_attention_forward")
+WRAPPED = (
+    "causal_conv1d_fn",
+    "causal_conv1d_update",
+    "mamba2_chunk_scan",
+    "mamba2_selective_state_update",
+    "mamba_selective_scan",
+    "mamba_selective_state_update",
+    "eager_attention_forward",
+)
 
 
 def decoder_layers(model) -> tuple[str, torch.nn.ModuleList]:
@@ -122,7 +131,7 @@ class HFCapture:
                     if re.fullmatch(pat, name):
                         plan.append((mod, "global", None, "", [(op, OUT)]))
                 continue
-            idx, _, rel = name[len(self.prefix):].partition(".")
+            idx, _, rel = name[len(self.prefix) :].partition(".")
             if not idx.isdigit():
                 continue
             if not rel:
@@ -174,6 +183,7 @@ class HFCapture:
             for op, what in ops:
                 if what == OUT:
                     self._put(op, _rows(_first(output), self.length), where, sub)
+
         return pre, post
 
     @contextmanager
@@ -234,6 +244,7 @@ class HFCapture:
             except Exception:  # noqa: BLE001 - an observation that does not fit is lost, never the pass
                 pass
             return out
+
         return wrapper
 
     def _observe(self, name: str, a: dict, out, state_before) -> None:
@@ -250,8 +261,12 @@ class HFCapture:
             self._put("v", v[0, :, -t:].transpose(0, 1).reshape(t, -1))
             self._put("attn_out", _first(out)[0].reshape(t, -1))
             scale = a.get("scaling")
-            self.geometry[self.layer] = (q.shape[1], k.shape[1], q.shape[-1],
-                                         float(scale if scale is not None else q.shape[-1] ** -0.5))
+            self.geometry[self.layer] = (
+                q.shape[1],
+                k.shape[1],
+                q.shape[-1],
+                float(scale if scale is not None else q.shape[-1] ** -0.5),
+            )
         elif name == "mamba2_chunk_scan":
             dt = _softplus_dt(a["dt"], a.get("dt_bias"), a.get("dt_softplus", False))
             lo, hi = a.get("dt_limit", (0.0, float("inf")))
@@ -323,7 +338,7 @@ class HFCapture:
                 for b in sorted(set(after)):
                     if b < 0 or b >= len(ids):
                         continue
-                    out = self._forward(ids[:b + 1], 0, use_cache=True)
+                    out = self._forward(ids[: b + 1], 0, use_cache=True)
                     st = self._cache_states(out.cache)
                     self._put_states(st, "out", b)
                     if b + 1 < len(ids):
@@ -345,7 +360,7 @@ class HFCapture:
             logits = list(out.logits[0])
             for t in range(prompt_len, len(ids)):
                 self._put_states(self._cache_states(cache), "in", t)
-                out = self._forward(ids[t:t + 1], t, cache=cache, use_cache=True)
+                out = self._forward(ids[t : t + 1], t, cache=cache, use_cache=True)
                 cache = out.cache
                 self._put_states(self._cache_states(cache), "out", t)
                 logits.append(out.logits[0, -1])

@@ -48,14 +48,34 @@ NAMES = {
     "logits": "the LM head's logits",
 }
 # the same, short enough for a sentence
-SHORT = {"embed": "the embeddings", "norm": "the input norm", "in_proj": "the input projection",
-         "conv": "the conv output", "conv_state_in": "the conv state in", "state_in": "the SSM state in",
-         "dt": "the SSM step size dt", "ssm_out": "the scan output", "conv_state_out": "the conv state out",
-         "state_out": "the SSM state out", "gate_norm": "the gated norm", "out_proj": "the output projection",
-         "q": "q after rotary", "k": "k after rotary", "v": "v", "scores": "the attention weights",
-         "attn_out": "the attention output", "o_proj": "the attention output projection", "ffn_norm": "the FFN norm",
-         "router": "the MoE router logits", "moe": "the MoE output", "mlp": "the MLP output", "out": "the layer output",
-         "final_norm": "the final norm", "logits": "the logits", "linear": "the shared block's adapter"}
+SHORT = {
+    "embed": "the embeddings",
+    "norm": "the input norm",
+    "in_proj": "the input projection",
+    "conv": "the conv output",
+    "conv_state_in": "the conv state in",
+    "state_in": "the SSM state in",
+    "dt": "the SSM step size dt",
+    "ssm_out": "the scan output",
+    "conv_state_out": "the conv state out",
+    "state_out": "the SSM state out",
+    "gate_norm": "the gated norm",
+    "out_proj": "the output projection",
+    "q": "q after rotary",
+    "k": "k after rotary",
+    "v": "v",
+    "scores": "the attention weights",
+    "attn_out": "the attention output",
+    "o_proj": "the attention output projection",
+    "ffn_norm": "the FFN norm",
+    "router": "the MoE router logits",
+    "moe": "the MoE output",
+    "mlp": "the MLP output",
+    "out": "the layer output",
+    "final_norm": "the final norm",
+    "logits": "the logits",
+    "linear": "the shared block's adapter",
+}
 STEP_OPS = ("conv_state_in", "state_in", "conv_state_out", "state_out")
 GLOBAL_OPS = ("embed", "final_norm", "logits")
 

@@ -50,8 +50,9 @@ def _load(path, dtype, attn: str | None = None):
     return AutoModelForCausalLM.from_pretrained(path, **kwargs).eval()
 
 
-def reference_side(path, ids: list[int], prompt_len: int, state_after: list[int], trials: bool = True,
-                   on_stage=None) -> ReferenceSide:
+def reference_side(
+    path, ids: list[int], prompt_len: int, state_after: list[int], trials: bool = True, on_stage=None
+) -> ReferenceSide:
     import transformers
 
     from lpf.locate.hf_capture import HFCapture
@@ -68,9 +69,17 @@ def reference_side(path, ids: list[int], prompt_len: int, state_after: list[int]
     gold_cap = HFCapture(_load(path, "float64"), "gold", "float64")
     gold = gold_cap.teacher_forced(ids)
     gold_cap.states(ids, state_after, into=gold)
-    side = ReferenceSide(tf, gold, geometry=dict(cap.geometry),
-                         description={"path": str(path), "implementation": f"transformers {transformers.__version__}",
-                                      "attention": impl, "architecture": type(ref).__name__})
+    side = ReferenceSide(
+        tf,
+        gold,
+        geometry=dict(cap.geometry),
+        description={
+            "path": str(path),
+            "implementation": f"transformers {transformers.__version__}",
+            "attention": impl,
+            "architecture": type(ref).__name__,
+        },
+    )
     if trials:
         stage("reference: its decode path")
         side.decode = HFCapture(ref, "decode_path", "float32").decode_path(ids, min(prompt_len, len(ids)))

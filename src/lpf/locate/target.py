@@ -62,16 +62,24 @@ def choose_target(run, request_id: str | None = None, position: int | None = Non
     if not 0 <= position < len(outputs):
         raise LpfError(f"--position {position}: request {request_id} has output positions 0..{len(outputs) - 1}")
     prompt = list(r["prompt_token_ids"])
-    return {"request_id": request_id, "output_position": position, "row": len(prompt) + position - 1,
-            "prompt_len": len(prompt), "ids": prompt + outputs, "why": why,
-            "verdict": f.get("verdict") if f else None, "max_abs_logprob_diff": f.get("max_abs_logprob_diff") if f else None}
+    return {
+        "request_id": request_id,
+        "output_position": position,
+        "row": len(prompt) + position - 1,
+        "prompt_len": len(prompt),
+        "ids": prompt + outputs,
+        "why": why,
+        "verdict": f.get("verdict") if f else None,
+        "max_abs_logprob_diff": f.get("max_abs_logprob_diff") if f else None,
+    }
 
 
 def _largest_diff(run) -> str:
     path = run.path / "summary.parquet"
     if not path.is_file():
-        raise LpfError(f"{run.path}: no request is flagged and no summary.parquet: nothing to locate "
-                       f"(name one with --request)")
+        raise LpfError(
+            f"{run.path}: no request is flagged and no summary.parquet: nothing to locate (name one with --request)"
+        )
     import pyarrow.parquet as pq
 
     t = pq.read_table(path, columns=["request_id", "max_abs_logprob_diff"]).to_pylist()
@@ -88,8 +96,13 @@ def _worst_position(run, request_id: str, n_outputs: int) -> int:
         return n_outputs - 1
     eng = run.read("tokens", ["request_id", "position", "engine_logprob"])
     ref = run.read("reference", ["request_id", "position", "ref_logprob"])
-    e = {r["position"]: r["engine_logprob"] for r in eng.filter(pc.equal(eng.column("request_id"), request_id)).to_pylist()}
-    diffs = [(abs(e[r["position"]] - r["ref_logprob"]), -r["position"])
-             for r in ref.filter(pc.equal(ref.column("request_id"), request_id)).to_pylist()
-             if e.get(r["position"]) is not None and r["ref_logprob"] is not None]
+    e = {
+        r["position"]: r["engine_logprob"]
+        for r in eng.filter(pc.equal(eng.column("request_id"), request_id)).to_pylist()
+    }
+    diffs = [
+        (abs(e[r["position"]] - r["ref_logprob"]), -r["position"])
+        for r in ref.filter(pc.equal(ref.column("request_id"), request_id)).to_pylist()
+        if e.get(r["position"]) is not None and r["ref_logprob"] is not None
+    ]
     return -max(diffs)[1] if diffs else n_outputs - 1

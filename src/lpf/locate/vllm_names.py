@@ -42,8 +42,10 @@ INNER = [
     (r"linear", "linear", "out"),
 ]
 SUB_BLOCKS = (("", ""), ("shared_transformer\\.", "shared."), ("mamba_decoder\\.", ""))
-GLOBAL = [(r"(?:model\.(?:embed_tokens|embeddings)|backbone\.embeddings)", "!embed", "out"),
-          (r"(?:model\.(?:norm|final_layernorm|embedding_norm)|backbone\.norm_f)", "!final_norm", "out")]
+GLOBAL = [
+    (r"(?:model\.(?:embed_tokens|embeddings)|backbone\.embeddings)", "!embed", "out"),
+    (r"(?:model\.(?:norm|final_layernorm|embedding_norm)|backbone\.norm_f)", "!final_norm", "out"),
+]
 
 
 def module_rules() -> list[list[str]]:
@@ -57,10 +59,17 @@ def module_rules() -> list[list[str]]:
 
 # what a decoder layer returns: (hidden, residual) to be added (the default), or the stream first
 LAYER_OUT = {"GraniteMoeHybridForCausalLM": "out"}  # vllm/model_executor/models/granitemoehybrid.py: returns
-                                                    # (residual + mlp * multiplier, residual)
+# (residual + mlp * multiplier, residual)
 
 
 def capture_spec(request_id: str, upto: int, out_dir: str, architecture: str | None = None) -> dict:
     """The capture spec for one request, its positions up to `upto`."""
-    return {"out": str(out_dir), "requests": [request_id], "upto": {request_id: int(upto)}, "layer": LAYER,
-            "layer_out": LAYER_OUT.get(architecture or "", "sum"), "modules": module_rules(), "kernels": True}
+    return {
+        "out": str(out_dir),
+        "requests": [request_id],
+        "upto": {request_id: int(upto)},
+        "layer": LAYER,
+        "layer_out": LAYER_OUT.get(architecture or "", "sum"),
+        "modules": module_rules(),
+        "kernels": True,
+    }

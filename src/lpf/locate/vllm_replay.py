@@ -56,15 +56,22 @@ def replay(run, request_id: str, upto: int) -> EngineSide:
         finally:
             engine.close()
         acts = _read_capture(Path(tmp) / "out", request_id, status)
-    side = EngineSide(acts, description={"engine": "vllm", "schedule": "the run's workload sent again to vLLM "
-                                                                       "offline (its own scheduler decides)"})
+    side = EngineSide(
+        acts,
+        description={
+            "engine": "vllm",
+            "schedule": "the run's workload sent again to vLLM offline (its own scheduler decides)",
+        },
+    )
     side.steps = _steps(tables.get("trace"), request_id)
     side.check = _check(run, request_id, got)
     prompt_len = next(len(r.prompt_token_ids) for r in requests if r.request_id == request_id)
     fed = side.check.get("first_other_token")
     if fed is not None and fed <= upto - prompt_len:
-        raise LpfError(f"the replay of {request_id} sampled another token than the run at output position {fed}: "
-                       f"vLLM did not reproduce the run, so its activations are not the run's (rerun the audit and locate it)")
+        raise LpfError(
+            f"the replay of {request_id} sampled another token than the run at output position {fed}: "
+            f"vLLM did not reproduce the run, so its activations are not the run's (rerun the audit and locate it)"
+        )
     side.seconds = time.monotonic() - t0
     return side
 
@@ -73,8 +80,10 @@ def _read_capture(out: Path, request_id: str, status: dict) -> Activations:
     files = sorted(out.glob("capture-*.json"))
     why = (status.get("capture") or {}).get("why") or status.get("why")
     if not files:
-        raise LpfError(f"lpf-vllm-trace captured nothing for {request_id}"
-                       + (f": {why}" if why else " (is the plugin installed in vLLM's Python? `make vllm`)"))
+        raise LpfError(
+            f"lpf-vllm-trace captured nothing for {request_id}"
+            + (f": {why}" if why else " (is the plugin installed in vLLM's Python? `make vllm`)")
+        )
     acts = Activations("engine", "float32")
     for f in files:
         index = json.loads(f.read_text())
@@ -99,9 +108,17 @@ def _steps(trace, request_id: str) -> list[dict]:
         if r.get("preempted"):
             continue
         first = r["num_computed_tokens"]
-        out.append({"step": r["step"], "phase": r["phase"], "first_position": first,
-                    "last_position": first + r["num_scheduled_tokens"] - 1, "num_tokens": r["num_scheduled_tokens"],
-                    "batch_size": r["batch_size"], "state_slot": r["state_slot"]})
+        out.append(
+            {
+                "step": r["step"],
+                "phase": r["phase"],
+                "first_position": first,
+                "last_position": first + r["num_scheduled_tokens"] - 1,
+                "num_tokens": r["num_scheduled_tokens"],
+                "batch_size": r["batch_size"],
+                "state_slot": r["state_slot"],
+            }
+        )
     return out
 
 
@@ -119,5 +136,4 @@ def _check(run, request_id: str, got) -> dict:
             other = p
         if other is None and got.logprobs[p] is not None and r["engine_logprob"] is not None:
             diffs.append(abs(got.logprobs[p] - r["engine_logprob"]))
-    return {"positions": len(diffs), "max_abs_logprob_diff": max(diffs) if diffs else None,
-            "first_other_token": other}
+    return {"positions": len(diffs), "max_abs_logprob_diff": max(diffs) if diffs else None, "first_other_token": other}

@@ -18,5 +18,17 @@ from lpf.pipeline.generate import all_failed, create_run, execute_run, model_con
 from lpf.pipeline.rescore import rescore_run
 from lpf.pipeline.trace import join_trace, trace_summary
 
-__all__ = ["all_failed", "analyze_run", "calibrate_run", "create_run", "engine_dtype", "execute_run",
-           "join_trace", "model_config", "open_audit", "pending_requests", "rescore_run", "trace_summary"]
+__all__ = [
+    "all_failed",
+    "analyze_run",
+    "calibrate_run",
+    "create_run",
+    "engine_dtype",
+    "execute_run",
+    "join_trace",
+    "model_config",
+    "open_audit",
+    "pending_requests",
+    "rescore_run",
+    "trace_summary",
+]

@@ -43,8 +43,10 @@ def chunk_budget(manifest: dict) -> int | None:
     """The step's token budget when prompts could be split (chunked prefill not switched off), for
     placing chunk boundaries when there is no trace."""
     engine = manifest.get("engine") or {}
-    opts = {**(engine.get("engine_args") or {}), **{k: v for k, v in (engine.get("options") or {}).items()
-                                                     if v is not None}}
+    opts = {
+        **(engine.get("engine_args") or {}),
+        **{k: v for k, v in (engine.get("options") or {}).items() if v is not None},
+    }
     budget = opts.get("max_num_batched_tokens")
     if opts.get("enable_chunked_prefill") is False or not isinstance(budget, int) or isinstance(budget, bool):
         return None
@@ -54,9 +56,16 @@ def chunk_budget(manifest: dict) -> int | None:
 STREAM_ABOVE = 10_000_000  # tokens: above this `lpf analyze` streams (in memory 10M cost 3.3-5 GB: docs/benchmarks.md)
 
 
-def analyze_run(run: RunDir, thresholds: Thresholds, attribute: bool = True, on_start: OnStart = no_start,
-                tick: Tick = no_tick, stream: bool | None = None,
-                progress: tuple[OnStart, Tick] = (no_start, no_tick), tokens_only: bool = False) -> dict:
+def analyze_run(
+    run: RunDir,
+    thresholds: Thresholds,
+    attribute: bool = True,
+    on_start: OnStart = no_start,
+    tick: Tick = no_tick,
+    stream: bool | None = None,
+    progress: tuple[OnStart, Tick] = (no_start, no_tick),
+    tokens_only: bool = False,
+) -> dict:
     """`on_start`/`tick` report the attribution's re-scoring (tokens), when there is any. `stream`:
     the streamed path (`analyze_stream`: bounded memory, the same findings), the in-memory one, or
     (None) streamed when the run has more than STREAM_ABOVE tokens, no calibration run and no prompt
@@ -73,21 +82,35 @@ def analyze_run(run: RunDir, thresholds: Thresholds, attribute: bool = True, on_
     elif stream is None:
         stream = not calibration_applies(m) and not has_prompt and scored_token_count(run) > STREAM_ABOVE
     elif stream and calibration_applies(m):
-        raise LpfError(f"{run.path} has a calibration run, which the streamed analysis does not read yet: "
-                       f"analyze it with --no-stream")
+        raise LpfError(
+            f"{run.path} has a calibration run, which the streamed analysis does not read yet: "
+            f"analyze it with --no-stream"
+        )
     elif stream and has_prompt:
-        raise LpfError(f"{run.path} has prompt logprobs, which the streamed analysis does not read yet: "
-                       f"analyze it with --no-stream")
+        raise LpfError(
+            f"{run.path} has prompt logprobs, which the streamed analysis does not read yet: "
+            f"analyze it with --no-stream"
+        )
     requests = light_requests(run) if stream else run.read("requests")
     if requests.num_rows == 0:
         raise LpfError(f"{run.path} has no completed requests to analyze")
     trace = run.read("trace") if run.has("trace") else None  # engines without a trace: metadata only
     temperature = m["sampling"].get("temperature", 0) or 0
     ref = m.get("reference") or {}
-    run_info = {"engine_dtype": engine_dtype(m), "reference_dtype": ref.get("dtype"), "model": ref.get("spec"),
-                "sampling": m["sampling"]}
-    kw = dict(greedy=temperature == 0, trace=trace, engine_info=engine_info(run), temperature=temperature,
-              floor_table=floor_table(), run_info=run_info)
+    run_info = {
+        "engine_dtype": engine_dtype(m),
+        "reference_dtype": ref.get("dtype"),
+        "model": ref.get("spec"),
+        "sampling": m["sampling"],
+    }
+    kw = dict(
+        greedy=temperature == 0,
+        trace=trace,
+        engine_info=engine_info(run),
+        temperature=temperature,
+        floor_table=floor_table(),
+        run_info=run_info,
+    )
     if stream:
         summary, findings = analyze_streamed(run, requests, thresholds, progress=progress, **kw)
         own = partial(reference_sums, run)
@@ -95,25 +118,41 @@ def analyze_run(run: RunDir, thresholds: Thresholds, attribute: bool = True, on_
         reference = run.read("reference")
         calibration, cal_info = calibration_for(run, reference)
         prompt = (run.read("prompt_tokens"), run.read("prompt_reference")) if has_prompt else (None, None)
-        judge = partial(analyze_tokens_only, seeded=run.read("seeded") if run.has("seeded") else None) \
-            if no_logprobs else analyze
+        judge = (
+            partial(analyze_tokens_only, seeded=run.read("seeded") if run.has("seeded") else None)
+            if no_logprobs
+            else analyze
+        )
         tokens = run.read("tokens")
         if no_logprobs:  # what a tokens-only server returns: the ids
-            tokens = tokens.set_column(tokens.column_names.index("engine_logprob"), "engine_logprob",
-                                       pa.nulls(tokens.num_rows, pa.float64()))
-        summary, findings = judge(requests, tokens, reference, thresholds,
-                                  calibration=calibration, calibration_info=cal_info, prompt_tokens=prompt[0],
-                                  prompt_reference=prompt[1], chunk_budget=chunk_budget(m), **kw)
+            tokens = tokens.set_column(
+                tokens.column_names.index("engine_logprob"), "engine_logprob", pa.nulls(tokens.num_rows, pa.float64())
+            )
+        summary, findings = judge(
+            requests,
+            tokens,
+            reference,
+            thresholds,
+            calibration=calibration,
+            calibration_info=cal_info,
+            prompt_tokens=prompt[0],
+            prompt_reference=prompt[1],
+            chunk_budget=chunk_budget(m),
+            **kw,
+        )
         own = partial(own_sums, reference)
     if attribute and stream:  # the plan compares prompts, which the streamed analysis reads as lengths only
         requests = run.read("requests", ["request_id", "seq", "prompt_token_ids", "t_submit", "t_finish"])
-    findings["attribution"] = _attribute(run, requests, summary, own, findings, on_start, tick) \
-        if attribute else None
-    findings = {"run_id": m.get("run_id"), "engine": m["engine"].get("name"), "model": m["model"].get("spec"),
-                "reference": (m.get("reference") or {}).get("spec"), **findings}
+    findings["attribution"] = _attribute(run, requests, summary, own, findings, on_start, tick) if attribute else None
+    findings = {
+        "run_id": m.get("run_id"),
+        "engine": m["engine"].get("name"),
+        "model": m["model"].get("spec"),
+        "reference": (m.get("reference") or {}).get("spec"),
+        **findings,
+    }
     findings["run_complete"] = m.get("status") == "complete"
-    findings["judged"] = what_came_back(came_back, has_prompt,
-                                        m.get("engine"), m["sampling"], run.has("seeded"))
+    findings["judged"] = what_came_back(came_back, has_prompt, m.get("engine"), m["sampling"], run.has("seeded"))
     findings["trace"] = trace_summary(run)
     pq.write_table(summary, run.path / "summary.parquet")
     findings = finite(findings)  # once: a big run's findings hold thousands of values
@@ -133,7 +172,8 @@ def _attribute(run: RunDir, requests, summary, own_sums_of, findings: dict, on_s
     n_flagged = len(findings["flagged"])
     n_scored = sum(findings["counts"].values())
     findings["hypotheses"] = attribution.merge_ranked(
-        findings["hypotheses"], attribution.hypotheses(found, n_flagged, n_scored - n_flagged))
+        findings["hypotheses"], attribution.hypotheses(found, n_flagged, n_scored - n_flagged)
+    )
     return {"n_tested": len(plans), "n_pairs_scored": scores.num_rows, "attributed": found}
 
 
@@ -142,8 +182,15 @@ def typical_fit(summary, own_sums_of, sample: int = 256) -> float | None:
     them, evenly spread over arrival order), for the attribution's plausibility check."""
     import numpy as np
 
-    rows = [(r, n) for r, v, n in zip(summary.column("request_id").to_pylist(), summary.column("verdict").to_pylist(),
-                                      summary.column("n_output_tokens").to_pylist()) if v == "clean" and n]
+    rows = [
+        (r, n)
+        for r, v, n in zip(
+            summary.column("request_id").to_pylist(),
+            summary.column("verdict").to_pylist(),
+            summary.column("n_output_tokens").to_pylist(),
+        )
+        if v == "clean" and n
+    ]
     if not rows:
         return None
     rows = [rows[i] for i in np.unique(np.linspace(0, len(rows) - 1, min(sample, len(rows))).round().astype(int))]

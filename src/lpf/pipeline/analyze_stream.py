@@ -44,9 +44,19 @@ from lpf.analysis.stream import StreamedAnalysis
 from lpf.analysis.thresholds import Thresholds
 from lpf.pipeline import stream_parts
 from lpf.pipeline.callbacks import OnStart, Tick, no_start, no_tick
-from lpf.pipeline.stream_parts import REFERENCE_COLUMNS, TOKEN_COLUMNS, Ranges, Rows, Spill, read_ahead, zip_chunks, zip_sizes
+from lpf.pipeline.stream_parts import (
+    REFERENCE_COLUMNS,
+    TOKEN_COLUMNS,
+    Ranges,
+    Rows,
+    Spill,
+    read_ahead,
+    zip_chunks,
+    zip_sizes,
+)
 from lpf.run import schema
 from lpf.run.store import RunDir
+
 
 def scored_token_count(run: RunDir) -> int:
     """Rows of the tokens parts, from their footers (what chooses the streamed path)."""
@@ -63,19 +73,30 @@ def light_requests(run: RunDir) -> pa.Table:
         for name in ("prompt_token_ids", "output_token_ids"):
             lists = part.column(name).combine_chunks()
             offsets = lists.offsets
-            lengths = pa.ListArray.from_arrays(pc.subtract(offsets, offsets[0]), pa.nulls(len(lists.values)),
-                                               mask=lists.is_null())
+            lengths = pa.ListArray.from_arrays(
+                pc.subtract(offsets, offsets[0]), pa.nulls(len(lists.values)), mask=lists.is_null()
+            )
             part = part.set_column(part.schema.get_field_index(name), pa.field(name, lengths.type), lengths)
-        part = part.set_column(part.schema.get_field_index("output_text"), "output_text",
-                               pa.nulls(part.num_rows, pa.string()))
+        part = part.set_column(
+            part.schema.get_field_index("output_text"), "output_text", pa.nulls(part.num_rows, pa.string())
+        )
         out.append(part)
     return pa.concat_tables(out) if out else schema.REQUESTS.empty_table()
 
 
-def analyze_streamed(run: RunDir, requests: pa.Table, th: Thresholds, greedy: bool, *,
-                     trace: pa.Table | None = None, engine_info: dict | None = None, temperature: float = 0.0,
-                     floor_table: dict | None = None, run_info: dict | None = None,
-                     progress: tuple[OnStart, Tick] = (no_start, no_tick)) -> tuple[pa.Table, dict]:
+def analyze_streamed(
+    run: RunDir,
+    requests: pa.Table,
+    th: Thresholds,
+    greedy: bool,
+    *,
+    trace: pa.Table | None = None,
+    engine_info: dict | None = None,
+    temperature: float = 0.0,
+    floor_table: dict | None = None,
+    run_info: dict | None = None,
+    progress: tuple[OnStart, Tick] = (no_start, no_tick),
+) -> tuple[pa.Table, dict]:
     """`findings.analyze(requests, tokens, reference, th, greedy, ...)` over the run's parts, streamed
     (no calibration run: the caller routes those to the in-memory path). `progress`: (on_start,
     tick) over twice the tokens parts' rows (the two passes)."""
@@ -83,8 +104,19 @@ def analyze_streamed(run: RunDir, requests: pa.Table, th: Thresholds, greedy: bo
         shutil.rmtree(old, ignore_errors=True)  # a killed analysis' leftovers
     spill = Path(tempfile.mkdtemp(prefix=".tmp-analyze-", dir=run.path))
     try:
-        return _analyze(run, requests, th, greedy, spill, trace=trace, engine_info=engine_info, temperature=temperature,
-                        floor_table=floor_table, run_info=run_info or {}, progress=progress)
+        return _analyze(
+            run,
+            requests,
+            th,
+            greedy,
+            spill,
+            trace=trace,
+            engine_info=engine_info,
+            temperature=temperature,
+            floor_table=floor_table,
+            run_info=run_info or {},
+            progress=progress,
+        )
     finally:
         shutil.rmtree(spill, ignore_errors=True)
 
@@ -93,10 +125,21 @@ def _analyze(run, requests, th, greedy, spill, *, trace, engine_info, temperatur
     from lpf.analysis.floors import expected_floor
 
     # the expected floor needs nothing of the tokens: with one, the thresholds are known before any
-    expected = expected_floor(floor_table, run_info.get("engine_dtype"), run_info.get("reference_dtype"),
-                              run_info.get("model"), None) if floor_table is not None else None
-    kw = dict(trace=trace, engine_info=engine_info, temperature=temperature, expected=expected,
-              sampling=run_info.get("sampling"), reference_columns=REFERENCE_COLUMNS)
+    expected = (
+        expected_floor(
+            floor_table, run_info.get("engine_dtype"), run_info.get("reference_dtype"), run_info.get("model"), None
+        )
+        if floor_table is not None
+        else None
+    )
+    kw = dict(
+        trace=trace,
+        engine_info=engine_info,
+        temperature=temperature,
+        expected=expected,
+        sampling=run_info.get("sampling"),
+        reference_columns=REFERENCE_COLUMNS,
+    )
     if expected:
         done = _one_pass(run, requests, th, greedy, spill, kw, progress)
         if done is not None:
@@ -208,7 +251,9 @@ def _two_passes(run, requests, th, greedy, spill, kw, progress):
 def reference_sums(run: RunDir, ids: set[str]) -> dict[str, float]:
     """{request id: sum of its ref_logprob} for `ids`, part by part (the attribution's own scores)."""
     parts = [_of(p, ids) for p in run.iter_parts("reference", ["request_id", "ref_logprob"])]
-    return _sums(pa.concat_tables(parts) if parts else schema.REFERENCE.empty_table().select(["request_id", "ref_logprob"]))
+    return _sums(
+        pa.concat_tables(parts) if parts else schema.REFERENCE.empty_table().select(["request_id", "ref_logprob"])
+    )
 
 
 def own_sums(reference: pa.Table, ids: set[str]) -> dict[str, float]:

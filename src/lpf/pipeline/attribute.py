@@ -20,8 +20,9 @@ from lpf.run import schema
 from lpf.run.store import RunDir
 
 
-def attribution_scores(run: RunDir, plans: list[dict], token_budget: int = 16384,
-                       on_start: OnStart = no_start, tick: Tick = no_tick) -> pa.Table:
+def attribution_scores(
+    run: RunDir, plans: list[dict], token_budget: int = 16384, on_start: OnStart = no_start, tick: Tick = no_tick
+) -> pa.Table:
     m = run.manifest
     ref = m.get("reference") or {}
     if not ref.get("spec") or not plans:
@@ -42,15 +43,17 @@ def attribution_scores(run: RunDir, plans: list[dict], token_budget: int = 16384
     return run.read("attribution")
 
 
-def _score(run: RunDir, pairs: list[tuple[str, str]], ref: dict, token_budget: int, on_start: OnStart,
-           tick: Tick) -> None:
+def _score(
+    run: RunDir, pairs: list[tuple[str, str]], ref: dict, token_budget: int, on_start: OnStart, tick: Tick
+) -> None:
     from lpf.pipeline.reference import Rescorer, ScoreItem
 
     need = {r for pair in pairs for r in pair}
     req = run.read("requests", ["request_id", "prompt_token_ids", "output_token_ids"])
     rows = {r["request_id"]: r for r in req.to_pylist() if r["request_id"] in need}
-    rescorer = Rescorer(resolve_model(ref["spec"]), dtype=ref.get("dtype") or "float32", token_budget=token_budget,
-                        topk=1)
+    rescorer = Rescorer(
+        resolve_model(ref["spec"]), dtype=ref.get("dtype") or "float32", token_budget=token_budget, topk=1
+    )
     limit = rescorer.max_context
     items, index = [], []
     for rid, cid in pairs:
@@ -66,9 +69,15 @@ def _score(run: RunDir, pairs: list[tuple[str, str]], ref: dict, token_budget: i
         lp = table.column("ref_logprob").to_numpy()
         uniq, inv = np.unique(at, return_inverse=True)
         sums, counts = np.bincount(inv, weights=lp), np.bincount(inv)
-        run.append("attribution", pa.table({
-            "request_id": pa.array([index[i][0] for i in uniq], pa.string()),
-            "candidate_id": pa.array([index[i][1] for i in uniq], pa.string()),
-            "n_tokens": pa.array(counts.astype(np.int32)),
-            "logprob_sum": pa.array(sums.astype(np.float64)),
-        }, schema=schema.ATTRIBUTION))
+        run.append(
+            "attribution",
+            pa.table(
+                {
+                    "request_id": pa.array([index[i][0] for i in uniq], pa.string()),
+                    "candidate_id": pa.array([index[i][1] for i in uniq], pa.string()),
+                    "n_tokens": pa.array(counts.astype(np.int32)),
+                    "logprob_sum": pa.array(sums.astype(np.float64)),
+                },
+                schema=schema.ATTRIBUTION,
+            ),
+        )

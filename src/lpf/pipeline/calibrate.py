@@ -15,6 +15,7 @@ from lpf.pipeline.callbacks import OnStart, Tick, no_start, no_tick
 from lpf.core.model_specs import resolve_model
 from lpf.run.store import RunDir
 
+
 def engine_dtype(m: dict) -> str | None:
     """The dtype the engine computed in: its manifest options, else its Options' default."""
     engine = m.get("engine") or {}
@@ -28,8 +29,9 @@ def engine_dtype(m: dict) -> str | None:
     return options.default("dtype") if "dtype" in options.model_fields else None
 
 
-def calibrate_run(run: RunDir, token_budget: int = 16384,
-                  on_start: OnStart = no_start, tick: Tick = no_tick, device: str = "cpu") -> dict:
+def calibrate_run(
+    run: RunDir, token_budget: int = 16384, on_start: OnStart = no_start, tick: Tick = no_tick, device: str = "cpu"
+) -> dict:
     """The calibration run: teacher-force the reference model again, at the engine's dtype, over
     every request the reference scored, into `calibration/` parts (resumable like rescore). Its
     |calibration - reference| per token is what an honest implementation at that dtype deviates by:
@@ -50,36 +52,57 @@ def _calibrate(run: RunDir, token_budget: int, on_start: OnStart, tick: Tick, de
         from lpf.pipeline.generate import all_failed
 
         why = all_failed(run)  # nothing was scored because the engine answered nothing: say that instead
-        raise LpfError(f"{run.path}: {why}; nothing to calibrate" if why else
-                       f"{run.path} has no reference scores yet: rescore it before calibrating")
+        raise LpfError(
+            f"{run.path}: {why}; nothing to calibrate"
+            if why
+            else f"{run.path} has no reference scores yet: rescore it before calibrating"
+        )
     dtype = engine_dtype(m)
     if dtype not in ("float32", "float16", "bfloat16"):
-        raise LpfError(f"cannot calibrate {run.path}: the engine's dtype is {dtype or 'not recorded'} "
-                       f"(a calibration run needs float32, float16 or bfloat16; set the engine's --dtype)")
+        raise LpfError(
+            f"cannot calibrate {run.path}: the engine's dtype is {dtype or 'not recorded'} "
+            f"(a calibration run needs float32, float16 or bfloat16; set the engine's --dtype)"
+        )
     prev = m.get("calibration") or {}
     if (prev.get("spec"), prev.get("dtype"), prev.get("reference_dtype")) != (ref.get("spec"), dtype, ref.get("dtype")):
         for p in run.parts("calibration"):  # made for another reference or dtype: not this run's floor
             p.unlink()
         prev = {}
     if dtype == ref.get("dtype"):
-        m["calibration"] = {"spec": ref.get("spec"), "dtype": dtype, "reference_dtype": ref.get("dtype"),
-                            "same_as_reference": True}
+        m["calibration"] = {
+            "spec": ref.get("spec"),
+            "dtype": dtype,
+            "reference_dtype": ref.get("dtype"),
+            "same_as_reference": True,
+        }
         run.save_manifest()
         return m["calibration"]
     try:
-        rescorer = Rescorer(resolve_model(ref["spec"]), dtype=dtype, device=device, token_budget=token_budget,
-                            topk=m["sampling"].get("logprobs", 5), float32_head=False)
+        rescorer = Rescorer(
+            resolve_model(ref["spec"]),
+            dtype=dtype,
+            device=device,
+            token_budget=token_budget,
+            topk=m["sampling"].get("logprobs", 5),
+            float32_head=False,
+        )
     except RuntimeError as e:
         raise _cannot_run(run, ref, dtype, e) from None
-    m["calibration"] = {**{k: v for k, v in rescorer.describe().items() if k != "tokenizer_sha256"},
-                        "reference_dtype": ref.get("dtype"), "same_as_reference": False}
+    m["calibration"] = {
+        **{k: v for k, v in rescorer.describe().items() if k != "tokenizer_sha256"},
+        "reference_dtype": ref.get("dtype"),
+        "same_as_reference": False,
+    }
     run.save_manifest()
     scored = set(run.read("reference", ["request_id"]).column("request_id").to_pylist())
     done = set(run.read("calibration", ["request_id"]).column("request_id").to_pylist())
     req = run.read("requests", ["request_id", "prompt_token_ids", "output_token_ids"]).to_pylist()
     req = [r for r in req if r["request_id"] in scored]
-    items = [ScoreItem(r["request_id"], r["prompt_token_ids"], r["output_token_ids"])
-             for r in req if r["request_id"] not in done]
+    items = [
+        ScoreItem(r["request_id"], r["prompt_token_ids"], r["output_token_ids"])
+        for r in req
+        if r["request_id"] not in done
+    ]
     total = sum(len(r["output_token_ids"]) for r in req)
     on_start(total, total - sum(len(it.output_token_ids) for it in items))
     try:
@@ -93,9 +116,11 @@ def _calibrate(run: RunDir, token_budget: int, on_start: OnStart, tick: Tick, de
 def _cannot_run(run: RunDir, ref: dict, dtype: str, e: Exception) -> LpfError:
     """A model whose HF code has no kernel for that dtype here (Jamba's Mamba scan in bf16 on CPU)."""
     what = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    return LpfError(f"the calibration run stopped: the reference {ref.get('spec')} does not run at {dtype} here "
-                    f"({what}); `lpf analyze {run.path}` uses the calibration parts scored so far, or the "
-                    f"shipped floor table when there are none")
+    return LpfError(
+        f"the calibration run stopped: the reference {ref.get('spec')} does not run at {dtype} here "
+        f"({what}); `lpf analyze {run.path}` uses the calibration parts scored so far, or the "
+        f"shipped floor table when there are none"
+    )
 
 
 def calibration_applies(manifest: dict) -> bool:

@@ -62,8 +62,9 @@ def create_run(spec) -> RunDir:
         raise LpfError(f"--prompt-logprobs: the {spec.engine} engine cannot return prompt logprobs")
     tokenizer = load_tokenizer(model)
     context = cfg.get("max_position_embeddings")
-    prompts, source = load_prompts(spec.workload, tokenizer, cfg.get("vocab_size", len(tokenizer)), context,
-                                   chat=engine_cls.chat_prompts(options))
+    prompts, source = load_prompts(
+        spec.workload, tokenizer, cfg.get("vocab_size", len(tokenizer)), context, chat=engine_cls.chat_prompts(options)
+    )
     requests = expand(prompts, spec.n, spec.sampling, context)
     engine_cls.check_capacity(model, options, requests)
     manifest = {
@@ -79,11 +80,15 @@ def create_run(spec) -> RunDir:
         "seed": spec.sampling.seed,
         "part_size": spec.part_size,
         **({"trace_dir": str(Path(spec.trace_dir).resolve())} if spec.trace_dir is not None else {}),
-        "host": {"hostname": socket.gethostname(), "platform": platform.platform(),
-                 "python": platform.python_version()},
+        "host": {
+            "hostname": socket.gethostname(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+        },
     }
-    return RunDir.create(spec.out, manifest, {"workload.jsonl": normalized(prompts),
-                                              "spec.json": audit.to_json().encode()})
+    return RunDir.create(
+        spec.out, manifest, {"workload.jsonl": normalized(prompts), "spec.json": audit.to_json().encode()}
+    )
 
 
 def open_audit(spec) -> RunDir:
@@ -110,8 +115,7 @@ def pending_requests(run: RunDir) -> list[EngineRequest]:
     return [r for r in requests if r.request_id not in done]
 
 
-def execute_run(run: RunDir, on_start: OnStart = no_start,
-                tick: Tick = no_tick) -> None:
+def execute_run(run: RunDir, on_start: OnStart = no_start, tick: Tick = no_tick) -> None:
     """Send every not-yet-completed request to the engine, committing parts as they finish."""
     with run.writer():
         _execute(run, on_start, tick)
@@ -169,15 +173,26 @@ def _commit(run: RunDir, engine, completions, by_id: dict[str, EngineRequest], t
     for c in completions:
         r = by_id[c.request_id]
         text = tokenizer.decode(c.output_token_ids, skip_special_tokens=True) if c.error is None else None
-        req_rows.append({
-            "request_id": r.request_id, "seq": r.seq, "prompt_id": r.prompt_id, "rollout": r.rollout,
-            "prompt_token_ids": list(r.prompt_token_ids), "output_token_ids": c.output_token_ids,
-            "output_text": text, "finish_reason": "error" if c.error else c.finish_reason, "error": c.error,
-            "t_submit": c.t_submit, "t_first_token": c.t_first_token, "t_finish": c.t_finish,
-            "oracle_expected": r.expected,
-            "oracle_ok": None if r.expected is None or text is None else text.strip() == r.expected.strip(),
-            "inconsistency": c.inconsistency, "attempts": c.attempts,
-        })
+        req_rows.append(
+            {
+                "request_id": r.request_id,
+                "seq": r.seq,
+                "prompt_id": r.prompt_id,
+                "rollout": r.rollout,
+                "prompt_token_ids": list(r.prompt_token_ids),
+                "output_token_ids": c.output_token_ids,
+                "output_text": text,
+                "finish_reason": "error" if c.error else c.finish_reason,
+                "error": c.error,
+                "t_submit": c.t_submit,
+                "t_first_token": c.t_first_token,
+                "t_finish": c.t_finish,
+                "oracle_expected": r.expected,
+                "oracle_ok": None if r.expected is None or text is None else text.strip() == r.expected.strip(),
+                "inconsistency": c.inconsistency,
+                "attempts": c.attempts,
+            }
+        )
         n = len(c.logprobs)
         tok["request_id"] += [r.request_id] * n
         tok["position"] += list(range(n))
@@ -188,11 +203,13 @@ def _commit(run: RunDir, engine, completions, by_id: dict[str, EngineRequest], t
         if c.prompt_logprobs:  # positions 1..P-1 of the prompt: position 0 has nothing before it
             k = min(len(c.prompt_logprobs), len(r.prompt_token_ids) - 1)
             if k != len(c.prompt_logprobs) and req_rows[-1]["inconsistency"] is None:  # kept, and said so
-                req_rows[-1]["inconsistency"] = (f"{len(c.prompt_logprobs)} prompt logprobs for a prompt of "
-                                                 f"{len(r.prompt_token_ids)} tokens (positions 1..{k} kept)")
+                req_rows[-1]["inconsistency"] = (
+                    f"{len(c.prompt_logprobs)} prompt logprobs for a prompt of "
+                    f"{len(r.prompt_token_ids)} tokens (positions 1..{k} kept)"
+                )
             ptok["request_id"] += [r.request_id] * k
             ptok["position"] += list(range(1, k + 1))
-            ptok["token_id"] += list(r.prompt_token_ids[1:k + 1])
+            ptok["token_id"] += list(r.prompt_token_ids[1 : k + 1])
             ptok["engine_logprob"] += c.prompt_logprobs[:k]
             ptok["engine_topk_ids"] += c.prompt_topk_ids[:k] or [[]] * k
             ptok["engine_topk_logprobs"] += c.prompt_topk_logprobs[:k] or [[]] * k
@@ -200,7 +217,12 @@ def _commit(run: RunDir, engine, completions, by_id: dict[str, EngineRequest], t
     for name, table in engine.side_tables().items():
         if table is not None and table.num_rows:
             if step_base and "step" in table.column_names:
-                table = table.set_column(table.column_names.index("step"), "step", pc.add(table.column("step"), step_base))
+                table = table.set_column(
+                    table.column_names.index("step"), "step", pc.add(table.column("step"), step_base)
+                )
             run.append(name, table)
-    run.append_requests(pa.Table.from_pylist(req_rows, schema=schema.REQUESTS), pa.table(tok, schema=schema.TOKENS),
-                        pa.table(ptok, schema=schema.PROMPT_TOKENS) if ptok["request_id"] else None)
+    run.append_requests(
+        pa.Table.from_pylist(req_rows, schema=schema.REQUESTS),
+        pa.table(tok, schema=schema.TOKENS),
+        pa.table(ptok, schema=schema.PROMPT_TOKENS) if ptok["request_id"] else None,
+    )

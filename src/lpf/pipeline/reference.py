@@ -90,8 +90,12 @@ def describe_reference(model: ModelRef, dtype: str, tokenizer) -> dict:
     """The manifest's `reference` entry (what scored the run), without loading the weights."""
     import transformers
 
-    return {**model.describe(), "dtype": dtype, "implementation": f"transformers {transformers.__version__}",
-            "tokenizer_sha256": tokenizer_fingerprint(tokenizer)}
+    return {
+        **model.describe(),
+        "dtype": dtype,
+        "implementation": f"transformers {transformers.__version__}",
+        "tokenizer_sha256": tokenizer_fingerprint(tokenizer),
+    }
 
 
 def _chunk_rows(vocab: int, device: str) -> int:
@@ -100,9 +104,18 @@ def _chunk_rows(vocab: int, device: str) -> int:
 
 
 class Rescorer:
-    def __init__(self, model: ModelRef, dtype: str = "float32", device: str = "cpu",
-                 token_budget: int = 16384, chunk_rows: int | None = None, topk: int = 5,
-                 float32_head: bool = True, replay=None, on_rows: Callable | None = None):
+    def __init__(
+        self,
+        model: ModelRef,
+        dtype: str = "float32",
+        device: str = "cpu",
+        token_budget: int = 16384,
+        chunk_rows: int | None = None,
+        topk: int = 5,
+        float32_head: bool = True,
+        replay=None,
+        on_rows: Callable | None = None,
+    ):
         from transformers import AutoConfig, AutoTokenizer
 
         quiet_transformers()
@@ -130,8 +143,9 @@ class Rescorer:
         self.max_context = max_context(self.model.config)
         self.chunk_rows = chunk_rows or _chunk_rows(self.vocab_size, self.device)
         self._native_head = (head.weight.detach(), None if head.bias is None else head.bias.detach())
-        self._head = tuple(None if t is None else t.float() for t in self._native_head) if float32_head \
-            else self._native_head
+        self._head = (
+            tuple(None if t is None else t.float() for t in self._native_head) if float32_head else self._native_head
+        )
         self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
         self._pin = self.input_device.type == "cuda"
         self._check_head()
@@ -169,24 +183,31 @@ class Rescorer:
         err = (full - native).abs().max().item()
         loose = max(1e-3, 4 * torch.finfo(self.model.dtype).eps) * scale
         if not (err <= 1e-3 * scale and (full - ours).abs().max().item() <= loose):
-            raise LpfError(f"reference model {self.model_ref.spec}: its output head does more than this "
-                           f"rescorer knows (mismatch {err:.3g}); architecture {type(self.model).__name__} is not supported")
+            raise LpfError(
+                f"reference model {self.model_ref.spec}: its output head does more than this "
+                f"rescorer knows (mismatch {err:.3g}); architecture {type(self.model).__name__} is not supported"
+            )
 
     def _chunk_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The logits buffer [chunk_rows, V] (head dtype) and logprob_rows' float32 work buffer, reused."""
         if self._buffers is None:
             v = self.vocab_size
             work = row_block(self.chunk_rows, v, self.head_device) * v
-            self._buffers = (torch.empty((self.chunk_rows, v), device=self.head_device, dtype=self._head[0].dtype),
-                             torch.empty(work, device=self.head_device, dtype=torch.float32))
+            self._buffers = (
+                torch.empty((self.chunk_rows, v), device=self.head_device, dtype=self._head[0].dtype),
+                torch.empty(work, device=self.head_device, dtype=torch.float32),
+            )
         return self._buffers
 
     # -- scoring -----------------------------------------------------------------------------------
     def batches(self, items: list[ScoreItem]) -> list[list[ScoreItem]]:
         """Sort by (length, request id) and pack so that batch_size * longest <= token_budget."""
         items = [it for it in items if it.output_token_ids]
-        plan = plan_batches([len(it.prompt_token_ids) + len(it.output_token_ids) for it in items],
-                            [it.request_id for it in items], self.token_budget)
+        plan = plan_batches(
+            [len(it.prompt_token_ids) + len(it.output_token_ids) for it in items],
+            [it.request_id for it in items],
+            self.token_budget,
+        )
         return [[items[i] for i in batch] for batch in plan]
 
     def validate(self, it: ScoreItem) -> None:
@@ -195,10 +216,13 @@ class Rescorer:
             raise LpfError(f"request {it.request_id}: {length} tokens exceed the reference context {self.max_context}")
         ids = it.prompt_token_ids + it.output_token_ids
         if ids and not 0 <= min(ids) <= max(ids) < self.vocab_size:
-            raise LpfError(f"request {it.request_id}: token id outside the reference vocabulary (0..{self.vocab_size - 1})")
+            raise LpfError(
+                f"request {it.request_id}: token id outside the reference vocabulary (0..{self.vocab_size - 1})"
+            )
 
-    def _inputs(self, batch: list[ScoreItem], asked: list[tuple[int, ScoreItem]]
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _inputs(
+        self, batch: list[ScoreItem], asked: list[tuple[int, ScoreItem]]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(ids [B, width], flat index of each scored row in [B * width], its target token), sent up
         from one host buffer (pinned for a GPU) in one copy: every output row first, then the prompt
         rows of the `asked` items (row q predicts prompt token q + 1). Right padding: causal attention
@@ -211,18 +235,18 @@ class Rescorer:
         at = n * width
         for row, it in enumerate(batch):
             p, o = len(it.prompt_token_ids), len(it.output_token_ids)
-            buf[row * width:row * width + p] = it.prompt_token_ids
-            buf[row * width + p:row * width + p + o] = it.output_token_ids
-            buf[at:at + o] = np.arange(row * width + p - 1, row * width + p - 1 + o)
-            buf[at + n_rows:at + n_rows + o] = it.output_token_ids
+            buf[row * width : row * width + p] = it.prompt_token_ids
+            buf[row * width + p : row * width + p + o] = it.output_token_ids
+            buf[at : at + o] = np.arange(row * width + p - 1, row * width + p - 1 + o)
+            buf[at + n_rows : at + n_rows + o] = it.output_token_ids
             at += o
         for row, it in asked:
             p = len(it.prompt_token_ids)
-            buf[at:at + p - 1] = np.arange(row * width, row * width + p - 1)
-            buf[at + n_rows:at + n_rows + p - 1] = it.prompt_token_ids[1:]
+            buf[at : at + p - 1] = np.arange(row * width, row * width + p - 1)
+            buf[at + n_rows : at + n_rows + p - 1] = it.prompt_token_ids[1:]
             at += p - 1
         dev = host.to(self.input_device, non_blocking=self._pin)
-        return dev[:n * width].view(n, width), dev[n * width:n * width + n_rows], dev[n * width + n_rows:]
+        return dev[: n * width].view(n, width), dev[n * width : n * width + n_rows], dev[n * width + n_rows :]
 
     def score_batch(self, batch: list[ScoreItem]) -> pa.Table:
         return self.score_batch_all(batch).reference
@@ -247,50 +271,67 @@ class Rescorer:
             positions = np.concatenate([np.arange(len(it.output_token_ids)) for it in batch])
             engine_tokens = np.concatenate([np.asarray(it.output_token_ids) for it in batch])
         for i in range(0, h.shape[0], self.chunk_rows):
-            hc = h[i:i + self.chunk_rows]
-            z = self._logits(hc, out=logits_buf[:hc.shape[0]])
+            hc = h[i : i + self.chunk_rows]
+            z = self._logits(hc, out=logits_buf[: hc.shape[0]])
             if replaying and i < n_out:  # before logprob_rows overwrites the logits
                 j = min(n_out, i + hc.shape[0])
-                draws.append(self.replay.draw(z[:j - i], seeds[i:j], positions[i:j], engine_tokens[i:j]))
+                draws.append(self.replay.draw(z[: j - i], seeds[i:j], positions[i:j], engine_tokens[i:j]))
             if self.on_rows is not None:
-                self.on_rows(z, targets[i:i + self.chunk_rows])
-            chosen, top_ids, top_lp, rank, entropy = logprob_rows(z, targets[i:i + self.chunk_rows], k, work,
-                                                                  overwrite=True)
+                self.on_rows(z, targets[i : i + self.chunk_rows])
+            chosen, top_ids, top_lp, rank, entropy = logprob_rows(
+                z, targets[i : i + self.chunk_rows], k, work, overwrite=True
+            )
             # one float32 block per chunk; ids and ranks are < 2^24, so exact as float32
-            packed.append(torch.cat([chosen[:, None], entropy[:, None], rank[:, None].float(), top_lp,
-                                     top_ids.float()], dim=1))
+            packed.append(
+                torch.cat([chosen[:, None], entropy[:, None], rank[:, None].float(), top_lp, top_ids.float()], dim=1)
+            )
         res = torch.cat(packed).cpu().numpy()  # the batch's one host synchronisation
         kk = max(k, 1)
-        reference = self._table(res[:n_out], kk, [it.request_id for it in batch],
-                                [np.arange(len(it.output_token_ids)) for it in batch])
+        reference = self._table(
+            res[:n_out], kk, [it.request_id for it in batch], [np.arange(len(it.output_token_ids)) for it in batch]
+        )
         prompt = None
         if asked:
-            prompt = self._table(res[n_out:], kk, [it.request_id for _, it in asked],
-                                 [np.arange(1, len(it.prompt_token_ids)) for _, it in asked])
+            prompt = self._table(
+                res[n_out:],
+                kk,
+                [it.request_id for _, it in asked],
+                [np.arange(1, len(it.prompt_token_ids)) for _, it in asked],
+            )
         seeded = None
         if draws:
             d = {key: np.concatenate([x[key] for x in draws]) for key in draws[0]}
-            seeded = pa.table({"request_id": reference.column("request_id"), "position": reference.column("position"),
-                               "seeded_token": pa.array(d["token"]), "seeded_margin": pa.array(d["margin"]),
-                               "seeded_runner_up": pa.array(d["runner_up"])}, schema=schema.SEEDED)
+            seeded = pa.table(
+                {
+                    "request_id": reference.column("request_id"),
+                    "position": reference.column("position"),
+                    "seeded_token": pa.array(d["token"]),
+                    "seeded_margin": pa.array(d["margin"]),
+                    "seeded_runner_up": pa.array(d["runner_up"]),
+                },
+                schema=schema.SEEDED,
+            )
         return Scored(reference, prompt, seeded)
 
     def _table(self, res: np.ndarray, kk: int, request_ids: list[str], positions: list[np.ndarray]) -> pa.Table:
         """Reference rows from the packed float32 block: request i has len(positions[i]) consecutive
         rows at those positions."""
         k = self.topk
-        top_lp, top_ids = res[:, 3:3 + kk], res[:, 3 + kk:].astype(np.int32)
-        return pa.table({
-            "request_id": pa.array(np.repeat(request_ids, [len(p) for p in positions])),
-            "position": pa.array(np.concatenate(positions).astype(np.int32)),
-            "ref_logprob": pa.array(res[:, 0].astype(np.float64)),
-            "ref_rank": pa.array(res[:, 2].astype(np.int32)),
-            "ref_entropy": pa.array(res[:, 1]),
-            "ref_top1_id": pa.array(top_ids[:, 0]),
-            "ref_top1_logprob": pa.array(top_lp[:, 0].astype(np.float64)),
-            "ref_topk_ids": list_column(np.ascontiguousarray(top_ids[:, :k]), pa.int32()),
-            "ref_topk_logprobs": list_column(np.ascontiguousarray(top_lp[:, :k]), pa.float32()),
-        }, schema=schema.REFERENCE)
+        top_lp, top_ids = res[:, 3 : 3 + kk], res[:, 3 + kk :].astype(np.int32)
+        return pa.table(
+            {
+                "request_id": pa.array(np.repeat(request_ids, [len(p) for p in positions])),
+                "position": pa.array(np.concatenate(positions).astype(np.int32)),
+                "ref_logprob": pa.array(res[:, 0].astype(np.float64)),
+                "ref_rank": pa.array(res[:, 2].astype(np.int32)),
+                "ref_entropy": pa.array(res[:, 1]),
+                "ref_top1_id": pa.array(top_ids[:, 0]),
+                "ref_top1_logprob": pa.array(top_lp[:, 0].astype(np.float64)),
+                "ref_topk_ids": list_column(np.ascontiguousarray(top_ids[:, :k]), pa.int32()),
+                "ref_topk_logprobs": list_column(np.ascontiguousarray(top_lp[:, :k]), pa.float32()),
+            },
+            schema=schema.REFERENCE,
+        )
 
     def score(self, items: list[ScoreItem], on_tokens: Callable[[int], None] | None = None) -> Iterable[pa.Table]:
         """Output positions only, one table per batch."""

@@ -66,8 +66,10 @@ class RescoreSettings:
 
             require_ray()
         if self.executor == "ray" and self.device.startswith("cuda") and not self.ray.gpus_per_actor:
-            raise LpfError(f"--reference-device {self.device} with --executor ray needs --gpus-per-actor "
-                           f"(Ray hides GPUs from actors that did not ask for one)")
+            raise LpfError(
+                f"--reference-device {self.device} with --executor ray needs --gpus-per-actor "
+                f"(Ray hides GPUs from actors that did not ask for one)"
+            )
 
 
 def unscored_requests(run: RunDir) -> tuple[pa.Table, int, int]:
@@ -77,28 +79,55 @@ def unscored_requests(run: RunDir) -> tuple[pa.Table, int, int]:
     done = run.read("reference", ["request_id"]).column("request_id").unique()
     pieces, total = [], 0
     for i, path in enumerate(run.parts("requests")):
-        t = read_part(path, "requests", ["request_id", "prompt_token_ids", "output_token_ids", "error", "inconsistency"])
+        t = read_part(
+            path, "requests", ["request_id", "prompt_token_ids", "output_token_ids", "error", "inconsistency"]
+        )
         n_out = pc.list_value_length(t.column("output_token_ids")).fill_null(0)
         recovered = pc.invert(pc.fill_null(pc.match_substring(t.column("inconsistency"), "retokenized:"), False))
         no_error = pc.and_(pc.is_null(t.column("error")), recovered)
         total += pc.sum(pc.if_else(no_error, n_out, 0)).as_py() or 0
-        keep = pc.and_(pc.and_(no_error, pc.greater(n_out, 0)),
-                       pc.invert(pc.is_in(t.column("request_id"), value_set=done)))
+        keep = pc.and_(
+            pc.and_(no_error, pc.greater(n_out, 0)), pc.invert(pc.is_in(t.column("request_id"), value_set=done))
+        )
         n = pc.sum(keep.cast(pa.int64())).as_py() or 0
-        pieces.append(pa.table({
-            "request_id": t.column("request_id").filter(keep),
-            "part": pa.array([i] * n, pa.int32()),
-            "n_prompt": pc.list_value_length(t.column("prompt_token_ids")).fill_null(0).filter(keep).cast(pa.int32()),
-            "n_output": n_out.filter(keep).cast(pa.int32())}))
-    pending = pa.concat_tables(pieces) if pieces else pa.table(
-        {"request_id": pa.array([], pa.string()), "part": pa.array([], pa.int32()),
-         "n_prompt": pa.array([], pa.int32()), "n_output": pa.array([], pa.int32())})
+        pieces.append(
+            pa.table(
+                {
+                    "request_id": t.column("request_id").filter(keep),
+                    "part": pa.array([i] * n, pa.int32()),
+                    "n_prompt": pc.list_value_length(t.column("prompt_token_ids"))
+                    .fill_null(0)
+                    .filter(keep)
+                    .cast(pa.int32()),
+                    "n_output": n_out.filter(keep).cast(pa.int32()),
+                }
+            )
+        )
+    pending = (
+        pa.concat_tables(pieces)
+        if pieces
+        else pa.table(
+            {
+                "request_id": pa.array([], pa.string()),
+                "part": pa.array([], pa.int32()),
+                "n_prompt": pa.array([], pa.int32()),
+                "n_output": pa.array([], pa.int32()),
+            }
+        )
+    )
     return pending, total, total - (pc.sum(pending.column("n_output")).as_py() or 0)
 
 
-def rescore_run(run: RunDir, reference: str | None = None, dtype: str = "float32", token_budget: int = 16384,
-                redo: bool = False, on_start: OnStart = no_start, tick: Tick = no_tick,
-                settings: RescoreSettings | None = None) -> None:
+def rescore_run(
+    run: RunDir,
+    reference: str | None = None,
+    dtype: str = "float32",
+    token_budget: int = 16384,
+    redo: bool = False,
+    on_start: OnStart = no_start,
+    tick: Tick = no_tick,
+    settings: RescoreSettings | None = None,
+) -> None:
     """Teacher-force the reference over every completed, not-yet-scored request. `settings`, when
     given, replaces reference/dtype/token_budget (and adds the device and the executor)."""
     s = settings or RescoreSettings(reference=reference, dtype=dtype, token_budget=token_budget)
@@ -110,13 +139,17 @@ def rescore_run(run: RunDir, reference: str | None = None, dtype: str = "float32
 def _rescore(run: RunDir, s: RescoreSettings, redo: bool, on_start: OnStart, tick: Tick) -> None:
     m = run.manifest
     if s.executor == "ray" and run.has("prompt_tokens"):  # the actors score output positions only
-        raise LpfError(f"{run.path} has prompt logprobs (--prompt-logprobs): rescore it with "
-                       f"--executor local, which scores prompt positions in the same pass")
+        raise LpfError(
+            f"{run.path} has prompt logprobs (--prompt-logprobs): rescore it with "
+            f"--executor local, which scores prompt positions in the same pass"
+        )
     spec = s.reference or m["model"]["spec"]
     prev = m.get("reference")
     if run.has("reference") and prev and (prev.get("spec"), prev.get("dtype")) != (spec, s.dtype) and not redo:
-        raise LpfError(f"{run.path} was rescored with {prev.get('spec')} ({prev.get('dtype')}); "
-                       f"pass --redo to replace those scores")
+        raise LpfError(
+            f"{run.path} was rescored with {prev.get('spec')} ({prev.get('dtype')}); "
+            f"pass --redo to replace those scores"
+        )
     model = resolve_model(spec)
     topk = m["sampling"].get("logprobs", 5)
     if s.executor == "local":
@@ -125,19 +158,24 @@ def _rescore(run: RunDir, s: RescoreSettings, redo: bool, on_start: OnStart, tic
         from lpf.pipeline.replay import replay_for
 
         replay = replay_for(m["engine"]["name"], m["sampling"])
-        rescorer = Rescorer(model, dtype=s.dtype, device=s.device, token_budget=s.token_budget, topk=topk,
-                            replay=replay)
+        rescorer = Rescorer(
+            model, dtype=s.dtype, device=s.device, token_budget=s.token_budget, topk=topk, replay=replay
+        )
         desc = rescorer.describe()
     else:  # the weights load on the actors, not here
         from lpf.pipeline.reference import describe_reference
 
         desc = {**describe_reference(model, s.dtype, load_tokenizer(model)), "device": s.device}
     if desc["tokenizer_sha256"] != m["tokenizer_sha256"]:
-        raise LpfError(f"reference {spec} uses a different tokenizer from the engine's model "
-                       f"{m['model']['spec']}: token ids would not mean the same text")
+        raise LpfError(
+            f"reference {spec} uses a different tokenizer from the engine's model "
+            f"{m['model']['spec']}: token ids would not mean the same text"
+        )
     if redo:
         # a calibration run, like the prompt scores, belongs to the old reference
-        for p in run.parts("prompt_reference") + run.parts("seeded") + run.parts("reference") + run.parts("calibration"):
+        for p in (
+            run.parts("prompt_reference") + run.parts("seeded") + run.parts("reference") + run.parts("calibration")
+        ):
             p.unlink()
         m.pop("calibration", None)
     m["reference"] = {**desc, "executor": s.executor}
@@ -159,8 +197,16 @@ def _rescore(run: RunDir, s: RescoreSettings, redo: bool, on_start: OnStart, tic
 
     req = run.read("requests", ["request_id", "seq", "prompt_token_ids", "output_token_ids"]).to_pylist()
     run_seed = m["sampling"].get("seed", 0)
-    items = [ScoreItem(r["request_id"], r["prompt_token_ids"], r["output_token_ids"], r["request_id"] in with_prompt,
-                       request_seed(run_seed, r["seq"]))
-             for r in req if r["request_id"] in todo]
+    items = [
+        ScoreItem(
+            r["request_id"],
+            r["prompt_token_ids"],
+            r["output_token_ids"],
+            r["request_id"] in with_prompt,
+            request_seed(run_seed, r["seq"]),
+        )
+        for r in req
+        if r["request_id"] in todo
+    ]
     for scored in rescorer.score_all(items, tick):
         run.append_reference(scored.reference, scored.prompt_reference, scored.seeded)

@@ -83,8 +83,9 @@ def read_planned(parts: pa.Table) -> pa.Table:
         t = read_part(row["part"], "requests", ["request_id", "prompt_token_ids", "output_token_ids"])
         batch = dict(zip(row["request_ids"], row["batches"]))
         t = t.filter(pc.is_in(t.column("request_id"), value_set=pa.array(row["request_ids"], pa.string())))
-        out.append(t.append_column("batch", pa.array([batch[r] for r in t.column("request_id").to_pylist()],
-                                                     pa.int64())))
+        out.append(
+            t.append_column("batch", pa.array([batch[r] for r in t.column("request_id").to_pylist()], pa.int64()))
+        )
     return pa.concat_tables(out) if out else pa.table({})
 
 
@@ -104,11 +105,13 @@ class RescoreUDF:
         batches: dict[int, list] = {}
         for r in unit.to_pylist():
             batches.setdefault(r["batch"], []).append(
-                ScoreItem(r["request_id"], r["prompt_token_ids"], r["output_token_ids"]))
+                ScoreItem(r["request_id"], r["prompt_token_ids"], r["output_token_ids"])
+            )
         out = []
         for b in sorted(batches):  # a planned batch, in plan_batches' order within it
-            items = sorted(batches[b], key=lambda it: (len(it.prompt_token_ids) + len(it.output_token_ids),
-                                                       it.request_id))
+            items = sorted(
+                batches[b], key=lambda it: (len(it.prompt_token_ids) + len(it.output_token_ids), it.request_id)
+            )
             out.append(self.rescorer.score_batch(items))
         return pa.concat_tables(out) if out else schema.REFERENCE.empty_table()
 
@@ -166,8 +169,13 @@ def _connect(address: str | None) -> bool:
         if address:
             ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
         else:
-            ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False,
-                     logging_level=logging.ERROR, log_to_driver=False)
+            ray.init(
+                address="local",
+                num_cpus=os.cpu_count(),
+                include_dashboard=False,
+                logging_level=logging.ERROR,
+                log_to_driver=False,
+            )
     except (ConnectionError, ValueError, RuntimeError) as e:
         where = f"the Ray cluster at {address}" if address else "a local Ray instance"
         why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -186,8 +194,9 @@ def _check_capacity(actors: int, gpus_per_actor: float) -> None:
         raise LpfError(f"--actors {actors} x --gpus-per-actor {gpus_per_actor:g}: the Ray cluster has {gpus:g} GPUs")
 
 
-def _blocks(run: RunDir, pending: pa.Table, batch_of: list[int], starts: list[int], model: ModelRef, settings,
-            topk: int) -> Iterator[pa.Table]:
+def _blocks(
+    run: RunDir, pending: pa.Table, batch_of: list[int], starts: list[int], model: ModelRef, settings, topk: int
+) -> Iterator[pa.Table]:
     import ray.data
 
     ctx = ray.data.DataContext.get_current()
@@ -200,8 +209,9 @@ def _blocks(run: RunDir, pending: pa.Table, batch_of: list[int], starts: list[in
         ids.append(rid)
         bs.append(b)
     rows = [{"part": paths[p], "request_ids": ids, "batches": bs} for p, (ids, bs) in sorted(per_part.items())]
-    ds = ray.data.from_items(rows, override_num_blocks=len(rows)).map_batches(read_planned, batch_size=None,
-                                                                              batch_format="pyarrow")
+    ds = ray.data.from_items(rows, override_num_blocks=len(rows)).map_batches(
+        read_planned, batch_size=None, batch_format="pyarrow"
+    )
     # the shuffle that brings each planned batch together; one block per unit. Materialised before the
     # actors start: an actor pool holding every CPU would leave the sort's tasks none
     ds = ds.sort("batch", boundaries=starts or None).materialize()
@@ -210,11 +220,18 @@ def _blocks(run: RunDir, pending: pa.Table, batch_of: list[int], starts: list[in
         # only through its deprecated **ray_remote_args; with restarts allowed its core worker prints
         # an error-level line on every run (constructor arguments held in the object store)
         warnings.simplefilter("ignore")
-        ds = ds.map_batches(RescoreUDF, batch_size=None, batch_format="pyarrow",
-                            compute=ray.data.ActorPoolStrategy(size=settings.ray.actors),
-                            num_cpus=1, num_gpus=settings.ray.gpus_per_actor or None, max_restarts=0,
-                            fn_constructor_kwargs=dict(model=model, dtype=settings.dtype, device=settings.device,
-                                                       token_budget=settings.token_budget, topk=topk))
+        ds = ds.map_batches(
+            RescoreUDF,
+            batch_size=None,
+            batch_format="pyarrow",
+            compute=ray.data.ActorPoolStrategy(size=settings.ray.actors),
+            num_cpus=1,
+            num_gpus=settings.ray.gpus_per_actor or None,
+            max_restarts=0,
+            fn_constructor_kwargs=dict(
+                model=model, dtype=settings.dtype, device=settings.device, token_budget=settings.token_budget, topk=topk
+            ),
+        )
     yield from ds.iter_batches(batch_size=None, batch_format="pyarrow")
 
 

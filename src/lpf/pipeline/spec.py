@@ -159,9 +159,28 @@ def audit_command(spec: AuditSpec, with_out: bool = True) -> list[str]:
     """The `lpf audit` arguments of this spec (after `lpf audit`): the run's settings always, the
     rescore and analysis settings where they differ from the defaults."""
     r, s = spec.run, spec.run.sampling
-    args = ["--engine", r.engine, "--model", r.model, "--workload", r.workload, "--n", str(r.n),
-            "--temperature", repr(s.temperature), "--top-p", repr(s.top_p), "--top-k", str(s.top_k),
-            "--max-tokens", str(s.max_tokens), "--seed", str(s.seed), "--logprobs", str(s.logprobs)]
+    args = [
+        "--engine",
+        r.engine,
+        "--model",
+        r.model,
+        "--workload",
+        r.workload,
+        "--n",
+        str(r.n),
+        "--temperature",
+        repr(s.temperature),
+        "--top-p",
+        repr(s.top_p),
+        "--top-k",
+        str(s.top_k),
+        "--max-tokens",
+        str(s.max_tokens),
+        "--seed",
+        str(s.seed),
+        "--logprobs",
+        str(s.logprobs),
+    ]
     args += ["--ignore-eos"] * s.ignore_eos + ["--prompt-logprobs"] * s.prompt_logprobs
     if r.trace_dir is not None:
         args += ["--trace-dir", str(r.trace_dir)]
@@ -169,13 +188,16 @@ def audit_command(spec: AuditSpec, with_out: bool = True) -> list[str]:
         args += ["--part-size", str(r.part_size)]
     args += engine_option_args(r.engine, r.engine_options)
     rs, default = spec.rescore, AuditSpec.model_fields["rescore"].default
-    for flag, value, base in (("--reference", rs.reference, default.reference), ("--reference-dtype", rs.dtype, default.dtype),
-                              ("--reference-device", rs.device, default.device),
-                              ("--token-budget", rs.token_budget, default.token_budget),
-                              ("--executor", rs.executor, default.executor),
-                              ("--ray-address", rs.ray.address, default.ray.address),
-                              ("--actors", rs.ray.actors, default.ray.actors),
-                              ("--gpus-per-actor", rs.ray.gpus_per_actor, default.ray.gpus_per_actor)):
+    for flag, value, base in (
+        ("--reference", rs.reference, default.reference),
+        ("--reference-dtype", rs.dtype, default.dtype),
+        ("--reference-device", rs.device, default.device),
+        ("--token-budget", rs.token_budget, default.token_budget),
+        ("--executor", rs.executor, default.executor),
+        ("--ray-address", rs.ray.address, default.ray.address),
+        ("--actors", rs.ray.actors, default.ray.actors),
+        ("--gpus-per-actor", rs.ray.gpus_per_actor, default.ray.gpus_per_actor),
+    ):
         if value != base:
             args += [flag, _text(value)]
     args += ["--calibrate"] * spec.analysis.calibrate + ["--no-attribution"] * (not spec.analysis.attribution)

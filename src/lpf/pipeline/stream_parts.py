@@ -31,10 +31,17 @@ from lpf.run.store import RunDir
 CHUNK_ROWS = 1 << 20
 _COMPRESSED = pa.ipc.IpcWriteOptions(compression="lz4")  # the range files: half the disk for ~10% more time
 TOKEN_COLUMNS = ["request_id", "position", "token_id", "engine_logprob", "engine_topk_ids", "engine_topk_logprobs"]
-REFERENCE_COLUMNS = ["request_id", "position", "ref_logprob", "ref_rank", "ref_top1_id",
-                     "ref_top1_logprob", "ref_topk_ids", "ref_topk_logprobs"]  # ref_entropy: no analysis reads it
+REFERENCE_COLUMNS = [
+    "request_id",
+    "position",
+    "ref_logprob",
+    "ref_rank",
+    "ref_top1_id",
+    "ref_top1_logprob",
+    "ref_topk_ids",
+    "ref_topk_logprobs",
+]  # ref_entropy: no analysis reads it
 FIRST_PASS = (["request_id", "position", "engine_logprob"], ["request_id", "position", "ref_logprob"])  # zip: |d| only
-
 
 
 class Rows:

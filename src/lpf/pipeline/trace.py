@@ -28,8 +28,10 @@ from lpf.run.store import RunDir
 def check_joinable(engine: str) -> None:
     """A server's trace joins an `--engine openai` run; the other engines record their own or none."""
     if engine != "openai":
-        raise LpfError(f"--trace-dir joins the trace of a vLLM server audited with --engine openai; the {engine} "
-                       f"engine {'records its own' if engine in ('builtin', 'vllm') else 'has none to join'}")
+        raise LpfError(
+            f"--trace-dir joins the trace of a vLLM server audited with --engine openai; the {engine} "
+            f"engine {'records its own' if engine in ('builtin', 'vllm') else 'has none to join'}"
+        )
 
 
 def join_trace(run: RunDir, trace_dir: Path | str) -> dict:
@@ -40,11 +42,13 @@ def join_trace(run: RunDir, trace_dir: Path | str) -> dict:
     requests = run.read("requests", ["request_id", "attempts", "t_finish"])
     status = plugin.status()
     if not plugin.path.is_dir() or status is None:
-        info["why"] = (f"{plugin.path} is not a directory: was the server started with LPF_VLLM_TRACE_DIR={plugin.path} "
-                       f"and lpf-vllm-trace installed? (a directory it cannot write is named in its log)"
-                       if not plugin.path.is_dir() else
-                       f"{plugin.path} has no trace_status.json: lpf-vllm-trace did not run there (not installed "
-                       f"in the server's Python, or LPF_VLLM_TRACE_DIR not set for it)")
+        info["why"] = (
+            f"{plugin.path} is not a directory: was the server started with LPF_VLLM_TRACE_DIR={plugin.path} "
+            f"and lpf-vllm-trace installed? (a directory it cannot write is named in its log)"
+            if not plugin.path.is_dir()
+            else f"{plugin.path} has no trace_status.json: lpf-vllm-trace did not run there (not installed "
+            f"in the server's Python, or LPF_VLLM_TRACE_DIR not set for it)"
+        )
         earlier = m.get("trace") or {}
         if run.has("trace") and earlier.get("source") == "joined":
             rows = run.read("trace", ["step"]).num_rows
@@ -54,15 +58,24 @@ def join_trace(run: RunDir, trace_dir: Path | str) -> dict:
         last = pc.max(requests.column("t_finish")).as_py() if requests.num_rows else None
         late = last is not None and status.get("recording") and not plugin.wait_for(last)
         status = plugin.status() or status  # as of the last flush
-        info.update(plugin_version=status.get("plugin_version"), vllm_version=status.get("vllm_version"),
-                    state_slot_stride=status.get("state_slot_stride"), faults=_drills(status),
-                    cache=prefix_cache_info(status))
-        info["why"] = status.get("why") or ("the plugin's heartbeat never passed the run's last answer (server "
-                                            "stopped?): the last steps may be missing" if late else None)
+        info.update(
+            plugin_version=status.get("plugin_version"),
+            vllm_version=status.get("vllm_version"),
+            state_slot_stride=status.get("state_slot_stride"),
+            faults=_drills(status),
+            cache=prefix_cache_info(status),
+        )
+        info["why"] = status.get("why") or (
+            "the plugin's heartbeat never passed the run's last answer (server stopped?): the last steps may be missing"
+            if late
+            else None
+        )
         # the attempt whose answer the run kept, counted as the server named them: a cancelled first
         # attempt (`ID~attempt0`, client_behaviour) is not one of the numbered retries
-        kept = {r["request_id"]: max(0, len([a for a in r["attempts"] or [] if not is_cancel_record(a)]) - 1)
-                for r in requests.to_pylist()}
+        kept = {
+            r["request_id"]: max(0, len([a for a in r["attempts"] or [] if not is_cancel_record(a)]) - 1)
+            for r in requests.to_pylist()
+        }
         trace, faults = plugin.take("trace"), plugin.take("faults")
         ids = served_ids(trace.column("request_id").to_pylist(), kept) if trace is not None else {}
         for name in ("trace", "faults"):
@@ -79,9 +92,11 @@ def join_trace(run: RunDir, trace_dir: Path | str) -> dict:
                     info["rows"] = table.num_rows
         info["recorded"] = info["rows"] > 0
         if not info["recorded"] and info["why"] is None:
-            info["why"] = (f"{plugin.path} has no trace parts: the server ran no step with the plugin on"
-                           if trace is None else
-                           f"none of the {trace.num_rows} rows in {plugin.path} belong to this run's requests")
+            info["why"] = (
+                f"{plugin.path} has no trace parts: the server ran no step with the plugin on"
+                if trace is None
+                else f"none of the {trace.num_rows} rows in {plugin.path} belong to this run's requests"
+            )
     m["trace"] = info
     run.save_manifest()
     return info
@@ -106,9 +121,15 @@ def trace_summary(run: RunDir) -> dict:
         why = info.get("why") or (None if rows else f"{info.get('source')} recorded no rows")
         return {"recorded": rows > 0, "source": info.get("source"), "rows": rows, "why": why}
     name = engine.get("name", "?")
-    why = None if rows else (
-        "a server's trace is joined with --trace-dir DIR (vLLM with lpf-vllm-trace)" if name == "openai"
-        else f"the {name} engine records no trace")
+    why = (
+        None
+        if rows
+        else (
+            "a server's trace is joined with --trace-dir DIR (vLLM with lpf-vllm-trace)"
+            if name == "openai"
+            else f"the {name} engine records no trace"
+        )
+    )
     return {"recorded": rows > 0, "source": "engine", "rows": rows, "why": why}
 
 

@@ -30,8 +30,10 @@ def detect_kind(path: Path) -> str:
         return "run"
     if (path / "manifest.json").is_file():
         raise LpfError(f"{path} has no findings.json yet: run `lpf analyze {path}` first")
-    raise LpfError(f"{path} is not a run, sweep, shrink, conformance, locate or RL directory "
-                   f"(no findings.json, sweep.json, shrink.json, conformance.json, locate.json or rl_findings.json)")
+    raise LpfError(
+        f"{path} is not a run, sweep, shrink, conformance, locate or RL directory "
+        f"(no findings.json, sweep.json, shrink.json, conformance.json, locate.json or rl_findings.json)"
+    )
 
 
 def build_page(path: Path) -> tuple[dict, str]:

@@ -14,8 +14,15 @@ import math
 
 import numpy as np
 
-VERDICT_COLORS = {"clean": "#16a34a", "noise": "#ca8a04", "divergent": "#c026d3", "systematic": "#ea580c",
-                  "corrupt": "#dc2626", "error": "#6b7280", "unscored": "#9ca3af"}
+VERDICT_COLORS = {
+    "clean": "#16a34a",
+    "noise": "#ca8a04",
+    "divergent": "#c026d3",
+    "systematic": "#ea580c",
+    "corrupt": "#dc2626",
+    "error": "#6b7280",
+    "unscored": "#9ca3af",
+}
 INK, MUTED, GRID, ACCENT = "#1f2937", "#6b7280", "#eceef2", "#2563eb"
 SERIES = ["#2563eb", "#f97316", "#0d9488", "#9333ea", "#e11d48", "#65a30d", "#0891b2", "#a16207"]
 MAX_SCATTER_POINTS = 12_000
@@ -45,9 +52,13 @@ def base_layout(title: str | None = None, height: int = 340, **kw) -> dict:
     layout = {
         "height": height,
         "margin": {"l": 64, "r": 24, "t": 40 if title else 16, "b": 48},
-        "paper_bgcolor": "rgba(0,0,0,0)", "plot_bgcolor": "#ffffff",
-        "font": {"family": "Inter, ui-sans-serif, system-ui, -apple-system, 'Segoe UI', sans-serif",
-                 "size": 12, "color": INK},
+        "paper_bgcolor": "rgba(0,0,0,0)",
+        "plot_bgcolor": "#ffffff",
+        "font": {
+            "family": "Inter, ui-sans-serif, system-ui, -apple-system, 'Segoe UI', sans-serif",
+            "size": 12,
+            "color": INK,
+        },
         "hoverlabel": {"font": {"family": "ui-monospace, SFMono-Regular, Menlo, monospace", "size": 12}},
         "legend": {"orientation": "h", "y": 1.02, "yanchor": "bottom", "x": 0, "font": {"size": 11}},
         "xaxis": {"gridcolor": GRID, "zeroline": False, "linecolor": "#d1d5db"},
@@ -65,18 +76,53 @@ def base_layout(title: str | None = None, height: int = 340, **kw) -> dict:
 
 
 def vline(x: float, label: str, color: str = MUTED) -> tuple[dict, dict]:
-    shape = {"type": "line", "xref": "x", "yref": "paper", "x0": x, "x1": x, "y0": 0, "y1": 1,
-             "line": {"color": color, "width": 1, "dash": "dash"}}
-    note = {"x": x, "xref": "x", "y": 1, "yref": "paper", "text": ptext(label), "showarrow": False,
-            "xanchor": "left", "yanchor": "top", "font": {"size": 10, "color": color}, "xshift": 3}
+    shape = {
+        "type": "line",
+        "xref": "x",
+        "yref": "paper",
+        "x0": x,
+        "x1": x,
+        "y0": 0,
+        "y1": 1,
+        "line": {"color": color, "width": 1, "dash": "dash"},
+    }
+    note = {
+        "x": x,
+        "xref": "x",
+        "y": 1,
+        "yref": "paper",
+        "text": ptext(label),
+        "showarrow": False,
+        "xanchor": "left",
+        "yanchor": "top",
+        "font": {"size": 10, "color": color},
+        "xshift": 3,
+    }
     return shape, note
 
 
 def hline(y: float, label: str, color: str = MUTED) -> tuple[dict, dict]:
-    shape = {"type": "line", "xref": "paper", "yref": "y", "x0": 0, "x1": 1, "y0": y, "y1": y,
-             "line": {"color": color, "width": 1, "dash": "dash"}}
-    note = {"x": 1, "xref": "paper", "y": y, "yref": "y", "text": ptext(label), "showarrow": False,
-            "xanchor": "right", "yanchor": "bottom", "font": {"size": 10, "color": color}}
+    shape = {
+        "type": "line",
+        "xref": "paper",
+        "yref": "y",
+        "x0": 0,
+        "x1": 1,
+        "y0": y,
+        "y1": y,
+        "line": {"color": color, "width": 1, "dash": "dash"},
+    }
+    note = {
+        "x": 1,
+        "xref": "paper",
+        "y": y,
+        "yref": "y",
+        "text": ptext(label),
+        "showarrow": False,
+        "xanchor": "right",
+        "yanchor": "bottom",
+        "font": {"size": 10, "color": color},
+    }
     return shape, note
 
 
@@ -85,8 +131,9 @@ def _log10_or_none(v) -> float | None:
 
 
 # -- run charts -------------------------------------------------------------------------------------
-def diff_histogram(abs_diff: np.ndarray, clean_th: float | None, divergent_th: float | None,
-                   bins_per_decade: int = 5) -> dict:
+def diff_histogram(
+    abs_diff: np.ndarray, clean_th: float | None, divergent_th: float | None, bins_per_decade: int = 5
+) -> dict:
     """Histogram of per-token |logprob diff| on log-log axes; exact zeros get their own bar."""
     ad = np.asarray(abs_diff, dtype=float)
     finite = ad[np.isfinite(ad)]
@@ -104,37 +151,73 @@ def diff_histogram(abs_diff: np.ndarray, clean_th: float | None, divergent_th: f
         edges = np.linspace(lo, hi, (hi - lo) * bins_per_decade + 1)
         counts, _ = np.histogram(np.clip(logs, lo, hi), bins=edges)
         centers = (edges[:-1] + edges[1:]) / 2
-        colors = [_region_color(10 ** c, clean_th, divergent_th) for c in centers]
+        colors = [_region_color(10**c, clean_th, divergent_th) for c in centers]
         keep = counts > 0
-        data.append({"type": "bar", "x": sig_list(centers[keep], 4), "y": counts[keep].tolist(),
-                     "width": 1 / bins_per_decade, "marker": {"color": [c for c, k in zip(colors, keep) if k]},
-                     "customdata": [[sig(10 ** a, 3), sig(10 ** b, 3)] for a, b, k in zip(edges[:-1], edges[1:], keep) if k],
-                     "hovertemplate": "|diff| %{customdata[0]} – %{customdata[1]}<br>%{y} tokens<extra></extra>",
-                     "name": "tokens", "showlegend": False})
+        data.append(
+            {
+                "type": "bar",
+                "x": sig_list(centers[keep], 4),
+                "y": counts[keep].tolist(),
+                "width": 1 / bins_per_decade,
+                "marker": {"color": [c for c, k in zip(colors, keep) if k]},
+                "customdata": [[sig(10**a, 3), sig(10**b, 3)] for a, b, k in zip(edges[:-1], edges[1:], keep) if k],
+                "hovertemplate": "|diff| %{customdata[0]} – %{customdata[1]}<br>%{y} tokens<extra></extra>",
+                "name": "tokens",
+                "showlegend": False,
+            }
+        )
     zero_x = lo - 0.8
     if zeros:
-        data.append({"type": "bar", "x": [zero_x], "y": [zeros], "width": 0.5, "name": "exactly 0",
-                     "marker": {"color": "#86efac"}, "showlegend": False,
-                     "hovertemplate": "|diff| = 0 exactly<br>%{y} tokens<extra></extra>"})
-    for th, label, color in ((clean_th, "clean ≤ %g", VERDICT_COLORS["noise"]),
-                             (divergent_th, "divergent > %g", VERDICT_COLORS["divergent"])):
+        data.append(
+            {
+                "type": "bar",
+                "x": [zero_x],
+                "y": [zeros],
+                "width": 0.5,
+                "name": "exactly 0",
+                "marker": {"color": "#86efac"},
+                "showlegend": False,
+                "hovertemplate": "|diff| = 0 exactly<br>%{y} tokens<extra></extra>",
+            }
+        )
+    for th, label, color in (
+        (clean_th, "clean ≤ %g", VERDICT_COLORS["noise"]),
+        (divergent_th, "divergent > %g", VERDICT_COLORS["divergent"]),
+    ):
         x = _log10_or_none(th)
         if x is not None and pos.size and lo - 0.5 <= x <= hi + 0.5:
             s, a = vline(x, label % th, color)
             shapes.append(s)
             notes.append(a)
     if n_bad:
-        notes.append({"x": 1, "xref": "paper", "y": 1.08, "yref": "paper", "showarrow": False, "xanchor": "right",
-                      "text": f"{n_bad} tokens without a finite logprob (not shown)", "font": {"size": 10, "color": "#b91c1c"}})
+        notes.append(
+            {
+                "x": 1,
+                "xref": "paper",
+                "y": 1.08,
+                "yref": "paper",
+                "showarrow": False,
+                "xanchor": "right",
+                "text": f"{n_bad} tokens without a finite logprob (not shown)",
+                "font": {"size": 10, "color": "#b91c1c"},
+            }
+        )
     ticks = list(range(lo, hi + 1))
     tickvals = ([zero_x] if zeros else []) + ticks
     ticktext = (["0"] if zeros else []) + [_decade(k) for k in ticks]
     top = max([zeros] + [max(d["y"]) for d in data if d["y"]])
-    layout = base_layout(height=320, shapes=shapes, annotations=notes,
-                         xaxis={"title": {"text": "|engine logprob − reference logprob| per token"},
-                                "tickvals": tickvals, "ticktext": ticktext},
-                         # log counts only when counts span enough to need it (else plotly crowds minor labels)
-                         yaxis={"title": {"text": "tokens"}, **({"type": "log", "exponentformat": "e"} if top >= 50 else {})})
+    layout = base_layout(
+        height=320,
+        shapes=shapes,
+        annotations=notes,
+        xaxis={
+            "title": {"text": "|engine logprob − reference logprob| per token"},
+            "tickvals": tickvals,
+            "ticktext": ticktext,
+        },
+        # log counts only when counts span enough to need it (else plotly crowds minor labels)
+        yaxis={"title": {"text": "tokens"}, **({"type": "log", "exponentformat": "e"} if top >= 50 else {})},
+    )
     return {"data": data, "layout": layout}
 
 
@@ -173,9 +256,15 @@ def downsample_by_bin(x: np.ndarray, y: np.ndarray, keep: np.ndarray, max_points
     return idx[np.argsort(x[idx], kind="stable")]
 
 
-def request_scatter(seq: np.ndarray, max_diff: np.ndarray, verdict: np.ndarray, request_id: np.ndarray,
-                    clean_th: float | None, divergent_th: float | None,
-                    max_points: int = MAX_SCATTER_POINTS) -> tuple[dict, int]:
+def request_scatter(
+    seq: np.ndarray,
+    max_diff: np.ndarray,
+    verdict: np.ndarray,
+    request_id: np.ndarray,
+    clean_th: float | None,
+    divergent_th: float | None,
+    max_points: int = MAX_SCATTER_POINTS,
+) -> tuple[dict, int]:
     """Per-request max |diff| against arrival index, one trace per verdict. Returns (figure, points shown)."""
     seq = np.asarray(seq, dtype=float)
     md = np.asarray(max_diff, dtype=float)
@@ -193,25 +282,44 @@ def request_scatter(seq: np.ndarray, max_diff: np.ndarray, verdict: np.ndarray, 
             continue
         raw = md[sel]
         shown = np.where(~np.isfinite(raw), top, np.maximum(raw, floor))
-        data.append({
-            "type": "scatter", "mode": "markers", "name": v, "x": seq[sel].astype(int).tolist(),
-            "y": sig_list(shown, 4),
-            "customdata": [[ptext(r), "inf" if not math.isfinite(d) else f"{d:.3g}"]
-                           for r, d in zip(request_id[sel].tolist(), raw.tolist())],
-            "hovertemplate": "%{customdata[0]}<br>arrival %{x}<br>max |diff| %{customdata[1]}<extra>" + v + "</extra>",
-            "marker": {"color": VERDICT_COLORS[v], "size": 5 if v in ("clean", "noise") else 7,
-                       "opacity": 0.55 if v in ("clean", "noise") else 0.9, "line": {"width": 0}},
-        })
+        data.append(
+            {
+                "type": "scatter",
+                "mode": "markers",
+                "name": v,
+                "x": seq[sel].astype(int).tolist(),
+                "y": sig_list(shown, 4),
+                "customdata": [
+                    [ptext(r), "inf" if not math.isfinite(d) else f"{d:.3g}"]
+                    for r, d in zip(request_id[sel].tolist(), raw.tolist())
+                ],
+                "hovertemplate": "%{customdata[0]}<br>arrival %{x}<br>max |diff| %{customdata[1]}<extra>"
+                + v
+                + "</extra>",
+                "marker": {
+                    "color": VERDICT_COLORS[v],
+                    "size": 5 if v in ("clean", "noise") else 7,
+                    "opacity": 0.55 if v in ("clean", "noise") else 0.9,
+                    "line": {"width": 0},
+                },
+            }
+        )
     shapes, notes = [], []
-    for th, label, color in ((clean_th, "clean ≤ %g", VERDICT_COLORS["noise"]),
-                             (divergent_th, "divergent > %g", VERDICT_COLORS["divergent"])):
+    for th, label, color in (
+        (clean_th, "clean ≤ %g", VERDICT_COLORS["noise"]),
+        (divergent_th, "divergent > %g", VERDICT_COLORS["divergent"]),
+    ):
         if th is not None and th > 0:
             s, a = hline(th, label % th, color)
             shapes.append(s)
             notes.append(a)
-    layout = base_layout(height=360, shapes=shapes, annotations=notes,
-                         xaxis={"title": {"text": "arrival index (seq)"}},
-                         yaxis={"title": {"text": "max |diff| in request"}, "type": "log", "exponentformat": "e"})
+    layout = base_layout(
+        height=360,
+        shapes=shapes,
+        annotations=notes,
+        xaxis={"title": {"text": "arrival index (seq)"}},
+        yaxis={"title": {"text": "max |diff| in request"}, "type": "log", "exponentformat": "e"},
+    )
     return {"data": data, "layout": layout}, int(idx.size)
 
 
@@ -229,18 +337,32 @@ def first_divergence_chart(positions: np.ndarray, verdict: np.ndarray, max_bars:
             counts = np.bincount(p // width)
             nz = np.flatnonzero(counts)
             x = (nz * width).tolist()
-            data.append({"type": "bar", "name": v, "x": x, "y": counts[nz].tolist(),
-                         "marker": {"color": VERDICT_COLORS[v]}, "width": 0.85 * width,
-                         "hovertemplate": ("position %{x}" if width == 1 else f"positions %{{x}}–+{width - 1}")
-                         + "<br>%{y} requests<extra>" + v + "</extra>"})
-    layout = base_layout(height=300, barmode="stack",
-                         xaxis={"title": {"text": "output position of the first divergent token"}, "rangemode": "tozero"},
-                         yaxis={"title": {"text": "flagged requests"}})
+            data.append(
+                {
+                    "type": "bar",
+                    "name": v,
+                    "x": x,
+                    "y": counts[nz].tolist(),
+                    "marker": {"color": VERDICT_COLORS[v]},
+                    "width": 0.85 * width,
+                    "hovertemplate": ("position %{x}" if width == 1 else f"positions %{{x}}–+{width - 1}")
+                    + "<br>%{y} requests<extra>"
+                    + v
+                    + "</extra>",
+                }
+            )
+    layout = base_layout(
+        height=300,
+        barmode="stack",
+        xaxis={"title": {"text": "output position of the first divergent token"}, "rangemode": "tozero"},
+        yaxis={"title": {"text": "flagged requests"}},
+    )
     return {"data": data, "layout": layout}
 
 
-def bin_series(x: np.ndarray, columns: dict[str, np.ndarray], how: dict[str, str],
-               max_points: int = MAX_SERIES_POINTS) -> tuple[np.ndarray, dict[str, np.ndarray], int]:
+def bin_series(
+    x: np.ndarray, columns: dict[str, np.ndarray], how: dict[str, str], max_points: int = MAX_SERIES_POINTS
+) -> tuple[np.ndarray, dict[str, np.ndarray], int]:
     """Bins a per-x series to at most max_points: each column aggregated by its `how` (mean|max|sum).
     Returns (bin start x, columns, bin width in x units; 1 when nothing was binned)."""
     x = np.asarray(x)
@@ -264,82 +386,176 @@ def bin_series(x: np.ndarray, columns: dict[str, np.ndarray], how: dict[str, str
     return uniq * width + x.min(), out, width
 
 
-def step_series(steps: np.ndarray, batch_size: np.ndarray, batch_tokens: np.ndarray, flagged_active: np.ndarray,
-                flagged_marks: np.ndarray, marks_label: str, onset_step: int | None) -> dict:
+def step_series(
+    steps: np.ndarray,
+    batch_size: np.ndarray,
+    batch_tokens: np.ndarray,
+    flagged_active: np.ndarray,
+    flagged_marks: np.ndarray,
+    marks_label: str,
+    onset_step: int | None,
+) -> dict:
     """Two stacked panels over engine steps: batch size / tokens, and flagged requests in the batch
     with markers (`flagged_marks` per step: where they diverged, or were first scheduled)."""
-    x, cols, width = bin_series(steps, {"bs": batch_size, "bt": batch_tokens, "fa": flagged_active, "fs": flagged_marks},
-                                {"bs": "mean", "bt": "mean", "fa": "max", "fs": "sum"})
+    x, cols, width = bin_series(
+        steps,
+        {"bs": batch_size, "bt": batch_tokens, "fa": flagged_active, "fs": flagged_marks},
+        {"bs": "mean", "bt": "mean", "fa": "max", "fs": "sum"},
+    )
     per = "" if width == 1 else f" (per {width} steps: mean / max)"
     data = [
-        {"type": "scatter", "mode": "lines", "name": "batch tokens", "x": x.tolist(), "y": sig_list(cols["bt"], 4),
-         "line": {"color": SERIES[0], "width": 1.3}, "yaxis": "y"},
-        {"type": "scatter", "mode": "lines", "name": "batch size (requests)", "x": x.tolist(), "y": sig_list(cols["bs"], 4),
-         "line": {"color": SERIES[1], "width": 1.3}, "yaxis": "y2"},
-        {"type": "bar", "name": "flagged requests in batch", "x": x.tolist(), "y": sig_list(cols["fa"], 4),
-         "marker": {"color": VERDICT_COLORS["divergent"]}, "yaxis": "y3"},
+        {
+            "type": "scatter",
+            "mode": "lines",
+            "name": "batch tokens",
+            "x": x.tolist(),
+            "y": sig_list(cols["bt"], 4),
+            "line": {"color": SERIES[0], "width": 1.3},
+            "yaxis": "y",
+        },
+        {
+            "type": "scatter",
+            "mode": "lines",
+            "name": "batch size (requests)",
+            "x": x.tolist(),
+            "y": sig_list(cols["bs"], 4),
+            "line": {"color": SERIES[1], "width": 1.3},
+            "yaxis": "y2",
+        },
+        {
+            "type": "bar",
+            "name": "flagged requests in batch",
+            "x": x.tolist(),
+            "y": sig_list(cols["fa"], 4),
+            "marker": {"color": VERDICT_COLORS["divergent"]},
+            "yaxis": "y3",
+        },
     ]
     started = np.asarray(cols["fs"], dtype=float)
     nz = np.flatnonzero(started > 0)
     if nz.size:
-        data.append({"type": "scatter", "mode": "markers", "name": ptext(marks_label),
-                     "x": x[nz].tolist(), "y": sig_list(started[nz], 4), "yaxis": "y3",
-                     "marker": {"color": VERDICT_COLORS["corrupt"], "symbol": "triangle-up", "size": 8}})
+        data.append(
+            {
+                "type": "scatter",
+                "mode": "markers",
+                "name": ptext(marks_label),
+                "x": x[nz].tolist(),
+                "y": sig_list(started[nz], 4),
+                "yaxis": "y3",
+                "marker": {"color": VERDICT_COLORS["corrupt"], "symbol": "triangle-up", "size": 8},
+            }
+        )
     shapes, notes = [], []
     if onset_step is not None:
         s, a = vline(onset_step, f"onset: step {onset_step}", VERDICT_COLORS["corrupt"])
         shapes.append(s)
         notes.append(a)
-    layout = base_layout(height=420, shapes=shapes, annotations=notes, barmode="overlay",
-                         xaxis={"title": {"text": "engine step" + per}, "anchor": "y3"},
-                         yaxis={"domain": [0.42, 1.0], "title": {"text": "tokens"}, "rangemode": "tozero"},
-                         yaxis2={"overlaying": "y", "side": "right", "title": {"text": "requests"},
-                                 "showgrid": False, "zeroline": False, "tickmode": "auto", "rangemode": "tozero"},
-                         yaxis3={"domain": [0.0, 0.3], "title": {"text": "flagged"}, "gridcolor": GRID,
-                                 "rangemode": "tozero"})
+    layout = base_layout(
+        height=420,
+        shapes=shapes,
+        annotations=notes,
+        barmode="overlay",
+        xaxis={"title": {"text": "engine step" + per}, "anchor": "y3"},
+        yaxis={"domain": [0.42, 1.0], "title": {"text": "tokens"}, "rangemode": "tozero"},
+        yaxis2={
+            "overlaying": "y",
+            "side": "right",
+            "title": {"text": "requests"},
+            "showgrid": False,
+            "zeroline": False,
+            "tickmode": "auto",
+            "rangemode": "tozero",
+        },
+        yaxis3={"domain": [0.0, 0.3], "title": {"text": "flagged"}, "gridcolor": GRID, "rangemode": "tozero"},
+    )
     layout["margin"]["r"] = 64
     return {"data": data, "layout": layout}
 
 
 # -- sweep / RL charts -----------------------------------------------------------------------------
-def knob_lines(x_labels: list[str], groups: dict[str, list], metric_title: str, x_title: str,
-               log_y: bool = False) -> dict:
+def knob_lines(
+    x_labels: list[str], groups: dict[str, list], metric_title: str, x_title: str, log_y: bool = False
+) -> dict:
     """One line per group (a combination of the other knobs) over the first knob's values."""
     data = []
     for i, (name, ys) in enumerate(groups.items()):
-        data.append({"type": "scatter", "mode": "lines+markers", "name": ptext(name) or metric_title,
-                     "x": [ptext(v) for v in x_labels], "y": [sig(v) for v in ys],
-                     "line": {"color": SERIES[i % len(SERIES)], "width": 2}, "marker": {"size": 8},
-                     "connectgaps": False,
-                     "hovertemplate": ptext(x_title) + " %{x}<br>" + ptext(metric_title) + " %{y}<extra>"
-                     + ptext(name) + "</extra>"})
-    layout = base_layout(height=300, showlegend=len(groups) > 1,
-                         xaxis={"title": {"text": ptext(x_title)}, "type": "category"},
-                         yaxis={"title": {"text": ptext(metric_title)}, **({"type": "log", "exponentformat": "e"} if log_y else {})})
+        data.append(
+            {
+                "type": "scatter",
+                "mode": "lines+markers",
+                "name": ptext(name) or metric_title,
+                "x": [ptext(v) for v in x_labels],
+                "y": [sig(v) for v in ys],
+                "line": {"color": SERIES[i % len(SERIES)], "width": 2},
+                "marker": {"size": 8},
+                "connectgaps": False,
+                "hovertemplate": ptext(x_title)
+                + " %{x}<br>"
+                + ptext(metric_title)
+                + " %{y}<extra>"
+                + ptext(name)
+                + "</extra>",
+            }
+        )
+    layout = base_layout(
+        height=300,
+        showlegend=len(groups) > 1,
+        xaxis={"title": {"text": ptext(x_title)}, "type": "category"},
+        yaxis={"title": {"text": ptext(metric_title)}, **({"type": "log", "exponentformat": "e"} if log_y else {})},
+    )
     return {"data": data, "layout": layout}
 
 
-def shrink_progress(ids: list[str], steps: list[str], sizes: list[list[int]], reproduces: list[bool],
-                    best: list[int | None]) -> dict:
+def shrink_progress(
+    ids: list[str], steps: list[str], sizes: list[list[int]], reproduces: list[bool], best: list[int | None]
+) -> dict:
     """A shrink's candidates in the order they were tried: each one's request count (red: it still
     told the lie, grey: it did not) and the best configuration's request count so far (a step line)."""
     x = list(range(1, len(ids) + 1))
-    hover = [ptext(f"{i}: {s}") + "<br>" + ptext(f"{n[0]} requests, {n[1]} tokens, {n[2]} knobs off default")
-             for i, s, n in zip(ids, steps, sizes)]
-    data = [{"type": "scatter", "mode": "lines", "name": "best so far", "x": x, "y": best, "line": {"shape": "hv",
-             "color": ACCENT, "width": 2}, "hoverinfo": "skip"},
-            {"type": "scatter", "mode": "markers", "name": "candidate", "x": x, "y": [n[0] for n in sizes],
-             "text": hover, "hovertemplate": "%{text}<extra></extra>",
-             "marker": {"size": 9, "color": [VERDICT_COLORS["corrupt"] if r else VERDICT_COLORS["unscored"]
-                                             for r in reproduces]}}]
-    layout = base_layout(height=300, xaxis={"title": {"text": "candidate (in the order tried)"}},
-                         yaxis={"title": {"text": "requests"}, "type": "log"})
+    hover = [
+        ptext(f"{i}: {s}") + "<br>" + ptext(f"{n[0]} requests, {n[1]} tokens, {n[2]} knobs off default")
+        for i, s, n in zip(ids, steps, sizes)
+    ]
+    data = [
+        {
+            "type": "scatter",
+            "mode": "lines",
+            "name": "best so far",
+            "x": x,
+            "y": best,
+            "line": {"shape": "hv", "color": ACCENT, "width": 2},
+            "hoverinfo": "skip",
+        },
+        {
+            "type": "scatter",
+            "mode": "markers",
+            "name": "candidate",
+            "x": x,
+            "y": [n[0] for n in sizes],
+            "text": hover,
+            "hovertemplate": "%{text}<extra></extra>",
+            "marker": {
+                "size": 9,
+                "color": [VERDICT_COLORS["corrupt"] if r else VERDICT_COLORS["unscored"] for r in reproduces],
+            },
+        },
+    ]
+    layout = base_layout(
+        height=300,
+        xaxis={"title": {"text": "candidate (in the order tried)"}},
+        yaxis={"title": {"text": "requests"}, "type": "log"},
+    )
     return {"data": data, "layout": layout}
 
 
-def rl_series(steps: np.ndarray, columns: dict[str, np.ndarray], spikes: np.ndarray | None,
-              log_y: bool = False, band: tuple[np.ndarray, np.ndarray] | None = None,
-              y_line: float | None = None) -> dict:
+def rl_series(
+    steps: np.ndarray,
+    columns: dict[str, np.ndarray],
+    spikes: np.ndarray | None,
+    log_y: bool = False,
+    band: tuple[np.ndarray, np.ndarray] | None = None,
+    y_line: float | None = None,
+) -> dict:
     """Lines of per-step RL metrics (max per bin when binned), spike steps marked on the first line,
     an optional mean ± std band drawn around the first line."""
     keys = list(columns)
@@ -355,29 +571,57 @@ def rl_series(steps: np.ndarray, columns: dict[str, np.ndarray], spikes: np.ndar
     if band is not None:
         mean, std = np.asarray(binned["__bm"]), np.nan_to_num(np.asarray(binned["__bs"]))
         xs = x.tolist()
-        data.append({"type": "scatter", "mode": "lines", "x": xs + xs[::-1],
-                     "y": sig_list(mean + std, 4) + sig_list((mean - std)[::-1], 4), "fill": "toself",
-                     "fillcolor": "rgba(37,99,235,0.12)", "line": {"width": 0}, "name": "mean ± std",
-                     "hoverinfo": "skip"})
+        data.append(
+            {
+                "type": "scatter",
+                "mode": "lines",
+                "x": xs + xs[::-1],
+                "y": sig_list(mean + std, 4) + sig_list((mean - std)[::-1], 4),
+                "fill": "toself",
+                "fillcolor": "rgba(37,99,235,0.12)",
+                "line": {"width": 0},
+                "name": "mean ± std",
+                "hoverinfo": "skip",
+            }
+        )
     for i, k in enumerate(keys):
-        data.append({"type": "scatter", "mode": "lines", "name": k, "x": x.tolist(), "y": sig_list(binned[k], 4),
-                     "line": {"color": SERIES[i % len(SERIES)], "width": 1.5}})
+        data.append(
+            {
+                "type": "scatter",
+                "mode": "lines",
+                "name": k,
+                "x": x.tolist(),
+                "y": sig_list(binned[k], 4),
+                "line": {"color": SERIES[i % len(SERIES)], "width": 1.5},
+            }
+        )
     if "__spike" in binned:
         hit = np.flatnonzero(np.asarray(binned["__spike"]) > 0)
         if hit.size and keys:
             first = np.asarray(binned[keys[0]])
-            data.append({"type": "scatter", "mode": "markers", "name": "spike", "x": x[hit].tolist(),
-                         "y": sig_list(first[hit], 4),
-                         "marker": {"color": VERDICT_COLORS["corrupt"], "size": 10, "symbol": "x"}})
+            data.append(
+                {
+                    "type": "scatter",
+                    "mode": "markers",
+                    "name": "spike",
+                    "x": x[hit].tolist(),
+                    "y": sig_list(first[hit], 4),
+                    "marker": {"color": VERDICT_COLORS["corrupt"], "size": 10, "symbol": "x"},
+                }
+            )
     shapes, notes = [], []
     if y_line is not None:
         s, a = hline(y_line, f"spike threshold {y_line:g}", VERDICT_COLORS["corrupt"])
         shapes.append(s)
         notes.append(a)
     per = "" if width == 1 else f" (max per {width} steps)"
-    layout = base_layout(height=280, shapes=shapes, annotations=notes,
-                         xaxis={"title": {"text": "training step" + per}},
-                         yaxis={"type": "log", "exponentformat": "e"} if log_y else {})
+    layout = base_layout(
+        height=280,
+        shapes=shapes,
+        annotations=notes,
+        xaxis={"title": {"text": "training step" + per}},
+        yaxis={"type": "log", "exponentformat": "e"} if log_y else {},
+    )
     return {"data": data, "layout": layout}
 
 
@@ -388,18 +632,33 @@ def verdict_mix(labels: list[str], names: list[str], counts: list[dict], x_title
     for v in ("clean", "noise", "divergent", "corrupt"):
         ys = [int((c or {}).get(v) or 0) for c in counts]
         if any(ys):
-            data.append({"type": "bar", "name": v, "x": [ptext(n) for n in labels], "y": ys,
-                         "customdata": [ptext(n) for n in names], "marker": {"color": VERDICT_COLORS[v]},
-                         "hovertemplate": "%{customdata}<br>%{y} requests<extra>" + v + "</extra>"})
-    layout = base_layout(height=300, barmode="stack",
-                         xaxis={"type": "category", "title": {"text": ptext(x_title)}, "automargin": True},
-                         yaxis={"title": {"text": "requests"}})
+            data.append(
+                {
+                    "type": "bar",
+                    "name": v,
+                    "x": [ptext(n) for n in labels],
+                    "y": ys,
+                    "customdata": [ptext(n) for n in names],
+                    "marker": {"color": VERDICT_COLORS[v]},
+                    "hovertemplate": "%{customdata}<br>%{y} requests<extra>" + v + "</extra>",
+                }
+            )
+    layout = base_layout(
+        height=300,
+        barmode="stack",
+        xaxis={"type": "category", "title": {"text": ptext(x_title)}, "automargin": True},
+        yaxis={"title": {"text": "requests"}},
+    )
     return {"data": data, "layout": layout}
 
 
-FLOOR_BARS = (("token", "q99", "token error, q99"), ("token", "median", "token error, median"),
-              ("topk", "q99", "top-k spread, q99"), ("topk", "median", "top-k spread, median"),
-              ("settled", "q99", "settled |d|, q99"))
+FLOOR_BARS = (
+    ("token", "q99", "token error, q99"),
+    ("token", "median", "token error, median"),
+    ("topk", "q99", "top-k spread, q99"),
+    ("topk", "median", "top-k spread, median"),
+    ("settled", "q99", "settled |d|, q99"),
+)
 
 
 def floor_chart(run_test: dict) -> dict | None:
@@ -420,11 +679,28 @@ def floor_chart(run_test: dict) -> dict | None:
     labels = [ptext(b[0]) for b in bars]
     color = VERDICT_COLORS["systematic"] if run_test.get("result") == "different" else VERDICT_COLORS["clean"]
     pair = ptext(run_test.get("floor_pair") or "?")
-    data = [{"type": "bar", "name": f"expected ({pair})", "x": labels, "y": [b[1] for b in bars],
-             "marker": {"color": "#9ca3af"}, "hovertemplate": "expected %{y:.3g}<extra>%{x}</extra>"},
-            {"type": "bar", "name": "observed (this run)", "x": labels, "y": [b[2] for b in bars],
-             "marker": {"color": color}, "hovertemplate": "observed %{y:.3g}<extra>%{x}</extra>"}]
-    layout = base_layout(height=300, barmode="group",
-                         xaxis={"type": "category", "automargin": True},
-                         yaxis={"type": "log", "exponentformat": "e", "title": {"text": "nats"}})
+    data = [
+        {
+            "type": "bar",
+            "name": f"expected ({pair})",
+            "x": labels,
+            "y": [b[1] for b in bars],
+            "marker": {"color": "#9ca3af"},
+            "hovertemplate": "expected %{y:.3g}<extra>%{x}</extra>",
+        },
+        {
+            "type": "bar",
+            "name": "observed (this run)",
+            "x": labels,
+            "y": [b[2] for b in bars],
+            "marker": {"color": color},
+            "hovertemplate": "observed %{y:.3g}<extra>%{x}</extra>",
+        },
+    ]
+    layout = base_layout(
+        height=300,
+        barmode="group",
+        xaxis={"type": "category", "automargin": True},
+        yaxis={"type": "log", "exponentformat": "e", "title": {"text": "nats"}},
+    )
     return {"data": data, "layout": layout}

@@ -32,8 +32,18 @@ def load(path: Path) -> dict:
             lc["link"] = ll if isinstance(ll, str) and (path / ll).is_file() and ".." not in Path(ll).parts else None
     order = [a.get("architecture") for a in doc.get("architectures") or [] if isinstance(a, dict)]
     audited = [a for a in order if any(r.get("architecture") == a for r in rows)]
-    return {"kind": "conformance", "engine": doc.get("engine"), "engine_version": doc.get("engine_version"),
-            "reference": doc.get("reference"), "grid": doc.get("grid"), "complete": doc.get("complete"),
-            "elapsed_s": doc.get("elapsed_s"), "cells": doc.get("cell_catalogue") or [], "rows": rows,
-            "audited": audited,
-            "not_audited": [a for a in doc.get("architectures") or [] if isinstance(a, dict) and a.get("status") != "audit"]}
+    return {
+        "kind": "conformance",
+        "engine": doc.get("engine"),
+        "engine_version": doc.get("engine_version"),
+        "reference": doc.get("reference"),
+        "grid": doc.get("grid"),
+        "complete": doc.get("complete"),
+        "elapsed_s": doc.get("elapsed_s"),
+        "cells": doc.get("cell_catalogue") or [],
+        "rows": rows,
+        "audited": audited,
+        "not_audited": [
+            a for a in doc.get("architectures") or [] if isinstance(a, dict) and a.get("status") != "audit"
+        ],
+    }

@@ -16,7 +16,6 @@ import json
 from pathlib import Path
 
 
-
 def _fingerprint(vocab: dict[str, int]) -> str:
     items = sorted(vocab.items(), key=lambda kv: kv[1])
     return hashlib.sha256(json.dumps(items, ensure_ascii=False).encode()).hexdigest()
@@ -28,8 +27,10 @@ def _fast(path: Path, expected: str | None):
     tok = Tokenizer.from_file(str(path / "tokenizer.json"))
     if expected and _fingerprint(tok.get_vocab(with_added_tokens=True)) != expected:
         return None
-    return (lambda ids: tok.decode_batch([[i] for i in ids], skip_special_tokens=False),
-            lambda ids: tok.decode(list(ids), skip_special_tokens=False))
+    return (
+        lambda ids: tok.decode_batch([[i] for i in ids], skip_special_tokens=False),
+        lambda ids: tok.decode(list(ids), skip_special_tokens=False),
+    )
 
 
 def _hf(spec: str, expected: str | None):
@@ -38,8 +39,10 @@ def _hf(spec: str, expected: str | None):
     tok = load_tokenizer(resolve_model(spec))
     if expected and tokenizer_fingerprint(tok) != expected:
         return None
-    return (lambda ids: tok.batch_decode([[i] for i in ids], skip_special_tokens=False, clean_up_tokenization_spaces=False),
-            lambda ids: tok.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False))
+    return (
+        lambda ids: tok.batch_decode([[i] for i in ids], skip_special_tokens=False, clean_up_tokenization_spaces=False),
+        lambda ids: tok.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False),
+    )
 
 
 def decoder(manifest: dict):
@@ -61,5 +64,8 @@ def decoder(manifest: dict):
         if found is not None:
             return (*found, None)
         why = "the model's tokenizer no longer matches the one this run used"
-    return ((lambda ids: [f"#{i}" for i in ids]), (lambda ids: " ".join(f"#{i}" for i in ids)),
-            f"token ids shown instead of text: {why}")
+    return (
+        (lambda ids: [f"#{i}" for i in ids]),
+        (lambda ids: " ".join(f"#{i}" for i in ids)),
+        f"token ids shown instead of text: {why}",
+    )

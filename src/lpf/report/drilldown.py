@@ -61,9 +61,16 @@ def _group(table: pa.Table, ids: list[str]) -> dict[str, dict[str, list]]:
     return out
 
 
-def build(picks: list[dict], requests: dict[str, dict], tokens: pa.Table, reference: pa.Table,
-          trace: pa.Table | None, decode: Callable[[list[int]], list[str]],
-          decode_text: Callable[[list[int]], str], max_tokens: int = 384) -> dict:
+def build(
+    picks: list[dict],
+    requests: dict[str, dict],
+    tokens: pa.Table,
+    reference: pa.Table,
+    trace: pa.Table | None,
+    decode: Callable[[list[int]], list[str]],
+    decode_text: Callable[[list[int]], str],
+    max_tokens: int = 384,
+) -> dict:
     """{"vocab": {id: text}, "requests": [...]} for the picked requests (summary rows as dicts)."""
     ids = [p["request_id"] for p in picks]
     tok = _group(tokens, ids)
@@ -90,27 +97,61 @@ def build(picks: list[dict], requests: dict[str, dict], tokens: pa.Table, refere
             used.update(rtk)
             e = t["engine_logprob"][i]
             rl = r["ref_logprob"][j] if j is not None else None
-            rows.append([pos, t["token_id"][i], sig(e, 6), sig(rl, 6),
-                         None if j is None else r["ref_rank"][j],
-                         [int(x) for x in etk], [sig(x, 4) for x in (t.get("engine_topk_logprobs", [None] * n)[i] or [])],
-                         [int(x) for x in rtk], [sig(x, 4) for x in ((r["ref_topk_logprobs"][j] or []) if j is not None else [])]])
+            rows.append(
+                [
+                    pos,
+                    t["token_id"][i],
+                    sig(e, 6),
+                    sig(rl, 6),
+                    None if j is None else r["ref_rank"][j],
+                    [int(x) for x in etk],
+                    [sig(x, 4) for x in (t.get("engine_topk_logprobs", [None] * n)[i] or [])],
+                    [int(x) for x in rtk],
+                    [sig(x, 4) for x in ((r["ref_topk_logprobs"][j] or []) if j is not None else [])],
+                ]
+            )
         req = requests.get(rid, {})
         prompt_ids = req.get("prompt_token_ids") or []
-        out.append({
-            "request_id": rid, "seq": p.get("seq"), "prompt_id": p.get("prompt_id"), "rollout": p.get("rollout"),
-            "verdict": p.get("verdict"), "first_divergence": fd,
-            "max_abs_logprob_diff": sig(p.get("max_abs_logprob_diff")),
-            "gibberish_tokens": p.get("gibberish_tokens"), "gibberish_score": sig(p.get("gibberish_score")),
-            "n_output_tokens": p.get("n_output_tokens", n), "shown": [lo, hi],
-            "prompt_text": _clip(decode_text(prompt_ids)), "n_prompt_tokens": len(prompt_ids),
-            "output_text": _clip(req.get("output_text") or ""), "finish_reason": req.get("finish_reason"),
-            "oracle_expected": req.get("oracle_expected"), "oracle_ok": req.get("oracle_ok"), "error": p.get("error"),
-            "tokens": rows, "trace": trc.get(rid),
-        })
+        out.append(
+            {
+                "request_id": rid,
+                "seq": p.get("seq"),
+                "prompt_id": p.get("prompt_id"),
+                "rollout": p.get("rollout"),
+                "verdict": p.get("verdict"),
+                "first_divergence": fd,
+                "max_abs_logprob_diff": sig(p.get("max_abs_logprob_diff")),
+                "gibberish_tokens": p.get("gibberish_tokens"),
+                "gibberish_score": sig(p.get("gibberish_score")),
+                "n_output_tokens": p.get("n_output_tokens", n),
+                "shown": [lo, hi],
+                "prompt_text": _clip(decode_text(prompt_ids)),
+                "n_prompt_tokens": len(prompt_ids),
+                "output_text": _clip(req.get("output_text") or ""),
+                "finish_reason": req.get("finish_reason"),
+                "oracle_expected": req.get("oracle_expected"),
+                "oracle_ok": req.get("oracle_ok"),
+                "error": p.get("error"),
+                "tokens": rows,
+                "trace": trc.get(rid),
+            }
+        )
     vocab_ids = sorted(i for i in used if i is not None)
-    return {"vocab": dict(zip(map(str, vocab_ids), decode(vocab_ids))), "requests": out,
-            "columns": ["position", "token_id", "engine_logprob", "ref_logprob", "ref_rank",
-                        "engine_topk_ids", "engine_topk_logprobs", "ref_topk_ids", "ref_topk_logprobs"]}
+    return {
+        "vocab": dict(zip(map(str, vocab_ids), decode(vocab_ids))),
+        "requests": out,
+        "columns": [
+            "position",
+            "token_id",
+            "engine_logprob",
+            "ref_logprob",
+            "ref_rank",
+            "engine_topk_ids",
+            "engine_topk_logprobs",
+            "ref_topk_ids",
+            "ref_topk_logprobs",
+        ],
+    }
 
 
 def _clip(text: str, limit: int = 4000) -> str:
@@ -123,8 +164,16 @@ def _trace_by_request(trace: pa.Table | None, ids: list[str]) -> dict[str, dict]
         return {}
     t = trace.filter(pc.is_in(trace.column("request_id"), pa.array(ids, pa.string())))
     t = t.sort_by([("request_id", "ascending"), ("step", "ascending")])
-    cols = ["step", "phase", "num_computed_tokens", "num_scheduled_tokens", "state_slot", "batch_size",
-            "batch_tokens", "preempted"]
+    cols = [
+        "step",
+        "phase",
+        "num_computed_tokens",
+        "num_scheduled_tokens",
+        "state_slot",
+        "batch_size",
+        "batch_tokens",
+        "preempted",
+    ]
     cols = [c for c in cols if c in t.column_names]
     rows_by: dict[str, list] = {}
     rid = t.column("request_id").to_pylist()
@@ -136,10 +185,20 @@ def _trace_by_request(trace: pa.Table | None, ids: list[str]) -> dict[str, dict]
         rec = dict(zip(cols, zip(*rows)))
         live = [i for i, pre in enumerate(rec.get("preempted", [False] * len(rows))) if not pre]
         phases = [rec["phase"][i] for i in live] if "phase" in rec else []
-        slots = sorted({rec["state_slot"][i] for i in live if rec["state_slot"][i] is not None}) if "state_slot" in rec else []
-        out[r] = {"columns": cols, "rows": rows[:TRACE_ROWS], "n_rows": len(rows),
-                  "first_step": rows[0][0], "last_step": rows[-1][0],
-                  "first_phase": phases[0] if phases else None,
-                  "phases": {ph: phases.count(ph) for ph in dict.fromkeys(phases)},
-                  "state_slots": slots[:16], "preemptions": len(rows) - len(live)}
+        slots = (
+            sorted({rec["state_slot"][i] for i in live if rec["state_slot"][i] is not None})
+            if "state_slot" in rec
+            else []
+        )
+        out[r] = {
+            "columns": cols,
+            "rows": rows[:TRACE_ROWS],
+            "n_rows": len(rows),
+            "first_step": rows[0][0],
+            "last_step": rows[-1][0],
+            "first_phase": phases[0] if phases else None,
+            "phases": {ph: phases.count(ph) for ph in dict.fromkeys(phases)},
+            "state_slots": slots[:16],
+            "preemptions": len(rows) - len(live),
+        }
     return out

@@ -50,8 +50,9 @@ def plotly_js() -> tuple[str, str]:
     try:
         src = (resources.files("plotly") / "package_data" / "plotly.min.js").read_text(encoding="utf-8")
     except (ModuleNotFoundError, FileNotFoundError) as e:
-        raise LpfError(f"the report needs the plotly package's bundled plotly.min.js ({e}): "
-                       f"pip install plotly") from None
+        raise LpfError(
+            f"the report needs the plotly package's bundled plotly.min.js ({e}): pip install plotly"
+        ) from None
     if "</script" in src.lower():  # would end the inline element early; never true of a real build
         raise LpfError("the installed plotly.min.js cannot be inlined (contains '</script')")
     m = re.search(r"plotly\.js v([\w.\-]+)", src[:400])
@@ -69,19 +70,39 @@ def _asset(name: str) -> str:
 
 def render(page: dict, title: str) -> str:
     plotly_src, plotly_version = plotly_js()
-    page = dict(page, meta={"generated": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-                            "lpf_version": lpf.__version__, "plotly_version": plotly_version})
-    return "".join([
-        "<!doctype html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n",
-        "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\n",
-        f"<title>{html.escape(title)}</title>\n",
-        "<style>\n", _asset("report.css"), "\n</style>\n",
-        "<script>\n", plotly_src, "\n</script>\n",
-        "</head>\n<body>\n",
-        "<noscript><p class=\"noscript\">This report draws its sections with JavaScript; enable it to see them.</p></noscript>\n",
-        "<div id=\"app\"></div>\n<div id=\"tip\" class=\"tip\" role=\"tooltip\" hidden></div>\n",
-        "<script type=\"application/json\" id=\"lpf-data\">", script_json(page), "</script>\n",
-        *(["<script>\n", _asset(PAGE_SCRIPTS[page.get("kind")]), "\n</script>\n"] if page.get("kind") in PAGE_SCRIPTS else []),
-        "<script>\n", _asset("report.js"), "\n</script>\n",
-        "</body>\n</html>\n",
-    ])
+    page = dict(
+        page,
+        meta={
+            "generated": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+            "lpf_version": lpf.__version__,
+            "plotly_version": plotly_version,
+        },
+    )
+    return "".join(
+        [
+            '<!doctype html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n',
+            '<meta name="viewport" content="width=device-width, initial-scale=1">\n',
+            f"<title>{html.escape(title)}</title>\n",
+            "<style>\n",
+            _asset("report.css"),
+            "\n</style>\n",
+            "<script>\n",
+            plotly_src,
+            "\n</script>\n",
+            "</head>\n<body>\n",
+            '<noscript><p class="noscript">This report draws its sections with JavaScript; enable it to see them.</p></noscript>\n',
+            '<div id="app"></div>\n<div id="tip" class="tip" role="tooltip" hidden></div>\n',
+            '<script type="application/json" id="lpf-data">',
+            script_json(page),
+            "</script>\n",
+            *(
+                ["<script>\n", _asset(PAGE_SCRIPTS[page.get("kind")]), "\n</script>\n"]
+                if page.get("kind") in PAGE_SCRIPTS
+                else []
+            ),
+            "<script>\n",
+            _asset("report.js"),
+            "\n</script>\n",
+            "</body>\n</html>\n",
+        ]
+    )

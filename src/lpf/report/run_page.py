@@ -30,8 +30,16 @@ WORST_N = 20
 # so the report of a 100M-token run reads a sample of its parts' rows, not all of them
 HISTOGRAM_TOKENS = 2_000_000
 TRACE_COLUMNS = ["step", "request_id", "batch_size", "batch_tokens", "preempted"]
-TRACE_DETAIL = ["step", "phase", "num_computed_tokens", "num_scheduled_tokens", "state_slot", "batch_size",
-                "batch_tokens", "preempted"]
+TRACE_DETAIL = [
+    "step",
+    "phase",
+    "num_computed_tokens",
+    "num_scheduled_tokens",
+    "state_slot",
+    "batch_size",
+    "batch_tokens",
+    "preempted",
+]
 
 
 def load(path: Path, worst_n: int = WORST_N, max_points: int = charts.MAX_SCATTER_POINTS) -> dict:
@@ -48,8 +56,13 @@ def load(path: Path, worst_n: int = WORST_N, max_points: int = charts.MAX_SCATTE
     flagged_mask = np.isin(verdict, ["divergent", "corrupt"])
     scatter, shown = charts.request_scatter(
         summary.column("seq").to_numpy(zero_copy_only=False),
-        summary.column("max_abs_logprob_diff").to_numpy(zero_copy_only=False), verdict,
-        np.asarray(summary.column("request_id").to_pylist(), dtype=object), clean_th, div_th, max_points)
+        summary.column("max_abs_logprob_diff").to_numpy(zero_copy_only=False),
+        verdict,
+        np.asarray(summary.column("request_id").to_pylist(), dtype=object),
+        clean_th,
+        div_th,
+        max_points,
+    )
     fd = summary.column("first_divergence")
     has_fd = flagged_mask & ~pc.is_null(fd).to_numpy(zero_copy_only=False)
     fd_values = fd.fill_null(-1).to_numpy(zero_copy_only=False)
@@ -72,8 +85,7 @@ def load(path: Path, worst_n: int = WORST_N, max_points: int = charts.MAX_SCATTE
         "n_flagged": int(flagged_mask.sum()),
         "manifest": _manifest_info(m),
         "charts": {
-            "histogram": charts.diff_histogram(_token_abs_diff(tok, ref, ids),
-                                               clean_th, div_th),
+            "histogram": charts.diff_histogram(_token_abs_diff(tok, ref, ids), clean_th, div_th),
             "scatter": scatter,
             "first_divergence": charts.first_divergence_chart(fd_values[has_fd], verdict[has_fd]),
             "steps": _step_chart(trace, flagged_ids, findings),
@@ -101,14 +113,24 @@ def _num(v):
 def _manifest_info(m: dict) -> dict:
     eng, model, ref = m.get("engine") or {}, m.get("model") or {}, m.get("reference") or {}
     return {
-        "run_id": m.get("run_id"), "created": m.get("created"), "status": m.get("status"),
+        "run_id": m.get("run_id"),
+        "created": m.get("created"),
+        "status": m.get("status"),
         "lpf_version": m.get("lpf_version"),
-        "engine": {"name": eng.get("name"), "version": eng.get("version"), "options": eng.get("options") or {},
-                   "cache": eng.get("cache")},
-        "model": {"spec": model.get("spec"), "architecture": model.get("architecture"),
-                  "weights_sha256": (model.get("weights_sha256") or "")[:12] or None},
+        "engine": {
+            "name": eng.get("name"),
+            "version": eng.get("version"),
+            "options": eng.get("options") or {},
+            "cache": eng.get("cache"),
+        },
+        "model": {
+            "spec": model.get("spec"),
+            "architecture": model.get("architecture"),
+            "weights_sha256": (model.get("weights_sha256") or "")[:12] or None,
+        },
         "reference": {"spec": ref.get("spec"), "dtype": ref.get("dtype"), "implementation": ref.get("implementation")},
-        "workload": m.get("workload") or {}, "sampling": m.get("sampling") or {},
+        "workload": m.get("workload") or {},
+        "sampling": m.get("sampling") or {},
         "host": m.get("host") or {},
     }
 
@@ -162,23 +184,37 @@ def _step_chart(trace: pa.Table | None, flagged_ids: pa.Array, findings: dict) -
     if marks.size:
         np.add.at(started, np.searchsorted(steps, marks), 1)
     onset = ((findings.get("shape") or {}).get("onset") or {}).get("step")
-    return charts.step_series(steps, per.column("batch_size_max").to_numpy(zero_copy_only=False),
-                              per.column("batch_tokens_max").to_numpy(zero_copy_only=False),
-                              per.column("flagged_sum").to_numpy(zero_copy_only=False), started, label,
-                              onset if isinstance(onset, int) else None)
+    return charts.step_series(
+        steps,
+        per.column("batch_size_max").to_numpy(zero_copy_only=False),
+        per.column("batch_tokens_max").to_numpy(zero_copy_only=False),
+        per.column("flagged_sum").to_numpy(zero_copy_only=False),
+        started,
+        label,
+        onset if isinstance(onset, int) else None,
+    )
 
 
 def _drill(run: RunDir, picks: list[dict], tok_files: list[str], ref_files: list[str], trace_files: list[str]) -> dict:
     ids = [p["request_id"] for p in picks]
     # a tokens part and its requests part share a name (the store commits them as a pair)
-    req_files = [str(run.path / "requests" / Path(f).name) for f in tok_files if (run.path / "requests" / Path(f).name).is_file()]
-    req = rows_of(req_files, ["request_id", "prompt_token_ids", "output_text", "finish_reason", "oracle_expected",
-                              "oracle_ok"], ids)
+    req_files = [
+        str(run.path / "requests" / Path(f).name) for f in tok_files if (run.path / "requests" / Path(f).name).is_file()
+    ]
+    req = rows_of(
+        req_files,
+        ["request_id", "prompt_token_ids", "output_text", "finish_reason", "oracle_expected", "oracle_ok"],
+        ids,
+    )
     requests = {r["request_id"]: r for r in req.to_pylist()} if req is not None else {}
-    tokens = rows_of(tok_files, ["request_id", "position", "token_id", "engine_logprob", "engine_topk_ids",
-                                 "engine_topk_logprobs"], ids)
-    reference = rows_of(ref_files, ["request_id", "position", "ref_logprob", "ref_rank", "ref_topk_ids",
-                                    "ref_topk_logprobs"], ids)
+    tokens = rows_of(
+        tok_files,
+        ["request_id", "position", "token_id", "engine_logprob", "engine_topk_ids", "engine_topk_logprobs"],
+        ids,
+    )
+    reference = rows_of(
+        ref_files, ["request_id", "position", "ref_logprob", "ref_rank", "ref_topk_ids", "ref_topk_logprobs"], ids
+    )
     trace = rows_of(trace_files, ["request_id", *TRACE_DETAIL], ids)
     decode, decode_text, note = decoder(run.manifest)
     out = drilldown.build(picks, requests, tokens, reference, trace, decode, decode_text)

@@ -17,8 +17,9 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
 
-def scan(paths: list[Path], columns: list[str], wanted: pa.Array,
-         keep: pa.Array | None = None) -> tuple[pa.Table | None, list[str]]:
+def scan(
+    paths: list[Path], columns: list[str], wanted: pa.Array, keep: pa.Array | None = None
+) -> tuple[pa.Table | None, list[str]]:
     """(the columns that exist, as one table; the files holding a wanted id). (None, []) for no parts."""
     if not paths:
         return None, []

@@ -29,15 +29,54 @@ def load(path: Path) -> dict:
         if c.get("id") in adopted:
             smallest = size[0] if smallest is None else min(smallest, size[0])
         best.append(smallest)
-        steps.append({"id": c.get("id"), "phase": c.get("phase"), "step": c.get("step"),
-                      "description": c.get("description"), "size": size, "status": c.get("status"),
-                      "adopted": c.get("id") in adopted,
-                      "tries": [dict(t, link=run_link(path, t.get("dir"))) for t in c.get("tries") or [] if isinstance(t, dict)]})
-    chart = charts.shrink_progress([s["id"] for s in steps], [s["step"] or "" for s in steps], [s["size"] for s in steps],
-                                   [s["status"] == "reproduces" for s in steps], best) if steps else None
-    keys = ("target", "target_row", "signature", "signature_description", "signature_note", "status", "runs_used",
-            "budget_runs", "deterministic", "confirmation", "original", "minimal", "source_run", "engine", "model",
-            "tries", "need")
-    return {"kind": "shrink", "shrink": {k: doc.get(k) for k in keys}, "steps": steps, "chart": chart,
-            "files": [name for name in FILES if (path / name).is_file()]}
-
+        steps.append(
+            {
+                "id": c.get("id"),
+                "phase": c.get("phase"),
+                "step": c.get("step"),
+                "description": c.get("description"),
+                "size": size,
+                "status": c.get("status"),
+                "adopted": c.get("id") in adopted,
+                "tries": [
+                    dict(t, link=run_link(path, t.get("dir"))) for t in c.get("tries") or [] if isinstance(t, dict)
+                ],
+            }
+        )
+    chart = (
+        charts.shrink_progress(
+            [s["id"] for s in steps],
+            [s["step"] or "" for s in steps],
+            [s["size"] for s in steps],
+            [s["status"] == "reproduces" for s in steps],
+            best,
+        )
+        if steps
+        else None
+    )
+    keys = (
+        "target",
+        "target_row",
+        "signature",
+        "signature_description",
+        "signature_note",
+        "status",
+        "runs_used",
+        "budget_runs",
+        "deterministic",
+        "confirmation",
+        "original",
+        "minimal",
+        "source_run",
+        "engine",
+        "model",
+        "tries",
+        "need",
+    )
+    return {
+        "kind": "shrink",
+        "shrink": {k: doc.get(k) for k in keys},
+        "steps": steps,
+        "chart": chart,
+        "files": [name for name in FILES if (path / name).is_file()],
+    }

@@ -44,12 +44,16 @@ def load(path: Path) -> dict:
         c["link"] = run_link(path, c.get("run_dir"))
     chart_list = []
     for key, title, log_y in METRICS:
-        values = [c.get(key) for c in cells if isinstance(c.get(key), (int, float)) and not isinstance(c.get(key), bool)]
+        values = [
+            c.get(key) for c in cells if isinstance(c.get(key), (int, float)) and not isinstance(c.get(key), bool)
+        ]
         if values:
             x, groups, x_title = _grid(knobs, cells, key)
             # a log axis only pays when the values span orders of magnitude
             log_y = log_y and min(values) > 0 and max(values) / min(values) >= 100
-            chart_list.append({"key": key, "title": title, "figure": charts.knob_lines(x, groups, title, x_title, log_y)})
+            chart_list.append(
+                {"key": key, "title": title, "figure": charts.knob_lines(x, groups, title, x_title, log_y)}
+            )
     names = [str(c.get("name", i)) for i, c in enumerate(cells)]
     if knobs:
         labels = [" · ".join(str((c.get("values") or {}).get(k["name"], "?")) for k in knobs) for c in cells]
@@ -60,7 +64,9 @@ def load(path: Path) -> dict:
     x_title = " · ".join(k["name"] for k in knobs) if knobs and labels is not names else "cell"
     return {
         "kind": "sweep",
-        "knobs": knobs, "cells": cells, "moves": [m for m in sweep.get("moves") or [] if isinstance(m, dict)],
+        "knobs": knobs,
+        "cells": cells,
+        "moves": [m for m in sweep.get("moves") or [] if isinstance(m, dict)],
         "charts": chart_list,
         "mix": charts.verdict_mix(labels, names, [c.get("counts") or {} for c in cells], x_title) if cells else None,
     }

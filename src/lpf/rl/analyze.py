@@ -30,8 +30,13 @@ from lpf.rl.metrics import STEP_METRICS, first_over, response_max_abs, series, t
 MAX_REQUESTS_LISTED = 200  # per spike; the counts stay exact
 
 
-def analyze(dump: Dump, metric: str = "k3_kl", z_threshold: float = spikes.Z_THRESHOLD,
-            min_scale: float = spikes.MIN_SCALE, abs_min: float = spikes.ABS_MIN) -> tuple[pa.Table, dict]:
+def analyze(
+    dump: Dump,
+    metric: str = "k3_kl",
+    z_threshold: float = spikes.Z_THRESHOLD,
+    min_scale: float = spikes.MIN_SCALE,
+    abs_min: float = spikes.ABS_MIN,
+) -> tuple[pa.Table, dict]:
     if metric not in STEP_METRICS:
         raise LpfError(f"unknown metric {metric!r}; choose from {', '.join(STEP_METRICS)}")
     resp = dump.responses
@@ -72,37 +77,56 @@ def analyze(dump: Dump, metric: str = "k3_kl", z_threshold: float = spikes.Z_THR
     ids = resp.column("request_id").to_pylist()
     third = dump.tok_reference is not None
     if third:
-        sides, noise = attribution.attribute(dump.tok_resp, n, dump.tok_rollout, dump.tok_trainer, dump.tok_reference,
-                                             quiet, abs_min)
+        sides, noise = attribution.attribute(
+            dump.tok_resp, n, dump.tok_rollout, dump.tok_trainer, dump.tok_reference, quiet, abs_min
+        )
     spike_list = []
     for si in np.flatnonzero(spike):
         members = np.flatnonzero((resp_code == si) & implicated)
         pos = first[members]
         counts = {str(p): int(c) for p, c in zip(*np.unique(pos, return_counts=True))}
-        entry = {"step": int(steps[si]), "robust_z": float(z[si]), "max_response_z": float(max_rz[si]),
-                 "by": "step" if by_step[si] and not by_resp[si] else "responses" if not by_step[si] else "both",
-                 "value": float(per_step[metric][si]),
-                 "n_responses": int(n_resp_step[si]), "n_implicated": int(members.size),
-                 "requests": [ids[i] for i in members[:MAX_REQUESTS_LISTED]], "positions": counts}
+        entry = {
+            "step": int(steps[si]),
+            "robust_z": float(z[si]),
+            "max_response_z": float(max_rz[si]),
+            "by": "step" if by_step[si] and not by_resp[si] else "responses" if not by_step[si] else "both",
+            "value": float(per_step[metric][si]),
+            "n_responses": int(n_resp_step[si]),
+            "n_implicated": int(members.size),
+            "requests": [ids[i] for i in members[:MAX_REQUESTS_LISTED]],
+            "positions": counts,
+        }
         if third:
             entry["side"], entry["sides"] = attribution.spike_side(sides[members])
             entry["request_sides"] = [attribution.SIDES[sides[i]] for i in members[:MAX_REQUESTS_LISTED]]
         spike_list.append(entry)
 
-    extra = (attribution.step_series(tok_code, steps.size, dump.tok_rollout, dump.tok_trainer, dump.tok_reference)
-             if third else {})
-    step_table = pa.table({"step": pa.array(steps, pa.int64()), "n_responses": pa.array(n_resp_step, pa.int64()),
-                           "n_tokens": pa.array(per_step["n_tokens"], pa.int64()),
-                           **{k: pa.array(per_step[k], pa.float64()) for k in STEP_METRICS},
-                           **{k: pa.array(v, pa.float64()) for k, v in extra.items()},
-                           "max_abs_logprob_diff": pa.array(step_max, pa.float64()),
-                           "max_response_z": pa.array(np.where(np.isfinite(max_rz), max_rz, np.nan), pa.float64()),
-                           "robust_z": pa.array(z, pa.float64()), "spike": pa.array(spike)})
+    extra = (
+        attribution.step_series(tok_code, steps.size, dump.tok_rollout, dump.tok_trainer, dump.tok_reference)
+        if third
+        else {}
+    )
+    step_table = pa.table(
+        {
+            "step": pa.array(steps, pa.int64()),
+            "n_responses": pa.array(n_resp_step, pa.int64()),
+            "n_tokens": pa.array(per_step["n_tokens"], pa.int64()),
+            **{k: pa.array(per_step[k], pa.float64()) for k in STEP_METRICS},
+            **{k: pa.array(v, pa.float64()) for k, v in extra.items()},
+            "max_abs_logprob_diff": pa.array(step_max, pa.float64()),
+            "max_response_z": pa.array(np.where(np.isfinite(max_rz), max_rz, np.nan), pa.float64()),
+            "robust_z": pa.array(z, pa.float64()),
+            "spike": pa.array(spike),
+        }
+    )
     stride = _stride(dump)
     in_spikes = implicated & spike[resp_code]
     span = int(steps.max() - steps.min())
-    empty = (np.setdiff1d(np.arange(int(steps.min()), int(steps.max()) + 1), steps)
-             if span <= spikes.MAX_GRID else np.array([], dtype=np.int64))
+    empty = (
+        np.setdiff1d(np.arange(int(steps.min()), int(steps.max()) + 1), steps)
+        if span <= spikes.MAX_GRID
+        else np.array([], dtype=np.int64)
+    )
     findings = {
         "kind": "rl",
         "source": dump.source,
@@ -122,15 +146,26 @@ def analyze(dump: Dump, metric: str = "k3_kl", z_threshold: float = spikes.Z_THR
         "ignored_files": dump.ignored_files,
         "spikes": spike_list,
         "period": spikes.period(steps, spike, np.bincount(resp_code, weights=implicated, minlength=steps.size)),
-        "implicated": {"n": int(implicated.sum()), "in_spike_steps": int(in_spikes.sum()),
-                       "outside_spike_steps": int((implicated & ~spike[resp_code]).sum()),
-                       "first_divergence": _positions(first[implicated])},
+        "implicated": {
+            "n": int(implicated.sum()),
+            "in_spike_steps": int(in_spikes.sum()),
+            "outside_spike_steps": int((implicated & ~spike[resp_code]).sum()),
+            "first_divergence": _positions(first[implicated]),
+        },
         "hypotheses": hypotheses.rank(resp, implicated, stride),
-        "noise_floor": {"metric": metric, "scale": "log10", "median": floor["median"], "mad": floor["mad"],
-                        "scale_used": floor["scale"], "min_scale": min_scale, "z_threshold": z_threshold,
-                        "median_value": None if floor["median"] is None else 10 ** floor["median"],
-                        "responses": {"median": rfloor["median"], "mad": rfloor["mad"], "scale_used": rfloor["scale"]},
-                        "token_abs_diff_threshold": thr, "token_abs_min": abs_min},
+        "noise_floor": {
+            "metric": metric,
+            "scale": "log10",
+            "median": floor["median"],
+            "mad": floor["mad"],
+            "scale_used": floor["scale"],
+            "min_scale": min_scale,
+            "z_threshold": z_threshold,
+            "median_value": None if floor["median"] is None else 10 ** floor["median"],
+            "responses": {"median": rfloor["median"], "mad": rfloor["mad"], "scale_used": rfloor["scale"]},
+            "token_abs_diff_threshold": thr,
+            "token_abs_min": abs_min,
+        },
         "metrics": {k: _stats(per_step[k]) for k in STEP_METRICS},
         "reference": _reference(dump, spike_list, sides[implicated & spike[resp_code]], noise) if third else None,
         "simulation": dump.metadata or None,
@@ -143,10 +178,15 @@ def _reference(dump: Dump, spike_list: list[dict], member_sides: np.ndarray, noi
     desc = (dump.reference or {}).get("reference") or {}
     model = desc.get("spec") or desc.get("path") or "?"
     spike_sides = [s["side"] for s in spike_list]
-    return {"model": model, "dtype": desc.get("dtype"), "file": (dump.reference or {}).get("file"),
-            "spikes": {s: spike_sides.count(s) for s in attribution.SIDES},
-            "responses": {s: int((member_sides == i).sum()) for i, s in enumerate(attribution.SIDES)},
-            "noise": noise, "sentence": attribution.sentence(spike_sides, model)}
+    return {
+        "model": model,
+        "dtype": desc.get("dtype"),
+        "file": (dump.reference or {}).get("file"),
+        "spikes": {s: spike_sides.count(s) for s in attribution.SIDES},
+        "responses": {s: int((member_sides == i).sum()) for i, s in enumerate(attribution.SIDES)},
+        "noise": noise,
+        "sentence": attribution.sentence(spike_sides, model),
+    }
 
 
 def _stride(dump: Dump) -> int | None:
@@ -173,8 +213,10 @@ def _stats(v: np.ndarray) -> dict:
 
 def _summary(f: dict) -> str:
     if not f["n_spikes"]:
-        return (f"no spike: all {f['n_steps']} steps within the noise floor of {f['metric']} "
-                f"(robust z < {f['noise_floor']['z_threshold']:g})")
+        return (
+            f"no spike: all {f['n_steps']} steps within the noise floor of {f['metric']} "
+            f"(robust z < {f['noise_floor']['z_threshold']:g})"
+        )
     shown = ", ".join(map(str, f["spike_steps"][:12])) + (", ..." if f["n_spikes"] > 12 else "")
     s = f"{f['n_spikes']}/{f['n_steps']} steps spike in {f['metric']} (steps {shown})"
     if f["n_spikes"] == f["n_steps"] > 1:
@@ -197,7 +239,7 @@ def add_causes(step_table: pa.Table, findings: dict, cause_steps: pa.Table, bloc
         raise ValueError("cause steps do not line up with the step table")
     for name in cause_steps.column_names:
         if name.startswith("share_"):
-            step_table = step_table.append_column("cause_" + name[len("share_"):], cause_steps.column(name))
+            step_table = step_table.append_column("cause_" + name[len("share_") :], cause_steps.column(name))
     step_table = step_table.append_column("abs_logprob_diff_sum", cause_steps.column("mass"))
     findings["causes"] = block
     findings["summary"] += f"; causes: {block['summary']}"

@@ -34,12 +34,18 @@ def step_series(tok_code: np.ndarray, n: int, r: np.ndarray, t: np.ndarray, f: n
     def mean(v):
         return np.bincount(tok_code, weights=v, minlength=n) / cnt
 
-    return {"rollout_ref_abs_diff": mean(np.abs(r - f)), "trainer_ref_abs_diff": mean(np.abs(t - f)),
-            "rollout_logprob_mean": mean(r), "trainer_logprob_mean": mean(t), "reference_logprob_mean": mean(f)}
+    return {
+        "rollout_ref_abs_diff": mean(np.abs(r - f)),
+        "trainer_ref_abs_diff": mean(np.abs(t - f)),
+        "rollout_logprob_mean": mean(r),
+        "trainer_logprob_mean": mean(t),
+        "reference_logprob_mean": mean(f),
+    }
 
 
-def attribute(tok_resp: np.ndarray, n_resp: int, r: np.ndarray, t: np.ndarray, f: np.ndarray, quiet: np.ndarray,
-              abs_min: float) -> tuple[np.ndarray, dict]:
+def attribute(
+    tok_resp: np.ndarray, n_resp: int, r: np.ndarray, t: np.ndarray, f: np.ndarray, quiet: np.ndarray, abs_min: float
+) -> tuple[np.ndarray, dict]:
     """(side per response as an index into SIDES, the thresholds used). Every response gets a side;
     the caller reads those of the implicated ones."""
     gap, dev_r, dev_t = np.abs(r - t), np.abs(r - f), np.abs(t - f)

@@ -59,28 +59,53 @@ def inputs_of(dump: Dump, floors: dict | None = None, layers: dict | None = None
         sens, source = np.sqrt(2.0) * -np.expm1(np.minimum(dump.tok_trainer, 0.0)), "trainer"
     sampling = (dump.reference or {}).get("sampling")
     if dump.tok_reference is None:
-        missing["processed_logprobs"] = ("needs the reference's kept mass under the rollout's top-p/top-k: "
-                                         "lpf rl rescore DUMP --reference MODEL --top-p P --top-k K")
+        missing["processed_logprobs"] = (
+            "needs the reference's kept mass under the rollout's top-p/top-k: "
+            "lpf rl rescore DUMP --reference MODEL --top-p P --top-k K"
+        )
     elif dump.tok_log_kept is None:
-        missing["processed_logprobs"] = ("reference.parquet has no kept mass: the rollout's sampling settings were "
-                                         "not given (lpf rl rescore --top-p P --top-k K)")
+        missing["processed_logprobs"] = (
+            "reference.parquet has no kept mass: the rollout's sampling settings were "
+            "not given (lpf rl rescore --top-p P --top-k K)"
+        )
     inp = ExplainInputs(
-        fmt=dump.fmt, steps=resp.column("step").to_numpy(), request_ids=resp.column("request_id").to_pylist(),
-        tok_resp=dump.tok_resp, tok_pos=dump.tok_pos, r=dump.tok_rollout, t=dump.tok_trainer,
-        resp_unit=dump.resp_group, sensitivity=sens, sensitivity_source=source, log_kept=dump.tok_log_kept,
-        log_kept_lag=dict(dump.tok_log_kept_lag), reference=dump.tok_reference, floors=floors or {}, layers=layers,
-        sampling=sampling, missing=missing)
+        fmt=dump.fmt,
+        steps=resp.column("step").to_numpy(),
+        request_ids=resp.column("request_id").to_pylist(),
+        tok_resp=dump.tok_resp,
+        tok_pos=dump.tok_pos,
+        r=dump.tok_rollout,
+        t=dump.tok_trainer,
+        resp_unit=dump.resp_group,
+        sensitivity=sens,
+        sensitivity_source=source,
+        log_kept=dump.tok_log_kept,
+        log_kept_lag=dict(dump.tok_log_kept_lag),
+        reference=dump.tok_reference,
+        floors=floors or {},
+        layers=layers,
+        sampling=sampling,
+        missing=missing,
+    )
     if dump.tok_trainer_lag:
         inp.stale_scores, inp.stale_base, inp.stale_source = dict(dump.tok_trainer_lag), dump.tok_trainer, "trainer"
     elif dump.tok_reference_lag and dump.tok_reference is not None:
-        inp.stale_scores, inp.stale_base, inp.stale_source = dict(dump.tok_reference_lag), dump.tok_reference, "reference"
+        inp.stale_scores, inp.stale_base, inp.stale_source = (
+            dict(dump.tok_reference_lag),
+            dump.tok_reference,
+            "reference",
+        )
     else:
-        missing["stale_weights"] = ("needs the generating policy's scores of the same tokens: trainer_logprobs_lag1 in "
-                                    "the dump, or lpf rl rescore --reference 'CKPT/step_{step}' --lags 0,1")
+        missing["stale_weights"] = (
+            "needs the generating policy's scores of the same tokens: trainer_logprobs_lag1 in "
+            "the dump, or lpf rl rescore --reference 'CKPT/step_{step}' --lags 0,1"
+        )
     inp.batch = batch_features(dump)
     if not inp.batch:
-        missing["batch_shape"] = _NO_BATCH.get(dump.fmt, "the dump does not say the trainer's micro-batches "
-                                               "(micro_batch_size / micro_batch_tokens per response)")
+        missing["batch_shape"] = _NO_BATCH.get(
+            dump.fmt,
+            "the dump does not say the trainer's micro-batches (micro_batch_size / micro_batch_tokens per response)",
+        )
     if "policy_version" in resp.column_names:
         pv = resp.column("policy_version")
         if pv.null_count < len(pv):
@@ -88,10 +113,12 @@ def inputs_of(dump: Dump, floors: dict | None = None, layers: dict | None = None
     return inp
 
 
-_NO_BATCH = {"nemo-rl": "NeMo-RL's train_data_step{N}.jsonl does not record the log-prob micro-batches "
-                        "(policy.logprob_batch_size, dynamic batching, sequence packing)",
-             "verl": "verl's rollout_data_dir dump does not record the log-prob micro-batches (add "
-                     "micro_batch_size per sample to the dumped fields)"}
+_NO_BATCH = {
+    "nemo-rl": "NeMo-RL's train_data_step{N}.jsonl does not record the log-prob micro-batches "
+    "(policy.logprob_batch_size, dynamic batching, sequence packing)",
+    "verl": "verl's rollout_data_dir dump does not record the log-prob micro-batches (add "
+    "micro_batch_size per sample to the dumped fields)",
+}
 
 
 def _numeric(resp: pa.Table, name: str) -> np.ndarray | None:
@@ -112,13 +139,15 @@ def batch_features(dump: Dump) -> dict[str, np.ndarray]:
         if x is not None:
             out[name] = x
     if not out and {"micro_step", "rank"} <= set(resp.column_names):  # prime-rl: samples packed per micro step
-        keys = list(zip(resp.column("step").to_pylist(), resp.column("rank").to_pylist(),
-                        resp.column("micro_step").to_pylist()))
+        keys = list(
+            zip(resp.column("step").to_pylist(), resp.column("rank").to_pylist(), resp.column("micro_step").to_pylist())
+        )
         counts: dict = {}
         for k in keys:
             counts[k] = counts.get(k, 0) + 1
         out["micro_batch_size"] = np.array([counts[k] for k in keys], dtype=np.float64)
         if "micro_sequence_idx" in resp.column_names:
-            out["micro_sequence_idx"] = np.asarray(resp.column("micro_sequence_idx").to_numpy(zero_copy_only=False),
-                                                   dtype=np.float64)
+            out["micro_sequence_idx"] = np.asarray(
+                resp.column("micro_sequence_idx").to_numpy(zero_copy_only=False), dtype=np.float64
+            )
     return {k: v for k, v in out.items() if np.isfinite(v).all() and np.unique(v).size >= 2}

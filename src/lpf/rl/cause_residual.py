@@ -48,8 +48,12 @@ def floor_sigma(floor: dict | None) -> float | None:
     if not floor:
         return None
     tok, settled = floor.get("token") or {}, floor.get("settled") or {}
-    return max((tok.get("median") or 0.0) / 0.6745, (tok.get("q99") or 0.0) / 2.576,
-               (settled.get("q99") or 0.0) / ct.S_MIN / 2.576, 1e-12)
+    return max(
+        (tok.get("median") or 0.0) / 0.6745,
+        (tok.get("q99") or 0.0) / 2.576,
+        (settled.get("q99") or 0.0) / ct.S_MIN / 2.576,
+        1e-12,
+    )
 
 
 def _groups(x: np.ndarray) -> np.ndarray:
@@ -73,7 +77,9 @@ def _position_test(inp, u, rng, idx):
     blocks = inp.tok_resp[idx]
     by_block = np.argsort(blocks, kind="stable")
     obs = float((rx * ry).sum() / den)
-    shuffled = [float((rx[ct.within_permutation(blocks, rng, by_block)] * ry).sum() / den) for _ in range(ct.N_SHUFFLES)]
+    shuffled = [
+        float((rx[ct.within_permutation(blocks, rng, by_block)] * ry).sum() / den) for _ in range(ct.N_SHUFFLES)
+    ]
     return obs, ct.permutation_p(obs, shuffled)
 
 
@@ -98,8 +104,9 @@ def _batch_test(inp, u, bucket, rng, idx, within_steps: bool):
     return best
 
 
-def fit_side(inp, e: np.ndarray, floor: dict | None, rng: np.random.Generator, idx: np.ndarray,
-             batch_mode: str = "within steps") -> Side:
+def fit_side(
+    inp, e: np.ndarray, floor: dict | None, rng: np.random.Generator, idx: np.ndarray, batch_mode: str = "within steps"
+) -> Side:
     """`batch_mode`: "all" (the trainer side: shuffle the feature across every response), "within steps"
     (the whole residual), or "none" (the rollout side: the dump's micro-batches are the trainer's).
     Where the rollout's logprob is 0 (a lone token kept by top-p/top-k reports 0 under processed
@@ -138,9 +145,14 @@ def fit_side(inp, e: np.ndarray, floor: dict | None, rng: np.random.Generator, i
             if vals.size:
                 lab = f"{vals.min():g}" if vals.size == 1 else f"{vals.min():g}-{vals.max():g}"
                 levels[lab] = float(np.sqrt(full["phi"] + full["beta"][gi]))
-        tests["batch_shape"] = {"status": "passed" if batch_ok else "failed", "feature": batch[0],
-                                "p_value": batch[3], "variance_ratio": b_effect,
-                                "features_tested": sorted(inp.batch), "levels": levels}
+        tests["batch_shape"] = {
+            "status": "passed" if batch_ok else "failed",
+            "feature": batch[0],
+            "p_value": batch[3],
+            "variance_ratio": b_effect,
+            "features_tested": sorted(inp.batch),
+            "levels": levels,
+        }
         if not batch_ok:  # groups that are no cause must not soak up the position profile's variance
             full = ct.fit_variance(v, cnt, use_groups=False, use_positions=True)
     level0 = full["phi"] + (float((full["beta"] * w0).sum() / w0.sum()) if w0.sum() else 0.0)
@@ -150,9 +162,14 @@ def fit_side(inp, e: np.ndarray, floor: dict | None, rng: np.random.Generator, i
     pos_effect = (level0 + pi_late) / max(level0, floor2, 1e-300)
     pos_ok = p_pos <= ct.P_MAX and rho > 0 and pos_effect >= ct.EFFECT_MIN
     tests["position_growth"] = {
-        "status": "passed" if pos_ok else "failed", "spearman": rho, "p_value": p_pos, "variance_ratio": pos_effect,
-        "profile": {ct.bucket_label(b): float(np.sqrt(full["phi"] + full["pi"][b])) for b in range(n_b)
-                    if cnt[:, b].sum()}}
+        "status": "passed" if pos_ok else "failed",
+        "spearman": rho,
+        "p_value": p_pos,
+        "variance_ratio": pos_effect,
+        "profile": {
+            ct.bucket_label(b): float(np.sqrt(full["phi"] + full["pi"][b])) for b in range(n_b) if cnt[:, b].sum()
+        },
+    }
     model = ct.fit_variance(v, cnt, use_groups=batch_ok, use_positions=pos_ok)
     beta = model["beta"] if batch_ok else np.zeros(n_g)
     pi = model["pi"] if pos_ok else np.zeros(n_b)
@@ -160,10 +177,14 @@ def fit_side(inp, e: np.ndarray, floor: dict | None, rng: np.random.Generator, i
     if sigma_f is None or phi <= (KAPPA * sigma_f) ** 2:
         v_floor, v_sys = phi, 0.0
     else:
-        v_floor, v_sys = sigma_f ** 2, phi - sigma_f ** 2
-    tests["dtype_floor"] = {"status": "inside" if v_sys == 0 else "exceeded", "sigma_floor": sigma_f,
-                            "sigma_residual_base": float(np.sqrt(phi)), "pair": (floor or {}).get("pair"),
-                            "detail": (floor or {}).get("detail")}
+        v_floor, v_sys = sigma_f**2, phi - sigma_f**2
+    tests["dtype_floor"] = {
+        "status": "inside" if v_sys == 0 else "exceeded",
+        "sigma_floor": sigma_f,
+        "sigma_residual_base": float(np.sqrt(phi)),
+        "pair": (floor or {}).get("pair"),
+        "detail": (floor or {}).get("detail"),
+    }
 
     sB, sP = np.sqrt(beta)[g_tok], np.sqrt(pi)[bucket]
     sF, sS = np.sqrt(v_floor), np.sqrt(v_sys)
@@ -175,14 +196,28 @@ def fit_side(inp, e: np.ndarray, floor: dict | None, rng: np.random.Generator, i
     tot = sF + sS + sB + sP
     tot = np.where(tot > 0, tot, 1.0)
     core = 1.0 - excess
-    weights = {"dtype_floor": core * sF / tot, "unexplained": core * sS / tot + excess,
-               "batch_shape": core * sB / tot, "position_growth": core * sP / tot}
+    weights = {
+        "dtype_floor": core * sF / tot,
+        "unexplained": core * sS / tot + excess,
+        "batch_shape": core * sB / tot,
+        "position_growth": core * sP / tot,
+    }
     none = (sF + sS + sB + sP) == 0  # no level at all (an exact side): its rounding is floor
     weights["dtype_floor"] = np.where(none, core, weights["dtype_floor"])
     tests["unexplained"] = {"n_outlier_responses": int(outlier.sum()), "sigma_systematic": sS}
-    return Side(tests, weights, {"phi": phi, "v_floor": v_floor, "v_sys": v_sys,
-                                 "batch_feature": batch[0] if batch_ok else None,
-                                 "beta": beta.tolist(), "pi": pi.tolist()}, outlier)
+    return Side(
+        tests,
+        weights,
+        {
+            "phi": phi,
+            "v_floor": v_floor,
+            "v_sys": v_sys,
+            "batch_feature": batch[0] if batch_ok else None,
+            "beta": beta.tolist(),
+            "pi": pi.tolist(),
+        },
+        outlier,
+    )
 
 
 def _response_ratio(u, sigma, resp, n_resp) -> np.ndarray:

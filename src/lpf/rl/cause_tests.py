@@ -58,8 +58,9 @@ def _lad(C: np.ndarray, y: np.ndarray, w0: np.ndarray | None = None, iters: int 
     return beta
 
 
-def exact_fit(d: np.ndarray, comps: dict[str, np.ndarray], resp: np.ndarray | None = None,
-              rng: np.random.Generator | None = None) -> dict[str, dict]:
+def exact_fit(
+    d: np.ndarray, comps: dict[str, np.ndarray], resp: np.ndarray | None = None, rng: np.random.Generator | None = None
+) -> dict[str, dict]:
     """{name: {beta, se, z, n, ols_beta}}: the joint least-absolute-deviations fit of d on the
     components (tokens where every one is known), its standard error by resampling whole responses
     (`resp`, N_BOOT times; by token without it). LAD, not least squares: another cause's error is
@@ -77,7 +78,7 @@ def exact_fit(d: np.ndarray, comps: dict[str, np.ndarray], resp: np.ndarray | No
     if y.size > MAX_TOKENS_FIT:
         keep = np.sort(rng.choice(y.size, MAX_TOKENS_FIT, replace=False))
         C, y = C[keep], y[keep]
-        groups = (resp[ok][keep] if resp is not None else np.arange(y.size))
+        groups = resp[ok][keep] if resp is not None else np.arange(y.size)
     else:
         groups = resp[ok] if resp is not None else np.arange(y.size)
     beta = _lad(C, y)
@@ -93,14 +94,20 @@ def exact_fit(d: np.ndarray, comps: dict[str, np.ndarray], resp: np.ndarray | No
     out = {}
     for j, k in enumerate(names):
         b, s = float(beta[j]), float(se[j])
-        out[k] = {"beta": b, "se": s, "z": float(abs(b) / s) if s > 0 else (np.inf if b else 0.0), "n": int(y.size),
-                  "ols_beta": float(ols[j])}
+        out[k] = {
+            "beta": b,
+            "se": s,
+            "z": float(abs(b) / s) if s > 0 else (np.inf if b else 0.0),
+            "n": int(y.size),
+            "ols_beta": float(ols[j]),
+        }
     return out
 
 
 def exact_passes(fit: dict | None) -> bool:
-    return bool(fit and fit["beta"] is not None and abs(fit["beta"] - 1.0) <= BETA_TOL + 2 * fit["se"]
-                and fit["z"] >= Z_MIN)
+    return bool(
+        fit and fit["beta"] is not None and abs(fit["beta"] - 1.0) <= BETA_TOL + 2 * fit["se"] and fit["z"] >= Z_MIN
+    )
 
 
 def position_bucket(pos: np.ndarray) -> np.ndarray:
@@ -115,7 +122,7 @@ def position_bucket(pos: np.ndarray) -> np.ndarray:
 def bucket_label(b: int) -> str:
     if b == 0:
         return "0"
-    lo, hi = 2 ** (b - 1), 2 ** b - 1
+    lo, hi = 2 ** (b - 1), 2**b - 1
     return str(lo) if lo == hi else f"{lo}-{hi}"
 
 
@@ -154,10 +161,14 @@ def fit_variance(v: np.ndarray, n: np.ndarray, use_groups: bool, use_positions: 
         old = (phi, beta.copy(), pi.copy())
         phi = max(float(((vv - beta[:, None] - pi[None, :]) * w).sum() / wt), 0.0)
         if use_positions:
-            pi = np.maximum(np.where(wb > 0, ((vv - phi - beta[:, None]) * w).sum(axis=0) / np.maximum(wb, 1e-300), 0.0), 0.0)
+            pi = np.maximum(
+                np.where(wb > 0, ((vv - phi - beta[:, None]) * w).sum(axis=0) / np.maximum(wb, 1e-300), 0.0), 0.0
+            )
             pi[0] = 0.0
         if use_groups:
-            beta = np.maximum(np.where(wg > 0, ((vv - phi - pi[None, :]) * w).sum(axis=1) / np.maximum(wg, 1e-300), 0.0), 0.0)
+            beta = np.maximum(
+                np.where(wg > 0, ((vv - phi - pi[None, :]) * w).sum(axis=1) / np.maximum(wg, 1e-300), 0.0), 0.0
+            )
         scale = max(phi, float(beta.max()), float(pi.max()), 1e-300)
         if (abs(phi - old[0]) + np.abs(beta - old[1]).max() + np.abs(pi - old[2]).max()) <= 1e-10 * scale:
             break
@@ -215,7 +226,7 @@ def response_levels(u2: np.ndarray, resp: np.ndarray, n_resp: int) -> np.ndarray
     vals = u2[order]
     out = np.full(n_resp, np.nan)
     for j in np.flatnonzero(cnt):
-        out[j] = np.median(vals[starts[j]:starts[j] + cnt[j]])
+        out[j] = np.median(vals[starts[j] : starts[j] + cnt[j]])
     return out
 
 

@@ -48,10 +48,13 @@ def _exact(inp: ExplainInputs, d: np.ndarray) -> tuple[dict, dict]:
     tests, comps = {}, {}
     lk = inp.log_kept
     if lk is not None and np.nanmax(np.abs(lk)) < 1e-9:
-        tests["processed_logprobs"] = {"status": "not applicable", "reason": "the rollout sampled unfiltered "
-                                       "(top-p 1, top-k off): processed and raw logprobs coincide"}
+        tests["processed_logprobs"] = {
+            "status": "not applicable",
+            "reason": "the rollout sampled unfiltered (top-p 1, top-k off): processed and raw logprobs coincide",
+        }
         lk = None
     lags = sorted(inp.stale_scores)
+
     def fit_with(lk_, stale):
         return _fit_for(d, lk_, stale, inp.tok_resp)
 
@@ -68,11 +71,14 @@ def _exact(inp: ExplainInputs, d: np.ndarray) -> tuple[dict, dict]:
     if lk is not None:
         f = best.get("processed_logprobs")
         ok = ct.exact_passes(f)
-        tests["processed_logprobs"] = {"status": "passed" if ok else "failed", "fit": f,
-                                       "test": "d = log kept mass per token: least-absolute-deviations slope within "
-                                               f"{ct.BETA_TOL:g} (+ 2 standard errors) of 1 and {ct.Z_MIN:g} "
-                                               f"standard errors from 0",
-                                       "sampling": inp.sampling}
+        tests["processed_logprobs"] = {
+            "status": "passed" if ok else "failed",
+            "fit": f,
+            "test": "d = log kept mass per token: least-absolute-deviations slope within "
+            f"{ct.BETA_TOL:g} (+ 2 standard errors) of 1 and {ct.Z_MIN:g} "
+            f"standard errors from 0",
+            "sampling": inp.sampling,
+        }
         if ok:
             comps["processed_logprobs"] = np.nan_to_num(lk)
     if lags:
@@ -86,15 +92,23 @@ def _exact(inp: ExplainInputs, d: np.ndarray) -> tuple[dict, dict]:
             comps["stale_weights"] = np.where(applied[inp.tok_resp], c, 0.0)
             f = best["stale_weights"]
         else:
-            f = max((fit.get("stale_weights") for _, fit in cand[1:] if fit.get("stale_weights")),
-                    key=lambda x: x.get("z") or 0.0, default=None)
+            f = max(
+                (fit.get("stale_weights") for _, fit in cand[1:] if fit.get("stale_weights")),
+                key=lambda x: x.get("z") or 0.0,
+                default=None,
+            )
             applied = np.zeros(inp.steps.size, dtype=bool)
-        tests["stale_weights"] = {"status": "passed" if stale_ok else "failed", "fit": f, "lag": best_lag,
-                                  "source": inp.stale_source, "lags_tested": lags,
-                                  "responses_applied": int(applied.sum()),
-                                  "test": "d = score now - score of the policy LAG steps back: slope within "
-                                          f"{ct.BETA_TOL:g} (+ 2 standard errors) of 1, {ct.Z_MIN:g} standard "
-                                          f"errors from 0"}
+        tests["stale_weights"] = {
+            "status": "passed" if stale_ok else "failed",
+            "fit": f,
+            "lag": best_lag,
+            "source": inp.stale_source,
+            "lags_tested": lags,
+            "responses_applied": int(applied.sum()),
+            "test": "d = score now - score of the policy LAG steps back: slope within "
+            f"{ct.BETA_TOL:g} (+ 2 standard errors) of 1, {ct.Z_MIN:g} standard "
+            f"errors from 0",
+        }
     return tests, comps
 
 
@@ -124,7 +138,10 @@ def explain(inp: ExplainInputs, seed: int = 0) -> Explanation:
     else:
         residuals = {"rollout and trainer": e}
     mode = {"rollout": "none", "trainer": "all", "rollout and trainer": "within steps"}
-    sides = {name: fit_side(inp, res, inp.floors.get(name), rng, idx, batch_mode=mode[name]) for name, res in residuals.items()}
+    sides = {
+        name: fit_side(inp, res, inp.floors.get(name), rng, idx, batch_mode=mode[name])
+        for name, res in residuals.items()
+    }
     col = {c: i for i, c in enumerate(CAUSES)}
     parts = np.zeros((n_tok, len(CAUSES)))
     for c, comp in comps.items():
@@ -152,11 +169,11 @@ def explain(inp: ExplainInputs, seed: int = 0) -> Explanation:
 
 _TEXT = {
     "position_growth": f"|e| / sensitivity rises with position (Spearman, positions shuffled within responses, "
-                       f"p <= {ct.P_MAX:g}) and the two latest position buckets' variance >= {ct.EFFECT_MIN:g}x the "
-                       f"first position's (never below the dtype floor)",
+    f"p <= {ct.P_MAX:g}) and the two latest position buckets' variance >= {ct.EFFECT_MIN:g}x the "
+    f"first position's (never below the dtype floor)",
     "batch_shape": f"|e| / sensitivity differs across the dump's micro-batch groups beyond the position profile "
-                   f"(feature shuffled across responses, within steps without a reference, p <= {ct.P_MAX:g}) by >= "
-                   f"{ct.EFFECT_MIN:g}x in variance over the cleanest group (never below the dtype floor)",
+    f"(feature shuffled across responses, within steps without a reference, p <= {ct.P_MAX:g}) by >= "
+    f"{ct.EFFECT_MIN:g}x in variance over the cleanest group (never below the dtype floor)",
     "dtype_floor": "the residual's base level within 2x the floor table's for the side's dtype pair",
 }
 
@@ -165,13 +182,17 @@ def _combine(cause: str, per: dict, prior: dict | None, inp: ExplainInputs) -> d
     """One test entry from the sides' (the first passing side's numbers at the top, every side under
     `sides`); an untested batch test stays untested."""
     if cause == "unexplained":
-        return {"sigma_systematic": max((t.get("sigma_systematic") or 0.0) for t in per.values()),
-                "sides": per}
+        return {"sigma_systematic": max((t.get("sigma_systematic") or 0.0) for t in per.values()), "sides": per}
     if cause == "dtype_floor":
         exceeded = [n for n, t in per.items() if t["status"] == "exceeded"]
         first = per[exceeded[0]] if exceeded else next(iter(per.values()))
-        return {**first, "status": "exceeded" if exceeded else "inside", "side": exceeded[0] if exceeded else None,
-                "sides": per, "test": _TEXT[cause]}
+        return {
+            **first,
+            "status": "exceeded" if exceeded else "inside",
+            "side": exceeded[0] if exceeded else None,
+            "sides": per,
+            "test": _TEXT[cause],
+        }
     passed = [n for n, t in per.items() if t["status"] == "passed"]
     name = passed[0] if passed else max(per, key=lambda n: per[n].get("variance_ratio", 1.0))
     out = {**per[name], "side": name, "sides": per, "test": _TEXT[cause]}

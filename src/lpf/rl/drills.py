@@ -25,8 +25,13 @@ from dataclasses import dataclass
 
 from lpf.core.errors import LpfError, did_you_mean
 from lpf.rl import RL_DRILLS
-CAUSE_OF = {"processed-logprobs": "processed_logprobs", "micro-batch": "batch_shape",
-            "state-dtype": "position_growth", "stale-policy": "stale_weights"}
+
+CAUSE_OF = {
+    "processed-logprobs": "processed_logprobs",
+    "micro-batch": "batch_shape",
+    "state-dtype": "position_growth",
+    "stale-policy": "stale_weights",
+}
 STATE_DTYPES = ("bfloat16", "float16")
 DEFAULT_DRIFT = 0.002  # relative weight change per step when stale-policy needs a moving policy
 assert set(CAUSE_OF) == set(RL_DRILLS), "lpf.rl.RL_DRILLS (the command line's list) must name every drill"
@@ -47,7 +52,9 @@ class RLDrills:
         for spec in specs or ():
             name, _, arg = spec.strip().partition(":")
             if name not in RL_DRILLS:
-                raise LpfError(f"unknown RL drill {name!r}{did_you_mean(name, RL_DRILLS)}; drills: {', '.join(RL_DRILLS)}")
+                raise LpfError(
+                    f"unknown RL drill {name!r}{did_you_mean(name, RL_DRILLS)}; drills: {', '.join(RL_DRILLS)}"
+                )
             if name == "processed-logprobs":
                 kw["top_p"] = _number(name, arg, 0.9, float, 0.01, 0.999)
             elif name == "micro-batch":
@@ -57,7 +64,9 @@ class RLDrills:
             elif name == "state-dtype":
                 dtype = arg or "bfloat16"
                 if dtype not in STATE_DTYPES:
-                    raise LpfError(f"RL drill state-dtype: DTYPE must be one of {', '.join(STATE_DTYPES)}, got {dtype!r}")
+                    raise LpfError(
+                        f"RL drill state-dtype: DTYPE must be one of {', '.join(STATE_DTYPES)}, got {dtype!r}"
+                    )
                 kw["state_dtype"] = dtype
             else:
                 kw["stale_lag"] = _number(name, arg, 1, int, 1, 4)
@@ -83,8 +92,9 @@ def _number(name: str, arg: str, default, kind, lo, hi):
     try:
         value = kind(arg) if arg else default
     except ValueError:
-        raise LpfError(f"RL drill {name}: argument must be {'an integer' if kind is int else 'a number'}, "
-                       f"got {arg!r}") from None
+        raise LpfError(
+            f"RL drill {name}: argument must be {'an integer' if kind is int else 'a number'}, got {arg!r}"
+        ) from None
     if not lo <= value <= hi:
         raise LpfError(f"RL drill {name}: argument must be in {lo:g}..{hi:g}, got {value:g}")
     return value

@@ -39,8 +39,17 @@ from lpf.core.errors import LpfError
 
 _LOGPROB_SLACK = 1e-4  # a logprob may round a hair above 0; anything more is not a logprob
 # record keys that are data or bookkeeping, never hypothesis metadata
-RESERVED = {"step", "request_id", "response_token_ids", "rollout_logprobs", "trainer_logprobs", "loss_mask",
-            "prompt_token_ids", "group", "uid"}
+RESERVED = {
+    "step",
+    "request_id",
+    "response_token_ids",
+    "rollout_logprobs",
+    "trainer_logprobs",
+    "loss_mask",
+    "prompt_token_ids",
+    "group",
+    "uid",
+}
 LAG_KEY = re.compile(r"^trainer_logprobs_lag([1-8])$")
 
 
@@ -114,8 +123,9 @@ def check(rec: dict) -> tuple[dict | None, str | None]:
     if not all(_is_int(t) and t >= 0 for t in ids):
         return None, "response_token_ids must be non-negative integers"
     if not len(ids) == len(rlp) == len(tlp):
-        return None, (f"length mismatch: {len(ids)} response tokens, {len(rlp)} rollout logprobs, "
-                      f"{len(tlp)} trainer logprobs")
+        return None, (
+            f"length mismatch: {len(ids)} response tokens, {len(rlp)} rollout logprobs, {len(tlp)} trainer logprobs"
+        )
     mask = rec.get("loss_mask")
     if mask is not None and not _is_list(mask):
         return None, "loss_mask must be a list"
@@ -161,13 +171,27 @@ def check(rec: dict) -> tuple[dict | None, str | None]:
             return None, "needs request_id, or prompt_id and rollout"
         rid = f"{rec['prompt_id']}-r{rec['rollout']}"
     pos = np.flatnonzero(keep)
-    return {"step": int(step), "request_id": str(rid), "positions": pos, "rollout": r[pos], "trainer": t[pos],
-            "n_tokens": len(ids), "ids": [int(x) for x in ids], "lags": {k: a[pos] for k, a in lags.items()},
-            "prompt": None if prompt is None else [int(x) for x in prompt]}, None
+    return {
+        "step": int(step),
+        "request_id": str(rid),
+        "positions": pos,
+        "rollout": r[pos],
+        "trainer": t[pos],
+        "n_tokens": len(ids),
+        "ids": [int(x) for x in ids],
+        "lags": {k: a[pos] for k, a in lags.items()},
+        "prompt": None if prompt is None else [int(x) for x in prompt],
+    }, None
 
 
-def build_dump(source: str, fmt: str, rows: Iterable[RawRow], strict: bool = False, metadata: dict | None = None,
-               ignored_files: list[str] | None = None) -> Dump:
+def build_dump(
+    source: str,
+    fmt: str,
+    rows: Iterable[RawRow],
+    strict: bool = False,
+    metadata: dict | None = None,
+    ignored_files: list[str] | None = None,
+) -> Dump:
     bad, skipped, good, seen = [], [], [], set()
 
     def where(loc: dict) -> str:
@@ -200,22 +224,39 @@ def build_dump(source: str, fmt: str, rows: Iterable[RawRow], strict: bool = Fal
     meta_cols: dict[str, None] = {}
     for g in good:
         meta_cols.update(dict.fromkeys(g["meta"]))
-    cols = {"row": [g["row"] for g in good], "step": [g["step"] for g in good],
-            "request_id": [g["request_id"] for g in good], "n_tokens": [g["n_tokens"] for g in good],
-            "n_scored": [len(g["positions"]) for g in good]}
+    cols = {
+        "row": [g["row"] for g in good],
+        "step": [g["step"] for g in good],
+        "request_id": [g["request_id"] for g in good],
+        "n_tokens": [g["n_tokens"] for g in good],
+        "n_scored": [len(g["positions"]) for g in good],
+    }
     for k in meta_cols:
         cols[k] = [g["meta"].get(k) for g in good]
     responses = pa.table({k: _column(v) for k, v in cols.items()})
-    sequences = pa.table({"prompt_token_ids": pa.array([g["prompt"] for g in good], pa.list_(pa.int64())),
-                          "response_token_ids": pa.array([g["ids"] for g in good], pa.list_(pa.int64()))})
+    sequences = pa.table(
+        {
+            "prompt_token_ids": pa.array([g["prompt"] for g in good], pa.list_(pa.int64())),
+            "response_token_ids": pa.array([g["ids"] for g in good], pa.list_(pa.int64())),
+        }
+    )
     lens = np.array([len(g["positions"]) for g in good])
-    return Dump(source=source, fmt=fmt, responses=responses, sequences=sequences,
-                tok_resp=np.repeat(np.arange(len(good)), lens),
-                tok_pos=np.concatenate([g["positions"] for g in good]).astype(np.int64),
-                tok_rollout=np.concatenate([g["rollout"] for g in good]),
-                tok_trainer=np.concatenate([g["trainer"] for g in good]),
-                resp_group=_groups(good), bad_rows=bad, skipped_rows=skipped,
-                ignored_files=list(ignored_files or []), metadata=metadata or {}, tok_trainer_lag=_lags(good))
+    return Dump(
+        source=source,
+        fmt=fmt,
+        responses=responses,
+        sequences=sequences,
+        tok_resp=np.repeat(np.arange(len(good)), lens),
+        tok_pos=np.concatenate([g["positions"] for g in good]).astype(np.int64),
+        tok_rollout=np.concatenate([g["rollout"] for g in good]),
+        tok_trainer=np.concatenate([g["trainer"] for g in good]),
+        resp_group=_groups(good),
+        bad_rows=bad,
+        skipped_rows=skipped,
+        ignored_files=list(ignored_files or []),
+        metadata=metadata or {},
+        tok_trainer_lag=_lags(good),
+    )
 
 
 def _lags(good: list[dict]) -> dict[int, np.ndarray]:

@@ -32,13 +32,23 @@ from lpf.rl.cause_inputs import inputs_of
 from lpf.rl.causes import CAUSES, NAMED_MIN, explain
 from lpf.rl.dump import Dump
 
-LABEL = {"processed_logprobs": "processed logprobs", "stale_weights": "stale weights", "batch_shape": "batch shape",
-         "position_growth": "position-dependent growth", "dtype_floor": "dtype floor", "unexplained": "unexplained"}
+LABEL = {
+    "processed_logprobs": "processed logprobs",
+    "stale_weights": "stale weights",
+    "batch_shape": "batch shape",
+    "position_growth": "position-dependent growth",
+    "dtype_floor": "dtype floor",
+    "unexplained": "unexplained",
+}
 UNEXPLAINED_MAX = 0.05
 # framework -> (metric name as it charts it, what a token contributes to it)
-FRAMEWORK_METRIC = {"prime-rl": ("mismatch_kl/all/mean", "k3"), "verl": ("rollout_corr/k3_kl", "k3"),
-                    "nemo-rl": ("token_mult_prob_error", "mult"), "slime": ("train_rollout_logprob_abs_diff", "unit"),
-                    "lpf": ("k3_kl", "k3")}
+FRAMEWORK_METRIC = {
+    "prime-rl": ("mismatch_kl/all/mean", "k3"),
+    "verl": ("rollout_corr/k3_kl", "k3"),
+    "nemo-rl": ("token_mult_prob_error", "mult"),
+    "slime": ("train_rollout_logprob_abs_diff", "unit"),
+    "lpf": ("k3_kl", "k3"),
+}
 MAX_LISTED = 20
 
 
@@ -55,8 +65,10 @@ def layer_types(model_dir: str | None) -> dict | None:
     if isinstance(cfg.get("layer_types"), list):
         kinds = ["mamba" if k in ("mamba", "linear_attention") else "attention" for k in cfg["layer_types"]]
     elif cfg.get("attn_layer_period") and n:  # Jamba
-        kinds = ["attention" if i % cfg["attn_layer_period"] == cfg.get("attn_layer_offset", 0) else "mamba"
-                 for i in range(n)]
+        kinds = [
+            "attention" if i % cfg["attn_layer_period"] == cfg.get("attn_layer_offset", 0) else "mamba"
+            for i in range(n)
+        ]
     elif n:
         kinds = ["mamba" if cfg.get("model_type", "").startswith("mamba") else "attention"] * n
     else:
@@ -67,7 +79,7 @@ def layer_types(model_dir: str | None) -> dict | None:
 def _model_of(dump: Dump) -> tuple[str | None, str | None]:
     """(the model's name for the floor table, its directory) from the simulator's metadata or the reference."""
     spec = (dump.metadata.get("spec") or {}).get("model")
-    ref = ((dump.reference or {}).get("reference") or {})
+    ref = (dump.reference or {}).get("reference") or {}
     path = ref.get("path")
     if spec and not path:
         try:
@@ -79,8 +91,13 @@ def _model_of(dump: Dump) -> tuple[str | None, str | None]:
     return spec or ref.get("spec"), path
 
 
-def run(dump: Dump, rollout_dtype: str | None = None, trainer_dtype: str | None = None, seed: int = 0,
-        floor_table: dict | None = None) -> tuple[pa.Table, pa.Table, dict]:
+def run(
+    dump: Dump,
+    rollout_dtype: str | None = None,
+    trainer_dtype: str | None = None,
+    seed: int = 0,
+    floor_table: dict | None = None,
+) -> tuple[pa.Table, pa.Table, dict]:
     if floor_table is None:
         from lpf.pipeline.analyze import floor_table as shipped
 
@@ -91,8 +108,10 @@ def run(dump: Dump, rollout_dtype: str | None = None, trainer_dtype: str | None 
     model, model_dir = _model_of(dump)
     if dump.tok_reference is not None:
         ref_dtype = ((dump.reference or {}).get("reference") or {}).get("dtype") or "float32"
-        floors = {"rollout": expected_floor(floor_table, rollout_dtype, ref_dtype, model),
-                  "trainer": expected_floor(floor_table, trainer_dtype, ref_dtype, model)}
+        floors = {
+            "rollout": expected_floor(floor_table, rollout_dtype, ref_dtype, model),
+            "trainer": expected_floor(floor_table, trainer_dtype, ref_dtype, model),
+        }
     else:
         floors = {"rollout and trainer": expected_floor(floor_table, rollout_dtype, trainer_dtype, model)}
     inp = inputs_of(dump, floors, layer_types(model_dir))
@@ -103,30 +122,56 @@ def run(dump: Dump, rollout_dtype: str | None = None, trainer_dtype: str | None 
     m = _metric_mass(d, kind, inp.tok_resp, inp.resp_unit)
     n_resp = inp.steps.size
     resp_mass = np.bincount(inp.tok_resp, weights=a, minlength=n_resp)
-    resp_parts = np.stack([np.bincount(inp.tok_resp, weights=a * ex.shares[:, j], minlength=n_resp)
-                           for j in range(len(CAUSES))], axis=1)
+    resp_parts = np.stack(
+        [np.bincount(inp.tok_resp, weights=a * ex.shares[:, j], minlength=n_resp) for j in range(len(CAUSES))], axis=1
+    )
     resp_metric = np.bincount(inp.tok_resp, weights=m, minlength=n_resp)
     steps, code = np.unique(inp.steps, return_inverse=True)
     step_mass = np.bincount(code, weights=resp_mass, minlength=steps.size)
-    step_parts = np.stack([np.bincount(code, weights=resp_parts[:, j], minlength=steps.size)
-                           for j in range(len(CAUSES))], axis=1)
+    step_parts = np.stack(
+        [np.bincount(code, weights=resp_parts[:, j], minlength=steps.size) for j in range(len(CAUSES))], axis=1
+    )
     resp_share = _share(resp_parts, resp_mass)
     step_share = _share(step_parts, step_mass)
     n_tok = np.bincount(inp.tok_resp, minlength=n_resp)
-    responses = pa.table({"step": pa.array(inp.steps, pa.int64()), "request_id": pa.array(inp.request_ids, pa.string()),
-                          "n_tokens": pa.array(n_tok, pa.int64()), "mass": pa.array(resp_mass),
-                          "metric_mass": pa.array(resp_metric),
-                          **{f"share_{c}": pa.array(resp_share[:, j]) for j, c in enumerate(CAUSES)},
-                          "dominant": pa.array(_dominant(resp_share, resp_mass), pa.string())})
-    step_table = pa.table({"step": pa.array(steps, pa.int64()), "mass": pa.array(step_mass),
-                           **{f"share_{c}": pa.array(step_share[:, j]) for j, c in enumerate(CAUSES)}})
+    responses = pa.table(
+        {
+            "step": pa.array(inp.steps, pa.int64()),
+            "request_id": pa.array(inp.request_ids, pa.string()),
+            "n_tokens": pa.array(n_tok, pa.int64()),
+            "mass": pa.array(resp_mass),
+            "metric_mass": pa.array(resp_metric),
+            **{f"share_{c}": pa.array(resp_share[:, j]) for j, c in enumerate(CAUSES)},
+            "dominant": pa.array(_dominant(resp_share, resp_mass), pa.string()),
+        }
+    )
+    step_table = pa.table(
+        {
+            "step": pa.array(steps, pa.int64()),
+            "mass": pa.array(step_mass),
+            **{f"share_{c}": pa.array(step_share[:, j]) for j, c in enumerate(CAUSES)},
+        }
+    )
     total = float(a.sum())
     shares = {c: float(x) for c, x in zip(CAUSES, _share(resp_parts.sum(0)[None], np.array([total]))[0])}
     metric_total = float(m.sum())
     metric_parts = (ex.shares * m[:, None]).sum(0)
     shares_metric = {c: float(x) for c, x in zip(CAUSES, _share(metric_parts[None], np.array([metric_total]))[0])}
-    block = _block(dump, inp, ex, shares, shares_metric, total, metric_name, rollout_dtype, trainer_dtype, model,
-                   floors, responses, step_table)
+    block = _block(
+        dump,
+        inp,
+        ex,
+        shares,
+        shares_metric,
+        total,
+        metric_name,
+        rollout_dtype,
+        trainer_dtype,
+        model,
+        floors,
+        responses,
+        step_table,
+    )
     return responses, step_table, finite(block)
 
 
@@ -168,16 +213,37 @@ def _status(cause: str, test: dict, share: float) -> str:
     return {"failed": "not found"}.get(st, st)
 
 
-def _block(dump, inp, ex, shares, shares_metric, total, metric_name, rollout_dtype, trainer_dtype, model, floors,
-           responses, steps) -> dict:
+def _block(
+    dump,
+    inp,
+    ex,
+    shares,
+    shares_metric,
+    total,
+    metric_name,
+    rollout_dtype,
+    trainer_dtype,
+    model,
+    floors,
+    responses,
+    steps,
+) -> dict:
     from lpf.rl.cause_sentences import evidence, hints, summary
 
     causes, named, wasted = [], [], []
     for c in CAUSES:
         test = dict(ex.tests.get(c) or {"status": "untested"})
         status = _status(c, test, shares[c])
-        entry = {"cause": c, "label": LABEL[c], "status": status, "share": shares[c], "share_metric": shares_metric[c],
-                 "test": test, "evidence": evidence(c, test, shares[c], inp), "missing": test.get("missing")}
+        entry = {
+            "cause": c,
+            "label": LABEL[c],
+            "status": status,
+            "share": shares[c],
+            "share_metric": shares_metric[c],
+            "test": test,
+            "evidence": evidence(c, test, shares[c], inp),
+            "missing": test.get("missing"),
+        }
         if c != "unexplained":
             entry["fix"] = fixes.fixes(c, dump.fmt)
         if status == "named" and c != "unexplained":
@@ -186,27 +252,57 @@ def _block(dump, inp, ex, shares, shares_metric, total, metric_name, rollout_dty
         causes.append(entry)
     verdict = "causes" if named else ("unexplained" if shares["unexplained"] > UNEXPLAINED_MAX else "inside-floor")
     order = np.argsort(-responses.column("mass").to_numpy())[:MAX_LISTED]
-    worst = [{k: responses.column(k)[int(i)].as_py() for k in ("step", "request_id", "mass", "dominant")} |
-             {"shares": {c: responses.column(f"share_{c}")[int(i)].as_py() for c in CAUSES}} for i in order]
+    worst = [
+        {k: responses.column(k)[int(i)].as_py() for k in ("step", "request_id", "mass", "dominant")}
+        | {"shares": {c: responses.column(f"share_{c}")[int(i)].as_py() for c in CAUSES}}
+        for i in order
+    ]
     block = {
-        "kind": "rl-causes", "source": dump.source, "format": dump.fmt,
+        "kind": "rl-causes",
+        "source": dump.source,
+        "format": dump.fmt,
         "mass": "sum of |d| over scored tokens, d = trainer - rollout logprob",
-        "framework_metric": {"name": metric_name, "format": dump.fmt,
-                             "note": "each token's term of the metric, split in the same proportions as its |d|"},
-        "total_mass": total, "n_tokens": int(inp.r.size), "n_responses": int(inp.steps.size),
-        "shares": shares, "shares_metric": shares_metric, "causes": causes, "named": named, "verdict": verdict,
-        "wasted": wasted, "hints": hints(inp, ex),
-        "inputs": {"rollout_dtype": rollout_dtype, "trainer_dtype": trainer_dtype, "model": model,
-                   "floor_pairs": {k: (v or {}).get("pair") for k, v in floors.items()},
-                   "sensitivity": inp.sensitivity_source,
-                   "reference": bool(dump.tok_reference is not None), "sampling": inp.sampling,
-                   "stale_source": inp.stale_source, "lags": sorted(inp.stale_scores),
-                   "batch_features": sorted(inp.batch), "layers": inp.layers},
-        "model": ex.model, "worst_responses": worst,
-        "steps": [{"step": int(s), "mass": float(mm), "dominant": dom} for s, mm, dom in
-                  zip(steps.column("step").to_pylist(), steps.column("mass").to_pylist(),
-                      _dominant(np.stack([steps.column(f"share_{c}").to_numpy() for c in CAUSES], 1),
-                                steps.column("mass").to_numpy()))][:1000],
+        "framework_metric": {
+            "name": metric_name,
+            "format": dump.fmt,
+            "note": "each token's term of the metric, split in the same proportions as its |d|",
+        },
+        "total_mass": total,
+        "n_tokens": int(inp.r.size),
+        "n_responses": int(inp.steps.size),
+        "shares": shares,
+        "shares_metric": shares_metric,
+        "causes": causes,
+        "named": named,
+        "verdict": verdict,
+        "wasted": wasted,
+        "hints": hints(inp, ex),
+        "inputs": {
+            "rollout_dtype": rollout_dtype,
+            "trainer_dtype": trainer_dtype,
+            "model": model,
+            "floor_pairs": {k: (v or {}).get("pair") for k, v in floors.items()},
+            "sensitivity": inp.sensitivity_source,
+            "reference": bool(dump.tok_reference is not None),
+            "sampling": inp.sampling,
+            "stale_source": inp.stale_source,
+            "lags": sorted(inp.stale_scores),
+            "batch_features": sorted(inp.batch),
+            "layers": inp.layers,
+        },
+        "model": ex.model,
+        "worst_responses": worst,
+        "steps": [
+            {"step": int(s), "mass": float(mm), "dominant": dom}
+            for s, mm, dom in zip(
+                steps.column("step").to_pylist(),
+                steps.column("mass").to_pylist(),
+                _dominant(
+                    np.stack([steps.column(f"share_{c}").to_numpy() for c in CAUSES], 1),
+                    steps.column("mass").to_numpy(),
+                ),
+            )
+        ][:1000],
     }
     block["summary"] = summary(block)
     return block

@@ -33,44 +33,63 @@ FRAMEWORKS = ("verl", "prime-rl", "nemo-rl", "slime")
 # cause -> why it happens and what is wasted on it (framework-independent)
 WHY = {
     "processed_logprobs": "the rollout reports logprobs after top-p/top-k, renormalised over the kept tokens, while "
-                          "the trainer scores the whole distribution: every ratio pi_train/pi_rollout = kept mass < 1, "
-                          "a bias on every token, not noise",
+    "the trainer scores the whole distribution: every ratio pi_train/pi_rollout = kept mass < 1, "
+    "a bias on every token, not noise",
     "stale_weights": "the rollout policy is older than the trainer's: a real off-policy gap, which importance "
-                     "sampling exists to correct",
+    "sampling exists to correct",
     "batch_shape": "the trainer's logprobs depend on how its micro-batch is shaped (sequences per micro-batch, "
-                   "padding): kernels that are not batch-invariant",
+    "padding): kernels that are not batch-invariant",
     "position_growth": "the rollout's error grows along the response: state carried from token to token (a hybrid "
-                       "model's recurrent SSM state) kept at lower precision or updated inexactly",
+    "model's recurrent SSM state) kept at lower precision or updated inexactly",
     "dtype_floor": "the rounding two honest implementations at these dtypes differ by",
     "unexplained": "mismatch no tested cause accounts for",
 }
 
 WASTED = {
-    "processed_logprobs": ["batch-invariant kernels / deterministic inference (not numerics: the bias is by "
-                           "construction)", "token-level truncated IS (every ratio is below 1: an upper clip never fires)",
-                           "mamba_ssm_cache_dtype float32"],
-    "stale_weights": ["batch-invariant kernels / deterministic inference (bitwise-equal kernels cannot make two "
-                      "different policies agree)", "raw/processed logprob switches", "mamba_ssm_cache_dtype float32"],
+    "processed_logprobs": [
+        "batch-invariant kernels / deterministic inference (not numerics: the bias is by construction)",
+        "token-level truncated IS (every ratio is below 1: an upper clip never fires)",
+        "mamba_ssm_cache_dtype float32",
+    ],
+    "stale_weights": [
+        "batch-invariant kernels / deterministic inference (bitwise-equal kernels cannot make two "
+        "different policies agree)",
+        "raw/processed logprob switches",
+        "mamba_ssm_cache_dtype float32",
+    ],
     "batch_shape": ["raw/processed logprob switches", "mamba_ssm_cache_dtype float32", "staleness limits"],
-    "position_growth": ["batch-invariant trainer kernels (the error is the rollout's state path)",
-                        "sequence masking by logprob error (drops the long responses the error grows in: NeMo-RL "
-                        "#4243 masked 60-71% of eligible sequences)", "staleness limits"],
-    "dtype_floor": ["bitwise rollout = trainer stacks (SGLang deterministic mode at +34%, vLLM + TorchTitan "
-                    "bitwise at 2.4x) buy exactness this mismatch does not need; token-level IS bounds it"],
+    "position_growth": [
+        "batch-invariant trainer kernels (the error is the rollout's state path)",
+        "sequence masking by logprob error (drops the long responses the error grows in: NeMo-RL "
+        "#4243 masked 60-71% of eligible sequences)",
+        "staleness limits",
+    ],
+    "dtype_floor": [
+        "bitwise rollout = trainer stacks (SGLang deterministic mode at +34%, vLLM + TorchTitan "
+        "bitwise at 2.4x) buy exactness this mismatch does not need; token-level IS bounds it"
+    ],
     "unexplained": [],
 }
 
 _F = {
     "processed_logprobs": {
-        "verl": ["actor_rollout_ref.rollout.top_p=1 and top_k=-1 for training rollouts (logprobs_mode "
-                 "processed_logprobs then only applies the temperature the actor also applies)",
-                 "or actor_rollout_ref.rollout.logprobs_mode=raw_logprobs with temperature 1"],
-        "prime-rl": ["keep top_p 1.0 (orchestrator sends it for training); drop top_k / min_p from "
-                     "sampling.extra_body, or set [inference.vllm] logprobs_mode = \"raw_logprobs\" at temperature 1"],
-        "nemo-rl": ["policy.generation.top_p: 1.0 and top_k: null for training, or "
-                    "policy.generation.vllm_cfg.logprobs_mode: raw_logprobs at temperature 1"],
-        "slime": ["--rollout-top-p 1.0 --rollout-top-k -1, or keep top-p with the rollout's top-p token ids "
-                  "recorded so the trainer renormalises over the same set (get_rollout_top_p_logprob_kwargs)"],
+        "verl": [
+            "actor_rollout_ref.rollout.top_p=1 and top_k=-1 for training rollouts (logprobs_mode "
+            "processed_logprobs then only applies the temperature the actor also applies)",
+            "or actor_rollout_ref.rollout.logprobs_mode=raw_logprobs with temperature 1",
+        ],
+        "prime-rl": [
+            "keep top_p 1.0 (orchestrator sends it for training); drop top_k / min_p from "
+            'sampling.extra_body, or set [inference.vllm] logprobs_mode = "raw_logprobs" at temperature 1'
+        ],
+        "nemo-rl": [
+            "policy.generation.top_p: 1.0 and top_k: null for training, or "
+            "policy.generation.vllm_cfg.logprobs_mode: raw_logprobs at temperature 1"
+        ],
+        "slime": [
+            "--rollout-top-p 1.0 --rollout-top-k -1, or keep top-p with the rollout's top-p token ids "
+            "recorded so the trainer renormalises over the same set (get_rollout_top_p_logprob_kwargs)"
+        ],
         "_correction": {},
     },
     "stale_weights": {
@@ -81,32 +100,43 @@ _F = {
         "_correction": {
             "verl": ["algorithm.rollout_correction.rollout_is=token (or sequence) with rollout_is_threshold"],
             "prime-rl": ["the IS ratio and trainer.loss.dppo_mask_low / dppo_mask_high already correct it"],
-            "nemo-rl": ["loss_fn.use_importance_sampling_correction: true (required with async GRPO), "
-                        "truncated_importance_sampling_type: tis and truncated_importance_sampling_ratio"],
+            "nemo-rl": [
+                "loss_fn.use_importance_sampling_correction: true (required with async GRPO), "
+                "truncated_importance_sampling_type: tis and truncated_importance_sampling_ratio"
+            ],
             "slime": ["--use-tis --tis-clip 2.0 (--tis-clip-low), or --custom-tis-function-path for MIS"],
         },
     },
     "batch_shape": {
-        "verl": ["actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu equal to "
-                 "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu (verl #6280), the same use_dynamic_bsz in "
-                 "both passes, or batch-invariant trainer kernels"],
-        "prime-rl": ["a fixed packing (trainer seq_len) for the log-prob and training passes, or batch-invariant "
-                     "trainer kernels"],
-        "nemo-rl": ["policy.logprob_batch_size equal to policy.train_micro_batch_size (its default), the same "
-                    "dynamic_batching / sequence_packing settings in both passes"],
-        "slime": ["the same micro-batch schedule for log-prob and training passes (slime's default: do not "
-                  "raise a log-prob-only token budget)"],
+        "verl": [
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu equal to "
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu (verl #6280), the same use_dynamic_bsz in "
+            "both passes, or batch-invariant trainer kernels"
+        ],
+        "prime-rl": [
+            "a fixed packing (trainer seq_len) for the log-prob and training passes, or batch-invariant trainer kernels"
+        ],
+        "nemo-rl": [
+            "policy.logprob_batch_size equal to policy.train_micro_batch_size (its default), the same "
+            "dynamic_batching / sequence_packing settings in both passes"
+        ],
+        "slime": [
+            "the same micro-batch schedule for log-prob and training passes (slime's default: do not "
+            "raise a log-prob-only token budget)"
+        ],
         "_correction": {},
     },
     "position_growth": {
         "verl": ["actor_rollout_ref.rollout.engine_kwargs.vllm.mamba_ssm_cache_dtype=float32 (vLLM's knob)"],
-        "prime-rl": ["[inference.vllm] mamba_ssm_cache_dtype = \"float32\""],
+        "prime-rl": ['[inference.vllm] mamba_ssm_cache_dtype = "float32"'],
         "nemo-rl": ["policy.generation.vllm_kwargs.mamba_ssm_cache_dtype: float32 (the Nemotron recipes set it)"],
         "slime": ["--sglang-mamba-ssm-dtype float32"],
         "_correction": {},
     },
     "dtype_floor": {
-        "verl": ["nothing to fix"], "prime-rl": ["nothing to fix"], "nemo-rl": ["nothing to fix"],
+        "verl": ["nothing to fix"],
+        "prime-rl": ["nothing to fix"],
+        "nemo-rl": ["nothing to fix"],
         "slime": ["nothing to fix"],
         "_correction": {
             "verl": ["algorithm.rollout_correction.rollout_is=token, rollout_is_threshold 2.0"],

@@ -22,8 +22,20 @@ from lpf.analysis.hypotheses import LogFactorials, fisher_greater
 _PREFER = {"state_slot_max": 0, "state_slot_min": 1}
 # bookkeeping, and outcomes of the generation (a corrupted state makes responses end early and score
 # badly: their length, truncation, status and reward are symptoms, not mechanisms)
-_SKIP = {"row", "step", "request_id", "n_scored", "state_slot_stride", "n_tokens", "finish_reason", "schema_version",
-         "truncated", "status", "score", "reward"}
+_SKIP = {
+    "row",
+    "step",
+    "request_id",
+    "n_scored",
+    "state_slot_stride",
+    "n_tokens",
+    "finish_reason",
+    "schema_version",
+    "truncated",
+    "status",
+    "score",
+    "reward",
+}
 _MAX_SPLITS = 512
 
 
@@ -98,9 +110,18 @@ def rank(responses: pa.Table, implicated: np.ndarray, stride: int | None = None,
         if fw == 0:
             continue
         x = responses.column(c["column"]).to_pylist()
-        out.append({"feature": _feature(c), "sentence": _sentence(c, fw, ft, cw, ct, x, sel & flag, stride),
-                    "flagged_with": fw, "flagged_total": ft, "clean_with": cw, "clean_total": ct,
-                    "p_value": c["p_value"], "score": float(-math.log10(max(c["p_value"], 1e-300)))})
+        out.append(
+            {
+                "feature": _feature(c),
+                "sentence": _sentence(c, fw, ft, cw, ct, x, sel & flag, stride),
+                "flagged_with": fw,
+                "flagged_total": ft,
+                "clean_with": cw,
+                "clean_total": ct,
+                "p_value": c["p_value"],
+                "score": float(-math.log10(max(c["p_value"], 1e-300))),
+            }
+        )
     for i, h in enumerate(out[:top], 1):
         h["rank"] = i
     return [{"rank": h["rank"], **{k: v for k, v in h.items() if k != "rank"}} for h in out[:top]]
@@ -114,12 +135,16 @@ def _feature(c: dict) -> str:
     return f"{c['column']} {c['op']} {_fmt(c['value'])}"
 
 
-_LABEL = {"state_slot_max": "ran in state slots", "state_slot_min": "started in state slots",
-          "rollout": "had rollout index", "n_tokens": "had response length", "prompt_id": "came from prompt"}
+_LABEL = {
+    "state_slot_max": "ran in state slots",
+    "state_slot_min": "started in state slots",
+    "rollout": "had rollout index",
+    "n_tokens": "had response length",
+    "prompt_id": "came from prompt",
+}
 
 
-def _sentence(c: dict, fw: int, ft: int, cw: int, ct: int, x: list, sel_flag: np.ndarray,
-              stride: int | None) -> str:
+def _sentence(c: dict, fw: int, ft: int, cw: int, ct: int, x: list, sel_flag: np.ndarray, stride: int | None) -> str:
     name = c["column"]
     if c["op"] == "==":
         what = f"{_LABEL.get(name, name + ' =')} {c['value']}"
@@ -132,7 +157,9 @@ def _sentence(c: dict, fw: int, ft: int, cw: int, ct: int, x: list, sel_flag: np
     if name.startswith("state_slot") and c["op"] == ">=" and stride:
         slot = int(c["value"])
         k = int(math.floor(math.log2(slot * stride))) if slot > 0 else 0
-        if slot > 0 and (slot - 1) * stride < 2 ** k <= slot * stride:
-            s += (f"; slot {slot} is the first whose offset slot*stride ({slot} x {stride}) reaches 2^{k}: "
-                  f"consistent with a {k}-bit state offset overflow")
+        if slot > 0 and (slot - 1) * stride < 2**k <= slot * stride:
+            s += (
+                f"; slot {slot} is the first whose offset slot*stride ({slot} x {stride}) reaches 2^{k}: "
+                f"consistent with a {k}-bit state offset overflow"
+            )
     return s + "."

@@ -40,11 +40,27 @@ from __future__ import annotations
 import numpy as np
 
 STEP_METRICS = (
-    "rollout_probs_diff_max", "rollout_probs_diff_mean", "rollout_probs_diff_std", "rollout_actor_probs_pearson_corr",
-    "k3_kl", "chi2_token", "chi2_seq", "log_ppl_diff", "ppl_ratio", "rollout_is_eff_sample_size", "ess",
-    "train_rollout_logprob_abs_diff", "train_rollout_logprob_abs_diff_per_token",
-    "token_mult_prob_error", "gen_kl_error", "policy_kl_error", "js_divergence_error", "max_seq_mult_prob_error",
-    "mismatch_kl_mean", "mismatch_kl_median", "mismatch_kl_max",
+    "rollout_probs_diff_max",
+    "rollout_probs_diff_mean",
+    "rollout_probs_diff_std",
+    "rollout_actor_probs_pearson_corr",
+    "k3_kl",
+    "chi2_token",
+    "chi2_seq",
+    "log_ppl_diff",
+    "ppl_ratio",
+    "rollout_is_eff_sample_size",
+    "ess",
+    "train_rollout_logprob_abs_diff",
+    "train_rollout_logprob_abs_diff_per_token",
+    "token_mult_prob_error",
+    "gen_kl_error",
+    "policy_kl_error",
+    "js_divergence_error",
+    "max_seq_mult_prob_error",
+    "mismatch_kl_mean",
+    "mismatch_kl_median",
+    "mismatch_kl_max",
 )
 SAFETY_BOUND = 20.0
 IS_THRESHOLD = 2.0
@@ -59,12 +75,18 @@ def token_terms(rollout: np.ndarray, trainer: np.ndarray) -> dict[str, np.ndarra
         log_m = np.logaddexp(trainer, rollout) - np.log(2.0)
         a, b = trainer - log_m, rollout - log_m
         return {
-            "r": rollout, "t": trainer, "d": d, "abs_d": np.abs(d), "p_t": p_t, "p_r": p_r,
+            "r": rollout,
+            "t": trainer,
+            "d": d,
+            "abs_d": np.abs(d),
+            "p_t": p_t,
+            "p_r": p_r,
             "prob_diff": np.abs(p_t - p_r),
             "k3": np.expm1(d) - d,  # expm1 keeps float32-sized d from cancelling to 0 or below
             "policy_k3": np.expm1(-d) + d,
             "js": 0.5 * (np.expm1(a) - a) + 0.5 * (np.expm1(b) - b),
-            "rho": rho, "w": np.clip(rho, 1.0 / IS_THRESHOLD, IS_THRESHOLD),
+            "rho": rho,
+            "w": np.clip(rho, 1.0 / IS_THRESHOLD, IS_THRESHOLD),
             "mult": np.exp(np.abs(d)),
         }
 
@@ -96,8 +118,14 @@ def _pearson(codes: np.ndarray, x: np.ndarray, y: np.ndarray, n: int, safe: np.n
         return _sum(codes, dx * dy, n) / np.sqrt(_sum(codes, dx * dx, n) * _sum(codes, dy * dy, n))
 
 
-def series(tok_code: np.ndarray, resp_code: np.ndarray, tok_resp: np.ndarray, resp_unit: np.ndarray, n: int,
-           terms: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def series(
+    tok_code: np.ndarray,
+    resp_code: np.ndarray,
+    tok_resp: np.ndarray,
+    resp_unit: np.ndarray,
+    n: int,
+    terms: dict[str, np.ndarray],
+) -> dict[str, np.ndarray]:
     """The STEP_METRICS (plus n_tokens) for every group 0..n-1. `tok_code` / `resp_code` give the group
     of each token / response, `tok_resp` the response of each token, `resp_unit` the averaging unit of
     each response (slime's per-sample mean; units never span groups). Groups = steps gives the
@@ -130,7 +158,8 @@ def series(tok_code: np.ndarray, resp_code: np.ndarray, tok_resp: np.ndarray, re
     unit_group[resp_unit] = resp_code
     used = np.bincount(resp_unit, minlength=n_unit) > 0
     per_sample = _sum(unit_group[used], unit_abs[used] / np.maximum(unit_tok[used], 1), n) / np.maximum(
-        np.bincount(unit_group[used], minlength=n), 1)
+        np.bincount(unit_group[used], minlength=n), 1
+    )
 
     out = {
         "n_tokens": cnt.astype(np.int64),

@@ -37,7 +37,9 @@ class PolicyDrift:
         for f in sorted(self.model_dir.glob("*.safetensors")):
             base.update(load_file(str(f)))
         self.base = base
-        self.keys = [k for k in decoder_matrices(keys) if k in base and base[k].dim() == 2 and base[k].is_floating_point()]
+        self.keys = [
+            k for k in decoder_matrices(keys) if k in base and base[k].dim() == 2 and base[k].is_floating_point()
+        ]
         self._acc = {k: torch.zeros_like(base[k], dtype=torch.float32) for k in self.keys}
         self._at = 0
         self._cache: dict[int, dict[str, torch.Tensor]] = {0: {k: base[k].float().clone() for k in self.keys}}

@@ -34,9 +34,17 @@ from lpf.core.errors import LpfError
 from lpf.rl.dump import Dump
 
 REFERENCE_FILE = "reference.parquet"
-SCHEMA = pa.schema([("step", pa.int64()), ("request_id", pa.string()), ("position", pa.int32()),
-                    ("token_id", pa.int64()), ("reference_logprob", pa.float64()),
-                    ("reference_sensitivity", pa.float64()), ("reference_log_kept_mass", pa.float64())])
+SCHEMA = pa.schema(
+    [
+        ("step", pa.int64()),
+        ("request_id", pa.string()),
+        ("position", pa.int32()),
+        ("token_id", pa.int64()),
+        ("reference_logprob", pa.float64()),
+        ("reference_sensitivity", pa.float64()),
+        ("reference_log_kept_mass", pa.float64()),
+    ]
+)
 REQUIRED = ("step", "request_id", "position", "token_id", "reference_logprob")
 MAX_LAG = 8
 _LAG_FILE = re.compile(r"reference_lag(\d+)\.parquet$")
@@ -50,25 +58,37 @@ def file_name(lag: int) -> str:
     return REFERENCE_FILE if lag == 0 else f"reference_lag{lag}.parquet"
 
 
-def score(dump: Dump, reference: str, dtype: str = "float32", token_budget: int = 16384,
-          on_start: Callable = _noop, tick: Callable = _noop, device: str = "cpu", sampling: dict | None = None,
-          lag: int = 0) -> pa.Table:
+def score(
+    dump: Dump,
+    reference: str,
+    dtype: str = "float32",
+    token_budget: int = 16384,
+    on_start: Callable = _noop,
+    tick: Callable = _noop,
+    device: str = "cpu",
+    sampling: dict | None = None,
+    lag: int = 0,
+) -> pa.Table:
     prompts = dump.sequences.column("prompt_token_ids").to_pylist()
     outputs = dump.sequences.column("response_token_ids").to_pylist()
     ids = dump.responses.column("request_id").to_pylist()
     steps = dump.responses.column("step").to_numpy()
     none = [i for i, p in enumerate(prompts) if not p]
     if none:
-        raise LpfError(f"{dump.source}: {len(none)} of {len(prompts)} responses carry no prompt token ids (first: "
-                       f"{ids[none[0]]}), so the reference cannot be given their context; {_HOW.get(dump.fmt, '')}")
+        raise LpfError(
+            f"{dump.source}: {len(none)} of {len(prompts)} responses carry no prompt token ids (first: "
+            f"{ids[none[0]]}), so the reference cannot be given their context; {_HOW.get(dump.fmt, '')}"
+        )
     if token_budget < 1:
         raise LpfError(f"--token-budget must be >= 1, got {token_budget}")
     if not 0 <= lag <= MAX_LAG:
         raise LpfError(f"--lags: each lag must be in 0..{MAX_LAG}, got {lag}")
     templated = "{step}" in reference
     if lag and not templated:
-        raise LpfError(f"--lags {lag} needs a reference per step: give --reference as a template holding {{step}} "
-                       f"(the policy's checkpoints, e.g. ckpt/step_{{step}})")
+        raise LpfError(
+            f"--lags {lag} needs a reference per step: give --reference as a template holding {{step}} "
+            f"(the policy's checkpoints, e.g. ckpt/step_{{step}})"
+        )
     from lpf.core.model_specs import resolve_model  # torch and transformers only once the request is sound
     from lpf.pipeline.reference import Rescorer, ScoreItem
     from lpf.rl.row_stats import RowStats
@@ -93,8 +113,9 @@ def score(dump: Dump, reference: str, dtype: str = "float32", token_budget: int 
         if resolved[spec] is None:
             missing += len(idx)
             continue
-        rescorer = Rescorer(resolved[spec], dtype=dtype, device=device, token_budget=token_budget, topk=1,
-                            on_rows=stats)
+        rescorer = Rescorer(
+            resolved[spec], dtype=dtype, device=device, token_budget=token_budget, topk=1, on_rows=stats
+        )
         describe = describe or rescorer.describe()
         items = [ScoreItem(str(i), prompts[i], outputs[i]) for i in idx]
         for it in items:
@@ -102,9 +123,11 @@ def score(dump: Dump, reference: str, dtype: str = "float32", token_budget: int 
         for table in rescorer.score(items, tick):
             kept, sens = stats.take()
             table = table.select(["request_id", "position", "ref_logprob"])
-            parts.append(table.append_column("sens", pa.array(sens, pa.float64()))
-                              .append_column("kept", pa.array(kept if kept is not None else [None] * len(sens),
-                                                              pa.float64())))
+            parts.append(
+                table.append_column("sens", pa.array(sens, pa.float64())).append_column(
+                    "kept", pa.array(kept if kept is not None else [None] * len(sens), pa.float64())
+                )
+            )
         del rescorer
     if not parts:
         raise LpfError(f"no checkpoint of {reference!r} at lag {lag} exists for any step of {dump.source}")
@@ -113,20 +136,32 @@ def score(dump: Dump, reference: str, dtype: str = "float32", token_budget: int 
     pos = got.column("position").to_numpy()
     offsets = np.concatenate([[0], np.cumsum([len(o) for o in outputs])])
     flat = np.concatenate([np.asarray(o, dtype=np.int64) for o in outputs])
-    meta = {"reference": describe, "template": reference if templated else None, "dump": dump.source,
-            "format": dump.fmt, "n_responses": len(ids), "lag": lag, "sampling": sampling,
-            "n_responses_without_checkpoint": missing}
-    table = pa.table({"step": pa.array(steps[idx], pa.int64()),
-                      "request_id": pa.array(np.asarray(ids, dtype=object)[idx], pa.string()),
-                      "position": pa.array(pos, pa.int32()), "token_id": pa.array(flat[offsets[idx] + pos], pa.int64()),
-                      "reference_logprob": got.column("ref_logprob").cast(pa.float64()),
-                      "reference_sensitivity": got.column("sens"), "reference_log_kept_mass": got.column("kept")},
-                     schema=SCHEMA)
+    meta = {
+        "reference": describe,
+        "template": reference if templated else None,
+        "dump": dump.source,
+        "format": dump.fmt,
+        "n_responses": len(ids),
+        "lag": lag,
+        "sampling": sampling,
+        "n_responses_without_checkpoint": missing,
+    }
+    table = pa.table(
+        {
+            "step": pa.array(steps[idx], pa.int64()),
+            "request_id": pa.array(np.asarray(ids, dtype=object)[idx], pa.string()),
+            "position": pa.array(pos, pa.int32()),
+            "token_id": pa.array(flat[offsets[idx] + pos], pa.int64()),
+            "reference_logprob": got.column("ref_logprob").cast(pa.float64()),
+            "reference_sensitivity": got.column("sens"),
+            "reference_log_kept_mass": got.column("kept"),
+        },
+        schema=SCHEMA,
+    )
     return table.replace_schema_metadata({"lpf": json.dumps(meta)})
 
 
-_HOW = {"verl": "add prompts and attention_mask per sample to the dump",
-        "lpf": "add a prompt_token_ids column"}
+_HOW = {"verl": "add prompts and attention_mask per sample to the dump", "lpf": "add a prompt_token_ids column"}
 
 
 def write(out_dir: Path, table: pa.Table, lag: int = 0) -> Path:
@@ -153,9 +188,11 @@ def attach(dump: Dump, out_dir: Path) -> bool:
             continue
         k = int(m.group(1))
         dump.tok_reference_lag[k], _, dump.tok_log_kept_lag[k], lag_meta = _read(dump, f, lagged=True)
-        dump.reference.setdefault("lags", {})[k] = {"file": str(f), "template": lag_meta.get("template"),
-                                                   "n_responses_without_checkpoint":
-                                                       lag_meta.get("n_responses_without_checkpoint", 0)}
+        dump.reference.setdefault("lags", {})[k] = {
+            "file": str(f),
+            "template": lag_meta.get("template"),
+            "n_responses_without_checkpoint": lag_meta.get("n_responses_without_checkpoint", 0),
+        }
     return True
 
 
@@ -164,7 +201,9 @@ def _read(dump: Dump, path: Path, lagged: bool):
     try:
         table = pq.read_table(path)
     except Exception as e:  # pyarrow raises many types for a damaged file
-        raise LpfError(f"{path}: not a readable Parquet file ({str(e).splitlines()[0]}); rerun lpf rl rescore") from None
+        raise LpfError(
+            f"{path}: not a readable Parquet file ({str(e).splitlines()[0]}); rerun lpf rl rescore"
+        ) from None
     missing = [c for c in REQUIRED if c not in table.column_names]
     if missing:
         raise LpfError(f"{path}: not a reference file of lpf rl rescore (no {', '.join(missing)})")
@@ -172,12 +211,18 @@ def _read(dump: Dump, path: Path, lagged: bool):
     stale = f"{path} was made for another dump; rerun lpf rl rescore {dump.source} (or remove that file)"
     outputs = dump.sequences.column("response_token_ids").to_pylist()
     offsets = np.concatenate([[0], np.cumsum([len(o) for o in outputs])]).astype(np.int64)
-    where = {(s, r): i for i, (s, r) in enumerate(zip(dump.responses.column("step").to_pylist(),
-                                                       dump.responses.column("request_id").to_pylist()))}
+    where = {
+        (s, r): i
+        for i, (s, r) in enumerate(
+            zip(dump.responses.column("step").to_pylist(), dump.responses.column("request_id").to_pylist())
+        )
+    }
     key = pc.binary_join_element_wise(pc.cast(table.column("step"), pa.string()), table.column("request_id"), "\x1f")
     enc = pc.dictionary_encode(key).combine_chunks()
-    lookup = np.array([where.get((int(k.split("\x1f", 1)[0]), k.split("\x1f", 1)[1]), -1)
-                       for k in enc.dictionary.to_pylist()], dtype=np.int64)
+    lookup = np.array(
+        [where.get((int(k.split("\x1f", 1)[0]), k.split("\x1f", 1)[1]), -1) for k in enc.dictionary.to_pylist()],
+        dtype=np.int64,
+    )
     resp = lookup[np.asarray(enc.indices)] if len(table) else np.zeros(0, dtype=np.int64)
     pos = table.column("position").to_numpy().astype(np.int64)
     n_tok = np.diff(offsets)
@@ -203,6 +248,8 @@ def _read(dump: Dump, path: Path, lagged: bool):
     if ref is None:
         ref = np.full(scored.size, np.nan)
     if not lagged and not np.isfinite(ref).all():
-        raise LpfError(f"{path}: reference logprobs missing or not finite for {int((~np.isfinite(ref)).sum())} scored "
-                       f"tokens; rerun lpf rl rescore")
+        raise LpfError(
+            f"{path}: reference logprobs missing or not finite for {int((~np.isfinite(ref)).sum())} scored "
+            f"tokens; rerun lpf rl rescore"
+        )
     return ref, column("reference_sensitivity"), column("reference_log_kept_mass"), meta

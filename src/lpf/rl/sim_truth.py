@@ -28,8 +28,14 @@ import pyarrow as pa
 from lpf.pipeline.reference import ScoreItem
 
 TRUTH_CAUSES = ("processed_logprobs", "batch_shape", "position_growth", "stale_weights", "floor")
-TRUTH_SCHEMA = pa.schema([("step", pa.int64()), ("request_id", pa.string()), ("drills", pa.list_(pa.string())),
-                          *[(c, pa.list_(pa.float64())) for c in TRUTH_CAUSES]])
+TRUTH_SCHEMA = pa.schema(
+    [
+        ("step", pa.int64()),
+        ("request_id", pa.string()),
+        ("drills", pa.list_(pa.string())),
+        *[(c, pa.list_(pa.float64())) for c in TRUTH_CAUSES],
+    ]
+)
 
 
 @dataclass
@@ -41,8 +47,9 @@ class Trained:
 
 
 def score_step(trainer, policy, step: int, version: int, finished) -> Trained:
-    items = [ScoreItem(req.request_id, list(prompt.prompt_token_ids), req.output_token_ids)
-             for req, prompt, _ in finished]
+    items = [
+        ScoreItem(req.request_id, list(prompt.prompt_token_ids), req.output_token_ids) for req, prompt, _ in finished
+    ]
     if policy is not None:
         trainer.set_weights(policy.weights(step))
     reported, layout = trainer.score_step(items)
@@ -67,9 +74,15 @@ def truth_rows(step: int, finished, trained: Trained, drills) -> pa.Table:
         t_v = np.asarray(trained.exact_rollout_weights[rid], dtype=np.float64)
         engine = t_v - r_raw
         zero = np.zeros_like(r)
-        row = {"step": step, "request_id": rid, "drills": names,
-               "processed_logprobs": r_raw - r, "stale_weights": t_x - t_v, "batch_shape": t - t_x,
-               "position_growth": engine if drills.state_dtype is not None else zero,
-               "floor": zero if drills.state_dtype is not None else engine}
+        row = {
+            "step": step,
+            "request_id": rid,
+            "drills": names,
+            "processed_logprobs": r_raw - r,
+            "stale_weights": t_x - t_v,
+            "batch_shape": t - t_x,
+            "position_growth": engine if drills.state_dtype is not None else zero,
+            "floor": zero if drills.state_dtype is not None else engine,
+        }
         rows.append({k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in row.items()})
     return pa.Table.from_pylist(rows, schema=TRUTH_SCHEMA)

@@ -39,14 +39,26 @@ from lpf.core.errors import LpfError
 from lpf.rl.drills import DEFAULT_DRIFT, RLDrills
 from lpf.core.sampling import SamplingParams
 
-DUMP_SCHEMA = pa.schema([
-    ("step", pa.int64()), ("request_id", pa.string()), ("prompt_id", pa.string()), ("rollout", pa.int32()),
-    ("prompt_token_ids", pa.list_(pa.int32())), ("response_token_ids", pa.list_(pa.int32())),
-    ("rollout_logprobs", pa.list_(pa.float64())), ("trainer_logprobs", pa.list_(pa.float64())),
-    ("finish_reason", pa.string()), ("state_slot_min", pa.int32()), ("state_slot_max", pa.int32()),
-    ("state_slot_stride", pa.int64()), ("micro_batch", pa.int32()), ("micro_batch_size", pa.int32()),
-    ("micro_batch_tokens", pa.int32()), ("policy_version", pa.int32()),
-])
+DUMP_SCHEMA = pa.schema(
+    [
+        ("step", pa.int64()),
+        ("request_id", pa.string()),
+        ("prompt_id", pa.string()),
+        ("rollout", pa.int32()),
+        ("prompt_token_ids", pa.list_(pa.int32())),
+        ("response_token_ids", pa.list_(pa.int32())),
+        ("rollout_logprobs", pa.list_(pa.float64())),
+        ("trainer_logprobs", pa.list_(pa.float64())),
+        ("finish_reason", pa.string()),
+        ("state_slot_min", pa.int32()),
+        ("state_slot_max", pa.int32()),
+        ("state_slot_stride", pa.int64()),
+        ("micro_batch", pa.int32()),
+        ("micro_batch_size", pa.int32()),
+        ("micro_batch_tokens", pa.int32()),
+        ("policy_version", pa.int32()),
+    ]
+)
 
 
 @dataclass(frozen=True)
@@ -75,7 +87,9 @@ class SimSpec:
         if not self.temperature > 0:
             raise LpfError(f"--temperature must be > 0 for RL-style sampling, got {self.temperature}")
         if not 0 <= self.policy_drift <= 0.1:
-            raise LpfError(f"--policy-drift must be in 0..0.1 (relative weight change per step), got {self.policy_drift}")
+            raise LpfError(
+                f"--policy-drift must be in 0..0.1 (relative weight change per step), got {self.policy_drift}"
+            )
         drills = RLDrills.parse(list(self.drills))
         if drills.top_p is not None and self.top_p != 1.0:
             raise LpfError("--top-p and the processed-logprobs drill both set top-p; give one")
@@ -114,11 +128,18 @@ def simulate(spec: SimSpec, out: Path, on_start: Callable = _noop, tick: Callabl
     cfg = model_config(model)
     BuiltinEngine.check_model(cfg)
     tokenizer = load_tokenizer(model)
-    prompts, _ = load_prompts(spec.workload, tokenizer, cfg.get("vocab_size", len(tokenizer)),
-                              cfg.get("max_position_embeddings"))
-    sampling = SamplingParams(temperature=spec.temperature, max_tokens=spec.max_tokens, seed=spec.seed, logprobs=0,
-                              top_p=drills.top_p if drills.top_p is not None else spec.top_p, top_k=spec.top_k,
-                              ignore_eos=spec.ignore_eos)
+    prompts, _ = load_prompts(
+        spec.workload, tokenizer, cfg.get("vocab_size", len(tokenizer)), cfg.get("max_position_embeddings")
+    )
+    sampling = SamplingParams(
+        temperature=spec.temperature,
+        max_tokens=spec.max_tokens,
+        seed=spec.seed,
+        logprobs=0,
+        top_p=drills.top_p if drills.top_p is not None else spec.top_p,
+        top_k=spec.top_k,
+        ignore_eos=spec.ignore_eos,
+    )
     out = dump_path(Path(out))
     out.parent.mkdir(parents=True, exist_ok=True)
 
@@ -163,20 +184,38 @@ def simulate(spec: SimSpec, out: Path, on_start: Callable = _noop, tick: Callabl
         for req, prompt, r in finished:
             lo, hi = slots.get(req.request_id, (None, None))
             mb, size, tokens = trained.layout[req.request_id]
-            rows.append({"step": step, "request_id": req.request_id, "prompt_id": prompt.prompt_id, "rollout": r,
-                         "prompt_token_ids": list(prompt.prompt_token_ids),
-                         "response_token_ids": req.output_token_ids, "rollout_logprobs": req.logprobs,
-                         "trainer_logprobs": trained.reported[req.request_id], "finish_reason": req.finish_reason,
-                         "state_slot_min": lo, "state_slot_max": hi, "state_slot_stride": stride,
-                         "micro_batch": mb, "micro_batch_size": size, "micro_batch_tokens": tokens,
-                         "policy_version": version if policy is not None else None})
+            rows.append(
+                {
+                    "step": step,
+                    "request_id": req.request_id,
+                    "prompt_id": prompt.prompt_id,
+                    "rollout": r,
+                    "prompt_token_ids": list(prompt.prompt_token_ids),
+                    "response_token_ids": req.output_token_ids,
+                    "rollout_logprobs": req.logprobs,
+                    "trainer_logprobs": trained.reported[req.request_id],
+                    "finish_reason": req.finish_reason,
+                    "state_slot_min": lo,
+                    "state_slot_max": hi,
+                    "state_slot_stride": stride,
+                    "micro_batch": mb,
+                    "micro_batch_size": size,
+                    "micro_batch_tokens": tokens,
+                    "policy_version": version if policy is not None else None,
+                }
+            )
         causes.append(sim_truth.truth_rows(step, finished, trained, drills))
         if policy is not None:
             policy.save(step, policy_dir)
         tick(1)
-    meta = {"engine": desc, "spec": asdict(spec), "n_state_slots": desc["num_state_slots"],
-            "sampling": {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k},
-            "dtypes": {"rollout": options.dtype, "trainer": "float32"}, "rl_drills": drills.names()}
+    meta = {
+        "engine": desc,
+        "spec": asdict(spec),
+        "n_state_slots": desc["num_state_slots"],
+        "sampling": {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k},
+        "dtypes": {"rollout": options.dtype, "trainer": "float32"},
+        "rl_drills": drills.names(),
+    }
     if policy is not None:
         meta["policy"] = {"drift": spec.drift, "checkpoints": str(policy_dir / "step_{step}"), "lag": lag}
     table = pa.Table.from_pylist(rows, schema=DUMP_SCHEMA.with_metadata({"lpf": json.dumps(meta)}))
@@ -186,8 +225,13 @@ def simulate(spec: SimSpec, out: Path, on_start: Callable = _noop, tick: Callabl
     if truth:
         pq.write_table(pa.concat_tables(truth), faults_path(out))
     pq.write_table(pa.concat_tables(causes), causes_path(out))
-    return {"n_responses": len(rows), "cache": desc, "dump": str(out), "rl_drills": drills.names(),
-            "policy": meta.get("policy")}
+    return {
+        "n_responses": len(rows),
+        "cache": desc,
+        "dump": str(out),
+        "rl_drills": drills.names(),
+        "policy": meta.get("policy"),
+    }
 
 
 def dump_path(out: Path) -> Path:
@@ -198,7 +242,9 @@ def dump_path(out: Path) -> Path:
             raise LpfError(f"--out {out} is a directory; give a file name, or a directory without the .parquet suffix")
         return out
     if out.exists() and not out.is_dir():
-        raise LpfError(f"--out {out} exists and is not a directory; give a directory, or a file name ending in .parquet")
+        raise LpfError(
+            f"--out {out} exists and is not a directory; give a directory, or a file name ending in .parquet"
+        )
     return out / "dump.parquet"
 
 
@@ -222,8 +268,15 @@ def _rollout(engine, batch, step: int, sampling, max_tokens: int, eos: int | Non
     by_id = {}
     for prompt, r, seq in batch:
         rid = f"s{step}-{prompt.prompt_id}-r{r}"
-        req = Request(rid, list(prompt.prompt_token_ids), sampling, prompt.max_tokens or max_tokens,
-                      request_seed(sampling.seed, seq), eos, seq=seq)
+        req = Request(
+            rid,
+            list(prompt.prompt_token_ids),
+            sampling,
+            prompt.max_tokens or max_tokens,
+            request_seed(sampling.seed, seq),
+            eos,
+            seq=seq,
+        )
         rejected = engine.add_request(req)
         if rejected is not None:
             raise LpfError(f"step {step}: {rejected.error}")

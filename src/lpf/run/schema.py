@@ -22,14 +22,16 @@ SCHEMA_VERSION = 2
 _ids = pa.list_(pa.int32())
 _lps = pa.list_(pa.float32())
 
-ATTEMPT = pa.struct([
-    ("attempt", pa.int32()),  # 0 first, then retries
-    ("sent", pa.bool_()),  # false: it never left (connection refused, circuit open, deadline)
-    ("status", pa.int32()),  # the HTTP status, null when there was no answer
-    ("error", pa.string()),  # the server's own error message, or what went wrong; null on success
-    ("t_start", pa.float64()),  # unix seconds
-    ("t_end", pa.float64()),
-])
+ATTEMPT = pa.struct(
+    [
+        ("attempt", pa.int32()),  # 0 first, then retries
+        ("sent", pa.bool_()),  # false: it never left (connection refused, circuit open, deadline)
+        ("status", pa.int32()),  # the HTTP status, null when there was no answer
+        ("error", pa.string()),  # the server's own error message, or what went wrong; null on success
+        ("t_start", pa.float64()),  # unix seconds
+        ("t_end", pa.float64()),
+    ]
+)
 
 REQUESTS = pa.schema(
     [
@@ -88,8 +90,15 @@ PROMPT_REFERENCE = REFERENCE
 # the optional seeded replay (`lpf.pipeline.replay`, engines whose sampler lpf knows, sampled runs): per output position
 # the token the reference drew with the engine's sampler and the request's seed, how far the engine's token was
 # from being drawn (nats of log p - log q; 0 when it was) and how far the closest other token was from winning
-SEEDED = pa.schema([("request_id", pa.string()), ("position", pa.int32()), ("seeded_token", pa.int32()),
-                    ("seeded_margin", pa.float64()), ("seeded_runner_up", pa.float64())])
+SEEDED = pa.schema(
+    [
+        ("request_id", pa.string()),
+        ("position", pa.int32()),
+        ("seeded_token", pa.int32()),
+        ("seeded_margin", pa.float64()),
+        ("seeded_runner_up", pa.float64()),
+    ]
+)
 
 # the optional calibration run (`lpf rescore --calibrate`): the same reference model teacher-forced a
 # second time at the engine's dtype over the same tokens, in the reference's columns
@@ -104,33 +113,67 @@ CALIBRATION = REFERENCE
 # really covers) and who published the hash the hit matched (request, step); whether the step ends on
 # a Mamba block boundary; whether the step was cancelled while in flight (its chunk never ran).
 PREFIX_TRACE = [
-    ("prefix_cache_hit_tokens", pa.int32()), ("resume_block", pa.int32()), ("resume_writer", pa.string()),
-    ("resume_write_step", pa.int64()), ("resume_covers_tokens", pa.int32()), ("resume_publisher", pa.string()),
-    ("resume_publish_step", pa.int64()), ("chunk_end_aligned", pa.bool_()), ("aborted", pa.bool_()),
+    ("prefix_cache_hit_tokens", pa.int32()),
+    ("resume_block", pa.int32()),
+    ("resume_writer", pa.string()),
+    ("resume_write_step", pa.int64()),
+    ("resume_covers_tokens", pa.int32()),
+    ("resume_publisher", pa.string()),
+    ("resume_publish_step", pa.int64()),
+    ("chunk_end_aligned", pa.bool_()),
+    ("aborted", pa.bool_()),
 ]
-TRACE = pa.schema([
-    ("step", pa.int64()), ("request_id", pa.string()), ("phase", pa.string()),  # prefill | extend | decode
-    ("num_computed_tokens", pa.int32()), ("num_scheduled_tokens", pa.int32()), ("state_slot", pa.int32()),
-    ("batch_size", pa.int32()), ("batch_tokens", pa.int32()), ("preempted", pa.bool_()),
-    *PREFIX_TRACE,
-])
+TRACE = pa.schema(
+    [
+        ("step", pa.int64()),
+        ("request_id", pa.string()),
+        ("phase", pa.string()),  # prefill | extend | decode
+        ("num_computed_tokens", pa.int32()),
+        ("num_scheduled_tokens", pa.int32()),
+        ("state_slot", pa.int32()),
+        ("batch_size", pa.int32()),
+        ("batch_tokens", pa.int32()),
+        ("preempted", pa.bool_()),
+        *PREFIX_TRACE,
+    ]
+)
 
 # "whose answer is this?" (`lpf.pipeline.attribute`): a flagged request's output re-scored by the reference
 # under another request's prompt (candidate_id): the summed logprob of its n_tokens output tokens
-ATTRIBUTION = pa.schema([("request_id", pa.string()), ("candidate_id", pa.string()), ("n_tokens", pa.int32()),
-                         ("logprob_sum", pa.float64())])
+ATTRIBUTION = pa.schema(
+    [
+        ("request_id", pa.string()),
+        ("candidate_id", pa.string()),
+        ("n_tokens", pa.int32()),
+        ("logprob_sum", pa.float64()),
+    ]
+)
 
 # fault drills' ground truth (which request, which step, what happened); analysis never reads it
-FAULTS = pa.schema([("request_id", pa.string()), ("step", pa.int64()), ("fault", pa.string()),
-                    ("role", pa.string()), ("detail", pa.string())])
+FAULTS = pa.schema(
+    [
+        ("request_id", pa.string()),
+        ("step", pa.int64()),
+        ("fault", pa.string()),
+        ("role", pa.string()),
+        ("detail", pa.string()),
+    ]
+)
 
 # columns a part written by an older schema version may lack (read as nulls); any other missing column
 # means the part is damaged, not old
 ADDED_LATER = {"requests": {"inconsistency", "attempts"}}
 
-TABLES = {"requests": REQUESTS, "tokens": TOKENS, "reference": REFERENCE, "calibration": CALIBRATION,
-          "prompt_tokens": PROMPT_TOKENS, "prompt_reference": PROMPT_REFERENCE, "attribution": ATTRIBUTION,
-          "seeded": SEEDED}
+TABLES = {
+    "requests": REQUESTS,
+    "tokens": TOKENS,
+    "reference": REFERENCE,
+    "calibration": CALIBRATION,
+    "prompt_tokens": PROMPT_TOKENS,
+    "prompt_reference": PROMPT_REFERENCE,
+    "attribution": ATTRIBUTION,
+    "seeded": SEEDED,
+}
 
 
 def table(target: pa.Schema, columns: dict) -> pa.Table:
@@ -142,5 +185,6 @@ def table(target: pa.Schema, columns: dict) -> pa.Table:
     if not columns:
         return target.empty_table()
     n = len(next(iter(columns.values())))
-    return pa.table({f.name: columns[f.name] if f.name in columns else pa.nulls(n, f.type) for f in target},
-                    schema=target)
+    return pa.table(
+        {f.name: columns[f.name] if f.name in columns else pa.nulls(n, f.type) for f in target}, schema=target
+    )

@@ -58,8 +58,10 @@ def _atomic_write_table(path: Path, table: pa.Table) -> None:
 
 def _damaged(path: Path, e: Exception) -> LpfError:
     detail = " ".join(str(e).split())[:160] or type(e).__name__
-    return LpfError(f"{path} is damaged ({detail}): the run cannot be read completely; move that part away "
-                    f"and rerun the stage that wrote it (or restore it from a copy)")
+    return LpfError(
+        f"{path} is damaged ({detail}): the run cannot be read completely; move that part away "
+        f"and rerun the stage that wrote it (or restore it from a copy)"
+    )
 
 
 def _read_part(path: Path, want: pa.Schema, table_name: str) -> pa.Table:
@@ -68,8 +70,11 @@ def _read_part(path: Path, want: pa.Schema, table_name: str) -> pa.Table:
     try:
         # request ids read as a dictionary, then cast: the same strings for a fifth of the CPU of
         # Parquet's own string decoding (0.05 + 0.05 vs 0.25-0.87 s for 10M token rows)
-        part = pq.ParquetFile(path, page_checksum_verification=True,
-                              read_dictionary=["request_id"] if "request_id" in want.names else None)
+        part = pq.ParquetFile(
+            path,
+            page_checksum_verification=True,
+            read_dictionary=["request_id"] if "request_id" in want.names else None,
+        )
         have = set(part.schema_arrow.names)
         missing = [n for n in want.names if n not in have]
         unexplained = set(missing) - schema.ADDED_LATER.get(table_name, set())
@@ -96,8 +101,10 @@ def _holds_files(path: Path, leftovers: set[str]) -> bool:
     there is no manifest yet, the files it writes first (`leftovers`)."""
     if (path / "manifest.json").exists():
         return True
-    return any(p.is_file() and not p.name.startswith(".tmp-") and not (p.parent == path and p.name in leftovers)
-               for p in path.rglob("*"))
+    return any(
+        p.is_file() and not p.name.startswith(".tmp-") and not (p.parent == path and p.name in leftovers)
+        for p in path.rglob("*")
+    )
 
 
 def read_part(path: Path | str, table: str, columns: list[str]) -> pa.Table:
@@ -120,8 +127,10 @@ class RunDir:
         whose manifest exists has them."""
         path = Path(path)
         if path.exists() and (not path.is_dir() or _holds_files(path, set(files or ()))):
-            raise LpfError(f"{path} already exists and is not empty: choose another --out, or "
-                           f"`lpf run --resume {path}` to finish it")
+            raise LpfError(
+                f"{path} already exists and is not empty: choose another --out, or "
+                f"`lpf run --resume {path}` to finish it"
+            )
         for sub in ("requests", "tokens", "reference", "calibration"):  # the others appear with their first part
             (path / sub).mkdir(parents=True, exist_ok=True)
         for name, data in (files or {}).items():
@@ -146,8 +155,10 @@ class RunDir:
         if not isinstance(version, int):
             raise LpfError(f"{mpath}: no schema_version")
         if version > schema.SCHEMA_VERSION:
-            raise LpfError(f"{path} was written with run schema v{version}; this lpf reads up to "
-                           f"v{schema.SCHEMA_VERSION}: upgrade logprob-forensics")
+            raise LpfError(
+                f"{path} was written with run schema v{version}; this lpf reads up to "
+                f"v{schema.SCHEMA_VERSION}: upgrade logprob-forensics"
+            )
         run = cls(path, manifest)
         run._drop_orphans()
         return run
@@ -161,8 +172,9 @@ class RunDir:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                raise LpfError(f"{self.path} is being written by another lpf process: let it finish (or stop it) "
-                               f"first") from None
+                raise LpfError(
+                    f"{self.path} is being written by another lpf process: let it finish (or stop it) first"
+                ) from None
             yield self
         finally:
             os.close(fd)  # releases the lock
@@ -207,8 +219,9 @@ class RunDir:
             _atomic_write_table(self.path / "prompt_tokens" / name, prompt_tokens.cast(schema.PROMPT_TOKENS))
         _atomic_write_table(self.path / "requests" / name, requests.cast(schema.REQUESTS))
 
-    def append_reference(self, reference: pa.Table, prompt_reference: pa.Table | None = None,
-                         seeded: pa.Table | None = None) -> None:
+    def append_reference(
+        self, reference: pa.Table, prompt_reference: pa.Table | None = None, seeded: pa.Table | None = None
+    ) -> None:
         """Commit reference scores with their prompt-position scores and seeded draws: reference last,
         see the contract."""
         i = self._next_index("reference", "prompt_reference", "seeded")
@@ -226,8 +239,9 @@ class RunDir:
         (self.path / table).mkdir(exist_ok=True)
         i = self._next_index(table)
         target = schema.TABLES.get(table)
-        _atomic_write_table(self.path / table / f"part-{i:06d}.parquet",
-                            data.cast(target) if target is not None else data)
+        _atomic_write_table(
+            self.path / table / f"part-{i:06d}.parquet", data.cast(target) if target is not None else data
+        )
 
     def read(self, table: str, columns: list[str] | None = None) -> pa.Table:
         """All parts of a table concatenated (empty table with the schema when there are none)."""

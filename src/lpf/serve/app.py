@@ -81,8 +81,9 @@ def create_app(engine, tokenizer, info: ModelInfo, sink: TraceSink | None = None
 
     def check_model(name: str | None) -> None:
         if name is not None and name != info.name:
-            raise ApiError(f"The model `{name}` does not exist. Valid aliases: {info.name}.", 404,
-                           "NotFoundError", "model")
+            raise ApiError(
+                f"The model `{name}` does not exist. Valid aliases: {info.name}.", 404, "NotFoundError", "model"
+            )
 
     async def run(plans, http: HttpRequest) -> None:
         submit = asyncio.ensure_future(app.state.loop.submit([r for p in plans for r in p.requests]))
@@ -104,20 +105,44 @@ def create_app(engine, tokenizer, info: ModelInfo, sink: TraceSink | None = None
     @app.get("/health")
     async def health():
         if app.state.loop.dead is not None:
-            return JSONResponse(ApiError(f"the engine is dead: {app.state.loop.dead}", 500,
-                                         "InternalServerError").body(), status_code=500)
+            return JSONResponse(
+                ApiError(f"the engine is dead: {app.state.loop.dead}", 500, "InternalServerError").body(),
+                status_code=500,
+            )
         return Response(status_code=200)
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{
-            "id": info.name, "object": "model", "created": started, "owned_by": "lpf", "root": info.root,
-            "parent": None, "max_model_len": info.max_context,
-            "permission": [{"id": f"modelperm-{uuid.uuid4().hex[:16]}", "object": "model_permission",
-                            "created": started, "allow_create_engine": False, "allow_sampling": True,
-                            "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
-                            "allow_fine_tuning": False, "organization": "*", "group": None,
-                            "is_blocking": False}]}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": info.name,
+                    "object": "model",
+                    "created": started,
+                    "owned_by": "lpf",
+                    "root": info.root,
+                    "parent": None,
+                    "max_model_len": info.max_context,
+                    "permission": [
+                        {
+                            "id": f"modelperm-{uuid.uuid4().hex[:16]}",
+                            "object": "model_permission",
+                            "created": started,
+                            "allow_create_engine": False,
+                            "allow_sampling": True,
+                            "allow_logprobs": True,
+                            "allow_search_indices": False,
+                            "allow_view": True,
+                            "allow_fine_tuning": False,
+                            "organization": "*",
+                            "group": None,
+                            "is_blocking": False,
+                        }
+                    ],
+                }
+            ],
+        }
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: HttpRequest):
@@ -143,16 +168,24 @@ def create_app(engine, tokenizer, info: ModelInfo, sink: TraceSink | None = None
             ("lpf_steps_total", "counter", "engine steps run", s.steps),
             ("lpf_batch_size_max", "gauge", "largest number of requests scheduled in one step", s.max_batch_size),
             ("lpf_scheduled_requests_total", "counter", "sum over steps of requests scheduled", s.scheduled_sum),
-            ("lpf_requests_submitted_total", "counter", "requests received (each ends finished, rejected or "
-             "cancelled)", s.requests_submitted),
+            (
+                "lpf_requests_submitted_total",
+                "counter",
+                "requests received (each ends finished, rejected or cancelled)",
+                s.requests_submitted,
+            ),
             ("lpf_requests_added_total", "counter", "requests handed to the engine", s.requests_added),
             ("lpf_requests_finished_total", "counter", "requests finished", s.requests_finished),
             ("lpf_requests_rejected_total", "counter", "requests refused by the engine", s.requests_rejected),
             ("lpf_generation_tokens_total", "counter", "output tokens generated", s.tokens_generated),
             ("lpf_preemptions_total", "counter", "preemptions by recompute", s.preemptions),
             ("lpf_requests_in_flight", "gauge", "requests submitted and not yet finished", loop.running),
-            ("lpf_requests_cancelled_total", "counter", "requests taken back by clients that went away",
-             s.requests_cancelled),
+            (
+                "lpf_requests_cancelled_total",
+                "counter",
+                "requests taken back by clients that went away",
+                s.requests_cancelled,
+            ),
             ("lpf_state_slots_free", "gauge", "state slots no request holds", loop.engine.num_free_slots),
         ]
         text = "".join(f"# HELP {n} {h}\n# TYPE {n} {t}\n{n} {v}\n" for n, t, h, v in lines)

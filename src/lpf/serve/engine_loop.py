@@ -125,8 +125,7 @@ class EngineLoop:
         if self._stopping:
             raise ApiError("the server is shutting down", 503, "ServiceUnavailableError")
         ids = [r.request_id for r in requests]
-        clash = next((i for i in ids if i in self._futures), None) or (
-            next((i for i in ids if ids.count(i) > 1), None))
+        clash = next((i for i in ids if i in self._futures), None) or (next((i for i in ids if ids.count(i) > 1), None))
         if clash is not None:
             raise ApiError(f"request id {clash!r} is already in flight", param="request_id")
         loop = asyncio.get_running_loop()

@@ -12,8 +12,20 @@ import math
 
 from pydantic import BaseModel, ConfigDict
 
-from lpf.serve.protocol import (ApiError, ModelInfo, Planned, PromptField, TokenText, apply_stop, engine_requests,
-                                make_sampling, output_budget, prompt_entries, refuse_non_neutral, tokenize_prompts)
+from lpf.serve.protocol import (
+    ApiError,
+    ModelInfo,
+    Planned,
+    PromptField,
+    TokenText,
+    apply_stop,
+    engine_requests,
+    make_sampling,
+    output_budget,
+    prompt_entries,
+    refuse_non_neutral,
+    tokenize_prompts,
+)
 
 
 def _clamp(lp: float) -> float | None:
@@ -21,12 +33,25 @@ def _clamp(lp: float) -> float | None:
     no NaN and one bad number must not turn the whole answer into a 500."""
     return None if math.isnan(lp) else max(lp, -9999.0)
 
+
 COMPLETION_NEUTRAL = {
-    "frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0),
-    "min_p": (None, 0, 0.0), "logit_bias": (None, {}), "use_beam_search": (None, False), "best_of": (None, 1),
-    "suffix": (None, ""), "min_tokens": (None, 0), "stop_token_ids": (None, []), "allowed_token_ids": (None,),
-    "bad_words": (None, []), "include_stop_str_in_output": (None, False), "prompt_embeds": (None,),
-    "response_format": (None,), "structured_outputs": (None,), "logprob_token_ids": (None, []),
+    "frequency_penalty": (None, 0, 0.0),
+    "presence_penalty": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0),
+    "min_p": (None, 0, 0.0),
+    "logit_bias": (None, {}),
+    "use_beam_search": (None, False),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "min_tokens": (None, 0),
+    "stop_token_ids": (None, []),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "include_stop_str_in_output": (None, False),
+    "prompt_embeds": (None,),
+    "response_format": (None,),
+    "structured_outputs": (None,),
+    "logprob_token_ids": (None, []),
     "truncate_prompt_tokens": (None,),
 }
 
@@ -68,11 +93,19 @@ def plan_completion(req: CompletionRequest, tokenizer, info: ModelInfo, base_id:
     plans = []
     for p_idx, prompt in enumerate(prompts):
         max_tokens = output_budget(req.max_tokens if req.max_tokens is not None else 16, prompt, info, "max_tokens")
-        sampling = make_sampling(1.0 if req.temperature is None else req.temperature,
-                                 1.0 if req.top_p is None else req.top_p, max(req.top_k or 0, 0), max_tokens,
-                                 req.ignore_eos, max(req.logprobs or 0, prompt_k or 0), prompt_k is not None)
+        sampling = make_sampling(
+            1.0 if req.temperature is None else req.temperature,
+            1.0 if req.top_p is None else req.top_p,
+            max(req.top_k or 0, 0),
+            max_tokens,
+            req.ignore_eos,
+            max(req.logprobs or 0, prompt_k or 0),
+            prompt_k is not None,
+        )
         ids = [f"{base_id}-{p_idx}"] if req.n == 1 else [f"{base_id}-{p_idx}-{c}" for c in range(req.n)]
-        plans.append(Planned(prompt, engine_requests(prompt, ids, sampling, max_tokens, req.seed, info), stops, max_tokens))
+        plans.append(
+            Planned(prompt, engine_requests(prompt, ids, sampling, max_tokens, req.seed, info), stops, max_tokens)
+        )
     return plans
 
 
@@ -83,8 +116,10 @@ def prompt_top_k(req: CompletionRequest) -> int | None:
     if k is None and req.echo and req.logprobs is not None:
         k = req.logprobs
     if k is not None and not 0 <= k <= 20:
-        raise ApiError(f"prompt_logprobs must be in 0..20 (lpf serve does not return the whole vocabulary), got {k}",
-                       param="prompt_logprobs")
+        raise ApiError(
+            f"prompt_logprobs must be in 0..20 (lpf serve does not return the whole vocabulary), got {k}",
+            param="prompt_logprobs",
+        )
     return k
 
 
@@ -103,7 +138,9 @@ def _completion_logprobs(rows: list[tuple[int, float | None, list, list]], k: in
         tokens.append(text(tid))
         token_lps.append(None if lp is None else _clamp(lp))
         # at most k + 1 entries, as vLLM cuts them
-        tops.append(None if lp is None else {text(t): _clamp(v) for t, v in list(_entry(tid, lp, ids, lps).items())[:k + 1]})
+        tops.append(
+            None if lp is None else {text(t): _clamp(v) for t, v in list(_entry(tid, lp, ids, lps).items())[: k + 1]}
+        )
         offsets.append(at)
         at += len(tokens[-1])
     return {"text_offset": offsets, "token_logprobs": token_lps, "tokens": tokens, "top_logprobs": tops}
@@ -116,13 +153,18 @@ def _prompt_logprobs(entries, k: int, text: TokenText) -> list:
     out: list = [None]
     for tid, lp, rank, ids, lps in entries[1:]:
         rows = list(_entry(tid, lp, ids[:k], lps[:k]).items())
-        out.append({str(t): {"logprob": _clamp(v), "rank": rank if t == tid else 1 + ids.index(t),
-                             "decoded_token": text(t)} for t, v in rows})
+        out.append(
+            {
+                str(t): {"logprob": _clamp(v), "rank": rank if t == tid else 1 + ids.index(t), "decoded_token": text(t)}
+                for t, v in rows
+            }
+        )
     return out
 
 
-def render_completion(req: CompletionRequest, plans: list[Planned], tokenizer, info: ModelInfo,
-                      response_id: str, created: int) -> dict:
+def render_completion(
+    req: CompletionRequest, plans: list[Planned], tokenizer, info: ModelInfo, response_id: str, created: int
+) -> dict:
     text_of = TokenText(tokenizer, bool(req.return_tokens_as_token_ids))
     plain_text = TokenText(tokenizer, False)
     choices, n_prompt, n_out = [], 0, 0
@@ -142,20 +184,33 @@ def render_completion(req: CompletionRequest, plans: list[Planned], tokenizer, i
             rows = [(t, done.logprobs[i], done.topk_ids[i], done.topk_logprobs[i]) for i, t in enumerate(ids)]
             if req.echo and entries is not None:
                 rows = [(t, lp, a, b) for t, lp, _, a, b in entries] + rows
-            choices.append({
-                "index": len(choices),
-                "text": (prompt_text + out_text) if req.echo else out_text,
-                "logprobs": None if req.logprobs is None else _completion_logprobs(rows, req.logprobs, text_of),
-                "finish_reason": finish,
-                "stop_reason": stop_reason,
-                "token_ids": ids if req.return_token_ids else None,
-                "prompt_logprobs": None if entries is None else _prompt_logprobs(entries, prompt_k, plain_text),
-                "prompt_token_ids": plan.prompt.token_ids if req.return_token_ids else None,
-            })
+            choices.append(
+                {
+                    "index": len(choices),
+                    "text": (prompt_text + out_text) if req.echo else out_text,
+                    "logprobs": None if req.logprobs is None else _completion_logprobs(rows, req.logprobs, text_of),
+                    "finish_reason": finish,
+                    "stop_reason": stop_reason,
+                    "token_ids": ids if req.return_token_ids else None,
+                    "prompt_logprobs": None if entries is None else _prompt_logprobs(entries, prompt_k, plain_text),
+                    "prompt_token_ids": plan.prompt.token_ids if req.return_token_ids else None,
+                }
+            )
             n_out += len(ids)
         n_prompt += len(plan.prompt.token_ids)
-    return {"id": response_id, "object": "text_completion", "created": created, "model": info.name,
-            "choices": choices, "service_tier": None, "system_fingerprint": None,
-            "usage": {"prompt_tokens": n_prompt, "total_tokens": n_prompt + n_out, "completion_tokens": n_out,
-                      "prompt_tokens_details": None},
-            "kv_transfer_params": None}
+    return {
+        "id": response_id,
+        "object": "text_completion",
+        "created": created,
+        "model": info.name,
+        "choices": choices,
+        "service_tier": None,
+        "system_fingerprint": None,
+        "usage": {
+            "prompt_tokens": n_prompt,
+            "total_tokens": n_prompt + n_out,
+            "completion_tokens": n_out,
+            "prompt_tokens_details": None,
+        },
+        "kv_transfer_params": None,
+    }

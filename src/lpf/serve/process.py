@@ -72,8 +72,9 @@ def served(*args: str, timeout: float = 180.0, env: dict | None = None) -> Itera
     fd, log = tempfile.mkstemp(prefix="lpf-serve-", suffix=".log")
     full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     with os.fdopen(fd, "w") as log_file:
-        proc = subprocess.Popen([*cmd, "serve", "--host", "127.0.0.1", *args], stdout=log_file,
-                                stderr=subprocess.STDOUT, env=full_env)
+        proc = subprocess.Popen(
+            [*cmd, "serve", "--host", "127.0.0.1", *args], stdout=log_file, stderr=subprocess.STDOUT, env=full_env
+        )
     s = ServedProcess(f"http://127.0.0.1:{port}", port, proc, Path(log))
     try:
         deadline = time.monotonic() + timeout

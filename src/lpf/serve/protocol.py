@@ -77,6 +77,7 @@ def refuse_non_neutral(extra: dict | None, neutral: dict[str, tuple], where: str
         if extra and name in extra and extra[name] not in allowed:
             raise ApiError(f"{name}={extra[name]!r} is not supported by lpf serve ({where})", param=name)
 
+
 # -- shared validation ---------------------------------------------------------------------------
 def tokenize_prompts(prompt: Any, tokenizer, info: ModelInfo, key: str) -> list[PromptIn]:
     """A prompt field (text, token ids, or a list of either) -> validated prompts."""
@@ -99,30 +100,49 @@ def tokenize_prompts(prompt: Any, tokenizer, info: ModelInfo, key: str) -> list[
         if bad >= info.vocab_size:
             raise ApiError(f"Token id {bad} is out of vocabulary", param=key)
         if info.max_context is not None and len(ids) >= info.max_context:
-            raise ApiError(f"This model's maximum context length is {info.max_context} tokens. However, your prompt "
-                           f"contains {len(ids)} input tokens, which leaves no room for output tokens. Please reduce "
-                           f"the length of the input prompt.", param="input_tokens")
+            raise ApiError(
+                f"This model's maximum context length is {info.max_context} tokens. However, your prompt "
+                f"contains {len(ids)} input tokens, which leaves no room for output tokens. Please reduce "
+                f"the length of the input prompt.",
+                param="input_tokens",
+            )
         out.append(PromptIn(ids, p if isinstance(p, str) else None))
     return out
 
 
-def make_sampling(temperature: float, top_p: float, top_k: int, max_tokens: int, ignore_eos: bool,
-                  logprobs: int, prompt_logprobs: bool = False) -> SamplingParams:
+def make_sampling(
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    max_tokens: int,
+    ignore_eos: bool,
+    logprobs: int,
+    prompt_logprobs: bool = False,
+) -> SamplingParams:
     try:
-        return SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
-                              ignore_eos=ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        return SamplingParams(
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            max_tokens=max_tokens,
+            ignore_eos=ignore_eos,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )
     except LpfError as e:
         raise ApiError(str(e)) from None
 
 
-def engine_requests(prompt: PromptIn, ids: list[str], sampling: SamplingParams, max_tokens: int, seed: int | None,
-              info: ModelInfo) -> list[Request]:
+def engine_requests(
+    prompt: PromptIn, ids: list[str], sampling: SamplingParams, max_tokens: int, seed: int | None, info: ModelInfo
+) -> list[Request]:
     if seed is None:
         seeds = [secrets.randbits(31) for _ in ids]
     else:
         seeds = [seed if i == 0 else request_seed(seed, i) for i in range(len(ids))]
-    return [Request(rid, list(prompt.token_ids), sampling, max_tokens, s, info.eos_token_id)
-            for rid, s in zip(ids, seeds)]
+    return [
+        Request(rid, list(prompt.token_ids), sampling, max_tokens, s, info.eos_token_id) for rid, s in zip(ids, seeds)
+    ]
 
 
 def output_budget(requested: int | None, prompt: PromptIn, info: ModelInfo, name: str) -> int:
@@ -132,12 +152,16 @@ def output_budget(requested: int | None, prompt: PromptIn, info: ModelInfo, name
             raise ApiError(f"{name} is required: the model config states no context length", param=name)
         return room
     if requested < 1:
-        raise ApiError(f"{name} must be at least 1 (lpf serve generates at least one token), got {requested}", param=name)
+        raise ApiError(
+            f"{name} must be at least 1 (lpf serve generates at least one token), got {requested}", param=name
+        )
     budget = requested if room is None else min(requested, room)
     if info.prefill_limit is not None and len(prompt.token_ids) + budget > info.prefill_limit:
-        raise ApiError(f"prompt ({len(prompt.token_ids)} tokens) + {name} ({budget}) exceed max_num_batched_tokens "
-                       f"({info.prefill_limit}) and chunked prefill is off: the engine could never schedule it",
-                       param=name)
+        raise ApiError(
+            f"prompt ({len(prompt.token_ids)} tokens) + {name} ({budget}) exceed max_num_batched_tokens "
+            f"({info.prefill_limit}) and chunked prefill is off: the engine could never schedule it",
+            param=name,
+        )
     return budget
 
 
@@ -160,7 +184,8 @@ def prompt_entries(prompt_ids: list[int], done: Request) -> list[tuple[int, floa
     position 0 has nothing before it (logprob and rank None, no top-k)."""
     rows = done.prompt_rows() or []
     return [(prompt_ids[0], None, None, [], [])] + [
-        (tid, lp, rank, ids, lps) for tid, (lp, rank, ids, lps) in zip(prompt_ids[1:], rows)]
+        (tid, lp, rank, ids, lps) for tid, (lp, rank, ids, lps) in zip(prompt_ids[1:], rows)
+    ]
 
 
 class TokenText:

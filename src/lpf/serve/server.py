@@ -32,8 +32,15 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def run(ref, name: str, options, sock: socket.socket, trace_dir: Path | None, log_level: str,
-        on_ready: Callable[[int], None]):
+def run(
+    ref,
+    name: str,
+    options,
+    sock: socket.socket,
+    trace_dir: Path | None,
+    log_level: str,
+    on_ready: Callable[[int], None],
+):
     import asyncio
 
     import torch
@@ -50,18 +57,30 @@ def run(ref, name: str, options, sock: socket.socket, trace_dir: Path | None, lo
     engine = LLMEngine.from_options(ref.path, options)
     cfg = engine.config
     tokenizer = load_tokenizer(ref)
-    info = ModelInfo(name=name, root=str(ref.path), vocab_size=int(engine.model.config.vocab_size),
-                     max_context=engine.max_context, eos_token_id=tokenizer.eos_token_id,
-                     prefill_limit=None if cfg.enable_chunked_prefill else cfg.max_num_batched_tokens)
+    info = ModelInfo(
+        name=name,
+        root=str(ref.path),
+        vocab_size=int(engine.model.config.vocab_size),
+        max_context=engine.max_context,
+        eos_token_id=tokenizer.eos_token_id,
+        prefill_limit=None if cfg.enable_chunked_prefill else cfg.max_num_batched_tokens,
+    )
     sink = None
     if trace_dir is not None:
         sink = TraceSink(trace_dir)
-        (Path(trace_dir) / "serve.json").write_text(json.dumps(
-            {"model": ref.describe(), "served_model_name": name, "options": options.to_dict(),
-             "cache": engine.describe()}, indent=2))
+        (Path(trace_dir) / "serve.json").write_text(
+            json.dumps(
+                {
+                    "model": ref.describe(),
+                    "served_model_name": name,
+                    "options": options.to_dict(),
+                    "cache": engine.describe(),
+                },
+                indent=2,
+            )
+        )
     app = create_app(engine, tokenizer, info, sink)
-    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=10,
-                                           lifespan="on"))
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=10, lifespan="on"))
 
     async def main() -> None:
         task = asyncio.create_task(server.serve(sockets=[sock]))

@@ -16,13 +16,26 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, StrictStr
 
-from lpf.serve.protocol import (ApiError, ModelInfo, Planned, TokenId, TokenText, apply_stop, engine_requests,
-                                make_sampling, output_budget, prompt_entries, refuse_non_neutral, tokenize_prompts)
+from lpf.serve.protocol import (
+    ApiError,
+    ModelInfo,
+    Planned,
+    TokenId,
+    TokenText,
+    apply_stop,
+    engine_requests,
+    make_sampling,
+    output_budget,
+    prompt_entries,
+    refuse_non_neutral,
+    tokenize_prompts,
+)
 
 
 def _json_float(lp: float) -> float | None:
     """SGLang's (orjson) rendering of a logprob: non-finite numbers become null."""
     return lp if math.isfinite(lp) else None
+
 
 class SglSampling(BaseModel):
     """SGLang's SamplingParams: an unknown key is an error there too."""
@@ -58,11 +71,22 @@ class SglSampling(BaseModel):
 
 
 SGL_NEUTRAL = {
-    "min_p": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0),
-    "repetition_penalty": (None, 1, 1.0), "min_new_tokens": (None, 0), "stop_token_ids": (None, []),
-    "stop_regex": (None, [], ""), "json_schema": (None,), "regex": (None,), "ebnf": (None,),
-    "structural_tag": (None,), "logit_bias": (None, {}), "no_stop_trim": (None, False),
-    "spaces_between_special_tokens": (None, True), "custom_params": (None, {}), "stream_interval": (None,),
+    "min_p": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "presence_penalty": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0),
+    "min_new_tokens": (None, 0),
+    "stop_token_ids": (None, []),
+    "stop_regex": (None, [], ""),
+    "json_schema": (None,),
+    "regex": (None,),
+    "ebnf": (None,),
+    "structural_tag": (None,),
+    "logit_bias": (None, {}),
+    "no_stop_trim": (None, False),
+    "spaces_between_special_tokens": (None, True),
+    "custom_params": (None, {}),
+    "stream_interval": (None,),
 }
 
 
@@ -123,8 +147,10 @@ def plan_generate(req: GenerateRequest, tokenizer, info: ModelInfo) -> tuple[lis
         want_lp = bool(_per_item(req.return_logprob, i, len(prompts), "return_logprob"))
         if want_lp and start is not None and start != -1:
             if start > len(prompt.token_ids) or start < -1:
-                raise ApiError(f"logprob_start_len ({start}) is higher than the number of input tokens "
-                               f"({len(prompt.token_ids)}). Request with a lower logprob_start_len.")
+                raise ApiError(
+                    f"logprob_start_len ({start}) is higher than the number of input tokens "
+                    f"({len(prompt.token_ids)}). Request with a lower logprob_start_len."
+                )
         logprob_start = start if want_lp and start is not None and 0 <= start < len(prompt.token_ids) else None
         top_n = _per_item(req.top_logprobs_num, i, len(prompts), "top_logprobs_num") or 0
         temperature = 1.0 if sp.temperature is None else sp.temperature
@@ -132,15 +158,31 @@ def plan_generate(req: GenerateRequest, tokenizer, info: ModelInfo) -> tuple[lis
         if top_k == 0 or top_k < -1:
             raise ApiError(f"top_k must be -1 (disable) or at least 1, got {top_k}.", param="top_k")
         max_tokens = output_budget(sp.max_new_tokens, prompt, info, "max_new_tokens")
-        sampling = make_sampling(temperature, 1.0 if sp.top_p is None else sp.top_p,
-                             0 if top_k == -1 or top_k >= info.vocab_size else top_k, max_tokens,
-                             bool(sp.ignore_eos), top_n if want_lp else 0, logprob_start is not None)
+        sampling = make_sampling(
+            temperature,
+            1.0 if sp.top_p is None else sp.top_p,
+            0 if top_k == -1 or top_k >= info.vocab_size else top_k,
+            max_tokens,
+            bool(sp.ignore_eos),
+            top_n if want_lp else 0,
+            logprob_start is not None,
+        )
         rid = _per_item(req.rid, i, len(prompts), "rid") or uuid.uuid4().hex
         rids = [rid] if n == 1 else [f"{rid}-{c}" for c in range(n)]
         stops = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop or [])
-        plans.append(SglPlanned(prompt, engine_requests(prompt, rids, sampling, max_tokens, sp.sampling_seed, info),
-                                stops, max_tokens, rids=rids, return_logprob=want_lp, top_logprobs_num=top_n,
-                                skip_special=sp.skip_special_tokens is not False, logprob_start=logprob_start))
+        plans.append(
+            SglPlanned(
+                prompt,
+                engine_requests(prompt, rids, sampling, max_tokens, sp.sampling_seed, info),
+                stops,
+                max_tokens,
+                rids=rids,
+                return_logprob=want_lp,
+                top_logprobs_num=top_n,
+                skip_special=sp.skip_special_tokens is not False,
+                logprob_start=logprob_start,
+            )
+        )
     return plans, batch or any(len(p.requests) > 1 for p in plans)
 
 
@@ -164,21 +206,36 @@ def render_generate(plans: list[SglPlanned], tokenizer, return_text: bool, now: 
             if cut is not None:
                 kept, text, matched = cut
                 ids, finish = ids[:kept], {"type": "stop", "matched": matched}
-            meta: dict = {"id": rid, "finish_reason": finish, "prompt_tokens": len(plan.prompt.token_ids),
-                          "weight_version": "default", "total_retractions": done.num_preemptions}
+            meta: dict = {
+                "id": rid,
+                "finish_reason": finish,
+                "prompt_tokens": len(plan.prompt.token_ids),
+                "weight_version": "default",
+                "total_retractions": done.num_preemptions,
+            }
             if plan.return_logprob:
                 # SGLang: from logprob_start_len on, position 0's logprob null (nothing precedes it)
-                prompt = [] if plan.logprob_start is None else \
-                    prompt_entries(plan.prompt.token_ids, done)[plan.logprob_start:]
+                prompt = (
+                    []
+                    if plan.logprob_start is None
+                    else prompt_entries(plan.prompt.token_ids, done)[plan.logprob_start :]
+                )
                 meta["input_token_logprobs"] = [triple(lp, t) for t, lp, _, _, _ in prompt]
                 meta["output_token_logprobs"] = [triple(done.logprobs[i], t) for i, t in enumerate(ids)]
                 if plan.top_logprobs_num > 0:
-                    meta["input_top_logprobs"] = [None if lp is None else [triple(v, a) for a, v in zip(ia, va)]
-                                                  for _, lp, _, ia, va in prompt]
+                    meta["input_top_logprobs"] = [
+                        None if lp is None else [triple(v, a) for a, v in zip(ia, va)] for _, lp, _, ia, va in prompt
+                    ]
                     meta["output_top_logprobs"] = [
                         [triple(lp, t) for t, lp in zip(done.topk_ids[i], done.topk_logprobs[i])]
-                        for i in range(len(ids))]
-            meta.update({"completion_tokens": len(ids), "cached_tokens": 0,
-                         "e2e_latency": (done.t_finish or now) - done.t_arrival})
+                        for i in range(len(ids))
+                    ]
+            meta.update(
+                {
+                    "completion_tokens": len(ids),
+                    "cached_tokens": 0,
+                    "e2e_latency": (done.t_finish or now) - done.t_arrival,
+                }
+            )
             out.append({"text": text, "output_ids": ids, "meta_info": meta})
     return out

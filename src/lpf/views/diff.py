@@ -53,8 +53,10 @@ def check_comparable(ra: RunDir, rb: RunDir) -> None:
     sa, sb = ma.get("sampling") or {}, mb.get("sampling") or {}
     for key in SAME_SAMPLING:
         if sa.get(key) != sb.get(key):
-            raise LpfError(f"the runs differ in sampling {key} ({sa.get(key)!r} vs {sb.get(key)!r}): "
-                           f"diff compares the same workload with the same seeds")
+            raise LpfError(
+                f"the runs differ in sampling {key} ({sa.get(key)!r} vs {sb.get(key)!r}): "
+                f"diff compares the same workload with the same seeds"
+            )
     if (ma.get("workload") or {}).get("n") != (mb.get("workload") or {}).get("n"):
         raise LpfError("the runs differ in rollouts per prompt (--n)")
     ref_a, ref_b = ma.get("reference"), mb.get("reference")
@@ -62,18 +64,23 @@ def check_comparable(ra: RunDir, rb: RunDir) -> None:
         raise LpfError(f"{(rb if ref_a else ra).path} has not been rescored")
     for key in ("weights_sha256", "dtype"):
         if ref_a.get(key) != ref_b.get(key):
-            raise LpfError(f"the runs were rescored by different references ({ref_a.get('spec')} {ref_a.get('dtype')} "
-                           f"vs {ref_b.get('spec')} {ref_b.get('dtype')}, {key} differs): rescore both with one "
-                           f"(lpf rescore RUN --reference M --redo)")
+            raise LpfError(
+                f"the runs were rescored by different references ({ref_a.get('spec')} {ref_a.get('dtype')} "
+                f"vs {ref_b.get('spec')} {ref_b.get('dtype')}, {key} differs): rescore both with one "
+                f"(lpf rescore RUN --reference M --redo)"
+            )
 
 
 def side(run: RunDir, findings: dict, label: str) -> DiffSide:
     engine = run.manifest.get("engine") or {}
     prompt = run.read("prompt_tokens") if run.has("prompt_tokens") else None
-    return DiffSide(name=f"{engine.get('name', '?')} [{label}]", summary=pq.read_table(run.path / "summary.parquet"),
-                    tokens=run.read("tokens", ["request_id", "position", "token_id", "engine_logprob"]),
-                    clean_abs_diff=float((findings.get("thresholds") or {}).get("clean_abs_diff", 1e-3)),
-                    prompt_tokens=prompt)
+    return DiffSide(
+        name=f"{engine.get('name', '?')} [{label}]",
+        summary=pq.read_table(run.path / "summary.parquet"),
+        tokens=run.read("tokens", ["request_id", "position", "token_id", "engine_logprob"]),
+        clean_abs_diff=float((findings.get("thresholds") or {}).get("clean_abs_diff", 1e-3)),
+        prompt_tokens=prompt,
+    )
 
 
 def diff_runs(path_a: Path, path_b: Path, level: str = "divergent") -> tuple[pa.Table, dict]:
@@ -90,11 +97,21 @@ def diff_runs(path_a: Path, path_b: Path, level: str = "divergent") -> tuple[pa.
 
     def about(run: RunDir, f: dict) -> dict:
         e = run.manifest.get("engine") or {}
-        return {"run_dir": str(run.path), "engine": e.get("name"), "version": e.get("version"),
-                "verdict": f.get("verdict"), "model": (run.manifest.get("model") or {}).get("spec")}
+        return {
+            "run_dir": str(run.path),
+            "engine": e.get("name"),
+            "version": e.get("version"),
+            "verdict": f.get("verdict"),
+            "model": (run.manifest.get("model") or {}).get("spec"),
+        }
 
     ref = ra.manifest["reference"]
-    doc = {"kind": "diff", **summary, "run_a": about(ra, fa), "run_b": about(rb, fb),
-           "reference": {k: ref.get(k) for k in ("spec", "dtype", "weights_sha256", "implementation")},
-           "requests": listed.to_pylist()}
+    doc = {
+        "kind": "diff",
+        **summary,
+        "run_a": about(ra, fa),
+        "run_b": about(rb, fb),
+        "reference": {k: ref.get(k) for k in ("spec", "dtype", "weights_sha256", "implementation")},
+        "requests": listed.to_pylist(),
+    }
     return table, doc

@@ -18,8 +18,16 @@ from lpf.core.errors import LpfError, did_you_mean
 from lpf.core.jsonsafe import finite
 from lpf.run.store import RunDir
 
-TRACE_COLUMNS = ("step", "phase", "num_computed_tokens", "num_scheduled_tokens", "state_slot", "batch_size",
-                 "batch_tokens", "preempted")
+TRACE_COLUMNS = (
+    "step",
+    "phase",
+    "num_computed_tokens",
+    "num_scheduled_tokens",
+    "state_slot",
+    "batch_size",
+    "batch_tokens",
+    "preempted",
+)
 
 
 def _rows(con, sql: str, params: list) -> list[dict]:
@@ -62,8 +70,10 @@ def inspect_request(path: Path | str, request_id: str) -> dict:
     req = _rows(con, "SELECT * FROM requests WHERE request_id = ?", [request_id])
     if not req:
         ids = [r[0] for r in con.execute("SELECT request_id FROM requests").fetchall()]
-        raise LpfError(f"no request {request_id!r} in {run.path}{did_you_mean(request_id, ids)} "
-                       f"({len(ids)} requests; list them with lpf query {run.path} \"SELECT request_id FROM requests\")")
+        raise LpfError(
+            f"no request {request_id!r} in {run.path}{did_you_mean(request_id, ids)} "
+            f'({len(ids)} requests; list them with lpf query {run.path} "SELECT request_id FROM requests")'
+        )
     request = req[0]
     if "summary" in views:
         summ = _rows(con, "SELECT * FROM summary WHERE request_id = ?", [request_id])
@@ -71,25 +81,47 @@ def inspect_request(path: Path | str, request_id: str) -> dict:
             request["summary"] = {k: v for k, v in summ[0].items() if k not in request}
     decode, note = _decoder(run)
     has_ref = "reference" in views
-    ref_cols = ("r.ref_logprob, r.ref_rank, r.ref_entropy, r.ref_top1_id, r.ref_topk_ids, r.ref_topk_logprobs"
-                if has_ref else "NULL AS ref_logprob, NULL AS ref_rank, NULL AS ref_entropy, NULL AS ref_top1_id, "
-                                "NULL AS ref_topk_ids, NULL AS ref_topk_logprobs")
+    ref_cols = (
+        "r.ref_logprob, r.ref_rank, r.ref_entropy, r.ref_top1_id, r.ref_topk_ids, r.ref_topk_logprobs"
+        if has_ref
+        else "NULL AS ref_logprob, NULL AS ref_rank, NULL AS ref_entropy, NULL AS ref_top1_id, "
+        "NULL AS ref_topk_ids, NULL AS ref_topk_logprobs"
+    )
     join = "LEFT JOIN reference r ON r.request_id = t.request_id AND r.position = t.position" if has_ref else ""
-    tokens = _rows(con, f"""SELECT t.position, t.token_id, t.engine_logprob, t.engine_topk_ids, t.engine_topk_logprobs,
+    tokens = _rows(
+        con,
+        f"""SELECT t.position, t.token_id, t.engine_logprob, t.engine_topk_ids, t.engine_topk_logprobs,
                                    {ref_cols}
-                            FROM tokens t {join} WHERE t.request_id = ? ORDER BY t.position""", [request_id])
+                            FROM tokens t {join} WHERE t.request_id = ? ORDER BY t.position""",
+        [request_id],
+    )
     for t in tokens:
         t["token"] = decode(t["token_id"])
         e, r = t["engine_logprob"], t["ref_logprob"]
         t["abs_diff"] = abs(e - r) if e is not None and r is not None else None
-        t["engine_topk"] = [{"id": i, "token": decode(i), "logprob": lp}
-                            for i, lp in zip(t.pop("engine_topk_ids") or [], t.pop("engine_topk_logprobs") or [])]
-        t["ref_topk"] = [{"id": i, "token": decode(i), "logprob": lp}
-                         for i, lp in zip(t.pop("ref_topk_ids") or [], t.pop("ref_topk_logprobs") or [])]
+        t["engine_topk"] = [
+            {"id": i, "token": decode(i), "logprob": lp}
+            for i, lp in zip(t.pop("engine_topk_ids") or [], t.pop("engine_topk_logprobs") or [])
+        ]
+        t["ref_topk"] = [
+            {"id": i, "token": decode(i), "logprob": lp}
+            for i, lp in zip(t.pop("ref_topk_ids") or [], t.pop("ref_topk_logprobs") or [])
+        ]
     trace = None
     if "trace" in views:
-        trace = _rows(con, f"SELECT {', '.join(TRACE_COLUMNS)} FROM trace WHERE request_id = ? ORDER BY step, preempted",
-                      [request_id])
+        trace = _rows(
+            con,
+            f"SELECT {', '.join(TRACE_COLUMNS)} FROM trace WHERE request_id = ? ORDER BY step, preempted",
+            [request_id],
+        )
     request["prompt_text"] = "".join(decode(i) for i in request.get("prompt_token_ids") or []) if note is None else None
-    return finite({"run": str(run.path), "request": request, "tokens": tokens, "trace": trace,
-                   "rescored": has_ref, "tokenizer": note})
+    return finite(
+        {
+            "run": str(run.path),
+            "request": request,
+            "tokens": tokens,
+            "trace": trace,
+            "rescored": has_ref,
+            "tokenizer": note,
+        }
+    )

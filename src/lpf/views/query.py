@@ -22,7 +22,9 @@ def connect(run: RunDir):
             con.execute(f"CREATE VIEW {sub} AS SELECT * FROM read_parquet('{glob}', union_by_name=true)")
     summary = run.path / "summary.parquet"
     if summary.is_file():
-        con.execute(f"CREATE VIEW summary AS SELECT * FROM read_parquet('{str(summary).replace(chr(39), chr(39) * 2)}')")
+        con.execute(
+            f"CREATE VIEW summary AS SELECT * FROM read_parquet('{str(summary).replace(chr(39), chr(39) * 2)}')"
+        )
     return con
 
 

@@ -17,22 +17,28 @@ from lpf.zoo import shared_prefix, tasks
 DATA_DIR = Path(__file__).resolve().parent / "data"
 
 MODELS = {
-    "hybrid": {"architecture": "GraniteMoeHybridForCausalLM",
-               "description": "Mamba2 + attention hybrid, dense shared MLP (no experts)"},
-    "jamba": {"architecture": "JambaForCausalLM",
-              "description": "Mamba1 + attention + MoE (2 experts)"},
-    "llama": {"architecture": "LlamaForCausalLM",
-              "description": "attention-only baseline"},
+    "hybrid": {
+        "architecture": "GraniteMoeHybridForCausalLM",
+        "description": "Mamba2 + attention hybrid, dense shared MLP (no experts)",
+    },
+    "jamba": {"architecture": "JambaForCausalLM", "description": "Mamba1 + attention + MoE (2 experts)"},
+    "llama": {"architecture": "LlamaForCausalLM", "description": "attention-only baseline"},
 }
 
 WORKLOADS = {
-    "oracle": {"description": "held-out recall / copy / addition prompts with exact expected answers",
-               "default_n": 500},
-    "stress": {"description": "filler prose (8..~450 tokens) + a task, max_tokens 4..128: cache pressure",
-               "default_n": 2000},
-    "shared-prefix": {"description": "recall groups sharing prefixes (fan-outs, sub-block prefixes, multi-turn "
-                                     "conversations, exact resends, a cancel-and-resend): prefix caching",
-                      "default_n": 400},
+    "oracle": {
+        "description": "held-out recall / copy / addition prompts with exact expected answers",
+        "default_n": 500,
+    },
+    "stress": {
+        "description": "filler prose (8..~450 tokens) + a task, max_tokens 4..128: cache pressure",
+        "default_n": 2000,
+    },
+    "shared-prefix": {
+        "description": "recall groups sharing prefixes (fan-outs, sub-block prefixes, multi-turn "
+        "conversations, exact resends, a cancel-and-resend): prefix caching",
+        "default_n": 400,
+    },
 }
 
 
@@ -63,16 +69,28 @@ def list_models() -> list[dict]:
     rows = []
     for name, meta in MODELS.items():
         d = model_dir(name)
-        row = {"name": name, "architecture": meta["architecture"], "description": meta["description"],
-               "path": str(d), "available": model_available(name), "parameters": None,
-               "size_bytes": None, "accuracy": None, "accuracy_by_task": None, "median_answer_prob": None}
+        row = {
+            "name": name,
+            "architecture": meta["architecture"],
+            "description": meta["description"],
+            "path": str(d),
+            "available": model_available(name),
+            "parameters": None,
+            "size_bytes": None,
+            "accuracy": None,
+            "accuracy_by_task": None,
+            "median_answer_prob": None,
+        }
         card = d / "lpf_card.json"
         if card.is_file():
             c = json.loads(card.read_text())
             ev = c.get("eval", {})
-            row.update(parameters=c.get("parameters"), accuracy=ev.get("accuracy"),
-                       accuracy_by_task=ev.get("accuracy_by_task"),
-                       median_answer_prob=ev.get("median_answer_prob"))
+            row.update(
+                parameters=c.get("parameters"),
+                accuracy=ev.get("accuracy"),
+                accuracy_by_task=ev.get("accuracy_by_task"),
+                median_answer_prob=ev.get("median_answer_prob"),
+            )
         if row["available"]:
             row["size_bytes"] = sum(p.stat().st_size for p in d.iterdir() if p.is_file())
         rows.append(row)
@@ -93,5 +111,4 @@ def workload_items(name: str, seed: int = 0, n: int | None = None) -> list[dict]
 
 
 def list_workloads() -> list[dict]:
-    return [{"name": k, "description": v["description"], "default_n": v["default_n"]}
-            for k, v in WORKLOADS.items()]
+    return [{"name": k, "description": v["description"], "default_n": v["default_n"]} for k, v in WORKLOADS.items()]

@@ -30,7 +30,14 @@ import random
 from lpf.zoo.tasks import DIGITS, KEYS, filler_text
 
 KINDS = ("fanout", "straddle", "short", "conversation", "resend")
-STRADDLE = ((5, 1), (4, 4), (5, 2), (13, 1), (12, 4), (13, 2))  # (pairs, title letters): turn 3 of 34, 33, 35, 66, 65, 67
+STRADDLE = (
+    (5, 1),
+    (4, 4),
+    (5, 2),
+    (13, 1),
+    (12, 4),
+    (13, 2),
+)  # (pairs, title letters): turn 3 of 34, 33, 35, 66, 65, 67
 
 
 def _pairs(rng: random.Random, keys: list[str]) -> list[str]:
@@ -64,18 +71,18 @@ def _group(rng: random.Random, kind: str) -> list[dict]:
     keys = rng.sample(KEYS, 16)
     if kind == "fanout":
         system = _system(rng, 3, 30) if rng.random() < 0.7 else ""
-        shared = _pairs(rng, keys[:rng.randint(2, 9)])
+        shared = _pairs(rng, keys[: rng.randint(2, 9)])
         out = []
-        for own_keys in (keys[9:9 + rng.randint(0, 3)], keys[12:12 + rng.randint(1, 4)], [], keys[9:11]):
+        for own_keys in (keys[9 : 9 + rng.randint(0, 3)], keys[12 : 12 + rng.randint(1, 4)], [], keys[9:11]):
             pairs = shared + _pairs(rng, own_keys)
             prompt, expected = _recall(system, pairs, rng.choice(pairs)[0])
             out.append({"prompt": prompt, "expected": expected})
         return out
     if kind == "short":
-        shared = _pairs(rng, keys[:rng.randint(1, 2)])
+        shared = _pairs(rng, keys[: rng.randint(1, 2)])
         out = []
         for k in range(rng.randint(2, 5)):
-            pairs = shared + _pairs(rng, keys[2 + 3 * k:2 + 3 * k + rng.randint(1, 3)])
+            pairs = shared + _pairs(rng, keys[2 + 3 * k : 2 + 3 * k + rng.randint(1, 3)])
             prompt, expected = _recall("", pairs, rng.choice(pairs)[0])
             out.append({"prompt": prompt, "expected": expected})
         return out
@@ -83,8 +90,11 @@ def _group(rng: random.Random, kind: str) -> list[dict]:
         straddle = kind == "straddle"
         # turn t of a conversation over k pairs after a title of j letters is 4k + 4t + (j + 1 if j) tokens
         k, j = rng.choice(STRADDLE) if straddle else (rng.randint(4, 10), 0)
-        system = "".join(rng.choice(KEYS) for _ in range(j)) + "\n" if j else \
-            (_system(rng, 3, 20) if not straddle and rng.random() < 0.5 else "")
+        system = (
+            "".join(rng.choice(KEYS) for _ in range(j)) + "\n"
+            if j
+            else (_system(rng, 3, 20) if not straddle and rng.random() < 0.5 else "")
+        )
         pairs = _pairs(rng, keys[:k])
         text = system + "R:" + ",".join(pairs)
         out = []
@@ -94,9 +104,12 @@ def _group(rng: random.Random, kind: str) -> list[dict]:
             text += asked[1:]
         return out + [dict(t) for t in out[2:]] if straddle else out
     system = _system(rng, 20, 60)
-    pairs = _pairs(rng, keys[:rng.randint(6, 12)])
+    pairs = _pairs(rng, keys[: rng.randint(6, 12)])
     prompt, expected = _recall(system, pairs, rng.choice(pairs)[0])
     # the client gives up somewhere in the system prompt (~4 characters per token there)
     cancel = max(2, rng.randint(len(system) // 8, len(system) // 4))
-    return [{"prompt": prompt, "expected": expected, "abort_after_tokens": cancel},
-            {"prompt": prompt, "expected": expected}, {"prompt": prompt, "expected": expected}]
+    return [
+        {"prompt": prompt, "expected": expected, "abort_after_tokens": cancel},
+        {"prompt": prompt, "expected": expected},
+        {"prompt": prompt, "expected": expected},
+    ]

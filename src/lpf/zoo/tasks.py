@@ -94,19 +94,78 @@ def make_item(task: str, rng: random.Random, *, held_out: bool = True) -> dict:
 
 # --- filler text ------------------------------------------------------------------------------------
 
-_SUBJ = ["the river", "a small boat", "the old mill", "my neighbour", "the north wind", "a grey cat",
-         "the baker", "our teacher", "the village", "a tired horse", "the morning train", "her brother",
-         "the garden", "a young fox", "the harbour", "the lamp", "his letter", "the market", "the bridge",
-         "a quiet road"]
-_VERB = ["carried", "watched", "followed", "painted", "remembered", "crossed", "opened", "found",
-         "left", "needed", "kept", "passed", "heard", "visited", "forgot", "turned toward"]
-_OBJ = ["the long field", "a basket of apples", "the empty house", "some warm bread", "the last light",
-        "a few old songs", "the blue door", "the winter road", "a careful plan", "the open window",
-        "the wet stones", "a story about the sea", "the evening bells", "the narrow path",
-        "a pair of boots", "the little school"]
-_TAIL = ["before dinner", "after the rain", "in the early morning", "without a word", "once again",
-         "near the water", "for a while", "at the edge of town", "as the clouds moved", "every spring",
-         "with some care", "late that night"]
+_SUBJ = [
+    "the river",
+    "a small boat",
+    "the old mill",
+    "my neighbour",
+    "the north wind",
+    "a grey cat",
+    "the baker",
+    "our teacher",
+    "the village",
+    "a tired horse",
+    "the morning train",
+    "her brother",
+    "the garden",
+    "a young fox",
+    "the harbour",
+    "the lamp",
+    "his letter",
+    "the market",
+    "the bridge",
+    "a quiet road",
+]
+_VERB = [
+    "carried",
+    "watched",
+    "followed",
+    "painted",
+    "remembered",
+    "crossed",
+    "opened",
+    "found",
+    "left",
+    "needed",
+    "kept",
+    "passed",
+    "heard",
+    "visited",
+    "forgot",
+    "turned toward",
+]
+_OBJ = [
+    "the long field",
+    "a basket of apples",
+    "the empty house",
+    "some warm bread",
+    "the last light",
+    "a few old songs",
+    "the blue door",
+    "the winter road",
+    "a careful plan",
+    "the open window",
+    "the wet stones",
+    "a story about the sea",
+    "the evening bells",
+    "the narrow path",
+    "a pair of boots",
+    "the little school",
+]
+_TAIL = [
+    "before dinner",
+    "after the rain",
+    "in the early morning",
+    "without a word",
+    "once again",
+    "near the water",
+    "for a while",
+    "at the edge of town",
+    "as the clouds moved",
+    "every spring",
+    "with some care",
+    "late that night",
+]
 _JOIN = ["and then", "but", "so", "while", "because", "although"]
 
 
@@ -150,8 +209,9 @@ def oracle_items(n: int, seed: int = 0, tasks: Iterable[str] = TASKS) -> list[di
     return items
 
 
-def stress_items(n: int, seed: int = 0, *, filler_words: tuple[int, int] = (5, 260),
-                 max_tokens: tuple[int, int] = (4, 128)) -> list[dict]:
+def stress_items(
+    n: int, seed: int = 0, *, filler_words: tuple[int, int] = (5, 260), max_tokens: tuple[int, int] = (4, 128)
+) -> list[dict]:
     """`n` items for cache pressure: filler prose (about 8..450 tokens), a newline, then an oracle task.
 
     Prompt lengths and `max_tokens` are drawn log-uniformly so that short and long requests mix;
@@ -166,13 +226,15 @@ def stress_items(n: int, seed: int = 0, *, filler_words: tuple[int, int] = (5, 2
         words = _log_uniform(rng, *filler_words)
         filler = filler_text(rng, words)
         item = make_item(TASKS[i % len(TASKS)], rng, held_out=True)
-        items.append({
-            "id": f"stress-{seed}-{i:05d}-{item['task']}",
-            "task": item["task"],
-            "prompt": filler + "\n" + item["prompt"],
-            "expected": item["expected"],
-            "max_tokens": max(_log_uniform(rng, *max_tokens), len(item["expected"]) + 1),
-        })
+        items.append(
+            {
+                "id": f"stress-{seed}-{i:05d}-{item['task']}",
+                "task": item["task"],
+                "prompt": filler + "\n" + item["prompt"],
+                "expected": item["expected"],
+                "max_tokens": max(_log_uniform(rng, *max_tokens), len(item["expected"]) + 1),
+            }
+        )
     return items
 
 

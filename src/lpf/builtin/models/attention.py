@@ -75,8 +75,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class PagedAttention(nn.Module):
-    def __init__(self, hidden: int, n_heads: int, n_kv_heads: int, head_dim: int, scale: float,
-                 bias: bool, attn_layer: int):
+    def __init__(
+        self, hidden: int, n_heads: int, n_kv_heads: int, head_dim: int, scale: float, bias: bool, attn_layer: int
+    ):
         super().__init__()
         self.q_proj = nn.Linear(hidden, n_heads * head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden, n_kv_heads * head_dim, bias=bias)
@@ -99,8 +100,9 @@ class PagedAttention(nn.Module):
         probe(self, "v", v)
         out = x.new_zeros(T, self.n_heads, self.head_dim)
         for s in ctx.non_decodes:
-            out[s.start:s.end] = self._attend_one(ctx.kv_cache, s, q[s.start:s.end], k[s.start:s.end],
-                                                  v[s.start:s.end])
+            out[s.start : s.end] = self._attend_one(
+                ctx.kv_cache, s, q[s.start : s.end], k[s.start : s.end], v[s.start : s.end]
+            )
         # Decodes in a few groups of similar length: one padded batch for all would gather every
         # request's K/V up to the longest context, and that copy dominates a decode step.
         for g, group in enumerate(_length_groups(ctx.decodes, ctx.kv_cache.block_size)):
@@ -120,9 +122,15 @@ class PagedAttention(nn.Module):
             mask = key_pos[None, :] <= (s.num_computed + torch.arange(n, device=q.device))[:, None]
             causal = False
         # batch dim of 1: the same kernel as HF's sdpa path, so a one-step prefill rounds like HF
-        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], K.transpose(0, 1).to(q.dtype)[None],
-                                           V.transpose(0, 1).to(q.dtype)[None], attn_mask=mask, is_causal=causal,
-                                           scale=self.scale, enable_gqa=self.n_heads != self.n_kv)
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None],
+            K.transpose(0, 1).to(q.dtype)[None],
+            V.transpose(0, 1).to(q.dtype)[None],
+            attn_mask=mask,
+            is_causal=causal,
+            scale=self.scale,
+            enable_gqa=self.n_heads != self.n_kv,
+        )
         return o[0].transpose(0, 1)
 
     def _scratch(self, i: int, like: torch.Tensor) -> torch.Tensor:
@@ -139,21 +147,33 @@ class PagedAttention(nn.Module):
         gathered for all requests at once instead of one `read` each."""
         bs = cache.block_size
         kc, vc = cache.k[self.attn_layer], cache.v[self.attn_layer]
-        new_rows = torch.tensor([s.block_table[s.num_computed // bs] * bs + s.num_computed % bs for s in decodes],
-                                dtype=torch.long, device=kc.device)
+        new_rows = torch.tensor(
+            [s.block_table[s.num_computed // bs] * bs + s.num_computed % bs for s in decodes],
+            dtype=torch.long,
+            device=kc.device,
+        )
         cache.store(self.attn_layer, new_rows, k, v)
         lengths = torch.tensor([s.num_computed + 1 for s in decodes], dtype=torch.long, device=kc.device)
         n_blocks = -(-int(lengths.max()) // bs)
-        tables = torch.tensor([(s.block_table[:n_blocks] + [0] * n_blocks)[:n_blocks] for s in decodes],
-                              dtype=torch.long, device=kc.device)
+        tables = torch.tensor(
+            [(s.block_table[:n_blocks] + [0] * n_blocks)[:n_blocks] for s in decodes],
+            dtype=torch.long,
+            device=kc.device,
+        )
         # whole blocks via index_select (same bytes as a row gather, ~10x faster than advanced indexing)
         # into buffers kept across steps: a fresh multi-MB tensor per step costs page faults
-        K, V = (torch.index_select(c.view(-1, bs, *c.shape[1:]), 0, tables.flatten(),
-                                   out=buf.resize_(tables.numel(), bs, *c.shape[1:]))
-                .view(len(decodes), n_blocks * bs, *c.shape[1:]).to(q.dtype).transpose(1, 2)
-                for c, buf in ((kc, self._scratch(2 * group, kc)), (vc, self._scratch(2 * group + 1, vc))))
+        K, V = (
+            torch.index_select(
+                c.view(-1, bs, *c.shape[1:]), 0, tables.flatten(), out=buf.resize_(tables.numel(), bs, *c.shape[1:])
+            )
+            .view(len(decodes), n_blocks * bs, *c.shape[1:])
+            .to(q.dtype)
+            .transpose(1, 2)
+            for c, buf in ((kc, self._scratch(2 * group, kc)), (vc, self._scratch(2 * group + 1, vc)))
+        )
         pos = torch.arange(n_blocks * bs, device=kc.device)
         mask = (pos[None, :] < lengths[:, None])[:, None, None, :]
-        o = F.scaled_dot_product_attention(q[:, :, None, :], K, V, attn_mask=mask, scale=self.scale,
-                                           enable_gqa=self.n_heads != self.n_kv)
+        o = F.scaled_dot_product_attention(
+            q[:, :, None, :], K, V, attn_mask=mask, scale=self.scale, enable_gqa=self.n_heads != self.n_kv
+        )
         return o[:, :, 0, :]

@@ -93,8 +93,10 @@ class EngineModel(nn.Module):
         missing, unexpected = self.load_state_dict(sd, strict=False, assign=True)
         missing = [k for k in missing if not (tied and k == "lm_head.weight")]
         if missing or unexpected:
-            raise LpfError(f"model {path}: checkpoint does not match the built-in {type(self).__name__} "
-                           f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
+            raise LpfError(
+                f"model {path}: checkpoint does not match the built-in {type(self).__name__} "
+                f"(missing {missing[:5]}, unexpected {unexpected[:5]})"
+            )
         if tied:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.to(device=device, dtype=dtype)

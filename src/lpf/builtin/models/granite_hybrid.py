@@ -34,19 +34,38 @@ class GraniteHybridLayer(nn.Module):
         self.is_mamba = kind == "mamba"
         if self.is_mamba:
             self.mamba = Mamba2Mixer(
-                H, config.mamba_n_heads, config.mamba_d_head, config.mamba_n_groups, config.mamba_d_state,
-                config.mamba_d_conv, int(config.mamba_expand * H), config.mamba_chunk_size,
-                config.mamba_conv_bias, config.mamba_proj_bias, config.hidden_act, eps, config.time_step_limit,
-                mamba_layer=ordinal)
+                H,
+                config.mamba_n_heads,
+                config.mamba_d_head,
+                config.mamba_n_groups,
+                config.mamba_d_state,
+                config.mamba_d_conv,
+                int(config.mamba_expand * H),
+                config.mamba_chunk_size,
+                config.mamba_conv_bias,
+                config.mamba_proj_bias,
+                config.hidden_act,
+                eps,
+                config.time_step_limit,
+                mamba_layer=ordinal,
+            )
         else:
             n_heads = config.num_attention_heads
             head_dim = getattr(config, "head_dim", None) or H // n_heads
-            self.self_attn = PagedAttention(H, n_heads, config.num_key_value_heads, head_dim,
-                                            config.attention_multiplier, config.attention_bias, attn_layer=ordinal)
+            self.self_attn = PagedAttention(
+                H,
+                n_heads,
+                config.num_key_value_heads,
+                head_dim,
+                config.attention_multiplier,
+                config.attention_bias,
+                attn_layer=ordinal,
+            )
         self.shared_mlp = FusedGatedMLP(H, config.shared_intermediate_size, config.hidden_act)
         if (config.num_local_experts or 0) > 0:
-            self.block_sparse_moe = GraniteMoE(H, config.intermediate_size, config.num_local_experts,
-                                               config.num_experts_per_tok, config.hidden_act)
+            self.block_sparse_moe = GraniteMoE(
+                H, config.intermediate_size, config.num_local_experts, config.num_experts_per_tok, config.hidden_act
+            )
         else:
             self.block_sparse_moe = None
 
@@ -121,9 +140,11 @@ class GraniteHybridModel(EngineModel):
     def rename_checkpoint_keys(self, sd: dict) -> dict:
         # transformers >= 5 keeps experts as `experts.gate_up_proj` in memory; files saved by it
         # use the original GraniteMoe names, which are ours. Accept both.
-        renames = [(r"block_sparse_moe\.experts\.gate_up_proj$", "block_sparse_moe.input_linear.weight"),
-                   (r"block_sparse_moe\.experts\.down_proj$", "block_sparse_moe.output_linear.weight"),
-                   (r"block_sparse_moe\.router\.weight$", "block_sparse_moe.router.layer.weight")]
+        renames = [
+            (r"block_sparse_moe\.experts\.gate_up_proj$", "block_sparse_moe.input_linear.weight"),
+            (r"block_sparse_moe\.experts\.down_proj$", "block_sparse_moe.output_linear.weight"),
+            (r"block_sparse_moe\.router\.weight$", "block_sparse_moe.router.layer.weight"),
+        ]
         out = {}
         for k, v in sd.items():
             for pat, new in renames:

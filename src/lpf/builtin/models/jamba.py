@@ -24,17 +24,28 @@ class JambaLayer(nn.Module):
         self.input_layernorm = RMSNorm(H, eps)
         self.pre_ff_layernorm = RMSNorm(H, eps)
         if is_mamba:
-            self.mamba = JambaMambaMixer(H, config.mamba_expand * H, config.mamba_d_state, config.mamba_d_conv,
-                                         config.mamba_dt_rank, config.mamba_conv_bias, config.mamba_proj_bias,
-                                         config.hidden_act, eps, mamba_layer=ordinal)
+            self.mamba = JambaMambaMixer(
+                H,
+                config.mamba_expand * H,
+                config.mamba_d_state,
+                config.mamba_d_conv,
+                config.mamba_dt_rank,
+                config.mamba_conv_bias,
+                config.mamba_proj_bias,
+                config.hidden_act,
+                eps,
+                mamba_layer=ordinal,
+            )
         else:
             n_heads = config.num_attention_heads
             head_dim = getattr(config, "head_dim", None) or H // n_heads
-            self.self_attn = PagedAttention(H, n_heads, config.num_key_value_heads, head_dim, head_dim ** -0.5,
-                                            False, attn_layer=ordinal)
+            self.self_attn = PagedAttention(
+                H, n_heads, config.num_key_value_heads, head_dim, head_dim**-0.5, False, attn_layer=ordinal
+            )
         if num_experts > 1:
-            self.feed_forward = JambaMoE(H, config.intermediate_size, num_experts, config.num_experts_per_tok,
-                                         config.hidden_act)
+            self.feed_forward = JambaMoE(
+                H, config.intermediate_size, num_experts, config.num_experts_per_tok, config.hidden_act
+            )
         else:
             self.feed_forward = GatedMLP(H, config.intermediate_size, config.hidden_act)
 

@@ -32,8 +32,19 @@ def scan(dA: torch.Tensor, u: torch.Tensor, h0: torch.Tensor) -> torch.Tensor:
 
 
 class JambaMambaMixer(MambaMixerBase):
-    def __init__(self, hidden: int, d_inner: int, d_state: int, d_conv: int, dt_rank: int, conv_bias: bool,
-                 proj_bias: bool, act: str, eps: float, mamba_layer: int):
+    def __init__(
+        self,
+        hidden: int,
+        d_inner: int,
+        d_state: int,
+        d_conv: int,
+        dt_rank: int,
+        conv_bias: bool,
+        proj_bias: bool,
+        act: str,
+        eps: float,
+        mamba_layer: int,
+    ):
         super().__init__()
         self.d_inner, self.d_state, self.d_conv, self.dt_rank = d_inner, d_state, d_conv, dt_rank
         self.mamba_layer = mamba_layer

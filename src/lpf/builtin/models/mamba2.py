@@ -70,9 +70,23 @@ def ssd_scan(x, dt, A, B, C, D, chunk: int, init):
 
 
 class Mamba2Mixer(MambaMixerBase):
-    def __init__(self, hidden: int, n_heads: int, head_dim: int, n_groups: int, d_state: int, d_conv: int,
-                 d_inner: int, chunk_size: int, conv_bias: bool, proj_bias: bool, act: str, eps: float,
-                 dt_limit, mamba_layer: int):
+    def __init__(
+        self,
+        hidden: int,
+        n_heads: int,
+        head_dim: int,
+        n_groups: int,
+        d_state: int,
+        d_conv: int,
+        d_inner: int,
+        chunk_size: int,
+        conv_bias: bool,
+        proj_bias: bool,
+        act: str,
+        eps: float,
+        dt_limit,
+        mamba_layer: int,
+    ):
         super().__init__()
         self.n_heads, self.head_dim, self.n_groups, self.d_state = n_heads, head_dim, n_groups, d_state
         self.d_inner, self.d_conv, self.chunk_size = d_inner, d_conv, chunk_size
@@ -80,8 +94,9 @@ class Mamba2Mixer(MambaMixerBase):
         self.dt_limit = tuple(dt_limit) if dt_limit is not None else (0.0, float("inf"))
         self.mamba_layer = mamba_layer
         self.in_proj = nn.Linear(hidden, d_inner + self.conv_dim + n_heads, bias=proj_bias)
-        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, d_conv, groups=self.conv_dim, bias=conv_bias,
-                                padding=d_conv - 1)
+        self.conv1d = nn.Conv1d(
+            self.conv_dim, self.conv_dim, d_conv, groups=self.conv_dim, bias=conv_bias, padding=d_conv - 1
+        )
         self.dt_bias = nn.Parameter(torch.ones(n_heads))
         self.A_log = nn.Parameter(torch.zeros(n_heads))
         self.D = nn.Parameter(torch.ones(n_heads))

@@ -67,13 +67,16 @@ class MambaMixerBase(nn.Module):
                 conv0 = cache.read(layer, "conv", [s.state_slot], "prefill")[0].to(proj.dtype)
                 ssm0 = cache.read(layer, "ssm", [s.state_slot], "prefill")[0].to(ssm_dtype)
             else:
-                conv0 = cache.read(layer, "conv", [s.state_slot], "prefill")[0].to(proj.dtype) \
-                    if s.conv_reads_slot else proj.new_zeros(shapes["conv"])
+                conv0 = (
+                    cache.read(layer, "conv", [s.state_slot], "prefill")[0].to(proj.dtype)
+                    if s.conv_reads_slot
+                    else proj.new_zeros(shapes["conv"])
+                )
                 ssm0 = torch.zeros(shapes["ssm"], dtype=ssm_dtype, device=x.device)
             if ctx.capture is not None:
                 ctx.rows = [s]
                 self._probe_states("in", conv0[None], ssm0[None])
-            y[s.start:s.end] = self._chunk(cache, layer, s, proj[s.start:s.end], conv0, ssm0)
+            y[s.start : s.end] = self._chunk(cache, layer, s, proj[s.start : s.end], conv0, ssm0)
             ctx.rows = None
         decodes = ctx.decodes
         if decodes:
@@ -99,8 +102,8 @@ class MambaMixerBase(nn.Module):
             cache.write(layer, "ssm", slots, ssm, "decode")
             for i, s in enumerate(decodes):
                 for _, slot in s.checkpoints:  # a decode saves only at its end (one token)
-                    cache.write(layer, "conv", [slot], conv[i:i + 1], "decode")
-                    cache.write(layer, "ssm", [slot], ssm[i:i + 1], "decode")
+                    cache.write(layer, "conv", [slot], conv[i : i + 1], "decode")
+                    cache.write(layer, "ssm", [slot], ssm[i : i + 1], "decode")
         return self.out_proj(y)
 
     def _probe_states(self, when: str, conv: torch.Tensor, ssm: torch.Tensor) -> None:
@@ -113,12 +116,16 @@ class MambaMixerBase(nn.Module):
         out = {}
         for s in ctx.seqs:
             if s.initial_slot is not None and s.reads_initial_state:
-                out[s.request_id] = (cache.read(layer, "conv", [s.initial_slot], "prefill")[0].to(dtype),
-                                     cache.read(layer, "ssm", [s.initial_slot], "prefill")[0].to(ssm_dtype))
+                out[s.request_id] = (
+                    cache.read(layer, "conv", [s.initial_slot], "prefill")[0].to(dtype),
+                    cache.read(layer, "ssm", [s.initial_slot], "prefill")[0].to(ssm_dtype),
+                )
             elif s.phase == "decode" and s.has_initial_state is False:
                 shapes = dict(self.state_spec())
-                out[s.request_id] = (torch.zeros(shapes["conv"], dtype=dtype, device=cache.buffer.device),
-                                     torch.zeros(shapes["ssm"], dtype=ssm_dtype, device=cache.buffer.device))
+                out[s.request_id] = (
+                    torch.zeros(shapes["conv"], dtype=dtype, device=cache.buffer.device),
+                    torch.zeros(shapes["ssm"], dtype=ssm_dtype, device=cache.buffer.device),
+                )
         return out
 
     def _chunk(self, cache, layer: int, s, proj: torch.Tensor, conv, ssm) -> torch.Tensor:
@@ -166,7 +173,7 @@ class MambaMixerBase(nn.Module):
         out = F.conv1d(full[None], self.conv1d.weight, self.conv1d.bias, padding=1, groups=full.shape[0])
         act = self.act(out[0, :, 1:-1]).t()
         probe(self, "conv", act)
-        return act, full[:, full.shape[1] - (self.d_conv - 1):]
+        return act, full[:, full.shape[1] - (self.d_conv - 1) :]
 
     def conv_step(self, xc: torch.Tensor, conv0: torch.Tensor):
         """One token per request: xc [B, C], conv0 [B, C, K-1]."""

@@ -36,15 +36,22 @@ def ensemble(cell: Path, members: dict = MEMBERS) -> dict[str, pa.Table]:
 
     run = RunDir.open(cell)
     ref_info, dtype = run.manifest.get("reference") or {}, engine_dtype(run.manifest)
-    with_prompt = set(run.read("prompt_tokens", ["request_id"]).column("request_id").to_pylist()) \
-        if run.has("prompt_tokens") else set()
+    with_prompt = (
+        set(run.read("prompt_tokens", ["request_id"]).column("request_id").to_pylist())
+        if run.has("prompt_tokens")
+        else set()
+    )
     req = run.read("requests", ["request_id", "prompt_token_ids", "output_token_ids", "error"]).to_pylist()
-    items = [ScoreItem(r["request_id"], r["prompt_token_ids"], r["output_token_ids"], r["request_id"] in with_prompt)
-             for r in req if r["error"] is None and r["output_token_ids"]]
+    items = [
+        ScoreItem(r["request_id"], r["prompt_token_ids"], r["output_token_ids"], r["request_id"] in with_prompt)
+        for r in req
+        if r["error"] is None and r["output_token_ids"]
+    ]
     out = {}
     for name, (budget, f32_head, attn) in members.items():
-        rescorer = Rescorer(resolve_model(ref_info["spec"]), dtype=dtype, topk=1, token_budget=budget,
-                            float32_head=f32_head)
+        rescorer = Rescorer(
+            resolve_model(ref_info["spec"]), dtype=dtype, topk=1, token_budget=budget, float32_head=f32_head
+        )
         if attn is not None:
             try:
                 rescorer.model.set_attn_implementation(attn)
@@ -54,9 +61,16 @@ def ensemble(cell: Path, members: dict = MEMBERS) -> dict[str, pa.Table]:
         for s in rescorer.score_all(items):
             for side, t in (("output", s.reference), ("prompt", s.prompt_reference)):
                 if t is not None and t.num_rows:
-                    parts.append(pa.table({"request_id": t.column("request_id"), "position": t.column("position"),
-                                           "side": pa.array([side] * t.num_rows),
-                                           "low": t.column("ref_logprob").cast(pa.float64())}))
+                    parts.append(
+                        pa.table(
+                            {
+                                "request_id": t.column("request_id"),
+                                "position": t.column("position"),
+                                "side": pa.array([side] * t.num_rows),
+                                "low": t.column("ref_logprob").cast(pa.float64()),
+                            }
+                        )
+                    )
         out[name] = pa.concat_tables(parts) if parts else None
         del rescorer
     return out

@@ -49,25 +49,42 @@ def _stats(a: np.ndarray, e: np.ndarray) -> dict:
     if n == 0:
         return {"n": 0, "k": 0, "p_value": None, "median_log_ratio": None}
     k = int(np.sum(a > e))
-    return {"n": n, "k": k, "share_worse_than_ensemble": k / n, "p_value": _sign_p(k, n),
-            "median_log_ratio": float(np.median(np.log((a + EPS) / (e + EPS)))),
-            "cell_error_p50": float(np.median(a)), "ensemble_error_p50": float(np.median(e))}
+    return {
+        "n": n,
+        "k": k,
+        "share_worse_than_ensemble": k / n,
+        "p_value": _sign_p(k, n),
+        "median_log_ratio": float(np.median(np.log((a + EPS) / (e + EPS)))),
+        "cell_error_p50": float(np.median(a)),
+        "ensemble_error_p50": float(np.median(e)),
+    }
 
 
 def paired_test(cell: dict, members: dict[str, dict], reference: dict) -> dict:
-    keys = [k for k, v in cell.items() if v is not None and reference.get(k) is not None
-            and all(m.get(k) is not None for m in members.values())]
+    keys = [
+        k
+        for k, v in cell.items()
+        if v is not None and reference.get(k) is not None and all(m.get(k) is not None for m in members.values())
+    ]
     if not keys or len(members) < 2:
-        return {"result": None, "reason": "fewer than two ensemble members or no shared positions", "n": len(keys),
-                "departs": False}
+        return {
+            "result": None,
+            "reason": "fewer than two ensemble members or no shared positions",
+            "n": len(keys),
+            "departs": False,
+        }
     ref = np.array([reference[k] for k in keys], dtype=float)
     a = np.abs(np.array([cell[k] for k in keys], dtype=float) - ref)
-    e = np.max(np.abs(np.array([[members[name][k] for name in members] for k in keys], dtype=float) - ref[:, None]),
-               axis=1)
+    e = np.max(
+        np.abs(np.array([[members[name][k] for name in members] for k in keys], dtype=float) - ref[:, None]), axis=1
+    )
     sides = np.array([k[2] for k in keys])
-    out = {"members": list(members), **_stats(a, e),
-           "sides": {s: _stats(a[sides == s], e[sides == s]) for s in ("output", "prompt") if np.any(sides == s)},
-           "alpha": ALPHA}
+    out = {
+        "members": list(members),
+        **_stats(a, e),
+        "sides": {s: _stats(a[sides == s], e[sides == s]) for s in ("output", "prompt") if np.any(sides == s)},
+        "alpha": ALPHA,
+    }
     tests = [out["p_value"]] + [v["p_value"] for v in out["sides"].values()]
     out["departs"] = any(p is not None and p * len(tests) < ALPHA for p in tests)
     out["result"] = "departs" if out["departs"] else "within ensemble"

@@ -32,8 +32,18 @@ from lpf.experiments.conformance.tiny import SCALE
 from lpf.core.errors import LpfError, did_you_mean
 
 PROBE = Path(__file__).with_name("vllm_probe.py")
-STATE_KEYS = ("mamba_d_state", "ssm_state_size", "state_size", "mamba_n_heads", "linear_num_key_heads", "conv_L_cache",
-              "linear_conv_kernel_dim", "short_conv_kernel_size", "mamba_expand", "linear_num_heads")
+STATE_KEYS = (
+    "mamba_d_state",
+    "ssm_state_size",
+    "state_size",
+    "mamba_n_heads",
+    "linear_num_key_heads",
+    "conv_L_cache",
+    "linear_conv_kernel_dim",
+    "short_conv_kernel_size",
+    "mamba_expand",
+    "linear_num_heads",
+)
 STATE_LAYERS = ("linear_attention", "conv", "mamba", "hybrid", "recurrent")
 AUDIT = "audit"
 
@@ -63,13 +73,18 @@ def probe_vllm(python: Path, names: list[str], timeout_s: float = 600) -> dict:
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", TORCHDYNAMO_DISABLE="1", PYTHONUNBUFFERED="1")
     env.pop("PYTHONPATH", None)  # lpf's paths must not shadow vLLM's packages
     try:
-        proc = subprocess.run([str(python), str(PROBE), ",".join(sorted(names))], capture_output=True, text=True,
-                              timeout=timeout_s, env=env)
+        proc = subprocess.run(
+            [str(python), str(PROBE), ",".join(sorted(names))],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            env=env,
+        )
     except subprocess.TimeoutExpired:
         raise LpfError(f"asking vLLM's registry took over {timeout_s:g} s") from None
     for line in proc.stdout.splitlines():
         if line.startswith("LPF-PROBE "):
-            return json.loads(line[len("LPF-PROBE "):])
+            return json.loads(line[len("LPF-PROBE ") :])
     tail = " | ".join(ln.strip() for ln in (proc.stderr or proc.stdout).strip().splitlines()[-3:])
     raise LpfError(f"vLLM's registry could not be asked (exit {proc.returncode}): {tail}")
 
@@ -84,25 +99,63 @@ def classify_vllm(ref: dict[str, str], probe: dict) -> list[dict]:
     removed = probe.get("removed") or {}
     mamba1_ok = (probe.get("ops") or {}).get("selective_scan_fwd", True) or not probe.get("cpu_build")
     out = []
-    for arch in sorted(set(ref) | {a for a, e in engine.items() if "error" in e or e.get("has_inner_state")
-                                   or e.get("is_hybrid") or e.get("is_attention_free")}):
+    for arch in sorted(
+        set(ref)
+        | {
+            a
+            for a, e in engine.items()
+            if "error" in e or e.get("has_inner_state") or e.get("is_hybrid") or e.get("is_attention_free")
+        }
+    ):
         mt, e = ref.get(arch), engine.get(arch)
-        flags = {k: e.get(k) for k in ("has_inner_state", "is_hybrid", "is_attention_free",
-                                       "supports_mamba_prefix_caching", "mamba1", "module")} if e else {}
+        flags = (
+            {
+                k: e.get(k)
+                for k in (
+                    "has_inner_state",
+                    "is_hybrid",
+                    "is_attention_free",
+                    "supports_mamba_prefix_caching",
+                    "mamba1",
+                    "module",
+                )
+            }
+            if e
+            else {}
+        )
         if e is None:
-            why = (f"vLLM {probe.get('vllm_version')} no longer has it (last supported in {removed[arch]})"
-                   if arch in removed else f"vLLM {probe.get('vllm_version')} has no implementation")
-            out.append(_entry(arch, mt, "removed from the engine" if arch in removed else "no engine implementation", why))
+            why = (
+                f"vLLM {probe.get('vllm_version')} no longer has it (last supported in {removed[arch]})"
+                if arch in removed
+                else f"vLLM {probe.get('vllm_version')} has no implementation"
+            )
+            out.append(
+                _entry(arch, mt, "removed from the engine" if arch in removed else "no engine implementation", why)
+            )
         elif "error" in e:
             out.append(_entry(arch, mt, "engine cannot import", f"importing {e['module']}: {e['error']}", **flags))
         elif mt is None:
-            out.append(_entry(arch, None, "no reference implementation",
-                              "the installed transformers has no causal-LM class of this name", **flags))
+            out.append(
+                _entry(
+                    arch,
+                    None,
+                    "no reference implementation",
+                    "the installed transformers has no causal-LM class of this name",
+                    **flags,
+                )
+            )
         elif e.get("mamba1") and not mamba1_ok:
-            out.append(_entry(arch, mt, "not supported", "Mamba1: vLLM's CPU build has no compiled "
-                              "torch.ops._C.selective_scan_fwd (the Mamba1 prefill scan in "
-                              "layers/mamba/ops/mamba_ssm.py); its decode step has a CPU kernel, its prefill none",
-                              **flags))
+            out.append(
+                _entry(
+                    arch,
+                    mt,
+                    "not supported",
+                    "Mamba1: vLLM's CPU build has no compiled "
+                    "torch.ops._C.selective_scan_fwd (the Mamba1 prefill scan in "
+                    "layers/mamba/ops/mamba_ssm.py); its decode step has a CPU kernel, its prefill none",
+                    **flags,
+                )
+            )
         elif mt not in SCALE:
             out.append(_entry(arch, mt, "no tiny recipe", f"lpf has no scaled-down recipe for {mt} yet", **flags))
         else:
@@ -119,9 +172,13 @@ def discover(engine: str) -> dict:
 
         probe = probe_vllm(vllm_python(), list(ref))
         entries = classify_vllm(ref, probe)
-        return {"engine": engine, "engine_version": probe.get("vllm_version"), "cpu_build": probe.get("cpu_build"),
-                "reference": f"transformers {transformers.__version__}",
-                "architectures": _paired(entries, ref, vllm_source(vllm_python()), "vLLM")}
+        return {
+            "engine": engine,
+            "engine_version": probe.get("vllm_version"),
+            "cpu_build": probe.get("cpu_build"),
+            "reference": f"transformers {transformers.__version__}",
+            "architectures": _paired(entries, ref, vllm_source(vllm_python()), "vLLM"),
+        }
     if engine == "llamacpp":
         from lpf.adapters.llamacpp_gguf import find_tools
         from lpf.experiments.conformance.llamacpp_side import classify_llamacpp, converter_architectures
@@ -129,21 +186,35 @@ def discover(engine: str) -> dict:
         tools = find_tools()
         version = tools.source() or str(tools.root)
         registered = converter_architectures(tools.converter_dir)
-        return {"engine": engine, "engine_version": version, "cpu_build": True,
-                "reference": f"transformers {transformers.__version__}",
-                "architectures": classify_llamacpp(ref, registered, version)}
+        return {
+            "engine": engine,
+            "engine_version": version,
+            "cpu_build": True,
+            "reference": f"transformers {transformers.__version__}",
+            "architectures": classify_llamacpp(ref, registered, version),
+        }
     if engine == "builtin":
         import lpf
         from lpf.builtin.config import SUPPORTED_ARCHITECTURES
 
-        archs = [_entry(a, mt, AUDIT if a in SUPPORTED_ARCHITECTURES else "not supported",
-                        "" if a in SUPPORTED_ARCHITECTURES else "the built-in engine runs GraniteMoeHybrid and Jamba only")
-                 for a, mt in sorted(ref.items())]
+        archs = [
+            _entry(
+                a,
+                mt,
+                AUDIT if a in SUPPORTED_ARCHITECTURES else "not supported",
+                "" if a in SUPPORTED_ARCHITECTURES else "the built-in engine runs GraniteMoeHybrid and Jamba only",
+            )
+            for a, mt in sorted(ref.items())
+        ]
         for a in archs:
             if a["status"] == AUDIT and a["model_type"] not in SCALE:
                 a.update(status="no tiny recipe", reason=f"lpf has no scaled-down recipe for {a['model_type']} yet")
-        return {"engine": engine, "engine_version": lpf.__version__,
-                "reference": f"transformers {transformers.__version__}", "architectures": archs}
+        return {
+            "engine": engine,
+            "engine_version": lpf.__version__,
+            "reference": f"transformers {transformers.__version__}",
+            "architectures": archs,
+        }
     raise LpfError(f"lpf conformance audits the vllm, llamacpp or builtin engine, not {engine!r}")
 
 
@@ -161,8 +232,11 @@ def _paired(entries: list[dict], ref: dict[str, str], source: Path | None, engin
     if source is None:
         return entries
     engine_only = [e["architecture"] for e in entries if e["status"] == "no reference implementation"]
-    ref_only = {e["architecture"]: ref[e["architecture"]] for e in entries
-                if e["status"] == "no engine implementation" and e["architecture"] in ref}
+    ref_only = {
+        e["architecture"]: ref[e["architecture"]]
+        for e in entries
+        if e["status"] == "no engine implementation" and e["architecture"] in ref
+    }
     return fold(entries, pairing_evidence(source, engine_only, ref_only), engine_name)
 
 
@@ -179,8 +253,10 @@ def select(architectures: list[dict], wanted: list[str]) -> list[dict]:
     for w in wanted:
         a = keys.get(w.strip().lower())
         if a is None:
-            raise LpfError(f"unknown architecture {w!r}{did_you_mean(w.strip().lower(), keys)}; known: "
-                           f"{', '.join(sorted(x['architecture'].removesuffix('ForCausalLM') for x in architectures))}")
+            raise LpfError(
+                f"unknown architecture {w!r}{did_you_mean(w.strip().lower(), keys)}; known: "
+                f"{', '.join(sorted(x['architecture'].removesuffix('ForCausalLM') for x in architectures))}"
+            )
         if a not in out:
             out.append(a)
     return out

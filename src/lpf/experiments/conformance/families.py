@@ -27,7 +27,9 @@ def pairing_evidence(source_dir: Path, engine_only: list[str], ref_only: dict[st
         return {}
     names = {n: n for n in engine_only} | {n.removesuffix("ForCausalLM"): n for n in engine_only}
     name_re = re.compile(r"[\"'](" + "|".join(re.escape(n) for n in sorted(names, key=len, reverse=True)) + r")[\"']")
-    types = {f'"{mt}"': arch for arch, mt in ref_only.items() if mt} | {f"'{mt}'": arch for arch, mt in ref_only.items() if mt}
+    types = {f'"{mt}"': arch for arch, mt in ref_only.items() if mt} | {
+        f"'{mt}'": arch for arch, mt in ref_only.items() if mt
+    }
     out: dict[str, list[tuple]] = {}
     root = Path(source_dir)
     for f in sorted(root.rglob("*.py")):
@@ -42,7 +44,7 @@ def pairing_evidence(source_dir: Path, engine_only: list[str], ref_only: dict[st
             for quoted, arch in types.items():
                 if quoted not in line:
                     continue
-                near = "\n".join(lines[max(0, i - WINDOW): i + WINDOW + 1])
+                near = "\n".join(lines[max(0, i - WINDOW) : i + WINDOW + 1])
                 for m in name_re.finditer(near):
                     engine_arch = names[m.group(1)]
                     where = f"{root.name}/{f.relative_to(root)}:{i + 1}"
@@ -60,16 +62,25 @@ def fold(entries: list[dict], pairs: dict[str, list[tuple]], engine_name: str) -
         found = pairs.get(entry["architecture"])
         if found:
             names = [e for e, _ in found]
-            entry = {**entry, "family": entry["architecture"].removesuffix("ForCausalLM"),
-                     "engine_architectures": names, "paired_by": [w for _, w in found]}
-            said = f"one family: {engine_name} serves model type {entry.get('model_type')!r} as " \
-                   f"{', '.join(n.removesuffix('ForCausalLM') for n in names)} ({'; '.join(dict.fromkeys(entry['paired_by']))})"
+            entry = {
+                **entry,
+                "family": entry["architecture"].removesuffix("ForCausalLM"),
+                "engine_architectures": names,
+                "paired_by": [w for _, w in found],
+            }
+            said = (
+                f"one family: {engine_name} serves model type {entry.get('model_type')!r} as "
+                f"{', '.join(n.removesuffix('ForCausalLM') for n in names)} ({'; '.join(dict.fromkeys(entry['paired_by']))})"
+            )
             if entry["status"] == "no engine implementation":  # it has one, under another name
                 from lpf.experiments.conformance.tiny import SCALE
 
                 entry["status"] = "no tiny recipe" if entry.get("model_type") not in SCALE else "paired, not audited"
-                entry["reason"] = said + ("; lpf has no scaled-down recipe for it yet" if entry["status"] ==
-                                          "no tiny recipe" else "; the cells run the reference's own name only")
+                entry["reason"] = said + (
+                    "; lpf has no scaled-down recipe for it yet"
+                    if entry["status"] == "no tiny recipe"
+                    else "; the cells run the reference's own name only"
+                )
             else:
                 entry["reason"] = f"{said}; {entry['reason']}" if entry["reason"] else said
         out.append(entry)

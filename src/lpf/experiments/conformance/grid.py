@@ -65,45 +65,108 @@ def _cell(name: str, stresses: str, prompt_logprobs: bool = True, engine: str = 
     return GridCell(name, tuple(options.items()), stresses, prompt_logprobs, engine)
 
 
-_CELLS = {c.name: c for c in [
-    _cell("fp32", "the default path: every prompt in one prefill step", dtype="float32"),
-    _cell("fp32-chunk16", f"chunked prefill: each prompt split into {CHUNK}-token chunks (state handed from chunk "
-          f"to chunk)", dtype="float32", max_num_batched_tokens=CHUNK, enable_chunked_prefill=True),
-    _cell("fp32-no-chunked", "chunked prefill off: every prompt in one step whatever the budget", dtype="float32",
-          enable_chunked_prefill=False, max_num_batched_tokens=512),
-    _cell("fp32-prefix-cache", f"prefix caching: prompts sharing a {PREFIX}-token prefix start from a cached state",
-          False, dtype="float32", enable_prefix_caching=True, max_num_seqs=1),
-    _cell("fp32-prefix-cache-chunk16", "prefix caching and small chunks together", False, dtype="float32",
-          enable_prefix_caching=True, max_num_seqs=1, max_num_batched_tokens=CHUNK, enable_chunked_prefill=True),
-    _cell("fp32-seqs1", "one sequence at a time (no batching)", dtype="float32", max_num_seqs=1),
-    _cell("fp32-seqs32-chunk32", "many sequences sharing a 32-token budget: prefills and decodes mixed in every step",
-          dtype="float32", max_num_seqs=32, max_num_batched_tokens=32, enable_chunked_prefill=True),
-    _cell("bf16", "bfloat16, judged against the reference at bfloat16", dtype="bfloat16"),
-    _cell("bf16-chunk16", "bfloat16 with small chunks", dtype="bfloat16", max_num_batched_tokens=CHUNK,
-          enable_chunked_prefill=True),
-]}
+_CELLS = {
+    c.name: c
+    for c in [
+        _cell("fp32", "the default path: every prompt in one prefill step", dtype="float32"),
+        _cell(
+            "fp32-chunk16",
+            f"chunked prefill: each prompt split into {CHUNK}-token chunks (state handed from chunk to chunk)",
+            dtype="float32",
+            max_num_batched_tokens=CHUNK,
+            enable_chunked_prefill=True,
+        ),
+        _cell(
+            "fp32-no-chunked",
+            "chunked prefill off: every prompt in one step whatever the budget",
+            dtype="float32",
+            enable_chunked_prefill=False,
+            max_num_batched_tokens=512,
+        ),
+        _cell(
+            "fp32-prefix-cache",
+            f"prefix caching: prompts sharing a {PREFIX}-token prefix start from a cached state",
+            False,
+            dtype="float32",
+            enable_prefix_caching=True,
+            max_num_seqs=1,
+        ),
+        _cell(
+            "fp32-prefix-cache-chunk16",
+            "prefix caching and small chunks together",
+            False,
+            dtype="float32",
+            enable_prefix_caching=True,
+            max_num_seqs=1,
+            max_num_batched_tokens=CHUNK,
+            enable_chunked_prefill=True,
+        ),
+        _cell("fp32-seqs1", "one sequence at a time (no batching)", dtype="float32", max_num_seqs=1),
+        _cell(
+            "fp32-seqs32-chunk32",
+            "many sequences sharing a 32-token budget: prefills and decodes mixed in every step",
+            dtype="float32",
+            max_num_seqs=32,
+            max_num_batched_tokens=32,
+            enable_chunked_prefill=True,
+        ),
+        _cell("bf16", "bfloat16, judged against the reference at bfloat16", dtype="bfloat16"),
+        _cell(
+            "bf16-chunk16",
+            "bfloat16 with small chunks",
+            dtype="bfloat16",
+            max_num_batched_tokens=CHUNK,
+            enable_chunked_prefill=True,
+        ),
+    ]
+}
 
 # llama.cpp's column family: llama-server's own knobs. It returns no prompt logprobs, so every cell
 # audits outputs only; the ubatch cell is its chunked prefill (the recurrent state handed from one
 # 16-token compute pass to the next), -np 4 its batching (four slots decoding together)
 _LLAMACPP = "llamacpp"
-_LLAMACPP_CELLS = {c.name: c for c in [
-    _cell("fp32", "the default path: float32 GGUF, one slot, the whole prompt in one batch", False, _LLAMACPP,
-          dtype="float32"),
-    _cell("fp32-ub16", f"the prompt in {CHUNK}-token compute passes (llama-server -b/-ub {CHUNK}): state handed "
-          f"pass to pass", False, _LLAMACPP, dtype="float32", batch_size=CHUNK, ubatch_size=CHUNK),
-    _cell("fp32-np4", "four slots (-np 4) decoding together: sequences batched in every step", False, _LLAMACPP,
-          dtype="float32", parallel=4),
-    _cell("bf16", "bfloat16 GGUF, judged against the reference at bfloat16", False, _LLAMACPP, dtype="bfloat16"),
-]}
+_LLAMACPP_CELLS = {
+    c.name: c
+    for c in [
+        _cell(
+            "fp32",
+            "the default path: float32 GGUF, one slot, the whole prompt in one batch",
+            False,
+            _LLAMACPP,
+            dtype="float32",
+        ),
+        _cell(
+            "fp32-ub16",
+            f"the prompt in {CHUNK}-token compute passes (llama-server -b/-ub {CHUNK}): state handed pass to pass",
+            False,
+            _LLAMACPP,
+            dtype="float32",
+            batch_size=CHUNK,
+            ubatch_size=CHUNK,
+        ),
+        _cell(
+            "fp32-np4",
+            "four slots (-np 4) decoding together: sequences batched in every step",
+            False,
+            _LLAMACPP,
+            dtype="float32",
+            parallel=4,
+        ),
+        _cell("bf16", "bfloat16 GGUF, judged against the reference at bfloat16", False, _LLAMACPP, dtype="bfloat16"),
+    ]
+}
 CATALOGUES = {"vllm": _CELLS, "builtin": _CELLS, _LLAMACPP: _LLAMACPP_CELLS}
 
 GRIDS = {
     "small": [_CELLS["fp32"], _CELLS["fp32-chunk16"]],
     "full": list(_CELLS.values()),
 }
-ENGINE_GRIDS = {_LLAMACPP: {"small": [_LLAMACPP_CELLS["fp32"], _LLAMACPP_CELLS["fp32-ub16"]],
-                            "full": list(_LLAMACPP_CELLS.values())}}
+ENGINE_GRIDS = {
+    _LLAMACPP: {
+        "small": [_LLAMACPP_CELLS["fp32"], _LLAMACPP_CELLS["fp32-ub16"]],
+        "full": list(_LLAMACPP_CELLS.values()),
+    }
+}
 PROMPTS = {"small": 8, "full": 16}
 
 
@@ -137,13 +200,18 @@ def knob_cells(knobs, options_cls, engine: str = "vllm") -> list[GridCell]:
             if k is not None and k.repeatable:
                 text = "" if text.lower() in ("none", "off") else text.replace("+", ",")
             options[option] = getattr(options_cls.parse({option: text}), option)
-        cells.append(GridCell(c.name, tuple(options.items()),
-                              "--knob " + ", ".join(f"{k}={v}" for k, v in c.values.items()), engine=engine))
+        cells.append(
+            GridCell(
+                c.name,
+                tuple(options.items()),
+                "--knob " + ", ".join(f"{k}={v}" for k, v in c.values.items()),
+                engine=engine,
+            )
+        )
     return cells
 
 
-def write_workload(path: Path, n_prompts: int, vocab_size: int, seed: int = 0, bos: int = 1,
-                   first_id: int = 3) -> Path:
+def write_workload(path: Path, n_prompts: int, vocab_size: int, seed: int = 0, bos: int = 1, first_id: int = 3) -> Path:
     rng = random.Random(seed)
     lines, prefix = [], []
     for i in range(n_prompts):

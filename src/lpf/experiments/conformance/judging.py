@@ -34,8 +34,10 @@ def bf16_per_position(cell: Path) -> dict | None:
     members = {}
     for name, t in ensemble(cell).items():
         if t is not None:
-            members[name] = {(r, p, s): v for r, p, s, v in zip(*[t.column(c).to_pylist() for c in
-                                                                  ("request_id", "position", "side", "low")])}
+            members[name] = {
+                (r, p, s): v
+                for r, p, s, v in zip(*[t.column(c).to_pylist() for c in ("request_id", "position", "side", "low")])
+            }
     return paired_test(engine, members, reference)
 
 

@@ -28,10 +28,14 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-NORMALISER = "llama-server normalises logprobs with a float32 running sum that drops the tail " \
-             "(tools/server/server-common.cpp:1574-1597): every logprob of a position a little too high"
-UTF8 = "llama-server sends no probabilities for a token that ends inside a UTF-8 character " \
-       "(tools/server/server-context.cpp:1825-1860, process_token / validate_utf8)"
+NORMALISER = (
+    "llama-server normalises logprobs with a float32 running sum that drops the tail "
+    "(tools/server/server-common.cpp:1574-1597): every logprob of a position a little too high"
+)
+UTF8 = (
+    "llama-server sends no probabilities for a token that ends inside a UTF-8 character "
+    "(tools/server/server-context.cpp:1825-1860, process_token / validate_utf8)"
+)
 
 
 def _rejects(test: dict | None, alpha: float) -> bool:
@@ -53,32 +57,53 @@ def judge(tokens: pa.Table, reference: pa.Table, findings: dict, vocab_size: int
     gap = j.column("ref_top1_logprob").to_numpy(zero_copy_only=False).astype(float) - refl
     flips = int(np.sum((tok != top1) & (gap > tie)))
     present = d[have]
-    bound = vocab_size * 2.0 ** -24
-    out = {"n_tokens": int(len(d)), "n_with_logprob": int(have.sum()),
-           "max_abs": float(np.max(np.abs(present))) if present.size else None,
-           "mean": float(np.mean(present)) if present.size else None,
-           "over_clean": int(np.sum(np.abs(present) > clean)), "clean_threshold": clean, "flips": flips,
-           "missing": int((~have).sum()), "missing_requests": len({r for r, h in zip(ids, have) if not h}),
-           "normaliser_bound": bound, "causes": []}
+    bound = vocab_size * 2.0**-24
+    out = {
+        "n_tokens": int(len(d)),
+        "n_with_logprob": int(have.sum()),
+        "max_abs": float(np.max(np.abs(present))) if present.size else None,
+        "mean": float(np.mean(present)) if present.size else None,
+        "over_clean": int(np.sum(np.abs(present) > clean)),
+        "clean_threshold": clean,
+        "flips": flips,
+        "missing": int((~have).sum()),
+        "missing_requests": len({r for r, h in zip(ids, have) if not h}),
+        "normaliser_bound": bound,
+        "causes": [],
+    }
     rt = findings.get("run_test") or {}
     alpha = rt.get("alpha") or 1e-6
     tests = rt.get("tests") or {}
     run_level_ok = rt.get("result") != "different"
     if rt.get("result") == "different" and present.size:
-        shift_only = (not _rejects(tests.get("topk"), alpha) and not _rejects(tests.get("under"), alpha)
-                      and not (tests.get("under") or {}).get("k") and
-                      float(present.min()) >= -clean and float(present.max()) <= bound + clean)
+        shift_only = (
+            not _rejects(tests.get("topk"), alpha)
+            and not _rejects(tests.get("under"), alpha)
+            and not (tests.get("under") or {}).get("k")
+            and float(present.min()) >= -clean
+            and float(present.max()) <= bound + clean
+        )
         if shift_only:
             run_level_ok = True
-            out["causes"].append({"name": "normaliser", "says": NORMALISER,
-                                  "evidence": f"run-level test rejects on {rt.get('test')!r} only (over "
-                                              f"{(tests.get('over') or {}).get('k')}/{(tests.get('over') or {}).get('n')}"
-                                              f", under 0, top-k spread not rejected); d in "
-                                              f"[{present.min():.2g}, {present.max():.2g}], bound V x 2^-24 = {bound:.2g}"})
+            out["causes"].append(
+                {
+                    "name": "normaliser",
+                    "says": NORMALISER,
+                    "evidence": f"run-level test rejects on {rt.get('test')!r} only (over "
+                    f"{(tests.get('over') or {}).get('k')}/{(tests.get('over') or {}).get('n')}"
+                    f", under 0, top-k spread not rejected); d in "
+                    f"[{present.min():.2g}, {present.max():.2g}], bound V x 2^-24 = {bound:.2g}",
+                }
+            )
     if out["missing"]:
-        out["causes"].append({"name": "utf8-missing", "says": UTF8,
-                              "evidence": f"{out['missing']} of {out['n_tokens']} tokens in {out['missing_requests']} "
-                                          f"requests have no logprob; the other tokens are judged"})
+        out["causes"].append(
+            {
+                "name": "utf8-missing",
+                "says": UTF8,
+                "evidence": f"{out['missing']} of {out['n_tokens']} tokens in {out['missing_requests']} "
+                f"requests have no logprob; the other tokens are judged",
+            }
+        )
     per_token_ok = present.size > 0 and out["over_clean"] == 0 and flips == 0
     out["conformance"] = "clean" if per_token_ok and run_level_ok else None
     return out

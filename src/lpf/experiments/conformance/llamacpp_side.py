@@ -41,8 +41,10 @@ def classify_llamacpp(ref: dict[str, str], registered: set[str], where: str) -> 
         mt = ref[arch]
         entry = {"architecture": arch, "model_type": mt, "converter": where}
         if arch not in registered:
-            entry.update(status="not supported", reason=f"llama.cpp's converter has no model class "
-                                                        f"registered for {arch}: it cannot be written to GGUF")
+            entry.update(
+                status="not supported",
+                reason=f"llama.cpp's converter has no model class registered for {arch}: it cannot be written to GGUF",
+            )
         elif mt not in SCALE:
             entry.update(status="no tiny recipe", reason=f"lpf has no scaled-down recipe for {mt} yet")
         else:

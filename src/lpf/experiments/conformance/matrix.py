@@ -55,8 +55,13 @@ ENGINE_LIMITS = (
     ("requires BF16", "this build's kernel runs in bfloat16 only"),
     ("module 'triton' has no attribute", "it needs Triton, which this build lacks"),
 )
-SUSPECT_WORDS = {"A": "engine bug", "B": "second engine (HF generate) departs", "reference": "reference bug",
-                 "both": "both engines depart", "none": "no departure at this level"}
+SUSPECT_WORDS = {
+    "A": "engine bug",
+    "B": "second engine (HF generate) departs",
+    "reference": "reference bug",
+    "both": "both engines depart",
+    "none": "no departure at this level",
+}
 
 
 class ReferenceCannotRun(LpfError):
@@ -130,28 +135,45 @@ def expectation(cell: Path, findings: dict) -> dict | None:
         return None
     with_prompt = set(run.read("prompt_tokens", ["request_id"]).column("request_id").to_pylist())
     req = run.read("requests", ["request_id", "prompt_token_ids", "output_token_ids", "error"]).to_pylist()
-    items = [ScoreItem(r["request_id"], r["prompt_token_ids"], r["output_token_ids"], r["request_id"] in with_prompt)
-             for r in req if r["error"] is None and r["output_token_ids"]]
+    items = [
+        ScoreItem(r["request_id"], r["prompt_token_ids"], r["output_token_ids"], r["request_id"] in with_prompt)
+        for r in req
+        if r["error"] is None and r["output_token_ids"]
+    ]
     scored = list(Rescorer(resolve_model(ref_info["spec"]), dtype=dtype, topk=1).score_all(items))
 
     def floor(tables: list, table: str) -> dict:
         tables = [t for t in tables if t is not None and t.num_rows]
         if not tables or not run.has(table):
             return {}
-        low = pa.concat_tables(tables).select(["request_id", "position", "ref_logprob"]).rename_columns(
-            ["request_id", "position", "low"])
+        low = (
+            pa.concat_tables(tables)
+            .select(["request_id", "position", "ref_logprob"])
+            .rename_columns(["request_id", "position", "low"])
+        )
         j = low.join(run.read(table, ["request_id", "position", "ref_logprob"]), ["request_id", "position"])
         return percentiles(np.abs(j.column("low").to_numpy() - j.column("ref_logprob").to_numpy()))
 
-    floors = {"output": floor([s.reference for s in scored], "reference"),
-              "prompt": floor([s.prompt_reference for s in scored], "prompt_reference")}
-    sides = {"output": (findings.get("metrics") or {}).get("abs_logprob_diff") or {},
-             "prompt": ((findings.get("prompt") or {}).get("metrics") or {}).get("abs_logprob_diff") or {}}
-    ratios = {f"{side}_{q}": (m[q] / floors[side][q]) if m.get(q) is not None and floors[side].get(q) else None
-              for side, m in sides.items() for q in ("p99", "max")}
-    return {"source": f"the reference at {dtype}, teacher-forced over the cell's tokens",
-            "floor": {side: {q: f.get(q) for q in ("p99", "max")} for side, f in floors.items()},
-            "ratios": ratios, "factor": EXPECT_FACTOR, "within": within_expectation(ratios)}
+    floors = {
+        "output": floor([s.reference for s in scored], "reference"),
+        "prompt": floor([s.prompt_reference for s in scored], "prompt_reference"),
+    }
+    sides = {
+        "output": (findings.get("metrics") or {}).get("abs_logprob_diff") or {},
+        "prompt": ((findings.get("prompt") or {}).get("metrics") or {}).get("abs_logprob_diff") or {},
+    }
+    ratios = {
+        f"{side}_{q}": (m[q] / floors[side][q]) if m.get(q) is not None and floors[side].get(q) else None
+        for side, m in sides.items()
+        for q in ("p99", "max")
+    }
+    return {
+        "source": f"the reference at {dtype}, teacher-forced over the cell's tokens",
+        "floor": {side: {q: f.get(q) for q in ("p99", "max")} for side, f in floors.items()},
+        "ratios": ratios,
+        "factor": EXPECT_FACTOR,
+        "within": within_expectation(ratios),
+    }
 
 
 def within_expectation(ratios: dict) -> bool:
@@ -174,32 +196,46 @@ def _first(flagged: list[dict], key: str):
     return min(values) if values else None
 
 
-def cell_row(plan: CellPlan, out: Path, findings: dict | None, status: str, error: str | None,
-             seconds: float | None) -> dict:
+def cell_row(
+    plan: CellPlan, out: Path, findings: dict | None, status: str, error: str | None, seconds: float | None
+) -> dict:
     arch, cell = plan.arch, plan.cell
     d = cell_dir(out, arch["architecture"], cell.name)
-    row = {"architecture": arch["architecture"], "model_type": arch.get("model_type"), "cell": cell.name,
-           "dtype": cell.dtype, "stresses": cell.stresses, "status": status, "error": error, "seconds": seconds,
-           "run_dir": os.path.relpath(d, out)}
+    row = {
+        "architecture": arch["architecture"],
+        "model_type": arch.get("model_type"),
+        "cell": cell.name,
+        "dtype": cell.dtype,
+        "stresses": cell.stresses,
+        "status": status,
+        "error": error,
+        "seconds": seconds,
+        "run_dir": os.path.relpath(d, out),
+    }
     if findings is None:
         return row
     p = findings.get("prompt") or {}
     hyp = (findings.get("hypotheses") or [{}])[0]
     report = d / "report.html"
-    row.update({
-        "verdict": findings.get("verdict"), "counts": findings.get("counts"), "n_requests": findings.get("n_requests"),
-        "errors": findings.get("errors"),
-        "max_abs_output": ((findings.get("metrics") or {}).get("abs_logprob_diff") or {}).get("max"),
-        "first_divergence": _first(findings.get("flagged") or [], "first_divergence"),
-        "prompt_verdict": p.get("verdict"), "prompt_counts": p.get("counts"),
-        "max_abs_prompt": ((p.get("metrics") or {}).get("abs_logprob_diff") or {}).get("max"),
-        "prompt_first_departure": _first(p.get("flagged") or [], "first_departure"),
-        "prompt_shape": (p.get("shape") or {}).get("sentence"),
-        "thresholds_source": (findings.get("thresholds") or {}).get("source"),
-        "top_hypothesis": hyp.get("sentence") if findings.get("verdict") not in ("clean", None) else None,
-        "link": os.path.relpath(report, out) if report.is_file() else None,
-        "report_error": findings.get("report_error"),
-    })
+    row.update(
+        {
+            "verdict": findings.get("verdict"),
+            "counts": findings.get("counts"),
+            "n_requests": findings.get("n_requests"),
+            "errors": findings.get("errors"),
+            "max_abs_output": ((findings.get("metrics") or {}).get("abs_logprob_diff") or {}).get("max"),
+            "first_divergence": _first(findings.get("flagged") or [], "first_divergence"),
+            "prompt_verdict": p.get("verdict"),
+            "prompt_counts": p.get("counts"),
+            "max_abs_prompt": ((p.get("metrics") or {}).get("abs_logprob_diff") or {}).get("max"),
+            "prompt_first_departure": _first(p.get("flagged") or [], "first_departure"),
+            "prompt_shape": (p.get("shape") or {}).get("sentence"),
+            "thresholds_source": (findings.get("thresholds") or {}).get("source"),
+            "top_hypothesis": hyp.get("sentence") if findings.get("verdict") not in ("clean", None) else None,
+            "link": os.path.relpath(report, out) if report.is_file() else None,
+            "report_error": findings.get("report_error"),
+        }
+    )
     exp = expectation(d, findings) if cell.dtype != "float32" else None
     row["expectation"] = exp  # the old envelope, reported beside the paired test for one release
     row["conformance"] = "clean" if exp is not None and exp["within"] else row["verdict"]
@@ -233,17 +269,26 @@ def _attribute(row: dict, plan: CellPlan, hf_spec, out: Path, settings: Settings
         except LpfError as e:
             hf_done[key] = {"ok": False, "error": str(e)}
     hf = hf_done[key]
-    attribution = {"second_engine": "hf", "second_run_dir": os.path.relpath(key, out),
-                   "second_verdict": hf.get("verdict")}
+    attribution = {
+        "second_engine": "hf",
+        "second_run_dir": os.path.relpath(key, out),
+        "second_verdict": hf.get("verdict"),
+    }
     if not hf["ok"]:
         row["attribution"] = {**attribution, "suspect": None, "error": hf["error"]}
         return
     cell = out / row["run_dir"]
     _, doc = diff_runs(cell, Path(key), settings.attribution_level)
     (cell / "diff.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
-    row["attribution"] = {**attribution, "suspect": doc["suspect"], "says": SUSPECT_WORDS[doc["suspect"]],
-                          "sentence": doc["sentence"], "counts": doc["counts"], "level": doc["level"],
-                          "diff": os.path.relpath(cell / "diff.json", out)}
+    row["attribution"] = {
+        **attribution,
+        "suspect": doc["suspect"],
+        "says": SUSPECT_WORDS[doc["suspect"]],
+        "sentence": doc["sentence"],
+        "counts": doc["counts"],
+        "level": doc["level"],
+        "diff": os.path.relpath(cell / "diff.json", out),
+    }
 
 
 def _locate(row: dict, out: Path) -> None:
@@ -263,9 +308,15 @@ def _locate(row: dict, out: Path) -> None:
     except LpfError:
         pass
     loc = doc.get("located") or {}
-    row["locate"] = {"request_id": doc["request_id"], "suspect": doc["verdict"]["suspect"], "op": loc.get("op"),
-                     "token": loc.get("token"), "sentence": doc["sentence"],
-                     "link": os.path.relpath(where / "report.html", out), "dir": os.path.relpath(where, out)}
+    row["locate"] = {
+        "request_id": doc["request_id"],
+        "suspect": doc["verdict"]["suspect"],
+        "op": loc.get("op"),
+        "token": loc.get("token"),
+        "sentence": doc["sentence"],
+        "link": os.path.relpath(where / "report.html", out),
+        "dir": os.path.relpath(where, out),
+    }
 
 
 def write_doc(out: Path, doc: dict) -> None:
@@ -284,8 +335,15 @@ def check_out(out: Path, spec: dict) -> None:
         raise LpfError(f"{out} exists, is not empty and holds no conformance.json: choose another --out")
 
 
-def run_matrix(out: Path, head: dict, plans: list[CellPlan], attribution: dict, settings: Settings,
-               on_start=lambda total, done: None, tick=lambda n: None) -> dict:
+def run_matrix(
+    out: Path,
+    head: dict,
+    plans: list[CellPlan],
+    attribution: dict,
+    settings: Settings,
+    on_start=lambda total, done: None,
+    tick=lambda n: None,
+) -> dict:
     """`head`: the document's fixed part (spec, engine, architectures); `attribution`: {(arch, dtype): hf RunSpec}."""
     out = Path(out)
     check_out(out, head["spec"])
@@ -318,8 +376,10 @@ def _run_cells(out, doc, rows, plans, attribution, settings, hf_done, started, t
                 except ReferenceCannotRun as e:
                     status, error = "reference cannot run", str(e)
                 except LpfError as e:
-                    status, error = ("refused" if not (Path(plan.spec.run.out) / "manifest.json").is_file()
-                                     else "engine error"), str(e)
+                    status, error = (
+                        ("refused" if not (Path(plan.spec.run.out) / "manifest.json").is_file() else "engine error"),
+                        str(e),
+                    )
                 except Exception as e:  # noqa: BLE001 - a bug in lpf: said in the matrix, the other cells still run
                     import traceback
 
@@ -330,8 +390,9 @@ def _run_cells(out, doc, rows, plans, attribution, settings, hf_done, started, t
             row = cell_row(plan, out, findings, status, error, round(time.monotonic() - t0, 1))
             if findings is not None and status == "ok":
                 try:
-                    _attribute(row, plan, attribution.get((plan.arch["architecture"], plan.cell.dtype)), out,
-                               settings, hf_done)
+                    _attribute(
+                        row, plan, attribution.get((plan.arch["architecture"], plan.cell.dtype)), out, settings, hf_done
+                    )
                 except LpfError as e:
                     row["attribution"] = {"suspect": None, "error": str(e)}
                 if settings.locate and row.get("conformance") not in ("clean", None):
@@ -370,9 +431,16 @@ def matrix_view(doc: dict) -> dict:
                 label = "clean*"  # per token, its named departures beside it (`named`)
             elif r.get("conformance") == "clean" and v != "clean":  # within the bf16 expectation
                 label = f"{SHORT_DTYPE.get(r['dtype'], r['dtype'])} ok"
-            entries.append({"status": r["status"], "verdict": r.get("conformance", v), "label": label,
-                            "max": max([x for x in (r.get("max_abs_output"), r.get("max_abs_prompt")) if x is not None]
-                                       or [0.0])})
+            entries.append(
+                {
+                    "status": r["status"],
+                    "verdict": r.get("conformance", v),
+                    "label": label,
+                    "max": max(
+                        [x for x in (r.get("max_abs_output"), r.get("max_abs_prompt")) if x is not None] or [0.0]
+                    ),
+                }
+            )
         grid.append((short[a], entries))
     not_clean, failed, located, named = [], [], [], []
     for r in rows:
@@ -391,11 +459,30 @@ def matrix_view(doc: dict) -> dict:
     groups: dict[tuple, list[str]] = {}
     for a in doc.get("architectures") or []:
         if a.get("status") != "audit":
-            groups.setdefault((a["status"], a.get("reason") or ""), []).append(a["architecture"].removesuffix("ForCausalLM"))
-    reference = [(r["architecture"].removesuffix("ForCausalLM"), r.get("status"),
-                  ", ".join(f"{n} {(r.get('paths') or {}).get(n, {}).get('max_abs', 0):.2g}" for n in r.get("departing") or [])
-                  or r.get("error") or r.get("reason") or "")
-                 for r in doc.get("reference_column") or []]
-    return {"cells": cells, "archs": archs, "grid": grid, "not_clean": not_clean, "failed": failed, "located": located,
-            "named": named, "reference": reference,
-            "not_audited": [(s, r, names) for (s, r), names in groups.items()]}
+            groups.setdefault((a["status"], a.get("reason") or ""), []).append(
+                a["architecture"].removesuffix("ForCausalLM")
+            )
+    reference = [
+        (
+            r["architecture"].removesuffix("ForCausalLM"),
+            r.get("status"),
+            ", ".join(
+                f"{n} {(r.get('paths') or {}).get(n, {}).get('max_abs', 0):.2g}" for n in r.get("departing") or []
+            )
+            or r.get("error")
+            or r.get("reason")
+            or "",
+        )
+        for r in doc.get("reference_column") or []
+    ]
+    return {
+        "cells": cells,
+        "archs": archs,
+        "grid": grid,
+        "not_clean": not_clean,
+        "failed": failed,
+        "located": located,
+        "named": named,
+        "reference": reference,
+        "not_audited": [(s, r, names) for (s, r), names in groups.items()],
+    }

@@ -48,13 +48,27 @@ def _spec(engine: str, model: Path, workload: Path, out: Path, max_tokens: int, 
     from lpf.pipeline.rescore import RescoreSettings
     from lpf.pipeline.spec import AuditSpec, RunSpec
 
-    run = RunSpec(engine=engine, model=str(model), workload=str(workload), out=out, engine_options=options,
-                  sampling=SamplingParams(max_tokens=max_tokens, prompt_logprobs=prompt_logprobs))
+    run = RunSpec(
+        engine=engine,
+        model=str(model),
+        workload=str(workload),
+        out=out,
+        engine_options=options,
+        sampling=SamplingParams(max_tokens=max_tokens, prompt_logprobs=prompt_logprobs),
+    )
     return AuditSpec(run=run, rescore=RescoreSettings())  # the reference on the CPU, as the matrix always ran it
 
 
-def plan(engine: str, architectures: list[dict], cells: list[GridCell], out: Path, n_prompts: int, max_tokens: int,
-         grid: str | None, found: dict) -> Plan:
+def plan(
+    engine: str,
+    architectures: list[dict],
+    cells: list[GridCell],
+    out: Path,
+    n_prompts: int,
+    max_tokens: int,
+    grid: str | None,
+    found: dict,
+) -> Plan:
     from lpf.adapters import get_engine_class
     from lpf.core.model_specs import ModelRef, load_tokenizer
     from lpf.experiments.conformance.tiny import build_tiny
@@ -81,22 +95,55 @@ def plan(engine: str, architectures: list[dict], cells: list[GridCell], out: Pat
             continue
         for c in cells:
             try:
-                spec = _spec(engine, model, workload, cell_dir(out, a["architecture"], c.name), max_tokens,
-                             c.prompt_logprobs and with_prompts, {**base, **dict(c.options)})
+                spec = _spec(
+                    engine,
+                    model,
+                    workload,
+                    cell_dir(out, a["architecture"], c.name),
+                    max_tokens,
+                    c.prompt_logprobs and with_prompts,
+                    {**base, **dict(c.options)},
+                )
                 result.plans.append(CellPlan(a, c, spec))
             except LpfError as e:
                 result.plans.append(CellPlan(a, c, None, refused=str(e)))
             key = (a["architecture"], c.dtype)
             if key not in result.attribution:
-                result.attribution[key] = _spec("hf", model, workload, cell_dir(out, a["architecture"], f"hf-{c.dtype}"),
-                                                max_tokens, True, {"dtype": c.dtype})
-    spec = {"engine": engine, "architectures": [a["architecture"] for a in architectures],
-            "cells": [[c.name, dict(c.options)] for c in cells], "n_prompts": n_prompts, "max_tokens": max_tokens}
-    result.head = {"spec": spec, "engine": engine, "engine_version": found.get("engine_version"),
-                   "cpu_build": found.get("cpu_build"), "reference": found["reference"], "grid": grid,
-                   "cell_catalogue": [{"name": c.name, "args": c.args, "options": dict(c.options),
-                                       "stresses": c.stresses, "dtype": c.dtype, "prompt_logprobs": c.prompt_logprobs}
-                                      for c in cells],
-                   "architectures": architectures,
-                   "workload": {"path": "workload.jsonl", "n_prompts": n_prompts, "max_tokens": max_tokens}}
+                result.attribution[key] = _spec(
+                    "hf",
+                    model,
+                    workload,
+                    cell_dir(out, a["architecture"], f"hf-{c.dtype}"),
+                    max_tokens,
+                    True,
+                    {"dtype": c.dtype},
+                )
+    spec = {
+        "engine": engine,
+        "architectures": [a["architecture"] for a in architectures],
+        "cells": [[c.name, dict(c.options)] for c in cells],
+        "n_prompts": n_prompts,
+        "max_tokens": max_tokens,
+    }
+    result.head = {
+        "spec": spec,
+        "engine": engine,
+        "engine_version": found.get("engine_version"),
+        "cpu_build": found.get("cpu_build"),
+        "reference": found["reference"],
+        "grid": grid,
+        "cell_catalogue": [
+            {
+                "name": c.name,
+                "args": c.args,
+                "options": dict(c.options),
+                "stresses": c.stresses,
+                "dtype": c.dtype,
+                "prompt_logprobs": c.prompt_logprobs,
+            }
+            for c in cells
+        ],
+        "architectures": architectures,
+        "workload": {"path": "workload.jsonl", "n_prompts": n_prompts, "max_tokens": max_tokens},
+    }
     return result

@@ -51,9 +51,17 @@ def _recurrent_logprobs(model, ids, torch):
             return forced
 
     with torch.no_grad():
-        g = model.generate(torch.tensor([ids[:1]]), max_new_tokens=len(ids) - 1, min_new_tokens=len(ids) - 1,
-                           do_sample=False, use_cache=True, output_logits=True, return_dict_in_generate=True,
-                           logits_processor=LogitsProcessorList([Force()]), pad_token_id=model.config.pad_token_id)
+        g = model.generate(
+            torch.tensor([ids[:1]]),
+            max_new_tokens=len(ids) - 1,
+            min_new_tokens=len(ids) - 1,
+            do_sample=False,
+            use_cache=True,
+            output_logits=True,
+            return_dict_in_generate=True,
+            logits_processor=LogitsProcessorList([Force()]),
+            pad_token_id=model.config.pad_token_id,
+        )
     return torch.stack([torch.log_softmax(lg[0].double(), -1)[t] for lg, t in zip(g.logits, ids[1:])])
 
 
@@ -83,15 +91,22 @@ def check_reference(model_dir: Path, prompts: list[list[int]], max_tokens: int) 
         first: dict[str, tuple | None] = {}
         for pi, prompt in enumerate(prompts):
             with torch.no_grad():
-                g = m32.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, use_cache=True,
-                                 output_logits=True, return_dict_in_generate=True, pad_token_id=m32.config.pad_token_id)
-            new = g.sequences[0, len(prompt):].tolist()
+                g = m32.generate(
+                    torch.tensor([prompt]),
+                    max_new_tokens=max_tokens,
+                    do_sample=False,
+                    use_cache=True,
+                    output_logits=True,
+                    return_dict_in_generate=True,
+                    pad_token_id=m32.config.pad_token_id,
+                )
+            new = g.sequences[0, len(prompt) :].tolist()
             ids = prompt + new
             gold = _forward_logprobs(m64, ids, torch)
             targets = torch.tensor(ids[1:])
             gold_tok = gold[:-1].gather(1, targets[:, None])[:, 0]
             dec = torch.stack([torch.log_softmax(lg[0].double(), -1)[t] for lg, t in zip(g.logits, new)])
-            _add(paths, first, "decode", (dec - gold_tok[len(prompt) - 1:]).abs(), len(prompt), pi)
+            _add(paths, first, "decode", (dec - gold_tok[len(prompt) - 1 :]).abs(), len(prompt), pi)
             rec = _recurrent_logprobs(m32, ids, torch)
             _add(paths, first, "recurrent", (rec - gold_tok).abs(), 1, pi)
             for name, model in (("teacher-forced", m32), ("eager", eager)):
@@ -101,8 +116,9 @@ def check_reference(model_dir: Path, prompts: list[list[int]], max_tokens: int) 
                 _add(paths, first, name, (lp - gold_tok).abs(), 1, pi)
     except Exception as e:  # noqa: BLE001 - a reference that cannot run this check: one line, the column says so
         return {"status": "reference cannot run", "error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"}
-    result = {name: {"max_abs": max(v) if v else None, "first_departure": first.get(name)}
-              for name, v in paths.items() if v}
+    result = {
+        name: {"max_abs": max(v) if v else None, "first_departure": first.get(name)} for name, v in paths.items() if v
+    }
     # the model's own float32 rounding: the closest path to the gold; a path departs well past it
     floor = min([r["max_abs"] for r in result.values() if r["max_abs"] is not None] or [0.0])
     threshold = max(DEPART, SPREAD * floor)
@@ -110,9 +126,17 @@ def check_reference(model_dir: Path, prompts: list[list[int]], max_tokens: int) 
     for r in result.values():
         if r["max_abs"] is None or r["max_abs"] <= threshold:
             r["first_departure"] = None  # past 1e-3 but within the model's own float32 rounding
-    return {"status": "reference inconsistent" if departing else "reference consistent", "departing": departing,
-            "paths": result, "depart_threshold": threshold, "float32_floor": floor, "gold": "float64 teacher-forced",
-            "default_attention": default_attn, "n_prompts": len(prompts), "max_tokens": max_tokens}
+    return {
+        "status": "reference inconsistent" if departing else "reference consistent",
+        "departing": departing,
+        "paths": result,
+        "depart_threshold": threshold,
+        "float32_floor": floor,
+        "gold": "float64 teacher-forced",
+        "default_attention": default_attn,
+        "n_prompts": len(prompts),
+        "max_tokens": max_tokens,
+    }
 
 
 def _add(paths: dict, first: dict, name: str, d, start: int, prompt_index: int) -> None:

@@ -17,13 +17,15 @@ from pathlib import Path
 from lpf.core.errors import LpfError
 
 
-def reference_column(out: Path, architectures: list[dict], workload: Path, max_tokens: int, n_prompts: int = 4,
-                     tick=lambda n: None) -> list[dict]:
+def reference_column(
+    out: Path, architectures: list[dict], workload: Path, max_tokens: int, n_prompts: int = 4, tick=lambda n: None
+) -> list[dict]:
     from lpf.experiments.conformance.reference_check import check_reference
     from lpf.experiments.conformance.tiny import SCALE, build_tiny
 
-    prompts = [json.loads(line)["prompt_token_ids"] for line in Path(workload).read_text().splitlines()
-               if line.strip()][:n_prompts]
+    prompts = [
+        json.loads(line)["prompt_token_ids"] for line in Path(workload).read_text().splitlines() if line.strip()
+    ][:n_prompts]
     folder = Path(out) / "reference"
     folder.mkdir(parents=True, exist_ok=True)
     rows = []

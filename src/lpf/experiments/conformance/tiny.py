@@ -29,54 +29,153 @@ INIT_RANGE = 0.25
 # are small (16) so a 40-token prompt spans several scan chunks, as long prompts do at full size.
 SCALE: dict[str, dict] = {
     "granitemoehybrid": dict(
-        hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
         layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
-        num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=256,
-        mamba_n_heads=8, mamba_d_head=32, mamba_d_state=16, mamba_chunk_size=16),
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        shared_intermediate_size=256,
+        mamba_n_heads=8,
+        mamba_d_head=32,
+        mamba_d_state=16,
+        mamba_chunk_size=16,
+    ),
     "falcon_h1": dict(
-        hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=32, mamba_d_ssm=256, mamba_n_heads=8, mamba_d_head=32, mamba_d_state=16, mamba_chunk_size=16),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        mamba_d_ssm=256,
+        mamba_n_heads=8,
+        mamba_d_head=32,
+        mamba_d_state=16,
+        mamba_chunk_size=16,
+    ),
     "nemotron_h": dict(
-        hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        hidden_size=128,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
         layers_block_type=["linear_attention", "moe", "full_attention", "mlp"],
-        ssm_state_size=16, mamba_num_heads=8, mamba_head_dim=32, n_groups=2, chunk_size=16,
-        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
-        moe_shared_expert_intermediate_size=128),
+        ssm_state_size=16,
+        mamba_num_heads=8,
+        mamba_head_dim=32,
+        n_groups=2,
+        chunk_size=16,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=128,
+        moe_shared_expert_intermediate_size=128,
+    ),
     "zamba2": dict(
-        hidden_size=128, intermediate_size=256, num_hidden_layers=6, num_attention_heads=8,
-        layers_block_type=["linear_attention", "linear_attention", "hybrid", "linear_attention",
-                           "linear_attention", "hybrid"],
-        n_mamba_heads=8, mamba_d_state=16, chunk_size=16, adapter_rank=16),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        layers_block_type=[
+            "linear_attention",
+            "linear_attention",
+            "hybrid",
+            "linear_attention",
+            "linear_attention",
+            "hybrid",
+        ],
+        n_mamba_heads=8,
+        mamba_d_state=16,
+        chunk_size=16,
+        adapter_rank=16,
+    ),
     "mamba2": dict(
-        hidden_size=128, num_hidden_layers=4, num_heads=8, head_dim=32, state_size=16, n_groups=2,
-        time_step_rank=8, chunk_size=16),
+        hidden_size=128,
+        num_hidden_layers=4,
+        num_heads=8,
+        head_dim=32,
+        state_size=16,
+        n_groups=2,
+        time_step_rank=8,
+        chunk_size=16,
+    ),
     "lfm2": dict(
-        hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        layer_types=["conv", "full_attention", "conv", "conv"], block_multiple_of=32, max_position_embeddings=4096,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        layer_types=["conv", "full_attention", "conv", "conv"],
+        block_multiple_of=32,
+        max_position_embeddings=4096,
         # no fields of transformers' Lfm2Config (its short conv and blocks are hidden_size wide) but keys
         # every LiquidAI checkpoint's config.json carries, which vLLM 0.32.0 reads (docs/conformance.md)
-        conv_dim=128, block_dim=128),
+        conv_dim=128,
+        block_dim=128,
+    ),
     "lfm2_moe": dict(
-        hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, layer_types=["conv", "full_attention", "conv", "conv"], num_dense_layers=1,
-        num_experts=4, num_experts_per_tok=2, max_position_embeddings=4096),
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        layer_types=["conv", "full_attention", "conv", "conv"],
+        num_dense_layers=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=4096,
+    ),
     "qwen3_next": dict(
-        hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=32, layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
-        # 64: vLLM's CPU gated-delta-net kernel refuses a head dim of 32 ("Unexpected head dim size")
-        linear_key_head_dim=64, linear_value_head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
-        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64,
-        max_position_embeddings=4096),
-    "olmo_hybrid": dict(
-        hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
         layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
-        linear_num_key_heads=4, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=64,
-        max_position_embeddings=4096),
+        # 64: vLLM's CPU gated-delta-net kernel refuses a head dim of 32 ("Unexpected head dim size")
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+        max_position_embeddings=4096,
+    ),
+    "olmo_hybrid": dict(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+        linear_num_key_heads=4,
+        linear_num_value_heads=4,
+        linear_key_head_dim=32,
+        linear_value_head_dim=64,
+        max_position_embeddings=4096,
+    ),
     # Mamba1 families: built so the engine can be asked (vLLM's CPU build refuses them)
     "jamba": dict(
-        hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
-        attn_layer_period=2, attn_layer_offset=1, num_experts=2, num_experts_per_tok=1, mamba_d_state=16,
-        mamba_dt_rank=8, use_mamba_kernels=False, max_position_embeddings=4096),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        num_experts=2,
+        num_experts_per_tok=1,
+        mamba_d_state=16,
+        mamba_dt_rank=8,
+        use_mamba_kernels=False,
+        max_position_embeddings=4096,
+    ),
     "falcon_mamba": dict(hidden_size=128, num_hidden_layers=4, state_size=16, time_step_rank=8, intermediate_size=256),
     "mamba": dict(hidden_size=128, num_hidden_layers=4, state_size=16, time_step_rank=8, intermediate_size=256),
 }
@@ -89,8 +188,10 @@ def known_model_types() -> list[str]:
 def tiny_config(model_type: str, vocab_size: int, special: dict) -> dict:
     """The scaled-down config's fields: `SCALE[model_type]` over the architecture's defaults."""
     if model_type not in SCALE:
-        raise LpfError(f"no tiny recipe for model type {model_type!r}{did_you_mean(model_type, SCALE)}; "
-                       f"recipes: {', '.join(known_model_types())}")
+        raise LpfError(
+            f"no tiny recipe for model type {model_type!r}{did_you_mean(model_type, SCALE)}; "
+            f"recipes: {', '.join(known_model_types())}"
+        )
     return dict(SCALE[model_type], vocab_size=vocab_size, initializer_range=INIT_RANGE, **special)
 
 
@@ -105,8 +206,9 @@ def build_tiny(model_type: str) -> Path:
     fields = tiny_config(model_type, len(tok), special)
     import transformers
 
-    key = hashlib.sha256(json.dumps([model_type, fields, tok_hash, transformers.__version__],
-                                    sort_keys=True).encode()).hexdigest()[:12]
+    key = hashlib.sha256(
+        json.dumps([model_type, fields, tok_hash, transformers.__version__], sort_keys=True).encode()
+    ).hexdigest()[:12]
     out = cache_root() / "conformance" / f"{model_type}-{key}"
     if (out / "config.json").is_file():
         return out
@@ -121,7 +223,9 @@ def build_tiny(model_type: str) -> Path:
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     except Exception as e:  # noqa: BLE001 - a recipe this transformers cannot build: one line, not a trace
-        raise LpfError(f"transformers {transformers.__version__} cannot build a tiny {model_type}: "
-                       f"{type(e).__name__}: {' '.join(str(e).split())[:300]}") from None
+        raise LpfError(
+            f"transformers {transformers.__version__} cannot build a tiny {model_type}: "
+            f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+        ) from None
     out.parent.mkdir(parents=True, exist_ok=True)
     return save_model_dir(model, tok, special, out)

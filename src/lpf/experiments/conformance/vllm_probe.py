@@ -40,13 +40,20 @@ def main() -> int:
             source = ""
         if name not in asked and not any(m in source for m in MARKERS):
             continue
-        entry = {"architecture": name, "module": module, "class": cls_name,
-                 "mamba1": "layers.mamba.mamba_mixer import" in source}
+        entry = {
+            "architecture": name,
+            "module": module,
+            "class": cls_name,
+            "mamba1": "layers.mamba.mamba_mixer import" in source,
+        }
         try:
             cls = getattr(importlib.import_module(module), cls_name)
-            entry.update(has_inner_state=bool(iface.has_inner_state(cls)), is_hybrid=bool(iface.is_hybrid(cls)),
-                         is_attention_free=bool(iface.is_attention_free(cls)),
-                         supports_mamba_prefix_caching=bool(iface.supports_mamba_prefix_caching(cls)))
+            entry.update(
+                has_inner_state=bool(iface.has_inner_state(cls)),
+                is_hybrid=bool(iface.is_hybrid(cls)),
+                is_attention_free=bool(iface.is_attention_free(cls)),
+                supports_mamba_prefix_caching=bool(iface.supports_mamba_prefix_caching(cls)),
+            )
         except Exception as e:  # noqa: BLE001 - an architecture this build cannot even import: say why
             entry["error"] = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
         archs.append(entry)
@@ -54,9 +61,13 @@ def main() -> int:
         selective_scan = hasattr(torch.ops._C, "selective_scan_fwd")
     except (AttributeError, RuntimeError):
         selective_scan = False
-    doc = {"vllm_version": vllm.__version__, "cpu_build": bool(current_platform.is_cpu()), "archs": archs,
-           "removed": dict(getattr(registry, "_PREVIOUSLY_SUPPORTED_MODELS", {})),
-           "ops": {"selective_scan_fwd": selective_scan}}
+    doc = {
+        "vllm_version": vllm.__version__,
+        "cpu_build": bool(current_platform.is_cpu()),
+        "archs": archs,
+        "removed": dict(getattr(registry, "_PREVIOUSLY_SUPPORTED_MODELS", {})),
+        "ops": {"selective_scan_fwd": selective_scan},
+    }
     print("LPF-PROBE " + json.dumps(doc), flush=True)
     return 0
 

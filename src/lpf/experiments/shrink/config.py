@@ -99,8 +99,10 @@ class Source:
 
         run = RunDir.open(run_dir)
         if run.manifest.get("status") != "complete":
-            raise LpfError(f"{run.path} is an unfinished run: `lpf run --resume {run.path}` (then rescore and "
-                           f"analyze) first, so the shrink starts from every request")
+            raise LpfError(
+                f"{run.path} is an unfinished run: `lpf run --resume {run.path}` (then rescore and "
+                f"analyze) first, so the shrink starts from every request"
+            )
         fpath, spath = run.path / "findings.json", run.path / "summary.parquet"
         if not fpath.is_file() or not spath.is_file():
             raise LpfError(f"{run.path} has no findings yet: run `lpf analyze {run.path}` first")
@@ -108,39 +110,59 @@ class Source:
             findings = json.loads(fpath.read_text())
         except json.JSONDecodeError as e:
             raise LpfError(f"{fpath}: unreadable JSON ({e.msg})") from None
-        summary = pq.read_table(spath, columns=["request_id", "seq", "verdict", "first_divergence",
-                                                "max_abs_logprob_diff"]).sort_by("seq").to_pylist()
-        req = run.read("requests", ["seq", "request_id", "prompt_id", "prompt_token_ids", "output_token_ids",
-                                    "oracle_expected"]).sort_by("seq").to_pylist()
+        summary = (
+            pq.read_table(spath, columns=["request_id", "seq", "verdict", "first_divergence", "max_abs_logprob_diff"])
+            .sort_by("seq")
+            .to_pylist()
+        )
+        req = (
+            run.read(
+                "requests",
+                ["seq", "request_id", "prompt_id", "prompt_token_ids", "output_token_ids", "oracle_expected"],
+            )
+            .sort_by("seq")
+            .to_pylist()
+        )
         per_item, aborts = _item_max_tokens(run.path / "workload.jsonl")
         default_mt = run.manifest["sampling"]["max_tokens"]
         engine_cls = get_engine_class(run.manifest["engine"]["name"])
-        return cls(path=run.path, manifest=run.manifest, findings=findings, summary=summary,
-                   prompts={r["seq"]: tuple(r["prompt_token_ids"]) for r in req},
-                   ids={r["seq"]: r["request_id"] for r in req},
-                   expected={r["seq"]: r["oracle_expected"] for r in req},
-                   max_tokens={r["seq"]: per_item.get(r["prompt_id"]) or default_mt for r in req},
-                   aborts={r["seq"]: aborts[r["prompt_id"]] for r in req if aborts.get(r["prompt_id"])},
-                   defaults={name: f.default for name, f in engine_cls.Options.model_fields.items()},
-                   shrink_order=tuple(shrink_knobs(engine_cls.Options)))
+        return cls(
+            path=run.path,
+            manifest=run.manifest,
+            findings=findings,
+            summary=summary,
+            prompts={r["seq"]: tuple(r["prompt_token_ids"]) for r in req},
+            ids={r["seq"]: r["request_id"] for r in req},
+            expected={r["seq"]: r["oracle_expected"] for r in req},
+            max_tokens={r["seq"]: per_item.get(r["prompt_id"]) or default_mt for r in req},
+            aborts={r["seq"]: aborts[r["prompt_id"]] for r in req if aborts.get(r["prompt_id"])},
+            defaults={name: f.default for name, f in engine_cls.Options.model_fields.items()},
+            shrink_order=tuple(shrink_knobs(engine_cls.Options)),
+        )
 
     # -- the request to shrink for -----------------------------------------------------------------
     def target(self, request_id: str | None) -> dict:
         flagged = [r for r in self.summary if r["verdict"] in ("divergent", "corrupt")]
         if not flagged:
             counts = self.findings.get("counts") or {}
-            raise LpfError(f"{self.path} has no flagged request (verdict {self.findings.get('verdict')}: "
-                           f"{counts.get('divergent', 0)} divergent, {counts.get('corrupt', 0)} corrupt): nothing to shrink")
+            raise LpfError(
+                f"{self.path} has no flagged request (verdict {self.findings.get('verdict')}: "
+                f"{counts.get('divergent', 0)} divergent, {counts.get('corrupt', 0)} corrupt): nothing to shrink"
+            )
         if request_id is None:
             order = {f["request_id"]: i for i, f in enumerate(self.findings.get("flagged") or [])}
             return min(flagged, key=lambda r: (order.get(r["request_id"], len(order)), r["seq"]))
         row = next((r for r in self.summary if r["request_id"] == request_id), None)
         if row is None:
-            raise LpfError(f"{self.path} has no request {request_id!r}"
-                           f"{did_you_mean(request_id, [r['request_id'] for r in flagged])}")
+            raise LpfError(
+                f"{self.path} has no request {request_id!r}"
+                f"{did_you_mean(request_id, [r['request_id'] for r in flagged])}"
+            )
         if row["verdict"] not in ("divergent", "corrupt"):
-            raise LpfError(f"request {request_id} is {row['verdict']} in {self.path}, not flagged: nothing to shrink "
-                           f"(flagged: {', '.join(r['request_id'] for r in flagged[:3])}{', ...' if len(flagged) > 3 else ''})")
+            raise LpfError(
+                f"request {request_id} is {row['verdict']} in {self.path}, not flagged: nothing to shrink "
+                f"(flagged: {', '.join(r['request_id'] for r in flagged[:3])}{', ...' if len(flagged) > 3 else ''})"
+            )
         return row
 
     def beside(self, seq: int) -> list[int]:
@@ -182,8 +204,9 @@ class Source:
         from lpf.adapters import get_engine_class
         from lpf.experiments.shrink.suspects import named_moves
 
-        return named_moves(self.findings.get("hypotheses"), get_engine_class(self.manifest["engine"]["name"]).Options,
-                           config.knob_dict)
+        return named_moves(
+            self.findings.get("hypotheses"), get_engine_class(self.manifest["engine"]["name"]).Options, config.knob_dict
+        )
 
     def refused(self, config: "Config") -> str | None:
         """Why the engine's Options refuse this config's knobs (a drill that needs a knob moved off,
@@ -211,18 +234,21 @@ class Source:
         return [k for k in self.shrink_order if k in off]
 
     def size(self, config: Config) -> tuple[int, int, int]:
-        return (len(config.members), sum(m.prompt_len + m.max_tokens for m in config.members),
-                len(self.movable(config)))
+        return (
+            len(config.members),
+            sum(m.prompt_len + m.max_tokens for m in config.members),
+            len(self.movable(config)),
+        )
 
     def describe_size(self, config: Config) -> str:
         n, tokens, knobs = self.size(config)
-        return (f"{n} request{'s' * (n != 1)}, {tokens} tokens, {knobs} knob{'s' * (knobs != 1)} off default")
+        return f"{n} request{'s' * (n != 1)}, {tokens} tokens, {knobs} knob{'s' * (knobs != 1)} off default"
 
     def workload_items(self, config: Config) -> list[dict]:
         items = []
         for m in config.members:
             prompt = self.prompts[m.seq]
-            item = {"id": self.ids[m.seq], "prompt_token_ids": list(prompt[:m.prompt_len]), "max_tokens": m.max_tokens}
+            item = {"id": self.ids[m.seq], "prompt_token_ids": list(prompt[: m.prompt_len]), "max_tokens": m.max_tokens}
             if m.prompt_len == len(prompt) and self.expected.get(m.seq) is not None:
                 item["expected"] = self.expected[m.seq]  # a cut prompt asks something else
             if self.aborts.get(m.seq) and self.aborts[m.seq] < m.prompt_len:  # the client cancels it as it did
@@ -240,8 +266,11 @@ class Source:
             if i + 1 == len(seqs) or seqs[i + 1] != s + 1:
                 ranges.append([start, s])
                 start = None
-        lengths = {str(m.seq): [m.prompt_len, m.max_tokens] for m in config.members
-                   if (m.prompt_len, m.max_tokens) != (len(self.prompts[m.seq]), self.max_tokens[m.seq])}
+        lengths = {
+            str(m.seq): [m.prompt_len, m.max_tokens]
+            for m in config.members
+            if (m.prompt_len, m.max_tokens) != (len(self.prompts[m.seq]), self.max_tokens[m.seq])
+        }
         return {"seqs": ranges, "lengths": lengths, "knobs": self.off_default(config)}
 
     def config(self, doc: dict) -> Config:
@@ -262,14 +291,25 @@ class Source:
         from lpf.pipeline.spec import AuditSpec, RunSpec
 
         m, s = self.manifest, self.manifest["sampling"]
-        sampling = SamplingParams(**{k: s[k] for k in ("temperature", "top_p", "top_k", "max_tokens", "seed",
-                                                         "logprobs")}, ignore_eos=bool(s.get("ignore_eos")))
-        run = RunSpec(engine=m["engine"]["name"], model=self.model_spec(), workload=str(workload), out=out, n=1,
-                      sampling=sampling, engine_options=self.off_default(config))
+        sampling = SamplingParams(
+            **{k: s[k] for k in ("temperature", "top_p", "top_k", "max_tokens", "seed", "logprobs")},
+            ignore_eos=bool(s.get("ignore_eos")),
+        )
+        run = RunSpec(
+            engine=m["engine"]["name"],
+            model=self.model_spec(),
+            workload=str(workload),
+            out=out,
+            n=1,
+            sampling=sampling,
+            engine_options=self.off_default(config),
+        )
         ref = m.get("reference") or {}
-        rescore = dataclasses.replace(AuditSpec.model_fields["rescore"].default, dtype=ref.get("dtype") or "float32",
-                                      reference=ref["spec"] if ref.get("spec") and ref["spec"] != m["model"]["spec"]
-                                      else None)
+        rescore = dataclasses.replace(
+            AuditSpec.model_fields["rescore"].default,
+            dtype=ref.get("dtype") or "float32",
+            reference=ref["spec"] if ref.get("spec") and ref["spec"] != m["model"]["spec"] else None,
+        )
         return AuditSpec(run=run, rescore=rescore, thresholds=self.threshold_values())
 
     def model_spec(self) -> str:

@@ -30,8 +30,9 @@ def split(n_items: int, n: int) -> list[range]:
     return [range(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
-def ddmin(items: Sequence[T], test: Callable[[list[T]], bool],
-          on_reduce: Callable[[list[T]], None] = lambda subset: None) -> list[T]:
+def ddmin(
+    items: Sequence[T], test: Callable[[list[T]], bool], on_reduce: Callable[[list[T]], None] = lambda subset: None
+) -> list[T]:
     items = list(items)
     seen: dict[tuple[int, ...], bool] = {tuple(range(len(items))): True}
 

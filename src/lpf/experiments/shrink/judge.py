@@ -37,14 +37,24 @@ class BudgetSpent(Exception):
 
 
 class Judge:
-    def __init__(self, out: Path, source: Source, signature: Signature, target_seq: int, tries: int, need: int,
-                 charge: Callable[[str], None], deterministic: bool | None = None):
+    def __init__(
+        self,
+        out: Path,
+        source: Source,
+        signature: Signature,
+        target_seq: int,
+        tries: int,
+        need: int,
+        charge: Callable[[str], None],
+        deterministic: bool | None = None,
+    ):
         self.out, self.source, self.signature, self.target_seq = Path(out), source, signature, target_seq
         self.tries, self.need, self.charge = tries, need, charge
         self.deterministic = deterministic  # None until two runs of one configuration say
 
-    def judge(self, cid: str, config: Config, every_try: bool = False,
-              on_try: Callable[[dict], None] = lambda t: None) -> tuple[bool, list[dict]]:
+    def judge(
+        self, cid: str, config: Config, every_try: bool = False, on_try: Callable[[dict], None] = lambda t: None
+    ) -> tuple[bool, list[dict]]:
         workload = self._workload(cid, config)
         tries: list[dict] = []
         for k in range(1, self.tries + 1):
@@ -105,8 +115,10 @@ class Judge:
         want = (self.source.manifest.get("model") or {}).get("weights_sha256")
         got = (run.manifest.get("model") or {}).get("weights_sha256")
         if want and got and want != got:
-            raise LpfError(f"the model's weights changed since {self.source.path} was run (sha256 {got[:12]}... "
-                           f"instead of {want[:12]}...): a shrink must run the same model")
+            raise LpfError(
+                f"the model's weights changed since {self.source.path} was run (sha256 {got[:12]}... "
+                f"instead of {want[:12]}...): a shrink must run the same model"
+            )
         rows = pq.read_table(run_dir / "summary.parquet").to_pylist()
         row = next((r for r in rows if r["seq"] == index), None)
         requests = run.read("requests")
@@ -115,12 +127,19 @@ class Judge:
         lie, seen = shows(self.signature, row, value)
         tok = run.read("tokens", ["request_id", "position", "token_id", "engine_logprob"])
         mine = tok.filter(pc.equal(tok.column("request_id"), rid or "")).sort_by("position")
-        fingerprint = hashlib.sha256(json.dumps([mine.column("token_id").to_pylist(),
-                                                 mine.column("engine_logprob").to_pylist()]).encode()).hexdigest()[:16]
-        return {"dir": run_dir.relative_to(self.out).as_posix(), "request_id": rid, "lie": lie, "seen": seen,
-                "verdict": row["verdict"] if row else None,
-                "first_divergence": row["first_divergence"] if row else None,
-                "max_abs_logprob_diff": row["max_abs_logprob_diff"] if row else None, "fingerprint": fingerprint}
+        fingerprint = hashlib.sha256(
+            json.dumps([mine.column("token_id").to_pylist(), mine.column("engine_logprob").to_pylist()]).encode()
+        ).hexdigest()[:16]
+        return {
+            "dir": run_dir.relative_to(self.out).as_posix(),
+            "request_id": rid,
+            "lie": lie,
+            "seen": seen,
+            "verdict": row["verdict"] if row else None,
+            "first_divergence": row["first_divergence"] if row else None,
+            "max_abs_logprob_diff": row["max_abs_logprob_diff"] if row else None,
+            "fingerprint": fingerprint,
+        }
 
     def _feature(self, run, requests, index: int):
         from lpf.analysis.thresholds import Thresholds
@@ -130,5 +149,14 @@ class Judge:
         if self.signature.feature in TOKEN_SIGNATURES:
             tokens, reference = run.read("tokens"), run.read("reference")
         th = Thresholds().with_overrides(self.source.thresholds())
-        return target_feature(self.signature.feature, index, requests, trace, run.manifest.get("engine"), tokens,
-                              reference, run.manifest["sampling"].get("temperature") or 0.0, th)
+        return target_feature(
+            self.signature.feature,
+            index,
+            requests,
+            trace,
+            run.manifest.get("engine"),
+            tokens,
+            reference,
+            run.manifest["sampling"].get("temperature") or 0.0,
+            th,
+        )

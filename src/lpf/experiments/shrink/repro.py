@@ -26,10 +26,28 @@ from lpf.experiments.shrink.config import Config, Source
 from lpf.experiments.shrink.signature import Signature
 
 SCRIPT_ENGINES = ("builtin", "vllm")
-CONFIG_FIELDS = ("architectures", "model_type", "hidden_size", "num_hidden_layers", "layer_types", "attn_layer_period",
-                 "attn_layer_offset", "num_attention_heads", "num_key_value_heads", "mamba_d_state", "mamba_d_conv",
-                 "mamba_expand", "mamba_n_heads", "mamba_d_head", "num_experts", "num_local_experts", "vocab_size",
-                 "max_position_embeddings", "torch_dtype", "dtype")
+CONFIG_FIELDS = (
+    "architectures",
+    "model_type",
+    "hidden_size",
+    "num_hidden_layers",
+    "layer_types",
+    "attn_layer_period",
+    "attn_layer_offset",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "mamba_d_state",
+    "mamba_d_conv",
+    "mamba_expand",
+    "mamba_n_heads",
+    "mamba_d_head",
+    "num_experts",
+    "num_local_experts",
+    "vocab_size",
+    "max_position_embeddings",
+    "torch_dtype",
+    "dtype",
+)
 VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TORCHDYNAMO_DISABLE": "1"}  # as lpf's vLLM worker runs it
 VLLM_INJECT_ENV = "LPF_VLLM_INJECT"  # the lpf vLLM trace plugin's drill switch
 
@@ -43,27 +61,51 @@ def _write(path: Path, text: str, mode: int | None = None) -> Path:
     return path
 
 
-def script_config(engine: dict, model_dir: str, items: list[dict], target_id: str, sampling: dict,
-                  thresholds: dict, position_class: str, reference_dtype: str = "float32") -> dict:
+def script_config(
+    engine: dict,
+    model_dir: str,
+    items: list[dict],
+    target_id: str,
+    sampling: dict,
+    thresholds: dict,
+    position_class: str,
+    reference_dtype: str = "float32",
+) -> dict:
     """The reproducer's data. `engine`: a run manifest's engine section (name, options, and for vLLM
     the `engine_args` it started with); `items`: the workload items in arrival order."""
     from lpf.analysis.thresholds import Thresholds
 
     name, options = engine["name"], dict(engine.get("options") or {})
     th = {k: thresholds.get(k, v) for k, v in Thresholds().to_dict().items()}
-    cfg = {"engine": name, "model_dir": str(model_dir), "target": target_id, "reference_dtype": reference_dtype,
-           "position_class": position_class, "thresholds": th,
-           "sampling": {k: sampling[k] for k in ("temperature", "top_p", "top_k", "max_tokens", "seed", "ignore_eos",
-                                                 "logprobs")},
-           "requests": [{"id": it["id"], "prompt_token_ids": it["prompt_token_ids"], "max_tokens": it["max_tokens"],
-                         "seed": request_seed(sampling["seed"], i),
-                         **({"abort_after_tokens": it["abort_after_tokens"]} if it.get("abort_after_tokens") else {})}
-                        for i, it in enumerate(items)]}
+    cfg = {
+        "engine": name,
+        "model_dir": str(model_dir),
+        "target": target_id,
+        "reference_dtype": reference_dtype,
+        "position_class": position_class,
+        "thresholds": th,
+        "sampling": {
+            k: sampling[k] for k in ("temperature", "top_p", "top_k", "max_tokens", "seed", "ignore_eos", "logprobs")
+        },
+        "requests": [
+            {
+                "id": it["id"],
+                "prompt_token_ids": it["prompt_token_ids"],
+                "max_tokens": it["max_tokens"],
+                "seed": request_seed(sampling["seed"], i),
+                **({"abort_after_tokens": it["abort_after_tokens"]} if it.get("abort_after_tokens") else {}),
+            }
+            for i, it in enumerate(items)
+        ],
+    }
     if name == "builtin":
         from lpf.builtin.config import EngineConfig
 
-        cfg.update(engine_config={k: options[k] for k in EngineConfig.model_fields if k in options},
-                   inject=options.get("inject") or "", threads=options.get("threads") or 1)
+        cfg.update(
+            engine_config={k: options[k] for k in EngineConfig.model_fields if k in options},
+            inject=options.get("inject") or "",
+            threads=options.get("threads") or 1,
+        )
     elif name == "vllm":
         env = dict(VLLM_ENV, VLLM_CPU_KVCACHE_SPACE=f"{options.get('cpu_kvcache_space') or 1.0:g}")
         if options.get("inject"):
@@ -89,8 +131,11 @@ def locate_offer(out: Path, doc: dict) -> dict:
     cand = next(c for c in doc["candidates"] if c["id"] == minimal["candidate"])
     shown = next((t for t in cand["tries"] if t["lie"]), cand["tries"][0])
     run_dir = Path(out) / shown["dir"]
-    return {"run_dir": str(run_dir), "request_id": shown["request_id"],
-            "command": f"lpf locate {run_dir} --request {shown['request_id']}"}
+    return {
+        "run_dir": str(run_dir),
+        "request_id": shown["request_id"],
+        "command": f"lpf locate {run_dir} --request {shown['request_id']}",
+    }
 
 
 def write_outputs(out: Path, source: Source, doc: dict) -> list[Path]:
@@ -108,17 +153,31 @@ def write_outputs(out: Path, source: Source, doc: dict) -> list[Path]:
     from lpf.pipeline.spec import audit_command
 
     args = ["lpf", "audit", *audit_command(source.spec(config, Path("workload.jsonl"), out), with_out=False)]
-    written.append(_write(out / "command.sh", "#!/bin/sh\n"
-                          f"# The lie of {doc['target']} ({sig.describe()}), reproduced with {len(items)} request(s)\n"
-                          f"# by `lpf shrink` from {source.path.resolve()}. Exit 1 when the lie shows (--fail-on divergent).\n"
-                          'cd "$(dirname "$0")" || exit 2\n'
-                          'out="${1:-runs/repro-$(date +%Y%m%d-%H%M%S)}"\n'
-                          f'exec {" ".join(shlex.quote(a) for a in args)} --out "$out"\n', 0o755))
+    written.append(
+        _write(
+            out / "command.sh",
+            "#!/bin/sh\n"
+            f"# The lie of {doc['target']} ({sig.describe()}), reproduced with {len(items)} request(s)\n"
+            f"# by `lpf shrink` from {source.path.resolve()}. Exit 1 when the lie shows (--fail-on divergent).\n"
+            'cd "$(dirname "$0")" || exit 2\n'
+            'out="${1:-runs/repro-$(date +%Y%m%d-%H%M%S)}"\n'
+            f'exec {" ".join(shlex.quote(a) for a in args)} --out "$out"\n',
+            0o755,
+        )
+    )
     engine = run.manifest["engine"]
     if engine["name"] in SCRIPT_ENGINES:
         th = source.findings.get("thresholds") or {}
-        cfg = script_config(engine, run.manifest["model"]["path"], items, doc["target"], run.manifest["sampling"], th,
-                            sig.position_class, (run.manifest.get("reference") or {}).get("dtype") or "float32")
+        cfg = script_config(
+            engine,
+            run.manifest["model"]["path"],
+            items,
+            doc["target"],
+            run.manifest["sampling"],
+            th,
+            sig.position_class,
+            (run.manifest.get("reference") or {}).get("dtype") or "float32",
+        )
         written.append(write_script(out / "repro.py", cfg))
     written.append(_write(out / "report.md", report_md(out, source, doc, config, run, shown, sig)))
     return written
@@ -141,10 +200,17 @@ def _evidence(run, request_id: str, position: int | None) -> dict | None:
     from lpf.core.model_specs import ModelRef, load_tokenizer
 
     tokenizer = load_tokenizer(ModelRef(run.manifest["model"]["spec"], Path(run.manifest["model"]["path"])))
-    return {"position": position, "token_id": tok["token_id"], "token": tokenizer.decode([tok["token_id"]]),
-            "engine_logprob": tok["engine_logprob"], "ref_logprob": ref["ref_logprob"], "ref_rank": ref["ref_rank"],
-            "ref_top1_id": ref["ref_top1_id"], "ref_top1": tokenizer.decode([ref["ref_top1_id"]]),
-            "ref_top1_logprob": ref["ref_top1_logprob"]}
+    return {
+        "position": position,
+        "token_id": tok["token_id"],
+        "token": tokenizer.decode([tok["token_id"]]),
+        "engine_logprob": tok["engine_logprob"],
+        "ref_logprob": ref["ref_logprob"],
+        "ref_rank": ref["ref_rank"],
+        "ref_top1_id": ref["ref_top1_id"],
+        "ref_top1": tokenizer.decode([ref["ref_top1_id"]]),
+        "ref_top1_logprob": ref["ref_top1_logprob"],
+    }
 
 
 def _knobs(d: dict) -> str:
@@ -155,51 +221,88 @@ def report_md(out: Path, source: Source, doc: dict, config: Config, run, shown: 
     m, original = run.manifest, source.original()
     ev = _evidence(run, shown["request_id"], shown["first_divergence"])
     model_cfg = json.loads((Path(m["model"]["path"]) / "config.json").read_text())
-    lines = [f"# `{doc['target']}` lies with {len(config.members)} of {len(original.members)} requests",
-             "", f"Found by `lpf shrink` from `{source.path.resolve()}` (run {source.manifest.get('run_id')}); "
-             f"signature: {sig.describe()}.", ""]
+    lines = [
+        f"# `{doc['target']}` lies with {len(config.members)} of {len(original.members)} requests",
+        "",
+        f"Found by `lpf shrink` from `{source.path.resolve()}` (run {source.manifest.get('run_id')}); "
+        f"signature: {sig.describe()}.",
+        "",
+    ]
     if doc.get("signature_note"):
         lines += [f"({doc['signature_note']}.)", ""]
-    lines += ["## Versions", "", f"- engine: {m['engine']['name']} {m['engine'].get('version') or ''}".rstrip(),
-              f"- model: `{m['model']['spec']}` ({m['model'].get('architecture')}), weights sha256 "
-              f"`{m['model'].get('weights_sha256')}`",
-              f"- reference: {(m.get('reference') or {}).get('implementation')} "
-              f"({(m.get('reference') or {}).get('dtype')})",
-              f"- lpf {m.get('lpf_version')}, Python {(m.get('host') or {}).get('python')} on "
-              f"{(m.get('host') or {}).get('platform')}", "", "## Model config fields that matter", ""]
+    lines += [
+        "## Versions",
+        "",
+        f"- engine: {m['engine']['name']} {m['engine'].get('version') or ''}".rstrip(),
+        f"- model: `{m['model']['spec']}` ({m['model'].get('architecture')}), weights sha256 "
+        f"`{m['model'].get('weights_sha256')}`",
+        f"- reference: {(m.get('reference') or {}).get('implementation')} ({(m.get('reference') or {}).get('dtype')})",
+        f"- lpf {m.get('lpf_version')}, Python {(m.get('host') or {}).get('python')} on "
+        f"{(m.get('host') or {}).get('platform')}",
+        "",
+        "## Model config fields that matter",
+        "",
+    ]
     lines += [f"- `{k}`: {json.dumps(model_cfg[k])}" for k in CONFIG_FIELDS if k in model_cfg]
-    lines += ["", "## Original vs minimal", "", "| | original | minimal |", "|---|---|---|",
-              f"| requests | {len(original.members)} | {len(config.members)} |",
-              f"| tokens (prompt + max_tokens) | {source.size(original)[1]} | {source.size(config)[1]} |",
-              f"| knobs off the engine's default | {_knobs(source.off_default(original))} | "
-              f"{_knobs(source.off_default(config))} |", "",
-              f"Sampling: {json.dumps(m['sampling'])}; thresholds pinned to the original run's: "
-              f"{', '.join(source.thresholds())}.", "", "## The lie at the first divergence", ""]
+    lines += [
+        "",
+        "## Original vs minimal",
+        "",
+        "| | original | minimal |",
+        "|---|---|---|",
+        f"| requests | {len(original.members)} | {len(config.members)} |",
+        f"| tokens (prompt + max_tokens) | {source.size(original)[1]} | {source.size(config)[1]} |",
+        f"| knobs off the engine's default | {_knobs(source.off_default(original))} | "
+        f"{_knobs(source.off_default(config))} |",
+        "",
+        f"Sampling: {json.dumps(m['sampling'])}; thresholds pinned to the original run's: "
+        f"{', '.join(source.thresholds())}.",
+        "",
+        "## The lie at the first divergence",
+        "",
+    ]
     if ev:
-        lines += [f"In the minimal run (`{shown['dir']}`), `{shown['request_id']}` first diverges at output position "
-                  f"{ev['position']}: the engine sampled "
-                  f"{json.dumps(ev['token'])} (#{ev['token_id']}) with logprob {ev['engine_logprob']:.4f}; the "
-                  f"reference gives that token {ev['ref_logprob']:.4f} (rank {ev['ref_rank']}) and prefers "
-                  f"{json.dumps(ev['ref_top1'])} (#{ev['ref_top1_id']}, {ev['ref_top1_logprob']:.4f}).", ""]
+        lines += [
+            f"In the minimal run (`{shown['dir']}`), `{shown['request_id']}` first diverges at output position "
+            f"{ev['position']}: the engine sampled "
+            f"{json.dumps(ev['token'])} (#{ev['token_id']}) with logprob {ev['engine_logprob']:.4f}; the "
+            f"reference gives that token {ev['ref_logprob']:.4f} (rank {ev['ref_rank']}) and prefers "
+            f"{json.dumps(ev['ref_top1'])} (#{ev['ref_top1_id']}, {ev['ref_top1_logprob']:.4f}).",
+            "",
+        ]
     else:
         lines += [f"The minimal run (`{shown['dir']}`): {shown['seen']}.", ""]
     offer = locate_offer(out, doc)
-    lines += ["## Where the lie is born", "", "The first op of the forward pass that departs, and whose fault it is "
-              f"(the engine's or the reference's): `{offer['command']}`.", ""]
+    lines += [
+        "## Where the lie is born",
+        "",
+        "The first op of the forward pass that departs, and whose fault it is "
+        f"(the engine's or the reference's): `{offer['command']}`.",
+        "",
+    ]
     lines += ["## Ranked hypotheses (original run)", ""]
     hyps = (source.findings.get("hypotheses") or [])[:5]
     lines += [f"{h['rank']}. {h['sentence']} (p={h['p_value']:.2g})" for h in hyps] or ["(none)"]
     conf = doc.get("confirmation") or {}
     lines += ["", "## Reproduce", "", "- `sh command.sh [OUT]`: the same `lpf audit` (exit 1 when the lie shows)"]
     if (run.manifest["engine"]["name"]) in SCRIPT_ENGINES:
-        lines.append("- `python repro.py`: standalone, the engine and transformers only (exit 1 when the lie reproduces)")
+        lines.append(
+            "- `python repro.py`: standalone, the engine and transformers only (exit 1 when the lie reproduces)"
+        )
     if conf.get("note"):
         lines += ["", f"Reproducibility: {conf['note']}."]
-    lines += ["", f"## Shrink log ({doc['runs_used']} runs of {doc['budget_runs']}, status {doc['status']})", "",
-              "| candidate | phase | tried | size | outcome | runs |", "|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        f"## Shrink log ({doc['runs_used']} runs of {doc['budget_runs']}, status {doc['status']})",
+        "",
+        "| candidate | phase | tried | size | outcome | runs |",
+        "|---|---|---|---|---|---|",
+    ]
     path = set(doc.get("path") or [])
     for c in doc["candidates"]:
         mark = " (adopted)" if c["id"] in path else ""
-        lines.append(f"| {c['id']} | {c['phase']} | {c['step']} | {c['description']} | {c['status']}{mark} | "
-                     f"{'; '.join(t['seen'] for t in c['tries'])} |")
+        lines.append(
+            f"| {c['id']} | {c['phase']} | {c['step']} | {c['description']} | {c['status']}{mark} | "
+            f"{'; '.join(t['seen'] for t in c['tries'])} |"
+        )
     return "\n".join(lines) + "\n"

@@ -65,8 +65,9 @@ def generate_builtin(cfg: dict, model_dir: str):
             rid = f"{r['id']}~attempt0"
             cancelled[rid] = (i, r)
             engine.cancel_after(rid, r["abort_after_tokens"])
-        rejected = engine.add_request(Request(rid, list(r["prompt_token_ids"]), sampling, r["max_tokens"], r["seed"],
-                                              eos, seq=i))
+        rejected = engine.add_request(
+            Request(rid, list(r["prompt_token_ids"]), sampling, r["max_tokens"], r["seed"], eos, seq=i)
+        )
         if rejected is not None:
             done[rejected.request_id] = rejected
     while engine.has_unfinished():
@@ -108,9 +109,19 @@ def generate_vllm(cfg: dict, model_dir: str):
     if drill:
         check_drill(drill)
     s = cfg["sampling"]
-    params = [SamplingParams(n=1, temperature=s["temperature"], top_p=s["top_p"], top_k=s["top_k"] or 0,
-                             seed=r["seed"], max_tokens=r["max_tokens"], ignore_eos=s["ignore_eos"],
-                             logprobs=max(1, s["logprobs"])) for r in cfg["requests"]]
+    params = [
+        SamplingParams(
+            n=1,
+            temperature=s["temperature"],
+            top_p=s["top_p"],
+            top_k=s["top_k"] or 0,
+            seed=r["seed"],
+            max_tokens=r["max_tokens"],
+            ignore_eos=s["ignore_eos"],
+            logprobs=max(1, s["logprobs"]),
+        )
+        for r in cfg["requests"]
+    ]
     prompts = [TokensPrompt(prompt_token_ids=list(r["prompt_token_ids"])) for r in cfg["requests"]]
     outs = llm.generate(prompts, params, use_tqdm=False)
     index = [r["id"] for r in cfg["requests"]].index(cfg["target"])
@@ -126,8 +137,11 @@ def check_drill(drill: str) -> None:
     try:
         import lpf_vllm_trace
     except ImportError:
-        print(f"error: the {drill} drill lives in lpf-vllm-trace, which is not installed in this Python "
-              f"(from an lpf checkout: {sys.executable} -m pip install ./plugins/vllm-trace)", file=sys.stderr)
+        print(
+            f"error: the {drill} drill lives in lpf-vllm-trace, which is not installed in this Python "
+            f"(from an lpf checkout: {sys.executable} -m pip install ./plugins/vllm-trace)",
+            file=sys.stderr,
+        )
         sys.exit(2)
     status = lpf_vllm_trace.status()
     if not status.get("recording"):
@@ -143,10 +157,13 @@ def rescore(model_dir: str, dtype: str, prompt: list, output: list):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     with torch.inference_mode():
         logits = model(input_ids=torch.tensor([prompt + output])).logits[0].float()
-    rows = torch.log_softmax(logits, dim=-1)[len(prompt) - 1:len(prompt) - 1 + len(output)]
+    rows = torch.log_softmax(logits, dim=-1)[len(prompt) - 1 : len(prompt) - 1 + len(output)]
     top = rows.argmax(dim=-1)
-    return ([float(rows[p, t]) for p, t in enumerate(output)], [int(t) for t in top],
-            [float(rows[p, t]) for p, t in enumerate(top)])
+    return (
+        [float(rows[p, t]) for p, t in enumerate(output)],
+        [int(t) for t in top],
+        [float(rows[p, t]) for p, t in enumerate(top)],
+    )
 
 
 def first_divergence(cfg: dict, output, engine_lps, ref_lps, top_ids, top_lps):
@@ -181,23 +198,31 @@ def main() -> int:
     text = lambda t: json.dumps(tok.decode([t]))  # noqa: E731
     print(f"engine: {engine_words}")
     print(f"reference: transformers {transformers.__version__}, torch {torch.__version__}, {cfg['reference_dtype']}")
-    print(f"{len(cfg['requests'])} requests; target {cfg['target']}: {len(prompt)} prompt tokens, "
-          f"{len(output)} output tokens")
+    print(
+        f"{len(cfg['requests'])} requests; target {cfg['target']}: {len(prompt)} prompt tokens, "
+        f"{len(output)} output tokens"
+    )
     print(f"{'pos':>4}  {'token':<16} {'engine lp':>10} {'reference lp':>13} {'|diff|':>8}  reference top-1")
     for p, t in enumerate(output):
-        print(f"{p:>4}  {text(t) + ' #' + str(t):<16} {engine_lps[p]:>10.4f} {ref_lps[p]:>13.4f} "
-              f"{abs(engine_lps[p] - ref_lps[p]):>8.4f}  {text(top_ids[p])} #{top_ids[p]} ({top_lps[p]:.4f})")
+        print(
+            f"{p:>4}  {text(t) + ' #' + str(t):<16} {engine_lps[p]:>10.4f} {ref_lps[p]:>13.4f} "
+            f"{abs(engine_lps[p] - ref_lps[p]):>8.4f}  {text(top_ids[p])} #{top_ids[p]} ({top_lps[p]:.4f})"
+        )
     p = first_divergence(cfg, output, engine_lps, ref_lps, top_ids, top_lps)
     want = cfg["position_class"]
     if p is None:
         print("no divergence: the lie does not reproduce")
         return 0
-    print(f"first divergence at output position {p}: engine logprob {engine_lps[p]:.4f}, reference logprob "
-          f"{ref_lps[p]:.4f} (|diff| {abs(engine_lps[p] - ref_lps[p]):.4f}) for token {text(output[p])} #{output[p]}")
+    print(
+        f"first divergence at output position {p}: engine logprob {engine_lps[p]:.4f}, reference logprob "
+        f"{ref_lps[p]:.4f} (|diff| {abs(engine_lps[p] - ref_lps[p]):.4f}) for token {text(output[p])} #{output[p]}"
+    )
     got = "first-token" if p == 0 else "later"
     if got != want:
-        print(f"it diverges, but the lie began {'at the first output token' if want == 'first-token' else 'later'} "
-              f"while shrinking: not the same lie")
+        print(
+            f"it diverges, but the lie began {'at the first output token' if want == 'first-token' else 'later'} "
+            f"while shrinking: not the same lie"
+        )
         return 0
     print("the lie reproduces")
     return 1
@@ -205,7 +230,9 @@ def main() -> int:
 
 if __name__ == "__main__":  # vLLM may spawn processes that re-import this file: work only under the guard
     if CONFIG is None:
-        print("error: this is lpf shrink's template; `lpf shrink` writes a filled-in copy as DIR/repro.py",
-              file=sys.stderr)
+        print(
+            "error: this is lpf shrink's template; `lpf shrink` writes a filled-in copy as DIR/repro.py",
+            file=sys.stderr,
+        )
         sys.exit(2)
     sys.exit(main())

@@ -53,7 +53,11 @@ class NotReproduced(Exception):
 
 def midpoint(value, default):
     """A value halfway from `value` to `default` (geometric for positive numbers), or None."""
-    if isinstance(value, bool) or isinstance(default, bool) or not all(isinstance(x, (int, float)) for x in (value, default)):
+    if (
+        isinstance(value, bool)
+        or isinstance(default, bool)
+        or not all(isinstance(x, (int, float)) for x in (value, default))
+    ):
         return None
     mid = math.sqrt(value * default) if value > 0 and default > 0 else (value + default) / 2
     if isinstance(value, int) and isinstance(default, int):
@@ -64,8 +68,14 @@ def midpoint(value, default):
 
 
 class Shrink:
-    def __init__(self, source: Source, target_seq: int, judge: Judge, state: State,
-                 on_event: Callable[[dict], None] = lambda e: None):
+    def __init__(
+        self,
+        source: Source,
+        target_seq: int,
+        judge: Judge,
+        state: State,
+        on_event: Callable[[dict], None] = lambda e: None,
+    ):
         self.source, self.t, self.judge, self.state, self.on_event = source, target_seq, judge, state, on_event
         self.cur: Config | None = None
         self.last: dict | None = None  # the candidate `test` judged last
@@ -78,11 +88,21 @@ class Shrink:
             self._emit(cand, replayed=True)
             return cand["status"] == "reproduces"
         if cand is None:
-            cand = self.state.add(config.key(), phase, step, self.source.to_json(config),
-                                  list(self.source.size(config)), self.source.describe_size(config))
+            cand = self.state.add(
+                config.key(),
+                phase,
+                step,
+                self.source.to_json(config),
+                list(self.source.size(config)),
+                self.source.describe_size(config),
+            )
         self.on_event({"type": "start", "candidate": cand})
-        ok, _ = self.judge.judge(cand["id"], config, every_try,
-                                 on_try=lambda t: (self.state.record_try(cand, t), self.on_event({"type": "try", "try": t})))
+        ok, _ = self.judge.judge(
+            cand["id"],
+            config,
+            every_try,
+            on_try=lambda t: (self.state.record_try(cand, t), self.on_event({"type": "try", "try": t})),
+        )
         self.state.finish(cand, ok)
         self.state.set(deterministic=self.judge.deterministic)
         self.last = cand
@@ -97,8 +117,16 @@ class Shrink:
 
     def _emit(self, cand: dict, replayed: bool = False) -> None:
         best = self.state.lookup(self.cur.key()) if self.cur is not None else None
-        self.on_event({"type": "done", "candidate": cand, "replayed": replayed, "runs_used": self.state.doc["runs_used"],
-                       "budget": self.state.doc["budget_runs"], "best": best})
+        self.on_event(
+            {
+                "type": "done",
+                "candidate": cand,
+                "replayed": replayed,
+                "runs_used": self.state.doc["runs_used"],
+                "budget": self.state.doc["budget_runs"],
+                "best": best,
+            }
+        )
 
     # -- the plan ------------------------------------------------------------------------------------
     def run(self) -> dict:
@@ -117,9 +145,14 @@ class Shrink:
         except NotReproduced:
             status = "not-reproduced"
         if self.cur is not None:
-            self.state.set(minimal={"candidate": self.state.lookup(self.cur.key())["id"],
-                                    "config": self.source.to_json(self.cur), "size": list(self.source.size(self.cur)),
-                                    "description": self.source.describe_size(self.cur)})
+            self.state.set(
+                minimal={
+                    "candidate": self.state.lookup(self.cur.key())["id"],
+                    "config": self.source.to_json(self.cur),
+                    "size": list(self.source.size(self.cur)),
+                    "description": self.source.describe_size(self.cur),
+                }
+            )
             if status == "done":
                 self.confirm()
         self.state.set(status=status)
@@ -133,7 +166,7 @@ class Shrink:
         if self.named(original, target, tried):
             return
         while True:
-            config = original.with_members(before[len(before) - w:] + [target] if w else [target])
+            config = original.with_members(before[len(before) - w :] + [target] if w else [target])
             if config.key() != original.key():
                 tried.add(config.key())
                 step = "the target alone" if not w else f"the target and the {w} request{'s' * (w != 1)} before it"
@@ -146,7 +179,9 @@ class Shrink:
         beside = set(self.source.beside(self.t))
         config = original.with_members([m for m in original.members if m.seq <= self.t or m.seq in beside])
         if beside and config.key() not in tried and config.key() != original.key():
-            if self.test(config, "requests", f"every request before the target and the {len(beside)} that ran beside it"):
+            if self.test(
+                config, "requests", f"every request before the target and the {len(beside)} that ran beside it"
+            ):
                 self.adopt(config)
                 return
         if self.test(original, "original", "the original configuration", every_try=True):
@@ -187,9 +222,15 @@ class Shrink:
         others = [m for m in start.members if m.seq != self.t]
         if not others:
             return False
-        ddmin(others, lambda sub: self.test(start.with_members(sub + [target]), "requests",
-                                            f"ddmin: {len(sub) + 1} of {len(start.members)} requests"),
-              on_reduce=lambda sub: self.adopt(start.with_members(sub + [target])))
+        ddmin(
+            others,
+            lambda sub: self.test(
+                start.with_members(sub + [target]),
+                "requests",
+                f"ddmin: {len(sub) + 1} of {len(start.members)} requests",
+            ),
+            on_reduce=lambda sub: self.adopt(start.with_members(sub + [target])),
+        )
         return len(self.cur.members) < len(start.members)
 
     def target_lengths(self) -> bool:
@@ -201,8 +242,9 @@ class Shrink:
         others = [m for m in self.cur.members if m.seq != self.t and (m.prompt_len > 1 or m.max_tokens > 1)]
         if not others:
             return False
-        config = self.cur.with_members([m if m.seq == self.t else replace(m, prompt_len=1, max_tokens=1)
-                                        for m in self.cur.members])
+        config = self.cur.with_members(
+            [m if m.seq == self.t else replace(m, prompt_len=1, max_tokens=1) for m in self.cur.members]
+        )
         if self.test(config, "lengths", "every other request at 1 prompt token and max_tokens 1"):
             self.adopt(config)
             return True
@@ -271,17 +313,25 @@ class Shrink:
         """How often the minimum shows the lie, unless the engine proved deterministic."""
         cand = self.state.lookup(self.cur.key())
         if self.judge.deterministic or self.judge.tries < 2:
-            why = ("two runs of one configuration were bit-identical: the engine is deterministic here"
-                   if self.judge.deterministic else "--tries 1: each configuration ran once")
-            self.state.set(confirmation={"runs": len(cand["tries"]), "lies": sum(t["lie"] for t in cand["tries"]),
-                                         "note": why})
+            why = (
+                "two runs of one configuration were bit-identical: the engine is deterministic here"
+                if self.judge.deterministic
+                else "--tries 1: each configuration ran once"
+            )
+            self.state.set(
+                confirmation={"runs": len(cand["tries"]), "lies": sum(t["lie"] for t in cand["tries"]), "note": why}
+            )
             return
         try:
-            self.judge.top_up(cand["id"], self.cur, len(cand["tries"]),
-                              on_try=lambda t: self.state.record_try(cand, t))
+            self.judge.top_up(cand["id"], self.cur, len(cand["tries"]), on_try=lambda t: self.state.record_try(cand, t))
         except BudgetSpent:
             pass
         runs = cand["tries"]
-        self.state.set(confirmation={"runs": len(runs), "lies": sum(t["lie"] for t in runs),
-                                     "note": f"the minimum showed the lie in {sum(t['lie'] for t in runs)} of "
-                                             f"{len(runs)} runs (the engine is not deterministic here)"})
+        self.state.set(
+            confirmation={
+                "runs": len(runs),
+                "lies": sum(t["lie"] for t in runs),
+                "note": f"the minimum showed the lie in {sum(t['lie'] for t in runs)} of "
+                f"{len(runs)} runs (the engine is not deterministic here)",
+            }
+        )

@@ -41,16 +41,24 @@ def prepare(run_dir: Path, request_id: str | None) -> Plan:
         tokens = reference = None
         if hypothesis["feature"] in ("crossed_wires", "tempered_logprobs"):
             tokens, reference = run.read("tokens"), run.read("reference")
-        value = target_feature(hypothesis["feature"], target["seq"], run.read("requests"),
-                               run.read("trace") if run.has("trace") else None, source.manifest.get("engine"),
-                               tokens, reference, source.manifest["sampling"].get("temperature") or 0.0,
-                               Thresholds().with_overrides(source.thresholds()))
+        value = target_feature(
+            hypothesis["feature"],
+            target["seq"],
+            run.read("requests"),
+            run.read("trace") if run.has("trace") else None,
+            source.manifest.get("engine"),
+            tokens,
+            reference,
+            source.manifest["sampling"].get("temperature") or 0.0,
+            Thresholds().with_overrides(source.thresholds()),
+        )
     signature, note = signature_of(target, hypothesis, value)
     return Plan(source, target, signature, note)
 
 
-def run(plan: Plan, out: Path, tries: int, need: int, budget: int,
-        on_event: Callable[[dict], None] = lambda e: None) -> dict:
+def run(
+    plan: Plan, out: Path, tries: int, need: int, budget: int, on_event: Callable[[dict], None] = lambda e: None
+) -> dict:
     from lpf.experiments.shrink.judge import BudgetSpent, Judge
     from lpf.experiments.shrink.repro import locate_offer, write_outputs
     from lpf.experiments.shrink.search import Shrink
@@ -64,22 +72,41 @@ def run(plan: Plan, out: Path, tries: int, need: int, budget: int,
     original = source.original()
     m = source.manifest
     identity = {"source_run_id": m.get("run_id"), "target": t["request_id"], "tries": tries, "need": need}
-    header = {"source_run": str(source.path.resolve()), "engine": {"name": m["engine"]["name"],
-                                                                  "version": m["engine"].get("version")},
-              "model": m["model"].get("spec"), "target_row": t, "signature": plan.signature.to_dict(),
-              "signature_description": plan.signature.describe(), "signature_note": plan.note,
-              "original": {"config": source.to_json(original), "size": list(source.size(original)),
-                           "description": source.describe_size(original)}}
+    header = {
+        "source_run": str(source.path.resolve()),
+        "engine": {"name": m["engine"]["name"], "version": m["engine"].get("version")},
+        "model": m["model"].get("spec"),
+        "target_row": t,
+        "signature": plan.signature.to_dict(),
+        "signature_description": plan.signature.describe(),
+        "signature_note": plan.note,
+        "original": {
+            "config": source.to_json(original),
+            "size": list(source.size(original)),
+            "description": source.describe_size(original),
+        },
+    }
     state = State.open(out, identity, header, budget)
-    on_event({"type": "begin", "out": str(out), "target": t["request_id"], "signature": plan.signature.describe(),
-              "budget": budget, "tries": tries, "need": need, "resumed": bool(state.doc["candidates"])})
+    on_event(
+        {
+            "type": "begin",
+            "out": str(out),
+            "target": t["request_id"],
+            "signature": plan.signature.describe(),
+            "budget": budget,
+            "tries": tries,
+            "need": need,
+            "resumed": bool(state.doc["candidates"]),
+        }
+    )
 
     def charge(name: str) -> None:
         if not state.charge(name, state.doc["budget_runs"]):
             raise BudgetSpent
 
-    judge = Judge(out, source, plan.signature, t["seq"], tries, need, charge,
-                  deterministic=state.doc.get("deterministic"))
+    judge = Judge(
+        out, source, plan.signature, t["seq"], tries, need, charge, deterministic=state.doc.get("deterministic")
+    )
     state.set(status="running")
     doc = Shrink(source, t["seq"], judge, state, on_event).run()
     if doc.get("minimal"):

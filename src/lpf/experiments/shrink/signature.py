@@ -91,8 +91,10 @@ def signature_of(row: dict, hypothesis: dict | None, value) -> tuple[Signature, 
         return Signature(**base), None
     split = hypothesis.get("split")
     if not carries(value, split):
-        return Signature(**base), (f"the top mechanism ({hypothesis['feature']}) does not describe this request, "
-                                   f"so it is not part of the signature")
+        return Signature(**base), (
+            f"the top mechanism ({hypothesis['feature']}) does not describe this request, "
+            f"so it is not part of the signature"
+        )
     return Signature(**base, feature=hypothesis["feature"], split=split, phrase=_phrase(hypothesis)), None
 
 
@@ -119,8 +121,17 @@ def shows(sig: Signature, row: dict | None, value) -> tuple[bool, str]:
     return same, seen
 
 
-def target_feature(name: str, seq: int, requests, trace, engine_info: dict | None, tokens=None, reference=None,
-                   temperature: float = 0.0, thresholds=None):
+def target_feature(
+    name: str,
+    seq: int,
+    requests,
+    trace,
+    engine_info: dict | None,
+    tokens=None,
+    reference=None,
+    temperature: float = 0.0,
+    thresholds=None,
+):
     """The value of feature `name` for the request with arrival index `seq`, or None when the run
     cannot say (no trace for a trace feature, no token tables for a token signature)."""
     import pyarrow as pa

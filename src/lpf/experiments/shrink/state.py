@@ -48,9 +48,20 @@ class State:
         if out.exists() and any(out.iterdir()):
             raise LpfError(f"{out} exists, is not empty and holds no shrink.json: choose another --out")
         out.mkdir(parents=True, exist_ok=True)
-        doc = {"kind": "shrink", **identity, **header, "budget_runs": budget, "status": "running", "runs_used": 0,
-               "charged": [], "deterministic": None, "candidates": [], "path": [], "minimal": None,
-               "confirmation": None}
+        doc = {
+            "kind": "shrink",
+            **identity,
+            **header,
+            "budget_runs": budget,
+            "status": "running",
+            "runs_used": 0,
+            "charged": [],
+            "deterministic": None,
+            "candidates": [],
+            "path": [],
+            "minimal": None,
+            "confirmation": None,
+        }
         state = cls(out, doc)
         state.save()
         return state
@@ -60,8 +71,17 @@ class State:
         return self._by_key.get(key)
 
     def add(self, key: str, phase: str, step: str, config: dict, size: list[int], description: str) -> dict:
-        cand = {"id": f"c{len(self.doc['candidates']) + 1:03d}", "key": key, "phase": phase, "step": step,
-                "config": config, "size": size, "description": description, "status": "running", "tries": []}
+        cand = {
+            "id": f"c{len(self.doc['candidates']) + 1:03d}",
+            "key": key,
+            "phase": phase,
+            "step": step,
+            "config": config,
+            "size": size,
+            "description": description,
+            "status": "running",
+            "tries": [],
+        }
         self.doc["candidates"].append(cand)
         self._by_key[key] = cand
         self.save()

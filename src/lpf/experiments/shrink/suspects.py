@@ -27,9 +27,10 @@ from lpf.core.knobs import knob_with_role
 SLOT_HOLDERS = 2
 
 # hypothesis feature -> (what makes it, the knob moves that make it: {role: value}, tried in order)
-ONE_TOKEN_ON_A_USED_SLOT = ("a one-token first step on a slot another request freed",
-                            ({"step_budget": 2, "concurrency": 2}, {"step_budget": 1, "concurrency": 1},
-                             {"step_budget": 3, "concurrency": 2}))
+ONE_TOKEN_ON_A_USED_SLOT = (
+    "a one-token first step on a slot another request freed",
+    ({"step_budget": 2, "concurrency": 2}, {"step_budget": 1, "concurrency": 1}, {"step_budget": 3, "concurrency": 2}),
+)
 SMALL_CHUNKS = ("short prefill chunks", ({"step_budget": 2}, {"step_budget": 1}, {"step_budget": 4}))
 FEATURE_MOVES = {
     "first_decode_uncomputed": ONE_TOKEN_ON_A_USED_SLOT,  # a one-token first step runs as a decode
@@ -60,15 +61,18 @@ def trace_suspects(trace: pa.Table | None, target_id: str) -> dict[str, str]:
     out: dict[str, str] = {}
     slot = first.get("state_slot")
     if slot is not None and slot >= 0:
-        before = trace.filter(pc.and_(pc.equal(trace.column("state_slot"), slot),
-                                      pc.less(trace.column("step"), first["step"])))
+        before = trace.filter(
+            pc.and_(pc.equal(trace.column("state_slot"), slot), pc.less(trace.column("step"), first["step"]))
+        )
         before = before.filter(pc.not_equal(before.column("request_id"), target_id)).sort_by([("step", "descending")])
         for rid in before.column("request_id").to_pylist():
             if len({r for r, w in out.items() if w.startswith("held")}) >= SLOT_HOLDERS:
                 break
             out.setdefault(request_of(rid), f"held its state slot {slot} before it")
-    for col, why in (("resume_writer", "wrote the state it resumed from"),
-                     ("resume_publisher", "published the block hash it resumed from")):
+    for col, why in (
+        ("resume_writer", "wrote the state it resumed from"),
+        ("resume_publisher", "published the block hash it resumed from"),
+    ):
         if col in mine.column_names:
             for rid in mine.column(col).drop_null().to_pylist():
                 if request_of(rid) != target_id:

@@ -25,8 +25,10 @@ FORMATS = {"lpf": lpf_layout, "verl": verl, "prime-rl": primerl, "nemo-rl": nemo
 NAMES = tuple(FORMATS)
 assert NAMES == FORMAT_NAMES, "lpf.rl.FORMAT_NAMES (the command line's choices) must list every reader"
 _DETECT_ORDER = ("prime-rl", "nemo-rl", "lpf", "verl")  # most specific layout first
-_KNOWN = ("lpf (response_token_ids, rollout_logprobs, trainer_logprobs), prime-rl token exports, "
-          "NeMo-RL train_data_step{N}.jsonl, slime --dump-details .pt, verl rollout_data_dir with per-token fields")
+_KNOWN = (
+    "lpf (response_token_ids, rollout_logprobs, trainer_logprobs), prime-rl token exports, "
+    "NeMo-RL train_data_step{N}.jsonl, slime --dump-details .pt, verl rollout_data_dir with per-token fields"
+)
 
 
 def detect(keys: set[str]) -> str | None:
@@ -44,8 +46,10 @@ def _not_a_dump(path: Path, keys: set[str]) -> LpfError:
 
 def _not_forced(f: Path, kind: str, keys_of: dict, fmt: str) -> LpfError:
     if fmt == "slime":
-        return LpfError(f"{f}: not a torch file, and slime's --dump-details writes torch .pt files "
-                        f"(rollout_data/{{id}}.pt, train_data/{{id}}.pt)")
+        return LpfError(
+            f"{f}: not a torch file, and slime's --dump-details writes torch .pt files "
+            f"(rollout_data/{{id}}.pt, train_data/{{id}}.pt)"
+        )
     if kind == "torch":
         return LpfError(f"{f}: a torch file; of the readable dumps only slime's are torch files (--format slime)")
     return LpfError(f"{f}: {fmt} dump is missing required column(s) {', '.join(FORMATS[fmt].missing(keys_of[f]))}")
@@ -62,8 +66,11 @@ def _classify(path: Path, fmt: str) -> tuple[dict[str, list[Path]], list[Path], 
             raise LpfError(f"{f}: not a readable torch file, perhaps cut off (its zip archive does not open)")
         if kind is None:
             if single:
-                raise LpfError(f"{f}: the dump has no rows" if files.is_blank(f) else
-                               f"{f}: neither Parquet, JSON lines nor a torch file: not a dump lpf can read")
+                raise LpfError(
+                    f"{f}: the dump has no rows"
+                    if files.is_blank(f)
+                    else f"{f}: neither Parquet, JSON lines nor a torch file: not a dump lpf can read"
+                )
             if not files.is_blank(f):  # empty markers (prime-rl's STABLE) are no data at all
                 ignored.append(f)
             continue
@@ -91,20 +98,23 @@ def read_dump(path: str | Path, fmt: str = "auto", strict: bool = False) -> Dump
     path = Path(path)
     found, ignored, keys_of = _classify(path, fmt)
     if len(found) > 1:
-        parts = "; ".join(f"{n}: {', '.join(_rel(path, f) for f in fs[:3])}{' ...' if len(fs) > 3 else ''}"
-                          for n, fs in found.items())
+        parts = "; ".join(
+            f"{n}: {', '.join(_rel(path, f) for f in fs[:3])}{' ...' if len(fs) > 3 else ''}" for n, fs in found.items()
+        )
         raise LpfError(f"{path}: mixed dump formats ({parts}); point lpf at one of them, or pass --format")
     if not found:
         if fmt == "slime":
-            raise LpfError(f"{path}: no torch files here (slime's --dump-details writes rollout_data/{{id}}.pt and "
-                           f"train_data/{{id}}.pt)")
+            raise LpfError(
+                f"{path}: no torch files here (slime's --dump-details writes rollout_data/{{id}}.pt and "
+                f"train_data/{{id}}.pt)"
+            )
         data = [f for f in ignored if f in keys_of]
         if data:
             if fmt == "auto":
                 raise _not_a_dump(data[0], keys_of[data[0]])
             raise LpfError(f"{path}: no file here has the {fmt} layout; {_not_forced(data[0], '', keys_of, fmt)}")
         raise LpfError(f"{path}: no dump files here (readable: {_KNOWN})")
-    (name, chosen), = found.items()
+    ((name, chosen),) = found.items()
     module = FORMATS[name]
     if name != "slime":
         union = set().union(*(keys_of[f] for f in chosen))

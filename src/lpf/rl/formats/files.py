@@ -111,7 +111,11 @@ def jsonl_rows(path: Path) -> Iterator[tuple[int, dict | None, str | None]]:
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
-                yield n, None, f"not valid JSON ({e.msg}{'; the file may be cut off' if not line.endswith(chr(10)) else ''})"
+                yield (
+                    n,
+                    None,
+                    f"not valid JSON ({e.msg}{'; the file may be cut off' if not line.endswith(chr(10)) else ''})",
+                )
                 continue
             if not isinstance(rec, dict):
                 yield n, None, f"not a JSON object ({type(rec).__name__})"

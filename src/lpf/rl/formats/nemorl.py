@@ -43,8 +43,10 @@ def convert(rec: dict, ctx: Ctx) -> list[dict]:
         raise BadRow("token_ids / token_loss_mask / generation_logprobs / prev_logprobs must be lists of lists")
     width = {len(ids), len(tmask), len(gen), len(prev)}
     if len(width) != 1:
-        raise BadRow(f"length mismatch: token_ids {len(ids)}, token_loss_mask {len(tmask)}, "
-                     f"generation_logprobs {len(gen)}, prev_logprobs {len(prev)}")
+        raise BadRow(
+            f"length mismatch: token_ids {len(ids)}, token_loss_mask {len(tmask)}, "
+            f"generation_logprobs {len(gen)}, prev_logprobs {len(prev)}"
+        )
     if not isinstance(n, int) or not 0 < n <= len(ids):
         raise BadRow(f"input_lengths {n!r} does not fit the padded width {len(ids)}")
     sample_mask = unbatch(rec, "sample_loss_mask") if "sample_loss_mask" in rec else 1
@@ -59,13 +61,22 @@ def convert(rec: dict, ctx: Ctx) -> list[dict]:
         raise BadRow("no token_loss_mask token within input_lengths")
     first = on[0]
     idx = rec.get("idx", ctx.row - 1)
-    out = {"step": step, "request_id": f"idx_{idx}", "idx": idx, "prompt_token_ids": ids[:first],
-           "response_token_ids": ids[first:n], "rollout_logprobs": gen[first:n], "trainer_logprobs": prev[first:n],
-           "loss_mask": mask[first:n]}
+    out = {
+        "step": step,
+        "request_id": f"idx_{idx}",
+        "idx": idx,
+        "prompt_token_ids": ids[:first],
+        "response_token_ids": ids[first:n],
+        "rollout_logprobs": gen[first:n],
+        "trainer_logprobs": prev[first:n],
+        "loss_mask": mask[first:n],
+    }
     return [out]
 
 
 def after(dump) -> None:
     if dump.tok_trainer.size and not np.any(dump.tok_trainer):
-        raise LpfError(f"{dump.source}: prev_logprobs are all 0: NeMo-RL skipped the trainer's recomputation "
-                       f"(loss_fn.force_on_policy_ratio=True), so there is no trainer side to compare")
+        raise LpfError(
+            f"{dump.source}: prev_logprobs are all 0: NeMo-RL skipped the trainer's recomputation "
+            f"(loss_fn.force_on_policy_ratio=True), so there is no trainer side to compare"
+        )

@@ -76,17 +76,29 @@ def convert(rec: dict, ctx: Ctx) -> list[dict]:
     base = {k: rec[k] for k in _META if k in rec and not isinstance(rec[k], (list, dict))}
     runs = spans(loss.tolist())
     if runs and not scored.any():
-        raise Skipped("no sampled token: a ce-only sample (frozen-model tokens, no sampling logprobs), which "
-                      "prime-rl's mismatch metrics leave out too")
+        raise Skipped(
+            "no sampled token: a ce-only sample (frozen-model tokens, no sampling logprobs), which "
+            "prime-rl's mismatch metrics leave out too"
+        )
     out = []
     for k, (s, e) in enumerate(runs):
         if not scored[s:e].any():
             continue  # a ce-only turn: nothing sampled to compare
         rid = f"rank_{rank}/seq_{seq}" + (f"/span_{k}" if len(runs) > 1 else "")
-        out.append({**base, "step": step, "request_id": rid, "prompt_token_ids": ids[:s],
-                    "response_token_ids": ids[s:e], "rollout_logprobs": rec["inference_logprobs"][s:e],
-                    "trainer_logprobs": rec["trainer_logprobs"][s:e], "loss_mask": scored[s:e].astype(int).tolist(),
-                    "group": f"{rank}/{seq}", **({"span": k} if len(runs) > 1 else {})})
+        out.append(
+            {
+                **base,
+                "step": step,
+                "request_id": rid,
+                "prompt_token_ids": ids[:s],
+                "response_token_ids": ids[s:e],
+                "rollout_logprobs": rec["inference_logprobs"][s:e],
+                "trainer_logprobs": rec["trainer_logprobs"][s:e],
+                "loss_mask": scored[s:e].astype(int).tolist(),
+                "group": f"{rank}/{seq}",
+                **({"span": k} if len(runs) > 1 else {}),
+            }
+        )
     if not out:
         raise BadRow("no loss-masked token (prime-rl does not export such rows)")
     return out
@@ -111,5 +123,7 @@ def _check_mismatch_kl(rec: dict, scored: np.ndarray) -> None:
     off = np.abs(ours - theirs) > 1e-5 + 1e-3 * np.abs(theirs)
     if off.any():
         i = int(idx[np.argmax(off)])
-        raise BadRow(f"mismatch_kl[{i}] = {mkl[i]:.6g} but inference/trainer logprobs there give "
-                     f"{float(ours[np.argmax(off)]):.6g}: the export's columns disagree")
+        raise BadRow(
+            f"mismatch_kl[{i}] = {mkl[i]:.6g} but inference/trainer logprobs there give "
+            f"{float(ours[np.argmax(off)]):.6g}: the export's columns disagree"
+        )

@@ -46,8 +46,10 @@ def load(path: Path) -> dict:
     except pickle.UnpicklingError as e:
         m = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
         why = f"it needs {m.group(1)}" if m else re.sub(r"\x1b\[[0-9;]*m", "", str(e)).strip().splitlines()[0][:160]
-        raise LpfError(f"{path}: torch.load(weights_only=True) refuses it ({why}); lpf never runs pickled code: "
-                       f"save the dump with tensors, numbers, strings, lists and dicts only") from None
+        raise LpfError(
+            f"{path}: torch.load(weights_only=True) refuses it ({why}); lpf never runs pickled code: "
+            f"save the dump with tensors, numbers, strings, lists and dicts only"
+        ) from None
     except (RuntimeError, EOFError, OSError, ValueError) as e:
         why = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
         raise LpfError(f"{path}: not a readable torch file, perhaps cut off ({why})") from None
@@ -97,10 +99,16 @@ def convert(s: dict, rollout_id, joined: dict | None) -> dict:
         raise Skipped("loss_masks all 0: slime removed this sample from training")
     index, position = _scalar(s.get("sample_index")), _scalar(s.get("rollout_position"))
     rid = f"sample_{index}" if index is not None else f"position_{position}"
-    out = {"step": _scalar(rollout_id), "request_id": rid, "prompt_token_ids": tokens[:len(tokens) - n],
-           "response_token_ids": tokens[len(tokens) - n:], "rollout_logprobs": _list(s["rollout_log_probs"]),
-           "trainer_logprobs": _list(s["log_probs"]), "loss_mask": mask,
-           "group": _scalar(s.get("rollout_ids")) if s.get("rollout_ids") is not None else None}
+    out = {
+        "step": _scalar(rollout_id),
+        "request_id": rid,
+        "prompt_token_ids": tokens[: len(tokens) - n],
+        "response_token_ids": tokens[len(tokens) - n :],
+        "rollout_logprobs": _list(s["rollout_log_probs"]),
+        "trainer_logprobs": _list(s["log_probs"]),
+        "loss_mask": mask,
+        "group": _scalar(s.get("rollout_ids")) if s.get("rollout_ids") is not None else None,
+    }
     out.update({k: _scalar(s[k]) for k in _KEEP if k in s and _scalar(s[k]) is not None})
     if joined is not None:
         if joined.get("group_index") is not None:
@@ -130,9 +138,11 @@ def raw_rows(files: list[Path], label, ignored: list[Path]) -> Iterator[RawRow]:
         else:
             ignored.append(f)
     if not train:
-        raise LpfError("slime rollout_data dumps hold the engine side only (rollout_log_probs); the trainer's "
-                       "log_probs are in train_data/{rollout_id}.pt, which --dump-details (or --save-debug-train-data) "
-                       "writes: point lpf at the dump directory or at train_data/")
+        raise LpfError(
+            "slime rollout_data dumps hold the engine side only (rollout_log_probs); the trainer's "
+            "log_probs are in train_data/{rollout_id}.pt, which --dump-details (or --save-debug-train-data) "
+            "writes: point lpf at the dump directory or at train_data/"
+        )
     for f, payload in train:
         rid = payload.get("rollout_id")
         layout = micro_batches(payload)
@@ -177,6 +187,10 @@ def _join(s, candidates: list[dict]) -> dict | None:
     tokens = _list(s["tokens"]) if s.get("tokens") is not None else None
     for payload in candidates:  # eval_{id}.pt shares the rollout id: the tokens tell them apart
         samples = payload["samples"]
-        if 0 <= pos < len(samples) and isinstance(samples[pos], dict) and _list(samples[pos].get("tokens") or []) == tokens:
+        if (
+            0 <= pos < len(samples)
+            and isinstance(samples[pos], dict)
+            and _list(samples[pos].get("tokens") or []) == tokens
+        ):
             return samples[pos]
     return None

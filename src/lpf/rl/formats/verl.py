@@ -20,13 +20,26 @@ from lpf.rl.formats.common import BadRow, Ctx
 
 NAME = "verl"
 REQUIRED = ("responses", "response_mask", "rollout_log_probs", "old_log_probs")
-_DATA = ("responses", "response_mask", "attention_mask", "rollout_log_probs", "old_log_probs", "input", "output",
-         "prompts", "input_ids", "position_ids", "global_steps")
-TEXT_ONLY = ("this looks like verl's text-only rollout_data_dir dump (input/output/score/step): no logprobs; verl writes no "
-             "token ids or logprobs there and has no option to; set actor_rollout_ref.rollout.calculate_log_probs=True "
-             "and add the per-sample DataProto fields responses, response_mask, rollout_log_probs and old_log_probs "
-             "(and prompts, attention_mask for lpf rl rescore) to the reward_extra_infos_dict that _dump_generations "
-             "writes (docs/rl.md, verl)")
+_DATA = (
+    "responses",
+    "response_mask",
+    "attention_mask",
+    "rollout_log_probs",
+    "old_log_probs",
+    "input",
+    "output",
+    "prompts",
+    "input_ids",
+    "position_ids",
+    "global_steps",
+)
+TEXT_ONLY = (
+    "this looks like verl's text-only rollout_data_dir dump (input/output/score/step): no logprobs; verl writes no "
+    "token ids or logprobs there and has no option to; set actor_rollout_ref.rollout.calculate_log_probs=True "
+    "and add the per-sample DataProto fields responses, response_mask, rollout_log_probs and old_log_probs "
+    "(and prompts, attention_mask for lpf rl rescore) to the reward_extra_infos_dict that _dump_generations "
+    "writes (docs/rl.md, verl)"
+)
 
 
 def matches(keys: set[str]) -> bool:
@@ -62,16 +75,23 @@ def convert(rec: dict, ctx: Ctx) -> list[dict]:
     if not isinstance(mask, list):
         raise BadRow("response_mask must be a list")
     if not len(mask) == len(rlp) == len(olp) == width:
-        raise BadRow(f"length mismatch: responses {width}, response_mask {len(mask)}, "
-                     f"rollout_log_probs {len(rlp)}, old_log_probs {len(olp)}")
+        raise BadRow(
+            f"length mismatch: responses {width}, response_mask {len(mask)}, "
+            f"rollout_log_probs {len(rlp)}, old_log_probs {len(olp)}"
+        )
     on = [i for i, m in enumerate(mask) if m]
     end = on[-1] + 1 if on else 0  # strip right padding; inner zeros (tool output) stay masked
     step = rec.get("step", rec.get("global_steps"))
     if step is None and ctx.file.stem.isdigit():  # rollout_data_dir names its files <global_steps>.jsonl
         step = int(ctx.file.stem)
     out = {k: v for k, v in rec.items() if k not in _DATA}
-    out.update(step=step, response_token_ids=ids[:end], rollout_logprobs=rlp[:end], trainer_logprobs=olp[:end],
-               loss_mask=[1 if m else 0 for m in mask[:end]])
+    out.update(
+        step=step,
+        response_token_ids=ids[:end],
+        rollout_logprobs=rlp[:end],
+        trainer_logprobs=olp[:end],
+        loss_mask=[1 if m else 0 for m in mask[:end]],
+    )
     prompt = _prompt(rec, attn, width)
     if prompt is not None:
         out["prompt_token_ids"] = prompt
@@ -89,5 +109,5 @@ def _prompt(rec: dict, attn, width: int):
     if not isinstance(prompts, list):
         return None
     if isinstance(attn, list) and len(attn) == len(prompts) + width:  # left padding: keep the attended part
-        return [t for t, m in zip(prompts, attn[:len(prompts)]) if m]
+        return [t for t, m in zip(prompts, attn[: len(prompts)]) if m]
     return None
