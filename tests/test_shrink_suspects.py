@@ -50,6 +50,15 @@ def test_the_suspects_are_the_slots_last_holders_the_resume_provenance_and_the_f
     assert "a" not in got and "later" not in got and "t" not in got  # two holders back, after it, itself
 
 
+def test_the_targets_own_cancelled_attempt_on_its_slot_is_not_a_suspect():
+    rows = [
+        {"step": 0, "request_id": "c", "state_slot": 0},
+        {"step": 1, "request_id": "t~attempt0", "state_slot": 0},
+        {"step": 2, "request_id": "t", "state_slot": 0},
+    ]
+    assert trace_suspects(trace(rows), "t") == {"c": "held its state slot 0 before it"}
+
+
 def test_no_trace_or_no_target_names_nobody():
     assert trace_suspects(None, "t") == {} and trace_suspects(trace(ROWS), "nobody") == {}
     assert request_of("x~attempt0") == "x" and request_of("x") == "x"

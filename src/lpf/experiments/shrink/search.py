@@ -195,7 +195,9 @@ class Shrink:
         suspects = self.source.suspects(self.t)
         if not suspects:
             return False
-        config = original.with_members([m for m in original.members if m.seq in suspects] + [target])
+        config = original.with_members(
+            [m for m in original.members if m.seq in suspects and m.seq != self.t] + [target]
+        )
         n = len(config.members) - 1
         what = f"the target and the {n} request{'s' * (n != 1)} its trace names"
         tried.add(config.key())
@@ -210,6 +212,8 @@ class Shrink:
             moved = config
             for name, value in move.items():
                 moved = moved.with_knob(name, value)
+            if self.source.refused(moved):  # as in knobs(): a refused configuration would stop the shrink
+                continue
             tried.add(moved.key())
             change = ", ".join(f"{k} {config.knob_dict[k]} -> {v}" for k, v in move.items())
             if self.test(moved, "requests", f"{what}, {change} ({makes}: the top hypothesis)"):

@@ -64,11 +64,12 @@ def trace_suspects(trace: pa.Table | None, target_id: str) -> dict[str, str]:
         before = trace.filter(
             pc.and_(pc.equal(trace.column("state_slot"), slot), pc.less(trace.column("step"), first["step"]))
         )
-        before = before.filter(pc.not_equal(before.column("request_id"), target_id)).sort_by([("step", "descending")])
+        before = before.sort_by([("step", "descending")])
         for rid in before.column("request_id").to_pylist():
             if len({r for r, w in out.items() if w.startswith("held")}) >= SLOT_HOLDERS:
                 break
-            out.setdefault(request_of(rid), f"held its state slot {slot} before it")
+            if request_of(rid) != target_id:  # the target's own cancelled attempt is not a suspect
+                out.setdefault(request_of(rid), f"held its state slot {slot} before it")
     for col, why in (
         ("resume_writer", "wrote the state it resumed from"),
         ("resume_publisher", "published the block hash it resumed from"),
