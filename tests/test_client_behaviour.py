@@ -59,6 +59,33 @@ def test_a_cancelled_attempt_keeps_its_own_id_and_only_marked_requests_are_cance
     assert is_cancel_record({"error": "cancelled by the client after 50 ms (cancel_after_ms), then resent"})
 
 
+def test_attempts_that_failed_before_the_cancel_are_kept_beside_it(lpf_cli, tmp_path):
+    """A marked request's first attempt gets a 503, its retry hangs past cancel_after_ms: both are
+    evidence (the 503, then the cancel), then the resend answers."""
+    import pyarrow.parquet as pq
+    from scripted_http import Reply, ScriptedServer
+    from test_openai_adapter import _audit, completion_body
+
+    def script(server, path, body, attempt):
+        if len(server.posts) == 1:  # the first attempt (as r~attempt0): refused
+            return Reply(503, {"error": {"message": "busy"}})
+        if len(server.posts) == 2:  # its retry: still running when the client cancels it
+            return Reply(json=completion_body(body), delay=3.0)
+        return Reply(json=completion_body(body))  # the resend
+
+    prompts = tmp_path / "w.jsonl"
+    prompts.write_text('{"id": "r", "prompt_token_ids": [1, 2, 3], "abort_after_tokens": 1}\n')
+    with ScriptedServer(script) as server:
+        r = _audit(lpf_cli, server.url + "/v1", prompts, tmp_path / "run", "-E", "cancel_after_ms=400")
+    assert r.code == 0, r.err
+    (row,) = pq.read_table(tmp_path / "run" / "requests").to_pylist()
+    errors = [a["error"] for a in row["attempts"]]
+    assert row["error"] is None and len(errors) == 3, row["attempts"]
+    assert errors[0] and ("503" in errors[0] or "busy" in errors[0]), errors
+    assert "cancelled by the client after 400 ms" in errors[1] and errors[2] is None, errors
+    assert [a["attempt"] for a in row["attempts"]] == [0, 1, 2]
+
+
 def test_bursts_and_a_rate_together_are_refused(lpf_cli, tmp_path):
     r = lpf_cli(
         "run",

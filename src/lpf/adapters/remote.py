@@ -281,6 +281,7 @@ class RemoteEngine(Engine):
             log.extend(first)  # it beat the cancel: the request's answer (its server rows keep ID~attempt0)
             return body
         except asyncio.TimeoutError:
+            log.extend(first)  # attempts that failed before the cancel are evidence too
             cancel_record(log, t, time.time(), ms)
         except RequestFailed:
             log.extend(first)
