@@ -51,6 +51,7 @@ class Capture:
         self.rows: list[dict] = []  # this step's asked requests: id, start, n, first position, kernel index
         self.installed = False
         self.why: str | None = None
+        self.handles: list = []  # the hooks on the model, removed when the capture is replaced
 
     # -- setup -------------------------------------------------------------------------------------
     def install(self, model) -> None:
@@ -60,8 +61,8 @@ class Capture:
             m = self.layer_re.fullmatch(name)
             if m:
                 idx = int(m.group(1))
-                mod.register_forward_pre_hook(lambda *_a, i=idx: setattr(self, "layer", i))
-                mod.register_forward_hook(self._hook("out", self.layer_out))
+                self.handles.append(mod.register_forward_pre_hook(lambda *_a, i=idx: setattr(self, "layer", i)))
+                self.handles.append(mod.register_forward_hook(self._hook("out", self.layer_out)))
                 continue
             if id(mod) in seen:
                 continue
@@ -72,14 +73,22 @@ class Capture:
                         kids = {n for n, _ in mod.named_children()}
                         op = op[:-3] + ("moe" if kids & {"gate", "router", "experts"} else "mlp")
                     if what == "attn":
-                        mod.register_forward_pre_hook(self._attn_inputs(op), with_kwargs=True)
-                        mod.register_forward_hook(self._hook(op + "attn_out", "out"))
+                        self.handles.append(mod.register_forward_pre_hook(self._attn_inputs(op), with_kwargs=True))
+                        self.handles.append(mod.register_forward_hook(self._hook(op + "attn_out", "out")))
                     else:
-                        mod.register_forward_hook(self._hook(op, what))
+                        self.handles.append(mod.register_forward_hook(self._hook(op, what)))
                     break
         _ACTIVE["capture"] = self if self.kernels else None
         if self.kernels:
             _wrap_kernels()
+
+    def remove(self) -> None:
+        """Take this capture's hooks off the model (a kept worker's next capture installs its own)."""
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+        if _ACTIVE.get("capture") is self:
+            _ACTIVE["capture"] = None
 
     # -- per step ----------------------------------------------------------------------------------
     def begin_step(self, runner, scheduler_output, attn_metadata) -> None:

@@ -77,6 +77,7 @@ class Session:
 
         if self.capture is not None:
             self.flush()
+            self.capture.remove()  # its hooks would otherwise keep running, and keep its data alive
         self.capture = None
         cap._ACTIVE["capture"] = None
         if spec_path is None:
