@@ -8,8 +8,8 @@ then, from the run directory's `faults/` (ground truth, which analysis never rea
   false pos.    requests flagged, or merely `noise`, outside the ground truth
   named         whether the first-ranked hypothesis' feature is one `prefix_drills.NAMED_BY` accepts
   tokens        scored tokens (arrival order: request seq, then position) up to the first flagged
-                request's first divergence (its first token past the floor when it has none), and
-                the run-level test's `tokens_needed`
+                request's first divergence (its whole length when it has none: a request raised by
+                the localized rule, so an upper bound there), and the run-level test's `tokens_needed`
   shrink        `lpf shrink` with its defaults (budget 60 runs): runs used, the minimum's size
                 (requests, tokens), whether its repro.py exits 1 (and 0 with the drill off)
 prefix-cache-inert is not a verdict: its row reports the run's prefix-cache finding and hit counts.
@@ -19,8 +19,9 @@ Configurations (ground truth and knobs from `prefix_drills.KNOBS`):
                  --max-num-batched-tokens 48, --cache-mb 3, --enable-prefix-caching
   stale-state    tiny:jamba-longmem, zoo:oracle --n 4 (2,000 requests), --cache-mb 3 --max-num-seqs 16
                  --max-num-batched-tokens 32 (the configuration issue 22 reports shrink stalling on)
-vLLM drills: VLLM_DRILLS is the hook (empty until the real-vLLM half lands its drills: name -> (knob
-args, accepted features)); `--engine vllm` scores them the same way.
+vLLM drills (`--engine vllm`): the plugin's prefix drills under `lpf.adapters.vllm.PREFIX_DRILL_KNOBS`
+(prefix caching on, a step budget below the 128-token Mamba block), on tiny:hybrid-longmem (vLLM's CPU
+build runs no Jamba), scored the same way with `PREFIX_DRILL_NAMED_BY`.
 
 Usage: python bench/bugs.py [--quick] [--out runs/bench-bugs] [--drill NAME ...] [--no-shrink]
 Writes bench/results/bugs.json (with --quick: OUT/quick/bugs_quick.json, never bench/results) and prints the table. Runs are reused when
@@ -53,7 +54,7 @@ STALE_ARGS = [
     "--max-num-batched-tokens",
     "32",
 ]
-VLLM_DRILLS: dict[str, tuple[list[str], set[str]]] = {}  # the hook for the real-vLLM half (issue 22b)
+VLLM_MODEL = "tiny:hybrid-longmem"  # the vLLM drills' model: vLLM's CPU build runs no Jamba
 
 
 def lpf(*args) -> subprocess.CompletedProcess:
@@ -72,13 +73,33 @@ def drills(quick: bool) -> dict[str, tuple[list[str], set[str]]]:
     return {"stale-conv-on-reuse": out["stale-conv-on-reuse"]} if quick else out
 
 
+def vllm_drills() -> dict[str, tuple[list[str], set[str]]]:
+    from lpf.adapters.vllm import PREFIX_DRILL_KNOBS, PREFIX_DRILL_NAMED_BY
+
+    knobs = [a for k, v in PREFIX_DRILL_KNOBS.items() for a in ("-E", f"{k}={str(v).lower()}")]
+    return {
+        d: (["--workload", "SHARED", "--max-tokens", "8", *knobs], named) for d, named in PREFIX_DRILL_NAMED_BY.items()
+    }
+
+
 def audit(out: Path, drill: str, args: list[str], workload: Path, engine: str) -> float:
     if (out / "findings.json").is_file():
         return 0.0
     args = [str(workload) if a == "SHARED" else a for a in args]
     t0 = time.perf_counter()
     proc = lpf(
-        "audit", "--engine", engine, "--model", MODEL, *args, "--inject", drill, "--out", out, "--fail-on", "never"
+        "audit",
+        "--engine",
+        engine,
+        "--model",
+        VLLM_MODEL if engine == "vllm" else MODEL,
+        *args,
+        "--inject",
+        drill,
+        "--out",
+        out,
+        "--fail-on",
+        "never",
     )
     if proc.returncode != 0:
         raise SystemExit(f"audit of {drill} failed:\n{proc.stderr[-2000:]}")
@@ -150,8 +171,17 @@ def shrink(run: Path, out: Path, drill: str, run_it: bool = True) -> dict:
     if repro.is_file():
         res["repro_exit"] = subprocess.run([sys.executable, str(repro)], capture_output=True, text=True).returncode
         off = repro.with_name("repro_off.py")
-        off.write_text(repro.read_text().replace(f'"inject": "{drill}"', '"inject": ""'))
-        res["repro_off_exit"] = subprocess.run([sys.executable, str(off)], capture_output=True, text=True).returncode
+        text = repro.read_text()
+        # the drill travels in the config's options (the vLLM reproducer hands it to the plugin from there)
+        text_off = text.replace(f'"inject": "{drill}"', '"inject": ""')
+        if text_off == text:  # the drill is not where this check looks: no figure rather than a false one
+            res["repro_off_exit"] = None
+            res["repro_off_why"] = "the drill was not found in repro.py's config to turn it off"
+        else:
+            off.write_text(text_off)
+            res["repro_off_exit"] = subprocess.run(
+                [sys.executable, str(off)], capture_output=True, text=True
+            ).returncode
     return res
 
 
@@ -202,9 +232,7 @@ def main() -> None:
     if not workload.is_file():
         items = registry.workload_items("shared-prefix", n=240 if a.quick else 1000)
         workload.write_text("".join(json.dumps(i) + "\n" for i in items))
-    plan = VLLM_DRILLS if a.engine == "vllm" else drills(a.quick)
-    if a.engine == "vllm" and not plan:
-        raise SystemExit("no vLLM drills registered yet (VLLM_DRILLS in bench/bugs.py: the real-vLLM half fills it)")
+    plan = vllm_drills() if a.engine == "vllm" else drills(a.quick)
     results = {}
     for d, (args, named_by) in plan.items():
         if a.drill and d not in a.drill:
@@ -219,7 +247,15 @@ def main() -> None:
     dest.parent.mkdir(parents=True, exist_ok=True)
     dest.write_text(
         json.dumps(
-            {"results": results, "config": {"model": MODEL, "prefix": PREFIX_ARGS, "stale_state": STALE_ARGS}},
+            {
+                "results": results,
+                "engine": a.engine,
+                "config": {
+                    "model": VLLM_MODEL if a.engine == "vllm" else MODEL,
+                    "prefix": PREFIX_ARGS,
+                    "stale_state": STALE_ARGS,
+                },
+            },
             indent=1,
             default=str,
         )
