@@ -2,8 +2,10 @@
 
   common.py       what every command shares: consoles, progress bars, option decorators (each option
                   declared once), the run-spec builder, the report rule, the --fail-on rule
-  render.py       every terminal table and summary (domain modules return data and print nothing);
-                  render_compare.py: those of diff and conformance
+  render.py       the run's terminal summary (domain modules return data and print nothing); the other
+                  terminal tables beside it: render_views.py (engines, zoo, query, inspect),
+                  render_experiments.py (sweep, repeat, shrink), render_compare.py (diff, conformance),
+                  render_rl.py, render_locate.py
   run.py          audit, run, rescore, analyze        views.py   query, inspect, report, engines, zoo
   experiments.py  sweep, repeat                       rl.py      rl analyze, rl simulate
   serve.py        serve                               compare.py diff, conformance

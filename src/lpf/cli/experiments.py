@@ -28,7 +28,7 @@ from lpf.cli.common import (
     progress_bar,
     write_report,
 )
-from lpf.cli.render import print_repeat, print_shrink, print_shrink_event, print_sweep
+from lpf.cli.render_experiments import print_repeat, print_shrink, print_shrink_event, print_sweep
 from lpf.core.errors import LpfError, did_you_mean
 
 # the sweep's own parameters, and settings no cell varies (the rest are audit settings a knob may vary)

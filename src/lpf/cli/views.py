@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from lpf.cli.common import out
-from lpf.cli.render import print_engines, print_request, print_rows, print_zoo
+from lpf.cli.render_views import print_engines, print_request, print_rows, print_zoo
 
 
 @click.command()
