@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from lpf.report.charts import sig
+from lpf.report.chart_style import sig
 
 RANK = {"corrupt": 4, "divergent": 3, "noise": 2, "clean": 1, "unscored": 0, "error": 0}
 TRACE_ROWS = 160

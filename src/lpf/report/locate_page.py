@@ -7,7 +7,7 @@ nobody); the reference on trial (float64 gold, decode path, attention implementa
 steps; and two charts of the departure along the forward pass: per op (execution order) the largest
 relative error of the engine against the reference, its floor, and the trials' errors beside it
 (`departure_chart`), and per op and position log10(error / floor) (`departure_map`). Plotly specs
-are plain dicts, SVG traces only; model-derived text goes through `charts.ptext`.
+are plain dicts, SVG traces only; model-derived text goes through `chart_style.ptext`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 
 from lpf.core.errors import LpfError
-from lpf.report.charts import ACCENT, MUTED, SERIES, VERDICT_COLORS, base_layout, ptext, sig
+from lpf.report.chart_style import ACCENT, MUTED, SERIES, VERDICT_COLORS, base_layout, ptext, sig
 
 TRIAL_SERIES = (
     ("gold_max_rel_error", "float32 reference vs float64 gold"),

@@ -18,7 +18,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from lpf.core.errors import LpfError
-from lpf.report import charts
+from lpf.report import experiment_charts
 
 PANELS = [  # (title, columns, log y); the first column must exist for a panel to be drawn
     ("rollout vs trainer probability gap per step", ["rollout_probs_diff_max", "rollout_probs_diff_mean"], False),
@@ -90,7 +90,7 @@ def load(path: Path) -> dict:
         panels.append(
             {
                 "title": title,
-                "figure": charts.rl_series(
+                "figure": experiment_charts.rl_series(
                     x, have, marks, log_y=log_y, band=band, y_line=z_line if cols == ["robust_z"] else None
                 ),
             }

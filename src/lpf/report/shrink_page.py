@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lpf.report import charts
+from lpf.report import experiment_charts
 from lpf.report.sweep_page import read_doc, run_link
 
 FILES = ("report.md", "command.sh", "repro.py", "workload.jsonl", "shrink.json")
@@ -44,7 +44,7 @@ def load(path: Path) -> dict:
             }
         )
     chart = (
-        charts.shrink_progress(
+        experiment_charts.shrink_progress(
             [s["id"] for s in steps],
             [s["step"] or "" for s in steps],
             [s["size"] for s in steps],

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 from lpf.core.errors import LpfError
-from lpf.report import charts
+from lpf.report import experiment_charts
 
 METRICS = [  # (cell key, title, log y)
     ("rate", "flag rate (flagged / scored requests)", False),
@@ -52,7 +52,7 @@ def load(path: Path) -> dict:
             # a log axis only pays when the values span orders of magnitude
             log_y = log_y and min(values) > 0 and max(values) / min(values) >= 100
             chart_list.append(
-                {"key": key, "title": title, "figure": charts.knob_lines(x, groups, title, x_title, log_y)}
+                {"key": key, "title": title, "figure": experiment_charts.knob_lines(x, groups, title, x_title, log_y)}
             )
     names = [str(c.get("name", i)) for i, c in enumerate(cells)]
     if knobs:
@@ -68,7 +68,9 @@ def load(path: Path) -> dict:
         "cells": cells,
         "moves": [m for m in sweep.get("moves") or [] if isinstance(m, dict)],
         "charts": chart_list,
-        "mix": charts.verdict_mix(labels, names, [c.get("counts") or {} for c in cells], x_title) if cells else None,
+        "mix": experiment_charts.verdict_mix(labels, names, [c.get("counts") or {} for c in cells], x_title)
+        if cells
+        else None,
     }
 
 
