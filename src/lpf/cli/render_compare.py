@@ -70,7 +70,7 @@ def print_diff(doc: dict, console: Console) -> None:
 
 def print_conformance(doc: dict, console: Console) -> None:
     """`lpf conformance`: the architecture x cell matrix, the attributed cells, what did not run or was not audited."""
-    from lpf.experiments.conformance.matrix import matrix_view
+    from lpf.experiments.conformance.view import matrix_view
 
     v = matrix_view(doc)
     console.print(
