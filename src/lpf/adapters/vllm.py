@@ -376,7 +376,8 @@ class VLLMEngine(Engine):
         status = self.trace_status or {}
         from lpf.adapters.vllm_trace import prefix_cache_info
 
-        cache = {"cache": prefix_cache_info(status)} if prefix_cache_info(status) else {}
+        info = prefix_cache_info(status)
+        cache = {"cache": info} if info else {}
         return {
             "name": self.name,
             "version": self.ready.get("vllm_version"),
