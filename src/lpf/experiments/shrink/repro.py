@@ -175,7 +175,7 @@ def write_outputs(out: Path, source: Source, doc: dict) -> list[Path]:
             engine,
             run.manifest["model"]["path"],
             items,
-            shown["request_id"] if crash else doc["target"],
+            crash_target(items, shown["request_id"]) if crash else doc["target"],
             run.manifest["sampling"],
             th,
             sig.position_class,
@@ -186,6 +186,12 @@ def write_outputs(out: Path, source: Source, doc: dict) -> list[Path]:
         written.append(write_script(out / "repro.py", cfg))
     written.append(_write(out / "report.md", report_md(out, source, doc, config, run, shown, sig)))
     return written
+
+
+def crash_target(items: list[dict], run_id: str | None) -> str:
+    """The workload id of the request a crash's minimal run failed first (a candidate run names its
+    requests `<id>-r0`); the first request when none failed."""
+    return next((i["id"] for i in items if run_id in (i["id"], f"{i['id']}-r0")), items[0]["id"])
 
 
 def _evidence(run, request_id: str, position: int | None) -> dict | None:
