@@ -21,11 +21,17 @@ Configurations (ground truth and knobs from `prefix_drills.KNOBS`):
                  --max-num-batched-tokens 32 (the configuration issue 22 reports shrink stalling on)
 vLLM drills (`--engine vllm`): the plugin's prefix drills under `lpf.adapters.vllm.PREFIX_DRILL_KNOBS`
 (prefix caching on, a step budget below the 128-token Mamba block), on tiny:hybrid-longmem (vLLM's CPU
-build runs no Jamba), scored the same way with `PREFIX_DRILL_NAMED_BY`.
+build runs no Jamba), scored the same way with `PREFIX_DRILL_NAMED_BY`; `clean` (the same, no drill: the
+false-positive control and the hit rate) and `prefix-cache-inert` (vLLM #48401's configuration, see
+INERT_MAX_MODEL_LEN). `--vllm-set KNOB=VALUE` runs them in another configuration (bugs.json's
+vllm.variants). `first_try` in bugs.json: over every drill row of both engines, is the first-ranked
+hypothesis (for prefix-cache-inert: the run's finding) the right mechanism.
 
 Usage: python bench/bugs.py [--quick] [--out runs/bench-bugs] [--drill NAME ...] [--no-shrink]
-Writes bench/results/bugs.json (with --quick: OUT/quick/bugs_quick.json, never bench/results) and prints the table. Runs are reused when
-complete (delete --out to start over).
+       [--shrink-budget RUNS] [--engine builtin|vllm] [--vllm-set KNOB=VALUE ...]
+Writes bench/results/bugs.json (built-in rows under "results", vLLM's under "vllm"; a run of some drills
+replaces those rows only; with --quick: OUT/quick/bugs_quick.json, never bench/results) and prints the
+table. Runs are reused when complete (delete --out to start over).
 """
 
 from __future__ import annotations
@@ -81,12 +87,14 @@ INERT_MAX_MODEL_LEN = 120
 INERT_PROMPT_MAX = INERT_MAX_MODEL_LEN - 8
 
 
-def vllm_drills() -> dict[str, tuple[list[str], set[str]]]:
+def vllm_drills(overrides: dict[str, str] | None = None) -> dict[str, tuple[list[str], set[str]]]:
     """The plugin's drills, then `clean` (caching on, no drill: the false-positive control) and
-    `prefix-cache-inert` (the #48401 configuration, on INERT, the workload of prompts that fit)."""
+    `prefix-cache-inert` (the #48401 configuration, on INERT, the workload of prompts that fit).
+    `overrides` (--vllm-set): knobs replacing PREFIX_DRILL_KNOBS' (another configuration)."""
     from lpf.adapters.vllm import PREFIX_DRILL_KNOBS, PREFIX_DRILL_NAMED_BY
 
-    knobs = [a for k, v in PREFIX_DRILL_KNOBS.items() for a in ("-E", f"{k}={str(v).lower()}")]
+    values = {k: str(v).lower() for k, v in PREFIX_DRILL_KNOBS.items()} | (overrides or {})
+    knobs = [a for k, v in values.items() for a in ("-E", f"{k}={v}")]
     plan = {
         d: (["--workload", "SHARED", "--max-tokens", "8", *knobs], named) for d, named in PREFIX_DRILL_NAMED_BY.items()
     }
@@ -213,8 +221,11 @@ def shrink(run: Path, out: Path, drill: str, run_it: bool = True, budget: int | 
         res["repro_exit"] = subprocess.run([sys.executable, str(repro)], capture_output=True, text=True).returncode
         off = repro.with_name("repro_off.py")
         text = repro.read_text()
-        # the drill travels in the config's options (the vLLM reproducer hands it to the plugin from there)
-        text_off = text.replace(f'"inject": "{drill}"', '"inject": ""')
+        # the drill travels in the built-in config's options, or in the vLLM reproducer's environment
+        # for the plugin (LPF_VLLM_INJECT)
+        text_off = text.replace(f'"inject": "{drill}"', '"inject": ""').replace(
+            f'"LPF_VLLM_INJECT": "{drill}"', '"LPF_VLLM_INJECT": ""'
+        )
         if text_off == text:  # the drill is not where this check looks: no figure rather than a false one
             res["repro_off_exit"] = None
             res["repro_off_why"] = "the drill was not found in repro.py's config to turn it off"
@@ -243,9 +254,10 @@ def table(results: dict) -> str:
         pc = r["prefix_cache"] or {}
         if d == "prefix-cache-inert":
             sharing = pc.get("requests_sharing") or pc.get("requests_sharing_below_block")
+            unit = "16-token " if not pc.get("requests_sharing") and pc.get("requests_sharing_below_block") else ""
             lines.append(
                 f"| {d} | {r['requests']} | finding: {pc['finding']} | - | {r['false_positives']} | "
-                f"- ({pc['requests_hit']} hit, {sharing} share a block) | - | - |"
+                f"- ({pc['requests_hit']} hit, {sharing} share a {unit}block) | - | - |"
             )
             continue
         if d == "clean":
@@ -290,6 +302,13 @@ def main() -> None:
     ap.add_argument("--no-shrink", action="store_true")
     ap.add_argument("--shrink-budget", type=int, help="lpf shrink --budget-runs [default: shrink's own]")
     ap.add_argument("--engine", default="builtin", choices=("builtin", "vllm"))
+    ap.add_argument(
+        "--vllm-set",
+        action="append",
+        default=[],
+        metavar="KNOB=VALUE",
+        help="another vLLM configuration: its rows go to bugs.json's vllm.variants, the table rows stay",
+    )
     ap.add_argument("--results", type=Path, help="where the JSON goes (default bench/results/bugs[_quick].json)")
     a = ap.parse_args()
     from lpf.zoo import registry
@@ -301,7 +320,12 @@ def main() -> None:
     if not workload.is_file():
         items = registry.workload_items("shared-prefix", n=n)
         workload.write_text("".join(json.dumps(i) + "\n" for i in items))
-    plan = vllm_drills() if a.engine == "vllm" else drills(a.quick)
+    overrides = dict(kv.split("=", 1) for kv in a.vllm_set)
+    variant = ",".join(f"{k}={v}" for k, v in overrides.items())
+    if variant:
+        out = out / variant.replace("=", "-").replace(",", "_")
+        out.mkdir(parents=True, exist_ok=True)
+    plan = vllm_drills(overrides) if a.engine == "vllm" else drills(a.quick)
     plan = {d: v for d, v in plan.items() if not a.drill or d in a.drill}
     workloads = {"SHARED": workload}
     if any("INERT" in args for args, _ in plan.values()):
@@ -321,12 +345,15 @@ def main() -> None:
     doc = json.loads(dest.read_text()) if dest.is_file() else {}
     if a.engine == "vllm":
         section = doc.setdefault("vllm", {})
-        section["results"] = {**section.get("results", {}), **results}
-        section["config"] = {
+        config = {
             "model": VLLM_MODEL,
-            "knobs": vllm_drills()["clean"][0][4:],
+            "knobs": vllm_drills(overrides)["clean"][0][4:],
             "inert_max_model_len": INERT_MAX_MODEL_LEN,
         }
+        if variant:
+            section = section.setdefault("variants", {}).setdefault(variant, {})
+        section["results"] = {**section.get("results", {}), **results}
+        section["config"] = config
     else:
         doc["results"] = {**doc.get("results", {}), **results}
         doc["config"] = {"model": MODEL, "prefix": PREFIX_ARGS, "stale_state": STALE_ARGS}
