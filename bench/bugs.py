@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -218,7 +219,7 @@ def shrink(run: Path, out: Path, drill: str, run_it: bool = True, budget: int | 
     }
     repro = out / "repro.py"
     if repro.is_file():
-        res["repro_exit"] = subprocess.run([sys.executable, str(repro)], capture_output=True, text=True).returncode
+        res["repro_exit"] = run_repro(repro)
         off = repro.with_name("repro_off.py")
         text = repro.read_text()
         # the drill travels in the built-in config's options, or in the vLLM reproducer's environment
@@ -231,10 +232,21 @@ def shrink(run: Path, out: Path, drill: str, run_it: bool = True, budget: int | 
             res["repro_off_why"] = "the drill was not found in repro.py's config to turn it off"
         else:
             off.write_text(text_off)
-            res["repro_off_exit"] = subprocess.run(
-                [sys.executable, str(off)], capture_output=True, text=True
-            ).returncode
+            res["repro_off_exit"] = run_repro(off)
     return res
+
+
+def run_repro(script: Path) -> int | str:
+    """repro.py's exit status under the interpreter it needs (vLLM's own for a vLLM reproducer: the
+    adapter's `.venv-vllm` beside the repo, or LPF_VLLM_PYTHON). A traceback also exits 1, the code
+    for "the lie reproduces": then the answer is the error's last line, never 1."""
+    python = sys.executable
+    if '"engine": "vllm"' in script.read_text():
+        python = os.environ.get("LPF_VLLM_PYTHON") or str(ROOT / ".venv-vllm" / "bin" / "python")
+    proc = subprocess.run([python, str(script)], capture_output=True, text=True)
+    if "Traceback (most recent call last)" in proc.stderr:
+        return "error: " + (proc.stderr.strip().splitlines() or ["?"])[-1][:200]
+    return proc.returncode
 
 
 def table(results: dict) -> str:
