@@ -71,6 +71,7 @@ async def _concurrent_completions(base_url: str, prompts: list[str]) -> list[htt
         )
 
 
+@pytest.mark.slow  # an end-to-end run or a browser: kept out of `make test-fast` (issue 27)
 def test_64_concurrent_completions_are_batched_and_match_the_reference(server, rescorer):
     from lpf.pipeline.reference import ScoreItem
 
