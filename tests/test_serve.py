@@ -277,6 +277,7 @@ def test_non_finite_logprobs_still_render_as_json():
     ]
 
 
+@pytest.mark.slow  # reads the trace the 64-request test leaves (slow): they go together
 def test_sigterm_shuts_down_cleanly_and_leaves_the_trace(server):
     code, log = server.stop(signal.SIGTERM)
     assert code == 0, log
