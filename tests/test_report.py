@@ -547,6 +547,44 @@ def test_prompt_section_and_conformance_matrix_render(xss_run, browser, tmp_path
         "status": "engine error",
         "error": "CPU GDN attention requires BF16",
     }
+    # cells the engine's own judgement calls clean although their verdict is not: llama.cpp per token
+    # (a departure it names), bf16 per position against the honest bf16 runs
+    per_token = {
+        "architecture": "Lfm2ForCausalLM",
+        "cell": "fp32",
+        "status": "ok",
+        "verdict": "systematic",
+        "conformance": "clean",
+        "engine_judgement": {
+            "conformance": "clean",
+            "causes": [{"name": "normaliser", "says": "a float32 log-softmax", "evidence": "over 40/192"}],
+        },
+    }
+    per_position = {
+        "architecture": "Lfm2ForCausalLM",
+        "cell": "bf16",
+        "status": "ok",
+        "verdict": "divergent",
+        "conformance": "clean",
+        "bf16_paired": {
+            "result": "within ensemble",
+            "departs": False,
+            "share_worse_than_ensemble": 0.31,
+            "p_value": 1.0,
+        },
+    }
+    reference_column = [
+        {
+            "architecture": "Zamba2ForCausalLM",
+            "status": "reference inconsistent",
+            "departing": ["decode"],
+            "paths": {
+                "decode": {"max_abs": 1.7, "first_departure": {"prompt": 0, "position": 2}},
+                "teacher-forced f32": {"max_abs": 2.6e-4, "first_departure": None},
+            },
+        },
+        {"architecture": "BambaForCausalLM", "status": "no tiny recipe", "reason": "no scaled-down recipe"},
+    ]
     (conf / "conformance.json").write_text(
         json.dumps(
             {
@@ -556,13 +594,15 @@ def test_prompt_section_and_conformance_matrix_render(xss_run, browser, tmp_path
                 "reference": "transformers 5.24.0",
                 "grid": "small",
                 "complete": True,
-                "cells": [cell, failed],
+                "cells": [cell, failed, per_token, per_position],
+                "reference_column": reference_column,
                 "cell_catalogue": [
                     {"name": "fp32", "args": [], "dtype": "float32"},
                     {"name": "bf16", "args": [], "dtype": "bfloat16"},
                 ],
                 "architectures": [
                     {"architecture": "GraniteMoeHybridForCausalLM", "status": "audit", "reason": ""},
+                    {"architecture": "Lfm2ForCausalLM", "status": "audit", "reason": ""},
                     {"architecture": "JambaForCausalLM", "status": "not supported", "reason": "no selective_scan_fwd"},
                 ],
             }
@@ -571,8 +611,17 @@ def test_prompt_section_and_conformance_matrix_render(xss_run, browser, tmp_path
     assert write_report(conf) == conf / "report.html"
     log = open_page(browser, conf / "report.html")
     assert severe(log) == [], log
-    assert "engine bug" in browser.find_element(By.ID, "matrix").text
-    assert "<script>alert(1)</script>" in browser.find_element(By.ID, "findings").text  # text, not markup
+    matrix = browser.find_element(By.ID, "matrix").text
+    assert "engine bug" in matrix
+    assert "clean* per token: normaliser" in matrix and "per position: 31% worse" in matrix, matrix
+    findings = browser.find_element(By.ID, "findings").text
+    assert "<script>alert(1)</script>" in findings  # text, not markup
+    not_clean = browser.find_element(By.CSS_SELECTOR, "#findings ul.sentences").text
+    assert "GraniteMoeHybrid · fp32" in not_clean and "Lfm2" not in not_clean  # both Lfm2 cells judged clean
+    assert "normaliser" in findings and "over 40/192" in findings  # the departure per-token judging names
+    ref = browser.find_element(By.ID, "reference").text
+    assert "Zamba2" in ref and "reference inconsistent" in ref and "1.7 from position 2 of prompt 0" in ref, ref
+    assert "no scaled-down recipe" in ref
     assert "no selective_scan_fwd" in browser.find_element(By.ID, "not-audited").text
     links = [a.get_attribute("href") for a in browser.find_elements(By.CSS_SELECTOR, "#matrix a")]
     assert len(links) == 1 and links[0].endswith("fp32/report.html")
