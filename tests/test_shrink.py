@@ -501,7 +501,8 @@ def test_a_vllm_crash_shrinks_to_one_prompt(tmp_path):
         "vllm/model_executor/layers/mamba/mamba_mixer2.py",
         "conv_ssm_forward",
     )
-    assert [(c["step"], c["status"], c["config"]["seqs"]) for c in doc["candidates"]] == [
+    # (a fourth candidate, max_tokens 4 -> 1, is recorded unrun: the budget ends before it)
+    assert [(c["step"], c["status"], c["config"]["seqs"]) for c in doc["candidates"] if c["tries"]] == [
         ("the original configuration", "reproduces", [[0, 1]]),
         ("ddmin: 1 of 2 requests", "gone", [[0, 0]]),
         ("ddmin: 1 of 2 requests", "reproduces", [[1, 1]]),
