@@ -211,6 +211,8 @@ def cell_row(
         "seconds": seconds,
         "run_dir": os.path.relpath(d, out),
     }
+    if arch.get("variant"):  # a config variant's row: which architecture, which fields differ (plan.py)
+        row["variant_of"], row["variant"] = arch.get("variant_of"), arch["variant"]
     if findings is None:
         return row
     p = findings.get("prompt") or {}
