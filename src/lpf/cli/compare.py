@@ -112,7 +112,14 @@ ENGINES = ("builtin", "vllm", "llamacpp")  # the engines discovery can ask
     "--variant-cells",
     default=None,
     metavar="A,B,...",
-    help="The cells variant rows run [default: the small grid's, float32].",
+    help="The cells variant rows run [default: the selected cells that are in the small grid (float32), "
+    "else the selected float32 cells].",
+)
+@click.option(
+    "--locate/--no-locate",
+    default=True,
+    show_default=True,
+    help="Locate every cell that does not conform (lpf locate on its worst request).",
 )
 @fail_on_option("any cell")
 def conformance(
@@ -128,6 +135,7 @@ def conformance(
     reference_column,
     variant_kinds,
     variant_cells,
+    locate,
     fail_on,
 ):
     """Audit every hybrid architecture the engine and transformers both load, under a grid of knob cells.
@@ -167,7 +175,12 @@ def conformance(
     vcells = None
     if kinds:
         names = [n.strip() for n in (variant_cells or "").split(",") if n.strip()]
-        vcells = grid_cells("small", names, engine) if names or not knobs else cells
+        small = [c.name for c in grid_cells("small", None, engine)]
+        vcells = (
+            grid_cells("small", names, engine)
+            if names
+            else [c for c in cells if c.name in small] or [c for c in cells if c.dtype == "float32"] or cells
+        )
     err.print(f"asking {engine} and transformers which stateful architectures they load ...")
     found = disc.discover(engine)
     wanted = disc.select(found["architectures"], [a for a in (archs or "").split(",") if a.strip()])
@@ -183,7 +196,7 @@ def conformance(
         + ")"
     )
     with progress_bar("cells   ", "cells") as (on_start, tick):
-        doc = run_matrix(out_dir, p.head, p.plans, p.attribution, Settings(), on_start, tick)
+        doc = run_matrix(out_dir, p.head, p.plans, p.attribution, Settings(locate=locate), on_start, tick)
     if reference_column or (reference_column is None and grid == "full" and not knobs):
         from lpf.experiments.conformance.matrix import write_doc
         from lpf.experiments.conformance.reference_column import reference_column as check_column

@@ -332,7 +332,7 @@ def check_out(out: Path, spec: dict) -> None:
     if old is not None:
         if old.get("spec") != spec:
             raise LpfError(f"{out} holds a different conformance run ({old.get('spec')}): choose another --out")
-    elif Path(out).exists() and any(p.name != "workload.jsonl" for p in Path(out).iterdir()):
+    elif Path(out).exists() and any(p.name not in ("workload.jsonl", "variants") for p in Path(out).iterdir()):
         raise LpfError(f"{out} exists, is not empty and holds no conformance.json: choose another --out")
 
 
@@ -362,12 +362,29 @@ def run_matrix(
     return doc
 
 
+def _variant_skip(plan: CellPlan, rows: list[dict]) -> str | None:
+    """A config variant (not a structural one) of an architecture whose every default cell was `not
+    supported` cannot run either: said once per row instead of an engine start per variant."""
+    v = plan.arch.get("variant")
+    if not v or v.get("kind") == "structural":
+        return None
+    base = [r for r in rows if r["architecture"] == plan.arch.get("variant_of")]
+    if base and all(r["status"] == "not supported" for r in base):
+        return (
+            "the default config is not supported by this engine build (its rows say why): only structural variants run"
+        )
+    return None
+
+
 def _run_cells(out, doc, rows, plans, attribution, settings, hf_done, started, tick) -> None:
     try:
         for plan in plans:
             t0 = time.monotonic()
             findings, status, error = None, "ok", None
-            if plan.spec is None:
+            skip = _variant_skip(plan, rows)
+            if skip:
+                status, error = "not applicable", skip
+            elif plan.spec is None:
                 status, error = "not applicable", plan.refused
             else:
                 try:

@@ -8,7 +8,8 @@ prompt at a time. Variants are built with every zero-initialised bias drawn at r
 (`build_tiny(..., random_biases=True)`: a bias left at zero is one an engine could ignore unseen), so
 their baseline is the default config with random biases, itself the first row (`random-biases`, kind
 `biases`, kept when the default has any such bias). A variant whose logits are identical to that
-baseline's (bit for bit) changes nothing the reference computes on these prompts: `status` `dropped` with that reason; one transformers cannot build is
+baseline's (bit for bit), or a toggle's identical to its enablers' alone, changes nothing the
+reference computes on these prompts: `status` `dropped` with that reason; one transformers cannot build is
 `reference cannot build` with the error's line; the rest are `kept`, with `max_abs_logit_change` (how
 far from the default it moved the logits) and `model` (the checkpoint directory). The document:
 `architecture`, `model_type`, `modeling` (the file read), `reads` (how many fields it reads),
@@ -20,8 +21,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-
-from lpf.core.errors import LpfError
 
 
 def _logits(model_dir: Path, prompts: list[list[int]]):
@@ -84,24 +83,42 @@ def check_variants(out: Path, arch: dict, kinds: list[str], prompts: list[list[i
                 ),
             }
         )
+
+        def same(a: list, b: list) -> bool:
+            return all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(a, b))
+
         for v in variants(mt, config, reads, kinds):
             row = {"name": v.name, "kind": v.kind, "overrides": v.overrides, "why": v.why, "source": v.source}
             try:
                 model = build_tiny(mt, v.overrides, random_biases=True)
                 got = _logits(model, prompts)
-            except (LpfError, Exception) as e:  # noqa: BLE001 - a variant transformers cannot build or run is said, not raised
+                # a toggle set with what enables it: compared with the enablers alone too (the field itself
+                # must change something, not just the flag it needs)
+                enablers = {k: x for k, x in v.overrides.items() if k != v.name.split("=")[0]}
+                alone = (
+                    _logits(build_tiny(mt, enablers, random_biases=True), prompts)
+                    if v.kind == "toggle" and enablers
+                    else None
+                )
+            except Exception as e:  # noqa: BLE001 - a variant transformers cannot build or run is said, not raised
                 row.update(status="reference cannot build", reason=" ".join(str(e).split())[:300])
                 doc["variants"].append(row)
                 continue
-            same = all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(base, got))
             change = max(
                 (float((a - b).abs().max()) for a, b in zip(base, got) if a.shape == b.shape), default=float("nan")
             )
-            if same:
+            if same(base, got):
                 row.update(
                     status="dropped",
                     reason=f"the reference's logits on {len(prompts)} conformance prompts are identical to the "
                     "default config's: the reference computes nothing different with it",
+                )
+            elif alone is not None and same(alone, got):
+                row.update(
+                    status="dropped",
+                    reason=f"the reference's logits on {len(prompts)} conformance prompts are identical to those "
+                    f"with only {', '.join(f'{k}={x!r}' for k, x in enablers.items())} set: the field itself "
+                    "changes nothing the reference computes",
                 )
             else:
                 row.update(status="kept", max_abs_logit_change=change, model=str(model))
