@@ -150,3 +150,36 @@ def test_variants_of_an_unsupported_default_are_skipped_but_structural_ones_run(
     assert variant_skip(structural, rows) is None
     assert variant_skip(toggle, rows + [{"architecture": "NemotronHForCausalLM", "status": "ok"}]) is None
     assert variant_skip({"architecture": "NemotronHForCausalLM"}, rows) is None  # a default row
+
+
+def test_the_matrix_view_names_each_variant_row_and_each_dropped_variant():
+    from lpf.experiments.conformance.view import matrix_view
+
+    variant = {"name": "mlp_bias=1", "kind": "toggle", "overrides": {"mlp_bias": True}, "why": "mlp_bias = True"}
+    doc = {
+        "cell_catalogue": [{"name": "fp32"}],
+        "architectures": [
+            {"architecture": "FalconH1ForCausalLM", "status": "audit"},
+            {
+                "architecture": "FalconH1~mlp_bias=1",
+                "status": "audit",
+                "variant_of": "FalconH1ForCausalLM",
+                "variant": variant,
+            },
+        ],
+        "variants": [
+            {
+                "architecture": "FalconH1ForCausalLM",
+                "variants": [{"name": "x=0", "status": "dropped", "reason": "identical"}],
+            },
+            {"architecture": "Mamba2ForCausalLM", "error": "cannot build", "variants": []},
+        ],
+        "cells": [
+            {"architecture": a, "cell": "fp32", "status": "ok", "verdict": v, "conformance": v, "dtype": "float32"}
+            for a, v in (("FalconH1ForCausalLM", "clean"), ("FalconH1~mlp_bias=1", "corrupt"))
+        ],
+    }
+    v = matrix_view(doc)
+    assert [name for name, _ in v["grid"]] == ["FalconH1", "FalconH1~mlp_bias=1"]
+    assert v["variants"] == [("FalconH1~mlp_bias=1", "toggle", "mlp_bias=True")]
+    assert v["dropped"] == [("FalconH1", "x=0", "identical"), ("Mamba2", "(every variant)", "cannot build")]

@@ -90,6 +90,11 @@ def matrix_view(doc: dict) -> dict:
         for v in c.get("variants") or []
         if v.get("status") != "kept"
     ]
+    dropped += [  # a check that could not run at all (its variants are then not built)
+        (c["architecture"].removesuffix("ForCausalLM"), "(every variant)", c["error"])
+        for c in doc.get("variants") or []
+        if c.get("error")
+    ]
     return {
         "variants": variants,
         "dropped": dropped,
