@@ -32,6 +32,7 @@ SHARED_GROUPS = {
         "test_run_level::test_healthy_bf16_vllm_passes_the_default_gate",
         "test_shrink::test_the_vllm_minimum_reproduces_with_vllms_interpreter_alone",
         "test_conformance_families::test_vllm_source_pairs_bailing_hybrid_with_its_two_names",
+        "test_conformance_variants::test_a_structural_variant_audits_nemotron_h_without_its_moe_on_vllm",
         "test_vllm_prefix",
         "test_locate_vllm",
         "test_client_behaviour::test_cancel_then_resend_and_bursts_against_vllms_server",
