@@ -14,7 +14,7 @@ reports: a burst of load on this shared machine moves the total more than the me
 load average at both ends is recorded beside them.
 `--quick` is the smoke run `make test` does (nothing timed asserted, no results file): a 2-cell sweep
 and a 2-candidate shrink, both ways.
-Usage: python bench/cells.py [--quick]   (writes bench/results/cells.json)
+Usage: python bench/cells.py [--quick] [--keep DIR]   (writes bench/results/cells.json)
 """
 
 from __future__ import annotations
@@ -123,12 +123,16 @@ def line(what: str, r: dict, n: int, same: str) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="2 cells and 2 candidates, no results file (a smoke run)")
-    quick = ap.parse_args().quick
+    ap.add_argument("--keep", type=Path, default=None, help="work in this directory and keep it (else a temporary one)")
+    args = ap.parse_args()
+    quick = args.quick
     load = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="lpf-bench-cells-") as tmp:
-        s = sweep(Path(tmp), quick)
+        work = args.keep or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        s = sweep(work, quick)
         print(line("sweep (builtin, tiny:jamba)", s, s["n_cells"], "findings identical"), flush=True)
-        k = shrink(Path(tmp), quick)
+        k = shrink(work, quick)
         print(line("shrink (builtin, tiny:jamba-longmem)", k, k["n_candidates"], "same minimum"), flush=True)
     result = {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),

@@ -3,8 +3,9 @@ imported torch once give what a fresh `lpf audit --spec -` process gives, and ke
 
 Real cells throughout: the built-in engine on tiny:jamba with the stale-state drill in a small cache
 (so the findings are not all clean), rescored by the transformers reference, analysed.
-- each cell's run directory (findings, tokens, reference, summary) is identical to a fresh process's
-  (`LPF_CELLS_FRESH_PROCESS=1` is the fresh side, which also shows the escape hatch starts no worker);
+- each cell's run directory (findings, tokens, reference, requests, summary) is identical to a fresh
+  process's (`LPF_CELLS_FRESH_PROCESS=1` is the fresh side, which also shows the escape hatch starts no
+  worker), on the built-in engine at one thread and on the transformers engine at two;
 - a cell that crashes (SIGSEGV) fails alone, in one line, and the next cell runs in the same worker;
 - a worker killed between cells, and one killed with a cell in flight, is replaced (the cell in flight
   is finished by the retry, the same as a fresh process's);
@@ -74,24 +75,50 @@ def outputs(run_dir: Path) -> dict:
     return {"findings": findings, "summary": summary, **tables}
 
 
-def test_each_cell_is_what_a_fresh_process_gives(workload, tmp_path, monkeypatch):
-    cells = [("a", 0.3), ("b", 0.5), ("c", 4.0)]
+def _hf(workload: Path, out: Path, max_tokens: int) -> AuditSpec:
+    return AuditSpec(
+        run=RunSpec(
+            engine="hf",
+            model="tiny:jamba",
+            workload=str(workload),
+            out=out,
+            sampling=SamplingParams(max_tokens=max_tokens),
+        )
+    )
+
+
+# the tests' configuration (builtin, one thread, the drill on: flagged requests) and one more (the
+# transformers engine at two threads, where matmuls split over the OpenMP team the fork must rebuild)
+CONFIGS = {
+    "builtin-1-thread": (
+        "1",
+        [(n, lambda w, o, mb=mb: spec(w, o, mb)) for n, mb in (("a", 0.3), ("b", 0.5), ("c", 4.0))],
+    ),
+    "hf-2-threads": ("2", [(n, lambda w, o, t=t: _hf(w, o, t)) for n, t in (("a", 6), ("b", 8))]),
+}
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_each_cell_is_what_a_fresh_process_gives(config, workload, tmp_path, monkeypatch):
+    threads, cells = CONFIGS[config]
+    monkeypatch.setenv("OMP_NUM_THREADS", threads)
     with kept_cells() as pool:
-        for name, mb in cells:
-            run_cell(spec(workload, tmp_path / "kept" / name, mb), tmp_path / f"kept-{name}.log", name)
+        for name, make in cells:
+            run_cell(make(workload, tmp_path / "kept" / name), tmp_path / f"kept-{name}.log", name)
         assert pool.started == 1  # one worker served every cell
         monkeypatch.setenv(FRESH_ENV, "1")
-        for name, mb in cells:
-            run_cell(spec(workload, tmp_path / "fresh" / name, mb), tmp_path / f"fresh-{name}.log", name)
+        for name, make in cells:
+            run_cell(make(workload, tmp_path / "fresh" / name), tmp_path / f"fresh-{name}.log", name)
         assert pool.started == 1  # the escape hatch: a process per cell, no worker asked
-    flagged = 0
     for name, _ in cells:
-        kept, fresh = outputs(tmp_path / "kept" / name), outputs(tmp_path / "fresh" / name)
-        assert kept == fresh, name
-        flagged += kept["findings"]["counts"]["corrupt"] + kept["findings"]["counts"]["divergent"]
-    assert flagged > 0  # the drill showed: the comparison covers flagged requests, not only clean ones
+        assert outputs(tmp_path / "kept" / name) == outputs(tmp_path / "fresh" / name), name
+    if config.startswith("builtin"):
+        counts = [outputs(tmp_path / "kept" / n)["findings"]["counts"] for n, _ in cells]
+        assert sum(c["corrupt"] + c["divergent"] for c in counts) > 0  # flagged requests compared, not only clean ones
     log = (tmp_path / "kept-b.log").read_text()
-    assert log.startswith("$ lpf audit --spec - --fail-on never\n# the same audit: lpf audit --engine builtin")
+    assert log.startswith(
+        f"$ lpf audit --spec - --fail-on never\n# the same audit: lpf audit --engine {config.split('-')[0]}"
+    )
     assert "run directory:" in log and "verdict:" in log  # the cell's own output, into its log
 
 

@@ -6,7 +6,8 @@ Run as `python -m lpf.experiments.cell_server REQ_FD REP_FD LEARN` by `lpf.exper
 Contract, over two pipes of one JSON object per line:
 - On start it imports `PRELOAD` and says `{"ready": true, "pid": ...}`; it never runs a torch op or starts
   a thread of its own, so a fork of it is a process no different from a fresh one that has imported
-  the same modules.
+  the same modules. (`import torch` itself starts the OpenMP team when OMP_NUM_THREADS > 1; GNU
+  libgomp, torch's OpenMP here, builds a new team in a forked child, checked by the tests at 2 threads.)
 - A request `{"spec": JSON, "log": PATH, "cwd": DIR}` is served by one `os.fork()`: the child (the
   cell) dies with the server (PR_SET_PDEATHSIG; the server dies with the experiment the same way),
   moves to `cwd`, appends its stdout and stderr to `log`, reads the spec on stdin and runs exactly
@@ -17,15 +18,15 @@ Contract, over two pipes of one JSON object per line:
   killed it, as `subprocess` says it).
 - What a fresh process would have of its own is renewed in the cell: Python's `random` (reseeded at
   fork by Python itself), numpy's global generator and torch's CPU generator (reseeded from the OS, as
-  a fresh process's are: lpf's runs seed what they draw, so their outputs do not depend on it); torch's thread pool was never started here, so
-  the cell sizes it from its own environment (OMP_NUM_THREADS, `torch.set_num_threads`) as a fresh
-  process does. The environment is the server's: the client starts another server when the
-  experiment's environment changes.
+  a fresh process's are: lpf's runs seed what they draw, so their outputs do not depend on it); torch's
+  thread settings are what `import torch` made of the same environment (OMP_NUM_THREADS), as in a
+  fresh process, and a cell's `torch.set_num_threads` is its own. The environment is the server's: the
+  client starts another server when the experiment's environment changes.
 - With LEARN=1 a cell reports the modules it imported and the server imports them after the cell
   (import only, in the order the cell imported them; one that fails is skipped), so later cells
   start with the engine's and the report's modules loaded too.
-- Before each fork it checks it is still a single thread (the jemalloc background thread pyarrow
-  starts excepted: jemalloc re-arms it after a fork); if an import started one it answers
+- Before each fork it checks it runs no thread but those (nor any Python thread; the jemalloc background
+  thread pyarrow starts is excepted too: jemalloc re-arms it after a fork); if an import started one it answers
   `{"unsafe": WHY}` and exits, and the client starts a server that learns nothing.
 - `{"probe": true}` forks a child that answers what the cell would see (thread counts, seeds), for tests.
 """
@@ -52,24 +53,25 @@ def die_with_parent() -> None:
         pass
 
 
-def foreign_threads() -> list[str]:
-    """The threads of this process other than the main one that a fork would not carry safely."""
-    task = "/proc/self/task"
-    if not os.path.isdir(task):
-        import threading
+def _tasks() -> set[str]:
+    return set(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else set()
 
-        return [t.name for t in threading.enumerate() if t is not threading.main_thread()]
-    names = []
-    for tid in os.listdir(task):
-        if int(tid) == os.getpid():
-            continue
+
+def foreign_threads(own: set[str]) -> list[str]:
+    """The threads of this process a fork would not carry safely: any Python thread, and any native one
+    not in `own` (the main thread and the OpenMP team `import torch` starts when OMP_NUM_THREADS > 1,
+    which libgomp rebuilds in a forked child) nor named in FORK_SAFE_THREADS."""
+    import threading
+
+    names = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+    for tid in sorted(_tasks() - own):
         try:
-            with open(f"{task}/{tid}/comm") as f:
+            with open(f"/proc/self/task/{tid}/comm") as f:
                 name = f.read().strip()
         except OSError:  # the thread ended meanwhile
             continue
         if name not in FORK_SAFE_THREADS:
-            names.append(name)
+            names.append(f"{name} (native)")
     return names
 
 
@@ -179,6 +181,8 @@ def _preload(names: list[str]) -> None:
 
 
 def serve(req_fd: int, rep_fd: int, learn: bool) -> int:
+    importlib.import_module("torch")
+    own = _tasks()  # this thread, and the OpenMP team torch starts at import (OMP_NUM_THREADS > 1)
     for name in PRELOAD:
         importlib.import_module(name)
     requests = os.fdopen(req_fd, "r")
@@ -190,7 +194,7 @@ def serve(req_fd: int, rep_fd: int, learn: bool) -> int:
     say(ready=True, pid=os.getpid())
     for line in requests:
         req = json.loads(line)
-        threads = foreign_threads()
+        threads = foreign_threads(own)
         if threads:
             say(unsafe=f"the kept worker runs {len(threads)} thread(s) of its own ({', '.join(sorted(threads))})")
             return 3

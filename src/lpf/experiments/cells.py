@@ -20,8 +20,8 @@ Contract:
 - `read_out_doc(out, name)`: the document an earlier run of an experiment left in its --out
   directory, or None; an --out that is a file, or a document that is not JSON, is an `LpfError`
   (the sweep's, shrink's and conformance's resume rule).
-The child is started by the tool's own entry point (`python -m lpf`), never imported: nothing here
-knows the command line beyond `lpf audit --spec`.
+The child runs the tool's own entry point (`python -m lpf`, started fresh, or run by the fork as
+`__main__`), never imported here: nothing here knows the command line beyond `lpf audit --spec`.
 """
 
 from __future__ import annotations
