@@ -108,7 +108,10 @@ def run(
         out, source, plan.signature, t["seq"], tries, need, charge, deterministic=state.doc.get("deterministic")
     )
     state.set(status="running")
-    doc = Shrink(source, t["seq"], judge, state, on_event).run()
+    from lpf.experiments.kept_cells import kept_cells
+
+    with kept_cells():  # the candidates fork one process that imported torch once
+        doc = Shrink(source, t["seq"], judge, state, on_event).run()
     if doc.get("minimal"):
         written = write_outputs(out, source, doc)
         state.set(files=[p.name for p in written], locate=locate_offer(out, doc))
