@@ -26,7 +26,12 @@ minus the same start-up subtraction), each as a ratio to the run without caching
 `--quick` is the smoke run `make test` does (nothing timed is asserted, no results file): 6 requests
 of at most 8 tokens, one run each, start-up not subtracted, no vLLM or llama.cpp column and no
 prefix-caching rows (bench/vllm_trace.py --quick runs the vllm adapter).
-Usage: python bench/engine.py [--requests N] [--model SPEC] [--only prefix] [--quick]   (writes bench/results/engine.json)
+`--baseline-src DIR` (a checkout's src/) runs that tree's builtin engine as a `builtin-before` arm in the
+same interleaved repeats (before/after in one run); every run's CPU seconds are recorded (a run's minus
+its 1-token run's: `generation_cpu_s`, blind to other processes; vLLM's worker processes count only
+once reaped), and each repeat's builtin/vLLM in-engine window ratio (the two ran back to back).
+Usage: python bench/engine.py [--requests N] [--model SPEC] [--only prefix] [--no-prefix] [--baseline-src DIR]
+       [--quick]   (writes bench/results/engine.json)
 """
 
 from __future__ import annotations
