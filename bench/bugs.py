@@ -21,17 +21,24 @@ Configurations (ground truth and knobs from `prefix_drills.KNOBS`):
                  --max-num-batched-tokens 32 (the configuration issue 22 reports shrink stalling on)
 vLLM drills (`--engine vllm`): the plugin's prefix drills under `lpf.adapters.vllm.PREFIX_DRILL_KNOBS`
 (prefix caching on, a step budget below the 128-token Mamba block), on tiny:hybrid-longmem (vLLM's CPU
-build runs no Jamba), scored the same way with `PREFIX_DRILL_NAMED_BY`.
+build runs no Jamba), scored the same way with `PREFIX_DRILL_NAMED_BY`; `clean` (the same, no drill: the
+false-positive control and the hit rate) and `prefix-cache-inert` (vLLM #48401's configuration, see
+INERT_MAX_MODEL_LEN). `--vllm-set KNOB=VALUE` runs them in another configuration (bugs.json's
+vllm.variants). `first_try` in bugs.json: over every drill row of both engines, is the first-ranked
+hypothesis (for prefix-cache-inert: the run's finding) the right mechanism.
 
 Usage: python bench/bugs.py [--quick] [--out runs/bench-bugs] [--drill NAME ...] [--no-shrink]
-Writes bench/results/bugs.json (with --quick: OUT/quick/bugs_quick.json, never bench/results) and prints the table. Runs are reused when
-complete (delete --out to start over).
+       [--shrink-budget RUNS] [--engine builtin|vllm] [--vllm-set KNOB=VALUE ...]
+Writes bench/results/bugs.json (built-in rows under "results", vLLM's under "vllm"; a run of some drills
+replaces those rows only; with --quick: OUT/quick/bugs_quick.json, never bench/results) and prints the
+table. Runs are reused when complete (delete --out to start over).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -73,19 +80,54 @@ def drills(quick: bool) -> dict[str, tuple[list[str], set[str]]]:
     return {"stale-conv-on-reuse": out["stale-conv-on-reuse"]} if quick else out
 
 
-def vllm_drills() -> dict[str, tuple[list[str], set[str]]]:
+# prefix-cache-inert on vLLM is a configuration, not a plugin drill: vLLM #48401's condition, the hybrid's
+# block (raised to the Mamba page, 128 tokens here: platforms/interface.py:1094-1103) longer than
+# max_model_len, so no request fills the one unit kv_cache_utils.py hashes (958, 979). Prompts of
+# zoo:shared-prefix that fit (INERT_PROMPT_MAX tokens, + 8 output tokens <= INERT_MAX_MODEL_LEN).
+INERT_MAX_MODEL_LEN = 120
+INERT_PROMPT_MAX = INERT_MAX_MODEL_LEN - 8
+
+
+def vllm_drills(overrides: dict[str, str] | None = None) -> dict[str, tuple[list[str], set[str]]]:
+    """The plugin's drills, then `clean` (caching on, no drill: the false-positive control) and
+    `prefix-cache-inert` (the #48401 configuration, on INERT, the workload of prompts that fit).
+    `overrides` (--vllm-set): knobs replacing PREFIX_DRILL_KNOBS' (another configuration)."""
     from lpf.adapters.vllm import PREFIX_DRILL_KNOBS, PREFIX_DRILL_NAMED_BY
 
-    knobs = [a for k, v in PREFIX_DRILL_KNOBS.items() for a in ("-E", f"{k}={str(v).lower()}")]
-    return {
+    values = {k: str(v).lower() for k, v in PREFIX_DRILL_KNOBS.items()} | (overrides or {})
+    knobs = [a for k, v in values.items() for a in ("-E", f"{k}={v}")]
+    plan = {
         d: (["--workload", "SHARED", "--max-tokens", "8", *knobs], named) for d, named in PREFIX_DRILL_NAMED_BY.items()
     }
+    plan["clean"] = (["--workload", "SHARED", "--max-tokens", "8", *knobs], set())
+    inert = ["-E", f"max_model_len={INERT_MAX_MODEL_LEN}"]
+    plan["prefix-cache-inert"] = (["--workload", "INERT", "--max-tokens", "8", *knobs, *inert], set())
+    return plan
 
 
-def audit(out: Path, drill: str, args: list[str], workload: Path, engine: str) -> float:
+def inert_workload(out: Path, n: int) -> Path:
+    """The first `n` zoo:shared-prefix items whose prompt fits INERT_MAX_MODEL_LEN (tokenized as the
+    audit will: the model's tokenizer, no template)."""
+    from lpf.core.model_specs import load_tokenizer, resolve_model
+    from lpf.zoo import registry
+
+    path = out / "shared-prefix-short.jsonl"
+    if not path.is_file():
+        tok = load_tokenizer(resolve_model(VLLM_MODEL))
+        items = registry.workload_items("shared-prefix", n=int(n * 1.25))
+        fit = [i for i in items if len(tok(i["prompt"])["input_ids"]) <= INERT_PROMPT_MAX][:n]
+        path.write_text("".join(json.dumps(i) + "\n" for i in fit))
+    return path
+
+
+def audit(out: Path, drill: str, args: list[str], workloads: dict[str, Path], engine: str) -> float:
+    """`drill` "clean" (and vLLM's prefix-cache-inert, a configuration): no --inject."""
     if (out / "findings.json").is_file():
         return 0.0
-    args = [str(workload) if a == "SHARED" else a for a in args]
+    args = [str(workloads[a]) if a in workloads else a for a in args]
+    inject = (
+        ["--inject", drill] if not (drill == "clean" or (engine == "vllm" and drill == "prefix-cache-inert")) else []
+    )
     t0 = time.perf_counter()
     proc = lpf(
         "audit",
@@ -94,8 +136,7 @@ def audit(out: Path, drill: str, args: list[str], workload: Path, engine: str) -
         "--model",
         VLLM_MODEL if engine == "vllm" else MODEL,
         *args,
-        "--inject",
-        drill,
+        *inject,
         "--out",
         out,
         "--fail-on",
@@ -141,12 +182,21 @@ def score(run: Path, named_by: set[str]) -> dict:
         "tokens_to_first_flag": first,
         "run_test_tokens_needed": (findings.get("run_test") or {}).get("tokens_needed"),
         "prefix_cache": {
-            k: pc.get(k) for k in ("finding", "inert", "requests_hit", "hit_tokens", "hit_rate", "requests_sharing")
+            k: pc.get(k)
+            for k in (
+                "finding",
+                "inert",
+                "requests_hit",
+                "hit_tokens",
+                "hit_rate",
+                "requests_sharing",
+                "requests_sharing_below_block",
+            )
         },
     }
 
 
-def shrink(run: Path, out: Path, drill: str, run_it: bool = True) -> dict:
+def shrink(run: Path, out: Path, drill: str, run_it: bool = True, budget: int | None = None) -> dict:
     """`run_it=False` (--no-shrink): only read a shrink already in `out` (finished or not)."""
     if not run_it and not (out / "shrink.json").is_file():
         return {}
@@ -154,7 +204,7 @@ def shrink(run: Path, out: Path, drill: str, run_it: bool = True) -> dict:
         not (out / "shrink.json").is_file() or json.loads((out / "shrink.json").read_text()).get("status") == "running"
     ):
         t0 = time.perf_counter()
-        lpf("shrink", run, "--out", out, "--json")
+        lpf("shrink", run, "--out", out, "--json", *(["--budget-runs", budget] if budget else []))
         wall = time.perf_counter() - t0
     else:
         wall = None
@@ -169,20 +219,34 @@ def shrink(run: Path, out: Path, drill: str, run_it: bool = True) -> dict:
     }
     repro = out / "repro.py"
     if repro.is_file():
-        res["repro_exit"] = subprocess.run([sys.executable, str(repro)], capture_output=True, text=True).returncode
+        res["repro_exit"] = run_repro(repro)
         off = repro.with_name("repro_off.py")
         text = repro.read_text()
-        # the drill travels in the config's options (the vLLM reproducer hands it to the plugin from there)
-        text_off = text.replace(f'"inject": "{drill}"', '"inject": ""')
+        # the drill travels in the built-in config's options, or in the vLLM reproducer's environment
+        # for the plugin (LPF_VLLM_INJECT)
+        text_off = text.replace(f'"inject": "{drill}"', '"inject": ""').replace(
+            f'"LPF_VLLM_INJECT": "{drill}"', '"LPF_VLLM_INJECT": ""'
+        )
         if text_off == text:  # the drill is not where this check looks: no figure rather than a false one
             res["repro_off_exit"] = None
             res["repro_off_why"] = "the drill was not found in repro.py's config to turn it off"
         else:
             off.write_text(text_off)
-            res["repro_off_exit"] = subprocess.run(
-                [sys.executable, str(off)], capture_output=True, text=True
-            ).returncode
+            res["repro_off_exit"] = run_repro(off)
     return res
+
+
+def run_repro(script: Path) -> int | str:
+    """repro.py's exit status under the interpreter it needs (vLLM's own for a vLLM reproducer: the
+    adapter's `.venv-vllm` beside the repo, or LPF_VLLM_PYTHON). A traceback also exits 1, the code
+    for "the lie reproduces": then the answer is the error's last line, never 1."""
+    python = sys.executable
+    if '"engine": "vllm"' in script.read_text():
+        python = os.environ.get("LPF_VLLM_PYTHON") or str(ROOT / ".venv-vllm" / "bin" / "python")
+    proc = subprocess.run([python, str(script)], capture_output=True, text=True)
+    if "Traceback (most recent call last)" in proc.stderr:
+        return "error: " + (proc.stderr.strip().splitlines() or ["?"])[-1][:200]
+    return proc.returncode
 
 
 def table(results: dict) -> str:
@@ -199,11 +263,19 @@ def table(results: dict) -> str:
             if s.get("size")
             else (s.get("status") or "not run")
         )
+        pc = r["prefix_cache"] or {}
         if d == "prefix-cache-inert":
-            pc = r["prefix_cache"]
+            sharing = pc.get("requests_sharing") or pc.get("requests_sharing_below_block")
+            unit = "16-token " if not pc.get("requests_sharing") and pc.get("requests_sharing_below_block") else ""
             lines.append(
                 f"| {d} | {r['requests']} | finding: {pc['finding']} | - | {r['false_positives']} | "
-                f"- ({pc['requests_hit']} hit, {pc['requests_sharing']} share a block) | - | - |"
+                f"- ({pc['requests_hit']} hit, {sharing} share a {unit}block) | - | - |"
+            )
+            continue
+        if d == "clean":
+            lines.append(
+                f"| clean, caching on | {r['requests']} | 0 | - | {r['false_positives']} | - "
+                f"({pc.get('requests_hit')} hit, {pc.get('hit_rate') or 0:.1%} of prompt tokens) | - | - |"
             )
             continue
         recall = "-" if r["recall"] is None else f"{r['recall']:.3f}"
@@ -215,52 +287,93 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def first_try(sections: dict[str, dict]) -> dict:
+    """First-try root cause over the whole class: per drill row (built-in and vLLM), is the first thing
+    the run states the right mechanism (the top hypothesis for a lying drill; for prefix-cache-inert,
+    the run's prefix-cache finding). Clean controls are not drills and are left out."""
+    rows = {}
+    for engine, results in sections.items():
+        for d, r in results.items():
+            if d == "clean":
+                continue
+            right = (
+                (r["prefix_cache"] or {}).get("finding") == "prefix-cache-inert"
+                if d == "prefix-cache-inert"
+                else r["named"]
+            )
+            rows[f"{engine}:{d}"] = bool(right)
+    n = len(rows)
+    return {"rows": rows, "right": sum(rows.values()), "of": n, "rate": sum(rows.values()) / n if n else None}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="one drill, 240 requests, no shrink (the test's smoke run)")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-bugs")
     ap.add_argument("--drill", action="append", help="only these drills")
     ap.add_argument("--no-shrink", action="store_true")
+    ap.add_argument("--shrink-budget", type=int, help="lpf shrink --budget-runs [default: shrink's own]")
     ap.add_argument("--engine", default="builtin", choices=("builtin", "vllm"))
+    ap.add_argument(
+        "--vllm-set",
+        action="append",
+        default=[],
+        metavar="KNOB=VALUE",
+        help="another vLLM configuration: its rows go to bugs.json's vllm.variants, the table rows stay",
+    )
     ap.add_argument("--results", type=Path, help="where the JSON goes (default bench/results/bugs[_quick].json)")
     a = ap.parse_args()
     from lpf.zoo import registry
 
     out = a.out / ("quick" if a.quick else "full")
     out.mkdir(parents=True, exist_ok=True)
+    n = 240 if a.quick else 1000
     workload = out / "shared-prefix.jsonl"
     if not workload.is_file():
-        items = registry.workload_items("shared-prefix", n=240 if a.quick else 1000)
+        items = registry.workload_items("shared-prefix", n=n)
         workload.write_text("".join(json.dumps(i) + "\n" for i in items))
-    plan = vllm_drills() if a.engine == "vllm" else drills(a.quick)
+    overrides = dict(kv.split("=", 1) for kv in a.vllm_set)
+    variant = ",".join(f"{k}={v}" for k, v in overrides.items())
+    if variant:
+        out = out / variant.replace("=", "-").replace(",", "_")
+        out.mkdir(parents=True, exist_ok=True)
+    plan = vllm_drills(overrides) if a.engine == "vllm" else drills(a.quick)
+    plan = {d: v for d, v in plan.items() if not a.drill or d in a.drill}
+    workloads = {"SHARED": workload}
+    if any("INERT" in args for args, _ in plan.values()):
+        workloads["INERT"] = inert_workload(out, n)
     results = {}
     for d, (args, named_by) in plan.items():
-        if a.drill and d not in a.drill:
-            continue
         run = out / d
-        wall = audit(run, d, args, workload, a.engine)
+        wall = audit(run, d, args, workloads, a.engine)
         results[d] = {**score(run, named_by), "audit_s": wall}
-        if not (a.quick or d == "prefix-cache-inert"):
-            results[d]["shrink"] = shrink(run, out / f"{d}-shrink", d, run_it=not a.no_shrink)
+        if not (a.quick or d in ("prefix-cache-inert", "clean")):
+            results[d]["shrink"] = shrink(run, out / f"{d}-shrink", d, not a.no_shrink, a.shrink_budget)
         print(f"{d}: {json.dumps(results[d], default=str)}", flush=True)
     dest = a.results or (out / "bugs_quick.json" if a.quick else ROOT / "bench" / "results" / "bugs.json")
     dest.parent.mkdir(parents=True, exist_ok=True)
-    dest.write_text(
-        json.dumps(
-            {
-                "results": results,
-                "engine": a.engine,
-                "config": {
-                    "model": VLLM_MODEL if a.engine == "vllm" else MODEL,
-                    "prefix": PREFIX_ARGS,
-                    "stale_state": STALE_ARGS,
-                },
-            },
-            indent=1,
-            default=str,
-        )
-    )
+    # one file for both engines: the built-in rows under "results", vLLM's under "vllm"; a run of some
+    # drills replaces those rows only
+    doc = json.loads(dest.read_text()) if dest.is_file() else {}
+    if a.engine == "vllm":
+        section = doc.setdefault("vllm", {})
+        config = {
+            "model": VLLM_MODEL,
+            "knobs": vllm_drills(overrides)["clean"][0][4:],
+            "inert_max_model_len": INERT_MAX_MODEL_LEN,
+        }
+        if variant:
+            section = section.setdefault("variants", {}).setdefault(variant, {})
+        section["results"] = {**section.get("results", {}), **results}
+        section["config"] = config
+    else:
+        doc["results"] = {**doc.get("results", {}), **results}
+        doc["config"] = {"model": MODEL, "prefix": PREFIX_ARGS, "stale_state": STALE_ARGS}
+    doc["first_try"] = first_try({"builtin": doc.get("results", {}), "vllm": doc.get("vllm", {}).get("results", {})})
+    dest.write_text(json.dumps(doc, indent=1, default=str))
     print(table(results))
+    ft = doc["first_try"]
+    print(f"first-try root cause over the class: {ft['right']}/{ft['of']}", flush=True)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 import json
 
 import pyarrow.parquet as pq
+import pytest
 
 from conftest import lpf_subprocess
 
@@ -36,6 +37,7 @@ def test_audit_hf_hybrid_clean(hybrid_audit):
     assert "verdict: clean" in proc.stderr and "oracle accuracy" in proc.stderr
 
 
+@pytest.mark.slow  # an end-to-end run or a browser: kept out of `make test-fast` (issue 27)
 def test_audit_hf_llama_clean(tmp_path, prompts_200):
     out = tmp_path / "llama"
     proc = lpf_subprocess(

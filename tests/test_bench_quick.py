@@ -106,6 +106,7 @@ def test_every_bench_has_a_smoke_run():
     assert set(BENCHES) == {p.stem for p in (ROOT / "bench").glob("*.py")}
 
 
+@pytest.mark.slow  # an end-to-end run or a browser: kept out of `make test-fast` (issue 27)
 def test_analysis_bench_quick(tmp_path):
     _check("analysis", tmp_path)
 

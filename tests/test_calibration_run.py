@@ -42,6 +42,7 @@ def _th(f: dict) -> dict:
     return {k: f["thresholds"][k] for k in DEFAULTS}
 
 
+@pytest.mark.slow  # an end-to-end run or a browser: kept out of `make test-fast` (issue 27)
 def test_bf16_engine_calibration_run(prompts, tmp_path, lpf_cli):
     """(1) bfloat16 engine, float32 reference: the floor comes from the reference at bfloat16, above
     float32's (~0); nothing corrupt; resumable; and engine logprobs cannot move the thresholds."""
@@ -149,6 +150,7 @@ def _own_floor_thresholds(run):
     return th
 
 
+@pytest.mark.slow  # an end-to-end run or a browser: kept out of `make test-fast` (issue 27)
 def test_processed_logprobs_drill_with_calibration_run(prompts, tmp_path, lpf_cli):
     """(2) every request's logprobs are post-temperature: the run's own floor would absorb part of
     the lie (its thresholds rise above the defaults); the expected floor (the shipped table, and a
@@ -191,6 +193,7 @@ def test_processed_logprobs_drill_with_calibration_run(prompts, tmp_path, lpf_cl
     assert cal["counts"]["clean"] < cal["n_requests"] // 2
 
 
+@pytest.mark.slow  # an end-to-end run or a browser: kept out of `make test-fast` (issue 27)
 def test_processed_logprobs_drill_where_the_lie_is_large(prompts, tmp_path, lpf_cli):
     """(2b) the same drill on tiny:hybrid (untrained: flat distributions, so a temperature moves
     nearly every logprob by more than 0.5): the run's own floor would rise to its caps; the

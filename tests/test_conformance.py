@@ -63,6 +63,7 @@ def test_tiny_checkpoints_keep_the_architectures_defaults():
     assert not set(SCALE["falcon_h1"]) - set(default) - {"head_dim"}  # recipes name the config's own fields
 
 
+@pytest.mark.slow  # an end-to-end run or a browser: kept out of `make test-fast` (issue 27)
 def test_conformance_on_the_builtin_engine_writes_the_matrix(lpf_cli, tmp_path):
     out = tmp_path / "conf"
     r = lpf_cli(

@@ -24,6 +24,7 @@ def repeat(lpf_cli, out, *extra):
     return doc, r
 
 
+@pytest.mark.slow  # an end-to-end run or a browser: kept out of `make test-fast` (issue 27)
 def test_faults_off_copies_agree(lpf_cli, tmp_path):
     doc, r = repeat(lpf_cli, tmp_path / "off")
     copies = doc["copies"]
@@ -39,6 +40,7 @@ def test_faults_off_copies_agree(lpf_cli, tmp_path):
     assert "unique completions: token sequences 1" in r.err
 
 
+@pytest.mark.slow  # an end-to-end run or a browser: kept out of `make test-fast` (issue 27)
 def test_batch_variant_logprobs_differ_across_copies(lpf_cli, tmp_path):
     off, _ = repeat(lpf_cli, tmp_path / "off")
     doc, r = repeat(lpf_cli, tmp_path / "bv", "--inject", "batch-variant")

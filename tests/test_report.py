@@ -150,6 +150,7 @@ def xss_run(tmp_path_factory):
     return run, json.loads(proc.stdout), proc.stderr
 
 
+@pytest.mark.slow  # an end-to-end run or a browser: kept out of `make test-fast` (issue 27)
 def test_analyze_writes_a_self_contained_report(xss_run):
     run, findings, stderr = xss_run
     assert f"report: {run / 'report.html'}" in stderr.replace("\n", "")
@@ -164,6 +165,7 @@ def test_analyze_writes_a_self_contained_report(xss_run):
     assert XSS_ID in {f["request_id"] for f in findings["flagged"]}
 
 
+@pytest.mark.slow  # an end-to-end run or a browser: kept out of `make test-fast` (issue 27)
 def test_run_report_renders_and_model_script_stays_text(xss_run, browser):
     from selenium.webdriver.common.action_chains import ActionChains
     from selenium.webdriver.common.by import By
@@ -209,6 +211,7 @@ def test_run_report_renders_and_model_script_stays_text(xss_run, browser):
     assert severe(browser.get_log("browser")) == []
 
 
+@pytest.mark.slow  # an end-to-end run or a browser: kept out of `make test-fast` (issue 27)
 def test_report_command_and_bad_directories(xss_run, tmp_path):
     run, _, _ = xss_run
     (run / "report.html").unlink()
@@ -230,6 +233,7 @@ def test_script_json_cannot_break_out():
 
 
 # -- sweep and RL directories --------------------------------------------------------------------
+@pytest.mark.slow  # an end-to-end run or a browser: kept out of `make test-fast` (issue 27)
 def test_sweep_report_renders(xss_run, browser, tmp_path):
     from selenium.webdriver.common.by import By
 
@@ -285,6 +289,7 @@ def test_sweep_report_renders(xss_run, browser, tmp_path):
     assert len(links) == 1 and links[0].endswith("/report.html")  # only the cell whose directory exists
 
 
+@pytest.mark.slow  # an end-to-end run or a browser: kept out of `make test-fast` (issue 27)
 def test_rl_report_renders(browser, tmp_path):
     import numpy as np
 
@@ -360,6 +365,7 @@ def test_rl_report_renders(browser, tmp_path):
     )
 
 
+@pytest.mark.slow  # an end-to-end run or a browser: kept out of `make test-fast` (issue 27)
 def test_rl_report_with_a_third_opinion_draws_the_three_curves(browser, tmp_path):
     """`lpf rl rescore` + `rl analyze`: the rollout / trainer / reference curves and each spike's side."""
     import numpy as np
@@ -429,6 +435,7 @@ def test_rl_report_with_a_third_opinion_draws_the_three_curves(browser, tmp_path
     assert sentence in text and "SIDE" in text.upper() and text.count("rollout") >= 4
 
 
+@pytest.mark.slow  # an end-to-end run or a browser: kept out of `make test-fast` (issue 27)
 def test_rl_report_shows_the_causes_and_their_fixes(browser, tmp_path, lpf_cli):
     """A real `lpf rl analyze` of a dump whose trainer errs only in micro-batches of more than one
     sequence (as verl #6280): the Causes section names batch shape with its share and the frameworks'
@@ -485,6 +492,7 @@ def test_scatter_downsampling_keeps_flagged_and_envelope():
     assert set(np.flatnonzero(flagged)) <= set(idx.tolist()) and 77_777 in idx
 
 
+@pytest.mark.slow  # an end-to-end run or a browser: kept out of `make test-fast` (issue 27)
 def test_prompt_section_and_conformance_matrix_render(xss_run, browser, tmp_path, lpf_cli, prompts_200):
     """A run with prompt logprobs shows its prompt (prefill) section; a conformance directory its matrix,
     with model text and sentences kept as text and cells linking to their run's report."""
@@ -539,6 +547,44 @@ def test_prompt_section_and_conformance_matrix_render(xss_run, browser, tmp_path
         "status": "engine error",
         "error": "CPU GDN attention requires BF16",
     }
+    # cells the engine's own judgement calls clean although their verdict is not: llama.cpp per token
+    # (a departure it names), bf16 per position against the honest bf16 runs
+    per_token = {
+        "architecture": "Lfm2ForCausalLM",
+        "cell": "fp32",
+        "status": "ok",
+        "verdict": "systematic",
+        "conformance": "clean",
+        "engine_judgement": {
+            "conformance": "clean",
+            "causes": [{"name": "normaliser", "says": "a float32 log-softmax", "evidence": "over 40/192"}],
+        },
+    }
+    per_position = {
+        "architecture": "Lfm2ForCausalLM",
+        "cell": "bf16",
+        "status": "ok",
+        "verdict": "divergent",
+        "conformance": "clean",
+        "bf16_paired": {
+            "result": "within ensemble",
+            "departs": False,
+            "share_worse_than_ensemble": 0.31,
+            "p_value": 1.0,
+        },
+    }
+    reference_column = [
+        {
+            "architecture": "Zamba2ForCausalLM",
+            "status": "reference inconsistent",
+            "departing": ["decode"],
+            "paths": {
+                "decode": {"max_abs": 1.7, "first_departure": {"prompt": 0, "position": 2}},
+                "teacher-forced f32": {"max_abs": 2.6e-4, "first_departure": None},
+            },
+        },
+        {"architecture": "BambaForCausalLM", "status": "no tiny recipe", "reason": "no scaled-down recipe"},
+    ]
     (conf / "conformance.json").write_text(
         json.dumps(
             {
@@ -548,13 +594,15 @@ def test_prompt_section_and_conformance_matrix_render(xss_run, browser, tmp_path
                 "reference": "transformers 5.24.0",
                 "grid": "small",
                 "complete": True,
-                "cells": [cell, failed],
+                "cells": [cell, failed, per_token, per_position],
+                "reference_column": reference_column,
                 "cell_catalogue": [
                     {"name": "fp32", "args": [], "dtype": "float32"},
                     {"name": "bf16", "args": [], "dtype": "bfloat16"},
                 ],
                 "architectures": [
                     {"architecture": "GraniteMoeHybridForCausalLM", "status": "audit", "reason": ""},
+                    {"architecture": "Lfm2ForCausalLM", "status": "audit", "reason": ""},
                     {"architecture": "JambaForCausalLM", "status": "not supported", "reason": "no selective_scan_fwd"},
                 ],
             }
@@ -563,13 +611,23 @@ def test_prompt_section_and_conformance_matrix_render(xss_run, browser, tmp_path
     assert write_report(conf) == conf / "report.html"
     log = open_page(browser, conf / "report.html")
     assert severe(log) == [], log
-    assert "engine bug" in browser.find_element(By.ID, "matrix").text
-    assert "<script>alert(1)</script>" in browser.find_element(By.ID, "findings").text  # text, not markup
+    matrix = browser.find_element(By.ID, "matrix").text
+    assert "engine bug" in matrix
+    assert "clean* per token: normaliser" in matrix and "per position: 31% worse" in matrix, matrix
+    findings = browser.find_element(By.ID, "findings").text
+    assert "<script>alert(1)</script>" in findings  # text, not markup
+    not_clean = browser.find_element(By.CSS_SELECTOR, "#findings ul.sentences").text
+    assert "GraniteMoeHybrid · fp32" in not_clean and "Lfm2" not in not_clean  # both Lfm2 cells judged clean
+    assert "normaliser" in findings and "over 40/192" in findings  # the departure per-token judging names
+    ref = browser.find_element(By.ID, "reference").text
+    assert "Zamba2" in ref and "reference inconsistent" in ref and "1.7 from position 2 of prompt 0" in ref, ref
+    assert "no scaled-down recipe" in ref
     assert "no selective_scan_fwd" in browser.find_element(By.ID, "not-audited").text
     links = [a.get_attribute("href") for a in browser.find_elements(By.CSS_SELECTOR, "#matrix a")]
     assert len(links) == 1 and links[0].endswith("fp32/report.html")
 
 
+@pytest.mark.slow  # an end-to-end run or a browser: kept out of `make test-fast` (issue 27)
 def test_a_large_runs_histogram_is_drawn_from_every_kth_request(xss_run, monkeypatch):
     """Above HISTOGRAM_TOKENS scored tokens the report reads the token rows of every k-th request only
     (bounded memory on a 100M-token run), says so, and counts exactly those requests' tokens."""

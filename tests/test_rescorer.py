@@ -149,6 +149,7 @@ def test_cuda_reference_matches_cpu(rescorer):
         assert a["ref_logprob"] == pytest.approx(b["ref_logprob"], abs=1e-4)
 
 
+@pytest.mark.slow  # an end-to-end run or a browser: kept out of `make test-fast` (issue 27)
 def test_the_rescorer_imports_only_what_a_bare_gpu_machine_has():
     """scripts/gpu_check.sh runs where Python has torch, transformers, pyarrow and numpy only."""
     import json

@@ -71,6 +71,7 @@ async def _concurrent_completions(base_url: str, prompts: list[str]) -> list[htt
         )
 
 
+@pytest.mark.slow  # an end-to-end run or a browser: kept out of `make test-fast` (issue 27)
 def test_64_concurrent_completions_are_batched_and_match_the_reference(server, rescorer):
     from lpf.pipeline.reference import ScoreItem
 
@@ -276,6 +277,7 @@ def test_non_finite_logprobs_still_render_as_json():
     ]
 
 
+@pytest.mark.slow  # reads the trace the 64-request test leaves (slow): they go together
 def test_sigterm_shuts_down_cleanly_and_leaves_the_trace(server):
     code, log = server.stop(signal.SIGTERM)
     assert code == 0, log

@@ -24,6 +24,7 @@ def lpf_server():
         yield s
 
 
+@pytest.mark.slow  # an end-to-end run or a browser: kept out of `make test-fast` (issue 27)
 def test_audit_through_lpf_serve_generate_is_clean(lpf_cli, lpf_server, tmp_path, prompts_200):
     prompts = write_prompts(
         tmp_path / "p.jsonl", [json.loads(line) for line in prompts_200.read_text().splitlines()[:16]]

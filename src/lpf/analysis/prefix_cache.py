@@ -9,9 +9,14 @@ hit column). Otherwise:
    earlier request's: what a prefix cache could supply), "shareable_tokens": the tokens of those shared
    full blocks (capped at prompt length - 1, as a cache hit is), "block_size": B,
    "inert": bool, "finding": "prefix-cache-inert" (only when inert), "sentence": one line}
-Inert: caching on, hits recorded, S > 0 and k == 0 (vLLM #48401, #51250, #54504: prefix caching
-accepted and silently doing nothing on hybrids). It is a finding about the run, never a verdict on a
-request: a cache that does nothing is slow, not wrong.
+  (+ "requests_sharing_below_block", "shareable_tokens_below_block": the same at DEFAULT_BLOCK
+   tokens, only when B > DEFAULT_BLOCK, nothing hit and S == 0)
+Inert: caching on, hits recorded, k == 0 and prompts share prefixes: S > 0, or, when no prompt
+shares a whole B-token block, they share DEFAULT_BLOCK-token ones (vLLM #48401, #51250, #54504:
+prefix caching accepted and silently doing nothing on hybrids; in #48401 the hybrid's block is raised
+past max_model_len, so no request ever fills the one unit the cache hashes and S is 0 by
+construction: the prefixes a plain attention cache would share are the evidence then). It is a
+finding about the run, never a verdict on a request: a cache that does nothing is slow, not wrong.
 """
 
 from __future__ import annotations
@@ -102,7 +107,30 @@ def prefix_cache_summary(requests: pa.Table, trace: pa.Table | None, engine_info
         hit_rate=hit_tokens / out["prompt_tokens"] if out["prompt_tokens"] else None,
     )
     out["inert"] = bool(enabled is True and out["requests_sharing"] and n_hit == 0)  # on by the knobs, not assumed
-    if out["inert"]:
+    if enabled is True and known and n_hit == 0 and not out["requests_sharing"] and block > DEFAULT_BLOCK:
+        fine = shared_blocks(prompts, DEFAULT_BLOCK)
+        out["requests_sharing_below_block"] = int(sum(1 for s in fine if s))
+        out["shareable_tokens_below_block"] = int(sum(fine) * DEFAULT_BLOCK)
+        out["inert"] = out["requests_sharing_below_block"] > 0
+    if out["inert"] and not out["requests_sharing"]:
+        out["finding"] = "prefix-cache-inert"
+        context = (info.get("options") or {}).get("max_model_len")
+        longest = max((len(p) for p in prompts), default=0)
+        out["sentence"] = (
+            f"prefix caching is on but inert: {out['requests_sharing_below_block']}/{req.num_rows} requests "
+            f"share at least one {DEFAULT_BLOCK}-token block with an earlier prompt "
+            f"({out['shareable_tokens_below_block']:,} tokens), but the cache hashes only full "
+            f"{block}-token blocks"
+            + (
+                f", longer than every prompt (longest {longest}"
+                + (f"; max_model_len {context}" if isinstance(context, int) else "")
+                + "): no request can fill one"
+                if longest < block
+                else ", and no two prompts share a whole one"
+            )
+            + "; the cache supplied 0 tokens (0 hits)"
+        )
+    elif out["inert"]:
         out["finding"] = "prefix-cache-inert"
         out["sentence"] = (
             f"prefix caching is on but inert: {out['requests_sharing']}/{req.num_rows} requests share "

@@ -3,8 +3,11 @@
 Architecture x cell: each entry shows the cell's verdict (output, and prompt positions when they
 differ), the largest |logprob diff| on prompt and output positions, the first divergence, the top
 hypothesis, the `lpf diff` attribution and the `lpf locate` line (linked to its page), and links to
-the cell's own report. The architectures that
-were not audited are listed with their reason. Fields missing from an older document are tolerated.
+the cell's own report; a cell the engine's own judgement calls clean although its verdict is not says
+how (llama.cpp's per-token judgement with the departures it names, bf16's per-position test against
+the ensemble of honest bf16 runs, or the older bf16 envelope). The reference column (the reference's
+own paths against its float64 gold, `--grid full`) is listed per architecture, and the architectures
+that were not audited with their reason. Fields missing from an older document are tolerated.
 """
 
 from __future__ import annotations
@@ -43,7 +46,25 @@ def load(path: Path) -> dict:
         "cells": doc.get("cell_catalogue") or [],
         "rows": rows,
         "audited": audited,
+        "reference_column": [_reference_row(r) for r in doc.get("reference_column") or [] if isinstance(r, dict)],
         "not_audited": [
             a for a in doc.get("architectures") or [] if isinstance(a, dict) and a.get("status") != "audit"
         ],
+    }
+
+
+def _reference_row(r: dict) -> dict:
+    """One architecture of the reference column: its status, the paths that depart, and per path its
+    largest |d| from the gold and the first departing position."""
+    paths = r.get("paths") if isinstance(r.get("paths"), dict) else {}
+    return {
+        "architecture": r.get("architecture"),
+        "status": r.get("status"),
+        "departing": [n for n in r.get("departing") or [] if isinstance(n, str)],
+        "paths": {
+            n: {"max_abs": v.get("max_abs"), "first_departure": v.get("first_departure")}
+            for n, v in paths.items()
+            if isinstance(v, dict)
+        },
+        "reason": r.get("error") or r.get("reason"),
     }

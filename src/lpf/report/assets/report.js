@@ -490,9 +490,22 @@
     var rows = D.rows || [], cells = D.cells || [], by = {};
     rows.forEach(function (r) { by[r.architecture + "|" + r.cell] = r; });
     var worst = null, bad = 0;
+    // a cell's conformance: its verdict, unless the engine's own judgement (llama.cpp per token, bf16 per
+    // position against honest bf16 runs, or the older bf16 envelope) calls a non-clean verdict clean
+    function judged(r) { return r.conformance || r.verdict; }
+    function judgedHow(r) {
+      var bp = r.bf16_paired || {}, ej = r.engine_judgement, pct = function (x) { return fmt(100 * x) + "%"; };
+      if (bp.result) return "per position: " + pct(bp.share_worse_than_ensemble || 0) + " worse than every honest bf16 run" +
+        (bp.p_value != null ? " (p " + Number(bp.p_value).toExponential(1) + ")" : "") + " · " + bp.result;
+      if (judged(r) === "clean" && r.verdict !== "clean")
+        return ej ? "clean* per token: " + ((ej.causes || []).map(function (c) { return c.name; }).join(", ") || "no named departure")
+                  : "within the bf16 envelope";
+      return null;
+    }
     rows.forEach(function (r) {
-      if (r.verdict in SEVERITY && (worst === null || SEVERITY[r.verdict] > SEVERITY[worst])) worst = r.verdict;
-      if (r.verdict && r.verdict !== "clean") bad++;
+      var v = judged(r);
+      if (v in SEVERITY && (worst === null || SEVERITY[v] > SEVERITY[worst])) worst = v;
+      if (v && v !== "clean") bad++;
     });
     app.appendChild(hero("logprob forensics · conformance", "Conformance matrix", worst,
       [["engine", (D.engine || "?") + " " + (D.engine_version || "")], ["reference", D.reference || "?"],
@@ -509,10 +522,12 @@
         var r = by[a + "|" + c.name];
         if (!r) return "–";
         if (r.status !== "ok") { var m = txt("span", "muted", r.status); m.title = r.error || ""; return m; }
-        var box = h("div", "cellbox");
-        var v = r.link ? (function () { var l = h("a"); l.href = r.link; l.appendChild(badge(r.verdict, true)); return l; })() : badge(r.verdict, true);
+        var box = h("div", "cellbox"), shown = judged(r);
+        var v = r.link ? (function () { var l = h("a"); l.href = r.link; l.appendChild(badge(shown, true)); return l; })() : badge(shown, true);
         add(box, v);
-        if (r.prompt_verdict && r.prompt_verdict !== r.verdict) add(box, [" prompt ", badge(r.prompt_verdict, true)]);
+        if (r.prompt_verdict && r.prompt_verdict !== r.verdict && shown === r.verdict) add(box, [" prompt ", badge(r.prompt_verdict, true)]);
+        var how = judgedHow(r);
+        if (how) add(box, txt("div", "cellnote", how));
         add(box, txt("div", "cellnote", "out " + fmt(r.max_abs_output) + " · prompt " + fmt(r.max_abs_prompt)));
         if (r.first_divergence != null || r.prompt_first_departure != null)
           add(box, txt("div", "cellnote", "first div " + fmt(r.first_divergence) + " · prompt " + fmt(r.prompt_first_departure)));
@@ -532,7 +547,7 @@
       return el;
     }
     var nc = section("findings", "Cells that are not clean", "Who departs (lpf diff against HF generate) and the best explanation.", "Findings");
-    var badRows = rows.filter(function (r) { return r.status === "ok" && r.verdict && r.verdict !== "clean"; });
+    var badRows = rows.filter(function (r) { return r.status === "ok" && judged(r) && judged(r) !== "clean"; });
     add(nc, badRows.length ? h("ul", "sentences", badRows.map(function (r) {
       var at = r.attribution || {};
       return h("li", null, [txt("span", "pill", r.architecture.replace(/ForCausalLM$/, "") + " · " + r.cell), " ",
@@ -543,7 +558,33 @@
     var failed = rows.filter(function (r) { return r.status !== "ok"; });
     if (failed.length) add(nc, [txt("h4", null, "cells that did not run"), table(["architecture", "cell", "status", "reason"],
       failed.map(function (r) { return [r.architecture, r.cell, r.status, r.error]; }))]);
+    var named = [];
+    rows.forEach(function (r) {
+      ((r.engine_judgement || {}).causes || []).forEach(function (c) {
+        named.push([r.architecture.replace(/ForCausalLM$/, "") + " · " + r.cell, txt("b", null, c.name), c.says || "", c.evidence || ""]);
+      });
+    });
+    if (named.length) add(nc, [txt("h4", null, "departures the engine's per-token judgement names (clean*)"),
+      table(["cell", "cause", "what it is", "evidence"], named)]);
     main.appendChild(nc);
+    var ref = D.reference_column || [];
+    if (ref.length) {
+      var rc = section("reference", "The reference on trial",
+        "Each architecture's reference paths (decode, recurrent, float32 teacher-forced, eager) against its float64 teacher-forced gold: the largest |logprob diff| and, for a path that departs, the first position.", "Reference");
+      var pathNames = [];
+      ref.forEach(function (r) { Object.keys(r.paths || {}).forEach(function (n) { if (pathNames.indexOf(n) < 0) pathNames.push(n); }); });
+      add(rc, table(["architecture", "status"].concat(pathNames, ["reason"]), ref.map(function (r) {
+        var st = r.status === "reference inconsistent" ? txt("b", null, r.status) : (r.status || "?");
+        return [txt("span", "mono", (r.architecture || "?").replace(/ForCausalLM$/, "")), st].concat(pathNames.map(function (n) {
+          var p = (r.paths || {})[n];
+          if (!p || p.max_abs == null) return "–";
+          var fd = p.first_departure;  // {prompt, position}: where the path first departs from the gold
+          var cellTxt = fmt(p.max_abs) + (fd ? " from position " + fmt(fd.position) + " of prompt " + fmt(fd.prompt) : "");
+          return (r.departing || []).indexOf(n) >= 0 ? txt("b", null, cellTxt) : cellTxt;
+        }), [r.reason || ""]);
+      })));
+      main.appendChild(rc);
+    }
     var na = section("not-audited", "Architectures not audited", "Every stateful architecture either side lists, with the reason it was not audited.", "Not audited");
     add(na, (D.not_audited || []).length ? table(["architecture", "model type", "status", "reason"],
       D.not_audited.map(function (a) { return [txt("span", "mono", a.architecture), a.model_type, a.status, a.reason]; })) : txt("div", "empty", "none"));
