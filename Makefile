@@ -132,6 +132,7 @@ bench: $(STAMP)
 	$(VENV)/bin/python bench/engine.py
 	OMP_NUM_THREADS=1 $(VENV)/bin/python bench/analysis.py
 	OMP_NUM_THREADS=1 $(VENV)/bin/python bench/report.py
+	OMP_NUM_THREADS=1 $(VENV)/bin/python bench/cells.py
 
 # tracing vLLM: generation with lpf-vllm-trace on vs off across processes, and its cost inside one process;
 # a conformance cell in lpf conformance's kept worker vs one lpf audit process per cell

@@ -26,7 +26,12 @@ minus the same start-up subtraction), each as a ratio to the run without caching
 `--quick` is the smoke run `make test` does (nothing timed is asserted, no results file): 6 requests
 of at most 8 tokens, one run each, start-up not subtracted, no vLLM or llama.cpp column and no
 prefix-caching rows (bench/vllm_trace.py --quick runs the vllm adapter).
-Usage: python bench/engine.py [--requests N] [--model SPEC] [--only prefix] [--quick]   (writes bench/results/engine.json)
+`--baseline-src DIR` (a checkout's src/) runs that tree's builtin engine as a `builtin-before` arm in the
+same interleaved repeats (before/after in one run); every run's CPU seconds are recorded (a run's minus
+its 1-token run's: `generation_cpu_s`, blind to other processes; vLLM's worker processes count only
+once reaped), and each repeat's builtin/vLLM in-engine window ratio (the two ran back to back).
+Usage: python bench/engine.py [--requests N] [--model SPEC] [--only prefix] [--no-prefix] [--baseline-src DIR]
+       [--quick]   (writes bench/results/engine.json)
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -42,12 +48,24 @@ import time
 from pathlib import Path
 
 
-def lpf_run(engine: str, model: str, workload: Path, out: Path, extra: list[str], max_tokens: int = 128) -> float:
+# CPU seconds of every finished `lpf run` (user + system, its worker processes included once reaped),
+# keyed by its --out directory: blind to the other engineers' processes that share the cores
+CPU_S: dict[str, float] = {}
+
+
+def lpf_run(
+    engine: str, model: str, workload: Path, out: Path, extra: list[str], max_tokens: int = 128, src: Path | None = None
+) -> float:
+    """Wall seconds of one `lpf run` (its CPU seconds go to CPU_S); `src`: another tree's `src` on
+    PYTHONPATH (the --baseline-src arm: the same engine as another commit has it)."""
     exe = Path(sys.executable).with_name("lpf")
     # one intra-op thread for both: at these model sizes more threads only add scheduling overhead,
     # and the builtin engine defaults to 1
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    if src is not None:
+        env["PYTHONPATH"] = str(src)
     t0 = time.perf_counter()
+    r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     subprocess.run(
         [
             str(exe),
@@ -72,6 +90,8 @@ def lpf_run(engine: str, model: str, workload: Path, out: Path, extra: list[str]
         text=True,
         env=env,
     )
+    r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    CPU_S[str(out)] = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
     return time.perf_counter() - t0
 
 
@@ -227,11 +247,12 @@ def same_until_eos(a: list[int], b: list[int], eos: int) -> bool:
     return a[:n] == b[:n]
 
 
-def startup(engine: str, model: str, tmp: Path, extra: list[str]) -> float:
+def startup(engine: str, model: str, tmp: Path, extra: list[str], name: str | None = None, src=None) -> float:
     """Wall time of the same command on a 1-request, 1-token workload: process + model start-up."""
-    w = tmp / f"one-{engine}.jsonl"
+    name = name or engine
+    w = tmp / f"one-{name}.jsonl"
     w.write_text(json.dumps({"prompt": "a", "max_tokens": 1}) + "\n")
-    return lpf_run(engine, model, w, tmp / f"startup-{engine}", extra)
+    return lpf_run(engine, model, w, tmp / f"startup-{name}", extra, src=src)
 
 
 def main() -> None:
@@ -240,6 +261,14 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--repeats", type=int, default=3, help="runs per engine, interleaved; the median is reported")
     ap.add_argument("--only", choices=["prefix"], default=None, help="run only the prefix-caching rows")
+    ap.add_argument(
+        "--baseline-src",
+        type=Path,
+        default=None,
+        help="another checkout's src/ (e.g. `git archive REV src | tar -x -C DIR`): its builtin engine runs "
+        "as the `builtin-before` arm, interleaved with this one (before/after in one run)",
+    )
+    ap.add_argument("--no-prefix", action="store_true", help="skip the prefix-caching rows (keeps engine.json's)")
     ap.add_argument(
         "--quick",
         action="store_true",
@@ -267,6 +296,13 @@ def main() -> None:
         return
     items = registry.workload_items("stress", seed=1, n=a.requests)
     engines = {"hf": ["-E", "batch_size=32"], "builtin": ["--max-num-seqs", "64", "--max-num-batched-tokens", "512"]}
+    # arm name -> (engine, PYTHONPATH): the --baseline-src arm is the builtin engine from another tree
+    srcs: dict[str, tuple[str, Path | None]] = {name: (name, None) for name in engines}
+    if a.baseline_src is not None:
+        if not (a.baseline_src / "lpf" / "builtin").is_dir():
+            sys.exit(f"--baseline-src {a.baseline_src}: no lpf/builtin package there (give a checkout's src/)")
+        engines["builtin-before"] = engines["builtin"]
+        srcs["builtin-before"] = ("builtin", a.baseline_src.resolve())
     vllm_extra, vllm_where = vllm_args() if not a.quick else (None, "--quick (the vLLM benches' own --quick runs vLLM)")
     if vllm_extra is None:
         print(f"vLLM column skipped: {vllm_where}", file=sys.stderr)
@@ -290,13 +326,21 @@ def main() -> None:
         if llama_extra is not None:  # the first run writes the GGUF (cached): start-up is the second one
             (tmp / "warm").mkdir()
             startup("llamacpp", model, tmp / "warm", llama_extra)
-        base = {name: 0.0 if a.quick else startup(name, model, tmp, extra) for name, extra in engines.items()}
+        base = {
+            name: 0.0
+            if a.quick
+            else startup(srcs.get(name, (name,))[0], model, tmp, extra, name, srcs.get(name, (0, None))[1])
+            for name, extra in engines.items()
+        }
         windows: dict[str, list[float]] = {name: [] for name in [*engines, "vllm"]}
+        if vllm_extra is not None:  # its wall start-up is too noisy to subtract; its CPU start-up is not
+            startup("vllm", model, tmp, vllm_extra)
         vllm_walls: list[float] = []
         for rep in range(a.repeats):  # interleaved, so a noisy minute hurts both engines alike
             for name, extra in engines.items():
                 out = tmp / f"{name}-{rep}"
-                times[name].append(lpf_run(name, model, wl, out, extra, max_tokens) - base[name])
+                engine, src = srcs.get(name, (name, None))
+                times[name].append(lpf_run(engine, model, wl, out, extra, max_tokens, src) - base[name])
                 windows[name].append(in_engine_window(out))
             if vllm_extra is not None:
                 out = tmp / f"vllm-{rep}"
@@ -313,6 +357,8 @@ def main() -> None:
                 "output_tokens": n_out,
                 "tokens_per_s": n_out / secs,
                 "in_engine_window_s": windows[name],
+                "cpu_s": [CPU_S[str(tmp / f"{name}-{r}")] for r in range(a.repeats)],
+                "startup_cpu_s": CPU_S.get(str(tmp / f"startup-{name}")),
             }
             print(
                 f"{name:8s} {n_out} tokens, median {secs:.1f}s of {[round(t, 1) for t in times[name]]} "
@@ -353,6 +399,8 @@ def main() -> None:
                 "all_seconds": windows["vllm"],
                 "measure": "in-engine window",
                 "lpf_run_wall_s": vllm_walls,
+                "cpu_s": [CPU_S[str(tmp / f"vllm-{r}")] for r in range(a.repeats)],
+                "startup_cpu_s": CPU_S.get(str(tmp / "startup-vllm")),
                 "output_tokens": n_out,
                 "tokens_per_s": n_out / secs,
                 "identical_greedy_vs_builtin": same,
@@ -365,9 +413,27 @@ def main() -> None:
                 f"{same}/{len(bi_out)}",
                 file=sys.stderr,
             )
+            # each repeat ran builtin then vLLM back to back: their window ratio is the least noisy pairing
+            results["vllm"]["window_ratio_builtin_vs_vllm_per_repeat"] = [
+                v / b for b, v in zip(windows["builtin"], windows["vllm"])
+            ]
+            if "builtin-before" in engines:
+                results["vllm"]["window_ratio_builtin_before_vs_vllm_per_repeat"] = [
+                    v / b for b, v in zip(windows["builtin-before"], windows["vllm"])
+                ]
         else:
             results["vllm"] = {"skipped": vllm_where}
-        prefix = prefix_caching(model, tmp, a.repeats, base["builtin"]) if not a.quick else None
+        if "builtin-before" in engines:
+            bo = pq.read_table(tmp / "builtin-before-0" / "requests").sort_by("seq").column("output_token_ids")
+            results["builtin-before"].update(
+                src=str(a.baseline_src),
+                identical_greedy_vs_builtin=sum(x == y for x, y in zip(bo.to_pylist(), bi_out)),
+                of_requests=len(bi_out),
+                window_ratio_after_vs_before_per_repeat=[
+                    b / n for b, n in zip(windows["builtin-before"], windows["builtin"])
+                ],
+            )
+        prefix = prefix_caching(model, tmp, a.repeats, base["builtin"]) if not (a.quick or a.no_prefix) else None
     ratio = results["builtin"]["tokens_per_s"] / results["hf"]["tokens_per_s"]
     out = {
         "model": model,
@@ -377,10 +443,28 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d"),
         "prefix_caching": {**prefix, "date": time.strftime("%Y-%m-%d")} if prefix else None,
     }
+    if a.no_prefix and results_file.is_file():  # the earlier run's rows stand, with their own date
+        out["prefix_caching"] = json.loads(results_file.read_text()).get("prefix_caching")
+    # generation CPU seconds: a run's CPU minus its 1-token run's (start-up), blind to other processes
+    for r in results.values():
+        if isinstance(r, dict) and r.get("cpu_s") and r.get("startup_cpu_s") is not None:
+            r["generation_cpu_s"] = statistics.median(r["cpu_s"]) - r["startup_cpu_s"]
     has_vllm = "tokens_per_s" in results["vllm"]
     if has_vllm:
         out["ratio_vllm_vs_hf"] = results["vllm"]["tokens_per_s"] / results["hf"]["tokens_per_s"]
         out["ratio_builtin_vs_vllm"] = results["builtin"]["tokens_per_s"] / results["vllm"]["tokens_per_s"]
+        out["window_ratio_builtin_vs_vllm_median_of_repeats"] = statistics.median(
+            results["vllm"]["window_ratio_builtin_vs_vllm_per_repeat"]
+        )
+    if "builtin-before" in results:
+        out["ratio_builtin_after_vs_before"] = (
+            results["builtin"]["tokens_per_s"] / results["builtin-before"]["tokens_per_s"]
+        )
+        out["ratio_builtin_before_vs_hf"] = results["builtin-before"]["tokens_per_s"] / results["hf"]["tokens_per_s"]
+        if has_vllm:
+            out["ratio_builtin_before_vs_vllm"] = (
+                results["builtin-before"]["tokens_per_s"] / results["vllm"]["tokens_per_s"]
+            )
     has_llama = "tokens_per_s" in results["llamacpp"]
     if has_llama:
         out["ratio_llamacpp_vs_hf"] = results["llamacpp"]["tokens_per_s"] / results["hf"]["tokens_per_s"]
@@ -402,6 +486,11 @@ def main() -> None:
         f"| lpf builtin (continuous batching) | {results['builtin']['tokens_per_s']:.0f} | {ratio:.2f}x |"
         + col(results["builtin"]["tokens_per_s"])
     )
+    if "builtin-before" in results:
+        bb = results["builtin-before"]["tokens_per_s"]
+        print(
+            f"| lpf builtin before ({a.baseline_src}) | {bb:.0f} | {out['ratio_builtin_before_vs_hf']:.2f}x |" + col(bb)
+        )
     if has_vllm:
         print(
             f"| vLLM {results['vllm']['version']} CPU (offline LLM, chunked prefill) | {vl:.0f} | "
@@ -414,6 +503,23 @@ def main() -> None:
         )
     if not has_vllm:
         print(f"\n(vLLM column skipped: {results['vllm']['skipped']})")
+    else:
+        per = results["vllm"]["window_ratio_builtin_vs_vllm_per_repeat"]
+        print(
+            f"\nbuiltin vs vLLM on in-engine windows, each repeat's pair run back to back: "
+            f"{', '.join(f'{x:.2f}x' for x in per)} (median {out['window_ratio_builtin_vs_vllm_median_of_repeats']:.2f}x)"
+            + (
+                "; builtin before: "
+                + ", ".join(f"{x:.2f}x" for x in results["vllm"]["window_ratio_builtin_before_vs_vllm_per_repeat"])
+                if "builtin-before" in results
+                else ""
+            )
+        )
+    cpu = {n: r["generation_cpu_s"] for n, r in results.items() if isinstance(r, dict) and "generation_cpu_s" in r}
+    if cpu:
+        print(
+            "generation CPU seconds (run minus its 1-token run): " + ", ".join(f"{n} {c:.1f}" for n, c in cpu.items())
+        )
     if not has_llama:
         print(f"\n(llama.cpp column skipped: {results['llamacpp']['skipped']})")
     print(

@@ -4,7 +4,7 @@ never again leave `make bench` broken with nothing noticing (issue 27: bench/rep
 schema v2 for a day). The vLLM benches skip without `.venv-vllm`, as the vLLM tests do.
 
 Measured on this 2-core machine: analysis ~5 s; report, rescore ~8-12 s each; engine ~20 s, detection
-~45 s, nondeterminism ~20 s and locate ~50 s (process start-ups: one `lpf run` or `lpf audit` costs ~8 s here); the
+~45 s, nondeterminism ~20 s, locate ~50 s and cells ~2 min (7 fresh `lpf audit` processes, its baseline) (process start-ups: one `lpf run` or `lpf audit` costs ~8 s here); the
 vLLM ones 30 s to 2 min each (vLLM start-ups), so all but the analysis smoke are `slow`.
 """
 
@@ -63,6 +63,13 @@ BENCHES = {
         ["--out", "{tmp}"],
         [r"\| stale-conv-on-reuse \| 240 \| \d+ \| 1\.000 \| 0 \| yes \(first_slot_used_before\) \|"],
     ),
+    "cells": (
+        [],
+        [
+            r"sweep \(builtin, tiny:jamba\), 2 cells: .*: [\d.]+x overall, [\d.]+x per cell \(target 2x\); findings identical: True",
+            r"shrink \(builtin, tiny:jamba-longmem\), \d+ cells: .*: [\d.]+x overall, .*; same minimum: True",
+        ],
+    ),
     "locate": (
         [],
         [
@@ -112,7 +119,9 @@ def test_analysis_bench_quick(tmp_path):
 
 
 @pytest.mark.slow  # 8-25 s each: process start-ups (lpf run, lpf audit, a tokenizer, torch)
-@pytest.mark.parametrize("name", ["report", "rescore", "engine", "detection", "nondeterminism", "locate", "bugs"])
+@pytest.mark.parametrize(
+    "name", ["report", "rescore", "engine", "detection", "nondeterminism", "locate", "bugs", "cells"]
+)
 def test_bench_quick(name, tmp_path):
     _check(name, tmp_path)
 

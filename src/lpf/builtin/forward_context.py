@@ -16,7 +16,7 @@ state), over the whole packed batch when `rows` is None.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 PHASES = ("prefill", "extend", "decode")
@@ -67,14 +67,21 @@ class ForwardContext:
     state_cache: Any  # lpf.builtin.state_cache.StateCache
     capture: Any = None  # lpf.locate's capture: `put(module, name, tensor, rows)`; None: nothing captured
     rows: list[SeqMeta] | None = None  # while a layer runs part of the batch: whose tokens (see module doc)
+    # what every layer of one kind derives alike from `seqs` (the decode groups' index tensors, the
+    # decodes' slot list): built by the first layer that needs it, reused by the others this step
+    memo: dict = field(default_factory=dict)
 
     @property
     def decodes(self) -> list[SeqMeta]:
-        return [s for s in self.seqs if s.phase == "decode"]
+        if "decodes" not in self.memo:
+            self.memo["decodes"] = [s for s in self.seqs if s.phase == "decode"]
+        return self.memo["decodes"]
 
     @property
     def non_decodes(self) -> list[SeqMeta]:
-        return [s for s in self.seqs if s.phase != "decode"]
+        if "non_decodes" not in self.memo:
+            self.memo["non_decodes"] = [s for s in self.seqs if s.phase != "decode"]
+        return self.memo["non_decodes"]
 
 
 _current: ForwardContext | None = None

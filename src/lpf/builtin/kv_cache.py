@@ -8,6 +8,7 @@ reads, so a stale block never leaks into a request (unlike Mamba state, which is
 from __future__ import annotations
 
 from collections import deque
+from math import prod
 
 
 class BlockAllocator:
@@ -64,6 +65,20 @@ class KVCache:
         self.v = [torch.zeros(shape, dtype=dtype or torch.float32, device=device) for _ in range(num_layers)]
         self.rounding = rounding
         self._torch = torch
+        self._scratch: dict = {}
+
+    def scratch(self, i: int, shape: tuple[int, ...], like):
+        """Work buffer `i` of `shape` (like `like`'s dtype and device), its storage kept across steps and
+        layers and grown by half again when too small: never copied on growth (resize_ would copy the
+        stale contents) and never a fresh multi-MB allocation per step (page faults)."""
+        # keyed by inference mode too: an inference tensor cannot be written outside inference_mode
+        key = (i, like.dtype, like.device, self._torch.is_inference_mode_enabled())
+        numel = prod(shape)
+        buf = self._scratch.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = like.new_empty(max(numel, 0 if buf is None else buf.numel() * 3 // 2))
+            self._scratch[key] = buf
+        return buf[:numel].view(shape)
 
     def store(self, layer: int, rows, k, v) -> None:
         """K/V [n, n_kv, hd] into physical rows `rows` (a long tensor on the cache's device)."""

@@ -37,32 +37,38 @@ def sample(
     sampling-temperature drill) replaces every request's own, greedy ones included, and the
     reported logprobs come from z / temperature."""
     z = logits.float()
-    tokens, proc_rows = [], []
-    for row, r in enumerate(reqs):
-        s = r.sampling
-        t = s.temperature if temperature is None else temperature
+    temps = [r.sampling.temperature if temperature is None else temperature for r in reqs]
+    greedy = [row for row, t in enumerate(temps) if t == 0]
+    tokens: list[int | None] = [None] * len(reqs)
+    if greedy:  # one argmax for every greedy row (the same first-maximum rule as a row's own argmax)
+        rows = z if len(greedy) == len(reqs) else z[torch.tensor(greedy)]
+        for row, tok in zip(greedy, rows.argmax(-1).tolist()):
+            tokens[row] = tok
+    proc_rows = [z[row] for row in range(len(reqs))] if processed else None
+    for row, (r, t) in enumerate(zip(reqs, temps)):
         if t == 0:
-            tokens.append(int(z[row].argmax()))
-            proc_rows.append(z[row])
             continue
+        s = r.sampling
         pz = processed_logits(z[row], t, s.top_k, s.top_p)
         g = torch.Generator().manual_seed(request_seed(r.seed, r.output_position))
-        tokens.append(int(torch.multinomial(pz.softmax(-1), 1, generator=g)))
-        proc_rows.append(pz)
+        tokens[row] = int(torch.multinomial(pz.softmax(-1), 1, generator=g))
+        if processed:
+            proc_rows[row] = pz
     source = torch.stack(proc_rows) if processed else (z if temperature is None else z / temperature)
     k = max((r.sampling.logprobs for r in reqs), default=0)
     chosen, top_ids, top_lp, _, _ = logprob_rows(source, torch.tensor(tokens), k)
     raw = None
     if processed:  # what raw logprobs would have said: the drill's ground truth, never reported
-        raw = logprob_rows(z if temperature is None else z / temperature, torch.tensor(tokens), 0)[0]
+        raw = logprob_rows(z if temperature is None else z / temperature, torch.tensor(tokens), 0)[0].tolist()
+    chosen, top_ids, top_lp = chosen.tolist(), top_ids.tolist(), top_lp.tolist()  # one conversion each
     out = {}
     for row, r in enumerate(reqs):
         kk = r.sampling.logprobs
         out[r.request_id] = Sample(
             tokens[row],
-            float(chosen[row]),
-            top_ids[row, :kk].tolist(),
-            top_lp[row, :kk].tolist(),
-            None if raw is None else float(raw[row]),
+            chosen[row],
+            top_ids[row][:kk],
+            top_lp[row][:kk],
+            None if raw is None else raw[row],
         )
     return out

@@ -116,27 +116,30 @@ class StateCache:
         bases = torch.tensor([self.base(s, path) + self.offsets[layer][name] for s in slots], dtype=torch.long)
         return (bases.unsqueeze(1) + torch.arange(size, dtype=torch.long).unsqueeze(0)).to(self.buffer.device)
 
-    def _rows(self, layer: int, name: str, slots: list[int]):
+    def _part(self, layer: int, name: str):
+        """The part's columns of every slot: a [num_slots, size] view of the buffer (exact offsets)."""
         off = self.offsets[layer][name]
-        size = prod(self.shapes[layer][name])
-        index = self._torch.tensor(slots, dtype=self._torch.long, device=self.buffer.device)
-        return self.buffer.view(self.num_slots, self.slot_stride), index, slice(off, off + size)
+        return self.buffer.view(self.num_slots, self.slot_stride)[:, off : off + prod(self.shapes[layer][name])]
 
-    def read(self, layer: int, name: str, slots: list[int], path: str):
-        """A copy of the state of `slots`: [len(slots), *shape]."""
+    def slot_index(self, slots: list[int]):
+        """`slots` as the index tensor `read` and `write` take (build it once for several parts)."""
+        return self._torch.tensor(slots, dtype=self._torch.long, device=self.buffer.device)
+
+    def read(self, layer: int, name: str, slots: list[int], path: str, index=None):
+        """A copy of the state of `slots`: [len(slots), *shape]. `index`: `slot_index(slots)`, if built."""
         shape = (len(slots), *self.shapes[layer][name])
         if self._exact(slots, path):  # exact offsets: slot * slot_stride + part offset, as a 2-D view
-            table, index, cols = self._rows(layer, name, slots)
-            return table[index, cols].view(shape)
+            index = self.slot_index(slots) if index is None else index
+            return self._part(layer, name).index_select(0, index).view(shape)
         return self.buffer[self._index(layer, name, slots, path)].view(shape)
 
-    def write(self, layer: int, name: str, slots: list[int], values, path: str) -> None:
+    def write(self, layer: int, name: str, slots: list[int], values, path: str, index=None) -> None:
         if name in self._round:
             values = values.to(self._round[name])
         values = values.to(self.buffer.dtype)
         if self._exact(slots, path):
-            table, index, cols = self._rows(layer, name, slots)
-            table[index, cols] = values.reshape(len(slots), -1)
+            index = self.slot_index(slots) if index is None else index
+            self._part(layer, name).index_copy_(0, index, values.reshape(len(slots), -1))
             return
         self.buffer[self._index(layer, name, slots, path).view(-1)] = values.reshape(-1)
 

@@ -100,9 +100,43 @@ ENGINES = ("builtin", "vllm", "llamacpp")  # the engines discovery can ask
     help="Also check the reference against itself (decode vs teacher-forced, eager vs sdpa, float64 gold) "
     "on every selected stateful architecture with a tiny recipe [default: on with --grid full].",
 )
+@click.option(
+    "--variants",
+    "variant_kinds",
+    default="none",
+    show_default=True,
+    metavar="KINDS",
+    help="Config variants as rows of their own: toggle, pairwise, published, structural (comma list), all, or none.",
+)
+@click.option(
+    "--variant-cells",
+    default=None,
+    metavar="A,B,...",
+    help="The cells variant rows run [default: the selected cells that are in the small grid (float32), "
+    "else the selected float32 cells].",
+)
+@click.option(
+    "--locate/--no-locate",
+    default=True,
+    show_default=True,
+    help="Locate every cell that does not conform (lpf locate on its worst request).",
+)
 @fail_on_option("any cell")
 def conformance(
-    engine, archs, grid, cell_names, knobs, n_prompts, max_tokens, out_dir, as_json, reference_column, fail_on
+    engine,
+    archs,
+    grid,
+    cell_names,
+    knobs,
+    n_prompts,
+    max_tokens,
+    out_dir,
+    as_json,
+    reference_column,
+    variant_kinds,
+    variant_cells,
+    locate,
+    fail_on,
 ):
     """Audit every hybrid architecture the engine and transformers both load, under a grid of knob cells.
 
@@ -112,6 +146,7 @@ def conformance(
 
     \b
     lpf conformance --engine vllm --grid full --out runs/conf
+    lpf conformance --engine vllm --variants all --out runs/conf-variants
     """
     from lpf.adapters import get_engine_class
     from lpf.core.errors import LpfError
@@ -121,6 +156,7 @@ def conformance(
     from lpf.experiments.conformance.grid import PROMPTS, grid_cells, knob_cells
     from lpf.experiments.conformance.matrix import Settings, run_matrix
     from lpf.experiments.conformance.plan import plan
+    from lpf.experiments.conformance.variants import select_kinds
 
     if max_tokens < 1:
         raise LpfError(f"--max-tokens must be >= 1, got {max_tokens}")
@@ -135,17 +171,32 @@ def conformance(
         cells = knob_cells(sw.parse_knobs(list(knobs), flags, {engine: set(options.model_fields)}, {}), options, engine)
     else:
         cells = grid_cells(grid, list(cell_names), engine)
+    kinds = select_kinds(variant_kinds)
+    vcells = None
+    if kinds:
+        names = [n.strip() for n in (variant_cells or "").split(",") if n.strip()]
+        small = [c.name for c in grid_cells("small", None, engine)]
+        vcells = (
+            grid_cells("small", names, engine)
+            if names
+            else [c for c in cells if c.name in small] or [c for c in cells if c.dtype == "float32"] or cells
+        )
     err.print(f"asking {engine} and transformers which stateful architectures they load ...")
     found = disc.discover(engine)
     wanted = disc.select(found["architectures"], [a for a in (archs or "").split(",") if a.strip()])
-    p = plan(engine, wanted, cells, out_dir, n_prompts, max_tokens, None if knobs else grid, found)
-    n_arch = len({c.arch["architecture"] for c in p.plans})
+    if kinds:
+        err.print(f"building and checking config variants ({', '.join(kinds)}) against the reference ...")
+    p = plan(engine, wanted, cells, out_dir, n_prompts, max_tokens, None if knobs else grid, found, kinds, vcells)
+    n_arch = len({c.arch["architecture"] for c in p.plans if not c.arch.get("variant")})
+    n_var = len({c.arch["architecture"] for c in p.plans if c.arch.get("variant")})
     err.print(
         f"conformance directory: {out_dir}  ({n_arch} architectures x {len(cells)} cells; "
-        f"{len(wanted) - n_arch} listed with the reason they are not audited)"
+        f"{len(wanted) - n_arch} listed with the reason they are not audited"
+        + (f"; {n_var} config variants x {len(vcells or [])} cells" if kinds else "")
+        + ")"
     )
     with progress_bar("cells   ", "cells") as (on_start, tick):
-        doc = run_matrix(out_dir, p.head, p.plans, p.attribution, Settings(), on_start, tick)
+        doc = run_matrix(out_dir, p.head, p.plans, p.attribution, Settings(locate=locate), on_start, tick)
     if reference_column or (reference_column is None and grid == "full" and not knobs):
         from lpf.experiments.conformance.matrix import write_doc
         from lpf.experiments.conformance.reference_column import reference_column as check_column

@@ -103,6 +103,12 @@ def print_conformance(doc: dict, console: Console) -> None:
         console.print(f"  {name}: [bold]locate:[/] {escape(sentence)}")
     for name, status, error in v["failed"]:
         console.print(f"  [dim]{name}: {status}: {escape(error)[:300]}[/]")
+    if v.get("variants"):
+        console.print("config variants (rows named <architecture>~<variant>):")
+    for name, kind, fields in v.get("variants") or []:
+        console.print(f"  [dim]{name}: {kind}: {escape(str(fields))[:200]}[/]")
+    for arch, name, reason in v.get("dropped") or []:
+        console.print(f"  [dim]{arch}~{name}: not run: {escape(str(reason))[:200]}[/]")
     if v.get("reference"):
         console.print("reference column (transformers against itself, float64 gold):")
     for name, status, what in v.get("reference") or []:

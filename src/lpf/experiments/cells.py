@@ -11,12 +11,17 @@ Contract:
   removed and started again; one that holds files but no manifest is refused (`LpfError`: move it
   away). A cell that fails says so in one `LpfError` line naming the cell and its log. Cells run with
   `--fail-on never`, so exit 1 is a crash, never findings.
+  Inside `kept_cells.kept_cells()` a cell whose engine it serves (`kept_cells.serves`: builtin, hf) is
+  a fork of the experiment's kept worker instead of a fresh process (the same audit, log and exit
+  codes, without the ~4 s of imports); a kept worker that dies with the cell in flight is replaced and
+  the cell tried once more (the resume rule finishes it), a second death fails the cell in one line.
+  `LPF_CELLS_FRESH_PROCESS=1` runs every cell in a fresh process.
 - `cell_complete(run_dir)`: the run is complete, analysed and fully scored (a rerun skips it).
 - `read_out_doc(out, name)`: the document an earlier run of an experiment left in its --out
   directory, or None; an --out that is a file, or a document that is not JSON, is an `LpfError`
   (the sweep's, shrink's and conformance's resume rule).
-The child is started by the tool's own entry point (`python -m lpf`), never imported: nothing here
-knows the command line beyond `lpf audit --spec`.
+The child runs the tool's own entry point (`python -m lpf`, started fresh, or run by the fork as
+`__main__`), never imported here: nothing here knows the command line beyond `lpf audit --spec`.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import sys
 from pathlib import Path
 
 from lpf.core.errors import LpfError
+from lpf.experiments import kept_cells
 from lpf.pipeline.spec import AuditSpec, audit_command
 
 
@@ -63,29 +69,52 @@ def cell_complete(run_dir: Path) -> bool:
     return manifest.get("status") == "complete" and findings.get("run_complete") and not findings.get("unscored")
 
 
-def run_cell(spec: AuditSpec, log: Path, name: str) -> None:
-    run_dir = Path(spec.run.out)
+def _prepare(run_dir: Path) -> bool:
+    """The resume rule's start: whether the cell finishes a run it already started."""
     if run_dir.exists() and not (run_dir / "manifest.json").is_file():
         if any(p.is_file() for p in run_dir.rglob("*")):
             raise LpfError(f"{run_dir} holds files but no manifest.json: move it away to rerun this cell")
         shutil.rmtree(run_dir)  # only empty directories left by a run killed while being created
-    resuming = run_dir.exists()
+    return run_dir.exists()
+
+
+def _run_fresh(spec: AuditSpec, log) -> int:
     cmd = [sys.executable, "-m", "lpf", "audit", "--spec", "-", "--fail-on", "never"]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    with open(log, "a") as f:
-        f.write(
-            f"$ lpf audit --spec - --fail-on never{'   (finishing the interrupted run)' if resuming else ''}\n"
-            f"# the same audit: lpf audit {shlex.join(audit_command(spec))}\n"
-        )
-        f.flush()
-        rc = subprocess.run(
-            cmd,
-            input=spec.model_dump_json().encode(),
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            env=env,
-            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
-        ).returncode
+    return subprocess.run(
+        cmd,
+        input=spec.model_dump_json().encode(),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+    ).returncode
+
+
+def run_cell(spec: AuditSpec, log: Path, name: str) -> None:
+    run_dir = Path(spec.run.out)
+    pool = kept_cells.active() if kept_cells.serves(spec) is None else None
+    for attempt in (1, 2):
+        resuming = _prepare(run_dir)
+        with open(log, "a") as f:
+            f.write(
+                f"$ lpf audit --spec - --fail-on never{'   (finishing the interrupted run)' if resuming else ''}\n"
+                f"# the same audit: lpf audit {shlex.join(audit_command(spec))}\n"
+            )
+            f.flush()
+            if pool is None:
+                rc = _run_fresh(spec, f)
+                break
+        try:
+            rc = pool.run(spec, log)  # the cell's process appends to the log itself
+            break
+        except kept_cells.WorkerDied as e:
+            with open(log, "a") as f:
+                f.write(f"# the kept worker died ({e}): a new one finishes this cell\n")
+            if attempt == 2:
+                raise LpfError(
+                    f"cell {name}: the kept worker died twice ({e}); {kept_cells.FRESH_ENV}=1 runs each cell in "
+                    f"its own process; log: {log}"
+                ) from None
     if rc == 2:
         raise LpfError(f"cell {name}: {_error_line(log).removeprefix('error:').strip()} (log: {log})")
     if rc != 0:  # cells run with --fail-on never: 1 is a crash here, not findings

@@ -12,7 +12,7 @@ Contract:
 - `make_cells(knobs)` is the cartesian product, each cell named from its values (filesystem-safe);
   a `Cell` gets its `spec` (an AuditSpec into `DIR/cells/<name>`) from the caller.
 - `run_sweep` runs every cell not yet complete (`cells.run_cell`: its own `lpf audit --spec -`
-  process, an ordinary run directory `DIR/cells/<name>`, its log `DIR/logs/<name>.log`; an
+  process, forked from the sweep's kept worker where `kept_cells` serves the engine, an ordinary run directory `DIR/cells/<name>`, its log `DIR/logs/<name>.log`; an
   interrupted cell is finished, not redone), so a rerun of the same sweep redoes nothing.
   `DIR/sweep.json` (rewritten after every cell) and `DIR/sweep.parquet` follow the sweep-dir contract;
   the sweep's identity (what a rerun must match) is its knobs and its cells' specs (`specs_sha256`,
@@ -35,6 +35,7 @@ from statistics import median
 
 from lpf.core.errors import LpfError, did_you_mean
 from lpf.experiments.cells import cell_complete, read_out_doc, run_cell
+from lpf.experiments.kept_cells import kept_cells
 from lpf.pipeline.spec import with_run
 
 METRICS = ("rate", "onset", "position", "period")
@@ -177,12 +178,13 @@ def run_sweep(
     write_sweep(out, spec, cells, done)  # from now on the directory is recognisably this sweep's
     on_start(len(cells), len(done))
     try:
-        for c in cells:
-            if c.name not in done:
-                run_cell(with_run(c.spec, out=out / "cells" / c.name), out / "logs" / f"{c.name}.log", c.name)
-                done.add(c.name)
-                tick(1)
-                write_sweep(out, spec, cells, done)
+        with kept_cells():  # the cells fork one process that imported torch once (`kept_cells`)
+            for c in cells:
+                if c.name not in done:
+                    run_cell(with_run(c.spec, out=out / "cells" / c.name), out / "logs" / f"{c.name}.log", c.name)
+                    done.add(c.name)
+                    tick(1)
+                    write_sweep(out, spec, cells, done)
     finally:
         doc = write_sweep(out, spec, cells, done)  # whatever finished is recorded, even on error/Ctrl-C
     return doc

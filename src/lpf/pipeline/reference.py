@@ -165,6 +165,9 @@ class Rescorer:
         scaling = getattr(cfg, "logits_scaling", None)
         if scaling not in (None, 1, 1.0):
             logits.div_(scaling)
+        multiplier = getattr(cfg, "lm_head_multiplier", None)  # FalconH1's muP head (its published checkpoints)
+        if multiplier not in (None, 1, 1.0):
+            logits.mul_(multiplier)
         cap = getattr(cfg, "final_logit_softcapping", None)
         if cap:
             logits.div_(cap).tanh_().mul_(cap)

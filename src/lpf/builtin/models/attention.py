@@ -105,9 +105,9 @@ class PagedAttention(nn.Module):
             )
         # Decodes in a few groups of similar length: one padded batch for all would gather every
         # request's K/V up to the longest context, and that copy dominates a decode step.
-        for g, group in enumerate(_length_groups(ctx.decodes, ctx.kv_cache.block_size)):
-            idx = torch.tensor([s.start for s in group], dtype=torch.long, device=x.device)
-            out[idx] = self._attend_decodes(ctx.kv_cache, group, q[idx], k[idx], v[idx], g)
+        for g, plan in enumerate(_decode_plans(ctx, x.device)):
+            idx = plan.idx
+            out[idx] = self._attend_decodes(ctx.kv_cache, plan, q[idx], k[idx], v[idx], g)
         probe(self, "attn_out", out)
         return self.o_proj(out.view(T, -1))
 
@@ -133,47 +133,61 @@ class PagedAttention(nn.Module):
         )
         return o[0].transpose(0, 1)
 
-    def _scratch(self, i: int, like: torch.Tensor) -> torch.Tensor:
-        # keyed by inference mode too: an inference tensor cannot be written outside inference_mode
-        key = (i, like.dtype, like.device, torch.is_inference_mode_enabled())
-        bufs = self.__dict__.setdefault("_scratch_bufs", {})
-        if key not in bufs:
-            bufs[key] = like.new_empty(0)
-        return bufs[key]
-
-    def _attend_decodes(self, cache, decodes, q, k, v, group: int = 0) -> torch.Tensor:
-        """One padded attention call for all single-token requests. Rows follow KVCache's layout
+    def _attend_decodes(self, cache, plan: "DecodePlan", q, k, v, group: int = 0) -> torch.Tensor:
+        """One padded attention call for a group of single-token requests. Rows follow KVCache's layout
         (position p of a request lives at row block_table[p // block_size] * block_size + p % block_size),
         gathered for all requests at once instead of one `read` each."""
         bs = cache.block_size
         kc, vc = cache.k[self.attn_layer], cache.v[self.attn_layer]
-        new_rows = torch.tensor(
-            [s.block_table[s.num_computed // bs] * bs + s.num_computed % bs for s in decodes],
-            dtype=torch.long,
-            device=kc.device,
-        )
-        cache.store(self.attn_layer, new_rows, k, v)
-        lengths = torch.tensor([s.num_computed + 1 for s in decodes], dtype=torch.long, device=kc.device)
-        n_blocks = -(-int(lengths.max()) // bs)
-        tables = torch.tensor(
-            [(s.block_table[:n_blocks] + [0] * n_blocks)[:n_blocks] for s in decodes],
-            dtype=torch.long,
-            device=kc.device,
-        )
+        cache.store(self.attn_layer, plan.new_rows, k, v)
+        n, width = plan.n, plan.n_blocks * bs
         # whole blocks via index_select (same bytes as a row gather, ~10x faster than advanced indexing)
-        # into buffers kept across steps: a fresh multi-MB tensor per step costs page faults
+        # into buffers kept across steps and layers: a fresh multi-MB tensor per step costs page faults
         K, V = (
             torch.index_select(
-                c.view(-1, bs, *c.shape[1:]), 0, tables.flatten(), out=buf.resize_(tables.numel(), bs, *c.shape[1:])
+                c.view(-1, bs, *c.shape[1:]),
+                0,
+                plan.tables,
+                out=cache.scratch(j, (n * plan.n_blocks, bs, *c.shape[1:]), c),
             )
-            .view(len(decodes), n_blocks * bs, *c.shape[1:])
+            .view(n, width, *c.shape[1:])
             .to(q.dtype)
             .transpose(1, 2)
-            for c, buf in ((kc, self._scratch(2 * group, kc)), (vc, self._scratch(2 * group + 1, vc)))
+            for j, c in ((0, kc), (1, vc))
         )
-        pos = torch.arange(n_blocks * bs, device=kc.device)
-        mask = (pos[None, :] < lengths[:, None])[:, None, None, :]
         o = F.scaled_dot_product_attention(
-            q[:, :, None, :], K, V, attn_mask=mask, scale=self.scale, enable_gqa=self.n_heads != self.n_kv
+            q[:, :, None, :], K, V, attn_mask=plan.mask, scale=self.scale, enable_gqa=self.n_heads != self.n_kv
         )
         return o[:, :, 0, :]
+
+
+class DecodePlan:
+    """One group of decodes, as every attention layer of the step indexes it: the requests' rows in the
+    packed batch, the cache row each new K/V goes to, the block tables (padded to the group's longest,
+    flattened) and the mask of real positions. The same for every layer: built once per step."""
+
+    def __init__(self, group: list, block_size: int, device):
+        bs = block_size
+        self.n = len(group)
+        self.idx = torch.tensor([s.start for s in group], dtype=torch.long, device=device)
+        self.new_rows = torch.tensor(
+            [s.block_table[s.num_computed // bs] * bs + s.num_computed % bs for s in group],
+            dtype=torch.long,
+            device=device,
+        )
+        lengths = [s.num_computed + 1 for s in group]
+        nb = -(-max(lengths) // bs)
+        self.n_blocks = nb
+        self.tables = torch.tensor(
+            [(s.block_table[:nb] + [0] * nb)[:nb] for s in group], dtype=torch.long, device=device
+        ).flatten()
+        pos = torch.arange(nb * bs, device=device)
+        lengths_t = torch.tensor(lengths, dtype=torch.long, device=device)
+        self.mask = (pos[None, :] < lengths_t[:, None])[:, None, None, :]
+
+
+def _decode_plans(ctx, device) -> list[DecodePlan]:
+    if "attn_decode_plans" not in ctx.memo:
+        bs = ctx.kv_cache.block_size
+        ctx.memo["attn_decode_plans"] = [DecodePlan(g, bs, device) for g in _length_groups(ctx.decodes, bs)]
+    return ctx.memo["attn_decode_plans"]

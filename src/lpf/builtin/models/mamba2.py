@@ -11,6 +11,8 @@ both paths (HF's own decode step skips the clamp; with the default (0, inf) that
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,10 +27,17 @@ def _segsum(x: torch.Tensor) -> torch.Tensor:
     (cumsum of a masked copy, as HF does, to avoid subtracting large cumulative sums)."""
     n = x.size(-1)
     x = x[..., None].expand(*x.shape, n)
-    below = torch.tril(torch.ones(n, n, dtype=torch.bool, device=x.device), diagonal=-1)
-    out = torch.cumsum(x.masked_fill(~below, 0), dim=-2)
-    keep = torch.tril(torch.ones(n, n, dtype=torch.bool, device=x.device), diagonal=0)
-    return out.masked_fill(~keep, -torch.inf)
+    above_or_on, above = _triangles(n, x.device)
+    out = torch.cumsum(x.masked_fill(above_or_on, 0), dim=-2)
+    return out.masked_fill(above, -torch.inf)
+
+
+@functools.lru_cache(maxsize=16)
+def _triangles(n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(j >= i, j > i) of an [n, n] grid: the masks `_segsum` applies, built once per size."""
+    with torch.inference_mode(False):  # plain tensors: usable inside and outside inference mode
+        ones = torch.ones(n, n, dtype=torch.bool, device=device)
+        return ~torch.tril(ones, diagonal=-1), ~torch.tril(ones, diagonal=0)
 
 
 def ssd_scan(x, dt, A, B, C, D, chunk: int, init):

@@ -46,6 +46,16 @@ from lpf.builtin.forward_context import get_forward_context, probe
 from lpf.builtin.models.layers import wide
 
 
+def _decode_index(ctx, cache, device):
+    """(the decodes' slots, their rows in the packed batch, the slots as an index tensor): the same
+    for every Mamba layer of the step, built by the first."""
+    if "mamba_decode_index" not in ctx.memo:
+        slots = [s.state_slot for s in ctx.decodes]
+        rows = torch.tensor([s.start for s in ctx.decodes], dtype=torch.long, device=device)
+        ctx.memo["mamba_decode_index"] = (slots, rows, cache.slot_index(slots))
+    return ctx.memo["mamba_decode_index"]
+
+
 class MambaMixerBase(nn.Module):
     # set by subclasses: in_proj, conv1d (depthwise, weight [C, 1, K]), out_proj, act, mamba_layer,
     # d_inner, d_conv, and state_spec() -> [("conv", shape), ("ssm", shape)]
@@ -83,10 +93,9 @@ class MambaMixerBase(nn.Module):
             for s in decodes:
                 if s.num_tokens != 1:
                     raise ValueError(f"decode of request {s.request_id} has {s.num_tokens} tokens (must be 1)")
-            slots = [s.state_slot for s in decodes]
-            idx = torch.tensor([s.start for s in decodes], dtype=torch.long, device=x.device)
-            conv0 = cache.read(layer, "conv", slots, "decode").to(proj.dtype)
-            ssm0 = cache.read(layer, "ssm", slots, "decode").to(ssm_dtype)
+            slots, idx, slot_idx = _decode_index(ctx, cache, x.device)
+            conv0 = cache.read(layer, "conv", slots, "decode", slot_idx).to(proj.dtype)
+            ssm0 = cache.read(layer, "ssm", slots, "decode", slot_idx).to(ssm_dtype)
             for i, s in enumerate(decodes):
                 if s.request_id in foreign:
                     conv0[i], ssm0[i] = foreign[s.request_id]
@@ -98,8 +107,8 @@ class MambaMixerBase(nn.Module):
             if captured:
                 self._probe_states("out", conv, ssm)
                 ctx.rows = None
-            cache.write(layer, "conv", slots, conv, "decode")
-            cache.write(layer, "ssm", slots, ssm, "decode")
+            cache.write(layer, "conv", slots, conv, "decode", slot_idx)
+            cache.write(layer, "ssm", slots, ssm, "decode", slot_idx)
             for i, s in enumerate(decodes):
                 for _, slot in s.checkpoints:  # a decode saves only at its end (one token)
                     cache.write(layer, "conv", [slot], conv[i : i + 1], "decode")

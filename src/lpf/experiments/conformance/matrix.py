@@ -45,6 +45,7 @@ from pathlib import Path
 from lpf.experiments.conformance.grid import GridCell
 from lpf.core.errors import LpfError
 from lpf.experiments.cells import cell_complete, read_out_doc
+from lpf.experiments.conformance.variants import variant_skip
 
 EXPECT_FACTOR = 2.0
 # An engine error whose message says the build cannot do this (a kernel only other platforms have, a
@@ -211,6 +212,8 @@ def cell_row(
         "seconds": seconds,
         "run_dir": os.path.relpath(d, out),
     }
+    if arch.get("variant"):  # a config variant's row: which architecture, which fields differ (plan.py)
+        row["variant_of"], row["variant"] = arch.get("variant_of"), arch["variant"]
     if findings is None:
         return row
     p = findings.get("prompt") or {}
@@ -330,7 +333,7 @@ def check_out(out: Path, spec: dict) -> None:
     if old is not None:
         if old.get("spec") != spec:
             raise LpfError(f"{out} holds a different conformance run ({old.get('spec')}): choose another --out")
-    elif Path(out).exists() and any(p.name != "workload.jsonl" for p in Path(out).iterdir()):
+    elif Path(out).exists() and any(p.name not in ("workload.jsonl", "variants") for p in Path(out).iterdir()):
         raise LpfError(f"{out} exists, is not empty and holds no conformance.json: choose another --out")
 
 
@@ -365,7 +368,10 @@ def _run_cells(out, doc, rows, plans, attribution, settings, hf_done, started, t
         for plan in plans:
             t0 = time.monotonic()
             findings, status, error = None, "ok", None
-            if plan.spec is None:
+            skip = variant_skip(plan.arch, rows)
+            if skip:
+                status, error = "not applicable", skip
+            elif plan.spec is None:
                 status, error = "not applicable", plan.refused
             else:
                 try:

@@ -10,6 +10,14 @@ reason instead (the matrix records it as `not applicable`). One HF generate spec
 dtype attributes the non-clean cells (`attribution`). `Plan.head` is conformance.json's fixed part
 (the spec a rerun must match, the engine, the cell catalogue, the architectures, the workload).
 
+Config variants (`variant_kinds`, `lpf.experiments.conformance.variants`): for each audited
+architecture, `variant_check.check_variants` builds its variants and drops those that leave the
+reference's logits unchanged; each kept one becomes a matrix row of its own, `<Arch>~<variant>` (its
+discovery entry with `variant_of` and `variant`: kind, the fields that differ, why, the source), run on
+`variant_cells` only (float32 cells first: the default rows keep the whole grid). `head["variants"]`
+holds every architecture's check (fields read, factors, skipped fields, every variant with its status
+and reason); `head["architectures"]` lists each variant row after its architecture.
+
 `engine_base(options_cls)` asks the engine's knobs by role (lpf.core.knobs): the `context_length`
 knob at 512 (a short context keeps the KV cache small) and the `prefix_cache` knob off unless a cell
 turns it on (vLLM turns it on by default, and for a hybrid model that selects mamba cache mode
@@ -68,6 +76,8 @@ def plan(
     max_tokens: int,
     grid: str | None,
     found: dict,
+    variant_kinds: list[str] | None = None,
+    variant_cells: list[GridCell] | None = None,
 ) -> Plan:
     from lpf.adapters import get_engine_class
     from lpf.core.model_specs import ModelRef, load_tokenizer
@@ -85,7 +95,10 @@ def plan(
     # an engine that returns no prompt logprobs (llama-server) audits outputs only, in every cell
     with_prompts = bool(getattr(engine_cls, "supports_prompt_logprobs", False))
     result = Plan(head={})
+    rows: list[tuple[dict, Path, list[GridCell]]] = []
+    listed, checks = [], []
     for a in architectures:
+        listed.append(a)
         if a["status"] != disc.AUDIT:
             continue
         try:
@@ -93,7 +106,25 @@ def plan(
         except LpfError as e:
             a.update(status="no tiny recipe", reason=str(e))
             continue
-        for c in cells:
+        rows.append((a, model, cells))
+        if variant_kinds:
+            check = _variant_check(out, a, variant_kinds, workload)
+            checks.append(check)
+            for v in check["variants"]:
+                if v["status"] != "kept":
+                    continue
+                entry = {
+                    **a,
+                    "architecture": f"{a['architecture'].removesuffix('ForCausalLM')}~{v['name']}",
+                    "variant_of": a["architecture"],
+                    "variant": {
+                        k: v.get(k) for k in ("name", "kind", "overrides", "why", "source", "max_abs_logit_change")
+                    },
+                }
+                listed.append(entry)
+                rows.append((entry, Path(v["model"]), list(variant_cells or cells)))
+    for a, model, arch_cells in rows:
+        for c in arch_cells:
             try:
                 spec = _spec(
                     engine,
@@ -125,6 +156,9 @@ def plan(
         "n_prompts": n_prompts,
         "max_tokens": max_tokens,
     }
+    if variant_kinds:  # absent otherwise, so a matrix written before variants existed still resumes
+        spec["variants"] = list(variant_kinds)
+        spec["variant_cells"] = [c.name for c in variant_cells or cells]
     result.head = {
         "spec": spec,
         "engine": engine,
@@ -141,9 +175,23 @@ def plan(
                 "dtype": c.dtype,
                 "prompt_logprobs": c.prompt_logprobs,
             }
-            for c in cells
+            for c in cells + [c for c in variant_cells or [] if c not in cells]
         ],
-        "architectures": architectures,
+        "architectures": listed,
+        **({"variants": checks} if variant_kinds else {}),
         "workload": {"path": "workload.jsonl", "n_prompts": n_prompts, "max_tokens": max_tokens},
     }
     return result
+
+
+def _variant_check(out: Path, arch: dict, kinds: list[str], workload: Path) -> dict:
+    """The architecture's variants, checked against its reference on the workload's first 4 prompts."""
+    import json
+
+    from lpf.experiments.conformance.variant_check import check_variants
+
+    prompts = [json.loads(line)["prompt_token_ids"] for line in workload.read_text().splitlines() if line.strip()]
+    try:
+        return check_variants(out, arch, kinds, prompts[:4])
+    except LpfError as e:
+        return {"architecture": arch["architecture"], "model_type": arch["model_type"], "error": str(e), "variants": []}

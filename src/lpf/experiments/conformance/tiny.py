@@ -12,7 +12,11 @@ Weights are random with seed 0 and `initializer_range` 0.25 (peaked next-token d
 the `tiny:` models: a flat distribution hides a lie). Deterministic and cached under
 `$LPF_CACHE/conformance/<model_type>-<key>`, the key hashing the config and the tokenizer, built in a
 temporary directory and renamed (a concurrent or killed build never leaves half a model). Nothing is
-downloaded. `known_model_types()` lists the recipes; `LpfError` for any other.
+downloaded. `known_model_types()` lists the recipes; `LpfError` for any other. `build_tiny(model_type,
+overrides)` builds a config variant (`variants.Variant.overrides` over the recipe's fields), cached
+under its own key, and with `random_biases` every bias the init leaves at zero drawn at random (the
+variants' builds: a zero bias is one an engine could drop unseen); `tiny_default_config(model_type)` is
+the recipe's whole config as a dict.
 """
 
 from __future__ import annotations
@@ -185,17 +189,44 @@ def known_model_types() -> list[str]:
     return sorted(SCALE)
 
 
-def tiny_config(model_type: str, vocab_size: int, special: dict) -> dict:
-    """The scaled-down config's fields: `SCALE[model_type]` over the architecture's defaults."""
+def tiny_config(model_type: str, vocab_size: int, special: dict, overrides: dict | None = None) -> dict:
+    """The scaled-down config's fields: `SCALE[model_type]` over the architecture's defaults, and a
+    config variant's `overrides` (lpf.experiments.conformance.variants) over those."""
     if model_type not in SCALE:
         raise LpfError(
             f"no tiny recipe for model type {model_type!r}{did_you_mean(model_type, SCALE)}; "
             f"recipes: {', '.join(known_model_types())}"
         )
-    return dict(SCALE[model_type], vocab_size=vocab_size, initializer_range=INIT_RANGE, **special)
+    return {
+        **SCALE[model_type],
+        "vocab_size": vocab_size,
+        "initializer_range": INIT_RANGE,
+        **special,
+        **(overrides or {}),
+    }
 
 
-def build_tiny(model_type: str) -> Path:
+def tiny_default_config(model_type: str) -> dict:
+    """The tiny recipe's full config as a dict (every field, defaults included), without building weights."""
+    from transformers import AutoConfig
+
+    from lpf.core.torch_utils import quiet_transformers
+
+    quiet_transformers()
+    return AutoConfig.for_model(model_type, **tiny_config(model_type, 512, {})).to_dict()
+
+
+def _randomise_zero_biases(model, torch) -> None:
+    """Every bias the init left at exactly zero drawn from N(0, INIT_RANGE) (seed 1): a zero bias is one an
+    engine could ignore unseen, and a variant that switches a bias on must make it count."""
+    gen = torch.Generator().manual_seed(1)
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if "bias" in name.rsplit(".", 1)[-1] and t.is_floating_point() and t.numel() and not t.any():
+            with torch.no_grad():
+                t.copy_(torch.empty_like(t).normal_(0.0, INIT_RANGE, generator=gen))
+
+
+def build_tiny(model_type: str, overrides: dict | None = None, random_biases: bool = False) -> Path:
     from lpf.core.model_specs import ModelRef, cache_root, load_tokenizer, save_model_dir
     from lpf.zoo.registry import tokenizer_dir
 
@@ -203,12 +234,11 @@ def build_tiny(model_type: str) -> Path:
     tok_hash = hashlib.sha256((tok_dir / "tokenizer.json").read_bytes()).hexdigest()[:12]
     tok = load_tokenizer(ModelRef("zoo tokenizer", tok_dir))
     special = dict(pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    fields = tiny_config(model_type, len(tok), special)
+    fields = tiny_config(model_type, len(tok), special, overrides)
     import transformers
 
-    key = hashlib.sha256(
-        json.dumps([model_type, fields, tok_hash, transformers.__version__], sort_keys=True).encode()
-    ).hexdigest()[:12]
+    payload = [model_type, fields, tok_hash, transformers.__version__] + (["random_biases"] if random_biases else [])
+    key = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:12]
     out = cache_root() / "conformance" / f"{model_type}-{key}"
     if (out / "config.json").is_file():
         return out
@@ -222,6 +252,8 @@ def build_tiny(model_type: str) -> Path:
         config = AutoConfig.for_model(model_type, **fields)
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        if random_biases:
+            _randomise_zero_biases(model, torch)
     except Exception as e:  # noqa: BLE001 - a recipe this transformers cannot build: one line, not a trace
         raise LpfError(
             f"transformers {transformers.__version__} cannot build a tiny {model_type}: "

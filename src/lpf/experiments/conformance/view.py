@@ -12,7 +12,8 @@ def matrix_view(doc: dict) -> dict:
     on output or prompt positions)}, `not_clean` [(name, what the attribution says, its sentence)],
     `failed` [(name, status, reason)], `named` [(name, cause, evidence)]: the known departures a
     per-token judgement names (llama.cpp), `reference` [(name, status, departing paths or why)]: the
-    reference column, and `not_audited` [(status, reason, architectures)]."""
+    reference column, `not_audited` [(status, reason, architectures)], and `variants` [(row name, kind,
+    the fields that differ)] / `dropped` [(architecture, variant, reason)]: the config-variant axis."""
     cells = [c["name"] for c in doc.get("cell_catalogue") or []]
     rows = doc.get("cells") or []
     by = {(r["architecture"], r["cell"]): r for r in rows}
@@ -74,7 +75,29 @@ def matrix_view(doc: dict) -> dict:
         )
         for r in doc.get("reference_column") or []
     ]
+    variants = [
+        (
+            a["architecture"],
+            a["variant"].get("kind"),
+            ", ".join(f"{k}={v}" for k, v in (a["variant"].get("overrides") or {}).items()) or a["variant"].get("why"),
+        )
+        for a in doc.get("architectures") or []
+        if a.get("variant")
+    ]
+    dropped = [
+        (c["architecture"].removesuffix("ForCausalLM"), v["name"], v.get("reason") or v.get("status"))
+        for c in doc.get("variants") or []
+        for v in c.get("variants") or []
+        if v.get("status") != "kept"
+    ]
+    dropped += [  # a check that could not run at all (its variants are then not built)
+        (c["architecture"].removesuffix("ForCausalLM"), "(every variant)", c["error"])
+        for c in doc.get("variants") or []
+        if c.get("error")
+    ]
     return {
+        "variants": variants,
+        "dropped": dropped,
         "cells": cells,
         "archs": archs,
         "grid": grid,

@@ -136,8 +136,11 @@ def run(
         crash=plan.crash,
     )
     state.set(status="running")
+    from lpf.experiments.kept_cells import kept_cells
+
     search = CrashShrink if plan.crash else Shrink
-    doc = search(source, t["seq"], judge, state, on_event).run()
+    with kept_cells():  # the candidates fork one process that imported torch once
+        doc = search(source, t["seq"], judge, state, on_event).run()
     if doc.get("minimal"):
         written = write_outputs(out, source, doc)
         # a crash has no first divergence for `lpf locate` to find the birth of
