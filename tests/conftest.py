@@ -31,6 +31,7 @@ SHARED_GROUPS = {
         "test_conformance::test_conformance_on_vllm_writes_the_matrix",
         "test_run_level::test_healthy_bf16_vllm_passes_the_default_gate",
         "test_shrink::test_the_vllm_minimum_reproduces_with_vllms_interpreter_alone",
+        "test_shrink::test_a_vllm_crash_shrinks_to_one_prompt",
         "test_conformance_families::test_vllm_source_pairs_bailing_hybrid_with_its_two_names",
         "test_conformance_variants::test_a_structural_variant_audits_nemotron_h_without_its_moe_on_vllm",
         "test_vllm_prefix",

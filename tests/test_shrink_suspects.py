@@ -69,7 +69,10 @@ def test_the_moves_the_top_hypothesis_names():
     one_token = [{"feature": "first_decode_uncomputed"}, {"feature": "first_slot_used_before"}]
     what, moves = named_moves(one_token, BuiltinEngine.Options, knobs)
     assert "one-token first step" in what
+    # the slot cap first: the built-in pool is FIFO, a few requests reach a used slot only in a pool that small
     assert moves == [
+        {"max_num_batched_tokens": 1, "max_num_seqs": 1, "max_state_slots": 1},
+        {"max_num_batched_tokens": 2, "max_num_seqs": 2, "max_state_slots": 2},
         {"max_num_batched_tokens": 2, "max_num_seqs": 2},
         {"max_num_batched_tokens": 1, "max_num_seqs": 1},
         {"max_num_batched_tokens": 3, "max_num_seqs": 2},
@@ -81,6 +84,6 @@ def test_the_moves_the_top_hypothesis_names():
     # a move that changes nothing is left out
     assert named_moves([{"feature": "first_slot_used_before"}], BuiltinEngine.Options, {**knobs, "max_num_seqs": 1})[
         1
-    ] == [{"max_num_seqs": 2}]
+    ] == [{"max_num_seqs": 1, "max_state_slots": 1}, {"max_num_seqs": 2, "max_state_slots": 2}, {"max_num_seqs": 2}]
     assert named_moves([{"feature": "resumed_from_aborted_publisher"}], BuiltinEngine.Options, knobs) is None
     assert named_moves([], BuiltinEngine.Options, knobs) is None

@@ -9,7 +9,8 @@ Protocol, JSON lines:
   request_id, output_token_ids, logprobs, topk_ids, topk_logprobs, finish_reason, error, t_submit,
   t_first_token, t_finish, and prompt_logprobs / prompt_topk_ids / prompt_topk_logprobs when the run
   asks for prompt logprobs} per request as it finishes and {"type": "done", "trace"};
-  {"type": "fatal", "error"} if the engine cannot start or dies.
+  {"type": "fatal", "error"} if the engine cannot start or dies ("TYPE: message", and when a batch
+  raised, "; raised at FILE:LINE in FUNC", its innermost frame: lpf shrink's crash signature).
   `trace` is the lpf-vllm-trace plugin's status in this process (`lpf_vllm_trace.status()`), or why
   there is none. Finished requests are held back and sent in groups, at most once a second, each
   group right after the plugin's buffered rows are flushed to its parts: lpf never sees a request
@@ -242,6 +243,12 @@ def run_batch(llm, sampling: dict, requests: list[dict], out) -> None:
         send()  # the rest, and whatever finished before an engine error: answers are never dropped
 
 
+def raised_at(e: BaseException) -> str:
+    """'; raised at FILE:LINE in FUNC', the innermost frame: with the type, a crash's signature (lpf shrink)."""
+    frames = traceback.extract_tb(e.__traceback__)
+    return f"; raised at {frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""
+
+
 def start(config: dict, out):
     """vllm.LLM for `config`, announced as ready; None (announced as fatal) when it cannot be built."""
     try:
@@ -296,7 +303,7 @@ def main() -> int:
             run_batch(llm, config["sampling"], batch, out)
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
-            emit(out, {"type": "fatal", "error": f"{type(e).__name__}: {' '.join(str(e).split())[:500]}"})
+            emit(out, {"type": "fatal", "error": f"{type(e).__name__}: {' '.join(str(e).split())[:500]}{raised_at(e)}"})
             return 1
         emit(out, {"type": "done", "trace": trace_status()})
         batch = []

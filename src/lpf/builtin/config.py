@@ -3,7 +3,8 @@ ranges, unknown names refused).
 
 `cache_mb` plays the role of vLLM's `gpu_memory_utilization`: the bytes given to caches. Half goes
 to Mamba state slots and half to paged KV blocks (all of it to one kind when the model has only
-that kind of layer), so shrinking it makes slots and blocks recycle sooner.
+that kind of layer), so shrinking it makes slots and blocks recycle sooner. `max_state_slots` caps the
+slots alone (the KV half unchanged).
 
 Prefix caching (`enable_prefix_caching`, vLLM's name) shares attention KV blocks by content hash and
 checkpoints every Mamba layer's conv + SSM state at Mamba block boundaries (`mamba_block_size`
@@ -60,6 +61,16 @@ class EngineConfig(BaseModel):
         roles=("cache_size",),
         shrink_order=10,
         flag=True,
+    )
+    # the state half of cache_mb capped at a slot count, its KV half left as it is: the slot pool is
+    # FIFO, so a slot is reused only once all of them were handed out, and a shrink that keeps 3 of
+    # 2,000 requests needs a pool of 2 to reach a reused slot without starving their KV blocks
+    max_state_slots: int | None = knob(
+        None,
+        ge=1,
+        help="Built-in engine: at most this many Mamba state slots [default: as many as --cache-mb's state half holds].",
+        roles=("state_slots",),
+        shrink_order=15,
     )
     enable_chunked_prefill: bool = knob(
         True, help="Split long prompts over several steps (vLLM's name).", shrink_order=70, flag=True
@@ -136,5 +147,8 @@ class EngineConfig(BaseModel):
         """(number of state slots, number of KV blocks) for this cache size."""
         total = int(self.cache_mb * 2**20)
         if slot_bytes and block_bytes:
-            return max(1, total // 2 // slot_bytes), max(1, total // 2 // block_bytes)
-        return (max(1, total // slot_bytes) if slot_bytes else 1), (max(1, total // block_bytes) if block_bytes else 1)
+            slots, blocks = max(1, total // 2 // slot_bytes), max(1, total // 2 // block_bytes)
+        else:
+            slots = max(1, total // slot_bytes) if slot_bytes else 1
+            blocks = max(1, total // block_bytes) if block_bytes else 1
+        return (min(slots, self.max_state_slots) if self.max_state_slots else slots), blocks

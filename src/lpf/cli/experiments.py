@@ -227,9 +227,11 @@ def shrink(run_dir, out_dir, request_id, budget_runs, tries, need, as_json):
     """Cut a run with a lying request down to the smallest configuration that still tells the same lie.
 
     Fewer requests (ddmin, arrival order kept), shorter prompts and max_tokens, and knobs moved toward
-    the engine's defaults one at a time; each candidate is one `lpf audit` in its own process. Writes
-    DIR/workload.jsonl, command.sh, repro.py (standalone: the engine and transformers), report.md and
-    shrink.json. Exit 0 with a minimum, 1 when the lie did not reproduce, 2 for bad input. Example:
+    the engine's defaults one at a time; each candidate is one `lpf audit` in its own process. A run
+    with nothing flagged whose requests failed with an exception is shrunk on that crash (its type and
+    innermost frame). Writes DIR/workload.jsonl, command.sh, repro.py (standalone: the engine and
+    transformers), report.md and shrink.json. Exit 0 with a minimum, 1 when the lie did not reproduce,
+    2 for bad input. Example:
 
     \b
     lpf shrink runs/stale --out runs/stale-min
@@ -239,16 +241,16 @@ def shrink(run_dir, out_dir, request_id, budget_runs, tries, need, as_json):
     plan = session.prepare(run_dir, request_id)
     doc = session.run(plan, out_dir, tries, need, budget_runs, lambda e: print_shrink_event(e, err))
     print_shrink(doc, err)
+    what = "the crash" if plan.crash else f"the lie of {plan.target['request_id']}"
     if doc["status"] == "not-reproduced":
         err.print(
-            f"the lie of {plan.target['request_id']} did not reproduce in {tries} tries of the original "
+            f"{what} did not reproduce in {tries} tries of the original "
             f"configuration, nor in any smaller one: a one-off (the environment?), not a minimum",
             highlight=False,
         )
     elif not doc.get("minimal"):
         err.print(
-            f"the budget ran out before the lie of {plan.target['request_id']} reproduced: "
-            f"raise --budget-runs and rerun to continue",
+            f"the budget ran out before {what} reproduced: raise --budget-runs and rerun to continue",
             highlight=False,
         )
     else:

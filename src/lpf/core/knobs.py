@@ -35,6 +35,7 @@ from pydantic import Field
 
 ROLES = {
     "cache_size": "sizes the engine's cache: smaller, and state slots and KV blocks recycle sooner",
+    "state_slots": "caps the Mamba state slots alone: fewer, and a slot is reused after fewer requests",
     "concurrency": "the most sequences the engine batches in one step (`lpf repeat` varies it)",
     "step_budget": "the token budget of one engine step",
     "context_length": "the longest prompt + output a request may have (conformance keeps it short)",

@@ -5,7 +5,8 @@ Contract:
   requests in arrival order with each one's prompt and max_tokens, the engine's option defaults);
   an unfinished run is refused. `Source.target(request_id)` picks the request to shrink for: the
   given one, which must be flagged, or the worst flagged one; a run with nothing flagged, an unknown
-  id or an unflagged one raise `LpfError` in one line.
+  id or an unflagged one raise `LpfError` in one line. `Source.crash(request_id)` is the crash its
+  failed requests share (`crash.run_crash`), the signature of a run that crashed instead of lying.
 - A `Config` is which of the original requests run (by arrival index, in arrival order), how much
   of each prompt (a prefix) and how many output tokens each may produce (a request its client
   cancelled mid-prefill, `abort_after_tokens`, is cancelled at the same token while its prompt is longer),
@@ -165,6 +166,21 @@ class Source:
             )
         return row
 
+    def crash(self, request_id: str | None = None):
+        """(crash.Crash, how many requests it failed, the first one's id) when requests of the run
+        failed with an exception (the given request's, or the one most failures share), else None."""
+        from lpf.experiments.shrink.crash import parse_crash, run_crash
+        from lpf.run.store import RunDir
+
+        requests = RunDir(self.path, self.manifest).read("requests", ["seq", "request_id", "error"])
+        if request_id is None:
+            return run_crash(requests)
+        row = next((r for r in requests.to_pylist() if r["request_id"] == request_id), None)
+        crash = parse_crash(row["error"]) if row else None
+        if crash is None:
+            return None
+        return crash, sum(crash.same(parse_crash(e)) for e in requests.column("error").to_pylist() if e), request_id
+
     def beside(self, seq: int) -> list[int]:
         """Arrival indexes of the later requests that ran beside request `seq`: in an engine step
         with it (from the trace), or, without a trace, submitted before it finished."""
@@ -281,6 +297,7 @@ class Source:
                 members.append(Member(s, plen, mt))
         knobs = {k: v for k, v in self.original().knobs}
         knobs = {k: (doc["knobs"][k] if k in doc["knobs"] else self.defaults.get(k, v)) for k, v in knobs.items()}
+        knobs.update({k: v for k, v in doc["knobs"].items() if k not in knobs})  # moved on from the run's
         return Config.of(members, knobs)
 
     # -- running a config --------------------------------------------------------------------------

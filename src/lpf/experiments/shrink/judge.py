@@ -15,6 +15,9 @@ Contract:
   confirmation on an engine not shown deterministic).
 - `charge(name)` is called before every run (with the try's directory name) and raises
   `BudgetSpent` when the budget is used up.
+- With a crash signature (`crash.Crash`: nothing was flagged, the requests failed with an exception)
+  a try shows the lie when any request of it failed with the same exception from the same frame
+  (`crash.shows_crash`); the target need not be in the run.
 - A try reads the target's summary row and, when the signature names a feature, the target's value
   of it (`signature.target_feature`); a run whose model weights differ from the original's stops the
   shrink (`LpfError`): it would be shrinking some other model's lie.
@@ -47,8 +50,10 @@ class Judge:
         need: int,
         charge: Callable[[str], None],
         deterministic: bool | None = None,
+        crash=None,
     ):
         self.out, self.source, self.signature, self.target_seq = Path(out), source, signature, target_seq
+        self.crash = crash  # a crash.Crash: the lie is that crash in any request of the run
         self.tries, self.need, self.charge = tries, need, charge
         self.deterministic = deterministic  # None until two runs of one configuration say
 
@@ -103,7 +108,33 @@ class Judge:
                     raise
                 # the audit judged its requests and then said why it failed (every request failed in
                 # the engine, say): for the shrink that is an outcome, the target's row says which
+        if self.crash is not None:
+            return self._read_crash(run_dir)
         return self._read(run_dir, config.index(self.target_seq))
+
+    def _read_crash(self, run_dir: Path) -> dict:
+        """A crash signature's try: did any request fail with the same exception from the same frame?"""
+        from lpf.experiments.shrink.crash import parse_crash, shows_crash
+        from lpf.run.store import RunDir
+
+        run = RunDir.open(run_dir)
+        requests = run.read("requests", ["seq", "request_id", "error", "output_token_ids"]).sort_by("seq")
+        lie, seen = shows_crash(self.crash, requests)
+        failed = next((r for r in requests.to_pylist() if r["error"]), None)
+        c = parse_crash(failed["error"]) if failed else None
+        what = [[r["request_id"], r["output_token_ids"], bool(r["error"])] for r in requests.to_pylist()]
+        return {
+            "dir": run_dir.relative_to(self.out).as_posix(),
+            "request_id": failed["request_id"] if failed else None,
+            "lie": lie,
+            "seen": seen,
+            "verdict": "error" if failed else None,
+            "first_divergence": None,
+            "max_abs_logprob_diff": None,
+            "crash": c.to_dict() if c else None,
+            # which requests failed and what the others produced: the same twice, the engine repeats itself
+            "fingerprint": hashlib.sha256(json.dumps([what, c.describe() if c else None]).encode()).hexdigest()[:16],
+        }
 
     def _read(self, run_dir: Path, index: int) -> dict:
         import pyarrow.compute as pc

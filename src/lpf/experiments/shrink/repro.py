@@ -149,6 +149,9 @@ def write_outputs(out: Path, source: Source, doc: dict) -> list[Path]:
     run = RunDir.open(out / shown["dir"])
     items = source.workload_items(config)
     sig = Signature.from_dict(doc["signature"])
+    crash = doc.get("crash")
+    what = f"the crash ({doc['signature_description']})" if crash else f"the lie of {doc['target']} ({sig.describe()})"
+    shows = "the audit fails (every request errs)" if crash else "the lie shows (--fail-on divergent)"
     written = [_write(out / "workload.jsonl", "".join(json.dumps(i) + "\n" for i in items))]
     from lpf.pipeline.spec import audit_command
 
@@ -157,8 +160,8 @@ def write_outputs(out: Path, source: Source, doc: dict) -> list[Path]:
         _write(
             out / "command.sh",
             "#!/bin/sh\n"
-            f"# The lie of {doc['target']} ({sig.describe()}), reproduced with {len(items)} request(s)\n"
-            f"# by `lpf shrink` from {source.path.resolve()}. Exit 1 when the lie shows (--fail-on divergent).\n"
+            f"# {what[0].upper() + what[1:]}, reproduced with {len(items)} request(s)\n"
+            f"# by `lpf shrink` from {source.path.resolve()}. Exit non-zero when {shows}.\n"
             'cd "$(dirname "$0")" || exit 2\n'
             'out="${1:-runs/repro-$(date +%Y%m%d-%H%M%S)}"\n'
             f'exec {" ".join(shlex.quote(a) for a in args)} --out "$out"\n',
@@ -172,15 +175,23 @@ def write_outputs(out: Path, source: Source, doc: dict) -> list[Path]:
             engine,
             run.manifest["model"]["path"],
             items,
-            doc["target"],
+            crash_target(items, shown["request_id"]) if crash else doc["target"],
             run.manifest["sampling"],
             th,
             sig.position_class,
             (run.manifest.get("reference") or {}).get("dtype") or "float32",
         )
+        if crash:
+            cfg["crash"] = {k: crash.get(k) for k in ("exception", "file", "function", "line")}
         written.append(write_script(out / "repro.py", cfg))
     written.append(_write(out / "report.md", report_md(out, source, doc, config, run, shown, sig)))
     return written
+
+
+def crash_target(items: list[dict], run_id: str | None) -> str:
+    """The workload id of the request a crash's minimal run failed first (a candidate run names its
+    requests `<id>-r0`); the first request when none failed."""
+    return next((i["id"] for i in items if run_id in (i["id"], f"{i['id']}-r0")), items[0]["id"])
 
 
 def _evidence(run, request_id: str, position: int | None) -> dict | None:
@@ -221,11 +232,17 @@ def report_md(out: Path, source: Source, doc: dict, config: Config, run, shown: 
     m, original = run.manifest, source.original()
     ev = _evidence(run, shown["request_id"], shown["first_divergence"])
     model_cfg = json.loads((Path(m["model"]["path"]) / "config.json").read_text())
+    crash = doc.get("crash")
+    title = (
+        f"# {crash['exception']} with {len(config.members)} of {len(original.members)} requests"
+        if crash
+        else f"# `{doc['target']}` lies with {len(config.members)} of {len(original.members)} requests"
+    )
     lines = [
-        f"# `{doc['target']}` lies with {len(config.members)} of {len(original.members)} requests",
+        title,
         "",
         f"Found by `lpf shrink` from `{source.path.resolve()}` (run {source.manifest.get('run_id')}); "
-        f"signature: {sig.describe()}.",
+        f"signature: {doc['signature_description'] if crash else sig.describe()}.",
         "",
     ]
     if doc.get("signature_note"):
@@ -272,14 +289,15 @@ def report_md(out: Path, source: Source, doc: dict, config: Config, run, shown: 
         ]
     else:
         lines += [f"The minimal run (`{shown['dir']}`): {shown['seen']}.", ""]
-    offer = locate_offer(out, doc)
-    lines += [
-        "## Where the lie is born",
-        "",
-        "The first op of the forward pass that departs, and whose fault it is "
-        f"(the engine's or the reference's): `{offer['command']}`.",
-        "",
-    ]
+    if not crash:  # a crash has no first divergence to locate
+        offer = locate_offer(out, doc)
+        lines += [
+            "## Where the lie is born",
+            "",
+            "The first op of the forward pass that departs, and whose fault it is "
+            f"(the engine's or the reference's): `{offer['command']}`.",
+            "",
+        ]
     lines += ["## Ranked hypotheses (original run)", ""]
     hyps = (source.findings.get("hypotheses") or [])[:5]
     lines += [f"{h['rank']}. {h['sentence']} (p={h['p_value']:.2g})" for h in hyps] or ["(none)"]

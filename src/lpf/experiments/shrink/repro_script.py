@@ -11,6 +11,10 @@ token, or later), 0 when it does not, 2 when it cannot run. A position diverges 
 verdicts: |engine - reference| logprob above the divergence threshold, a greedy flip, or a token the
 engine was sure of and the reference finds improbable.
 
+A crash's reproducer (`CONFIG["crash"]`: the shrink's signature was an exception, not a lie) sends
+the same requests and exits 1 when the engine raises the same exception type from the same innermost
+frame (file and function), 0 when it runs through or raises something else.
+
 Usage: python repro.py [--model DIR]   (DIR: the model directory, if it moved)
 """
 
@@ -21,6 +25,7 @@ import os
 import shutil
 import sys
 import tempfile
+import traceback
 from dataclasses import dataclass
 
 CONFIG = None  # lpf shrink writes the reproducer's data here
@@ -177,6 +182,42 @@ def first_divergence(cfg: dict, output, engine_lps, ref_lps, top_ids, top_lps):
     return None
 
 
+def innermost(e: BaseException):
+    """(exception type name, innermost frame's file relative to its package, function, line)."""
+    frames = traceback.extract_tb(e.__traceback__)
+    if not frames:
+        return type(e).__name__, None, None, None
+    f = frames[-1]
+    path = f.filename
+    for root in ("site-packages/", "dist-packages/", "/src/"):
+        if root in path:
+            path = path.rsplit(root, 1)[1]
+    return type(e).__name__, path.lstrip("/"), f.name, f.lineno
+
+
+def crash_main(cfg: dict, generate, model_dir: str) -> int:
+    want = cfg["crash"]
+    words = f"{want['exception']} raised at {want['file']}:{want['line']} in {want['function']}"
+    print(f"{len(cfg['requests'])} requests; expecting the crash {words}")
+    try:
+        generate(cfg, model_dir)
+    except Exception as e:  # noqa: BLE001 - the crash is what this reproducer looks for
+        chain, seen = [], e
+        while seen is not None and len(chain) < 8:  # the exception and what it was raised from
+            chain.append(innermost(seen))
+            seen = seen.__cause__ or seen.__context__
+        for exc, path, func, line in chain:
+            same_type = exc == want["exception"].rsplit(".", 1)[-1]
+            if same_type and (want["file"] is None or (path == want["file"] and func == want["function"])):
+                print(f"the crash reproduces: {exc}: {' '.join(str(e).split())[:300]} at {path}:{line} in {func}")
+                return 1
+        exc, path, func, line = chain[0]
+        print(f"the engine raised another error: {exc} at {path}:{line} in {func}: not the same crash")
+        return 0
+    print("no crash: the engine ran every request")
+    return 0
+
+
 def main() -> int:
     cfg = CONFIG
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -186,6 +227,8 @@ def main() -> int:
         print(f"error: {model_dir} is not a model directory (no config.json): pass --model DIR", file=sys.stderr)
         return 2
     generate = generate_builtin if cfg["engine"] == "builtin" else generate_vllm
+    if cfg.get("crash"):
+        return crash_main(cfg, generate, model_dir)
     output, engine_lps, engine_words = generate(cfg, model_dir)
     request = next(r for r in cfg["requests"] if r["id"] == cfg["target"])
     prompt = list(request["prompt_token_ids"])

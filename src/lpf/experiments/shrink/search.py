@@ -215,7 +215,7 @@ class Shrink:
             if self.source.refused(moved):  # as in knobs(): a refused configuration would stop the shrink
                 continue
             tried.add(moved.key())
-            change = ", ".join(f"{k} {config.knob_dict[k]} -> {v}" for k, v in move.items())
+            change = ", ".join(f"{k} {config.knob_dict.get(k, 'default')} -> {v}" for k, v in move.items())
             if self.test(moved, "requests", f"{what}, {change} ({makes}: the top hypothesis)"):
                 self.adopt(moved)
                 return True

@@ -9,10 +9,12 @@ Contract (pure: a trace table and findings data in, plain data out):
   target itself is never a suspect; an empty dict without a trace or without the target.
 - `named_moves(hypotheses, options_cls, current) -> (what, [{knob: value}]) | None`: the knob moves
   that make what the first-ranked hypothesis names (`FEATURE_MOVES`, by knob role). A one-token first
-  step on a slot another request freed (stale state) is a step budget of 2 beside one decode with at
-  most 2 sequences running, or a budget of 1 with one sequence; short prefill chunks are a budget of
-  1-4; recycled slots are one or two sequences at a time; fewer slots a smaller cache. None when the
-  hypothesis names none the engine has.
+  step on a slot another request freed (stale state) is a step budget of 1 with one sequence and one
+  state slot, or of 2 beside one decode with at most 2 sequences and 2 slots (the pool is FIFO: a
+  slot is reused only after every slot was handed out, so a few requests need a pool that small;
+  the `state_slots` part is left out on an engine without that knob); short prefill chunks are a
+  budget of 1-4; recycled slots are one or two sequences (and slots) at a time; fewer slots a
+  smaller cache. None when the hypothesis names none the engine has.
 The shrink (`search`) tries the suspects before its blind search, at the original knobs and then
 at each named move.
 """
@@ -27,16 +29,34 @@ from lpf.core.knobs import knob_with_role
 SLOT_HOLDERS = 2
 
 # hypothesis feature -> (what makes it, the knob moves that make it: {role: value}, tried in order)
+# state_slots: the slot pool is FIFO (a slot is reused once every slot was handed out), so a few
+# requests reach a used slot only in a pool as small as the requests that run at once; an engine
+# without that knob gets the rest of the move
 ONE_TOKEN_ON_A_USED_SLOT = (
     "a one-token first step on a slot another request freed",
-    ({"step_budget": 2, "concurrency": 2}, {"step_budget": 1, "concurrency": 1}, {"step_budget": 3, "concurrency": 2}),
+    (
+        {"step_budget": 1, "concurrency": 1, "state_slots": 1},
+        {"step_budget": 2, "concurrency": 2, "state_slots": 2},
+        {"step_budget": 2, "concurrency": 2},
+        {"step_budget": 1, "concurrency": 1},
+        {"step_budget": 3, "concurrency": 2},
+    ),
 )
+OPTIONAL_ROLES = ("state_slots",)
 SMALL_CHUNKS = ("short prefill chunks", ({"step_budget": 2}, {"step_budget": 1}, {"step_budget": 4}))
 FEATURE_MOVES = {
     "first_decode_uncomputed": ONE_TOKEN_ON_A_USED_SLOT,  # a one-token first step runs as a decode
     "first_phase_decode": ONE_TOKEN_ON_A_USED_SLOT,
     "first_step_one_token": ONE_TOKEN_ON_A_USED_SLOT,
-    "first_slot_used_before": ("slots recycled at once", ({"concurrency": 1}, {"concurrency": 2})),
+    "first_slot_used_before": (
+        "slots recycled at once",
+        (
+            {"concurrency": 1, "state_slots": 1},
+            {"concurrency": 2, "state_slots": 2},
+            {"concurrency": 1},
+            {"concurrency": 2},
+        ),
+    ),
     "chunked_prefill": SMALL_CHUNKS,
     "n_prefill_chunks": SMALL_CHUNKS,
     "short_resumed_chunk": SMALL_CHUNKS,
@@ -98,12 +118,16 @@ def named_moves(hypotheses: list[dict] | None, options_cls, current: dict) -> tu
         knobs = {}
         for role, value in move.items():
             name = knob_with_role(options_cls, role)
-            if name is None or name not in current:
+            if name is None and role in OPTIONAL_ROLES:
+                continue
+            if name is None or (name not in current and name not in options_cls.model_fields):
                 break
             if role == "cache_size":
                 value = round(float(current[name]) * value, 3)
             knobs[name] = value
         else:
-            if any(current[k] != v for k, v in knobs.items()) and knobs not in out:
+            # a knob the run did not record (it predates the knob) is at the engine's default
+            now = {k: current.get(k, options_cls.model_fields[k].default) for k in knobs}
+            if any(now[k] != v for k, v in knobs.items()) and knobs not in out:
                 out.append(knobs)
     return (what, out) if out else None
