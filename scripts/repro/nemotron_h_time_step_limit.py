@@ -46,5 +46,7 @@ if __name__ == "__main__":
                 tf = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
             ref = [float(tf[p - 1, ids[p]]) for p in range(1, len(ids))]
             line.append(f"{name}: max |d| {max(abs(a - b) for a, b in zip(eng, ref)):.3e}")
-        print(f"{req['request_id']} ({len(ids)} tokens, {mixers} mixers) vLLM prompt logprobs vs transformers' "
-              f"prefill {'; '.join(line)}")
+        print(
+            f"{req['request_id']} ({len(ids)} tokens, {mixers} mixers) vLLM prompt logprobs vs transformers' "
+            f"prefill {'; '.join(line)}"
+        )
