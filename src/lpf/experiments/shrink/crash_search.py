@@ -41,19 +41,7 @@ class CrashShrink(Shrink):
             status = "budget-spent"
         except NotReproduced:
             status = "not-reproduced"
-        if self.cur is not None:
-            self.state.set(
-                minimal={
-                    "candidate": self.state.lookup(self.cur.key())["id"],
-                    "config": self.source.to_json(self.cur),
-                    "size": list(self.source.size(self.cur)),
-                    "description": self.source.describe_size(self.cur),
-                }
-            )
-            if status == "done":
-                self.confirm()
-        self.state.set(status=status)
-        return self.state.doc
+        return self.conclude(status)
 
     def crash_requests(self) -> None:
         start = self.cur

@@ -144,6 +144,11 @@ class Shrink:
             status = "budget-spent"
         except NotReproduced:
             status = "not-reproduced"
+        return self.conclude(status)
+
+    def conclude(self, status: str) -> dict:
+        """Record the minimum reached (confirmed when the search finished) and the status: the shrink's
+        document."""
         if self.cur is not None:
             self.state.set(
                 minimal={
