@@ -38,19 +38,11 @@ import json
 import os
 import sys
 
+from lpf.experiments.cells import die_with_parent
+
 PRELOAD = ("torch", "transformers", "pyarrow.parquet", "lpf.pipeline", "lpf.adapters.builtin", "lpf.adapters.hf")
 AUDIT_ARGV = ["lpf", "audit", "--spec", "-", "--fail-on", "never"]
 FORK_SAFE_THREADS = {"jemalloc_bg_thd"}  # pyarrow's allocator: its own fork handlers restart it
-
-
-def die_with_parent() -> None:
-    """The kernel SIGKILLs this process when its parent dies (Linux; elsewhere a no-op)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
-    except (OSError, AttributeError):
-        pass
 
 
 def _tasks() -> set[str]:

@@ -27,7 +27,6 @@ The child runs the tool's own entry point (`python -m lpf`, started fresh, or ru
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import shutil
 import subprocess
@@ -39,10 +38,11 @@ from lpf.experiments import kept_cells
 from lpf.pipeline.spec import AuditSpec, audit_command
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: the kernel kills it when the experiment dies (a SIGKILLed sweep must
-    not leave a cell's audit writing into the run a rerun resumes). Linux only; elsewhere a no-op (the
-    run directory's lock still refuses a second writer)."""
+def die_with_parent() -> None:
+    """The kernel kills this process when its parent dies: a fresh cell (before exec), the kept worker
+    and each cell it forks (a SIGKILLed sweep must not leave a cell's audit writing into the run a
+    rerun resumes). Linux only; elsewhere a no-op (the run directory's lock still refuses a second
+    writer)."""
     try:
         import ctypes
 
@@ -85,8 +85,8 @@ def _run_fresh(spec: AuditSpec, log) -> int:
         input=spec.model_dump_json().encode(),
         stdout=log,
         stderr=subprocess.STDOUT,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"),
-        preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+        env=kept_cells.cell_env(),
+        preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,
     ).returncode
 
 

@@ -57,7 +57,8 @@ def serves(spec) -> str | None:
     return None
 
 
-def _cell_env() -> dict:
+def cell_env() -> dict:
+    """The environment a cell runs under, fresh or forked (a server started under another is replaced)."""
     return dict(os.environ, PYTHONUNBUFFERED="1")
 
 
@@ -170,7 +171,7 @@ class Pool:
         self._lock = threading.Lock()
 
     def _current(self) -> Server:
-        env = _cell_env()
+        env = cell_env()
         if self.server is not None and (not self.server.alive() or self.server.env != env):
             self.server.close()
             self.server = None
