@@ -32,6 +32,13 @@ def _logits(model_dir: Path, prompts: list[list[int]]):
         return [model(input_ids=torch.tensor([p]), use_cache=False).logits[0].clone() for p in prompts]
 
 
+def _same(a: list, b: list) -> bool:
+    """Two runs' logits identical, bit for bit, prompt by prompt."""
+    import torch
+
+    return all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(a, b))
+
+
 def check_variants(out: Path, arch: dict, kinds: list[str], prompts: list[list[int]]) -> dict:
     from lpf.experiments.conformance.config_reads import config_reads, modeling_source
     from lpf.experiments.conformance.tiny import build_tiny, tiny_default_config
@@ -61,13 +68,11 @@ def check_variants(out: Path, arch: dict, kinds: list[str], prompts: list[list[i
             skipped=skipped,
             variants=[],
         )
-        import torch
-
         # every variant is built with its zero biases drawn at random, so its baseline is the default config
         # built the same way; that baseline is a row of its own (`random-biases`), judged against the default
-        base = _logits(build_tiny(mt, None, random_biases=True), prompts)
-        zero = _logits(build_tiny(mt), prompts)
-        changed = not all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(zero, base))
+        base_model = build_tiny(mt, None, random_biases=True)
+        base = _logits(base_model, prompts)
+        changed = not _same(_logits(build_tiny(mt), prompts), base)
         doc["variants"].append(
             {
                 "name": "random-biases",
@@ -77,15 +82,12 @@ def check_variants(out: Path, arch: dict, kinds: list[str], prompts: list[list[i
                 "baseline: a zero bias is one an engine could ignore unseen)",
                 "source": None,
                 **(
-                    {"status": "kept", "model": str(build_tiny(mt, None, random_biases=True))}
+                    {"status": "kept", "model": str(base_model)}
                     if changed
                     else {"status": "dropped", "reason": "the default config has no bias the init leaves at zero"}
                 ),
             }
         )
-
-        def same(a: list, b: list) -> bool:
-            return all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(a, b))
 
         for v in variants(mt, config, reads, kinds):
             row = {"name": v.name, "kind": v.kind, "overrides": v.overrides, "why": v.why, "source": v.source}
@@ -107,13 +109,13 @@ def check_variants(out: Path, arch: dict, kinds: list[str], prompts: list[list[i
             change = max(
                 (float((a - b).abs().max()) for a, b in zip(base, got) if a.shape == b.shape), default=float("nan")
             )
-            if same(base, got):
+            if _same(base, got):
                 row.update(
                     status="dropped",
                     reason=f"the reference's logits on {len(prompts)} conformance prompts are identical to the "
                     "default config's: the reference computes nothing different with it",
                 )
-            elif alone is not None and same(alone, got):
+            elif alone is not None and _same(alone, got):
                 row.update(
                     status="dropped",
                     reason=f"the reference's logits on {len(prompts)} conformance prompts are identical to those "
