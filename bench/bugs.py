@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -242,7 +241,9 @@ def run_repro(script: Path) -> int | str:
     for "the lie reproduces": then the answer is the error's last line, never 1."""
     python = sys.executable
     if '"engine": "vllm"' in script.read_text():
-        python = os.environ.get("LPF_VLLM_PYTHON") or str(ROOT / ".venv-vllm" / "bin" / "python")
+        from lpf.adapters.vllm import vllm_python
+
+        python = str(vllm_python())
     proc = subprocess.run([python, str(script)], capture_output=True, text=True)
     if "Traceback (most recent call last)" in proc.stderr:
         return "error: " + (proc.stderr.strip().splitlines() or ["?"])[-1][:200]
