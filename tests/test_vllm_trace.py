@@ -20,6 +20,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -106,6 +107,32 @@ def test_plugin_is_inert_when_off():
     env = {k: v for k, v in os.environ.items() if k not in ("LPF_VLLM_TRACE_DIR", "LPF_VLLM_INJECT")}
     out = subprocess.run([sys.executable, "-c", code, str(PLUGIN)], capture_output=True, text=True, env=env, check=True)
     assert out.stdout.split("\n")[:2] == ["['lpf_vllm_trace']", "False"]
+
+
+def test_only_the_process_writing_step_rows_moves_the_heartbeat(plugin, tmp_path):
+    """vLLM's API process loads the plugin too: its flushes must not say the runner's rows are on disk."""
+    import json
+
+    from lpf_vllm_trace.recorder import Recorder
+
+    runner, api = Recorder(str(tmp_path)), Recorder(str(tmp_path))
+    api.pid = runner.pid + 1  # two processes of one server share the directory
+    assert runner.open() is None and api.open() is None
+    runner.writes_steps()
+    runner.write_status({"state_slot_stride": 7})
+    runner.add("trace", {"request_id": ["r0", "r0"], "step": [0, 1]})
+    runner.flush()
+    status = json.loads((tmp_path / "trace_status.json").read_text())
+    beat = status["heartbeat"]
+    assert status["rows"] == 2 and status["pid"] == runner.pid
+    runner.add("trace", {"request_id": ["r1"], "step": [2]})  # buffered, not on disk yet
+    time.sleep(0.01)
+    api.flush()  # later than the runner's beat, with nothing of the runner's flushed
+    status = json.loads((tmp_path / "trace_status.json").read_text())
+    assert status["heartbeat"] == beat and status["rows"] == 2 and status["state_slot_stride"] == 7
+    runner.flush()
+    status = json.loads((tmp_path / "trace_status.json").read_text())
+    assert status["heartbeat"] > beat and status["rows"] == 3
 
 
 class _Batch:

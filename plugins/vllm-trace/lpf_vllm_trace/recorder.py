@@ -5,9 +5,11 @@ directory cannot take files); `add(table, columns)` buffers a chunk of columns (
 schema column), `add_rows(table, rows)` a list of row dicts; `flush()` writes what is buffered as one
 part per table (`part-<pid>-<n>.parquet`: several vLLM processes may share a directory) and
 then the status; `write_status(dict)` writes `trace_status.json`. A background thread flushes every
-`interval` seconds so a server's rows reach disk without anyone asking, and refreshes the status'
-`heartbeat` (unix seconds: every row buffered before it is on disk). Another process's runner facts
-(`RUNNER_FIELDS`) already in the status survive a rewrite. A failed write stops the
+`interval` seconds so a server's rows reach disk without anyone asking. The process whose runner writes
+the rows (`writes_steps()`, said by step_rows) refreshes the status' `heartbeat` (unix seconds: every
+row buffered before it is on disk); another process of the server (vLLM's API process, which runs no
+model) never moves it, since its beat says nothing about the runner's buffer. Another process's runner
+facts (`RUNNER_FIELDS`) and heartbeat already in the status survive its rewrite. A failed write stops the
 recording (one warning, the reason in the status) and never raises into the engine.
 """
 
@@ -34,6 +36,8 @@ RUNNER_FIELDS = (
     "kv_cache_group_block_sizes",
     "provenance",
 )
+# what only the process writing the step rows can say truly
+STEP_WRITER_FIELDS = ("heartbeat", "rows", "fault_rows", "pid")
 
 
 class Recorder:
@@ -47,6 +51,7 @@ class Recorder:
         self.parts = 0
         self.status_fields: dict = {}
         self.failed: str | None = None
+        self.steps = False  # this process's runner writes the step rows: its flushes are the heartbeat
         self._thread: threading.Thread | None = None
 
     def open(self) -> str | None:
@@ -59,6 +64,10 @@ class Recorder:
         except OSError as e:
             return f"directory {self.dir} not writable ({e.strerror or e})"
         return None
+
+    def writes_steps(self) -> None:
+        with self.lock:
+            self.steps = True
 
     def add(self, table: str, columns: dict[str, list]) -> None:
         if self.failed is None:
@@ -123,15 +132,18 @@ class Recorder:
                 pass  # the status is best effort: the caller has already said why in the log
 
     def _write_status_locked(self, heartbeat: float | None = None) -> None:
-        if heartbeat is not None:
+        if heartbeat is not None and self.steps:
             self.status_fields["heartbeat"] = heartbeat
         doc = {**self.status_fields, "rows": self.counts["trace"], "fault_rows": self.counts["faults"], "pid": self.pid}
         if self.failed is not None:
             doc.update(recording=False, why=self.failed)
         path = self.dir / "trace_status.json"
         try:  # a server's API process shares the file with its engine process: keep what the runner said
-            doc = {**{k: v for k, v in json.loads(path.read_text()).items() if k in RUNNER_FIELDS}, **doc}
-        except (OSError, ValueError, AttributeError):
+            old = json.loads(path.read_text())
+            doc = {**{k: v for k, v in old.items() if k in RUNNER_FIELDS}, **doc}
+            if not self.steps:  # the runner's beat and counts, never this process's empty ones
+                doc.update({k: old[k] for k in STEP_WRITER_FIELDS if k in old})
+        except (OSError, ValueError, AttributeError, TypeError):
             pass
         tmp = self.dir / f".tmp-trace_status-{self.pid}.json"
         tmp.write_text(json.dumps(doc, indent=2) + "\n")

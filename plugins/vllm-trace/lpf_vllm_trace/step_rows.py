@@ -52,6 +52,7 @@ class StepReader:
             states = layer.kv_cache
             self.stride = int(states[1 if len(states) > 1 else 0].stride(0))
         if self.writes:
+            self.session.recorder.writes_steps()
             self.session.recorder.write_status(
                 {
                     "mamba_groups": len(groups),
