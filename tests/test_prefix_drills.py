@@ -11,6 +11,7 @@ zoo:shared-prefix, 8 output tokens, 48 tokens per step, 3 MB of cache.
 """
 
 import json
+import re
 
 import pytest
 
@@ -127,3 +128,23 @@ def test_prefix_cache_inert_is_a_finding_not_a_verdict(lpf_cli, tmp_path, worklo
     assert pc["requests_hit"] == 0 and pc["hit_tokens"] == 0 and pc["requests_sharing"] > 100
     text = " ".join(out.split())
     assert "finding: prefix-cache-inert" in text and f"{pc['requests_sharing']}/240 requests share" in text
+
+
+def test_an_engine_that_stalls_fails_its_requests_with_the_crash_instead_of_hanging(
+    lpf_cli, tmp_path, workload, monkeypatch
+):
+    """The pre-fix chunk rule without its sub-block advance (a 7-token step below a 16-token Mamba
+    block): the scheduler stalls; the audit ends, every request holding the crash lpf shrink reads."""
+    from lpf.builtin import chunk_align
+
+    def without_the_advance(start, n, num_prompt_tokens, num_tokens, block, max_chunk):
+        last = max(num_tokens - num_tokens % block - block, 0)
+        return n // block * block if start + n < last else n
+
+    monkeypatch.setattr(chunk_align, "pre_fix_chunk", without_the_advance)
+    few = write_prompts(tmp_path / "few.jsonl", [json.loads(x) for x in workload.read_text().splitlines()[:4]])
+    args = ["--enable-prefix-caching", "--inject", "unaligned-chunk-hashed", "--max-num-batched-tokens", 7]
+    r = lpf_cli("audit", "--model", MODEL, "--workload", few, "--max-tokens", 2, "--out", tmp_path / "r", *args)
+    assert r.code == 2 and "every request failed (4 of 4)" in r.err and "SchedulerStallError" in r.err
+    errors = q(tmp_path / "r", "SELECT DISTINCT error FROM requests")
+    assert len(errors) == 1 and re.search(r"; raised at \S+/scheduler\.py:\d+ in schedule$", errors[0][0])

@@ -157,10 +157,21 @@ def test_align_the_last_chunk_is_exempt_but_stops_where_a_resend_can_hit():
 def test_pre_fix_rule_accepts_any_chunk_end_past_the_backed_off_last_cache_position():
     """vLLM #45477 / #51113: with EAGLE's prune, last_cache_position of a 40-token prompt is 16: a chunk
     from 16 may end at 30, mid-block (the honest rule waits, or stops at 32)."""
-    assert chunk_align.pre_fix_chunk(16, 14, 40, 40, 16) == 14
+    assert chunk_align.pre_fix_chunk(16, 14, 40, 40, 16, max_chunk=64) == 14
     assert chunk_align.aligned_chunk(16, 14, 40, 40, 16, max_chunk=64) == 0
-    assert chunk_align.pre_fix_chunk(0, 20, 40, 40, 16) == 16  # the forced stop at last_cache_position
-    assert chunk_align.pre_fix_chunk(0, 20, 20, 20, 16) == 20  # prompts under two blocks: no alignment at all
+    assert chunk_align.pre_fix_chunk(0, 20, 40, 40, 16, max_chunk=64) == 16  # the forced stop at last_cache_position
+    assert chunk_align.pre_fix_chunk(0, 20, 20, 20, 16, max_chunk=64) == 20  # under two blocks: no alignment at all
+
+
+def test_pre_fix_rule_advances_inside_a_block_wider_than_a_step_without_stopping_at_its_boundary():
+    """A 7-token budget and 16-token blocks: the old rule would give 0 tokens forever below
+    last_cache_position; it advances as the fixed rule does, but a chunk from 14 runs on to 21
+    (across the boundary at 16) where #51113's fix stops it at 16."""
+    assert chunk_align.pre_fix_chunk(0, 7, 100, 100, 16, max_chunk=7) == 7
+    assert chunk_align.pre_fix_chunk(14, 7, 100, 100, 16, max_chunk=7) == 7
+    assert chunk_align.aligned_chunk(14, 7, 100, 100, 16, max_chunk=7) == 2
+    # a budget shared this step, in an engine whose step could hold a block: waits, as before
+    assert chunk_align.pre_fix_chunk(0, 7, 100, 100, 16, max_chunk=48) == 0
 
 
 # --- prefix caching: the scheduler and the cache, with a stand-in for the runner's writes -----------
@@ -279,3 +290,22 @@ def test_chunk_ends_stay_on_mamba_boundaries_when_checkpoints_are_due():
         ends += [x.num_computed_tokens + x.num_scheduled_tokens for x in out.scheduled]
     # 20 tokens of budget: chunks end at 16, 32, 48 (the deepest boundary a resend can hit), then 60
     assert ends[:4] == [16, 32, 48, 60]
+
+
+def test_a_step_that_can_schedule_nothing_raises_instead_of_hanging(monkeypatch):
+    """The pre-fix chunk rule before it learned the sub-block advance gave a 7-token budget 0 tokens
+    below last_cache_position forever (found by lpf shrink, which then hung): the scheduler says so."""
+    import pytest
+
+    from lpf.builtin.scheduler import SchedulerStallError
+
+    def without_the_advance(start, n, num_prompt_tokens, num_tokens, block, max_chunk):
+        last = max(num_tokens - num_tokens % block - block, 0)
+        return n // block * block if start + n < last else n
+
+    sched, _ = _caching(faults="unaligned-chunk-hashed", budget=7)
+    sched.add(_cached_req(0, _tokens(100)))
+    _step(sched)  # the honest advance: 7 tokens of the 100-token prompt
+    monkeypatch.setattr(chunk_align, "pre_fix_chunk", without_the_advance)
+    with pytest.raises(SchedulerStallError, match="no progress: 0 waiting, 1 running, none schedulable in a 7-token"):
+        sched.schedule()

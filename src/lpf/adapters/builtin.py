@@ -8,6 +8,12 @@ A request with `abort_after_tokens` is a client that cancels it once the engine 
 past that many prompt tokens (the cancel lands while that step is in flight) and then resends it:
 the first attempt runs as `ID~attempt0` (its trace rows keep that id), the resend as `ID`, and both
 are kept in the completion's `attempts` (the cancelled one with its error).
+
+An exception raised by the engine mid-run (an engine bug, a drill's rule that stalls the scheduler)
+fails every request of the batch it has not answered, as a crashed vLLM engine fails its batch:
+"built-in engine failed mid-run: TYPE: message; raised at FILE:LINE in FUNC" (the form lpf
+shrink reads as a crash signature); answers already given are kept, and the engine, whose state is
+no longer trustworthy, fails every later request with the same error.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import lpf
 from lpf.adapters.base import Completion, Engine, Options
 from lpf.builtin.config import EngineConfig
 from lpf.builtin.faults import DRILLS
+from lpf.core.errors import raised_at
 from lpf.core.knobs import knob
 from lpf.core.workload import EngineRequest
 
@@ -82,6 +89,7 @@ class BuiltinEngine(Engine):
 
         self.engine = LLMEngine.from_options(model.path, options)
         self.eos_id = load_tokenizer(model).eos_token_id
+        self.failure: str | None = None  # why the engine failed mid-run: it takes no more requests
 
     @classmethod
     def check_model(cls, config: dict) -> None:
@@ -137,7 +145,20 @@ class BuiltinEngine(Engine):
         if self.options.threads > 0:
             torch.set_num_threads(self.options.threads)
         try:
-            yield from self._generate(requests)
+            if self.failure is not None:
+                for r in requests:
+                    yield _failed(r.request_id, self.failure)
+                return
+            answered: set[str] = set()
+            try:
+                for c in self._generate(requests):
+                    answered.add(c.request_id)
+                    yield c
+            except Exception as e:  # noqa: BLE001 - the audited engine crashed: its requests say how
+                self.failure = f"built-in engine failed mid-run: {type(e).__name__}: {e}{raised_at(e)}"
+                for r in requests:
+                    if r.request_id not in answered:
+                        yield _failed(r.request_id, self.failure)
         finally:
             torch.set_num_threads(before)  # the rescorer that may follow in this process wants them all
 
@@ -213,3 +234,7 @@ def _attempt(i: int, req, error: str | None) -> dict:
         "t_start": req.t_arrival,
         "t_end": req.t_finish or time.time(),
     }
+
+
+def _failed(request_id: str, error: str) -> Completion:
+    return Completion(request_id=request_id, output_token_ids=[], logprobs=[], finish_reason="error", error=error)

@@ -16,6 +16,10 @@ and at the boundary after a mid-block start.
 only below `last_cache_position`, which the EAGLE prune backs off by one block (to 0 for prompts
 shorter than two blocks); past it any chunk end is accepted, so a chunk that ends mid-block leaves
 a state the block's hash will later claim covers the whole block (the `unaligned-chunk-hashed` drill).
+A block wider than one step's budget advances inside the block, as in the fixed rule, but without
+the fixed rule's stop at the next boundary: that stop is #51113's fix (a sub-block chunk that
+crosses a boundary leaves the previous chunk's state in the block it crossed). Without the advance
+the rule would schedule 0 tokens forever (a livelock, not the bug being re-created).
 
 Both return the number of tokens to schedule (0: wait for more budget), given the chunk's start
 (num_computed_tokens), the tokens the budget allows (`n`), the prompt length, the tokens known
@@ -49,13 +53,14 @@ def aligned_chunk(start: int, n: int, num_prompt_tokens: int, num_tokens: int, b
     return max(end - start, 0)
 
 
-def pre_fix_chunk(start: int, n: int, num_prompt_tokens: int, num_tokens: int, block: int) -> int:
+def pre_fix_chunk(start: int, n: int, num_prompt_tokens: int, num_tokens: int, block: int, max_chunk: int) -> int:
     if start >= prefill_end(num_prompt_tokens, num_tokens) or n <= 0:
         return n
     last = max(num_tokens - num_tokens % block - block, 0)  # EAGLE's prune backs it off one block
     end = start + n
     if end < last:
-        return n // block * block
+        whole = n // block * block
+        return whole if whole or block <= max_chunk else n
     if start < last < end:
         return last - start
     return n  # past last_cache_position: any end is accepted

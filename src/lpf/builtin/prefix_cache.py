@@ -198,7 +198,7 @@ class PrefixCache:
             return n
         start, prompt = req.num_computed_tokens, len(req.prompt_token_ids)
         if self.faults.unaligned_chunk_hashed:
-            return chunk_align.pre_fix_chunk(start, n, prompt, req.num_tokens, self.mbs)
+            return chunk_align.pre_fix_chunk(start, n, prompt, req.num_tokens, self.mbs, self.max_chunk)
         return chunk_align.aligned_chunk(start, n, prompt, req.num_tokens, self.mbs, self.max_chunk)
 
     def plan(self, req, n: int, step: int) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]:

@@ -14,6 +14,8 @@ clipped so it ends where a checkpoint is due (`chunk_align`); every step plans t
 entries it saves into, and `update` commits what the runner wrote (publication after the write).
 `abort(id, in_flight=True)` drops a request whose step was scheduled but has not run (a client's
 cancel landing while that step is in flight): nothing that step would have written is published.
+A step that can schedule nothing while requests wait or run raises `SchedulerStallError` (the next
+step would be the same one: a hang is worse than an error).
 """
 
 from __future__ import annotations
@@ -51,6 +53,10 @@ def never_runs_reason(
             f"max_num_batched_tokens is {config.max_num_batched_tokens}"
         )
     return None
+
+
+class SchedulerStallError(RuntimeError):
+    """A step in which nothing can be scheduled while requests wait or run: every later step is the same."""
 
 
 class Scheduler:
@@ -174,6 +180,14 @@ class Scheduler:
                 plan.append((req, n))
                 budget -= n
 
+        if not plan and not preempted and self.has_unfinished():
+            # nothing here changes between steps, so the next step would be this one again: an engine
+            # that waits forever answers nothing, so say it (requests that can never run were refused
+            # at admission, `never_runs_reason`)
+            raise SchedulerStallError(
+                f"the scheduler made no progress: {len(self.waiting)} waiting, {len(self.running)} running, "
+                f"none schedulable in a {self.config.max_num_batched_tokens}-token step"
+            )
         self.step += 1
         scheduled = []
         for req, n in plan:

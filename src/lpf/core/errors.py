@@ -16,3 +16,12 @@ def did_you_mean(name: str, choices) -> str:
 
     close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.5)
     return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def raised_at(e: BaseException) -> str:
+    """'; raised at FILE:LINE in FUNC', the innermost frame of `e`: with the type, a crash's signature
+    (lpf shrink). The vLLM worker has its own copy: it runs in vLLM's interpreter, without lpf."""
+    import traceback
+
+    frames = traceback.extract_tb(e.__traceback__)
+    return f"; raised at {frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""
