@@ -138,6 +138,13 @@ def lpf_cli(capsys, monkeypatch):
     return run
 
 
+def pre_fix_chunk_without_the_advance(start, n, num_prompt_tokens, num_tokens, block, max_chunk):
+    """The unaligned-chunk-hashed drill's pre-fix rule before it advanced inside a block wider than a
+    step: below last_cache_position a budget under one block gets 0 tokens forever (a livelock)."""
+    last = max(num_tokens - num_tokens % block - block, 0)
+    return n // block * block if start + n < last else n
+
+
 def write_prompts(path: Path, items: list[dict]) -> Path:
     path.write_text("".join(json.dumps(i) + "\n" for i in items))
     return path

@@ -15,7 +15,7 @@ import re
 
 import pytest
 
-from conftest import write_prompts
+from conftest import pre_fix_chunk_without_the_advance, write_prompts
 from lpf.views.query import run_query
 
 pytestmark = pytest.mark.slow  # eight audits of 240 requests
@@ -137,11 +137,7 @@ def test_an_engine_that_stalls_fails_its_requests_with_the_crash_instead_of_hang
     block): the scheduler stalls; the audit ends, every request holding the crash lpf shrink reads."""
     from lpf.builtin import chunk_align
 
-    def without_the_advance(start, n, num_prompt_tokens, num_tokens, block, max_chunk):
-        last = max(num_tokens - num_tokens % block - block, 0)
-        return n // block * block if start + n < last else n
-
-    monkeypatch.setattr(chunk_align, "pre_fix_chunk", without_the_advance)
+    monkeypatch.setattr(chunk_align, "pre_fix_chunk", pre_fix_chunk_without_the_advance)
     few = write_prompts(tmp_path / "few.jsonl", [json.loads(x) for x in workload.read_text().splitlines()[:4]])
     args = ["--enable-prefix-caching", "--inject", "unaligned-chunk-hashed", "--max-num-batched-tokens", 7]
     r = lpf_cli("audit", "--model", MODEL, "--workload", few, "--max-tokens", 2, "--out", tmp_path / "r", *args)

@@ -297,15 +297,12 @@ def test_a_step_that_can_schedule_nothing_raises_instead_of_hanging(monkeypatch)
     below last_cache_position forever (found by lpf shrink, which then hung): the scheduler says so."""
     import pytest
 
+    from conftest import pre_fix_chunk_without_the_advance
     from lpf.builtin.scheduler import SchedulerStallError
-
-    def without_the_advance(start, n, num_prompt_tokens, num_tokens, block, max_chunk):
-        last = max(num_tokens - num_tokens % block - block, 0)
-        return n // block * block if start + n < last else n
 
     sched, _ = _caching(faults="unaligned-chunk-hashed", budget=7)
     sched.add(_cached_req(0, _tokens(100)))
     _step(sched)  # the honest advance: 7 tokens of the 100-token prompt
-    monkeypatch.setattr(chunk_align, "pre_fix_chunk", without_the_advance)
+    monkeypatch.setattr(chunk_align, "pre_fix_chunk", pre_fix_chunk_without_the_advance)
     with pytest.raises(SchedulerStallError, match="no progress: 0 waiting, 1 running, none schedulable in a 7-token"):
         sched.schedule()

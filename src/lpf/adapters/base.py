@@ -47,6 +47,11 @@ class Completion:
     prompt_topk_ids: list[list[int]] = field(default_factory=list)
     prompt_topk_logprobs: list[list[float]] = field(default_factory=list)
 
+    @classmethod
+    def failed(cls, request_id: str, error: str, **kw) -> "Completion":
+        """A request that got no answer, with why (`kw`: the evidence kept beside it, e.g. attempts)."""
+        return cls(request_id=request_id, output_token_ids=[], logprobs=[], finish_reason="error", error=error, **kw)
+
     def __post_init__(self):
         # An adapter that loses logprobs must fail here, not write a run that cannot be analysed.
         if self.error is None and len(self.logprobs) != len(self.output_token_ids):

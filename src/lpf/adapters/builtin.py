@@ -147,7 +147,7 @@ class BuiltinEngine(Engine):
         try:
             if self.failure is not None:
                 for r in requests:
-                    yield _failed(r.request_id, self.failure)
+                    yield Completion.failed(r.request_id, self.failure)
                 return
             answered: set[str] = set()
             try:
@@ -158,7 +158,7 @@ class BuiltinEngine(Engine):
                 self.failure = f"built-in engine failed mid-run: {type(e).__name__}: {e}{raised_at(e)}"
                 for r in requests:
                     if r.request_id not in answered:
-                        yield _failed(r.request_id, self.failure)
+                        yield Completion.failed(r.request_id, self.failure)
         finally:
             torch.set_num_threads(before)  # the rescorer that may follow in this process wants them all
 
@@ -234,7 +234,3 @@ def _attempt(i: int, req, error: str | None) -> dict:
         "t_start": req.t_arrival,
         "t_end": req.t_finish or time.time(),
     }
-
-
-def _failed(request_id: str, error: str) -> Completion:
-    return Completion(request_id=request_id, output_token_ids=[], logprobs=[], finish_reason="error", error=error)

@@ -236,14 +236,8 @@ class RemoteEngine(Engine):
             return c
 
         def on_error(req: EngineRequest, message: str) -> Completion:
-            return Completion(
-                request_id=req.request_id,
-                output_token_ids=[],
-                logprobs=[],
-                finish_reason="error",
-                error=message,
-                t_submit=started.get(req.request_id),
-                attempts=attempts.get(req.request_id, []),
+            return Completion.failed(
+                req.request_id, message, t_submit=started.get(req.request_id), attempts=attempts.get(req.request_id, [])
             )
 
         for _, completion in run_all(

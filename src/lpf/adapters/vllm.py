@@ -463,16 +463,10 @@ class VLLMEngine(Engine):
             self._failed = True  # a worker that failed mid-run is never reused
             failure += self._log_tail()
             for rid in pending:
-                yield Completion(request_id=rid, output_token_ids=[], logprobs=[], finish_reason="error", error=failure)
+                yield Completion.failed(rid, failure)
         elif pending:  # the worker said done but skipped some: still never dropped
             for rid in pending:
-                yield Completion(
-                    request_id=rid,
-                    output_token_ids=[],
-                    logprobs=[],
-                    finish_reason="error",
-                    error="vLLM's worker finished the batch without this request",
-                )
+                yield Completion.failed(rid, "vLLM's worker finished the batch without this request")
 
     def _keep(self) -> bool:
         """Hand this engine's live worker to kept_workers() (idle, for the next engine of its kind)."""
