@@ -21,6 +21,7 @@ def test_classification_gives_every_architecture_a_reason():
         "ZambaForCausalLM": "zamba",
         "MiniMaxForCausalLM": "minimax",
         "Qwen3_5ForCausalLM": "qwen3_5_text",
+        "NoRecipeHybridForCausalLM": "no_recipe_hybrid",  # both sides have it, lpf's recipes do not
     }
     probe = {
         "vllm_version": "0.32.0",
@@ -31,6 +32,7 @@ def test_classification_gives_every_architecture_a_reason():
             {"architecture": "GraniteMoeHybridForCausalLM", "module": "m", "has_inner_state": True},
             {"architecture": "JambaForCausalLM", "module": "m", "has_inner_state": True, "mamba1": True},
             {"architecture": "MiniMaxForCausalLM", "module": "m", "has_inner_state": True},
+            {"architecture": "NoRecipeHybridForCausalLM", "module": "m", "has_inner_state": True},
             {"architecture": "Qwen3_5ForCausalLM", "module": "q", "error": "ModuleNotFoundError: torchvision"},
             {"architecture": "BailingMoeV3ForCausalLM", "module": "b", "is_hybrid": True},
         ],
@@ -43,7 +45,8 @@ def test_classification_gives_every_architecture_a_reason():
         "vLLM 0.32.0 no longer has it (last supported in 0.23.0)",
     )
     assert got["ZambaForCausalLM"][0] == "no engine implementation"
-    assert got["MiniMaxForCausalLM"][0] == "no tiny recipe"
+    assert got["MiniMaxForCausalLM"][0] == "audit"  # a tiny recipe since issue 26
+    assert got["NoRecipeHybridForCausalLM"][0] == "no tiny recipe"
     assert got["Qwen3_5ForCausalLM"][0] == "engine cannot import" and "torchvision" in got["Qwen3_5ForCausalLM"][1]
     assert got["BailingMoeV3ForCausalLM"][0] == "no reference implementation"
 
@@ -61,6 +64,30 @@ def test_tiny_checkpoints_keep_the_architectures_defaults():
     for key in ("mamba_rms_norm", "mamba_norm_before_gate", "ssm_multipliers", "tie_word_embeddings", "rms_norm_eps"):
         assert cfg[key] == default[key], key  # not a size: the architecture's own default
     assert not set(SCALE["falcon_h1"]) - set(default) - {"head_dim"}  # recipes name the config's own fields
+
+
+@pytest.mark.slow  # 26 config classes imported (Olmo-Hybrid's alone takes seconds)
+def test_every_recipe_names_its_configs_own_fields_and_every_kind_of_block():
+    """Each recipe (tiny_recipes.SCALE) names fields its config class writes (no attribute-map alias, no
+    stray key but Lfm2's two, docs/conformance.md), and its tiny depth keeps every kind of block the
+    architecture's default layer pattern has (a depth that drops a kind of layer checks part of a model)."""
+    from transformers import AutoConfig
+
+    from lpf.experiments.conformance.discover import reference_architectures
+    from lpf.experiments.conformance.tiny import SCALE, tiny_config
+
+    assert set(reference_architectures().values()) <= set(SCALE)  # every stateful architecture transformers ships
+    for mt, fields in SCALE.items():
+        default = AutoConfig.for_model(mt)
+        extra = {"falcon_h1": {"head_dim"}, "lfm2": {"conv_dim", "block_dim"}}.get(mt, set())
+        assert not set(fields) - set(default.to_dict()) - extra, mt
+        tiny = AutoConfig.for_model(mt, **tiny_config(mt, 512, {}))
+        for attr in ("layer_types", "layers_block_type", "mlp_layer_types"):
+            kinds = getattr(default, attr, None)
+            if isinstance(kinds, list):
+                assert set(getattr(tiny, attr)) >= set(kinds), (mt, attr)
+    bamba = AutoConfig.for_model("bamba", **tiny_config("bamba", 512, {}))
+    assert bamba.layers_block_type.count("full_attention") == 1  # its default has no attention layer
 
 
 @pytest.mark.slow  # an end-to-end run or a browser: kept out of `make test-fast` (issue 27)

@@ -52,8 +52,11 @@ def test_one_family_under_two_names_is_one_row(tmp_path):
     rows = {r["architecture"]: r for r in fold(entries, pairs, "vLLM")}
     assert set(rows) == {"BailingHybridForCausalLM", "ZambaForCausalLM"}  # two gaps became one row
     fam = rows["BailingHybridForCausalLM"]
-    assert fam["engine_architectures"] == ["BailingMoeV2_5ForCausalLM"] and fam["status"] == "no tiny recipe"
+    # bailing_hybrid has a tiny recipe (issue 26): the family is named, its cells run the reference's name only
+    assert fam["engine_architectures"] == ["BailingMoeV2_5ForCausalLM"] and fam["status"] == "paired, not audited"
     assert "one family" in fam["reason"] and "spec.py:2" in fam["reason"]
+    entries[0].update(model_type="no_recipe_hybrid")  # a family lpf has no recipe for stays `no tiny recipe`
+    assert fold(entries, pairs, "vLLM")[0]["status"] == "no tiny recipe"
 
 
 @needs_vllm
@@ -79,12 +82,13 @@ def test_llamacpp_discovery_reads_the_converters_registrations():
 
     names = converter_architectures(find_tools().converter_dir)
     assert {"FalconH1ForCausalLM", "JambaForCausalLM", "Mamba2ForCausalLM", "Lfm2MoeForCausalLM"} <= names
-    ref = {"FalconH1ForCausalLM": "falcon_h1", "Zamba2ForCausalLM": "zamba2", "BambaForCausalLM": "bamba"}
-    got = {e["architecture"]: e["status"] for e in classify_llamacpp(ref, names, "v")}
+    ref = {"FalconH1ForCausalLM": "falcon_h1", "Zamba2ForCausalLM": "zamba2", "NoRecipeForCausalLM": "no_recipe"}
+    # every stateful architecture transformers ships has a recipe (issue 26): a made-up registered one has none
+    got = {e["architecture"]: e["status"] for e in classify_llamacpp(ref, names | {"NoRecipeForCausalLM"}, "v")}
     assert got == {
         "FalconH1ForCausalLM": "audit",
         "Zamba2ForCausalLM": "not supported",
-        "BambaForCausalLM": "no tiny recipe",
+        "NoRecipeForCausalLM": "no tiny recipe",
     }
 
 
@@ -170,6 +174,39 @@ def test_reference_column_mamba2_is_consistent():
     r = check_reference(build_tiny("mamba2"), [[1] + list(range(3, 19))], 3)
     assert r["status"] == "reference consistent", r
     assert set(r["paths"]) >= {"decode", "teacher-forced"} and r["paths"]["decode"]["max_abs"] < 1e-3
+
+
+# the recipes issue 26 added: each builds, and its reference agrees with itself on every path (docs/conformance.md)
+ISSUE_26_RECIPES = (
+    "bamba",
+    "bailing_hybrid",
+    "inkling_text",
+    "inkling2_text",
+    "inkling2_loop_text",
+    "kimi_linear",
+    "lara_mini",
+    "lfm3",
+    "minimax",
+    "qwen3_5_text",
+    "qwen3_5_moe_text",
+    "qwen4_exp_text",
+    "zamba",
+    "zaya",
+)
+
+
+@pytest.mark.slow  # a tiny build and five passes per architecture (Inkling2Loop's 30 layer visits: ~1 min)
+@pytest.mark.parametrize("model_type", ISSUE_26_RECIPES)
+def test_reference_column_on_the_new_recipes(model_type):
+    """80 prompt tokens cross the recipes' 16-token scan chunks and 64-token windows; 3 greedy tokens."""
+    from lpf.experiments.conformance.reference_check import check_reference
+    from lpf.experiments.conformance.tiny import build_tiny
+
+    r = check_reference(build_tiny(model_type), [[1] + list(range(3, 83))], 3)
+    assert r["status"] == "reference consistent", r
+    assert {"decode", "recurrent", "teacher-forced"} <= set(r["paths"])
+    # the gold is no copy of a float32 path: every path is off it by rounding, none by nothing
+    assert all(0 < p["max_abs"] <= r["depart_threshold"] for p in r["paths"].values()), r
 
 
 @pytest.mark.slow

@@ -2,12 +2,9 @@
 
 Contract: `build_tiny(model_type) -> Path` returns a local HF directory (config.json, safetensors,
 lpf's zoo tokenizer, a neutral generation config) for `transformers.AutoConfig.for_model(model_type)`
-with only its sizes scaled down (`SCALE[model_type]`: widths, depths, head counts, expert counts, the
-SSM chunk size) and the vocabulary set to the zoo tokenizer's. Every other field keeps the
-architecture's default, because a field the engine ignores is exactly what conformance looks for.
-Two keys are added that are no fields of their config class: Lfm2's `conv_dim` and `block_dim`
-(= hidden_size), which the published checkpoints carry and vLLM needs to load one at all
-(docs/conformance.md says why).
+with only its sizes scaled down (`SCALE[model_type]`, the table in `tiny_recipes`, which says what it
+scales and its few exceptions) and the vocabulary set to the zoo tokenizer's. Every other field keeps
+the architecture's default, because a field the engine ignores is exactly what conformance looks for.
 Weights are random with seed 0 and `initializer_range` 0.25 (peaked next-token distributions, as
 the `tiny:` models: a flat distribution hides a lie). Deterministic and cached under
 `$LPF_CACHE/conformance/<model_type>-<key>`, the key hashing the config and the tokenizer, built in a
@@ -26,163 +23,11 @@ import json
 from pathlib import Path
 
 from lpf.core.errors import LpfError, did_you_mean
+from lpf.experiments.conformance.tiny_recipes import SCALE
+
+__all__ = ["SCALE", "build_tiny", "known_model_types", "tiny_config", "tiny_default_config"]
 
 INIT_RANGE = 0.25
-
-# Sizes only. Attention head_dim stays >= 32 (vLLM's CPU attention kernels need it); SSM chunk sizes
-# are small (16) so a 40-token prompt spans several scan chunks, as long prompts do at full size.
-SCALE: dict[str, dict] = {
-    "granitemoehybrid": dict(
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        shared_intermediate_size=256,
-        mamba_n_heads=8,
-        mamba_d_head=32,
-        mamba_d_state=16,
-        mamba_chunk_size=16,
-    ),
-    "falcon_h1": dict(
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        mamba_d_ssm=256,
-        mamba_n_heads=8,
-        mamba_d_head=32,
-        mamba_d_state=16,
-        mamba_chunk_size=16,
-    ),
-    "nemotron_h": dict(
-        hidden_size=128,
-        intermediate_size=256,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        layers_block_type=["linear_attention", "moe", "full_attention", "mlp"],
-        ssm_state_size=16,
-        mamba_num_heads=8,
-        mamba_head_dim=32,
-        n_groups=2,
-        chunk_size=16,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=128,
-        moe_shared_expert_intermediate_size=128,
-    ),
-    "zamba2": dict(
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=6,
-        num_attention_heads=8,
-        layers_block_type=[
-            "linear_attention",
-            "linear_attention",
-            "hybrid",
-            "linear_attention",
-            "linear_attention",
-            "hybrid",
-        ],
-        n_mamba_heads=8,
-        mamba_d_state=16,
-        chunk_size=16,
-        adapter_rank=16,
-    ),
-    "mamba2": dict(
-        hidden_size=128,
-        num_hidden_layers=4,
-        num_heads=8,
-        head_dim=32,
-        state_size=16,
-        n_groups=2,
-        time_step_rank=8,
-        chunk_size=16,
-    ),
-    "lfm2": dict(
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        layer_types=["conv", "full_attention", "conv", "conv"],
-        block_multiple_of=32,
-        max_position_embeddings=4096,
-        # no fields of transformers' Lfm2Config (its short conv and blocks are hidden_size wide) but keys
-        # every LiquidAI checkpoint's config.json carries, which vLLM 0.32.0 reads (docs/conformance.md)
-        conv_dim=128,
-        block_dim=128,
-    ),
-    "lfm2_moe": dict(
-        hidden_size=128,
-        intermediate_size=256,
-        moe_intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        layer_types=["conv", "full_attention", "conv", "conv"],
-        num_dense_layers=1,
-        num_experts=4,
-        num_experts_per_tok=2,
-        max_position_embeddings=4096,
-    ),
-    "qwen3_next": dict(
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
-        # 64: vLLM's CPU gated-delta-net kernel refuses a head dim of 32 ("Unexpected head dim size")
-        linear_key_head_dim=64,
-        linear_value_head_dim=64,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=64,
-        shared_expert_intermediate_size=64,
-        max_position_embeddings=4096,
-    ),
-    "olmo_hybrid": dict(
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
-        linear_num_key_heads=4,
-        linear_num_value_heads=4,
-        linear_key_head_dim=32,
-        linear_value_head_dim=64,
-        max_position_embeddings=4096,
-    ),
-    # Mamba1 families: built so the engine can be asked (vLLM's CPU build refuses them)
-    "jamba": dict(
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        attn_layer_period=2,
-        attn_layer_offset=1,
-        num_experts=2,
-        num_experts_per_tok=1,
-        mamba_d_state=16,
-        mamba_dt_rank=8,
-        use_mamba_kernels=False,
-        max_position_embeddings=4096,
-    ),
-    "falcon_mamba": dict(hidden_size=128, num_hidden_layers=4, state_size=16, time_step_rank=8, intermediate_size=256),
-    "mamba": dict(hidden_size=128, num_hidden_layers=4, state_size=16, time_step_rank=8, intermediate_size=256),
-}
 
 
 def known_model_types() -> list[str]:
