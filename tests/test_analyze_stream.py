@@ -212,3 +212,98 @@ def test_sampled_drill_with_tempered_logprobs_is_byte_identical(tmp_path, monkey
     assert f["hypotheses"][0]["feature"] == "tempered_logprobs" and f["verdict"] == "systematic"
     assert st_raw == mem_raw
     assert st_sum.equals(mem_sum)
+
+
+@pytest.mark.parametrize("shuffle", [False, True], ids=["one-pass", "ranges"])
+def test_parallel_chunks_give_the_serial_findings(tmp_path, monkeypatch, shuffle):
+    """Chunks scored on threads (`stream_parts.WORKERS`, here 3: more than one chunk in flight) and
+    added in order give the serial path's findings.json and summary byte for byte, and the in-memory
+    ones: greedy with the expected floor (one pass), and sampled with reference parts that do not
+    line up with the tokens' (request ranges, chunks cutting through the parts)."""
+    import threading
+
+    from lpf.analysis import run_test
+    from lpf.analysis.stream import StreamedAnalysis
+
+    monkeypatch.setattr(run_test, "MAX_TOKENS", 6000)
+    run, _ = _bench().write_synthetic_run(
+        tmp_path / "run",
+        40_000,
+        part_tokens=3000,
+        topk=3,
+        temperature=0.7 if shuffle else 0.0,
+        shuffle_reference=shuffle,
+        out_tokens=20,
+    )
+    threads = []
+    real = StreamedAnalysis.score_chunk
+
+    def spy(self, *a):
+        threads.append(threading.current_thread().name)
+        return real(self, *a)
+
+    monkeypatch.setattr(StreamedAnalysis, "score_chunk", spy)
+    out = {}
+    for workers in (1, 3):
+        monkeypatch.setattr(stream_parts, "WORKERS", workers)
+        threads.clear()
+        (mem_raw, mem_sum, f), (st_raw, st_sum, _), ranged = both_ways(
+            run.path, tmp_path / f"w{workers}", monkeypatch, 777, attribute=False
+        )
+        assert ranged == shuffle and len(threads) > 10
+        on_pool = {name.startswith("lpf-analyze") for name in threads}
+        assert on_pool == ({False} if workers == 1 else {True})
+        assert st_raw == mem_raw and st_sum.equals(mem_sum)
+        out[workers] = (st_raw, st_sum)
+    assert out[1][0] == out[3][0] and out[1][1].equals(out[3][1])
+    assert f["counts"]["corrupt"] > 0 and f["run_test"]["sampled_every"] == 7
+    assert f["judged"]["top_k"] == 3  # counted from the parts the passes read
+
+
+def test_ordered_map_keeps_order_and_bounds_what_is_in_flight():
+    import threading
+    import time
+
+    running, most = [0], [0]
+    lock = threading.Lock()
+
+    def work(i, pause):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(pause)
+        with lock:
+            running[0] -= 1
+        return i
+
+    items = [(i, 0.02 if i % 2 == 0 else 0.0) for i in range(12)]  # the odd ones finish first
+    assert list(stream_parts.ordered_map(work, iter(items), 3)) == list(range(12))
+    assert 1 < most[0] <= 3
+    assert list(stream_parts.ordered_map(work, iter(items), 1)) == list(range(12))
+    gen = stream_parts.ordered_map(work, iter(items), 2)
+    assert next(gen) == 0
+    gen.close()  # stopping early waits for what is in flight
+    assert running[0] == 0
+
+
+def test_footer_counts_are_what_reading_counts(tmp_path):
+    """What came back (rows, rows without a logprob) from the parts' footers, and from reading a
+    part whose footer has no statistics: `returned.counts` of the parts themselves."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from lpf.analysis.returned import counts
+
+    run, _ = _bench().write_synthetic_run(tmp_path / "run", 9000, part_tokens=3000, out_tokens=20)
+    parts = run.parts("tokens")
+    t = pq.read_table(parts[1])
+    blank = pc.less(pa.array(range(t.num_rows)), 500)  # a part with some logprobs missing, no statistics
+    t = t.set_column(
+        t.column_names.index("engine_logprob"),
+        "engine_logprob",
+        pc.if_else(blank, pa.nulls(t.num_rows, pa.float64()), t.column("engine_logprob")),
+    )
+    pq.write_table(t, parts[1], write_statistics=False)
+    want = counts(run.iter_parts("tokens", ["engine_logprob", "engine_topk_ids"]))
+    assert want["no_logprob"] == 500
+    assert analyze_stream.footer_counts(run) == {**want, "top_k": 0}

@@ -9,7 +9,9 @@ Contract (pure: numpy columns in, numpy arrays and dicts out):
 - `metric_summary(cols, flips, same[, n]) -> findings' "metrics"`, bit for bit
   `findings.token_metric_summary` over the whole-run metric columns, from one pass over
   `column_stats` leaves that never holds one; `cols` the engine and reference logprob columns, in
-  memory or read piece by piece (the streamed analysis reads them from its spill files).
+  memory or read piece by piece (the streamed analysis reads them from its spill files); each
+  leaf's metric values are computed on a second thread while the last one is summarized (`read`
+  is then called from that thread, one call at a time).
 Sparse where the data is: the flags that need more than a comparison (greedy flip, lie strength)
 are computed only at rows that can have them (the engine's token is not the reference's top-1, or
 the reference finds it improbable), the from-the-first-divergence reductions only over requests with
@@ -170,6 +172,30 @@ _BUFFERS = ("d", "t", "abs_logprob_diff", "prob_diff", "k3_kl", "token_mult_prob
 SUMMARIZED = ("abs_logprob_diff", "prob_diff", "k3_kl")  # percentiles; token_mult_prob_error: its mean only
 
 
+def _leaf_values(read, pieces: list[tuple[int, int]], size: int):
+    """`_metric_values` of each leaf in order, the next one computed on a second thread while the
+    caller takes in the last (numpy releases the GIL: the metric pass on both cores); two buffer
+    sets, alternating, so a leaf's values stay put until the caller asks for the next."""
+    bufs = [{k: np.empty(size) for k in _BUFFERS} for _ in range(min(2, len(pieces)))]
+
+    def values(i: int) -> dict[str, np.ndarray]:
+        lo, hi = pieces[i]
+        return _metric_values(read("engine_logprob", slice(lo, hi)), read("ref_logprob", slice(lo, hi)), bufs[i % 2])
+
+    if len(pieces) < 2:
+        yield from (values(i) for i in range(len(pieces)))
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1, thread_name_prefix="lpf-metrics") as pool:
+        ahead = pool.submit(values, 0)
+        for i in range(len(pieces)):
+            done = ahead.result()
+            if i + 1 < len(pieces):
+                ahead = pool.submit(values, i + 1)
+            yield done
+
+
 def metric_summary(cols, flips: int, same: int, n: int | None = None) -> dict:
     """`cols`: the whole-run engine_logprob and ref_logprob columns (a dict of arrays), or a
     function (name, rows) -> that column's values at `rows` (a slice or row indices) for columns
@@ -182,8 +208,8 @@ def metric_summary(cols, flips: int, same: int, n: int | None = None) -> dict:
     pieces = stats.leaves()
     size = max((hi - lo for lo, hi in pieces), default=0)
     buf = {k: np.empty(size) for k in _BUFFERS}
-    for lo, hi in pieces:
-        stats.add(_metric_values(read("engine_logprob", slice(lo, hi)), read("ref_logprob", slice(lo, hi)), buf))
+    for values in _leaf_values(read, pieces, size):
+        stats.add(values)
 
     def column(name):  # the whole column, built piece by piece, only where one pass could not be exact
         out = np.empty(n)

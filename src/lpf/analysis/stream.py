@@ -22,7 +22,10 @@ the in-memory join-and-sort case.)
    missed the reference's top-1, when there is a trace), the tempered-logprob signature per request,
    and the run-level test's tokens (every k-th in arrival order: exactly the tokens the in-memory
    test reads). It returns the chunk's `SPILLED` logprob columns for the driver to keep, and leaves
-   `zipped`, `heads` and `counts` of the chunk for a one-pass driver to check. `.finish(read)`
+   `zipped`, `heads`, `counts` and `at` (each head's index among `ids`) of the chunk for a one-pass
+   driver to check. `.score` is `.add(.score_chunk(...))`: `score_chunk` reads the accumulator's
+   settings only, so a driver may score several chunks on threads at once and `add` the results
+   in token order (the same findings: `add` only appends and sums integers). `.finish(read)`
    summarizes the metric columns from those spilled columns a leaf at a time (`read(name, rows)`,
    `scoring.metric_summary`: numpy's own means, exact percentiles) and returns (summary, findings).
 
@@ -142,51 +145,73 @@ class StreamedAnalysis:
             (Lookup(ids), _arrival_offsets(requests, ids, counts)) if expected and self.n else None
         )  # request ids, the arrival index of each one's first scored token
         self.tempered = wants_tempered(temperature, reference_columns)
-        self.zipped, self.heads, self.counts = False, None, None  # of the last chunk scored
+        self.zipped, self.heads, self.counts, self.at = False, None, None, None  # of the last chunk added
         self.ids, self.per, self.flips, self.same = [], [], 0, 0
         self.missed, self.tempered_ids, self.evidence = [], [], []
 
     def score(self, tokens: pa.Table, reference: pa.Table) -> dict[str, np.ndarray]:
         """Score one chunk; returns its `SPILLED` columns (in token order) for the driver to keep."""
+        return self.add(self.score_chunk(tokens, reference))
+
+    def score_chunk(self, tokens: pa.Table, reference: pa.Table) -> dict:
+        """What one chunk adds, computed without touching the accumulator (so chunks may be scored
+        on several threads at once); `add` takes these in token order."""
         joined, starts = m.join_grouped(tokens, reference)
         cols = m.input_arrays(joined)
         cols["position"] = joined.column("position").to_numpy()
         per, flips, same = score_requests(cols, starts, self.greedy, self.th)
-        self.ids.append(_ids_at(joined, starts))
-        self.per.append(per)
-        self.flips += flips
-        self.same += same
+        heads = _ids_at(joined, starts)
+        out = {"rows": tokens.num_rows, "ids": heads, "per": per, "flips": flips, "same": same}
+        out["missed"] = out["tempered"] = None
         if self.trace is not None and self.trace.num_rows:
             miss = pc.not_equal(joined.column("token_id"), joined.column("ref_top1_id"))
-            self.missed.append(joined.filter(miss).select(["request_id", "position", "token_id", "ref_top1_id"]))
+            out["missed"] = joined.filter(miss).select(["request_id", "position", "token_id", "ref_top1_id"])
         if self.tempered:
-            self.tempered_ids.append(tempered_logprobs(joined, reference, self.temperature, self.th))
-        heads = self.ids[-1]
-        self.zipped = same_rows(tokens.column("token_id"), joined.column("token_id")) and same_rows(
+            out["tempered"] = tempered_logprobs(joined, reference, self.temperature, self.th)
+        out["zipped"] = same_rows(tokens.column("token_id"), joined.column("token_id")) and same_rows(
             reference.column("ref_logprob"), joined.column("ref_logprob")
         )
-        self.heads, self.counts = heads, np.diff(np.r_[starts, joined.num_rows])  # what a one-pass driver checks
-        if self.arrival is not None:
-            self._keep_evidence(joined, starts, heads, tokens, reference)
-        return {name: cols[name] for name in SPILLED}
+        out["heads"], out["counts"] = heads, np.diff(np.r_[starts, joined.num_rows])
+        # each head's place among the run's scored requests (what a one-pass driver checks, too)
+        out["at"] = self.arrival[0].index(heads) if self.arrival is not None else None
+        out["evidence"] = (
+            self._evidence(joined, starts, out["at"], tokens, reference, out["zipped"])
+            if self.arrival is not None
+            else None
+        )
+        out["spilled"] = {name: cols[name] for name in SPILLED}
+        return out
 
-    def _keep_evidence(self, joined, starts, heads, tokens, reference) -> None:
+    def add(self, chunk: dict) -> dict[str, np.ndarray]:
+        """Take one `score_chunk` result (chunks in token order); returns its `SPILLED` columns."""
+        self.ids.append(chunk["ids"])
+        self.per.append(chunk["per"])
+        self.flips += chunk["flips"]
+        self.same += chunk["same"]
+        if chunk["missed"] is not None:
+            self.missed.append(chunk["missed"])
+        if chunk["tempered"] is not None:
+            self.tempered_ids.append(chunk["tempered"])
+        if chunk["evidence"] is not None:
+            self.evidence.append(chunk["evidence"])
+        self.zipped, self.heads, self.counts, self.at = chunk["zipped"], chunk["heads"], chunk["counts"], chunk["at"]
+        return chunk["spilled"]
+
+    def _evidence(self, joined, starts, at, tokens, reference, zipped):
         """The rows the run-level test reads: arrival index (request offset + rank in request) % step == 0."""
         counts = np.diff(np.r_[starts, joined.num_rows])
-        at = self.arrival[0].index(heads)
         first = np.where(at >= 0, self.arrival[1][at], 0)
         index = np.repeat(first - starts, counts) + np.arange(joined.num_rows)
         keep = pa.array(index % self.step == 0)
         keys = joined.select(_EVIDENCE_JOINED).filter(keep)
         have = [c for c in _EVIDENCE_TOKENS if c in tokens.column_names]
-        if self.zipped:  # the chunk's rows are the joined rows: no join to find them
-            self.evidence.append(
-                (keys, tokens.select(have).filter(keep), reference.select(_EVIDENCE_REFERENCE).filter(keep))
+        if zipped:  # the chunk's rows are the joined rows: no join to find them, and the keys are keys'
+            return (
+                keys,
+                _with_keys(keys, tokens.select(have[2:]), keep),
+                _with_keys(keys, reference.select(_EVIDENCE_REFERENCE[2:]), keep),
             )
-            return
-        self.evidence.append(
-            (keys, _rows_for(tokens.select(have), keys), _rows_for(reference.select(_EVIDENCE_REFERENCE), keys))
-        )
+        return keys, _rows_for(tokens.select(have), keys), _rows_for(reference.select(_EVIDENCE_REFERENCE), keys)
 
     def finish(self, read) -> tuple[pa.Table, dict]:
         """(summary, findings) as `findings.analyze` gives them. `read(name, rows)`: a `SPILLED`
@@ -257,6 +282,17 @@ def _arrival_offsets(requests: pa.Table, ids: pa.Array, counts: np.ndarray) -> n
     offsets = np.empty(len(ids), np.int64)
     offsets[order] = np.cumsum(counts[order]) - counts[order]
     return offsets
+
+
+def _with_keys(keys: pa.Table, lists: pa.Table, keep: pa.Array) -> pa.Table:
+    """`lists`' rows at `keep` beside `keys`' request_id and position (the same rows: no second
+    filter of the request ids)."""
+    if not lists.num_columns:
+        return keys.select(["request_id", "position"])
+    out = lists.filter(keep)
+    for i, name in enumerate(("request_id", "position")):
+        out = out.add_column(i, name, keys.column(name))
+    return out
 
 
 def _rows_for(table: pa.Table, keys: pa.Table) -> pa.Table:

@@ -18,6 +18,7 @@ requests, bounded memory, the same summary and findings byte for byte); `stream`
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache, partial
 from importlib import resources
 
@@ -31,7 +32,15 @@ from lpf.analysis.tokens_only import analyze_tokens_only
 from lpf.analysis.thresholds import Thresholds
 from lpf.core.errors import LpfError
 from lpf.core.jsonsafe import finite
-from lpf.pipeline.analyze_stream import analyze_streamed, light_requests, own_sums, reference_sums, scored_token_count
+from lpf.pipeline.analyze_stream import (
+    analyze_streamed,
+    footer_counts,
+    light_requests,
+    own_sums,
+    reference_sums,
+    scored_token_count,
+)
+from lpf.pipeline.stream_parts import Tally
 from lpf.pipeline.attribute import attribution_scores
 from lpf.pipeline.calibrate import calibration_applies, calibration_for, engine_dtype
 from lpf.pipeline.callbacks import OnStart, Tick, no_start, no_tick
@@ -74,8 +83,9 @@ def analyze_run(
     alone even when the engine returned logprobs (what a tokens-only server's audit would say)."""
     m = run.manifest
     has_prompt = run.has("prompt_reference")
-    # what came back, part by part (a streamed run is never read whole)
-    came_back = returned_counts(run.iter_parts("tokens", ["engine_logprob", "engine_topk_ids"]))
+    # what came back: whether any logprob did from the parts' footers; the widest top-k list from
+    # the tokens as the analysis reads them (a streamed run is never read whole, nor read for this)
+    came_back = footer_counts(run)
     no_logprobs = tokens_only or returned_nothing(came_back)
     if no_logprobs:  # judged from tokens alone, in memory (`lpf.analysis.tokens_only`)
         stream = False
@@ -112,7 +122,9 @@ def analyze_run(
         run_info=run_info,
     )
     if stream:
-        summary, findings = analyze_streamed(run, requests, thresholds, progress=progress, **kw)
+        tally = Tally(run)
+        summary, findings = analyze_streamed(run, requests, thresholds, progress=progress, tally=tally, **kw)
+        came_back = tally.counts() or returned_counts(run.iter_parts("tokens", ["engine_logprob", "engine_topk_ids"]))
         own = partial(reference_sums, run)
     else:
         reference = run.read("reference")
@@ -124,6 +136,7 @@ def analyze_run(
             else analyze
         )
         tokens = run.read("tokens")
+        came_back = returned_counts([tokens])
         if no_logprobs:  # what a tokens-only server returns: the ids
             tokens = tokens.set_column(
                 tokens.column_names.index("engine_logprob"), "engine_logprob", pa.nulls(tokens.num_rows, pa.float64())
@@ -154,9 +167,13 @@ def analyze_run(
     findings["run_complete"] = m.get("status") == "complete"
     findings["judged"] = what_came_back(came_back, has_prompt, m.get("engine"), m["sampling"], run.has("seeded"))
     findings["trace"] = trace_summary(run)
-    pq.write_table(summary, run.path / "summary.parquet")
-    findings = finite(findings)  # once: a big run's findings hold thousands of values
-    run.write_json("findings.json", findings)
+    # summary.parquet written on a second thread (Parquet's encoder releases the GIL) while the
+    # findings are made JSON-safe and written
+    with ThreadPoolExecutor(1, thread_name_prefix="lpf-summary") as pool:
+        wrote = pool.submit(pq.write_table, summary, run.path / "summary.parquet")
+        findings = finite(findings)  # once: a big run's findings hold thousands of values
+        run.write_json("findings.json", findings)
+        wrote.result()
     return findings
 
 

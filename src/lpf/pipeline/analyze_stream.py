@@ -2,8 +2,9 @@
 
 Contract: `analyze_streamed(run, requests, th, greedy, ...) -> (summary, findings)`, the same as
 `lpf.analysis.findings.analyze` over `run.read(...)` of the same run (byte for byte once written:
-`tests/test_analyze_stream.py`), holding at most a chunk of ~CHUNK_ROWS tokens of the tokens and
-reference tables at once (and the next part being read ahead), plus what it spills to a temporary
+`tests/test_analyze_stream.py`), holding at most ~CHUNK_ROWS tokens of the tokens and reference
+tables at once in chunks (`stream_parts.chunk_rows()` each, one per thread scoring them) and the
+next part being read ahead, plus what it spills to a temporary
 folder in the run directory (`.tmp-analyze-*`, removed afterwards; a killed analysis leaves it, and
 the next one removes it): the logprob columns (16 bytes a scored token, read back a piece at a time
 for the metric summary) and, without an expected floor, |d| (read back whole for the run's own
@@ -50,6 +51,9 @@ from lpf.pipeline.stream_parts import (
     Ranges,
     Rows,
     Spill,
+    Tally,
+    counted,
+    ordered_map,
     read_ahead,
     zip_chunks,
     zip_sizes,
@@ -65,11 +69,40 @@ def scored_token_count(run: RunDir) -> int:
     return sum(pq.ParquetFile(p).metadata.num_rows for p in run.parts("tokens"))
 
 
+def footer_counts(run: RunDir) -> dict:
+    """`returned.counts`' rows and rows without an engine logprob of the tokens parts, from their
+    footers (each column chunk's null count; a part whose footer lacks one is read), without the
+    top-k width (0): what routing a run needs before any part is read."""
+    import pyarrow.parquet as pq
+
+    from lpf.analysis.returned import counts
+    from lpf.run.store import read_part
+
+    out = {"rows": 0, "no_logprob": 0, "top_k": 0}
+    for p in run.parts("tokens"):
+        nulls = None
+        try:
+            meta = pq.ParquetFile(p).metadata
+            at = meta.schema.names.index("engine_logprob")
+            stats = [meta.row_group(i).column(at).statistics for i in range(meta.num_row_groups)]
+            if all(st is not None and st.has_null_count for st in stats):
+                rows, nulls = meta.num_rows, sum(st.null_count for st in stats)
+        except (pa.ArrowException, OSError, ValueError):
+            pass  # read below: a damaged part says so there, in one line
+        if nulls is None:
+            c = counts([read_part(p, "tokens", ["engine_logprob"])])
+            rows, nulls = c["rows"], c["no_logprob"]
+        out["rows"] += rows
+        out["no_logprob"] += nulls
+    return out
+
+
 def light_requests(run: RunDir) -> pa.Table:
     """The requests table, part by part, as the analysis reads it: each prompt's and output's token
     ids reduced to their count (a list of nulls, no values) and the output text dropped (null)."""
     out = []
-    for part in run.iter_parts("requests", schema.REQUESTS.names):
+    text_at = schema.REQUESTS.names.index("output_text")
+    for part in run.iter_parts("requests", [n for n in schema.REQUESTS.names if n != "output_text"]):
         for name in ("prompt_token_ids", "output_token_ids"):
             lists = part.column(name).combine_chunks()
             offsets = lists.offsets
@@ -77,9 +110,7 @@ def light_requests(run: RunDir) -> pa.Table:
                 pc.subtract(offsets, offsets[0]), pa.nulls(len(lists.values)), mask=lists.is_null()
             )
             part = part.set_column(part.schema.get_field_index(name), pa.field(name, lengths.type), lengths)
-        part = part.set_column(
-            part.schema.get_field_index("output_text"), "output_text", pa.nulls(part.num_rows, pa.string())
-        )
+        part = part.add_column(text_at, "output_text", pa.nulls(part.num_rows, pa.string()))  # never read: the text
         out.append(part)
     return pa.concat_tables(out) if out else schema.REQUESTS.empty_table()
 
@@ -96,10 +127,13 @@ def analyze_streamed(
     floor_table: dict | None = None,
     run_info: dict | None = None,
     progress: tuple[OnStart, Tick] = (no_start, no_tick),
+    tally: Tally | None = None,
 ) -> tuple[pa.Table, dict]:
     """`findings.analyze(requests, tokens, reference, th, greedy, ...)` over the run's parts, streamed
     (no calibration run: the caller routes those to the in-memory path). `progress`: (on_start,
-    tick) over twice the tokens parts' rows (the two passes)."""
+    tick) over twice the tokens parts' rows (the two passes). Chunks are scored on
+    `stream_parts.WORKERS` threads (the findings are the same for any number). `tally`: counts
+    the tokens parts as the passes read them (`Tally.counts()`)."""
     for old in run.path.glob(".tmp-analyze-*"):
         shutil.rmtree(old, ignore_errors=True)  # a killed analysis' leftovers
     spill = Path(tempfile.mkdtemp(prefix=".tmp-analyze-", dir=run.path))
@@ -116,12 +150,29 @@ def analyze_streamed(
             floor_table=floor_table,
             run_info=run_info or {},
             progress=progress,
+            workers=stream_parts.WORKERS,
+            tally=tally,
         )
     finally:
         shutil.rmtree(spill, ignore_errors=True)
 
 
-def _analyze(run, requests, th, greedy, spill, *, trace, engine_info, temperature, floor_table, run_info, progress):
+def _analyze(
+    run,
+    requests,
+    th,
+    greedy,
+    spill,
+    *,
+    trace,
+    engine_info,
+    temperature,
+    floor_table,
+    run_info,
+    progress,
+    workers,
+    tally,
+):
     from lpf.analysis.floors import expected_floor
 
     # the expected floor needs nothing of the tokens: with one, the thresholds are known before any
@@ -140,20 +191,22 @@ def _analyze(run, requests, th, greedy, spill, *, trace, engine_info, temperatur
         sampling=run_info.get("sampling"),
         reference_columns=REFERENCE_COLUMNS,
     )
+    how = {"workers": workers, "tally": tally}
     if expected:
-        done = _one_pass(run, requests, th, greedy, spill, kw, progress)
+        done = _one_pass(run, requests, th, greedy, spill, kw, progress, how)
         if done is not None:
             return done
         for old in spill.iterdir():  # a check failed part way: nothing of it is kept
             old.unlink()
-    return _two_passes(run, requests, th, greedy, spill, kw, progress)
+    return _two_passes(run, requests, th, greedy, spill, kw, progress, how)
 
 
-def _one_pass(run, requests, th, greedy, spill, kw, progress):
+def _one_pass(run, requests, th, greedy, spill, kw, progress, how):
     """With an expected floor (thresholds known) and parts that line up, the analysis in one pass
     over the parts: the counts that place every token in arrival order for the run-level test are
     the requests' output lengths, checked chunk by chunk against the rows scored (and, at the end,
-    every request with an output seen once). None when a check fails: the caller starts over."""
+    every request with an output seen once). None when a check fails: the caller starts over.
+    Chunks are scored on `how["workers"]` threads, checked and kept in order."""
     n_out = pc.list_value_length(requests.column("output_token_ids")).fill_null(0).to_numpy(zero_copy_only=False)
     has = n_out > 0
     ids, counts = requests.column("request_id").filter(pa.array(has)).combine_chunks(), n_out[has].astype(np.int64)
@@ -162,34 +215,47 @@ def _one_pass(run, requests, th, greedy, spill, kw, progress):
     acc = StreamedAnalysis(requests, th, calib, greedy, ids, counts, **kw)
     progress[0](scored_token_count(run), 0)
     cols = Spill(spill)
-    tok = Rows(read_ahead(run.iter_parts("tokens", TOKEN_COLUMNS)))
+    tok = Rows(read_ahead(counted(run.iter_parts("tokens", TOKEN_COLUMNS), how["tally"])))
     ref = Rows(read_ahead(run.iter_parts("reference", REFERENCE_COLUMNS)))
+    broken = []
+
+    def chunks():
+        while True:
+            n = tok.request_cut(stream_parts.chunk_rows())
+            if n == 0:
+                if ref.left(0):
+                    broken.append("reference rows no token has")  # the in-memory analysis would join
+                return
+            t, r = tok.take(n), ref.take(n)
+            if r is None or r.num_rows != n:
+                broken.append("the sides' rows differ")
+                return
+            yield t, r
+
     seen, heads = 0, []
-    while True:
-        n = tok.request_cut(stream_parts.CHUNK_ROWS)
-        if n == 0:
-            if ref.left(0):
-                return None  # reference rows no token has: the in-memory analysis would join
-            break
-        t, r = tok.take(n), ref.take(n)
-        if r is None or r.num_rows != n:
-            return None
-        cols.add(acc.score(t, r))
-        at = declared.index(acc.heads)
-        if not acc.zipped or (at < 0).any() or not np.array_equal(counts[at], acc.counts):
-            return None  # the sides do not line up, or a request's rows are not its output
-        heads.append(acc.heads)
-        seen += n
-        progress[1](n)
+    scored = ordered_map(acc.score_chunk, chunks(), how["workers"])
+    try:
+        for chunk in scored:
+            cols.add(acc.add(chunk))
+            at = acc.at if acc.at is not None else declared.index(acc.heads)  # the same ids: acc.at is that index
+            if not acc.zipped or (at < 0).any() or not np.array_equal(counts[at], acc.counts):
+                return None  # the sides do not line up, or a request's rows are not its output
+            heads.append(acc.heads)
+            seen += chunk["rows"]
+            progress[1](chunk["rows"])
+    finally:
+        scored.close()  # a check failed: the chunks in flight finish, their results dropped
+    if broken:
+        return None
     heads = pa.concat_arrays(heads) if heads else pa.array([], pa.string())
     if seen != acc.n or len(heads) != len(ids) or len(pc.unique(heads)) != len(heads):
         return None  # a request in two places, or one with an output never scored
-    t = r = tok = ref = None
+    tok = ref = None
     pa.default_memory_pool().release_unused()
     return acc.finish(cols.rows)
 
 
-def _two_passes(run, requests, th, greedy, spill, kw, progress):
+def _two_passes(run, requests, th, greedy, spill, kw, progress, how):
     """The first pass finds the request starts (and |d| for the run's own calibration when there
     is no expected floor), the second scores; chunks by zip or, when parts do not line up, by
     request range."""
@@ -222,7 +288,7 @@ def _two_passes(run, requests, th, greedy, spill, kw, progress):
         progress[0](total, 0)  # the zip pass stopped part way: the first pass starts again
         starts.clear(), ids.clear()
         at[0] = 0
-        ranges = Ranges(run, requests, spill)
+        ranges = Ranges(run, requests, spill, how["tally"])
         for chunk in ranges.chunks():
             first_pass(*chunk)
         heads = pa.concat_arrays(ids) if ids else pa.array([], pa.string())
@@ -239,11 +305,12 @@ def _two_passes(run, requests, th, greedy, spill, kw, progress):
         del ad
         cols.drop("abs_logprob_diff")
     acc = StreamedAnalysis(requests, th, calib, greedy, heads, counts, **{**kw, "expected": expected})
-    second = ranges.chunks() if ranges is not None else zip_chunks(run, sizes)
-    for tok, ref in second:
-        cols.add(acc.score(tok, ref))
-        tick(tok.num_rows)
-    tok = ref = second = None  # the last chunk
+    second = ranges.chunks() if ranges is not None else zip_chunks(run, sizes, how["tally"])
+    scored = ordered_map(acc.score_chunk, second, how["workers"])
+    for chunk in scored:
+        cols.add(acc.add(chunk))
+        tick(chunk["rows"])
+    chunk = second = scored = None  # the last chunk
     pa.default_memory_pool().release_unused()
     return acc.finish(cols.rows)
 

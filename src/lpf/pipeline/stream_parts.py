@@ -12,23 +12,44 @@ Contract (I/O only; the analysis is `lpf.analysis.stream`, the stage `lpf.pipeli
   position) as it is read back: the order the in-memory join-and-sort gives.
 - `Spill(folder)`: whole-run float64 columns written chunk by chunk, read back whole or a piece at a
   time (`rows`).
+- Chunks are ~`chunk_rows()` rows: CHUNK_ROWS over the WORKERS chunks scored at once.
+- `ordered_map(fn, items, workers)`: `fn(*item)` of each item on up to `workers` threads, results in
+  the items' order, at most `workers` items in flight (memory: that many chunks); `workers` 1 is a
+  plain loop on the calling thread. numpy and Arrow release the GIL, so chunks score on both cores.
+- `Tally(run)`: `lpf.analysis.returned.counts` of the tokens parts, counted as a pass reads them
+  (`tally.parts(...)` wraps the reader), so what came back needs no read of its own.
 """
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from lpf.analysis import returned
 from lpf.analysis.metrics import zipped_starts
 from lpf.run import schema
 from lpf.run.store import RunDir
 
 CHUNK_ROWS = 1 << 20
+# chunks scored at once: this machine's two cores (the read-ahead threads share them; more threads
+# than cores only hold more chunks in memory)
+WORKERS = max(1, min(2, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+
+
+def chunk_rows() -> int:
+    """The rows of one chunk: CHUNK_ROWS shared by the WORKERS chunks in flight (the memory of one
+    CHUNK_ROWS chunk, however many threads score them)."""
+    return max(1, CHUNK_ROWS // WORKERS)
+
+
 _COMPRESSED = pa.ipc.IpcWriteOptions(compression="lz4")  # the range files: half the disk for ~10% more time
 TOKEN_COLUMNS = ["request_id", "position", "token_id", "engine_logprob", "engine_topk_ids", "engine_topk_logprobs"]
 REFERENCE_COLUMNS = [
@@ -138,7 +159,7 @@ def zip_sizes(run: RunDir, chunk_pass, keys_only: bool = False):
     ref = Rows(read_ahead(run.iter_parts("reference", want[1])))
     sizes = []
     while True:
-        n = tok.request_cut(CHUNK_ROWS)
+        n = tok.request_cut(chunk_rows())
         if n == 0:
             return sizes if ref.left(0) == 0 else None
         t, r = tok.take(n), ref.take(n)
@@ -148,9 +169,9 @@ def zip_sizes(run: RunDir, chunk_pass, keys_only: bool = False):
         sizes.append(n)
 
 
-def zip_chunks(run: RunDir, sizes: list[int]):
+def zip_chunks(run: RunDir, sizes: list[int], tally: "Tally | None" = None):
     """The chunks of `zip_sizes` again, with every column the analysis reads."""
-    tok = Rows(read_ahead(run.iter_parts("tokens", TOKEN_COLUMNS)))
+    tok = Rows(read_ahead(counted(run.iter_parts("tokens", TOKEN_COLUMNS), tally)))
     ref = Rows(read_ahead(run.iter_parts("reference", REFERENCE_COLUMNS)))
     for n in sizes:
         yield tok.take(n), ref.take(n)
@@ -159,14 +180,16 @@ def zip_chunks(run: RunDir, sizes: list[int]):
 class Ranges:
     """Requests in request-id ranges of ~CHUNK_ROWS tokens, bucketed to Arrow files and sorted."""
 
-    def __init__(self, run: RunDir, requests: pa.Table, spill: Path):
-        self.spill = spill
+    def __init__(self, run: RunDir, requests: pa.Table, spill: Path, tally: "Tally | None" = None):
+        self.spill, self.tally = spill, tally
         ids = requests.column("request_id").combine_chunks()
         order = pc.sort_indices(ids).to_numpy()
         self.sorted_ids = ids.take(pa.array(order))
         n_out = pc.list_value_length(requests.column("output_token_ids")).fill_null(0).to_numpy(zero_copy_only=False)
         total = np.cumsum(n_out[order])
-        self.cuts = np.r_[0, np.flatnonzero(np.diff(total // CHUNK_ROWS)) + 1] if total.size else np.zeros(1, np.int64)
+        self.cuts = (
+            np.r_[0, np.flatnonzero(np.diff(total // chunk_rows())) + 1] if total.size else np.zeros(1, np.int64)
+        )
         for table, columns in (("tokens", TOKEN_COLUMNS), ("reference", REFERENCE_COLUMNS)):
             self._bucket(run, table, columns)
 
@@ -177,7 +200,8 @@ class Ranges:
         want = pa.schema([schema.TABLES[table].field(c) for c in columns])
         writers = [pa.ipc.new_file(self._path(table, i), want, options=_COMPRESSED) for i in range(len(self.cuts))]
         try:
-            for part in run.iter_parts(table, columns):
+            parts = run.iter_parts(table, columns)
+            for part in counted(parts, self.tally) if table == "tokens" else parts:
                 at = pc.index_in(part.column("request_id"), value_set=self.sorted_ids)
                 known = at.is_valid()
                 part = part.filter(known)  # rows of no committed request join no token
@@ -241,3 +265,52 @@ class Spill:
         if not len(rows):
             return np.zeros(0)
         return np.array(np.memmap(path, np.float64, mode="r")[rows])
+
+
+def ordered_map(fn, items, workers: int):
+    """`fn(*item)` for each item of `items` (an iterator, consumed on the calling thread), on up to
+    `workers` threads, yielded in the items' order; at most `workers` items in flight. Closing the
+    generator early waits for the calls in flight (their results are dropped)."""
+    if workers <= 1:
+        for item in items:
+            yield fn(*item)
+        return
+    with ThreadPoolExecutor(workers, thread_name_prefix="lpf-analyze") as pool:
+        pending: deque = deque()
+        try:
+            for item in items:
+                pending.append(pool.submit(fn, *item))
+                if len(pending) >= workers:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+        finally:
+            for f in pending:
+                f.cancel()
+
+
+class Tally:
+    """`returned.counts` of a run's tokens parts, from the parts a pass reads (each part counted
+    once, whichever pass read it); `counts()` is None until every part has been read."""
+
+    def __init__(self, run: RunDir):
+        self.n_parts, self.by_part = len(run.parts("tokens")), {}
+
+    def parts(self, parts):
+        for i, part in enumerate(parts):
+            self.by_part[i] = returned.counts([part])
+            yield part
+
+    def counts(self) -> dict | None:
+        if len(self.by_part) != self.n_parts:
+            return None
+        seen = list(self.by_part.values())
+        return {
+            "rows": sum(c["rows"] for c in seen),
+            "no_logprob": sum(c["no_logprob"] for c in seen),
+            "top_k": max((c["top_k"] for c in seen), default=0),
+        }
+
+
+def counted(parts, tally: Tally | None):
+    return parts if tally is None else tally.parts(parts)
