@@ -11,7 +11,8 @@ The plan:
    its state slot before it, who wrote or published the block it resumed from, who shared its
    first step), then that set under the knob moves that make what the top hypothesis names (a
    one-token first step on a reused slot: step budget 2 with 2 sequences, or 1 with 1; short chunks:
-   a small step budget). A hit here is the starting point.
+   a small step budget; a resume from a truncated state: an odd budget below a Mamba block). A hit
+   here is the starting point.
 1. Else a starting point, small before large: the target alone, then with the last 1, 2, 4, ...
    requests that arrived before it (an engine's state comes mostly from what ran just before),
    then with every earlier request and the later ones that ran beside it, then the original
@@ -23,7 +24,10 @@ The plan:
    every request at once (vLLM offline) gives the target its one token of budget only in the
    original's exact schedule, so no subset of the requests keeps that, while a one-token prompt
    is scheduled as one token whatever else runs.
-3. Requests: ddmin (`ddmin.ddmin`) over the other requests, arrival order kept.
+3. Requests: ddmin (`ddmin.ddmin`) over the other requests, arrival order kept. If more than one
+   other request is left, the top hypothesis' knob moves once more on those few (a move that
+   needs one request's steps to itself, such as chunks ending inside a block, may not show
+   among the suspects, where others share the steps), and ddmin again after one that reproduces.
 4. Lengths of the others that ddmin kept: at their shortest at once again, else each one alone
    (1, then once halfway).
 5. Knobs, one at a time, each off the engine's default (`Source.movable`): the default, else
@@ -136,6 +140,8 @@ class Shrink:
             self.target_lengths()
             self.others_shortest()
             self.requests()
+            if self.named_on_the_minimum():
+                self.requests()
             moved = self.other_lengths()
             moved = self.knobs() or moved
             if moved:
@@ -209,6 +215,11 @@ class Shrink:
         if self.test(config, "requests", what):
             self.adopt(config)
             return True
+        return self.named_moves(config, "requests", what, tried)
+
+    def named_moves(self, config: Config, phase: str, what: str, tried: set | None = None) -> bool:
+        """`config` at each knob move the top hypothesis names (`Source.named_moves`), in order; the
+        first that reproduces is adopted."""
         named = self.source.named_moves(config)
         if named is None:
             return False
@@ -219,12 +230,21 @@ class Shrink:
                 moved = moved.with_knob(name, value)
             if self.source.refused(moved):  # as in knobs(): a refused configuration would stop the shrink
                 continue
-            tried.add(moved.key())
+            if tried is not None:
+                tried.add(moved.key())
             change = ", ".join(f"{k} {config.knob_dict.get(k, 'default')} -> {v}" for k, v in move.items())
-            if self.test(moved, "requests", f"{what}, {change} ({makes}: the top hypothesis)"):
+            if self.test(moved, phase, f"{what}, {change} ({makes}: the top hypothesis)"):
                 self.adopt(moved)
                 return True
         return False
+
+    def named_on_the_minimum(self) -> bool:
+        """The top hypothesis' knob moves again, on the few requests ddmin left: a move that needs the
+        target's own writer alone (every chunk of one request ending inside a block) may not show
+        among the suspects, where other requests share the steps."""
+        if len(self.cur.members) <= 2:
+            return False
+        return self.named_moves(self.cur, "knobs", f"the {len(self.cur.members)} requests ddmin left")
 
     def requests(self) -> bool:
         start, target = self.cur, self.cur.member(self.t)

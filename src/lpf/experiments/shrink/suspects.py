@@ -14,7 +14,8 @@ Contract (pure: a trace table and findings data in, plain data out):
   slot is reused only after every slot was handed out, so a few requests need a pool that small;
   the `state_slots` part is left out on an engine without that knob); short prefill chunks are a
   budget of 1-4; recycled slots are one or two sequences (and slots) at a time; fewer slots a
-  smaller cache. None when the hypothesis names none the engine has.
+  smaller cache; a resume from a truncated state, chunks ending inside Mamba blocks (an odd budget
+  below a block). None when the hypothesis names none the engine has.
 The shrink (`search`) tries the suspects before its blind search, at the original knobs and then
 at each named move.
 """
@@ -44,6 +45,13 @@ ONE_TOKEN_ON_A_USED_SLOT = (
 )
 OPTIONAL_ROLES = ("state_slots",)
 SMALL_CHUNKS = ("short prefill chunks", ({"step_budget": 2}, {"step_budget": 1}, {"step_budget": 4}))
+# a state from mid-block hashed as the block's end: one request's own chunks end inside blocks when its
+# whole step is smaller than a block; odd budgets divide no block size (multiples of 16), so a chunk
+# crosses each boundary instead of landing on it
+CHUNKS_INSIDE_BLOCKS = (
+    "prefill chunks that end inside a Mamba block",
+    ({"step_budget": 7}, {"step_budget": 5}, {"step_budget": 3}),
+)
 FEATURE_MOVES = {
     "first_decode_uncomputed": ONE_TOKEN_ON_A_USED_SLOT,  # a one-token first step runs as a decode
     "first_phase_decode": ONE_TOKEN_ON_A_USED_SLOT,
@@ -60,6 +68,7 @@ FEATURE_MOVES = {
     "chunked_prefill": SMALL_CHUNKS,
     "n_prefill_chunks": SMALL_CHUNKS,
     "short_resumed_chunk": SMALL_CHUNKS,
+    "resumed_truncated_state": CHUNKS_INSIDE_BLOCKS,
     "max_state_slot": ("fewer state slots", ({"cache_size": 0.5}, {"cache_size": 0.25})),  # a share of the cache
 }
 
