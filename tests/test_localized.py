@@ -57,3 +57,21 @@ def test_the_bonferroni_bound_needs_more_exceedances_in_a_bigger_run():
     ex, ids = evidence([(8, 0)] * 998 + [(8, 6), (8, 5)])
     out, _ = raise_localized(summary(v), REJECTED, ex, ids)
     assert out.column("verdict").to_pylist()[-2:] == ["divergent", "noise"]
+
+
+def test_few_clean_requests_count_when_their_own_tokens_accept_the_floor():
+    """A drill that corrupts 96% of a run leaves fewer than CLEAN_SHARE clean: those clean requests'
+    tokens, pooled, accept the floor (0 of 80 past it), so the departure is localized and the noise
+    requests past the floor are raised; with the clean requests' tokens past the floor too (a lie small
+    everywhere that left a few requests inside the clean threshold) nothing moves."""
+    v = ["clean"] * 10 + ["noise"] * 200 + ["corrupt"] * 100
+    ex, ids = evidence([(8, 0)] * 10 + [(8, 8)] * 200 + [(8, 8)] * 100)
+    out, info = raise_localized(summary(v), REJECTED, ex, ids)
+    assert out.column("verdict").to_pylist()[10:210] == ["divergent"] * 200
+    assert info["requests"] == 200 and "own tokens accept the floor" in info["rule"]
+    ex, ids = evidence([(8, 3)] * 10 + [(8, 8)] * 200 + [(8, 8)] * 100)  # 30 of 80 past: p far below 1e-6
+    out, info = raise_localized(summary(v), REJECTED, ex, ids)
+    assert out.column("verdict").to_pylist() == v and info is None
+    ex, ids = evidence([(0, 0)] * 10 + [(8, 8)] * 200 + [(8, 8)] * 100)  # clean requests the test read no token of
+    out, info = raise_localized(summary(v), REJECTED, ex, ids)
+    assert out.column("verdict").to_pylist() == v and info is None

@@ -85,5 +85,9 @@ def test_the_moves_the_top_hypothesis_names():
     assert named_moves([{"feature": "first_slot_used_before"}], BuiltinEngine.Options, {**knobs, "max_num_seqs": 1})[
         1
     ] == [{"max_num_seqs": 1, "max_state_slots": 1}, {"max_num_seqs": 2, "max_state_slots": 2}, {"max_num_seqs": 2}]
+    # a truncated state hashed as a boundary: odd budgets below a 16-token block end each chunk inside one
+    what, moves = named_moves([{"feature": "resumed_truncated_state"}], BuiltinEngine.Options, knobs)
+    assert "inside a Mamba block" in what
+    assert moves == [{"max_num_batched_tokens": 7}, {"max_num_batched_tokens": 5}, {"max_num_batched_tokens": 3}]
     assert named_moves([{"feature": "resumed_from_aborted_publisher"}], BuiltinEngine.Options, knobs) is None
     assert named_moves([], BuiltinEngine.Options, knobs) is None

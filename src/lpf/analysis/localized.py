@@ -15,10 +15,13 @@ run-level test's per-token evidence (`token_evidence(...)["logprob"]`: the token
 KAPPA x the floor's 99th percentile, or a greedy flip past its tie margin), `token_request_ids` the
 request of each of those tokens. A `noise` request becomes `divergent` when
   - the run-level test rejected the run (`test["result"] == "different"`), and
-  - the departure is localized: at least MIN_CLEAN requests, and CLEAN_SHARE of the scored ones,
-    are `clean` (every token within the clean threshold), so the engine's arithmetic is honest
-    where its state is; a lie small everywhere (a quantized model, noise on every logprob) leaves
-    no request clean and stays the run-level `systematic`, not a verdict on each request, and
+  - the departure is localized: at least MIN_CLEAN requests are `clean` (every token within the
+    clean threshold) and the engine's arithmetic is honest where its state is: CLEAN_SHARE of the
+    scored requests are clean, or, when fewer are (a drill that corrupts 96% of a run leaves 4%
+    clean), the clean requests' own tokens accept the floor (their pooled exceedances not
+    improbable at `alpha`). A lie small everywhere (a quantized model, noise on every logprob)
+    leaves no request clean, or clean ones whose tokens still reject the floor, and stays the
+    run-level `systematic`, not a verdict on each request, and
   - its exceedance count k of n tokens is improbable under the floor: P(Binomial(n, NULL_RATE) >= k)
     times the number of scored requests (Bonferroni over the requests tested) below `alpha`.
 `info` (findings.json's `run_test.localized`): {requests: how many were raised, clean, scored,
@@ -43,6 +46,7 @@ RULE = (
     "a noise request whose own tokens reject the expected floor (Bonferroni over the scored requests) "
     "in a run the run-level test rejects while some requests are clean is divergent"
 )
+RULE_FEW_CLEAN = f" (fewer than {CLEAN_SHARE:.0%} clean: the clean requests' own tokens accept the floor)"
 
 
 def raise_localized(
@@ -53,20 +57,25 @@ def raise_localized(
     verdict = np.asarray(summary.column("verdict").to_pylist(), dtype=object)
     scored = int(np.isin(verdict, REQUEST_VERDICTS).sum())
     clean = int(np.count_nonzero(verdict == "clean"))
-    if clean < max(MIN_CLEAN, CLEAN_SHARE * scored):
+    if clean < MIN_CLEAN:
         return summary, None
+    ids = summary.column("request_id").combine_chunks()
+    tok_ids = (
+        token_request_ids.combine_chunks()
+        if isinstance(token_request_ids, pa.ChunkedArray)
+        else pa.array(token_request_ids)
+        if not isinstance(token_request_ids, pa.Array)
+        else token_request_ids
+    )
+    rule = RULE
+    if clean < CLEAN_SHARE * scored:
+        if not _clean_tokens_accept(exceed, tok_ids, ids.filter(pa.array(verdict == "clean")), alpha):
+            return summary, None
+        rule = RULE + RULE_FEW_CLEAN
     noise = verdict == "noise"
     raised = 0
     if noise.any():
-        ids = summary.column("request_id").combine_chunks()
         noise_ids = ids.filter(pa.array(noise))
-        tok_ids = (
-            token_request_ids.combine_chunks()
-            if isinstance(token_request_ids, pa.ChunkedArray)
-            else pa.array(token_request_ids)
-            if not isinstance(token_request_ids, pa.Array)
-            else token_request_ids
-        )
         at = pc.index_in(tok_ids, value_set=noise_ids).fill_null(-1).to_numpy(zero_copy_only=False)
         keep = at >= 0
         n = np.bincount(at[keep], minlength=len(noise_ids))
@@ -79,4 +88,15 @@ def raise_localized(
             raised = int(hit.sum())
             col = summary.column_names.index("verdict")
             summary = summary.set_column(col, "verdict", pa.array(verdict.tolist(), pa.string()))
-    return summary, {"requests": raised, "clean": clean, "scored": scored, "rule": RULE}
+    return summary, {"requests": raised, "clean": clean, "scored": scored, "rule": rule}
+
+
+def _clean_tokens_accept(exceed, tok_ids: pa.Array, clean_ids: pa.Array, alpha: float) -> bool:
+    """Whether the clean requests' tokens, pooled, accept the floor: their exceedance count is not
+    improbable under NULL_RATE at `alpha` (one test, no correction)."""
+    mine = pc.is_in(tok_ids, value_set=clean_ids).fill_null(False).to_numpy(zero_copy_only=False)
+    n = int(mine.sum())
+    if n == 0:
+        return False  # clean requests the test read no token of: no evidence the arithmetic is honest
+    k = int(np.count_nonzero(np.asarray(exceed)[mine]))
+    return log_binom_sf(k, n, NULL_RATE) >= math.log(alpha)
