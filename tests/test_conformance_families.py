@@ -176,13 +176,15 @@ def test_reference_column_mamba2_is_consistent():
     assert set(r["paths"]) >= {"decode", "teacher-forced"} and r["paths"]["decode"]["max_abs"] < 1e-3
 
 
-# the recipes issue 26 added: each builds, and its reference agrees with itself on every path (docs/conformance.md)
+# the recipes issue 26 added: each builds, and its reference agrees with itself on every path (docs/conformance.md).
+# Inkling2Loop is the one left to `scripts/reference_column.py` (its row in docs/conformance.md): its 18 layers,
+# 6 visited three times, through every one-token step of the recurrent path take ~3 min here, as long as the
+# other thirteen together.
 ISSUE_26_RECIPES = (
     "bamba",
     "bailing_hybrid",
     "inkling_text",
     "inkling2_text",
-    "inkling2_loop_text",
     "kimi_linear",
     "lara_mini",
     "lfm3",
@@ -195,7 +197,7 @@ ISSUE_26_RECIPES = (
 )
 
 
-@pytest.mark.slow  # a tiny build and five passes per architecture (Inkling2Loop's 30 layer visits: ~1 min)
+@pytest.mark.slow  # a tiny build and five passes per architecture: 5-60 s each here
 @pytest.mark.parametrize("model_type", ISSUE_26_RECIPES)
 def test_reference_column_on_the_new_recipes(model_type):
     """80 prompt tokens cross the recipes' 16-token scan chunks and 64-token windows; 3 greedy tokens."""

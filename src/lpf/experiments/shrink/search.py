@@ -25,9 +25,10 @@ The plan:
    original's exact schedule, so no subset of the requests keeps that, while a one-token prompt
    is scheduled as one token whatever else runs.
 3. Requests: ddmin (`ddmin.ddmin`) over the other requests, arrival order kept. If more than one
-   other request is left, the top hypothesis' knob moves once more on those few (a move that
-   needs one request's steps to itself, such as chunks ending inside a block, may not show
-   among the suspects, where others share the steps), and ddmin again after one that reproduces.
+   other request is left and the top hypothesis' knob moves were tried on the suspects without a
+   reproduction, those moves once more on the few (a move that needs one request's steps to
+   itself, such as chunks ending inside a block, may not show among the suspects, where others
+   share the steps), and ddmin again after one that reproduces.
 4. Lengths of the others that ddmin kept: at their shortest at once again, else each one alone
    (1, then once halfway).
 5. Knobs, one at a time, each off the engine's default (`Source.movable`): the default, else
@@ -83,6 +84,9 @@ class Shrink:
         self.source, self.t, self.judge, self.state, self.on_event = source, target_seq, judge, state, on_event
         self.cur: Config | None = None
         self.last: dict | None = None  # the candidate `test` judged last
+        # the top hypothesis' moves were tried on the suspects and none reproduced: worth once more on
+        # the few requests ddmin leaves (`named_on_the_minimum`), and only then
+        self.moves_unseen_among_suspects = False
 
     # -- one configuration ---------------------------------------------------------------------------
     def test(self, config: Config, phase: str, step: str, every_try: bool = False) -> bool:
@@ -215,7 +219,10 @@ class Shrink:
         if self.test(config, "requests", what):
             self.adopt(config)
             return True
-        return self.named_moves(config, "requests", what, tried)
+        if self.named_moves(config, "requests", what, tried):
+            return True
+        self.moves_unseen_among_suspects = self.source.named_moves(config) is not None
+        return False
 
     def named_moves(self, config: Config, phase: str, what: str, tried: set | None = None) -> bool:
         """`config` at each knob move the top hypothesis names (`Source.named_moves`), in order; the
@@ -241,8 +248,9 @@ class Shrink:
     def named_on_the_minimum(self) -> bool:
         """The top hypothesis' knob moves again, on the few requests ddmin left: a move that needs the
         target's own writer alone (every chunk of one request ending inside a block) may not show
-        among the suspects, where other requests share the steps."""
-        if len(self.cur.members) <= 2:
+        among the suspects, where other requests share the steps. Only when the moves were tried on
+        the suspects and none reproduced (a shrink that found its start without them spends no runs)."""
+        if len(self.cur.members) <= 2 or not self.moves_unseen_among_suspects:
             return False
         return self.named_moves(self.cur, "knobs", f"the {len(self.cur.members)} requests ddmin left")
 
