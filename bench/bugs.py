@@ -203,8 +203,10 @@ def shrink(run: Path, out: Path, drill: str, run_it: bool = True, budget: int | 
         not (out / "shrink.json").is_file() or json.loads((out / "shrink.json").read_text()).get("status") == "running"
     ):
         t0 = time.perf_counter()
-        lpf("shrink", run, "--out", out, "--json", *(["--budget-runs", budget] if budget else []))
+        done = lpf("shrink", run, "--out", out, "--json", *(["--budget-runs", budget] if budget else []))
         wall = time.perf_counter() - t0
+        if done.returncode not in (0, 1):  # 1: the minimum reproduces; anything else stopped the shrink
+            print(f"{drill}: lpf shrink exited {done.returncode}: {done.stderr.strip()[-400:]}", flush=True)
     else:
         wall = None
     doc = json.loads((out / "shrink.json").read_text())

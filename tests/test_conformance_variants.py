@@ -183,3 +183,30 @@ def test_the_matrix_view_names_each_variant_row_and_each_dropped_variant():
     assert [name for name, _ in v["grid"]] == ["FalconH1", "FalconH1~mlp_bias=1"]
     assert v["variants"] == [("FalconH1~mlp_bias=1", "toggle", "mlp_bias=True")]
     assert v["dropped"] == [("FalconH1", "x=0", "identical"), ("Mamba2", "(every variant)", "cannot build")]
+
+
+def test_the_matrix_view_says_clean_star_only_where_the_judgement_made_the_cell_clean():
+    """llama.cpp's per-token judgement names its known departures on every cell; a cell that departs past
+    them (Bamba on llama.cpp: 81 tokens past the clean threshold) is not shown as clean*."""
+    from lpf.experiments.conformance.view import matrix_view
+
+    cause = {"name": "utf8-missing", "evidence": "15 of 96 tokens in 5 requests have no logprob"}
+    doc = {
+        "cell_catalogue": [{"name": "fp32"}],
+        "architectures": [{"architecture": a, "status": "audit"} for a in ("JambaForCausalLM", "BambaForCausalLM")],
+        "cells": [
+            {
+                "architecture": a,
+                "cell": "fp32",
+                "status": "ok",
+                "verdict": "systematic",
+                "conformance": c,
+                "dtype": "float32",
+                "engine_judgement": {"causes": [cause]},
+            }
+            for a, c in (("JambaForCausalLM", "clean"), ("BambaForCausalLM", "corrupt"))
+        ],
+    }
+    v = matrix_view(doc)
+    assert [e["label"] for _, (e,) in v["grid"]] == ["clean*", "systematic"]
+    assert [(n, clean) for n, _, _, clean in v["named"]] == [("Jamba · fp32", True), ("Bamba · fp32", False)]

@@ -64,6 +64,25 @@ def test_a_prefix_drill_without_the_prefix_cache_is_refused(lpf_cli, tmp_path):
     assert r.code == 2 and "needs -E enable_prefix_caching=true" in r.err and not (tmp_path / "r").exists()
 
 
+def test_a_step_budget_below_the_sequence_count_is_refused_before_vllm_starts(lpf_cli, tmp_path):
+    """vLLM's SchedulerConfig refuses max_num_batched_tokens < max_num_seqs only once it starts; lpf says
+    so at once (and lpf shrink skips such a knob move instead of stopping on a candidate that cannot start)."""
+    from lpf.experiments.shrink.config import Source
+
+    args = ("--max-num-seqs", "4", "--max-num-batched-tokens", "3", "--out", tmp_path / "r")
+    r = lpf_cli("run", "--engine", "vllm", "--model", "tiny:hybrid", *args)
+    assert r.code == 2 and "must be at least max_num_seqs (4)" in r.err and not (tmp_path / "r").exists()
+    source = Source.__new__(Source)  # only `refused` is asked: it reads the engine's name
+    source.manifest = {"engine": {"name": "vllm"}}
+
+    class Knobs:
+        knob_dict = {"max_num_seqs": 4, "max_num_batched_tokens": 3}
+
+    assert "at least max_num_seqs" in source.refused(Knobs())
+    Knobs.knob_dict = {"max_num_seqs": 4, "max_num_batched_tokens": 5}
+    assert source.refused(Knobs()) is None
+
+
 def _hits(run):
     return q(
         run,

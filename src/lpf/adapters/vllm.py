@@ -202,6 +202,21 @@ class VLLMOptions(Options):
             )
         return self
 
+    @model_validator(mode="after")
+    def _step_budget_holds_every_sequence(self):
+        # vLLM's own SchedulerConfig check (vllm/config/scheduler.py, verify_max_model_len), said before
+        # vLLM starts; lpf shrink reads it as a refused move instead of a candidate that cannot start
+        if (
+            self.max_num_batched_tokens is not None
+            and self.max_num_seqs is not None
+            and self.max_num_batched_tokens < self.max_num_seqs
+        ):
+            raise LpfError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least max_num_seqs "
+                f"({self.max_num_seqs}): vLLM refuses a step budget smaller than its sequence count"
+            )
+        return self
+
 
 class VLLMEngine(Engine):
     name = "vllm"

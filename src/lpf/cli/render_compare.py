@@ -97,8 +97,9 @@ def print_conformance(doc: dict, console: Console) -> None:
     console.print(t)
     for name, says, sentence in v["not_clean"]:
         console.print(f"  {name}: [bold]{escape(says)}[/]" + (f" — {escape(sentence)}" if sentence else ""))
-    for name, cause, evidence in v.get("named") or []:
-        console.print(f"  [dim]{name}: clean* per token, known departure {cause}: {escape(evidence)}[/]")
+    for name, cause, evidence, clean in v.get("named") or []:
+        how = "clean* per token, known departure" if clean else "not clean past its known departure"
+        console.print(f"  [dim]{name}: {how} {cause}: {escape(evidence)}[/]")
     for name, sentence in v["located"]:
         console.print(f"  {name}: [bold]locate:[/] {escape(sentence)}")
     for name, status, error in v["failed"]:

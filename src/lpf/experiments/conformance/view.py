@@ -10,7 +10,7 @@ def matrix_view(doc: dict) -> dict:
     """What the terminal table shows, as plain data: `cells` (names), `grid` [(architecture, [entry per
     cell])] with entry {status, verdict, label ("verdict" or "verdict/prompt verdict"), max (largest |d|
     on output or prompt positions)}, `not_clean` [(name, what the attribution says, its sentence)],
-    `failed` [(name, status, reason)], `named` [(name, cause, evidence)]: the known departures a
+    `failed` [(name, status, reason)], `named` [(name, cause, evidence, clean)]: the known departures a
     per-token judgement names (llama.cpp), `reference` [(name, status, departing paths or why)]: the
     reference column, `not_audited` [(status, reason, architectures)], and `variants` [(row name, kind,
     the fields that differ)] / `dropped` [(architecture, variant, reason)]: the config-variant axis."""
@@ -46,7 +46,9 @@ def matrix_view(doc: dict) -> dict:
     for r in rows:
         name = f"{r['architecture'].removesuffix('ForCausalLM')} · {r['cell']}"
         for cause in (r.get("engine_judgement") or {}).get("causes") or []:
-            named.append((name, cause["name"], cause["evidence"]))
+            # clean* only where the judgement made the cell clean; a cell that departs past its known
+            # departures shows them beside its verdict
+            named.append((name, cause["name"], cause["evidence"], r.get("conformance") == "clean"))
         if r.get("status") != "ok":
             failed.append((name, r.get("status"), str(r.get("error") or "")))
         elif r.get("conformance") not in ("clean", None):
