@@ -332,3 +332,48 @@ def test_sweep_shrink_and_conformance_refuse_an_out_they_cannot_resume(tmp_path)
         (tmp_path / name / name).write_text("{not json")
         with pytest.raises(LpfError, match=f"{name} is unreadable: move it away"):
             open_out(tmp_path / name)
+
+
+@pytest.mark.parametrize("suspects", [{2, 3, 5, 6, 8}, {7, 8, 9}], ids=["moves-unseen", "suspects-reproduce"])
+def test_the_top_hypothesis_moves_come_back_on_ddmins_minimum_only_when_unseen_among_suspects(tmp_path, suspects):
+    """unaligned-chunk-hashed's shape: at the run's 48 tokens a step the lie needs three requests of the
+    target's group (7, 8, 9) together; at 5 tokens a step (the truncated-state move) it needs only its
+    writer (9), and only when no more than its group runs beside it (others share the steps). When the
+    trace's suspects lack the writer, the moves fail there, come back once on ddmin's 4-request minimum,
+    reproduce, and ddmin ends at 2 requests; when the suspects reproduce at the run's knobs, the moves
+    were never needed and cost no run on the minimum."""
+    from lpf.experiments.shrink.config import Source
+    from lpf.experiments.shrink.search import Shrink
+    from lpf.experiments.shrink.state import State
+
+    t, knobs = 10, {"max_num_batched_tokens": 48, "enable_prefix_caching": True, "inject": "unaligned-chunk-hashed"}
+    source = Source(
+        path=tmp_path,
+        manifest={"engine": {"name": "builtin", "options": knobs}},
+        findings={"hypotheses": [{"feature": "resumed_truncated_state"}]},
+        summary=[],
+        prompts={s: tuple(range(1, 41)) for s in range(15)},
+        ids={s: f"r{s}" for s in range(15)},
+        expected={},
+        max_tokens={s: 8 for s in range(15)},
+        defaults={"max_num_batched_tokens": 256, "enable_prefix_caching": False, "inject": ""},
+    )
+    source.suspects = lambda seq: {s: "named by the trace" for s in suspects}
+
+    def lies(config):
+        budget, others = config.knob_dict.get("max_num_batched_tokens"), {m.seq for m in config.members} - {t}
+        if budget == 48:
+            return {7, 8, 9} <= others
+        return budget == 5 and 9 in others and others <= {7, 8, 9}
+
+    judge = RuleJudge(lies)
+    state = State.open(tmp_path / "shrink", {"source_run_id": "x", "target": "r10", "tries": 1, "need": 1}, {}, 60)
+    doc = Shrink(source, t, judge, state).run()
+    minimal = source.config(doc["minimal"]["config"])
+    on_minimum = [c for c in doc["candidates"] if "requests ddmin left" in c["step"]]
+    if suspects == {7, 8, 9}:
+        assert not on_minimum and {m.seq for m in minimal.members} == {7, 8, 9, t}
+        assert minimal.knob_dict["max_num_batched_tokens"] == 48
+    else:
+        assert [c["status"] for c in on_minimum] == ["gone", "reproduces"]  # 7 tokens a step, then 5
+        assert {m.seq for m in minimal.members} == {9, t} and minimal.knob_dict["max_num_batched_tokens"] == 5
