@@ -210,3 +210,57 @@ def test_the_matrix_view_says_clean_star_only_where_the_judgement_made_the_cell_
     v = matrix_view(doc)
     assert [e["label"] for _, (e,) in v["grid"]] == ["clean*", "systematic"]
     assert [(n, clean) for n, _, _, clean in v["named"]] == [("Jamba · fp32", True), ("Bamba · fp32", False)]
+
+
+def test_the_dt_limit_variants_clamp_about_half_of_the_steps(monkeypatch):
+    """Each `limits` variant moves the Mamba2 mixers' dt clamp to where it acts on a good share of the
+    steps (the reason it is a variant at all: at the default it never or rarely acts)."""
+    import importlib
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from lpf.experiments.conformance.tiny import build_tiny, tiny_default_config
+    from lpf.experiments.conformance.variants import LIMITS, variants
+
+    prompts = [[1, *range(3, 60)], [1, *range(200, 240)]]
+    for model_type, (variant,) in LIMITS.items():
+        assert variants(model_type, tiny_default_config(model_type), {}, ["limits"]) == [variant]
+        modeling = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+        scan, seen = modeling.mamba2_chunk_scan, []
+
+        def recording(hs, dt, *a, scan=scan, seen=seen, dt_bias=None, dt_limit=(0.0, float("inf")), **kw):
+            raw = torch.nn.functional.softplus(dt + dt_bias) if kw.get("dt_softplus") else dt
+            seen.append(((raw < dt_limit[0]) | (raw > dt_limit[1])).float().mean().item())
+            return scan(hs, dt, *a, dt_bias=dt_bias, dt_limit=dt_limit, **kw)
+
+        monkeypatch.setattr(modeling, "mamba2_chunk_scan", recording)
+        model = AutoModelForCausalLM.from_pretrained(build_tiny(model_type, variant.overrides), dtype=torch.float32)
+        with torch.no_grad():
+            for p in prompts:
+                model(torch.tensor([p]), use_cache=False)
+        share = sum(seen) / len(seen)
+        assert 0.25 <= share <= 0.75, (model_type, share)
+
+
+@pytest.mark.slow
+def test_the_reference_column_checks_a_variant_rows_own_checkpoint(tmp_path):
+    """A variant row's reference check runs on the variant's checkpoint: Mamba2 with a dt limit that acts
+    is computed one way by transformers' teacher-forced pass (the chunk scan clamps) and another by its
+    decode step (no clamp: bug 15), where the default config's row is consistent."""
+    from lpf.experiments.conformance.reference_column import reference_column
+    from lpf.experiments.conformance.variants import LIMITS
+
+    workload = tmp_path / "w.jsonl"
+    workload.write_text(json.dumps({"prompt_token_ids": [1, *range(3, 40)]}) + "\n")
+    base = {"architecture": "Mamba2ForCausalLM", "model_type": "mamba2"}
+    (v,) = LIMITS["mamba2"]
+    variant = {**base, "architecture": "Mamba2~dt-limit", "variant": {"name": v.name, "overrides": v.overrides}}
+    rows = {r["architecture"]: r for r in reference_column(tmp_path, [base, variant], workload, max_tokens=6)}
+    assert rows["Mamba2ForCausalLM"]["status"] == "reference consistent"
+    assert rows["Mamba2~dt-limit"]["status"] == "reference inconsistent"
+    assert (
+        "decode" in rows["Mamba2~dt-limit"]["departing"]
+        and "teacher-forced" not in rows["Mamba2~dt-limit"]["departing"]
+    )
+    assert (tmp_path / "reference" / "Mamba2~dt-limit.json").is_file()

@@ -106,7 +106,7 @@ ENGINES = ("builtin", "vllm", "llamacpp")  # the engines discovery can ask
     default="none",
     show_default=True,
     metavar="KINDS",
-    help="Config variants as rows of their own: toggle, pairwise, published, structural (comma list), all, or none.",
+    help="Config variants as rows of their own: toggle, pairwise, published, structural, limits (comma list), all, or none.",
 )
 @click.option(
     "--variant-cells",
@@ -201,9 +201,10 @@ def conformance(
         from lpf.experiments.conformance.matrix import write_doc
         from lpf.experiments.conformance.reference_column import reference_column as check_column
 
+        checked = [*wanted, *(a for a in p.head["architectures"] if a.get("variant"))]  # variant rows too
         with progress_bar("reference", "architectures") as (on_start, tick):
-            on_start(len(wanted), 0)
-            doc["reference_column"] = check_column(out_dir, wanted, out_dir / "workload.jsonl", max_tokens, tick=tick)
+            on_start(len(checked), 0)
+            doc["reference_column"] = check_column(out_dir, checked, out_dir / "workload.jsonl", max_tokens, tick=tick)
         write_doc(out_dir, doc)
     print_conformance(doc, err if as_json else out)
     write_report(out_dir)

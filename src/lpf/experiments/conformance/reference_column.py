@@ -5,8 +5,11 @@ runs `reference_check.check_reference` on each discovery entry's tiny checkpoint
 engine's status for it (the architectures the engine cannot run get this check too), over the first
 `n_prompts` prompts of the matrix's workload, and returns one row per architecture: `architecture`,
 `model_type`, `status` (`reference consistent`, `reference inconsistent` with `departing` naming the
-path, `reference cannot run`, or `no tiny recipe` with the reason) and the check's numbers. Each
-row is kept in `out/reference/<arch>.json`, so a rerun reads it back instead of checking again.
+path, `reference cannot run`, or `no tiny recipe` with the reason) and the check's numbers. A config
+variant's row (an entry with `variant`, `<Arch>~<name>`) checks the variant's own checkpoint, built as
+`variant_check` builds it (its overrides, zero biases drawn at random): a field can make the reference
+disagree with itself where its default does not. Each row is kept in `out/reference/<arch>.json`, so a
+rerun reads it back instead of checking again.
 """
 
 from __future__ import annotations
@@ -42,8 +45,10 @@ def reference_column(
         if mt not in SCALE:
             row.update(status="no tiny recipe", reason=f"lpf has no scaled-down recipe for {mt} yet")
         else:
+            v = a.get("variant")
             try:
-                row.update(check_reference(build_tiny(mt), prompts, max_tokens))
+                model = build_tiny(mt, v["overrides"], random_biases=True) if v else build_tiny(mt)
+                row.update(check_reference(model, prompts, max_tokens))
             except LpfError as e:
                 row.update(status="reference cannot run", error=str(e))
             kept.write_text(json.dumps(row, indent=2, default=str) + "\n")

