@@ -42,6 +42,8 @@ in-memory path and refuses `--stream` on them. The trace is read whole.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -49,7 +51,7 @@ import pyarrow.compute as pc
 from lpf.analysis import metrics as m
 from lpf.analysis.calibration import calibrate, calibrate_to_floor
 from lpf.analysis.evidence import apply_inconsistency
-from lpf.analysis.columns import Lookup, same_rows
+from lpf.analysis.columns import Lookup, one_array, same_rows
 from lpf.analysis.findings import conclude, findings_dict, wants_tempered
 from lpf.analysis import run_test as run_level
 from lpf.analysis.localized import raise_localized
@@ -141,9 +143,11 @@ class StreamedAnalysis:
         self.expected, self.sampling = expected, sampling or {"temperature": temperature}
         self.n = int(counts.sum())
         self.step = -(-self.n // run_level.MAX_TOKENS)  # as run_test.run_level_test samples a huge run
+        self.declared = one_array(ids)
         self.arrival = (
-            (Lookup(ids), _arrival_offsets(requests, ids, counts)) if expected and self.n else None
-        )  # request ids, the arrival index of each one's first scored token
+            (_Lazy(lambda: Lookup(ids)), _arrival_offsets(requests, ids, counts)) if expected and self.n else None
+        )  # request ids (looked up only for chunks that come without codes), the arrival index of
+        # each one's first scored token
         self.tempered = wants_tempered(temperature, reference_columns)
         self.zipped, self.heads, self.counts, self.at = False, None, None, None  # of the last chunk added
         self.ids, self.per, self.flips, self.same = [], [], 0, 0
@@ -153,14 +157,34 @@ class StreamedAnalysis:
         """Score one chunk; returns its `SPILLED` columns (in token order) for the driver to keep."""
         return self.add(self.score_chunk(tokens, reference))
 
-    def score_chunk(self, tokens: pa.Table, reference: pa.Table) -> dict:
+    def score_chunk(self, tokens: pa.Table, reference: pa.Table, codes=None) -> dict:
         """What one chunk adds, computed without touching the accumulator (so chunks may be scored
-        on several threads at once); `add` takes these in token order."""
-        joined, starts = m.join_grouped(tokens, reference)
+        on several threads at once); `add` takes these in token order. `codes`: (tokens', reference's)
+        rows' requests as indices among `ids` (`columns.Codes`), the request_id columns dropped: the
+        chunk must then line up row for row (`metrics.join_coded`), else only {"rows", "zipped":
+        False} comes back."""
+        if codes is None:
+            joined, starts = m.join_grouped(tokens, reference)
+            heads = _ids_at(joined, starts)
+            zipped = same_rows(tokens.column("token_id"), joined.column("token_id")) and same_rows(
+                reference.column("ref_logprob"), joined.column("ref_logprob")
+            )
+            # each head's place among the run's scored requests (what a one-pass driver checks, too)
+            at = self.arrival[0].get().index(heads) if self.arrival is not None else None
+        else:
+            lined = m.join_coded(tokens, reference, codes, self.declared)
+            if lined is None:
+                return {"rows": tokens.num_rows, "zipped": False}
+            joined, starts = lined
+            at = codes[0][starts].astype(np.int64)
+            heads, zipped = self.declared.take(pa.array(at)), True
+            joined = joined if self.trace is None and not self.tempered else _decoded(joined)
+            # the same rows: the joined ids stand for both sides' (what the steps below select by name)
+            tokens = tokens.add_column(0, "request_id", joined.column("request_id"))
+            reference = reference.add_column(0, "request_id", joined.column("request_id"))
         cols = m.input_arrays(joined)
         cols["position"] = joined.column("position").to_numpy()
         per, flips, same = score_requests(cols, starts, self.greedy, self.th)
-        heads = _ids_at(joined, starts)
         out = {"rows": tokens.num_rows, "ids": heads, "per": per, "flips": flips, "same": same}
         out["missed"] = out["tempered"] = None
         if self.trace is not None and self.trace.num_rows:
@@ -168,12 +192,9 @@ class StreamedAnalysis:
             out["missed"] = joined.filter(miss).select(["request_id", "position", "token_id", "ref_top1_id"])
         if self.tempered:
             out["tempered"] = tempered_logprobs(joined, reference, self.temperature, self.th)
-        out["zipped"] = same_rows(tokens.column("token_id"), joined.column("token_id")) and same_rows(
-            reference.column("ref_logprob"), joined.column("ref_logprob")
-        )
+        out["zipped"] = zipped
         out["heads"], out["counts"] = heads, np.diff(np.r_[starts, joined.num_rows])
-        # each head's place among the run's scored requests (what a one-pass driver checks, too)
-        out["at"] = self.arrival[0].index(heads) if self.arrival is not None else None
+        out["at"] = at if self.arrival is not None or codes is not None else None
         out["evidence"] = (
             self._evidence(joined, starts, out["at"], tokens, reference, out["zipped"])
             if self.arrival is not None
@@ -204,6 +225,8 @@ class StreamedAnalysis:
         index = np.repeat(first - starts, counts) + np.arange(joined.num_rows)
         keep = pa.array(index % self.step == 0)
         keys = joined.select(_EVIDENCE_JOINED).filter(keep)
+        if pa.types.is_dictionary(keys.schema.field("request_id").type):  # a coded chunk's: as strings
+            keys = _decoded(keys)
         have = [c for c in _EVIDENCE_TOKENS if c in tokens.column_names]
         if zipped:  # the chunk's rows are the joined rows: no join to find them, and the keys are keys'
             return (
@@ -215,7 +238,15 @@ class StreamedAnalysis:
 
     def finish(self, read) -> tuple[pa.Table, dict]:
         """(summary, findings) as `findings.analyze` gives them. `read(name, rows)`: a `SPILLED`
-        column's values at `rows` (a slice or row indices) of the whole run, in token order."""
+        column's values at `rows` (a slice or row indices) of the whole run, in token order (called
+        from another thread: the metric summary runs beside the run-level test and the summary)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(1, thread_name_prefix="lpf-metric-summary") as pool:
+            metrics = pool.submit(metric_summary, read, self.flips, self.same, self.n)
+            return self._finish(metrics.result)
+
+    def _finish(self, metrics) -> tuple[pa.Table, dict]:
         test = None
         if self.arrival is not None:  # first: its tokens are freed before the metric columns are read
             keys, toks, refs = (pa.concat_tables(t) for t in zip(*self.evidence))
@@ -244,8 +275,7 @@ class StreamedAnalysis:
         if test is not None and test["result"] == "different":
             summary, test["localized"] = raise_localized(summary, test, exceed, exceed_ids)
         del merged
-        metrics = metric_summary(read, self.flips, self.same, self.n)
-        findings = findings_dict(summary, self.th, metrics, self.n)
+        findings = findings_dict(summary, self.th, metrics(), self.n)
         findings["thresholds"].update(self.calib, pinned=sorted(self.th.pinned))
         tempered = pa.chunked_array(self.tempered_ids, pa.string()).combine_chunks() if self.tempered else None
         crossed = None
@@ -266,6 +296,25 @@ _NO_MISS = pa.table(
         "ref_top1_id": pa.array([], pa.int32()),
     }
 )
+
+
+class _Lazy:
+    """A value built on first use (by one thread: the others wait for it)."""
+
+    def __init__(self, build):
+        self.build, self.value, self.lock = build, None, threading.Lock()
+
+    def get(self):
+        with self.lock:
+            if self.value is None:
+                self.value = self.build()
+            return self.value
+
+
+def _decoded(table: pa.Table) -> pa.Table:
+    """`table` with its dictionary-encoded request_id as plain strings."""
+    at = table.schema.get_field_index("request_id")
+    return table.set_column(at, "request_id", table.column(at).cast(pa.string()))
 
 
 def _arrival_offsets(requests: pa.Table, ids: pa.Array, counts: np.ndarray) -> np.ndarray:

@@ -40,7 +40,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from lpf.analysis import stream
-from lpf.analysis.columns import Lookup
+from lpf.analysis.columns import Codes
 from lpf.analysis.stream import StreamedAnalysis
 from lpf.analysis.thresholds import Thresholds
 from lpf.pipeline import stream_parts
@@ -48,11 +48,11 @@ from lpf.pipeline.callbacks import OnStart, Tick, no_start, no_tick
 from lpf.pipeline.stream_parts import (
     REFERENCE_COLUMNS,
     TOKEN_COLUMNS,
+    CodedRows,
+    Kept,
     Ranges,
-    Rows,
     Spill,
     Tally,
-    counted,
     ordered_map,
     read_ahead,
     zip_chunks,
@@ -206,17 +206,21 @@ def _one_pass(run, requests, th, greedy, spill, kw, progress, how):
     over the parts: the counts that place every token in arrival order for the run-level test are
     the requests' output lengths, checked chunk by chunk against the rows scored (and, at the end,
     every request with an output seen once). None when a check fails: the caller starts over.
-    Chunks are scored on `how["workers"]` threads, checked and kept in order."""
+    The parts are read a row group at a time with each row's request as an integer (`CodedRows`:
+    no request id string per row is built or compared); chunks are scored on `how["workers"]`
+    threads, checked and kept in order; the logprob columns stay in memory up to KEEP_TOKENS."""
     n_out = pc.list_value_length(requests.column("output_token_ids")).fill_null(0).to_numpy(zero_copy_only=False)
     has = n_out > 0
     ids, counts = requests.column("request_id").filter(pa.array(has)).combine_chunks(), n_out[has].astype(np.int64)
-    declared = Lookup(ids)
+    if len(pc.unique(ids)) != len(ids):
+        return None  # a request id twice: the in-memory analysis joins and sorts
     th, calib = stream.thresholds(None, None, th, kw["expected"])
     acc = StreamedAnalysis(requests, th, calib, greedy, ids, counts, **kw)
     progress[0](scored_token_count(run), 0)
-    cols = Spill(spill)
-    tok = Rows(read_ahead(counted(run.iter_parts("tokens", TOKEN_COLUMNS), how["tally"])))
-    ref = Rows(read_ahead(run.iter_parts("reference", REFERENCE_COLUMNS)))
+    cols = Kept() if acc.n <= stream_parts.KEEP_TOKENS else Spill(spill)
+    pieces = how["tally"].pieces if how["tally"] is not None else iter
+    tok = CodedRows(read_ahead(pieces(run.iter_pieces("tokens", TOKEN_COLUMNS))), Codes(ids))
+    ref = CodedRows(read_ahead(run.iter_pieces("reference", REFERENCE_COLUMNS)), Codes(ids))
     broken = []
 
     def chunks():
@@ -226,30 +230,29 @@ def _one_pass(run, requests, th, greedy, spill, kw, progress, how):
                 if ref.left(0):
                     broken.append("reference rows no token has")  # the in-memory analysis would join
                 return
-            t, r = tok.take(n), ref.take(n)
-            if r is None or r.num_rows != n:
+            (t, tc), r = tok.take(n), ref.take(n)
+            if r is None or r[0].num_rows != n:
                 broken.append("the sides' rows differ")
                 return
-            yield t, r
+            yield t, r[0], (tc, r[1])
 
-    seen, heads = 0, []
+    seen, once = 0, np.zeros(len(ids), bool)
     scored = ordered_map(acc.score_chunk, chunks(), how["workers"])
     try:
         for chunk in scored:
+            if not chunk["zipped"]:
+                return None  # the sides do not line up
+            at = chunk["at"]
+            if once[at].any() or not np.array_equal(counts[at], chunk["counts"]):
+                return None  # a request in two places, or a request's rows are not its output
+            once[at] = True
             cols.add(acc.add(chunk))
-            at = acc.at if acc.at is not None else declared.index(acc.heads)  # the same ids: acc.at is that index
-            if not acc.zipped or (at < 0).any() or not np.array_equal(counts[at], acc.counts):
-                return None  # the sides do not line up, or a request's rows are not its output
-            heads.append(acc.heads)
             seen += chunk["rows"]
             progress[1](chunk["rows"])
     finally:
         scored.close()  # a check failed: the chunks in flight finish, their results dropped
-    if broken:
-        return None
-    heads = pa.concat_arrays(heads) if heads else pa.array([], pa.string())
-    if seen != acc.n or len(heads) != len(ids) or len(pc.unique(heads)) != len(heads):
-        return None  # a request in two places, or one with an output never scored
+    if broken or seen != acc.n or not once.all():
+        return None  # a request with an output never scored
     tok = ref = None
     pa.default_memory_pool().release_unused()
     return acc.finish(cols.rows)

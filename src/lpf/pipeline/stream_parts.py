@@ -11,7 +11,11 @@ Contract (I/O only; the analysis is `lpf.analysis.stream`, the stage `lpf.pipeli
   tables bucketed to lz4 Arrow files (~1.7x the parts on disk), each range sorted by (request_id,
   position) as it is read back: the order the in-memory join-and-sort gives.
 - `Spill(folder)`: whole-run float64 columns written chunk by chunk, read back whole or a piece at a
-  time (`rows`).
+  time (`rows`); `Kept()` the same held in memory (the chunks' own arrays, no copy), for runs of up
+  to KEEP_TOKENS tokens (16 bytes a token: below that it costs less than the pieces read ahead).
+- `CodedRows(pieces, codes)`: `Rows` over `RunDir.iter_pieces` (row groups, request ids
+  dictionary-encoded), each row's request as an integer (`lpf.analysis.columns.Codes`): cut and
+  handed out without a string per row.
 - Chunks are ~`chunk_rows()` rows: CHUNK_ROWS over the WORKERS chunks scored at once.
 - `ordered_map(fn, items, workers)`: `fn(*item)` of each item on up to `workers` threads, results in
   the items' order, at most `workers` items in flight (memory: that many chunks); `workers` 1 is a
@@ -39,6 +43,7 @@ from lpf.run import schema
 from lpf.run.store import RunDir
 
 CHUNK_ROWS = 1 << 20
+KEEP_TOKENS = 1 << 24  # the one pass keeps the logprob columns in memory up to this many tokens (256 MB)
 # chunks scored at once: this machine's two cores (the read-ahead threads share them; more threads
 # than cores only hold more chunks in memory)
 WORKERS = max(1, min(2, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
@@ -104,6 +109,49 @@ class Rows:
                     return n + int(hit[0].as_py())
                 n, window = n + len(ahead), window * 4
             # the whole buffer is one request's tail: read on
+        return self.left(n)
+
+
+class CodedRows:
+    """`Rows` over pieces (part index, table with dictionary-encoded request ids): each piece's
+    request ids become `codes.of(...)` integers as it is buffered, and the table keeps the other
+    columns; `take(n)` gives (table, codes) of the next n rows."""
+
+    def __init__(self, pieces, codes):
+        self.pieces, self.codes = iter(pieces), codes
+        self.buf, self.ids = None, np.zeros(0, np.int32)
+
+    def _more(self) -> bool:
+        piece = next(self.pieces, None)
+        if piece is None:
+            return False
+        table = piece[1]
+        ids = self.codes.of(table.column("request_id"))
+        table = table.drop_columns(["request_id"])
+        self.buf = table if self.buf is None else pa.concat_tables([self.buf, table])
+        self.ids = ids if not self.ids.size else np.concatenate([self.ids, ids])
+        return True
+
+    def left(self, n: int) -> int:
+        while (self.buf is None or self.buf.num_rows <= n) and self._more():
+            pass
+        return 0 if self.buf is None else self.buf.num_rows
+
+    def take(self, n: int) -> tuple[pa.Table, np.ndarray] | None:
+        self.left(n - 1)
+        if self.buf is None:
+            return None
+        head, ids = self.buf.slice(0, n), self.ids[:n]
+        self.buf, self.ids = self.buf.slice(n), self.ids[n:]
+        return head, ids
+
+    def request_cut(self, n: int) -> int:
+        """`Rows.request_cut` by code: the rows to the first change of request at or after `n` rows."""
+        while self.left(n) > n:
+            hit = np.flatnonzero(self.ids[n:] != self.ids[n - 1])
+            if hit.size:
+                return n + int(hit[0])
+            n = self.buf.num_rows  # the whole buffer is one request's tail: read on
         return self.left(n)
 
 
@@ -267,6 +315,41 @@ class Spill:
         return np.array(np.memmap(path, np.float64, mode="r")[rows])
 
 
+class Kept:
+    """`Spill`'s interface over columns held in memory: the arrays each chunk handed over (views of
+    the parts' own buffers where a chunk lies in one), never copied into one."""
+
+    def __init__(self):
+        self.files: dict[str, list[np.ndarray]] = {}
+        self.bounds: dict[str, np.ndarray] = {}
+
+    def add(self, cols: dict[str, np.ndarray]) -> None:
+        for name, values in cols.items():
+            self.files.setdefault(name, []).append(values)
+            self.bounds.pop(name, None)
+
+    def rows(self, name: str, rows) -> np.ndarray:
+        """A column's values at `rows`: a slice (its pieces joined) or row indices (gathered)."""
+        parts = self.files.get(name)
+        if not parts:
+            return np.zeros(0)
+        if name not in self.bounds:
+            self.bounds[name] = np.cumsum([0] + [len(p) for p in parts])
+        bounds = self.bounds[name]
+        if isinstance(rows, slice):
+            lo, hi, _ = rows.indices(int(bounds[-1]))
+            a, b = np.searchsorted(bounds, lo, "right") - 1, np.searchsorted(bounds, hi, "left")
+            out = [parts[i][max(lo - bounds[i], 0) : hi - bounds[i]] for i in range(a, b)]
+            return np.asarray(out[0], np.float64) if len(out) == 1 else np.concatenate(out).astype(np.float64)
+        rows = np.asarray(rows)
+        out = np.empty(rows.size)
+        at = np.searchsorted(bounds, rows, "right") - 1
+        for i in np.unique(at):
+            hit = at == i
+            out[hit] = parts[i][rows[hit] - bounds[i]]
+        return out
+
+
 def ordered_map(fn, items, workers: int):
     """`fn(*item)` for each item of `items` (an iterator, consumed on the calling thread), on up to
     `workers` threads, yielded in the items' order; at most `workers` items in flight. Closing the
@@ -300,6 +383,19 @@ class Tally:
         for i, part in enumerate(parts):
             self.by_part[i] = returned.counts([part])
             yield part
+
+    def pieces(self, pieces):
+        """`parts` over `RunDir.iter_pieces`: a part counted once all its pieces were read."""
+        at, sums = None, None
+        for i, piece in pieces:
+            if i != at and sums is not None:
+                self.by_part[at] = sums
+            c = returned.counts([piece])
+            sums = c if i != at else {k: max(v, c[k]) if k == "top_k" else v + c[k] for k, v in sums.items()}
+            at = i
+            yield i, piece
+        if sums is not None:
+            self.by_part[at] = sums
 
     def counts(self) -> dict | None:
         if len(self.by_part) != self.n_parts:
