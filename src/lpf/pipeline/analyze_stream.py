@@ -100,6 +100,11 @@ def footer_counts(run: RunDir) -> dict:
 def light_requests(run: RunDir) -> pa.Table:
     """The requests table, part by part, as the analysis reads it: each prompt's and output's token
     ids reduced to their count (a list of nulls, no values) and the output text dropped (null)."""
+    with stream_parts.heap():
+        return _light_requests(run)
+
+
+def _light_requests(run: RunDir) -> pa.Table:
     out = []
     text_at = schema.REQUESTS.names.index("output_text")
     for part in run.iter_parts("requests", [n for n in schema.REQUESTS.names if n != "output_text"]):
@@ -138,21 +143,22 @@ def analyze_streamed(
         shutil.rmtree(old, ignore_errors=True)  # a killed analysis' leftovers
     spill = Path(tempfile.mkdtemp(prefix=".tmp-analyze-", dir=run.path))
     try:
-        return _analyze(
-            run,
-            requests,
-            th,
-            greedy,
-            spill,
-            trace=trace,
-            engine_info=engine_info,
-            temperature=temperature,
-            floor_table=floor_table,
-            run_info=run_info or {},
-            progress=progress,
-            workers=stream_parts.WORKERS,
-            tally=tally,
-        )
+        with stream_parts.heap():
+            return _analyze(
+                run,
+                requests,
+                th,
+                greedy,
+                spill,
+                trace=trace,
+                engine_info=engine_info,
+                temperature=temperature,
+                floor_table=floor_table,
+                run_info=run_info or {},
+                progress=progress,
+                workers=stream_parts.WORKERS,
+                tally=tally,
+            )
     finally:
         shutil.rmtree(spill, ignore_errors=True)
 
