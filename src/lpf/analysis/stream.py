@@ -54,6 +54,7 @@ from lpf.analysis.evidence import apply_inconsistency
 from lpf.analysis.columns import Lookup, one_array, same_rows
 from lpf.analysis.findings import conclude, findings_dict, wants_tempered
 from lpf.analysis import run_test as run_level
+from lpf.analysis import stream_evidence
 from lpf.analysis.localized import raise_localized
 from lpf.analysis.run_test import run_test, token_evidence
 from lpf.analysis.signatures import crossed_wires, tempered_logprobs
@@ -144,10 +145,12 @@ class StreamedAnalysis:
         self.n = int(counts.sum())
         self.step = -(-self.n // run_level.MAX_TOKENS)  # as run_test.run_level_test samples a huge run
         self.declared = one_array(ids)
+        offsets = _arrival_offsets(requests, ids, counts) if expected and self.n else None
         self.arrival = (
-            (_Lazy(lambda: Lookup(ids)), _arrival_offsets(requests, ids, counts)) if expected and self.n else None
+            (_Lazy(lambda: Lookup(ids)), offsets[0]) if offsets is not None else None
         )  # request ids (looked up only for chunks that come without codes), the arrival index of
         # each one's first scored token
+        self.by_index = offsets is not None and offsets[1]  # arrival order is the arrival index's
         self.tempered = wants_tempered(temperature, reference_columns)
         self.zipped, self.heads, self.counts, self.at = False, None, None, None  # of the last chunk added
         self.ids, self.per, self.flips, self.same = [], [], 0, 0
@@ -195,11 +198,12 @@ class StreamedAnalysis:
         out["zipped"] = zipped
         out["heads"], out["counts"] = heads, np.diff(np.r_[starts, joined.num_rows])
         out["at"] = at if self.arrival is not None or codes is not None else None
-        out["evidence"] = (
-            self._evidence(joined, starts, out["at"], tokens, reference, out["zipped"])
-            if self.arrival is not None
-            else None
-        )
+        out["evidence"] = None
+        if self.arrival is not None and codes is not None and self.by_index:
+            rows, index = stream_evidence.kept_rows(starts, joined.num_rows, self.arrival[1][at], self.step)
+            out["evidence"] = stream_evidence.take(joined, tokens, reference, rows, index, codes[0])
+        elif self.arrival is not None:
+            out["evidence"] = self._evidence(joined, starts, out["at"], tokens, reference, out["zipped"])
         out["spilled"] = {name: cols[name] for name in SPILLED}
         return out
 
@@ -242,21 +246,13 @@ class StreamedAnalysis:
         from another thread: the metric summary runs beside the run-level test and the summary)."""
         from concurrent.futures import ThreadPoolExecutor
 
-        with ThreadPoolExecutor(1, thread_name_prefix="lpf-metric-summary") as pool:
+        with ThreadPoolExecutor(2, thread_name_prefix="lpf-finish") as pool:
             metrics = pool.submit(metric_summary, read, self.flips, self.same, self.n)
-            return self._finish(metrics.result)
+            summary = pool.submit(self._summary)
+            return self._finish(metrics.result, summary.result)
 
-    def _finish(self, metrics) -> tuple[pa.Table, dict]:
-        test = None
-        if self.arrival is not None:  # first: its tokens are freed before the metric columns are read
-            keys, toks, refs = (pa.concat_tables(t) for t in zip(*self.evidence))
-            self.evidence.clear()
-            cols = evidence_columns(keys, toks, refs, self.requests)
-            ev = token_evidence(cols, self.expected, self.sampling)
-            test = run_test(ev, self.expected)
-            test["sampled_every"] = self.step
-            exceed, exceed_ids = ev["logprob"], keys.column("request_id").take(pa.array(cols["order"]))
-            del keys, toks, refs, cols, ev
+    def _summary(self) -> pa.Table:
+        """The per-request summary (before the run-level test raises any request's verdict)."""
         ids = pa.concat_arrays(self.ids) if self.ids else pa.array([], pa.string())
         merged = (
             {k: np.concatenate([p[k] for p in self.per]) for k in self.per[0]}
@@ -269,12 +265,29 @@ class StreamedAnalysis:
             )[0]
         )
         self.per.clear(), self.ids.clear()
-        summary = apply_inconsistency(
-            summarize_requests(None, self.requests, self.th, per=(ids, merged)), self.requests
-        )
+        return apply_inconsistency(summarize_requests(None, self.requests, self.th, per=(ids, merged)), self.requests)
+
+    def _finish(self, metrics, summary) -> tuple[pa.Table, dict]:
+        """`metrics()`, `summary()`: the metric summary and `_summary`, made beside the run-level test."""
+        test = None
+        if self.arrival is not None:
+            if isinstance(self.evidence[0], dict):  # coded chunks' rows, gathered in arrival order
+                cols, codes = stream_evidence.gather(self.evidence)
+                exceed_ids = self.declared.take(pa.array(codes))
+            else:
+                keys, toks, refs = (pa.concat_tables(t) for t in zip(*self.evidence))
+                cols = evidence_columns(keys, toks, refs, self.requests)
+                exceed_ids = keys.column("request_id").take(pa.array(cols["order"]))
+                del keys, toks, refs
+            self.evidence.clear()
+            ev = token_evidence(cols, self.expected, self.sampling)
+            test = run_test(ev, self.expected)
+            test["sampled_every"] = self.step
+            exceed = ev["logprob"]
+            del cols, ev
+        summary = summary()
         if test is not None and test["result"] == "different":
             summary, test["localized"] = raise_localized(summary, test, exceed, exceed_ids)
-        del merged
         findings = findings_dict(summary, self.th, metrics(), self.n)
         findings["thresholds"].update(self.calib, pinned=sorted(self.th.pinned))
         tempered = pa.chunked_array(self.tempered_ids, pa.string()).combine_chunks() if self.tempered else None
@@ -317,9 +330,10 @@ def _decoded(table: pa.Table) -> pa.Table:
     return table.set_column(at, "request_id", table.column(at).cast(pa.string()))
 
 
-def _arrival_offsets(requests: pa.Table, ids: pa.Array, counts: np.ndarray) -> np.ndarray:
-    """Per request in token order: the arrival index (request seq, then position) of its first
-    scored token, as `token_evidence.evidence_columns` orders them."""
+def _arrival_offsets(requests: pa.Table, ids: pa.Array, counts: np.ndarray) -> tuple[np.ndarray, bool]:
+    """(per request in token order: the arrival index (request seq, then position) of its first
+    scored token, as `token_evidence.evidence_columns` orders them; whether their seqs are distinct,
+    so that order is the arrival index's)."""
     req = by_arrival(requests)
     at = (
         pc.index_in(ids, value_set=req.column("request_id").combine_chunks())
@@ -330,7 +344,8 @@ def _arrival_offsets(requests: pa.Table, ids: pa.Array, counts: np.ndarray) -> n
     order = np.argsort(seq, kind="stable")  # seq is unique per request
     offsets = np.empty(len(ids), np.int64)
     offsets[order] = np.cumsum(counts[order]) - counts[order]
-    return offsets
+    ranked = seq[order]
+    return offsets, bool(np.all(ranked[1:] != ranked[:-1]))
 
 
 def _with_keys(keys: pa.Table, lists: pa.Table, keep: pa.Array) -> pa.Table:

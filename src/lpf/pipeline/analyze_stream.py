@@ -215,18 +215,20 @@ def _one_pass(run, requests, th, greedy, spill, kw, progress, how):
     The parts are read a row group at a time with each row's request as an integer (`CodedRows`:
     no request id string per row is built or compared); chunks are scored on `how["workers"]`
     threads, checked and kept in order; the logprob columns stay in memory up to KEEP_TOKENS."""
+    pieces = how["tally"].pieces if how["tally"] is not None else iter
+    tokens = read_ahead(pieces(run.iter_pieces("tokens", TOKEN_COLUMNS)))  # the first parts read meanwhile
+    reference = read_ahead(run.iter_pieces("reference", REFERENCE_COLUMNS))
     n_out = pc.list_value_length(requests.column("output_token_ids")).fill_null(0).to_numpy(zero_copy_only=False)
     has = n_out > 0
     ids, counts = requests.column("request_id").filter(pa.array(has)).combine_chunks(), n_out[has].astype(np.int64)
     if len(pc.unique(ids)) != len(ids):
+        tokens.close(), reference.close()
         return None  # a request id twice: the in-memory analysis joins and sorts
     th, calib = stream.thresholds(None, None, th, kw["expected"])
     acc = StreamedAnalysis(requests, th, calib, greedy, ids, counts, **kw)
     progress[0](scored_token_count(run), 0)
     cols = Kept() if acc.n <= stream_parts.KEEP_TOKENS else Spill(spill)
-    pieces = how["tally"].pieces if how["tally"] is not None else iter
-    tok = CodedRows(read_ahead(pieces(run.iter_pieces("tokens", TOKEN_COLUMNS))), Codes(ids))
-    ref = CodedRows(read_ahead(run.iter_pieces("reference", REFERENCE_COLUMNS)), Codes(ids))
+    tok, ref = CodedRows(tokens, Codes(ids)), CodedRows(reference, Codes(ids))
     broken = []
 
     def chunks():

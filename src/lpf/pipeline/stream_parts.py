@@ -123,7 +123,7 @@ class CodedRows:
 
     def __init__(self, pieces, codes):
         self.pieces, self.codes = iter(pieces), codes
-        self.buf, self.ids = None, np.zeros(0, np.int32)
+        self.buf, self.ids, self.ends = None, np.zeros(0, np.int32), []
 
     def _more(self) -> bool:
         piece = next(self.pieces, None)
@@ -134,6 +134,7 @@ class CodedRows:
         table = table.drop_columns(["request_id"])
         self.buf = table if self.buf is None else pa.concat_tables([self.buf, table])
         self.ids = ids if not self.ids.size else np.concatenate([self.ids, ids])
+        self.ends.append(self.buf.num_rows)  # where a piece ends, in rows from the buffer's start
         return True
 
     def left(self, n: int) -> int:
@@ -147,10 +148,16 @@ class CodedRows:
             return None
         head, ids = self.buf.slice(0, n), self.ids[:n]
         self.buf, self.ids = self.buf.slice(n), self.ids[n:]
+        self.ends = [e - n for e in self.ends if e > n]
         return head, ids
 
     def request_cut(self, n: int) -> int:
-        """`Rows.request_cut` by code: the rows to the first change of request at or after `n` rows."""
+        """`Rows.request_cut` by code: the rows to the first change of request at or after `n` rows,
+        or at or after the end of the piece the rows start in when that comes first (a chunk then
+        lies in one piece, its columns one array each, unless a request straddles two pieces)."""
+        self.left(0)
+        if self.ends and self.ends[0] < n:
+            n = max(self.ends[0], 1)
         while self.left(n) > n:
             hit = np.flatnonzero(self.ids[n:] != self.ids[n - 1])
             if hit.size:
@@ -162,7 +169,9 @@ class CodedRows:
 def read_ahead(parts, depth: int = 1):
     """`parts` (an iterator of tables) read in a background thread, `depth` parts ahead of the
     consumer: Parquet decoding releases the GIL, so reading the next part overlaps analysing the
-    chunk before it. Memory: `depth` parts more. An error reading a part is raised here, in order."""
+    chunk before it. Memory: `depth` parts more. An error reading a part is raised here, in order.
+    The thread starts now, not at the first part asked for: what the caller does first overlaps
+    the first read."""
     q: queue.Queue = queue.Queue(maxsize=depth)
     stop = threading.Event()
     done = object()
@@ -184,21 +193,40 @@ def read_ahead(parts, depth: int = 1):
 
     worker = threading.Thread(target=work, name="lpf-analyze-read-ahead", daemon=True)
     worker.start()
-    try:
-        while True:
-            item = q.get()
-            if item is done:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        stop.set()
-        while worker.is_alive():  # let it see the stop: drain what it may be putting
+    return _Ahead(q, stop, done, worker)
+
+
+class _Ahead:
+    """`read_ahead`'s iterator: `close()` (or dropping it, read to the end or not) stops the thread."""
+
+    def __init__(self, q: queue.Queue, stop: threading.Event, done, worker: threading.Thread):
+        self.q, self.stop, self.done, self.worker, self.over = q, stop, done, worker, False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.over:
+            raise StopIteration
+        item = self.q.get()
+        if item is self.done or isinstance(item, BaseException):
+            self.close()
+            if item is self.done:
+                raise StopIteration
+            raise item
+        return item
+
+    def close(self) -> None:
+        self.over = True
+        self.stop.set()
+        while self.worker.is_alive():  # let it see the stop: drain what it may be putting
             try:
-                q.get(timeout=0.1)
+                self.q.get(timeout=0.1)
             except queue.Empty:
                 pass
+
+    def __del__(self):
+        self.close()
 
 
 def zip_sizes(run: RunDir, chunk_pass, keys_only: bool = False):
