@@ -18,7 +18,7 @@ import pytest
 
 from conftest import lpf_subprocess, write_prompts
 from lpf.analysis.thresholds import Thresholds
-from lpf.pipeline import analyze_stream, stream_parts
+from lpf.pipeline import analyze_stream, stream_memory, stream_parts
 from lpf.pipeline.analyze import analyze_run
 from lpf.run.store import RunDir
 
@@ -131,7 +131,7 @@ def test_one_pass_and_its_checks(tmp_path, monkeypatch, short, keep):
     from lpf.analysis import run_test
 
     monkeypatch.setattr(run_test, "MAX_TOKENS", 5000)
-    monkeypatch.setattr(stream_parts, "KEEP_TOKENS", stream_parts.KEEP_TOKENS if keep else 0)
+    monkeypatch.setattr(stream_memory, "KEEP_TOKENS", stream_memory.KEEP_TOKENS if keep else 0)
     run, _ = _bench().write_synthetic_run(tmp_path / "run", 30_000, part_tokens=3000, topk=2, out_tokens=20)
     if short:  # request 700's last position dropped from its tokens and reference parts
         for table in ("tokens", "reference"):
@@ -393,7 +393,7 @@ def test_kept_reads_what_spill_reads(tmp_path):
     import numpy as np
 
     rng = np.random.default_rng(2)
-    kept, spill = stream_parts.Kept(), stream_parts.Spill(tmp_path)
+    kept, spill = stream_memory.Kept(), stream_memory.Spill(tmp_path)
     for size in (5, 1, 300, 0, 64):
         cols = {"a": rng.random(size), "b": rng.random(size)}
         kept.add(cols), spill.add(cols)

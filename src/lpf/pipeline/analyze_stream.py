@@ -4,17 +4,20 @@ Contract: `analyze_streamed(run, requests, th, greedy, ...) -> (summary, finding
 `lpf.analysis.findings.analyze` over `run.read(...)` of the same run (byte for byte once written:
 `tests/test_analyze_stream.py`), holding at most ~CHUNK_ROWS tokens of the tokens and reference
 tables at once in chunks (`stream_parts.chunk_rows()` each, one per thread scoring them) and the
-next part being read ahead, plus what it spills to a temporary
-folder in the run directory (`.tmp-analyze-*`, removed afterwards; a killed analysis leaves it, and
-the next one removes it): the logprob columns (16 bytes a scored token, read back a piece at a time
-for the metric summary) and, without an expected floor, |d| (read back whole for the run's own
-calibration). The pure steps are `lpf.analysis.stream`; reading parts, chunks and spill files are
-`lpf.pipeline.stream_parts`.
+next part being read ahead, plus the logprob columns (16 bytes a scored token, read back a piece at
+a time for the metric summary: kept in memory by the one pass up to `stream_memory.KEEP_TOKENS`,
+else spilled) and, without an expected floor, |d| (read back whole for the run's own calibration),
+spilled to a temporary folder in the run directory (`.tmp-analyze-*`, removed afterwards; a killed
+analysis leaves it, and the next one removes it). The pure steps are `lpf.analysis.stream`;
+reading parts and chunks is `lpf.pipeline.stream_parts`, keeping columns `lpf.pipeline.stream_memory`
+(whose `heap()` regime, jemalloc for Arrow and no cyclic GC, the stage runs under).
 
 One pass when it can: with an expected floor the thresholds need no token, and when the parts line
 up row for row the run-level test's arrival order comes from the requests' output lengths, checked
 chunk by chunk against the rows scored; any check that fails starts over with two passes (the
 first finds the request starts, and |d| when the run calibrates on itself; the second scores).
+The one pass reads row groups with each row's request as an integer (`stream_parts.CodedRows`):
+its checks and cuts compare integers, never a request id string per row.
 Chunks follow the whole run's join order (see `lpf.analysis.stream`):
 - zip: when the tokens and reference parts line up row for row (as they do when the reference
   was scored in the tokens' order), slices of ~CHUNK_ROWS rows cut at request boundaries, read
@@ -43,15 +46,14 @@ from lpf.analysis import stream
 from lpf.analysis.columns import Codes
 from lpf.analysis.stream import StreamedAnalysis
 from lpf.analysis.thresholds import Thresholds
-from lpf.pipeline import stream_parts
+from lpf.pipeline import stream_memory, stream_parts
+from lpf.pipeline.stream_memory import Kept, Spill
 from lpf.pipeline.callbacks import OnStart, Tick, no_start, no_tick
 from lpf.pipeline.stream_parts import (
     REFERENCE_COLUMNS,
     TOKEN_COLUMNS,
     CodedRows,
-    Kept,
     Ranges,
-    Spill,
     Tally,
     ordered_map,
     read_ahead,
@@ -100,7 +102,7 @@ def footer_counts(run: RunDir) -> dict:
 def light_requests(run: RunDir) -> pa.Table:
     """The requests table, part by part, as the analysis reads it: each prompt's and output's token
     ids reduced to their count (a list of nulls, no values) and the output text dropped (null)."""
-    with stream_parts.heap():
+    with stream_memory.heap():
         return _light_requests(run)
 
 
@@ -143,7 +145,7 @@ def analyze_streamed(
         shutil.rmtree(old, ignore_errors=True)  # a killed analysis' leftovers
     spill = Path(tempfile.mkdtemp(prefix=".tmp-analyze-", dir=run.path))
     try:
-        with stream_parts.heap():
+        with stream_memory.heap():
             return _analyze(
                 run,
                 requests,
@@ -227,7 +229,7 @@ def _one_pass(run, requests, th, greedy, spill, kw, progress, how):
     th, calib = stream.thresholds(None, None, th, kw["expected"])
     acc = StreamedAnalysis(requests, th, calib, greedy, ids, counts, **kw)
     progress[0](scored_token_count(run), 0)
-    cols = Kept() if acc.n <= stream_parts.KEEP_TOKENS else Spill(spill)
+    cols = Kept() if acc.n <= stream_memory.KEEP_TOKENS else Spill(spill)
     tok, ref = CodedRows(tokens, Codes(ids)), CodedRows(reference, Codes(ids))
     broken = []
 

@@ -1,4 +1,4 @@
-"""Reading a run's parts for the streamed analysis: chunks of whole requests, read ahead, spilled columns.
+"""Reading a run's parts for the streamed analysis: chunks of whole requests, read ahead.
 
 Contract (I/O only; the analysis is `lpf.analysis.stream`, the stage `lpf.pipeline.analyze_stream`):
 - `Rows(parts)` hands a table's parts out a number of rows at a time, cut at request boundaries
@@ -10,30 +10,25 @@ Contract (I/O only; the analysis is `lpf.analysis.stream`, the stage `lpf.pipeli
 - `Ranges(run, requests, folder)`: requests cut into request-id ranges of ~CHUNK_ROWS tokens, both
   tables bucketed to lz4 Arrow files (~1.7x the parts on disk), each range sorted by (request_id,
   position) as it is read back: the order the in-memory join-and-sort gives.
-- `Spill(folder)`: whole-run float64 columns written chunk by chunk, read back whole or a piece at a
-  time (`rows`); `Kept()` the same held in memory (the chunks' own arrays, no copy), for runs of up
-  to KEEP_TOKENS tokens (16 bytes a token: below that it costs less than the pieces read ahead).
 - `CodedRows(pieces, codes)`: `Rows` over `RunDir.iter_pieces` (row groups, request ids
   dictionary-encoded), each row's request as an integer (`lpf.analysis.columns.Codes`): cut and
-  handed out without a string per row.
+  handed out without a string per row, a chunk never past the end of the row group it starts in
+  when a request ends there.
 - Chunks are ~`chunk_rows()` rows: CHUNK_ROWS over the WORKERS chunks scored at once.
 - `ordered_map(fn, items, workers)`: `fn(*item)` of each item on up to `workers` threads, results in
   the items' order, at most `workers` items in flight (memory: that many chunks); `workers` 1 is a
   plain loop on the calling thread. numpy and Arrow release the GIL, so chunks score on both cores.
 - `Tally(run)`: `lpf.analysis.returned.counts` of the tokens parts, counted as a pass reads them
-  (`tally.parts(...)` wraps the reader), so what came back needs no read of its own.
-- `heap()`: the memory regime of a streamed analysis (a context manager, restored on exit):
-  Arrow allocates from jemalloc where pyarrow has it, and Python's cyclic GC waits.
+  (`tally.parts(...)` or `tally.pieces(...)` wraps the reader), so what came back needs no read of
+  its own.
 """
 
 from __future__ import annotations
 
-import gc
 import os
 import queue
 import threading
 from collections import deque
-from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -47,7 +42,6 @@ from lpf.run import schema
 from lpf.run.store import RunDir
 
 CHUNK_ROWS = 1 << 20
-KEEP_TOKENS = 1 << 24  # the one pass keeps the logprob columns in memory up to this many tokens (256 MB)
 # chunks scored at once: this machine's two cores (the read-ahead threads share them; more threads
 # than cores only hold more chunks in memory)
 WORKERS = max(1, min(2, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
@@ -305,83 +299,6 @@ def _sorted(t: pa.Table) -> pa.Table:
     return t.sort_by([("request_id", "ascending"), ("position", "ascending")])
 
 
-class Spill:
-    """Whole-run float64 columns written chunk by chunk, read back one at a time (as often as asked)."""
-
-    def __init__(self, folder: Path):
-        self.folder, self.files = folder, {}
-
-    def add(self, cols: dict[str, np.ndarray]) -> None:
-        for name, values in cols.items():
-            if name not in self.files:
-                self.files[name] = open(self.folder / f"{name}.f64", "wb")
-            np.ascontiguousarray(values, np.float64).tofile(self.files[name])
-
-    def drop(self, name: str) -> None:
-        f = self.files.pop(name, None)
-        if f is not None:
-            f.close()
-            (self.folder / f"{name}.f64").unlink()
-
-    def read(self, name: str) -> np.ndarray:
-        f = self.files.get(name)
-        if f is None:
-            return np.zeros(0)
-        f.close()
-        return np.fromfile(self.folder / f"{name}.f64", np.float64)
-
-    def rows(self, name: str, rows) -> np.ndarray:
-        """A column's values at `rows`: a slice (read from its offset) or row indices (gathered
-        through a memory map): a piece at a time, never the whole column."""
-        f = self.files.get(name)
-        if f is None:
-            return np.zeros(0)
-        if not f.closed:
-            f.close()
-        path = self.folder / f"{name}.f64"
-        if isinstance(rows, slice):
-            lo, hi, _ = rows.indices(path.stat().st_size // 8)
-            return np.fromfile(path, np.float64, count=hi - lo, offset=8 * lo)
-        if not len(rows):
-            return np.zeros(0)
-        return np.array(np.memmap(path, np.float64, mode="r")[rows])
-
-
-class Kept:
-    """`Spill`'s interface over columns held in memory: the arrays each chunk handed over (views of
-    the parts' own buffers where a chunk lies in one), never copied into one."""
-
-    def __init__(self):
-        self.files: dict[str, list[np.ndarray]] = {}
-        self.bounds: dict[str, np.ndarray] = {}
-
-    def add(self, cols: dict[str, np.ndarray]) -> None:
-        for name, values in cols.items():
-            self.files.setdefault(name, []).append(values)
-            self.bounds.pop(name, None)
-
-    def rows(self, name: str, rows) -> np.ndarray:
-        """A column's values at `rows`: a slice (its pieces joined) or row indices (gathered)."""
-        parts = self.files.get(name)
-        if not parts:
-            return np.zeros(0)
-        if name not in self.bounds:
-            self.bounds[name] = np.cumsum([0] + [len(p) for p in parts])
-        bounds = self.bounds[name]
-        if isinstance(rows, slice):
-            lo, hi, _ = rows.indices(int(bounds[-1]))
-            a, b = np.searchsorted(bounds, lo, "right") - 1, np.searchsorted(bounds, hi, "left")
-            out = [parts[i][max(lo - bounds[i], 0) : hi - bounds[i]] for i in range(a, b)]
-            return np.asarray(out[0], np.float64) if len(out) == 1 else np.concatenate(out).astype(np.float64)
-        rows = np.asarray(rows)
-        out = np.empty(rows.size)
-        at = np.searchsorted(bounds, rows, "right") - 1
-        for i in np.unique(at):
-            hit = at == i
-            out[hit] = parts[i][rows[hit] - bounds[i]]
-        return out
-
-
 def ordered_map(fn, items, workers: int):
     """`fn(*item)` for each item of `items` (an iterator, consumed on the calling thread), on up to
     `workers` threads, yielded in the items' order; at most `workers` items in flight. Closing the
@@ -442,32 +359,3 @@ class Tally:
 
 def counted(parts, tally: Tally | None):
     return parts if tally is None else tally.parts(parts)
-
-
-@contextmanager
-def heap():
-    """Arrow's default pool is jemalloc for the duration (where pyarrow was built with it), then
-    what it was, jemalloc's free pages handed back; Python's cyclic GC is off meanwhile.
-    Why: the analysis decodes ~1 GB of parts per 10M tokens into buffers that live a part or two.
-    mimalloc (pyarrow's default) backs them with transparent huge pages and returns freed ones to
-    the system within milliseconds, so each part's buffers are fresh 2 MB pages the kernel zeroes
-    whole: on this 2-core VM that zeroing was 40% of the analysis' CPU (perf: clear_page_erms under
-    do_huge_pmd_anonymous_page) and the system time 3.0 s against 1.3 s with jemalloc, whose peak
-    RSS was lower too (954 vs 1048 MB, 10M tokens, medians of 6). The GC: the analysis makes no
-    reference cycles worth collecting, and its generation-2 passes walked every live object."""
-    try:
-        pool = pa.jemalloc_memory_pool()
-    except NotImplementedError:  # a pyarrow built without it: its default stays
-        pool = None
-    before, collecting = pa.default_memory_pool(), gc.isenabled()
-    if pool is not None:
-        pa.set_memory_pool(pool)
-    gc.disable()
-    try:
-        yield
-    finally:
-        if collecting:
-            gc.enable()
-        if pool is not None:
-            pa.set_memory_pool(before)
-            pool.release_unused()
