@@ -138,6 +138,7 @@ class StreamedAnalysis:
         expected: dict | None = None,
         sampling: dict | None = None,
         reference_columns=(),
+        rows: np.ndarray | None = None,
     ):
         self.requests, self.th, self.calib, self.greedy = requests, th, calib, greedy
         self.trace, self.engine_info, self.temperature = trace, engine_info, temperature
@@ -145,7 +146,7 @@ class StreamedAnalysis:
         self.n = int(counts.sum())
         self.step = -(-self.n // run_level.MAX_TOKENS)  # as run_test.run_level_test samples a huge run
         self.declared = one_array(ids)
-        offsets = _arrival_offsets(requests, ids, counts) if expected and self.n else None
+        offsets = _arrival_offsets(requests, ids, counts, rows) if expected and self.n else None
         self.arrival = (
             (_Lazy(lambda: Lookup(ids)), offsets[0]) if offsets is not None else None
         )  # request ids (looked up only for chunks that come without codes), the arrival index of
@@ -273,11 +274,12 @@ class StreamedAnalysis:
         if self.arrival is not None:
             if isinstance(self.evidence[0], dict):  # coded chunks' rows, gathered in arrival order
                 cols, codes = stream_evidence.gather(self.evidence)
-                exceed_ids = self.declared.take(pa.array(codes))
+                exceed_ids = lambda codes=codes: self.declared.take(pa.array(codes))  # noqa: E731 (when asked)
             else:
                 keys, toks, refs = (pa.concat_tables(t) for t in zip(*self.evidence))
                 cols = evidence_columns(keys, toks, refs, self.requests)
                 exceed_ids = keys.column("request_id").take(pa.array(cols["order"]))
+                exceed_ids = lambda ids=exceed_ids: ids  # noqa: E731
                 del keys, toks, refs
             self.evidence.clear()
             ev = token_evidence(cols, self.expected, self.sampling)
@@ -287,7 +289,7 @@ class StreamedAnalysis:
             del cols, ev
         summary = summary()
         if test is not None and test["result"] == "different":
-            summary, test["localized"] = raise_localized(summary, test, exceed, exceed_ids)
+            summary, test["localized"] = raise_localized(summary, test, exceed, exceed_ids())
         findings = findings_dict(summary, self.th, metrics(), self.n)
         findings["thresholds"].update(self.calib, pinned=sorted(self.th.pinned))
         tempered = pa.chunked_array(self.tempered_ids, pa.string()).combine_chunks() if self.tempered else None
@@ -330,17 +332,23 @@ def _decoded(table: pa.Table) -> pa.Table:
     return table.set_column(at, "request_id", table.column(at).cast(pa.string()))
 
 
-def _arrival_offsets(requests: pa.Table, ids: pa.Array, counts: np.ndarray) -> tuple[np.ndarray, bool]:
+def _arrival_offsets(
+    requests: pa.Table, ids: pa.Array, counts: np.ndarray, rows: np.ndarray | None = None
+) -> tuple[np.ndarray, bool]:
     """(per request in token order: the arrival index (request seq, then position) of its first
     scored token, as `token_evidence.evidence_columns` orders them; whether their seqs are distinct,
-    so that order is the arrival index's)."""
-    req = by_arrival(requests)
-    at = (
-        pc.index_in(ids, value_set=req.column("request_id").combine_chunks())
-        .fill_null(0)
-        .to_numpy(zero_copy_only=False)
-    )
-    seq = req.column("seq").to_numpy()[at]
+    so that order is the arrival index's). `rows`: each id's row in `requests`, when the caller
+    knows it (else looked up by id)."""
+    if rows is not None:
+        seq = requests.column("seq").to_numpy()[rows]
+    else:
+        req = by_arrival(requests)
+        at = (
+            pc.index_in(ids, value_set=req.column("request_id").combine_chunks())
+            .fill_null(0)
+            .to_numpy(zero_copy_only=False)
+        )
+        seq = req.column("seq").to_numpy()[at]
     order = np.argsort(seq, kind="stable")  # seq is unique per request
     offsets = np.empty(len(ids), np.int64)
     offsets[order] = np.cumsum(counts[order]) - counts[order]

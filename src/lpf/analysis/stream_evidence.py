@@ -99,7 +99,7 @@ def gather(pieces: list[dict]) -> tuple[dict, np.ndarray]:
         cols[name] = _list_rows([p[name] for p in pieces], order, fill)
     if ENGINE_LISTS[0] in pieces[0] and n:
         ids = [p[ENGINE_LISTS[0]] for p in pieces]
-        k = _matrix(ids).shape[1] if _matrix(ids) is not None else _widths(_as_lists(ids))[0]
+        k = _matrix(ids, 0).shape[1] if _matrix(ids, 0) is not None else _widths(_as_lists(ids))[0]
         if k:  # what `evidence_columns` asks of the engine's lists: one not empty (a value in it)
             for name, fill in zip(ENGINE_LISTS, (-1, -np.inf)):
                 cols[name] = _list_rows([p[name] for p in pieces], order, fill)
@@ -116,11 +116,14 @@ def _list_rows(parts: list, order: np.ndarray | None, fill) -> np.ndarray:
     return list_rows(_as_lists(parts), order, fill)
 
 
-def _matrix(parts: list) -> np.ndarray | None:
+def _matrix(parts: list, rows: int | None = None) -> np.ndarray | None:
+    """(`rows`: 0 to learn only the width, as a [0, k] matrix)"""
     if not all(isinstance(x, tuple) for x in parts) or len({x[0].shape[1] for x in parts}) != 1:
         return None
     if not parts[0][0].shape[1]:
         return None  # empty lists: `list_rows` decides their dtype
+    if rows == 0:
+        return parts[0][0][:0]
     return np.concatenate([x[0] for x in parts]) if len(parts) > 1 else parts[0][0]
 
 

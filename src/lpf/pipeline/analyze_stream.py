@@ -227,7 +227,7 @@ def _one_pass(run, requests, th, greedy, spill, kw, progress, how):
         tokens.close(), reference.close()
         return None  # a request id twice: the in-memory analysis joins and sorts
     th, calib = stream.thresholds(None, None, th, kw["expected"])
-    acc = StreamedAnalysis(requests, th, calib, greedy, ids, counts, **kw)
+    acc = StreamedAnalysis(requests, th, calib, greedy, ids, counts, rows=np.flatnonzero(has), **kw)
     progress[0](scored_token_count(run), 0)
     cols = Kept() if acc.n <= stream_memory.KEEP_TOKENS else Spill(spill)
     tok, ref = CodedRows(tokens, Codes(ids)), CodedRows(reference, Codes(ids))
