@@ -241,16 +241,17 @@ class StreamedAnalysis:
             )
         return keys, _rows_for(tokens.select(have), keys), _rows_for(reference.select(_EVIDENCE_REFERENCE), keys)
 
-    def finish(self, read) -> tuple[pa.Table, dict]:
+    def finish(self, read, on_summary=None) -> tuple[pa.Table, dict]:
         """(summary, findings) as `findings.analyze` gives them. `read(name, rows)`: a `SPILLED`
         column's values at `rows` (a slice or row indices) of the whole run, in token order (called
-        from another thread: the metric summary runs beside the run-level test and the summary)."""
+        from another thread: the metric summary runs beside the run-level test and the summary).
+        `on_summary(summary)`: called with the summary once it is final, before the conclusions."""
         from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(2, thread_name_prefix="lpf-finish") as pool:
             metrics = pool.submit(metric_summary, read, self.flips, self.same, self.n)
             summary = pool.submit(self._summary)
-            return self._finish(metrics.result, summary.result)
+            return self._finish(metrics.result, summary.result, on_summary or (lambda s: None))
 
     def _summary(self) -> pa.Table:
         """The per-request summary (before the run-level test raises any request's verdict)."""
@@ -268,7 +269,7 @@ class StreamedAnalysis:
         self.per.clear(), self.ids.clear()
         return apply_inconsistency(summarize_requests(None, self.requests, self.th, per=(ids, merged)), self.requests)
 
-    def _finish(self, metrics, summary) -> tuple[pa.Table, dict]:
+    def _finish(self, metrics, summary, on_summary) -> tuple[pa.Table, dict]:
         """`metrics()`, `summary()`: the metric summary and `_summary`, made beside the run-level test."""
         test = None
         if self.arrival is not None:
@@ -290,6 +291,7 @@ class StreamedAnalysis:
         summary = summary()
         if test is not None and test["result"] == "different":
             summary, test["localized"] = raise_localized(summary, test, exceed, exceed_ids())
+        on_summary(summary)
         findings = findings_dict(summary, self.th, metrics(), self.n)
         findings["thresholds"].update(self.calib, pinned=sorted(self.th.pinned))
         tempered = pa.chunked_array(self.tempered_ids, pa.string()).combine_chunks() if self.tempered else None

@@ -43,7 +43,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from lpf.analysis import stream
-from lpf.analysis.columns import Codes
+from lpf.analysis.columns import Codes, one_array
 from lpf.analysis.stream import StreamedAnalysis
 from lpf.analysis.thresholds import Thresholds
 from lpf.pipeline import stream_memory, stream_parts
@@ -107,18 +107,24 @@ def light_requests(run: RunDir) -> pa.Table:
 
 
 def _light_requests(run: RunDir) -> pa.Table:
-    out = []
+    from lpf.run.store import read_part
+
+    columns = [n for n in schema.REQUESTS.names if n != "output_text"]
     text_at = schema.REQUESTS.names.index("output_text")
-    for part in run.iter_parts("requests", [n for n in schema.REQUESTS.names if n != "output_text"]):
+
+    def light(path):
+        part = read_part(path, "requests", columns, use_threads=False)
         for name in ("prompt_token_ids", "output_token_ids"):
-            lists = part.column(name).combine_chunks()
+            lists = one_array(part.column(name))
             offsets = lists.offsets
             lengths = pa.ListArray.from_arrays(
                 pc.subtract(offsets, offsets[0]), pa.nulls(len(lists.values)), mask=lists.is_null()
             )
             part = part.set_column(part.schema.get_field_index(name), pa.field(name, lengths.type), lengths)
-        part = part.add_column(text_at, "output_text", pa.nulls(part.num_rows, pa.string()))  # never read: the text
-        out.append(part)
+        return part.add_column(text_at, "output_text", pa.nulls(part.num_rows, pa.string()))  # never read: the text
+
+    # the parts decoded on both cores (each on its own thread; Arrow's pool may have one), in order
+    out = list(ordered_map(light, ((p,) for p in run.parts("requests")), stream_parts.WORKERS))
     return pa.concat_tables(out) if out else schema.REQUESTS.empty_table()
 
 
@@ -135,12 +141,14 @@ def analyze_streamed(
     run_info: dict | None = None,
     progress: tuple[OnStart, Tick] = (no_start, no_tick),
     tally: Tally | None = None,
+    on_summary=None,
 ) -> tuple[pa.Table, dict]:
     """`findings.analyze(requests, tokens, reference, th, greedy, ...)` over the run's parts, streamed
     (no calibration run: the caller routes those to the in-memory path). `progress`: (on_start,
     tick) over twice the tokens parts' rows (the two passes). Chunks are scored on
     `stream_parts.WORKERS` threads (the findings are the same for any number). `tally`: counts
-    the tokens parts as the passes read them (`Tally.counts()`)."""
+    the tokens parts as the passes read them (`Tally.counts()`). `on_summary(summary)`: called
+    once the summary is final, before the findings are concluded (the caller may start writing it)."""
     for old in run.path.glob(".tmp-analyze-*"):
         shutil.rmtree(old, ignore_errors=True)  # a killed analysis' leftovers
     spill = Path(tempfile.mkdtemp(prefix=".tmp-analyze-", dir=run.path))
@@ -160,6 +168,7 @@ def analyze_streamed(
                 progress=progress,
                 workers=stream_parts.WORKERS,
                 tally=tally,
+                on_summary=on_summary,
             )
     finally:
         shutil.rmtree(spill, ignore_errors=True)
@@ -180,6 +189,7 @@ def _analyze(
     progress,
     workers,
     tally,
+    on_summary,
 ):
     from lpf.analysis.floors import expected_floor
 
@@ -199,7 +209,7 @@ def _analyze(
         sampling=run_info.get("sampling"),
         reference_columns=REFERENCE_COLUMNS,
     )
-    how = {"workers": workers, "tally": tally}
+    how = {"workers": workers, "tally": tally, "on_summary": on_summary}
     if expected:
         done = _one_pass(run, requests, th, greedy, spill, kw, progress, how)
         if done is not None:
@@ -265,7 +275,7 @@ def _one_pass(run, requests, th, greedy, spill, kw, progress, how):
         return None  # a request with an output never scored
     tok = ref = None
     pa.default_memory_pool().release_unused()
-    return acc.finish(cols.rows)
+    return acc.finish(cols.rows, how["on_summary"])
 
 
 def _two_passes(run, requests, th, greedy, spill, kw, progress, how):
@@ -325,7 +335,7 @@ def _two_passes(run, requests, th, greedy, spill, kw, progress, how):
         tick(chunk["rows"])
     chunk = second = scored = None  # the last chunk
     pa.default_memory_pool().release_unused()
-    return acc.finish(cols.rows)
+    return acc.finish(cols.rows, how["on_summary"])
 
 
 def reference_sums(run: RunDir, ids: set[str]) -> dict[str, float]:
