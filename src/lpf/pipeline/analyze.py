@@ -36,7 +36,6 @@ from lpf.core.jsonsafe import finite
 from lpf.pipeline.analyze_stream import (
     analyze_streamed,
     footer_counts,
-    light_requests,
     own_sums,
     reference_sums,
     scored_token_count,
@@ -102,8 +101,9 @@ def analyze_run(
             f"{run.path} has prompt logprobs, which the streamed analysis does not read yet: "
             f"analyze it with --no-stream"
         )
-    requests = light_requests(run) if stream else run.read("requests")
-    if requests.num_rows == 0:
+    # streamed: the analysis reads the requests itself, beside the first parts (their footers count them here)
+    requests = None if stream else run.read("requests")
+    if (scored_token_count(run, "requests") if stream else requests.num_rows) == 0:
         raise LpfError(f"{run.path} has no completed requests to analyze")
     trace = run.read("trace") if run.has("trace") else None  # engines without a trace: metadata only
     temperature = m["sampling"].get("temperature", 0) or 0

@@ -64,11 +64,15 @@ from lpf.run import schema
 from lpf.run.store import RunDir
 
 
-def scored_token_count(run: RunDir) -> int:
-    """Rows of the tokens parts, from their footers (what chooses the streamed path)."""
+def scored_token_count(run: RunDir, table: str = "tokens") -> int:
+    """Rows of the tokens parts (or another table's), from their footers (what chooses the streamed
+    path); a part whose footer does not read is read (a damaged one says so there, in one line)."""
     import pyarrow.parquet as pq
 
-    return sum(pq.ParquetFile(p).metadata.num_rows for p in run.parts("tokens"))
+    try:
+        return sum(pq.ParquetFile(p).metadata.num_rows for p in run.parts(table))
+    except (pa.ArrowException, OSError, ValueError):
+        return sum(t.num_rows for t in run.iter_parts(table, ["request_id"]))
 
 
 def footer_counts(run: RunDir) -> dict:
@@ -130,7 +134,7 @@ def _light_requests(run: RunDir) -> pa.Table:
 
 def analyze_streamed(
     run: RunDir,
-    requests: pa.Table,
+    requests: pa.Table | None,
     th: Thresholds,
     greedy: bool,
     *,
@@ -144,7 +148,8 @@ def analyze_streamed(
     on_summary=None,
 ) -> tuple[pa.Table, dict]:
     """`findings.analyze(requests, tokens, reference, th, greedy, ...)` over the run's parts, streamed
-    (no calibration run: the caller routes those to the in-memory path). `progress`: (on_start,
+    (no calibration run: the caller routes those to the in-memory path). `requests`: `light_requests`
+    of the run, or None to read it here (beside the first parts, when one pass will do). `progress`: (on_start,
     tick) over twice the tokens parts' rows (the two passes). Chunks are scored on
     `stream_parts.WORKERS` threads (the findings are the same for any number). `tally`: counts
     the tokens parts as the passes read them (`Tally.counts()`). `on_summary(summary)`: called
@@ -210,6 +215,14 @@ def _analyze(
         reference_columns=REFERENCE_COLUMNS,
     )
     how = {"workers": workers, "tally": tally, "on_summary": on_summary}
+    if expected:  # the one pass's readers start first: the requests are read beside their first parts
+        pieces = tally.pieces if tally is not None else iter
+        how["readers"] = (
+            read_ahead(pieces(run.iter_pieces("tokens", TOKEN_COLUMNS))),
+            read_ahead(run.iter_pieces("reference", REFERENCE_COLUMNS)),
+        )
+    if requests is None:
+        requests = light_requests(run)
     if expected:
         done = _one_pass(run, requests, th, greedy, spill, kw, progress, how)
         if done is not None:
@@ -227,9 +240,7 @@ def _one_pass(run, requests, th, greedy, spill, kw, progress, how):
     The parts are read a row group at a time with each row's request as an integer (`CodedRows`:
     no request id string per row is built or compared); chunks are scored on `how["workers"]`
     threads, checked and kept in order; the logprob columns stay in memory up to KEEP_TOKENS."""
-    pieces = how["tally"].pieces if how["tally"] is not None else iter
-    tokens = read_ahead(pieces(run.iter_pieces("tokens", TOKEN_COLUMNS)))  # the first parts read meanwhile
-    reference = read_ahead(run.iter_pieces("reference", REFERENCE_COLUMNS))
+    tokens, reference = how.pop("readers")  # started by the caller: the first parts read meanwhile
     n_out = pc.list_value_length(requests.column("output_token_ids")).fill_null(0).to_numpy(zero_copy_only=False)
     has = n_out > 0
     ids, counts = requests.column("request_id").filter(pa.array(has)).combine_chunks(), n_out[has].astype(np.int64)
