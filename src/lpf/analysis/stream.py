@@ -292,7 +292,8 @@ class StreamedAnalysis:
         if test is not None and test["result"] == "different":
             summary, test["localized"] = raise_localized(summary, test, exceed, exceed_ids())
         on_summary(summary)
-        findings = findings_dict(summary, self.th, metrics(), self.n)
+        # the metric summary goes in when it is ready, at its place: the conclusions read none of it
+        findings = findings_dict(summary, self.th, None, self.n)
         findings["thresholds"].update(self.calib, pinned=sorted(self.th.pinned))
         tempered = pa.chunked_array(self.tempered_ids, pa.string()).combine_chunks() if self.tempered else None
         crossed = None
@@ -300,9 +301,11 @@ class StreamedAnalysis:
             crossed = crossed_wires(
                 pa.concat_tables(self.missed) if self.missed else _NO_MISS, self.requests, self.trace
             )
-        return summary, conclude(
+        findings = conclude(
             findings, summary, self.requests, self.trace, self.engine_info, self.temperature, test, tempered, crossed
         )
+        findings["metrics"] = metrics()
+        return summary, findings
 
 
 _NO_MISS = pa.table(
