@@ -317,17 +317,19 @@ def _rewrite(part, fn, **kw):
     pq.write_table(fn(pq.read_table(part)), part, **kw)
 
 
-@pytest.mark.parametrize("case", ["late-arrivals", "ragged-top-k", "older-writer"])
+@pytest.mark.parametrize("case", ["late-arrivals", "ragged-top-k", "null-top-k", "no-top-k", "older-writer"])
 def test_one_pass_evidence_in_arrival_order(tmp_path, monkeypatch, case):
     """The run-level test's tokens, taken chunk by chunk and put in arrival order at the end, are
     `evidence_columns`' over the whole run: requests whose arrival order is not their token order
     (seq shuffled), top-k lists of ragged widths (Arrow lists, not matrices) beside missing
-    logprobs (one at a kept row: NaN there, as in memory), and parts written
+    logprobs (one at a kept row: NaN there, as in memory), every third list null, no list at all
+    (an engine that returns no top-k, a reference that kept none), and parts written
     before floats were BYTE_STREAM_SPLIT (zstd with dictionaries: still read the same)."""
     import numpy as np
     import pyarrow as pa
 
     from lpf.analysis import run_test
+    from lpf.analysis.stream_evidence import ENGINE_LISTS, REFERENCE_LISTS
 
     monkeypatch.setattr(run_test, "MAX_TOKENS", 4000)
     run, _ = _bench().write_synthetic_run(tmp_path / "run", 24_000, part_tokens=3000, topk=3, out_tokens=20)
@@ -353,6 +355,19 @@ def test_one_pass_evidence_in_arrival_order(tmp_path, monkeypatch, case):
             cut = [x[:1] if i % 7 == 0 else x for i, x in enumerate(lists)]
             t = t.set_column(t.column_names.index(name), name, pa.array(cut, t.schema.field(name).type))
         pq.write_table(t, part)
+    elif case in ("null-top-k", "no-top-k"):
+        for table, names in (("tokens", ENGINE_LISTS), ("reference", REFERENCE_LISTS)):
+            for part in run.parts(table):
+                t = pq.read_table(part)
+                for name in names:
+                    lists, n = t.column(name).combine_chunks(), t.num_rows
+                    if case == "no-top-k":
+                        offsets, values, mask = pa.array(np.zeros(n + 1, np.int32)), lists.values[:0], None
+                    else:
+                        offsets, values, mask = lists.offsets, lists.values, pa.array(np.arange(n) % 3 == 0)
+                    lists = pa.ListArray.from_arrays(offsets, values, type=lists.type, mask=mask)
+                    t = t.set_column(t.column_names.index(name), name, lists)
+                pq.write_table(t, part)
     else:
         for table in ("tokens", "reference", "requests"):
             for part in run.parts(table):
