@@ -271,7 +271,7 @@ class Ranges:
         return self.spill / f"{table}-{i:05d}.arrow"
 
     def _bucket(self, run: RunDir, table: str, columns: list[str]) -> None:
-        want = pa.schema([schema.TABLES[table].field(c) for c in columns])
+        want = pa.schema([schema.TABLES[table].field(c) for c in columns] + [pa.field(_RANK, pa.int32())])
         writers = [pa.ipc.new_file(self._path(table, i), want, options=_COMPRESSED) for i in range(len(self.cuts))]
         try:
             parts = run.iter_parts(table, columns)
@@ -279,7 +279,9 @@ class Ranges:
                 at = pc.index_in(part.column("request_id"), value_set=self.sorted_ids)
                 known = at.is_valid()
                 part = part.filter(known)  # rows of no committed request join no token
-                rng = np.searchsorted(self.cuts, at.drop_null().to_numpy(), side="right") - 1
+                rank = at.drop_null().to_numpy()
+                part = part.append_column(_RANK, pa.array(rank.astype(np.int32)))
+                rng = np.searchsorted(self.cuts, rank, side="right") - 1
                 order = np.argsort(rng, kind="stable")
                 part, rng = part.take(pa.array(order)), rng[order]
                 bounds = np.searchsorted(rng, np.arange(len(self.cuts) + 1))
@@ -295,8 +297,16 @@ class Ranges:
             yield tuple(_sorted(pa.ipc.open_file(self._path(t, i)).read_all()) for t in ("tokens", "reference"))
 
 
+_RANK = "_rank"  # a range file's extra column: each row's request id's rank in the sorted ids
+
+
 def _sorted(t: pa.Table) -> pa.Table:
-    return t.sort_by([("request_id", "ascending"), ("position", "ascending")])
+    """`t.sort_by([("request_id", "ascending"), ("position", "ascending")])` without its `_RANK`
+    column, sorted by that rank instead of the id: the ids' order is the rank's (both Arrow's
+    string order), both sorts are stable (ties keep their order), and position's nulls go last in
+    both (NaN in numpy). Integers sort in a fraction of the time strings take."""
+    order = np.lexsort((t.column("position").to_numpy(), t.column(_RANK).to_numpy()))
+    return t.drop_columns([_RANK]).take(pa.array(order))
 
 
 def ordered_map(fn, items, workers: int):
