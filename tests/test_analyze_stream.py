@@ -18,7 +18,7 @@ import pytest
 
 from conftest import lpf_subprocess, write_prompts
 from lpf.analysis.thresholds import Thresholds
-from lpf.pipeline import analyze_stream, stream_parts
+from lpf.pipeline import analyze_stream, stream_memory, stream_parts
 from lpf.pipeline.analyze import analyze_run
 from lpf.run.store import RunDir
 
@@ -118,16 +118,20 @@ def test_synthetic_run_in_many_parts(tmp_path, monkeypatch, shuffle):
     assert st_sum.equals(mem_sum)
 
 
-@pytest.mark.parametrize("short", [False, True], ids=["one-pass", "rows-not-output"])
-def test_one_pass_and_its_checks(tmp_path, monkeypatch, short):
+@pytest.mark.parametrize(
+    "short,keep", [(False, True), (False, False), (True, True)], ids=["one-pass", "spilled", "rows-not-output"]
+)
+def test_one_pass_and_its_checks(tmp_path, monkeypatch, short, keep):
     """With an expected floor and parts that line up, one pass over the parts (its arrival order
-    from the requests' output lengths); a request whose rows are not its output (a token row gone
-    on both sides) fails that check part way, and the two passes give the in-memory findings."""
+    from the requests' output lengths), the logprob columns kept in memory or (above KEEP_TOKENS)
+    spilled; a request whose rows are not its output (a token row gone on both sides) fails that
+    check part way, and the two passes give the in-memory findings."""
     import pyarrow.compute as pc
 
     from lpf.analysis import run_test
 
     monkeypatch.setattr(run_test, "MAX_TOKENS", 5000)
+    monkeypatch.setattr(stream_memory, "KEEP_TOKENS", stream_memory.KEEP_TOKENS if keep else 0)
     run, _ = _bench().write_synthetic_run(tmp_path / "run", 30_000, part_tokens=3000, topk=2, out_tokens=20)
     if short:  # request 700's last position dropped from its tokens and reference parts
         for table in ("tokens", "reference"):
@@ -307,3 +311,107 @@ def test_footer_counts_are_what_reading_counts(tmp_path):
     want = counts(run.iter_parts("tokens", ["engine_logprob", "engine_topk_ids"]))
     assert want["no_logprob"] == 500
     assert analyze_stream.footer_counts(run) == {**want, "top_k": 0}
+
+
+def _rewrite(part, fn, **kw):
+    pq.write_table(fn(pq.read_table(part)), part, **kw)
+
+
+@pytest.mark.parametrize("case", ["late-arrivals", "ragged-top-k", "null-top-k", "no-top-k", "older-writer"])
+def test_one_pass_evidence_in_arrival_order(tmp_path, monkeypatch, case):
+    """The run-level test's tokens, taken chunk by chunk and put in arrival order at the end, are
+    `evidence_columns`' over the whole run: requests whose arrival order is not their token order
+    (seq shuffled), top-k lists of ragged widths (Arrow lists, not matrices) beside missing
+    logprobs (one at a kept row: NaN there, as in memory), every third list null, no list at all
+    (an engine that returns no top-k, a reference that kept none), and parts written
+    before floats were BYTE_STREAM_SPLIT (zstd with dictionaries: still read the same)."""
+    import numpy as np
+    import pyarrow as pa
+
+    from lpf.analysis import run_test
+    from lpf.analysis.stream_evidence import ENGINE_LISTS, REFERENCE_LISTS
+
+    monkeypatch.setattr(run_test, "MAX_TOKENS", 4000)
+    run, _ = _bench().write_synthetic_run(tmp_path / "run", 24_000, part_tokens=3000, topk=3, out_tokens=20)
+    md = pq.ParquetFile(run.parts("reference")[0]).metadata.row_group(0)
+    leaf = {md.column(i).path_in_schema: md.column(i).encodings for i in range(md.num_columns)}
+    assert "BYTE_STREAM_SPLIT" in leaf["ref_logprob"] and "BYTE_STREAM_SPLIT" in leaf["ref_topk_logprobs.list.element"]
+    rng = np.random.default_rng(5)
+    if case == "late-arrivals":
+        for part in run.parts("requests"):
+            seq = rng.permutation(10**6)[: pq.read_metadata(part).num_rows]
+
+            def reseq(t, seq=seq):
+                return t.set_column(t.column_names.index("seq"), "seq", pa.array(seq, pa.int64()))
+
+            _rewrite(part, reseq)
+    elif case == "ragged-top-k":  # every 7th row of a tokens part keeps one of its three; two logprobs lost
+        part = run.parts("tokens")[2]
+        t = pq.read_table(part)
+        lost = [None if i in (60, 125) else x for i, x in enumerate(t.column("engine_logprob").to_pylist())]
+        t = t.set_column(t.column_names.index("engine_logprob"), "engine_logprob", pa.array(lost, pa.float64()))
+        for name in ("engine_topk_ids", "engine_topk_logprobs"):
+            lists = t.column(name).to_pylist()
+            cut = [x[:1] if i % 7 == 0 else x for i, x in enumerate(lists)]
+            t = t.set_column(t.column_names.index(name), name, pa.array(cut, t.schema.field(name).type))
+        pq.write_table(t, part)
+    elif case in ("null-top-k", "no-top-k"):
+        for table, names in (("tokens", ENGINE_LISTS), ("reference", REFERENCE_LISTS)):
+            for part in run.parts(table):
+                t = pq.read_table(part)
+                for name in names:
+                    lists, n = t.column(name).combine_chunks(), t.num_rows
+                    if case == "no-top-k":
+                        offsets, values, mask = pa.array(np.zeros(n + 1, np.int32)), lists.values[:0], None
+                    else:
+                        offsets, values, mask = lists.offsets, lists.values, pa.array(np.arange(n) % 3 == 0)
+                    lists = pa.ListArray.from_arrays(offsets, values, type=lists.type, mask=mask)
+                    t = t.set_column(t.column_names.index(name), name, lists)
+                pq.write_table(t, part)
+    else:
+        for table in ("tokens", "reference", "requests"):
+            for part in run.parts(table):
+                _rewrite(part, lambda t: t, compression="zstd", write_page_checksum=True)
+    passes = []
+    real = analyze_stream._two_passes
+    monkeypatch.setattr(analyze_stream, "_two_passes", lambda *a, **k: passes.append(1) or real(*a, **k))
+    (mem_raw, mem_sum, f), (st_raw, st_sum, _), ranged = both_ways(run.path, tmp_path, monkeypatch, 1100, False)
+    assert not passes and not ranged and f["run_test"]["sampled_every"] == 6
+    assert st_raw == mem_raw
+    assert st_sum.equals(mem_sum)
+
+
+def test_codes_read_any_dictionary():
+    """`Codes.of`: each row's index among the ids (-1 for another id or a null), for dictionaries
+    that are a run of the ids, straddle the last one found, or are in any order."""
+    import numpy as np
+    import pyarrow as pa
+
+    from lpf.analysis.columns import Codes
+
+    ids = pa.array([f"r{i}" for i in range(50)])
+    codes = Codes(ids)
+    rng = np.random.default_rng(1)
+    for rows in (
+        ["r0", "r0", "r1", "r2"],  # a run from the start
+        ["r2", "r3", "r3"],  # straddles: begins with the last one found
+        ["r10", "r11"],  # a run elsewhere
+        ["r7", None, "x", "r3", "r7"],  # any order, a null, an id not among them
+        [f"r{i}" for i in rng.permutation(50)],
+    ):
+        col = pa.chunked_array([pa.array(rows).dictionary_encode(), pa.array(rows[:1]).dictionary_encode()])
+        want = [int(r[1:]) if r and r.startswith("r") else -1 for r in rows + rows[:1]]
+        assert codes.of(col).tolist() == want
+
+
+def test_kept_reads_what_spill_reads(tmp_path):
+    import numpy as np
+
+    rng = np.random.default_rng(2)
+    kept, spill = stream_memory.Kept(), stream_memory.Spill(tmp_path)
+    for size in (5, 1, 300, 0, 64):
+        cols = {"a": rng.random(size), "b": rng.random(size)}
+        kept.add(cols), spill.add(cols)
+    for rows in (slice(0, 370), slice(3, 7), slice(5, 6), slice(300, 370), rng.integers(0, 370, 40), np.arange(0)):
+        for name in ("a", "b"):
+            assert np.array_equal(kept.rows(name, rows), spill.rows(name, rows))

@@ -8,7 +8,9 @@ buffers at the same offsets (a table's column handed on as another's, e.g. `metr
 zip: then row i of one is row i of the other); `falls(pos)` -> the rows i where pos[i + 1] <= pos[i],
 in blocks (a whole-run boolean temporary is a fresh 20 MB at 20M rows); `within(a, b)` -> whether
 every value of ascending `a` is in ascending `b`; `Lookup(ids).index(keys)` -> the position of each
-key among `ids` (-1 where absent), many times over one set of ids without hashing it again.
+key among `ids` (-1 where absent), many times over one set of ids without hashing it again;
+`Codes(ids).of(col)` -> the same for every row of a dictionary-encoded column (int32), looking up
+only its dictionaries' strings (a row's string is never built).
 """
 
 from __future__ import annotations
@@ -90,3 +92,45 @@ class Lookup:
             slow = pc.index_in(keys, value_set=self.ids).fill_null(-1).to_numpy(zero_copy_only=False)
             return slow.astype(np.int64)
         return found.astype(np.int64)
+
+
+class Codes:
+    """Each row's position among a fixed list of distinct string ids (-1 where absent), for
+    dictionary-encoded columns: only a dictionary's strings are looked up, each row is an integer
+    gather. A dictionary that is a run of the ids in their order (a part written in the requests'
+    order: its first appearances) is found with one comparison after the last one found; any other
+    by `Lookup`. Two rows have the same code >= 0 exactly when they hold the same string."""
+
+    def __init__(self, ids):
+        self.ids = one_array(ids)
+        self.lookup: Lookup | None = None
+        self.next = 0  # where the last dictionary found as a run of the ids ended
+
+    def of(self, col) -> np.ndarray:
+        chunks = col.chunks if isinstance(col, pa.ChunkedArray) else [col]
+        out = [self._chunk(c) for c in chunks]
+        return out[0] if len(out) == 1 else np.concatenate(out) if out else np.zeros(0, np.int32)
+
+    def _chunk(self, c: pa.DictionaryArray) -> np.ndarray:
+        at = self._dictionary(c.dictionary)
+        if c.null_count:
+            idx = c.indices.fill_null(0).to_numpy()
+            codes = at[idx] if at.size else np.full(len(c), -1, np.int32)
+            codes[c.is_null().to_numpy(zero_copy_only=False)] = -1
+            return codes
+        return at[c.indices.to_numpy()]
+
+    def _dictionary(self, d: pa.Array) -> np.ndarray:
+        n = len(d)
+        for lo in (self.next - 1, self.next):  # a request that straddles two row groups: in both
+            if 0 <= lo and lo + n <= len(self.ids) and n and d.equals(self.ids.slice(lo, n)):
+                self.next = lo + n
+                return np.arange(lo, lo + n, dtype=np.int32)
+        if n and len(self.ids):
+            first = pc.index(self.ids, d[0]).as_py()
+            if first >= 0 and first + n <= len(self.ids) and d.equals(self.ids.slice(first, n)):
+                self.next = first + n
+                return np.arange(first, first + n, dtype=np.int32)
+        if self.lookup is None:
+            self.lookup = Lookup(self.ids)
+        return self.lookup.index(d).astype(np.int32)

@@ -118,6 +118,38 @@ def join_grouped(tokens: pa.Table, reference: pa.Table) -> tuple[pa.Table, np.nd
     return joined, segment_starts(joined.column("request_id"))
 
 
+def join_coded(tokens: pa.Table, reference: pa.Table, codes: tuple[np.ndarray, np.ndarray], ids: pa.Array):
+    """`join_grouped`'s zip, with each row's request given as its index among `ids` (distinct) on
+    both sides (`columns.Codes`; -1: not among them) instead of a request_id column: (joined,
+    starts) when the rows line up (the same request and position row for row, every request among
+    `ids`, each request's rows contiguous with positions rising, each request once), else None.
+    The checks are `zipped_starts`' on integers; joined's request_id is a dictionary over `ids`."""
+    tc, rc = codes
+    if tokens.num_rows != reference.num_rows or not np.array_equal(tc, rc) or (tc.size and tc.min() < 0):
+        return None
+    pos = tokens.column("position").to_numpy()
+    if not np.array_equal(pos, reference.column("position").to_numpy()):
+        return None
+    change = np.flatnonzero(tc[1:] != tc[:-1])
+    if not within(falls(pos), change):  # a position that does not rise must start a request
+        return None
+    starts = np.r_[0, change + 1] if tc.size else np.zeros(0, np.int64)
+    if np.unique(tc[starts]).size != starts.size:
+        return None
+    top1 = (
+        first_of_lists(tokens.column("engine_topk_ids"))
+        if "engine_topk_ids" in tokens.column_names
+        else np.full(tokens.num_rows, -1, dtype=np.int64)
+    )
+    out = pa.table({"request_id": pa.DictionaryArray.from_arrays(pa.array(tc, pa.int32()), ids)})
+    for name in ("position", "token_id", "engine_logprob"):
+        out = out.append_column(name, tokens.column(name))
+    out = out.append_column("engine_top1_id", pa.array(top1))
+    for name in [c for c in _REF_COLS[2:] if c in reference.column_names]:
+        out = out.append_column(name, reference.column(name))
+    return out, starts
+
+
 # metric column -> dtype, in the order `token_metrics` appends them
 METRIC_DTYPES = {
     "abs_logprob_diff": np.float64,

@@ -42,6 +42,8 @@ in-memory path and refuses `--stream` on them. The trace is read whole.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -49,9 +51,10 @@ import pyarrow.compute as pc
 from lpf.analysis import metrics as m
 from lpf.analysis.calibration import calibrate, calibrate_to_floor
 from lpf.analysis.evidence import apply_inconsistency
-from lpf.analysis.columns import Lookup, same_rows
+from lpf.analysis.columns import Lookup, one_array, same_rows
 from lpf.analysis.findings import conclude, findings_dict, wants_tempered
 from lpf.analysis import run_test as run_level
+from lpf.analysis import stream_evidence
 from lpf.analysis.localized import raise_localized
 from lpf.analysis.run_test import run_test, token_evidence
 from lpf.analysis.signatures import crossed_wires, tempered_logprobs
@@ -135,15 +138,20 @@ class StreamedAnalysis:
         expected: dict | None = None,
         sampling: dict | None = None,
         reference_columns=(),
+        rows: np.ndarray | None = None,
     ):
         self.requests, self.th, self.calib, self.greedy = requests, th, calib, greedy
         self.trace, self.engine_info, self.temperature = trace, engine_info, temperature
         self.expected, self.sampling = expected, sampling or {"temperature": temperature}
         self.n = int(counts.sum())
         self.step = -(-self.n // run_level.MAX_TOKENS)  # as run_test.run_level_test samples a huge run
+        self.declared = one_array(ids)
+        offsets = _arrival_offsets(requests, ids, counts, rows) if expected and self.n else None
         self.arrival = (
-            (Lookup(ids), _arrival_offsets(requests, ids, counts)) if expected and self.n else None
-        )  # request ids, the arrival index of each one's first scored token
+            (_Lazy(lambda: Lookup(ids)), offsets[0]) if offsets is not None else None
+        )  # request ids (looked up only for chunks that come without codes), the arrival index of
+        # each one's first scored token
+        self.by_index = offsets is not None and offsets[1]  # arrival order is the arrival index's
         self.tempered = wants_tempered(temperature, reference_columns)
         self.zipped, self.heads, self.counts, self.at = False, None, None, None  # of the last chunk added
         self.ids, self.per, self.flips, self.same = [], [], 0, 0
@@ -153,14 +161,34 @@ class StreamedAnalysis:
         """Score one chunk; returns its `SPILLED` columns (in token order) for the driver to keep."""
         return self.add(self.score_chunk(tokens, reference))
 
-    def score_chunk(self, tokens: pa.Table, reference: pa.Table) -> dict:
+    def score_chunk(self, tokens: pa.Table, reference: pa.Table, codes=None) -> dict:
         """What one chunk adds, computed without touching the accumulator (so chunks may be scored
-        on several threads at once); `add` takes these in token order."""
-        joined, starts = m.join_grouped(tokens, reference)
+        on several threads at once); `add` takes these in token order. `codes`: (tokens', reference's)
+        rows' requests as indices among `ids` (`columns.Codes`), the request_id columns dropped: the
+        chunk must then line up row for row (`metrics.join_coded`), else only {"rows", "zipped":
+        False} comes back."""
+        if codes is None:
+            joined, starts = m.join_grouped(tokens, reference)
+            heads = _ids_at(joined, starts)
+            zipped = same_rows(tokens.column("token_id"), joined.column("token_id")) and same_rows(
+                reference.column("ref_logprob"), joined.column("ref_logprob")
+            )
+            # each head's place among the run's scored requests (what a one-pass driver checks, too)
+            at = self.arrival[0].get().index(heads) if self.arrival is not None else None
+        else:
+            lined = m.join_coded(tokens, reference, codes, self.declared)
+            if lined is None:
+                return {"rows": tokens.num_rows, "zipped": False}
+            joined, starts = lined
+            at = codes[0][starts].astype(np.int64)
+            heads, zipped = self.declared.take(pa.array(at)), True
+            joined = joined if self.trace is None and not self.tempered else _decoded(joined)
+            # the same rows: the joined ids stand for both sides' (what the steps below select by name)
+            tokens = tokens.add_column(0, "request_id", joined.column("request_id"))
+            reference = reference.add_column(0, "request_id", joined.column("request_id"))
         cols = m.input_arrays(joined)
         cols["position"] = joined.column("position").to_numpy()
         per, flips, same = score_requests(cols, starts, self.greedy, self.th)
-        heads = _ids_at(joined, starts)
         out = {"rows": tokens.num_rows, "ids": heads, "per": per, "flips": flips, "same": same}
         out["missed"] = out["tempered"] = None
         if self.trace is not None and self.trace.num_rows:
@@ -168,17 +196,15 @@ class StreamedAnalysis:
             out["missed"] = joined.filter(miss).select(["request_id", "position", "token_id", "ref_top1_id"])
         if self.tempered:
             out["tempered"] = tempered_logprobs(joined, reference, self.temperature, self.th)
-        out["zipped"] = same_rows(tokens.column("token_id"), joined.column("token_id")) and same_rows(
-            reference.column("ref_logprob"), joined.column("ref_logprob")
-        )
+        out["zipped"] = zipped
         out["heads"], out["counts"] = heads, np.diff(np.r_[starts, joined.num_rows])
-        # each head's place among the run's scored requests (what a one-pass driver checks, too)
-        out["at"] = self.arrival[0].index(heads) if self.arrival is not None else None
-        out["evidence"] = (
-            self._evidence(joined, starts, out["at"], tokens, reference, out["zipped"])
-            if self.arrival is not None
-            else None
-        )
+        out["at"] = at if self.arrival is not None or codes is not None else None
+        out["evidence"] = None
+        if self.arrival is not None and codes is not None and self.by_index:
+            rows, index = stream_evidence.kept_rows(starts, joined.num_rows, self.arrival[1][at], self.step)
+            out["evidence"] = stream_evidence.take(joined, tokens, reference, rows, index, codes[0])
+        elif self.arrival is not None:
+            out["evidence"] = self._evidence(joined, starts, out["at"], tokens, reference, out["zipped"])
         out["spilled"] = {name: cols[name] for name in SPILLED}
         return out
 
@@ -204,6 +230,8 @@ class StreamedAnalysis:
         index = np.repeat(first - starts, counts) + np.arange(joined.num_rows)
         keep = pa.array(index % self.step == 0)
         keys = joined.select(_EVIDENCE_JOINED).filter(keep)
+        if pa.types.is_dictionary(keys.schema.field("request_id").type):  # a coded chunk's: as strings
+            keys = _decoded(keys)
         have = [c for c in _EVIDENCE_TOKENS if c in tokens.column_names]
         if zipped:  # the chunk's rows are the joined rows: no join to find them, and the keys are keys'
             return (
@@ -213,19 +241,20 @@ class StreamedAnalysis:
             )
         return keys, _rows_for(tokens.select(have), keys), _rows_for(reference.select(_EVIDENCE_REFERENCE), keys)
 
-    def finish(self, read) -> tuple[pa.Table, dict]:
+    def finish(self, read, on_summary=None) -> tuple[pa.Table, dict]:
         """(summary, findings) as `findings.analyze` gives them. `read(name, rows)`: a `SPILLED`
-        column's values at `rows` (a slice or row indices) of the whole run, in token order."""
-        test = None
-        if self.arrival is not None:  # first: its tokens are freed before the metric columns are read
-            keys, toks, refs = (pa.concat_tables(t) for t in zip(*self.evidence))
-            self.evidence.clear()
-            cols = evidence_columns(keys, toks, refs, self.requests)
-            ev = token_evidence(cols, self.expected, self.sampling)
-            test = run_test(ev, self.expected)
-            test["sampled_every"] = self.step
-            exceed, exceed_ids = ev["logprob"], keys.column("request_id").take(pa.array(cols["order"]))
-            del keys, toks, refs, cols, ev
+        column's values at `rows` (a slice or row indices) of the whole run, in token order (called
+        from another thread: the metric summary runs beside the run-level test and the summary).
+        `on_summary(summary)`: called with the summary once it is final, before the conclusions."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(2, thread_name_prefix="lpf-finish") as pool:
+            metrics = pool.submit(metric_summary, read, self.flips, self.same, self.n)
+            summary = pool.submit(self._summary)
+            return self._finish(metrics.result, summary.result, on_summary or (lambda s: None))
+
+    def _summary(self) -> pa.Table:
+        """The per-request summary (before the run-level test raises any request's verdict)."""
         ids = pa.concat_arrays(self.ids) if self.ids else pa.array([], pa.string())
         merged = (
             {k: np.concatenate([p[k] for p in self.per]) for k in self.per[0]}
@@ -238,14 +267,33 @@ class StreamedAnalysis:
             )[0]
         )
         self.per.clear(), self.ids.clear()
-        summary = apply_inconsistency(
-            summarize_requests(None, self.requests, self.th, per=(ids, merged)), self.requests
-        )
+        return apply_inconsistency(summarize_requests(None, self.requests, self.th, per=(ids, merged)), self.requests)
+
+    def _finish(self, metrics, summary, on_summary) -> tuple[pa.Table, dict]:
+        """`metrics()`, `summary()`: the metric summary and `_summary`, made beside the run-level test."""
+        test = None
+        if self.arrival is not None:
+            if isinstance(self.evidence[0], dict):  # coded chunks' rows, gathered in arrival order
+                cols, codes = stream_evidence.gather(self.evidence)
+                exceed_ids = lambda codes=codes: self.declared.take(pa.array(codes))  # noqa: E731 (when asked)
+            else:
+                keys, toks, refs = (pa.concat_tables(t) for t in zip(*self.evidence))
+                cols = evidence_columns(keys, toks, refs, self.requests)
+                exceed_ids = keys.column("request_id").take(pa.array(cols["order"]))
+                exceed_ids = lambda ids=exceed_ids: ids  # noqa: E731
+                del keys, toks, refs
+            self.evidence.clear()
+            ev = token_evidence(cols, self.expected, self.sampling)
+            test = run_test(ev, self.expected)
+            test["sampled_every"] = self.step
+            exceed = ev["logprob"]
+            del cols, ev
+        summary = summary()
         if test is not None and test["result"] == "different":
-            summary, test["localized"] = raise_localized(summary, test, exceed, exceed_ids)
-        del merged
-        metrics = metric_summary(read, self.flips, self.same, self.n)
-        findings = findings_dict(summary, self.th, metrics, self.n)
+            summary, test["localized"] = raise_localized(summary, test, exceed, exceed_ids())
+        on_summary(summary)
+        # the metric summary goes in when it is ready, at its place: the conclusions read none of it
+        findings = findings_dict(summary, self.th, None, self.n)
         findings["thresholds"].update(self.calib, pinned=sorted(self.th.pinned))
         tempered = pa.chunked_array(self.tempered_ids, pa.string()).combine_chunks() if self.tempered else None
         crossed = None
@@ -253,9 +301,11 @@ class StreamedAnalysis:
             crossed = crossed_wires(
                 pa.concat_tables(self.missed) if self.missed else _NO_MISS, self.requests, self.trace
             )
-        return summary, conclude(
+        findings = conclude(
             findings, summary, self.requests, self.trace, self.engine_info, self.temperature, test, tempered, crossed
         )
+        findings["metrics"] = metrics()
+        return summary, findings
 
 
 _NO_MISS = pa.table(
@@ -268,20 +318,47 @@ _NO_MISS = pa.table(
 )
 
 
-def _arrival_offsets(requests: pa.Table, ids: pa.Array, counts: np.ndarray) -> np.ndarray:
-    """Per request in token order: the arrival index (request seq, then position) of its first
-    scored token, as `token_evidence.evidence_columns` orders them."""
-    req = by_arrival(requests)
-    at = (
-        pc.index_in(ids, value_set=req.column("request_id").combine_chunks())
-        .fill_null(0)
-        .to_numpy(zero_copy_only=False)
-    )
-    seq = req.column("seq").to_numpy()[at]
+class _Lazy:
+    """A value built on first use (by one thread: the others wait for it)."""
+
+    def __init__(self, build):
+        self.build, self.value, self.lock = build, None, threading.Lock()
+
+    def get(self):
+        with self.lock:
+            if self.value is None:
+                self.value = self.build()
+            return self.value
+
+
+def _decoded(table: pa.Table) -> pa.Table:
+    """`table` with its dictionary-encoded request_id as plain strings."""
+    at = table.schema.get_field_index("request_id")
+    return table.set_column(at, "request_id", table.column(at).cast(pa.string()))
+
+
+def _arrival_offsets(
+    requests: pa.Table, ids: pa.Array, counts: np.ndarray, rows: np.ndarray | None = None
+) -> tuple[np.ndarray, bool]:
+    """(per request in token order: the arrival index (request seq, then position) of its first
+    scored token, as `token_evidence.evidence_columns` orders them; whether their seqs are distinct,
+    so that order is the arrival index's). `rows`: each id's row in `requests`, when the caller
+    knows it (else looked up by id)."""
+    if rows is not None:
+        seq = requests.column("seq").to_numpy()[rows]
+    else:
+        req = by_arrival(requests)
+        at = (
+            pc.index_in(ids, value_set=req.column("request_id").combine_chunks())
+            .fill_null(0)
+            .to_numpy(zero_copy_only=False)
+        )
+        seq = req.column("seq").to_numpy()[at]
     order = np.argsort(seq, kind="stable")  # seq is unique per request
     offsets = np.empty(len(ids), np.int64)
     offsets[order] = np.cumsum(counts[order]) - counts[order]
-    return offsets
+    ranked = seq[order]
+    return offsets, bool(np.all(ranked[1:] != ranked[:-1]))
 
 
 def _with_keys(keys: pa.Table, lists: pa.Table, keep: pa.Array) -> pa.Table:

@@ -18,6 +18,7 @@ requests, bounded memory, the same summary and findings byte for byte); `stream`
 from __future__ import annotations
 
 import json
+import os
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache, partial
 from importlib import resources
@@ -35,7 +36,6 @@ from lpf.core.jsonsafe import finite
 from lpf.pipeline.analyze_stream import (
     analyze_streamed,
     footer_counts,
-    light_requests,
     own_sums,
     reference_sums,
     scored_token_count,
@@ -101,8 +101,9 @@ def analyze_run(
             f"{run.path} has prompt logprobs, which the streamed analysis does not read yet: "
             f"analyze it with --no-stream"
         )
-    requests = light_requests(run) if stream else run.read("requests")
-    if requests.num_rows == 0:
+    # streamed: the analysis reads the requests itself, beside the first parts (their footers count them here)
+    requests = None if stream else run.read("requests")
+    if (scored_token_count(run, "requests") if stream else requests.num_rows) == 0:
         raise LpfError(f"{run.path} has no completed requests to analyze")
     trace = run.read("trace") if run.has("trace") else None  # engines without a trace: metadata only
     temperature = m["sampling"].get("temperature", 0) or 0
@@ -114,6 +115,7 @@ def analyze_run(
         "sampling": m["sampling"],
     }
     kw = dict(
+        no_logprobs=no_logprobs,
         greedy=temperature == 0,
         trace=trace,
         engine_info=engine_info(run),
@@ -121,9 +123,18 @@ def analyze_run(
         floor_table=floor_table(),
         run_info=run_info,
     )
+    with _SummaryFile(run.path / "summary.parquet") as written:
+        return _judge(run, requests, thresholds, attribute, (on_start, tick), stream, progress, kw, written)
+
+
+def _judge(run, requests, thresholds, attribute, attribution_progress, stream, progress, kw, written) -> dict:
+    m, has_prompt = run.manifest, run.has("prompt_reference")
+    (on_start, tick), no_logprobs = attribution_progress, kw.pop("no_logprobs")
     if stream:
         tally = Tally(run)
-        summary, findings = analyze_streamed(run, requests, thresholds, progress=progress, tally=tally, **kw)
+        summary, findings = analyze_streamed(
+            run, requests, thresholds, progress=progress, tally=tally, on_summary=written.start, **kw
+        )
         came_back = tally.counts() or returned_counts(run.iter_parts("tokens", ["engine_logprob", "engine_topk_ids"]))
         own = partial(reference_sums, run)
     else:
@@ -167,14 +178,40 @@ def analyze_run(
     findings["run_complete"] = m.get("status") == "complete"
     findings["judged"] = what_came_back(came_back, has_prompt, m.get("engine"), m["sampling"], run.has("seeded"))
     findings["trace"] = trace_summary(run)
-    # summary.parquet written on a second thread (Parquet's encoder releases the GIL) while the
-    # findings are made JSON-safe and written
-    with ThreadPoolExecutor(1, thread_name_prefix="lpf-summary") as pool:
-        wrote = pool.submit(pq.write_table, summary, run.path / "summary.parquet")
-        findings = finite(findings)  # once: a big run's findings hold thousands of values
-        run.write_json("findings.json", findings)
-        wrote.result()
+    written.start(summary)  # the streamed analysis started it already: the same summary, not again
+    findings = finite(findings)  # once: a big run's findings hold thousands of values
+    run.write_json("findings.json", findings)
+    written.done()
     return findings
+
+
+class _SummaryFile:
+    """summary.parquet, written on a second thread (Parquet's encoder releases the GIL) from when
+    the summary is final (`start`: the streamed analysis calls it before its conclusions are drawn)
+    to a temporary name, put in place beside findings.json (`done`); removed if the stage fails.
+    Dictionaries for the categorical strings only: one per request id (or float) is all cost (half
+    the time of pyarrow's default, and a smaller file)."""
+
+    def __init__(self, path):
+        self.path, self.tmp = path, path.with_name(f".tmp-{path.name}")
+        self.pool, self.writing = ThreadPoolExecutor(1, thread_name_prefix="lpf-summary"), None
+
+    def start(self, summary: pa.Table) -> None:
+        if self.writing is not None and self.writing[0] is summary:
+            return
+        categorical = [f.name for f in summary.schema if pa.types.is_string(f.type) and f.name != "request_id"]
+        self.writing = (summary, self.pool.submit(pq.write_table, summary, self.tmp, use_dictionary=categorical))
+
+    def done(self) -> None:
+        self.writing[1].result()
+        os.replace(self.tmp, self.path)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.pool.shutdown()
+        self.tmp.unlink(missing_ok=True)
 
 
 def _attribute(run: RunDir, requests, summary, own_sums_of, findings: dict, on_start: OnStart, tick: Tick) -> dict:

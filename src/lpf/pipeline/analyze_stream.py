@@ -4,17 +4,20 @@ Contract: `analyze_streamed(run, requests, th, greedy, ...) -> (summary, finding
 `lpf.analysis.findings.analyze` over `run.read(...)` of the same run (byte for byte once written:
 `tests/test_analyze_stream.py`), holding at most ~CHUNK_ROWS tokens of the tokens and reference
 tables at once in chunks (`stream_parts.chunk_rows()` each, one per thread scoring them) and the
-next part being read ahead, plus what it spills to a temporary
-folder in the run directory (`.tmp-analyze-*`, removed afterwards; a killed analysis leaves it, and
-the next one removes it): the logprob columns (16 bytes a scored token, read back a piece at a time
-for the metric summary) and, without an expected floor, |d| (read back whole for the run's own
-calibration). The pure steps are `lpf.analysis.stream`; reading parts, chunks and spill files are
-`lpf.pipeline.stream_parts`.
+next part being read ahead, plus the logprob columns (16 bytes a scored token, read back a piece at
+a time for the metric summary: kept in memory by the one pass up to `stream_memory.KEEP_TOKENS`,
+else spilled) and, without an expected floor, |d| (read back whole for the run's own calibration),
+spilled to a temporary folder in the run directory (`.tmp-analyze-*`, removed afterwards; a killed
+analysis leaves it, and the next one removes it). The pure steps are `lpf.analysis.stream`;
+reading parts and chunks is `lpf.pipeline.stream_parts`, keeping columns `lpf.pipeline.stream_memory`
+(whose `heap()` regime, jemalloc for Arrow and no cyclic GC, the stage runs under).
 
 One pass when it can: with an expected floor the thresholds need no token, and when the parts line
 up row for row the run-level test's arrival order comes from the requests' output lengths, checked
 chunk by chunk against the rows scored; any check that fails starts over with two passes (the
 first finds the request starts, and |d| when the run calibrates on itself; the second scores).
+The one pass reads row groups with each row's request as an integer (`stream_parts.CodedRows`):
+its checks and cuts compare integers, never a request id string per row.
 Chunks follow the whole run's join order (see `lpf.analysis.stream`):
 - zip: when the tokens and reference parts line up row for row (as they do when the reference
   was scored in the tokens' order), slices of ~CHUNK_ROWS rows cut at request boundaries, read
@@ -40,19 +43,18 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from lpf.analysis import stream
-from lpf.analysis.columns import Lookup
+from lpf.analysis.columns import Codes, one_array
 from lpf.analysis.stream import StreamedAnalysis
 from lpf.analysis.thresholds import Thresholds
-from lpf.pipeline import stream_parts
+from lpf.pipeline import stream_memory, stream_parts
+from lpf.pipeline.stream_memory import Kept, Spill
 from lpf.pipeline.callbacks import OnStart, Tick, no_start, no_tick
 from lpf.pipeline.stream_parts import (
     REFERENCE_COLUMNS,
     TOKEN_COLUMNS,
+    CodedRows,
     Ranges,
-    Rows,
-    Spill,
     Tally,
-    counted,
     ordered_map,
     read_ahead,
     zip_chunks,
@@ -62,11 +64,15 @@ from lpf.run import schema
 from lpf.run.store import RunDir
 
 
-def scored_token_count(run: RunDir) -> int:
-    """Rows of the tokens parts, from their footers (what chooses the streamed path)."""
+def scored_token_count(run: RunDir, table: str = "tokens") -> int:
+    """Rows of the tokens parts (or another table's), from their footers (what chooses the streamed
+    path); a part whose footer does not read is read (a damaged one says so there, in one line)."""
     import pyarrow.parquet as pq
 
-    return sum(pq.ParquetFile(p).metadata.num_rows for p in run.parts("tokens"))
+    try:
+        return sum(pq.ParquetFile(p).metadata.num_rows for p in run.parts(table))
+    except (pa.ArrowException, OSError, ValueError):
+        return sum(t.num_rows for t in run.iter_parts(table, ["request_id"]))
 
 
 def footer_counts(run: RunDir) -> dict:
@@ -100,24 +106,35 @@ def footer_counts(run: RunDir) -> dict:
 def light_requests(run: RunDir) -> pa.Table:
     """The requests table, part by part, as the analysis reads it: each prompt's and output's token
     ids reduced to their count (a list of nulls, no values) and the output text dropped (null)."""
-    out = []
+    with stream_memory.heap():
+        return _light_requests(run)
+
+
+def _light_requests(run: RunDir) -> pa.Table:
+    from lpf.run.store import read_part
+
+    columns = [n for n in schema.REQUESTS.names if n != "output_text"]
     text_at = schema.REQUESTS.names.index("output_text")
-    for part in run.iter_parts("requests", [n for n in schema.REQUESTS.names if n != "output_text"]):
+
+    def light(path):
+        part = read_part(path, "requests", columns, use_threads=False)
         for name in ("prompt_token_ids", "output_token_ids"):
-            lists = part.column(name).combine_chunks()
+            lists = one_array(part.column(name))
             offsets = lists.offsets
             lengths = pa.ListArray.from_arrays(
                 pc.subtract(offsets, offsets[0]), pa.nulls(len(lists.values)), mask=lists.is_null()
             )
             part = part.set_column(part.schema.get_field_index(name), pa.field(name, lengths.type), lengths)
-        part = part.add_column(text_at, "output_text", pa.nulls(part.num_rows, pa.string()))  # never read: the text
-        out.append(part)
+        return part.add_column(text_at, "output_text", pa.nulls(part.num_rows, pa.string()))  # never read: the text
+
+    # the parts decoded on both cores (each on its own thread; Arrow's pool may have one), in order
+    out = list(ordered_map(light, ((p,) for p in run.parts("requests")), stream_parts.WORKERS))
     return pa.concat_tables(out) if out else schema.REQUESTS.empty_table()
 
 
 def analyze_streamed(
     run: RunDir,
-    requests: pa.Table,
+    requests: pa.Table | None,
     th: Thresholds,
     greedy: bool,
     *,
@@ -128,31 +145,36 @@ def analyze_streamed(
     run_info: dict | None = None,
     progress: tuple[OnStart, Tick] = (no_start, no_tick),
     tally: Tally | None = None,
+    on_summary=None,
 ) -> tuple[pa.Table, dict]:
     """`findings.analyze(requests, tokens, reference, th, greedy, ...)` over the run's parts, streamed
-    (no calibration run: the caller routes those to the in-memory path). `progress`: (on_start,
+    (no calibration run: the caller routes those to the in-memory path). `requests`: `light_requests`
+    of the run, or None to read it here (beside the first parts, when one pass will do). `progress`: (on_start,
     tick) over twice the tokens parts' rows (the two passes). Chunks are scored on
     `stream_parts.WORKERS` threads (the findings are the same for any number). `tally`: counts
-    the tokens parts as the passes read them (`Tally.counts()`)."""
+    the tokens parts as the passes read them (`Tally.counts()`). `on_summary(summary)`: called
+    once the summary is final, before the findings are concluded (the caller may start writing it)."""
     for old in run.path.glob(".tmp-analyze-*"):
         shutil.rmtree(old, ignore_errors=True)  # a killed analysis' leftovers
     spill = Path(tempfile.mkdtemp(prefix=".tmp-analyze-", dir=run.path))
     try:
-        return _analyze(
-            run,
-            requests,
-            th,
-            greedy,
-            spill,
-            trace=trace,
-            engine_info=engine_info,
-            temperature=temperature,
-            floor_table=floor_table,
-            run_info=run_info or {},
-            progress=progress,
-            workers=stream_parts.WORKERS,
-            tally=tally,
-        )
+        with stream_memory.heap():
+            return _analyze(
+                run,
+                requests,
+                th,
+                greedy,
+                spill,
+                trace=trace,
+                engine_info=engine_info,
+                temperature=temperature,
+                floor_table=floor_table,
+                run_info=run_info or {},
+                progress=progress,
+                workers=stream_parts.WORKERS,
+                tally=tally,
+                on_summary=on_summary,
+            )
     finally:
         shutil.rmtree(spill, ignore_errors=True)
 
@@ -172,6 +194,7 @@ def _analyze(
     progress,
     workers,
     tally,
+    on_summary,
 ):
     from lpf.analysis.floors import expected_floor
 
@@ -191,7 +214,15 @@ def _analyze(
         sampling=run_info.get("sampling"),
         reference_columns=REFERENCE_COLUMNS,
     )
-    how = {"workers": workers, "tally": tally}
+    how = {"workers": workers, "tally": tally, "on_summary": on_summary}
+    if expected:  # the one pass's readers start first: the requests are read beside their first parts
+        pieces = tally.pieces if tally is not None else iter
+        how["readers"] = (
+            read_ahead(pieces(run.iter_pieces("tokens", TOKEN_COLUMNS))),
+            read_ahead(run.iter_pieces("reference", REFERENCE_COLUMNS)),
+        )
+    if requests is None:
+        requests = light_requests(run)
     if expected:
         done = _one_pass(run, requests, th, greedy, spill, kw, progress, how)
         if done is not None:
@@ -206,17 +237,21 @@ def _one_pass(run, requests, th, greedy, spill, kw, progress, how):
     over the parts: the counts that place every token in arrival order for the run-level test are
     the requests' output lengths, checked chunk by chunk against the rows scored (and, at the end,
     every request with an output seen once). None when a check fails: the caller starts over.
-    Chunks are scored on `how["workers"]` threads, checked and kept in order."""
+    The parts are read a row group at a time with each row's request as an integer (`CodedRows`:
+    no request id string per row is built or compared); chunks are scored on `how["workers"]`
+    threads, checked and kept in order; the logprob columns stay in memory up to KEEP_TOKENS."""
+    tokens, reference = how.pop("readers")  # started by the caller: the first parts read meanwhile
     n_out = pc.list_value_length(requests.column("output_token_ids")).fill_null(0).to_numpy(zero_copy_only=False)
     has = n_out > 0
     ids, counts = requests.column("request_id").filter(pa.array(has)).combine_chunks(), n_out[has].astype(np.int64)
-    declared = Lookup(ids)
+    if len(pc.unique(ids)) != len(ids):
+        tokens.close(), reference.close()
+        return None  # a request id twice: the in-memory analysis joins and sorts
     th, calib = stream.thresholds(None, None, th, kw["expected"])
-    acc = StreamedAnalysis(requests, th, calib, greedy, ids, counts, **kw)
+    acc = StreamedAnalysis(requests, th, calib, greedy, ids, counts, rows=np.flatnonzero(has), **kw)
     progress[0](scored_token_count(run), 0)
-    cols = Spill(spill)
-    tok = Rows(read_ahead(counted(run.iter_parts("tokens", TOKEN_COLUMNS), how["tally"])))
-    ref = Rows(read_ahead(run.iter_parts("reference", REFERENCE_COLUMNS)))
+    cols = Kept() if acc.n <= stream_memory.KEEP_TOKENS else Spill(spill)
+    tok, ref = CodedRows(tokens, Codes(ids)), CodedRows(reference, Codes(ids))
     broken = []
 
     def chunks():
@@ -226,33 +261,32 @@ def _one_pass(run, requests, th, greedy, spill, kw, progress, how):
                 if ref.left(0):
                     broken.append("reference rows no token has")  # the in-memory analysis would join
                 return
-            t, r = tok.take(n), ref.take(n)
-            if r is None or r.num_rows != n:
+            (t, tc), r = tok.take(n), ref.take(n)
+            if r is None or r[0].num_rows != n:
                 broken.append("the sides' rows differ")
                 return
-            yield t, r
+            yield t, r[0], (tc, r[1])
 
-    seen, heads = 0, []
+    seen, once = 0, np.zeros(len(ids), bool)
     scored = ordered_map(acc.score_chunk, chunks(), how["workers"])
     try:
         for chunk in scored:
+            if not chunk["zipped"]:
+                return None  # the sides do not line up
+            at = chunk["at"]
+            if once[at].any() or not np.array_equal(counts[at], chunk["counts"]):
+                return None  # a request in two places, or a request's rows are not its output
+            once[at] = True
             cols.add(acc.add(chunk))
-            at = acc.at if acc.at is not None else declared.index(acc.heads)  # the same ids: acc.at is that index
-            if not acc.zipped or (at < 0).any() or not np.array_equal(counts[at], acc.counts):
-                return None  # the sides do not line up, or a request's rows are not its output
-            heads.append(acc.heads)
             seen += chunk["rows"]
             progress[1](chunk["rows"])
     finally:
         scored.close()  # a check failed: the chunks in flight finish, their results dropped
-    if broken:
-        return None
-    heads = pa.concat_arrays(heads) if heads else pa.array([], pa.string())
-    if seen != acc.n or len(heads) != len(ids) or len(pc.unique(heads)) != len(heads):
-        return None  # a request in two places, or one with an output never scored
+    if broken or seen != acc.n or not once.all():
+        return None  # a request with an output never scored
     tok = ref = None
     pa.default_memory_pool().release_unused()
-    return acc.finish(cols.rows)
+    return acc.finish(cols.rows, how["on_summary"])
 
 
 def _two_passes(run, requests, th, greedy, spill, kw, progress, how):
@@ -312,7 +346,7 @@ def _two_passes(run, requests, th, greedy, spill, kw, progress, how):
         tick(chunk["rows"])
     chunk = second = scored = None  # the last chunk
     pa.default_memory_pool().release_unused()
-    return acc.finish(cols.rows)
+    return acc.finish(cols.rows, how["on_summary"])
 
 
 def reference_sums(run: RunDir, ids: set[str]) -> dict[str, float]:

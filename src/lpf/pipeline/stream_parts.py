@@ -1,4 +1,4 @@
-"""Reading a run's parts for the streamed analysis: chunks of whole requests, read ahead, spilled columns.
+"""Reading a run's parts for the streamed analysis: chunks of whole requests, read ahead.
 
 Contract (I/O only; the analysis is `lpf.analysis.stream`, the stage `lpf.pipeline.analyze_stream`):
 - `Rows(parts)` hands a table's parts out a number of rows at a time, cut at request boundaries
@@ -10,14 +10,17 @@ Contract (I/O only; the analysis is `lpf.analysis.stream`, the stage `lpf.pipeli
 - `Ranges(run, requests, folder)`: requests cut into request-id ranges of ~CHUNK_ROWS tokens, both
   tables bucketed to lz4 Arrow files (~1.7x the parts on disk), each range sorted by (request_id,
   position) as it is read back: the order the in-memory join-and-sort gives.
-- `Spill(folder)`: whole-run float64 columns written chunk by chunk, read back whole or a piece at a
-  time (`rows`).
+- `CodedRows(pieces, codes)`: `Rows` over `RunDir.iter_pieces` (row groups, request ids
+  dictionary-encoded), each row's request as an integer (`lpf.analysis.columns.Codes`): cut and
+  handed out without a string per row, a chunk never past the end of the row group it starts in
+  when a request ends there.
 - Chunks are ~`chunk_rows()` rows: CHUNK_ROWS over the WORKERS chunks scored at once.
 - `ordered_map(fn, items, workers)`: `fn(*item)` of each item on up to `workers` threads, results in
   the items' order, at most `workers` items in flight (memory: that many chunks); `workers` 1 is a
   plain loop on the calling thread. numpy and Arrow release the GIL, so chunks score on both cores.
 - `Tally(run)`: `lpf.analysis.returned.counts` of the tokens parts, counted as a pass reads them
-  (`tally.parts(...)` wraps the reader), so what came back needs no read of its own.
+  (`tally.parts(...)` or `tally.pieces(...)` wraps the reader), so what came back needs no read of
+  its own.
 """
 
 from __future__ import annotations
@@ -107,10 +110,62 @@ class Rows:
         return self.left(n)
 
 
+class CodedRows:
+    """`Rows` over pieces (part index, table with dictionary-encoded request ids): each piece's
+    request ids become `codes.of(...)` integers as it is buffered, and the table keeps the other
+    columns; `take(n)` gives (table, codes) of the next n rows."""
+
+    def __init__(self, pieces, codes):
+        self.pieces, self.codes = iter(pieces), codes
+        self.buf, self.ids, self.ends = None, np.zeros(0, np.int32), []
+
+    def _more(self) -> bool:
+        piece = next(self.pieces, None)
+        if piece is None:
+            return False
+        table = piece[1]
+        ids = self.codes.of(table.column("request_id"))
+        table = table.drop_columns(["request_id"])
+        self.buf = table if self.buf is None else pa.concat_tables([self.buf, table])
+        self.ids = ids if not self.ids.size else np.concatenate([self.ids, ids])
+        self.ends.append(self.buf.num_rows)  # where a piece ends, in rows from the buffer's start
+        return True
+
+    def left(self, n: int) -> int:
+        while (self.buf is None or self.buf.num_rows <= n) and self._more():
+            pass
+        return 0 if self.buf is None else self.buf.num_rows
+
+    def take(self, n: int) -> tuple[pa.Table, np.ndarray] | None:
+        self.left(n - 1)
+        if self.buf is None:
+            return None
+        head, ids = self.buf.slice(0, n), self.ids[:n]
+        self.buf, self.ids = self.buf.slice(n), self.ids[n:]
+        self.ends = [e - n for e in self.ends if e > n]
+        return head, ids
+
+    def request_cut(self, n: int) -> int:
+        """`Rows.request_cut` by code: the rows to the first change of request at or after `n` rows,
+        or at or after the end of the piece the rows start in when that comes first (a chunk then
+        lies in one piece, its columns one array each, unless a request straddles two pieces)."""
+        self.left(0)
+        if self.ends and self.ends[0] < n:
+            n = max(self.ends[0], 1)
+        while self.left(n) > n:
+            hit = np.flatnonzero(self.ids[n:] != self.ids[n - 1])
+            if hit.size:
+                return n + int(hit[0])
+            n = self.buf.num_rows  # the whole buffer is one request's tail: read on
+        return self.left(n)
+
+
 def read_ahead(parts, depth: int = 1):
     """`parts` (an iterator of tables) read in a background thread, `depth` parts ahead of the
     consumer: Parquet decoding releases the GIL, so reading the next part overlaps analysing the
-    chunk before it. Memory: `depth` parts more. An error reading a part is raised here, in order."""
+    chunk before it. Memory: `depth` parts more. An error reading a part is raised here, in order.
+    The thread starts now, not at the first part asked for: what the caller does first overlaps
+    the first read."""
     q: queue.Queue = queue.Queue(maxsize=depth)
     stop = threading.Event()
     done = object()
@@ -132,21 +187,40 @@ def read_ahead(parts, depth: int = 1):
 
     worker = threading.Thread(target=work, name="lpf-analyze-read-ahead", daemon=True)
     worker.start()
-    try:
-        while True:
-            item = q.get()
-            if item is done:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        stop.set()
-        while worker.is_alive():  # let it see the stop: drain what it may be putting
+    return _Ahead(q, stop, done, worker)
+
+
+class _Ahead:
+    """`read_ahead`'s iterator: `close()` (or dropping it, read to the end or not) stops the thread."""
+
+    def __init__(self, q: queue.Queue, stop: threading.Event, done, worker: threading.Thread):
+        self.q, self.stop, self.done, self.worker, self.over = q, stop, done, worker, False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.over:
+            raise StopIteration
+        item = self.q.get()
+        if item is self.done or isinstance(item, BaseException):
+            self.close()
+            if item is self.done:
+                raise StopIteration
+            raise item
+        return item
+
+    def close(self) -> None:
+        self.over = True
+        self.stop.set()
+        while self.worker.is_alive():  # let it see the stop: drain what it may be putting
             try:
-                q.get(timeout=0.1)
+                self.q.get(timeout=0.1)
             except queue.Empty:
                 pass
+
+    def __del__(self):
+        self.close()
 
 
 def zip_sizes(run: RunDir, chunk_pass, keys_only: bool = False):
@@ -197,7 +271,7 @@ class Ranges:
         return self.spill / f"{table}-{i:05d}.arrow"
 
     def _bucket(self, run: RunDir, table: str, columns: list[str]) -> None:
-        want = pa.schema([schema.TABLES[table].field(c) for c in columns])
+        want = pa.schema([schema.TABLES[table].field(c) for c in columns] + [pa.field(_RANK, pa.int32())])
         writers = [pa.ipc.new_file(self._path(table, i), want, options=_COMPRESSED) for i in range(len(self.cuts))]
         try:
             parts = run.iter_parts(table, columns)
@@ -205,7 +279,9 @@ class Ranges:
                 at = pc.index_in(part.column("request_id"), value_set=self.sorted_ids)
                 known = at.is_valid()
                 part = part.filter(known)  # rows of no committed request join no token
-                rng = np.searchsorted(self.cuts, at.drop_null().to_numpy(), side="right") - 1
+                rank = at.drop_null().to_numpy()
+                part = part.append_column(_RANK, pa.array(rank.astype(np.int32)))
+                rng = np.searchsorted(self.cuts, rank, side="right") - 1
                 order = np.argsort(rng, kind="stable")
                 part, rng = part.take(pa.array(order)), rng[order]
                 bounds = np.searchsorted(rng, np.arange(len(self.cuts) + 1))
@@ -221,50 +297,16 @@ class Ranges:
             yield tuple(_sorted(pa.ipc.open_file(self._path(t, i)).read_all()) for t in ("tokens", "reference"))
 
 
+_RANK = "_rank"  # a range file's extra column: each row's request id's rank in the sorted ids
+
+
 def _sorted(t: pa.Table) -> pa.Table:
-    return t.sort_by([("request_id", "ascending"), ("position", "ascending")])
-
-
-class Spill:
-    """Whole-run float64 columns written chunk by chunk, read back one at a time (as often as asked)."""
-
-    def __init__(self, folder: Path):
-        self.folder, self.files = folder, {}
-
-    def add(self, cols: dict[str, np.ndarray]) -> None:
-        for name, values in cols.items():
-            if name not in self.files:
-                self.files[name] = open(self.folder / f"{name}.f64", "wb")
-            np.ascontiguousarray(values, np.float64).tofile(self.files[name])
-
-    def drop(self, name: str) -> None:
-        f = self.files.pop(name, None)
-        if f is not None:
-            f.close()
-            (self.folder / f"{name}.f64").unlink()
-
-    def read(self, name: str) -> np.ndarray:
-        f = self.files.get(name)
-        if f is None:
-            return np.zeros(0)
-        f.close()
-        return np.fromfile(self.folder / f"{name}.f64", np.float64)
-
-    def rows(self, name: str, rows) -> np.ndarray:
-        """A column's values at `rows`: a slice (read from its offset) or row indices (gathered
-        through a memory map): a piece at a time, never the whole column."""
-        f = self.files.get(name)
-        if f is None:
-            return np.zeros(0)
-        if not f.closed:
-            f.close()
-        path = self.folder / f"{name}.f64"
-        if isinstance(rows, slice):
-            lo, hi, _ = rows.indices(path.stat().st_size // 8)
-            return np.fromfile(path, np.float64, count=hi - lo, offset=8 * lo)
-        if not len(rows):
-            return np.zeros(0)
-        return np.array(np.memmap(path, np.float64, mode="r")[rows])
+    """`t.sort_by([("request_id", "ascending"), ("position", "ascending")])` without its `_RANK`
+    column, sorted by that rank instead of the id: the ids' order is the rank's (both Arrow's
+    string order), both sorts are stable (ties keep their order), and position's nulls go last in
+    both (NaN in numpy). Integers sort in a fraction of the time strings take."""
+    order = np.lexsort((t.column("position").to_numpy(), t.column(_RANK).to_numpy()))
+    return t.drop_columns([_RANK]).take(pa.array(order))
 
 
 def ordered_map(fn, items, workers: int):
@@ -300,6 +342,19 @@ class Tally:
         for i, part in enumerate(parts):
             self.by_part[i] = returned.counts([part])
             yield part
+
+    def pieces(self, pieces):
+        """`parts` over `RunDir.iter_pieces`: a part counted once all its pieces were read."""
+        at, sums = None, None
+        for i, piece in pieces:
+            if i != at and sums is not None:
+                self.by_part[at] = sums
+            c = returned.counts([piece])
+            sums = c if i != at else {k: max(v, c[k]) if k == "top_k" else v + c[k] for k, v in sums.items()}
+            at = i
+            yield i, piece
+        if sums is not None:
+            self.by_part[at] = sums
 
     def counts(self) -> dict | None:
         if len(self.by_part) != self.n_parts:
