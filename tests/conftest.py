@@ -28,6 +28,7 @@ SHARED_GROUPS = {
     "vllm": [
         "test_vllm",
         "test_vllm_trace",
+        "test_vllm_zygote",
         "test_conformance::test_conformance_on_vllm_writes_the_matrix",
         "test_run_level::test_healthy_bf16_vllm_passes_the_default_gate",
         "test_shrink::test_the_vllm_minimum_reproduces_with_vllms_interpreter_alone",

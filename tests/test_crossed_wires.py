@@ -102,13 +102,19 @@ def test_crossed_wires_through_a_swapping_proxy_are_attributed_to_their_source(l
 def test_a_timing_hypothesis_ranks_first_when_only_concurrent_arrivals_lie(lpf_cli, server, tmp_path):
     workload = _workload(tmp_path, 200, seed=6)
     load = ["--max-tokens", 6, "-E", "concurrency=256", "-E", "arrival_rate=50", "--no-attribution"]
-    # a first pass measures the concurrency this load builds on this machine; the drill corrupts its top ~40%
+    # a first pass measures the concurrency this load builds on this machine; the drill corrupts its top ~40%.
+    # The concurrency an open-loop load builds follows the server's speed, which a busy machine changes from
+    # one pass to the next: a drill that corrupted too few or too many is set up again from its own arrivals
     with LyingProxy(server.base_url, delay_s=0.5) as calm:
         _audit(lpf_cli, calm.url, workload, tmp_path / "calm", *load)
-    cut = int(np.quantile(list(calm.arrivals.values()), 0.6))
-    with LyingProxy(server.base_url, corrupt_at=cut, delay_s=0.5) as proxy:
-        f = _audit(lpf_cli, proxy.url, workload, tmp_path / "drill", *load)
-    corrupted = set(proxy.corrupted)
+    arrivals = calm.arrivals
+    for attempt in range(3):
+        cut = int(np.quantile(list(arrivals.values()), 0.6))
+        with LyingProxy(server.base_url, corrupt_at=cut, delay_s=0.5) as proxy:
+            f = _audit(lpf_cli, proxy.url, workload, tmp_path / f"drill-{attempt}", *load)
+        corrupted, arrivals = set(proxy.corrupted), proxy.arrivals
+        if 0.15 * 200 <= len(corrupted) <= 0.7 * 200:
+            break
     assert 0.15 * 200 <= len(corrupted) <= 0.7 * 200, (cut, len(corrupted))
     assert {x["request_id"] for x in f["flagged"]} == corrupted  # lowered logprobs: each one is caught
     best = f["hypotheses"][0]
