@@ -28,6 +28,7 @@ def _parent_cmdline(pid: int) -> str:
 
 
 @needs_vllm
+@pytest.mark.slow
 def test_a_forked_worker_writes_what_a_fresh_process_writes(lpf_cli, tmp_path, prompts8, monkeypatch):  # noqa: F811
     from lpf.adapters.vllm import VLLMEngine
 
@@ -49,6 +50,7 @@ def test_a_forked_worker_writes_what_a_fresh_process_writes(lpf_cli, tmp_path, p
 
 
 @needs_vllm
+@pytest.mark.slow  # the server's vLLM import (~10 s) when no test before started it
 def test_a_failing_worker_reports_its_exit_code_and_the_server_forks_the_next(tmp_path):
     from lpf.adapters import vllm_zygote
     from lpf.adapters.vllm import vllm_python
