@@ -12,9 +12,10 @@ None when a zygote cannot serve (turned off with LPF_VLLM_ZYGOTE=0, the server d
 refused, or died): the caller starts the worker as a plain process, as before.
 Why: each worker otherwise imports vLLM afresh (~9 CPU s here, three times what building the engine
 costs), and a sweep, a shrink on vLLM, a conformance matrix or the test suite start dozens.
-A server is keyed by the interpreter, the user, its own and the worker's code, and the environment
-variables read while vLLM and torch import (`IMPORT_ENV`); any other variable reaches the worker as the caller set it. Servers live
-on abstract unix sockets (no file to clean up) and exit after `IDLE_S` seconds with no worker.
+A server is keyed by the interpreter, the user, the code it loads (its own, the worker's and
+`lpf.core.fresh_process`), and the environment variables read while vLLM and torch import
+(`IMPORT_ENV`); any other variable reaches the worker as the caller set it. Servers live on abstract
+unix sockets (no file to clean up) and exit after `IDLE_S` seconds with no worker.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from pathlib import Path
 
 SERVER = Path(__file__).with_name("vllm_zygote_server.py")
 WORKER = Path(__file__).with_name("vllm_worker.py")
+FRESH_PROCESS = Path(__file__).parents[1] / "core" / "fresh_process.py"  # the server loads it by path
 IDLE_S = 60.0  # a server with no worker and no request for this long exits
 START_S = 300.0  # vLLM's import under load; a server not up by then is not waited for
 # variables that can be read while vLLM, torch and their dependencies import (the server's own
@@ -53,7 +55,7 @@ def import_env(env: dict) -> dict:
 def server_name(python: Path, env: dict) -> str:
     # the server's and the worker's code are part of the key: a server forks the code it loaded, and
     # two checkouts of lpf may share vLLM's interpreter
-    code = hashlib.sha1(SERVER.read_bytes() + WORKER.read_bytes()).hexdigest()
+    code = hashlib.sha1(b"".join(f.read_bytes() for f in (SERVER, WORKER, FRESH_PROCESS))).hexdigest()
     key = json.dumps([str(python), os.getuid(), code, sorted(import_env(env).items())])
     return f"lpf-vllm-zygote-{hashlib.sha1(key.encode()).hexdigest()[:16]}"
 

@@ -1,6 +1,7 @@
 """A vLLM imported once that forks the `vllm` adapter's workers: their start-up without vLLM's import.
 
-Run by vLLM's own interpreter (never imported by lpf; standard library and vLLM only):
+Run by vLLM's own interpreter (never imported by lpf; standard library and vLLM only, plus two files
+loaded by path: the worker and `lpf/core/fresh_process.py`):
   PYTHON vllm_zygote_server.py NAME IDLE_S
 It imports vLLM (what every worker otherwise pays: ~9 s of CPU on this 2-core machine, against ~3 s
 for building `vllm.LLM` itself) and the worker (`vllm_worker.py`), then serves on the abstract unix
@@ -8,18 +9,18 @@ socket NAME. Each connection asks for one worker: one JSON line {"argv": [CONFIG
 "cwd": DIR} sent with three file descriptors (SCM_RIGHTS): the worker's stdin, its log (stdout and
 stderr) and its results pipe. The server forks; the child makes itself a session leader, takes the
 descriptors as 0, 1, 2 and 3, the environment and the directory, runs `vllm_worker.main()` with
-argv [CONFIG_PATH, "3"] and exits with its code. The server answers {"pid": PID} on the connection
+argv [CONFIG_PATH, "3"] and exits with its code, as the interpreter would (`fresh_process`: random
+state drawn again, threads joined, atexit handlers run). The server answers {"pid": PID} on the connection
 and, once it has reaped that child, {"exit": CODE} (subprocess' convention: -N for signal N), then
 closes it. A line {"stop": true} instead makes the server exit (its workers run on).
 A forked worker is what a fresh `vllm_worker.py` process is but for what was fixed while vLLM was
 imported: the client keys servers by the environment variables that can matter there
 (`lpf.adapters.vllm_zygote`), and vLLM loads its plugins (lpf-vllm-trace reads its variables then)
 when an engine is built, in the child. The server refuses to serve if the import left a thread
-running that a fork does not stop (a fork keeps only the forking thread; `fork_safe`). It exits after IDLE_S seconds
-with no worker alive and no request.
+running that a fork does not stop (a fork keeps only the forking thread; `fork_safe`). It exits
+after IDLE_S seconds with no worker alive and no request.
 """
 
-import atexit
 import importlib.util
 import json
 import os
@@ -28,18 +29,19 @@ import signal
 import socket
 import sys
 import time
-import traceback
 
 # This file sits beside lpf's own `vllm.py` adapter: the script's directory must not shadow vLLM.
 _here = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _here]
 
+# what a forked child does to be a fresh process, shared with lpf's kept cell server (standard library only)
+FRESH_PROCESS = os.path.join(os.path.dirname(_here), "core", "fresh_process.py")
 MAX_REQUEST = 1 << 20  # one JSON line: the environment is the largest part
 
 
-def load_worker():
-    """`vllm_worker.py` as a module (its directory is off sys.path, on purpose)."""
-    spec = importlib.util.spec_from_file_location("lpf_vllm_worker", os.path.join(_here, "vllm_worker.py"))
+def load(path: str, name: str):
+    """A module from its file (the worker's directory is off sys.path, on purpose, and lpf is not on it)."""
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -70,7 +72,7 @@ def fork_safe() -> bool:
     return threads() == 1
 
 
-def child(worker, request: dict, fds: list[int], closing: list) -> None:
+def child(worker, fresh, request: dict, fds: list[int], closing: list) -> None:
     """In the forked child: become the worker the request describes; never returns."""
     code = 1
     try:
@@ -90,20 +92,16 @@ def child(worker, request: dict, fds: list[int], closing: list) -> None:
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
+        fresh.renew_process_state()
         sys.argv = [os.path.join(_here, "vllm_worker.py"), *request["argv"], "3"]
         code = worker.main()
     except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    except BaseException:  # noqa: BLE001 - what a fresh worker would print, then its exit code
-        traceback.print_exc()
+        code = fresh.exit_code(e)
+    except BaseException:  # noqa: BLE001 - as the interpreter: the traceback on stderr, exit 1
+        sys.excepthook(*sys.exc_info())
         code = 1
     finally:
-        try:
-            atexit._run_exitfuncs()  # what a fresh process runs on exit (vLLM's and logging's handlers)
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(code if isinstance(code, int) else 1)
+        fresh.finish_like_the_interpreter(code if isinstance(code, int) else 1)
 
 
 def send(conn: socket.socket, obj: dict) -> None:
@@ -114,7 +112,8 @@ def send(conn: socket.socket, obj: dict) -> None:
 
 
 def serve(name: str, idle_s: float) -> int:
-    worker = load_worker()
+    worker = load(os.path.join(_here, "vllm_worker.py"), "lpf_vllm_worker")
+    fresh = load(FRESH_PROCESS, "lpf_fresh_process")
     preload()
     if not fork_safe():
         print(
@@ -159,7 +158,7 @@ def serve(name: str, idle_s: float) -> int:
                 sys.stderr.flush()
                 pid = os.fork()
                 if pid == 0:
-                    child(worker, request, fds, [sel, listener, conn, wake_r, wake_w, *children.values()])
+                    child(worker, fresh, request, fds, [sel, listener, conn, wake_r, wake_w, *children.values()])
                 for fd in fds:
                     os.close(fd)
                 children[pid] = conn

@@ -38,6 +38,7 @@ import json
 import os
 import sys
 
+from lpf.core.fresh_process import exit_code, finish_like_the_interpreter, renew_process_state
 from lpf.experiments.cells import die_with_parent
 
 PRELOAD = ("torch", "transformers", "pyarrow.parquet", "lpf.pipeline", "lpf.adapters.builtin", "lpf.adapters.hf")
@@ -67,39 +68,6 @@ def foreign_threads(own: set[str]) -> list[str]:
     return names
 
 
-def _renew_the_process_state() -> None:
-    if "numpy.random" in sys.modules:
-        sys.modules["numpy.random"].seed()  # a fresh process seeds numpy's global generator from the OS
-    if "torch" in sys.modules:
-        torch = sys.modules["torch"]
-        torch.seed()  # a fresh process's CPU generator starts from a seed of its own (torch draws one at import)
-
-
-def _exit_code(e: SystemExit) -> int:
-    if e.code is None:
-        return 0
-    if isinstance(e.code, int):
-        return e.code
-    print(e.code, file=sys.stderr)  # what the interpreter does with sys.exit("text")
-    return 1
-
-
-def _finish_like_the_interpreter(code: int) -> None:
-    import atexit
-    import threading
-
-    try:
-        threading._shutdown()  # non-daemon threads are joined before exit, as at interpreter exit
-        atexit._run_exitfuncs()
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
-    os._exit(code)
-
-
 def _cell(req: dict, report_fd: int, learn: bool, parent: int) -> None:
     """In the forked child: the `lpf audit --spec -` process. Never returns."""
     code = 1
@@ -119,7 +87,7 @@ def _cell(req: dict, report_fd: int, learn: bool, parent: int) -> None:
             spec.flush()
             os.lseek(spec.fileno(), 0, os.SEEK_SET)
             os.dup2(spec.fileno(), 0)
-        _renew_the_process_state()
+        renew_process_state()
         before = set(sys.modules)
         sys.argv = list(AUDIT_ARGV)
         import runpy
@@ -128,7 +96,7 @@ def _cell(req: dict, report_fd: int, learn: bool, parent: int) -> None:
             runpy.run_module("lpf", run_name="__main__", alter_sys=True)
             code = 0
         except SystemExit as e:
-            code = _exit_code(e)
+            code = exit_code(e)
         except BaseException:  # noqa: BLE001 - as the interpreter: the traceback on stderr, exit 1
             sys.excepthook(*sys.exc_info())
             code = 1
@@ -140,12 +108,12 @@ def _cell(req: dict, report_fd: int, learn: bool, parent: int) -> None:
     finally:
         if report_fd >= 0:
             os.close(report_fd)
-        _finish_like_the_interpreter(code)
+        finish_like_the_interpreter(code)
 
 
 def _probe(report_fd: int, parent: int) -> None:
     die_with_parent()
-    _renew_the_process_state()
+    renew_process_state()
     import torch
 
     facts = {
