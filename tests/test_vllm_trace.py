@@ -266,7 +266,10 @@ def _first_rows(run):
 
 
 def _check_drill(run, findings):
-    """Every ground-truth imposter is corrupt and nothing else is flagged; each one's first trace row
+    """Every ground-truth imposter is flagged and nothing else is; each one is corrupt unless the stale
+    state ended it after one token (through the server, arrival timing picks the imposters: one seen
+    emitting EOS at p 0.997 where the reference gave it 0.008): a lone last lie must reach 2 x ln 20
+    to be `corrupt` (analysis/verdicts.py), so such an imposter is `divergent`. Each one's first trace row
     is a decode with nothing computed, most of them on a block an earlier request had held (an early
     imposter can land on a block no request had held yet: its state is then vLLM's start-up residue,
     seen once through the server at step 19 of 500 requests); the top hypothesis names that mechanism
@@ -275,7 +278,9 @@ def _check_drill(run, findings):
     corrupted = ground_truth(run, "corrupted")
     assert corrupted and ground_truth(run) == corrupted  # no preemption threw a stale read away
     verdicts = dict(q(run, "SELECT request_id, verdict FROM summary"))
-    assert {verdicts[r] for r in corrupted} == {"corrupt"}
+    ended = {r[0] for r in q(run, "SELECT request_id FROM summary WHERE n_scored_tokens = 1")} & corrupted
+    assert {verdicts[r] for r in corrupted - ended} == {"corrupt"}
+    assert {verdicts[r] for r in ended} <= {"corrupt", "divergent"}
     assert flagged(findings) == corrupted
     assert {r for r, v in verdicts.items() if v != "clean"} == corrupted
     first = {r[0]: r[1:] for r in _first_rows(run)}
@@ -299,8 +304,9 @@ def _check_drill(run, findings):
     top = findings["hypotheses"][0]
     n = len(corrupted)
     assert top["feature"] == "first_decode_uncomputed" and len(innocent) <= 0.01 * (findings["n_requests"] - n)
+    kind = "corrupt" if {verdicts[r] for r in corrupted} == {"corrupt"} else "flagged"  # the sentence's word
     assert top["sentence"].startswith(
-        f"{n}/{n} corrupt requests started with a decode step while num_computed_tokens "
+        f"{n}/{n} {kind} requests started with a decode step while num_computed_tokens "
         f"was 0; {len(innocent)}/{findings['n_requests'] - n} clean ones did"
     )
     return corrupted
