@@ -13,7 +13,8 @@ Wall time of the whole command each way, and the median time per cell (between s
 reports: a burst of load on this shared machine moves the total more than the median); the machine's
 load average at both ends is recorded beside them.
 `--quick` is the smoke run `make test` does (nothing timed asserted, no results file): a 2-cell sweep
-and a 2-candidate shrink, both ways.
+(6 prompts) and a 1-candidate shrink of a 100-request run (25 prompts x 4), both ways (one candidate:
+no gap between cells, so the shrink's medians print nan; the sweep's show the per-cell measure).
 Usage: python bench/cells.py [--quick] [--keep DIR]   (writes bench/results/cells.json)
 """
 
@@ -67,7 +68,7 @@ def workload(path: Path, n: int, model: str, max_prompt_tokens: int | None = Non
 
 
 def sweep(root: Path, quick: bool) -> dict:
-    wl = workload(root / "sweep.jsonl", 24, "tiny:jamba")
+    wl = workload(root / "sweep.jsonl", 6 if quick else 24, "tiny:jamba")
     knobs = (
         ["--knob", "cache-mb=0.3,4"]
         if quick
@@ -88,14 +89,14 @@ def sweep(root: Path, quick: bool) -> dict:
 
 def shrink(root: Path, quick: bool) -> dict:
     model = "tiny:jamba-longmem"
-    wl = workload(root / "shrink.jsonl", 100 if quick else 500, model, max_prompt_tokens=20)
+    wl = workload(root / "shrink.jsonl", 25 if quick else 500, model, max_prompt_tokens=20)
     src = root / "source"
     lpf(
         "audit", "--engine", "builtin", "--model", model, "--workload", wl, "--max-tokens", 4, "--n", 4,
         "--cache-mb", 0.2, "-E", "block_size=4", "--max-num-batched-tokens", 6, "--inject", "stale-state",
         "--out", src, "--fail-on", "never", fresh=True,
     )  # fmt: skip
-    budget = 2 if quick else 60  # lpf shrink's default; this shrink needs 24 of them (docs/benchmarks.md)
+    budget = 1 if quick else 60  # lpf shrink's default; this shrink needs 24 of them (docs/benchmarks.md)
     out, docs = {}, {}
     for way, fresh in (("process", True), ("kept", False)):
         d = root / f"shrink-{way}"
@@ -122,7 +123,9 @@ def line(what: str, r: dict, n: int, same: str) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="2 cells and 2 candidates, no results file (a smoke run)")
+    ap.add_argument(
+        "--quick", action="store_true", help="2 cells and 1 candidate, few prompts, no results file (a smoke run)"
+    )
     ap.add_argument("--keep", type=Path, default=None, help="work in this directory and keep it (else a temporary one)")
     args = ap.parse_args()
     quick = args.quick

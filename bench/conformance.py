@@ -6,7 +6,7 @@ Same cells both ways: GraniteMoeHybrid's tiny checkpoint, the conformance worklo
 144-172 tokens), the cells fp32, fp32-chunk16, fp32-seqs1 (prompt logprobs on, rescored, analysed,
 report written). Wall time per cell, and the ratio. Needs vLLM's venv (`make vllm`).
 `--quick` is the smoke run `make test` does (nothing timed is asserted, no results file): the fp32
-cell alone, both ways.
+cell alone on 4 prompts, both ways.
 Usage: python bench/conformance.py [--quick]   (writes bench/results/conformance.json)
 """
 
@@ -26,7 +26,9 @@ def main() -> int:
     import argparse
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="the fp32 cell alone, no results file (a smoke run)")
+    ap.add_argument(
+        "--quick", action="store_true", help="the fp32 cell alone, 4 prompts, no results file (a smoke run)"
+    )
     quick = ap.parse_args().quick
     from lpf.adapters.vllm import vllm_python
     from lpf.experiments.conformance.grid import PROMPTS, grid_cells, write_workload
@@ -46,7 +48,8 @@ def main() -> int:
     from lpf.zoo.registry import tokenizer_dir
 
     tok = load_tokenizer(ModelRef("zoo tokenizer", tokenizer_dir()))  # the workload lpf conformance writes
-    wl = write_workload(root / "workload.jsonl", PROMPTS["full"], len(tok), bos=tok.bos_token_id)
+    n_prompts = 4 if quick else PROMPTS["full"]
+    wl = write_workload(root / "workload.jsonl", n_prompts, len(tok), bos=tok.bos_token_id)
     exe = Path(sys.executable).with_name("lpf")
     common = [
         "--engine",
@@ -84,6 +87,7 @@ def main() -> int:
             "--arch",
             "GraniteMoeHybrid",
             *[a for c in cells for a in ("--cell", c.name)],
+            *(["--prompts", str(n_prompts)] if quick else []),
             "--out",
             str(root / "conf"),
             "--fail-on",

@@ -19,8 +19,9 @@ no logprobs allows (`lpf.analysis.token_test`, the engine's logprobs never read)
 it), on prose the zoo model was not trained to continue (400 prompts, 16 tokens each past EOS): on its
 trained tasks the 4-bit copy changes no greedy token, so tokens alone cannot see it there.
 `--quick` is the smoke run `make test` does (seconds; nothing asserted of the numbers, no results
-file): two configs of each part (clean float32 and quantize-weights:4, greedy) on 40 requests of at
-most 8 tokens, in a temporary folder, 50 windows.
+file): two configs (clean float32 and quantize-weights:4, greedy) on 40 prose prompts of 8 tokens, in a
+temporary folder, 50 windows; both parts read the same two runs (two `lpf audit`s, not four: a process
+start-up is most of a quick run).
 Usage: python bench/detection.py [--windows 500] [--out runs/bench-detection] [--part logprobs|tokens|both] [--quick]
 (writes bench/results/detection.json and detection_tokens.json, prints the tables)
 """
@@ -190,6 +191,14 @@ def token_scores(ev: dict, size: int, starts: np.ndarray, alpha: float) -> np.nd
     return np.array([-(decide(ev, int(s), int(s) + size, alpha)["log10_p_value"] or 0.0) for s in starts])
 
 
+def token_run(a, name: str, workload: Path) -> Path:
+    """The tokens part's run of TOKEN_CONFIGS[name] on the prose workload (audited unless complete)."""
+    dtype, drill, temp = TOKEN_CONFIGS[name]
+    extra = ("--ignore-eos", "--temperature", str(temp), "--seed", "3")
+    out = a.out / "tokens-only" / name.replace(" ", "-").replace(":", "-")
+    return audit(out, dtype, drill, str(workload), extra, 8 if a.quick else 16)
+
+
 def tokens_part(a, alpha: float, rng) -> None:
     out = a.out / "tokens-only"
     out.mkdir(parents=True, exist_ok=True)
@@ -199,14 +208,7 @@ def tokens_part(a, alpha: float, rng) -> None:
         if a.quick
         else TOKEN_CONFIGS
     )
-    ev = {}
-    for name, (dtype, drill, temp) in configs.items():
-        extra = ("--ignore-eos", "--temperature", str(temp), "--seed", "3")
-        ev[name] = token_evidence(
-            audit(
-                out / name.replace(" ", "-").replace(":", "-"), dtype, drill, str(workload), extra, 8 if a.quick else 16
-            )
-        )
+    ev = {name: token_evidence(token_run(a, name, workload)) for name in configs}
     n_min = min(e["unseeded"]["n"] for e in ev.values())
     sizes = [s for s in TOKEN_SIZES if s <= n_min]
     starts = {s: rng.integers(0, n_min - s + 1, a.windows) for s in sizes}
@@ -267,27 +269,20 @@ def main() -> None:
     ap.add_argument("--alpha", type=float, default=None)
     ap.add_argument("--part", choices=("logprobs", "tokens", "both"), default="both")
     ap.add_argument(
-        "--quick", action="store_true", help="two configs a part, 40 short requests, a temporary folder (a smoke run)"
+        "--quick",
+        action="store_true",
+        help="two configs, 40 short prose requests, both parts on the same runs, a temporary folder (a smoke run)",
     )
     a = ap.parse_args()
     from lpf.analysis.run_test import DEFAULT_ALPHA
 
     alpha = a.alpha or DEFAULT_ALPHA
     configs, workload, max_tokens = CONFIGS, "zoo:stress", 16
-    if a.quick:
+    if a.quick:  # the logprobs part reads the tokens part's greedy runs (logprobs_part says why)
         import tempfile
 
-        from lpf.zoo import registry
-
         configs = {k: CONFIGS[k] for k in ("clean float32", "quantize-weights:4")}
-        a.out, a.windows, max_tokens = Path(tempfile.mkdtemp(prefix="lpf-bench-detection-")), 50, 8
-        workload = str(a.out / "stress40.jsonl")
-        Path(workload).write_text(
-            "".join(
-                json.dumps({"id": i["id"], "prompt": i["prompt"]}) + "\n"
-                for i in registry.workload_items("stress", seed=0, n=40)
-            )
-        )
+        a.out, a.windows = Path(tempfile.mkdtemp(prefix="lpf-bench-detection-")), 50
     a.out.mkdir(parents=True, exist_ok=True)
     try:
         if a.part in ("tokens", "both"):
@@ -305,6 +300,13 @@ def logprobs_part(a, alpha: float, configs: dict, workload: str, max_tokens: int
     rng = np.random.default_rng(0)
     ev = {}
     for name, (dtype, drill) in configs.items():
+        if a.quick:  # the tokens part's greedy run of the same config: one `lpf audit` serves both parts
+            prose = a.out / "tokens-only" / "prose400.jsonl"
+            if not prose.is_file():  # --part logprobs
+                prose.parent.mkdir(parents=True, exist_ok=True)
+                prose_workload(prose, 40)
+            ev[name] = evidence(token_run(a, f"greedy {name}", prose))
+            continue
         ev[name] = evidence(
             audit(
                 a.out / name.replace(" ", "-").replace(":", "-").replace("+", "p"),

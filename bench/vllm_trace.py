@@ -14,7 +14,7 @@ Two configurations: the drill's (zoo:oracle, 500 requests, 16 tokens, a 32-token
 sequences: many small steps, the worst case for a per-step cost) and the engine bench's (zoo:stress,
 200 requests, 128 tokens, 512-token budget over 64 sequences).
 `--quick` is the smoke run `make test` does (nothing timed is asserted, no results file): the drill
-config on 40 requests, one repeat of each mode.
+config on 40 requests, one repeat of each mode, no settling pause before the window.
 Usage: python bench/vllm_trace.py [--repeats N] [--quick]   (writes bench/results/vllm_trace.json; needs .venv-vllm)
 """
 
@@ -80,7 +80,7 @@ def _workload(cfg: dict, tmp: Path) -> str:
     return str(path)
 
 
-def one(cfg: dict, run, reqs, trace: bool) -> dict:
+def one(cfg: dict, run, reqs, trace: bool, settle_s: float = 1.0) -> dict:
     from lpf.adapters.vllm import VLLMEngine, VLLMOptions
     from lpf.core.model_specs import resolve_model
     from lpf.core.sampling import SamplingParams
@@ -90,7 +90,7 @@ def one(cfg: dict, run, reqs, trace: bool) -> dict:
     )
     engine = VLLMEngine(resolve_model(MODEL), SamplingParams.from_dict(run.manifest["sampling"]), options)
     try:
-        time.sleep(1.0)  # let start-up's last threads settle before the window opens
+        time.sleep(settle_s)  # let start-up's last threads settle before the window opens
         cpu0, t0 = cpu_seconds(engine.proc.pid), time.perf_counter()
         done = list(engine.generate(reqs))
         rows = sum(t.num_rows for t in [engine.side_tables().get("trace")] if t is not None)
@@ -118,7 +118,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "vllm_trace.json")
-    ap.add_argument("--quick", action="store_true", help="the drill config, 40 requests, one repeat, no results file")
+    ap.add_argument(
+        "--quick", action="store_true", help="the drill config, 40 requests, one repeat, no pause, no results file"
+    )
     args = ap.parse_args()
     configs = CONFIGS
     if args.quick:
@@ -136,7 +138,7 @@ def main() -> None:
             runs = []
             for i in range(args.repeats):
                 for trace in (False, True):  # interleaved: off, on, off, on, ...
-                    r = one(cfg, run, reqs, trace)
+                    r = one(cfg, run, reqs, trace, 0.0 if args.quick else 1.0)
                     runs.append(r)
                     print(
                         f"{name} #{i} trace={'on ' if trace else 'off'} cpu {r['cpu_s']:.2f} s, wall {r['wall_s']:.2f} s "

@@ -161,8 +161,46 @@ def prompts_200(tmp_path_factory) -> Path:
     return write_prompts(path, [{"id": it["id"], "prompt": it["prompt"], "expected": it["expected"]} for it in items])
 
 
+def lpf_main(*args):
+    """`lpf *args` in this process, returned as `subprocess.run` returns a child's: `returncode`,
+    `stdout`, `stderr` (text). A test worker has imported torch, transformers and lpf once, so a call
+    here skips what every fresh `lpf` process pays before its first step (~6 s here: imports, the
+    tokenizer's and the model code's first use): a 2,000-request audit's fixed cost. For runs that
+    need nothing of a process of their own; `lpf_subprocess` for signals, kills, time-outs, crashes,
+    an environment or working directory of their own, or output a child of lpf writes to the fds."""
+    import contextlib
+    import io
+    import subprocess
+
+    from lpf import cli
+    from lpf.cli import common
+
+    # the width lpf_subprocess gives (COLUMNS=200): tables wide enough to read back. The consoles read
+    # COLUMNS when lpf.cli is first imported, so theirs is set for the call and put back after it
+    consoles = (common.out, common.err)
+    argv, widths = sys.argv, [c._width for c in consoles]
+    sys.argv = ["lpf", *map(str, args)]
+    for c in consoles:
+        c.width = 200
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                cli.main()
+            except SystemExit as e:
+                if isinstance(e.code, str):  # as the interpreter does with sys.exit("message")
+                    err.write(e.code + "\n")
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        sys.argv = argv
+        for c, width in zip(consoles, widths):
+            c._width = width
+    return subprocess.CompletedProcess(["lpf", *map(str, args)], code, out.getvalue(), err.getvalue())
+
+
 def lpf_subprocess(*args, timeout: float = 600, **kw):
-    """The installed `lpf` console script in a child process (for long runs and signal tests)."""
+    """The installed `lpf` console script in a child process (signals, kills, time-outs, crashes, an
+    environment of its own; `lpf_main` runs the rest in the test's process)."""
     import os
     import subprocess
 
@@ -176,7 +214,7 @@ def hybrid_audit(tmp_path_factory, prompts_200):
     """One `lpf audit --engine hf` of the tiny hybrid over 200 prompts, float32, shared by tests
     that only read it (copy it before changing anything)."""
     out = tmp_path_factory.mktemp("runs") / "hybrid"
-    proc = lpf_subprocess(
+    proc = lpf_main(
         "audit",
         "--engine",
         "hf",

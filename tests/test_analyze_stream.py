@@ -16,7 +16,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import lpf_subprocess, write_prompts
+from conftest import lpf_main, write_prompts
 from lpf.analysis.thresholds import Thresholds
 from lpf.pipeline import analyze_stream, stream_memory, stream_parts
 from lpf.pipeline.analyze import analyze_run
@@ -63,7 +63,7 @@ def swap_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("swap")
     items = registry.workload_items("oracle", seed=3, n=400)
     prompts = write_prompts(tmp / "p.jsonl", [{"id": i["id"], "prompt": i["prompt"]} for i in items])
-    proc = lpf_subprocess(
+    proc = lpf_main(
         "audit",
         "--engine",
         "builtin",
@@ -186,7 +186,7 @@ def test_cli_stream_and_no_stream_write_the_same_findings(swap_run, tmp_path, lp
 def test_sampled_drill_with_tempered_logprobs_is_byte_identical(tmp_path, monkeypatch):
     """The processed-logprobs drill at temperature 0.6 (500 requests, ~9 s): the tempered-logprob
     signature ranks first and the run-level test finds the run `systematic`, both ways alike."""
-    proc = lpf_subprocess(
+    proc = lpf_main(
         "audit",
         "--engine",
         "builtin",

@@ -5,7 +5,7 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import lpf_subprocess
+from conftest import lpf_main
 
 
 def _check_clean(out, proc, n_prompts=200):
@@ -40,7 +40,7 @@ def test_audit_hf_hybrid_clean(hybrid_audit):
 @pytest.mark.slow  # an end-to-end run or a browser: kept out of `make test-fast` (issue 27)
 def test_audit_hf_llama_clean(tmp_path, prompts_200):
     out = tmp_path / "llama"
-    proc = lpf_subprocess(
+    proc = lpf_main(
         "audit",
         "--engine",
         "hf",

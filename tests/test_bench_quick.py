@@ -3,9 +3,11 @@ results file) completes in a subprocess and prints its ratio lines, so a schema 
 never again leave `make bench` broken with nothing noticing (issue 27: bench/report.py died on run
 schema v2 for a day). The vLLM benches skip without `.venv-vllm`, as the vLLM tests do.
 
-Measured on this 2-core machine: analysis ~5 s; report, rescore ~8-12 s each; engine ~20 s, detection
-~45 s, nondeterminism ~20 s, locate ~50 s and cells ~2 min (7 fresh `lpf audit` processes, its baseline) (process start-ups: one `lpf run` or `lpf audit` costs ~8 s here); the
-vLLM ones 30 s to 2 min each (vLLM start-ups), so all but the analysis smoke are `slow`.
+Measured on this 2-core machine (another suite running beside it): analysis ~4 s; nondeterminism, rescore,
+report ~8-10 s each; engine, locate ~12-15 s, detection, bugs ~20 s and cells ~65 s (two sweeps, two
+shrinks and the shrink's source audit: ~10 process start-ups, a process per cell being its baseline)
+(process start-ups: one `lpf run` or `lpf audit` costs ~6-8 s here); the vLLM ones ~13-40 s each (vLLM
+start-ups; conformance also asks vLLM's registry), so all but the analysis smoke are `slow`.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import lpf_subprocess, write_prompts
+from conftest import lpf_main, write_prompts
 from lpf.views.query import run_query
 
 pytestmark = pytest.mark.slow  # long end-to-end runs: `make test-fast` skips them
@@ -18,7 +18,7 @@ SMALL = ["--cache-mb", "2", "--max-num-batched-tokens", "64"]
 
 
 def audit(out, *args, model="zoo:hybrid"):
-    proc = lpf_subprocess(
+    proc = lpf_main(
         "audit", "--engine", "builtin", "--model", model, "--out", out, "--json", "--fail-on", "never", *args
     )
     assert proc.returncode == 0, proc.stderr
@@ -79,7 +79,7 @@ def test_faults_off_matches_hf_exactly(tmp_path, stress_320, model, tol):
                       HAVING count(DISTINCT phase) > 1 AND bool_or(phase = 'decode'))""",
     )[0][0]
     assert mixed > 0
-    hf = lpf_subprocess(
+    hf = lpf_main(
         "run", "--engine", "hf", "--model", model, "--workload", stress_320, "--out", tmp_path / "h", "--max-tokens", 16
     )
     assert hf.returncode == 0, hf.stderr
@@ -336,6 +336,6 @@ def test_kv_double_free_shares_a_block(tmp_path):
 
 
 def test_unknown_fault_is_a_clean_error(tmp_path):
-    proc = lpf_subprocess("run", "--engine", "builtin", "--inject", "stale-sate", "--out", tmp_path / "x")
+    proc = lpf_main("run", "--engine", "builtin", "--inject", "stale-sate", "--out", tmp_path / "x")
     assert proc.returncode == 2 and "did you mean 'stale-state'" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "x").exists()

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from conftest import lpf_subprocess
+from conftest import lpf_main
 
 pytestmark = pytest.mark.slow  # long end-to-end runs: `make test-fast` skips them
 
@@ -21,7 +21,7 @@ def bf16_run(tmp_path_factory):
     token-level floor stays at float32's; measured there: 861 clean, 1096 noise, 43 divergent, 0
     corrupt)."""
     out = tmp_path_factory.mktemp("bf16") / "run"
-    proc = lpf_subprocess(
+    proc = lpf_main(
         "audit",
         "--engine",
         "builtin",

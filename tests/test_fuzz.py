@@ -226,13 +226,13 @@ def test_the_rl_dump_reader_never_crashes(rows, garbage, as_parquet):
 # -- the run-directory reader ----------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def small_run(tmp_path_factory):
-    from conftest import lpf_subprocess
+    from conftest import lpf_main
 
     out = tmp_path_factory.mktemp("fuzzrun") / "run"
     items = [{"id": f"q{i}", "prompt": f"The fox {i} ran"} for i in range(12)]
     workload = tmp_path_factory.mktemp("fuzzw") / "w.jsonl"
     workload.write_text("".join(json.dumps(i) + "\n" for i in items))
-    r = lpf_subprocess(
+    r = lpf_main(
         "audit",
         "--model",
         MODEL,

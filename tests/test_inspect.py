@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-from conftest import lpf_subprocess, write_prompts
+from conftest import lpf_main, write_prompts
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +21,7 @@ def stale_run(tmp_path_factory):
     items = registry.workload_items("oracle", seed=3, n=60)
     w = write_prompts(base / "w.jsonl", [{"id": i["id"], "prompt": i["prompt"]} for i in items])
     run = base / "run"
-    proc = lpf_subprocess(
+    proc = lpf_main(
         "audit",
         "--model",
         "tiny:jamba",

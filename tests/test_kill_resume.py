@@ -22,7 +22,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import lpf_subprocess, write_prompts
+from conftest import lpf_main, write_prompts
 
 pytestmark = pytest.mark.slow
 
@@ -118,16 +118,16 @@ def _kill_and_resume_until_done(triggers, start: list[str], resume: list[str], d
             break
         cmd = resume if (d / "manifest.json").is_file() else start
         kills += _kill_at(cmd, trigger)
-    while not done():
+    while not done():  # the rest, unkilled: in this process (the same command, no start-up to pay)
         cmd = resume if (d / "manifest.json").is_file() else start
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        r = lpf_main(*cmd[1:])
         assert r.returncode == 0, r.stderr[-2000:]
     return kills
 
 
 def test_sigkill_run_rescore_and_sweep_at_20_points_then_resume(workload, tmp_path):
     base = tmp_path / "base"
-    r = lpf_subprocess("run", *RUN_ARGS, "--workload", workload, "--out", base)
+    r = lpf_main("run", *RUN_ARGS, "--workload", workload, "--out", base)
     assert r.returncode == 0, r.stderr
     expected = _exactly_once(base)
 
@@ -155,7 +155,7 @@ def test_sigkill_run_rescore_and_sweep_at_20_points_then_resume(workload, tmp_pa
     assert _exactly_once(run) == expected  # greedy: the same tokens as the uninterrupted run
 
     # lpf rescore (small batches: many reference parts to land between)
-    r = lpf_subprocess("rescore", base, "--token-budget", 64)
+    r = lpf_main("rescore", base, "--token-budget", 64)
     assert r.returncode == 0, r.stderr
     want = _reference(base)
     shutil.rmtree(run / "reference")

@@ -21,7 +21,7 @@ import json
 
 import pytest
 
-from conftest import lpf_subprocess, write_prompts
+from conftest import lpf_main, write_prompts
 from lpf.views.query import run_query
 from test_report import browser  # noqa: F401 - the real headless Chromium fixture
 
@@ -74,7 +74,7 @@ def runs(tmp_path_factory, oracle60):
         "clean": ["--model", "zoo:hybrid", "--max-tokens", 8, "--max-num-batched-tokens", 24, "--cache-mb", 1],
     }
     for name, args in configs.items():
-        proc = lpf_subprocess(
+        proc = lpf_main(
             "audit", "--engine", "builtin", "--workload", oracle60, *args, "--out", base / name, "--fail-on", "never"
         )
         assert proc.returncode == 0, proc.stderr

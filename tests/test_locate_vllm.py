@@ -24,10 +24,10 @@ pytestmark = [pytest.mark.slow, needs_vllm]
 
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory):
-    from conftest import lpf_subprocess
+    from conftest import lpf_main
 
     out = tmp_path_factory.mktemp("locate-conf") / "conf"
-    proc = lpf_subprocess(
+    proc = lpf_main(
         "conformance",
         "--engine",
         "vllm",
@@ -44,7 +44,6 @@ def matrix(tmp_path_factory):
         "--json",
         "--fail-on",
         "never",
-        timeout=1800,
     )
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)

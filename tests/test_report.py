@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import lpf_subprocess, write_prompts
+from conftest import lpf_main, write_prompts
 from lpf.report.html import script_json
 from lpf.run import schema
 
@@ -126,7 +126,7 @@ def xss_run(tmp_path_factory):
     items.insert(40, {"id": "xss", "prompt": XSS})
     workload = write_prompts(base / "w.jsonl", items)
     run = base / "run"
-    proc = lpf_subprocess(
+    proc = lpf_main(
         "run",
         "--engine",
         "builtin",
@@ -143,9 +143,9 @@ def xss_run(tmp_path_factory):
     )
     assert proc.returncode == 0, proc.stderr
     _replace_output(run, XSS_ID, XSS)
-    proc = lpf_subprocess("rescore", run)
+    proc = lpf_main("rescore", run)
     assert proc.returncode == 0, proc.stderr
-    proc = lpf_subprocess("analyze", run, "--fail-on", "never", "--json")
+    proc = lpf_main("analyze", run, "--fail-on", "never", "--json")
     assert proc.returncode == 0, proc.stderr
     return run, json.loads(proc.stdout), proc.stderr
 
@@ -215,14 +215,14 @@ def test_run_report_renders_and_model_script_stays_text(xss_run, browser):
 def test_report_command_and_bad_directories(xss_run, tmp_path):
     run, _, _ = xss_run
     (run / "report.html").unlink()
-    proc = lpf_subprocess("report", run)
+    proc = lpf_main("report", run)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == str(run / "report.html") and (run / "report.html").is_file()
     for bad, message in (
         (tmp_path / "nope", "not a directory"),
         (tmp_path, "not a run, sweep, shrink, conformance, locate or RL directory"),
     ):
-        proc = lpf_subprocess("report", bad)
+        proc = lpf_main("report", bad)
         assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 

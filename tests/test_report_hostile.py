@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import lpf_subprocess, write_prompts
+from conftest import lpf_main, write_prompts
 from lpf.run import schema
 from test_report import browser, open_page, severe  # noqa: F401  (the real-Chromium fixture and helpers)
 
@@ -44,7 +44,7 @@ def hostile_run(tmp_path_factory):
     for k, text in enumerate(PAYLOADS):
         items.insert(5 + 7 * k, {"id": f"{text}#{k}", "prompt": text})
     run = base / "run"
-    r = lpf_subprocess(
+    r = lpf_main(
         "run",
         "--engine",
         "builtin",
@@ -88,9 +88,9 @@ def hostile_run(tmp_path_factory):
                 t["request_id"] = hostile_id
         pq.write_table(pa.Table.from_pylist(toks, schema=schema.TOKENS), run / "tokens" / part.name)
         pq.write_table(pa.Table.from_pylist(rows, schema=schema.REQUESTS), part)
-    r = lpf_subprocess("rescore", run)
+    r = lpf_main("rescore", run)
     assert r.returncode == 0, r.stderr
-    r = lpf_subprocess("analyze", run, "--fail-on", "never", "--json")
+    r = lpf_main("analyze", run, "--fail-on", "never", "--json")
     assert r.returncode == 0, r.stderr
     return run, json.loads(r.stdout), hostile_id
 

@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import lpf_subprocess
+from conftest import lpf_main
 
 KEY = [("request_id", "ascending"), ("position", "ascending")]
 
@@ -36,7 +36,7 @@ def ray_cluster():
 def run_2k(tmp_path_factory) -> Path:
     """2,000 requests of the built-in engine with the 18-bit state offset wrap: corrupt and clean ones."""
     out = tmp_path_factory.mktemp("ray") / "run"
-    proc = lpf_subprocess(
+    proc = lpf_main(
         "run",
         "--engine",
         "builtin",

@@ -11,7 +11,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import lpf_subprocess, write_prompts
+from conftest import lpf_main, write_prompts
 
 
 @pytest.mark.slow
@@ -54,7 +54,7 @@ def test_kill_and_resume(tmp_path):
     assert 12 <= len(before) < 120, "the kill must land mid-run"
     assert json.loads((out / "manifest.json").read_text())["status"] == "running"
 
-    r = lpf_subprocess("run", "--resume", out)
+    r = lpf_main("run", "--resume", out)
     assert r.returncode == 0, r.stderr
     requests = pq.read_table(out / "requests")
     ids = requests.column("request_id").to_pylist()
@@ -69,10 +69,10 @@ def test_kill_and_resume(tmp_path):
     assert json.loads((out / "manifest.json").read_text())["status"] == "complete"
 
     # a finished run resumed again does nothing, and the resumed run analyses like any other
-    r = lpf_subprocess("run", "--resume", out)
+    r = lpf_main("run", "--resume", out)
     assert r.returncode == 0 and pq.read_table(out / "requests").num_rows == 120
-    r = lpf_subprocess("rescore", out)
+    r = lpf_main("rescore", out)
     assert r.returncode == 0, r.stderr
-    r = lpf_subprocess("analyze", out, "--json")
+    r = lpf_main("analyze", out, "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["counts"]["clean"] == 120

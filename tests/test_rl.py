@@ -17,11 +17,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import lpf_subprocess
+from conftest import lpf_main
 
 
 def simulate(out, *args):
-    p = lpf_subprocess("rl", "simulate", "--out", out, *args)
+    p = lpf_main("rl", "simulate", "--out", out, *args)
     assert p.returncode == 0, p.stderr
     return out
 
@@ -197,7 +197,7 @@ def test_rescore_and_reference_errors_are_one_line(tmp_path, lpf_cli):
 @pytest.mark.slow
 def test_simulate_into_a_directory_then_analyze_it_as_a_new_user_would(lpf_cli, tmp_path):
     out = tmp_path / "runs" / "wrap"
-    p = lpf_subprocess("rl", "simulate", "--steps", 3, "--rollouts", 2, "--max-tokens", 4, "--out", out)
+    p = lpf_main("rl", "simulate", "--steps", 3, "--rollouts", 2, "--max-tokens", 4, "--out", out)
     assert p.returncode == 0, p.stderr
     assert (out / "dump.parquet").is_file() and f"next: lpf rl analyze {out}" in p.stderr
     r = lpf_cli("rl", "analyze", out)

@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import lpf_subprocess, write_prompts
+from conftest import lpf_main, write_prompts
 from lpf.views.query import run_query
 from test_vllm import needs_vllm
 
@@ -36,7 +36,7 @@ DRILLS = {
 
 
 def audit(out, *args, code=None):
-    proc = lpf_subprocess("audit", "--out", out, "--json", *args)
+    proc = lpf_main("audit", "--out", out, "--json", *args)
     if code is not None:
         assert proc.returncode == code, proc.stderr[-3000:]
     return json.loads(proc.stdout), proc

@@ -35,7 +35,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import lpf_subprocess, write_prompts
+from conftest import lpf_main, write_prompts
 from lpf.views.query import run_query
 from test_report import browser, open_page, plots_drawn, severe  # noqa: F401  (browser: the fixture)
 from test_vllm import _vllm_python, needs_vllm
@@ -57,7 +57,7 @@ def short_prompts(path: Path, n: int) -> Path:
 
 
 def audit(out: Path, workload: Path, *args) -> dict:
-    proc = lpf_subprocess(
+    proc = lpf_main(
         "audit",
         "--engine",
         "builtin",
@@ -113,7 +113,7 @@ def stale(tmp_path_factory):
     )
     assert findings["n_requests"] == 2000 and 0 < findings["counts"]["corrupt"] < 100
     out = base / "shrink"
-    proc = lpf_subprocess("shrink", run, "--out", out, "--json")
+    proc = lpf_main("shrink", run, "--out", out, "--json")
     assert proc.returncode == 0, proc.stderr
     return run, out, json.loads(proc.stdout), findings
 
@@ -210,7 +210,7 @@ def test_the_stale_state_reproducer_stands_alone(stale, tmp_path):
 def test_the_shrink_report_page_draws_in_a_browser(stale, browser):
     """`lpf report DIR` detects the shrink directory; the page draws its chart with no console error."""
     _, out, _, _ = stale
-    proc = lpf_subprocess("report", out)
+    proc = lpf_main("report", out)
     assert proc.returncode == 0, proc.stderr
     log = open_page(browser, out / "report.html")
     assert not severe(log), log
@@ -261,7 +261,7 @@ def test_offset_wrap_shrinks_to_the_wrapping_slot_and_resumes_after_a_kill(tmp_p
         for c in finished
         for t in c["tries"]
     }
-    again = lpf_subprocess("shrink", run, "--out", out, "--json")
+    again = lpf_main("shrink", run, "--out", out, "--json")
     assert again.returncode == 0, again.stderr
     doc = json.loads(again.stdout)
     for c in finished:
@@ -303,7 +303,7 @@ def test_nothing_flagged_is_refused_and_a_one_off_does_not_reproduce(tmp_path):
     run = tmp_path / "run"
     clean = audit(run, short_prompts(tmp_path / "w.jsonl", 6), "--cache-mb", 0.5)
     assert clean["verdict"] == "clean"
-    proc = lpf_subprocess("shrink", run, "--out", tmp_path / "nothing")
+    proc = lpf_main("shrink", run, "--out", tmp_path / "nothing")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "has no flagged request" in lines[0] and "nothing to shrink" in lines[0], proc.stderr
@@ -311,7 +311,7 @@ def test_nothing_flagged_is_refused_and_a_one_off_does_not_reproduce(tmp_path):
 
     target, other = (r[0] for r in run_query(run, "SELECT request_id FROM requests ORDER BY seq LIMIT 2")[1])
     _fake_one_off(run, target)
-    proc = lpf_subprocess("analyze", run, "--json", "--fail-on", "never")
+    proc = lpf_main("analyze", run, "--json", "--fail-on", "never")
     assert proc.returncode == 0, proc.stderr
     assert [f["request_id"] for f in json.loads(proc.stdout)["flagged"]] == [target]
     for args, words in (
@@ -319,10 +319,10 @@ def test_nothing_flagged_is_refused_and_a_one_off_does_not_reproduce(tmp_path):
         (["--request", other], "not flagged"),
         (["--tries", 2, "--need", 3], "--need between 1 and --tries"),
     ):
-        proc = lpf_subprocess("shrink", run, "--out", tmp_path / "bad", *args)
+        proc = lpf_main("shrink", run, "--out", tmp_path / "bad", *args)
         assert proc.returncode == 2 and words in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     out = tmp_path / "shrink"
-    proc = lpf_subprocess("shrink", run, "--out", out, "--tries", 2)
+    proc = lpf_main("shrink", run, "--out", out, "--tries", 2)
     assert proc.returncode == 1, proc.stderr
     assert "did not reproduce in 2 tries" in proc.stderr and "Traceback" not in proc.stderr
     doc = json.loads((out / "shrink.json").read_text())
@@ -375,7 +375,7 @@ def test_the_vllm_minimum_reproduces_with_vllms_interpreter_alone(tmp_path):
     workload = tmp_path / "minimum.jsonl"
     workload.write_text("".join(json.dumps(item) + "\n" for item in VLLM_MINIMUM))
     run, target = tmp_path / "minimum", VLLM_TARGET + "-r0"
-    proc = lpf_subprocess(
+    proc = lpf_main(
         "audit",
         "--engine",
         "vllm",
@@ -474,7 +474,7 @@ def test_a_vllm_crash_shrinks_to_one_prompt(tmp_path):
     importable, exits 1 on the same exception from the same frame; with prefix caching off, 0."""
     workload = crash_prompts(tmp_path / "w.jsonl", [40, 200])
     run = tmp_path / "run"
-    proc = lpf_subprocess(
+    proc = lpf_main(
         "audit",
         "--engine",
         "vllm",
@@ -493,7 +493,7 @@ def test_a_vllm_crash_shrinks_to_one_prompt(tmp_path):
     )
     assert "every request failed (2 of 2)" in proc.stderr, proc.stderr[-3000:]
     out = tmp_path / "min"
-    proc = lpf_subprocess("shrink", run, "--out", out, "--budget-runs", 4, "--json")
+    proc = lpf_main("shrink", run, "--out", out, "--budget-runs", 4, "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(proc.stdout)
     assert doc["crash"]["exception"] == "IndexError"

@@ -59,10 +59,10 @@ def sweep_args(workload, out):
 
 @pytest.fixture(scope="module")
 def stale_sweep(tmp_path_factory, workload):
-    from conftest import lpf_subprocess
+    from conftest import lpf_main
 
     out = tmp_path_factory.mktemp("sweep") / "s"
-    proc = lpf_subprocess(*sweep_args(workload, out))
+    proc = lpf_main(*sweep_args(workload, out))
     assert proc.returncode == 0, proc.stderr
     return out, proc
 
@@ -115,7 +115,7 @@ def test_cache_size_moves_the_stale_state_rate(stale_sweep):
 
 @pytest.mark.slow
 def test_rerun_resumes_without_redoing_cells(stale_sweep, workload):
-    from conftest import lpf_subprocess
+    from conftest import lpf_main
 
     out, first = stale_sweep
     before = json.loads((out / "sweep.json").read_text())
@@ -127,7 +127,7 @@ def test_rerun_resumes_without_redoing_cells(stale_sweep, workload):
     (victim / "findings.json").unlink()
     parts = sorted((victim / "reference").glob("part-*.parquet"))
     parts[-1].unlink()
-    proc = lpf_subprocess(*sweep_args(workload, out))
+    proc = lpf_main(*sweep_args(workload, out))
     assert proc.returncode == 0, proc.stderr
     after = json.loads(proc.stdout)
     assert {
@@ -141,7 +141,7 @@ def test_rerun_resumes_without_redoing_cells(stale_sweep, workload):
     for c in before["cells"][1:]:
         assert (out / "logs" / f"{c['name']}.log").read_text().count("$ lpf audit") == 1
     # the same --out with other knobs is refused, and nothing is touched
-    other = lpf_subprocess("sweep", "--knob", "cache-mb=2,3", "--out", out, "--max-tokens", 4)
+    other = lpf_main("sweep", "--knob", "cache-mb=2,3", "--out", out, "--max-tokens", 4)
     assert other.returncode == 2 and "different sweep" in other.stderr and "Traceback" not in other.stderr
 
 

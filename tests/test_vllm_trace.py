@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import write_prompts
+from conftest import lpf_main, write_prompts
 from scripted_http import free_port
 from test_engine_drills import flagged, ground_truth, q
 from test_vllm import _serve, _stop, _vllm_python, _wait_healthy, needs_vllm
@@ -52,8 +52,13 @@ DRILL_KNOBS = [
 
 
 def audit(out, *args, python: Path | None = None):
-    """`lpf audit ... --json` in a child process; `python`: the worker's interpreter (LPF_VLLM_PYTHON)."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="200", **({"LPF_VLLM_PYTHON": str(python)} if python else {}))
+    """`lpf audit ... --json`; `python`: the worker's interpreter (LPF_VLLM_PYTHON), in a child process
+    with that environment (without it, in this one: `lpf_main`)."""
+    if python is None:
+        proc = lpf_main("audit", "--out", out, "--json", "--fail-on", "never", *args)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="200", LPF_VLLM_PYTHON=str(python))
     proc = subprocess.run(
         [
             str(Path(sys.executable).with_name("lpf")),
