@@ -215,58 +215,68 @@ def _wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout: float = 
     pytest.fail(f"vllm serve not healthy after {timeout:.0f} s:\n{log.read_text()[-3000:]}")
 
 
-@needs_vllm
-@pytest.mark.slow
-def test_vllm_openai_server_audit_is_clean(lpf_cli, tmp_path, prompts8):
+@pytest.fixture(scope="module")
+def served_hybrid(tmp_path_factory):
+    """One `vllm serve` of MODEL with the defaults above, shared by the tests that only send it requests
+    (a vLLM server start is ~20 s here): (its base URL without /v1, the model directory)."""
+    if _vllm_python() is None:
+        pytest.skip("no vLLM venv: run `make vllm` (make test does)")
     from lpf.core.model_specs import resolve_model
 
     model_dir = resolve_model(MODEL).path
     port = free_port()
-    log = tmp_path / "vllm-serve.log"
+    log = tmp_path_factory.mktemp("vllm-serve") / "vllm-serve.log"
     proc = _serve(model_dir, port, log)
     try:
         _wait_healthy(proc, f"http://127.0.0.1:{port}", log)
-        out = tmp_path / "run"
-        # the server's name for the model is the directory it loaded, so --model is both name and reference
-        r = lpf_cli(
-            "audit",
-            "--engine",
-            "openai",
-            "--base-url",
-            f"http://127.0.0.1:{port}/v1",
-            "--model",
-            model_dir,
-            "--workload",
-            prompts8,
-            "--max-tokens",
-            8,
-            "--prompt-logprobs",
-            "--out",
-            out,
-            "--json",
-        )
-        # the same server asked through vLLM's own prompt_logprobs field instead of echo
-        r_field = lpf_cli(
-            "audit",
-            "--engine",
-            "openai",
-            "--base-url",
-            f"http://127.0.0.1:{port}/v1",
-            "--model",
-            model_dir,
-            "--workload",
-            prompts8,
-            "--max-tokens",
-            8,
-            "--prompt-logprobs",
-            "-E",
-            "prompt_logprobs=field",
-            "--out",
-            tmp_path / "field",
-            "--json",
-        )
+        yield f"http://127.0.0.1:{port}", model_dir
     finally:
         _stop(proc)
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_vllm_openai_server_audit_is_clean(lpf_cli, tmp_path, prompts8, served_hybrid):
+    url, model_dir = served_hybrid
+    out = tmp_path / "run"
+    # the server's name for the model is the directory it loaded, so --model is both name and reference
+    r = lpf_cli(
+        "audit",
+        "--engine",
+        "openai",
+        "--base-url",
+        f"{url}/v1",
+        "--model",
+        model_dir,
+        "--workload",
+        prompts8,
+        "--max-tokens",
+        8,
+        "--prompt-logprobs",
+        "--out",
+        out,
+        "--json",
+    )
+    # the same server asked through vLLM's own prompt_logprobs field instead of echo
+    r_field = lpf_cli(
+        "audit",
+        "--engine",
+        "openai",
+        "--base-url",
+        f"{url}/v1",
+        "--model",
+        model_dir,
+        "--workload",
+        prompts8,
+        "--max-tokens",
+        8,
+        "--prompt-logprobs",
+        "-E",
+        "prompt_logprobs=field",
+        "--out",
+        tmp_path / "field",
+        "--json",
+    )
     assert r.code == 0, r.err
     f = json.loads(r.out)
     assert f["verdict"] == "clean" and f["n_requests"] == 8 and f["errors"] == 0
@@ -325,46 +335,37 @@ def test_a_worker_that_cannot_start_in_time_is_stopped_and_reported(lpf_cli, tmp
 
 @needs_vllm
 @pytest.mark.slow
-def test_vllm_chat_completions_audit_is_clean_with_tokens_aligned(lpf_cli, tmp_path, prompts8):
+def test_vllm_chat_completions_audit_is_clean_with_tokens_aligned(lpf_cli, tmp_path, prompts8, served_hybrid):
     """vLLM's /v1/chat/completions on zoo:hybrid (its bundled chat template): the prompts go as one user turn
     each, the reference scores the tokenizer's rendering, and the server's prompt (its `prompt_token_ids`)
     must be exactly that rendering; tokens as vLLM's token_id:N, then mapped back from bytes and strings."""
-    from lpf.core.model_specs import resolve_model
-
-    model_dir = resolve_model(MODEL).path
-    port = free_port()
-    log = tmp_path / "vllm-serve.log"
-    proc = _serve(model_dir, port, log)
-    try:
-        _wait_healthy(proc, f"http://127.0.0.1:{port}", log)
-        runs = {}
-        for mode in ("auto", "tokenizer"):
-            out = tmp_path / mode
-            r = lpf_cli(
-                "audit",
-                "--engine",
-                "openai",
-                "--api",
-                "chat",
-                "--base-url",
-                f"http://127.0.0.1:{port}/v1",
-                "--model",
-                model_dir,
-                "-E",
-                f"token_ids={mode}",
-                "-E",
-                "dtype=float32",
-                "--workload",
-                prompts8,
-                "--max-tokens",
-                8,
-                "--out",
-                out,
-                "--json",
-            )
-            runs[mode] = (r, out)
-    finally:
-        _stop(proc)
+    url, model_dir = served_hybrid
+    runs = {}
+    for mode in ("auto", "tokenizer"):
+        out = tmp_path / mode
+        r = lpf_cli(
+            "audit",
+            "--engine",
+            "openai",
+            "--api",
+            "chat",
+            "--base-url",
+            f"{url}/v1",
+            "--model",
+            model_dir,
+            "-E",
+            f"token_ids={mode}",
+            "-E",
+            "dtype=float32",
+            "--workload",
+            prompts8,
+            "--max-tokens",
+            8,
+            "--out",
+            out,
+            "--json",
+        )
+        runs[mode] = (r, out)
     for mode, (r, out) in runs.items():
         assert r.code == 0, r.err
         f = json.loads(r.out)
