@@ -3,6 +3,9 @@ over pytest-xdist workers.
 
 `lpf_cli(*args)` runs the real `lpf` entry point in-process (argv, exit code, stdout, stderr), so
 tests exercise the same parsing and error handling a user gets, without a process start each time.
+`lpf_main(*args)` is the same for module-scoped fixtures, returned as `subprocess.run` returns a child
+(a fresh `lpf` process costs ~6 s here before its first step); `lpf_subprocess(*args)` starts the
+installed console script, for what needs a process of its own (signals, kills, crashes, its own env).
 
 Parallel runs (`make test`: `-n 2 --dist loadgroup --no-loadscope-reorder`): every test belongs to a
 group (`group_of`), so a work unit is never smaller than what its fixtures share. By default the group is
