@@ -87,7 +87,8 @@ def main() -> int:
             "--arch",
             "GraniteMoeHybrid",
             *[a for c in cells for a in ("--cell", c.name)],
-            *(["--prompts", str(n_prompts)] if quick else []),
+            "--prompts",  # the baseline's workload size (lpf conformance's own default is 8)
+            str(n_prompts),
             "--out",
             str(root / "conf"),
             "--fail-on",

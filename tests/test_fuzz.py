@@ -290,3 +290,28 @@ def test_the_run_directory_reader_refuses_a_damaged_part_or_manifest(small_run, 
             return
     for t in TABLES:  # read without complaint: then it must be exactly what was written
         assert got[t].equals(want[t]), (victim.name, how)
+
+
+@pytest.mark.slow  # the same real audit
+def test_a_part_whose_footer_lost_a_column_name_is_refused_in_one_line(small_run, tmp_path):
+    """Found by the fuzz test above (one byte overwritten): a part whose footer no longer names its
+    request_id column made pyarrow's dictionary lookup raise KeyError, which escaped as a traceback.
+    Each place the name is written, damaged in turn: refused in one line, or read exactly as written."""
+    from lpf.run.store import RunDir
+
+    want = RunDir.open(small_run).read("requests")
+    run = tmp_path / "run"
+    shutil.copytree(small_run, run)
+    part = sorted((run / "requests").glob("part-*.parquet"))[0]
+    raw = part.read_bytes()
+    refused = 0
+    for at in [i for i in range(len(raw)) if raw.startswith(b"request_id", i)]:
+        part.write_bytes(raw[:at] + b"\x00" + raw[at + 1 :])
+        try:
+            got = RunDir.open(run).read("requests")
+        except LpfError as e:
+            assert "is damaged" in str(e) and "\n" not in str(e)
+            refused += 1
+        else:
+            assert got.equals(want)
+    assert refused, "the schema's own name for the column, damaged, must be refused"

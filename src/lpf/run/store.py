@@ -89,6 +89,10 @@ def _damaged(path: Path, e: Exception) -> LpfError:
 
 
 _CODED = pa.dictionary(pa.int32(), pa.string())  # request ids as `RunDir.iter_pieces` hands them out
+# what reading a damaged part raises: Arrow's and the file system's errors, a footer that decodes to
+# nonsense (ValueError, IndexError), and a footer whose schema lost a column's name (pyarrow's
+# read_dictionary lookup raises KeyError for it before any column is read)
+_DAMAGE = (pa.ArrowException, OSError, ValueError, IndexError, KeyError)
 
 
 def _open_part(path: Path, want: pa.Schema, table_name: str) -> tuple[pq.ParquetFile, set[str]]:
@@ -122,7 +126,7 @@ def _read_part(path: Path, want: pa.Schema, table_name: str, use_threads: bool =
         # Parquet's own string decoding (0.05 + 0.05 vs 0.25-0.87 s for 10M token rows)
         part, have = _open_part(path, want, table_name)
         return _as_wanted(part.read(columns=[n for n in want.names if n in have], use_threads=use_threads), want, have)
-    except (pa.ArrowException, OSError, ValueError, IndexError) as e:
+    except _DAMAGE as e:
         raise _damaged(path, e) from None
 
 
@@ -132,7 +136,7 @@ def _read_pieces(path: Path, want: pa.Schema, table_name: str) -> Iterator[pa.Ta
     try:
         part, have = _open_part(path, want, table_name)
         groups = range(part.metadata.num_row_groups)
-    except (pa.ArrowException, OSError, ValueError, IndexError) as e:
+    except _DAMAGE as e:
         raise _damaged(path, e) from None
     for g in groups:
         try:
@@ -146,7 +150,7 @@ def _read_pieces(path: Path, want: pa.Schema, table_name: str) -> Iterator[pa.Ta
                     table.column("request_id").cast(pa.string()).dictionary_encode(),
                 )
             piece = _as_wanted(table, coded, have)
-        except (pa.ArrowException, OSError, ValueError, IndexError) as e:
+        except _DAMAGE as e:
             raise _damaged(path, e) from None
         yield piece
 
@@ -154,7 +158,7 @@ def _read_pieces(path: Path, want: pa.Schema, table_name: str) -> Iterator[pa.Ta
 def _read_any(path: Path, columns: list[str] | None) -> pa.Table:
     try:
         return pq.ParquetFile(path, page_checksum_verification=True).read(columns=columns)
-    except (pa.ArrowException, OSError, ValueError, IndexError) as e:
+    except _DAMAGE as e:
         raise _damaged(path, e) from None
 
 
