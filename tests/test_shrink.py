@@ -1,5 +1,5 @@
-"""`lpf shrink` end to end: real `lpf audit` runs for the source run and for every candidate (each its own
-process), and the reproducer it writes run in fresh processes.
+"""`lpf shrink` end to end: real `lpf audit` runs for the source run (in the test's process: `lpf_main`)
+and for every candidate (each its own process), and the reproducer it writes run in fresh processes.
 
 What must show (issue 15), on the built-in engine and tiny:jamba-longmem (the seed's Mamba1 +
 attention architecture with a long-memory state, where a wrong state visibly corrupts the output):
