@@ -125,19 +125,10 @@ class CliResult:
 
 
 @pytest.fixture
-def lpf_cli(capsys, monkeypatch):
-    from lpf import cli
-
+def lpf_cli():
     def run(*args) -> CliResult:
-        monkeypatch.setattr(sys, "argv", ["lpf", *map(str, args)])
-        capsys.readouterr()
-        code = 0
-        try:
-            cli.main()
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        captured = capsys.readouterr()
-        return CliResult(code, captured.out, captured.err)
+        r = lpf_main(*args, width=None)
+        return CliResult(r.returncode, r.stdout, r.stderr)
 
     return run
 
@@ -164,9 +155,9 @@ def prompts_200(tmp_path_factory) -> Path:
     return write_prompts(path, [{"id": it["id"], "prompt": it["prompt"], "expected": it["expected"]} for it in items])
 
 
-def lpf_main(*args):
+def lpf_main(*args, width: int | None = 200):
     """`lpf *args` in this process, returned as `subprocess.run` returns a child's: `returncode`,
-    `stdout`, `stderr` (text). A test worker has imported torch, transformers and lpf once, so a call
+    `stdout`, `stderr` (text); `width`: the consoles' for the call (None: as they are; `lpf_cli`). A test worker has imported torch, transformers and lpf once, so a call
     here skips what every fresh `lpf` process pays before its first step (~6 s here: imports, the
     tokenizer's and the model code's first use): a 2,000-request audit's fixed cost. For runs that
     need nothing of a process of their own; `lpf_subprocess` for signals, kills, time-outs, crashes,
@@ -180,11 +171,11 @@ def lpf_main(*args):
 
     # the width lpf_subprocess gives (COLUMNS=200): tables wide enough to read back. The consoles read
     # COLUMNS when lpf.cli is first imported, so theirs is set for the call and put back after it
-    consoles = (common.out, common.err)
+    consoles = (common.out, common.err) if width else ()
     argv, widths = sys.argv, [c._width for c in consoles]
     sys.argv = ["lpf", *map(str, args)]
     for c in consoles:
-        c.width = 200
+        c.width = width
     out, err, code = io.StringIO(), io.StringIO(), 0
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):

@@ -240,43 +240,11 @@ def test_vllm_openai_server_audit_is_clean(lpf_cli, tmp_path, prompts8, served_h
     url, model_dir = served_hybrid
     out = tmp_path / "run"
     # the server's name for the model is the directory it loaded, so --model is both name and reference
-    r = lpf_cli(
-        "audit",
-        "--engine",
-        "openai",
-        "--base-url",
-        f"{url}/v1",
-        "--model",
-        model_dir,
-        "--workload",
-        prompts8,
-        "--max-tokens",
-        8,
-        "--prompt-logprobs",
-        "--out",
-        out,
-        "--json",
-    )
+    args = ("audit", "--engine", "openai", "--base-url", f"{url}/v1", "--model", model_dir, "--workload", prompts8)
+    args += ("--max-tokens", 8, "--prompt-logprobs")
+    r = lpf_cli(*args, "--out", out, "--json")
     # the same server asked through vLLM's own prompt_logprobs field instead of echo
-    r_field = lpf_cli(
-        "audit",
-        "--engine",
-        "openai",
-        "--base-url",
-        f"{url}/v1",
-        "--model",
-        model_dir,
-        "--workload",
-        prompts8,
-        "--max-tokens",
-        8,
-        "--prompt-logprobs",
-        "-E",
-        "prompt_logprobs=field",
-        "--out",
-        tmp_path / "field",
-        "--json",
-    )
+    r_field = lpf_cli(*args, "-E", "prompt_logprobs=field", "--out", tmp_path / "field", "--json")
     assert r.code == 0, r.err
     f = json.loads(r.out)
     assert f["verdict"] == "clean" and f["n_requests"] == 8 and f["errors"] == 0
