@@ -294,6 +294,43 @@ def test_decode_reads_whatever_the_slot_holds(results):
 
 
 @pytest.mark.parametrize("name", MODELS)
+def test_chunks_of_one_step_run_together_as_they_would_one_at_a_time(results, name):
+    """Several prefill/extend chunks in one step run as one padded batch (mamba_base `_together`):
+    the same logprobs and the same states left in every slot as the chunks one step each, in float64
+    up to rounding. A chunk that reads the slot an earlier chunk of its step wrote (a slot handed out
+    twice) runs one at a time: it reads what that chunk wrote, as it would in a step of its own."""
+    model = results[name]["m64"]
+
+    def run(schedule):
+        drv = Driver(model, torch.float64)
+        reqs = {
+            "a": Req(_tokens(20, 30), slot=1, blocks=list(range(0, 10))),
+            "b": Req(_tokens(21, 24), slot=2, blocks=list(range(10, 20))),
+            "c": Req(_tokens(22, 8), slot=5, blocks=list(range(20, 30))),
+            "d": Req(_tokens(23, 19), slot=1, blocks=list(range(30, 40))),  # a's slot, handed out again
+        }
+        for step in schedule:
+            drv.step([(reqs[k], n, phase) for k, n, phase in step])
+        return reqs, drv.state.buffer.clone()
+
+    first = [("a", 9, "prefill"), ("b", 15, "prefill"), ("c", 3, "prefill")]
+    second = [("c", 5, "extend"), ("a", 12, "extend"), ("b", 1, "decode")]
+    together, state = run([first, second])
+    alone, state_alone = run([[x] for x in first] + [[x] for x in second])
+    for k in "abc":
+        assert (together[k].rows() - alone[k].rows()).abs().max().item() <= TOL_F64_PATHS
+    assert (state - state_alone).abs().max().item() <= TOL_F64_PATHS
+
+    # d prefills into a's slot, then a extends from it in the same step: a reads d's state
+    shared, _ = run([[("a", 9, "prefill")], [("d", 7, "prefill"), ("a", 6, "extend")]])
+    ordered, _ = run([[("a", 9, "prefill")], [("d", 7, "prefill")], [("a", 6, "extend")]])
+    rows = slice(9, 15)
+    assert (shared["a"].rows()[rows] - ordered["a"].rows()[rows]).abs().max().item() <= TOL_F64_PATHS
+    clean, _ = run([[("a", 9, "prefill")], [("a", 6, "extend")]])
+    assert (shared["a"].rows()[rows] - clean["a"].rows()[rows]).abs().max().item() > 1e-6
+
+
+@pytest.mark.parametrize("name", MODELS)
 def test_specs(results, name):
     model, cfg = results[name]["m32"], results[name]["hf"].config
     specs, (n_attn, n_kv, head_dim) = model.state_specs(), model.kv_spec()

@@ -8,7 +8,7 @@ engine: per-step metadata comes from `lpf.builtin.forward_context`, attention K/
 `KVCache`, Mamba conv/SSM state in the `StateCache` slots (see `base.EngineModel` for the interface).
 
 Modules: `layers` (norms, MLPs, MoE), `attention` (paged causal attention, RoPE), `mamba_base` (the
-prefill/extend/decode state protocol), `mamba2` (SSD scan), `mamba1` (blocked selective scan).
+prefill/extend/decode state protocol), `mamba2` (SSD scan), `mamba1` (selective scan, token by token).
 """
 
 from __future__ import annotations

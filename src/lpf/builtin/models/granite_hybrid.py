@@ -16,7 +16,7 @@ from torch import nn
 
 from lpf.builtin.models.attention import PagedAttention, Rotary
 from lpf.builtin.models.base import EngineModel
-from lpf.builtin.models.layers import FusedGatedMLP, GraniteMoE, RMSNorm
+from lpf.builtin.models.layers import FusedGatedMLP, GraniteMoE, RMSNorm, embedding
 from lpf.builtin.models.mamba2 import Mamba2Mixer
 from lpf.core.errors import LpfError
 
@@ -118,7 +118,7 @@ class GraniteHybridModel(EngineModel):
         super().__init__(config)
         H = config.hidden_size
         self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(config.vocab_size, H)
+        self.model.embed_tokens = embedding(config.vocab_size, H)
         layers, counts = [], {"mamba": 0, "attention": 0}
         for kind in _layer_kinds(config):
             layers.append(GraniteHybridLayer(config, kind, counts[kind]))

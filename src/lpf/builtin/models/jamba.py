@@ -12,7 +12,7 @@ from torch import nn
 
 from lpf.builtin.models.attention import PagedAttention
 from lpf.builtin.models.base import EngineModel
-from lpf.builtin.models.layers import GatedMLP, JambaMoE, RMSNorm
+from lpf.builtin.models.layers import GatedMLP, JambaMoE, RMSNorm, embedding
 from lpf.builtin.models.mamba1 import JambaMambaMixer
 
 
@@ -63,7 +63,7 @@ class JambaModel(EngineModel):
         super().__init__(config)
         H = config.hidden_size
         self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(config.vocab_size, H)
+        self.model.embed_tokens = embedding(config.vocab_size, H)
         layers, counts = [], [0, 0]  # attention, mamba ordinals
         for i in range(config.num_hidden_layers):
             is_mamba = i % config.attn_layer_period != config.attn_layer_offset

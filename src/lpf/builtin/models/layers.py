@@ -29,6 +29,13 @@ def activation(name: str):
         raise ValueError(f"unsupported activation {name!r}") from None
 
 
+def embedding(vocab: int, hidden: int) -> nn.Embedding:
+    """A token embedding whose weight comes from the checkpoint: no random init. (Models are built on the
+    meta device, where `nn.Embedding`'s `normal_` init runs torch's decomposition and imports
+    torch._dynamo: ~1.5 s of every `lpf run` that loads no transformers model.)"""
+    return nn.Embedding(vocab, hidden, _weight=torch.empty(vocab, hidden))
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()

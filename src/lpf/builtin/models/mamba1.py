@@ -92,6 +92,21 @@ class JambaMambaMixer(MambaMixerBase):
         states = scan(dA, u, ssm0)
         return self._output(states, x, C, z, proj.dtype), conv, states[-1]
 
+    def prefill_batch(self, proj, lay, conv0, ssm0):
+        """Every chunk's tokens through the row-wise steps together; the scan over the chunks padded
+        at their ends with steps that keep the state exactly (dA = 1, u = 0: h = 0 + 1 * h), so the
+        last padded state is each chunk's final state, bit for bit the scan one chunk at a time."""
+        x, z = proj.chunk(2, dim=-1)
+        x, conv = self.conv_prefill_batch(x, lay, conv0)
+        dt, B, C = self._ssm_inputs(x)
+        dA, u = self._discretise(x, dt, B)
+        n, size = len(lay.lens), (lay.longest * len(lay.lens), *dA.shape[1:])
+        dA_pad = dA.new_ones(size).index_copy_(0, lay.by_time, dA).view(lay.longest, n, *dA.shape[1:])
+        u_pad = u.new_zeros(size).index_copy_(0, lay.by_time, u).view(lay.longest, n, *u.shape[1:])
+        states = scan(dA_pad, u_pad, ssm0)
+        packed = states.view(size).index_select(0, lay.by_time)
+        return self._output(packed, x, C, z, proj.dtype), conv, states[-1]
+
     def decode(self, proj, conv0, ssm0):
         x, z = proj.chunk(2, dim=-1)
         x, conv = self.conv_step(x, conv0)

@@ -46,8 +46,16 @@ def ssd_scan(x, dt, A, B, C, D, chunk: int, init):
 
     A line-by-line port of HF's torch path (same shapes, batch dim of 1, same einsums), so a one-step
     prefill rounds exactly like HF's teacher-forced forward."""
-    L = x.shape[0]
-    x, dt, B, C = x[None], dt[None], B[None], C[None]
+    y, final = ssd_scan_batch(x[None], dt[None], A, B[None], C[None], D, chunk, init[None])
+    return y[0], final[0]
+
+
+def ssd_scan_batch(x, dt, A, B, C, D, chunk: int, init):
+    """`ssd_scan` of b requests at once: x [b, L, H, P], dt [b, L, H], B/C [b, L, H, N], init
+    [b, H, P, N] -> (y [b, L, H, P], final [b, H, P, N]). A request shorter than L is right-padded
+    with zeros (dt = 0 included): padded steps decay by exp(0) = 1 and add nothing, so its final
+    state is the one at its own end."""
+    L = x.shape[1]
     pad = (-L) % chunk
     y_skip = D[..., None] * F.pad(x, (0, 0, 0, 0, 0, pad))
     x = x * dt[..., None]
@@ -69,13 +77,13 @@ def ssd_scan(x, dt, A, B, C, D, chunk: int, init):
     B_decay = B * decay_states.permute(0, -2, -1, 1)[..., None]
     states = torch.einsum("bclhn,bclhp->bchpn", B_decay, x)
     # carry states across chunks, starting from the initial state
-    states = torch.cat([init[None, None].to(states.dtype), states], dim=1)
+    states = torch.cat([init[:, None].to(states.dtype), states], dim=1)
     decay_chunk = torch.exp(_segsum(F.pad(A_cumsum[:, :, :, -1], (1, 0)))).transpose(1, 3)
     states = torch.einsum("bzch,bzhpn->bchpn", decay_chunk, states)
     starts, final = states[:, :-1], states[:, -1]
     y_off = torch.einsum("bclhn,bchpn->bclhp", C, starts) * torch.exp(A_cumsum).permute(0, 2, 3, 1)[..., None]
-    y = (y_diag + y_off).reshape(1, -1, *y_diag.shape[-2:]) + y_skip
-    return y[0, :L], final[0]
+    y = (y_diag + y_off).reshape(y_diag.shape[0], -1, *y_diag.shape[-2:]) + y_skip
+    return y[:, :L], final
 
 
 class Mamba2Mixer(MambaMixerBase):
@@ -138,6 +146,23 @@ class Mamba2Mixer(MambaMixerBase):
         y, ssm = ssd_scan(x, dt, A, B, C, wide(self.D), self.chunk_size, ssm0)
         probe(self, "ssm_out", y)
         return self.norm(y.reshape(proj.shape[0], -1), gate).to(proj.dtype), conv, ssm
+
+    def prefill_batch(self, proj, lay, conv0, ssm0):
+        """The chunks right-padded with zeros to the longest (see `ssd_scan_batch`), in one scan."""
+        gate, xbc, dt = self._split(proj)
+        xbc, conv = self.conv_prefill_batch(xbc, lay, conv0)
+        x, B, C, dt = self._ssm_inputs(xbc, dt)
+        n = len(lay.lens)
+
+        def padded(t):
+            out = t.new_zeros(n * lay.longest, *t.shape[1:]).index_copy_(0, lay.by_request, t)
+            return out.view(n, lay.longest, *t.shape[1:])
+
+        A = -torch.exp(wide(self.A_log))
+        y, ssm = ssd_scan_batch(padded(x), padded(dt), A, padded(B), padded(C), wide(self.D), self.chunk_size, ssm0)
+        y = y.reshape(n * lay.longest, *y.shape[2:]).index_select(0, lay.by_request)
+        probe(self, "ssm_out", y)
+        return self.norm(y.reshape(y.shape[0], -1), gate).to(proj.dtype), conv, ssm
 
     def decode(self, proj, conv0, ssm0):
         gate, xbc, dt = self._split(proj)

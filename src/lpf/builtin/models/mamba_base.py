@@ -10,8 +10,12 @@ Contract (the fault drills depend on it exactly; see DESIGN.md "Built-in engine"
 - `decode` (exactly one token): all decode requests of the step are read in one `read` with
   `path="decode"`, stepped together, written back in one `write`. Whatever the slot holds is used,
   also for a brand-new request that the runner (mis)classified as decode: never special-cased.
-Prefill/extend requests run first, one at a time, then the decode batch, as vLLM orders them: a
-prefill's (possibly misplaced) final-state write is visible to a decode of the same step.
+Prefill/extend requests run first, then the decode batch, as vLLM orders them: a prefill's
+(possibly misplaced) final-state write is visible to a decode of the same step. Prefill/extend chunks
+read and write as if run one at a time in batch order: they run as one padded batch (`prefill_batch`,
+vLLM's varlen kernel; all reads, then the writes in batch order) only when that is the same thing, i.e.
+no chunk reads a slot an earlier one writes, no prefill offset wraps and no chunk saves checkpoints
+or redirects its conv write; otherwise one at a time (`_chunk`).
 - Prefix caching (`SeqMeta.initial_slot`, `checkpoints`, `conv_write_slot`): a request resuming
   from a checkpoint reads its initial state from the checkpoint's slot (vLLM's initial_state_idx)
   and writes its final state to its own slot; every such foreign state is read before the layer
@@ -25,18 +29,20 @@ prefill's (possibly misplaced) final-state write is visible to a decode of the s
 Under a capture (`lpf locate`, `forward_context.probe`) the state each request starts a step from
 (`state_in`, `conv_state_in`: what it read, or the zeros of a prefill) and the state it ends the
 step with, or each piece of a chunk split at checkpoints ends with (`state_out`, `conv_state_out`),
-are probed, one row per request, with `ctx.rows` naming the request (the piece of its chunk, or the
-decode batch) while it runs; nothing else changes.
+are probed, one row per request, with `ctx.rows` naming the request (the piece of its chunk, the
+chunks run together, or the decode batch) while it runs; nothing else changes.
 
 The conv state is the last `d_conv - 1` conv inputs (the front zero-filled when fewer tokens came).
 Subclasses implement `prefill(proj [L, P], conv0, ssm0) -> (y [L, d_inner], conv, ssm)` and
 `decode(proj [B, P], conv [B, ...], ssm [B, ...]) -> (y, conv, ssm)`, where `proj` is the in_proj
-output of the tokens concerned; the base applies `out_proj` to the whole packed batch.
+output of the tokens concerned, and `prefill_batch(proj [T, P], lay: Varlen, conv0 [B, ...], ssm0
+[B, ...]) -> (y [T, d_inner], conv [B, ...], ssm [B, ...])`, several chunks' rows packed back to back,
+computed as one padded batch; the base applies `out_proj` to the whole packed batch.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +50,55 @@ from torch import nn
 
 from lpf.builtin.forward_context import get_forward_context, probe
 from lpf.builtin.models.layers import wide
+
+
+@dataclass(frozen=True)
+class Varlen:
+    """Where a step's prefill/extend chunks sit: `rows` [T] their rows of the packed batch, in batch
+    order; `lens` their lengths; `longest`; and each packed row's index in a right-padded layout,
+    request-major (`by_request`: i * longest + t) and time-major (`by_time`: t * n + i)."""
+
+    rows: torch.Tensor
+    lens: list[int]
+    lens_t: torch.Tensor
+    longest: int
+    by_request: torch.Tensor
+    by_time: torch.Tensor
+
+
+def _varlen(ctx, chunks, device) -> Varlen:
+    """The step's `Varlen` (built by the first Mamba layer, reused by the others)."""
+    if "mamba_varlen" not in ctx.memo:
+        lens = [s.num_tokens for s in chunks]
+        n, longest = len(lens), max(lens)
+        rows = torch.cat([torch.arange(s.start, s.end) for s in chunks])
+        req = torch.cat([torch.full((k,), i) for i, k in enumerate(lens)])
+        t = torch.cat([torch.arange(k) for k in lens])
+        ctx.memo["mamba_varlen"] = Varlen(
+            rows.to(device),
+            lens,
+            torch.tensor(lens, device=device),
+            longest,
+            (req * longest + t).to(device),
+            (t * n + req).to(device),
+        )
+    return ctx.memo["mamba_varlen"]
+
+
+def _together(ctx, cache, chunks) -> bool:
+    """Whether the step's prefill/extend chunks may run as one batch with the same result as one at a
+    time: no checkpoints or redirected conv writes (prefix caching's pieces), no prefill offset that
+    wraps (a wrapped write lands in another slot's bytes), and no chunk that reads its slot after an
+    earlier chunk of the step wrote it. (A capture changes nothing here: `lpf locate`'s replay must
+    compute what the run computed, so it takes the same path.)"""
+    written = set()
+    for s in chunks:
+        if s.checkpoints or s.conv_write_slot is not None or cache.wraps(s.state_slot):
+            return False
+        if (s.reads_initial_state or s.conv_reads_slot) and s.initial_slot is None and s.state_slot in written:
+            return False
+        written.add(s.state_slot)
+    return True
 
 
 def _decode_index(ctx, cache, device):
@@ -68,21 +123,15 @@ class MambaMixerBase(nn.Module):
         shapes = dict(self.state_spec())
         ssm_dtype = wide(proj[:0]).dtype
         foreign = self._read_foreign(ctx, cache, layer, proj.dtype, ssm_dtype)
-        for s in ctx.non_decodes:
+        chunks = ctx.non_decodes
+        for s in chunks:
             if s.phase not in ("prefill", "extend"):
                 raise ValueError(f"unknown phase {s.phase!r} for request {s.request_id}")
-            if s.request_id in foreign:
-                conv0, ssm0 = foreign[s.request_id]
-            elif s.reads_initial_state:
-                conv0 = cache.read(layer, "conv", [s.state_slot], "prefill")[0].to(proj.dtype)
-                ssm0 = cache.read(layer, "ssm", [s.state_slot], "prefill")[0].to(ssm_dtype)
-            else:
-                conv0 = (
-                    cache.read(layer, "conv", [s.state_slot], "prefill")[0].to(proj.dtype)
-                    if s.conv_reads_slot
-                    else proj.new_zeros(shapes["conv"])
-                )
-                ssm0 = torch.zeros(shapes["ssm"], dtype=ssm_dtype, device=x.device)
+        if len(chunks) > 1 and _together(ctx, cache, chunks):
+            self._prefill_together(ctx, cache, layer, chunks, proj, y, foreign, shapes, ssm_dtype)
+            chunks = []
+        for s in chunks:
+            conv0, ssm0 = self._initial_state(cache, layer, s, foreign, proj.dtype, ssm_dtype, shapes)
             if ctx.capture is not None:
                 ctx.rows = [s]
                 self._probe_states("in", conv0[None], ssm0[None])
@@ -114,6 +163,46 @@ class MambaMixerBase(nn.Module):
                     cache.write(layer, "conv", [slot], conv[i : i + 1], "decode")
                     cache.write(layer, "ssm", [slot], ssm[i : i + 1], "decode")
         return self.out_proj(y)
+
+    def _initial_state(self, cache, layer: int, s, foreign: dict, dtype, ssm_dtype, shapes: dict):
+        """(conv0, ssm0) a prefill/extend chunk starts from: a foreign state, its slot's, or zeros."""
+        if s.request_id in foreign:
+            return foreign[s.request_id]
+        if s.reads_initial_state:
+            conv0 = cache.read(layer, "conv", [s.state_slot], "prefill")[0].to(dtype)
+            return conv0, cache.read(layer, "ssm", [s.state_slot], "prefill")[0].to(ssm_dtype)
+        conv0 = (
+            cache.read(layer, "conv", [s.state_slot], "prefill")[0].to(dtype)
+            if s.conv_reads_slot
+            else torch.zeros(shapes["conv"], dtype=dtype, device=cache.buffer.device)
+        )
+        return conv0, torch.zeros(shapes["ssm"], dtype=ssm_dtype, device=cache.buffer.device)
+
+    def _prefill_together(self, ctx, cache, layer: int, chunks, proj, y, foreign, shapes, ssm_dtype) -> None:
+        """Every prefill/extend chunk of the step in one `prefill_batch` (`_together` said it is the
+        same as one at a time): all initial states read, then the final states written in batch order."""
+        lay = _varlen(ctx, chunks, proj.device)
+        starts = [self._initial_state(cache, layer, s, foreign, proj.dtype, ssm_dtype, shapes) for s in chunks]
+        conv0 = torch.stack([c for c, _ in starts])
+        ssm0 = torch.stack([h for _, h in starts])
+        captured = ctx.capture is not None
+        if captured:  # probes of the whole batch: rows run over the chunks' tokens (states: one per chunk)
+            ctx.rows = list(chunks)
+            self._probe_states("in", conv0, ssm0)
+        out, conv, ssm = self.prefill_batch(proj.index_select(0, lay.rows), lay, conv0, ssm0)
+        if captured:
+            self._probe_states("out", conv, ssm)
+            ctx.rows = None
+        y.index_copy_(0, lay.rows, out)
+        slots = [s.state_slot for s in chunks]
+        if len(set(slots)) == len(slots):  # one write each; a slot written twice keeps the later chunk's
+            index = cache.slot_index(slots)
+            cache.write(layer, "conv", slots, conv, "prefill", index)
+            cache.write(layer, "ssm", slots, ssm, "prefill", index)
+            return
+        for i, slot in enumerate(slots):
+            cache.write(layer, "conv", [slot], conv[i : i + 1], "prefill")
+            cache.write(layer, "ssm", [slot], ssm[i : i + 1], "prefill")
 
     def _probe_states(self, when: str, conv: torch.Tensor, ssm: torch.Tensor) -> None:
         probe(self, f"conv_state_{when}", conv)
@@ -183,6 +272,21 @@ class MambaMixerBase(nn.Module):
         act = self.act(out[0, :, 1:-1]).t()
         probe(self, "conv", act)
         return act, full[:, full.shape[1] - (self.d_conv - 1) :]
+
+    def conv_prefill_batch(self, xc: torch.Tensor, lay: Varlen, conv0: torch.Tensor):
+        """`conv_prefill` of several chunks at once: xc [T, C] (packed), conv0 [B, C, K-1] ->
+        (activated output [T, C], new conv states [B, C, K-1]). Right-padded to the longest chunk: a
+        causal conv's outputs never read past their own input, so the padding touches no kept output."""
+        n, width, k1 = len(lay.lens), xc.shape[1], self.d_conv - 1
+        padded = xc.new_zeros(n * lay.longest, width).index_copy_(0, lay.by_request, xc)
+        full = torch.cat([conv0, padded.view(n, lay.longest, width).transpose(1, 2)], dim=2)
+        out = F.conv1d(full, self.conv1d.weight, self.conv1d.bias, padding=1, groups=width)
+        act = self.act(out[:, :, 1:-1])  # sliced, as conv_prefill (and HF) activate it
+        packed = act.transpose(1, 2).reshape(n * lay.longest, width).index_select(0, lay.by_request)
+        probe(self, "conv", packed)
+        # each chunk's last K-1 inputs: columns len .. len + K-2 of its row of `full`
+        tail = (lay.lens_t[:, None] + torch.arange(k1, device=xc.device)[None])[:, None, :]
+        return packed, full.gather(2, tail.expand(n, width, k1))
 
     def conv_step(self, xc: torch.Tensor, conv0: torch.Tensor):
         """One token per request: xc [B, C], conv0 [B, C, K-1]."""
