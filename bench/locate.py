@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -166,6 +167,14 @@ def main() -> None:
     args = ap.parse_args()
     base = args.keep or Path(tempfile.mkdtemp(prefix="lpf-bench-locate-"))
     base.mkdir(parents=True, exist_ok=True)
+    try:
+        _measure(args, base)
+    finally:
+        if args.keep is None:  # the runs are measured, not kept, unless --keep says where
+            shutil.rmtree(base, ignore_errors=True)
+
+
+def _measure(args, base: Path) -> None:
     rows = []
     keep = (lambda name: args.only in name) if args.only else (lambda name: True)
     for name, (model, n, extra) in (QUICK if args.quick else CONFIGS).items():
