@@ -100,11 +100,8 @@ class JambaMambaMixer(MambaMixerBase):
         x, conv = self.conv_prefill_batch(x, lay, conv0)
         dt, B, C = self._ssm_inputs(x)
         dA, u = self._discretise(x, dt, B)
-        n, size = len(lay.lens), (lay.longest * len(lay.lens), *dA.shape[1:])
-        dA_pad = dA.new_ones(size).index_copy_(0, lay.by_time, dA).view(lay.longest, n, *dA.shape[1:])
-        u_pad = u.new_zeros(size).index_copy_(0, lay.by_time, u).view(lay.longest, n, *u.shape[1:])
-        states = scan(dA_pad, u_pad, ssm0)
-        packed = states.view(size).index_select(0, lay.by_time)
+        states = scan(lay.padded(dA, 1.0, time_major=True), lay.padded(u, time_major=True), ssm0)
+        packed = lay.packed(states, time_major=True)
         return self._output(packed, x, C, z, proj.dtype), conv, states[-1]
 
     def decode(self, proj, conv0, ssm0):

@@ -152,15 +152,10 @@ class Mamba2Mixer(MambaMixerBase):
         gate, xbc, dt = self._split(proj)
         xbc, conv = self.conv_prefill_batch(xbc, lay, conv0)
         x, B, C, dt = self._ssm_inputs(xbc, dt)
-        n = len(lay.lens)
-
-        def padded(t):
-            out = t.new_zeros(n * lay.longest, *t.shape[1:]).index_copy_(0, lay.by_request, t)
-            return out.view(n, lay.longest, *t.shape[1:])
-
         A = -torch.exp(wide(self.A_log))
-        y, ssm = ssd_scan_batch(padded(x), padded(dt), A, padded(B), padded(C), wide(self.D), self.chunk_size, ssm0)
-        y = y.reshape(n * lay.longest, *y.shape[2:]).index_select(0, lay.by_request)
+        x, dt, B, C = (lay.padded(t) for t in (x, dt, B, C))
+        y, ssm = ssd_scan_batch(x, dt, A, B, C, wide(self.D), self.chunk_size, ssm0)
+        y = lay.packed(y)
         probe(self, "ssm_out", y)
         return self.norm(y.reshape(y.shape[0], -1), gate).to(proj.dtype), conv, ssm
 

@@ -65,6 +65,17 @@ class Varlen:
     by_request: torch.Tensor
     by_time: torch.Tensor
 
+    def padded(self, t: torch.Tensor, fill: float = 0.0, time_major: bool = False) -> torch.Tensor:
+        """Packed rows t [T, ...] right-padded with `fill`: [n, longest, ...] ([longest, n, ...] time-major)."""
+        n = len(self.lens)
+        index = self.by_time if time_major else self.by_request
+        out = t.new_full((n * self.longest, *t.shape[1:]), fill).index_copy_(0, index, t)
+        return out.view(*((self.longest, n) if time_major else (n, self.longest)), *t.shape[1:])
+
+    def packed(self, t: torch.Tensor, time_major: bool = False) -> torch.Tensor:
+        """The rows of a padded t [n, longest, ...] ([longest, n, ...] time-major) that hold tokens: [T, ...]."""
+        return t.reshape(-1, *t.shape[2:]).index_select(0, self.by_time if time_major else self.by_request)
+
 
 def _varlen(ctx, chunks, device) -> Varlen:
     """The step's `Varlen` (built by the first Mamba layer, reused by the others)."""
@@ -278,11 +289,10 @@ class MambaMixerBase(nn.Module):
         (activated output [T, C], new conv states [B, C, K-1]). Right-padded to the longest chunk: a
         causal conv's outputs never read past their own input, so the padding touches no kept output."""
         n, width, k1 = len(lay.lens), xc.shape[1], self.d_conv - 1
-        padded = xc.new_zeros(n * lay.longest, width).index_copy_(0, lay.by_request, xc)
-        full = torch.cat([conv0, padded.view(n, lay.longest, width).transpose(1, 2)], dim=2)
+        full = torch.cat([conv0, lay.padded(xc).transpose(1, 2)], dim=2)
         out = F.conv1d(full, self.conv1d.weight, self.conv1d.bias, padding=1, groups=width)
         act = self.act(out[:, :, 1:-1])  # sliced, as conv_prefill (and HF) activate it
-        packed = act.transpose(1, 2).reshape(n * lay.longest, width).index_select(0, lay.by_request)
+        packed = lay.packed(act.transpose(1, 2))
         probe(self, "conv", packed)
         # each chunk's last K-1 inputs: columns len .. len + K-2 of its row of `full`
         tail = (lay.lens_t[:, None] + torch.arange(k1, device=xc.device)[None])[:, None, :]
