@@ -19,7 +19,7 @@ Configurations (ground truth and knobs from `prefix_drills.KNOBS`):
                  --max-num-batched-tokens 48, --cache-mb 3, --enable-prefix-caching
   stale-state    tiny:jamba-longmem, zoo:oracle --n 4 (2,000 requests), --cache-mb 3 --max-num-seqs 16
                  --max-num-batched-tokens 32 (the configuration issue 22 reports shrink stalling on)
-vLLM drills (`--engine vllm`): the plugin's prefix drills under `lpf.adapters.vllm.PREFIX_DRILL_KNOBS`
+vLLM drills (`--engine vllm`): the plugin's prefix drills under `lpf.adapters.vllm_options.PREFIX_DRILL_KNOBS`
 (prefix caching on, a step budget below the 128-token Mamba block), on tiny:hybrid-longmem (vLLM's CPU
 build runs no Jamba), scored the same way with `PREFIX_DRILL_NAMED_BY`; `clean` (the same, no drill: the
 false-positive control and the hit rate) and `prefix-cache-inert` (vLLM #48401's configuration, see
@@ -91,7 +91,7 @@ def vllm_drills(overrides: dict[str, str] | None = None) -> dict[str, tuple[list
     """The plugin's drills, then `clean` (caching on, no drill: the false-positive control) and
     `prefix-cache-inert` (the #48401 configuration, on INERT, the workload of prompts that fit).
     `overrides` (--vllm-set): knobs replacing PREFIX_DRILL_KNOBS' (another configuration)."""
-    from lpf.adapters.vllm import PREFIX_DRILL_KNOBS, PREFIX_DRILL_NAMED_BY
+    from lpf.adapters.vllm_options import PREFIX_DRILL_KNOBS, PREFIX_DRILL_NAMED_BY
 
     values = {k: str(v).lower() for k, v in PREFIX_DRILL_KNOBS.items()} | (overrides or {})
     knobs = [a for k, v in values.items() for a in ("-E", f"{k}={v}")]

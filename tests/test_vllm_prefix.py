@@ -20,7 +20,7 @@ from test_engine_drills import flagged, ground_truth, q
 from test_vllm import needs_vllm
 from test_vllm_trace import audit
 
-from lpf.adapters.vllm import PREFIX_DRILL_KNOBS, PREFIX_DRILL_NAMED_BY as NAMED_BY  # noqa: E402
+from lpf.adapters.vllm_options import PREFIX_DRILL_KNOBS, PREFIX_DRILL_NAMED_BY as NAMED_BY  # noqa: E402
 
 KNOBS = [
     "--model",

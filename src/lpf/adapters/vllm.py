@@ -7,9 +7,10 @@ worker's stdin and completions come back as JSON lines on a dedicated pipe while
 own output goes to a log file whose tail is quoted when the worker fails. If the worker dies, every
 request it had not finished comes back with that error (never dropped).
 
-Knobs keep vLLM's names and go to `vllm.LLM` as given (dtype, seed, gpu_memory_utilization,
-max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, enable_prefix_caching, enforce_eager,
-max_model_len, num_gpu_blocks_override, logprobs_mode); `cpu_kvcache_space` (whole GiB) sets
+Knobs (`VLLMOptions`, with their checks in `vllm_options`) keep vLLM's names and go to `vllm.LLM` as
+given (dtype, seed, gpu_memory_utilization, max_num_seqs, max_num_batched_tokens,
+enable_chunked_prefill, enable_prefix_caching, enforce_eager, max_model_len,
+num_gpu_blocks_override, logprobs_mode); `cpu_kvcache_space` (whole GiB) sets
 VLLM_CPU_KVCACHE_SPACE, the KV size on CPU. Logprobs are vLLM's `raw_logprobs` where this vLLM has
 `logprobs_mode`; `describe()` records the mode actually used (None when the vLLM has no such
 switch), the vLLM version and every argument.
@@ -49,12 +50,10 @@ import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Literal
+from typing import Iterator
 
-from pydantic import Field, field_validator, model_validator
-
-from lpf.adapters.base import Completion, Engine, Options
-from lpf.core.knobs import knob
+from lpf.adapters.base import Completion, Engine
+from lpf.adapters.vllm_options import VLLMOptions
 from lpf.core.errors import LpfError
 from lpf.core.workload import EngineRequest
 
@@ -107,121 +106,6 @@ VLLM_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # in-process engine: ~25 s start instead of ~60
     "TORCHDYNAMO_DISABLE": "1",  # logprobs trigger a torch.compile even with enforce_eager
 }
-VLLM_DRILLS = ("stale-state", "offset-wrap", "publish-before-write", "unaligned-chunk-hashed")
-# the prefix-cache drills: the knobs they run under on the CPU build (prefix caching on, a step budget below the
-# 128-token Mamba block: docs/real-engines.md) and the hypothesis that names each (bench/bugs.py, the tests)
-PREFIX_DRILL_KNOBS = {
-    "enable_prefix_caching": True,
-    "enable_chunked_prefill": True,
-    "max_num_batched_tokens": 48,
-    "max_num_seqs": 4,
-}
-PREFIX_DRILL_NAMED_BY = {
-    "publish-before-write": {"resumed_in_publishing_step"},
-    "unaligned-chunk-hashed": {"resumed_truncated_state"},
-}
-
-
-class VLLMOptions(Options):
-    # None: vLLM's own default (the knob is not passed to vllm.LLM)
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] = knob(
-        "float32", help="vLLM's dtype (auto: the model's).", shrink_order=130, flag=True
-    )
-    seed: int | None = Field(None, description="Engine seed [default: the run's --seed].")
-    gpu_memory_utilization: float | None = knob(
-        None,
-        gt=0,
-        le=1,
-        help="Share of GPU memory vLLM may take (its cache size on a GPU).",
-        roles=("cache_size",),
-        shrink_order=20,
-    )
-    max_num_seqs: int | None = knob(
-        None, ge=1, help="Most requests in one engine step.", roles=("concurrency",), shrink_order=50, flag=True
-    )
-    max_num_batched_tokens: int | None = knob(
-        None, ge=1, help="Token budget of one engine step.", roles=("step_budget",), shrink_order=60, flag=True
-    )
-    enable_chunked_prefill: bool | None = knob(
-        None, help="Split long prompts over several steps.", shrink_order=70, flag=True
-    )
-    enable_prefix_caching: bool | None = knob(
-        None, help="Automatic prefix caching (vLLM turns it on by default).", roles=("prefix_cache",), shrink_order=80
-    )
-    enforce_eager: bool = knob(True, help="No CUDA graphs / compile: faster start, same numerics.")
-    max_model_len: int | None = knob(
-        None,
-        ge=1,
-        help="Longest prompt + output a request may have.",
-        roles=("context_length",),
-        shrink_order=120,
-        flag=True,
-    )
-    num_gpu_blocks_override: int | None = knob(
-        None, ge=1, help="KV-cache blocks (state slots come from them too).", roles=("cache_size",), shrink_order=40
-    )
-    logprobs_mode: Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"] = knob(
-        "raw_logprobs", help="What vLLM returns as logprobs (raw: the model's, before any processing)."
-    )
-    cpu_kvcache_space: int = knob(
-        1,
-        ge=1,
-        help="CPU build: KV-cache GiB, whole (VLLM_CPU_KVCACHE_SPACE; vLLM reads an int).",
-        roles=("cache_size",),
-        shrink_order=30,
-    )
-    start_timeout_s: float = knob(600.0, gt=0, help="Seconds vLLM may take to start.")
-    trace: bool = knob(True, help="The lpf-vllm-trace plugin records the step trace.")
-    trace_dir: str | None = knob(None, help="Where the plugin writes [default: a private temporary directory].")
-    inject: str = knob(
-        "",
-        help="Drills through the plugin: stale-state, offset-wrap[:BITS], "
-        "publish-before-write, unaligned-chunk-hashed (these two with -E enable_prefix_caching=true).",
-        flag=True,
-        repeatable=True,
-        metavar="FAULT[:ARG]",
-    )
-    capture: str | None = knob(
-        None, help="lpf locate's capture spec (a JSON file) for lpf-vllm-trace: set by lpf locate, not by hand."
-    )
-
-    @field_validator("inject")
-    @classmethod
-    def _known_drills(cls, value: str) -> str:
-        from lpf.builtin.faults import FaultSet
-
-        names = [n.partition(":")[0] for n in FaultSet.parse(value).names()]  # unknown names: LpfError
-        missing = [n for n in names if n not in VLLM_DRILLS]
-        if missing:
-            raise LpfError(
-                f"the vllm engine has no drill {missing[0]!r}: it re-creates "
-                f"{', '.join(VLLM_DRILLS)} through lpf-vllm-trace (the built-in engine has them all)"
-            )
-        return value
-
-    @model_validator(mode="after")
-    def _prefix_drills_need_the_cache(self):
-        drills = [d for d in PREFIX_DRILL_NAMED_BY if d in self.inject.split(",")]
-        if drills and self.enable_prefix_caching is False:
-            raise LpfError(
-                f"--inject {drills[0]} re-creates a prefix-caching bug: it needs -E enable_prefix_caching=true"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _step_budget_holds_every_sequence(self):
-        # vLLM's own SchedulerConfig check (vllm/config/scheduler.py, verify_max_model_len), said before
-        # vLLM starts; lpf shrink reads it as a refused move instead of a candidate that cannot start
-        if (
-            self.max_num_batched_tokens is not None
-            and self.max_num_seqs is not None
-            and self.max_num_batched_tokens < self.max_num_seqs
-        ):
-            raise LpfError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least max_num_seqs "
-                f"({self.max_num_seqs}): vLLM refuses a step budget smaller than its sequence count"
-            )
-        return self
 
 
 class VLLMEngine(Engine):
