@@ -51,6 +51,16 @@ CONFIGS = {  # name -> (engine dtype, drill or None)
     "bf16 + quantize-weights:4": ("bfloat16", "quantize-weights:4"),
     "bf16 + quantize-weights:8": ("bfloat16", "quantize-weights:8"),
 }
+# honest engines outside the reference's kernels: false alarms counted beside the clean built-in runs
+# (name -> (engine dtype, engine, knobs)); skipped, and said, where the engine is not built here
+HONEST = {
+    "honest llama.cpp float32": ("float32", "llamacpp", ("-E", "parallel=8")),
+    "honest llama.cpp float32, flash attention": ("float32", "llamacpp", ("-E", "parallel=8", "-E", "flash_attn=on")),
+    "honest vllm float32": ("float32", "vllm", ("-E", "enable_prefix_caching=false")),
+    "honest vllm bfloat16": ("bfloat16", "vllm", ("-E", "enable_prefix_caching=false")),
+    "honest builtin float32, 2 threads": ("float32", "builtin", ("-E", "threads=2")),
+}
+ROC_N = 100  # the window size of the ROC over the departure a window must reach
 
 
 TOKEN_CONFIGS = {  # name -> (engine dtype, drill or None, temperature)
@@ -65,13 +75,21 @@ TOKEN_SIZES = (25, 50, 100, 300, 1000, 3000)
 
 
 def audit(
-    out: Path, dtype: str, drill: str | None, workload: str = "zoo:stress", extra: tuple = (), max_tokens: int = 16
-) -> Path:
+    out: Path,
+    dtype: str,
+    drill: str | None,
+    workload: str = "zoo:stress",
+    extra: tuple = (),
+    max_tokens: int = 16,
+    engine: str = "builtin",
+) -> Path | None:
     if (out / "findings.json").is_file():
         return out
     args = [
         str(Path(sys.executable).with_name("lpf")),
         "audit",
+        "--engine",
+        engine,
         "--model",
         "zoo:hybrid",
         "--workload",
@@ -84,14 +102,16 @@ def audit(
         str(out),
         "--fail-on",
         "never",
-        "-E",
-        "threads=1",
+        *(("-E", "threads=1") if engine == "builtin" and "threads=2" not in extra else ()),
         *extra,
     ]
     if drill:
         args += ["--inject", drill]
     t0 = time.time()
     proc = subprocess.run(args, capture_output=True, text=True)
+    if proc.returncode != 0 and engine != "builtin":  # an engine not built here: said, not fatal
+        print(f"  {out.name}: skipped ({(proc.stderr.strip().splitlines() or ['?'])[-1]})", file=sys.stderr)
+        return None
     if proc.returncode != 0:
         raise SystemExit(f"{out}: audit failed:\n{proc.stderr[-2000:]}")
     print(f"  {out.name}: {time.time() - t0:.0f} s", file=sys.stderr)
@@ -126,13 +146,57 @@ def evidence(run: Path) -> dict:
     return {"shipped": shipped, "token only": token_only, "baseline": flagged[cols["order"]], "floor": floor}
 
 
+def _dirname(name: str) -> str:
+    return name.replace(" ", "-").replace(":", "-").replace("+", "p").replace(",", "")
+
+
 def window_scores(ev, size: int, starts: np.ndarray, alpha: float) -> np.ndarray:
+    """Per window, -log10 p of the test as shipped, where only a window it calls `different` can pass
+    -log10 alpha (a significant window the departure gate calls other honest arithmetic is capped just
+    under it: an alarm is a `different`, not a p-value)."""
     from lpf.analysis.run_test import decide
 
     if isinstance(ev, np.ndarray):  # the baseline: flagged tokens in the window
         c = np.concatenate([[0], np.cumsum(ev)])
         return (c[starts + size] - c[starts]).astype(float)
-    return np.array([-(decide(ev, int(s), int(s) + size, alpha)["log10_p_value"] or 0.0) for s in starts])
+    cap = -np.log10(alpha) * (1 - 1e-9)
+    out = []
+    for s in starts:
+        r = decide(ev, int(s), int(s) + size, alpha)
+        score = -(r["log10_p_value"] or 0.0)
+        out.append(score if r["result"] == "different" else min(score, cap))
+    return np.array(out)
+
+
+def window_departures(ev: dict, size: int, starts: np.ndarray) -> np.ndarray:
+    """Per window, its largest departure over what that component needs (`floors.departure_needed`):
+    >= 1 is past the gate; the ROC sweeps this threshold."""
+    from lpf.analysis.floors import departure, departure_needed
+
+    need = departure_needed(ev["floor"])
+    out = []
+    for s in starts:
+        lo, hi = int(s), int(s) + size
+        w = ev["w"][lo:hi][ev["has_topk"][lo:hi]] if "w" in ev else None
+        seen = departure(ev["d"][lo:hi], ev["s"][lo:hi], w, ev["floor"])
+        out.append(max((v / need[c] for c, v in seen.items() if v is not None), default=0.0))
+    return np.array(out)
+
+
+def roc(drills: dict, honest: dict) -> list[dict]:
+    """The ROC over the departure threshold t (in units of what the gate needs): per t, the share of
+    drill windows past it (detection) and of honest windows past it (false alarm)."""
+    pos = np.concatenate(list(drills.values())) if drills else np.zeros(0)
+    neg = np.concatenate(list(honest.values())) if honest else np.zeros(0)
+    ts = np.unique(np.concatenate([[0.0, 1.0, np.inf], pos, neg]))
+    return [
+        {
+            "t": float(t),
+            "detection": float(np.mean(pos >= t)) if pos.size else None,
+            "false_alarm": float(np.mean(neg >= t)) if neg.size else None,
+        }
+        for t in ts[:: max(1, len(ts) // 200)]
+    ]
 
 
 def auc(pos: np.ndarray, neg: np.ndarray) -> float:
@@ -309,7 +373,7 @@ def logprobs_part(a, alpha: float, configs: dict, workload: str, max_tokens: int
             continue
         ev[name] = evidence(
             audit(
-                a.out / name.replace(" ", "-").replace(":", "-").replace("+", "p"),
+                a.out / _dirname(name),
                 dtype,
                 drill,
                 workload,
@@ -317,6 +381,13 @@ def logprobs_part(a, alpha: float, configs: dict, workload: str, max_tokens: int
                 max_tokens,
             )
         )
+    honest = {}
+    if not a.quick:
+        for name, (dtype, engine, knobs) in HONEST.items():
+            run = audit(a.out / _dirname(name), dtype, None, workload, knobs, max_tokens, engine)
+            if run is not None:
+                honest[name] = evidence(run)
+    ev.update(honest)
     n_min = min(e["shipped"]["n"] for e in ev.values())
     sizes = [s for s in SIZES if s <= n_min]
     starts = {s: rng.integers(0, n_min - s + 1, a.windows) for s in sizes}
@@ -336,7 +407,7 @@ def logprobs_part(a, alpha: float, configs: dict, workload: str, max_tokens: int
         "auc": {},
         "smallest_n": {},
     }
-    for name in [c for c in ("clean float32", "clean bfloat16") if c in configs]:
+    for name in [c for c in ("clean float32", "clean bfloat16") if c in configs] + list(honest):
         result["false_alarm"][name] = {
             m: {s: float(np.mean(scores[name][m][s] > -np.log10(alpha))) for s in sizes}
             for m in ("shipped", "token only")
@@ -349,6 +420,19 @@ def logprobs_part(a, alpha: float, configs: dict, workload: str, max_tokens: int
         result["smallest_n"][name] = {
             m: next((s for s in sizes if result["auc"][name][m][s] >= 0.999), None) for m in methods
         }
+    if ROC_N in sizes:  # one ROC per engine dtype over the departure threshold, drills against honest runs
+        dep = {k: window_departures(e["shipped"], ROC_N, starts[ROC_N]) for k, e in ev.items()}
+        dtypes = {k: (configs.get(k) or HONEST.get(k))[0] for k in ev}
+        result["roc"] = {"n": ROC_N, "by_dtype": {}}
+        for dtype in sorted(set(dtypes.values())):
+            drills = {k: dep[k] for k in configs if dtypes[k] == dtype and configs[k][1]}
+            clean = {k: dep[k] for k in ev if dtypes[k] == dtype and k not in drills}
+            result["roc"]["by_dtype"][dtype] = {
+                "drills": sorted(drills),
+                "honest": sorted(clean),
+                "departure_p50": {k: float(np.median(v)) for k, v in {**drills, **clean}.items()},
+                "curve": roc(drills, clean),
+            }
     if not a.quick:
         (ROOT / "bench" / "results").mkdir(exist_ok=True)
         (ROOT / "bench" / "results" / "detection.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -361,6 +445,9 @@ def logprobs_part(a, alpha: float, configs: dict, workload: str, max_tokens: int
                 + " | ".join(f"{by[meth][s]:.3f}" for s in sizes)
                 + f" | {result['smallest_n'][name][meth] or '-'} |"
             )
+    for dtype, r in (result.get("roc") or {}).get("by_dtype", {}).items():
+        med = ", ".join(f"{k} {v:.3g}" for k, v in r["departure_p50"].items())
+        print(f"\n{dtype}: median departure over what the gate needs, N={ROC_N} windows: {med}")
     for meth in ("shipped", "token only"):
         print(
             f"\nfalse alarms at p < {alpha:g}, {meth}: "

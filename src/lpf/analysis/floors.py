@@ -32,6 +32,15 @@ Contract:
       between the two tokens is within twice what honest implementations at the dtype pair move a
       contested top-2 margin by at their 99th percentile (measured: bfloat16 moves it by up to ~0.5
       nats on zoo:hybrid).
+  honest (when floors.json has it): per component (token, settled, topk), the largest departure
+      (`departure`) an honest implementation outside the reference's own arithmetic showed against the
+      row (llama.cpp's f32 kernels, other thread counts and batch shapes, ...: the table's `honest`
+      blocks, measured by scripts/measure_honest.py); carried into the expected floor.
+  departure(d, s, w, units) -> {token, settled, topk}: how many times the floor's 99th percentile the
+      engine's own 99th percentile is, per component (None where no token has it): the effect size the
+      run-level test weighs beside its p-value. `departure_needed(units)`: per component, what a
+      departure must reach to be a different model and not other honest arithmetic: HONEST_MARGIN x
+      the largest honest departure measured, and at least MIN_DEPARTURE.
 Pure: the table comes in as a dict.
 """
 
@@ -46,6 +55,13 @@ KAPPA = 2.0  # honest implementations of one dtype pair stay under KAPPA x its 9
 UNMEASURED_MARGIN = 4.0
 MIN_TIE = 1e-3
 _SAMPLE = 1_000_000
+# a departure this many times the floor's 99th percentile, and HONEST_MARGIN times the largest an honest
+# implementation showed, separates another model from other honest kernels (bench/detection.py's ROC:
+# substitutions measured at >= 30x, honest engines at <= 2x a row that includes them)
+MIN_DEPARTURE = 3.0
+HONEST_MARGIN = 2.0
+COMPONENTS = ("token", "settled", "topk")
+MIN_UNIT = 2.0 * float(np.finfo(np.float32).eps)
 
 
 def _qs(x: np.ndarray, *qs: float) -> list[float | None]:
@@ -123,6 +139,20 @@ def _row(table: dict, pair: str, model: str | None) -> tuple[dict | None, str]:
     ), f"{model or 'this model'} not measured: {UNMEASURED_MARGIN:g}x the envelope over the {n} trained models"
 
 
+def _honest(table: dict, pair: str, model: str | None) -> dict:
+    """The largest departures honest implementations showed at `pair`: the model's row's, else the
+    envelope's (every component at least what the reference dtype's own pair measured: a floor is at
+    least that pair's too)."""
+    out: dict = {}
+    for p in dict.fromkeys((pair, f"{pair.split('/')[-1]}/{pair.split('/')[-1]}")):
+        entry = (table.get("pairs") or {}).get(p) or {}
+        row = (entry.get("models") or {}).get(model or "") or entry.get("envelope") or {}
+        for c, v in (row.get("honest") or {}).items():
+            if c in COMPONENTS and v is not None:
+                out[c] = max(out.get(c, 0.0), float(v))
+    return out
+
+
 def _scaled(floor: dict | None, factor: float) -> dict | None:
     if floor is None:
         return None
@@ -171,9 +201,51 @@ def expected_floor(
                 f"most lenient pair measured, {lenient} ({rows[lenient][1]})",
             )
     floor["tie_margin"] = tie_margin(floor)
+    honest = _honest(table, floor["pair"], model)
+    if honest:
+        floor["honest"] = honest
     # what the row was measured over (prompts, knob settings), where the table says: a floor far above it
     # on other settings is said with them
     settings = ((table.get("settings") or {}).get(f"{reference_dtype}/{reference_dtype}") or {}).get(model or "")
     if settings:
         floor["settings"] = settings
     return floor
+
+
+def departure_units(floor: dict) -> dict:
+    """The floor's 99th percentiles a departure is measured in, and its honest departures."""
+    return {
+        "token": floor["token"]["q99"],
+        "settled": floor["settled"]["q99"],
+        "topk": (floor.get("topk") or {}).get("q99"),
+        "honest": dict(floor.get("honest") or {}),
+    }
+
+
+def departure(d: np.ndarray, s: np.ndarray, w: np.ndarray | None, units: dict) -> dict:
+    """Per component, the engine's 99th percentile over the floor's (`departure_units`)."""
+    d = np.where(np.isfinite(d), np.abs(d), np.inf)  # a missing logprob is never within any floor
+    informative = s >= S_MIN
+    with np.errstate(divide="ignore", invalid="ignore"):
+        u = d[informative] / s[informative]
+    seen = {"token": _q99(u), "settled": _q99(d[~informative])}
+    seen["topk"] = _q99(w) if w is not None and w.size else None
+    return {c: _over(seen[c], units.get(c)) for c in COMPONENTS}
+
+
+def _q99(x: np.ndarray) -> float | None:
+    x = x[~np.isnan(x)]
+    return float(np.quantile(x, 0.99, method="higher")) if x.size else None
+
+
+def departure_needed(units: dict) -> dict:
+    honest = units.get("honest") or {}
+    return {c: max(MIN_DEPARTURE, HONEST_MARGIN * float(honest.get(c) or 1.0)) for c in COMPONENTS}
+
+
+def _over(seen: float | None, unit: float | None) -> float | None:
+    if seen is None or unit is None:
+        return None
+    # a floor measured where both sides ran the same arithmetic can be 0: float32 cannot promise less
+    # than a couple of ulps of 1.0, so that is the smallest unit a departure is counted in
+    return float(seen / max(unit, MIN_UNIT))

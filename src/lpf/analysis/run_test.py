@@ -51,7 +51,7 @@ import numpy as np
 import pyarrow as pa
 
 from lpf.analysis.token_evidence import evidence_columns, sensitivity, topk_spread
-from lpf.analysis.floors import KAPPA, floor_stats
+from lpf.analysis.floors import HONEST_MARGIN, KAPPA, departure, departure_needed, departure_units, floor_stats
 
 NULL_RATE = 0.01  # the share of tokens past the 99th percentile, before KAPPA: an upper bound
 DEFAULT_ALPHA = 1e-6
@@ -103,8 +103,8 @@ def token_evidence(cols: dict, floor: dict, sampling: dict) -> dict:
         _token_evidence({k: v[lo : lo + EVIDENCE_BLOCK] for k, v in rows.items()}, floor, sampling)
         for lo in range(0, n, EVIDENCE_BLOCK)
     ]
-    ev = {k: np.concatenate([p[k] for p in parts]) for k in parts[0] if k not in ("n", "cols")}
-    ev["n"] = n
+    ev = {k: np.concatenate([p[k] for p in parts]) for k in parts[0] if k not in ("n", "cols", "floor")}
+    ev["n"], ev["floor"] = n, parts[0]["floor"]
     if "cols" in parts[0]:
         ev["cols"] = cols
     return ev
@@ -129,6 +129,7 @@ def _token_evidence(cols: dict, floor: dict, sampling: dict) -> dict:
     else:
         flip = np.zeros(len(tok), dtype=bool)
     ev = {"n": len(tok), "d": d, "s": s, "over": over, "under": under, "flip": flip, "logprob": over | under | flip}
+    ev["floor"] = departure_units(floor)
     if "engine_topk_ids" in cols and (floor.get("topk") or {}).get("q99"):  # a floor without top-k tests none
         spread = topk_spread(cols["engine_topk_ids"], cols["engine_topk_logprobs"], ref_ids, ref_lp, details=False)
         has = spread["shared"] >= 2
@@ -236,17 +237,35 @@ def decide(ev: dict, lo: int, hi: int, alpha: float = DEFAULT_ALPHA) -> dict:
     log_p = min(0.0, tests[best]["log_p"] + math.log(len(tests)))
     t = tests[best]
     statistic = t["k"] / t["n"] if t["n"] else 0.0
+    significant = log_p < math.log(alpha)
+    size = _departure(ev, lo, hi, best) if significant else None
     for v in tests.values():
         v["log10_p"] = v.pop("log_p") / math.log(10)
     return {
-        "result": "different" if log_p < math.log(alpha) else "same",
+        "result": "different" if significant and size["beyond"] else "same",
         "n_tokens": n,
         "p_value": math.exp(log_p),
         "log10_p_value": log_p / math.log(10),
         "test": best,
         "statistic": statistic,
         "tests": tests,
+        "departure": size,
     }
+
+
+def _departure(ev: dict, lo: int, hi: int, best: str) -> dict:
+    """Whether a significant window is another model or other honest arithmetic: its departure per
+    component against what it must reach (`floors.departure_needed`), the largest first. A sampling-rate
+    departure is no arithmetic's, so it stands on its significance. Greedy flips past the tie margin
+    are not a way past the gate: an honest engine whose logit error is 30x the floor's moves near-ties
+    30x too (a flip that makes a request wrong is the per-request verdicts' to call)."""
+    units = ev.get("floor") or {}
+    w = ev["w"][lo:hi][ev["has_topk"][lo:hi]] if "w" in ev else None
+    seen = departure(ev["d"][lo:hi], ev["s"][lo:hi], w, units)
+    need = departure_needed(units)
+    past = sorted((c for c in seen if seen[c] is not None and seen[c] >= need[c]), key=lambda c: -seen[c] / need[c])
+    why = "sampling" if best == "sampling" else past[0] if past else None
+    return {"seen": seen, "needed": need, "beyond": why is not None, "by": why}
 
 
 def tokens_needed(ev: dict, alpha: float = DEFAULT_ALPHA) -> int | None:
@@ -294,8 +313,10 @@ def run_test(ev: dict, floor: dict, alpha: float = DEFAULT_ALPHA) -> dict:
     out["effect_size"] = _ratio(out["observed_floor"], out["expected_floor"])
     topk_ratio = _ratio((seen.get("topk") or {}).get("q99"), (floor.get("topk") or {}).get("q99"))
     out["topk_effect_size"] = topk_ratio
-    ratios = [r for r in (out["effect_size"], topk_ratio) if r is not None]
-    out["floor_far_above_expected"] = bool(ratios) and max(ratios) >= FAR_ABOVE
+    need = departure_needed(ev["floor"])
+    out["floor_far_above_expected"] = any(
+        r is not None and r >= max(FAR_ABOVE, need[c]) for c, r in (("token", out["effect_size"]), ("topk", topk_ratio))
+    )
     out["tokens_needed"] = tokens_needed(ev, alpha) if out["result"] == "different" else None
     out.update(
         alpha=alpha,
@@ -306,6 +327,7 @@ def run_test(ev: dict, floor: dict, alpha: float = DEFAULT_ALPHA) -> dict:
         floor_detail=floor.get("detail"),
     )
     out["sentence"] = _sentence(out)
+    out["arithmetic_sentence"] = _arithmetic_sentence(out)
     out["floor_sentence"] = _floor_sentence(out, floor) if out["floor_far_above_expected"] else None
     return out
 
@@ -317,6 +339,10 @@ def _sentence(r: dict) -> str:
         floors += f", {r['effect_size']:.2g}x"
     if r["result"] is None:
         return f"run-level test not decided: {r.get('reason')}"
+    if r["result"] == "same" and r.get("departure"):
+        return (
+            f"same: other honest arithmetic at {pair}, not another model ({floors}; over {r['n_tokens']} scored tokens)"
+        )
     if r["result"] == "same":
         return f"same: within what {pair} explains ({floors}; p = {_p(r)} over {r['n_tokens']} scored tokens)"
     t = r["tests"][r["test"]]
@@ -336,6 +362,24 @@ def _sentence(r: dict) -> str:
     return (
         f"different: beyond what {pair} explains ({floors}); {past}; p = {_p(r)}, "
         f"rejected after {r['tokens_needed']} tokens"
+    )
+
+
+def _arithmetic_sentence(r: dict) -> str | None:
+    """A significant departure too small to be another model: said, as the harmless finding it is."""
+    size = r.get("departure")
+    if r["result"] != "same" or not size:
+        return None
+    seen = {c: v for c, v in size["seen"].items() if v is not None}
+    if not seen:
+        return None
+    c = max(seen, key=lambda k: seen[k] / size["needed"][k])
+    what = {"token": "token error", "settled": "rounding of settled tokens", "topk": "top-k spread"}[c]
+    dtype = (r.get("floor_pair") or "?").split("/")[0]
+    return (
+        f"this engine's {dtype} arithmetic differs measurably from the reference's (p = {_p(r)}): its {what} is "
+        f"{seen[c]:.2g}x the floor's 99th percentile, under the {size['needed'][c]:.2g}x another model needs "
+        f"(at least {HONEST_MARGIN:g}x what honest implementations measured): other kernels, harmless"
     )
 
 

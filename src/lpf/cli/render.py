@@ -166,6 +166,8 @@ def print_run_test(rt: dict | None, console: Console) -> None:
     console.print(f"[bold]run test:[/] [{style}]{escape(rt['sentence'])}[/]", highlight=False)
     if rt.get("floor_sentence"):
         console.print(f"  [{style}]{escape(rt['floor_sentence'])}[/]", highlight=False)
+    if rt.get("arithmetic_sentence"):
+        console.print(f"  [dim]{escape(rt['arithmetic_sentence'])}[/]", highlight=False)
 
 
 def _print_shape(shape: dict | None, console: Console) -> None:
