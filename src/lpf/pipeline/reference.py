@@ -107,31 +107,41 @@ def describe_reference(model: ModelRef, dtype: str, tokenizer) -> dict:
 
 
 def mixed_mm_supported(device: str, dtype: torch.dtype) -> bool:
-    """Whether `device` multiplies `dtype` matrices into float32 output (`torch.mm(..., out_dtype=)`),
-    writing into a given buffer: CUDA with bfloat16/float16, not a CPU (torch 2.13 has no CPU kernel).
-    Probed on two tiny matrices, once per (device, dtype)."""
+    """Whether `device` multiplies `dtype` matrices into float32 output (`torch.mm(..., out_dtype=)`):
+    CUDA with bfloat16/float16, not a CPU (torch 2.13 has no CPU kernel). Probed on two tiny matrices,
+    once per (device type, dtype): into a given buffer, else into a new one (a torch without the `out=`
+    form of the overload)."""
     key = (torch.device(device).type, dtype)
     if key not in _MIXED_MM:
-        ok = dtype in (torch.bfloat16, torch.float16) and key[0] == "cuda"
-        if ok:
-            try:
-                a = torch.ones((2, 3), device=device, dtype=dtype)
-                out = torch.empty((2, 2), device=device, dtype=torch.float32)
-                ok = bool(mixed_mm(a, a.t(), out).eq(3).all())
-            except (RuntimeError, NotImplementedError, TypeError):
-                ok = False
-        _MIXED_MM[key] = ok
-    return _MIXED_MM[key]
+        _MIXED_MM[key] = None
+        if dtype in (torch.bfloat16, torch.float16) and key[0] == "cuda":
+            a = torch.ones((2, 3), device=device, dtype=dtype)
+            for mode in ("out", "new"):
+                try:
+                    out = torch.empty((2, 2), device=device, dtype=torch.float32) if mode == "out" else None
+                    z = _mm_float32_out(a, a.t(), out)
+                except (RuntimeError, NotImplementedError, TypeError):
+                    continue
+                if z.dtype == torch.float32 and bool(z.eq(3).all()):
+                    _MIXED_MM[key] = mode
+                    break
+    return _MIXED_MM[key] is not None
 
 
-_MIXED_MM: dict = {}
+_MIXED_MM: dict = {}  # (device type, dtype) -> "out" | "new" | None (no float32-output GEMM)
 
 
-def mixed_mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """a @ b of bfloat16/float16 operands, accumulated in float32 and returned in float32 (into `out`)."""
+def _mm_float32_out(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     if out is None:
         return torch.mm(a, b, out_dtype=torch.float32)
     return torch.mm(a, b, out_dtype=torch.float32, out=out)
+
+
+def mixed_mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """a @ b of bfloat16/float16 operands, accumulated in float32 and returned in float32 (into `out`
+    where this torch has that form; `mixed_mm_supported` must have said yes for the device and dtype)."""
+    use_out = out is not None and _MIXED_MM.get((a.device.type, a.dtype)) == "out"
+    return _mm_float32_out(a, b, out if use_out else None)
 
 
 def _chunk_rows(vocab: int, device: str) -> int:
