@@ -1,216 +1,215 @@
-"""The reference rescorer on a GPU, checked in one short run (what `scripts/gpu_check.sh` runs).
+"""What a user does with lpf on a GPU, checked in one short run (what `scripts/gpu_check.sh` runs).
 
-Made for a bare GPU machine whose Python has torch, transformers, pyarrow and numpy only (no vLLM,
-duckdb, plotly; no network, no stored weights beyond the repository's):
+Made for a bare GPU machine: its Python has torch, transformers, pyarrow and numpy; lpf's own
+pure-Python dependencies come from scripts/gpu_requirements.txt (gpu_check.sh installs them offline).
+No network, no stored weights beyond the repository's. One process; each step runs under its own time
+limit (SIGALRM; a step past it is recorded as `timed_out` and the next one starts) and the whole under
+`--budget` seconds (default 330: a step starts only with its limit cut to what is left). The results
+JSON is rewritten after every step, so a run killed from outside keeps what it finished.
 
-1. Correctness: `tests/data/gpu-check-run` (64 zoo:stress requests of the built-in engine on
-   zoo:hybrid, its reference scored on a CPU and committed) is rescored by the rescore stage with
-   `--reference-device cuda` in float32, and compared with the stored CPU scores: every token
-   scored once, max |delta ref_logprob|, top-1 and rank agreement. Fails above 1e-3.
-2. Throughput: a random Llama of Llama-3.2-1B's shape (hidden 2048, 16 layers, vocab 128256,
-   1.24B parameters) built from its config in bfloat16, on the RL-like mix (sequences of 128..2048
-   tokens, the second half of each is output): `Rescorer` (bf16 weights, float32 head) against a
-   plain HF forward of the same batches order (pad 8 sequences, `model(...).logits.float()`,
-   log_softmax, gather), output tokens/s, the ratio, and each one's peak GPU memory.
+Steps (scripts/gpu_check_rescore.py, scripts/gpu_check_audits.py):
+  correctness        tests/data/gpu-check-run (64 zoo:stress requests of the built-in engine on
+                     zoo:hybrid, reference committed from a CPU) rescored on the device in float32
+                     against the stored scores: max |delta ref_logprob| <= 1e-3, top-1, rank.
+  head               the [rows x hidden] x [hidden x vocab] head of a 1.24B Llama: float32 (TF32 off),
+                     bf16 operands with float32 output (`out_dtype`), bf16 output; time, TFLOP/s, error.
+  throughput         a random Llama of Llama-3.2-1B's shape (1.24B, bf16) on the RL-like mix:
+                     lpf's Rescorer against the naive HF forward, output tokens/s, peak memory, the
+                     FLOPs the work needs and the fraction of the device's bf16 peak that is.
+  rescore_profile    torch.profiler over the Rescorer on part of that mix: top ops by device time.
+  audit_*            `lpf audit` as a user runs it (in this process): the built-in engine float32 on
+                     zoo:stress (clean), the stale-state drill (caught), quantize-weights:4
+                     (systematic), the built-in engine bfloat16 (finishes, no false alarm), the HF engine
+                     bfloat16 batched by 64 against a float32 reference (noise at most, run test same).
+  engine_dtypes      the built-in engine's steps in float32 and bfloat16 on the device: steps/s and a
+                     profile of a few steps each (why bfloat16 is slower, if it is).
 
-Usage: python scripts/gpu_check.py [--device cuda] [--small]   (--device cpu --small: a dry run of
-the same code on a CPU). Prints a summary, writes $OUT/gpu_check.json when OUT is set; exit 1 on a
-failed check.
+Usage: python scripts/gpu_check.py [--device cuda] [--small] [--only STEP,...] [--out FILE]
+(--device cpu --small: every step in small form on a CPU, a dry run; the test suite runs it).
+Writes FILE (default $OUT/gpu_check.json when OUT is set, else gpu_check.json in the system's temp dir,
+named on stdout); exit 0 when every step ran and passed its check, 1 otherwise, 2 on bad usage.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import importlib
+import importlib.metadata
 import json
 import os
-import random
-import shutil
+import platform
+import signal
 import sys
 import tempfile
 import time
+import traceback
+from dataclasses import dataclass, field
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "bench"))
-from rescore import naive_logprobs  # noqa: E402 - the naive baseline bench/rescore.py measures against
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_check_audits  # noqa: E402
+import gpu_check_rescore  # noqa: E402
 
-STORED = REPO / "tests" / "data" / "gpu-check-run"
-KEY = [("request_id", "ascending"), ("position", "ascending")]
+H200_BF16_DENSE = 989e12  # FLOP/s, NVIDIA's dense bfloat16 figure for the H200 (and H100 SXM)
+
+
+class StepTimeout(BaseException):
+    """Raised by the alarm: a BaseException, so no `except Exception` inside lpf swallows it."""
+
+
+@dataclass
+class Ctx:
+    device: str
+    small: bool
+    tmp: Path
+    shared: dict = field(default_factory=dict)  # what one step leaves for the next (a loaded model)
+
+    def sync(self) -> None:
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize()
 
 
 def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+    print(f"[gpu_check {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def sync(device: str) -> None:
+# name, function, limit on a GPU (s), limit in --small (s)
+STEPS = [
+    ("correctness", gpu_check_rescore.correctness, 40, 60),
+    ("head", gpu_check_rescore.head, 20, 30),
+    ("throughput", gpu_check_rescore.throughput, 100, 60),
+    ("rescore_profile", gpu_check_rescore.profile, 30, 30),
+    ("audit_builtin_float32", gpu_check_audits.audit_builtin_float32, 45, 60),
+    ("audit_stale_state", gpu_check_audits.audit_stale_state, 40, 60),
+    ("audit_quantize4", gpu_check_audits.audit_quantize4, 25, 60),
+    ("audit_builtin_bfloat16", gpu_check_audits.audit_builtin_bfloat16, 40, 60),
+    ("audit_hf_bfloat16", gpu_check_audits.audit_hf_bfloat16, 30, 60),
+    ("engine_dtypes", gpu_check_audits.engine_dtypes, 45, 60),
+]
+
+
+def environment(device: str) -> dict:
+    import numpy
+    import pyarrow
+    import transformers
+
+    env = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "pyarrow": pyarrow.__version__,
+        "numpy": numpy.__version__,
+        "cpu_count": os.cpu_count(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+    }
+    for dist, mod in (
+        ("pydantic", "pydantic"),
+        ("click", "click"),
+        ("rich", "rich"),
+        ("plotly", "plotly"),
+        ("mambapy", "mambapy"),
+    ):
+        env[dist] = f"{importlib.metadata.version(dist)} ({Path(importlib.import_module(mod).__file__).parent.parent})"
     if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def correctness(device: str, tmp: Path) -> dict:
-    from lpf.pipeline.rescore import RescoreSettings, rescore_run
-    from lpf.run.store import RunDir
-
-    run_dir = tmp / "run"
-    shutil.copytree(STORED, run_dir, ignore=shutil.ignore_patterns("reference", "calibration"))
-    t0 = time.perf_counter()
-    rescore_run(RunDir.open(run_dir), settings=RescoreSettings(device=device))
-    seconds = time.perf_counter() - t0
-    cpu = pq.read_table(STORED / "reference").sort_by(KEY)
-    gpu = pq.read_table(run_dir / "reference").sort_by(KEY)
-    same_keys = cpu.select(["request_id", "position"]).equals(gpu.select(["request_id", "position"]))
-    out = {"tokens": gpu.num_rows, "stored_tokens": cpu.num_rows, "same_tokens": same_keys, "seconds": seconds}
-    if same_keys:
-        a, b = (t.column("ref_logprob").to_numpy() for t in (cpu, gpu))
-        out["max_abs_logprob_diff"] = float(abs(a - b).max())
-        out["top1_agreement"] = float(
-            (cpu.column("ref_top1_id").to_numpy() == gpu.column("ref_top1_id").to_numpy()).mean()
+        p = torch.cuda.get_device_properties(0)
+        env.update(
+            device=p.name,
+            capability=f"{p.major}.{p.minor}",
+            memory_gib=round(p.total_memory / 2**30, 1),
+            cuda=torch.version.cuda,
+            peak_bf16_flops=H200_BF16_DENSE if "H200" in p.name or "H100" in p.name else None,
         )
-        out["rank_agreement"] = float((cpu.column("ref_rank").to_numpy() == gpu.column("ref_rank").to_numpy()).mean())
-    out["ok"] = bool(same_keys and out["max_abs_logprob_diff"] <= 1e-3)
+    else:
+        env.update(device="cpu", peak_bf16_flops=None)
+    return env
+
+
+def run_step(name: str, fn, limit: float, ctx: Ctx) -> dict:
+    def on_alarm(signum, frame):
+        raise StepTimeout()
+
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, max(1.0, limit))
+    t0, c0 = time.perf_counter(), time.process_time()
+    try:
+        out = fn(ctx)
+        out["status"] = "passed" if out.get("ok", True) else "failed"
+    except StepTimeout:
+        out = {"status": "timed_out", "ok": False}
+    except Exception as e:  # one step's failure is a result; the next step still runs
+        out = {
+            "status": "error",
+            "ok": False,
+            "error": f"{type(e).__name__}: {e}",
+            "traceback": traceback.format_exc()[-3000:],
+        }
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    out["seconds"] = round(time.perf_counter() - t0, 2)
+    out["cpu_s"] = round(time.process_time() - c0, 2)  # this process's CPU time: on a busy machine, the cost
+    out["limit_s"] = round(limit, 1)
+    if out["status"] == "timed_out":
+        ctx.shared.clear()  # a model half-used by a killed step is not reused
+    gc.collect()
+    if ctx.device.startswith("cuda"):
+        torch.cuda.empty_cache()
     return out
 
 
-def build_llama(path: Path, small: bool, device: str) -> int:
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    from lpf.zoo.registry import tokenizer_dir
-
-    if small:
-        cfg = LlamaConfig(
-            vocab_size=32000,
-            hidden_size=128,
-            intermediate_size=256,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            max_position_embeddings=4096,
-            tie_word_embeddings=False,
-        )
-    else:  # Llama-3.2-1B's shape
-        cfg = LlamaConfig(
-            vocab_size=128256,
-            hidden_size=2048,
-            intermediate_size=8192,
-            num_hidden_layers=16,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            max_position_embeddings=8192,
-            rope_theta=500000.0,
-            tie_word_embeddings=True,
-        )
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
-    model.save_pretrained(path)
-    AutoTokenizer.from_pretrained(tokenizer_dir()).save_pretrained(path)
-    n = sum(p.numel() for p in model.parameters())
-    del model
-    return n
-
-
-def rl_mix(small: bool, vocab: int) -> list[tuple[list[int], list[int]]]:
-    rng = random.Random(0)
-    seqs = []
-    for _ in range(16 if small else 256):
-        n = rng.randint(16, 256) if small else rng.randint(128, 2048)
-        ids = [rng.randrange(3, vocab) for _ in range(n)]
-        seqs.append((ids[: n // 2], ids[n // 2 :]))
-    return seqs
-
-
-def throughput(device: str, small: bool, tmp: Path) -> dict:
-    from lpf.core.model_specs import ModelRef
-    from lpf.pipeline.reference import Rescorer, ScoreItem
-
-    path = tmp / "llama"
-    t0 = time.perf_counter()
-    n_params = build_llama(path, small, device)
-    log(f"random Llama built and saved: {n_params / 1e9:.2f}B parameters ({time.perf_counter() - t0:.0f} s)")
-    rescorer = Rescorer(ModelRef("gpu-check-llama", path), dtype="bfloat16", device=device, topk=5)
-    model = rescorer.model
-    seqs = rl_mix(small, rescorer.vocab_size)
-    items = [ScoreItem(f"r{i:04d}", p, o) for i, (p, o) in enumerate(seqs)]
-    n_out = sum(len(o) for _, o in seqs)
-    result = {
-        "parameters": n_params,
-        "sequences": len(seqs),
-        "output_tokens": n_out,
-        "input_tokens": sum(len(p) + len(o) for p, o in seqs),
-    }
-    with torch.inference_mode():
-        for name, fn in (
-            ("lpf", lambda: rescorer.score(items)),
-            ("naive", lambda: naive_logprobs(model, seqs, device)),
-        ):
-            best, values = None, None
-            for _ in range(2):  # the first run warms kernels and allocators up; the best run counts
-                if device.startswith("cuda"):
-                    torch.cuda.empty_cache()
-                    torch.cuda.reset_peak_memory_stats()
-                sync(device)
-                t0 = time.perf_counter()
-                res = fn()
-                if name == "lpf":
-                    tables = list(res)
-                    by_id = {}
-                    for t in tables:
-                        for rid, lp in zip(t.column("request_id").to_pylist(), t.column("ref_logprob").to_pylist()):
-                            by_id.setdefault(rid, []).append(lp)
-                    res = torch.tensor([lp for rid in sorted(by_id) for lp in by_id[rid]], dtype=torch.float64)
-                sync(device)
-                dt = time.perf_counter() - t0
-                best = dt if best is None else min(best, dt)
-                values = res.double().cpu()
-            peak = torch.cuda.max_memory_allocated() if device.startswith("cuda") else None
-            result[name] = {"seconds": best, "tokens_per_s": n_out / best, "peak_gpu_bytes": peak}
-            result[f"{name}_values"] = values
-            log(
-                f"{name}: {n_out / best:,.0f} output tokens/s ({best:.2f} s)"
-                + (f", peak GPU memory {peak / 2**30:.1f} GiB" if peak else "")
-            )
-    a, b = result.pop("lpf_values"), result.pop("naive_values")
-    # naive's head is bfloat16, lpf's float32: they differ by bfloat16's rounding of the logits
-    result["max_abs_logprob_diff_vs_naive"] = float((a - b).abs().max())
-    result["mean_abs_logprob_diff_vs_naive"] = float((a - b).abs().mean())
-    result["speedup"] = result["lpf"]["tokens_per_s"] / result["naive"]["tokens_per_s"]
-    return result
-
-
 def main() -> int:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--small", action="store_true", help="a tiny Llama and 16 sequences (a dry run)")
+    ap.add_argument("--small", action="store_true", help="every step in small form (a dry run, e.g. on a CPU)")
+    ap.add_argument("--only", default="", help="comma-separated steps to run (default: all)")
+    ap.add_argument("--budget", type=float, default=330.0, help="seconds for all steps together")
+    ap.add_argument("--out", type=Path, help="results JSON (default: $OUT/gpu_check.json)")
     a = ap.parse_args()
+    names = [s[0] for s in STEPS]
+    only = [s for s in a.only.split(",") if s]
+    if unknown := [s for s in only if s not in names]:
+        print(f"error: unknown step {', '.join(unknown)} (steps: {', '.join(names)})", file=sys.stderr)
+        return 2
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        print(f"error: torch {torch.__version__} sees no GPU (--device cpu --small is the dry run)", file=sys.stderr)
+        return 2
     from lpf.core.torch_utils import quiet_transformers
 
     quiet_transformers()
-    if a.device.startswith("cuda") and not torch.cuda.is_available():
-        print(f"error: torch {torch.__version__} sees no GPU", file=sys.stderr)
-        return 2
-    doc = {
-        "torch": torch.__version__,
-        "device": torch.cuda.get_device_name(0) if a.device.startswith("cuda") else "cpu",
-        "date": time.strftime("%Y-%m-%d %H:%M"),
-    }
-    with tempfile.TemporaryDirectory() as tmp:
-        log(f"correctness: {STORED.name} rescored on {a.device} against its stored CPU reference")
-        doc["correctness"] = correctness(a.device, Path(tmp))
-        log(json.dumps(doc["correctness"]))
-        log("throughput: lpf vs a plain HF forward, bfloat16, RL-like mix")
-        doc["throughput"] = throughput(a.device, a.small, Path(tmp))
-    t = doc["throughput"]
-    log(
-        f"lpf / naive: {t['speedup']:.2f}x output tokens/s; max |lpf - naive| logprob {t['max_abs_logprob_diff_vs_naive']:.3g}"
-    )
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
-        Path(os.environ["OUT"], "gpu_check.json").write_text(json.dumps(doc, indent=2))
-    print(json.dumps(doc, indent=2))
-    return 0 if doc["correctness"]["ok"] else 1
+    tmp_root = tempfile.TemporaryDirectory(prefix="gpu-check-")
+    out_path = a.out or Path(os.environ.get("OUT") or tempfile.gettempdir()) / "gpu_check.json"
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"small": a.small, "environment": environment(a.device), "steps": {}}
+    ctx = Ctx(a.device, a.small, Path(tmp_root.name))
+    deadline = time.monotonic() + a.budget
+    for name, fn, gpu_limit, small_limit in STEPS:
+        if only and name not in only:
+            continue
+        left = deadline - time.monotonic()
+        if left < 3:
+            doc["steps"][name] = {"status": "skipped", "ok": False, "why": "the run's budget was spent"}
+            continue
+        limit = min(small_limit if a.small else gpu_limit, left)
+        log(f"{name} (limit {limit:.0f} s)")
+        res = run_step(name, fn, limit, ctx)
+        doc["steps"][name] = res
+        log(
+            f"{name}: {res['status']} in {res['seconds']} s (cpu {res['cpu_s']} s)"
+            + (f": {res['error']}" if "error" in res else "")
+        )
+        out_path.write_text(json.dumps(doc, indent=2, default=str))
+    ctx.shared.clear()
+    doc["ok"] = all(s.get("ok", False) for s in doc["steps"].values())
+    doc["summary"] = gpu_check_rescore.summary(doc)
+    out_path.write_text(json.dumps(doc, indent=2, default=str))
+    for line in doc["summary"]:
+        print(line)
+    print(f"results: {out_path}")
+    tmp_root.cleanup()
+    return 0 if doc["ok"] else 1
 
 
 if __name__ == "__main__":

@@ -149,6 +149,37 @@ def test_cuda_reference_matches_cpu(rescorer):
         assert a["ref_logprob"] == pytest.approx(b["ref_logprob"], abs=1e-4)
 
 
+def test_the_float32_output_gemm_is_used_only_where_the_device_has_it():
+    """bfloat16 weights: the float32-output GEMM on CUDA, the float32 copy of the weight on a CPU (torch has
+    no CPU kernel for `out_dtype`: if one appears, this says so and the rule is revisited)."""
+    from lpf.pipeline.reference import mixed_mm_supported
+
+    a = torch.ones((2, 3), dtype=torch.bfloat16)
+    try:
+        torch.mm(a, a.t(), out_dtype=torch.float32)
+        cpu_has_it = True
+    except (RuntimeError, NotImplementedError, TypeError):
+        cpu_has_it = False
+    assert not cpu_has_it and not mixed_mm_supported("cpu", torch.bfloat16)
+    assert not mixed_mm_supported("cuda", torch.float32)
+    rs = Rescorer(resolve_model("tiny:llama"), dtype="bfloat16", topk=3)
+    assert not rs.mixed_head and rs._head[0].dtype == torch.float32 and rs.head_dtype == torch.float32
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_mixed_head_equals_the_float32_copy():
+    """bfloat16 weights on CUDA: the head from the bf16 operands with float32 accumulation and output
+    scores what the float32 copy of the weight scores, within 1e-4."""
+    items = _items()
+    fast = Rescorer(resolve_model("tiny:llama"), dtype="bfloat16", device="cuda", topk=3)
+    copy = Rescorer(resolve_model("tiny:llama"), dtype="bfloat16", device="cuda", topk=3, mixed_head=False)
+    assert fast.mixed_head and not copy.mixed_head
+    a = [r for t in fast.score(items) for r in t.to_pylist()]
+    b = [r for t in copy.score(items) for r in t.to_pylist()]
+    assert [(r["request_id"], r["position"]) for r in a] == [(r["request_id"], r["position"]) for r in b]
+    assert max(abs(x["ref_logprob"] - y["ref_logprob"]) for x, y in zip(a, b)) <= 1e-4
+
+
 @pytest.mark.slow  # an end-to-end run or a browser: kept out of `make test-fast` (issue 27)
 def test_the_rescorer_imports_only_what_a_bare_gpu_machine_has():
     """scripts/gpu_check.sh runs where Python has torch, transformers, pyarrow and numpy only."""

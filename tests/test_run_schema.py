@@ -91,3 +91,17 @@ def test_schema_table_fills_what_a_writer_lacks_and_refuses_what_the_schema_lack
     assert schema.table(schema.TOKENS, {}).schema == schema.TOKENS
     with pytest.raises(ValueError, match="no column state_slot"):
         schema.table(schema.TOKENS, {"request_id": ["a"], "state_slot": [3]})
+
+
+def test_a_run_copied_without_its_reference_folder_takes_reference_parts(tmp_path):
+    """scripts/gpu_check.sh copies a stored run without reference/ to rescore it: the store makes the
+    folder (it used to fail with FileNotFoundError on reference/.tmp-part-000000.parquet)."""
+    from pathlib import Path
+
+    stored = Path(__file__).parent / "data" / "gpu-check-run"
+    shutil.copytree(stored, tmp_path / "run", ignore=shutil.ignore_patterns("reference"))
+    run = RunDir.open(tmp_path / "run")
+    ref = pq.read_table(stored / "reference" / "part-000000.parquet")
+    run.append_reference(ref)
+    assert [p.name for p in run.parts("reference")] == ["part-000000.parquet"]
+    assert run.read("reference").equals(ref.cast(schema.REFERENCE))

@@ -7,9 +7,17 @@ tokens before it), as a `prompt_reference` table from the same pass (`score_all`
 float32 logits of shape [batch, seq, vocab]. Sequences are sorted by (length, request id) and packed
 under a token budget (padding counted, `plan_batches`: the Ray executor packs with the same rule);
 the base model returns hidden states; only the rows that predict scored tokens are projected to the
-vocabulary, `chunk_rows` rows at a time into one reused buffer, with the head and log-softmax in
-float32 (weights stay in the reference dtype; `float32_head=False` keeps the head in it too, as an
-engine computing at that dtype would).
+vocabulary, `chunk_rows` rows at a time into one reused buffer, with the head's logits and the
+log-softmax in float32 (weights stay in the reference dtype; `float32_head=False` keeps the head in it
+too, as an engine computing at that dtype would).
+
+The float32 head of bfloat16/float16 weights: the products of two such numbers are exact in float32, so
+"the head in float32" is the model's own operands multiplied with float32 accumulation and output.
+Where torch has that GEMM (`torch.mm(..., out_dtype=torch.float32)`: CUDA) it runs on the operands as
+they are, at the tensor cores' pace and without a float32 copy of the weight (issue 42: 441 against 49
+TFLOP/s for a float32 GEMM with TF32 off, on an H200); elsewhere (a CPU has no such kernel) the weight is
+copied to float32 once and the hidden rows upcast: the same products, the same float32 sums up to
+their order. Float32 weights stay float32.
 
 Devices (`lpf.core.devices`): cpu, cuda or auto; a model larger than one GPU is spread with
 `device_map="auto"`. Inputs go up through one pinned host buffer per batch and the results come
@@ -98,6 +106,44 @@ def describe_reference(model: ModelRef, dtype: str, tokenizer) -> dict:
     }
 
 
+def mixed_mm_supported(device: str, dtype: torch.dtype) -> bool:
+    """Whether `device` multiplies `dtype` matrices into float32 output (`torch.mm(..., out_dtype=)`):
+    CUDA with bfloat16/float16, not a CPU (torch 2.13 has no CPU kernel). Probed on two tiny matrices,
+    once per (device type, dtype): into a given buffer, else into a new one (a torch without the `out=`
+    form of the overload)."""
+    key = (torch.device(device).type, dtype)
+    if key not in _MIXED_MM:
+        _MIXED_MM[key] = None
+        if dtype in (torch.bfloat16, torch.float16) and key[0] == "cuda":
+            a = torch.ones((2, 3), device=device, dtype=dtype)
+            for mode in ("out", "new"):
+                try:
+                    out = torch.empty((2, 2), device=device, dtype=torch.float32) if mode == "out" else None
+                    z = _mm_float32_out(a, a.t(), out)
+                except (RuntimeError, NotImplementedError, TypeError):
+                    continue
+                if z.dtype == torch.float32 and bool(z.eq(3).all()):
+                    _MIXED_MM[key] = mode
+                    break
+    return _MIXED_MM[key] is not None
+
+
+_MIXED_MM: dict = {}  # (device type, dtype) -> "out" | "new" | None (no float32-output GEMM)
+
+
+def _mm_float32_out(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    if out is None:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return torch.mm(a, b, out_dtype=torch.float32, out=out)
+
+
+def mixed_mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """a @ b of bfloat16/float16 operands, accumulated in float32 and returned in float32 (into `out`
+    where this torch has that form; `mixed_mm_supported` must have said yes for the device and dtype)."""
+    use_out = out is not None and _MIXED_MM.get((a.device.type, a.dtype)) == "out"
+    return _mm_float32_out(a, b, out if use_out else None)
+
+
 def _chunk_rows(vocab: int, device: str) -> int:
     budget = _GPU_CHUNK_BYTES if device.startswith("cuda") else _CPU_CHUNK_BYTES
     return int(min(4096, max(32, budget // (4 * vocab))))
@@ -113,6 +159,7 @@ class Rescorer:
         chunk_rows: int | None = None,
         topk: int = 5,
         float32_head: bool = True,
+        mixed_head: bool | None = None,
         replay=None,
         on_rows: Callable | None = None,
     ):
@@ -131,7 +178,16 @@ class Rescorer:
         self.tokenizer = AutoTokenizer.from_pretrained(model.path)
         cfg = AutoConfig.from_pretrained(model.path)
         cfg = getattr(cfg, "text_config", None) or cfg
-        copies_head = float32_head and dtype != "float32"  # the float32 head beside lower-precision weights
+        # the float32 head of lower-precision weights: a float32-output GEMM where the device has one,
+        # else a float32 copy of the weight beside them
+        # (mixed_head=False: the float32 copy even where the GEMM exists, the way before issue 42)
+        self.mixed_head = (
+            float32_head
+            and dtype != "float32"
+            and mixed_head is not False
+            and mixed_mm_supported(self.device, torch_dtype(dtype))
+        )
+        copies_head = float32_head and dtype != "float32" and not self.mixed_head
         head_copy = 4 * getattr(cfg, "vocab_size", 0) * getattr(cfg, "hidden_size", 0) if copies_head else 0
         self.model, self.placement = load_model(model.path, torch_dtype(dtype), self.device, head_copy)
         self.input_device = self.model.get_input_embeddings().weight.device
@@ -143,9 +199,14 @@ class Rescorer:
         self.max_context = max_context(self.model.config)
         self.chunk_rows = chunk_rows or _chunk_rows(self.vocab_size, self.device)
         self._native_head = (head.weight.detach(), None if head.bias is None else head.bias.detach())
-        self._head = (
-            tuple(None if t is None else t.float() for t in self._native_head) if float32_head else self._native_head
-        )
+        if self.mixed_head:  # the model's own weight; float32 logits from the GEMM; the bias added in float32
+            bias = self._native_head[1]
+            self._head = (self._native_head[0], None if bias is None else bias.float())
+        elif float32_head:
+            self._head = tuple(None if t is None else t.float() for t in self._native_head)
+        else:
+            self._head = self._native_head
+        self.head_dtype = torch.float32 if float32_head else self._native_head[0].dtype
         self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
         self._pin = self.input_device.type == "cuda"
         self._check_head()
@@ -158,7 +219,10 @@ class Rescorer:
         """[N, H] hidden states -> [N, V] logits (into `out` when given, in the head's dtype)."""
         weight, bias = self._native_head if native else self._head
         h = hidden.to(device=weight.device, dtype=weight.dtype)
-        logits = torch.mm(h, weight.t(), out=out) if out is not None else h @ weight.t()
+        if self.mixed_head and not native:
+            logits = mixed_mm(h, weight.t(), out)
+        else:
+            logits = torch.mm(h, weight.t(), out=out) if out is not None else h @ weight.t()
         if bias is not None:
             logits.add_(bias)
         cfg = self.model.config
@@ -197,7 +261,7 @@ class Rescorer:
             v = self.vocab_size
             work = row_block(self.chunk_rows, v, self.head_device) * v
             self._buffers = (
-                torch.empty((self.chunk_rows, v), device=self.head_device, dtype=self._head[0].dtype),
+                torch.empty((self.chunk_rows, v), device=self.head_device, dtype=self.head_dtype),
                 torch.empty(work, device=self.head_device, dtype=torch.float32),
             )
         return self._buffers

@@ -299,6 +299,7 @@ class RunDir:
         if prompt_reference is not None and prompt_reference.num_rows:
             (self.path / "prompt_reference").mkdir(exist_ok=True)
             _atomic_write_table(self.path / "prompt_reference" / name, prompt_reference.cast(schema.PROMPT_REFERENCE))
+        (self.path / "reference").mkdir(exist_ok=True)  # a run copied without its reference/ folder
         _atomic_write_table(self.path / "reference" / name, reference.cast(schema.REFERENCE))
 
     def append(self, table: str, data: pa.Table) -> None:
