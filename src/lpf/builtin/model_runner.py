@@ -26,7 +26,7 @@ from lpf.builtin.prefix_drills import PrefixDrills
 from lpf.builtin.sampler import sample
 from lpf.builtin.sched_output import PromptRows, SchedulerOutput, StepResult
 from lpf.builtin.state_cache import StateCache
-from lpf.core.torch_utils import logprob_rows
+from lpf.core.torch_utils import logprob_rows, shape_stable_attention
 
 
 class ModelRunner:
@@ -71,6 +71,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput, capture=None) -> StepResult:
         """One step; `capture` (lpf locate) is handed to the layers through the forward context."""
+        with shape_stable_attention():  # a new batch shape every step: no per-shape cuDNN plans
+            return self._execute(so, capture)
+
+    def _execute(self, so: SchedulerOutput, capture=None) -> StepResult:
         drills = self.drills
         drills.preempted(so.preempted)
         seqs, ids, pos, start = [], [], [], 0

@@ -19,6 +19,19 @@ def quiet_transformers() -> None:
     transformers.utils.logging.disable_progress_bar()
 
 
+def shape_stable_attention():
+    """A context in which `F.scaled_dot_product_attention` never picks cuDNN's kernel. cuDNN's attention
+    plans a graph for every new (batch, length) shape, milliseconds of host time each, and a rescorer or a
+    continuous-batching engine meets a new shape at nearly every call: on an H200 (2026-12-04) 208 cuDNN
+    attention calls of the rescorer's 1.24B Llama cost 923 ms of host time for 22 ms on the GPU, and the
+    built-in engine, which gets cuDNN only in bfloat16 (it has no float32 kernel), ran zoo:stress 8x slower
+    in bfloat16 than in float32. Flash and memory-efficient attention have no per-shape plan. No effect on
+    a CPU, which has no cuDNN attention."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

@@ -41,7 +41,14 @@ from lpf.core.devices import load_model, resolve_device
 from lpf.core.errors import LpfError
 from lpf.core.model_specs import ModelRef, tokenizer_fingerprint
 from lpf.run import schema
-from lpf.core.torch_utils import logprob_rows, max_context, quiet_transformers, row_block, torch_dtype
+from lpf.core.torch_utils import (
+    logprob_rows,
+    max_context,
+    quiet_transformers,
+    row_block,
+    shape_stable_attention,
+    torch_dtype,
+)
 
 # The head's [chunk_rows, V] float32 logits buffer is about this size: on a CPU the matmul gains up to
 # ~500 rows (~15% from 128 to 512 at V = 32000) while logprob_rows reads the buffer in L2-sized blocks.
@@ -324,7 +331,8 @@ class Rescorer:
             self.validate(it)
         asked = [(row, it) for row, it in enumerate(batch) if it.score_prompt and len(it.prompt_token_ids) > 1]
         ids, rows, targets = self._inputs(batch, asked)
-        hidden = self.model.base_model(input_ids=ids, use_cache=False).last_hidden_state
+        with shape_stable_attention():
+            hidden = self.model.base_model(input_ids=ids, use_cache=False).last_hidden_state
         h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows.to(hidden.device))
         del hidden
         targets = targets.to(self.head_device)
