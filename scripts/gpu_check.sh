@@ -4,10 +4,11 @@
 #   - python3 with torch (a CUDA build), transformers, pyarrow and numpy: the machine's own, never
 #     installed by this script;
 #   - lpf's pure-Python dependencies, scripts/gpu_requirements.txt (pydantic, click, rich, plotly,
-#     mambapy and theirs): used as they are when this python imports them all; otherwise installed,
-#     offline, from the wheels `bash scripts/gpu_wheels.sh` downloaded (on a machine with internet) into
-#     .gpu-wheels/, with `pip install --no-index --no-deps --target .gpu-site` (no dependency resolution:
-#     pip never pulls torch); .gpu-site/ goes on PYTHONPATH. Copy .gpu-wheels/ along with the tree.
+#     mambapy and theirs): when .gpu-wheels/ is here (`bash scripts/gpu_wheels.sh` downloads it on a
+#     machine with internet; copy it along with the tree) they are installed from it, offline, with
+#     `pip install --no-index --no-deps --target .gpu-site` (no dependency resolution: pip never pulls
+#     torch; without pip the wheels are unzipped) and .gpu-site/ goes first on PYTHONPATH; without it,
+#     this python must import them all (a venv with lpf installed: the dry run in the test suite).
 # Usage: bash scripts/gpu_check.sh [gpu_check.py args]        (OUT=DIR: results in DIR/gpu_check.json)
 #        bash scripts/gpu_check.sh --device cpu --small       (the dry run: every step, small, on a CPU)
 # Env: PYTHON (default: python3, else python, whichever imports torch), GPU_WHEELS (default .gpu-wheels), GPU_CHECK_TIMEOUT (default 360 s).
@@ -32,27 +33,21 @@ if [ -n "$base" ]; then
     exit 2
 fi
 MODULES="pydantic pydantic_core annotated_types typing_inspection typing_extensions click rich markdown_it mdurl pygments plotly narwhals mambapy"
+if [ -d "$WHEELS" ]; then  # the pinned versions, whatever this python has (an old pydantic would not do)
+    echo "gpu_check: installing scripts/gpu_requirements.txt from $WHEELS into $SITE (offline, no dependencies resolved)" >&2
+    rm -rf "$SITE"
+    if "$PYTHON" -m pip --version >/dev/null 2>&1; then
+        "$PYTHON" -m pip install --quiet --disable-pip-version-check --no-index --no-deps \
+            --find-links "$WHEELS" --target "$SITE" -r scripts/gpu_requirements.txt
+    else  # no pip: a wheel is a zip laid out for site-packages
+        "$PYTHON" scripts/gpu_unzip_wheels.py "$WHEELS" "$SITE" scripts/gpu_requirements.txt
+    fi
+    EXTRA="$SITE"
+fi
 need=$(missing "$MODULES")
 if [ -n "$need" ]; then
-    EXTRA="$SITE"
-    if [ -n "$(missing "$MODULES")" ]; then
-        if [ ! -d "$WHEELS" ]; then
-            echo "gpu_check: $PYTHON lacks $need (scripts/gpu_requirements.txt); run 'bash scripts/gpu_wheels.sh' on a machine with internet and copy $WHEELS/ here" >&2
-            exit 2
-        fi
-        echo "gpu_check: installing $need from $WHEELS into $SITE (offline, no dependencies resolved)" >&2
-        if "$PYTHON" -m pip --version >/dev/null 2>&1; then
-            "$PYTHON" -m pip install --quiet --disable-pip-version-check --no-index --no-deps \
-                --find-links "$WHEELS" --target "$SITE" -r scripts/gpu_requirements.txt
-        else  # no pip: a wheel is a zip laid out for site-packages
-            "$PYTHON" scripts/gpu_unzip_wheels.py "$WHEELS" "$SITE" scripts/gpu_requirements.txt
-        fi
-        still=$(missing "$MODULES")
-        if [ -n "$still" ]; then
-            echo "gpu_check: still missing after the install: $still" >&2
-            exit 2
-        fi
-    fi
+    echo "gpu_check: $PYTHON lacks $need (scripts/gpu_requirements.txt): run 'bash scripts/gpu_wheels.sh' on a machine with internet and copy $WHEELS/ here" >&2
+    exit 2
 fi
 export PYTHONPATH="$PWD/src${EXTRA:+:$EXTRA}${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1
 export LPF_CACHE="${LPF_CACHE:-$(mktemp -d)}" TOKENIZERS_PARALLELISM=false
