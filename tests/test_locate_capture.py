@@ -1,5 +1,5 @@
 """The reference's capture for `lpf locate` (lpf.locate.hf_capture) on real transformers models: every Mamba2
-mixer's step size `dt` and scan output are recorded at every position, in the teacher-forced pass and on the
+mixer's (and Mamba1's) step size `dt` and scan output are recorded at every position, in the teacher-forced pass and on the
 decode path, whatever form the modeling code's kernel functions take (plain functions up to transformers
 5.24; nn.Modules with a `(*args, **kwargs)` call from 5.25 on, with the `kernels` package, where binding
 the call's arguments found no `dt` and locate named the next op, `gate_norm`, instead)."""
@@ -9,11 +9,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-MAMBA2_MIXERS = ("mamba2", "zamba2", "nemotron_h", "falcon_h1", "granitemoehybrid", "bamba")
+MIXERS = ("mamba2", "zamba2", "nemotron_h", "falcon_h1", "granitemoehybrid", "bamba", "mamba")
 
 
-@pytest.mark.parametrize("model_type", MAMBA2_MIXERS)
-def test_every_mamba2_mixer_s_dt_and_scan_output_are_captured_in_both_paths(model_type):
+@pytest.mark.parametrize("model_type", MIXERS)
+def test_every_mamba_mixer_s_dt_and_scan_output_are_captured_in_both_paths(model_type):
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -24,10 +24,10 @@ def test_every_mamba2_mixer_s_dt_and_scan_output_are_captured_in_both_paths(mode
     cap = HFCapture(model)
     ids, prompt = [1, *range(3, 24)], 16
     forced, decode = cap.teacher_forced(ids), cap.decode_path(ids, prompt)
-    # NemotronH names every layer's block `mixer`, attention and MLP ones too: its Mamba2 mixers have A_log
-    mamba2 = [i for i in cap.mamba_layers if hasattr(cap._mixer(cap.layers[i]), "A_log")]
-    assert mamba2
-    for i in mamba2:
+    # NemotronH names every layer's block `mixer`, attention and MLP ones too: its Mamba mixers have A_log
+    mixers = [i for i in cap.mamba_layers if hasattr(cap._mixer(cap.layers[i]), "A_log")]
+    assert mixers
+    for i in mixers:
         for acts in (forced, decode):
             assert acts.positions(f"L{i}.dt") == list(range(len(ids))), (model_type, i, acts.order)
         assert forced.positions(f"L{i}.ssm_out") == list(range(len(ids))), (model_type, i, forced.order)
@@ -35,9 +35,9 @@ def test_every_mamba2_mixer_s_dt_and_scan_output_are_captured_in_both_paths(mode
         # one-token update gates inside the kernel in 5.24)
         assert decode.positions(f"L{i}.ssm_out")[:prompt] == list(range(prompt)), (model_type, i)
         # the chunk scan's dt is clamped to the mixer's own limit (the one-token update's is not clamped)
-        lo = float(cap._mixer(cap.layers[i]).time_step_limit[0])
+        lo = float(getattr(cap._mixer(cap.layers[i]), "time_step_limit", (0.0,))[0])
         assert min(float(v.min()) for v in forced.get(f"L{i}.dt").values()) >= lo
     # the decode path's prompt pass is the same computation as the teacher-forced one
-    for i in mamba2:
+    for i in mixers:
         for p in range(prompt):
             np.testing.assert_allclose(decode.get(f"L{i}.dt")[p], forced.get(f"L{i}.dt")[p], rtol=1e-5, atol=1e-7)
