@@ -9,7 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-MIXERS = ("mamba2", "zamba2", "nemotron_h", "falcon_h1", "granitemoehybrid", "bamba", "mamba")
+# each modeling module has its own copy of the kernel functions; one per form of the mixer: Mamba2's, Zamba2's
+# (the one test_locate_vllm locates), NemotronH's (its limit from the config field 5.25 changed) and Mamba1's
+MIXERS = ("mamba2", "zamba2", "nemotron_h", "mamba")
 
 
 @pytest.mark.parametrize("model_type", MIXERS)
