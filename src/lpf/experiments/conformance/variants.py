@@ -134,17 +134,27 @@ LIMITS: dict[str, list[Variant]] = {
             "bamba": (0.35, 3.0),
         }.items()
     },
-    **{
-        mt: [
-            Variant(
-                "dt-limit",
-                "limits",
-                {"time_step_min": 0.05},
-                _DT_LIMIT_WHY.format(default="time_step_min 0.001", acts="acts on the lowest few percent"),
-            )
-        ]
-        for mt in ("zamba2", "nemotron_h")
-    },
+    "zamba2": [
+        Variant(
+            "dt-limit",
+            "limits",
+            {"time_step_min": 0.05},
+            _DT_LIMIT_WHY.format(default="time_step_min 0.001", acts="acts on the lowest few percent"),
+        )
+    ],
+    # NemotronH's mixer took its limit from `time_step_min` up to transformers 5.24 and from `time_step_limit`
+    # (default (0, inf)) from 5.25 on: both fields set to the same bound clamp the same steps under either
+    "nemotron_h": [
+        Variant(
+            "dt-limit",
+            "limits",
+            {"time_step_min": 0.05, "time_step_limit": [0.05, float("inf")]},
+            _DT_LIMIT_WHY.format(
+                default="time_step_min 0.001 up to transformers 5.24, time_step_limit (0, inf) from 5.25",
+                acts="acts on the lowest few percent, then never",
+            ),
+        )
+    ],
 }
 
 
