@@ -181,6 +181,18 @@ def _locate(d: dict) -> tuple[str, str, str]:
     )
 
 
+def _gpu_check(d: dict) -> tuple[str, str, str]:
+    t, steps = d["steps"]["throughput"], d["steps"]
+    audits = [k for k in steps if k.startswith("audit_")]
+    ok = sum(steps[k].get("status") == "passed" for k in audits)
+    return (
+        f"scripts/gpu_check.sh on {d['environment'].get('device', '?')}: 1.24B Llama rescoring (bf16), lpf audits",
+        f"{_x(t['speedup'])} the naive forward, {t['lpf']['roofline_fraction']:.0%} of bf16 peak, memory "
+        f"{_x(t['peak_memory_ratio'])}; audits {ok}/{len(audits)} as expected",
+        "the plain HF forward (targets >= 2.5x, >= 50%, <= 0.3x)",
+    )
+
+
 ROWS = {
     "rescore": _rescore,
     "engine": _engine,
@@ -196,6 +208,7 @@ ROWS = {
     "detection_tokens": _detection_tokens,
     "nondeterminism": _nondeterminism,
     "locate": _locate,
+    "gpu_check": _gpu_check,
 }
 
 
@@ -204,6 +217,8 @@ def _date(path: Path, d) -> str:
         for key in ("date", "measured"):
             if isinstance(d.get(key), str):
                 return d[key][:10]
+        if isinstance((d.get("environment") or {}).get("date"), str):
+            return d["environment"]["date"][:10]
     m = re.search(r"\d{4}-\d{2}-\d{2}", path.name)
     return m.group(0) if m else ""
 
