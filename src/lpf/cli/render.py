@@ -226,6 +226,12 @@ def _print_evidence(ev: dict | None, console: Console) -> None:
         console.print(f"[bold red]the server died:[/] {escape(died.get('sentence') or '')}", highlight=False)
 
 
+def print_failures(line: str | None, console: Console) -> None:
+    """The failed requests' line (`pipeline.failed_requests`: errors grouped by shape, what to try)."""
+    if line:
+        console.print(f"[red]{escape(line)}[/]", highlight=False, soft_wrap=True)
+
+
 def print_calibration(cal: dict, run_path, console: Console) -> None:
     """One line on what the calibration run's floor comes from."""
     if cal.get("same_as_reference"):
