@@ -140,3 +140,17 @@ def test_an_engine_knob_bound_is_one_line_and_exit_2(lpf_cli, tmp_path, engine, 
     r = lpf_cli("run", "--engine", engine, *ENGINE_ARGS.get(engine, []), "-E", f"{name}={value}", "--out", out)
     _one_line(r, name)
     assert not out.exists()
+
+
+def test_a_shared_flags_help_names_every_engines_choices(lpf_cli):
+    """--dtype serves several engines: its help lists each one's choices (llamacpp's quantized GGUF
+    types were missing: the builtin engine's help alone was shown)."""
+    from lpf.core.knobs import choices
+
+    r = lpf_cli("audit", "--help")
+    assert r.code == 0, r.err
+    text = " ".join(r.out.split()).replace("| ", "|").replace(" |", "|")
+    for engine in ("llamacpp", "vllm", "builtin"):
+        want = "|".join(choices(get_engine_class(engine).Options.model_fields["dtype"].annotation))
+        assert want.replace("|", "") in text.replace("|", "").replace(" ", ""), (engine, want)
+    assert "q4_k_m" in text.replace(" ", "")

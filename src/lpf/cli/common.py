@@ -87,11 +87,27 @@ def _apply(f, opts: list):
 
 # -- options ----------------------------------------------------------------------------------------
 def _engine_flags(engines: tuple[str, ...] | None) -> list:
-    """The flagged knobs (lpf.core.knobs) of these engines' Options, every engine when None."""
-    from lpf.adapters import engine_names, get_engine_class
-    from lpf.core.knobs import flag_knobs
+    """The flagged knobs (lpf.core.knobs) of these engines' Options, every engine when None. A flag
+    that engines take with different choices (--dtype: llamacpp's GGUF types, vllm's auto) says each
+    engine's in its help: the first declaration's help alone would hide the others'."""
+    import dataclasses
 
-    return flag_knobs(get_engine_class(e).Options for e in (engines or engine_names()))
+    from lpf.adapters import engine_names, get_engine_class
+    from lpf.core.knobs import choices, flag_knobs
+
+    classes = {e: get_engine_class(e).Options for e in (engines or engine_names())}
+    out = []
+    for k in flag_knobs(classes.values()):
+        by_engine: dict[str, list[str]] = {}
+        for e, cls in classes.items():
+            if k.name in cls.model_fields:
+                c = choices(cls.model_fields[k.name].annotation)
+                by_engine.setdefault("|".join(c) if c else "any", []).append(e)
+        if len(by_engine) > 1:
+            per = "; ".join(f"{', '.join(es)}: {c}" for c, es in by_engine.items())
+            k = dataclasses.replace(k, help=f"{k.help} By engine: {per}.")
+        out.append(k)
+    return out
 
 
 def _flag_option(k) -> click.Option:
