@@ -1,5 +1,6 @@
 """A run's own `workload.jsonl` is a workload: audit, then run again with it (issue 39: it was refused
-with "unknown field(s) text"); the second run sends the same prompts, text kept beside the ids."""
+with "unknown field(s) text"); the second run sends the same prompts, text kept beside the ids. The
+audit's terminal summary also says the floors' unit (nats of logit error, not |logprob diff|)."""
 
 from __future__ import annotations
 
@@ -20,9 +21,12 @@ def test_a_runs_workload_jsonl_feeds_back_as_its_workload(lpf_cli, tmp_path):
         ],
     )
     first = tmp_path / "first"
-    common = ["--model", "zoo:hybrid", "--max-tokens", 4]
+    common = ["--model", "zoo:hybrid", "--max-tokens", 8, "--ignore-eos"]  # enough tokens for the run test
     r = lpf_cli("audit", "--workload", prompts, "--out", first, "--fail-on", "never", *common)
     assert r.code == 0, r.err
+    # (issue 39, beside it) the run test's floors say their unit: not the |logprob diff| printed above them
+    said = " ".join(r.err.split())
+    assert "observed floor" in said and "floors are in nats of logit error" in said, r.err
     stored = first / "workload.jsonl"
     assert any("text" in json.loads(line) for line in stored.read_text().splitlines())  # what was refused
 
