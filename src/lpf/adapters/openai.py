@@ -10,9 +10,9 @@ error under any status, "Input should be a valid string" in a 500: never retried
 rest of the run, once, and says so (`notes`); with `ids` the refusal is the request's error, with the
 hint to try `-E prompt=text`. Request ids (`-E request_id_header=uuid|lpf|none`): each attempt's
 `X-Request-Id` is a fresh UUID by default (request-id middleware may refuse anything else), lpf's id, or
-absent; the value sent is the attempt's `sent_id`, and the run's records keep lpf's ids either way. The server's prompt is checked against the reference's:
-its `prompt_token_ids` (vLLM's `return_token_ids`) or `usage.prompt_tokens` must be the stored prompt's
-(else the answer is kept with `prompt_tokens`, or `chat_template` on the chat route: the server
+absent; the value sent is the attempt's `sent_id`, and the run's records keep lpf's ids either way.
+The server's prompt is checked against the reference's: its `prompt_token_ids` (vLLM's
+`return_token_ids`) or `usage.prompt_tokens` must be the stored prompt's (else the answer is kept with `prompt_tokens`, or `chat_template` on the chat route: the server
 rendered the messages differently, and its tokens are scored after the reference's rendering).
 Logprobs: `logprobs=k` (completions) or `logprobs: true, top_logprobs: k` (chat), read in either shape
 on either route (`openai_shapes`: the legacy lists, or the `logprobs.content` list with or without ids
@@ -228,10 +228,10 @@ class OpenAIEngine(RemoteEngine):
 
     @staticmethod
     def refusal(error: str) -> str | None:
-        """What the server said when `error` is a refusal of the request (a 4xx other than 404, or a
+        """What the server said when `error` is a refusal of the request (a 4xx other than 404/429, or a
         validation error under any status: some servers wrap one in a 500), lower-cased; else None."""
         said = error.split(" from ", 1)[-1].split(": ", 1)[-1]
-        if re.search(r"\bHTTP 4(?!04)\d\d\b", error) or (
+        if re.search(r"\bHTTP 4(?!04|29)\d\d\b", error) or (
             re.search(r"\bHTTP \d{3}\b", error) and is_validation_error(said)
         ):
             return said.lower()

@@ -22,7 +22,8 @@ no shrink order, no flag (its description is its help). So adding a knob is addi
 
 The questions: `knobs(cls)` (every knob, declaration order), `knob_info(cls, name)`,
 `knobs_with_role(cls, role)` / `knob_with_role(cls, role)`, `shrink_knobs(cls)` (shrink's order),
-`flag_knobs(classes)` (the union of flagged knobs, first declaration wins), `choices(annotation)`. Pure: no I/O, no lpf imports.
+`flag_knobs(classes)` (the union of flagged knobs, first declaration wins), `choices(annotation)`.
+Pure: no I/O, no lpf imports.
 """
 
 from __future__ import annotations
