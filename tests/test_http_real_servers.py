@@ -112,6 +112,9 @@ def test_a_server_that_takes_only_uuid_request_ids(lpf_cli, tmp_path):
     assert sorted(a["sent_id"] for x in reqs.values() for a in x["attempts"]) == sorted(sent)
     f = json.loads(r.out)
     assert f["errors"] == 0 and f["n_requests"] == N
+    (told,) = [a["sent_id"] for a in reqs["q0-r0"]["attempts"]]
+    shown = lpf_cli("inspect", tmp_path / "uuid", "q0-r0")
+    assert shown.code == 0 and f"sent as {told}" in " ".join(shown.out.split()), shown.out  # the server's name
 
     with ScriptedServer(uuid_only) as server:
         r = _audit(lpf_cli, server, prompts, tmp_path / "lpf-ids", "-E", "request_id_header=lpf")
