@@ -40,7 +40,7 @@ def test_malformed_line_names_the_line(lpf_cli, tmp_path):
         ({"prompt_token_ids": [1, 2, 99999]}, "outside the vocabulary"),
         ({"prompt_token_ids": [1, -3]}, "outside the vocabulary"),
         ({"prompt_token_ids": "1 2 3"}, "list of integers"),
-        ({"text": "hi"}, "unknown field"),
+        ({"text": "hi"}, "give 'prompt' instead"),  # 'text' alone: a prompt file's, not a run's workload
         ({"prompt": "a", "prompt_token_ids": [1]}, "exactly one"),
         (["a list"], "JSON object"),
     ],

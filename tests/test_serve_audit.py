@@ -82,11 +82,14 @@ def test_audit_through_http_clean_then_stale_state_found(lpf_cli, tmp_path, prom
     assert f["n_requests"] == 64 and f["errors"] == 0
     flagged = {x["request_id"] for x in f["flagged"]}
     assert flagged and f["counts"]["divergent"] + f["counts"]["corrupt"] == len(flagged)
-    # the server's ground truth names engine requests "cmpl-<X-Request-Id>-<choice>": our request ids
-    truth = {
+    # the server's ground truth names engine requests "cmpl-<X-Request-Id>-<choice>": the UUID each
+    # attempt sent, recorded on the attempt (attempts.sent_id), maps them back to our request ids
+    rows = pq.read_table(tmp_path / "stale" / "requests").to_pylist()
+    ours = {a["sent_id"]: r["request_id"] for r in rows for a in r["attempts"] if a["sent_id"]}
+    named = {
         rid.removeprefix("cmpl-").removesuffix("-0")
         for rid in pq.read_table(trace / "faults").column("request_id").to_pylist()
     }
+    assert named <= set(ours), named - set(ours)  # every imposter the server made is a request of this run
+    truth = {ours[x] for x in named}
     assert flagged <= truth, flagged - truth
-    run_ids = set(pq.read_table(tmp_path / "stale" / "requests").column("request_id").to_pylist())
-    assert truth <= run_ids  # every imposter the server made is a request of this run

@@ -34,7 +34,9 @@ def is_cancel_record(rec: dict) -> bool:
     return str(rec.get("error") or "").startswith(CANCELLED)
 
 
-def cancel_record(attempts: list, t_start: float, t_end: float, cancel_after_ms: float) -> dict:
+def cancel_record(
+    attempts: list, t_start: float, t_end: float, cancel_after_ms: float, sent_id: str | None = None
+) -> dict:
     rec = {
         "attempt": len(attempts),
         "sent": True,
@@ -42,6 +44,7 @@ def cancel_record(attempts: list, t_start: float, t_end: float, cancel_after_ms:
         "error": f"{CANCELLED} after {cancel_after_ms:g} ms (cancel_after_ms), then resent",
         "t_start": t_start,
         "t_end": t_end,
+        "sent_id": sent_id,  # the id the server was told for the cancelled attempt
     }
     attempts.append(rec)
     return rec

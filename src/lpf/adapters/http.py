@@ -7,9 +7,13 @@ Contract:
   `t_start`/`t_end`), so "sent and failed" stays apart from "never sent"; a request whose answered
   attempts failed before later ones could not be sent says both in its error. It retries, at most
   `max_retries` times, on what can pass (429, 5xx, timeouts, refused or broken connections), with
-  exponential backoff and full jitter; a 429 or 503 with `Retry-After` waits at least that long. Other 4xx answers and answers that are not JSON are
-  not retried (they would come back the same). Every attempt is bounded by `timeout_s` from connect to
-  the last byte, and nothing is attempted or waited for past the run's overall deadline.
+  exponential backoff and full jitter; a 429 or 503 with `Retry-After` waits at least that long. Other 4xx
+  answers, answers that are not JSON, and a refusal of the request's shape whatever its status (a 5xx whose
+  message is a validation error, `is_validation_error`: some servers answer a refused field with 500) are
+  not retried (they would come back the same). `tag(payload, attempt)` gives each attempt's payload,
+  headers and the id the server is told for it (`sent_id` in the attempt's record). Every attempt is
+  bounded by `timeout_s` from connect to the last byte, and nothing is attempted or waited for past the
+  run's overall deadline.
 - `run_all(items, handler, ...)` runs an async handler over items with a concurrency limit in a
   background event loop (each item no earlier than `start_at(item)` seconds after the start, when
   given: open-loop arrivals) and yields `(item, result)` pairs from the calling thread as each finishes,
@@ -29,6 +33,7 @@ import json
 import os
 import queue
 import random
+import re
 import threading
 import time
 from collections import Counter
@@ -111,7 +116,13 @@ def make_client(concurrency: int, api_key: str | None):
 
 
 def attempt_record(
-    attempts: list, sent: bool, status: int | None, error: str | None, t_start: float, t_end: float | None = None
+    attempts: list,
+    sent: bool,
+    status: int | None,
+    error: str | None,
+    t_start: float,
+    t_end: float | None = None,
+    sent_id: str | None = None,
 ) -> dict:
     """Append one attempt (the `schema.ATTEMPT` fields; numbered in order) and return it."""
     rec = {
@@ -121,6 +132,7 @@ def attempt_record(
         "error": error,
         "t_start": t_start,
         "t_end": time.time() if t_end is None else t_end,
+        "sent_id": sent_id,
     }
     attempts.append(rec)
     return rec
@@ -144,11 +156,12 @@ async def post_json(
     deadline: float,
     stats: Stats,
     breaker: CircuitBreaker | None = None,
-    tag: Callable[[dict, int], tuple[dict, dict]] | None = None,
+    tag: Callable[[dict, int], tuple[dict, dict, str | None]] | None = None,
     attempts: list | None = None,
 ) -> Any:
-    """`tag(payload, attempt)` -> (payload, headers) for that attempt (attempt 0 first), e.g. a request id;
-    `attempts` collects every attempt's record (see the module docstring)."""
+    """`tag(payload, attempt)` -> (payload, headers, sent_id) for that attempt (attempt 0 first): the
+    id the server is told, if any, goes to the attempt's record; `attempts` collects every attempt's
+    record (see the module docstring)."""
     import httpx
 
     log: list = [] if attempts is None else attempts
@@ -172,7 +185,7 @@ async def post_json(
             raise fail(reason)
         retry_after, sent, status = None, True, None
         stats.attempts += 1
-        body, headers = tag(payload, attempt) if tag else (payload, {})
+        body, headers, sent_id = tag(payload, attempt) if tag else (payload, {}, None)
         try:
             resp = await asyncio.wait_for(
                 client.post(url, json=body, headers=headers), min(policy.timeout_s, remaining)
@@ -189,23 +202,24 @@ async def post_json(
             if breaker is not None:
                 breaker.success()
             code = status = resp.status_code
-            if code == 429 or code >= 500:
-                kind, reason = f"HTTP {code}", f"HTTP {code}: {server_message(resp.content)}"
+            said = server_message(resp.content) if code >= 400 else ""
+            if (code == 429 or code >= 500) and not is_validation_error(said):
+                kind, reason = f"HTTP {code}", f"HTTP {code}: {said}"
                 retry_after = parse_retry_after(resp.headers.get("retry-after"))
-            elif code >= 400:
-                reason = f"HTTP {code} from {url}: {server_message(resp.content)}"
-                attempt_record(log, True, code, reason, now)
+            elif code >= 400:  # a refusal: the same request would be refused again
+                reason = f"HTTP {code} from {url}: {said}"
+                attempt_record(log, True, code, reason, now, sent_id=sent_id)
                 raise fail(reason)
             else:
                 try:
                     answer = json.loads(resp.content)
                 except ValueError as e:
                     reason = f"answer is not valid JSON ({e}; starts {resp.content[:60]!r})"
-                    attempt_record(log, True, code, reason, now)
+                    attempt_record(log, True, code, reason, now, sent_id=sent_id)
                     raise fail(reason) from None
-                attempt_record(log, True, code, None, now)
+                attempt_record(log, True, code, None, now, sent_id=sent_id)
                 return answer
-        attempt_record(log, sent, status, reason, now)
+        attempt_record(log, sent, status, reason, now, sent_id=sent_id)
         stats.reasons[kind] += 1
         if attempt >= policy.max_retries:
             raise fail(f"gave up after {attempt + 1} attempts: {reason}")
@@ -217,6 +231,21 @@ async def post_json(
         stats.retries += 1
         attempt += 1
         await asyncio.sleep(delay)
+
+
+# what request validators say (pydantic v1/v2, FastAPI, Rust's serde, plain "must be a string"): a
+# refusal of the request's shape, deterministic whatever status code the server wraps it in
+_VALIDATION = re.compile(
+    r"validation error|input should be|field required|extra inputs are not permitted|\btype=\w+_type\b"
+    r"|is not valid under any of the given schemas|\bmust be (?:a|an) (?:string|str|integer|list|array)\b"
+    r"|should be (?:a|an) (?:string|str|integer|list|array)\b|invalid type: |expected (?:a |an )?(?:str|string)\b",
+    re.IGNORECASE,
+)
+
+
+def is_validation_error(message: str) -> bool:
+    """Whether a server's error message is a validation error (the request's shape refused)."""
+    return bool(message) and _VALIDATION.search(message) is not None
 
 
 def parse_retry_after(value: str | None) -> float | None:

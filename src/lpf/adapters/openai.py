@@ -5,10 +5,14 @@ One HTTP request per run request (n=1: rollouts are separate requests, each with
 Route (`-E api=auto|completions|chat`; `--api`): chat when asked, or (auto) when the workload has
 `messages`; the messages are sent and the reference scores the tokenizer's rendering of them (`lpf.core.chat`).
 Prompt (`-E prompt=auto|ids|text`, completions only): token ids, or the prompt's text; auto sends ids
-and, when the server refuses them (4xx naming the prompt: "prompt must be a string"), sends text for the
-rest of the run, once, and says so (`notes`). The server's prompt is checked against the reference's:
-its `prompt_token_ids` (vLLM's `return_token_ids`) or `usage.prompt_tokens` must be the stored prompt's
-(else the answer is kept with `prompt_tokens`, or `chat_template` on the chat route: the server
+and, when the server refuses them (a 4xx naming the prompt, "prompt must be a string", or a validation
+error under any status, "Input should be a valid string" in a 500: never retried), sends text for the
+rest of the run, once, and says so (`notes`); with `ids` the refusal is the request's error, with the
+hint to try `-E prompt=text`. Request ids (`-E request_id_header=uuid|lpf|none`): each attempt's
+`X-Request-Id` is a fresh UUID by default (request-id middleware may refuse anything else), lpf's id, or
+absent; the value sent is the attempt's `sent_id`, and the run's records keep lpf's ids either way.
+The server's prompt is checked against the reference's: its `prompt_token_ids` (vLLM's
+`return_token_ids`) or `usage.prompt_tokens` must be the stored prompt's (else the answer is kept with `prompt_tokens`, or `chat_template` on the chat route: the server
 rendered the messages differently, and its tokens are scored after the reference's rendering).
 Logprobs: `logprobs=k` (completions) or `logprobs: true, top_logprobs: k` (chat), read in either shape
 on either route (`openai_shapes`: the legacy lists, or the `logprobs.content` list with or without ids
@@ -20,7 +24,7 @@ the request's error) is kept tokens only: its ids from the server's `token_ids`,
 re-encoded (checked: it must decode back to the same text and count what `usage` counts, the stop
 token added when the server skipped its text; else kept with `retokenized`), its logprobs null; a
 server that refuses `logprobs` altogether is asked without them (once, said in `notes`).
-Answers are checked before they are trusted (see `remote`); each attempt sends `X-Request-Id`.
+Answers are checked before they are trusted (see `remote`).
 Prompt logprobs (`--prompt-logprobs`, completions route): `-E prompt_logprobs=echo` asks `echo` with
 `logprobs` (the answer's tokens then start with the prompt, which they must be), `=field` asks vLLM's
 `prompt_logprobs: k` and reads `choices[0].prompt_logprobs` ({token id: {logprob, rank}}).
@@ -29,13 +33,15 @@ Prompt logprobs (`--prompt-logprobs`, completions route): `-E prompt_logprobs=ec
 from __future__ import annotations
 
 import math
+import re
+import uuid
 from collections import Counter
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
 from lpf.adapters.base import Completion
-from lpf.adapters.http import RequestFailed
+from lpf.adapters.http import RequestFailed, is_validation_error
 from lpf.adapters.openai_shapes import MISSING, read_logprobs
 from lpf.adapters.remote import Problems, RemoteEngine, RemoteOptions, as_logprob
 from lpf.adapters.token_map import TOKEN_ID_PREFIX, TokenMap  # noqa: F401  (TOKEN_ID_PREFIX re-exported)
@@ -45,6 +51,12 @@ from lpf.core.workload import EngineRequest
 
 _ID_FIELDS = ("return_tokens_as_token_ids", "return_token_ids")
 MAX_ADAPTATIONS = 4
+# a validator wanting text where lpf sent token ids (pydantic's "Input should be a valid string", ...)
+_WANTS_TEXT = re.compile(
+    r"valid string|\bstring_type\b|(?:be|expected) (?:a |an )?(?:str|string)\b|invalid type: sequence"
+)
+_OF_TYPE = re.compile(r"\b(?:str|string|text|list|array|token ids?|type)\b")
+PROMPT_HINT = "the server refuses token-id prompts: try -E prompt=text"
 
 
 class OpenAIOptions(RemoteOptions):
@@ -68,6 +80,12 @@ class OpenAIOptions(RemoteOptions):
     )
     logprobs: Literal["auto", "require"] = Field(
         "auto", description="an answer without logprobs: audited from its tokens (auto) or the request's error"
+    )
+    request_id_header: Literal["uuid", "lpf", "none"] = knob(
+        "uuid",
+        help="X-Request-Id sent with each attempt: a fresh UUID (recorded per attempt, so a server's trace "
+        "maps back), lpf's own request id (ID~retryN on retries), or none (request-id middleware "
+        "may accept only UUIDs).",
     )
     dtype: str | None = Field(
         None,
@@ -173,7 +191,13 @@ class OpenAIEngine(RemoteEngine):
         return text
 
     def tag(self, req, payload, attempt):
-        return payload, {"X-Request-Id": self.attempt_id(req, attempt)}  # vLLM and lpf serve adopt it
+        """vLLM and lpf serve adopt X-Request-Id as their request's name; lpf's records keep lpf's id
+        whatever is sent, and the attempt's record keeps what was sent."""
+        how = self.options.request_id_header
+        if how == "none":
+            return payload, {}, None
+        sent = str(uuid.uuid4()) if how == "uuid" else self.attempt_id(req, attempt)
+        return payload, {"X-Request-Id": self.told(req, sent)}, sent
 
     async def call(self, client, req, deadline, breaker, attempts):
         from lpf.adapters.http import post_json
@@ -197,15 +221,38 @@ class OpenAIEngine(RemoteEngine):
             except RequestFailed as e:
                 self.adapt(str(e), sent)
                 if self.payload(req) == sent:  # nothing to route around (or another request already did)
+                    if self.prompt_refused(str(e), sent):
+                        raise RequestFailed(f"{e}; {PROMPT_HINT}") from None
                     raise
         raise RequestFailed(f"the server kept refusing after {MAX_ADAPTATIONS} adaptations")
+
+    @staticmethod
+    def refusal(error: str) -> str | None:
+        """What the server said when `error` is a refusal of the request (a 4xx other than 404/429, or a
+        validation error under any status: some servers wrap one in a 500), lower-cased; else None."""
+        said = error.split(" from ", 1)[-1].split(": ", 1)[-1]
+        if re.search(r"\bHTTP 4(?!04|29)\d\d\b", error) or (
+            re.search(r"\bHTTP \d{3}\b", error) and is_validation_error(said)
+        ):
+            return said.lower()
+        return None
+
+    def prompt_refused(self, error: str, sent: dict) -> bool:
+        """Whether `error` refuses the token-id prompt `sent` carried (names the prompt, or says a
+        string was wanted: the prompt is the one list lpf sends where servers may want text)."""
+        said = self.refusal(error)
+        return (
+            said is not None
+            and isinstance(sent.get("prompt"), list)
+            and (_WANTS_TEXT.search(said) is not None or ("prompt" in said and _OF_TYPE.search(said) is not None))
+        )
 
     def adapt(self, error: str, sent: dict) -> None:
         """Route around a refusal, once for the whole run (requests in flight then retry with the new
         payload): vLLM's id fields, token-id prompts, logprobs. A 404 (no such route or model) is not one."""
-        if "HTTP 4" not in error or "HTTP 404" in error:
+        said = self.refusal(error)
+        if said is None:
             return
-        said = error.split(":", 2)[-1].lower()
         detail = error.split(": ", 1)[-1][:160]
         if (
             any(f in sent for f in _ID_FIELDS)
@@ -213,7 +260,7 @@ class OpenAIEngine(RemoteEngine):
             and any(f in said for f in _ID_FIELDS)
         ):
             self.ask_for_ids = False
-        elif isinstance(sent.get("prompt"), list) and self.options.prompt == "auto" and "prompt" in said:
+        elif self.options.prompt == "auto" and self.prompt_refused(error, sent):
             if not self.send_text:
                 self.send_text = True
                 self.notes.append(

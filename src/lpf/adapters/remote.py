@@ -10,9 +10,11 @@ logprobs above 0 or not numbers) is kept as returned with `inconsistency` = "KIN
 (`Problems`): evidence of a lie is never dropped. This class sends the requests with
 `lpf.adapters.http` (concurrency limit, bounded retries, per-attempt timeout, overall deadline),
 records every attempt on the completion (`attempts`), and yields completions as they finish;
-every request comes back, failed ones with `error` set. Each attempt carries the
-run's request id (`tag`: a header or a payload field; retries add "~retryN"), so the server's logs and
-traces (`lpf serve --trace-dir`) name the same requests as the run.
+every request comes back, failed ones with `error` set. Each attempt carries a
+request id (`tag`: a header or a payload field): lpf's own (retries add "~retryN") or, for the `openai`
+engine by default, a UUID (`-E request_id_header`: servers whose middleware takes only UUIDs refuse
+others); the id sent is recorded on the attempt (`sent_id`), so a server's logs and traces (`lpf serve
+--trace-dir`, vLLM's plugin) map back to the run's requests.
 
 The server's model is not a local path, so `resolve_model_spec` decides which local model gives the
 tokenizer (prompts, checks) and the reference: `--model` when it is a local directory or zoo:/tiny:
@@ -124,6 +126,7 @@ class RemoteEngine(Engine):
         self.vocab_size = int(cfg.get("vocab_size") or len(self.tokenizer))
         self.max_context = cfg.get("max_position_embeddings")
         self.stats = Stats()
+        self._told: dict[str, str | None] = {}
         self.server_version = self._server_version()
 
     def _server_version(self) -> str | None:
@@ -172,10 +175,17 @@ class RemoteEngine(Engine):
     def parse(self, req: EngineRequest, body: Any) -> Completion:
         raise NotImplementedError
 
-    def tag(self, req: EngineRequest, payload: dict, attempt: int) -> tuple[dict, dict]:
-        """The attempt's payload and headers carrying our request id, so a server's own logs and traces
-        name the run's requests; retries get a suffix (a server may refuse an id still in flight)."""
-        return payload, {}
+    def tag(self, req: EngineRequest, payload: dict, attempt: int) -> tuple[dict, dict, str | None]:
+        """The attempt's payload, headers and the id the server is told (None: none), so a server's own
+        logs and traces name the run's requests; retries get a suffix (a server may refuse an id still
+        in flight). A subclass that tells one calls `told` (a cancelled attempt's record needs it)."""
+        return payload, {}, None
+
+    def told(self, req: EngineRequest, sent_id: str | None) -> str | None:
+        """Remember the last id sent for `req` (its `request_id` names the attempt group: `ID~attempt0`
+        for a cancelled first send, whose in-flight attempt has no record of its own)."""
+        self._told[req.request_id] = sent_id
+        return sent_id
 
     @staticmethod
     def attempt_id(req: EngineRequest, attempt: int) -> str:
@@ -276,7 +286,7 @@ class RemoteEngine(Engine):
             return body
         except asyncio.TimeoutError:
             log.extend(first)  # attempts that failed before the cancel are evidence too
-            cancel_record(log, t, time.time(), ms)
+            cancel_record(log, t, time.time(), ms, sent_id=self._told.get(CANCELLED_ID(req.request_id)))
         except RequestFailed:
             log.extend(first)
         return None

@@ -56,7 +56,8 @@ class SGLangEngine(RemoteEngine):
         }
 
     def tag(self, req, payload, attempt):
-        return {**payload, "rid": self.attempt_id(req, attempt)}, {}  # SGLang's own request id field
+        rid = self.told(req, self.attempt_id(req, attempt))
+        return {**payload, "rid": rid}, {}, rid  # SGLang's own request id field
 
     def parse(self, req: EngineRequest, body: Any) -> Completion:
         if isinstance(body, list) and len(body) == 1:

@@ -12,8 +12,10 @@ request ids. Here:
 - `prefix_cache_info(status)`: the prefix-cache facts for the manifest's engine section, or None.
 - `served_ids(vllm_ids, runs)`: vLLM's ids on an OpenAI server -> lpf's: vLLM names a completion
   `cmpl-<X-Request-Id>-<i>` and its runner adds `-<8 random chars>`; lpf sends its request id as
-  X-Request-Id, `~retryN` on retries. A retry's rows map to the request only when it is the attempt
-  whose answer the run kept; the others keep `ID~retryN` (evidence of an attempt, not the answer).
+  X-Request-Id, `~retryN` on retries, or (the default) a UUID per attempt, recorded as the attempt's
+  `sent_id` and mapped back through `sent_names(requests, runs)`. A retry's rows map to the request only
+  when it is the attempt whose answer the run kept; the others keep `ID~retryN` (evidence of an
+  attempt, not the answer).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
+
+from lpf.adapters.client_behaviour import CANCELLED
 
 _PART = re.compile(r"^part-(\d+)-(\d+)\.parquet$")
 _RANDOM_SUFFIX = re.compile(r"^(.*)-[0-9a-zA-Z]{8}$")
@@ -112,10 +116,13 @@ def relabel(table: pa.Table, ids: dict[str, str]) -> pa.Table:
     return table
 
 
-def served_ids(vllm_ids, runs: dict[str, int]) -> dict[str, str]:
+def served_ids(vllm_ids, runs: dict[str, int], sent: dict[str, str] | None = None) -> dict[str, str]:
     """{vLLM id: lpf id} for the ids a server's runner knew; `runs`: lpf id -> index of the attempt
-    whose answer the run kept. Ids that name none of the run's requests are left out."""
+    whose answer the run kept; `sent`: X-Request-Id values that were not lpf's id (UUIDs, recorded per
+    attempt) -> the lpf name of that attempt (`sent_names`). Ids that name none of the run's requests
+    are left out."""
     out = {}
+    sent = sent or {}
     for vid in set(vllm_ids):
         m = _RANDOM_SUFFIX.match(vid)
         for cand in ([m.group(1)] if m else []) + [vid]:
@@ -123,6 +130,9 @@ def served_ids(vllm_ids, runs: dict[str, int]) -> dict[str, str]:
             if not served:
                 continue
             x = served.group(1)
+            if x in sent:
+                out[vid] = sent[x]
+                break
             cancelled = _CANCELLED.match(x)
             if cancelled and cancelled.group(1) in runs:  # kept as an attempt of its own, never as the answer
                 out[vid] = x
@@ -132,4 +142,30 @@ def served_ids(vllm_ids, runs: dict[str, int]) -> dict[str, str]:
             if base in runs:
                 out[vid] = base if runs[base] == attempt else x
                 break
+    return out
+
+
+def sent_names(requests: list[dict], runs: dict[str, int]) -> dict[str, str]:
+    """{id sent: the lpf name of that attempt} from the requests' attempt records (`sent_id`): the kept
+    attempt is the request itself, another is `ID~retryN` (N counting the attempts `runs` counts:
+    cancel records aside), and the attempts of a cancelled first send are `ID~attempt0`. lpf's own ids
+    (`-E request_id_header=lpf`) are left out: `served_ids` reads those by name."""
+    out = {}
+    for r in requests:
+        rid, attempts = r["request_id"], list(r.get("attempts") or [])
+        cancelled = max(
+            (i for i, a in enumerate(attempts) if str(a.get("error") or "").startswith(CANCELLED)), default=-1
+        )
+        k = 0
+        for i, a in enumerate(attempts):
+            is_cancel = i == cancelled
+            sid = a.get("sent_id")
+            if i <= cancelled:
+                name = f"{rid}~attempt0"
+            else:
+                name = rid if k == runs.get(rid) else f"{rid}~retry{k}"
+            if not is_cancel:
+                k += 1
+            if sid and sid != rid and not sid.startswith(rid + "~"):  # lpf's own names map by name
+                out[sid] = name
     return out

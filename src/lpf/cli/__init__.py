@@ -54,3 +54,15 @@ def main() -> None:
     except click.ClickException as e:
         e.show()
         sys.exit(2)
+    except Exception as e:
+        from pydantic import ValidationError
+
+        if not isinstance(e, ValidationError):
+            raise
+        from rich.markup import escape
+
+        from lpf.cli.common import spec_error
+
+        # a bound no command turned into an LpfError: still one line, exit 2 (bad input, not a crash)
+        err.print(f"[bold red]error:[/] {escape(spec_error(e))}", highlight=False, soft_wrap=True)
+        sys.exit(2)

@@ -87,11 +87,27 @@ def _apply(f, opts: list):
 
 # -- options ----------------------------------------------------------------------------------------
 def _engine_flags(engines: tuple[str, ...] | None) -> list:
-    """The flagged knobs (lpf.core.knobs) of these engines' Options, every engine when None."""
-    from lpf.adapters import engine_names, get_engine_class
-    from lpf.core.knobs import flag_knobs
+    """The flagged knobs (lpf.core.knobs) of these engines' Options, every engine when None. A flag
+    that engines take with different choices (--dtype: llamacpp's GGUF types, vllm's auto) says each
+    engine's in its help: the first declaration's help alone would hide the others'."""
+    import dataclasses
 
-    return flag_knobs(get_engine_class(e).Options for e in (engines or engine_names()))
+    from lpf.adapters import engine_names, get_engine_class
+    from lpf.core.knobs import choices, flag_knobs
+
+    classes = {e: get_engine_class(e).Options for e in (engines or engine_names())}
+    out = []
+    for k in flag_knobs(classes.values()):
+        by_engine: dict[str, list[str]] = {}
+        for e, cls in classes.items():
+            if k.name in cls.model_fields:
+                c = choices(cls.model_fields[k.name].annotation)
+                by_engine.setdefault("|".join(c) if c else "any", []).append(e)
+        if len(by_engine) > 1:
+            per = "; ".join(f"{', '.join(es)}: {c}" for c, es in by_engine.items())
+            k = dataclasses.replace(k, help=f"{k.help} By engine: {per}.")
+        out.append(k)
+    return out
 
 
 def _flag_option(k) -> click.Option:
@@ -363,10 +379,9 @@ def build_audit_spec(params: Mapping):
     has them, the rescore and analysis options (else their defaults: `lpf run`). Engines behind a server
     name a model that is not a local path: their adapter picks the local one. Validates everything
     (engine knobs, thresholds, rescore settings) or raises LpfError."""
+    from pydantic import ValidationError
+
     from lpf.adapters import get_engine_class
-    from lpf.analysis.thresholds import Thresholds
-    from lpf.core.sampling import SamplingParams
-    from lpf.pipeline.spec import AnalysisSpec, AuditSpec, RunSpec
 
     p = params
     options = engine_knobs(p)
@@ -374,6 +389,30 @@ def build_audit_spec(params: Mapping):
     model = hook(p.get("model"), p.get("reference"), options) if hook else p.get("model")
     if p["part_size"] < 1:
         raise LpfError("--part-size must be >= 1")
+    try:
+        return _audit_spec(p, model, options)
+    except ValidationError as e:  # a bound of a spec field (--n 0): one line naming the flag
+        raise LpfError(spec_error(e)) from None
+
+
+def spec_error(e) -> str:
+    """A spec's validation error as one line naming the command-line flag: `--n must be >= 1, got 0`."""
+    from lpf.adapters.base import option_error
+
+    first = e.errors(include_url=False)[0]
+    loc = [str(x) for x in first.get("loc", ()) if not isinstance(x, int)]
+    flag = "--" + loc[-1].replace("_", "-") if loc else "the audit spec"
+    line, where = option_error(e), ".".join(str(x) for x in first.get("loc", ()))
+    if where and line.startswith(f"engine option {where}:"):
+        return flag + line.removeprefix(f"engine option {where}")
+    return flag + line.removeprefix(where) if where and line.startswith(where) else f"{flag}: {line}"
+
+
+def _audit_spec(p: Mapping, model, options: dict):
+    from lpf.analysis.thresholds import Thresholds
+    from lpf.core.sampling import SamplingParams
+    from lpf.pipeline.spec import AnalysisSpec, AuditSpec, RunSpec
+
     sampling = SamplingParams(
         temperature=p["temperature"],
         top_p=p["top_p"],

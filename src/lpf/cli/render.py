@@ -158,12 +158,22 @@ def _print_judged(judged: dict | None, console: Console) -> None:
         console.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
 
 
+FLOOR_UNIT = (
+    "floors are in nats of logit error: the 99th percentile of |logprob diff| / sensitivity over "
+    "the tokens, not the |logprob diff| above"
+)
+
+
 def print_run_test(rt: dict | None, console: Console) -> None:
     """The run-level test in one sentence with its numbers (and the floor finding when there is one)."""
     if not rt:
         return
     style = {"same": "green", "different": VERDICT_STYLE["systematic"]}.get(rt.get("result"), "dim")
     console.print(f"[bold]run test:[/] [{style}]{escape(rt['sentence'])}[/]", highlight=False)
+    if "floor" in (rt.get("sentence") or ""):
+        # not the |logprob diff| percentiles printed above: each token's error is divided by how far
+        # one nat of logit error moves its logprob (`floors.floor_stats`)
+        console.print(f"  [dim]{FLOOR_UNIT}[/]", highlight=False)
     if rt.get("floor_sentence"):
         console.print(f"  [{style}]{escape(rt['floor_sentence'])}[/]", highlight=False)
     if rt.get("arithmetic_sentence"):
@@ -226,6 +236,12 @@ def _print_evidence(ev: dict | None, console: Console) -> None:
     died = ev.get("server_died")
     if died:
         console.print(f"[bold red]the server died:[/] {escape(died.get('sentence') or '')}", highlight=False)
+
+
+def print_failures(line: str | None, console: Console) -> None:
+    """The failed requests' line (`pipeline.failed_requests`: errors grouped by shape, what to try)."""
+    if line:
+        console.print(f"[red]{escape(line)}[/]", highlight=False, soft_wrap=True)
 
 
 def print_calibration(cal: dict, run_path, console: Console) -> None:

@@ -99,6 +99,7 @@ def print_request(info: dict, console: Console, top: int = 3) -> None:
         console.print(
             f"[dim]attempt {a.get('attempt')}: {status}"
             + (f" after {took:.3g} s" if took is not None else "")
+            + (f" · sent as {escape(str(a['sent_id']))}" if a.get("sent_id") else "")  # the server's name for it
             + (f" · {escape(str(a['error']))}" if a.get("error") else "")
             + "[/]",
             highlight=False,

@@ -29,15 +29,18 @@ from lpf.cli.common import (
     trace_dir_option,
     write_report,
 )
-from lpf.cli.render import print_calibration, print_summary
+from lpf.cli.render import print_calibration, print_failures, print_summary
 from lpf.core.errors import LpfError
 
 
 def _generate(run) -> None:
-    from lpf.pipeline import execute_run
+    from lpf.pipeline import all_failed, execute_run, failed_requests
 
     with progress_bar("generate", "requests") as (on_start, tick):
         execute_run(run, on_start, tick)
+    line = failed_requests(run)
+    if line and not all_failed(run):  # when every request failed, the run ends with that line (exit 2)
+        print_failures(line, err)
     if run.manifest.get("trace_dir"):
         _join(run, run.manifest["trace_dir"])
 

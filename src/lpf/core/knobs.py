@@ -15,13 +15,15 @@ knob *means* to the rest of lpf is said on the field, not in name lists elsewher
 - `flag`: the command line gets a named option for it (`--cache-mb`, `--enable-chunked-prefill/
   --no-...` for a boolean, repeatable and joined with "," when `repeatable`); every knob, flagged or
   not, is also settable as `-E NAME=VALUE`. One flag serves every engine that has a field of that
-  name; its help is that of the first engine (in `lpf.adapters.REGISTRY` order) that flags it.
+  name; its help is that of the first engine (in `lpf.adapters.REGISTRY` order) that flags it (the
+  command line adds each engine's `choices` when they differ).
 A plain field, `Field(1, ge=1, description="...")` or a bare annotation, is a knob too: no roles,
 no shrink order, no flag (its description is its help). So adding a knob is adding one field.
 
 The questions: `knobs(cls)` (every knob, declaration order), `knob_info(cls, name)`,
 `knobs_with_role(cls, role)` / `knob_with_role(cls, role)`, `shrink_knobs(cls)` (shrink's order),
-`flag_knobs(classes)` (the union of flagged knobs, first declaration wins). Pure: no I/O, no lpf imports.
+`flag_knobs(classes)` (the union of flagged knobs, first declaration wins), `choices(annotation)`.
+Pure: no I/O, no lpf imports.
 """
 
 from __future__ import annotations
@@ -102,6 +104,16 @@ def _kind(annotation) -> str:
         if annotation is t:
             return t.__name__
     return "str"
+
+
+def choices(annotation) -> tuple[str, ...]:
+    """A Literal's choices (also inside `X | None`), as text; () when the field takes any value."""
+    if typing.get_origin(annotation) is Literal:
+        return tuple(str(a) for a in typing.get_args(annotation))
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(args) == 1:
+        return choices(args[0])
+    return ()
 
 
 def _info(name: str, field) -> Knob:

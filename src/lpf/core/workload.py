@@ -8,7 +8,10 @@ resend's answer is the request's; honoured by the built-in engine, sent once by 
 workload (`chat=True`, or any item with `messages`: a list of {"role", "content"}) is rendered with the
 tokenizer's chat template (`lpf.core.chat`); a plain `prompt` becomes one user turn. The text and messages
 travel with each prompt (`text`, `messages`), for engines that send text or chat turns instead of token
-ids. Every problem is reported with its line number before any engine starts. `expand()` turns prompts
+ids. A run's own `workload.jsonl` (`normalized`: the ids, with `text` or `messages` beside them) is a
+workload too: fed back, its text or turns are tokenized again and must give the same ids (another
+tokenizer is refused, never silently re-tokenized). Every problem is reported with its line number
+before any engine starts. `expand()` turns prompts
 into engine requests: `n` rollouts each, arrival index `seq`.
 """
 
@@ -118,12 +121,16 @@ def load_prompts(
             "task",
             "abort_after_tokens",
             "group",
+            "text",
         }
         if unknown:
             # a key with a newline would break the one-line error: such keys are shown quoted
             shown = (k if k.isprintable() else repr(k) for k in sorted(unknown))
             raise LpfError(f"{at}: unknown field(s) {', '.join(shown)}")
         messages = None
+        stored = _stored_item(obj, at)  # a run's own workload.jsonl fed back: its ids, with their text/turns
+        if stored is not None:
+            obj = stored
         if sum(k in obj for k in ("prompt", "prompt_token_ids", "messages")) != 1:
             raise LpfError(f"{at}: give exactly one of 'prompt' (text), 'prompt_token_ids' or 'messages'")
         if "messages" in obj or chat:
@@ -176,8 +183,38 @@ def load_prompts(
                 f"({len(ids) - 1}): the cancel lands mid-prefill"
             )
         text = obj["prompt"] if isinstance(obj.get("prompt"), str) and messages is None else None
+        if stored is not None and list(ids) != obj["_ids"]:
+            raise LpfError(
+                f"{at}: this item's text or messages tokenize to other ids than its 'prompt_token_ids' "
+                f"(another tokenizer wrote this workload?): keep only one of them"
+            )
         prompts.append(Prompt(pid, tuple(ids), expected, mt, text, messages, abort))
     return prompts, source
+
+
+def _stored_item(obj: dict, at: str) -> dict | None:
+    """A run's `workload.jsonl` item (`Prompt.to_json`: the ids with the prompt's `text` or `messages`
+    beside them) as the item it was made from, its ids kept in `_ids` to check the tokenization against;
+    None for any other item. `text` needs `prompt_token_ids` (it is their text, not a prompt of its own)."""
+    ids = obj.get("prompt_token_ids")
+    if "text" in obj and ids is None:
+        raise LpfError(
+            f"{at}: 'text' is the text of 'prompt_token_ids' (a run's workload.jsonl): give 'prompt' instead"
+        )
+    extra = [k for k in ("text", "messages") if k in obj and obj[k] is not None]
+    if ids is None or not extra:
+        return None
+    if len(extra) > 1 or "prompt" in obj:
+        raise LpfError(f"{at}: give exactly one of 'prompt' (text), 'prompt_token_ids' or 'messages'")
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise LpfError(f"{at}: 'prompt_token_ids' must be a list of integers")
+    item = {k: v for k, v in obj.items() if k not in ("prompt_token_ids", "text")}
+    if extra == ["text"]:
+        if not isinstance(obj["text"], str):
+            raise LpfError(f"{at}: 'text' must be a string")
+        item["prompt"] = obj["text"]
+    item["_ids"] = ids
+    return item
 
 
 def expand(

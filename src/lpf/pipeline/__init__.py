@@ -14,12 +14,21 @@ Progress is reported through `on_start(total, done)` / `tick(n)` callbacks: noth
 
 from lpf.pipeline.analyze import analyze_run
 from lpf.pipeline.calibrate import calibrate_run, engine_dtype
-from lpf.pipeline.generate import all_failed, create_run, execute_run, model_config, open_audit, pending_requests
+from lpf.pipeline.generate import (
+    all_failed,
+    create_run,
+    execute_run,
+    failed_requests,
+    model_config,
+    open_audit,
+    pending_requests,
+)
 from lpf.pipeline.rescore import rescore_run
 from lpf.pipeline.trace import join_trace, trace_summary
 
 __all__ = [
     "all_failed",
+    "failed_requests",
     "analyze_run",
     "calibrate_run",
     "create_run",

@@ -7,7 +7,8 @@ ranked hypotheses, and `findings.attribution` lists every pair found.
 
 It hands analysis the expected-floor table shipped with the package (`lpf/analysis/floors.json`,
 read here so analysis does no I/O) and what the manifest says about the dtype pair, the reference
-model and the sampling, from which the run-level test gets its floor.
+model and the sampling, from which the run-level test gets its floor. The reference model is named
+as the table names it (`floor_model`): a directory holding a zoo model's weights is that zoo model.
 
 A run whose engine returned no logprobs is judged from its tokens (`lpf.analysis.tokens_only`), and every
 run's findings say what came back and what each step could judge from it (`judged`).
@@ -111,7 +112,7 @@ def analyze_run(
     run_info = {
         "engine_dtype": engine_dtype(m),
         "reference_dtype": ref.get("dtype"),
-        "model": ref.get("spec"),
+        "model": floor_model(ref),
         "sampling": m["sampling"],
     }
     kw = dict(
@@ -251,6 +252,27 @@ def typical_fit(summary, own_sums_of, sample: int = 256) -> float | None:
     sums = own_sums_of({r for r, _ in rows})
     fits = [sums[r] / n for r, n in rows if r in sums]
     return float(np.median(fits)) if fits else None
+
+
+def floor_model(ref: dict) -> str | None:
+    """The reference's name in the floor table: its spec, or, for a directory holding a zoo model's
+    weights (same weights sha256), that zoo model's name, so the same model gets the same floor and
+    tie margin however it was named (a zoo model given by its path got the unmeasured envelope's)."""
+    spec = ref.get("spec")
+    sha = ref.get("weights_sha256")
+    if spec is None or spec.startswith(("zoo:", "tiny:")) or not sha:
+        return spec
+    from lpf.zoo import registry
+
+    return next((f"zoo:{name}" for name in registry.MODELS if _zoo_weights(name) == sha), spec)
+
+
+@lru_cache(maxsize=None)
+def _zoo_weights(name: str) -> str | None:
+    from lpf.core.model_specs import weights_sha256
+    from lpf.zoo import registry
+
+    return weights_sha256(registry.model_dir(name)) if registry.model_available(name) else None
 
 
 @lru_cache(maxsize=1)

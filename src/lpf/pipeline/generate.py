@@ -8,8 +8,9 @@ interrupted one: rerunning it finishes it), and refuses a directory holding anot
 commits completions in parts as they finish (side tables such as the trace first, then tokens, then
 requests: a request part never exists without what led to it); what finished before an error or
 Ctrl-C is kept, and a rerun resumes (its engine's steps numbered after the earlier sessions', so a
-step names one batch). `all_failed(run)` is the one line a run where every request failed ends with
-(exit 2).
+step names one batch). `failed_requests(run)` is the one line on the requests that failed, their errors
+grouped by shape with what to try; `all_failed(run)` is that line when every request failed (the run
+ends with it, exit 2).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import platform
 import socket
 import time
 import uuid
-from collections import Counter
 from pathlib import Path
 
 import pyarrow as pa
@@ -152,14 +152,24 @@ def _execute(run: RunDir, on_start: OnStart, tick: Tick) -> None:
     run.save_manifest()
 
 
-def all_failed(run: RunDir) -> str | None:
-    """One line saying why, when every request of the run failed (None when any completed): the
-    commonest error and how many requests it hit."""
-    errors = run.read("requests", ["error"]).column("error").to_pylist()
-    if not errors or any(e is None for e in errors):
+def failed_requests(run: RunDir) -> str | None:
+    """One line on the run's failed requests (None when none failed): how many of how many, and
+    their errors grouped by shape (ids and numbers aside), commonest first, with what to try."""
+    from lpf.analysis.error_shapes import summary
+
+    t = run.read("requests", ["request_id", "error"])
+    errors = t.column("error").to_pylist()
+    failed = sum(e is not None for e in errors)
+    if not failed:
         return None
-    common, count = Counter(errors).most_common(1)[0]
-    return f"every request failed ({len(errors)} of {len(errors)}); the commonest error ({count}): {common}"
+    everything = "every request failed" if failed == len(errors) else "requests failed"
+    return f"{everything} ({failed} of {len(errors)}): {summary(errors, t.column('request_id').to_pylist())}"
+
+
+def all_failed(run: RunDir) -> str | None:
+    """`failed_requests`' line when every request of the run failed (None when any completed)."""
+    line = failed_requests(run)
+    return line if line and line.startswith("every request failed") else None
 
 
 def _next_step(run: RunDir) -> int:

@@ -20,7 +20,7 @@ from pathlib import Path
 import pyarrow.compute as pc
 
 from lpf.adapters.client_behaviour import is_cancel_record
-from lpf.adapters.vllm_trace import PluginDir, prefix_cache_info, relabel, served_ids
+from lpf.adapters.vllm_trace import PluginDir, prefix_cache_info, relabel, sent_names, served_ids
 from lpf.core.errors import LpfError
 from lpf.run.store import RunDir
 
@@ -77,7 +77,8 @@ def join_trace(run: RunDir, trace_dir: Path | str) -> dict:
             for r in requests.to_pylist()
         }
         trace, faults = plugin.take("trace"), plugin.take("faults")
-        ids = served_ids(trace.column("request_id").to_pylist(), kept) if trace is not None else {}
+        sent = sent_names(requests.to_pylist(), kept)  # the UUIDs sent as X-Request-Id, per attempt
+        ids = served_ids(trace.column("request_id").to_pylist(), kept, sent) if trace is not None else {}
         for name in ("trace", "faults"):
             for p in run.parts(name):  # an earlier join's copy: replaced, never doubled
                 p.unlink()

@@ -7,6 +7,7 @@ storage never adds error of its own; top-k lists are float32.
 
 v2 (over v1): `requests.inconsistency` and `requests.attempts` (what a server returned, kept as
 evidence), and the prompt-position tables `prompt_tokens` / `prompt_reference` (the prefill path).
+`attempts.sent_id` came later (an older part reads it as null, no bump: nothing required changed).
 The optional `attribution` and `seeded` tables are derived (re-computable from the others), so it needs no bump.
 
 `table(target, columns)` builds a table of one of these schemas from the columns a writer has, every
@@ -30,6 +31,9 @@ ATTEMPT = pa.struct(
         ("error", pa.string()),  # the server's own error message, or what went wrong; null on success
         ("t_start", pa.float64()),  # unix seconds
         ("t_end", pa.float64()),
+        # the request id the server was told for this attempt (X-Request-Id, SGLang's rid): a UUID, or
+        # lpf's own id; null when none was sent. A server's trace names attempts by it (pipeline.trace)
+        ("sent_id", pa.string()),
     ]
 )
 
