@@ -334,7 +334,7 @@ def run_test(ev: dict, floor: dict, alpha: float = DEFAULT_ALPHA) -> dict:
 
 def _sentence(r: dict) -> str:
     pair = (r.get("floor_pair") or "?").replace("/", " vs ")
-    floors = f"observed floor {_g(r['observed_floor'])} vs expected {_g(r['expected_floor'])}"
+    floors = f"observed floor {_g(r['observed_floor'])} vs expected {_g(r['expected_floor'])} nats of logit error"
     if r["effect_size"] is not None and math.isfinite(r["effect_size"]):
         floors += f", {r['effect_size']:.2g}x"
     if r["result"] is None:
