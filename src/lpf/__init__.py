@@ -20,7 +20,51 @@ Where things are (imports run down this list: a package never imports one above 
   zoo/          bundled trained checkpoints, the tokenizer, task generators and workloads
   core/         foundations: errors, sampling, workload, model_specs, knobs (roles on Options fields),
                 devices, torch_utils, jsonsafe
+  api/          the Python API below (`lpf.audit`, `lpf.compare`, `Findings`); pytest_plugin: the pytest fixtures
 Importing `lpf` is cheap: no torch, no transformers. Heavy modules load when a command needs them.
+
+The Python API (docs/engine-ci.md), loaded on first use:
+  lpf.audit(spec=None, **settings) -> Findings       an `lpf audit` (AuditSpec, or the options as keywords)
+  lpf.compare(outputs, reference, dtype, rule) -> Findings
+                                                     outputs your engine produced, judged against the reference
+  lpf.Reference(model, dtype)                        the reference loaded once; .compare(outputs, ...)
+  lpf.Findings, lpf.FindingsCheckFailed              findings.check(fail_on="divergent") raises the latter
+  lpf.AuditSpec, lpf.LpfError                        the spec `lpf audit --spec` reads; every user error
 """
 
+from __future__ import annotations
+
+TYPE_CHECKING = False  # not `from typing import ...`: importing typing alone costs `import lpf` ~13 ms
 __version__ = "0.1.0"
+
+_LAZY = {
+    "audit": "lpf.api.audit",
+    "compare": "lpf.api.compare",
+    "Reference": "lpf.api.compare",
+    "Findings": "lpf.api.findings",
+    "FindingsCheckFailed": "lpf.api.findings",
+    "AuditSpec": "lpf.pipeline.spec",
+    "LpfError": "lpf.core.errors",
+}
+__all__ = ["__version__", *_LAZY]
+
+if TYPE_CHECKING:  # for type checkers and IDEs; at run time each name loads on first access
+    from lpf.api.audit import audit
+    from lpf.api.compare import Reference, compare
+    from lpf.api.findings import Findings, FindingsCheckFailed
+    from lpf.core.errors import LpfError
+    from lpf.pipeline.spec import AuditSpec
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'lpf' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted({*globals(), *_LAZY})
