@@ -46,7 +46,7 @@ _LAZY = {
     "AuditSpec": "lpf.pipeline.spec",
     "LpfError": "lpf.core.errors",
 }
-__all__ = ["__version__", *_LAZY]
+__all__ = ["__version__", "audit", "compare", "Reference", "Findings", "FindingsCheckFailed", "AuditSpec", "LpfError"]
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time each name loads on first access
     from lpf.api.audit import audit
