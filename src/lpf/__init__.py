@@ -2,6 +2,8 @@
 
 Where things are (imports run down this list: a package never imports one above it, but core resolves
 `zoo:` specs through zoo/registry, lazily):
+  pytest_plugin/  the pytest plugin (entry point `pytest11`): the `lpf_reference` fixture, failed checks'
+                run directories attached to the test's report
   cli/          the command line: one module per command group, `common` + `render` shared
                 (__main__: `python -m lpf`, the same command line)
   experiments/  many audits and what they show: cells (a spec in its own process), sweep, repeat,
@@ -10,6 +12,7 @@ Where things are (imports run down this list: a package never imports one above 
                 reference (and the reference against itself): the first op that departs, whose fault
   views/        reading finished directories for people: query (SQL), inspect (one request), diff (two runs)
   serve/        `lpf serve`: HTTP over the built-in engine    rl/   RL rollout-vs-trainer dumps, rl simulate
+  api/          the Python API below: lpf.audit, lpf.compare, Findings (on the pipeline, beside the CLI)
   report/       report.html for every directory kind
   pipeline/     spec (AuditSpec: everything one audit needs), the stages run -> rescore -> calibrate ->
                 analyze over a run directory, and the reference (the teacher-forced HF rescorer)
@@ -20,7 +23,6 @@ Where things are (imports run down this list: a package never imports one above 
   zoo/          bundled trained checkpoints, the tokenizer, task generators and workloads
   core/         foundations: errors, sampling, workload, model_specs, knobs (roles on Options fields),
                 devices, torch_utils, jsonsafe
-  api/          the Python API below (`lpf.audit`, `lpf.compare`, `Findings`); pytest_plugin: the pytest fixtures
 Importing `lpf` is cheap: no torch, no transformers. Heavy modules load when a command needs them.
 
 The Python API (docs/engine-ci.md), loaded on first use:
@@ -34,7 +36,6 @@ The Python API (docs/engine-ci.md), loaded on first use:
 
 from __future__ import annotations
 
-TYPE_CHECKING = False  # not `from typing import ...`: importing typing alone costs `import lpf` ~13 ms
 __version__ = "0.1.0"
 
 _LAZY = {
@@ -47,13 +48,6 @@ _LAZY = {
     "LpfError": "lpf.core.errors",
 }
 __all__ = ["__version__", "audit", "compare", "Reference", "Findings", "FindingsCheckFailed", "AuditSpec", "LpfError"]
-
-if TYPE_CHECKING:  # for type checkers and IDEs; at run time each name loads on first access
-    from lpf.api.audit import audit
-    from lpf.api.compare import Reference, compare
-    from lpf.api.findings import Findings, FindingsCheckFailed
-    from lpf.core.errors import LpfError
-    from lpf.pipeline.spec import AuditSpec
 
 
 def __getattr__(name: str):

@@ -22,7 +22,12 @@ from lpf.core.errors import LpfError
 
 _SAMPLING = ("temperature", "top_p", "top_k", "max_tokens", "seed", "ignore_eos", "logprobs", "prompt_logprobs")
 _RUN = ("engine", "model", "workload", "n", "part_size", "trace_dir")
-_RESCORE = {"reference": "reference", "reference_dtype": "dtype", "reference_device": "device", "token_budget": "token_budget"}
+_RESCORE = {
+    "reference": "reference",
+    "reference_dtype": "dtype",
+    "reference_device": "device",
+    "token_budget": "token_budget",
+}
 _ANALYSIS = ("calibrate", "attribution")
 
 
@@ -54,7 +59,10 @@ def build_spec(out: Path | str | None = None, **kw: Any):
         )
         base = AuditSpec.model_fields["rescore"].default
         rescore = RescoreSettings(
-            **{**{f: getattr(base, f) for f in ("reference", "dtype", "device", "token_budget")}, **{v: kw[k] for k, v in _RESCORE.items() if k in kw}}
+            **{
+                **{f: getattr(base, f) for f in ("reference", "dtype", "device", "token_budget")},
+                **{v: kw[k] for k, v in _RESCORE.items() if k in kw},
+            }
         )
         rescore.validate()
         return AuditSpec(

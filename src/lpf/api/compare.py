@@ -42,7 +42,10 @@ class Reference:
         device: str = "cpu",
         token_budget: int = 16384,
         topk: int = DEFAULT_TOPK,
+        runs_dir: Path | str | None = None,
     ):
+        """`runs_dir`: where `compare` puts a run directory when it is given no `out` (default: the system's
+        temporary directory)."""
         from lpf.core.model_specs import resolve_model
 
         if dtype not in DTYPES:
@@ -51,6 +54,7 @@ class Reference:
             raise LpfError(f"topk must be >= 1, got {topk}")
         self.spec, self.dtype, self.device, self.token_budget, self.topk = model, dtype, device, token_budget, topk
         self.model = resolve_model(model)  # LpfError for a model that is not there
+        self.runs_dir = None if runs_dir is None else Path(runs_dir)
         self._rescorer = None
 
     @property
@@ -78,7 +82,7 @@ class Reference:
         attribution: bool = False,
     ) -> Findings:
         """Judge `outputs` against this reference; the run directory goes to `out` (default: a new
-        temporary directory, `lpf-compare-*`). See the module docstring for the arguments."""
+        directory `lpf-compare-*` under `runs_dir`). See the module docstring for the arguments."""
         from lpf.analysis.peer_rule import RULES
         from lpf.analysis.thresholds import Thresholds
 
@@ -90,6 +94,10 @@ class Reference:
         ids = {r.request_id for r in records}
         trace_table, faults, trace_info = _trace(trace, trace_dir, ids)
         self._check_tokens(records)
+        if out is None:
+            if self.runs_dir is not None:
+                self.runs_dir.mkdir(parents=True, exist_ok=True)
+            out = tempfile.mkdtemp(prefix="lpf-compare-", dir=self.runs_dir)
         run = _create(out, records, engine_section, self, temperature, trace_info)
         try:
             if trace_table is not None and trace_table.num_rows:
@@ -188,7 +196,7 @@ def _create(out, records: list[Output], engine: dict, ref: Reference, temperatur
     from lpf.core.workload import Prompt, normalized
     from lpf.run.store import RunDir
 
-    path = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="lpf-compare-"))
+    path = Path(out)
     k = max((len(t) for r in records for t in r.topk_ids), default=0)
     sampling = SamplingParams(
         temperature=temperature,
@@ -198,7 +206,9 @@ def _create(out, records: list[Output], engine: dict, ref: Reference, temperatur
     cfg = _json.loads((ref.model.path / "config.json").read_text())
     cfg = cfg.get("text_config", cfg)
     # one prompt per request (two requests of one prompt are two prompts here: their order is what counts)
-    workload = normalized([Prompt(r.request_id, tuple(r.prompt_token_ids), None, len(r.output_token_ids)) for r in records])
+    workload = normalized(
+        [Prompt(r.request_id, tuple(r.prompt_token_ids), None, len(r.output_token_ids)) for r in records]
+    )
     manifest = {
         "run_id": uuid.uuid4().hex[:12],
         "lpf_version": lpf.__version__,
@@ -213,7 +223,11 @@ def _create(out, records: list[Output], engine: dict, ref: Reference, temperatur
         "seed": sampling.seed,
         "part_size": len(records),
         **({"trace": trace_info} if trace_info else {}),
-        "host": {"hostname": socket.gethostname(), "platform": platform.platform(), "python": platform.python_version()},
+        "host": {
+            "hostname": socket.gethostname(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+        },
     }
     return RunDir.create(path, manifest, {"workload.jsonl": workload})
 
@@ -262,7 +276,11 @@ def _trace(trace, trace_dir, ids: set[str]):
     if trace is not None and trace_dir is not None:
         raise LpfError("trace and trace_dir: give one")
     if trace is not None:
-        if not isinstance(trace, pa.Table) or "request_id" not in trace.column_names or "step" not in trace.column_names:
+        if (
+            not isinstance(trace, pa.Table)
+            or "request_id" not in trace.column_names
+            or "step" not in trace.column_names
+        ):
             raise LpfError("trace: a pyarrow Table with the run schema's trace columns (request_id, step, phase, ...)")
         rows = trace.filter(pc.is_in(trace.column("request_id"), value_set=pa.array(sorted(ids), pa.string())))
         return rows, None, {"source": "engine", "recorded": rows.num_rows > 0, "rows": rows.num_rows, "why": None}

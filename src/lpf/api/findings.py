@@ -196,13 +196,21 @@ class Findings:
         if worst:
             lines.append(f"worst requests ({min(len(worst), SHOWN)} of {len(self.flagged)} flagged):")
             for f in worst[:SHOWN]:
-                where = "no divergent token" if f.first_divergence is None else f"first divergence at token {f.first_divergence}"
+                where = (
+                    "no divergent token"
+                    if f.first_divergence is None
+                    else f"first divergence at token {f.first_divergence}"
+                )
                 diff = "" if f.max_abs_logprob_diff is None else f", max |logprob diff| {f.max_abs_logprob_diff:.3g}"
                 lines.append(f"  {f.request_id}: {f.verdict}, {where}{diff}")
         if self.run_test and self.verdict == "systematic":
             lines.append(f"run-level test: {_run_test_line(self.run_test)}")
         top = self.top_mechanism
-        lines.append(f"top mechanism: {top}" if top else "top mechanism: none ranked (no trace or metadata feature separates the flagged requests)")
+        lines.append(
+            f"top mechanism: {top}"
+            if top
+            else "top mechanism: none ranked (no trace or metadata feature separates the flagged requests)"
+        )
         if self.rule is not None:
             r = self.rule
             lines.append(

@@ -60,7 +60,9 @@ def _rows(outputs) -> list:
         cols = {k: _plain(v) for k, v in outputs.items()}
         lengths = {len(v) for v in cols.values()}
         if len(lengths) > 1:
-            raise LpfError(f"outputs: columns of different lengths ({', '.join(f'{k}: {len(v)}' for k, v in cols.items())})")
+            raise LpfError(
+                f"outputs: columns of different lengths ({', '.join(f'{k}: {len(v)}' for k, v in cols.items())})"
+            )
         n = lengths.pop() if lengths else 0
         return [{k: v[i] for k, v in cols.items()} for i in range(n)]
     if isinstance(outputs, (str, bytes)) or not isinstance(outputs, Sequence):
@@ -112,7 +114,11 @@ def read_outputs(outputs) -> list[Output]:
         if rid in seen:
             raise LpfError(f"{where}: request id {rid!r} given twice")
         seen.add(rid)
-        prompt, output, raw = _get(rec, "prompt_token_ids"), _get(rec, "output_token_ids", "token_ids"), _get(rec, "logprobs")
+        prompt, output, raw = (
+            _get(rec, "prompt_token_ids"),
+            _get(rec, "output_token_ids", "token_ids"),
+            _get(rec, "logprobs"),
+        )
         for name, value in (("prompt_token_ids", prompt), ("output_token_ids", output), ("logprobs", raw)):
             if value is None:
                 raise LpfError(f"{where}: no {name}")
