@@ -183,6 +183,7 @@ class Findings:
     def check(self, fail_on: str = "divergent", fail_on_rule: bool | None = None) -> "Findings":
         """Raise `FindingsCheckFailed` when lpf's verdicts reach `fail_on` (or, with `fail_on_rule`, default
         True when the peer's rule ran, when that rule failed a request); return self otherwise."""
+        __tracebackhide__ = True  # pytest shows the test's line and this message, not lpf's frames
         by_lpf = self.failing(fail_on)
         by_rule = self.rule is not None and not self.rule.passed and (fail_on_rule is None or fail_on_rule)
         if by_lpf or by_rule:
