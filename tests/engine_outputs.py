@@ -7,7 +7,8 @@ tests/test_engine_ci.py and the inner tests those run through pytester).
   (`vllm.LLM(...).generate(TokensPrompt, SamplingParams(temperature=0, logprobs=5))`, as vLLM's model tests
   call it), in vLLM's interpreter (.venv-vllm) with lpf-vllm-trace on (LPF_VLLM_TRACE_DIR) and the drill
   in LPF_VLLM_INJECT; the outputs as JSON (vLLM's per-token {id: logprob} dicts), under
-  `flock /tmp/lpf-heavy.lock`. Returns (outputs, trace_dir).
+  `flock /tmp/lpf-heavy.lock`. Returns (outputs, trace_dir, the engine's description: name and the
+  arguments vllm.LLM got, which tell the analysis e.g. that prefix caching was on).
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ json.dump(rows, open(sys.argv[2], "w"))
 """
 
 
-def workload_prompts(model: str, workload: str, n: int) -> list[list[int]]:
-    """The first `n` prompts of a workload, tokenized for `model` (what the engine's test feeds it)."""
+def workload_prompts(model: str, workload: str, n: int) -> list:
+    """The first `n` prompts of a workload, tokenized for `model` (what the engine's test feeds it): lpf's
+    `Prompt`s (token ids, and the client's cancel point where the workload has one)."""
     from lpf.core.model_specs import load_tokenizer, resolve_model
     from lpf.pipeline import model_config
     from lpf.core.workload import load_prompts
@@ -49,10 +51,12 @@ def workload_prompts(model: str, workload: str, n: int) -> list[list[int]]:
     cfg = model_config(ref)
     tok = load_tokenizer(ref)
     prompts, _ = load_prompts(workload, tok, cfg.get("vocab_size", len(tok)), cfg.get("max_position_embeddings"))
-    return [list(p.prompt_token_ids) for p in prompts[:n]]
+    return prompts[:n]
 
 
-def builtin_outputs(model: str, prompts: list[list[int]], max_tokens: int = 16, rollouts: int = 1, **options):
+def builtin_outputs(model: str, prompts: list, max_tokens: int = 16, rollouts: int = 1, **options):
+    """`prompts`: `Prompt`s (workload_prompts); a prompt's `abort_after_tokens` is a client that cancels the
+    request once it is scheduled past that many prompt tokens and sends it again (the adapter's client)."""
     from lpf.adapters.builtin import BuiltinEngine
     from lpf.core.model_specs import resolve_model
     from lpf.core.sampling import SamplingParams
@@ -61,7 +65,16 @@ def builtin_outputs(model: str, prompts: list[list[int]], max_tokens: int = 16, 
     sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=5)
     engine = BuiltinEngine(resolve_model(model), sampling, BuiltinEngine.Options.parse(options))
     requests = [
-        EngineRequest(f"p{i:04d}-r{r}", i * rollouts + r, f"p{i:04d}", r, tuple(p), max_tokens, 0)
+        EngineRequest(
+            f"p{i:04d}-r{r}",
+            i * rollouts + r,
+            f"p{i:04d}",
+            r,
+            tuple(p.prompt_token_ids),
+            max_tokens,
+            0,
+            abort_after_tokens=p.abort_after_tokens,
+        )
         for i, p in enumerate(prompts)
         for r in range(rollouts)
     ]
@@ -87,7 +100,8 @@ def vllm_python() -> Path:
     return Path(os.environ.get("LPF_VLLM_PYTHON") or Path(__file__).resolve().parents[1] / ".venv-vllm/bin/python")
 
 
-def vllm_outputs(model: str, prompts: list[list[int]], out_dir: Path, inject: str = "", max_tokens: int = 16, **args):
+def vllm_outputs(model: str, prompts: list, out_dir: Path, inject: str = "", max_tokens: int = 16, **args):
+    """`prompts`: `Prompt`s (workload_prompts; their token ids go to vLLM)."""
     from lpf.adapters.vllm import VLLM_ENV
     from lpf.core.model_specs import resolve_model
 
@@ -103,7 +117,7 @@ def vllm_outputs(model: str, prompts: list[list[int]], out_dir: Path, inject: st
             "logprobs_mode": "raw_logprobs",
             **args,
         },
-        "prompts": prompts,
+        "prompts": [list(p.prompt_token_ids) for p in prompts],
         "max_tokens": max_tokens,
     }
     (out_dir / "spec.json").write_text(json.dumps(spec))
@@ -116,4 +130,5 @@ def vllm_outputs(model: str, prompts: list[list[int]], out_dir: Path, inject: st
     with open(out_dir / "vllm.log", "w") as log:
         proc = subprocess.run(cmd, cwd=out_dir, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=900)
     assert proc.returncode == 0, (out_dir / "vllm.log").read_text()[-3000:]
-    return json.loads((out_dir / "outputs.json").read_text()), trace_dir
+    description = {"name": "vllm", "engine_args": spec["engine_args"]}
+    return json.loads((out_dir / "outputs.json").read_text()), trace_dir, description

@@ -55,10 +55,15 @@ NAMED = {
 }
 
 
-def shared_prefix(tmp_path_factory, n: int):
-    from lpf.zoo.shared_prefix import shared_prefix_items
+def shared_prefix(tmp_path_factory, n: int, cancels: bool):
+    """zoo:shared-prefix's first `n` items; `cancels`: with the items whose client cancels mid-prefill and
+    resends (the built-in publish-before-write drill publishes from such a request; vLLM's offline API has
+    no such client, as test_vllm_prefix)."""
+    from lpf.zoo import registry
 
-    items = [{k: it[k] for k in ("id", "prompt", "expected", "group")} for it in shared_prefix_items(n)]
+    items = registry.workload_items("shared-prefix", n=n)
+    if not cancels:
+        items = [{k: it[k] for k in ("id", "prompt", "expected", "group")} for it in items]
     return str(write_prompts(tmp_path_factory.mktemp("w") / f"shared-prefix-{n}.jsonl", items))
 
 
@@ -106,29 +111,39 @@ def judge(drill: str, f: lpf.Findings) -> dict:
 
 
 # -- the built-in engine ----------------------------------------------------------------------------------
+class BuiltinRuns:
+    """The built-in engine's runs, each made (and compared) on first use: a test selected alone pays for its own."""
+
+    def __init__(self, base, tmp_path_factory):
+        self.base, self.factory, self.done = base, tmp_path_factory, {}
+        self.ref = lpf.Reference(JAMBA, runs_dir=base)
+
+    def plan(self, drill):
+        if drill in ("publish-before-write", "unaligned-chunk-hashed"):
+            prompts = workload_prompts(JAMBA, shared_prefix(self.factory, 240, cancels=True), 240)
+            return prompts, 8, 1, {**PREFIX_KNOBS, "inject": drill}
+        prompts = workload_prompts(JAMBA, "zoo:oracle", 125)
+        return prompts, 16, 4, {**SEED_KNOBS, **({"inject": drill} if drill != "none" else {})}
+
+    def __getitem__(self, drill) -> lpf.Findings:
+        if drill not in self.done:
+            prompts, max_tokens, rollouts, knobs = self.plan(drill)
+            outputs, trace, faults, description = builtin_outputs(JAMBA, prompts, max_tokens, rollouts, **knobs)
+            f = self.ref.compare(outputs, out=self.base / drill, rule=RULE, trace=trace, engine=description)
+            if faults is not None and faults.num_rows:  # the ground truth, beside the run (analysis never reads it)
+                from lpf.run.store import RunDir
+
+                RunDir.open(self.base / drill).append("faults", faults)
+            self.done[drill] = f
+        return self.done[drill]
+
+
+BUILTIN_DRILLS = ["stale-state", "offset-wrap:18", "publish-before-write", "unaligned-chunk-hashed"]
+
+
 @pytest.fixture(scope="module")
 def builtin_runs(tmp_path_factory):
-    base = tmp_path_factory.mktemp("builtin-ci")
-    ref = lpf.Reference(JAMBA, runs_dir=base)
-    oracle = workload_prompts(JAMBA, "zoo:oracle", 125)
-    prefix = workload_prompts(JAMBA, shared_prefix(tmp_path_factory, 240), 240)
-    plans = {
-        "none": (oracle, 16, 4, SEED_KNOBS),
-        "stale-state": (oracle, 16, 4, {**SEED_KNOBS, "inject": "stale-state"}),
-        "offset-wrap:18": (oracle, 16, 4, {**SEED_KNOBS, "inject": "offset-wrap:18"}),
-        "publish-before-write": (prefix, 8, 1, {**PREFIX_KNOBS, "inject": "publish-before-write"}),
-        "unaligned-chunk-hashed": (prefix, 8, 1, {**PREFIX_KNOBS, "inject": "unaligned-chunk-hashed"}),
-    }
-    runs = {}
-    for drill, (prompts, max_tokens, rollouts, knobs) in plans.items():
-        outputs, trace, faults, description = builtin_outputs(JAMBA, prompts, max_tokens, rollouts, **knobs)
-        f = ref.compare(outputs, out=base / drill, rule=RULE, trace=trace, engine=description)
-        if faults is not None and faults.num_rows:  # the ground truth, beside the run (analysis never reads it)
-            from lpf.run.store import RunDir
-
-            RunDir.open(base / drill).append("faults", faults)
-        runs[drill] = f
-    return runs
+    return BuiltinRuns(tmp_path_factory.mktemp("builtin-ci"), tmp_path_factory)
 
 
 def test_builtin_clean_run_passes_both(builtin_runs):
@@ -137,35 +152,44 @@ def test_builtin_clean_run_passes_both(builtin_runs):
     f.check()
 
 
-@pytest.mark.parametrize("drill", ["stale-state", "offset-wrap:18", "publish-before-write", "unaligned-chunk-hashed"])
+@pytest.mark.parametrize("drill", BUILTIN_DRILLS)
 def test_builtin_drill_side_by_side(builtin_runs, drill):
     judge(drill, builtin_runs[drill])
 
 
 # -- vLLM (CPU build), offline API ------------------------------------------------------------------------
+class VLLMRuns:
+    """vLLM's runs, each made (and compared) on first use; (Findings, the directory vLLM's outputs are in)."""
+
+    def __init__(self, base, tmp_path_factory):
+        self.base, self.factory, self.done = base, tmp_path_factory, {}
+        self.ref = lpf.Reference(HYBRID, runs_dir=base)
+
+    def plan(self, drill):
+        from lpf.adapters.vllm_options import PREFIX_DRILL_KNOBS
+
+        if drill in ("publish-before-write", "unaligned-chunk-hashed"):
+            prompts = workload_prompts(HYBRID, shared_prefix(self.factory, 150, cancels=False), 150)
+            return prompts, 8, drill, PREFIX_DRILL_KNOBS
+        prompts = workload_prompts(HYBRID, "zoo:oracle", 500)
+        return (prompts[:120], 16, "", VLLM_SEED_ARGS) if drill == "none" else (prompts, 16, drill, VLLM_SEED_ARGS)
+
+    def __getitem__(self, drill):
+        if drill not in self.done:
+            prompts, max_tokens, inject, args = self.plan(drill)
+            where = self.base / f"{drill}-vllm"
+            outputs, trace_dir, engine = vllm_outputs(HYBRID, prompts, where, inject, max_tokens, **args)
+            f = self.ref.compare(outputs, out=self.base / drill, rule=RULE, trace_dir=trace_dir, engine=engine)
+            self.done[drill] = (f, where)
+        return self.done[drill]
+
+
+VLLM_DRILLS = ["stale-state", "offset-wrap:20", "publish-before-write", "unaligned-chunk-hashed"]
+
+
 @pytest.fixture(scope="module")
 def vllm_runs(tmp_path_factory):
-    from lpf.adapters.vllm_options import PREFIX_DRILL_KNOBS
-
-    base = tmp_path_factory.mktemp("vllm-ci")
-    ref = lpf.Reference(HYBRID, runs_dir=base)
-    oracle = workload_prompts(HYBRID, "zoo:oracle", 500)
-    prefix = workload_prompts(HYBRID, shared_prefix(tmp_path_factory, 150), 150)
-    plans = {
-        "none": (oracle[:120], 16, "", VLLM_SEED_ARGS),
-        "stale-state": (oracle, 16, "stale-state", VLLM_SEED_ARGS),
-        "offset-wrap:20": (oracle, 16, "offset-wrap:20", VLLM_SEED_ARGS),
-        "publish-before-write": (prefix, 8, "publish-before-write", PREFIX_DRILL_KNOBS),
-        "unaligned-chunk-hashed": (prefix, 8, "unaligned-chunk-hashed", PREFIX_DRILL_KNOBS),
-    }
-    runs = {}
-    for drill, (prompts, max_tokens, inject, args) in plans.items():
-        outputs, trace_dir = vllm_outputs(HYBRID, prompts, base / f"{drill}-vllm", inject, max_tokens, **args)
-        runs[drill] = (
-            ref.compare(outputs, out=base / drill, rule=RULE, trace_dir=trace_dir, engine="vllm"),
-            base / f"{drill}-vllm",
-        )
-    return runs
+    return VLLMRuns(tmp_path_factory.mktemp("vllm-ci"), tmp_path_factory)
 
 
 @needs_vllm
@@ -176,11 +200,12 @@ def test_vllm_clean_run_passes_both(vllm_runs):
 
 
 @needs_vllm
-@pytest.mark.parametrize("drill", ["stale-state", "offset-wrap:20", "publish-before-write", "unaligned-chunk-hashed"])
+@pytest.mark.parametrize("drill", VLLM_DRILLS)
 def test_vllm_drill_side_by_side(vllm_runs, drill):
     judge(drill, vllm_runs[drill][0])
 
 
+@pytest.mark.timeout(3600)  # every run of the module when it is selected alone (~15 min here)
 def test_the_table(request, builtin_runs):
     """The table docs/engine-ci.md shows (printed with -s; the vLLM rows where vLLM is installed). Together
     the drills show what the rule cannot see and lpf does: a corrupted request whose first token still
@@ -188,9 +213,10 @@ def test_the_table(request, builtin_runs):
     reference's in the engine's)."""
     from test_vllm import _vllm_python
 
-    runs = {("builtin", d): f for d, f in builtin_runs.items()}
+    runs = {("builtin", d): builtin_runs[d] for d in BUILTIN_DRILLS}
     if _vllm_python() is not None:
-        runs.update({("vllm", d): f for d, (f, _) in request.getfixturevalue("vllm_runs").items()})
+        vllm = request.getfixturevalue("vllm_runs")
+        runs.update({("vllm", d): vllm[d][0] for d in VLLM_DRILLS})
     rows = {k: side_by_side(f)["counts"] for k, f in runs.items() if k[1] != "none"}
     head = list(next(iter(rows.values())))
     print("\n| engine | drill | " + " | ".join(head) + " |")
@@ -227,24 +253,28 @@ import json
 MODEL = {model!r}
 
 
-def vllm_generate(name):  # what vllm.LLM.generate returned in the module's run (engine_outputs.vllm_outputs)
-    return json.load(open({base!r} + "/" + name + "-vllm/outputs.json")), {base!r} + "/" + name + "-vllm/trace"
+def vllm_generate(name):
+    # what vllm.LLM(**engine_args).generate returned in the module's run (engine_outputs.vllm_outputs), and the
+    # lpf-vllm-trace directory it wrote
+    run = {base!r} + "/" + name + "-vllm/"
+    engine = dict(name="vllm", engine_args=json.load(open(run + "spec.json"))["engine_args"])
+    return dict(outputs=json.load(open(run + "outputs.json")), trace_dir=run + "trace", engine=engine)
 
 
 def test_clean(lpf_reference):
-    outputs, trace_dir = vllm_generate("none")
-    lpf_reference(MODEL).compare(outputs, trace_dir=trace_dir, engine="vllm").check()
+    lpf_reference(MODEL).compare(**vllm_generate("none")).check()
 
 
 def test_stale_state(lpf_reference):
-    outputs, trace_dir = vllm_generate("stale-state")
-    lpf_reference(MODEL).compare(outputs, trace_dir=trace_dir, engine="vllm").check()
+    lpf_reference(MODEL).compare(**vllm_generate("stale-state")).check()
 """
 
 
 def _inner(pytester, source: str, keep):
     pytester.makepyfile(test_engine=textwrap.dedent(source))
-    return pytester.runpytest("-p", "no:lpf", "-p", "lpf.pytest_plugin", "--lpf-keep", str(keep), "-p", "no:cacheprovider")
+    return pytester.runpytest(
+        "-p", "no:lpf", "-p", "lpf.pytest_plugin", "--lpf-keep", str(keep), "-p", "no:cacheprovider"
+    )
 
 
 def _fails_naming_the_mechanism(result, keep, features):
@@ -270,6 +300,7 @@ def test_plugin_on_the_builtin_engine(pytester, tmp_path):
 
 @needs_vllm
 def test_plugin_on_vllm(pytester, vllm_runs, tmp_path):
+    vllm_runs["stale-state"]
     base = str(vllm_runs["none"][1].parent)
     result = _inner(pytester, INNER_VLLM.format(model=HYBRID, base=base), tmp_path / "kept")
     _fails_naming_the_mechanism(result, tmp_path / "kept", NAMED["stale-state"])
