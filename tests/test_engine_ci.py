@@ -46,13 +46,21 @@ VLLM_SEED_ARGS = {
     "enable_prefix_caching": False,
     "num_gpu_blocks_override": 96,
 }
-# drill -> (features the top mechanism may name)
-NAMED = {
+# drill -> features the top mechanism may name (the prefix drills: each engine's own list, as its drill tests use)
+SEED_NAMED = {
     "stale-state": {"first_decode_uncomputed", "first_phase_decode"},
     "offset-wrap": {"max_state_slot", "slot_offset_over_wrap"},
-    "publish-before-write": {"resumed_from_aborted_publisher", "resumed_in_publishing_step"},
-    "unaligned-chunk-hashed": {"resumed_truncated_state"},
 }
+
+
+def named(engine: str, drill: str) -> set[str]:
+    from lpf.adapters.vllm_options import PREFIX_DRILL_NAMED_BY
+    from lpf.builtin.prefix_drills import NAMED_BY
+
+    name = drill.split(":")[0]
+    if name in SEED_NAMED:
+        return SEED_NAMED[name]
+    return (PREFIX_DRILL_NAMED_BY if engine == "vllm" else NAMED_BY)[name]
 
 
 def shared_prefix(tmp_path_factory, n: int, cancels: bool):
@@ -96,14 +104,14 @@ def side_by_side(f: lpf.Findings) -> dict:
     }
 
 
-def judge(drill: str, f: lpf.Findings) -> dict:
+def judge(engine: str, drill: str, f: lpf.Findings) -> dict:
     s = side_by_side(f)
     print(f"\n{drill}: {s['counts']} top: {s['top']}")
     assert s["truth"], f"{drill} never fired"
     # lpf: every request the drill corrupted is flagged, nothing the drill left alone is, and the top
     # mechanism is the drill's
     assert s["truth"] <= s["flagged"] <= s["touched"], (drill, s["counts"])
-    assert s["top"] is not None and s["top"].feature in NAMED[drill.split(":")[0]], s["top"]
+    assert s["top"] is not None and s["top"].feature in named(engine, drill), s["top"]
     # the rule judges the same tokens: whatever it fails lpf flagged too, and it never fails more than the
     # requests whose first token differs from the reference's greedy one
     assert s["rule_failed"] <= s["flagged"] and f.rule.n_failed <= f.rule.n_mismatched
@@ -154,7 +162,7 @@ def test_builtin_clean_run_passes_both(builtin_runs):
 
 @pytest.mark.parametrize("drill", BUILTIN_DRILLS)
 def test_builtin_drill_side_by_side(builtin_runs, drill):
-    judge(drill, builtin_runs[drill])
+    judge("builtin", drill, builtin_runs[drill])
 
 
 # -- vLLM (CPU build), offline API ------------------------------------------------------------------------
@@ -202,7 +210,7 @@ def test_vllm_clean_run_passes_both(vllm_runs):
 @needs_vllm
 @pytest.mark.parametrize("drill", VLLM_DRILLS)
 def test_vllm_drill_side_by_side(vllm_runs, drill):
-    judge(drill, vllm_runs[drill][0])
+    judge("vllm", drill, vllm_runs[drill][0])
 
 
 @pytest.mark.timeout(3600)  # every run of the module when it is selected alone (~15 min here)
@@ -295,7 +303,7 @@ def _fails_naming_the_mechanism(result, keep, features):
 
 def test_plugin_on_the_builtin_engine(pytester, tmp_path):
     result = _inner(pytester, INNER_BUILTIN.format(model=JAMBA, knobs=SEED_KNOBS), tmp_path / "kept")
-    _fails_naming_the_mechanism(result, tmp_path / "kept", NAMED["stale-state"])
+    _fails_naming_the_mechanism(result, tmp_path / "kept", SEED_NAMED["stale-state"])
 
 
 @needs_vllm
@@ -303,4 +311,4 @@ def test_plugin_on_vllm(pytester, vllm_runs, tmp_path):
     vllm_runs["stale-state"]
     base = str(vllm_runs["none"][1].parent)
     result = _inner(pytester, INNER_VLLM.format(model=HYBRID, base=base), tmp_path / "kept")
-    _fails_naming_the_mechanism(result, tmp_path / "kept", NAMED["stale-state"])
+    _fails_naming_the_mechanism(result, tmp_path / "kept", SEED_NAMED["stale-state"])

@@ -7,7 +7,7 @@ no engine adapter), writes report.html and returns `Findings`. `compare(outputs,
 is the same with a reference loaded for the call.
 
 What the analysis can say grows with what the test hands over: `trace` (a table of the run schema's trace
-columns, request ids as in the outputs: the built-in engine's side table) or `trace_dir` (the lpf-vllm-trace
+columns, request ids as in the outputs, kept whole: the built-in engine's side table) or `trace_dir` (the lpf-vllm-trace
 plugin's directory of a vLLM run, `LPF_VLLM_TRACE_DIR`: its rows, and the drills' ground truth in
 `faults/`, are copied in with vLLM's ids mapped to the outputs' `request_id`s) lets the hypotheses name a
 mechanism; `engine` (a name, or the engine's own description: name, version, options, cache) goes to the
@@ -282,8 +282,9 @@ def _trace(trace, trace_dir, ids: set[str]):
             or "step" not in trace.column_names
         ):
             raise LpfError("trace: a pyarrow Table with the run schema's trace columns (request_id, step, phase, ...)")
-        rows = trace.filter(pc.is_in(trace.column("request_id"), value_set=pa.array(sorted(ids), pa.string())))
-        return rows, None, {"source": "engine", "recorded": rows.num_rows > 0, "rows": rows.num_rows, "why": None}
+        # every row, those of ids the outputs do not carry included: a cancelled attempt's rows (`ID~attempt0`)
+        # are where the prefix-cache features find an aborted publisher
+        return trace, None, {"source": "engine", "recorded": trace.num_rows > 0, "rows": trace.num_rows, "why": None}
     if trace_dir is None:
         return None, None, None
     from lpf.adapters.vllm_trace import PluginDir, prefix_cache_info, relabel

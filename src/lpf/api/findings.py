@@ -260,9 +260,15 @@ def _rule(raw: dict | None) -> RuleOutcome | None:
 
 
 def _run_test_line(t: dict) -> str:
-    keys = ("statistic", "p_value", "rejects", "reason")
-    shown = ", ".join(f"{k} {t[k]}" for k in keys if k in t and not isinstance(t[k], (dict, list)))
-    return shown or json.dumps(t)[:200]
+    """The run-level test in one line: its result, p-value and how far the observed floor is above the expected."""
+    parts = [str(t.get("result", "?"))]
+    if t.get("log10_p_value") is not None:
+        parts.append(f"log10 p {t['log10_p_value']:.1f}")
+    if t.get("observed_floor") is not None and t.get("expected_floor") is not None:
+        parts.append(
+            f"observed floor {t['observed_floor']:.3g} vs expected {t['expected_floor']:.3g} ({t.get('floor_pair', '?')})"
+        )
+    return ", ".join(parts)
 
 
 def _check_level(fail_on: str) -> None:
