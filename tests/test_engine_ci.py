@@ -98,7 +98,12 @@ def side_by_side(f: lpf.Findings) -> dict:
             "failed by the rule": len(failed),
             "truth missed by lpf": len(truth - flagged),
             "truth missed by the rule": len(truth - failed),
-            "rule mismatch, passed": f.rule.n_mismatched - f.rule.n_failed,
+            # why the rule passed a corrupted request: its tokens never left the reference's greedy path (only
+            # the logprobs lie), or at the first mismatch each token sat in the other's top-k
+            "missed: same tokens": sum(1 for r in f.rule.requests if r.request_id in truth and r.position is None),
+            "missed: in each other's top-k": sum(
+                1 for r in f.rule.requests if r.request_id in truth and r.position is not None and r.passed
+            ),
         },
         "top": f.top_mechanism,
     }
@@ -115,6 +120,8 @@ def judge(engine: str, drill: str, f: lpf.Findings) -> dict:
     # the rule judges the same tokens: whatever it fails lpf flagged too, and it never fails more than the
     # requests whose first token differs from the reference's greedy one
     assert s["rule_failed"] <= s["flagged"] and f.rule.n_failed <= f.rule.n_mismatched
+    c = s["counts"]
+    assert c["missed: same tokens"] + c["missed: in each other's top-k"] == c["truth missed by the rule"]
     return s
 
 
