@@ -14,8 +14,10 @@ Drills: the seed's two (stale-state, offset-wrap) and the prefix-caching pair bo
 The plugin's tests run an inner pytest session (pytester, in process) with `-p no:lpf -p lpf.pytest_plugin`
 (the plugin loaded by module, whether or not the installed entry point is there yet): a clean run passes, a
 drill fails with the mechanism named, the run directory and report.html in the test's report, kept under
---lpf-keep. All slow: ~6 min of built-in runs and ~8 min of vLLM runs here (each vLLM start under
-`flock /tmp/lpf-heavy.lock`).
+--lpf-keep. All slow, and each engine run is made on first use (a test selected alone pays for its own).
+Measured 2026-12-04 at load 10-13: the built-in tests 6 min, the vLLM ones 5-12 min (each vLLM start under
+`flock /tmp/lpf-heavy.lock`, 2.5 min a run plus the wait for the lock), the two plugin tests 20-30 s each
+after the runs they read.
 """
 
 from __future__ import annotations
