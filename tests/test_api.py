@@ -4,7 +4,7 @@ matching `lpf audit`, `Findings.check`'s message, the peer's rule on hand-built 
 The engine is the built-in one through its adapter (`engine_outputs.builtin_outputs`), the model the trained
 zoo:hybrid on zoo:oracle prompts (its answers are confident: an answer delivered to the wrong request is
 improbable under that request's prompt). The three tests that run the engine and load the reference are
-marked slow (~55 s here, at load); the rest take ~8 s.
+marked slow (20 s here at load 3, 55 s at load 13); the rest take ~6 s.
 """
 
 from __future__ import annotations
@@ -171,7 +171,7 @@ def reference():
     return lpf.Reference(MODEL)
 
 
-@pytest.mark.slow  # an engine run and a reference load (~50 s here under load)
+@pytest.mark.slow  # an engine run and a reference load
 def test_a_clean_engine_passes_and_its_run_directory_is_a_run(engine_run, reference, tmp_path, lpf_cli):
     outputs, trace, _, description = engine_run
     f = reference.compare(outputs, out=tmp_path / "c", rule="first-mismatch-topk", trace=trace, engine=description)
@@ -187,7 +187,7 @@ def test_a_clean_engine_passes_and_its_run_directory_is_a_run(engine_run, refere
     assert json.loads((tmp_path / "c" / "findings.json").read_text())["verdict"] == "clean"
 
 
-@pytest.mark.slow  # an engine run and a reference load (~50 s here under load)
+@pytest.mark.slow  # an engine run and a reference load
 def test_answers_delivered_to_the_wrong_requests_fail_the_check(engine_run, reference, tmp_path):
     """Two requests' outputs (tokens and the logprobs the engine computed for them) handed back crossed, as
     the swap-outputs drill does: lpf flags exactly those two, and check() says so in a test log's words."""
@@ -219,7 +219,7 @@ def test_answers_delivered_to_the_wrong_requests_fail_the_check(engine_run, refe
         f.check(fail_on="bad")
 
 
-@pytest.mark.slow  # an engine run and a reference load (~50 s here under load)
+@pytest.mark.slow  # an engine run and a reference load
 def test_audit_returns_what_lpf_audit_writes(tmp_path):
     from lpf.zoo import registry
 
