@@ -241,3 +241,66 @@ def test_audit_returns_what_lpf_audit_writes(tmp_path):
     # the same spec again finishes (here: re-analyses) the same directory instead of refusing it
     again = lpf.audit(lpf.AuditSpec.model_validate(spec), rule="first-mismatch-topk")
     assert again.counts == f.counts
+
+
+def test_findings_read_per_request_mechanisms_when_the_analysis_writes_them(tmp_path):
+    """findings.json as the analysis writes it with per-request mechanisms (`flagged[i]["mechanism"]`) and their
+    coverage (`mechanisms`): each request keeps its own, the message names it where it is not the top one;
+    without them every flagged request gets the top hypothesis."""
+    raw = {
+        "verdict": "corrupt",
+        "n_requests": 10,
+        "errors": 0,
+        "counts": {"clean": 7, "noise": 0, "divergent": 1, "corrupt": 2},
+        "flagged": [
+            {
+                "request_id": "a",
+                "seq": 3,
+                "verdict": "corrupt",
+                "first_divergence": 0,
+                "max_abs_logprob_diff": 9.0,
+                "mechanism": {"feature": "first_decode_uncomputed", "sentence": "s1", "rank": 1},
+            },
+            {
+                "request_id": "b",
+                "seq": 5,
+                "verdict": "corrupt",
+                "first_divergence": 2,
+                "max_abs_logprob_diff": 7.0,
+                "mechanism": {"feature": "slot_offset_over_wrap", "sentence": "s2", "rank": 2},
+            },
+            {"request_id": "c", "seq": 6, "verdict": "divergent", "first_divergence": 4, "max_abs_logprob_diff": 1.0},
+        ],
+        "hypotheses": [
+            {"feature": "first_decode_uncomputed", "sentence": "s1"},
+            {"feature": "slot_offset_over_wrap", "sentence": "s2"},
+        ],
+        "mechanisms": {
+            "covered": [
+                {"feature": "first_decode_uncomputed", "sentence": "s1", "n": 1},
+                {"feature": "slot_offset_over_wrap", "sentence": "s2", "n": 1},
+            ],
+            "unexplained": 1,
+            "n_flagged": 3,
+        },
+    }
+    (tmp_path / "findings.json").write_text(json.dumps(raw))
+    f = lpf.Findings.load(tmp_path)
+    mech = {r.request_id: r.mechanism.feature for r in f.flagged}
+    assert mech == {"a": "first_decode_uncomputed", "b": "slot_offset_over_wrap", "c": "first_decode_uncomputed"}
+    assert f.report is None and f.rule is None and f.coverage["n_flagged"] == 3
+    assert f.failing("corrupt") and not f.failing("never")
+    with pytest.raises(lpf.FindingsCheckFailed) as e:
+        f.check(fail_on="corrupt")
+    lines = str(e.value).splitlines()
+    assert lines[0] == "lpf verdict: corrupt (10 requests: 7 clean, 1 divergent, 2 corrupt)"
+    assert lines[1] == "worst requests (2 of 3 flagged):"  # the ones at or above fail_on
+    assert lines[2] == "  a: corrupt, first divergence at token 0, max |logprob diff| 9"
+    assert (
+        lines[3] == "  b: corrupt, first divergence at token 2, max |logprob diff| 7; mechanism: slot_offset_over_wrap"
+    )
+    assert lines[4] == "top mechanism: first_decode_uncomputed: s1"
+    assert lines[5] == "mechanisms of the 3 flagged: first_decode_uncomputed 1, slot_offset_over_wrap 1, 1 unexplained"
+    assert lines[-1] == f"run directory: {tmp_path}"
+    with pytest.raises(lpf.LpfError, match="has no findings.json"):
+        lpf.Findings.load(tmp_path / "nowhere")

@@ -5,8 +5,9 @@ Fields: `verdict` (the run's), `counts` (request verdict -> count), `n_requests`
 (divergent and corrupt requests, worst first, each a `RequestVerdict` with its first divergence and its
 mechanism), `mechanisms` (the ranked hypotheses, `Mechanism`), `run_test` (the run-level test's dict, None
 without one), `rule` (the peer's rule's outcome when it was asked for, `RuleOutcome`), `run_dir`, `report`
-(report.html, None when it could not be drawn) and `raw` (findings.json itself). `requests()` reads every
-request's verdict from `RUN/summary.parquet`.
+(report.html, None when it could not be drawn), `coverage` (findings.json's `mechanisms`, where the analysis
+writes one: which mechanism explains how many flagged requests) and `raw` (findings.json itself).
+`requests()` reads every request's verdict from `RUN/summary.parquet`.
 
 A flagged request's mechanism is its own when findings.json carries one (`flagged[i]["mechanism"]`:
 {"feature", "sentence", "rank"}), else the run's top hypothesis (the same for every request).
@@ -14,8 +15,9 @@ A flagged request's mechanism is its own when findings.json carries one (`flagge
 `check(fail_on="divergent")` raises `FindingsCheckFailed` (an `AssertionError`) when the run's verdict or any
 request's is at or above `fail_on` (`lpf audit --fail-on`'s levels), or when the peer's rule failed a request
 (`fail_on_rule=True`, the default when the rule ran); its message is what a developer reads in a test log:
-the verdict line, the worst requests with their first divergence, the top mechanism, the run directory and
-report to open. No I/O but reading the run directory; no torch.
+the verdict line, the worst requests with their first divergence (and their own mechanism where it is not the
+top one), the top mechanism (and the coverage, when several share the flagged), the peer's rule's failures, the
+run directory and report to open. No I/O but reading the run directory; no torch.
 """
 
 from __future__ import annotations
@@ -106,6 +108,9 @@ class Findings:
     run_dir: Path
     report: Path | None
     raw: dict[str, Any] = field(repr=False, compare=False)
+    # findings.json's `mechanisms` where the analysis writes one: {"covered": [{"feature", "sentence", "n"}],
+    # "unexplained", "n_flagged"}: which mechanism explains how many flagged requests
+    coverage: dict | None = None
 
     @classmethod
     def load(cls, run_dir: Path | str) -> "Findings":
@@ -146,6 +151,7 @@ class Findings:
             run_dir=run_dir,
             report=report if report.is_file() else None,
             raw=raw,
+            coverage=raw.get("mechanisms") if isinstance(raw.get("mechanisms"), dict) else None,
         )
 
     @property
@@ -203,7 +209,9 @@ class Findings:
                     else f"first divergence at token {f.first_divergence}"
                 )
                 diff = "" if f.max_abs_logprob_diff is None else f", max |logprob diff| {f.max_abs_logprob_diff:.3g}"
-                lines.append(f"  {f.request_id}: {f.verdict}, {where}{diff}")
+                # a request's own mechanism (findings.json's per-request one) when it is not the top one
+                own = f"; mechanism: {f.mechanism.feature}" if f.mechanism and f.mechanism != self.top_mechanism else ""
+                lines.append(f"  {f.request_id}: {f.verdict}, {where}{diff}{own}")
         if self.run_test and self.verdict == "systematic":
             lines.append(f"run-level test: {_run_test_line(self.run_test)}")
         top = self.top_mechanism
@@ -212,6 +220,13 @@ class Findings:
             if top
             else "top mechanism: none ranked (no trace or metadata feature separates the flagged requests)"
         )
+        if self.coverage and len(self.coverage.get("covered") or []) > 1:  # several mechanisms share the flagged
+            parts = [f"{c.get('feature')} {c.get('n')}" for c in self.coverage["covered"]]
+            unexplained = self.coverage.get("unexplained")
+            lines.append(
+                f"mechanisms of the {self.coverage.get('n_flagged', '?')} flagged: {', '.join(parts)}"
+                + (f", {unexplained} unexplained" if unexplained else "")
+            )
         if self.rule is not None:
             r = self.rule
             lines.append(
