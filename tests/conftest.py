@@ -42,6 +42,7 @@ SHARED_GROUPS = {
         "test_locate_vllm",
         "test_client_behaviour::test_cancel_then_resend_and_bursts_against_vllms_server",
         "test_bench_quick::test_vllm_bench_quick",
+        "test_engine_ci",  # its vLLM runs, and the built-in runs its table and plugin tests share with them
     ],
 }
 # The longest work units, handed out first so that neither worker is left with a long one at the end: the

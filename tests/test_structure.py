@@ -299,12 +299,14 @@ def test_every_command_with_engine_knobs_generates_their_flags():
 
 # lpf/__init__.py's package map, top to bottom: a package imports only packages below it
 LAYERS = [
+    "pytest_plugin",
     "cli",
     "experiments",
     "locate",
     "views",
     "serve",
     "rl",
+    "api",
     "report",
     "pipeline",
     "adapters",
