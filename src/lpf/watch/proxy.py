@@ -137,7 +137,14 @@ def create_proxy(
                 in_flight=in_flight,
                 collected=wire.Collected(route),
             )
-            return await _sampled(request, route, body, parsed, sample)
+            try:
+                return await _sampled(request, route, body, parsed, sample)
+            except (ClientGone, httpx.HTTPError) as e:  # kept as evidence: an abort, an unreachable upstream
+                sample.error = (
+                    "the client disconnected" if isinstance(e, ClientGone) else f"upstream: {type(e).__name__}"
+                )
+                _finish(sample, release=False)
+                raise
         except ClientGone:
             metrics.client_gone.inc()
             state.in_flight -= 1
@@ -284,8 +291,9 @@ def create_proxy(
     def _note_headers(sample: Sample, resp: httpx.Response) -> None:
         sample.headers = {k: resp.headers[k] for k in REPLICA_HEADERS if k in resp.headers}
 
-    def _finish(sample: Sample) -> None:
-        state.in_flight -= 1
+    def _finish(sample: Sample, release: bool = True) -> None:
+        if release:
+            state.in_flight -= 1
         sample.t_end = sample.t_end or time.time()
         if sample.t_end < (sample.t_first or 0):
             sample.t_end = sample.t_first

@@ -1,13 +1,13 @@
-"""The scoring process: rescore what the proxy recorded, judge full windows, append them to `watch/windows.jsonl`.
+"""The scoring process: rescore what the proxy recorded, judge full windows, append them to `live/windows.jsonl`.
 
 Contract: `python -m lpf.watch.scorer RUN --reference M --dtype D --device DEV --window N [--poll S]`
 runs until killed. Each cycle: every committed, not-yet-scored request is teacher-forced by one
 `Rescorer` kept loaded (`reference/` parts, as `lpf rescore` writes them: resumable, so a scorer
 killed mid-batch and restarted redoes nothing committed), then every complete window is judged
-(`windows.judge_window`) and appended as one JSON line to `watch/windows.jsonl` (flushed and fsynced
+(`windows.judge_window`) and appended as one JSON line to `live/windows.jsonl` (flushed and fsynced
 before the next). A window is the next N scored (or failed) requests in arrival order that no earlier
 window holds; a request committed after a later window was judged joins the next window. Progress
-(`scored`, `recorded`, the newest scored request's arrival) goes to `watch/scorer.json` for /metrics.
+(`scored`, `recorded`, the newest scored request's arrival) goes to `live/scorer.json` for /metrics.
 It never opens the run with `RunDir.open` (which deletes a tokens part whose requests part is not yet
 written: the recorder may be between the two).
 """
@@ -27,8 +27,8 @@ import pyarrow.parquet as pq
 
 from lpf.run.store import RunDir, read_part
 
-WINDOWS = "watch/windows.jsonl"
-STATUS = "watch/scorer.json"
+WINDOWS = "live/windows.jsonl"
+STATUS = "live/scorer.json"
 REQ_COLS = ["request_id", "seq", "prompt_token_ids", "output_token_ids", "error", "inconsistency", "t_submit"]
 
 

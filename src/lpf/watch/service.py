@@ -97,7 +97,7 @@ def prepare(s: Settings):
         },
     }
     run = RunDir.create(s.out, manifest)
-    (run.path / "watch").mkdir(exist_ok=True)
+    (run.path / "live").mkdir(exist_ok=True)  # the scorer's windows, status and log (not parts)
     return run, tokenizer, int(cfg.get("vocab_size", len(tokenizer)))
 
 

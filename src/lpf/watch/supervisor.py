@@ -3,7 +3,7 @@
 Contract: `Supervisor(run_path, scorer_args, metrics, on_window, webhook, fail_after, stop)`; `start()`
 starts `python -m lpf.watch.scorer` as a child (its own process: a crash or a kill of the scorer never
 touches the proxy) and a thread that, every `poll` seconds, restarts the child if it died (counted in
-`restarts` and `lpf_watch_scorer_restarts`), reads the windows appended to `watch/windows.jsonl` since
+`restarts` and `lpf_watch_scorer_restarts`), reads the windows appended to `live/windows.jsonl` since
 the last look, updates the metrics, calls `on_window(window)` for each (the command line renders the
 one structured line per alarm), POSTs each alarmed window as JSON to `webhook` (a failed POST is
 logged, never retried on the request path), and calls `stop()` once `fail_after` windows have alarmed
@@ -49,7 +49,7 @@ class Supervisor:
         self._offset = 0
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="lpf-watch-supervisor", daemon=True)
-        self._log = open(self.path / "watch" / "scorer.log", "ab")
+        self._log = open(self.path / "live" / "scorer.log", "ab")
 
     def start(self) -> None:
         self._spawn()
