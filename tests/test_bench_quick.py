@@ -72,6 +72,7 @@ BENCHES = {
             r"shrink \(builtin, tiny:jamba-longmem\), \d+ cells: .*: [\d.]+x overall, .*; same minimum: True",
         ],
     ),
+    "watch": ([], [r"\| proxy 1% \| [\d.]+ \| [\d.]+ \| -?[\d.]+ \| \d+ \| [\d.]+x \|"]),
     "locate": (
         [],
         [

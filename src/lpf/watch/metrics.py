@@ -37,6 +37,11 @@ class WatchMetrics:
         self.in_flight = Gauge("lpf_watch_in_flight", "Requests in flight through the proxy", registry=r)
         self.queue_depth = Gauge("lpf_watch_queue_depth", "Samples waiting to be written", registry=r)
         self.recorded = Gauge("lpf_watch_samples_recorded", "Sampled requests committed to the run", registry=r)
+        self.unrecordable = Gauge(
+            "lpf_watch_samples_unrecordable",
+            "Sampled requests that could not be turned into rows or written",
+            registry=r,
+        )
         self.lag_requests = Gauge("lpf_watch_scoring_lag_requests", "Recorded requests not yet scored", registry=r)
         self.lag_seconds = Gauge(
             "lpf_watch_scoring_lag_seconds", "Seconds between now and the newest scored request's arrival", registry=r

@@ -102,6 +102,7 @@ def create_proxy(
         metrics.in_flight.set(state.in_flight)
         metrics.queue_depth.set(recorder.depth())
         metrics.recorded.set(recorder.recorded)
+        metrics.unrecordable.set(recorder.failed)
         data, kind = metrics.render()
         return Response(data, media_type=kind)
 
