@@ -97,7 +97,7 @@ def _body(i: int) -> bytes:
 
 def measure(base: str, n: int, concurrency: int) -> dict:
     lat = []
-    with httpx.Client() as c:
+    with httpx.Client(timeout=120) as c:
         for i in range(n):
             t = time.perf_counter()
             r = c.post(f"{base}/v1/completions", content=_body(i), headers={"content-type": "application/json"})
@@ -105,7 +105,7 @@ def measure(base: str, n: int, concurrency: int) -> dict:
             assert r.status_code == 200
 
     async def many():
-        async with httpx.AsyncClient(limits=httpx.Limits(max_connections=concurrency)) as c:
+        async with httpx.AsyncClient(limits=httpx.Limits(max_connections=concurrency), timeout=120) as c:
             sem = asyncio.Semaphore(concurrency)
 
             async def one(i):
@@ -131,7 +131,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--requests", type=int, default=2000)
-    ap.add_argument("--concurrency", type=int, default=8)  # 32 hit a ReadError here (not yet diagnosed)
+    ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--serve-upstream", type=int)
     ap.add_argument("--serve-proxy", nargs=4, metavar=("UPSTREAM", "PORT", "RATE", "OUT"))
     a = ap.parse_args()

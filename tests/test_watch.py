@@ -7,7 +7,8 @@
 - Against a scripted streaming upstream (a real HTTP server sending vLLM's SSE chunks: `lpf serve` does not
   stream): streams pass through event by event, a sampled one with what lpf asked for taken out, its
   tokens and logprobs recorded; an upstream that cuts a stream cuts the client's.
-- Sampling is a pure function of the body and the seed.
+- Sampling is a pure function of the body and the seed (the one fast test here; the others start processes
+  and are slow; test_watch_units.py covers the parts without servers).
 The model-swap drill (`lpf serve` restarted with --inject quantize-weights:4 mid-stream) and the
 concurrent-clients drill are in test_watch_drills.py (slow).
 """
@@ -101,6 +102,7 @@ def _bodies() -> list[dict]:
     return out
 
 
+@pytest.mark.slow  # `lpf serve` and `lpf watch` processes: ~100 s on the shared 2-core machine
 def test_answers_through_the_proxy_equal_direct_ones_and_the_sample_is_recorded(upstream, proxy, lpf_cli, tmp_path):
     bodies = _bodies()
     sampler = Sampler(0.5, SEED)
@@ -194,6 +196,7 @@ def _events(raw: bytes) -> list:
     return out
 
 
+@pytest.mark.slow  # an `lpf watch` process (~20 s to start here under load)
 def test_streams_pass_through_event_by_event_and_sampled_ones_are_recorded(tmp_path):
     from scripted_http import Reply, ScriptedServer
 

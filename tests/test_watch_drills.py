@@ -3,9 +3,9 @@
 - The model swapped under its name: `lpf serve` (zoo:hybrid, float32) restarted on the same port with
   `--inject quantize-weights:4` in the middle of a clean stream of requests: no window before the swap
   alarms, the first window after it does, and its change point names the swap's first request.
-- Concurrent clients with disconnects and malformed bodies, the scorer SIGKILLed mid-run: every client
-  that stayed got the upstream's own answer, every sample is recorded or counted as dropped, and the
-  scorer comes back.
+- Concurrent clients (64 at once) with disconnects and malformed bodies, the scorer SIGKILLed mid-run: every
+  client that stayed got the upstream's own answer, every sample is recorded or counted as dropped, the
+  scorer comes back, and a SIGKILL of `lpf watch` itself leaves every committed sample readable.
 """
 
 from __future__ import annotations
@@ -143,6 +143,15 @@ def test_concurrent_clients_disconnects_malformed_bodies_and_a_killed_scorer(tmp
             assert recorded == _value(metrics, "lpf_watch_samples_recorded")
             assert recorded + _value(metrics, "lpf_watch_samples_dropped_total") == sampled > 0
             wait_for(lambda: windows(out), what="a window judged after the restart")
+            # a SIGKILL of lpf watch loses no sample already written
+            proxy.stop(signal.SIGKILL)
+            from lpf.run.store import RunDir
+
+            run = RunDir.open(out)
+            assert run.read("requests").num_rows == recorded
+            assert set(run.read("tokens", ["request_id"]).column("request_id").to_pylist()) <= set(
+                run.read("requests", ["request_id"]).column("request_id").to_pylist()
+            )
 
 
 def _value(text: str, name: str) -> float:

@@ -30,6 +30,7 @@ from contextlib import suppress
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from lpf.watch import wire
 from lpf.watch.evidence import REPLICA_HEADERS, Sample
@@ -113,7 +114,11 @@ def create_proxy(
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"])
     async def _proxy(path: str, request: Request):
-        body = await request.body()
+        try:
+            body = await request.body()
+        except ClientDisconnect:  # gone before its body arrived: nothing was sent upstream
+            metrics.client_gone.inc()
+            return Response(status_code=499)
         route = "/" + path
         arrival, in_flight = time.time(), state.in_flight
         state.in_flight += 1

@@ -1,0 +1,165 @@
+"""`lpf watch`'s parts without a server: what a sampled request asks for and gives back (`wire`), one sample
+as run-schema rows (`record`, with the zoo's real tokenizer), the change point (`windows._split`), and the
+supervisor's alarms: a real HTTP server receives the webhook's JSON, --fail-after stops the proxy."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from lpf.watch import wire
+from lpf.watch.evidence import Sample
+from lpf.watch.windows import _split
+
+
+def test_augment_adds_only_what_the_client_did_not_ask_and_strip_puts_it_back():
+    body = {"model": "m", "prompt": "hi", "max_tokens": 3}
+    sent, added = wire.augment(wire.COMPLETIONS, body, 5)
+    assert sent == {**body, "logprobs": 5, "return_token_ids": True} and added == wire.Added(True, True)
+    assert body == {"model": "m", "prompt": "hi", "max_tokens": 3}  # the client's body is not touched
+    own, added = wire.augment(wire.COMPLETIONS, {**body, "logprobs": 0, "return_token_ids": False}, 5)
+    assert own["logprobs"] == 0 and own["return_token_ids"] is False and added == wire.Added(False, False)
+    chat, added = wire.augment(wire.CHAT, {"messages": [{"role": "user", "content": "x"}]}, 4)
+    assert chat["logprobs"] is True and chat["top_logprobs"] == 4 and added.logprobs
+    refused, added = wire.augment(wire.COMPLETIONS, body, 5, frozenset({wire.ID_FIELD}))
+    assert wire.ID_FIELD not in refused and added == wire.Added(True, False)
+
+    answer = {
+        "id": "c",
+        "choices": [
+            {"index": 0, "text": "ab", "logprobs": {"tokens": ["a"]}, "token_ids": [1], "prompt_token_ids": [2]}
+        ],
+    }
+    whole = wire.strip(copy.deepcopy(answer), wire.Added(True, True), stream=False)
+    assert whole["choices"][0] == {
+        "index": 0,
+        "text": "ab",
+        "logprobs": None,
+        "token_ids": None,
+        "prompt_token_ids": None,
+    }
+    chunk = wire.strip(copy.deepcopy(answer), wire.Added(True, True), stream=True)
+    assert chunk["choices"][0] == {"index": 0, "text": "ab", "logprobs": None}  # exclude_unset: absent
+    kept = wire.strip(copy.deepcopy(answer), wire.Added(False, False), stream=False)
+    assert kept == answer
+
+
+@pytest.mark.parametrize(
+    "route,body,ok",
+    [
+        (wire.COMPLETIONS, {"prompt": "x"}, True),
+        (wire.COMPLETIONS, {"prompt": [1, 2]}, True),
+        (wire.COMPLETIONS, {"prompt": ["a", "b"]}, False),  # several prompts
+        (wire.COMPLETIONS, {"prompt": "x", "n": 2}, False),
+        (wire.COMPLETIONS, {"prompt": "x", "echo": True}, False),
+        (wire.CHAT, {"messages": []}, True),
+        (wire.CHAT, {"prompt": "x"}, False),
+        ("/v1/models", {"prompt": "x"}, False),
+        (wire.COMPLETIONS, None, False),  # not JSON
+    ],
+)
+def test_what_can_be_sampled(route, body, ok):
+    assert wire.sampleable(route, body) is ok
+
+
+def _sample(body, chunks, added=None, **kw) -> Sample:
+    c = wire.Collected(wire.COMPLETIONS)
+    for ch in chunks:
+        c.add_chunk(ch)
+    added = wire.Added(True, True) if added is None else added
+    return Sample(0, wire.COMPLETIONS, body, added, True, 1.0, 3, c, t_first=1.5, t_end=2.0, status=200, **kw)
+
+
+@pytest.fixture(scope="module")
+def recording():
+    from lpf.core.model_specs import load_tokenizer, resolve_model
+    from lpf.watch.record import Recording
+
+    tok = load_tokenizer(resolve_model("zoo:hybrid"))
+    return lambda keep_text=True: Recording(tok, len(tok), keep_text)
+
+
+def _chunk(text, tid, lp, top=None):
+    block = {"tokens": [text], "token_logprobs": [lp], "top_logprobs": [top or {text: lp}], "text_offset": [0]}
+    return {"id": "x", "choices": [{"index": 0, "text": text, "logprobs": block, "token_ids": [tid]}]}
+
+
+def test_a_streamed_sample_becomes_rows_with_the_servers_ids_and_logprobs(recording):
+    tok = recording().tok
+    ids = tok.encode("AB", add_special_tokens=False)
+    chunks = [_chunk(tok.decode([t]), t, -0.5 * (i + 1)) for i, t in enumerate(ids)]
+    chunks.append({"id": "x", "choices": [{"index": 0, "text": "", "finish_reason": "length"}]})
+    body = {"prompt": "Q:", "max_tokens": 2, "temperature": 0, "stream": True}
+    req, tokens, watch = recording().rows(_sample(body, chunks, headers={"x-request-id": "up-7", "server": "vllm"}))
+    assert req["prompt_token_ids"] == tok.encode("Q:") and req["output_token_ids"] == ids
+    assert req["finish_reason"] == "length" and req["error"] is None and req["output_text"] == "AB"
+    assert [t["engine_logprob"] for t in tokens] == [-0.5, -1.0]
+    assert tokens[0]["engine_topk_ids"] == [ids[0]]
+    assert watch["upstream_request_id"] == "up-7" and json.loads(watch["replica_headers"])["server"] == "vllm"
+    assert watch["in_flight"] == 3 and watch["temperature"] == 0.0 and watch["lpf_added"] == "logprobs,token_ids"
+
+
+def test_no_text_keeps_ids_only_and_a_malformed_answer_is_evidence(recording):
+    body = {"prompt": [5, 6], "max_tokens": 1}
+    ch = _chunk("A", 7, -0.1)
+    req, _, _ = recording(keep_text=False).rows(_sample(body, [ch]))
+    assert req["output_text"] is None and req["output_token_ids"] == [7]
+    bad = _sample(body, [], error="malformed answer (Expecting value)", raw_evidence="<html>oops</html>")
+    req, tokens, _ = recording().rows(bad)
+    assert req["finish_reason"] == "error" and "<html>oops" in req["error"] and tokens == []
+    req, _, _ = recording(keep_text=False).rows(bad)
+    assert "oops" not in req["error"]  # --no-text: not even an answer's bytes
+
+
+def test_the_change_point_is_where_the_exceedance_rate_rises():
+    import numpy as np
+
+    n = np.full(20, 16.0)
+    k = np.r_[np.zeros(12), np.full(8, 6.0)]
+    k[3] = 1  # one honest exceedance before the change
+    assert _split(k, n) == 12
+    assert _split(np.zeros(5), np.full(5, 10.0)) is None  # no rise, no change
+
+
+def test_alarms_are_posted_logged_and_fail_after_stops(tmp_path):
+    from scripted_http import Reply, ScriptedServer
+
+    from lpf.watch.metrics import WatchMetrics
+    from lpf.watch.supervisor import Supervisor
+
+    (tmp_path / "live").mkdir()
+    seen, stopped = [], []
+    with ScriptedServer(lambda *a: Reply(json={"ok": True})) as hook:
+        m = WatchMetrics()
+        sup = Supervisor(
+            tmp_path, [], m, seen.append, webhook=hook.url + "/alert", fail_after=2, stop=lambda: stopped.append(1)
+        )
+        lines = [
+            {"window": 0, "alarm": False, "verdicts": {"clean": 4}, "run_test": {"result": "same", "p_value": 0.5}},
+            {
+                "window": 1,
+                "alarm": True,
+                "verdicts": {"clean": 1, "divergent": 3},
+                "run_test": {"result": "different", "p_value": 1e-9},
+                "change": {"seq": 5, "request_id": "w000000005"},
+                "first_seq": 4,
+                "last_seq": 7,
+            },
+        ]
+        (tmp_path / "live" / "windows.jsonl").write_text(
+            "".join(json.dumps(x) + "\n" for x in lines) + '{"window": 2, "al'
+        )
+        sup.tick()
+        assert [w["window"] for w in seen] == [0, 1] and not stopped  # the cut line waits
+        assert len(hook.posts) == 1
+        posted = hook.posts[0].body
+        assert posted["event"] == "lpf_watch_alarm" and posted["change_request_id"] == "w000000005"
+        with open(tmp_path / "live" / "windows.jsonl", "a") as f:
+            f.write('arm": true, "verdicts": {}, "run_test": {"result": "different", "p_value": 1e-12}}\n')
+        sup.tick()
+        assert [w["window"] for w in seen] == [0, 1, 2] and stopped == [1] and sup.failed
+        text = m.render()[0].decode()
+        assert "lpf_watch_alarms_total 2.0" in text and 'lpf_watch_verdicts_total{verdict="divergent"} 3.0' in text
+        sup.close()
