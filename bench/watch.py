@@ -4,7 +4,8 @@ The upstream is a minimal OpenAI-compatible uvicorn server in a child process an
 at once with a fixed vLLM-shaped body (logprobs and token ids when asked), so what is measured is the
 proxy's own cost, not an engine's. The proxy runs in another child (`python bench/watch.py --serve-proxy`):
 `lpf.watch.proxy` with a real `Recorder` writing a run directory (no scorer: scoring is another process,
-off the request path; on this 2-core machine it would only compete for the CPU). Per configuration,
+off the request path; on this 2-core machine it would only compete for the CPU). The CPU each request costs the proxy process (user + system, from /proc) is printed beside the upstream's:
+on a busy machine it is the figure that does not depend on what else runs. Per configuration,
 `--requests` sequential requests (latency: p50 and p99 of the client's round trip) and the same number
 from `--concurrency` clients (throughput, requests/s), direct and through the proxy, side by side.
 `--quick`: 200 requests (seconds; nothing asserted, no results file). Otherwise writes
@@ -95,7 +96,16 @@ def _body(i: int) -> bytes:
     return json.dumps({"model": "m", "prompt": f"request {i}", "max_tokens": 4, "temperature": 0}).encode()
 
 
-def measure(base: str, n: int, concurrency: int) -> dict:
+def cpu_seconds(pid: int) -> float:
+    """user + system CPU of a process so far (from /proc): what the proxy costs, whatever else the machine runs."""
+    import os
+
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure(base: str, n: int, concurrency: int, pid: int | None = None) -> dict:
+    cpu0 = cpu_seconds(pid) if pid else None
     lat = []
     with httpx.Client(timeout=120) as c:
         for i in range(n):
@@ -120,11 +130,11 @@ def measure(base: str, n: int, concurrency: int) -> dict:
             return n / (time.perf_counter() - t)
 
     lat.sort()
-    return {
-        "p50_ms": 1e3 * lat[len(lat) // 2],
-        "p99_ms": 1e3 * lat[min(len(lat) - 1, int(len(lat) * 0.99))],
-        "rps": asyncio.run(many()),
-    }
+    out = {"p50_ms": 1e3 * lat[len(lat) // 2], "p99_ms": 1e3 * lat[min(len(lat) - 1, int(len(lat) * 0.99))]}
+    out["rps"] = asyncio.run(many())
+    if pid:
+        out["cpu_ms_per_request"] = 1e3 * (cpu_seconds(pid) - cpu0) / (2 * n)
+    return out
 
 
 def main() -> None:
@@ -149,14 +159,14 @@ def main() -> None:
     results = {}
     try:
         measure(upstream, 50, a.concurrency)  # warm-up
-        results["direct"] = measure(upstream, n, a.concurrency)
+        results["direct"] = measure(upstream, n, a.concurrency, procs[0].pid)
         for rate in (0.0, 0.01, 1.0):
             port = free_port()
             out = Path(tempfile.mkdtemp()) / "run"
             p = _start(["--serve-proxy", upstream, str(port), str(rate), str(out)], f"http://127.0.0.1:{port}/metrics")
             procs.append(p)
             measure(f"http://127.0.0.1:{port}", 50, a.concurrency)
-            results[f"proxy {rate:.0%}"] = measure(f"http://127.0.0.1:{port}", n, a.concurrency)
+            results[f"proxy {rate:.0%}"] = measure(f"http://127.0.0.1:{port}", n, a.concurrency, p.pid)
             p.terminate()
             p.wait(30)
     finally:
@@ -170,7 +180,7 @@ def main() -> None:
     for name, r in results.items():
         print(
             f"| {name} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['p50_ms'] - d['p50_ms']:.2f} | "
-            f"{r['rps']:.0f} | {r['rps'] / d['rps']:.2f}x |"
+            f"{r['rps']:.0f} | {r['rps'] / d['rps']:.2f}x | {r['cpu_ms_per_request']:.2f} |"
         )
     if not a.quick:
         (ROOT / "bench" / "results" / "watch.json").write_text(json.dumps(results, indent=2) + "\n")

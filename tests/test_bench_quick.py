@@ -43,7 +43,7 @@ BENCHES = {
             r"\| memory, peak RSS above the model: .* \| [\d.]+ \|",
         ],
     ),
-    "engine": ([], [r"\| lpf builtin \(continuous batching\) \| \d+ \| [\d.]+x \|"]),
+    "engine": ([], [r"\| lpf builtin \(continuous batching\) \| \d+ \| [\d.]+x \| [\d.]+ \|"]),
     "detection": (
         [],
         [
@@ -72,7 +72,7 @@ BENCHES = {
             r"shrink \(builtin, tiny:jamba-longmem\), \d+ cells: .*: [\d.]+x overall, .*; same minimum: True",
         ],
     ),
-    "watch": ([], [r"\| proxy 1% \| [\d.]+ \| [\d.]+ \| -?[\d.]+ \| \d+ \| [\d.]+x \|"]),
+    "watch": ([], [r"\| proxy 1% \| [\d.]+ \| [\d.]+ \| -?[\d.]+ \| \d+ \| [\d.]+x \| [\d.]+ \|"]),
     "locate": (
         [],
         [
