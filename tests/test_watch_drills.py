@@ -2,7 +2,9 @@
 
 - The model swapped under its name: `lpf serve` (zoo:hybrid, float32) restarted on the same port with
   `--inject quantize-weights:4` in the middle of a clean stream of requests: no window before the swap
-  alarms, the first window after it does, and its change point names the swap's first request.
+  alarms, the first window after it does, and its change point names the swap's first request; a real
+  Prometheus server (Debian's `prometheus`, when installed) scraping /metrics sees `lpf_watch_alarms_total`
+  at 0 before the swap and rising after it (PromQL over its HTTP API).
 - Concurrent clients (64 at once) with disconnects and malformed bodies, the scorer SIGKILLed mid-run: every
   client that stayed got the upstream's own answer, every sample is recorded or counted as dropped, the
   scorer comes back, and a SIGKILL of `lpf watch` itself leaves every committed sample readable.
@@ -13,8 +15,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
+import subprocess
 import time
+from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 import pyarrow.parquet as pq
@@ -49,8 +55,59 @@ def _prompts(n: int, seed: int) -> list[str]:
     return [it["prompt"] for it in registry.workload_items("oracle", seed=seed, n=n)]
 
 
-def test_a_model_swapped_under_its_name_alarms_in_the_first_window_after_the_swap(tmp_path):
-    port, out, w = free_port(), tmp_path / "run", 8
+def _prometheus() -> str | None:
+    """Debian's `prometheus` (apt-get install prometheus, or its .deb unpacked: LPF_PROMETHEUS=path/to/prometheus)."""
+    return os.environ.get("LPF_PROMETHEUS") or shutil.which("prometheus")
+
+
+@contextmanager
+def _scraping(target: str, tmp: Path):
+    """A real Prometheus server scraping `target` (HOST:PORT) every second; yields its base URL, or None without one."""
+    exe = _prometheus()
+    if exe is None:
+        yield None
+        return
+    port = free_port()
+    cfg = tmp / "prometheus.yml"
+    cfg.write_text(
+        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+        f"scrape_configs:\n  - job_name: lpf-watch\n    static_configs:\n      - targets: ['{target}']\n"
+    )
+    log = open(tmp / "prometheus.log", "wb")
+    proc = subprocess.Popen(
+        [exe, f"--config.file={cfg}", f"--storage.tsdb.path={tmp / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: _ready(url), timeout=60, what="Prometheus ready")
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        log.close()
+
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/-/ready", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _promql(url: str, query: str, at: float | None = None) -> float | None:
+    params = {"query": query, **({"time": at} if at is not None else {})}
+    got = httpx.get(f"{url}/api/v1/query", params=params, timeout=10).json()["data"]["result"]
+    return float(got[0]["value"][1]) if got else None
+
+
+@pytest.fixture(scope="module")
+def swap(tmp_path_factory):
+    """`lpf serve` clean for two windows of requests, then restarted on its port with quantize-weights:4 for two
+    more, behind `lpf watch` (every request sampled, windows of 8), scraped by Prometheus when there is one."""
+    tmp = tmp_path_factory.mktemp("swap")
+    port, out, w = free_port(), tmp / "run", 8
     prompts = _prompts(4 * w, seed=21)
     args = ["--reference", MODEL, "--sample", "1", "--window", w, "--part-seconds", "0.3"]
 
@@ -63,16 +120,41 @@ def test_a_model_swapped_under_its_name_alarms_in_the_first_window_after_the_swa
             )
             assert r.status_code == 200, r.text
 
+    result = {"w": w}
     with served("--model", MODEL, "--cache-mb", 12, "--port", port, env=ENV) as clean:
         with watched(clean.base_url, out, *args, env=ENV) as proxy:
-            send(proxy.base_url, prompts[: 2 * w])
-            clean.stop()
-            with served("--model", MODEL, "--cache-mb", 12, "--port", port, "--inject", "quantize-weights:4", env=ENV):
-                send(proxy.base_url, prompts[2 * w :])
-                got = wait_for(lambda: len(windows(out)) >= 4 and windows(out), what="4 windows judged")
+            with _scraping(f"127.0.0.1:{proxy.port}", tmp) as prom:
+                send(proxy.base_url, prompts[: 2 * w])
+                wait_for(lambda: len(windows(out)) >= 2, what="the clean windows judged")
+                time.sleep(2.5)  # two scrapes of the clean state
+                result["t_clean"] = time.time()
+                clean.stop()
+                with served(
+                    "--model", MODEL, "--cache-mb", 12, "--port", port, "--inject", "quantize-weights:4", env=ENV
+                ):
+                    send(proxy.base_url, prompts[2 * w :])
+                    result["windows"] = wait_for(lambda: len(windows(out)) >= 4 and windows(out), what="4 windows")
+                if prom is not None:
+                    q = "lpf_watch_alarms_total"
+                    result["alarms_after"] = wait_for(lambda: (_promql(prom, q) or 0) >= 1 and _promql(prom, q))
+                    result["alarms_before"] = _promql(prom, q, result["t_clean"])
+                    result["rise"] = _promql(prom, f"increase({q}[10m])")
+                result["prometheus"] = prom
+    return result
+
+
+def test_a_model_swapped_under_its_name_alarms_in_the_first_window_after_the_swap(swap):
+    got, w = swap["windows"], swap["w"]
     assert [x["alarm"] for x in got[:4]] == [False, False, True, True], [(x["verdicts"], x["run_test"]) for x in got]
     assert got[2]["change"]["seq"] == 2 * w and got[2]["change"]["request_id"] == f"w{2 * w:09d}"
     assert got[2]["run_test"]["result"] == "different"
+
+
+def test_a_real_prometheus_sees_the_alarm_counter_rise_after_the_swap(swap):
+    if swap["prometheus"] is None:
+        pytest.skip("no prometheus binary (apt-get install prometheus, or LPF_PROMETHEUS=path)")
+    assert swap["alarms_before"] == 0.0  # scraped while the upstream was clean
+    assert swap["alarms_after"] >= 1.0 and swap["rise"] > 0
 
 
 def test_concurrent_clients_disconnects_malformed_bodies_and_a_killed_scorer(tmp_path):
