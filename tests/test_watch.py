@@ -153,6 +153,8 @@ def test_answers_through_the_proxy_equal_direct_ones_and_the_sample_is_recorded(
     metrics = httpx.get(f"{proxy.base_url}/metrics").text
     assert f'lpf_watch_requests_total{{route="/v1/completions",sampled="True"}} {float(n)}' in metrics
     assert 'lpf_watch_verdicts_total{verdict="clean"}' in metrics
+    page = httpx.get(f"{proxy.base_url}/lpf/")
+    assert page.status_code == 200 and "run test" in page.text and f"recorded: {n}" in page.text
 
 
 def _sse(body: dict, cut: bool = False) -> bytes:

@@ -163,3 +163,60 @@ def test_alarms_are_posted_logged_and_fail_after_stops(tmp_path):
         text = m.render()[0].decode()
         assert "lpf_watch_alarms_total 2.0" in text and 'lpf_watch_verdicts_total{verdict="divergent"} 3.0' in text
         sup.close()
+
+
+def test_the_live_page_lists_windows_newest_first_and_escapes_what_it_shows():
+    from lpf.watch.page import render_page
+
+    ws = [
+        {
+            "window": 0,
+            "first_seq": 0,
+            "last_seq": 3,
+            "n_tokens": 40,
+            "verdicts": {"clean": 4},
+            "run_test": {"result": "same"},
+        },
+        {
+            "window": 1,
+            "first_seq": 4,
+            "last_seq": 7,
+            "n_tokens": 41,
+            "alarm": True,
+            "verdicts": {"corrupt": 2},
+            "run_test": {"result": "different", "p_value": 1e-9},
+            "change": {"request_id": "w000000005"},
+        },
+    ]
+    html = render_page(ws, {"upstream": "http://x/<script>", "alarms": 1})
+    assert html.index("w000000005") < html.index("<td>0</td>")  # newest first
+    assert "ALARM" in html and 'class="alarm"' in html and "1e-09" in html
+    assert "<script>" not in html and "&lt;script&gt;" in html
+
+
+def test_a_chat_sample_is_scored_after_the_templates_rendering_with_ids_mapped_from_strings(recording):
+    from lpf.core.chat import render
+
+    rec = recording()
+    tok = rec.tok
+    ids = tok.encode("12", add_special_tokens=False)
+    content = [{"token": tok.decode([t]), "logprob": -0.3, "bytes": None, "top_logprobs": []} for t in ids]
+    answer = {
+        "id": "chat-1",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "12"},
+                "logprobs": {"content": content},
+                "finish_reason": "stop",
+            }
+        ],
+    }
+    c = wire.Collected(wire.CHAT)
+    c.add_answer(answer)
+    messages = [{"role": "user", "content": "ADD:1+11="}]
+    s = Sample(4, wire.CHAT, {"messages": messages}, wire.Added(True, False), False, 1.0, 0, c, 1.1, 1.2, 200)
+    req, tokens, _ = rec.rows(s)
+    assert req["prompt_token_ids"] == render(tok, messages)  # no prompt_token_ids came back: the template's
+    assert req["output_token_ids"] == ids and [t["engine_logprob"] for t in tokens] == [-0.3] * len(ids)
+    assert req["request_id"] == "w000000004" and req["seq"] == 4

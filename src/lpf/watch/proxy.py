@@ -2,7 +2,8 @@
 
 Contract: `create_proxy(upstream, sampler, recorder, metrics, top_k, timeout, extra_routes)` returns a
 FastAPI app. Every path and method is forwarded (`/v1/completions`, `/v1/chat/completions`, `/v1/models`,
-and whatever else the upstream serves), except `/metrics` and the `extra_routes` lpf answers itself.
+and whatever else the upstream serves), except `/metrics` and the `extra_routes` lpf answers itself
+(path -> async handler: the live page at /lpf/).
 - Unsampled requests (and every request that is not a one-choice completion with a well-formed JSON
   body, `wire.sampleable`) go through unchanged: the body as sent, the answer's bytes as the upstream
   sends them, chunk by chunk (never buffered whole), with its status and headers (hop-by-hop ones aside).

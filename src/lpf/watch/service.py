@@ -117,7 +117,26 @@ def serve(
     metrics = WatchMetrics()
     run, tokenizer, vocab = prepare(s)
     recorder = Recorder(run, Recording(tokenizer, vocab, s.keep_text), s.queue_size, s.part_rows, s.part_seconds)
-    app = create_proxy(s.upstream, sampler, recorder, metrics, s.top_k, s.upstream_timeout)
+    held: dict = {}
+
+    async def page():
+        from fastapi.responses import HTMLResponse
+
+        from lpf.watch.page import render_page
+
+        sup, state = held["sup"], app.state.proxy
+        counters = {
+            "upstream": s.upstream,
+            "sampled": state.seq,
+            "recorded": recorder.recorded,
+            "dropped": recorder.dropped,
+            "windows": len(sup.windows),
+            "alarms": sup.alarms,
+            "scorer restarts": sup.restarts,
+        }
+        return HTMLResponse(render_page(sup.windows, counters))
+
+    app = create_proxy(s.upstream, sampler, recorder, metrics, s.top_k, s.upstream_timeout, {"/lpf/": page})
     server = uvicorn.Server(
         uvicorn.Config(app, log_level=s.log_level, timeout_graceful_shutdown=10, lifespan="on", access_log=False)
     )
@@ -139,6 +158,8 @@ def serve(
         s.fail_after,
         stop=lambda: setattr(server, "should_exit", True),
     )
+
+    held["sup"] = sup
 
     async def main() -> None:
         task = asyncio.create_task(server.serve(sockets=[sock]))
