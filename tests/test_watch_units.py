@@ -220,3 +220,37 @@ def test_a_chat_sample_is_scored_after_the_templates_rendering_with_ids_mapped_f
     assert req["prompt_token_ids"] == render(tok, messages)  # no prompt_token_ids came back: the template's
     assert req["output_token_ids"] == ids and [t["engine_logprob"] for t in tokens] == [-0.3] * len(ids)
     assert req["request_id"] == "w000000004" and req["seq"] == 4
+
+
+@pytest.mark.slow  # loads the reference and judges 7 windows: ~20-60 s on the shared machine
+def test_the_scorer_keeps_its_lag_bounded_and_judges_full_windows(tmp_path, recording):
+    from lpf.run import schema
+    from lpf.watch.scorer import SKIPPED, WINDOWS, Scorer
+    from lpf.watch.service import Settings, prepare
+
+    run, tok, _ = prepare(Settings(upstream="http://127.0.0.1:1", reference="zoo:hybrid", out=tmp_path / "run"))
+    rows, toks = [], []
+    for seq in range(30):
+        rid = f"w{seq:09d}"
+        out = tok.encode(f"{seq}", add_special_tokens=False)
+        rows.append(
+            {"request_id": rid, "seq": seq, "prompt_token_ids": tok.encode("ADD:1+2="), "output_token_ids": out}
+        )
+        toks += [{"request_id": rid, "position": i, "token_id": t, "engine_logprob": -0.1} for i, t in enumerate(out)]
+    run.append_requests(schema.table(schema.REQUESTS, _cols(rows)), schema.table(schema.TOKENS, _cols(toks)))
+    sc = Scorer(run.path, "zoo:hybrid", "float32", "cpu", window=4, max_lag=10, per_cycle=5)
+    sc.cycle()
+    skipped = (run.path / SKIPPED).read_text().split()
+    assert skipped == [f"w{s:09d}" for s in range(20)]  # the oldest backlog given up, the newest 10 kept
+    assert len(sc.scored) == 5  # one cycle's share
+    sc.cycle()
+    assert len(sc.scored) == 10
+    lines = [json.loads(x) for x in (run.path / WINDOWS).read_text().splitlines()]
+    assert [x["window"] for x in lines] == list(range(7))  # 30 settled requests: 7 full windows of 4
+    assert lines[0]["n_unscored"] == 4 and lines[-1]["n_unscored"] == 0 and lines[-1]["n_requests"] == 4
+    # the scored windows alarm: these "engine" logprobs (-0.1 everywhere) are not the model's; the skipped ones cannot
+    assert [x["alarm"] for x in lines] == [False] * 5 + [True] * 2
+
+
+def _cols(rows: list[dict]) -> dict:
+    return {n: [r[n] for r in rows] for n in rows[0]}

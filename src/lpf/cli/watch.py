@@ -55,6 +55,13 @@ from lpf.cli import render_watch
 @click.option(
     "--upstream-timeout", type=float, default=None, help="Seconds to wait for the upstream (default: no limit)."
 )
+@click.option(
+    "--max-lag",
+    type=int,
+    default=10_000,
+    show_default=True,
+    help="Recorded requests waiting for the reference beyond which the oldest are given up (kept, not scored).",
+)
 @click.option("--alert-webhook", default=None, help="POST each alarm as JSON to this URL.")
 @click.option("--fail-after", type=int, default=None, help="Exit 1 after this many alarmed windows (a CI canary).")
 @click.option(
@@ -80,6 +87,7 @@ def watch(
     part_rows,
     part_seconds,
     upstream_timeout,
+    max_lag,
     alert_webhook,
     fail_after,
     log_level,
@@ -100,8 +108,8 @@ def watch(
         raise LpfError(f"--listen must be HOST:PORT, got {listen!r}")
     host = host.strip("[]") or "127.0.0.1"
     Sampler(sample, seed)  # a bad rate is refused before anything is created
-    if top_k < 0 or queue_size < 1 or part_rows < 1 or part_seconds <= 0:
-        raise LpfError("--top-k must be >= 0, --queue and --part-rows >= 1, --part-seconds > 0")
+    if top_k < 0 or queue_size < 1 or part_rows < 1 or part_seconds <= 0 or max_lag < 1:
+        raise LpfError("--top-k must be >= 0, --queue, --part-rows and --max-lag >= 1, --part-seconds > 0")
     settings = Settings(
         upstream=upstream,
         reference=reference,
@@ -118,6 +126,7 @@ def watch(
         upstream_dtype=upstream_dtype,
         reference_dtype=reference_dtype,
         reference_device=reference_device,
+        max_lag=max_lag,
         alert_webhook=alert_webhook,
         fail_after=fail_after,
         log_level=log_level,

@@ -46,6 +46,9 @@ class WatchMetrics:
         self.lag_seconds = Gauge(
             "lpf_watch_scoring_lag_seconds", "Seconds between now and the newest scored request's arrival", registry=r
         )
+        self.skipped = Gauge(
+            "lpf_watch_scoring_skipped", "Recorded requests given up unscored to keep the lag bounded", registry=r
+        )
         self.scorer_restarts = Gauge("lpf_watch_scorer_restarts", "Times the scoring process was restarted", registry=r)
         self.p_value = Gauge(
             "lpf_watch_window_run_test_p_value", "The last judged window's run-test p-value", registry=r

@@ -5,7 +5,9 @@ runs until killed. Each cycle: every committed, not-yet-scored request is teache
 `Rescorer` kept loaded (`reference/` parts, as `lpf rescore` writes them: resumable, so a scorer
 killed mid-batch and restarted redoes nothing committed), then every complete window is judged
 (`windows.judge_window`) and appended as one JSON line to `live/windows.jsonl` (flushed and fsynced
-before the next). A window is the next N scored (or failed) requests in arrival order that no earlier
+before the next). Bounded lag: at most `per_cycle` requests are scored between two judgements, and when more
+than `--max-lag` recorded requests wait, the oldest are given up (listed in `live/skipped.txt`, counted,
+still recorded: `lpf rescore` can score them later) so the scorer stays on recent traffic. A window is the next N scored (or failed) requests in arrival order that no earlier
 window holds; a request committed after a later window was judged joins the next window. Progress
 (`scored`, `recorded`, the newest scored request's arrival) goes to `live/scorer.json` for /metrics.
 It never opens the run with `RunDir.open` (which deletes a tokens part whose requests part is not yet
@@ -29,6 +31,7 @@ from lpf.run.store import RunDir, read_part
 
 WINDOWS = "live/windows.jsonl"
 STATUS = "live/scorer.json"
+SKIPPED = "live/skipped.txt"
 REQ_COLS = ["request_id", "seq", "prompt_token_ids", "output_token_ids", "error", "inconsistency", "t_submit"]
 
 
@@ -37,13 +40,23 @@ def _open(path: Path) -> RunDir:
 
 
 class Scorer:
-    def __init__(self, path: Path, reference: str, dtype: str, device: str, window: int, token_budget: int = 16384):
+    def __init__(
+        self,
+        path: Path,
+        reference: str,
+        dtype: str,
+        device: str,
+        window: int,
+        token_budget: int = 16384,
+        max_lag: int = 10_000,
+        per_cycle: int = 512,
+    ):
         from lpf.core.model_specs import resolve_model
         from lpf.pipeline.analyze import floor_table
         from lpf.pipeline.calibrate import engine_dtype
         from lpf.pipeline.reference import Rescorer
 
-        self.path, self.window = path, window
+        self.path, self.window, self.max_lag, self.per_cycle = path, window, max_lag, per_cycle
         run = _open(path)
         self.model = resolve_model(reference)
         self.rescorer = Rescorer(
@@ -68,6 +81,7 @@ class Scorer:
         self.watch: dict[str, pa.Table] = {}  # part name -> its watch rows (request_id, temperature)
         self.scored: set[str] = set(run.read("reference", ["request_id"]).column("request_id").to_pylist())
         self.judged: set[str] = set()
+        self.skipped: set[str] = set(_read_ids(path / SKIPPED))
         self.windows = 0
         self.context = None
         for line in self._lines():
@@ -111,8 +125,19 @@ class Scorer:
         todo = [
             i
             for i, (r, n, e, rt) in enumerate(zip(ids, n_out, errors, retok))
-            if n and e is None and not rt and r not in self.scored
+            if n and e is None and not rt and r not in self.scored and r not in self.skipped
         ]
+        seqs = reqs.column("seq").to_pylist()
+        todo.sort(key=lambda i: seqs[i])
+        if len(todo) > self.max_lag:  # bounded lag: the oldest backlog is given up (kept recorded, not scored)
+            given_up = [ids[i] for i in todo[: len(todo) - self.max_lag]]
+            with open(self.path / SKIPPED, "a") as f:
+                f.write("".join(r + "\n" for r in given_up))
+                f.flush()
+                os.fsync(f.fileno())
+            self.skipped.update(given_up)
+            todo = todo[len(todo) - self.max_lag :]
+        todo = todo[: self.per_cycle]  # the next cycle judges what this one scored before taking more
         if todo:
             rows = reqs.take(pa.array(todo)).to_pylist()
             items = [
@@ -125,7 +150,9 @@ class Scorer:
                 run.append_reference(scored.reference, scored.prompt_reference, scored.seeded)
                 self.scored.update(scored.reference.column("request_id").unique().to_pylist())
         settled = {
-            r for r, n, e, rt in zip(ids, n_out, errors, retok) if r in self.scored or e is not None or not n or rt
+            r
+            for r, n, e, rt in zip(ids, n_out, errors, retok)
+            if r in self.scored or r in self.skipped or e is not None or not n or rt
         }
         judged = self._judge(run, reqs, settled)
         arrivals = [t for r, t in zip(ids, reqs.column("t_submit").to_pylist()) if r in self.scored and t]
@@ -134,6 +161,7 @@ class Scorer:
             {
                 "recorded": len(ids),
                 "scored": len(self.scored),
+                "skipped": len(self.skipped),
                 "windows": self.windows,
                 "newest_scored_arrival": max(arrivals) if arrivals else None,
                 "pid": os.getpid(),
@@ -201,6 +229,10 @@ def _schema(table: str):
     return schema.TABLES[table]
 
 
+def _read_ids(path: Path) -> list[str]:
+    return [x for x in path.read_text().split("\n") if x] if path.is_file() else []
+
+
 def _atomic_json(path: Path, obj: dict) -> None:
     tmp = path.with_name(f".tmp-{path.name}")
     tmp.write_text(json.dumps(obj))
@@ -215,8 +247,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--window", type=int, default=50)
     p.add_argument("--poll", type=float, default=0.5)
+    p.add_argument("--max-lag", type=int, default=10_000)
     a = p.parse_args(argv)
-    scorer = Scorer(a.run, a.reference, a.dtype, a.device, a.window)
+    scorer = Scorer(a.run, a.reference, a.dtype, a.device, a.window, max_lag=a.max_lag)
     while True:
         scorer.cycle()
         time.sleep(a.poll)

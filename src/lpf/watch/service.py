@@ -44,6 +44,7 @@ class Settings:
     fail_after: int | None = None
     log_level: str = "warning"
     scorer: bool = True
+    max_lag: int = 10_000
 
 
 @dataclass
@@ -151,6 +152,8 @@ def serve(
             s.reference_device,
             "--window",
             str(s.window),
+            "--max-lag",
+            str(s.max_lag),
         ],
         metrics,
         on_window,

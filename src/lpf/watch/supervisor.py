@@ -91,7 +91,8 @@ class Supervisor:
         if new > 0:
             self.metrics.scored.inc(new)
             self.seen = s["scored"]
-        self.metrics.lag_requests.set(max(0, s.get("recorded", 0) - s.get("scored", 0)))
+        self.metrics.lag_requests.set(max(0, s.get("recorded", 0) - s.get("scored", 0) - s.get("skipped", 0)))
+        self.metrics.skipped.set(s.get("skipped", 0))
         if s.get("newest_scored_arrival"):
             self.metrics.lag_seconds.set(max(0.0, time.time() - s["newest_scored_arrival"]))
 
