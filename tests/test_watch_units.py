@@ -254,3 +254,18 @@ def test_the_scorer_keeps_its_lag_bounded_and_judges_full_windows(tmp_path, reco
 
 def _cols(rows: list[dict]) -> dict:
     return {n: [r[n] for r in rows] for n in rows[0]}
+
+
+@pytest.mark.parametrize(
+    "args,says",
+    [
+        (["--upstream", "ftp://x", "--sample", "0.1"], "--upstream must be an http(s) URL"),
+        (["--upstream", "http://127.0.0.1:1", "--sample", "2"], "--sample must be in 0..1"),
+        (["--upstream", "http://127.0.0.1:1", "--listen", "nowhere"], "--listen must be HOST:PORT"),
+        (["--upstream", "http://127.0.0.1:1", "--window", "0"], "--window must be >= 1"),
+    ],
+)
+def test_bad_watch_options_are_one_line_and_exit_2(lpf_cli, tmp_path, args, says):
+    r = lpf_cli("watch", "--reference", "zoo:hybrid", "--out", tmp_path / "run", "--listen", "127.0.0.1:0", *args)
+    assert r.code == 2 and says in r.err and "Traceback" not in r.err
+    assert not (tmp_path / "run").exists()  # nothing written
