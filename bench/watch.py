@@ -175,8 +175,8 @@ def main() -> None:
                 p.terminate()
                 p.wait(30)
     d = results["direct"]
-    print("| route | p50 ms | p99 ms | p50 overhead ms | throughput req/s | x direct |")
-    print("|---|---|---|---|---|---|")
+    print("| route | p50 ms | p99 ms | p50 overhead ms | throughput req/s | x direct | CPU ms/request |")
+    print("|---|---|---|---|---|---|---|")
     for name, r in results.items():
         print(
             f"| {name} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['p50_ms'] - d['p50_ms']:.2f} | "

@@ -70,6 +70,22 @@ async def _disconnected(http: Request) -> None:
         pass
 
 
+class _Relay(StreamingResponse):
+    """A streamed answer whose `done()` runs once however the relay ends: finished, cut, or cancelled by a
+    client that left before the body began (Starlette then never starts the body's generator, whose own
+    `finally` would not run: the upstream response would stay open and the request counted in flight)."""
+
+    def __init__(self, content, done, **kw):
+        super().__init__(content, **kw)
+        self._done = done
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await asyncio.shield(self._done())
+
+
 class _State:
     def __init__(self):
         self.in_flight = 0
@@ -200,11 +216,12 @@ def create_proxy(
             except httpx.HTTPError:
                 metrics.upstream_errors.inc()
                 raise  # the client's answer is cut where the upstream's was
-            finally:
-                await resp.aclose()
-                state.in_flight -= 1
 
-        return StreamingResponse(body(), status_code=resp.status_code, headers=_headers(resp, True))
+        async def done():
+            await resp.aclose()
+            state.in_flight -= 1
+
+        return _Relay(body(), done, status_code=resp.status_code, headers=_headers(resp, True))
 
     async def _sampled(request: Request, route: str, raw: bytes, parsed: dict, sample: Sample):
         sent, added = wire.augment(route, parsed, top_k, frozenset(state.refused))
@@ -226,9 +243,14 @@ def create_proxy(
             sample.added = added = wire.Added()
         sample.status = resp.status_code
         if sample.stream and resp.status_code == 200:
-            return StreamingResponse(
-                _stream(resp, sample, added), status_code=resp.status_code, headers=_headers(resp, False)
-            )
+
+            async def done():
+                await resp.aclose()
+                if sample.error is None and sample.collected.finish_reason is None:
+                    sample.error = "the client disconnected"  # before or while the stream was relayed
+                _finish(sample)
+
+            return _Relay(_stream(resp, sample, added), done, status_code=200, headers=_headers(resp, False))
         try:
             data = await resp.aread()
         finally:
@@ -272,9 +294,6 @@ def create_proxy(
             metrics.client_gone.inc()
             sample.error = "the client disconnected"
             raise
-        finally:
-            await resp.aclose()
-            _finish(sample)
 
     def _event(event: bytes, sample: Sample, added: wire.Added) -> bytes:
         lines = event.split(b"\n")
