@@ -6,8 +6,9 @@
   Prometheus server (Debian's `prometheus`, when installed) scraping /metrics sees `lpf_watch_alarms_total`
   at 0 before the swap and rising after it (PromQL over its HTTP API).
 - Concurrent clients (64 at once) with disconnects and malformed bodies, the scorer SIGKILLed mid-run: every
-  client that stayed got the upstream's own answer, every sample is recorded or counted as dropped, the
-  scorer comes back, and a SIGKILL of `lpf watch` itself leaves every committed sample readable.
+  client that stayed got the upstream's own answer, the clients that left (after 1 s, on long answers) had
+  their upstream requests cancelled (`lpf serve` counts them), every sample is recorded or counted as
+  dropped, the scorer comes back, and a SIGKILL of `lpf watch` itself leaves every committed sample readable.
 """
 
 from __future__ import annotations
@@ -169,8 +170,10 @@ def test_concurrent_clients_disconnects_malformed_bodies_and_a_killed_scorer(tmp
                     bodies.append(b'{"model": "zoo:hybrid", "prompt": [1, 2,')  # malformed
                 else:
                     body = {"model": MODEL, "prompt": p, "max_tokens": 8 + i % 8, "temperature": 0, "seed": i}
+                    if i % 10 == 7:  # a long answer its client will not wait for
+                        body.update(max_tokens=400, ignore_eos=True)
                     bodies.append(json.dumps(body).encode())
-            leave = {i for i in range(len(bodies)) if i % 10 == 7}  # clients that give up after 50 ms
+            leave = {i for i in range(len(bodies)) if i % 10 == 7}  # clients that give up after 1 s
 
             async def one(client, base, i, raw, short):
                 try:
@@ -178,7 +181,7 @@ def test_concurrent_clients_disconnects_malformed_bodies_and_a_killed_scorer(tmp
                         f"{base}/v1/completions",
                         content=raw,
                         headers={"content-type": "application/json"},
-                        timeout=0.05 if short else 300,
+                        timeout=1.0 if short else 300,
                     )
                 except httpx.TimeoutException:
                     return None
@@ -190,7 +193,17 @@ def test_concurrent_clients_disconnects_malformed_bodies_and_a_killed_scorer(tmp
                         *(one(client, base, i, raw, with_leavers and i in leave) for i, raw in enumerate(bodies))
                     )
 
+            cancelled0 = _value(httpx.get(f"{up.base_url}/metrics").text, "lpf_requests_cancelled_total")
             via = asyncio.run(burst(proxy.base_url, True))
+            gone = sum(1 for i in leave if via[i] is None)
+            # a client that leaves cancels its upstream request (lpf serve counts the requests it took back)
+            cancelled = wait_for(
+                lambda: _value(httpx.get(f"{up.base_url}/metrics").text, "lpf_requests_cancelled_total") - cancelled0
+                or None,
+                timeout=30,
+                what="the leavers' upstream requests cancelled",
+            )
+            assert gone >= 1 and 1 <= cancelled <= gone
             # the scorer is SIGKILLed once it has started; proxying goes on through a second burst
             status = out / "live" / "scorer.json"
             wait_for(status.is_file, what="the scorer's first cycle")
