@@ -158,12 +158,13 @@ def test_answers_through_the_proxy_equal_direct_ones_and_the_sample_is_recorded(
 
 
 def _sse(body: dict, cut: bool = False) -> bytes:
-    """vLLM's streamed completion: one chunk per token (with logprobs / token_ids only when asked), then
-    a final chunk with finish_reason, then [DONE]; `exclude_unset`, so unasked fields are absent."""
+    """vLLM's streamed completion as its serving code renders it: one chunk per token (logprobs, token_ids and
+    the first chunk's prompt_token_ids explicitly null unless asked), a final chunk with finish_reason, [DONE]."""
     toks = [(11, "A", -0.25), (12, "B", -1.5), (13, "C", -0.125)]
     events = []
     for i, (tid, text, lp) in enumerate(toks):
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": None}
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": None, "stop_reason": None}
+        choice.update(prompt_token_ids=None, token_ids=None)
         if body.get("logprobs") is not None:
             choice["logprobs"] = {
                 "text_offset": [i],

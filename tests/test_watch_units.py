@@ -32,7 +32,7 @@ def test_augment_adds_only_what_the_client_did_not_ask_and_strip_puts_it_back():
             {"index": 0, "text": "ab", "logprobs": {"tokens": ["a"]}, "token_ids": [1], "prompt_token_ids": [2]}
         ],
     }
-    whole = wire.strip(copy.deepcopy(answer), wire.Added(True, True), stream=False)
+    whole = wire.strip(copy.deepcopy(answer), wire.Added(True, True))
     assert whole["choices"][0] == {
         "index": 0,
         "text": "ab",
@@ -40,9 +40,14 @@ def test_augment_adds_only_what_the_client_did_not_ask_and_strip_puts_it_back():
         "token_ids": None,
         "prompt_token_ids": None,
     }
-    chunk = wire.strip(copy.deepcopy(answer), wire.Added(True, True), stream=True)
-    assert chunk["choices"][0] == {"index": 0, "text": "ab", "logprobs": None}  # exclude_unset: absent
-    kept = wire.strip(copy.deepcopy(answer), wire.Added(False, False), stream=False)
+    plain = {"id": "c", "choices": [{"index": 0, "text": "ab", "logprobs": None}]}
+    assert wire.strip(copy.deepcopy(plain), wire.Added(True, True)) == plain  # absent fields stay absent
+    # a chat chunk vLLM sends only because logprobs or token ids were asked (its text held back) is extra
+    empty = {"choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": None, "token_ids": None}]}
+    assert wire.extra_chunk(wire.CHAT, empty, {"messages": []})
+    assert not wire.extra_chunk(wire.CHAT, empty, {"messages": [], "logprobs": True})  # the client's own
+    assert not wire.extra_chunk(wire.COMPLETIONS, empty, {"prompt": "x"})
+    kept = wire.strip(copy.deepcopy(answer), wire.Added(False, False))
     assert kept == answer
 
 

@@ -9,7 +9,8 @@ and whatever else the upstream serves), except `/metrics` and the `extra_routes`
   sends them, chunk by chunk (never buffered whole), with its status and headers (hop-by-hop ones aside).
 - A sampled request (`Sampler.take` of the body's bytes) is sent as `wire.augment` makes it; the answer
   goes back with what lpf added taken out (`wire.strip`): a whole answer re-serialized, a stream event by
-  event as each arrives. An augmented request the upstream refuses (4xx) is sent again as the client sent
+  event as each arrives (an event that exists only because lpf asked for more, `wire.extra_chunk`, is
+  not relayed). An augmented request the upstream refuses (4xx) is sent again as the client sent
   it, and the client gets that answer; the fields the refusal names are not added again (all of them when
   it names none and the plain request succeeded).
 - Upstream failures: a refused connection is 502, a time-out 504 (JSON {"error": ...}: a proxy cannot
@@ -265,7 +266,7 @@ def create_proxy(
                 answer = json.loads(data)
                 sample.collected.add_answer(answer)
                 if added != wire.Added():
-                    out = _dumps(wire.strip(answer, added, stream=False))
+                    out = _dumps(wire.strip(answer, added))
             except ValueError as e:
                 sample.error = f"malformed answer ({e})"
                 sample.raw_evidence = data[:EVIDENCE_BYTES].decode(errors="replace")
@@ -311,7 +312,10 @@ def create_proxy(
                 continue
             sample.collected.add_chunk(chunk)
             if added != wire.Added():
-                lines[i] = b"data: " + _dumps(wire.strip(chunk, added, stream=True))
+                stripped = wire.strip(chunk, added)
+                if wire.extra_chunk(sample.route, stripped, sample.body):
+                    return b""  # a direct call gets no such event
+                lines[i] = b"data: " + _dumps(stripped)
         return b"\n".join(lines)
 
     def _note_headers(sample: Sample, resp: httpx.Response) -> None:

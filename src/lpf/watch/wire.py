@@ -8,11 +8,13 @@ Contract (no I/O, no tokenizer):
   asked for none, plus vLLM's `return_token_ids` (lpf serve has it too) when it did not set it. Fields the
   upstream refused before (`refused`, names) are not added. The client's own values are never changed:
   a client that asked for `logprobs: 2` gets 2 alternatives and lpf records those 2.
-- `strip(answer, added, stream)`: the answer (a whole response, or one streamed chunk) with what `Added`
-  says was added put back as the upstream renders it unasked, in place: `logprobs` null on every choice;
-  `token_ids` / `prompt_token_ids` null in a whole response, absent in a streamed chunk (vLLM renders
-  whole responses with every field and chunks with `exclude_unset`, so an unasked field is null in one
-  and missing from the other).
+- `strip(answer, added)`: the answer (a whole response, or one streamed chunk) with what `Added` says was
+  added put back as vLLM renders it unasked, in place: `logprobs`, `token_ids`, `prompt_token_ids` null
+  where they appear (vLLM sets them to None explicitly, so even its `exclude_unset` chunks carry them as
+  null; a server that sends none of them is left as it is).
+- `extra_chunk(route, chunk, body)`: whether a streamed chat chunk exists only because lpf asked for more
+  (vLLM sends a chunk with an empty delta for tokens whose text it holds back only when logprobs or token
+  ids were asked): dropped, so the client gets the events a direct call gets.
 - `Collected`: the pieces of one answer a recording needs, fed whole responses (`add_answer`) or streamed
   chunks (`add_chunk`) in order: text, logprob blocks (each choice's `logprobs` value, merged position by
   position), token ids, prompt token ids, finish reason, usage, the response id.
@@ -68,27 +70,34 @@ def augment(route: str, body: dict, k: int, refused: frozenset = frozenset()) ->
     return sent, Added(add_lp, add_ids)
 
 
-def strip(answer: Any, added: Added, stream: bool) -> Any:
+def strip(answer: Any, added: Added) -> Any:
     if not isinstance(answer, dict) or not (added.logprobs or added.token_ids):
         return answer
-    holders = [c for c in answer.get("choices") or () if isinstance(c, dict)]
-    for choice in holders:
+    for choice in answer.get("choices") or ():
+        if not isinstance(choice, dict):
+            continue
         if added.logprobs and "logprobs" in choice:
             choice["logprobs"] = None
         if added.token_ids:
-            _unask(choice, "token_ids", stream)
-            _unask(choice, "prompt_token_ids", stream)
-    if added.token_ids:
-        _unask(answer, "prompt_token_ids", stream)  # vLLM's chat route puts it at the top
+            for key in ("token_ids", "prompt_token_ids"):
+                if key in choice:
+                    choice[key] = None
+    if added.token_ids and "prompt_token_ids" in answer:  # vLLM's chat route puts it at the top
+        answer["prompt_token_ids"] = None
     return answer
 
 
-def _unask(d: dict, key: str, stream: bool) -> None:
-    if key in d:
-        if stream:
-            del d[key]
-        else:
-            d[key] = None
+def extra_chunk(route: str, chunk: Any, body: dict) -> bool:
+    if route != CHAT or not isinstance(chunk, dict) or chunk.get("usage"):
+        return False
+    if client_asked_logprobs(route, body) or body.get(ID_FIELD):
+        return False  # the client's own request makes vLLM send it too
+    choices = chunk.get("choices")
+    return (
+        isinstance(choices, list)
+        and bool(choices)
+        and all(isinstance(c, dict) and c.get("delta") == {} and c.get("finish_reason") is None for c in choices)
+    )
 
 
 @dataclass
