@@ -254,3 +254,45 @@ def _value(text: str, name: str) -> float:
         if line.rsplit(" ", 1)[0] == name:
             return float(line.rsplit(" ", 1)[1])
     return 0.0
+
+
+def test_stale_state_under_concurrent_clients_the_imposters_are_flagged_as_they_happen(tmp_path):
+    """`lpf serve --inject stale-state` with test_serve_audit's pressure (tiny:jamba, an 8-token step budget, 8
+    sequences, a 1 MB cache): 64 concurrent clients through the proxy, every request sampled. The requests the
+    windows flag are among the server's own ground truth (its --trace-dir faults) and each window holding one
+    alarms. Not asserted: the load hypothesis (with ~5 flagged of 64 requests neither the windows nor `lpf
+    analyze` on the whole recording rank any hypothesis as significant; it needs a longer run)."""
+    knobs = ["--cache-mb", 1, "--max-num-batched-tokens", 8, "--max-num-seqs", 8]
+    trace, out = tmp_path / "trace", tmp_path / "run"
+    prompts = _prompts(64, seed=11)
+    args = ["--reference", "tiny:jamba", "--sample", "1", "--window", "16", "--part-seconds", "0.3"]
+    with served("--model", "tiny:jamba", *knobs, "--inject", "stale-state", "--trace-dir", trace, env=ENV) as up:
+        with watched(up.base_url, out, *args, env=ENV) as proxy:
+
+            async def burst():
+                async with httpx.AsyncClient(limits=httpx.Limits(max_connections=64), timeout=300) as client:
+                    return await asyncio.gather(
+                        *(
+                            client.post(
+                                f"{proxy.base_url}/v1/completions",
+                                json={"model": "tiny:jamba", "prompt": p, "max_tokens": 16, "temperature": 0},
+                                headers={"X-Request-Id": f"c{i}"},
+                            )
+                            for i, p in enumerate(prompts)
+                        )
+                    )
+
+            assert all(r.status_code == 200 for r in asyncio.run(burst()))
+            got = wait_for(lambda: len(windows(out)) >= 4 and windows(out), what="4 windows judged")
+    truth = {
+        r.removeprefix("cmpl-").removesuffix("-0")
+        for r in pq.read_table(trace / "faults").column("request_id").to_pylist()
+    }
+    upstream = {
+        r["request_id"]: r["upstream_request_id"].removeprefix("cmpl-")
+        for r in pq.read_table(out / "watch").to_pylist()
+    }
+    flagged = {upstream[r] for w in got for r in w["flagged"]}
+    assert truth and flagged and flagged <= truth, (flagged - truth, truth)
+    assert all(w["alarm"] for w in got if w["flagged"])
+    assert not got[0]["flagged"] or got[0]["alarm"]

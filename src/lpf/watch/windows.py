@@ -8,8 +8,9 @@ before it (`context`: (requests, tokens, reference) of the previous window, or N
   run_test ({result, p_value, test, statistic, n_tokens}: `lpf.analysis.run_test` with logprobs, the
   tokens-only test of `lpf.analysis.token_test` without), tokens_only, flagged_rate and expected_rate
   (the share of tokens beyond the floor against the null rate), alarm (the run-level test rejects, or a
-  request is divergent or corrupt), and when it alarms `change` ({seq, request_id, how}): the first
-  request of the change. The change point is the maximum-likelihood split of the token exceedances
+  request is divergent or corrupt), hypotheses (the analysis's three best: feature, sentence, p-value;
+  timing and load ones from the requests' timestamps), and when it alarms `change` ({seq, request_id,
+  how}): the first request of the change. The change point is the maximum-likelihood split of the token exceedances
   (one Bernoulli rate before, a higher one after) over request boundaries of the previous window and
   this one; without token evidence, the first flagged request.
 Verdicts and the run-level test are `lpf.analysis.findings.analyze` (or `analyze_tokens_only`) on the
@@ -81,6 +82,10 @@ def judge_window(requests: pa.Table, tokens: pa.Table, reference: pa.Table, cont
     out["flagged_rate"] = float(rates[0].sum() / max(rates[1].sum(), 1)) if rates is not None else None
     out["expected_rate"] = NULL_RATE if rates is not None else None
     out["alarm"] = test.get("result") == "different" or bool(flagged)
+    # what sets the window's flagged requests apart (timing and load from the requests' own timestamps)
+    out["hypotheses"] = [
+        {k: h.get(k) for k in ("feature", "sentence", "p_value")} for h in (findings.get("hypotheses") or [])[:3]
+    ]
     if out["alarm"]:
         out["change"] = change_point(requests, tokens, reference, context, run_info, info, tokens_only, flagged)
     return out
