@@ -42,6 +42,7 @@ SHARED_GROUPS = {
         "test_locate_vllm",
         "test_client_behaviour::test_cancel_then_resend_and_bursts_against_vllms_server",
         "test_bench_quick::test_vllm_bench_quick",
+        "test_watch_vllm",
     ],
 }
 # The longest work units, handed out first so that neither worker is left with a long one at the end: the
@@ -64,6 +65,7 @@ LONGEST_FIRST = [
     "test_transformers_serve",
     "test_report",
     "test_serve_stress",
+    "test_watch_drills",  # ~6-7 min here (4 lpf serve starts, 3 lpf watch starts), by its own runs
     "hybrid-audit",
     "test_inspect",
     "test_analyze_stream",
