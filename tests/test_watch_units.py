@@ -274,3 +274,94 @@ def test_bad_watch_options_are_one_line_and_exit_2(lpf_cli, tmp_path, args, says
     r = lpf_cli("watch", "--reference", "zoo:hybrid", "--out", tmp_path / "run", "--listen", "127.0.0.1:0", *args)
     assert r.code == 2 and says in r.err and "Traceback" not in r.err
     assert not (tmp_path / "run").exists()  # nothing written
+
+
+@pytest.fixture
+def in_thread_proxy(tmp_path, recording):
+    """`lpf.watch.proxy` under uvicorn on a thread (a real socket on 127.0.0.1), every request sampled, with a real
+    recorder: for the upstream failures a scripted server can make."""
+    import threading
+    import time
+
+    import uvicorn
+
+    from lpf.serve.process import free_port
+    from lpf.watch.metrics import WatchMetrics
+    from lpf.watch.proxy import create_proxy
+    from lpf.watch.recorder import Recorder
+    from lpf.watch.sample import Sampler
+    from lpf.watch.service import Settings, prepare
+
+    started = []
+
+    def start(upstream: str, timeout: float | None = None):
+        run, _, _ = prepare(Settings(upstream=upstream, reference="zoo:hybrid", out=tmp_path / f"run{len(started)}"))
+        recorder = Recorder(run, recording(), part_seconds=0.1)
+        metrics = WatchMetrics()
+        app = create_proxy(upstream, Sampler(1.0), recorder, metrics, 5, timeout)
+        port = free_port()
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical"))
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        while not server.started:
+            time.sleep(0.05)
+        started.append((server, thread, recorder))
+        return f"http://127.0.0.1:{port}", run, metrics, recorder
+
+    yield start
+    for server, thread, recorder in started:
+        server.should_exit = True
+        thread.join(10)
+        recorder.close()
+
+
+def test_upstream_failures_reach_the_client_as_the_upstream_gave_them_and_are_recorded(in_thread_proxy):
+    import time
+
+    import httpx
+    import pyarrow.parquet as pq
+    from scripted_http import Reply, ScriptedServer
+
+    body = {"model": "m", "prompt": [5, 6, 7], "max_tokens": 2}
+
+    def script(server, path, sent, attempt):
+        p = sent.get("prompt")
+        if p == [1]:
+            return Reply(status=500, raw=b'{"error": "engine died"}')
+        if p == [2]:
+            return Reply(raw=b"<html>not json</html>")
+        if p == [3]:
+            return Reply(json={"ok": 1}, delay=2.0)
+        if p == [4] and "return_token_ids" in sent:  # a server that refuses vLLM's field
+            return Reply(status=400, json={"error": {"message": "unknown field return_token_ids"}})
+        return Reply(
+            json={"id": "c", "choices": [{"index": 0, "text": "ab", "logprobs": None, "finish_reason": "length"}]}
+        )
+
+    with ScriptedServer(script) as up:
+        base, run, metrics, recorder = in_thread_proxy(up.url, timeout=1.0)
+        url = base + "/v1/completions"
+        r = httpx.post(url, json={**body, "prompt": [1]})
+        assert (r.status_code, r.content) == (500, b'{"error": "engine died"}')
+        r = httpx.post(url, json={**body, "prompt": [2]})
+        assert (r.status_code, r.content) == (200, b"<html>not json</html>")  # kept as the upstream sent it
+        r = httpx.post(url, json={**body, "prompt": [3]})
+        assert r.status_code == 504 and "did not answer in time" in r.json()["error"]["message"]
+        r = httpx.post(url, json={**body, "prompt": [4]})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "ab"
+        last = [p.body for p in up.posts if p.body.get("prompt") == [4]]
+        assert "return_token_ids" in last[0] and "return_token_ids" not in last[1]  # sent again as the client sent it
+        r = httpx.post(url, json={**body, "prompt": [4]})
+        assert "return_token_ids" not in up.posts[-1].body  # not asked again
+        up.stop()
+        r = httpx.post(url, json=body)
+        assert r.status_code == 502 and "could not be reached" in r.json()["error"]["message"]
+    deadline = time.monotonic() + 10
+    while recorder.recorded < 6 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    req = {tuple(x["prompt_token_ids"]): x for x in pq.read_table(run.path / "requests").to_pylist()}
+    assert req[(1,)]["error"].startswith("HTTP 500") and "engine died" in req[(1,)]["error"]
+    assert req[(2,)]["error"].startswith("malformed answer") and "<html>" in req[(2,)]["error"]
+    assert req[(3,)]["error"] and req[(4,)]["error"] is None and req[(5, 6, 7)]["error"]
+    text = metrics.render()[0].decode()
+    assert "lpf_watch_upstream_errors_total 2.0" in text  # the time-out and the refused connection

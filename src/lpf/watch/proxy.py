@@ -27,7 +27,7 @@ import asyncio
 import json
 import logging
 import time
-from contextlib import suppress
+from contextlib import asynccontextmanager, suppress
 
 import httpx
 from fastapi import FastAPI, Request
@@ -103,18 +103,18 @@ def create_proxy(
     state = _State()
     holder: dict = {}
 
-    app = FastAPI(title="lpf watch", docs_url=None, redoc_url=None, openapi_url=None)
-
-    @app.on_event("startup")
-    async def _start():
+    @asynccontextmanager
+    async def lifespan(_app):
         holder["client"] = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout, connect=min(timeout or 10.0, 10.0)),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
         )
+        try:
+            yield
+        finally:
+            await holder["client"].aclose()
 
-    @app.on_event("shutdown")
-    async def _stop():
-        await holder["client"].aclose()
+    app = FastAPI(title="lpf watch", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.get("/metrics")
     async def _metrics():
