@@ -83,6 +83,8 @@ def _start(args: list[str], url: str) -> subprocess.Popen:
     p = subprocess.Popen([sys.executable, __file__, *args])
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
+        if p.poll() is not None:
+            raise RuntimeError(f"{args} exited with {p.returncode} before it listened")
         try:
             httpx.get(url, timeout=1)
             return p

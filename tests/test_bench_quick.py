@@ -123,7 +123,7 @@ def test_analysis_bench_quick(tmp_path):
 
 @pytest.mark.slow  # 8-25 s each: process start-ups (lpf run, lpf audit, a tokenizer, torch)
 @pytest.mark.parametrize(
-    "name", ["report", "rescore", "engine", "detection", "nondeterminism", "locate", "bugs", "cells"]
+    "name", ["report", "rescore", "engine", "detection", "nondeterminism", "locate", "bugs", "cells", "watch"]
 )
 def test_bench_quick(name, tmp_path):
     _check(name, tmp_path)
