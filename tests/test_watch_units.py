@@ -239,7 +239,13 @@ def test_the_scorer_keeps_its_lag_bounded_and_judges_full_windows(tmp_path, reco
         rid = f"w{seq:09d}"
         out = tok.encode(f"{seq}", add_special_tokens=False)
         rows.append(
-            {"request_id": rid, "seq": seq, "prompt_token_ids": tok.encode("ADD:1+2="), "output_token_ids": out}
+            {
+                "request_id": rid,
+                "seq": seq,
+                "rollout": 0,
+                "prompt_token_ids": tok.encode("ADD:1+2="),
+                "output_token_ids": out,
+            }
         )
         toks += [{"request_id": rid, "position": i, "token_id": t, "engine_logprob": -0.1} for i, t in enumerate(out)]
     run.append_requests(schema.table(schema.REQUESTS, _cols(rows)), schema.table(schema.TOKENS, _cols(toks)))
