@@ -37,7 +37,7 @@ LLAMACPP_TARGETS := llama-server llama-quantize
 LLAMACPP_JOBS ?= 2
 LLAMACPP_STAMP := $(LLAMACPP_DIR)/.built-$(LLAMACPP_VERSION)-$(shell echo '$(LLAMACPP_SHA256) $(LLAMACPP_CMAKE_FLAGS) $(LLAMACPP_TARGETS)' | sha1sum | cut -c1-12)
 
-.PHONY: venv demo lint test test-fast setup bench bench-vllm bench-table clean chromium vllm llamacpp
+.PHONY: venv demo lint test test-fast setup bench bench-vllm bench-table clean chromium prometheus vllm llamacpp
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
@@ -66,7 +66,7 @@ test: lint setup
 	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q $(PYTEST_PARALLEL) $(PYTEST_ARGS)
 
 # Everything `make test` needs before pytest runs, each step reused while its stamp stands
-setup: $(STAMP) chromium $(VLLM_STAMP) $(VLLM_PLUGIN_STAMP) $(LLAMACPP_STAMP)
+setup: $(STAMP) chromium prometheus $(VLLM_STAMP) $(VLLM_PLUGIN_STAMP) $(LLAMACPP_STAMP)
 
 # The unit and small end-to-end tests (about 70 s here; issue 27: <= 90 s): everything not marked `slow`. Tests that
 # need vLLM are slow, so this needs no .venv-vllm.
@@ -121,6 +121,14 @@ llamacpp: $(LLAMACPP_STAMP)
 # Headless Chromium + chromedriver (Debian packages) for the report tests, which render report.html in
 # a real browser. Idempotent and quiet: nothing runs when both are already installed.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+# Debian's Prometheus server, for the test that scrapes `lpf watch`'s /metrics with a real one (no service is
+# started: the test runs its own on a free port)
+prometheus:
+	@command -v prometheus >/dev/null 2>&1 || { \
+	  echo "installing prometheus (lpf watch's scrape test)"; \
+	  $(SUDO) apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
+
 chromium:
 	@command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1 || { \
 	  echo "installing chromium + chromium-driver (report tests)"; \

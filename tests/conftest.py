@@ -43,6 +43,7 @@ SHARED_GROUPS = {
         "test_client_behaviour::test_cancel_then_resend_and_bursts_against_vllms_server",
         "test_bench_quick::test_vllm_bench_quick",
         "test_engine_ci",  # its vLLM runs, and the built-in runs its table and plugin tests share with them
+        "test_watch_vllm",
     ],
 }
 # The longest work units, handed out first so that neither worker is left with a long one at the end: the
@@ -65,6 +66,7 @@ LONGEST_FIRST = [
     "test_transformers_serve",
     "test_report",
     "test_serve_stress",
+    "test_watch_drills",  # ~6-7 min here (4 lpf serve starts, 3 lpf watch starts), by its own runs
     "hybrid-audit",
     "test_inspect",
     "test_analyze_stream",

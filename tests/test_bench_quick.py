@@ -43,7 +43,7 @@ BENCHES = {
             r"\| memory, peak RSS above the model: .* \| [\d.]+ \|",
         ],
     ),
-    "engine": ([], [r"\| lpf builtin \(continuous batching\) \| \d+ \| [\d.]+x \|"]),
+    "engine": ([], [r"\| lpf builtin \(continuous batching\) \| \d+ \| [\d.]+x \| [\d.]+ \|"]),
     "detection": (
         [],
         [
@@ -72,6 +72,7 @@ BENCHES = {
             r"shrink \(builtin, tiny:jamba-longmem\), \d+ cells: .*: [\d.]+x overall, .*; same minimum: True",
         ],
     ),
+    "watch": ([], [r"\| proxy 1% \| [\d.]+ \| [\d.]+ \| -?[\d.]+ \| \d+ \| [\d.]+x \| [\d.]+ \|"]),
     "locate": (
         [],
         [
@@ -122,7 +123,7 @@ def test_analysis_bench_quick(tmp_path):
 
 @pytest.mark.slow  # 8-25 s each: process start-ups (lpf run, lpf audit, a tokenizer, torch)
 @pytest.mark.parametrize(
-    "name", ["report", "rescore", "engine", "detection", "nondeterminism", "locate", "bugs", "cells"]
+    "name", ["report", "rescore", "engine", "detection", "nondeterminism", "locate", "bugs", "cells", "watch"]
 )
 def test_bench_quick(name, tmp_path):
     _check(name, tmp_path)

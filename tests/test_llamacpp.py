@@ -249,11 +249,12 @@ def test_llama_server_float32_is_clean_per_request_and_greedy_like_transformers(
         "--out",
         out,
         "--json",
-        "--fail-on",
-        "never",
     )
+    # the default gate passes (issue 39: llama.cpp's float32 kernels and its float32 normaliser are measurably
+    # not the reference's arithmetic, and the run test says so in a line of its own, not as `systematic`)
     assert r.code == 0, r.err
     f = json.loads(r.out)
+    assert f["verdict"] == "clean" and f["run_test"]["result"] == "same", f["run_test"]["sentence"]
     assert f["counts"]["clean"] == f["n_requests"] == 24 and f["errors"] == 0
     # float32 rounding plus llama-server's float32 normaliser (test_reported_logprobs_are_...): < 5e-5
     assert f["metrics"]["abs_logprob_diff"]["max"] < 5e-5

@@ -90,6 +90,7 @@ def test_command_modules_import_only_common_and_render():
         "lpf.cli.render_locate",
         "lpf.cli.render_experiments",
         "lpf.cli.render_views",
+        "lpf.cli.render_watch",
     }
     commands = [m for m in graph if m.startswith("lpf.cli.") and m not in shared]
     assert {"lpf.cli.run", "lpf.cli.views", "lpf.cli.experiments", "lpf.cli.rl", "lpf.cli.serve"} <= set(commands)

@@ -10,6 +10,7 @@
   experiments.py  sweep, repeat                       rl.py      rl analyze, rl simulate
   serve.py        serve                               compare.py diff, conformance
   locate.py       locate (render_locate.py draws its summary)
+  watch.py        watch (render_watch.py draws its lines)
 Command modules import `common` and the render modules only, never each other. `lpf --help` imports click,
 rich and a few light lpf modules: every heavy import sits inside a command's body.
 
@@ -24,7 +25,7 @@ import sys
 
 import click
 
-from lpf.cli import compare, experiments, locate, rl, run, serve, views
+from lpf.cli import compare, experiments, locate, rl, run, serve, views, watch
 from lpf.cli.common import err
 from lpf.core.errors import LpfError
 
@@ -35,7 +36,7 @@ def cli():
     """logprob-forensics: re-score an engine's exact tokens with a reference and find the requests that lie."""
 
 
-for _module in (run, views, experiments, rl, serve, compare, locate):
+for _module in (run, views, experiments, rl, serve, compare, locate, watch):
     for _command in _module.COMMANDS:
         cli.add_command(_command)
 

@@ -1,0 +1,152 @@
+"""`lpf watch`: a correctness canary in front of an OpenAI-compatible server (see docs/watch.md).
+
+Every option is checked (the reference model, the upstream URL, the sampling rate, the address) before
+the proxy listens; a bad one is one line, exit 2. "watching UPSTREAM on http://HOST:PORT" goes to stderr
+once the proxy accepts connections. Exit 0 after SIGINT/SIGTERM, 1 once `--fail-after N` windows alarmed.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from lpf.cli import render_watch
+
+
+@click.command("watch")
+@click.option(
+    "--upstream", required=True, help="The server to watch, e.g. http://127.0.0.1:8000 (with or without /v1)."
+)
+@click.option(
+    "--listen", default="127.0.0.1:8100", show_default=True, help="HOST:PORT the proxy listens on (port 0: any)."
+)
+@click.option(
+    "--reference", required=True, help="The reference model (dir, zoo:NAME, tiny:NAME): what the upstream should serve."
+)
+@click.option("--sample", type=float, default=0.01, show_default=True, help="Fraction of requests recorded and scored.")
+@click.option(
+    "--seed", type=int, default=0, show_default=True, help="Sampling seed (a replay samples the same requests)."
+)
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="The run directory to record into (new).")
+@click.option("--no-text", is_flag=True, help="Record token ids only (no prompt or output text).")
+@click.option("--window", type=int, default=50, show_default=True, help="Sampled requests per judged window.")
+@click.option(
+    "--top-k", type=int, default=5, show_default=True, help="Logprob alternatives asked for a sampled request."
+)
+@click.option("--upstream-dtype", default=None, help="The dtype the upstream computes in (its expected floor).")
+@click.option("--reference-dtype", default="float32", show_default=True)
+@click.option("--reference-device", default="cpu", show_default=True)
+@click.option(
+    "--queue",
+    "queue_size",
+    type=int,
+    default=1024,
+    show_default=True,
+    help="Samples waiting to be written before new ones are dropped.",
+)
+@click.option(
+    "--part-rows", type=int, default=256, show_default=True, help="A part is committed at this many samples..."
+)
+@click.option(
+    "--part-seconds", type=float, default=2.0, show_default=True, help="...or when its oldest sample is this old."
+)
+@click.option(
+    "--upstream-timeout", type=float, default=None, help="Seconds to wait for the upstream (default: no limit)."
+)
+@click.option(
+    "--max-lag",
+    type=int,
+    default=10_000,
+    show_default=True,
+    help="Recorded requests waiting for the reference beyond which the oldest are given up (kept, not scored).",
+)
+@click.option("--alert-webhook", default=None, help="POST each alarm as JSON to this URL.")
+@click.option("--fail-after", type=int, default=None, help="Exit 1 after this many alarmed windows (a CI canary).")
+@click.option(
+    "--log-level",
+    type=click.Choice(["critical", "error", "warning", "info", "debug"]),
+    default="warning",
+    show_default=True,
+)
+def watch(
+    upstream,
+    listen,
+    reference,
+    sample,
+    seed,
+    out,
+    no_text,
+    window,
+    top_k,
+    upstream_dtype,
+    reference_dtype,
+    reference_device,
+    queue_size,
+    part_rows,
+    part_seconds,
+    upstream_timeout,
+    max_lag,
+    alert_webhook,
+    fail_after,
+    log_level,
+):
+    """Proxy an OpenAI-compatible server, record a sample of its traffic, and re-score it with a reference.
+
+    Clients see the upstream's answers unchanged; sampled requests are recorded into --out (a run
+    directory: `lpf analyze`, `lpf report` work on it) and judged window by window in the background.
+    /metrics serves Prometheus metrics.
+    """
+    from lpf.core.errors import LpfError
+    from lpf.serve import server as listen_on
+    from lpf.watch.sample import Sampler
+    from lpf.watch.service import Settings, serve
+
+    host, sep, port = listen.rpartition(":")
+    if not sep or not port.isdigit():
+        raise LpfError(f"--listen must be HOST:PORT, got {listen!r}")
+    host = host.strip("[]") or "127.0.0.1"
+    Sampler(sample, seed)  # a bad rate is refused before anything is created
+    if top_k < 0 or queue_size < 1 or part_rows < 1 or part_seconds <= 0 or max_lag < 1:
+        raise LpfError("--top-k must be >= 0, --queue, --part-rows and --max-lag >= 1, --part-seconds > 0")
+    settings = Settings(
+        upstream=upstream,
+        reference=reference,
+        out=out,
+        sample=sample,
+        seed=seed,
+        keep_text=not no_text,
+        window=window,
+        top_k=top_k,
+        queue_size=queue_size,
+        part_rows=part_rows,
+        part_seconds=part_seconds,
+        upstream_timeout=upstream_timeout,
+        upstream_dtype=upstream_dtype,
+        reference_dtype=reference_dtype,
+        reference_device=reference_device,
+        max_lag=max_lag,
+        alert_webhook=alert_webhook,
+        fail_after=fail_after,
+        log_level=log_level,
+    )
+    sock = listen_on.bind(host, int(port))
+    shown = f"[{host}]" if ":" in host else host
+    try:
+        outcome = serve(
+            settings,
+            sock,
+            on_ready=lambda p: click.echo(
+                f"watching {upstream} on http://{shown}:{p} (recording into {out})", err=True
+            ),
+            on_window=render_watch.window_line,
+        )
+    finally:
+        sock.close()
+    render_watch.summary(outcome)
+    if outcome.failed:
+        sys.exit(1)
+
+
+COMMANDS = (watch,)

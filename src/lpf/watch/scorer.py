@@ -1,0 +1,259 @@
+"""The scoring process: rescore what the proxy recorded, judge full windows, append them to `live/windows.jsonl`.
+
+Contract: `python -m lpf.watch.scorer RUN --reference M --dtype D --device DEV --window N [--poll S]`
+runs until killed. Each cycle: every committed, not-yet-scored request is teacher-forced by one
+`Rescorer` kept loaded (`reference/` parts, as `lpf rescore` writes them: resumable, so a scorer
+killed mid-batch and restarted redoes nothing committed), then every complete window is judged
+(`windows.judge_window`) and appended as one JSON line to `live/windows.jsonl` (flushed and fsynced
+before the next). Bounded lag: at most `per_cycle` requests are scored between two judgements, and when more
+than `--max-lag` recorded requests wait, the oldest are given up (listed in `live/skipped.txt`, counted,
+still recorded: `lpf rescore` can score them later) so the scorer stays on recent traffic. A window is the next N scored (or failed) requests in arrival order that no earlier
+window holds; a request committed after a later window was judged joins the next window. Progress
+(`scored`, `recorded`, the newest scored request's arrival) goes to `live/scorer.json` for /metrics.
+It never opens the run with `RunDir.open` (which deletes a tokens part whose requests part is not yet
+written: the recorder may be between the two).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from lpf.run.store import RunDir, read_part
+
+WINDOWS = "live/windows.jsonl"
+STATUS = "live/scorer.json"
+SKIPPED = "live/skipped.txt"
+REQ_COLS = ["request_id", "seq", "prompt_token_ids", "output_token_ids", "error", "inconsistency", "t_submit"]
+
+
+def _open(path: Path) -> RunDir:
+    return RunDir(path, json.loads((path / "manifest.json").read_text()))
+
+
+class Scorer:
+    def __init__(
+        self,
+        path: Path,
+        reference: str,
+        dtype: str,
+        device: str,
+        window: int,
+        token_budget: int = 16384,
+        max_lag: int = 10_000,
+        per_cycle: int = 512,
+    ):
+        from lpf.core.model_specs import resolve_model
+        from lpf.pipeline.analyze import floor_table
+        from lpf.pipeline.calibrate import engine_dtype
+        from lpf.pipeline.reference import Rescorer
+
+        self.path, self.window, self.max_lag, self.per_cycle = path, window, max_lag, per_cycle
+        run = _open(path)
+        self.model = resolve_model(reference)
+        self.rescorer = Rescorer(
+            self.model,
+            dtype=dtype,
+            device=device,
+            token_budget=token_budget,
+            topk=run.manifest["sampling"].get("logprobs", 5),
+        )
+        desc = self.rescorer.describe()
+        if desc["tokenizer_sha256"] != run.manifest["tokenizer_sha256"]:
+            raise SystemExit(f"reference {reference} uses another tokenizer than the recorded run")
+        run.manifest["reference"] = {**desc, "executor": "local"}
+        run.save_manifest()
+        self.info = {
+            "engine_dtype": engine_dtype(run.manifest),
+            "reference_dtype": dtype,
+            "model": reference,
+            "floor_table": floor_table(),
+        }
+        self.requests: dict[str, pa.Table] = {}  # part name -> its requests
+        self.watch: dict[str, pa.Table] = {}  # part name -> its watch rows (request_id, temperature)
+        self.scored: set[str] = set(run.read("reference", ["request_id"]).column("request_id").to_pylist())
+        self.judged: set[str] = set()
+        self.skipped: set[str] = set(_read_ids(path / SKIPPED))
+        self.windows = 0
+        self.context = None
+        for line in self._lines():
+            self.judged.update(line["request_ids"])
+            self.windows = max(self.windows, line["window"] + 1)
+
+    def _lines(self) -> list[dict]:
+        p = self.path / WINDOWS
+        if not p.is_file():
+            return []
+        out = []
+        for line in p.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:  # a line cut by a kill: the window is judged again
+                pass
+        return out
+
+    def _refresh(self, run: RunDir) -> pa.Table:
+        for p in run.parts("requests"):
+            if p.name not in self.requests:
+                self.requests[p.name] = read_part(p, "requests", REQ_COLS)
+        for p in run.parts("watch"):
+            if p.name not in self.watch:
+                self.watch[p.name] = pq.read_table(p, columns=["request_id", "temperature"])
+        return pa.concat_tables(list(self.requests.values())) if self.requests else None
+
+    def cycle(self) -> int:
+        """Score and judge what is ready; the number of windows judged."""
+        from lpf.core.sampling import request_seed
+        from lpf.pipeline.reference import ScoreItem
+
+        run = _open(self.path)
+
+        reqs = self._refresh(run)
+        if reqs is None:
+            return 0
+        n_out = pc.list_value_length(reqs.column("output_token_ids")).fill_null(0).to_pylist()
+        retok = [bool(i and "retokenized:" in i) for i in reqs.column("inconsistency").to_pylist()]
+        ids, errors = reqs.column("request_id").to_pylist(), reqs.column("error").to_pylist()
+        todo = [
+            i
+            for i, (r, n, e, rt) in enumerate(zip(ids, n_out, errors, retok))
+            if n and e is None and not rt and r not in self.scored and r not in self.skipped
+        ]
+        seqs = reqs.column("seq").to_pylist()
+        todo.sort(key=lambda i: seqs[i])
+        if len(todo) > self.max_lag:  # bounded lag: the oldest backlog is given up (kept recorded, not scored)
+            given_up = [ids[i] for i in todo[: len(todo) - self.max_lag]]
+            with open(self.path / SKIPPED, "a") as f:
+                f.write("".join(r + "\n" for r in given_up))
+                f.flush()
+                os.fsync(f.fileno())
+            self.skipped.update(given_up)
+            todo = todo[len(todo) - self.max_lag :]
+        todo = todo[: self.per_cycle]  # the next cycle judges what this one scored before taking more
+        if todo:
+            rows = reqs.take(pa.array(todo)).to_pylist()
+            items = [
+                ScoreItem(
+                    r["request_id"], r["prompt_token_ids"], r["output_token_ids"], False, request_seed(0, r["seq"])
+                )
+                for r in rows
+            ]
+            for scored in self.rescorer.score_all(items):
+                run.append_reference(scored.reference, scored.prompt_reference, scored.seeded)
+                self.scored.update(scored.reference.column("request_id").unique().to_pylist())
+        settled = {
+            r
+            for r, n, e, rt in zip(ids, n_out, errors, retok)
+            if r in self.scored or r in self.skipped or e is not None or not n or rt
+        }
+        judged = self._judge(run, reqs, settled)
+        arrivals = [t for r, t in zip(ids, reqs.column("t_submit").to_pylist()) if r in self.scored and t]
+        _atomic_json(
+            self.path / STATUS,
+            {
+                "recorded": len(ids),
+                "scored": len(self.scored),
+                "skipped": len(self.skipped),
+                "windows": self.windows,
+                "newest_scored_arrival": max(arrivals) if arrivals else None,
+                "pid": os.getpid(),
+                "t": time.time(),
+            },
+        )
+        return judged
+
+    def _judge(self, run: RunDir, reqs: pa.Table, settled: set[str]) -> int:
+        from lpf.watch.windows import judge_window
+
+        ready = [
+            (s, r)
+            for r, s in zip(reqs.column("request_id").to_pylist(), reqs.column("seq").to_pylist())
+            if r in settled and r not in self.judged
+        ]
+        ready.sort()
+        done = 0
+        temps = {}
+        for t in self.watch.values():
+            temps.update(zip(t.column("request_id").to_pylist(), t.column("temperature").to_pylist()))
+        while len(ready) >= self.window:
+            chunk, ready = ready[: self.window], ready[self.window :]
+            ids = [r for _, r in chunk]
+            scored_ids = [r for r in ids if r in self.scored]
+            line = {
+                "window": self.windows,
+                "request_ids": ids,
+                "n_settled": len(ids),
+                "n_unscored": len(ids) - len(scored_ids),
+            }
+            if scored_ids:
+                w_req_full = _rows(run, "requests", scored_ids)
+                w_tok = _rows(run, "tokens", scored_ids)
+                w_ref = _rows(run, "reference", scored_ids)
+                ts = {temps.get(r) for r in scored_ids}
+                info = dict(self.info, temperature=ts.pop() if len(ts) == 1 else None)
+                line.update(judge_window(w_req_full, w_tok, w_ref, self.context, info))
+                self.context = (w_req_full, w_tok, w_ref)
+            else:
+                line.update(alarm=False, verdicts={}, run_test={"result": None}, n_requests=0, n_tokens=0)
+            line["t"] = time.time()
+            with open(self.path / WINDOWS, "a") as f:
+                f.write(json.dumps(line, default=float) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            self.judged.update(ids)
+            self.windows += 1
+            done += 1
+        return done
+
+
+def _rows(run: RunDir, table: str, ids: list[str]) -> pa.Table:
+    want = pa.array(ids, pa.string())
+    parts = [
+        t.filter(pc.is_in(t.column("request_id"), value_set=want))
+        for t in run.iter_parts(table, list(_schema(table).names))
+    ]
+    return pa.concat_tables(parts) if parts else _schema(table).empty_table()
+
+
+def _schema(table: str):
+    from lpf.run import schema
+
+    return schema.TABLES[table]
+
+
+def _read_ids(path: Path) -> list[str]:
+    return [x for x in path.read_text().split("\n") if x] if path.is_file() else []
+
+
+def _atomic_json(path: Path, obj: dict) -> None:
+    tmp = path.with_name(f".tmp-{path.name}")
+    tmp.write_text(json.dumps(obj))
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="lpf.watch.scorer")
+    p.add_argument("run", type=Path)
+    p.add_argument("--reference", required=True)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--window", type=int, default=50)
+    p.add_argument("--poll", type=float, default=0.5)
+    p.add_argument("--max-lag", type=int, default=10_000)
+    a = p.parse_args(argv)
+    scorer = Scorer(a.run, a.reference, a.dtype, a.device, a.window, max_lag=a.max_lag)
+    while True:
+        scorer.cycle()
+        time.sleep(a.poll)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,198 @@
+"""`lpf watch` put together: the run directory, the recorder, the scoring process, the proxy under uvicorn.
+
+Contract: `prepare(out, reference, upstream, ...)` validates and creates the run directory (manifest in
+the run schema: engine `openai` at the upstream, model and reference `--reference`, the reference's
+tokenizer fingerprint; no API key anywhere) and returns it; `serve(settings, sock, on_ready, on_window)`
+runs until SIGINT/SIGTERM (or `--fail-after` alarms) and returns a `Outcome` (requests proxied, sampled,
+recorded, dropped, windows, alarms, whether --fail-after fired). In-flight requests get 10 s to finish,
+the recorder commits what it holds, the scorer is stopped. It prints nothing: the command line renders.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import platform
+import signal
+import socket
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from lpf.core.errors import LpfError
+
+
+@dataclass
+class Settings:
+    upstream: str
+    reference: str
+    out: Path
+    sample: float = 0.01
+    seed: int = 0
+    keep_text: bool = True
+    window: int = 50
+    top_k: int = 5
+    queue_size: int = 1024
+    part_rows: int = 256
+    part_seconds: float = 2.0
+    upstream_timeout: float | None = None
+    upstream_dtype: str | None = None
+    reference_dtype: str = "float32"
+    reference_device: str = "cpu"
+    alert_webhook: str | None = None
+    fail_after: int | None = None
+    log_level: str = "warning"
+    scorer: bool = True
+    max_lag: int = 10_000
+
+
+@dataclass
+class Outcome:
+    proxied_sampled: int = 0
+    recorded: int = 0
+    dropped: int = 0
+    windows: list = field(default_factory=list)
+    alarms: int = 0
+    failed: bool = False
+    scorer_restarts: int = 0
+
+
+def prepare(s: Settings):
+    """The run directory, created (or an LpfError: a bad reference, an occupied --out)."""
+    import lpf
+    from lpf.core.model_specs import load_tokenizer, resolve_model, tokenizer_fingerprint
+    from lpf.core.sampling import SamplingParams
+    from lpf.pipeline.generate import model_config
+    from lpf.run.store import RunDir
+
+    if not s.upstream.startswith(("http://", "https://")):
+        raise LpfError(f"--upstream must be an http(s) URL, got {s.upstream!r}")
+    if s.window < 1:
+        raise LpfError(f"--window must be >= 1, got {s.window}")
+    if s.fail_after is not None and s.fail_after < 1:
+        raise LpfError(f"--fail-after must be >= 1, got {s.fail_after}")
+    model = resolve_model(s.reference)
+    cfg = model_config(model)
+    tokenizer = load_tokenizer(model)
+    manifest = {
+        "run_id": uuid.uuid4().hex[:12],
+        "lpf_version": lpf.__version__,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "status": "running",
+        "engine": {
+            "name": "openai",
+            "options": {"base_url": s.upstream, "dtype": s.upstream_dtype},
+            "watch": {"sample": s.sample, "seed": s.seed, "keep_text": s.keep_text, "window": s.window},
+        },
+        "model": {**model.describe(), "architecture": (cfg.get("architectures") or ["?"])[0]},
+        "tokenizer_sha256": tokenizer_fingerprint(tokenizer),
+        "workload": {"source": "live traffic (lpf watch)", "n_prompts": None, "n": 1, "n_requests": None},
+        "sampling": SamplingParams(logprobs=s.top_k).to_dict(),
+        "seed": s.seed,
+        "part_size": s.part_rows,
+        "host": {
+            "hostname": socket.gethostname(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+        },
+    }
+    run = RunDir.create(s.out, manifest)
+    (run.path / "live").mkdir(exist_ok=True)  # the scorer's windows, status and log (not parts)
+    return run, tokenizer, int(cfg.get("vocab_size", len(tokenizer)))
+
+
+def serve(
+    s: Settings, sock: socket.socket, on_ready: Callable[[int], None], on_window: Callable[[dict], None]
+) -> Outcome:
+    import uvicorn
+
+    from lpf.watch.metrics import WatchMetrics
+    from lpf.watch.proxy import create_proxy
+    from lpf.watch.record import Recording
+    from lpf.watch.recorder import Recorder
+    from lpf.watch.sample import Sampler
+    from lpf.watch.supervisor import Supervisor
+
+    sampler = Sampler(s.sample, s.seed)
+    metrics = WatchMetrics()
+    run, tokenizer, vocab = prepare(s)
+    recorder = Recorder(run, Recording(tokenizer, vocab, s.keep_text), s.queue_size, s.part_rows, s.part_seconds)
+    held: dict = {}
+
+    async def page():
+        from fastapi.responses import HTMLResponse
+
+        from lpf.watch.page import render_page
+
+        sup, state = held["sup"], app.state.proxy
+        counters = {
+            "upstream": s.upstream,
+            "sampled": state.seq,
+            "recorded": recorder.recorded,
+            "dropped": recorder.dropped,
+            "windows": len(sup.windows),
+            "alarms": sup.alarms,
+            "scorer restarts": sup.restarts,
+        }
+        return HTMLResponse(render_page(sup.windows, counters))
+
+    app = create_proxy(s.upstream, sampler, recorder, metrics, s.top_k, s.upstream_timeout, {"/lpf/": page})
+    server = uvicorn.Server(
+        uvicorn.Config(app, log_level=s.log_level, timeout_graceful_shutdown=10, lifespan="on", access_log=False)
+    )
+    sup = Supervisor(
+        run.path,
+        [
+            "--reference",
+            s.reference,
+            "--dtype",
+            s.reference_dtype,
+            "--device",
+            s.reference_device,
+            "--window",
+            str(s.window),
+            "--max-lag",
+            str(s.max_lag),
+        ],
+        metrics,
+        on_window,
+        s.alert_webhook,
+        s.fail_after,
+        stop=lambda: setattr(server, "should_exit", True),
+    )
+
+    held["sup"] = sup
+
+    async def main() -> None:
+        task = asyncio.create_task(server.serve(sockets=[sock]))
+        while not server.started and not task.done():
+            await asyncio.sleep(0.05)
+        if server.started:
+            on_ready(sock.getsockname()[1])
+        await task
+
+    stop_signals: list[int] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda n, _frame: stop_signals.append(n))
+    if s.scorer:
+        sup.start()
+    try:
+        asyncio.run(main())
+    finally:
+        recorder.close()
+        if s.scorer:
+            sup.tick()  # the last windows the scorer appended
+        sup.close()
+    if not server.started:
+        raise LpfError("the proxy did not start (see the messages above)")
+    state = app.state.proxy
+    return Outcome(
+        proxied_sampled=state.seq,
+        recorded=recorder.recorded,
+        dropped=recorder.dropped,
+        windows=sup.windows,
+        alarms=sup.alarms,
+        failed=sup.failed,
+        scorer_restarts=sup.restarts,
+    )

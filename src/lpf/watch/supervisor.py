@@ -1,0 +1,177 @@
+"""Keeps the scoring process alive and turns its windows into metrics, alarms and the --fail-after exit.
+
+Contract: `Supervisor(run_path, scorer_args, metrics, on_window, webhook, fail_after, stop)`; `start()`
+starts `python -m lpf.watch.scorer` as a child (its own process: a crash or a kill of the scorer never
+touches the proxy) and a thread that, every `poll` seconds, restarts the child if it died (counted in
+`restarts` and `lpf_watch_scorer_restarts`), reads the windows appended to `live/windows.jsonl` since
+the last look, updates the metrics, calls `on_window(window)` for each (the command line renders the
+one structured line per alarm), POSTs each alarmed window as JSON to `webhook` (a failed POST is
+logged, never retried on the request path), and calls `stop()` once `fail_after` windows have alarmed
+(`failed` is then True). `close()` stops the thread and the child (SIGTERM, then SIGKILL).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from lpf.watch.scorer import STATUS, WINDOWS
+
+log = logging.getLogger("lpf.watch")
+
+
+class Supervisor:
+    def __init__(
+        self,
+        run_path: Path,
+        scorer_args: list[str],
+        metrics,
+        on_window,
+        webhook=None,
+        fail_after=None,
+        stop=None,
+        poll: float = 0.5,
+    ):
+        self.path, self.args, self.metrics = Path(run_path), scorer_args, metrics
+        self.on_window, self.webhook, self.fail_after, self.stop = on_window, webhook, fail_after, stop
+        self.poll = poll
+        self.proc: subprocess.Popen | None = None
+        self.restarts = self.alarms = self.seen = 0
+        self.failed = False
+        self.windows: list[dict] = []
+        self._offset = 0
+        self._closing = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="lpf-watch-supervisor", daemon=True)
+        self._log = open(self.path / "live" / "scorer.log", "ab")
+
+    def start(self) -> None:
+        self._spawn()
+        self._thread.start()
+
+    def _spawn(self) -> None:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "lpf.watch.scorer", str(self.path), *self.args],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,  # a Ctrl-C at the terminal goes to lpf watch, which stops it
+        )
+
+    def _loop(self) -> None:
+        while not self._closing.wait(self.poll):
+            try:
+                self.tick()
+            except Exception as e:  # the watcher of the watcher must not die of one bad line
+                log.error("lpf watch: supervisor: %s: %s", type(e).__name__, e)
+
+    def tick(self) -> None:
+        if self.proc is not None and self.proc.poll() is not None and not self._closing.is_set():
+            log.warning("lpf watch: the scorer exited (%s); restarting it", self.proc.returncode)
+            self.restarts += 1
+            self.metrics.scorer_restarts.set(self.restarts)
+            self._spawn()
+        self._status()
+        for w in self._new_windows():
+            self._window(w)
+
+    def _status(self) -> None:
+        try:
+            s = json.loads((self.path / STATUS).read_text())
+        except (OSError, ValueError):
+            return
+        new = s.get("scored", 0) - self.seen
+        if new > 0:
+            self.metrics.scored.inc(new)
+            self.seen = s["scored"]
+        self.metrics.lag_requests.set(max(0, s.get("recorded", 0) - s.get("scored", 0) - s.get("skipped", 0)))
+        self.metrics.skipped.set(s.get("skipped", 0))
+        if s.get("newest_scored_arrival"):
+            self.metrics.lag_seconds.set(max(0.0, time.time() - s["newest_scored_arrival"]))
+
+    def _new_windows(self) -> list[dict]:
+        p = self.path / WINDOWS
+        if not p.is_file():
+            return []
+        with open(p, "rb") as f:
+            f.seek(self._offset)
+            data = f.read()
+        end = data.rfind(b"\n") + 1  # a line still being written waits for the next look
+        self._offset += end
+        out = []
+        for line in data[:end].splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+        return out
+
+    def _window(self, w: dict) -> None:
+        self.windows.append(w)
+        m = self.metrics
+        for verdict, n in (w.get("verdicts") or {}).items():
+            m.verdicts.labels(verdict=verdict).inc(n)
+        test = w.get("run_test") or {}
+        m.windows.labels(result=str(test.get("result"))).inc()
+        if test.get("p_value") is not None:
+            m.p_value.set(test["p_value"])
+        if w.get("flagged_rate") is not None:
+            m.flagged_rate.set(w["flagged_rate"])
+            m.expected_rate.set(w["expected_rate"])
+        m.alarmed.set(1 if w.get("alarm") else 0)
+        if w.get("alarm"):
+            m.alarms.inc()
+            self.alarms += 1
+            if self.webhook:
+                self._post(w)
+        self.on_window(w)
+        if w.get("alarm") and self.fail_after and self.alarms >= self.fail_after and not self.failed:
+            self.failed = True
+            if self.stop:
+                self.stop()
+
+    def _post(self, w: dict) -> None:
+        import httpx
+
+        try:
+            httpx.post(self.webhook, json=alarm_record(w), timeout=5.0).raise_for_status()
+        except httpx.HTTPError as e:
+            log.error("lpf watch: the alert webhook failed: %s: %s", type(e).__name__, e)
+
+    def close(self) -> None:
+        self._closing.set()
+        if self._thread.is_alive():
+            self._thread.join(5)
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()
+
+
+def alarm_record(w: dict) -> dict:
+    """What one alarm says (the log line and the webhook's body): the window, its test, its first request."""
+    test = w.get("run_test") or {}
+    return {
+        "event": "lpf_watch_alarm",
+        "window": w.get("window"),
+        "first_seq": w.get("first_seq"),
+        "last_seq": w.get("last_seq"),
+        "run_test": test.get("result"),
+        "p_value": test.get("p_value"),
+        "verdicts": w.get("verdicts"),
+        "flagged": (w.get("flagged") or [])[:20],
+        "change_request_id": (w.get("change") or {}).get("request_id"),
+        "change_seq": (w.get("change") or {}).get("seq"),
+        "sentence": test.get("sentence"),
+    }
