@@ -23,6 +23,9 @@ From vLLM's trace (lpf-vllm-trace's columns, present only there):
   first_step_reordered      the batch reorder moved its row on its first step
 From the prefix-cache columns (any engine that fills them: the built-in engine, vLLM's plugin,
 llama.cpp's timings.cache_n): `prefix_features` (prefix_cache_hit and the provenance of restored states).
+From the trace's write log (`write_features`, engines that keep one: the built-in engine):
+  state_overwritten, state_write_strayed (another request's state write landed in its slot; its own
+  landed outside it).
 From the requests: prompt_length, rollout, seq (arrival index).
 """
 
@@ -36,6 +39,7 @@ import pyarrow.compute as pc
 from lpf.analysis.feature import Feature
 from lpf.analysis.prefix_features import prefix_features
 from lpf.analysis.verdicts import by_arrival
+from lpf.analysis.write_features import write_features
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
@@ -60,6 +64,7 @@ def request_features(requests: pa.Table, trace: pa.Table | None, engine_info: di
         feats += _trace_features(req, trace, engine_info or {})
         feats += _vllm_trace_features(req, trace)
         feats += prefix_features(req, trace, engine_info)
+        feats += write_features(req, trace)
     return feats
 
 

@@ -10,7 +10,8 @@ behind `Drills`; with no drill on, each of its hooks is the honest behaviour.
 With prefix caching (`mamba_block_size` given) a request resuming from a checkpoint reads its initial
 state from the entry of its Mamba block table that its hit ends in, the Mamba layers save the
 states the scheduler asked for, and the reply says which slots were written and read
-(`prefix_drills.PrefixDrills` holds those decisions and the drills that change them).
+(`prefix_drills.PrefixDrills` holds those decisions and the drills that change them). It also reports
+every state write that landed outside the writer's own slot, and whose slot it hit (the write log).
 """
 
 from __future__ import annotations
@@ -101,7 +102,22 @@ class ModelRunner:
         if not seqs:
             return StepResult(phases)
         result = self._forward(so, seqs, ids, pos, phases, capture)
-        return replace(result, state_writes=writes, resume_reads=reads)
+        return replace(result, state_writes=writes, resume_reads=reads, stray_writes=self._stray_writes(so, seqs))
+
+    def _stray_writes(self, so: SchedulerOutput, seqs: list[SeqMeta]) -> dict[str, list[dict]]:
+        """The write log: each prefill/extend whose final state went somewhere else than its own slot
+        (offset arithmetic gone wrong), with the slots it landed in and who held them this step."""
+        out = {}
+        for m in seqs:
+            if m.phase == "decode":  # the decode path's offsets are exact
+                continue
+            landed = self.state_cache.stray_write(m.state_slot, "prefill")
+            if landed is not None:
+                start, end, slots = landed
+                out[m.request_id] = [
+                    {"owner": so.slot_owners.get(slot), "slot": slot, "start": start, "end": end} for slot in slots
+                ]
+        return out
 
     def _with_prefix(self, s, meta: SeqMeta, writes: list, reads: dict) -> SeqMeta:
         """The prefix cache's part of a request's step: where it resumes from, where its conv state and
