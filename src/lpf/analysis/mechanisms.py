@@ -11,30 +11,30 @@ findings' `mechanisms`: {"covered": [{"feature", "sentence", "n", "rank"}, ...] 
 were chosen, "unexplained": n, "n_flagged": n}. Pure numpy.
 
 The rule (explaining away, in rounds):
-  1. Among the hypotheses significant for the requests not explained yet (round 1: the run's ranking
-     as it is), take the best-ranked one whose feature holds for at least 2 of them and has not
-     explained any earlier round; "holds" is the boolean, or the flagged side of the numeric
-     hypothesis' split (x >= t or x <= t; NaN: no). Significant here is stricter than the ranking's
-     p < 0.05: p < 0.05 / (the number of features tested), a Bonferroni bar over the family of
-     candidate mechanisms, since every round asks all of them (numeric splits already carry their
-     own correction for the cut points tried).
-  2. It explains every not-yet-explained flagged request it holds for.
-  3. Rank the features again (`rank_hypotheses`, the same Fisher tests and Bonferroni-corrected
-     splits) with only the flagged requests still unexplained against the same comparison group
-     (the requests explained so far leave both groups), and repeat from 1 until none is left, no
-     hypothesis is significant for what is left, or MAX_ROUNDS rounds.
-  4. What is left is "unexplained".
-Why rounds rather than "the best-ranked hypothesis a request carries": a broad, weak feature (prompt
-length, arrival index) is often significant on the whole run only because it overlaps the real
-mechanism; once the requests that mechanism explains are set aside it must be significant again on
-what remains, which it rarely is, so it cannot "explain" everything it happens to cover (measured: on
-an offset-wrap run without the write log, prompt length <= 28 held for 112 of the 139 victims the wrap
-does not explain and for 57/99 unflagged requests, p = 0.0065 after its split correction: past 0.05,
-not past the family's bar; a feature explains once, so its opposite split cannot take the rest). The
-reverse: a second mechanism hidden behind the first shows up only then (the victims of an
-offset-wrap's stray writes: most of the run's clean requests were overwritten too, so
-`state_overwritten` is no enrichment among all flagged requests, and a strong one among those the
-wrap itself does not explain). A mechanism chosen in round 1 keeps the run's ranking's sentence and
+  1. Rank the features for the flagged requests not explained yet (round 1: the run's ranking as it
+     is; later rounds: `rank_hypotheses` again, the requests explained so far out of both groups, so
+     the same Fisher tests and split corrections, p < 0.05).
+  2. Take the best-ranked hypothesis that holds for at least 2 of those requests and whose feature
+     has not explained an earlier round ("holds": the boolean, or the flagged side of a numeric
+     hypothesis' split, x >= t or x <= t; NaN: no). A `descriptive` feature (what a request is: its
+     prompt length, rollout or arrival index, not what the engine did to it) is taken only when no
+     other feature qualifies, and only when it is significant past the family's Bonferroni bar
+     (p < 0.05 / the number of features ranked) and the flagged rate among the requests it holds for
+     is at least RISK_RATIO times the rate among the rest.
+  3. It explains every not-yet-explained flagged request it holds for; repeat until none is left,
+     nothing qualifies, or MAX_ROUNDS rounds. What is left is "unexplained".
+Why rounds rather than "the best-ranked hypothesis a request carries": a broad feature is often
+significant over the whole run only because it overlaps the real mechanism, and must be significant
+again among the requests that mechanism leaves; and a second mechanism hidden behind the first shows
+only then (an offset-wrap's victims: most clean requests were overwritten too, so `state_overwritten`
+is no enrichment over all flagged requests, and a strong one among those the wrap leaves). Why the
+last resort for descriptive features: measured on offset-wrap runs (make demo's configuration), a
+prompt length split was significant among the victims the wrap leaves (112/139 vs 57/99 unflagged,
+p = 0.006; 51/55 vs 26/46 on 200 prompts, p = 0.001, ahead of `state_overwritten`'s 0.007), a
+moderator of which victims the model's attention rescues, not what happened to them (risk ratios 1.7
+and 4.0); and a server's repetition penalty showed as "prompt length >= 43 (p=0.0021)". A trigger
+condition such as a long-context bug's (flagged only past some length) has a risk ratio far above 5. A feature explains once, so a split and
+its opposite cannot share the requests. A mechanism chosen in round 1 keeps the run's sentence and
 rank; a later one says what it holds for among the requests still unexplained ("otherwise
 unexplained"), with its rank in the run's ranking, or None when it is not there.
 """
@@ -48,6 +48,7 @@ from lpf.analysis.hypotheses import MAX_P, rank_hypotheses
 
 MAX_ROUNDS = 8
 MIN_COVER = 2  # a mechanism explains at least 2 requests, as a hypothesis needs 2 flagged ones
+RISK_RATIO = 5.0  # a descriptive feature: flagged rate with it / without it, at least
 UNEXPLAINED = "unexplained: no hypothesis significant among the requests left holds for it"
 
 
@@ -81,7 +82,7 @@ def attribute(
     for round_ in range(MAX_ROUNDS):
         if not left.any():
             break
-        pick = _first_holding(hyps, by_name, left, bar, {c["feature"] for c in covered})
+        pick = _pick(hyps, by_name, left, bar, {c["feature"] for c in covered})
         if pick is None:
             break
         h, f, mask = pick
@@ -108,12 +109,27 @@ def attribute(
     return per, {"covered": covered, "unexplained": int(left.sum()), "n_flagged": int(flagged.sum())}
 
 
-def _first_holding(hyps: list[dict], by_name: dict, left: np.ndarray, bar: float, used: set):
+def _pick(hyps: list[dict], by_name: dict, left: np.ndarray, bar: float, used: set):
+    """(hypothesis, feature, the requests left it holds for) of the round's mechanism, or None."""
+    fallback = None
     for h in hyps:
         f = by_name.get(h["feature"])
-        if f is None or f.name in used or h["p_value"] >= bar:
+        if f is None or f.name in used:
             continue
         mask = holds(f, h) & left
-        if int(mask.sum()) >= MIN_COVER:
+        if int(mask.sum()) < MIN_COVER:
+            continue
+        if not f.descriptive:
             return h, f, mask
-    return None
+        if fallback is None and h["p_value"] < bar and _risk_ratio(h) >= RISK_RATIO:
+            fallback = (h, f, mask)
+    return fallback
+
+
+def _risk_ratio(h: dict) -> float:
+    """The flagged rate among the requests a hypothesis holds for, over the rate among the others."""
+    a, c = h["flagged_with"], h["clean_with"]
+    b, d = h["flagged_total"] - a, h["clean_total"] - c
+    if b == 0:
+        return float("inf")
+    return (a / (a + c)) / (b / (b + d))

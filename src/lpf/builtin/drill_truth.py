@@ -20,7 +20,13 @@ _WRAP = {"slot_offset_over_wrap", "state_write_strayed", "max_state_slot"} | {
     f"slot{b}_offset_over_2^{n}" for b in ("", "_byte") for n in (31, 32)
 }
 # the imposter: a first step run as a decode on a slot an earlier request had left its state in
-_STALE = {"first_decode_uncomputed", "first_phase_decode", "first_slot_used_before", "first_step_one_token"}
+_STALE = {
+    "first_decode_uncomputed",
+    "admitted_as_decode",
+    "first_phase_decode",
+    "first_slot_used_before",
+    "first_step_one_token",
+}
 
 # fault -> role -> the per-request mechanism features that name what happened
 EXPECTED: dict[str, dict[str, set[str]]] = {
