@@ -78,7 +78,7 @@ def test_a_broad_descriptive_feature_explains_nothing_it_merely_overlaps():
 
 def _descriptive_only(short_flagged: int, short_clean: int):
     """40 flagged of 600; `short_*` of each group have a short prompt; nothing else to go on."""
-    n, i = 600, np.arange(600)
+    i = np.arange(600)
     flagged = i < 40
     short = np.where(flagged, i < short_flagged, (i - 40) < short_clean)
     length = np.where(short, 20.0, 60.0 + i % 7)
