@@ -24,6 +24,8 @@ Configurations (ground truth and knobs from `prefix_drills.KNOBS`):
                  --max-num-batched-tokens 32 (the configuration issue 22 reports shrink stalling on)
   offset-wrap    `make demo`'s second audit: zoo:hybrid, zoo:oracle (500 requests), --inject offset-wrap:18
                  --cache-mb 4 (wrapped prefills and the victims of their stray writes)
+  kv-double-free zoo:hybrid, zoo:oracle --n 2 (1,000 requests), --max-tokens 16 --cache-mb 2
+                 --max-num-batched-tokens 64 (tests/test_engine_drills.py's: a KV block held by two requests)
 vLLM drills (`--engine vllm`): the plugin's prefix drills under `lpf.adapters.vllm_options.PREFIX_DRILL_KNOBS`
 (prefix caching on, a step budget below the 128-token Mamba block), on tiny:hybrid-longmem (vLLM's CPU
 build runs no Jamba), scored the same way with `PREFIX_DRILL_NAMED_BY`; `clean` (the same, no drill: the
@@ -67,6 +69,11 @@ STALE_ARGS = [
 ]
 # `make demo`'s offset-wrap audit: its model and cache (after MODEL on the command line: the last --model wins)
 OFFSET_WRAP_ARGS = ["--model", "zoo:hybrid", "--workload", "zoo:oracle", "--cache-mb", "4"]
+# tests/test_engine_drills.py's kv-double-free configuration (1,000 requests)
+KV_DOUBLE_FREE_ARGS = [
+    *["--model", "zoo:hybrid", "--workload", "zoo:oracle", "--n", "2", "--max-tokens", "16"],
+    *["--cache-mb", "2", "--max-num-batched-tokens", "64"],
+]
 INJECT = {"offset-wrap": "offset-wrap:18"}  # a drill's --inject spec, where it takes an argument
 VLLM_MODEL = "tiny:hybrid-longmem"  # the vLLM drills' model: vLLM's CPU build runs no Jamba
 
@@ -88,6 +95,7 @@ def drills(quick: bool) -> dict[str, tuple[list[str], set[str]]]:
         {"first_decode_uncomputed", "admitted_as_decode", "first_slot_used_before", "first_step_one_token"},
     )
     out["offset-wrap"] = (OFFSET_WRAP_ARGS, {"slot_offset_over_wrap", "state_write_strayed", "max_state_slot"})
+    out["kv-double-free"] = (KV_DOUBLE_FREE_ARGS, {"kv_overwritten"})
     return {"stale-conv-on-reuse": out["stale-conv-on-reuse"]} if quick else out
 
 
@@ -399,6 +407,7 @@ def main() -> None:
             "prefix": PREFIX_ARGS,
             "stale_state": STALE_ARGS,
             "offset_wrap": [*OFFSET_WRAP_ARGS, "--inject", INJECT["offset-wrap"]],
+            "kv_double_free": KV_DOUBLE_FREE_ARGS,
         }
     doc["first_try"] = first_try({"builtin": doc.get("results", {}), "vllm": doc.get("vllm", {}).get("results", {})})
     dest.write_text(json.dumps(doc, indent=1, default=str))

@@ -345,6 +345,8 @@ def test_kv_double_free_shares_a_block(tmp_path):
     truth = ground_truth(tmp_path / "k")
     assert truth, "a block must have been handed to two live requests"
     assert flagged(f) <= truth
+    # each flagged request: another request holding its block wrote K/V into it (the write log)
+    assert mechanisms_match(tmp_path / "k", f) >= 0.95
 
 
 def test_unknown_fault_is_a_clean_error(tmp_path):

@@ -127,18 +127,22 @@ def _trace(rows):
 
 def test_write_log_names_victims_and_their_first_writer():
     requests = schema.table(schema.REQUESTS, {"request_id": ["r0", "r1", "r2", "r3"], "seq": [0, 1, 2, 3]})
-    w = lambda owner, slot: {"owner": owner, "slot": slot, "start": slot * 10, "end": slot * 10 + 10}  # noqa: E731
+    w = lambda owner, slot: {"memory": "state", "owner": owner, "slot": slot, "start": slot * 10, "end": slot * 10 + 10}  # noqa: E731
     trace = _trace(
         [
             {"step": 3, "request_id": "r2", "stray_writes": [w("r0", 0), w(None, 1)]},
             {"step": 1, "request_id": "r3", "stray_writes": [w("r0", 0)]},  # the earlier write: the first writer
             {"step": 2, "request_id": "r0", "stray_writes": []},
             {"step": 4, "request_id": "r1", "stray_writes": None},
+            # a K/V write into a block r2 holds too (a double free): r2's K/V, not its state
+            {"step": 5, "request_id": "r1", "stray_writes": [dict(w("r2", 7), memory="kv")]},
         ]
     )
     feats = {f.name: f for f in write_features(requests, trace)}
     assert feats["state_overwritten"].values.tolist() == [True, False, False, False]
     assert feats["state_overwritten"].writer.tolist() == ["r3", None, None, None]
+    assert feats["kv_overwritten"].values.tolist() == [False, False, True, False]
+    assert feats["kv_overwritten"].writer.tolist() == [None, None, "r1", None]
     assert feats["state_write_strayed"].values.tolist() == [False, False, True, True]
     # no write log (older traces, other engines): no features, not all-false ones
     assert write_features(requests, schema.table(schema.TRACE, {"step": [1], "request_id": ["r0"]})) == []

@@ -32,6 +32,8 @@ _STALE = {
 EXPECTED: dict[str, dict[str, set[str]]] = {
     "offset-wrap": {"wrapped": _WRAP, "corrupted": _WRAP, "overwritten": {"state_overwritten"}},
     "stale-state": {"corrupted": _STALE, "discarded": _STALE},
+    # both holders of a double-freed block write K/V into it: each is the other's victim
+    "kv-double-free": {"corrupted": {"kv_overwritten"}},
     **{d: {"corrupted": set(features)} for d, features in NAMED_BY.items() if features},
 }
 

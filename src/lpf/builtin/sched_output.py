@@ -52,6 +52,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     preempted: list[str] = field(default_factory=list)
     slot_owners: dict[int, str] = field(default_factory=dict)  # every held slot -> request id
+    shared_blocks: dict[int, list[str]] = field(default_factory=dict)  # KV block -> its holders, when > 1
 
     @property
     def total_tokens(self) -> int:
@@ -103,5 +104,6 @@ class StepResult:
     # request id -> (Mamba block index, slot it read; None = the null block) of a resuming request
     resume_reads: dict[str, tuple[int, int | None]] = field(default_factory=dict)
     # request id -> its state writes this step that landed outside its own slot (the trace's
-    # `stray_writes`: {"owner", "slot", "start", "end"} per slot the range overlaps; owner None = free)
+    # `stray_writes`: {"memory", "owner", "slot", "start", "end"} per slot or KV block the range
+    # overlaps; owner None = free)
     stray_writes: dict[str, list[dict]] = field(default_factory=dict)

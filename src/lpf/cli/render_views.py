@@ -154,7 +154,9 @@ def print_request(info: dict, console: Console, top: int = 3) -> None:
         tr.add_column(c)
     for row in info["trace"]:
         landed = ", ".join(
-            f"slot {e['slot']} ({escape(e['owner']) if e['owner'] else 'free'})" for e in row.get("stray_writes") or []
+            f"{'KV block' if e.get('memory') == 'kv' else 'slot'} {e['slot']} "
+            f"({escape(e['owner']) if e['owner'] else 'free'})"
+            for e in row.get("stray_writes") or []
         )
         tr.add_row(
             *("-" if row[c] is None else str(row[c]) for c in TRACE_COLUMNS),
@@ -163,4 +165,5 @@ def print_request(info: dict, console: Console, top: int = 3) -> None:
         )
     console.print(tr)
     for w in info.get("overwritten_by") or []:
-        console.print(f"[red]step {w['step']}:[/] {escape(w['writer'])}'s state write landed in its slot {w['slot']}")
+        what = "K/V write landed in its KV block" if w.get("memory") == "kv" else "state write landed in its slot"
+        console.print(f"[red]step {w['step']}:[/] {escape(w['writer'])}'s {what} {w['slot']}")

@@ -8,8 +8,8 @@ num_computed_tokens, num_scheduled_tokens, state_slot, batch_size, batch_tokens,
 when the engine writes no trace; with the engine's write log, `stray_writes` too: the state writes of
 that step that landed outside the request's slot) and `mechanism` (its entry of findings.json's
 `flagged`: the mechanism that explains it, `lpf.analysis.mechanisms`; null when it is not flagged or
-the run is not analysed) and `overwritten_by` (the write log's entries that landed in its slot: step,
-writer, slot; null without a write log). Reads the parts with DuckDB and findings.json; never writes. An unknown request id
+the run is not analysed) and `overwritten_by` (the write log's entries that landed in memory it held:
+step, writer, memory "state" or "kv", slot or KV block; null without a write log). Reads the parts with DuckDB and findings.json; never writes. An unknown request id
 is an `LpfError` with a did-you-mean; token text falls back to ids when the run's tokenizer cannot
 be loaded (the `tokenizer` key says why).
 """
@@ -123,7 +123,7 @@ def inspect_request(path: Path | str, request_id: str) -> dict:
         )
         if "stray_writes" in have:  # the victim's side of the write log: who wrote into its slot
             overwritten = [
-                {"step": w["step"], "writer": w["request_id"], "slot": e["slot"]}
+                {"step": w["step"], "writer": w["request_id"], "memory": e.get("memory"), "slot": e["slot"]}
                 for w in _rows(
                     con,
                     # rows that wrote astray are few: their entries are matched here
