@@ -76,6 +76,24 @@ def test_a_broad_descriptive_feature_explains_nothing_it_merely_overlaps():
     assert block["unexplained"] == 65
 
 
+def test_noise_that_passes_005_among_the_requests_left_explains_nothing():
+    """20 features of noise beside one real mechanism: among the flagged requests it leaves, a noise
+    feature reaches p = 0.03 (one of 20 tested: chance), below the ranking's 0.05 and not the family's
+    bar, so those requests stay unexplained."""
+    rng = np.random.default_rng(3)
+    n = 5000
+    flagged = rng.random(n) < 0.04
+    feats = [Feature(f"noise{i}", "bool", rng.random(n) < 0.3, "did something random") for i in range(20)]
+    feats.append(Feature("real", "bool", flagged & (rng.random(n) < 0.6), "met the bug"))
+    scored = np.ones(n, dtype=bool)
+    left = flagged & ~feats[-1].values
+    chance = rank_hypotheses(feats, left, scored & ~(flagged & ~left))
+    assert [h["feature"] for h in chance] == ["noise5"] and 0.05 / 21 < chance[0]["p_value"] < 0.05
+    per, block = attribute(rank_hypotheses(feats, flagged, scored), feats, flagged, scored)
+    assert [c["feature"] for c in block["covered"]] == ["real"]
+    assert block["unexplained"] == int(left.sum()) and all(per[i]["feature"] is None for i in np.flatnonzero(left))
+
+
 def _descriptive_only(short_flagged: int, short_clean: int):
     """40 flagged of 600; `short_*` of each group have a short prompt; nothing else to go on."""
     i = np.arange(600)
@@ -170,26 +188,15 @@ def test_drill_scoring_counts_victims_and_false_positives():
 
 
 @pytest.mark.slow
-def test_offset_wrap_victims_get_the_write_that_hit_them(tmp_path, prompts_200):
-    """The demo's offset-wrap configuration (zoo:hybrid, 4 MB: slots >= 18 wrap at 2^18) on 200 prompts:
-    the wrapped requests and the victims of their stray writes are all flagged, and >= 95% of flagged
-    requests get the mechanism the ground truth names (victims: the write log's writer)."""
+def test_offset_wrap_victims_get_the_write_that_hit_them(tmp_path):
+    """`make demo`'s offset-wrap audit (zoo:hybrid, zoo:oracle's 500 requests, 4 MB: slots >= 18 wrap
+    at 2^18): the wrapped requests and the victims of their stray writes are flagged, and >= 95% of
+    flagged requests get the mechanism the ground truth names (victims: the write log's writer). On
+    200 of these prompts the victims are too few for `state_overwritten` to pass the family's bar
+    (55/55 vs 40/46 unflagged, p = 0.007): they stay unexplained there, as they should."""
     run = tmp_path / "ow"
     proc = lpf_main(
-        "audit",
-        "--workload",
-        prompts_200,
-        "--max-tokens",
-        "8",
-        "--inject",
-        "offset-wrap:18",
-        "--cache-mb",
-        "4",
-        "--out",
-        run,
-        "--json",
-        "--fail-on",
-        "never",
+        "audit", "--inject", "offset-wrap:18", "--cache-mb", "4", "--out", run, "--json", "--fail-on", "never"
     )
     assert proc.returncode == 0, proc.stderr
     findings = json.loads(proc.stdout)
