@@ -208,8 +208,10 @@ def _print_mechanisms(block: dict | None, console: Console) -> None:
     if not block or not block.get("n_flagged"):
         return
     console.print(f"[bold]what explains each flagged request[/] ({block['n_flagged']}):")
-    for c in block["covered"]:
-        where = f"hypothesis {c['rank']}" if c.get("rank") and c["sentence"].startswith(f"{c['n']}/") else c["sentence"]
+    for i, c in enumerate(block["covered"]):
+        # the first keeps the run's sentence (printed above when it ranks in the top 3); later ones count
+        # the requests still unexplained
+        where = f"hypothesis {c['rank']}" if i == 0 and c.get("rank") and c["rank"] <= 3 else c["sentence"]
         console.print(f"  {c['n']:>6}  {escape(c['feature'])}: {escape(where)}", highlight=False)
     if block.get("unexplained"):
         console.print(f"  {block['unexplained']:>6}  [yellow]unexplained[/] (no significant hypothesis holds for them)")
