@@ -5,7 +5,8 @@ issue 22 names), one `lpf audit` of >= 1,000 requests (`--quick`: one drill, 240
 its smoke run is in tests/test_bench_quick.py),
 then, from the run directory's `faults/` (ground truth, which analysis never reads) and its findings:
   recall        flagged (divergent or corrupt) ground-truth requests / ground-truth requests
-  false pos.    requests flagged, or merely `noise`, outside the ground truth
+  false pos.    requests flagged, or merely `noise`, that the ground truth does not name (any role: an
+                offset-wrap victim, `overwritten`, is the drill's doing)
   named         whether the first-ranked hypothesis' feature is one `prefix_drills.NAMED_BY` accepts
   mechanism     per flagged request: does its own mechanism (findings' flagged[].mechanism) name what the
                 ground truth's role says happened to it (`lpf.builtin.drill_truth.EXPECTED`; victims of
@@ -176,11 +177,12 @@ def score(run: Path, named_by: set[str]) -> dict:
         return run_query(run, sql)[1]
 
     findings = json.loads((run / "findings.json").read_text())
+    has_faults = (run / "faults").is_dir()
     truth = (
-        {r[0] for r in q("SELECT DISTINCT request_id FROM faults WHERE role = 'corrupted'")}
-        if (run / "faults").is_dir()
-        else set()
+        {r[0] for r in q("SELECT DISTINCT request_id FROM faults WHERE role = 'corrupted'")} if has_faults else set()
     )
+    # anything the drill did to a request (an offset-wrap victim: `overwritten`) is not a false positive
+    touched = {r[0] for r in q("SELECT DISTINCT request_id FROM faults")} if has_faults else set()
     rows = q("SELECT request_id, seq, verdict, first_divergence, n_scored_tokens FROM summary ORDER BY seq")
     flagged = {r[0] for r in rows if r[2] in ("divergent", "corrupt")}
     departed = {r[0] for r in rows if r[2] not in ("clean", "error", "unscored")}
@@ -200,7 +202,7 @@ def score(run: Path, named_by: set[str]) -> dict:
         "truth": len(truth),
         "flagged": len(flagged),
         "recall": len(flagged & truth) / len(truth) if truth else None,
-        "false_positives": len(departed - truth),
+        "false_positives": len(departed - touched),
         "top_feature": top and top["feature"],
         "named": bool(top and top["feature"] in named_by),
         "top_sentence": top and top["sentence"],
