@@ -5,8 +5,12 @@ issue 22 names), one `lpf audit` of >= 1,000 requests (`--quick`: one drill, 240
 its smoke run is in tests/test_bench_quick.py),
 then, from the run directory's `faults/` (ground truth, which analysis never reads) and its findings:
   recall        flagged (divergent or corrupt) ground-truth requests / ground-truth requests
-  false pos.    requests flagged, or merely `noise`, outside the ground truth
+  false pos.    requests flagged, or merely `noise`, that the ground truth does not name (any role: an
+                offset-wrap victim, `overwritten`, is the drill's doing)
   named         whether the first-ranked hypothesis' feature is one `prefix_drills.NAMED_BY` accepts
+  mechanism     per flagged request: does its own mechanism (findings' flagged[].mechanism) name what the
+                ground truth's role says happened to it (`lpf.builtin.drill_truth.EXPECTED`; victims of
+                another request's write included): the share, matched/flagged (issue 39: >= 95% each)
   tokens        scored tokens (arrival order: request seq, then position) up to the first flagged
                 request's first divergence (its whole length when it has none: a request raised by
                 the localized rule, so an upper bound there), and the run-level test's `tokens_needed`
@@ -19,6 +23,10 @@ Configurations (ground truth and knobs from `prefix_drills.KNOBS`):
                  --max-num-batched-tokens 48, --cache-mb 3, --enable-prefix-caching
   stale-state    tiny:jamba-longmem, zoo:oracle --n 4 (2,000 requests), --cache-mb 3 --max-num-seqs 16
                  --max-num-batched-tokens 32 (the configuration issue 22 reports shrink stalling on)
+  offset-wrap    `make demo`'s second audit: zoo:hybrid, zoo:oracle (500 requests), --inject offset-wrap:18
+                 --cache-mb 4 (wrapped prefills and the victims of their stray writes)
+  kv-double-free zoo:hybrid, zoo:oracle --n 2 (1,000 requests), --max-tokens 16 --cache-mb 2
+                 --max-num-batched-tokens 64 (tests/test_engine_drills.py's: a KV block held by two requests)
 vLLM drills (`--engine vllm`): the plugin's prefix drills under `lpf.adapters.vllm_options.PREFIX_DRILL_KNOBS`
 (prefix caching on, a step budget below the 128-token Mamba block), on tiny:hybrid-longmem (vLLM's CPU
 build runs no Jamba), scored the same way with `PREFIX_DRILL_NAMED_BY`; `clean` (the same, no drill: the
@@ -60,6 +68,14 @@ STALE_ARGS = [
     "--max-num-batched-tokens",
     "32",
 ]
+# `make demo`'s offset-wrap audit: its model and cache (after MODEL on the command line: the last --model wins)
+OFFSET_WRAP_ARGS = ["--model", "zoo:hybrid", "--workload", "zoo:oracle", "--cache-mb", "4"]
+# tests/test_engine_drills.py's kv-double-free configuration (1,000 requests)
+KV_DOUBLE_FREE_ARGS = [
+    *["--model", "zoo:hybrid", "--workload", "zoo:oracle", "--n", "2", "--max-tokens", "16"],
+    *["--cache-mb", "2", "--max-num-batched-tokens", "64"],
+]
+INJECT = {"offset-wrap": "offset-wrap:18"}  # a drill's --inject spec, where it takes an argument
 VLLM_MODEL = "tiny:hybrid-longmem"  # the vLLM drills' model: vLLM's CPU build runs no Jamba
 
 
@@ -75,7 +91,12 @@ def drills(quick: bool) -> dict[str, tuple[list[str], set[str]]]:
         extra = [a for k, v in knobs.items() for a in ("-E", f"{k}={v}")]
         caching = [] if d == "stale-conv-on-reuse" else ["--enable-prefix-caching"]
         out[d] = (["--workload", "SHARED", *PREFIX_ARGS, *caching, *extra], NAMED_BY[d])
-    out["stale-state"] = (STALE_ARGS, {"first_decode_uncomputed", "first_slot_used_before", "first_step_one_token"})
+    out["stale-state"] = (
+        STALE_ARGS,
+        {"first_decode_uncomputed", "admitted_as_decode", "first_slot_used_before", "first_step_one_token"},
+    )
+    out["offset-wrap"] = (OFFSET_WRAP_ARGS, {"slot_offset_over_wrap", "state_write_strayed", "max_state_slot"})
+    out["kv-double-free"] = (KV_DOUBLE_FREE_ARGS, {"kv_overwritten"})
     return {"stale-conv-on-reuse": out["stale-conv-on-reuse"]} if quick else out
 
 
@@ -125,7 +146,9 @@ def audit(out: Path, drill: str, args: list[str], workloads: dict[str, Path], en
         return 0.0
     args = [str(workloads[a]) if a in workloads else a for a in args]
     inject = (
-        ["--inject", drill] if not (drill == "clean" or (engine == "vllm" and drill == "prefix-cache-inert")) else []
+        ["--inject", INJECT.get(drill, drill)]
+        if not (drill == "clean" or (engine == "vllm" and drill == "prefix-cache-inert"))
+        else []
     )
     t0 = time.perf_counter()
     proc = lpf(
@@ -147,17 +170,19 @@ def audit(out: Path, drill: str, args: list[str], workloads: dict[str, Path], en
 
 
 def score(run: Path, named_by: set[str]) -> dict:
+    from lpf.builtin.drill_truth import mechanism_share
     from lpf.views.query import run_query
 
     def q(sql):
         return run_query(run, sql)[1]
 
     findings = json.loads((run / "findings.json").read_text())
+    has_faults = (run / "faults").is_dir()
     truth = (
-        {r[0] for r in q("SELECT DISTINCT request_id FROM faults WHERE role = 'corrupted'")}
-        if (run / "faults").is_dir()
-        else set()
+        {r[0] for r in q("SELECT DISTINCT request_id FROM faults WHERE role = 'corrupted'")} if has_faults else set()
     )
+    # anything the drill did to a request (an offset-wrap victim: `overwritten`) is not a false positive
+    touched = {r[0] for r in q("SELECT DISTINCT request_id FROM faults")} if has_faults else set()
     rows = q("SELECT request_id, seq, verdict, first_divergence, n_scored_tokens FROM summary ORDER BY seq")
     flagged = {r[0] for r in rows if r[2] in ("divergent", "corrupt")}
     departed = {r[0] for r in rows if r[2] not in ("clean", "error", "unscored")}
@@ -169,15 +194,20 @@ def score(run: Path, named_by: set[str]) -> dict:
         tokens += n or 0
     top = (findings.get("hypotheses") or [None])[0]
     pc = findings.get("prefix_cache") or {}
+    events = q("SELECT request_id, fault, role FROM faults") if (run / "faults").is_dir() else []
+    mech = mechanism_share(findings["flagged"], events)
+    mech["misses"] = mech["misses"][:5]
     return {
         "requests": findings["n_requests"],
         "truth": len(truth),
         "flagged": len(flagged),
         "recall": len(flagged & truth) / len(truth) if truth else None,
-        "false_positives": len(departed - truth),
+        "false_positives": len(departed - touched),
         "top_feature": top and top["feature"],
         "named": bool(top and top["feature"] in named_by),
         "top_sentence": top and top["sentence"],
+        "mechanism": mech,
+        "mechanisms_covered": [(c["feature"], c["n"]) for c in (findings.get("mechanisms") or {}).get("covered", [])],
         "tokens_to_first_flag": first,
         "run_test_tokens_needed": (findings.get("run_test") or {}).get("tokens_needed"),
         "prefix_cache": {
@@ -254,9 +284,10 @@ def run_repro(script: Path) -> int | str:
 
 def table(results: dict) -> str:
     lines = [
-        "| drill | requests | ground truth | recall | false pos. | top hypothesis names it | tokens to first flag "
-        "(run test) | shrink: runs, minimum (requests, tokens), repro exit (drill off) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| drill | requests | ground truth | recall | false pos. | top hypothesis names it | per-request mechanism "
+        "matches truth | tokens to first flag (run test) | shrink: runs, minimum (requests, tokens), repro exit "
+        "(drill off) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for d, r in results.items():
         s = r.get("shrink") or {}
@@ -272,19 +303,21 @@ def table(results: dict) -> str:
             unit = "16-token " if not pc.get("requests_sharing") and pc.get("requests_sharing_below_block") else ""
             lines.append(
                 f"| {d} | {r['requests']} | finding: {pc['finding']} | - | {r['false_positives']} | "
-                f"- ({pc['requests_hit']} hit, {sharing} share a {unit}block) | - | - |"
+                f"- ({pc['requests_hit']} hit, {sharing} share a {unit}block) | - | - | - |"
             )
             continue
         if d == "clean":
             lines.append(
                 f"| clean, caching on | {r['requests']} | 0 | - | {r['false_positives']} | - "
-                f"({pc.get('requests_hit')} hit, {pc.get('hit_rate') or 0:.1%} of prompt tokens) | - | - |"
+                f"({pc.get('requests_hit')} hit, {pc.get('hit_rate') or 0:.1%} of prompt tokens) | - | - | - |"
             )
             continue
         recall = "-" if r["recall"] is None else f"{r['recall']:.3f}"
+        m = r.get("mechanism") or {}
+        mech = "-" if m.get("share") is None else f"{m['share']:.3f} ({m['matched']}/{m['flagged']})"
         lines.append(
             f"| {d} | {r['requests']} | {r['truth']} | {recall} | {r['false_positives']} | "
-            f"{'yes' if r['named'] else 'no'} ({r['top_feature']}) | {r['tokens_to_first_flag']} "
+            f"{'yes' if r['named'] else 'no'} ({r['top_feature']}) | {mech} | {r['tokens_to_first_flag']} "
             f"({r['run_test_tokens_needed']}) | {shr} |"
         )
     return "\n".join(lines)
@@ -351,7 +384,7 @@ def main() -> None:
         wall = audit(run, d, args, workloads, a.engine)
         results[d] = {**score(run, named_by), "audit_s": wall}
         if not (a.quick or d in ("prefix-cache-inert", "clean")):
-            results[d]["shrink"] = shrink(run, out / f"{d}-shrink", d, not a.no_shrink, a.shrink_budget)
+            results[d]["shrink"] = shrink(run, out / f"{d}-shrink", INJECT.get(d, d), not a.no_shrink, a.shrink_budget)
         print(f"{d}: {json.dumps(results[d], default=str)}", flush=True)
     dest = a.results or (out / "bugs_quick.json" if a.quick else ROOT / "bench" / "results" / "bugs.json")
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -371,7 +404,13 @@ def main() -> None:
         section["config"] = config
     else:
         doc["results"] = {**doc.get("results", {}), **results}
-        doc["config"] = {"model": MODEL, "prefix": PREFIX_ARGS, "stale_state": STALE_ARGS}
+        doc["config"] = {
+            "model": MODEL,
+            "prefix": PREFIX_ARGS,
+            "stale_state": STALE_ARGS,
+            "offset_wrap": [*OFFSET_WRAP_ARGS, "--inject", INJECT["offset-wrap"]],
+            "kv_double_free": KV_DOUBLE_FREE_ARGS,
+        }
     doc["first_try"] = first_try({"builtin": doc.get("results", {}), "vllm": doc.get("vllm", {}).get("results", {})})
     dest.write_text(json.dumps(doc, indent=1, default=str))
     print(table(results))

@@ -63,7 +63,9 @@ BENCHES = {
     "vllm_trace_profile": (["src/lpf/zoo/data/models/hybrid"], [r'"ratio_cpu": [\d.]+, "ratio_wall": [\d.]+']),
     "bugs": (
         ["--out", "{tmp}"],
-        [r"\| stale-conv-on-reuse \| 240 \| \d+ \| 1\.000 \| 0 \| yes \(first_slot_used_before\) \|"],
+        [
+            r"\| stale-conv-on-reuse \| 240 \| \d+ \| 1\.000 \| 0 \| yes \(first_slot_used_before\) \| 1\.000 \((\d+)/\1\) \|"
+        ],
     ),
     "cells": (
         [],

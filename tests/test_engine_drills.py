@@ -40,6 +40,15 @@ def flagged(findings):
     return {f["request_id"] for f in findings["flagged"]}
 
 
+def mechanisms_match(run, findings):
+    """The share of flagged requests whose per-request mechanism is the one the ground truth names."""
+    from lpf.builtin.drill_truth import mechanism_share
+
+    score = mechanism_share(findings["flagged"], q(run, "SELECT request_id, fault, role FROM faults"))
+    assert score["flagged"] == len(findings["flagged"]), score
+    return score["share"] if score["share"] is not None else 1.0
+
+
 @pytest.fixture(scope="module")
 def stress_320(tmp_path_factory):
     from lpf.zoo import registry
@@ -190,6 +199,7 @@ def test_stale_state_forensics(stale_runs):
     top = a["hypotheses"][0]
     assert top["feature"] in ("first_decode_uncomputed", "first_phase_decode")
     assert top["sentence"].startswith(f"{len(corrupted)}/{len(corrupted)} corrupt requests started with a decode step")
+    assert mechanisms_match(base / "a", a) >= 0.95
     assert top["flagged_with"] == top["flagged_total"] == len(corrupted)
     shape = a["shape"]
     assert shape["n_flagged"] == len(corrupted) and shape["onset"]["step"] is not None
@@ -245,6 +255,8 @@ def test_offset_wrap_only_past_the_wrap(tmp_path, long_memory):
     )
     assert all(s[0] * stride >= 2**bits for s in slots), "only slots past the wrap write elsewhere"
     assert flagged(big) and flagged(big) <= ground_truth(tmp_path / "big")
+    # each flagged request's own mechanism: the wrap, or (a victim) the stray write that hit its slot
+    assert mechanisms_match(tmp_path / "big", big) >= 0.95
     # forensics: every request that decoded from its unwritten slot is corrupt, nobody outside the
     # ground truth is flagged, and the top hypothesis is the slot range past the wrap
     verdicts = dict(q(tmp_path / "big", "SELECT request_id, verdict FROM summary"))
@@ -333,6 +345,8 @@ def test_kv_double_free_shares_a_block(tmp_path):
     truth = ground_truth(tmp_path / "k")
     assert truth, "a block must have been handed to two live requests"
     assert flagged(f) <= truth
+    # each flagged request: another request holding its block wrote K/V into it (the write log)
+    assert mechanisms_match(tmp_path / "k", f) >= 0.95
 
 
 def test_unknown_fault_is_a_clean_error(tmp_path):

@@ -77,10 +77,15 @@ def test_imposter_token_by_token_and_step_by_step(lpf_cli, stale_run):
             b["step"] > a["step"] and b["num_computed_tokens"] == a["num_computed_tokens"] + a["num_scheduled_tokens"]
         )
     assert all(s["state_slot"] == steps[0]["state_slot"] for s in steps)
+    # its mechanism, as findings.json has it: the imposter's first step (no write log entry: nothing strayed)
+    assert info["mechanism"] == findings["flagged"][0]["mechanism"]
+    assert info["mechanism"]["feature"] in ("first_decode_uncomputed", "first_phase_decode", "admitted_as_decode")
+    assert info["overwritten_by"] == [] and all(s["stray_writes"] == [] for s in steps)
     # the table form says the same things
     t = lpf_cli("inspect", run, rid)
     assert t.code == 0 and rid in t.out and "first divergence at position 0" in t.out
     assert "trace" in t.out and "decode" in t.out and "ref top-3" in t.out
+    assert f"mechanism: {info['mechanism']['feature']}" in t.out
 
 
 @pytest.mark.slow  # an end-to-end run or a browser: kept out of `make test-fast` (issue 27)

@@ -93,6 +93,11 @@ def check_caught(run, findings, features):
     top = findings["hypotheses"][0]
     assert top["feature"] in features, top
     assert top["flagged_with"] == top["flagged_total"] and top["clean_with"] == 0
+    # and each flagged request's own mechanism is the drill's (`lpf.analysis.mechanisms`)
+    from lpf.builtin.drill_truth import mechanism_share
+
+    score = mechanism_share(findings["flagged"], q(run, "SELECT request_id, fault, role FROM faults"))
+    assert score["share"] >= 0.95, score
     return top
 
 

@@ -232,7 +232,7 @@ def test_stale_state_in_bf16_still_has_every_imposter_corrupt(tmp_path):
     flagged = {r for r, v in verdicts.items() if v in ("divergent", "corrupt")}
     assert flagged >= corrupted and len(flagged - corrupted) <= 0.02 * f["n_requests"]
     top = f["hypotheses"][0]
-    assert top["feature"] in ("first_decode_uncomputed", "first_phase_decode")
+    assert top["feature"] in ("first_decode_uncomputed", "first_phase_decode", "admitted_as_decode")
     assert top["flagged_with"] == len(corrupted)
 
 

@@ -10,6 +10,8 @@ its quantity ("state slot id") and is split at the best threshold by `hypotheses
 From the trace (first = the request's first scheduled, non-preempted step):
   first_phase_decode        first step classified as a decode
   first_decode_uncomputed   ... with num_computed_tokens == 0 (nothing could be in its state yet)
+  admitted_as_decode        any step of it ran as a decode with num_computed_tokens == 0: its admission
+                            or a readmission after a preemption (recompute starts from nothing again)
   first_slot_used_before    its first state slot had been used by another request before
   first_step_one_token      its first step was given 1 token of budget
   first_batch_mixed         its first step's batch mixed decodes with prefills/extends
@@ -23,7 +25,11 @@ From vLLM's trace (lpf-vllm-trace's columns, present only there):
   first_step_reordered      the batch reorder moved its row on its first step
 From the prefix-cache columns (any engine that fills them: the built-in engine, vLLM's plugin,
 llama.cpp's timings.cache_n): `prefix_features` (prefix_cache_hit and the provenance of restored states).
-From the requests: prompt_length, rollout, seq (arrival index).
+From the trace's write log (`write_features`, engines that keep one: the built-in engine):
+  state_overwritten, state_write_strayed (another request's state write landed in its slot; its own
+  landed outside it).
+From the requests: prompt_length, rollout, seq (arrival index): `descriptive` (what a request is, not
+what the engine did to it).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import pyarrow.compute as pc
 from lpf.analysis.feature import Feature
 from lpf.analysis.prefix_features import prefix_features
 from lpf.analysis.verdicts import by_arrival
+from lpf.analysis.write_features import write_features
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
@@ -47,19 +54,21 @@ def _prompt_lengths(req: pa.Table) -> np.ndarray:
 def request_features(requests: pa.Table, trace: pa.Table | None, engine_info: dict | None = None) -> list[Feature]:
     req = by_arrival(requests)
     feats = [
-        Feature("prompt_length", "numeric", _prompt_lengths(req), "prompt length (tokens)"),
+        Feature("prompt_length", "numeric", _prompt_lengths(req), "prompt length (tokens)", descriptive=True),
         Feature(
             "rollout",
             "numeric",
             req.column("rollout").to_numpy(zero_copy_only=False).astype(np.float64),
             "rollout index",
+            descriptive=True,
         ),
-        Feature("seq", "numeric", req.column("seq").to_numpy().astype(np.float64), "arrival index"),
+        Feature("seq", "numeric", req.column("seq").to_numpy().astype(np.float64), "arrival index", descriptive=True),
     ]
     if trace is not None and trace.num_rows:
         feats += _trace_features(req, trace, engine_info or {})
         feats += _vllm_trace_features(req, trace)
         feats += prefix_features(req, trace, engine_info)
+        feats += write_features(req, trace)
     return feats
 
 
@@ -157,6 +166,9 @@ def _trace_features(req: pa.Table, trace: pa.Table, engine_info: dict) -> list[F
 
     prefill_like = (phase == "prefill") | (phase == "extend")
     n_chunks = per_request(prefill_like.astype(np.float64), np.add, 0.0)
+    # any (re)admission run as a decode: a preempted request is admitted again with nothing computed,
+    # and its first step then is the same trap as a new request's
+    admitted_decode = per_request((is_decode & (computed == 0)).astype(np.float64), np.maximum, 0.0) > 0
     max_slot = per_request(slot.astype(np.float64), np.maximum, np.nan)
     max_prefill_slot = per_request(np.where(prefill_like, slot, -1).astype(np.float64), np.maximum, np.nan)
     max_batch = per_request(bsize, np.maximum, np.nan)
@@ -178,6 +190,12 @@ def _trace_features(req: pa.Table, trace: pa.Table, engine_info: dict) -> list[F
             "started with a decode step while num_computed_tokens was 0",
         ),
         Feature("first_phase_decode", "bool", first_decode, "started with a decode step"),
+        Feature(
+            "admitted_as_decode",
+            "bool",
+            admitted_decode & has,
+            "ran a step as a decode while num_computed_tokens was 0 (at admission or readmission after a preemption)",
+        ),
         Feature(
             "first_slot_used_before", "bool", used_before & has, "started on a state slot an earlier request had used"
         ),

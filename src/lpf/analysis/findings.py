@@ -5,10 +5,11 @@ calibration=None, calibration_info=None, floor_table=None, run_info=None, prompt
 prompt_reference=None, chunk_budget=None)` -> (summary table, findings dict). Steps: join engine
 tokens with reference scores, calibrate the thresholds to the run's noise floor (`calibration`; or
 to a calibration run's, when given), per-token metrics, per-request verdicts, the failure's shape
-(`shape`), the ranked mechanisms (`features` and `timing` + `hypotheses`) and what the
-answers say beyond their tokens (`evidence`: inconsistent answers, at least `divergent` when scored
-and disagreeing; failed attempts; a dying server's suspects). Pure: tables and
-plain data in and out; `trace` and `engine_info` (the manifest's engine section) are optional, and
+(`shape`), the ranked mechanisms (`features` and `timing` + `hypotheses`), the mechanism that
+explains each flagged request (`mechanisms`: findings' `mechanisms` block, and `mechanism` on each
+`flagged` entry) and what the answers say beyond their tokens (`evidence`: inconsistent answers, at
+least `divergent` when scored and disagreeing; failed attempts; a dying server's suspects). Pure:
+tables and plain data in and out; `trace` and `engine_info` (the manifest's engine section) are optional, and
 without them the hypotheses use request metadata only.
 
 The run's verdict is its worst request verdict, or `systematic` when the run-level test
@@ -48,6 +49,7 @@ from lpf.analysis.levels import REQUEST_VERDICTS, SEVERITY
 from lpf.analysis.prefix_cache import prefix_cache_summary
 from lpf.analysis.prompt import merge_summary, prompt_analysis, worst_verdict
 from lpf.analysis.localized import raise_localized
+from lpf.analysis.mechanisms import attribute
 from lpf.analysis.run_test import run_level_test, token_evidence
 from lpf.analysis.shape import failure_shape
 from lpf.analysis.signatures import crossed_wires, tempered_logprobs
@@ -185,7 +187,9 @@ def conclude(
     for f in findings["flagged"]:
         f["divergence_step"] = steps.get(f["request_id"])
     findings["shape"] = shape
-    findings["hypotheses"] = _hypotheses(summary, requests, trace, engine_info, temperature, tempered, crossed)
+    findings["hypotheses"], findings["mechanisms"] = _hypotheses(
+        summary, requests, trace, engine_info, temperature, tempered, crossed, findings["flagged"]
+    )
     findings["evidence"] = evidence(requests, summary)
     findings["prefix_cache"] = prefix_cache_summary(requests, trace, engine_info)
     return findings
@@ -222,7 +226,9 @@ def _expected_floor(joined, tokens, reference, requests, calibration, calibratio
     return (floor, cols) if floor else (None, None)
 
 
-def _hypotheses(summary, requests, trace, engine_info, temperature, tempered, crossed) -> list[dict]:
+def _hypotheses(summary, requests, trace, engine_info, temperature, tempered, crossed, flagged_rows) -> tuple:
+    """(ranked hypotheses, findings' `mechanisms` block); each of `flagged_rows` (findings' `flagged`)
+    gains its `mechanism` (`lpf.analysis.mechanisms`)."""
     enc = pc.dictionary_encode(summary.column("verdict").combine_chunks())  # a few names, one code per request
     names, code = enc.dictionary.to_pylist(), enc.indices.to_numpy(zero_copy_only=False)
 
@@ -261,7 +267,14 @@ def _hypotheses(summary, requests, trace, engine_info, temperature, tempered, cr
     kinds = {names[i] for i in np.unique(code[flagged])}
     label = kinds.pop() if len(kinds) == 1 else "flagged"
     other = "clean" if not np.any(having("noise")[scored & ~flagged]) else "unflagged"
-    return rank_hypotheses(feats, flagged, scored, label, other, signatures=sigs)
+    ranked = rank_hypotheses(feats, flagged, scored, label, other, signatures=sigs)
+    if not flagged_rows:  # nothing divergent or corrupt (the ranking above contrasts noise): nothing to explain
+        return ranked, {"covered": [], "unexplained": 0, "n_flagged": 0}
+    per, block = attribute(ranked, feats, flagged, scored, label, other, signatures=sigs)
+    at = {rid: i for i, rid in enumerate(ids.to_pylist())}
+    for row in flagged_rows:
+        row["mechanism"] = per[at[row["request_id"]]]
+    return ranked, block
 
 
 def token_metric_summary(column, n_scored: int, flips: int, same_top1: int) -> dict:

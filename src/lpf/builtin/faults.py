@@ -393,8 +393,7 @@ class Drills:
         detail = f"slot {s.state_slot}: state offset {s.state_slot * sc.slot_stride} wrapped to {target}"
         t.record(s.request_id, step, "offset-wrap", detail, role="wrapped")
         self._wrapped.setdefault(s.request_id, (step, detail))
-        first, last = target // sc.slot_stride, (target + sc.slot_stride - 1) // sc.slot_stride
-        for victim_slot in {first, last}:
+        for victim_slot in sc.stray_write(s.state_slot, "prefill")[2]:
             owner = so.slot_owners.get(victim_slot)
             if owner is not None and owner != s.request_id:
                 t.record(

@@ -3,7 +3,8 @@
 One step fits on a screen. Every step appends one trace row per scheduled request (and one per
 preemption) so `lpf query` can answer "what happened to request X at each step"; with prefix caching
 the row also says what the cache supplied, which checkpoint the request resumed from and who wrote
-it (`prefix_trace`). `abort(id)` cancels between steps; `cancel_after(id, tokens)` is a client
+it (`prefix_trace`), and every row carries the write log (`stray_writes`: its state writes that
+landed in memory outside its own slot, and whose slot that was). `abort(id)` cancels between steps; `cancel_after(id, tokens)` is a client
 that cancels once the engine schedules the request past `tokens` prompt tokens: the cancel lands
 while that step is in flight (after it was scheduled, before it runs), so the step runs without it.
 """
@@ -22,7 +23,10 @@ from lpf.builtin.model_runner import ModelRunner
 from lpf.builtin.prefix_trace import trace_columns
 from lpf.builtin.request import Request
 from lpf.builtin.scheduler import Scheduler
-from lpf.run.schema import TRACE
+from lpf.run.schema import TRACE, WRITE_LOG
+
+# the run schema's trace, then the write log (state writes that landed outside the writer's slot)
+TRACE_SCHEMA = pa.schema(list(TRACE) + [pa.field(n, t) for n, t in WRITE_LOG])
 
 
 def cache_sizes(model, config: EngineConfig) -> tuple[int, int]:
@@ -146,6 +150,7 @@ class LLMEngine:
                     "batch_tokens": tokens,
                     "preempted": False,
                     **trace_columns(px, s, result.resume_reads.get(s.request_id)),
+                    "stray_writes": result.stray_writes.get(s.request_id, []),
                 }
             )
         for s, _ in cancelled:
@@ -162,6 +167,7 @@ class LLMEngine:
                     "preempted": False,
                     **trace_columns(px, s, None),
                     "aborted": True,
+                    "stray_writes": [],  # its chunk never ran
                 }
             )
         for rid in so.preempted:
@@ -176,6 +182,7 @@ class LLMEngine:
                     "batch_size": n,
                     "batch_tokens": tokens,
                     "preempted": True,
+                    "stray_writes": [],
                 }
             )
         finished = self.scheduler.update(
@@ -209,7 +216,7 @@ class LLMEngine:
     def drain_trace(self) -> pa.Table | None:
         if not self._trace:
             return None
-        table = pa.Table.from_pylist(self._trace, schema=TRACE)
+        table = pa.Table.from_pylist(self._trace, schema=TRACE_SCHEMA)
         self._trace = []
         return table
 

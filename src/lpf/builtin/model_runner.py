@@ -10,7 +10,9 @@ behind `Drills`; with no drill on, each of its hooks is the honest behaviour.
 With prefix caching (`mamba_block_size` given) a request resuming from a checkpoint reads its initial
 state from the entry of its Mamba block table that its hit ends in, the Mamba layers save the
 states the scheduler asked for, and the reply says which slots were written and read
-(`prefix_drills.PrefixDrills` holds those decisions and the drills that change them).
+(`prefix_drills.PrefixDrills` holds those decisions and the drills that change them). It also reports
+every state write that landed outside the writer's own slot, and every K/V write into a block another
+request holds too, with whose memory it hit (the write log).
 """
 
 from __future__ import annotations
@@ -105,7 +107,42 @@ class ModelRunner:
         if not seqs:
             return StepResult(phases)
         result = self._forward(so, seqs, ids, pos, phases, capture)
-        return replace(result, state_writes=writes, resume_reads=reads)
+        return replace(result, state_writes=writes, resume_reads=reads, stray_writes=self._stray_writes(so, seqs))
+
+    def _stray_writes(self, so: SchedulerOutput, seqs: list[SeqMeta]) -> dict[str, list[dict]]:
+        """The write log: each prefill/extend whose final state went somewhere else than its own slot
+        (offset arithmetic gone wrong), with the slots it landed in and who held them this step; and
+        each K/V write into a block another running request holds too (a double free)."""
+        out: dict[str, list[dict]] = {}
+        bs = self.kv_cache.block_size
+        for m in seqs:
+            entries = []
+            landed = None if m.phase == "decode" else self.state_cache.stray_write(m.state_slot, "prefill")
+            if landed is not None:  # the decode path's offsets are exact
+                start, end, slots = landed
+                entries += [
+                    {"memory": "state", "owner": so.slot_owners.get(slot), "slot": slot, "start": start, "end": end}
+                    for slot in slots
+                ]
+            if so.shared_blocks:
+                first, last = m.num_computed, m.num_computed + m.num_tokens - 1
+                for index in range(first // bs, last // bs + 1):
+                    block = m.block_table[index]
+                    lo, hi = max(first, index * bs) - index * bs, min(last, index * bs + bs - 1) - index * bs
+                    entries += [
+                        {
+                            "memory": "kv",
+                            "owner": other,
+                            "slot": block,
+                            "start": block * bs + lo,
+                            "end": block * bs + hi + 1,
+                        }
+                        for other in so.shared_blocks.get(block, ())
+                        if other != m.request_id
+                    ]
+            if entries:
+                out[m.request_id] = entries
+        return out
 
     def _with_prefix(self, s, meta: SeqMeta, writes: list, reads: dict) -> SeqMeta:
         """The prefix cache's part of a request's step: where it resumes from, where its conv state and

@@ -6,7 +6,8 @@ with a sample. The runner never sees `Request` objects, so it cannot depend on s
 Its reply is a `StepResult`: the phase it ran each request in and a `Sample` per sampling request,
 and, with prefix caching, which state slots it wrote (`StateWrite`: who, how many tokens the state
 covers) and which slot each resuming request read its state from: the provenance the prefix cache
-keeps and the trace reports.
+keeps and the trace reports; and the state writes that landed outside the writer's own slot (the
+trace's write log, `stray_writes`).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     preempted: list[str] = field(default_factory=list)
     slot_owners: dict[int, str] = field(default_factory=dict)  # every held slot -> request id
+    shared_blocks: dict[int, list[str]] = field(default_factory=dict)  # KV block -> its holders, when > 1
 
     @property
     def total_tokens(self) -> int:
@@ -101,3 +103,7 @@ class StepResult:
     state_writes: list[StateWrite] = field(default_factory=list)  # with prefix caching
     # request id -> (Mamba block index, slot it read; None = the null block) of a resuming request
     resume_reads: dict[str, tuple[int, int | None]] = field(default_factory=dict)
+    # request id -> its state writes this step that landed outside its own slot (the trace's
+    # `stray_writes`: {"memory", "owner", "slot", "start", "end"} per slot or KV block the range
+    # overlaps; owner None = free)
+    stray_writes: dict[str, list[dict]] = field(default_factory=dict)

@@ -217,7 +217,22 @@ class Scheduler:
             )
             req.slot_is_new = False
         owners = {r.state_slot: r.request_id for r in self.running}
-        return SchedulerOutput(step=self.step, scheduled=scheduled, preempted=preempted, slot_owners=owners)
+        return SchedulerOutput(
+            step=self.step,
+            scheduled=scheduled,
+            preempted=preempted,
+            slot_owners=owners,
+            shared_blocks=self._shared_blocks(),
+        )
+
+    def _shared_blocks(self) -> dict[int, list[str]]:
+        """KV blocks two running requests hold at once (only a double free makes one): the write log's
+        owners for a K/V write into such a block."""
+        holders: dict[int, list[str]] = {}
+        for r in self.running:
+            for b in r.block_table:
+                holders.setdefault(b, []).append(r.request_id)
+        return {b: ids for b, ids in holders.items() if len(ids) > 1}
 
     def _grow(self, req: Request, num_tokens: int) -> bool:
         need = blocks_needed(num_tokens, self.config.block_size) - len(req.block_table)

@@ -106,6 +106,16 @@ class StateCache:
     def wraps(self, slot: int) -> bool:
         return self.wrap_bits is not None and slot * self.slot_stride >= (1 << self.wrap_bits)
 
+    def stray_write(self, slot: int, path: str) -> tuple[int, int, list[int]] | None:
+        """Where a write of `slot`'s state on `path` lands when that is not the slot's own memory:
+        (first element, end element, the slots that range overlaps), else None. The write log the
+        trace keeps (`stray_writes`) and the offset-wrap drill's ground truth both come from it."""
+        start = self.base(slot, path)
+        if start == slot * self.slot_stride:
+            return None
+        end = start + self.slot_stride
+        return start, end, list(range(start // self.slot_stride, (end - 1) // self.slot_stride + 1))
+
     def _exact(self, slots: list[int], path: str) -> bool:
         return path == "decode" or self.wrap_bits is None or not any(self.wraps(s) for s in slots)
 

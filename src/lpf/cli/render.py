@@ -1,5 +1,5 @@
 """The run's terminal summary (`lpf audit` / `analyze`: verdicts, thresholds, prompt, trace, run-level
-test, hypotheses, evidence, calibration) and `VERDICT_STYLE`, drawn with rich; nothing else prints.
+test, hypotheses, what explains each flagged request, evidence, calibration) and `VERDICT_STYLE`, drawn with rich; nothing else prints.
 
 Each function takes the plain data a domain module returned (findings) and a console. Model text is
 escaped before it reaches rich markup (a `[bold]` in a prompt is text). The other commands' tables
@@ -50,7 +50,7 @@ def print_summary(findings: dict, run_path, console: Console) -> None:
     flagged = findings.get("flagged") or []
     if flagged:
         t = Table(title=f"flagged requests (worst {min(10, len(flagged))} of {len(flagged)})", title_justify="left")
-        for col in ("request_id", "verdict", "first_divergence", "max |diff|"):
+        for col in ("request_id", "verdict", "first_divergence", "max |diff|", "mechanism"):
             t.add_column(col)
         for f in flagged[:10]:
             diff = f["max_abs_logprob_diff"]
@@ -59,9 +59,11 @@ def print_summary(findings: dict, run_path, console: Console) -> None:
                 f"[{VERDICT_STYLE[f['verdict']]}]{f['verdict']}[/]",
                 str(f["first_divergence"]),
                 "inf" if diff is None else f"{diff:.3g}",
+                _mechanism_cell(f.get("mechanism")),
             )
         console.print(t)
     _print_hypotheses(findings.get("hypotheses") or [], console)
+    _print_mechanisms(findings.get("mechanisms"), console)
     _print_prefix_cache(findings.get("prefix_cache"), console)
     _print_evidence(findings.get("evidence"), console)
     _print_prompt(findings.get("prompt"), console)
@@ -203,6 +205,28 @@ def _print_hypotheses(hyps: list, console: Console) -> None:
     console.print("[bold]likely mechanisms[/] (Fisher exact test, best first):")
     for h in hyps[:3]:
         console.print(f"  {h['rank']}. {h['sentence']} [dim](p={h['p_value']:.2g})[/]", highlight=False)
+
+
+def _mechanism_cell(m: dict | None) -> str:
+    if not m:
+        return "-"
+    if not m.get("feature"):
+        return "unexplained"
+    return escape(m["feature"])  # the writer of a victim's state: `lpf inspect`
+
+
+def _print_mechanisms(block: dict | None, console: Console) -> None:
+    """How many flagged requests each mechanism explains (`lpf.analysis.mechanisms`), and how many none does."""
+    if not block or not block.get("n_flagged"):
+        return
+    console.print(f"[bold]what explains each flagged request[/] ({block['n_flagged']}):")
+    for i, c in enumerate(block["covered"]):
+        # the first keeps the run's sentence (printed above when it ranks in the top 3); later ones count
+        # the requests still unexplained
+        where = f"hypothesis {c['rank']}" if i == 0 and c.get("rank") and c["rank"] <= 3 else c["sentence"]
+        console.print(f"  {c['n']:>6}  {escape(c['feature'])}: {escape(where)}", highlight=False)
+    if block.get("unexplained"):
+        console.print(f"  {block['unexplained']:>6}  [yellow]unexplained[/] (no significant hypothesis holds for them)")
 
 
 def _print_prefix_cache(pcache: dict | None, console: Console) -> None:

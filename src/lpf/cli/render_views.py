@@ -89,6 +89,12 @@ def print_request(info: dict, console: Console, top: int = 3) -> None:
         if s.get("first_divergence") is not None:
             head += f"  first divergence at position {s['first_divergence']}"
     console.print(head)
+    m = info.get("mechanism")
+    if m:
+        by = f" (written over by {escape(m['writer'])})" if m.get("writer") else ""
+        rank = f" [dim](hypothesis {m['rank']})[/]" if m.get("rank") else ""
+        name = escape(m["feature"]) if m.get("feature") else "unexplained"
+        console.print(f"mechanism: [bold]{name}[/]{by}{rank}: {escape(m['sentence'])}")
     if r.get("error"):
         console.print(f"[red]error:[/] {escape(str(r['error']))}")
     if r.get("inconsistency"):
@@ -144,11 +150,21 @@ def print_request(info: dict, console: Console, top: int = 3) -> None:
         console.print("[dim]no trace: this engine does not record per-step scheduling[/]")
         return
     tr = Table(title=f"trace ({len(info['trace'])} rows)", title_justify="left")
-    for c in TRACE_COLUMNS:
+    strays = any("stray_writes" in row for row in info["trace"])
+    for c in (*TRACE_COLUMNS, *(["stray write"] if strays else [])):
         tr.add_column(c)
     for row in info["trace"]:
+        landed = ", ".join(
+            f"{'KV block' if e.get('memory') == 'kv' else 'slot'} {e['slot']} "
+            f"({escape(e['owner']) if e['owner'] else 'free'})"
+            for e in row.get("stray_writes") or []
+        )
         tr.add_row(
             *("-" if row[c] is None else str(row[c]) for c in TRACE_COLUMNS),
+            *([landed or "-"] if strays else []),
             style="bold red" if row["preempted"] else None,
         )
     console.print(tr)
+    for w in info.get("overwritten_by") or []:
+        what = "K/V write landed in its KV block" if w.get("memory") == "kv" else "state write landed in its slot"
+        console.print(f"[red]step {w['step']}:[/] {escape(w['writer'])}'s {what} {w['slot']}")

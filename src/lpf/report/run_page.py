@@ -6,7 +6,8 @@ the columns a chart needs are read for the whole run (for the token histogram of
 HISTOGRAM_TOKENS scored tokens, for every k-th request only); top-k lists are read for the drilled-down
 requests alone, so a 100k-request run stays fast. Keys the analysis may not write yet (shape,
 calibrated thresholds, hypotheses, the run-level test) pass through as found; the page shows what
-is there (the run-level test with its floor chart, observed against expected, when findings have one).
+is there (the run-level test with its floor chart, observed against expected, when findings have one;
+how many flagged requests each mechanism explains, and each drilled-down request's own mechanism).
 """
 
 from __future__ import annotations
@@ -93,6 +94,12 @@ def load(path: Path, worst_n: int = WORST_N, max_points: int = charts.MAX_SCATTE
         },
         "notes": {"scatter_shown": shown, "n_requests": summary.num_rows, "histogram_every": every},
         "drill": _drill(run, picks, tok_files, ref_files, trace_files),
+        # the drilled-down requests' per-request mechanisms (findings' `flagged` stays out of the page)
+        "mechanism_of": {
+            f["request_id"]: f["mechanism"]
+            for f in findings.get("flagged") or []
+            if isinstance(f, dict) and f.get("mechanism") and f.get("request_id") in set(wanted.to_pylist())
+        },
     }
     return page
 

@@ -142,6 +142,24 @@ TRACE = pa.schema(
     ]
 )
 
+# the write log (engines that can: the built-in engine), columns the engine's trace adds after TRACE's:
+# per row, this request's writes at this step that landed in memory it does not hold alone: a state
+# write outside its own slot (a wrapped or misplaced offset; memory "state", slot = the state slot hit)
+# or a K/V write into a block another running request holds too (a double free; memory "kv", slot = the
+# KV block), one entry per slot or block and other holder, with the element (state buffer) or row (KV
+# pool) range [start, end) written and the request holding that memory then (owner null: a free slot).
+# Empty: none strayed; null (or the column absent): the engine keeps no write log.
+STRAY_WRITE = pa.struct(
+    [
+        ("memory", pa.string()),
+        ("owner", pa.string()),
+        ("slot", pa.int32()),
+        ("start", pa.int64()),
+        ("end", pa.int64()),
+    ]
+)
+WRITE_LOG = [("stray_writes", pa.list_(STRAY_WRITE))]
+
 # "whose answer is this?" (`lpf.pipeline.attribute`): a flagged request's output re-scored by the reference
 # under another request's prompt (candidate_id): the summed logprob of its n_tokens output tokens
 ATTRIBUTION = pa.schema(

@@ -5,13 +5,18 @@ Contract: `inspect_request(path, request_id)` returns a plain dict (what `--json
 output position: token id and text, engine vs reference logprob, |d|, reference rank, both sides'
 top-k decoded; reference fields are null when the run is not rescored) and `trace` (per step: phase,
 num_computed_tokens, num_scheduled_tokens, state_slot, batch_size, batch_tokens, preempted; null
-when the engine writes no trace). Reads the parts with DuckDB; never writes. An unknown request id
+when the engine writes no trace; with the engine's write log, `stray_writes` too: the state writes of
+that step that landed outside the request's slot) and `mechanism` (its entry of findings.json's
+`flagged`: the mechanism that explains it, `lpf.analysis.mechanisms`; null when it is not flagged or
+the run is not analysed) and `overwritten_by` (the write log's entries that landed in memory it held:
+step, writer, memory "state" or "kv", slot or KV block; null without a write log). Reads the parts with DuckDB and findings.json; never writes. An unknown request id
 is an `LpfError` with a did-you-mean; token text falls back to ids when the run's tokenizer cannot
 be loaded (the `tokenizer` key says why).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from lpf.core.errors import LpfError, did_you_mean
@@ -107,13 +112,27 @@ def inspect_request(path: Path | str, request_id: str) -> dict:
             {"id": i, "token": decode(i), "logprob": lp}
             for i, lp in zip(t.pop("ref_topk_ids") or [], t.pop("ref_topk_logprobs") or [])
         ]
-    trace = None
+    trace = overwritten = None
     if "trace" in views:
+        have = {r[0] for r in con.execute("SELECT column_name FROM (DESCRIBE trace)").fetchall()}
+        cols = [*TRACE_COLUMNS, *(["stray_writes"] if "stray_writes" in have else [])]
         trace = _rows(
             con,
-            f"SELECT {', '.join(TRACE_COLUMNS)} FROM trace WHERE request_id = ? ORDER BY step, preempted",
+            f"SELECT {', '.join(cols)} FROM trace WHERE request_id = ? ORDER BY step, preempted",
             [request_id],
         )
+        if "stray_writes" in have:  # the victim's side of the write log: who wrote into its slot
+            overwritten = [
+                {"step": w["step"], "writer": w["request_id"], "memory": e.get("memory"), "slot": e["slot"]}
+                for w in _rows(
+                    con,
+                    # rows that wrote astray are few: their entries are matched here
+                    "SELECT step, request_id, stray_writes FROM trace WHERE len(stray_writes) > 0 ORDER BY step",
+                    [],
+                )
+                for e in w["stray_writes"]
+                if e["owner"] == request_id
+            ]
     request["prompt_text"] = "".join(decode(i) for i in request.get("prompt_token_ids") or []) if note is None else None
     return finite(
         {
@@ -123,5 +142,16 @@ def inspect_request(path: Path | str, request_id: str) -> dict:
             "trace": trace,
             "rescored": has_ref,
             "tokenizer": note,
+            "mechanism": _mechanism(run.path / "findings.json", request_id),
+            "overwritten_by": overwritten,
         }
     )
+
+
+def _mechanism(findings: Path, request_id: str) -> dict | None:
+    """The request's per-request mechanism from findings.json, when it is flagged there."""
+    try:
+        flagged = json.loads(findings.read_text()).get("flagged") or []
+    except (OSError, ValueError):  # not analysed yet, or a findings.json being rewritten
+        return None
+    return next((f.get("mechanism") for f in flagged if f.get("request_id") == request_id), None)

@@ -55,6 +55,7 @@ CHUNKS_INSIDE_BLOCKS = (
 FEATURE_MOVES = {
     "first_decode_uncomputed": ONE_TOKEN_ON_A_USED_SLOT,  # a one-token first step runs as a decode
     "first_phase_decode": ONE_TOKEN_ON_A_USED_SLOT,
+    "admitted_as_decode": ONE_TOKEN_ON_A_USED_SLOT,  # the same trap at a readmission after a preemption
     "first_step_one_token": ONE_TOKEN_ON_A_USED_SLOT,
     "first_slot_used_before": (
         "slots recycled at once",

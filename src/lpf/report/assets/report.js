@@ -257,6 +257,16 @@
 
     var hy = section("hypotheses", "Mechanisms", "Trace and metadata features tested for association with flagged requests, best first.", "Mechanisms");
     add(hy, hypotheses(F.hypotheses, D.n_flagged ? "findings.json has no ranked hypotheses" : "nothing flagged, nothing to explain"));
+    var MB = F.mechanisms;
+    if (MB && MB.n_flagged) {
+      var mrows = (MB.covered || []).map(function (c) {
+        return [c.n, txt("span", "mono", c.feature || ""), c.rank != null ? c.rank : "–", c.sentence || ""];
+      });
+      if (MB.unexplained) mrows.push([MB.unexplained, txt("span", "mono", "unexplained"), "–", "no hypothesis significant among the requests left holds for them"]);
+      add(hy, [txt("h4", null, "What explains each flagged request (" + MB.n_flagged + ")"),
+        txt("p", "note", "Each flagged request gets the best-ranked significant hypothesis that holds for it; the requests it explains are set aside and the rest ranked again."),
+        table(["requests", "mechanism", "hypothesis #", "why"], mrows)]);
+    }
     main.appendChild(hy);
 
     var E = F.evidence;
@@ -341,6 +351,11 @@
         finish_reason: r.finish_reason };
       if (r.gibberish_score != null) meta.gibberish_score = r.gibberish_score;
       if (r.error) meta.engine_error = r.error;
+      var mech = (D.mechanism_of || {})[r.request_id];
+      if (mech) {
+        meta.mechanism = mech.feature || "unexplained";
+        if (mech.writer) meta.state_overwritten_by = mech.writer;
+      }
       if (r.oracle_expected != null) { meta.oracle_expected = r.oracle_expected; meta.oracle_ok = r.oracle_ok; }
       var left = h("div", null, [txt("h4", null, "request"), kv(meta)]);
       var right = h("div");
