@@ -29,8 +29,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from lpf.rl import cause_tests as ct
+from lpf.rl import nucleus
 from lpf.rl.cause_inputs import ExplainInputs
-from lpf.rl.cause_residual import SIDE_CAUSES, fit_side
+from lpf.rl.cause_residual import BLIND, SIDE_CAUSES, fit_side, quiet_sigma
 
 CAUSES = ("processed_logprobs", "stale_weights", "batch_shape", "position_growth", "dtype_floor", "unexplained")
 NAMED_MIN = 0.01  # a cause that passes its test but carries less than this share is reported, not named
@@ -47,6 +48,26 @@ def _exact(inp: ExplainInputs, d: np.ndarray) -> tuple[dict, dict]:
     """(tests, {cause: per-token component (0 where not applied)})."""
     tests, comps = {}, {}
     lk = inp.log_kept
+    inferred = None
+    _, step_code = np.unique(inp.steps, return_inverse=True)
+    tok_step = step_code[inp.tok_resp]
+    n_steps = int(step_code.max()) + 1 if step_code.size else 0
+    if lk is None and inp.top_cum is not None:  # the rollout's settings unknown: read them off d
+        grid = inp.kept_grid[0] if inp.kept_grid else ()
+        inferred = nucleus.infer(d, inp.top_cum, tok_step, n_steps, grid)
+        steps_of = np.unique(inp.steps)
+        inferred["steps"] = [int(steps_of[c]) for c in inferred["steps"]]
+        inferred["per_step"] = {int(steps_of[c]): v for c, v in inferred["per_step"].items()}
+        if inferred["setting"] is None:
+            tests["processed_logprobs"] = {
+                "status": "failed",
+                "inferred": inferred,
+                "reason": "no step's d matches the log of a head of the reference's distribution (no top-p "
+                "or top-k the rollout could have filtered with)",
+            }
+        else:
+            lk = nucleus.log_kept(inp.top_cum, inferred["top_p"], inferred["top_k"], inp.kept_grid)
+            inferred["tokens_unknown"] = int(np.count_nonzero(~np.isfinite(lk)))
     if lk is not None and np.nanmax(np.abs(lk)) < 1e-9:
         tests["processed_logprobs"] = {
             "status": "not applicable",
@@ -70,17 +91,25 @@ def _exact(inp: ExplainInputs, d: np.ndarray) -> tuple[dict, dict]:
         best = fit_with(lk, inp.stale_base - inp.stale_scores[best_lag])
     if lk is not None:
         f = best.get("processed_logprobs")
-        ok = ct.exact_passes(f)
+        stale_c = inp.stale_base - inp.stale_scores[best_lag] if stale_ok else None
+        at, per_step = _steps_applied(d, lk, stale_c, tok_step, n_steps, inp.tok_resp, ct.exact_passes(f))
+        steps_of = np.unique(inp.steps)
+        ok = bool(at.any())
         tests["processed_logprobs"] = {
             "status": "passed" if ok else "failed",
             "fit": f,
             "test": "d = log kept mass per token: least-absolute-deviations slope within "
             f"{ct.BETA_TOL:g} (+ 2 standard errors) of 1 and {ct.Z_MIN:g} "
-            f"standard errors from 0",
+            f"standard errors from 0, over the dump and step by step (a step whose own slope is far from 1 "
+            f"does not carry it)",
             "sampling": inp.sampling,
+            "inferred": inferred,
+            "steps": [int(steps_of[c]) for c in np.flatnonzero(at)],
+            "n_steps": n_steps,
+            "step_fits": {int(steps_of[c]): v for c, v in per_step.items()},
         }
         if ok:
-            comps["processed_logprobs"] = np.nan_to_num(lk)
+            comps["processed_logprobs"] = np.where(at[tok_step], np.nan_to_num(lk), 0.0)
     if lags:
         if stale_ok:
             c = np.nan_to_num(inp.stale_base - inp.stale_scores[best_lag])
@@ -112,6 +141,34 @@ def _exact(inp: ExplainInputs, d: np.ndarray) -> tuple[dict, dict]:
     return tests, comps
 
 
+MIN_STEP_TOKENS = 16
+
+
+def _steps_applied(d, lk, stale, tok_step, n_steps, resp, pooled_ok):
+    """(per step: carries the exact cause, {step code: its own fit}). Each step is fitted on its own:
+    a cause at a few steps is found there whatever the clean majority does to the pooled slope. With
+    the pooled fit passing, a step carries it unless its own slope clearly is not 1 (noisier small
+    steps stay with the pool); with it failing, the steps whose own fit passes."""
+    at = np.zeros(n_steps, dtype=bool)
+    fits = {}
+    for s in range(n_steps):
+        m = np.flatnonzero(tok_step == s)
+        if m.size < MIN_STEP_TOKENS or not np.isfinite(lk[m]).any():
+            at[s] = pooled_ok
+            continue
+        comps = {"processed_logprobs": lk[m]}
+        if stale is not None:
+            comps["stale_weights"] = stale[m]
+        f = ct.exact_fit(d[m], comps, resp[m]).get("processed_logprobs")
+        if not f or f["beta"] is None:
+            at[s] = pooled_ok
+            continue
+        fits[s] = {k: f[k] for k in ("beta", "se", "z", "n")}
+        rejected = abs(f["beta"] - 1.0) > ct.BETA_TOL + 2 * f["se"]
+        at[s] = ct.exact_passes(f) or (pooled_ok and not rejected)
+    return at, fits
+
+
 def _fit_for(d, lk, stale, resp):
     comps = {}
     if lk is not None:
@@ -119,6 +176,27 @@ def _fit_for(d, lk, stale, resp):
     if stale is not None:
         comps["stale_weights"] = stale
     return ct.exact_fit(d, comps, resp) if comps else {}
+
+
+def _side_floors(inp: ExplainInputs, residuals: dict) -> dict:
+    """side -> floor_override for `fit_side`: None (the floor table's row) unless the dump records no
+    dtype, then (sigma of the quiet responses' u, what it is) or (None, why it cannot be judged)."""
+    if not inp.estimate_floor:
+        return {name: None for name in residuals}
+    quiet = inp.quiet_resp if inp.quiet_resp is not None else np.zeros(inp.steps.size, dtype=bool)
+    quiet_steps = quiet & ~(inp.spike_resp if inp.spike_resp is not None else False)
+    tok_q = np.flatnonzero(quiet[inp.tok_resp])
+    n_steps_q = np.unique(inp.steps[quiet_steps]).size
+    out = {}
+    for name, res in residuals.items():
+        tok = tok_q if name == "trainer" else tok_q[np.abs(inp.r[tok_q]) > BLIND]
+        sigma = quiet_sigma(inp, res, tok)
+        if sigma is None:
+            out[name] = (None, "no dtype recorded and no quiet response to estimate the floor from: cannot judge")
+        else:
+            where = f"{n_steps_q} quiet steps" if n_steps_q else "the responses no spike implicates"
+            out[name] = (sigma, f"no dtype recorded: estimated from the dump's {where} ({tok.size} tokens)")
+    return out
 
 
 def explain(inp: ExplainInputs, seed: int = 0) -> Explanation:
@@ -138,33 +216,129 @@ def explain(inp: ExplainInputs, seed: int = 0) -> Explanation:
     else:
         residuals = {"rollout and trainer": e}
     mode = {"rollout": "none", "trainer": "all", "rollout and trainer": "within steps"}
+    overrides = _side_floors(inp, residuals)
     sides = {
-        name: fit_side(inp, res, inp.floors.get(name), rng, idx, batch_mode=mode[name])
+        name: fit_side(inp, res, inp.floors.get(name), rng, idx, batch_mode=mode[name], floor_override=overrides[name])
         for name, res in residuals.items()
     }
+    local = _local_fits(inp, residuals, sides, overrides, rng)
     col = {c: i for i, c in enumerate(CAUSES)}
     parts = np.zeros((n_tok, len(CAUSES)))
     for c, comp in comps.items():
         parts[:, col[c]] = np.abs(comp)
     for name, side in sides.items():
         mag = np.abs(residuals[name])
+        weights = {c: side.weights[c].copy() for c in SIDE_CAUSES}
+        for tok, fit in local.get(name, []):
+            for c in SIDE_CAUSES:
+                weights[c][tok] = fit.weights[c][tok]
         for c in SIDE_CAUSES:
-            parts[:, col[c]] += mag * side.weights[c]
+            parts[:, col[c]] += mag * weights[c]
     denom = parts.sum(axis=1)
     ok = (denom > 0) & (np.abs(d) > 0)
     shares = np.divide(parts, denom[:, None], out=np.zeros_like(parts), where=ok[:, None])
+    capped = _cap_floor_at_spikes(inp, d, shares, col)
     for c in ("position_growth", "batch_shape", "dtype_floor", "unexplained"):
         per = {name: side.tests[c] for name, side in sides.items() if c in side.tests}
         if not per:  # batch shape without batch features: untested, with what inputs_of said is missing
             tests.setdefault(c, {"status": "untested", "missing": "the dump records no micro-batches"})
             continue
         tests[c] = _combine(c, per, tests.get(c), inp)
+    _local_tests(tests, local, inp)
+    if capped:
+        tests["dtype_floor"]["capped_at_spike_steps"] = capped
     outliers = np.zeros(inp.steps.size, dtype=bool)
     for side in sides.values():
         outliers |= side.outliers
+    for fits in local.values():
+        for tok, fit in fits:
+            outliers[np.unique(inp.tok_resp[tok])] |= fit.outliers[np.unique(inp.tok_resp[tok])]
+    # an outlier whose excess the exact causes took is no unexplained response
+    a = np.abs(d)
+    n_resp = inp.steps.size
+    unexpl = np.bincount(inp.tok_resp, weights=a * shares[:, col["unexplained"]], minlength=n_resp)
+    outliers &= unexpl > 0.05 * np.bincount(inp.tok_resp, weights=a, minlength=n_resp)
     tests["unexplained"]["outlier_responses"] = [inp.request_ids[i] for i in np.flatnonzero(outliers)[:50]]
     tests["unexplained"]["n_outlier_responses"] = int(outliers.sum())
     return Explanation(shares, tests, {name: side.model for name, side in sides.items()})
+
+
+MAX_LOCAL = 200  # spike steps fitted on their own; beyond, the rest keep the pooled fit
+
+
+def _local_fits(inp, residuals, sides, overrides, rng) -> dict:
+    """side -> [(token indices, Side)]: when some steps spike and others are quiet, each spike step is
+    judged on its own tokens (a cause at 2 of 12 steps is tested where it is, against the floor, not
+    diluted by the clean majority) and the quiet steps together, on theirs. Batch shape stays with the
+    pooled fit (the micro-batch layout repeats over steps; one step holds too few groups)."""
+    if inp.spike_resp is None or not inp.spike_resp.any() or inp.spike_resp.all():
+        return {}
+    spike_tok = inp.spike_resp[inp.tok_resp]
+    steps_tok = inp.steps[inp.tok_resp]
+    groups = [np.flatnonzero(steps_tok == s) for s in np.unique(inp.steps[inp.spike_resp])[:MAX_LOCAL]]
+    groups.append(np.flatnonzero(~spike_tok))
+    out = {}
+    for name, res in residuals.items():
+        ov = overrides[name]
+        if ov is None:  # the table's floor, as the pooled fit saw it
+            ov = (sides[name].tests["dtype_floor"]["sigma_floor"], sides[name].tests["dtype_floor"].get("detail"))
+        fits = []
+        for tok in groups:
+            sub = tok if tok.size <= ct.MAX_TOKENS_TESTED else np.sort(rng.choice(tok, ct.MAX_TOKENS_TESTED, False))
+            fits.append((tok, fit_side(inp, res, inp.floors.get(name), rng, sub, batch_mode="none", floor_override=ov)))
+        out[name] = fits
+    return out
+
+
+def _local_tests(tests: dict, local: dict, inp) -> None:
+    """The steps where a step's own position test passed (spike steps only): the cause is found there
+    even when the pooled test is not."""
+    found: dict = {}
+    for name, fits in local.items():
+        for tok, fit in fits:
+            t = fit.tests["position_growth"]
+            step_ids = np.unique(inp.steps[inp.tok_resp[tok]])
+            if step_ids.size != 1 or not inp.spike_resp[inp.tok_resp[tok[0]]]:
+                continue
+            if t["status"] == "passed":
+                found.setdefault(int(step_ids[0]), {})[name] = {
+                    k: t[k] for k in ("spearman", "p_value", "variance_ratio", "profile")
+                }
+    if not found:
+        return
+    pg = tests.setdefault("position_growth", {})
+    pg["steps"] = sorted(found)
+    pg["step_tests"] = found
+    if pg.get("status") != "passed":
+        first = next(iter(found.values()))
+        side, t = next(iter(first.items()))
+        pg.update(t)
+        pg.update(status="passed", side=side, scope="spike steps")
+        pg["pooled_status"] = "failed"
+
+
+def _cap_floor_at_spikes(inp, d, shares, col) -> list:
+    """A spike step's floor is at most what a quiet step of its size carries (the quiet responses' mean
+    |d| per token); the rest of its floor share goes to unexplained: a spike is never inside the floor."""
+    if inp.spike_resp is None or not inp.spike_resp.any() or inp.quiet_resp is None or not inp.quiet_resp.any():
+        return []
+    a = np.abs(d)
+    quiet_tok = inp.quiet_resp[inp.tok_resp]
+    per_tok = float(a[quiet_tok].mean())
+    steps_tok = inp.steps[inp.tok_resp]
+    capped = []
+    f, u = col["dtype_floor"], col["unexplained"]
+    for s in np.unique(inp.steps[inp.spike_resp]):
+        m = steps_tok == s
+        floor_mass = float((a[m] * shares[m, f]).sum())
+        cap = per_tok * int(m.sum())
+        if floor_mass > cap and floor_mass > 0:
+            keep = cap / floor_mass
+            moved = shares[m, f] * (1 - keep)
+            shares[m, f] -= moved
+            shares[m, u] += moved
+            capped.append(int(s))
+    return capped
 
 
 _TEXT = {
