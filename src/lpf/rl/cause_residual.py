@@ -123,10 +123,13 @@ def fit_side(
     idx: np.ndarray,
     batch_mode: str = "within steps",
     floor_override: tuple | None = None,
+    drop_settled: bool = False,
 ) -> Side:
     """`floor_override` (sigma or None, what it is): the floor when the dump records no dtype, estimated
     from its quiet responses; sigma None = it cannot be judged (the base level is then unexplained, never
     floor). Weights are meant for the tokens of `idx`' responses (a step's own fit: `lpf.rl.causes`).
+    `drop_settled`: the tests and fits leave settled tokens out (a step's own fit, where a confident model's
+    late tokens would hide a growing error; the pooled fit keeps them, as it was calibrated).
     `batch_mode`: "all" (the trainer side: shuffle the feature across every response), "within steps"
     (the whole residual), or "none" (the rollout side: the dump's micro-batches are the trainer's).
     Where the rollout's logprob is 0 (a lone token kept by top-p/top-k reports 0 under processed
@@ -135,11 +138,12 @@ def fit_side(
     n_resp = inp.steps.size
     if batch_mode != "all":
         idx = idx[np.abs(inp.r[idx]) > BLIND]
-    # settled tokens (sensitivity below S_MIN) show rounding, not logit noise: a logit error that grows
-    # along the response cannot show on them, and a confident model settles more tokens late than early
-    live = idx[np.nan_to_num(inp.sensitivity[idx]) >= ct.S_MIN]
-    if live.size >= 4 * ct.MIN_CELL:
-        idx = live
+    if drop_settled:
+        # settled tokens (sensitivity below S_MIN) show rounding, not logit noise: a logit error that grows
+        # along the response cannot show on them, and a confident model settles more tokens late than early
+        live = idx[np.nan_to_num(inp.sensitivity[idx]) >= ct.S_MIN]
+        if live.size >= 4 * ct.MIN_CELL:
+            idx = live
     sens = np.maximum(np.nan_to_num(inp.sensitivity), ct.S_MIN)
     u = e / sens
     bucket = ct.position_bucket(inp.tok_pos)

@@ -285,7 +285,7 @@ def _local_fits(inp, residuals, sides, overrides, rng) -> dict:
         fits = []
         for tok in groups:
             sub = tok if tok.size <= ct.MAX_TOKENS_TESTED else np.sort(rng.choice(tok, ct.MAX_TOKENS_TESTED, False))
-            fits.append((tok, fit_side(inp, res, inp.floors.get(name), rng, sub, batch_mode="none", floor_override=ov)))
+            fits.append((tok, fit_side(inp, res, inp.floors.get(name), rng, sub, "none", ov, drop_settled=True)))
         out[name] = fits
     return out
 
