@@ -86,6 +86,7 @@ _STATUS_STYLE = {
     "inside": "green",
     "exceeded": "bold red",
     "small": "green",
+    "cannot judge": "bold yellow",
 }
 
 

@@ -239,6 +239,20 @@ def fit_side(
     }
     none = (sF + sS + sB + sP) == 0  # no level at all (an exact side): its rounding is floor
     weights["dtype_floor"] = np.where(none, core, weights["dtype_floor"])
+    if not np.isfinite(v).any():
+        # too few tokens for any cell: no level was measured, so nothing may be called floor wholesale;
+        # each token is judged on its own against the floor's band (beyond it: unexplained)
+        band = KAPPA * 2.576 * sigma_f if (judged and sigma_f) else 0.0
+        inside = np.abs(u) <= band if judged and sigma_f else np.zeros(u.size, dtype=bool)
+        if judged and sigma_f is None:
+            inside = np.ones(u.size, dtype=bool)
+        weights = {c: np.zeros(u.size) for c in SIDE_CAUSES}
+        weights["dtype_floor"], weights["unexplained"] = inside * 1.0, (~inside) * 1.0
+        tests["dtype_floor"].update(
+            status="exceeded" if (~inside).any() else "inside",
+            unmeasured=f"{idx.size} tokens to measure (the rollout reports certainty on the rest): too few for the "
+            f"variance model; every token judged on its own against the floor's band ({band:.3g})",
+        )
     tests["unexplained"] = {"n_outlier_responses": int(outlier.sum()), "sigma_systematic": sS}
     return Side(
         tests,

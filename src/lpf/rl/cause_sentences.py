@@ -69,6 +69,7 @@ def evidence(cause: str, test: dict, share: float, inp) -> str:
         return "; ".join(
             f"{name}: base sigma {t.get('sigma_residual_base', 0):.3g} vs the floor's "
             f"{t.get('sigma_floor') or 0:.3g} ({t.get('detail') or 'no floor known'})"
+            + (f"; {t['unmeasured']}" if t.get("unmeasured") else "")
             for name, t in (test.get("sides") or {}).items()
         )
     if cause == "unexplained":

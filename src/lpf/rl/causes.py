@@ -178,6 +178,9 @@ def _fit_for(d, lk, stale, resp):
     return ct.exact_fit(d, comps, resp) if comps else {}
 
 
+ONE_SIDED = 0.9  # this share of the quiet residual's tokens of one sign: a bias, never a floor
+
+
 def _side_floors(inp: ExplainInputs, residuals: dict) -> dict:
     """side -> floor_override for `fit_side`: None (the floor table's row) unless the dump records no
     dtype, then (sigma of the quiet responses' u, what it is) or (None, why it cannot be judged)."""
@@ -191,7 +194,15 @@ def _side_floors(inp: ExplainInputs, residuals: dict) -> dict:
     for name, res in residuals.items():
         tok = tok_q if name == "trainer" else tok_q[np.abs(inp.r[tok_q]) > BLIND]
         sigma = quiet_sigma(inp, res, tok)
-        if sigma is None:
+        nz = res[tok][res[tok] != 0]
+        one_sided = nz.size >= 32 and max(np.mean(nz > 0), np.mean(nz < 0)) >= ONE_SIDED
+        if one_sided:  # rounding is unbiased: a quiet level of one sign is a cause, not a floor
+            out[name] = (
+                None,
+                f"no dtype recorded, and the quiet responses' residual is one-sided ({100 * max(np.mean(nz > 0), np.mean(nz < 0)):.0f}% "
+                f"of {nz.size} tokens of one sign): a bias, not rounding; cannot judge the floor",
+            )
+        elif sigma is None:
             out[name] = (None, "no dtype recorded and no quiet response to estimate the floor from: cannot judge")
         else:
             where = f"{n_steps_q} quiet steps" if n_steps_q else "the responses no spike implicates"
@@ -359,10 +370,11 @@ def _combine(cause: str, per: dict, prior: dict | None, inp: ExplainInputs) -> d
         return {"sigma_systematic": max((t.get("sigma_systematic") or 0.0) for t in per.values()), "sides": per}
     if cause == "dtype_floor":
         exceeded = [n for n, t in per.items() if t["status"] == "exceeded"]
-        first = per[exceeded[0]] if exceeded else next(iter(per.values()))
+        unjudged = [n for n, t in per.items() if t["status"] == "cannot judge"]
+        first = per[exceeded[0]] if exceeded else per[unjudged[0]] if unjudged else next(iter(per.values()))
         return {
             **first,
-            "status": "exceeded" if exceeded else "inside",
+            "status": "exceeded" if exceeded else "cannot judge" if unjudged else "inside",
             "side": exceeded[0] if exceeded else None,
             "sides": per,
             "test": _TEXT[cause],

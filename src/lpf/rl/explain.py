@@ -299,9 +299,10 @@ def _block(
         causes.append(entry)
     verdict = "causes" if named else ("unexplained" if shares["unexplained"] > UNEXPLAINED_MAX else "inside-floor")
     floor_status = (ex.tests.get("dtype_floor") or {}).get("status")
-    if verdict == "inside-floor" and (spike_steps or floor_status == "cannot judge"):
-        # a spike that rl analyze reports is never inside the floor; an unjudged floor contains nothing
-        verdict = "unexplained" if spike_steps else "cannot-judge"
+    if not named and floor_status == "cannot judge":  # an unjudged floor contains nothing, explains nothing
+        verdict = "cannot-judge"
+    elif verdict == "inside-floor" and spike_steps:  # a spike that rl analyze reports is never inside the floor
+        verdict = "unexplained"
     order = np.argsort(-responses.column("mass").to_numpy())[:MAX_LISTED]
     worst = [
         {k: responses.column(k)[int(i)].as_py() for k in ("step", "request_id", "mass", "dominant")}

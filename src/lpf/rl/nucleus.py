@@ -42,7 +42,9 @@ def _match(d: np.ndarray, cum: np.ndarray):
     dist = np.where(np.isfinite(dist), dist, np.inf)
     k = np.argmin(dist, axis=1)
     best = dist[np.arange(d.size), k]
-    informative = (d < -tolerance(d)) & np.isfinite(d)
+    # a kept mass beyond the stored head's total says nothing about which head it was: not counted
+    last = np.nanmax(np.where(np.isfinite(lc), lc, -np.inf), axis=1)
+    informative = (d < -tol) & np.isfinite(d) & (d <= last + tol)
     return informative, informative & (best <= tol), k
 
 
