@@ -73,7 +73,9 @@ def _check_steps(f: dict, with_reference: bool) -> None:
     assert "estimated from the dump's 7 quiet steps" in floor["evidence"]
 
 
-@pytest.mark.parametrize("fmt", LAYOUTS)
+@pytest.mark.parametrize(
+    "fmt", [LAYOUTS[0], *(pytest.param(f, marks=pytest.mark.slow) for f in LAYOUTS[1:])]
+)  # one layout in the fast suite; the other three read the same run through their own readers
 def test_mixed_causes_are_found_at_their_steps(dumps, lpf_cli, tmp_path, fmt):
     out = tmp_path / "rl"
     f = _analyze(lpf_cli, dumps[fmt], out)
