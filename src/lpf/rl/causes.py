@@ -5,18 +5,23 @@ token d = t - r (trainer - rollout logprob); its mass is |d| (and, for the frame
 that metric's per-token term, split in the same proportions). The tests are `lpf.rl.cause_tests`:
 
 1. Exact causes, one least-absolute-deviations fit of d on their per-token predictions: processed logprobs
-   (c = log kept mass; d = c exactly when the rollout reports post-filter logprobs) and stale weights
-   (c = score now - score of the generating policy, the lag that fits best; applied to the responses
-   whose |d| it lowers). A cause that passes is subtracted: e = d - sum c.
+   (c = log kept mass; d = c exactly when the rollout reports post-filter logprobs; without the rollout's
+   settings, c from the top-p / top-k `lpf.rl.nucleus` infers) and stale weights (c = score now - score
+   of the generating policy, the lag that fits best; applied to the responses whose |d| it lowers).
+   Processed logprobs are also fitted step by step and applied at the steps that carry them (a cause at
+   3 of 12 steps is found there). A cause that passes is subtracted: e = d - sum c.
 2. The residual's statistical causes (`lpf.rl.cause_residual.fit_side`): position growth, batch
    shape, the dtype floor (from the floor table, `lpf.analysis.floors`) and what stays unexplained.
    With a reference f the residual is split exactly into its rollout side (f - r - exact causes:
    an engine's state path) and its trainer side (t - f: a micro-batch-dependent trainer), each fitted
    on its own against its own floor (the side's dtype against the reference's); without one, the
-   whole residual against the rollout/trainer floor. A cause is found when it passes on either side.
+   whole residual against the rollout/trainer floor (no dtype recorded: the quiet responses' level, or
+   cannot judge). A cause is found when it passes on either side. When some steps spike, each spike
+   step and the quiet steps are fitted again on their own (`lpf.rl.cause_steps`).
 3. Allocation, per token: |d| shared in proportion to |c_processed|, |c_stale| and each side's |e|,
    and a side's part in proportion to its model's sigmas (floor, unexplained, batch[g], position[b]):
-   the convention the simulator's ground truth uses with its true components.
+   the convention the simulator's ground truth uses with its true components. A spike step's floor is
+   capped at what a quiet step carries.
 
 `Explanation.shares` is [n_tokens, len(CAUSES)] (rows sum to 1 where |d| > 0), `tests` the evidence
 of each cause, `model` the fitted variance model.
@@ -31,7 +36,8 @@ import numpy as np
 from lpf.rl import cause_tests as ct
 from lpf.rl import nucleus
 from lpf.rl.cause_inputs import ExplainInputs
-from lpf.rl.cause_residual import BLIND, SIDE_CAUSES, fit_side, quiet_sigma
+from lpf.rl.cause_residual import SIDE_CAUSES, fit_side
+from lpf.rl.cause_steps import cap_floor_at_spikes, local_fits, local_tests, side_floors
 
 CAUSES = ("processed_logprobs", "stale_weights", "batch_shape", "position_growth", "dtype_floor", "unexplained")
 NAMED_MIN = 0.01  # a cause that passes its test but carries less than this share is reported, not named
@@ -178,38 +184,6 @@ def _fit_for(d, lk, stale, resp):
     return ct.exact_fit(d, comps, resp) if comps else {}
 
 
-ONE_SIDED = 0.9  # this share of the quiet residual's tokens of one sign: a bias, never a floor
-
-
-def _side_floors(inp: ExplainInputs, residuals: dict) -> dict:
-    """side -> floor_override for `fit_side`: None (the floor table's row) unless the dump records no
-    dtype, then (sigma of the quiet responses' u, what it is) or (None, why it cannot be judged)."""
-    if not inp.estimate_floor:
-        return {name: None for name in residuals}
-    quiet = inp.quiet_resp if inp.quiet_resp is not None else np.zeros(inp.steps.size, dtype=bool)
-    quiet_steps = quiet & ~(inp.spike_resp if inp.spike_resp is not None else False)
-    tok_q = np.flatnonzero(quiet[inp.tok_resp])
-    n_steps_q = np.unique(inp.steps[quiet_steps]).size
-    out = {}
-    for name, res in residuals.items():
-        tok = tok_q if name == "trainer" else tok_q[np.abs(inp.r[tok_q]) > BLIND]
-        sigma = quiet_sigma(inp, res, tok)
-        nz = res[tok][res[tok] != 0]
-        one_sided = nz.size >= 32 and max(np.mean(nz > 0), np.mean(nz < 0)) >= ONE_SIDED
-        if one_sided:  # rounding is unbiased: a quiet level of one sign is a cause, not a floor
-            out[name] = (
-                None,
-                f"no dtype recorded, and the quiet responses' residual is one-sided ({100 * max(np.mean(nz > 0), np.mean(nz < 0)):.0f}% "
-                f"of {nz.size} tokens of one sign): a bias, not rounding; cannot judge the floor",
-            )
-        elif sigma is None:
-            out[name] = (None, "no dtype recorded and no quiet response to estimate the floor from: cannot judge")
-        else:
-            where = f"{n_steps_q} quiet steps" if n_steps_q else "the responses no spike implicates"
-            out[name] = (sigma, f"no dtype recorded: estimated from the dump's {where} ({tok.size} tokens)")
-    return out
-
-
 def explain(inp: ExplainInputs, seed: int = 0) -> Explanation:
     rng = np.random.default_rng(seed)
     d = inp.t - inp.r
@@ -227,12 +201,12 @@ def explain(inp: ExplainInputs, seed: int = 0) -> Explanation:
     else:
         residuals = {"rollout and trainer": e}
     mode = {"rollout": "none", "trainer": "all", "rollout and trainer": "within steps"}
-    overrides = _side_floors(inp, residuals)
+    overrides = side_floors(inp, residuals)
     sides = {
         name: fit_side(inp, res, inp.floors.get(name), rng, idx, batch_mode=mode[name], floor_override=overrides[name])
         for name, res in residuals.items()
     }
-    local = _local_fits(inp, residuals, sides, overrides, rng)
+    local = local_fits(inp, residuals, sides, overrides, rng)
     col = {c: i for i, c in enumerate(CAUSES)}
     parts = np.zeros((n_tok, len(CAUSES)))
     for c, comp in comps.items():
@@ -248,14 +222,14 @@ def explain(inp: ExplainInputs, seed: int = 0) -> Explanation:
     denom = parts.sum(axis=1)
     ok = (denom > 0) & (np.abs(d) > 0)
     shares = np.divide(parts, denom[:, None], out=np.zeros_like(parts), where=ok[:, None])
-    capped = _cap_floor_at_spikes(inp, d, shares, col)
+    capped = cap_floor_at_spikes(inp, d, shares, col)
     for c in ("position_growth", "batch_shape", "dtype_floor", "unexplained"):
         per = {name: side.tests[c] for name, side in sides.items() if c in side.tests}
         if not per:  # batch shape without batch features: untested, with what inputs_of said is missing
             tests.setdefault(c, {"status": "untested", "missing": "the dump records no micro-batches"})
             continue
         tests[c] = _combine(c, per, tests.get(c), inp)
-    _local_tests(tests, local, inp)
+    local_tests(tests, local, inp)
     if capped:
         tests["dtype_floor"]["capped_at_spike_steps"] = capped
     outliers = np.zeros(inp.steps.size, dtype=bool)
@@ -272,84 +246,6 @@ def explain(inp: ExplainInputs, seed: int = 0) -> Explanation:
     tests["unexplained"]["outlier_responses"] = [inp.request_ids[i] for i in np.flatnonzero(outliers)[:50]]
     tests["unexplained"]["n_outlier_responses"] = int(outliers.sum())
     return Explanation(shares, tests, {name: side.model for name, side in sides.items()})
-
-
-MAX_LOCAL = 200  # spike steps fitted on their own; beyond, the rest keep the pooled fit
-
-
-def _local_fits(inp, residuals, sides, overrides, rng) -> dict:
-    """side -> [(token indices, Side)]: when some steps spike and others are quiet, each spike step is
-    judged on its own tokens (a cause at 2 of 12 steps is tested where it is, against the floor, not
-    diluted by the clean majority) and the quiet steps together, on theirs. Batch shape stays with the
-    pooled fit (the micro-batch layout repeats over steps; one step holds too few groups)."""
-    if inp.spike_resp is None or not inp.spike_resp.any() or inp.spike_resp.all():
-        return {}
-    spike_tok = inp.spike_resp[inp.tok_resp]
-    steps_tok = inp.steps[inp.tok_resp]
-    groups = [np.flatnonzero(steps_tok == s) for s in np.unique(inp.steps[inp.spike_resp])[:MAX_LOCAL]]
-    groups.append(np.flatnonzero(~spike_tok))
-    out = {}
-    for name, res in residuals.items():
-        ov = overrides[name]
-        if ov is None:  # the table's floor, as the pooled fit saw it
-            ov = (sides[name].tests["dtype_floor"]["sigma_floor"], sides[name].tests["dtype_floor"].get("detail"))
-        fits = []
-        for tok in groups:
-            sub = tok if tok.size <= ct.MAX_TOKENS_TESTED else np.sort(rng.choice(tok, ct.MAX_TOKENS_TESTED, False))
-            fits.append((tok, fit_side(inp, res, inp.floors.get(name), rng, sub, "none", ov, drop_settled=True)))
-        out[name] = fits
-    return out
-
-
-def _local_tests(tests: dict, local: dict, inp) -> None:
-    """The steps where a step's own position test passed (spike steps only): the cause is found there
-    even when the pooled test is not."""
-    found: dict = {}
-    for name, fits in local.items():
-        for tok, fit in fits:
-            t = fit.tests["position_growth"]
-            step_ids = np.unique(inp.steps[inp.tok_resp[tok]])
-            if step_ids.size != 1 or not inp.spike_resp[inp.tok_resp[tok[0]]]:
-                continue
-            if t["status"] == "passed":
-                found.setdefault(int(step_ids[0]), {})[name] = {
-                    k: t[k] for k in ("spearman", "p_value", "variance_ratio", "profile")
-                }
-    if not found:
-        return
-    pg = tests.setdefault("position_growth", {})
-    pg["steps"] = sorted(found)
-    pg["step_tests"] = found
-    if pg.get("status") != "passed":
-        first = next(iter(found.values()))
-        side, t = next(iter(first.items()))
-        pg.update(t)
-        pg.update(status="passed", side=side, scope="spike steps")
-        pg["pooled_status"] = "failed"
-
-
-def _cap_floor_at_spikes(inp, d, shares, col) -> list:
-    """A spike step's floor is at most what a quiet step of its size carries (the quiet responses' mean
-    |d| per token); the rest of its floor share goes to unexplained: a spike is never inside the floor."""
-    if inp.spike_resp is None or not inp.spike_resp.any() or inp.quiet_resp is None or not inp.quiet_resp.any():
-        return []
-    a = np.abs(d)
-    quiet_tok = inp.quiet_resp[inp.tok_resp]
-    per_tok = float(a[quiet_tok].mean())
-    steps_tok = inp.steps[inp.tok_resp]
-    capped = []
-    f, u = col["dtype_floor"], col["unexplained"]
-    for s in np.unique(inp.steps[inp.spike_resp]):
-        m = steps_tok == s
-        floor_mass = float((a[m] * shares[m, f]).sum())
-        cap = per_tok * int(m.sum())
-        if floor_mass > cap and floor_mass > 0:
-            keep = cap / floor_mass
-            moved = shares[m, f] * (1 - keep)
-            shares[m, f] -= moved
-            shares[m, u] += moved
-            capped.append(int(s))
-    return capped
 
 
 _TEXT = {
