@@ -146,6 +146,9 @@ def fit_side(
             idx = live
     sens = np.maximum(np.nan_to_num(inp.sensitivity), ct.S_MIN)
     u = e / sens
+    idx_all = idx
+    if drop_settled:
+        idx = _typical(inp, u, idx)
     bucket = ct.position_bucket(inp.tok_pos)
     n_b = int(bucket.max()) + 1
     batch = None
@@ -200,6 +203,7 @@ def fit_side(
             ct.bucket_label(b): float(np.sqrt(full["phi"] + full["pi"][b])) for b in range(n_b) if cnt[:, b].sum()
         },
     }
+
     model = ct.fit_variance(v, cnt, use_groups=batch_ok, use_positions=pos_ok)
     beta = model["beta"] if batch_ok else np.zeros(n_g)
     pi = model["pi"] if pos_ok else np.zeros(n_b)
@@ -221,8 +225,8 @@ def fit_side(
     sB, sP = np.sqrt(beta)[g_tok], np.sqrt(pi)[bucket]
     sF, sS = np.sqrt(v_floor), np.sqrt(v_sys)
     sigma = np.sqrt(v_floor + v_sys + beta[g_tok] + pi[bucket])
-    ratio = _response_ratio(u[idx], sigma[idx], inp.tok_resp[idx], n_resp)
-    fitted = np.bincount(inp.tok_resp[idx], minlength=n_resp) > 0  # the others' ratio 1 is no observation
+    ratio = _response_ratio(u[idx_all], sigma[idx_all], inp.tok_resp[idx_all], n_resp)
+    fitted = np.bincount(inp.tok_resp[idx_all], minlength=n_resp) > 0  # the others' ratio 1 is no observation
     z = np.full(n_resp, np.nan)
     if fitted.any():
         z[fitted], _ = robust_z(np.log10(np.maximum(ratio[fitted], 1e-300)))
@@ -267,6 +271,27 @@ def fit_side(
         },
         outlier,
     )
+
+
+def _typical(inp, u, idx) -> np.ndarray:
+    """`idx` without the responses whose own level (median |u|) is an outlier among the others' (robust
+    z >= OUTLIER_Z and OUTLIER_RATIO x the median): in a step's own fit, growth must be in the typical
+    response (a state rounded token to token moves every response), not in a few that lie from some
+    position on (a corrupted state). They stay outliers (unexplained) in the allocation. Positions fewer
+    than half of the remaining responses reach are left out too."""
+    resp = inp.tok_resp[idx]
+    ids = np.unique(resp)
+    if ids.size < 4:
+        return idx
+    level = np.array([np.median(np.abs(u[idx[resp == j]])) for j in ids])
+    z, _ = robust_z(np.log10(np.maximum(level, 1e-300)))
+    out = ids[(np.nan_to_num(z, nan=-np.inf) >= OUTLIER_Z) & (level >= OUTLIER_RATIO * np.median(level))]
+    keep = idx[~np.isin(resp, out)]
+    # and only the positions most of its responses reach: one long response's tail is no profile
+    reach = np.bincount(inp.tok_pos[keep]) if keep.size else np.zeros(1)
+    n_kept = np.unique(inp.tok_resp[keep]).size
+    keep = keep[reach[inp.tok_pos[keep]] * 2 >= n_kept]
+    return keep if keep.size >= 4 * ct.MIN_CELL else idx
 
 
 def _response_ratio(u, sigma, resp, n_resp) -> np.ndarray:
