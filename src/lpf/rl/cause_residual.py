@@ -148,7 +148,7 @@ def fit_side(
     u = e / sens
     idx_all = idx
     if drop_settled:
-        idx = _typical(inp, u, idx)
+        idx = _reached(inp, idx)
     bucket = ct.position_bucket(inp.tok_pos)
     n_b = int(bucket.max()) + 1
     batch = None
@@ -273,24 +273,17 @@ def fit_side(
     )
 
 
-def _typical(inp, u, idx) -> np.ndarray:
-    """`idx` without the responses whose own level (median |u|) is an outlier among the others' (robust
-    z >= OUTLIER_Z and OUTLIER_RATIO x the median): in a step's own fit, growth must be in the typical
-    response (a state rounded token to token moves every response), not in a few that lie from some
-    position on (a corrupted state). They stay outliers (unexplained) in the allocation. Positions fewer
-    than half of the remaining responses reach are left out too."""
-    resp = inp.tok_resp[idx]
-    ids = np.unique(resp)
+def _reached(inp, idx) -> np.ndarray:
+    """`idx` without the positions fewer than half of its responses reach (by their length, settled tokens
+    included): in a step's own fit, one long response's tail is no position profile (a multi-turn sample
+    lying in its last turn would read as growth)."""
+    ids = np.unique(inp.tok_resp[idx])
     if ids.size < 4:
         return idx
-    level = np.array([np.median(np.abs(u[idx[resp == j]])) for j in ids])
-    z, _ = robust_z(np.log10(np.maximum(level, 1e-300)))
-    out = ids[(np.nan_to_num(z, nan=-np.inf) >= OUTLIER_Z) & (level >= OUTLIER_RATIO * np.median(level))]
-    keep = idx[~np.isin(resp, out)]
-    # and only the positions most of its responses reach: one long response's tail is no profile
-    reach = np.bincount(inp.tok_pos[keep]) if keep.size else np.zeros(1)
-    n_kept = np.unique(inp.tok_resp[keep]).size
-    keep = keep[reach[inp.tok_pos[keep]] * 2 >= n_kept]
+    length = np.zeros(inp.steps.size, dtype=np.int64)
+    np.maximum.at(length, inp.tok_resp, inp.tok_pos + 1)
+    reach = np.bincount(length[ids], minlength=int(length.max()) + 2)[::-1].cumsum()[::-1]  # responses longer than p
+    keep = idx[reach[inp.tok_pos[idx] + 1] * 2 >= ids.size]
     return keep if keep.size >= 4 * ct.MIN_CELL else idx
 
 
