@@ -86,13 +86,19 @@ _STATUS_STYLE = {
     "inside": "green",
     "exceeded": "bold red",
     "small": "green",
+    "cannot judge": "bold yellow",
 }
 
 
 def print_rl_explain(block: dict, out: Path, console: Console) -> None:
     """`lpf rl explain`: the verdict, one row per cause (status, shares, evidence), the fixes of the named
     causes and the corrections they waste, hints for the untested ones, the worst responses."""
-    style = {"causes": "bold red", "unexplained": "bold yellow", "inside-floor": "green"}[block["verdict"]]
+    style = {
+        "causes": "bold red",
+        "unexplained": "bold yellow",
+        "inside-floor": "green",
+        "cannot-judge": "bold yellow",
+    }[block["verdict"]]
     console.print(f"[{style}]{block['verdict']}[/]  {escape(block['summary'])}", highlight=False)
     metric = block["framework_metric"]["name"]
     t = Table(box=box.SIMPLE_HEAD, title_justify="left")

@@ -76,7 +76,7 @@ def _dtype_options(f):
         type=_DTYPES,
         default=None,
         help="The rollout engine's dtype, for the dtype floor [default: what the dump says, else the "
-        "most lenient pair measured, said so].",
+        "floor is estimated from the dump's quiet steps or responses, said so].",
     )(f)
 
 
@@ -92,7 +92,7 @@ def analyze_cmd(dump, out_dir, fmt, strict, metric, z_threshold, rollout_dtype, 
     """Per-step mismatch metrics of a rollout dump, spikes, their period, the requests behind them;
     with `lpf rl rescore`'s reference scores in the RL directory, which side departs from the reference."""
     from lpf.rl import explain
-    from lpf.rl.analyze import add_causes, analyze, write_outputs
+    from lpf.rl.analyze import add_causes, analyze, detect, write_outputs
     from lpf.rl.formats import read_dump
     from lpf.rl.reference_scores import attach
 
@@ -101,8 +101,9 @@ def analyze_cmd(dump, out_dir, fmt, strict, metric, z_threshold, rollout_dtype, 
     d = read_dump(dump, fmt, strict)
     out_dir = out_dir or _default_out(dump)
     attach(d, out_dir)
-    steps, findings = analyze(d, metric, z_threshold)
-    responses, cause_steps, block = explain.run(d, rollout_dtype, trainer_dtype)
+    detected = detect(d, metric, z_threshold)
+    steps, findings = analyze(d, metric, z_threshold, detected=detected)
+    responses, cause_steps, block = explain.run(d, rollout_dtype, trainer_dtype, detected=detected)
     steps = add_causes(steps, findings, cause_steps, block)
     explain.write(out_dir, responses, cause_steps, block)
     write_outputs(out_dir, steps, findings)

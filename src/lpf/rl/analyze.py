@@ -30,13 +30,16 @@ from lpf.rl.metrics import STEP_METRICS, first_over, response_max_abs, series, t
 MAX_REQUESTS_LISTED = 200  # per spike; the counts stay exact
 
 
-def analyze(
+def detect(
     dump: Dump,
     metric: str = "k3_kl",
     z_threshold: float = spikes.Z_THRESHOLD,
     min_scale: float = spikes.MIN_SCALE,
     abs_min: float = spikes.ABS_MIN,
-) -> tuple[pa.Table, dict]:
+) -> dict:
+    """The spikes, before anything is said about them: per step (`steps`, `spike`, `z`, ...), per response
+    (`implicated`, `outlier`, ...) and per token (`off`, `quiet`). `lpf.rl.explain` judges the causes on
+    the same spikes, so a spike this reports is never floor there."""
     if metric not in STEP_METRICS:
         raise LpfError(f"unknown metric {metric!r}; choose from {', '.join(STEP_METRICS)}")
     resp = dump.responses
@@ -72,6 +75,49 @@ def analyze(
     off = terms["abs_d"] > thr
     # a step that spiked as a whole (no single outlier response) implicates its responses with off tokens
     implicated = outlier | ((resp_max > thr) & (spike & ~by_resp)[resp_code])
+    return dict(
+        steps=steps,
+        resp_code=resp_code,
+        tok_code=tok_code,
+        terms=terms,
+        per_step=per_step,
+        n_resp_step=n_resp_step,
+        n=n,
+        resp_max=resp_max,
+        rz=rz,
+        rfloor=rfloor,
+        outlier=outlier,
+        max_rz=max_rz,
+        z=z,
+        floor=floor,
+        step_max=step_max,
+        by_step=by_step,
+        by_resp=by_resp,
+        spike=spike,
+        quiet=quiet,
+        thr=thr,
+        off=off,
+        implicated=implicated,
+    )
+
+
+def analyze(
+    dump: Dump,
+    metric: str = "k3_kl",
+    z_threshold: float = spikes.Z_THRESHOLD,
+    min_scale: float = spikes.MIN_SCALE,
+    abs_min: float = spikes.ABS_MIN,
+    detected: dict | None = None,
+) -> tuple[pa.Table, dict]:
+    det = detected or detect(dump, metric, z_threshold, min_scale, abs_min)
+    resp = dump.responses
+    steps, resp_code, tok_code, terms, per_step = (
+        det[k] for k in ("steps", "resp_code", "tok_code", "terms", "per_step")
+    )
+    n_resp_step, n, rfloor = det["n_resp_step"], det["n"], det["rfloor"]
+    outlier, max_rz, z, floor, step_max = (det[k] for k in ("outlier", "max_rz", "z", "floor", "step_max"))
+    by_step, by_resp, spike, quiet, thr, off = (det[k] for k in ("by_step", "by_resp", "spike", "quiet", "thr", "off"))
+    implicated = det["implicated"]
     first = first_over(dump.tok_resp, dump.tok_pos, off, n)
 
     ids = resp.column("request_id").to_pylist()
@@ -221,7 +267,14 @@ def _summary(f: dict) -> str:
     s = f"{f['n_spikes']}/{f['n_steps']} steps spike in {f['metric']} (steps {shown})"
     if f["n_spikes"] == f["n_steps"] > 1:
         s += "; every step, from the first"
-    if f["period"]["period"] is not None:
+    shapes = f["period"].get("shapes") or {}
+    if len(shapes) > 1:
+        s += f"; {len(shapes)} spike shapes, not one rhythm: " + ", ".join(
+            f"{k.replace('_', ' ')} at steps {', '.join(map(str, v['steps'][:8]))}"
+            + (f" (period {v['period']:.3g})" if v["period"] is not None else "")
+            for k, v in shapes.items()
+        )
+    elif f["period"]["period"] is not None:
         s += f"; period {f['period']['period']:.3g} steps (confidence {f['period']['confidence']:.2f})"
     s += f"; {f['implicated']['in_spike_steps']} responses implicated"
     fd = f["implicated"]["first_divergence"]["median"]
@@ -234,7 +287,9 @@ def _summary(f: dict) -> str:
 
 def add_causes(step_table: pa.Table, findings: dict, cause_steps: pa.Table, block: dict) -> pa.Table:
     """The causes section (`lpf.rl.explain`) into the findings and its per-step shares into the step
-    table as cause_<name> columns (both tables hold the dump's steps in the same order)."""
+    table as cause_<name> columns (both tables hold the dump's steps in the same order). Each spike gets
+    the causes named at its step; spikes of different causes are different shapes, and the period is
+    then told per shape (two causes are not one rhythm)."""
     if cause_steps.column("step").to_pylist() != step_table.column("step").to_pylist():
         raise ValueError("cause steps do not line up with the step table")
     for name in cause_steps.column_names:
@@ -242,8 +297,32 @@ def add_causes(step_table: pa.Table, findings: dict, cause_steps: pa.Table, bloc
             step_table = step_table.append_column("cause_" + name[len("share_") :], cause_steps.column(name))
     step_table = step_table.append_column("abs_logprob_diff_sum", cause_steps.column("mass"))
     findings["causes"] = block
-    findings["summary"] += f"; causes: {block['summary']}"
+    at = {e["step"]: e for e in block.get("steps", [])}
+    for sp in findings["spikes"]:
+        e = at.get(sp["step"]) or {}
+        sp["causes"] = e.get("named", [])
+        sp["shape"] = "+".join(sp["causes"]) or "unexplained"
+    _shapes(findings, step_table)
+    findings["summary"] = _summary(findings) + f"; causes: {block['summary']}"
     return step_table
+
+
+def _shapes(findings: dict, step_table: pa.Table) -> None:
+    """findings["period"]["shapes"]: per spike shape (the causes named at the step), its steps and its own
+    period; with more than one shape the pooled period is not reported as the spikes' rhythm."""
+    shapes: dict = {}
+    for sp in findings["spikes"]:
+        shapes.setdefault(sp["shape"], []).append(sp["step"])
+    per = findings["period"]
+    per["shapes"] = {}
+    steps = step_table.column("step").to_numpy()
+    for shape, at in shapes.items():
+        spike = np.isin(steps, at)
+        p = spikes.period(steps, spike, spike.astype(np.float64))
+        per["shapes"][shape] = {"steps": at, "period": p["period"], "confidence": p["confidence"]}
+    if len(shapes) > 1:
+        per["pooled_period"], per["period"], per["confidence"] = per["period"], None, 0.0
+        per["note"] = f"{len(shapes)} spike shapes (different causes): no single rhythm"
 
 
 def write_outputs(out: Path, step_table: pa.Table, findings: dict) -> None:

@@ -3,13 +3,16 @@
 Per token (flat, as the dump's `tok_*` arrays): r, t, the position, the sensitivity (the reference's
 exact one when `lpf rl rescore` ran, else the bound sqrt(2) (1 - p_trainer) from the token's own
 trainer probability, said which), the reference's log kept mass under the rollout's sampling
-(processed logprobs), and per lag K the score of the generating policy K steps back, beside the
+(processed logprobs; without the settings, the reference's cumulative top probabilities they are inferred
+from), and per lag K the score of the generating policy K steps back, beside the
 score now it is compared with (`stale_base`): the trainer's own lag columns (`trainer_logprobs_lag{K}`,
 base = the trainer's logprobs) win over the reference's lagged checkpoints (base = the reference).
 The reference's own logprob (with it the residual splits into its rollout and trainer sides) and a
 floor-table row per side. Per response: step, request id, the batch features the dump records (`BATCH_FEATURES`, or the
 framework's layout: prime-rl's samples per (rank, micro_step), slime's micro-batch from its
-dp_shards) and the policy version when the dump says it. `missing` says, per input, why it is absent.
+dp_shards) and the policy version when the dump says it; which responses are in spike steps and which are
+quiet (`lpf.rl.analyze.detect`, set by the caller), and whether the floor is to be estimated from the quiet
+ones (no dtype recorded). `missing` says, per input, why it is absent.
 """
 
 from __future__ import annotations
@@ -48,6 +51,11 @@ class ExplainInputs:
     layers: dict | None = None  # {"mamba": n, "attention": m} when the model's config says
     sampling: dict | None = None
     missing: dict = field(default_factory=dict)
+    top_cum: np.ndarray | None = None  # [tokens, N] the reference's cumulative top probabilities (nucleus.py)
+    kept_grid: tuple | None = None  # (top-p values, [tokens, len] log kept mass at each) (nucleus.py)
+    spike_resp: np.ndarray | None = None  # per response: its step spikes (`lpf.rl.analyze.detect`)
+    quiet_resp: np.ndarray | None = None  # per response: neither in a spike step nor implicated
+    estimate_floor: bool = False  # no dtype recorded: the floor comes from the quiet responses, or cannot be judged
 
 
 def inputs_of(dump: Dump, floors: dict | None = None, layers: dict | None = None) -> ExplainInputs:
@@ -63,10 +71,10 @@ def inputs_of(dump: Dump, floors: dict | None = None, layers: dict | None = None
             "needs the reference's kept mass under the rollout's top-p/top-k: "
             "lpf rl rescore DUMP --reference MODEL --top-p P --top-k K"
         )
-    elif dump.tok_log_kept is None:
+    elif dump.tok_log_kept is None and dump.tok_top_cum is None:
         missing["processed_logprobs"] = (
             "reference.parquet has no kept mass: the rollout's sampling settings were "
-            "not given (lpf rl rescore --top-p P --top-k K)"
+            "not given and it predates the stored top probabilities (rerun lpf rl rescore, or give --top-p P --top-k K)"
         )
     inp = ExplainInputs(
         fmt=dump.fmt,
@@ -86,6 +94,8 @@ def inputs_of(dump: Dump, floors: dict | None = None, layers: dict | None = None
         layers=layers,
         sampling=sampling,
         missing=missing,
+        top_cum=dump.tok_top_cum if dump.tok_log_kept is None else None,
+        kept_grid=dump.tok_kept_grid,
     )
     if dump.tok_trainer_lag:
         inp.stale_scores, inp.stale_base, inp.stale_source = dict(dump.tok_trainer_lag), dump.tok_trainer, "trainer"

@@ -104,10 +104,33 @@ def _batch_test(inp, u, bucket, rng, idx, within_steps: bool):
     return best
 
 
+def quiet_sigma(inp, e: np.ndarray, tokens: np.ndarray) -> float | None:
+    """sigma of u over the dump's own quiet tokens (`tokens`: indices), as `floor_sigma` reads a table row:
+    the larger of the median's and the 99th percentile's Gaussian sigma. None without enough of them."""
+    live = tokens[np.nan_to_num(inp.sensitivity[tokens]) >= ct.S_MIN]  # as fit_side: settled tokens left out
+    tokens = live if live.size >= 4 * ct.MIN_CELL else tokens
+    if tokens.size < 2 * ct.MIN_CELL:
+        return None
+    u = np.abs(e[tokens]) / np.maximum(np.nan_to_num(inp.sensitivity[tokens]), ct.S_MIN)
+    return max(float(np.median(u)) / 0.6745, float(np.quantile(u, 0.99)) / 2.576, 1e-12)
+
+
 def fit_side(
-    inp, e: np.ndarray, floor: dict | None, rng: np.random.Generator, idx: np.ndarray, batch_mode: str = "within steps"
+    inp,
+    e: np.ndarray,
+    floor: dict | None,
+    rng: np.random.Generator,
+    idx: np.ndarray,
+    batch_mode: str = "within steps",
+    floor_override: tuple | None = None,
+    drop_settled: bool = False,
 ) -> Side:
-    """`batch_mode`: "all" (the trainer side: shuffle the feature across every response), "within steps"
+    """`floor_override` (sigma or None, what it is): the floor when the dump records no dtype, estimated
+    from its quiet responses; sigma None = it cannot be judged (the base level is then unexplained, never
+    floor). Weights are meant for the tokens of `idx`' responses (a step's own fit: `lpf.rl.causes`).
+    `drop_settled`: the tests and fits leave settled tokens out (a step's own fit, where a confident model's
+    late tokens would hide a growing error; the pooled fit keeps them, as it was calibrated).
+    `batch_mode`: "all" (the trainer side: shuffle the feature across every response), "within steps"
     (the whole residual), or "none" (the rollout side: the dump's micro-batches are the trainer's).
     Where the rollout's logprob is 0 (a lone token kept by top-p/top-k reports 0 under processed
     logprobs, whatever the engine's error) its side holds nothing to measure: such tokens are left
@@ -115,8 +138,17 @@ def fit_side(
     n_resp = inp.steps.size
     if batch_mode != "all":
         idx = idx[np.abs(inp.r[idx]) > BLIND]
+    if drop_settled:
+        # settled tokens (sensitivity below S_MIN) show rounding, not logit noise: a logit error that grows
+        # along the response cannot show on them, and a confident model settles more tokens late than early
+        live = idx[np.nan_to_num(inp.sensitivity[idx]) >= ct.S_MIN]
+        if live.size >= 4 * ct.MIN_CELL:
+            idx = live
     sens = np.maximum(np.nan_to_num(inp.sensitivity), ct.S_MIN)
     u = e / sens
+    idx_all = idx
+    if drop_settled:
+        idx = _reached(inp, idx)
     bucket = ct.position_bucket(inp.tok_pos)
     n_b = int(bucket.max()) + 1
     batch = None
@@ -129,7 +161,8 @@ def fit_side(
     full = ct.fit_variance(v, cnt, use_groups=batch is not None, use_positions=True)
     # a factor is material against the level it adds to (in the cleanest group for batch shape, at
     # the first position for growth), never below the dtype floor: rounding that varies is rounding
-    sigma_f = floor_sigma(floor)
+    sigma_f = floor_sigma(floor) if floor_override is None else floor_override[0]
+    judged = floor_override is None or floor_override[0] is not None
     floor2 = (sigma_f or 0.0) ** 2
     w0, wb = cnt[:, 0].astype(np.float64), cnt.sum(axis=0).astype(np.float64)
     tests = {}
@@ -170,27 +203,33 @@ def fit_side(
             ct.bucket_label(b): float(np.sqrt(full["phi"] + full["pi"][b])) for b in range(n_b) if cnt[:, b].sum()
         },
     }
+
     model = ct.fit_variance(v, cnt, use_groups=batch_ok, use_positions=pos_ok)
     beta = model["beta"] if batch_ok else np.zeros(n_g)
     pi = model["pi"] if pos_ok else np.zeros(n_b)
     phi = model["phi"]
-    if sigma_f is None or phi <= (KAPPA * sigma_f) ** 2:
+    if not judged:
+        v_floor, v_sys = 0.0, phi
+    elif sigma_f is None or phi <= (KAPPA * sigma_f) ** 2:
         v_floor, v_sys = phi, 0.0
     else:
         v_floor, v_sys = sigma_f**2, phi - sigma_f**2
     tests["dtype_floor"] = {
-        "status": "inside" if v_sys == 0 else "exceeded",
+        "status": "cannot judge" if not judged else "inside" if v_sys == 0 else "exceeded",
         "sigma_floor": sigma_f,
         "sigma_residual_base": float(np.sqrt(phi)),
-        "pair": (floor or {}).get("pair"),
-        "detail": (floor or {}).get("detail"),
+        "pair": (floor or {}).get("pair") if floor_override is None else None,
+        "detail": (floor or {}).get("detail") if floor_override is None else floor_override[1],
     }
 
     sB, sP = np.sqrt(beta)[g_tok], np.sqrt(pi)[bucket]
     sF, sS = np.sqrt(v_floor), np.sqrt(v_sys)
     sigma = np.sqrt(v_floor + v_sys + beta[g_tok] + pi[bucket])
-    ratio = _response_ratio(u[idx], sigma[idx], inp.tok_resp[idx], n_resp)
-    z, _ = robust_z(np.log10(np.maximum(ratio, 1e-300)))
+    ratio = _response_ratio(u[idx_all], sigma[idx_all], inp.tok_resp[idx_all], n_resp)
+    fitted = np.bincount(inp.tok_resp[idx_all], minlength=n_resp) > 0  # the others' ratio 1 is no observation
+    z = np.full(n_resp, np.nan)
+    if fitted.any():
+        z[fitted], _ = robust_z(np.log10(np.maximum(ratio[fitted], 1e-300)))
     outlier = (np.nan_to_num(z, nan=-np.inf) >= OUTLIER_Z) & (ratio >= OUTLIER_RATIO)
     excess = np.where(outlier[inp.tok_resp], 1.0 - 1.0 / np.maximum(ratio[inp.tok_resp], 1.0), 0.0)
     tot = sF + sS + sB + sP
@@ -204,6 +243,20 @@ def fit_side(
     }
     none = (sF + sS + sB + sP) == 0  # no level at all (an exact side): its rounding is floor
     weights["dtype_floor"] = np.where(none, core, weights["dtype_floor"])
+    if not np.isfinite(v).any():
+        # too few tokens for any cell: no level was measured, so nothing may be called floor wholesale;
+        # each token is judged on its own against the floor's band (beyond it: unexplained)
+        band = KAPPA * 2.576 * sigma_f if (judged and sigma_f) else 0.0
+        inside = np.abs(u) <= band if judged and sigma_f else np.zeros(u.size, dtype=bool)
+        if judged and sigma_f is None:
+            inside = np.ones(u.size, dtype=bool)
+        weights = {c: np.zeros(u.size) for c in SIDE_CAUSES}
+        weights["dtype_floor"], weights["unexplained"] = inside * 1.0, (~inside) * 1.0
+        tests["dtype_floor"].update(
+            status="exceeded" if (~inside).any() else "inside",
+            unmeasured=f"{idx.size} tokens to measure (the rollout reports certainty on the rest): too few for the "
+            f"variance model; every token judged on its own against the floor's band ({band:.3g})",
+        )
     tests["unexplained"] = {"n_outlier_responses": int(outlier.sum()), "sigma_systematic": sS}
     return Side(
         tests,
@@ -218,6 +271,20 @@ def fit_side(
         },
         outlier,
     )
+
+
+def _reached(inp, idx) -> np.ndarray:
+    """`idx` without the positions fewer than half of its responses reach (by their length, settled tokens
+    included): in a step's own fit, one long response's tail is no position profile (a multi-turn sample
+    lying in its last turn would read as growth)."""
+    ids = np.unique(inp.tok_resp[idx])
+    if ids.size < 4:
+        return idx
+    length = np.zeros(inp.steps.size, dtype=np.int64)
+    np.maximum.at(length, inp.tok_resp, inp.tok_pos + 1)
+    reach = np.bincount(length[ids], minlength=int(length.max()) + 2)[::-1].cumsum()[::-1]  # responses longer than p
+    keep = idx[reach[inp.tok_pos[idx] + 1] * 2 >= ids.size]
+    return keep if keep.size >= 4 * ct.MIN_CELL else idx
 
 
 def _response_ratio(u, sigma, resp, n_resp) -> np.ndarray:

@@ -5,18 +5,23 @@ token d = t - r (trainer - rollout logprob); its mass is |d| (and, for the frame
 that metric's per-token term, split in the same proportions). The tests are `lpf.rl.cause_tests`:
 
 1. Exact causes, one least-absolute-deviations fit of d on their per-token predictions: processed logprobs
-   (c = log kept mass; d = c exactly when the rollout reports post-filter logprobs) and stale weights
-   (c = score now - score of the generating policy, the lag that fits best; applied to the responses
-   whose |d| it lowers). A cause that passes is subtracted: e = d - sum c.
+   (c = log kept mass; d = c exactly when the rollout reports post-filter logprobs; without the rollout's
+   settings, c from the top-p / top-k `lpf.rl.nucleus` infers) and stale weights (c = score now - score
+   of the generating policy, the lag that fits best; applied to the responses whose |d| it lowers).
+   Processed logprobs are also fitted step by step and applied at the steps that carry them (a cause at
+   3 of 12 steps is found there). A cause that passes is subtracted: e = d - sum c.
 2. The residual's statistical causes (`lpf.rl.cause_residual.fit_side`): position growth, batch
    shape, the dtype floor (from the floor table, `lpf.analysis.floors`) and what stays unexplained.
    With a reference f the residual is split exactly into its rollout side (f - r - exact causes:
    an engine's state path) and its trainer side (t - f: a micro-batch-dependent trainer), each fitted
    on its own against its own floor (the side's dtype against the reference's); without one, the
-   whole residual against the rollout/trainer floor. A cause is found when it passes on either side.
+   whole residual against the rollout/trainer floor (no dtype recorded: the quiet responses' level, or
+   cannot judge). A cause is found when it passes on either side. When some steps spike, each spike
+   step and the quiet steps are fitted again on their own (`lpf.rl.cause_steps`).
 3. Allocation, per token: |d| shared in proportion to |c_processed|, |c_stale| and each side's |e|,
    and a side's part in proportion to its model's sigmas (floor, unexplained, batch[g], position[b]):
-   the convention the simulator's ground truth uses with its true components.
+   the convention the simulator's ground truth uses with its true components. A spike step's floor is
+   capped at what a quiet step carries.
 
 `Explanation.shares` is [n_tokens, len(CAUSES)] (rows sum to 1 where |d| > 0), `tests` the evidence
 of each cause, `model` the fitted variance model.
@@ -29,8 +34,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from lpf.rl import cause_tests as ct
+from lpf.rl import nucleus
 from lpf.rl.cause_inputs import ExplainInputs
 from lpf.rl.cause_residual import SIDE_CAUSES, fit_side
+from lpf.rl.cause_steps import cap_floor_at_spikes, local_fits, local_tests, side_floors
 
 CAUSES = ("processed_logprobs", "stale_weights", "batch_shape", "position_growth", "dtype_floor", "unexplained")
 NAMED_MIN = 0.01  # a cause that passes its test but carries less than this share is reported, not named
@@ -47,6 +54,26 @@ def _exact(inp: ExplainInputs, d: np.ndarray) -> tuple[dict, dict]:
     """(tests, {cause: per-token component (0 where not applied)})."""
     tests, comps = {}, {}
     lk = inp.log_kept
+    inferred = None
+    _, step_code = np.unique(inp.steps, return_inverse=True)
+    tok_step = step_code[inp.tok_resp]
+    n_steps = int(step_code.max()) + 1 if step_code.size else 0
+    if lk is None and inp.top_cum is not None:  # the rollout's settings unknown: read them off d
+        grid = inp.kept_grid[0] if inp.kept_grid else ()
+        inferred = nucleus.infer(d, inp.top_cum, tok_step, n_steps, grid)
+        steps_of = np.unique(inp.steps)
+        inferred["steps"] = [int(steps_of[c]) for c in inferred["steps"]]
+        inferred["per_step"] = {int(steps_of[c]): v for c, v in inferred["per_step"].items()}
+        if inferred["setting"] is None:
+            tests["processed_logprobs"] = {
+                "status": "failed",
+                "inferred": inferred,
+                "reason": "no step's d matches the log of a head of the reference's distribution (no top-p "
+                "or top-k the rollout could have filtered with)",
+            }
+        else:
+            lk = nucleus.log_kept(inp.top_cum, inferred["top_p"], inferred["top_k"], inp.kept_grid)
+            inferred["tokens_unknown"] = int(np.count_nonzero(~np.isfinite(lk)))
     if lk is not None and np.nanmax(np.abs(lk)) < 1e-9:
         tests["processed_logprobs"] = {
             "status": "not applicable",
@@ -70,17 +97,25 @@ def _exact(inp: ExplainInputs, d: np.ndarray) -> tuple[dict, dict]:
         best = fit_with(lk, inp.stale_base - inp.stale_scores[best_lag])
     if lk is not None:
         f = best.get("processed_logprobs")
-        ok = ct.exact_passes(f)
+        stale_c = inp.stale_base - inp.stale_scores[best_lag] if stale_ok else None
+        at, per_step = _steps_applied(d, lk, stale_c, tok_step, n_steps, inp.tok_resp, ct.exact_passes(f))
+        steps_of = np.unique(inp.steps)
+        ok = bool(at.any())
         tests["processed_logprobs"] = {
             "status": "passed" if ok else "failed",
             "fit": f,
             "test": "d = log kept mass per token: least-absolute-deviations slope within "
             f"{ct.BETA_TOL:g} (+ 2 standard errors) of 1 and {ct.Z_MIN:g} "
-            f"standard errors from 0",
+            f"standard errors from 0, over the dump and step by step (a step whose own slope is far from 1 "
+            f"does not carry it)",
             "sampling": inp.sampling,
+            "inferred": inferred,
+            "steps": [int(steps_of[c]) for c in np.flatnonzero(at)],
+            "n_steps": n_steps,
+            "step_fits": {int(steps_of[c]): v for c, v in per_step.items()},
         }
         if ok:
-            comps["processed_logprobs"] = np.nan_to_num(lk)
+            comps["processed_logprobs"] = np.where(at[tok_step], np.nan_to_num(lk), 0.0)
     if lags:
         if stale_ok:
             c = np.nan_to_num(inp.stale_base - inp.stale_scores[best_lag])
@@ -112,6 +147,34 @@ def _exact(inp: ExplainInputs, d: np.ndarray) -> tuple[dict, dict]:
     return tests, comps
 
 
+MIN_STEP_TOKENS = 16
+
+
+def _steps_applied(d, lk, stale, tok_step, n_steps, resp, pooled_ok):
+    """(per step: carries the exact cause, {step code: its own fit}). Each step is fitted on its own:
+    a cause at a few steps is found there whatever the clean majority does to the pooled slope. With
+    the pooled fit passing, a step carries it unless its own slope clearly is not 1 (noisier small
+    steps stay with the pool); with it failing, the steps whose own fit passes."""
+    at = np.zeros(n_steps, dtype=bool)
+    fits = {}
+    for s in range(n_steps):
+        m = np.flatnonzero(tok_step == s)
+        if m.size < MIN_STEP_TOKENS or not np.isfinite(lk[m]).any():
+            at[s] = pooled_ok
+            continue
+        comps = {"processed_logprobs": lk[m]}
+        if stale is not None:
+            comps["stale_weights"] = stale[m]
+        f = ct.exact_fit(d[m], comps, resp[m]).get("processed_logprobs")
+        if not f or f["beta"] is None:
+            at[s] = pooled_ok
+            continue
+        fits[s] = {k: f[k] for k in ("beta", "se", "z", "n")}
+        rejected = abs(f["beta"] - 1.0) > ct.BETA_TOL + 2 * f["se"]
+        at[s] = ct.exact_passes(f) or (pooled_ok and not rejected)
+    return at, fits
+
+
 def _fit_for(d, lk, stale, resp):
     comps = {}
     if lk is not None:
@@ -138,30 +201,48 @@ def explain(inp: ExplainInputs, seed: int = 0) -> Explanation:
     else:
         residuals = {"rollout and trainer": e}
     mode = {"rollout": "none", "trainer": "all", "rollout and trainer": "within steps"}
+    overrides = side_floors(inp, residuals)
     sides = {
-        name: fit_side(inp, res, inp.floors.get(name), rng, idx, batch_mode=mode[name])
+        name: fit_side(inp, res, inp.floors.get(name), rng, idx, batch_mode=mode[name], floor_override=overrides[name])
         for name, res in residuals.items()
     }
+    local = local_fits(inp, residuals, sides, overrides, rng)
     col = {c: i for i, c in enumerate(CAUSES)}
     parts = np.zeros((n_tok, len(CAUSES)))
     for c, comp in comps.items():
         parts[:, col[c]] = np.abs(comp)
     for name, side in sides.items():
         mag = np.abs(residuals[name])
+        weights = {c: side.weights[c].copy() for c in SIDE_CAUSES}
+        for tok, fit in local.get(name, []):
+            for c in SIDE_CAUSES:
+                weights[c][tok] = fit.weights[c][tok]
         for c in SIDE_CAUSES:
-            parts[:, col[c]] += mag * side.weights[c]
+            parts[:, col[c]] += mag * weights[c]
     denom = parts.sum(axis=1)
     ok = (denom > 0) & (np.abs(d) > 0)
     shares = np.divide(parts, denom[:, None], out=np.zeros_like(parts), where=ok[:, None])
+    capped = cap_floor_at_spikes(inp, d, shares, col)
     for c in ("position_growth", "batch_shape", "dtype_floor", "unexplained"):
         per = {name: side.tests[c] for name, side in sides.items() if c in side.tests}
         if not per:  # batch shape without batch features: untested, with what inputs_of said is missing
             tests.setdefault(c, {"status": "untested", "missing": "the dump records no micro-batches"})
             continue
         tests[c] = _combine(c, per, tests.get(c), inp)
+    local_tests(tests, local, inp)
+    if capped:
+        tests["dtype_floor"]["capped_at_spike_steps"] = capped
     outliers = np.zeros(inp.steps.size, dtype=bool)
     for side in sides.values():
         outliers |= side.outliers
+    for fits in local.values():
+        for tok, fit in fits:
+            outliers[np.unique(inp.tok_resp[tok])] |= fit.outliers[np.unique(inp.tok_resp[tok])]
+    # an outlier whose excess the exact causes took is no unexplained response
+    a = np.abs(d)
+    n_resp = inp.steps.size
+    unexpl = np.bincount(inp.tok_resp, weights=a * shares[:, col["unexplained"]], minlength=n_resp)
+    outliers &= unexpl > 0.05 * np.bincount(inp.tok_resp, weights=a, minlength=n_resp)
     tests["unexplained"]["outlier_responses"] = [inp.request_ids[i] for i in np.flatnonzero(outliers)[:50]]
     tests["unexplained"]["n_outlier_responses"] = int(outliers.sum())
     return Explanation(shares, tests, {name: side.model for name, side in sides.items()})
@@ -185,10 +266,11 @@ def _combine(cause: str, per: dict, prior: dict | None, inp: ExplainInputs) -> d
         return {"sigma_systematic": max((t.get("sigma_systematic") or 0.0) for t in per.values()), "sides": per}
     if cause == "dtype_floor":
         exceeded = [n for n, t in per.items() if t["status"] == "exceeded"]
-        first = per[exceeded[0]] if exceeded else next(iter(per.values()))
+        unjudged = [n for n, t in per.items() if t["status"] == "cannot judge"]
+        first = per[exceeded[0]] if exceeded else per[unjudged[0]] if unjudged else next(iter(per.values()))
         return {
             **first,
-            "status": "exceeded" if exceeded else "inside",
+            "status": "exceeded" if exceeded else "cannot judge" if unjudged else "inside",
             "side": exceeded[0] if exceeded else None,
             "sides": per,
             "test": _TEXT[cause],

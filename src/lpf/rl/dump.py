@@ -72,7 +72,7 @@ class Dump:
     order (`tok_resp` indexes `responses`, `tok_pos` is the position in the response); `resp_group`
     numbers the averaging units of slime's per-sample mean; `tok_trainer_lag[K]` holds the trainer's
     logprobs at the weights of K steps before when the dump carries them (NaN where a row had none).
-    `tok_reference` (and `tok_sensitivity`, `tok_log_kept`, the lagged `tok_reference_lag[K]` /
+    `tok_reference` (and `tok_sensitivity`, `tok_log_kept`, `tok_top_cum`, the lagged `tok_reference_lag[K]` /
     `tok_log_kept_lag[K]`) are filled by `lpf.rl.reference_scores.attach` when a third opinion exists."""
 
     source: str
@@ -93,6 +93,8 @@ class Dump:
     tok_trainer_lag: dict = field(default_factory=dict)
     tok_sensitivity: np.ndarray | None = None
     tok_log_kept: np.ndarray | None = None
+    tok_top_cum: np.ndarray | None = None  # [tokens, TOP_CUM] the reference's cumulative top probabilities
+    tok_kept_grid: tuple | None = None  # (top-p values, [tokens, len] log kept mass at each)
     tok_reference_lag: dict = field(default_factory=dict)
     tok_log_kept_lag: dict = field(default_factory=dict)
 

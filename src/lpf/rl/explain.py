@@ -97,7 +97,14 @@ def run(
     trainer_dtype: str | None = None,
     seed: int = 0,
     floor_table: dict | None = None,
+    detected: dict | None = None,
 ) -> tuple[pa.Table, pa.Table, dict]:
+    """`detected`: `lpf.rl.analyze.detect`'s spikes (computed here when not given): the spike steps are
+    judged on their own and never called floor."""
+    if detected is None:
+        from lpf.rl.analyze import detect
+
+        detected = detect(dump)
     if floor_table is None:
         from lpf.pipeline.analyze import floor_table as shipped
 
@@ -106,15 +113,24 @@ def run(
     rollout_dtype = rollout_dtype or dtypes.get("rollout")
     trainer_dtype = trainer_dtype or dtypes.get("trainer") or "float32"
     model, model_dir = _model_of(dump)
+    # no rollout dtype recorded: never the most lenient pair silently; the dump's quiet responses say
+    # what its floor is (or the verdict says it cannot judge)
+    known = rollout_dtype is not None
     if dump.tok_reference is not None:
         ref_dtype = ((dump.reference or {}).get("reference") or {}).get("dtype") or "float32"
         floors = {
-            "rollout": expected_floor(floor_table, rollout_dtype, ref_dtype, model),
+            "rollout": expected_floor(floor_table, rollout_dtype, ref_dtype, model) if known else None,
             "trainer": expected_floor(floor_table, trainer_dtype, ref_dtype, model),
         }
     else:
-        floors = {"rollout and trainer": expected_floor(floor_table, rollout_dtype, trainer_dtype, model)}
+        floors = {
+            "rollout and trainer": expected_floor(floor_table, rollout_dtype, trainer_dtype, model) if known else None
+        }
     inp = inputs_of(dump, floors, layer_types(model_dir))
+    spike_step = detected["spike"][detected["resp_code"]]
+    inp.spike_resp = spike_step
+    inp.quiet_resp = ~spike_step & ~detected["implicated"]
+    inp.estimate_floor = not known
     ex = explain(inp, seed)
     d = inp.t - inp.r
     a = np.abs(d)
@@ -157,6 +173,7 @@ def run(
     metric_total = float(m.sum())
     metric_parts = (ex.shares * m[:, None]).sum(0)
     shares_metric = {c: float(x) for c, x in zip(CAUSES, _share(metric_parts[None], np.array([metric_total]))[0])}
+    spike_steps = [int(x) for x in detected["steps"][detected["spike"]]]
     block = _block(
         dump,
         inp,
@@ -171,6 +188,7 @@ def run(
         floors,
         responses,
         step_table,
+        spike_steps,
     )
     return responses, step_table, finite(block)
 
@@ -185,6 +203,34 @@ def write(out: Path, responses: pa.Table, steps: pa.Table, block: dict) -> None:
     tmp = out / "rl_causes.json.tmp"
     tmp.write_text(json.dumps(block, indent=2))
     tmp.replace(out / "rl_causes.json")
+
+
+STEP_NAMED = 0.25  # a cause named for the dump is named at a step where it carries this share of its mass
+
+
+def _step_entries(steps: pa.Table, named: list, spike_steps: list) -> list[dict]:
+    """Per step: its mass, the dominant share, the causes named there (of those named for the dump, each
+    with >= STEP_NAMED of the step's mass; unexplained too where it holds that much of a spike step)."""
+    share = np.stack([steps.column(f"share_{c}").to_numpy() for c in CAUSES], 1)
+    mass = steps.column("mass").to_numpy()
+    dom = _dominant(share, mass)
+    spikes = set(spike_steps)
+    out = []
+    for i, s in enumerate(steps.column("step").to_pylist()):
+        here = [c for j, c in enumerate(CAUSES) if c in named and share[i, j] >= STEP_NAMED]
+        if int(s) in spikes and share[i, CAUSES.index("unexplained")] >= STEP_NAMED:
+            here.append("unexplained")
+        out.append(
+            {
+                "step": int(s),
+                "mass": float(mass[i]),
+                "dominant": dom[i],
+                "spike": int(s) in spikes,
+                "named": here,
+                "shares": {c: float(share[i, j]) for j, c in enumerate(CAUSES) if share[i, j] >= 0.005},
+            }
+        )
+    return out
 
 
 def _metric_mass(d: np.ndarray, kind: str, tok_resp: np.ndarray, unit: np.ndarray) -> np.ndarray:
@@ -227,6 +273,7 @@ def _block(
     floors,
     responses,
     steps,
+    spike_steps,
 ) -> dict:
     from lpf.rl.cause_sentences import evidence, hints, summary
 
@@ -251,6 +298,11 @@ def _block(
             wasted += [w for w in entry["fix"]["wasted"] if w not in wasted]
         causes.append(entry)
     verdict = "causes" if named else ("unexplained" if shares["unexplained"] > UNEXPLAINED_MAX else "inside-floor")
+    floor_status = (ex.tests.get("dtype_floor") or {}).get("status")
+    if not named and floor_status == "cannot judge":  # an unjudged floor contains nothing, explains nothing
+        verdict = "cannot-judge"
+    elif verdict == "inside-floor" and spike_steps:  # a spike that rl analyze reports is never inside the floor
+        verdict = "unexplained"
     order = np.argsort(-responses.column("mass").to_numpy())[:MAX_LISTED]
     worst = [
         {k: responses.column(k)[int(i)].as_py() for k in ("step", "request_id", "mass", "dominant")}
@@ -292,17 +344,8 @@ def _block(
         },
         "model": ex.model,
         "worst_responses": worst,
-        "steps": [
-            {"step": int(s), "mass": float(mm), "dominant": dom}
-            for s, mm, dom in zip(
-                steps.column("step").to_pylist(),
-                steps.column("mass").to_pylist(),
-                _dominant(
-                    np.stack([steps.column(f"share_{c}").to_numpy() for c in CAUSES], 1),
-                    steps.column("mass").to_numpy(),
-                ),
-            )
-        ][:1000],
+        "spike_steps": spike_steps,
+        "steps": _step_entries(steps, named, spike_steps)[:1000],
     }
     block["summary"] = summary(block)
     return block

@@ -5,7 +5,8 @@ every response (its prompt_token_ids as context, every response position scored,
 one file serves any metric) and returns the table the RL directory holds: step, request_id, position,
 token_id, reference_logprob, reference_sensitivity (`lpf.rl.row_stats`), and reference_log_kept_mass
 when the rollout's sampling settings are known (`sampling` = {temperature, top_k, top_p}; null
-otherwise), with the reference's description, the sampling and the lag under the Parquet key
+otherwise), reference_top_cumprob (the cumulative probability of the reference's most likely tokens,
+`lpf.rl.row_stats.TOP_CUM` of them: what infers an unrecorded top-p / top-k), with the reference's description, the sampling and the lag under the Parquet key
 metadata "lpf". `reference` may be a template holding `{step}` (the policy's checkpoint at each step:
 `ckpt/step_{step}`): the responses of step s are scored with the checkpoint of step s - lag (lag 0: the
 trainer's own weights; lag 1: the step before, what a one-step-stale rollout was generated with). A
@@ -13,7 +14,7 @@ lag checkpoint that does not exist leaves its responses' scores null (counted in
 lag-0 one is an error. Lag 0 goes to `reference.parquet`, lag k to `reference_lag{k}.parquet`
 (`write`). `attach(dump, out_dir)` reads them back for `lpf rl analyze` / `explain`, checking that
 they were made for this dump (same responses, same token at every position), and fills
-`Dump.tok_reference`, `tok_sensitivity`, `tok_log_kept` and the lagged `tok_reference_lag` /
+`Dump.tok_reference`, `tok_sensitivity`, `tok_log_kept`, `tok_top_cum` and the lagged `tok_reference_lag` /
 `tok_log_kept_lag`. Responses without a prompt cannot be given their context: `score` refuses,
 naming how many and why.
 """
@@ -43,6 +44,8 @@ SCHEMA = pa.schema(
         ("reference_logprob", pa.float64()),
         ("reference_sensitivity", pa.float64()),
         ("reference_log_kept_mass", pa.float64()),
+        ("reference_top_cumprob", pa.list_(pa.float32())),
+        ("reference_log_kept_grid", pa.list_(pa.float32())),
     ]
 )
 REQUIRED = ("step", "request_id", "position", "token_id", "reference_logprob")
@@ -91,7 +94,7 @@ def score(
         )
     from lpf.core.model_specs import resolve_model  # torch and transformers only once the request is sound
     from lpf.pipeline.reference import Rescorer, ScoreItem
-    from lpf.rl.row_stats import RowStats
+    from lpf.rl.row_stats import P_GRID, RowStats
 
     groups = {}  # checkpoint spec -> response indices
     missing = 0
@@ -121,12 +124,13 @@ def score(
         for it in items:
             rescorer.validate(it)  # every request checked before its checkpoint scores: an error prints alone
         for table in rescorer.score(items, tick):
-            kept, sens = stats.take()
+            kept, sens, cum, grid = stats.take()
             table = table.select(["request_id", "position", "ref_logprob"])
             parts.append(
-                table.append_column("sens", pa.array(sens, pa.float64())).append_column(
-                    "kept", pa.array(kept if kept is not None else [None] * len(sens), pa.float64())
-                )
+                table.append_column("sens", pa.array(sens, pa.float64()))
+                .append_column("kept", pa.array(kept if kept is not None else [None] * len(sens), pa.float64()))
+                .append_column("cum", _lists(cum))
+                .append_column("grid", _lists(grid))
             )
         del rescorer
     if not parts:
@@ -145,6 +149,7 @@ def score(
         "lag": lag,
         "sampling": sampling,
         "n_responses_without_checkpoint": missing,
+        "top_p_grid": list(P_GRID),
     }
     table = pa.table(
         {
@@ -155,10 +160,18 @@ def score(
             "reference_logprob": got.column("ref_logprob").cast(pa.float64()),
             "reference_sensitivity": got.column("sens"),
             "reference_log_kept_mass": got.column("kept"),
+            "reference_top_cumprob": got.column("cum"),
+            "reference_log_kept_grid": got.column("grid"),
         },
         schema=SCHEMA,
     )
     return table.replace_schema_metadata({"lpf": json.dumps(meta)})
+
+
+def _lists(a: np.ndarray) -> pa.Array:
+    return pa.FixedSizeListArray.from_arrays(pa.array(a.reshape(-1), pa.float32()), a.shape[1]).cast(
+        pa.list_(pa.float32())
+    )
 
 
 _HOW = {"verl": "add prompts and attention_mask per sample to the dump", "lpf": "add a prompt_token_ids column"}
@@ -181,6 +194,9 @@ def attach(dump: Dump, out_dir: Path) -> bool:
         return False
     ref, sens, kept, meta = _read(dump, path, lagged=False)
     dump.tok_reference, dump.tok_sensitivity, dump.tok_log_kept = ref, sens, kept
+    dump.tok_top_cum = _list_column(dump, path, "reference_top_cumprob")
+    grid = _list_column(dump, path, "reference_log_kept_grid")
+    dump.tok_kept_grid = None if grid is None else (tuple(meta.get("top_p_grid") or ()), grid)
     dump.reference = {"file": str(path), **meta}
     for f in sorted(out_dir.glob("reference_lag*.parquet")):
         m = _LAG_FILE.search(f.name)
@@ -194,6 +210,47 @@ def attach(dump: Dump, out_dir: Path) -> bool:
             "n_responses_without_checkpoint": lag_meta.get("n_responses_without_checkpoint", 0),
         }
     return True
+
+
+def _list_column(dump: Dump, path: Path, name: str) -> np.ndarray | None:
+    """[scored tokens, width] of a list column (the cumulative top probabilities, the kept mass per top-p;
+    NaN where absent), or None for a file made before lpf stored it. Rows line up with `_read`'s (checked
+    there)."""
+    table = (
+        pq.read_table(path, columns=["step", "request_id", "position", name])
+        if name in pq.read_schema(path).names
+        else None
+    )
+    if table is None:
+        return None
+    col = table.column(name).combine_chunks()
+    if col.null_count == len(col):
+        return None
+    width = int(np.max(pc.list_value_length(col).to_numpy(zero_copy_only=False)))
+    outputs = dump.sequences.column("response_token_ids").to_pylist()
+    offsets = np.concatenate([[0], np.cumsum([len(o) for o in outputs])]).astype(np.int64)
+    where = {
+        (s, r): i
+        for i, (s, r) in enumerate(
+            zip(dump.responses.column("step").to_pylist(), dump.responses.column("request_id").to_pylist())
+        )
+    }
+    resp = np.array(
+        [where[(s, r)] for s, r in zip(table.column("step").to_pylist(), table.column("request_id").to_pylist())],
+        dtype=np.int64,
+    )
+    at = offsets[resp] + table.column("position").to_numpy().astype(np.int64)
+    flat = np.full((int(offsets[-1]), width), np.nan, dtype=np.float32)
+    lengths = pc.list_value_length(col).to_numpy(zero_copy_only=False)
+    values = col.flatten().to_numpy(zero_copy_only=False).astype(np.float32)
+    full = lengths == width
+    if full.all():
+        flat[at] = values.reshape(-1, width)
+    else:  # a row cut short (vocabulary under TOP_CUM tokens cannot happen per file; kept general)
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        for j in np.flatnonzero(lengths > 0):
+            flat[at[j], : lengths[j]] = values[starts[j] : starts[j] + lengths[j]]
+    return flat[offsets[dump.tok_resp] + dump.tok_pos]
 
 
 def _read(dump: Dump, path: Path, lagged: bool):

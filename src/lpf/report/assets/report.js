@@ -619,7 +619,7 @@
     app.appendChild(hero("logprob forensics · RL rollouts vs trainer", "RL report", verdict,
       [["steps", fmt(F.n_steps)], ["responses", fmt(F.n_responses)], ["tokens", fmt(F.n_tokens)]],
       [kpi("spike steps", fmt(spikes.length), spikes.length ? "first at step " + fmt(spikes[0].step) : "none"),
-       kpi("period", per.period != null ? "every " + fmt(per.period) + " steps" : "none", "confidence " + fmt(per.confidence)),
+       kpi("period", per.period != null ? "every " + fmt(per.period) + " steps" : (per.note || "none"), "confidence " + fmt(per.confidence)),
        kpi("bad rows", fmt((F.bad_rows || []).length), "rows of the dump that could not be used")],
       null, spikes.length ? "corrupt" : "clean"));
     var main = h("main", "wrap");
