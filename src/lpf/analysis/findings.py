@@ -21,6 +21,10 @@ Two signatures join the trace features as candidate mechanisms, both computed fr
 reference expected and vice versa: outputs delivered to the wrong request) and, for runs sampled at
 a temperature other than 1, `tempered_logprobs` (the reported logprobs fit the reference's
 temperature-scaled distribution better than its raw one: processed logprobs reported as raw).
+A greedy run also gets `penalties.fit_penalty` (a repetition / presence / frequency penalty fitted to
+the engine's choices against the reference's raw logits): when one explains the greedy flips, it is
+`findings.server_processing` (value, scope, sentence; absent otherwise) and a signature (named after the mechanism,
+e.g. `repetition_penalty`: the requests with a flip it explains) ranked with the rest.
 The token pass is `lpf.analysis.scoring` (cache-sized chunks, sparse where the flags are; the metric
 columns' percentiles and means without ever holding one); results do not depend on the chunking.
 Prompt positions (`prompt_tokens` / `prompt_reference`, when the engine returned them) are judged
@@ -48,6 +52,7 @@ from lpf.analysis.levels import REQUEST_VERDICTS, SEVERITY
 from lpf.analysis.prefix_cache import prefix_cache_summary
 from lpf.analysis.prompt import merge_summary, prompt_analysis, worst_verdict
 from lpf.analysis.localized import raise_localized
+from lpf.analysis.penalties import fit_penalty, phrase as penalty_phrase
 from lpf.analysis.run_test import run_level_test, token_evidence
 from lpf.analysis.shape import failure_shape
 from lpf.analysis.signatures import crossed_wires, tempered_logprobs
@@ -127,6 +132,7 @@ def analyze(
         test,
         tempered,
         crossed_wires(joined, requests, trace),
+        fit_penalty(tokens, reference, requests, th.clean_abs_diff) if greedy else None,
     )
     return with_prompt(summary, findings, prompt_tokens, prompt_reference, requests, th, trace, chunk_budget)
 
@@ -166,12 +172,14 @@ def conclude(
     test: dict | None,
     tempered: pa.Array | None,
     crossed: pa.Array | None,
+    penalty: dict | None = None,
 ) -> dict:
     """The request-level steps after scoring, shared by the in-memory and the streamed analysis
     (`lpf.analysis.stream`): the run-level test's verdict (`test`, or None), the failure's shape,
     the ranked hypotheses (with the two token signatures' request ids, None when not computed), the
     evidence beyond the tokens and the prefix cache's block (`prefix_cache`: on, hits, inert; None
-    when the run has no prefix cache). Reads no token table."""
+    when the run has no prefix cache), and the fitted server-side penalty (`penalty`, from
+    `penalties.fit_penalty`, or None) as `server_processing` (absent when None). Reads no token table."""
     if test is not None:
         findings["run_test"] = test
         if (
@@ -185,7 +193,9 @@ def conclude(
     for f in findings["flagged"]:
         f["divergence_step"] = steps.get(f["request_id"])
     findings["shape"] = shape
-    findings["hypotheses"] = _hypotheses(summary, requests, trace, engine_info, temperature, tempered, crossed)
+    if penalty is not None:  # only when fitted: findings of runs without one stay as they were
+        findings["server_processing"] = penalty
+    findings["hypotheses"] = _hypotheses(summary, requests, trace, engine_info, temperature, tempered, crossed, penalty)
     findings["evidence"] = evidence(requests, summary)
     findings["prefix_cache"] = prefix_cache_summary(requests, trace, engine_info)
     return findings
@@ -222,7 +232,7 @@ def _expected_floor(joined, tokens, reference, requests, calibration, calibratio
     return (floor, cols) if floor else (None, None)
 
 
-def _hypotheses(summary, requests, trace, engine_info, temperature, tempered, crossed) -> list[dict]:
+def _hypotheses(summary, requests, trace, engine_info, temperature, tempered, crossed, penalty=None) -> list[dict]:
     enc = pc.dictionary_encode(summary.column("verdict").combine_chunks())  # a few names, one code per request
     names, code = enc.dictionary.to_pylist(), enc.indices.to_numpy(zero_copy_only=False)
 
@@ -246,6 +256,15 @@ def _hypotheses(summary, requests, trace, engine_info, temperature, tempered, cr
                 pc.is_in(ids, value_set=tempered).to_numpy(zero_copy_only=False),
                 f"reported logprobs that fit the reference's temperature-{temperature:g} "
                 f"distribution better than its raw one (processed logprobs reported as raw)",
+            )
+        )
+    if penalty is not None:
+        sigs.append(
+            Feature(
+                penalty["mechanism"],
+                "bool",
+                pc.is_in(ids, value_set=pa.array(penalty["requests"], pa.string())).to_numpy(zero_copy_only=False),
+                penalty_phrase(penalty),
             )
         )
     if crossed is not None:
