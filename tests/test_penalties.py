@@ -143,3 +143,28 @@ def test_lpf_serve_repetition_penalty_is_named_through_http(lpf_cli, tmp_path, p
     assert abs(sp["value"] - 1.1) <= 0.02, sp
     assert sp["explained"] >= 20 and sp["lost"] == 0
     assert "server_processing" not in found["1.0"]
+
+
+def test_logprobs_reported_at_a_temperature_of_the_servers_own_are_fitted():
+    """A greedy run whose server reports log-softmax(z / 0.7) (its own default temperature applied to
+    the logprobs): the temperature is found, and an honest server's logprobs fit none."""
+    from lpf.analysis.signatures import fit_logprob_temperature
+    from lpf.analysis.thresholds import Thresholds
+
+    tok, ref, _ = _run("repetition_penalty", 1.0, n_req=20)
+    rng = np.random.default_rng(0)
+    lp = ref.column("ref_logprob").to_numpy()
+    top = ref.column("ref_topk_logprobs").to_pylist()
+    # the tempered logprob of the engine's token over the full distribution is not at hand: rebuild it
+    # from the top-k plus the token, as a server holding only those would (the fit's own normalisation)
+    tempered = [
+        lp_i / 0.7 - np.logaddexp.reduce(np.r_[np.asarray(t) / 0.7, [] if lp_i >= min(t) - 1e-4 else [lp_i / 0.7]])
+        for lp_i, t in zip(lp, top)
+    ]
+    honest = tok.set_column(3, "engine_logprob", pa.array(lp + rng.normal(0, 1e-6, lp.size)))
+    hot = tok.set_column(3, "engine_logprob", pa.array(tempered))
+    joined = lambda t: t.join(ref.select(["request_id", "position", "ref_logprob"]), ["request_id", "position"])  # noqa: E731
+    fit = fit_logprob_temperature(joined(hot), ref, Thresholds())
+    assert fit is not None and abs(fit["value"] - 0.7) <= 0.02 and fit["error"] < 1e-3, fit
+    assert "temperature of about 0.7" in fit["sentence"]
+    assert fit_logprob_temperature(joined(honest), ref, Thresholds()) is None

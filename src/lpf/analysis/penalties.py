@@ -113,7 +113,7 @@ def sentence(mech: str, scope: str, value: float, explained: int, flips: int, n_
 def phrase(fit: dict) -> str:
     """The per-request feature's words: what a request carrying it did."""
     return (
-        f"chose tokens that {fit['mechanism'].replace('_', ' ')} {fit['value']:.3g} on "
+        f"chose tokens that a {fit['mechanism'].replace('_', ' ')} of {fit['value']:.3g} on "
         f"{_SCOPE_WORDS[fit['scope']]} predicts and the raw logits do not (server-side sampling processing)"
     )
 
