@@ -112,6 +112,11 @@ def test_the_samplers_repetition_penalty_is_hfs():
     assert torch.equal(penalize(z, r), hf)
 
 
+def test_a_bad_penalty_is_one_line_and_exit_2(lpf_cli):
+    r = lpf_cli("serve", "--repetition-penalty", "0", "--port", "0")
+    assert r.code == 2 and "repetition_penalty must be in (0, 10]" in r.err and "Traceback" not in r.err
+
+
 @pytest.fixture(scope="module")
 def prompts48(tmp_path_factory):
     from lpf.zoo import registry
@@ -138,7 +143,7 @@ def test_lpf_serve_repetition_penalty_is_named_through_http(lpf_cli, tmp_path, p
             )  # fmt: skip
         assert r.code in (0, 1), r.err
         found[penalty] = json.loads(r.out)
-    sp = found["1.1"].get("server_processing")
+    sp = (found["1.1"].get("server_processing") or {}).get("penalty")
     assert sp is not None and sp["mechanism"] == "repetition_penalty", found["1.1"].get("hypotheses")
     assert abs(sp["value"] - 1.1) <= 0.02, sp
     assert sp["explained"] >= 20 and sp["lost"] == 0

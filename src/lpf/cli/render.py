@@ -61,9 +61,8 @@ def print_summary(findings: dict, run_path, console: Console) -> None:
                 "inf" if diff is None else f"{diff:.3g}",
             )
         console.print(t)
-    sp = findings.get("server_processing")
-    if sp:
-        console.print(f"[bold]server-side processing:[/] {escape(sp['sentence'])}.")
+    for found in (findings.get("server_processing") or {}).values():
+        console.print(f"[bold]server-side processing:[/] {escape(found['sentence'])}.")
     _print_hypotheses(findings.get("hypotheses") or [], console)
     _print_prefix_cache(findings.get("prefix_cache"), console)
     _print_evidence(findings.get("evidence"), console)
