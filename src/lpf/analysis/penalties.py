@@ -16,7 +16,8 @@ coarser first), judged by how many positions' engine tokens it predicts: the eng
 the argmax (within `tie`: the run's clean threshold, the engine's own noise) of the penalised raw
 logits over the reference's top-k plus the token (logit = reference logprob + ref_logsumexp; the
 engine runs the reference's model, so its logits are the reference's). Tokens outside the top-k
-are not candidates. Only positions where a candidate was already seen can change; the fit is the
+are not candidates. Only positions where a candidate was already seen can change (at most
+MAX_POSITIONS of them: a bigger run is fitted on every k-th request); the fit is the
 value at the middle of the best plateau, and it is reported when it turns at least MIN_EXPLAINED of
 the neutral value's greedy flips into agreements, against fewer lost agreements than a sign test
 allows (p < MAX_P). The dict: {mechanism, scope, value, interval [lo, hi], explained (flips the fit
@@ -37,6 +38,7 @@ MIN_EXPLAINED = 3
 MAX_P = 1e-3
 LAST_N = 64  # llama.cpp's penalty_last_n default
 COARSE = 8  # the first pass's grid step, in fine steps
+MAX_POSITIONS = 50_000  # informative positions fitted (a bigger run: an even sample of its requests)
 _CHUNK = 2048  # positions per block of the [positions, candidates, grid] arrays
 
 # (mechanism, scope, grid, neutral value)
@@ -165,6 +167,9 @@ def _evidence(tokens: pa.Table, reference: pa.Table, requests: pa.Table) -> dict
     )
     if not t.num_rows:
         return None
+    if t.num_rows > 4 * MAX_POSITIONS:  # a big run: an even sample of whole requests before any [rows, k] array
+        keep = req_row % -(-t.num_rows // (4 * MAX_POSITIONS)) == 0
+        t, req_row = t.filter(pa.array(keep)), req_row[keep]
     ref = reference.take(t.column("_row"))
     k = int(pc.max(pc.list_value_length(ref.column("ref_topk_ids"))).as_py() or 0)
     if k == 0:
@@ -214,8 +219,12 @@ def _evidence(tokens: pa.Table, reference: pa.Table, requests: pa.Table) -> dict
     valid = np.isfinite(lp) & ok[:, None]
     context = (before > 0) & valid
     informative = context.any(axis=1)
-    if not informative.any():
+    n_inf = int(informative.sum())
+    if n_inf == 0:
         return None
+    if n_inf > MAX_POSITIONS:  # a big run: every k-th request (whole requests, so the counts stay per request)
+        dense = np.unique(rr, return_inverse=True)[1]  # the requests left, numbered 0.. (after any sample above)
+        informative &= dense % -(-n_inf // MAX_POSITIONS) == 0
     sel = np.flatnonzero(informative)
     count = np.maximum(before - in_prompt, 0)
     return {
