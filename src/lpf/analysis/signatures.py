@@ -20,6 +20,8 @@ Contract (pure; tables in, an Arrow array of request ids out):
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -142,7 +144,11 @@ def fit_logprob_temperature(tok: pa.Table, reference: pa.Table, th: Thresholds) 
         return None
     t = t.append_column("ref_topk_logprobs", ref.column("ref_topk_logprobs").take(t.column("_row")))
     eng = t.column("engine_logprob").to_numpy()
-    errors = np.array([np.nanmedian(np.abs(eng - _tempered(t, T))) for T in TEMPERATURE_GRID])
+    with np.errstate(invalid="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # positions without a top-k: NaN, left out
+        errors = np.array([np.nanmedian(np.abs(eng - _tempered(t, T))) for T in TEMPERATURE_GRID])
+    if not np.isfinite(errors).any():
+        return None
     best = int(np.nanargmin(errors))
     value, error = float(TEMPERATURE_GRID[best]), float(errors[best])
     raw_error = float(np.nanmedian(np.abs(eng - t.column("ref_logprob").to_numpy())))
