@@ -3,7 +3,8 @@ llama-server with flash attention on and 8 slots, the dependence named with the 
 
 The pure test feeds the conclusion copies as `run_repeat` writes them; the real one runs `lpf repeat
 --engine llamacpp` (the server lpf starts, skipped without the llama.cpp build) with flash attention on,
-then off: on, the copies sent among other requests depart from the copy sent alone; off, they do not.
+then off, 8 slots on one unified KV cache: on, the copies sent among other requests depart from the copy
+sent alone; off, they do not.
 """
 
 from __future__ import annotations
@@ -56,15 +57,21 @@ def _built() -> bool:
         return False
 
 
+# an input the model is unsure about: a confident token's logprob (~ -1e-5) hides any logit's movement
+PROMPT = "Q58|K12|A37,B22,zz:qq+ww=7"
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not _built(), reason="llama.cpp not built: run `make llamacpp` (make test does)")
 def test_llama_server_flash_attention_is_named_as_batch_shape_dependence(lpf_cli, tmp_path):
+    """8 slots sharing one KV cache (`kv_unified`): with flash attention the copies among other requests
+    moved by up to 2.8e-5 here, without it by 1.2e-7 (the tolerance 1e-5 sits between the two)."""
     docs = {}
     for fa in ("on", "off"):
         r = lpf_cli(
-            "repeat", "--engine", "llamacpp", "--model", "zoo:jamba", "--workload", "zoo:oracle", "--index", 3,
-            "--times", 6, "--max-tokens", 12, "-E", "parallel=8", "-E", f"flash_attn={fa}", "-E", "threads=1",
-            "--out", tmp_path / fa, "--json",
+            "repeat", "--engine", "llamacpp", "--model", "zoo:jamba", "--prompt", PROMPT, "--times", 6,
+            "--max-tokens", 24, "--tolerance", 1e-5, "-E", "parallel=8", "-E", "kv_unified=true",
+            "-E", f"flash_attn={fa}", "-E", "threads=1", "--out", tmp_path / fa, "--json",
         )  # fmt: skip
         assert r.code == 0, r.err
         docs[fa] = json.loads(r.out)
