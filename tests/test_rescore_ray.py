@@ -215,7 +215,8 @@ def test_committer_holds_a_request_back_until_all_its_rows_arrived(tmp_path):
 
     def rows(rid, positions):
         n = len(positions)
-        return pa.table(
+        return schema.table(  # columns added to the schema later (ref_logsumexp) as nulls
+            schema.REFERENCE,
             {
                 "request_id": [rid] * n,
                 "position": positions,
@@ -227,7 +228,6 @@ def test_committer_holds_a_request_back_until_all_its_rows_arrived(tmp_path):
                 "ref_topk_ids": [[3]] * n,
                 "ref_topk_logprobs": [[-1.0]] * n,
             },
-            schema=schema.REFERENCE,
         )
 
     ticks = []

@@ -22,6 +22,14 @@ Two signatures join the trace features as candidate mechanisms, both computed fr
 reference expected and vice versa: outputs delivered to the wrong request) and, for runs sampled at
 a temperature other than 1, `tempered_logprobs` (the reported logprobs fit the reference's
 temperature-scaled distribution better than its raw one: processed logprobs reported as raw).
+A greedy run also gets `penalties.fit_penalty` (a repetition / presence / frequency penalty fitted to
+the engine's choices against the reference's raw logits): when one explains the greedy flips, it is
+`findings.server_processing.penalty` (value, scope, sentence; absent otherwise) and a signature
+(named after the mechanism, e.g. `repetition_penalty`: the requests with a flip it explains) ranked
+with the rest. Any run gets
+`signatures.fit_logprob_temperature` (the temperature the reported logprobs fit, when neither 1 nor
+the run's own): found, it is `findings.server_processing.logprob_temperature` and the
+`tempered_logprobs` signature is computed at it.
 The token pass is `lpf.analysis.scoring` (cache-sized chunks, sparse where the flags are; the metric
 columns' percentiles and means without ever holding one); results do not depend on the chunking.
 Prompt positions (`prompt_tokens` / `prompt_reference`, when the engine returned them) are judged
@@ -50,9 +58,10 @@ from lpf.analysis.prefix_cache import prefix_cache_summary
 from lpf.analysis.prompt import merge_summary, prompt_analysis, worst_verdict
 from lpf.analysis.localized import raise_localized
 from lpf.analysis.mechanisms import attribute
+from lpf.analysis.penalties import fit_penalty, phrase as penalty_phrase
 from lpf.analysis.run_test import run_level_test, token_evidence
 from lpf.analysis.shape import failure_shape
-from lpf.analysis.signatures import crossed_wires, tempered_logprobs
+from lpf.analysis.signatures import crossed_wires, fit_logprob_temperature, tempered_logprobs
 from lpf.analysis.thresholds import Thresholds
 from lpf.analysis.timing import timing_features
 from lpf.analysis.token_evidence import calibration_floor, evidence_columns
@@ -119,6 +128,17 @@ def analyze(
         if wants_tempered(temperature, reference.column_names)
         else None
     )
+    server = {
+        "penalty": fit_penalty(tokens, reference, requests, th.clean_abs_diff) if greedy else None,
+        "logprob_temperature": (
+            fit_logprob_temperature(joined, reference, th) if "ref_topk_logprobs" in reference.column_names else None
+        ),
+    }
+    fitted = server["logprob_temperature"]
+    if fitted is not None and abs(fitted["value"] - temperature) <= 0.02:
+        server["logprob_temperature"] = None  # the run's own temperature: `tempered_logprobs` says that
+    elif fitted is not None:  # a temperature of the server's own: the signature at it
+        tempered = tempered_logprobs(joined, reference, fitted["value"], th)
     findings = conclude(
         findings,
         summary,
@@ -129,6 +149,7 @@ def analyze(
         test,
         tempered,
         crossed_wires(joined, requests, trace),
+        server,
     )
     return with_prompt(summary, findings, prompt_tokens, prompt_reference, requests, th, trace, chunk_budget)
 
@@ -168,12 +189,16 @@ def conclude(
     test: dict | None,
     tempered: pa.Array | None,
     crossed: pa.Array | None,
+    server: dict | None = None,
 ) -> dict:
     """The request-level steps after scoring, shared by the in-memory and the streamed analysis
     (`lpf.analysis.stream`): the run-level test's verdict (`test`, or None), the failure's shape,
     the ranked hypotheses (with the two token signatures' request ids, None when not computed), the
     evidence beyond the tokens and the prefix cache's block (`prefix_cache`: on, hits, inert; None
-    when the run has no prefix cache). Reads no token table."""
+    when the run has no prefix cache), and what the server did on its own (`server`: {"penalty":
+    `penalties.fit_penalty`'s, "logprob_temperature": `signatures.fit_logprob_temperature`'s}, None
+    each when not found) as `server_processing` with the found ones (absent when none). Reads no
+    token table."""
     if test is not None:
         findings["run_test"] = test
         if (
@@ -187,8 +212,13 @@ def conclude(
     for f in findings["flagged"]:
         f["divergence_step"] = steps.get(f["request_id"])
     findings["shape"] = shape
+    found = {k: v for k, v in (server or {}).items() if v is not None}
+    if found:  # only when fitted: findings of runs without one stay as they were
+        findings["server_processing"] = found
+    if "logprob_temperature" in found:
+        temperature = found["logprob_temperature"]["value"]  # the tempered signature's, in its words
     findings["hypotheses"], findings["mechanisms"] = _hypotheses(
-        summary, requests, trace, engine_info, temperature, tempered, crossed, findings["flagged"]
+        summary, requests, trace, engine_info, temperature, tempered, crossed, findings["flagged"], found.get("penalty")
     )
     findings["evidence"] = evidence(requests, summary)
     findings["prefix_cache"] = prefix_cache_summary(requests, trace, engine_info)
@@ -226,9 +256,12 @@ def _expected_floor(joined, tokens, reference, requests, calibration, calibratio
     return (floor, cols) if floor else (None, None)
 
 
-def _hypotheses(summary, requests, trace, engine_info, temperature, tempered, crossed, flagged_rows) -> tuple:
+def _hypotheses(
+    summary, requests, trace, engine_info, temperature, tempered, crossed, flagged_rows, penalty=None
+) -> tuple:
     """(ranked hypotheses, findings' `mechanisms` block); each of `flagged_rows` (findings' `flagged`)
-    gains its `mechanism` (`lpf.analysis.mechanisms`)."""
+    gains its `mechanism` (`lpf.analysis.mechanisms`). `penalty`: a fitted server penalty, ranked as a
+    signature (the requests with a flip it explains)."""
     enc = pc.dictionary_encode(summary.column("verdict").combine_chunks())  # a few names, one code per request
     names, code = enc.dictionary.to_pylist(), enc.indices.to_numpy(zero_copy_only=False)
 
@@ -252,6 +285,15 @@ def _hypotheses(summary, requests, trace, engine_info, temperature, tempered, cr
                 pc.is_in(ids, value_set=tempered).to_numpy(zero_copy_only=False),
                 f"reported logprobs that fit the reference's temperature-{temperature:g} "
                 f"distribution better than its raw one (processed logprobs reported as raw)",
+            )
+        )
+    if penalty is not None:
+        sigs.append(
+            Feature(
+                penalty["mechanism"],
+                "bool",
+                pc.is_in(ids, value_set=pa.array(penalty["requests"], pa.string())).to_numpy(zero_copy_only=False),
+                penalty_phrase(penalty),
             )
         )
     if crossed is not None:

@@ -9,10 +9,18 @@ Contract (pure; tables in, an Arrow array of request ids out):
   reference's distribution at `temperature` (log-softmax of logits / T, normalised over the
   reference's top-k plus the token) better than its raw logprobs on most of the tokens where the
   two differ: post-processing logprobs reported as raw.
+- `fit_logprob_temperature(tok, reference, th)`: the temperature T (0.25..4) whose tempered
+  reference logprobs (as above) best match the reported ones, over the tokens whose reported logprob
+  departs from the raw one by more than the clean threshold; a dict {value, tokens, error, raw_error,
+  sentence} when at least MIN_TEMPERED_TOKENS depart (an even sample of MAX_TEMPERED_TOKENS of them read), T is not within 0.02 of 1 and the fit's median
+  error is under a tenth of the raw logprobs' (a server reporting logprobs at a temperature of its own,
+  whatever the run asked for), else None.
 `tok` is the per-token metrics table (`metrics.token_metrics`).
 """
 
 from __future__ import annotations
+
+import warnings
 
 import numpy as np
 import pyarrow as pa
@@ -98,3 +106,61 @@ def tempered_logprobs(tok: pa.Table, reference: pa.Table, temperature: float, th
     d, b = agg.column("differ_sum").to_numpy(), agg.column("better_sum").to_numpy()
     keep = (d > 0) & (b >= 0.5 * d) & (b >= 1)
     return agg.column("request_id").filter(pa.array(keep))
+
+
+MIN_TEMPERED_TOKENS = 20
+MAX_TEMPERED_TOKENS = 20_000
+TEMPERATURE_GRID = np.round(np.exp(np.linspace(np.log(0.25), np.log(4.0), 281)), 4)
+
+
+def _tempered(t: pa.Table, temperature: float) -> np.ndarray:
+    """The reference's logprob of each token at `temperature`, normalised over its top-k plus the token."""
+    lse, mn = _lse_over_lists(t.column("ref_topk_logprobs"), temperature)
+    raw = t.column("ref_logprob").to_numpy() / temperature
+    outside = ~(raw >= mn - 1e-4)
+    return raw - np.where(outside, np.logaddexp(lse, raw), lse)
+
+
+def fit_logprob_temperature(tok: pa.Table, reference: pa.Table, th: Thresholds) -> dict | None:
+    ref = reference.select(["request_id", "position", "ref_topk_logprobs"])
+    keys = tok.select(["request_id", "position", "engine_logprob", "ref_logprob"])
+    with np.errstate(invalid="ignore"):
+        departs = np.abs(keys.column("engine_logprob").to_numpy() - keys.column("ref_logprob").to_numpy())
+        departs = departs > th.clean_abs_diff
+    if int(departs.sum()) < MIN_TEMPERED_TOKENS:
+        return None
+    at = np.flatnonzero(departs)
+    t = keys.take(pa.array(at[:: -(-at.size // MAX_TEMPERED_TOKENS)]))  # an even sample of a big run's
+    # Arrow joins carry no list columns: the top-k rows by a joined row number
+    rows = pa.table(
+        {
+            "request_id": ref.column("request_id"),
+            "position": ref.column("position"),
+            "_row": pa.array(np.arange(ref.num_rows, dtype=np.int64)),
+        }
+    )
+    t = t.join(rows, ["request_id", "position"])
+    if t.num_rows < MIN_TEMPERED_TOKENS:
+        return None
+    t = t.append_column("ref_topk_logprobs", ref.column("ref_topk_logprobs").take(t.column("_row")))
+    eng = t.column("engine_logprob").to_numpy()
+    with np.errstate(invalid="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # positions without a top-k: NaN, left out
+        errors = np.array([np.nanmedian(np.abs(eng - _tempered(t, T))) for T in TEMPERATURE_GRID])
+    if not np.isfinite(errors).any():
+        return None
+    best = int(np.nanargmin(errors))
+    value, error = float(TEMPERATURE_GRID[best]), float(errors[best])
+    raw_error = float(np.nanmedian(np.abs(eng - t.column("ref_logprob").to_numpy())))
+    if abs(value - 1.0) <= 0.02 or not error < 0.1 * raw_error:
+        return None
+    return {
+        "value": value,
+        "tokens": int(t.num_rows),
+        "error": error,
+        "raw_error": raw_error,
+        "sentence": (
+            f"the server reports logprobs at a temperature of about {value:.3g} ({t.num_rows} tokens whose "
+            f"logprob departs from the raw one fit it to a median {error:.2g}, against {raw_error:.2g} raw)"
+        ),
+    }

@@ -8,7 +8,8 @@ is the arrival index again: `seq` already says that). Pure: the requests table i
 Arrival is `t_submit` (when the engine under test got the request: an HTTP engine's send), and a
 request is in flight from `t_submit` to `t_finish`.
 
-  concurrency_at_arrival  other requests in flight when it arrived
+  concurrency_at_arrival  other requests in flight when it arrived (its sentence points at a batch-shape
+                          dependence, which `lpf repeat` against the server confirms or rules out)
   arrival_rank            its rank (0 first) among requests that arrived together: arrivals less
                           than BURST_GAP_S apart form one burst, as a client's or a batcher's do
   time_to_first_token     t_first_token - t_submit, where the engine recorded a first-token time
@@ -54,7 +55,9 @@ def timing_features(requests: pa.Table) -> list[Feature]:
                 "numeric",
                 np.maximum(conc, 0.0),
                 "requests in flight at arrival (concurrency)",
-                template="arrived while {op} {cut} other requests were in flight",
+                template="arrived while {op} {cut} other requests were in flight (load at arrival: consistent "
+                "with a batch-shape dependence, logprobs that change with what else is batched; `lpf repeat` "
+                "against the server tells)",
             )
         )
         feats.append(

@@ -4,6 +4,9 @@ Every sample draws from its own generator seeded by (request seed, output positi
 tokens do not depend on what else is in the batch or on preemption. Reported logprobs are RAW
 (log_softmax of the model's logits, before temperature and filtering) unless `processed=True`, in
 which case they come from the distribution actually sampled from (vLLM's "processed_logprobs").
+Penalties (`SamplingParams.repetition_penalty` / `presence_penalty` / `frequency_penalty`, vLLM's
+semantics: `penalize`) change the logits a token is chosen from, before greedy or temperature; the
+raw logprobs reported stay the model's.
 """
 
 from __future__ import annotations
@@ -13,6 +16,23 @@ import torch
 from lpf.builtin.sched_output import Sample, ScheduledRequest
 from lpf.core.sampling import request_seed
 from lpf.core.torch_utils import logprob_rows
+
+
+def penalize(z: torch.Tensor, r: ScheduledRequest) -> torch.Tensor:
+    """One request's logits [V] after its penalties (a new tensor): the repetition penalty over
+    tokens in the prompt or the output (a positive logit divided by it, a negative one multiplied),
+    then presence and frequency penalties over tokens in the output."""
+    s = r.sampling
+    z = z.clone()
+    if s.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(r.seen_prompt) | set(r.seen_output)), dtype=torch.long, device=z.device)
+        if seen.numel():
+            v = z[seen]
+            z[seen] = torch.where(v > 0, v / s.repetition_penalty, v * s.repetition_penalty)
+    if r.seen_output and (s.presence_penalty or s.frequency_penalty):
+        counts = torch.bincount(torch.tensor(r.seen_output, dtype=torch.long), minlength=z.shape[-1]).to(z)
+        z -= s.frequency_penalty * counts + s.presence_penalty * (counts > 0).to(z)
+    return z
 
 
 def processed_logits(z: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -37,19 +57,22 @@ def sample(
     sampling-temperature drill) replaces every request's own, greedy ones included, and the
     reported logprobs come from z / temperature."""
     z = logits.float()
+    chooser = z  # what tokens are chosen from: the logits after any request's penalties
+    if any(r.sampling.penalized for r in reqs):
+        chooser = torch.stack([penalize(z[i], r) if r.sampling.penalized else z[i] for i, r in enumerate(reqs)])
     temps = [r.sampling.temperature if temperature is None else temperature for r in reqs]
     greedy = [row for row, t in enumerate(temps) if t == 0]
     tokens: list[int | None] = [None] * len(reqs)
     if greedy:  # one argmax for every greedy row (the same first-maximum rule as a row's own argmax)
-        rows = z if len(greedy) == len(reqs) else z[torch.tensor(greedy)]
+        rows = chooser if len(greedy) == len(reqs) else chooser[torch.tensor(greedy)]
         for row, tok in zip(greedy, rows.argmax(-1).tolist()):
             tokens[row] = tok
-    proc_rows = [z[row] for row in range(len(reqs))] if processed else None
+    proc_rows = [chooser[row] for row in range(len(reqs))] if processed else None
     for row, (r, t) in enumerate(zip(reqs, temps)):
         if t == 0:
             continue
         s = r.sampling
-        pz = processed_logits(z[row], t, s.top_k, s.top_p)
+        pz = processed_logits(chooser[row], t, s.top_k, s.top_p)
         g = torch.Generator().manual_seed(request_seed(r.seed, r.output_position))
         tokens[row] = int(torch.multinomial(pz.softmax(-1), 1, generator=g))
         if processed:

@@ -40,6 +40,9 @@ class ScheduledRequest:
     resume_tokens: int = 0
     state_table: tuple[tuple[int, int], ...] = ()
     state_writes: tuple[tuple[int, int], ...] = ()
+    # penalties (sampling.penalized) on a sampling step: the tokens already in the prompt and the output
+    seen_prompt: tuple[int, ...] = ()
+    seen_output: tuple[int, ...] = ()
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -213,6 +213,7 @@ class Scheduler:
                     resume_tokens=resume,
                     state_table=table if resume else (),
                     state_writes=writes,
+                    **_seen(req, start + n == req.num_tokens),
                 )
             )
             req.slot_is_new = False
@@ -322,3 +323,10 @@ class Scheduler:
             req.status = Status.FINISHED
             req.t_finish = time.time()
         return finished
+
+
+def _seen(req: Request, will_sample: bool) -> dict:
+    """The context a penalized request's sample needs (nothing for the others: no copies per step)."""
+    if not (will_sample and req.sampling.penalized):
+        return {}
+    return {"seen_prompt": tuple(req.prompt_token_ids), "seen_output": tuple(req.output_token_ids)}

@@ -62,6 +62,8 @@ def print_summary(findings: dict, run_path, console: Console) -> None:
                 _mechanism_cell(f.get("mechanism")),
             )
         console.print(t)
+    for found in (findings.get("server_processing") or {}).values():
+        console.print(f"[bold]server-side processing:[/] {escape(found['sentence'])}.")
     _print_hypotheses(findings.get("hypotheses") or [], console)
     _print_mechanisms(findings.get("mechanisms"), console)
     _print_prefix_cache(findings.get("prefix_cache"), console)

@@ -95,6 +95,9 @@ def print_repeat(doc: dict, console: Console) -> None:
             f"[bold red]first token divergence at position {fd['tokens']['position']}[/]: tokens "
             f"{escape(str(fd['tokens']['distinct_tokens']))}"
         )
+    bs = doc.get("batch_shape")
+    if bs:
+        console.print(("[bold yellow]" if bs["dependent"] else "[green]") + escape(bs["sentence"]) + "[/]")
 
 
 def print_shrink_event(event: dict, console: Console) -> None:

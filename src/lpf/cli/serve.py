@@ -28,13 +28,21 @@ from lpf.cli.common import KnobCommand, engine_knob_options, engine_knobs
     help="Append the engine's per-step trace and fault ground truth here as Parquet parts.",
 )
 @click.option(
+    "--repetition-penalty",
+    type=float,
+    default=1.0,
+    show_default=True,
+    help="Apply this repetition penalty to every /v1/completions request that does not set its own "
+    "(as servers with a default penalty on their routes do); 1.0 = none. Reported logprobs stay raw.",
+)
+@click.option(
     "--log-level",
     type=click.Choice(["critical", "error", "warning", "info", "debug"]),
     default="warning",
     show_default=True,
     help="uvicorn's log level (info logs every request).",
 )
-def serve(model, served_model_name, host, port, trace_dir, log_level, **knobs):
+def serve(model, served_model_name, host, port, trace_dir, repetition_penalty, log_level, **knobs):
     """Serve the built-in engine over HTTP: OpenAI /v1/completions, SGLang /generate, /v1/models, /health.
 
     Concurrent requests are batched into the same engine steps; --inject makes a fault auditable
@@ -45,7 +53,10 @@ def serve(model, served_model_name, host, port, trace_dir, log_level, **knobs):
     from lpf.pipeline import model_config
     from lpf.serve import server
 
+    from lpf.core.sampling import SamplingParams
+
     options = BuiltinOptions.parse(engine_knobs(knobs, ("builtin",)))
+    SamplingParams(repetition_penalty=repetition_penalty)  # its bounds: one line, exit 2
     spec = model or DEFAULT_MODEL
     name = served_model_name or spec
     shown = f"[{host}]" if ":" in host else host
@@ -60,6 +71,7 @@ def serve(model, served_model_name, host, port, trace_dir, log_level, **knobs):
             sock,
             trace_dir,
             log_level,
+            repetition_penalty=repetition_penalty,
             on_ready=lambda p: click.echo(f"serving {name} on http://{shown}:{p}", err=True),
         )
     finally:

@@ -9,7 +9,14 @@ same token ids AND bit-identical logprobs; anything else is reported as the numb
 completions (token sequences; logprob vectors bit for bit and within a tolerance, since float32 GEMMs
 already round differently for different row counts) and where the copies first diverge.
 
-`plan_copies` and `compare` are pure; `run_repeat` drives the engine adapter in this process (one
+The conclusion (`batch_shape`, pure; the report's `batch_shape`): when copies sent among other
+requests differ from the copy sent alone beyond the tolerance (or in their tokens) while copies sent
+alone agree, the engine has a batch-shape dependence (its logprobs depend on what else is in the
+batch), named with the server's knob that controls it where lpf knows one (`BATCH_SHAPE_KNOBS`:
+llama-server's flash attention; recognised for `--engine llamacpp`, and behind an OpenAI-compatible
+URL by its GET /props answer).
+
+`plan_copies`, `compare` and `batch_shape` are pure; `run_repeat` drives the engine adapter in this process (one
 engine per concurrency value) and writes `DIR/repeat.json`. It never writes a run directory and
 never overwrites an earlier `repeat.json`.
 """
@@ -155,6 +162,79 @@ def compare(outputs: list[tuple[list[int], list[float]]], tolerance: float = DEF
     }
 
 
+# what controls a server's batch-shape dependence, where known: (the knob in words, how to turn it off)
+BATCH_SHAPE_KNOBS = {
+    "llama-server": (
+        "flash attention (on by default in llama-server: its kernel's reduction order follows the batch)",
+        "llama-server --flash-attn off (-fa off); lpf's llamacpp engine: -E flash_attn=off",
+    ),
+}
+
+
+def batch_shape(copies: list[dict], tolerance: float, server: str | None = None) -> dict:
+    """Whether the copies sent among other requests depart from the copy sent alone (copy 0) beyond
+    `tolerance` or in their tokens, while the copies sent alone (copy 0, and any whose batch sizes were
+    all 1) agree with each other: {dependent, alone, shared, departing, tokens_differ, max_abs_diff,
+    alone_spread, tolerance, server, knob, turn_off, sentence}."""
+    base = copies[0]
+    alone = [c for c in copies if c["n_fillers"] == 0 or (c.get("batch_sizes") and max(c["batch_sizes"]) == 1)]
+    shared = [c for c in copies if c not in alone]
+    tokens_differ = [c for c in shared if c["output_token_ids"] != base["output_token_ids"]]
+    departing = [c for c in shared if c in tokens_differ or c["max_abs_diff_vs_copy0"] > tolerance]
+    spread = max((c["max_abs_diff_vs_copy0"] for c in alone), default=0.0)
+    alone_agree = spread <= tolerance and all(c["output_token_ids"] == base["output_token_ids"] for c in alone)
+    dependent = bool(departing) and alone_agree
+    worst = max((c["max_abs_diff_vs_copy0"] for c in shared), default=0.0)
+    knob, turn_off = BATCH_SHAPE_KNOBS.get(server or "", (None, None))
+    if dependent:
+        sentence = (
+            f"batch-shape dependence: the same prompt's logprobs change with what else is in the batch "
+            f"({len(departing)} of {len(shared)} copies sent among other requests depart from the copy sent "
+            f"alone, by up to {worst:.3g}, tolerance {tolerance:g}"
+            + (f"; {len(tokens_differ)} with other tokens" if tokens_differ else "")
+            + ")"
+            + (f"; {server}'s {knob} controls it: {turn_off}" if knob else "")
+        )
+    elif departing:
+        sentence = (
+            f"copies differ, but copies sent alone differ too (by up to {spread:.3g}): run-to-run "
+            f"nondeterminism, not (only) the batch's shape"
+        )
+    else:
+        sentence = f"no batch-shape dependence: every copy within {tolerance:g} of the copy sent alone"
+    return {
+        "dependent": dependent,
+        "alone": len(alone),
+        "shared": len(shared),
+        "departing": len(departing),
+        "tokens_differ": len(tokens_differ),
+        "max_abs_diff": worst,
+        "alone_spread": spread,
+        "tolerance": tolerance,
+        "server": server,
+        "knob": knob,
+        "turn_off": turn_off,
+        "sentence": sentence,
+    }
+
+
+def server_kind(engine: str, options) -> str | None:
+    """The server behind the engine, where lpf can tell: llama-server for `llamacpp`, or for an
+    OpenAI-compatible URL whose GET /props answers with llama-server's `build_info`."""
+    if engine == "llamacpp":
+        return "llama-server"
+    base = getattr(options, "base_url", None)
+    if not base:
+        return None
+    import httpx
+
+    try:
+        props = httpx.get(base.rstrip("/").removesuffix("/v1") + "/props", timeout=5.0).json()
+    except (httpx.HTTPError, ValueError):
+        return None
+    return "llama-server" if isinstance(props, dict) and "build_info" in props else None
+
+
 def _fillers(copy: int, n: int, seed: int, vocab: list[int], max_tokens: int, context: int | None):
     """n filler (prompt ids, max_tokens) pairs: varied lengths so batches differ in shape too."""
     rng = random.Random(f"{seed}:{copy}")
@@ -239,6 +319,7 @@ def run_repeat(spec: RepeatSpec, out: Path, on_start=lambda total: None, tick=la
         while shared < min(len(r.output_token_ids), len(ref_toks)) and r.output_token_ids[shared] == ref_toks[shared]:
             shared += 1
         r.max_abs_diff_vs_copy0 = max((abs(a - b) for a, b in zip(r.logprobs[:shared], ref_lps[:shared])), default=0.0)
+    copies = [asdict(r) for r in results]
     report = {
         "kind": "repeat",
         "engine": spec.engine,
@@ -260,7 +341,8 @@ def run_repeat(spec: RepeatSpec, out: Path, on_start=lambda total: None, tick=la
         "bitwise_identical": cmp["unique_logprob_vectors"] == 1,
         "first_divergence": cmp["first_divergence"],
         "max_logprob_spread": cmp["max_logprob_spread"],
-        "copies": [asdict(r) for r in results],
+        "batch_shape": batch_shape(copies, spec.tolerance, server_kind(spec.engine, base_opts)),
+        "copies": copies,
     }
     Path(out).mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(".tmp-repeat.json")

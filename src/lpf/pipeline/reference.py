@@ -1,7 +1,8 @@
 """Reference rescorer: one teacher-forced pass of a plain HF model over prompt + output ids.
 
 For each output position it reports the logprob of the engine's token, its rank (1 = argmax),
-the entropy, the top-1 and the top-k, as a `reference` Arrow table; for items that ask
+the entropy, the top-1 and the top-k, the log-sum-exp of the raw logits (logit = logprob + it: what a
+penalty acting on raw logits, `lpf.analysis.penalties`, is fitted against), as a `reference` Arrow table; for items that ask
 (`ScoreItem.score_prompt`), the prompt positions 1..P-1 too (the logprob of prompt token p given the
 tokens before it), as a `prompt_reference` table from the same pass (`score_all` yields both). Memory contract: it never holds
 float32 logits of shape [batch, seq, vocab]. Sequences are sorted by (length, request id) and packed
@@ -353,12 +354,22 @@ class Rescorer:
                 draws.append(self.replay.draw(z[: j - i], seeds[i:j], positions[i:j], engine_tokens[i:j]))
             if self.on_rows is not None:
                 self.on_rows(z, targets[i : i + self.chunk_rows])
-            chosen, top_ids, top_lp, rank, entropy = logprob_rows(
-                z, targets[i : i + self.chunk_rows], k, work, overwrite=True
-            )
+            tc = targets[i : i + self.chunk_rows]
+            z_token = z.gather(1, tc[:, None])  # before logprob_rows overwrites the logits: the lse from it
+            chosen, top_ids, top_lp, rank, entropy = logprob_rows(z, tc, k, work, overwrite=True)
             # one float32 block per chunk; ids and ranks are < 2^24, so exact as float32
             packed.append(
-                torch.cat([chosen[:, None], entropy[:, None], rank[:, None].float(), top_lp, top_ids.float()], dim=1)
+                torch.cat(
+                    [
+                        chosen[:, None],
+                        entropy[:, None],
+                        rank[:, None].float(),
+                        top_lp,
+                        top_ids.float(),
+                        z_token.float() - chosen[:, None],
+                    ],
+                    dim=1,
+                )
             )
         res = torch.cat(packed).cpu().numpy()  # the batch's one host synchronisation
         kk = max(k, 1)
@@ -392,7 +403,7 @@ class Rescorer:
         """Reference rows from the packed float32 block: request i has len(positions[i]) consecutive
         rows at those positions."""
         k = self.topk
-        top_lp, top_ids = res[:, 3 : 3 + kk], res[:, 3 + kk :].astype(np.int32)
+        top_lp, top_ids = res[:, 3 : 3 + kk], res[:, 3 + kk : 3 + 2 * kk].astype(np.int32)
         return pa.table(
             {
                 "request_id": pa.array(np.repeat(request_ids, [len(p) for p in positions])),
@@ -404,6 +415,7 @@ class Rescorer:
                 "ref_top1_logprob": pa.array(top_lp[:, 0].astype(np.float64)),
                 "ref_topk_ids": list_column(np.ascontiguousarray(top_ids[:, :k]), pa.int32()),
                 "ref_topk_logprobs": list_column(np.ascontiguousarray(top_lp[:, :k]), pa.float32()),
+                "ref_logsumexp": pa.array(res[:, 3 + 2 * kk]),
             },
             schema=schema.REFERENCE,
         )

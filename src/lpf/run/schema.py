@@ -82,6 +82,8 @@ REFERENCE = pa.schema(
         ("ref_top1_logprob", pa.float64()),
         ("ref_topk_ids", _ids),
         ("ref_topk_logprobs", _lps),
+        # log-sum-exp of the raw logits at the position (logit = logprob + it); null in runs scored before it
+        ("ref_logsumexp", pa.float32()),
     ]
 )
 
@@ -184,7 +186,12 @@ FAULTS = pa.schema(
 
 # columns a part written by an older schema version may lack (read as nulls); any other missing column
 # means the part is damaged, not old
-ADDED_LATER = {"requests": {"inconsistency", "attempts"}}
+ADDED_LATER = {
+    "requests": {"inconsistency", "attempts"},
+    "reference": {"ref_logsumexp"},
+    "calibration": {"ref_logsumexp"},
+    "prompt_reference": {"ref_logsumexp"},
+}
 
 TABLES = {
     "requests": REQUESTS,

@@ -118,6 +118,16 @@ def _as_wanted(table: pa.Table, want: pa.Schema, have: set[str]) -> pa.Table:
     return table.select(want.names).cast(want)
 
 
+def _complete(table: pa.Table, want: pa.Schema, table_name: str) -> pa.Table:
+    """`table` cast to `want`, the columns `schema.ADDED_LATER` names filled with nulls where a
+    writer that predates them left them out."""
+    later = schema.ADDED_LATER.get(table_name, set())
+    missing = [n for n in want.names if n in later and n not in table.column_names]
+    if missing:
+        table = _as_wanted(table, want, set(table.column_names))
+    return table.cast(want)
+
+
 def _read_part(path: Path, want: pa.Schema, table_name: str, use_threads: bool = True) -> pa.Table:
     """One part with exactly `want`'s columns: a column an older schema's part lacks is all nulls.
     `use_threads`: decode on Arrow's pool (False: on the calling thread)."""
@@ -298,9 +308,11 @@ class RunDir:
             _atomic_write_table(self.path / "seeded" / name, seeded.cast(schema.SEEDED))
         if prompt_reference is not None and prompt_reference.num_rows:
             (self.path / "prompt_reference").mkdir(exist_ok=True)
-            _atomic_write_table(self.path / "prompt_reference" / name, prompt_reference.cast(schema.PROMPT_REFERENCE))
+            _atomic_write_table(
+                self.path / "prompt_reference" / name, _complete(prompt_reference, schema.PROMPT_REFERENCE, "reference")
+            )
         (self.path / "reference").mkdir(exist_ok=True)  # a run copied without its reference/ folder
-        _atomic_write_table(self.path / "reference" / name, reference.cast(schema.REFERENCE))
+        _atomic_write_table(self.path / "reference" / name, _complete(reference, schema.REFERENCE, "reference"))
 
     def append(self, table: str, data: pa.Table) -> None:
         """Append a self-contained part to a table other than requests/tokens (reference, trace, ...)."""
@@ -308,7 +320,7 @@ class RunDir:
         i = self._next_index(table)
         target = schema.TABLES.get(table)
         _atomic_write_table(
-            self.path / table / f"part-{i:06d}.parquet", data.cast(target) if target is not None else data
+            self.path / table / f"part-{i:06d}.parquet", _complete(data, target, table) if target is not None else data
         )
 
     def read(self, table: str, columns: list[str] | None = None) -> pa.Table:

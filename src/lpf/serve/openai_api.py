@@ -1,7 +1,8 @@
 """OpenAI /v1/completions as vLLM 0.32 serves it: request model, planning, rendering.
 
 Contract: `CompletionRequest` parses the body (unknown fields ignored, as vLLM does; non-neutral values
-of what lpf serve cannot do refused), `plan_completion` turns it into engine `Request`s (one per prompt
+of what lpf serve cannot do refused; `repetition_penalty`, `presence_penalty` and `frequency_penalty` applied,
+the repetition penalty defaulting to the server's own, `ModelInfo.repetition_penalty`), `plan_completion` turns it into engine `Request`s (one per prompt
 per choice) or raises `ApiError`, `render_completion` turns the finished requests into vLLM's exact
 JSON (field names checked against its source). -inf logprobs are rendered -9999.0, as vLLM does.
 """
@@ -35,9 +36,6 @@ def _clamp(lp: float) -> float | None:
 
 
 COMPLETION_NEUTRAL = {
-    "frequency_penalty": (None, 0, 0.0),
-    "presence_penalty": (None, 0, 0.0),
-    "repetition_penalty": (None, 1, 1.0),
     "min_p": (None, 0, 0.0),
     "logit_bias": (None, {}),
     "use_beam_search": (None, False),
@@ -77,6 +75,18 @@ class CompletionRequest(BaseModel):
     skip_special_tokens: bool = True
     stream: bool | None = False
     request_id: str | None = None
+    repetition_penalty: float | None = None  # vLLM's extension; None: the server's default
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+
+
+def _penalties(req: CompletionRequest, info: ModelInfo) -> dict:
+    rep = info.repetition_penalty if req.repetition_penalty is None else req.repetition_penalty
+    return {
+        "repetition_penalty": rep,
+        "presence_penalty": req.presence_penalty or 0.0,
+        "frequency_penalty": req.frequency_penalty or 0.0,
+    }
 
 
 def plan_completion(req: CompletionRequest, tokenizer, info: ModelInfo, base_id: str) -> list[Planned]:
@@ -101,6 +111,7 @@ def plan_completion(req: CompletionRequest, tokenizer, info: ModelInfo, base_id:
             req.ignore_eos,
             max(req.logprobs or 0, prompt_k or 0),
             prompt_k is not None,
+            _penalties(req, info),
         )
         ids = [f"{base_id}-{p_idx}"] if req.n == 1 else [f"{base_id}-{p_idx}-{c}" for c in range(req.n)]
         plans.append(

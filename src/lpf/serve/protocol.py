@@ -54,6 +54,9 @@ class ModelInfo:
     # with chunked prefill off the engine must fit prompt + outputs in one step's token budget
     # (a recompute after preemption), or the request would wait forever
     prefill_limit: int | None = None
+    # the server's own default for requests that do not set one (`lpf serve --repetition-penalty`), as
+    # servers whose routes apply a default penalty do
+    repetition_penalty: float = 1.0
 
 
 @dataclass
@@ -118,9 +121,11 @@ def make_sampling(
     ignore_eos: bool,
     logprobs: int,
     prompt_logprobs: bool = False,
+    penalties: dict | None = None,
 ) -> SamplingParams:
     try:
         return SamplingParams(
+            **(penalties or {}),
             temperature=temperature,
             top_p=top_p,
             top_k=top_k,

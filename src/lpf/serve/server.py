@@ -1,9 +1,10 @@
 """Run the HTTP server: a bound socket, the built-in engine, uvicorn until SIGINT/SIGTERM.
 
 Contract: `bind(host, port)` binds first (so a busy port fails at once and port 0 picks a free one)
-or raises LpfError. `run(model, name, options, sock, trace_dir, log_level, on_ready)` builds the
-engine from validated `BuiltinOptions`, serves until a stop signal, calls `on_ready(port)` once the
-server accepts connections, and returns the engine loop's stats. In-flight requests get up to 10 s
+or raises LpfError. `run(model, name, options, sock, trace_dir, log_level, on_ready,
+repetition_penalty)` builds the engine from validated `BuiltinOptions` (the penalty: the completions
+route's default), serves until a stop signal, calls `on_ready(port)` once the server accepts
+connections, and returns the engine loop's stats. In-flight requests get up to 10 s
 to finish, the engine loop stops, the trace sink is flushed; a server that never started is an
 LpfError. It prints nothing: the command line says what happened.
 """
@@ -40,6 +41,7 @@ def run(
     trace_dir: Path | None,
     log_level: str,
     on_ready: Callable[[int], None],
+    repetition_penalty: float = 1.0,
 ):
     import asyncio
 
@@ -64,6 +66,7 @@ def run(
         max_context=engine.max_context,
         eos_token_id=tokenizer.eos_token_id,
         prefill_limit=None if cfg.enable_chunked_prefill else cfg.max_num_batched_tokens,
+        repetition_penalty=repetition_penalty,
     )
     sink = None
     if trace_dir is not None:
@@ -74,6 +77,7 @@ def run(
                     "model": ref.describe(),
                     "served_model_name": name,
                     "options": options.to_dict(),
+                    "repetition_penalty": repetition_penalty,
                     "cache": engine.describe(),
                 },
                 indent=2,

@@ -1,0 +1,175 @@
+"""Server-side penalties: the fit (`lpf.analysis.penalties`) recovers a penalty from a greedy run's
+choices and names nothing without one; the built-in sampler's penalty is HF's; and end to end, `lpf serve
+--repetition-penalty 1.1` audited through `--engine openai` is named with its value, the default server not.
+
+The fit's unit tests build runs whose engine chose greedily from penalised logits (numpy, a known
+penalty) and whose reference holds the raw logits' logprobs, top-k and log-sum-exp, as the rescorer writes them.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from conftest import write_prompts
+from lpf.analysis.penalties import fit_penalty
+
+V, K = 40, 5
+
+
+def _run(mech: str, value: float, n_req: int = 60, n_out: int = 20, seed: int = 3):
+    """(tokens, reference, requests) of a greedy run: prompts drawn from a few tokens (repeats), raw
+    logits N(0, 3) per position, the engine's token the argmax of the penalised logits."""
+    rng = np.random.default_rng(seed)
+    req, tok, ref = [], [], []
+    for r in range(n_req):
+        prompt = rng.integers(0, 12, rng.integers(4, 12)).tolist()
+        out = []
+        for p in range(n_out):
+            z = rng.normal(0.0, 3.0, V)
+            pz = z.copy()
+            if mech == "repetition_penalty":
+                seen = sorted(set(prompt) | set(out))
+                pz[seen] = np.where(z[seen] > 0, z[seen] / value, z[seen] * value)
+            elif mech == "presence_penalty":
+                pz[sorted(set(out))] -= value
+            t = int(np.argmax(pz))
+            lse = float(np.log(np.exp(z - z.max()).sum()) + z.max())
+            lp = z - lse
+            top = np.argsort(-lp)[:K]
+            tok.append((f"r{r}", p, t, float(lp[t])))
+            ref.append((f"r{r}", p, float(lp[t]), top.tolist(), lp[top].tolist(), lse))
+            out.append(t)
+        req.append((f"r{r}", prompt, out))
+    requests = pa.table(
+        {
+            "request_id": [x[0] for x in req],
+            "prompt_token_ids": pa.array([x[1] for x in req], pa.list_(pa.int32())),
+            "output_token_ids": pa.array([x[2] for x in req], pa.list_(pa.int32())),
+        }
+    )
+    tokens = pa.table(
+        {
+            "request_id": [x[0] for x in tok],
+            "position": pa.array([x[1] for x in tok], pa.int32()),
+            "token_id": pa.array([x[2] for x in tok], pa.int32()),
+            "engine_logprob": [x[3] for x in tok],
+        }
+    )
+    reference = pa.table(
+        {
+            "request_id": [x[0] for x in ref],
+            "position": pa.array([x[1] for x in ref], pa.int32()),
+            "ref_logprob": [x[2] for x in ref],
+            "ref_topk_ids": pa.array([x[3] for x in ref], pa.list_(pa.int32())),
+            "ref_topk_logprobs": pa.array([x[4] for x in ref], pa.list_(pa.float32())),
+            "ref_logsumexp": pa.array([x[5] for x in ref], pa.float32()),
+        }
+    )
+    return tokens, reference, requests
+
+
+def test_a_repetition_penalty_is_fitted_with_its_value():
+    fit = fit_penalty(*_run("repetition_penalty", 1.1), tie=1e-4)
+    assert fit is not None and fit["mechanism"] == "repetition_penalty" and fit["scope"] == "context"
+    assert abs(fit["value"] - 1.1) <= 0.02, fit
+    assert fit["interval"][0] <= 1.1 <= fit["interval"][1] + 0.0025
+    assert fit["explained"] >= 20 and fit["lost"] == 0
+    assert "repetition penalty of about 1.1" in fit["sentence"]
+
+
+def test_a_presence_penalty_is_told_from_a_repetition_penalty():
+    fit = fit_penalty(*_run("presence_penalty", 1.5, seed=5), tie=1e-4)
+    assert fit is not None and fit["mechanism"] == "presence_penalty" and fit["scope"] == "output", fit
+    assert abs(fit["value"] - 1.5) <= 0.1
+
+
+def test_no_penalty_names_nothing_and_old_runs_cannot_say():
+    assert fit_penalty(*_run("repetition_penalty", 1.0), tie=1e-4) is None
+    tok, ref, req = _run("repetition_penalty", 1.1)
+    assert fit_penalty(tok, ref.drop_columns(["ref_logsumexp"]), req, tie=1e-4) is None  # scored before it
+
+
+def test_the_samplers_repetition_penalty_is_hfs():
+    import torch
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    from lpf.builtin.sampler import penalize
+    from lpf.builtin.sched_output import ScheduledRequest
+    from lpf.core.sampling import SamplingParams
+
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(64, generator=g) * 3
+    prompt, out = (3, 9, 9, 17), (40, 3, 5)
+    r = ScheduledRequest(
+        "x", [5], 6, 0, [], False, False, True, 3, SamplingParams(repetition_penalty=1.3), 0,
+        seen_prompt=prompt, seen_output=out,
+    )  # fmt: skip
+    hf = RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor([prompt + out]), z[None].clone())[0]
+    assert torch.equal(penalize(z, r), hf)
+
+
+def test_a_bad_penalty_is_one_line_and_exit_2(lpf_cli):
+    r = lpf_cli("serve", "--repetition-penalty", "0", "--port", "0")
+    assert r.code == 2 and "repetition_penalty must be in (0, 10]" in r.err and "Traceback" not in r.err
+
+
+@pytest.fixture(scope="module")
+def prompts48(tmp_path_factory):
+    from lpf.zoo import registry
+
+    items = registry.workload_items("oracle", seed=5, n=48)
+    return write_prompts(
+        tmp_path_factory.mktemp("penalty") / "p48.jsonl", [{"id": it["id"], "prompt": it["prompt"]} for it in items]
+    )
+
+
+@pytest.mark.slow
+def test_lpf_serve_repetition_penalty_is_named_through_http(lpf_cli, tmp_path, prompts48):
+    """A real `lpf serve` on 127.0.0.1 with a default repetition penalty of 1.1, audited as any OpenAI
+    server: the penalty named with its value; the same server without it: nothing named."""
+    from lpf.serve.process import served
+
+    found = {}
+    for penalty in ("1.1", "1.0"):
+        with served("--model", "tiny:jamba", "--repetition-penalty", penalty, env={"OMP_NUM_THREADS": "1"}) as s:
+            r = lpf_cli(
+                "audit", "--engine", "openai", "--base-url", s.base_url + "/v1", "--model", "tiny:jamba",
+                "--workload", prompts48, "--max-tokens", 24, "-E", "concurrency=16",
+                "--out", tmp_path / penalty, "--json",
+            )  # fmt: skip
+        assert r.code in (0, 1), r.err
+        found[penalty] = json.loads(r.out)
+    sp = (found["1.1"].get("server_processing") or {}).get("penalty")
+    assert sp is not None and sp["mechanism"] == "repetition_penalty", found["1.1"].get("hypotheses")
+    assert abs(sp["value"] - 1.1) <= 0.02, sp
+    assert sp["explained"] >= 20 and sp["lost"] == 0
+    assert "server_processing" not in found["1.0"]
+
+
+def test_logprobs_reported_at_a_temperature_of_the_servers_own_are_fitted():
+    """A greedy run whose server reports log-softmax(z / 0.7) (its own default temperature applied to
+    the logprobs): the temperature is found, and an honest server's logprobs fit none."""
+    from lpf.analysis.signatures import fit_logprob_temperature
+    from lpf.analysis.thresholds import Thresholds
+
+    tok, ref, _ = _run("repetition_penalty", 1.0, n_req=20)
+    rng = np.random.default_rng(0)
+    lp = ref.column("ref_logprob").to_numpy()
+    top = ref.column("ref_topk_logprobs").to_pylist()
+    # the tempered logprob of the engine's token over the full distribution is not at hand: rebuild it
+    # from the top-k plus the token, as a server holding only those would (the fit's own normalisation)
+    tempered = [
+        lp_i / 0.7 - np.logaddexp.reduce(np.r_[np.asarray(t) / 0.7, [] if lp_i >= min(t) - 1e-4 else [lp_i / 0.7]])
+        for lp_i, t in zip(lp, top)
+    ]
+    honest = tok.set_column(3, "engine_logprob", pa.array(lp + rng.normal(0, 1e-6, lp.size)))
+    hot = tok.set_column(3, "engine_logprob", pa.array(tempered))
+    joined = lambda t: t.join(ref.select(["request_id", "position", "ref_logprob"]), ["request_id", "position"])  # noqa: E731
+    fit = fit_logprob_temperature(joined(hot), ref, Thresholds())
+    assert fit is not None and abs(fit["value"] - 0.7) <= 0.02 and fit["error"] < 1e-3, fit
+    assert "temperature of about 0.7" in fit["sentence"]
+    assert fit_logprob_temperature(joined(honest), ref, Thresholds()) is None
