@@ -155,7 +155,7 @@ bench-vllm: $(STAMP) $(VLLM_PLUGIN_STAMP)
 # Today's numbers: the table that opens docs/benchmarks.md, regenerated from bench/results/*.json (plain python3:
 # the script reads JSON only; tests/test_bench_table.py fails while the doc's table is stale)
 bench-table:
-	$(PY) bench/table.py --write docs/benchmarks.md
+	$(PY) scripts/bench_table.py --write docs/benchmarks.md
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

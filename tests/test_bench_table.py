@@ -1,4 +1,4 @@
-"""docs/benchmarks.md opens with today's numbers, generated from bench/results/*.json by bench/table.py
+"""docs/benchmarks.md opens with today's numbers, generated from bench/results/*.json by scripts/bench_table.py
 (`make bench-table`): the block in the doc must be exactly what the script generates from the JSON now,
 so a bench that rewrote its results file, or a new one, fails here until the table is regenerated."""
 
@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _table():
-    spec = importlib.util.spec_from_file_location("bench_table", ROOT / "bench" / "table.py")
+    spec = importlib.util.spec_from_file_location("bench_table", ROOT / "scripts" / "bench_table.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
