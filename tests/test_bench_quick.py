@@ -43,7 +43,7 @@ BENCHES = {
             r"\| memory, peak RSS above the model: .* \| [\d.]+ \|",
         ],
     ),
-    "engine": ([], [r"\| lpf builtin \(continuous batching\) \| \d+ \| [\d.]+x \| [\d.]+ \|"]),
+    "engine": ([], [r"\| lpf builtin \(continuous batching\) \| \d+ \| [\d.]+x \|"]),
     "detection": (
         [],
         [

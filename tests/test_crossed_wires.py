@@ -55,6 +55,9 @@ def _audit(lpf_cli, url, workload, out, *extra):
         "--json",
         "--fail-on",
         "never",
+        # the proxy records its swaps by the run's own request ids (lpf sends a UUID per attempt by default)
+        "-E",
+        "request_id_header=lpf",
         *extra,
     )
     assert r.code == 0, r.err

@@ -104,4 +104,9 @@ def test_a_run_copied_without_its_reference_folder_takes_reference_parts(tmp_pat
     ref = pq.read_table(stored / "reference" / "part-000000.parquet")
     run.append_reference(ref)
     assert [p.name for p in run.parts("reference")] == ["part-000000.parquet"]
-    assert run.read("reference").equals(ref.cast(schema.REFERENCE))
+    # the stored part predates ref_logsumexp (a column added later): it reads back as nulls there
+    got = run.read("reference")
+    assert got.select(ref.column_names).equals(
+        ref.cast(schema.REFERENCE.remove(schema.REFERENCE.get_field_index("ref_logsumexp")))
+    )
+    assert got.column("ref_logsumexp").null_count == got.num_rows

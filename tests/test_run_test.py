@@ -156,29 +156,40 @@ def test_honest_engine_is_same_and_a_larger_logit_error_is_systematic(table):
 
 
 def test_other_honest_arithmetic_is_same_with_a_line_of_its_own_and_another_model_stays_different(table):
-    """Issue 39: an engine whose kernels err 2.5x the floor's logit error is measurably not the
-    reference's arithmetic (p far below alpha) but is no other model: `same`, and said; 8x is past
-    the gate. Where the table measured honest engines departing by 5x, 8x is theirs too (the gate
-    needs twice that), and 16x is not."""
-    _, other = run(synthetic_run(sigma=0.05, seed=5), table)
+    """Issue 39: a float32 engine whose kernels err 2.5x the float32 floor's logit error (a floor measured
+    on the reference's own kernels) is measurably not the reference's arithmetic (p far below alpha) but
+    is no other model: `same`, and said; 8x is past the gate. Where the table measured honest engines
+    departing by 5x, 8x is theirs too (the gate needs twice that), and 20x is not. A floor between two
+    dtypes is the envelope of several honest implementations already: there twice it is enough."""
+    # the synthetic runs have few settled tokens (s < 0.01), whose 99th percentile is noisy at float32's tiny
+    # floor: the table says honest engines' settled rounding was measured at 2x, as floors.json's rows do
+    settled = {
+        "pairs": {
+            p: {**e, "models": {MODEL: {**e["models"][MODEL], "honest": {"settled": 2.0}}}}
+            for p, e in table["pairs"].items()
+        }
+    }
+    _, other = run(synthetic_run(sigma=4.5e-4, seed=5), settled, engine_dtype="float32")
     t = other["run_test"]
     assert t["p_value"] < t["alpha"] and t["result"] == "same" and other["verdict"] != "systematic"
     assert 1.5 < t["departure"]["seen"]["token"] < floors.MIN_DEPARTURE and not t["departure"]["beyond"]
     assert t["sentence"].startswith("same: other honest arithmetic") and "harmless" in t["arithmetic_sentence"]
     assert t["tokens_needed"] is None and not t["floor_far_above_expected"]
-    _, far = run(synthetic_run(sigma=0.16, seed=6), table)
+    _, far = run(synthetic_run(sigma=1.6e-3, seed=6), table, engine_dtype="float32")
     assert far["run_test"]["result"] == "different" and far["verdict"] == "systematic"
-    assert far["run_test"]["departure"]["by"] in ("token", "topk") and far["run_test"]["arithmetic_sentence"] is None
+    assert far["run_test"]["departure"]["by"] and far["run_test"]["arithmetic_sentence"] is None
     measured = {
         "pairs": {
-            p: {**e, "models": {MODEL: {**e["models"][MODEL], "honest": {"token": 5.0, "settled": 5.0, "topk": 5.0}}}}
+            p: {**e, "models": {MODEL: {**e["models"][MODEL], "honest": {"token": 5.0, "settled": 8.0, "topk": 5.0}}}}
             for p, e in table["pairs"].items()
         }
     }
-    _, within = run(synthetic_run(sigma=0.16, seed=6), measured)
+    _, within = run(synthetic_run(sigma=1.6e-3, seed=6), measured, engine_dtype="float32")
     assert within["run_test"]["result"] == "same" and within["run_test"]["departure"]["needed"]["token"] == 10.0
-    _, beyond = run(synthetic_run(sigma=0.4, seed=7), measured)
+    _, beyond = run(synthetic_run(sigma=4e-3, seed=7), measured, engine_dtype="float32")
     assert beyond["run_test"]["result"] == "different"
+    _, bf16 = run(synthetic_run(sigma=0.05, seed=5), table)  # 2.5x the bfloat16 pair's floor
+    assert bf16["run_test"]["result"] == "different" and bf16["run_test"]["departure"]["needed"]["token"] == 2.0
 
 
 def test_tie_margin_and_thresholds_come_from_the_expected_floor(table):

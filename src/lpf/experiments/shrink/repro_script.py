@@ -43,6 +43,13 @@ class Sampling:
     ignore_eos: bool = False
     logprobs: int = 5
     prompt_logprobs: bool = False  # the reproducer judges output positions only; kept so a run's sampling loads
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1.0 or bool(self.presence_penalty) or bool(self.frequency_penalty)
 
     @property
     def greedy(self) -> bool:
