@@ -51,12 +51,41 @@ class ServedProcess:
         return self.proc.returncode, self.log()
 
 
-def _healthy(url: str) -> bool:
+def _answers(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=2) as r:
             return r.status == 200
     except OSError:
         return False
+
+
+@contextmanager
+def lpf_child(
+    argv: list[str], port: int, probe: str, ready: tuple[str, str], timeout: float, env: dict | None, prefix: str
+) -> Iterator[ServedProcess]:
+    """Run `lpf ARGV` (the installed script, else this interpreter), wait until GET `probe` on its port answers
+    200, yield it, stop it on exit. `ready`: the words of the two errors ("before it was healthy", "not
+    healthy"), so each command says what it waits for. Shared by `served` and `lpf.watch.process.watched`."""
+    exe = Path(sys.executable).with_name("lpf")
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-c", "from lpf.cli import main; main()"]
+    fd, log = tempfile.mkstemp(prefix=prefix, suffix=".log")
+    full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+    with os.fdopen(fd, "w") as log_file:
+        proc = subprocess.Popen([*cmd, *argv], stdout=log_file, stderr=subprocess.STDOUT, env=full_env)
+    s = ServedProcess(f"http://127.0.0.1:{port}", port, proc, Path(log))
+    name = f"lpf {argv[0]}"
+    try:
+        deadline = time.monotonic() + timeout
+        while not _answers(f"{s.base_url}{probe}"):
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with {proc.returncode} {ready[0]}:\n{s.log()[-3000:]}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{name} {ready[1]} after {timeout:.0f} s:\n{s.log()[-3000:]}")
+            time.sleep(0.2)
+        yield s
+    finally:
+        s.stop()
+        Path(log).unlink(missing_ok=True)
 
 
 @contextmanager
@@ -67,24 +96,6 @@ def served(*args: str, timeout: float = 180.0, env: dict | None = None) -> Itera
     else:
         port = free_port()
         args += ["--port", str(port)]
-    exe = Path(sys.executable).with_name("lpf")
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-c", "from lpf.cli import main; main()"]
-    fd, log = tempfile.mkstemp(prefix="lpf-serve-", suffix=".log")
-    full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
-    with os.fdopen(fd, "w") as log_file:
-        proc = subprocess.Popen(
-            [*cmd, "serve", "--host", "127.0.0.1", *args], stdout=log_file, stderr=subprocess.STDOUT, env=full_env
-        )
-    s = ServedProcess(f"http://127.0.0.1:{port}", port, proc, Path(log))
-    try:
-        deadline = time.monotonic() + timeout
-        while not _healthy(f"{s.base_url}/health"):
-            if proc.poll() is not None:
-                raise RuntimeError(f"lpf serve exited with {proc.returncode} before it was healthy:\n{s.log()[-3000:]}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"lpf serve not healthy after {timeout:.0f} s:\n{s.log()[-3000:]}")
-            time.sleep(0.2)
+    argv = ["serve", "--host", "127.0.0.1", *args]
+    with lpf_child(argv, port, "/health", ("before it was healthy", "not healthy"), timeout, env, "lpf-serve-") as s:
         yield s
-    finally:
-        s.stop()
-        Path(log).unlink(missing_ok=True)
