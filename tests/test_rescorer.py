@@ -196,3 +196,32 @@ def test_the_rescorer_imports_only_what_a_bare_gpu_machine_has():
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == []
+
+
+def test_one_batch_ahead_scores_what_one_batch_at_a_time_does(rescorer):
+    """score_planned queues batch i + 1 before it waits for batch i: the same tables, in the same order,
+    as score_batch_all one batch at a time, the prompt rows included; a batch that fails validation
+    still lets the batch before it out first."""
+    from lpf.core.errors import LpfError
+
+    items = _items()
+    items = [
+        ScoreItem(it.request_id, it.prompt_token_ids, it.output_token_ids, score_prompt=i % 2 == 0)
+        for i, it in enumerate(items)
+    ]
+    batches = rescorer.batches(items)
+    assert len(batches) >= 3
+    ahead = list(rescorer.score_planned(batches))
+    assert len(ahead) == len(batches)
+    for b, got in zip(batches, ahead):
+        want = rescorer.score_batch_all(b)
+        assert got.reference.equals(want.reference)
+        assert (got.prompt_reference is None) == (want.prompt_reference is None)
+        if want.prompt_reference is not None:
+            assert got.prompt_reference.equals(want.prompt_reference)
+    bad = [ScoreItem("bad", [1, 2], [10**6])]
+    seen = []
+    with pytest.raises(LpfError, match="outside the reference vocabulary"):
+        for scored in rescorer.score_planned([batches[0], bad, batches[1]]):
+            seen.append(scored.reference)
+    assert len(seen) == 1 and seen[0].equals(ahead[0].reference)

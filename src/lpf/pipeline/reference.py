@@ -22,7 +22,9 @@ their order. Float32 weights stay float32.
 
 Devices (`lpf.core.devices`): cpu, cuda or auto; a model larger than one GPU is spread with
 `device_map="auto"`. Inputs go up through one pinned host buffer per batch and the results come
-back as one float32 block per batch: the only host synchronisation a batch makes.
+back as one float32 block per batch, copied into pinned memory without blocking: the only host
+synchronisation a batch makes, and it is made one batch late (`score_planned` queues batch i + 1
+before it waits for batch i), so the device is not left idle while the host builds tables.
 
 The head (hidden -> logits) is rebuilt from the model's output embeddings plus the known post-ops
 (Granite's `logits_scaling`, Gemma's final soft-capping), and checked once against the model's own
@@ -81,6 +83,18 @@ class Scored:
     reference: pa.Table
     prompt_reference: pa.Table | None
     seeded: pa.Table | None = None  # the replay's draws (`replay` given), schema.SEEDED
+
+
+@dataclass
+class _InFlight:
+    """A batch queued on the device (`Rescorer._launch`), its result block on its way to the host."""
+
+    batch: list[ScoreItem]
+    asked: list[tuple[int, ScoreItem]]
+    n_out: int
+    result: torch.Tensor  # [rows, 3 + 2k + 1] float32: pinned host memory on a GPU (valid once `done`)
+    done: object  # a torch.cuda.Event recorded after the copy, or None (already on the host)
+    draws: list
 
 
 def plan_batches(lengths: Sequence[int], request_ids: Sequence[str], token_budget: int) -> list[list[int]]:
@@ -326,8 +340,15 @@ class Rescorer:
     def score_batch(self, batch: list[ScoreItem]) -> pa.Table:
         return self.score_batch_all(batch).reference
 
-    @torch.inference_mode()
     def score_batch_all(self, batch: list[ScoreItem]) -> Scored:
+        return self._finish(self._launch(batch))
+
+    @torch.inference_mode()
+    def _launch(self, batch: list[ScoreItem]) -> _InFlight:
+        """Validate the batch and queue all its device work: the forward, the head and the row statistics
+        chunk by chunk, and the copy of its one float32 result block towards the host (into pinned memory,
+        non-blocking, on a GPU). Nothing here waits for the device unless `replay` or `on_rows` does, so
+        the next batch can be queued while this one runs (`score_planned`)."""
         for it in batch:
             self.validate(it)
         asked = [(row, it) for row, it in enumerate(batch) if it.score_prompt and len(it.prompt_token_ids) > 1]
@@ -371,8 +392,23 @@ class Rescorer:
                     dim=1,
                 )
             )
-        res = torch.cat(packed).cpu().numpy()  # the batch's one host synchronisation
-        kk = max(k, 1)
+        res = packed[0] if len(packed) == 1 else torch.cat(packed)
+        done = None
+        if res.is_cuda:  # the copy is queued behind the batch's work; _finish waits for it, once
+            host = torch.empty(res.shape, dtype=res.dtype, pin_memory=True)
+            host.copy_(res, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(res.device))
+            res = host
+        return _InFlight(batch, asked, n_out, res, done, draws)
+
+    def _finish(self, f: _InFlight) -> Scored:
+        """The batch's tables from its result block: the batch's one wait for the device (on a GPU)."""
+        if f.done is not None:
+            f.done.synchronize()
+        res = f.result.numpy()
+        batch, asked, n_out, draws = f.batch, f.asked, f.n_out, f.draws
+        kk = max(self.topk, 1)
         reference = self._table(
             res[:n_out], kk, [it.request_id for it in batch], [np.arange(len(it.output_token_ids)) for it in batch]
         )
@@ -427,8 +463,35 @@ class Rescorer:
 
     def score_all(self, items: list[ScoreItem], on_tokens: Callable[[int], None] | None = None) -> Iterable[Scored]:
         """Output positions and the asked prompt positions, per batch; `on_tokens` counts output positions."""
-        for batch in self.batches(items):
-            scored = self.score_batch_all(batch)
+        for scored in self.score_planned(self.batches(items)):
             if on_tokens:
                 on_tokens(scored.reference.num_rows)
             yield scored
+
+    def score_planned(self, batches: Iterable[list[ScoreItem]]) -> Iterable[Scored]:
+        """Each batch's scores, in order, one batch ahead: batch i + 1 is queued on the device before
+        batch i's results are waited for and turned into tables, so on a GPU the device works while the
+        host builds tables, the caller writes them, and the next batch's inputs are packed (the device
+        is never left idle between batches). The same results as `score_batch_all` one batch at a time;
+        on a CPU, where every op completes as it is called, the same arithmetic in the same order.
+        A batch that fails validation still yields the batch before it first (a crash loses at most the
+        batch in flight). With `on_rows` set there is no lookahead: its caller reads what the hook
+        recorded when each table arrives (`lpf.rl.row_stats.RowStats.take`), so a table must come back
+        before the next batch's rows reach the hook."""
+        if self.on_rows is not None:
+            for batch in batches:
+                yield self.score_batch_all(batch)
+            return
+        pending = None
+        for batch in batches:
+            try:
+                launched = self._launch(batch)
+            except BaseException:
+                if pending is not None:
+                    yield self._finish(pending)
+                raise
+            if pending is not None:
+                yield self._finish(pending)
+            pending = launched
+        if pending is not None:
+            yield self._finish(pending)

@@ -107,12 +107,12 @@ class RescoreUDF:
             batches.setdefault(r["batch"], []).append(
                 ScoreItem(r["request_id"], r["prompt_token_ids"], r["output_token_ids"])
             )
-        out = []
-        for b in sorted(batches):  # a planned batch, in plan_batches' order within it
-            items = sorted(
-                batches[b], key=lambda it: (len(it.prompt_token_ids) + len(it.output_token_ids), it.request_id)
-            )
-            out.append(self.rescorer.score_batch(items))
+        planned = [  # each planned batch, in plan_batches' order within it
+            sorted(batches[b], key=lambda it: (len(it.prompt_token_ids) + len(it.output_token_ids), it.request_id))
+            for b in sorted(batches)
+        ]
+        # one batch ahead on the device, as the local executor scores (Rescorer.score_planned)
+        out = [scored.reference for scored in self.rescorer.score_planned(planned)]
         return pa.concat_tables(out) if out else schema.REFERENCE.empty_table()
 
 
