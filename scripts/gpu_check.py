@@ -16,7 +16,9 @@ Steps (scripts/gpu_check_rescore.py, scripts/gpu_check_audits.py):
   throughput         a random Llama of Llama-3.2-1B's shape (1.24B, bf16) on the RL-like mix:
                      lpf's Rescorer against the naive HF forward, output tokens/s, peak memory, the
                      FLOPs the work needs and the fraction of the device's bf16 peak that is.
-  rescore_profile    torch.profiler over the Rescorer on part of that mix: top ops by device time.
+  rescore_profile    torch.profiler over the Rescorer on part of that mix: top ops by device time, the
+                     device busy fraction (summed kernel time over the unprofiled wall time), the host
+                     syncs and copies to the host per batch.
   audit_*            `lpf audit` as a user runs it (in this process): the built-in engine float32 on
                      zoo:stress (clean), the stale-state drill (caught), quantize-weights:4
                      (systematic), the built-in engine bfloat16 (finishes, no false alarm), the HF engine

@@ -354,8 +354,54 @@ def top_ops(prof, device: bool, n: int = 15) -> dict:
     return out
 
 
+# host-side events that wait for the device or move data: CUDA runtime calls (their CPU-side events) and
+# the aten ops that read a device scalar back
+SYNC_EVENTS = (
+    "cudaStreamSynchronize",
+    "cudaDeviceSynchronize",
+    "cudaEventSynchronize",
+    "cudaStreamWaitEvent",
+    "cudaMemcpy",
+    "cudaMemcpyAsync",
+    "aten::item",
+    "aten::_local_scalar_dense",
+)
+
+
+def device_timeline(prof) -> dict:
+    """From the profiler's device events (kernels, copies, memsets): the time the device was busy (the union
+    of their intervals, so overlapping streams count once), their span (first start to last end), the
+    copies to the host by kind, and the host-side sync/copy calls by name."""
+    intervals, d2h = [], {}
+    for e in prof.events():
+        if str(getattr(e, "device_type", "")).endswith("CUDA"):
+            intervals.append((e.time_range.start, e.time_range.end))
+            if "DtoH" in e.name:
+                d2h[e.name] = d2h.get(e.name, 0) + 1
+    busy, end = 0.0, None
+    for a, b in sorted(intervals):
+        if end is None or a > end:
+            busy += b - a
+            end = b
+        elif b > end:
+            busy += b - end
+            end = b
+    span = (max(b for _, b in intervals) - min(a for a, _ in intervals)) if intervals else 0.0
+    calls = {e.key: e.count for e in prof.key_averages() if e.key in SYNC_EVENTS}
+    return {
+        "device_busy_ms": round(busy / 1e3, 3),  # profiler times are microseconds
+        "device_span_ms": round(span / 1e3, 3),
+        "device_events": len(intervals),
+        "copies_to_host": d2h,
+        "host_sync_calls": calls,
+    }
+
+
 def profile(ctx) -> dict:
-    """torch.profiler over the Rescorer on every 4th sequence of the RL mix (after one warm batch)."""
+    """torch.profiler over the Rescorer on every 4th sequence of the RL mix (after one warm batch), and the
+    same items unprofiled: the device's busy time (summed kernels, from the profile) over the unprofiled
+    wall time is the fraction of the time the device works (the profiler's own per-op cost inflates the
+    profiled wall time, so that one is not the measure); the host's syncs and copies to the host, per batch."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -368,14 +414,37 @@ def profile(ctx) -> dict:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_device else [])
     with torch.inference_mode():
         list(rescorer.score(items[:2]))  # warm
+        walls = []
+        for _ in range(2):  # unprofiled, the best of two
+            ctx.sync()
+            t0 = time.perf_counter()
+            list(rescorer.score(items))
+            ctx.sync()
+            walls.append(time.perf_counter() - t0)
         ctx.sync()
         t0 = time.perf_counter()
         with torch_profile(activities=activities) as prof:
             list(rescorer.score(items))
             ctx.sync()
         wall = time.perf_counter() - t0
-    out = {"sequences": len(items), "output_tokens": sum(len(o) for _, o in seqs), "wall_s_profiled": wall}
+    batches = len(rescorer.batches(items))
+    out = {
+        "sequences": len(items),
+        "batches": batches,
+        "output_tokens": sum(len(o) for _, o in seqs),
+        "wall_s_unprofiled": min(walls),
+        "wall_s_profiled": wall,
+    }
     out.update(top_ops(prof, on_device))
+    if on_device:
+        tl = device_timeline(prof)
+        out.update(tl)
+        # the fraction of the unprofiled run the device spends working (kernel times barely change under
+        # the profiler; its host-side overhead does not reach the device unless the device waits for it)
+        out["device_busy_fraction"] = min(1.0, tl["device_busy_ms"] / 1e3 / out["wall_s_unprofiled"])
+        out["device_busy_fraction_profiled"] = tl["device_busy_ms"] / 1e3 / wall
+        waits = sum(n for k, n in tl["host_sync_calls"].items() if "Synchronize" in k or k.startswith("aten::"))
+        out["host_waits_per_batch"] = waits / batches
     ctx.shared.clear()  # the model's memory goes back before the audits
     out["ok"] = bool(out["aten"])
     return out
@@ -396,6 +465,11 @@ def summary(doc: dict) -> list[str]:
                 head += f", {lpf['roofline_fraction']:.0%} of bf16 peak"
             if s.get("peak_memory_ratio"):
                 head += f", peak memory {s['peak_memory_ratio']:.2f}x"
+        elif name == "rescore_profile" and s.get("device_busy_fraction") is not None:
+            head += (
+                f"  device busy {s['device_busy_fraction']:.0%} of {s['wall_s_unprofiled']:.2f} s,"
+                f" {s['host_waits_per_batch']:.1f} host waits a batch"
+            )
         elif name == "head" and "float32" in s:
             f = s.get("bf16_operands_float32_out", {})
             head += f"  float32 {s['float32']['tflops']:.0f} TFLOP/s" + (

@@ -48,6 +48,8 @@ def test_the_gpu_check_dry_run_runs_every_step(tmp_path):
     t = steps["throughput"]
     assert t["lpf"]["tokens_per_s"] > 0 and t["naive"]["tokens_per_s"] > 0 and t["flops"]["total"] > 0
     assert steps["rescore_profile"]["aten"] and steps["head"]["float32"]["seconds"] > 0
+    prof = steps["rescore_profile"]
+    assert prof["wall_s_unprofiled"] > 0 and prof["batches"] >= 1  # on a GPU: device_busy_fraction, host syncs
     assert steps["audit_builtin_float32"]["verdict"] == "clean"
     stale = steps["audit_stale_state"]
     assert stale["faults"] and stale["flagged"] and stale["top_hypothesis"] == "first_decode_uncomputed"
