@@ -15,7 +15,9 @@ Steps (scripts/gpu_check_rescore.py, scripts/gpu_check_audits.py):
                      bf16 operands with float32 output (`out_dtype`), bf16 output; time, TFLOP/s, error.
   throughput         a random Llama of Llama-3.2-1B's shape (1.24B, bf16) on the RL-like mix:
                      lpf's Rescorer against the naive HF forward, output tokens/s, peak memory, the
-                     FLOPs the work needs and the fraction of the device's bf16 peak that is.
+                     FLOPs the work needs and the fraction of the device's bf16 peak that is; on a
+                     GPU also the Rescorer with its row statistics fused (fused_rows=True: one compiled
+                     kernel), its speed-up and its distance to the default (<= 1e-4).
   rescore_profile    torch.profiler over the Rescorer on part of that mix: top ops by device time, the
                      device busy fraction (summed kernel time over the unprofiled wall time), the host
                      syncs and copies to the host per batch.

@@ -66,10 +66,15 @@ def _float64_rows(z, tok, k):
 
 
 @pytest.mark.parametrize("vocab,k", [(32000, 5), (50257, 20), (100, 3), (40, 0)])
-def test_logprob_rows_matches_float64(vocab, k):
+def test_logprob_rows_matches_float64(vocab, k, monkeypatch):
     """The fused passes (column-max top-k, one work buffer, exps over the logits) against float64
-    log_softmax: tokens inside and outside the top-k, -inf logits (a top-k-masked row), k = 0."""
+    log_softmax: tokens inside and outside the top-k, -inf logits (a top-k-masked row), k = 0; and the
+    GPU's `fused` form (S, sum(e * y) and the rank's count as one set of reductions, compiled there), here
+    its ops run eagerly: the arithmetic a compiler must reproduce."""
+    from lpf.core import torch_utils
     from lpf.core.torch_utils import logprob_rows
+
+    monkeypatch.setattr(torch_utils, "_ROW_SUMS", {"failed": "the test runs the eager form"})
 
     g = torch.Generator().manual_seed(vocab)
     z = torch.randn(37, vocab, generator=g) * 4
@@ -79,7 +84,12 @@ def test_logprob_rows_matches_float64(vocab, k):
     tok[:10] = z[:10].argmax(1)
     tok[3] = 1  # finite in the masked row
     scratch = torch.empty(64 * vocab)
-    for out in (logprob_rows(z, tok, k), logprob_rows(z.clone(), tok, k, scratch, overwrite=True)):
+    runs = (
+        logprob_rows(z, tok, k),
+        logprob_rows(z.clone(), tok, k, scratch, overwrite=True),
+        logprob_rows(z.clone(), tok, k, scratch, overwrite=True, fused=True),
+    )
+    for out in runs:
         chosen, top_ids, top_lp, rank, entropy = out
         want, (want_top, want_ids), want_rank, want_entropy = _float64_rows(z, tok, max(k, 1))
         assert (chosen.double() - want).abs().max() < 2e-5

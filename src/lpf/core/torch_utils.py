@@ -83,7 +83,12 @@ def topk_rows(z: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def logprob_rows(
-    logits: torch.Tensor, token_ids: torch.Tensor, k: int, scratch: torch.Tensor | None = None, overwrite: bool = False
+    logits: torch.Tensor,
+    token_ids: torch.Tensor,
+    k: int,
+    scratch: torch.Tensor | None = None,
+    overwrite: bool = False,
+    fused: bool = False,
 ):
     """For rows of logits [N, V] and chosen tokens [N]: float32 logprobs of the tokens, the top
     max(k, 1) ids and logprobs (column 0 is the argmax), ranks (1 = argmax), entropies.
@@ -95,6 +100,9 @@ def logprob_rows(
     token is outside the top-k), y = z - max, e = exp(y), S = sum(e), sum(e * y); then
     lse = max + log S and entropy = log S - sum(e * y) / S. On a GPU all rows at once and no host
     synchronisation (results stay on the device); on a CPU in L2-sized blocks of rows.
+    `fused` (a GPU): S, sum(e * y) and the rank's count in one compiled kernel that reads the logits once
+    (`row_sums`) instead of seven elementwise and reduction passes; the same float32 arithmetic up to the
+    order of the sums.
     """
     z = logits.float()
     owned = overwrite or z.data_ptr() != logits.data_ptr()
@@ -123,6 +131,7 @@ def logprob_rows(
                 max(k, 1),
                 work[: b * v].view(b, v),
                 zb if owned else exps[: b * v].view(b, v),
+                fused,
             )
         )
     if len(outs) == 1:
@@ -130,14 +139,48 @@ def logprob_rows(
     return tuple(torch.cat([o[j] for o in outs]) for j in range(5))
 
 
-def _rows(z: torch.Tensor, token_ids: torch.Tensor, k: int, work: torch.Tensor, exps: torch.Tensor):
+def _row_sums(z: torch.Tensor, z_tok: torch.Tensor, m: torch.Tensor):
+    """Per row of z [n, V]: S = sum(exp(y)), sum(exp(y) * y) with y = max(z - m, floor), and the count of
+    logits above z_tok: three reductions over the same rows, which a compiler fuses into one read of z."""
+    y = (z - m).clamp_min(_ENTROPY_FLOOR)
+    e = torch.exp(y)
+    return e.sum(1), (e * y).sum(1), (z > z_tok).sum(1)
+
+
+_ROW_SUMS: dict = {}  # "fn": the compiled _row_sums, or "failed": why compiling it did not work
+
+
+def row_sums(z: torch.Tensor, z_tok: torch.Tensor, m: torch.Tensor):
+    """`_row_sums` compiled once (torch.compile, dynamic in the row count); where compiling or running the
+    compiled kernel fails (no Triton, no compiler), the same ops eagerly, and `_ROW_SUMS["failed"]` says why."""
+    if "failed" not in _ROW_SUMS:
+        try:
+            if "fn" not in _ROW_SUMS:
+                _ROW_SUMS["fn"] = torch.compile(_row_sums, dynamic=True, fullgraph=True)
+            return _ROW_SUMS["fn"](z, z_tok, m)
+        except Exception as e:  # noqa: BLE001 - any compiler failure falls back to the eager ops
+            _ROW_SUMS["failed"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+    return _row_sums(z, z_tok, m)
+
+
+def _rows(
+    z: torch.Tensor, token_ids: torch.Tensor, k: int, work: torch.Tensor, exps: torch.Tensor, fused: bool = False
+):
     """logprob_rows on one block; `work` and `exps` ([b, V] float32) may be written, `exps` may be z."""
     top_z, top_ids = topk_rows(z, k)
     z_tok = z.gather(1, token_ids.view(-1, 1))
-    rank = (top_z > z_tok).sum(1) + 1
-    if z.is_cuda or bool((z_tok < top_z[:, -1:]).any()):  # on a CPU the check costs no synchronisation
-        rank = torch.gt(z, z_tok, out=work).sum(1).to(torch.int64) + 1  # counted in float32: exact, V < 2^24
     m = top_z[:, :1]
+    if fused:
+        s, d, above = row_sums(z, z_tok, m)
+        log_s = torch.log(s)
+        lse = m.squeeze(1) + log_s
+        entropy = log_s - d / s
+        return z_tok.squeeze(1) - lse, top_ids, top_z - lse.unsqueeze(1), above.to(torch.int64) + 1, entropy
+    rank = (top_z > z_tok).sum(1) + 1
+    if z.is_cuda:  # a bool mask (1 byte an entry, a vectorised kernel) rather than float32 through `work`
+        rank = torch.gt(z, z_tok).sum(1) + 1
+    elif bool((z_tok < top_z[:, -1:]).any()):  # on a CPU the check costs no synchronisation
+        rank = torch.gt(z, z_tok, out=work).sum(1).to(torch.int64) + 1  # counted in float32: exact, V < 2^24
     y = torch.sub(z, m, out=work)
     if z.is_cuda:
         y.clamp_(min=_ENTROPY_FLOOR)

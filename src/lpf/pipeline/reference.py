@@ -182,6 +182,7 @@ class Rescorer:
         topk: int = 5,
         float32_head: bool = True,
         mixed_head: bool | None = None,
+        fused_rows: bool | None = None,
         replay=None,
         on_rows: Callable | None = None,
     ):
@@ -229,6 +230,11 @@ class Rescorer:
         else:
             self._head = self._native_head
         self.head_dtype = torch.float32 if float32_head else self._native_head[0].dtype
+        # fused_rows=True: the row statistics' three full-vocabulary reductions in one compiled kernel
+        # (logprob_rows' `fused`; on an H200 the eager passes were ~15% of the rescoring time). Off by default:
+        # compiling costs seconds on the first batch, and its gain on a GPU is not measured yet
+        # (scripts/gpu_check.py's throughput step measures it); a CPU keeps its L2-blocked eager passes.
+        self.fused_rows = bool(fused_rows)
         self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
         self._pin = self.input_device.type == "cuda"
         self._check_head()
@@ -377,7 +383,7 @@ class Rescorer:
                 self.on_rows(z, targets[i : i + self.chunk_rows])
             tc = targets[i : i + self.chunk_rows]
             z_token = z.gather(1, tc[:, None])  # before logprob_rows overwrites the logits: the lse from it
-            chosen, top_ids, top_lp, rank, entropy = logprob_rows(z, tc, k, work, overwrite=True)
+            chosen, top_ids, top_lp, rank, entropy = logprob_rows(z, tc, k, work, overwrite=True, fused=self.fused_rows)
             # one float32 block per chunk; ids and ranks are < 2^24, so exact as float32
             packed.append(
                 torch.cat(
