@@ -249,20 +249,32 @@ def throughput(ctx) -> dict:
             held["copy"] = Rescorer(ref, dtype="bfloat16", device=ctx.device, topk=TOPK, mixed_head=False)
         return _scores(held["copy"].score(items))
 
-    def fused_rows():
-        # the row statistics as one compiled kernel (Rescorer(fused_rows=True)); its first run compiles
-        from lpf.core import torch_utils
+    def variant(**knobs):
+        # the same Rescorer with some knobs changed for one run: fused_rows=True (the row statistics as one
+        # compiled kernel; its first run compiles), a larger token budget a forward, larger head chunks
+        def run():
+            from lpf.core import torch_utils
 
-        rescorer.fused_rows = True
-        try:
-            return _scores(rescorer.score(items))
-        finally:
-            rescorer.fused_rows = False
-            out["fused_rows_fallback"] = torch_utils._ROW_SUMS.get("failed")  # why it ran eagerly, if it did
+            before = {k: getattr(rescorer, k) for k in knobs}
+            for k, v in knobs.items():
+                setattr(rescorer, k, v)
+            rescorer._buffers = None  # the head's chunk buffers follow chunk_rows
+            try:
+                return _scores(rescorer.score(items))
+            finally:
+                for k, v in before.items():
+                    setattr(rescorer, k, v)
+                rescorer._buffers = None
+                if knobs.get("fused_rows"):
+                    out["fused_rows_fallback"] = torch_utils._ROW_SUMS.get("failed")  # why it ran eagerly, if so
+
+        return run
 
     methods = {"lpf": lambda: _scores(rescorer.score(items)), "naive": lambda: naive_logprobs(model, seqs, ctx.device)}
-    if ctx.device.startswith("cuda"):
-        methods["lpf_fused_rows"] = fused_rows
+    if ctx.device.startswith("cuda"):  # compiling on a CPU takes minutes: the dry run leaves it out
+        methods["lpf_fused_rows"] = variant(fused_rows=True)
+    methods["lpf_token_budget_65536"] = variant(token_budget=65536)
+    methods["lpf_chunk_rows_4096"] = variant(chunk_rows=4096)
     if rescorer.mixed_head:
         methods["lpf_float32_copy_head"] = float32_copy_head
     values = {}
@@ -305,6 +317,10 @@ def throughput(ctx) -> dict:
         out["max_abs_logprob_diff_fused_rows"] = float(d.max())
         out["speedup_fused_rows"] = out["lpf"]["seconds"] / out["lpf_fused_rows"]["seconds"]
         same_head = float(d.max()) <= 1e-4
+    for name in ("lpf_token_budget_65536", "lpf_chunk_rows_4096"):  # the knobs: same scores, other speed
+        if name in values:
+            out[f"speedup_{name[4:]}"] = out["lpf"]["seconds"] / out[name]["seconds"]
+            out[f"max_abs_logprob_diff_{name[4:]}"] = float((values["lpf"] - values[name]).abs().max())
     if "lpf_float32_copy_head" in values:
         d = (values["lpf"] - values["lpf_float32_copy_head"]).abs()
         out["max_abs_logprob_diff_vs_float32_copy_head"] = float(d.max())
