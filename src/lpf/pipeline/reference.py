@@ -182,7 +182,7 @@ class Rescorer:
         topk: int = 5,
         float32_head: bool = True,
         mixed_head: bool | None = None,
-        fused_rows: bool | None = None,
+        fused_rows: bool = False,
         replay=None,
         on_rows: Callable | None = None,
     ):
@@ -477,8 +477,8 @@ class Rescorer:
     def score_planned(self, batches: Iterable[list[ScoreItem]]) -> Iterable[Scored]:
         """Each batch's scores, in order, one batch ahead: batch i + 1 is queued on the device before
         batch i's results are waited for and turned into tables, so on a GPU the device works while the
-        host builds tables, the caller writes them, and the next batch's inputs are packed (the device
-        is never left idle between batches). The same results as `score_batch_all` one batch at a time;
+        host builds tables, the caller writes them, and the next batch's inputs are packed (rather than
+        wait for them). The same results as `score_batch_all` one batch at a time;
         on a CPU, where every op completes as it is called, the same arithmetic in the same order.
         A batch that fails validation still yields the batch before it first (a crash loses at most the
         batch in flight). With `on_rows` set there is no lookahead: its caller reads what the hook
@@ -492,7 +492,7 @@ class Rescorer:
         for batch in batches:
             try:
                 launched = self._launch(batch)
-            except BaseException:
+            except Exception:  # an invalid batch: the one before it is whole, let it out first
                 if pending is not None:
                     yield self._finish(pending)
                 raise
