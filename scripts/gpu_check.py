@@ -28,6 +28,9 @@ Steps (scripts/gpu_check_rescore.py, scripts/gpu_check_audits.py):
                      bfloat16 batched by 64 against a float32 reference (noise at most, run test same).
   engine_dtypes      the built-in engine's steps in float32 and bfloat16 on the device: steps/s and a
                      profile of a few steps each (why bfloat16 is slower, if it is).
+  compiled_trunk     (a GPU only) the throughput mix with the Rescorer's trunk compiled (compile_trunk=True,
+                     fused_rows=True): first-run (compile) time, best time, speed-up against the naive
+                     forward and the default, distance to the default's scores (<= 1e-4).
 
 Usage: python scripts/gpu_check.py [--device cuda] [--small] [--only STEP,...] [--out FILE]
 (--device cpu --small: every step in small form on a CPU, a dry run; the test suite runs it).
@@ -93,6 +96,7 @@ STEPS = [
     ("audit_builtin_bfloat16", gpu_check_audits.audit_builtin_bfloat16, 40, 60),
     ("audit_hf_bfloat16", gpu_check_audits.audit_hf_bfloat16, 30, 60),
     ("engine_dtypes", gpu_check_audits.engine_dtypes, 45, 60),
+    ("compiled_trunk", gpu_check_rescore.compiled_trunk, 150, 10),
 ]
 
 

@@ -305,6 +305,11 @@ def throughput(ctx) -> dict:
                 f"{name}: {n_out / best:,.0f} output tokens/s ({best:.2f} s)"
                 + (f", peak {peak / 2**30:.1f} GiB" if peak else "")
             )
+    ctx.shared["throughput"] = {
+        "naive_s": out["naive"]["seconds"],
+        "lpf_s": out["lpf"]["seconds"],
+        "lpf": values["lpf"],
+    }
     diff = (values["lpf"] - values["naive"]).abs()
     # naive's head is bfloat16, lpf's float32: they differ by bfloat16's rounding of the logits
     out["max_abs_logprob_diff_vs_naive"] = float(diff.max())
@@ -342,6 +347,52 @@ def throughput(ctx) -> dict:
         and same_head
     )
     return out
+
+
+def compiled_trunk(ctx) -> dict:
+    """The throughput step's mix once more with the trunk compiled (Rescorer compile_trunk=True, fused_rows=True):
+    the first run compiles (its time reported), the best of two more counts; speed-up against the naive forward
+    and the default Rescorer measured in the throughput step, distance to the default's scores (<= 1e-4 to pass).
+    A step of its own, last: a compile past its limit loses nothing else. Not on a CPU (minutes to compile)."""
+    from lpf.pipeline.reference import ScoreItem
+
+    if not ctx.device.startswith("cuda"):
+        return {"ok": True, "skipped": "not on a CPU: compiling the trunk takes minutes there"}
+    if "throughput" not in ctx.shared:
+        return {"ok": False, "why": "the throughput step did not finish: nothing to compare with"}
+    base = ctx.shared["throughput"]
+    rescorer = _rescorer(ctx)
+    seqs = rl_mix(ctx.small, rescorer.vocab_size)
+    items = [ScoreItem(f"r{i:04d}", p, o) for i, (p, o) in enumerate(seqs)]
+    n_out = sum(len(o) for _, o in seqs)
+    flops = work_flops(rescorer.model.config, seqs, n_out)
+    rescorer.compile_trunk, rescorer.fused_rows = True, True
+    times = []
+    try:
+        with torch.inference_mode():
+            for _ in range(3):
+                ctx.sync()
+                t0 = time.perf_counter()
+                res = _scores(rescorer.score(items))
+                ctx.sync()
+                times.append(time.perf_counter() - t0)
+                _log(f"compiled trunk: {times[-1]:.2f} s")
+    finally:
+        rescorer.compile_trunk, rescorer.fused_rows = False, False
+    best = min(times[1:])
+    peak_flops = _device_peak()
+    d = float((res.double().cpu() - base["lpf"]).abs().max())
+    return {
+        "first_run_seconds": times[0],
+        "seconds": best,
+        "tokens_per_s": n_out / best,
+        "speedup_vs_naive": base["naive_s"] / best,
+        "speedup_vs_default": base["lpf_s"] / best,
+        "tflops": flops["total"] / best / 1e12,
+        "roofline_fraction": None if peak_flops is None else flops["total"] / best / peak_flops,
+        "max_abs_logprob_diff_vs_default": d,
+        "ok": d <= 1e-4,
+    }
 
 
 def padding(rescorer, items) -> dict:
@@ -507,6 +558,8 @@ def summary(doc: dict) -> list[str]:
                 head += f", peak memory {s['peak_memory_ratio']:.2f}x"
             if s.get("speedup_fused_rows"):
                 head += f", fused rows {s['speedup_fused_rows']:.2f}x"
+        elif name == "compiled_trunk" and "speedup_vs_naive" in s:
+            head += f"  {s['speedup_vs_naive']:.2f}x naive, {s['speedup_vs_default']:.2f}x the default (first run {s['first_run_seconds']:.0f} s)"
         elif name == "rescore_profile" and s.get("device_busy_fraction") is not None:
             head += (
                 f"  device busy {s['device_busy_fraction']:.0%} of {s['wall_s_unprofiled']:.2f} s,"

@@ -183,6 +183,7 @@ class Rescorer:
         float32_head: bool = True,
         mixed_head: bool | None = None,
         fused_rows: bool = False,
+        compile_trunk: bool = False,
         replay=None,
         on_rows: Callable | None = None,
     ):
@@ -235,9 +236,23 @@ class Rescorer:
         # compiling costs seconds on the first batch, and its gain on a GPU is not measured yet
         # (scripts/gpu_check.py's throughput step measures it); a CPU keeps its L2-blocked eager passes.
         self.fused_rows = bool(fused_rows)
+        # compile_trunk=True: the trunk (embeddings to the last norm) through torch.compile, dynamic in batch
+        # and length, so the norms, rotary and gated MLP's elementwise work fuse (on an H200 ~30% of the
+        # device time went to them unfused). Off by default: compiling takes tens of seconds per new shape
+        # family, and its gain is measured by scripts/gpu_check.py's throughput step, not assumed.
+        self.compile_trunk = bool(compile_trunk)
+        self._trunk = None
         self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
         self._pin = self.input_device.type == "cuda"
         self._check_head()
+
+    def _trunk_fn(self):
+        """The trunk's forward: the model's own, or (compile_trunk) compiled once on first use."""
+        if not self.compile_trunk:
+            return self.model.base_model
+        if self._trunk is None:
+            self._trunk = torch.compile(self.model.base_model, dynamic=True)
+        return self._trunk
 
     def describe(self) -> dict:
         return {**describe_reference(self.model_ref, self.dtype, self.tokenizer), "device": self.placement}
@@ -360,7 +375,7 @@ class Rescorer:
         asked = [(row, it) for row, it in enumerate(batch) if it.score_prompt and len(it.prompt_token_ids) > 1]
         ids, rows, targets = self._inputs(batch, asked)
         with shape_stable_attention():
-            hidden = self.model.base_model(input_ids=ids, use_cache=False).last_hidden_state
+            hidden = self._trunk_fn()(input_ids=ids, use_cache=False).last_hidden_state
         h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows.to(hidden.device))
         del hidden
         targets = targets.to(self.head_device)
