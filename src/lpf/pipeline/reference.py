@@ -182,7 +182,7 @@ class Rescorer:
         topk: int = 5,
         float32_head: bool = True,
         mixed_head: bool | None = None,
-        fused_rows: bool = False,
+        fused_rows: bool | None = None,
         compile_trunk: bool = False,
         replay=None,
         on_rows: Callable | None = None,
@@ -231,11 +231,11 @@ class Rescorer:
         else:
             self._head = self._native_head
         self.head_dtype = torch.float32 if float32_head else self._native_head[0].dtype
-        # fused_rows=True: the row statistics' three full-vocabulary reductions in one compiled kernel
-        # (logprob_rows' `fused`; on an H200 the eager passes were ~15% of the rescoring time). Off by default:
-        # compiling costs seconds on the first batch, and its gain on a GPU is not measured yet
-        # (scripts/gpu_check.py's throughput step measures it); a CPU keeps its L2-blocked eager passes.
-        self.fused_rows = bool(fused_rows)
+        # fused_rows: the row statistics' three full-vocabulary reductions in one compiled kernel (logprob_rows'
+        # `fused`). Default (None): on a GPU, where an H200 measured 1.14-1.17x the whole rescoring for a compile
+        # of ~5 s on the first batch and scores within 2e-6 of the eager passes (bench/results/gpu_check.json);
+        # a CPU keeps its L2-blocked eager passes (compiling there costs minutes).
+        self.fused_rows = self.input_device.type == "cuda" if fused_rows is None else bool(fused_rows)
         # compile_trunk=True: the trunk (embeddings to the last norm) through torch.compile, dynamic in batch
         # and length, so the norms, rotary and gated MLP's elementwise work fuse (on an H200 ~30% of the
         # device time went to them unfused). Off by default: compiling takes tens of seconds per new shape
