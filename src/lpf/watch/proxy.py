@@ -36,10 +36,9 @@ import time
 from contextlib import suppress
 from types import SimpleNamespace
 
-import httpx
-
 from lpf.watch import wire
 from lpf.watch.evidence import REPLICA_HEADERS, Sample
+from lpf.watch.upstream import Answer, Upstream, UpstreamError, UpstreamTimeout
 
 log = logging.getLogger("lpf.watch")
 HOP_BY_HOP = {
@@ -54,6 +53,7 @@ HOP_BY_HOP = {
     b"host",
     b"content-length",
     b"accept-encoding",
+    b"expect",
 }
 EVIDENCE_BYTES = 2000  # of a malformed answer, kept as returned
 SAMPLED_ROUTES = (wire.COMPLETIONS, wire.CHAT)
@@ -140,10 +140,7 @@ def create_proxy(
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
-                holder["client"] = httpx.AsyncClient(
-                    timeout=httpx.Timeout(timeout, connect=min(timeout or 10.0, 10.0)),
-                    limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
-                )
+                holder["client"] = Upstream(base, timeout, connect_timeout=min(timeout or 10.0, 10.0))
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 if "client" in holder:
@@ -199,18 +196,14 @@ def create_proxy(
             metrics.client_gone.inc()
             if sample is not None and sample.error is None:
                 sample.error = "the client disconnected"
-        except httpx.TimeoutException as e:
+        except UpstreamTimeout as e:
             metrics.upstream_errors.inc()
             _note_error(sample, e)
-            await _answer(
-                send, watch, *_error(504, f"lpf watch: the upstream did not answer in time ({type(e).__name__})")
-            )
-        except httpx.HTTPError as e:
+            await _answer(send, watch, *_error(504, f"lpf watch: the upstream did not answer in time ({e})"))
+        except UpstreamError as e:
             metrics.upstream_errors.inc()
             _note_error(sample, e)
-            await _answer(
-                send, watch, *_error(502, f"lpf watch: the upstream could not be reached ({type(e).__name__}: {e})")
-            )
+            await _answer(send, watch, *_error(502, f"lpf watch: the upstream could not be reached ({e})"))
         finally:
             watch.done()
             state.in_flight -= 1
@@ -228,21 +221,21 @@ def create_proxy(
         if sample is not None and sample.error is None:
             sample.error = f"upstream: {type(e).__name__}"
 
-    async def _send(scope, route: str, body: bytes) -> httpx.Response:
+    async def _send(scope, route: str, body: bytes) -> Answer:
         """The upstream's response (headers read, body not); the client leaving first cancels it (and the
         handler), which closes the upstream connection: the upstream aborts the request."""
         headers = [(k, v) for k, v in scope["headers"] if k not in HOP_BY_HOP]
         headers.append((b"accept-encoding", b"identity"))  # bytes as the client would decode them
-        url = base + route
+        raw = scope.get("raw_path")  # the path as the client sent it (%-escapes and all)
+        target = raw.decode("latin-1") if raw else route
         if scope.get("query_string"):
-            url += "?" + scope["query_string"].decode("latin-1")
-        client = holder["client"]
-        return await client.send(client.build_request(scope["method"], url, content=body, headers=headers), stream=True)
+            target += "?" + scope["query_string"].decode("latin-1")
+        return await holder["client"].send(scope["method"], target, headers, body)
 
-    def _headers(resp: httpx.Response, keep_length: bool) -> list:
+    def _headers(resp: Answer, keep_length: bool) -> list:
         return [
             (k, v)
-            for k, v in resp.headers.raw
+            for k, v in resp.raw_headers
             if k.lower() not in HOP_BY_HOP or (keep_length and k.lower() == b"content-length")
         ]
 
@@ -251,13 +244,13 @@ def create_proxy(
         watch.done()
         await send({"type": "http.response.body", "body": body})
 
-    async def _passthrough(resp: httpx.Response, send, watch: _Watch) -> None:
+    async def _passthrough(resp: Answer, send, watch: _Watch) -> None:
         try:
             await send({"type": "http.response.start", "status": resp.status_code, "headers": _headers(resp, True)})
             try:
                 async for chunk in resp.aiter_raw():
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            except httpx.HTTPError:
+            except UpstreamError:
                 metrics.upstream_errors.inc()
                 return  # the client's answer is cut where the upstream's was (uvicorn closes it unfinished)
             watch.done()
@@ -316,7 +309,7 @@ def create_proxy(
         headers = _headers(resp, False) + [(b"content-length", str(len(out)).encode())]
         await _answer(send, watch, resp.status_code, headers, out)
 
-    async def _stream(resp: httpx.Response, send, sample: Sample, added: wire.Added):
+    async def _stream(resp: Answer, send, sample: Sample, added: wire.Added):
         buf = b""
         try:
             async for chunk in resp.aiter_raw():
@@ -332,9 +325,9 @@ def create_proxy(
                 await send({"type": "http.response.body", "body": buf, "more_body": True})
             if sample.collected.finish_reason is None and sample.error is None:
                 sample.error = "the stream ended without a finish_reason"
-        except httpx.HTTPError as e:
+        except UpstreamError as e:
             metrics.upstream_errors.inc()
-            sample.error = f"the upstream cut the stream ({type(e).__name__})"
+            sample.error = f"the upstream cut the stream ({e})"
             raise _Cut() from e
 
     def _event(event: bytes, sample: Sample, added: wire.Added) -> bytes:
@@ -359,7 +352,7 @@ def create_proxy(
                 lines[i] = b"data: " + _dumps(stripped)
         return b"\n".join(lines)
 
-    def _note_headers(sample: Sample, resp: httpx.Response) -> None:
+    def _note_headers(sample: Sample, resp: Answer) -> None:
         sample.headers = {k: resp.headers[k] for k in REPLICA_HEADERS if k in resp.headers}
 
     def _finish(sample: Sample) -> None:
