@@ -122,6 +122,7 @@ def create_proxy(
         metrics.queue_depth.set(recorder.depth())
         metrics.recorded.set(recorder.recorded)
         metrics.unrecordable.set(recorder.failed)
+        metrics.pruned.set(getattr(recorder, "pruned_parts", 0))
         data, kind = metrics.render()
         return Response(data, media_type=kind)
 
