@@ -117,9 +117,13 @@ def serve_noop(upstream: str, port: int) -> None:
                 break
         c = held["c"]
         headers = [(k, v) for k, v in scope["headers"] if k not in drop]
-        resp = await c.send(
-            c.build_request(scope["method"], upstream + scope["path"], content=body, headers=headers), stream=True
-        )
+        try:
+            resp = await c.send(
+                c.build_request(scope["method"], upstream + scope["path"], content=body, headers=headers), stream=True
+            )
+        except httpx.HTTPError:  # as a proxy answers it (502), not a traceback
+            await send({"type": "http.response.start", "status": 502, "headers": []})
+            return await send({"type": "http.response.body", "body": b""})
         out = [(k, v) for k, v in resp.headers.raw if k.lower() not in (b"transfer-encoding", b"connection")]
         await send({"type": "http.response.start", "status": resp.status_code, "headers": out})
         async for chunk in resp.aiter_raw():
@@ -199,19 +203,23 @@ def latencies(routes: dict[str, str], n: int) -> dict[str, list[float]]:
     return lat
 
 
-async def throughput(base: str, n: int, concurrency: int, delay_ms: float, first: int) -> float:
+async def throughput(base: str, n: int, concurrency: int, delay_ms: float, first: int) -> tuple[float, list[str]]:
+    """requests/s of n requests from `concurrency` clients, and why each one that did not get a 200 failed."""
     headers = {**HEADERS, DELAY: str(delay_ms)} if delay_ms else HEADERS
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=concurrency), timeout=120) as c:
         sem = asyncio.Semaphore(concurrency)
 
         async def one(i):
             async with sem:
-                r = await c.post(f"{base}/v1/completions", content=_body(first + i), headers=headers)
-                assert r.status_code == 200, r.text
+                try:
+                    r = await c.post(f"{base}/v1/completions", content=_body(first + i), headers=headers)
+                    return None if r.status_code == 200 else f"HTTP {r.status_code}: {r.text[:200]}"
+                except httpx.HTTPError as e:
+                    return f"client: {type(e).__name__}: {e}"
 
         t = time.perf_counter()
-        await asyncio.gather(*(one(i) for i in range(n)))
-        return n / (time.perf_counter() - t)
+        failed = await asyncio.gather(*(one(i) for i in range(n)))
+        return n / (time.perf_counter() - t), [f for f in failed if f]
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -270,13 +278,18 @@ def main() -> None:
         lat = latencies(routes, n)
         rps: dict[str, list[float]] = {k: [] for k in routes}
         paced: dict[str, list[float]] = {k: [] for k in routes}
+        failed: dict[str, list[str]] = {k: [] for k in routes}
         names = list(routes)
         for r in range(rounds):
             order = names[r % len(names) :] + names[: r % len(names)]  # each round starts with another route
             for k in order:
-                rps[k].append(asyncio.run(throughput(routes[k], n, a.concurrency, 0, n * (2 + r))))
+                got, bad = asyncio.run(throughput(routes[k], n, a.concurrency, 0, n * (2 + r)))
+                rps[k].append(got)
+                failed[k] += bad
             for k in order:
-                paced[k].append(asyncio.run(throughput(routes[k], n, a.concurrency, a.engine_ms, n * (2 + r))))
+                got, bad = asyncio.run(throughput(routes[k], n, a.concurrency, a.engine_ms, n * (2 + r)))
+                paced[k].append(got)
+                failed[k] += bad
         cpu = {k: cpu_seconds(p.pid) - cpu0[k] for k, p in procs.items()}
         wall = time.time() - t0
     finally:
@@ -296,6 +309,8 @@ def main() -> None:
             "rps_engine_paced": statistics.median(paced[k]),
             "rps_engine_paced_rounds": paced[k],
             "cpu_ms_per_request": 1e3 * own,
+            "failed_requests": len(failed[k]),
+            "failures": failed[k][:10],
         }
     d = results["direct"]
     print(
@@ -312,6 +327,7 @@ def main() -> None:
             f"| {name} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['p50_ms'] - d['p50_ms']:.2f} | "
             f"{r['rps']:.0f} | {r['rps'] / d['rps']:.2f}x | {r['cpu_ms_per_request']:.2f} | "
             f"{r['rps_engine_paced']:.0f} | {r['rps_engine_paced'] / d['rps_engine_paced']:.2f}x |"
+            + (f" {r['failed_requests']} failed" if r["failed_requests"] else "")
         )
     if not a.quick:
         meta = {

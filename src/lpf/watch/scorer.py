@@ -10,7 +10,9 @@ than `--max-lag` recorded requests wait, the oldest are given up (listed in `liv
 still recorded: `lpf rescore` can score them later) so the scorer stays on recent traffic. A window is the next N scored (or failed) requests in arrival order that no earlier
 window holds; a request committed after a later window was judged joins the next window. Progress
 (`scored`, `recorded`, the newest scored request's arrival) goes to `live/scorer.json` for /metrics.
-It never opens the run with `RunDir.open` (which deletes a tokens part whose requests part is not yet
+Parts that `--retain` deleted are forgotten (a part
+gone between its listing and its reading is skipped), so their requests are no longer judged. It never opens
+the run with `RunDir.open` (which deletes a tokens part whose requests part is not yet
 written: the recorder may be between the two).
 """
 
