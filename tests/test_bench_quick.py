@@ -75,6 +75,13 @@ BENCHES = {
         ],
     ),
     "watch": ([], [r"\| proxy 1% \| [\d.]+ \| [\d.]+ \| -?[\d.]+ \| \d+ \| [\d.]+x \| [\d.]+ \|"]),
+    "watch_detection": (
+        [],
+        [
+            r"swap \(float32 -> quantize-weights:4, .*\): \d+/\d+ windows alarmed before the swap; .* delay \d+ swapped",
+            r"clean float32: \d+/\d+ windows alarmed over \d+ scored tokens",
+        ],
+    ),
     "locate": (
         [],
         [
@@ -125,7 +132,19 @@ def test_analysis_bench_quick(tmp_path):
 
 @pytest.mark.slow  # 8-25 s each: process start-ups (lpf run, lpf audit, a tokenizer, torch)
 @pytest.mark.parametrize(
-    "name", ["report", "rescore", "engine", "detection", "nondeterminism", "locate", "bugs", "cells", "watch"]
+    "name",
+    [
+        "report",
+        "rescore",
+        "engine",
+        "detection",
+        "nondeterminism",
+        "locate",
+        "bugs",
+        "cells",
+        "watch",
+        "watch_detection",
+    ],
 )
 def test_bench_quick(name, tmp_path):
     _check(name, tmp_path)

@@ -274,6 +274,7 @@ def _cols(rows: list[dict]) -> dict:
         (["--upstream", "http://127.0.0.1:1", "--sample", "2"], "--sample must be in 0..1"),
         (["--upstream", "http://127.0.0.1:1", "--listen", "nowhere"], "--listen must be HOST:PORT"),
         (["--upstream", "http://127.0.0.1:1", "--window", "0"], "--window must be >= 1"),
+        (["--upstream", "http://127.0.0.1:1", "--retain", "5XB"], "--retain takes a size"),
     ],
 )
 def test_bad_watch_options_are_one_line_and_exit_2(lpf_cli, tmp_path, args, says):

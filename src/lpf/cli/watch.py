@@ -62,6 +62,11 @@ from lpf.cli import render_watch
     show_default=True,
     help="Recorded requests waiting for the reference beyond which the oldest are given up (kept, not scored).",
 )
+@click.option(
+    "--retain",
+    multiple=True,
+    help="Delete the oldest recorded parts beyond a size (20GB) or an age (7d); may be given twice.",
+)
 @click.option("--alert-webhook", default=None, help="POST each alarm as JSON to this URL.")
 @click.option("--fail-after", type=int, default=None, help="Exit 1 after this many alarmed windows (a CI canary).")
 @click.option(
@@ -88,6 +93,7 @@ def watch(
     part_seconds,
     upstream_timeout,
     max_lag,
+    retain,
     alert_webhook,
     fail_after,
     log_level,
@@ -100,6 +106,7 @@ def watch(
     """
     from lpf.core.errors import LpfError
     from lpf.serve import server as listen_on
+    from lpf.watch.retention import parse_retain
     from lpf.watch.sample import Sampler
     from lpf.watch.service import Settings, serve
 
@@ -108,6 +115,7 @@ def watch(
         raise LpfError(f"--listen must be HOST:PORT, got {listen!r}")
     host = host.strip("[]") or "127.0.0.1"
     Sampler(sample, seed)  # a bad rate is refused before anything is created
+    parse_retain(retain)
     if top_k < 0 or queue_size < 1 or part_rows < 1 or part_seconds <= 0 or max_lag < 1:
         raise LpfError("--top-k must be >= 0, --queue, --part-rows and --max-lag >= 1, --part-seconds > 0")
     settings = Settings(
@@ -127,6 +135,7 @@ def watch(
         reference_dtype=reference_dtype,
         reference_device=reference_device,
         max_lag=max_lag,
+        retain=tuple(retain),
         alert_webhook=alert_webhook,
         fail_after=fail_after,
         log_level=log_level,

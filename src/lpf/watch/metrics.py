@@ -4,7 +4,7 @@ Contract: `WatchMetrics()` holds the counters the proxy and the supervisor updat
 the exposition text (and its content type). Names start `lpf_watch_`. Counters: requests proxied (by
 route and whether sampled), samples dropped (queue full), upstream errors, client disconnects,
 requests scored, alarms, request verdicts (by verdict), windows judged (by run-test result).
-Gauges: requests in flight, the recorder's queue depth, samples recorded, scoring lag (recorded but not
+Gauges: requests in flight, the recorder's queue depth, samples recorded, parts deleted by `--retain`, scoring lag (recorded but not
 yet scored requests; and seconds since the newest scored request's arrival), scorer restarts, the last
 window's run-test p-value and whether it alarmed, the flagged rate of the last window against its
 expected rate. A missing `prometheus_client` is one line (an `LpfError`), not a traceback.
@@ -41,6 +41,9 @@ class WatchMetrics:
             "lpf_watch_samples_unrecordable",
             "Sampled requests that could not be turned into rows or written",
             registry=r,
+        )
+        self.pruned = Gauge(
+            "lpf_watch_parts_deleted", "Parts the retention limit (--retain) deleted, oldest first", registry=r
         )
         self.lag_requests = Gauge("lpf_watch_scoring_lag_requests", "Recorded requests not yet scored", registry=r)
         self.lag_seconds = Gauge(

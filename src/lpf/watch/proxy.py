@@ -1,24 +1,30 @@
-"""The reverse proxy: an ASGI app that forwards every request to the upstream and samples some for lpf.
+"""The reverse proxy: a raw ASGI app that forwards every request to the upstream and samples some for lpf.
 
-Contract: `create_proxy(upstream, sampler, recorder, metrics, top_k, timeout, extra_routes)` returns a
-FastAPI app. Every path and method is forwarded (`/v1/completions`, `/v1/chat/completions`, `/v1/models`,
-and whatever else the upstream serves), except `/metrics` and the `extra_routes` lpf answers itself
-(path -> async handler: the live page at /lpf/).
-- Unsampled requests (and every request that is not a one-choice completion with a well-formed JSON
-  body, `wire.sampleable`) go through unchanged: the body as sent, the answer's bytes as the upstream
-  sends them, chunk by chunk (never buffered whole), with its status and headers (hop-by-hop ones aside).
-- A sampled request (`Sampler.take` of the body's bytes) is sent as `wire.augment` makes it; the answer
-  goes back with what lpf added taken out (`wire.strip`): a whole answer re-serialized, a stream event by
-  event as each arrives (an event that exists only because lpf asked for more, `wire.extra_chunk`, is
-  not relayed). An augmented request the upstream refuses (4xx) is sent again as the client sent
-  it, and the client gets that answer; the fields the refusal names are not added again (all of them when
-  it names none and the plain request succeeded).
+Contract: `create_proxy(upstream, sampler, recorder, metrics, top_k, timeout, extra_routes)` returns an ASGI
+app (its `state.proxy` holds the counters the live page reads). Every path and method is forwarded
+(`/v1/completions`, `/v1/chat/completions`, `/v1/models`, and whatever else the upstream serves), except
+`/metrics` and the `extra_routes` lpf answers itself (path -> async handler: the live page at /lpf/), which
+a small FastAPI app beside the relay serves.
+- Unsampled requests go through unchanged: the body as sent, the answer's bytes as the upstream sends
+  them, chunk by chunk (never buffered whole), with its status and headers (hop-by-hop ones aside). They
+  cost what a relay costs and no more: the sampling hash of the body's bytes (`Sampler.take`) is decided
+  first, and only a body it picks is parsed (`wire.sampleable`: a one-choice completion with a well-formed
+  JSON body; any other goes through unsampled).
+- A sampled request is sent as `wire.augment` makes it; the answer goes back with what lpf added taken
+  out (`wire.strip`): a whole answer re-serialized, a stream event by event as each arrives (an event
+  that exists only because lpf asked for more, `wire.extra_chunk`, is not relayed). An augmented request
+  the upstream refuses (4xx) is sent again as the client sent it, and the client gets that answer; the
+  fields the refusal names are not added again (all of them when it names none and the plain request
+  succeeded).
 - Upstream failures: a refused connection is 502, a time-out 504 (JSON {"error": ...}: a proxy cannot
   refuse a connection it has accepted); an upstream that cuts an answer short cuts the client's the same
   way (the connection closed mid-body). A client that disconnects cancels its upstream request (the
   upstream connection is closed, which `lpf serve` and vLLM take as an abort).
 - lpf's work is off the request path: a sample goes to the recorder's bounded queue (`Recorder.offer`,
   never blocking) once the client has its answer; a full queue drops the sample and counts it.
+Why raw ASGI and not a framework route: a catch-all FastAPI route with a StreamingResponse cost the
+proxy ~2 ms of CPU per request on this project's machine (routing, dependency solving, a task group per
+answer); one watcher task per request (the client's disconnect) is all a relay needs.
 """
 
 from __future__ import annotations
@@ -27,64 +33,43 @@ import asyncio
 import json
 import logging
 import time
-from contextlib import asynccontextmanager, suppress
-
-import httpx
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.requests import ClientDisconnect
+from contextlib import suppress
+from types import SimpleNamespace
 
 from lpf.watch import wire
 from lpf.watch.evidence import REPLICA_HEADERS, Sample
+from lpf.watch.upstream import Answer, Upstream, UpstreamError, UpstreamTimeout
 
 log = logging.getLogger("lpf.watch")
 HOP_BY_HOP = {
-    "connection",
-    "keep-alive",
-    "proxy-authenticate",
-    "proxy-authorization",
-    "te",
-    "trailers",
-    "transfer-encoding",
-    "upgrade",
-    "host",
-    "content-length",
-    "accept-encoding",
+    b"connection",
+    b"keep-alive",
+    b"proxy-authenticate",
+    b"proxy-authorization",
+    b"te",
+    b"trailers",
+    b"transfer-encoding",
+    b"upgrade",
+    b"host",
+    b"content-length",
+    b"accept-encoding",
+    b"expect",
 }
 EVIDENCE_BYTES = 2000  # of a malformed answer, kept as returned
+SAMPLED_ROUTES = (wire.COMPLETIONS, wire.CHAT)
 
 
-class ClientGone(Exception):
-    pass
-
-
-def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": "UpstreamError", "param": None, "code": status}}, status)
+class _Cut(Exception):
+    """The upstream cut a stream already being relayed: the client's is cut there too."""
 
 
 def _dumps(obj) -> bytes:  # FastAPI's own JSON rendering (compact, UTF-8)
     return json.dumps(obj, ensure_ascii=False, allow_nan=True, separators=(",", ":")).encode()
 
 
-async def _disconnected(http: Request) -> None:
-    while (await http.receive())["type"] != "http.disconnect":
-        pass
-
-
-class _Relay(StreamingResponse):
-    """A streamed answer whose `done()` runs once however the relay ends: finished, cut, or cancelled by a
-    client that left before the body began (Starlette then never starts the body's generator, whose own
-    `finally` would not run: the upstream response would stay open and the request counted in flight)."""
-
-    def __init__(self, content, done, **kw):
-        super().__init__(content, **kw)
-        self._done = done
-
-    async def __call__(self, scope, receive, send):
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await asyncio.shield(self._done())
+def _error(status: int, message: str) -> tuple[int, list, bytes]:
+    body = _dumps({"error": {"message": message, "type": "UpstreamError", "param": None, "code": status}})
+    return status, [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())], body
 
 
 class _State:
@@ -94,62 +79,103 @@ class _State:
         self.refused: set[str] = set()
 
 
+class _Watch:
+    """The client's side of one request: a task that waits for its disconnect and then cancels the handler.
+    `done()` before the last send (uvicorn answers a completed cycle's receive with a disconnect too)."""
+
+    __slots__ = ("gone", "_task")
+
+    def __init__(self, receive):
+        self.gone = False
+        handler = asyncio.current_task()
+
+        async def watch():
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            self.gone = True
+            handler.cancel()
+
+        self._task = asyncio.ensure_future(watch())
+
+    def done(self) -> None:
+        self._task.cancel()
+
+
 def create_proxy(
     upstream: str, sampler, recorder, metrics, top_k: int = 5, timeout: float | None = None, extra_routes=None
 ):
+    from fastapi import FastAPI
+    from fastapi.responses import Response
+
     base = upstream.rstrip("/")
     if base.endswith("/v1"):
         base = base[: -len("/v1")]
     state = _State()
     holder: dict = {}
+    counters: dict = {}  # (route label, sampled) -> the labelled counter (a labels() lookup per request is not free)
 
-    @asynccontextmanager
-    async def lifespan(_app):
-        holder["client"] = httpx.AsyncClient(
-            timeout=httpx.Timeout(timeout, connect=min(timeout or 10.0, 10.0)),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
-        )
-        try:
-            yield
-        finally:
-            await holder["client"].aclose()
+    side = FastAPI(title="lpf watch", docs_url=None, redoc_url=None, openapi_url=None)
 
-    app = FastAPI(title="lpf watch", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-
-    @app.get("/metrics")
+    @side.get("/metrics")
     async def _metrics():
         metrics.in_flight.set(state.in_flight)
         metrics.queue_depth.set(recorder.depth())
         metrics.recorded.set(recorder.recorded)
         metrics.unrecordable.set(recorder.failed)
+        metrics.pruned.set(getattr(recorder, "pruned_parts", 0))
         data, kind = metrics.render()
         return Response(data, media_type=kind)
 
     for path, handler in (extra_routes or {}).items():
-        app.get(path)(handler)
+        side.get(path)(handler)
+    side_paths = {"/metrics", *(extra_routes or {})}
 
-    app.state.proxy = state
+    async def app(scope, receive, send):
+        if scope["type"] == "lifespan":
+            return await _lifespan(receive, send)
+        if scope["type"] != "http" or scope["path"] in side_paths:
+            return await side(scope, receive, send)
+        await _handle(scope, receive, send)
 
-    @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"])
-    async def _proxy(path: str, request: Request):
-        try:
-            body = await request.body()
-        except ClientDisconnect:  # gone before its body arrived: nothing was sent upstream
-            metrics.client_gone.inc()
-            return Response(status_code=499)
-        route = "/" + path
+    async def _lifespan(receive, send):
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                holder["client"] = Upstream(base, timeout, connect_timeout=min(timeout or 10.0, 10.0))
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                if "client" in holder:
+                    await holder["client"].aclose()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _handle(scope, receive, send):
+        chunks = []
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":  # gone before its body arrived: nothing was sent upstream
+                metrics.client_gone.inc()
+                return
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body"):
+                break
+        body = b"".join(chunks)
+        route = scope["path"]
         arrival, in_flight = time.time(), state.in_flight
         state.in_flight += 1
+        watch = _Watch(receive)
+        sample = None
         try:
             parsed = None
-            if request.method == "POST" and route in (wire.COMPLETIONS, wire.CHAT):
+            if scope["method"] == "POST" and route in SAMPLED_ROUTES and sampler.take(body):
                 with suppress(ValueError):
                     parsed = json.loads(body)
-            sampled = wire.sampleable(route, parsed) and sampler.take(body)
-            metrics.proxied.labels(route=route if route.startswith("/v1/") else "other", sampled=str(sampled)).inc()
+            sampled = parsed is not None and wire.sampleable(route, parsed)
+            _count(route, sampled)
             if not sampled:
-                resp = await _send(request, route, body)
-                return _passthrough(resp, state)
+                resp = await _send(scope, route, body)
+                await _passthrough(resp, send, watch)
+                return
             state.seq += 1
             sample = Sample(
                 seq=state.seq - 1,
@@ -161,79 +187,90 @@ def create_proxy(
                 in_flight=in_flight,
                 collected=wire.Collected(route),
             )
-            try:
-                return await _sampled(request, route, body, parsed, sample)
-            except (ClientGone, httpx.HTTPError) as e:  # kept as evidence: an abort, an unreachable upstream
-                sample.error = (
-                    "the client disconnected" if isinstance(e, ClientGone) else f"upstream: {type(e).__name__}"
-                )
-                _finish(sample, release=False)
-                raise
-        except ClientGone:
+            await _sampled(scope, send, watch, route, body, parsed, sample)
+        except _Cut:
+            return  # uvicorn closes a connection whose answer was left unfinished
+        except asyncio.CancelledError:
+            if not watch.gone:
+                raise  # the server is stopping
+            asyncio.current_task().uncancel()
             metrics.client_gone.inc()
-            state.in_flight -= 1
-            return Response(status_code=499)
-        except httpx.TimeoutException as e:
+            if sample is not None and sample.error is None:
+                sample.error = "the client disconnected"
+        except UpstreamTimeout as e:
             metrics.upstream_errors.inc()
-            state.in_flight -= 1
-            return _error(504, f"lpf watch: the upstream did not answer in time ({type(e).__name__})")
-        except httpx.HTTPError as e:
+            _note_error(sample, e)
+            await _answer(send, watch, *_error(504, f"lpf watch: the upstream did not answer in time ({e})"))
+        except UpstreamError as e:
             metrics.upstream_errors.inc()
-            state.in_flight -= 1
-            return _error(502, f"lpf watch: the upstream could not be reached ({type(e).__name__}: {e})")
-
-    async def _send(request: Request, route: str, body: bytes) -> httpx.Response:
-        """The upstream's response (headers read, body not), or ClientGone if the client leaves first."""
-        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP]
-        headers.append(("accept-encoding", "identity"))  # bytes as the client would decode them
-        req = holder["client"].build_request(
-            request.method, base + route, params=request.query_params, content=body, headers=headers
-        )
-        send = asyncio.ensure_future(holder["client"].send(req, stream=True))
-        gone = asyncio.ensure_future(_disconnected(request))
-        try:
-            await asyncio.wait({send, gone}, return_when=asyncio.FIRST_COMPLETED)
+            _note_error(sample, e)
+            await _answer(send, watch, *_error(502, f"lpf watch: the upstream could not be reached ({e})"))
         finally:
-            gone.cancel()
-        if send.done():
-            return send.result()
-        send.cancel()  # closes the upstream connection: the upstream aborts the request
-        with suppress(asyncio.CancelledError, httpx.HTTPError):
-            await send
-        raise ClientGone()
+            watch.done()
+            state.in_flight -= 1
+            if sample is not None:
+                _finish(sample)
 
-    def _headers(resp: httpx.Response, keep_length: bool) -> dict:
-        return {
-            k: v
-            for k, v in resp.headers.items()
-            if k.lower() not in HOP_BY_HOP or (keep_length and k.lower() == "content-length")
-        }
+    def _count(route: str, sampled: bool) -> None:
+        key = (route if route.startswith("/v1/") else "other", sampled)
+        c = counters.get(key)
+        if c is None:
+            c = counters[key] = metrics.proxied.labels(route=key[0], sampled=str(sampled))
+        c.inc()
 
-    def _passthrough(resp: httpx.Response, state: _State) -> StreamingResponse:
-        async def body():
+    def _note_error(sample, e) -> None:
+        if sample is not None and sample.error is None:
+            sample.error = f"upstream: {type(e).__name__}"
+
+    async def _send(scope, route: str, body: bytes) -> Answer:
+        """The upstream's response (headers read, body not); the client leaving first cancels it (and the
+        handler), which closes the upstream connection: the upstream aborts the request."""
+        headers = [(k, v) for k, v in scope["headers"] if k not in HOP_BY_HOP]
+        headers.append((b"accept-encoding", b"identity"))  # bytes as the client would decode them
+        raw = scope.get("raw_path")  # the path as the client sent it (%-escapes and all)
+        target = raw.decode("latin-1") if raw else route
+        if scope.get("query_string"):
+            target += "?" + scope["query_string"].decode("latin-1")
+        return await holder["client"].send(scope["method"], target, headers, body)
+
+    def _headers(resp: Answer, keep_length: bool) -> list:
+        return [
+            (k, v)
+            for k, v in resp.raw_headers
+            if k.lower() not in HOP_BY_HOP or (keep_length and k.lower() == b"content-length")
+        ]
+
+    async def _answer(send, watch: _Watch, status: int, headers: list, body: bytes) -> None:
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        watch.done()
+        await send({"type": "http.response.body", "body": body})
+
+    async def _passthrough(resp: Answer, send, watch: _Watch) -> None:
+        try:
+            await send({"type": "http.response.start", "status": resp.status_code, "headers": _headers(resp, True)})
             try:
                 async for chunk in resp.aiter_raw():
-                    yield chunk
-            except httpx.HTTPError:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            except UpstreamError:
                 metrics.upstream_errors.inc()
-                raise  # the client's answer is cut where the upstream's was
+                return  # the client's answer is cut where the upstream's was (uvicorn closes it unfinished)
+            watch.done()
+            await send({"type": "http.response.body", "body": b""})
+        finally:
+            await asyncio.shield(resp.aclose())
 
-        async def done():
-            await resp.aclose()
-            state.in_flight -= 1
-
-        return _Relay(body(), done, status_code=resp.status_code, headers=_headers(resp, True))
-
-    async def _sampled(request: Request, route: str, raw: bytes, parsed: dict, sample: Sample):
+    async def _sampled(scope, send, watch: _Watch, route: str, raw: bytes, parsed: dict, sample: Sample):
         sent, added = wire.augment(route, parsed, top_k, frozenset(state.refused))
         sample.added = added
         augmented = added != wire.Added()
-        resp = await _send(request, route, _dumps(sent) if augmented else raw)
+        resp = await _send(scope, route, _dumps(sent) if augmented else raw)
         _note_headers(sample, resp)
         if augmented and 400 <= resp.status_code < 500 and resp.status_code != 404:
-            refusal = (await resp.aread()).decode(errors="replace")
-            await resp.aclose()
-            resp = await _send(request, route, raw)  # as the client sent it: its answer is the direct one
+            try:
+                refusal = (await resp.aread()).decode(errors="replace")
+            finally:
+                await asyncio.shield(resp.aclose())
+            resp = await _send(scope, route, raw)  # as the client sent it: its answer is the direct one
             _note_headers(sample, resp)
             if resp.status_code < 400:
                 named = {f for f in ("logprobs", wire.ID_FIELD) if f in refusal}
@@ -244,18 +281,18 @@ def create_proxy(
             sample.added = added = wire.Added()
         sample.status = resp.status_code
         if sample.stream and resp.status_code == 200:
-
-            async def done():
-                await resp.aclose()
-                if sample.error is None and sample.collected.finish_reason is None:
-                    sample.error = "the client disconnected"  # before or while the stream was relayed
-                _finish(sample)
-
-            return _Relay(_stream(resp, sample, added), done, status_code=200, headers=_headers(resp, False))
+            try:
+                await send({"type": "http.response.start", "status": 200, "headers": _headers(resp, False)})
+                await _stream(resp, send, sample, added)
+                watch.done()
+                await send({"type": "http.response.body", "body": b""})
+            finally:
+                await asyncio.shield(resp.aclose())
+            return
         try:
             data = await resp.aread()
         finally:
-            await resp.aclose()
+            await asyncio.shield(resp.aclose())
         sample.t_first = sample.t_end = time.time()
         out = data
         if resp.status_code != 200:
@@ -270,10 +307,10 @@ def create_proxy(
             except ValueError as e:
                 sample.error = f"malformed answer ({e})"
                 sample.raw_evidence = data[:EVIDENCE_BYTES].decode(errors="replace")
-        _finish(sample)
-        return Response(out, status_code=resp.status_code, headers=_headers(resp, out is data))
+        headers = _headers(resp, False) + [(b"content-length", str(len(out)).encode())]
+        await _answer(send, watch, resp.status_code, headers, out)
 
-    async def _stream(resp: httpx.Response, sample: Sample, added: wire.Added):
+    async def _stream(resp: Answer, send, sample: Sample, added: wire.Added):
         buf = b""
         try:
             async for chunk in resp.aiter_raw():
@@ -282,19 +319,17 @@ def create_proxy(
                 buf += chunk
                 while (i := buf.find(b"\n\n")) >= 0:
                     event, buf = buf[: i + 2], buf[i + 2 :]
-                    yield _event(event, sample, added)
+                    out = _event(event, sample, added)
+                    if out:
+                        await send({"type": "http.response.body", "body": out, "more_body": True})
             if buf:
-                yield buf
+                await send({"type": "http.response.body", "body": buf, "more_body": True})
             if sample.collected.finish_reason is None and sample.error is None:
                 sample.error = "the stream ended without a finish_reason"
-        except httpx.HTTPError as e:
+        except UpstreamError as e:
             metrics.upstream_errors.inc()
-            sample.error = f"the upstream cut the stream ({type(e).__name__})"
-            raise
-        except (asyncio.CancelledError, GeneratorExit):
-            metrics.client_gone.inc()
-            sample.error = "the client disconnected"
-            raise
+            sample.error = f"the upstream cut the stream ({e})"
+            raise _Cut() from e
 
     def _event(event: bytes, sample: Sample, added: wire.Added) -> bytes:
         lines = event.split(b"\n")
@@ -318,16 +353,15 @@ def create_proxy(
                 lines[i] = b"data: " + _dumps(stripped)
         return b"\n".join(lines)
 
-    def _note_headers(sample: Sample, resp: httpx.Response) -> None:
+    def _note_headers(sample: Sample, resp: Answer) -> None:
         sample.headers = {k: resp.headers[k] for k in REPLICA_HEADERS if k in resp.headers}
 
-    def _finish(sample: Sample, release: bool = True) -> None:
-        if release:
-            state.in_flight -= 1
+    def _finish(sample: Sample) -> None:
         sample.t_end = sample.t_end or time.time()
         if sample.t_end < (sample.t_first or 0):
             sample.t_end = sample.t_first
         if not recorder.offer(sample):
             metrics.dropped.inc()
 
+    app.state = SimpleNamespace(proxy=state)
     return app

@@ -1,13 +1,15 @@
 """The recorder: sampled requests off a bounded queue into the rolling run directory, on a thread of its own.
 
-Contract: `Recorder(run, recording, queue_size, part_rows, part_seconds)`; `offer(sample)` never blocks:
+Contract: `Recorder(run, recording, queue_size, part_rows, part_seconds, retention)`; `offer(sample)` never blocks:
 it returns False (and counts a drop) when the queue is full, so a slow disk or a burst costs samples,
 never a client's time. The thread turns samples into rows (`record.Recording`) and commits a part when
 `part_rows` requests are buffered or the oldest buffered one is `part_seconds` old: a `watch/` part
 (the side table: status, requests in flight, upstream request id, replica headers), then tokens, then
 requests (`RunDir.append_requests`: a request is recorded iff its requests part exists, so a SIGKILL
-loses at most the samples not yet committed, never one already written). `close()` commits what is
-buffered and stops the thread. Counters (`recorded`, `dropped`, `failed`) are read by /metrics.
+loses at most the samples not yet committed, never one already written). After each commit, `retention`
+(`lpf.watch.retention.Retention`, `--retain`) deletes the oldest commits once the run is too big or too old
+(counted in `pruned_parts` and `pruned_bytes`). `close()` commits what is buffered and stops the thread.
+Counters (`recorded`, `dropped`, `failed`, `pruned_parts`) are read by /metrics.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from lpf.run import schema
 from lpf.run.store import RunDir
 from lpf.watch.evidence import Sample
 from lpf.watch.record import WATCH, Recording
+from lpf.watch.retention import Retention
 
 log = logging.getLogger("lpf.watch")
 _STOP = object()
@@ -30,9 +33,16 @@ _STOP = object()
 
 class Recorder:
     def __init__(
-        self, run: RunDir, recording: Recording, queue_size: int = 1024, part_rows: int = 256, part_seconds: float = 2.0
+        self,
+        run: RunDir,
+        recording: Recording,
+        queue_size: int = 1024,
+        part_rows: int = 256,
+        part_seconds: float = 2.0,
+        retention: Retention | None = None,
     ):
-        self.run, self.recording = run, recording
+        self.run, self.recording, self.retention = run, recording, retention or Retention()
+        self.pruned_parts = self.pruned_bytes = 0
         self.part_rows, self.part_seconds = part_rows, part_seconds
         self.q: queue.Queue = queue.Queue(maxsize=queue_size)
         self.recorded = self.dropped = self.failed = self.parts = 0
@@ -98,3 +108,9 @@ class Recorder:
         except Exception as e:
             self.failed += len(buf)
             log.error("lpf watch: a part of %d samples could not be written (%s: %s)", len(buf), type(e).__name__, e)
+        if self.retention:
+            try:
+                parts, freed = self.retention.prune(self.run.path, time.time())
+                self.pruned_parts, self.pruned_bytes = self.pruned_parts + parts, self.pruned_bytes + freed
+            except OSError as e:  # a part that cannot be deleted now is tried again after the next commit
+                log.error("lpf watch: retention: %s: %s", type(e).__name__, e)

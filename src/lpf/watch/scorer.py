@@ -10,7 +10,9 @@ than `--max-lag` recorded requests wait, the oldest are given up (listed in `liv
 still recorded: `lpf rescore` can score them later) so the scorer stays on recent traffic. A window is the next N scored (or failed) requests in arrival order that no earlier
 window holds; a request committed after a later window was judged joins the next window. Progress
 (`scored`, `recorded`, the newest scored request's arrival) goes to `live/scorer.json` for /metrics.
-It never opens the run with `RunDir.open` (which deletes a tokens part whose requests part is not yet
+Parts that `--retain` deleted are forgotten (a part
+gone between its listing and its reading is skipped), so their requests are no longer judged. It never opens
+the run with `RunDir.open` (which deletes a tokens part whose requests part is not yet
 written: the recorder may be between the two).
 """
 
@@ -27,6 +29,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from lpf.core.errors import LpfError
 from lpf.run.store import RunDir, read_part
 
 WINDOWS = "live/windows.jsonl"
@@ -101,12 +104,19 @@ class Scorer:
         return out
 
     def _refresh(self, run: RunDir) -> pa.Table:
-        for p in run.parts("requests"):
-            if p.name not in self.requests:
-                self.requests[p.name] = read_part(p, "requests", REQ_COLS)
-        for p in run.parts("watch"):
-            if p.name not in self.watch:
-                self.watch[p.name] = pq.read_table(p, columns=["request_id", "temperature"])
+        for table, cache, read in (
+            ("requests", self.requests, lambda p: read_part(p, "requests", REQ_COLS)),
+            ("watch", self.watch, lambda p: pq.read_table(p, columns=["request_id", "temperature"])),
+        ):
+            names = set()
+            for p in run.parts(table):
+                names.add(p.name)
+                if p.name not in cache:
+                    got = _unless_pruned(p, read)
+                    if got is not None:
+                        cache[p.name] = got
+            for gone in set(cache) - names:  # deleted by --retain: its requests are no longer recorded
+                del cache[gone]
         return pa.concat_tables(list(self.requests.values())) if self.requests else None
 
     def cycle(self) -> int:
@@ -216,11 +226,23 @@ class Scorer:
 
 def _rows(run: RunDir, table: str, ids: list[str]) -> pa.Table:
     want = pa.array(ids, pa.string())
-    parts = [
-        t.filter(pc.is_in(t.column("request_id"), value_set=want))
-        for t in run.iter_parts(table, list(_schema(table).names))
-    ]
+    columns = list(_schema(table).names)
+    parts = []
+    for p in run.parts(table):
+        t = _unless_pruned(p, lambda p: read_part(p, table, columns))
+        if t is not None:
+            parts.append(t.filter(pc.is_in(t.column("request_id"), value_set=want)))
     return pa.concat_tables(parts) if parts else _schema(table).empty_table()
+
+
+def _unless_pruned(path: Path, read):
+    """`read(path)`, or None when the part was deleted (by `--retain`) since it was listed."""
+    try:
+        return read(path)
+    except (OSError, LpfError):
+        if path.exists():
+            raise
+        return None
 
 
 def _schema(table: str):

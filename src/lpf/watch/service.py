@@ -45,6 +45,7 @@ class Settings:
     log_level: str = "warning"
     scorer: bool = True
     max_lag: int = 10_000
+    retain: tuple = ()  # --retain values: a size and/or an age (lpf.watch.retention.parse_retain)
 
 
 @dataclass
@@ -111,13 +112,17 @@ def serve(
     from lpf.watch.proxy import create_proxy
     from lpf.watch.record import Recording
     from lpf.watch.recorder import Recorder
+    from lpf.watch.retention import parse_retain
     from lpf.watch.sample import Sampler
     from lpf.watch.supervisor import Supervisor
 
     sampler = Sampler(s.sample, s.seed)
+    retention = parse_retain(s.retain)
     metrics = WatchMetrics()
     run, tokenizer, vocab = prepare(s)
-    recorder = Recorder(run, Recording(tokenizer, vocab, s.keep_text), s.queue_size, s.part_rows, s.part_seconds)
+    recorder = Recorder(
+        run, Recording(tokenizer, vocab, s.keep_text), s.queue_size, s.part_rows, s.part_seconds, retention
+    )
     held: dict = {}
 
     async def page():
