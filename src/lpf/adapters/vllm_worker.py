@@ -10,7 +10,7 @@ Protocol, JSON lines:
   t_first_token, t_finish, and prompt_logprobs / prompt_topk_ids / prompt_topk_logprobs when the run
   asks for prompt logprobs} per request as it finishes and {"type": "done", "trace"} (+ "spec_decode":
   the batch's speculative-decoding counts from vLLM's metrics, when the engine speculates);
-  {"type": "fatal", "error"} if the engine cannot start or dies ("TYPE: message", and when a batch
+  {"type": "fatal", "error"} if the engine cannot start, cannot run a step (`refused`) or dies ("TYPE: message", and when a batch
   raised, "; raised at FILE:LINE in FUNC", its innermost frame: lpf shrink's crash signature).
   `trace` is the lpf-vllm-trace plugin's status in this process (`lpf_vllm_trace.status()`), or why
   there is none. Finished requests are held back and sent in groups, at most once a second, each
@@ -287,6 +287,34 @@ def raised_at(e: BaseException) -> str:
     return f"; raised at {frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""
 
 
+def refused(llm) -> str | None:
+    """Why this engine would fail its first step, known once it is built (None: nothing known). vLLM's
+    CPU build accepts speculative decoding with prefix caching on a hybrid, then fails the first step:
+    align mode on a hybrid that speculates pre-copies Mamba state with a Triton kernel
+    (v1/worker/gpu_model_runner.py `_get_mamba_bufs`, v1/worker/mamba_utils.py `run_fused_precopy`) that
+    the CPU platform gives no override (`register_triton_kernel_overrides`): without Triton it is a plain
+    function, and launching it raises `TypeError: 'function' object is not subscriptable`."""
+    cfg = llm.llm_engine.vllm_config
+    if (
+        cfg.speculative_config is None
+        or getattr(cfg.cache_config, "mamba_cache_mode", None) != "align"
+        or not cfg.model_config.is_hybrid
+    ):
+        return None
+    try:
+        from vllm.v1.worker import mamba_utils
+    except ImportError:
+        return None
+    kernel = getattr(mamba_utils, "precopy_mamba_align_fused_kernel", None)
+    if kernel is None or hasattr(kernel, "__getitem__"):  # a Triton kernel or a registered override: it launches
+        return None
+    return (
+        "this vLLM cannot run speculative decoding with prefix caching on a hybrid model: its Mamba align-mode "
+        "pre-copy (vllm/v1/worker/mamba_utils.py, run_fused_precopy) is a Triton kernel this build has no "
+        "CPU implementation of; add -E enable_prefix_caching=false"
+    )
+
+
 def start(config: dict, out):
     """vllm.LLM for `config`, announced as ready; None (announced as fatal) when it cannot be built."""
     try:
@@ -296,6 +324,10 @@ def start(config: dict, out):
     except Exception as e:  # noqa: BLE001 - reported to lpf as one line, full trace in the log
         traceback.print_exc()
         emit(out, {"type": "fatal", "error": f"{type(e).__name__}: {' '.join(str(e).split())[:500]}"})
+        return None
+    why = refused(llm)
+    if why is not None:  # said before any request, instead of every request failing at the first step
+        emit(out, {"type": "fatal", "error": why})
         return None
     emit(
         out,
