@@ -10,8 +10,9 @@ Protocol, JSON lines:
   t_first_token, t_finish, and prompt_logprobs / prompt_topk_ids / prompt_topk_logprobs when the run
   asks for prompt logprobs} per request as it finishes and {"type": "done", "trace"} (+ "spec_decode":
   the batch's speculative-decoding counts from vLLM's metrics, when the engine speculates);
-  {"type": "fatal", "error"} if the engine cannot start, cannot run a step (`refused`) or dies ("TYPE: message", and when a batch
-  raised, "; raised at FILE:LINE in FUNC", its innermost frame: lpf shrink's crash signature).
+  {"type": "fatal", "error"} if the engine cannot start, could not run a step (`refused`) or dies
+  ("TYPE: message", and when a batch raised, "; raised at FILE:LINE in FUNC", its innermost frame: lpf
+  shrink's crash signature).
   `trace` is the lpf-vllm-trace plugin's status in this process (`lpf_vllm_trace.status()`), or why
   there is none. Finished requests are held back and sent in groups, at most once a second, each
   group right after the plugin's buffered rows are flushed to its parts: lpf never sees a request
