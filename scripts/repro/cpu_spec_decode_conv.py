@@ -14,8 +14,9 @@ num_accepted-1 and store the SSM state after each verified position t in slot co
 2. SSM: one verify step of 1+K tokens through the CPU selective_state_update (the C++ op the `cpu` SSU
    backend calls): outputs against a float64 recurrence (they agree), and the state each slot column holds
    afterwards. Expected: column t = the state after position t. Observed: columns 1..K are, column 0 holds
-   the state after the LAST position, so a step whose drafts are all rejected (num_accepted = 1) resumes
-   from a state that includes them.
+   the state after the LAST position; and it reads the start state from column 0 whatever num_accepted
+   says (outputs right for num_accepted = 1 only). Together: the SSM state runs on through every draft,
+   rejected or not (no rollback); right only when every draft was accepted.
 """
 
 import torch
@@ -102,6 +103,46 @@ def ssu_case(K: int = 3, H: int = 2, P: int = 4, N: int = 8) -> tuple[float, lis
     )
 
 
+def ssu_read_column(num_accepted: int, K: int = 3, H: int = 2, P: int = 4, N: int = 8) -> float:
+    """A verify step whose start state sits in slot column num_accepted-1 (where the GPU kernel reads it),
+    garbage in the other columns: the outputs against the recurrence from that state."""
+    q = 1 + K
+    h0, x = torch.randn(H, P, N), torch.randn(q, H, P)
+    dt, A, D, dtb = torch.rand(q, H), -torch.rand(H), torch.randn(H), torch.randn(H)
+    Bm, Cm = torch.randn(q, 1, N), torch.randn(q, 1, N)
+    h, outs = h0.double(), []
+    for t in range(q):
+        d = F.softplus(dt[t].double() + dtb.double())
+        h = (
+            h * torch.exp(d * A.double())[:, None, None]
+            + d[:, None, None] * x[t].double()[:, :, None] * Bm[t, 0].double()
+        )
+        outs.append((h * Cm[t, 0].double()).sum(-1) + D.double()[:, None] * x[t].double())
+    state = torch.randn(8, H, P, N) * 5
+    state[num_accepted] = h0  # slot columns are slots 1..4
+    out = torch.zeros(q, H, P)
+    slots = torch.tensor([[1, 2, 3, 4]], dtype=torch.int32)
+    ops.selective_state_update_cpu(
+        state,
+        x,
+        dt[:, :, None].expand(-1, -1, P).contiguous(),
+        A[:, None, None].expand(-1, P, N).contiguous(),
+        Bm,
+        Cm,
+        D[:, None].expand(-1, P).contiguous(),
+        None,
+        dtb[:, None].expand(-1, P).contiguous(),
+        True,
+        slots,
+        slots,
+        0,
+        out,
+        torch.tensor([num_accepted], dtype=torch.int32),
+        torch.tensor([0, q], dtype=torch.int32),
+    )
+    return (out.double() - torch.stack(outs)).abs().max().item()
+
+
 if __name__ == "__main__":
     import vllm
 
@@ -113,3 +154,7 @@ if __name__ == "__main__":
     print(f"ssm, K=3, 4-token verify step: outputs max |diff| = {err:.3g}")
     print("ssm, slot column t against the state after position t: " + ", ".join(f"{c:.3g}" for c in cols))
     print(f"ssm, slot column 0 against the state after the last position: {last:.3g}")
+    for acc in (1, 2, 3):
+        print(
+            f"ssm, start state in column {acc - 1}, num_accepted={acc}: outputs max |diff| = {ssu_read_column(acc):.3g}"
+        )
