@@ -39,6 +39,7 @@ SHARED_GROUPS = {
         "test_conformance_families::test_vllm_source_pairs_bailing_hybrid_with_its_two_names",
         "test_conformance_variants::test_a_structural_variant_audits_nemotron_h_without_its_moe_on_vllm",
         "test_vllm_prefix",
+        "test_vllm_spec",
         "test_locate_vllm",
         "test_client_behaviour::test_cancel_then_resend_and_bursts_against_vllms_server",
         "test_bench_quick::test_vllm_bench_quick",

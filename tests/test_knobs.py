@@ -53,6 +53,7 @@ def test_roles_answer_what_the_name_lists_used_to():
         "max_num_batched_tokens",
         "enable_chunked_prefill",
         "enable_prefix_caching",
+        "speculative_config",  # speculation off: a failure that stays without it is not speculative
         "max_model_len",
         "dtype",
     ]

@@ -10,7 +10,9 @@ request it had not finished comes back with that error (never dropped).
 Knobs (`VLLMOptions`, with their checks in `vllm_options`) keep vLLM's names and go to `vllm.LLM` as
 given (dtype, seed, gpu_memory_utilization, max_num_seqs, max_num_batched_tokens,
 enable_chunked_prefill, enable_prefix_caching, enforce_eager, max_model_len,
-num_gpu_blocks_override, logprobs_mode); `cpu_kvcache_space` (whole GiB) sets
+num_gpu_blocks_override, logprobs_mode, speculative_config: JSON text, handed over as the object, with
+vLLM's stats on so that `describe()["spec_decode"]` carries vLLM's draft and acceptance counts);
+`cpu_kvcache_space` (whole GiB) sets
 VLLM_CPU_KVCACHE_SPACE, the KV size on CPU. Logprobs are vLLM's `raw_logprobs` where this vLLM has
 `logprobs_mode`; `describe()` records the mode actually used (None when the vLLM has no such
 switch), the vLLM version and every argument.
@@ -225,6 +227,9 @@ class VLLMEngine(Engine):
         ):
             if getattr(o, name) is not None:
                 args[name] = getattr(o, name)
+        if o.speculative_config is not None:
+            args["speculative_config"] = json.loads(o.speculative_config)
+            args["disable_log_stats"] = False  # the worker reads vLLM's spec-decode counters (drafts, accepted)
         return args
 
     def _env(self, plugin) -> dict:
@@ -306,7 +311,23 @@ class VLLMEngine(Engine):
             # what the trace features read: the SSM state's slot stride and the drills in force
             "state_slot_stride": status.get("state_slot_stride"),
             "faults": [f for f in self.options.inject.split(",") if f],
+            # vLLM's own counts when it speculates (drafts, draft tokens, accepted tokens, per draft position)
+            **({"spec_decode": self.spec_decode} if getattr(self, "spec_decode", None) else {}),
         }
+
+    def _add_spec_counts(self, batch: dict | None) -> None:
+        """Add one batch's speculative-decoding counts (vLLM's metrics, read by the worker) to the run's."""
+        if batch is None:
+            return
+        total = getattr(self, "spec_decode", None) or {}
+        for key, value in batch.items():
+            if key == "accepted_per_position":
+                old = total.get(key) or []
+                value = [v + (old[i] if i < len(old) else 0) for i, v in enumerate(value)]
+            else:
+                value = total.get(key, 0) + value
+            total[key] = value
+        self.spec_decode = total
 
     def _trace_info(self) -> dict:
         """Where the trace comes from and, when the plugin records none (or stopped), its reason; the
@@ -371,6 +392,7 @@ class VLLMEngine(Engine):
                 self.vllm_ids.update(msg["vllm_ids"])
             elif msg["type"] == "done":
                 self.trace_status = msg.get("trace") or self.trace_status
+                self._add_spec_counts(msg.get("spec_decode"))
                 break
             elif msg["type"] == "fatal":
                 failure = f"vLLM failed mid-run: {msg['error']}"

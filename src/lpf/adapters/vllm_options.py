@@ -10,6 +10,7 @@ Running the worker is `lpf.adapters.vllm`'s job.
 
 from __future__ import annotations
 
+import json
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -92,6 +93,13 @@ class VLLMOptions(Options):
         repeatable=True,
         metavar="FAULT[:ARG]",
     )
+    speculative_config: str | None = knob(
+        None,
+        help="vLLM's speculative decoding, a JSON object as vLLM takes it, e.g. "
+        '{"method":"ngram","num_speculative_tokens":3,"prompt_lookup_max":3} (vLLM checks the rest).',
+        shrink_order=90,
+        metavar="JSON",
+    )
     capture: str | None = knob(
         None, help="lpf locate's capture spec (a JSON file) for lpf-vllm-trace: set by lpf locate, not by hand."
     )
@@ -109,6 +117,25 @@ class VLLMOptions(Options):
                 f"{', '.join(VLLM_DRILLS)} through lpf-vllm-trace (the built-in engine has them all)"
             )
         return value
+
+    @field_validator("speculative_config", mode="before")
+    @classmethod
+    def _speculative_json(cls, value):
+        # kept as canonical JSON text (options are frozen and hashable; shrink moves it to None: speculation
+        # off); the worker hands vllm.LLM the object. Only its shape is checked here: vLLM's own
+        # SpeculativeConfig says what it refuses, in one line, when the worker starts
+        if value is None or value == "":
+            return None
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise LpfError(f"speculative_config must be a JSON object: {e.msg} at character {e.pos}") from None
+        if not isinstance(value, dict) or not value:
+            raise LpfError(
+                'speculative_config must be a non-empty JSON object, e.g. {"method":"ngram","num_speculative_tokens":3}'
+            )
+        return json.dumps(value, sort_keys=True, separators=(",", ":"))
 
     @model_validator(mode="after")
     def _prefix_drills_need_the_cache(self):

@@ -8,9 +8,11 @@ Protocol, JSON lines:
   id vLLM's runner, and so the trace plugin, knows each request by), one {"type": "completion",
   request_id, output_token_ids, logprobs, topk_ids, topk_logprobs, finish_reason, error, t_submit,
   t_first_token, t_finish, and prompt_logprobs / prompt_topk_ids / prompt_topk_logprobs when the run
-  asks for prompt logprobs} per request as it finishes and {"type": "done", "trace"};
-  {"type": "fatal", "error"} if the engine cannot start or dies ("TYPE: message", and when a batch
-  raised, "; raised at FILE:LINE in FUNC", its innermost frame: lpf shrink's crash signature).
+  asks for prompt logprobs} per request as it finishes and {"type": "done", "trace"} (+ "spec_decode":
+  the batch's speculative-decoding counts from vLLM's metrics, when the engine speculates);
+  {"type": "fatal", "error"} if the engine cannot start, could not run a step (`refused`) or dies
+  ("TYPE: message", and when a batch raised, "; raised at FILE:LINE in FUNC", its innermost frame: lpf
+  shrink's crash signature).
   `trace` is the lpf-vllm-trace plugin's status in this process (`lpf_vllm_trace.status()`), or why
   there is none. Finished requests are held back and sent in groups, at most once a second, each
   group right after the plugin's buffered rows are flushed to its parts: lpf never sees a request
@@ -179,6 +181,43 @@ def flush_trace() -> None:
     lpf_vllm_trace.flush()
 
 
+SPEC_COUNTERS = {
+    "vllm:spec_decode_num_drafts": "drafts",
+    "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens": "accepted_tokens",
+}
+
+
+def spec_counters(llm) -> dict | None:
+    """vLLM's speculative-decoding counters so far ({drafts, draft_tokens, accepted_tokens,
+    accepted_per_position}), None without speculative decoding or stats. Prometheus counters live for
+    the process (a kept worker's rebuilt engine adds to them): callers take differences."""
+    if llm.llm_engine.vllm_config.speculative_config is None:
+        return None
+    try:
+        metrics = llm.get_metrics()
+    except Exception:  # noqa: BLE001 - stats off or an older vLLM: the counts are unknown, not zero
+        return None
+    found: dict = {}
+    for m in metrics:
+        if m.name in SPEC_COUNTERS:
+            found[SPEC_COUNTERS[m.name]] = found.get(SPEC_COUNTERS[m.name], 0) + int(m.value)
+        elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            found["accepted_per_position"] = [int(v) for v in m.values]
+    return found or None
+
+
+def spec_delta(before: dict | None, after: dict | None) -> dict | None:
+    if after is None:
+        return None
+    before = before or {}
+    delta = {k: v - before.get(k, 0) for k, v in after.items() if k != "accepted_per_position"}
+    per_pos, old = after.get("accepted_per_position"), before.get("accepted_per_position") or []
+    if per_pos is not None:
+        delta["accepted_per_position"] = [v - (old[i] if i < len(old) else 0) for i, v in enumerate(per_pos)]
+    return delta
+
+
 def run_batch(llm, sampling: dict, requests: list[dict], out) -> None:
     from vllm.inputs import TokensPrompt
 
@@ -249,6 +288,34 @@ def raised_at(e: BaseException) -> str:
     return f"; raised at {frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""
 
 
+def refused(llm) -> str | None:
+    """Why this engine would fail its first step, known once it is built (None: nothing known). vLLM's
+    CPU build accepts speculative decoding with prefix caching on a hybrid, then fails the first step:
+    align mode on a hybrid that speculates pre-copies Mamba state with a Triton kernel
+    (v1/worker/gpu_model_runner.py `_get_mamba_bufs`, v1/worker/mamba_utils.py `run_fused_precopy`) that
+    the CPU platform gives no override (`register_triton_kernel_overrides`): without Triton it is a plain
+    function, and launching it raises `TypeError: 'function' object is not subscriptable`."""
+    cfg = llm.llm_engine.vllm_config
+    if (
+        cfg.speculative_config is None
+        or getattr(cfg.cache_config, "mamba_cache_mode", None) != "align"
+        or not cfg.model_config.is_hybrid
+    ):
+        return None
+    try:
+        from vllm.v1.worker import mamba_utils
+    except ImportError:
+        return None
+    kernel = getattr(mamba_utils, "precopy_mamba_align_fused_kernel", None)
+    if kernel is None or hasattr(kernel, "__getitem__"):  # a Triton kernel or a registered override: it launches
+        return None
+    return (
+        "this vLLM cannot run speculative decoding with prefix caching on a hybrid model: its Mamba align-mode "
+        "pre-copy (vllm/v1/worker/mamba_utils.py, run_fused_precopy) is a Triton kernel this build has no "
+        "CPU implementation of; add -E enable_prefix_caching=false"
+    )
+
+
 def start(config: dict, out):
     """vllm.LLM for `config`, announced as ready; None (announced as fatal) when it cannot be built."""
     try:
@@ -258,6 +325,10 @@ def start(config: dict, out):
     except Exception as e:  # noqa: BLE001 - reported to lpf as one line, full trace in the log
         traceback.print_exc()
         emit(out, {"type": "fatal", "error": f"{type(e).__name__}: {' '.join(str(e).split())[:500]}"})
+        return None
+    why = refused(llm)
+    if why is not None:  # said before any request, instead of every request failing at the first step
+        emit(out, {"type": "fatal", "error": why})
         return None
     emit(
         out,
@@ -299,13 +370,18 @@ def main() -> int:
         if msg.get("type") != "end":
             batch.append(msg)
             continue
+        spec_before = spec_counters(llm)
         try:
             run_batch(llm, config["sampling"], batch, out)
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
             emit(out, {"type": "fatal", "error": f"{type(e).__name__}: {' '.join(str(e).split())[:500]}{raised_at(e)}"})
             return 1
-        emit(out, {"type": "done", "trace": trace_status()})
+        done = {"type": "done", "trace": trace_status()}
+        spec = spec_delta(spec_before, spec_counters(llm))
+        if spec is not None:
+            done["spec_decode"] = spec
+        emit(out, done)
         batch = []
     return 0
 
