@@ -1,0 +1,164 @@
+"""The model runner's speculative-decoding part: which requests take the verify path, where that path
+keeps their state, the rejection sampler's verdict per request, the rollback of the Mamba state to the
+last accepted position, the checkpoints a verify step may save, and the drills of this bug class.
+
+As vLLM runs speculative decoding on hybrids: a decoding request with drafts schedules its last sampled
+token and its K drafts (1 + K positions) in one step; attention writes their K/V and attends causally
+(the KV entries of rejected drafts lie past num_computed_tokens and are overwritten by later steps); the
+Mamba layers run them through the decode kernel one position at a time from the request's state slot,
+keeping every position's conv and SSM state (`mamba_base._verify`; vLLM keeps them in 1 + K state
+blocks), and write the last position's state to the slot. After the rejection sampler
+(`spec_sampler`) the slot is rolled back to the state after the last accepted position. With prefix
+caching a checkpoint due at a boundary inside the step is saved from the snapshot at that boundary,
+and only when the boundary lies within what the step accepted.
+
+The verify path's state index for a request comes from its state table, which a request gets once it
+has run (vLLM's spec-decode state indices): a request that has computed nothing would read and write
+the null slot (`StateCache.null_slot`, one scratch slot every such write lands in). The honest phase
+rule never sends such a request there (a request with nothing computed is a prefill).
+
+Drills (each needs speculative decoding on):
+  spec-prefill-verify     a prompt of exactly 1 + K tokens scheduled in one step is classified by its
+                          query length alone, as a uniform decode-and-verify row, and takes the verify
+                          path with the null state slot: its own slot is never written (vLLM #49918 /
+                          #53051, fixing #47123 and #53059: the seed's imposter in a new costume).
+  spec-accepted-permuted  the accepted-token counts are applied to the rollback in the kernel's batch
+                          order (rows by state slot, as a persistent batch condenses them) while they
+                          were computed in the scheduler's order: after a permutation a request's state
+                          is rolled back by another request's count (vLLM #51571, PRs #51599 / #53919).
+  spec-no-rollback        the rollback is skipped: a request whose drafts were rejected keeps the state
+                          after all 1 + K positions, rejected drafts included.
+Ground truth: a request whose state was left at another position than its last accepted token is
+recorded `corrupted` at its next step (which reads that state); a preemption first discards it
+(recompute starts over). spec-prefill-verify is recorded when the request next reads its own slot.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lpf.builtin.sched_output import Sample, StateWrite
+from lpf.builtin.spec_sampler import verify_tokens
+from lpf.core.torch_utils import logprob_rows
+
+
+class SpecDecode:
+    def __init__(self, faults, truth, state_cache, mixers, num_speculative_tokens: int):
+        self.faults = faults
+        self.truth = truth
+        self.cache = state_cache
+        self.layers = [m.mamba_layer for m in mixers]
+        self.k = num_speculative_tokens
+        self._pending: dict[str, tuple[int, str, str]] = {}  # wrong state left, not read yet
+
+    def phase(self, s, phase: str) -> str:
+        """The phase `s` runs in: verify when it carries drafts; under spec-prefill-verify also a
+        request whose query is 1 + K tokens, whatever it has computed (the pre-fix rule)."""
+        if s.draft_token_ids:
+            return "verify"
+        if self.faults.spec_prefill_verify and s.num_scheduled_tokens == 1 + self.k and phase != "decode":
+            return "verify"
+        return phase
+
+    def slot(self, s) -> int:
+        """The state slot the verify path reads and writes for `s`: its own once it has run, else null."""
+        return s.state_slot if s.num_computed_tokens > 0 else self.cache.null_slot
+
+    def preempted(self, request_ids) -> None:
+        for rid in request_ids:
+            if rid in self._pending:
+                step, fault, detail = self._pending.pop(rid)
+                self.truth.record(rid, step, fault, detail + "; preempted before reading it", role="discarded")
+
+    def scheduled(self, so, s) -> None:
+        """A request whose state was left wrong reads it now: the ground truth's `corrupted`."""
+        if s.request_id in self._pending and s.num_computed_tokens > 0:
+            step, fault, detail = self._pending.pop(s.request_id)
+            self.truth.record(s.request_id, step, fault, detail + f"; step {so.step} read it")
+
+    def finish(self, so, pairs, hidden, logits_fn, ctx, batch_size: int):
+        """After the forward pass, for `pairs` [(SeqMeta, ScheduledRequest)] of the verify phase:
+        (spec samples {rid: [Sample]}, trace columns {rid: {...}}, state writes [StateWrite])."""
+        spec = [(m, s) for m, s in pairs if s.draft_token_ids]
+        samples: dict[str, list[Sample]] = {}
+        accepted: dict[str, int] = {}
+        if spec:
+            idx = torch.cat([torch.arange(m.start, m.end) for m, _ in spec]).to(hidden.device)
+            z = logits_fn(hidden[idx], batch_size).float()
+            at = 0
+            for m, s in spec:
+                rows = z[at : at + m.num_tokens]
+                at += m.num_tokens
+                tokens, a = verify_tokens(rows, s)
+                chosen, top_ids, top_lp, _, _ = logprob_rows(
+                    rows[: len(tokens)], torch.tensor(tokens), s.sampling.logprobs
+                )
+                kk = s.sampling.logprobs
+                samples[s.request_id] = [
+                    Sample(t, lp, ids[:kk], lps[:kk])
+                    for t, lp, ids, lps in zip(tokens, chosen.tolist(), top_ids.tolist(), top_lp.tolist())
+                ]
+                accepted[s.request_id] = a
+        applied = self._applied(spec, accepted)
+        snaps = ctx.memo.get("spec_states", {})
+        trace, writes = {}, []
+        for m, s in pairs:
+            n = m.num_tokens
+            true_pos = n - 1 if s.request_id not in accepted else accepted[s.request_id]
+            pos = applied.get(s.request_id, true_pos)
+            if pos != n - 1:  # roll back: the state after position `pos` of the step
+                for layer in self.layers:
+                    conv, ssm = snaps[(layer, s.request_id)]
+                    self.cache.write(layer, "conv", [m.state_slot], conv[pos : pos + 1], "decode")
+                    self.cache.write(layer, "ssm", [m.state_slot], ssm[pos : pos + 1], "decode")
+            start = s.num_computed_tokens
+            writes.append(StateWrite(m.state_slot, s.request_id, start + 1 + pos))
+            for cp, slot in s.state_writes:  # prefix caching: boundaries inside what was accepted
+                if cp <= start + 1 + true_pos:
+                    for layer in self.layers:
+                        conv, ssm = snaps[(layer, s.request_id)]
+                        self.cache.write(layer, "conv", [slot], conv[cp - start - 1 : cp - start], "decode")
+                        self.cache.write(layer, "ssm", [slot], ssm[cp - start - 1 : cp - start], "decode")
+                    writes.append(StateWrite(slot, s.request_id, cp))
+            trace[s.request_id] = {
+                "num_draft_tokens": len(s.draft_token_ids),
+                "num_accepted_tokens": accepted.get(s.request_id),
+                "verify_state_slot": m.state_slot,
+                "state_tokens_before_rollback": start + n,
+                "state_tokens_after_rollback": start + 1 + pos,
+            }
+            self._truth(so, m, s, pos, true_pos)
+        return samples, trace, writes
+
+    def _applied(self, spec, accepted: dict[str, int]) -> dict[str, int]:
+        """The position each speculating request's state is rolled back to (its accepted count)."""
+        if self.faults.spec_no_rollback:
+            return {s.request_id: m.num_tokens - 1 for m, s in spec}
+        if not self.faults.spec_accepted_permuted:
+            return dict(accepted)
+        # the counts, computed in the scheduler's order, indexed by the kernel's rows (by state slot);
+        # a count past a request's own snapshots reads its last one (the kernel clamps to its block)
+        counts = [accepted[s.request_id] for _, s in spec]
+        kernel = sorted(spec, key=lambda ms: ms[0].state_slot)
+        return {s.request_id: min(counts[j], m.num_tokens - 1) for j, (m, s) in enumerate(kernel)}
+
+    def _truth(self, so, m, s, pos: int, true_pos: int) -> None:
+        rid = s.request_id
+        if not s.draft_token_ids and s.num_computed_tokens == 0:  # spec-prefill-verify's imposter
+            self._pending[rid] = (
+                so.step,
+                "spec-prefill-verify",
+                f"its {m.num_tokens}-token prompt (1 + K) ran on the verify path with the null state slot "
+                f"{m.state_slot}: its own slot {s.state_slot} was never written",
+            )
+            return
+        if pos == true_pos:
+            return
+        fault = "spec-no-rollback" if self.faults.spec_no_rollback else "spec-accepted-permuted"
+        start = s.num_computed_tokens
+        self._pending[rid] = (
+            so.step,
+            fault,
+            f"state left at {start + 1 + pos} tokens after a verify step that accepted "
+            f"{true_pos} of {len(s.draft_token_ids)} drafts (it should cover {start + 1 + true_pos})",
+        )

@@ -1,0 +1,189 @@
+"""Speculative decoding in the built-in engine (n-gram drafts, one verify pass, the rejection sampler,
+the Mamba state rolled back to the last accepted position), engine level, no reference, no CLI:
+
+- clean and greedy, a speculative run equals the plain run on a trained zoo hybrid (tokens identical,
+  logprobs within 1e-4), with prefix caching off and on, while drafts are really accepted and rejected;
+- the rejection sampler keeps the output distribution exactly (chi-square goodness of fit against p for
+  the first emitted token and for the token after an accepted draft, with a one-hot and a spread draft
+  distribution; the same statistic rejects a sampler that keeps every draft, so the test has power);
+- sampled at temperature 1, the speculative engine's per-position token frequencies match the plain
+  engine's (two-sample chi-square, independent seeds), with drafts accepted and rejected in the run;
+- the knob is refused in one line when malformed, and a drill without speculation is refused too.
+"""
+
+import json
+import math
+import tempfile
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+from lpf.adapters.builtin import BuiltinEngine, BuiltinOptions
+from lpf.builtin.sched_output import ScheduledRequest
+from lpf.builtin.spec_propose import ngram_drafts
+from lpf.builtin.spec_sampler import verify_tokens
+from lpf.core.model_specs import load_tokenizer, resolve_model
+from lpf.core.sampling import SamplingParams
+from lpf.core.workload import expand, load_prompts
+from lpf.zoo import registry
+
+MODEL = "zoo:hybrid"
+
+
+def run(items, n=1, temperature=0.0, seed=0, max_tokens=24, **options):
+    """(completions by id, trace) of `items` on the built-in engine, as `lpf run` drives it."""
+    ref = resolve_model(MODEL)
+    tok = load_tokenizer(ref)
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
+    with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
+        f.write("".join(json.dumps(i) + "\n" for i in items))
+    prompts, _ = load_prompts(f.name, tok, len(tok), None)
+    engine = BuiltinEngine(ref, sampling, BuiltinOptions.parse(options))
+    done = {c.request_id: c for c in engine.generate(expand(prompts, n, sampling))}
+    return done, engine.side_tables()["trace"]
+
+
+def chi2_sf(x: float, dof: int) -> float:
+    """Upper tail of the chi-square distribution (Wilson-Hilferty; ample for a 1e-3 threshold)."""
+    if dof <= 0:
+        return 1.0
+    z = ((x / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def gof(counts: Counter, p: torch.Tensor) -> float:
+    """p-value of counts against probabilities p (categories with expected < 5 pooled)."""
+    total = sum(counts.values())
+    exp = (p * total).tolist()
+    big = [i for i, e in enumerate(exp) if e >= 5]
+    obs = [counts.get(i, 0) for i in big] + [total - sum(counts.get(i, 0) for i in big)]
+    ex = [exp[i] for i in big] + [total - sum(exp[i] for i in big)]
+    stat = sum((o - e) ** 2 / e for o, e in zip(obs, ex) if e > 1e-9)
+    return chi2_sf(stat, len([e for e in ex if e > 1e-9]) - 1)
+
+
+def two_sample(a: Counter, b: Counter) -> float:
+    """p-value of a two-sample chi-square test of equal distributions (categories with < 10 in both pooled)."""
+    na, nb = sum(a.values()), sum(b.values())
+    keys = [k for k in set(a) | set(b) if a[k] + b[k] >= 10]
+    rest = (na - sum(a[k] for k in keys), nb - sum(b[k] for k in keys))
+    rows = [(a[k], b[k]) for k in keys] + ([rest] if sum(rest) else [])
+    stat = 0.0
+    for x, y in rows:
+        tot = x + y
+        ea, eb = tot * na / (na + nb), tot * nb / (na + nb)
+        stat += (x - ea) ** 2 / ea + (y - eb) ** 2 / eb
+    return chi2_sf(stat, len(rows) - 1)
+
+
+def test_ngram_proposer_looks_up_the_longest_recurring_suffix():
+    assert ngram_drafts([1, 2, 3, 9, 1, 2, 3], 3) == [9, 1, 2]
+    assert ngram_drafts([5, 1, 7, 4, 1], 2) == [7, 4]  # only a 1-gram recurs
+    assert ngram_drafts([1, 2, 3], 4) == []
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    return registry.workload_items("oracle", n=24)
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_greedy_speculation_equals_the_plain_run(oracle, caching):
+    knobs = {"enable_prefix_caching": caching, "max_num_batched_tokens": 64}
+    plain, _ = run(oracle, **knobs)
+    spec, trace = run(oracle, speculative="ngram:4", **knobs)
+    assert [spec[r].output_token_ids for r in plain] == [plain[r].output_token_ids for r in plain]
+    worst = max(np.max(np.abs(np.subtract(spec[r].logprobs, plain[r].logprobs)), initial=0) for r in plain)
+    assert worst <= 1e-4
+    rows = [r for r in trace.to_pylist() if r["num_draft_tokens"]]
+    drafted = sum(r["num_draft_tokens"] for r in rows)
+    accepted = sum(r["num_accepted_tokens"] for r in rows)
+    assert 0 < accepted < drafted  # drafts really kept, and some really rolled back
+    rolled = [r for r in rows if r["num_accepted_tokens"] < r["num_draft_tokens"]]
+    assert rolled and all(
+        r["state_tokens_after_rollback"]
+        == r["num_computed_tokens"] + 1 + r["num_accepted_tokens"]
+        < r["state_tokens_before_rollback"]
+        for r in rolled
+    )
+    assert {r["phase"] for r in rows} == {"verify"}
+    assert sum(len(c.output_token_ids) for c in plain.values()) > len(rows)  # fewer steps than tokens
+
+
+def _request(drafts, seed, temperature=1.0):
+    return ScheduledRequest(
+        request_id="r",
+        token_ids=[0, *drafts],
+        num_computed_tokens=5,
+        state_slot=0,
+        block_table=[0],
+        slot_is_new=False,
+        slot_reused=False,
+        will_sample=True,
+        output_position=3,
+        sampling=SamplingParams(temperature=temperature),
+        seed=seed,
+        draft_token_ids=tuple(drafts),
+    )
+
+
+@pytest.mark.parametrize("spread", [False, True])
+def test_rejection_sampler_keeps_the_target_distribution(spread):
+    z = torch.tensor([[1.5, 0.2, -0.3, 0.9, 0.0, -1.0], [0.1, 1.2, 0.4, -0.5, 0.8, 0.3], [0.0] * 6])
+    p0, p1 = z[0].softmax(-1), z[1].softmax(-1)
+    q = None
+    if spread:  # a draft model's distribution: the sampler must correct for it
+        q = torch.tensor([[0.05, 0.05, 0.1, 0.6, 0.1, 0.1], [0.1, 0.1, 0.1, 0.1, 0.5, 0.1]])
+    first, second, kept = Counter(), Counter(), 0
+    g = torch.Generator().manual_seed(0)
+    for seed in range(3000):
+        # a draft model draws its drafts from q (the theorem's premise); n-gram drafts are fixed (q one-hot)
+        drafts = [3, 4] if q is None else [int(torch.multinomial(q[i], 1, generator=g)) for i in range(2)]
+        tokens, a = verify_tokens(z, _request(drafts, seed), q)
+        first[tokens[0]] += 1
+        if a >= 1 and drafts[0] == 3:  # the token after an accepted draft 3: drawn from row 1
+            second[tokens[1]] += 1
+        kept += a
+    assert 0 < kept < 2 * 3000
+    assert gof(first, p0) > 1e-3 and gof(second, p1) > 1e-3
+    keep_all = Counter({3: 3000})  # what a sampler that never rejects would emit first
+    assert gof(keep_all, p0) < 1e-6
+
+
+def test_greedy_rejection_sampler_keeps_the_argmax_prefix():
+    z = torch.tensor([[0.0, 3.0, 0.0], [0.0, 0.0, 3.0], [3.0, 0.0, 0.0]])
+    assert verify_tokens(z, _request([1, 2], 0, temperature=0.0)) == ([1, 2, 0], 2)
+    assert verify_tokens(z, _request([1, 0], 0, temperature=0.0)) == ([1, 2], 1)
+    assert verify_tokens(z, _request([2, 2], 0, temperature=0.0)) == ([1], 0)
+
+
+def test_sampled_speculation_keeps_the_plain_engines_distribution():
+    # one copy prompt (drafts from the prompt are accepted often, not always) sampled 240 times each way
+    items = [{"id": "copy", "prompt": "C:AB3AB3AB3AB=", "expected": "AB3AB3AB3AB"}]
+    plain, _ = run(items, n=240, temperature=1.0, seed=11, max_tokens=6, max_num_seqs=128, max_num_batched_tokens=512)
+    spec, trace = run(
+        items,
+        n=240,
+        temperature=1.0,
+        seed=12,
+        max_tokens=6,
+        max_num_seqs=128,
+        max_num_batched_tokens=512,
+        speculative="ngram:3",
+    )
+    rows = [r for r in trace.to_pylist() if r["num_draft_tokens"]]
+    accepted = sum(r["num_accepted_tokens"] for r in rows)
+    assert 0 < accepted < sum(r["num_draft_tokens"] for r in rows)
+    for pos in range(1, 6):
+        a = Counter(c.output_token_ids[pos] for c in plain.values() if len(c.output_token_ids) > pos)
+        b = Counter(c.output_token_ids[pos] for c in spec.values() if len(c.output_token_ids) > pos)
+        assert two_sample(a, b) > 1e-3, pos
+
+
+def test_bad_speculative_knob_and_a_drill_without_it_are_refused_in_one_line():
+    with pytest.raises(Exception, match="ngram:K"):
+        BuiltinOptions.parse({"speculative": "eagle:3"})
+    with pytest.raises(Exception, match="speculative=ngram:K"):
+        BuiltinOptions.parse({"inject": "spec-no-rollback"})
