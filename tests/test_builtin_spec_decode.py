@@ -32,9 +32,9 @@ from lpf.zoo import registry
 MODEL = "zoo:hybrid"
 
 
-def run(items, n=1, temperature=0.0, seed=0, max_tokens=24, **options):
-    """(completions by id, trace) of `items` on the built-in engine, as `lpf run` drives it."""
-    ref = resolve_model(MODEL)
+def run(items, n=1, temperature=0.0, seed=0, max_tokens=24, model=MODEL, faults=False, **options):
+    """(completions by id, trace[, faults]) of `items` on the built-in engine, as `lpf run` drives it."""
+    ref = resolve_model(model)
     tok = load_tokenizer(ref)
     sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
     with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
@@ -42,7 +42,8 @@ def run(items, n=1, temperature=0.0, seed=0, max_tokens=24, **options):
     prompts, _ = load_prompts(f.name, tok, len(tok), None)
     engine = BuiltinEngine(ref, sampling, BuiltinOptions.parse(options))
     done = {c.request_id: c for c in engine.generate(expand(prompts, n, sampling))}
-    return done, engine.side_tables()["trace"]
+    sides = engine.side_tables()
+    return (done, sides["trace"], sides["faults"]) if faults else (done, sides["trace"])
 
 
 def chi2_sf(x: float, dof: int) -> float:
@@ -187,3 +188,38 @@ def test_bad_speculative_knob_and_a_drill_without_it_are_refused_in_one_line():
         BuiltinOptions.parse({"speculative": "eagle:3"})
     with pytest.raises(Exception, match="speculative=ngram:K"):
         BuiltinOptions.parse({"inject": "spec-no-rollback"})
+
+
+# each drill in the configuration that makes it fire (tiny:jamba-longmem: an untrained Jamba whose SSM
+# state remembers far, so a state left at the wrong position shows in every later token)
+DRILL_KNOBS = {
+    # the zoo's addition prompts are 9 tokens with BOS: K = 8 makes them exactly 1 + K
+    "spec-prefill-verify": {"speculative": "ngram:8"},
+    # 8 sequences at a time: finished requests' rows are refilled, so the persistent batch is permuted
+    "spec-accepted-permuted": {"speculative": "ngram:4", "max_num_seqs": 8},
+    "spec-no-rollback": {"speculative": "ngram:4"},
+}
+
+
+@pytest.fixture(scope="module")
+def longmem():
+    items = registry.workload_items("oracle", n=48)
+    return items, run(items, model="tiny:jamba-longmem", max_num_seqs=8)[0]
+
+
+@pytest.mark.parametrize("drill", DRILL_KNOBS)
+def test_each_spec_drill_corrupts_exactly_the_requests_its_ground_truth_names(longmem, drill):
+    items, plain = longmem
+    knobs = {"max_num_seqs": 8, **DRILL_KNOBS[drill], "inject": drill}
+    got, _, faults = run(items, model="tiny:jamba-longmem", faults=True, **knobs)
+    assert faults is not None, f"{drill} never fired"
+    rows = faults.to_pylist()
+    assert {r["fault"] for r in rows} == {drill} and {r["role"] for r in rows} == {"corrupted"}
+    truth = {r["request_id"] for r in rows}
+    departed = {
+        r
+        for r, c in plain.items()
+        if got[r].output_token_ids != c.output_token_ids
+        or np.max(np.abs(np.subtract(got[r].logprobs, c.logprobs)), initial=0) > 1e-3
+    }
+    assert departed == truth

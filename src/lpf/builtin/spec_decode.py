@@ -18,14 +18,16 @@ the null slot (`StateCache.null_slot`, one scratch slot every such write lands i
 rule never sends such a request there (a request with nothing computed is a prefill).
 
 Drills (each needs speculative decoding on):
-  spec-prefill-verify     a prompt of exactly 1 + K tokens scheduled in one step is classified by its
+  spec-prefill-verify     a prompt of exactly 1 + K tokens prefilled in one step is classified by its
                           query length alone, as a uniform decode-and-verify row, and takes the verify
                           path with the null state slot: its own slot is never written (vLLM #49918 /
-                          #53051, fixing #47123 and #53059: the seed's imposter in a new costume).
+                          #53051, fixing #47123 and #53059: the seed's imposter in a new costume). Only
+                          a whole prompt of 1 + K tokens (not a 1 + K-token first chunk of a longer one).
   spec-accepted-permuted  the accepted-token counts are applied to the rollback in the kernel's batch
-                          order (rows by state slot, as a persistent batch condenses them) while they
-                          were computed in the scheduler's order: after a permutation a request's state
-                          is rolled back by another request's count (vLLM #51571, PRs #51599 / #53919).
+                          order (the persistent batch: a finished request's row is filled by the last
+                          one, as vLLM's InputBatch condenses) while they were computed in the
+                          scheduler's order: after a permutation a request's state is rolled back by
+                          another request's count (vLLM #51571, PRs #51599 / #53919).
   spec-no-rollback        the rollback is skipped: a request whose drafts were rejected keeps the state
                           after all 1 + K positions, rejected drafts included.
 Ground truth: a request whose state was left at another position than its last accepted token is
@@ -50,13 +52,19 @@ class SpecDecode:
         self.layers = [m.mamba_layer for m in mixers]
         self.k = num_speculative_tokens
         self._pending: dict[str, tuple[int, str, str]] = {}  # wrong state left, not read yet
+        self._batch: list[str] = []  # the persistent batch's rows (spec-accepted-permuted's kernel order)
 
     def phase(self, s, phase: str) -> str:
         """The phase `s` runs in: verify when it carries drafts; under spec-prefill-verify also a
         request whose query is 1 + K tokens, whatever it has computed (the pre-fix rule)."""
         if s.draft_token_ids:
             return "verify"
-        if self.faults.spec_prefill_verify and s.num_scheduled_tokens == 1 + self.k and phase != "decode":
+        if (
+            self.faults.spec_prefill_verify
+            and s.num_computed_tokens == 0
+            and s.will_sample
+            and s.num_scheduled_tokens == 1 + self.k
+        ):
             return "verify"
         return phase
 
@@ -79,6 +87,7 @@ class SpecDecode:
     def finish(self, so, pairs, hidden, logits_fn, ctx, batch_size: int):
         """After the forward pass, for `pairs` [(SeqMeta, ScheduledRequest)] of the verify phase:
         (spec samples {rid: [Sample]}, trace columns {rid: {...}}, state writes [StateWrite])."""
+        self._condense(so)
         spec = [(m, s) for m, s in pairs if s.draft_token_ids]
         samples: dict[str, list[Sample]] = {}
         accepted: dict[str, int] = {}
@@ -136,11 +145,29 @@ class SpecDecode:
             return {s.request_id: m.num_tokens - 1 for m, s in spec}
         if not self.faults.spec_accepted_permuted:
             return dict(accepted)
-        # the counts, computed in the scheduler's order, indexed by the kernel's rows (by state slot);
-        # a count past a request's own snapshots reads its last one (the kernel clamps to its block)
+        # the counts, computed in the scheduler's order, indexed by the kernel's rows (the persistent
+        # batch's order); a count past a request's own snapshots reads its last one (the kernel clamps
+        # to its block)
         counts = [accepted[s.request_id] for _, s in spec]
-        kernel = sorted(spec, key=lambda ms: ms[0].state_slot)
+        row = {rid: i for i, rid in enumerate(self._batch)}
+        kernel = sorted(spec, key=lambda ms: row[ms[1].request_id])
         return {s.request_id: min(counts[j], m.num_tokens - 1) for j, (m, s) in enumerate(kernel)}
+
+    def _condense(self, so) -> None:
+        """The persistent batch (vLLM's InputBatch): a request keeps its row while it runs; a request that
+        left (not scheduled this step) leaves a hole the last row moves into; newcomers are appended."""
+        here = {s.request_id for s in so.scheduled}
+        rows = self._batch
+        i = 0
+        while i < len(rows):
+            if rows[i] in here:
+                i += 1
+                continue
+            last = rows.pop()
+            if i < len(rows):
+                rows[i] = last
+        known = set(rows)
+        rows.extend(s.request_id for s in so.scheduled if s.request_id not in known)
 
     def _truth(self, so, m, s, pos: int, true_pos: int) -> None:
         rid = s.request_id
