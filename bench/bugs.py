@@ -27,6 +27,8 @@ Configurations (ground truth and knobs from `prefix_drills.KNOBS`):
                  --cache-mb 4 (wrapped prefills and the victims of their stray writes)
   kv-double-free zoo:hybrid, zoo:oracle --n 2 (1,000 requests), --max-tokens 16 --cache-mb 2
                  --max-num-batched-tokens 64 (tests/test_engine_drills.py's: a KV block held by two requests)
+  speculative    spec-prefill-verify, spec-accepted-permuted, spec-no-rollback (issue 43): tiny:jamba-longmem,
+                 zoo:oracle --n 2 (1,000 requests), --max-tokens 24, -E speculative=ngram:K (SPEC_DRILLS)
 vLLM drills (`--engine vllm`): the plugin's prefix drills under `lpf.adapters.vllm_options.PREFIX_DRILL_KNOBS`
 (prefix caching on, a step budget below the 128-token Mamba block), on tiny:hybrid-longmem (vLLM's CPU
 build runs no Jamba), scored the same way with `PREFIX_DRILL_NAMED_BY`; `clean` (the same, no drill: the
@@ -75,6 +77,19 @@ KV_DOUBLE_FREE_ARGS = [
     *["--model", "zoo:hybrid", "--workload", "zoo:oracle", "--n", "2", "--max-tokens", "16"],
     *["--cache-mb", "2", "--max-num-batched-tokens", "64"],
 ]
+# speculative decoding (issue 43; `lpf.builtin.spec_decode`): tiny:jamba-longmem on zoo:oracle --n 2 (1,000
+# requests), greedy, 24 tokens; K = 8 for spec-prefill-verify (the addition prompts are 9 = 1 + K tokens),
+# K = 4 otherwise; 8 sequences at a time for spec-accepted-permuted (finished rows refilled: the persistent
+# batch permuted)
+SPEC_ARGS = ["--workload", "zoo:oracle", "--n", "2", "--max-tokens", "24"]
+SPEC_DRILLS = {
+    "spec-prefill-verify": ([*SPEC_ARGS, "-E", "speculative=ngram:8"], {"prompt_on_verify_path"}),
+    "spec-accepted-permuted": (
+        [*SPEC_ARGS, "-E", "speculative=ngram:4", "--max-num-seqs", "8"],
+        {"state_rolled_back_wrong"},
+    ),
+    "spec-no-rollback": ([*SPEC_ARGS, "-E", "speculative=ngram:4"], {"state_kept_rejected_drafts"}),
+}
 INJECT = {"offset-wrap": "offset-wrap:18"}  # a drill's --inject spec, where it takes an argument
 VLLM_MODEL = "tiny:hybrid-longmem"  # the vLLM drills' model: vLLM's CPU build runs no Jamba
 
@@ -97,6 +112,7 @@ def drills(quick: bool) -> dict[str, tuple[list[str], set[str]]]:
     )
     out["offset-wrap"] = (OFFSET_WRAP_ARGS, {"slot_offset_over_wrap", "state_write_strayed", "max_state_slot"})
     out["kv-double-free"] = (KV_DOUBLE_FREE_ARGS, {"kv_overwritten"})
+    out.update(SPEC_DRILLS)
     return {"stale-conv-on-reuse": out["stale-conv-on-reuse"]} if quick else out
 
 
@@ -410,6 +426,7 @@ def main() -> None:
             "stale_state": STALE_ARGS,
             "offset_wrap": [*OFFSET_WRAP_ARGS, "--inject", INJECT["offset-wrap"]],
             "kv_double_free": KV_DOUBLE_FREE_ARGS,
+            "speculative": {d: args for d, (args, _) in SPEC_DRILLS.items()},
         }
     doc["first_try"] = first_try({"builtin": doc.get("results", {}), "vllm": doc.get("vllm", {}).get("results", {})})
     dest.write_text(json.dumps(doc, indent=1, default=str))
