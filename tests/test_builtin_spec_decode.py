@@ -17,10 +17,13 @@ import tempfile
 from collections import Counter
 
 import numpy as np
+import pyarrow as pa
 import pytest
 import torch
 
 from lpf.adapters.builtin import BuiltinEngine, BuiltinOptions
+from lpf.analysis.spec_features import spec_features
+from lpf.builtin.drill_truth import EXPECTED
 from lpf.builtin.sched_output import ScheduledRequest
 from lpf.builtin.spec_propose import ngram_drafts
 from lpf.builtin.spec_sampler import verify_tokens
@@ -211,7 +214,7 @@ def longmem():
 def test_each_spec_drill_corrupts_exactly_the_requests_its_ground_truth_names(longmem, drill):
     items, plain = longmem
     knobs = {"max_num_seqs": 8, **DRILL_KNOBS[drill], "inject": drill}
-    got, _, faults = run(items, model="tiny:jamba-longmem", faults=True, **knobs)
+    got, trace, faults = run(items, model="tiny:jamba-longmem", faults=True, **knobs)
     assert faults is not None, f"{drill} never fired"
     rows = faults.to_pylist()
     assert {r["fault"] for r in rows} == {drill} and {r["role"] for r in rows} == {"corrupted"}
@@ -223,3 +226,14 @@ def test_each_spec_drill_corrupts_exactly_the_requests_its_ground_truth_names(lo
         or np.max(np.abs(np.subtract(got[r].logprobs, c.logprobs)), initial=0) > 1e-3
     }
     assert departed == truth
+    # the trace names it: the drill's feature holds for exactly the requests its ground truth names
+    # (spec-prefill-verify: every request whose prompt took the verify path, a superset: one that ends
+    # on its first token never reads its slot)
+    ids = list(got)
+    requests = pa.table({"request_id": ids, "seq": list(range(len(ids)))})
+    feats = {f.name: {ids[i] for i in np.flatnonzero(f.values)} for f in spec_features(requests, trace)}
+    named = {"spec-prefill-verify": "prompt_on_verify_path"}.get(drill) or (
+        "state_rolled_back_wrong" if drill == "spec-accepted-permuted" else "state_kept_rejected_drafts"
+    )
+    assert truth <= feats[named] if drill == "spec-prefill-verify" else truth == feats[named]
+    assert EXPECTED[drill]["corrupted"] == {named}
