@@ -237,3 +237,44 @@ def test_each_spec_drill_corrupts_exactly_the_requests_its_ground_truth_names(lo
     )
     assert truth <= feats[named] if drill == "spec-prefill-verify" else truth == feats[named]
     assert EXPECTED[drill]["corrupted"] == {named}
+
+
+def test_checkpoints_saved_by_verify_steps_are_the_state_a_resume_needs():
+    # turn 1 decodes past the 32-token Mamba boundary with speculation on (verify steps save it); turn 2
+    # resends each prompt + 20 of its outputs on the same engine, so it resumes from those checkpoints
+    ref = resolve_model(MODEL)
+    tok = load_tokenizer(ref)
+    sampling = SamplingParams(max_tokens=24, ignore_eos=True)
+
+    def prompts_of(items):
+        with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
+            f.write("".join(json.dumps(i) + "\n" for i in items))
+        return load_prompts(f.name, tok, len(tok), None)[0]
+
+    first = [i for i in registry.workload_items("oracle", n=36) if i["task"] == "copy"]
+    knobs = {"enable_prefix_caching": True, "mamba_block_size": 16, "max_num_batched_tokens": 64}
+    spec = BuiltinEngine(ref, sampling, BuiltinOptions.parse({**knobs, "speculative": "ngram:4"}))
+    turn1 = {c.request_id: c for c in spec.generate(expand(prompts_of(first), 1, sampling))}
+    second = [
+        {
+            "id": f"{p.prompt_id}-t2",
+            "prompt_token_ids": [*p.prompt_token_ids, *turn1[f"{p.prompt_id}-r0"].output_token_ids[:20]],
+        }
+        for p in prompts_of(first)
+    ]
+    t1 = spec.side_tables()["trace"].to_pylist()
+    saved_by_verify = {
+        r["request_id"]
+        for r in t1
+        if r["phase"] == "verify" and r["num_computed_tokens"] < 32 <= r["state_tokens_after_rollback"]
+    }
+    turn2 = {c.request_id: c for c in spec.generate(expand(prompts_of(second), 1, sampling))}
+    trace = spec.side_tables()["trace"].to_pylist()
+    plain = BuiltinEngine(ref, sampling, BuiltinOptions.parse({"max_num_batched_tokens": 64}))
+    want = {c.request_id: c for c in plain.generate(expand(prompts_of(second), 1, sampling))}
+    resumed = [r for r in trace if r["prefix_cache_hit_tokens"] and r["resume_covers_tokens"] == 32]
+    assert len(resumed) >= len(second) // 2  # most resumed from a boundary inside turn 1's outputs
+    assert sum(r["resume_writer"] in saved_by_verify for r in resumed) >= len(resumed) // 2
+    assert [turn2[r].output_token_ids for r in want] == [want[r].output_token_ids for r in want]
+    worst = max(np.max(np.abs(np.subtract(turn2[r].logprobs, want[r].logprobs)), initial=0) for r in want)
+    assert worst <= 1e-4
