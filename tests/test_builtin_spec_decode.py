@@ -239,10 +239,11 @@ def test_each_spec_drill_corrupts_exactly_the_requests_its_ground_truth_names(lo
     assert EXPECTED[drill]["corrupted"] == {named}
 
 
-def test_checkpoints_saved_by_verify_steps_are_the_state_a_resume_needs():
-    # turn 1 decodes past the 32-token Mamba boundary with speculation on (verify steps save it); turn 2
-    # resends each prompt + 20 of its outputs on the same engine, so it resumes from those checkpoints
-    ref = resolve_model(MODEL)
+def two_turns(model, inject="", n=36, task=None):
+    """Turn 1 decodes past Mamba boundaries with speculation and prefix caching on; turn 2 resends each
+    prompt + 20 of its outputs on the same engine, so it resumes from checkpoints turn 1's verify steps
+    saved. (turn 1's trace, turn 2's completions, trace and faults, a plain engine's turn 2)."""
+    ref = resolve_model(model)
     tok = load_tokenizer(ref)
     sampling = SamplingParams(max_tokens=24, ignore_eos=True)
 
@@ -251,9 +252,9 @@ def test_checkpoints_saved_by_verify_steps_are_the_state_a_resume_needs():
             f.write("".join(json.dumps(i) + "\n" for i in items))
         return load_prompts(f.name, tok, len(tok), None)[0]
 
-    first = [i for i in registry.workload_items("oracle", n=36) if i["task"] == "copy"]
+    first = [i for i in registry.workload_items("oracle", n=n) if task is None or i["task"] == task]
     knobs = {"enable_prefix_caching": True, "mamba_block_size": 16, "max_num_batched_tokens": 64}
-    spec = BuiltinEngine(ref, sampling, BuiltinOptions.parse({**knobs, "speculative": "ngram:4"}))
+    spec = BuiltinEngine(ref, sampling, BuiltinOptions.parse({**knobs, "speculative": "ngram:4", "inject": inject}))
     turn1 = {c.request_id: c for c in spec.generate(expand(prompts_of(first), 1, sampling))}
     second = [
         {
@@ -262,19 +263,47 @@ def test_checkpoints_saved_by_verify_steps_are_the_state_a_resume_needs():
         }
         for p in prompts_of(first)
     ]
-    t1 = spec.side_tables()["trace"].to_pylist()
+    t1 = spec.side_tables()
+    assert t1["faults"] is None  # turn 1 itself never reads a checkpoint it saved
+    turn2 = {c.request_id: c for c in spec.generate(expand(prompts_of(second), 1, sampling))}
+    t2 = spec.side_tables()
+    plain = BuiltinEngine(ref, sampling, BuiltinOptions.parse({"max_num_batched_tokens": 64}))
+    want = {c.request_id: c for c in plain.generate(expand(prompts_of(second), 1, sampling))}
+    return t1["trace"].to_pylist(), turn2, t2["trace"].to_pylist(), t2["faults"], want
+
+
+def test_checkpoints_saved_by_verify_steps_are_the_state_a_resume_needs():
+    t1, turn2, trace, faults, want = two_turns(MODEL, task="copy")
     saved_by_verify = {
         r["request_id"]
         for r in t1
         if r["phase"] == "verify" and r["num_computed_tokens"] < 32 <= r["state_tokens_after_rollback"]
     }
-    turn2 = {c.request_id: c for c in spec.generate(expand(prompts_of(second), 1, sampling))}
-    trace = spec.side_tables()["trace"].to_pylist()
-    plain = BuiltinEngine(ref, sampling, BuiltinOptions.parse({"max_num_batched_tokens": 64}))
-    want = {c.request_id: c for c in plain.generate(expand(prompts_of(second), 1, sampling))}
     resumed = [r for r in trace if r["prefix_cache_hit_tokens"] and r["resume_covers_tokens"] == 32]
-    assert len(resumed) >= len(second) // 2  # most resumed from a boundary inside turn 1's outputs
+    assert faults is None and len(resumed) >= len(want) // 2  # most resumed from a boundary in turn 1's outputs
     assert sum(r["resume_writer"] in saved_by_verify for r in resumed) >= len(resumed) // 2
     assert [turn2[r].output_token_ids for r in want] == [want[r].output_token_ids for r in want]
     worst = max(np.max(np.abs(np.subtract(turn2[r].logprobs, want[r].logprobs)), initial=0) for r in want)
     assert worst <= 1e-4
+
+
+def test_spec_checkpoint_rejected_corrupts_exactly_the_resumes_its_ground_truth_names():
+    _, turn2, trace, faults, want = two_turns("tiny:jamba-longmem", inject="spec-checkpoint-rejected", n=48)
+    assert faults is not None, "no turn-2 request resumed from a checkpoint the drill saved wrong"
+    rows = faults.to_pylist()
+    assert {(r["fault"], r["role"]) for r in rows} == {("spec-checkpoint-rejected", "corrupted")}
+    truth = {r["request_id"] for r in rows}
+    departed = {
+        r
+        for r in want
+        if turn2[r].output_token_ids != want[r].output_token_ids
+        or np.max(np.abs(np.subtract(turn2[r].logprobs, want[r].logprobs)), initial=0) > 1e-3
+    }
+    assert departed == truth
+    # the trace shows it: each resumed from a state covering more tokens than its hit, by its publisher
+    overshot = {
+        r["request_id"]
+        for r in trace
+        if r["prefix_cache_hit_tokens"] and r["resume_covers_tokens"] > r["prefix_cache_hit_tokens"]
+    }
+    assert truth <= overshot

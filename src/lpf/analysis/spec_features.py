@@ -9,9 +9,11 @@ a later step of the request reads it (its last step's state is never read).
   prompt_on_verify_path       its prompt was prefilled on the verify path (a first step with nothing
                               computed ran as a verify: the decode kernel, the verify path's state index)
   state_kept_rejected_drafts  after a verify step that rejected drafts its state was not rolled back
-                              (it covers the rejected drafts too), and a later step read it
-  state_rolled_back_wrong     its state was rolled back to another position than its last accepted token
-                              (another count than its own), and a later step read it
+                              (it covers the rejected drafts too), and a later step read it; in a run
+                              where no verify step ever moved a state back (the engine does not roll back)
+  state_rolled_back_wrong     its state was left at another position than its last accepted token (another
+                              count than its own), and a later step read it; in a run where verify steps
+                              do roll back (so a state left where the pass ended is a wrong count too)
   speculated                  it had drafts verified (the broad condition the three above refine)
 Each feature is left out when it holds for no request.
 """
@@ -60,6 +62,8 @@ def spec_features(requests: pa.Table, trace: pa.Table | None) -> list[Feature]:
     n = len(ids)
     on_verify, kept, wrong, spec = (np.zeros(n, dtype=bool) for _ in range(4))
     lengths: set[int] = set()
+    misplaced: list[int] = []  # requests with a read-later verify row whose state is not where it should be
+    rolls_back = False  # some verify step that rejected drafts moved its state back: the engine rolls back
     for k in range(rows.num_rows):
         i = index.get(cols["request_id"][k])
         if i is None or cols["phase"][k] != "verify":
@@ -74,11 +78,14 @@ def spec_features(requests: pa.Table, trace: pa.Table | None) -> list[Feature]:
         read_later = cols["step"][k] < last[cols["request_id"][k]]
         after, before = cols["state_tokens_after_rollback"][k], cols["state_tokens_before_rollback"][k]
         should = cols["num_computed_tokens"][k] + 1 + accepted
+        if after is not None and accepted < drafts and after != before:
+            rolls_back = True
         if read_later and after is not None and after != should:
-            if after == before:
-                kept[i] = True
-            else:
-                wrong[i] = True
+            misplaced.append(i)
+    # a state left where the verify pass ended is a skipped rollback only where the engine never rolls
+    # back; where it does, that position (like any other) is a rollback to another count than its own
+    for i in misplaced:
+        (wrong if rolls_back else kept)[i] = True
     size = "/".join(str(x) for x in sorted(lengths)) or "1+K"
     feats = [
         Feature(

@@ -39,6 +39,7 @@ EXPECTED: dict[str, dict[str, set[str]]] = {
     "spec-prefill-verify": {"corrupted": {"prompt_on_verify_path"}},
     "spec-accepted-permuted": {"corrupted": {"state_rolled_back_wrong"}},
     "spec-no-rollback": {"corrupted": {"state_kept_rejected_drafts"}},
+    "spec-checkpoint-rejected": {"corrupted": {"resumed_overshot_state"}},
 }
 
 

@@ -25,7 +25,8 @@ their vLLM / SGLang pull requests and their ground truth are in `prefix_drills`)
   conv-into-shared-block, unaligned-chunk-hashed, publish-before-write, incomplete-block-cached,
   resume-wrong-units, prefix-cache-inert, and stale-conv-on-reuse (no prefix caching needed).
 Speculative decoding (each needs -E speculative=ngram:K; mechanisms and reports in `spec_decode`):
-  spec-prefill-verify, spec-accepted-permuted, spec-no-rollback.
+  spec-prefill-verify, spec-accepted-permuted, spec-no-rollback, spec-checkpoint-rejected (this one
+  with --enable-prefix-caching too).
 Substitutions (the engine computes another function than the model it claims, a little, everywhere;
 the arithmetic is in `numeric_drills`):
   quantize-weights[:BITS]      every decoder linear weight rounded group-wise to BITS bits (default 4;
@@ -67,7 +68,7 @@ PREFIX_DRILLS = (
     "resume-wrong-units",
     "prefix-cache-inert",
 )
-SPEC_DRILLS = ("spec-prefill-verify", "spec-accepted-permuted", "spec-no-rollback")
+SPEC_DRILLS = ("spec-prefill-verify", "spec-accepted-permuted", "spec-no-rollback", "spec-checkpoint-rejected")
 DRILLS = (
     "stale-state",
     "offset-wrap",
@@ -115,6 +116,7 @@ class FaultSet:
     spec_prefill_verify: bool = False
     spec_accepted_permuted: bool = False
     spec_no_rollback: bool = False
+    spec_checkpoint_rejected: bool = False
     quantize_weights_bits: int | None = None
     kv_quant_bits: int | None = None
     perturb_weights_scale: float | None = None

@@ -348,7 +348,7 @@ class PrefixCache:
             else next(
                 (
                     d
-                    for d in ("unaligned-chunk-hashed", "incomplete-block-cached")
+                    for d in ("unaligned-chunk-hashed", "incomplete-block-cached", "spec-checkpoint-rejected")
                     if getattr(self.faults, d.replace("-", "_"))
                 ),
                 None,

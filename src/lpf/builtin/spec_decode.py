@@ -30,6 +30,13 @@ Drills (each needs speculative decoding on):
                           another request's count (vLLM #51571, PRs #51599 / #53919).
   spec-no-rollback        the rollback is skipped: a request whose drafts were rejected keeps the state
                           after all 1 + K positions, rejected drafts included.
+  spec-checkpoint-rejected  (with prefix caching) a checkpoint due at a boundary inside what a verify
+                          step accepted is saved from the state the verify pass ended with (its last
+                          position, rejected drafts included), as a chunk's end state is, not from the
+                          boundary's snapshot: the block's hash names a state it does not hold, and a
+                          request resuming from it (a recompute after preemption) restores it (vLLM
+                          #57278 / #55507's neighbourhood: align-mode checkpoints taken at the wrong end
+                          when a step advances several tokens). Its ground truth is the prefix cache's.
 Ground truth: a request whose state was left at another position than its last accepted token is
 recorded `corrupted` at its next step (which reads that state); a preemption first discards it
 (recompute starts over). spec-prefill-verify is recorded when the request next reads its own slot.
@@ -124,11 +131,13 @@ class SpecDecode:
             writes.append(StateWrite(m.state_slot, s.request_id, start + 1 + pos))
             for cp, slot in s.state_writes:  # prefix caching: boundaries inside what was accepted
                 if cp <= start + 1 + true_pos:
+                    # spec-checkpoint-rejected: saved from the pass's last position, as a chunk's end
+                    at = n - 1 if self.faults.spec_checkpoint_rejected else cp - start - 1
                     for layer in self.layers:
                         conv, ssm = snaps[(layer, s.request_id)]
-                        self.cache.write(layer, "conv", [slot], conv[cp - start - 1 : cp - start], "decode")
-                        self.cache.write(layer, "ssm", [slot], ssm[cp - start - 1 : cp - start], "decode")
-                    writes.append(StateWrite(slot, s.request_id, cp))
+                        self.cache.write(layer, "conv", [slot], conv[at : at + 1], "decode")
+                        self.cache.write(layer, "ssm", [slot], ssm[at : at + 1], "decode")
+                    writes.append(StateWrite(slot, s.request_id, start + 1 + at))
             trace[s.request_id] = {
                 "num_draft_tokens": len(s.draft_token_ids),
                 "num_accepted_tokens": accepted.get(s.request_id),
