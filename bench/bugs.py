@@ -79,16 +79,26 @@ KV_DOUBLE_FREE_ARGS = [
 ]
 # speculative decoding (issue 43; `lpf.builtin.spec_decode`): tiny:jamba-longmem on zoo:oracle --n 2 (1,000
 # requests), greedy, 24 tokens; K = 8 for spec-prefill-verify (the addition prompts are 9 = 1 + K tokens),
-# K = 4 otherwise; 8 sequences at a time for spec-accepted-permuted (finished rows refilled: the persistent
-# batch permuted)
+# K = 4 for spec-no-rollback; spec-accepted-permuted: K = 2, 48 tokens (the untrained model's outputs
+# repeat, so drafts get accepted and counts differ) and 8 sequences at a time (finished rows refilled:
+# the persistent batch permuted)
 SPEC_ARGS = ["--workload", "zoo:oracle", "--n", "2", "--max-tokens", "24"]
 SPEC_DRILLS = {
     "spec-prefill-verify": ([*SPEC_ARGS, "-E", "speculative=ngram:8"], {"prompt_on_verify_path"}),
     "spec-accepted-permuted": (
-        [*SPEC_ARGS, "-E", "speculative=ngram:4", "--max-num-seqs", "8"],
+        ["--workload", "zoo:oracle", "--n", "2", "--max-tokens", "48", "-E", "speculative=ngram:2"]
+        + ["--max-num-seqs", "8"],
         {"state_rolled_back_wrong"},
     ),
     "spec-no-rollback": ([*SPEC_ARGS, "-E", "speculative=ngram:4"], {"state_kept_rejected_drafts"}),
+    # two turns (TWOTURN: 500 oracle prompts, then each prompt + 20 of its greedy outputs), so turn 2
+    # resumes from the checkpoints turn 1's verify steps saved; 16 sequences at a time (turn 1 mostly done
+    # before turn 2 is admitted)
+    "spec-checkpoint-rejected": (
+        ["--workload", "TWOTURN", "--max-tokens", "24", "--ignore-eos", "--enable-prefix-caching"]
+        + ["-E", "mamba_block_size=16", "-E", "speculative=ngram:4", "--max-num-seqs", "16"],
+        {"resumed_overshot_state"},
+    ),
 }
 INJECT = {"offset-wrap": "offset-wrap:18"}  # a drill's --inject spec, where it takes an argument
 VLLM_MODEL = "tiny:hybrid-longmem"  # the vLLM drills' model: vLLM's CPU build runs no Jamba
@@ -153,6 +163,35 @@ def inert_workload(out: Path, n: int) -> Path:
         items = registry.workload_items("shared-prefix", n=int(n * 1.25))
         fit = [i for i in items if len(tok(i["prompt"])["input_ids"]) <= INERT_PROMPT_MAX][:n]
         path.write_text("".join(json.dumps(i) + "\n" for i in fit))
+    return path
+
+
+def two_turn_workload(out: Path, n: int) -> Path:
+    """TWOTURN: `n` zoo:oracle prompts, then each one again followed by 20 of the tokens MODEL answers it
+    with greedily (a plain `lpf run`, 24 tokens, EOS ignored: the audit's greedy turn 1 answers the same)."""
+    import pyarrow.parquet as pq
+
+    from lpf.zoo import registry
+
+    path = out / "two-turn.jsonl"
+    if path.is_file():
+        return path
+    items = registry.workload_items("oracle", n=n)
+    first = out / "two-turn-first.jsonl"
+    first.write_text("".join(json.dumps(i) + "\n" for i in items))
+    run = out / "two-turn-first"
+    proc = lpf(
+        *["run", "--engine", "builtin", "--model", MODEL, "--workload", first, "--max-tokens", "24", "--ignore-eos"],
+        *["--out", run],
+    )
+    if proc.returncode != 0:
+        raise SystemExit(f"the two-turn workload's first run failed:\n{proc.stderr[-2000:]}")
+    req = pq.read_table(run / "requests").sort_by("seq").to_pylist()
+    turn2 = [
+        {"id": f"{r['prompt_id']}-t2", "prompt_token_ids": [*r["prompt_token_ids"], *r["output_token_ids"][:20]]}
+        for r in req
+    ]
+    path.write_text("".join(json.dumps(i) + "\n" for i in [*items, *turn2]))
     return path
 
 
@@ -394,6 +433,8 @@ def main() -> None:
     workloads = {"SHARED": workload}
     if any("INERT" in args for args, _ in plan.values()):
         workloads["INERT"] = inert_workload(out, n)
+    if any("TWOTURN" in args for args, _ in plan.values()):
+        workloads["TWOTURN"] = two_turn_workload(out, n // 2)
     results = {}
     for d, (args, named_by) in plan.items():
         run = out / d
