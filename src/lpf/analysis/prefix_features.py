@@ -106,7 +106,8 @@ def prefix_features(requests: pa.Table, trace: pa.Table | None, engine_info: dic
             base["short"][i] = True
         if writer is not None and writer == publisher and covers is not None and covers < h:
             base["truncated"][i] = True
-        if writer is not None and writer == publisher and covers is not None and covers > h:
+        # (the right block: a wrong block's state covers other tokens for another reason, resumed_wrong_block)
+        if writer is not None and writer == publisher and covers is not None and covers > h and not base["wrong"][i]:
             base["overshot"][i] = True
         if writer is not None and publisher is not None and writer != publisher and (wstep or 0) > (pstep or 0):
             base["over"][i] = True
