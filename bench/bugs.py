@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -91,9 +92,9 @@ SPEC_DRILLS = {
         {"state_rolled_back_wrong"},
     ),
     "spec-no-rollback": ([*SPEC_ARGS, "-E", "speculative=ngram:4"], {"state_kept_rejected_drafts"}),
-    # two turns (TWOTURN: 500 oracle prompts, then each prompt + 20 of its greedy outputs), so turn 2
-    # resumes from the checkpoints turn 1's verify steps saved; 16 sequences at a time (turn 1 mostly done
-    # before turn 2 is admitted)
+    # two turns (TWOTURN: 500 oracle prompts, and 32 requests later each prompt + 20 of its greedy outputs),
+    # so the second turn resumes from the checkpoints the first turn's verify steps saved; 16 sequences at
+    # a time (the first turn done before the second is admitted)
     "spec-checkpoint-rejected": (
         ["--workload", "TWOTURN", "--max-tokens", "24", "--ignore-eos", "--enable-prefix-caching"]
         + ["-E", "mamba_block_size=16", "-E", "speculative=ngram:4", "--max-num-seqs", "16"],
@@ -166,9 +167,13 @@ def inert_workload(out: Path, n: int) -> Path:
     return path
 
 
+TWOTURN_LAG = 32
+
+
 def two_turn_workload(out: Path, n: int) -> Path:
-    """TWOTURN: `n` zoo:oracle prompts, then each one again followed by 20 of the tokens MODEL answers it
-    with greedily (a plain `lpf run`, 24 tokens, EOS ignored: the audit's greedy turn 1 answers the same)."""
+    """TWOTURN: `n` zoo:oracle prompts and, TWOTURN_LAG requests after each, the same prompt followed by 20
+    of the tokens MODEL answers it with greedily (a plain `lpf run`, 24 tokens, EOS ignored: the audit's
+    greedy first turn answers the same)."""
     import pyarrow.parquet as pq
 
     from lpf.zoo import registry
@@ -180,18 +185,28 @@ def two_turn_workload(out: Path, n: int) -> Path:
     first = out / "two-turn-first.jsonl"
     first.write_text("".join(json.dumps(i) + "\n" for i in items))
     run = out / "two-turn-first"
-    proc = lpf(
-        *["run", "--engine", "builtin", "--model", MODEL, "--workload", first, "--max-tokens", "24", "--ignore-eos"],
-        *["--out", run],
-    )
-    if proc.returncode != 0:
-        raise SystemExit(f"the two-turn workload's first run failed:\n{proc.stderr[-2000:]}")
+    if not (run / "requests").is_dir():  # a finished run is reused
+        shutil.rmtree(run, ignore_errors=True)
+        proc = lpf(
+            *["run", "--engine", "builtin", "--model", MODEL, "--workload", first, "--max-tokens", "24"],
+            *["--ignore-eos", "--out", run],
+        )
+        if proc.returncode != 0:
+            raise SystemExit(f"the two-turn workload's first run failed:\n{proc.stderr[-2000:]}")
     req = pq.read_table(run / "requests").sort_by("seq").to_pylist()
     turn2 = [
         {"id": f"{r['prompt_id']}-t2", "prompt_token_ids": [*r["prompt_token_ids"], *r["output_token_ids"][:20]]}
         for r in req
     ]
-    path.write_text("".join(json.dumps(i) + "\n" for i in [*items, *turn2]))
+    # each second turn LAG requests after its first (16 run at a time: the first has finished, and its
+    # checkpoints are still cached)
+    order = []
+    for i, item in enumerate(items):
+        order.append(item)
+        if i >= TWOTURN_LAG:
+            order.append(turn2[i - TWOTURN_LAG])
+    order += turn2[len(items) - TWOTURN_LAG :]
+    path.write_text("".join(json.dumps(i) + "\n" for i in order))
     return path
 
 

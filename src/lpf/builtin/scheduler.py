@@ -134,13 +134,13 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             want = req.num_tokens - req.num_computed_tokens
-            drafts = self._drafts(req, want)
+            drafts = self._drafts(req, want)[: budget - 1]  # a tight budget verifies fewer
             want += len(drafts)
             if want > budget and not chunked:
                 i += 1
                 continue
             n = min(want, budget) if px is None else px.align(req, min(want, budget))
-            drafts = drafts[: max(n - 1, 0)] if drafts else drafts  # a tight budget verifies fewer
+            drafts = drafts[: max(n - 1, 0)]
             if n == 0:  # no checkpoint boundary within reach this step
                 i += 1
                 continue
