@@ -16,7 +16,7 @@ state), over the whole packed batch when `rows` is None.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 PHASES = ("prefill", "extend", "decode", "verify")
@@ -84,6 +84,18 @@ class ForwardContext:
         if "verifies" not in self.memo:
             self.memo["verifies"] = [s for s in self.seqs if s.phase == "verify"]
         return self.memo["verifies"]
+
+    @property
+    def attention_decodes(self) -> list[SeqMeta]:
+        """What attention runs as single-token queries: the decodes, and every position of a verify (each
+        a query at its own position over the keys up to it: causal, as one verify query block is)."""
+        if "attention_decodes" not in self.memo:
+            self.memo["attention_decodes"] = self.decodes + [
+                replace(s, start=s.start + i, num_computed=s.num_computed + i, num_tokens=1, phase="decode")
+                for s in self.verifies
+                for i in range(s.num_tokens)
+            ]
+        return self.memo["attention_decodes"]
 
     @property
     def chunks(self) -> list[SeqMeta]:
