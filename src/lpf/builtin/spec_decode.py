@@ -56,7 +56,6 @@ class SpecDecode:
         self.faults = faults
         self.truth = truth
         self.cache = state_cache
-        self.layers = [m.mamba_layer for m in mixers]
         self.k = num_speculative_tokens
         self._pending: dict[str, tuple[int, str, str]] = {}  # wrong state left, not read yet
         self._batch: list[str] = []  # the persistent batch's rows (spec-accepted-permuted's kernel order)
@@ -101,42 +100,44 @@ class SpecDecode:
         if spec:
             idx = torch.cat([torch.arange(m.start, m.end) for m, _ in spec]).to(hidden.device)
             z = logits_fn(hidden[idx], batch_size).float()
-            at = 0
+            at, emitted, keep = 0, [], []
             for m, s in spec:
-                rows = z[at : at + m.num_tokens]
+                tokens, a = verify_tokens(z[at : at + m.num_tokens], s)
+                keep.append(torch.arange(at, at + len(tokens)))
+                emitted.append(tokens)
+                accepted[s.request_id] = a
                 at += m.num_tokens
-                tokens, a = verify_tokens(rows, s)
-                chosen, top_ids, top_lp, _, _ = logprob_rows(
-                    rows[: len(tokens)], torch.tensor(tokens), s.sampling.logprobs
-                )
+            k = max(s.sampling.logprobs for _, s in spec)
+            flat = torch.tensor([t for tokens in emitted for t in tokens])
+            chosen, top_ids, top_lp, _, _ = logprob_rows(z[torch.cat(keep).to(z.device)], flat, k)
+            chosen, top_ids, top_lp = chosen.tolist(), top_ids.tolist(), top_lp.tolist()
+            at = 0
+            for (_, s), tokens in zip(spec, emitted):
                 kk = s.sampling.logprobs
                 samples[s.request_id] = [
-                    Sample(t, lp, ids[:kk], lps[:kk])
-                    for t, lp, ids, lps in zip(tokens, chosen.tolist(), top_ids.tolist(), top_lp.tolist())
+                    Sample(t, chosen[at + j], top_ids[at + j][:kk], top_lp[at + j][:kk]) for j, t in enumerate(tokens)
                 ]
-                accepted[s.request_id] = a
+                at += len(tokens)
         applied = self._applied(spec, accepted)
         snaps = ctx.memo.get("spec_states", {})
-        trace, writes = {}, []
+        trace, writes, back = {}, [], []
+        row = {rid: b for b, rid in enumerate(next(iter(snaps.values()))[0])} if snaps else {}
         for m, s in pairs:
+            b = row.get(s.request_id)
             n = m.num_tokens
             true_pos = n - 1 if s.request_id not in accepted else accepted[s.request_id]
             pos = applied.get(s.request_id, true_pos)
-            if pos != n - 1:  # roll back: the state after position `pos` of the step
-                for layer in self.layers:
-                    conv, ssm = snaps[(layer, s.request_id)]
-                    self.cache.write(layer, "conv", [m.state_slot], conv[pos : pos + 1], "decode")
-                    self.cache.write(layer, "ssm", [m.state_slot], ssm[pos : pos + 1], "decode")
+            if pos != n - 1 and b is not None:  # roll back: the state after position `pos` of the step
+                back.append((b, pos, m.state_slot))
             start = s.num_computed_tokens
             writes.append(StateWrite(m.state_slot, s.request_id, start + 1 + pos))
             for cp, slot in s.state_writes:  # prefix caching: boundaries inside what was accepted
                 if cp <= start + 1 + true_pos:
                     # spec-checkpoint-rejected: saved from the pass's last position, as a chunk's end
                     at = n - 1 if self.faults.spec_checkpoint_rejected else cp - start - 1
-                    for layer in self.layers:
-                        conv, ssm = snaps[(layer, s.request_id)]
-                        self.cache.write(layer, "conv", [slot], conv[at : at + 1], "decode")
-                        self.cache.write(layer, "ssm", [slot], ssm[at : at + 1], "decode")
+                    for layer, (_, conv, ssm) in snaps.items():
+                        self.cache.write(layer, "conv", [slot], conv[at, b : b + 1], "decode")
+                        self.cache.write(layer, "ssm", [slot], ssm[at, b : b + 1], "decode")
                     writes.append(StateWrite(slot, s.request_id, start + 1 + at))
             trace[s.request_id] = {
                 "num_draft_tokens": len(s.draft_token_ids),
@@ -146,6 +147,13 @@ class SpecDecode:
                 "state_tokens_after_rollback": start + 1 + pos,
             }
             self._truth(so, m, s, pos, true_pos)
+        if back:  # one gather and one write per layer and part for every request rolled back
+            rows = torch.tensor([b for b, _, _ in back])
+            at = torch.tensor([p for _, p, _ in back])
+            slots = [slot for _, _, slot in back]
+            for layer, (_, conv, ssm) in snaps.items():
+                self.cache.write(layer, "conv", slots, conv[at, rows], "decode")
+                self.cache.write(layer, "ssm", slots, ssm[at, rows], "decode")
         return samples, trace, writes
 
     def _applied(self, spec, accepted: dict[str, int]) -> dict[str, int]:

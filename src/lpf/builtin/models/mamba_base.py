@@ -181,24 +181,34 @@ class MambaMixerBase(nn.Module):
         """The verify path (speculative decoding, as vLLM runs it for Mamba): each request's 1 + K tokens
         stepped one position at a time by the decode kernel from the state in `state_slot` (exact
         offsets), every position's conv and SSM state kept as a snapshot (`ctx.memo["spec_states"]`,
-        (layer, request id) -> (conv [L, ...], ssm [L, ...])) and the last position's state written
-        back; the runner rolls the slot back to the snapshot of the last accepted position."""
+        layer -> (request ids, conv [T, B, ...], ssm [T, B, ...]): position t of row b; past a row's
+        own length its last state) and the last position's state written back; the runner rolls the
+        slot back to the snapshot of the last accepted position."""
         slots = [s.state_slot for s in verifies]
         conv = cache.read(layer, "conv", slots, "decode").to(proj.dtype)
         ssm = cache.read(layer, "ssm", slots, "decode").to(ssm_dtype)
-        convs, ssms = [[] for _ in verifies], [[] for _ in verifies]
+        convs, ssms = [], []
         for t in range(max(s.num_tokens for s in verifies)):
             live = [i for i, s in enumerate(verifies) if s.num_tokens > t]
             rows = torch.tensor([verifies[i].start + t for i in live], dtype=torch.long, device=proj.device)
-            li = torch.tensor(live, dtype=torch.long, device=proj.device)
-            y[rows], c, h = self.decode(proj[rows], conv[li], ssm[li])
-            conv[li], ssm[li] = c, h
-            for j, i in enumerate(live):
-                convs[i].append(c[j])
-                ssms[i].append(h[j])
-        snaps = ctx.memo.setdefault("spec_states", {})
-        for i, s in enumerate(verifies):
-            snaps[(layer, s.request_id)] = (torch.stack(convs[i]), torch.stack(ssms[i]))
+            if len(live) == len(verifies):
+                y[rows], conv, ssm = self.decode(proj[rows], conv, ssm)
+            else:
+                li = torch.tensor(live, dtype=torch.long, device=proj.device)
+                y[rows], c, h = self.decode(proj[rows], conv[li], ssm[li])
+                conv, ssm = conv.index_copy(0, li, c), ssm.index_copy(0, li, h)
+            convs.append(conv)
+            ssms.append(ssm)
+        ctx.memo.setdefault("spec_states", {})[layer] = (
+            [s.request_id for s in verifies],
+            torch.stack(convs),
+            torch.stack(ssms),
+        )
+        if len(set(slots)) == len(slots):
+            index = cache.slot_index(slots)
+            cache.write(layer, "conv", slots, conv, "decode", index)
+            cache.write(layer, "ssm", slots, ssm, "decode", index)
+            return
         for i, slot in enumerate(slots):  # in batch order: a slot two rows share keeps the later one's
             cache.write(layer, "conv", [slot], conv[i : i + 1], "decode")
             cache.write(layer, "ssm", [slot], ssm[i : i + 1], "decode")
