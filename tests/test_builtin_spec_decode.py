@@ -307,3 +307,19 @@ def test_spec_checkpoint_rejected_corrupts_exactly_the_resumes_its_ground_truth_
         if r["prefix_cache_hit_tokens"] and r["resume_covers_tokens"] > r["prefix_cache_hit_tokens"]
     }
     assert truth <= overshot
+
+
+def test_a_tight_step_budget_verifies_fewer_drafts(oracle):
+    # (without chunked prefill a request needing more than one step's budget is refused at admission,
+    # and drafts never exceed max_tokens: a verify step then always fits)
+    items = oracle[:8]
+    knobs = {"max_num_batched_tokens": 16, "max_num_seqs": 8}
+    plain, _ = run(items, **knobs)
+    spec, trace = run(items, speculative="ngram:8", **knobs)
+    assert [spec[r].output_token_ids for r in plain] == [plain[r].output_token_ids for r in plain]
+    rows = trace.to_pylist()
+    steps = {}
+    for r in rows:
+        steps[r["step"]] = steps.get(r["step"], 0) + r["num_scheduled_tokens"]
+    assert max(steps.values()) <= 16 and any(r["num_draft_tokens"] for r in rows)
+    assert any(0 < r["num_draft_tokens"] < 8 and steps[r["step"]] == 16 for r in rows)  # cut to fit
