@@ -68,9 +68,7 @@ class ModelRunner:
         )
         mixers = model.mamba_mixers()
         self.spec = (
-            SpecDecode(faults, truth, self.state_cache, mixers, num_speculative_tokens)
-            if num_speculative_tokens
-            else None
+            SpecDecode(faults, truth, self.state_cache, num_speculative_tokens) if num_speculative_tokens else None
         )
         self.prefix = (
             None

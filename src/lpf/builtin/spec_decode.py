@@ -52,7 +52,7 @@ from lpf.core.torch_utils import logprob_rows
 
 
 class SpecDecode:
-    def __init__(self, faults, truth, state_cache, mixers, num_speculative_tokens: int):
+    def __init__(self, faults, truth, state_cache, num_speculative_tokens: int):
         self.faults = faults
         self.truth = truth
         self.cache = state_cache
@@ -61,8 +61,8 @@ class SpecDecode:
         self._batch: list[str] = []  # the persistent batch's rows (spec-accepted-permuted's kernel order)
 
     def phase(self, s, phase: str) -> str:
-        """The phase `s` runs in: verify when it carries drafts; under spec-prefill-verify also a
-        request whose query is 1 + K tokens, whatever it has computed (the pre-fix rule)."""
+        """The phase `s` runs in: verify when it carries drafts; under spec-prefill-verify also a whole
+        prompt of 1 + K tokens prefilled in one step (the pre-fix rule looked at the query length)."""
         if s.draft_token_ids:
             return "verify"
         if (
