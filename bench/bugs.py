@@ -27,6 +27,8 @@ Configurations (ground truth and knobs from `prefix_drills.KNOBS`):
                  --cache-mb 4 (wrapped prefills and the victims of their stray writes)
   kv-double-free zoo:hybrid, zoo:oracle --n 2 (1,000 requests), --max-tokens 16 --cache-mb 2
                  --max-num-batched-tokens 64 (tests/test_engine_drills.py's: a KV block held by two requests)
+  speculative    spec-prefill-verify, spec-accepted-permuted, spec-no-rollback (issue 43): tiny:jamba-longmem,
+                 zoo:oracle --n 2 (1,000 requests), --max-tokens 24, -E speculative=ngram:K (SPEC_DRILLS)
 vLLM drills (`--engine vllm`): the plugin's prefix drills under `lpf.adapters.vllm_options.PREFIX_DRILL_KNOBS`
 (prefix caching on, a step budget below the 128-token Mamba block), on tiny:hybrid-longmem (vLLM's CPU
 build runs no Jamba), scored the same way with `PREFIX_DRILL_NAMED_BY`; `clean` (the same, no drill: the
@@ -46,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -75,6 +78,29 @@ KV_DOUBLE_FREE_ARGS = [
     *["--model", "zoo:hybrid", "--workload", "zoo:oracle", "--n", "2", "--max-tokens", "16"],
     *["--cache-mb", "2", "--max-num-batched-tokens", "64"],
 ]
+# speculative decoding (issue 43; `lpf.builtin.spec_decode`): tiny:jamba-longmem on zoo:oracle --n 2 (1,000
+# requests), greedy, 24 tokens; K = 8 for spec-prefill-verify (the addition prompts are 9 = 1 + K tokens),
+# K = 4 for spec-no-rollback; spec-accepted-permuted: K = 2, 48 tokens (the untrained model's outputs
+# repeat, so drafts get accepted and counts differ) and 8 sequences at a time (finished rows refilled:
+# the persistent batch permuted)
+SPEC_ARGS = ["--workload", "zoo:oracle", "--n", "2", "--max-tokens", "24"]
+SPEC_DRILLS = {
+    "spec-prefill-verify": ([*SPEC_ARGS, "-E", "speculative=ngram:8"], {"prompt_on_verify_path"}),
+    "spec-accepted-permuted": (
+        ["--workload", "zoo:oracle", "--n", "2", "--max-tokens", "48", "-E", "speculative=ngram:2"]
+        + ["--max-num-seqs", "8"],
+        {"state_rolled_back_wrong"},
+    ),
+    "spec-no-rollback": ([*SPEC_ARGS, "-E", "speculative=ngram:4"], {"state_kept_rejected_drafts"}),
+    # two turns (TWOTURN: 500 oracle prompts, and 32 requests later each prompt + 20 of its greedy outputs),
+    # so the second turn resumes from the checkpoints the first turn's verify steps saved; 16 sequences at
+    # a time (the first turn done before the second is admitted)
+    "spec-checkpoint-rejected": (
+        ["--workload", "TWOTURN", "--max-tokens", "24", "--ignore-eos", "--enable-prefix-caching"]
+        + ["-E", "mamba_block_size=16", "-E", "speculative=ngram:4", "--max-num-seqs", "16"],
+        {"resumed_overshot_state"},
+    ),
+}
 INJECT = {"offset-wrap": "offset-wrap:18"}  # a drill's --inject spec, where it takes an argument
 VLLM_MODEL = "tiny:hybrid-longmem"  # the vLLM drills' model: vLLM's CPU build runs no Jamba
 
@@ -97,6 +123,7 @@ def drills(quick: bool) -> dict[str, tuple[list[str], set[str]]]:
     )
     out["offset-wrap"] = (OFFSET_WRAP_ARGS, {"slot_offset_over_wrap", "state_write_strayed", "max_state_slot"})
     out["kv-double-free"] = (KV_DOUBLE_FREE_ARGS, {"kv_overwritten"})
+    out.update(SPEC_DRILLS)
     return {"stale-conv-on-reuse": out["stale-conv-on-reuse"]} if quick else out
 
 
@@ -137,6 +164,49 @@ def inert_workload(out: Path, n: int) -> Path:
         items = registry.workload_items("shared-prefix", n=int(n * 1.25))
         fit = [i for i in items if len(tok(i["prompt"])["input_ids"]) <= INERT_PROMPT_MAX][:n]
         path.write_text("".join(json.dumps(i) + "\n" for i in fit))
+    return path
+
+
+TWOTURN_LAG = 32
+
+
+def two_turn_workload(out: Path, n: int) -> Path:
+    """TWOTURN: `n` zoo:oracle prompts and, TWOTURN_LAG requests after each, the same prompt followed by 20
+    of the tokens MODEL answers it with greedily (a plain `lpf run`, 24 tokens, EOS ignored: the audit's
+    greedy first turn answers the same)."""
+    import pyarrow.parquet as pq
+
+    from lpf.zoo import registry
+
+    path = out / "two-turn.jsonl"
+    if path.is_file():
+        return path
+    items = registry.workload_items("oracle", n=n)
+    first = out / "two-turn-first.jsonl"
+    first.write_text("".join(json.dumps(i) + "\n" for i in items))
+    run = out / "two-turn-first"
+    if not (run / "requests").is_dir():  # a finished run is reused
+        shutil.rmtree(run, ignore_errors=True)
+        proc = lpf(
+            *["run", "--engine", "builtin", "--model", MODEL, "--workload", first, "--max-tokens", "24"],
+            *["--ignore-eos", "--out", run],
+        )
+        if proc.returncode != 0:
+            raise SystemExit(f"the two-turn workload's first run failed:\n{proc.stderr[-2000:]}")
+    req = pq.read_table(run / "requests").sort_by("seq").to_pylist()
+    turn2 = [
+        {"id": f"{r['prompt_id']}-t2", "prompt_token_ids": [*r["prompt_token_ids"], *r["output_token_ids"][:20]]}
+        for r in req
+    ]
+    # each second turn LAG requests after its first (16 run at a time: the first has finished, and its
+    # checkpoints are still cached)
+    order = []
+    for i, item in enumerate(items):
+        order.append(item)
+        if i >= TWOTURN_LAG:
+            order.append(turn2[i - TWOTURN_LAG])
+    order += turn2[len(items) - TWOTURN_LAG :]
+    path.write_text("".join(json.dumps(i) + "\n" for i in order))
     return path
 
 
@@ -378,6 +448,8 @@ def main() -> None:
     workloads = {"SHARED": workload}
     if any("INERT" in args for args, _ in plan.values()):
         workloads["INERT"] = inert_workload(out, n)
+    if any("TWOTURN" in args for args, _ in plan.values()):
+        workloads["TWOTURN"] = two_turn_workload(out, n // 2)
     results = {}
     for d, (args, named_by) in plan.items():
         run = out / d
@@ -410,6 +482,7 @@ def main() -> None:
             "stale_state": STALE_ARGS,
             "offset_wrap": [*OFFSET_WRAP_ARGS, "--inject", INJECT["offset-wrap"]],
             "kv_double_free": KV_DOUBLE_FREE_ARGS,
+            "speculative": {d: args for d, (args, _) in SPEC_DRILLS.items()},
         }
     doc["first_try"] = first_try({"builtin": doc.get("results", {}), "vllm": doc.get("vllm", {}).get("results", {})})
     dest.write_text(json.dumps(doc, indent=1, default=str))

@@ -30,7 +30,9 @@ prefix-caching rows (bench/vllm_trace.py --quick runs the vllm adapter).
 same interleaved repeats (before/after in one run); every run's CPU seconds are recorded (a run's minus
 its 1-token run's: `generation_cpu_s`, blind to other processes; vLLM's worker processes count only
 once reaped), and each repeat's builtin/vLLM in-engine window ratio (the two ran back to back).
-Usage: python bench/engine.py [--requests N] [--model SPEC] [--only prefix] [--no-prefix] [--baseline-src DIR]
+Speculative decoding (`speculative` in the results; `--only spec` runs just this part, see `speculative`):
+acceptance rate and speed-up of -E speculative=ngram:K against the same engine without it.
+Usage: python bench/engine.py [--requests N] [--model SPEC] [--only prefix|spec] [--no-prefix] [--baseline-src DIR]
        [--quick]   (writes bench/results/engine.json)
 """
 
@@ -198,6 +200,84 @@ def prefix_caching(model: str, tmp: Path, repeats: int, base: float) -> dict:
     }
 
 
+def speculative(model: str, tmp: Path, repeats: int, base: float) -> dict:
+    """Speculative decoding's rows (`--only spec`): the built-in engine on zoo:oracle (500 requests, greedy,
+    24 output tokens; copies and recalls repeat their prompt, so n-gram drafts get accepted) without
+    speculation and with -E speculative=ngram:2 / ngram:4, same knobs, interleaved repeats. Reported per arm:
+    drafted and accepted tokens (the trace's num_draft_tokens / num_accepted_tokens), the acceptance rate,
+    engine steps, the in-engine window and generation time (wall minus start-up), each as a ratio to no
+    speculation, and whether every request's greedy tokens equal the run without speculation."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    exe = Path(sys.executable).with_name("lpf")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    knobs = ["--max-num-seqs", "64", "--max-num-batched-tokens", "512", "--max-tokens", "24"]
+    arms = {"off": [], "ngram:2": ["-E", "speculative=ngram:2"], "ngram:4": ["-E", "speculative=ngram:4"]}
+    rows: dict[str, dict] = {arm: {"seconds": [], "window_s": []} for arm in arms}
+    for rep in range(repeats):
+        for arm, extra in arms.items():
+            out = tmp / f"spec-{arm.replace(':', '')}-{rep}"
+            t0 = time.perf_counter()
+            subprocess.run(
+                [str(exe), "run", "--engine", "builtin", "--model", model, "--workload", "zoo:oracle"]
+                + ["--out", str(out), *knobs, *extra],
+                check=True,
+                capture_output=True,
+                text=True,
+                env=env,
+            )
+            rows[arm]["seconds"].append(time.perf_counter() - t0 - base)
+            rows[arm]["window_s"].append(in_engine_window(out))
+            if rep == 0:
+                tr = pq.read_table(out / "trace")
+                rows[arm]["engine_steps"] = int(pc.max(tr.column("step")).as_py())
+                if "num_draft_tokens" in tr.column_names:
+                    rows[arm]["drafted"] = int(pc.sum(tr.column("num_draft_tokens")).as_py() or 0)
+                    rows[arm]["accepted"] = int(pc.sum(tr.column("num_accepted_tokens")).as_py() or 0)
+                req = pq.read_table(out / "requests").sort_by("seq")
+                rows[arm]["outputs"] = req.column("output_token_ids").to_pylist()
+                rows[arm]["output_tokens"] = sum(len(o) for o in rows[arm]["outputs"])
+    plain = rows["off"]["outputs"]
+    for r in rows.values():
+        r["median_seconds"], r["median_window_s"] = statistics.median(r["seconds"]), statistics.median(r["window_s"])
+        r["identical_greedy_outputs"] = sum(a == b for a, b in zip(plain, r["outputs"]))
+        if "drafted" in r:
+            r["acceptance_rate"] = r["accepted"] / r["drafted"] if r["drafted"] else None
+        r["time_ratio_vs_off"] = r["median_seconds"] / rows["off"]["median_seconds"]
+        r["window_ratio_vs_off"] = r["median_window_s"] / rows["off"]["median_window_s"]
+        r["best_window_ratio_vs_off"] = min(r["window_s"]) / min(rows["off"]["window_s"])
+        r["steps_ratio_vs_off"] = r["engine_steps"] / rows["off"]["engine_steps"]
+    for r in rows.values():
+        r.pop("outputs")
+    return {
+        "model": model,
+        "workload": "zoo:oracle",
+        "knobs": knobs,
+        "repeats": repeats,
+        "requests": len(plain),
+        "arms": rows,
+    }
+
+
+def print_spec(p: dict) -> None:
+    print(
+        "\n| built-in engine on zoo:oracle | drafted | accepted | acceptance | engine steps | generation s (median) | "
+        "in-engine window s (median) | vs no speculation | identical greedy outputs |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for arm, r in p["arms"].items():
+        rate = r.get("acceptance_rate")
+        print(
+            f"| {arm} | {r.get('drafted', 0):,} | {r.get('accepted', 0):,} | "
+            f"{'-' if rate is None else f'{rate:.1%}'} | {r['engine_steps']} | {r['median_seconds']:.1f} | "
+            f"{r['median_window_s']:.1f} | {r['time_ratio_vs_off']:.2f}x time, {r['window_ratio_vs_off']:.2f}x window "
+            f"(best {r['best_window_ratio_vs_off']:.2f}x), {r['steps_ratio_vs_off']:.2f}x steps | "
+            f"{r['identical_greedy_outputs']}/{p['requests']} |"
+        )
+    print(f"{p['model']}, {' '.join(p['knobs'])}, median of {p['repeats']}")
+
+
 def pa_strings(values):
     import pyarrow as pa
 
@@ -260,7 +340,9 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--model", default=None)
     ap.add_argument("--repeats", type=int, default=3, help="runs per engine, interleaved; the median is reported")
-    ap.add_argument("--only", choices=["prefix"], default=None, help="run only the prefix-caching rows")
+    ap.add_argument(
+        "--only", choices=["prefix", "spec"], default=None, help="run only the prefix-caching or speculative rows"
+    )
     ap.add_argument(
         "--baseline-src",
         type=Path,
@@ -284,6 +366,16 @@ def main() -> None:
 
     model = a.model or ("zoo:hybrid" if registry.model_available("hybrid") else "tiny:hybrid")
     results_file = Path(__file__).with_name("results") / "engine.json"
+    if a.only == "spec":
+        with tempfile.TemporaryDirectory() as tmp:
+            base = startup("builtin", model, Path(tmp), [])
+            p = speculative(model, Path(tmp), a.repeats, base)
+        doc = json.loads(results_file.read_text()) if results_file.is_file() else {}
+        doc["speculative"] = {**p, "date": time.strftime("%Y-%m-%d")}
+        results_file.parent.mkdir(exist_ok=True)
+        results_file.write_text(json.dumps(doc, indent=2))
+        print_spec(p)
+        return
     if a.only == "prefix":
         with tempfile.TemporaryDirectory() as tmp:
             base = startup("builtin", model, Path(tmp), [])

@@ -39,6 +39,7 @@ def test_roles_answer_what_the_name_lists_used_to():
         "max_num_seqs",
         "max_num_batched_tokens",
         "enable_chunked_prefill",
+        "speculative",
         "enable_prefix_caching",
         "mamba_block_size",
         "block_size",

@@ -61,6 +61,10 @@ class BuiltinOptions(Options, EngineConfig):
         need = []
         if f.prefix_drills() and not self.enable_prefix_caching:
             need.append(f"{', '.join(f.prefix_drills())} needs --enable-prefix-caching")
+        if f.spec_drills() and not self.speculative:
+            need.append(f"{', '.join(f.spec_drills())} needs -E speculative=ngram:K")
+        if f.spec_checkpoint_rejected and not self.enable_prefix_caching:
+            need.append("spec-checkpoint-rejected needs --enable-prefix-caching (its checkpoints are the cache's)")
         if f.incomplete_block_cached and self.mamba_cache_mode != "all":
             need.append("incomplete-block-cached is vLLM's all-mode bug: add -E mamba_cache_mode=all")
         if f.unaligned_chunk_hashed and self.mamba_cache_mode != "align":

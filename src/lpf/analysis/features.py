@@ -28,6 +28,8 @@ llama.cpp's timings.cache_n): `prefix_features` (prefix_cache_hit and the proven
 From the trace's write log (`write_features`, engines that keep one: the built-in engine):
   state_overwritten, state_write_strayed (another request's state write landed in its slot; its own
   landed outside it).
+From the speculative-decoding columns (`spec_features`, the built-in engine with speculation on):
+  prompt_on_verify_path, state_kept_rejected_drafts, state_rolled_back_wrong, speculated.
 From the requests: prompt_length, rollout, seq (arrival index): `descriptive` (what a request is, not
 what the engine did to it).
 """
@@ -41,6 +43,7 @@ import pyarrow.compute as pc
 
 from lpf.analysis.feature import Feature
 from lpf.analysis.prefix_features import prefix_features
+from lpf.analysis.spec_features import spec_features
 from lpf.analysis.verdicts import by_arrival
 from lpf.analysis.write_features import write_features
 
@@ -69,6 +72,7 @@ def request_features(requests: pa.Table, trace: pa.Table | None, engine_info: di
         feats += _vllm_trace_features(req, trace)
         feats += prefix_features(req, trace, engine_info)
         feats += write_features(req, trace)
+        feats += spec_features(req, trace)
     return feats
 
 

@@ -21,6 +21,8 @@ state is wrong too, and the trace says who computed it. Listed most specific fir
   short_resumed_chunk            its resume step was a prefill chunk shorter than the conv state
                                  (< conv width - 1 tokens; needs the engine's conv_width)
   resumed_truncated_state        the state covers fewer tokens than the hit, written by its publisher
+  resumed_overshot_state         the state covers more tokens than the hit, written by its publisher (a
+                                 checkpoint saved past its boundary: speculative decoding's verify pass)
   resumed_overwritten_state      the last write into it came after its publication, by another request
   resumed_unwritten_state        never written, or last written before the step that published it
   prefix_cache_hit               part of its prompt came from the prefix cache
@@ -81,7 +83,7 @@ def prefix_features(requests: pa.Table, trace: pa.Table | None, engine_info: dic
     hit = np.zeros(n, dtype=bool)
     base = {
         name: np.zeros(n, dtype=bool)
-        for name in ("wrong", "aborted", "same_step", "short", "truncated", "over", "unwritten")
+        for name in ("wrong", "aborted", "same_step", "short", "truncated", "overshot", "over", "unwritten")
     }
     writers: list[tuple[int, str]] = []  # (request row, the request whose write it resumed from)
     for k in range(rows.num_rows):
@@ -104,6 +106,9 @@ def prefix_features(requests: pa.Table, trace: pa.Table | None, engine_info: dic
             base["short"][i] = True
         if writer is not None and writer == publisher and covers is not None and covers < h:
             base["truncated"][i] = True
+        # (the right block: a wrong block's state covers other tokens for another reason, resumed_wrong_block)
+        if writer is not None and writer == publisher and covers is not None and covers > h and not base["wrong"][i]:
+            base["overshot"][i] = True
         if writer is not None and publisher is not None and writer != publisher and (wstep or 0) > (pstep or 0):
             base["over"][i] = True
         if writer is None or (pstep is not None and wstep is not None and wstep < pstep):
@@ -157,6 +162,13 @@ def prefix_features(requests: pa.Table, trace: pa.Table | None, engine_info: dic
             state["truncated"],
             "resumed from a state covering fewer tokens than their prefix-cache hit (a state from mid-block "
             "hashed as the block's end), or from a state computed on one",
+        ),
+        Feature(
+            "resumed_overshot_state",
+            "bool",
+            state["overshot"],
+            "resumed from a state covering more tokens than their prefix-cache hit (saved past the boundary its "
+            "hash names: a verify step's rejected drafts), or from a state computed on one",
         ),
         Feature(
             "resumed_overwritten_state",

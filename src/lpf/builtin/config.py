@@ -124,6 +124,31 @@ class EngineConfig(BaseModel):
         ),
     )
 
+    # speculative decoding (vLLM's speculative_config, method "ngram"): a decoding request's next tokens
+    # proposed by prompt lookup and verified, with its last sampled token, in one pass of 1 + K positions
+    speculative: str | None = knob(
+        None,
+        help=(
+            "Speculative decoding: ngram:K (n-gram prompt lookup proposing up to K draft tokens per step, "
+            "verified in one forward pass; vLLM's speculative_config method ngram) [default: off]."
+        ),
+        roles=("speculative",),
+        shrink_order=75,
+    )
+
+    @model_validator(mode="after")
+    def _speculative_known(self) -> "EngineConfig":
+        if self.speculative is not None:
+            method, _, k = self.speculative.partition(":")
+            if method != "ngram" or not k.isdigit() or not 1 <= int(k) <= 16:
+                raise ValueError(f"speculative must be ngram:K with K in 1..16, got {self.speculative!r}")
+        return self
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        """K, the draft tokens proposed per verify step (0: speculation off)."""
+        return int(self.speculative.partition(":")[2]) if self.speculative else 0
+
     @model_validator(mode="after")
     def _mamba_blocks_hold_whole_kv_blocks(self) -> "EngineConfig":
         if self.mamba_block_size is not None and self.mamba_block_size % self.block_size:

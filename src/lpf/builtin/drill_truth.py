@@ -35,6 +35,11 @@ EXPECTED: dict[str, dict[str, set[str]]] = {
     # both holders of a double-freed block write K/V into it: each is the other's victim
     "kv-double-free": {"corrupted": {"kv_overwritten"}},
     **{d: {"corrupted": set(features)} for d, features in NAMED_BY.items() if features},
+    # speculative decoding (`spec_decode`): the trace's verify-path and rollback columns
+    "spec-prefill-verify": {"corrupted": {"prompt_on_verify_path"}},
+    "spec-accepted-permuted": {"corrupted": {"state_rolled_back_wrong"}},
+    "spec-no-rollback": {"corrupted": {"state_kept_rejected_drafts"}},
+    "spec-checkpoint-rejected": {"corrupted": {"resumed_overshot_state"}},
 }
 
 

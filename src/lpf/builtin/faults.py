@@ -24,6 +24,9 @@ Prefix caching of Mamba state (each needs --enable-prefix-caching but the last; 
 their vLLM / SGLang pull requests and their ground truth are in `prefix_drills`):
   conv-into-shared-block, unaligned-chunk-hashed, publish-before-write, incomplete-block-cached,
   resume-wrong-units, prefix-cache-inert, and stale-conv-on-reuse (no prefix caching needed).
+Speculative decoding (each needs -E speculative=ngram:K; mechanisms and reports in `spec_decode`):
+  spec-prefill-verify, spec-accepted-permuted, spec-no-rollback, spec-checkpoint-rejected (this one
+  with --enable-prefix-caching too).
 Substitutions (the engine computes another function than the model it claims, a little, everywhere;
 the arithmetic is in `numeric_drills`):
   quantize-weights[:BITS]      every decoder linear weight rounded group-wise to BITS bits (default 4;
@@ -65,6 +68,7 @@ PREFIX_DRILLS = (
     "resume-wrong-units",
     "prefix-cache-inert",
 )
+SPEC_DRILLS = ("spec-prefill-verify", "spec-accepted-permuted", "spec-no-rollback", "spec-checkpoint-rejected")
 DRILLS = (
     "stale-state",
     "offset-wrap",
@@ -75,6 +79,7 @@ DRILLS = (
     "lost-chunk-state",
     *PREFIX_DRILLS,
     "stale-conv-on-reuse",
+    *SPEC_DRILLS,
     "quantize-weights",
     "kv-quant",
     "perturb-weights",
@@ -108,6 +113,10 @@ class FaultSet:
     resume_wrong_units: bool = False
     prefix_cache_inert: bool = False
     stale_conv_on_reuse: bool = False
+    spec_prefill_verify: bool = False
+    spec_accepted_permuted: bool = False
+    spec_no_rollback: bool = False
+    spec_checkpoint_rejected: bool = False
     quantize_weights_bits: int | None = None
     kv_quant_bits: int | None = None
     perturb_weights_scale: float | None = None
@@ -141,6 +150,10 @@ class FaultSet:
     def prefix_drills(self) -> list[str]:
         """The prefix-caching drills in force (they need the engine's prefix caching on)."""
         return [n for n in PREFIX_DRILLS if getattr(self, n.replace("-", "_"))]
+
+    def spec_drills(self) -> list[str]:
+        """The speculative-decoding drills in force (they need speculative decoding on)."""
+        return [n for n in SPEC_DRILLS if getattr(self, n.replace("-", "_"))]
 
     def names(self) -> list[str]:
         out = []

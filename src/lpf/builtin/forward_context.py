@@ -16,10 +16,10 @@ state), over the whole packed batch when `rows` is None.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-PHASES = ("prefill", "extend", "decode")
+PHASES = ("prefill", "extend", "decode", "verify")
 
 
 @dataclass
@@ -30,7 +30,9 @@ class SeqMeta:
     start: int  # offset of its first scheduled token in the packed batch
     num_tokens: int  # tokens scheduled this step
     num_computed: int  # tokens already in the caches before this step (its first position)
-    phase: str  # prefill (no prior state) | extend (continues a chunked prefill) | decode (1 token)
+    # prefill (no prior state) | extend (continues a chunked prefill) | decode (1 token) | verify
+    # (speculative decoding: its last sampled token and its drafts, stepped by the decode kernel)
+    phase: str
     state_slot: int
     block_table: list[int]
     # a prefill or extend chunk continues from the state in its slot (vLLM's has_initial_state);
@@ -76,6 +78,31 @@ class ForwardContext:
         if "decodes" not in self.memo:
             self.memo["decodes"] = [s for s in self.seqs if s.phase == "decode"]
         return self.memo["decodes"]
+
+    @property
+    def verifies(self) -> list[SeqMeta]:
+        if "verifies" not in self.memo:
+            self.memo["verifies"] = [s for s in self.seqs if s.phase == "verify"]
+        return self.memo["verifies"]
+
+    @property
+    def attention_decodes(self) -> list[SeqMeta]:
+        """What attention runs as single-token queries: the decodes, and every position of a verify (each
+        a query at its own position over the keys up to it: causal, as one verify query block is)."""
+        if "attention_decodes" not in self.memo:
+            self.memo["attention_decodes"] = self.decodes + [
+                replace(s, start=s.start + i, num_computed=s.num_computed + i, num_tokens=1, phase="decode")
+                for s in self.verifies
+                for i in range(s.num_tokens)
+            ]
+        return self.memo["attention_decodes"]
+
+    @property
+    def chunks(self) -> list[SeqMeta]:
+        """Prefill and extend chunks (the Mamba layers' scan path; attention takes verifies with them)."""
+        if "chunks" not in self.memo:
+            self.memo["chunks"] = [s for s in self.seqs if s.phase in ("prefill", "extend")]
+        return self.memo["chunks"]
 
     @property
     def non_decodes(self) -> list[SeqMeta]:

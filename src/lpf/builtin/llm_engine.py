@@ -23,10 +23,12 @@ from lpf.builtin.model_runner import ModelRunner
 from lpf.builtin.prefix_trace import trace_columns
 from lpf.builtin.request import Request
 from lpf.builtin.scheduler import Scheduler
-from lpf.run.schema import TRACE, WRITE_LOG
+from lpf.run.schema import SPEC_TRACE, TRACE, WRITE_LOG
 
 # the run schema's trace, then the write log (state writes that landed outside the writer's slot)
 TRACE_SCHEMA = pa.schema(list(TRACE) + [pa.field(n, t) for n, t in WRITE_LOG])
+# with speculative decoding on, its columns after those (off, the trace is what it always was)
+SPEC_TRACE_SCHEMA = pa.schema(list(TRACE_SCHEMA) + [pa.field(n, t) for n, t in SPEC_TRACE])
 
 
 def cache_sizes(model, config: EngineConfig) -> tuple[int, int]:
@@ -91,7 +93,9 @@ class LLMEngine:
             config.device,
             state_dtypes=(torch_dtype(state_buffer_dtype(config)), dtype if ssm == "auto" else torch_dtype(ssm)),
             mamba_block_size=px.mbs if px else None,
+            num_speculative_tokens=config.num_speculative_tokens,
         )
+        self._spec = bool(config.num_speculative_tokens)
         self._trace: list[dict] = []
         self._cancels: dict[str, int] = {}
 
@@ -151,6 +155,7 @@ class LLMEngine:
                     "preempted": False,
                     **trace_columns(px, s, result.resume_reads.get(s.request_id)),
                     "stray_writes": result.stray_writes.get(s.request_id, []),
+                    **self._spec_columns(s, result),
                 }
             )
         for s, _ in cancelled:
@@ -186,9 +191,15 @@ class LLMEngine:
                 }
             )
         finished = self.scheduler.update(
-            so, result.samples, result.prompt_rows, result.state_writes, result.resume_reads
+            so, result.samples, result.prompt_rows, result.state_writes, result.resume_reads, result.spec_samples
         )
         return [req for _, req in cancelled] + finished
+
+    def _spec_columns(self, s, result) -> dict:
+        """The speculative-decoding trace columns of one scheduled request (none when speculation is off)."""
+        if not self._spec:
+            return {}
+        return result.spec_trace.get(s.request_id) or {"num_draft_tokens": len(s.draft_token_ids)}
 
     def _land_cancels(self, so):
         """(the step without the requests whose client cancels while it is in flight, [(their scheduled
@@ -216,7 +227,7 @@ class LLMEngine:
     def drain_trace(self) -> pa.Table | None:
         if not self._trace:
             return None
-        table = pa.Table.from_pylist(self._trace, schema=TRACE_SCHEMA)
+        table = pa.Table.from_pylist(self._trace, schema=SPEC_TRACE_SCHEMA if self._spec else TRACE_SCHEMA)
         self._trace = []
         return table
 
@@ -227,6 +238,9 @@ class LLMEngine:
             "state_slot_stride": self.runner.state_cache.slot_stride,
             "faults": self.faults.names(),
         }
+        if self._spec:
+            out["num_speculative_tokens"] = self.config.num_speculative_tokens
+            out["null_state_slot"] = self.runner.state_cache.null_slot
         mixers = self.model.mamba_mixers()
         if mixers:
             out["conv_width"] = mixers[0].d_conv

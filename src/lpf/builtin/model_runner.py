@@ -27,6 +27,7 @@ from lpf.builtin.kv_cache import KVCache
 from lpf.builtin.prefix_drills import PrefixDrills
 from lpf.builtin.sampler import sample
 from lpf.builtin.sched_output import PromptRows, SchedulerOutput, StepResult
+from lpf.builtin.spec_decode import SpecDecode
 from lpf.builtin.state_cache import StateCache
 from lpf.core.torch_utils import logprob_rows, shape_stable_attention
 
@@ -44,6 +45,7 @@ class ModelRunner:
         device: str = "cpu",
         state_dtypes: tuple | None = None,
         mamba_block_size: int | None = None,
+        num_speculative_tokens: int = 0,
     ):
         self.model = model
         self.device = device
@@ -57,6 +59,7 @@ class ModelRunner:
             device,
             wrap_bits=faults.offset_wrap_bits,
             part_dtypes={"conv": dtype, "ssm": ssm},
+            null_slot=bool(num_speculative_tokens),
         )
         self.drills = Drills(faults, truth, self.state_cache)
         self.drills.edit_weights(model)
@@ -64,6 +67,9 @@ class ModelRunner:
             max(n_attn, 1), num_blocks, block_size, n_kv, head_dim, dtype, device, rounding=self.drills.kv_rounding()
         )
         mixers = model.mamba_mixers()
+        self.spec = (
+            SpecDecode(faults, truth, self.state_cache, num_speculative_tokens) if num_speculative_tokens else None
+        )
         self.prefix = (
             None
             if mamba_block_size is None
@@ -79,10 +85,15 @@ class ModelRunner:
     def _execute(self, so: SchedulerOutput, capture=None) -> StepResult:
         drills = self.drills
         drills.preempted(so.preempted)
+        if self.spec is not None:
+            self.spec.preempted(so.preempted)
         seqs, ids, pos, start = [], [], [], 0
         writes, reads = [], {}
         for s in so.scheduled:
             phase = drills.phase(s)
+            if self.spec is not None:
+                phase = self.spec.phase(s, phase)
+                self.spec.scheduled(so, s)
             if drills.zero_new_slot(s):
                 self.state_cache.zero(s.state_slot)
             drills.scheduled(so, s, phase)
@@ -92,12 +103,12 @@ class ModelRunner:
                 s.num_scheduled_tokens,
                 s.num_computed_tokens,
                 phase,
-                s.state_slot,
+                self.spec.slot(s) if phase == "verify" else s.state_slot,
                 s.block_table,
                 drills.has_initial_state(s, phase) if phase != "decode" else None,
                 conv_reads_slot=drills.conv_reads_slot(phase),
             )
-            if self.prefix is not None:
+            if self.prefix is not None and phase != "verify":  # a verify step's saves: SpecDecode.finish
                 meta = self._with_prefix(s, meta, writes, reads)
             seqs.append(meta)
             ids.extend(s.token_ids)
@@ -107,7 +118,12 @@ class ModelRunner:
         if not seqs:
             return StepResult(phases)
         result = self._forward(so, seqs, ids, pos, phases, capture)
-        return replace(result, state_writes=writes, resume_reads=reads, stray_writes=self._stray_writes(so, seqs))
+        return replace(
+            result,
+            state_writes=writes + result.state_writes,
+            resume_reads=reads,
+            stray_writes=self._stray_writes(so, seqs),
+        )
 
     def _stray_writes(self, so: SchedulerOutput, seqs: list[SeqMeta]) -> dict[str, list[dict]]:
         """The write log: each prefill/extend whose final state went somewhere else than its own slot
@@ -117,7 +133,8 @@ class ModelRunner:
         bs = self.kv_cache.block_size
         for m in seqs:
             entries = []
-            landed = None if m.phase == "decode" else self.state_cache.stray_write(m.state_slot, "prefill")
+            exact = m.phase in ("decode", "verify")
+            landed = None if exact else self.state_cache.stray_write(m.state_slot, "prefill")
             if landed is not None:  # the decode path's offsets are exact
                 start, end, slots = landed
                 entries += [
@@ -175,9 +192,16 @@ class ModelRunner:
             hidden = self.model(torch.tensor(ids, device=self.device), torch.tensor(pos, device=self.device))
         asked = [(m, s) for m, s in zip(seqs, so.scheduled) if s.prompt_targets]
         prompt_rows = self._prompt_rows(hidden, asked, len(seqs)) if asked else {}
-        sampling = [(m, s) for m, s in zip(seqs, so.scheduled) if s.will_sample]
-        if not sampling:  # only prefill chunks that end before their prompts do
-            return StepResult(phases, prompt_rows=prompt_rows)
+        spec = {}
+        if self.spec is not None:
+            verifying = [(m, s) for m, s in zip(seqs, so.scheduled) if m.phase == "verify"]
+            samples, trace, writes = self.spec.finish(
+                so, verifying, hidden, lambda rows, n: drills.logits(self.model, rows, batch_size=n), ctx, len(seqs)
+            )
+            spec = {"spec_samples": samples, "spec_trace": trace, "state_writes": writes}
+        sampling = [(m, s) for m, s in zip(seqs, so.scheduled) if s.will_sample and not s.draft_token_ids]
+        if not sampling:  # only prefill chunks that end before their prompts do (or only verify steps)
+            return StepResult(phases, prompt_rows=prompt_rows, **spec)
         rows = hidden[torch.tensor([m.end - 1 for m, _ in sampling], device=self.device)]
         logits = drills.logits(self.model, rows, batch_size=len(seqs))
         samples = sample(
@@ -187,7 +211,7 @@ class ModelRunner:
             temperature=drills.sampling_temperature,
         )
         decoding = [m.request_id for m, _ in sampling if m.phase == "decode"]
-        return StepResult(phases, drills.deliver(so, decoding, samples), prompt_rows)
+        return StepResult(phases, drills.deliver(so, decoding, samples), prompt_rows, **spec)
 
     def _prompt_rows(self, hidden, asked, batch_size: int) -> dict[str, PromptRows]:
         """Raw logprobs of the prompt tokens this step's rows predict (row i of a chunk starting at

@@ -201,9 +201,14 @@ class PrefixCache:
             return chunk_align.pre_fix_chunk(start, n, prompt, req.num_tokens, self.mbs, self.max_chunk)
         return chunk_align.aligned_chunk(start, n, prompt, req.num_tokens, self.mbs, self.max_chunk)
 
-    def plan(self, req, n: int, step: int) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]:
+    def plan(
+        self, req, n: int, step: int, verify: bool = False
+    ) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]:
         """(state writes (position, slot), Mamba block table) of the request's step of n tokens: the
-        checkpoint entries this step saves into (allocated now), and the table the runner resumes from."""
+        checkpoint entries this step saves into (allocated now), and the table the runner resumes from.
+        A verify step (speculative decoding) plans every boundary its tokens cross: the runner saves
+        only those within what the step accepts (from the verify pass's per-position states), and an
+        entry left unwritten stays the request's, planned again by a later step."""
         req.in_flight = {"step": step, "slots": [], "blocks": []}
         if not self.has_mamba:
             if self.faults.publish_before_write:
@@ -213,7 +218,9 @@ class PrefixCache:
         end = start + n
         chunk = start < chunk_align.prefill_end(len(req.prompt_token_ids), req.num_tokens) or n > 1
         due = list(range((start // self.mbs + 1) * self.mbs, end, self.mbs)) if self.mode == "all" else []
-        if chunk or end % self.mbs == 0:
+        if verify:
+            due = list(range((start // self.mbs + 1) * self.mbs, end + 1, self.mbs))
+        elif chunk or end % self.mbs == 0:
             due.append(end)
         writes = []
         for pos in due:
@@ -341,7 +348,7 @@ class PrefixCache:
             else next(
                 (
                     d
-                    for d in ("unaligned-chunk-hashed", "incomplete-block-cached")
+                    for d in ("unaligned-chunk-hashed", "incomplete-block-cached", "spec-checkpoint-rejected")
                     if getattr(self.faults, d.replace("-", "_"))
                 ),
                 None,

@@ -43,6 +43,9 @@ class ScheduledRequest:
     # penalties (sampling.penalized) on a sampling step: the tokens already in the prompt and the output
     seen_prompt: tuple[int, ...] = ()
     seen_output: tuple[int, ...] = ()
+    # speculative decoding: the draft tokens appended to this step's tokens (token_ids = [its last
+    # sampled token, *drafts]) for the verify pass; empty when the request is not speculating
+    draft_token_ids: tuple[int, ...] = ()
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -110,3 +113,7 @@ class StepResult:
     # `stray_writes`: {"memory", "owner", "slot", "start", "end"} per slot or KV block the range
     # overlaps; owner None = free)
     stray_writes: dict[str, list[dict]] = field(default_factory=dict)
+    # speculative decoding: request id -> the tokens a verify step emits (accepted drafts, then the
+    # bonus / recovered token), and -> its trace columns (`schema.SPEC_TRACE`)
+    spec_samples: dict[str, list[Sample]] = field(default_factory=dict)
+    spec_trace: dict[str, dict] = field(default_factory=dict)

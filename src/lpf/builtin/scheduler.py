@@ -30,6 +30,7 @@ from lpf.builtin.kv_cache import BlockAllocator, blocks_needed
 from lpf.builtin.prefix_cache import PrefixCache
 from lpf.builtin.request import Request, Status
 from lpf.builtin.sched_output import PromptRows, Sample, ScheduledRequest, SchedulerOutput, StateWrite
+from lpf.builtin.spec_propose import ngram_drafts
 from lpf.builtin.state_cache import SlotPool
 
 
@@ -133,10 +134,13 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             want = req.num_tokens - req.num_computed_tokens
+            drafts = self._drafts(req, want)[: budget - 1]  # a tight budget verifies fewer
+            want += len(drafts)
             if want > budget and not chunked:
                 i += 1
                 continue
             n = min(want, budget) if px is None else px.align(req, min(want, budget))
+            drafts = drafts[: max(n - 1, 0)]
             if n == 0:  # no checkpoint boundary within reach this step
                 i += 1
                 continue
@@ -147,7 +151,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                plan.append((req, n))
+                plan.append((req, n, drafts))
                 budget -= n
                 i += 1
                 continue
@@ -177,7 +181,7 @@ class Scheduler:
                 self.waiting.popleft()
                 req.status = Status.RUNNING
                 self.running.append(req)
-                plan.append((req, n))
+                plan.append((req, n, []))
                 budget -= n
 
         if not plan and not preempted and self.has_unfinished():
@@ -190,22 +194,23 @@ class Scheduler:
             )
         self.step += 1
         scheduled = []
-        for req, n in plan:
+        for req, n, drafts in plan:
             start = req.num_computed_tokens
             last = min(start + n, len(req.prompt_token_ids) - 1)  # rows up to here predict a prompt token
             targets = req.prompt_token_ids[start + 1 : last + 1] if req.sampling.prompt_logprobs else []
-            writes, table = px.plan(req, n, self.step) if px is not None else ((), ())
+            writes, table = px.plan(req, n, self.step, verify=bool(drafts)) if px is not None else ((), ())
+            known = start + n - len(drafts)  # the drafts are a guess past what is known
             resume = req.prefix_hit_tokens if px is not None and req.resume_pending else 0
             scheduled.append(
                 ScheduledRequest(
                     request_id=req.request_id,
-                    token_ids=req.token_ids(start, start + n),
+                    token_ids=req.token_ids(start, known) + list(drafts),
                     num_computed_tokens=start,
                     state_slot=req.state_slot,
                     block_table=list(req.block_table),
                     slot_is_new=req.slot_is_new,
                     slot_reused=req.slot_is_new and req.state_slot in self.slots.ever_used,
-                    will_sample=start + n == req.num_tokens,
+                    will_sample=known == req.num_tokens,
                     output_position=len(req.output_token_ids),
                     sampling=req.sampling,
                     seed=req.seed,
@@ -213,7 +218,8 @@ class Scheduler:
                     resume_tokens=resume,
                     state_table=table if resume else (),
                     state_writes=writes,
-                    **_seen(req, start + n == req.num_tokens),
+                    **_seen(req, known == req.num_tokens),
+                    draft_token_ids=tuple(drafts),
                 )
             )
             req.slot_is_new = False
@@ -225,6 +231,21 @@ class Scheduler:
             slot_owners=owners,
             shared_blocks=self._shared_blocks(),
         )
+
+    def _drafts(self, req: Request, want: int) -> list[int]:
+        """Speculative decoding: the n-gram drafts a decoding request verifies this step (vLLM proposes
+        after a request's first sample). None for a request still prefilling or recomputing, a penalized
+        one (its chooser changes with every accepted token), or one whose drafts could not all be kept
+        (the last output within max_tokens, the last position within the context)."""
+        k = self.config.num_speculative_tokens
+        if not k or want != 1 or not req.output_token_ids or req.sampling.penalized:
+            return []
+        k = min(k, req.max_tokens - len(req.output_token_ids) - 1)
+        if self.max_context is not None:
+            k = min(k, self.max_context - req.num_tokens)
+        if k <= 0:
+            return []
+        return ngram_drafts(req.prompt_token_ids + req.output_token_ids, k)
 
     def _shared_blocks(self) -> dict[int, list[str]]:
         """KV blocks two running requests hold at once (only a double free makes one): the write log's
@@ -285,6 +306,7 @@ class Scheduler:
         prompt_rows: dict[str, PromptRows] | None = None,
         state_writes: list[StateWrite] = (),
         resume_reads: dict[str, tuple[int, int | None]] | None = None,
+        spec_samples: dict[str, list[Sample]] | None = None,
     ) -> list[Request]:
         """Advance computed tokens, record prompt logprobs, append samples, commit what the step wrote
         to the prefix cache, retire finished requests (returned)."""
@@ -295,11 +317,21 @@ class Scheduler:
             req = by_id.get(s.request_id)
             if req is None:  # preempted later in the same step
                 continue
-            req.num_computed_tokens += s.num_scheduled_tokens
-            ran.append((req, s.num_scheduled_tokens))
+            emitted = (spec_samples or {}).get(s.request_id)
+            # a verify step computed its last sampled token and the drafts it accepted (one fewer than
+            # it emits); the KV entries of rejected drafts lie past num_computed_tokens: overwritten later
+            computed = s.num_scheduled_tokens - len(s.draft_token_ids) + (len(emitted) - 1 if emitted else 0)
+            req.num_computed_tokens += computed
+            ran.append((req, computed))
             if s.request_id in prompt_rows:
                 req.add_prompt_rows(prompt_rows[s.request_id])
-            if s.will_sample and s.request_id in sampled:
+            if s.will_sample and emitted:
+                for smp in emitted:  # stops at an end of sequence or max_tokens, as one at a time would
+                    req.append_output(smp)
+                    if req.check_stop(self.max_context):
+                        finished.append(req)
+                        break
+            elif s.will_sample and s.request_id in sampled:
                 req.append_output(sampled[s.request_id])
                 if req.check_stop(self.max_context):
                     finished.append(req)

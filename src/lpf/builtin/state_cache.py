@@ -71,9 +71,14 @@ class StateCache:
         device="cpu",
         wrap_bits: int | None = None,
         part_dtypes: dict | None = None,
+        null_slot: bool = False,
     ):
         import torch
 
+        # speculative decoding: one scratch slot past the pool (vLLM's null block / PAD slot), where the
+        # verify path's state index points for a request without a state table; the pool never hands it out
+        self.null_slot = num_slots if null_slot else None
+        num_slots += bool(null_slot)
         self.num_slots = num_slots
         self.specs = specs
         self.offsets: list[dict[str, int]] = []

@@ -42,6 +42,7 @@ ROLES = {
     "step_budget": "the token budget of one engine step",
     "context_length": "the longest prompt + output a request may have (conformance keeps it short)",
     "prefix_cache": "turns prefix caching on (conformance turns it off unless a cell turns it on)",
+    "speculative": "turns speculative decoding on (drafts verified in one pass; off by default)",
 }
 _KEY = "lpf"
 

@@ -162,6 +162,19 @@ STRAY_WRITE = pa.struct(
 )
 WRITE_LOG = [("stray_writes", pa.list_(STRAY_WRITE))]
 
+# speculative decoding (engines that can: the built-in engine with -E speculative=...), columns its trace
+# adds when speculation is on: drafts verified this step (0: none), how many were accepted (null: no
+# drafts), and for a row on the verify path the state slot that path read and wrote (the null slot for a
+# request without a state table), the tokens the slot's state covered after the verify pass and after the
+# rollback to the last accepted position (null off the verify path)
+SPEC_TRACE = [
+    ("num_draft_tokens", pa.int32()),
+    ("num_accepted_tokens", pa.int32()),
+    ("verify_state_slot", pa.int32()),
+    ("state_tokens_before_rollback", pa.int32()),
+    ("state_tokens_after_rollback", pa.int32()),
+]
+
 # "whose answer is this?" (`lpf.pipeline.attribute`): a flagged request's output re-scored by the reference
 # under another request's prompt (candidate_id): the summed logprob of its n_tokens output tokens
 ATTRIBUTION = pa.schema(

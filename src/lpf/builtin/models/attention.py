@@ -4,8 +4,10 @@ Contract: `PagedAttention.forward(x [T, hidden], rope)` -> `[T, hidden]`, inside
 For every request of the step it computes q/k/v of its tokens, stores k/v at positions
 `num_computed ..` of its block table FIRST, then reads back K/V of positions `0 .. num_computed +
 num_tokens - 1` and attends causally (query at position p sees keys at positions <= p). Decodes
-(one token each) are batched into one padded attention call; prefill/extend chunks run one request at
-a time. `rope` is None (no positional embedding: Jamba, Granite with position_embedding_type None) or
+(one token each) are batched into one padded attention call, with every position of a speculative
+verify as a query of its own (`ForwardContext.attention_decodes`: K/V of a group are stored before it
+reads, and a position's earlier keys sort into the same or an earlier group); prefill/extend chunks run
+one request at a time. `rope` is None (no positional embedding: Jamba, Granite with position_embedding_type None) or
 `(cos, sin)` of shape [T, head_dim] for the packed batch, built once per step by `Rotary`.
 """
 
@@ -99,7 +101,7 @@ class PagedAttention(nn.Module):
         probe(self, "k", k)
         probe(self, "v", v)
         out = x.new_zeros(T, self.n_heads, self.head_dim)
-        for s in ctx.non_decodes:
+        for s in ctx.chunks:
             out[s.start : s.end] = self._attend_one(
                 ctx.kv_cache, s, q[s.start : s.end], k[s.start : s.end], v[s.start : s.end]
             )
@@ -189,5 +191,6 @@ class DecodePlan:
 def _decode_plans(ctx, device) -> list[DecodePlan]:
     if "attn_decode_plans" not in ctx.memo:
         bs = ctx.kv_cache.block_size
-        ctx.memo["attn_decode_plans"] = [DecodePlan(g, bs, device) for g in _length_groups(ctx.decodes, bs)]
+        groups = _length_groups(ctx.attention_decodes, bs)
+        ctx.memo["attn_decode_plans"] = [DecodePlan(g, bs, device) for g in groups]
     return ctx.memo["attn_decode_plans"]

@@ -134,9 +134,9 @@ class MambaMixerBase(nn.Module):
         shapes = dict(self.state_spec())
         ssm_dtype = wide(proj[:0]).dtype
         foreign = self._read_foreign(ctx, cache, layer, proj.dtype, ssm_dtype)
-        chunks = ctx.non_decodes
-        for s in chunks:
-            if s.phase not in ("prefill", "extend"):
+        chunks = ctx.chunks
+        for s in ctx.non_decodes:
+            if s.phase not in ("prefill", "extend", "verify"):
                 raise ValueError(f"unknown phase {s.phase!r} for request {s.request_id}")
         if len(chunks) > 1 and _together(ctx, cache, chunks):
             self._prefill_together(ctx, cache, layer, chunks, proj, y, foreign, shapes, ssm_dtype)
@@ -148,6 +148,8 @@ class MambaMixerBase(nn.Module):
                 self._probe_states("in", conv0[None], ssm0[None])
             y[s.start : s.end] = self._chunk(cache, layer, s, proj[s.start : s.end], conv0, ssm0)
             ctx.rows = None
+        if ctx.verifies:
+            self._verify(ctx, cache, layer, ctx.verifies, proj, y, ssm_dtype)
         decodes = ctx.decodes
         if decodes:
             for s in decodes:
@@ -174,6 +176,42 @@ class MambaMixerBase(nn.Module):
                     cache.write(layer, "conv", [slot], conv[i : i + 1], "decode")
                     cache.write(layer, "ssm", [slot], ssm[i : i + 1], "decode")
         return self.out_proj(y)
+
+    def _verify(self, ctx, cache, layer: int, verifies, proj, y, ssm_dtype) -> None:
+        """The verify path (speculative decoding, as vLLM runs it for Mamba): each request's 1 + K tokens
+        stepped one position at a time by the decode kernel from the state in `state_slot` (exact
+        offsets), every position's conv and SSM state kept as a snapshot (`ctx.memo["spec_states"]`,
+        layer -> (request ids, conv [T, B, ...], ssm [T, B, ...]): position t of row b; past a row's
+        own length its last state) and the last position's state written back; the runner rolls the
+        slot back to the snapshot of the last accepted position."""
+        slots = [s.state_slot for s in verifies]
+        conv = cache.read(layer, "conv", slots, "decode").to(proj.dtype)
+        ssm = cache.read(layer, "ssm", slots, "decode").to(ssm_dtype)
+        convs, ssms = [], []
+        for t in range(max(s.num_tokens for s in verifies)):
+            live = [i for i, s in enumerate(verifies) if s.num_tokens > t]
+            rows = torch.tensor([verifies[i].start + t for i in live], dtype=torch.long, device=proj.device)
+            if len(live) == len(verifies):
+                y[rows], conv, ssm = self.decode(proj[rows], conv, ssm)
+            else:
+                li = torch.tensor(live, dtype=torch.long, device=proj.device)
+                y[rows], c, h = self.decode(proj[rows], conv[li], ssm[li])
+                conv, ssm = conv.index_copy(0, li, c), ssm.index_copy(0, li, h)
+            convs.append(conv)
+            ssms.append(ssm)
+        ctx.memo.setdefault("spec_states", {})[layer] = (
+            [s.request_id for s in verifies],
+            torch.stack(convs),
+            torch.stack(ssms),
+        )
+        if len(set(slots)) == len(slots):
+            index = cache.slot_index(slots)
+            cache.write(layer, "conv", slots, conv, "decode", index)
+            cache.write(layer, "ssm", slots, ssm, "decode", index)
+            return
+        for i, slot in enumerate(slots):  # in batch order: a slot two rows share keeps the later one's
+            cache.write(layer, "conv", [slot], conv[i : i + 1], "decode")
+            cache.write(layer, "ssm", [slot], ssm[i : i + 1], "decode")
 
     def _initial_state(self, cache, layer: int, s, foreign: dict, dtype, ssm_dtype, shapes: dict):
         """(conv0, ssm0) a prefill/extend chunk starts from: a foreign state, its slot's, or zeros."""

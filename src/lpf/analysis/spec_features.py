@@ -1,0 +1,113 @@
+"""Per-request features of speculative decoding, from the trace's speculative columns (`schema.SPEC_TRACE`).
+
+Contract: `spec_features(requests, trace) -> list[Feature]`, aligned to `requests` sorted by `seq` like
+`features.request_features`; empty when the trace has no `num_draft_tokens` column or it is all null
+(speculation off, engines that do not record it). Pure. A row on the verify path carries the slot that
+path used and the tokens its state covered after the verify pass and after the rollback; the state a
+request should keep covers num_computed_tokens + 1 + num_accepted_tokens. A wrong state counts only when
+a later step of the request reads it (its last step's state is never read).
+  prompt_on_verify_path       its prompt was prefilled on the verify path (a first step with nothing
+                              computed ran as a verify: the decode kernel, the verify path's state index)
+  state_kept_rejected_drafts  after a verify step that rejected drafts its state was not rolled back
+                              (it covers the rejected drafts too), and a later step read it; in a run
+                              where no verify step ever moved a state back (the engine does not roll back)
+  state_rolled_back_wrong     its state was left at another position than its last accepted token (another
+                              count than its own), and a later step read it; in a run where verify steps
+                              do roll back (so a state left where the pass ended is a wrong count too)
+  speculated                  it had drafts verified (the broad condition the three above refine)
+Each feature is left out when it holds for no request.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from lpf.analysis.feature import Feature
+from lpf.analysis.verdicts import by_arrival
+
+COLUMNS = (
+    "request_id",
+    "step",
+    "phase",
+    "num_computed_tokens",
+    "num_scheduled_tokens",
+    "num_draft_tokens",
+    "num_accepted_tokens",
+    "state_tokens_before_rollback",
+    "state_tokens_after_rollback",
+)
+
+
+def has_spec_columns(trace: pa.Table | None) -> bool:
+    return (
+        trace is not None
+        and "num_draft_tokens" in trace.column_names
+        and trace.column("num_draft_tokens").null_count < trace.num_rows
+    )
+
+
+def spec_features(requests: pa.Table, trace: pa.Table | None) -> list[Feature]:
+    if not has_spec_columns(trace):
+        return []
+    req = by_arrival(requests)
+    ids = req.column("request_id").to_pylist()
+    index = {rid: i for i, rid in enumerate(ids)}
+    rows = trace.filter(pc.invert(trace.column("preempted").fill_null(False)))
+    cols = {c: rows.column(c).to_pylist() for c in COLUMNS}
+    last = {}
+    for rid, step in zip(cols["request_id"], cols["step"]):
+        last[rid] = max(step, last.get(rid, step))
+    n = len(ids)
+    on_verify, kept, wrong, spec = (np.zeros(n, dtype=bool) for _ in range(4))
+    lengths: set[int] = set()
+    misplaced: list[int] = []  # requests with a read-later verify row whose state is not where it should be
+    rolls_back = False  # some verify step that rejected drafts moved its state back: the engine rolls back
+    for k in range(rows.num_rows):
+        i = index.get(cols["request_id"][k])
+        if i is None or cols["phase"][k] != "verify":
+            continue
+        drafts, accepted = cols["num_draft_tokens"][k] or 0, cols["num_accepted_tokens"][k]
+        if cols["num_computed_tokens"][k] == 0:
+            on_verify[i] = True
+            lengths.add(cols["num_scheduled_tokens"][k])
+        if not drafts or accepted is None:
+            continue
+        spec[i] = True
+        read_later = cols["step"][k] < last[cols["request_id"][k]]
+        after, before = cols["state_tokens_after_rollback"][k], cols["state_tokens_before_rollback"][k]
+        should = cols["num_computed_tokens"][k] + 1 + accepted
+        if after is not None and accepted < drafts and after != before:
+            rolls_back = True
+        if read_later and after is not None and after != should:
+            misplaced.append(i)
+    # a state left where the verify pass ended is a skipped rollback only where the engine never rolls
+    # back; where it does, that position (like any other) is a rollback to another count than its own
+    for i in misplaced:
+        (wrong if rolls_back else kept)[i] = True
+    size = "/".join(str(x) for x in sorted(lengths)) or "1+K"
+    feats = [
+        Feature(
+            "prompt_on_verify_path",
+            "bool",
+            on_verify,
+            f"had a {size}-token (1+K) prompt prefilled on the verify path (the decode kernel and the verify "
+            f"path's state slot)",
+        ),
+        Feature(
+            "state_kept_rejected_drafts",
+            "bool",
+            kept,
+            "kept a Mamba state covering rejected drafts (no rollback after a verify step), read by a later step",
+        ),
+        Feature(
+            "state_rolled_back_wrong",
+            "bool",
+            wrong,
+            "had their Mamba state rolled back to another position than their last accepted token (another "
+            "accepted count than their own), read by a later step",
+        ),
+        Feature("speculated", "bool", spec, "had draft tokens verified (speculative decoding)"),
+    ]
+    return [f for f in feats if f.values.any()]
