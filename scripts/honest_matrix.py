@@ -287,22 +287,30 @@ def main() -> None:
 
 
 def table(result: dict) -> str:
+    """The Markdown tables docs/benchmarks.md carries (engines x workloads, then the substitutions)."""
     lines = [
-        "| engine | workload | requests | verdict | run test | exit | departure token / settled / top-k | s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| engine | workload | requests | per-request verdicts | run verdict / run test / exit | departure token / settled / top-k | s |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for name, by in result.get("engines", {}).items():
-        for wl, r in by.items():
+    engines = result.get("engines", {})
+    order = sorted(engines, key=lambda e: list(ENGINES).index(e) if e in ENGINES else len(ENGINES))
+    for name in order:
+        for wl, r in sorted(engines[name].items()):
             if "skipped" in r:
-                lines.append(f"| {name} | {wl} | - | skipped: {r['skipped']} | | | | |")
+                lines.append(f"| {name} | {wl} | - | not run: {r['skipped']} | | | |")
                 continue
             dep = r.get("departure") or {}
             d = " / ".join("-" if dep.get(c) is None else f"{dep[c]:.3g}x" for c in ("token", "settled", "topk"))
+            counts = ", ".join(f"{v} {k}" for k, v in (r.get("counts") or {}).items() if v)
             lines.append(
-                f"| {name} | {wl} | {r['requests']} | {r['verdict']} | {r['run_test']} | {r['exit']} | "
-                f"{d} | {r['seconds']:.0f} |"
+                f"| {name} | {wl} | {r['requests']} | {counts} | {r['verdict']} / {r['run_test']} / {r['exit']} | "
+                f"{d if dep else 'not significant'} | {r['seconds']:.0f} |"
             )
-    lines += ["", "| substitution | verdict | run test | tokens to rejection | exit |", "|---|---|---|---|---|"]
+    lines += [
+        "",
+        "| substitution | run verdict | run test | scored tokens to rejection | exit |",
+        "|---|---|---|---|---|",
+    ]
     for name, r in result.get("substitutions", {}).items():
         lines.append(
             f"| {name} | {r.get('verdict')} | {r.get('run_test')} | {r.get('tokens_needed')} | {r.get('exit')} |"
