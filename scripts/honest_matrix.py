@@ -264,6 +264,10 @@ def main() -> None:
         for wl in filter(None, a.workloads.split(",")):
             n = min(a.requests, caps.get(f"{name}@{wl}", caps.get(name, a.requests)))
             run = a.out / f"{_slug(name)}-{wl}-{n}"
+            if a.reuse_only:  # whichever complete run of this cell there is, the largest
+                done = [p for p in a.out.glob(f"{_slug(name)}-{wl}-*") if (p / "matrix.json").is_file()]
+                done = [p for p in done if p.name.rsplit("-", 1)[1].isdigit()]
+                run = max(done, key=lambda p: int(p.name.rsplit("-", 1)[1])) if done else run
             args = ["--model", a.model, "--dtype", dtype] if kind == "lpf" else []
             args += ["--workload", str(workload(a.out, wl, n)), "--max-tokens", str(a.max_tokens)]
             try:
@@ -279,7 +283,7 @@ def main() -> None:
                             meta = audit(run, [*(knobs if kind == "lpf" else served), *args])
             except Exception as e:  # a server that would not start: said, the matrix goes on
                 meta = {"error": str(e)[:300], "seconds": 0}
-            engines.setdefault(name, {})[wl] = {"dtype": dtype, **summary(run, meta)}
+            engines.setdefault(name, {})[wl] = {"dtype": dtype, **summary(run, meta), "run": run.name}
             r = engines[name][wl]
             print(
                 f"  {r.get('verdict')} / {r.get('run_test')} / exit {r.get('exit')} ({r.get('seconds')} s)"
@@ -318,8 +322,11 @@ def roc_part(a) -> dict:
     for name, by in results.get("engines", {}).items():
         for wl, r in by.items():
             if r.get("logprobs") == "all" and r.get("scored_tokens"):
-                n = r["requests"]
-                runs[f"{name} @ {wl}"] = (r["dtype"], False, a.out / f"{_slug(name)}-{wl}-{n}")
+                runs[f"{name} @ {wl}"] = (
+                    r["dtype"],
+                    False,
+                    a.out / r.get("run", f"{_slug(name)}-{wl}-{r['requests']}"),
+                )
     for name, r in results.get("substitutions", {}).items():
         if r.get("scored_tokens"):
             dtype = "bfloat16" if "--dtype" in SUBSTITUTIONS.get(name, []) else "float32"
