@@ -376,6 +376,7 @@ def table(result: dict) -> str:
             dep = r.get("departure") or {}
             d = " / ".join("-" if dep.get(c) is None else f"{dep[c]:.3g}x" for c in ("token", "settled", "topk"))
             counts = ", ".join(f"{v} {k}" for k, v in (r.get("counts") or {}).items() if v)
+            counts += f"{', ' if counts else ''}{r['errors']} errors" if r.get("errors") else ""
             lines.append(
                 f"| {name} | {wl} | {r['requests']} | {counts} | {r['verdict']} / {r['run_test']} / {r['exit']} | "
                 f"{d if dep else 'not significant'} | {r['seconds']:.0f} |"
