@@ -22,7 +22,10 @@ trained tasks the 4-bit copy changes no greedy token, so tokens alone cannot see
 file): two configs (clean float32 and quantize-weights:4, greedy) on 40 prose prompts of 8 tokens, in a
 temporary folder, 50 windows; both parts read the same two runs (two `lpf audit`s, not four: a process
 start-up is most of a quick run).
+`--requests N` audits the first N zoo:stress prompts (seed 17) instead of all 2,000, in --out/requests-N/
+(the time a shared 2-core machine allows), written to bench/results/detection-DATE-requestsN.json.
 Usage: python bench/detection.py [--windows 500] [--out runs/bench-detection] [--part logprobs|tokens|both] [--quick]
+       [--requests N]
 (writes bench/results/detection.json and detection_tokens.json, prints the tables)
 """
 
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -60,6 +64,7 @@ HONEST = {
     "honest vllm bfloat16": ("bfloat16", "vllm", ("-E", "enable_prefix_caching=false")),
     "honest builtin float32, 2 threads": ("float32", "builtin", ("-E", "threads=2")),
 }
+HEAVY_LOCK = "/tmp/lpf-heavy.lock"  # the lock every vLLM / llama-server run on this machine takes (flock(1))
 ROC_N = 100  # the window size of the ROC over the departure a window must reach
 
 
@@ -107,6 +112,8 @@ def audit(
     ]
     if drill:
         args += ["--inject", drill]
+    if engine != "builtin" and shutil.which("flock"):  # a server engine: one at a time on a shared machine
+        args = ["flock", HEAVY_LOCK, *args]
     t0 = time.time()
     proc = subprocess.run(args, capture_output=True, text=True)
     if proc.returncode != 0 and engine != "builtin":  # an engine not built here: said, not fatal
@@ -332,6 +339,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-detection")
     ap.add_argument("--alpha", type=float, default=None)
     ap.add_argument("--part", choices=("logprobs", "tokens", "both"), default="both")
+    ap.add_argument("--requests", type=int, default=None, help="audit the first N zoo:stress prompts (default all)")
     ap.add_argument(
         "--quick",
         action="store_true",
@@ -347,6 +355,15 @@ def main() -> None:
 
         configs = {k: CONFIGS[k] for k in ("clean float32", "quantize-weights:4")}
         a.out, a.windows = Path(tempfile.mkdtemp(prefix="lpf-bench-detection-")), 50
+    if a.requests:  # a subset of zoo:stress, in its own folder (complete runs of another size are not reused)
+        from lpf.zoo import registry
+
+        a.out = a.out / f"requests-{a.requests}"
+        a.out.mkdir(parents=True, exist_ok=True)
+        items = registry.workload_items("stress", seed=17, n=a.requests)[: a.requests]
+        workload = a.out / f"stress-{a.requests}.jsonl"
+        workload.write_text("".join(json.dumps({"id": i["id"], "prompt": i["prompt"]}) + "\n" for i in items))
+        workload = str(workload)
     a.out.mkdir(parents=True, exist_ok=True)
     try:
         if a.part in ("tokens", "both"):
@@ -355,8 +372,6 @@ def main() -> None:
             logprobs_part(a, alpha, configs, workload, max_tokens)
     finally:
         if a.quick:
-            import shutil
-
             shutil.rmtree(a.out, ignore_errors=True)
 
 
@@ -402,6 +417,7 @@ def logprobs_part(a, alpha: float, configs: dict, workload: str, max_tokens: int
         "windows": a.windows,
         "sizes": sizes,
         "n_tokens": {k: e["shipped"]["n"] for k, e in ev.items()},
+        "workload": workload if a.requests is None else f"the first {a.requests} zoo:stress prompts (seed 17)",
         "floors": {k: e["floor"]["pair"] + " (" + e["floor"]["detail"] + ")" for k, e in ev.items()},
         "false_alarm": {},
         "auc": {},
@@ -435,7 +451,9 @@ def logprobs_part(a, alpha: float, configs: dict, workload: str, max_tokens: int
             }
     if not a.quick:
         (ROOT / "bench" / "results").mkdir(exist_ok=True)
-        (ROOT / "bench" / "results" / "detection.json").write_text(json.dumps(result, indent=1) + "\n")
+        # a subset run is its own dated file of the `detection` family (the full run's detection.json kept)
+        name = f"detection-{result['measured']}-requests{a.requests}.json" if a.requests else "detection.json"
+        (ROOT / "bench" / "results" / name).write_text(json.dumps(result, indent=1) + "\n")
     head = "| run | " + " | ".join(f"N={s}" for s in sizes) + " | smallest N (AUC >= 0.999) |"
     for meth in methods:
         print(f"\nAUC, {meth}:\n{head}\n|" + "---|" * (len(sizes) + 2))

@@ -167,6 +167,21 @@ def _detection_tokens(d: dict) -> tuple[str, str, str]:
     )
 
 
+def _honest_matrix(d: dict) -> tuple[str, str, str]:
+    every = [r for by in d["engines"].values() for r in by.values() if "skipped" not in r]
+    runs = [r for r in every if r["verdict"] != "error"]  # an engine that crashed judged nothing
+    ok = sum(1 for r in runs if r["run_test"] == "same" and r["exit"] == 0)
+    subs = (d.get("substitutions") or {}).values()
+    caught = [r["tokens_needed"] for r in subs if r.get("run_test") == "different" and r.get("tokens_needed")]
+    return (
+        f"false alarms on honest engines x workloads, lpf's default gate ({d['model']})",
+        f"{ok}/{len(runs)} runs `same` with exit 0 ({sum(r['requests'] for r in runs):,} requests)"
+        + (f"; {len(every) - len(runs)} crashed (errors, exit 2)" if len(every) > len(runs) else ""),
+        f"substitutions: {len(caught)}/{len(subs)} `different`"
+        + (f", within {max(caught)} scored tokens" if caught else ""),
+    )
+
+
 def _nondeterminism(d: dict) -> tuple[str, str, str]:
     return (
         f"honest batch nondeterminism judged ({len(d['runs'])} engine configurations)",
@@ -212,6 +227,7 @@ ROWS = {
     "detection": _detection,
     "detection_tokens": _detection_tokens,
     "nondeterminism": _nondeterminism,
+    "honest_matrix": _honest_matrix,
     "locate": _locate,
     "gpu_check": _gpu_check,
 }

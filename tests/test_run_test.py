@@ -362,3 +362,24 @@ def test_evidence_in_blocks_is_the_evidence_of_the_whole(table, monkeypatch):
     for k, v in whole.items():
         if isinstance(v, np.ndarray):
             assert np.array_equal(v, blocked[k], equal_nan=True), k
+
+
+def test_one_outlier_token_does_not_carry_a_short_window_past_the_departure_gate():
+    """Issue 39: under 100 tokens a 99th percentile is the maximum, so one honest outlier (llama-server's
+    flash attention: one position's top-k spread 4x its run's 99th percentile) made 12% of its 100-token
+    windows `different`. The departure leaves out at least the largest value; two such tokens, or a
+    departure everywhere, still count, and from 100 values on it is np.quantile's 'higher' 99th percentile
+    or the order statistic below it."""
+    units = {"token": 1.0, "settled": 1.0, "topk": 1.0, "honest": {}, "same_arithmetic": True}
+    s = np.ones(60)
+    one = np.full(60, 0.5)
+    one[7] = 50.0
+    assert floors.departure(one, s, None, units)["token"] == 0.5
+    two = one.copy()
+    two[30] = 50.0
+    assert floors.departure(two, s, None, units)["token"] == 50.0
+    assert floors.departure(np.full(60, 20.0), s, None, units)["token"] == 20.0
+    x = np.random.default_rng(0).exponential(size=971)
+    higher = np.quantile(x, 0.99, method="higher")
+    got = floors.departure(x, np.ones_like(x), None, units)["token"]
+    assert got in (higher, np.sort(x)[np.searchsorted(np.sort(x), higher) - 1])

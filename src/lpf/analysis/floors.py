@@ -37,7 +37,8 @@ Contract:
       row (llama.cpp's f32 kernels, other thread counts and batch shapes, ...: the table's `honest`
       blocks, measured by scripts/measure_honest.py); carried into the expected floor.
   departure(d, s, w, units) -> {token, settled, topk}: how many times the floor's 99th percentile the
-      engine's own 99th percentile is, per component (None where no token has it): the effect size the
+      engine's own 99th percentile is (leaving out at least its largest value, so one token alone never
+      makes a short window's departure), per component (None where no token has it): the effect size the
       run-level test weighs beside its p-value. `departure_needed(units)`: per component, what a
       departure must reach to be a different model and not other honest arithmetic: HONEST_MARGIN x
       the largest honest departure measured, and at least MIN_DEPARTURE where the floor is a float32
@@ -236,8 +237,16 @@ def departure(d: np.ndarray, s: np.ndarray, w: np.ndarray | None, units: dict) -
 
 
 def _q99(x: np.ndarray) -> float | None:
+    """The 99th percentile, leaving out at least the largest value: under 100 values a 99th percentile
+    is the maximum, and one token would carry a short window past the gate (llama-server with flash
+    attention: one position's top-k spread 4x its run's 99th percentile put 12% of honest 100-token
+    windows past it; a lie in one token is the per-request verdicts' to call). From 100 values on it is
+    the same order statistic, or the one below, as np.quantile(x, 0.99, method="higher")."""
     x = x[~np.isnan(x)]
-    return float(np.quantile(x, 0.99, method="higher")) if x.size else None
+    if not x.size:
+        return None
+    k = max(1, x.size // 100)  # the values above the 99th percentile, at least one
+    return float(np.partition(x, x.size - 1 - k)[x.size - 1 - k]) if x.size > k else float(x.max())
 
 
 def departure_needed(units: dict) -> dict:
