@@ -213,6 +213,27 @@ def _gpu_check(d: dict) -> tuple[str, str, str]:
     )
 
 
+def _watch(d: dict) -> tuple[str, str, str]:
+    direct, one = d["direct"], d["proxy 1%"]
+    return (
+        f"`lpf watch` proxy latency and throughput ({d['meta']['requests']} requests, {d['meta']['rounds']} rounds)",
+        f"p50 overhead {one['p50_ms'] - direct['p50_ms']:.2f} ms at 1% sampling, throughput {_x(one['rps'] / direct['rps'])}"
+        f" (median of rounds); proxy CPU {one['cpu_ms_per_request']:.2f} ms a request",
+        "calling the upstream directly (targets <= 1 ms, >= 0.95x)",
+    )
+
+
+def _watch_detection(d: dict) -> tuple[str, str, str]:
+    live = d["swap"]["live"]
+    clean = ", ".join(f"{c['dtype']} {c['alarmed_windows']}/{c['windows']}" for c in d["clean"])
+    return (
+        f"`lpf watch` live: a model swap's detection delay, clean traffic's alarms ({d['window']}-request windows)",
+        f"swap alarmed {live['delay_swapped_tokens']} swapped tokens after it, {live['alarmed_before_swap']} alarms"
+        f" before; clean windows alarmed: {clean}",
+        "the swap's first request (targets <= 100 tokens, 0 clean alarms)",
+    )
+
+
 ROWS = {
     "rescore": _rescore,
     "engine": _engine,
@@ -230,6 +251,8 @@ ROWS = {
     "honest_matrix": _honest_matrix,
     "locate": _locate,
     "gpu_check": _gpu_check,
+    "watch": _watch,
+    "watch_detection": _watch_detection,
 }
 
 
@@ -238,8 +261,9 @@ def _date(path: Path, d) -> str:
         for key in ("date", "measured"):
             if isinstance(d.get(key), str):
                 return d[key][:10]
-        if isinstance((d.get("environment") or {}).get("date"), str):
-            return d["environment"]["date"][:10]
+        for holder in ("environment", "meta"):
+            if isinstance((d.get(holder) or {}).get("date"), str):
+                return d[holder]["date"][:10]
     m = re.search(r"\d{4}-\d{2}-\d{2}", path.name)
     return m.group(0) if m else ""
 
