@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from lpf.core.errors import LpfError
@@ -62,6 +62,9 @@ lines = st.lists(st.one_of(item_values.map(json.dumps), json_values.map(json.dum
 
 @FAST
 @given(content=lines, raw=st.binary(max_size=40))
+# a text prompt the tokenizer (512 ids) turns into an id past the 256 this test gives as the model's
+# vocabulary: once passed through unchecked (hypothesis found it, 2026-12-04)
+@example(content=[json.dumps({"prompt": "\u201f"})], raw=b"")
 def test_the_workload_reader_never_crashes(tokenizer, content, raw):
     from lpf.core.workload import load_prompts
 

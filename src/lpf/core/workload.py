@@ -164,6 +164,11 @@ def load_prompts(
                 raise LpfError(f"{at}: token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
         if not ids:
             raise LpfError(f"{at}: empty prompt")
+        bad = [t for t in ids if not 0 <= t < vocab_size]  # text: the tokenizer may know more ids than the model
+        if bad:
+            raise LpfError(
+                f"{at}: the tokenizer gives token id {bad[0]}, outside the model's vocabulary (0..{vocab_size - 1})"
+            )
         if max_context is not None and len(ids) >= max_context:
             raise LpfError(f"{at}: prompt has {len(ids)} tokens, the model context is {max_context}")
         pid = str(obj.get("id", f"p{lineno:05d}"))
