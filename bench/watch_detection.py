@@ -16,7 +16,7 @@ reference), greedy prose requests (zoo filler text the model was not trained to 
   concurrent clients for `--seconds`, then the scorer given time to catch up: windows judged, alarmed
   windows, scored tokens, tokens generated per second and scored per second (the scorer's rate while it
   had a backlog), and the projection to 1M clean scored tokens.
-`--quick`: 4+8 swap requests, 20 s of clean float32 traffic (a smoke run; nothing asserted; no results
+`--quick`: 4+8 swap requests, 5 s of clean float32 traffic (a smoke run; nothing asserted; no results
 file). Otherwise writes bench/results/watch_detection.json.
 Usage: python bench/watch_detection.py [--quick] [--seconds 240] [--dtypes float32,bfloat16] [--window 4]
 """
@@ -225,7 +225,7 @@ def main() -> None:
     ap.add_argument("--part", choices=["swap", "clean", "both"], default="both")
     a = ap.parse_args()
     if a.quick:
-        a.swap_clean, a.swap_after, a.seconds, a.dtypes = 4, 8, 20.0, "float32"
+        a.swap_clean, a.swap_after, a.seconds, a.dtypes = 4, 8, 5.0, "float32"
     tmp = Path(tempfile.mkdtemp(prefix="lpf-watch-detection-"))
     results = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
