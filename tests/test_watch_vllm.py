@@ -37,10 +37,11 @@ def _events(raw: bytes) -> list:
 
 
 def _merged(events: list) -> dict:
-    """A stream as one answer: its text (content) per choice, finish and stop reasons, every chunk's other
-    fields and their values but for the text, and the event count aside: vLLM coalesces tokens into one chunk
+    """A stream as one answer: its text (content) and logprobs (each list concatenated) per choice, finish and
+    stop reasons, every chunk's other fields and their values but for the text and logprobs (their keys kept),
+    and the event count aside: vLLM coalesces tokens into one chunk
     when its reader lags, so chunk boundaries differ between two direct calls too under load."""
-    text, shape, ends = {}, set(), []
+    text, shape, ends, logprobs = {}, set(), [], {}
     for e in events:
         if not isinstance(e, dict):
             shape.add(e)
@@ -49,13 +50,20 @@ def _merged(events: list) -> dict:
             delta = c.get("delta") or {}
             piece = c.get("text") if "text" in c else delta.get("content")
             text[c.get("index")] = text.get(c.get("index"), "") + (piece or "")
-            rest = {k: v for k, v in c.items() if k not in ("text", "delta", "finish_reason", "stop_reason")}
+            # a chunk's logprobs are its tokens': concatenated per choice, as the text is (coalescing moves them)
+            for k, v in (c.get("logprobs") or {}).items():
+                if isinstance(v, list):
+                    logprobs.setdefault((c.get("index"), k), []).extend(v)
+            rest = {
+                k: v for k, v in c.items() if k not in ("text", "delta", "finish_reason", "stop_reason", "logprobs")
+            }
+            rest["logprobs"] = sorted(c["logprobs"]) if isinstance(c.get("logprobs"), dict) else c.get("logprobs")
             shape.add(json.dumps({"choice": rest, "delta_keys": sorted(delta)}, sort_keys=True))
             if c.get("finish_reason") is not None:
                 ends.append((c.get("finish_reason"), c.get("stop_reason")))
         top = {k: v for k, v in e.items() if k != "choices"}
         shape.add(json.dumps(top, sort_keys=True))
-    return {"text": text, "shape": shape, "ends": ends}
+    return {"text": text, "shape": shape, "ends": ends, "logprobs": logprobs}
 
 
 def _plain(d):

@@ -97,11 +97,35 @@ def _first(x):
     return x[0] if isinstance(x, (tuple, list)) else x
 
 
+class _Globals:
+    """A module's namespace through its functions' globals, read and written as the module's attributes."""
+
+    def __init__(self, ns: dict):
+        object.__setattr__(self, "_ns", ns)
+
+    def __getattr__(self, name):
+        try:
+            return self._ns[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def __setattr__(self, name, value):
+        self._ns[name] = value
+
+
+def _namespace(cls):
+    """Where the model's modeling code looks its kernels up: its module, or, when that module is no longer in
+    sys.modules (a full suite run once lost transformers' modeling_jamba there, cause not found), the globals
+    its forward runs with, which are that module's namespace all the same."""
+    module = sys.modules.get(cls.__module__)
+    return module if module is not None else _Globals(inspect.unwrap(cls.forward).__globals__)
+
+
 class HFCapture:
     def __init__(self, model, side: str = "reference", dtype: str = "float32"):
         self.model = model
         self.side, self.dtype = side, dtype
-        self.module = sys.modules[type(model).__module__]
+        self.module = _namespace(type(model))
         self.prefix, self.layers = decoder_layers(model)
         self.acts: Activations | None = None
         self.layer: int | None = None
