@@ -210,6 +210,7 @@ def longmem():
     return items, run(items, model="tiny:jamba-longmem", max_num_seqs=8)[0]
 
 
+@pytest.mark.slow  # the drills end to end (~15-30 s together): out of `make test-fast`, as test_engine_drills
 @pytest.mark.parametrize("drill", DRILL_KNOBS)
 def test_each_spec_drill_corrupts_exactly_the_requests_its_ground_truth_names(longmem, drill):
     items, plain = longmem
@@ -287,6 +288,7 @@ def test_checkpoints_saved_by_verify_steps_are_the_state_a_resume_needs():
     assert worst <= 1e-4
 
 
+@pytest.mark.slow  # two turns with prefix caching under the drill (~5-17 s): out of `make test-fast`
 def test_spec_checkpoint_rejected_corrupts_exactly_the_resumes_its_ground_truth_names():
     _, turn2, trace, faults, want = two_turns("tiny:jamba-longmem", inject="spec-checkpoint-rejected", n=48)
     assert faults is not None, "no turn-2 request resumed from a checkpoint the drill saved wrong"
