@@ -366,25 +366,19 @@ def main() -> None:
 
     model = a.model or ("zoo:hybrid" if registry.model_available("hybrid") else "tiny:hybrid")
     results_file = Path(__file__).with_name("results") / "engine.json"
-    if a.only == "spec":
+    if a.only:  # one part's rows, the rest of engine.json kept
+        part, key, show = {
+            "spec": (speculative, "speculative", print_spec),
+            "prefix": (prefix_caching, "prefix_caching", print_prefix),
+        }[a.only]
         with tempfile.TemporaryDirectory() as tmp:
             base = startup("builtin", model, Path(tmp), [])
-            p = speculative(model, Path(tmp), a.repeats, base)
+            p = part(model, Path(tmp), a.repeats, base)
         doc = json.loads(results_file.read_text()) if results_file.is_file() else {}
-        doc["speculative"] = {**p, "date": time.strftime("%Y-%m-%d")}
+        doc[key] = {**p, "date": time.strftime("%Y-%m-%d")}
         results_file.parent.mkdir(exist_ok=True)
         results_file.write_text(json.dumps(doc, indent=2))
-        print_spec(p)
-        return
-    if a.only == "prefix":
-        with tempfile.TemporaryDirectory() as tmp:
-            base = startup("builtin", model, Path(tmp), [])
-            p = prefix_caching(model, Path(tmp), a.repeats, base)
-        doc = json.loads(results_file.read_text()) if results_file.is_file() else {}
-        doc["prefix_caching"] = {**p, "date": time.strftime("%Y-%m-%d")}
-        results_file.parent.mkdir(exist_ok=True)
-        results_file.write_text(json.dumps(doc, indent=2))
-        print_prefix(p)
+        show(p)
         return
     items = registry.workload_items("stress", seed=1, n=a.requests)
     engines = {"hf": ["-E", "batch_size=32"], "builtin": ["--max-num-seqs", "64", "--max-num-batched-tokens", "512"]}
