@@ -230,7 +230,7 @@ def test_stale_state_in_bf16_still_has_every_imposter_corrupt(tmp_path):
     )
     corrupted = {r[0] for r in run_query(run, "SELECT DISTINCT request_id FROM faults WHERE role = 'corrupted'")[1]}
     verdicts = dict(run_query(run, "SELECT request_id, verdict FROM summary")[1])
-    assert f["n_requests"] == 1000 and len(corrupted) >= 20
+    assert f["n_requests"] == 2000 and len(corrupted) >= 20
     assert {verdicts[r] for r in corrupted} == {"corrupt"} and f["verdict"] == "corrupt"
     flagged = {r for r, v in verdicts.items() if v in ("divergent", "corrupt")}
     assert flagged >= corrupted and len(flagged - corrupted) <= 0.02 * f["n_requests"]
