@@ -186,7 +186,7 @@ def test_ray_options_need_the_ray_executor(tmp_path, lpf_cli):
 
 def test_plan_keeps_the_local_batches_whole_in_units():
     from lpf.pipeline.rescore_ray import plan, unit_tokens
-    from lpf.pipeline.reference import plan_batches
+    from lpf.pipeline.batch_plan import plan_batches
 
     ids = [f"r{i:03d}" for i in range(300)]
     n_prompt = [(i * 37) % 90 + 1 for i in range(300)]

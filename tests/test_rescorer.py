@@ -99,7 +99,7 @@ def test_logprob_rows_matches_float64(vocab, k, monkeypatch):
 
 
 def test_batches_sorted_by_length_then_id_under_the_budget_and_the_padding_slack():
-    from lpf.pipeline.reference import PAD_SLACK, plan_batches
+    from lpf.pipeline.batch_plan import PAD_SLACK, plan_batches
 
     lengths, ids = [5, 3, 5, 9, 3, 20], ["e", "b", "a", "c", "z", "x"]
     assert plan_batches(lengths, ids, 10) == [[1, 4], [2, 0], [3], [5]]  # 2 x 5 fits 10; 20 goes alone
@@ -162,7 +162,7 @@ def test_cuda_reference_matches_cpu(rescorer):
 def test_the_float32_output_gemm_is_used_only_where_the_device_has_it():
     """bfloat16 weights: the float32-output GEMM on CUDA, the float32 copy of the weight on a CPU (torch has
     no CPU kernel for `out_dtype`: if one appears, this says so and the rule is revisited)."""
-    from lpf.pipeline.reference import mixed_mm_supported
+    from lpf.pipeline.reference_head import mixed_mm_supported
 
     a = torch.ones((2, 3), dtype=torch.bfloat16)
     try:
@@ -173,7 +173,7 @@ def test_the_float32_output_gemm_is_used_only_where_the_device_has_it():
     assert not cpu_has_it and not mixed_mm_supported("cpu", torch.bfloat16)
     assert not mixed_mm_supported("cuda", torch.float32)
     rs = Rescorer(resolve_model("tiny:llama"), dtype="bfloat16", topk=3)
-    assert not rs.mixed_head and rs._head[0].dtype == torch.float32 and rs.head_dtype == torch.float32
+    assert not rs.mixed_head and rs.head.weights[0].dtype == torch.float32 and rs.head_dtype == torch.float32
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -8,7 +8,7 @@ reference part), refuses a reference with another tokenizer
 (ids would not mean the same text) and a silent switch of reference (`--redo` replaces the scores).
 Two executors write the same `reference/` parts through `RunDir.append`: `local` (one `Rescorer` in
 this process) and `ray` (`lpf.pipeline.rescore_ray`: an actor pool of rescorers on Ray Data, the
-parts committed by this process). Both pack batches with `lpf.pipeline.reference.plan_batches`. Prompt
+parts committed by this process). Both pack batches with `lpf.pipeline.batch_plan.plan_batches`. Prompt
 positions are scored by the local executor only (a run with prompt logprobs is refused by `ray`), and so
 is the seeded replay (`lpf.pipeline.replay`: sampled runs of an engine whose sampler lpf knows), committed in
 `seeded/` with its reference part.

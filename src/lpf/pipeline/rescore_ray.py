@@ -59,7 +59,7 @@ def plan(pending: pa.Table, token_budget: int, target_tokens: int) -> tuple[list
     """(batch number of each pending request, in the table's order; the first batch number of each
     work unit after the first). Batches are `plan_batches`' (the local executor's), numbered in
     their order; units are runs of consecutive batches of about target_tokens tokens each."""
-    from lpf.pipeline.reference import plan_batches
+    from lpf.pipeline.batch_plan import plan_batches
 
     n_prompt, n_output = pending.column("n_prompt").to_pylist(), pending.column("n_output").to_pylist()
     lengths = [p + o for p, o in zip(n_prompt, n_output)]
