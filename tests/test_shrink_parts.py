@@ -108,7 +108,7 @@ def test_command_sh_is_rendered_from_the_spec_and_parses_back_to_it(tmp_path):
     as --no-..., a repeatable drill twice, the rest as -E; rescore settings and pinned thresholds)."""
     from click import Context
 
-    from lpf.cli.common import build_audit_spec
+    from lpf.cli.audit_spec import build_audit_spec
     from lpf.cli.run import audit
     from lpf.core.sampling import SamplingParams
     from lpf.pipeline.rescore import RescoreSettings

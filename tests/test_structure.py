@@ -84,6 +84,7 @@ def test_command_modules_import_only_common_and_render():
     graph = _module_imports()
     shared = {
         "lpf.cli.common",
+        "lpf.cli.audit_spec",
         "lpf.cli.render",
         "lpf.cli.render_compare",
         "lpf.cli.render_rl",
@@ -192,7 +193,9 @@ def test_knobs_flow_down_from_the_command_line_and_never_climb_back():
     whose whole import closure stays out of lpf.cli."""
     graph = _module_imports()
     assert "lpf.experiments.sweep" in graph["lpf.cli.experiments"]
-    assert "lpf.pipeline.spec" in graph["lpf.cli.common"] and "lpf.cli.common" in graph["lpf.cli.run"]
+    # the command line's one spec builder is where options become a spec (`lpf audit`, and `lpf sweep`'s cells)
+    assert "lpf.pipeline.spec" in graph["lpf.cli.audit_spec"]
+    assert "lpf.cli.audit_spec" in graph["lpf.cli.run"] and "lpf.cli.audit_spec" in graph["lpf.cli.experiments"]
     sweep_path = ["lpf.experiments.sweep", "lpf.experiments.cells", "lpf.pipeline.spec", "lpf.core.knobs"]
     audit_path = [
         "lpf.pipeline.spec",
@@ -259,7 +262,7 @@ def _argv_literals(fn: ast.AST) -> list[str]:
 
 
 def test_the_command_line_never_turns_options_back_into_arguments():
-    """Options become an AuditSpec once (cli.common.build_audit_spec) and nothing in lpf/cli/ turns
+    """Options become an AuditSpec once (cli.audit_spec.build_audit_spec) and nothing in lpf/cli/ turns
     options or a spec back into an argument list: no function there builds a list holding an option
     string, and the old inverse functions are gone everywhere."""
     offenders = []

@@ -1,7 +1,8 @@
 """The `lpf` command line: one click group; its commands live one module per group.
 
   common.py       what every command shares: consoles, progress bars, option decorators (each option
-                  declared once), the run-spec builder, the report rule, the --fail-on rule
+                  declared once), the report rule, the --fail-on rule
+  audit_spec.py   the one AuditSpec builder (parsed options -> lpf.pipeline.spec), rescore settings
   render.py       the run's terminal summary (domain modules return data and print nothing); the other
                   terminal tables beside it: render_views.py (engines, zoo, query, inspect),
                   render_experiments.py (sweep, repeat, shrink), render_compare.py (diff, conformance),
@@ -11,7 +12,7 @@
   serve.py        serve                               compare.py diff, conformance
   locate.py       locate (render_locate.py draws its summary)
   watch.py        watch (render_watch.py draws its lines)
-Command modules import `common` and the render modules only, never each other. `lpf --help` imports click,
+Command modules import `common`, `audit_spec` and the render modules only, never each other. `lpf --help` imports click,
 rich and a few light lpf modules: every heavy import sits inside a command's body.
 
 Exit codes everywhere: 0 fine, 1 findings at or above `--fail-on`, 2 bad usage or input (an
@@ -62,7 +63,7 @@ def main() -> None:
             raise
         from rich.markup import escape
 
-        from lpf.cli.common import spec_error
+        from lpf.cli.audit_spec import spec_error
 
         # a bound no command turned into an LpfError: still one line, exit 2 (bad input, not a crash)
         err.print(f"[bold red]error:[/] {escape(spec_error(e))}", highlight=False, soft_wrap=True)

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import click
 
+from lpf.cli.audit_spec import build_audit_spec
 from lpf.cli.common import (
     KnobCommand,
     audit_settings_options,
-    build_audit_spec,
     default_out,
     engine_knob_options,
     engine_knobs,

@@ -13,17 +13,16 @@ from pathlib import Path
 
 import click
 
+from lpf.cli.audit_spec import build_audit_spec, rescore_settings
 from lpf.cli.common import (
     KnobCommand,
     analysis_options,
     audit_options,
-    build_audit_spec,
     err,
     fails,
     progress_bar,
     progress_bars,
     rescore_options,
-    rescore_settings,
     run_options,
     stream_option,
     trace_dir_option,

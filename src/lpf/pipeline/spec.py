@@ -4,7 +4,7 @@
               rescore=RescoreSettings(reference, dtype, token_budget, device, executor, ray),
               analysis=AnalysisSpec(calibrate, attribution), thresholds={name: value})
 
-The command line builds one from its options (`lpf.cli.common.build_audit_spec`), experiments build
+The command line builds one from its options (`lpf.cli.audit_spec.build_audit_spec`), experiments build
 theirs directly (a sweep cell, a shrink candidate, a conformance cell) and hand a cell nothing else:
 `lpf audit --spec -` reads it back (`AuditSpec.model_validate_json`). Every run directory keeps the
 spec it was created from in `RUN/spec.json` (docs/run-directory.md).
