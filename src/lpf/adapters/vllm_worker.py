@@ -98,37 +98,33 @@ def prompt_part(output, k: int) -> dict:
     return {"prompt_logprobs": lps, "prompt_topk_ids": top_ids, "prompt_topk_logprobs": top_lps}
 
 
+def _failed(req_id: str, t_submit: float, error: str) -> dict:
+    """The completion message of a request whose answer cannot be read (no tokens, `error` says why)."""
+    return {
+        "type": "completion",
+        "request_id": req_id,
+        "output_token_ids": [],
+        "logprobs": [],
+        "finish_reason": "error",
+        "t_submit": t_submit,
+        "t_finish": time.time(),
+        "error": error,
+    }
+
+
 def completion(req_id: str, output, t_submit: float, t_first: float | None, k: int) -> dict:
     out = output.outputs[0]
     ids = [int(t) for t in out.token_ids]
     lps, topk_ids, topk_lps = [], [], []
     per_pos = out.logprobs if out.logprobs is not None else []
     if len(per_pos) != len(ids):
-        return {
-            "type": "completion",
-            "request_id": req_id,
-            "output_token_ids": [],
-            "logprobs": [],
-            "finish_reason": "error",
-            "t_submit": t_submit,
-            "t_finish": time.time(),
-            "error": f"vLLM returned {len(per_pos)} logprob positions for {len(ids)} tokens",
-        }
+        return _failed(req_id, t_submit, f"vLLM returned {len(per_pos)} logprob positions for {len(ids)} tokens")
     for pos, tid in enumerate(ids):
         entry = per_pos[pos]
         items = sorted(((float(lp.logprob), int(t)) for t, lp in entry.items()), key=lambda p: -p[0])
         sampled = entry[tid] if tid in entry else None
         if sampled is None:
-            return {
-                "type": "completion",
-                "request_id": req_id,
-                "output_token_ids": [],
-                "logprobs": [],
-                "finish_reason": "error",
-                "t_submit": t_submit,
-                "t_finish": time.time(),
-                "error": f"vLLM gave no logprob for the sampled token at position {pos}",
-            }
+            return _failed(req_id, t_submit, f"vLLM gave no logprob for the sampled token at position {pos}")
         lps.append(float(sampled.logprob))
         topk_ids.append([t for _, t in items[:k]])
         topk_lps.append([v for v, _ in items[:k]])

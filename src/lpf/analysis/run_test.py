@@ -270,6 +270,12 @@ def _departure(ev: dict, lo: int, hi: int, best: str) -> dict:
 
 def tokens_needed(ev: dict, alpha: float = DEFAULT_ALPHA) -> int | None:
     """The smallest prefix (every length to 200, then 5% steps) at which the test rejects."""
+    return first_rejecting_prefix(ev, decide, alpha)
+
+
+def first_rejecting_prefix(ev: dict, decide, alpha: float) -> int | None:
+    """The smallest prefix of `ev`'s tokens (every length from MIN_TOKENS to 200, then 5% steps) at which
+    `decide(ev, 0, size, alpha)` (this test's or `token_test`'s) says "different"; None when none does."""
     n = ev["n"]
     sizes = list(range(MIN_TOKENS, min(n, 200) + 1))
     while sizes and sizes[-1] < n:

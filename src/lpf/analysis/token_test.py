@@ -39,7 +39,14 @@ import numpy as np
 import pyarrow as pa
 
 from lpf.analysis.floors import KAPPA
-from lpf.analysis.run_test import DEFAULT_ALPHA, MIN_TOKENS, NULL_RATE, freedman_log_bound, sampling_evidence
+from lpf.analysis.run_test import (
+    DEFAULT_ALPHA,
+    MIN_TOKENS,
+    NULL_RATE,
+    first_rejecting_prefix,
+    freedman_log_bound,
+    sampling_evidence,
+)
 
 
 def _graded(margin: np.ndarray, tie: float) -> np.ndarray:
@@ -149,14 +156,8 @@ def decide(ev: dict, lo: int, hi: int, alpha: float = DEFAULT_ALPHA) -> dict:
 
 
 def tokens_needed(ev: dict, alpha: float = DEFAULT_ALPHA) -> int | None:
-    n = ev["n"]
-    sizes = list(range(MIN_TOKENS, min(n, 200) + 1))
-    while sizes and sizes[-1] < n:
-        sizes.append(min(n, max(sizes[-1] + 1, int(sizes[-1] * 1.05))))
-    for size in sizes:
-        if decide(ev, 0, size, alpha)["result"] == "different":
-            return size
-    return None
+    """The smallest prefix (every length to 200, then 5% steps) at which this test rejects."""
+    return first_rejecting_prefix(ev, decide, alpha)
 
 
 def run_test(ev: dict, floor: dict, alpha: float = DEFAULT_ALPHA) -> dict:

@@ -77,7 +77,7 @@ def print_rows(columns: list[str], rows: list, console: Console, fmt: str = "tab
 
 def print_request(info: dict, console: Console, top: int = 3) -> None:
     """`lpf inspect`: the request, its tokens and its trace as tables."""
-    from lpf.views.inspect import TRACE_COLUMNS
+    from lpf.run.schema import TRACE_STEP_COLUMNS
 
     r = info["request"]
     s = r.get("summary") or {}
@@ -151,7 +151,7 @@ def print_request(info: dict, console: Console, top: int = 3) -> None:
         return
     tr = Table(title=f"trace ({len(info['trace'])} rows)", title_justify="left")
     strays = any("stray_writes" in row for row in info["trace"])
-    for c in (*TRACE_COLUMNS, *(["stray write"] if strays else [])):
+    for c in (*TRACE_STEP_COLUMNS, *(["stray write"] if strays else [])):
         tr.add_column(c)
     for row in info["trace"]:
         landed = ", ".join(
@@ -160,7 +160,7 @@ def print_request(info: dict, console: Console, top: int = 3) -> None:
             for e in row.get("stray_writes") or []
         )
         tr.add_row(
-            *("-" if row[c] is None else str(row[c]) for c in TRACE_COLUMNS),
+            *("-" if row[c] is None else str(row[c]) for c in TRACE_STEP_COLUMNS),
             *([landed or "-"] if strays else []),
             style="bold red" if row["preempted"] else None,
         )

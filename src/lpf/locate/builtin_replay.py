@@ -183,18 +183,7 @@ def _project(engine, so, cap, logits: dict) -> None:
 
 def _step_info(so, n: Node, deps: Dependencies, drills, prefix_caching: bool = False) -> dict:
     s = next(x for x in so.scheduled if x.request_id == n.request_id)
-    if prefix_caching:  # a state may come from a checkpoint slot: where it was read is not modelled here
-        return {
-            "step": so.step,
-            "phase": drills.phase(s),
-            "first_position": n.kv_start,
-            "last_position": n.kv_end - 1,
-            "num_tokens": n.kv_end - n.kv_start,
-            "batch_size": len(so.scheduled),
-            "state_slot": s.state_slot,
-        }
-    writers = deps.state_writers(n)
-    return {
+    info = {
         "step": so.step,
         "phase": drills.phase(s),
         "first_position": n.kv_start,
@@ -202,6 +191,12 @@ def _step_info(so, n: Node, deps: Dependencies, drills, prefix_caching: bool = F
         "num_tokens": n.kv_end - n.kv_start,
         "batch_size": len(so.scheduled),
         "state_slot": s.state_slot,
+    }
+    if prefix_caching:  # a state may come from a checkpoint slot: where it was read is not modelled here
+        return info
+    writers = deps.state_writers(n)
+    return {
+        **info,
         "slot_zeroed": n.zeroes_slot is not None,
         "state_read_offset": n.state_read,
         "state_write_offset": n.state_write,

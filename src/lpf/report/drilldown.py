@@ -15,6 +15,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from lpf.report.chart_style import sig
+from lpf.run.schema import TRACE_STEP_COLUMNS
 
 RANK = {"corrupt": 4, "divergent": 3, "noise": 2, "clean": 1, "unscored": 0, "error": 0}
 TRACE_ROWS = 160
@@ -164,17 +165,7 @@ def _trace_by_request(trace: pa.Table | None, ids: list[str]) -> dict[str, dict]
         return {}
     t = trace.filter(pc.is_in(trace.column("request_id"), pa.array(ids, pa.string())))
     t = t.sort_by([("request_id", "ascending"), ("step", "ascending")])
-    cols = [
-        "step",
-        "phase",
-        "num_computed_tokens",
-        "num_scheduled_tokens",
-        "state_slot",
-        "batch_size",
-        "batch_tokens",
-        "preempted",
-    ]
-    cols = [c for c in cols if c in t.column_names]
+    cols = [c for c in TRACE_STEP_COLUMNS if c in t.column_names]
     rows_by: dict[str, list] = {}
     rid = t.column("request_id").to_pylist()
     values = list(zip(*(t.column(c).to_pylist() for c in cols))) if cols else []

@@ -24,6 +24,7 @@ from lpf.core.errors import LpfError
 from lpf.report import charts, drilldown
 from lpf.report.decode import decoder
 from lpf.report.scan import rows_of, scan
+from lpf.run.schema import TRACE_STEP_COLUMNS
 from lpf.run.store import RunDir
 
 WORST_N = 20
@@ -31,16 +32,6 @@ WORST_N = 20
 # so the report of a 100M-token run reads a sample of its parts' rows, not all of them
 HISTOGRAM_TOKENS = 2_000_000
 TRACE_COLUMNS = ["step", "request_id", "batch_size", "batch_tokens", "preempted"]
-TRACE_DETAIL = [
-    "step",
-    "phase",
-    "num_computed_tokens",
-    "num_scheduled_tokens",
-    "state_slot",
-    "batch_size",
-    "batch_tokens",
-    "preempted",
-]
 
 
 def load(path: Path, worst_n: int = WORST_N, max_points: int = charts.MAX_SCATTER_POINTS) -> dict:
@@ -222,7 +213,7 @@ def _drill(run: RunDir, picks: list[dict], tok_files: list[str], ref_files: list
     reference = rows_of(
         ref_files, ["request_id", "position", "ref_logprob", "ref_rank", "ref_topk_ids", "ref_topk_logprobs"], ids
     )
-    trace = rows_of(trace_files, ["request_id", *TRACE_DETAIL], ids)
+    trace = rows_of(trace_files, ["request_id", *TRACE_STEP_COLUMNS], ids)
     decode, decode_text, note = decoder(run.manifest)
     out = drilldown.build(picks, requests, tokens, reference, trace, decode, decode_text)
     out["tokenizer_note"] = note

@@ -212,6 +212,20 @@ def attach(dump: Dump, out_dir: Path) -> bool:
     return True
 
 
+def _token_layout(dump: Dump) -> tuple[list, np.ndarray, dict]:
+    """(each sequence's response token ids, the offset of each response's first token in the flat token
+    order, {(step, request_id): response index}): where a reference file's rows land among the dump's tokens."""
+    outputs = dump.sequences.column("response_token_ids").to_pylist()
+    offsets = np.concatenate([[0], np.cumsum([len(o) for o in outputs])]).astype(np.int64)
+    where = {
+        (s, r): i
+        for i, (s, r) in enumerate(
+            zip(dump.responses.column("step").to_pylist(), dump.responses.column("request_id").to_pylist())
+        )
+    }
+    return outputs, offsets, where
+
+
 def _list_column(dump: Dump, path: Path, name: str) -> np.ndarray | None:
     """[scored tokens, width] of a list column (the cumulative top probabilities, the kept mass per top-p;
     NaN where absent), or None for a file made before lpf stored it. Rows line up with `_read`'s (checked
@@ -227,14 +241,7 @@ def _list_column(dump: Dump, path: Path, name: str) -> np.ndarray | None:
     if col.null_count == len(col):
         return None
     width = int(np.max(pc.list_value_length(col).to_numpy(zero_copy_only=False)))
-    outputs = dump.sequences.column("response_token_ids").to_pylist()
-    offsets = np.concatenate([[0], np.cumsum([len(o) for o in outputs])]).astype(np.int64)
-    where = {
-        (s, r): i
-        for i, (s, r) in enumerate(
-            zip(dump.responses.column("step").to_pylist(), dump.responses.column("request_id").to_pylist())
-        )
-    }
+    _, offsets, where = _token_layout(dump)
     resp = np.array(
         [where[(s, r)] for s, r in zip(table.column("step").to_pylist(), table.column("request_id").to_pylist())],
         dtype=np.int64,
@@ -266,14 +273,7 @@ def _read(dump: Dump, path: Path, lagged: bool):
         raise LpfError(f"{path}: not a reference file of lpf rl rescore (no {', '.join(missing)})")
     meta = json.loads((table.schema.metadata or {}).get(b"lpf", b"{}"))
     stale = f"{path} was made for another dump; rerun lpf rl rescore {dump.source} (or remove that file)"
-    outputs = dump.sequences.column("response_token_ids").to_pylist()
-    offsets = np.concatenate([[0], np.cumsum([len(o) for o in outputs])]).astype(np.int64)
-    where = {
-        (s, r): i
-        for i, (s, r) in enumerate(
-            zip(dump.responses.column("step").to_pylist(), dump.responses.column("request_id").to_pylist())
-        )
-    }
+    outputs, offsets, where = _token_layout(dump)
     key = pc.binary_join_element_wise(pc.cast(table.column("step"), pa.string()), table.column("request_id"), "\x1f")
     enc = pc.dictionary_encode(key).combine_chunks()
     lookup = np.array(

@@ -143,6 +143,18 @@ TRACE = pa.schema(
         *PREFIX_TRACE,
     ]
 )
+# one request's trace rows as the drill-downs show them (`lpf inspect`, report.html): TRACE's core columns
+# but the request id, in their order
+TRACE_STEP_COLUMNS = (
+    "step",
+    "phase",
+    "num_computed_tokens",
+    "num_scheduled_tokens",
+    "state_slot",
+    "batch_size",
+    "batch_tokens",
+    "preempted",
+)
 
 # the write log (engines that can: the built-in engine), columns the engine's trace adds after TRACE's:
 # per row, this request's writes at this step that landed in memory it does not hold alone: a state

@@ -21,18 +21,8 @@ from pathlib import Path
 
 from lpf.core.errors import LpfError, did_you_mean
 from lpf.core.jsonsafe import finite
+from lpf.run.schema import TRACE_STEP_COLUMNS
 from lpf.run.store import RunDir
-
-TRACE_COLUMNS = (
-    "step",
-    "phase",
-    "num_computed_tokens",
-    "num_scheduled_tokens",
-    "state_slot",
-    "batch_size",
-    "batch_tokens",
-    "preempted",
-)
 
 
 def _rows(con, sql: str, params: list) -> list[dict]:
@@ -115,7 +105,7 @@ def inspect_request(path: Path | str, request_id: str) -> dict:
     trace = overwritten = None
     if "trace" in views:
         have = {r[0] for r in con.execute("SELECT column_name FROM (DESCRIBE trace)").fetchall()}
-        cols = [*TRACE_COLUMNS, *(["stray_writes"] if "stray_writes" in have else [])]
+        cols = [*TRACE_STEP_COLUMNS, *(["stray_writes"] if "stray_writes" in have else [])]
         trace = _rows(
             con,
             f"SELECT {', '.join(cols)} FROM trace WHERE request_id = ? ORDER BY step, preempted",
