@@ -59,7 +59,11 @@ def conv_case(K: int, q: int, dim: int = 8, width: int = 4, L: int = 7) -> float
     return (out - full[:, L:].T).abs().max().item()
 
 
-def ssu_case(K: int = 3, H: int = 2, P: int = 4, N: int = 8) -> tuple[float, list[float], float]:
+def _verify_step(start_state, num_accepted: int, K: int, H: int, P: int, N: int):
+    """One verify step of 1+K tokens through the CPU selective_state_update (the C++ op the `cpu` SSU backend
+    calls), slot columns = slots 1..4, on random inputs with start state h0; the state pool is
+    `start_state(h0)` ([8, H, P, N]: where the case puts h0). Returns (the op's outputs, the float64
+    recurrence's outputs from h0, its state after each position, the state pool after the op)."""
     q = 1 + K
     h0, x = torch.randn(H, P, N), torch.randn(q, H, P)
     dt, A, D, dtb = torch.rand(q, H), -torch.rand(H), torch.randn(H), torch.randn(H)
@@ -73,55 +77,9 @@ def ssu_case(K: int = 3, H: int = 2, P: int = 4, N: int = 8) -> tuple[float, lis
         )
         outs.append((h * Cm[t, 0].double()).sum(-1) + D.double()[:, None] * x[t].double())
         states.append(h.clone())
-    state = torch.zeros(8, H, P, N)
-    state[1] = h0
+    state = start_state(h0)  # drawn after the inputs (a random pool draws from the same stream)
     slots = torch.tensor([[1, 2, 3, 4]], dtype=torch.int32)
     out = torch.zeros(q, H, P)
-    ops.selective_state_update_cpu(
-        state,
-        x,
-        dt[:, :, None].expand(-1, -1, P).contiguous(),
-        A[:, None, None].expand(-1, P, N).contiguous(),
-        Bm,
-        Cm,
-        D[:, None].expand(-1, P).contiguous(),
-        None,
-        dtb[:, None].expand(-1, P).contiguous(),
-        True,
-        slots,
-        slots,
-        0,
-        out,
-        torch.tensor([1], dtype=torch.int32),
-        torch.tensor([0, q], dtype=torch.int32),
-    )
-    per_column = [(state[1 + t].double() - states[t]).abs().max().item() for t in range(q)]
-    return (
-        (out.double() - torch.stack(outs)).abs().max().item(),
-        per_column,
-        (state[1].double() - states[-1]).abs().max().item(),
-    )
-
-
-def ssu_read_column(num_accepted: int, K: int = 3, H: int = 2, P: int = 4, N: int = 8) -> float:
-    """A verify step whose start state sits in slot column num_accepted-1 (where the GPU kernel reads it),
-    garbage in the other columns: the outputs against the recurrence from that state."""
-    q = 1 + K
-    h0, x = torch.randn(H, P, N), torch.randn(q, H, P)
-    dt, A, D, dtb = torch.rand(q, H), -torch.rand(H), torch.randn(H), torch.randn(H)
-    Bm, Cm = torch.randn(q, 1, N), torch.randn(q, 1, N)
-    h, outs = h0.double(), []
-    for t in range(q):
-        d = F.softplus(dt[t].double() + dtb.double())
-        h = (
-            h * torch.exp(d * A.double())[:, None, None]
-            + d[:, None, None] * x[t].double()[:, :, None] * Bm[t, 0].double()
-        )
-        outs.append((h * Cm[t, 0].double()).sum(-1) + D.double()[:, None] * x[t].double())
-    state = torch.randn(8, H, P, N) * 5
-    state[num_accepted] = h0  # slot columns are slots 1..4
-    out = torch.zeros(q, H, P)
-    slots = torch.tensor([[1, 2, 3, 4]], dtype=torch.int32)
     ops.selective_state_update_cpu(
         state,
         x,
@@ -140,7 +98,34 @@ def ssu_read_column(num_accepted: int, K: int = 3, H: int = 2, P: int = 4, N: in
         torch.tensor([num_accepted], dtype=torch.int32),
         torch.tensor([0, q], dtype=torch.int32),
     )
-    return (out.double() - torch.stack(outs)).abs().max().item()
+    return out, torch.stack(outs), states, state
+
+
+def _pool_with(pool: torch.Tensor, slot: int, h0: torch.Tensor) -> torch.Tensor:
+    pool[slot] = h0
+    return pool
+
+
+def ssu_case(K: int = 3, H: int = 2, P: int = 4, N: int = 8) -> tuple[float, list[float], float]:
+    """h0 in slot column 0, num_accepted=1: the outputs against the recurrence, each slot column against the
+    state after its position, and column 0 against the state after the last position."""
+    out, ref, states, state = _verify_step(lambda h0: _pool_with(torch.zeros(8, H, P, N), 1, h0), 1, K, H, P, N)
+    per_column = [(state[1 + t].double() - states[t]).abs().max().item() for t in range(1 + K)]
+    return (
+        (out.double() - ref).abs().max().item(),
+        per_column,
+        (state[1].double() - states[-1]).abs().max().item(),
+    )
+
+
+def ssu_read_column(num_accepted: int, K: int = 3, H: int = 2, P: int = 4, N: int = 8) -> float:
+    """A verify step whose start state sits in slot column num_accepted-1 (where the GPU kernel reads it),
+    garbage in the other columns: the outputs against the recurrence from that state."""
+    # slot columns are slots 1..4: column num_accepted-1 is slot num_accepted
+    out, ref, _, _ = _verify_step(
+        lambda h0: _pool_with(torch.randn(8, H, P, N) * 5, num_accepted, h0), num_accepted, K, H, P, N
+    )
+    return (out.double() - ref).abs().max().item()
 
 
 if __name__ == "__main__":
