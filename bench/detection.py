@@ -185,7 +185,8 @@ def window_departures(ev: dict, size: int, starts: np.ndarray) -> np.ndarray:
     for s in starts:
         lo, hi = int(s), int(s) + size
         w = ev["w"][lo:hi][ev["has_topk"][lo:hi]] if "w" in ev else None
-        seen = departure(ev["d"][lo:hi], ev["s"][lo:hi], w, ev["floor"])
+        gone = ev["absent"][lo:hi] if "absent" in ev else None  # tokens without a logprob: left out
+        seen = departure(ev["d"][lo:hi], ev["s"][lo:hi], w, ev["floor"], gone)
         out.append(max((v / need[c] for c, v in seen.items() if v is not None), default=0.0))
     return np.array(out)
 

@@ -87,7 +87,7 @@ def run_departure(run: Path, table: dict, model: str) -> dict:
             cols["engine_topk_ids"], cols["engine_topk_logprobs"], cols["ref_topk_ids"], cols["ref_topk_logprobs"]
         )
         w = spread["w"][spread["shared"] >= 2]
-    seen = departure(cols["engine_logprob"] - cols["ref_logprob"], s, w, departure_units(floor))
+    seen = departure(cols["engine_logprob"] - cols["ref_logprob"], s, w, departure_units(floor), cols.get("no_logprob"))
     return {**seen, "n_tokens": int(len(s))}
 
 

@@ -153,6 +153,56 @@ def test_one_pass_and_its_checks(tmp_path, monkeypatch, short, keep):
     assert st_sum.equals(mem_sum)
 
 
+@pytest.mark.parametrize("shuffle", [False, True], ids=["one-pass", "ranges"])
+def test_tokens_without_a_logprob_streamed_as_in_memory(tmp_path, monkeypatch, shuffle):
+    """Tokens that came back without a logprob (null, no top-k: llama-server's partial UTF-8 tokens) and
+    one NaN logprob value, in parts read in one pass (greedy, expected floor) and in request ranges
+    (sampled): the streamed findings and summary are the in-memory ones, the nulls judged from their
+    tokens (`lpf.analysis.absent`) and counted per request, the NaN still an error."""
+    import numpy as np
+    import pyarrow as pa
+
+    from lpf.analysis import run_test
+
+    monkeypatch.setattr(run_test, "MAX_TOKENS", 5000)
+    run, _ = _bench().write_synthetic_run(
+        tmp_path / "run",
+        30_000,
+        part_tokens=3000,
+        topk=3,
+        out_tokens=20,
+        temperature=0.7 if shuffle else 0.0,
+        shuffle_reference=shuffle,
+    )
+    nulls = 0
+    for i, part in enumerate(run.parts("tokens")):
+        t = pq.read_table(part)
+        gone = np.zeros(t.num_rows, bool)
+        gone[(np.arange(t.num_rows) * 7 + i) % 31 == 0] = True  # ~3% of tokens, some at kept rows
+        lp = t.column("engine_logprob").to_numpy().copy()
+        if i == 1:
+            lp[10] = np.nan  # a NaN value: never clean
+            gone[10] = False
+        nulls += int(gone.sum())
+        t = t.set_column(t.column_names.index("engine_logprob"), "engine_logprob", pa.array(lp, mask=gone))
+        for name in ("engine_topk_ids", "engine_topk_logprobs"):
+            lists = t.column(name).to_pylist()
+            cut = [[] if gone[j] else x for j, x in enumerate(lists)]
+            t = t.set_column(t.column_names.index(name), name, pa.array(cut, t.schema.field(name).type))
+        pq.write_table(t, part)
+    (mem_raw, mem_sum, f), (st_raw, st_sum, _), ranged = both_ways(
+        run.path, tmp_path, monkeypatch, 1500, attribute=False
+    )
+    assert ranged == shuffle and f["run_test"]["sampled_every"] == 6
+    assert f["judged"]["logprobs"] == "some" and f["judged"]["no_logprob"] == nulls
+    counted = pa.compute.sum(mem_sum.column("n_no_logprob")).as_py()  # over scored tokens (ranges: some unscored)
+    assert counted == nulls if not shuffle else 0 < counted <= nulls
+    assert "judged from their tokens alone" in f["judged"]["steps"]["per_request"]
+    assert float("inf") in mem_sum.column("max_abs_logprob_diff").to_pylist()  # the NaN value's request
+    assert st_raw == mem_raw
+    assert st_sum.equals(mem_sum)
+
+
 @pytest.mark.slow  # an end-to-end run or a browser: kept out of `make test-fast` (issue 27)
 def test_stream_refuses_a_calibration_run(swap_run, tmp_path, lpf_cli):
     run = tmp_path / "run"

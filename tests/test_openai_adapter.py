@@ -266,8 +266,10 @@ def test_every_bad_answer_is_recorded_with_its_error_and_retries_are_bounded(lpf
     # a NaN logprob can never be clean: the kept answer is scored and flagged
     verdict = {f["request_id"]: f["verdict"] for f in findings["flagged"]}
     assert verdict.get("nan_logprob-r0") in ("divergent", "corrupt")
-    # nor can a missing one, in a run whose other answers had logprobs
+    # an answer without logprobs, in a run whose other answers had them, is judged from its tokens alone
+    # (`lpf.analysis.absent`): this server's tokens are ones the reference finds improbable
     assert verdict.get("no_logprobs-r0") in ("divergent", "corrupt")
+    assert findings["judged"]["no_logprob"] == 4
 
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["engine"]["options"]["api_key_env"] == "LPF_TEST_API_KEY"

@@ -3,8 +3,10 @@
 Contract (pure: the requests table and the per-request summary in, plain data out):
 - `apply_inconsistency(summary, requests) -> summary`: an answer kept with an `inconsistency` that
   was scored and disagrees with the reference beyond the clean threshold (verdict `noise`) gets at
-  least `divergent`: a server that contradicts itself and the reference is not merely noisy. The
-  summary gains an `inconsistency` column (null when consistent).
+  least `divergent`: a server that contradicts itself and the reference is not merely noisy (not
+  when its only reasons are `EXPLAINED`: `logprobs_missing`, tokens sent without a logprob, which the
+  verdicts judge from the tokens, `lpf.analysis.absent`). The summary gains an `inconsistency` column
+  (null when consistent).
 - `evidence(requests, summary) -> dict`, findings.json's `evidence`:
     inconsistent  {n, by_reason {KIND: count}, scored, flagged, requests [ids, at most 50]}
     failed        {n, sent (an attempt reached the server and failed), never_sent (no attempt ever
@@ -30,6 +32,9 @@ import pyarrow.compute as pc
 from lpf.analysis.verdicts import by_arrival
 
 MAX_LISTED = 50
+# inconsistencies the analysis judges itself: tokens sent without a logprob (llama-server's partial UTF-8
+# characters) are judged from their tokens (`absent`), recorded here, and raise no verdict
+EXPLAINED = frozenset({"logprobs_missing"})
 _KIND = re.compile(r"(?:^|; )([a-z_]+): ")
 
 
@@ -47,6 +52,9 @@ def apply_inconsistency(summary: pa.Table, requests: pa.Table) -> pa.Table:
     # the summary is aligned to the requests in arrival order (`summarize_requests`)
     verdict = summary.column("verdict")
     raise_to = pc.and_(pc.is_valid(inc), pc.equal(verdict, "noise"))
+    if pc.any(raise_to).as_py():  # an answer whose only departure is logprobs it left out contradicts nothing
+        said = pa.array([t is not None and not set(reason_kinds(t)) <= EXPLAINED for t in inc.to_pylist()])
+        raise_to = pc.and_(raise_to, said)
     if pc.any(raise_to).as_py():
         summary = summary.set_column(
             summary.column_names.index("verdict"), "verdict", pc.if_else(raise_to, pa.scalar("divergent"), verdict)

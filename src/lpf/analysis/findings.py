@@ -109,7 +109,7 @@ def analyze(
             ad = np.abs(np.subtract(cols["engine_logprob"], cols["ref_logprob"]))
         th, calib = calibrate(ad, starts, th)
         del ad
-    per, flips, same = score_requests(cols, starts, greedy, th)
+    per, flips, same = score_requests(cols, starts, greedy, th, temperature)
     ids = (
         joined.column("request_id").take(pa.array(starts)).combine_chunks()
         if len(starts)

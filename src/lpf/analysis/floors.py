@@ -36,8 +36,9 @@ Contract:
       (`departure`) an honest implementation outside the reference's own arithmetic showed against the
       row (llama.cpp's f32 kernels, other thread counts and batch shapes, ...: the table's `honest`
       blocks, measured by scripts/measure_honest.py); carried into the expected floor.
-  departure(d, s, w, units) -> {token, settled, topk}: how many times the floor's 99th percentile the
-      engine's own 99th percentile is (leaving out at least its largest value, so one token alone never
+  departure(d, s, w, units, absent=None) -> {token, settled, topk}: how many times the floor's 99th percentile the
+      engine's own 99th percentile is (tokens without a logprob, `absent`, left out; a NaN value counts as
+      infinite; leaving out at least its largest value, so one token alone never
       makes a short window's departure), per component (None where no token has it): the effect size the
       run-level test weighs beside its p-value. `departure_needed(units)`: per component, what a
       departure must reach to be a different model and not other honest arithmetic: HONEST_MARGIN x
@@ -225,9 +226,13 @@ def departure_units(floor: dict) -> dict:
     }
 
 
-def departure(d: np.ndarray, s: np.ndarray, w: np.ndarray | None, units: dict) -> dict:
-    """Per component, the engine's 99th percentile over the floor's (`departure_units`)."""
-    d = np.where(np.isfinite(d), np.abs(d), np.inf)  # a missing logprob is never within any floor
+def departure(d: np.ndarray, s: np.ndarray, w: np.ndarray | None, units: dict, absent=None) -> dict:
+    """Per component, the engine's 99th percentile over the floor's (`departure_units`). `absent`:
+    the tokens that came back without a logprob (`lpf.analysis.absent`), left out."""
+    d = np.where(np.isfinite(d), np.abs(d), np.inf)  # a NaN logprob is never within any floor
+    if absent is not None:
+        keep = ~np.asarray(absent, dtype=bool)
+        d, s = d[keep], s[keep]
     informative = s >= S_MIN
     with np.errstate(divide="ignore", invalid="ignore"):
         u = d[informative] / s[informative]

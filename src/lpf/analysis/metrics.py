@@ -25,6 +25,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from lpf.analysis import absent
 from lpf.analysis.columns import change_points, falls, one_array, within
 from lpf.analysis.thresholds import Thresholds
 from lpf.analysis.verdicts import segment_starts
@@ -173,22 +174,34 @@ INPUT_COLUMNS = (
 
 
 def input_arrays(joined: pa.Table) -> dict[str, np.ndarray]:
-    """The `INPUT_COLUMNS` of a `join_scored` table as numpy (no copy for single-chunk columns)."""
-    return {name: joined.column(name).to_numpy() for name in INPUT_COLUMNS if name in joined.column_names}
+    """The `INPUT_COLUMNS` of a `join_scored` table as numpy (no copy for single-chunk columns), and
+    `no_logprob` (`absent.mask`: the tokens that came back without a logprob, whose null numpy
+    turns into NaN) when there are such tokens."""
+    out = {name: joined.column(name).to_numpy() for name in INPUT_COLUMNS if name in joined.column_names}
+    no_lp = absent.mask(joined.column("engine_logprob")) if joined.num_rows else None
+    if no_lp is not None:
+        out["no_logprob"] = no_lp
+    return out
 
 
-def token_metrics(joined: pa.Table, greedy: bool, th: Thresholds) -> pa.Table:
+def token_metrics(joined: pa.Table, greedy: bool, th: Thresholds, temperature: float = 0.0) -> pa.Table:
     """Adds the metric columns to a `join_scored` table."""
-    for name, values in metric_arrays(input_arrays(joined), greedy, th).items():
+    for name, values in metric_arrays(input_arrays(joined), greedy, th, temperature=temperature).items():
         joined = joined.append_column(name, pa.array(values))
     return joined
 
 
 def metric_arrays(
-    cols: dict[str, np.ndarray], greedy: bool, th: Thresholds, out: dict[str, np.ndarray] | None = None
+    cols: dict[str, np.ndarray],
+    greedy: bool,
+    th: Thresholds,
+    out: dict[str, np.ndarray] | None = None,
+    temperature: float = 0.0,
 ) -> dict[str, np.ndarray]:
     """The metric columns (`METRIC_DTYPES`) from `input_arrays`, written into the arrays of `out`
-    that it has (of the same length, e.g. one chunk's slices of whole-run arrays), all returned."""
+    that it has (of the same length, e.g. one chunk's slices of whole-run arrays), all returned.
+    A token without a logprob (`no_logprob`) has NaN error metrics (none was reported) and the
+    tokens-only rule's flip and lie strength (`absent.judge`, at `temperature` when sampled)."""
     eng, ref, tok = cols["engine_logprob"], cols["ref_logprob"], cols["token_id"]
     given = out or {}
     out = {name: given[name] if name in given else np.empty(len(eng), dtype) for name, dtype in METRIC_DTYPES.items()}
@@ -217,6 +230,13 @@ def metric_arrays(
         strength = out["lie_strength"]
         np.copyto(strength, relative)
         strength[absolute] = 1.0
+        no_lp = cols.get("no_logprob")
+        if no_lp is not None:
+            at = np.flatnonzero(no_lp)
+            _, flip, lie = absent.judge(
+                ref[at], cols["ref_top1_logprob"][at], tok[at], cols["ref_top1_id"][at], greedy, th, temperature
+            )
+            out["greedy_flip"][at], strength[at] = flip, lie
         np.greater_equal(strength, 0.5, out=out["gibberish"])
     return out
 

@@ -6,7 +6,10 @@ Contract: `what_came_back(tokens, has_prompt, engine_info, sampling, seeded)` ->
 sentence per analysis step saying what it judged from that and what it could not. `tokens_only(tokens)`:
 whether no scored token has an engine logprob (the run is then judged by `lpf.analysis.tokens_only`).
 Both take the tokens table, or its `counts(parts)`: rows, rows without a logprob and the widest
-top-k, summed part by part (what a caller that must not hold the whole table passes).
+top-k, summed part by part (what a caller that must not hold the whole table passes). In a run where
+only some tokens came back without a logprob (`logprobs` "some": llama-server leaves out a token that
+ends inside a UTF-8 character), those tokens are judged from the token alone (`lpf.analysis.absent`),
+never counted as logprob errors; a NaN logprob value stays an engine error. `no_logprob`: how many.
 Pure: an Arrow table and plain data in, plain data out.
 """
 
@@ -69,16 +72,24 @@ def what_came_back(tokens, has_prompt: bool, engine_info: dict | None, sampling:
         steps["hypotheses"] = "ranked over the requests flagged from their tokens"
     else:
         steps["per_request"] = "logprob error of every returned token against the reference" + (
-            f" ({nulls} tokens came back without a logprob: counted as errors, never clean)" if nulls else ""
+            f" ({nulls} tokens came back without a logprob: judged from their tokens alone, as a tokens-only "
+            "run judges every token (a greedy flip past the tie margin, or a token the reference finds "
+            "improbable, still flags its request); no logprob error, so out of |logprob diff|; the summary's "
+            "n_no_logprob counts them per request)"
+            if nulls
+            else ""
         )
-        steps["run_test"] = "logprob error against the expected floor" + (
-            f", and the top-{k} spread" if k >= 2 else "; the top-k spread not judged (fewer than 2 alternatives)"
+        steps["run_test"] = (
+            "logprob error against the expected floor"
+            + (f", and the top-{k} spread" if k >= 2 else "; the top-k spread not judged (fewer than 2 alternatives)")
+            + (f"; the {nulls} tokens without a logprob count by their greedy flips only" if nulls else "")
         )
         steps["topk"] = f"top-{k} lists compared" if k else "not judged: no top-k came back"
         steps["hypotheses"] = "ranked over the flagged requests"
     steps["prompt"] = "prompt positions judged apart" if has_prompt else "not judged: no prompt logprobs came back"
     return {
         "logprobs": logprobs,
+        **({"no_logprob": nulls} if nulls else {}),
         "top_k": k,
         "prompt_logprobs": has_prompt,
         "seeded_replay": seeded,

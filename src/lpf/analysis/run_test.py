@@ -119,8 +119,11 @@ def _token_evidence(cols: dict, floor: dict, sampling: dict) -> dict:
     finite = np.isfinite(d)
     s = sensitivity(ref, tok, ref_ids, ref_lp)
     tau = KAPPA * (floor["token"]["q99"] * s + floor["settled"]["q99"])
+    no_lp = cols.get("no_logprob")
     with np.errstate(invalid="ignore"):
-        over = ~finite | (d > tau)  # a missing logprob is never within the floor
+        # a NaN logprob is never within the floor; a token that came without one (`absent`) is no
+        # logprob evidence at all, only its greedy flip below counts
+        over = (~finite if no_lp is None else ~finite & ~no_lp) | (d > tau)
         under = finite & (d < -tau)
     temperature = float(sampling.get("temperature") or 0.0)
     if temperature == 0:
@@ -129,6 +132,8 @@ def _token_evidence(cols: dict, floor: dict, sampling: dict) -> dict:
     else:
         flip = np.zeros(len(tok), dtype=bool)
     ev = {"n": len(tok), "d": d, "s": s, "over": over, "under": under, "flip": flip, "logprob": over | under | flip}
+    if no_lp is not None:
+        ev["absent"] = no_lp
     ev["floor"] = departure_units(floor)
     if "engine_topk_ids" in cols and (floor.get("topk") or {}).get("q99"):  # a floor without top-k tests none
         spread = topk_spread(cols["engine_topk_ids"], cols["engine_topk_logprobs"], ref_ids, ref_lp, details=False)
@@ -261,7 +266,8 @@ def _departure(ev: dict, lo: int, hi: int, best: str) -> dict:
     30x too (a flip that makes a request wrong is the per-request verdicts' to call)."""
     units = ev.get("floor") or {}
     w = ev["w"][lo:hi][ev["has_topk"][lo:hi]] if "w" in ev else None
-    seen = departure(ev["d"][lo:hi], ev["s"][lo:hi], w, units)
+    gone = ev["absent"][lo:hi] if "absent" in ev else None
+    seen = departure(ev["d"][lo:hi], ev["s"][lo:hi], w, units, gone)
     need = departure_needed(units)
     past = sorted((c for c in seen if seen[c] is not None and seen[c] >= need[c]), key=lambda c: -seen[c] / need[c])
     why = "sampling" if best == "sampling" else past[0] if past else None

@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from lpf.analysis import absent
 from lpf.analysis import column_stats as cs
 from lpf.analysis import metrics as m
 from lpf.analysis.thresholds import Thresholds
-from lpf.analysis.verdicts import CODES, reduce_requests
+from lpf.analysis.verdicts import CODES, reduce_requests, without_lp
 
 CHUNK = 1 << 16
 _BIG = np.iinfo(np.int32).max
@@ -42,13 +43,15 @@ def chunk_bounds(starts: np.ndarray, n: int, chunk: int = CHUNK) -> list[tuple[i
     return list(zip(cuts[:-1].tolist(), cuts[1:].tolist()))
 
 
-def score_requests(cols: dict[str, np.ndarray], starts: np.ndarray, greedy: bool, th: Thresholds):
+def score_requests(
+    cols: dict[str, np.ndarray], starts: np.ndarray, greedy: bool, th: Thresholds, temperature: float = 0.0
+):
     n = len(cols["position"])
     parts, flips, other = [], 0, 0
     for a, b in chunk_bounds(starts, n):
         lo, hi = int(starts[a]), int(starts[b]) if b < starts.size else n
         piece = {k: v[lo:hi] for k, v in cols.items()}
-        per, f, o = _score_chunk(piece, starts[a:b] - lo, greedy, th)
+        per, f, o = _score_chunk(piece, starts[a:b] - lo, greedy, th, temperature)
         parts.append(per)
         flips, other = flips + f, other + o
     if not parts:
@@ -62,10 +65,13 @@ def score_requests(cols: dict[str, np.ndarray], starts: np.ndarray, greedy: bool
     return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}, flips, n - other
 
 
-def _score_chunk(c: dict, st: np.ndarray, greedy: bool, th: Thresholds):
+def _score_chunk(c: dict, st: np.ndarray, greedy: bool, th: Thresholds, temperature: float = 0.0):
     """One request-aligned chunk: (its requests' reductions, greedy flips, tokens off the reference's top-1)."""
     pos, eng, ref, tok, top1 = c["position"], c["engine_logprob"], c["ref_logprob"], c["token_id"], c["ref_top1_id"]
     n, k = len(pos), len(st)
+    no_lp = c.get("no_logprob")
+    if no_lp is not None and not no_lp.any():
+        no_lp = None
     with np.errstate(over="ignore", invalid="ignore"):
         d = eng - ref
         ad = np.abs(d)
@@ -82,10 +88,23 @@ def _score_chunk(c: dict, st: np.ndarray, greedy: bool, th: Thresholds):
         strength_c = np.where(own & oc & (c["ref_rank"][cand] > 1), np.clip(dc / th.gibberish_log_ratio, 0.0, 1.0), 0.0)
         strength_c[np.isnan(strength_c)] = 0.0
         strength_c[(eng[cand] >= th.confident_logprob) & (ref[cand] <= th.improbable_logprob)] = 1.0
+        if no_lp is not None:  # a token without a logprob: the tokens-only rule (`absent`)
+            nc = no_lp[cand]
+            _, flip_n, strength_n = absent.judge(
+                ref[cand][nc], c["ref_top1_logprob"][cand][nc], tok[cand][nc], top1[cand][nc], greedy, th, temperature
+            )
+            flip_c[nc], strength_c[nc] = flip_n, strength_n
         lie_c = strength_c >= 0.5
         over = np.flatnonzero(~(ad <= th.divergent_abs_diff))  # past the threshold, or not a number
+    if no_lp is not None:  # no logprob error where none was reported
+        over = over[~no_lp[over]]
     bad = over[~np.isfinite(ad[over])]
-    if bad.size:  # a missing or NaN logprob is an error of the engine, never "clean"
+    if no_lp is not None:
+        gap = absent.margin(ref, c["ref_top1_logprob"], tok, top1)
+        eng, d = absent.stand_in(eng, ref, gap, no_lp), np.where(no_lp, gap, d)
+        adf, ad0, d0 = np.where(no_lp, np.nan, ad), np.where(no_lp, 0.0, ad), np.where(no_lp, 0.0, d)
+        adf[bad], ad0[bad], d0[bad] = np.inf, 0.0, 0.0
+    elif bad.size:  # a NaN logprob is an error of the engine, never "clean"
         adf, ad0, d0 = ad.copy(), ad.copy(), d.copy()
         adf[bad], ad0[bad], d0[bad] = np.inf, 0.0, 0.0
     else:
@@ -111,7 +130,10 @@ def _score_chunk(c: dict, st: np.ndarray, greedy: bool, th: Thresholds):
             np.int64
         ),
         "gibberish_score": np.zeros(k),
+        "n_no_logprob": np.add.reduceat(no_lp, st, dtype=np.int64) if no_lp is not None else np.zeros(k, np.int64),
     }
+    if no_lp is not None:
+        without_lp(out, np.fmax.reduceat(adf, st), np.add.reduceat(ad0, st))
     sustained = np.zeros(k, bool)
     if flagged_rows.size:
         at = np.flatnonzero(np.r_[True, seg[1:] != seg[:-1]])  # each request's first flagged row (seg ascends)
@@ -123,7 +145,8 @@ def _score_chunk(c: dict, st: np.ndarray, greedy: bool, th: Thresholds):
         score, sustained[hit] = _after_first(pos, eng, ref, d, strength, lie, st, counts, hit, first, th)
         out["gibberish_score"][hit] = score
     verdict = np.zeros(k, np.int8)
-    verdict[out["max_abs_logprob_diff"] > th.clean_abs_diff] = _CODE["noise"]
+    with np.errstate(invalid="ignore"):
+        verdict[out["max_abs_logprob_diff"] > th.clean_abs_diff] = _CODE["noise"]
     verdict[out["first_divergence"] != _BIG] = _CODE["divergent"]
     verdict[sustained & (out["gibberish_score"] >= th.gibberish_min_score)] = _CODE["corrupt"]
     out["verdict"] = verdict

@@ -188,7 +188,7 @@ class StreamedAnalysis:
             reference = reference.add_column(0, "request_id", joined.column("request_id"))
         cols = m.input_arrays(joined)
         cols["position"] = joined.column("position").to_numpy()
-        per, flips, same = score_requests(cols, starts, self.greedy, self.th)
+        per, flips, same = score_requests(cols, starts, self.greedy, self.th, self.temperature)
         out = {"rows": tokens.num_rows, "ids": heads, "per": per, "flips": flips, "same": same}
         out["missed"] = out["tempered"] = None
         if self.trace is not None and self.trace.num_rows:

@@ -8,8 +8,9 @@ Contract (pure: numpy arrays and Arrow columns in, numpy arrays out):
   per-row modulo.
 - `take(joined, tokens, reference, rows, index, codes) -> piece`: at those rows, the columns
   `token_evidence.evidence_columns` reads: numpy for the scalar ones, Arrow lists for the top-k
-  ones; `tokens` and `reference` lie row for row with `joined` (a zipped chunk); `codes`: each
-  row's request as an integer (`columns.Codes`).
+  ones, and `no_logprob` (`absent.mask`) when a kept row came back without a logprob; `tokens` and
+  `reference` lie row for row with `joined` (a zipped chunk); `codes`: each row's request as an integer
+  (`columns.Codes`).
 - `gather(pieces) -> (cols, codes)`: the pieces of every chunk (in token order) as
   `evidence_columns(keys, tokens, reference, requests)` gives them over the same rows (`cols`,
   "order" included), and each row's request code in that order. Exactly those arrays when the
@@ -23,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
+from lpf.analysis import absent
 from lpf.analysis.token_evidence import _widths, list_rows
 
 SCALARS = ("token_id", "engine_logprob", "ref_logprob", "ref_top1_id", "ref_top1_logprob")
@@ -44,6 +46,9 @@ def take(
     piece = {"index": index, "codes": codes[rows]}
     for name in SCALARS:
         piece[name] = _scalars(joined.column(name), rows)
+    no_lp = absent.mask(joined.column("engine_logprob"), rows) if len(rows) else None
+    if no_lp is not None:
+        piece["no_logprob"] = no_lp
     for name in REFERENCE_LISTS:
         piece[name] = _lists(reference.column(name), rows)
     for name in ENGINE_LISTS:
@@ -95,6 +100,9 @@ def gather(pieces: list[dict]) -> tuple[dict, np.ndarray]:
         else:  # `evidence_columns`' conversion: one for all, nulls as NaN
             a = pa.chunked_array([pa.array(x) if isinstance(x, np.ndarray) else x for x in parts]).to_numpy()
         cols[name] = a if order is None else a[order]
+    if any("no_logprob" in p for p in pieces):  # as `evidence_columns`: only when a kept token has none
+        a = np.concatenate([p.get("no_logprob", np.zeros(p["index"].size, bool)) for p in pieces])
+        cols["no_logprob"] = a if order is None else a[order]
     for name, fill in zip(REFERENCE_LISTS, (-1, -np.inf)):
         cols[name] = _list_rows([p[name] for p in pieces], order, fill)
     if ENGINE_LISTS[0] in pieces[0] and n:

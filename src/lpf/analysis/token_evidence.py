@@ -6,7 +6,8 @@ Contract (pure: Arrow tables and numpy arrays in, numpy arrays and dicts out):
       position), top-k lists as [n, k] matrices (`list_matrix`; ids -1 and logprobs -inf where a
       list is short), `order` the row of `joined` each comes from. `every`: only every k-th token
       in arrival order (what the run-level test reads of a huge run), the others never gathered;
-      `starts`: `joined`'s request starts, when the caller has them.
+      `starts`: `joined`'s request starts, when the caller has them. `no_logprob` (only when one of
+      those tokens came back without a logprob: `absent.mask`) tells such a token from a NaN value.
   sensitivity(...)   s per token: sqrt((1 - p_t)^2 + sum_{j != t} p_j^2) over the reference's top-k,
                      how far one nat of logit error moves the token's logprob.
   topk_spread(...)   per position, over the ids both top-k lists share: the spread w of engine -
@@ -25,6 +26,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from lpf.analysis import absent
 from lpf.analysis.columns import falls, one_array, same_rows, within
 from lpf.analysis.floors import floor_stats
 from lpf.analysis.verdicts import segment_starts
@@ -154,6 +156,9 @@ def evidence_columns(
         name: _take(joined.column(name).to_numpy(), rows)
         for name in ("token_id", "engine_logprob", "ref_logprob", "ref_top1_id", "ref_top1_logprob")
     }
+    no_lp = absent.mask(joined.column("engine_logprob"), rows) if joined.num_rows else None
+    if no_lp is not None:  # tokens without a logprob: their NaN is no NaN value (`absent`)
+        cols["no_logprob"] = no_lp
     r = _table_rows(reference, joined, rows, "ref_logprob")
     wi, wl = _pair_widths(reference, "ref_topk_ids", "ref_topk_logprobs") if reference.num_rows else (None, None)
     cols["ref_topk_ids"] = list_rows(reference.column("ref_topk_ids"), r, -1, wi)

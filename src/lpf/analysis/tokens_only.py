@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
+from lpf.analysis import absent
 from lpf.analysis import metrics as m
 from lpf.analysis import token_test
 from lpf.analysis.calibration import calibrate_to_floor
@@ -43,21 +44,10 @@ def token_columns(
     ref = joined.column("ref_logprob").to_numpy()
     top1 = joined.column("ref_top1_logprob").to_numpy()
     tok, top1_id = joined.column("token_id").to_numpy(), joined.column("ref_top1_id").to_numpy()
-    margin = np.where(tok != top1_id, np.maximum(top1 - ref, 0.0), 0.0)
-    # the reference's own argmax (within the tie margin) is never a lie, however flat its distribution
-    chosen_elsewhere = margin > th.tie_margin
-    improbable = (ref <= th.improbable_logprob) & chosen_elsewhere
-    if greedy:
-        flip = chosen_elsewhere
-        strength = np.where(chosen_elsewhere, np.clip(margin / th.gibberish_log_ratio, 0.0, 1.0), 0.0)
-        strength[improbable] = 1.0
-    elif draws is not None:
-        flip = np.zeros(len(ref), dtype=bool)
+    # the per-token rule (`absent.judge`), which a run with logprobs also applies to a token that came without one
+    margin, flip, strength = absent.judge(ref, top1, tok, top1_id, greedy, th, temperature)
+    if not greedy and draws is not None:
         strength = ((tok != draws["token"]) & (draws["margin"] > allow)).astype(np.float64)
-    else:
-        flip = np.zeros(len(ref), dtype=bool)
-        confident = top1 >= th.confident_logprob
-        strength = np.where(improbable & confident & (temperature <= 1.0), 1.0, 0.0)
     return {
         "position": joined.column("position").to_numpy(),
         "abs_logprob_diff": np.zeros(len(ref)),
@@ -98,6 +88,7 @@ def analyze_tokens_only(
     per = reduce_requests(cols, th, starts)
     for name in ("max_abs_logprob_diff", "mean_abs_logprob_diff", "seq_log_ratio"):
         per[name] = np.full(len(starts), np.nan)  # not judged: no engine logprob came back
+    per["n_no_logprob"] = per["n_scored_tokens"]  # every token judged from the token alone
     ids = (
         joined.column("request_id").take(pa.array(starts)).combine_chunks()
         if joined.num_rows

@@ -23,6 +23,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from lpf.analysis import absent
 from lpf.analysis.columns import change_points
 from lpf.analysis.levels import SEVERITY, VERDICTS  # noqa: F401  (re-exported: the verdict names live there)
 from lpf.analysis.thresholds import Thresholds
@@ -53,26 +54,53 @@ def per_request(metrics: pa.Table, th: Thresholds, starts: np.ndarray | None = N
     cols = {
         name: metrics.column(name).to_numpy(zero_copy_only=False) for name in _REDUCED if name in metrics.column_names
     }
+    no_lp = absent.mask(metrics.column("engine_logprob")) if n else None
+    if no_lp is not None:
+        cols["no_logprob"] = no_lp
     return ids, reduce_requests(cols, th, starts)
 
 
-_REDUCED = ("position", "abs_logprob_diff", "engine_logprob", "ref_logprob", "greedy_flip", "gibberish", "lie_strength")
+_REDUCED = (
+    "position",
+    "abs_logprob_diff",
+    "engine_logprob",
+    "ref_logprob",
+    "greedy_flip",
+    "gibberish",
+    "lie_strength",
+    "token_id",
+    "ref_top1_id",
+    "ref_top1_logprob",
+)
 
 
 def reduce_requests(cols: dict[str, np.ndarray], th: Thresholds, starts: np.ndarray) -> dict:
-    """The per-segment columns of `per_request` from numpy token columns (`_REDUCED`; lie_strength optional)."""
+    """The per-segment columns of `per_request` from numpy token columns (`_REDUCED`; lie_strength
+    optional). `no_logprob` (optional): the tokens that came back without a logprob (`absent`); their
+    greedy_flip / lie_strength / gibberish are then the token rule's (`metrics.metric_arrays` makes them
+    so), and the reference's top-1 columns are read for their stand-in logprob."""
     n = len(cols["position"])
     pos, ad, eng, ref = cols["position"], cols["abs_logprob_diff"], cols["engine_logprob"], cols["ref_logprob"]
     flip, lie = cols["greedy_flip"], cols["gibberish"]
     strength = cols["lie_strength"] if "lie_strength" in cols else lie * 1.0
+    no_lp = cols.get("no_logprob")
     d = eng - ref
-    bad = ~np.isfinite(ad)  # a missing or NaN logprob is an error of the engine, never "clean"
-    if bad.any():
+    bad = ~np.isfinite(ad)  # a NaN logprob (or one past float range) is an error of the engine, never "clean"
+    if no_lp is not None:
+        # a token without a logprob is no logprob error: out of |d|, judged by its flip and lie strength
+        bad &= ~no_lp
+        gap = absent.margin(ref, cols["ref_top1_logprob"], cols["token_id"], cols["ref_top1_id"])
+        eng = absent.stand_in(eng, ref, gap, no_lp)
+        d = np.where(no_lp, gap, d)
+        adf, ad0 = np.where(bad, np.inf, np.where(no_lp, np.nan, ad)), np.where(bad | no_lp, 0.0, ad)
+        d0 = np.where(bad | no_lp, 0.0, eng - ref)
+    elif bad.any():
         adf, ad0, d0 = np.where(bad, np.inf, ad), np.where(bad, 0.0, ad), np.where(bad, 0.0, d)
     else:
         adf = ad0 = ad
         d0 = d
-    flagged = (adf > th.divergent_abs_diff) | flip | lie
+    with np.errstate(invalid="ignore"):
+        flagged = (adf > th.divergent_abs_diff) | flip | lie
     counts = np.diff(np.r_[starts, n]).astype(np.int64)
 
     def seg(op, values):
@@ -107,13 +135,28 @@ def reduce_requests(cols: dict[str, np.ndarray], th: Thresholds, starts: np.ndar
         "n_greedy_flips": count(flip),
         "gibberish_tokens": count(lie),
         "gibberish_score": score,
+        "n_no_logprob": count(no_lp) if no_lp is not None else np.zeros(len(starts), np.int64),
     }
+    if no_lp is not None:
+        without_lp(out, seg(np.fmax, adf), seg(np.add, ad0))
     verdict = np.zeros(len(starts), np.int8)
-    verdict[out["max_abs_logprob_diff"] > th.clean_abs_diff] = _CODE["noise"]
+    with np.errstate(invalid="ignore"):
+        verdict[out["max_abs_logprob_diff"] > th.clean_abs_diff] = _CODE["noise"]
     verdict[(first != _BIG)] = _CODE["divergent"]
     verdict[sustained & (score >= th.gibberish_min_score)] = _CODE["corrupt"]
     out["verdict"] = verdict  # codes into CODES
     return out
+
+
+def without_lp(out: dict, worst: np.ndarray, ad_sum: np.ndarray) -> None:
+    """The logprob-error columns of requests some of whose tokens came without a logprob, over the
+    tokens that came with one: `worst` the largest |d| of those (NaN where none did), `ad_sum` the sum
+    of their |d| (`out`'s seq_log_ratio already sums only their d); NaN for a request none of whose
+    tokens has one."""
+    with_lp = out["n_scored_tokens"] - out["n_no_logprob"]
+    out["max_abs_logprob_diff"] = worst
+    out["mean_abs_logprob_diff"] = np.where(with_lp > 0, ad_sum / np.maximum(with_lp, 1), np.nan)
+    out["seq_log_ratio"] = np.where(with_lp > 0, out["seq_log_ratio"], np.nan)
 
 
 def summarize_requests(
@@ -154,6 +197,9 @@ def summarize_requests(
             "first_divergence": pa.array(first_col.astype(np.int32), mask=first_col == _BIG),
             "n_flagged_tokens": pa.array(take(by_id["n_flagged_tokens"], 0).astype(np.int32)),
             "n_greedy_flips": pa.array(take(by_id["n_greedy_flips"], 0).astype(np.int32)),
+            "n_no_logprob": pa.array(
+                take(by_id.get("n_no_logprob", np.zeros(len(seg_ids), np.int64)), 0).astype(np.int32)
+            ),
             "gibberish_tokens": pa.array(take(by_id["gibberish_tokens"], 0).astype(np.int32)),
             "gibberish_score": pa.array(take(by_id["gibberish_score"], 0.0).astype(np.float64)),
             "verdict": pa.array(CODES, pa.string()).take(pa.array(final)),
