@@ -270,6 +270,57 @@ def test_llama_server_float32_is_clean_per_request_and_greedy_like_transformers(
 
 
 @needs_llamacpp
+@pytest.mark.slow  # a tiny model's GGUF (cached) and 16 requests through llama-server: ~15 s warm here
+def test_partial_utf8_tokens_without_probabilities_leave_an_honest_run_clean(lpf_cli, tmp_path):
+    """llama-server sends no probabilities for a token that ends inside a UTF-8 character
+    (tools/server/server-context.cpp, `process_token`): a tiny random-weight Jamba (conformance's) writes
+    such tokens in most of its 16 requests. They are judged from their tokens alone (`lpf.analysis.absent`),
+    not as logprob errors: the honest float32 run is clean, the run test `same`, the default gate passes,
+    and the server's `logprobs_missing` stays recorded as evidence."""
+    import pyarrow.compute as pc
+
+    from lpf.core.model_specs import ModelRef, load_tokenizer
+    from lpf.experiments.conformance.grid import write_workload
+    from lpf.experiments.conformance.tiny import build_tiny
+
+    model = build_tiny("jamba")
+    tok = load_tokenizer(ModelRef("tiny jamba", model))
+    workload = write_workload(tmp_path / "w.jsonl", 16, len(tok), bos=tok.bos_token_id)
+    out = tmp_path / "run"
+    r = lpf_cli(
+        "audit",
+        "--engine",
+        "llamacpp",
+        "--model",
+        model,
+        "--workload",
+        workload,
+        "--max-tokens",
+        12,
+        "-E",
+        "dtype=float32",
+        "-E",
+        "threads=1",
+        "--out",
+        out,
+        "--json",
+    )
+    assert r.code == 0, r.err
+    f = json.loads(r.out)
+    missing = f["judged"].get("no_logprob", 0)
+    assert f["judged"]["logprobs"] == "some" and missing > 0  # the server left tokens out: the case at hand
+    assert f["verdict"] == "clean" and f["run_test"]["result"] == "same", f["run_test"]["sentence"]
+    assert f["counts"]["clean"] == f["n_requests"] == 16
+    assert f["metrics"]["abs_logprob_diff"]["max"] < 1e-3
+    inconsistent = f["evidence"]["inconsistent"]
+    assert inconsistent["by_reason"].get("logprobs_missing", 0) > 0 and inconsistent["flagged"] == 0
+    summary = pq.read_table(out / "summary.parquet")
+    assert pc.sum(summary.column("n_no_logprob")).as_py() == missing
+    assert pq.read_table(out / "tokens").column("engine_logprob").null_count == missing
+    _tokens_are_reference_greedy(out)
+
+
+@needs_llamacpp
 @pytest.mark.slow
 def test_parallel_slots_are_reused_and_traced(lpf_cli, tmp_path, oracle24):
     """4 slots of 256 tokens, each prompt twice (rollouts share a prompt): 8 requests in flight, then

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 
 import pytest
 
@@ -104,6 +105,24 @@ def test_a_streamed_sample_becomes_rows_with_the_servers_ids_and_logprobs(record
     assert tokens[0]["engine_topk_ids"] == [ids[0]]
     assert watch["upstream_request_id"] == "up-7" and json.loads(watch["replica_headers"])["server"] == "vllm"
     assert watch["in_flight"] == 3 and watch["temperature"] == 0.0 and watch["lpf_added"] == "logprobs,token_ids"
+
+
+def test_a_null_logprob_is_nan_and_a_token_past_the_entries_has_none(recording):
+    """An entry whose logprob is null (a server's NaN serialized as JSON null) is NaN: never clean. A token
+    with no entry at all (llama-server leaves out a token that ends inside a UTF-8 character) has no
+    logprob (None): the analysis judges it from the token alone (`lpf.analysis.absent`)."""
+    tok = recording().tok
+    ids = tok.encode("AB", add_special_tokens=False)[:2]
+    text = tok.decode([ids[0]])
+    block = {"tokens": [text], "token_logprobs": [None], "top_logprobs": [{text: None}], "text_offset": [0]}
+    chunks = [{"id": "x", "choices": [{"index": 0, "text": tok.decode(ids), "logprobs": block, "token_ids": ids}]}]
+    chunks.append({"id": "x", "choices": [{"index": 0, "text": "", "finish_reason": "length"}]})
+    body = {"prompt": "Q:", "max_tokens": 2, "temperature": 0, "stream": True}
+    req, tokens, _ = recording().rows(_sample(body, chunks))
+    assert req["output_token_ids"] == ids and len(tokens) == 2
+    assert math.isnan(tokens[0]["engine_logprob"]) and tokens[0]["engine_topk_ids"] == []
+    assert tokens[1]["engine_logprob"] is None
+    assert "logprobs: 1 logprob entries for 2 token ids" in req["inconsistency"]
 
 
 def test_no_text_keeps_ids_only_and_a_malformed_answer_is_evidence(recording):

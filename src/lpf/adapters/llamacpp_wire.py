@@ -25,8 +25,9 @@ top_logprobs: [{id, token, bytes, logprob}]}]. `tokens` are the generated ids (`
 `completion_probabilities` may hold fewer: `process_token` (server-context.cpp) adds a token's
 probabilities only when the text so far is complete UTF-8, so a token that ends inside a multi-byte
 character gets none. When the entries are `tokens` in order with some missing, the tokens are stored
-with no logprob (None, as for any server that returned none; never clean) and no top-k where none
-came, and the answer notes `logprobs_missing`; entries that are no such subsequence are stored as sent
+with no logprob (None, as for any server that returned none) and no top-k where none came, and the
+answer notes `logprobs_missing` (evidence; the analysis judges such a token from the token alone,
+`lpf.analysis.absent`, while a logprob that is no number stays NaN, never clean); entries that are no such subsequence are stored as sent
 with a `tokens` inconsistency. The count must agree with `tokens_predicted`, the text with the tokens,
 and `truncated` must be false (the slot's context ran out, or a context shift dropped tokens), else the
 answer is kept with an `inconsistency`. `slot_row` is the trace's view of the answer (which slot, how

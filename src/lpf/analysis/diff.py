@@ -11,7 +11,8 @@ Per request present and scored in both runs:
   output verdict, or its prompt verdict when that is `divergent` and `level` allows).
 - `same_tokens`: both engines produced the same output tokens; `max_abs_diff_ab`: the largest
   |logprob A - logprob B| over the output positions both share up to their first different token,
-  and over the prompt positions both returned.
+  and over the prompt positions both returned (a position either engine returned without a logprob
+  is left out, `lpf.analysis.absent`; a NaN logprob is infinitely far).
 - `agree`: same tokens, and A and B are closer to each other than to the reference: max_abs_diff_ab
   at most the larger of the two clean thresholds, or at most `AGREE_FRACTION` of the smaller
   departure (two float32 engines agree to ~1e-5 while both sit 0.1+ away from a broken reference).
@@ -30,6 +31,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from lpf.analysis import absent
 from lpf.analysis.levels import SEVERITY
 
 AGREE_FRACTION = 0.1
@@ -63,8 +65,8 @@ def _worst(summary: pa.Table) -> np.ndarray:
     return w
 
 
-def _by_request(tokens: pa.Table | None) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """{request_id: (token ids, logprobs)} in position order."""
+def _by_request(tokens: pa.Table | None) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """{request_id: (token ids, logprobs, whether each came back without one: `absent`)} in position order."""
     if tokens is None or not tokens.num_rows:
         return {}
     t = tokens.select(["request_id", "position", "token_id", "engine_logprob"]).sort_by(
@@ -73,10 +75,12 @@ def _by_request(tokens: pa.Table | None) -> dict[str, tuple[np.ndarray, np.ndarr
     ids = t.column("request_id").to_pylist()
     tok = t.column("token_id").to_numpy(zero_copy_only=False)
     lp = t.column("engine_logprob").to_numpy(zero_copy_only=False)
+    gone = absent.mask(t.column("engine_logprob"))
+    gone = np.zeros(len(lp), bool) if gone is None else gone
     out, start = {}, 0
     for i in range(1, len(ids) + 1):
         if i == len(ids) or ids[i] != ids[start]:
-            out[ids[start]] = (tok[start:i], lp[start:i])
+            out[ids[start]] = (tok[start:i], lp[start:i], gone[start:i])
             start = i
     return out
 
@@ -91,7 +95,8 @@ def _compare(x: tuple | None, y: tuple | None) -> tuple[bool, int | None, float]
     upto = n if first is None else first
     with np.errstate(invalid="ignore"):
         d = np.abs(x[1][:upto] - y[1][:upto])
-    d = np.where(np.isfinite(d), d, np.inf)
+    d = np.where(np.isfinite(d), d, np.inf)  # a NaN value departs without bound
+    d[x[2][:upto] | y[2][:upto]] = 0.0  # a token either engine returned without a logprob: nothing to compare
     return first is None, first, float(d.max()) if d.size else 0.0
 
 

@@ -6,7 +6,8 @@ logprob entries mapped back with the local tokenizer (`lpf.adapters.token_map`, 
 else from the answer's text re-encoded (kept as `retokenized` in `inconsistency`: the rescore stage never
 scores ids that are not the server's). Logprobs are read in either shape (`openai_shapes.read_logprobs`)
 and paired with the ids position by position; a count that does not match is kept as returned, with the
-mismatch in `inconsistency`. The prompt's ids: the upstream's `prompt_token_ids`, else the client's
+mismatch in `inconsistency` (a token past the last entry has no logprob: null; an entry whose logprob is
+no number: NaN, never clean). The prompt's ids: the upstream's `prompt_token_ids`, else the client's
 token-id prompt, else its text encoded, else (chat) its messages rendered with the tokenizer's template.
 An upstream error, a malformed answer or a stream cut short is a request row with `error` set (evidence,
 never scored). `keep_text=False` (`--no-text`): no text (outputs, evidence) is written, token ids only.
@@ -178,13 +179,16 @@ class Recording:
         for a in alts:
             tid = self.map.resolve(a.token, a.tid, a.raw, pos, strict=False)
             v = _logprob(a.logprob)
-            if tid is not None and v is not None:
+            if tid is not None and not math.isnan(v):  # an alternative without a number is left out
                 pairs.append((v, tid))
         return sorted(pairs, key=lambda p: -p[0])
 
 
-def _logprob(v) -> float | None:
+def _logprob(v) -> float:
+    """An entry's logprob: NaN where the entry holds no number (a server that computed NaN may serialize
+    it as null: evidence, never clean, as `remote.Problems.logprob` keeps it). A token with no entry at
+    all is None (`_outputs`: no logprob came back, judged from the token, `lpf.analysis.absent`)."""
     if v is MISSING or v is None or isinstance(v, bool) or not isinstance(v, (int, float)):
-        return None
+        return math.nan
     v = float(v)
     return -math.inf if v <= -9999.0 else v  # vLLM renders -inf as -9999.0

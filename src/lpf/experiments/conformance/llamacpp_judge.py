@@ -7,8 +7,10 @@ the tail: every logprob of a position is too high by the same tiny amount (at mo
 V the vocabulary), so the run-level test rejects on its `over` sub-test while the top-k spread,
 which a per-position shift cannot move, passes. (2) `completion_probabilities` skips every token
 that ends inside a UTF-8 character (tools/server/server-context.cpp, `process_token`, lines
-1825-1860): random tiny models emit such tokens, the adapter stores them with no logprob, and the
-per-request verdict of such a request is `divergent` from the missing entries alone.
+1825-1860): random tiny models emit such tokens and the adapter stores them with no logprob. The
+analysis judges such a token from the token alone (`lpf.analysis.absent`: no logprob error), so the
+cell's own verdict is right without this module; `utf8-missing` stays here as the explanation of the
+answers' `logprobs_missing` evidence.
 
 Contract: `judge(tokens, reference, findings, vocab_size) -> dict` (pure; Arrow tables of the cell's
 `tokens` and `reference`, its findings.json): every engine token that has a logprob is compared
