@@ -65,6 +65,20 @@ def test_the_rule_names_every_suspect():
     assert doc["suspect"] == "B" and doc["counts"]["B"] == 1 and doc["counts"]["A"] == 0
 
 
+def test_a_token_without_a_logprob_is_left_out_and_a_nan_is_not():
+    """Both depart and return the same tokens: a position either engine returned without a logprob
+    (llama-server's partial UTF-8 tokens) is left out of |A - B|, so they still agree (the reference is
+    named); a NaN logprob value is infinitely far (they disagree)."""
+    from lpf.analysis.diff import diff_tables
+
+    v = ["divergent", "divergent"]
+    t = [[5, 6, 7], [5, 6, 7]]
+    a = _side("a", v, t, [[-0.5, None, -0.5], [-0.5, float("nan"), -0.5]], worst=[2, 2])
+    b = _side("b", v, t, [[-0.5, -0.3, -0.5], [-0.5, -0.3, -0.5]], worst=[2, 2])
+    table, _ = diff_tables(a, b, "divergent")
+    assert table.column("suspect").to_pylist() == ["reference", "both"]
+
+
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory, prompts_200):
     """A: built-in clean; B: built-in with lost-chunk-state; H: HF generate (same workload, seeds, reference)."""
