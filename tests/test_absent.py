@@ -142,3 +142,21 @@ def test_sparse_scoring_is_the_dense_rule_with_missing_logprobs(greedy):
     assert np.isnan(dense["max_abs_logprob_diff"][6]) and dense["n_no_logprob"][6] == 12
     assert dense["max_abs_logprob_diff"][0] == np.inf  # the NaN value, request 0
     assert {CODES[v] for v in dense["verdict"]} & {"divergent", "corrupt"}  # the rule judges something here
+
+
+def test_an_answer_that_only_left_logprobs_out_is_not_raised():
+    """`evidence.apply_inconsistency` raises a noise answer with an inconsistency to divergent, but not
+    for `logprobs_missing` alone (the tokens without a logprob were judged from their tokens); the
+    inconsistency stays in the summary as evidence."""
+    from lpf.analysis.evidence import apply_inconsistency
+
+    reasons = [
+        "logprobs_missing: no completion_probabilities entry for 2 of 12 tokens",
+        "logprobs_missing: no completion_probabilities entry for 1 of 12 tokens; token_count: 11 for 12",
+        None,
+    ]
+    requests = pa.table({"request_id": ["a", "b", "c"], "seq": [0, 1, 2], "inconsistency": reasons})
+    summary = pa.table({"request_id": ["a", "b", "c"], "verdict": ["noise"] * 3})
+    out = apply_inconsistency(summary, requests)
+    assert out.column("verdict").to_pylist() == ["noise", "divergent", "noise"]
+    assert out.column("inconsistency").to_pylist() == reasons
