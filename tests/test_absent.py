@@ -32,9 +32,10 @@ def _set(t: pa.Table, name: str, values) -> pa.Table:
     return t.set_column(t.schema.get_field_index(name), name, values)
 
 
-def without_logprobs(tokens: pa.Table, rows: np.ndarray, nan_rows=()) -> pa.Table:
+def without_logprobs(tokens: pa.Table, rows: np.ndarray, nan_rows=(), scrambled_topk=False) -> pa.Table:
     """`tokens` with no logprob and no top-k at `rows` (as the llama.cpp wire stores a token
-    llama-server sent no probabilities for), and a NaN logprob value at `nan_rows`."""
+    llama-server sent no probabilities for; `scrambled_topk`: top-k lists kept there, their logprobs
+    scrambled), and a NaN logprob value at `nan_rows`."""
     lp = tokens.column("engine_logprob").to_numpy().copy()
     lp[list(nan_rows)] = np.nan
     null = np.zeros(tokens.num_rows, bool)
@@ -42,9 +43,11 @@ def without_logprobs(tokens: pa.Table, rows: np.ndarray, nan_rows=()) -> pa.Tabl
     out = _set(tokens, "engine_logprob", pa.array(lp, pa.float64(), mask=null))
     for name in ("engine_topk_ids", "engine_topk_logprobs"):
         lists = out.column(name).to_pylist()
-        out = _set(
-            out, name, pa.array([[] if null[i] else x for i, x in enumerate(lists)], out.schema.field(name).type)
-        )
+        if scrambled_topk:
+            lists = [[v * 3.0 - i % 5 for v in x] if null[i] and "logprobs" in name else x for i, x in enumerate(lists)]
+        else:
+            lists = [[] if null[i] else x for i, x in enumerate(lists)]
+        out = _set(out, name, pa.array(lists, out.schema.field(name).type))
     return out
 
 
@@ -72,6 +75,16 @@ def test_tokens_without_a_logprob_leave_an_honest_run_clean_and_same(table):
     # the same run with every logprob: the same verdict and run test
     _, full = audit((req, tok, ref), table)
     assert full["verdict"] == f["verdict"] and full["run_test"]["result"] == "same"
+
+
+def test_top_k_lists_beside_a_missing_logprob_are_no_evidence(table):
+    """An adapter that kept top-k lists for a token without a logprob: they are not judged either (the
+    top-k sub-test and the observed floor read the other tokens only)."""
+    req, tok, ref = honest()
+    rows = np.arange(3, tok.num_rows, 7)
+    _, f = audit((req, without_logprobs(tok, rows, scrambled_topk=True), ref), table)
+    rt = f["run_test"]
+    assert rt["result"] == "same" and rt["tests"]["topk"]["n"] == tok.num_rows - rows.size and f["verdict"] == "clean"
 
 
 def test_a_greedy_flip_without_a_logprob_still_makes_its_request_divergent(table):

@@ -138,6 +138,8 @@ def _token_evidence(cols: dict, floor: dict, sampling: dict) -> dict:
     if "engine_topk_ids" in cols and (floor.get("topk") or {}).get("q99"):  # a floor without top-k tests none
         spread = topk_spread(cols["engine_topk_ids"], cols["engine_topk_logprobs"], ref_ids, ref_lp, details=False)
         has = spread["shared"] >= 2
+        if no_lp is not None:
+            has &= ~no_lp  # a token without a logprob is no top-k evidence either, whatever lists came with it
         ev.update(w=spread["w"], has_topk=has, topk=has & (spread["w"] > KAPPA * floor["topk"]["q99"]), cols=cols)
     if 0 < temperature <= 1 and not sampling.get("top_k") and (sampling.get("top_p") or 1.0) >= 1.0:
         ev.update(_sampling_evidence(tok, cols, temperature, floor))
@@ -296,6 +298,8 @@ def observed_floor(ev: dict) -> dict:
     """The run's own floors, measured as the expected ones are (`floors.floor_stats`; on at most
     SAMPLE evenly spaced tokens, as the quantiles need no more)."""
     rows = slice(None, None, max(1, ev["n"] // SAMPLE))
+    if "absent" in ev:  # tokens that came back without a logprob: left out
+        rows = np.arange(ev["n"])[rows][~ev["absent"][rows]]
     spread = None
     if "w" in ev:
         c = ev["cols"]
