@@ -9,7 +9,8 @@ Both take the tokens table, or its `counts(parts)`: rows, rows without a logprob
 top-k, summed part by part (what a caller that must not hold the whole table passes). In a run where
 only some tokens came back without a logprob (`logprobs` "some": llama-server leaves out a token that
 ends inside a UTF-8 character), those tokens are judged from the token alone (`lpf.analysis.absent`),
-never counted as logprob errors; a NaN logprob value stays an engine error. `no_logprob`: how many.
+never counted as logprob errors; a NaN logprob value stays an engine error. `no_logprob`: how many
+(present only when some are, so runs with every logprob keep their findings as they were).
 Pure: an Arrow table and plain data in, plain data out.
 """
 

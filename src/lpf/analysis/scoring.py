@@ -3,8 +3,9 @@
 Contract (pure: numpy columns in, numpy arrays and dicts out):
 - `score_requests(cols, starts, greedy, th) -> (per, flips, same)`: `cols` the `metrics.input_arrays`
   of a `join_grouped` table plus `position` (whole-run columns, grouped by request), `starts` the
-  request starts. `per` holds `verdicts.reduce_requests`' columns for every request, bit for bit what
-  `metrics.metric_arrays` then `reduce_requests` give (verdicts as `verdicts.CODES` indices); `flips`
+  request starts (and `no_logprob` when some tokens came back without one: `lpf.analysis.absent`, at
+  `temperature` when sampled). `per` holds `verdicts.reduce_requests`' columns for every request, bit
+  for bit what `metrics.metric_arrays` then `reduce_requests` give (verdicts as `verdicts.CODES` indices); `flips`
   the greedy flips, `same` the tokens that are the reference's top-1.
 - `metric_summary(cols, flips, same[, n]) -> findings' "metrics"`, bit for bit
   `findings.token_metric_summary` over the whole-run metric columns, from one pass over

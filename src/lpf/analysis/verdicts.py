@@ -3,8 +3,12 @@
 `summarize_requests(metrics, requests, th)` returns one row per request of the run: token counts,
 max/mean |d|, sequence log-ratio, first_divergence (first output position with |d| above the
 divergence threshold, a greedy flip or a lie token; null when none), flagged-token and gibberish
-(lie) token counts, the confident-gibberish score and the verdict. Requests the engine failed get
-verdict `error`; completed requests with outputs but no reference rows get `unscored`.
+(lie) token counts, the confident-gibberish score, `n_no_logprob` and the verdict. Requests the engine
+failed get verdict `error`; completed requests with outputs but no reference rows get `unscored`.
+A token that came back without a logprob (`no_logprob`, `lpf.analysis.absent`) is judged from the token
+alone: its greedy flip and lie strength count, it is no logprob error (out of max/mean |d| and the
+sequence log-ratio, which are over the request's other tokens, NaN when it has none); a NaN logprob
+value is an error of the engine, infinite, never clean.
 
 The gibberish score is the mean lie strength (see `metrics`) of a request's informative tokens
 from its first divergence to its end (a token both sides give p >= settled is not informative):
