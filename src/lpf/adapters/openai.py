@@ -42,8 +42,9 @@ from pydantic import Field, model_validator
 
 from lpf.adapters.base import Completion
 from lpf.adapters.http import RequestFailed, is_validation_error
+from lpf.adapters.logprob_gaps import align, entry_bytes
 from lpf.adapters.openai_shapes import MISSING, read_logprobs
-from lpf.adapters.remote import Problems, RemoteEngine, RemoteOptions, as_logprob
+from lpf.adapters.remote import Problems, RemoteEngine, RemoteOptions, as_logprob, snippet
 from lpf.adapters.token_map import TOKEN_ID_PREFIX, TokenMap  # noqa: F401  (TOKEN_ID_PREFIX re-exported)
 from lpf.core.errors import LpfError
 from lpf.core.knobs import knob
@@ -290,7 +291,7 @@ class OpenAIEngine(RemoteEngine):
         problems = Problems()
         block = read_logprobs(choice.get("logprobs"))
         echoed = self.sampling.prompt_logprobs and self.options.prompt_logprobs == "echo" and not chat
-        prompt, topk_ids, topk_lps = None, [], []
+        prompt, topk_ids, topk_lps, cut = None, [], [], False
         finish = choice.get("finish_reason")
         if block is None:
             if self.options.logprobs == "require":
@@ -319,10 +320,18 @@ class OpenAIEngine(RemoteEngine):
             topk_ids, topk_lps = self.top_k(top, len(ids), "top_logprobs", self.top_pairs, problems)
             self.top_k_seen = max([self.top_k_seen] + [len(t) for t in topk_ids])
             claimed = usage.get("completion_tokens")
+            if _counts_more(claimed, ids) and isinstance(text, str) and not echoed:
+                ids, logprobs, topk_ids, topk_lps, cut = self._fill_gaps(
+                    block, text, claimed, (ids, logprobs, topk_ids, topk_lps), problems
+                )
+                if cut:  # count and text disagree by what logprobs_missing says; the tokens kept are the server's
+                    claimed, text = None, None
         self._check_prompt(req, body, choice, usage, chat, problems)
         if finish is None:  # no claim to check; what the length says
             finish = "length" if len(ids) >= req.max_tokens else "stop"
-        self.check_answer(req, ids, claimed, finish, None if echoed else text, problems)
+        # a cut answer is short of max_tokens by the entries left out, not by its finish
+        checked = "stop" if cut and finish == "length" else finish
+        self.check_answer(req, ids, claimed, checked, None if echoed else text, problems)
         return Completion(
             request_id=req.request_id,
             output_token_ids=ids,
@@ -335,6 +344,45 @@ class OpenAIEngine(RemoteEngine):
             prompt_topk_ids=prompt[1] if prompt else [],
             prompt_topk_logprobs=prompt[2] if prompt else [],
         )
+
+    def _fill_gaps(self, block, text, claimed, columns, problems):
+        """An answer with fewer logprob entries than the tokens the server counts (llama-server sends
+        none for a token ending inside a UTF-8 character): the left-out tokens found in the text
+        (`logprob_gaps.align`) and kept without a logprob (judged from their tokens alone); when the
+        text cannot name them, only the entries before the first gap are kept (those after it would be
+        scored in the wrong context). Returns the four columns and whether they were cut."""
+        ids, lps, tids, tlps = columns
+        pieces = [entry_bytes(p.raw, t, self.map.bytes_of) for p, t in zip(block.positions, ids)]
+        found = align(pieces, text, claimed - len(ids), self.map.by_bytes)
+        if not found.gaps:  # every entry lines up with the whole text: a count that disagrees, said as such
+            return (*columns, False)
+        why = "llama-server sends none for a token that ends inside a UTF-8 character"
+        if found.slots is not None:
+            problems.add(
+                "logprobs_missing",
+                f"the server counts {claimed} completion tokens but sent {len(ids)} logprob entries: the "
+                f"{found.gaps} left out were found in its text and are judged from their tokens alone ({why})",
+            )
+            out = ([], [], [], [])
+            for kind, v in found.slots:
+                row = (ids[v], lps[v], tids[v], tlps[v]) if kind == "entry" else (v, None, [], [])
+                for col, x in zip(out, row):
+                    col.append(x)
+            return (*out, False)
+        k = found.prefix
+        if k == 0:
+            raise RequestFailed(
+                f"the server counts {claimed} completion tokens but sent {len(ids)} logprob entries, and its "
+                f"first entry does not begin the answer's text: a token was left out before it ({why})"
+            )
+        problems.add(
+            "logprobs_missing",
+            f"the server counts {claimed} completion tokens but sent {len(ids)} logprob entries; entry {k} "
+            f"does not continue the answer's text ({why}) and the text cannot name what was left out: "
+            f"the first {k} tokens are scored, the {len(ids) - k} entries after the gap are not (their context "
+            f"is unknown); the answer's text was {snippet(text)}",
+        )
+        return ids[:k], lps[:k], tids[:k], tlps[:k], True
 
     def _tokens_only(self, req, choice, text, usage, finish, problems) -> list[int]:
         """The output ids of an answer without logprobs: the server's `token_ids`, else its text re-encoded."""
@@ -440,3 +488,8 @@ class OpenAIEngine(RemoteEngine):
 
     def map_string(self, text: str) -> int | None:
         return self.map.by_string(text)
+
+
+def _counts_more(claimed: Any, ids: list) -> bool:
+    """The server counts more completion tokens than it sent logprob entries for."""
+    return isinstance(claimed, int) and not isinstance(claimed, bool) and claimed > len(ids)

@@ -42,6 +42,7 @@ class TokenMap:
         self.tok, self.vocab_size, self.mode = tokenizer, vocab_size, mode
         self.seen: set[str] = set()
         self._bytes: dict[bytes, list[int]] | None = None
+        self._of: dict[int, bytes] | None = None
 
     def resolve(self, token: Any, tid: Any, raw: Any, pos: int, strict: bool) -> int | None:
         if isinstance(tid, int) and not isinstance(tid, bool):
@@ -94,6 +95,14 @@ class TokenMap:
             self._bytes = self._byte_table()
         ids = self._bytes.get(raw, [])
         return ids[0] if len(ids) == 1 else None
+
+    def bytes_of(self, tid: Any) -> bytes | None:
+        """The bytes of one id (`_byte_table`'s inverse), None when it has none of its own."""
+        if self._of is None:
+            if self._bytes is None:
+                self._bytes = self._byte_table()
+            self._of = {t: raw for raw, ids in self._bytes.items() for t in ids}
+        return self._of.get(tid)
 
     def _byte_table(self) -> dict[bytes, list[int]]:
         """bytes -> ids: a byte-level tokenizer's pieces through its alphabet (partial UTF-8 included),
