@@ -186,9 +186,48 @@ def test_sampled_speculation_keeps_the_plain_engines_distribution():
         assert two_sample(a, b) > 1e-3, pos
 
 
+def test_greedy_draft_model_speculation_equals_the_plain_run(oracle):
+    # zoo:llama (attention-only, the zoo's tokenizer) drafts for the zoo hybrid: its KV cache is cut back
+    # to what each verify step kept
+    plain, _ = run(oracle, max_num_batched_tokens=64)
+    spec, trace = run(oracle, speculative="draft:zoo:llama:4", max_num_batched_tokens=64)
+    assert [spec[r].output_token_ids for r in plain] == [plain[r].output_token_ids for r in plain]
+    worst = max(np.max(np.abs(np.subtract(spec[r].logprobs, plain[r].logprobs)), initial=0) for r in plain)
+    assert worst <= 1e-4
+    rows = [r for r in trace.to_pylist() if r["num_draft_tokens"]]
+    drafted, accepted = sum(r["num_draft_tokens"] for r in rows), sum(r["num_accepted_tokens"] for r in rows)
+    assert 0 < accepted < drafted and drafted == 4 * sum(r["num_draft_tokens"] == 4 for r in rows) + sum(
+        r["num_draft_tokens"] for r in rows if r["num_draft_tokens"] < 4
+    )
+
+
+def test_sampled_draft_model_speculation_keeps_the_plain_engines_distribution():
+    # the draft model's own distributions q (not one-hot): kept with min(1, p/q), else the residual
+    # a recall prompt: the draft's and the target's distributions differ enough that drafts are rejected too
+    items = [{"id": "recall", "prompt": "R:V78,Q59,C52,W88,O26,A52,S31,"}]
+    knobs = {"n": 200, "temperature": 1.0, "max_tokens": 5, "max_num_seqs": 256, "max_num_batched_tokens": 2048}
+    plain, _ = run(items, seed=21, **knobs)
+    spec, trace = run(items, seed=22, speculative="draft:zoo:llama:3", **knobs)
+    rows = [r for r in trace.to_pylist() if r["num_draft_tokens"]]
+    accepted = sum(r["num_accepted_tokens"] for r in rows)
+    assert 0 < accepted < sum(r["num_draft_tokens"] for r in rows)
+    tested = 0
+    for pos in range(1, 5):
+        a = Counter(c.output_token_ids[pos] for c in plain.values() if len(c.output_token_ids) > pos)
+        b = Counter(c.output_token_ids[pos] for c in spec.values() if len(c.output_token_ids) > pos)
+        if min(sum(a.values()), sum(b.values())) >= 100:  # requests that stopped early leave a position thin
+            assert two_sample(a, b) > 1e-3, pos
+            tested += 1
+    assert tested >= 2
+
+
 def test_bad_speculative_knob_and_a_drill_without_it_are_refused_in_one_line():
     with pytest.raises(Exception, match="ngram:K"):
         BuiltinOptions.parse({"speculative": "eagle:3"})
+    for bad in ("draft:4", "ngram:zoo:llama:4", "draft:zoo:llama:0"):
+        with pytest.raises(Exception, match="draft:MODEL:K"):
+            BuiltinOptions.parse({"speculative": bad})
+    assert BuiltinOptions.parse({"speculative": "draft:zoo:llama:4"}).speculative == "draft:zoo:llama:4"
     with pytest.raises(Exception, match="speculative=ngram:K"):
         BuiltinOptions.parse({"inject": "spec-no-rollback"})
 

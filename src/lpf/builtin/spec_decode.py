@@ -52,8 +52,10 @@ from lpf.core.torch_utils import logprob_rows
 
 
 class SpecDecode:
-    def __init__(self, faults, truth, state_cache, num_speculative_tokens: int):
+    def __init__(self, faults, truth, state_cache, num_speculative_tokens: int, draft_probs=None):
         self.faults = faults
+        # request id -> the [k, V] rows its drafts were drawn from (a draft model's; None: one-hot drafts)
+        self.draft_probs = draft_probs or (lambda rid: None)
         self.truth = truth
         self.cache = state_cache
         self.k = num_speculative_tokens
@@ -102,7 +104,7 @@ class SpecDecode:
             z = logits_fn(hidden[idx], batch_size).float()
             at, emitted, keep = 0, [], []
             for m, s in spec:
-                tokens, a = verify_tokens(z[at : at + m.num_tokens], s)
+                tokens, a = verify_tokens(z[at : at + m.num_tokens], s, self.draft_probs(s.request_id))
                 keep.append(torch.arange(at, at + len(tokens)))
                 emitted.append(tokens)
                 accepted[s.request_id] = a
