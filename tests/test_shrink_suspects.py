@@ -5,7 +5,7 @@ test_shrink and bench/bugs.py)."""
 import pyarrow as pa
 
 from lpf.adapters.builtin import BuiltinEngine
-from lpf.experiments.shrink.suspects import named_moves, narrow_suspects, request_of, trace_suspects
+from lpf.experiments.shrink.suspects import leaver, named_moves, narrow_suspects, request_of, trace_suspects
 
 
 def trace(rows):
@@ -148,6 +148,7 @@ def test_a_wrong_count_names_its_verify_step_and_the_last_leavers_before_it():
         "gone2": "left the batch at step 1, before the verify step 3 (its row refilled)",
         "gone3": "left the batch at step 2, before the verify step 3 (its row refilled)",
     }
+    assert [r for r, why in got.items() if leaver(why)] == ["gone2", "gone3"]  # the shrink cuts these to one token
 
 
 def test_the_spec_hypotheses_name_one_sequence_at_a_time_and_a_small_permuted_batch():
@@ -156,3 +157,6 @@ def test_the_spec_hypotheses_name_one_sequence_at_a_time_and_a_small_permuted_ba
     assert "null slot" in what and moves == [{"max_num_seqs": 1}, {"max_num_seqs": 2}]
     what, moves = named_moves([{"feature": "state_rolled_back_wrong"}], BuiltinEngine.Options, knobs)
     assert moves == [{"max_num_seqs": 3}, {"max_num_seqs": 4}]
+    assert named_moves([{"feature": "resumed_overshot_state"}], BuiltinEngine.Options, knobs)[1] == [
+        {"max_num_seqs": 1}
+    ]

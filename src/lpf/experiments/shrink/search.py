@@ -9,7 +9,8 @@ only ever moves to one that reproduced (`adopt`), and `state.path` lists those m
 The plan:
 0. What the run knows first (`suspects`): for a speculative-decoding hypothesis, the target with the
    few requests its mechanism names (`narrow_suspects`: the last users of the slot its verify step read,
-   the verify step that left its state wrong and who left the batch before it, the checkpoint's writer);
+   the verify step that left its state wrong and who left the batch before it, the checkpoint's writer;
+   a leaver cut to one token beside one of the others, so the batch is permuted from its second step);
    then the target with the requests its trace names (who held
    its state slot before it, who wrote or published the block it resumed from, who shared its
    first step), then that set under the knob moves that make what the top hypothesis names (a
@@ -55,6 +56,7 @@ from lpf.experiments.shrink.config import Config, Source
 from lpf.experiments.shrink.ddmin import ddmin
 from lpf.experiments.shrink.judge import BudgetSpent, Judge
 from lpf.experiments.shrink.state import State
+from lpf.experiments.shrink.suspects import leaver
 
 
 PAIRS_UP_TO = 5  # others left by ddmin whose pairs are tried (at most 10 runs)
@@ -227,7 +229,7 @@ class Shrink:
             if self.test(config, "requests", what):
                 self.adopt(config)
                 return True
-            if self.named_moves(config, "requests", what, tried):
+            if self.leavers(original, target, narrow, tried) or self.named_moves(config, "requests", what, tried):
                 return True
         suspects = self.source.suspects(self.t)
         if not suspects:
@@ -244,6 +246,30 @@ class Shrink:
         if self.named_moves(config, "requests", what, tried):
             return True
         self.moves_unseen_among_suspects = self.source.named_moves(config) is not None
+        return False
+
+    def leavers(self, original: Config, target, narrow: dict[int, str], tried: set) -> bool:
+        """A count applied after the batch's permutation: the target, one request that ran beside it and
+        one that left the batch before, cut to one output token (it leaves after its first step, so its
+        row is refilled at once and the two others run permuted from then on), at the top hypothesis'
+        first knob move (a batch that small); each leaver with each of the others, the first that
+        reproduces adopted."""
+        gone = [s for s, why in narrow.items() if leaver(why) and s != self.t]
+        mates = [s for s, why in narrow.items() if not leaver(why) and s != self.t]
+        named = self.source.named_moves(original)
+        move = named[1][0] if named else {}
+        for g in gone:
+            for m in mates:
+                config = original.with_members([replace(original.member(g), max_tokens=1), original.member(m), target])
+                for name, value in move.items():
+                    config = config.with_knob(name, value)
+                if config.key() in tried or self.source.refused(config):
+                    continue
+                tried.add(config.key())
+                what = f"the target, request {self.source.ids[m]} and request {self.source.ids[g]} cut to one token"
+                if self.test(config, "requests", f"{what} (it leaves first: the batch permuted)"):
+                    self.adopt(config)
+                    return True
         return False
 
     def named_moves(self, config: Config, phase: str, what: str, tried: set | None = None) -> bool:

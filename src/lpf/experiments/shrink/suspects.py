@@ -17,7 +17,8 @@ Contract (pure: a trace table and findings data in, plain data out):
   smaller cache; a resume from a truncated state, chunks ending inside Mamba blocks (an odd budget
   below a block); a 1+K-token prompt prefilled on the verify path after another one, one sequence at a
   time (the null slot they share carries the earlier one's state); a batch of 3-4 sequences for a count
-  applied after the batch's permutation. None when the hypothesis names none the engine has.
+  applied after the batch's permutation; one sequence at a time for a resume from a checkpoint a verify
+  step saved (its writer done before the resume starts). None when the hypothesis names none the engine has.
 The shrink (`search`) tries the suspects before its blind search, at the original knobs and then
 at each named move.
 """
@@ -80,6 +81,8 @@ FEATURE_MOVES = {
         "1+K-token prompts verified one after another (the null slot carried over)",
         ({"concurrency": 1}, {"concurrency": 2}),
     ),
+    # a resume from a checkpoint a verify step saved: its writer must be done before the resume is admitted
+    "resumed_overshot_state": ("the checkpoint's writer finished before the resume", ({"concurrency": 1},)),
     "state_rolled_back_wrong": (
         "a batch of 3-4 sequences whose rows a leaver permutes",
         ({"concurrency": 3}, {"concurrency": 4}),
@@ -176,8 +179,16 @@ def _wrong_count_step(trace: pa.Table, target_id: str) -> dict[str, str]:
     beside = {request_of(r) for r, st, *_ in rows if st in mine}
     left = sorted((s, r) for r, s in last.items() if r in beside and s < step and r != target_id)
     for s, r in left[-SLOT_HOLDERS:]:
-        out.setdefault(r, f"left the batch at step {s}, before the verify step {step} (its row refilled)")
+        out.setdefault(r, f"{LEFT} at step {s}, before the verify step {step} (its row refilled)")
     return out
+
+
+LEFT = "left the batch"  # a narrow suspect whose leaving permuted the batch (`leaver`)
+
+
+def leaver(why: str) -> bool:
+    """Is this narrow suspect one whose leaving permuted the batch (the shrink cuts it to one token)?"""
+    return why.startswith(LEFT)
 
 
 def _resume_sources(trace: pa.Table, target_id: str) -> dict[str, str]:
