@@ -234,6 +234,8 @@ def test_bad_speculative_knob_and_a_drill_without_it_are_refused_in_one_line():
     assert BuiltinOptions.parse({"speculative": "draft:zoo:llama:4"}).speculative == "draft:zoo:llama:4"
     with pytest.raises(Exception, match="speculative=ngram:K"):
         BuiltinOptions.parse({"inject": "spec-no-rollback"})
+    with pytest.raises(Exception, match="needs a draft model's probabilities"):
+        BuiltinOptions.parse({"inject": "spec-draft-probs-permuted", "speculative": "ngram:4"})
 
 
 # each drill in the configuration that makes it fire (tiny:jamba-longmem: an untrained Jamba whose SSM
