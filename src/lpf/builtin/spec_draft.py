@@ -12,9 +12,10 @@ the target's distribution exact. A prefix of the drafts is valid with the same p
 - Sampled: draft i is drawn from q_i, the draft's distribution after the request's temperature, top-k
   and top-p, with a generator seeded by (request seed, output position) and a salt of its own, so the
   draft's randomness is independent of the verify pass's draws at the same positions.
-An attention-only draft runs the step's requests as one left-padded batch (position ids from the mask),
-K forward passes over the contexts and the drafts so far; a draft with recurrent layers runs each request
-alone (padding would pass through its state). No cache is kept between steps: nothing to roll back.
+An attention-only draft runs the step's requests as one left-padded batch (position ids from the mask):
+their contexts once, then one token per row for each further draft (the step's KV cache); a draft with
+recurrent layers runs each request alone, its context and drafts again for every draft (padding would pass
+through its state). No cache is kept between steps: nothing to roll back.
 """
 
 from __future__ import annotations
@@ -70,8 +71,9 @@ class DraftProposer:
         seqs = [list(req.prompt_token_ids) + list(req.output_token_ids) for req, _ in asks]
         drafts: list[list[int]] = [[] for _ in asks]
         rows: list[list[torch.Tensor]] = [[] for _ in asks]
+        state = None
         for i in range(max(k for _, k in asks)):
-            logits = self._last_logits(seqs)
+            logits, state = self._next_logits(seqs, state)
             for j, (req, k) in enumerate(asks):
                 if i >= k:
                     continue
@@ -86,25 +88,36 @@ class DraftProposer:
                     d = int(torch.multinomial(q, 1, generator=g))
                     rows[j].append(q)
                 drafts[j].append(d)
-                seqs[j].append(d)
+            for j, (_, k) in enumerate(asks):  # a row done drafting repeats its last token (never read)
+                seqs[j].append(drafts[j][-1] if i < k else seqs[j][-1])
         for (req, _), r in zip(asks, rows):
             self._probs[req.request_id] = torch.stack(r) if r else None
         return drafts
 
-    def _last_logits(self, seqs: list[list[int]]) -> torch.Tensor:
-        """[B, V]: the draft's logits after each sequence (left-padded into one batch)."""
-        width = max(len(s) for s in seqs)
-        ids = torch.zeros(len(seqs), width, dtype=torch.long)
-        mask = torch.zeros(len(seqs), width, dtype=torch.long)
-        for j, s in enumerate(seqs):
-            ids[j, width - len(s) :] = torch.tensor(s)
-            mask[j, width - len(s) :] = 1
-        pos = (mask.cumsum(-1) - 1).clamp_min(0)
+    def _next_logits(self, seqs: list[list[int]], state):
+        """([B, V] the draft's logits after each sequence, the state for the next call). The first call
+        runs the left-padded contexts; an attention-only draft keeps their KV cache for the step, so each
+        later call runs one token per row (the draft appended last)."""
+        if state is None or not self.attention_only:
+            width = max(len(s) for s in seqs)
+            ids = torch.zeros(len(seqs), width, dtype=torch.long)
+            mask = torch.zeros(len(seqs), width, dtype=torch.long)
+            for j, s in enumerate(seqs):
+                ids[j, width - len(s) :] = torch.tensor(s)
+                mask[j, width - len(s) :] = 1
+            pos = (mask.cumsum(-1) - 1).clamp_min(0)
+            cache = None
+        else:
+            cache, mask = state
+            ids = torch.tensor([[s[-1]] for s in seqs])
+            mask = torch.cat([mask, torch.ones(len(seqs), 1, dtype=torch.long)], dim=1)
+            pos = torch.tensor([[len(s) - 1] for s in seqs])
         out = self.model(
             input_ids=ids.to(self.device),
             attention_mask=mask.to(self.device),
             position_ids=pos.to(self.device),
-            use_cache=False,
+            cache=cache,
+            use_cache=self.attention_only,
             logits_to_keep=1,
         )
-        return out.logits[:, -1]
+        return out.logits[:, -1], ((out.cache, mask) if self.attention_only else None)
