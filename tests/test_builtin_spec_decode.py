@@ -192,8 +192,8 @@ def test_sampled_speculation_keeps_the_plain_engines_distribution():
 def test_greedy_draft_model_speculation_equals_the_plain_run(oracle):
     # zoo:llama (attention-only, the zoo's tokenizer) drafts for the zoo hybrid: its KV cache is cut back
     # to what each verify step kept
-    plain, _ = run(oracle, max_num_batched_tokens=64)
-    spec, trace = run(oracle, speculative="draft:zoo:llama:4", max_num_batched_tokens=64)
+    plain, _ = run(oracle[:12], max_num_batched_tokens=64)
+    spec, trace = run(oracle[:12], speculative="draft:zoo:llama:4", max_num_batched_tokens=64)
     assert [spec[r].output_token_ids for r in plain] == [plain[r].output_token_ids for r in plain]
     worst = max(np.max(np.abs(np.subtract(spec[r].logprobs, plain[r].logprobs)), initial=0) for r in plain)
     assert worst <= 1e-4
