@@ -28,7 +28,9 @@ Configurations (ground truth and knobs from `prefix_drills.KNOBS`):
   kv-double-free zoo:hybrid, zoo:oracle --n 2 (1,000 requests), --max-tokens 16 --cache-mb 2
                  --max-num-batched-tokens 64 (tests/test_engine_drills.py's: a KV block held by two requests)
   speculative    spec-prefill-verify, spec-accepted-permuted, spec-no-rollback (issue 43): tiny:jamba-longmem,
-                 zoo:oracle --n 2 (1,000 requests), --max-tokens 24, -E speculative=ngram:K (SPEC_DRILLS)
+                 zoo:oracle --n 2 (1,000 requests), --max-tokens 24, -E speculative=ngram:K (SPEC_DRILLS);
+                 spec-checkpoint-rejected on two turns with prefix caching; spec-draft-probs-permuted sampled
+                 at temperature 1 with -E speculative=draft:zoo:llama:4 and 8 sequences at a time
 vLLM drills (`--engine vllm`): the plugin's prefix drills under `lpf.adapters.vllm_options.PREFIX_DRILL_KNOBS`
 (prefix caching on, a step budget below the 128-token Mamba block), on tiny:hybrid-longmem (vLLM's CPU
 build runs no Jamba), scored the same way with `PREFIX_DRILL_NAMED_BY`; `clean` (the same, no drill: the
@@ -99,6 +101,12 @@ SPEC_DRILLS = {
         ["--workload", "TWOTURN", "--max-tokens", "24", "--ignore-eos", "--enable-prefix-caching"]
         + ["-E", "mamba_block_size=16", "-E", "speculative=ngram:4", "--max-num-seqs", "16"],
         {"resumed_overshot_state"},
+    ),
+    # sampled at temperature 1 with a draft model's probabilities (zoo:llama drafts: the zoo's tokenizer),
+    # 8 sequences at a time (finished rows refilled: the persistent batch permuted)
+    "spec-draft-probs-permuted": (
+        [*SPEC_ARGS, "--temperature", "1.0", "-E", "speculative=draft:zoo:llama:4", "--max-num-seqs", "8"],
+        {"sampled_spec_batch_over_2"},
     ),
 }
 INJECT = {"offset-wrap": "offset-wrap:18"}  # a drill's --inject spec, where it takes an argument
@@ -455,7 +463,9 @@ def main() -> None:
         run = out / d
         wall = audit(run, d, args, workloads, a.engine)
         results[d] = {**score(run, named_by), "audit_s": wall}
-        if not (a.quick or d in ("prefix-cache-inert", "clean")):
+        if results[d].get("flagged") == 0 and d not in ("prefix-cache-inert", "clean"):
+            results[d]["shrink"] = {"status": "nothing flagged: nothing to shrink"}
+        elif not (a.quick or d in ("prefix-cache-inert", "clean")):
             results[d]["shrink"] = shrink(run, out / f"{d}-shrink", INJECT.get(d, d), not a.no_shrink, a.shrink_budget)
         print(f"{d}: {json.dumps(results[d], default=str)}", flush=True)
     dest = a.results or (out / "bugs_quick.json" if a.quick else ROOT / "bench" / "results" / "bugs.json")

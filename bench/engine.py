@@ -31,7 +31,7 @@ same interleaved repeats (before/after in one run); every run's CPU seconds are 
 its 1-token run's: `generation_cpu_s`, blind to other processes; vLLM's worker processes count only
 once reaped), and each repeat's builtin/vLLM in-engine window ratio (the two ran back to back).
 Speculative decoding (`speculative` in the results; `--only spec` runs just this part, see `speculative`):
-acceptance rate and speed-up of -E speculative=ngram:K against the same engine without it.
+acceptance rate and speed-up of -E speculative=ngram:K and draft:zoo:llama:K against the same engine without it.
 Usage: python bench/engine.py [--requests N] [--model SPEC] [--only prefix|spec] [--no-prefix] [--baseline-src DIR]
        [--quick]   (writes bench/results/engine.json)
 """
@@ -200,10 +200,15 @@ def prefix_caching(model: str, tmp: Path, repeats: int, base: float) -> dict:
     }
 
 
+DRAFT = "zoo:llama"  # the draft model of the draft-model arms
+
+
 def speculative(model: str, tmp: Path, repeats: int, base: float) -> dict:
     """Speculative decoding's rows (`--only spec`): the built-in engine on zoo:oracle (500 requests, greedy,
     24 output tokens; copies and recalls repeat their prompt, so n-gram drafts get accepted) without
-    speculation and with -E speculative=ngram:2 / ngram:4, same knobs, interleaved repeats. Reported per arm:
+    speculation, with -E speculative=ngram:2 / ngram:4 and with the draft model DRAFT (draft:zoo:llama:2 / :4;
+    its load is part of the generation time, not of the in-engine window), same knobs, interleaved repeats.
+    Reported per arm:
     drafted and accepted tokens (the trace's num_draft_tokens / num_accepted_tokens), the acceptance rate,
     engine steps, the in-engine window and generation time (wall minus start-up), each as a ratio to no
     speculation, and whether every request's greedy tokens equal the run without speculation."""
@@ -213,7 +218,12 @@ def speculative(model: str, tmp: Path, repeats: int, base: float) -> dict:
     exe = Path(sys.executable).with_name("lpf")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     knobs = ["--max-num-seqs", "64", "--max-num-batched-tokens", "512", "--max-tokens", "24"]
-    arms = {"off": [], "ngram:2": ["-E", "speculative=ngram:2"], "ngram:4": ["-E", "speculative=ngram:4"]}
+    arms = {
+        "off": [],
+        **{f"ngram:{k}": ["-E", f"speculative=ngram:{k}"] for k in (2, 4)},
+        # the draft-model proposer: zoo:llama (attention-only, the zoo's tokenizer) drafts for the hybrid
+        **{f"draft:{DRAFT}:{k}": ["-E", f"speculative=draft:{DRAFT}:{k}"] for k in (2, 4)},
+    }
     rows: dict[str, dict] = {arm: {"seconds": [], "window_s": []} for arm in arms}
     for rep in range(repeats):
         for arm, extra in arms.items():

@@ -8,6 +8,9 @@ the Mamba state rolled back to the last accepted position), engine level, no ref
   distribution; the same statistic rejects a sampler that keeps every draft, so the test has power);
 - sampled at temperature 1, the speculative engine's per-position token frequencies match the plain
   engine's (two-sample chi-square, independent seeds), with drafts accepted and rejected in the run;
+- the draft-model proposer (-E speculative=draft:zoo:llama:K) gives the plain run's greedy tokens and keeps
+  the sampled distribution the same way;
+- spec-draft-probs-permuted (slow) fires only for sampled requests in batches of more than 2 sequences;
 - the knob is refused in one line when malformed, and a drill without speculation is refused too.
 """
 
@@ -186,11 +189,53 @@ def test_sampled_speculation_keeps_the_plain_engines_distribution():
         assert two_sample(a, b) > 1e-3, pos
 
 
+def test_greedy_draft_model_speculation_equals_the_plain_run(oracle):
+    # zoo:llama (attention-only, the zoo's tokenizer) drafts for the zoo hybrid: its KV cache is cut back
+    # to what each verify step kept
+    plain, _ = run(oracle[:12], max_num_batched_tokens=64)
+    spec, trace = run(oracle[:12], speculative="draft:zoo:llama:4", max_num_batched_tokens=64)
+    assert [spec[r].output_token_ids for r in plain] == [plain[r].output_token_ids for r in plain]
+    worst = max(np.max(np.abs(np.subtract(spec[r].logprobs, plain[r].logprobs)), initial=0) for r in plain)
+    assert worst <= 1e-4
+    rows = [r for r in trace.to_pylist() if r["num_draft_tokens"]]
+    drafted, accepted = sum(r["num_draft_tokens"] for r in rows), sum(r["num_accepted_tokens"] for r in rows)
+    # a trained draft of the same data agrees with the target most of the time (85% here; n-gram lookup ~60%)
+    assert 0.5 < accepted / drafted < 1
+
+
+@pytest.mark.slow  # 160 sampled requests drafted by a model (~10-30 s); the sampler's exactness with a spread q
+# is test_rejection_sampler_keeps_the_target_distribution's (fast)
+def test_sampled_draft_model_speculation_keeps_the_plain_engines_distribution():
+    # the draft model's own distributions q (not one-hot): kept with min(1, p/q), else the residual
+    # a recall prompt: the draft's and the target's distributions differ enough that drafts are rejected too
+    items = [{"id": "recall", "prompt": "R:V78,Q59,C52,W88,O26,A52,S31,"}]
+    knobs = {"n": 160, "temperature": 1.0, "max_tokens": 5, "max_num_seqs": 256, "max_num_batched_tokens": 2048}
+    plain, _ = run(items, seed=21, **knobs)
+    spec, trace = run(items, seed=22, speculative="draft:zoo:llama:3", **knobs)
+    rows = [r for r in trace.to_pylist() if r["num_draft_tokens"]]
+    accepted = sum(r["num_accepted_tokens"] for r in rows)
+    assert 0 < accepted < sum(r["num_draft_tokens"] for r in rows)
+    tested = 0
+    for pos in range(1, 5):
+        a = Counter(c.output_token_ids[pos] for c in plain.values() if len(c.output_token_ids) > pos)
+        b = Counter(c.output_token_ids[pos] for c in spec.values() if len(c.output_token_ids) > pos)
+        if min(sum(a.values()), sum(b.values())) >= 80:  # requests that stopped early leave a position thin
+            assert two_sample(a, b) > 1e-3, pos
+            tested += 1
+    assert tested >= 2
+
+
 def test_bad_speculative_knob_and_a_drill_without_it_are_refused_in_one_line():
     with pytest.raises(Exception, match="ngram:K"):
         BuiltinOptions.parse({"speculative": "eagle:3"})
+    for bad in ("draft:4", "ngram:zoo:llama:4", "draft:zoo:llama:0"):
+        with pytest.raises(Exception, match="draft:MODEL:K"):
+            BuiltinOptions.parse({"speculative": bad})
+    assert BuiltinOptions.parse({"speculative": "draft:zoo:llama:4"}).speculative == "draft:zoo:llama:4"
     with pytest.raises(Exception, match="speculative=ngram:K"):
         BuiltinOptions.parse({"inject": "spec-no-rollback"})
+    with pytest.raises(Exception, match="needs a draft model's probabilities"):
+        BuiltinOptions.parse({"inject": "spec-draft-probs-permuted", "speculative": "ngram:4"})
 
 
 # each drill in the configuration that makes it fire (tiny:jamba-longmem: an untrained Jamba whose SSM
@@ -325,3 +370,42 @@ def test_a_tight_step_budget_verifies_fewer_drafts(oracle):
         steps[r["step"]] = steps.get(r["step"], 0) + r["num_scheduled_tokens"]
     assert max(steps.values()) <= 16 and any(r["num_draft_tokens"] for r in rows)
     assert any(0 < r["num_draft_tokens"] < 8 and steps[r["step"]] == 16 for r in rows)  # cut to fit
+
+
+@pytest.mark.slow  # a draft model beside an untrained Jamba, 6 runs (~2-4 min on 2 loaded cores): out of test-fast
+def test_spec_draft_probs_permuted_corrupts_only_sampled_requests_verified_in_batches_over_two():
+    # tiny:jamba-longmem's spread distributions let another request's draft probabilities show in the tokens
+    items = registry.workload_items("oracle", n=30)
+    knobs = {"model": "tiny:jamba-longmem", "max_num_batched_tokens": 256, "seed": 5}
+    spec = {**knobs, "speculative": "draft:zoo:llama:4"}
+    drill = {**spec, "inject": "spec-draft-probs-permuted"}
+    few = {"n": 1, "max_tokens": 8}
+    # greedy verification never reads the draft probabilities: the drill changes nothing
+    plain, _ = run(items[:12], max_num_seqs=8, **knobs, **few)
+    got, _, faults = run(items[:12], max_num_seqs=8, faults=True, **drill, **few)
+    assert faults is None and all(got[r].output_token_ids == c.output_token_ids for r, c in plain.items())
+    # two sequences at a time: a leaver's row is refilled by the other one, the order never changes
+    honest2, _ = run(items[:12], max_num_seqs=2, temperature=1.0, **spec, **few)
+    got2, _, faults2 = run(items[:12], max_num_seqs=2, temperature=1.0, faults=True, **drill, **few)
+    assert faults2 is None and all(got2[r].output_token_ids == c.output_token_ids for r, c in honest2.items())
+    many = {"n": 4, "max_tokens": 12}
+    # sampled, 8 at a time: the requests the ground truth names are the sampled ones verified in a step
+    # beside 2 or more other speculating requests (the feature holds for each), and their tokens follow
+    # another distribution than the target's: less probable under it than the honest run's
+    honest, _ = run(items, max_num_seqs=8, temperature=1.0, **spec, **many)
+    bad, trace, faults8 = run(items, max_num_seqs=8, temperature=1.0, faults=True, **drill, **many)
+    assert faults8 is not None
+    truth = {r["request_id"] for r in faults8.to_pylist()}
+    ids = list(bad)
+    requests = pa.table({"request_id": ids, "seq": list(range(len(ids)))})
+    feats = {f.name: {ids[i] for i in np.flatnonzero(f.values)} for f in spec_features(requests, trace)}
+    assert truth <= feats["sampled_spec_batch_over_2"] and EXPECTED["spec-draft-probs-permuted"]["corrupted"] == {
+        "sampled_spec_batch_over_2"
+    }
+
+    def mean_lp(done):
+        lp = np.array([x for r in truth for x in done[r].logprobs])
+        return lp.mean(), lp.std() / math.sqrt(len(lp))
+
+    (m_bad, se_bad), (m_ok, se_ok) = mean_lp(bad), mean_lp(honest)
+    assert (m_ok - m_bad) / math.hypot(se_bad, se_ok) > 3

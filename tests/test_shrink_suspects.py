@@ -5,7 +5,7 @@ test_shrink and bench/bugs.py)."""
 import pyarrow as pa
 
 from lpf.adapters.builtin import BuiltinEngine
-from lpf.experiments.shrink.suspects import named_moves, request_of, trace_suspects
+from lpf.experiments.shrink.suspects import leaver, named_moves, narrow_suspects, request_of, trace_suspects
 
 
 def trace(rows):
@@ -91,3 +91,72 @@ def test_the_moves_the_top_hypothesis_names():
     assert moves == [{"max_num_batched_tokens": 7}, {"max_num_batched_tokens": 5}, {"max_num_batched_tokens": 3}]
     assert named_moves([{"feature": "resumed_from_aborted_publisher"}], BuiltinEngine.Options, knobs) is None
     assert named_moves([], BuiltinEngine.Options, knobs) is None
+
+
+SPEC_COLS = [
+    ("step", pa.int64()),
+    ("request_id", pa.string()),
+    ("state_slot", pa.int32()),
+    ("num_computed_tokens", pa.int32()),
+    ("num_draft_tokens", pa.int32()),
+    ("num_accepted_tokens", pa.int32()),
+    ("verify_state_slot", pa.int32()),
+    ("state_tokens_after_rollback", pa.int32()),
+]
+
+
+def spec_trace(rows):
+    return pa.table({c: [r.get(c) for r in rows] for c, _ in SPEC_COLS}, schema=pa.schema(SPEC_COLS))
+
+
+def test_a_prompt_on_the_verify_path_names_the_last_users_of_the_slot_it_read():
+    # 9 is the null slot: every 1+K-token prompt prefilled on the verify path reads and writes it
+    rows = [
+        {"step": 1, "request_id": "old", "state_slot": 0, "verify_state_slot": 9},
+        {"step": 2, "request_id": "a", "state_slot": 1, "verify_state_slot": 9},
+        {"step": 2, "request_id": "other", "state_slot": 2, "verify_state_slot": 2},  # its own slot: not 9
+        {"step": 3, "request_id": "b", "state_slot": 3, "verify_state_slot": 9},
+        {"step": 4, "request_id": "t", "state_slot": 4, "verify_state_slot": 9},
+        {"step": 4, "request_id": "same-step", "state_slot": 5, "verify_state_slot": 9},
+        {"step": 5, "request_id": "after", "state_slot": 6, "verify_state_slot": 9},
+    ]
+    got = narrow_suspects(spec_trace(rows), "t", "prompt_on_verify_path")
+    assert got == {r: "last used the state slot 9 its first verify step read" for r in ("b", "a")}
+    assert narrow_suspects(spec_trace(rows), "t", "first_decode_uncomputed") == {}  # not a spec mechanism
+    assert narrow_suspects(None, "t", "prompt_on_verify_path") == {}
+
+
+def test_a_wrong_count_names_its_verify_step_and_the_last_leavers_before_it():
+    def v(step, rid, done, drafts, acc, after):
+        return dict(step=step, request_id=rid, num_computed_tokens=done, num_draft_tokens=drafts,
+                    num_accepted_tokens=acc, state_tokens_after_rollback=after)  # fmt: skip
+
+    rows = [
+        v(1, "t", 10, 2, 1, 12),  # right: 10 + 1 + 1
+        v(1, "gone1", 10, 0, None, None),
+        v(1, "gone2", 10, 2, 0, 11),
+        v(1, "gone3", 10, 0, None, None),
+        v(2, "gone3", 11, 0, None, None),
+        v(3, "t", 12, 2, 0, 15),  # wrong: should cover 13
+        v(3, "mate", 12, 2, 2, 13),  # wrong too, but only the target's step matters
+        v(3, "plain", 12, 0, None, None),  # no drafts in that step: not the count's donor
+        v(4, "t", 15, 0, None, None),
+    ]
+    got = narrow_suspects(spec_trace(rows), "t", "state_rolled_back_wrong")
+    assert got == {
+        "mate": "shared the verify step 3 that left its state wrong",
+        "gone2": "left the batch at step 1, before the verify step 3 (its row refilled)",
+        "gone3": "left the batch at step 2, before the verify step 3 (its row refilled)",
+    }
+    assert [r for r, why in got.items() if leaver(why)] == ["gone2", "gone3"]  # the shrink cuts these to one token
+
+
+def test_the_spec_hypotheses_name_one_sequence_at_a_time_and_a_small_permuted_batch():
+    knobs = {"max_num_seqs": 8, "speculative": "ngram:8"}
+    what, moves = named_moves([{"feature": "prompt_on_verify_path"}], BuiltinEngine.Options, knobs)
+    assert "null slot" in what and moves == [{"max_num_seqs": 1}, {"max_num_seqs": 2}]
+    what, moves = named_moves([{"feature": "state_rolled_back_wrong"}], BuiltinEngine.Options, knobs)
+    assert moves == [{"max_num_seqs": 3}, {"max_num_seqs": 4}]
+    assert named_moves([{"feature": "resumed_overshot_state"}], BuiltinEngine.Options, knobs)[1] == [
+        {"max_num_seqs": 1}
+    ]

@@ -63,6 +63,8 @@ class BuiltinOptions(Options, EngineConfig):
             need.append(f"{', '.join(f.prefix_drills())} needs --enable-prefix-caching")
         if f.spec_drills() and not self.speculative:
             need.append(f"{', '.join(f.spec_drills())} needs -E speculative=ngram:K")
+        if f.spec_draft_probs_permuted and self.speculative and not self.speculative.startswith("draft:"):
+            need.append("spec-draft-probs-permuted needs a draft model's probabilities: -E speculative=draft:MODEL:K")
         if f.spec_checkpoint_rejected and not self.enable_prefix_caching:
             need.append("spec-checkpoint-rejected needs --enable-prefix-caching (its checkpoints are the cache's)")
         if f.incomplete_block_cached and self.mamba_cache_mode != "all":

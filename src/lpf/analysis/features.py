@@ -29,7 +29,8 @@ From the trace's write log (`write_features`, engines that keep one: the built-i
   state_overwritten, state_write_strayed (another request's state write landed in its slot; its own
   landed outside it).
 From the speculative-decoding columns (`spec_features`, the built-in engine with speculation on):
-  prompt_on_verify_path, state_kept_rejected_drafts, state_rolled_back_wrong, speculated.
+  prompt_on_verify_path, state_kept_rejected_drafts, state_rolled_back_wrong, sampled_spec_batch_over_2,
+  speculated.
 From the requests: prompt_length, rollout, seq (arrival index): `descriptive` (what a request is, not
 what the engine did to it).
 """

@@ -14,6 +14,9 @@ a later step of the request reads it (its last step's state is never read).
   state_rolled_back_wrong     its state was left at another position than its last accepted token (another
                               count than its own), and a later step read it; in a run where verify steps
                               do roll back (so a state left where the pass ended is a wrong count too)
+  sampled_spec_batch_over_2   its drafts went through the sampled rejection path (the one that reads the
+                              draft probabilities) in a step where more than 2 sequences had drafts verified
+                              (a batch whose rows a leaver can permute; `spec_sampled`, when the trace has it)
   speculated                  it had drafts verified (the broad condition the three above refine)
 Each feature is left out when it holds for no request.
 """
@@ -38,6 +41,7 @@ COLUMNS = (
     "state_tokens_before_rollback",
     "state_tokens_after_rollback",
 )
+OPTIONAL = ("spec_sampled",)
 
 
 def has_spec_columns(trace: pa.Table | None) -> bool:
@@ -56,11 +60,17 @@ def spec_features(requests: pa.Table, trace: pa.Table | None) -> list[Feature]:
     index = {rid: i for i, rid in enumerate(ids)}
     rows = trace.filter(pc.invert(trace.column("preempted").fill_null(False)))
     cols = {c: rows.column(c).to_pylist() for c in COLUMNS}
+    for c in OPTIONAL:
+        cols[c] = rows.column(c).to_pylist() if c in rows.column_names else [None] * rows.num_rows
+    speculating: dict[int, int] = {}  # step -> sequences with drafts verified in it
+    for step, drafts in zip(cols["step"], cols["num_draft_tokens"]):
+        if drafts:
+            speculating[step] = speculating.get(step, 0) + 1
     last = {}
     for rid, step in zip(cols["request_id"], cols["step"]):
         last[rid] = max(step, last.get(rid, step))
     n = len(ids)
-    on_verify, kept, wrong, spec = (np.zeros(n, dtype=bool) for _ in range(4))
+    on_verify, kept, wrong, spec, crowded = (np.zeros(n, dtype=bool) for _ in range(5))
     lengths: set[int] = set()
     misplaced: list[int] = []  # requests with a read-later verify row whose state is not where it should be
     rolls_back = False  # some verify step that rejected drafts moved its state back: the engine rolls back
@@ -75,6 +85,8 @@ def spec_features(requests: pa.Table, trace: pa.Table | None) -> list[Feature]:
         if not drafts or accepted is None:
             continue
         spec[i] = True
+        if cols["spec_sampled"][k] and speculating.get(cols["step"][k], 0) > 2:
+            crowded[i] = True
         read_later = cols["step"][k] < last[cols["request_id"][k]]
         after, before = cols["state_tokens_after_rollback"][k], cols["state_tokens_before_rollback"][k]
         should = cols["num_computed_tokens"][k] + 1 + accepted
@@ -107,6 +119,13 @@ def spec_features(requests: pa.Table, trace: pa.Table | None) -> list[Feature]:
             wrong,
             "had their Mamba state rolled back to another position than their last accepted token (another "
             "accepted count than their own), read by a later step",
+        ),
+        Feature(
+            "sampled_spec_batch_over_2",
+            "bool",
+            crowded,
+            "were sampled speculatively in a batch of > 2 sequences (drafts verified by the sampled rejection "
+            "path, which reads the draft probabilities, beside 2 or more other speculating requests)",
         ),
         Feature("speculated", "bool", spec, "had draft tokens verified (speculative decoding)"),
     ]

@@ -124,13 +124,16 @@ class EngineConfig(BaseModel):
         ),
     )
 
-    # speculative decoding (vLLM's speculative_config, method "ngram"): a decoding request's next tokens
-    # proposed by prompt lookup and verified, with its last sampled token, in one pass of 1 + K positions
+    # speculative decoding (vLLM's speculative_config, methods "ngram" and "draft_model"): a decoding
+    # request's next tokens proposed by prompt lookup or a draft model and verified, with its last sampled
+    # token, in one pass of 1 + K positions
     speculative: str | None = knob(
         None,
         help=(
-            "Speculative decoding: ngram:K (n-gram prompt lookup proposing up to K draft tokens per step, "
-            "verified in one forward pass; vLLM's speculative_config method ngram) [default: off]."
+            "Speculative decoding: ngram:K (n-gram prompt lookup proposing up to K draft tokens per step) or "
+            "draft:MODEL:K (a draft model with the target's vocabulary, e.g. draft:zoo:llama:4, proposing K "
+            "tokens and their probabilities), verified in one forward pass (vLLM's speculative_config) "
+            "[default: off]."
         ),
         roles=("speculative",),
         shrink_order=75,
@@ -139,15 +142,26 @@ class EngineConfig(BaseModel):
     @model_validator(mode="after")
     def _speculative_known(self) -> "EngineConfig":
         if self.speculative is not None:
-            method, _, k = self.speculative.partition(":")
-            if method != "ngram" or not k.isdigit() or not 1 <= int(k) <= 16:
-                raise ValueError(f"speculative must be ngram:K with K in 1..16, got {self.speculative!r}")
+            method, _, rest = self.speculative.partition(":")
+            model, _, k = rest.rpartition(":")
+            ok = k.isdigit() and 1 <= int(k) <= 16 and (method == "ngram" and not model or method == "draft" and model)
+            if not ok:
+                raise ValueError(
+                    f"speculative must be ngram:K or draft:MODEL:K with K in 1..16, got {self.speculative!r}"
+                )
         return self
 
     @property
     def num_speculative_tokens(self) -> int:
         """K, the draft tokens proposed per verify step (0: speculation off)."""
-        return int(self.speculative.partition(":")[2]) if self.speculative else 0
+        return int(self.speculative.rpartition(":")[2]) if self.speculative else 0
+
+    @property
+    def draft_model(self) -> str | None:
+        """The draft model's spec with -E speculative=draft:MODEL:K, else None."""
+        if not self.speculative or not self.speculative.startswith("draft:"):
+            return None
+        return self.speculative.partition(":")[2].rpartition(":")[0]
 
     @model_validator(mode="after")
     def _mamba_blocks_hold_whole_kv_blocks(self) -> "EngineConfig":

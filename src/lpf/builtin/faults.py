@@ -26,7 +26,8 @@ their vLLM / SGLang pull requests and their ground truth are in `prefix_drills`)
   resume-wrong-units, prefix-cache-inert, and stale-conv-on-reuse (no prefix caching needed).
 Speculative decoding (each needs -E speculative=ngram:K; mechanisms and reports in `spec_decode`):
   spec-prefill-verify, spec-accepted-permuted, spec-no-rollback, spec-checkpoint-rejected (this one
-  with --enable-prefix-caching too).
+  with --enable-prefix-caching too), spec-draft-probs-permuted (this one with a draft model's
+  probabilities: -E speculative=draft:MODEL:K, and sampled requests).
 Substitutions (the engine computes another function than the model it claims, a little, everywhere;
 the arithmetic is in `numeric_drills`):
   quantize-weights[:BITS]      every decoder linear weight rounded group-wise to BITS bits (default 4;
@@ -68,7 +69,13 @@ PREFIX_DRILLS = (
     "resume-wrong-units",
     "prefix-cache-inert",
 )
-SPEC_DRILLS = ("spec-prefill-verify", "spec-accepted-permuted", "spec-no-rollback", "spec-checkpoint-rejected")
+SPEC_DRILLS = (
+    "spec-prefill-verify",
+    "spec-accepted-permuted",
+    "spec-no-rollback",
+    "spec-checkpoint-rejected",
+    "spec-draft-probs-permuted",
+)
 DRILLS = (
     "stale-state",
     "offset-wrap",
@@ -117,6 +124,7 @@ class FaultSet:
     spec_accepted_permuted: bool = False
     spec_no_rollback: bool = False
     spec_checkpoint_rejected: bool = False
+    spec_draft_probs_permuted: bool = False
     quantize_weights_bits: int | None = None
     kv_quant_bits: int | None = None
     perturb_weights_scale: float | None = None

@@ -70,6 +70,11 @@ class LLMEngine:
         self.num_slots, self.num_blocks = cache_sizes(self.model, config)
         self.truth = GroundTruth()
         has_mamba = bool(self.model.state_specs())
+        self.proposer = None
+        if config.draft_model:
+            from lpf.builtin.spec_draft import DraftProposer
+
+            self.proposer = DraftProposer(config.draft_model, self.model.config.vocab_size, config.device)
         self.scheduler = Scheduler(
             config,
             self.num_slots,
@@ -79,6 +84,7 @@ class LLMEngine:
             record=self.truth.record,
             faults=faults,
             has_mamba=has_mamba,
+            proposer=self.proposer.propose if self.proposer else None,
         )
         px = self.scheduler.prefix
         ssm = config.mamba_ssm_cache_dtype
@@ -94,6 +100,7 @@ class LLMEngine:
             state_dtypes=(torch_dtype(state_buffer_dtype(config)), dtype if ssm == "auto" else torch_dtype(ssm)),
             mamba_block_size=px.mbs if px else None,
             num_speculative_tokens=config.num_speculative_tokens,
+            draft_probs=self.proposer.probs if self.proposer else None,
         )
         self._spec = bool(config.num_speculative_tokens)
         self._trace: list[dict] = []

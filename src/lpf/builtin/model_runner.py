@@ -46,6 +46,7 @@ class ModelRunner:
         state_dtypes: tuple | None = None,
         mamba_block_size: int | None = None,
         num_speculative_tokens: int = 0,
+        draft_probs=None,
     ):
         self.model = model
         self.device = device
@@ -68,7 +69,9 @@ class ModelRunner:
         )
         mixers = model.mamba_mixers()
         self.spec = (
-            SpecDecode(faults, truth, self.state_cache, num_speculative_tokens) if num_speculative_tokens else None
+            SpecDecode(faults, truth, self.state_cache, num_speculative_tokens, draft_probs)
+            if num_speculative_tokens
+            else None
         )
         self.prefix = (
             None

@@ -71,8 +71,14 @@ class Scheduler:
         record: Callable[..., None] | None = None,
         faults: FaultSet | None = None,
         has_mamba: bool = True,
+        proposer: Callable[[list[tuple[Request, int]]], list[list[int]]] | None = None,
     ):
         self.config = config
+        # speculative decoding's draft proposer, one call per step [(req, k)] -> [drafts]: n-gram lookup
+        # unless the engine gives a draft model's (torch lives there, never here)
+        self.proposer = proposer or (
+            lambda asks: [ngram_drafts(req.prompt_token_ids + req.output_token_ids, k) for req, k in asks]
+        )
         self.record = record or (lambda *a, **k: None)
         self.prefix: PrefixCache | None = None
         if config.enable_prefix_caching:
@@ -130,11 +136,12 @@ class Scheduler:
         if px is not None:
             px.new_pass()
 
+        proposed = self._drafts(budget - 1)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             want = req.num_tokens - req.num_computed_tokens
-            drafts = self._drafts(req, want)[: budget - 1]  # a tight budget verifies fewer
+            drafts = proposed.get(req.request_id, [])[: budget - 1]  # a tight budget verifies fewer
             want += len(drafts)
             if want > budget and not chunked:
                 i += 1
@@ -232,20 +239,23 @@ class Scheduler:
             shared_blocks=self._shared_blocks(),
         )
 
-    def _drafts(self, req: Request, want: int) -> list[int]:
-        """Speculative decoding: the n-gram drafts a decoding request verifies this step (vLLM proposes
-        after a request's first sample). None for a request still prefilling or recomputing, a penalized
-        one (its chooser changes with every accepted token), or one whose drafts could not all be kept
-        (the last output within max_tokens, the last position within the context)."""
-        k = self.config.num_speculative_tokens
-        if not k or want != 1 or not req.output_token_ids or req.sampling.penalized:
-            return []
-        k = min(k, req.max_tokens - len(req.output_token_ids) - 1)
-        if self.max_context is not None:
-            k = min(k, self.max_context - req.num_tokens)
-        if k <= 0:
-            return []
-        return ngram_drafts(req.prompt_token_ids + req.output_token_ids, k)
+    def _drafts(self, most: int) -> dict[str, list[int]]:
+        """Speculative decoding: the drafts (the proposer's, one call for the step) each decoding request
+        may verify this step, by request id (vLLM proposes after a request's first sample). None for a
+        request still prefilling or recomputing, a penalized one (its chooser changes with every accepted
+        token), or one whose drafts could not all be kept (the last output within max_tokens, the last
+        position within the context); at most `most` (the step's budget past the sampled token)."""
+        k_max = self.config.num_speculative_tokens
+        asks = []
+        for req in self.running if k_max else []:
+            if req.num_tokens - req.num_computed_tokens != 1 or not req.output_token_ids or req.sampling.penalized:
+                continue
+            k = min(k_max, req.max_tokens - len(req.output_token_ids) - 1, most)
+            if self.max_context is not None:
+                k = min(k, self.max_context - req.num_tokens)
+            if k > 0:
+                asks.append((req, k))
+        return {req.request_id: d for (req, _), d in zip(asks, self.proposer(asks) if asks else [])}
 
     def _shared_blocks(self) -> dict[int, list[str]]:
         """KV blocks two running requests hold at once (only a double free makes one): the write log's

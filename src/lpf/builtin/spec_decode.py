@@ -37,6 +37,14 @@ Drills (each needs speculative decoding on):
                           request resuming from it (a recompute after preemption) restores it (vLLM
                           #57278 / #55507's neighbourhood: align-mode checkpoints taken at the wrong end
                           when a step advances several tokens). Its ground truth is the prefix cache's.
+  spec-draft-probs-permuted  (with a draft model, sampled requests) the draft probabilities are read by
+                          the kernel's row after the persistent batch was permuted: a sampled request is
+                          verified against another request's draft distribution q (accepted with
+                          min(1, p/q_other), resampled from max(0, p - q_other)), so its tokens no longer
+                          follow the target's distribution; greedy verification never reads q, and a batch
+                          of one or two sequences is never permuted (1Cat-vLLM #656: MTP with probabilistic
+                          drafting corrupts only with more than 2 sequences and temperature > 0, the
+                          acceptance rate normal). Recorded `corrupted` at each such step.
 Ground truth: a request whose state was left at another position than its last accepted token is
 recorded `corrupted` at its next step (which reads that state); a preemption first discards it
 (recompute starts over). spec-prefill-verify is recorded when the request next reads its own slot.
@@ -52,8 +60,10 @@ from lpf.core.torch_utils import logprob_rows
 
 
 class SpecDecode:
-    def __init__(self, faults, truth, state_cache, num_speculative_tokens: int):
+    def __init__(self, faults, truth, state_cache, num_speculative_tokens: int, draft_probs=None):
         self.faults = faults
+        # request id -> the [k, V] rows its drafts were drawn from (a draft model's; None: one-hot drafts)
+        self.draft_probs = draft_probs or (lambda rid: None)
         self.truth = truth
         self.cache = state_cache
         self.k = num_speculative_tokens
@@ -101,8 +111,9 @@ class SpecDecode:
             idx = torch.cat([torch.arange(m.start, m.end) for m, _ in spec]).to(hidden.device)
             z = logits_fn(hidden[idx], batch_size).float()
             at, emitted, keep = 0, [], []
+            rows = self._draft_rows(so, spec)
             for m, s in spec:
-                tokens, a = verify_tokens(z[at : at + m.num_tokens], s)
+                tokens, a = verify_tokens(z[at : at + m.num_tokens], s, rows[s.request_id])
                 keep.append(torch.arange(at, at + len(tokens)))
                 emitted.append(tokens)
                 accepted[s.request_id] = a
@@ -145,6 +156,7 @@ class SpecDecode:
                 "verify_state_slot": m.state_slot,
                 "state_tokens_before_rollback": start + n,
                 "state_tokens_after_rollback": start + 1 + pos,
+                "spec_sampled": s.sampling.temperature > 0 if s.draft_token_ids else None,
             }
             self._truth(so, m, s, pos, true_pos)
         if back:  # one gather and one write per layer and part for every request rolled back
@@ -155,6 +167,34 @@ class SpecDecode:
                 self.cache.write(layer, "conv", slots, conv[at, rows], "decode")
                 self.cache.write(layer, "ssm", slots, ssm[at, rows], "decode")
         return samples, trace, writes
+
+    def _draft_rows(self, so, spec) -> dict:
+        """The draft probabilities the rejection sampler reads for each speculating request: its own (the
+        proposer's rows, None for n-gram drafts); under spec-draft-probs-permuted the rows, stacked in the
+        scheduler's order, are read by the kernel's row (the persistent batch's, as spec-accepted-permuted's
+        counts are), so after a permutation (a leaver's row refilled: three sequences or more) a request is
+        verified against another request's draft distribution. Greedy verification never reads them."""
+        own = {s.request_id: self.draft_probs(s.request_id) for _, s in spec}
+        if not self.faults.spec_draft_probs_permuted:
+            return own
+        stacked = [own[s.request_id] for _, s in spec]
+        row = {rid: i for i, rid in enumerate(self._batch)}
+        kernel = sorted(spec, key=lambda ms: row[ms[1].request_id])
+        out = {}
+        for j, (_, s) in enumerate(kernel):
+            theirs, whose = stacked[j], spec[j][1].request_id
+            k = len(s.draft_token_ids)
+            if theirs is not None and len(theirs) < k:  # a shorter block: its last row repeats (the kernel clamps)
+                theirs = torch.cat([theirs, theirs[-1:].expand(k - len(theirs), -1)])
+            out[s.request_id] = theirs
+            if whose != s.request_id and s.sampling.temperature > 0:
+                self.truth.record(
+                    s.request_id,
+                    so.step,
+                    "spec-draft-probs-permuted",
+                    f"its {k} drafts (sampled) were verified against {whose}'s draft probabilities",
+                )
+        return out
 
     def _applied(self, spec, accepted: dict[str, int]) -> dict[str, int]:
         """The position each speculating request's state is rolled back to (its accepted count)."""

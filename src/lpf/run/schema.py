@@ -178,13 +178,15 @@ WRITE_LOG = [("stray_writes", pa.list_(STRAY_WRITE))]
 # adds when speculation is on: drafts verified this step (0: none), how many were accepted (null: no
 # drafts), and for a row on the verify path the state slot that path read and wrote (the null slot for a
 # request without a state table), the tokens the slot's state covered after the verify pass and after the
-# rollback to the last accepted position (null off the verify path)
+# rollback to the last accepted position (null off the verify path), and whether its drafts went through the
+# sampled rejection path (which reads the draft probabilities; null without drafts)
 SPEC_TRACE = [
     ("num_draft_tokens", pa.int32()),
     ("num_accepted_tokens", pa.int32()),
     ("verify_state_slot", pa.int32()),
     ("state_tokens_before_rollback", pa.int32()),
     ("state_tokens_after_rollback", pa.int32()),
+    ("spec_sampled", pa.bool_()),  # its drafts were verified by the sampled rejection path (it reads q)
 ]
 
 # "whose answer is this?" (`lpf.pipeline.attribute`): a flagged request's output re-scored by the reference

@@ -215,6 +215,20 @@ class Source:
         named = trace_suspects(run.read("trace"), self.ids[seq])
         return {by_id[r]: why for r, why in named.items() if r in by_id}
 
+    def narrow_suspects(self, seq: int) -> dict[int, str]:
+        """The few requests the first-ranked hypothesis' own mechanism ties to request `seq`
+        (`suspects.narrow_suspects`: speculative decoding's), with why; empty for other hypotheses."""
+        from lpf.experiments.shrink.suspects import narrow_suspects
+        from lpf.run.store import RunDir
+
+        run = RunDir(self.path, self.manifest)
+        top = (self.findings.get("hypotheses") or [{}])[0] or {}
+        if not run.has("trace"):
+            return {}
+        by_id = {r: s for s, r in self.ids.items()}
+        named = narrow_suspects(run.read("trace"), self.ids[seq], top.get("feature"))
+        return {by_id[r]: why for r, why in named.items() if r in by_id}
+
     def named_moves(self, config: "Config"):
         """(what, [{knob: value}]) the first-ranked hypothesis points at (`suspects.named_moves`), or None."""
         from lpf.adapters import get_engine_class

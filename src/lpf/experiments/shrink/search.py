@@ -7,7 +7,11 @@ then has the judge run it (k-of-n, charged against `--budget-runs`). The current
 only ever moves to one that reproduced (`adopt`), and `state.path` lists those moves.
 
 The plan:
-0. What the run knows first (`suspects`): the target with the requests its trace names (who held
+0. What the run knows first (`suspects`): for a speculative-decoding hypothesis, the target with the
+   few requests its mechanism names (`narrow_suspects`: the last users of the slot its verify step read,
+   the verify step that left its state wrong and who left the batch before it, the checkpoint's writer;
+   a leaver cut to one token beside one of the others, so the batch is permuted from its second step);
+   then the target with the requests its trace names (who held
    its state slot before it, who wrote or published the block it resumed from, who shared its
    first step), then that set under the knob moves that make what the top hypothesis names (a
    one-token first step on a reused slot: step budget 2 with 2 sequences, or 1 with 1; short chunks:
@@ -28,7 +32,8 @@ The plan:
    other request is left and the top hypothesis' knob moves were tried on the suspects without a
    reproduction, those moves once more on the few (a move that needs one request's steps to
    itself, such as chunks ending inside a block, may not show among the suspects, where others
-   share the steps), and ddmin again after one that reproduces.
+   share the steps), and ddmin again after one that reproduces. Then, with 3-5 others left, the
+   target with each pair of them (ddmin's halves never mix neighbours from both halves).
 4. Lengths of the others that ddmin kept: at their shortest at once again, else each one alone
    (1, then once halfway).
 5. Knobs, one at a time, each off the engine's default (`Source.movable`): the default, else
@@ -44,12 +49,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from itertools import combinations
 from typing import Callable
 
 from lpf.experiments.shrink.config import Config, Source
 from lpf.experiments.shrink.ddmin import ddmin
 from lpf.experiments.shrink.judge import BudgetSpent, Judge
 from lpf.experiments.shrink.state import State
+from lpf.experiments.shrink.suspects import leaver
+
+
+PAIRS_UP_TO = 5  # others left by ddmin whose pairs are tried (at most 10 runs)
 
 
 class NotReproduced(Exception):
@@ -146,6 +156,7 @@ class Shrink:
             self.requests()
             if self.named_on_the_minimum():
                 self.requests()
+            self.pairs()
             moved = self.other_lengths()
             moved = self.knobs() or moved
             if moved:
@@ -207,6 +218,19 @@ class Shrink:
     def named(self, original: Config, target, tried: set) -> bool:
         """The requests the trace names (`Source.suspects`) with the target, at the original knobs,
         then at the values of the knob the top hypothesis names (`Source.named_knob`)."""
+        narrow = self.source.narrow_suspects(self.t)
+        if narrow:  # the few the top hypothesis' mechanism names, before the wider set
+            config = original.with_members(
+                [m for m in original.members if m.seq in narrow and m.seq != self.t] + [target]
+            )
+            n = len(config.members) - 1
+            what = f"the target and the {n} request{'s' * (n != 1)} its mechanism names"
+            tried.add(config.key())
+            if self.test(config, "requests", what):
+                self.adopt(config)
+                return True
+            if self.leavers(original, target, narrow, tried) or self.named_moves(config, "requests", what, tried):
+                return True
         suspects = self.source.suspects(self.t)
         if not suspects:
             return False
@@ -222,6 +246,30 @@ class Shrink:
         if self.named_moves(config, "requests", what, tried):
             return True
         self.moves_unseen_among_suspects = self.source.named_moves(config) is not None
+        return False
+
+    def leavers(self, original: Config, target, narrow: dict[int, str], tried: set) -> bool:
+        """A count applied after the batch's permutation: the target, one request that ran beside it and
+        one that left the batch before, cut to one output token (it leaves after its first step, so its
+        row is refilled at once and the two others run permuted from then on), at the top hypothesis'
+        first knob move (a batch that small); each leaver with each of the others, the first that
+        reproduces adopted."""
+        gone = [s for s, why in narrow.items() if leaver(why) and s != self.t]
+        mates = [s for s, why in narrow.items() if not leaver(why) and s != self.t]
+        named = self.source.named_moves(original)
+        move = named[1][0] if named else {}
+        for g in gone:
+            for m in mates:
+                config = original.with_members([replace(original.member(g), max_tokens=1), original.member(m), target])
+                for name, value in move.items():
+                    config = config.with_knob(name, value)
+                if config.key() in tried or self.source.refused(config):
+                    continue
+                tried.add(config.key())
+                what = f"the target, request {self.source.ids[m]} and request {self.source.ids[g]} cut to one token"
+                if self.test(config, "requests", f"{what} (it leaves first: the batch permuted)"):
+                    self.adopt(config)
+                    return True
         return False
 
     def named_moves(self, config: Config, phase: str, what: str, tried: set | None = None) -> bool:
@@ -269,6 +317,23 @@ class Shrink:
             on_reduce=lambda sub: self.adopt(start.with_members(sub + [target])),
         )
         return len(self.cur.members) < len(start.members)
+
+    def pairs(self) -> bool:
+        """After ddmin, with 3 to PAIRS_UP_TO other requests left: the target with each pair of them
+        (arrival order), the first that reproduces adopted. ddmin's halves keep neighbours together, so a
+        lie that needs two requests from different halves (one that leaves the batch, one whose count the
+        target reads) is missed; ddmin's result is 1-minimal, not minimal."""
+        target = self.cur.member(self.t)
+        others = [m for m in self.cur.members if m.seq != self.t]
+        if not 3 <= len(others) <= PAIRS_UP_TO:
+            return False
+        start = len(self.cur.members)
+        for a, b in combinations(others, 2):
+            config = self.cur.with_members([a, b, target])
+            if self.test(config, "requests", f"the target and 2 of the {len(others)} others ddmin left"):
+                self.adopt(config)
+                return True
+        return len(self.cur.members) < start
 
     def target_lengths(self) -> bool:
         moved = self.smallest(self.t, "max_tokens", lowest_first=False)

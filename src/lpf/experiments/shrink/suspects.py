@@ -15,7 +15,10 @@ Contract (pure: a trace table and findings data in, plain data out):
   the `state_slots` part is left out on an engine without that knob); short prefill chunks are a
   budget of 1-4; recycled slots are one or two sequences (and slots) at a time; fewer slots a
   smaller cache; a resume from a truncated state, chunks ending inside Mamba blocks (an odd budget
-  below a block). None when the hypothesis names none the engine has.
+  below a block); a 1+K-token prompt prefilled on the verify path after another one, one sequence at a
+  time (the null slot they share carries the earlier one's state); a batch of 3-4 sequences for a count
+  applied after the batch's permutation; one sequence at a time for a resume from a checkpoint a verify
+  step saved (its writer done before the resume starts). None when the hypothesis names none the engine has.
 The shrink (`search`) tries the suspects before its blind search, at the original knobs and then
 at each named move.
 """
@@ -71,6 +74,19 @@ FEATURE_MOVES = {
     "short_resumed_chunk": SMALL_CHUNKS,
     "resumed_truncated_state": CHUNKS_INSIDE_BLOCKS,
     "max_state_slot": ("fewer state slots", ({"cache_size": 0.5}, {"cache_size": 0.25})),  # a share of the cache
+    # speculative decoding: a 1+K-token prompt reads the null slot an earlier one wrote on the verify path
+    # (admitted in separate steps: one sequence at a time keeps every prompt whole and in arrival order);
+    # a count applied after the persistent batch's permutation needs a leaver and two rows behind it
+    "prompt_on_verify_path": (
+        "1+K-token prompts verified one after another (the null slot carried over)",
+        ({"concurrency": 1}, {"concurrency": 2}),
+    ),
+    # a resume from a checkpoint a verify step saved: its writer must be done before the resume is admitted
+    "resumed_overshot_state": ("the checkpoint's writer finished before the resume", ({"concurrency": 1},)),
+    "state_rolled_back_wrong": (
+        "a batch of 3-4 sequences whose rows a leaver permutes",
+        ({"concurrency": 3}, {"concurrency": 4}),
+    ),
 }
 
 
@@ -113,6 +129,94 @@ def trace_suspects(trace: pa.Table | None, target_id: str) -> dict[str, str]:
         if request_of(rid) != target_id:
             out.setdefault(request_of(rid), "shared its first step")
     return out
+
+
+def _rows(trace: pa.Table, columns) -> dict[str, list]:
+    return {c: trace.column(c).to_pylist() if c in trace.column_names else [None] * trace.num_rows for c in columns}
+
+
+def _verify_slot_users(trace: pa.Table, target_id: str) -> dict[str, str]:
+    """The last SLOT_HOLDERS requests whose verify step used the slot the target's first verify step used."""
+    if "verify_state_slot" not in trace.column_names:
+        return {}
+    t = _rows(trace.sort_by([("step", "ascending")]), ("request_id", "step", "verify_state_slot"))
+    mine = [(st, slot) for r, st, slot in zip(*t.values()) if r == target_id and slot is not None]
+    if not mine:
+        return {}
+    first, slot = mine[0]
+    out: dict[str, str] = {}
+    for r, st, s in reversed(list(zip(*t.values()))):
+        if st < first and s == slot and request_of(r) != target_id and len(out) < SLOT_HOLDERS:
+            out.setdefault(request_of(r), f"last used the state slot {slot} its first verify step read")
+    return out
+
+
+def _wrong_count_step(trace: pa.Table, target_id: str) -> dict[str, str]:
+    """Who shared the target's first verify step that left its state at another position than its last
+    accepted token, and the last requests that left the batch before that step."""
+    cols = ("request_id", "step", "num_computed_tokens", "num_draft_tokens", "num_accepted_tokens")
+    cols += ("state_tokens_after_rollback",)
+    if any(c not in trace.column_names for c in cols):
+        return {}
+    t = _rows(trace, cols)
+    rows = list(zip(*(t[c] for c in cols)))
+    wrong = [
+        st
+        for r, st, done, drafts, acc, after in rows
+        if r == target_id and drafts and acc is not None and after is not None and after != done + 1 + acc
+    ]
+    if not wrong:
+        return {}
+    step = min(wrong)
+    out: dict[str, str] = {}
+    for r, st, _, drafts, _, _ in rows:
+        if st == step and drafts and request_of(r) != target_id:
+            out.setdefault(request_of(r), f"shared the verify step {step} that left its state wrong")
+    mine = {st for r, st, *_ in rows if r == target_id and st < step}
+    last: dict[str, int] = {}
+    for r, st, *_ in rows:
+        last[request_of(r)] = max(last.get(request_of(r), -1), st)
+    beside = {request_of(r) for r, st, *_ in rows if st in mine}
+    left = sorted((s, r) for r, s in last.items() if r in beside and s < step and r != target_id)
+    for s, r in left[-SLOT_HOLDERS:]:
+        out.setdefault(r, f"{LEFT} at step {s}, before the verify step {step} (its row refilled)")
+    return out
+
+
+LEFT = "left the batch"  # a narrow suspect whose leaving permuted the batch (`leaver`)
+
+
+def leaver(why: str) -> bool:
+    """Is this narrow suspect one whose leaving permuted the batch (the shrink cuts it to one token)?"""
+    return why.startswith(LEFT)
+
+
+def _resume_sources(trace: pa.Table, target_id: str) -> dict[str, str]:
+    mine = trace.filter(pc.equal(trace.column("request_id"), target_id))
+    out: dict[str, str] = {}
+    for col, why in (
+        ("resume_writer", "wrote the state it resumed from"),
+        ("resume_publisher", "published the block hash it resumed from"),
+    ):
+        if col in mine.column_names:
+            for rid in mine.column(col).drop_null().to_pylist():
+                if request_of(rid) != target_id:
+                    out.setdefault(request_of(rid), why)
+    return out
+
+
+# first-ranked hypothesis feature -> the few requests its mechanism ties to the target
+NARROW = {
+    "prompt_on_verify_path": _verify_slot_users,
+    "state_rolled_back_wrong": _wrong_count_step,
+    "resumed_overshot_state": _resume_sources,
+}
+
+
+def narrow_suspects(trace: pa.Table | None, target_id: str, feature: str | None) -> dict[str, str]:
+    if trace is None or trace.num_rows == 0 or feature not in NARROW:
+        return {}
+    return NARROW[feature](trace, target_id)
 
 
 def named_moves(hypotheses: list[dict] | None, options_cls, current: dict) -> tuple[str, list[dict]] | None:
