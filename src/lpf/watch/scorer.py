@@ -193,6 +193,10 @@ class Scorer:
         temps = {}
         for t in self.watch.values():
             temps.update(zip(t.column("request_id").to_pylist(), t.column("temperature").to_pylist()))
+        n_full = len(ready) // self.window * self.window
+        # every full window's rows in one scan of the parts (a scan per window is quadratic over a long watch)
+        batch = [r for _, r in ready[:n_full] if r in self.scored]
+        rows = {t: _rows(run, t, batch) for t in ("requests", "tokens", "reference")} if batch else {}
         while len(ready) >= self.window:
             chunk, ready = ready[: self.window], ready[self.window :]
             ids = [r for _, r in chunk]
@@ -204,9 +208,11 @@ class Scorer:
                 "n_unscored": len(ids) - len(scored_ids),
             }
             if scored_ids:
-                w_req_full = _rows(run, "requests", scored_ids)
-                w_tok = _rows(run, "tokens", scored_ids)
-                w_ref = _rows(run, "reference", scored_ids)
+                want = pa.array(scored_ids, pa.string())
+                w_req_full, w_tok, w_ref = (
+                    rows[t].filter(pc.is_in(rows[t].column("request_id"), value_set=want))
+                    for t in ("requests", "tokens", "reference")
+                )
                 ts = {temps.get(r) for r in scored_ids}
                 info = dict(self.info, temperature=ts.pop() if len(ts) == 1 else None)
                 line.update(judge_window(w_req_full, w_tok, w_ref, self.context, info))
