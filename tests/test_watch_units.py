@@ -306,6 +306,11 @@ def _cols(rows: list[dict]) -> dict:
         (["--upstream", "http://127.0.0.1:1", "--listen", "nowhere"], "--listen must be HOST:PORT"),
         (["--upstream", "http://127.0.0.1:1", "--window", "0"], "--window must be >= 1"),
         (["--upstream", "http://127.0.0.1:1", "--retain", "5XB"], "--retain takes a size"),
+        (["--upstream", "http://127.0.0.1:1", "--actors", "2"], "need --executor ray"),
+        (
+            ["--upstream", "http://127.0.0.1:1", "--executor", "ray", "--reference-device", "cuda"],
+            "needs --gpus-per-actor",
+        ),
     ],
 )
 def test_bad_watch_options_are_one_line_and_exit_2(lpf_cli, tmp_path, args, says):

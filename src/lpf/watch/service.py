@@ -46,6 +46,10 @@ class Settings:
     scorer: bool = True
     max_lag: int = 10_000
     retain: tuple = ()  # --retain values: a size and/or an age (lpf.watch.retention.parse_retain)
+    executor: str = "local"  # the scorer's reference: in its process, or on Ray actors (lpf.watch.ray_scoring)
+    ray_address: str | None = None
+    actors: int = 1
+    gpus_per_actor: float = 0.0
 
 
 @dataclass
@@ -159,6 +163,12 @@ def serve(
             str(s.window),
             "--max-lag",
             str(s.max_lag),
+            *(
+                ["--executor", "ray", "--actors", str(s.actors), "--gpus-per-actor", str(s.gpus_per_actor)]
+                + (["--ray-address", s.ray_address] if s.ray_address else [])
+                if s.executor == "ray"
+                else []
+            ),
         ],
         metrics,
         on_window,
