@@ -147,8 +147,8 @@ def test_a_window_alarms_on_its_requests_only_past_what_an_honest_engine_of_its_
     # one divergent request among 64 scored bfloat16 tokens: what honest bfloat16 arithmetic does now and then
     one = requests_test(1, 0, 64, "bfloat16")
     assert not one["alarm"] and 0 < one["expected"] < 0.1 and one["p_value"] > 1e-3
-    # three of them in as few tokens: far past the expected count
-    assert requests_test(3, 0, 64, "bfloat16")["alarm"]
+    # four of them in as few tokens: far past the expected count
+    assert requests_test(4, 0, 64, "bfloat16")["alarm"]
     # a corrupt request (confident gibberish) alarms alone, whatever the expected count
     assert requests_test(0, 1, 64, "bfloat16")["alarm"] and requests_test(0, 1, 100_000, "float32")["alarm"]
     # float32 expects fewer than bfloat16; an unknown dtype gets the most lenient rate
@@ -156,7 +156,29 @@ def test_a_window_alarms_on_its_requests_only_past_what_an_honest_engine_of_its_
     assert requests_test(2, 0, 64, None)["rate"] == requests_test(2, 0, 64, "bfloat16")["rate"]
     # the same count over many more tokens is expected: the test is on the rate, not the count
     assert requests_test(3, 0, 64, "float32")["alarm"] and not requests_test(3, 0, 50_000, "float32")["alarm"]
-    assert not requests_test(3, 0, 64, "bfloat16", alpha=1e-12)["alarm"]  # at the alpha given
+    assert not requests_test(4, 0, 64, "bfloat16", alpha=1e-12)["alarm"]  # at the alpha given
+
+
+def test_a_prompt_answered_the_same_twice_counts_once():
+    import pyarrow as pa
+
+    from lpf.watch.windows import _distinct
+
+    requests = pa.table(
+        {
+            "request_id": ["a", "b", "c", "d", "e"],
+            "prompt_token_ids": [[1, 2], [1, 2], [1, 2], [3], [4]],
+            "output_token_ids": [[5, 6, 7], [5, 6, 7], [5, 6, 8], [9], [9, 9]],
+        }
+    )
+    summary = pa.table(
+        {
+            "request_id": ["a", "b", "c", "d", "e"],
+            "verdict": ["divergent", "divergent", "divergent", "corrupt", "unscored"],
+        }
+    )
+    # a and b are one piece of evidence; c answered the same prompt otherwise; e was not scored
+    assert _distinct(requests, summary) == (2, 1, 3 + 3 + 1)
 
 
 def test_alarms_are_posted_logged_and_fail_after_stops(tmp_path):

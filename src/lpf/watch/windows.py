@@ -21,7 +21,8 @@ window alone, against the shipped expected floor: the same judgement `lpf analyz
 An honest engine below float32 does produce an occasional divergent request (a greedy flip past the tie
 margin on a flat distribution), so one divergent request is not an alarm: the window's count of them is
 tested against Poisson(rate x scored tokens), `rate` the upper 95% bound of what honest engines of the
-dtype showed (HONEST_DIVERGENT), at the run-level test's alpha. A `corrupt` request (confident gibberish:
+dtype showed (HONEST_DIVERGENT), at the run-level test's alpha; requests count once per distinct (prompt,
+output) pair (the same prompt answered the same twice is one piece of evidence). A `corrupt` request (confident gibberish:
 none seen from any honest engine) alarms alone.
 """
 
@@ -46,19 +47,20 @@ FLAGGED = ("divergent", "corrupt")
 MIXED_TEMPERATURE = 2.0  # a window of mixed temperatures: only the temperature-free logprob test applies
 # Divergent requests honest engines produced, by engine dtype against a float32 reference: (divergent
 # requests, scored tokens, where). An engine of another or unknown dtype gets the most lenient rate.
-HONEST_DIVERGENT = {
+HONEST_DIVERGENT = {  # distinct (prompt, output) pairs, as the window counts them
     "float32": (
         0,
-        51_487,
-        "greedy prose through `lpf serve` (built-in engine, bench/watch_detection.py: 37,632 tokens), vLLM CPU on "
-        "shared-prefix prompts (6,000), llama.cpp with and without flash attention and the built-in engine on 2 "
-        "threads on zoo:stress and shared-prefix prompts (7,855)",
+        65_535,
+        "greedy prose through `lpf serve` (built-in engine, bench/watch_detection.py seeds 30 and 31: 51,680 "
+        "tokens), vLLM CPU on shared-prefix prompts (6,000), llama.cpp with and without flash attention and the "
+        "built-in engine on 2 threads on zoo:stress and shared-prefix prompts (7,855)",
     ),
     "bfloat16": (
-        2,
-        37_776,
-        "greedy prose through `lpf serve` (built-in engine, bench/watch_detection.py seed 30: 31,376 tokens) and "
-        "`lpf audit` of the built-in engine on other prose (scripts/measure_floor_prose.py seed 7: 6,400)",
+        7,
+        43_952,
+        "greedy prose through `lpf serve` (built-in engine, bench/watch_detection.py seeds 30 and 31: 1 in 19,888 "
+        "and 5 in 17,664 tokens) and `lpf audit` of the built-in engine on other prose (scripts/measure_floor_prose.py "
+        "seed 7: 1 in 6,400); each a single token 0.57-0.81 nats off, within the run-level test's bfloat16 floor",
     ),
 }
 CONFIDENCE = 0.95  # the expected rate is the upper bound of this one-sided confidence interval of the count
@@ -108,13 +110,8 @@ def judge_window(requests: pa.Table, tokens: pa.Table, reference: pa.Table, cont
     rates = _exceedances(requests, tokens, reference, run_info, info, tokens_only)
     out["flagged_rate"] = float(rates[0].sum() / max(rates[1].sum(), 1)) if rates is not None else None
     out["expected_rate"] = NULL_RATE if rates is not None else None
-    out["requests_test"] = requests_test(
-        counts.get("divergent", 0),
-        counts.get("corrupt", 0),
-        tokens.num_rows,
-        info.get("engine_dtype"),
-        info.get("alpha"),
-    )
+    divergent, corrupt, n_tokens = _distinct(requests, summary)
+    out["requests_test"] = requests_test(divergent, corrupt, n_tokens, info.get("engine_dtype"), info.get("alpha"))
     out["alarm"] = test.get("result") == "different" or out["requests_test"]["alarm"]
     # what sets the window's flagged requests apart (timing and load from the requests' own timestamps)
     out["hypotheses"] = [
@@ -123,6 +120,23 @@ def judge_window(requests: pa.Table, tokens: pa.Table, reference: pa.Table, cont
     if out["alarm"]:
         out["change"] = change_point(requests, tokens, reference, context, run_info, info, tokens_only, flagged)
     return out
+
+
+def _distinct(requests: pa.Table, summary: pa.Table) -> tuple[int, int, int]:
+    """(divergent, corrupt, scored output tokens) over the window's distinct (prompt, output) pairs: a prompt
+    sent again and answered the same is the same evidence, not a second event (clients retry, share prompts)."""
+    verdicts = dict(zip(summary.column("request_id").to_pylist(), summary.column("verdict").to_pylist()))
+    seen: dict[tuple, str] = {}
+    for rid, p, o in zip(
+        requests.column("request_id").to_pylist(),
+        requests.column("prompt_token_ids").to_pylist(),
+        requests.column("output_token_ids").to_pylist(),
+    ):
+        v = verdicts.get(rid)
+        if v in ("clean", "noise", "divergent", "corrupt"):
+            seen[(tuple(p or ()), tuple(o or ()))] = v
+    n_tokens = sum(len(o) for _, o in seen)
+    return sum(v == "divergent" for v in seen.values()), sum(v == "corrupt" for v in seen.values()), n_tokens
 
 
 @functools.cache
