@@ -5,7 +5,7 @@ A recorded watch run (12 requests, their "engine" logprobs -0.1 everywhere) is s
 state: by the local scorer, and by the Ray scorer with two actors and a token budget small enough that
 the batches spread over both. The reference rows are equal bit for bit, the judged windows equal (their
 times aside), the manifest names the executor; then the Ray scorer's actors are gone after close().
-~15-25 s here (Ray's start is the session fixture's, shared with test_rescore_ray)."""
+~22 s here (Ray's start, 7 s, is the session fixture's, shared with test_rescore_ray)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import json
 import shutil
 
 import pyarrow.parquet as pq
+import pytest
 
 KEY = [("request_id", "ascending"), ("position", "ascending")]
 
@@ -48,6 +49,7 @@ def _windows(path):
     ]
 
 
+@pytest.mark.slow  # ~22 s here (Ray's start 7 s, two actors loading the reference): make test-fast's budget
 def test_the_watch_scorer_on_ray_actors_writes_what_the_local_scorer_writes(tmp_path, ray_cluster):
     import ray
 

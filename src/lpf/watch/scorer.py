@@ -90,6 +90,7 @@ class Scorer:
         self.watch: dict[str, pa.Table] = {}  # part name -> its watch rows (request_id, temperature)
         self.scored: set[str] = set(run.read("reference", ["request_id"]).column("request_id").to_pylist())
         self.judged: set[str] = set()
+        self.part_ids: dict[tuple[str, str], set[str]] = {}  # (table, part name) -> its request ids
         self.skipped: set[str] = set(_read_ids(path / SKIPPED))
         self.windows = 0
         self.context = None
@@ -207,7 +208,7 @@ class Scorer:
         n_full = len(ready) // self.window * self.window
         # every full window's rows in one scan of the parts (a scan per window is quadratic over a long watch)
         batch = [r for _, r in ready[:n_full] if r in self.scored]
-        rows = {t: _rows(run, t, batch) for t in ("requests", "tokens", "reference")} if batch else {}
+        rows = {t: _rows(run, t, batch, self.part_ids) for t in ("requests", "tokens", "reference")} if batch else {}
         while len(ready) >= self.window:
             chunk, ready = ready[: self.window], ready[self.window :]
             ids = [r for _, r in chunk]
@@ -241,11 +242,26 @@ class Scorer:
         return done
 
 
-def _rows(run: RunDir, table: str, ids: list[str]) -> pa.Table:
+def _rows(run: RunDir, table: str, ids: list[str], part_ids: dict) -> pa.Table:
+    """The rows of `ids` in `table`, reading only the parts that hold one of them (`part_ids`: a part's
+    request ids, read once per part and kept: a committed part never changes, and an hour of watching
+    commits thousands)."""
     want = pa.array(ids, pa.string())
+    wanted = set(ids)
     columns = list(_schema(table).names)
     parts = []
-    for p in run.parts(table):
+    listed = run.parts(table)
+    for gone in set(part_ids) - {(table, p.name) for p in listed} - {k for k in part_ids if k[0] != table}:
+        del part_ids[gone]  # deleted by --retain
+    for p in listed:
+        key = (table, p.name)
+        if key not in part_ids:
+            got = _unless_pruned(p, lambda p: read_part(p, table, ["request_id"]))
+            if got is None:
+                continue
+            part_ids[key] = set(got.column("request_id").to_pylist())
+        if not part_ids[key] & wanted:
+            continue
         t = _unless_pruned(p, lambda p: read_part(p, table, columns))
         if t is not None:
             parts.append(t.filter(pc.is_in(t.column("request_id"), value_set=want)))
