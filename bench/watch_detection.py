@@ -204,7 +204,7 @@ def vllm_server(dtype: str, log: Path):
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", TORCHDYNAMO_DISABLE="1", VLLM_CPU_KVCACHE_SPACE="1")
     env.update(ENV)
     env.pop("PYTHONPATH", None)
-    args = [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(resolve_model(MODEL))]
+    args = [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(resolve_model(MODEL).path)]
     args += ["--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype]
     # prefix caching off: vllm-cpu 0.32 crashes on hybrids with it (docs/bugs.md, bug 1)
     args += ["--enforce-eager", "--max-logprobs", "20", "--no-enable-prefix-caching", "--max-model-len", "1024"]
@@ -225,7 +225,8 @@ def vllm_server(dtype: str, log: Path):
             time.sleep(1)
         yield base
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(30)
         except subprocess.TimeoutExpired:
