@@ -149,6 +149,8 @@ def test_a_window_alarms_on_its_requests_only_past_what_an_honest_engine_of_its_
     assert not one["alarm"] and 0 < one["expected"] < 0.1 and one["p_value"] > 1e-3
     # four of them in as few tokens: far past the expected count
     assert requests_test(4, 0, 64, "bfloat16")["alarm"]
+    # a divergent one far beyond the floor (a stale-state imposter, 1e4x) alarms alone too
+    assert requests_test(1, 0, 64, "bfloat16", far_beyond=1)["alarm"]
     # a corrupt request (confident gibberish) alarms alone, whatever the expected count
     assert requests_test(0, 1, 64, "bfloat16")["alarm"] and requests_test(0, 1, 100_000, "float32")["alarm"]
     # float32 expects fewer than bfloat16; an unknown dtype gets the most lenient rate
@@ -178,7 +180,9 @@ def test_a_prompt_answered_the_same_twice_counts_once():
         }
     )
     # a and b are one piece of evidence; c answered the same prompt otherwise; e was not scored
-    assert _distinct(requests, summary) == (2, 1, 3 + 3 + 1)
+    assert _distinct(requests, summary) == (2, 1, 0, 3 + 3 + 1)
+    # c's largest token error is 12x the floor's threshold: far beyond, and still one of the divergent
+    assert _distinct(requests, summary, {"a": 0.9, "b": 0.9, "c": 12.0}) == (2, 1, 1, 3 + 3 + 1)
 
 
 def test_alarms_are_posted_logged_and_fail_after_stops(tmp_path):

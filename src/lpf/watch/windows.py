@@ -9,8 +9,9 @@ before it (`context`: (requests, tokens, reference) of the previous window, or N
   tokens-only test of `lpf.analysis.token_test` without), tokens_only, flagged_rate and expected_rate
   (the share of tokens beyond the floor against the null rate), requests_test (`requests_test`: the
   window's divergent and corrupt requests against the count an honest engine of its dtype shows over as
-  many scored tokens), alarm (the run-level test rejects, or the requests test does: a corrupt request, or
-  more divergent ones than honest arithmetic at the dtype explains), hypotheses (the analysis's three best: feature, sentence, p-value;
+  many scored tokens), alarm (the run-level test rejects, or the requests test does: a corrupt request, a
+  divergent one far beyond the floor, or more divergent ones than honest arithmetic at the dtype explains),
+  hypotheses (the analysis's three best: feature, sentence, p-value;
   timing and load ones from the requests' timestamps), and when it alarms `change` ({seq, request_id,
   how}): the first request of the change. The change point is the maximum-likelihood split of the token exceedances
   (one Bernoulli rate before, a higher one after) over request boundaries of the previous window and
@@ -18,12 +19,14 @@ before it (`context`: (requests, tokens, reference) of the previous window, or N
 Verdicts and the run-level test are `lpf.analysis.findings.analyze` (or `analyze_tokens_only`) on the
 window alone, against the shipped expected floor: the same judgement `lpf analyze` makes of a run.
 
-An honest engine below float32 does produce an occasional divergent request (a greedy flip past the tie
-margin on a flat distribution), so one divergent request is not an alarm: the window's count of them is
+An honest engine below float32 does produce an occasional divergent request (on prose, one token past the
+verdicts' absolute 0.5-nat threshold, inside the dtype's floor), so one divergent request is not an alarm: the window's count of them is
 tested against Poisson(rate x scored tokens), `rate` the upper 95% bound of what honest engines of the
 dtype showed (HONEST_DIVERGENT), at the run-level test's alpha; requests count once per distinct (prompt,
-output) pair (the same prompt answered the same twice is one piece of evidence). A `corrupt` request (confident gibberish:
-none seen from any honest engine) alarms alone.
+output) pair (the same prompt answered the same twice is one piece of evidence). A `corrupt` request
+(confident gibberish: none seen from any honest engine) alarms alone, and so does a divergent one whose
+largest token error is FAR_BEYOND times the floor's threshold (effect size, as the run-level test weighs
+it: a stale-state imposter, not a near tie).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import pyarrow.compute as pc
 
 from lpf.analysis import metrics as m
 from lpf.analysis.findings import analyze
-from lpf.analysis.floors import expected_floor
+from lpf.analysis.floors import KAPPA, expected_floor
 from lpf.analysis.run_test import DEFAULT_ALPHA, NULL_RATE, token_evidence
 from lpf.analysis.thresholds import Thresholds
 from lpf.analysis.token_evidence import evidence_columns
@@ -63,6 +66,11 @@ HONEST_DIVERGENT = {  # distinct (prompt, output) pairs, as the window counts th
         "seed 7: 1 in 6,400); each a single token 0.57-0.81 nats off, within the run-level test's bfloat16 floor",
     ),
 }
+# A divergent request whose largest token error is this many times the floor's threshold (tau, the run-level
+# test's: KAPPA x the dtype's 99th percentile, scaled by the token's sensitivity) alarms alone: honest engines'
+# requests stayed under 2.6x (bfloat16 prose, 3,500 requests; their divergent ones under 1x: a single token
+# past the absolute 0.5-nat verdict threshold) and float32's under 1.6x; stale-state imposters are at 1e4-1e5x.
+FAR_BEYOND = 10.0
 CONFIDENCE = 0.95  # the expected rate is the upper bound of this one-sided confidence interval of the count
 
 
@@ -110,8 +118,11 @@ def judge_window(requests: pa.Table, tokens: pa.Table, reference: pa.Table, cont
     rates = _exceedances(requests, tokens, reference, run_info, info, tokens_only)
     out["flagged_rate"] = float(rates[0].sum() / max(rates[1].sum(), 1)) if rates is not None else None
     out["expected_rate"] = NULL_RATE if rates is not None else None
-    divergent, corrupt, n_tokens = _distinct(requests, summary)
-    out["requests_test"] = requests_test(divergent, corrupt, n_tokens, info.get("engine_dtype"), info.get("alpha"))
+    excess = dict(zip(rates[2], rates[3])) if rates is not None else {}
+    divergent, corrupt, far, n_tokens = _distinct(requests, summary, excess)
+    out["requests_test"] = requests_test(
+        divergent, corrupt, n_tokens, info.get("engine_dtype"), info.get("alpha"), far_beyond=far
+    )
     out["alarm"] = test.get("result") == "different" or out["requests_test"]["alarm"]
     # what sets the window's flagged requests apart (timing and load from the requests' own timestamps)
     out["hypotheses"] = [
@@ -122,9 +133,12 @@ def judge_window(requests: pa.Table, tokens: pa.Table, reference: pa.Table, cont
     return out
 
 
-def _distinct(requests: pa.Table, summary: pa.Table) -> tuple[int, int, int]:
-    """(divergent, corrupt, scored output tokens) over the window's distinct (prompt, output) pairs: a prompt
-    sent again and answered the same is the same evidence, not a second event (clients retry, share prompts)."""
+def _distinct(requests: pa.Table, summary: pa.Table, excess: dict | None = None) -> tuple[int, int, int, int]:
+    """(divergent, corrupt, far beyond, scored output tokens) over the window's distinct (prompt, output)
+    pairs: a prompt sent again and answered the same is the same evidence, not a second event (clients
+    retry, share prompts). `far beyond`: the divergent ones whose largest token error (`excess`: request id
+    -> max |d| / tau) is at least FAR_BEYOND times what the floor explains."""
+    excess = excess or {}
     verdicts = dict(zip(summary.column("request_id").to_pylist(), summary.column("verdict").to_pylist()))
     seen: dict[tuple, str] = {}
     for rid, p, o in zip(
@@ -134,9 +148,11 @@ def _distinct(requests: pa.Table, summary: pa.Table) -> tuple[int, int, int]:
     ):
         v = verdicts.get(rid)
         if v in ("clean", "noise", "divergent", "corrupt"):
-            seen[(tuple(p or ()), tuple(o or ()))] = v
+            far = v == "divergent" and excess.get(rid, 0.0) >= FAR_BEYOND
+            seen[(tuple(p or ()), tuple(o or ()))] = "far" if far else v
     n_tokens = sum(len(o) for _, o in seen)
-    return sum(v == "divergent" for v in seen.values()), sum(v == "corrupt" for v in seen.values()), n_tokens
+    n = {k: sum(v == k for v in seen.values()) for k in ("divergent", "corrupt", "far")}
+    return n["divergent"] + n["far"], n["corrupt"], n["far"], n_tokens
 
 
 @functools.cache
@@ -146,9 +162,12 @@ def expected_divergent_rate(engine_dtype: str | None) -> float:
     return rates.get(engine_dtype or "", max(rates.values()))
 
 
-def requests_test(divergent: int, corrupt: int, n_tokens: int, engine_dtype: str | None, alpha=None) -> dict:
-    """{flagged, corrupt, expected, rate, p_value, alarm}: the window's divergent + corrupt requests against
-    Poisson(expected = rate x n_tokens); alarm when p < alpha (the run-level test's) or any is corrupt."""
+def requests_test(
+    divergent: int, corrupt: int, n_tokens: int, engine_dtype: str | None, alpha=None, far_beyond: int = 0
+) -> dict:
+    """{flagged, corrupt, far_beyond, expected, rate, p_value, alarm}: the window's divergent + corrupt
+    requests against Poisson(expected = rate x n_tokens); alarm when p < alpha (the run-level test's), or
+    any is corrupt, or any divergent one is far beyond the floor (`far_beyond` of the `divergent`)."""
     alpha = DEFAULT_ALPHA if alpha is None else float(alpha)
     rate = expected_divergent_rate(engine_dtype)
     k, lam = int(divergent) + int(corrupt), rate * max(int(n_tokens), 0)
@@ -156,10 +175,11 @@ def requests_test(divergent: int, corrupt: int, n_tokens: int, engine_dtype: str
     return {
         "flagged": k,
         "corrupt": int(corrupt),
+        "far_beyond": int(far_beyond),
         "expected": lam,
         "rate": rate,
         "p_value": math.exp(log_p),
-        "alarm": bool(corrupt) or log_p < math.log(alpha),
+        "alarm": bool(corrupt) or bool(far_beyond) or log_p < math.log(alpha),
     }
 
 
@@ -194,8 +214,9 @@ def poisson_upper(k: int, confidence: float) -> float:
 
 
 def _exceedances(requests, tokens, reference, run_info, info, tokens_only):
-    """(k, n) per request in seq order: tokens beyond the floor and tokens scored; None without a floor
-    or without logprobs."""
+    """(k, n, ids, excess) per request in seq order: tokens beyond the floor, tokens scored, the request
+    ids, and the largest token error over the floor's threshold tau (|d| / tau; a missing logprob counts
+    as none); None without a floor or without logprobs."""
     if tokens_only or info.get("floor_table") is None or tokens.num_rows == 0:
         return None
     floor = expected_floor(
@@ -217,7 +238,12 @@ def _exceedances(requests, tokens, reference, run_info, info, tokens_only):
     at = np.array([index[r] for r in ids], dtype=np.int64)
     k = np.bincount(at, weights=hits, minlength=len(order))
     n = np.bincount(at, minlength=len(order)).astype(float)
-    return k, n, order
+    tau = KAPPA * (floor["token"]["q99"] * ev["s"] + floor["settled"]["q99"])
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ratio = np.abs(ev["d"]) / tau
+    excess = np.zeros(len(order))
+    np.maximum.at(excess, at, np.where(np.isfinite(ratio), ratio, 0.0))
+    return k, n, order, excess
 
 
 def change_point(requests, tokens, reference, context, run_info, info, tokens_only, flagged) -> dict:
@@ -228,7 +254,7 @@ def change_point(requests, tokens, reference, context, run_info, info, tokens_on
     rates = _exceedances(requests, tokens, reference, run_info, info, tokens_only)
     seqs = dict(zip(requests.column("request_id").to_pylist(), requests.column("seq").to_pylist()))
     if rates is not None and rates[0].sum() > 0:
-        k, n, order = rates
+        k, n, order, _ = rates
         b = _split(k, n)
         if b is not None:
             return {"request_id": order[b], "seq": int(seqs[order[b]]), "how": "exceedance rate split"}
