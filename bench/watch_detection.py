@@ -12,21 +12,30 @@ reference), greedy prose requests (zoo filler text the model was not trained to 
   for k = 1, 2, ...: the fewest swapped tokens one window needs to alarm, with the engine's logprobs and
   with them withheld (the tokens-only test: what a server that returns no logprobs allows); and the same
   for windows of the first k clean requests (none may alarm).
-- Clean: for each `--dtypes` upstream (`lpf serve --dtype D`, `lpf watch --upstream-dtype D`), `--clients`
-  concurrent clients for `--seconds`, then the scorer given time to catch up: windows judged, alarmed
-  windows, scored tokens, tokens generated per second and scored per second (the scorer's rate while it
-  had a backlog), and the projection to 1M clean scored tokens.
+- Clean: for each `--dtypes` upstream (`--upstream serve`: `lpf serve --dtype D`; `--upstream vllm`: vLLM's
+  own OpenAI server from .venv-vllm, prefix caching off (docs/bugs.md, bug 1); `lpf watch --upstream-dtype
+  D` either way), `--clients` concurrent clients sending prose prompts (seed `--seed`: not the seeds the
+  floor and the expected divergent rate were measured on, 30 and 7) at `--temperature`, for `--seconds`
+  or until `--tokens` completion tokens were generated, then the scorer given time to catch up: windows
+  judged, alarmed windows, scored tokens, tokens generated per second and scored per second (the
+  scorer's rate while it had a backlog), and the projection to 1M clean scored tokens.
 `--quick`: 4+8 swap requests, 5 s of clean float32 traffic (a smoke run; nothing asserted; no results
-file). Otherwise writes bench/results/watch_detection.json.
-Usage: python bench/watch_detection.py [--quick] [--seconds 240] [--dtypes float32,bfloat16] [--window 4]
+file). Otherwise the parts run are written into bench/results/watch_detection.json (`--results`), the
+others' entries kept. `--upstream vllm` starts vLLM: run the bench under `flock /tmp/lpf-heavy.lock`.
+Usage: python bench/watch_detection.py [--quick] [--seconds 240] [--tokens N] [--dtypes float32,bfloat16]
+       [--window 4] [--upstream serve|vllm] [--max-tokens 16] [--temperature 0] [--seed 31] [--part clean]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import random
+import signal
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -50,8 +59,8 @@ def prompts(n: int, seed: int) -> list[str]:
     return [filler_text(rng, rng.randint(8, 20)) for _ in range(n)]
 
 
-def body(prompt: str, max_tokens: int) -> dict:
-    return {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+def body(prompt: str, max_tokens: int, temperature: float = 0.0) -> dict:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, "ignore_eos": True}
 
 
 def windows(out: Path) -> list[dict]:
@@ -164,31 +173,85 @@ def swap_part(a, tmp: Path) -> dict:
     }
 
 
-async def traffic(base: str, seconds: float, clients: int, max_tokens: int, seed: int) -> int:
+async def traffic(base: str, a, seed: int) -> tuple[int, int]:
+    """(requests sent, completion tokens generated): `a.clients` clients for `a.seconds`, or until `a.tokens`."""
     ps = prompts(4096, seed)
-    sent = 0
-    stop = time.monotonic() + seconds
-    async with httpx.AsyncClient(timeout=300) as c:
+    sent = generated = 0
+    stop = time.monotonic() + a.seconds
+    async with httpx.AsyncClient(timeout=600) as c:
 
         async def client(i):
-            nonlocal sent
-            while time.monotonic() < stop:
-                r = await c.post(f"{base}/v1/completions", json=body(ps[(sent + i) % len(ps)], max_tokens))
+            nonlocal sent, generated
+            while time.monotonic() < stop and (not a.tokens or generated < a.tokens):
+                prompt = ps[(sent + i) % len(ps)]
+                r = await c.post(f"{base}/v1/completions", json=body(prompt, a.max_tokens, a.temperature))
                 r.raise_for_status()
                 sent += 1
+                generated += r.json()["usage"]["completion_tokens"]
 
-        await asyncio.gather(*(client(i) for i in range(clients)))
-    return sent
+        await asyncio.gather(*(client(i) for i in range(a.clients)))
+    return sent, generated
+
+
+@contextlib.contextmanager
+def vllm_server(dtype: str, log: Path):
+    """vLLM's own OpenAI server (the CPU build in .venv-vllm) serving zoo:hybrid under its zoo name."""
+    from lpf.adapters.vllm import vllm_python
+    from lpf.core.model_specs import resolve_model
+    from lpf.serve.process import free_port
+
+    port = free_port()
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", TORCHDYNAMO_DISABLE="1", VLLM_CPU_KVCACHE_SPACE="1")
+    env.update(ENV)
+    env.pop("PYTHONPATH", None)
+    args = [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(resolve_model(MODEL).path)]
+    args += ["--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype]
+    # prefix caching off: vllm-cpu 0.32 crashes on hybrids with it (docs/bugs.md, bug 1)
+    args += ["--enforce-eager", "--max-logprobs", "20", "--no-enable-prefix-caching", "--max-model-len", "1024"]
+    proc = subprocess.Popen(args, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vLLM exited {proc.returncode}:\n{log.read_text()[-3000:]}")
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"vLLM not healthy in 600 s:\n{log.read_text()[-3000:]}")
+            time.sleep(1)
+        yield base
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@contextlib.contextmanager
+def upstream(a, dtype: str, tmp: Path):
+    if a.upstream == "vllm":
+        with vllm_server(dtype, tmp / f"vllm-{dtype}.log") as base:
+            yield base
+    else:
+        with served("--model", MODEL, "--cache-mb", 24, "--dtype", dtype, env=ENV) as up:
+            yield up.base_url
 
 
 def clean_part(a, tmp: Path, dtype: str) -> dict:
     out = tmp / f"clean-{dtype}"
     args = ["--reference", MODEL, "--sample", "1", "--window", a.window, "--upstream-dtype", dtype]
     args += ["--max-lag", "1000000"]
-    with served("--model", MODEL, "--cache-mb", 24, "--dtype", dtype, env=ENV) as up:
-        with watched(up.base_url, out, *args, env=ENV) as proxy:
+    with upstream(a, dtype, tmp) as base:
+        with watched(base, out, *args, env=ENV) as proxy:
             t0 = time.time()
-            sent = asyncio.run(traffic(proxy.base_url, a.seconds, a.clients, a.max_tokens, 30))
+            sent, generated = asyncio.run(traffic(proxy.base_url, a, a.seed))
             t_traffic = time.time() - t0
             w = wait_windows(out, sent // a.window, a.catch_up)
     judged = [x for x in w if x.get("n_requests")]
@@ -197,13 +260,21 @@ def clean_part(a, tmp: Path, dtype: str) -> dict:
     score_rate = tokens / max(t_last - t0, 1e-9)
     return {
         "dtype": dtype,
+        "upstream": a.upstream,
+        "temperature": a.temperature,
+        "seed": a.seed,
+        "clients": a.clients,
+        "max_tokens": a.max_tokens,
+        "window": a.window,
         "requests": sent,
+        "completion_tokens": generated,
+        "run_dir": str(out),
         "windows": len(w),
         "alarmed_windows": sum(bool(x.get("alarm")) for x in w),
         "alarmed": [{k: x.get(k) for k in ("window", "verdicts", "run_test")} for x in w if x.get("alarm")],
         "scored_tokens": tokens,
         "traffic_seconds": t_traffic,
-        "generated_tokens_per_s": tokens / t_traffic,
+        "generated_tokens_per_s": generated / t_traffic,
         "scored_tokens_per_s": score_rate,
         "seconds_to_score_all": t_last - t0,
         "first_window_after_s": t_first - t0,
@@ -223,6 +294,11 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--part", choices=["swap", "clean", "both"], default="both")
+    ap.add_argument("--upstream", choices=["serve", "vllm"], default="serve")
+    ap.add_argument("--tokens", type=int, default=0, help="stop clean traffic after this many completion tokens")
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--seed", type=int, default=31, help="clean traffic's prompts")
+    ap.add_argument("--results", type=Path, default=ROOT / "bench" / "results" / "watch_detection.json")
     a = ap.parse_args()
     if a.quick:
         a.swap_clean, a.swap_after, a.seconds, a.dtypes = 4, 8, 5.0, "float32"
@@ -258,8 +334,19 @@ def main() -> None:
                 f"scored tokens ({c['requests']} requests); generated {c['generated_tokens_per_s']:.0f} tok/s, "
                 f"scored {c['scored_tokens_per_s']:.0f} tok/s; 1M scored tokens: ~{c['projected_hours_for_1M']:.1f} h"
             )
-    if not a.quick:
-        (ROOT / "bench" / "results" / "watch_detection.json").write_text(json.dumps(results, indent=2) + "\n")
+    if not a.quick:  # the parts run replace theirs; the others' entries are kept
+        old = json.loads(a.results.read_text()) if a.results.is_file() else {}
+        if "swap" in results:
+            old.update(date=results["date"], window=results["window"], max_tokens=results["max_tokens"])
+            old["swap"] = results["swap"]
+        if "clean" in results:
+            key = lambda c: (c["dtype"], c.get("upstream", "serve"), c.get("max_tokens", results["max_tokens"]))  # noqa: E731
+            mine = {key(c) for c in results["clean"]}
+            kept = [dict(c, max_tokens=c.get("max_tokens", old.get("max_tokens"))) for c in old.get("clean", [])]
+            old["clean"] = [c for c in kept if key(c) not in mine] + [
+                dict(c, date=results["date"]) for c in results["clean"]
+            ]
+        a.results.write_text(json.dumps(old, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ import pytest
 # vLLM engine (two vLLM CPU engines at once take ~2x the memory of one on a machine shared with others).
 SHARED_GROUPS = {
     "hybrid-audit": ["test_audit_hf", "test_bad_input", "test_edit_flags", "test_query", "test_run_schema"],
+    # one local Ray per worker (the session's `ray_cluster`): its users run on one worker
+    "ray": ["test_rescore_ray", "test_watch_ray"],
     "vllm": [
         "test_vllm",
         "test_vllm_trace",
@@ -109,6 +111,18 @@ def pytest_collection_modifyitems(config, items):
     """Longest groups first (with --no-loadscope-reorder xdist hands units out in collection order)."""
     rank = {g: i for i, g in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(group_of(item.nodeid), len(rank)))  # stable within a rank
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A local Ray for the session (2 CPUs); its GCS address lets a child `lpf` join it. Its users share the
+    `ray` group, so one worker starts it."""
+    import logging
+
+    ray = pytest.importorskip("ray")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False)
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()
 
 
 @pytest.fixture(scope="session", autouse=True)

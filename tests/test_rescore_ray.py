@@ -5,7 +5,6 @@ rerun gives every token exactly one reference row. One local Ray (2 CPUs) serves
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shutil
 import signal
@@ -21,15 +20,6 @@ import pytest
 from conftest import lpf_main
 
 KEY = [("request_id", "ascending"), ("position", "ascending")]
-
-
-@pytest.fixture(scope="session")
-def ray_cluster():
-    """A local Ray for the session; its GCS address lets a child `lpf` join it."""
-    ray = pytest.importorskip("ray")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False)
-    yield ray.get_runtime_context().gcs_address
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -110,7 +110,20 @@ def swap(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("swap")
     port, out, w = free_port(), tmp / "run", 8
     prompts = _prompts(4 * w, seed=21)
-    args = ["--reference", MODEL, "--sample", "1", "--window", w, "--part-seconds", "0.3"]
+    # the server computes in float32 (said: an unknown dtype is judged against the most lenient floor, bfloat16's,
+    # and the swap's first request can fall inside it: the change point then lands one request late)
+    args = [
+        "--reference",
+        MODEL,
+        "--sample",
+        "1",
+        "--window",
+        w,
+        "--part-seconds",
+        "0.3",
+        "--upstream-dtype",
+        "float32",
+    ]
 
     def send(base, ps):
         for p in ps:  # one at a time: arrival order is the order sent
@@ -260,12 +273,15 @@ def test_stale_state_under_concurrent_clients_the_imposters_are_flagged_as_they_
     """`lpf serve --inject stale-state` with test_serve_audit's pressure (tiny:jamba, an 8-token step budget, 8
     sequences, a 1 MB cache): 64 concurrent clients through the proxy, every request sampled. The requests the
     windows flag are among the server's own ground truth (its --trace-dir faults) and each window holding one
-    alarms. Not asserted: the load hypothesis (with ~5 flagged of 64 requests neither the windows nor `lpf
+    alarms (alone: an imposter's token errors are 1e4x the float32 floor, far beyond an honest near tie). Not asserted: the load hypothesis (with ~5 flagged of 64 requests neither the windows nor `lpf
     analyze` on the whole recording rank any hypothesis as significant; it needs a longer run)."""
     knobs = ["--cache-mb", 1, "--max-num-batched-tokens", 8, "--max-num-seqs", 8]
     trace, out = tmp_path / "trace", tmp_path / "run"
     prompts = _prompts(64, seed=11)
+    # the server computes in float32 (lpf serve's default): said, so the floor is float32's. Left unknown, the
+    # most lenient floor (bfloat16's, 4-8x wider on the tiny random models) holds these imposters' errors
     args = ["--reference", "tiny:jamba", "--sample", "1", "--window", "16", "--part-seconds", "0.3"]
+    args += ["--upstream-dtype", "float32"]
     with served("--model", "tiny:jamba", *knobs, "--inject", "stale-state", "--trace-dir", trace, env=ENV) as up:
         with watched(up.base_url, out, *args, env=ENV) as proxy:
 

@@ -12,7 +12,7 @@ import pytest
 
 from lpf.watch import wire
 from lpf.watch.evidence import Sample
-from lpf.watch.windows import _split
+from lpf.watch.windows import _split, log_poisson_sf, poisson_upper, requests_test
 
 
 def test_augment_adds_only_what_the_client_did_not_ask_and_strip_puts_it_back():
@@ -145,6 +145,63 @@ def test_the_change_point_is_where_the_exceedance_rate_rises():
     k[3] = 1  # one honest exceedance before the change
     assert _split(k, n) == 12
     assert _split(np.zeros(5), np.full(5, 10.0)) is None  # no rise, no change
+
+
+def test_the_poisson_tail_and_bound_match_the_sums_they_stand_for():
+    import math
+
+    def brute(k, lam):  # 1 - P(X < k), summed term by term in exact rationals' stead: plain floats, small lam
+        return 1.0 - sum(math.exp(-lam) * lam**j / math.factorial(j) for j in range(k))
+
+    for k, lam in [(1, 0.01), (3, 0.01), (2, 5.0), (10, 5.0), (4, 0.75), (0, 3.0)]:
+        assert math.isclose(math.exp(log_poisson_sf(k, lam)), brute(k, lam), rel_tol=1e-9, abs_tol=1e-15)
+    assert log_poisson_sf(1, 0.0) == -math.inf
+    # after 0 events the 95% bound is -ln(0.05); after 1, the mean at which P(X <= 1) = 5%
+    assert math.isclose(poisson_upper(0, 0.95), -math.log(0.05), rel_tol=1e-9)
+    up = poisson_upper(1, 0.95)
+    assert math.isclose(math.exp(-up) * (1 + up), 0.05, rel_tol=1e-9)
+
+
+def test_a_window_alarms_on_its_requests_only_past_what_an_honest_engine_of_its_dtype_shows():
+    # one divergent request among 64 scored bfloat16 tokens: what honest bfloat16 arithmetic does now and then
+    one = requests_test(1, 0, 64, "bfloat16")
+    assert not one["alarm"] and 0 < one["expected"] < 0.1 and one["p_value"] > 1e-3
+    # four of them in as few tokens: far past the expected count
+    assert requests_test(4, 0, 64, "bfloat16")["alarm"]
+    # a divergent one far beyond the floor (a stale-state imposter, 1e4x) alarms alone too
+    assert requests_test(1, 0, 64, "bfloat16", far_beyond=1)["alarm"]
+    # a corrupt request (confident gibberish) alarms alone, whatever the expected count
+    assert requests_test(0, 1, 64, "bfloat16")["alarm"] and requests_test(0, 1, 100_000, "float32")["alarm"]
+    # float32 expects fewer than bfloat16; an unknown dtype gets the most lenient rate
+    assert requests_test(2, 0, 64, "float32")["rate"] < requests_test(2, 0, 64, "bfloat16")["rate"]
+    assert requests_test(2, 0, 64, None)["rate"] == requests_test(2, 0, 64, "bfloat16")["rate"]
+    # the same count over many more tokens is expected: the test is on the rate, not the count
+    assert requests_test(3, 0, 64, "float32")["alarm"] and not requests_test(3, 0, 50_000, "float32")["alarm"]
+    assert not requests_test(4, 0, 64, "bfloat16", alpha=1e-12)["alarm"]  # at the alpha given
+
+
+def test_a_prompt_answered_the_same_twice_counts_once():
+    import pyarrow as pa
+
+    from lpf.watch.windows import _distinct
+
+    requests = pa.table(
+        {
+            "request_id": ["a", "b", "c", "d", "e"],
+            "prompt_token_ids": [[1, 2], [1, 2], [1, 2], [3], [4]],
+            "output_token_ids": [[5, 6, 7], [5, 6, 7], [5, 6, 8], [9], [9, 9]],
+        }
+    )
+    summary = pa.table(
+        {
+            "request_id": ["a", "b", "c", "d", "e"],
+            "verdict": ["divergent", "divergent", "divergent", "corrupt", "unscored"],
+        }
+    )
+    # a and b are one piece of evidence; c answered the same prompt otherwise; e was not scored
+    assert _distinct(requests, summary) == (2, 1, 0, 3 + 3 + 1)
+    # c's largest token error is 12x the floor's threshold: far beyond, and still one of the divergent
+    assert _distinct(requests, summary, {"a": 0.9, "b": 0.9, "c": 12.0}) == (2, 1, 1, 3 + 3 + 1)
 
 
 def test_alarms_are_posted_logged_and_fail_after_stops(tmp_path):
@@ -294,6 +351,11 @@ def _cols(rows: list[dict]) -> dict:
         (["--upstream", "http://127.0.0.1:1", "--listen", "nowhere"], "--listen must be HOST:PORT"),
         (["--upstream", "http://127.0.0.1:1", "--window", "0"], "--window must be >= 1"),
         (["--upstream", "http://127.0.0.1:1", "--retain", "5XB"], "--retain takes a size"),
+        (["--upstream", "http://127.0.0.1:1", "--actors", "2"], "need --executor ray"),
+        (
+            ["--upstream", "http://127.0.0.1:1", "--executor", "ray", "--reference-device", "cuda"],
+            "needs --gpus-per-actor",
+        ),
     ],
 )
 def test_bad_watch_options_are_one_line_and_exit_2(lpf_cli, tmp_path, args, says):

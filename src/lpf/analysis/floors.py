@@ -27,7 +27,9 @@ Contract:
       dtype, and says so.
   `settings` (when floors.json says): the prompts and knob settings the row was measured over
       (scripts/measure_floor_settings.py widens float32's over long shared-prefix prompts, chunked
-      prefill and prefix caching, where an honest engine's top-k spread was 5x the zoo:stress floor).
+      prefill and prefix caching, where an honest engine's top-k spread was 5x the zoo:stress floor;
+      scripts/measure_floor_prose.py bfloat16's over greedy prose, where it was 2.8x), the pair's own
+      where it has them, else the reference dtype's against itself.
   tie_margin = max(1e-3, KAPPA * margin.q99): a greedy flip is explained when the reference's margin
       between the two tokens is within twice what honest implementations at the dtype pair move a
       contested top-2 margin by at their 99th percentile (measured: bfloat16 moves it by up to ~0.5
@@ -205,7 +207,8 @@ def expected_floor(
         floor["honest"] = honest
     # what the row was measured over (prompts, knob settings), where the table says: a floor far above it
     # on other settings is said with them
-    settings = ((table.get("settings") or {}).get(f"{reference_dtype}/{reference_dtype}") or {}).get(model or "")
+    every = table.get("settings") or {}
+    settings = (every.get(floor["pair"]) or every.get(f"{reference_dtype}/{reference_dtype}") or {}).get(model or "")
     if settings:
         floor["settings"] = settings
     return floor

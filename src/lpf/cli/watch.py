@@ -67,6 +67,29 @@ from lpf.cli import render_watch
     multiple=True,
     help="Delete the oldest recorded parts beyond a size (20GB) or an age (7d); may be given twice.",
 )
+@click.option(
+    "--executor",
+    type=click.Choice(["local", "ray"]),
+    default="local",
+    show_default=True,
+    help="Where the scorer's reference runs: local (its own process) or ray (actors on a Ray cluster, the [ray] extra).",
+)
+@click.option(
+    "--ray-address",
+    default=None,
+    metavar="ADDR",
+    help="--executor ray: the cluster to join, e.g. ray://head:10001 [default: a local Ray].",
+)
+@click.option(
+    "--actors", type=click.IntRange(min=1), default=1, show_default=True, help="--executor ray: reference actors."
+)
+@click.option(
+    "--gpus-per-actor",
+    type=click.FloatRange(min=0),
+    default=0,
+    show_default=True,
+    help="--executor ray: GPUs per actor (0: CPU actors).",
+)
 @click.option("--alert-webhook", default=None, help="POST each alarm as JSON to this URL.")
 @click.option("--fail-after", type=int, default=None, help="Exit 1 after this many alarmed windows (a CI canary).")
 @click.option(
@@ -94,6 +117,10 @@ def watch(
     upstream_timeout,
     max_lag,
     retain,
+    executor,
+    ray_address,
+    actors,
+    gpus_per_actor,
     alert_webhook,
     fail_after,
     log_level,
@@ -105,6 +132,7 @@ def watch(
     /metrics serves Prometheus metrics.
     """
     from lpf.core.errors import LpfError
+    from lpf.pipeline.rescore import RayOptions, RescoreSettings
     from lpf.serve import server as listen_on
     from lpf.watch.retention import parse_retain
     from lpf.watch.sample import Sampler
@@ -118,6 +146,14 @@ def watch(
     parse_retain(retain)
     if top_k < 0 or queue_size < 1 or part_rows < 1 or part_seconds <= 0 or max_lag < 1:
         raise LpfError("--top-k must be >= 0, --queue, --part-rows and --max-lag >= 1, --part-seconds > 0")
+    # the executor's options checked as `lpf rescore` checks them (Ray installed, a GPU asked where the device is one)
+    RescoreSettings(
+        reference=reference,
+        dtype=reference_dtype,
+        device=reference_device,
+        executor=executor,
+        ray=RayOptions(address=ray_address, actors=actors, gpus_per_actor=float(gpus_per_actor)),
+    ).validate()
     settings = Settings(
         upstream=upstream,
         reference=reference,
@@ -136,6 +172,10 @@ def watch(
         reference_device=reference_device,
         max_lag=max_lag,
         retain=tuple(retain),
+        executor=executor,
+        ray_address=ray_address,
+        actors=actors,
+        gpus_per_actor=float(gpus_per_actor),
         alert_webhook=alert_webhook,
         fail_after=fail_after,
         log_level=log_level,

@@ -43,8 +43,6 @@ def run(
     on_ready: Callable[[int], None],
     repetition_penalty: float = 1.0,
 ):
-    import asyncio
-
     import torch
     import uvicorn
 
@@ -85,6 +83,17 @@ def run(
         )
     app = create_app(engine, tokenizer, info, sink)
     server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=10, lifespan="on"))
+    if not serve_until_stopped(server, sock, on_ready):
+        raise LpfError("the server did not start (see the messages above)")
+    return app.state.loop.stats
+
+
+def serve_until_stopped(server, sock: socket.socket, on_ready: Callable[[int], None], before=None) -> bool:
+    """Run a `uvicorn.Server` on `sock` until SIGINT/SIGTERM (or its `should_exit`), calling `on_ready(port)`
+    once it accepts connections; whether it started. `before()` runs once the signal handlers are in place
+    (a child started there is never left behind by a signal that kills this process first). Shared by
+    `lpf serve` and `lpf watch`."""
+    import asyncio
 
     async def main() -> None:
         task = asyncio.create_task(server.serve(sockets=[sock]))
@@ -99,7 +108,7 @@ def run(
     stop_signals: list[int] = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda s, _frame: stop_signals.append(s))
+    if before is not None:
+        before()
     asyncio.run(main())
-    if not server.started:
-        raise LpfError("the server did not start (see the messages above)")
-    return app.state.loop.stats
+    return bool(server.started)

@@ -7,7 +7,8 @@ requests scored, alarms, request verdicts (by verdict), windows judged (by run-t
 Gauges: requests in flight, the recorder's queue depth, samples recorded, parts deleted by `--retain`, scoring lag (recorded but not
 yet scored requests; and seconds since the newest scored request's arrival), scorer restarts, the last
 window's run-test p-value and whether it alarmed, the flagged rate of the last window against its
-expected rate. A missing `prometheus_client` is one line (an `LpfError`), not a traceback.
+expected rate (tokens beyond the floor against the null rate; divergent and corrupt requests against the
+count an honest engine of the dtype shows over as many tokens, and that test's p-value). A missing `prometheus_client` is one line (an `LpfError`), not a traceback.
 """
 
 from __future__ import annotations
@@ -62,6 +63,20 @@ class WatchMetrics:
         )
         self.expected_rate = Gauge(
             "lpf_watch_window_expected_rate", "The share an honest engine stays under (the null rate)", registry=r
+        )
+
+        self.flagged_requests = Gauge(
+            "lpf_watch_window_flagged_requests", "The last window's divergent and corrupt requests", registry=r
+        )
+        self.expected_requests = Gauge(
+            "lpf_watch_window_expected_flagged_requests",
+            "How many an honest engine of the upstream's dtype stays under over as many scored tokens",
+            registry=r,
+        )
+        self.requests_p_value = Gauge(
+            "lpf_watch_window_flagged_requests_p_value",
+            "The last window's flagged-request count against the expected one (Poisson)",
+            registry=r,
         )
 
     def render(self) -> tuple[bytes, str]:

@@ -1,8 +1,9 @@
 """The scoring process: rescore what the proxy recorded, judge full windows, append them to `live/windows.jsonl`.
 
-Contract: `python -m lpf.watch.scorer RUN --reference M --dtype D --device DEV --window N [--poll S]`
-runs until killed. Each cycle: every committed, not-yet-scored request is teacher-forced by one
-`Rescorer` kept loaded (`reference/` parts, as `lpf rescore` writes them: resumable, so a scorer
+Contract: `python -m lpf.watch.scorer RUN --reference M --dtype D --device DEV --window N [--poll S]
+[--executor local|ray [--ray-address A] [--actors K] [--gpus-per-actor G]]` runs until killed. Each cycle:
+every committed, not-yet-scored request is teacher-forced by one `Rescorer` kept loaded (or, with
+`--executor ray`, by K Ray actors each holding one: `lpf.watch.ray_scoring`; the same rows) (`reference/` parts, as `lpf rescore` writes them: resumable, so a scorer
 killed mid-batch and restarted redoes nothing committed), then every complete window is judged
 (`windows.judge_window`) and appended as one JSON line to `live/windows.jsonl` (flushed and fsynced
 before the next). Bounded lag: at most `per_cycle` requests are scored between two judgements, and when more
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -53,6 +55,8 @@ class Scorer:
         token_budget: int = 16384,
         max_lag: int = 10_000,
         per_cycle: int = 512,
+        executor: str = "local",
+        ray=None,
     ):
         from lpf.core.model_specs import resolve_model
         from lpf.pipeline.analyze import floor_table
@@ -62,17 +66,19 @@ class Scorer:
         self.path, self.window, self.max_lag, self.per_cycle = path, window, max_lag, per_cycle
         run = _open(path)
         self.model = resolve_model(reference)
-        self.rescorer = Rescorer(
-            self.model,
-            dtype=dtype,
-            device=device,
-            token_budget=token_budget,
-            topk=run.manifest["sampling"].get("logprobs", 5),
-        )
+        topk = run.manifest["sampling"].get("logprobs", 5)
+        if executor == "ray":  # actors on a Ray cluster, each holding the reference (lpf.watch.ray_scoring)
+            from lpf.pipeline.rescore import RayOptions
+            from lpf.watch.ray_scoring import RayRescorer
+
+            self.rescorer = RayRescorer(self.model, dtype, device, token_budget, topk, ray or RayOptions())
+        else:
+            self.rescorer = Rescorer(self.model, dtype=dtype, device=device, token_budget=token_budget, topk=topk)
         desc = self.rescorer.describe()
         if desc["tokenizer_sha256"] != run.manifest["tokenizer_sha256"]:
+            self.close()
             raise SystemExit(f"reference {reference} uses another tokenizer than the recorded run")
-        run.manifest["reference"] = {**desc, "executor": "local"}
+        run.manifest["reference"] = {**desc, "executor": executor}
         run.save_manifest()
         self.info = {
             "engine_dtype": engine_dtype(run.manifest),
@@ -84,12 +90,18 @@ class Scorer:
         self.watch: dict[str, pa.Table] = {}  # part name -> its watch rows (request_id, temperature)
         self.scored: set[str] = set(run.read("reference", ["request_id"]).column("request_id").to_pylist())
         self.judged: set[str] = set()
+        self.part_ids: dict[tuple[str, str], set[str]] = {}  # (table, part name) -> its request ids
         self.skipped: set[str] = set(_read_ids(path / SKIPPED))
         self.windows = 0
         self.context = None
         for line in self._lines():
             self.judged.update(line["request_ids"])
             self.windows = max(self.windows, line["window"] + 1)
+
+    def close(self) -> None:
+        """Stop the Ray actors (and a local Ray this scorer started); nothing to do for a local reference."""
+        if hasattr(self.rescorer, "close"):
+            self.rescorer.close()
 
     def _lines(self) -> list[dict]:
         p = self.path / WINDOWS
@@ -193,6 +205,10 @@ class Scorer:
         temps = {}
         for t in self.watch.values():
             temps.update(zip(t.column("request_id").to_pylist(), t.column("temperature").to_pylist()))
+        n_full = len(ready) // self.window * self.window
+        # every full window's rows in one scan of the parts (a scan per window is quadratic over a long watch)
+        batch = [r for _, r in ready[:n_full] if r in self.scored]
+        rows = {t: _rows(run, t, batch, self.part_ids) for t in ("requests", "tokens", "reference")} if batch else {}
         while len(ready) >= self.window:
             chunk, ready = ready[: self.window], ready[self.window :]
             ids = [r for _, r in chunk]
@@ -204,9 +220,11 @@ class Scorer:
                 "n_unscored": len(ids) - len(scored_ids),
             }
             if scored_ids:
-                w_req_full = _rows(run, "requests", scored_ids)
-                w_tok = _rows(run, "tokens", scored_ids)
-                w_ref = _rows(run, "reference", scored_ids)
+                want = pa.array(scored_ids, pa.string())
+                w_req_full, w_tok, w_ref = (
+                    rows[t].filter(pc.is_in(rows[t].column("request_id"), value_set=want))
+                    for t in ("requests", "tokens", "reference")
+                )
                 ts = {temps.get(r) for r in scored_ids}
                 info = dict(self.info, temperature=ts.pop() if len(ts) == 1 else None)
                 line.update(judge_window(w_req_full, w_tok, w_ref, self.context, info))
@@ -224,11 +242,26 @@ class Scorer:
         return done
 
 
-def _rows(run: RunDir, table: str, ids: list[str]) -> pa.Table:
+def _rows(run: RunDir, table: str, ids: list[str], part_ids: dict) -> pa.Table:
+    """The rows of `ids` in `table`, reading only the parts that hold one of them (`part_ids`: a part's
+    request ids, read once per part and kept: a committed part never changes, and an hour of watching
+    commits thousands)."""
     want = pa.array(ids, pa.string())
+    wanted = set(ids)
     columns = list(_schema(table).names)
     parts = []
-    for p in run.parts(table):
+    listed = run.parts(table)
+    for gone in set(part_ids) - {(table, p.name) for p in listed} - {k for k in part_ids if k[0] != table}:
+        del part_ids[gone]  # deleted by --retain
+    for p in listed:
+        key = (table, p.name)
+        if key not in part_ids:
+            got = _unless_pruned(p, lambda p: read_part(p, table, ["request_id"]))
+            if got is None:
+                continue
+            part_ids[key] = set(got.column("request_id").to_pylist())
+        if not part_ids[key] & wanted:
+            continue
         t = _unless_pruned(p, lambda p: read_part(p, table, columns))
         if t is not None:
             parts.append(t.filter(pc.is_in(t.column("request_id"), value_set=want)))
@@ -270,11 +303,23 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--window", type=int, default=50)
     p.add_argument("--poll", type=float, default=0.5)
     p.add_argument("--max-lag", type=int, default=10_000)
+    p.add_argument("--executor", choices=["local", "ray"], default="local")
+    p.add_argument("--ray-address", default=None)
+    p.add_argument("--actors", type=int, default=1)
+    p.add_argument("--gpus-per-actor", type=float, default=0.0)
     a = p.parse_args(argv)
-    scorer = Scorer(a.run, a.reference, a.dtype, a.device, a.window, max_lag=a.max_lag)
-    while True:
-        scorer.cycle()
-        time.sleep(a.poll)
+    from lpf.pipeline.rescore import RayOptions
+
+    ray = RayOptions(address=a.ray_address, actors=a.actors, gpus_per_actor=a.gpus_per_actor)
+    # SIGTERM (lpf watch stopping) unwinds through `finally`, so a local Ray this process started stops too
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    scorer = Scorer(a.run, a.reference, a.dtype, a.device, a.window, max_lag=a.max_lag, executor=a.executor, ray=ray)
+    try:
+        while True:
+            scorer.cycle()
+            time.sleep(a.poll)
+    finally:
+        scorer.close()
 
 
 if __name__ == "__main__":

@@ -10,9 +10,7 @@ the recorder commits what it holds, the scorer is stopped. It prints nothing: th
 
 from __future__ import annotations
 
-import asyncio
 import platform
-import signal
 import socket
 import time
 import uuid
@@ -46,6 +44,10 @@ class Settings:
     scorer: bool = True
     max_lag: int = 10_000
     retain: tuple = ()  # --retain values: a size and/or an age (lpf.watch.retention.parse_retain)
+    executor: str = "local"  # the scorer's reference: in its process, or on Ray actors (lpf.watch.ray_scoring)
+    ray_address: str | None = None
+    actors: int = 1
+    gpus_per_actor: float = 0.0
 
 
 @dataclass
@@ -108,6 +110,7 @@ def serve(
 ) -> Outcome:
     import uvicorn
 
+    from lpf.serve.server import serve_until_stopped
     from lpf.watch.metrics import WatchMetrics
     from lpf.watch.proxy import create_proxy
     from lpf.watch.record import Recording
@@ -159,6 +162,12 @@ def serve(
             str(s.window),
             "--max-lag",
             str(s.max_lag),
+            *(
+                ["--executor", "ray", "--actors", str(s.actors), "--gpus-per-actor", str(s.gpus_per_actor)]
+                + (["--ray-address", s.ray_address] if s.ray_address else [])
+                if s.executor == "ray"
+                else []
+            ),
         ],
         metrics,
         on_window,
@@ -168,22 +177,8 @@ def serve(
     )
 
     held["sup"] = sup
-
-    async def main() -> None:
-        task = asyncio.create_task(server.serve(sockets=[sock]))
-        while not server.started and not task.done():
-            await asyncio.sleep(0.05)
-        if server.started:
-            on_ready(sock.getsockname()[1])
-        await task
-
-    stop_signals: list[int] = []
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda n, _frame: stop_signals.append(n))
-    if s.scorer:
-        sup.start()
     try:
-        asyncio.run(main())
+        serve_until_stopped(server, sock, on_ready, before=sup.start if s.scorer else None)
     finally:
         recorder.close()
         if s.scorer:

@@ -125,6 +125,11 @@ class Supervisor:
         if w.get("flagged_rate") is not None:
             m.flagged_rate.set(w["flagged_rate"])
             m.expected_rate.set(w["expected_rate"])
+        if w.get("requests_test"):
+            rt = w["requests_test"]
+            m.flagged_requests.set(rt["flagged"])
+            m.expected_requests.set(rt["expected"])
+            m.requests_p_value.set(rt["p_value"])
         m.alarmed.set(1 if w.get("alarm") else 0)
         if w.get("alarm"):
             m.alarms.inc()
@@ -171,6 +176,9 @@ def alarm_record(w: dict) -> dict:
         "p_value": test.get("p_value"),
         "verdicts": w.get("verdicts"),
         "flagged": (w.get("flagged") or [])[:20],
+        # the flagged requests against what an honest engine of the dtype shows (a corrupt one alarms alone)
+        "expected_flagged": (w.get("requests_test") or {}).get("expected"),
+        "flagged_p_value": (w.get("requests_test") or {}).get("p_value"),
         "change_request_id": (w.get("change") or {}).get("request_id"),
         "change_seq": (w.get("change") or {}).get("seq"),
         "sentence": test.get("sentence"),

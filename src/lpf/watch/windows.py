@@ -7,18 +7,31 @@ before it (`context`: (requests, tokens, reference) of the previous window, or N
   n_requests, n_tokens, first_seq, last_seq, verdicts ({verdict: count}), flagged (request ids),
   run_test ({result, p_value, test, statistic, n_tokens}: `lpf.analysis.run_test` with logprobs, the
   tokens-only test of `lpf.analysis.token_test` without), tokens_only, flagged_rate and expected_rate
-  (the share of tokens beyond the floor against the null rate), alarm (the run-level test rejects, or a
-  request is divergent or corrupt), hypotheses (the analysis's three best: feature, sentence, p-value;
+  (the share of tokens beyond the floor against the null rate), requests_test (`requests_test`: the
+  window's divergent and corrupt requests against the count an honest engine of its dtype shows over as
+  many scored tokens), alarm (the run-level test rejects, or the requests test does: a corrupt request, a
+  divergent one far beyond the floor, or more divergent ones than honest arithmetic at the dtype explains),
+  hypotheses (the analysis's three best: feature, sentence, p-value;
   timing and load ones from the requests' timestamps), and when it alarms `change` ({seq, request_id,
   how}): the first request of the change. The change point is the maximum-likelihood split of the token exceedances
   (one Bernoulli rate before, a higher one after) over request boundaries of the previous window and
   this one; without token evidence, the first flagged request.
 Verdicts and the run-level test are `lpf.analysis.findings.analyze` (or `analyze_tokens_only`) on the
 window alone, against the shipped expected floor: the same judgement `lpf analyze` makes of a run.
+
+An honest engine below float32 does produce an occasional divergent request (on prose, one token past the
+verdicts' absolute 0.5-nat threshold, inside the dtype's floor), so one divergent request is not an alarm: the window's count of them is
+tested against Poisson(rate x scored tokens), `rate` the upper 95% bound of what honest engines of the
+dtype showed (HONEST_DIVERGENT), at the run-level test's alpha; requests count once per distinct (prompt,
+output) pair (the same prompt answered the same twice is one piece of evidence). A `corrupt` request
+(confident gibberish: none seen from any honest engine) alarms alone, and so does a divergent one whose
+largest token error is FAR_BEYOND times the floor's threshold (effect size, as the run-level test weighs
+it: a stale-state imposter, not a near tie).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -27,14 +40,38 @@ import pyarrow.compute as pc
 
 from lpf.analysis import metrics as m
 from lpf.analysis.findings import analyze
-from lpf.analysis.floors import expected_floor
-from lpf.analysis.run_test import NULL_RATE, token_evidence
+from lpf.analysis.floors import KAPPA, expected_floor
+from lpf.analysis.run_test import DEFAULT_ALPHA, NULL_RATE, token_evidence
 from lpf.analysis.thresholds import Thresholds
 from lpf.analysis.token_evidence import evidence_columns
 from lpf.analysis.tokens_only import analyze_tokens_only
 
 FLAGGED = ("divergent", "corrupt")
 MIXED_TEMPERATURE = 2.0  # a window of mixed temperatures: only the temperature-free logprob test applies
+# Divergent requests honest engines produced, by engine dtype against a float32 reference: (divergent
+# requests, scored tokens, where). An engine of another or unknown dtype gets the most lenient rate.
+HONEST_DIVERGENT = {  # distinct (prompt, output) pairs, as the window counts them
+    "float32": (
+        0,
+        65_535,
+        "greedy prose through `lpf serve` (built-in engine, bench/watch_detection.py seeds 30 and 31: 51,680 "
+        "tokens), vLLM CPU on shared-prefix prompts (6,000), llama.cpp with and without flash attention and the "
+        "built-in engine on 2 threads on zoo:stress and shared-prefix prompts (7,855)",
+    ),
+    "bfloat16": (
+        7,
+        43_952,
+        "greedy prose through `lpf serve` (built-in engine, bench/watch_detection.py seeds 30 and 31: 1 in 19,888 "
+        "and 5 in 17,664 tokens) and `lpf audit` of the built-in engine on other prose (scripts/measure_floor_prose.py "
+        "seed 7: 1 in 6,400); each a single token 0.57-0.81 nats off, within the run-level test's bfloat16 floor",
+    ),
+}
+# A divergent request whose largest token error is this many times the floor's threshold (tau, the run-level
+# test's: KAPPA x the dtype's 99th percentile, scaled by the token's sensitivity) alarms alone: honest engines'
+# requests stayed under 2.6x (bfloat16 prose, 3,500 requests; their divergent ones under 1x: a single token
+# past the absolute 0.5-nat verdict threshold) and float32's under 1.6x; stale-state imposters are at 1e4-1e5x.
+FAR_BEYOND = 10.0
+CONFIDENCE = 0.95  # the expected rate is the upper bound of this one-sided confidence interval of the count
 
 
 def _no_logprobs(tokens: pa.Table) -> bool:
@@ -81,7 +118,12 @@ def judge_window(requests: pa.Table, tokens: pa.Table, reference: pa.Table, cont
     rates = _exceedances(requests, tokens, reference, run_info, info, tokens_only)
     out["flagged_rate"] = float(rates[0].sum() / max(rates[1].sum(), 1)) if rates is not None else None
     out["expected_rate"] = NULL_RATE if rates is not None else None
-    out["alarm"] = test.get("result") == "different" or bool(flagged)
+    excess = dict(zip(rates[2], rates[3])) if rates is not None else {}
+    divergent, corrupt, far, n_tokens = _distinct(requests, summary, excess)
+    out["requests_test"] = requests_test(
+        divergent, corrupt, n_tokens, info.get("engine_dtype"), info.get("alpha"), far_beyond=far
+    )
+    out["alarm"] = test.get("result") == "different" or out["requests_test"]["alarm"]
     # what sets the window's flagged requests apart (timing and load from the requests' own timestamps)
     out["hypotheses"] = [
         {k: h.get(k) for k in ("feature", "sentence", "p_value")} for h in (findings.get("hypotheses") or [])[:3]
@@ -91,9 +133,90 @@ def judge_window(requests: pa.Table, tokens: pa.Table, reference: pa.Table, cont
     return out
 
 
+def _distinct(requests: pa.Table, summary: pa.Table, excess: dict | None = None) -> tuple[int, int, int, int]:
+    """(divergent, corrupt, far beyond, scored output tokens) over the window's distinct (prompt, output)
+    pairs: a prompt sent again and answered the same is the same evidence, not a second event (clients
+    retry, share prompts). `far beyond`: the divergent ones whose largest token error (`excess`: request id
+    -> max |d| / tau) is at least FAR_BEYOND times what the floor explains."""
+    excess = excess or {}
+    verdicts = dict(zip(summary.column("request_id").to_pylist(), summary.column("verdict").to_pylist()))
+    seen: dict[tuple, str] = {}
+    for rid, p, o in zip(
+        requests.column("request_id").to_pylist(),
+        requests.column("prompt_token_ids").to_pylist(),
+        requests.column("output_token_ids").to_pylist(),
+    ):
+        v = verdicts.get(rid)
+        if v in ("clean", "noise", "divergent", "corrupt"):
+            far = v == "divergent" and excess.get(rid, 0.0) >= FAR_BEYOND
+            seen[(tuple(p or ()), tuple(o or ()))] = "far" if far else v
+    n_tokens = sum(len(o) for _, o in seen)
+    n = {k: sum(v == k for v in seen.values()) for k in ("divergent", "corrupt", "far")}
+    return n["divergent"] + n["far"], n["corrupt"], n["far"], n_tokens
+
+
+@functools.cache
+def expected_divergent_rate(engine_dtype: str | None) -> float:
+    """Divergent requests per scored token an honest engine of `engine_dtype` stays under (95% bound)."""
+    rates = {d: poisson_upper(k, CONFIDENCE) / n for d, (k, n, _) in HONEST_DIVERGENT.items()}
+    return rates.get(engine_dtype or "", max(rates.values()))
+
+
+def requests_test(
+    divergent: int, corrupt: int, n_tokens: int, engine_dtype: str | None, alpha=None, far_beyond: int = 0
+) -> dict:
+    """{flagged, corrupt, far_beyond, expected, rate, p_value, alarm}: the window's divergent + corrupt
+    requests against Poisson(expected = rate x n_tokens); alarm when p < alpha (the run-level test's), or
+    any is corrupt, or any divergent one is far beyond the floor (`far_beyond` of the `divergent`)."""
+    alpha = DEFAULT_ALPHA if alpha is None else float(alpha)
+    rate = expected_divergent_rate(engine_dtype)
+    k, lam = int(divergent) + int(corrupt), rate * max(int(n_tokens), 0)
+    log_p = log_poisson_sf(k, lam)
+    return {
+        "flagged": k,
+        "corrupt": int(corrupt),
+        "far_beyond": int(far_beyond),
+        "expected": lam,
+        "rate": rate,
+        "p_value": math.exp(log_p),
+        "alarm": bool(corrupt) or bool(far_beyond) or log_p < math.log(alpha),
+    }
+
+
+def log_poisson_sf(k: int, lam: float) -> float:
+    """log P(X >= k), X ~ Poisson(lam): the terms from k on (they fall fast where it matters: k > lam)."""
+    if k <= 0:
+        return 0.0
+    if lam <= 0:
+        return -math.inf
+    if k <= lam:  # the mean or below: 1 - P(X < k), which is not small
+        below = sum(math.exp(-lam + j * math.log(lam) - math.lgamma(j + 1)) for j in range(k))
+        return math.log(max(1.0 - below, 1e-300))
+    log_term = -lam + k * math.log(lam) - math.lgamma(k + 1)
+    total, term, j = 1.0, 1.0, k
+    while term > 1e-17 * total:
+        j += 1
+        term *= lam / j
+        total += term
+    return min(0.0, log_term + math.log(total))
+
+
+def poisson_upper(k: int, confidence: float) -> float:
+    """The upper bound of the one-sided `confidence` interval of a Poisson mean after observing k events."""
+    lo, hi = 0.0, k + 10.0 * math.sqrt(k + 1) + 10.0
+    for _ in range(100):  # P(X <= k | lam) falls with lam: bisect for 1 - confidence
+        mid = (lo + hi) / 2
+        if 1.0 - math.exp(log_poisson_sf(k + 1, mid)) > 1.0 - confidence:
+            lo = mid
+        else:
+            hi = mid
+    return hi
+
+
 def _exceedances(requests, tokens, reference, run_info, info, tokens_only):
-    """(k, n) per request in seq order: tokens beyond the floor and tokens scored; None without a floor
-    or without logprobs."""
+    """(k, n, ids, excess) per request in seq order: tokens beyond the floor, tokens scored, the request
+    ids, and the largest token error over the floor's threshold tau (|d| / tau; a missing logprob counts
+    as none); None without a floor or without logprobs."""
     if tokens_only or info.get("floor_table") is None or tokens.num_rows == 0:
         return None
     floor = expected_floor(
@@ -115,7 +238,12 @@ def _exceedances(requests, tokens, reference, run_info, info, tokens_only):
     at = np.array([index[r] for r in ids], dtype=np.int64)
     k = np.bincount(at, weights=hits, minlength=len(order))
     n = np.bincount(at, minlength=len(order)).astype(float)
-    return k, n, order
+    tau = KAPPA * (floor["token"]["q99"] * ev["s"] + floor["settled"]["q99"])
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ratio = np.abs(ev["d"]) / tau
+    excess = np.zeros(len(order))
+    np.maximum.at(excess, at, np.where(np.isfinite(ratio), ratio, 0.0))
+    return k, n, order, excess
 
 
 def change_point(requests, tokens, reference, context, run_info, info, tokens_only, flagged) -> dict:
@@ -126,7 +254,7 @@ def change_point(requests, tokens, reference, context, run_info, info, tokens_on
     rates = _exceedances(requests, tokens, reference, run_info, info, tokens_only)
     seqs = dict(zip(requests.column("request_id").to_pylist(), requests.column("seq").to_pylist()))
     if rates is not None and rates[0].sum() > 0:
-        k, n, order = rates
+        k, n, order, _ = rates
         b = _split(k, n)
         if b is not None:
             return {"request_id": order[b], "seq": int(seqs[order[b]]), "how": "exceedance rate split"}
