@@ -215,18 +215,21 @@ class Shrink:
             return
         raise NotReproduced
 
+    def _target_with(self, original: Config, target, seqs, who: str, tried: set):
+        """The target with the original's requests in `seqs`, run once: (config, its description, held)."""
+        config = original.with_members([m for m in original.members if m.seq in seqs and m.seq != self.t] + [target])
+        n = len(config.members) - 1
+        what = f"the target and the {n} request{'s' * (n != 1)} {who}"
+        tried.add(config.key())
+        return config, what, self.test(config, "requests", what)
+
     def named(self, original: Config, target, tried: set) -> bool:
         """The requests the trace names (`Source.suspects`) with the target, at the original knobs,
         then at the values of the knob the top hypothesis names (`Source.named_knob`)."""
         narrow = self.source.narrow_suspects(self.t)
         if narrow:  # the few the top hypothesis' mechanism names, before the wider set
-            config = original.with_members(
-                [m for m in original.members if m.seq in narrow and m.seq != self.t] + [target]
-            )
-            n = len(config.members) - 1
-            what = f"the target and the {n} request{'s' * (n != 1)} its mechanism names"
-            tried.add(config.key())
-            if self.test(config, "requests", what):
+            config, what, held = self._target_with(original, target, narrow, "its mechanism names", tried)
+            if held:
                 self.adopt(config)
                 return True
             if self.leavers(original, target, narrow, tried) or self.named_moves(config, "requests", what, tried):
@@ -234,13 +237,8 @@ class Shrink:
         suspects = self.source.suspects(self.t)
         if not suspects:
             return False
-        config = original.with_members(
-            [m for m in original.members if m.seq in suspects and m.seq != self.t] + [target]
-        )
-        n = len(config.members) - 1
-        what = f"the target and the {n} request{'s' * (n != 1)} its trace names"
-        tried.add(config.key())
-        if self.test(config, "requests", what):
+        config, what, held = self._target_with(original, target, suspects, "its trace names", tried)
+        if held:
             self.adopt(config)
             return True
         if self.named_moves(config, "requests", what, tried):

@@ -116,14 +116,8 @@ def trace_suspects(trace: pa.Table | None, target_id: str) -> dict[str, str]:
                 break
             if request_of(rid) != target_id:  # the target's own cancelled attempt is not a suspect
                 out.setdefault(request_of(rid), f"held its state slot {slot} before it")
-    for col, why in (
-        ("resume_writer", "wrote the state it resumed from"),
-        ("resume_publisher", "published the block hash it resumed from"),
-    ):
-        if col in mine.column_names:
-            for rid in mine.column(col).drop_null().to_pylist():
-                if request_of(rid) != target_id:
-                    out.setdefault(request_of(rid), why)
+    for rid, why in _resume_sources(trace, target_id).items():
+        out.setdefault(rid, why)
     mates = trace.filter(pc.equal(trace.column("step"), first["step"])).column("request_id").to_pylist()
     for rid in mates:
         if request_of(rid) != target_id:
