@@ -19,27 +19,9 @@ KEY = [("request_id", "ascending"), ("position", "ascending")]
 
 
 def _recorded(path):
-    from lpf.run import schema
-    from lpf.watch.service import Settings, prepare
+    from test_watch_units import recorded_run
 
-    run, tok, _ = prepare(Settings(upstream="http://127.0.0.1:1", reference="zoo:hybrid", out=path))
-    rows, toks = [], []
-    for seq in range(12):
-        rid = f"w{seq:09d}"
-        out = tok.encode(f" {seq} plus {seq} is {2 * seq}.", add_special_tokens=False)
-        rows.append(
-            {
-                "request_id": rid,
-                "seq": seq,
-                "rollout": 0,
-                "prompt_token_ids": tok.encode("ADD:1+2="),
-                "output_token_ids": out,
-            }
-        )
-        toks += [{"request_id": rid, "position": i, "token_id": t, "engine_logprob": -0.1} for i, t in enumerate(out)]
-    cols = lambda rs: {n: [r[n] for r in rs] for n in rs[0]}  # noqa: E731
-    run.append_requests(schema.table(schema.REQUESTS, cols(rows)), schema.table(schema.TOKENS, cols(toks)))
-    return run.path
+    return recorded_run(path, 12, lambda seq: f" {seq} plus {seq} is {2 * seq}.").path
 
 
 def _windows(path):

@@ -303,17 +303,17 @@ def test_a_chat_sample_is_scored_after_the_templates_rendering_with_ids_mapped_f
     assert req["request_id"] == "w000000004" and req["seq"] == 4
 
 
-@pytest.mark.slow  # loads the reference and judges 7 windows: ~20-60 s on the shared machine
-def test_the_scorer_keeps_its_lag_bounded_and_judges_full_windows(tmp_path, recording):
+def recorded_run(path, n: int, text_of):
+    """A watch run directory holding `n` recorded requests (ADD:1+2= answered `text_of(seq)`, every token
+    at logprob -0.1), as `lpf watch` records them; returns the run."""
     from lpf.run import schema
-    from lpf.watch.scorer import SKIPPED, WINDOWS, Scorer
     from lpf.watch.service import Settings, prepare
 
-    run, tok, _ = prepare(Settings(upstream="http://127.0.0.1:1", reference="zoo:hybrid", out=tmp_path / "run"))
+    run, tok, _ = prepare(Settings(upstream="http://127.0.0.1:1", reference="zoo:hybrid", out=path))
     rows, toks = [], []
-    for seq in range(30):
+    for seq in range(n):
         rid = f"w{seq:09d}"
-        out = tok.encode(f"{seq}", add_special_tokens=False)
+        out = tok.encode(text_of(seq), add_special_tokens=False)
         rows.append(
             {
                 "request_id": rid,
@@ -325,6 +325,14 @@ def test_the_scorer_keeps_its_lag_bounded_and_judges_full_windows(tmp_path, reco
         )
         toks += [{"request_id": rid, "position": i, "token_id": t, "engine_logprob": -0.1} for i, t in enumerate(out)]
     run.append_requests(schema.table(schema.REQUESTS, _cols(rows)), schema.table(schema.TOKENS, _cols(toks)))
+    return run
+
+
+@pytest.mark.slow  # loads the reference and judges 7 windows: ~20-60 s on the shared machine
+def test_the_scorer_keeps_its_lag_bounded_and_judges_full_windows(tmp_path, recording):
+    from lpf.watch.scorer import SKIPPED, WINDOWS, Scorer
+
+    run = recorded_run(tmp_path / "run", 30, lambda seq: f"{seq}")
     sc = Scorer(run.path, "zoo:hybrid", "float32", "cpu", window=4, max_lag=10, per_cycle=5)
     sc.cycle()
     skipped = (run.path / SKIPPED).read_text().split()
