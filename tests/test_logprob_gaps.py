@@ -55,6 +55,10 @@ def test_a_gap_the_text_cannot_name_keeps_only_the_entries_before_it(zoo_map):
     got = align(_pieces(m, [a, b]), "ab", 1, m.by_bytes)
     assert got.slots is None and got.prefix == 2 and got.gaps == 0
     assert align([b"a", None], "ab", 1, m.by_bytes).slots is None
+    # a special token the text leaves out (EOS) is no gap: the count disagreeing stays the count's problem
+    eos = tok.eos_token_id
+    got = align(_pieces(m, [a, b]) + [b"<eos>"], "ab", 1, m.by_bytes, [False, False, True])
+    assert eos is not None and got.gaps == 0 and got.prefix == 3
     e1 = m.by_bytes("é".encode()[:1])
     assert entry_bytes([195, 169], None, m.bytes_of) == "é".encode() and entry_bytes(None, e1, m.bytes_of) == b"\xc3"
     assert entry_bytes([256], None, m.bytes_of) is None and entry_bytes(None, None, m.bytes_of) is None

@@ -8,7 +8,8 @@ followed the one before it, is scored in the wrong context (an honest server cal
 Contract: `align(pieces, text, missing, by_bytes) -> Aligned`. `pieces`: each entry's bytes in order
 (`entry_bytes`; None when neither the entry nor its id's vocabulary entry gives them); `text`: the answer's text; `missing`: how many
 tokens the server counts beyond the entries; `by_bytes(b)`: the one vocabulary id whose bytes are `b`,
-else None (`TokenMap.by_bytes`). Walking the text's UTF-8 bytes, each entry must continue it; the bytes
+else None (`TokenMap.by_bytes`); `special` (optional, per entry): a special token, which a server's text
+may leave out (decoded without them), so it continues the text either way. Walking the text's UTF-8 bytes, each entry must continue it; the bytes
 an entry skips (a gap, or the text's tail past the last entry) are tokens sent without an entry.
 `slots` is the whole answer, ("entry", index) and ("gap", id) in order, when every gap is exactly one
 known token and there are `missing` of them; else None, and `prefix` is how many leading entries line
@@ -38,15 +39,22 @@ def entry_bytes(raw: Any, tid: int | None, bytes_of: Callable[[Any], bytes | Non
     return None if tid is None else bytes_of(tid)
 
 
-def align(pieces: list[bytes | None], text: str, missing: int, by_bytes: Callable[[bytes], int | None]) -> Aligned:
+def align(
+    pieces: list[bytes | None],
+    text: str,
+    missing: int,
+    by_bytes: Callable[[bytes], int | None],
+    special: list[bool] | None = None,
+) -> Aligned:
     data = text.encode("utf-8", "surrogatepass")
     at, prefix, gaps, slots, known = 0, None, 0, [], True
     for i, piece in enumerate(pieces):
         if piece is None:
             return Aligned(None, i if prefix is None else prefix, gaps)
-        if data.startswith(piece, at):
+        here = data.startswith(piece, at)
+        if here or (special and special[i]):  # a special token (EOS) continues the text, kept in it or not
             slots.append(("entry", i))
-            at += len(piece)
+            at += len(piece) if here else 0
             continue
         prefix = i if prefix is None else prefix
         gaps += 1

@@ -353,7 +353,8 @@ class OpenAIEngine(RemoteEngine):
         scored in the wrong context). Returns the four columns and whether they were cut."""
         ids, lps, tids, tlps = columns
         pieces = [entry_bytes(p.raw, t, self.map.bytes_of) for p, t in zip(block.positions, ids)]
-        found = align(pieces, text, claimed - len(ids), self.map.by_bytes)
+        special = set(getattr(self.tokenizer, "all_special_ids", None) or [])
+        found = align(pieces, text, claimed - len(ids), self.map.by_bytes, [t in special for t in ids])
         if not found.gaps:  # every entry lines up with the whole text: a count that disagrees, said as such
             return (*columns, False)
         why = "llama-server sends none for a token that ends inside a UTF-8 character"
