@@ -109,5 +109,9 @@ def test_llama_server_openai_route_with_left_out_entries_is_not_called_corrupt(l
     # an answer whose first token has no entry cannot be placed: an error that says so, not a verdict
     import pyarrow.parquet as pq
 
-    errors = [e for e in pq.read_table(out / "requests").column("error").to_pylist() if e]
+    reqs = pq.read_table(out / "requests").to_pylist()
+    errors = [r["error"] for r in reqs if r["error"]]
     assert len(errors) == f["errors"] and all("does not begin the answer's text" in e for e in errors)
+    # what is not scored is kept as the server sent it: the entries after a gap, in the record
+    cut = [r["inconsistency"] for r in reqs if r["inconsistency"] and "entries after the gap" in r["inconsistency"]]
+    assert cut and all("the entries not scored (id, logprob): [(" in c for c in cut + errors)

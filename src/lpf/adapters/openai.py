@@ -44,7 +44,7 @@ from lpf.adapters.base import Completion
 from lpf.adapters.http import RequestFailed, is_validation_error
 from lpf.adapters.logprob_gaps import align, entry_bytes
 from lpf.adapters.openai_shapes import MISSING, read_logprobs
-from lpf.adapters.remote import Problems, RemoteEngine, RemoteOptions, as_logprob, snippet
+from lpf.adapters.remote import Problems, RemoteEngine, RemoteOptions, as_logprob
 from lpf.adapters.token_map import TOKEN_ID_PREFIX, TokenMap  # noqa: F401  (TOKEN_ID_PREFIX re-exported)
 from lpf.core.errors import LpfError
 from lpf.core.knobs import knob
@@ -371,17 +371,24 @@ class OpenAIEngine(RemoteEngine):
                     col.append(x)
             return (*out, False)
         k = found.prefix
+        # what is not scored is still kept, as the server sent it (ids and logprobs, in order)
+        kept = f"; the entries not scored (id, logprob): {[(t, lp) for t, lp in zip(ids[k:], lps[k:])]}"
         if k == 0:
             raise RequestFailed(
                 f"the server counts {claimed} completion tokens but sent {len(ids)} logprob entries, and its "
-                f"first entry does not begin the answer's text: a token was left out before it ({why})"
+                f"first entry does not begin the answer's text: a token was left out before it ({why})" + kept
             )
+        where = (
+            f"entry {k} does not continue the answer's text ({why}) and the text cannot name what was left "
+            f"out: the first {k} tokens are scored, the {len(ids) - k} entries after the gap are not (their "
+            f"context is unknown){kept}"
+            if k < len(ids)
+            else f"what was left out follows the last entry and the text cannot name it ({why}): every entry is scored"
+        )
         problems.add(
             "logprobs_missing",
-            f"the server counts {claimed} completion tokens but sent {len(ids)} logprob entries; entry {k} "
-            f"does not continue the answer's text ({why}) and the text cannot name what was left out: "
-            f"the first {k} tokens are scored, the {len(ids) - k} entries after the gap are not (their context "
-            f"is unknown); the answer's text was {snippet(text)}",
+            f"the server counts {claimed} completion tokens but sent {len(ids)} logprob entries; {where}; "
+            f"the answer's text was {text!r}",
         )
         return ids[:k], lps[:k], tids[:k], tlps[:k], True
 

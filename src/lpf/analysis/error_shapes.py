@@ -2,7 +2,8 @@
 
 Contract (pure: strings in, plain data out):
 - `shape(error, request_id=None) -> str`: the error with what differs between requests failing the
-  same way taken out: the request's own id, UUIDs, long hex ids and every number (`#`). Two errors
+  same way taken out: the request's own id, UUIDs, long hex ids, every number (`#`) and every
+  list of numbers (`[...]`). Two errors
   with the same shape are one failure (490 copies of a refusal that quotes each request's id are one
   group, not 490).
 - `group(errors, request_ids=None, top=None) -> list[dict]`: {shape, n, example (the first error of
@@ -22,6 +23,7 @@ from collections import Counter
 _UUID = re.compile(r"\b[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}\b")
 _HEX = re.compile(r"\b(?=[0-9a-fA-F]*\d)[0-9a-fA-F]{12,}\b")
 _NUMBER = re.compile(r"\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
+_LIST = re.compile(r"\[[-#(), ]*\]")  # a list of numbers (an answer's entries, quoted): its length varies too
 
 # (pattern on the error, hint): the first that matches speaks
 _HINTS = [
@@ -54,7 +56,7 @@ def shape(error: str, request_id: str | None = None) -> str:
     text = error.replace(request_id, "<request>") if request_id else error
     text = _UUID.sub("<uuid>", text)
     text = _HEX.sub("<hex>", text)
-    return _NUMBER.sub("#", text)
+    return _LIST.sub("[...]", _NUMBER.sub("#", text))
 
 
 def group(errors, request_ids=None, top: int | None = None) -> list[dict]:
