@@ -42,7 +42,7 @@ from pydantic import Field, model_validator
 
 from lpf.adapters.base import Completion
 from lpf.adapters.http import RequestFailed, is_validation_error
-from lpf.adapters.logprob_gaps import align, entry_bytes
+from lpf.adapters.logprob_gaps import fill_gaps
 from lpf.adapters.openai_shapes import MISSING, read_logprobs
 from lpf.adapters.remote import Problems, RemoteEngine, RemoteOptions, as_logprob
 from lpf.adapters.token_map import TOKEN_ID_PREFIX, TokenMap  # noqa: F401  (TOKEN_ID_PREFIX re-exported)
@@ -321,8 +321,9 @@ class OpenAIEngine(RemoteEngine):
             self.top_k_seen = max([self.top_k_seen] + [len(t) for t in topk_ids])
             claimed = usage.get("completion_tokens")
             if _counts_more(claimed, ids) and isinstance(text, str) and not echoed:
-                ids, logprobs, topk_ids, topk_lps, cut = self._fill_gaps(
-                    block, text, claimed, (ids, logprobs, topk_ids, topk_lps), problems
+                special = set(getattr(self.tokenizer, "all_special_ids", None) or [])
+                ids, logprobs, topk_ids, topk_lps, cut = fill_gaps(
+                    block.positions, text, claimed, (ids, logprobs, topk_ids, topk_lps), self.map, special, problems
                 )
                 if cut:  # count and text disagree by what logprobs_missing says; the tokens kept are the server's
                     claimed, text = None, None
@@ -344,53 +345,6 @@ class OpenAIEngine(RemoteEngine):
             prompt_topk_ids=prompt[1] if prompt else [],
             prompt_topk_logprobs=prompt[2] if prompt else [],
         )
-
-    def _fill_gaps(self, block, text, claimed, columns, problems):
-        """An answer with fewer logprob entries than the tokens the server counts (llama-server sends
-        none for a token ending inside a UTF-8 character): the left-out tokens found in the text
-        (`logprob_gaps.align`) and kept without a logprob (judged from their tokens alone); when the
-        text cannot name them, only the entries before the first gap are kept (those after it would be
-        scored in the wrong context). Returns the four columns and whether they were cut."""
-        ids, lps, tids, tlps = columns
-        pieces = [entry_bytes(p.raw, t, self.map.bytes_of) for p, t in zip(block.positions, ids)]
-        special = set(getattr(self.tokenizer, "all_special_ids", None) or [])
-        found = align(pieces, text, claimed - len(ids), self.map.by_bytes, [t in special for t in ids])
-        if not found.gaps:  # every entry lines up with the whole text: a count that disagrees, said as such
-            return (*columns, False)
-        why = "llama-server sends none for a token that ends inside a UTF-8 character"
-        if found.slots is not None:
-            problems.add(
-                "logprobs_missing",
-                f"the server counts {claimed} completion tokens but sent {len(ids)} logprob entries: the "
-                f"{found.gaps} left out were found in its text and are judged from their tokens alone ({why})",
-            )
-            out = ([], [], [], [])
-            for kind, v in found.slots:
-                row = (ids[v], lps[v], tids[v], tlps[v]) if kind == "entry" else (v, None, [], [])
-                for col, x in zip(out, row):
-                    col.append(x)
-            return (*out, False)
-        k = found.prefix
-        # what is not scored is still kept, as the server sent it (ids and logprobs, in order)
-        kept = f"; the entries not scored (id, logprob): {[(t, lp) for t, lp in zip(ids[k:], lps[k:])]}"
-        if k == 0:
-            raise RequestFailed(
-                f"the server counts {claimed} completion tokens but sent {len(ids)} logprob entries, and its "
-                f"first entry does not begin the answer's text: a token was left out before it ({why})" + kept
-            )
-        where = (
-            f"entry {k} does not continue the answer's text ({why}) and the text cannot name what was left "
-            f"out: the first {k} tokens are scored, the {len(ids) - k} entries after the gap are not (their "
-            f"context is unknown){kept}"
-            if k < len(ids)
-            else f"what was left out follows the last entry and the text cannot name it ({why}): every entry is scored"
-        )
-        problems.add(
-            "logprobs_missing",
-            f"the server counts {claimed} completion tokens but sent {len(ids)} logprob entries; {where}; "
-            f"the answer's text was {text!r}",
-        )
-        return ids[:k], lps[:k], tids[:k], tlps[:k], True
 
     def _tokens_only(self, req, choice, text, usage, finish, problems) -> list[int]:
         """The output ids of an answer without logprobs: the server's `token_ids`, else its text re-encoded."""
