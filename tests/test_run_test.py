@@ -215,6 +215,52 @@ def test_tie_margin_and_thresholds_come_from_the_expected_floor(table):
     assert dict(zip(s_f32["request_id"].to_pylist(), s_f32["verdict"].to_pylist()))["r00000"] == "divergent"
 
 
+def test_the_divergent_threshold_covers_the_floors_tail():
+    """A token whose distribution is flat moves by the whole logit error: an honest bfloat16 engine on prose
+    moved one by 0.84 nats (2x the floor's 99th percentile, 0.42), past the 0.5 default. The expected
+    floor raises the divergent threshold to DIVERGENT_TAIL times that percentile, under the cap; a float32
+    floor leaves the default, and a threshold the user pinned stays."""
+    from lpf.analysis.calibration import DIVERGENT_CAP, DIVERGENT_TAIL, calibrate_to_floor
+
+    def floor(q99):
+        return {"token": {"q99": q99}, "token_abs_diff": {"median": 5e-5, "mad": 7e-5}, "source": "table"}
+
+    th, _ = calibrate_to_floor(Thresholds(), floor(0.416))
+    assert th.divergent_abs_diff == pytest.approx(DIVERGENT_TAIL * 0.416) and th.divergent_abs_diff > 0.84
+    assert calibrate_to_floor(Thresholds(), floor(6.9e-5))[0].divergent_abs_diff == Thresholds().divergent_abs_diff
+    assert calibrate_to_floor(Thresholds(), floor(1.63))[0].divergent_abs_diff == DIVERGENT_CAP
+    pinned = Thresholds(divergent_abs_diff=0.3, pinned=frozenset({"divergent_abs_diff"}))
+    assert calibrate_to_floor(pinned, floor(0.416))[0].divergent_abs_diff == 0.3
+
+
+def test_a_spread_raised_at_every_position_is_rejected_by_the_bulk_test(table):
+    """Issue 39: bfloat16 + 4-bit weights spread the top-k past 3x the floor's median at 80% of positions,
+    past 2x its 99th percentile at 12%. On a floor whose tail is wide (bfloat16's, widened to prose), an
+    engine whose spread is 4x the honest one everywhere is rejected by the bulk test and never by the tail
+    test; the honest engine's bulk share stays far under BULK_NULL."""
+    wide = {
+        "pairs": {
+            "bfloat16/float32": {
+                **table["pairs"]["bfloat16/float32"],
+                "models": {MODEL: _widened_topk(table["pairs"]["bfloat16/float32"]["models"][MODEL], 3.0)},
+            }
+        }
+    }
+    _, honest = run(synthetic_run(sigma=0.02, seed=3), wide)
+    bulk = honest["run_test"]["tests"]["topk_bulk"]
+    assert honest["run_test"]["result"] == "same" and bulk["k"] / bulk["n"] < rt.BULK_NULL / 5
+    _, lying = run(synthetic_run(sigma=0.08, seed=4), wide)
+    t = lying["run_test"]
+    assert t["result"] == "different" and t["tests"]["topk_bulk"]["log10_p"] < -6, t["tests"]
+    assert t["tests"]["topk"]["log10_p"] > -6 and "3x the expected median" in t["sentence"]
+
+
+def _widened_topk(floor: dict, times: float) -> dict:
+    """`floor` with its top-k 99th percentile `times` wider and its median as it was (a tail measured on
+    other traffic)."""
+    return {**floor, "topk": {**floor["topk"], "q99": floor["topk"]["q99"] * times}}
+
+
 def test_sampling_at_another_temperature_is_found_from_the_tokens_alone(table):
     """Raw logprobs reported honestly, but tokens sampled at 0.7 while the client asked for 1: only
     which tokens were drawn gives it away (the reference's top-1 comes up too often)."""

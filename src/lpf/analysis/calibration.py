@@ -13,7 +13,8 @@ keep a run where most requests lie from calibrating the lie away.
 With t = median + 3 MAD of the per-token |d| (the typical token's error, and then some):
   clean_abs_diff      max(default, 10 t), at most CLEAN_CAP -- tokens an order of magnitude above
                       the typical token's error are not rounding
-  divergent_abs_diff  max(default, 50 t), at most DIVERGENT_CAP
+  divergent_abs_diff  max(default, 50 t), at most DIVERGENT_CAP (from an expected floor, also at least
+                      DIVERGENT_TAIL x its 99th percentile of logit error, within the same cap)
   tie_margin          max(default, 10 t), at most TIE_CAP -- a greedy flip whose margin is within
                       what this run's arithmetic moves a logprob by is a near tie
 Per-request max |d| is reported (median, q90, q99) but not used: when most requests lie (a wide
@@ -47,6 +48,11 @@ MIN_REQUESTS = 20
 SAMPLE = 1_000_000
 CLEAN_CAP = 0.1
 DIVERGENT_CAP = 2.0  # a 7x probability ratio on one token is never rounding
+# an expected floor raises the divergent threshold to this many times its 99th percentile of logit error:
+# a token whose distribution is flat moves by the whole logit error (sensitivity ~1), and an honest
+# bfloat16 engine on prose reached 2.0x that percentile once in 19,200 tokens (0.84 nats; 3 of 300
+# requests past the 0.5 default: `divergent` with no lie anywhere)
+DIVERGENT_TAIL = 4.0
 TIE_CAP = 0.25
 
 
@@ -137,9 +143,14 @@ def with_expected_tie_margin(th: Thresholds, floor: dict) -> Thresholds:
 
 def calibrate_to_floor(th: Thresholds, floor: dict) -> tuple[Thresholds, dict]:
     """Thresholds raised to an expected floor (`floors.expected_floor`): the per-request rule of
-    `calibrate` over the floor's token |d| statistics, then its tie margin. Nothing of the run moves them."""
+    `calibrate` over the floor's token |d| statistics, the divergent threshold to DIVERGENT_TAIL times
+    its 99th percentile of logit error (capped), then its tie margin. Nothing of the run moves them."""
     stats = floor["token_abs_diff"]
     raised = _raised(th, {"token_abs_diff": {"median": stats["median"], "mad": stats["mad"]}})
+    tail = (floor.get("token") or {}).get("q99")
+    if tail and "divergent_abs_diff" not in th.pinned:
+        div = min(DIVERGENT_CAP, max(raised.divergent_abs_diff, DIVERGENT_TAIL * float(tail)))
+        raised = replace(raised, divergent_abs_diff=div)
     info = {
         "pair": floor.get("pair"),
         "detail": floor.get("detail"),

@@ -23,7 +23,8 @@ reference expected and vice versa: outputs delivered to the wrong request) and, 
 a temperature other than 1, `tempered_logprobs` (the reported logprobs fit the reference's
 temperature-scaled distribution better than its raw one: processed logprobs reported as raw).
 A greedy run also gets `penalties.fit_penalty` (a repetition / presence / frequency penalty fitted to
-the engine's choices against the reference's raw logits): when one explains the greedy flips, it is
+the engine's choices against the reference's raw logits, a choice counted as agreeing within the
+expected tie margin: a near-tie flip the engine's dtype explains is no penalty's): when one explains the greedy flips, it is
 `findings.server_processing.penalty` (value, scope, sentence; absent otherwise) and a signature
 (named after the mechanism, e.g. `repetition_penalty`: the requests with a flip it explains) ranked
 with the rest. Any run gets
@@ -129,7 +130,7 @@ def analyze(
         else None
     )
     server = {
-        "penalty": fit_penalty(tokens, reference, requests, th.clean_abs_diff) if greedy else None,
+        "penalty": fit_penalty(tokens, reference, requests, max(th.clean_abs_diff, th.tie_margin)) if greedy else None,
         "logprob_temperature": (
             fit_logprob_temperature(joined, reference, th) if "ref_topk_logprobs" in reference.column_names else None
         ),

@@ -13,10 +13,10 @@ raw logits' signs, which logprobs alone do not give). Otherwise the best-fitting
 
 each on a grid (theta 0.5..2 by 0.0025, alpha and beta -2..2 by 0.01; a pass on a grid COARSE times
 coarser first), judged by how many positions' engine tokens it predicts: the engine's token must be
-the argmax (within `tie`: the run's clean threshold, the engine's own noise) of the penalised raw
-logits over the reference's top-k plus the token (logit = reference logprob + ref_logsumexp; the
-engine runs the reference's model, so its logits are the reference's). Tokens outside the top-k
-are not candidates. Only positions where a candidate was already seen can change (at most
+the argmax (within `tie`: what the engine's dtype moves a near tie by, the run's tie margin as findings
+passes it) of the penalised raw logits over the reference's top-k plus the token (logit = reference
+logprob + ref_logsumexp; the engine runs the reference's model, so its logits are the reference's).
+Tokens outside the top-k are not candidates. Only positions where a candidate was already seen can change (at most
 MAX_POSITIONS of them: a bigger run is fitted on every k-th request); the fit is the
 value at the middle of the best plateau, and it is reported when it turns at least MIN_EXPLAINED of
 the neutral value's greedy flips into agreements, against fewer lost agreements than a sign test

@@ -27,12 +27,18 @@ implementations of one dtype; KAPPA times the 99th percentile is what they stay 
             position, even where the engine's own token is certain. KL on the shared support is
             reported, not tested (it is weighted by probability, so it too vanishes where the
             reference is sure).
+  topk_bulk (with topk) the same spreads past BULK_KAPPA x the floor's median, tested against BULK_NULL:
+            the bulk of the distribution, where a substitution shows at almost every position while
+            the tail test waits for the few past the 99th percentile (bfloat16 + 4-bit weights: 80%
+            of positions past it, rejected after 14 tokens where the tail test needed 105; honest
+            bfloat16 engines measured at 0.6% on zoo:stress and 4.8% on 64-token prose).
   sampling  (sampled runs at temperature <= 1, no top-k/top-p) how often the engine's token is the
             reference's top-1, against the probability the reference gives it at that temperature:
             a martingale (each expectation is taken on the actual prefix), so Freedman's
             inequality bounds both tails whatever the dependence between tokens; the margin is
             what the floor lets an honest engine's probabilities move.
-Each exceedance count is tested against Binomial(n, NULL_RATE) (NULL_RATE / 2 per sign), exactly;
+Each exceedance count is tested against Binomial(n, NULL_RATE) (NULL_RATE / 2 per sign; BULK_NULL for
+topk_bulk), exactly;
 the p-value is the smallest sub-test's times the number of sub-tests run (Bonferroni). `different`
 when p < alpha. `tokens_needed`: the smallest prefix (every length up to 200 tokens, then 5% steps)
 at which the same decision already rejected. A run of more than MAX_TOKENS scored tokens is tested on
@@ -54,6 +60,11 @@ from lpf.analysis.token_evidence import evidence_columns, sensitivity, topk_spre
 from lpf.analysis.floors import HONEST_MARGIN, KAPPA, departure, departure_needed, departure_units, floor_stats
 
 NULL_RATE = 0.01  # the share of tokens past the 99th percentile, before KAPPA: an upper bound
+# the bulk test: an honest engine's share of positions whose top-k spread is past BULK_KAPPA x the floor's
+# median stays far under BULK_NULL (the floor's median is the largest over the implementations measured;
+# measured: honest bfloat16 engines 0.6-4.8%, bfloat16 + 4-bit weights 80%; docs/benchmarks.md)
+BULK_KAPPA = 3.0
+BULK_NULL = 0.25
 DEFAULT_ALPHA = 1e-6
 FAR_ABOVE = 3.0  # observed floor this many times the expected one: a finding of its own
 MIN_TOKENS = 10
@@ -141,6 +152,8 @@ def _token_evidence(cols: dict, floor: dict, sampling: dict) -> dict:
         if no_lp is not None:
             has &= ~no_lp  # a token without a logprob is no top-k evidence either, whatever lists came with it
         ev.update(w=spread["w"], has_topk=has, topk=has & (spread["w"] > KAPPA * floor["topk"]["q99"]), cols=cols)
+        if floor["topk"].get("median"):
+            ev["topk_bulk"] = has & (spread["w"] > BULK_KAPPA * floor["topk"]["median"])
     if 0 < temperature <= 1 and not sampling.get("top_k") and (sampling.get("top_p") or 1.0) >= 1.0:
         ev.update(_sampling_evidence(tok, cols, temperature, floor))
     return ev
@@ -220,6 +233,8 @@ def decide(ev: dict, lo: int, hi: int, alpha: float = DEFAULT_ALPHA) -> dict:
         m = int(np.count_nonzero(ev["has_topk"][lo:hi]))
         if m:
             count("topk", "topk", NULL_RATE, m)
+            if "topk_bulk" in ev:
+                count("topk_bulk", "topk_bulk", BULK_NULL, m)
     if "is_top1" in ev:
         o = float(np.count_nonzero(ev["is_top1"][lo:hi]))
         e_lo, e_hi = float(ev["p_top1_lo"][lo:hi].sum()), float(ev["p_top1_hi"][lo:hi].sum())
@@ -367,10 +382,12 @@ def _sentence(r: dict) -> str:
         "over": "tokens the engine overrates past",
         "under": "tokens the engine underrates past",
         "topk": "positions whose top-k logprobs spread past",
+        "topk_bulk": "positions whose top-k logprobs spread past",
         "sampling": "tokens sampled as the reference's top-1 (the temperature's share differs) past",
     }[r["test"]]
+    times, where = (BULK_KAPPA, "median") if r["test"] == "topk_bulk" else (r["kappa"], "99th percentile")
     past = (
-        f"{t['k']}/{t['n']} {what} {r['kappa']:g}x the expected 99th percentile (at most "
+        f"{t['k']}/{t['n']} {what} {times:g}x the expected {where} (at most "
         f"{100 * t.get('null_rate', r['null_rate']):g}% expected)"
         if r["test"] != "sampling"
         else f"{t['k']}/{t['n']} tokens were the reference's top-1 where {t['expected'][0]:.0f}..{t['expected'][1]:.0f} were expected"

@@ -80,6 +80,7 @@ def judge(tokens: pa.Table, reference: pa.Table, findings: dict, vocab_size: int
     if rt.get("result") == "different" and present.size:
         shift_only = (
             not _rejects(tests.get("topk"), alpha)
+            and not _rejects(tests.get("topk_bulk"), alpha)
             and not _rejects(tests.get("under"), alpha)
             and not (tests.get("under") or {}).get("k")
             and float(present.min()) >= -clean
