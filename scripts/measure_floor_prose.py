@@ -8,10 +8,14 @@ called it `different`, and one window of 64 tokens alarmed). This script audits 
 prose prompts (a seed other than the benchmark's: the floor is not fitted to the run it is checked on) on
 the built-in engine, the reference itself at bfloat16 (`--calibrate`: HF's kernels) and, with --vllm, vLLM's
 CPU build, and folds their floors into floors.json's bfloat16/float32 row of zoo:hybrid (implementations
-named `ENGINE[prose]`), its envelope and the pair's envelope; `settings` in floors.json says what the row
-covers. Each audit's per-request verdict counts are printed (the divergent rate an honest engine shows).
+named `ENGINE[proseN]`, N the tokens per continuation; the rows of other lengths stay), its envelope and
+the pair's envelope; `settings` in floors.json says what the row covers. Each audit's per-request verdict counts are printed (the divergent rate an honest engine shows).
 
-    python scripts/measure_floor_prose.py [--out runs/floor-prose] [--prompts 400] [--vllm] [--write]
+    python scripts/measure_floor_prose.py [--out runs/floor-prose] [--prompts 400] [--max-tokens 16] [--vllm] [--write]
+
+Session 16 measured it at --max-tokens 64 --vllm: longer continuations drift into loops, where an honest
+bfloat16 engine moves a contested top-2 margin by up to 3 nats (vLLM) and the 16-token row's tie margin
+(1.11) called one honest vLLM request of 300 `divergent`.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from measure_floors import FIELDS_TO_KEEP, run_floors  # noqa: E402
 
 from lpf.analysis.floors import envelope  # noqa: E402
 
-MODEL, DTYPE, SEED, MAX_TOKENS = "zoo:hybrid", "bfloat16", 7, 16
+MODEL, DTYPE, SEED = "zoo:hybrid", "bfloat16", 7
 PAIR = f"{DTYPE}/float32"
 
 
@@ -47,12 +51,12 @@ def workload(path: Path, n: int) -> Path:
     return path
 
 
-def audit(out: Path, engine: str, prompts: Path) -> Path:
+def audit(out: Path, engine: str, prompts: Path, max_tokens: int) -> Path:
     if (out / "findings.json").is_file():
         return out
     lpf = str(Path(sys.executable).with_name("lpf"))
     args = [lpf, "audit", "--engine", engine, "--model", MODEL, "--dtype", DTYPE, "--workload", str(prompts)]
-    args += ["--max-tokens", str(MAX_TOKENS), "--ignore-eos", "--out", str(out), "--fail-on", "never"]
+    args += ["--max-tokens", str(max_tokens), "--ignore-eos", "--out", str(out), "--fail-on", "never"]
     args += (
         ["-E", "enable_prefix_caching=false", "-E", "max_model_len=512"] if engine == "vllm" else ["-E", "threads=1"]
     )
@@ -70,6 +74,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "floor-prose")
     ap.add_argument("--prompts", type=int, default=400)
+    ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--vllm", action="store_true")
     ap.add_argument("--write", action="store_true")
     a = ap.parse_args()
@@ -81,10 +86,10 @@ def main() -> None:
     row = pair["models"][MODEL]
     impl = dict(row["implementations"])
     for engine in ["builtin"] + (["vllm"] if a.vllm else []):
-        run = audit(a.out / f"{engine}-{DTYPE}", engine, prompts)
+        run = audit(a.out / f"{engine}-{DTYPE}-{a.max_tokens}", engine, prompts, a.max_tokens)
         counts = json.loads((run / "findings.json").read_text()).get("counts")
         for name, stats in run_floors(run).items():
-            label = f"{engine if name == 'engine' else 'hf-reference'}[prose]"
+            label = f"{engine if name == 'engine' else 'hf-reference'}[prose{a.max_tokens}]"
             impl[label] = {f: stats[f] for f in FIELDS_TO_KEEP}
             print(
                 f"{label}: token q99 {stats['token']['q99']:.3g}  top-k q99 {stats['topk']['q99']:.3g}  "
@@ -98,10 +103,13 @@ def main() -> None:
             new_row[k] = row[k]
     pair["models"][MODEL] = new_row
     pair["envelope"] = envelope(*(r for m, r in pair["models"].items() if m.startswith("zoo:")))
-    covered = "builtin, hf-reference" + (", vllm" if a.vllm else "")
+    lengths = {}  # tokens per continuation -> the implementations measured at it
+    for label in impl:
+        if "[prose" in label:
+            lengths.setdefault(int(label.split("[prose")[1].rstrip("]")), []).append(label.split("[")[0])
     table.setdefault("settings", {})[PAIR] = {
-        MODEL: f"zoo:stress (seed 17) and {a.prompts} greedy prose continuations of {MAX_TOKENS} tokens "
-        f"(zoo filler text, seed {SEED}) on {covered}"
+        MODEL: f"zoo:stress (seed 17) and {a.prompts} greedy prose continuations (zoo filler text, seed {SEED}) of "
+        + " and ".join(f"{n} tokens on {', '.join(e)}" for n, e in sorted(lengths.items()))
     }
     print(
         f"{MODEL} {PAIR} row: top-k q99 {row['topk']['q99']:.3g} -> {new_row['topk']['q99']:.3g}; token q99 "

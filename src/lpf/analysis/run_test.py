@@ -30,7 +30,7 @@ implementations of one dtype; KAPPA times the 99th percentile is what they stay 
   topk_bulk (with topk) the same spreads past BULK_KAPPA x the floor's median, tested against BULK_NULL:
             the bulk of the distribution, where a substitution shows at almost every position while
             the tail test waits for the few past the 99th percentile (bfloat16 + 4-bit weights: 80%
-            of positions past it, rejected after 14 tokens where the tail test needed 105; honest
+            of positions past it, rejected after 29 tokens where the tail test needed 105; honest
             bfloat16 engines measured at 0.6% on zoo:stress and 4.8% on 64-token prose).
   sampling  (sampled runs at temperature <= 1, no top-k/top-p) how often the engine's token is the
             reference's top-1, against the probability the reference gives it at that temperature:
