@@ -97,7 +97,7 @@ def test_the_trace_names_the_speculative_decode_step_where_vllm_cpu_requests_go_
     the top hypothesis is the speculative one (it was crossed wires before the trace had them): the
     requests first go wrong at a token of their first decode step after the prefill. 6 tokens reach
     the first divergences measured (positions 1-4: docs/real-engines.md). Measured: 24/24 corrupt, all
-    there, 37 s."""
+    there, 31 s."""
     import pyarrow.dataset as ds
 
     out = tmp_path / "run"

@@ -139,8 +139,7 @@ class StepReader:
             "state_slots": [[]] * k + slots_per_row,
             "num_draft_tokens": [None] * k + drafts,
             "num_accepted_tokens": [None] * m,  # after sampling (`accepted`)
-            "spec_sampled": [None] * k
-            + [bool(ib.temperature_cpu[i] > 0) if d else None for i, d in enumerate(drafts)],
+            "spec_sampled": [None] * k + [bool(ib.temperature_cpu[i] > 0) if d else None for i, d in enumerate(drafts)],
         }
         if self.prefix is not None:
             gid = self.groups[0][0]
