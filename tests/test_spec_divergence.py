@@ -104,3 +104,16 @@ def test_ranked_over_the_whole_run_when_most_requests_went_wrong_there():
     top = rank_hypotheses([], flagged, np.ones(n, bool), "corrupt", signatures=[f])[0]
     assert top["feature"] == "diverged_at_first_spec_decode" and top["scope"] == "run"
     assert top["sentence"].startswith("38/40 requests (38/38 corrupt ones) first diverged at a token of their first")
+
+
+def test_a_shrink_reads_the_signature_from_the_runs_summary():
+    """`lpf shrink` keeps the top mechanism in its target's signature: this one reads where the request
+    first diverged, so it needs the run's summary (None without it: the run cannot say)."""
+    from lpf.experiments.shrink.signature import target_feature
+
+    trace = pa.Table.from_pylist(_life("r0", 3, 0) + _life("r1", 3, 0), schema=SCHEMA)
+    summary, req = _summary([1, 2]), _requests(2)
+    name = "diverged_at_first_spec_decode"
+    assert target_feature(name, 0, req, trace, {}, summary=summary) is True
+    assert target_feature(name, 1, req, trace, {}, summary=summary) is False
+    assert target_feature(name, 0, req, trace, {}) is None
