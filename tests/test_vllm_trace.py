@@ -100,6 +100,55 @@ def test_plugin_schema_is_lpfs_trace_then_vllm_columns(plugin):
     assert {"vllm_request_id", "reordered", "state_slots"} <= set(ours.names[len(TRACE) :])
     assert "prefix_cache_hit_tokens" in TRACE.names  # lpf's own column now: the built-in engine fills it too
     assert faults_schema() == FAULTS
+    from lpf.run.schema import SPEC_TRACE
+
+    spec = ours.names[len(TRACE) : len(TRACE) + len(SPEC_TRACE)]  # the built-in engine's columns, same meaning
+    assert spec == [n for n, _ in SPEC_TRACE] and all(ours.field(n).type == t for n, t in SPEC_TRACE)
+
+
+def test_a_speculating_steps_rows_wait_for_the_samplers_accepted_counts(plugin):
+    """The rows of a step with drafts reach the recorder once sample_tokens' ids are known: accepted =
+    valid ids - 1 per row with drafts (the runner's own count), null for a row without drafts."""
+    import torch
+    from lpf_vllm_trace.hooks import _Step
+    from lpf_vllm_trace.step_rows import StepReader
+
+    added = []
+
+    class Rec:
+        def add(self, table, cols):
+            added.append((table, {k: list(v) for k, v in cols.items()}))
+
+    class Session:
+        recorder = Rec()
+
+    class Batch:
+        req_ids = ["a", "b", "c"]
+
+    class Runner:
+        input_batch = Batch()
+
+    reader, step = StepReader(Session(), object), _Step(7, None)
+    step.rows = {"request_id": ["gone", "a", "b", "c"], "num_draft_tokens": [None, 3, 0, 2]}
+    step.rows["num_accepted_tokens"] = [None] * 4
+    step.row_ids = ["a", "b", "c"]
+    sampled = torch.tensor([[5, 6, -1, -1], [9, -1, -1, -1], [4, 4, 4, -1]])
+    reader.accepted(step, Runner(), sampled)
+    assert added == [
+        ("trace", {**step_cols(["gone", "a", "b", "c"], [None, 3, 0, 2]), "num_accepted_tokens": [None, 1, None, 2]})
+    ]
+    assert step.rows is None
+    reader.accepted(step, Runner(), sampled)  # sent once
+    assert len(added) == 1
+    Batch.req_ids = ["b", "a", "c"]  # a batch that no longer matches keeps its counts null
+    step.rows = {"request_id": ["a"], "num_draft_tokens": [3], "num_accepted_tokens": [None]}
+    step.row_ids = ["a"]
+    reader.accepted(step, Runner(), sampled)
+    assert added[-1][1]["num_accepted_tokens"] == [None]
+
+
+def step_cols(ids, drafts):
+    return {"request_id": ids, "num_draft_tokens": drafts}
 
 
 def test_plugin_is_inert_when_off():

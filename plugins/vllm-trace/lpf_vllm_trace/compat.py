@@ -23,6 +23,11 @@ HOOKS = [
     (RUNNER, "GPUModelRunner.execute_model", "one call per engine step (dummy and capture runs bypass it)"),
     (RUNNER, "GPUModelRunner._may_reorder_batch", "the batch reorder, and the stale-state drill's"),
     (RUNNER, "GPUModelRunner._build_attention_metadata", "the per-layer metadata, Mamba's split included"),
+    (
+        RUNNER,
+        "GPUModelRunner._update_states_after_model_execute",
+        "the sampled token ids after verification: each row's accepted drafts (speculative decoding)",
+    ),
     (MAMBA, "split_decodes_and_prefills", "the Mamba metadata's prefill/decode split (stale-state drill)"),
     (MAMBA, "BaseMambaAttentionMetadata", "the Mamba metadata"),
     (SCHED, "Scheduler.schedule", "one scheduler step: the prefix-cache publications travel on its output"),

@@ -2,6 +2,11 @@
 
 - `execute_model`: opens a step when the scheduler scheduled tokens (dummy, profile and capture runs
   call `_dummy_run`, never this, so they are never traced) and closes it whatever happens.
+- `_update_states_after_model_execute` (called by `sample_tokens` with the sampler's token ids, after
+  the rejection sampler): a speculating step's rows get each row's accepted drafts there and only then
+  go to the recorder (`step_rows`). The count is the runner's own (`gpu_model_runner.py:1562`, what
+  the Mamba kernels get as `num_accepted_tokens` next step); the scheduler derives its from the same
+  ids (`len(generated) - 1`, `core/sched/scheduler.py:2118`).
 - `_may_reorder_batch`: remembers the batch order before the reorder (the `reordered` column); under
   stale-state runs the pre-fix reorder instead of vLLM's.
 - `_build_attention_metadata`: after vLLM built the per-layer metadata, reads off each row's phase
@@ -35,6 +40,8 @@ class _Step:
         self.index = index
         self.so = scheduler_output
         self.order_before: list[str] | None = None
+        self.rows: dict | None = None  # its trace columns, while they wait for the sampler (speculation)
+        self.row_ids: list[str] = []
 
 
 def install(session) -> None:
@@ -49,7 +56,9 @@ def install(session) -> None:
     orig_execute = GPUModelRunner.execute_model
     orig_reorder = GPUModelRunner._may_reorder_batch
     orig_build = GPUModelRunner._build_attention_metadata
+    orig_update = GPUModelRunner._update_states_after_model_execute
     counter = {"step": 0}
+    pending: dict[int, _Step] = {}  # runner -> its step whose rows wait for sample_tokens (speculation)
 
     def execute_model(self, scheduler_output, *args, **kwargs):
         if not session.recording or not scheduler_output.total_num_scheduled_tokens:
@@ -62,12 +71,32 @@ def install(session) -> None:
                 capture.install(self.model)
             except Exception as e:  # noqa: BLE001 - a capture bug costs the capture, never the engine
                 capture.installed, capture.why = True, f"capture not installed ({type(e).__name__}: {e})"
+        step = _tls.step
         try:
             return orig_execute(self, scheduler_output, *args, **kwargs)
         finally:
             _tls.step = None
             if capture is not None:
                 capture.end_step()
+            if step.rows is not None:
+                # vLLM 0.32 samples in sample_tokens, after this returns (the forward pass parked in
+                # execute_model_state); with nothing parked no sampler runs for this step
+                if getattr(self, "execute_model_state", None) is not None:
+                    pending[id(self)] = step
+                else:
+                    reader.emit(step)
+
+    def _update_states_after_model_execute(self, output_token_ids, scheduler_output, *args, **kwargs):
+        step = pending.pop(id(self), None)
+        if step is not None and session.recording:
+            try:
+                if step.so is scheduler_output:
+                    reader.accepted(step, self, output_token_ids)
+                else:
+                    reader.emit(step)
+            except Exception as e:  # noqa: BLE001 - a plugin bug costs the trace, never the engine
+                session.stop(f"recording stopped at step {step.index}, the plugin failed ({type(e).__name__}: {e})")
+        return orig_update(self, output_token_ids, scheduler_output, *args, **kwargs)
 
     def _may_reorder_batch(self, scheduler_output):
         step = getattr(_tls, "step", None)
@@ -104,6 +133,7 @@ def install(session) -> None:
     GPUModelRunner.execute_model = execute_model
     GPUModelRunner._may_reorder_batch = _may_reorder_batch
     GPUModelRunner._build_attention_metadata = _build_attention_metadata
+    GPUModelRunner._update_states_after_model_execute = _update_states_after_model_execute
     if drills.stale_state:
         orig_split = mamba_attn.split_decodes_and_prefills
 

@@ -2,6 +2,15 @@
 
 `TRACE` starts with exactly lpf's `lpf.run.schema.TRACE` columns (lpf's tests check the copy; the
 prefix-cache ones, prefix_cache_hit_tokens included, are nullable: a row that lacks one writes null),
+then lpf's speculative-decoding columns (`lpf.run.schema.SPEC_TRACE`, the built-in engine's, same meaning;
+all null when the engine does not speculate):
+  num_draft_tokens         drafts scheduled for verification in this row (`scheduled_spec_decode_tokens`;
+                           0: none)
+  num_accepted_tokens      how many of them the rejection sampler accepted (null: no drafts)
+  spec_sampled             its drafts were verified at temperature > 0 (null: no drafts)
+  verify_state_slot, state_tokens_before_rollback, state_tokens_after_rollback
+                           always null here: which column of its state table vLLM's Mamba kernels read
+                           and wrote is decided inside the kernel (`num_accepted_tokens`), out of sight
 then columns only vLLM has:
   vllm_request_id          vLLM's id for the request in the runner (request_id holds the same until
                            lpf maps it to its own id)
@@ -34,6 +43,15 @@ TRACE_COLUMNS = [
     ("chunk_end_aligned", "bool"),
     ("aborted", "bool"),
 ]
+# lpf's speculative-decoding columns (`lpf.run.schema.SPEC_TRACE`), nullable
+SPEC_COLUMNS = [
+    ("num_draft_tokens", "int32"),
+    ("num_accepted_tokens", "int32"),
+    ("verify_state_slot", "int32"),
+    ("state_tokens_before_rollback", "int32"),
+    ("state_tokens_after_rollback", "int32"),
+    ("spec_sampled", "bool"),
+]
 VLLM_COLUMNS = [
     ("vllm_request_id", "string"),
     ("batch_index", "int32"),
@@ -64,7 +82,7 @@ def arrow_schema(columns):
 
 
 def trace_schema():
-    return arrow_schema(TRACE_COLUMNS + VLLM_COLUMNS)
+    return arrow_schema(TRACE_COLUMNS + SPEC_COLUMNS + VLLM_COLUMNS)
 
 
 def faults_schema():

@@ -9,6 +9,15 @@ Phase: the Mamba metadata puts its `num_decodes` decode rows first and its prefi
 a prefill row is `prefill` when nothing was computed yet and `extend` otherwise. A model without
 Mamba layers has no such split: its rows are classified by vLLM's (fixed) rule from the counts, and
 their state slot is null.
+Speculative decoding (the runner has a `speculative_config`): a decode row that carries drafts
+(`scheduled_spec_decode_tokens`) is `verify`, as the built-in engine's; a decode row without drafts
+stays `decode` (with K > 0 it still runs vLLM's speculative state layout). How many drafts were accepted
+is only known after the sampler ran, in `sample_tokens`, after `execute_model` returned: such a step's
+rows wait (`pending`) until `accepted(step, runner, sampled)` fills `num_accepted_tokens` from the
+sampled ids, counted as the runner counts them for the Mamba kernels (`gpu_model_runner.py:1562`:
+non-placeholder ids per row, the bonus token included), and only then reach the recorder, so the
+flusher never writes a step without its counts. `emit(step)` sends a step on as it is (the sampler
+never ran: its counts stay null).
 """
 
 from __future__ import annotations
@@ -105,6 +114,10 @@ class StepReader:
             phases = [
                 "decode" if i < num_decodes else ("prefill" if c == 0 else "extend") for i, c in enumerate(computed)
             ]
+        spec = runner.speculative_config is not None
+        drafts = [len(so.scheduled_spec_decode_tokens.get(r, ())) for r in req_ids] if spec else [None] * n
+        if spec:  # a decode row with drafts takes the verify path (the built-in engine's phase name)
+            phases = ["verify" if d and ph == "decode" else ph for d, ph in zip(drafts, phases)]
         preempted = sorted(so.preempted_req_ids or ())
         k, m = len(preempted), len(preempted) + n
         # columns, not row dicts: a step costs a few list operations, and a part one Arrow conversion
@@ -124,6 +137,9 @@ class StepReader:
             "num_prompt_tokens": [0] * k + prompt,
             "prefix_cache_hit_tokens": [0] * k + [hits.get(r, 0) for r in req_ids],
             "state_slots": [[]] * k + slots_per_row,
+            "num_draft_tokens": [None] * k + drafts,
+            "num_accepted_tokens": [None] * m,  # after sampling (`accepted`)
+            "spec_sampled": [None] * k + [bool(ib.temperature_cpu[i] > 0) if d else None for i, d in enumerate(drafts)],
         }
         if self.prefix is not None:
             gid = self.groups[0][0]
@@ -135,7 +151,9 @@ class StepReader:
             if drills.prefix:
                 self.session.recorder.add_rows("faults", drills.observe_prefix(step.index, req_ids, prefix))
         rec = self.session.recorder
-        rec.add("trace", cols)
+        step.rows, step.row_ids = cols, req_ids
+        if not spec:
+            self.emit(step)
         if drills.any:
             rows = [dict(zip(cols, values)) for values in zip(*cols.values())]
             owners = self._owners(runner) if wrapped else {}
@@ -145,6 +163,28 @@ class StepReader:
                     for blocks in runner.requests[rid].block_ids:
                         self.used_blocks.update(blocks)
         return attn_metadata
+
+    def accepted(self, step, runner, sampled) -> None:
+        """Fill the step's accepted counts from the sampler's [rows, 1 + K] token ids (-1: a rejected or
+        absent position) and send its rows on. Rows are the input batch's, in the order read() saw
+        (nothing reorders the batch between the forward pass and sampling); a batch that no longer
+        matches keeps its counts null."""
+        cols = step.rows
+        if cols is None:
+            return
+        ids = step.row_ids
+        if list(runner.input_batch.req_ids[: len(ids)]) == ids and int(sampled.shape[0]) >= len(ids):
+            valid = (sampled[: len(ids)] != -1).sum(dim=1).tolist()
+            k = len(cols["request_id"]) - len(ids)  # preemption rows come first
+            for i, d in enumerate(cols["num_draft_tokens"][k:]):
+                if d:  # the first valid id is the target's own token, the rest accepted drafts
+                    cols["num_accepted_tokens"][k + i] = max(int(valid[i]) - 1, 0)
+        self.emit(step)
+
+    def emit(self, step) -> None:
+        if step.rows is not None:
+            self.session.recorder.add("trace", step.rows)
+            step.rows = None
 
     def _slots(self, metas, n):
         """Per row, the state slot of every Mamba group; and the metadata's decode count."""

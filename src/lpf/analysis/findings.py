@@ -22,6 +22,8 @@ Two signatures join the trace features as candidate mechanisms, both computed fr
 reference expected and vice versa: outputs delivered to the wrong request) and, for runs sampled at
 a temperature other than 1, `tempered_logprobs` (the reported logprobs fit the reference's
 temperature-scaled distribution better than its raw one: processed logprobs reported as raw).
+A speculating run's trace adds `spec_features.spec_divergence` (first diverged at a token of the
+request's first decode step after its prefill, on the speculative decode path), ranked before them.
 A greedy run also gets `penalties.fit_penalty` (a repetition / presence / frequency penalty fitted to
 the engine's choices against the reference's raw logits, a choice counted as agreeing within the
 expected tie margin: a near-tie flip the engine's dtype explains is no penalty's): when one explains the greedy flips, it is
@@ -63,6 +65,7 @@ from lpf.analysis.penalties import fit_penalty, phrase as penalty_phrase
 from lpf.analysis.run_test import run_level_test, token_evidence
 from lpf.analysis.shape import failure_shape
 from lpf.analysis.signatures import crossed_wires, fit_logprob_temperature, tempered_logprobs
+from lpf.analysis.spec_features import spec_divergence
 from lpf.analysis.thresholds import Thresholds
 from lpf.analysis.timing import timing_features
 from lpf.analysis.token_evidence import calibration_floor, evidence_columns
@@ -297,6 +300,9 @@ def _hypotheses(
                 penalty_phrase(penalty),
             )
         )
+    spec_first = spec_divergence(summary, requests, trace)
+    if spec_first is not None:
+        sigs.append(spec_first)
     if crossed is not None:
         sigs.append(
             Feature(

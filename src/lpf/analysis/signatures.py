@@ -31,19 +31,30 @@ from lpf.analysis.thresholds import Thresholds
 
 
 def sample_steps(trace: pa.Table, requests: pa.Table) -> pa.Table:
-    """(request_id, position, step): the engine step that sampled each output position."""
+    """(request_id, position, step): the engine step that sampled each output position. A speculative
+    row (the trace's num_draft_tokens / num_accepted_tokens) samples from the position after its last
+    non-draft token, 1 + accepted positions; a rejected draft's position is sampled again later, and the
+    first step that sampled a position is the one kept."""
     plen = pa.table(
         {
             "request_id": requests.column("request_id"),
             "plen": pc.list_value_length(requests.column("prompt_token_ids")).cast(pa.int64()),
         }
     )
+    spec = [c for c in ("num_draft_tokens", "num_accepted_tokens") if c in trace.column_names]
     t = trace.filter(pc.invert(trace.column("preempted").fill_null(False)))
-    t = t.select(["request_id", "step", "num_computed_tokens", "num_scheduled_tokens"]).join(plen, "request_id")
+    t = t.select(["request_id", "step", "num_computed_tokens", "num_scheduled_tokens", *spec]).join(plen, "request_id")
     pos = pc.subtract(
         pc.add(t.column("num_computed_tokens").cast(pa.int64()), t.column("num_scheduled_tokens").cast(pa.int64())),
         t.column("plen"),
     )
+    if len(spec) == 2:
+        pos = pc.subtract(pos, t.column("num_draft_tokens").cast(pa.int64()).fill_null(0)).to_numpy()
+        n = 1 + t.column("num_accepted_tokens").cast(pa.int64()).fill_null(0).to_numpy()
+        rows = np.repeat(np.arange(t.num_rows), n)
+        offset = np.arange(rows.size) - np.repeat(np.cumsum(n) - n, n)  # 0..n-1 within each row
+        t = t.take(pa.array(rows))
+        pos = pa.array(np.repeat(pos, n) + offset)
     t = pa.table({"request_id": t.column("request_id"), "position": pos.cast(pa.int32()), "step": t.column("step")})
     t = t.filter(pc.greater_equal(t.column("position"), 0))
     out = t.group_by(["request_id", "position"]).aggregate([("step", "min")])

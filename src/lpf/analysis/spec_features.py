@@ -19,6 +19,19 @@ a later step of the request reads it (its last step's state is never read).
                               (a batch whose rows a leaver can permute; `spec_sampled`, when the trace has it)
   speculated                  it had drafts verified (the broad condition the three above refine)
 Each feature is left out when it holds for no request.
+
+`spec_divergence(summary, requests, trace) -> Feature | None`, aligned to `summary` (the requests in
+arrival order, with `first_divergence`), a signature placed where the request first went wrong (so a
+clean request never carries it, and one that went wrong elsewhere does not either):
+  diverged_at_first_spec_decode  its first divergent token was sampled by its first step after its prompt
+                              was prefilled (prefill/extend steps, not the verify path: that is
+                              prompt_on_verify_path), a decode-path step of a speculating engine: the
+                              state the prefill handed over, read by the speculative decode kernels (vLLM
+                              widens the Mamba state for K drafts and passes num_accepted_tokens on every
+                              decode row, drafts or none: docs/bugs.md 22). Its phrase counts those steps
+                              with drafts verified and without.
+None without the speculative columns or when no request carries it. A row samples output positions
+num_computed + num_scheduled - num_draft - prompt_length onwards, 1 + num_accepted of them.
 """
 
 from __future__ import annotations
@@ -130,3 +143,66 @@ def spec_features(requests: pa.Table, trace: pa.Table | None) -> list[Feature]:
         Feature("speculated", "bool", spec, "had draft tokens verified (speculative decoding)"),
     ]
     return [f for f in feats if f.values.any()]
+
+
+def _first_decode_rows(requests: pa.Table, trace: pa.Table) -> dict:
+    """request id -> (first output position it sampled, how many, drafts) of its first step after a
+    prompt prefilled off the verify path; requests whose prompt went through a verify row are left out."""
+    plen = dict(
+        zip(
+            requests.column("request_id").to_pylist(),
+            pc.list_value_length(requests.column("prompt_token_ids")).to_pylist(),
+        )
+    )
+    rows = trace.filter(pc.invert(trace.column("preempted").fill_null(False))).sort_by([("step", "ascending")])
+    cols = {
+        c: rows.column(c).to_pylist()
+        for c in ("request_id", "phase", "num_computed_tokens", "num_scheduled_tokens", "num_draft_tokens")
+    }
+    accepted = rows.column("num_accepted_tokens").to_pylist()
+    out: dict = {}
+    done: set = set()
+    for k, rid in enumerate(cols["request_id"]):
+        if rid in done or rid not in plen:
+            continue
+        computed, phase = cols["num_computed_tokens"][k], cols["phase"][k]
+        if computed < plen[rid]:  # still its prompt: only a prefill or extend keeps it off the verify path
+            if phase not in ("prefill", "extend"):
+                done.add(rid)
+            continue
+        drafts = cols["num_draft_tokens"][k] or 0
+        first = computed + cols["num_scheduled_tokens"][k] - drafts - plen[rid]
+        if phase in ("decode", "verify") and first >= 0:
+            out[rid] = (first, 1 + (accepted[k] or 0), drafts)
+        done.add(rid)
+    return out
+
+
+def spec_divergence(summary: pa.Table, requests: pa.Table, trace: pa.Table | None) -> Feature | None:
+    if not has_spec_columns(trace) or "num_accepted_tokens" not in trace.column_names:
+        return None
+    rows = _first_decode_rows(requests, trace)
+    ids = summary.column("request_id").to_pylist()
+    firsts = summary.column("first_divergence").to_pylist()
+    hit = np.zeros(len(ids), dtype=bool)
+    with_drafts = 0
+    for i, (rid, fd) in enumerate(zip(ids, firsts)):
+        row = rows.get(rid)
+        if fd is None or row is None:
+            continue
+        first, n, drafts = row
+        if first <= fd < first + n:
+            hit[i] = True
+            with_drafts += drafts > 0
+    if not hit.any():
+        return None
+    k = int(pc.max(trace.column("num_draft_tokens")).as_py() or 0)
+    n_hit = int(hit.sum())
+    return Feature(
+        "diverged_at_first_spec_decode",
+        "bool",
+        hit,
+        f"first diverged at a token of their first decode step after the prefill, on the speculative decode "
+        f"path (up to {k} drafts; {with_drafts} of those steps verified drafts, {n_hit - with_drafts} had none): "
+        f"the speculative decode kernels read the state the prefill left",
+    )

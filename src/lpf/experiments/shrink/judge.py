@@ -32,7 +32,7 @@ from typing import Callable
 
 from lpf.core.errors import LpfError
 from lpf.experiments.shrink.config import Config, Source
-from lpf.experiments.shrink.signature import TOKEN_SIGNATURES, Signature, shows, target_feature
+from lpf.experiments.shrink.signature import SUMMARY_SIGNATURES, TOKEN_SIGNATURES, Signature, shows, target_feature
 
 
 class BudgetSpent(Exception):
@@ -190,4 +190,16 @@ class Judge:
             reference,
             run.manifest["sampling"].get("temperature") or 0.0,
             th,
+            summary_for(run.path, self.signature.feature),
         )
+
+
+def summary_for(run_dir: Path, feature: str | None):
+    """A run's per-request summary when `feature` is a signature that reads where requests first diverged
+    (`SUMMARY_SIGNATURES`), else None."""
+    path = Path(run_dir) / "summary.parquet"
+    if feature not in SUMMARY_SIGNATURES or not path.exists():
+        return None
+    import pyarrow.parquet as pq
+
+    return pq.read_table(path)

@@ -53,6 +53,7 @@ def prepare(run_dir: Path, request_id: str | None) -> Plan:
     value = None
     if hypothesis is not None:
         from lpf.analysis.thresholds import Thresholds
+        from lpf.experiments.shrink.judge import summary_for
         from lpf.run.store import RunDir
 
         run = RunDir(source.path, source.manifest)
@@ -69,6 +70,7 @@ def prepare(run_dir: Path, request_id: str | None) -> Plan:
             reference,
             source.manifest["sampling"].get("temperature") or 0.0,
             Thresholds().with_overrides(source.thresholds()),
+            summary_for(source.path, hypothesis["feature"]),
         )
     signature, note = signature_of(target, hypothesis, value)
     return Plan(source, target, signature, note)

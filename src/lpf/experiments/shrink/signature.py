@@ -11,7 +11,8 @@ Contract (pure: findings dicts and Arrow tables in, plain data out):
   shrink changes on purpose, so they are never part of a signature.
 - `target_feature(name, seq, requests, trace, engine_info, ...)` is the value of one feature for
   the request with arrival index `seq` (None when the run lacks what the feature needs), computed by
-  the same functions the run analysis uses (`analysis.features`, `analysis.signatures`).
+  the same functions the run analysis uses (`analysis.features`, `analysis.signatures`,
+  `analysis.spec_features.spec_divergence`, which reads the run's `summary`).
 - `signature_of(row, hypothesis, value)` builds the signature of the original run's target (its
   summary row and its value of the hypothesis' feature); `shows(sig, row, value)` says whether a
   request's summary row and feature value show the same lie, with the words for what was seen.
@@ -25,6 +26,8 @@ from dataclasses import asdict, dataclass
 FLAGGED = ("divergent", "corrupt")
 SHAPE_FEATURES = ("seq", "rollout", "prompt_length")  # what shrinking changes on purpose
 TOKEN_SIGNATURES = ("crossed_wires", "tempered_logprobs")  # computed from tokens, not the trace
+# computed from the run's summary (where each request first diverged) and the trace
+SUMMARY_SIGNATURES = ("diverged_at_first_spec_decode",)
 
 
 def position_class(position: int | None) -> str | None:
@@ -131,6 +134,7 @@ def target_feature(
     reference=None,
     temperature: float = 0.0,
     thresholds=None,
+    summary=None,
 ):
     """The value of feature `name` for the request with arrival index `seq`, or None when the run
     cannot say (no trace for a trace feature, no token tables for a token signature)."""
@@ -143,6 +147,15 @@ def target_feature(
     where = pc.index(req.column("seq"), pa.scalar(seq, req.column("seq").type)).as_py()
     if where < 0:
         return None
+    if name in SUMMARY_SIGNATURES:
+        if summary is None:
+            return None
+        from lpf.analysis.spec_features import spec_divergence
+
+        f = spec_divergence(summary, req, trace)
+        rid = req.column("request_id")[where].as_py()
+        at = summary.column("request_id").to_pylist()
+        return bool(f.values[at.index(rid)]) if f is not None and rid in at else False
     if name in TOKEN_SIGNATURES:
         if tokens is None or reference is None:
             return None
