@@ -11,7 +11,8 @@ CPU build, and folds their floors into floors.json's bfloat16/float32 row of zoo
 named `ENGINE[proseN]`, N the tokens per continuation; the rows of other lengths stay), its envelope and
 the pair's envelope; `settings` in floors.json says what the row covers. Each audit's per-request verdict counts are printed (the divergent rate an honest engine shows).
 
-    python scripts/measure_floor_prose.py [--out runs/floor-prose] [--prompts 400] [--max-tokens 16] [--vllm] [--write]
+    python scripts/measure_floor_prose.py [--out runs/floor-prose] [--prompts 400] [--max-tokens 16] [--vllm]
+        [--write]
 
 Session 16 measured it at --max-tokens 64 --vllm: longer continuations drift into loops, where an honest
 bfloat16 engine moves a contested top-2 margin by up to 3 nats (vLLM) and the 16-token row's tie margin

@@ -9,9 +9,10 @@ Contract:
   `LPF_VLLM_INJECT`), it logs one warning, writes why to `DIR/trace_status.json` (when DIR can take
   it) and installs nothing: no trace rather than a wrong one. The engine runs either way.
 - Recording, it writes `DIR/trace/part-<pid>-<n>.parquet` (`schema.TRACE`: lpf's trace columns, lpf's
-  speculative-decoding ones (drafts and accepted counts per step and request), then vLLM-only ones) and, under a drill, `DIR/faults/part-<pid>-<n>.parquet` (`schema.FAULTS`), each
-  part atomically (a `.tmp-` name, then a rename). `request_id` there is vLLM's own id for the
-  request as the runner knows it; lpf maps it back to its own.
+  speculative-decoding ones (drafts and accepted counts per step and request), then vLLM-only ones)
+  and, under a drill, `DIR/faults/part-<pid>-<n>.parquet` (`schema.FAULTS`), each part atomically (a
+  `.tmp-` name, then a rename). `request_id` there is vLLM's own id for the request as the runner knows
+  it; lpf maps it back to its own.
 - `LPF_VLLM_INJECT=stale-state[,offset-wrap:BITS][,publish-before-write][,unaligned-chunk-hashed]` puts
   drills in (`drills.py`). With vLLM's align-mode prefix cache on, the prefix-cache columns are filled
   from its cache manager (`prefix_log.py`).

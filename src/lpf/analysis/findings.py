@@ -26,7 +26,8 @@ A speculating run's trace adds `spec_features.spec_divergence` (first diverged a
 request's first decode step after its prefill, on the speculative decode path), ranked before them.
 A greedy run also gets `penalties.fit_penalty` (a repetition / presence / frequency penalty fitted to
 the engine's choices against the reference's raw logits, a choice counted as agreeing within the
-expected tie margin: a near-tie flip the engine's dtype explains is no penalty's): when one explains the greedy flips, it is
+expected tie margin: a near-tie flip the engine's dtype explains is no penalty's): when one explains
+the greedy flips, it is
 `findings.server_processing.penalty` (value, scope, sentence; absent otherwise) and a signature
 (named after the mechanism, e.g. `repetition_penalty`: the requests with a flip it explains) ranked
 with the rest. Any run gets

@@ -19,9 +19,9 @@ before it (`context`: (requests, tokens, reference) of the previous window, or N
 Verdicts and the run-level test are `lpf.analysis.findings.analyze` (or `analyze_tokens_only`) on the
 window alone, against the shipped expected floor: the same judgement `lpf analyze` makes of a run.
 
-An honest engine below float32 does produce an occasional divergent request (on prose, one token past the
-verdicts' absolute 0.5-nat threshold, inside the dtype's floor), so one divergent request is not an alarm: the window's count of them is
-tested against Poisson(rate x scored tokens), `rate` the upper 95% bound of what honest engines of the
+An honest engine below float32 does produce an occasional divergent request (on prose: one token past
+the verdicts' threshold, 0.5 nats before the floor raised it, or a greedy flip in a long loop past the
+tie margin), so one divergent request is not an alarm: the window's count of them is tested against Poisson(rate x scored tokens), `rate` the upper 95% bound of what honest engines of the
 dtype showed (HONEST_DIVERGENT), at the run-level test's alpha; requests count once per distinct (prompt,
 output) pair (the same prompt answered the same twice is one piece of evidence). A `corrupt` request
 (confident gibberish: none seen from any honest engine) alarms alone, and so does a divergent one whose
