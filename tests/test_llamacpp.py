@@ -145,7 +145,14 @@ def test_parse_keeps_inconsistent_answers_as_evidence_and_refuses_unusable_ones(
     assert c.output_token_ids == [5, 6]
     assert "tokens:" in c.inconsistency and "truncated:" in c.inconsistency and "token_count:" in c.inconsistency
     with pytest.raises(RequestFailed, match="completion_probabilities"):
-        _parse({"content": "x", "tokens": [5]})
+        _parse({"content": "x", "tokens": []})
+    # no entry for any token: server-task.cpp leaves the key out; the tokens stand, without logprobs
+    # (14 of 300 honest prose answers were failed requests, their tokens lost, before)
+    body = _body([5], [-0.1], tokens=[6, 2], tokens_predicted=2)
+    del body["completion_probabilities"]
+    c = _parse(body)
+    assert c.output_token_ids == [6, 2] and c.logprobs == [None, None] and c.topk_ids == [[], []]
+    assert "logprobs_missing:" in c.inconsistency and "no completion_probabilities for any" in c.inconsistency
     with pytest.raises(RequestFailed, match="not a token id"):
         _parse(_body([600], [-0.1]))
 
@@ -158,6 +165,37 @@ def test_missing_probabilities_are_aligned_by_id_and_stored_as_none():
     assert c.output_token_ids == [5, 6, 7, 8] and c.logprobs[0] == -0.1 and c.logprobs[2] == -0.3
     assert c.logprobs[1] is None and c.logprobs[3] is None and c.topk_ids[1] == [] and c.topk_ids[2] == [7, 9]
     assert c.inconsistency.startswith("logprobs_missing: no completion_probabilities entry for 2 of 4 tokens")
+
+
+def test_missing_probabilities_fall_where_llama_server_leaves_them_out():
+    """A repeated token makes matching entries by id ambiguous: [a lone 3-byte lead, "7", "7", EOS] gets entries
+    for positions 2 and 3 (llama-server's text is cut off until the second "7"); the first match put position
+    2's logprob and top-k on position 1, and an honest float32 llama-server audit of prose had a request
+    `divergent` by 0.58 nats. Replayed from the tokens' bytes, they land where the server sent them; without
+    the bytes, or where the replay cannot hold the entries, the first match stands."""
+    from lpf.adapters import llamacpp_wire as wire
+
+    pieces = {170: b"\xe2", 25: b"7", 2: b"</s>", 5: b"a", 6: b"\xc3", 7: b"\xa9"}
+    body = _body([25, 2], [-0.07, -1e-6], tokens=[170, 25, 25, 2], tokens_predicted=4)
+
+    def check_answer(req, ids, claimed, finish, text, problems, detail=None):
+        pass
+
+    c = wire.parse(_req(), body, SamplingParams(logprobs=2), 512, pieces.get, check_answer)
+    assert c.logprobs == [None, None, -0.07, -1e-6] and c.topk_ids[1] == [] and c.topk_ids[2] == [25, 9]
+    assert "positions [0, 1]" in c.inconsistency
+    assert _parse(body).logprobs == [None, -0.07, None, -1e-6]  # no bytes: the first match
+    # a 2-byte character split over tokens 6 and 7: only 6 goes without, as the server does
+    split = wire.parse(
+        _req(),
+        _body([5, 7], [-0.1, -0.2], tokens=[5, 6, 7], tokens_predicted=3),
+        SamplingParams(),
+        512,
+        pieces.get,
+        check_answer,
+    )
+    assert split.logprobs == [-0.1, None, -0.2]
+    assert wire._cut_off(b"a\xe2\x82") and not wire._cut_off(b"\xe2\x82\xac") and wire._cut_off(b"\xf0\x9f\x98")
 
 
 def test_trace_rows_use_lpf_columns_where_they_fit():

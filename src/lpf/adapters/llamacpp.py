@@ -44,6 +44,7 @@ from pydantic import Field, model_validator
 from lpf.adapters import llamacpp_gguf as gguf_files
 from lpf.adapters import llamacpp_wire as wire
 from lpf.adapters.remote import RemoteEngine, RemoteOptions
+from lpf.adapters.token_map import TokenMap
 from lpf.core.errors import LpfError
 from lpf.core.knobs import knob
 from lpf.core.workload import EngineRequest
@@ -198,6 +199,7 @@ class LlamaCppEngine(RemoteEngine):
         self._rows: list[dict] = []
         self._lock = threading.Lock()
         self._answered = 0
+        self._token_map: TokenMap | None = None
         self.props: dict | None = None
         if not options.base_url:
             self._start(model, options)
@@ -286,8 +288,17 @@ class LlamaCppEngine(RemoteEngine):
     def payload(self, req: EngineRequest) -> dict:
         return wire.payload(req, self.sampling, self.options.cache_prompt, ban_eos=self.options.ban_eos)
 
+    def _bytes_of(self, tid: int) -> bytes | None:
+        """A token id's bytes (where llama-server's missing entries fall), from a byte table built once."""
+        with self._lock:  # parse runs on the client's threads: the table is built by one of them
+            if self._token_map is None:
+                table = TokenMap(self.tokenizer, self.vocab_size)
+                table.bytes_of(0)
+                self._token_map = table
+        return self._token_map.bytes_of(tid)
+
     def parse(self, req: EngineRequest, body: Any):
-        c = wire.parse(req, body, self.sampling, self.vocab_size, self.tokenizer, self.check_answer)
+        c = wire.parse(req, body, self.sampling, self.vocab_size, self._bytes_of, self.check_answer)
         row = wire.slot_row(req, body)
         with self._lock:
             row["step"] = self._answered

@@ -24,12 +24,15 @@ predicted_n, prompt_ms, predicted_ms}, `completion_probabilities` [{id, token, b
 top_logprobs: [{id, token, bytes, logprob}]}]. `tokens` are the generated ids (`return_tokens`), but
 `completion_probabilities` may hold fewer: `process_token` (server-context.cpp) adds a token's
 probabilities only when the text so far is complete UTF-8, so a token that ends inside a multi-byte
-character gets none. When the entries are `tokens` in order with some missing, the tokens are stored
-with no logprob (None, as for any server that returned none) and no top-k where none came, and the
-answer notes `logprobs_missing` (evidence; the analysis judges such a token from the token alone,
-`lpf.analysis.absent`, while a logprob that is no number stays NaN, never clean); entries that are no such subsequence are stored as sent
-with a `tokens` inconsistency. The count must agree with `tokens_predicted`, the text with the tokens,
-and `truncated` must be false (the slot's context ran out, or a context shift dropped tokens), else the
+character gets none (which tokens: `_sent_positions` replays the rule from their bytes, since a repeated
+token makes matching by id alone ambiguous), and server-task.cpp leaves the key out when no token got
+one. When the entries are `tokens` in order with some (or all) missing, the tokens are stored with no
+logprob (None, as for any server that returned none) and no top-k where none came, and the answer notes
+`logprobs_missing` (evidence; the analysis judges such a token from the token alone,
+`lpf.analysis.absent`, while a logprob that is no number stays NaN, never clean); entries that are no
+such subsequence are stored as sent with a `tokens` inconsistency; an answer with neither entries nor
+tokens is a failed request. The count must agree with `tokens_predicted`, the text with the tokens, and
+`truncated` must be false (the slot's context ran out, or a context shift dropped tokens), else the
 answer is kept with an `inconsistency`. `slot_row` is the trace's view of the answer (which slot, how
 much of the prompt came from its cache).
 """
@@ -37,7 +40,7 @@ much of the prompt came from its cache).
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 from lpf.adapters.base import Completion
 from lpf.adapters.http import RequestFailed
@@ -94,14 +97,23 @@ def logprob(value: Any, pos: int, problems: Problems) -> float:
     return problems.logprob(value, pos)
 
 
-def parse(req: EngineRequest, body: Any, s: SamplingParams, vocab_size: int, tokenizer, check_answer) -> Completion:
-    """One answer -> Completion; `check_answer` is RemoteEngine.check_answer (count, finish, text)."""
+def parse(
+    req: EngineRequest, body: Any, s: SamplingParams, vocab_size: int, bytes_of: Callable | None, check_answer
+) -> Completion:
+    """One answer -> Completion; `check_answer` is RemoteEngine.check_answer (count, finish, text);
+    `bytes_of` (a token id's bytes, `TokenMap.bytes_of`; None: not known) places missing entries."""
     if not isinstance(body, dict):
         raise RequestFailed(f"answer is a JSON {type(body).__name__}, not an object")
     probs = body.get("completion_probabilities")
+    tokens = body.get("tokens")
+    problems = Problems()
+    if probs is None and isinstance(tokens, list) and tokens:
+        # server-task.cpp leaves the key out when no token got an entry (every token ended inside a
+        # UTF-8 character, or a server ignoring n_probs): the tokens stand, each without a logprob
+        probs = []
+        problems.add("logprobs_missing", "the answer has no completion_probabilities for any of its tokens")
     if not isinstance(probs, list):
         raise RequestFailed("answer has no completion_probabilities (was n_probs ignored?)")
-    problems = Problems()
     ids, lps, top_ids, top_lps = [], [], [], []
     for pos, e in enumerate(probs):
         tid = e.get("id") if isinstance(e, dict) else None
@@ -125,9 +137,10 @@ def parse(req: EngineRequest, body: Any, s: SamplingParams, vocab_size: int, tok
         pairs.sort(key=lambda p: -p[0])
         top_ids.append([t for _, t in pairs[: s.logprobs]])
         top_lps.append([v for v, _ in pairs[: s.logprobs]])
-    tokens = body.get("tokens")
     if isinstance(tokens, list) and tokens != ids:
         at = _subsequence(ids, tokens, vocab_size)
+        if at is not None and bytes_of is not None:
+            at = _sent_positions(ids, tokens, bytes_of) or at
         if at is None:
             bad = next((i for i, (a, b) in enumerate(zip(tokens, ids)) if a != b), min(len(tokens), len(ids)))
             problems.add(
@@ -172,6 +185,35 @@ def parse(req: EngineRequest, body: Any, s: SamplingParams, vocab_size: int, tok
         finish_reason=str(finish),
         inconsistency=problems.text(),
     )
+
+
+def _sent_positions(ids: list, tokens: list, bytes_of: Callable) -> list[int] | None:
+    """The positions llama-server sent an entry for, replayed from the tokens' bytes: `process_token`
+    (server-context.cpp) adds a token's probabilities only when `validate_utf8` (server-common.cpp) finds
+    no multi-byte character cut off at the end of the text generated so far. Where `ids` repeats a token,
+    matching entries to tokens in order cannot tell which copy went without: tokens [lone lead byte of a
+    3-byte character, "7", "7", EOS] get entries for positions 2 and 3 (the text is cut off until the
+    second "7"), where the first match puts the second entry's logprob and top-k on position 1. None when
+    a token's bytes are unknown or the replay's positions do not hold `ids` (then the first match stands)."""
+    text, sent = b"", []
+    for i, t in enumerate(tokens):
+        piece = bytes_of(t)
+        if piece is None:
+            return None
+        text += piece
+        if not _cut_off(text):
+            sent.append(i)
+    return sent if [tokens[i] for i in sent] == list(ids) else None
+
+
+def _cut_off(text: bytes) -> bool:
+    """llama-server's `validate_utf8(text) < text.size()`: a multi-byte character's lead byte among the
+    last four bytes, with fewer bytes after it than the character needs."""
+    for i in range(1, min(4, len(text)) + 1):
+        c = text[-i]
+        if (c & 0xE0 == 0xC0 and i < 2) or (c & 0xF0 == 0xE0 and i < 3) or (c & 0xF8 == 0xF0 and i < 4):
+            return True
+    return False
 
 
 def _subsequence(sub: list, full: list, vocab_size: int) -> list[int] | None:
