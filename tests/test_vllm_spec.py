@@ -49,16 +49,23 @@ def test_a_speculative_config_that_is_not_a_json_object_is_one_line(lpf_cli, tmp
     assert a.speculative_config == '{"method":"ngram","num_speculative_tokens":3}'
 
 
-@needs_vllm
-@pytest.mark.slow
-def test_ngram_speculation_on_a_vllm_cpu_hybrid_is_audited_and_caught(lpf_cli, tmp_path, copy_prompts):
-    out = tmp_path / "run"
+def _ngram_audit(lpf_cli, out, prompts, max_tokens: int):
+    """`lpf audit` of vLLM's CPU build with n-gram speculation on zoo:hybrid in float32 (prefix caching off:
+    bug 23), greedy, the default gate off; the call's result, its exit checked."""
     r = lpf_cli(
-        "audit", "--engine", "vllm", "--model", "zoo:hybrid", "--workload", copy_prompts, "--max-tokens", 16,
+        "audit", "--engine", "vllm", "--model", "zoo:hybrid", "--workload", prompts, "--max-tokens", max_tokens,
         "--dtype", "float32", "-E", "enable_prefix_caching=false", "-E", f"speculative_config={NGRAM}",
         "--fail-on", "never", "--json", "--out", out,
     )  # fmt: skip
     assert r.code == 0, r.err
+    return r
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_ngram_speculation_on_a_vllm_cpu_hybrid_is_audited_and_caught(lpf_cli, tmp_path, copy_prompts):
+    out = tmp_path / "run"
+    r = _ngram_audit(lpf_cli, out, copy_prompts, 16)
     engine = json.loads((out / "manifest.json").read_text())["engine"]
     assert engine["engine_args"]["speculative_config"] == json.loads(NGRAM)
     spec = engine["spec_decode"]  # vLLM's own counters, this run's
@@ -101,12 +108,7 @@ def test_the_trace_names_the_speculative_decode_step_where_vllm_cpu_requests_go_
     import pyarrow.dataset as ds
 
     out = tmp_path / "run"
-    r = lpf_cli(
-        "audit", "--engine", "vllm", "--model", "zoo:hybrid", "--workload", copy24, "--max-tokens", 6,
-        "--dtype", "float32", "-E", "enable_prefix_caching=false", "-E", f"speculative_config={NGRAM}",
-        "--fail-on", "never", "--json", "--out", out,
-    )  # fmt: skip
-    assert r.code == 0, r.err
+    r = _ngram_audit(lpf_cli, out, copy24, 6)
     spec = json.loads((out / "manifest.json").read_text())["engine"]["spec_decode"]
     trace = ds.dataset(out / "trace").to_table().to_pylist()
     verify = [t for t in trace if t["num_draft_tokens"]]
