@@ -154,7 +154,9 @@ def _healthy(f, proc):
     assert f["n_requests"] == 1000 and f["counts"]["divergent"] == f["counts"]["corrupt"] == 0
     assert f["verdict"] in ("clean", "noise") and t["result"] == "same"
     assert t["floor_pair"] == "bfloat16/float32" and f["thresholds"]["source"] == "table"
-    assert 0.3 < t["effect_size"] < 2, t["sentence"]  # the floor is bf16's, and the engine sits on it
+    # the floor is bf16's, and the engine sits on it (at 0.28x: the row covers 64-token prose, whose token
+    # error q99 is 0.53 nats of logit error, where zoo:stress's 8-token answers reach 0.15)
+    assert 0.2 < t["effect_size"] < 2, t["sentence"]
 
 
 def test_healthy_bf16_builtin_engine_passes_the_default_gate(tmp_path, stress1000):

@@ -26,8 +26,8 @@ A speculating run's trace adds `spec_features.spec_divergence` (first diverged a
 request's first decode step after its prefill, on the speculative decode path), ranked before them.
 A greedy run also gets `penalties.fit_penalty` (a repetition / presence / frequency penalty fitted to
 the engine's choices against the reference's raw logits, a choice counted as agreeing within the
-expected tie margin: a near-tie flip the engine's dtype explains is no penalty's): when one explains
-the greedy flips, it is
+expected tie margin, at most what the engine's own logprob errors move a margin by: `_penalty_tie`;
+a near-tie flip the engine's arithmetic explains is no penalty's): when one explains the greedy flips, it is
 `findings.server_processing.penalty` (value, scope, sentence; absent otherwise) and a signature
 (named after the mechanism, e.g. `repetition_penalty`: the requests with a flip it explains) ranked
 with the rest. Any run gets
@@ -55,7 +55,7 @@ from lpf.analysis import metrics as m
 from lpf.analysis.calibration import calibrate, calibrate_from_run, calibrate_to_floor, with_expected_tie_margin
 from lpf.analysis.evidence import apply_inconsistency, evidence
 from lpf.analysis.features import Feature, request_features
-from lpf.analysis.floors import expected_floor
+from lpf.analysis.floors import KAPPA, expected_floor
 from lpf.analysis.hypotheses import rank_hypotheses
 from lpf.analysis.levels import REQUEST_VERDICTS, SEVERITY
 from lpf.analysis.prefix_cache import prefix_cache_summary
@@ -134,7 +134,7 @@ def analyze(
         else None
     )
     server = {
-        "penalty": fit_penalty(tokens, reference, requests, max(th.clean_abs_diff, th.tie_margin)) if greedy else None,
+        "penalty": fit_penalty(tokens, reference, requests, _penalty_tie(th, test)) if greedy else None,
         "logprob_temperature": (
             fit_logprob_temperature(joined, reference, th) if "ref_topk_logprobs" in reference.column_names else None
         ),
@@ -259,6 +259,18 @@ def _expected_floor(joined, tokens, reference, requests, calibration, calibratio
     engine_dtype = (calibration_info or {}).get("dtype") or info.get("engine_dtype")
     floor = expected_floor(floor_table, engine_dtype, info.get("reference_dtype"), info.get("model"), cal)
     return (floor, cols) if floor else (None, None)
+
+
+def _penalty_tie(th: Thresholds, test: dict | None) -> float:
+    """How far the engine may move a near tie before a penalty must explain its flip: the tie margin its
+    dtype's floor expects, but at most what its own logprobs show (a margin moves by two logits' errors,
+    each within KAPPA x the run's observed 99th percentile): a server of unknown dtype gets bfloat16's
+    margin (1.57 nats), inside which its float32 choices would hide a repetition penalty of 1.1, while an
+    honest bfloat16 engine's own error (0.54 nats on prose) keeps its near-tie flips excused. Never under
+    the clean threshold."""
+    seen = (((test or {}).get("floors") or {}).get("observed") or {}).get("token", {}).get("q99")
+    tie = th.tie_margin if seen is None else min(th.tie_margin, 2 * KAPPA * float(seen))
+    return max(th.clean_abs_diff, tie)
 
 
 def _hypotheses(
