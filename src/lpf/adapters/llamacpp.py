@@ -199,12 +199,12 @@ class LlamaCppEngine(RemoteEngine):
         self._rows: list[dict] = []
         self._lock = threading.Lock()
         self._answered = 0
-        self._token_map: TokenMap | None = None
         self.props: dict | None = None
         if not options.base_url:
             self._start(model, options)
         try:
             super().__init__(model, sampling, options)
+            self.map = TokenMap(self.tokenizer, self.vocab_size)  # its byte table is built on first use
             self.props = self._props()
         except BaseException:
             self.close()
@@ -288,17 +288,8 @@ class LlamaCppEngine(RemoteEngine):
     def payload(self, req: EngineRequest) -> dict:
         return wire.payload(req, self.sampling, self.options.cache_prompt, ban_eos=self.options.ban_eos)
 
-    def _bytes_of(self, tid: int) -> bytes | None:
-        """A token id's bytes (where llama-server's missing entries fall), from a byte table built once."""
-        with self._lock:  # parse runs on the client's threads: the table is built by one of them
-            if self._token_map is None:
-                table = TokenMap(self.tokenizer, self.vocab_size)
-                table.bytes_of(0)
-                self._token_map = table
-        return self._token_map.bytes_of(tid)
-
     def parse(self, req: EngineRequest, body: Any):
-        c = wire.parse(req, body, self.sampling, self.vocab_size, self._bytes_of, self.check_answer)
+        c = wire.parse(req, body, self.sampling, self.vocab_size, self.map.bytes_of, self.check_answer)
         row = wire.slot_row(req, body)
         with self._lock:
             row["step"] = self._answered
