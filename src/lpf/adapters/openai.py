@@ -27,7 +27,7 @@ server that refuses `logprobs` altogether is asked without them (once, said in `
 Answers are checked before they are trusted (see `remote`).
 Prompt logprobs (`--prompt-logprobs`, completions route): `-E prompt_logprobs=echo` asks `echo` with
 `logprobs` (the answer's tokens then start with the prompt, which they must be), `=field` asks vLLM's
-`prompt_logprobs: k` and reads `choices[0].prompt_logprobs` ({token id: {logprob, rank}}).
+`prompt_logprobs: k`; what an answer says of its prompt is read and checked in `openai_prompt`.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from lpf.adapters import openai_prompt
 from lpf.adapters.base import Completion
 from lpf.adapters.http import RequestFailed, is_validation_error
 from lpf.adapters.logprob_gaps import fill_gaps
@@ -312,11 +313,18 @@ class OpenAIEngine(RemoteEngine):
             if block.top_problem:
                 problems.add("top_logprobs", block.top_problem)
             if echoed:
-                prompt = self._echoed_prompt(req, ids, logprobs, top, problems)
+                prompt = openai_prompt.echoed(
+                    req,
+                    ids,
+                    logprobs,
+                    top,
+                    lambda t, n, what: self.top_k(t, n, what, self.top_pairs, problems),
+                    problems,
+                )
                 n = len(req.prompt_token_ids)  # the answer's tokens start with the prompt: the outputs follow it
                 ids, logprobs, top = ids[n:], logprobs[n:], top[n:] if isinstance(top, list) else top
             elif self.sampling.prompt_logprobs:
-                prompt = self._prompt_field(req, choice.get("prompt_logprobs"), problems)
+                prompt = openai_prompt.vllm_field(req, choice.get("prompt_logprobs"), self.sampling.logprobs, problems)
             topk_ids, topk_lps = self.top_k(top, len(ids), "top_logprobs", self.top_pairs, problems)
             self.top_k_seen = max([self.top_k_seen] + [len(t) for t in topk_ids])
             claimed = usage.get("completion_tokens")
@@ -327,7 +335,7 @@ class OpenAIEngine(RemoteEngine):
                 )
                 if cut:  # count and text disagree by what logprobs_missing says; the tokens kept are the server's
                     claimed, text = None, None
-        self._check_prompt(req, body, choice, usage, chat, problems)
+        openai_prompt.check(req, body, choice, usage, chat, problems)
         if finish is None:  # no claim to check; what the length says
             finish = "length" if len(ids) >= req.max_tokens else "stop"
         # a cut answer is short of max_tokens by the entries left out, not by its finish
@@ -375,69 +383,6 @@ class OpenAIEngine(RemoteEngine):
         if not exact:
             problems.add("retokenized", "its text does not re-encode to tokens that decode back to it")
         return ids
-
-    def _check_prompt(self, req, body, choice, usage, chat, problems) -> None:
-        """The server's prompt against the stored one (the reference's tokenization or chat rendering)."""
-        ours = list(req.prompt_token_ids)
-        theirs = body.get("prompt_token_ids", choice.get("prompt_token_ids"))
-        kind = "chat_template" if chat else "prompt_tokens"
-        how = "renders the messages with another chat template" if chat else "tokenized the prompt differently"
-        if isinstance(theirs, list) and theirs and all(isinstance(t, int) for t in theirs):
-            if theirs != ours:
-                at = next((i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b), min(len(theirs), len(ours)))
-                problems.add(
-                    kind,
-                    f"the server's prompt ({len(theirs)} tokens) differs from the reference's "
-                    f"({len(ours)}) at position {at}: the server {how}",
-                )
-            return
-        n = usage.get("prompt_tokens")
-        if isinstance(n, int) and not isinstance(n, bool) and n != len(ours):
-            problems.add(
-                kind, f"the server counts {n} prompt tokens, the reference's prompt has {len(ours)}: the server {how}"
-            )
-
-    def _echoed_prompt(self, req, ids, logprobs, top, problems) -> tuple[list, list, list] | None:
-        """(logprobs, top-k ids, top-k logprobs) of prompt positions 1..P-1 from an echoed answer; None,
-        with the reason noted, when the echo is not the prompt."""
-        prompt = list(req.prompt_token_ids)
-        n = len(prompt)
-        if len(ids) <= n:
-            raise RequestFailed(f"echo returned {len(ids)} tokens for a prompt of {n} and at least one output")
-        if ids[:n] != prompt:
-            at = next(i for i, (a, b) in enumerate(zip(ids, prompt)) if a != b)
-            problems.add(
-                "echo", f"the echoed tokens differ from the prompt at position {at} (prompt logprobs not stored)"
-            )
-            return None
-        p_ids, p_lps = self.top_k(
-            top[1:n] if isinstance(top, list) else top, n - 1, "top_logprobs (prompt)", self.top_pairs, problems
-        )
-        return logprobs[1:n], p_ids, p_lps
-
-    def _prompt_field(self, req, field: Any, problems) -> tuple[list, list, list] | None:
-        """vLLM's `prompt_logprobs`: [null, {token id: {logprob, rank, ...}}, ...], one per prompt token."""
-        prompt = list(req.prompt_token_ids)
-        if not isinstance(field, list) or len(field) != len(prompt):
-            problems.add(
-                "prompt_logprobs",
-                f"prompt_logprobs has {len(field) if isinstance(field, list) else 'no'} "
-                f"entries for {len(prompt)} prompt tokens",
-            )
-            return None
-        lps, ids_out, lps_out = [], [], []
-        for pos, (tid, entry) in enumerate(zip(prompt[1:], field[1:]), 1):
-            pairs = {}
-            for key, value in entry.items() if isinstance(entry, dict) else ():
-                v = value.get("logprob") if isinstance(value, dict) else value
-                if str(key).lstrip("-").isdigit():
-                    pairs[int(key)] = v
-            lps.append(problems.logprob(pairs.get(tid), pos))
-            best = sorted(((as_logprob(v, pos), t) for t, v in pairs.items()), key=lambda p: -p[0])
-            best = [(v, t) for v, t in best if v == v][: self.sampling.logprobs]
-            ids_out.append([t for _, t in best])
-            lps_out.append([v for v, _ in best])
-        return lps, ids_out, lps_out
 
     def top_pairs(self, entry: Any, pos: int) -> list[tuple[float, int]]:
         """One position's alternatives (`openai_shapes.Alt`s); those without a usable id are left out."""
