@@ -8,6 +8,9 @@ all null when the engine does not speculate):
                            0: none)
   num_accepted_tokens      how many of them the rejection sampler accepted (null: no drafts)
   spec_sampled             its drafts were verified at temperature > 0 (null: no drafts)
+  draft_token_ids          the drafts verified in this row, in order (null: none)
+  draft_token_probs        the proposer's probability of each draft (null: one-hot drafts, q = 1, as
+                           vLLM's rejection sampler reads them when it is given no draft probabilities)
   verify_state_slot, state_tokens_before_rollback, state_tokens_after_rollback
                            always null here: which column of its state table vLLM's Mamba kernels read
                            and wrote is decided inside the kernel (`num_accepted_tokens`), out of sight
@@ -51,6 +54,8 @@ SPEC_COLUMNS = [
     ("state_tokens_before_rollback", "int32"),
     ("state_tokens_after_rollback", "int32"),
     ("spec_sampled", "bool"),
+    ("draft_token_ids", "list<int32>"),
+    ("draft_token_probs", "list<float32>"),
 ]
 VLLM_COLUMNS = [
     ("vllm_request_id", "string"),
@@ -77,6 +82,7 @@ def arrow_schema(columns):
         "string": pa.string(),
         "bool": pa.bool_(),
         "list<int32>": pa.list_(pa.int32()),
+        "list<float32>": pa.list_(pa.float32()),
     }
     return pa.schema([(name, types[kind]) for name, kind in columns])
 

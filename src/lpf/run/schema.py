@@ -187,6 +187,11 @@ SPEC_TRACE = [
     ("state_tokens_before_rollback", pa.int32()),
     ("state_tokens_after_rollback", pa.int32()),
     ("spec_sampled", pa.bool_()),  # its drafts were verified by the sampled rejection path (it reads q)
+    # the drafts verified this row, in order (null: none)
+    ("draft_token_ids", pa.list_(pa.int32())),
+    # the proposer's probability of each draft as it drew it, q_i(d_i) (null: one-hot drafts, q = 1: an
+    # n-gram proposer's, or an engine whose rejection sampler gets no draft probabilities)
+    ("draft_token_probs", pa.list_(pa.float32())),
 ]
 
 # "whose answer is this?" (`lpf.pipeline.attribute`): a flagged request's output re-scored by the reference
