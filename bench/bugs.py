@@ -6,7 +6,8 @@ its smoke run is in tests/test_bench_quick.py),
 then, from the run directory's `faults/` (ground truth, which analysis never reads) and its findings:
   recall        flagged (divergent or corrupt) ground-truth requests / ground-truth requests
   false pos.    requests flagged, or merely `noise`, that the ground truth does not name (any role: an
-                offset-wrap victim, `overwritten`, is the drill's doing)
+                offset-wrap victim, `overwritten`, is the drill's doing; except `unchanged`: a request
+                the drill touched whose output it did not change)
   named         whether the first-ranked hypothesis' feature is one `prefix_drills.NAMED_BY` accepts
   mechanism     per flagged request: does its own mechanism (findings' flagged[].mechanism) name what the
                 ground truth's role says happened to it (`lpf.builtin.drill_truth.EXPECTED`; victims of
@@ -106,7 +107,7 @@ SPEC_DRILLS = {
     # 8 sequences at a time (finished rows refilled: the persistent batch permuted)
     "spec-draft-probs-permuted": (
         [*SPEC_ARGS, "--temperature", "1.0", "-E", "speculative=draft:zoo:llama:4", "--max-num-seqs", "8"],
-        {"sampled_spec_batch_over_2"},
+        {"spec_decision_against_odds", "sampled_spec_batch_over_2"},
     ),
 }
 INJECT = {"offset-wrap": "offset-wrap:18"}  # a drill's --inject spec, where it takes an argument
@@ -259,8 +260,11 @@ def score(run: Path, named_by: set[str]) -> dict:
     truth = (
         {r[0] for r in q("SELECT DISTINCT request_id FROM faults WHERE role = 'corrupted'")} if has_faults else set()
     )
-    # anything the drill did to a request (an offset-wrap victim: `overwritten`) is not a false positive
-    touched = {r[0] for r in q("SELECT DISTINCT request_id FROM faults")} if has_faults else set()
+    # anything the drill did to a request (an offset-wrap victim: `overwritten`) is not a false positive;
+    # a request it touched without changing its output (`unchanged`) is
+    touched = (
+        {r[0] for r in q("SELECT DISTINCT request_id FROM faults WHERE role <> 'unchanged'")} if has_faults else set()
+    )
     rows = q("SELECT request_id, seq, verdict, first_divergence, n_scored_tokens FROM summary ORDER BY seq")
     flagged = {r[0] for r in rows if r[2] in ("divergent", "corrupt")}
     departed = {r[0] for r in rows if r[2] not in ("clean", "error", "unscored")}

@@ -395,13 +395,25 @@ def test_spec_draft_probs_permuted_corrupts_only_sampled_requests_verified_in_ba
     honest, _ = run(items, max_num_seqs=8, temperature=1.0, **spec, **many)
     bad, trace, faults8 = run(items, max_num_seqs=8, temperature=1.0, faults=True, **drill, **many)
     assert faults8 is not None
-    truth = {r["request_id"] for r in faults8.to_pylist()}
+    events = faults8.to_pylist()
+    truth = {r["request_id"] for r in events if r["role"] == "corrupted"}  # tokens other than its own q gives
+    exposed = {r["request_id"] for r in events}
+    assert truth and exposed - truth, "some exposed steps drew exactly what the request's own q draws"
+    assert all("its own give" in r["detail"] for r in events if r["role"] == "corrupted")
     ids = list(bad)
     requests = pa.table({"request_id": ids, "seq": list(range(len(ids)))})
     feats = {f.name: {ids[i] for i in np.flatnonzero(f.values)} for f in spec_features(requests, trace)}
-    assert truth <= feats["sampled_spec_batch_over_2"] and EXPECTED["spec-draft-probs-permuted"]["corrupted"] == {
-        "sampled_spec_batch_over_2"
+    assert exposed <= feats["sampled_spec_batch_over_2"]
+    assert EXPECTED["spec-draft-probs-permuted"]["corrupted"] == {
+        "spec_decision_against_odds",
+        "sampled_spec_batch_over_2",
     }
+    # the trace carries what the decision test reads: every sampled verify row's drafts and their q
+    verify = [r for r in trace.to_pylist() if r["num_draft_tokens"] and r["spec_sampled"]]
+    assert verify and all(
+        len(r["draft_token_ids"]) == len(r["draft_token_probs"]) == r["num_draft_tokens"] for r in verify
+    )
+    assert all(0 < q <= 1 for r in verify for q in r["draft_token_probs"])
 
     def mean_lp(done):
         lp = np.array([x for r in truth for x in done[r].logprobs])

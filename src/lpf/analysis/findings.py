@@ -23,7 +23,10 @@ reference expected and vice versa: outputs delivered to the wrong request) and, 
 a temperature other than 1, `tempered_logprobs` (the reported logprobs fit the reference's
 temperature-scaled distribution better than its raw one: processed logprobs reported as raw).
 A speculating run's trace adds `spec_features.spec_divergence` (first diverged at a token of the
-request's first decode step after its prefill, on the speculative decode path), ranked before them.
+request's first decode step after its prefill, on the speculative decode path), ranked before them,
+and `spec_decisions.decision_signature` (requests the rejection-sampler decision test raised: a draft
+kept or rejected against the target's odds given its own draft probability; `findings.spec_decisions`
+holds the test's counts and threshold).
 A greedy run also gets `penalties.fit_penalty` (a repetition / presence / frequency penalty fitted to
 the engine's choices against the reference's raw logits, a choice counted as agreeing within the
 expected tie margin, at most what the engine's own logprob errors move a margin by: `_penalty_tie`;
@@ -63,8 +66,9 @@ from lpf.analysis.prompt import merge_summary, prompt_analysis, worst_verdict
 from lpf.analysis.localized import raise_localized
 from lpf.analysis.mechanisms import attribute
 from lpf.analysis.penalties import fit_penalty, phrase as penalty_phrase
-from lpf.analysis.run_test import run_level_test, token_evidence
+from lpf.analysis.run_test import DEFAULT_ALPHA, run_level_test, token_evidence
 from lpf.analysis.shape import failure_shape
+from lpf.analysis.spec_decisions import decision_signature, decision_test, raise_decisions
 from lpf.analysis.signatures import crossed_wires, fit_logprob_temperature, tempered_logprobs
 from lpf.analysis.spec_features import spec_divergence
 from lpf.analysis.thresholds import Thresholds
@@ -126,8 +130,14 @@ def analyze(
         sampling = (run_info or {}).get("sampling") or {"temperature": temperature}
         test = run_level_test(joined, tokens, reference, requests, expected, sampling, cols=cal_cols, starts=starts)
         summary = _localized(summary, test, cal_cols, expected, sampling, joined, tokens, reference, requests, starts)
+    sampling = (run_info or {}).get("sampling") or {"temperature": temperature}
+    decisions = decision_test(tokens, reference, requests, trace, sampling, th.divergent_abs_diff, DEFAULT_ALPHA)
+    if decisions is not None:
+        summary = raise_decisions(summary, decisions[0])
     findings = findings_dict(summary, th, metric_summary(cols, flips, same), joined.num_rows)
     findings["thresholds"].update(calib, pinned=sorted(th.pinned))
+    if decisions is not None:
+        findings["spec_decisions"] = decisions[1]
     tempered = (
         tempered_logprobs(joined, reference, temperature, th)
         if wants_tempered(temperature, reference.column_names)
@@ -316,6 +326,10 @@ def _hypotheses(
     spec_first = spec_divergence(summary, requests, trace)
     if spec_first is not None:
         sigs.append(spec_first)
+    crowded = next((f.values for f in feats if f.name == "sampled_spec_batch_over_2"), None)
+    odds = decision_signature(summary, crowded)
+    if odds is not None:
+        sigs.append(odds)
     if crossed is not None:
         sigs.append(
             Feature(
@@ -395,6 +409,7 @@ def findings_dict(summary: pa.Table, th: Thresholds, metrics: dict, n_scored: in
                 "max_abs_logprob_diff": r["max_abs_logprob_diff"],
                 "gibberish_tokens": r["gibberish_tokens"],
                 "gibberish_score": r["gibberish_score"],
+                **({"spec_decision": r["spec_decision"]} if r.get("spec_decision") else {}),
             }
             for r in flagged
         ],

@@ -40,7 +40,7 @@ EXPECTED: dict[str, dict[str, set[str]]] = {
     "spec-accepted-permuted": {"corrupted": {"state_rolled_back_wrong"}},
     "spec-no-rollback": {"corrupted": {"state_kept_rejected_drafts"}},
     "spec-checkpoint-rejected": {"corrupted": {"resumed_overshot_state"}},
-    "spec-draft-probs-permuted": {"corrupted": {"sampled_spec_batch_over_2"}},
+    "spec-draft-probs-permuted": {"corrupted": {"spec_decision_against_odds", "sampled_spec_batch_over_2"}},
 }
 
 

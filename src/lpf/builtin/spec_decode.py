@@ -44,7 +44,9 @@ Drills (each needs speculative decoding on):
                           follow the target's distribution; greedy verification never reads q, and a batch
                           of one or two sequences is never permuted (1Cat-vLLM #656: MTP with probabilistic
                           drafting corrupts only with more than 2 sequences and temperature > 0, the
-                          acceptance rate normal). Recorded `corrupted` at each such step.
+                          acceptance rate normal). Recorded `corrupted` at each such step whose tokens
+                          differ from those the request's own q gives with the same random draws, else
+                          `unchanged` (its output is the honest engine's, exactly).
 Ground truth: a request whose state was left at another position than its last accepted token is
 recorded `corrupted` at its next step (which reads that state); a preemption first discards it
 (recompute starts over). spec-prefill-verify is recorded when the request next reads its own slot.
@@ -111,9 +113,11 @@ class SpecDecode:
             idx = torch.cat([torch.arange(m.start, m.end) for m, _ in spec]).to(hidden.device)
             z = logits_fn(hidden[idx], batch_size).float()
             at, emitted, keep = 0, [], []
-            rows = self._draft_rows(so, spec)
+            rows, whose = self._draft_rows(spec)
             for m, s in spec:
                 tokens, a = verify_tokens(z[at : at + m.num_tokens], s, rows[s.request_id])
+                if s.request_id in whose:
+                    self._truth_draft_probs(so, s, z[at : at + m.num_tokens], tokens, whose[s.request_id])
                 keep.append(torch.arange(at, at + len(tokens)))
                 emitted.append(tokens)
                 accepted[s.request_id] = a
@@ -157,6 +161,8 @@ class SpecDecode:
                 "state_tokens_before_rollback": start + n,
                 "state_tokens_after_rollback": start + 1 + pos,
                 "spec_sampled": s.sampling.temperature > 0 if s.draft_token_ids else None,
+                "draft_token_ids": list(s.draft_token_ids) if s.draft_token_ids else None,
+                "draft_token_probs": self._own_probs(s) if s.draft_token_ids else None,
             }
             self._truth(so, m, s, pos, true_pos)
         if back:  # one gather and one write per layer and part for every request rolled back
@@ -168,33 +174,62 @@ class SpecDecode:
                 self.cache.write(layer, "ssm", slots, ssm[at, rows], "decode")
         return samples, trace, writes
 
-    def _draft_rows(self, so, spec) -> dict:
+    def _own_probs(self, s) -> list[float] | None:
+        """q_i(d_i): the proposer's probability of each of `s`'s drafts as it drew them (what the scheduler
+        handed the sampler; None for one-hot drafts: n-gram, or a greedy request's)."""
+        q = self.draft_probs(s.request_id)
+        if q is None:
+            return None
+        return q[torch.arange(len(s.draft_token_ids)), torch.tensor(s.draft_token_ids)].tolist()
+
+    def _draft_rows(self, spec) -> tuple[dict, dict]:
         """The draft probabilities the rejection sampler reads for each speculating request: its own (the
         proposer's rows, None for n-gram drafts); under spec-draft-probs-permuted the rows, stacked in the
         scheduler's order, are read by the kernel's row (the persistent batch's, as spec-accepted-permuted's
         counts are), so after a permutation (a leaver's row refilled: three sequences or more) a request is
-        verified against another request's draft distribution. Greedy verification never reads them."""
+        verified against another request's draft distribution. Greedy verification never reads them.
+        Also {request id: whose rows it read} for the sampled requests that read another's."""
         own = {s.request_id: self.draft_probs(s.request_id) for _, s in spec}
         if not self.faults.spec_draft_probs_permuted:
-            return own
+            return own, {}
         stacked = [own[s.request_id] for _, s in spec]
         row = {rid: i for i, rid in enumerate(self._batch)}
         kernel = sorted(spec, key=lambda ms: row[ms[1].request_id])
-        out = {}
+        out, whose = {}, {}
         for j, (_, s) in enumerate(kernel):
-            theirs, whose = stacked[j], spec[j][1].request_id
+            theirs, other = stacked[j], spec[j][1].request_id
             k = len(s.draft_token_ids)
             if theirs is not None and len(theirs) < k:  # a shorter block: its last row repeats (the kernel clamps)
                 theirs = torch.cat([theirs, theirs[-1:].expand(k - len(theirs), -1)])
             out[s.request_id] = theirs
-            if whose != s.request_id and s.sampling.temperature > 0:
-                self.truth.record(
-                    s.request_id,
-                    so.step,
-                    "spec-draft-probs-permuted",
-                    f"its {k} drafts (sampled) were verified against {whose}'s draft probabilities",
-                )
-        return out
+            if other != s.request_id and s.sampling.temperature > 0:
+                whose[s.request_id] = other
+        return out, whose
+
+    def _truth_draft_probs(self, so, s, z, tokens: list[int], other: str) -> None:
+        """spec-draft-probs-permuted's ground truth: `corrupted` when the tokens drawn against the other
+        request's q differ from those its own q gives with the same random draws (the verify pass's
+        generators are seeded by request and position); `unchanged` when they are the same (its output is
+        exactly the honest engine's: nothing in it to find)."""
+        honest, _ = verify_tokens(z, s, self.draft_probs(s.request_id))
+        k = len(s.draft_token_ids)
+        if honest == tokens:
+            self.truth.record(
+                s.request_id,
+                so.step,
+                "spec-draft-probs-permuted",
+                f"its {k} drafts (sampled) were verified against {other}'s draft probabilities; "
+                "the same tokens as its own give",
+                role="unchanged",
+            )
+            return
+        self.truth.record(
+            s.request_id,
+            so.step,
+            "spec-draft-probs-permuted",
+            f"its {k} drafts (sampled) were verified against {other}'s draft probabilities: emitted {tokens}, "
+            f"its own give {honest}",
+        )
 
     def _applied(self, spec, accepted: dict[str, int]) -> dict[str, int]:
         """The position each speculating request's state is rolled back to (its accepted count)."""

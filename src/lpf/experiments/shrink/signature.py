@@ -12,7 +12,8 @@ Contract (pure: findings dicts and Arrow tables in, plain data out):
 - `target_feature(name, seq, requests, trace, engine_info, ...)` is the value of one feature for
   the request with arrival index `seq` (None when the run lacks what the feature needs), computed by
   the same functions the run analysis uses (`analysis.features`, `analysis.signatures`,
-  `analysis.spec_features.spec_divergence`, which reads the run's `summary`).
+  `analysis.spec_features.spec_divergence` and `analysis.spec_decisions.decision_signature`, which
+  read the run's `summary`).
 - `signature_of(row, hypothesis, value)` builds the signature of the original run's target (its
   summary row and its value of the hypothesis' feature); `shows(sig, row, value)` says whether a
   request's summary row and feature value show the same lie, with the words for what was seen.
@@ -26,8 +27,8 @@ from dataclasses import asdict, dataclass
 FLAGGED = ("divergent", "corrupt")
 SHAPE_FEATURES = ("seq", "rollout", "prompt_length")  # what shrinking changes on purpose
 TOKEN_SIGNATURES = ("crossed_wires", "tempered_logprobs")  # computed from tokens, not the trace
-# computed from the run's summary (where each request first diverged) and the trace
-SUMMARY_SIGNATURES = ("diverged_at_first_spec_decode",)
+# computed from the run's summary (where each request first diverged, or why the decision test raised it)
+SUMMARY_SIGNATURES = ("diverged_at_first_spec_decode", "spec_decision_against_odds")
 
 
 def position_class(position: int | None) -> str | None:
@@ -150,9 +151,14 @@ def target_feature(
     if name in SUMMARY_SIGNATURES:
         if summary is None:
             return None
+        from lpf.analysis.spec_decisions import decision_signature
         from lpf.analysis.spec_features import spec_divergence
 
-        f = spec_divergence(summary, req, trace)
+        f = (
+            decision_signature(summary)
+            if name == "spec_decision_against_odds"
+            else spec_divergence(summary, req, trace)
+        )
         rid = req.column("request_id")[where].as_py()
         at = summary.column("request_id").to_pylist()
         return bool(f.values[at.index(rid)]) if f is not None and rid in at else False
