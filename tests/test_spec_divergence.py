@@ -117,3 +117,94 @@ def test_a_shrink_reads_the_signature_from_the_runs_summary():
     assert target_feature(name, 0, req, trace, {}, summary=summary) is True
     assert target_feature(name, 1, req, trace, {}, summary=summary) is False
     assert target_feature(name, 0, req, trace, {}) is None
+
+
+def _first_decode_rows_by_row(requests, trace):
+    """The per-row walk `_first_decode_rows` computes with columns: each request's rows by step, until the
+    first past its prompt (a decode/verify row sampling from output position >= 0 gives (first, 1 +
+    accepted, drafts)) or a prompt row off the prefill/extend path (nothing)."""
+    plen = {q["request_id"]: len(q["prompt_token_ids"]) for q in requests.to_pylist()}
+    rows = sorted((r for r in trace.to_pylist() if not r["preempted"]), key=lambda r: r["step"])
+    out, done = {}, set()
+    for r in rows:
+        rid = r["request_id"]
+        if rid in done or rid not in plen:
+            continue
+        if r["num_computed_tokens"] < plen[rid]:
+            if r["phase"] not in ("prefill", "extend"):
+                done.add(rid)
+            continue
+        drafts = r["num_draft_tokens"] or 0
+        first = r["num_computed_tokens"] + r["num_scheduled_tokens"] - drafts - plen[rid]
+        if r["phase"] in ("decode", "verify") and first >= 0:
+            out[rid] = (first, 1 + (r["num_accepted_tokens"] or 0), drafts)
+        done.add(rid)
+    return out
+
+
+def _random_trace(rng, n_requests):
+    """Requests of random prompt lengths: prefill chunks (some on the verify path), preemptions (a
+    preemption row, phase null, then the prompt again from 0), decode and verify rows with random drafts
+    and accepted counts, an occasional odd row (a decode-path row sampling before the output, a null
+    phase); a request the run does not have; rows shuffled."""
+    rows, step = [], 0
+    for i in range(n_requests + 1):
+        rid, plen = f"r{i}", int(rng.integers(1, 9))
+        start = int(rng.integers(0, 6))
+        computed, s = 0, start
+        for _ in range(int(rng.integers(1, 9))):
+            if rng.random() < 0.1:  # preempted: a row with phase null, then its prompt from scratch
+                rows.append({**_row(s, rid, None, 0, 0), "preempted": True, "num_draft_tokens": None})
+                computed, s = 0, s + 1
+                continue
+            if computed < plen:
+                chunk = int(rng.integers(1, plen - computed + 1))
+                phase = str(
+                    rng.choice(["prefill" if computed == 0 else "extend", "verify", "decode"], p=[0.8, 0.1, 0.1])
+                )
+                rows.append(_row(s, rid, phase, computed, chunk))
+                computed += chunk
+            else:
+                drafts = int(rng.integers(0, 4))
+                accepted = int(rng.integers(0, drafts + 1)) if drafts else None
+                phase = "verify" if drafts else str(rng.choice(["decode", "extend", None], p=[0.85, 0.1, 0.05]))
+                back = int(rng.integers(0, 3)) if rng.random() < 0.1 else 0  # samples before the output
+                rows.append(_row(s, rid, phase, computed - back, 1 + drafts, drafts, accepted))
+                computed += 1 + (accepted or 0)
+            s += 1
+        step = max(step, s)
+        # a step that saw two rows of the request (a tie the walk takes in trace order)
+        if rng.random() < 0.05:
+            rows.append(_row(start, rid, "decode", plen, 1))
+        rows[-1]["prompt_len"] = plen
+    plens = {r["request_id"]: r.pop("prompt_len") for r in rows if "prompt_len" in r}
+    requests = pa.Table.from_pylist(
+        [
+            {
+                "request_id": f"r{i}",
+                "seq": i,
+                "prompt_id": f"p{i}",
+                "rollout": 0,
+                "prompt_token_ids": [1] * plens[f"r{i}"],
+            }
+            for i in range(n_requests)  # the last request's rows are in the trace, the request is not
+        ],
+        schema=REQUESTS,
+    )
+    order = rng.permutation(len(rows))
+    return requests, pa.Table.from_pylist([rows[i] for i in order], schema=SCHEMA)
+
+
+def test_first_decode_rows_by_columns_is_the_per_row_walk():
+    from lpf.analysis.spec_features import _first_decode_rows
+
+    rng = np.random.default_rng(7)
+    seen = set()
+    for _ in range(40):
+        requests, trace = _random_trace(rng, int(rng.integers(1, 30)))
+        want = _first_decode_rows_by_row(requests, trace)
+        assert _first_decode_rows(requests, trace) == want
+        seen |= {("drafts" if d else "none", n > 1) for _, n, d in want.values()}
+    assert {("drafts", True), ("drafts", False), ("none", False)} <= seen  # the cases were reached
+    requests, trace = _random_trace(rng, 3)
+    assert _first_decode_rows(requests, trace.slice(0, 0)) == {}

@@ -106,6 +106,7 @@ def test_the_trace_names_the_speculative_decode_step_where_vllm_cpu_requests_go_
     the first divergences measured (positions 1-4: docs/real-engines.md). Measured: 24/24 corrupt, all
     there, 31 s."""
     import pyarrow.dataset as ds
+    import pyarrow.parquet as pq
 
     out = tmp_path / "run"
     r = _ngram_audit(lpf_cli, out, copy24, 6)
@@ -115,6 +116,7 @@ def test_the_trace_names_the_speculative_decode_step_where_vllm_cpu_requests_go_
     assert verify and all(t["phase"] == "verify" and t["num_accepted_tokens"] is not None for t in verify)
     assert len(verify) == spec["drafts"] and sum(t["num_draft_tokens"] for t in verify) == spec["draft_tokens"]
     assert sum(t["num_accepted_tokens"] for t in verify) == spec["accepted_tokens"]
+    _drafts_are_the_verified_ones(trace, pq.read_table(out / "requests").to_pylist())
     f = json.loads(r.out)
     assert f["shape"]["n_flagged"] >= 18
     top = f["hypotheses"][0]
@@ -122,6 +124,32 @@ def test_the_trace_names_the_speculative_decode_step_where_vllm_cpu_requests_go_
     assert "first decode step after the prefill, on the speculative decode path" in top["sentence"]
     assert top["flagged_with"] >= 0.9 * f["shape"]["n_flagged"]
     assert all(h["feature"] != "crossed_wires" or h["rank"] > 1 for h in f["hypotheses"])
+
+
+def _drafts_are_the_verified_ones(trace, requests):
+    """Per verify row the drafts it verified (draft_token_ids, one per num_draft_tokens) are real: a row
+    samples output positions num_computed + num_scheduled - num_draft - prompt_length onwards
+    (spec_features), so its accepted drafts are the request's output tokens there and (greedy) its first
+    rejected draft is not the token sampled in its place. N-gram drafts reach the sampler without
+    probabilities (one-hot): draft_token_probs is null. Rows without drafts carry none."""
+    out = {q["request_id"]: q["output_token_ids"] for q in requests}
+    prompt = {q["request_id"]: len(q["prompt_token_ids"]) for q in requests}
+    accepted = rejected = 0
+    for t in trace:
+        if not t["num_draft_tokens"]:
+            assert t["draft_token_ids"] is None and t["draft_token_probs"] is None, t
+            continue
+        drafts, tokens, n = t["draft_token_ids"], out[t["request_id"]], t["num_accepted_tokens"]
+        assert len(drafts) == t["num_draft_tokens"] and t["draft_token_probs"] is None, t
+        first = t["num_computed_tokens"] + t["num_scheduled_tokens"] - t["num_draft_tokens"] - prompt[t["request_id"]]
+        for i in range(n):
+            if first + i < len(tokens):
+                assert tokens[first + i] == drafts[i], (t, tokens)
+                accepted += 1
+        if n < len(drafts) and first + n < len(tokens):
+            assert tokens[first + n] != drafts[n], (t, tokens)
+            rejected += 1
+    assert accepted and rejected
 
 
 @needs_vllm

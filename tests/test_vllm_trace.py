@@ -147,6 +147,63 @@ def test_a_speculating_steps_rows_wait_for_the_samplers_accepted_counts(plugin):
     assert added[-1][1]["num_accepted_tokens"] == [None]
 
 
+def test_a_steps_drafts_and_their_probabilities_are_the_ones_the_sampler_read(plugin):
+    """draft_token_probs: null (one-hot) while the runner gives the rejection sampler no draft probabilities
+    (n-gram), else q[row, position, draft] from the runner's [requests, K, vocab] tensor (rows by its
+    `_draft_prob_req_ids`), a padded draft (-1) null; a drafted request the tensor lacks: null, as vLLM
+    falls back to q = 1. Under async scheduling the drafts come from the runner's last proposal."""
+    import torch
+    from lpf_vllm_trace.hooks import _Step
+    from lpf_vllm_trace.step_rows import StepReader
+
+    added = []
+
+    class Rec:
+        def add(self, table, cols):
+            added.append({k: list(v) for k, v in cols.items()})
+
+    class Session:
+        recorder = Rec()
+
+    class Batch:
+        req_ids = ["a", "b", "c"]
+        prev_req_id_to_index = {"c": 0, "a": 1}
+
+    class Runner:
+        input_batch = Batch()
+        _draft_probs = None
+        _draft_prob_req_ids = None
+
+    def step(drafts):
+        st = _Step(3, None)
+        st.rows = {
+            "request_id": ["gone", "a", "b", "c"],
+            "num_draft_tokens": [None, 3, 0, 2],
+            "num_accepted_tokens": [None] * 4,
+            "draft_token_ids": [None, *drafts],
+            "draft_token_probs": [None] * 4,
+        }
+        st.row_ids = ["a", "b", "c"]
+        return st
+
+    reader, sampled = StepReader(Session(), object), torch.tensor([[5, 6, -1, -1], [9, -1, -1, -1], [4, 4, 4, -1]])
+    reader.accepted(step([[1, 2, -1], None, [3, 4]]), Runner(), sampled)  # n-gram: no q
+    assert added[-1]["draft_token_ids"] == [None, [1, 2, -1], None, [3, 4]]
+    assert added[-1]["draft_token_probs"] == [None] * 4
+    q = torch.arange(3 * 3 * 8, dtype=torch.float32).reshape(3, 3, 8) / 100  # rows c, x, a
+    Runner._draft_probs, Runner._draft_prob_req_ids = q, ["c", "x", "a"]
+    reader.accepted(step([[1, 2, -1], None, [3, 4]]), Runner(), sampled)
+    want_a = [float(q[2, 0, 1]), float(q[2, 1, 2]), None]
+    assert added[-1]["draft_token_probs"] == [None, want_a, None, [float(q[0, 0, 3]), float(q[0, 1, 4])]]
+    Runner._draft_prob_req_ids = ["c", "x", "y"]  # "a" drafted without a cached row: vLLM reads q = 1
+    reader.accepted(step([[1, 2, -1], None, [3, 4]]), Runner(), sampled)
+    assert added[-1]["draft_token_probs"] == [None] * 4
+    Runner.use_async_scheduling, Runner._draft_probs = True, None  # placeholders: the runner's own drafts
+    Runner._draft_token_ids = torch.tensor([[7, 8, 9], [4, 5, 6]])  # rows c, a (prev_req_id_to_index)
+    reader.accepted(step([None, None, None]), Runner(), sampled)
+    assert added[-1]["draft_token_ids"] == [None, [4, 5, 6], None, [7, 8]]
+
+
 def step_cols(ids, drafts):
     return {"request_id": ids, "num_draft_tokens": drafts}
 

@@ -8,9 +8,17 @@ all null when the engine does not speculate):
                            0: none)
   num_accepted_tokens      how many of them the rejection sampler accepted (null: no drafts)
   spec_sampled             its drafts were verified at temperature > 0 (null: no drafts)
-  draft_token_ids          the drafts verified in this row, in order (null: none)
+  draft_token_ids          the drafts verified in this row, in order (null: none; a preemption row); vLLM's
+                           `scheduled_spec_decode_tokens` (a -1 is a padded draft, always rejected), under
+                           async scheduling the runner's own proposal (null if it holds none)
   draft_token_probs        the proposer's probability of each draft (null: one-hot drafts, q = 1, as
-                           vLLM's rejection sampler reads them when it is given no draft probabilities)
+                           vLLM's rejection sampler reads them when it is given no draft probabilities,
+                           rejection_sampler.py:871-872). vllm 0.32.0 gives it none for n-gram
+                           speculation: gpu_model_runner.py:3459 passes `_get_spec_decode_draft_probs`,
+                           None while `_draft_probs` is None (:4722), which `propose_draft_token_ids`
+                           clears (:4764) and only a drafter with `take_last_draft_probs` (EAGLE, draft
+                           model: :5019-5023), never the n-gram branch (:4766), sets. Those drafters'
+                           q_i(d_i) are read from the same tensor (step_rows.StepReader._draft_probs)
   verify_state_slot, state_tokens_before_rollback, state_tokens_after_rollback
                            always null here: which column of its state table vLLM's Mamba kernels read
                            and wrote is decided inside the kernel (`num_accepted_tokens`), out of sight

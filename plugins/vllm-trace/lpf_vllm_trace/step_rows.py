@@ -18,6 +18,10 @@ sampled ids, counted as the runner counts them for the Mamba kernels (`gpu_model
 non-placeholder ids per row, the bonus token included), and only then reach the recorder, so the
 flusher never writes a step without its counts. `emit(step)` sends a step on as it is (the sampler
 never ran: its counts stay null).
+Drafts: `draft_token_ids` are the row's `scheduled_spec_decode_tokens` (under async scheduling those are
+placeholders: `accepted` reads the runner's real ones instead); `draft_token_probs` stays null (one-hot,
+q = 1) unless the rejection sampler was given draft probabilities this step, which n-gram speculation
+never is (`_draft_probs`, whose file:line citations are there).
 """
 
 from __future__ import annotations
@@ -115,7 +119,12 @@ class StepReader:
                 "decode" if i < num_decodes else ("prefill" if c == 0 else "extend") for i, c in enumerate(computed)
             ]
         spec = runner.speculative_config is not None
-        drafts = [len(so.scheduled_spec_decode_tokens.get(r, ())) for r in req_ids] if spec else [None] * n
+        scheduled = [list(so.scheduled_spec_decode_tokens.get(r, ())) for r in req_ids] if spec else [[]] * n
+        drafts = [len(s) for s in scheduled] if spec else [None] * n
+        # the drafts verified, as scheduled; under async scheduling the scheduler only holds placeholders
+        # (-1s, vllm/v1/core/sched/async_scheduler.py:18): null until `accepted` reads the runner's own
+        if getattr(runner, "use_async_scheduling", False):
+            scheduled = [[]] * n
         if spec:  # a decode row with drafts takes the verify path (the built-in engine's phase name)
             phases = ["verify" if d and ph == "decode" else ph for d, ph in zip(drafts, phases)]
         preempted = sorted(so.preempted_req_ids or ())
@@ -140,6 +149,8 @@ class StepReader:
             "num_draft_tokens": [None] * k + drafts,
             "num_accepted_tokens": [None] * m,  # after sampling (`accepted`)
             "spec_sampled": [None] * k + [bool(ib.temperature_cpu[i] > 0) if d else None for i, d in enumerate(drafts)],
+            "draft_token_ids": [None] * k + [s or None for s in scheduled],
+            "draft_token_probs": [None] * m,  # null (one-hot) unless `accepted` finds the sampler's q
         }
         if self.prefix is not None:
             gid = self.groups[0][0]
@@ -179,7 +190,60 @@ class StepReader:
             for i, d in enumerate(cols["num_draft_tokens"][k:]):
                 if d:  # the first valid id is the target's own token, the rest accepted drafts
                     cols["num_accepted_tokens"][k + i] = max(int(valid[i]) - 1, 0)
+            if "draft_token_ids" in cols:
+                rows = [(k + i, rid, d) for i, (rid, d) in enumerate(zip(ids, cols["num_draft_tokens"][k:])) if d]
+                if rows and getattr(runner, "use_async_scheduling", False):
+                    self._device_drafts(runner, rows, cols["draft_token_ids"])
+                if rows:
+                    self._draft_probs(runner, rows, cols)
         self.emit(step)
+
+    @staticmethod
+    def _device_drafts(runner, rows, out) -> None:
+        """Async scheduling: this step's real drafts, from the runner's last proposal (rows by the previous
+        batch's `prev_req_id_to_index`, as `_prepare_input_ids` scatters them, gpu_model_runner.py:1853-1873);
+        one small device copy after the sampler's own sync. Left null when the runner holds none."""
+        import torch
+
+        proposed = getattr(runner, "_draft_token_ids", None)
+        prev = getattr(runner.input_batch, "prev_req_id_to_index", None) or {}
+        if not torch.is_tensor(proposed) or any(rid not in prev for _, rid, _ in rows):
+            return
+        host = proposed[torch.tensor([prev[rid] for _, rid, _ in rows], device=proposed.device)].tolist()
+        for (j, _, d), ids in zip(rows, host):
+            out[j] = [int(t) for t in ids[:d]]
+
+    @staticmethod
+    def _draft_probs(runner, rows, cols) -> None:
+        """q_i(d_i) as the rejection sampler read it. It is given draft probabilities only through
+        `_get_spec_decode_draft_probs` (gpu_model_runner.py:3459, 4719-4746): None unless the last proposal
+        set `_draft_probs` (only a drafter with `take_last_draft_probs`, gpu_model_runner.py:5019-5023;
+        `propose_draft_token_ids` clears it first, :4764-4765, and the n-gram branch, :4766, never sets it),
+        or when a drafted row has no cached row (:4731-4738, vLLM's own fallback). None reads every draft as
+        q = 1 (rejection_sampler.py:871-872): the column stays null (one-hot), as it does for every n-gram
+        step. Otherwise one gather of [rows x K] values from the [requests, K, vocab] tensor; a padded
+        draft (-1, rejected without reading q, rejection_sampler.py:864) gets a null element."""
+        import torch
+
+        q, qids = getattr(runner, "_draft_probs", None), getattr(runner, "_draft_prob_req_ids", None)
+        if q is None or qids is None:
+            return
+        at = {rid: i for i, rid in enumerate(qids)}
+        drafts = [cols["draft_token_ids"][j] for j, _, _ in rows]
+        if any(rid not in at for _, rid, _ in rows) or any(ids is None for ids in drafts):
+            return  # vLLM falls back to q = 1 itself; drafts unknown: q cannot be read (left null)
+        r, p, t = [], [], []
+        for (_, rid, _), ids in zip(rows, drafts):
+            for pos, tok in enumerate(ids):
+                r.append(at[rid]), p.append(pos), t.append(max(int(tok), 0))
+        dev = q.device
+        vals = q[torch.tensor(r, device=dev), torch.tensor(p, device=dev), torch.tensor(t, device=dev)].tolist()
+        i = 0
+        for (j, _, _), ids in zip(rows, drafts):
+            cols["draft_token_probs"][j] = [
+                float(v) if tok >= 0 else None for v, tok in zip(vals[i : i + len(ids)], ids)
+            ]
+            i += len(ids)
 
     def emit(self, step) -> None:
         if step.rows is not None:

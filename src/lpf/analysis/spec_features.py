@@ -147,35 +147,44 @@ def spec_features(requests: pa.Table, trace: pa.Table | None) -> list[Feature]:
 
 def _first_decode_rows(requests: pa.Table, trace: pa.Table) -> dict:
     """request id -> (first output position it sampled, how many, drafts) of its first step after a
-    prompt prefilled off the verify path; requests whose prompt went through a verify row are left out."""
-    plen = dict(
-        zip(
-            requests.column("request_id").to_pylist(),
-            pc.list_value_length(requests.column("prompt_token_ids")).to_pylist(),
-        )
-    )
-    rows = trace.filter(pc.invert(trace.column("preempted").fill_null(False))).sort_by([("step", "ascending")])
-    cols = {
-        c: rows.column(c).to_pylist()
-        for c in ("request_id", "phase", "num_computed_tokens", "num_scheduled_tokens", "num_draft_tokens")
-    }
-    accepted = rows.column("num_accepted_tokens").to_pylist()
-    out: dict = {}
-    done: set = set()
-    for k, rid in enumerate(cols["request_id"]):
-        if rid in done or rid not in plen:
-            continue
-        computed, phase = cols["num_computed_tokens"][k], cols["phase"][k]
-        if computed < plen[rid]:  # still its prompt: only a prefill or extend keeps it off the verify path
-            if phase not in ("prefill", "extend"):
-                done.add(rid)
-            continue
-        drafts = cols["num_draft_tokens"][k] or 0
-        first = computed + cols["num_scheduled_tokens"][k] - drafts - plen[rid]
-        if phase in ("decode", "verify") and first >= 0:
-            out[rid] = (first, 1 + (accepted[k] or 0), drafts)
-        done.add(rid)
-    return out
+    prompt prefilled off the verify path; requests whose prompt went through a verify row are left out.
+    Rows in any order (a request's in step order, ties in trace order); preemption rows and requests
+    the run does not have are skipped. Columns, not rows: per request the first row that ends its walk,
+    a row past its prompt or a prompt row off the prefill/extend path, decides."""
+    ids = requests.column("request_id")
+    plens = pc.list_value_length(requests.column("prompt_token_ids")).fill_null(0).to_numpy(zero_copy_only=False)
+    live = pc.invert(trace.column("preempted").fill_null(False)).to_numpy(zero_copy_only=False)
+    req = pc.index_in(trace.column("request_id"), value_set=ids).fill_null(-1).to_numpy(zero_copy_only=False)
+
+    def col(name: str) -> np.ndarray:
+        return trace.column(name).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
+
+    def phase_in(*names: str) -> np.ndarray:
+        return pc.is_in(trace.column("phase"), value_set=pa.array(names)).fill_null(False).to_numpy(False)
+
+    keep = np.flatnonzero(live & (req >= 0))
+    # a request's rows by step, ties in trace order (stable sorts); one int64 key when it fits (2x lexsort)
+    step = col("step")[keep]
+    lo = int(step.min()) if len(step) else 0
+    span = int(step.max()) - lo + 1 if len(step) else 1
+    if len(ids) * span < 1 << 62:
+        order = keep[np.argsort(req[keep] * span + (step - lo), kind="stable")]
+    else:
+        order = keep[np.lexsort((step, req[keep]))]
+    req = req[order]
+    plen = plens.astype(np.int64)[req]
+    computed = col("num_computed_tokens")[order]
+    # a row past its prompt decides; a prompt row off the prefill/extend path ends the walk with nothing
+    ends = (computed >= plen) | ~phase_in("prefill", "extend")[order]
+    at = np.flatnonzero(ends)
+    at = at[np.unique(req[at], return_index=True)[1]]  # each request's first such row
+    rows = order[at]
+    drafts = col("num_draft_tokens")[rows]
+    first = computed[at] + col("num_scheduled_tokens")[rows] - drafts - plen[at]
+    n = 1 + col("num_accepted_tokens")[rows]
+    hit = (computed[at] >= plen[at]) & phase_in("decode", "verify")[rows] & (first >= 0)
+    names = ids.take(pa.array(req[at][hit])).to_pylist()
+    return dict(zip(names, zip(first[hit].tolist(), n[hit].tolist(), drafts[hit].tolist())))
 
 
 def spec_divergence(summary: pa.Table, requests: pa.Table, trace: pa.Table | None) -> Feature | None:
