@@ -312,6 +312,42 @@ def refused(llm) -> str | None:
     )
 
 
+def refused_seeded(llm, sampling: dict) -> str | None:
+    """Why a sampled run would fail mid-run (None: nothing known). lpf gives every request a seed, and
+    vLLM builds a per-request generator for a seeded sampled request on the device, a CPU generator on
+    the CPU build; after a step whose sampled token it discards (a prompt prefilled in chunks: any run
+    whose queue outgrows the step's token budget) the runner rewinds that generator by 4 offsets
+    (`GPUModelRunner._bookkeeping_sync`, written for CUDA's Philox generators), and a CPU generator has
+    none: `RuntimeError: CPU Generator does not use offset` kills the engine (docs/bugs.md 24)."""
+    import inspect
+
+    import torch
+
+    if not sampling.get("temperature"):  # greedy requests get no generator
+        return None
+    cfg = llm.llm_engine.vllm_config
+    if cfg.device_config.device_type != "cpu" or not getattr(cfg.scheduler_config, "enable_chunked_prefill", False):
+        return None
+    try:
+        torch.Generator().get_offset()
+        return None  # this torch's CPU generator has an offset: the rewind works
+    except RuntimeError:
+        pass
+    try:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+        body = inspect.getsource(GPUModelRunner._bookkeeping_sync)
+    except (ImportError, AttributeError, OSError, TypeError):
+        return None
+    if "gen.set_offset(gen.get_offset() - 4)" not in body or "cpu" in body.lower():
+        return None  # no rewind, or one that minds CPU generators
+    return (
+        "this vLLM cannot sample seeded requests with chunked prefill on its CPU build: it rewinds a CPU "
+        "generator's offset, which CPU generators do not have (vllm/v1/worker/gpu_model_runner.py, "
+        "_bookkeeping_sync; docs/bugs.md 24); add -E enable_chunked_prefill=false"
+    )
+
+
 def start(config: dict, out):
     """vllm.LLM for `config`, announced as ready; None (announced as fatal) when it cannot be built."""
     try:
@@ -322,7 +358,7 @@ def start(config: dict, out):
         traceback.print_exc()
         emit(out, {"type": "fatal", "error": f"{type(e).__name__}: {' '.join(str(e).split())[:500]}"})
         return None
-    why = refused(llm)
+    why = refused(llm) or refused_seeded(llm, config.get("sampling") or {})
     if why is not None:  # said before any request, instead of every request failing at the first step
         emit(out, {"type": "fatal", "error": why})
         return None

@@ -68,7 +68,7 @@ from lpf.analysis.mechanisms import attribute
 from lpf.analysis.penalties import fit_penalty, phrase as penalty_phrase
 from lpf.analysis.run_test import DEFAULT_ALPHA, run_level_test, token_evidence
 from lpf.analysis.shape import failure_shape
-from lpf.analysis.spec_decisions import decision_signature, decision_test, raise_decisions
+from lpf.analysis.spec_decisions import decision_signature, decision_slack, decision_test, raise_decisions
 from lpf.analysis.signatures import crossed_wires, fit_logprob_temperature, tempered_logprobs
 from lpf.analysis.spec_features import spec_divergence
 from lpf.analysis.thresholds import Thresholds
@@ -131,7 +131,8 @@ def analyze(
         test = run_level_test(joined, tokens, reference, requests, expected, sampling, cols=cal_cols, starts=starts)
         summary = _localized(summary, test, cal_cols, expected, sampling, joined, tokens, reference, requests, starts)
     sampling = (run_info or {}).get("sampling") or {"temperature": temperature}
-    decisions = decision_test(tokens, reference, requests, trace, sampling, th.divergent_abs_diff, DEFAULT_ALPHA)
+    slack = decision_slack(th.divergent_abs_diff, expected)
+    decisions = decision_test(tokens, reference, requests, trace, sampling, slack, DEFAULT_ALPHA)
     if decisions is not None:
         summary = raise_decisions(summary, decisions[0])
     findings = findings_dict(summary, th, metric_summary(cols, flips, same), joined.num_rows)

@@ -23,7 +23,8 @@ of N tested decisions the chance that any has a bound at most alpha / N is at mo
 
 Contract (pure): `decision_test(tokens, reference, requests, trace, sampling, slack, alpha)` ->
 `{request_id: (position, bound, detail)}` for the requests with such a decision (the first, by
-position), and an info dict {tested, kept, rejected_tested, threshold, alpha, requests, rule}; None
+position), and an info dict {tested, kept, rejected_tested, threshold, smallest (the least likely
+decision's bound), alpha, requests, rule}; None
 when nothing is tested (no trace columns, no sampled verify rows, a top-k run).
 `raise_decisions(summary, found)`: those requests `divergent` there (column `spec_decision`: why);
 `decision_signature(summary, crowded)`: the hypothesis signature `spec_decision_against_odds`.
@@ -44,7 +45,7 @@ RULE = (
     "a draft the rejection sampler kept (or rejected) with a probability under the reference's distribution "
     "at most alpha / (decisions tested in the run) makes the request divergent at its position"
 )
-_TRACE = ("request_id", "phase", "num_computed_tokens", "num_scheduled_tokens", "num_draft_tokens")
+_TRACE = ("request_id", "num_computed_tokens", "num_scheduled_tokens", "num_draft_tokens")
 
 
 def _decisions(requests: pa.Table, trace: pa.Table) -> dict[str, np.ndarray] | None:
@@ -52,8 +53,9 @@ def _decisions(requests: pa.Table, trace: pa.Table) -> dict[str, np.ndarray] | N
     need = (*_TRACE, "num_accepted_tokens", "spec_sampled", "draft_token_ids")
     if trace is None or any(c not in trace.column_names for c in need):
         return None
+    # any row with drafts verified (vLLM calls an attention-only model's such rows `extend`, not `verify`)
     mask = pc.and_(
-        pc.and_(pc.equal(trace.column("phase"), "verify"), trace.column("spec_sampled").fill_null(False)),
+        trace.column("spec_sampled").fill_null(False),
         pc.and_(pc.is_valid(trace.column("draft_token_ids")), pc.is_valid(trace.column("num_accepted_tokens"))),
     )
     rows = trace.filter(mask)
@@ -67,7 +69,7 @@ def _decisions(requests: pa.Table, trace: pa.Table) -> dict[str, np.ndarray] | N
     )
     rid = rows.column("request_id").to_numpy(zero_copy_only=False)
     prompt = np.array([plen.get(r, -1) for r in rid], dtype=np.int64)
-    col = {c: rows.column(c).to_numpy(zero_copy_only=False).astype(np.int64) for c in _TRACE[2:]}
+    col = {c: rows.column(c).to_numpy(zero_copy_only=False).astype(np.int64) for c in _TRACE[1:]}
     accepted = rows.column("num_accepted_tokens").to_numpy(zero_copy_only=False).astype(np.int64)
     # the row samples output positions from here on (spec_features' rule)
     start = col["num_computed_tokens"] + col["num_scheduled_tokens"] - col["num_draft_tokens"] - prompt
@@ -125,6 +127,13 @@ def _reference_at(tokens, reference, rid, pos) -> dict:
     return out
 
 
+def decision_slack(divergent: float, floor: dict | None) -> float:
+    """The logprob error an honest engine's decisions are allowed: the expected floor's (2 x 4 x its 99th
+    percentile of logit error, at least 0.01), at most the divergent threshold; without a floor, that."""
+    q99 = ((floor or {}).get("token") or {}).get("q99")
+    return min(divergent, max(0.01, 8.0 * float(q99))) if q99 else divergent
+
+
 def decision_test(
     tokens: pa.Table,
     reference: pa.Table,
@@ -163,35 +172,99 @@ def decision_test(
         elif agrees[j] and t <= 1.0 and top_p >= 1.0 and ids and int(d["draft"][j]) in ids:
             lp = lps[ids.index(int(d["draft"][j]))]
             bound[j] = 1.0 - min(1.0, math.exp((lp - 2.0 * slack) / t) / d["q"][j])
+    tail = _recovered_tails(d, ref, agrees, t, top_p, slack)
     tested = np.isfinite(bound)
     n = int(tested.sum())
     if n == 0:
         return None
-    c = alpha / n
     found: dict = {}
+    c = alpha / 2 / n  # half the run's alpha for single decisions, half for whole requests
     for j in np.flatnonzero(tested & (bound <= c)):
         rid, pos = str(d["request_id"][j]), int(d["position"][j])
-        if rid in found and found[rid][0] <= pos:
+        if rid not in found or pos < found[rid][0]:
+            found[rid] = (pos, float(bound[j]), _said(d, j, bound[j]))
+    # a request's decisions together: Fisher over each decision's p-value (its bound when under 1/2: the
+    # rarer of its two outcomes happened; else 1) and each draw's tail
+    pv = np.where(tested, np.where(bound < 0.5, bound, 1.0), np.nan)
+    terms = {}
+    for j in np.flatnonzero(tested | np.isfinite(tail)):
+        rid = str(d["request_id"][j])
+        terms.setdefault(rid, []).extend(x for x in (pv[j], tail[j]) if np.isfinite(x))
+    c_req = alpha / 2 / max(len(terms), 1)
+    worst = {}
+    for j in np.flatnonzero(tested):
+        rid = str(d["request_id"][j])
+        if rid not in worst or pv[j] < pv[worst[rid]]:
+            worst[rid] = j
+    for rid, ps in terms.items():
+        if rid in found or len(ps) < 2 or rid not in worst:
             continue
-        what = "kept" if d["kept"][j] else "rejected"
-        found[rid] = (
-            pos,
-            float(bound[j]),
-            f"the rejection sampler {what} draft {int(d['draft'][j])} at output position {pos} (draft "
-            f"probability {d['q'][j]:.3g}), which the target keeps with probability "
-            f"{'at most ' if d['kept'][j] else 'at least '}"
-            f"{bound[j] if d['kept'][j] else 1 - bound[j]:.3g} (the reference's distribution)",
-        )
+        p_req = fisher(ps)
+        if p_req <= c_req:
+            j = worst[rid]
+            found[rid] = (
+                int(d["position"][j]),
+                p_req,
+                f"the rejection sampler's {len(ps)} decisions and draws on this request have probability "
+                f"{p_req:.3g} together under the reference's distribution (Fisher); the least likely: "
+                + _said(d, j, bound[j]),
+            )
     info = {
         "tested": n,
         "kept": int((tested & d["kept"]).sum()),
         "rejected_tested": int((tested & ~d["kept"]).sum()),
+        "draws_tested": int(np.isfinite(tail).sum()),
         "threshold": c,
+        "request_threshold": c_req,
+        "smallest": float(bound[tested].min()),  # the least likely decision the run made
         "alpha": alpha,
         "requests": len(found),
         "rule": RULE,
     }
     return found, info
+
+
+def _said(d: dict, j: int, b: float) -> str:
+    what, verb = ("kept", "keeps") if d["kept"][j] else ("rejected", "rejects")
+    pos = int(d["position"][j])
+    return (
+        f"the rejection sampler {what} draft {int(d['draft'][j])} at output position {pos} (draft "
+        f"probability {d['q'][j]:.3g}), which the target {verb} with probability "
+        f"at most {b:.3g} (the reference's distribution)"
+    )
+
+
+def _recovered_tails(d, ref, agrees, t: float, top_p: float, slack: float) -> np.ndarray:
+    """Per rejected one-hot draft (q = 1) at temperature 1 without top-p: an upper bound on the chance an
+    honest sampler draws, in its place, a token as improbable as the one emitted (its residual is the
+    target with the draft left out: the tail below the token's p, over 1 - p(draft)). NaN elsewhere."""
+    out = np.full(d["draft"].size, np.nan)
+    if t != 1.0 or top_p < 1.0:
+        return out
+    up, down = math.exp(slack), math.exp(-slack)
+    for j in np.flatnonzero(~d["kept"] & agrees & (d["q"] == 1.0) & (ref["token"] >= 0)):
+        ids, lps = ref["topk_ids"][j], ref["topk_lps"][j]
+        draft, token = int(d["draft"][j]), int(ref["token"][j])
+        if not ids or token == draft:
+            continue
+        p_token = math.exp(ref["lp"][j]) * up
+        known = draft in ids
+        p_draft_hi = math.exp(lps[ids.index(draft)] if known else min(lps)) * up
+        p_draft_lo = math.exp(lps[ids.index(draft)]) * down if known else 0.0
+        above = sum(math.exp(x) * down for y, x in zip(ids, lps) if y != draft and math.exp(x) * down > p_token)
+        rest = 1.0 - p_draft_hi  # the residual's mass, at least
+        out[j] = min(1.0, max(0.0, 1.0 - p_draft_lo - above) / rest) if rest > 0 else 1.0
+    return out
+
+
+def fisher(ps: list[float]) -> float:
+    """Fisher's combination of independent p-values: P(chi2 with 2k dof >= -2 sum ln p)."""
+    k = len(ps)
+    x = -sum(math.log(max(p, 1e-300)) for p in ps)  # half the chi-square statistic
+    # survival of chi2(2k) at 2x: exp(-x) sum_{i<k} x^i / i!, in logs
+    terms = [i * math.log(x) - math.lgamma(i + 1) - x for i in range(k)] if x > 0 else [0.0]
+    top = max(terms)
+    return min(1.0, math.exp(top) * sum(math.exp(v - top) for v in terms))
 
 
 def raise_decisions(summary: pa.Table, found: dict) -> pa.Table:
