@@ -151,12 +151,37 @@ def test_a_wrong_count_names_its_verify_step_and_the_last_leavers_before_it():
     assert [r for r, why in got.items() if leaver(why)] == ["gone2", "gone3"]  # the shrink cuts these to one token
 
 
+def test_a_decision_against_odds_names_its_crowded_sampled_step_and_the_last_leavers_before_it():
+    def v(step, rid, drafts, sampled=True):
+        return dict(step=step, request_id=rid, num_draft_tokens=drafts, spec_sampled=sampled if drafts else None)
+
+    rows = [
+        v(1, "gone1", 2), v(1, "gone2", 2), v(1, "a", 2),
+        v(2, "gone2", 2), v(2, "a", 2), v(2, "t", 0),  # t's prefill; gone1 left after step 1
+        v(3, "t", 2), v(3, "a", 2),  # only 2 speculating: no permuted read of 3+ rows
+        v(4, "t", 2), v(4, "a", 2), v(4, "b", 2), v(4, "plain", 0),  # the first crowded sampled step
+        v(5, "t", 2), v(5, "a", 2), v(5, "b", 2),
+    ]  # fmt: skip
+    trace = pa.Table.from_pylist(rows)
+    got = narrow_suspects(trace, "t", "spec_decision_against_odds")
+    assert got == {
+        "a": "shared the sampled verify step 4",
+        "b": "shared the sampled verify step 4",
+        "gone1": "left the batch at step 1, before the verify step 4 (its row refilled)",
+        "gone2": "left the batch at step 2, before the verify step 4 (its row refilled)",
+    }
+    greedy = pa.Table.from_pylist([{**r, "spec_sampled": False if r["num_draft_tokens"] else None} for r in rows])
+    assert narrow_suspects(greedy, "t", "spec_decision_against_odds") == {}  # greedy never reads q
+
+
 def test_the_spec_hypotheses_name_one_sequence_at_a_time_and_a_small_permuted_batch():
     knobs = {"max_num_seqs": 8, "speculative": "ngram:8"}
     what, moves = named_moves([{"feature": "prompt_on_verify_path"}], BuiltinEngine.Options, knobs)
     assert "null slot" in what and moves == [{"max_num_seqs": 1}, {"max_num_seqs": 2}]
     what, moves = named_moves([{"feature": "state_rolled_back_wrong"}], BuiltinEngine.Options, knobs)
     assert moves == [{"max_num_seqs": 3}, {"max_num_seqs": 4}]
+    what, moves = named_moves([{"feature": "spec_decision_against_odds"}], BuiltinEngine.Options, knobs)
+    assert "permutes" in what and moves == [{"max_num_seqs": 3}, {"max_num_seqs": 4}]
     assert named_moves([{"feature": "resumed_overshot_state"}], BuiltinEngine.Options, knobs)[1] == [
         {"max_num_seqs": 1}
     ]

@@ -162,3 +162,43 @@ def test_speculation_with_prefix_caching_on_a_vllm_cpu_hybrid_is_refused_in_one_
     assert r.code == 2 and "Traceback" not in r.err
     line = r.err.strip().splitlines()[-1]
     assert "speculative decoding with prefix caching on a hybrid" in line and "enable_prefix_caching=false" in line
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_seeded_sampling_with_chunked_prefill_on_vllm_cpu_is_refused_in_one_line(lpf_cli, tmp_path, copy_prompts):
+    """lpf seeds every request; vLLM's CPU build kills the engine rewinding a seeded request's CPU
+    generator after a chunked prefill (docs/bugs.md 24): said before any request, with the workaround."""
+    r = lpf_cli(
+        "audit", "--engine", "vllm", "--model", "zoo:llama", "--workload", copy_prompts, "--max-tokens", 4,
+        "--temperature", 1.0, "--out", tmp_path / "run",
+    )  # fmt: skip
+    assert r.code == 2 and "Traceback" not in r.err
+    line = r.err.strip().splitlines()[-1]
+    assert "seeded requests with chunked prefill" in line and "enable_chunked_prefill=false" in line
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_sampled_ngram_speculation_on_vllm_cpu_is_caught_by_its_rejection_sampler_decisions(lpf_cli, tmp_path):
+    """vLLM CPU's rejection sampler divides the target's logits by uninitialised temperatures (docs/bugs.md
+    25): every reported logprob matches the reference, the tokens do not follow it, and the run test's
+    sampling sub-test rejects the run. The trace's drafts (q = 1: n-gram) reach the decision test, which
+    names requests only as far as the garbage (whatever memory held, different each run) makes their
+    decisions improbable: 0 and 25 of 500 on two runs; when it names some, the mechanism ranks first."""
+    out = tmp_path / "run"
+    r = lpf_cli(
+        "audit", "--engine", "vllm", "--model", "zoo:llama", "--workload", "zoo:oracle", "--max-tokens", 16,
+        "--temperature", 1.0, "--dtype", "float32", "-E", "enable_prefix_caching=false",
+        "-E", "enable_chunked_prefill=false", "-E", f"speculative_config={NGRAM}", "--out", out,
+        "--fail-on", "never",
+    )  # fmt: skip
+    assert r.code == 0, r.err[-2000:]
+    f = json.loads((out / "findings.json").read_text())
+    assert f["run_test"]["result"] == "different" and f["run_test"]["test"] == "sampling"
+    assert f["metrics"]["abs_logprob_diff"]["max"] < 1e-3  # the logprobs are right: the choices are not
+    d = f["spec_decisions"]
+    assert d["tested"] > 1000 and d["draws_tested"] > 100
+    assert len(f["flagged"]) == d["requests"] and all("spec_decision" in x for x in f["flagged"])
+    if d["requests"]:
+        assert f["hypotheses"][0]["feature"] == "spec_decision_against_odds"

@@ -2,32 +2,42 @@
 
 On a sampled verify step (`spec_sampled`), draft d_i, which the proposer drew with probability
 q_i(d_i), is kept with probability min(1, p(d_i) / q_i(d_i)) (p: the target's distribution after the
-temperature), and the first rejected draft ends the step. The trace says which drafts were verified
-(`draft_token_ids`), what q was (`draft_token_probs`; null: one-hot drafts, q = 1) and how many were kept
-(`num_accepted_tokens`); the reference gives p: a kept draft is an output token (`ref_logprob` at its
-position), and the first rejected one, when it is among the reference's top-k at its position, has its
-logprob there. Each decision so has a probability under an honest sampler, bounded from above:
+temperature); the first rejected draft ends the step, replaced by a draw from max(0, p - q). The trace
+says which drafts were verified (`draft_token_ids`), what q was (`draft_token_probs`; null: one-hot
+drafts, q = 1) and how many were kept (`num_accepted_tokens`), on any row with drafts (vLLM calls an
+attention-only model's such rows `extend`); the reference gives p: a kept draft is an output token
+(`ref_logprob` at its position), and the first rejected one, when it is among the reference's top-k at
+its position, has its logprob there. Each decision so has a probability under an honest sampler,
+bounded from above:
   kept      min(1, p_hi / q), p_hi = the reference's p at the temperature normalised over its top-k and
             the draft only (fewer terms than the vocabulary: an upper bound; exact at temperature 1),
             divided by top_p (the nucleus holds at least that much) and times e^(2 slack / T)
   rejected  1 - min(1, p_lo / q), tested only at T <= 1 without top-p and with the draft among the
             reference's top-k there: p_lo = exp((lp - 2 slack) / T) (at T <= 1 the normaliser
             sum p^(1/T) is at most 1)
-slack: the logprob error an honest engine may show per token (the run's divergent threshold), so that
-rounding cannot make a decision look improbable; a decision is tested only where the engine's reported
-logprob of the token emitted there agrees with the reference's within it (the target the sampler saw
-is the reference's; where it is not, the logprob test judges the position). Requests sampled with top-k are not tested (the kept
+and, for a one-hot draft rejected at temperature 1 without top-p, the token drawn in its place has a
+tail bound: the chance the residual (the target without the draft) gives a token as improbable, at most
+(1 - p_lo(draft) - the mass of the reference's top-k entries above it) / (1 - p_hi(draft)).
+slack (`decision_slack`): the logprob error an honest engine may show per token (8 x the expected
+floor's 99th percentile of logit error, at least 0.01 nats, at most the divergent threshold; without a
+floor, that threshold); a decision is tested only where the engine's reported logprob of the token
+emitted there agrees with the reference's within it (the target the sampler saw is the reference's;
+elsewhere the logprob test judges the position). Requests sampled with top-k are not tested (the kept
 set's mass is not bounded by what the reference keeps).
-An honest sampler makes a decision whose bound is at most c with probability at most c, so over a run
-of N tested decisions the chance that any has a bound at most alpha / N is at most alpha (Bonferroni).
+An honest sampler makes a decision whose bound is at most c with probability at most c: a request is
+flagged when one decision's bound is at most alpha/2 / (decisions tested in the run) (Bonferroni), or when
+Fisher's combination of its decisions' p-values (the bound when under 1/2: the rarer outcome happened;
+else 1) and its draws' tails is at most alpha/2 / (requests tested): an honest run is flagged with
+probability at most alpha.
 
 Contract (pure): `decision_test(tokens, reference, requests, trace, sampling, slack, alpha)` ->
-`{request_id: (position, bound, detail)}` for the requests with such a decision (the first, by
-position), and an info dict {tested, kept, rejected_tested, threshold, smallest (the least likely
-decision's bound), alpha, requests, rule}; None
-when nothing is tested (no trace columns, no sampled verify rows, a top-k run).
+`{request_id: (position, p, detail)}` for the flagged requests (the position of the decision, or of the
+request's least likely one), and an info dict {tested, kept, rejected_tested, draws_tested, threshold,
+request_threshold, smallest (the least likely decision's bound), alpha, requests, rule}; None when
+nothing is tested (no trace columns, no sampled rows with drafts, greedy or top-k runs).
 `raise_decisions(summary, found)`: those requests `divergent` there (column `spec_decision`: why);
-`decision_signature(summary, crowded)`: the hypothesis signature `spec_decision_against_odds`.
+`decision_signature(summary, crowded)`: the hypothesis signature `spec_decision_against_odds`;
+`fisher(ps)`: Fisher's combination; `decision_slack(divergent, floor)`: the slack.
 """
 
 from __future__ import annotations
@@ -42,8 +52,9 @@ from lpf.analysis.feature import Feature
 
 SIGNATURE = "spec_decision_against_odds"
 RULE = (
-    "a draft the rejection sampler kept (or rejected) with a probability under the reference's distribution "
-    "at most alpha / (decisions tested in the run) makes the request divergent at its position"
+    "a draft the rejection sampler kept or rejected with a probability under the reference's distribution at "
+    "most alpha/2 / (decisions tested in the run), or a request whose decisions and draws together (Fisher) have "
+    "one at most alpha/2 / (requests tested), is divergent there"
 )
 _TRACE = ("request_id", "num_computed_tokens", "num_scheduled_tokens", "num_draft_tokens")
 

@@ -17,8 +17,9 @@ Contract (pure: a trace table and findings data in, plain data out):
   smaller cache; a resume from a truncated state, chunks ending inside Mamba blocks (an odd budget
   below a block); a 1+K-token prompt prefilled on the verify path after another one, one sequence at a
   time (the null slot they share carries the earlier one's state); a batch of 3-4 sequences for a count
-  applied after the batch's permutation; one sequence at a time for a resume from a checkpoint a verify
-  step saved (its writer done before the resume starts). None when the hypothesis names none the engine has.
+  applied after the batch's permutation, or for a sampled request verified against another row's draft
+  probabilities; one sequence at a time for a resume from a checkpoint a verify step saved (its writer
+  done before the resume starts). None when the hypothesis names none the engine has.
 The shrink (`search`) tries the suspects before its blind search, at the original knobs and then
 at each named move.
 """
@@ -84,6 +85,11 @@ FEATURE_MOVES = {
     # a resume from a checkpoint a verify step saved: its writer must be done before the resume is admitted
     "resumed_overshot_state": ("the checkpoint's writer finished before the resume", ({"concurrency": 1},)),
     "state_rolled_back_wrong": (
+        "a batch of 3-4 sequences whose rows a leaver permutes",
+        ({"concurrency": 3}, {"concurrency": 4}),
+    ),
+    # a rejection sampler reading another row's draft probabilities: the same permutation, sampled
+    "spec_decision_against_odds": (
         "a batch of 3-4 sequences whose rows a leaver permutes",
         ({"concurrency": 3}, {"concurrency": 4}),
     ),
@@ -177,6 +183,42 @@ def _wrong_count_step(trace: pa.Table, target_id: str) -> dict[str, str]:
     return out
 
 
+def _permuted_sampled_step(trace: pa.Table, target_id: str) -> dict[str, str]:
+    """Who shared the target's first sampled verify step beside 2 or more other speculating requests
+    after a request had left the batch (its rows permuted), and the last requests that left before it
+    (any: the target may have arrived after them, into a batch they had permuted)."""
+    cols = ("request_id", "step", "num_draft_tokens", "spec_sampled")
+    if any(c not in trace.column_names for c in cols):
+        return {}
+    t = _rows(trace, cols)
+    rows = list(zip(*(t[c] for c in cols)))
+    speculating: dict[int, int] = {}
+    for _, st, drafts, _ in rows:
+        if drafts:
+            speculating[st] = speculating.get(st, 0) + 1
+    last: dict[str, int] = {}
+    for r, st, *_ in rows:
+        last[request_of(r)] = max(last.get(request_of(r), -1), st)
+    first_left = min((s for r, s in last.items() if r != target_id), default=None)
+    steps = [
+        st
+        for r, st, drafts, sampled in rows
+        if r == target_id and drafts and sampled and speculating[st] > 2 and first_left is not None and st > first_left
+    ]
+    if not steps:
+        return {}
+    step = min(steps)
+    out: dict[str, str] = {}
+    for r, st, drafts, _ in rows:
+        if st == step and drafts and request_of(r) != target_id:
+            out.setdefault(request_of(r), f"shared the sampled verify step {step}")
+    # the rows were permuted by whoever left last before it (the target may have arrived after them)
+    left = sorted((s, r) for r, s in last.items() if s < step and r != target_id)
+    for s, r in left[-SLOT_HOLDERS:]:
+        out.setdefault(r, f"{LEFT} at step {s}, before the verify step {step} (its row refilled)")
+    return out
+
+
 LEFT = "left the batch"  # a narrow suspect whose leaving permuted the batch (`leaver`)
 
 
@@ -204,6 +246,7 @@ NARROW = {
     "prompt_on_verify_path": _verify_slot_users,
     "state_rolled_back_wrong": _wrong_count_step,
     "resumed_overshot_state": _resume_sources,
+    "spec_decision_against_odds": _permuted_sampled_step,
 }
 
 
