@@ -126,11 +126,10 @@ def analyze(
     )
     summary = apply_inconsistency(summarize_requests(None, requests, th, per=(ids, per)), requests)
     test = None
+    sampling = (run_info or {}).get("sampling") or {"temperature": temperature}
     if expected:
-        sampling = (run_info or {}).get("sampling") or {"temperature": temperature}
         test = run_level_test(joined, tokens, reference, requests, expected, sampling, cols=cal_cols, starts=starts)
         summary = _localized(summary, test, cal_cols, expected, sampling, joined, tokens, reference, requests, starts)
-    sampling = (run_info or {}).get("sampling") or {"temperature": temperature}
     slack = decision_slack(th.divergent_abs_diff, expected)
     decisions = decision_test(tokens, reference, requests, trace, sampling, slack, DEFAULT_ALPHA)
     if decisions is not None:

@@ -9,7 +9,10 @@ pass), prints the first output position where the two disagree with both logprob
 the lie reproduces (the target diverges in the same place as while shrinking: at its first output
 token, or later), 0 when it does not, 2 when it cannot run. A position diverges as in lpf's
 verdicts: |engine - reference| logprob above the divergence threshold, a greedy flip, or a token the
-engine was sure of and the reference finds improbable.
+engine was sure of and the reference finds improbable; with the built-in engine speculating at a
+temperature, also a rejection-sampler decision (a draft kept with probability min(1, p/q), or rejected)
+that the reference's distribution makes improbable, alone or with the target's others (lpf's decision
+test on this request: `DECISION_ALPHA`), its decisions printed as a table.
 
 A crash's reproducer (`CONFIG["crash"]`: the shrink's signature was an exception, not a lie) sends
 the same requests and exits 1 when the engine raises the same exception type from the same innermost
@@ -56,6 +59,11 @@ class Sampling:
         return self.temperature == 0
 
 
+# the built-in engine's sampled verify steps of the target (drafts, their q, how many were kept)
+VERIFY_ROWS: list = []
+DECISION_ALPHA = 1e-6  # as lpf's decision test: half for single decisions, half for them together
+
+
 def generate_builtin(cfg: dict, model_dir: str):
     """(target's output ids, their logprobs, engine description) from lpf's built-in engine."""
     import torch
@@ -97,6 +105,11 @@ def generate_builtin(cfg: dict, model_dir: str):
     if target.error:
         print(f"error: the engine could not run the target: {target.error}", file=sys.stderr)
         sys.exit(2)
+    VERIFY_ROWS.extend(
+        row
+        for row in engine._trace
+        if row.get("request_id") == cfg["target"] and row.get("spec_sampled") and row.get("draft_token_ids")
+    )
     return target.output_token_ids, target.logprobs, f"lpf built-in engine, {json.dumps(engine.describe())}"
 
 
@@ -171,11 +184,57 @@ def rescore(model_dir: str, dtype: str, prompt: list, output: list):
         logits = model(input_ids=torch.tensor([prompt + output])).logits[0].float()
     rows = torch.log_softmax(logits, dim=-1)[len(prompt) - 1 : len(prompt) - 1 + len(output)]
     top = rows.argmax(dim=-1)
+    RAW_LOGITS.append(logits[len(prompt) - 1 : len(prompt) - 1 + len(output)])
     return (
         [float(rows[p, t]) for p, t in enumerate(output)],
         [int(t) for t in top],
         [float(rows[p, t]) for p, t in enumerate(top)],
     )
+
+
+RAW_LOGITS: list = []  # the reference's raw logits at the target's output positions (rescore's)
+
+
+def decisions(cfg: dict, prompt_len: int) -> list[tuple[int, str, int, float, float]]:
+    """The target's rejection-sampler decisions under the reference's distribution (after the run's
+    temperature, top-k and top-p): (output position, kept|rejected, draft, q, the decision's probability
+    min(1, p/q) or 1 - min(1, p/q)). Empty unless the built-in engine speculated with sampling."""
+    if not VERIFY_ROWS or not RAW_LOGITS:
+        return []
+    from lpf.builtin.sampler import processed_logits
+
+    s, z = cfg["sampling"], RAW_LOGITS[0]
+    out = []
+    for row in VERIFY_ROWS:
+        drafts, kept = row["draft_token_ids"], row["num_accepted_tokens"]
+        q = row.get("draft_token_probs") or [1.0] * len(drafts)
+        start = row["num_computed_tokens"] + row["num_scheduled_tokens"] - len(drafts) - prompt_len
+        for i, d in enumerate(drafts[: kept + 1]):
+            pos = start + i
+            if kept is None or pos < 0 or pos >= z.shape[0]:
+                break
+            p = float(processed_logits(z[pos], s["temperature"], s["top_k"], s["top_p"]).softmax(-1)[d])
+            a = min(1.0, p / q[i]) if q[i] > 0 else 0.0
+            out.append((pos, "kept" if i < kept else "rejected", d, q[i], a if i < kept else 1.0 - a))
+    return out
+
+
+def decision_lie(found: list) -> int | None:
+    """The output position of the lie the decisions show (lpf's rule on this request alone: one
+    decision at most DECISION_ALPHA / 2 / their count, or Fisher over those under 1/2 at most
+    DECISION_ALPHA / 2), None when they show none."""
+    import math
+
+    if not found:
+        return None
+    worst = min(found, key=lambda f: f[4])
+    if worst[4] <= DECISION_ALPHA / 2 / len(found):
+        return worst[0]
+    x = -sum(math.log(max(f[4], 1e-300)) for f in found if f[4] < 0.5)
+    terms = [i * math.log(x) - math.lgamma(i + 1) - x for i in range(len(found))] if x > 0 else [0.0]
+    top = max(terms)
+    p = math.exp(top) * sum(math.exp(v - top) for v in terms)
+    return worst[0] if p <= DECISION_ALPHA / 2 else None
 
 
 def first_divergence(cfg: dict, output, engine_lps, ref_lps, top_ids, top_lps):
@@ -259,6 +318,15 @@ def main() -> int:
             f"{abs(engine_lps[p] - ref_lps[p]):>8.4f}  {text(top_ids[p])} #{top_ids[p]} ({top_lps[p]:.4f})"
         )
     p = first_divergence(cfg, output, engine_lps, ref_lps, top_ids, top_lps)
+    found = decisions(cfg, len(prompt))
+    if found:
+        print(f"{'pos':>4}  {'decision':<9} {'draft':>6} {'q(draft)':>9} {'its probability':>16}")
+        for pos, what, d, q, b in found:
+            print(f"{pos:>4}  {what:<9} {d:>6} {q:>9.4g} {b:>16.4g}")
+        at = decision_lie(found)
+        if at is not None and (p is None or at < p):
+            print(f"the rejection sampler's decisions are a lie at output position {at} (see above)")
+            p = at
     want = cfg["position_class"]
     if p is None:
         print("no divergence: the lie does not reproduce")
