@@ -234,6 +234,21 @@ def _watch_detection(d: dict) -> tuple[str, str, str]:
     )
 
 
+def _spec_speed(d: dict) -> tuple[str, str, str]:
+    parts = []
+    for name, r in d["models"].items():
+        spec = next(v for k, v in r["arms"].items() if k != "off")
+        parts.append(
+            f"{name}: window {_x(spec['window_ratio_vs_off'])} ({spec['accepted']}/{spec['drafted']} drafts "
+            f"accepted, steps {_x(spec['steps_ratio_vs_off'])}, identical {spec['identical_greedy_outputs']}/{d['requests']})"
+        )
+    return (
+        f"speculative decoding's speed, built-in engine, one sequence at a time, {d['requests']} zoo:oracle requests",
+        "; ".join(parts),
+        "the same engine without speculation",
+    )
+
+
 ROWS = {
     "rescore": _rescore,
     "engine": _engine,
@@ -253,6 +268,7 @@ ROWS = {
     "gpu_check": _gpu_check,
     "watch": _watch,
     "watch_detection": _watch_detection,
+    "spec_speed": _spec_speed,
 }
 
 
