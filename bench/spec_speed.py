@@ -11,8 +11,8 @@ zoo:oracle (greedy, 24 tokens) without speculation and with -E speculative=ngram
 and reports per arm: drafted and accepted tokens, engine steps, the in-engine window (median, best) and
 its ratio to no speculation, and whether every request's tokens equal the run without speculation.
 
-Usage: python bench/spec_speed.py [--requests N] [--repeats R] [--units U] [--k K] [--out DIR]
-       (writes bench/results/spec_speed.json)
+Usage: python bench/spec_speed.py [--requests N] [--repeats R] [--units U] [--k K] [--out DIR] [--quick]
+       (writes bench/results/spec_speed.json; --quick: 4 requests, 1 repeat, no results file)
 """
 
 from __future__ import annotations
@@ -123,7 +123,10 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-spec-speed")
     ap.add_argument("--results", type=Path, default=ROOT / "bench" / "results" / "spec_speed.json")
+    ap.add_argument("--quick", action="store_true", help="4 requests, one repeat, 1,024 units; no results file")
     a = ap.parse_args()
+    if a.quick:
+        a.requests, a.repeats, a.units = 4, 1, 1024
     from lpf.zoo import registry
 
     a.out.mkdir(parents=True, exist_ok=True)
@@ -152,7 +155,8 @@ def main() -> None:
         "models": runs,
         "load_average": os.getloadavg(),
     }
-    a.results.write_text(json.dumps(doc, indent=1))
+    if not a.quick:
+        a.results.write_text(json.dumps(doc, indent=1))
     print(f"padded model vs zoo:hybrid: {same}/{a.requests} requests with the same tokens")
     for name, r in runs.items():
         for arm, x in r["arms"].items():

@@ -4,7 +4,7 @@ never again leave `make bench` broken with nothing noticing (issue 27: bench/rep
 schema v2 for a day). The vLLM benches skip without `.venv-vllm`, as the vLLM tests do.
 
 Measured on this 2-core machine (another suite running beside it): analysis ~4 s; nondeterminism, rescore,
-report ~8-10 s each; engine, locate ~12-15 s, detection, bugs ~20 s and cells ~65 s (two sweeps, two
+report ~8-10 s each; engine, locate ~12-15 s, detection, bugs ~20 s, spec_speed ~27 s and cells ~65 s (two sweeps, two
 shrinks and the shrink's source audit: ~10 process start-ups, a process per cell being its baseline)
 (process start-ups: one `lpf run` or `lpf audit` costs ~6-8 s here); the vLLM ones ~13-40 s each (vLLM
 start-ups; conformance also asks vLLM's registry), so all but the analysis smoke are `slow`.
@@ -82,6 +82,10 @@ BENCHES = {
             r"clean float32: \d+/\d+ windows alarmed over \d+ scored tokens",
         ],
     ),
+    "spec_speed": (
+        ["--out", "{tmp}"],
+        [r"zoo:hybrid, MLP padded to 1024 ngram:4: drafted \d+, accepted \d+, steps \d+, window .* identical 4/4"],
+    ),
     "locate": (
         [],
         [
@@ -144,6 +148,7 @@ def test_analysis_bench_quick(tmp_path):
         "cells",
         "watch",
         "watch_detection",
+        "spec_speed",
     ],
 )
 def test_bench_quick(name, tmp_path):
