@@ -109,6 +109,20 @@ def in_engine_window(out: Path) -> float:
     return pc.max(req.column("t_finish")).as_py() - pc.min(req.column("t_submit")).as_py()
 
 
+def spec_counts(out: Path) -> dict:
+    """A run's engine steps, drafted and accepted tokens (when it speculated) and outputs in arrival order."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    tr = pq.read_table(out / "trace")
+    got = {"engine_steps": int(pc.max(tr.column("step")).as_py())}
+    if "num_draft_tokens" in tr.column_names:
+        got["drafted"] = int(pc.sum(tr.column("num_draft_tokens")).as_py() or 0)
+        got["accepted"] = int(pc.sum(tr.column("num_accepted_tokens")).as_py() or 0)
+    got["outputs"] = pq.read_table(out / "requests").sort_by("seq").column("output_token_ids").to_pylist()
+    return got
+
+
 def vllm_args() -> tuple[list[str] | None, str]:
     """`lpf run` arguments for the vLLM column, or None and why it is skipped."""
     from lpf.adapters.vllm import vllm_python
@@ -212,8 +226,6 @@ def speculative(model: str, tmp: Path, repeats: int, base: float) -> dict:
     drafted and accepted tokens (the trace's num_draft_tokens / num_accepted_tokens), the acceptance rate,
     engine steps, the in-engine window and generation time (wall minus start-up), each as a ratio to no
     speculation, and whether every request's greedy tokens equal the run without speculation."""
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
 
     exe = Path(sys.executable).with_name("lpf")
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -240,13 +252,7 @@ def speculative(model: str, tmp: Path, repeats: int, base: float) -> dict:
             rows[arm]["seconds"].append(time.perf_counter() - t0 - base)
             rows[arm]["window_s"].append(in_engine_window(out))
             if rep == 0:
-                tr = pq.read_table(out / "trace")
-                rows[arm]["engine_steps"] = int(pc.max(tr.column("step")).as_py())
-                if "num_draft_tokens" in tr.column_names:
-                    rows[arm]["drafted"] = int(pc.sum(tr.column("num_draft_tokens")).as_py() or 0)
-                    rows[arm]["accepted"] = int(pc.sum(tr.column("num_accepted_tokens")).as_py() or 0)
-                req = pq.read_table(out / "requests").sort_by("seq")
-                rows[arm]["outputs"] = req.column("output_token_ids").to_pylist()
+                rows[arm].update(spec_counts(out))
                 rows[arm]["output_tokens"] = sum(len(o) for o in rows[arm]["outputs"])
     plain = rows["off"]["outputs"]
     for r in rows.values():

@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from engine import in_engine_window  # noqa: E402
+from engine import in_engine_window, spec_counts  # noqa: E402
 
 
 def build(out: Path, units: int) -> Path:
@@ -73,8 +73,6 @@ def build(out: Path, units: int) -> Path:
 def measure(model: Path | str, tag: str, a, workload: Path, knobs: list[str]) -> dict:
     """Per arm (no speculation, ngram:K), interleaved repeats: the in-engine windows, and from the first
     repeat the engine steps, drafted and accepted tokens and the outputs."""
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
 
     exe = Path(sys.executable).with_name("lpf")
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -94,13 +92,7 @@ def measure(model: Path | str, tag: str, a, workload: Path, knobs: list[str]) ->
             )
             rows[arm]["window_s"].append(in_engine_window(out))
             if rep == 0:
-                tr = pq.read_table(out / "trace")
-                rows[arm]["engine_steps"] = int(pc.max(tr.column("step")).as_py())
-                if "num_draft_tokens" in tr.column_names:
-                    rows[arm]["drafted"] = int(pc.sum(tr.column("num_draft_tokens")).as_py() or 0)
-                    rows[arm]["accepted"] = int(pc.sum(tr.column("num_accepted_tokens")).as_py() or 0)
-                req = pq.read_table(out / "requests").sort_by("seq")
-                rows[arm]["outputs"] = req.column("output_token_ids").to_pylist()
+                rows[arm].update(spec_counts(out))
             print(f"{tag} {arm} repeat {rep}: window {rows[arm]['window_s'][-1]:.2f} s", flush=True)
     plain = rows["off"]["outputs"]
     for r in rows.values():
