@@ -12,7 +12,7 @@ and reports per arm: drafted and accepted tokens, engine steps, the in-engine wi
 its ratio to no speculation, and whether every request's tokens equal the run without speculation.
 
 Usage: python bench/spec_speed.py [--requests N] [--repeats R] [--units U] [--k K] [--out DIR] [--quick]
-       (writes bench/results/spec_speed.json; --quick: 4 requests, 1 repeat, no results file)
+       (writes bench/results/spec_speed.json; --quick: 2 requests, 1 repeat, no results file)
 """
 
 from __future__ import annotations
@@ -115,10 +115,10 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-spec-speed")
     ap.add_argument("--results", type=Path, default=ROOT / "bench" / "results" / "spec_speed.json")
-    ap.add_argument("--quick", action="store_true", help="4 requests, one repeat, 1,024 units; no results file")
+    ap.add_argument("--quick", action="store_true", help="2 requests, one repeat, 1,024 units; no results file")
     a = ap.parse_args()
     if a.quick:
-        a.requests, a.repeats, a.units = 4, 1, 1024
+        a.requests, a.repeats, a.units = 2, 1, 1024
     from lpf.zoo import registry
 
     a.out.mkdir(parents=True, exist_ok=True)
