@@ -49,6 +49,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from lpf.analysis.feature import Feature
+from lpf.analysis.spec_features import prompt_lengths, row_requests
 
 SIGNATURE = "spec_decision_against_odds"
 RULE = (
@@ -72,14 +73,10 @@ def _decisions(requests: pa.Table, trace: pa.Table) -> dict[str, np.ndarray] | N
     rows = trace.filter(mask)
     if rows.num_rows == 0:
         return None
-    plen = dict(
-        zip(
-            requests.column("request_id").to_pylist(),
-            pc.list_value_length(requests.column("prompt_token_ids")).to_numpy(zero_copy_only=False).tolist(),
-        )
-    )
     rid = rows.column("request_id").to_numpy(zero_copy_only=False)
-    prompt = np.array([plen.get(r, -1) for r in rid], dtype=np.int64)
+    req = row_requests(requests, rows.column("request_id"))
+    prompt = np.full(req.size, -1, dtype=np.int64)  # -1: a request the run does not have
+    prompt[req >= 0] = prompt_lengths(requests)[req[req >= 0]]
     col = {c: rows.column(c).to_numpy(zero_copy_only=False).astype(np.int64) for c in _TRACE[1:]}
     accepted = rows.column("num_accepted_tokens").to_numpy(zero_copy_only=False).astype(np.int64)
     # the row samples output positions from here on (spec_features' rule)

@@ -152,9 +152,9 @@ def _first_decode_rows(requests: pa.Table, trace: pa.Table) -> dict:
     the run does not have are skipped. Columns, not rows: per request the first row that ends its walk,
     a row past its prompt or a prompt row off the prefill/extend path, decides."""
     ids = requests.column("request_id")
-    plens = pc.list_value_length(requests.column("prompt_token_ids")).fill_null(0).to_numpy(zero_copy_only=False)
+    plens = prompt_lengths(requests)
     live = pc.invert(trace.column("preempted").fill_null(False)).to_numpy(zero_copy_only=False)
-    req = pc.index_in(trace.column("request_id"), value_set=ids).fill_null(-1).to_numpy(zero_copy_only=False)
+    req = row_requests(requests, trace.column("request_id"))
 
     def col(name: str) -> np.ndarray:
         return trace.column(name).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
@@ -185,6 +185,16 @@ def _first_decode_rows(requests: pa.Table, trace: pa.Table) -> dict:
     hit = (computed[at] >= plen[at]) & phase_in("decode", "verify")[rows] & (first >= 0)
     names = ids.take(pa.array(req[at][hit])).to_pylist()
     return dict(zip(names, zip(first[hit].tolist(), n[hit].tolist(), drafts[hit].tolist())))
+
+
+def prompt_lengths(requests: pa.Table) -> np.ndarray:
+    """Each request's prompt length, in the requests table's order."""
+    return pc.list_value_length(requests.column("prompt_token_ids")).fill_null(0).to_numpy(zero_copy_only=False)
+
+
+def row_requests(requests: pa.Table, request_ids) -> np.ndarray:
+    """Each trace row's request as its index in `requests` (-1: a request the run does not have)."""
+    return pc.index_in(request_ids, value_set=requests.column("request_id")).fill_null(-1).to_numpy(False)
 
 
 def spec_divergence(summary: pa.Table, requests: pa.Table, trace: pa.Table | None) -> Feature | None:

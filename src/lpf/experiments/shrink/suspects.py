@@ -173,14 +173,20 @@ def _wrong_count_step(trace: pa.Table, target_id: str) -> dict[str, str]:
         if st == step and drafts and request_of(r) != target_id:
             out.setdefault(request_of(r), f"shared the verify step {step} that left its state wrong")
     mine = {st for r, st, *_ in rows if r == target_id and st < step}
-    last: dict[str, int] = {}
-    for r, st, *_ in rows:
-        last[request_of(r)] = max(last.get(request_of(r), -1), st)
+    last = _last_steps(rows)
     beside = {request_of(r) for r, st, *_ in rows if st in mine}
     left = sorted((s, r) for r, s in last.items() if r in beside and s < step and r != target_id)
     for s, r in left[-SLOT_HOLDERS:]:
         out.setdefault(r, f"{LEFT} at step {s}, before the verify step {step} (its row refilled)")
     return out
+
+
+def _last_steps(rows) -> dict[str, int]:
+    """request -> the last step it ran in (rows: (request_id, step, ...) tuples)."""
+    last: dict[str, int] = {}
+    for r, st, *_ in rows:
+        last[request_of(r)] = max(last.get(request_of(r), -1), st)
+    return last
 
 
 def _permuted_sampled_step(trace: pa.Table, target_id: str) -> dict[str, str]:
@@ -196,9 +202,7 @@ def _permuted_sampled_step(trace: pa.Table, target_id: str) -> dict[str, str]:
     for _, st, drafts, _ in rows:
         if drafts:
             speculating[st] = speculating.get(st, 0) + 1
-    last: dict[str, int] = {}
-    for r, st, *_ in rows:
-        last[request_of(r)] = max(last.get(request_of(r), -1), st)
+    last = _last_steps(rows)
     first_left = min((s for r, s in last.items() if r != target_id), default=None)
     steps = [
         st
