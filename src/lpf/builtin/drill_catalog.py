@@ -282,6 +282,12 @@ _DRILLS = (
         every_request=lambda t: f"sampled at temperature {t:g}, logprobs from that distribution, "
         "whatever the client asked",
     ),
+    Drill(
+        "lm-head-bf16",
+        "substitution",
+        "the LM head's logits rounded to bfloat16 (MiniMax-M1's train/inference mismatch, fixed by an fp32 head)",
+        every_request=lambda _: "LM head logits rounded to bfloat16 before sampling and logprobs",
+    ),
 )
 CATALOG: dict[str, Drill] = {d.name: d for d in _DRILLS}
 

@@ -263,7 +263,7 @@ class Drills:
         following the batch size as a GEMM heuristic would pick it. The head is linear, so masking
         the input splits it exactly."""
         if not self.faults.batch_variant:
-            return model.compute_logits(rows)
+            return self._head_dtype(model.compute_logits(rows))
         import torch
 
         splits = 2 + batch_size % 3
@@ -275,7 +275,11 @@ class Drills:
             masked[:, lo:hi] = rows[:, lo:hi]
             part = model.compute_logits(masked).half().float()
             total = part if total is None else total + part
-        return total
+        return self._head_dtype(total)
+
+    def _head_dtype(self, logits):
+        """`lm-head-bf16`: the logits as a bfloat16 head gives them (sampling and logprobs read these)."""
+        return logits.bfloat16().float() if self.faults.lm_head_bf16 else logits
 
     def deliver(self, so, decoding: list[str], samples: dict) -> dict:
         """The samples as delivered: under `swap-outputs`, every PERIOD steps two decoding requests
