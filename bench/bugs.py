@@ -82,7 +82,7 @@ KV_DOUBLE_FREE_ARGS = [
     *["--model", "zoo:hybrid", "--workload", "zoo:oracle", "--n", "2", "--max-tokens", "16"],
     *["--cache-mb", "2", "--max-num-batched-tokens", "64"],
 ]
-# speculative decoding (issue 43; `lpf.builtin.spec_decode`): tiny:jamba-longmem on zoo:oracle --n 2 (1,000
+# speculative decoding (issue 43; `lpf.builtin.speculative_decode`): tiny:jamba-longmem on zoo:oracle --n 2 (1,000
 # requests), greedy, 24 tokens; K = 8 for spec-prefill-verify (the addition prompts are 9 = 1 + K tokens),
 # K = 4 for spec-no-rollback; spec-accepted-permuted: K = 2, 48 tokens (the untrained model's outputs
 # repeat, so drafts get accepted and counts differ) and 8 sequences at a time (finished rows refilled:

@@ -29,7 +29,7 @@ llama.cpp's timings.cache_n): `prefix_features` (prefix_cache_hit and the proven
 From the trace's write log (`write_features`, engines that keep one: the built-in engine):
   state_overwritten, state_write_strayed (another request's state write landed in its slot; its own
   landed outside it).
-From the speculative-decoding columns (`spec_features`, the built-in engine with speculation on):
+From the speculative-decoding columns (`speculative_features`, the built-in engine with speculation on):
   prompt_on_verify_path, state_kept_rejected_drafts, state_rolled_back_wrong, sampled_spec_batch_over_2,
   speculated.
 From the requests: prompt_length, rollout, seq (arrival index): `descriptive` (what a request is, not
@@ -44,7 +44,7 @@ import pyarrow.compute as pc
 
 from lpf.analysis.feature import Feature
 from lpf.analysis.prefix_features import prefix_features
-from lpf.analysis.spec_features import spec_features
+from lpf.analysis.speculative_features import spec_features
 from lpf.analysis.verdicts import by_arrival
 from lpf.analysis.write_features import write_features
 

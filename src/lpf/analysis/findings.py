@@ -68,9 +68,9 @@ from lpf.analysis.mechanisms import attribute
 from lpf.analysis.penalties import fit_penalty, phrase as penalty_phrase
 from lpf.analysis.run_test import DEFAULT_ALPHA, run_level_test, token_evidence
 from lpf.analysis.shape import failure_shape
-from lpf.analysis.spec_decisions import decision_signature, decision_slack, decision_test, raise_decisions
+from lpf.analysis.speculative_decisions import decision_signature, decision_slack, decision_test, raise_decisions
 from lpf.analysis.signatures import crossed_wires, fit_logprob_temperature, tempered_logprobs
-from lpf.analysis.spec_features import spec_divergence
+from lpf.analysis.speculative_features import spec_divergence
 from lpf.analysis.thresholds import Thresholds
 from lpf.analysis.timing import timing_features
 from lpf.analysis.token_evidence import calibration_floor, evidence_columns

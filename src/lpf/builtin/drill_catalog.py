@@ -14,7 +14,7 @@ Contract: `CATALOG` (name -> `Drill`, in `--help` order), `by_family(family)`, `
   docs/builtin-engine.md     `markdown_table()` between its `drills:begin` / `drills:end` markers
                              (`python -m lpf.builtin.drill_catalog --write` rewrites it; a test checks it)
 What a drill does to the engine (its mechanism) stays in the engine's hooks: `faults.Drills`,
-`prefix_drills.PrefixDrills`, `spec_decode`, `numeric_drills`, the scheduler; how to add one:
+`prefix_drills.PrefixDrills`, `speculative_decode`, `numeric_drills`, the scheduler; how to add one:
 docs/design.md, "How to add a drill".
 """
 

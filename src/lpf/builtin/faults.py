@@ -5,7 +5,7 @@ Each drill changes how the engine works, never its outputs directly. Every drill
 built from it (a field per drill: `Drill.field`), so this module holds only the mechanisms: the seed
 drills (stale-state, offset-wrap, batch-variant, swap-outputs, processed-logprobs, kv-double-free in the
 scheduler, lost-chunk-state), stale-conv-on-reuse, and the substitutions (their arithmetic in
-`numeric_drills`). Prefix-caching drills live in `prefix_drills`, speculative ones in `spec_decode`.
+`numeric_drills`). Prefix-caching drills live in `prefix_drills`, speculative ones in `speculative_decode`.
 `Drills` is the runner's one handle on all of them: the weights at load, the phase rule, whether a
 new slot is zeroed, how K/V are stored, the LM head, the sampling temperature, the delivery of
 samples, and the ground-truth bookkeeping, each the honest behaviour when no
