@@ -277,7 +277,8 @@ def _expected_floor(joined, tokens, reference, requests, calibration, calibratio
         cal = calibration_floor(cols, joined, calibration)
     engine_dtype = (calibration_info or {}).get("dtype") or info.get("engine_dtype")
     observed = None
-    if not engine_dtype:  # judged by the pair its own errors fit (`floors.infer_pair`)
+    pairs = floor_table.get("pairs") or {}
+    if f"{engine_dtype}/{info.get('reference_dtype')}" not in pairs:  # unknown or `auto`: the pair its errors fit
         with np.errstate(invalid="ignore"):
             d = np.subtract(joined.column("engine_logprob").to_numpy(), joined.column("ref_logprob").to_numpy())
         observed = observed_logit_error(d, joined.column("ref_logprob").to_numpy())

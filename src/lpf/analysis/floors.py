@@ -168,34 +168,57 @@ def _scaled(floor: dict | None, factor: float) -> dict | None:
 
 
 def observed_logit_error(d: np.ndarray, ref_logprob: np.ndarray) -> dict:
-    """{median, n}: the run's median logit error |d| / s_up over the tokens the reference is unsure of
-    (s_up = sqrt(2) (1 - p) >= S_MIN: an upper bound of the sensitivity, from the reference's logprob alone),
-    what `infer_pair` classifies. A median: the lies of a minority of tokens (a tampered server) do not move it."""
+    """What `infer_pair` classifies: {median, n}: the run's median logit error |d| / s_up over the tokens the
+    reference is unsure of (s_up = sqrt(2) (1 - p) >= S_MIN: an upper bound of the sensitivity, from the
+    reference's logprob alone); {abs_median, abs_n}: the median |d| over every token (a trained model on its
+    own tasks is sure of most tokens). Medians: the lies of a minority of tokens (a tampered server) do not
+    move them."""
     step = max(1, d.size // _SAMPLE)
     d, lp = np.abs(np.asarray(d[::step], dtype=np.float64)), np.asarray(ref_logprob[::step], dtype=np.float64)
     s_up = np.sqrt(2.0) * -np.expm1(np.minimum(lp, 0.0))
-    keep = np.isfinite(d) & (s_up >= S_MIN)
-    if not keep.any():
-        return {"median": None, "n": 0}
-    return {"median": float(np.median(d[keep] / s_up[keep])), "n": int(keep.sum()) * step}
+    finite = np.isfinite(d)
+    keep = finite & (s_up >= S_MIN)
+    return {
+        "median": float(np.median(d[keep] / s_up[keep])) if keep.any() else None,
+        "n": int(keep.sum()) * step,
+        "abs_median": float(np.median(d[finite])) if finite.any() else None,
+        "abs_n": int(finite.sum()) * step,
+    }
 
 
 def infer_pair(rows: dict[str, tuple[dict | None, str]], observed: dict | None) -> str | None:
-    """The dtype pair whose floor the observed logit errors fit best (nearest in log space to the pair's
-    median logit error, floored at a tenth of its 99th percentile: zoo:jamba's float32 median is 0), from
-    at least INFER_MIN_TOKENS unsure tokens; None with fewer. The measured medians lie 4-5x (bfloat16 vs
-    float16) to 1000x (float16 vs float32) apart, wider than any one model's spread over prompts."""
-    if not observed or observed.get("median") is None or observed.get("n", 0) < INFER_MIN_TOKENS:
+    """The dtype pair whose floor the observed errors fit best: nearest in log space to the pair's median
+    logit error (floored at a tenth of its 99th percentile: zoo:jamba's float32 median is 0) from at least
+    INFER_MIN_TOKENS unsure tokens, else to the pair's median |d| over every token from as many tokens (ties,
+    as float32 and float16 have there, go to the stricter pair); None with fewer. The measured medians lie
+    10x (bfloat16 vs float16) to 600x (float16 vs float32) apart in logit error and 100x (bfloat16 vs the
+    others) in |d|, wider than one model's spread over prompts."""
+    if not observed:
         return None
-    seen = np.log(max(float(observed["median"]), MIN_UNIT))
+    if observed.get("median") is not None and observed.get("n", 0) >= INFER_MIN_TOKENS:
+        seen, field = observed["median"], "token"
+    elif observed.get("abs_median") is not None and observed.get("abs_n", 0) >= INFER_MIN_TOKENS:
+        seen, field = observed["abs_median"], "token_abs_diff"
+    else:
+        return None
+    at = np.log(max(float(seen), MIN_UNIT))
 
     def distance(pair: str) -> float:
-        tok = (rows[pair][0] or {}).get("token") or {}
-        if tok.get("q99") is None:
-            return np.inf
-        return abs(seen - np.log(max(float(tok.get("median") or 0.0), 0.1 * float(tok["q99"]), MIN_UNIT)))
+        stats = (rows[pair][0] or {}).get(field) or {}
+        if field == "token":
+            if stats.get("q99") is None:
+                return np.inf
+            typical = max(float(stats.get("median") or 0.0), 0.1 * float(stats["q99"]))
+        else:
+            if stats.get("median") is None:
+                return np.inf
+            typical = float(stats["median"])
+        return round(abs(at - np.log(max(typical, MIN_UNIT))), 6)
 
-    best = min(rows, key=distance)
+    def strictness(pair: str) -> float:
+        return float(((rows[pair][0] or {}).get("token") or {}).get("q99") or np.inf)
+
+    best = min(rows, key=lambda pair: (distance(pair), strictness(pair)))
     return best if np.isfinite(distance(best)) else None
 
 
@@ -232,15 +255,18 @@ def expected_floor(
             inferred = infer_pair(rows, observed)
             if inferred is not None:
                 floor = envelope(rows[inferred][0], same)
-                med, n = observed["median"], observed["n"]
+                if (observed.get("n") or 0) >= INFER_MIN_TOKENS:
+                    seen = f"median {observed['median']:.2g} nats of logit error over {observed['n']} unsure tokens"
+                else:
+                    seen = f"median |d| {observed['abs_median']:.2g} over {observed['abs_n']} tokens"
                 floor.update(
                     source="table",
                     pair=inferred,
                     assumed_dtype=inferred.split("/")[0],
                     inferred_dtype=inferred.split("/")[0],
                     detail=f"the shipped table: the engine's dtype is {engine_dtype or 'not recorded'}, and its "
-                    f"token errors (median {med:.2g} nats of logit error over {n} tokens) fit {inferred} best, "
-                    f"so its floor ({rows[inferred][1]}); declare --dtype to judge against another",
+                    f"token errors ({seen}) fit {inferred} best, so its floor ({rows[inferred][1]}); declare "
+                    "-E dtype=... to judge against another",
                 )
             else:
                 lenient = max(known, key=lambda p: (rows[p][0] or {}).get("token", {}).get("q99") or 0.0)
