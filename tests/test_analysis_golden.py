@@ -91,7 +91,12 @@ def edge_run(temperature: float = 0.0, seed: int = 11):
         hot = (np.arange(n_req) % 3 == 0)[:, None] & ~lie & (token == top1)
         eng_lp = np.where(hot, ref_lp / temperature - lse, eng_lp)
     etop = np.stack([token, token + 1, token + 2], -1).astype(np.int32)
-    etop_lp = np.stack([eng_lp, eng_lp - 2, eng_lp - 3], -1).astype(np.float32)
+    # the engine's own top-k as an honest answer has it: its token's entry its reported logprob, the others
+    # below it and within the rest of the mass (the answer never contradicts itself, `self_contradiction`)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rest = np.log(np.maximum(-np.expm1(np.minimum(eng_lp, -1e-9)), 1e-12)) + np.log(0.6)
+    second = np.where(np.isnan(eng_lp), eng_lp, np.minimum(eng_lp - 2, rest))
+    etop_lp = np.stack([eng_lp, second, second - 1], -1).astype(np.float32)
 
     inconsistency = np.full(n_req, None, dtype=object)
     inconsistency[[5, 61]] = ["token_count: 12 tokens, 13 logprobs", "text: differs from the tokens"]

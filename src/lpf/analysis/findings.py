@@ -54,11 +54,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from lpf.analysis import answer_checks
 from lpf.analysis import metrics as m
 from lpf.analysis.calibration import calibrate, calibrate_from_run, calibrate_to_floor, with_expected_tie_margin
 from lpf.analysis.evidence import apply_inconsistency, evidence
 from lpf.analysis.features import Feature, request_features
-from lpf.analysis.floors import KAPPA, expected_floor
+from lpf.analysis.floors import KAPPA, expected_floor, observed_logit_error
 from lpf.analysis.hypotheses import rank_hypotheses
 from lpf.analysis.levels import REQUEST_VERDICTS, SEVERITY
 from lpf.analysis.prefix_cache import prefix_cache_summary
@@ -125,6 +126,13 @@ def analyze(
         else pa.array([], pa.string())
     )
     summary = apply_inconsistency(summarize_requests(None, requests, th, per=(ids, per)), requests)
+    with np.errstate(invalid="ignore"):
+        d = np.subtract(cols["engine_logprob"], cols["ref_logprob"])
+    found = answer_checks.scan(
+        tokens, joined.column("request_id"), cols["position"], d, cols["ref_logprob"], expected, th.divergent_abs_diff
+    )
+    del d
+    summary, answer_blocks = answer_checks.apply(summary, found)
     test = None
     sampling = (run_info or {}).get("sampling") or {"temperature": temperature}
     if expected:
@@ -136,6 +144,7 @@ def analyze(
         summary = raise_decisions(summary, decisions[0])
     findings = findings_dict(summary, th, metric_summary(cols, flips, same), joined.num_rows)
     findings["thresholds"].update(calib, pinned=sorted(th.pinned))
+    findings.update(answer_blocks)
     if decisions is not None:
         findings["spec_decisions"] = decisions[1]
     tempered = (
@@ -267,7 +276,15 @@ def _expected_floor(joined, tokens, reference, requests, calibration, calibratio
         cols = evidence_columns(joined, tokens, reference, requests)
         cal = calibration_floor(cols, joined, calibration)
     engine_dtype = (calibration_info or {}).get("dtype") or info.get("engine_dtype")
-    floor = expected_floor(floor_table, engine_dtype, info.get("reference_dtype"), info.get("model"), cal)
+    observed = None
+    pairs = floor_table.get("pairs") or {}
+    if f"{engine_dtype}/{info.get('reference_dtype')}" not in pairs:  # unknown or `auto`: the pair its errors fit
+        with np.errstate(invalid="ignore"):
+            d = np.subtract(joined.column("engine_logprob").to_numpy(), joined.column("ref_logprob").to_numpy())
+        observed = observed_logit_error(d, joined.column("ref_logprob").to_numpy())
+    floor = expected_floor(
+        floor_table, engine_dtype, info.get("reference_dtype"), info.get("model"), cal, observed=observed
+    )
     return (floor, cols) if floor else (None, None)
 
 
@@ -410,6 +427,8 @@ def findings_dict(summary: pa.Table, th: Thresholds, metrics: dict, n_scored: in
                 "gibberish_tokens": r["gibberish_tokens"],
                 "gibberish_score": r["gibberish_score"],
                 **({"spec_decision": r["spec_decision"]} if r.get("spec_decision") else {}),
+                **({"self_contradiction": r["self_contradiction"]} if r.get("self_contradiction") else {}),
+                **({"sure_token": r["sure_token"]} if r.get("sure_token") else {}),
             }
             for r in flagged
         ],
