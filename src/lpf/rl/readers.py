@@ -65,7 +65,9 @@ def reader(name: str) -> Reader:
     is a programming error, named here rather than deep inside a read)."""
     module = importlib.import_module(READERS[name])
     if not isinstance(module, (RowReader, FileReader)) or module.NAME != name:
-        gone = [m for m in ("NAME", "REQUIRED", "LAYOUT", "KINDS", "DETECT", "matches", "missing") if not hasattr(module, m)]
+        gone = [
+            m for m in ("NAME", "REQUIRED", "LAYOUT", "KINDS", "DETECT", "matches", "missing") if not hasattr(module, m)
+        ]
         raise TypeError(f"{READERS[name]} is not an RL dump reader for {name!r} (lacks {gone or 'convert/raw_rows'})")
     return module
 

@@ -36,9 +36,7 @@ REQUIRED = ("tokens", "response_lengths", "loss_masks", "rollout_log_probs", "lo
 LAYOUT = "slime --dump-details .pt"
 KINDS = ("torch",)
 DETECT = None  # its files are torch files: their kind tells it
-NO_FILES = (
-    "no torch files here (slime's --dump-details writes rollout_data/{id}.pt and train_data/{id}.pt)"
-)
+NO_FILES = "no torch files here (slime's --dump-details writes rollout_data/{id}.pt and train_data/{id}.pt)"
 NOT_ITS_KIND = (
     "not a torch file, and slime's --dump-details writes torch .pt files (rollout_data/{id}.pt, train_data/{id}.pt)"
 )
