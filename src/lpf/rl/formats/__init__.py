@@ -133,7 +133,11 @@ def read_dump(path: str | Path, fmt: str = "auto", strict: bool = False) -> Dump
         return {"file": _rel(path, f)} if multi else {}
 
     meta: dict = {}
-    rows = list(module.raw_rows(chosen, label, ignored)) if isinstance(module, FileReader) else _rows(module, chosen, label, meta)
+    rows = (
+        list(module.raw_rows(chosen, label, ignored))
+        if isinstance(module, FileReader)
+        else _rows(module, chosen, label, meta)
+    )
     dump = build_dump(str(path), name, rows, strict, meta, [_rel(path, f) for f in ignored])
     if hasattr(module, "after"):
         module.after(dump)
