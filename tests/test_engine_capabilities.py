@@ -20,7 +20,14 @@ from lpf.adapters.base import CAPABILITY_WORDS
 from lpf.core.errors import LpfError
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "lpf"
-CALLERS = ["locate/__init__.py", "pipeline/trace.py", "pipeline/replay.py", "cli/compare.py", "pipeline/generate.py"]
+CALLERS = [
+    "locate/__init__.py",
+    "pipeline/trace.py",
+    "pipeline/replay.py",
+    "cli/compare.py",
+    "pipeline/generate.py",
+    "experiments/kept_cells.py",
+]  # (experiments/shrink/repro.py asks `repro_script`, then writes each engine's script config by its name)
 
 
 def test_every_adapter_declares_its_capabilities_in_their_shapes():

@@ -7,7 +7,8 @@ are refused with a did-you-mean). Three methods:
 `Completion` per request as each finishes, in any order) and `close()`; optionally
 `side_tables()` for tables only some engines have (per-step trace, fault ground truth). What an engine
 can do beyond that is said by class attributes (`supports_prompt_logprobs`, `trace_source`, `state_slots`,
-`server`, `locate_replay`, `seeded_replay`, `discovers_architectures`) that callers ask through
+`server`, `locate_replay`, `seeded_replay`, `discovers_architectures`, `repro_script`, `kept_worker`) that
+callers ask through
 `lpf.adapters.capability(name, attr)`, never by the engine's name. Adapters return token ids and
 per-token raw logprobs (+ top-k when the engine has them), never aggregates. A request the engine
 cannot complete comes back with `error` set, never dropped. Before a run starts, `check_model(config)`
@@ -133,6 +134,8 @@ CAPABILITY_WORDS = {  # how `lpf engines` names each capability that is set
     "locate_replay": "lpf locate",
     "seeded_replay": "seeded replay",
     "discovers_architectures": "lpf conformance",
+    "repro_script": "repro.py",
+    "kept_worker": "kept worker",
 }
 
 
@@ -165,6 +168,10 @@ class Engine(ABC):
     seeded_replay: bool = False
     # whether `lpf conformance` can ask the engine which architectures it loads (experiments.conformance.discover)
     discovers_architectures: bool = False
+    # whether `lpf shrink` writes a standalone repro.py for it (experiments.shrink.repro_script)
+    repro_script: bool = False
+    # whether a sweep or shrink cell may run in a kept worker (an in-process engine: experiments.kept_cells)
+    kept_worker: bool = False
 
     def __init__(self, model: ModelRef, sampling: SamplingParams, options: Options):
         self.model = model

@@ -92,6 +92,8 @@ class BuiltinEngine(Engine):
     locate_replay = "lpf.locate.replays:builtin"
     seeded_replay = True  # lpf.builtin.sampler: a seeded multinomial lpf redraws exactly
     discovers_architectures = True
+    repro_script = True
+    kept_worker = True
 
     def __init__(self, model, sampling, options: BuiltinOptions):
         super().__init__(model, sampling, options)

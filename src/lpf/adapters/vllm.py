@@ -118,6 +118,7 @@ class VLLMEngine(Engine):
     state_slots = True
     locate_replay = "lpf.locate.replays:vllm"
     discovers_architectures = True
+    repro_script = True
 
     @classmethod
     def check_model(cls, config: dict) -> None:
