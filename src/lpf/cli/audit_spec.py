@@ -1,4 +1,5 @@
-"""The one way options become an audit: parsed click options -> `lpf.pipeline.spec.AuditSpec`.
+"""The command line's door to the one audit builder: parsed click options -> `AuditOptions` ->
+`lpf.pipeline.audit_options.build_spec` -> `lpf.pipeline.spec.AuditSpec` (the builder `lpf.audit` uses).
 
 Contract:
 - `build_audit_spec(params)`: the `AuditSpec` of a command's parsed options (`common.run_options`' and,
@@ -45,19 +46,19 @@ def spec_error(e) -> str:
     return options_error(e, "flag")
 
 
-def rescore_settings(params: Mapping):
-    """The `RescoreSettings` of parsed rescore options (validated)."""
-    from lpf.pipeline.rescore import RayOptions, RescoreSettings
+# `lpf rescore`'s options (reference_options + the executor's): its settings are the builder's rescore part
+_RESCORE = ("reference", "reference_dtype", "reference_device", "token_budget", "executor", "ray_address", "actors")
+_RESCORE += ("gpus_per_actor",)
 
-    settings = RescoreSettings(
-        reference=params.get("reference"),
-        dtype=params["reference_dtype"],
-        token_budget=params["token_budget"],
-        device=params["reference_device"],
-        executor=params["executor"],
-        ray=RayOptions(
-            address=params.get("ray_address"), actors=params["actors"], gpus_per_actor=float(params["gpus_per_actor"])
-        ),
-    )
-    settings.validate()
-    return settings
+
+def rescore_settings(params: Mapping):
+    """The `RescoreSettings` of parsed rescore options (validated), by the builder's own rescore part."""
+    from pydantic import ValidationError
+
+    from lpf.pipeline.audit_options import AuditOptions
+    from lpf.pipeline.audit_options import rescore_settings as of_options
+
+    try:
+        return of_options(AuditOptions.model_validate({k: v for k, v in params.items() if k in _RESCORE}))
+    except ValidationError as e:
+        raise LpfError(spec_error(e)) from None

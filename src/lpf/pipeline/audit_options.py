@@ -14,6 +14,7 @@ Contract:
   experiments' cells: the engine's `resolve_model_spec` hook (engines behind a server name a model that is
   not a local path: the hook picks the local one and fills `served_model`), the run, the rescore settings
   (validated), the analysis and the thresholds. `default_out()` is where the run goes when `out` is None.
+- `rescore_settings(options)`: the rescore part alone (`lpf rescore`).
 - `options_error(e, style)`: a validation error as one line naming the setting as the caller spells it:
   `--max-tokens must be >= 1, got 0` (style "flag") or `max_tokens must be >= 1, got 0` (style "keyword").
 Bad input is an `LpfError` or a pydantic `ValidationError` (the callers turn it into one line).
@@ -129,7 +130,6 @@ def build_spec(options: AuditOptions, default_out: Callable[[], Path]):
     from lpf.adapters import get_engine_class
     from lpf.analysis.thresholds import Thresholds
     from lpf.core.sampling import SamplingParams
-    from lpf.pipeline.rescore import RayOptions, RescoreSettings
     from lpf.pipeline.spec import AnalysisSpec, AuditSpec, RunSpec
 
     o = options
@@ -158,15 +158,7 @@ def build_spec(options: AuditOptions, default_out: Callable[[], Path]):
         part_size=o.part_size,
         trace_dir=o.trace_dir,
     )
-    rescore = RescoreSettings(
-        reference=o.reference,
-        dtype=o.reference_dtype,
-        token_budget=o.token_budget,
-        device=o.reference_device,
-        executor=o.executor,
-        ray=RayOptions(address=o.ray_address, actors=o.actors, gpus_per_actor=float(o.gpus_per_actor)),
-    )
-    rescore.validate()
+    rescore = rescore_settings(o)
     pinned = Thresholds().with_overrides([*o.threshold, *(f"{k}={v!r}" for k, v in o.thresholds.items())])
     return AuditSpec(
         run=run,
@@ -174,3 +166,20 @@ def build_spec(options: AuditOptions, default_out: Callable[[], Path]):
         analysis=AnalysisSpec(calibrate=o.calibrate, attribution=o.attribution),
         thresholds={name: getattr(pinned, name) for name in pinned.pinned},
     )
+
+
+def rescore_settings(o: AuditOptions):
+    """The rescore stage's `RescoreSettings` of these options (validated): the spec's `rescore` part, and
+    `lpf rescore`'s settings on their own."""
+    from lpf.pipeline.rescore import RayOptions, RescoreSettings
+
+    settings = RescoreSettings(
+        reference=o.reference,
+        dtype=o.reference_dtype,
+        token_budget=o.token_budget,
+        device=o.reference_device,
+        executor=o.executor,
+        ray=RayOptions(address=o.ray_address, actors=o.actors, gpus_per_actor=float(o.gpus_per_actor)),
+    )
+    settings.validate()
+    return settings
