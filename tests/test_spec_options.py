@@ -133,14 +133,15 @@ def test_the_options_that_apply_to_compare_are_its_keywords():
         lpf.compare([], reference="tiny:hybrid", dtype="float32", reference_dtype="bfloat16")
 
 
-def test_limit_keeps_the_first_prompts_and_n_still_multiplies_them(lpf_cli, tmp_path):
-    r = lpf_cli("run", "--limit", "3", "--n", "2", "--max-tokens", "2", "--out", tmp_path / "run")
-    assert r.code == 0, r.err
-    m = json.loads((tmp_path / "run" / "manifest.json").read_text())
-    assert (m["workload"]["limit"], m["workload"]["n_prompts"], m["workload"]["n_requests"]) == (3, 3, 6)
-    first = [json.loads(line)["id"] for line in (tmp_path / "run" / "workload.jsonl").read_text().splitlines()]
+def test_limit_keeps_the_first_prompts_and_n_still_multiplies_them(tmp_path):
+    from lpf.api.audit import build_spec
+    from lpf.pipeline import create_run
     from lpf.zoo import registry
 
+    run = create_run(build_spec(limit=3, n=2, max_tokens=2, out=tmp_path / "run"))  # written, not generated
+    w = run.manifest["workload"]
+    assert (w["limit"], w["n_prompts"], w["n_requests"]) == (3, 3, 6)
+    first = [json.loads(line)["id"] for line in (run.path / "workload.jsonl").read_text().splitlines()]
     assert first == [it["id"] for it in registry.workload_items("oracle")[:3]]
 
 
