@@ -67,6 +67,13 @@ class BuiltinEngine(Engine):
     name = "builtin"
     Options = BuiltinOptions
     supports_prompt_logprobs = True
+    trace_source = "own"
+    state_slots = True
+    locate_replay = "lpf.locate.replays:builtin"
+    seeded_replay = True  # lpf.builtin.sampler: a seeded multinomial lpf redraws exactly
+    discovers_architectures = True
+    repro_script = True
+    kept_worker = True
 
     def __init__(self, model, sampling, options: BuiltinOptions):
         super().__init__(model, sampling, options)

@@ -28,12 +28,23 @@ from lpf.core.errors import LpfError
 from lpf.run.store import RunDir
 
 
+def _joined(engine: str) -> bool:
+    """Whether this engine's trace is a server's, joined after the run (`trace_source`: openai)."""
+    from lpf.adapters import capability
+
+    return capability(engine, "trace_source") == "joined"
+
+
 def check_joinable(engine: str) -> None:
-    """A server's trace joins an `--engine openai` run; the other engines record their own or none."""
-    if engine != "openai":
+    """A server's trace joins a run of an engine whose trace is joined; the others record their own or none."""
+    if not _joined(engine):
+        from lpf.adapters import capability, engine_names
+
+        joiners = " or ".join(f"--engine {e}" for e in engine_names() if _joined(e))
+        own = capability(engine, "trace_source") == "own"
         raise LpfError(
-            f"--trace-dir joins the trace of a vLLM server audited with --engine openai; the {engine} "
-            f"engine {'records its own' if engine in ('builtin', 'vllm') else 'has none to join'}"
+            f"--trace-dir joins the trace of a vLLM server audited with {joiners}; the {engine} "
+            f"engine {'records its own' if own else 'has none to join'}"
         )
 
 
@@ -130,7 +141,7 @@ def trace_summary(run: RunDir) -> dict:
         if rows
         else (
             "a server's trace is joined with --trace-dir DIR (vLLM with lpf-vllm-trace)"
-            if name == "openai"
+            if _joined(name)
             else f"the {name} engine records no trace"
         )
     )
