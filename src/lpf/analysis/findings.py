@@ -56,6 +56,7 @@ import pyarrow.compute as pc
 
 from lpf.analysis import answer_checks
 from lpf.analysis import metrics as m
+from lpf.analysis import request_sampling
 from lpf.analysis.calibration import calibrate, calibrate_from_run, calibrate_to_floor, with_expected_tie_margin
 from lpf.analysis.evidence import apply_inconsistency, evidence
 from lpf.analysis.features import Feature, request_features
@@ -119,12 +120,24 @@ def analyze(
             ad = np.abs(np.subtract(cols["engine_logprob"], cols["ref_logprob"]))
         th, calib = calibrate(ad, starts, th)
         del ad
-    per, flips, same = score_requests(cols, starts, greedy, th, temperature)
     ids = (
         joined.column("request_id").take(pa.array(starts)).combine_chunks()
         if len(starts)
         else pa.array([], pa.string())
     )
+    sampling = (run_info or {}).get("sampling") or {"temperature": temperature}
+    own = request_sampling.settings(requests, temperature)
+    greedy_ids = None
+    if own is not None and own.uniform is not None and own.uniform == own.uniform:  # one temperature, every request
+        temperature = own.uniform
+        greedy, sampling = temperature == 0, {**sampling, "temperature": temperature}
+    elif own is not None:  # mixed: each row judged at its request's own settings
+        greedy, temperature = own.rows(ids, starts, joined.num_rows)
+        sampling, greedy_ids = request_sampling.MIXED_SAMPLING, own.greedy_ids
+    per, flips, same = score_requests(cols, starts, greedy, th, temperature)
+    mixed = np.ndim(greedy) > 0
+    if mixed:  # the run-level steps below take the run's settings: mixed runs are none of greedy / one temperature
+        temperature = request_sampling.MIXED_TEMPERATURE
     summary = apply_inconsistency(summarize_requests(None, requests, th, per=(ids, per)), requests)
     with np.errstate(invalid="ignore"):
         d = np.subtract(cols["engine_logprob"], cols["ref_logprob"])
@@ -134,7 +147,6 @@ def analyze(
     del d
     summary, answer_blocks = answer_checks.apply(summary, found)
     test = None
-    sampling = (run_info or {}).get("sampling") or {"temperature": temperature}
     if expected:
         test = run_level_test(joined, tokens, reference, requests, expected, sampling, cols=cal_cols, starts=starts)
         summary = _localized(summary, test, cal_cols, expected, sampling, joined, tokens, reference, requests, starts)
@@ -149,11 +161,11 @@ def analyze(
         findings["spec_decisions"] = decisions[1]
     tempered = (
         tempered_logprobs(joined, reference, temperature, th)
-        if wants_tempered(temperature, reference.column_names)
+        if not mixed and wants_tempered(temperature, reference.column_names)
         else None
     )
     server = {
-        "penalty": fit_penalty(tokens, reference, requests, _penalty_tie(th, test)) if greedy else None,
+        "penalty": _fit_penalty(tokens, reference, requests, _penalty_tie(th, test), greedy, greedy_ids),
         "logprob_temperature": (
             fit_logprob_temperature(joined, reference, th) if "ref_topk_logprobs" in reference.column_names else None
         ),
@@ -286,6 +298,20 @@ def _expected_floor(joined, tokens, reference, requests, calibration, calibratio
         floor_table, engine_dtype, info.get("reference_dtype"), info.get("model"), cal, observed=observed
     )
     return (floor, cols) if floor else (None, None)
+
+
+def _fit_penalty(tokens, reference, requests, tie: float, greedy, greedy_ids: list[str] | None):
+    """`penalties.fit_penalty` over the greedy requests: all of a greedy run, the ones sent at temperature 0 of a
+    run of mixed settings (`greedy_ids`), none of a sampled run."""
+    if greedy_ids is not None:
+        if not greedy_ids:
+            return None
+        keep = pa.array(greedy_ids, pa.string())
+        tokens, reference, requests = (
+            t.filter(pc.is_in(t.column("request_id"), value_set=keep)) for t in (tokens, reference, requests)
+        )
+        return fit_penalty(tokens, reference, requests, tie)
+    return fit_penalty(tokens, reference, requests, tie) if greedy else None
 
 
 def _penalty_tie(th: Thresholds, test: dict | None) -> float:
