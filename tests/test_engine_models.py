@@ -355,5 +355,5 @@ def test_unsupported_architecture():
     from lpf.builtin.models import load_model
     from lpf.core.model_specs import resolve_model
 
-    with pytest.raises(LpfError, match="runs GraniteMoeHybrid and Jamba models; LlamaForCausalLM is not supported"):
+    with pytest.raises(LpfError, match="runs GraniteMoeHybrid, Jamba and Qwen3.5 models; LlamaForCausalLM is not supported"):
         load_model(resolve_model("tiny:llama").path)
