@@ -95,7 +95,11 @@ class Qwen35Layer(nn.Module):
         self.mlp = GatedMLP(H, config.intermediate_size, config.hidden_act)
 
     def forward(self, h, rope):
-        mixer = self.linear_attn(self.input_layernorm(h)) if self.is_mamba else self.self_attn(self.input_layernorm(h), rope)
+        mixer = (
+            self.linear_attn(self.input_layernorm(h))
+            if self.is_mamba
+            else self.self_attn(self.input_layernorm(h), rope)
+        )
         h = h + mixer
         return h + self.mlp(self.post_attention_layernorm(h))
 
