@@ -117,3 +117,34 @@ def test_speculative_decoding_with_prefix_caching_equals_transformers(setup, tmp
     assert partial and all(
         r["state_tokens_after_rollback"] == r["num_computed_tokens"] + 1 + r["num_accepted_tokens"] for r in partial
     )  # the GDN state rolled back to a snapshot inside the verified run
+
+
+def test_float64_layers_equal_transformers_with_its_float32_islands_widened(setup, monkeypatch):
+    """The exactness anchor: transformers computes the delta rule, the gated norm and the zero-centred
+    norms in float32 even for a float64 model (so its float64 forward is ~3e-4 from ours); with those
+    widened to float64 it agrees with the engine's float64 model, chunked prefill, extends, batched
+    decodes and a reused slot included, to ~1e-6 (what is left: HF's float32 RoPE angles)."""
+    import transformers.models.qwen3_5.modeling_qwen3_5 as hf_mod
+    from test_engine_models import CASES, Driver
+    from transformers import AutoModelForCausalLM
+
+    from lpf.builtin.models import load_model
+
+    class Wide:  # the module's `torch`, with float32 meaning float64
+        def __getattr__(self, name):
+            return torch.float64 if name == "float32" else getattr(torch, name)
+
+    def centred_norm(self, x):
+        return (self._norm(x.double()) * (1.0 + self.weight.double())).type_as(x)
+
+    monkeypatch.setattr(hf_mod, "torch", Wide())
+    monkeypatch.setattr(hf_mod.Qwen3_5RMSNorm, "forward", centred_norm)
+    path = setup[0].path
+    ours, hf = load_model(path, dtype=torch.float64), AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
+    worst = 0.0
+    for case in ("chunked", "mixed", "reused-slot"):
+        for req in CASES[case](Driver(ours, torch.float64)):
+            with torch.no_grad():
+                ref = hf.eval()(torch.tensor([req.tokens[: req.computed]])).logits[0].log_softmax(-1)
+            worst = max(worst, (req.rows() - ref).abs().max().item())
+    assert worst <= 1e-5, worst
