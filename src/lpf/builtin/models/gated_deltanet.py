@@ -159,7 +159,6 @@ class GatedDeltaNetMixer(MambaMixerBase):
         q, k, v = wide(qkv).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         beta = wide(b.sigmoid())
         g = -wide(self.A_log).exp() * F.softplus(wide(a) + wide(self.dt_bias))
-        probe(self, "dt", g)
         return q.view(n, self.n_k, self.d_k), k.view(n, self.n_k, self.d_k), v.view(n, self.n_v, self.d_v), g, beta
 
     def _output(self, core: torch.Tensor, z: torch.Tensor, dtype) -> torch.Tensor:
