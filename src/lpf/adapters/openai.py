@@ -302,7 +302,7 @@ class OpenAIEngine(RemoteEngine):
             claimed = None  # counted against usage while the ids were recovered
         else:
             self.returned[block.shape] += 1
-            ids = [self.map.resolve(p.token, p.tid, p.raw, pos, strict=True) for pos, p in enumerate(block.positions)]
+            ids = self._sampled_ids(block.positions, text, finish)
             self.check_ids(ids)
             # an echoed prompt's first token has no logprob (nothing precedes it): not a problem there
             logprobs = [
@@ -353,6 +353,24 @@ class OpenAIEngine(RemoteEngine):
             prompt_topk_ids=prompt[1] if prompt else [],
             prompt_topk_logprobs=prompt[2] if prompt else [],
         )
+
+    def _sampled_ids(self, positions, text, finish) -> list[int]:
+        """The sampled tokens' ids: each mapped on its own, and those that map to nothing (a `''` token with
+        `bytes: null`: a special token whose text the server skipped) from the answer's text; a token
+        neither way places is the request's error."""
+        strict = self.map.mode == "server"  # server ids only: nothing else places a token
+        ids = [self.map.resolve(p.token, p.tid, p.raw, pos, strict=strict) for pos, p in enumerate(positions)]
+        if None not in ids:
+            return ids
+        eos = self.tokenizer.eos_token_id if finish == "stop" else None
+        filled = self.map.by_text(ids, [p.token for p in positions], text, eos)
+        if filled is None:
+            pos = ids.index(None)
+            raise RequestFailed(
+                f"token {positions[pos].token!r} at position {pos} does not map back to one token id of the "
+                f"local tokenizer, nor does the answer's text place it"
+            )
+        return filled
 
     def _tokens_only(self, req, choice, text, usage, finish, problems) -> list[int]:
         """The output ids of an answer without logprobs: the server's `token_ids`, else its text re-encoded."""
