@@ -79,3 +79,15 @@ def test_llama_server_flash_attention_is_named_as_batch_shape_dependence(lpf_cli
     assert on["dependent"] and on["server"] == "llama-server" and "flash attention" in on["sentence"], on
     assert on["max_abs_diff"] > on["tolerance"] and "batch-shape dependence" in docs["on"]["batch_shape"]["sentence"]
     assert not off["dependent"] and off["max_abs_diff"] <= off["tolerance"], off
+
+
+def test_tokens_only_copies_and_copies_sent_one_at_a_time():
+    """A server with no logprobs: judged on tokens; a copy sent with one request in flight ran alone."""
+    copies = [_copy(0, 0, None), {**_copy(1, 3, None), "alone": True}, _copy(2, 7, None, tokens=(1, 2, 4))]
+    bs = batch_shape(copies, 1e-4, "llama-server")
+    assert bs["dependent"] and bs["alone"] == 2 and bs["compared"] == "tokens" and bs["max_abs_diff"] is None
+    assert "tokens change" in bs["sentence"] and "no logprobs" in bs["sentence"]
+    same = batch_shape([_copy(0, 0, None), _copy(1, 3, None)], 1e-4)
+    assert not same["dependent"] and same["sentence"].startswith("no batch-shape dependence in the tokens")
+    # null batch sizes (a server that does not say) are no evidence of running alone
+    assert batch_shape([_copy(0, 0, 0.0), _copy(1, 3, 5e-4, sizes=[None])], 1e-4)["dependent"]
