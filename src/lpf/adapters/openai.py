@@ -147,6 +147,39 @@ class OpenAIEngine(RemoteEngine):
         d["notes"] = list(self.notes)
         return d
 
+    def configuration(self) -> dict:
+        """What the server says of its configuration, where it says it (`engine_config`): vLLM's
+        `/server_info` (VLLM_SERVER_DEV_MODE=1), llama-server's `/props`, `lpf serve`'s `/v1/models`; each
+        asked once, briefly; a server that answers none of them says nothing."""
+        from lpf.adapters import engine_config as ec
+
+        readers = (
+            (
+                "/server_info?config_format=json",
+                lambda b: ec.from_vllm_config(b.get("vllm_config"), None, "GET /server_info"),
+            ),
+            ("/props", ec.from_llama_props),
+            ("/v1/models", ec.from_lpf_models),
+        )
+        out: dict = {}
+        for path, reader in readers:
+            body = self._get_json(path)
+            if isinstance(body, dict):
+                for field, said in reader(body).items():
+                    out.setdefault(field, said)
+        return out
+
+    def _get_json(self, path: str):
+        import httpx
+
+        root = self.options.base_url.rstrip("/").removesuffix("/v1")
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        try:
+            answer = httpx.get(root + path, headers=headers, timeout=3.0)
+            return answer.json() if answer.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return None
+
     def payload(self, req: EngineRequest) -> dict:
         s = self.sampling
         body = {

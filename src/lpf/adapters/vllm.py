@@ -315,6 +315,12 @@ class VLLMEngine(Engine):
             **({"spec_decode": self.spec_decode} if getattr(self, "spec_decode", None) else {}),
         }
 
+    def configuration(self) -> dict:
+        from lpf.adapters.engine_config import from_vllm_config
+
+        ready = self.ready or {}
+        return from_vllm_config(ready.get("vllm_config"), ready.get("sampling_defaults"), "vLLM in-process vllm_config")
+
     def _add_spec_counts(self, batch: dict | None) -> None:
         """Add one batch's speculative-decoding counts (vLLM's metrics, read by the worker) to the run's."""
         if batch is None:

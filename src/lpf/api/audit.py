@@ -5,7 +5,8 @@ the terminal: nothing is printed. Keyword arguments are the command's options by
 `engine`, `model`, `workload`, `out`, `n`, the sampling settings (`temperature`, `top_p`, `top_k`,
 `max_tokens`, `seed`, `ignore_eos`, `logprobs`, `prompt_logprobs`), `engine_options` (the engine's knobs by
 name; `inject="stale-state"` is `engine_options={"inject": ...}`), the reference's (`reference`,
-`reference_dtype`, `reference_device`, `token_budget`), `calibrate`, `attribution`, `thresholds`
+`reference_dtype`, `reference_device`, `token_budget`), `declared` (what the engine runs where lpf cannot
+read it: {"kv_cache_dtype", "flash_attention", "weight_quantization"}), `calibrate`, `attribution`, `thresholds`
 ({name: value}) and `rule` (the peer's rule beside lpf's verdicts, as in `lpf.compare`). `out` defaults to a
 new temporary directory. Every setting is checked before anything is written; a bad one is an `LpfError`
 (one line, as the command prints it), never a pydantic traceback.
@@ -21,7 +22,7 @@ from lpf.api.findings import Findings
 from lpf.core.errors import LpfError
 
 _SAMPLING = ("temperature", "top_p", "top_k", "max_tokens", "seed", "ignore_eos", "logprobs", "prompt_logprobs")
-_RUN = ("engine", "model", "workload", "n", "part_size", "trace_dir")
+_RUN = ("engine", "model", "workload", "n", "part_size", "trace_dir", "declared")
 _RESCORE = {
     "reference": "reference",
     "reference_dtype": "dtype",

@@ -57,7 +57,7 @@ def spec_error(e) -> str:
 def _audit_spec(p: Mapping, model, options: dict):
     from lpf.analysis.thresholds import Thresholds
     from lpf.core.sampling import SamplingParams
-    from lpf.pipeline.spec import AnalysisSpec, AuditSpec, RunSpec
+    from lpf.pipeline.spec import AnalysisSpec, AuditSpec, Declared, RunSpec
 
     sampling = SamplingParams(
         temperature=p["temperature"],
@@ -79,6 +79,7 @@ def _audit_spec(p: Mapping, model, options: dict):
         engine_options=options,
         part_size=p["part_size"],
         trace_dir=p.get("trace_dir"),
+        declared=Declared(**{k: p.get(k) for k in Declared.model_fields}),
     )
     pinned = Thresholds().with_overrides(list(p.get("threshold") or ()))
     kw = {"rescore": rescore_settings(p)} if "token_budget" in p else {}
