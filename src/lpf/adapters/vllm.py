@@ -319,7 +319,13 @@ class VLLMEngine(Engine):
         from lpf.adapters.engine_config import from_vllm_config
 
         ready = self.ready or {}
-        return from_vllm_config(ready.get("vllm_config"), ready.get("sampling_defaults"), "vLLM in-process vllm_config")
+        out = from_vllm_config(ready.get("vllm_config"), None, "vLLM in-process vllm_config")
+        if ready.get("vllm_config") is not None:
+            # vllm.LLM applies the model's generation-config defaults only to requests without SamplingParams
+            gen = ready.get("sampling_defaults") or {}
+            why = f"; under vllm serve the model's generation config would set {gen}" if gen else ""
+            out["sampling_defaults"] = ({}, f"vllm.LLM with lpf's explicit SamplingParams: none applied{why}")
+        return out
 
     def _add_spec_counts(self, batch: dict | None) -> None:
         """Add one batch's speculative-decoding counts (vLLM's metrics, read by the worker) to the run's."""
