@@ -138,7 +138,7 @@ def test_the_built_in_engine_records_its_configuration_and_a_declaration_that_di
     c = e["configuration"]
     assert c["dtype"] == {"value": "float32", "source": "engine", "via": "the built-in engine's EngineConfig"}
     assert c["kv_cache_dtype"]["value"] == "float32" and "conflict" not in c["kv_cache_dtype"]  # f32 is float32
-    assert c["flash_attention"]["value"] == "off" and c["flash_attention"]["declared"] == "on"
+    assert c["flash_attention"] == {"value": "on", "source": "declared", "via": "--flash-attention"}
     assert c["weight_quantization"] == {**c["weight_quantization"], "value": "none", "conflict": True}
     assert c["sampling_defaults"]["value"] == {}
     spec = json.loads((out / "spec.json").read_text())["run"]["declared"]

@@ -207,7 +207,7 @@ def test_models_route_says_what_the_engine_computes_with_and_the_openai_adapter_
     assert entry["lpf_configuration"] == {
         "dtype": "float32",
         "kv_cache_dtype": "float32",
-        "flash_attention": "off",
+        "flash_attention": None,  # torch's SDPA picks its own kernel: not said
         "weight_quantization": "none",
         "sampling_defaults": {"repetition_penalty": 1.0},
         "faults": [],
@@ -222,7 +222,7 @@ def test_models_route_says_what_the_engine_computes_with_and_the_openai_adapter_
         "declared": "bfloat16",  # the user's --dtype disagrees: kept as evidence
         "conflict": True,
     }
-    assert c["flash_attention"]["value"] == "off" and c["sampling_defaults"]["value"] == {"repetition_penalty": 1.0}
+    assert c["flash_attention"]["source"] == "absent" and c["sampling_defaults"]["value"] == {"repetition_penalty": 1.0}
 
 
 def test_bad_cli_options_fail_before_serving(lpf_cli):

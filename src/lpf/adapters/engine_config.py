@@ -13,8 +13,8 @@
   generation_config.json defaults vLLM applies).
 - `from_lpf_models(body)`: `lpf serve`'s GET /v1/models, whose model entry carries `lpf_configuration`.
 - `builtin(dtype, repetition_penalty)`: the built-in engine's (and `lpf serve`'s, whose default repetition
-  penalty is a sampling default): its dtype, a KV cache in that dtype, plain attention (no flash
-  attention), float weights.
+  penalty is a sampling default): its dtype, a KV cache in that dtype, float weights; flash attention not
+  said (torch's scaled_dot_product_attention picks its kernel).
 """
 
 from __future__ import annotations
@@ -110,7 +110,9 @@ def builtin(dtype: str, repetition_penalty: float | None = None) -> dict[str, An
     return {
         "dtype": dtype,
         "kv_cache_dtype": dtype,
-        "flash_attention": "off",
+        # torch's scaled_dot_product_attention picks its own kernel (a flash kernel on CPU), in the KV's
+        # dtype: neither llama.cpp's flash attention on an f16 copy nor a plain softmax, so not said
+        "flash_attention": None,
         "weight_quantization": "none",
         # the engine applies none of its own; lpf serve a default repetition penalty
         "sampling_defaults": {} if repetition_penalty is None else {"repetition_penalty": repetition_penalty},

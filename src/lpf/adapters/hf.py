@@ -84,7 +84,7 @@ class HFEngine(Engine):
             # generate() runs with a neutral GenerationConfig: no model defaults inherited
             "sampling_defaults": ({}, "lpf's neutral GenerationConfig"),
         }
-        if impl:
+        if impl == "eager" or (impl and "flash" in impl):  # sdpa picks its own kernel: not said
             out["flash_attention"] = ("on" if "flash" in impl else "off", f"{via} attn_implementation {impl}")
         return out
 
