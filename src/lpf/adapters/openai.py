@@ -154,28 +154,31 @@ class OpenAIEngine(RemoteEngine):
         from lpf.adapters import engine_config as ec
 
         readers = (
+            # vLLM's answers only once it has collected its environment (pip, lscpu, ...: seconds): asked with
+            # time to spare, and only of a server that answered GET /version (vLLM, SGLang)
             (
                 "/server_info?config_format=json",
                 lambda b: ec.from_vllm_config(b.get("vllm_config"), None, "GET /server_info"),
+                30.0 if self.server_version is not None else None,
             ),
-            ("/props", ec.from_llama_props),
-            ("/v1/models", ec.from_lpf_models),
+            ("/props", ec.from_llama_props, 3.0),
+            ("/v1/models", ec.from_lpf_models, 3.0),
         )
         out: dict = {}
-        for path, reader in readers:
-            body = self._get_json(path)
+        for path, reader, timeout in readers:
+            body = self._get_json(path, timeout) if timeout else None
             if isinstance(body, dict):
                 for field, said in reader(body).items():
                     out.setdefault(field, said)
         return out
 
-    def _get_json(self, path: str):
+    def _get_json(self, path: str, timeout: float):
         import httpx
 
         root = self.options.base_url.rstrip("/").removesuffix("/v1")
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         try:
-            answer = httpx.get(root + path, headers=headers, timeout=3.0)
+            answer = httpx.get(root + path, headers=headers, timeout=timeout)
             return answer.json() if answer.status_code == 200 else None
         except (httpx.HTTPError, ValueError):
             return None
