@@ -213,7 +213,8 @@ def batch_shape(copies: list[dict], tolerance: float, server: str | None = None)
     """Whether the copies sent among other requests depart from the copy sent alone (copy 0) beyond
     `tolerance` or in their tokens, while the copies sent alone (copy 0, and any whose batch sizes were
     all 1) agree with each other: {dependent, alone, shared, departing, tokens_differ, max_abs_diff,
-    alone_spread, tolerance, server, knob, turn_off, sentence}."""
+    alone_spread, compared, tolerance, server, knob, turn_off, sentence}; a copy with `alone` set (one request
+    in flight) ran alone too; with no logprobs (max_abs_diff_vs_copy0 None) the tokens alone decide."""
     base = copies[0]
     sizes = lambda c: [b for b in c.get("batch_sizes") or () if b is not None]  # noqa: E731  (null: not said)
     alone = [c for c in copies if c["n_fillers"] == 0 or c.get("alone") or (sizes(c) and max(sizes(c)) == 1)]
