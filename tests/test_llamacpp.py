@@ -407,7 +407,7 @@ def test_parallel_slots_are_reused_and_traced(lpf_cli, tmp_path, oracle24):
         assert e["props"]["total_slots"] == 4 and e["options"]["parallel"] == 4
         c = e["configuration"]  # /props' file type and defaults, lpf's own command line for the rest
         assert c["dtype"] == {"value": "float32", "source": "engine", "via": "GET /props model_ftype 'all F32'"}
-        assert c["weight_quantization"]["value"] == "none" and c["kv_cache_dtype"]["value"] == "f32"
+        assert c["weight_quantization"]["value"] == "none" and c["kv_cache_dtype"]["value"] == "float32"  # -ctk f32
         assert c["flash_attention"]["value"] == "off" and "f16 copy" in c["flash_attention"]["via"]
         assert "repeat_penalty" in c["sampling_defaults"]["value"]
         runs[name] = {t["request_id"]: t for t in trace}
