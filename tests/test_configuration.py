@@ -125,9 +125,9 @@ def test_declarations_go_from_the_command_line_to_the_spec_and_the_manifest(tmp_
     # the library takes the same declarations
     from lpf.api.audit import build_spec
 
-    assert build_spec(model="tiny:hybrid", declared={"kv_cache_dtype": "Q8_0"}).run.declared.kv_cache_dtype == "q8_0"
-    with pytest.raises(LpfError, match="declared.flash_attention"):
-        build_spec(model="tiny:hybrid", declared={"flash_attention": "maybe"})
+    assert build_spec(model="tiny:hybrid", kv_cache_dtype="Q8_0").run.declared.kv_cache_dtype == "q8_0"
+    with pytest.raises(LpfError, match="flash_attention"):
+        build_spec(model="tiny:hybrid", flash_attention="maybe")
 
 
 @pytest.mark.slow

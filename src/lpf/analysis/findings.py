@@ -54,11 +54,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from lpf.analysis import answer_checks
 from lpf.analysis import metrics as m
+from lpf.analysis import request_sampling
 from lpf.analysis.calibration import calibrate, calibrate_from_run, calibrate_to_floor, with_expected_tie_margin
 from lpf.analysis.evidence import apply_inconsistency, evidence
 from lpf.analysis.features import Feature, request_features
-from lpf.analysis.floors import KAPPA, expected_floor
+from lpf.analysis.floors import KAPPA, expected_floor, observed_logit_error
 from lpf.analysis.hypotheses import rank_hypotheses
 from lpf.analysis.levels import REQUEST_VERDICTS, SEVERITY
 from lpf.analysis.prefix_cache import prefix_cache_summary
@@ -68,9 +70,9 @@ from lpf.analysis.mechanisms import attribute
 from lpf.analysis.penalties import fit_penalty, phrase as penalty_phrase
 from lpf.analysis.run_test import DEFAULT_ALPHA, run_level_test, token_evidence
 from lpf.analysis.shape import failure_shape
-from lpf.analysis.spec_decisions import decision_signature, decision_slack, decision_test, raise_decisions
+from lpf.analysis.speculative_decisions import decision_signature, decision_slack, decision_test, raise_decisions
 from lpf.analysis.signatures import crossed_wires, fit_logprob_temperature, tempered_logprobs
-from lpf.analysis.spec_features import spec_divergence
+from lpf.analysis.speculative_features import spec_divergence
 from lpf.analysis.thresholds import Thresholds
 from lpf.analysis.timing import timing_features
 from lpf.analysis.token_evidence import calibration_floor, evidence_columns
@@ -118,15 +120,33 @@ def analyze(
             ad = np.abs(np.subtract(cols["engine_logprob"], cols["ref_logprob"]))
         th, calib = calibrate(ad, starts, th)
         del ad
-    per, flips, same = score_requests(cols, starts, greedy, th, temperature)
     ids = (
         joined.column("request_id").take(pa.array(starts)).combine_chunks()
         if len(starts)
         else pa.array([], pa.string())
     )
-    summary = apply_inconsistency(summarize_requests(None, requests, th, per=(ids, per)), requests)
-    test = None
     sampling = (run_info or {}).get("sampling") or {"temperature": temperature}
+    own = request_sampling.settings(requests, temperature)
+    greedy_ids = None
+    if own is not None and own.uniform is not None and own.uniform == own.uniform:  # one temperature, every request
+        temperature = own.uniform
+        greedy, sampling = temperature == 0, {**sampling, "temperature": temperature}
+    elif own is not None:  # mixed: each row judged at its request's own settings
+        greedy, temperature = own.rows(ids, starts, joined.num_rows)
+        sampling, greedy_ids = request_sampling.MIXED_SAMPLING, own.greedy_ids
+    per, flips, same = score_requests(cols, starts, greedy, th, temperature)
+    mixed = np.ndim(greedy) > 0
+    if mixed:  # the run-level steps below take the run's settings: mixed runs are none of greedy / one temperature
+        temperature = request_sampling.MIXED_TEMPERATURE
+    summary = apply_inconsistency(summarize_requests(None, requests, th, per=(ids, per)), requests)
+    with np.errstate(invalid="ignore"):
+        d = np.subtract(cols["engine_logprob"], cols["ref_logprob"])
+    found = answer_checks.scan(
+        tokens, joined.column("request_id"), cols["position"], d, cols["ref_logprob"], expected, th.divergent_abs_diff
+    )
+    del d
+    summary, answer_blocks = answer_checks.apply(summary, found)
+    test = None
     if expected:
         test = run_level_test(joined, tokens, reference, requests, expected, sampling, cols=cal_cols, starts=starts)
         summary = _localized(summary, test, cal_cols, expected, sampling, joined, tokens, reference, requests, starts)
@@ -136,15 +156,16 @@ def analyze(
         summary = raise_decisions(summary, decisions[0])
     findings = findings_dict(summary, th, metric_summary(cols, flips, same), joined.num_rows)
     findings["thresholds"].update(calib, pinned=sorted(th.pinned))
+    findings.update(answer_blocks)
     if decisions is not None:
         findings["spec_decisions"] = decisions[1]
     tempered = (
         tempered_logprobs(joined, reference, temperature, th)
-        if wants_tempered(temperature, reference.column_names)
+        if not mixed and wants_tempered(temperature, reference.column_names)
         else None
     )
     server = {
-        "penalty": fit_penalty(tokens, reference, requests, _penalty_tie(th, test)) if greedy else None,
+        "penalty": _fit_penalty(tokens, reference, requests, _penalty_tie(th, test), greedy, greedy_ids),
         "logprob_temperature": (
             fit_logprob_temperature(joined, reference, th) if "ref_topk_logprobs" in reference.column_names else None
         ),
@@ -267,8 +288,30 @@ def _expected_floor(joined, tokens, reference, requests, calibration, calibratio
         cols = evidence_columns(joined, tokens, reference, requests)
         cal = calibration_floor(cols, joined, calibration)
     engine_dtype = (calibration_info or {}).get("dtype") or info.get("engine_dtype")
-    floor = expected_floor(floor_table, engine_dtype, info.get("reference_dtype"), info.get("model"), cal)
+    observed = None
+    pairs = floor_table.get("pairs") or {}
+    if f"{engine_dtype}/{info.get('reference_dtype')}" not in pairs:  # unknown or `auto`: the pair its errors fit
+        with np.errstate(invalid="ignore"):
+            d = np.subtract(joined.column("engine_logprob").to_numpy(), joined.column("ref_logprob").to_numpy())
+        observed = observed_logit_error(d, joined.column("ref_logprob").to_numpy())
+    floor = expected_floor(
+        floor_table, engine_dtype, info.get("reference_dtype"), info.get("model"), cal, observed=observed
+    )
     return (floor, cols) if floor else (None, None)
+
+
+def _fit_penalty(tokens, reference, requests, tie: float, greedy, greedy_ids: list[str] | None):
+    """`penalties.fit_penalty` over the greedy requests: all of a greedy run, the ones sent at temperature 0 of a
+    run of mixed settings (`greedy_ids`), none of a sampled run."""
+    if greedy_ids is not None:
+        if not greedy_ids:
+            return None
+        keep = pa.array(greedy_ids, pa.string())
+        tokens, reference, requests = (
+            t.filter(pc.is_in(t.column("request_id"), value_set=keep)) for t in (tokens, reference, requests)
+        )
+        return fit_penalty(tokens, reference, requests, tie)
+    return fit_penalty(tokens, reference, requests, tie) if greedy else None
 
 
 def _penalty_tie(th: Thresholds, test: dict | None) -> float:
@@ -410,6 +453,8 @@ def findings_dict(summary: pa.Table, th: Thresholds, metrics: dict, n_scored: in
                 "gibberish_tokens": r["gibberish_tokens"],
                 "gibberish_score": r["gibberish_score"],
                 **({"spec_decision": r["spec_decision"]} if r.get("spec_decision") else {}),
+                **({"self_contradiction": r["self_contradiction"]} if r.get("self_contradiction") else {}),
+                **({"sure_token": r["sure_token"]} if r.get("sure_token") else {}),
             }
             for r in flagged
         ],
