@@ -50,6 +50,9 @@ over whole-run columns (the statement `scoring.metric_summary` is tested against
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Protocol
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -71,6 +74,7 @@ from lpf.analysis.shape import failure_shape
 from lpf.analysis.spec_decisions import decision_signature, decision_slack, decision_test, raise_decisions
 from lpf.analysis.signatures import crossed_wires, fit_logprob_temperature, tempered_logprobs
 from lpf.analysis.spec_features import spec_divergence
+from lpf.analysis.steps import Ran, record
 from lpf.analysis.thresholds import Thresholds
 from lpf.analysis.timing import timing_features
 from lpf.analysis.token_evidence import calibration_floor, evidence_columns
@@ -97,6 +101,7 @@ def analyze(
     prompt_tokens: pa.Table | None = None,
     prompt_reference: pa.Table | None = None,
     chunk_budget: int | None = None,
+    ran: Ran | None = None,
 ) -> tuple[pa.Table, dict]:
     """(per-request summary, findings dict). Pure: tables in, tables and plain data out.
     `calibration` (a calibration run's table, reference columns) replaces the run's own floor.
@@ -119,6 +124,7 @@ def analyze(
         th, calib = calibrate(ad, starts, th)
         del ad
     per, flips, same = score_requests(cols, starts, greedy, th, temperature)
+    record(ran, "thresholds", "scoring")
     ids = (
         joined.column("request_id").take(pa.array(starts)).combine_chunks()
         if len(starts)
@@ -127,46 +133,16 @@ def analyze(
     summary = apply_inconsistency(summarize_requests(None, requests, th, per=(ids, per)), requests)
     test = None
     sampling = (run_info or {}).get("sampling") or {"temperature": temperature}
+    record(ran, "verdicts", "run_test", "localized")
     if expected:
         test = run_level_test(joined, tokens, reference, requests, expected, sampling, cols=cal_cols, starts=starts)
         summary = _localized(summary, test, cal_cols, expected, sampling, joined, tokens, reference, requests, starts)
-    slack = decision_slack(th.divergent_abs_diff, expected)
-    decisions = decision_test(tokens, reference, requests, trace, sampling, slack, DEFAULT_ALPHA)
-    if decisions is not None:
-        summary = raise_decisions(summary, decisions[0])
-    findings = findings_dict(summary, th, metric_summary(cols, flips, same), joined.num_rows)
-    findings["thresholds"].update(calib, pinned=sorted(th.pinned))
-    if decisions is not None:
-        findings["spec_decisions"] = decisions[1]
-    tempered = (
-        tempered_logprobs(joined, reference, temperature, th)
-        if wants_tempered(temperature, reference.column_names)
-        else None
+    inputs = _InMemory(joined, tokens, reference, requests, trace, th)
+    run = Run(requests, trace, engine_info, th, calib, greedy, temperature, sampling, expected, reference.column_names)
+    summary, findings = conclude_run(
+        run, summary, test, lambda: metric_summary(cols, flips, same), joined.num_rows, inputs, ran=ran
     )
-    server = {
-        "penalty": fit_penalty(tokens, reference, requests, _penalty_tie(th, test)) if greedy else None,
-        "logprob_temperature": (
-            fit_logprob_temperature(joined, reference, th) if "ref_topk_logprobs" in reference.column_names else None
-        ),
-    }
-    fitted = server["logprob_temperature"]
-    if fitted is not None and abs(fitted["value"] - temperature) <= 0.02:
-        server["logprob_temperature"] = None  # the run's own temperature: `tempered_logprobs` says that
-    elif fitted is not None:  # a temperature of the server's own: the signature at it
-        tempered = tempered_logprobs(joined, reference, fitted["value"], th)
-    findings = conclude(
-        findings,
-        summary,
-        requests,
-        trace,
-        engine_info,
-        temperature,
-        test,
-        tempered,
-        crossed_wires(joined, requests, trace),
-        server,
-    )
-    return with_prompt(summary, findings, prompt_tokens, prompt_reference, requests, th, trace, chunk_budget)
+    return with_prompt(summary, findings, prompt_tokens, prompt_reference, requests, th, trace, chunk_budget, ran)
 
 
 def with_prompt(
@@ -178,9 +154,11 @@ def with_prompt(
     th: Thresholds,
     trace: pa.Table | None,
     chunk_budget: int | None,
+    ran: Ran | None = None,
 ) -> tuple[pa.Table, dict]:
     """The prompt positions' block, their `prompt_` summary columns and the run verdict raised to the
     worst prompt verdict (`lpf.analysis.prompt`), when the run has scored prompt positions."""
+    record(ran, "prompt")
     prompt_table, prompt_block = prompt_analysis(prompt_tokens, prompt_reference, requests, th, trace, chunk_budget)
     if prompt_block is not None:
         summary = merge_summary(summary, prompt_table)
@@ -194,6 +172,103 @@ def wants_tempered(temperature: float, reference_columns) -> bool:
     return bool(temperature) and temperature != 1.0 and "ref_topk_logprobs" in reference_columns
 
 
+@dataclass(frozen=True)
+class Run:
+    """What the steps after scoring read of the run besides the tokens (both executions alike)."""
+
+    requests: pa.Table
+    trace: pa.Table | None
+    engine_info: dict | None
+    th: Thresholds
+    calib: dict
+    greedy: bool
+    temperature: float
+    sampling: dict
+    expected: dict | None
+    reference_columns: tuple | list
+
+
+class Inputs(Protocol):
+    """What the token-reading steps after scoring get from an execution: the in-memory one reads its
+    whole tables (`_InMemory`), the streamed one the rows it gathered as the chunks went by."""
+
+    def decisions(self, run: Run, slack: float) -> tuple[dict, dict] | None: ...
+    def tempered(self, temperature: float) -> pa.Array: ...
+    def penalty(self, tie: float) -> dict | None: ...
+    def logprob_temperature(self) -> dict | None: ...
+    def crossed(self, run: Run) -> pa.Array | None: ...
+
+
+def conclude_run(
+    run: Run, summary: pa.Table, test: dict | None, metrics, n_scored: int, inputs: Inputs, on_summary=None, ran=None
+) -> tuple[pa.Table, dict]:
+    """The steps after the run-level test, in `steps.STEPS` order, for both executions: the
+    speculative decision test (raising the requests it flags), the findings' body, the tempered
+    signature, the server's penalty and logprob temperature, crossed wires, then `conclude`.
+    `metrics()`: the metric summary (asked last: the streamed one is made on another thread);
+    `on_summary(summary)`: called once the summary is final, before the conclusions."""
+    th, temperature = run.th, run.temperature
+    record(ran, "spec_decisions")
+    decisions = inputs.decisions(run, decision_slack(th.divergent_abs_diff, run.expected))
+    if decisions is not None:
+        summary = raise_decisions(summary, decisions[0])
+    if on_summary is not None:
+        on_summary(summary)
+    record(ran, "metrics")
+    findings = findings_dict(summary, th, None, n_scored)
+    findings["thresholds"].update(run.calib, pinned=sorted(th.pinned))
+    if decisions is not None:
+        findings["spec_decisions"] = decisions[1]
+    record(ran, "tempered")
+    tempered = inputs.tempered(temperature) if wants_tempered(temperature, run.reference_columns) else None
+    record(ran, "penalty", "logprob_temperature")
+    server = {
+        "penalty": inputs.penalty(_penalty_tie(th, test)) if run.greedy else None,
+        "logprob_temperature": (inputs.logprob_temperature() if "ref_topk_logprobs" in run.reference_columns else None),
+    }
+    fitted = server["logprob_temperature"]
+    if fitted is not None and abs(fitted["value"] - temperature) <= 0.02:
+        server["logprob_temperature"] = None  # the run's own temperature: `tempered_logprobs` says that
+    elif fitted is not None:  # a temperature of the server's own: the signature at it
+        tempered = inputs.tempered(fitted["value"])
+    record(ran, "crossed_wires")
+    crossed = inputs.crossed(run)
+    findings = conclude(
+        findings, summary, run.requests, run.trace, run.engine_info, temperature, test, tempered, crossed, server, ran
+    )
+    findings["metrics"] = metrics()  # at its place in the body (findings_dict put the key there)
+    return summary, findings
+
+
+class _InMemory:
+    """`Inputs` from the whole tables (`joined`: `metrics.join_grouped`'s)."""
+
+    def __init__(self, joined, tokens, reference, requests, trace, th):
+        self.joined, self.tokens, self.reference, self.requests, self.trace, self.th = (
+            joined,
+            tokens,
+            reference,
+            requests,
+            trace,
+            th,
+        )
+
+    def decisions(self, run, slack):
+        return decision_test(self.tokens, self.reference, self.requests, self.trace, run.sampling, slack, DEFAULT_ALPHA)
+
+    def tempered(self, temperature):
+        return tempered_logprobs(self.joined, self.reference, temperature, self.th)
+
+    def penalty(self, tie):
+        return fit_penalty(self.tokens, self.reference, self.requests, tie)
+
+    def logprob_temperature(self):
+        return fit_logprob_temperature(self.joined, self.reference, self.th)
+
+    def crossed(self, run):
+        return crossed_wires(self.joined, self.requests, self.trace)
+
+
 def conclude(
     findings: dict,
     summary: pa.Table,
@@ -205,6 +280,7 @@ def conclude(
     tempered: pa.Array | None,
     crossed: pa.Array | None,
     server: dict | None = None,
+    ran: Ran | None = None,
 ) -> dict:
     """The request-level steps after scoring, shared by the in-memory and the streamed analysis
     (`lpf.analysis.stream`): the run-level test's verdict (`test`, or None), the failure's shape,
@@ -214,6 +290,7 @@ def conclude(
     `penalties.fit_penalty`'s, "logprob_temperature": `signatures.fit_logprob_temperature`'s}, None
     each when not found) as `server_processing` with the found ones (absent when none). Reads no
     token table."""
+    record(ran, "run_verdict", "shape", "hypotheses", "evidence", "prefix_cache")
     if test is not None:
         findings["run_test"] = test
         if (

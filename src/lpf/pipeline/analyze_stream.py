@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -47,7 +48,7 @@ from lpf.analysis.columns import Codes, one_array
 from lpf.analysis.stream import StreamedAnalysis
 from lpf.analysis.thresholds import Thresholds
 from lpf.pipeline import stream_memory, stream_parts
-from lpf.pipeline.stream_memory import Kept, Spill
+from lpf.pipeline.stream_memory import Kept, Pieces, Spill
 from lpf.pipeline.callbacks import OnStart, Tick, no_start, no_tick
 from lpf.pipeline.stream_parts import (
     REFERENCE_COLUMNS,
@@ -103,6 +104,67 @@ def footer_counts(run: RunDir) -> dict:
     return out
 
 
+def lse_complete(run: RunDir) -> bool:
+    """Whether every reference row has a log-sum-exp, from the parts' footers (a part whose footer
+    lacks the column or its null count: not known, False): the penalty fit's sample is then known
+    before the pass (`lpf.analysis.stream_gather`)."""
+    import pyarrow.parquet as pq
+
+    try:
+        for p in run.parts("reference"):
+            meta = pq.ParquetFile(p).metadata
+            if "ref_logsumexp" not in meta.schema.names:
+                return False
+            at = meta.schema.names.index("ref_logsumexp")
+            for i in range(meta.num_row_groups):
+                st = meta.row_group(i).column(at).statistics
+                if st is None or not st.has_null_count or st.null_count:
+                    return False
+    except (pa.ArrowException, OSError, ValueError):
+        return False
+    return True
+
+
+def token_ids(run: RunDir, keep: np.ndarray) -> pa.Table:
+    """The requests table's request_id, prompt_token_ids and output_token_ids, part by part, with the
+    token-id lists of the rows at `keep` (a mask over its rows) and empty lists elsewhere: the same
+    rows in the same order, holding only the kept requests' tokens (the penalty fit's context)."""
+    columns = ["request_id", "prompt_token_ids", "output_token_ids"]
+    parts, at = [], 0
+    for part in run.iter_parts("requests", columns):
+        mask = pa.array(keep[at : at + part.num_rows])
+        at += part.num_rows
+        for name in columns[1:]:
+            lists = one_array(part.column(name))
+            lengths = pc.if_else(mask, pc.list_value_length(lists).fill_null(0), 0).cast(pa.int32())
+            offsets = pa.array(np.r_[0, np.cumsum(lengths.to_numpy(zero_copy_only=False))].astype(np.int32))
+            kept = pa.ListArray.from_arrays(offsets, pc.list_flatten(lists.filter(mask)), type=lists.type)
+            part = part.set_column(part.schema.get_field_index(name), name, kept)
+        parts.append(part)
+    return pa.concat_tables(parts) if parts else schema.REQUESTS.empty_table().select(columns)
+
+
+def _prompt_tables(run: RunDir):
+    """A reader of the prompt positions' tables (read whole: `steps.STEPS`' prompt step), or None."""
+    if not run.has("prompt_reference"):
+        return None
+    return lambda: (run.read("prompt_tokens"), run.read("prompt_reference"))
+
+
+def chunk_budget(manifest: dict) -> int | None:
+    """The step's token budget when prompts could be split (chunked prefill not switched off), for
+    placing chunk boundaries when there is no trace."""
+    engine = manifest.get("engine") or {}
+    opts = {
+        **(engine.get("engine_args") or {}),
+        **{k: v for k, v in (engine.get("options") or {}).items() if v is not None},
+    }
+    budget = opts.get("max_num_batched_tokens")
+    if opts.get("enable_chunked_prefill") is False or not isinstance(budget, int) or isinstance(budget, bool):
+        return None
+    return budget
+
+
 def light_requests(run: RunDir) -> pa.Table:
     """The requests table, part by part, as the analysis reads it: each prompt's and output's token
     ids reduced to their count (a list of nulls, no values) and the output text dropped (null)."""
@@ -146,6 +208,7 @@ def analyze_streamed(
     progress: tuple[OnStart, Tick] = (no_start, no_tick),
     tally: Tally | None = None,
     on_summary=None,
+    ran=None,
 ) -> tuple[pa.Table, dict]:
     """`findings.analyze(requests, tokens, reference, th, greedy, ...)` over the run's parts, streamed
     (no calibration run: the caller routes those to the in-memory path). `requests`: `light_requests`
@@ -153,7 +216,8 @@ def analyze_streamed(
     tick) over twice the tokens parts' rows (the two passes). Chunks are scored on
     `stream_parts.WORKERS` threads (the findings are the same for any number). `tally`: counts
     the tokens parts as the passes read them (`Tally.counts()`). `on_summary(summary)`: called
-    once the summary is final, before the findings are concluded (the caller may start writing it)."""
+    once the summary is final, before the findings are concluded (the caller may start writing it).
+    `ran`: a `steps.Ran` the analysis records its steps on."""
     for old in run.path.glob(".tmp-analyze-*"):
         shutil.rmtree(old, ignore_errors=True)  # a killed analysis' leftovers
     spill = Path(tempfile.mkdtemp(prefix=".tmp-analyze-", dir=run.path))
@@ -174,6 +238,7 @@ def analyze_streamed(
                 workers=stream_parts.WORKERS,
                 tally=tally,
                 on_summary=on_summary,
+                ran=ran,
             )
     finally:
         shutil.rmtree(spill, ignore_errors=True)
@@ -195,6 +260,7 @@ def _analyze(
     workers,
     tally,
     on_summary,
+    ran,
 ):
     from lpf.analysis.floors import expected_floor
 
@@ -213,6 +279,11 @@ def _analyze(
         expected=expected,
         sampling=run_info.get("sampling"),
         reference_columns=REFERENCE_COLUMNS,
+        lse_complete=lse_complete(run),
+        token_ids=partial(token_ids, run),
+        ran=ran,
+        prompt=_prompt_tables(run),
+        chunk_budget=chunk_budget(run.manifest),
     )
     how = {"workers": workers, "tally": tally, "on_summary": on_summary}
     if expected:  # the one pass's readers start first: the requests are read beside their first parts
@@ -248,7 +319,9 @@ def _one_pass(run, requests, th, greedy, spill, kw, progress, how):
         tokens.close(), reference.close()
         return None  # a request id twice: the in-memory analysis joins and sorts
     th, calib = stream.thresholds(None, None, th, kw["expected"])
-    acc = StreamedAnalysis(requests, th, calib, greedy, ids, counts, rows=np.flatnonzero(has), **kw)
+    acc = StreamedAnalysis(
+        requests, th, calib, greedy, ids, counts, rows=np.flatnonzero(has), store=Pieces(spill), **kw
+    )
     progress[0](scored_token_count(run), 0)
     cols = Kept() if acc.n <= stream_memory.KEEP_TOKENS else Spill(spill)
     tok, ref = CodedRows(tokens, Codes(ids)), CodedRows(reference, Codes(ids))
@@ -338,7 +411,9 @@ def _two_passes(run, requests, th, greedy, spill, kw, progress, how):
         th, calib = stream.thresholds(ad, starts, th, None)
         del ad
         cols.drop("abs_logprob_diff")
-    acc = StreamedAnalysis(requests, th, calib, greedy, heads, counts, **{**kw, "expected": expected})
+    acc = StreamedAnalysis(
+        requests, th, calib, greedy, heads, counts, store=Pieces(spill), **{**kw, "expected": expected}
+    )
     second = ranges.chunks() if ranges is not None else zip_chunks(run, sizes, how["tally"])
     scored = ordered_map(acc.score_chunk, second, how["workers"])
     for chunk in scored:
