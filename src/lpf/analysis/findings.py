@@ -42,10 +42,14 @@ columns' percentiles and means without ever holding one); results do not depend 
 Prompt positions (`prompt_tokens` / `prompt_reference`, when the engine returned them) are judged
 apart by `lpf.analysis.prompt` with the same thresholds: their own block `findings.prompt`, `prompt_`
 columns in the summary, and the run verdict becomes the worst of the output and prompt verdicts.
-The steps the streamed analysis (`lpf.analysis.stream`) shares: `scoring` (the token pass and the
-metric summary), `findings_dict` (the body from the summary) and `conclude` (run-level test verdict,
-shape, hypotheses, evidence: request-level only). `token_metric_summary` is the same metric summary
-over whole-run columns (the statement `scoring.metric_summary` is tested against).
+The steps are `lpf.analysis.steps.STEPS`, which the streamed analysis (`lpf.analysis.stream`) runs
+too: both share `scoring` (the token pass and the metric summary) and `conclude_run` (every step after
+the run-level test: the decision test, the findings' body (`findings_dict`), the tempered signature, the
+penalty and logprob-temperature fits, crossed wires, then `conclude`: run-level verdict, shape,
+hypotheses, evidence, prefix cache), handed the token-reading inputs through `Inputs` (here the whole
+tables; streamed, the rows gathered as the chunks went by), and `with_prompt`. `ran` (a `steps.Ran`)
+records the steps run. `token_metric_summary` is the same metric summary over whole-run columns (the
+statement `scoring.metric_summary` is tested against).
 """
 
 from __future__ import annotations
@@ -197,6 +201,7 @@ class Inputs(Protocol):
     def penalty(self, tie: float) -> dict | None: ...
     def logprob_temperature(self) -> dict | None: ...
     def crossed(self, run: Run) -> pa.Array | None: ...
+    def prefix_cache(self, run: Run) -> dict | None: ...
 
 
 def conclude_run(
@@ -234,7 +239,18 @@ def conclude_run(
     record(ran, "crossed_wires")
     crossed = inputs.crossed(run)
     findings = conclude(
-        findings, summary, run.requests, run.trace, run.engine_info, temperature, test, tempered, crossed, server, ran
+        findings,
+        summary,
+        run.requests,
+        run.trace,
+        run.engine_info,
+        temperature,
+        test,
+        tempered,
+        crossed,
+        server,
+        ran,
+        prefix=lambda: inputs.prefix_cache(run),
     )
     findings["metrics"] = metrics()  # at its place in the body (findings_dict put the key there)
     return summary, findings
@@ -268,6 +284,9 @@ class _InMemory:
     def crossed(self, run):
         return crossed_wires(self.joined, self.requests, self.trace)
 
+    def prefix_cache(self, run):
+        return prefix_cache_summary(self.requests, self.trace, run.engine_info)
+
 
 def conclude(
     findings: dict,
@@ -281,6 +300,7 @@ def conclude(
     crossed: pa.Array | None,
     server: dict | None = None,
     ran: Ran | None = None,
+    prefix=None,
 ) -> dict:
     """The request-level steps after scoring, shared by the in-memory and the streamed analysis
     (`lpf.analysis.stream`): the run-level test's verdict (`test`, or None), the failure's shape,
@@ -289,7 +309,7 @@ def conclude(
     when the run has no prefix cache), and what the server did on its own (`server`: {"penalty":
     `penalties.fit_penalty`'s, "logprob_temperature": `signatures.fit_logprob_temperature`'s}, None
     each when not found) as `server_processing` with the found ones (absent when none). Reads no
-    token table."""
+    token table. `prefix()`: the prefix cache's block, when the caller makes it (from the prompts' ids)."""
     record(ran, "run_verdict", "shape", "hypotheses", "evidence", "prefix_cache")
     if test is not None:
         findings["run_test"] = test
@@ -313,7 +333,7 @@ def conclude(
         summary, requests, trace, engine_info, temperature, tempered, crossed, findings["flagged"], found.get("penalty")
     )
     findings["evidence"] = evidence(requests, summary)
-    findings["prefix_cache"] = prefix_cache_summary(requests, trace, engine_info)
+    findings["prefix_cache"] = prefix() if prefix is not None else prefix_cache_summary(requests, trace, engine_info)
     return findings
 
 

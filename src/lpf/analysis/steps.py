@@ -8,7 +8,7 @@ how the streamed execution gets that in bounded memory (`how`):
   gathered  from the rows the step needs, kept as the chunks go by (in memory, or spilled with the
             logprob columns above `stream_memory.KEEP_TOKENS`) and read when the pass is over
   requests  from the per-request summary, the requests table and the trace (no token table)
-  whole     reads its own tables whole (the prompt positions': never the output tokens)
+  whole     reads its own tables whole (the prompt positions', the prompts' ids: never the output tokens)
   refused   the streamed execution refuses the run in one line (`lpf analyze --no-stream` reads it)
 Each execution records the steps it ran, in order (`Ran`: a step is recorded where it runs, whether
 or not it applies to the run: a greedy run's decision test runs and finds nothing to test), so a
@@ -46,7 +46,7 @@ STEPS = (
     Step("shape", "the per-request summary, requests, trace", "requests"),
     Step("hypotheses", "features of requests and trace, the signatures above; mechanisms per request", "requests"),
     Step("evidence", "the requests' answers and attempts", "requests"),
-    Step("prefix_cache", "the trace and the engine's options", "requests"),
+    Step("prefix_cache", "the trace, the engine's options and (with a prefix cache) every prompt's ids", "whole"),
     Step("prompt", "the prompt positions' tokens and reference", "whole"),
 )
 NAMES = tuple(s.name for s in STEPS)

@@ -19,8 +19,9 @@ the in-memory join-and-sort case.)
    request and its scored-token count, which place every token in arrival order for the run-level
    test), then `.score(tokens, reference)` per chunk (the same order): `scoring.score_requests`
    (per-request reductions, greedy flips, top-1 agreement), the crossed-wires candidates (tokens that
-   missed the reference's top-1, when there is a trace), the tempered-logprob signature per request,
-   and the run-level test's tokens (every k-th in arrival order: exactly the tokens the in-memory
+   missed the reference's top-1, when there is a trace), the rows the steps after scoring read
+   (`stream_gather`: the decision test's, the penalty fit's, the departing tokens the logprob
+   temperature and the tempered signature read; into `store`, the driver's), and the run-level test's tokens (every k-th in arrival order: exactly the tokens the in-memory
    test reads). It returns the chunk's `SPILLED` logprob columns for the driver to keep, and leaves
    `zipped`, `heads`, `counts` and `at` (each head's index among `ids`) of the chunk for a one-pass
    driver to check. `.score` is `.add(.score_chunk(...))`: `score_chunk` reads the accumulator's
@@ -35,9 +36,11 @@ order); per-request reductions are request-local (one row per request); the fail
 hypotheses and evidence read the per-request summary and requests table; the run-level test at most
 `run_test.MAX_TOKENS` tokens. Means are numpy's pairwise sums over the whole column in token order,
 as in memory (`column_stats`), so they are the same floating-point sums.
-Not streamed: a calibration run (`calibrate_from_run` joins it with the whole reference) and prompt
-logprobs (`lpf.analysis.prompt` reads whole tables): `lpf.pipeline.analyze` routes such runs to the
-in-memory path and refuses `--stream` on them. The trace is read whole.
+The steps are `lpf.analysis.steps.STEPS`, run in that order and recorded on `ran`; those after the
+run-level test through `findings.conclude_run`, as in memory. Not streamed: a calibration run
+(`calibrate_from_run` joins it with the whole reference): `lpf.pipeline.analyze` routes such runs to
+the in-memory path and refuses `--stream` on them. Read whole: the trace, and the prompt positions'
+tables (`prompt()`, when the run has them: `with_prompt` after the output positions).
 """
 
 from __future__ import annotations

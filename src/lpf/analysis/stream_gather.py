@@ -18,7 +18,8 @@ caller's `store`, with `add(name, table)` and `pieces(name)` -> the tables added
 - `Gathered(gatherer, store, counts, token_ids)`: `findings.Inputs` over what was gathered, giving
   `findings.analyze`'s results on the whole tables: each step's function called on exactly the rows
   it reads of them (`token_ids(keep)`: the requests table with the token-id lists of the requests at
-  `keep` and empty lists elsewhere, the same rows in the same order: the penalty's context).
+  `keep` and empty lists elsewhere, the same rows in the same order: the penalty's context; with a
+  list of columns, those lists only: the prefix cache's block reads every prompt's ids).
   The tempered signature (at the run's or the fitted temperature) counts, per request, tokens that
   depart from the raw logprob: the departing rows are all it reads.
 """
@@ -31,6 +32,7 @@ import pyarrow.compute as pc
 
 from lpf.analysis.columns import Lookup, one_array
 from lpf.analysis.penalties import fit_penalty, request_stride
+from lpf.analysis.prefix_cache import prefix_cache_summary
 from lpf.analysis.run_test import DEFAULT_ALPHA
 from lpf.analysis.signatures import MAX_TEMPERED_TOKENS, crossed_wires, fit_logprob_temperature, tempered_logprobs
 from lpf.analysis.spec_decisions import decision_keys, decision_test
@@ -75,18 +77,23 @@ class Gatherer:
             out["decision_tokens"] = _at_keys(tokens, self.keys, DECISION_TOKENS)
             out["decision_reference"] = _at_keys(reference, self.keys, DECISION_REFERENCE)
         if self.penalty:
+            # the fit joins the tokens with the reference rows that have a log-sum-exp: only those rows count
             valid = pc.is_valid(reference.column("ref_logsumexp"))
             ref = reference.select(PENALTY_REFERENCE).filter(valid)
             tok = tokens.select(PENALTY_TOKENS)
-            if zipped:
-                counts["penalty_rows"] = ref.num_rows
+            if zipped:  # the same rows on both sides
+                tok = tok.filter(valid)
+                counts["penalty_rows"] = tok.num_rows
             else:
-                counts["penalty_rows"] = tok.select(KEYS).join(ref.select(KEYS), KEYS, join_type="inner").num_rows
+                left = tok.select(KEYS).append_column("_r", pa.array(np.arange(tok.num_rows)))
+                hit = left.join(ref.select(KEYS), KEYS, join_type="inner").column("_r").to_numpy()
+                counts["penalty_rows"] = hit.size
+                tok = tok.take(pa.array(np.unique(hit)))
             if self.stride > 1:
                 if zipped:
                     rows = np.repeat(self.request_rows(heads), np.diff(np.r_[starts, joined.num_rows]))
-                    keep = rows % self.stride == 0
-                    tok, ref = tok.filter(pa.array(keep)), ref.filter(pa.array(keep[_true(valid)]))
+                    keep = pa.array((rows % self.stride == 0)[_true(valid)])
+                    tok, ref = tok.filter(keep), ref.filter(keep)
                 else:
                     tok, ref = (self._sampled(t, self.stride) for t in (tok, ref))
             out["penalty_tokens"], out["penalty_reference"] = _strings(tok), _strings(ref)
@@ -186,6 +193,16 @@ class Gathered:
         if not keys:
             return None
         return fit_logprob_temperature(pa.concat_tables(keys), pa.concat_tables(refs), self.g.th)
+
+    def prefix_cache(self, run):
+        """The block from the prompts' token ids (the streamed requests hold their lengths only), read
+        when the run has a prefix cache."""
+        light = prefix_cache_summary(run.requests, run.trace, run.engine_info)
+        if light is None or self.token_ids is None:
+            return light
+        ids = self.token_ids(np.ones(run.requests.num_rows, bool), ["prompt_token_ids"]).column("prompt_token_ids")
+        at = run.requests.schema.get_field_index("prompt_token_ids")
+        return prefix_cache_summary(run.requests.set_column(at, "prompt_token_ids", ids), run.trace, run.engine_info)
 
     def crossed(self, run):
         if run.trace is None or not run.trace.num_rows:

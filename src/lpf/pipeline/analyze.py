@@ -13,7 +13,8 @@ as the table names it (`floor_model`): a directory holding a zoo model's weights
 A run whose engine returned no logprobs is judged from its tokens (`lpf.analysis.tokens_only`), and every
 run's findings say what came back and what each step could judge from it (`judged`).
 A run of more than STREAM_ABOVE tokens is analysed streamed (`analyze_stream`: by chunk of whole
-requests, bounded memory, the same summary and findings byte for byte); `stream` forces either path.
+requests, bounded memory, the same steps (`lpf.analysis.steps`), the same summary and findings byte for
+byte); `stream` forces either path.
 """
 
 from __future__ import annotations

@@ -8,7 +8,9 @@ next part being read ahead, plus the logprob columns (16 bytes a scored token, r
 a time for the metric summary: kept in memory by the one pass up to `stream_memory.KEEP_TOKENS`,
 else spilled) and, without an expected floor, |d| (read back whole for the run's own calibration),
 spilled to a temporary folder in the run directory (`.tmp-analyze-*`, removed afterwards; a killed
-analysis leaves it, and the next one removes it). The pure steps are `lpf.analysis.stream`;
+analysis leaves it, and the next one removes it), and the rows the steps after scoring gathered
+(`stream_memory.Pieces`: in memory up to KEEP_ROWS a step, else in that folder). The pure steps are
+`lpf.analysis.stream`;
 reading parts and chunks is `lpf.pipeline.stream_parts`, keeping columns `lpf.pipeline.stream_memory`
 (whose `heap()` regime, jemalloc for Arrow and no cyclic GC, the stage runs under).
 
@@ -125,11 +127,12 @@ def lse_complete(run: RunDir) -> bool:
     return True
 
 
-def token_ids(run: RunDir, keep: np.ndarray) -> pa.Table:
+def token_ids(run: RunDir, keep: np.ndarray, lists=("prompt_token_ids", "output_token_ids")) -> pa.Table:
     """The requests table's request_id, prompt_token_ids and output_token_ids, part by part, with the
     token-id lists of the rows at `keep` (a mask over its rows) and empty lists elsewhere: the same
-    rows in the same order, holding only the kept requests' tokens (the penalty fit's context)."""
-    columns = ["request_id", "prompt_token_ids", "output_token_ids"]
+    rows in the same order, holding only the kept requests' tokens (the penalty fit's context).
+    `lists`: which of the two (the prefix cache's block reads the prompts')."""
+    columns = ["request_id", *lists]
     parts, at = [], 0
     for part in run.iter_parts("requests", columns):
         mask = pa.array(keep[at : at + part.num_rows])
