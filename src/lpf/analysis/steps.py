@@ -36,7 +36,9 @@ STEPS = (
     Step("localized", "the run-level test's tokens", "gathered"),
     Step("spec_decisions", "the trace's verify rows, and the token and reference rows at their drafts", "gathered"),
     Step("metrics", "the logprob columns, a piece at a time", "chunks"),
-    Step("tempered", "the reference's top-k at every token (the run's temperature)", "chunks"),
+    Step(
+        "tempered", "the tokens departing from the raw logprob (all a request's count reads), their top-k", "gathered"
+    ),
     Step(
         "penalty", "greedy: the requests a penalty fit samples (rows with a log-sum-exp), their token ids", "gathered"
     ),
