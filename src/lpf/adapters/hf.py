@@ -39,6 +39,8 @@ class HFEngine(Engine):
     name = "hf"
     Options = HFOptions
     supports_prompt_logprobs = True
+    locate_replay = "lpf.locate.replays:hf"  # its decode path alone
+    kept_worker = True
     PROMPT_LOGIT_ELEMENTS = 1 << 25  # float32 logits held at once by the prompt forward (128 MB)
 
     def __init__(self, model, sampling, options: HFOptions):

@@ -173,6 +173,9 @@ class LlamaCppOptions(RemoteOptions):
 
 class LlamaCppEngine(RemoteEngine):
     name = "llamacpp"
+    trace_source = "own"  # one row per answered request, from the server's timings and id_slot
+    state_slots = True
+    discovers_architectures = True
     Options = LlamaCppOptions
 
     @classmethod

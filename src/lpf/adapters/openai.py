@@ -107,6 +107,7 @@ class OpenAIEngine(RemoteEngine):
     Options = OpenAIOptions
     needs_served_name = True
     supports_prompt_logprobs = True
+    trace_source = "joined"  # a vLLM server's lpf-vllm-trace directory, --trace-dir
 
     def __init__(self, model, sampling, options: OpenAIOptions):
         super().__init__(model, sampling, options)

@@ -114,6 +114,11 @@ class VLLMEngine(Engine):
     name = "vllm"
     Options = VLLMOptions
     supports_prompt_logprobs = True  # SamplingParams(prompt_logprobs=k) in the worker
+    trace_source = "own"  # lpf-vllm-trace in the worker
+    state_slots = True
+    locate_replay = "lpf.locate.replays:vllm"
+    discovers_architectures = True
+    repro_script = True
 
     @classmethod
     def check_model(cls, config: dict) -> None:

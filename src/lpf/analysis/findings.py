@@ -22,9 +22,9 @@ Two signatures join the trace features as candidate mechanisms, both computed fr
 reference expected and vice versa: outputs delivered to the wrong request) and, for runs sampled at
 a temperature other than 1, `tempered_logprobs` (the reported logprobs fit the reference's
 temperature-scaled distribution better than its raw one: processed logprobs reported as raw).
-A speculating run's trace adds `spec_features.spec_divergence` (first diverged at a token of the
+A speculating run's trace adds `speculative_features.spec_divergence` (first diverged at a token of the
 request's first decode step after its prefill, on the speculative decode path), ranked before them,
-and `spec_decisions.decision_signature` (requests the rejection-sampler decision test raised: a draft
+and `speculative_decisions.decision_signature` (requests the rejection-sampler decision test raised: a draft
 kept or rejected against the target's odds given its own draft probability; `findings.spec_decisions`
 holds the test's counts and threshold).
 A greedy run also gets `penalties.fit_penalty` (a repetition / presence / frequency penalty fitted to
@@ -61,11 +61,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from lpf.analysis import answer_checks
 from lpf.analysis import metrics as m
 from lpf.analysis.calibration import calibrate, calibrate_from_run, calibrate_to_floor, with_expected_tie_margin
 from lpf.analysis.evidence import apply_inconsistency, evidence
 from lpf.analysis.features import Feature, request_features
-from lpf.analysis.floors import KAPPA, expected_floor
+from lpf.analysis.floors import KAPPA, expected_floor, observed_logit_error
 from lpf.analysis.hypotheses import rank_hypotheses
 from lpf.analysis.levels import REQUEST_VERDICTS, SEVERITY
 from lpf.analysis.prefix_cache import prefix_cache_summary
@@ -75,9 +76,9 @@ from lpf.analysis.mechanisms import attribute
 from lpf.analysis.penalties import fit_penalty, phrase as penalty_phrase
 from lpf.analysis.run_test import DEFAULT_ALPHA, run_level_test, token_evidence
 from lpf.analysis.shape import failure_shape
-from lpf.analysis.spec_decisions import decision_signature, decision_slack, decision_test, raise_decisions
+from lpf.analysis.speculative_decisions import decision_signature, decision_slack, decision_test, raise_decisions
 from lpf.analysis.signatures import crossed_wires, fit_logprob_temperature, tempered_logprobs
-from lpf.analysis.spec_features import spec_divergence
+from lpf.analysis.speculative_features import spec_divergence
 from lpf.analysis.steps import Ran, record
 from lpf.analysis.thresholds import Thresholds
 from lpf.analysis.timing import timing_features
@@ -135,16 +136,31 @@ def analyze(
         else pa.array([], pa.string())
     )
     summary = apply_inconsistency(summarize_requests(None, requests, th, per=(ids, per)), requests)
+    record(ran, "verdicts", "answer_checks")
+    with np.errstate(invalid="ignore"):
+        d = np.subtract(cols["engine_logprob"], cols["ref_logprob"])
+    found = answer_checks.scan(
+        tokens, joined.column("request_id"), cols["position"], d, cols["ref_logprob"], expected, th.divergent_abs_diff
+    )
+    del d
+    summary, answer_blocks = answer_checks.apply(summary, found)
     test = None
     sampling = (run_info or {}).get("sampling") or {"temperature": temperature}
-    record(ran, "verdicts", "run_test", "localized")
+    record(ran, "run_test", "localized")
     if expected:
         test = run_level_test(joined, tokens, reference, requests, expected, sampling, cols=cal_cols, starts=starts)
         summary = _localized(summary, test, cal_cols, expected, sampling, joined, tokens, reference, requests, starts)
     inputs = _InMemory(joined, tokens, reference, requests, trace, th)
     run = Run(requests, trace, engine_info, th, calib, greedy, temperature, sampling, expected, reference.column_names)
     summary, findings = conclude_run(
-        run, summary, test, lambda: metric_summary(cols, flips, same), joined.num_rows, inputs, ran=ran
+        run,
+        summary,
+        test,
+        lambda: metric_summary(cols, flips, same),
+        joined.num_rows,
+        inputs,
+        ran=ran,
+        answer_blocks=answer_blocks,
     )
     return with_prompt(summary, findings, prompt_tokens, prompt_reference, requests, th, trace, chunk_budget, ran)
 
@@ -205,13 +221,22 @@ class Inputs(Protocol):
 
 
 def conclude_run(
-    run: Run, summary: pa.Table, test: dict | None, metrics, n_scored: int, inputs: Inputs, on_summary=None, ran=None
+    run: Run,
+    summary: pa.Table,
+    test: dict | None,
+    metrics,
+    n_scored: int,
+    inputs: Inputs,
+    on_summary=None,
+    ran=None,
+    answer_blocks: dict | None = None,
 ) -> tuple[pa.Table, dict]:
     """The steps after the run-level test, in `steps.STEPS` order, for both executions: the
     speculative decision test (raising the requests it flags), the findings' body, the tempered
     signature, the server's penalty and logprob temperature, crossed wires, then `conclude`.
     `metrics()`: the metric summary (asked last: the streamed one is made on another thread);
-    `on_summary(summary)`: called once the summary is final, before the conclusions."""
+    `on_summary(summary)`: called once the summary is final, before the conclusions; `answer_blocks`:
+    `answer_checks.apply`'s findings blocks (the step ran before the run-level test)."""
     th, temperature = run.th, run.temperature
     record(ran, "spec_decisions")
     decisions = inputs.decisions(run, decision_slack(th.divergent_abs_diff, run.expected))
@@ -222,6 +247,7 @@ def conclude_run(
     record(ran, "metrics")
     findings = findings_dict(summary, th, None, n_scored)
     findings["thresholds"].update(run.calib, pinned=sorted(th.pinned))
+    findings.update(answer_blocks or {})
     if decisions is not None:
         findings["spec_decisions"] = decisions[1]
     record(ran, "tempered")
@@ -364,7 +390,15 @@ def _expected_floor(joined, tokens, reference, requests, calibration, calibratio
         cols = evidence_columns(joined, tokens, reference, requests)
         cal = calibration_floor(cols, joined, calibration)
     engine_dtype = (calibration_info or {}).get("dtype") or info.get("engine_dtype")
-    floor = expected_floor(floor_table, engine_dtype, info.get("reference_dtype"), info.get("model"), cal)
+    observed = None
+    pairs = floor_table.get("pairs") or {}
+    if f"{engine_dtype}/{info.get('reference_dtype')}" not in pairs:  # unknown or `auto`: the pair its errors fit
+        with np.errstate(invalid="ignore"):
+            d = np.subtract(joined.column("engine_logprob").to_numpy(), joined.column("ref_logprob").to_numpy())
+        observed = observed_logit_error(d, joined.column("ref_logprob").to_numpy())
+    floor = expected_floor(
+        floor_table, engine_dtype, info.get("reference_dtype"), info.get("model"), cal, observed=observed
+    )
     return (floor, cols) if floor else (None, None)
 
 
@@ -507,6 +541,8 @@ def findings_dict(summary: pa.Table, th: Thresholds, metrics: dict, n_scored: in
                 "gibberish_tokens": r["gibberish_tokens"],
                 "gibberish_score": r["gibberish_score"],
                 **({"spec_decision": r["spec_decision"]} if r.get("spec_decision") else {}),
+                **({"self_contradiction": r["self_contradiction"]} if r.get("self_contradiction") else {}),
+                **({"sure_token": r["sure_token"]} if r.get("sure_token") else {}),
             }
             for r in flagged
         ],

@@ -32,6 +32,7 @@ STEPS = (
     Step("thresholds", "the run's |d| (its own noise floor), or the expected floor; a calibration run", "first"),
     Step("scoring", "every token: per-request reductions, greedy flips, top-1 agreement, metric columns", "chunks"),
     Step("verdicts", "the per-request reductions, the requests' answers (inconsistent ones)", "requests"),
+    Step("answer_checks", "every token: self-contradicting answers, sure tokens moved past the floor", "chunks"),
     Step("run_test", "every k-th token in arrival order (at most run_test.MAX_TOKENS)", "gathered"),
     Step("localized", "the run-level test's tokens", "gathered"),
     Step("spec_decisions", "the trace's verify rows, and the token and reference rows at their drafts", "gathered"),

@@ -51,6 +51,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from lpf.analysis import answer_checks
 from lpf.analysis import metrics as m
 from lpf.analysis.calibration import calibrate, calibrate_to_floor
 from lpf.analysis.evidence import apply_inconsistency
@@ -171,7 +172,7 @@ class StreamedAnalysis:
         self.prompt, self.chunk_budget = prompt, chunk_budget  # prompt(): (prompt_tokens, prompt_reference)
         self.zipped, self.heads, self.counts, self.at = False, None, None, None  # of the last chunk added
         self.ids, self.per, self.flips, self.same = [], [], 0, 0
-        self.missed, self.evidence = [], []
+        self.missed, self.evidence, self.answers = [], [], answer_checks.Found()
 
     def score(self, tokens: pa.Table, reference: pa.Table) -> dict[str, np.ndarray]:
         """Score one chunk; returns its `SPILLED` columns (in token order) for the driver to keep."""
@@ -206,6 +207,12 @@ class StreamedAnalysis:
         cols["position"] = joined.column("position").to_numpy()
         per, flips, same = score_requests(cols, starts, self.greedy, self.th, self.temperature)
         out = {"rows": tokens.num_rows, "ids": heads, "per": per, "flips": flips, "same": same}
+        with np.errstate(invalid="ignore"):
+            d = np.subtract(cols["engine_logprob"], cols["ref_logprob"])
+        out["answers"] = answer_checks.scan(
+            tokens, joined.column("request_id"), cols["position"], d, cols["ref_logprob"], self.expected,
+            self.th.divergent_abs_diff,
+        )  # fmt: skip
         out["missed"] = None
         if self.trace is not None and self.trace.num_rows:
             miss = pc.not_equal(joined.column("token_id"), joined.column("ref_top1_id"))
@@ -229,6 +236,7 @@ class StreamedAnalysis:
         self.per.append(chunk["per"])
         self.flips += chunk["flips"]
         self.same += chunk["same"]
+        self.answers = self.answers.merge(chunk["answers"])
         if chunk["missed"] is not None:
             self.missed.append(chunk["missed"])
         tables, counts = chunk["gathered"]
@@ -289,7 +297,7 @@ class StreamedAnalysis:
 
     def _finish(self, metrics, summary, on_summary) -> tuple[pa.Table, dict]:
         """`metrics()`, `summary()`: the metric summary and `_summary`, made beside the run-level test."""
-        record(self.ran, "thresholds", "scoring", "verdicts", "run_test", "localized")
+        record(self.ran, "thresholds", "scoring", "verdicts", "answer_checks", "run_test", "localized")
         test = None
         if self.arrival is not None:
             if isinstance(self.evidence[0], dict):  # coded chunks' rows, gathered in arrival order
@@ -307,7 +315,7 @@ class StreamedAnalysis:
             test["sampled_every"] = self.step
             exceed = ev["logprob"]
             del cols, ev
-        summary = summary()
+        summary, answer_blocks = answer_checks.apply(summary(), self.answers)
         if test is not None and test["result"] == "different":
             summary, test["localized"] = raise_localized(summary, test, exceed, exceed_ids())
         run = Run(
@@ -325,7 +333,7 @@ class StreamedAnalysis:
         inputs = Gathered(self.gatherer, self.store, self.gathered_counts, self.token_ids, self.missed)
         # with prompt positions the summary gains their columns after the conclusions: the caller writes it then
         early = on_summary if self.prompt is None else None
-        summary, findings = conclude_run(run, summary, test, metrics, self.n, inputs, early, self.ran)
+        summary, findings = conclude_run(run, summary, test, metrics, self.n, inputs, early, self.ran, answer_blocks)
         tables = self.prompt() if self.prompt is not None else (None, None)
         return with_prompt(summary, findings, *tables, self.requests, self.th, self.trace, self.chunk_budget, self.ran)
 

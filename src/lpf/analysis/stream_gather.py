@@ -7,7 +7,7 @@ caller's `store`, with `add(name, table)` and `pieces(name)` -> the tables added
   tokens, reference, zipped)` takes them from one chunk (whole requests; `joined`: the chunk's
   `metrics.join_grouped`, `tokens`/`reference` its rows, lying row for row with joined when `zipped`):
     spec_decisions       the tokens' and reference's rows at the (request, position) of every decision
-                         the trace says the rejection sampler made (`spec_decisions.decision_keys`)
+                         the trace says the rejection sampler made (`speculative_decisions.decision_keys`)
     penalty              greedy runs with a log-sum-exp: the tokens' and reference's rows of the
                          requests `penalties.request_stride` keeps (every request while the stride is
                          not known before the pass: `lse_complete` False), and the count of scored rows
@@ -35,7 +35,7 @@ from lpf.analysis.penalties import fit_penalty, request_stride
 from lpf.analysis.prefix_cache import prefix_cache_summary
 from lpf.analysis.run_test import DEFAULT_ALPHA
 from lpf.analysis.signatures import MAX_TEMPERED_TOKENS, crossed_wires, fit_logprob_temperature, tempered_logprobs
-from lpf.analysis.spec_decisions import decision_keys, decision_test
+from lpf.analysis.speculative_decisions import decision_keys, decision_test
 
 KEYS = ["request_id", "position"]
 DECISION_TOKENS = [*KEYS, "token_id", "engine_logprob"]

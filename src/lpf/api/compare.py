@@ -22,7 +22,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from lpf.api.findings import Findings
 from lpf.api.outputs import Output, read_outputs
@@ -79,6 +79,7 @@ class Reference:
         trace=None,
         trace_dir: Path | str | None = None,
         thresholds: Mapping[str, float] | None = None,
+        threshold: Sequence[str] = (),
         attribution: bool = False,
     ) -> Findings:
         """Judge `outputs` against this reference; the run directory goes to `out` (default: a new
@@ -88,7 +89,7 @@ class Reference:
 
         if rule is not None and rule not in RULES:
             raise LpfError(f"rule={rule!r}: choose from {', '.join(RULES)}")
-        th = Thresholds().with_overrides([f"{k}={v!r}" for k, v in (thresholds or {}).items()])
+        th = Thresholds().with_overrides([*threshold, *(f"{k}={v!r}" for k, v in (thresholds or {}).items())])
         records = read_outputs(outputs)
         engine_section = _engine_section(engine, engine_dtype)
         ids = {r.request_id for r in records}
@@ -137,15 +138,26 @@ class Reference:
 def compare(
     outputs,
     reference: str,
-    dtype: str = "float32",
+    dtype: str | None = None,
     rule: str | None = None,
     *,
-    device: str = "cpu",
+    device: str | None = None,
+    reference_dtype: str | None = None,
+    reference_device: str | None = None,
+    token_budget: int = 16384,
     **kwargs,
 ) -> Findings:
-    """`Reference(reference, dtype, device).compare(outputs, rule=rule, **kwargs)`: the reference loaded
-    for this call only (a test suite keeps one: the pytest plugin's `lpf_reference` fixture)."""
-    return Reference(reference, dtype=dtype, device=device).compare(outputs, rule=rule, **kwargs)
+    """`Reference(reference, dtype, device, token_budget).compare(outputs, rule=rule, **kwargs)`: the reference
+    loaded for this call only (a test suite keeps one: the pytest plugin's `lpf_reference` fixture).
+    `reference_dtype` / `reference_device` are `lpf audit`'s names for `dtype` / `device` (give one of each)."""
+    for name, short, long in (("dtype", dtype, reference_dtype), ("device", device, reference_device)):
+        if short is not None and long is not None:
+            raise LpfError(f"give reference_{name} or {name}, not both")
+    dtype = dtype or reference_dtype or "float32"
+    device = device or reference_device or "cpu"
+    return Reference(reference, dtype=dtype, device=device, token_budget=token_budget).compare(
+        outputs, rule=rule, **kwargs
+    )
 
 
 def finish(run, thresholds, attribution: bool = True, rule: str | None = None) -> Findings:

@@ -11,13 +11,14 @@ from rich.table import Table
 from lpf.cli.render import VERDICT_STYLE
 
 
-def print_engines(engines: list[tuple[str, dict]], console: Console) -> None:
-    """`lpf engines`: each adapter with its knobs and their defaults."""
+def print_engines(engines: list[tuple[str, dict, list[str]]], console: Console) -> None:
+    """`lpf engines`: each adapter with what it can do (its capabilities) and its knobs with their defaults."""
     t = Table(box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False, show_edge=False)
     t.add_column("engine")
+    t.add_column("can", overflow="fold")
     t.add_column("knobs (-E NAME=VALUE; default)", overflow="fold")
-    for name, knobs in engines:
-        t.add_row(name, ", ".join(f"{k}={v}" for k, v in knobs.items()) or "-")
+    for name, knobs, can in engines:
+        t.add_row(name, ", ".join(can) or "-", ", ".join(f"{k}={v}" for k, v in knobs.items()) or "-")
     console.print(t)
 
 

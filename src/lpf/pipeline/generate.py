@@ -63,7 +63,12 @@ def create_run(spec) -> RunDir:
     tokenizer = load_tokenizer(model)
     context = cfg.get("max_position_embeddings")
     prompts, source = load_prompts(
-        spec.workload, tokenizer, cfg.get("vocab_size", len(tokenizer)), context, chat=engine_cls.chat_prompts(options)
+        spec.workload,
+        tokenizer,
+        cfg.get("vocab_size", len(tokenizer)),
+        context,
+        chat=engine_cls.chat_prompts(options),
+        limit=spec.limit,
     )
     requests = expand(prompts, spec.n, spec.sampling, context)
     engine_cls.check_capacity(model, options, requests)

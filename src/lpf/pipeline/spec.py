@@ -1,10 +1,11 @@
 """`AuditSpec`: everything one audit needs, as one typed, frozen value that goes to and from JSON.
 
-    AuditSpec(run=RunSpec(engine, model, workload, out, n, sampling, engine_options, part_size, trace_dir),
+    AuditSpec(run=RunSpec(engine, model, workload, out, n, limit, sampling, engine_options, part_size, trace_dir),
               rescore=RescoreSettings(reference, dtype, token_budget, device, executor, ray),
               analysis=AnalysisSpec(calibrate, attribution), thresholds={name: value})
 
-The command line builds one from its options (`lpf.cli.audit_spec.build_audit_spec`), experiments build
+The command line and `lpf.audit` build one from their options through one builder
+(`lpf.pipeline.audit_options.build_spec`, via `lpf.cli.audit_spec.build_audit_spec`), experiments build
 theirs directly (a sweep cell, a shrink candidate, a conformance cell) and hand a cell nothing else:
 `lpf audit --spec -` reads it back (`AuditSpec.model_validate_json`). Every run directory keeps the
 spec it was created from in `RUN/spec.json` (docs/run-directory.md).
@@ -46,6 +47,7 @@ class RunSpec(BaseModel):
     workload: str = DEFAULT_WORKLOAD
     out: Path
     n: int = Field(1, ge=1)
+    limit: int | None = Field(None, ge=1)  # the workload's first `limit` prompts only (None: all of them)
     sampling: SamplingParams = SamplingParams()
     engine_options: dict[str, Any] = Field({}, validate_default=True)  # the engine checks even none given
     part_size: int = Field(64, ge=1)
@@ -182,6 +184,8 @@ def audit_command(spec: AuditSpec, with_out: bool = True) -> list[str]:
         str(s.logprobs),
     ]
     args += ["--ignore-eos"] * s.ignore_eos + ["--prompt-logprobs"] * s.prompt_logprobs
+    if r.limit is not None:
+        args += ["--limit", str(r.limit)]
     if r.trace_dir is not None:
         args += ["--trace-dir", str(r.trace_dir)]
     if r.part_size != RunSpec.model_fields["part_size"].default:

@@ -49,7 +49,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from lpf.analysis.feature import Feature
-from lpf.analysis.spec_features import prompt_lengths, row_requests
+from lpf.analysis.speculative_features import prompt_lengths, row_requests
 
 SIGNATURE = "spec_decision_against_odds"
 RULE = (
