@@ -29,7 +29,11 @@ class Step:
 
 
 STEPS = (
-    Step("thresholds", "the run's |d| (its own noise floor), or the expected floor; a calibration run", "first"),
+    Step(
+        "thresholds",
+        "the run's |d| (its own noise floor), or the expected floor (an unknown engine dtype: the pair its |d| fits)",
+        "first",
+    ),
     Step("scoring", "every token: per-request reductions, greedy flips, top-1 agreement, metric columns", "chunks"),
     Step("verdicts", "the per-request reductions, the requests' answers (inconsistent ones)", "requests"),
     Step("answer_checks", "every token: self-contradicting answers, sure tokens moved past the floor", "chunks"),

@@ -82,17 +82,19 @@ _EVIDENCE_TOKENS = ["request_id", "position", "engine_topk_ids", "engine_topk_lo
 _EVIDENCE_REFERENCE = ["request_id", "position", "ref_topk_ids", "ref_topk_logprobs"]
 
 
-def chunk_abs_diff(tokens: pa.Table, reference: pa.Table) -> tuple[np.ndarray, np.ndarray, pa.Array]:
-    """(|engine - reference| per joined row, request starts, request ids at the starts) of a chunk.
+def chunk_abs_diff(tokens: pa.Table, reference: pa.Table, with_ref: bool = False):
+    """(|engine - reference| per joined row, request starts, request ids at the starts) of a chunk, and
+    with `with_ref` the joined rows' ref_logprob after them (what the floor's dtype inference reads).
     A chunk that lines up row for row needs only request_id, position and the two logprobs."""
     starts = m.zipped_starts(tokens, reference)
     if starts is None:
         tokens, starts = m.join_grouped(tokens, reference)
         reference = tokens
+    ref = reference.column("ref_logprob").to_numpy()
     with np.errstate(invalid="ignore"):
-        ad = np.subtract(tokens.column("engine_logprob").to_numpy(), reference.column("ref_logprob").to_numpy())
+        ad = np.subtract(tokens.column("engine_logprob").to_numpy(), ref)
         np.abs(ad, out=ad)
-    return ad, starts, _ids_at(tokens, starts)
+    return (ad, starts, _ids_at(tokens, starts)) + ((ref,) if with_ref else ())
 
 
 def chunk_starts(tokens: pa.Table, reference: pa.Table) -> tuple[int, np.ndarray, pa.Array]:

@@ -268,11 +268,17 @@ def _analyze(
     from lpf.analysis.floors import expected_floor
 
     # the expected floor needs nothing of the tokens: with one, the thresholds are known before any
+    pair = f"{run_info.get('engine_dtype')}/{run_info.get('reference_dtype')}"
+    # an engine dtype the table lacks (unknown, `auto`): the floor is the pair its errors fit (`floors.infer_pair`),
+    # as in memory: a first pass reads them
+    infer = (
+        floor_table is not None and bool(run_info.get("reference_dtype")) and pair not in floor_table.get("pairs", {})
+    )
     expected = (
         expected_floor(
             floor_table, run_info.get("engine_dtype"), run_info.get("reference_dtype"), run_info.get("model"), None
         )
-        if floor_table is not None
+        if floor_table is not None and not infer
         else None
     )
     kw = dict(
@@ -289,6 +295,7 @@ def _analyze(
         chunk_budget=chunk_budget(run.manifest),
     )
     how = {"workers": workers, "tally": tally, "on_summary": on_summary}
+    how["infer"] = (floor_table, run_info) if infer else None
     if expected:  # the one pass's readers start first: the requests are read beside their first parts
         pieces = tally.pieces if tally is not None else iter
         how["readers"] = (
@@ -380,6 +387,10 @@ def _two_passes(run, requests, th, greedy, spill, kw, progress, how):
     def first_pass(tok, ref):
         if expected:
             n, s, i = stream.chunk_starts(tok, ref)
+        elif how["infer"]:
+            ad, s, i, lp = stream.chunk_abs_diff(tok, ref, with_ref=True)
+            cols.add({"abs_logprob_diff": ad, "ref_logprob": lp})
+            n = ad.size
         else:
             ad, s, i = stream.chunk_abs_diff(tok, ref)
             cols.add({"abs_logprob_diff": ad})
@@ -394,7 +405,7 @@ def _two_passes(run, requests, th, greedy, spill, kw, progress, how):
         sizes = None  # a request in two places: the in-memory analysis joins and sorts
     ranges = None
     if sizes is None:
-        cols.drop("abs_logprob_diff")
+        cols.drop("abs_logprob_diff"), cols.drop("ref_logprob")
         progress[0](total, 0)  # the zip pass stopped part way: the first pass starts again
         starts.clear(), ids.clear()
         at[0] = 0
@@ -406,9 +417,19 @@ def _two_passes(run, requests, th, greedy, spill, kw, progress, how):
     n_scored = at[0]
     starts = np.concatenate(starts) if starts else np.zeros(0, np.int64)
     counts = np.diff(np.r_[starts, n_scored]).astype(np.int64)
+    if how["infer"] and n_scored:
+        from lpf.analysis.floors import expected_floor, observed_logit_error
+
+        table, info = how["infer"]
+        observed = observed_logit_error(cols.read("abs_logprob_diff"), cols.read("ref_logprob"))
+        cols.drop("ref_logprob")
+        expected = expected_floor(
+            table, info.get("engine_dtype"), info.get("reference_dtype"), info.get("model"), None, observed=observed
+        )
     expected = expected if n_scored else None
     if expected:
         th, calib = stream.thresholds(None, starts, th, expected)
+        cols.drop("abs_logprob_diff")
     else:
         ad = cols.read("abs_logprob_diff")
         th, calib = stream.thresholds(ad, starts, th, None)
