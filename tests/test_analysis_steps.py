@@ -251,3 +251,51 @@ def test_tokens_only(tmp_path, monkeypatch):
 def test_a_step_outside_the_list_is_refused():
     with pytest.raises(KeyError, match="not in lpf.analysis.steps.STEPS"):
         Ran().step("a_new_step")
+
+
+@pytest.mark.parametrize("engine_dtype", [None, "bfloat16"], ids=["inferred", "declared"])
+def test_answer_checks(tmp_path, monkeypatch, engine_dtype):
+    """Answers that contradict themselves (a token's logprob and its top-k entry disagree) and sure tokens
+    lowered by 1.5 nats (test_configured_judgement's lying server), the floor inferred from the errors or
+    declared: both executions raise the same requests with the same blocks."""
+    import math
+
+    rng = np.random.default_rng(3)
+    engine = {"name": "openai", "options": {"dtype": engine_dtype} if engine_dtype else {}}
+    run = RunDir.create(
+        tmp_path / "run",
+        {
+            "run_id": "lies",
+            "status": "complete",
+            "engine": engine,
+            "model": {"spec": "zoo:hybrid"},
+            "reference": {"spec": "zoo:hybrid", "dtype": "float32"},
+            "sampling": {"temperature": 0.0},
+        },
+    )
+    for first in range(0, 60, 20):
+        req, tok, ref = [], [], []
+        for i in range(first, first + 20):
+            rid = f"r{i:03d}"
+            req.append({"request_id": rid, "seq": i, "prompt_id": rid, "rollout": 0, "prompt_token_ids": [1]})
+            for p in range(12):
+                r = math.log(0.999) if p % 3 else math.log(rng.uniform(0.3, 0.6))
+                e = top_e = r + rng.normal(0, 3e-6)
+                if i % 5 == 0 and p >= 6:  # lowered; every other one leaves its top-k entry as it was
+                    e -= 1.5
+                    top_e = e if i % 10 == 0 else top_e
+                second = math.log1p(-math.exp(r)) - 0.5
+                tok.append({"request_id": rid, "position": p, "token_id": 7, "engine_logprob": e,
+                            "engine_topk_ids": [7, 8], "engine_topk_logprobs": [top_e, min(top_e, second + 0.5) - 0.5]})  # fmt: skip
+                ref.append({"request_id": rid, "position": p, "ref_logprob": r, "ref_rank": 1, "ref_entropy": 0.5,
+                            "ref_top1_id": 7, "ref_top1_logprob": r, "ref_topk_ids": [7, 8],
+                            "ref_topk_logprobs": [r, second]})  # fmt: skip
+            req[-1]["output_token_ids"] = [7] * 12
+        run.append_requests(
+            pa.Table.from_pylist(req, schema=schema.REQUESTS), pa.Table.from_pylist(tok, schema=schema.TOKENS)
+        )
+        run.append("reference", pa.Table.from_pylist(ref, schema=schema.REFERENCE))
+    mem, st = both_ways(run.path, tmp_path, monkeypatch, chunk_rows=100)
+    f = mem[2]
+    assert f["self_contradiction"]["requests"] == 6 and len(f["flagged"]) == 12
+    assert_one_analysis(mem, st)
