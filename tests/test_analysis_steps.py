@@ -4,7 +4,8 @@ same findings.json byte for byte and the same summary.parquet, on one run of eve
 the seed's bugs with prompt logprobs (stale-state), prefix caching (conv-into-shared-block on 24
 shared-prefix prompts: hits, no request flagged at that size),
 speculative sampled decisions (spec-draft-probs-permuted: the decision test flags requests), a server
-penalty, a logprob temperature of the server's own, and tokens only. The last three are built from
+penalty, a logprob temperature of the server's own, answers that contradict themselves or move sure
+tokens (the floor inferred from the errors or declared), and tokens only. The last three are built from
 arrays as the penalty tests build theirs (a greedy engine choosing from penalised logits, logprobs
 reported at T = 0.7), written as run directories of several parts and read in small chunks, also
 with the fits' samples made small (the streamed analysis must take the same sample from its chunks).
