@@ -226,3 +226,34 @@ def test_a_server_that_lowers_logprobs_is_caught_with_or_without_a_declared_dtyp
                 assert f["thresholds"]["noise_floor"]["pair"] == "float32/float32", name
             if not topk:
                 assert f["self_contradiction"]["requests"] == 10
+
+
+def test_each_request_is_judged_at_its_own_temperature():
+    """Real traffic (issue 56): a temperature-0.8 request's rank-2 token is a draw, never a greedy flip; a
+    greedy request's flip in the same run still is one. Without the requests' own settings the run's
+    temperature (0) judges them all, as a recording did before."""
+    from test_analysis import _tables
+
+    from lpf.analysis.findings import analyze
+    from lpf.analysis.thresholds import Thresholds
+
+    agree = [(5, -0.05, -0.05, 5)] * 5
+    specs = {f"s{i}": agree[:2] + [(6, -1.2, -1.2, 5)] + agree[:2] for i in range(6)}  # sampled: rank 2, honest
+    specs |= {f"g{i}": list(agree) for i in range(6)}
+    specs["g-flip"] = agree[:2] + [(6, -1.2, -1.2, 5)] + agree[:2]  # greedy: the same token is a flip
+    req, tok, ref = _tables(specs)
+    sent = [
+        {"temperature": 0.8, "top_p": 1.0, "seed": 7} if rid.startswith("s") else {"temperature": 0.0}
+        for rid in req.column("request_id").to_pylist()
+    ]
+    at = req.schema.get_field_index("sampling")
+    with_own = req.set_column(at, "sampling", pa.array(sent, schema.SAMPLING))
+    without = req.set_column(at, "sampling", pa.nulls(req.num_rows, schema.SAMPLING))
+    for requests, want in ((with_own, {"g-flip"}), (without, {"g-flip"} | {f"s{i}" for i in range(6)})):
+        summary, f = analyze(requests, tok, ref, Thresholds(), greedy=True, temperature=0.0)
+        flagged = {r["request_id"] for r in summary.to_pylist() if r["verdict"] in ("divergent", "corrupt")}
+        assert flagged == want
+    # a client that sent no temperature got the server's default: never judged greedy
+    unknown = req.set_column(at, "sampling", pa.array([{"top_p": 0.9}] * req.num_rows, schema.SAMPLING))
+    summary, _ = analyze(unknown, tok, ref, Thresholds(), greedy=True, temperature=0.0)
+    assert not {r["request_id"] for r in summary.to_pylist() if r["verdict"] in ("divergent", "corrupt")}

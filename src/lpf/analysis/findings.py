@@ -63,6 +63,7 @@ import pyarrow.compute as pc
 
 from lpf.analysis import answer_checks
 from lpf.analysis import metrics as m
+from lpf.analysis import request_sampling
 from lpf.analysis.calibration import calibrate, calibrate_from_run, calibrate_to_floor, with_expected_tie_margin
 from lpf.analysis.evidence import apply_inconsistency, evidence
 from lpf.analysis.features import Feature, request_features
@@ -128,13 +129,25 @@ def analyze(
             ad = np.abs(np.subtract(cols["engine_logprob"], cols["ref_logprob"]))
         th, calib = calibrate(ad, starts, th)
         del ad
-    per, flips, same = score_requests(cols, starts, greedy, th, temperature)
-    record(ran, "thresholds", "scoring")
     ids = (
         joined.column("request_id").take(pa.array(starts)).combine_chunks()
         if len(starts)
         else pa.array([], pa.string())
     )
+    sampling = (run_info or {}).get("sampling") or {"temperature": temperature}
+    own = request_sampling.settings(requests, temperature)
+    greedy_ids = None
+    if own is not None and own.uniform is not None and own.uniform == own.uniform:  # one temperature, every request
+        temperature = own.uniform
+        greedy, sampling = temperature == 0, {**sampling, "temperature": temperature}
+    elif own is not None:  # mixed: each row judged at its request's own settings
+        greedy, temperature = own.rows(ids, starts, joined.num_rows)
+        sampling, greedy_ids = request_sampling.MIXED_SAMPLING, own.greedy_ids
+    per, flips, same = score_requests(cols, starts, greedy, th, temperature)
+    record(ran, "thresholds", "scoring")
+    mixed = np.ndim(greedy) > 0
+    if mixed:  # the run-level steps below take the run's settings: mixed runs are none of greedy / one temperature
+        temperature = request_sampling.MIXED_TEMPERATURE
     summary = apply_inconsistency(summarize_requests(None, requests, th, per=(ids, per)), requests)
     record(ran, "verdicts", "answer_checks")
     with np.errstate(invalid="ignore"):
@@ -145,13 +158,24 @@ def analyze(
     del d
     summary, answer_blocks = answer_checks.apply(summary, found)
     test = None
-    sampling = (run_info or {}).get("sampling") or {"temperature": temperature}
     record(ran, "run_test", "localized")
     if expected:
         test = run_level_test(joined, tokens, reference, requests, expected, sampling, cols=cal_cols, starts=starts)
         summary = _localized(summary, test, cal_cols, expected, sampling, joined, tokens, reference, requests, starts)
     inputs = _InMemory(joined, tokens, reference, requests, trace, th)
-    run = Run(requests, trace, engine_info, th, calib, greedy, temperature, sampling, expected, reference.column_names)
+    run = Run(
+        requests,
+        trace,
+        engine_info,
+        th,
+        calib,
+        greedy,
+        temperature,
+        sampling,
+        expected,
+        reference.column_names,
+        greedy_ids,
+    )
     summary, findings = conclude_run(
         run,
         summary,
@@ -206,6 +230,12 @@ class Run:
     sampling: dict
     expected: dict | None
     reference_columns: tuple | list
+    greedy_ids: list[str] | None = None  # a run of mixed per-request settings: those sent at temperature 0
+
+    @property
+    def mixed(self) -> bool:
+        """Per-request settings of several kinds (`request_sampling`): `greedy` is then per row."""
+        return np.ndim(self.greedy) > 0
 
 
 class Inputs(Protocol):
@@ -214,7 +244,7 @@ class Inputs(Protocol):
 
     def decisions(self, run: Run, slack: float) -> tuple[dict, dict] | None: ...
     def tempered(self, temperature: float) -> pa.Array: ...
-    def penalty(self, tie: float) -> dict | None: ...
+    def penalty(self, tie: float, greedy_ids: list[str] | None) -> dict | None: ...
     def logprob_temperature(self) -> dict | None: ...
     def crossed(self, run: Run) -> pa.Array | None: ...
     def prefix_cache(self, run: Run) -> dict | None: ...
@@ -251,10 +281,12 @@ def conclude_run(
     if decisions is not None:
         findings["spec_decisions"] = decisions[1]
     record(ran, "tempered")
-    tempered = inputs.tempered(temperature) if wants_tempered(temperature, run.reference_columns) else None
+    wanted = not run.mixed and wants_tempered(temperature, run.reference_columns)
+    tempered = inputs.tempered(temperature) if wanted else None
     record(ran, "penalty", "logprob_temperature")
+    greedy = run.greedy_ids is not None or (not run.mixed and bool(run.greedy))  # the greedy requests' choices
     server = {
-        "penalty": inputs.penalty(_penalty_tie(th, test)) if run.greedy else None,
+        "penalty": inputs.penalty(_penalty_tie(th, test), run.greedy_ids) if greedy else None,
         "logprob_temperature": (inputs.logprob_temperature() if "ref_topk_logprobs" in run.reference_columns else None),
     }
     fitted = server["logprob_temperature"]
@@ -301,8 +333,8 @@ class _InMemory:
     def tempered(self, temperature):
         return tempered_logprobs(self.joined, self.reference, temperature, self.th)
 
-    def penalty(self, tie):
-        return fit_penalty(self.tokens, self.reference, self.requests, tie)
+    def penalty(self, tie, greedy_ids):
+        return _fit_penalty(self.tokens, self.reference, self.requests, tie, True, greedy_ids)
 
     def logprob_temperature(self):
         return fit_logprob_temperature(self.joined, self.reference, self.th)
@@ -400,6 +432,20 @@ def _expected_floor(joined, tokens, reference, requests, calibration, calibratio
         floor_table, engine_dtype, info.get("reference_dtype"), info.get("model"), cal, observed=observed
     )
     return (floor, cols) if floor else (None, None)
+
+
+def _fit_penalty(tokens, reference, requests, tie: float, greedy, greedy_ids: list[str] | None):
+    """`penalties.fit_penalty` over the greedy requests: all of a greedy run, the ones sent at temperature 0 of a
+    run of mixed settings (`greedy_ids`), none of a sampled run."""
+    if greedy_ids is not None:
+        if not greedy_ids:
+            return None
+        keep = pa.array(greedy_ids, pa.string())
+        tokens, reference, requests = (
+            t.filter(pc.is_in(t.column("request_id"), value_set=keep)) for t in (tokens, reference, requests)
+        )
+        return fit_penalty(tokens, reference, requests, tie)
+    return fit_penalty(tokens, reference, requests, tie) if greedy else None
 
 
 def _penalty_tie(th: Thresholds, test: dict | None) -> float:

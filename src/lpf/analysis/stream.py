@@ -51,7 +51,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from lpf.analysis import answer_checks
+from lpf.analysis import answer_checks, request_sampling
 from lpf.analysis import metrics as m
 from lpf.analysis.calibration import calibrate, calibrate_to_floor
 from lpf.analysis.evidence import apply_inconsistency
@@ -153,9 +153,16 @@ class StreamedAnalysis:
         prompt=None,
         chunk_budget: int | None = None,
     ):
+        sampling = sampling or {"temperature": temperature}
+        own = request_sampling.settings(requests, temperature)
+        if own is not None and own.uniform is not None and own.uniform == own.uniform:  # every request alike
+            temperature = own.uniform
+            greedy, sampling = temperature == 0, {**sampling, "temperature": temperature}
+        elif own is not None:  # `lpf.pipeline.analyze` reads such a run in memory
+            raise ValueError("the streamed analysis does not judge requests of mixed sampling settings")
         self.requests, self.th, self.calib, self.greedy = requests, th, calib, greedy
         self.trace, self.engine_info, self.temperature = trace, engine_info, temperature
-        self.expected, self.sampling = expected, sampling or {"temperature": temperature}
+        self.expected, self.sampling = expected, sampling
         self.n = int(counts.sum())
         self.step = -(-self.n // run_level.MAX_TOKENS)  # as run_test.run_level_test samples a huge run
         self.declared = one_array(ids)

@@ -162,7 +162,7 @@ class Gathered:
         ]
         return pa.chunked_array(ids, pa.string()).combine_chunks()
 
-    def penalty(self, tie):
+    def penalty(self, tie, greedy_ids):  # (None: the streamed analysis reads no run of mixed settings)
         tok, ref = self._table("penalty_tokens"), self._table("penalty_reference")
         if tok is None or ref is None:
             return None

@@ -82,11 +82,16 @@ def analyze_run(
     if no_logprobs:  # judged from tokens alone, in memory (`lpf.analysis.tokens_only`)
         stream = False
     elif stream is None:
-        stream = not calibration_applies(m) and scored_token_count(run) > STREAM_ABOVE
+        stream = not calibration_applies(m) and scored_token_count(run) > STREAM_ABOVE and not _mixed_sampling(run)
     elif stream and calibration_applies(m):
         raise LpfError(
             f"{run.path} has a calibration run, which the streamed analysis does not read yet: "
             f"analyze it with --no-stream"
+        )
+    elif stream and _mixed_sampling(run):
+        raise LpfError(
+            f"{run.path} has requests sent with sampling settings of their own, of several kinds, which the "
+            f"streamed analysis does not judge yet: analyze it with --no-stream"
         )
     # streamed: the analysis reads the requests itself, beside the first parts (their footers count them here)
     requests = None if stream else run.read("requests")
@@ -113,6 +118,17 @@ def analyze_run(
     )
     with _SummaryFile(run.path / "summary.parquet") as written:
         return _judge(run, requests, thresholds, attribute, (on_start, tick), stream, progress, kw, written)
+
+
+def _mixed_sampling(run: RunDir) -> bool:
+    """Whether the run's requests sent sampling settings of several kinds (`request_sampling`: each judged
+    at its own; the streamed analysis judges one setting for all)."""
+    from lpf.analysis import request_sampling
+
+    own = request_sampling.settings(
+        run.read("requests", ["request_id", "sampling"]), run.manifest["sampling"].get("temperature", 0) or 0
+    )
+    return own is not None and not (own.uniform is not None and own.uniform == own.uniform)
 
 
 def _judge(run, requests, thresholds, attribute, attribution_progress, stream, progress, kw, written) -> dict:
