@@ -300,3 +300,31 @@ def test_answer_checks(tmp_path, monkeypatch, engine_dtype):
     f = mem[2]
     assert f["self_contradiction"]["requests"] == 6 and len(f["flagged"]) == 12
     assert_one_analysis(mem, st)
+
+
+def _sent(run, temperatures) -> None:
+    """Each request's own sampling column: the temperature its client sent (`temperatures(i)`: request i's)."""
+    at = 0
+    for part in RunDir.open(run).parts("requests"):
+        t = pq.read_table(part)
+        sent = [{"temperature": temperatures(at + i)} for i in range(t.num_rows)]
+        at += t.num_rows
+        col = pa.array(sent, schema.SAMPLING)
+        pq.write_table(t.set_column(t.column_names.index("sampling"), "sampling", col), part)
+
+
+def test_per_request_sampling(tmp_path, monkeypatch):
+    """Requests that all sent temperature 0 in a run whose manifest says 0.7 are judged greedy by both
+    executions alike (the penalty found); requests of mixed settings are refused by `--stream` in one line."""
+    from lpf.core.errors import LpfError
+
+    run = _synthetic(tmp_path / "run", "repetition_penalty", 1.3, n_req=60)
+    m = json.loads((run / "manifest.json").read_text())
+    (run / "manifest.json").write_text(json.dumps({**m, "sampling": {"temperature": 0.7}}))
+    _sent(run, lambda i: 0.0)
+    mem, st = both_ways(run, tmp_path / "alike", monkeypatch)
+    assert mem[2]["server_processing"]["penalty"]["mechanism"] == "repetition_penalty"
+    assert_one_analysis(mem, st)
+    _sent(run, lambda i: 0.0 if i % 2 else 0.8)
+    with pytest.raises(LpfError, match="mixed|several kinds.*--no-stream"):
+        analyze_run(RunDir.open(run), Thresholds(), attribute=False, stream=True)
