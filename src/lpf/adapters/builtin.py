@@ -92,7 +92,7 @@ class BuiltinEngine(Engine):
         arch = (config.get("architectures") or ["?"])[0]
         if arch not in SUPPORTED_ARCHITECTURES:
             raise LpfError(
-                f"the built-in engine runs GraniteMoeHybrid and Jamba models; {arch} is not supported (use --engine hf)"
+                f"the built-in engine runs GraniteMoeHybrid, Jamba and Qwen3.5 models; {arch} is not supported (use --engine hf)"
             )
 
     @classmethod
