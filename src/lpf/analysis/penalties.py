@@ -60,10 +60,14 @@ _SCOPE_WORDS = {
 }
 
 
-def fit_penalty(tokens: pa.Table, reference: pa.Table, requests: pa.Table, tie: float) -> dict | None:
+def fit_penalty(
+    tokens: pa.Table, reference: pa.Table, requests: pa.Table, tie: float, n_rows: int | None = None
+) -> dict | None:
+    """`n_rows`: the whole run's scored rows with a log-sum-exp, when `tokens` holds only the requests
+    that `request_stride(n_rows)` keeps (the streamed analysis gathers those): the same sample."""
     if "ref_logsumexp" not in reference.column_names or "ref_topk_ids" not in reference.column_names:
         return None
-    ev = _evidence(tokens, reference, requests)
+    ev = _evidence(tokens, reference, requests, n_rows)
     if ev is None:
         return None
     fits = []
@@ -188,7 +192,13 @@ def _padded(col, width: int, fill, dtype) -> np.ndarray:
     return out
 
 
-def _evidence(tokens: pa.Table, reference: pa.Table, requests: pa.Table) -> dict | None:
+def request_stride(n_rows: int) -> int:
+    """A run of `n_rows` scored rows with a log-sum-exp is fitted on the requests whose row in the
+    requests table is a multiple of this (1: every request)."""
+    return -(-n_rows // (4 * MAX_POSITIONS)) if n_rows > 4 * MAX_POSITIONS else 1
+
+
+def _evidence(tokens: pa.Table, reference: pa.Table, requests: pa.Table, n_rows: int | None = None) -> dict | None:
     """Per scored position where some candidate had been seen (the only ones a penalty can change):
     candidates' raw logits [P, K+1] (column 0 the engine's token; a top-k entry equal to it is masked
     with -inf) and, per candidate, whether it was in the context, in its last LAST_N tokens, in the
@@ -207,8 +217,9 @@ def _evidence(tokens: pa.Table, reference: pa.Table, requests: pa.Table) -> dict
     )
     if not t.num_rows:
         return None
-    if t.num_rows > 4 * MAX_POSITIONS:  # a big run: an even sample of whole requests before any [rows, k] array
-        keep = req_row % -(-t.num_rows // (4 * MAX_POSITIONS)) == 0
+    stride = request_stride(t.num_rows if n_rows is None else n_rows)
+    if stride > 1:  # a big run: an even sample of whole requests before any [rows, k] array
+        keep = req_row % stride == 0
         t, req_row = t.filter(pa.array(keep)), req_row[keep]
     ref = reference.take(t.column("_row"))
     k = int(pc.max(pc.list_value_length(ref.column("ref_topk_ids"))).as_py() or 0)
