@@ -73,7 +73,7 @@ from lpf.analysis.levels import REQUEST_VERDICTS, SEVERITY
 from lpf.analysis.prefix_cache import prefix_cache_summary
 from lpf.analysis.prompt import merge_summary, prompt_analysis, worst_verdict
 from lpf.analysis.localized import raise_localized
-from lpf.analysis.mechanisms import attribute
+from lpf.analysis.mechanisms import attribute, run_level
 from lpf.analysis.penalties import fit_penalty, phrase as penalty_phrase
 from lpf.analysis.run_test import DEFAULT_ALPHA, run_level_test, token_evidence
 from lpf.analysis.shape import failure_shape
@@ -388,7 +388,16 @@ def conclude(
     if "logprob_temperature" in found:
         temperature = found["logprob_temperature"]["value"]  # the tempered signature's, in its words
     findings["hypotheses"], findings["mechanisms"] = _hypotheses(
-        summary, requests, trace, engine_info, temperature, tempered, crossed, findings["flagged"], found.get("penalty")
+        summary,
+        requests,
+        trace,
+        engine_info,
+        temperature,
+        tempered,
+        crossed,
+        findings["flagged"],
+        found.get("penalty"),
+        test,
     )
     findings["evidence"] = evidence(requests, summary)
     findings["prefix_cache"] = prefix() if prefix is not None else prefix_cache_summary(requests, trace, engine_info)
@@ -461,11 +470,12 @@ def _penalty_tie(th: Thresholds, test: dict | None) -> float:
 
 
 def _hypotheses(
-    summary, requests, trace, engine_info, temperature, tempered, crossed, flagged_rows, penalty=None
+    summary, requests, trace, engine_info, temperature, tempered, crossed, flagged_rows, penalty=None, test=None
 ) -> tuple:
     """(ranked hypotheses, findings' `mechanisms` block); each of `flagged_rows` (findings' `flagged`)
-    gains its `mechanism` (`lpf.analysis.mechanisms`). `penalty`: a fitted server penalty, ranked as a
-    signature (the requests with a flip it explains)."""
+    gains its `mechanism` (`lpf.analysis.mechanisms`; `mechanisms.run_level` when the run-level `test` finds
+    the whole run departs). `penalty`: a fitted server penalty, ranked as a signature (the requests with a
+    flip it explains)."""
     enc = pc.dictionary_encode(summary.column("verdict").combine_chunks())  # a few names, one code per request
     names, code = enc.dictionary.to_pylist(), enc.indices.to_numpy(zero_copy_only=False)
 
@@ -524,6 +534,7 @@ def _hypotheses(
     if not flagged_rows:  # nothing divergent or corrupt (the ranking above contrasts noise): nothing to explain
         return ranked, {"covered": [], "unexplained": 0, "n_flagged": 0}
     per, block = attribute(ranked, feats, flagged, scored, label, other, signatures=sigs)
+    per, block = run_level(per, block, [*sigs, *feats], test)
     at = {rid: i for i, rid in enumerate(ids.to_pylist())}
     for row in flagged_rows:
         row["mechanism"] = per[at[row["request_id"]]]
