@@ -49,6 +49,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from lpf.analysis.feature import Feature
+from lpf.analysis.raising import raise_divergent
 from lpf.analysis.speculative_features import prompt_lengths, row_requests
 
 SIGNATURE = "spec_decision_against_odds"
@@ -296,28 +297,7 @@ def fisher(ps: list[float]) -> float:
 def raise_decisions(summary: pa.Table, found: dict) -> pa.Table:
     """`summary` with the requests in `found` raised to `divergent` (a worse verdict stays) and their
     first divergence moved to the decision's position when earlier; column `spec_decision` says why."""
-    ids = summary.column("request_id").to_pylist()
-    verdict = summary.column("verdict").to_pylist()
-    first = summary.column("first_divergence").to_pylist()
-    why = [None] * len(ids)
-    for i, rid in enumerate(ids):
-        if rid not in found:
-            continue
-        pos, _, detail = found[rid]
-        why[i] = detail
-        if verdict[i] in ("clean", "noise"):
-            verdict[i] = "divergent"
-        if first[i] is None or pos < first[i]:
-            first[i] = pos
-    out = summary.set_column(
-        summary.column_names.index("verdict"), "verdict", pa.array(verdict, summary.schema.field("verdict").type)
-    )
-    out = out.set_column(
-        out.column_names.index("first_divergence"),
-        "first_divergence",
-        pa.array(first, summary.schema.field("first_divergence").type),
-    )
-    return out.append_column("spec_decision", pa.array(why, pa.string()))
+    return raise_divergent(summary, {rid: (hit[0], hit[-1]) for rid, hit in found.items()}, "spec_decision")
 
 
 def decision_signature(summary: pa.Table, crowded: np.ndarray | None = None) -> Feature | None:
