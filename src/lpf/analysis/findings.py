@@ -438,7 +438,13 @@ def _expected_floor(joined, tokens, reference, requests, calibration, calibratio
             d = np.subtract(joined.column("engine_logprob").to_numpy(), joined.column("ref_logprob").to_numpy())
         observed = observed_logit_error(d, joined.column("ref_logprob").to_numpy())
     floor = expected_floor(
-        floor_table, engine_dtype, info.get("reference_dtype"), info.get("model"), cal, observed=observed
+        floor_table,
+        engine_dtype,
+        info.get("reference_dtype"),
+        info.get("model"),
+        cal,
+        observed=observed,
+        configuration=info.get("configuration"),
     )
     return (floor, cols) if floor else (None, None)
 

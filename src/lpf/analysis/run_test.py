@@ -359,6 +359,14 @@ def run_test(ev: dict, floor: dict, alpha: float = DEFAULT_ALPHA) -> dict:
     )
     out["sentence"] = _sentence(out)
     out["arithmetic_sentence"] = _arithmetic_sentence(out)
+    configured = floor.get("configured")
+    if configured and out["result"] == "same":  # a configuration's own floor explains it: said, never hidden
+        size = out["effect_size"]
+        out["configured_sentence"] = (
+            f"departs from the reference as {configured['why']} does"
+            + (f" ({size:.2g}x its floor)" if size is not None and math.isfinite(size) else "")
+            + ": configured, not a fault"
+        )
     out["floor_sentence"] = _floor_sentence(out, floor) if out["floor_far_above_expected"] else None
     return out
 

@@ -184,6 +184,8 @@ def print_run_test(rt: dict | None, console: Console) -> None:
         console.print(f"  [{style}]{escape(rt['floor_sentence'])}[/]", highlight=False)
     if rt.get("arithmetic_sentence"):
         console.print(f"  [dim]{escape(rt['arithmetic_sentence'])}[/]", highlight=False)
+    if rt.get("configured_sentence"):
+        console.print(f"  [dim]{escape(rt['configured_sentence'])}[/]", highlight=False)
 
 
 def _print_shape(shape: dict | None, console: Console) -> None:

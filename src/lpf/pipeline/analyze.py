@@ -46,6 +46,7 @@ from lpf.pipeline.analyze_stream import (
 )
 from lpf.pipeline.stream_parts import Tally
 from lpf.pipeline.attribute import attribution_scores
+from lpf.analysis.floors import configured_kv
 from lpf.pipeline.calibrate import calibration_applies, calibration_for, engine_dtype
 from lpf.pipeline.callbacks import OnStart, Tick, no_start, no_tick
 from lpf.pipeline.trace import engine_info, trace_summary
@@ -105,6 +106,10 @@ def analyze_run(
         "reference_dtype": ref.get("dtype"),
         "model": floor_model(ref),
         "sampling": m["sampling"],
+        # what the engine computes with beyond its dtype (a quantized or flash-attention KV): its own floor row
+        "configuration": configured_kv(
+            (m.get("engine") or {}).get("name"), engine_dtype(m), (m.get("engine") or {}).get("configuration")
+        ),
     }
     kw = dict(
         no_logprobs=no_logprobs,

@@ -276,7 +276,12 @@ def _analyze(
     )
     expected = (
         expected_floor(
-            floor_table, run_info.get("engine_dtype"), run_info.get("reference_dtype"), run_info.get("model"), None
+            floor_table,
+            run_info.get("engine_dtype"),
+            run_info.get("reference_dtype"),
+            run_info.get("model"),
+            None,
+            configuration=run_info.get("configuration"),
         )
         if floor_table is not None and not infer
         else None
@@ -424,7 +429,13 @@ def _two_passes(run, requests, th, greedy, spill, kw, progress, how):
         observed = observed_logit_error(cols.read("abs_logprob_diff"), cols.read("ref_logprob"))
         cols.drop("ref_logprob")
         expected = expected_floor(
-            table, info.get("engine_dtype"), info.get("reference_dtype"), info.get("model"), None, observed=observed
+            table,
+            info.get("engine_dtype"),
+            info.get("reference_dtype"),
+            info.get("model"),
+            None,
+            observed=observed,
+            configuration=info.get("configuration"),
         )
     expected = expected if n_scored else None
     if expected:
