@@ -32,7 +32,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from lpf.analysis.columns import one_array
-from lpf.analysis.hypotheses import binomial_greater
+from lpf.analysis.stats import sign_test
 
 MIN_EXPLAINED = 3
 MAX_P = 1e-3
@@ -82,7 +82,7 @@ def fit_penalty(tokens: pa.Table, reference: pa.Table, requests: pa.Table, tie: 
     explained = flips & agree[:, g]
     lost = agree[:, g0] & ~agree[:, g]
     n_exp, n_lost = int(explained.sum()), int(lost.sum())
-    p = binomial_greater(n_exp, n_exp + n_lost)
+    p = sign_test(n_exp, n_exp + n_lost)
     if n_exp < MIN_EXPLAINED or p >= MAX_P:
         return None
     value = float(best["grid"][g])
