@@ -25,11 +25,17 @@ import math
 from collections.abc import Sequence
 
 import numpy as np
-from scipy import special
-from scipy import stats as _st
 
 _TINY = 1e-280  # below this a float64 tail has lost digits (subnormals from 2e-308): sum in log space
 _REST = math.log(1e-18)
+
+
+def _scipy():
+    """(scipy.stats, scipy.special), imported on first use: scipy.stats takes ~0.5 s to import (several on a
+    loaded machine), which a command that never computes a tail should not pay."""
+    from scipy import special, stats
+
+    return stats, special
 
 
 def _terms(first_ratio: float, available: int) -> int:
@@ -42,67 +48,74 @@ def _terms(first_ratio: float, available: int) -> int:
 
 def binom_log_tail(k, n, p: float) -> float | np.ndarray:
     """log P(X >= k), X ~ Binomial(n, p): a float for scalar k and n, else an array of their broadcast shape."""
+    st, sp = _scipy()
     shape = np.broadcast(np.asarray(k), np.asarray(n)).shape
     k_, n_ = (np.broadcast_to(np.asarray(x, dtype=np.int64), shape).ravel() for x in (k, n))
     out = np.zeros(k_.shape)
     out[k_ > n_] = -math.inf
     mid = np.flatnonzero((k_ > 0) & (k_ <= n_))
     if mid.size:
-        tail = _st.binom.sf(k_[mid] - 1, n_[mid], p)
+        tail = st.binom.sf(k_[mid] - 1, n_[mid], p)
         with np.errstate(divide="ignore"):
             out[mid] = np.log(tail)
         odds = p / (1.0 - p) if p < 1.0 else math.inf
         for j in mid[tail < _TINY]:
             kj, nj = int(k_[j]), int(n_[j])
             i = np.arange(kj, kj + _terms((nj - kj) / (kj + 1.0) * odds, nj - kj + 1))
-            out[j] = min(0.0, float(special.logsumexp(_st.binom.logpmf(i, nj, p))))
+            out[j] = min(0.0, float(sp.logsumexp(st.binom.logpmf(i, nj, p))))
     return float(out[0]) if not shape else out.reshape(shape)
 
 
 def poisson_log_tail(k: int, lam: float) -> float:
     """log P(X >= k), X ~ Poisson(lam)."""
+    st, sp = _scipy()
     k = int(k)
     if k <= 0:
         return 0.0
     if lam <= 0:
         return -math.inf
-    tail = float(_st.poisson.sf(k - 1, lam))
+    tail = float(st.poisson.sf(k - 1, lam))
     if tail >= _TINY:
         return math.log(tail)
     i = np.arange(k, k + _terms(lam / (k + 1.0), 1 << 40))
-    return min(0.0, float(special.logsumexp(_st.poisson.logpmf(i, lam))))
+    return min(0.0, float(sp.logsumexp(st.poisson.logpmf(i, lam))))
 
 
 def poisson_upper(k: int, confidence: float) -> float:
     """The largest Poisson mean under which k or fewer events still have probability 1 - confidence."""
+    st = _scipy()[0]
     # P(X <= k | lam) = P(chi2(2k + 2) > 2 lam): the lam where it falls to 1 - confidence
-    return float(_st.chi2.ppf(confidence, 2 * (int(k) + 1)) / 2.0)
+    return float(st.chi2.ppf(confidence, 2 * (int(k) + 1)) / 2.0)
 
 
 def hypergeom_tail(a, total, successes, draws) -> float | np.ndarray:
     """P(X >= a), X ~ Hypergeometric(total, successes, draws): a float for scalars, else an array."""
-    out = np.minimum(_st.hypergeom.sf(np.asarray(a) - 1, total, successes, draws), 1.0)
+    st = _scipy()[0]
+    out = np.minimum(st.hypergeom.sf(np.asarray(a) - 1, total, successes, draws), 1.0)
     return float(out) if np.ndim(out) == 0 else out
 
 
 def sign_test(k: int, n: int) -> float:
     """P(X >= k), X ~ Binomial(n, 1/2), exactly."""
+    st = _scipy()[0]
     if n == 0:
         return 1.0
-    return float(_st.binomtest(int(k), int(n), 0.5, alternative="greater").pvalue)
+    return float(st.binomtest(int(k), int(n), 0.5, alternative="greater").pvalue)
 
 
 def fisher_combine(groups: Sequence[Sequence[float]]) -> np.ndarray:
     """One combined p-value per group: P(chi2 with 2m dof >= -2 sum ln p) over the group's m p-values."""
+    st = _scipy()[0]
     if not len(groups):
         return np.zeros(0)
     stat = np.array([-2.0 * np.log(np.maximum(np.asarray(g, dtype=np.float64), 1e-300)).sum() for g in groups])
     dof = np.array([2 * len(g) for g in groups])
-    return np.minimum(_st.chi2.sf(stat, dof), 1.0)
+    return np.minimum(st.chi2.sf(stat, dof), 1.0)
 
 
 def two_proportions(k1: int, n1: int, k2: int, n2: int) -> float:
     """Two-sided Fisher's exact test of k1/n1 against k2/n2."""
+    st = _scipy()[0]
     if not n1 or not n2:
         return 1.0
-    return float(_st.fisher_exact([[k1, n1 - k1], [k2, n2 - k2]]).pvalue)
+    return float(st.fisher_exact([[k1, n1 - k1], [k2, n2 - k2]]).pvalue)
