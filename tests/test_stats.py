@@ -59,7 +59,7 @@ def test_poisson_tail_and_upper_bound():
 def test_hypergeometric_tail_is_fishers_exact_test():
     # 2x2 table [[3, 0], [0, 3]]: one-sided p = 1 / C(6, 3)
     assert stats.hypergeom_tail(3, 6, 3, 3) == pytest.approx(1 / 20, rel=1e-12)
-    assert stats.hypergeom_tail(0, 6, 3, 3) == 1.0 and stats.hypergeom_tail(4, 6, 3, 3) == 0.0
+    assert stats.hypergeom_tail(0, 6, 3, 3) == pytest.approx(1.0, rel=1e-12) and stats.hypergeom_tail(4, 6, 3, 3) == 0.0
     for a, total, succ, draws in ((7, 400, 9, 12), (2, 240, 60, 3), (30, 1000, 40, 50), (1, 50, 1, 1)):
         exact = Fraction(
             sum(math.comb(succ, i) * math.comb(total - succ, draws - i) for i in range(a, min(succ, draws) + 1)),
@@ -71,8 +71,19 @@ def test_hypergeometric_tail_is_fishers_exact_test():
         assert stats.hypergeom_tail(a, total, succ, draws) == pytest.approx(
             sst.fisher_exact(table, alternative="greater").pvalue, rel=1e-10
         )
+    # against scipy's hypergeom.sf across table sizes (boost's three pdf methods: up to 170, up to 104,729,
+    # beyond), tails down to 1e-250, and tables of 1e5 terms each in more than one chunk; the log-factorial
+    # table's entries reach 4e6 at 3e5 items, whose last bits (4e-10) bound the agreement there
+    rng = np.random.default_rng(5)
+    for total, draws in ((150, 40), (31_250, 150), (31_250, 5_000), (312_500, 1_500), (300_000, 150_000)):
+        succ = rng.integers(1, total, 24)
+        a = np.minimum(succ, rng.integers(0, draws + 1, 24))
+        want = sst.hypergeom.sf(a - 1, total, succ, draws)
+        got = stats.hypergeom_tail(a, total, succ, draws)
+        keep = want > 1e-250
+        assert keep.sum() > 3 and np.allclose(got[keep], want[keep], rtol=2e-9, atol=0)
     out = stats.hypergeom_tail(np.array([3, 0, 2]), 6, np.array([3, 3, 3]), 3)
-    assert out.shape == (3,) and out[0] == pytest.approx(1 / 20) and out[1] == 1.0
+    assert out.shape == (3,) and out[0] == pytest.approx(1 / 20) and out[1] == pytest.approx(1.0)
 
 
 def test_sign_test_is_exact():

@@ -109,10 +109,13 @@ def rank_hypotheses(
                 tests.append((int(le_f[i]), int(le_o[i]), ("<=", float(cut)), None))
         best = None
         ac = np.array([(a, c) for a, c, _, _ in tests], dtype=np.int64).reshape(-1, 2)
-        ps = hypergeom_tail(ac[:, 0], total, ac.sum(axis=1), n_f)  # every cut's test at once
-        for (a, c, split, phrase), p in zip(tests, np.atleast_1d(ps).tolist()):
+        # each distinct table once, every cut's at once (cuts that split alike give the same table)
+        pairs, at = np.unique(ac[(ac[:, 0] >= 2) & (ac.sum(axis=1) < total)], axis=0, return_inverse=True)
+        ps = iter(np.atleast_1d(hypergeom_tail(pairs[:, 0], total, pairs.sum(axis=1), n_f))[at.ravel()].tolist())
+        for a, c, split, phrase in tests:
             if a < 2 or a + c == total:
                 continue
+            p = next(ps)
             prec, rec = a / (a + c), a / n_f
             balance = 2 * prec * rec / (prec + rec)
             key = (-p, balance)

@@ -6,9 +6,9 @@ Contract (pure; upper tails are P(X >= k), not scipy's P(X > k)):
   `poisson_upper(k, confidence)`   the upper end of the one-sided `confidence` interval of a Poisson mean
                                    after k events (exact: chi2.ppf(confidence, 2k + 2) / 2)
   `hypergeom_tail(a, total, successes, draws)`
-                                   P(X >= a), X ~ Hypergeometric; elementwise: one-sided Fisher's exact test
-                                   for enrichment (a of `draws` flagged items carry a feature `successes` of
-                                   `total` items carry)
+                                   P(X >= a), X ~ Hypergeometric; elementwise over a and successes: the
+                                   one-sided Fisher's exact test for enrichment (a of `draws` flagged items
+                                   carry a feature that `successes` of `total` items carry)
   `sign_test(k, n)`                P(X >= k), X ~ Binomial(n, 1/2): the exact one-sided sign test (1.0 at n = 0)
   `fisher_combine(groups)`         Fisher's combination of each group's p-values (combine_pvalues' "fisher",
                                    vectorised over groups); a p-value of 0 counts as 1e-300
@@ -88,11 +88,36 @@ def poisson_upper(k: int, confidence: float) -> float:
     return float(st.chi2.ppf(confidence, 2 * (int(k) + 1)) / 2.0)
 
 
-def hypergeom_tail(a, total, successes, draws) -> float | np.ndarray:
-    """P(X >= a), X ~ Hypergeometric(total, successes, draws): a float for scalars, else an array."""
-    st = _scipy()[0]
-    out = np.minimum(st.hypergeom.sf(np.asarray(a) - 1, total, successes, draws), 1.0)
-    return float(out) if np.ndim(out) == 0 else out
+def hypergeom_tail(a, total: int, successes, draws: int) -> float | np.ndarray:
+    """P(X >= a), X ~ Hypergeometric(total, successes, draws): a float for scalars, else an array.
+
+    Every term from a to the support's top, in log space from one table of log factorials
+    (scipy.special.gammaln), summed: scipy.stats.hypergeom.sf agrees (tests/test_stats.py) but costs
+    ~0.5 ms a table where 170 < total <= 104,729 (boost's pdf factorises into primes there), +0.1 s to
+    the analysis of a 31k-request run's 256 best-split tables; this is ~20 ns a term."""
+    sp = _scipy()[1]
+    shape = np.broadcast(np.asarray(a), np.asarray(successes)).shape
+    a_, s_ = (np.broadcast_to(np.asarray(x, dtype=np.int64), shape).ravel() for x in (a, successes))
+    total, draws = int(total), int(draws)
+    hi = np.minimum(s_, draws)
+    lo = np.maximum(a_, np.maximum(0, draws + s_ - total))
+    count = np.maximum(hi - lo + 1, 0)
+    out = np.where(a_ > hi, 0.0, 1.0)
+    lf = sp.gammaln(np.arange(total + 1, dtype=np.float64) + 1.0)
+    log_all = lf[total] - lf[draws] - lf[total - draws]
+    todo = np.flatnonzero(count)
+    # in chunks of about 2M terms: a run with most requests flagged has tables of ~1e5 terms each
+    chunk = (np.cumsum(count[todo]) - 1) // 2_000_000
+    for part in np.split(todo, np.flatnonzero(np.diff(chunk)) + 1) if todo.size else []:
+        c = count[part]
+        starts = np.cumsum(c) - c
+        row = np.repeat(np.arange(part.size), c)
+        k = lo[part][row] + (np.arange(c.sum()) - starts[row])
+        sk = s_[part][row]
+        lp = lf[sk] - lf[k] - lf[sk - k] + lf[total - sk] - lf[draws - k] - lf[total - sk - draws + k] - log_all
+        top = np.maximum.reduceat(lp, starts)
+        out[part] = np.minimum(1.0, np.exp(top) * np.add.reduceat(np.exp(lp - top[row]), starts))
+    return float(out[0]) if not shape else out.reshape(shape)
 
 
 def sign_test(k: int, n: int) -> float:
