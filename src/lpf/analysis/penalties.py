@@ -33,7 +33,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from lpf.analysis.columns import one_array
-from lpf.analysis.hypotheses import binomial_greater
+from lpf.analysis.stats import sign_test
 
 MIN_EXPLAINED = 3
 MAX_P = 1e-3
@@ -88,7 +88,7 @@ def fit_penalty(
     explained = flips & agree[:, g]
     lost = agree[:, g0] & ~agree[:, g]
     n_exp, n_lost = int(explained.sum()), int(lost.sum())
-    p = binomial_greater(n_exp, n_exp + n_lost)
+    p = sign_test(n_exp, n_exp + n_lost)
     if n_exp < MIN_EXPLAINED or p >= MAX_P:
         return None
     value = float(best["grid"][g])
@@ -140,7 +140,7 @@ def _kind(fits: list[dict]) -> dict | None:
             break
         other = f["agree"][:, f["g"]]
         wins = int((at & ~other).sum())
-        if f["gain"] > 0 and binomial_greater(wins, wins + int((other & ~at).sum())) >= INTERVAL_ALPHA:
+        if f["gain"] > 0 and sign_test(wins, wins + int((other & ~at).sum())) >= INTERVAL_ALPHA:
             return f
     return top
 
@@ -154,7 +154,7 @@ def _interval(agree: np.ndarray, g: int) -> tuple[int, int]:
 
     def same(i: int) -> bool:
         wins = int((at & ~agree[:, i]).sum())
-        return binomial_greater(wins, wins + int((agree[:, i] & ~at).sum())) >= INTERVAL_ALPHA
+        return sign_test(wins, wins + int((agree[:, i] & ~at).sum())) >= INTERVAL_ALPHA
 
     lo = hi = g
     while lo > 0 and same(lo - 1):

@@ -37,7 +37,7 @@ request_threshold, smallest (the least likely decision's bound), alpha, requests
 nothing is tested (no trace columns, no sampled rows with drafts, greedy or top-k runs).
 `raise_decisions(summary, found)`: those requests `divergent` there (column `spec_decision`: why);
 `decision_signature(summary, crowded)`: the hypothesis signature `spec_decision_against_odds`;
-`fisher(ps)`: Fisher's combination; `decision_slack(divergent, floor)`: the slack.
+`decision_slack(divergent, floor)`: the slack.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ import pyarrow.compute as pc
 from lpf.analysis.feature import Feature
 from lpf.analysis.raising import raise_divergent
 from lpf.analysis.speculative_features import prompt_lengths, row_requests
+from lpf.analysis.stats import fisher_combine
 
 SIGNATURE = "spec_decision_against_odds"
 RULE = (
@@ -223,10 +224,9 @@ def decision_test(
         rid = str(d["request_id"][j])
         if rid not in worst or pv[j] < pv[worst[rid]]:
             worst[rid] = j
-    for rid, ps in terms.items():
-        if rid in found or len(ps) < 2 or rid not in worst:
-            continue
-        p_req = fisher(ps)
+    combined = [rid for rid, ps in terms.items() if rid not in found and len(ps) >= 2 and rid in worst]
+    for rid, p_req in zip(combined, fisher_combine([terms[rid] for rid in combined]).tolist()):
+        ps = terms[rid]
         if p_req <= c_req:
             j = worst[rid]
             found[rid] = (
@@ -282,16 +282,6 @@ def _recovered_tails(d, ref, agrees, t: float, top_p: float, slack: float) -> np
         rest = 1.0 - p_draft_hi  # the residual's mass, at least
         out[j] = min(1.0, max(0.0, 1.0 - p_draft_lo - above) / rest) if rest > 0 else 1.0
     return out
-
-
-def fisher(ps: list[float]) -> float:
-    """Fisher's combination of independent p-values: P(chi2 with 2k dof >= -2 sum ln p)."""
-    k = len(ps)
-    x = -sum(math.log(max(p, 1e-300)) for p in ps)  # half the chi-square statistic
-    # survival of chi2(2k) at 2x: exp(-x) sum_{i<k} x^i / i!, in logs
-    terms = [i * math.log(x) - math.lgamma(i + 1) - x for i in range(k)] if x > 0 else [0.0]
-    top = max(terms)
-    return min(1.0, math.exp(top) * sum(math.exp(v - top) for v in terms))
 
 
 def raise_decisions(summary: pa.Table, found: dict) -> pa.Table:
