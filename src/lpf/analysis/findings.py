@@ -347,9 +347,10 @@ def _hypotheses(
     if not flagged_rows:  # nothing divergent or corrupt (the ranking above contrasts noise): nothing to explain
         return ranked, {"covered": [], "unexplained": 0, "n_flagged": 0}
     per, block = attribute(ranked, feats, flagged, scored, label, other, signatures=sigs)
-    at = {rid: i for i, rid in enumerate(ids.to_pylist())}
-    for row in flagged_rows:
-        row["mechanism"] = per[at[row["request_id"]]]
+    # the flagged rows' places among the run's ids (a dict of every id: 0.1 s at 300k requests)
+    at = pc.index_in(pa.array([row["request_id"] for row in flagged_rows], ids.type), value_set=ids).to_numpy()
+    for row, i in zip(flagged_rows, at):
+        row["mechanism"] = per[i]
     return ranked, block
 
 

@@ -133,7 +133,16 @@ def _tempered(t: pa.Table, temperature: float) -> np.ndarray:
 
 
 def _tempered_errors(t: pa.Table, eng: np.ndarray, grid: np.ndarray) -> np.ndarray:
-    """nanmedian |eng - `_tempered(t, T)`| for each T of `grid`, bit for bit, with what does not depend on T
+    """`_grid_errors` over `grid`, its two halves on two threads (each temperature's error is its own;
+    numpy's loops release the GIL)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2, thread_name_prefix="lpf-temperature") as pool:
+        return np.concatenate(list(pool.map(lambda temps: _grid_errors(t, eng, temps), np.array_split(grid, 2))))
+
+
+def _grid_errors(t: pa.Table, eng: np.ndarray, temps: np.ndarray) -> np.ndarray:
+    """nanmedian |eng - `_tempered(t, T)`| for each T of `temps`, bit for bit, with what does not depend on T
     read once: a list's max (min) of values / T is its max (min) / T (correctly rounded division by T > 0
     keeps the order), each list's sum of exponentials is `_lse_over_lists`' 1-D `reduceat`, and the
     (slow, scalar) logaddexp runs only on the tokens outside the top-k."""
@@ -147,17 +156,20 @@ def _tempered_errors(t: pa.Table, eng: np.ndarray, grid: np.ndarray) -> np.ndarr
     lse, mn = np.full(len(arr), np.nan), np.full(len(arr), np.nan)
     if v0.size:
         mx0, mn0 = np.maximum.reduceat(v0, st), np.minimum.reduceat(v0, st)
-    errors = np.empty(grid.size)
-    for i, temperature in enumerate(grid):
-        if v0.size:
-            mx = mx0 / temperature
-            lse[ne] = mx + np.log(np.add.reduceat(np.exp(v0 / temperature - np.repeat(mx, lens)), st))
-            mn[ne] = mn0 / temperature
-        raw = raw0 / temperature
-        outside = np.flatnonzero(~(raw >= mn - 1e-4))
-        z = lse.copy()
-        z[outside] = np.logaddexp(lse[outside], raw[outside])
-        errors[i] = np.nanmedian(np.abs(eng - (raw - z)))
+    errors = np.empty(temps.size)
+    # errstate is per thread (the caller's filter of RuntimeWarnings is the process's: positions without a
+    # top-k, NaN, are left out of the median)
+    with np.errstate(invalid="ignore"):
+        for i, temperature in enumerate(temps):
+            if v0.size:
+                mx = mx0 / temperature
+                lse[ne] = mx + np.log(np.add.reduceat(np.exp(v0 / temperature - np.repeat(mx, lens)), st))
+                mn[ne] = mn0 / temperature
+            raw = raw0 / temperature
+            outside = np.flatnonzero(~(raw >= mn - 1e-4))
+            z = lse.copy()
+            z[outside] = np.logaddexp(lse[outside], raw[outside])
+            errors[i] = np.nanmedian(np.abs(eng - (raw - z)))
     return errors
 
 
