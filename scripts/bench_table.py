@@ -81,7 +81,8 @@ def _analysis(d: dict) -> tuple[str, str, str]:
     t = d["throughput"]
     return (
         f"`lpf analyze` in memory, {t['this']['tokens'] / 1e6:.0f}M scored tokens",
-        f"{_m(t['this']['tokens_per_s'])} tokens/s ({_x(t['vs_baseline']['tokens_per_s'])}), peak "
+        f"{_m(t['this']['tokens_per_s'])} tokens/s ({_x(t['vs_baseline']['tokens_per_s'])}; "
+        f"{_m(t['this']['tokens_per_cpu_s'])} per CPU second, load {d['load_average'][0]:.1f}), peak "
         f"{t['this']['peak_rss_mb'] / 1024:.1f} GiB; run-level test adds {_x(d['run_test']['ratio'])} time",
         "the previous commit's analysis (findings identical: "
         + ("yes" if t["vs_baseline"]["findings_identical"] else "NO")
