@@ -363,6 +363,8 @@ def accepted(path: Path = ACCEPTED) -> dict[str, dict]:
 def _measured(family: str, d, date: str, accepts: dict[str, dict]) -> str:
     commit = commit_of(d)
     cell = (date or "not recorded") + (f", `{commit[:7]}`" if commit else ", commit not recorded")
+    if isinstance(d, dict) and d.get("dirty"):
+        cell += " with uncommitted changes"
     if commit and (accepts.get(family) or {}).get("commit") == commit:
         cell += f"; stale, accepted: {accepts[family]['reason']}"
     return cell

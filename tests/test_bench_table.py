@@ -134,6 +134,7 @@ def test_a_stale_gated_row_fails_the_check_until_accepted_and_a_remeasure_retire
     assert "stale, accepted: a docstring only" in t._measured(
         "analysis", {"commit": measured}, "2026-12-07", t.accepted(accepted)
     )
+    assert "with uncommitted changes" in t._measured("x", {"commit": measured, "dirty": True}, "2026-12-07", {})
     head = _git(repo, "rev-parse", "HEAD")
     (results / "analysis.json").write_text(json.dumps({"date": "2026-12-08", "commit": head}))
     (problem,) = t.check(results, accepted, repo)[1]
