@@ -203,6 +203,9 @@ def _evidence(tokens: pa.Table, reference: pa.Table, requests: pa.Table, n_rows:
     candidates' raw logits [P, K+1] (column 0 the engine's token; a top-k entry equal to it is masked
     with -inf) and, per candidate, whether it was in the context, in its last LAST_N tokens, in the
     output, and how often in the output."""
+    lse_col = reference.column("ref_logsumexp")
+    if lse_col.null_count == len(lse_col):  # no raw-logit offset anywhere: no position to join (a 20M-row join)
+        return None
     keys = pa.table(
         {
             "request_id": reference.column("request_id"),
