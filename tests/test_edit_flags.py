@@ -37,7 +37,26 @@ def test_one_edited_logprob_flags_exactly_that_request(hybrid_audit, tmp_path, l
     assert findings["counts"]["clean"] == 199
 
     assert lpf_cli("analyze", run, "--fail-on", "corrupt").code == 0
-    # a threshold above the edit makes it noise: thresholds are honoured, and printed
+    # the edit left the token's own top-k entry as it was: the answer contradicts itself, divergent whatever
+    # the thresholds (issue 52)
+    r = lpf_cli("analyze", run, "--threshold", "divergent_abs_diff=3", "--json")
+    assert r.code == 1 and "topk_mismatch at position 3" in json.loads(r.out)["flagged"][0]["self_contradiction"]
+
+    # an engine that returned no top-k there: a threshold above the edit makes it noise (thresholds are
+    # honoured, and printed)
+    empty_ids = pa.array([[] if i == target else v for i, v in enumerate(table.column("engine_topk_ids").to_pylist())])
+    empty_lps = [[] if i == target else v for i, v in enumerate(table.column("engine_topk_logprobs").to_pylist())]
+    table = table.set_column(
+        table.schema.get_field_index("engine_topk_ids"),
+        "engine_topk_ids",
+        empty_ids.cast(table.schema.field("engine_topk_ids").type),
+    )
+    table = table.set_column(
+        table.schema.get_field_index("engine_topk_logprobs"),
+        "engine_topk_logprobs",
+        pa.array(empty_lps, table.schema.field("engine_topk_logprobs").type),
+    )
+    pq.write_table(table, part)
     r = lpf_cli("analyze", run, "--threshold", "divergent_abs_diff=3", "--json")
     assert r.code == 0 and json.loads(r.out)["counts"]["noise"] == 1
     assert json.loads(r.out)["thresholds"]["divergent_abs_diff"] == 3.0
