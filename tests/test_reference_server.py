@@ -45,6 +45,10 @@ def test_reference_forms():
         (["--reference", "http://u:p@h:1/v1", "--reference-model", "M"], "--reference must not carry credentials"),
         (["--reference", "http://h:1/v1", "--reference-model", "M", "--calibrate"], "needs a transformers reference"),
         (
+            ["--engine", "openai", "--base-url", "http://h:1/v1", "--model", "SERVED", "--reference", "self"],
+            "--model must be the local copy of the served model",
+        ),
+        (
             ["--reference", "http://h:1/v1", "--reference-model", "M", "--reference-concurrency", "0"],
             "--reference-concurrency must be >= 1",
         ),
@@ -211,6 +215,14 @@ def test_a_self_reference_never_says_same_and_says_what_it_cannot_see(lpf_cli, s
     shutil.copytree(run, tmp_path / "by-transformers")
     by_model = _rescore(lpf_cli, tmp_path / "by-transformers", "--reference", MODEL)
     assert by_model["run_test"]["result"] == "different"
+
+    # a reference that cannot be reached: one line
+    from lpf.serve.process import free_port
+
+    dead = f"http://127.0.0.1:{free_port()}/v1"
+    r = lpf_cli("rescore", run, "--redo", "--reference", dead, "--reference-model", MODEL)
+    assert r.code == 2 and f"the reference at {dead} cannot be reached" in r.err, r.err
+    assert "Traceback" not in r.err
 
 
 @pytest.mark.slow

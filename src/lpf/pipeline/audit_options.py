@@ -140,7 +140,15 @@ def build_spec(options: AuditOptions, default_out: Callable[[], Path]):
     hook = getattr(get_engine_class(o.engine), "resolve_model_spec", None)
     # a reference behind a server has no local model to lend the run its tokenizer: --model must be one
     local = o.reference if reference_form(o.reference) == "transformers" else None
-    model = hook(o.model, local, engine_options) if hook else o.model
+    try:
+        model = hook(o.model, local, engine_options) if hook else o.model
+    except LpfError:
+        if local is None and o.reference is not None:
+            raise LpfError(
+                f"--reference {o.reference} scores on a server: --model must be the local copy of the served "
+                f"model (its tokenizer), with --served-model NAME"
+            ) from None
+        raise
     sampling = SamplingParams(
         temperature=o.temperature,
         top_p=o.top_p,

@@ -16,8 +16,8 @@ Contract:
   retries, timeouts, answer checks): prompt = the item's prompt + output token ids, `max_tokens` 1,
   temperature 0, top-k `topk`, and prompt logprobs asked as vLLM's `prompt_logprobs: topk` (`field`) or
   OpenAI's `echo` + `logprobs` (`echo`). `auto` (the default) asks the first item with `field`, then
-  `echo`, and keeps the first that answers with prompt logprobs for the whole run; neither: `LpfError`
-  in one line. The answer is read by `lpf.adapters.openai_prompt` (the adapter's own reading).
+  `echo`, and keeps the first that answers with prompt logprobs for the whole run; neither, or a server
+  that cannot be reached: `LpfError` in one line. The answer is read by `lpf.adapters.openai_prompt` (the adapter's own reading).
 - Rows (schema.REFERENCE): output position j (the row's `position`) of an item with P prompt tokens is
   the answer's prompt position P + j: `ref_logprob` of the engine's token; `ref_top1_*` and `ref_topk_*` from the returned
   top-k; `ref_rank` the server's own rank where the answer gives one (vLLM's `prompt_logprobs` entries),
@@ -192,6 +192,8 @@ class HttpReference:
             if c.error is None and c.prompt_logprobs is not None:
                 self.how = how
                 return engine, c
+            if c.error is not None and c.attempts and not any(a["sent"] for a in c.attempts):
+                raise LpfError(f"the reference at {self.url} cannot be reached: {c.error}")
             tried.append(f"{how}: {c.error or c.inconsistency or 'no prompt logprobs'}")
         raise LpfError(f"the reference at {self.url} gives no prompt logprobs ({'; '.join(tried)})")
 

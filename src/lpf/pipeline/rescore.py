@@ -6,7 +6,11 @@ it stays `unscored` with its reason), scores the prompt positions of every reque
 whose engine returned prompt logprobs in the same pass (`prompt_reference/`, committed with its
 reference part), refuses a reference with another tokenizer
 (ids would not mean the same text) and a silent switch of reference (`--redo` replaces the scores).
-Two executors write the same `reference/` parts through `RunDir.append`: `local` (one `Rescorer` in
+The reference is the one `--reference` names (`lpf.pipeline.reference_http.reference_form`): a model,
+scored by transformers here, or a server (a trusted deployment `http(s)://...`, or the audited server
+itself, `self`), scored by `lpf.pipeline.reference_http` in this process, output and prompt positions
+alike; the manifest's `reference` block says which (`kind`) and how. For transformers,
+two executors write the same `reference/` parts through `RunDir.append`: `local` (one `Rescorer` in
 this process) and `ray` (`lpf.pipeline.rescore_ray`: an actor pool of rescorers on Ray Data, the
 parts committed by this process). Both pack batches with `lpf.pipeline.batch_plan.plan_batches`. Prompt
 positions are scored by the local executor only (a run with prompt logprobs is refused by `ray`), and so
