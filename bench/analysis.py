@@ -31,7 +31,8 @@ asserted, nothing written under bench/results: the smoke run `make test` does.
 Usage: python bench/analysis.py [--tokens N] [--report-requests N] [--skip-report] [--run-test-tokens N]
        [--scale 10000000,30000000,100000000] [--memory-up-to N] [--only-scale [--shuffled]]
        [--baseline SRC] [--quick]
-(writes bench/results/analysis.json, or analysis_scale[_shuffled].json with --only-scale; prints a table)
+(writes bench/results/analysis.json, or analysis_scale[_shuffled].json with --only-scale, {"rows": [...]}, each
+with the commit measured (`provenance.stamp`); prints a table)
 """
 
 from __future__ import annotations
@@ -514,6 +515,8 @@ def main() -> None:
             True,
         )  # bench/report.py --quick times the report
         a.scale, a.memory_up_to = ",".join(str(min(int(x), 320_000)) for x in a.scale.split(",")[:1] if x), 320_000
+    from provenance import stamp  # bench/provenance.py, beside this script: the commit measured
+
     if a.baseline is not None and not (a.baseline / "lpf").is_dir():
         sys.exit(f"--baseline {a.baseline}: not a src/ folder with the lpf package in it")
     if a.only_scale:
@@ -523,7 +526,7 @@ def main() -> None:
         if not a.quick:
             out = ROOT / "bench" / "results" / f"analysis_scale{'_shuffled' if a.shuffled else ''}.json"
             out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(rows, indent=2) + "\n")
+            out.write_text(json.dumps(stamp({"rows": rows}), indent=2) + "\n")
         return
     result = {
         "date": time.strftime("%Y-%m-%d"),
@@ -551,7 +554,7 @@ def main() -> None:
     if not a.quick:
         out = ROOT / "bench" / "results" / "analysis.json"
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")
+        out.write_text(json.dumps(stamp(result), indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -491,7 +491,9 @@ def main() -> None:
             "speculative": dict(SPEC_DRILLS),
         }
     doc["first_try"] = first_try({"builtin": doc.get("results", {}), "vllm": doc.get("vllm", {}).get("results", {})})
-    dest.write_text(json.dumps(doc, indent=1, default=str))
+    from provenance import stamp  # bench/provenance.py, beside this script: the commit measured
+
+    dest.write_text(json.dumps(stamp(doc), indent=1, default=str))
     print(table(results))
     ft = doc["first_try"]
     print(f"first-try root cause over the class: {ft['right']}/{ft['of']}", flush=True)

@@ -147,7 +147,9 @@ def main() -> int:
     }
     print(f"load average: {result['load_average']} at the start, {result['load_average_end']} at the end")
     if not quick:
-        (ROOT / "bench" / "results" / "cells.json").write_text(json.dumps(result, indent=2) + "\n")
+        from provenance import stamp  # bench/provenance.py, beside this script: the commit measured
+
+        (ROOT / "bench" / "results" / "cells.json").write_text(json.dumps(stamp(result), indent=2) + "\n")
     return 0 if s["identical"] and k["identical"] else 1
 
 

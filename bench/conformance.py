@@ -114,7 +114,9 @@ def main() -> int:
         }
         if not quick:
             out = Path(__file__).with_name("results") / "conformance.json"
-            out.write_text(json.dumps(doc, indent=2) + "\n")
+            from provenance import stamp  # bench/provenance.py, beside this script: the commit measured
+
+            out.write_text(json.dumps(stamp(doc), indent=2) + "\n")
         print(json.dumps(doc, indent=2))
         print(
             f"conformance cell: {per_process:.1f} s one process per cell, {in_process:.1f} s in-process: "

@@ -314,7 +314,9 @@ def tokens_part(a, alpha: float, rng) -> None:
         }
     if not a.quick:
         (ROOT / "bench" / "results").mkdir(exist_ok=True)
-        (ROOT / "bench" / "results" / "detection_tokens.json").write_text(json.dumps(result, indent=1) + "\n")
+        from provenance import stamp  # bench/provenance.py, beside this script: the commit measured
+
+        (ROOT / "bench" / "results" / "detection_tokens.json").write_text(json.dumps(stamp(result), indent=1) + "\n")
     head = "| run | " + " | ".join(f"N={s}" for s in sizes) + " | smallest N (AUC >= 0.999) |"
     for meth in methods:
         print(f"\ntokens only, AUC, {meth}:\n{head}\n|" + "---|" * (len(sizes) + 2))
@@ -454,7 +456,9 @@ def logprobs_part(a, alpha: float, configs: dict, workload: str, max_tokens: int
         (ROOT / "bench" / "results").mkdir(exist_ok=True)
         # a subset run is its own dated file of the `detection` family (the full run's detection.json kept)
         name = f"detection-{result['measured']}-requests{a.requests}.json" if a.requests else "detection.json"
-        (ROOT / "bench" / "results" / name).write_text(json.dumps(result, indent=1) + "\n")
+        from provenance import stamp  # bench/provenance.py, beside this script: the commit measured
+
+        (ROOT / "bench" / "results" / name).write_text(json.dumps(stamp(result), indent=1) + "\n")
     head = "| run | " + " | ".join(f"N={s}" for s in sizes) + " | smallest N (AUC >= 0.999) |"
     for meth in methods:
         print(f"\nAUC, {meth}:\n{head}\n|" + "---|" * (len(sizes) + 2))

@@ -391,7 +391,9 @@ def main() -> None:
             base = startup("builtin", model, Path(tmp), [])
             p = part(model, Path(tmp), a.repeats, base)
         doc = json.loads(results_file.read_text()) if results_file.is_file() else {}
-        doc[key] = {**p, "date": time.strftime("%Y-%m-%d")}
+        from provenance import stamp  # bench/provenance.py, beside this script: the commit measured
+
+        doc[key] = stamp({**p, "date": time.strftime("%Y-%m-%d")})
         results_file.parent.mkdir(exist_ok=True)
         results_file.write_text(json.dumps(doc, indent=2))
         show(p)
@@ -575,7 +577,9 @@ def main() -> None:
             out["ratio_llamacpp_vs_vllm"] = results["llamacpp"]["tokens_per_s"] / results["vllm"]["tokens_per_s"]
     if not a.quick:
         results_file.parent.mkdir(exist_ok=True)
-        results_file.write_text(json.dumps(out, indent=2))
+        from provenance import stamp  # bench/provenance.py, beside this script: the commit measured
+
+        results_file.write_text(json.dumps(stamp(out), indent=2))
     vl = results["vllm"].get("tokens_per_s")
     col = (lambda tps: f" {tps / vl:.2f}x |") if has_vllm else (lambda tps: "")
     print("| engine | output tokens/s | vs HF generate |" + (" vs vLLM |" if has_vllm else ""))

@@ -231,8 +231,10 @@ def _measure(args, base: Path) -> None:
             new = {r["config"]: r for r in rows}
             old = [r for r in json.loads(dest.read_text())["rows"] if r["config"] in {*CONFIGS, *VLLM}]
             rows = [new.pop(r["config"], r) for r in old] + list(new.values())
+        from provenance import stamp  # bench/provenance.py, beside this script: the commit measured
+
         dest.write_text(
-            json.dumps({"target_s": TARGET_S, "machine": os.uname().nodename, "rows": rows}, indent=1) + "\n"
+            json.dumps(stamp({"target_s": TARGET_S, "machine": os.uname().nodename, "rows": rows}), indent=1) + "\n"
         )
         print(f"wrote {dest}")
 

@@ -176,7 +176,9 @@ def main() -> None:
     }
     if not a.quick:
         (ROOT / "bench" / "results").mkdir(exist_ok=True)
-        (ROOT / "bench" / "results" / "nondeterminism.json").write_text(json.dumps(result, indent=1) + "\n")
+        from provenance import stamp  # bench/provenance.py, beside this script: the commit measured
+
+        (ROOT / "bench" / "results" / "nondeterminism.json").write_text(json.dumps(stamp(result), indent=1) + "\n")
     print(
         "| load | requests | flagged | run-level test | top-k effect | prompts whose 4 identical requests differed "
         "(tokens) | max logprob spread between them |\n|---|---|---|---|---|---|---|"

@@ -205,7 +205,9 @@ def main() -> None:
     if not args.quick:
         out = Path(__file__).with_name("results") / "report.json"
         out.parent.mkdir(exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")
+        from provenance import stamp  # bench/provenance.py, beside this script: the commit measured
+
+        out.write_text(json.dumps(stamp(result), indent=2) + "\n")
     print(
         f"report for {result['requests']:,} requests ({result['tokens']:,} tokens): "
         f"{result['report_s']:.1f} s (target < 30 s; runs {', '.join(f'{s:.1f}' for s in result['report_s_runs'])}), "

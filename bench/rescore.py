@@ -324,7 +324,9 @@ def main() -> None:
         }
     if not a.quick:
         Path(__file__).with_name("results").mkdir(exist_ok=True)
-        Path(__file__).with_name("results").joinpath("rescore.json").write_text(json.dumps(summary, indent=2))
+        from provenance import stamp  # bench/provenance.py, beside this script: the commit measured
+
+        Path(__file__).with_name("results").joinpath("rescore.json").write_text(json.dumps(stamp(summary), indent=2))
     n_speed = len(make_case("rl", a.quick))
     print("| case | naive | lpf | lpf / naive | target |")
     print("|---|---|---|---|---|")

@@ -148,7 +148,9 @@ def main() -> None:
         "load_average": os.getloadavg(),
     }
     if not a.quick:
-        a.results.write_text(json.dumps(doc, indent=1))
+        from provenance import stamp  # bench/provenance.py, beside this script: the commit measured
+
+        a.results.write_text(json.dumps(stamp(doc), indent=1))
     print(f"padded model vs zoo:hybrid: {same}/{a.requests} requests with the same tokens")
     for name, r in runs.items():
         for arm, x in r["arms"].items():

@@ -166,7 +166,9 @@ def main() -> None:
             )
     if not args.quick:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(results, indent=2) + "\n")
+        from provenance import stamp  # bench/provenance.py, beside this script: the commit measured
+
+        args.out.write_text(json.dumps(stamp(results), indent=2) + "\n")
     print(
         json.dumps(
             {

@@ -338,7 +338,11 @@ def main() -> None:
             "engine_ms": a.engine_ms,
             "load_average": [load0[0], os.getloadavg()[0]],
         }
-        (ROOT / "bench" / "results" / "watch.json").write_text(json.dumps({"meta": meta, **results}, indent=2) + "\n")
+        from provenance import stamp  # bench/provenance.py, beside this script: the commit measured
+
+        (ROOT / "bench" / "results" / "watch.json").write_text(
+            json.dumps(stamp({"meta": meta, **results}), indent=2) + "\n"
+        )
 
 
 if __name__ == "__main__":

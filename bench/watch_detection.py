@@ -346,7 +346,9 @@ def main() -> None:
             old["clean"] = [c for c in kept if key(c) not in mine] + [
                 dict(c, date=results["date"]) for c in results["clean"]
             ]
-        a.results.write_text(json.dumps(old, indent=2) + "\n")
+        from provenance import stamp  # bench/provenance.py, beside this script: the commit measured
+
+        a.results.write_text(json.dumps(stamp(old), indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -231,3 +231,40 @@ def test_offset_wrap_victims_get_the_write_that_hit_them(tmp_path):
     n = sum(c["n"] for c in block["covered"] if c["feature"] == "state_overwritten")
     assert f"what explains each flagged request ({block['n_flagged']}):" in summary
     assert f"{n} state_overwritten: {n}/{n} otherwise unexplained" in summary
+
+
+def test_a_run_level_departure_explains_what_only_a_description_would():
+    """Issue 52: on a 4-bit model under the float32 name every flagged request got "prompt length >= 12" while
+    the run-level test said the model departs everywhere. A flagged request that only a descriptive feature or
+    nothing explains is the run-level departure's; an engine-side mechanism stands; a localized departure (some
+    requests' state) keeps the attribution as it was."""
+    from lpf.analysis.mechanisms import RUN_LEVEL, run_level
+
+    feats = [
+        Feature("prompt_length", "numeric", np.arange(6.0), "prompt length (tokens)", descriptive=True),
+        Feature("first_phase_decode", "bool", np.array([1, 0, 0, 0, 0, 0], bool), "started with a decode step"),
+    ]
+
+    def attributed():
+        per = [
+            {"feature": "first_phase_decode", "sentence": "s", "rank": 1},
+            {"feature": "prompt_length", "sentence": "p", "rank": 2},
+            {"feature": None, "sentence": "unexplained", "rank": None},
+            None,
+        ]
+        block = {
+            "covered": [
+                {"feature": "first_phase_decode", "sentence": "s", "rank": 1, "n": 1},
+                {"feature": "prompt_length", "sentence": "p", "rank": 2, "n": 1},
+            ],
+            "unexplained": 1,
+            "n_flagged": 3,
+        }
+        return per, block
+
+    per, block = run_level(*attributed(), feats, {"result": "different", "localized": None})
+    assert [m and m["feature"] for m in per] == ["first_phase_decode", RUN_LEVEL, RUN_LEVEL, None]
+    assert [(c["feature"], c["n"]) for c in block["covered"]] == [("first_phase_decode", 1), (RUN_LEVEL, 2)]
+    assert block["unexplained"] == 0 and block["n_flagged"] == 3
+    for test in ({"result": "same"}, {"result": "different", "localized": {"requests": 0, "clean": 40}}, None):
+        assert run_level(*attributed(), feats, test) == attributed()

@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from lpf.analysis.speculative_decisions import decision_slack, decision_test, fisher, raise_decisions
+from lpf.analysis.speculative_decisions import decision_slack, decision_test, raise_decisions
 
 V, PLEN, K, TOPK = 40, 5, 3, 8
 
@@ -154,11 +154,7 @@ def test_raise_decisions_makes_clean_and_noise_divergent_and_keeps_worse_verdict
     assert out["spec_decision"].to_pylist() == ["why a", "why b", None]
 
 
-def test_fisher_combines_p_values_and_the_slack_follows_the_floor():
-    assert fisher([0.3]) == pytest.approx(0.3)
-    # two p-values of 0.1: P(chi2_4 >= -2 ln 0.01) = 0.01 (1 - ln 0.01)
-    assert fisher([0.1, 0.1]) == pytest.approx(0.01 * (1 + math.log(100)))
-    assert fisher([1.0, 1.0, 1.0]) == pytest.approx(1.0)
+def test_the_slack_follows_the_floor():
     assert decision_slack(0.5, None) == 0.5
     assert decision_slack(0.5, {"token": {"q99": 4e-5}}) == 0.01  # float32: a hundredth of a nat
     assert decision_slack(2.0, {"token": {"q99": 0.53}}) == 2.0  # bfloat16: the divergent threshold

@@ -62,6 +62,9 @@ SAMPLES = {
     "calibrate": (["--calibrate"], True),
     "attribution": (["--no-attribution"], False),
     "threshold": (["--threshold", "tie_margin=0.5"], ["tie_margin=0.5"]),
+    "kv_cache_dtype": (["--kv-cache-dtype", "q8_0"], "q8_0"),
+    "flash_attention": (["--flash-attention", "on"], "on"),
+    "weight_quantization": (["--weight-quantization", "q4_k_m"], "q4_k_m"),
     # two of the generated knob flags: a builtin one and a repeatable one
     "inject": (["--inject", "stale-state"], "stale-state"),
     "max_num_seqs": (["--max-num-seqs", "3"], 3),

@@ -3,7 +3,8 @@
 An adapter is constructed once per run with the resolved model, the run's sampling parameters and
 its own options (knobs: a pydantic `Options` model whose fields say types and ranges; unknown names
 are refused with a did-you-mean). Three methods:
-`describe()` (name, version, knobs: goes into the manifest), `generate(requests)` (yields one
+`describe()` (name, version, knobs: goes into the manifest; `configuration()` what the engine says of its
+own dtype, KV cache, flash attention, weights and sampling defaults), `generate(requests)` (yields one
 `Completion` per request as each finishes, in any order) and `close()`; optionally
 `side_tables()` for tables only some engines have (per-step trace, fault ground truth). What an engine
 can do beyond that is said by class attributes (`supports_prompt_logprobs`, `trace_source`, `state_slots`,
@@ -197,6 +198,12 @@ class Engine(ABC):
     @abstractmethod
     def describe(self) -> dict:
         """{'name', 'version', 'options'} for the manifest. Never include secrets."""
+
+    def configuration(self) -> dict:
+        """What the engine says of its own configuration, {field: (value, via)} (`lpf.run.configuration`
+        fields; `lpf.adapters.engine_config` reads them): the manifest's `engine.configuration` with what
+        the user declared. Engines that cannot tell return {}."""
+        return {}
 
     @abstractmethod
     def generate(self, requests: list[EngineRequest]) -> Iterator[Completion]:

@@ -131,6 +131,11 @@ class BuiltinEngine(Engine):
             "cache": self.engine.describe(),
         }
 
+    def configuration(self) -> dict:
+        from lpf.adapters import engine_config
+
+        return engine_config.read(engine_config.builtin(self.options.dtype), "the built-in engine's EngineConfig")
+
     def generate(self, requests: list[EngineRequest]) -> Iterator[Completion]:
         import torch
 

@@ -74,6 +74,22 @@ class HFEngine(Engine):
 
         return {"name": self.name, "version": transformers.__version__, "options": self.options.to_dict()}
 
+    def configuration(self) -> dict:
+        cfg = self.hf_model.config
+        via = "transformers model config"
+        impl = getattr(cfg, "_attn_implementation", None)
+        quant = getattr(cfg, "quantization_config", None)
+        out = {
+            "dtype": (self.options.dtype, f"{via}: the dtype lpf loaded it in"),
+            "kv_cache_dtype": (self.options.dtype, f"{via}: transformers' cache holds the model's dtype"),
+            "weight_quantization": (str(quant) if quant else "none", f"{via} quantization_config"),
+            # generate() runs with a neutral GenerationConfig: no model defaults inherited
+            "sampling_defaults": ({}, "lpf's neutral GenerationConfig"),
+        }
+        if impl == "eager" or (impl and "flash" in impl):  # sdpa picks its own kernel: not said
+            out["flash_attention"] = ("on" if "flash" in impl else "off", f"{via} attn_implementation {impl}")
+        return out
+
     def generate(self, requests: list[EngineRequest]) -> Iterator[Completion]:
         order = sorted(requests, key=lambda r: (len(r.prompt_token_ids), r.seq))
         bs = max(1, self.options.batch_size)

@@ -320,6 +320,18 @@ class VLLMEngine(Engine):
             **({"spec_decode": self.spec_decode} if getattr(self, "spec_decode", None) else {}),
         }
 
+    def configuration(self) -> dict:
+        from lpf.adapters.engine_config import from_vllm_config
+
+        ready = self.ready or {}
+        out = from_vllm_config(ready.get("vllm_config"), None, "vLLM in-process vllm_config")
+        if ready.get("vllm_config") is not None:
+            # vllm.LLM applies the model's generation-config defaults only to requests without SamplingParams
+            gen = ready.get("sampling_defaults") or {}
+            why = f"; under vllm serve the model's generation config would set {gen}" if gen else ""
+            out["sampling_defaults"] = ({}, f"vllm.LLM with lpf's explicit SamplingParams: none applied{why}")
+        return out
+
     def _add_spec_counts(self, batch: dict | None) -> None:
         """Add one batch's speculative-decoding counts (vLLM's metrics, read by the worker) to the run's."""
         if batch is None:

@@ -27,6 +27,10 @@ Contract:
       (`observed`: `observed_logit_error` of the run; `infer_pair`: nearest median logit error, from
       INFER_MIN_TOKENS unsure tokens on; `inferred_dtype` in the floor); with too few tokens, the most
       lenient pair measured for that reference dtype. Either way the floor's detail says so.
+  `configuration` (`configured_kv` of the manifest's engine configuration: a quantized KV cache, llama.cpp's
+      flash attention on an f32 cache): the row `"{pair} kv={kv}"` measured for it, named in the detail and as
+      `configured` ({kv, why}); a configuration with no measured row is judged by the plain pair (said in the
+      detail), so an unmeasured quantization stays caught as before.
   `settings` (when floors.json says): the prompts and knob settings the row was measured over
       (scripts/measure_floor_settings.py widens float32's over long shared-prefix prompts, chunked
       prefill and prefix caching, where an honest engine's top-k spread was 5x the zoo:stress floor;
@@ -167,6 +171,30 @@ def _scaled(floor: dict | None, factor: float) -> dict | None:
     return out
 
 
+def configured_kv(engine_name: str | None, engine_dtype: str | None, block: dict | None) -> dict | None:
+    """{kv, why}: the KV cache precision the engine's configuration (`manifest.engine.configuration`, values
+    read from the engine or declared) computes attention with, when it is not the engine's dtype; None when it
+    is. A quantized KV cache names itself (`kv_cache_dtype`); llama.cpp's flash attention on a float32 KV
+    cache computes on an f16 copy of it (docs/bugs.md 18), so its KV is float16."""
+    conf = block or {}
+
+    def value(field):
+        return (conf.get(field) or {}).get("value")
+
+    kv = value("kv_cache_dtype")
+    if kv and kv != engine_dtype:
+        return {"kv": str(kv), "why": f"a {kv} KV cache"}
+    vias = " ".join(str((conf.get(f) or {}).get("via") or "") for f in conf)
+    llamacpp = engine_name == "llamacpp" or "llama-server" in vias or "/props" in vias
+    if value("flash_attention") == "on" and llamacpp and engine_dtype == "float32" and kv in (None, "float32"):
+        return {
+            "kv": "float16",
+            "why": "flash attention's f16 copy of the f32 KV cache (llama.cpp: docs/bugs.md 18; -fa off for exact "
+            "float32)",
+        }
+    return None
+
+
 def observed_logit_error(d: np.ndarray, ref_logprob: np.ndarray) -> dict:
     """What `infer_pair` classifies: {median, n}: the run's median logit error |d| / s_up over the tokens the
     reference is unsure of (s_up = sqrt(2) (1 - p) >= S_MIN: an upper bound of the sensitivity, from the
@@ -229,6 +257,7 @@ def expected_floor(
     model: str | None = None,
     calibration: dict | None = None,
     observed: dict | None = None,
+    configuration: dict | None = None,
 ) -> dict | None:
     if not reference_dtype:
         return None
@@ -244,9 +273,19 @@ def expected_floor(
     else:
         pair = f"{engine_dtype}/{reference_dtype}"
         row, how = _row(table, pair, model)
+        unmeasured = ""
+        if configuration and row is not None:  # the engine's configuration moves its floor: that row, when measured
+            keyed = f"{pair} kv={configuration['kv']}"
+            configured, how_configured = _row(table, keyed, model)
+            if configured is not None:
+                pair, row, how = keyed, configured, how_configured
+            else:
+                unmeasured = f"; {configuration['why']} has no measured floor: judged as {pair}"
         if row is not None:
             floor = envelope(row, same)
-            floor.update(source="table", pair=pair, detail=f"the shipped table, {pair}, {how}")
+            floor.update(source="table", pair=pair, detail=f"the shipped table, {pair}, {how}{unmeasured}")
+            if configuration and pair.endswith(f" kv={configuration['kv']}"):
+                floor["configured"] = dict(configuration)
         else:
             known = [p for p in (table.get("pairs") or {}) if p.endswith(f"/{reference_dtype}")]
             if not known:

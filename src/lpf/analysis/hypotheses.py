@@ -8,7 +8,7 @@ are not flagged. Booleans are tested as they are; numeric features at their best
 x <= t over up to 128 candidate cut points that occur in the data), which is optimistic as any
 best split is: its p-value is multiplied by the number of splits tried (Bonferroni) and the
 sentence says "best split". The test is Fisher's exact test, one-sided for enrichment among flagged
-requests (hypergeometric tail, numpy only). score = -log10(p); ties go to the feature with the
+requests (`stats.hypergeom_tail`). score = -log10(p); ties go to the feature with the
 better balance of precision and recall, then to the more specific (earlier-listed) feature.
 Hypotheses with p >= 0.05 or fewer than 2 flagged requests carrying them are dropped.
 """
@@ -20,43 +20,10 @@ import math
 import numpy as np
 
 from lpf.analysis.features import Feature
+from lpf.analysis.stats import hypergeom_tail, sign_test
 
 MAX_CUTS = 128
 MAX_P = 0.05
-
-
-class LogFactorials:
-    """log(n!) for 0..n, built once per test family (the RL analysis shares it)."""
-
-    def __init__(self, n: int):
-        self.table = np.concatenate([[0.0], np.cumsum(np.log(np.arange(1, n + 1, dtype=np.float64)))])
-
-    def choose(self, n, k):
-        return self.table[n] - self.table[k] - self.table[n - k]
-
-
-def fisher_greater(a: int, n_flag: int, k_feat: int, total: int, lf: LogFactorials | None = None) -> float:
-    """P(X >= a), X ~ Hypergeometric(total, k_feat successes, n_flag draws)."""
-    lf = lf or LogFactorials(total)
-    hi = min(n_flag, k_feat)
-    lo = max(a, n_flag + k_feat - total, 0)
-    if lo > hi:
-        return 0.0 if a > hi else 1.0
-    k = np.arange(lo, hi + 1)
-    logp = lf.choose(k_feat, k) + lf.choose(total - k_feat, n_flag - k) - lf.choose(total, n_flag)
-    m = logp.max()
-    return float(min(1.0, math.exp(m) * np.exp(logp - m).sum()))
-
-
-def binomial_greater(k: int, n: int, lf: LogFactorials | None = None) -> float:
-    """P(X >= k), X ~ Binomial(n, 1/2): a sign test."""
-    if n == 0:
-        return 1.0
-    lf = lf or LogFactorials(n)
-    i = np.arange(k, n + 1)
-    logp = lf.choose(n, i) - n * math.log(2.0)
-    m = logp.max()
-    return float(min(1.0, math.exp(m) * np.exp(logp - m).sum()))
 
 
 def run_wide(
@@ -69,7 +36,7 @@ def run_wide(
     n, k = int(scored.sum()), int(x.sum())
     if n == 0 or k < min_share * n:
         return None
-    p = binomial_greater(k, n)
+    p = sign_test(k, n)
     n_f, a = int((flagged & scored).sum()), int((x & flagged).sum())
     return {
         "feature": feature.name,
@@ -123,7 +90,6 @@ def rank_hypotheses(
             out.append((h, 1.0, -len(signatures) + order))
     if n_f == 0 or n_o == 0:
         return _ranked(out)
-    lf = LogFactorials(total)
     wide = {h["feature"] for h, _, _ in out}
     for order, f in enumerate([f for f in signatures if f.name not in wide] + list(features)):
         x = np.asarray(f.values)
@@ -142,10 +108,14 @@ def rank_hypotheses(
                 tests.append((int(ge_f[i]), int(ge_o[i]), (">=", float(cut)), None))
                 tests.append((int(le_f[i]), int(le_o[i]), ("<=", float(cut)), None))
         best = None
+        ac = np.array([(a, c) for a, c, _, _ in tests], dtype=np.int64).reshape(-1, 2)
+        # each distinct table once, every cut's at once (cuts that split alike give the same table)
+        pairs, at = np.unique(ac[(ac[:, 0] >= 2) & (ac.sum(axis=1) < total)], axis=0, return_inverse=True)
+        ps = iter(np.atleast_1d(hypergeom_tail(pairs[:, 0], total, pairs.sum(axis=1), n_f))[at.ravel()].tolist())
         for a, c, split, phrase in tests:
             if a < 2 or a + c == total:
                 continue
-            p = fisher_greater(a, n_f, a + c, total, lf)
+            p = next(ps)
             prec, rec = a / (a + c), a / n_f
             balance = 2 * prec * rec / (prec + rec)
             key = (-p, balance)

@@ -37,7 +37,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from lpf.analysis.levels import REQUEST_VERDICTS
-from lpf.analysis.run_test import DEFAULT_ALPHA, NULL_RATE, log_binom_sf
+from lpf.analysis.run_test import DEFAULT_ALPHA, NULL_RATE
+from lpf.analysis.stats import binom_log_tail
 
 MIN_CLEAN = 5
 CLEAN_SHARE = 0.05
@@ -81,7 +82,7 @@ def raise_localized(
         n = np.bincount(at[keep], minlength=len(noise_ids))
         k = np.bincount(at[keep], weights=np.asarray(exceed)[keep].astype(np.float64), minlength=len(noise_ids))
         bound = math.log(alpha) - math.log(max(scored, 1))
-        hit = np.array([log_binom_sf(int(ki), int(ni), NULL_RATE) < bound for ki, ni in zip(k, n)], dtype=bool)
+        hit = np.asarray(binom_log_tail(k, n, NULL_RATE)) < bound
         if hit.any():
             where = np.flatnonzero(noise)[hit]
             verdict[where] = "divergent"
@@ -99,4 +100,4 @@ def _clean_tokens_accept(exceed, tok_ids: pa.Array, clean_ids: pa.Array, alpha: 
     if n == 0:
         return False  # clean requests the test read no token of: no evidence the arithmetic is honest
     k = int(np.count_nonzero(np.asarray(exceed)[mine]))
-    return log_binom_sf(k, n, NULL_RATE) >= math.log(alpha)
+    return binom_log_tail(k, n, NULL_RATE) >= math.log(alpha)

@@ -53,6 +53,11 @@ MAX_ROUNDS = 8
 MIN_COVER = 2  # a mechanism explains at least 2 requests, as a hypothesis needs 2 flagged ones
 RISK_RATIO = 5.0  # a descriptive feature: flagged rate with it / without it, at least
 UNEXPLAINED = "unexplained: no hypothesis significant among the requests left holds for it"
+RUN_LEVEL = "run_level_departure"
+RUN_LEVEL_SENTENCE = (
+    "the model or its arithmetic departs from the reference everywhere (the run-level test: different, the "
+    "departure not localized), and no engine-side feature explains this request better"
+)
 
 
 def holds(feature: Feature, hypothesis: dict) -> np.ndarray:
@@ -136,3 +141,29 @@ def _risk_ratio(h: dict) -> float:
     if b == 0:
         return float("inf")
     return (a / (a + c)) / (b / (b + d))
+
+
+def run_level(per: list[dict | None], block: dict, features: list[Feature], test: dict | None) -> tuple[list, dict]:
+    """When the run-level test finds the whole run departs (`different`, and the localized rule did not apply:
+    the departure is everywhere, not in some requests' state), a flagged request that nothing explains, or only a
+    `descriptive` feature (what a request is: a quantized model's flags gather in longer prompts because longer
+    requests have more tokens to depart on), is explained by the departure itself: mechanism `RUN_LEVEL`, in
+    `block["covered"]` with its count; an engine-side feature's attribution stands."""
+    # `localized` is None on a rejected run exactly when the departure is everywhere (`localized.raise_localized`)
+    if not test or test.get("result") != "different" or test.get("localized") is not None:
+        return per, block
+    descriptive = {f.name for f in features if f.descriptive}
+    moved = 0
+    for i, m in enumerate(per):
+        if m is not None and (m["feature"] is None or m["feature"] in descriptive):
+            per[i] = {"feature": RUN_LEVEL, "sentence": RUN_LEVEL_SENTENCE, "rank": None}
+            moved += 1
+    if not moved:
+        return per, block
+    left = {}
+    for m in per:
+        if m is not None:
+            left[m["feature"]] = left.get(m["feature"], 0) + 1
+    covered = [{**c, "n": left[c["feature"]]} for c in block["covered"] if left.get(c["feature"])]
+    covered.append({"feature": RUN_LEVEL, "sentence": RUN_LEVEL_SENTENCE, "rank": None, "n": left[RUN_LEVEL]})
+    return per, {**block, "covered": covered, "unexplained": 0}

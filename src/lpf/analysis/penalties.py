@@ -33,7 +33,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from lpf.analysis.columns import one_array
-from lpf.analysis.hypotheses import binomial_greater
+from lpf.analysis.stats import sign_test
 
 MIN_EXPLAINED = 3
 MAX_P = 1e-3
@@ -60,10 +60,14 @@ _SCOPE_WORDS = {
 }
 
 
-def fit_penalty(tokens: pa.Table, reference: pa.Table, requests: pa.Table, tie: float) -> dict | None:
+def fit_penalty(
+    tokens: pa.Table, reference: pa.Table, requests: pa.Table, tie: float, n_rows: int | None = None
+) -> dict | None:
+    """`n_rows`: the whole run's scored rows with a log-sum-exp, when `tokens` holds only the requests
+    that `request_stride(n_rows)` keeps (the streamed analysis gathers those): the same sample."""
     if "ref_logsumexp" not in reference.column_names or "ref_topk_ids" not in reference.column_names:
         return None
-    ev = _evidence(tokens, reference, requests)
+    ev = _evidence(tokens, reference, requests, n_rows)
     if ev is None:
         return None
     fits = []
@@ -84,7 +88,7 @@ def fit_penalty(tokens: pa.Table, reference: pa.Table, requests: pa.Table, tie: 
     explained = flips & agree[:, g]
     lost = agree[:, g0] & ~agree[:, g]
     n_exp, n_lost = int(explained.sum()), int(lost.sum())
-    p = binomial_greater(n_exp, n_exp + n_lost)
+    p = sign_test(n_exp, n_exp + n_lost)
     if n_exp < MIN_EXPLAINED or p >= MAX_P:
         return None
     value = float(best["grid"][g])
@@ -136,7 +140,7 @@ def _kind(fits: list[dict]) -> dict | None:
             break
         other = f["agree"][:, f["g"]]
         wins = int((at & ~other).sum())
-        if f["gain"] > 0 and binomial_greater(wins, wins + int((other & ~at).sum())) >= INTERVAL_ALPHA:
+        if f["gain"] > 0 and sign_test(wins, wins + int((other & ~at).sum())) >= INTERVAL_ALPHA:
             return f
     return top
 
@@ -150,7 +154,7 @@ def _interval(agree: np.ndarray, g: int) -> tuple[int, int]:
 
     def same(i: int) -> bool:
         wins = int((at & ~agree[:, i]).sum())
-        return binomial_greater(wins, wins + int((agree[:, i] & ~at).sum())) >= INTERVAL_ALPHA
+        return sign_test(wins, wins + int((agree[:, i] & ~at).sum())) >= INTERVAL_ALPHA
 
     lo = hi = g
     while lo > 0 and same(lo - 1):
@@ -188,11 +192,20 @@ def _padded(col, width: int, fill, dtype) -> np.ndarray:
     return out
 
 
-def _evidence(tokens: pa.Table, reference: pa.Table, requests: pa.Table) -> dict | None:
+def request_stride(n_rows: int) -> int:
+    """A run of `n_rows` scored rows with a log-sum-exp is fitted on the requests whose row in the
+    requests table is a multiple of this (1: every request)."""
+    return -(-n_rows // (4 * MAX_POSITIONS)) if n_rows > 4 * MAX_POSITIONS else 1
+
+
+def _evidence(tokens: pa.Table, reference: pa.Table, requests: pa.Table, n_rows: int | None = None) -> dict | None:
     """Per scored position where some candidate had been seen (the only ones a penalty can change):
     candidates' raw logits [P, K+1] (column 0 the engine's token; a top-k entry equal to it is masked
     with -inf) and, per candidate, whether it was in the context, in its last LAST_N tokens, in the
     output, and how often in the output."""
+    lse_col = reference.column("ref_logsumexp")
+    if lse_col.null_count == len(lse_col):  # no raw-logit offset anywhere: no position to join (a 20M-row join)
+        return None
     keys = pa.table(
         {
             "request_id": reference.column("request_id"),
@@ -207,8 +220,9 @@ def _evidence(tokens: pa.Table, reference: pa.Table, requests: pa.Table) -> dict
     )
     if not t.num_rows:
         return None
-    if t.num_rows > 4 * MAX_POSITIONS:  # a big run: an even sample of whole requests before any [rows, k] array
-        keep = req_row % -(-t.num_rows // (4 * MAX_POSITIONS)) == 0
+    stride = request_stride(t.num_rows if n_rows is None else n_rows)
+    if stride > 1:  # a big run: an even sample of whole requests before any [rows, k] array
+        keep = req_row % stride == 0
         t, req_row = t.filter(pa.array(keep)), req_row[keep]
     ref = reference.take(t.column("_row"))
     k = int(pc.max(pc.list_value_length(ref.column("ref_topk_ids"))).as_py() or 0)

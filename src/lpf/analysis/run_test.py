@@ -57,6 +57,7 @@ import numpy as np
 import pyarrow as pa
 
 from lpf.analysis.token_evidence import evidence_columns, sensitivity, topk_spread
+from lpf.analysis.stats import binom_log_tail
 from lpf.analysis.floors import HONEST_MARGIN, KAPPA, departure, departure_needed, departure_units, floor_stats
 
 NULL_RATE = 0.01  # the share of tokens past the 99th percentile, before KAPPA: an upper bound
@@ -189,26 +190,6 @@ def _sampling_evidence(tok, cols, temperature, floor) -> dict:
 
 
 # -- the decision -----------------------------------------------------------------------------------
-def log_binom_sf(k: int, n: int, p: float) -> float:
-    """log P(X >= k), X ~ Binomial(n, p), exactly (0.0, i.e. P = 1, at or below the mean)."""
-    if k <= 0 or k <= n * p:
-        return 0.0
-    if k > n:
-        return -math.inf
-    lg = math.lgamma
-    log_first = lg(n + 1) - lg(k + 1) - lg(n - k + 1) + k * math.log(p) + (n - k) * math.log1p(-p)
-    total, i, log_term = 0.0, k, 0.0  # terms relative to the first; ratios fall as i grows
-    while i < n:
-        j = np.arange(i, min(n, i + 4096))
-        logs = log_term + np.cumsum(np.log((n - j) / (j + 1.0)) + math.log(p / (1 - p)))
-        total += float(np.exp(logs).sum())
-        log_term = float(logs[-1])
-        i = int(j[-1]) + 1
-        if log_term < math.log(1e-18) + math.log1p(total):
-            break
-    return min(0.0, log_first + math.log1p(total))
-
-
 def _freedman(excess: float, variance: float) -> float:
     """log of Freedman's bound on P(martingale sum >= excess | predictable variance <= variance)."""
     if excess <= 0:
@@ -224,7 +205,9 @@ def decide(ev: dict, lo: int, hi: int, alpha: float = DEFAULT_ALPHA) -> dict:
 
     def count(name, key, rate, total=n):
         k = int(np.count_nonzero(ev[key][lo:hi]))
-        tests[name] = {"k": k, "n": int(total), "null_rate": rate, "log_p": log_binom_sf(k, int(total), rate)}
+        # one-sided: at or below the mean the test never rejects, and says so with P = 1
+        log_p = 0.0 if k <= total * rate else binom_log_tail(k, int(total), rate)
+        tests[name] = {"k": k, "n": int(total), "null_rate": rate, "log_p": log_p}
 
     count("logprob", "logprob", NULL_RATE)
     count("over", "over", NULL_RATE / 2)
@@ -359,6 +342,14 @@ def run_test(ev: dict, floor: dict, alpha: float = DEFAULT_ALPHA) -> dict:
     )
     out["sentence"] = _sentence(out)
     out["arithmetic_sentence"] = _arithmetic_sentence(out)
+    configured = floor.get("configured")
+    if configured and out["result"] == "same":  # a configuration's own floor explains it: said, never hidden
+        size = out["effect_size"]
+        out["configured_sentence"] = (
+            f"departs from the reference as {configured['why']} does"
+            + (f" ({size:.2g}x its floor)" if size is not None and math.isfinite(size) else "")
+            + ": configured, not a fault"
+        )
     out["floor_sentence"] = _floor_sentence(out, floor) if out["floor_far_above_expected"] else None
     return out
 

@@ -26,7 +26,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from lpf.analysis.columns import one_array
+from lpf.analysis.columns import BLOCK, one_array, same_rows
 from lpf.analysis.thresholds import Thresholds
 
 
@@ -132,32 +132,89 @@ def _tempered(t: pa.Table, temperature: float) -> np.ndarray:
     return raw - np.where(outside, np.logaddexp(lse, raw), lse)
 
 
-def fit_logprob_temperature(tok: pa.Table, reference: pa.Table, th: Thresholds) -> dict | None:
-    ref = reference.select(["request_id", "position", "ref_topk_logprobs"])
-    keys = tok.select(["request_id", "position", "engine_logprob", "ref_logprob"])
+def _tempered_errors(t: pa.Table, eng: np.ndarray, grid: np.ndarray) -> np.ndarray:
+    """`_grid_errors` over `grid`, its two halves on two threads (each temperature's error is its own;
+    numpy's loops release the GIL)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2, thread_name_prefix="lpf-temperature") as pool:
+        return np.concatenate(list(pool.map(lambda temps: _grid_errors(t, eng, temps), np.array_split(grid, 2))))
+
+
+def _grid_errors(t: pa.Table, eng: np.ndarray, temps: np.ndarray) -> np.ndarray:
+    """nanmedian |eng - `_tempered(t, T)`| for each T of `temps`, bit for bit, with what does not depend on T
+    read once: a list's max (min) of values / T is its max (min) / T (correctly rounded division by T > 0
+    keeps the order), each list's sum of exponentials is `_lse_over_lists`' 1-D `reduceat`, and the
+    (slow, scalar) logaddexp runs only on the tokens outside the top-k."""
+    arr = one_array(t.column("ref_topk_logprobs"))
+    offsets = arr.offsets.to_numpy().astype(np.int64)
+    o = offsets - offsets[0]
+    v0 = arr.values.to_numpy(zero_copy_only=False)[offsets[0] : offsets[-1]].astype(np.float64)
+    ne = o[1:] > o[:-1]
+    st, lens = o[:-1][ne], (o[1:] - o[:-1])[ne]
+    raw0 = t.column("ref_logprob").to_numpy()
+    lse, mn = np.full(len(arr), np.nan), np.full(len(arr), np.nan)
+    if v0.size:
+        mx0, mn0 = np.maximum.reduceat(v0, st), np.minimum.reduceat(v0, st)
+    errors = np.empty(temps.size)
+    # errstate is per thread (the caller's filter of RuntimeWarnings is the process's: positions without a
+    # top-k, NaN, are left out of the median)
     with np.errstate(invalid="ignore"):
-        departs = np.abs(keys.column("engine_logprob").to_numpy() - keys.column("ref_logprob").to_numpy())
-        departs = departs > th.clean_abs_diff
-    if int(departs.sum()) < MIN_TEMPERED_TOKENS:
-        return None
-    at = np.flatnonzero(departs)
-    t = keys.take(pa.array(at[:: -(-at.size // MAX_TEMPERED_TOKENS)]))  # an even sample of a big run's
-    # Arrow joins carry no list columns: the top-k rows by a joined row number
-    rows = pa.table(
-        {
-            "request_id": ref.column("request_id"),
-            "position": ref.column("position"),
-            "_row": pa.array(np.arange(ref.num_rows, dtype=np.int64)),
-        }
+        for i, temperature in enumerate(temps):
+            if v0.size:
+                mx = mx0 / temperature
+                lse[ne] = mx + np.log(np.add.reduceat(np.exp(v0 / temperature - np.repeat(mx, lens)), st))
+                mn[ne] = mn0 / temperature
+            raw = raw0 / temperature
+            outside = np.flatnonzero(~(raw >= mn - 1e-4))
+            z = lse.copy()
+            z[outside] = np.logaddexp(lse[outside], raw[outside])
+            errors[i] = np.nanmedian(np.abs(eng - (raw - z)))
+    return errors
+
+
+def _departing(eng: np.ndarray, raw: np.ndarray, limit: float) -> np.ndarray:
+    """The rows where |eng - raw| > limit, a block at a time (whole-run float temporaries are 160 MB each at
+    20M rows)."""
+    out = []
+    with np.errstate(invalid="ignore"):
+        for lo in range(0, eng.size, BLOCK):
+            out.append(np.flatnonzero(np.abs(eng[lo : lo + BLOCK] - raw[lo : lo + BLOCK]) > limit) + lo)
+    return np.concatenate(out) if out else np.zeros(0, np.int64)
+
+
+def fit_logprob_temperature(tok: pa.Table, reference: pa.Table, th: Thresholds) -> dict | None:
+    # the streamed analysis hands the departing rows' reference without ref_logprob (its top-k is all it needs)
+    ref = reference.select(
+        [c for c in ("request_id", "position", "ref_logprob", "ref_topk_logprobs") if c in reference.column_names]
     )
-    t = t.join(rows, ["request_id", "position"])
+    keys = tok.select(["request_id", "position", "engine_logprob", "ref_logprob"])
+    at = _departing(keys.column("engine_logprob").to_numpy(), keys.column("ref_logprob").to_numpy(), th.clean_abs_diff)
+    if at.size < MIN_TEMPERED_TOKENS:
+        return None
+    sample = at[:: -(-at.size // MAX_TEMPERED_TOKENS)]  # an even sample of a big run's
+    t = keys.take(pa.array(sample))
+    if "ref_logprob" in ref.column_names and same_rows(keys.column("ref_logprob"), ref.column("ref_logprob")):
+        # `tok` zips the reference (`metrics.join_grouped`: each key once, row i is reference row i): the
+        # join below would find exactly these rows, and hashing a 20M-row reference costs seconds
+        t = t.append_column("_row", pa.array(sample.astype(np.int64)))
+    else:
+        # Arrow joins carry no list columns: the top-k rows by a joined row number
+        rows = pa.table(
+            {
+                "request_id": ref.column("request_id"),
+                "position": ref.column("position"),
+                "_row": pa.array(np.arange(ref.num_rows, dtype=np.int64)),
+            }
+        )
+        t = t.join(rows, ["request_id", "position"])
     if t.num_rows < MIN_TEMPERED_TOKENS:
         return None
     t = t.append_column("ref_topk_logprobs", ref.column("ref_topk_logprobs").take(t.column("_row")))
     eng = t.column("engine_logprob").to_numpy()
     with np.errstate(invalid="ignore"), warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # positions without a top-k: NaN, left out
-        errors = np.array([np.nanmedian(np.abs(eng - _tempered(t, T))) for T in TEMPERATURE_GRID])
+        errors = _tempered_errors(t, eng, TEMPERATURE_GRID)
     if not np.isfinite(errors).any():
         return None
     best = int(np.nanargmin(errors))

@@ -37,7 +37,7 @@ request_threshold, smallest (the least likely decision's bound), alpha, requests
 nothing is tested (no trace columns, no sampled rows with drafts, greedy or top-k runs).
 `raise_decisions(summary, found)`: those requests `divergent` there (column `spec_decision`: why);
 `decision_signature(summary, crowded)`: the hypothesis signature `spec_decision_against_odds`;
-`fisher(ps)`: Fisher's combination; `decision_slack(divergent, floor)`: the slack.
+`decision_slack(divergent, floor)`: the slack.
 """
 
 from __future__ import annotations
@@ -49,7 +49,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from lpf.analysis.feature import Feature
+from lpf.analysis.raising import raise_divergent
 from lpf.analysis.speculative_features import prompt_lengths, row_requests
+from lpf.analysis.stats import fisher_combine
 
 SIGNATURE = "spec_decision_against_odds"
 RULE = (
@@ -142,6 +144,24 @@ def decision_slack(divergent: float, floor: dict | None) -> float:
     return min(divergent, max(0.01, 8.0 * float(q99))) if q99 else divergent
 
 
+def decision_keys(requests: pa.Table, trace: pa.Table | None, sampling: dict, reference_columns) -> pa.Table | None:
+    """(request_id, position) of every decision `decision_test` would read the tokens and reference at
+    (None when it would test nothing): the only rows the streamed analysis keeps for it."""
+    if not _tested(sampling, reference_columns):
+        return None
+    d = _decisions(requests, trace)
+    if d is None or d["draft"].size == 0:
+        return None
+    return pa.table(
+        {"request_id": pa.array(d["request_id"], pa.string()), "position": pa.array(d["position"], pa.int32())}
+    )
+
+
+def _tested(sampling: dict, reference_columns) -> bool:
+    t = float(sampling.get("temperature") or 0.0)
+    return t > 0 and not (sampling.get("top_k") or 0) > 0 and "ref_topk_ids" in reference_columns
+
+
 def decision_test(
     tokens: pa.Table,
     reference: pa.Table,
@@ -153,7 +173,7 @@ def decision_test(
 ) -> tuple[dict, dict] | None:
     t = float(sampling.get("temperature") or 0.0)
     top_p = float(sampling.get("top_p") or 1.0)
-    if t <= 0 or (sampling.get("top_k") or 0) > 0 or "ref_topk_ids" not in reference.column_names:
+    if not _tested(sampling, reference.column_names):
         return None
     d = _decisions(requests, trace)
     if d is None or d["draft"].size == 0:
@@ -204,10 +224,9 @@ def decision_test(
         rid = str(d["request_id"][j])
         if rid not in worst or pv[j] < pv[worst[rid]]:
             worst[rid] = j
-    for rid, ps in terms.items():
-        if rid in found or len(ps) < 2 or rid not in worst:
-            continue
-        p_req = fisher(ps)
+    combined = [rid for rid, ps in terms.items() if rid not in found and len(ps) >= 2 and rid in worst]
+    for rid, p_req in zip(combined, fisher_combine([terms[rid] for rid in combined]).tolist()):
+        ps = terms[rid]
         if p_req <= c_req:
             j = worst[rid]
             found[rid] = (
@@ -265,41 +284,10 @@ def _recovered_tails(d, ref, agrees, t: float, top_p: float, slack: float) -> np
     return out
 
 
-def fisher(ps: list[float]) -> float:
-    """Fisher's combination of independent p-values: P(chi2 with 2k dof >= -2 sum ln p)."""
-    k = len(ps)
-    x = -sum(math.log(max(p, 1e-300)) for p in ps)  # half the chi-square statistic
-    # survival of chi2(2k) at 2x: exp(-x) sum_{i<k} x^i / i!, in logs
-    terms = [i * math.log(x) - math.lgamma(i + 1) - x for i in range(k)] if x > 0 else [0.0]
-    top = max(terms)
-    return min(1.0, math.exp(top) * sum(math.exp(v - top) for v in terms))
-
-
 def raise_decisions(summary: pa.Table, found: dict) -> pa.Table:
     """`summary` with the requests in `found` raised to `divergent` (a worse verdict stays) and their
     first divergence moved to the decision's position when earlier; column `spec_decision` says why."""
-    ids = summary.column("request_id").to_pylist()
-    verdict = summary.column("verdict").to_pylist()
-    first = summary.column("first_divergence").to_pylist()
-    why = [None] * len(ids)
-    for i, rid in enumerate(ids):
-        if rid not in found:
-            continue
-        pos, _, detail = found[rid]
-        why[i] = detail
-        if verdict[i] in ("clean", "noise"):
-            verdict[i] = "divergent"
-        if first[i] is None or pos < first[i]:
-            first[i] = pos
-    out = summary.set_column(
-        summary.column_names.index("verdict"), "verdict", pa.array(verdict, summary.schema.field("verdict").type)
-    )
-    out = out.set_column(
-        out.column_names.index("first_divergence"),
-        "first_divergence",
-        pa.array(first, summary.schema.field("first_divergence").type),
-    )
-    return out.append_column("spec_decision", pa.array(why, pa.string()))
+    return raise_divergent(summary, {rid: (hit[0], hit[-1]) for rid, hit in found.items()}, "spec_decision")
 
 
 def decision_signature(summary: pa.Table, crowded: np.ndarray | None = None) -> Feature | None:

@@ -77,7 +77,13 @@ def analyze_tokens_only(
     info = run_info or {}
     joined, starts = m.join_grouped(tokens, reference)
     floor = (
-        expected_floor(floor_table, info.get("engine_dtype"), info.get("reference_dtype"), info.get("model"))
+        expected_floor(
+            floor_table,
+            info.get("engine_dtype"),
+            info.get("reference_dtype"),
+            info.get("model"),
+            configuration=info.get("configuration"),
+        )
         if floor_table is not None
         else None
     )

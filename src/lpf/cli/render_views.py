@@ -89,13 +89,17 @@ def print_request(info: dict, console: Console, top: int = 3) -> None:
         head += f"  verdict [{VERDICT_STYLE.get(verdict, 'white')}]{verdict}[/]"
         if s.get("first_divergence") is not None:
             head += f"  first divergence at position {s['first_divergence']}"
+        elif verdict in ("divergent", "corrupt"):
+            head += "  flagged on its answer as a whole (no single position)"
     console.print(head)
     m = info.get("mechanism")
     if m:
         by = f" (written over by {escape(m['writer'])})" if m.get("writer") else ""
         rank = f" [dim](hypothesis {m['rank']})[/]" if m.get("rank") else ""
-        name = escape(m["feature"]) if m.get("feature") else "unexplained"
-        console.print(f"mechanism: [bold]{name}[/]{by}{rank}: {escape(m['sentence'])}")
+        if m.get("feature"):
+            console.print(f"mechanism: [bold]{escape(m['feature'])}[/]{by}{rank}: {escape(m['sentence'])}")
+        else:  # the sentence names it ("unexplained: ..."): said once
+            console.print(f"mechanism: [bold]{escape(m['sentence'])}[/]{by}{rank}")
     if r.get("error"):
         console.print(f"[red]error:[/] {escape(str(r['error']))}")
     if r.get("inconsistency"):

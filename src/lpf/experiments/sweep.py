@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from statistics import median
 
+from lpf.analysis.stats import two_proportions
 from lpf.core.errors import LpfError, did_you_mean
 from lpf.experiments.cells import cell_complete, read_out_doc, run_cell
 from lpf.experiments.kept_cells import kept_cells
@@ -54,7 +55,7 @@ FIELDS = (
     "max_abs_logprob_diff",
 )
 COUNTS = ("clean", "noise", "divergent", "corrupt")
-RATE_ALPHA = 0.01  # two-proportion z-test level for "the rate moved"
+RATE_ALPHA = 0.01  # the level of Fisher's exact test between the extreme cells for "the rate moved"
 
 
 @dataclass(frozen=True)
@@ -278,17 +279,6 @@ def cell_row(name: str, values: dict, run_dir: str, findings: dict) -> dict:
 
 
 # -- what moves the shape (pure) ----------------------------------------------------------------------
-def two_proportion_p(k1: int, n1: int, k2: int, n2: int) -> float:
-    """Two-sided p-value of a two-proportion z-test (pooled); 1.0 when undefined."""
-    if not n1 or not n2:
-        return 1.0
-    p = (k1 + k2) / (n1 + n2)
-    se = math.sqrt(p * (1 - p) * (1 / n1 + 1 / n2))
-    if se == 0:
-        return 1.0
-    return math.erfc(abs(k1 / n1 - k2 / n2) / se / math.sqrt(2))
-
-
 def fmt_rate(r: dict) -> str:
     return "-" if r["rate"] is None else f"{100 * r['rate']:.1f}% ({r['n_flagged']}/{r['n_scored']})"
 
@@ -310,8 +300,8 @@ def _group_verdict(metric: str, rows: list[dict]) -> tuple[bool, str, float]:
     if metric == "rate":
         lo = min(rows, key=lambda r: r["rate"] if r["rate"] is not None else math.inf)
         hi = max(rows, key=lambda r: r["rate"] if r["rate"] is not None else -math.inf)
-        p = two_proportion_p(lo["n_flagged"], lo["n_scored"], hi["n_flagged"], hi["n_scored"])
-        return p < RATE_ALPHA, "; ".join(fmt_rate(r) for r in rows) + f" (two-proportion test, extremes: p={p:.2g})", -p
+        p = two_proportions(lo["n_flagged"], lo["n_scored"], hi["n_flagged"], hi["n_scored"])
+        return p < RATE_ALPHA, "; ".join(fmt_rate(r) for r in rows) + f" (Fisher's exact test, extremes: p={p:.2g})", -p
     key, unit, rel = {
         "onset": ("onset_seq", "first flagged arrival index", 0.1),
         "position": ("first_divergence_median", "median first-divergence position", 0.25),

@@ -66,6 +66,10 @@ class AuditOptions(BaseModel):
     prompt_logprobs: bool = False
     part_size: int = 64
     trace_dir: Path | None = None
+    # what the engine runs where lpf cannot read it (the spec's `run.declared`)
+    kv_cache_dtype: str | None = None
+    flash_attention: Literal["on", "off"] | None = None
+    weight_quantization: str | None = None
     out: Path | None = None
     engine_option: tuple[str, ...] = ()
     engine_options: dict[str, Any] = {}
@@ -133,7 +137,7 @@ def build_spec(options: AuditOptions, default_out: Callable[[], Path]):
     from lpf.analysis.thresholds import Thresholds
     from lpf.core.sampling import SamplingParams
     from lpf.pipeline.reference_http import reference_form
-    from lpf.pipeline.spec import AnalysisSpec, AuditSpec, RunSpec
+    from lpf.pipeline.spec import AnalysisSpec, AuditSpec, Declared, RunSpec
 
     o = options
     engine_options = dict(o.engine_options)
@@ -170,6 +174,11 @@ def build_spec(options: AuditOptions, default_out: Callable[[], Path]):
         engine_options=engine_options,
         part_size=o.part_size,
         trace_dir=o.trace_dir,
+        declared=Declared(
+            kv_cache_dtype=o.kv_cache_dtype,
+            flash_attention=o.flash_attention,
+            weight_quantization=o.weight_quantization,
+        ),
     )
     rescore = rescore_settings(o)
     if reference_form(o.reference) == "self" and o.engine != "openai":

@@ -4,8 +4,8 @@ Pure numpy. For every metadata column of the responses table (state slot range, 
 prompt id, and any other scalar column a dump carries; not response length or finish reason, which
 the failure itself changes), the best feature of that
 column is found: for numbers the split `col >= X` (or `col <= X`), for text/bools the single value,
-that most enriches implicated responses, scored by the run analysis's one-sided Fisher exact test (hypergeometric
-tail from a log-factorial table; no scipy). The best split is searched, so its p-value is optimistic:
+that most enriches implicated responses, scored by the run analysis's one-sided Fisher exact test
+(`stats.hypergeom_tail`, every split of a column in one call). The best split is searched, so its p-value is optimistic:
 it ranks explanations, it does not prove one. A slot split with a known state slot stride also names
 the power of two the offset `slot * stride` crosses there, the signature of an offset overflow.
 """
@@ -17,7 +17,7 @@ import math
 import numpy as np
 import pyarrow as pa
 
-from lpf.analysis.hypotheses import LogFactorials, fisher_greater
+from lpf.analysis.stats import hypergeom_tail
 
 _PREFER = {"state_slot_max": 0, "state_slot_min": 1}
 # bookkeeping, and outcomes of the generation (a corrupted state makes responses end early and score
@@ -39,7 +39,7 @@ _SKIP = {
 _MAX_SPLITS = 512
 
 
-def _best_numeric(name: str, x: np.ndarray, flag: np.ndarray, lf: LogFactorials) -> dict | None:
+def _best_numeric(name: str, x: np.ndarray, flag: np.ndarray) -> dict | None:
     ok = np.isfinite(x)
     if ok.sum() < 2:
         return None
@@ -48,32 +48,30 @@ def _best_numeric(name: str, x: np.ndarray, flag: np.ndarray, lf: LogFactorials)
         return None
     if vals.size > _MAX_SPLITS:
         vals = np.unique(np.quantile(x[ok], np.linspace(0, 1, _MAX_SPLITS)))
-    best = None
     n, f = int(ok.sum()), int(flag[ok].sum())
-    for thr in vals[1:]:
-        for op in (">=", "<"):
-            sel = ok & ((x >= thr) if op == ">=" else (x < thr))
-            w, a = int(sel.sum()), int((sel & flag).sum())
-            p = fisher_greater(a, f, w, n, lf)
-            if best is None or p < best["p_value"]:
-                best = {"column": name, "op": op, "value": float(thr), "sel": sel, "p_value": p}
-    return best
+    splits = [(thr, op) for thr in vals[1:] for op in (">=", "<")]
+
+    def select(thr, op):
+        return ok & ((x >= thr) if op == ">=" else (x < thr))
+
+    counts = np.array([(int(s.sum()), int((s & flag).sum())) for s in (select(*sp) for sp in splits)])
+    ps = hypergeom_tail(counts[:, 1], n, counts[:, 0], f)
+    i = int(np.argmin(ps))  # the first of the smallest, in the splits' order
+    thr, op = splits[i]
+    return {"column": name, "op": op, "value": float(thr), "sel": select(thr, op), "p_value": float(ps[i])}
 
 
-def _best_categorical(name: str, values: list, flag: np.ndarray, lf: LogFactorials) -> dict | None:
+def _best_categorical(name: str, values: list, flag: np.ndarray) -> dict | None:
     ok = np.array([v is not None for v in values])
     arr = np.array([str(v) for v in values], dtype=object)
-    cats = set(arr[ok & flag])
-    if len(set(arr[ok])) < 2:
+    cats = list(set(arr[ok & flag]))
+    if len(set(arr[ok])) < 2 or not cats:
         return None
     n, f = int(ok.sum()), int(flag[ok].sum())
-    best = None
-    for c in cats:
-        sel = ok & (arr == c)
-        p = fisher_greater(int((sel & flag).sum()), f, int(sel.sum()), n, lf)
-        if best is None or p < best["p_value"]:
-            best = {"column": name, "op": "==", "value": c, "sel": sel, "p_value": p}
-    return best
+    counts = np.array([(int(s.sum()), int((s & flag).sum())) for s in (ok & (arr == c) for c in cats)])
+    ps = hypergeom_tail(counts[:, 1], n, counts[:, 0], f)
+    i = int(np.argmin(ps))  # the first of the smallest
+    return {"column": name, "op": "==", "value": cats[i], "sel": ok & (arr == cats[i]), "p_value": float(ps[i])}
 
 
 def rank(responses: pa.Table, implicated: np.ndarray, stride: int | None = None, top: int = 8) -> list[dict]:
@@ -82,7 +80,6 @@ def rank(responses: pa.Table, implicated: np.ndarray, stride: int | None = None,
     flag = np.asarray(implicated, dtype=bool)
     if not flag.any() or flag.all():
         return []
-    lf = LogFactorials(len(flag))
     cands = []
     for name in responses.column_names:
         if name in _SKIP:
@@ -91,9 +88,9 @@ def rank(responses: pa.Table, implicated: np.ndarray, stride: int | None = None,
         t = col.type
         if pa.types.is_integer(t) or pa.types.is_floating(t):
             x = np.asarray(col.to_numpy(zero_copy_only=False), dtype=np.float64)
-            best = _best_numeric(name, x, flag, lf)
+            best = _best_numeric(name, x, flag)
         elif pa.types.is_string(t) or pa.types.is_boolean(t):
-            best = _best_categorical(name, col.to_pylist(), flag, lf)
+            best = _best_categorical(name, col.to_pylist(), flag)
         else:
             continue
         if best is not None:

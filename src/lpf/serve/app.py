@@ -3,7 +3,8 @@
 Contract: `create_app(engine, tokenizer, info, sink)` returns an ASGI app whose lifespan starts the
 `EngineLoop` and stops it (flushing the trace sink) on shutdown. Routes:
   GET  /health          200 with an empty body while the engine lives, 500 once it has died
-  GET  /v1/models       the one served model, as vLLM lists it
+  GET  /v1/models       the one served model, as vLLM lists it, plus `lpf_configuration` (dtype, KV cache
+                        dtype, flash attention, weight quantization, sampling defaults, injected faults)
   POST /v1/completions  OpenAI completions (vLLM's response shape, see protocol.py)
   POST /generate        SGLang's native API (a dict, or a list for batched input or n > 1)
   GET  /metrics         Prometheus text: steps, largest batch, requests, tokens, preemptions, cancelled
@@ -124,6 +125,8 @@ def create_app(engine, tokenizer, info: ModelInfo, sink: TraceSink | None = None
                     "root": info.root,
                     "parent": None,
                     "max_model_len": info.max_context,
+                    # what the engine computes with (lpf.adapters.engine_config.from_lpf_models reads it)
+                    "lpf_configuration": info.configuration,
                     "permission": [
                         {
                             "id": f"modelperm-{uuid.uuid4().hex[:16]}",

@@ -1,6 +1,6 @@
 """The reverse proxy: a raw ASGI app that forwards every request to the upstream and samples some for lpf.
 
-Contract: `create_proxy(upstream, sampler, recorder, metrics, top_k, timeout, extra_routes)` returns an ASGI
+Contract: `create_proxy(upstream, sampler, recorder, metrics, top_k, timeout, extra_routes)` returns a `Proxy`, an ASGI
 app (its `state.proxy` holds the counters the live page reads). Every path and method is forwarded
 (`/v1/completions`, `/v1/chat/completions`, `/v1/models`, and whatever else the upstream serves), except
 `/metrics` and the `extra_routes` lpf answers itself (path -> async handler: the live page at /lpf/), which
@@ -103,82 +103,99 @@ class _Watch:
 
 def create_proxy(
     upstream: str, sampler, recorder, metrics, top_k: int = 5, timeout: float | None = None, extra_routes=None
-):
-    from fastapi import FastAPI
-    from fastapi.responses import Response
+) -> Proxy:
+    return Proxy(upstream, sampler, recorder, metrics, top_k, timeout, extra_routes)
 
-    base = upstream.rstrip("/")
-    if base.endswith("/v1"):
-        base = base[: -len("/v1")]
-    state = _State()
-    holder: dict = {}
-    counters: dict = {}  # (route label, sampled) -> the labelled counter (a labels() lookup per request is not free)
 
-    side = FastAPI(title="lpf watch", docs_url=None, redoc_url=None, openapi_url=None)
+class Proxy:
+    """The ASGI app: `self.state.proxy` the counters the live page reads; the upstream client lives from the
+    lifespan's startup to its shutdown."""
 
-    @side.get("/metrics")
-    async def _metrics():
-        metrics.in_flight.set(state.in_flight)
-        metrics.queue_depth.set(recorder.depth())
-        metrics.recorded.set(recorder.recorded)
-        metrics.unrecordable.set(recorder.failed)
-        metrics.pruned.set(getattr(recorder, "pruned_parts", 0))
-        data, kind = metrics.render()
-        return Response(data, media_type=kind)
+    def __init__(
+        self, upstream: str, sampler, recorder, metrics, top_k: int = 5, timeout: float | None = None, extra_routes=None
+    ):
+        base = upstream.rstrip("/")
+        self.base = base[: -len("/v1")] if base.endswith("/v1") else base
+        self.sampler, self.recorder, self.metrics, self.top_k, self.timeout = sampler, recorder, metrics, top_k, timeout
+        self.live = _State()
+        self.state = SimpleNamespace(proxy=self.live)
+        self.client: Upstream | None = None
+        # (route label, sampled) -> the labelled counter (a labels() lookup per request is not free)
+        self.counters: dict = {}
+        self.side = self._side_app(extra_routes or {})
+        self.side_paths = {"/metrics", *(extra_routes or {})}
 
-    for path, handler in (extra_routes or {}).items():
-        side.get(path)(handler)
-    side_paths = {"/metrics", *(extra_routes or {})}
+    def _side_app(self, extra_routes: dict):
+        """/metrics and the routes lpf answers itself: a small FastAPI app beside the relay."""
+        from fastapi import FastAPI
+        from fastapi.responses import Response
 
-    async def app(scope, receive, send):
+        side = FastAPI(title="lpf watch", docs_url=None, redoc_url=None, openapi_url=None)
+        metrics, recorder, live = self.metrics, self.recorder, self.live
+
+        @side.get("/metrics")
+        async def _metrics():
+            metrics.in_flight.set(live.in_flight)
+            metrics.queue_depth.set(recorder.depth())
+            metrics.recorded.set(recorder.recorded)
+            metrics.unrecordable.set(recorder.failed)
+            metrics.pruned.set(getattr(recorder, "pruned_parts", 0))
+            data, kind = metrics.render()
+            return Response(data, media_type=kind)
+
+        for path, handler in extra_routes.items():
+            side.get(path)(handler)
+        return side
+
+    async def __call__(self, scope, receive, send):
         if scope["type"] == "lifespan":
-            return await _lifespan(receive, send)
-        if scope["type"] != "http" or scope["path"] in side_paths:
-            return await side(scope, receive, send)
-        await _handle(scope, receive, send)
+            return await self._lifespan(receive, send)
+        if scope["type"] != "http" or scope["path"] in self.side_paths:
+            return await self.side(scope, receive, send)
+        await self._handle(scope, receive, send)
 
-    async def _lifespan(receive, send):
+    async def _lifespan(self, receive, send):
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
-                holder["client"] = Upstream(base, timeout, connect_timeout=min(timeout or 10.0, 10.0))
+                self.client = Upstream(self.base, self.timeout, connect_timeout=min(self.timeout or 10.0, 10.0))
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
-                if "client" in holder:
-                    await holder["client"].aclose()
+                if self.client is not None:
+                    await self.client.aclose()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
-    async def _handle(scope, receive, send):
+    async def _handle(self, scope, receive, send):
         chunks = []
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":  # gone before its body arrived: nothing was sent upstream
-                metrics.client_gone.inc()
+                self.metrics.client_gone.inc()
                 return
             chunks.append(message.get("body", b""))
             if not message.get("more_body"):
                 break
         body = b"".join(chunks)
         route = scope["path"]
-        arrival, in_flight = time.time(), state.in_flight
-        state.in_flight += 1
+        arrival, in_flight = time.time(), self.live.in_flight
+        self.live.in_flight += 1
         watch = _Watch(receive)
         sample = None
         try:
             parsed = None
-            if scope["method"] == "POST" and route in SAMPLED_ROUTES and sampler.take(body):
+            if scope["method"] == "POST" and route in SAMPLED_ROUTES and self.sampler.take(body):
                 with suppress(ValueError):
                     parsed = json.loads(body)
             sampled = parsed is not None and wire.sampleable(route, parsed)
-            _count(route, sampled)
+            self._count(route, sampled)
             if not sampled:
-                resp = await _send(scope, route, body)
-                await _passthrough(resp, send, watch)
+                resp = await self._send(scope, route, body)
+                await self._passthrough(resp, send, watch)
                 return
-            state.seq += 1
+            self.live.seq += 1
             sample = Sample(
-                seq=state.seq - 1,
+                seq=self.live.seq - 1,
                 route=route,
                 body=parsed,
                 added=wire.Added(),
@@ -187,42 +204,42 @@ def create_proxy(
                 in_flight=in_flight,
                 collected=wire.Collected(route),
             )
-            await _sampled(scope, send, watch, route, body, parsed, sample)
+            await self._sampled(scope, send, watch, route, body, parsed, sample)
         except _Cut:
             return  # uvicorn closes a connection whose answer was left unfinished
         except asyncio.CancelledError:
             if not watch.gone:
                 raise  # the server is stopping
             asyncio.current_task().uncancel()
-            metrics.client_gone.inc()
+            self.metrics.client_gone.inc()
             if sample is not None and sample.error is None:
                 sample.error = "the client disconnected"
         except UpstreamTimeout as e:
-            metrics.upstream_errors.inc()
-            _note_error(sample, e)
-            await _answer(send, watch, *_error(504, f"lpf watch: the upstream did not answer in time ({e})"))
+            self.metrics.upstream_errors.inc()
+            self._note_error(sample, e)
+            await self._answer(send, watch, *_error(504, f"lpf watch: the upstream did not answer in time ({e})"))
         except UpstreamError as e:
-            metrics.upstream_errors.inc()
-            _note_error(sample, e)
-            await _answer(send, watch, *_error(502, f"lpf watch: the upstream could not be reached ({e})"))
+            self.metrics.upstream_errors.inc()
+            self._note_error(sample, e)
+            await self._answer(send, watch, *_error(502, f"lpf watch: the upstream could not be reached ({e})"))
         finally:
             watch.done()
-            state.in_flight -= 1
+            self.live.in_flight -= 1
             if sample is not None:
-                _finish(sample)
+                self._finish(sample)
 
-    def _count(route: str, sampled: bool) -> None:
+    def _count(self, route: str, sampled: bool) -> None:
         key = (route if route.startswith("/v1/") else "other", sampled)
-        c = counters.get(key)
+        c = self.counters.get(key)
         if c is None:
-            c = counters[key] = metrics.proxied.labels(route=key[0], sampled=str(sampled))
+            c = self.counters[key] = self.metrics.proxied.labels(route=key[0], sampled=str(sampled))
         c.inc()
 
-    def _note_error(sample, e) -> None:
+    def _note_error(self, sample, e) -> None:
         if sample is not None and sample.error is None:
             sample.error = f"upstream: {type(e).__name__}"
 
-    async def _send(scope, route: str, body: bytes) -> Answer:
+    async def _send(self, scope, route: str, body: bytes) -> Answer:
         """The upstream's response (headers read, body not); the client leaving first cancels it (and the
         handler), which closes the upstream connection: the upstream aborts the request."""
         headers = [(k, v) for k, v in scope["headers"] if k not in HOP_BY_HOP]
@@ -231,50 +248,52 @@ def create_proxy(
         target = raw.decode("latin-1") if raw else route
         if scope.get("query_string"):
             target += "?" + scope["query_string"].decode("latin-1")
-        return await holder["client"].send(scope["method"], target, headers, body)
+        return await self.client.send(scope["method"], target, headers, body)
 
-    def _headers(resp: Answer, keep_length: bool) -> list:
+    def _headers(self, resp: Answer, keep_length: bool) -> list:
         return [
             (k, v)
             for k, v in resp.raw_headers
             if k.lower() not in HOP_BY_HOP or (keep_length and k.lower() == b"content-length")
         ]
 
-    async def _answer(send, watch: _Watch, status: int, headers: list, body: bytes) -> None:
+    async def _answer(self, send, watch: _Watch, status: int, headers: list, body: bytes) -> None:
         await send({"type": "http.response.start", "status": status, "headers": headers})
         watch.done()
         await send({"type": "http.response.body", "body": body})
 
-    async def _passthrough(resp: Answer, send, watch: _Watch) -> None:
+    async def _passthrough(self, resp: Answer, send, watch: _Watch) -> None:
         try:
-            await send({"type": "http.response.start", "status": resp.status_code, "headers": _headers(resp, True)})
+            await send(
+                {"type": "http.response.start", "status": resp.status_code, "headers": self._headers(resp, True)}
+            )
             try:
                 async for chunk in resp.aiter_raw():
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
             except UpstreamError:
-                metrics.upstream_errors.inc()
+                self.metrics.upstream_errors.inc()
                 return  # the client's answer is cut where the upstream's was (uvicorn closes it unfinished)
             watch.done()
             await send({"type": "http.response.body", "body": b""})
         finally:
             await asyncio.shield(resp.aclose())
 
-    async def _sampled(scope, send, watch: _Watch, route: str, raw: bytes, parsed: dict, sample: Sample):
-        sent, added = wire.augment(route, parsed, top_k, frozenset(state.refused))
+    async def _sampled(self, scope, send, watch: _Watch, route: str, raw: bytes, parsed: dict, sample: Sample):
+        sent, added = wire.augment(route, parsed, self.top_k, frozenset(self.live.refused))
         sample.added = added
         augmented = added != wire.Added()
-        resp = await _send(scope, route, _dumps(sent) if augmented else raw)
-        _note_headers(sample, resp)
+        resp = await self._send(scope, route, _dumps(sent) if augmented else raw)
+        self._note_headers(sample, resp)
         if augmented and 400 <= resp.status_code < 500 and resp.status_code != 404:
             try:
                 refusal = (await resp.aread()).decode(errors="replace")
             finally:
                 await asyncio.shield(resp.aclose())
-            resp = await _send(scope, route, raw)  # as the client sent it: its answer is the direct one
-            _note_headers(sample, resp)
+            resp = await self._send(scope, route, raw)  # as the client sent it: its answer is the direct one
+            self._note_headers(sample, resp)
             if resp.status_code < 400:
                 named = {f for f in ("logprobs", wire.ID_FIELD) if f in refusal}
-                state.refused |= named or {"logprobs", wire.ID_FIELD}
+                self.live.refused |= named or {"logprobs", wire.ID_FIELD}
                 log.warning(
                     "lpf watch: the upstream refused %s; not asked again", ", ".join(sorted(named)) or refusal[:200]
                 )
@@ -282,8 +301,8 @@ def create_proxy(
         sample.status = resp.status_code
         if sample.stream and resp.status_code == 200:
             try:
-                await send({"type": "http.response.start", "status": 200, "headers": _headers(resp, False)})
-                await _stream(resp, send, sample, added)
+                await send({"type": "http.response.start", "status": 200, "headers": self._headers(resp, False)})
+                await self._stream(resp, send, sample, added)
                 watch.done()
                 await send({"type": "http.response.body", "body": b""})
             finally:
@@ -307,10 +326,10 @@ def create_proxy(
             except ValueError as e:
                 sample.error = f"malformed answer ({e})"
                 sample.raw_evidence = data[:EVIDENCE_BYTES].decode(errors="replace")
-        headers = _headers(resp, False) + [(b"content-length", str(len(out)).encode())]
-        await _answer(send, watch, resp.status_code, headers, out)
+        headers = self._headers(resp, False) + [(b"content-length", str(len(out)).encode())]
+        await self._answer(send, watch, resp.status_code, headers, out)
 
-    async def _stream(resp: Answer, send, sample: Sample, added: wire.Added):
+    async def _stream(self, resp: Answer, send, sample: Sample, added: wire.Added):
         buf = b""
         try:
             async for chunk in resp.aiter_raw():
@@ -319,7 +338,7 @@ def create_proxy(
                 buf += chunk
                 while (i := buf.find(b"\n\n")) >= 0:
                     event, buf = buf[: i + 2], buf[i + 2 :]
-                    out = _event(event, sample, added)
+                    out = self._event(event, sample, added)
                     if out:
                         await send({"type": "http.response.body", "body": out, "more_body": True})
             if buf:
@@ -327,11 +346,11 @@ def create_proxy(
             if sample.collected.finish_reason is None and sample.error is None:
                 sample.error = "the stream ended without a finish_reason"
         except UpstreamError as e:
-            metrics.upstream_errors.inc()
+            self.metrics.upstream_errors.inc()
             sample.error = f"the upstream cut the stream ({e})"
             raise _Cut() from e
 
-    def _event(event: bytes, sample: Sample, added: wire.Added) -> bytes:
+    def _event(self, event: bytes, sample: Sample, added: wire.Added) -> bytes:
         lines = event.split(b"\n")
         for i, line in enumerate(lines):
             if not line.startswith(b"data:"):
@@ -353,15 +372,12 @@ def create_proxy(
                 lines[i] = b"data: " + _dumps(stripped)
         return b"\n".join(lines)
 
-    def _note_headers(sample: Sample, resp: Answer) -> None:
+    def _note_headers(self, sample: Sample, resp: Answer) -> None:
         sample.headers = {k: resp.headers[k] for k in REPLICA_HEADERS if k in resp.headers}
 
-    def _finish(sample: Sample) -> None:
+    def _finish(self, sample: Sample) -> None:
         sample.t_end = sample.t_end or time.time()
         if sample.t_end < (sample.t_first or 0):
             sample.t_end = sample.t_first
-        if not recorder.offer(sample):
-            metrics.dropped.inc()
-
-    app.state = SimpleNamespace(proxy=state)
-    return app
+        if not self.recorder.offer(sample):
+            self.metrics.dropped.inc()

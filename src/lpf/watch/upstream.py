@@ -12,8 +12,11 @@ Errors: `UpstreamTimeout` (no connection within `connect_timeout`, or `timeout` 
 `UpstreamError` (refused, reset, a malformed or cut answer); both name what happened. Cancelling a send or a
 read closes the connection. A kept-alive connection the upstream closed while idle (no byte of an answer on
 it) is retried once on a fresh one, as HTTP clients do; a refused connect is tried once more (nothing was sent).
-Why not httpx: its request, URL and pool layers cost ~2 ms of CPU per request on this project's 2-core machine,
-more than the rest of the proxy together (bench/watch.py measures it against a no-op uvicorn+httpx proxy).
+The HTTP/1.1 framing (request bytes, status line, headers, content-length / chunked / close-delimited bodies,
+1xx, HEAD, keep-alive) is `h11`'s, one `h11.Connection` per pooled connection; this module moves bytes and
+times them. Why not httpx: its request, URL and pool layers cost ~2 ms of CPU per request on this project's
+2-core machine, more than the rest of the proxy together (bench/watch.py measures it against a no-op
+uvicorn+httpx proxy).
 """
 
 from __future__ import annotations
@@ -23,8 +26,10 @@ import contextlib
 import ssl
 from urllib.parse import urlsplit
 
+import h11
+
 READ = 65536
-NO_BODY = {204, 304}
+HEAD_LIMIT = 1 << 20  # the most bytes of status line and headers a response may have
 
 
 class UpstreamError(Exception):
@@ -44,11 +49,11 @@ def _within(seconds: float | None):
 
 
 class Answer:
-    def __init__(self, up: Upstream, reader, writer, status: int, raw_headers: list, framing, keep: bool, timeout):
-        self._up, self._reader, self._writer = up, reader, writer
+    def __init__(self, up: Upstream, conn: _Conn, status: int, raw_headers: list, timeout):
+        self._up, self._conn = up, conn
         self.status_code, self.raw_headers = status, raw_headers
-        self._framing, self._keep, self._timeout = framing, keep, timeout
-        self._complete = framing == 0
+        self._timeout = timeout
+        self._complete = False
         self._headers: dict | None = None
 
     @property
@@ -58,67 +63,56 @@ class Answer:
         return self._headers
 
     async def aiter_raw(self):
-        r, t = self._reader, self._timeout
+        c, t = self._conn, self._timeout
         try:
-            if self._framing == "chunked":
-                while True:
+            while True:
+                ev = c.h11.next_event()
+                if ev is h11.NEED_DATA:
                     async with _within(t):
-                        line = await r.readline()
-                    if not line.endswith(b"\n"):
-                        raise UpstreamError("RemoteProtocolError: the upstream cut a chunked answer")
-                    size = int(line.split(b";", 1)[0].strip() or b"x", 16)
-                    if size == 0:
-                        while True:  # trailers, then the blank line
-                            async with _within(t):
-                                line = await r.readline()
-                            if line in (b"\r\n", b"\n"):
-                                break
-                            if not line:
-                                raise UpstreamError("RemoteProtocolError: the upstream cut a chunked answer")
-                        break
-                    while size:
-                        async with _within(t):
-                            data = await r.read(min(size, READ))
-                        if not data:
-                            raise UpstreamError("RemoteProtocolError: the upstream cut a chunked answer")
-                        size -= len(data)
-                        yield data
-                    async with _within(t):
-                        await r.readexactly(2)
-            elif isinstance(self._framing, int):
-                left = self._framing
-                while left:
-                    async with _within(t):
-                        data = await r.read(min(left, READ))
-                    if not data:
-                        raise UpstreamError("RemoteProtocolError: the upstream cut the answer short")
-                    left -= len(data)
-                    yield data
-            else:  # delimited by the connection's close
-                self._keep = False
-                while True:
-                    async with _within(t):
-                        data = await r.read(READ)
-                    if not data:
-                        break
-                    yield data
+                        c.h11.receive_data(await c.reader.read(READ))  # b"": the upstream closed
+                elif type(ev) is h11.Data:
+                    yield bytes(ev.data)
+                elif type(ev) is h11.EndOfMessage:
+                    break
+                else:  # ConnectionClosed before the body's end
+                    raise h11.RemoteProtocolError("the upstream cut the answer short")
             self._complete = True
         except TimeoutError:
             raise UpstreamTimeout("ReadTimeout") from None
-        except (ConnectionError, asyncio.IncompleteReadError, ValueError, ssl.SSLError) as e:
+        except h11.RemoteProtocolError as e:
+            raise UpstreamError(f"RemoteProtocolError: the upstream cut the answer short ({e})") from None
+        except (ConnectionError, ssl.SSLError) as e:
             raise UpstreamError(f"ReadError: {type(e).__name__}: {e}") from None
 
     async def aread(self) -> bytes:
         return b"".join([c async for c in self.aiter_raw()])
 
     async def aclose(self) -> None:
-        if self._writer is None:
+        c, self._conn = self._conn, None
+        if c is None:
             return
-        w, self._writer = self._writer, None
-        if self._complete and self._keep and len(self._up.idle) < self._up.max_idle:
-            self._up.idle.append((self._reader, w))
+        h = c.h11
+        if not self._complete and h.their_state is h11.SEND_BODY:
+            # a body with no bytes (HEAD, 204, 304, content-length 0) ends without a read: let h11 say so
+            with contextlib.suppress(h11.RemoteProtocolError):
+                if type(h.next_event()) is h11.EndOfMessage:
+                    self._complete = True
+        reusable = self._complete and h.our_state is h11.DONE and h.their_state is h11.DONE
+        if reusable and len(self._up.idle) < self._up.max_idle:
+            h.start_next_cycle()
+            self._up.idle.append(c)
         else:
-            w.transport.abort() if not self._complete else w.close()
+            c.writer.transport.abort() if not self._complete else c.writer.close()
+
+
+class _Conn:
+    """One pooled connection: its streams and the h11 state machine that frames what crosses it."""
+
+    __slots__ = ("reader", "writer", "h11")
+
+    def __init__(self, reader, writer):
+        self.reader, self.writer = reader, writer
+        self.h11 = h11.Connection(h11.CLIENT, max_incomplete_event_size=HEAD_LIMIT)
 
 
 class Upstream:
@@ -134,23 +128,20 @@ class Upstream:
         self.idle: list = []
 
     async def send(self, method: str, target: str, headers: list, body: bytes) -> Answer:
-        lines = [f"{method} ".encode(), self.prefix, target.encode("latin-1"), b" HTTP/1.1\r\nhost: ", self.host_header]
-        for k, v in headers:
-            lines += (b"\r\n", k, b": ", v)
+        head = [(b"host", self.host_header), *headers]
         if body or method in ("POST", "PUT", "PATCH"):
-            lines += (b"\r\ncontent-length: ", str(len(body)).encode())
-        lines.append(b"\r\n\r\n")
-        data = b"".join(lines) + body
+            head.append((b"content-length", str(len(body)).encode()))
+        request = h11.Request(method=method, target=self.prefix + target.encode("latin-1"), headers=head)
         while self.idle:
-            reader, writer = self.idle.pop()
-            if reader.at_eof() or writer.is_closing():
-                writer.close()
+            c = self.idle.pop()
+            if c.reader.at_eof() or c.writer.is_closing():
+                c.writer.close()
                 continue
             try:
-                return await self._exchange(reader, writer, data, method, reused=True)
+                return await self._exchange(c, request, body, reused=True)
             except _Stale:
                 continue
-        return await self._exchange(*await self._connect(), data, method, reused=False)
+        return await self._exchange(_Conn(*await self._connect()), request, body, reused=False)
 
     async def aclose(self) -> None:
         while self.idle:
@@ -176,53 +167,47 @@ class Upstream:
                     raise UpstreamError(f"ConnectError: {e}") from None
                 await asyncio.sleep(0.02)
 
-    async def _exchange(self, reader, writer, data: bytes, method: str, reused: bool) -> Answer:
-        t = self.timeout
+    async def _exchange(self, c: _Conn, request: h11.Request, body: bytes, reused: bool) -> Answer:
+        t, h = self.timeout, c.h11
         try:
-            writer.write(data)
+            data = h.send(request) + (h.send(h11.Data(data=body)) if body else b"") + h.send(h11.EndOfMessage())
+        except h11.LocalProtocolError as e:  # a header h11 will not put on the wire (a CR or LF in it...)
+            c.writer.transport.abort()
+            raise UpstreamError(f"LocalProtocolError: {e}") from None
+        heard = False  # any byte of an answer: then a close is a cut, not a stale connection
+        try:
+            c.writer.write(data)
             async with _within(t):
-                await writer.drain()
+                await c.writer.drain()
                 while True:
-                    line = await reader.readline()
-                    if not line:
-                        if reused:
-                            raise _Stale()
-                        raise UpstreamError("RemoteProtocolError: the upstream closed the connection without answering")
-                    version, _, rest = line.partition(b" ")
-                    status = int(rest[:3])
-                    raw = []
-                    while True:
-                        h = await reader.readline()
-                        if h in (b"\r\n", b"\n"):
-                            break
-                        if not h.endswith(b"\n"):
-                            raise UpstreamError("RemoteProtocolError: the upstream cut its headers")
-                        k, _, v = h.partition(b":")
-                        raw.append((k.strip(), v.strip()))
-                    if status >= 200 or status == 101:
-                        break  # 1xx (100 Continue, 103 Early Hints) come before the answer
+                    ev = h.next_event()
+                    if ev is h11.NEED_DATA:
+                        chunk = await c.reader.read(READ)
+                        if not chunk and not heard:
+                            if reused:
+                                raise _Stale()
+                            raise UpstreamError(
+                                "RemoteProtocolError: the upstream closed the connection without answering"
+                            )
+                        heard = True
+                        h.receive_data(chunk)
+                    elif type(ev) is h11.Response:
+                        break
+                    elif type(ev) is h11.ConnectionClosed:
+                        raise UpstreamError("RemoteProtocolError: the upstream cut its headers")
+                    # else 1xx (100 Continue, 103 Early Hints): they come before the answer
         except TimeoutError:
-            writer.transport.abort()
+            c.writer.transport.abort()
             raise UpstreamTimeout("ReadTimeout") from None
         except (_Stale, UpstreamError):
-            writer.transport.abort()
+            c.writer.transport.abort()
             raise
-        except (ConnectionError, ValueError, IndexError, ssl.SSLError, asyncio.LimitOverrunError) as e:
-            writer.transport.abort()
-            if reused and isinstance(e, ConnectionError):
+        except (ConnectionError, ssl.SSLError, h11.RemoteProtocolError) as e:
+            c.writer.transport.abort()
+            if reused and not heard and isinstance(e, ConnectionError):
                 raise _Stale() from None
             raise UpstreamError(f"RemoteProtocolError: {type(e).__name__}: {e}") from None
         except BaseException:  # cancelled: the client left; closing the connection is the upstream's abort
-            writer.transport.abort()
+            c.writer.transport.abort()
             raise
-        names = {k.lower(): v for k, v in raw}
-        keep = version == b"HTTP/1.1" and names.get(b"connection", b"").lower() != b"close"
-        if method == "HEAD" or status in NO_BODY or status < 200:
-            framing = 0
-        elif b"chunked" in names.get(b"transfer-encoding", b"").lower():
-            framing = "chunked"
-        elif names.get(b"content-length", b"").isdigit():
-            framing = int(names[b"content-length"])
-        else:
-            framing = None
-        return Answer(self, reader, writer, status, raw, framing, keep, t)
+        return Answer(self, c, ev.status_code, list(ev.headers.raw_items()), t)

@@ -42,6 +42,7 @@ from lpf.analysis import metrics as m
 from lpf.analysis.findings import analyze
 from lpf.analysis.floors import KAPPA, expected_floor
 from lpf.analysis.run_test import DEFAULT_ALPHA, NULL_RATE, token_evidence
+from lpf.analysis.stats import poisson_log_tail, poisson_upper
 from lpf.analysis.thresholds import Thresholds
 from lpf.analysis.token_evidence import evidence_columns
 from lpf.analysis.tokens_only import analyze_tokens_only
@@ -172,7 +173,7 @@ def requests_test(
     alpha = DEFAULT_ALPHA if alpha is None else float(alpha)
     rate = expected_divergent_rate(engine_dtype)
     k, lam = int(divergent) + int(corrupt), rate * max(int(n_tokens), 0)
-    log_p = log_poisson_sf(k, lam)
+    log_p = poisson_log_tail(k, lam)
     return {
         "flagged": k,
         "corrupt": int(corrupt),
@@ -182,36 +183,6 @@ def requests_test(
         "p_value": math.exp(log_p),
         "alarm": bool(corrupt) or bool(far_beyond) or log_p < math.log(alpha),
     }
-
-
-def log_poisson_sf(k: int, lam: float) -> float:
-    """log P(X >= k), X ~ Poisson(lam): the terms from k on (they fall fast where it matters: k > lam)."""
-    if k <= 0:
-        return 0.0
-    if lam <= 0:
-        return -math.inf
-    if k <= lam:  # the mean or below: 1 - P(X < k), which is not small
-        below = sum(math.exp(-lam + j * math.log(lam) - math.lgamma(j + 1)) for j in range(k))
-        return math.log(max(1.0 - below, 1e-300))
-    log_term = -lam + k * math.log(lam) - math.lgamma(k + 1)
-    total, term, j = 1.0, 1.0, k
-    while term > 1e-17 * total:
-        j += 1
-        term *= lam / j
-        total += term
-    return min(0.0, log_term + math.log(total))
-
-
-def poisson_upper(k: int, confidence: float) -> float:
-    """The upper bound of the one-sided `confidence` interval of a Poisson mean after observing k events."""
-    lo, hi = 0.0, k + 10.0 * math.sqrt(k + 1) + 10.0
-    for _ in range(100):  # P(X <= k | lam) falls with lam: bisect for 1 - confidence
-        mid = (lo + hi) / 2
-        if 1.0 - math.exp(log_poisson_sf(k + 1, mid)) > 1.0 - confidence:
-            lo = mid
-        else:
-            hi = mid
-    return hi
 
 
 def _exceedances(requests, tokens, reference, run_info, info, tokens_only):

@@ -11,7 +11,7 @@ Contract (pure): `paired_test(cell, members, reference) -> dict`. `cell`: {key: 
 `members`: {name: {key: logprob}}, `reference`: {key: the float32 reference's logprob} (key:
 (request_id, position, side)). Over the keys all of them have: a_i = |cell_i - reference_i| (the
 cell's error), e_i = max_j |member_j,i - reference_i| (the worst honest bf16 error at that position).
-Paired sign test: k = #{a_i > e_i} of n against Binomial(n, 1/2), one-sided: a cell that is one more
+Paired sign test: k = #{a_i > e_i} of n against Binomial(n, 1/2), one-sided and exact (`stats.sign_test`): a cell that is one more
 honest bf16 run is worse than the worst of the members at fewer than half the positions (measured on
 the clean-in-float32 architectures here: 33-46%), so half is a conservative null. `departs` when p <
 ALPHA for all positions or for one side (output / prompt; Bonferroni over the three). Reported beside
@@ -29,20 +29,13 @@ most accurate flags honest Mamba2 (p 1e-37).
 
 from __future__ import annotations
 
-import math
 
 import numpy as np
 
+from lpf.analysis.stats import sign_test
+
 EPS = 1e-3  # nats: below float32-ish agreement a ratio says nothing
 ALPHA = 1e-6
-
-
-def _sign_p(k: int, n: int) -> float:
-    """P(X >= k), X ~ Binomial(n, 1/2), via the normal tail with continuity (n here is in the hundreds+)."""
-    if n == 0:
-        return 1.0
-    z = (k - 0.5 - n / 2) / math.sqrt(n / 4)
-    return 0.5 * math.erfc(z / math.sqrt(2))
 
 
 def _stats(a: np.ndarray, e: np.ndarray) -> dict:
@@ -54,7 +47,7 @@ def _stats(a: np.ndarray, e: np.ndarray) -> dict:
         "n": n,
         "k": k,
         "share_worse_than_ensemble": k / n,
-        "p_value": _sign_p(k, n),
+        "p_value": sign_test(k, n),
         "median_log_ratio": float(np.median(np.log((a + EPS) / (e + EPS)))),
         "cell_error_p50": float(np.median(a)),
         "ensemble_error_p50": float(np.median(e)),

@@ -215,6 +215,7 @@
       add(rts, h("div", "lead" + (RT.result === "same" ? " ok" : ""), [txt("b", null, "Run test: "), RT.sentence || ""]));
       if (RT.floor_sentence) add(rts, txt("p", null, RT.floor_sentence));
       if (RT.arithmetic_sentence) add(rts, txt("p", "note", RT.arithmetic_sentence));
+      if (RT.configured_sentence) add(rts, txt("p", "note", RT.configured_sentence));
       add(rts, D.charts.run_test ? plot(D.charts.run_test) : txt("div", "empty", "no floor to draw"));
       if (RT.floor_detail) add(rts, txt("p", "note", "expected floor: " + RT.floor_detail));
       main.appendChild(rts);

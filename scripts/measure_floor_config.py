@@ -1,0 +1,120 @@
+"""Measure the floors of engine configurations that compute beyond their dtype (issue 52), into floors.json.
+
+An engine is judged against the floor of what it runs: llama.cpp's flash attention on a float32 KV cache
+computes attention on an f16 copy of it (docs/bugs.md 18), so an honest llama-server with its default `-fa`
+departs from the float32 reference by f16's rounding of K and V, 270-640x float32's own floor, and the
+run-level test called that `different`. `floors.configured_kv` names such a configuration from the manifest
+(`kv=float16` here); this script measures its row (`"float32/float32 kv=float16"`; and a q8_0 KV cache's), per model, from honest
+runs of that configuration: `floors.floor_stats` of the engine against the float32 reference (as
+scripts/measure_floors.py measures each dtype pair), the row the envelope over the models measured, and it
+checks the held-out workload against the row (the departure the run-level test would weigh).
+
+    python scripts/measure_floor_config.py RUNS_DIR [--write]
+
+RUNS_DIR holds `[PREFIX]MODEL-WORKLOAD/` audits (`CONFIGS`: lpf audit --engine llamacpp -E parallel=8 and
+-E flash_attn=on, or -E cache_type_k=q8_0 -E cache_type_v=q8_0 (prefix q8-); --dtype float32 --max-tokens 32;
+zoo:stress and zoo:shared-prefix, 300 prompts each, seed 17). The floor is
+measured on `stress` only; `shared-prefix` (long shared prompts: more KV per token) is the held-out check.
+Without --write it prints; with it, it adds the rows (the rest of floors.json unchanged).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+import pyarrow.parquet as pq  # noqa: E402
+
+from lpf.analysis import metrics  # noqa: E402
+from lpf.analysis.floors import departure, departure_units, envelope, expected_floor  # noqa: E402
+from lpf.analysis.token_evidence import engine_floor, evidence_columns, sensitivity, topk_spread  # noqa: E402
+
+FLOORS = ROOT / "src" / "lpf" / "analysis" / "floors.json"
+MODELS = ("zoo:jamba", "zoo:hybrid")
+# pair -> (the runs' directory prefix, `floors.configured_kv`'s answer for them, how they were run)
+CONFIGS = {
+    "float32/float32 kv=float16": (
+        "",
+        {"kv": "float16", "why": "flash attention's f16 copy of the f32 KV cache"},
+        "llama-server (lpf's managed build, llama-cpp-python 0.3.36's llama.cpp) with flash attention on a float32 "
+        "KV cache (-fa on -ctk f32 -ctv f32 -np 8): its f16 copy of K and V",
+    ),
+    "float32/float32 kv=q8_0": (
+        "q8-",
+        {"kv": "q8_0", "why": "a q8_0 KV cache"},
+        "llama-server (lpf's managed build) with a q8_0 KV cache (-ctk q8_0 -ctv q8_0 -np 8; flash attention on, "
+        "as a quantized V cache needs)",
+    ),
+}
+
+
+def columns(run: Path) -> dict:
+    tokens, reference, requests = (pq.read_table(run / t) for t in ("tokens", "reference", "requests"))
+    joined, _ = metrics.join_grouped(tokens, reference)
+    return evidence_columns(joined, tokens, reference, requests)
+
+
+def held_out(cols: dict, table: dict, model: str, configuration: dict) -> dict:
+    """The run-level test's departure of a held-out run against the configured row (x its 99th percentiles)."""
+    floor = expected_floor(table, "float32", "float32", model, configuration=configuration)
+    s = sensitivity(cols["ref_logprob"], cols["token_id"], cols["ref_topk_ids"], cols["ref_topk_logprobs"])
+    w = topk_spread(
+        cols["engine_topk_ids"], cols["engine_topk_logprobs"], cols["ref_topk_ids"], cols["ref_topk_logprobs"]
+    )
+    has = w["shared"] >= 2
+    return departure(cols["engine_logprob"] - cols["ref_logprob"], s, w["w"][has], departure_units(floor))
+
+
+def measure(runs: Path, table: dict, pair: str) -> dict | None:
+    prefix, configuration, how = CONFIGS[pair]
+    rows = {}
+    for model in MODELS:
+        run = runs / f"{prefix}{model.removeprefix('zoo:')}-stress"
+        if not (run / "findings.json").is_file():
+            print(f"{pair}: {run} has no finished audit, skipped")
+            return None
+        rows[model] = engine_floor(columns(run))
+        row = rows[model]
+        print(
+            f"{pair} {model}: token q99 {row['token']['q99']:.3g}, settled q99 {row['settled']['q99']:.3g}, "
+            f"top-k q99 {(row['topk'] or {}).get('q99')}, {row['n_tokens']} tokens"
+        )
+    entry = {"envelope": envelope(*rows.values()), "models": rows}
+    trial = {**table, "pairs": {**table["pairs"], pair: entry}}
+    for model in MODELS:
+        run = runs / f"{prefix}{model.removeprefix('zoo:')}-shared-prefix"
+        if (run / "findings.json").is_file():
+            seen = held_out(columns(run), trial, model, configuration)
+            print(
+                f"{pair} {model} shared-prefix (held out): departure { ({k: v and round(v, 2) for k, v in seen.items()}) }"
+            )
+    return entry
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("runs", type=Path)
+    ap.add_argument("--write", action="store_true")
+    args = ap.parse_args()
+    table = json.loads(FLOORS.read_text())
+    for pair, (_, _, how) in CONFIGS.items():
+        entry = measure(args.runs, table, pair)
+        if entry is None or not args.write:
+            continue
+        table["pairs"][pair] = entry
+        table.setdefault("configurations", {})[pair] = (
+            f"{how}; measured by scripts/measure_floor_config.py on zoo:stress (300 prompts, seed 17, 32 tokens), "
+            "checked on zoo:shared-prefix"
+        )
+    if args.write:
+        FLOORS.write_text(json.dumps(table, indent=1) + "\n")
+        print(f"wrote {FLOORS.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()
