@@ -47,6 +47,11 @@ SAMPLES = {
     ),
     "engine_option": (["-E", "block_size=32"], ["block_size=32"]),
     "reference": (["--reference", "tiny:hybrid"], "tiny:hybrid"),
+    "reference_model": (["--reference", "http://h:1/v1", "--reference-model", "M"], "M"),
+    "reference_concurrency": (
+        ["--reference", "http://h:1/v1", "--reference-model", "M"] + ["--reference-concurrency", "3"],
+        3,
+    ),
     "reference_dtype": (["--reference-dtype", "bfloat16"], "bfloat16"),
     "reference_device": (["--reference-device", "cpu"], "cpu"),
     "token_budget": (["--token-budget", "999"], 999),
@@ -67,6 +72,8 @@ SAMPLES = {
 # what an option's keyword needs beside it to be valid (the CLI sample carries the same)
 CONTEXT = {
     "trace_dir": {"engine": "openai", "model": "SERVED", "reference": "zoo:hybrid", "base_url": "http://h:1/v1"},
+    "reference_model": {"reference": "http://h:1/v1"},
+    "reference_concurrency": {"reference": "http://h:1/v1", "reference_model": "M"},
     "ray_address": {"executor": "ray"},
     "actors": {"executor": "ray"},
     "gpus_per_actor": {"executor": "ray"},

@@ -261,12 +261,23 @@ def run_options(f):
     return _run_settings(out_option(f))
 
 
-def reference_options(f):
-    """The reference rescorer: which model, its dtype and device, its batch budget (`lpf rescore`, `lpf rl rescore`)."""
+WHERE_HELP = (
+    "Where the reference runs: a model (transformers here), http(s)://HOST:PORT/v1 (a trusted deployment of "
+    "the same model) or self (the audited server) [default: the engine's model]."
+)
+
+
+def reference_options(f, where: bool = False):
+    """The reference rescorer: which model, its dtype and device, its batch budget (`lpf rescore`, `lpf rl rescore`);
+    `where`: --reference also takes a server (`rescore_options`: `lpf audit`, `lpf rescore`)."""
     return _apply(
         f,
         [
-            click.option("--reference", default=None, help="Reference model [default: the engine's model]."),
+            click.option(
+                "--reference",
+                default=None,
+                help=WHERE_HELP if where else "Reference model [default: the engine's model].",
+            ),
             click.option("--reference-dtype", default="float32", show_default=True),
             click.option(
                 "--reference-device",
@@ -289,8 +300,21 @@ def reference_options(f):
 def rescore_options(f):
     """How a run is rescored: the reference options, the executor, and --calibrate."""
     return _apply(
-        reference_options(f),
+        reference_options(f, where=True),
         [
+            click.option(
+                "--reference-model",
+                default=None,
+                metavar="NAME",
+                help="--reference http(s)://HOST:PORT/v1: the name that server serves.",
+            ),
+            click.option(
+                "--reference-concurrency",
+                type=int,
+                default=None,
+                metavar="N",
+                help="--reference http(s)://... or self: requests in flight [default: 8; self: 1].",
+            ),
             click.option(
                 "--executor",
                 type=click.Choice(["local", "ray"]),

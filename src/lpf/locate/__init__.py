@@ -65,11 +65,14 @@ def locate(
     )
     from lpf.locate.reference_side import reference_side
 
-    ref_path = Path((run.manifest.get("reference") or run.manifest["model"])["path"])
+    scored_by = run.manifest.get("reference")
+    if not scored_by or scored_by.get("kind") in ("http", "self"):  # a server's: the run's own model runs here
+        scored_by = run.manifest["model"]
+    ref_path = Path(scored_by["path"])
     if not ref_path.is_dir():
         from lpf.core.model_specs import resolve_model
 
-        ref_path = resolve_model((run.manifest.get("reference") or run.manifest["model"])["spec"]).path
+        ref_path = resolve_model(scored_by["spec"]).path
     # the reference runs over the whole request: the engine is compared up to its row, the reference's
     # own paths over every position (its decode path is only on trial where there are decode steps)
     ref = reference_side(

@@ -50,6 +50,7 @@ from lpf.analysis.floors import configured_kv
 from lpf.pipeline.calibrate import calibration_applies, calibration_for, engine_dtype
 from lpf.pipeline.callbacks import OnStart, Tick, no_start, no_tick
 from lpf.pipeline.trace import engine_info, trace_summary
+from lpf.pipeline.reference_http import findings_notes
 from lpf.run.store import RunDir
 
 
@@ -184,6 +185,7 @@ def _judge(run, requests, thresholds, attribute, attribution_progress, stream, p
         "reference": (m.get("reference") or {}).get("spec"),
         **findings,
     }
+    findings.update(findings_notes(m.get("reference"), findings))  # a self-reference's limits
     findings["run_complete"] = m.get("status") == "complete"
     findings["judged"] = what_came_back(came_back, has_prompt, m.get("engine"), m["sampling"], run.has("seeded"))
     findings["trace"] = trace_summary(run)

@@ -3,8 +3,8 @@
 `attribution_scores(run, plans, token_budget, on_start, tick) -> table` returns the `attribution`
 table (schema.ATTRIBUTION) for every (flagged request, candidate) pair of `plans`
 (`lpf.analysis.attribution.plan`), scoring only the pairs not yet stored, batched through
-`lpf.pipeline.reference.Rescorer` (one teacher-forced pass per pair: the candidate's prompt + the flagged
-request's output tokens). Scores belong to one reference: when the run's reference changes, the
+`lpf.pipeline.reference.Rescorer` or sent to the run's server reference (`lpf.pipeline.reference_http`)
+(one teacher-forced pass per pair: the candidate's prompt + the flagged request's output tokens). Scores belong to one reference: when the run's reference changes, the
 stored parts are dropped. Pairs whose prompt + output exceed the reference's context are skipped.
 A run that was never rescored has nothing to attribute: an empty table, no model loaded.
 """
@@ -51,9 +51,14 @@ def _score(
     need = {r for pair in pairs for r in pair}
     req = run.read("requests", ["request_id", "prompt_token_ids", "output_token_ids"])
     rows = {r["request_id"]: r for r in req.to_pylist() if r["request_id"] in need}
-    rescorer = Rescorer(
-        resolve_model(ref["spec"]), dtype=ref.get("dtype") or "float32", token_budget=token_budget, topk=1
-    )
+    if ref.get("kind") in ("http", "self"):  # the same server scores the candidates
+        from lpf.pipeline.reference_http import from_manifest
+
+        rescorer = from_manifest(run.manifest, topk=1)
+    else:
+        rescorer = Rescorer(
+            resolve_model(ref["spec"]), dtype=ref.get("dtype") or "float32", token_budget=token_budget, topk=1
+        )
     limit = rescorer.max_context
     items, index = [], []
     for rid, cid in pairs:

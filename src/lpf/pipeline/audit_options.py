@@ -74,6 +74,8 @@ class AuditOptions(BaseModel):
     engine_option: tuple[str, ...] = ()
     engine_options: dict[str, Any] = {}
     reference: str | None = None
+    reference_model: str | None = None
+    reference_concurrency: int | None = None
     reference_dtype: str = "float32"
     reference_device: Literal["cpu", "cuda", "auto"] = "auto"
     token_budget: int = 16384
@@ -134,12 +136,23 @@ def build_spec(options: AuditOptions, default_out: Callable[[], Path]):
     from lpf.adapters import get_engine_class
     from lpf.analysis.thresholds import Thresholds
     from lpf.core.sampling import SamplingParams
+    from lpf.pipeline.reference_http import reference_form
     from lpf.pipeline.spec import AnalysisSpec, AuditSpec, Declared, RunSpec
 
     o = options
     engine_options = dict(o.engine_options)
     hook = getattr(get_engine_class(o.engine), "resolve_model_spec", None)
-    model = hook(o.model, o.reference, engine_options) if hook else o.model
+    # a reference behind a server has no local model to lend the run its tokenizer: --model must be one
+    local = o.reference if reference_form(o.reference) == "transformers" else None
+    try:
+        model = hook(o.model, local, engine_options) if hook else o.model
+    except LpfError:
+        if local is None and o.reference is not None:
+            raise LpfError(
+                f"--reference {o.reference} scores on a server: --model must be the local copy of the served "
+                f"model (its tokenizer), with --served-model NAME"
+            ) from None
+        raise
     sampling = SamplingParams(
         temperature=o.temperature,
         top_p=o.top_p,
@@ -168,6 +181,15 @@ def build_spec(options: AuditOptions, default_out: Callable[[], Path]):
         ),
     )
     rescore = rescore_settings(o)
+    if reference_form(o.reference) == "self" and o.engine != "openai":
+        raise LpfError(
+            f"--reference self re-scores through the audited server's OpenAI API: it needs --engine openai, "
+            f"not {o.engine}; pass a model or an http(s):// reference"
+        )
+    if o.calibrate and reference_form(o.reference) != "transformers":
+        from lpf.pipeline.calibrate import NO_CALIBRATION
+
+        raise LpfError(NO_CALIBRATION.format(spec=o.reference))
     pinned = Thresholds().with_overrides([*o.threshold, *(f"{k}={v!r}" for k, v in o.thresholds.items())])
     return AuditSpec(
         run=run,
@@ -184,6 +206,8 @@ def rescore_settings(o: AuditOptions):
 
     settings = RescoreSettings(
         reference=o.reference,
+        reference_model=o.reference_model,
+        reference_concurrency=o.reference_concurrency,
         dtype=o.reference_dtype,
         token_budget=o.token_budget,
         device=o.reference_device,

@@ -43,6 +43,11 @@ def calibrate_run(
         return _calibrate(run, token_budget, on_start, tick, device)
 
 
+NO_CALIBRATION = (
+    "--calibrate runs the reference model at the engine's dtype: it needs a transformers reference, not {spec}"
+)
+
+
 def _calibrate(run: RunDir, token_budget: int, on_start: OnStart, tick: Tick, device: str) -> dict:
     from lpf.pipeline.reference import Rescorer, ScoreItem
 
@@ -57,6 +62,8 @@ def _calibrate(run: RunDir, token_budget: int, on_start: OnStart, tick: Tick, de
             if why
             else f"{run.path} has no reference scores yet: rescore it before calibrating"
         )
+    if ref.get("kind") in ("http", "self"):
+        raise LpfError(NO_CALIBRATION.format(spec=ref.get("spec")))
     dtype = engine_dtype(m)
     if dtype not in ("float32", "float16", "bfloat16"):
         raise LpfError(

@@ -6,7 +6,11 @@ it stays `unscored` with its reason), scores the prompt positions of every reque
 whose engine returned prompt logprobs in the same pass (`prompt_reference/`, committed with its
 reference part), refuses a reference with another tokenizer
 (ids would not mean the same text) and a silent switch of reference (`--redo` replaces the scores).
-Two executors write the same `reference/` parts through `RunDir.append`: `local` (one `Rescorer` in
+The reference is the one `--reference` names (`lpf.pipeline.reference_http.reference_form`): a model,
+scored by transformers here, or a server (a trusted deployment `http(s)://...`, or the audited server
+itself, `self`), scored by `lpf.pipeline.reference_http` in this process, output and prompt positions
+alike; the manifest's `reference` block says which (`kind`) and how. For transformers,
+two executors write the same `reference/` parts through `RunDir.append`: `local` (one `Rescorer` in
 this process) and `ray` (`lpf.pipeline.rescore_ray`: an actor pool of rescorers on Ray Data, the
 parts committed by this process). Both pack batches with `lpf.pipeline.batch_plan.plan_batches`. Prompt
 positions are scored by the local executor only (a run with prompt logprobs is refused by `ray`), and so
@@ -24,6 +28,7 @@ import pyarrow.compute as pc
 from lpf.core.errors import LpfError
 from lpf.core.model_specs import load_tokenizer, resolve_model
 from lpf.pipeline.callbacks import OnStart, Tick, no_start, no_tick
+from lpf.pipeline.reference_http import reference_form
 from lpf.run.store import RunDir, read_part
 
 
@@ -49,8 +54,14 @@ class RescoreSettings:
     device: str = "cpu"
     executor: str = "local"
     ray: RayOptions = field(default_factory=RayOptions)
+    # an http(s):// or self reference (`lpf.pipeline.reference_http`): the served name, requests in flight
+    reference_model: str | None = None
+    reference_concurrency: int | None = None
 
     def validate(self) -> None:
+        from lpf.pipeline.reference_http import check_settings
+
+        check_settings(self.reference, self.reference_model, self.reference_concurrency, self.executor)
         if self.executor not in EXECUTORS:
             raise LpfError(f"unknown executor {self.executor!r}; choose from {', '.join(EXECUTORS)}")
         if self.token_budget < 1:
@@ -144,14 +155,27 @@ def _rescore(run: RunDir, s: RescoreSettings, redo: bool, on_start: OnStart, tic
             f"--executor local, which scores prompt positions in the same pass"
         )
     spec = s.reference or m["model"]["spec"]
+    form = reference_form(spec)
+    dtype = s.dtype if form == "transformers" else None  # a server computes in its own dtype
     prev = m.get("reference")
-    if run.has("reference") and prev and (prev.get("spec"), prev.get("dtype")) != (spec, s.dtype) and not redo:
+    if run.has("reference") and prev and (prev.get("spec"), prev.get("dtype")) != (spec, dtype) and not redo:
         raise LpfError(
             f"{run.path} was rescored with {prev.get('spec')} ({prev.get('dtype')}); "
             f"pass --redo to replace those scores"
         )
-    model = resolve_model(spec)
     topk = m["sampling"].get("logprobs", 5)
+    if form != "transformers":
+        from lpf.pipeline.reference_http import for_run
+
+        rescorer = for_run(m, spec, s.reference_model, s.reference_concurrency, topk)
+        _start(run, redo, rescorer.describe())
+        try:
+            _score_local(run, rescorer, on_start, tick)
+        finally:  # what it cost, failed requests included
+            m["reference"] = {**rescorer.describe(), "executor": "local"}
+            run.save_manifest()
+        return
+    model = resolve_model(spec)
     if s.executor == "local":
         from lpf.pipeline.reference import Rescorer
 
@@ -171,6 +195,23 @@ def _rescore(run: RunDir, s: RescoreSettings, redo: bool, on_start: OnStart, tic
             f"reference {spec} uses a different tokenizer from the engine's model "
             f"{m['model']['spec']}: token ids would not mean the same text"
         )
+    desc = {"kind": "transformers", **desc, "executor": s.executor}
+    if s.executor == "local" and rescorer.replay is not None:
+        desc["seeded_replay"] = rescorer.replay.kind
+    _start(run, redo, desc)
+    if s.executor == "ray":
+        pending, total, done = unscored_requests(run)
+        on_start(total, done)
+        from lpf.pipeline.rescore_ray import rescore_on_ray
+
+        rescore_on_ray(run, pending, model, s, topk, tick)
+        return
+    _score_local(run, rescorer, on_start, tick)
+
+
+def _start(run: RunDir, redo: bool, desc: dict) -> None:
+    """The manifest names the reference about to score (`--redo`: the old reference's scores dropped)."""
+    m = run.manifest
     if redo:
         # a calibration run, like the prompt scores, belongs to the old reference
         for p in (
@@ -178,19 +219,17 @@ def _rescore(run: RunDir, s: RescoreSettings, redo: bool, on_start: OnStart, tic
         ):
             p.unlink()
         m.pop("calibration", None)
-    m["reference"] = {**desc, "executor": s.executor}
-    if s.executor == "local" and rescorer.replay is not None:
-        m["reference"]["seeded_replay"] = rescorer.replay.kind
+    m["reference"] = desc
     run.save_manifest()
-    pending, total, done = unscored_requests(run)
-    on_start(total, done)
-    if s.executor == "ray":
-        from lpf.pipeline.rescore_ray import rescore_on_ray
 
-        rescore_on_ray(run, pending, model, s, topk, tick)
-        return
+
+def _score_local(run: RunDir, rescorer, on_start: OnStart, tick: Tick) -> None:
+    """Every unscored request through `rescorer` (transformers or `reference_http`), in this process."""
     from lpf.pipeline.reference import ScoreItem
 
+    m = run.manifest
+    pending, total, done = unscored_requests(run)
+    on_start(total, done)
     with_prompt = set(run.read("prompt_tokens", ["request_id"]).column("request_id").unique().to_pylist())
     todo = set(pending.column("request_id").to_pylist())
     from lpf.core.sampling import request_seed

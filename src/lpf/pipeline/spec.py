@@ -2,7 +2,8 @@
 
     AuditSpec(run=RunSpec(engine, model, workload, out, n, limit, sampling, engine_options, part_size, trace_dir,
                           declared=Declared(kv_cache_dtype, flash_attention, weight_quantization)),
-              rescore=RescoreSettings(reference, dtype, token_budget, device, executor, ray),
+              rescore=RescoreSettings(reference, dtype, token_budget, device, executor, ray,
+                                      reference_model, reference_concurrency),
               analysis=AnalysisSpec(calibrate, attribution), thresholds={name: value})
 
 The command line and `lpf.audit` build one from their options through one builder
@@ -215,6 +216,8 @@ def audit_command(spec: AuditSpec, with_out: bool = True) -> list[str]:
     rs, default = spec.rescore, AuditSpec.model_fields["rescore"].default
     for flag, value, base in (
         ("--reference", rs.reference, default.reference),
+        ("--reference-model", rs.reference_model, default.reference_model),
+        ("--reference-concurrency", rs.reference_concurrency, default.reference_concurrency),
         ("--reference-dtype", rs.dtype, default.dtype),
         ("--reference-device", rs.device, default.device),
         ("--token-budget", rs.token_budget, default.token_budget),

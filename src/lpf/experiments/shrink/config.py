@@ -340,6 +340,9 @@ class Source:
             AuditSpec.model_fields["rescore"].default,
             dtype=ref.get("dtype") or "float32",
             reference=ref["spec"] if ref.get("spec") and ref["spec"] != m["model"]["spec"] else None,
+            # a server reference (`lpf.pipeline.reference_http`): the same server, asked the same way
+            reference_model=ref.get("served_model") if ref.get("kind") == "http" else None,
+            reference_concurrency=ref.get("concurrency") if ref.get("kind") in ("http", "self") else None,
         )
         return AuditSpec(run=run, rescore=rescore, thresholds=self.threshold_values())
 
