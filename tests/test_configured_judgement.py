@@ -257,3 +257,29 @@ def test_each_request_is_judged_at_its_own_temperature():
     unknown = req.set_column(at, "sampling", pa.array([{"top_p": 0.9}] * req.num_rows, schema.SAMPLING))
     summary, _ = analyze(unknown, tok, ref, Thresholds(), greedy=True, temperature=0.0)
     assert not {r["request_id"] for r in summary.to_pylist() if r["verdict"] in ("divergent", "corrupt")}
+
+
+def test_a_configuration_names_its_floor_row_and_an_unmeasured_one_is_said():
+    from lpf.analysis.floors import configured_kv, expected_floor
+    from lpf.pipeline.analyze import floor_table
+
+    def conf(via="llama-server -fa on (lpf started it)", **fields):
+        return {k: {"value": v, "source": "engine", "via": via} for k, v in fields.items()}
+
+    fa = configured_kv("llamacpp", "float32", conf(flash_attention="on", kv_cache_dtype="float32"))
+    assert fa["kv"] == "float16" and "bugs.md 18" in fa["why"]
+    assert configured_kv("llamacpp", "float32", conf(flash_attention="off", kv_cache_dtype="float32")) is None
+    vllm = "vllm_config.cache_config"
+    assert configured_kv("vllm", "float32", conf(vllm, flash_attention="on")) is None  # torch attention keeps f32 K/V
+    assert configured_kv("vllm", "bfloat16", conf(vllm, kv_cache_dtype="fp8_e4m3"))["kv"] == "fp8_e4m3"
+    table = floor_table()
+    floor = expected_floor(table, "float32", "float32", "zoo:jamba", configuration=fa)
+    assert floor["pair"] == "float32/float32 kv=float16" and floor["configured"] == fa
+    plain = expected_floor(table, "float32", "float32", "zoo:jamba")
+    assert floor["token"]["q99"] > 100 * plain["token"]["q99"]  # an f16 K/V copy: far past float32's own
+    # a configuration nobody measured: the plain pair, said (an undeclared quantization stays caught as before)
+    q4 = expected_floor(
+        table, "float32", "float32", "zoo:jamba", configuration={"kv": "q4_0", "why": "a q4_0 KV cache"}
+    )
+    assert q4["pair"] == "float32/float32" and "a q4_0 KV cache has no measured floor" in q4["detail"]
+    assert "configured" not in q4

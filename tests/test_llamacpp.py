@@ -577,3 +577,32 @@ def test_a_q8_0_kv_cache_runs_with_flash_attention_on_and_says_why(lpf_cli, tmp_
         "run", "--engine", "llamacpp", "-E", "cache_type_v=q4_0", "-E", "flash_attn=off", "--out", tmp_path / "x"
     )
     assert bad.code == 2 and "runs only with flash attention" in bad.err and "Traceback" not in bad.err
+
+
+@needs_llamacpp
+@pytest.mark.slow  # two audits of 24 requests through llama-server
+@pytest.mark.parametrize(
+    "knobs, pair, why",
+    [
+        (["-E", "flash_attn=on"], "float32/float32 kv=float16", "flash attention's f16 copy"),
+        (["-E", "cache_type_k=q8_0", "-E", "cache_type_v=q8_0"], "float32/float32 kv=q8_0", "a q8_0 KV cache"),
+    ],
+    ids=["flash-attention", "q8_0-kv"],
+)
+def test_a_configured_kv_is_judged_against_its_own_floor(lpf_cli, tmp_path, oracle24, knobs, pair, why):
+    """Issue 52: llama-server's flash attention on a float32 KV cache (its default -fa) computes on an f16 copy
+    (docs/bugs.md 18) and a q8_0 KV cache rounds K and V: honest configurations, judged `systematic` against
+    float32's floor. The run's configuration names the floor row measured for it (scripts/measure_floor_config.py),
+    the run is `same` with a line saying what departs and why, exit 0."""
+    out = tmp_path / "run"
+    r = lpf_cli(
+        "audit", "--engine", "llamacpp", "--model", "zoo:jamba", "--workload", oracle24, "--max-tokens", 24,
+        "-E", "threads=1", *knobs, "--out", out, "--json",
+    )  # fmt: skip
+    assert r.code == 0, r.err
+    f = json.loads(r.out)
+    assert f["thresholds"]["noise_floor"]["pair"] == pair and f["run_test"]["result"] == "same"
+    assert (
+        why in f["run_test"]["configured_sentence"]
+        and "configured, not a fault" in f["run_test"]["configured_sentence"]
+    )
