@@ -4,7 +4,9 @@
 a run directory of the run schema from the outputs (`lpf.api.outputs`: prompt ids, output ids, logprobs,
 top-k), rescores it with that loaded model, analyses it (the same `lpf.pipeline` stages as `lpf audit`,
 no engine adapter), writes report.html and returns `Findings`. `compare(outputs, reference=..., dtype=...)`
-is the same with a reference loaded for the call.
+is the same with a reference loaded for the call, its `dtype` naming the engine's dtype too (when neither
+`engine_dtype=` nor the engine's description names one): `compare(outputs, reference=M, dtype="float32")`
+is judged against the float32/float32 floor, not the lenient floor of an engine of unknown dtype.
 
 What the analysis can say grows with what the test hands over: `trace` (a table of the run schema's trace
 columns, request ids as in the outputs, kept whole: the built-in engine's side table) or `trace_dir` (the lpf-vllm-trace
@@ -144,7 +146,13 @@ def compare(
     **kwargs,
 ) -> Findings:
     """`Reference(reference, dtype, device).compare(outputs, rule=rule, **kwargs)`: the reference loaded
-    for this call only (a test suite keeps one: the pytest plugin's `lpf_reference` fixture)."""
+    for this call only (a test suite keeps one: the pytest plugin's `lpf_reference` fixture). `dtype` names
+    the engine's dtype too unless `engine_dtype=` (or the engine description's `options.dtype`) says
+    otherwise: the floor is that of the pair, never the lenient one of an engine of unknown dtype."""
+    engine = kwargs.get("engine")
+    named = isinstance(engine, Mapping) and (engine.get("options") or {}).get("dtype") is not None
+    if kwargs.get("engine_dtype") is None and not named:
+        kwargs["engine_dtype"] = dtype
     return Reference(reference, dtype=dtype, device=device).compare(outputs, rule=rule, **kwargs)
 
 

@@ -313,9 +313,11 @@ def main(argv: list[str] | None = None) -> None:
     ray = RayOptions(address=a.ray_address, actors=a.actors, gpus_per_actor=a.gpus_per_actor)
     # SIGTERM (lpf watch stopping) unwinds through `finally`, so a local Ray this process started stops too
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    parent = os.getppid()
     scorer = Scorer(a.run, a.reference, a.dtype, a.device, a.window, max_lag=a.max_lag, executor=a.executor, ray=ray)
     try:
-        while True:
+        # lpf watch killed outright (SIGKILL, OOM) cannot stop its scorer: an orphan (re-parented) stops itself
+        while os.getppid() == parent:
             scorer.cycle()
             time.sleep(a.poll)
     finally:
