@@ -246,6 +246,7 @@ def create_proxy(
         await send({"type": "http.response.body", "body": body})
 
     async def _passthrough(resp: Answer, send, watch: _Watch) -> None:
+        metrics.answered(resp.status_code)
         try:
             await send({"type": "http.response.start", "status": resp.status_code, "headers": _headers(resp, True)})
             try:
@@ -280,6 +281,7 @@ def create_proxy(
                 )
             sample.added = added = wire.Added()
         sample.status = resp.status_code
+        metrics.answered(resp.status_code)
         if sample.stream and resp.status_code == 200:
             try:
                 await send({"type": "http.response.start", "status": 200, "headers": _headers(resp, False)})
