@@ -123,6 +123,9 @@ class WatchMetrics:
         )
 
         # every label value from the start, at 0; the last-window gauges NaN until a window is judged
+        for route in ("/v1/completions", "/v1/chat/completions"):
+            for sampled in ("True", "False"):
+                self.proxied.labels(route=route, sampled=sampled)
         for c in STATUS_CLASSES:
             self.answers.labels(status_class=c)
         for c in FAILURE_CLASSES:
