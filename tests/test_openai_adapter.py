@@ -261,10 +261,10 @@ def test_every_bad_answer_is_recorded_with_its_error_and_retries_are_bounded(lpf
 
     findings = json.loads(r.out)
     assert findings["errors"] == len(CASES) - len(good) - len(kept)
-    # the failures in one line, grouped by shape (eight shapes of one each: three shown), with a hint
+    # the failures in one line, grouped by shape (nine shapes of one each: three shown), with a hint
     said = " ".join(r.err.split())
     assert f"requests failed ({findings['errors']} of {len(CASES)}): 1 x answer is not valid JSON" in said, said
-    assert "5 more in 5 other shapes (hint: answers took longer than -E timeout_s" in said, said
+    assert "6 more in 6 other shapes (hint: answers took longer than -E timeout_s" in said, said
     assert sum(findings["counts"].values()) == len(good) + len(kept)
     ev = findings["evidence"]
     assert ev["inconsistent"] == {

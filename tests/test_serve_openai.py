@@ -97,6 +97,9 @@ def test_the_openai_client_gets_the_same_tokens_whole_and_streamed(server):
     assert raw.text.endswith("data: [DONE]\n\n") and raw.text.startswith("data: {")
     bad = httpx.post(f"{server.base_url}/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "x"}]})
     assert bad.status_code == 400 and "messages[0]" in bad.json()["error"]["message"]
+    echo = {"model": MODEL, "prompt": PROMPT, "echo": True, "logprobs": 1, "stream": True}
+    bad = httpx.post(f"{server.base_url}/v1/completions", json=echo)  # refused, never silently left out
+    assert bad.status_code == 400 and "stream=true" in bad.json()["error"]["message"]
 
 
 @pytest.mark.slow  # an `lpf watch` process and its scorer (~30 s here under load)

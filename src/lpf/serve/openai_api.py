@@ -1,7 +1,7 @@
 """OpenAI /v1/completions as vLLM 0.32 serves it: request model, planning, rendering.
 
 Contract: `CompletionRequest` parses the body (unknown fields ignored, as vLLM does; non-neutral values
-of what lpf serve cannot do refused; `repetition_penalty`, `presence_penalty` and `frequency_penalty` applied,
+of what lpf serve cannot do refused, `echo` and `prompt_logprobs` with `stream` too; `repetition_penalty`, `presence_penalty` and `frequency_penalty` applied,
 the repetition penalty defaulting to the server's own, `ModelInfo.repetition_penalty`), `plan_completion` turns it into engine `Request`s (one per prompt
 per choice) or raises `ApiError`, `render_completion` turns the finished requests into vLLM's exact
 JSON (field names checked against its source). -inf logprobs are rendered -9999.0, as vLLM does.
@@ -93,6 +93,8 @@ def _penalties(req, info: ModelInfo) -> dict:
 def plan_completion(req: CompletionRequest, tokenizer, info: ModelInfo, base_id: str) -> list[Planned]:
     refuse_non_neutral(req.model_extra, COMPLETION_NEUTRAL, "/v1/completions")
     prompt_k = prompt_top_k(req)
+    if req.stream and (req.echo or prompt_k is not None):
+        raise ApiError("echo and prompt_logprobs are not supported with stream=true by lpf serve", param="stream")
     prompts = tokenize_prompts(req.prompt, tokenizer, info, "prompt")
     return plan_prompts(
         req, prompts, req.max_tokens if req.max_tokens is not None else 16, req.logprobs, prompt_k, info, base_id
