@@ -153,14 +153,15 @@ def test_answers_through_the_proxy_equal_direct_ones_and_the_sample_is_recorded(
 
     # the supervisor reads the scorer's judged windows on its own polling cycle: a loaded machine can show
     # the sample scored (scorer.json) before /metrics has counted its window's verdicts
-    def counted() -> str | None:
+    def counted() -> str | None:  # (every verdict's series exists from the start, at 0)
         text = httpx.get(f"{proxy.base_url}/metrics").text
-        return text if 'lpf_watch_verdicts_total{verdict="clean"}' in text else None
+        return text if 'lpf_watch_verdicts_total{verdict="clean"} 0.0' not in text else None
 
     metrics = wait_for(counted, what="the judged window's verdicts in /metrics")
     assert f'lpf_watch_requests_total{{route="/v1/completions",sampled="True"}} {float(n)}' in metrics
     page = httpx.get(f"{proxy.base_url}/lpf/")
-    assert page.status_code == 200 and "run test" in page.text and f"recorded: {n}" in page.text
+    assert page.status_code == 200 and "<svg" in page.text and f"recorded: {n}" in page.text
+    assert f"reference: {MODEL}" in page.text and "scoring lag: 0 answered samples waiting" in page.text
 
 
 def _sse(body: dict, cut: bool = False) -> bytes:

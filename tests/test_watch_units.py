@@ -324,6 +324,38 @@ def test_fail_after_counts_alarmed_windows_in_arrival_order_even_when_judged_at_
     sup.close()
 
 
+def test_an_upstream_failing_window_is_posted_as_its_own_event(tmp_path):
+    from scripted_http import Reply, ScriptedServer
+
+    from lpf.watch.metrics import WatchMetrics
+    from lpf.watch.supervisor import Supervisor
+
+    (tmp_path / "live").mkdir()
+    line = {
+        "window": 3,
+        "first_seq": 12,
+        "last_seq": 15,
+        "n_settled": 4,
+        "n_requests": 1,
+        "n_failed": 3,
+        "failed": {"5xx": 3},
+        "upstream_failing": True,
+        "alarm": False,
+        "verdicts": {"clean": 1},
+        "run_test": {"result": None},
+    }
+    (tmp_path / "live" / "windows.jsonl").write_text(json.dumps(line) + "\n")
+    with ScriptedServer(lambda *a: Reply(json={"ok": True})) as hook:
+        m = WatchMetrics()
+        sup = Supervisor(tmp_path, [], m, lambda w: None, webhook=hook.url + "/alert")
+        sup.tick()
+        sup.close()
+        (posted,) = [p.body for p in hook.posts]
+    assert posted["event"] == "lpf_watch_upstream_failing" and posted["n_failed"] == 3 and posted["share"] == 0.5
+    assert posted["sentence"] == "3 of 4 failed upstream (5xx 3): upstream failing"
+    assert 'lpf_watch_windows_total{result="upstream-failing"} 1.0' in m.render()[0].decode()
+
+
 def test_the_live_page_lists_windows_newest_first_and_escapes_what_it_shows():
     from lpf.watch.page import render_page
 
