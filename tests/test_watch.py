@@ -5,8 +5,9 @@
   the run schema (timing, requests in flight, upstream request id) and scored, and `lpf analyze` /
   `lpf report` read the recording.
 - Against a scripted streaming upstream (a real HTTP server sending vLLM's SSE chunks, scripted so that it can
-  cut a stream; `lpf serve`'s own streams through the proxy: test_serve_openai.py): streams pass through event by event, a sampled one with what lpf asked for taken out, its
-  tokens and logprobs recorded; an upstream that cuts a stream cuts the client's.
+  cut a stream; `lpf serve`'s own streams through the proxy: test_serve.py): streams pass through event by
+  event, a sampled one with what lpf asked for taken out, its tokens and logprobs recorded; an upstream that
+  cuts a stream cuts the client's.
 - Sampling is a pure function of the body and the seed (the one fast test here; the others start processes
   and are slow; test_watch_units.py covers the parts without servers).
 The model-swap drill (`lpf serve` restarted with --inject quantize-weights:4 mid-stream) and the
