@@ -356,6 +356,19 @@ def test_the_openai_client_gets_the_same_tokens_whole_and_streamed(server):
     assert raw.text.endswith("data: [DONE]\n\n") and raw.text.startswith("data: {")
     bad = httpx.post(f"{server.base_url}/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "x"}]})
     assert bad.status_code == 400 and "messages[0]" in bad.json()["error"]["message"]
+    # a client that leaves mid-stream takes its request back out of the engine
+    before = _metric(httpx.get(f"{server.base_url}/metrics").text, "lpf_requests_cancelled_total")
+    long = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=long, timeout=60) as resp:
+        next(line for i, line in enumerate(resp.iter_lines()) if i >= 4)
+
+    def after() -> float:
+        return _metric(httpx.get(f"{server.base_url}/metrics").text, "lpf_requests_cancelled_total")
+
+    deadline = time.monotonic() + 30
+    while after() == before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert after() == before + 1
     echo = {"model": MODEL, "prompt": PROMPT, "echo": True, "logprobs": 1, "stream": True}
     bad = httpx.post(f"{server.base_url}/v1/completions", json=echo)  # refused, never silently left out
     assert bad.status_code == 400 and "stream=true" in bad.json()["error"]["message"]
