@@ -14,7 +14,8 @@ session fixture or a resource two workers must not hold at once share one group 
 groups are handed out longest first (`LONGEST_FIRST`), so the last one to finish is a short one.
 
 No leaked processes: at the session's end (each xdist worker's), a child process still alive after a
-grace period fails the run, named with the test it appeared during, and is killed.
+grace period fails the run, named with the test it appeared during, and is killed; the session is the
+subreaper of what its tests start, so an orphaned grandchild counts too.
 """
 
 from __future__ import annotations
@@ -118,9 +119,26 @@ def pytest_collection_modifyitems(config, items):
 
 # -- no leaked processes: a child process a test started and left running fails the run ----------------------
 # Long-lived helpers the interpreter or a library starts for the whole process, not a test's leftovers.
-_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver", "compile_worker")
+# (vLLM's zygote server is shared by the tests that start vLLM workers and exits after 60 s without one.)
+_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver", "compile_worker", "vllm_zygote_server")
 _STARTED_BY: dict[int, str] = {}  # child pid -> the test during which it first appeared
 LEAK_GRACE_S = 10.0  # children given this long to exit after the last test (a Ray shutdown, a SIGTERM in flight)
+
+
+def _adopt_orphans() -> None:
+    """Make this process the subreaper of what its tests start (Linux): a grandchild whose parent died (the
+    scorer of an `lpf watch` a test SIGKILLed) is re-parented here rather than to init, so the session-end
+    check sees it."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        pass
+
+
+def pytest_configure(config):
+    _adopt_orphans()
 
 
 def _children() -> list:
