@@ -1,6 +1,13 @@
 # `make demo` and `make test` each do all set-up on a fresh machine: create .venv, install, run.
 # The venv is reused until pyproject.toml or the constraints file changes.
 # GPU users: `make CONSTRAINTS=constraints-none.txt test` (no torch pin; bring your own CUDA torch).
+# Versions that change results: torch and numpy are pinned in constraints-cpu.txt (torch: the CPU wheel;
+# numpy: the synthetic golden runs' random streams); pyarrow, transformers and the rest are not, and the
+# tests tolerate them: golden findings compare floats within REL / ABS (tests/test_analysis_golden.py),
+# decisions exactly; transformers 5.24.0 and 5.25.0 both pass. No test compares floats bit for bit across
+# machines; bit-for-bit checks stay where one machine is the point (the Ray executor's parts against the
+# local ones, a forked vLLM worker against a fresh one, the streamed analysis against the in-memory one).
+# `LPF_CI_FRESH=1 bash .ci/run` runs the suite as a new machine does (no pip cache, no shared engine builds).
 PY ?= python3
 VENV := .venv
 CONSTRAINTS ?= constraints-cpu.txt

@@ -8,7 +8,8 @@ then, from the run directory's `faults/` (ground truth, which analysis never rea
   false pos.    requests flagged, or merely `noise`, that the ground truth does not name (any role: an
                 offset-wrap victim, `overwritten`, is the drill's doing; except `unchanged`: a request
                 the drill touched whose output it did not change)
-  named         whether the first-ranked hypothesis' feature is one `prefix_drills.NAMED_BY` accepts
+  named         whether the first-ranked hypothesis' feature is one the drill's `named_by` accepts
+                (`lpf.builtin.drill_catalog`)
   mechanism     per flagged request: does its own mechanism (findings' flagged[].mechanism) name what the
                 ground truth's role says happened to it (`lpf.builtin.drill_truth.EXPECTED`; victims of
                 another request's write included): the share, matched/flagged (issue 39: >= 95% each)
@@ -19,7 +20,7 @@ then, from the run directory's `faults/` (ground truth, which analysis never rea
                 (requests, tokens), whether its repro.py exits 1 (and 0 with the drill off)
 prefix-cache-inert is not a verdict: its row reports the run's prefix-cache finding and hit counts.
 
-Configurations (ground truth and knobs from `prefix_drills.KNOBS`):
+Configurations (the features that name each drill, and the prefix drills' knobs: `drill_catalog`):
   prefix drills  tiny:jamba-longmem, zoo:shared-prefix (1,000 requests), --max-tokens 8,
                  --max-num-batched-tokens 48, --cache-mb 3, --enable-prefix-caching
   stale-state    tiny:jamba-longmem, zoo:oracle --n 4 (2,000 requests), --cache-mb 3 --max-num-seqs 16
@@ -81,34 +82,28 @@ KV_DOUBLE_FREE_ARGS = [
     *["--model", "zoo:hybrid", "--workload", "zoo:oracle", "--n", "2", "--max-tokens", "16"],
     *["--cache-mb", "2", "--max-num-batched-tokens", "64"],
 ]
-# speculative decoding (issue 43; `lpf.builtin.spec_decode`): tiny:jamba-longmem on zoo:oracle --n 2 (1,000
+# speculative decoding (issue 43; `lpf.builtin.speculative_decode`): tiny:jamba-longmem on zoo:oracle --n 2 (1,000
 # requests), greedy, 24 tokens; K = 8 for spec-prefill-verify (the addition prompts are 9 = 1 + K tokens),
 # K = 4 for spec-no-rollback; spec-accepted-permuted: K = 2, 48 tokens (the untrained model's outputs
 # repeat, so drafts get accepted and counts differ) and 8 sequences at a time (finished rows refilled:
 # the persistent batch permuted)
 SPEC_ARGS = ["--workload", "zoo:oracle", "--n", "2", "--max-tokens", "24"]
 SPEC_DRILLS = {
-    "spec-prefill-verify": ([*SPEC_ARGS, "-E", "speculative=ngram:8"], {"prompt_on_verify_path"}),
-    "spec-accepted-permuted": (
-        ["--workload", "zoo:oracle", "--n", "2", "--max-tokens", "48", "-E", "speculative=ngram:2"]
-        + ["--max-num-seqs", "8"],
-        {"state_rolled_back_wrong"},
-    ),
-    "spec-no-rollback": ([*SPEC_ARGS, "-E", "speculative=ngram:4"], {"state_kept_rejected_drafts"}),
+    "spec-prefill-verify": [*SPEC_ARGS, "-E", "speculative=ngram:8"],
+    "spec-accepted-permuted": ["--workload", "zoo:oracle", "--n", "2", "--max-tokens", "48"]
+    + ["-E", "speculative=ngram:2", "--max-num-seqs", "8"],
+    "spec-no-rollback": [*SPEC_ARGS, "-E", "speculative=ngram:4"],
     # two turns (TWOTURN: 500 oracle prompts, and 32 requests later each prompt + 20 of its greedy outputs),
     # so the second turn resumes from the checkpoints the first turn's verify steps saved; 16 sequences at
     # a time (the first turn done before the second is admitted)
-    "spec-checkpoint-rejected": (
-        ["--workload", "TWOTURN", "--max-tokens", "24", "--ignore-eos", "--enable-prefix-caching"]
-        + ["-E", "mamba_block_size=16", "-E", "speculative=ngram:4", "--max-num-seqs", "16"],
-        {"resumed_overshot_state"},
-    ),
+    "spec-checkpoint-rejected": ["--workload", "TWOTURN", "--max-tokens", "24", "--ignore-eos"]
+    + ["--enable-prefix-caching", "-E", "mamba_block_size=16", "-E", "speculative=ngram:4", "--max-num-seqs", "16"],
     # sampled at temperature 1 with a draft model's probabilities (zoo:llama drafts: the zoo's tokenizer),
     # 8 sequences at a time (finished rows refilled: the persistent batch permuted)
-    "spec-draft-probs-permuted": (
-        [*SPEC_ARGS, "--temperature", "1.0", "-E", "speculative=draft:zoo:llama:4", "--max-num-seqs", "8"],
-        {"spec_decision_against_odds", "sampled_spec_batch_over_2"},
-    ),
+    "spec-draft-probs-permuted": [
+        *SPEC_ARGS,
+        *["--temperature", "1.0", "-E", "speculative=draft:zoo:llama:4", "--max-num-seqs", "8"],
+    ],
 }
 INJECT = {"offset-wrap": "offset-wrap:18"}  # a drill's --inject spec, where it takes an argument
 VLLM_MODEL = "tiny:hybrid-longmem"  # the vLLM drills' model: vLLM's CPU build runs no Jamba
@@ -119,20 +114,17 @@ def lpf(*args) -> subprocess.CompletedProcess:
 
 
 def drills(quick: bool) -> dict[str, tuple[list[str], set[str]]]:
-    from lpf.builtin.prefix_drills import KNOBS, NAMED_BY
+    """drill -> (its audit's arguments, the hypothesis features that name it: `drill_catalog`'s named_by)."""
+    from lpf.builtin.drill_catalog import CATALOG, PREFIX_CACHING, by_family
 
-    out = {}
-    for d, knobs in KNOBS.items():
-        extra = [a for k, v in knobs.items() for a in ("-E", f"{k}={v}")]
-        caching = [] if d == "stale-conv-on-reuse" else ["--enable-prefix-caching"]
-        out[d] = (["--workload", "SHARED", *PREFIX_ARGS, *caching, *extra], NAMED_BY[d])
-    out["stale-state"] = (
-        STALE_ARGS,
-        {"first_decode_uncomputed", "admitted_as_decode", "first_slot_used_before", "first_step_one_token"},
-    )
-    out["offset-wrap"] = (OFFSET_WRAP_ARGS, {"slot_offset_over_wrap", "state_write_strayed", "max_state_slot"})
-    out["kv-double-free"] = (KV_DOUBLE_FREE_ARGS, {"kv_overwritten"})
-    out.update(SPEC_DRILLS)
+    args = {}
+    for d in by_family("prefix"):
+        extra = [a for k, v in d.knobs.items() for a in ("-E", f"{k}={v}")]
+        caching = ["--enable-prefix-caching"] if PREFIX_CACHING in d.needs else []
+        args[d.name] = ["--workload", "SHARED", *PREFIX_ARGS, *caching, *extra]
+    args |= {"stale-state": STALE_ARGS, "offset-wrap": OFFSET_WRAP_ARGS, "kv-double-free": KV_DOUBLE_FREE_ARGS}
+    args |= SPEC_DRILLS
+    out = {name: (a, set(CATALOG[name].named_by)) for name, a in args.items()}
     return {"stale-conv-on-reuse": out["stale-conv-on-reuse"]} if quick else out
 
 
@@ -496,7 +488,7 @@ def main() -> None:
             "stale_state": STALE_ARGS,
             "offset_wrap": [*OFFSET_WRAP_ARGS, "--inject", INJECT["offset-wrap"]],
             "kv_double_free": KV_DOUBLE_FREE_ARGS,
-            "speculative": {d: args for d, (args, _) in SPEC_DRILLS.items()},
+            "speculative": dict(SPEC_DRILLS),
         }
     doc["first_try"] = first_try({"builtin": doc.get("results", {}), "vllm": doc.get("vllm", {}).get("results", {})})
     dest.write_text(json.dumps(doc, indent=1, default=str))

@@ -11,6 +11,11 @@ X-Request-Id passed on) and then, by rule, changes what the client gets:
   in flight at the proxy gets its answer with every logprob lowered by `shift` (the tokens untouched):
   a lie that only highly concurrent arrivals see. `corrupted` records their request ids, `arrivals`
   every request's in-flight count at arrival.
+- `tamper_every=K`: a server that lowers reported logprobs. Every K-th request by arrival (k % K == 0) gets
+  its sampled tokens' logprobs lowered by `shift` from the middle of the answer on (position n // 2; the
+  tokens untouched); with `tamper_topk` its top-k entries at those positions are lowered too (a consistent
+  answer), else they stay as they were (an answer that contradicts itself). `tampered` records
+  {request id: first lowered position}.
 - `delay_s`: every answer leaves the proxy no sooner than `delay_s` after its request arrived (a slower
   server: concurrency builds up under load). The time is counted from the arrival, not added to the
   upstream's own time, so while the real server answers within `delay_s` every request stays in flight
@@ -39,10 +44,14 @@ class LyingProxy:
         shift: float = 2.5,
         delay_s: float = 0.0,
         pair_timeout: float = 20.0,
+        tamper_every: int | None = None,
+        tamper_topk: bool = False,
     ):
         self.upstream = upstream.rstrip("/")
         self.swap_every, self.corrupt_at, self.shift = swap_every, corrupt_at, shift
         self.delay_s, self.pair_timeout = delay_s, pair_timeout
+        self.tamper_every, self.tamper_topk = tamper_every, tamper_topk
+        self.tampered: dict[str, int] = {}
         self.lock = threading.Condition()
         self.arrived = 0
         self.in_flight = 0
@@ -107,6 +116,8 @@ class LyingProxy:
         self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
 
     def _lie(self, k: int, rid: str, answer: dict, concurrency: int) -> dict:
+        if self.tamper_every and k % self.tamper_every == 0:
+            self._tamper(rid, answer)
         if self.corrupt_at is not None and concurrency >= self.corrupt_at:
             with self.lock:
                 self.corrupted.append(rid)
@@ -131,6 +142,22 @@ class LyingProxy:
                     )
                     return {**answer, "choices": other["answer"]["choices"]}
         return answer
+
+    def _tamper(self, rid: str, answer: dict) -> None:
+        for choice in answer.get("choices") or []:
+            lp = choice.get("logprobs") or {}
+            values = lp.get("token_logprobs") or []
+            at = len(values) // 2
+            if not values:
+                continue
+            with self.lock:
+                self.tampered[rid] = at
+            lp["token_logprobs"] = [v - self.shift if i >= at and v is not None else v for i, v in enumerate(values)]
+            if self.tamper_topk:
+                lp["top_logprobs"] = [
+                    {t: v - self.shift for t, v in (top or {}).items()} if i >= at else top
+                    for i, top in enumerate(lp.get("top_logprobs") or [])
+                ]
 
     def __enter__(self) -> "LyingProxy":
         self.thread.start()

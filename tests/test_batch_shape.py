@@ -79,3 +79,59 @@ def test_llama_server_flash_attention_is_named_as_batch_shape_dependence(lpf_cli
     assert on["dependent"] and on["server"] == "llama-server" and "flash attention" in on["sentence"], on
     assert on["max_abs_diff"] > on["tolerance"] and "batch-shape dependence" in docs["on"]["batch_shape"]["sentence"]
     assert not off["dependent"] and off["max_abs_diff"] <= off["tolerance"], off
+
+
+def test_tokens_only_copies_and_copies_sent_one_at_a_time():
+    """A server with no logprobs: judged on tokens; a copy sent with one request in flight ran alone."""
+    copies = [_copy(0, 0, None), {**_copy(1, 3, None), "alone": True}, _copy(2, 7, None, tokens=(1, 2, 4))]
+    bs = batch_shape(copies, 1e-4, "llama-server")
+    assert bs["dependent"] and bs["alone"] == 2 and bs["compared"] == "tokens" and bs["max_abs_diff"] is None
+    assert "tokens change" in bs["sentence"] and "no logprobs" in bs["sentence"]
+    same = batch_shape([_copy(0, 0, None), _copy(1, 3, None)], 1e-4)
+    assert not same["dependent"] and same["sentence"].startswith("no batch-shape dependence in the tokens")
+    # null batch sizes (a server that does not say) are no evidence of running alone
+    assert batch_shape([_copy(0, 0, 0.0), _copy(1, 3, 5e-4, sizes=[None])], 1e-4)["dependent"]
+
+
+@pytest.fixture(scope="module")
+def user_llama_server():
+    """A llama-server the user started: zoo:jamba in float32, flash attention on (llama-server's default is
+    auto), 8 slots on one unified KV cache."""
+    from lpf.adapters.llamacpp_gguf import find_tools, gguf_for
+    from lpf.adapters.llamacpp_server import LlamaServer
+    from lpf.core.model_specs import resolve_model
+
+    tools = find_tools()
+    gguf = gguf_for(resolve_model("zoo:jamba"), "float32", tools)
+    args = ["-np", "8", "-kvu", "-c", "4096", "-fa", "on", "-ctk", "f32", "-ctv", "f32", "-t", "1"]
+    server = LlamaServer(tools.server, gguf.path, args).start()
+    yield server
+    server.cleanup()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _built(), reason="llama.cpp not built: run `make llamacpp` (make test does)")
+def test_repeat_probes_a_server_the_user_started_from_the_client_side(lpf_cli, tmp_path, user_llama_server):
+    """`lpf repeat` through the OpenAI route (it died on `"logprobs": null`) and through `--engine llamacpp
+    --base-url` (it stopped at "parallel configure a server lpf starts"): each names batch-shape dependence
+    or says there is none, varying only what a client can."""
+    url = user_llama_server.base_url
+    routes = {
+        "openai": ("--engine", "openai", "--base-url", url + "/v1", "--served-model", "jamba"),
+        "llamacpp": ("--engine", "llamacpp", "--base-url", url),
+    }
+    for name, route in routes.items():
+        r = lpf_cli(
+            "repeat", *route, "--model", "zoo:jamba", "--prompt", PROMPT, "--times", 6, "--max-tokens", 16,
+            "--tolerance", 1e-5, "--out", tmp_path / name, "--json",
+        )  # fmt: skip
+        assert r.code == 0 and "Traceback" not in r.err, r.err
+        doc = json.loads(r.out)
+        assert doc["varied"]["side"] == "client" and doc["varied"]["knob"] == "concurrency"
+        assert [c["concurrency"] for c in doc["copies"]] == [1, 2, 4, 8, 16, 32]
+        bs = doc["batch_shape"]
+        assert bs["server"] == "llama-server" and bs["shared"] == 5 and bs["alone"] == 1
+        assert bs["sentence"].startswith(("batch-shape dependence", "no batch-shape dependence")), bs
+        assert doc["compared"] == "tokens and logprobs" and all(c["logprobs"] for c in doc["copies"])
+        said = " ".join(r.err.split())  # rich wraps long lines
+        assert "only what a client can" in said and "None" not in said

@@ -25,11 +25,11 @@ import pytest
 import torch
 
 from lpf.adapters.builtin import BuiltinEngine, BuiltinOptions
-from lpf.analysis.spec_features import spec_features
+from lpf.analysis.speculative_features import spec_features
 from lpf.builtin.drill_truth import EXPECTED
 from lpf.builtin.sched_output import ScheduledRequest
-from lpf.builtin.spec_propose import ngram_drafts
-from lpf.builtin.spec_sampler import verify_tokens
+from lpf.builtin.speculative_propose import ngram_drafts
+from lpf.builtin.speculative_sampler import verify_tokens
 from lpf.core.model_specs import load_tokenizer, resolve_model
 from lpf.core.sampling import SamplingParams
 from lpf.core.workload import expand, load_prompts

@@ -112,7 +112,9 @@ def test_conformance_on_the_builtin_engine_writes_the_matrix(lpf_cli, tmp_path):
     assert doc["kind"] == "conformance" and doc["complete"]
     cells = {(c["architecture"], c["cell"]): c for c in doc["cells"]}
     assert set(cells) == {
-        (a, c) for a in ("GraniteMoeHybridForCausalLM", "JambaForCausalLM") for c in ("fp32", "fp32-chunk16")
+        (a, c)
+        for a in ("GraniteMoeHybridForCausalLM", "JambaForCausalLM", "Qwen3_5ForCausalLM")
+        for c in ("fp32", "fp32-chunk16")
     }
     for c in cells.values():
         assert c["status"] == "ok" and c["verdict"] == "clean" and c["prompt_verdict"] == "clean", c

@@ -353,3 +353,29 @@ def test_unknown_fault_is_a_clean_error(tmp_path):
     proc = lpf_main("run", "--engine", "builtin", "--inject", "stale-sate", "--out", tmp_path / "x")
     assert proc.returncode == 2 and "did you mean 'stale-state'" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "x").exists()
+
+
+def test_lm_head_bf16_rounds_every_logprob():
+    """lm-head-bf16: logprobs move by bfloat16's rounding of the logits (8 mantissa bits: at most a few
+    hundredths of a nat on this model), and the ground truth names every request."""
+    import numpy as np
+
+    from lpf.adapters.builtin import BuiltinEngine, BuiltinOptions
+    from lpf.core.model_specs import resolve_model
+    from lpf.core.sampling import SamplingParams
+    from lpf.core.workload import EngineRequest
+
+    def run(inject):
+        sampling = SamplingParams(max_tokens=6)
+        engine = BuiltinEngine(resolve_model("zoo:hybrid"), sampling, BuiltinOptions.parse({"inject": inject}))
+        reqs = [EngineRequest(f"r{i}", i, f"p{i}", 0, (5 + i, 9, 12, 7 + i), 6, 0) for i in range(4)]
+        return {c.request_id: c for c in engine.generate(reqs)}, engine.side_tables()["faults"]
+
+    honest, none = run("")
+    rounded, truth = run("lm-head-bf16")
+    assert none is None or none.num_rows == 0
+    assert sorted(set(truth.column("request_id").to_pylist())) == sorted(honest)
+    assert set(truth.column("fault").to_pylist()) == {"lm-head-bf16"}
+    same = [r for r in honest if honest[r].output_token_ids == rounded[r].output_token_ids]
+    moved = [np.abs(np.subtract(honest[r].logprobs, rounded[r].logprobs)).max() for r in same]
+    assert same and 1e-4 < max(moved) < 0.2, moved

@@ -118,3 +118,45 @@ def test_unknown_request_and_bad_dir(lpf_cli, stale_run, tmp_path):
     assert len(r.err.strip().splitlines()) == 1
     r = lpf_cli("inspect", tmp_path, rid)
     assert r.code == 2 and "not a run directory" in r.err
+
+
+def test_unexplained_is_said_once_and_a_whole_answer_flag_has_no_position():
+    """`lpf inspect` printed "mechanism: unexplained: unexplained: ..."; the flagged table "None"."""
+    from rich.console import Console
+
+    from lpf.analysis.mechanisms import UNEXPLAINED
+    from lpf.analysis.thresholds import Thresholds
+    from lpf.cli.render import print_summary
+    from lpf.cli.render_views import print_request
+
+    info = {
+        "request": {"request_id": "r1", "summary": {"verdict": "divergent", "first_divergence": None}},
+        "mechanism": {"feature": None, "sentence": UNEXPLAINED, "rank": None},
+        "tokens": [],
+        "trace": [],
+        "rescored": True,
+        "tokenizer": None,
+        "overwritten_by": None,
+    }
+    console = Console(record=True, width=200)
+    print_request(info, console)
+    text = console.export_text()
+    assert text.count("unexplained") == 1 and f"mechanism: {UNEXPLAINED}" in text
+    assert "as a whole" in text
+
+    flagged = {"request_id": "r1", "seq": 0, "verdict": "divergent", "first_divergence": None}
+    findings = {
+        "verdict": "divergent",
+        "counts": {"clean": 0, "noise": 0, "divergent": 1, "corrupt": 0, "error": 0, "unscored": 0},
+        "n_requests": 1,
+        "n_tokens": 4,
+        "n_scored_tokens": 4,
+        "thresholds": Thresholds().to_dict(),
+        "metrics": {},
+        "flagged": [{**flagged, "max_abs_logprob_diff": 0.5, "mechanism": info["mechanism"]}],
+    }
+    console = Console(record=True, width=200)
+    print_summary(findings, "RUN", console)
+    text = console.export_text()
+    row = next(line for line in text.splitlines() if " r1 " in line)
+    assert "None" not in row and "whole answer" in row and "not at one position" in text

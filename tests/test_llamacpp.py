@@ -405,6 +405,11 @@ def test_parallel_slots_are_reused_and_traced(lpf_cli, tmp_path, oracle24):
         assert all(t["num_computed_tokens"] + t["num_scheduled_tokens"] == t["num_prompt_tokens"] for t in trace)
         e = json.loads((out / "manifest.json").read_text())["engine"]
         assert e["props"]["total_slots"] == 4 and e["options"]["parallel"] == 4
+        c = e["configuration"]  # /props' file type and defaults, lpf's own command line for the rest
+        assert c["dtype"] == {"value": "float32", "source": "engine", "via": "GET /props model_ftype 'all F32'"}
+        assert c["weight_quantization"]["value"] == "none" and c["kv_cache_dtype"]["value"] == "float32"  # -ctk f32
+        assert c["flash_attention"]["value"] == "off" and "f16 copy" in c["flash_attention"]["via"]
+        assert "repeat_penalty" in c["sampling_defaults"]["value"]
         runs[name] = {t["request_id"]: t for t in trace}
     reused = {rid for rid, t in runs["sequential"].items() if t["num_computed_tokens"] > 0}
     assert reused == {rid for rid in runs["sequential"] if rid.endswith("-r1")}
@@ -464,6 +469,16 @@ def test_q4_k_gguf_under_the_float32_name_is_caught_by_the_run_level_test(
     e = json.loads((out / "manifest.json").read_text())["engine"]
     assert e["server"] == {"started_by": "user", "base_url": server.base_url} and e["options"]["dtype"] == "float32"
     assert e["props"]["total_slots"] == 2
+    # the server's own word (its GGUF's file type) recorded, the user's float32 beside it as a conflict
+    c = e["configuration"]
+    assert c["dtype"] == {
+        "value": "q4_k_m",
+        "source": "engine",
+        "via": "GET /props model_ftype 'Q4_K - Medium'",
+        "declared": "float32",
+        "conflict": True,
+    }
+    assert c["weight_quantization"]["value"] == "Q4_K - Medium" and c["flash_attention"]["source"] == "absent"
 
 
 @needs_llamacpp
@@ -537,3 +552,28 @@ def test_reported_logprobs_are_the_float32_running_sum_normaliser():
     assert np.exp(got).sum() > 1 + 1e-6 and too_high > 1e-6  # the reported distribution sums to more than 1
     # the float32 running sum replayed on the float64 model's logits lands next to the server's number
     assert abs(got[top] - repro["replay"](logits)[top]) < 0.2 * too_high
+
+
+@needs_llamacpp
+@pytest.mark.slow
+def test_a_q8_0_kv_cache_runs_with_flash_attention_on_and_says_why(lpf_cli, tmp_path):
+    """`-E cache_type_k=q8_0 -E cache_type_v=q8_0` on zoo:jamba stopped before the first request ("failed to
+    create context": a quantized V cache needs flash attention, which lpf turned off for float32)."""
+    prompts = write_prompts(tmp_path / "p.jsonl", [{"id": f"p{i}", "prompt": f"K{i}2,A37|K{i}2|"} for i in range(1, 5)])
+    out = tmp_path / "run"
+    r = lpf_cli(
+        "run", "--engine", "llamacpp", "--model", "zoo:jamba", "--workload", prompts, "--max-tokens", 4,
+        "-E", "cache_type_k=q8_0", "-E", "cache_type_v=q8_0", "-E", "threads=1", "--out", out,
+    )  # fmt: skip
+    assert r.code == 0, r.err
+    reqs = pq.read_table(out / "requests").to_pylist()
+    assert len(reqs) == 4 and all(x["error"] is None and x["output_token_ids"] for x in reqs)
+    e = json.loads((out / "manifest.json").read_text())["engine"]
+    assert "-fa" in e["server"]["command"] and e["server"]["command"][e["server"]["command"].index("-fa") + 1] == "on"
+    c = e["configuration"]
+    assert c["kv_cache_dtype"]["value"] == "q8_0" and c["flash_attention"]["value"] == "on"
+    assert "quantized V cache (q8_0) needs flash attention" in c["flash_attention"]["via"]
+    bad = lpf_cli(
+        "run", "--engine", "llamacpp", "-E", "cache_type_v=q4_0", "-E", "flash_attn=off", "--out", tmp_path / "x"
+    )
+    assert bad.code == 2 and "runs only with flash attention" in bad.err and "Traceback" not in bad.err

@@ -49,6 +49,23 @@ def shapes(server, path, body, attempt) -> Reply:
         from lpf.core.chat import render
 
         n = len(render(tok, body["messages"])) + (3 if "mismatch" in user else 0)
+        if "eos" in user:  # llama-cpp-python's chat: the stop token as '' with bytes null, its text skipped
+            content = _content(tok, ids[:3], "bytes")["content"]
+            content.append({"token": "", "logprob": -0.1, "bytes": None, "top_logprobs": []})
+            return Reply(
+                200,
+                {
+                    "choices": [
+                        {
+                            "index": 0,
+                            "message": {"role": "assistant", "content": tok.decode(ids[:3])},
+                            "finish_reason": "stop",
+                            "logprobs": {"content": content},
+                        }
+                    ],
+                    "usage": {"prompt_tokens": n, "completion_tokens": 4},
+                },
+            )
         return Reply(
             200,
             {
@@ -126,6 +143,7 @@ def test_chat_route_sends_messages_scores_the_rendering_and_names_a_template_mis
         {"id": "plain", "prompt": "K12,A37|K12|"},
         {"id": "turns", "messages": [{"role": "system", "content": "R:A37"}, {"role": "user", "content": "A"}]},
         {"id": "odd", "prompt": "mismatch"},
+        {"id": "eos", "prompt": "eos"},
     ]
     out = tmp_path / "run"
     with ScriptedServer(shapes) as server:
@@ -137,9 +155,12 @@ def test_chat_route_sends_messages_scores_the_rendering_and_names_a_template_mis
     tok = _tokenizer()
     reqs = {x["request_id"]: x for x in pq.read_table(out / "requests").to_pylist()}
     assert reqs["turns-r0"]["prompt_token_ids"] == render(tok, items[1]["messages"])
+    eos = reqs.pop("eos-r0")  # a token '' with bytes null is placed by the answer's text: the stop token
+    assert eos["error"] is None and eos["output_token_ids"] == OUT_IDS[:3] + [tok.eos_token_id], eos
+    assert eos["inconsistency"] is None
     assert all(x["output_token_ids"] == OUT_IDS and x["error"] is None for x in reqs.values())
     assert reqs["plain-r0"]["inconsistency"] is None and reqs["turns-r0"]["inconsistency"] is None
     assert reqs["odd-r0"]["inconsistency"].startswith("chat_template: the server counts")
     f = json.loads(r.out)
     assert f["evidence"]["inconsistent"]["by_reason"] == {"chat_template": 1}
-    assert f["judged"]["route"] == {"/chat/completions": 3}
+    assert f["judged"]["route"] == {"/chat/completions": 4}

@@ -32,8 +32,8 @@ def _run(mech: str, value: float, n_req: int = 60, n_out: int = 20, seed: int = 
         for p in range(n_out):
             z = rng.normal(0.0, 3.0, V)
             pz = z.copy()
-            if mech == "repetition_penalty":
-                seen = sorted(set(prompt) | set(out))
+            if mech.startswith("repetition_penalty"):
+                seen = sorted(set(out) if mech.endswith("_output") else set(prompt) | set(out))
                 pz[seen] = np.where(z[seen] > 0, z[seen] / value, z[seen] * value)
             elif mech == "presence_penalty":
                 pz[sorted(set(out))] -= value
@@ -186,3 +186,15 @@ def test_logprobs_reported_at_a_temperature_of_the_servers_own_are_fitted():
     assert fit is not None and abs(fit["value"] - 0.7) <= 0.02 and fit["error"] < 1e-3, fit
     assert "temperature of about 0.7" in fit["sentence"]
     assert fit_logprob_temperature(joined(honest), ref, Thresholds()) is None
+
+
+def test_a_repetition_penalty_over_the_output_only_is_named_with_a_real_interval():
+    """llama-cpp-python's server applies repeat_penalty 1.1 to the tokens it generated, not the prompt's
+    (issue 52: lpf named "a presence penalty of about 0.7, interval [0.7, 0.7]"): the kind and scope the
+    evidence supports, and an interval of the values the evidence cannot tell from the fit."""
+    tok, ref, req = _run("repetition_penalty_output", 1.1, n_req=120, seed=11)
+    fit = fit_penalty(tok, ref, req, tie=1e-4)
+    assert fit is not None and (fit["mechanism"], fit["scope"]) == ("repetition_penalty", "output"), fit
+    assert abs(fit["value"] - 1.1) <= 0.02 and fit["interval"][0] <= 1.1 <= fit["interval"][1] + 0.0025
+    assert fit["interval"][1] > fit["interval"][0]  # a range, not one grid point
+    assert "tokens already in the output" in fit["sentence"]

@@ -120,3 +120,73 @@ def test_compare_counts_and_locates_divergence():
     assert same["unique_logprob_vectors"] == 1 and same["first_divergence"] == {"tokens": None, "logprobs": None}
     plans = plan_copies(9, vary=True)
     assert plans[0].n_fillers == 0 and len({(p.n_fillers, p.arrival, p.concurrency) for p in plans}) == 9
+
+
+def test_an_answer_without_logprobs_is_compared_by_its_tokens():
+    """llama-server answers `logprobs: 0` on its OpenAI route with `"logprobs": null`: tokens only."""
+    a, b = ([5, 6, 7], [-0.1, -0.2, -0.3]), ([5, 6, 7], None)
+    got = compare([a, b])
+    assert got["compared"] == "tokens" and got["unique_token_sequences"] == 1
+    assert got["unique_logprob_vectors"] is None and got["max_logprob_spread"] is None
+    assert got["first_divergence"] == {"tokens": None, "logprobs": None}
+    got = compare([([5, 6, 7], None), ([5, 8, 7], None)])
+    assert got["unique_token_sequences"] == 2 and got["first_divergence"]["tokens"]["position"] == 1
+
+
+def test_a_server_the_user_started_is_varied_from_the_client_side_only():
+    from lpf.adapters.llamacpp import LlamaCppOptions
+    from lpf.adapters.openai import OpenAIOptions
+    from lpf.experiments.repeat import varied
+
+    url = "http://127.0.0.1:9/v1"
+    for cls, opts in (
+        (LlamaCppOptions, {"base_url": url}),
+        (OpenAIOptions, {"base_url": url, "served_model": "m"}),
+    ):
+        v = varied(cls, cls.parse(opts), set(opts))
+        assert v["knob"] == "concurrency" and v["side"] == "client" and "only what a client can" in v["sentence"]
+        # the user fixed the requests in flight: nothing left to vary but the co-batched requests
+        fixed = varied(cls, cls.parse({**opts, "concurrency": 4}), set(opts) | {"concurrency"})
+        assert fixed["knob"] is None and fixed["side"] == "client"
+    # the server lpf starts: its own slots (llama-server -np) are varied
+    assert varied(LlamaCppOptions, LlamaCppOptions.parse({}), set()) == {
+        "knob": "parallel",
+        "side": "engine",
+        "sentence": "the requests sent with the probe, its place among them, and the engine's parallel",
+    }
+
+
+def test_repeat_table_says_what_a_server_did_not(capsys):
+    """llama-server's trace has no batch sizes (null): the table says "-", not "None..None over 1 steps"."""
+    from rich.console import Console
+
+    from lpf.cli.render_experiments import print_repeat
+
+    copy = {
+        "copy": 0,
+        "concurrency": 1,
+        "n_fillers": 0,
+        "arrival": 0,
+        "batch_sizes": [None],
+        "tokens_group": 0,
+        "logprobs_group": 0,
+        "tolerance_group": 0,
+        "max_abs_diff_vs_copy0": None,
+    }
+    doc = {
+        "times": 2,
+        "engine": "openai",
+        "varied_knob": "concurrency",
+        "varied": {"sentence": "a server you started: lpf varies only what a client can"},
+        "tolerance": 1e-4,
+        "copies": [copy, {**copy, "copy": 1, "concurrency": 2, "n_fillers": 3}],
+        "unique_token_sequences": 1,
+        "unique_logprob_vectors": None,
+        "first_divergence": {"tokens": None, "logprobs": None},
+        "batch_shape": {"dependent": False, "sentence": "no batch-shape dependence in the tokens"},
+    }
+    console = Console(record=True, width=200)
+    print_repeat(doc, console)
+    text = console.export_text()
+    assert "None" not in text and "over 1 steps" not in text
+    assert "tokens only" in text and "only what a client can" in text and "all copies identical: same tokens\n" in text

@@ -202,6 +202,10 @@ def test_tie_margin_and_thresholds_come_from_the_expected_floor(table):
     row.update(ref_logprob=row["ref_top1_logprob"] - 0.1, ref_rank=2)
     tk = tok.to_pylist()
     tk[0]["token_id"] = row["ref_topk_ids"][1]
+    # the engine reports the logprob its own top-k has for the token it now took (an answer that says
+    # two numbers for one token contradicts itself, divergent whatever the floor)
+    listed = dict(zip(tk[0]["engine_topk_ids"], tk[0]["engine_topk_logprobs"]))
+    tk[0]["engine_logprob"] = listed.get(tk[0]["token_id"], row["ref_logprob"])
     ref2, tok2 = (
         pa.Table.from_pylist(joined_ref, schema=schema.REFERENCE),
         pa.Table.from_pylist(tk, schema=schema.TOKENS),

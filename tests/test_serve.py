@@ -203,6 +203,35 @@ def test_errors_are_json_with_the_right_status(server):
     assert [m["id"] for m in models["data"]] == [MODEL] and models["data"][0]["max_model_len"] == 4096
 
 
+def test_models_route_says_what_the_engine_computes_with_and_the_openai_adapter_reads_it(server):
+    """/v1/models carries `lpf_configuration`; the openai engine reads it back as the engine's own word."""
+    from lpf.adapters.openai import OpenAIEngine
+    from lpf.core.model_specs import resolve_model
+    from lpf.core.sampling import SamplingParams
+    from lpf.run.configuration import block
+
+    entry = httpx.get(server.base_url + "/v1/models").json()["data"][0]
+    assert entry["lpf_configuration"] == {
+        "dtype": "float32",
+        "kv_cache_dtype": "float32",
+        "flash_attention": None,  # torch's SDPA picks its own kernel: not said
+        "weight_quantization": "none",
+        "sampling_defaults": {"repetition_penalty": 1.0},
+        "faults": [],
+    }
+    opts = OpenAIEngine.Options.parse({"base_url": server.base_url + "/v1", "served_model": MODEL, "dtype": "bfloat16"})
+    engine = OpenAIEngine(resolve_model(MODEL), SamplingParams(), opts)
+    c = block(engine.configuration(), {"dtype": "bfloat16"})
+    assert c["dtype"] == {
+        "value": "float32",
+        "source": "engine",
+        "via": "GET /v1/models lpf_configuration",
+        "declared": "bfloat16",  # the user's --dtype disagrees: kept as evidence
+        "conflict": True,
+    }
+    assert c["flash_attention"]["source"] == "absent" and c["sampling_defaults"]["value"] == {"repetition_penalty": 1.0}
+
+
 def test_bad_cli_options_fail_before_serving(lpf_cli):
     r = lpf_cli("serve", "--inject", "stale-sate")
     assert r.code == 2 and "unknown fault 'stale-sate'" in r.err and "Traceback" not in r.err

@@ -1,4 +1,4 @@
-"""The rejection sampler's decisions checked against the reference (`lpf.analysis.spec_decisions`).
+"""The rejection sampler's decisions checked against the reference (`lpf.analysis.speculative_decisions`).
 
 Runs are simulated: a target distribution per output position, a proposer's q per draft, and a rejection
 sampler, honest (min(1, p/q), then the residual) or reading another q, written as the trace, tokens and
@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from lpf.analysis.spec_decisions import decision_slack, decision_test, fisher, raise_decisions
+from lpf.analysis.speculative_decisions import decision_slack, decision_test, fisher, raise_decisions
 
 V, PLEN, K, TOPK = 40, 5, 3, 8
 

@@ -1,5 +1,5 @@
 """Where a speculating run's requests first went wrong, from the trace's speculative columns (synthetic
-tables, no engine): `spec_features.spec_divergence` (first diverged at a token of the first decode step
+tables, no engine): `speculative_features.spec_divergence` (first diverged at a token of the first decode step
 after the prefill, on the speculative decode path) and `signatures.sample_steps` on speculative rows
 (a verify row samples 1 + accepted positions from the one after its last non-draft token)."""
 
@@ -10,7 +10,7 @@ import pyarrow as pa
 
 from lpf.analysis.hypotheses import rank_hypotheses
 from lpf.analysis.signatures import sample_steps
-from lpf.analysis.spec_features import spec_divergence
+from lpf.analysis.speculative_features import spec_divergence
 from lpf.run.schema import REQUESTS, SPEC_TRACE, TRACE
 
 SCHEMA = pa.schema(list(TRACE) + [pa.field(n, t) for n, t in SPEC_TRACE])
@@ -196,7 +196,7 @@ def _random_trace(rng, n_requests):
 
 
 def test_first_decode_rows_by_columns_is_the_per_row_walk():
-    from lpf.analysis.spec_features import _first_decode_rows
+    from lpf.analysis.speculative_features import _first_decode_rows
 
     rng = np.random.default_rng(7)
     seen = set()

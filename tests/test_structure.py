@@ -193,8 +193,10 @@ def test_knobs_flow_down_from_the_command_line_and_never_climb_back():
     whose whole import closure stays out of lpf.cli."""
     graph = _module_imports()
     assert "lpf.experiments.sweep" in graph["lpf.cli.experiments"]
-    # the command line's one spec builder is where options become a spec (`lpf audit`, and `lpf sweep`'s cells)
-    assert "lpf.pipeline.spec" in graph["lpf.cli.audit_spec"]
+    # the one spec builder is where options become a spec (`lpf audit`, `lpf sweep`'s cells and `lpf.audit`)
+    assert "lpf.pipeline.audit_options" in graph["lpf.cli.audit_spec"]
+    assert "lpf.pipeline.audit_options" in graph["lpf.api.audit"]
+    assert "lpf.pipeline.spec" in graph["lpf.pipeline.audit_options"]
     assert "lpf.cli.audit_spec" in graph["lpf.cli.run"] and "lpf.cli.audit_spec" in graph["lpf.cli.experiments"]
     sweep_path = ["lpf.experiments.sweep", "lpf.experiments.cells", "lpf.pipeline.spec", "lpf.core.knobs"]
     audit_path = [

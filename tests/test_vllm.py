@@ -93,6 +93,15 @@ def test_offline_vllm_audit_is_clean_and_records_its_knobs_and_trace(lpf_cli, tm
     assert e["engine_args"]["max_num_batched_tokens"] == 16 and e["engine_args"]["enable_chunked_prefill"] is True
     assert e["engine_args"]["enable_prefix_caching"] is False and e["engine_args"]["dtype"] == "float32"
     assert e["options"]["cpu_kvcache_space"] == 1.0
+    # what vLLM runs, read from its config in-process
+    c = e["configuration"]
+    assert c["dtype"] == {
+        "value": "float32",
+        "source": "engine",
+        "via": "vLLM in-process vllm_config model_config.dtype",
+    }
+    assert c["kv_cache_dtype"]["value"] == "float32" and c["weight_quantization"]["value"] == "none"
+    assert c["sampling_defaults"]["value"] == {} and c["sampling_defaults"]["source"] == "engine"
     tokens = pq.read_table(out / "tokens").to_pylist()
     assert all(len(t["engine_topk_ids"]) == 5 for t in tokens)
     _check_trace(out, f)
@@ -226,7 +235,7 @@ def served_hybrid(tmp_path_factory):
     model_dir = resolve_model(MODEL).path
     port = free_port()
     log = tmp_path_factory.mktemp("vllm-serve") / "vllm-serve.log"
-    proc = _serve(model_dir, port, log)
+    proc = _serve(model_dir, port, log, VLLM_SERVER_DEV_MODE="1")  # /server_info: what the server runs
     try:
         _wait_healthy(proc, f"http://127.0.0.1:{port}", log)
         yield f"http://127.0.0.1:{port}", model_dir
@@ -252,6 +261,9 @@ def test_vllm_openai_server_audit_is_clean(lpf_cli, tmp_path, prompts8, served_h
     e = json.loads((out / "manifest.json").read_text())["engine"]
     assert e["token_identity"] == ["server"]  # vLLM answered token_id:N, no string mapping needed
     assert e["version"] == "0.32.0"  # GET /version of the server
+    c = e["configuration"]  # GET /server_info's vllm_config (VLLM_SERVER_DEV_MODE=1)
+    assert c["dtype"]["source"] == "engine" and c["dtype"]["via"] == "GET /server_info model_config.dtype"
+    assert c["kv_cache_dtype"]["value"] == c["dtype"]["value"] and c["weight_quantization"]["value"] == "none"
     _prompt_rows_are_clean(out, f)
     assert r_field.code == 0, r_field.err
     _prompt_rows_are_clean(tmp_path / "field", json.loads(r_field.out))

@@ -8,8 +8,10 @@ import copy
 import json
 import math
 
+import pyarrow as pa
 import pytest
 
+from lpf.run import schema
 from lpf.watch import wire
 from lpf.watch.evidence import Sample
 from lpf.watch.windows import _split, log_poisson_sf, poisson_upper, requests_test
@@ -105,6 +107,19 @@ def test_a_streamed_sample_becomes_rows_with_the_servers_ids_and_logprobs(record
     assert tokens[0]["engine_topk_ids"] == [ids[0]]
     assert watch["upstream_request_id"] == "up-7" and json.loads(watch["replica_headers"])["server"] == "vllm"
     assert watch["in_flight"] == 3 and watch["temperature"] == 0.0 and watch["lpf_added"] == "logprobs,token_ids"
+    # the request's own sampling settings, as sent (what the analysis judges it at: not the run's)
+    assert req["sampling"]["temperature"] == 0.0 and req["sampling"]["top_p"] is None
+    assert req["sampling"]["logprobs"] is None  # lpf asked for the logprobs, not the client
+    sampled = {"prompt": "Q:", "temperature": 0.8, "top_p": 0.95, "seed": 3, "logprobs": 2, "stream": True}
+    req, _, _ = recording().rows(_sample(sampled, chunks, added=wire.Added(False, True)))
+    assert {k: v for k, v in req["sampling"].items() if v is not None} == {
+        "temperature": 0.8,
+        "top_p": 0.95,
+        "seed": 3,
+        "logprobs": 2,
+    }
+    rows = pa.Table.from_pylist([req], schema=schema.REQUESTS)  # it fits the run schema
+    assert rows.column("sampling").to_pylist()[0]["temperature"] == 0.8
 
 
 def test_a_null_logprob_is_nan_and_a_token_past_the_entries_has_none(recording):

@@ -11,6 +11,8 @@ Where things are (imports run down this list: a package never imports one above 
   locate/       `lpf locate`: one request replayed with per-op capture, aligned op by op against the
                 reference (and the reference against itself): the first op that departs, whose fault
   views/        reading finished directories for people: query (SQL), inspect (one request), diff (two runs)
+  watch/        `lpf watch`: a proxy in front of a live server, sampled requests recorded and re-scored
+                in windows (proxy, upstream, recorder, scorer, supervisor, retention, metrics)
   serve/        `lpf serve`: HTTP over the built-in engine    rl/   RL rollout-vs-trainer dumps, rl simulate
   api/          the Python API below: lpf.audit, lpf.compare, Findings (on the pipeline, beside the CLI)
   report/       report.html for every directory kind

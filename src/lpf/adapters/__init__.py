@@ -24,6 +24,17 @@ def engine_names() -> list[str]:
     return sorted(REGISTRY)
 
 
+def capability(name: str, attr: str, default=None):
+    """An engine's capability (a class attribute of its adapter, `lpf.adapters.base.Engine`), or `default`
+    for a name no adapter is registered under (a run `lpf.compare` or `lpf watch` wrote)."""
+    return getattr(get_engine_class(name), attr) if name in REGISTRY else default
+
+
+def engines_with(attr: str) -> list[str]:
+    """The registered engines whose capability `attr` is set (imports every adapter module: not for --help)."""
+    return [n for n in engine_names() if getattr(get_engine_class(n), attr)]
+
+
 def get_engine_class(name: str):
     if name not in REGISTRY:
         raise LpfError(f"unknown engine {name!r}{did_you_mean(name, REGISTRY)}; available: {', '.join(engine_names())}")

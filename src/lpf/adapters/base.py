@@ -3,9 +3,14 @@
 An adapter is constructed once per run with the resolved model, the run's sampling parameters and
 its own options (knobs: a pydantic `Options` model whose fields say types and ranges; unknown names
 are refused with a did-you-mean). Three methods:
-`describe()` (name, version, knobs: goes into the manifest), `generate(requests)` (yields one
+`describe()` (name, version, knobs: goes into the manifest; `configuration()` what the engine says of its
+own dtype, KV cache, flash attention, weights and sampling defaults), `generate(requests)` (yields one
 `Completion` per request as each finishes, in any order) and `close()`; optionally
-`side_tables()` for tables only some engines have (per-step trace, fault ground truth). Adapters return token ids and
+`side_tables()` for tables only some engines have (per-step trace, fault ground truth). What an engine
+can do beyond that is said by class attributes (`supports_prompt_logprobs`, `trace_source`, `state_slots`,
+`server`, `locate_replay`, `seeded_replay`, `discovers_architectures`, `repro_script`, `kept_worker`) that
+callers ask through
+`lpf.adapters.capability(name, attr)`, never by the engine's name. Adapters return token ids and
 per-token raw logprobs (+ top-k when the engine has them), never aggregates. A request the engine
 cannot complete comes back with `error` set, never dropped. Before a run starts, `check_model(config)`
 and `check_capacity(model, options, requests)` refuse what the engine can never run.
@@ -122,11 +127,52 @@ def option_error(e: ValidationError) -> str:
     return msg if not err.get("loc") else f"engine option {name}: {msg}"
 
 
+CAPABILITY_WORDS = {  # how `lpf engines` names each capability that is set
+    "supports_prompt_logprobs": "prompt logprobs",
+    "trace_source": "trace ({})",
+    "state_slots": "state slots",
+    "server": "server (HTTP)",
+    "locate_replay": "lpf locate",
+    "seeded_replay": "seeded replay",
+    "discovers_architectures": "lpf conformance",
+    "repro_script": "repro.py",
+    "kept_worker": "kept worker",
+}
+
+
+def capabilities(engine_cls) -> list[str]:
+    """The capabilities this engine class sets, in words (`lpf engines`)."""
+    out = []
+    for attr, words in CAPABILITY_WORDS.items():
+        value = getattr(engine_cls, attr)
+        if value:
+            out.append(words.format(value))
+    return out
+
+
 class Engine(ABC):
     name: str = "?"
     Options: type[Options] = Options
+    # -- capabilities: what callers ask an engine class (never a list of engine names; `capability`) --
     # whether `generate` fills Completion.prompt_logprobs when the run's sampling asks for them
     supports_prompt_logprobs: bool = False
+    # where a run's step trace comes from: "own" (the adapter's `side_tables()["trace"]`), "joined" (a
+    # server's lpf-vllm-trace directory, joined after the run with --trace-dir), None (none to have)
+    trace_source: str | None = None
+    # whether the trace names each request's recurrent-state slot (`state_slot`: slot-reuse evidence)
+    state_slots: bool = False
+    # the engine under test answers over HTTP: tokens and logprobs only, no activations to capture
+    server: bool = False
+    # how `lpf locate` replays one request op by op: "lpf.locate.replays:NAME" (run, target, upto) -> EngineSide
+    locate_replay: str | None = None
+    # whether lpf can redraw the engine's sampled tokens on the reference's logits (`lpf.pipeline.replay`)
+    seeded_replay: bool = False
+    # whether `lpf conformance` can ask the engine which architectures it loads (experiments.conformance.discover)
+    discovers_architectures: bool = False
+    # whether `lpf shrink` writes a standalone repro.py for it (experiments.shrink.repro_script)
+    repro_script: bool = False
+    # whether a sweep or shrink cell may run in a kept worker (an in-process engine: experiments.kept_cells)
+    kept_worker: bool = False
 
     def __init__(self, model: ModelRef, sampling: SamplingParams, options: Options):
         self.model = model
@@ -152,6 +198,12 @@ class Engine(ABC):
     @abstractmethod
     def describe(self) -> dict:
         """{'name', 'version', 'options'} for the manifest. Never include secrets."""
+
+    def configuration(self) -> dict:
+        """What the engine says of its own configuration, {field: (value, via)} (`lpf.run.configuration`
+        fields; `lpf.adapters.engine_config` reads them): the manifest's `engine.configuration` with what
+        the user declared. Engines that cannot tell return {}."""
+        return {}
 
     @abstractmethod
     def generate(self, requests: list[EngineRequest]) -> Iterator[Completion]:

@@ -54,30 +54,10 @@ class BuiltinOptions(Options, EngineConfig):
 
     @model_validator(mode="after")
     def _drills_fit_the_cache(self) -> "BuiltinOptions":
-        """A prefix-caching drill needs the cache configured the way its bug needed (one line each)."""
+        """A drill needs the engine configured the way its bug needed (one line each)."""
         from lpf.builtin.faults import FaultSet
 
-        f = FaultSet.parse(self.inject)
-        need = []
-        if f.prefix_drills() and not self.enable_prefix_caching:
-            need.append(f"{', '.join(f.prefix_drills())} needs --enable-prefix-caching")
-        if f.spec_drills() and not self.speculative:
-            need.append(f"{', '.join(f.spec_drills())} needs -E speculative=ngram:K")
-        if f.spec_draft_probs_permuted and self.speculative and not self.speculative.startswith("draft:"):
-            need.append("spec-draft-probs-permuted needs a draft model's probabilities: -E speculative=draft:MODEL:K")
-        if f.spec_checkpoint_rejected and not self.enable_prefix_caching:
-            need.append("spec-checkpoint-rejected needs --enable-prefix-caching (its checkpoints are the cache's)")
-        if f.incomplete_block_cached and self.mamba_cache_mode != "all":
-            need.append("incomplete-block-cached is vLLM's all-mode bug: add -E mamba_cache_mode=all")
-        if f.unaligned_chunk_hashed and self.mamba_cache_mode != "align":
-            need.append("unaligned-chunk-hashed is vLLM's align-mode bug: leave mamba_cache_mode=align")
-        if f.resume_wrong_units and self.checkpoint_block_size <= self.block_size:
-            need.append(
-                f"resume-wrong-units needs a Mamba block larger than the KV block (the two units differ): "
-                f"add -E mamba_block_size={2 * self.block_size}"
-            )
-        if f.kv_double_free and self.enable_prefix_caching:
-            need.append("kv-double-free runs without prefix caching (shared blocks are reference-counted)")
+        need = FaultSet.parse(self.inject).refusals(self)  # each drill's preconditions: `drill_catalog`
         if need:
             raise ValueError("; ".join(need))
         return self
@@ -87,6 +67,13 @@ class BuiltinEngine(Engine):
     name = "builtin"
     Options = BuiltinOptions
     supports_prompt_logprobs = True
+    trace_source = "own"
+    state_slots = True
+    locate_replay = "lpf.locate.replays:builtin"
+    seeded_replay = True  # lpf.builtin.sampler: a seeded multinomial lpf redraws exactly
+    discovers_architectures = True
+    repro_script = True
+    kept_worker = True
 
     def __init__(self, model, sampling, options: BuiltinOptions):
         super().__init__(model, sampling, options)
@@ -105,7 +92,7 @@ class BuiltinEngine(Engine):
         arch = (config.get("architectures") or ["?"])[0]
         if arch not in SUPPORTED_ARCHITECTURES:
             raise LpfError(
-                f"the built-in engine runs GraniteMoeHybrid and Jamba models; {arch} is not supported (use --engine hf)"
+                f"the built-in engine runs GraniteMoeHybrid, Jamba and Qwen3.5 models; {arch} is not supported (use --engine hf)"
             )
 
     @classmethod
@@ -143,6 +130,11 @@ class BuiltinEngine(Engine):
             "options": self.options.to_dict(),
             "cache": self.engine.describe(),
         }
+
+    def configuration(self) -> dict:
+        from lpf.adapters import engine_config
+
+        return engine_config.read(engine_config.builtin(self.options.dtype), "the built-in engine's EngineConfig")
 
     def generate(self, requests: list[EngineRequest]) -> Iterator[Completion]:
         import torch

@@ -39,6 +39,8 @@ class HFEngine(Engine):
     name = "hf"
     Options = HFOptions
     supports_prompt_logprobs = True
+    locate_replay = "lpf.locate.replays:hf"  # its decode path alone
+    kept_worker = True
     PROMPT_LOGIT_ELEMENTS = 1 << 25  # float32 logits held at once by the prompt forward (128 MB)
 
     def __init__(self, model, sampling, options: HFOptions):
@@ -71,6 +73,22 @@ class HFEngine(Engine):
         import transformers
 
         return {"name": self.name, "version": transformers.__version__, "options": self.options.to_dict()}
+
+    def configuration(self) -> dict:
+        cfg = self.hf_model.config
+        via = "transformers model config"
+        impl = getattr(cfg, "_attn_implementation", None)
+        quant = getattr(cfg, "quantization_config", None)
+        out = {
+            "dtype": (self.options.dtype, f"{via}: the dtype lpf loaded it in"),
+            "kv_cache_dtype": (self.options.dtype, f"{via}: transformers' cache holds the model's dtype"),
+            "weight_quantization": (str(quant) if quant else "none", f"{via} quantization_config"),
+            # generate() runs with a neutral GenerationConfig: no model defaults inherited
+            "sampling_defaults": ({}, "lpf's neutral GenerationConfig"),
+        }
+        if impl == "eager" or (impl and "flash" in impl):  # sdpa picks its own kernel: not said
+            out["flash_attention"] = ("on" if "flash" in impl else "off", f"{via} attn_implementation {impl}")
+        return out
 
     def generate(self, requests: list[EngineRequest]) -> Iterator[Completion]:
         order = sorted(requests, key=lambda r: (len(r.prompt_token_ids), r.seq))

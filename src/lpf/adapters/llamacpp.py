@@ -14,7 +14,9 @@ Knobs are llama-server's own, as typed fields (`lpf engines llamacpp`): parallel
 context (-c; each slot gets ctx_size / parallel, rounded to 256), cache_prompt, batch and ubatch
 sizes, threads, the KV cache's types (default: the dtype's float type, so a float32 run keeps its KV in
 f32; quantized GGUFs keep llama.cpp's f16), flash attention (default off for float32: llama.cpp runs
-it on f16 copies of an f32 KV cache; llama.cpp's auto otherwise), the unified KV buffer, the
+it on f16 copies of an f32 KV cache; on when the V cache is quantized, which llama.cpp computes only
+with flash attention, and `-E flash_attn=off` with one is refused in one line; llama.cpp's auto
+otherwise; `flash_attention()` says which and why), the unified KV buffer, the
 host-memory prompt cache (cache_ram), context checkpoints, continuous batching, slot prompt similarity, and
 `extra_args` passed as given. `--ignore-eos` is refused unless `-E ban_eos=true`: llama-server's
 ignore_eos bans end-of-generation tokens (a -inf logit bias, tools/server/server-schema.cpp) where
@@ -79,6 +81,7 @@ SERVER_KNOBS = (
     "slot_prompt_similarity",
     "extra_args",
 )
+QUANTIZED_KV = frozenset({"q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"})
 SLOT_CTX_CAP = 4096  # default context per slot: the model's own, at most this (KV for 2^20 positions is GiBs)
 
 
@@ -160,6 +163,12 @@ class LlamaCppOptions(RemoteOptions):
 
     @model_validator(mode="after")
     def _usable(self):
+        v = self.cache_type_v or self.cache_type_k
+        if self.flash_attn == "off" and v in QUANTIZED_KV:
+            raise LpfError(
+                f'a quantized V cache ({v}) runs only with flash attention in llama.cpp ("failed to create '
+                f'context" otherwise): drop -E flash_attn=off or keep the V cache in a float type'
+            )
         if self.base_url:
             given = [k for k in SERVER_KNOBS if getattr(self, k) != type(self).model_fields[k].default]
             if given:
@@ -173,6 +182,9 @@ class LlamaCppOptions(RemoteOptions):
 
 class LlamaCppEngine(RemoteEngine):
     name = "llamacpp"
+    trace_source = "own"  # one row per answered request, from the server's timings and id_slot
+    state_slots = True
+    discovers_architectures = True
     Options = LlamaCppOptions
 
     @classmethod
@@ -248,7 +260,7 @@ class LlamaCppEngine(RemoteEngine):
             ("-tb", o.threads_batch),
             ("-cram", o.cache_ram),
             ("-ctxcp", o.ctx_checkpoints),
-            ("-fa", o.flash_attn or _fa_default(self.gguf.dtype)),
+            ("-fa", flash_attention(o, self.gguf.dtype)[0]),
             ("-sps", o.slot_prompt_similarity),
         ):
             if value is not None:
@@ -328,6 +340,25 @@ class LlamaCppEngine(RemoteEngine):
         d["trace"] = {"source": "engine", "why": None}
         return d
 
+    def configuration(self) -> dict:
+        """/props (the GGUF's file type, the server's sampling defaults) and, on a server lpf started, its
+        command line (KV cache types, flash attention and why): llama-server's /props says neither."""
+        from lpf.adapters.engine_config import from_llama_props
+
+        out = from_llama_props(self.props)
+        if self.server is None:
+            return out
+        o = self.options
+        kv_k = o.cache_type_k or _kv_default(self.gguf.dtype)
+        kv_v = o.cache_type_v or kv_k
+        kv = kv_k if kv_k == kv_v else f"k={kv_k},v={kv_v}"
+        out["kv_cache_dtype"] = (kv, f"llama-server -ctk {kv_k} -ctv {kv_v} (lpf started it)")
+        fa, why = flash_attention(o, self.gguf.dtype)
+        if fa in ("on", "off"):
+            out["flash_attention"] = (fa, f"llama-server -fa {fa} (lpf started it): {why}")
+        out.setdefault("dtype", (self.gguf.dtype, "the GGUF lpf serves"))
+        return out
+
     def close(self) -> None:
         if getattr(self, "server", None) is not None:
             self.server.cleanup()
@@ -356,11 +387,20 @@ def _pad(n: int) -> int:
     return max(256, -(-n // 256) * 256)
 
 
-def _fa_default(dtype: str) -> str | None:
-    """Flash attention off for float32 runs: with it, llama.cpp casts an f32 KV cache's K and V to f16
-    before `ggml_flash_attn_ext` (src/llama-graph.cpp, build_attn_mha), so attention would run at
-    f16 (measured: max |logprob diff| 6.4e-3 on zoo:jamba). Other dtypes keep llama.cpp's `auto`."""
-    return "off" if dtype == "float32" else None
+def flash_attention(o: LlamaCppOptions, dtype: str) -> tuple[str | None, str]:
+    """The -fa value lpf starts llama-server with (None: llama.cpp's `auto`) and why.
+    Off for float32 runs: with it, llama.cpp casts an f32 KV cache's K and V to f16 before
+    `ggml_flash_attn_ext` (src/llama-graph.cpp, build_attn_mha), so attention would run at f16 (measured:
+    max |logprob diff| 6.4e-3 on zoo:jamba). On when the V cache is quantized: llama.cpp refuses a
+    quantized V cache without flash attention (src/llama-context.cpp: "failed to create context")."""
+    if o.flash_attn:
+        return o.flash_attn, "set (-E flash_attn)"
+    v = o.cache_type_v or o.cache_type_k or _kv_default(dtype)
+    if v in QUANTIZED_KV:
+        return "on", f"a quantized V cache ({v}) needs flash attention in llama.cpp"
+    if dtype == "float32":
+        return "off", "float32: llama.cpp's flash attention computes on an f16 copy of the f32 KV cache"
+    return None, "llama.cpp's default (auto)"
 
 
 def _kv_default(dtype: str) -> str:

@@ -107,6 +107,7 @@ class OpenAIEngine(RemoteEngine):
     Options = OpenAIOptions
     needs_served_name = True
     supports_prompt_logprobs = True
+    trace_source = "joined"  # a vLLM server's lpf-vllm-trace directory, --trace-dir
 
     def __init__(self, model, sampling, options: OpenAIOptions):
         super().__init__(model, sampling, options)
@@ -146,6 +147,42 @@ class OpenAIEngine(RemoteEngine):
         d["returned"] = {"answers": dict(self.returned), "top_k": self.top_k_seen} if self.returned else None
         d["notes"] = list(self.notes)
         return d
+
+    def configuration(self) -> dict:
+        """What the server says of its configuration, where it says it (`engine_config`): vLLM's
+        `/server_info` (VLLM_SERVER_DEV_MODE=1), llama-server's `/props`, `lpf serve`'s `/v1/models`; each
+        asked once, briefly; a server that answers none of them says nothing."""
+        from lpf.adapters import engine_config as ec
+
+        readers = (
+            # vLLM's answers only once it has collected its environment (pip, lscpu, ...: seconds): asked with
+            # time to spare, and only of a server that answered GET /version (vLLM, SGLang)
+            (
+                "/server_info?config_format=json",
+                lambda b: ec.from_vllm_config(b.get("vllm_config"), None, "GET /server_info"),
+                30.0 if self.server_version is not None else None,
+            ),
+            ("/props", ec.from_llama_props, 3.0),
+            ("/v1/models", ec.from_lpf_models, 3.0),
+        )
+        out: dict = {}
+        for path, reader, timeout in readers:
+            body = self._get_json(path, timeout) if timeout else None
+            if isinstance(body, dict):
+                for field, said in reader(body).items():
+                    out.setdefault(field, said)
+        return out
+
+    def _get_json(self, path: str, timeout: float):
+        import httpx
+
+        root = self.options.base_url.rstrip("/").removesuffix("/v1")
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        try:
+            answer = httpx.get(root + path, headers=headers, timeout=timeout)
+            return answer.json() if answer.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return None
 
     def payload(self, req: EngineRequest) -> dict:
         s = self.sampling
@@ -302,7 +339,7 @@ class OpenAIEngine(RemoteEngine):
             claimed = None  # counted against usage while the ids were recovered
         else:
             self.returned[block.shape] += 1
-            ids = [self.map.resolve(p.token, p.tid, p.raw, pos, strict=True) for pos, p in enumerate(block.positions)]
+            ids = self._sampled_ids(block.positions, text, finish)
             self.check_ids(ids)
             # an echoed prompt's first token has no logprob (nothing precedes it): not a problem there
             logprobs = [
@@ -353,6 +390,24 @@ class OpenAIEngine(RemoteEngine):
             prompt_topk_ids=prompt[1] if prompt else [],
             prompt_topk_logprobs=prompt[2] if prompt else [],
         )
+
+    def _sampled_ids(self, positions, text, finish) -> list[int]:
+        """The sampled tokens' ids: each mapped on its own, and those that map to nothing (a `''` token with
+        `bytes: null`: a special token whose text the server skipped) from the answer's text; a token
+        neither way places is the request's error."""
+        strict = self.map.mode == "server"  # server ids only: nothing else places a token
+        ids = [self.map.resolve(p.token, p.tid, p.raw, pos, strict=strict) for pos, p in enumerate(positions)]
+        if None not in ids:
+            return ids
+        eos = self.tokenizer.eos_token_id if finish == "stop" else None
+        filled = self.map.by_text(ids, [p.token for p in positions], text, eos)
+        if filled is None:
+            pos = ids.index(None)
+            raise RequestFailed(
+                f"token {positions[pos].token!r} at position {pos} does not map back to one token id of the "
+                f"local tokenizer, nor does the answer's text place it"
+            )
+        return filled
 
     def _tokens_only(self, req, choice, text, usage, finish, problems) -> list[int]:
         """The output ids of an answer without logprobs: the server's `token_ids`, else its text re-encoded."""

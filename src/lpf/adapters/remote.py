@@ -113,6 +113,7 @@ def is_local_model(spec: str) -> bool:
 
 class RemoteEngine(Engine):
     Options = RemoteOptions
+    server = True
     needs_served_name = False  # openai: the payload names the model; sglang: one model per server
 
     def __init__(self, model, sampling, options: RemoteOptions):

@@ -10,7 +10,11 @@ way (then the string is tried, then None). `strict`: an unmappable token raises 
 request's error: a sampled token must be known) instead of returning None (a top-k alternative is then
 left out). `seen` records which ways were used ("server", "bytes", "tokenizer") for the manifest.
 `text_ids(text)` re-encodes an answer's text when a server sent no tokens at all (the ids and whether
-they decode back to exactly that text).
+they decode back to exactly that text). `by_text(ids, tokens, text, eos)` fills the sampled tokens that
+mapped to nothing (None in `ids`) from the answer's text re-encoded, where that is unambiguous: the
+re-encoding (plus the stop token when the text is one short) has one id per position, agrees with every
+id already known, and each filled id decodes to the string sent for it or the server sent none (a
+token `''` with `bytes: null`: a special token whose text the server skipped); `seen` gets "text".
 """
 
 from __future__ import annotations
@@ -126,6 +130,21 @@ class TokenMap:
                 key = text.encode()
             table.setdefault(key, []).append(tid)
         return table
+
+    def by_text(self, ids: list, tokens: list, text: Any, eos: int | None) -> list[int] | None:
+        """`ids` with its None entries filled from `text` re-encoded, or None when that is not unambiguous."""
+        if self.mode == "server" or not isinstance(text, str):
+            return None
+        cand, _ = self.text_ids(text)
+        if len(cand) + 1 == len(ids) and eos is not None:
+            cand.append(eos)  # the stop token: its text is skipped
+        if len(cand) != len(ids) or any(a is not None and a != b for a, b in zip(ids, cand)):
+            return None
+        for tid, token, c in zip(ids, tokens, cand):
+            if tid is None and token not in (None, "") and self.tok.decode([c]) != token:
+                return None
+        self.seen.add("text")
+        return cand
 
     def text_ids(self, text: str) -> tuple[list[int], bool]:
         """(ids, exact): the text re-encoded without special tokens, and whether they decode back to it."""

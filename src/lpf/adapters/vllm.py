@@ -114,6 +114,11 @@ class VLLMEngine(Engine):
     name = "vllm"
     Options = VLLMOptions
     supports_prompt_logprobs = True  # SamplingParams(prompt_logprobs=k) in the worker
+    trace_source = "own"  # lpf-vllm-trace in the worker
+    state_slots = True
+    locate_replay = "lpf.locate.replays:vllm"
+    discovers_architectures = True
+    repro_script = True
 
     @classmethod
     def check_model(cls, config: dict) -> None:
@@ -314,6 +319,18 @@ class VLLMEngine(Engine):
             # vLLM's own counts when it speculates (drafts, draft tokens, accepted tokens, per draft position)
             **({"spec_decode": self.spec_decode} if getattr(self, "spec_decode", None) else {}),
         }
+
+    def configuration(self) -> dict:
+        from lpf.adapters.engine_config import from_vllm_config
+
+        ready = self.ready or {}
+        out = from_vllm_config(ready.get("vllm_config"), None, "vLLM in-process vllm_config")
+        if ready.get("vllm_config") is not None:
+            # vllm.LLM applies the model's generation-config defaults only to requests without SamplingParams
+            gen = ready.get("sampling_defaults") or {}
+            why = f"; under vllm serve the model's generation config would set {gen}" if gen else ""
+            out["sampling_defaults"] = ({}, f"vllm.LLM with lpf's explicit SamplingParams: none applied{why}")
+        return out
 
     def _add_spec_counts(self, batch: dict | None) -> None:
         """Add one batch's speculative-decoding counts (vLLM's metrics, read by the worker) to the run's."""

@@ -3,7 +3,8 @@
 Usage: PYTHON vllm_worker.py CONFIG_JSON RESULT_FD. It needs only vLLM and the standard library.
 Protocol, JSON lines:
 - RESULT_FD (the only channel lpf reads; vLLM logs to stdout/stderr, which lpf sends to a log file):
-  {"type": "ready", "vllm_version", "logprobs_mode", "engine_args", "trace"} once the engine is up,
+  {"type": "ready", "vllm_version", "logprobs_mode", "engine_args", "trace", "vllm_config", "sampling_defaults"}
+  once the engine is up (`configuration_of`: what vLLM runs, read from its config),
   then per batch {"type": "submitted", "vllm_ids": {vLLM's id: ours}} once every request is in (the
   id vLLM's runner, and so the trace plugin, knows each request by), one {"type": "completion",
   request_id, output_token_ids, logprobs, topk_ids, topk_logprobs, finish_reason, error, t_submit,
@@ -371,9 +372,34 @@ def start(config: dict, out):
             "logprobs_mode": mode,
             "engine_args": config["engine_args"],
             "trace": trace_status(),
+            **configuration_of(llm),
         },
     )
     return llm
+
+
+def configuration_of(llm) -> dict:
+    """What vLLM runs, read from its config in-process, in the shape of `/server_info`'s `vllm_config`
+    (`lpf.adapters.engine_config.from_vllm_config` reads either): {"vllm_config": {model_config: {dtype,
+    quantization}, cache_config: {cache_dtype}, attention_config: {backend}}, "sampling_defaults": the
+    model's generation-config defaults vLLM applies}. Empty where this vLLM keeps them elsewhere."""
+    try:
+        cfg = llm.llm_engine.vllm_config
+        model, cache = cfg.model_config, cfg.cache_config
+        attention = getattr(cfg, "attention_config", None)
+        backend = getattr(attention, "backend", None)
+        out = {
+            "model_config": {
+                "dtype": str(model.dtype).removeprefix("torch."),
+                "quantization": getattr(model, "quantization", None),
+            },
+            "cache_config": {"cache_dtype": str(getattr(cache, "cache_dtype", "") or "") or None},
+            "attention_config": {"backend": None if backend is None else str(getattr(backend, "name", backend))},
+        }
+        defaults = model.get_diff_sampling_param() if hasattr(model, "get_diff_sampling_param") else None
+    except AttributeError:
+        return {}
+    return {"vllm_config": out, "sampling_defaults": defaults}
 
 
 def main() -> int:

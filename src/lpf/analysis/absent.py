@@ -51,11 +51,20 @@ def margin(ref: np.ndarray, top1_logprob: np.ndarray, token: np.ndarray, top1_id
     return np.where(token != top1_id, np.maximum(top1_logprob - ref, 0.0), 0.0)
 
 
-def judge(ref, top1_logprob, token, top1_id, greedy: bool, th: Thresholds, temperature: float = 0.0):
+def judge(ref, top1_logprob, token, top1_id, greedy, th: Thresholds, temperature=0.0):
     gap = margin(ref, top1_logprob, token, top1_id)
     # the reference's own argmax (within the tie margin) is never a lie, however flat its distribution
     chosen_elsewhere = gap > th.tie_margin
     improbable = (ref <= th.improbable_logprob) & chosen_elsewhere
+    if np.ndim(greedy):  # each row's own (`request_sampling`): the two rules below, row by row
+        g = np.asarray(greedy, dtype=bool)
+        flip = chosen_elsewhere & g
+        by_greedy = np.where(chosen_elsewhere, np.clip(gap / th.gibberish_log_ratio, 0.0, 1.0), 0.0)
+        by_greedy[improbable] = 1.0
+        confident = top1_logprob >= th.confident_logprob
+        with np.errstate(invalid="ignore"):  # an unknown temperature (NaN) is not <= 1: no lie from a draw
+            sampled = np.where(improbable & confident & (np.asarray(temperature) <= 1.0), 1.0, 0.0)
+        return gap, flip, np.where(g, by_greedy, sampled)
     if greedy:
         flip = chosen_elsewhere
         strength = np.where(chosen_elsewhere, np.clip(gap / th.gibberish_log_ratio, 0.0, 1.0), 0.0)

@@ -19,7 +19,8 @@ From the trace (first = the request's first scheduled, non-preempted step):
   preempted                 it was preempted (recomputed) at least once
   slot_offset_over_2^31/32  slot * state_slot_stride (elements, and bytes when the dtype is known)
                             reached 2^31 / 2^32 on a prefill/extend (the seed's 32-bit overflow)
-  slot_offset_over_wrap     ... reached 2^BITS when the manifest's knobs say offset-wrap:BITS
+  slot_offset_over_wrap     ... reached 2^BITS when the engine info says offsets wrap there
+                            (`state_offset_wrap_bits`)
   max_state_slot, first_batch_size, max_batch_size, first_batch_decode_share, n_prefill_chunks
 From vLLM's trace (lpf-vllm-trace's columns, present only there):
   first_step_reordered      the batch reorder moved its row on its first step
@@ -28,7 +29,7 @@ llama.cpp's timings.cache_n): `prefix_features` (prefix_cache_hit and the proven
 From the trace's write log (`write_features`, engines that keep one: the built-in engine):
   state_overwritten, state_write_strayed (another request's state write landed in its slot; its own
   landed outside it).
-From the speculative-decoding columns (`spec_features`, the built-in engine with speculation on):
+From the speculative-decoding columns (`speculative_features`, the built-in engine with speculation on):
   prompt_on_verify_path, state_kept_rejected_drafts, state_rolled_back_wrong, sampled_spec_batch_over_2,
   speculated.
 From the requests: prompt_length, rollout, seq (arrival index): `descriptive` (what a request is, not
@@ -37,14 +38,13 @@ what the engine did to it).
 
 from __future__ import annotations
 
-import re
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from lpf.analysis.feature import Feature
 from lpf.analysis.prefix_features import prefix_features
-from lpf.analysis.spec_features import spec_features
+from lpf.analysis.speculative_features import spec_features
 from lpf.analysis.verdicts import by_arrival
 from lpf.analysis.write_features import write_features
 
@@ -96,12 +96,10 @@ def _vllm_trace_features(req: pa.Table, trace: pa.Table) -> list[Feature]:
 
 
 def _offset_wrap_bits(engine_info: dict) -> int | None:
-    faults = (engine_info.get("cache") or {}).get("faults") or engine_info.get("faults") or []
-    spec = ",".join(faults) or str((engine_info.get("options") or {}).get("inject") or "")
-    m = re.search(r"offset-wrap(?::(\d+))?", spec)
-    if not m:
-        return None
-    return int(m.group(1)) if m.group(1) else 20
+    """The engine's declared prefill state-offset width, when it computes offsets modulo 2^BITS (the
+    offset-wrap drill says so through the engine info: `drill_catalog`'s facts, never its name)."""
+    bits = engine_info.get("state_offset_wrap_bits")
+    return int(bits) if bits is not None else None
 
 
 def _trace_features(req: pa.Table, trace: pa.Table, engine_info: dict) -> list[Feature]:

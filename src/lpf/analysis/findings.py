@@ -22,9 +22,9 @@ Two signatures join the trace features as candidate mechanisms, both computed fr
 reference expected and vice versa: outputs delivered to the wrong request) and, for runs sampled at
 a temperature other than 1, `tempered_logprobs` (the reported logprobs fit the reference's
 temperature-scaled distribution better than its raw one: processed logprobs reported as raw).
-A speculating run's trace adds `spec_features.spec_divergence` (first diverged at a token of the
+A speculating run's trace adds `speculative_features.spec_divergence` (first diverged at a token of the
 request's first decode step after its prefill, on the speculative decode path), ranked before them,
-and `spec_decisions.decision_signature` (requests the rejection-sampler decision test raised: a draft
+and `speculative_decisions.decision_signature` (requests the rejection-sampler decision test raised: a draft
 kept or rejected against the target's odds given its own draft probability; `findings.spec_decisions`
 holds the test's counts and threshold).
 A greedy run also gets `penalties.fit_penalty` (a repetition / presence / frequency penalty fitted to
@@ -42,23 +42,32 @@ columns' percentiles and means without ever holding one); results do not depend 
 Prompt positions (`prompt_tokens` / `prompt_reference`, when the engine returned them) are judged
 apart by `lpf.analysis.prompt` with the same thresholds: their own block `findings.prompt`, `prompt_`
 columns in the summary, and the run verdict becomes the worst of the output and prompt verdicts.
-The steps the streamed analysis (`lpf.analysis.stream`) shares: `scoring` (the token pass and the
-metric summary), `findings_dict` (the body from the summary) and `conclude` (run-level test verdict,
-shape, hypotheses, evidence: request-level only). `token_metric_summary` is the same metric summary
-over whole-run columns (the statement `scoring.metric_summary` is tested against).
+The steps are `lpf.analysis.steps.STEPS`, which the streamed analysis (`lpf.analysis.stream`) runs
+too: both share `scoring` (the token pass and the metric summary) and `conclude_run` (every step after
+the run-level test: the decision test, the findings' body (`findings_dict`), the tempered signature, the
+penalty and logprob-temperature fits, crossed wires, then `conclude`: run-level verdict, shape,
+hypotheses, evidence, prefix cache), handed the token-reading inputs through `Inputs` (here the whole
+tables; streamed, the rows gathered as the chunks went by), and `with_prompt`. `ran` (a `steps.Ran`)
+records the steps run. `token_metric_summary` is the same metric summary over whole-run columns (the
+statement `scoring.metric_summary` is tested against).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from lpf.analysis import answer_checks
 from lpf.analysis import metrics as m
+from lpf.analysis import request_sampling
 from lpf.analysis.calibration import calibrate, calibrate_from_run, calibrate_to_floor, with_expected_tie_margin
 from lpf.analysis.evidence import apply_inconsistency, evidence
 from lpf.analysis.features import Feature, request_features
-from lpf.analysis.floors import KAPPA, expected_floor
+from lpf.analysis.floors import KAPPA, expected_floor, observed_logit_error
 from lpf.analysis.hypotheses import rank_hypotheses
 from lpf.analysis.levels import REQUEST_VERDICTS, SEVERITY
 from lpf.analysis.prefix_cache import prefix_cache_summary
@@ -68,9 +77,10 @@ from lpf.analysis.mechanisms import attribute
 from lpf.analysis.penalties import fit_penalty, phrase as penalty_phrase
 from lpf.analysis.run_test import DEFAULT_ALPHA, run_level_test, token_evidence
 from lpf.analysis.shape import failure_shape
-from lpf.analysis.spec_decisions import decision_signature, decision_slack, decision_test, raise_decisions
+from lpf.analysis.speculative_decisions import decision_signature, decision_slack, decision_test, raise_decisions
 from lpf.analysis.signatures import crossed_wires, fit_logprob_temperature, tempered_logprobs
-from lpf.analysis.spec_features import spec_divergence
+from lpf.analysis.speculative_features import spec_divergence
+from lpf.analysis.steps import Ran, record
 from lpf.analysis.thresholds import Thresholds
 from lpf.analysis.timing import timing_features
 from lpf.analysis.token_evidence import calibration_floor, evidence_columns
@@ -97,6 +107,7 @@ def analyze(
     prompt_tokens: pa.Table | None = None,
     prompt_reference: pa.Table | None = None,
     chunk_budget: int | None = None,
+    ran: Ran | None = None,
 ) -> tuple[pa.Table, dict]:
     """(per-request summary, findings dict). Pure: tables in, tables and plain data out.
     `calibration` (a calibration run's table, reference columns) replaces the run's own floor.
@@ -118,55 +129,64 @@ def analyze(
             ad = np.abs(np.subtract(cols["engine_logprob"], cols["ref_logprob"]))
         th, calib = calibrate(ad, starts, th)
         del ad
-    per, flips, same = score_requests(cols, starts, greedy, th, temperature)
     ids = (
         joined.column("request_id").take(pa.array(starts)).combine_chunks()
         if len(starts)
         else pa.array([], pa.string())
     )
-    summary = apply_inconsistency(summarize_requests(None, requests, th, per=(ids, per)), requests)
-    test = None
     sampling = (run_info or {}).get("sampling") or {"temperature": temperature}
+    own = request_sampling.settings(requests, temperature)
+    greedy_ids = None
+    if own is not None and own.uniform is not None and own.uniform == own.uniform:  # one temperature, every request
+        temperature = own.uniform
+        greedy, sampling = temperature == 0, {**sampling, "temperature": temperature}
+    elif own is not None:  # mixed: each row judged at its request's own settings
+        greedy, temperature = own.rows(ids, starts, joined.num_rows)
+        sampling, greedy_ids = request_sampling.MIXED_SAMPLING, own.greedy_ids
+    per, flips, same = score_requests(cols, starts, greedy, th, temperature)
+    record(ran, "thresholds", "scoring")
+    mixed = np.ndim(greedy) > 0
+    if mixed:  # the run-level steps below take the run's settings: mixed runs are none of greedy / one temperature
+        temperature = request_sampling.MIXED_TEMPERATURE
+    summary = apply_inconsistency(summarize_requests(None, requests, th, per=(ids, per)), requests)
+    record(ran, "verdicts", "answer_checks")
+    with np.errstate(invalid="ignore"):
+        d = np.subtract(cols["engine_logprob"], cols["ref_logprob"])
+    found = answer_checks.scan(
+        tokens, joined.column("request_id"), cols["position"], d, cols["ref_logprob"], expected, th.divergent_abs_diff
+    )
+    del d
+    summary, answer_blocks = answer_checks.apply(summary, found)
+    test = None
+    record(ran, "run_test", "localized")
     if expected:
         test = run_level_test(joined, tokens, reference, requests, expected, sampling, cols=cal_cols, starts=starts)
         summary = _localized(summary, test, cal_cols, expected, sampling, joined, tokens, reference, requests, starts)
-    slack = decision_slack(th.divergent_abs_diff, expected)
-    decisions = decision_test(tokens, reference, requests, trace, sampling, slack, DEFAULT_ALPHA)
-    if decisions is not None:
-        summary = raise_decisions(summary, decisions[0])
-    findings = findings_dict(summary, th, metric_summary(cols, flips, same), joined.num_rows)
-    findings["thresholds"].update(calib, pinned=sorted(th.pinned))
-    if decisions is not None:
-        findings["spec_decisions"] = decisions[1]
-    tempered = (
-        tempered_logprobs(joined, reference, temperature, th)
-        if wants_tempered(temperature, reference.column_names)
-        else None
-    )
-    server = {
-        "penalty": fit_penalty(tokens, reference, requests, _penalty_tie(th, test)) if greedy else None,
-        "logprob_temperature": (
-            fit_logprob_temperature(joined, reference, th) if "ref_topk_logprobs" in reference.column_names else None
-        ),
-    }
-    fitted = server["logprob_temperature"]
-    if fitted is not None and abs(fitted["value"] - temperature) <= 0.02:
-        server["logprob_temperature"] = None  # the run's own temperature: `tempered_logprobs` says that
-    elif fitted is not None:  # a temperature of the server's own: the signature at it
-        tempered = tempered_logprobs(joined, reference, fitted["value"], th)
-    findings = conclude(
-        findings,
-        summary,
+    inputs = _InMemory(joined, tokens, reference, requests, trace, th)
+    run = Run(
         requests,
         trace,
         engine_info,
+        th,
+        calib,
+        greedy,
         temperature,
-        test,
-        tempered,
-        crossed_wires(joined, requests, trace),
-        server,
+        sampling,
+        expected,
+        reference.column_names,
+        greedy_ids,
     )
-    return with_prompt(summary, findings, prompt_tokens, prompt_reference, requests, th, trace, chunk_budget)
+    summary, findings = conclude_run(
+        run,
+        summary,
+        test,
+        lambda: metric_summary(cols, flips, same),
+        joined.num_rows,
+        inputs,
+        ran=ran,
+        answer_blocks=answer_blocks,
+    )
+    return with_prompt(summary, findings, prompt_tokens, prompt_reference, requests, th, trace, chunk_budget, ran)
 
 
 def with_prompt(
@@ -178,9 +198,11 @@ def with_prompt(
     th: Thresholds,
     trace: pa.Table | None,
     chunk_budget: int | None,
+    ran: Ran | None = None,
 ) -> tuple[pa.Table, dict]:
     """The prompt positions' block, their `prompt_` summary columns and the run verdict raised to the
     worst prompt verdict (`lpf.analysis.prompt`), when the run has scored prompt positions."""
+    record(ran, "prompt")
     prompt_table, prompt_block = prompt_analysis(prompt_tokens, prompt_reference, requests, th, trace, chunk_budget)
     if prompt_block is not None:
         summary = merge_summary(summary, prompt_table)
@@ -194,6 +216,136 @@ def wants_tempered(temperature: float, reference_columns) -> bool:
     return bool(temperature) and temperature != 1.0 and "ref_topk_logprobs" in reference_columns
 
 
+@dataclass(frozen=True)
+class Run:
+    """What the steps after scoring read of the run besides the tokens (both executions alike)."""
+
+    requests: pa.Table
+    trace: pa.Table | None
+    engine_info: dict | None
+    th: Thresholds
+    calib: dict
+    greedy: bool
+    temperature: float
+    sampling: dict
+    expected: dict | None
+    reference_columns: tuple | list
+    greedy_ids: list[str] | None = None  # a run of mixed per-request settings: those sent at temperature 0
+
+    @property
+    def mixed(self) -> bool:
+        """Per-request settings of several kinds (`request_sampling`): `greedy` is then per row."""
+        return np.ndim(self.greedy) > 0
+
+
+class Inputs(Protocol):
+    """What the token-reading steps after scoring get from an execution: the in-memory one reads its
+    whole tables (`_InMemory`), the streamed one the rows it gathered as the chunks went by."""
+
+    def decisions(self, run: Run, slack: float) -> tuple[dict, dict] | None: ...
+    def tempered(self, temperature: float) -> pa.Array: ...
+    def penalty(self, tie: float, greedy_ids: list[str] | None) -> dict | None: ...
+    def logprob_temperature(self) -> dict | None: ...
+    def crossed(self, run: Run) -> pa.Array | None: ...
+    def prefix_cache(self, run: Run) -> dict | None: ...
+
+
+def conclude_run(
+    run: Run,
+    summary: pa.Table,
+    test: dict | None,
+    metrics,
+    n_scored: int,
+    inputs: Inputs,
+    on_summary=None,
+    ran=None,
+    answer_blocks: dict | None = None,
+) -> tuple[pa.Table, dict]:
+    """The steps after the run-level test, in `steps.STEPS` order, for both executions: the
+    speculative decision test (raising the requests it flags), the findings' body, the tempered
+    signature, the server's penalty and logprob temperature, crossed wires, then `conclude`.
+    `metrics()`: the metric summary (asked last: the streamed one is made on another thread);
+    `on_summary(summary)`: called once the summary is final, before the conclusions; `answer_blocks`:
+    `answer_checks.apply`'s findings blocks (the step ran before the run-level test)."""
+    th, temperature = run.th, run.temperature
+    record(ran, "spec_decisions")
+    decisions = inputs.decisions(run, decision_slack(th.divergent_abs_diff, run.expected))
+    if decisions is not None:
+        summary = raise_decisions(summary, decisions[0])
+    if on_summary is not None:
+        on_summary(summary)
+    record(ran, "metrics")
+    findings = findings_dict(summary, th, None, n_scored)
+    findings["thresholds"].update(run.calib, pinned=sorted(th.pinned))
+    findings.update(answer_blocks or {})
+    if decisions is not None:
+        findings["spec_decisions"] = decisions[1]
+    record(ran, "tempered")
+    wanted = not run.mixed and wants_tempered(temperature, run.reference_columns)
+    tempered = inputs.tempered(temperature) if wanted else None
+    record(ran, "penalty", "logprob_temperature")
+    greedy = run.greedy_ids is not None or (not run.mixed and bool(run.greedy))  # the greedy requests' choices
+    server = {
+        "penalty": inputs.penalty(_penalty_tie(th, test), run.greedy_ids) if greedy else None,
+        "logprob_temperature": (inputs.logprob_temperature() if "ref_topk_logprobs" in run.reference_columns else None),
+    }
+    fitted = server["logprob_temperature"]
+    if fitted is not None and abs(fitted["value"] - temperature) <= 0.02:
+        server["logprob_temperature"] = None  # the run's own temperature: `tempered_logprobs` says that
+    elif fitted is not None:  # a temperature of the server's own: the signature at it
+        tempered = inputs.tempered(fitted["value"])
+    record(ran, "crossed_wires")
+    crossed = inputs.crossed(run)
+    findings = conclude(
+        findings,
+        summary,
+        run.requests,
+        run.trace,
+        run.engine_info,
+        temperature,
+        test,
+        tempered,
+        crossed,
+        server,
+        ran,
+        prefix=lambda: inputs.prefix_cache(run),
+    )
+    findings["metrics"] = metrics()  # at its place in the body (findings_dict put the key there)
+    return summary, findings
+
+
+class _InMemory:
+    """`Inputs` from the whole tables (`joined`: `metrics.join_grouped`'s)."""
+
+    def __init__(self, joined, tokens, reference, requests, trace, th):
+        self.joined, self.tokens, self.reference, self.requests, self.trace, self.th = (
+            joined,
+            tokens,
+            reference,
+            requests,
+            trace,
+            th,
+        )
+
+    def decisions(self, run, slack):
+        return decision_test(self.tokens, self.reference, self.requests, self.trace, run.sampling, slack, DEFAULT_ALPHA)
+
+    def tempered(self, temperature):
+        return tempered_logprobs(self.joined, self.reference, temperature, self.th)
+
+    def penalty(self, tie, greedy_ids):
+        return _fit_penalty(self.tokens, self.reference, self.requests, tie, True, greedy_ids)
+
+    def logprob_temperature(self):
+        return fit_logprob_temperature(self.joined, self.reference, self.th)
+
+    def crossed(self, run):
+        return crossed_wires(self.joined, self.requests, self.trace)
+
+    def prefix_cache(self, run):
+        return prefix_cache_summary(self.requests, self.trace, run.engine_info)
+
+
 def conclude(
     findings: dict,
     summary: pa.Table,
@@ -205,6 +357,8 @@ def conclude(
     tempered: pa.Array | None,
     crossed: pa.Array | None,
     server: dict | None = None,
+    ran: Ran | None = None,
+    prefix=None,
 ) -> dict:
     """The request-level steps after scoring, shared by the in-memory and the streamed analysis
     (`lpf.analysis.stream`): the run-level test's verdict (`test`, or None), the failure's shape,
@@ -213,7 +367,8 @@ def conclude(
     when the run has no prefix cache), and what the server did on its own (`server`: {"penalty":
     `penalties.fit_penalty`'s, "logprob_temperature": `signatures.fit_logprob_temperature`'s}, None
     each when not found) as `server_processing` with the found ones (absent when none). Reads no
-    token table."""
+    token table. `prefix()`: the prefix cache's block, when the caller makes it (from the prompts' ids)."""
+    record(ran, "run_verdict", "shape", "hypotheses", "evidence", "prefix_cache")
     if test is not None:
         findings["run_test"] = test
         if (
@@ -236,7 +391,7 @@ def conclude(
         summary, requests, trace, engine_info, temperature, tempered, crossed, findings["flagged"], found.get("penalty")
     )
     findings["evidence"] = evidence(requests, summary)
-    findings["prefix_cache"] = prefix_cache_summary(requests, trace, engine_info)
+    findings["prefix_cache"] = prefix() if prefix is not None else prefix_cache_summary(requests, trace, engine_info)
     return findings
 
 
@@ -267,8 +422,30 @@ def _expected_floor(joined, tokens, reference, requests, calibration, calibratio
         cols = evidence_columns(joined, tokens, reference, requests)
         cal = calibration_floor(cols, joined, calibration)
     engine_dtype = (calibration_info or {}).get("dtype") or info.get("engine_dtype")
-    floor = expected_floor(floor_table, engine_dtype, info.get("reference_dtype"), info.get("model"), cal)
+    observed = None
+    pairs = floor_table.get("pairs") or {}
+    if f"{engine_dtype}/{info.get('reference_dtype')}" not in pairs:  # unknown or `auto`: the pair its errors fit
+        with np.errstate(invalid="ignore"):
+            d = np.subtract(joined.column("engine_logprob").to_numpy(), joined.column("ref_logprob").to_numpy())
+        observed = observed_logit_error(d, joined.column("ref_logprob").to_numpy())
+    floor = expected_floor(
+        floor_table, engine_dtype, info.get("reference_dtype"), info.get("model"), cal, observed=observed
+    )
     return (floor, cols) if floor else (None, None)
+
+
+def _fit_penalty(tokens, reference, requests, tie: float, greedy, greedy_ids: list[str] | None):
+    """`penalties.fit_penalty` over the greedy requests: all of a greedy run, the ones sent at temperature 0 of a
+    run of mixed settings (`greedy_ids`), none of a sampled run."""
+    if greedy_ids is not None:
+        if not greedy_ids:
+            return None
+        keep = pa.array(greedy_ids, pa.string())
+        tokens, reference, requests = (
+            t.filter(pc.is_in(t.column("request_id"), value_set=keep)) for t in (tokens, reference, requests)
+        )
+        return fit_penalty(tokens, reference, requests, tie)
+    return fit_penalty(tokens, reference, requests, tie) if greedy else None
 
 
 def _penalty_tie(th: Thresholds, test: dict | None) -> float:
@@ -410,6 +587,8 @@ def findings_dict(summary: pa.Table, th: Thresholds, metrics: dict, n_scored: in
                 "gibberish_tokens": r["gibberish_tokens"],
                 "gibberish_score": r["gibberish_score"],
                 **({"spec_decision": r["spec_decision"]} if r.get("spec_decision") else {}),
+                **({"self_contradiction": r["self_contradiction"]} if r.get("self_contradiction") else {}),
+                **({"sure_token": r["sure_token"]} if r.get("sure_token") else {}),
             }
             for r in flagged
         ],

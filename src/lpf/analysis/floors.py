@@ -23,8 +23,10 @@ Contract:
       large init they err 4-8x more in bfloat16 than any trained model, so they keep their own rows.
       Either way it is at least the table's floor for the reference's dtype against itself: two honest float32 implementations differ by their
       kernels, which a calibration run at the reference's own dtype cannot see. An engine whose
-      dtype is unknown (a server's `auto`) gets the most lenient pair measured for that reference
-      dtype, and says so.
+      dtype is unknown (a server's `auto`) is judged by the pair its own token errors fit
+      (`observed`: `observed_logit_error` of the run; `infer_pair`: nearest median logit error, from
+      INFER_MIN_TOKENS unsure tokens on; `inferred_dtype` in the floor); with too few tokens, the most
+      lenient pair measured for that reference dtype. Either way the floor's detail says so.
   `settings` (when floors.json says): the prompts and knob settings the row was measured over
       (scripts/measure_floor_settings.py widens float32's over long shared-prefix prompts, chunked
       prefill and prefix caching, where an honest engine's top-k spread was 5x the zoo:stress floor;
@@ -68,6 +70,8 @@ MIN_DEPARTURE = 3.0
 HONEST_MARGIN = 2.0
 COMPONENTS = ("token", "settled", "topk")
 MIN_UNIT = 2.0 * float(np.finfo(np.float32).eps)
+# an engine of unknown dtype is judged by the pair its token errors fit once this many unsure tokens are scored
+INFER_MIN_TOKENS = 30
 
 
 def _qs(x: np.ndarray, *qs: float) -> list[float | None]:
@@ -163,12 +167,68 @@ def _scaled(floor: dict | None, factor: float) -> dict | None:
     return out
 
 
+def observed_logit_error(d: np.ndarray, ref_logprob: np.ndarray) -> dict:
+    """What `infer_pair` classifies: {median, n}: the run's median logit error |d| / s_up over the tokens the
+    reference is unsure of (s_up = sqrt(2) (1 - p) >= S_MIN: an upper bound of the sensitivity, from the
+    reference's logprob alone); {abs_median, abs_n}: the median |d| over every token (a trained model on its
+    own tasks is sure of most tokens). Medians: the lies of a minority of tokens (a tampered server) do not
+    move them."""
+    step = max(1, d.size // _SAMPLE)
+    d, lp = np.abs(np.asarray(d[::step], dtype=np.float64)), np.asarray(ref_logprob[::step], dtype=np.float64)
+    s_up = np.sqrt(2.0) * -np.expm1(np.minimum(lp, 0.0))
+    finite = np.isfinite(d)
+    keep = finite & (s_up >= S_MIN)
+    return {
+        "median": float(np.median(d[keep] / s_up[keep])) if keep.any() else None,
+        "n": int(keep.sum()) * step,
+        "abs_median": float(np.median(d[finite])) if finite.any() else None,
+        "abs_n": int(finite.sum()) * step,
+    }
+
+
+def infer_pair(rows: dict[str, tuple[dict | None, str]], observed: dict | None) -> str | None:
+    """The dtype pair whose floor the observed errors fit best: nearest in log space to the pair's median
+    logit error (floored at a tenth of its 99th percentile: zoo:jamba's float32 median is 0) from at least
+    INFER_MIN_TOKENS unsure tokens, else to the pair's median |d| over every token from as many tokens (ties,
+    as float32 and float16 have there, go to the stricter pair); None with fewer. The measured medians lie
+    10x (bfloat16 vs float16) to 600x (float16 vs float32) apart in logit error and 100x (bfloat16 vs the
+    others) in |d|, wider than one model's spread over prompts."""
+    if not observed:
+        return None
+    if observed.get("median") is not None and observed.get("n", 0) >= INFER_MIN_TOKENS:
+        seen, field = observed["median"], "token"
+    elif observed.get("abs_median") is not None and observed.get("abs_n", 0) >= INFER_MIN_TOKENS:
+        seen, field = observed["abs_median"], "token_abs_diff"
+    else:
+        return None
+    at = np.log(max(float(seen), MIN_UNIT))
+
+    def distance(pair: str) -> float:
+        stats = (rows[pair][0] or {}).get(field) or {}
+        if field == "token":
+            if stats.get("q99") is None:
+                return np.inf
+            typical = max(float(stats.get("median") or 0.0), 0.1 * float(stats["q99"]))
+        else:
+            if stats.get("median") is None:
+                return np.inf
+            typical = float(stats["median"])
+        return round(abs(at - np.log(max(typical, MIN_UNIT))), 6)
+
+    def strictness(pair: str) -> float:
+        return float(((rows[pair][0] or {}).get("token") or {}).get("q99") or np.inf)
+
+    best = min(rows, key=lambda pair: (distance(pair), strictness(pair)))
+    return best if np.isfinite(distance(best)) else None
+
+
 def expected_floor(
     table: dict,
     engine_dtype: str | None,
     reference_dtype: str | None,
     model: str | None = None,
     calibration: dict | None = None,
+    observed: dict | None = None,
 ) -> dict | None:
     if not reference_dtype:
         return None
@@ -192,15 +252,32 @@ def expected_floor(
             if not known:
                 return None
             rows = {p: _row(table, p, model) for p in known}
-            lenient = max(known, key=lambda p: (rows[p][0] or {}).get("token", {}).get("q99") or 0.0)
-            floor = envelope(rows[lenient][0], same)
-            floor.update(
-                source="table",
-                pair=lenient,
-                assumed_dtype=lenient.split("/")[0],
-                detail=f"the shipped table: the engine's dtype is {engine_dtype or 'not recorded'}, so the "
-                f"most lenient pair measured, {lenient} ({rows[lenient][1]})",
-            )
+            inferred = infer_pair(rows, observed)
+            if inferred is not None:
+                floor = envelope(rows[inferred][0], same)
+                if (observed.get("n") or 0) >= INFER_MIN_TOKENS:
+                    seen = f"median {observed['median']:.2g} nats of logit error over {observed['n']} unsure tokens"
+                else:
+                    seen = f"median |d| {observed['abs_median']:.2g} over {observed['abs_n']} tokens"
+                floor.update(
+                    source="table",
+                    pair=inferred,
+                    assumed_dtype=inferred.split("/")[0],
+                    inferred_dtype=inferred.split("/")[0],
+                    detail=f"the shipped table: the engine's dtype is {engine_dtype or 'not recorded'}, and its "
+                    f"token errors ({seen}) fit {inferred} best, so its floor ({rows[inferred][1]}); declare "
+                    "-E dtype=... to judge against another",
+                )
+            else:
+                lenient = max(known, key=lambda p: (rows[p][0] or {}).get("token", {}).get("q99") or 0.0)
+                floor = envelope(rows[lenient][0], same)
+                floor.update(
+                    source="table",
+                    pair=lenient,
+                    assumed_dtype=lenient.split("/")[0],
+                    detail=f"the shipped table: the engine's dtype is {engine_dtype or 'not recorded'}, so the "
+                    f"most lenient pair measured, {lenient} ({rows[lenient][1]})",
+                )
     floor["tie_margin"] = tie_margin(floor)
     honest = _honest(table, floor["pair"], model)
     if honest:

@@ -193,13 +193,14 @@ def token_metrics(joined: pa.Table, greedy: bool, th: Thresholds, temperature: f
 
 def metric_arrays(
     cols: dict[str, np.ndarray],
-    greedy: bool,
+    greedy,
     th: Thresholds,
     out: dict[str, np.ndarray] | None = None,
-    temperature: float = 0.0,
+    temperature=0.0,
 ) -> dict[str, np.ndarray]:
     """The metric columns (`METRIC_DTYPES`) from `input_arrays`, written into the arrays of `out`
     that it has (of the same length, e.g. one chunk's slices of whole-run arrays), all returned.
+    `greedy` and `temperature`: the run's, or arrays of each row's own (`request_sampling.Settings.rows`).
     A token without a logprob (`no_logprob`) has NaN error metrics (none was reported) and the
     tokens-only rule's flip and lie strength (`absent.judge`, at `temperature` when sampled)."""
     eng, ref, tok = cols["engine_logprob"], cols["ref_logprob"], cols["token_id"]
@@ -214,9 +215,11 @@ def metric_arrays(
         np.exp(ad, out=out["token_mult_prob_error"])
         rank, top1 = cols["ref_rank"], cols["ref_top1_id"]
         other_top = tok != top1
-        if greedy:
+        if np.any(greedy):  # a bool, or each row's own (`request_sampling`)
             margin = cols["ref_top1_logprob"] - ref
             np.logical_and(other_top, margin > th.tie_margin, out=out["greedy_flip"])
+            if np.ndim(greedy):
+                out["greedy_flip"] &= greedy
         else:
             out["greedy_flip"][:] = False
         # The engine's own top choice: its reported top-1, or (greedy, no top-k) the token itself.
@@ -233,8 +236,9 @@ def metric_arrays(
         no_lp = cols.get("no_logprob")
         if no_lp is not None:
             at = np.flatnonzero(no_lp)
+            g, t = (greedy[at], temperature[at]) if np.ndim(greedy) else (greedy, temperature)
             _, flip, lie = absent.judge(
-                ref[at], cols["ref_top1_logprob"][at], tok[at], cols["ref_top1_id"][at], greedy, th, temperature
+                ref[at], cols["ref_top1_logprob"][at], tok[at], cols["ref_top1_id"][at], g, th, t
             )
             out["greedy_flip"][at], strength[at] = flip, lie
         np.greater_equal(strength, 0.5, out=out["gibberish"])

@@ -6,19 +6,20 @@ no raw-logit offset (`ref_logsumexp`, null in runs scored before it: a repetitio
 raw logits' signs, which logprobs alone do not give). Otherwise the best-fitting model among
 
   repetition_penalty  a token already in the context (prompt + output; or, llama.cpp's default, its
-                      last 64 tokens) has its logit divided by theta when positive, multiplied when
-                      negative (HF's, vLLM's and llama.cpp's semantics)
+                      last 64 tokens; or, llama-cpp-python's server, the output only) has its logit divided
+                      by theta when positive, multiplied when negative (HF's, vLLM's and llama.cpp's semantics)
   presence_penalty    a token already in the output (or the context) loses alpha
   frequency_penalty   a token loses beta per earlier occurrence in the output
 
-each on a grid (theta 0.5..2 by 0.0025, alpha and beta -2..2 by 0.01; a pass on a grid COARSE times
+each on a grid (the kind: `_kind`; theta 0.5..2 by 0.0025, alpha and beta -2..2 by 0.01; a pass on a grid COARSE times
 coarser first), judged by how many positions' engine tokens it predicts: the engine's token must be
 the argmax (within `tie`: what the engine's dtype moves a near tie by, the run's tie margin as findings
 passes it) of the penalised raw logits over the reference's top-k plus the token (logit = reference
 logprob + ref_logsumexp; the engine runs the reference's model, so its logits are the reference's).
 Tokens outside the top-k are not candidates. Only positions where a candidate was already seen can change (at most
 MAX_POSITIONS of them: a bigger run is fitted on every k-th request); the fit is the
-value at the middle of the best plateau, and it is reported when it turns at least MIN_EXPLAINED of
+value at the middle of the best plateau (its interval: the values around it whose agreement an exact sign
+test cannot tell from it, `_interval`), and it is reported when it turns at least MIN_EXPLAINED of
 the neutral value's greedy flips into agreements, against fewer lost agreements than a sign test
 allows (p < MAX_P). The dict: {mechanism, scope, value, interval [lo, hi], explained (flips the fit
 turns into agreements), flips (greedy flips where a candidate was seen), lost, p_value, requests
@@ -36,6 +37,7 @@ from lpf.analysis.hypotheses import binomial_greater
 
 MIN_EXPLAINED = 3
 MAX_P = 1e-3
+INTERVAL_ALPHA = 0.05  # the interval: values the evidence cannot tell from the fit at this level
 LAST_N = 64  # llama.cpp's penalty_last_n default
 COARSE = 8  # the first pass's grid step, in fine steps
 MAX_POSITIONS = 50_000  # informative positions fitted (a bigger run: an even sample of its requests)
@@ -48,6 +50,8 @@ MODELS = (
     ("presence_penalty", "output", np.round(np.arange(-2.0, 2.0 + 1e-9, 0.01), 6), 0.0),
     ("presence_penalty", "context", np.round(np.arange(-2.0, 2.0 + 1e-9, 0.01), 6), 0.0),
     ("frequency_penalty", "output", np.round(np.arange(-2.0, 2.0 + 1e-9, 0.01), 6), 0.0),
+    # llama-cpp-python's server: its repeat_penalty (1.1 by default) over the tokens it generated only
+    ("repetition_penalty", "output", np.round(np.arange(0.5, 2.0 + 1e-9, 0.0025), 6), 1.0),
 )
 _SCOPE_WORDS = {
     "context": "tokens already in the context",
@@ -56,25 +60,27 @@ _SCOPE_WORDS = {
 }
 
 
-def fit_penalty(tokens: pa.Table, reference: pa.Table, requests: pa.Table, tie: float) -> dict | None:
+def fit_penalty(
+    tokens: pa.Table, reference: pa.Table, requests: pa.Table, tie: float, n_rows: int | None = None
+) -> dict | None:
+    """`n_rows`: the whole run's scored rows with a log-sum-exp, when `tokens` holds only the requests
+    that `request_stride(n_rows)` keeps (the streamed analysis gathers those): the same sample."""
     if "ref_logsumexp" not in reference.column_names or "ref_topk_ids" not in reference.column_names:
         return None
-    ev = _evidence(tokens, reference, requests)
+    ev = _evidence(tokens, reference, requests, n_rows)
     if ev is None:
         return None
-    best = None
+    fits = []
     for mech, scope, grid, neutral in MODELS:
         agree = _fine_agreement(ev, mech, scope, grid, neutral, tie)
         g0 = int(np.flatnonzero(grid == neutral)[0])
         counts = agree.sum(0)
         top = int(counts.max())
-        gain = top - int(counts[g0])
-        if best is not None and gain <= best["gain"]:
-            continue
         lo, hi = _plateau(counts, top, g0)
         g = (lo + hi) // 2
-        best = {"gain": gain, "mech": mech, "scope": scope, "grid": grid, "g": g, "lo": lo, "hi": hi, "agree": agree}
-        best["g0"] = g0
+        fits.append({"gain": top - int(counts[g0]), "mech": mech, "scope": scope, "grid": grid, "g": g, "agree": agree})
+        fits[-1]["g0"] = g0
+    best = _kind(fits)
     if best is None or best["gain"] <= 0:
         return None
     agree, g, g0 = best["agree"], best["g"], best["g0"]
@@ -91,7 +97,7 @@ def fit_penalty(tokens: pa.Table, reference: pa.Table, requests: pa.Table, tie: 
         "mechanism": best["mech"],
         "scope": best["scope"],
         "value": value,
-        "interval": [float(best["grid"][best["lo"]]), float(best["grid"][best["hi"]])],
+        "interval": [float(best["grid"][i]) for i in _interval(agree, g)],
         "explained": n_exp,
         "flips": int(flips.sum()),
         "lost": n_lost,
@@ -118,6 +124,44 @@ def phrase(fit: dict) -> str:
         f"chose tokens that a {fit['mechanism'].replace('_', ' ')} of {fit['value']:.3g} on "
         f"{_SCOPE_WORDS[fit['scope']]} predicts and the raw logits do not (server-side sampling processing)"
     )
+
+
+def _kind(fits: list[dict]) -> dict | None:
+    """The model the evidence supports: the one that explains the most flips, unless one listed before it in
+    MODELS (the more common semantics first) is not significantly worse at its own best value (exact sign
+    test over the positions where the two disagree, p >= INTERVAL_ALPHA): two kinds that act on the same
+    tokens (a presence penalty and a repetition penalty over the output) are told apart only past that."""
+    if not fits:
+        return None
+    top = max(fits, key=lambda f: f["gain"])
+    at = top["agree"][:, top["g"]]
+    for f in fits:
+        if f is top:
+            break
+        other = f["agree"][:, f["g"]]
+        wins = int((at & ~other).sum())
+        if f["gain"] > 0 and binomial_greater(wins, wins + int((other & ~at).sum())) >= INTERVAL_ALPHA:
+            return f
+    return top
+
+
+def _interval(agree: np.ndarray, g: int) -> tuple[int, int]:
+    """[lo, hi] grid indices: the contiguous values around the fit `g` whose agreement the evidence cannot
+    tell from the fit's: over the positions where the two disagree, the fit's wins are not improbable under
+    an even split (exact sign test, p >= INTERVAL_ALPHA one-sided). A plateau of equal counts is the least
+    of it; one grid point only when a step away already loses significantly."""
+    at = agree[:, g]
+
+    def same(i: int) -> bool:
+        wins = int((at & ~agree[:, i]).sum())
+        return binomial_greater(wins, wins + int((agree[:, i] & ~at).sum())) >= INTERVAL_ALPHA
+
+    lo = hi = g
+    while lo > 0 and same(lo - 1):
+        lo -= 1
+    while hi + 1 < agree.shape[1] and same(hi + 1):
+        hi += 1
+    return lo, hi
 
 
 def _plateau(counts: np.ndarray, top: int, g0: int) -> tuple[int, int]:
@@ -148,7 +192,13 @@ def _padded(col, width: int, fill, dtype) -> np.ndarray:
     return out
 
 
-def _evidence(tokens: pa.Table, reference: pa.Table, requests: pa.Table) -> dict | None:
+def request_stride(n_rows: int) -> int:
+    """A run of `n_rows` scored rows with a log-sum-exp is fitted on the requests whose row in the
+    requests table is a multiple of this (1: every request)."""
+    return -(-n_rows // (4 * MAX_POSITIONS)) if n_rows > 4 * MAX_POSITIONS else 1
+
+
+def _evidence(tokens: pa.Table, reference: pa.Table, requests: pa.Table, n_rows: int | None = None) -> dict | None:
     """Per scored position where some candidate had been seen (the only ones a penalty can change):
     candidates' raw logits [P, K+1] (column 0 the engine's token; a top-k entry equal to it is masked
     with -inf) and, per candidate, whether it was in the context, in its last LAST_N tokens, in the
@@ -167,8 +217,9 @@ def _evidence(tokens: pa.Table, reference: pa.Table, requests: pa.Table) -> dict
     )
     if not t.num_rows:
         return None
-    if t.num_rows > 4 * MAX_POSITIONS:  # a big run: an even sample of whole requests before any [rows, k] array
-        keep = req_row % -(-t.num_rows // (4 * MAX_POSITIONS)) == 0
+    stride = request_stride(t.num_rows if n_rows is None else n_rows)
+    if stride > 1:  # a big run: an even sample of whole requests before any [rows, k] array
+        keep = req_row % stride == 0
         t, req_row = t.filter(pa.array(keep)), req_row[keep]
     ref = reference.take(t.column("_row"))
     k = int(pc.max(pc.list_value_length(ref.column("ref_topk_ids"))).as_py() or 0)

@@ -4,7 +4,8 @@ Contract (pure: numpy columns in, numpy arrays and dicts out):
 - `score_requests(cols, starts, greedy, th) -> (per, flips, same)`: `cols` the `metrics.input_arrays`
   of a `join_grouped` table plus `position` (whole-run columns, grouped by request), `starts` the
   request starts (and `no_logprob` when some tokens came back without one: `lpf.analysis.absent`, at
-  `temperature` when sampled). `per` holds `verdicts.reduce_requests`' columns for every request, bit
+  `temperature` when sampled; `greedy` and `temperature` the run's, or arrays of each row's own:
+  `request_sampling`). `per` holds `verdicts.reduce_requests`' columns for every request, bit
   for bit what `metrics.metric_arrays` then `reduce_requests` give (verdicts as `verdicts.CODES` indices); `flips`
   the greedy flips, `same` the tokens that are the reference's top-1.
 - `metric_summary(cols, flips, same[, n]) -> findings' "metrics"`, bit for bit
@@ -44,15 +45,16 @@ def chunk_bounds(starts: np.ndarray, n: int, chunk: int = CHUNK) -> list[tuple[i
     return list(zip(cuts[:-1].tolist(), cuts[1:].tolist()))
 
 
-def score_requests(
-    cols: dict[str, np.ndarray], starts: np.ndarray, greedy: bool, th: Thresholds, temperature: float = 0.0
-):
+def score_requests(cols: dict[str, np.ndarray], starts: np.ndarray, greedy, th: Thresholds, temperature=0.0):
     n = len(cols["position"])
     parts, flips, other = [], 0, 0
     for a, b in chunk_bounds(starts, n):
         lo, hi = int(starts[a]), int(starts[b]) if b < starts.size else n
         piece = {k: v[lo:hi] for k, v in cols.items()}
-        per, f, o = _score_chunk(piece, starts[a:b] - lo, greedy, th, temperature)
+        if np.ndim(greedy):  # each row's own settings: sliced with the chunk
+            per, f, o = _score_chunk(piece, starts[a:b] - lo, greedy[lo:hi], th, temperature[lo:hi])
+        else:
+            per, f, o = _score_chunk(piece, starts[a:b] - lo, greedy, th, temperature)
         parts.append(per)
         flips, other = flips + f, other + o
     if not parts:
@@ -66,7 +68,7 @@ def score_requests(
     return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}, flips, n - other
 
 
-def _score_chunk(c: dict, st: np.ndarray, greedy: bool, th: Thresholds, temperature: float = 0.0):
+def _score_chunk(c: dict, st: np.ndarray, greedy, th: Thresholds, temperature=0.0):
     """One request-aligned chunk: (its requests' reductions, greedy flips, tokens off the reference's top-1)."""
     pos, eng, ref, tok, top1 = c["position"], c["engine_logprob"], c["ref_logprob"], c["token_id"], c["ref_top1_id"]
     n, k = len(pos), len(st)
@@ -80,19 +82,29 @@ def _score_chunk(c: dict, st: np.ndarray, greedy: bool, th: Thresholds, temperat
         # rows that can be a greedy flip or a lie: off the reference's top-1, or improbable to it
         cand = np.flatnonzero(other | (ref <= th.improbable_logprob))
         dc, oc = d[cand], other[cand]
-        if greedy:
+        per_row = np.ndim(greedy) > 0  # each row's own settings (`request_sampling`)
+        g_c, t_c = (greedy[cand], temperature[cand]) if per_row else (greedy, temperature)
+        if np.any(g_c):
             flip_c = oc & ((c["ref_top1_logprob"][cand] - ref[cand]) > th.tie_margin)
+            if per_row:
+                flip_c &= g_c
         else:
             flip_c = np.zeros(cand.size, bool)
         etop = c["engine_top1_id"][cand] if "engine_top1_id" in c else np.full(cand.size, -1)
-        own = (etop == tok[cand]) | ((etop < 0) & greedy)
+        own = (etop == tok[cand]) | ((etop < 0) & g_c)
         strength_c = np.where(own & oc & (c["ref_rank"][cand] > 1), np.clip(dc / th.gibberish_log_ratio, 0.0, 1.0), 0.0)
         strength_c[np.isnan(strength_c)] = 0.0
         strength_c[(eng[cand] >= th.confident_logprob) & (ref[cand] <= th.improbable_logprob)] = 1.0
         if no_lp is not None:  # a token without a logprob: the tokens-only rule (`absent`)
             nc = no_lp[cand]
             _, flip_n, strength_n = absent.judge(
-                ref[cand][nc], c["ref_top1_logprob"][cand][nc], tok[cand][nc], top1[cand][nc], greedy, th, temperature
+                ref[cand][nc],
+                c["ref_top1_logprob"][cand][nc],
+                tok[cand][nc],
+                top1[cand][nc],
+                g_c[nc] if per_row else greedy,
+                th,
+                t_c[nc] if per_row else temperature,
             )
             flip_c[nc], strength_c[nc] = flip_n, strength_n
         lie_c = strength_c >= 0.5

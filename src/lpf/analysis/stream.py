@@ -19,8 +19,9 @@ the in-memory join-and-sort case.)
    request and its scored-token count, which place every token in arrival order for the run-level
    test), then `.score(tokens, reference)` per chunk (the same order): `scoring.score_requests`
    (per-request reductions, greedy flips, top-1 agreement), the crossed-wires candidates (tokens that
-   missed the reference's top-1, when there is a trace), the tempered-logprob signature per request,
-   and the run-level test's tokens (every k-th in arrival order: exactly the tokens the in-memory
+   missed the reference's top-1, when there is a trace), the rows the steps after scoring read
+   (`stream_gather`: the decision test's, the penalty fit's, the departing tokens the logprob
+   temperature and the tempered signature read; into `store`, the driver's), and the run-level test's tokens (every k-th in arrival order: exactly the tokens the in-memory
    test reads). It returns the chunk's `SPILLED` logprob columns for the driver to keep, and leaves
    `zipped`, `heads`, `counts` and `at` (each head's index among `ids`) of the chunk for a one-pass
    driver to check. `.score` is `.add(.score_chunk(...))`: `score_chunk` reads the accumulator's
@@ -35,9 +36,11 @@ order); per-request reductions are request-local (one row per request); the fail
 hypotheses and evidence read the per-request summary and requests table; the run-level test at most
 `run_test.MAX_TOKENS` tokens. Means are numpy's pairwise sums over the whole column in token order,
 as in memory (`column_stats`), so they are the same floating-point sums.
-Not streamed: a calibration run (`calibrate_from_run` joins it with the whole reference) and prompt
-logprobs (`lpf.analysis.prompt` reads whole tables): `lpf.pipeline.analyze` routes such runs to the
-in-memory path and refuses `--stream` on them. The trace is read whole.
+The steps are `lpf.analysis.steps.STEPS`, run in that order and recorded on `ran`; those after the
+run-level test through `findings.conclude_run`, as in memory. Not streamed: a calibration run
+(`calibrate_from_run` joins it with the whole reference): `lpf.pipeline.analyze` routes such runs to
+the in-memory path and refuses `--stream` on them. Read whole: the trace, and the prompt positions'
+tables (`prompt()`, when the run has them: `with_prompt` after the output positions).
 """
 
 from __future__ import annotations
@@ -48,16 +51,18 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from lpf.analysis import answer_checks, request_sampling
 from lpf.analysis import metrics as m
 from lpf.analysis.calibration import calibrate, calibrate_to_floor
 from lpf.analysis.evidence import apply_inconsistency
 from lpf.analysis.columns import Lookup, one_array, same_rows
-from lpf.analysis.findings import conclude, findings_dict, wants_tempered
+from lpf.analysis.findings import Run, conclude_run, with_prompt
 from lpf.analysis import run_test as run_level
 from lpf.analysis import stream_evidence
 from lpf.analysis.localized import raise_localized
 from lpf.analysis.run_test import run_test, token_evidence
-from lpf.analysis.signatures import crossed_wires, tempered_logprobs
+from lpf.analysis.steps import Ran, record
+from lpf.analysis.stream_gather import Gatherer, Gathered
 from lpf.analysis.thresholds import Thresholds
 from lpf.analysis.token_evidence import evidence_columns
 from lpf.analysis.scoring import metric_summary, score_requests
@@ -77,17 +82,19 @@ _EVIDENCE_TOKENS = ["request_id", "position", "engine_topk_ids", "engine_topk_lo
 _EVIDENCE_REFERENCE = ["request_id", "position", "ref_topk_ids", "ref_topk_logprobs"]
 
 
-def chunk_abs_diff(tokens: pa.Table, reference: pa.Table) -> tuple[np.ndarray, np.ndarray, pa.Array]:
-    """(|engine - reference| per joined row, request starts, request ids at the starts) of a chunk.
+def chunk_abs_diff(tokens: pa.Table, reference: pa.Table, with_ref: bool = False):
+    """(|engine - reference| per joined row, request starts, request ids at the starts) of a chunk, and
+    with `with_ref` the joined rows' ref_logprob after them (what the floor's dtype inference reads).
     A chunk that lines up row for row needs only request_id, position and the two logprobs."""
     starts = m.zipped_starts(tokens, reference)
     if starts is None:
         tokens, starts = m.join_grouped(tokens, reference)
         reference = tokens
+    ref = reference.column("ref_logprob").to_numpy()
     with np.errstate(invalid="ignore"):
-        ad = np.subtract(tokens.column("engine_logprob").to_numpy(), reference.column("ref_logprob").to_numpy())
+        ad = np.subtract(tokens.column("engine_logprob").to_numpy(), ref)
         np.abs(ad, out=ad)
-    return ad, starts, _ids_at(tokens, starts)
+    return (ad, starts, _ids_at(tokens, starts)) + ((ref,) if with_ref else ())
 
 
 def chunk_starts(tokens: pa.Table, reference: pa.Table) -> tuple[int, np.ndarray, pa.Array]:
@@ -139,10 +146,23 @@ class StreamedAnalysis:
         sampling: dict | None = None,
         reference_columns=(),
         rows: np.ndarray | None = None,
+        store=None,
+        lse_complete: bool = False,
+        token_ids=None,
+        ran: Ran | None = None,
+        prompt=None,
+        chunk_budget: int | None = None,
     ):
+        sampling = sampling or {"temperature": temperature}
+        own = request_sampling.settings(requests, temperature)
+        if own is not None and own.uniform is not None and own.uniform == own.uniform:  # every request alike
+            temperature = own.uniform
+            greedy, sampling = temperature == 0, {**sampling, "temperature": temperature}
+        elif own is not None:  # `lpf.pipeline.analyze` reads such a run in memory
+            raise ValueError("the streamed analysis does not judge requests of mixed sampling settings")
         self.requests, self.th, self.calib, self.greedy = requests, th, calib, greedy
         self.trace, self.engine_info, self.temperature = trace, engine_info, temperature
-        self.expected, self.sampling = expected, sampling or {"temperature": temperature}
+        self.expected, self.sampling = expected, sampling
         self.n = int(counts.sum())
         self.step = -(-self.n // run_level.MAX_TOKENS)  # as run_test.run_level_test samples a huge run
         self.declared = one_array(ids)
@@ -152,10 +172,16 @@ class StreamedAnalysis:
         )  # request ids (looked up only for chunks that come without codes), the arrival index of
         # each one's first scored token
         self.by_index = offsets is not None and offsets[1]  # arrival order is the arrival index's
-        self.tempered = wants_tempered(temperature, reference_columns)
+        self.reference_columns = tuple(reference_columns)
+        self.gatherer = Gatherer(
+            requests, trace, self.sampling, greedy, th, reference_columns, self.n, lse_complete
+        )  # the rows the steps after scoring read (`stream_gather`)
+        self.store, self.gathered_counts = store if store is not None else Listed(), {}
+        self.token_ids, self.ran = token_ids, ran
+        self.prompt, self.chunk_budget = prompt, chunk_budget  # prompt(): (prompt_tokens, prompt_reference)
         self.zipped, self.heads, self.counts, self.at = False, None, None, None  # of the last chunk added
         self.ids, self.per, self.flips, self.same = [], [], 0, 0
-        self.missed, self.tempered_ids, self.evidence = [], [], []
+        self.missed, self.evidence, self.answers = [], [], answer_checks.Found()
 
     def score(self, tokens: pa.Table, reference: pa.Table) -> dict[str, np.ndarray]:
         """Score one chunk; returns its `SPILLED` columns (in token order) for the driver to keep."""
@@ -182,7 +208,7 @@ class StreamedAnalysis:
             joined, starts = lined
             at = codes[0][starts].astype(np.int64)
             heads, zipped = self.declared.take(pa.array(at)), True
-            joined = joined if self.trace is None and not self.tempered else _decoded(joined)
+            joined = joined if self.trace is None else _decoded(joined)
             # the same rows: the joined ids stand for both sides' (what the steps below select by name)
             tokens = tokens.add_column(0, "request_id", joined.column("request_id"))
             reference = reference.add_column(0, "request_id", joined.column("request_id"))
@@ -190,12 +216,17 @@ class StreamedAnalysis:
         cols["position"] = joined.column("position").to_numpy()
         per, flips, same = score_requests(cols, starts, self.greedy, self.th, self.temperature)
         out = {"rows": tokens.num_rows, "ids": heads, "per": per, "flips": flips, "same": same}
-        out["missed"] = out["tempered"] = None
+        with np.errstate(invalid="ignore"):
+            d = np.subtract(cols["engine_logprob"], cols["ref_logprob"])
+        out["answers"] = answer_checks.scan(
+            tokens, joined.column("request_id"), cols["position"], d, cols["ref_logprob"], self.expected,
+            self.th.divergent_abs_diff,
+        )  # fmt: skip
+        out["missed"] = None
         if self.trace is not None and self.trace.num_rows:
             miss = pc.not_equal(joined.column("token_id"), joined.column("ref_top1_id"))
             out["missed"] = joined.filter(miss).select(["request_id", "position", "token_id", "ref_top1_id"])
-        if self.tempered:
-            out["tempered"] = tempered_logprobs(joined, reference, self.temperature, self.th)
+        out["gathered"] = self.gatherer.chunk(joined, starts, heads, tokens, reference, zipped)
         out["zipped"] = zipped
         out["heads"], out["counts"] = heads, np.diff(np.r_[starts, joined.num_rows])
         out["at"] = at if self.arrival is not None or codes is not None else None
@@ -214,10 +245,14 @@ class StreamedAnalysis:
         self.per.append(chunk["per"])
         self.flips += chunk["flips"]
         self.same += chunk["same"]
+        self.answers = self.answers.merge(chunk["answers"])
         if chunk["missed"] is not None:
             self.missed.append(chunk["missed"])
-        if chunk["tempered"] is not None:
-            self.tempered_ids.append(chunk["tempered"])
+        tables, counts = chunk["gathered"]
+        for name, table in tables.items():
+            self.store.add(name, table)
+        for name, n in counts.items():
+            self.gathered_counts[name] = self.gathered_counts.get(name, 0) + n
         if chunk["evidence"] is not None:
             self.evidence.append(chunk["evidence"])
         self.zipped, self.heads, self.counts, self.at = chunk["zipped"], chunk["heads"], chunk["counts"], chunk["at"]
@@ -271,6 +306,7 @@ class StreamedAnalysis:
 
     def _finish(self, metrics, summary, on_summary) -> tuple[pa.Table, dict]:
         """`metrics()`, `summary()`: the metric summary and `_summary`, made beside the run-level test."""
+        record(self.ran, "thresholds", "scoring", "verdicts", "answer_checks", "run_test", "localized")
         test = None
         if self.arrival is not None:
             if isinstance(self.evidence[0], dict):  # coded chunks' rows, gathered in arrival order
@@ -288,34 +324,40 @@ class StreamedAnalysis:
             test["sampled_every"] = self.step
             exceed = ev["logprob"]
             del cols, ev
-        summary = summary()
+        summary, answer_blocks = answer_checks.apply(summary(), self.answers)
         if test is not None and test["result"] == "different":
             summary, test["localized"] = raise_localized(summary, test, exceed, exceed_ids())
-        on_summary(summary)
-        # the metric summary goes in when it is ready, at its place: the conclusions read none of it
-        findings = findings_dict(summary, self.th, None, self.n)
-        findings["thresholds"].update(self.calib, pinned=sorted(self.th.pinned))
-        tempered = pa.chunked_array(self.tempered_ids, pa.string()).combine_chunks() if self.tempered else None
-        crossed = None
-        if self.trace is not None and self.trace.num_rows:
-            crossed = crossed_wires(
-                pa.concat_tables(self.missed) if self.missed else _NO_MISS, self.requests, self.trace
-            )
-        findings = conclude(
-            findings, summary, self.requests, self.trace, self.engine_info, self.temperature, test, tempered, crossed
+        run = Run(
+            self.requests,
+            self.trace,
+            self.engine_info,
+            self.th,
+            self.calib,
+            self.greedy,
+            self.temperature,
+            self.sampling,
+            self.expected,
+            self.reference_columns,
         )
-        findings["metrics"] = metrics()
-        return summary, findings
+        inputs = Gathered(self.gatherer, self.store, self.gathered_counts, self.token_ids, self.missed)
+        # with prompt positions the summary gains their columns after the conclusions: the caller writes it then
+        early = on_summary if self.prompt is None else None
+        summary, findings = conclude_run(run, summary, test, metrics, self.n, inputs, early, self.ran, answer_blocks)
+        tables = self.prompt() if self.prompt is not None else (None, None)
+        return with_prompt(summary, findings, *tables, self.requests, self.th, self.trace, self.chunk_budget, self.ran)
 
 
-_NO_MISS = pa.table(
-    {
-        "request_id": pa.array([], pa.string()),
-        "position": pa.array([], pa.int32()),
-        "token_id": pa.array([], pa.int32()),
-        "ref_top1_id": pa.array([], pa.int32()),
-    }
-)
+class Listed:
+    """The gathered rows' store (`stream_gather`) in memory: each name's tables in the order added."""
+
+    def __init__(self):
+        self.tables: dict[str, list[pa.Table]] = {}
+
+    def add(self, name: str, table: pa.Table) -> None:
+        self.tables.setdefault(name, []).append(table)
+
+    def pieces(self, name: str):
+        return iter(self.tables.get(name, ()))
 
 
 class _Lazy:

@@ -1,14 +1,18 @@
 """`lpf.audit`: `lpf audit` from Python: an `AuditSpec` (or its settings as keyword arguments) -> `Findings`.
 
 The same stages as the command (`lpf.pipeline`: create the run, generate, rescore, analyze, report), without
-the terminal: nothing is printed. Keyword arguments are the command's options by their Python names:
-`engine`, `model`, `workload`, `out`, `n`, the sampling settings (`temperature`, `top_p`, `top_k`,
-`max_tokens`, `seed`, `ignore_eos`, `logprobs`, `prompt_logprobs`), `engine_options` (the engine's knobs by
-name; `inject="stale-state"` is `engine_options={"inject": ...}`), the reference's (`reference`,
-`reference_dtype`, `reference_device`, `token_budget`), `calibrate`, `attribution`, `thresholds`
-({name: value}) and `rule` (the peer's rule beside lpf's verdicts, as in `lpf.compare`). `out` defaults to a
-new temporary directory. Every setting is checked before anything is written; a bad one is an `LpfError`
-(one line, as the command prints it), never a pydantic traceback.
+the terminal: nothing is printed. Keyword arguments are every `lpf audit` option by its Python name
+(`lpf.pipeline.audit_options.AuditOptions`, built into a spec by the command's own builder, engine hooks
+included): `engine`, `model`, `workload`, `out`, `n`, `limit` (the first N prompts), the sampling settings
+(`temperature`, `top_p`, `top_k`, `max_tokens`, `seed`, `ignore_eos`, `logprobs`, `prompt_logprobs`), the
+engine's knobs (`engine_option=["KEY=VALUE"]` as -E, each named knob flag by its name: `inject=...`,
+`max_num_seqs=...`, or `engine_options={knob: value}`), `trace_dir`, `part_size`, the reference's and
+executor's (`reference`, `reference_dtype`, `reference_device`, `token_budget`, `executor`, `ray_address`,
+`actors`, `gpus_per_actor`), `calibrate`, `attribution`, `threshold` (["NAME=VALUE"]) or `thresholds`
+({name: value}), and `rule` (the peer's rule beside lpf's verdicts, as in `lpf.compare`). `--json`,
+`--fail-on` and `--spec` belong to the terminal: the returned `Findings`, `Findings.check(fail_on=...)` and
+`lpf.audit(spec)`. `out` defaults to a new temporary directory. Every setting is checked before anything is
+written; a bad one is an `LpfError` (one line), never a pydantic traceback.
 """
 
 from __future__ import annotations
@@ -20,63 +24,25 @@ from typing import Any
 from lpf.api.findings import Findings
 from lpf.core.errors import LpfError
 
-_SAMPLING = ("temperature", "top_p", "top_k", "max_tokens", "seed", "ignore_eos", "logprobs", "prompt_logprobs")
-_RUN = ("engine", "model", "workload", "n", "part_size", "trace_dir")
-_RESCORE = {
-    "reference": "reference",
-    "reference_dtype": "dtype",
-    "reference_device": "device",
-    "token_budget": "token_budget",
-}
-_ANALYSIS = ("calibrate", "attribution")
-
 
 def build_spec(out: Path | str | None = None, **kw: Any):
-    """An `AuditSpec` from `lpf.audit`'s keyword arguments (module docstring)."""
+    """An `AuditSpec` from `lpf.audit`'s keyword arguments (module docstring): `AuditOptions` and
+    `lpf.pipeline.audit_options.build_spec`, the command line's own builder."""
     from pydantic import ValidationError
 
-    from lpf.core.sampling import SamplingParams
-    from lpf.pipeline.rescore import RescoreSettings
-    from lpf.pipeline.spec import AnalysisSpec, AuditSpec, RunSpec
+    from lpf.pipeline.audit_options import AuditOptions, build_spec, knob_flags, options_error
 
-    known = {*_SAMPLING, *_RUN, *_RESCORE, *_ANALYSIS, "engine_options", "inject", "thresholds"}
+    known = (set(AuditOptions.model_fields) | set(knob_flags())) - {"out"}
     unknown = sorted(set(kw) - known)
     if unknown:
         from lpf.core.errors import did_you_mean
 
         raise LpfError(f"lpf.audit: no setting {unknown[0]!r}{did_you_mean(unknown[0], known)}")
-    options = dict(kw.pop("engine_options", None) or {})
-    if kw.get("inject") is not None:
-        options["inject"] = kw.pop("inject")
-    kw.pop("inject", None)
     try:
-        sampling = SamplingParams(**{k: kw[k] for k in _SAMPLING if k in kw})
-        run = RunSpec(
-            out=Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="lpf-audit-")) / "run",
-            sampling=sampling,
-            engine_options=options,
-            **{k: kw[k] for k in _RUN if k in kw},
-        )
-        base = AuditSpec.model_fields["rescore"].default
-        rescore = RescoreSettings(
-            **{
-                **{f: getattr(base, f) for f in ("reference", "dtype", "device", "token_budget")},
-                **{v: kw[k] for k, v in _RESCORE.items() if k in kw},
-            }
-        )
-        rescore.validate()
-        return AuditSpec(
-            run=run,
-            rescore=rescore,
-            analysis=AnalysisSpec(**{k: kw[k] for k in _ANALYSIS if k in kw}),
-            thresholds=dict(kw.get("thresholds") or {}),
-        )
+        options = AuditOptions.model_validate({**kw, "out": out})
+        return build_spec(options, lambda: Path(tempfile.mkdtemp(prefix="lpf-audit-")) / "run")
     except ValidationError as e:
-        first = e.errors(include_url=False)[0]
-        where = ".".join(str(x) for x in first.get("loc", ()))
-        raise LpfError(f"lpf.audit: {where + ': ' if where else ''}{first['msg']}") from None
-    except TypeError as e:  # a dataclass setting of the wrong shape
-        raise LpfError(f"lpf.audit: {e}") from None
+        raise LpfError(f"lpf.audit: {options_error(e, 'keyword')}") from None
 
 
 def audit(spec=None, *, rule: str | None = None, **kw: Any) -> Findings:

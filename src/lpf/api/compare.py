@@ -24,7 +24,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from lpf.api.findings import Findings
 from lpf.api.outputs import Output, read_outputs
@@ -81,6 +81,7 @@ class Reference:
         trace=None,
         trace_dir: Path | str | None = None,
         thresholds: Mapping[str, float] | None = None,
+        threshold: Sequence[str] = (),
         attribution: bool = False,
     ) -> Findings:
         """Judge `outputs` against this reference; the run directory goes to `out` (default: a new
@@ -90,7 +91,7 @@ class Reference:
 
         if rule is not None and rule not in RULES:
             raise LpfError(f"rule={rule!r}: choose from {', '.join(RULES)}")
-        th = Thresholds().with_overrides([f"{k}={v!r}" for k, v in (thresholds or {}).items()])
+        th = Thresholds().with_overrides([*threshold, *(f"{k}={v!r}" for k, v in (thresholds or {}).items())])
         records = read_outputs(outputs)
         engine_section = _engine_section(engine, engine_dtype)
         ids = {r.request_id for r in records}
@@ -139,21 +140,33 @@ class Reference:
 def compare(
     outputs,
     reference: str,
-    dtype: str = "float32",
+    dtype: str | None = None,
     rule: str | None = None,
     *,
-    device: str = "cpu",
+    device: str | None = None,
+    reference_dtype: str | None = None,
+    reference_device: str | None = None,
+    token_budget: int = 16384,
     **kwargs,
 ) -> Findings:
-    """`Reference(reference, dtype, device).compare(outputs, rule=rule, **kwargs)`: the reference loaded
-    for this call only (a test suite keeps one: the pytest plugin's `lpf_reference` fixture). `dtype` names
-    the engine's dtype too unless `engine_dtype=` (or the engine description's `options.dtype`) says
-    otherwise: the floor is that of the pair, never the lenient one of an engine of unknown dtype."""
+    """`Reference(reference, dtype, device, token_budget).compare(outputs, rule=rule, **kwargs)`: the reference
+    loaded for this call only (a test suite keeps one: the pytest plugin's `lpf_reference` fixture).
+    `reference_dtype` / `reference_device` are `lpf audit`'s names for `dtype` / `device` (give one of each).
+    The short `dtype` names the engine's dtype too unless `engine_dtype=` (or the engine description's
+    `options.dtype`) says otherwise: the floor is that of the pair, never the lenient one of an engine of
+    unknown dtype; `reference_dtype` names the reference's alone."""
+    for name, short, long in (("dtype", dtype, reference_dtype), ("device", device, reference_device)):
+        if short is not None and long is not None:
+            raise LpfError(f"give reference_{name} or {name}, not both")
     engine = kwargs.get("engine")
     named = isinstance(engine, Mapping) and (engine.get("options") or {}).get("dtype") is not None
-    if kwargs.get("engine_dtype") is None and not named:
+    if dtype is not None and kwargs.get("engine_dtype") is None and not named:
         kwargs["engine_dtype"] = dtype
-    return Reference(reference, dtype=dtype, device=device).compare(outputs, rule=rule, **kwargs)
+    dtype = dtype or reference_dtype or "float32"
+    device = device or reference_device or "cpu"
+    return Reference(reference, dtype=dtype, device=device, token_budget=token_budget).compare(
+        outputs, rule=rule, **kwargs
+    )
 
 
 def finish(run, thresholds, attribution: bool = True, rule: str | None = None) -> Findings:

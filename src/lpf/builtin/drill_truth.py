@@ -5,7 +5,7 @@ Contract: `mechanism_share(flagged, truth) -> dict`. `flagged` is findings' `fla
 `mechanism.feature`, `lpf.analysis.mechanisms`); `truth` is the run's `faults/` rows as (request_id,
 fault, role) tuples. A flagged request matches when its mechanism's feature is one that `EXPECTED`
 accepts for some (fault, role) the ground truth records for it (a request both wrapped and
-overwritten matches either). A flagged request the ground truth never names (a false positive) or
+overwritten matches either; each drill declares its features in `drill_catalog`). A flagged request the ground truth never names (a false positive) or
 whose fault has no entry here counts as a miss: the share is over every flagged request. Returns
 {"flagged", "matched", "share" (None when nothing is flagged), "by_role": {role: [matched, flagged]},
 "misses": [{"request_id", "mechanism", "truth"}, ...] (the first 20)}.
@@ -13,35 +13,10 @@ whose fault has no entry here counts as a miss: the share is over every flagged 
 
 from __future__ import annotations
 
-from lpf.builtin.prefix_drills import NAMED_BY
+from lpf.builtin.drill_catalog import CATALOG
 
-# a request whose prefill's state write wrapped decodes from a slot it never wrote
-_WRAP = {"slot_offset_over_wrap", "state_write_strayed", "max_state_slot"} | {
-    f"slot{b}_offset_over_2^{n}" for b in ("", "_byte") for n in (31, 32)
-}
-# the imposter: a first step run as a decode on a slot an earlier request had left its state in
-_STALE = {
-    "first_decode_uncomputed",
-    "admitted_as_decode",
-    "first_phase_decode",
-    "first_slot_used_before",
-    "first_step_one_token",
-}
-
-# fault -> role -> the per-request mechanism features that name what happened
-EXPECTED: dict[str, dict[str, set[str]]] = {
-    "offset-wrap": {"wrapped": _WRAP, "corrupted": _WRAP, "overwritten": {"state_overwritten"}},
-    "stale-state": {"corrupted": _STALE, "discarded": _STALE},
-    # both holders of a double-freed block write K/V into it: each is the other's victim
-    "kv-double-free": {"corrupted": {"kv_overwritten"}},
-    **{d: {"corrupted": set(features)} for d, features in NAMED_BY.items() if features},
-    # speculative decoding (`spec_decode`): the trace's verify-path and rollback columns
-    "spec-prefill-verify": {"corrupted": {"prompt_on_verify_path"}},
-    "spec-accepted-permuted": {"corrupted": {"state_rolled_back_wrong"}},
-    "spec-no-rollback": {"corrupted": {"state_kept_rejected_drafts"}},
-    "spec-checkpoint-rejected": {"corrupted": {"resumed_overshot_state"}},
-    "spec-draft-probs-permuted": {"corrupted": {"spec_decision_against_odds", "sampled_spec_batch_over_2"}},
-}
+# fault -> role -> the per-request mechanism features that name what happened (each drill's `truth`)
+EXPECTED: dict[str, dict[str, set[str]]] = {name: d.expected() for name, d in CATALOG.items() if d.expected()}
 
 
 def mechanism_share(flagged: list[dict], truth: list[tuple[str, str, str]]) -> dict:

@@ -1,45 +1,11 @@
 """Fault drills: opt-in bugs that re-create real mechanisms, plus their ground truth.
 
-Each drill changes how the engine works, never its outputs directly:
-  stale-state           requests are classified by scheduled-token count alone (a new request given
-                        1 token of budget runs as a decode, reading its slot) and reused slots are not
-                        zeroed: the seed's "imposter request".
-  offset-wrap[:BITS]    the prefill path computes state offsets `slot * stride` modulo 2**BITS
-                        (default 20): slots past 2**BITS / stride write their final state elsewhere;
-                        the decode path keeps exact offsets: the seed's 32-bit offset overflow.
-  batch-variant         the LM head is a split-K reduction whose split count depends on the batch
-                        size, with float16 partial sums (numeric noise only).
-  swap-outputs[:PERIOD] every PERIOD steps (default 25) the samples of two decoding requests are
-                        delivered to each other: crossed wires.
-  processed-logprobs    logprobs come from the post-temperature/top-k/top-p distribution while the
-                        engine claims raw ones.
-  kv-double-free        a finished request's last KV block is freed twice, so two live requests can
-                        later share it and overwrite each other's keys and values.
-  lost-chunk-state      an extend step (the next chunk of a chunked prefill) is told it has no initial
-                        state (vLLM's has_initial_state false for a continuing chunk), so it starts
-                        from zero conv/SSM state instead of the state the previous chunk wrote: only
-                        the prefill path is wrong; prompt positions after the chunk boundary diverge
-                        first, and decodes inherit the wrong final state.
-Prefix caching of Mamba state (each needs --enable-prefix-caching but the last; the mechanisms,
-their vLLM / SGLang pull requests and their ground truth are in `prefix_drills`):
-  conv-into-shared-block, unaligned-chunk-hashed, publish-before-write, incomplete-block-cached,
-  resume-wrong-units, prefix-cache-inert, and stale-conv-on-reuse (no prefix caching needed).
-Speculative decoding (each needs -E speculative=ngram:K; mechanisms and reports in `spec_decode`):
-  spec-prefill-verify, spec-accepted-permuted, spec-no-rollback, spec-checkpoint-rejected (this one
-  with --enable-prefix-caching too), spec-draft-probs-permuted (this one with a draft model's
-  probabilities: -E speculative=draft:MODEL:K, and sampled requests).
-Substitutions (the engine computes another function than the model it claims, a little, everywhere;
-the arithmetic is in `numeric_drills`):
-  quantize-weights[:BITS]      every decoder linear weight rounded group-wise to BITS bits (default 4;
-                               groups of 128 inputs, round-to-nearest): a quantized checkpoint served
-                               under the full-precision name.
-  kv-quant[:BITS]              K and V rounded to BITS bits (default 8, absmax per token and head) as
-                               they are written to the paged cache: a quantized KV cache.
-  perturb-weights[:SCALE]      every decoder linear weight times (1 + SCALE * N(0, 1)) (default 0.01,
-                               a fixed seed): a different fine-tune of the same model.
-  sampling-temperature[:T]     every request sampled at temperature T (default 0.8), greedy ones too,
-                               and its logprobs taken from that tempered distribution, claimed raw:
-                               logprobs from another temperature than the one the client asked for.
+Each drill changes how the engine works, never its outputs directly. Every drill is declared once in
+`drill_catalog` (name, argument, preconditions, ground truth, the features that name it); `FaultSet` is
+built from it (a field per drill: `Drill.field`), so this module holds only the mechanisms: the seed
+drills (stale-state, offset-wrap, batch-variant, swap-outputs, processed-logprobs, kv-double-free in the
+scheduler, lost-chunk-state), stale-conv-on-reuse, and the substitutions (their arithmetic in
+`numeric_drills`). Prefix-caching drills live in `prefix_drills`, speculative ones in `speculative_decode`.
 `Drills` is the runner's one handle on all of them: the weights at load, the phase rule, whether a
 new slot is zeroed, how K/V are stored, the LM head, the sampling temperature, the delivery of
 samples, and the ground-truth bookkeeping, each the honest behaviour when no
@@ -54,125 +20,77 @@ then decodes), `overwritten` (offset-wrap: another request's wrapped write hit i
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, make_dataclass
 
+from lpf.builtin.drill_catalog import CATALOG, GROUP_SIZE, Drill
 from lpf.core.errors import LpfError, did_you_mean
 
 PERTURB_SEED = 1234  # perturb-weights draws the same "fine-tune" on every run
-GROUP_SIZE = 128  # quantize-weights: inputs per quantization group
 
-PREFIX_DRILLS = (
-    "conv-into-shared-block",
-    "unaligned-chunk-hashed",
-    "publish-before-write",
-    "incomplete-block-cached",
-    "resume-wrong-units",
-    "prefix-cache-inert",
+DRILLS = tuple(CATALOG)
+
+
+def _field(drill: Drill):
+    """A drill's FaultSet field: a flag, or its argument's value (None: off)."""
+    return (drill.field, bool, False) if drill.arg is None else (drill.field, drill.arg.kind | None, None)
+
+
+def _parse(cls, specs: list[str] | str | None) -> "FaultSet":
+    """`"offset-wrap:18,stale-state"` (or a list of such) -> the FaultSet; unknown names and bad arguments
+    are one-line LpfErrors."""
+    if isinstance(specs, str):
+        specs = [s for s in specs.split(",") if s.strip()]
+    kw: dict = {}
+    for spec in specs or []:
+        name, _, arg = spec.strip().partition(":")
+        drill = CATALOG.get(name)
+        if drill is None:
+            raise LpfError(f"unknown fault {name!r}{did_you_mean(name, DRILLS)}; drills: {', '.join(DRILLS)}")
+        if drill.arg is not None:
+            a = drill.arg
+            try:
+                value = a.kind(arg) if arg else a.default
+            except ValueError:
+                word = "an integer" if a.kind is int else "a number"
+                raise LpfError(f"fault {name}: argument must be {word}, got {arg!r}") from None
+            if not (a.lo <= value <= a.hi):
+                raise LpfError(f"fault {name}: argument must be in {a.lo:g}..{a.hi:g}, got {value:g}")
+            kw[drill.field] = value
+        elif arg:
+            raise LpfError(f"fault {name} takes no argument")
+        else:
+            kw[drill.field] = True
+    return cls(**kw)
+
+
+def _in_force(self) -> list[Drill]:
+    return [d for d in CATALOG.values() if getattr(self, d.field) not in (None, False)]
+
+
+def _names(self) -> list[str]:
+    """The drills in force as `--inject` spells them ("offset-wrap:18"), in catalog order."""
+    return [f"{d.name}:{getattr(self, d.field):g}" if d.arg else d.name for d in _in_force(self)]
+
+
+def _refusals(self, options) -> list[str]:
+    """Why the engine's options cannot run the drills in force (one line each, `Drill.needs`)."""
+    return [why for d in _in_force(self) for why in d.refusals(options)]
+
+
+# One frozen field per catalogued drill, so the runner reads `faults.stale_state`, `faults.offset_wrap_bits`.
+FaultSet = make_dataclass(
+    "FaultSet",
+    [_field(d) for d in CATALOG.values()],
+    frozen=True,
+    namespace={
+        "__doc__": "The drills in force: one field per `drill_catalog` entry (a flag, or the argument's value).",
+        "parse": classmethod(_parse),
+        "in_force": _in_force,
+        "names": _names,
+        "refusals": _refusals,
+    },
 )
-SPEC_DRILLS = (
-    "spec-prefill-verify",
-    "spec-accepted-permuted",
-    "spec-no-rollback",
-    "spec-checkpoint-rejected",
-    "spec-draft-probs-permuted",
-)
-DRILLS = (
-    "stale-state",
-    "offset-wrap",
-    "batch-variant",
-    "swap-outputs",
-    "processed-logprobs",
-    "kv-double-free",
-    "lost-chunk-state",
-    *PREFIX_DRILLS,
-    "stale-conv-on-reuse",
-    *SPEC_DRILLS,
-    "quantize-weights",
-    "kv-quant",
-    "perturb-weights",
-    "sampling-temperature",
-)
-
-# drill -> (FaultSet field, argument type, default, lowest, highest); drills not listed take no argument
-_ARGS = {
-    "offset-wrap": ("offset_wrap_bits", int, 20, 1, 62),
-    "swap-outputs": ("swap_outputs_period", int, 25, 1, 62),
-    "quantize-weights": ("quantize_weights_bits", int, 4, 2, 16),
-    "kv-quant": ("kv_quant_bits", int, 8, 2, 16),
-    "perturb-weights": ("perturb_weights_scale", float, 0.01, 1e-6, 1.0),
-    "sampling-temperature": ("sampling_temperature", float, 0.8, 0.05, 10.0),
-}
-
-
-@dataclass(frozen=True)
-class FaultSet:
-    stale_state: bool = False
-    offset_wrap_bits: int | None = None
-    batch_variant: bool = False
-    swap_outputs_period: int | None = None
-    processed_logprobs: bool = False
-    kv_double_free: bool = False
-    lost_chunk_state: bool = False
-    conv_into_shared_block: bool = False
-    unaligned_chunk_hashed: bool = False
-    publish_before_write: bool = False
-    incomplete_block_cached: bool = False
-    resume_wrong_units: bool = False
-    prefix_cache_inert: bool = False
-    stale_conv_on_reuse: bool = False
-    spec_prefill_verify: bool = False
-    spec_accepted_permuted: bool = False
-    spec_no_rollback: bool = False
-    spec_checkpoint_rejected: bool = False
-    spec_draft_probs_permuted: bool = False
-    quantize_weights_bits: int | None = None
-    kv_quant_bits: int | None = None
-    perturb_weights_scale: float | None = None
-    sampling_temperature: float | None = None
-
-    @classmethod
-    def parse(cls, specs: list[str] | str | None) -> "FaultSet":
-        if isinstance(specs, str):
-            specs = [s for s in specs.split(",") if s.strip()]
-        kw: dict = {}
-        for spec in specs or []:
-            name, _, arg = spec.strip().partition(":")
-            if name not in DRILLS:
-                raise LpfError(f"unknown fault {name!r}{did_you_mean(name, DRILLS)}; drills: {', '.join(DRILLS)}")
-            if name in _ARGS:
-                field_name, kind, default, lo, hi = _ARGS[name]
-                try:
-                    value = kind(arg) if arg else default
-                except ValueError:
-                    word = "an integer" if kind is int else "a number"
-                    raise LpfError(f"fault {name}: argument must be {word}, got {arg!r}") from None
-                if not (lo <= value <= hi):
-                    raise LpfError(f"fault {name}: argument must be in {lo:g}..{hi:g}, got {value:g}")
-                kw[field_name] = value
-            elif arg:
-                raise LpfError(f"fault {name} takes no argument")
-            else:
-                kw[name.replace("-", "_")] = True
-        return cls(**kw)
-
-    def prefix_drills(self) -> list[str]:
-        """The prefix-caching drills in force (they need the engine's prefix caching on)."""
-        return [n for n in PREFIX_DRILLS if getattr(self, n.replace("-", "_"))]
-
-    def spec_drills(self) -> list[str]:
-        """The speculative-decoding drills in force (they need speculative decoding on)."""
-        return [n for n in SPEC_DRILLS if getattr(self, n.replace("-", "_"))]
-
-    def names(self) -> list[str]:
-        out = []
-        for name in DRILLS:
-            if name in _ARGS:
-                value = getattr(self, _ARGS[name][0])
-                if value is not None:
-                    out.append(f"{name}:{value:g}")
-            elif getattr(self, name.replace("-", "_")):
-                out.append(name)
-        return out
+FaultSet.__module__ = __name__
 
 
 @dataclass
@@ -235,6 +153,7 @@ class Drills:
         self.state_cache = state_cache  # offset arithmetic: where a wrapped prefill's write lands
         self._stale_reads: dict[str, tuple[int, str, str]] = {}  # (step, detail, fault) read, no sample yet
         self._wrapped: dict[str, tuple[int, str]] = {}  # wrapped prefill, not yet followed by a decode
+        self._every_request = [d for d in faults.in_force() if d.every_request is not None]
 
     @property
     def processed_logprobs(self) -> bool:
@@ -331,14 +250,12 @@ class Drills:
                 f"chunk at prompt position {s.num_computed_tokens} "
                 f"started from a zero state (the state of positions < {s.num_computed_tokens} was lost)",
             )
-        if f.batch_variant:
-            t.record_once(s.request_id, step, "batch-variant", "logits from a batch-size-dependent split-K head")
         if f.processed_logprobs and s.will_sample and not s.sampling.greedy:
             t.record_once(
                 s.request_id, step, "processed-logprobs", "reported logprobs are post-temperature/top-k/top-p"
             )
-        for name, detail in self._substitutions():
-            t.record_once(s.request_id, step, name, detail)
+        for drill in self._every_request:  # drills that change every request: `Drill.every_request`
+            t.record_once(s.request_id, step, drill.name, drill.every_request(getattr(f, drill.field)))
 
     def logits(self, model, rows, batch_size: int):
         """The LM head; under `batch-variant` a split-K head whose hidden dimension is cut into
@@ -346,7 +263,7 @@ class Drills:
         following the batch size as a GEMM heuristic would pick it. The head is linear, so masking
         the input splits it exactly."""
         if not self.faults.batch_variant:
-            return model.compute_logits(rows)
+            return self._head_dtype(model.compute_logits(rows))
         import torch
 
         splits = 2 + batch_size % 3
@@ -358,7 +275,11 @@ class Drills:
             masked[:, lo:hi] = rows[:, lo:hi]
             part = model.compute_logits(masked).half().float()
             total = part if total is None else total + part
-        return total
+        return self._head_dtype(total)
+
+    def _head_dtype(self, logits):
+        """`lm-head-bf16`: the logits as a bfloat16 head gives them (sampling and logprobs read these)."""
+        return logits.bfloat16().float() if self.faults.lm_head_bf16 else logits
 
     def deliver(self, so, decoding: list[str], samples: dict) -> dict:
         """The samples as delivered: under `swap-outputs`, every PERIOD steps two decoding requests
@@ -369,31 +290,6 @@ class Drills:
             samples[a], samples[b] = samples[b], samples[a]
             self.truth.record(a, so.step, "swap-outputs", f"sample of {a} and {b} delivered to each other", other=b)
         return samples
-
-    def _substitutions(self) -> list[tuple[str, str]]:
-        """(drill, what every request computed with) for the substitution drills in force."""
-        f, out = self.faults, []
-        if f.quantize_weights_bits is not None:
-            out.append(
-                (
-                    "quantize-weights",
-                    f"decoder linear weights rounded to {f.quantize_weights_bits} bits "
-                    f"(groups of {GROUP_SIZE} inputs, round-to-nearest)",
-                )
-            )
-        if f.kv_quant_bits is not None:
-            out.append(("kv-quant", f"K/V rounded to {f.kv_quant_bits} bits (absmax per token and head) in the cache"))
-        if f.perturb_weights_scale is not None:
-            out.append(("perturb-weights", f"decoder linear weights times (1 + {f.perturb_weights_scale:g} N(0, 1))"))
-        if f.sampling_temperature is not None:
-            out.append(
-                (
-                    "sampling-temperature",
-                    f"sampled at temperature {f.sampling_temperature:g}, logprobs "
-                    f"from that distribution, whatever the client asked",
-                )
-            )
-        return out
 
     def _discard_stale_read(self, request_id: str) -> None:
         """Preempted before sampling: recompute restarts from a prefill, so the stale read never

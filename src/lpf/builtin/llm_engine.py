@@ -72,7 +72,7 @@ class LLMEngine:
         has_mamba = bool(self.model.state_specs())
         self.proposer = None
         if config.draft_model:
-            from lpf.builtin.spec_draft import DraftProposer
+            from lpf.builtin.speculative_draft import DraftProposer
 
             self.proposer = DraftProposer(config.draft_model, self.model.config.vocab_size, config.device)
         self.scheduler = Scheduler(

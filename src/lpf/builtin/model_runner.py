@@ -27,7 +27,7 @@ from lpf.builtin.kv_cache import KVCache
 from lpf.builtin.prefix_drills import PrefixDrills
 from lpf.builtin.sampler import sample
 from lpf.builtin.sched_output import PromptRows, SchedulerOutput, StepResult
-from lpf.builtin.spec_decode import SpecDecode
+from lpf.builtin.speculative_decode import SpecDecode
 from lpf.builtin.state_cache import StateCache
 from lpf.core.torch_utils import logprob_rows, shape_stable_attention
 

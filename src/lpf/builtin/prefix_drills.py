@@ -40,29 +40,14 @@ in `detail`; stale-conv-on-reuse is recorded by `faults.Drills` like stale-state
 
 from __future__ import annotations
 
+from lpf.builtin.drill_catalog import by_family
 from lpf.builtin.sched_output import StateWrite
 
-# For scoring drills (tests, benchmarks; analysis never reads these): the engine knobs each drill's bug
-# ran under (beside --enable-prefix-caching, which all but stale-conv-on-reuse need), and the hypothesis
-# features (`lpf.analysis.prefix_features`, `features`) whose first rank names its mechanism.
-KNOBS = {
-    "conv-into-shared-block": {},
-    "unaligned-chunk-hashed": {},
-    "publish-before-write": {},
-    "incomplete-block-cached": {"mamba_cache_mode": "all"},
-    "resume-wrong-units": {"mamba_block_size": 32},
-    "prefix-cache-inert": {},
-    "stale-conv-on-reuse": {},
-}
-NAMED_BY = {
-    "conv-into-shared-block": {"short_resumed_chunk"},
-    "unaligned-chunk-hashed": {"resumed_truncated_state"},
-    "publish-before-write": {"resumed_from_aborted_publisher"},
-    "incomplete-block-cached": {"resumed_unwritten_state", "resumed_truncated_state"},
-    "resume-wrong-units": {"resumed_wrong_block"},
-    "stale-conv-on-reuse": {"first_slot_used_before"},
-    "prefix-cache-inert": set(),  # no request lies: findings.prefix_cache says "prefix-cache-inert"
-}
+# For scoring drills (tests, benchmarks; analysis never reads these), from `drill_catalog`: the engine knobs
+# each drill's bug ran under (beside --enable-prefix-caching, which all but stale-conv-on-reuse need), and
+# the hypothesis features (`lpf.analysis.prefix_features`, `features`) whose first rank names its mechanism.
+KNOBS = {d.name: dict(d.knobs) for d in by_family("prefix")}
+NAMED_BY = {d.name: set(d.named_by) for d in by_family("prefix")}
 
 
 class PrefixDrills:

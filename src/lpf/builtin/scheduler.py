@@ -30,7 +30,7 @@ from lpf.builtin.kv_cache import BlockAllocator, blocks_needed
 from lpf.builtin.prefix_cache import PrefixCache
 from lpf.builtin.request import Request, Status
 from lpf.builtin.sched_output import PromptRows, Sample, ScheduledRequest, SchedulerOutput, StateWrite
-from lpf.builtin.spec_propose import ngram_drafts
+from lpf.builtin.speculative_propose import ngram_drafts
 from lpf.builtin.state_cache import SlotPool
 
 

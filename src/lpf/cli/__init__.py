@@ -2,7 +2,7 @@
 
   common.py       what every command shares: consoles, progress bars, option decorators (each option
                   declared once), the report rule, the --fail-on rule
-  audit_spec.py   the one AuditSpec builder (parsed options -> lpf.pipeline.spec), rescore settings
+  audit_spec.py   parsed options -> the one AuditSpec builder (lpf.pipeline.audit_options), rescore settings
   render.py       the run's terminal summary (domain modules return data and print nothing); the other
                   terminal tables beside it: render_views.py (engines, zoo, query, inspect),
                   render_experiments.py (sweep, repeat, shrink), render_compare.py (diff, conformance),

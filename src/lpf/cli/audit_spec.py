@@ -1,4 +1,5 @@
-"""The one way options become an audit: parsed click options -> `lpf.pipeline.spec.AuditSpec`.
+"""The command line's door to the one audit builder: parsed click options -> `AuditOptions` ->
+`lpf.pipeline.audit_options.build_spec` -> `lpf.pipeline.spec.AuditSpec` (the builder `lpf.audit` uses).
 
 Contract:
 - `build_audit_spec(params)`: the `AuditSpec` of a command's parsed options (`common.run_options`' and,
@@ -16,93 +17,48 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from lpf.cli.common import default_out, engine_knobs
+from lpf.cli.common import default_out
 from lpf.core.errors import LpfError
 
 
 def build_audit_spec(params: Mapping):
-    """The one `AuditSpec` builder, from parsed options: `run_options`' params and, where the command
-    has them, the rescore and analysis options (else their defaults: `lpf run`). Engines behind a server
-    name a model that is not a local path: their adapter picks the local one. Validates everything
+    """The `AuditSpec` of a command's parsed options: `run_options`' params and, where the command has
+    them, the rescore and analysis options (else their defaults: `lpf run`). The options become an
+    `AuditOptions` (the command's other parameters, such as `lpf sweep`'s own, are not audit settings)
+    and `lpf.pipeline.audit_options.build_spec` builds the spec, as `lpf.audit` does. Validates everything
     (engine knobs, thresholds, rescore settings) or raises LpfError."""
     from pydantic import ValidationError
 
-    from lpf.adapters import get_engine_class
+    from lpf.pipeline.audit_options import AuditOptions, build_spec, knob_flags
 
-    p = params
-    options = engine_knobs(p)
-    hook = getattr(get_engine_class(p["engine"]), "resolve_model_spec", None)
-    model = hook(p.get("model"), p.get("reference"), options) if hook else p.get("model")
-    if p["part_size"] < 1:
-        raise LpfError("--part-size must be >= 1")
+    known = set(AuditOptions.model_fields) | set(knob_flags())
     try:
-        return _audit_spec(p, model, options)
-    except ValidationError as e:  # a bound of a spec field (--n 0): one line naming the flag
+        options = AuditOptions.model_validate({k: v for k, v in params.items() if k in known})
+        return build_spec(options, lambda: default_out("run"))
+    except ValidationError as e:  # a bound of a setting (--n 0): one line naming the flag
         raise LpfError(spec_error(e)) from None
 
 
 def spec_error(e) -> str:
     """A spec's validation error as one line naming the command-line flag: `--n must be >= 1, got 0`."""
-    from lpf.adapters.base import option_error
+    from lpf.pipeline.audit_options import options_error
 
-    first = e.errors(include_url=False)[0]
-    loc = [str(x) for x in first.get("loc", ()) if not isinstance(x, int)]
-    flag = "--" + loc[-1].replace("_", "-") if loc else "the audit spec"
-    line, where = option_error(e), ".".join(str(x) for x in first.get("loc", ()))
-    if where and line.startswith(f"engine option {where}:"):
-        return flag + line.removeprefix(f"engine option {where}")
-    return flag + line.removeprefix(where) if where and line.startswith(where) else f"{flag}: {line}"
+    return options_error(e, "flag")
 
 
-def _audit_spec(p: Mapping, model, options: dict):
-    from lpf.analysis.thresholds import Thresholds
-    from lpf.core.sampling import SamplingParams
-    from lpf.pipeline.spec import AnalysisSpec, AuditSpec, RunSpec
-
-    sampling = SamplingParams(
-        temperature=p["temperature"],
-        top_p=p["top_p"],
-        top_k=p["top_k"],
-        max_tokens=p["max_tokens"],
-        seed=p["seed"],
-        ignore_eos=p["ignore_eos"],
-        logprobs=p["logprobs"],
-        prompt_logprobs=bool(p.get("prompt_logprobs")),
-    )
-    run = RunSpec(
-        engine=p["engine"],
-        **({"model": model} if model else {}),
-        **({"workload": p["workload"]} if p.get("workload") else {}),
-        out=p.get("out") or default_out("run"),
-        n=p["n"],
-        sampling=sampling,
-        engine_options=options,
-        part_size=p["part_size"],
-        trace_dir=p.get("trace_dir"),
-    )
-    pinned = Thresholds().with_overrides(list(p.get("threshold") or ()))
-    kw = {"rescore": rescore_settings(p)} if "token_budget" in p else {}
-    return AuditSpec(
-        run=run,
-        analysis=AnalysisSpec(calibrate=bool(p.get("calibrate")), attribution=p.get("attribution", True)),
-        thresholds={name: getattr(pinned, name) for name in pinned.pinned},
-        **kw,
-    )
+# `lpf rescore`'s options (reference_options + the executor's): its settings are the builder's rescore part
+_RESCORE = ("reference", "reference_dtype", "reference_device", "token_budget", "executor", "ray_address", "actors")
+_RESCORE += ("gpus_per_actor",)
 
 
 def rescore_settings(params: Mapping):
-    """The `RescoreSettings` of parsed rescore options (validated)."""
-    from lpf.pipeline.rescore import RayOptions, RescoreSettings
+    """The `RescoreSettings` of parsed rescore options (validated), by the builder's own rescore part."""
+    from pydantic import ValidationError
 
-    settings = RescoreSettings(
-        reference=params.get("reference"),
-        dtype=params["reference_dtype"],
-        token_budget=params["token_budget"],
-        device=params["reference_device"],
-        executor=params["executor"],
-        ray=RayOptions(
-            address=params.get("ray_address"), actors=params["actors"], gpus_per_actor=float(params["gpus_per_actor"])
-        ),
-    )
-    settings.validate()
-    return settings
+    from lpf.pipeline.audit_options import AuditOptions
+    from lpf.pipeline.audit_options import rescore_settings as of_options
+
+    try:
+        return of_options(AuditOptions.model_validate({k: v for k, v in params.items() if k in _RESCORE}))
+    except ValidationError as e:
+        raise LpfError(spec_error(e)) from None

@@ -193,7 +193,21 @@ def _run_settings(f):
             ),
             click.option("--model", default=None, help="Model dir, zoo:NAME or tiny:NAME [default: zoo:hybrid]."),
             click.option("--workload", default=None, help="Prompts JSONL or zoo:NAME [default: zoo:oracle]."),
-            click.option("--n", "n", type=int, default=1, show_default=True, help="Rollouts per prompt."),
+            click.option(
+                "--n",
+                "n",
+                type=int,
+                default=1,
+                show_default=True,
+                help="Rollouts per prompt (each prompt is sent N times; --limit shrinks a workload).",
+            ),
+            click.option(
+                "--limit",
+                type=int,
+                default=None,
+                metavar="N",
+                help="Audit the workload's first N prompts only [default: all].",
+            ),
             click.option("--temperature", type=float, default=0.0, show_default=True),
             click.option("--top-p", type=float, default=1.0, show_default=True),
             click.option("--top-k", type=int, default=0, show_default=True, help="0 = off."),
@@ -215,6 +229,25 @@ def _run_settings(f):
                 help="Also record the engine's logprob of every prompt token (the prefill path), audited apart.",
             ),
             click.option("--part-size", type=int, default=64, show_default=True, hidden=True),
+            click.option(
+                "--kv-cache-dtype",
+                default=None,
+                metavar="TYPE",
+                help="Declare the engine's KV cache type where lpf cannot read it (f32, f16, bf16, q8_0, q4_0, "
+                "fp8_e4m3, fp8_e5m2, ...): recorded in the manifest's engine.configuration.",
+            ),
+            click.option(
+                "--flash-attention",
+                type=click.Choice(["on", "off"]),
+                default=None,
+                help="Declare whether the engine runs flash attention, where lpf cannot read it.",
+            ),
+            click.option(
+                "--weight-quantization",
+                default=None,
+                metavar="SCHEME",
+                help="Declare the engine's weight quantization (none, q8_0, q4_k_m, int8, fp8, awq, ...).",
+            ),
         ],
     )
 

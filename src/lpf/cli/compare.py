@@ -13,6 +13,7 @@ from pathlib import Path
 
 import click
 
+from lpf.adapters import engine_names
 from lpf.cli.common import err, fail_on_option, fails, out, progress_bar, write_report
 from lpf.cli.render_compare import print_conformance, print_diff
 
@@ -55,11 +56,16 @@ def diff(run_a, run_b, as_json, out_file, fail_on):
 
 
 CRASHED = ("engine error", "lpf error")  # cell statuses that fail --fail-on at any level but never
-ENGINES = ("builtin", "vllm", "llamacpp")  # the engines discovery can ask
 
 
 @click.command("conformance")
-@click.option("--engine", type=click.Choice(ENGINES), default="vllm", show_default=True, help="Engine under test.")
+@click.option(
+    "--engine",
+    type=click.Choice(engine_names()),
+    default="vllm",
+    show_default=True,
+    help="Engine under test: one whose adapter can say which architectures it loads (builtin, vllm, llamacpp).",
+)
 @click.option(
     "--arch",
     "archs",
@@ -148,7 +154,7 @@ def conformance(
     lpf conformance --engine vllm --grid full --out runs/conf
     lpf conformance --engine vllm --variants all --out runs/conf-variants
     """
-    from lpf.adapters import get_engine_class
+    from lpf.adapters import capability, engines_with, get_engine_class
     from lpf.core.errors import LpfError
     from lpf.core.knobs import flag_knobs
     from lpf.experiments import sweep as sw
@@ -160,6 +166,12 @@ def conformance(
 
     if max_tokens < 1:
         raise LpfError(f"--max-tokens must be >= 1, got {max_tokens}")
+    if not capability(engine, "discovers_architectures"):
+        can = ", ".join(engines_with("discovers_architectures"))
+        raise LpfError(
+            f"--engine {engine}: lpf conformance asks the engine which architectures it loads, and the {engine} "
+            f"adapter cannot say (engines that can: {can})"
+        )
     if out_dir.exists() and not out_dir.is_dir():
         raise LpfError(f"--out {out_dir} is a file, not a conformance directory")
     n_prompts = n_prompts or PROMPTS[grid]

@@ -162,7 +162,8 @@ def repeat(
     """The determinism probe: one prompt N times at temperature 0 under different batches.
 
     The engine's concurrency knob (max_num_seqs; batch_size for hf) is varied across copies unless
-    you fix it.
+    you fix it; a server you started (--base-url) is varied from the client side only (requests in
+    flight, the requests sent with the probe, its place among them).
     """
     from lpf.core.model_specs import DEFAULT_MODEL
     from lpf.experiments.repeat import DEFAULT_TOLERANCE, RepeatSpec, run_repeat

@@ -57,11 +57,13 @@ def print_summary(findings: dict, run_path, console: Console) -> None:
             t.add_row(
                 escape(f["request_id"]),
                 f"[{VERDICT_STYLE[f['verdict']]}]{f['verdict']}[/]",
-                str(f["first_divergence"]),
+                _position(f["first_divergence"]),
                 "inf" if diff is None else f"{diff:.3g}",
                 _mechanism_cell(f.get("mechanism")),
             )
         console.print(t)
+        if any(f["first_divergence"] is None for f in flagged[:10]):
+            console.print(f"[dim]{WHOLE_ANSWER}: {WHOLE_ANSWER_WHY}[/]")
     for found in (findings.get("server_processing") or {}).values():
         console.print(f"[bold]server-side processing:[/] {escape(found['sentence'])}.")
     _print_hypotheses(findings.get("hypotheses") or [], console)
@@ -207,6 +209,18 @@ def _print_hypotheses(hyps: list, console: Console) -> None:
     console.print("[bold]likely mechanisms[/] (Fisher exact test, best first):")
     for h in hyps[:3]:
         console.print(f"  {h['rank']}. {h['sentence']} [dim](p={h['p_value']:.2g})[/]", highlight=False)
+
+
+# a flagged request with no first divergence was judged on its whole answer, not at one position
+WHOLE_ANSWER = "whole answer"
+WHOLE_ANSWER_WHY = (
+    "flagged on its answer as a whole (its tokens together past the floor, or an answer that contradicts "
+    "itself), not at one position"
+)
+
+
+def _position(p: int | None) -> str:
+    return WHOLE_ANSWER if p is None else str(p)
 
 
 def _mechanism_cell(m: dict | None) -> str:

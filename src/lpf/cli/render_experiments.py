@@ -63,7 +63,7 @@ def print_repeat(doc: dict, console: Console) -> None:
         t.add_column(c)
     letter = lambda i: chr(ord("A") + i) if i < 26 else str(i)  # noqa: E731
     for c in doc["copies"]:
-        bs = c.get("batch_sizes")
+        bs = [b for b in c.get("batch_sizes") or () if b is not None]  # servers that do not say: null
         t.add_row(
             str(c["copy"]),
             "-" if c["concurrency"] is None else str(c["concurrency"]),
@@ -73,18 +73,27 @@ def print_repeat(doc: dict, console: Console) -> None:
             letter(c["tokens_group"]),
             letter(c["logprobs_group"]),
             letter(c["tolerance_group"]),
-            f"{c['max_abs_diff_vs_copy0']:.3g}",
+            "-" if c["max_abs_diff_vs_copy0"] is None else f"{c['max_abs_diff_vs_copy0']:.3g}",
         )
     console.print(t)
-    console.print(
-        f"unique completions: token sequences {doc['unique_token_sequences']}, logprob vectors "
-        f"{doc['unique_logprob_vectors']} bitwise, {doc['unique_logprob_vectors_at_tolerance']} within "
-        f"{doc['tolerance']:g}; max logprob spread {doc['max_logprob_spread']:.3g}"
-    )
+    if doc.get("varied"):
+        console.print(f"[dim]varied: {escape(doc['varied']['sentence'])}[/]")
     fd = doc["first_divergence"]
-    if fd["logprobs"] is None:
-        console.print("[green]all copies identical[/]: same tokens, bit-identical logprobs")
+    if doc.get("unique_logprob_vectors") is None:  # the server returned no logprobs
+        console.print(
+            f"unique completions: token sequences {doc['unique_token_sequences']} (tokens only: the server "
+            f"returned no logprobs)"
+        )
     else:
+        console.print(
+            f"unique completions: token sequences {doc['unique_token_sequences']}, logprob vectors "
+            f"{doc['unique_logprob_vectors']} bitwise, {doc['unique_logprob_vectors_at_tolerance']} within "
+            f"{doc['tolerance']:g}; max logprob spread {doc['max_logprob_spread']:.3g}"
+        )
+    if fd["logprobs"] is None and fd["tokens"] is None:
+        bits = ", bit-identical logprobs" if doc.get("unique_logprob_vectors") is not None else ""
+        console.print(f"[green]all copies identical[/]: same tokens{bits}")
+    elif fd["logprobs"] is not None:
         lp = fd["logprobs"]
         console.print(
             f"first logprob divergence at position {lp['position']}: logprob {lp['min_logprob']:.6g} .. "

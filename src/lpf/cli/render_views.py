@@ -11,13 +11,14 @@ from rich.table import Table
 from lpf.cli.render import VERDICT_STYLE
 
 
-def print_engines(engines: list[tuple[str, dict]], console: Console) -> None:
-    """`lpf engines`: each adapter with its knobs and their defaults."""
+def print_engines(engines: list[tuple[str, dict, list[str]]], console: Console) -> None:
+    """`lpf engines`: each adapter with what it can do (its capabilities) and its knobs with their defaults."""
     t = Table(box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False, show_edge=False)
     t.add_column("engine")
+    t.add_column("can", overflow="fold")
     t.add_column("knobs (-E NAME=VALUE; default)", overflow="fold")
-    for name, knobs in engines:
-        t.add_row(name, ", ".join(f"{k}={v}" for k, v in knobs.items()) or "-")
+    for name, knobs, can in engines:
+        t.add_row(name, ", ".join(can) or "-", ", ".join(f"{k}={v}" for k, v in knobs.items()) or "-")
     console.print(t)
 
 
@@ -88,13 +89,17 @@ def print_request(info: dict, console: Console, top: int = 3) -> None:
         head += f"  verdict [{VERDICT_STYLE.get(verdict, 'white')}]{verdict}[/]"
         if s.get("first_divergence") is not None:
             head += f"  first divergence at position {s['first_divergence']}"
+        elif verdict in ("divergent", "corrupt"):
+            head += "  flagged on its answer as a whole (no single position)"
     console.print(head)
     m = info.get("mechanism")
     if m:
         by = f" (written over by {escape(m['writer'])})" if m.get("writer") else ""
         rank = f" [dim](hypothesis {m['rank']})[/]" if m.get("rank") else ""
-        name = escape(m["feature"]) if m.get("feature") else "unexplained"
-        console.print(f"mechanism: [bold]{name}[/]{by}{rank}: {escape(m['sentence'])}")
+        if m.get("feature"):
+            console.print(f"mechanism: [bold]{escape(m['feature'])}[/]{by}{rank}: {escape(m['sentence'])}")
+        else:  # the sentence names it ("unexplained: ..."): said once
+            console.print(f"mechanism: [bold]{escape(m['sentence'])}[/]{by}{rank}")
     if r.get("error"):
         console.print(f"[red]error:[/] {escape(str(r['error']))}")
     if r.get("inconsistency"):

@@ -56,10 +56,12 @@ def engines():
     """List the engine adapters and their knobs (-E NAME=VALUE) with defaults."""
     from lpf.adapters import engine_names, get_engine_class
 
+    from lpf.adapters.base import capabilities
+
     rows = []
     for name in engine_names():
-        fields = get_engine_class(name).Options.model_fields
-        rows.append((name, {k: f.default for k, f in fields.items()}))
+        cls = get_engine_class(name)
+        rows.append((name, {k: f.default for k, f in cls.Options.model_fields.items()}, capabilities(cls)))
     print_engines(rows, out)
 
 

@@ -1,7 +1,7 @@
 """`lpf watch`: a correctness canary in front of an OpenAI-compatible server (see docs/watch.md).
 
-Every option is checked (the reference model, the upstream URL, the sampling rate, the address) before
-the proxy listens; a bad one is one line, exit 2. "watching UPSTREAM on http://HOST:PORT" goes to stderr
+Every option is checked (`lpf.watch.spec.build_watch_spec`: the upstream URL, the sampling rate, the
+address, every bound, the executor; then the reference model) before the proxy listens; a bad one is one line, exit 2. "watching UPSTREAM on http://HOST:PORT" goes to stderr
 once the proxy accepts connections. Exit 0 after SIGINT/SIGTERM, 1 once `--fail-after N` windows alarmed.
 """
 
@@ -98,96 +98,27 @@ from lpf.cli import render_watch
     default="warning",
     show_default=True,
 )
-def watch(
-    upstream,
-    listen,
-    reference,
-    sample,
-    seed,
-    out,
-    no_text,
-    window,
-    top_k,
-    upstream_dtype,
-    reference_dtype,
-    reference_device,
-    queue_size,
-    part_rows,
-    part_seconds,
-    upstream_timeout,
-    max_lag,
-    retain,
-    executor,
-    ray_address,
-    actors,
-    gpus_per_actor,
-    alert_webhook,
-    fail_after,
-    log_level,
-):
+def watch(**params):
     """Proxy an OpenAI-compatible server, record a sample of its traffic, and re-score it with a reference.
 
     Clients see the upstream's answers unchanged; sampled requests are recorded into --out (a run
     directory: `lpf analyze`, `lpf report` work on it) and judged window by window in the background.
     /metrics serves Prometheus metrics.
     """
-    from lpf.core.errors import LpfError
-    from lpf.pipeline.rescore import RayOptions, RescoreSettings
     from lpf.serve import server as listen_on
-    from lpf.watch.retention import parse_retain
-    from lpf.watch.sample import Sampler
-    from lpf.watch.service import Settings, serve
+    from lpf.watch.service import serve
+    from lpf.watch.spec import build_watch_spec
 
-    host, sep, port = listen.rpartition(":")
-    if not sep or not port.isdigit():
-        raise LpfError(f"--listen must be HOST:PORT, got {listen!r}")
-    host = host.strip("[]") or "127.0.0.1"
-    Sampler(sample, seed)  # a bad rate is refused before anything is created
-    parse_retain(retain)
-    if top_k < 0 or queue_size < 1 or part_rows < 1 or part_seconds <= 0 or max_lag < 1:
-        raise LpfError("--top-k must be >= 0, --queue, --part-rows and --max-lag >= 1, --part-seconds > 0")
-    # the executor's options checked as `lpf rescore` checks them (Ray installed, a GPU asked where the device is one)
-    RescoreSettings(
-        reference=reference,
-        dtype=reference_dtype,
-        device=reference_device,
-        executor=executor,
-        ray=RayOptions(address=ray_address, actors=actors, gpus_per_actor=float(gpus_per_actor)),
-    ).validate()
-    settings = Settings(
-        upstream=upstream,
-        reference=reference,
-        out=out,
-        sample=sample,
-        seed=seed,
-        keep_text=not no_text,
-        window=window,
-        top_k=top_k,
-        queue_size=queue_size,
-        part_rows=part_rows,
-        part_seconds=part_seconds,
-        upstream_timeout=upstream_timeout,
-        upstream_dtype=upstream_dtype,
-        reference_dtype=reference_dtype,
-        reference_device=reference_device,
-        max_lag=max_lag,
-        retain=tuple(retain),
-        executor=executor,
-        ray_address=ray_address,
-        actors=actors,
-        gpus_per_actor=float(gpus_per_actor),
-        alert_webhook=alert_webhook,
-        fail_after=fail_after,
-        log_level=log_level,
-    )
-    sock = listen_on.bind(host, int(port))
+    settings = build_watch_spec(params)  # every option checked before the proxy listens
+    host, port = settings.host_port()
+    sock = listen_on.bind(host, port)
     shown = f"[{host}]" if ":" in host else host
     try:
         outcome = serve(
             settings,
             sock,
             on_ready=lambda p: click.echo(
-                f"watching {upstream} on http://{shown}:{p} (recording into {out})", err=True
+                f"watching {settings.upstream} on http://{shown}:{p} (recording into {settings.out})", err=True
             ),
             on_window=render_watch.window_line,
         )

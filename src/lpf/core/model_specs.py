@@ -1,7 +1,7 @@
 """Resolve a model spec to a local Hugging Face directory; build the embedded tiny models.
 
 Specs: a directory with `config.json`; `zoo:NAME` (a trained checkpoint shipped in the package);
-`tiny:hybrid` / `tiny:llama` / `tiny:jamba` and the drill variants `tiny:jamba-longmem` /
+`tiny:hybrid` / `tiny:llama` / `tiny:jamba` / `tiny:qwen35` and the drill variants `tiny:jamba-longmem` /
 `tiny:hybrid-longmem` (random models built deterministically from a config on first use and cached
 under `$LPF_CACHE`, default `~/.cache/lpf`). Nothing is ever downloaded. Resolution never imports
 torch unless a tiny model has to be built.
@@ -64,6 +64,24 @@ def _tiny_configs(vocab_size: int, special: dict) -> dict[str, dict]:
             intermediate_size=256,
             **common,
         ),
+        # Qwen3.5's shape: Gated DeltaNet : gated full attention 3:1 (linear, linear, linear, full),
+        # 2 key heads serving 4 value heads (GQA-style value heads), head dims 32, partial RoPE (1/4).
+        "qwen35": dict(
+            model_type="qwen3_5_text",
+            hidden_size=128,
+            num_hidden_layers=4,
+            layer_types=["linear_attention"] * 3 + ["full_attention"],
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            intermediate_size=256,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=32,
+            linear_value_head_dim=32,
+            linear_conv_kernel_dim=4,
+            **common,
+        ),
         # The seed's architecture: Mamba1 + attention + MoE (attention and experts on odd layers).
         "jamba": dict(
             model_type="jamba",
@@ -98,7 +116,7 @@ def _tiny_configs(vocab_size: int, special: dict) -> dict[str, dict]:
 _LONGMEM_A = 0.002
 _LONGMEM_HEAD_SCALE = 4.0
 TINY_VARIANTS = {"jamba-longmem": "jamba", "hybrid-longmem": "hybrid"}
-TINY_MODELS = ("hybrid", "llama", "jamba", *TINY_VARIANTS)
+TINY_MODELS = ("hybrid", "llama", "jamba", "qwen35", *TINY_VARIANTS)
 
 
 def _edit_variant(name: str, model) -> None:

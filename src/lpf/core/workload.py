@@ -99,11 +99,14 @@ def read_items(spec: str) -> tuple[list[tuple[int, dict]], dict]:
 
 
 def load_prompts(
-    spec: str, tokenizer, vocab_size: int, max_context: int | None, chat: bool | None = False
+    spec: str, tokenizer, vocab_size: int, max_context: int | None, chat: bool | None = False, limit: int | None = None
 ) -> tuple[list[Prompt], dict]:
     """Validate and tokenize a workload. Raises LpfError naming the line of the first bad item.
-    `chat`: render chat turns (None: when any item has `messages`); `source["chat"]` says which."""
+    `chat`: render chat turns (None: when any item has `messages`); `source["chat"]` says which.
+    `limit`: only the first `limit` items are read (`--limit`; `source["limit"]` records it)."""
     items, source = read_items(spec)
+    if limit is not None:
+        items, source["limit"] = items[:limit], limit
     where = source["source"]
     if chat is None:
         chat = any("messages" in obj for _, obj in items)

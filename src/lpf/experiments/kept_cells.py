@@ -37,7 +37,6 @@ from pathlib import Path
 
 from lpf.core.errors import LpfError
 
-KEPT_ENGINES = ("builtin", "hf")
 FRESH_ENV = "LPF_CELLS_FRESH_PROCESS"
 
 
@@ -48,7 +47,9 @@ class WorkerDied(Exception):
 def serves(spec) -> str | None:
     if os.environ.get(FRESH_ENV, "") not in ("", "0"):
         return f"{FRESH_ENV} is set"
-    if spec.run.engine not in KEPT_ENGINES:
+    from lpf.adapters import capability
+
+    if not capability(spec.run.engine, "kept_worker", False):
         return f"engine {spec.run.engine} runs a process per cell"
     if spec.rescore.executor != "local":
         return f"the {spec.rescore.executor} executor runs a process per cell"

@@ -4,10 +4,16 @@ Contract: the same prompt is generated `times` times at temperature 0, each copy
 batch composition: copy 0 runs alone, every other copy is submitted among a different number of
 filler requests (random prompts of varied lengths and output budgets) at a different arrival
 position, and, when the engine has a concurrency knob the user did not fix (`max_num_seqs`, or
-`batch_size` for `hf`), under a different value of it. A batch-invariant engine gives every copy the
+`batch_size` for `hf`), under a different value of it. A server the user started (`--base-url`: the
+`openai` route, or `llamacpp` reaching one) is varied only from the client side: the requests in flight
+(`concurrency`, when not fixed), the requests co-batched with the probe and its place among them; its
+own batch settings stay as the user set them, and the report says so (`varied`). A copy sent with one
+request in flight runs alone as copy 0 does. A batch-invariant engine gives every copy the
 same token ids AND bit-identical logprobs; anything else is reported as the number of unique
 completions (token sequences; logprob vectors bit for bit and within a tolerance, since float32 GEMMs
-already round differently for different row counts) and where the copies first diverge.
+already round differently for different row counts) and where the copies first diverge. The probe asks
+for logprobs with one alternative (llama-server answers `logprobs: 0` with none); an answer without
+logprobs (null or missing) makes the comparison tokens only (`compared`: "tokens"), never an error.
 
 The conclusion (`batch_shape`, pure; the report's `batch_shape`): when copies sent among other
 requests differ from the copy sent alone beyond the tolerance (or in their tokens) while copies sent
@@ -56,8 +62,9 @@ class CopyResult:
     n_fillers: int
     arrival: int
     output_token_ids: list[int]
-    logprobs: list[float]
+    logprobs: list[float] | None  # None: the server returned none (a tokens-only comparison)
     batch_sizes: list[int] | None = None  # batch size at every step the probe was scheduled (traced engines)
+    alone: bool = False  # nothing else was in flight with the probe (no fillers, or one request at a time)
     tokens_group: int = 0
     logprobs_group: int = 0
     tolerance_group: int = 0
@@ -86,6 +93,32 @@ def concurrency_knob(options_cls, fixed: set[str]) -> str | None:
     return name if name is not None and name not in fixed else None
 
 
+def user_server(options) -> bool:
+    """Whether the engine talks to a server the user started (its batch settings are not lpf's to vary)."""
+    return bool(getattr(options, "base_url", ""))
+
+
+def varied(options_cls, options, fixed: set[str]) -> dict:
+    """What the copies vary: {knob, side ("engine": a knob of the engine lpf starts; "client": what a
+    client of a server the user started can vary), sentence}."""
+    if user_server(options):
+        knob = "concurrency" if "concurrency" in options_cls.model_fields and "concurrency" not in fixed else None
+        what = ("requests in flight (concurrency), " if knob else "") + "the requests sent with the probe and its place"
+        return {
+            "knob": knob,
+            "side": "client",
+            "sentence": f"a server you started: lpf varies only what a client can ({what} among them); the "
+            f"server's own batch settings (slots, batch sizes, its KV cache) stay as you set them",
+        }
+    knob = concurrency_knob(options_cls, fixed)
+    extra = f", and the engine's {knob}" if knob else ""
+    return {
+        "knob": knob,
+        "side": "engine",
+        "sentence": f"the requests sent with the probe, its place among them{extra}",
+    }
+
+
 def plan_copies(times: int, vary: bool) -> list[CopyPlan]:
     """Copy 0 alone; copy i > 0 among FILLER_CYCLE fillers, at a rotating arrival position, under a
     rotating concurrency, so no two copies share a batch history."""
@@ -108,8 +141,12 @@ def compare(outputs: list[tuple[list[int], list[float]]], tolerance: float = DEF
     the copies' tokens disagree (a copy that already stopped counts as disagreeing);
     `first_divergence.logprobs` is the first position where tokens or logprobs disagree, with the
     min/max logprob across copies there. `max_logprob_spread` is the largest max-min over positions
-    where every copy still has the same context (before the first token divergence).
+    where every copy still has the same context (before the first token divergence). When any copy
+    came back without logprobs (None) only the tokens are compared: the logprob fields are None.
     """
+    tokens_only = any(lps is None for _, lps in outputs)
+    if tokens_only:  # a server that returned no logprobs: the tokens are all there is to compare
+        outputs = [(toks, [0.0] * len(toks)) for toks, _ in outputs]
     tok_groups: dict[tuple, int] = {}
     lp_groups: dict[tuple, int] = {}
     tg, lg = [], []
@@ -136,8 +173,8 @@ def compare(outputs: list[tuple[list[int], list[float]]], tolerance: float = DEF
         if first_lp is None and (not same_tok or len(set(lps)) > 1):
             first_lp = {
                 "position": p,
-                "min_logprob": min(lps),
-                "max_logprob": max(lps),
+                "min_logprob": None if tokens_only else min(lps),
+                "max_logprob": None if tokens_only else max(lps),
                 "tokens_agree": same_tok,
                 "distinct_tokens": sorted({t for t in toks if t is not None}),
             }
@@ -150,15 +187,16 @@ def compare(outputs: list[tuple[list[int], list[float]]], tolerance: float = DEF
             break
         spread = max(spread, max(lps) - min(lps))
     return {
+        "compared": "tokens" if tokens_only else "tokens and logprobs",
         "unique_token_sequences": len(tok_groups),
-        "unique_logprob_vectors": len(lp_groups),
-        "unique_logprob_vectors_at_tolerance": len(reps),
+        "unique_logprob_vectors": None if tokens_only else len(lp_groups),
+        "unique_logprob_vectors_at_tolerance": None if tokens_only else len(reps),
         "tolerance": tolerance,
         "tokens_group": tg,
         "logprobs_group": lg,
         "tolerance_group": tolg,
-        "first_divergence": {"tokens": first_tok, "logprobs": first_lp},
-        "max_logprob_spread": spread,
+        "first_divergence": {"tokens": first_tok, "logprobs": None if tokens_only else first_lp},
+        "max_logprob_spread": None if tokens_only else spread,
     }
 
 
@@ -175,18 +213,30 @@ def batch_shape(copies: list[dict], tolerance: float, server: str | None = None)
     """Whether the copies sent among other requests depart from the copy sent alone (copy 0) beyond
     `tolerance` or in their tokens, while the copies sent alone (copy 0, and any whose batch sizes were
     all 1) agree with each other: {dependent, alone, shared, departing, tokens_differ, max_abs_diff,
-    alone_spread, tolerance, server, knob, turn_off, sentence}."""
+    alone_spread, compared, tolerance, server, knob, turn_off, sentence}; a copy with `alone` set (one request
+    in flight) ran alone too; with no logprobs (max_abs_diff_vs_copy0 None) the tokens alone decide."""
     base = copies[0]
-    alone = [c for c in copies if c["n_fillers"] == 0 or (c.get("batch_sizes") and max(c["batch_sizes"]) == 1)]
+    sizes = lambda c: [b for b in c.get("batch_sizes") or () if b is not None]  # noqa: E731  (null: not said)
+    alone = [c for c in copies if c["n_fillers"] == 0 or c.get("alone") or (sizes(c) and max(sizes(c)) == 1)]
     shared = [c for c in copies if c not in alone]
+    diff = lambda c: c["max_abs_diff_vs_copy0"] or 0.0  # noqa: E731  (None: tokens only, no logprobs)
+    tokens_only = any(c["max_abs_diff_vs_copy0"] is None for c in copies)
     tokens_differ = [c for c in shared if c["output_token_ids"] != base["output_token_ids"]]
-    departing = [c for c in shared if c in tokens_differ or c["max_abs_diff_vs_copy0"] > tolerance]
-    spread = max((c["max_abs_diff_vs_copy0"] for c in alone), default=0.0)
+    departing = [c for c in shared if c in tokens_differ or diff(c) > tolerance]
+    spread = max((diff(c) for c in alone), default=0.0)
     alone_agree = spread <= tolerance and all(c["output_token_ids"] == base["output_token_ids"] for c in alone)
     dependent = bool(departing) and alone_agree
-    worst = max((c["max_abs_diff_vs_copy0"] for c in shared), default=0.0)
+    worst = max((diff(c) for c in shared), default=0.0)
     knob, turn_off = BATCH_SHAPE_KNOBS.get(server or "", (None, None))
-    if dependent:
+    if not shared:
+        sentence = "no copy shared the server with other requests: nothing tells whether the batch's shape matters"
+    elif dependent and tokens_only:
+        sentence = (
+            f"batch-shape dependence: the same prompt's tokens change with what else is in the batch ({len(departing)} "
+            f"of {len(shared)} copies sent among other requests; tokens only: the server returned no logprobs)"
+            + (f"; {server}'s {knob} controls it: {turn_off}" if knob else "")
+        )
+    elif dependent:
         sentence = (
             f"batch-shape dependence: the same prompt's logprobs change with what else is in the batch "
             f"({len(departing)} of {len(shared)} copies sent among other requests depart from the copy sent "
@@ -200,6 +250,11 @@ def batch_shape(copies: list[dict], tolerance: float, server: str | None = None)
             f"copies differ, but copies sent alone differ too (by up to {spread:.3g}): run-to-run "
             f"nondeterminism, not (only) the batch's shape"
         )
+    elif tokens_only:
+        sentence = (
+            f"no batch-shape dependence in the tokens: all {len(shared)} copies sent among other requests gave "
+            f"the copy sent alone's tokens (tokens only: the server returned no logprobs)"
+        )
     else:
         sentence = f"no batch-shape dependence: every copy within {tolerance:g} of the copy sent alone"
     return {
@@ -208,8 +263,9 @@ def batch_shape(copies: list[dict], tolerance: float, server: str | None = None)
         "shared": len(shared),
         "departing": len(departing),
         "tokens_differ": len(tokens_differ),
-        "max_abs_diff": worst,
-        "alone_spread": spread,
+        "max_abs_diff": None if tokens_only else worst,
+        "alone_spread": None if tokens_only else spread,
+        "compared": "tokens" if tokens_only else "tokens and logprobs",
         "tolerance": tolerance,
         "server": server,
         "knob": knob,
@@ -281,14 +337,15 @@ def run_repeat(spec: RepeatSpec, out: Path, on_start=lambda total: None, tick=la
         raise LpfError(f"{target} already exists: choose another --out")
     engine_cls = get_engine_class(spec.engine)
     base_opts = engine_cls.Options.parse(spec.engine_options)  # unknown knobs refused before any work
-    knob = concurrency_knob(engine_cls.Options, {k.replace("-", "_") for k in spec.engine_options})
+    vary = varied(engine_cls.Options, base_opts, {k.replace("-", "_") for k in spec.engine_options})
+    knob = vary["knob"]
     model = resolve_model(spec.model)
     cfg = model_config(model)
     engine_cls.check_model(cfg)
     tokenizer = load_tokenizer(model)
     prompt_ids, prompt_text = _prompt_ids(spec, tokenizer, cfg)
     sampling = SamplingParams(
-        temperature=0.0, max_tokens=spec.max_tokens, seed=spec.seed, ignore_eos=spec.ignore_eos, logprobs=0
+        temperature=0.0, max_tokens=spec.max_tokens, seed=spec.seed, ignore_eos=spec.ignore_eos, logprobs=1
     )
     special = set(tokenizer.all_special_ids)
     vocab = [i for i in range(cfg.get("vocab_size", len(tokenizer))) if i not in special]
@@ -306,7 +363,9 @@ def run_repeat(spec: RepeatSpec, out: Path, on_start=lambda total: None, tick=la
         describe = describe or engine.describe()
         try:
             for p in group:
-                results.append(_run_copy(engine, p, prompt_ids, spec, vocab, cfg))
+                r = _run_copy(engine, p, prompt_ids, spec, vocab, cfg)
+                r.alone = p.n_fillers == 0 or (vary["side"] == "client" and p.concurrency == 1)
+                results.append(r)
                 tick(1)
         finally:
             engine.close()
@@ -318,7 +377,9 @@ def run_repeat(spec: RepeatSpec, out: Path, on_start=lambda total: None, tick=la
         shared = 0
         while shared < min(len(r.output_token_ids), len(ref_toks)) and r.output_token_ids[shared] == ref_toks[shared]:
             shared += 1
-        r.max_abs_diff_vs_copy0 = max((abs(a - b) for a, b in zip(r.logprobs[:shared], ref_lps[:shared])), default=0.0)
+        if cmp["compared"] == "tokens and logprobs":
+            pairs = zip(r.logprobs[:shared], ref_lps[:shared])
+            r.max_abs_diff_vs_copy0 = max((abs(a - b) for a, b in pairs), default=0.0)
     copies = [asdict(r) for r in results]
     report = {
         "kind": "repeat",
@@ -326,6 +387,8 @@ def run_repeat(spec: RepeatSpec, out: Path, on_start=lambda total: None, tick=la
         "engine_describe": describe,
         "model": spec.model,
         "varied_knob": knob,
+        "varied": vary,
+        "compared": cmp["compared"],
         "times": spec.times,
         "max_tokens": spec.max_tokens,
         "seed": spec.seed,
@@ -338,7 +401,7 @@ def run_repeat(spec: RepeatSpec, out: Path, on_start=lambda total: None, tick=la
         "unique_logprob_vectors": cmp["unique_logprob_vectors"],
         "unique_logprob_vectors_at_tolerance": cmp["unique_logprob_vectors_at_tolerance"],
         "tolerance": spec.tolerance,
-        "bitwise_identical": cmp["unique_logprob_vectors"] == 1,
+        "bitwise_identical": None if cmp["unique_logprob_vectors"] is None else cmp["unique_logprob_vectors"] == 1,
         "first_divergence": cmp["first_divergence"],
         "max_logprob_spread": cmp["max_logprob_spread"],
         "batch_shape": batch_shape(copies, spec.tolerance, server_kind(spec.engine, base_opts)),
@@ -382,7 +445,8 @@ def _run_copy(engine, plan: CopyPlan, prompt_ids, spec: RepeatSpec, vocab: list[
     trace = engine.side_tables().get("trace")
     if trace is not None:
         rows = [r for r in trace.to_pylist() if r["request_id"] == probe_id and not r["preempted"]]
-        batch_sizes = [r["batch_size"] for r in sorted(rows, key=lambda r: r["step"])]
+        batch_sizes = [r["batch_size"] for r in sorted(rows, key=lambda r: r["step"]) if r["batch_size"] is not None]
+        batch_sizes = batch_sizes or None  # a server that does not say its batch sizes (llama-server)
     return CopyResult(
         plan.copy,
         probe_id,
@@ -390,6 +454,13 @@ def _run_copy(engine, plan: CopyPlan, prompt_ids, spec: RepeatSpec, vocab: list[
         plan.n_fillers,
         plan.arrival,
         list(probe.output_token_ids),
-        [float(x) for x in probe.logprobs],
+        _logprobs(probe.logprobs),
         batch_sizes,
     )
+
+
+def _logprobs(values) -> list[float] | None:
+    """The probe's logprobs, None when the server returned none for some token (a tokens-only comparison)."""
+    if values is None or any(v is None for v in values):
+        return None
+    return [float(v) for v in values]

@@ -15,7 +15,9 @@ predicts that output token are
 - aligned op by op (`finding.judge`): the first op and position departing beyond its floor, a Mamba
   layer's input state, the verdict (engine, reference, both, nobody) with numbers.
 `on_stage(text)` is told each stage as it starts. Modules: ops (names), engine_capture, hf_capture,
-depends, builtin_replay, vllm_replay + vllm_names, reference_side, align, finding, target.
+depends, replays (the engine side of each engine whose adapter names one in `locate_replay`; an engine
+whose adapter says `server` is refused with what it would need), builtin_replay, vllm_replay +
+vllm_names, reference_side, align, finding, target.
 """
 
 from __future__ import annotations
@@ -26,12 +28,12 @@ from pathlib import Path
 from lpf.core.errors import LpfError
 
 SCHEMA = 1
-HTTP_ENGINES = ("openai", "sglang", "llamacpp")
 
 
 def locate(
     run_path, request_id: str | None = None, position: int | None = None, out=None, trials: bool = True, on_stage=None
 ) -> tuple[dict, Path]:
+    from lpf.adapters import capability, engines_with
     from lpf.locate.target import choose_target
     from lpf.run.store import RunDir
 
@@ -39,15 +41,16 @@ def locate(
     t0 = time.monotonic()
     run = RunDir.open(run_path)
     engine_name = (run.manifest.get("engine") or {}).get("name")
-    if engine_name in HTTP_ENGINES:
+    if capability(engine_name or "?", "server", False):
         raise LpfError(
             f"lpf locate needs the engine's activations op by op, and a {engine_name} server answers "
             f"over HTTP with tokens and logprobs only: it would need a capture hook inside its forward "
             f"pass (as lpf-vllm-trace has for vLLM); rerun the workload with --engine vllm or builtin "
             f"and locate that run"
         )
-    if engine_name not in ("builtin", "vllm", "hf"):
-        raise LpfError(f"lpf locate knows the builtin, vllm and hf engines; this run's engine is {engine_name!r}")
+    if not capability(engine_name or "?", "locate_replay"):
+        known = ", ".join(engines_with("locate_replay"))
+        raise LpfError(f"lpf locate knows the {known} engines; this run's engine is {engine_name!r}")
     target = choose_target(run, request_id, position)
     ids, prompt_len = target["ids"], target["prompt_len"]
     # every row the engine computed for the request is captured (the last output token was sampled, never
@@ -112,30 +115,13 @@ def _step_positions(acts) -> set[int]:
 
 
 def _engine_side(run, engine_name: str, target: dict, upto: int):
-    if engine_name == "builtin":
-        from lpf.locate.builtin_replay import replay
+    """The request replayed through its engine, by the function the adapter names (`locate_replay`)."""
+    import importlib
 
-        return replay(run, target["request_id"], upto)
-    if engine_name == "vllm":
-        from lpf.locate.vllm_replay import replay
+    from lpf.adapters import capability
 
-        return replay(run, target["request_id"], upto)
-    from lpf.locate.builtin_replay import EngineSide
-    from lpf.locate.hf_capture import HFCapture
-    from lpf.locate.reference_side import _load
-    from lpf.core.model_specs import resolve_model
-
-    dtype = (run.manifest["engine"].get("options") or {}).get("dtype", "float32")
-    model = _load(resolve_model(run.manifest["model"]["spec"]).path, dtype)
-    cap = HFCapture(model, "engine", dtype)
-    acts = cap.decode_path(target["ids"][: upto + 1], target["prompt_len"])
-    return EngineSide(
-        acts,
-        description={
-            "engine": "hf",
-            "schedule": "its decode path alone (generate's left-padded batch is not replayed)",
-        },
-    )
+    module, function = capability(engine_name, "locate_replay").split(":")
+    return getattr(importlib.import_module(module), function)(run, target, upto)
 
 
 def _safe(name: str) -> str:

@@ -13,7 +13,8 @@ as the table names it (`floor_model`): a directory holding a zoo model's weights
 A run whose engine returned no logprobs is judged from its tokens (`lpf.analysis.tokens_only`), and every
 run's findings say what came back and what each step could judge from it (`judged`).
 A run of more than STREAM_ABOVE tokens is analysed streamed (`analyze_stream`: by chunk of whole
-requests, bounded memory, the same summary and findings byte for byte); `stream` forces either path.
+requests, bounded memory, the same steps (`lpf.analysis.steps`), the same summary and findings byte for
+byte); `stream` forces either path.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import pyarrow.parquet as pq
 
 from lpf.analysis import attribution
 from lpf.analysis.findings import analyze
+from lpf.analysis.steps import Ran
 from lpf.analysis.returned import counts as returned_counts, tokens_only as returned_nothing, what_came_back
 from lpf.analysis.tokens_only import analyze_tokens_only
 from lpf.analysis.thresholds import Thresholds
@@ -36,6 +38,7 @@ from lpf.core.errors import LpfError
 from lpf.core.jsonsafe import finite
 from lpf.pipeline.analyze_stream import (
     analyze_streamed,
+    chunk_budget,
     footer_counts,
     own_sums,
     reference_sums,
@@ -47,20 +50,6 @@ from lpf.pipeline.calibrate import calibration_applies, calibration_for, engine_
 from lpf.pipeline.callbacks import OnStart, Tick, no_start, no_tick
 from lpf.pipeline.trace import engine_info, trace_summary
 from lpf.run.store import RunDir
-
-
-def chunk_budget(manifest: dict) -> int | None:
-    """The step's token budget when prompts could be split (chunked prefill not switched off), for
-    placing chunk boundaries when there is no trace."""
-    engine = manifest.get("engine") or {}
-    opts = {
-        **(engine.get("engine_args") or {}),
-        **{k: v for k, v in (engine.get("options") or {}).items() if v is not None},
-    }
-    budget = opts.get("max_num_batched_tokens")
-    if opts.get("enable_chunked_prefill") is False or not isinstance(budget, int) or isinstance(budget, bool):
-        return None
-    return budget
 
 
 STREAM_ABOVE = 10_000_000  # tokens: above this `lpf analyze` streams (in memory 10M cost 3.3-5 GB: docs/benchmarks.md)
@@ -75,15 +64,17 @@ def analyze_run(
     stream: bool | None = None,
     progress: tuple[OnStart, Tick] = (no_start, no_tick),
     tokens_only: bool = False,
+    ran: Ran | None = None,
 ) -> dict:
     """`on_start`/`tick` report the attribution's re-scoring (tokens), when there is any. `stream`:
     the streamed path (`analyze_stream`: bounded memory, the same findings), the in-memory one, or
-    (None) streamed when the run has more than STREAM_ABOVE tokens, no calibration run and no prompt
-    logprobs (those two are read in memory);
+    (None) streamed when the run has more than STREAM_ABOVE tokens and no calibration run (read in
+    memory; the streamed path refuses it);
     `progress` reports the streamed path's two passes over the tokens. `tokens_only`: judge from the tokens
-    alone even when the engine returned logprobs (what a tokens-only server's audit would say)."""
+    alone even when the engine returned logprobs (what a tokens-only server's audit would say).
+    `ran`: a `steps.Ran` the analysis records its steps on (tokens-only runs record none: their judge,
+    `tokens_only`, is one execution, the same whichever was asked for)."""
     m = run.manifest
-    has_prompt = run.has("prompt_reference")
     # what came back: whether any logprob did from the parts' footers; the widest top-k list from
     # the tokens as the analysis reads them (a streamed run is never read whole, nor read for this)
     came_back = footer_counts(run)
@@ -91,16 +82,16 @@ def analyze_run(
     if no_logprobs:  # judged from tokens alone, in memory (`lpf.analysis.tokens_only`)
         stream = False
     elif stream is None:
-        stream = not calibration_applies(m) and not has_prompt and scored_token_count(run) > STREAM_ABOVE
+        stream = not calibration_applies(m) and scored_token_count(run) > STREAM_ABOVE and not _mixed_sampling(run)
     elif stream and calibration_applies(m):
         raise LpfError(
             f"{run.path} has a calibration run, which the streamed analysis does not read yet: "
             f"analyze it with --no-stream"
         )
-    elif stream and has_prompt:
+    elif stream and _mixed_sampling(run):
         raise LpfError(
-            f"{run.path} has prompt logprobs, which the streamed analysis does not read yet: "
-            f"analyze it with --no-stream"
+            f"{run.path} has requests sent with sampling settings of their own, of several kinds, which the "
+            f"streamed analysis does not judge yet: analyze it with --no-stream"
         )
     # streamed: the analysis reads the requests itself, beside the first parts (their footers count them here)
     requests = None if stream else run.read("requests")
@@ -117,6 +108,7 @@ def analyze_run(
     }
     kw = dict(
         no_logprobs=no_logprobs,
+        ran=ran,
         greedy=temperature == 0,
         trace=trace,
         engine_info=engine_info(run),
@@ -128,13 +120,24 @@ def analyze_run(
         return _judge(run, requests, thresholds, attribute, (on_start, tick), stream, progress, kw, written)
 
 
+def _mixed_sampling(run: RunDir) -> bool:
+    """Whether the run's requests sent sampling settings of several kinds (`request_sampling`: each judged
+    at its own; the streamed analysis judges one setting for all)."""
+    from lpf.analysis import request_sampling
+
+    own = request_sampling.settings(
+        run.read("requests", ["request_id", "sampling"]), run.manifest["sampling"].get("temperature", 0) or 0
+    )
+    return own is not None and not (own.uniform is not None and own.uniform == own.uniform)
+
+
 def _judge(run, requests, thresholds, attribute, attribution_progress, stream, progress, kw, written) -> dict:
     m, has_prompt = run.manifest, run.has("prompt_reference")
-    (on_start, tick), no_logprobs = attribution_progress, kw.pop("no_logprobs")
+    (on_start, tick), no_logprobs, ran = attribution_progress, kw.pop("no_logprobs"), kw.pop("ran")
     if stream:
         tally = Tally(run)
         summary, findings = analyze_streamed(
-            run, requests, thresholds, progress=progress, tally=tally, on_summary=written.start, **kw
+            run, requests, thresholds, progress=progress, tally=tally, on_summary=written.start, ran=ran, **kw
         )
         came_back = tally.counts() or returned_counts(run.iter_parts("tokens", ["engine_logprob", "engine_topk_ids"]))
         own = partial(reference_sums, run)
@@ -145,7 +148,7 @@ def _judge(run, requests, thresholds, attribute, attribution_progress, stream, p
         judge = (
             partial(analyze_tokens_only, seeded=run.read("seeded") if run.has("seeded") else None)
             if no_logprobs
-            else analyze
+            else partial(analyze, ran=ran)
         )
         tokens = run.read("tokens")
         came_back = returned_counts([tokens])

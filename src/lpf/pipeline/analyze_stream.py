@@ -8,7 +8,9 @@ next part being read ahead, plus the logprob columns (16 bytes a scored token, r
 a time for the metric summary: kept in memory by the one pass up to `stream_memory.KEEP_TOKENS`,
 else spilled) and, without an expected floor, |d| (read back whole for the run's own calibration),
 spilled to a temporary folder in the run directory (`.tmp-analyze-*`, removed afterwards; a killed
-analysis leaves it, and the next one removes it). The pure steps are `lpf.analysis.stream`;
+analysis leaves it, and the next one removes it), and the rows the steps after scoring gathered
+(`stream_memory.Pieces`: in memory up to KEEP_ROWS a step, else in that folder). The pure steps are
+`lpf.analysis.stream`;
 reading parts and chunks is `lpf.pipeline.stream_parts`, keeping columns `lpf.pipeline.stream_memory`
 (whose `heap()` regime, jemalloc for Arrow and no cyclic GC, the stage runs under).
 
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -47,7 +50,7 @@ from lpf.analysis.columns import Codes, one_array
 from lpf.analysis.stream import StreamedAnalysis
 from lpf.analysis.thresholds import Thresholds
 from lpf.pipeline import stream_memory, stream_parts
-from lpf.pipeline.stream_memory import Kept, Spill
+from lpf.pipeline.stream_memory import Kept, Pieces, Spill
 from lpf.pipeline.callbacks import OnStart, Tick, no_start, no_tick
 from lpf.pipeline.stream_parts import (
     REFERENCE_COLUMNS,
@@ -103,6 +106,68 @@ def footer_counts(run: RunDir) -> dict:
     return out
 
 
+def lse_complete(run: RunDir) -> bool:
+    """Whether every reference row has a log-sum-exp, from the parts' footers (a part whose footer
+    lacks the column or its null count: not known, False): the penalty fit's sample is then known
+    before the pass (`lpf.analysis.stream_gather`)."""
+    import pyarrow.parquet as pq
+
+    try:
+        for p in run.parts("reference"):
+            meta = pq.ParquetFile(p).metadata
+            if "ref_logsumexp" not in meta.schema.names:
+                return False
+            at = meta.schema.names.index("ref_logsumexp")
+            for i in range(meta.num_row_groups):
+                st = meta.row_group(i).column(at).statistics
+                if st is None or not st.has_null_count or st.null_count:
+                    return False
+    except (pa.ArrowException, OSError, ValueError):
+        return False
+    return True
+
+
+def token_ids(run: RunDir, keep: np.ndarray, lists=("prompt_token_ids", "output_token_ids")) -> pa.Table:
+    """The requests table's request_id, prompt_token_ids and output_token_ids, part by part, with the
+    token-id lists of the rows at `keep` (a mask over its rows) and empty lists elsewhere: the same
+    rows in the same order, holding only the kept requests' tokens (the penalty fit's context).
+    `lists`: which of the two (the prefix cache's block reads the prompts')."""
+    columns = ["request_id", *lists]
+    parts, at = [], 0
+    for part in run.iter_parts("requests", columns):
+        mask = pa.array(keep[at : at + part.num_rows])
+        at += part.num_rows
+        for name in columns[1:]:
+            lists = one_array(part.column(name))
+            lengths = pc.if_else(mask, pc.list_value_length(lists).fill_null(0), 0).cast(pa.int32())
+            offsets = pa.array(np.r_[0, np.cumsum(lengths.to_numpy(zero_copy_only=False))].astype(np.int32))
+            kept = pa.ListArray.from_arrays(offsets, pc.list_flatten(lists.filter(mask)), type=lists.type)
+            part = part.set_column(part.schema.get_field_index(name), name, kept)
+        parts.append(part)
+    return pa.concat_tables(parts) if parts else schema.REQUESTS.empty_table().select(columns)
+
+
+def _prompt_tables(run: RunDir):
+    """A reader of the prompt positions' tables (read whole: `steps.STEPS`' prompt step), or None."""
+    if not run.has("prompt_reference"):
+        return None
+    return lambda: (run.read("prompt_tokens"), run.read("prompt_reference"))
+
+
+def chunk_budget(manifest: dict) -> int | None:
+    """The step's token budget when prompts could be split (chunked prefill not switched off), for
+    placing chunk boundaries when there is no trace."""
+    engine = manifest.get("engine") or {}
+    opts = {
+        **(engine.get("engine_args") or {}),
+        **{k: v for k, v in (engine.get("options") or {}).items() if v is not None},
+    }
+    budget = opts.get("max_num_batched_tokens")
+    if opts.get("enable_chunked_prefill") is False or not isinstance(budget, int) or isinstance(budget, bool):
+        return None
+    return budget
+
+
 def light_requests(run: RunDir) -> pa.Table:
     """The requests table, part by part, as the analysis reads it: each prompt's and output's token
     ids reduced to their count (a list of nulls, no values) and the output text dropped (null)."""
@@ -146,6 +211,7 @@ def analyze_streamed(
     progress: tuple[OnStart, Tick] = (no_start, no_tick),
     tally: Tally | None = None,
     on_summary=None,
+    ran=None,
 ) -> tuple[pa.Table, dict]:
     """`findings.analyze(requests, tokens, reference, th, greedy, ...)` over the run's parts, streamed
     (no calibration run: the caller routes those to the in-memory path). `requests`: `light_requests`
@@ -153,7 +219,8 @@ def analyze_streamed(
     tick) over twice the tokens parts' rows (the two passes). Chunks are scored on
     `stream_parts.WORKERS` threads (the findings are the same for any number). `tally`: counts
     the tokens parts as the passes read them (`Tally.counts()`). `on_summary(summary)`: called
-    once the summary is final, before the findings are concluded (the caller may start writing it)."""
+    once the summary is final, before the findings are concluded (the caller may start writing it).
+    `ran`: a `steps.Ran` the analysis records its steps on."""
     for old in run.path.glob(".tmp-analyze-*"):
         shutil.rmtree(old, ignore_errors=True)  # a killed analysis' leftovers
     spill = Path(tempfile.mkdtemp(prefix=".tmp-analyze-", dir=run.path))
@@ -174,6 +241,7 @@ def analyze_streamed(
                 workers=stream_parts.WORKERS,
                 tally=tally,
                 on_summary=on_summary,
+                ran=ran,
             )
     finally:
         shutil.rmtree(spill, ignore_errors=True)
@@ -195,15 +263,22 @@ def _analyze(
     workers,
     tally,
     on_summary,
+    ran,
 ):
     from lpf.analysis.floors import expected_floor
 
     # the expected floor needs nothing of the tokens: with one, the thresholds are known before any
+    pair = f"{run_info.get('engine_dtype')}/{run_info.get('reference_dtype')}"
+    # an engine dtype the table lacks (unknown, `auto`): the floor is the pair its errors fit (`floors.infer_pair`),
+    # as in memory: a first pass reads them
+    infer = (
+        floor_table is not None and bool(run_info.get("reference_dtype")) and pair not in floor_table.get("pairs", {})
+    )
     expected = (
         expected_floor(
             floor_table, run_info.get("engine_dtype"), run_info.get("reference_dtype"), run_info.get("model"), None
         )
-        if floor_table is not None
+        if floor_table is not None and not infer
         else None
     )
     kw = dict(
@@ -213,8 +288,14 @@ def _analyze(
         expected=expected,
         sampling=run_info.get("sampling"),
         reference_columns=REFERENCE_COLUMNS,
+        lse_complete=lse_complete(run),
+        token_ids=partial(token_ids, run),
+        ran=ran,
+        prompt=_prompt_tables(run),
+        chunk_budget=chunk_budget(run.manifest),
     )
     how = {"workers": workers, "tally": tally, "on_summary": on_summary}
+    how["infer"] = (floor_table, run_info) if infer else None
     if expected:  # the one pass's readers start first: the requests are read beside their first parts
         pieces = tally.pieces if tally is not None else iter
         how["readers"] = (
@@ -248,7 +329,9 @@ def _one_pass(run, requests, th, greedy, spill, kw, progress, how):
         tokens.close(), reference.close()
         return None  # a request id twice: the in-memory analysis joins and sorts
     th, calib = stream.thresholds(None, None, th, kw["expected"])
-    acc = StreamedAnalysis(requests, th, calib, greedy, ids, counts, rows=np.flatnonzero(has), **kw)
+    acc = StreamedAnalysis(
+        requests, th, calib, greedy, ids, counts, rows=np.flatnonzero(has), store=Pieces(spill), **kw
+    )
     progress[0](scored_token_count(run), 0)
     cols = Kept() if acc.n <= stream_memory.KEEP_TOKENS else Spill(spill)
     tok, ref = CodedRows(tokens, Codes(ids)), CodedRows(reference, Codes(ids))
@@ -304,6 +387,10 @@ def _two_passes(run, requests, th, greedy, spill, kw, progress, how):
     def first_pass(tok, ref):
         if expected:
             n, s, i = stream.chunk_starts(tok, ref)
+        elif how["infer"]:
+            ad, s, i, lp = stream.chunk_abs_diff(tok, ref, with_ref=True)
+            cols.add({"abs_logprob_diff": ad, "ref_logprob": lp})
+            n = ad.size
         else:
             ad, s, i = stream.chunk_abs_diff(tok, ref)
             cols.add({"abs_logprob_diff": ad})
@@ -318,7 +405,7 @@ def _two_passes(run, requests, th, greedy, spill, kw, progress, how):
         sizes = None  # a request in two places: the in-memory analysis joins and sorts
     ranges = None
     if sizes is None:
-        cols.drop("abs_logprob_diff")
+        cols.drop("abs_logprob_diff"), cols.drop("ref_logprob")
         progress[0](total, 0)  # the zip pass stopped part way: the first pass starts again
         starts.clear(), ids.clear()
         at[0] = 0
@@ -330,15 +417,27 @@ def _two_passes(run, requests, th, greedy, spill, kw, progress, how):
     n_scored = at[0]
     starts = np.concatenate(starts) if starts else np.zeros(0, np.int64)
     counts = np.diff(np.r_[starts, n_scored]).astype(np.int64)
+    if how["infer"] and n_scored:
+        from lpf.analysis.floors import expected_floor, observed_logit_error
+
+        table, info = how["infer"]
+        observed = observed_logit_error(cols.read("abs_logprob_diff"), cols.read("ref_logprob"))
+        cols.drop("ref_logprob")
+        expected = expected_floor(
+            table, info.get("engine_dtype"), info.get("reference_dtype"), info.get("model"), None, observed=observed
+        )
     expected = expected if n_scored else None
     if expected:
         th, calib = stream.thresholds(None, starts, th, expected)
+        cols.drop("abs_logprob_diff")
     else:
         ad = cols.read("abs_logprob_diff")
         th, calib = stream.thresholds(ad, starts, th, None)
         del ad
         cols.drop("abs_logprob_diff")
-    acc = StreamedAnalysis(requests, th, calib, greedy, heads, counts, **{**kw, "expected": expected})
+    acc = StreamedAnalysis(
+        requests, th, calib, greedy, heads, counts, store=Pieces(spill), **{**kw, "expected": expected}
+    )
     second = ranges.chunks() if ranges is not None else zip_chunks(run, sizes, how["tally"])
     scored = ordered_map(acc.score_chunk, second, how["workers"])
     for chunk in scored:

@@ -8,7 +8,9 @@ interrupted one: rerunning it finishes it), and refuses a directory holding anot
 commits completions in parts as they finish (side tables such as the trace first, then tokens, then
 requests: a request part never exists without what led to it); what finished before an error or
 Ctrl-C is kept, and a rerun resumes (its engine's steps numbered after the earlier sessions', so a
-step names one batch). `failed_requests(run)` is the one line on the requests that failed, their errors
+step names one batch); the manifest's engine section gets `declared` (what the user said the engine
+runs, `declared()`) at creation and `configuration` (`lpf.run.configuration.block`: what the engine
+says of itself with what was declared) when the engine starts. `failed_requests(run)` is the one line on the requests that failed, their errors
 grouped by shape with what to try; `all_failed(run)` is that line when every request failed (the run
 ends with it, exit 2).
 """
@@ -31,7 +33,7 @@ from lpf.core.errors import LpfError
 from lpf.core.model_specs import ModelRef, load_tokenizer, resolve_model, tokenizer_fingerprint
 from lpf.pipeline.callbacks import OnStart, Tick, no_start, no_tick
 from lpf.pipeline.trace import check_joinable
-from lpf.run import schema
+from lpf.run import configuration, schema
 from lpf.run.store import RunDir
 from lpf.core.sampling import SamplingParams
 from lpf.core.workload import EngineRequest, expand, load_prompts, normalized, read_normalized
@@ -63,7 +65,12 @@ def create_run(spec) -> RunDir:
     tokenizer = load_tokenizer(model)
     context = cfg.get("max_position_embeddings")
     prompts, source = load_prompts(
-        spec.workload, tokenizer, cfg.get("vocab_size", len(tokenizer)), context, chat=engine_cls.chat_prompts(options)
+        spec.workload,
+        tokenizer,
+        cfg.get("vocab_size", len(tokenizer)),
+        context,
+        chat=engine_cls.chat_prompts(options),
+        limit=spec.limit,
     )
     requests = expand(prompts, spec.n, spec.sampling, context)
     engine_cls.check_capacity(model, options, requests)
@@ -72,7 +79,7 @@ def create_run(spec) -> RunDir:
         "lpf_version": lpf.__version__,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "status": "running",
-        "engine": {"name": spec.engine, "options": dict(spec.engine_options)},
+        "engine": {"name": spec.engine, "options": dict(spec.engine_options), "declared": declared(spec, options)},
         "model": {**model.describe(), "architecture": (cfg.get("architectures") or ["?"])[0]},
         "tokenizer_sha256": tokenizer_fingerprint(tokenizer),
         "workload": {**source, "n_prompts": len(prompts), "n": spec.n, "n_requests": len(requests)},
@@ -89,6 +96,15 @@ def create_run(spec) -> RunDir:
     return RunDir.create(
         spec.out, manifest, {"workload.jsonl": normalized(prompts), "spec.json": audit.to_json().encode()}
     )
+
+
+def declared(spec, options) -> dict:
+    """What the user declared of the engine's configuration: the spec's `declared` and, for a server the
+    user started (`base_url`), its `dtype` knob (on an engine lpf starts, the dtype is a setting it applies)."""
+    out = spec.declared.model_dump(exclude_none=True)
+    if getattr(options, "base_url", "") and getattr(options, "dtype", None):
+        out["dtype"] = options.dtype
+    return out
 
 
 def open_audit(spec) -> RunDir:
@@ -131,6 +147,7 @@ def _execute(run: RunDir, on_start: OnStart, tick: Tick) -> None:
         sampling = SamplingParams.from_dict(m["sampling"])
         engine = engine_cls(model, sampling, engine_cls.Options.parse(m["engine"]["options"]))
         m["engine"].update(engine.describe())
+        m["engine"]["configuration"] = configuration.block(engine.configuration(), m["engine"].get("declared"))
         run.save_manifest()
         tokenizer = load_tokenizer(model)
         by_id = {r.request_id: r for r in pending}

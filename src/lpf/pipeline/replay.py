@@ -4,7 +4,7 @@ Token-DiFR's idea (arXiv 2511.20621): when the engine's sampler and its per-requ
 randomness of every draw is known too, so the reference can draw with the same randomness; an honest
 engine then produces the same token except where its probabilities differ from the reference's by its
 dtype's rounding. Contract: `replay_for(engine, sampling)` returns a `Replay` for a sampler lpf knows
-exactly (None otherwise, with no guess); `Replay.draw(z, seeds, positions, tokens)` takes reference
+exactly (an engine whose adapter says `seeded_replay`; None otherwise, with no guess); `Replay.draw(z, seeds, positions, tokens)` takes reference
 logits [n, V] (float32) of n output positions, each request's seed, the positions and the engine's tokens
 and returns numpy arrays: `token` (the reference's draw), `margin` (how far, in nats of log p - log q, the
 engine's token was from being drawn: 0 when it was) and `runner_up` (how far the closest other token was
@@ -23,8 +23,6 @@ import numpy as np
 import torch
 
 from lpf.core.sampling import request_seed
-
-SAMPLERS = ("builtin",)
 
 
 class Replay:
@@ -63,7 +61,9 @@ class Replay:
 
 def replay_for(engine: str, sampling: dict) -> Replay | None:
     """The replay of this engine's sampler, when the run sampled (greedy needs none) and lpf knows it."""
-    if engine != "builtin" or not (sampling.get("temperature") or 0):
+    from lpf.adapters import capability
+
+    if not capability(engine, "seeded_replay", False) or not (sampling.get("temperature") or 0):
         return None
     try:
         return Replay(sampling)

@@ -1,10 +1,12 @@
 """`AuditSpec`: everything one audit needs, as one typed, frozen value that goes to and from JSON.
 
-    AuditSpec(run=RunSpec(engine, model, workload, out, n, sampling, engine_options, part_size, trace_dir),
+    AuditSpec(run=RunSpec(engine, model, workload, out, n, limit, sampling, engine_options, part_size, trace_dir,
+                          declared=Declared(kv_cache_dtype, flash_attention, weight_quantization)),
               rescore=RescoreSettings(reference, dtype, token_budget, device, executor, ray),
               analysis=AnalysisSpec(calibrate, attribution), thresholds={name: value})
 
-The command line builds one from its options (`lpf.cli.audit_spec.build_audit_spec`), experiments build
+The command line and `lpf.audit` build one from their options through one builder
+(`lpf.pipeline.audit_options.build_spec`, via `lpf.cli.audit_spec.build_audit_spec`), experiments build
 theirs directly (a sweep cell, a shrink candidate, a conformance cell) and hand a cell nothing else:
 `lpf audit --spec -` reads it back (`AuditSpec.model_validate_json`). Every run directory keeps the
 spec it was created from in `RUN/spec.json` (docs/run-directory.md).
@@ -36,6 +38,23 @@ from lpf.pipeline.rescore import RescoreSettings
 _FROZEN = ConfigDict(extra="forbid", frozen=True)
 
 
+class Declared(BaseModel):
+    """What the user says the engine runs where lpf cannot read it (`--kv-cache-dtype`, `--flash-attention`,
+    `--weight-quantization`; the engine's dtype is its `--dtype` knob): recorded with the engine's own
+    word in the manifest's `engine.configuration` (lpf.run.configuration). None: not declared."""
+
+    model_config = _FROZEN
+
+    kv_cache_dtype: str | None = None  # f32, f16, bf16, q8_0, q4_0, fp8, fp8_e4m3, fp8_e5m2, ...
+    flash_attention: Literal["on", "off"] | None = None
+    weight_quantization: str | None = None  # none, q8_0, q4_k_m, int8, fp8, awq, gptq, ...
+
+    @field_validator("kv_cache_dtype", "weight_quantization")
+    @classmethod
+    def _named(cls, value: str | None) -> str | None:
+        return value.strip().lower() or None if isinstance(value, str) else value
+
+
 class RunSpec(BaseModel):
     """What a run is: which engine with which knobs, which model and prompts, how sampled, where it goes."""
 
@@ -46,10 +65,12 @@ class RunSpec(BaseModel):
     workload: str = DEFAULT_WORKLOAD
     out: Path
     n: int = Field(1, ge=1)
+    limit: int | None = Field(None, ge=1)  # the workload's first `limit` prompts only (None: all of them)
     sampling: SamplingParams = SamplingParams()
     engine_options: dict[str, Any] = Field({}, validate_default=True)  # the engine checks even none given
     part_size: int = Field(64, ge=1)
     trace_dir: Path | None = None  # a vLLM server's lpf-vllm-trace directory, joined after the run
+    declared: Declared = Declared()
 
     @field_validator("engine_options")
     @classmethod
@@ -182,11 +203,15 @@ def audit_command(spec: AuditSpec, with_out: bool = True) -> list[str]:
         str(s.logprobs),
     ]
     args += ["--ignore-eos"] * s.ignore_eos + ["--prompt-logprobs"] * s.prompt_logprobs
+    if r.limit is not None:
+        args += ["--limit", str(r.limit)]
     if r.trace_dir is not None:
         args += ["--trace-dir", str(r.trace_dir)]
     if r.part_size != RunSpec.model_fields["part_size"].default:
         args += ["--part-size", str(r.part_size)]
     args += engine_option_args(r.engine, r.engine_options)
+    for name, value in r.declared.model_dump(exclude_none=True).items():
+        args += ["--" + name.replace("_", "-"), str(value)]
     rs, default = spec.rescore, AuditSpec.model_fields["rescore"].default
     for flag, value, base in (
         ("--reference", rs.reference, default.reference),

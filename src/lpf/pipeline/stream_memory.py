@@ -5,6 +5,9 @@ Contract (I/O: the spill files; the analysis is `lpf.analysis.stream`):
   time (`rows`); `Kept()` the same interface over the chunks' own arrays held in memory (no copy,
   no file), what the one pass uses for runs of up to KEEP_TOKENS tokens (16 bytes a token: at 10M
   tokens less than the parts read ahead, and no 160 MB written to and read back from the page cache).
+- `Pieces(folder)`: the rows the steps after scoring gathered (`lpf.analysis.stream_gather`), tables
+  added under a name chunk by chunk and read back in order (`pieces(name)`): in memory until a name
+  holds KEEP_ROWS rows, then each piece in its own Arrow file, memory-mapped when read.
 - `heap()`: the memory regime of a streamed analysis (a context manager, restored on exit): Arrow
   allocates from jemalloc where pyarrow has it, and Python's cyclic GC waits.
 """
@@ -19,6 +22,7 @@ import numpy as np
 import pyarrow as pa
 
 KEEP_TOKENS = 1 << 24  # the one pass keeps the logprob columns in memory up to this many tokens (256 MB)
+KEEP_ROWS = 1 << 18  # gathered rows a name keeps in memory before its pieces go to files
 
 
 class Spill:
@@ -96,6 +100,32 @@ class Kept:
             hit = at == i
             out[hit] = parts[i][rows[hit] - bounds[i]]
         return out
+
+
+class Pieces:
+    """Tables added by name, read back in order: in memory up to KEEP_ROWS rows a name, then files."""
+
+    def __init__(self, folder: Path):
+        self.folder, self.held, self.files, self.rows = folder, {}, {}, {}
+
+    def add(self, name: str, table: pa.Table) -> None:
+        self.rows[name] = self.rows.get(name, 0) + table.num_rows
+        if name not in self.files and self.rows[name] <= KEEP_ROWS:
+            self.held.setdefault(name, []).append(table)
+            return
+        files = self.files.setdefault(name, [])
+        for piece in self.held.pop(name, []) + [table]:  # what was held goes first, in order
+            path = self.folder / f"gathered-{name}-{len(files):05d}.arrow"
+            with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, piece.schema) as writer:
+                writer.write_table(piece)
+            files.append(path)
+
+    def pieces(self, name: str):
+        if name not in self.files:
+            yield from self.held.get(name, ())
+            return
+        for path in self.files[name]:  # the map stays open while the table's buffers live
+            yield pa.ipc.open_file(pa.memory_map(str(path))).read_all()
 
 
 @contextmanager

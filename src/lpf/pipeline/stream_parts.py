@@ -64,6 +64,7 @@ REFERENCE_COLUMNS = [
     "ref_top1_logprob",
     "ref_topk_ids",
     "ref_topk_logprobs",
+    "ref_logsumexp",
 ]  # ref_entropy: no analysis reads it
 FIRST_PASS = (["request_id", "position", "engine_logprob"], ["request_id", "position", "ref_logprob"])  # zip: |d| only
 

@@ -10,7 +10,9 @@ join copied stay, and the reason says so. The outcome goes to `manifest["trace"]
 `trace_summary(run)`: findings' `trace` object: {"recorded", "source" (engine | vllm-plugin |
 joined), "rows", "why"} (`why`: why there is none, or why it stopped part way).
 `engine_info(run)`: the manifest's engine section as the trace features read it: a joined trace
-adds what the plugin said about the server (its state slot stride, its drills).
+adds what the plugin said about the server (its state slot stride, its drills); the drills in force
+(the engine's or the plugin's) add the facts they make true of the engine (`drill_catalog.engine_facts`,
+e.g. `state_offset_wrap_bits`), which is all analysis learns of them.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import pyarrow.compute as pc
 
 from lpf.adapters.client_behaviour import is_cancel_record
 from lpf.adapters.vllm_trace import PluginDir, prefix_cache_info, relabel, sent_names, served_ids
+from lpf.builtin.drill_catalog import engine_facts
 from lpf.core.errors import LpfError
 from lpf.run.store import RunDir
 
@@ -32,12 +35,23 @@ NO_ROWS_HINT = (
 )
 
 
+def _joined(engine: str) -> bool:
+    """Whether this engine's trace is a server's, joined after the run (`trace_source`: openai)."""
+    from lpf.adapters import capability
+
+    return capability(engine, "trace_source") == "joined"
+
+
 def check_joinable(engine: str) -> None:
-    """A server's trace joins an `--engine openai` run; the other engines record their own or none."""
-    if engine != "openai":
+    """A server's trace joins a run of an engine whose trace is joined; the others record their own or none."""
+    if not _joined(engine):
+        from lpf.adapters import capability, engine_names
+
+        joiners = " or ".join(f"--engine {e}" for e in engine_names() if _joined(e))
+        own = capability(engine, "trace_source") == "own"
         raise LpfError(
-            f"--trace-dir joins the trace of a vLLM server audited with --engine openai; the {engine} "
-            f"engine {'records its own' if engine in ('builtin', 'vllm') else 'has none to join'}"
+            f"--trace-dir joins the trace of a vLLM server audited with {joiners}; the {engine} "
+            f"engine {'records its own' if own else 'has none to join'}"
         )
 
 
@@ -135,7 +149,7 @@ def trace_summary(run: RunDir) -> dict:
         if rows
         else (
             "a server's trace is joined with --trace-dir DIR (vLLM with lpf-vllm-trace)"
-            if name == "openai"
+            if _joined(name)
             else f"the {name} engine records no trace"
         )
     )
@@ -149,4 +163,10 @@ def engine_info(run: RunDir) -> dict:
     for key in ("state_slot_stride", "faults", "cache"):
         if joined.get(key):
             info[key] = joined[key]
+    # the drills in force, as facts about the engine (`drill_catalog.engine_facts`): analysis reads the facts
+    drills = (info.get("cache") or {}).get("faults") or info.get("faults")
+    if not drills:
+        drills = [d for d in str((info.get("options") or {}).get("inject") or "").split(",") if d]
+    for key, value in engine_facts(list(drills)).items():
+        info.setdefault(key, value)
     return info

@@ -37,6 +37,23 @@ ATTEMPT = pa.struct(
     ]
 )
 
+# A request's own sampling settings as its client sent them (`lpf watch`: real traffic mixes them per request);
+# a field left null was not sent (the server's default applies: never assumed greedy). The whole struct
+# null: the run's settings (the manifest's workload sampling), as every request of an audit lpf drives has.
+SAMPLING = pa.struct(
+    [
+        ("temperature", pa.float64()),
+        ("top_p", pa.float64()),
+        ("top_k", pa.int32()),
+        ("min_p", pa.float64()),
+        ("repetition_penalty", pa.float64()),
+        ("presence_penalty", pa.float64()),
+        ("frequency_penalty", pa.float64()),
+        ("seed", pa.int64()),
+        ("logprobs", pa.int32()),  # the top-k the client asked for (null: none asked; lpf may add them)
+    ]
+)
+
 REQUESTS = pa.schema(
     [
         ("request_id", pa.string()),
@@ -57,6 +74,8 @@ REQUESTS = pa.schema(
         ("inconsistency", pa.string()),
         # v2: every attempt to get the answer (HTTP engines; empty for in-process engines)
         ("attempts", pa.list_(ATTEMPT)),
+        # v2: the request's own sampling settings (`SAMPLING`); null: the run's
+        ("sampling", SAMPLING),
     ]
 )
 
@@ -219,7 +238,7 @@ FAULTS = pa.schema(
 # columns a part written by an older schema version may lack (read as nulls); any other missing column
 # means the part is damaged, not old
 ADDED_LATER = {
-    "requests": {"inconsistency", "attempts"},
+    "requests": {"inconsistency", "attempts", "sampling"},
     "reference": {"ref_logsumexp"},
     "calibration": {"ref_logsumexp"},
     "prompt_reference": {"ref_logsumexp"},

@@ -3,7 +3,8 @@
 Contract: `create_app(engine, tokenizer, info, sink)` returns an ASGI app whose lifespan starts the
 `EngineLoop` and stops it (flushing the trace sink) on shutdown. Routes:
   GET  /health          200 with an empty body while the engine lives, 500 once it has died
-  GET  /v1/models       the one served model, as vLLM lists it
+  GET  /v1/models       the one served model, as vLLM lists it, plus `lpf_configuration` (dtype, KV cache
+                        dtype, flash attention, weight quantization, sampling defaults, injected faults)
   POST /v1/completions  OpenAI completions (vLLM's response shape, see openai_api.py)
   POST /v1/chat/completions  OpenAI chat (the model's chat template renders the messages, see chat_api.py)
   both with `stream: true` answered as vLLM's server-sent events (see streaming.py)
@@ -128,6 +129,8 @@ def create_app(engine, tokenizer, info: ModelInfo, sink: TraceSink | None = None
                     "root": info.root,
                     "parent": None,
                     "max_model_len": info.max_context,
+                    # what the engine computes with (lpf.adapters.engine_config.from_lpf_models reads it)
+                    "lpf_configuration": info.configuration,
                     "permission": [
                         {
                             "id": f"modelperm-{uuid.uuid4().hex[:16]}",

@@ -57,6 +57,8 @@ class ModelInfo:
     # the server's own default for requests that do not set one (`lpf serve --repetition-penalty`), as
     # servers whose routes apply a default penalty do
     repetition_penalty: float = 1.0
+    # what the engine computes with, for /v1/models (`lpf.adapters.engine_config.builtin` + its faults)
+    configuration: dict | None = None
 
 
 @dataclass

@@ -46,6 +46,7 @@ def run(
     import torch
     import uvicorn
 
+    from lpf.adapters import engine_config
     from lpf.builtin.llm_engine import LLMEngine
     from lpf.core.model_specs import load_tokenizer
     from lpf.serve.app import create_app
@@ -65,6 +66,10 @@ def run(
         eos_token_id=tokenizer.eos_token_id,
         prefill_limit=None if cfg.enable_chunked_prefill else cfg.max_num_batched_tokens,
         repetition_penalty=repetition_penalty,
+        configuration={
+            **engine_config.builtin(cfg.dtype, repetition_penalty),
+            "faults": [f for f in options.inject.split(",") if f],
+        },
     )
     sink = None
     if trace_dir is not None:

@@ -45,6 +45,27 @@ WATCH = pa.schema(
 )
 
 
+# the body's sampling fields as `schema.SAMPLING` names them (OpenAI's names; vLLM's and SGLang's extras)
+_FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
+def _number(value, kind):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return kind(value)
+
+
+def sent_sampling(body: dict, lpf_added_logprobs: bool) -> dict:
+    """The request's sampling settings as its client sent them (`schema.SAMPLING`; a field not sent is null:
+    the server's default); `logprobs`: the top-k the client itself asked for (chat: `top_logprobs`)."""
+    out = {name: _number(body.get(name), float) for name in _FLOATS}
+    out["top_k"] = _number(body.get("top_k"), int)
+    out["seed"] = _number(body.get("seed"), int)
+    asked = body.get("top_logprobs") if body.get("logprobs") is True else body.get("logprobs")
+    out["logprobs"] = None if lpf_added_logprobs else _number(asked, int)
+    return out
+
+
 def request_id(seq: int) -> str:
     return f"w{seq:09d}"
 
@@ -91,6 +112,7 @@ class Recording:
             "oracle_expected": None,
             "oracle_ok": None,
             "inconsistency": "; ".join(problems) or None,
+            "sampling": sent_sampling(s.body, s.added.logprobs),
             "attempts": [
                 {
                     "attempt": 0,

@@ -1,7 +1,8 @@
 """The scoring process: rescore what the proxy recorded, judge full windows, append them to `live/windows.jsonl`.
 
-Contract: `python -m lpf.watch.scorer RUN --reference M --dtype D --device DEV --window N [--poll S]
-[--executor local|ray [--ray-address A] [--actors K] [--gpus-per-actor G]]` runs until killed. Each cycle:
+Contract: `python -m lpf.watch.scorer RUN --spec FILE|-` runs until killed, with the settings of a
+`lpf.watch.spec.ScorerSpec` read from FILE (JSON; `-`: stdin), as `lpf audit --spec` reads an AuditSpec
+(reference, dtype, device, window N, poll, max_lag, token budget, executor local|ray and its Ray options). Each cycle:
 every committed, not-yet-scored request is teacher-forced by one `Rescorer` kept loaded (or, with
 `--executor ray`, by K Ray actors each holding one: `lpf.watch.ray_scoring`; the same rows) (`reference/` parts, as `lpf rescore` writes them: resumable, so a scorer
 killed mid-batch and restarted redoes nothing committed), then every complete window is judged
@@ -25,7 +26,6 @@ written: the recorder may be between the two).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -33,6 +33,7 @@ import sys
 import time
 from pathlib import Path
 
+import click
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -331,32 +332,44 @@ def _atomic_json(path: Path, obj: dict) -> None:
     os.replace(tmp, path)
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="lpf.watch.scorer")
-    p.add_argument("run", type=Path)
-    p.add_argument("--reference", required=True)
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--window", type=int, default=50)
-    p.add_argument("--poll", type=float, default=0.5)
-    p.add_argument("--max-lag", type=int, default=10_000)
-    p.add_argument("--executor", choices=["local", "ray"], default="local")
-    p.add_argument("--ray-address", default=None)
-    p.add_argument("--actors", type=int, default=1)
-    p.add_argument("--gpus-per-actor", type=float, default=0.0)
-    a = p.parse_args(argv)
-    from lpf.pipeline.rescore import RayOptions
+@click.command(context_settings={"help_option_names": ["--help"]})
+@click.argument("run", type=click.Path(path_type=Path))
+@click.option(
+    "--spec",
+    "spec_file",
+    type=click.File("r"),
+    required=True,
+    metavar="FILE|-",
+    help="The scorer's settings (lpf.watch.spec.ScorerSpec as JSON; - reads stdin): lpf watch writes "
+    "RUN/live/scorer-spec.json.",
+)
+def main(run: Path, spec_file) -> None:
+    """Score and judge what `lpf watch` records into RUN, until killed."""
+    from lpf.watch.spec import read_scorer_spec
 
-    ray = RayOptions(address=a.ray_address, actors=a.actors, gpus_per_actor=a.gpus_per_actor)
+    try:
+        spec = read_scorer_spec(spec_file.read(), getattr(spec_file, "name", "-"))
+    except LpfError as e:
+        raise click.UsageError(str(e)) from None
     # SIGTERM (lpf watch stopping) unwinds through `finally`, so a local Ray this process started stops too
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     parent = os.getppid()
-    scorer = Scorer(a.run, a.reference, a.dtype, a.device, a.window, max_lag=a.max_lag, executor=a.executor, ray=ray)
+    scorer = Scorer(
+        run,
+        spec.reference,
+        spec.dtype,
+        spec.device,
+        spec.window,
+        token_budget=spec.token_budget,
+        max_lag=spec.max_lag,
+        executor=spec.executor,
+        ray=spec.ray(),
+    )
     try:
         # lpf watch killed outright (SIGKILL, OOM) cannot stop its scorer: an orphan (re-parented) stops itself
         while os.getppid() == parent:
             scorer.cycle()
-            time.sleep(a.poll)
+            time.sleep(spec.poll)
     finally:
         scorer.close()
 

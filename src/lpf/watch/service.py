@@ -16,39 +16,14 @@ import socket
 import time
 import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
 from lpf.core.errors import LpfError
+from lpf.watch.spec import SCORER_SPEC, WatchSpec
 
 
-@dataclass
-class Settings:
-    upstream: str
-    reference: str
-    out: Path
-    sample: float = 0.01
-    seed: int = 0
-    keep_text: bool = True
-    window: int = 50
-    top_k: int = 5
-    queue_size: int = 1024
-    part_rows: int = 256
-    part_seconds: float = 2.0
-    upstream_timeout: float | None = None
-    upstream_dtype: str | None = None
-    reference_dtype: str = "float32"
-    reference_device: str = "cpu"
-    alert_webhook: str | None = None
-    fail_after: int | None = None
-    log_level: str = "warning"
-    scorer: bool = True
-    max_lag: int = 10_000
-    retain: tuple = ()  # --retain values: a size and/or an age (lpf.watch.retention.parse_retain)
-    executor: str = "local"  # the scorer's reference: in its process, or on Ray actors (lpf.watch.ray_scoring)
-    ray_address: str | None = None
-    actors: int = 1
-    gpus_per_actor: float = 0.0
+# the settings of one watch: validated on construction (lpf.watch.spec); `Settings` is its old name here
+Settings = WatchSpec
 
 
 @dataclass
@@ -70,12 +45,6 @@ def prepare(s: Settings):
     from lpf.pipeline.generate import model_config
     from lpf.run.store import RunDir
 
-    if not s.upstream.startswith(("http://", "https://")):
-        raise LpfError(f"--upstream must be an http(s) URL, got {s.upstream!r}")
-    if s.window < 1:
-        raise LpfError(f"--window must be >= 1, got {s.window}")
-    if s.fail_after is not None and s.fail_after < 1:
-        raise LpfError(f"--fail-after must be >= 1, got {s.fail_after}")
     model = resolve_model(s.reference)
     cfg = model_config(model)
     tokenizer = load_tokenizer(model)
@@ -163,26 +132,11 @@ def serve(
     server = uvicorn.Server(
         uvicorn.Config(app, log_level=s.log_level, timeout_graceful_shutdown=10, lifespan="on", access_log=False)
     )
+    # the scorer reads its settings as `lpf audit --spec FILE` reads an AuditSpec (lpf.watch.spec)
+    (run.path / SCORER_SPEC).write_text(s.scorer_spec().model_dump_json(indent=2) + "\n")
     sup = Supervisor(
         run.path,
-        [
-            "--reference",
-            s.reference,
-            "--dtype",
-            s.reference_dtype,
-            "--device",
-            s.reference_device,
-            "--window",
-            str(s.window),
-            "--max-lag",
-            str(s.max_lag),
-            *(
-                ["--executor", "ray", "--actors", str(s.actors), "--gpus-per-actor", str(s.gpus_per_actor)]
-                + (["--ray-address", s.ray_address] if s.ray_address else [])
-                if s.executor == "ray"
-                else []
-            ),
-        ],
+        ["--spec", str(run.path / SCORER_SPEC)],
         metrics,
         on_window,
         s.alert_webhook,

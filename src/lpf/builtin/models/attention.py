@@ -90,28 +90,34 @@ class PagedAttention(nn.Module):
         self.attn_layer = attn_layer  # ordinal among attention layers: the KV cache's layer index
 
     def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
-        ctx = get_forward_context()
         T = x.shape[0]
         q = self.q_proj(x).view(T, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(T, self.n_kv, self.head_dim)
         v = self.v_proj(x).view(T, self.n_kv, self.head_dim)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        return self.o_proj(self.attend(q, k, v).view(T, -1))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The step's attention of q [T, heads, head_dim] (k, v [T, kv_heads, head_dim], positional
+        embedding applied) over the paged cache, k/v stored first: [T, heads, head_dim]."""
+        ctx = get_forward_context()
+        T = q.shape[0]
         probe(self, "q", q)
         probe(self, "k", k)
         probe(self, "v", v)
-        out = x.new_zeros(T, self.n_heads, self.head_dim)
+        out = q.new_zeros(T, self.n_heads, self.head_dim)
         for s in ctx.chunks:
             out[s.start : s.end] = self._attend_one(
                 ctx.kv_cache, s, q[s.start : s.end], k[s.start : s.end], v[s.start : s.end]
             )
         # Decodes in a few groups of similar length: one padded batch for all would gather every
         # request's K/V up to the longest context, and that copy dominates a decode step.
-        for g, plan in enumerate(_decode_plans(ctx, x.device)):
+        for g, plan in enumerate(_decode_plans(ctx, q.device)):
             idx = plan.idx
             out[idx] = self._attend_decodes(ctx.kv_cache, plan, q[idx], k[idx], v[idx], g)
         probe(self, "attn_out", out)
-        return self.o_proj(out.view(T, -1))
+        return out
 
     def _attend_one(self, cache, s, q, k, v) -> torch.Tensor:
         cache.write(self.attn_layer, s.block_table, s.num_computed, k, v)

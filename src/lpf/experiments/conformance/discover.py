@@ -202,7 +202,9 @@ def discover(engine: str) -> dict:
                 a,
                 mt,
                 AUDIT if a in SUPPORTED_ARCHITECTURES else "not supported",
-                "" if a in SUPPORTED_ARCHITECTURES else "the built-in engine runs GraniteMoeHybrid and Jamba only",
+                ""
+                if a in SUPPORTED_ARCHITECTURES
+                else "the built-in engine runs GraniteMoeHybrid, Jamba and Qwen3.5 only",
             )
             for a, mt in sorted(ref.items())
         ]

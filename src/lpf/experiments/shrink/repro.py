@@ -22,11 +22,11 @@ import shlex
 from pathlib import Path
 
 from lpf.adapters.vllm import VLLM_ENV
+from lpf.adapters import capability
 from lpf.core.sampling import request_seed
 from lpf.experiments.shrink.config import Config, Source
 from lpf.experiments.shrink.signature import Signature
 
-SCRIPT_ENGINES = ("builtin", "vllm")
 CONFIG_FIELDS = (
     "architectures",
     "model_type",
@@ -169,7 +169,7 @@ def write_outputs(out: Path, source: Source, doc: dict) -> list[Path]:
         )
     )
     engine = run.manifest["engine"]
-    if engine["name"] in SCRIPT_ENGINES:
+    if capability(engine["name"], "repro_script", False):
         th = source.findings.get("thresholds") or {}
         cfg = script_config(
             engine,
@@ -303,7 +303,7 @@ def report_md(out: Path, source: Source, doc: dict, config: Config, run, shown: 
     lines += [f"{h['rank']}. {h['sentence']} (p={h['p_value']:.2g})" for h in hyps] or ["(none)"]
     conf = doc.get("confirmation") or {}
     lines += ["", "## Reproduce", "", "- `sh command.sh [OUT]`: the same `lpf audit` (exit 1 when the lie shows)"]
-    if (run.manifest["engine"]["name"]) in SCRIPT_ENGINES:
+    if capability(run.manifest["engine"]["name"], "repro_script", False):
         lines.append(
             "- `python repro.py`: standalone, the engine and transformers only (exit 1 when the lie reproduces)"
         )

@@ -12,7 +12,7 @@ Contract (pure: findings dicts and Arrow tables in, plain data out):
 - `target_feature(name, seq, requests, trace, engine_info, ...)` is the value of one feature for
   the request with arrival index `seq` (None when the run lacks what the feature needs), computed by
   the same functions the run analysis uses (`analysis.features`, `analysis.signatures`,
-  `analysis.spec_features.spec_divergence` and `analysis.spec_decisions.decision_signature`, which
+  `analysis.speculative_features.spec_divergence` and `analysis.speculative_decisions.decision_signature`, which
   read the run's `summary`).
 - `signature_of(row, hypothesis, value)` builds the signature of the original run's target (its
   summary row and its value of the hypothesis' feature); `shows(sig, row, value)` says whether a
@@ -151,8 +151,8 @@ def target_feature(
     if name in SUMMARY_SIGNATURES:
         if summary is None:
             return None
-        from lpf.analysis.spec_decisions import decision_signature
-        from lpf.analysis.spec_features import spec_divergence
+        from lpf.analysis.speculative_decisions import decision_signature
+        from lpf.analysis.speculative_features import spec_divergence
 
         f = (
             decision_signature(summary)

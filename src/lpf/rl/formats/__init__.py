@@ -1,11 +1,13 @@
-"""Readers for the dumps RL frameworks write, one module per framework, all producing `lpf.rl.dump.Dump`.
+"""Reading the dumps RL frameworks write: one reader module per framework (`lpf.rl.readers`: the `Reader`
+protocol and the one registry), all producing `lpf.rl.dump.Dump`.
 
 `read_dump(path, fmt="auto", strict=False)`: `path` is a file or a directory (searched
 `files.MAX_DEPTH` levels deep). Each file's format is told by its content (Parquet / torch / JSON
 lines, then the fields of its first record), never by its name: lpf's layout (`lpf_layout`), verl's
 rollout_data_dir with per-token fields (`verl`), prime-rl token exports (`primerl`), NeMo-RL
 train_data_step{N}.jsonl (`nemorl`), slime's --dump-details (`slime`). `fmt` forces one. Files of no
-known layout in a directory are listed in `Dump.ignored_files`; two known formats in one directory,
+known layout in a directory are listed in `Dump.ignored_files`; row layouts are tried in their readers'
+`DETECT` order, torch files go to the reader of that kind; two known formats in one directory,
 a file that is none of them, or a dump missing a format's required fields are one-line `LpfError`s
 naming what is missing. Malformed rows become `Dump.bad_rows` (see `lpf.rl.dump`).
 """
@@ -16,19 +18,21 @@ from pathlib import Path
 from typing import Iterator
 
 from lpf.core.errors import LpfError
-from lpf.rl import FORMAT_NAMES
 from lpf.rl.dump import Dump, RawRow, build_dump
-from lpf.rl.formats import files, lpf_layout, nemorl, primerl, slime, verl
+from lpf.rl.formats import files
 from lpf.rl.formats.common import BadRow, Ctx, Skipped
+from lpf.rl.readers import FileReader, readers
 
-FORMATS = {"lpf": lpf_layout, "verl": verl, "prime-rl": primerl, "nemo-rl": nemorl, "slime": slime}
+FORMATS = readers()
 NAMES = tuple(FORMATS)
-assert NAMES == FORMAT_NAMES, "lpf.rl.FORMAT_NAMES (the command line's choices) must list every reader"
-_DETECT_ORDER = ("prime-rl", "nemo-rl", "lpf", "verl")  # most specific layout first
-_KNOWN = (
-    "lpf (response_token_ids, rollout_logprobs, trainer_logprobs), prime-rl token exports, "
-    "NeMo-RL train_data_step{N}.jsonl, slime --dump-details .pt, verl rollout_data_dir with per-token fields"
-)
+_DETECT_ORDER = tuple(sorted((n for n, r in FORMATS.items() if r.DETECT is not None), key=lambda n: FORMATS[n].DETECT))
+_BY_KIND = {kind: n for n, r in FORMATS.items() if r.DETECT is None for kind in r.KINDS}  # torch -> slime
+_KNOWN = ", ".join(r.LAYOUT for r in FORMATS.values())
+
+
+def _refused(name: str, keys: set[str]) -> str | None:
+    refuse = getattr(FORMATS[name], "refuse", None)
+    return refuse(keys) if refuse else None
 
 
 def detect(keys: set[str]) -> str | None:
@@ -36,8 +40,9 @@ def detect(keys: set[str]) -> str | None:
 
 
 def _not_a_dump(path: Path, keys: set[str]) -> LpfError:
-    if verl.text_only(keys):
-        return LpfError(f"{path}: {verl.TEXT_ONLY}")
+    why = next((w for n in _DETECT_ORDER if (w := _refused(n, keys))), None)
+    if why:
+        return LpfError(f"{path}: {why}")
     # the layout whose required fields overlap most names what is missing
     name = max(_DETECT_ORDER, key=lambda n: (len(set(FORMATS[n].REQUIRED) & keys), n == "lpf"))
     gone = FORMATS[name].missing(keys)
@@ -45,13 +50,13 @@ def _not_a_dump(path: Path, keys: set[str]) -> LpfError:
 
 
 def _not_forced(f: Path, kind: str, keys_of: dict, fmt: str) -> LpfError:
-    if fmt == "slime":
+    if FORMATS[fmt].DETECT is None:  # a file reader, given a file of another kind
+        return LpfError(f"{f}: {FORMATS[fmt].NOT_ITS_KIND}")
+    if kind in _BY_KIND:
         return LpfError(
-            f"{f}: not a torch file, and slime's --dump-details writes torch .pt files "
-            f"(rollout_data/{{id}}.pt, train_data/{{id}}.pt)"
+            f"{f}: a {kind} file; of the readable dumps only {_BY_KIND[kind]}'s are {kind} files "
+            f"(--format {_BY_KIND[kind]})"
         )
-    if kind == "torch":
-        return LpfError(f"{f}: a torch file; of the readable dumps only slime's are torch files (--format slime)")
     return LpfError(f"{f}: {fmt} dump is missing required column(s) {', '.join(FORMATS[fmt].missing(keys_of[f]))}")
 
 
@@ -74,11 +79,12 @@ def _classify(path: Path, fmt: str) -> tuple[dict[str, list[Path]], list[Path], 
             if not files.is_blank(f):  # empty markers (prime-rl's STABLE) are no data at all
                 ignored.append(f)
             continue
-        if kind == "torch":
-            name = "slime"
+        if kind in _BY_KIND:  # a file reader's kind (torch: slime)
+            name = _BY_KIND[kind]
         else:
             keys_of[f] = files.first_keys(f, kind)
-            name = detect(keys_of[f]) if fmt == "auto" else None if fmt == "slime" else fmt  # slime writes torch files
+            # a forced file reader takes no row file
+            name = detect(keys_of[f]) if fmt == "auto" else None if FORMATS[fmt].DETECT is None else fmt
             if name and fmt != "auto" and not single and not FORMATS[name].matches(keys_of[f]):
                 name = None  # forced, in a directory: a file without that layout's fields is not part of the dump
         if fmt != "auto" and name != fmt:
@@ -103,11 +109,8 @@ def read_dump(path: str | Path, fmt: str = "auto", strict: bool = False) -> Dump
         )
         raise LpfError(f"{path}: mixed dump formats ({parts}); point lpf at one of them, or pass --format")
     if not found:
-        if fmt == "slime":
-            raise LpfError(
-                f"{path}: no torch files here (slime's --dump-details writes rollout_data/{{id}}.pt and "
-                f"train_data/{{id}}.pt)"
-            )
+        if fmt != "auto" and FORMATS[fmt].DETECT is None:
+            raise LpfError(f"{path}: {FORMATS[fmt].NO_FILES}")
         data = [f for f in ignored if f in keys_of]
         if data:
             if fmt == "auto":
@@ -116,10 +119,11 @@ def read_dump(path: str | Path, fmt: str = "auto", strict: bool = False) -> Dump
         raise LpfError(f"{path}: no dump files here (readable: {_KNOWN})")
     ((name, chosen),) = found.items()
     module = FORMATS[name]
-    if name != "slime":
+    if not isinstance(module, FileReader):
         union = set().union(*(keys_of[f] for f in chosen))
-        if name == "verl" and verl.text_only(union):
-            raise LpfError(f"{path}: {verl.TEXT_ONLY}")
+        why = _refused(name, union)
+        if why:
+            raise LpfError(f"{path}: {why}")
         gone = module.missing(union)
         if gone:
             raise LpfError(f"{path}: {name} dump is missing required column(s) {', '.join(gone)}")
@@ -129,7 +133,11 @@ def read_dump(path: str | Path, fmt: str = "auto", strict: bool = False) -> Dump
         return {"file": _rel(path, f)} if multi else {}
 
     meta: dict = {}
-    rows = list(slime.raw_rows(chosen, label, ignored)) if name == "slime" else _rows(module, chosen, label, meta)
+    rows = (
+        list(module.raw_rows(chosen, label, ignored))
+        if isinstance(module, FileReader)
+        else _rows(module, chosen, label, meta)
+    )
     dump = build_dump(str(path), name, rows, strict, meta, [_rel(path, f) for f in ignored])
     if hasattr(module, "after"):
         module.after(dump)

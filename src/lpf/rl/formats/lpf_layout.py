@@ -10,6 +10,9 @@ from lpf.rl.formats.common import Ctx
 
 NAME = "lpf"
 REQUIRED = ("step", "response_token_ids", "rollout_logprobs", "trainer_logprobs")
+LAYOUT = "lpf (response_token_ids, rollout_logprobs, trainer_logprobs)"
+KINDS = ("parquet", "jsonl")
+DETECT = 30  # after the frameworks' own layouts: their fields are more specific
 
 
 def matches(keys: set[str]) -> bool:

@@ -25,6 +25,9 @@ from lpf.rl.formats.common import BadRow, Ctx, Skipped, step_from_name, unbatch
 
 NAME = "nemo-rl"
 REQUIRED = ("token_ids", "token_loss_mask", "generation_logprobs", "prev_logprobs", "input_lengths")
+LAYOUT = "NeMo-RL train_data_step{N}.jsonl"
+KINDS = ("parquet", "jsonl")
+DETECT = 20
 _SIGNATURE = {"token_loss_mask", "generation_logprobs", "prev_logprobs"}
 
 

@@ -27,6 +27,9 @@ from lpf.rl.formats.common import BadRow, Ctx, Skipped, spans, step_from_name
 
 NAME = "prime-rl"
 REQUIRED = ("token_ids", "loss_mask", "inference_logprobs", "trainer_logprobs")
+LAYOUT = "prime-rl token exports"
+KINDS = ("parquet", "jsonl")
+DETECT = 10
 _SIGNATURE = {"inference_logprobs", "trainer_logprobs", "export_sequence_idx"}
 _META = ("rank", "micro_step", "micro_sequence_idx", "export_sequence_idx", "env_name", "schema_version")
 _LISTS = ("token_ids", "loss_mask", "inference_logprobs", "trainer_logprobs")

@@ -33,6 +33,13 @@ from lpf.rl.formats.common import BadRow, Skipped
 
 NAME = "slime"
 REQUIRED = ("tokens", "response_lengths", "loss_masks", "rollout_log_probs", "log_probs")
+LAYOUT = "slime --dump-details .pt"
+KINDS = ("torch",)
+DETECT = None  # its files are torch files: their kind tells it
+NO_FILES = "no torch files here (slime's --dump-details writes rollout_data/{id}.pt and train_data/{id}.pt)"
+NOT_ITS_KIND = (
+    "not a torch file, and slime's --dump-details writes torch .pt files (rollout_data/{id}.pt, train_data/{id}.pt)"
+)
 _KEEP = ("sample_index", "rollout_position", "data_parallel_rank", "truncated")
 
 
@@ -68,6 +75,11 @@ def role(payload: dict) -> str:
     if "response_length" in first or "status" in first:
         return "rollout"
     return ""
+
+
+def matches(keys: set[str]) -> bool:
+    """Whether a train sample's fields are slime's (its files are told by their kind; this names a near miss)."""
+    return set(REQUIRED) <= keys
 
 
 def missing(keys: set[str]) -> list[str]:

@@ -20,6 +20,9 @@ from lpf.rl.formats.common import BadRow, Ctx
 
 NAME = "verl"
 REQUIRED = ("responses", "response_mask", "rollout_log_probs", "old_log_probs")
+LAYOUT = "verl rollout_data_dir with per-token fields"
+KINDS = ("parquet", "jsonl")
+DETECT = 40  # last: one of its fields is enough
 _DATA = (
     "responses",
     "response_mask",
@@ -48,6 +51,11 @@ def matches(keys: set[str]) -> bool:
 
 def text_only(keys: set[str]) -> bool:
     return {"input", "output"} <= keys and not matches(keys)
+
+
+def refuse(keys: set[str]) -> str | None:
+    """Why a dump of verl's stock, text-only layout cannot be read (None for any other)."""
+    return TEXT_ONLY if text_only(keys) else None
 
 
 def missing(keys: set[str]) -> list[str]:

@@ -49,7 +49,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from lpf.analysis.feature import Feature
-from lpf.analysis.spec_features import prompt_lengths, row_requests
+from lpf.analysis.speculative_features import prompt_lengths, row_requests
 
 SIGNATURE = "spec_decision_against_odds"
 RULE = (
@@ -142,6 +142,24 @@ def decision_slack(divergent: float, floor: dict | None) -> float:
     return min(divergent, max(0.01, 8.0 * float(q99))) if q99 else divergent
 
 
+def decision_keys(requests: pa.Table, trace: pa.Table | None, sampling: dict, reference_columns) -> pa.Table | None:
+    """(request_id, position) of every decision `decision_test` would read the tokens and reference at
+    (None when it would test nothing): the only rows the streamed analysis keeps for it."""
+    if not _tested(sampling, reference_columns):
+        return None
+    d = _decisions(requests, trace)
+    if d is None or d["draft"].size == 0:
+        return None
+    return pa.table(
+        {"request_id": pa.array(d["request_id"], pa.string()), "position": pa.array(d["position"], pa.int32())}
+    )
+
+
+def _tested(sampling: dict, reference_columns) -> bool:
+    t = float(sampling.get("temperature") or 0.0)
+    return t > 0 and not (sampling.get("top_k") or 0) > 0 and "ref_topk_ids" in reference_columns
+
+
 def decision_test(
     tokens: pa.Table,
     reference: pa.Table,
@@ -153,7 +171,7 @@ def decision_test(
 ) -> tuple[dict, dict] | None:
     t = float(sampling.get("temperature") or 0.0)
     top_p = float(sampling.get("top_p") or 1.0)
-    if t <= 0 or (sampling.get("top_k") or 0) > 0 or "ref_topk_ids" not in reference.column_names:
+    if not _tested(sampling, reference.column_names):
         return None
     d = _decisions(requests, trace)
     if d is None or d["draft"].size == 0:

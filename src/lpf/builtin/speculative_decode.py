@@ -8,7 +8,7 @@ token and its K drafts (1 + K positions) in one step; attention writes their K/V
 Mamba layers run them through the decode kernel one position at a time from the request's state slot,
 keeping every position's conv and SSM state (`mamba_base._verify`; vLLM keeps them in 1 + K state
 blocks), and write the last position's state to the slot. After the rejection sampler
-(`spec_sampler`) the slot is rolled back to the state after the last accepted position. With prefix
+(`speculative_sampler`) the slot is rolled back to the state after the last accepted position. With prefix
 caching a checkpoint due at a boundary inside the step is saved from the snapshot at that boundary,
 and only when the boundary lies within what the step accepted.
 
@@ -57,7 +57,7 @@ from __future__ import annotations
 import torch
 
 from lpf.builtin.sched_output import Sample, StateWrite
-from lpf.builtin.spec_sampler import verify_tokens
+from lpf.builtin.speculative_sampler import verify_tokens
 from lpf.core.torch_utils import logprob_rows
 
 

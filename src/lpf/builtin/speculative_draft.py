@@ -6,7 +6,7 @@ spec, lpf.core.model_specs) with HF transformers in float32; a vocabulary other 
 refused (`LpfError`, one line). `propose([(req, k), ...]) -> [drafts, ...]` is the scheduler's proposer
 (the decoding requests of one step and the drafts each may verify: one batch); `probs(request_id)` is
 then the [k, V] float32 rows q that request's drafts were drawn from (None for a greedy request: its
-verify compares argmaxes only), which the rejection sampler (`spec_sampler.verify_tokens`) needs to keep
+verify compares argmaxes only), which the rejection sampler (`speculative_sampler.verify_tokens`) needs to keep
 the target's distribution exact. A prefix of the drafts is valid with the same prefix of the rows.
 - Greedy request (temperature 0): draft i is the draft model's argmax after the context and drafts < i.
 - Sampled: draft i is drawn from q_i, the draft's distribution after the request's temperature, top-k

@@ -1,0 +1,124 @@
+"""What each engine says of its own configuration, read from where it says it: {field: (value, via)} for
+`lpf.run.configuration.block` (fields and their meaning there). Pure functions over what was read.
+
+- `from_llama_props(props)`: llama-server's GET /props: `model_ftype` (llama_ftype_name: "all F32", "F16",
+  "BF16", "Q8_0", "Q4_K - Medium", ...; "(guessed) " stripped) gives the dtype (lpf's GGUF type name) and the
+  weight quantization ("none" for the float types); `default_generation_settings.params` the sampling
+  defaults the server applies (penalties and samplers, `SAMPLING_DEFAULTS`). llama-server says nothing of
+  its KV cache types or flash attention there (tools/server/server-context.cpp, get_res_props).
+- `from_vllm_config(cfg, sampling_defaults, via)`: a vLLM config as a dict (vLLM's `/server_info?config_format=
+  json` `vllm_config`, with VLLM_SERVER_DEV_MODE=1; or the worker's in-process reading, `vllm_config_dict`):
+  model_config.dtype and quantization, cache_config.cache_dtype ("auto": the model's dtype), an explicitly
+  chosen attention backend; `sampling_defaults`: `model_config.get_diff_sampling_param()` (the model's
+  generation_config.json defaults vLLM applies).
+- `from_lpf_models(body)`: `lpf serve`'s GET /v1/models, whose model entry carries `lpf_configuration`.
+- `builtin(dtype, repetition_penalty)`: the built-in engine's (and `lpf serve`'s, whose default repetition
+  penalty is a sampling default): its dtype, a KV cache in that dtype, float weights; flash attention not
+  said (torch's scaled_dot_product_attention picks its kernel).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lpf.run.configuration import FIELDS
+
+# llama_ftype_name -> lpf's GGUF type name (lpf.adapters.llamacpp DTYPE); float types carry no quantization
+LLAMA_FTYPES = {
+    "all F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "Q8_0": "q8_0",
+    "Q6_K": "q6_k",
+    "Q5_K - Medium": "q5_k_m",
+    "Q4_K - Medium": "q4_k_m",
+    "Q4_K - Small": "q4_k_s",
+    "Q4_0": "q4_0",
+}
+FLOAT_FTYPES = ("all F32", "F16", "BF16")
+# llama-server's default_generation_settings.params that change a request's distribution or its tokens
+SAMPLING_DEFAULTS = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "typical_p",
+    "repeat_penalty",
+    "repeat_last_n",
+    "presence_penalty",
+    "frequency_penalty",
+    "dry_multiplier",
+    "xtc_probability",
+    "mirostat",
+)
+
+
+def from_llama_props(props: dict | None) -> dict[str, tuple[Any, str]]:
+    if not isinstance(props, dict):
+        return {}
+    out: dict[str, tuple[Any, str]] = {}
+    ftype = props.get("model_ftype")
+    if isinstance(ftype, str) and ftype:
+        name = ftype.removeprefix("(guessed) ")
+        out["dtype"] = (LLAMA_FTYPES.get(name, name.lower()), f"GET /props model_ftype {ftype!r}")
+        out["weight_quantization"] = ("none" if name in FLOAT_FTYPES else name, f"GET /props model_ftype {ftype!r}")
+    params = (props.get("default_generation_settings") or {}).get("params")
+    if isinstance(params, dict):
+        said = {k: params[k] for k in SAMPLING_DEFAULTS if k in params}
+        if said:
+            out["sampling_defaults"] = (said, "GET /props default_generation_settings.params")
+    return out
+
+
+def from_vllm_config(cfg: dict | None, sampling_defaults: dict | None, via: str) -> dict[str, tuple[Any, str]]:
+    if not isinstance(cfg, dict):
+        return {}
+    model = cfg.get("model_config") if isinstance(cfg.get("model_config"), dict) else {}
+    cache = cfg.get("cache_config") if isinstance(cfg.get("cache_config"), dict) else {}
+    attention = cfg.get("attention_config") if isinstance(cfg.get("attention_config"), dict) else {}
+    out: dict[str, tuple[Any, str]] = {}
+    dtype = model.get("dtype")
+    if dtype:
+        out["dtype"] = (str(dtype), f"{via} model_config.dtype")
+    kv = cache.get("cache_dtype")
+    if kv == "auto" and dtype:
+        out["kv_cache_dtype"] = (str(dtype), f"{via} cache_config.cache_dtype 'auto' (the model's dtype)")
+    elif kv:
+        out["kv_cache_dtype"] = (str(kv), f"{via} cache_config.cache_dtype")
+    if "quantization" in model:
+        out["weight_quantization"] = (model.get("quantization") or "none", f"{via} model_config.quantization")
+    backend = attention.get("backend")
+    if backend:  # only an explicit choice: vLLM's automatic one is not in the config
+        name = str(backend).rsplit(".", 1)[-1]
+        out["flash_attention"] = ("on" if "FLASH" in name.upper() else "off", f"{via} attention_config.backend {name}")
+    if sampling_defaults is not None:
+        out["sampling_defaults"] = (dict(sampling_defaults), "vLLM model_config.get_diff_sampling_param()")
+    return out
+
+
+def from_lpf_models(body: Any) -> dict[str, tuple[Any, str]]:
+    data = body.get("data") if isinstance(body, dict) else None
+    entry = data[0] if isinstance(data, list) and data and isinstance(data[0], dict) else {}
+    said = entry.get("lpf_configuration")
+    if not isinstance(said, dict):
+        return {}
+    return {k: (v, "GET /v1/models lpf_configuration") for k, v in said.items() if k in FIELDS and v is not None}
+
+
+def builtin(dtype: str, repetition_penalty: float | None = None) -> dict[str, Any]:
+    """The built-in engine's configuration as plain values (lpf serve lists them in /v1/models)."""
+    return {
+        "dtype": dtype,
+        "kv_cache_dtype": dtype,
+        # torch's scaled_dot_product_attention picks its own kernel (a flash kernel on CPU), in the KV's
+        # dtype: neither llama.cpp's flash attention on an f16 copy nor a plain softmax, so not said
+        "flash_attention": None,
+        "weight_quantization": "none",
+        # the engine applies none of its own; lpf serve a default repetition penalty
+        "sampling_defaults": {} if repetition_penalty is None else {"repetition_penalty": repetition_penalty},
+    }
+
+
+def read(values: dict[str, Any], via: str) -> dict[str, tuple[Any, str]]:
+    """Plain values an engine knows of itself (`builtin`) as readings from `via`."""
+    return {k: (v, via) for k, v in values.items() if v is not None}

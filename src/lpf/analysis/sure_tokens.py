@@ -1,0 +1,92 @@
+"""Per-token allowed error that knows how sure the reference was.
+
+The divergent threshold is one number per run (`calibration`): an expected floor raises it to
+DIVERGENT_TAIL x the floor's 99th percentile of logit error, because a token whose distribution is flat
+moves by the whole logit error. A token the reference is sure of does not: its logprob moves by about
+s x the logit error, s its sensitivity (`token_evidence.sensitivity`: ~ 1 - p for a sure token). Widening
+bfloat16's floor for flat prose to 2.0 nats thus let a server lower a p ~ 1 token's logprob by 2 nats
+unseen (issue 52). Here each token gets its own allowance:
+
+    allowed = min(divergent_abs_diff, max(SURE_MIN, DIVERGENT_TAIL x H x token_q99 x s_up))   where p >= P_SURE
+
+with token_q99 the expected floor's 99th percentile of logit error, H the largest honest departure the floor
+carries for tokens (other honest kernels: at least 1), s_up = sqrt(2) (1 - p) an upper bound of the token's
+sensitivity from the reference's logprob alone (sum_{j != t} p_j^2 <= (1 - p)^2; a top-k would tighten it by
+at most sqrt(2)). An upper bound only widens the allowance: an honest token is never judged tighter than
+its sensitivity allows. The rule is for tokens the reference is sure of (p >= P_SURE = 0.9; elsewhere the
+flat threshold stands, so a sampled or tempered run's unsure tokens are judged as before), and SURE_MIN keeps
+it to moves no honest kernel makes on such a token (0.1 nats: p from 0.95 to 0.86; bfloat16's floor moves a
+token with s = 0.1 by ~0.05 at its 99th percentile, float32's by 1e-5; a server's temperature of 0.7 moves a
+p = 0.9 token by 0.06).
+
+Contract (pure, numpy in, numpy and dicts out; rows are judged one by one, so it runs chunk by chunk):
+  `allowed(ref_logprob, floor, divergent_abs_diff) -> float64 array` (inf where the reference is not sure;
+      None when the floor has no token percentile).
+  `departures(d, allowed, divergent_abs_diff) -> bool array`: |d| past the allowance and within the flat
+      threshold (past it the token is flagged already; a NaN d is not: absent logprobs are the tokens-only rule's).
+  `first_departures(request_ids, positions, d, allowed, divergent_abs_diff) -> dict[request_id, (position, detail)]` (two
+      chunks' results merge with `raising.merge_first`).
+  `raise_sure(summary, found)`: those requests at least `divergent`, first divergence moved there when
+      earlier, column `sure_token` saying which token moved and by how much against its allowance.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+
+from lpf.analysis.calibration import DIVERGENT_TAIL
+from lpf.analysis.raising import raise_divergent
+
+SURE_MIN = 0.1
+P_SURE = 0.9
+LOG_P_SURE = float(np.log(P_SURE))
+RULE = (
+    "a token the reference is sure of moving further than its sensitivity times the floor's logit error allows "
+    f"(reference p >= {P_SURE}: DIVERGENT_TAIL x honest x q99 x s, at least {SURE_MIN} nats, at most the divergent "
+    "threshold) is divergent"
+)
+
+
+def allowed(ref_logprob: np.ndarray, floor: dict | None, divergent_abs_diff: float):
+    q99 = ((floor or {}).get("token") or {}).get("q99")
+    if not q99:
+        return None
+    honest = max(1.0, float(((floor or {}).get("honest") or {}).get("token") or 1.0))
+    lp = np.asarray(ref_logprob, dtype=np.float64)
+    s_up = np.sqrt(2.0) * -np.expm1(np.minimum(lp, 0.0))
+    scale = DIVERGENT_TAIL * honest * float(q99)
+    with np.errstate(invalid="ignore"):
+        out = np.minimum(np.maximum(SURE_MIN, scale * s_up), divergent_abs_diff)
+        out[~(lp >= LOG_P_SURE)] = np.inf  # not sure: the flat threshold's alone
+    return out
+
+
+def departures(d: np.ndarray, allow: np.ndarray, divergent_abs_diff: float) -> np.ndarray:
+    """The tokens past their allowance that the flat threshold lets through (past it, they are flagged already)."""
+    with np.errstate(invalid="ignore"):
+        ad = np.abs(d)
+        return (ad > allow) & (ad <= divergent_abs_diff)
+
+
+def first_departures(
+    request_ids, positions: np.ndarray, d: np.ndarray, allow: np.ndarray, divergent_abs_diff: float
+) -> dict:
+    """The first departing token of each request: (position, detail). `request_ids` an Arrow array or list."""
+    rows = np.flatnonzero(departures(d, allow, divergent_abs_diff))
+    if not rows.size:
+        return {}
+    rid = (
+        request_ids.take(pa.array(rows)).to_pylist() if hasattr(request_ids, "take") else [request_ids[i] for i in rows]
+    )
+    found: dict[str, tuple[int, str]] = {}
+    for r, i in zip(rid, rows.tolist()):
+        pos = int(positions[i])
+        if r not in found or pos < found[r][0]:
+            found[r] = (pos, f"moved {abs(float(d[i])):.3g} nats where its sensitivity allows {float(allow[i]):.3g}")
+    return found
+
+
+def raise_sure(summary: pa.Table, found: dict) -> pa.Table:
+    said = {rid: (pos, f"position {pos}: {text}") for rid, (pos, text) in found.items()}
+    return raise_divergent(summary, said, "sure_token")
