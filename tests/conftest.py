@@ -12,6 +12,10 @@ group (`group_of`), so a work unit is never smaller than what its fixtures share
 the test's module (module-scoped servers and runs are built once, on one worker); modules that share a
 session fixture or a resource two workers must not hold at once share one group (`SHARED_GROUPS`);
 groups are handed out longest first (`LONGEST_FIRST`), so the last one to finish is a short one.
+
+No leaked processes: at the session's end (each xdist worker's), a child process still alive after a
+grace period fails the run, named with the test it appeared during, and is killed; the session is the
+subreaper of what its tests start, so an orphaned grandchild counts too.
 """
 
 from __future__ import annotations
@@ -111,6 +115,93 @@ def pytest_collection_modifyitems(config, items):
     """Longest groups first (with --no-loadscope-reorder xdist hands units out in collection order)."""
     rank = {g: i for i, g in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(group_of(item.nodeid), len(rank)))  # stable within a rank
+
+
+# -- no leaked processes: a child process a test started and left running fails the run ----------------------
+# Long-lived helpers the interpreter or a library starts for the whole process, not a test's leftovers.
+# (vLLM's zygote server is shared by the tests that start vLLM workers and exits after 60 s without one.)
+_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver", "compile_worker", "vllm_zygote_server")
+_STARTED_BY: dict[int, str] = {}  # child pid -> the test during which it first appeared
+LEAK_GRACE_S = 10.0  # children given this long to exit after the last test (a Ray shutdown, a SIGTERM in flight)
+
+
+def _adopt_orphans() -> None:
+    """Make this process the subreaper of what its tests start (Linux): a grandchild whose parent died (the
+    scorer of an `lpf watch` a test SIGKILLed) is re-parented here rather than to init, so the session-end
+    check sees it."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        pass
+
+
+def pytest_configure(config):
+    _adopt_orphans()
+
+
+def _children() -> list:
+    import psutil
+
+    try:
+        return psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    try:
+        return (yield)
+    finally:
+        for child in _children():
+            _STARTED_BY.setdefault(child.pid, item.nodeid)
+
+
+def _leftovers() -> list[tuple[int, str, str]]:
+    """(pid, command line, test that started it) of the children still alive after the grace period."""
+    import psutil
+
+    kids = []
+    for child in _children():
+        try:
+            cmd = " ".join(child.cmdline())
+        except psutil.Error:
+            continue
+        if not any(h in cmd for h in _HELPERS):
+            kids.append((child, cmd))
+    _, alive = psutil.wait_procs([c for c, _ in kids], timeout=LEAK_GRACE_S)
+    alive_pids = {c.pid for c in alive}
+    out = []
+    for child, cmd in kids:
+        try:
+            if child.pid in alive_pids and child.status() != psutil.STATUS_ZOMBIE:
+                out.append((child.pid, cmd[:200], _STARTED_BY.get(child.pid, "(no test: a fixture or the session)")))
+        except psutil.Error:
+            pass
+    return out
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Fail the run when a child process a test started is still alive once every test and fixture is done
+    (an orphaned `lpf.watch.scorer`, server or engine outlives the suite otherwise); the leftovers are killed.
+    Under xdist the controller's children are its workers: each worker checks its own."""
+    if session.config.pluginmanager.getplugin("dsession") is not None:
+        return
+    leaked = _leftovers()
+    if not leaked:
+        return
+    import psutil
+
+    lines = [f"  pid {pid} started during {test}: {cmd}" for pid, cmd, test in leaked]
+    sys.stderr.write("\nleaked processes (still running after the session; killed now):\n" + "\n".join(lines) + "\n")
+    for pid, _, _ in leaked:
+        try:
+            psutil.Process(pid).kill()
+        except psutil.Error:
+            pass
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(scope="session")

@@ -21,6 +21,7 @@ from conftest import write_prompts
 from engine_outputs import builtin_outputs, workload_prompts
 
 import lpf
+from lpf.analysis.mechanisms import UNEXPLAINED
 from lpf.analysis.peer_rule import first_mismatch_topk, summarize
 
 MODEL = "zoo:hybrid"
@@ -188,6 +189,17 @@ def test_a_clean_engine_passes_and_its_run_directory_is_a_run(engine_run, refere
 
 
 @pytest.mark.slow  # an engine run and a reference load
+def test_compare_dtype_names_the_engines_dtype(engine_run, tmp_path):
+    """`lpf.compare(..., dtype="float32")` as the docs spell it judges against the float32/float32 floor, not the
+    lenient floor of an engine of unknown dtype."""
+    outputs = engine_run[0][:2]
+    f = lpf.compare(outputs, reference=MODEL, dtype="float32", out=tmp_path / "d")
+    manifest = json.loads((tmp_path / "d" / "manifest.json").read_text())
+    assert manifest["engine"]["options"]["dtype"] == "float32"
+    assert f.run_test["floor_pair"] == "float32/float32"  # (without the fix: bfloat16/float32, the lenient one)
+
+
+@pytest.mark.slow  # an engine run and a reference load
 def test_answers_delivered_to_the_wrong_requests_fail_the_check(engine_run, reference, tmp_path):
     """Two requests' outputs (tokens and the logprobs the engine computed for them) handed back crossed, as
     the swap-outputs drill does: lpf flags exactly those two, and check() says so in a test log's words."""
@@ -269,7 +281,15 @@ def test_findings_read_per_request_mechanisms_when_the_analysis_writes_them(tmp_
                 "max_abs_logprob_diff": 7.0,
                 "mechanism": {"feature": "slot_offset_over_wrap", "sentence": "s2", "rank": 2},
             },
-            {"request_id": "c", "seq": 6, "verdict": "divergent", "first_divergence": 4, "max_abs_logprob_diff": 1.0},
+            {
+                "request_id": "c",
+                "seq": 6,
+                "verdict": "divergent",
+                "first_divergence": 4,
+                "max_abs_logprob_diff": 1.0,
+                # as lpf.analysis.mechanisms writes a request no hypothesis explains
+                "mechanism": {"feature": None, "sentence": UNEXPLAINED, "rank": None},
+            },
         ],
         "hypotheses": [
             {"feature": "first_decode_uncomputed", "sentence": "s1"},
@@ -287,7 +307,7 @@ def test_findings_read_per_request_mechanisms_when_the_analysis_writes_them(tmp_
     (tmp_path / "findings.json").write_text(json.dumps(raw))
     f = lpf.Findings.load(tmp_path)
     mech = {r.request_id: r.mechanism.feature for r in f.flagged}
-    assert mech == {"a": "first_decode_uncomputed", "b": "slot_offset_over_wrap", "c": "first_decode_uncomputed"}
+    assert mech == {"a": "first_decode_uncomputed", "b": "slot_offset_over_wrap", "c": None}
     assert f.report is None and f.rule is None and f.coverage["n_flagged"] == 3
     assert f.failing("corrupt") and not f.failing("never")
     with pytest.raises(lpf.FindingsCheckFailed) as e:
@@ -302,5 +322,12 @@ def test_findings_read_per_request_mechanisms_when_the_analysis_writes_them(tmp_
     assert lines[4] == "top mechanism: first_decode_uncomputed: s1"
     assert lines[5] == "mechanisms of the 3 flagged: first_decode_uncomputed 1, slot_offset_over_wrap 1, 1 unexplained"
     assert lines[-1] == f"run directory: {tmp_path}"
+    with pytest.raises(lpf.FindingsCheckFailed) as e:
+        f.check(fail_on="divergent")
+    # spelled as the analysis spells it, never "mechanism: None"
+    assert (
+        f"  c: divergent, first divergence at token 4, max |logprob diff| 1; {UNEXPLAINED}" in str(e.value).splitlines()
+    )
+    assert "None" not in str(e.value)
     with pytest.raises(lpf.LpfError, match="has no findings.json"):
         lpf.Findings.load(tmp_path / "nowhere")

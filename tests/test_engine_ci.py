@@ -301,7 +301,16 @@ def test_stale_state(lpf_reference):
 def _inner(pytester, source: str, keep):
     pytester.makepyfile(test_engine=textwrap.dedent(source))
     return pytester.runpytest(
-        "-p", "no:lpf", "-p", "lpf.pytest_plugin", "--lpf-keep", str(keep), "-p", "no:cacheprovider"
+        "-p",
+        "no:lpf",
+        "-p",
+        "lpf.pytest_plugin",
+        "--lpf-keep",
+        str(keep),
+        "-p",
+        "no:cacheprovider",
+        "--junitxml",
+        str(keep.parent / "junit.xml"),
     )
 
 
@@ -319,6 +328,12 @@ def _fails_naming_the_mechanism(result, keep, features):
     assert f"run directory: {kept}" in out and f"report: {kept / 'report.html'}" in out
     assert f"test_engine.py::test_stale_state: {kept}" in out
     assert json.loads((kept / "findings.json").read_text())["verdict"] == "corrupt"
+    # the JUnit XML a CI system reads carries the failed check's run directory and report as properties
+    import xml.etree.ElementTree as ET
+
+    case = next(c for c in ET.parse(keep.parent / "junit.xml").iter("testcase") if c.get("name") == "test_stale_state")
+    props = {p.get("name"): p.get("value") for p in case.iter("property")}
+    assert props == {"lpf_run_dir": str(kept), "lpf_report": str(kept / "report.html")}
 
 
 def test_plugin_on_the_builtin_engine(pytester, tmp_path):

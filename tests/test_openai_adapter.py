@@ -38,6 +38,7 @@ CASES = [
     "count_mismatch",
     "id_outside_vocab",
     "nan_logprob",
+    "auth_500",
 ]
 CODE = {name: 100 + i for i, name in enumerate(CASES)}
 CASE_OF = {v: k for k, v in CODE.items()}
@@ -109,6 +110,11 @@ def misbehave(server, path, body, attempt) -> Reply:
         return Reply(429, {"error": {"message": "slow down"}}, headers={"Retry-After": "1"})
     if case == "always_500":
         return Reply(500, {"error": {"message": "engine exploded"}})
+    if case == "auth_500":  # a gateway (LiteLLM's proxy) whose upstream key is missing
+        message = (
+            "litellm.AuthenticationError: AuthenticationError: OpenAIException - The api_key client option must be set"
+        )
+        return Reply(500, {"error": {"message": message}})
     if case == "503_then_ok" and attempt <= 2:
         return Reply(503, raw=b"<html>busy</html>")
     if case == "garbage":
@@ -212,6 +218,7 @@ def test_every_bad_answer_is_recorded_with_its_error_and_retries_are_bounded(lpf
         "fewer_logprobs": "2 logprobs for 4 tokens",
         "unmappable_strings": "does not map back to one token id",
         "id_outside_vocab": "token id 999999 at position 1 is not in the model's vocabulary",
+        "auth_500": "HTTP 500 from",
     }
     for case, fragment in expect.items():
         assert fragment in err[case], (case, err[case])
@@ -221,6 +228,10 @@ def test_every_bad_answer_is_recorded_with_its_error_and_retries_are_bounded(lpf
         return server.attempts(lambda p: p.body and p.body["prompt"][1] == CODE[case])
 
     assert len(posts("always_500")) == MAX_RETRIES + 1
+    # an authentication failure, even as a 500, is not retried and says how to pass the key
+    assert len(posts("auth_500")) == 1
+    assert "authentication failed" in err["auth_500"] and "--api-key-env NAME" in err["auth_500"]
+    assert "\n" not in err["auth_500"]
     assert len(posts("slow")) == MAX_RETRIES + 1
     assert len(posts("short_body")) == MAX_RETRIES + 1
     assert len(posts("503_then_ok")) == 3
@@ -250,10 +261,10 @@ def test_every_bad_answer_is_recorded_with_its_error_and_retries_are_bounded(lpf
 
     findings = json.loads(r.out)
     assert findings["errors"] == len(CASES) - len(good) - len(kept)
-    # the failures in one line, grouped by shape (eight shapes of one each: three shown), with a hint
+    # the failures in one line, grouped by shape (nine shapes of one each: three shown), with a hint
     said = " ".join(r.err.split())
     assert f"requests failed ({findings['errors']} of {len(CASES)}): 1 x answer is not valid JSON" in said, said
-    assert "5 more in 5 other shapes (hint: answers took longer than -E timeout_s" in said, said
+    assert "6 more in 6 other shapes (hint: answers took longer than -E timeout_s" in said, said
     assert sum(findings["counts"].values()) == len(good) + len(kept)
     ev = findings["evidence"]
     assert ev["inconsistent"] == {

@@ -29,7 +29,7 @@ MALFORMED = [
     b'{"prompt": [1, 2, 99999999], "max_tokens": 2}',
     b'{"prompt": [1, 30], "max_tokens": "many"}',
     b'{"prompt": [1, 30], "n": 0}',
-    b'{"prompt": [1, 30], "stream": true}',
+    b'{"prompt": [1, 30], "stream": true, "echo": true, "logprobs": 1}',  # streams are served; echo in one is not
     b'{"model": "nope", "prompt": [1, 30]}',
     b"\xff\xfe\x00",
     json.dumps({"prompt": [1] * 5000, "max_tokens": 2}).encode(),

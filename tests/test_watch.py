@@ -4,9 +4,10 @@
   by field (ids and timestamps aside), sampled or not, errors included; what was sampled is recorded in
   the run schema (timing, requests in flight, upstream request id) and scored, and `lpf analyze` /
   `lpf report` read the recording.
-- Against a scripted streaming upstream (a real HTTP server sending vLLM's SSE chunks: `lpf serve` does not
-  stream): streams pass through event by event, a sampled one with what lpf asked for taken out, its
-  tokens and logprobs recorded; an upstream that cuts a stream cuts the client's.
+- Against a scripted streaming upstream (a real HTTP server sending vLLM's SSE chunks, scripted so that it can
+  cut a stream; `lpf serve`'s own streams through the proxy: test_serve.py): streams pass through event by
+  event, a sampled one with what lpf asked for taken out, its tokens and logprobs recorded; an upstream that
+  cuts a stream cuts the client's.
 - Sampling is a pure function of the body and the seed (the one fast test here; the others start processes
   and are slow; test_watch_units.py covers the parts without servers).
 The model-swap drill (`lpf serve` restarted with --inject quantize-weights:4 mid-stream) and the
@@ -153,14 +154,15 @@ def test_answers_through_the_proxy_equal_direct_ones_and_the_sample_is_recorded(
 
     # the supervisor reads the scorer's judged windows on its own polling cycle: a loaded machine can show
     # the sample scored (scorer.json) before /metrics has counted its window's verdicts
-    def counted() -> str | None:
+    def counted() -> str | None:  # (every verdict's series exists from the start, at 0)
         text = httpx.get(f"{proxy.base_url}/metrics").text
-        return text if 'lpf_watch_verdicts_total{verdict="clean"}' in text else None
+        return text if 'lpf_watch_verdicts_total{verdict="clean"} 0.0' not in text else None
 
     metrics = wait_for(counted, what="the judged window's verdicts in /metrics")
     assert f'lpf_watch_requests_total{{route="/v1/completions",sampled="True"}} {float(n)}' in metrics
     page = httpx.get(f"{proxy.base_url}/lpf/")
-    assert page.status_code == 200 and "run test" in page.text and f"recorded: {n}" in page.text
+    assert page.status_code == 200 and "<svg" in page.text and f"recorded: {n}" in page.text
+    assert f"reference: {MODEL}" in page.text and "scoring lag: 0 answered samples waiting" in page.text
 
 
 def _sse(body: dict, cut: bool = False) -> bytes:

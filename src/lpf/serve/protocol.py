@@ -5,7 +5,7 @@ Contract: `openai_api` (OpenAI /v1/completions as vLLM serves it) and `sglang_ap
 (`tokenize_prompts`, `make_sampling`, `engine_requests`, `output_budget`, `refuse_non_neutral`), or
 raise `ApiError` (400 with a one-line reason, answered in vLLM's error shape). No torch here.
 
-What lpf serve does not do is refused, never silently ignored: streaming, beam search, penalties,
+What lpf serve does not do is refused, never silently ignored: beam search,
 logit bias, grammars, `prompt_logprobs=-1` (the whole vocabulary). Prompt logprobs (`prompt_logprobs`,
 `echo` with `logprobs`, SGLang `logprob_start_len` inside the prompt) are the engine's own: it projects
 the prompt rows of its prefill chunks through the same head as its samples (`SamplingParams.prompt_logprobs`).

@@ -263,6 +263,7 @@ class Proxy:
         await send({"type": "http.response.body", "body": body})
 
     async def _passthrough(self, resp: Answer, send, watch: _Watch) -> None:
+        self.metrics.answered(resp.status_code)
         try:
             await send(
                 {"type": "http.response.start", "status": resp.status_code, "headers": self._headers(resp, True)}
@@ -299,6 +300,7 @@ class Proxy:
                 )
             sample.added = added = wire.Added()
         sample.status = resp.status_code
+        self.metrics.answered(resp.status_code)
         if sample.stream and resp.status_code == 200:
             try:
                 await send({"type": "http.response.start", "status": 200, "headers": self._headers(resp, False)})

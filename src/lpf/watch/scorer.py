@@ -10,8 +10,14 @@ killed mid-batch and restarted redoes nothing committed), then every complete wi
 before the next). Bounded lag: at most `per_cycle` requests are scored between two judgements, and when more
 than `--max-lag` recorded requests wait, the oldest are given up (listed in `live/skipped.txt`, counted,
 still recorded: `lpf rescore` can score them later) so the scorer stays on recent traffic. A window is the next N scored (or failed) requests in arrival order that no earlier
-window holds; a request committed after a later window was judged joins the next window. Progress
-(`scored`, `recorded`, the newest scored request's arrival) goes to `live/scorer.json` for /metrics.
+window holds; a request committed after a later window was judged joins the next window. A failed sample
+(`error` set) and one nothing can be scored from (`lpf.watch.outages.unscored_reason`: stripped logprobs,
+re-encoded text, no output) settle at once, unscored: they are facts of their window (`n_failed`, `failed`
+by status class, `unscored` by reason, `upstream_failing`, `result`), never scoring lag. Each window line
+also has its full extent (`first_seq`..`last_seq`, `t_first`..`t_last` arrival times, failed requests
+included) and, when alarmed, its incident (`lpf.watch.incidents`: one change point per incident). Progress
+(`scored`, `recorded`, the newest scored request's arrival, `pending` answered samples not yet scored and
+the oldest one's arrival, `failed` by class, `unscored` by reason) goes to `live/scorer.json` for /metrics.
 Parts that `--retain` deleted are forgotten (a part
 gone between its listing and its reading is skipped), so their requests are no longer judged. It never opens
 the run with `RunDir.open` (which deletes a tokens part whose requests part is not yet
@@ -34,11 +40,14 @@ import pyarrow.parquet as pq
 
 from lpf.core.errors import LpfError
 from lpf.run.store import RunDir, read_part
+from lpf.watch.incidents import Incidents
+from lpf.watch.outages import failure_class, leaves_scoring, unscored_reason, window_facts, window_result
 
 WINDOWS = "live/windows.jsonl"
 STATUS = "live/scorer.json"
 SKIPPED = "live/skipped.txt"
 REQ_COLS = ["request_id", "seq", "prompt_token_ids", "output_token_ids", "error", "inconsistency", "t_submit"]
+WATCH_COLS = ["request_id", "temperature", "stream", "status"]
 
 
 def _open(path: Path) -> RunDir:
@@ -63,6 +72,7 @@ class Scorer:
         from lpf.pipeline.analyze import floor_table
         from lpf.pipeline.calibrate import engine_dtype
         from lpf.pipeline.reference import Rescorer
+        from lpf.watch.windows import incident_change
 
         self.path, self.window, self.max_lag, self.per_cycle = path, window, max_lag, per_cycle
         run = _open(path)
@@ -88,16 +98,19 @@ class Scorer:
             "floor_table": floor_table(),
         }
         self.requests: dict[str, pa.Table] = {}  # part name -> its requests
-        self.watch: dict[str, pa.Table] = {}  # part name -> its watch rows (request_id, temperature)
+        self.watch: dict[str, pa.Table] = {}  # part name -> its watch rows (WATCH_COLS)
         self.scored: set[str] = set(run.read("reference", ["request_id"]).column("request_id").to_pylist())
         self.judged: set[str] = set()
         self.part_ids: dict[tuple[str, str], set[str]] = {}  # (table, part name) -> its request ids
         self.skipped: set[str] = set(_read_ids(path / SKIPPED))
         self.windows = 0
         self.context = None
-        for line in self._lines():
+        self.incidents = Incidents(lambda req, tok, ref, flagged: incident_change(req, tok, ref, flagged, self.info))
+        lines = self._lines()
+        for line in lines:
             self.judged.update(line["request_ids"])
             self.windows = max(self.windows, line["window"] + 1)
+        self.incidents.restore(lines)
 
     def close(self) -> None:
         """Stop the Ray actors (and a local Ray this scorer started); nothing to do for a local reference."""
@@ -119,7 +132,7 @@ class Scorer:
     def _refresh(self, run: RunDir) -> pa.Table:
         for table, cache, read in (
             ("requests", self.requests, lambda p: read_part(p, "requests", REQ_COLS)),
-            ("watch", self.watch, lambda p: pq.read_table(p, columns=["request_id", "temperature"])),
+            ("watch", self.watch, lambda p: pq.read_table(p, columns=WATCH_COLS)),
         ):
             names = set()
             for p in run.parts(table):
@@ -143,13 +156,18 @@ class Scorer:
         if reqs is None:
             return 0
         n_out = pc.list_value_length(reqs.column("output_token_ids")).fill_null(0).to_pylist()
-        retok = [bool(i and "retokenized:" in i) for i in reqs.column("inconsistency").to_pylist()]
         ids, errors = reqs.column("request_id").to_pylist(), reqs.column("error").to_pylist()
-        todo = [
-            i
-            for i, (r, n, e, rt) in enumerate(zip(ids, n_out, errors, retok))
-            if n and e is None and not rt and r not in self.scored and r not in self.skipped
-        ]
+        stream, status = {}, {}
+        for t in self.watch.values():
+            rids = t.column("request_id").to_pylist()
+            stream.update(zip(rids, t.column("stream").to_pylist()))
+            status.update(zip(rids, t.column("status").to_pylist()))
+        incons = reqs.column("inconsistency").to_pylist()
+        classes = {r: failure_class(e, status.get(r)) for r, e in zip(ids, errors)}
+        reasons = {r: unscored_reason(e, n, i, stream.get(r)) for r, e, n, i in zip(ids, errors, n_out, incons)}
+        # a failed sample (upstream error) or one nothing can be scored from settles unscored: never a lag
+        unscorable = {r for r, e in zip(ids, errors) if e is not None or leaves_scoring(reasons[r])}
+        todo = [i for i, r in enumerate(ids) if r not in unscorable and r not in self.scored and r not in self.skipped]
         seqs = reqs.column("seq").to_pylist()
         todo.sort(key=lambda i: seqs[i])
         if len(todo) > self.max_lag:  # bounded lag: the oldest backlog is given up (kept recorded, not scored)
@@ -172,13 +190,11 @@ class Scorer:
             for scored in self.rescorer.score_all(items):
                 run.append_reference(scored.reference, scored.prompt_reference, scored.seeded)
                 self.scored.update(scored.reference.column("request_id").unique().to_pylist())
-        settled = {
-            r
-            for r, n, e, rt in zip(ids, n_out, errors, retok)
-            if r in self.scored or r in self.skipped or e is not None or not n or rt
-        }
-        judged = self._judge(run, reqs, settled)
-        arrivals = [t for r, t in zip(ids, reqs.column("t_submit").to_pylist()) if r in self.scored and t]
+        settled = {r for r in ids if r in self.scored or r in self.skipped or r in unscorable}
+        judged = self._judge(run, reqs, settled, classes, reasons)
+        t_submit = reqs.column("t_submit").to_pylist()
+        arrivals = [t for r, t in zip(ids, t_submit) if r in self.scored and t]
+        pending = [t for r, t in zip(ids, t_submit) if r not in settled]  # answered, waiting for the reference
         _atomic_json(
             self.path / STATUS,
             {
@@ -187,13 +203,18 @@ class Scorer:
                 "skipped": len(self.skipped),
                 "windows": self.windows,
                 "newest_scored_arrival": max(arrivals) if arrivals else None,
+                # the scoring lag: answered samples not yet scored, and the arrival of the oldest of them
+                "pending": len(pending),
+                "oldest_pending_arrival": min((t for t in pending if t), default=None),
+                "failed": _count(c for c in classes.values() if c is not None),
+                "unscored": _count(x for x in reasons.values() if x is not None),
                 "pid": os.getpid(),
                 "t": time.time(),
             },
         )
         return judged
 
-    def _judge(self, run: RunDir, reqs: pa.Table, settled: set[str]) -> int:
+    def _judge(self, run: RunDir, reqs: pa.Table, settled: set[str], classes: dict, reasons: dict) -> int:
         from lpf.watch.windows import judge_window
 
         ready = [
@@ -206,6 +227,7 @@ class Scorer:
         temps = {}
         for t in self.watch.values():
             temps.update(zip(t.column("request_id").to_pylist(), t.column("temperature").to_pylist()))
+        arrival = dict(zip(reqs.column("request_id").to_pylist(), reqs.column("t_submit").to_pylist()))
         n_full = len(ready) // self.window * self.window
         # every full window's rows in one scan of the parts (a scan per window is quadratic over a long watch)
         batch = [r for _, r in ready[:n_full] if r in self.scored]
@@ -220,6 +242,7 @@ class Scorer:
                 "n_settled": len(ids),
                 "n_unscored": len(ids) - len(scored_ids),
             }
+            before, tables = self.context, None
             if scored_ids:
                 want = pa.array(scored_ids, pa.string())
                 w_req_full, w_tok, w_ref = (
@@ -229,9 +252,16 @@ class Scorer:
                 ts = {temps.get(r) for r in scored_ids}
                 info = dict(self.info, temperature=ts.pop() if len(ts) == 1 else None)
                 line.update(judge_window(w_req_full, w_tok, w_ref, self.context, info))
-                self.context = (w_req_full, w_tok, w_ref)
+                tables = self.context = (w_req_full, w_tok, w_ref)
             else:
                 line.update(alarm=False, verdicts={}, run_test={"result": None}, n_requests=0, n_tokens=0)
+            # the window's extent and wall-clock span are all of its requests', failed ones included
+            line["first_seq"], line["last_seq"] = chunk[0][0], chunk[-1][0]
+            times = [arrival[r] for r in ids if arrival.get(r)]
+            line["t_first"], line["t_last"] = (min(times), max(times)) if times else (None, None)
+            line.update(window_facts([classes.get(r) for r in ids], [reasons.get(r) for r in ids]))
+            line["result"] = window_result(line)
+            self.incidents.note(line, tables, before)
             line["t"] = time.time()
             with open(self.path / WINDOWS, "a") as f:
                 f.write(json.dumps(line, default=float) + "\n")
@@ -241,6 +271,13 @@ class Scorer:
             self.windows += 1
             done += 1
         return done
+
+
+def _count(values) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for v in values:
+        out[v] = out.get(v, 0) + 1
+    return out
 
 
 def _rows(run: RunDir, table: str, ids: list[str], part_ids: dict) -> pa.Table:
@@ -316,6 +353,7 @@ def main(run: Path, spec_file) -> None:
         raise click.UsageError(str(e)) from None
     # SIGTERM (lpf watch stopping) unwinds through `finally`, so a local Ray this process started stops too
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    parent = os.getppid()
     scorer = Scorer(
         run,
         spec.reference,
@@ -328,7 +366,8 @@ def main(run: Path, spec_file) -> None:
         ray=spec.ray(),
     )
     try:
-        while True:
+        # lpf watch killed outright (SIGKILL, OOM) cannot stop its scorer: an orphan (re-parented) stops itself
+        while os.getppid() == parent:
             scorer.cycle()
             time.sleep(spec.poll)
     finally:

@@ -10,6 +10,7 @@ the recorder commits what it holds, the scorer is stopped. It prints nothing: th
 
 from __future__ import annotations
 
+import json
 import platform
 import socket
 import time
@@ -86,6 +87,7 @@ def serve(
     from lpf.watch.recorder import Recorder
     from lpf.watch.retention import parse_retain
     from lpf.watch.sample import Sampler
+    from lpf.watch.scorer import STATUS
     from lpf.watch.supervisor import Supervisor
 
     sampler = Sampler(s.sample, s.seed)
@@ -104,15 +106,27 @@ def serve(
 
         sup, state = held["sup"], app.state.proxy
         counters = {
-            "upstream": s.upstream,
             "sampled": state.seq,
             "recorded": recorder.recorded,
             "dropped": recorder.dropped,
             "windows": len(sup.windows),
             "alarms": sup.alarms,
+            "upstream-failing windows": sum(1 for w in sup.windows if w.get("upstream_failing")),
             "scorer restarts": sup.restarts,
         }
-        return HTMLResponse(render_page(sup.windows, counters))
+        config = {
+            "upstream": s.upstream,
+            "upstream dtype": s.upstream_dtype or "not stated (the most lenient floor)",
+            "reference": s.reference,
+            "reference dtype": s.reference_dtype,
+            "window": s.window,
+            "sample": s.sample,
+        }
+        try:
+            status = json.loads((run.path / STATUS).read_text())
+        except (OSError, ValueError):
+            status = None
+        return HTMLResponse(render_page(sup.windows, counters, config, status))
 
     app = create_proxy(s.upstream, sampler, recorder, metrics, s.top_k, s.upstream_timeout, {"/lpf/": page})
     server = uvicorn.Server(

@@ -10,8 +10,10 @@ life resets the count), and gives up after `give_up_after` consecutive quick fai
 recording going on (`lpf_watch_scorer_up` is 1 while a scorer runs); reads the windows appended to `live/windows.jsonl` since
 the last look, updates the metrics, calls `on_window(window)` for each (the command line renders the
 one structured line per alarm), POSTs each alarmed window as JSON to `webhook` (a failed POST is
-logged, never retried on the request path), and calls `stop()` once `fail_after` windows have alarmed
-(`failed` is then True). `close()` stops the thread and the child (SIGTERM, then SIGKILL).
+logged, never retried on the request path), POSTs an `upstream-failing` window as
+`lpf_watch_upstream_failing` (`failing_record`), and calls `stop()` once `fail_after` windows have alarmed,
+counted in arrival order (`failed` is then True, and no later window is taken, even one read in the same
+look). `close()` stops the thread and the child (SIGTERM, then SIGKILL).
 """
 
 from __future__ import annotations
@@ -136,14 +138,8 @@ class Supervisor:
             s = json.loads((self.path / STATUS).read_text())
         except (OSError, ValueError):
             return
-        new = s.get("scored", 0) - self.seen
-        if new > 0:
-            self.metrics.scored.inc(new)
-            self.seen = s["scored"]
-        self.metrics.lag_requests.set(max(0, s.get("recorded", 0) - s.get("scored", 0) - s.get("skipped", 0)))
-        self.metrics.skipped.set(s.get("skipped", 0))
-        if s.get("newest_scored_arrival"):
-            self.metrics.lag_seconds.set(max(0.0, time.time() - s["newest_scored_arrival"]))
+        self.seen = max(self.seen, s.get("scored", 0))
+        self.metrics.observe_status(s, time.time())
 
     def _new_windows(self) -> list[dict]:
         p = self.path / WINDOWS
@@ -163,39 +159,29 @@ class Supervisor:
         return out
 
     def _window(self, w: dict) -> None:
+        if self.failed:
+            return  # --fail-after stopped at the Nth alarmed window in arrival order: later ones are not taken
         self.windows.append(w)
         m = self.metrics
-        for verdict, n in (w.get("verdicts") or {}).items():
-            m.verdicts.labels(verdict=verdict).inc(n)
-        test = w.get("run_test") or {}
-        m.windows.labels(result=str(test.get("result"))).inc()
-        if test.get("p_value") is not None:
-            m.p_value.set(test["p_value"])
-        if w.get("flagged_rate") is not None:
-            m.flagged_rate.set(w["flagged_rate"])
-            m.expected_rate.set(w["expected_rate"])
-        if w.get("requests_test"):
-            rt = w["requests_test"]
-            m.flagged_requests.set(rt["flagged"])
-            m.expected_requests.set(rt["expected"])
-            m.requests_p_value.set(rt["p_value"])
-        m.alarmed.set(1 if w.get("alarm") else 0)
+        m.observe_window(w)
         if w.get("alarm"):
             m.alarms.inc()
             self.alarms += 1
             if self.webhook:
-                self._post(w)
+                self._post(alarm_record(w))
+        elif w.get("upstream_failing") and self.webhook:
+            self._post(failing_record(w))
         self.on_window(w)
         if w.get("alarm") and self.fail_after and self.alarms >= self.fail_after and not self.failed:
             self.failed = True
             if self.stop:
                 self.stop()
 
-    def _post(self, w: dict) -> None:
+    def _post(self, record: dict) -> None:
         import httpx
 
         try:
-            httpx.post(self.webhook, json=alarm_record(w), timeout=5.0).raise_for_status()
+            httpx.post(self.webhook, json=record, timeout=5.0).raise_for_status()
         except httpx.HTTPError as e:
             log.error("lpf watch: the alert webhook failed: %s: %s", type(e).__name__, e)
 
@@ -253,7 +239,29 @@ def alarm_record(w: dict) -> dict:
         # the flagged requests against what an honest engine of the dtype shows (a corrupt one alarms alone)
         "expected_flagged": (w.get("requests_test") or {}).get("expected"),
         "flagged_p_value": (w.get("requests_test") or {}).get("p_value"),
+        # the incident's change point: the same for each of its alarmed windows, refined as evidence grows
         "change_request_id": (w.get("change") or {}).get("request_id"),
         "change_seq": (w.get("change") or {}).get("seq"),
+        "change_refined": bool((w.get("change") or {}).get("refined")),
+        "incident": (w.get("incident") or {}).get("id"),
+        "incident_windows": (w.get("incident") or {}).get("windows"),
+        "n_failed": w.get("n_failed"),
         "sentence": test.get("sentence"),
+    }
+
+
+def failing_record(w: dict) -> dict:
+    """A window where the upstream failed more than the stated share of requests (the webhook's body)."""
+    from lpf.watch.outages import UPSTREAM_FAILING_SHARE, window_notes
+
+    return {
+        "event": "lpf_watch_upstream_failing",
+        "window": w.get("window"),
+        "first_seq": w.get("first_seq"),
+        "last_seq": w.get("last_seq"),
+        "n_requests": w.get("n_settled"),
+        "n_failed": w.get("n_failed"),
+        "failed": w.get("failed"),
+        "share": UPSTREAM_FAILING_SHARE,
+        "sentence": window_notes(w),
     }

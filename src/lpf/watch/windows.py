@@ -16,6 +16,8 @@ before it (`context`: (requests, tokens, reference) of the previous window, or N
   how}): the first request of the change. The change point is the maximum-likelihood split of the token exceedances
   (one Bernoulli rate before, a higher one after) over request boundaries of the previous window and
   this one; without token evidence, the first flagged request.
+`incident_change(requests, tokens, reference, flagged_ids, info)` is the same change point over an incident's
+evidence so far (`lpf.watch.incidents`).
 Verdicts and the run-level test are `lpf.analysis.findings.analyze` (or `analyze_tokens_only`) on the
 window alone, against the shipped expected floor: the same judgement `lpf analyze` makes of a run.
 
@@ -80,16 +82,29 @@ def _no_logprobs(tokens: pa.Table) -> bool:
     return tokens.num_rows > 0 and tokens.column("engine_logprob").null_count == tokens.num_rows
 
 
-def judge_window(requests: pa.Table, tokens: pa.Table, reference: pa.Table, context, info: dict) -> dict:
+def _run_info(info: dict) -> tuple[float, dict]:
     temperature = info.get("temperature")
     t = MIXED_TEMPERATURE if temperature is None else float(temperature)
-    sampling = {"temperature": t, "top_k": 0, "top_p": 1.0}
-    run_info = {
+    return t, {
         "engine_dtype": info.get("engine_dtype"),
         "reference_dtype": info.get("reference_dtype"),
         "model": info.get("model"),
-        "sampling": sampling,
+        "sampling": {"temperature": t, "top_k": 0, "top_p": 1.0},
     }
+
+
+def incident_change(requests: pa.Table, tokens: pa.Table, reference: pa.Table, flagged_ids: list, info: dict) -> dict:
+    """An incident's change point over all of its evidence so far (`lpf.watch.incidents`): the same estimator
+    as one window's, over the window before the incident and the incident's windows."""
+    _, run_info = _run_info(info)
+    seqs = dict(zip(requests.column("request_id").to_pylist(), requests.column("seq").to_pylist()))
+    flagged = sorted((seqs[r], r) for r in flagged_ids if r in seqs)
+    return change_point(requests, tokens, reference, None, run_info, info, _no_logprobs(tokens), flagged)
+
+
+def judge_window(requests: pa.Table, tokens: pa.Table, reference: pa.Table, context, info: dict) -> dict:
+    temperature = info.get("temperature")
+    t, run_info = _run_info(info)
     tokens_only = _no_logprobs(tokens)
     judge = analyze_tokens_only if tokens_only else analyze
     summary, findings = judge(
