@@ -359,12 +359,14 @@ def _scoring_engine():
 
 
 def findings_notes(reference: dict | None, findings: dict) -> dict:
-    """What findings.json says of the reference beyond its name: its kind, and for a self-reference the one
-    line of what it cannot see and the run-level test as not applicable (it is never `same`: the engine
-    compared with itself agrees whatever model it runs)."""
+    """What findings.json says of the reference beyond its name: its kind (`reference_kind`, absent for the
+    default transformers reference), and for a self-reference the one line of what it cannot see and the
+    run-level test as not applicable (it is never `same`: the engine compared with itself agrees whatever
+    model it runs)."""
     ref = reference or {}
     kind = ref.get("kind") or "transformers"
-    notes: dict = {"reference_kind": kind}
+    # a transformers reference is the default every run had before: its findings stay as they were
+    notes: dict = {} if kind == "transformers" else {"reference_kind": kind}
     if ref.get("limitation"):
         notes["reference_limitation"] = ref["limitation"]
     if ref.get("run_test") == "not applicable":
