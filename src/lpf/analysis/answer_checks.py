@@ -60,13 +60,7 @@ def scan(
             found.contradictions = merge_first(found.contradictions, sc.contradictions(tokens.slice(lo, SLICE)))
     if not expected or not ((expected.get("token") or {}).get("q99")):
         return found
-    for lo in range(0, len(positions), SLICE):
-        hi = lo + SLICE
-        allow = st.allowed(ref_logprob[lo:hi], expected, divergent_abs_diff)
-        ids = request_ids.slice(lo, SLICE) if hasattr(request_ids, "slice") else request_ids[lo:hi]
-        found.sure = merge_first(
-            found.sure, st.first_departures(ids, positions[lo:hi], d[lo:hi], allow, divergent_abs_diff)
-        )
+    found.sure = st.first_departures(request_ids, positions, d, ref_logprob, expected, divergent_abs_diff)
     found.tokens_checked = int(len(positions))
     return found
 

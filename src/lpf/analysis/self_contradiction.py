@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from lpf.analysis.raising import raise_divergent
 
@@ -39,6 +38,8 @@ TOL = 0.01
 # (0.0625 for values in [8, 16), 0.125 in [16, 32)): "over 1" starts past that
 OVER_ONE = 0.25
 KINDS = ("topk_mismatch", "not_listed", "topk_order", "over_one")
+# rule code -> kind, in the order a row's first broken rule is named (3: the reported logprob over 1, 4: a listed one)
+_RULES = {0: "topk_mismatch", 1: "not_listed", 2: "topk_order", 3: "over_one", 4: "over_one"}
 RULE = (
     f"a token whose reported logprob differs from its own top-k entry by more than {TOL} nats (or is missing "
     "from a top-k list it outranks, an out-of-order top-k list, a probability over 1) is an answer that "
@@ -50,86 +51,104 @@ def contradictions(tokens: pa.Table) -> dict[str, tuple[int, str, str]]:
     if tokens.num_rows == 0 or "engine_logprob" not in tokens.column_names:
         return {}
     eng = np.asarray(tokens.column("engine_logprob").to_numpy(zero_copy_only=False), dtype=np.float64)
-    pos = np.asarray(tokens.column("position").to_numpy(zero_copy_only=False), dtype=np.int64)
-    tok = np.asarray(tokens.column("token_id").to_numpy(zero_copy_only=False), dtype=np.int64)
-    n = eng.size
-    first_kind = np.full(n, -1, np.int8)
-    detail = np.full(n, None, dtype=object)
+    tok = np.asarray(tokens.column("token_id").to_numpy(zero_copy_only=False))
     with np.errstate(invalid="ignore"):
-        over = eng > OVER_ONE
-    _mark(first_kind, detail, over, 3, lambda i: f"reported logprob {eng[i]:.5g} > 0 (a probability over 1)")
+        broken = {3: np.flatnonzero(eng > OVER_ONE)}  # rule code -> rows breaking it (a few, or none)
+    lists = None
     if "engine_topk_ids" in tokens.column_names and "engine_topk_logprobs" in tokens.column_names:
-        _topk_checks(tokens, eng, tok, first_kind, detail)
-    rows = np.flatnonzero(first_kind >= 0)
+        lists = _topk_matrix(tokens, eng.size)
+    if lists is not None:
+        broken.update(_topk_checks(eng, tok, *lists))
+    rows = np.unique(np.concatenate(list(broken.values())))
     if not rows.size:
         return {}
+    # the first rule each row breaks is named, with its numbers (only these rows are read again)
+    pos = tokens.column("position").take(pa.array(rows)).to_pylist()
     rid = tokens.column("request_id").take(pa.array(rows)).to_pylist()
     found: dict[str, tuple[int, str, str]] = {}
-    for r, i in zip(rid, rows.tolist()):
-        hit = (int(pos[i]), KINDS[first_kind[i]], str(detail[i]))
+    for r, p, i in zip(rid, pos, rows.tolist()):
+        code = min(c for c, at in broken.items() if _has(at, i))
+        hit = (int(p), _RULES[code], _detail(code, i, tok, eng, lists))
         if r not in found or hit[0] < found[r][0]:
             found[r] = hit
     return found
 
 
-def _mark(kind: np.ndarray, detail: np.ndarray, where: np.ndarray, code: int, say) -> None:
-    """Record `code` at the rows of `where` that have no earlier kind (the first rule broken is named)."""
-    for i in np.flatnonzero(where & (kind < 0)).tolist():
-        kind[i] = code
-        detail[i] = say(i)
+def _has(sorted_rows: np.ndarray, i: int) -> bool:
+    j = np.searchsorted(sorted_rows, i)
+    return j < sorted_rows.size and sorted_rows[j] == i
 
 
-def _topk_checks(tokens: pa.Table, eng: np.ndarray, tok: np.ndarray, kind: np.ndarray, detail: np.ndarray) -> None:
+def _topk_matrix(tokens: pa.Table, n: int):
+    """(ids [n, k], logprobs [n, k], lens [n]) of the engine's top-k lists, padded (id -1, logprob -inf) where a
+    list is shorter; for the common uniform lists views of the flattened values (no copy). None without lists,
+    or with lists whose ids and logprobs do not pair up (the adapter says so elsewhere)."""
     ids_col = tokens.column("engine_topk_ids").combine_chunks()
     lp_col = tokens.column("engine_topk_logprobs").combine_chunks()
-    lens = pc.list_value_length(ids_col).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
-    lp_lens = pc.list_value_length(lp_col).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
-    if not lens.any() or not np.array_equal(lens, lp_lens):
-        return  # no lists, or lists whose ids and logprobs do not pair up (the adapter says so elsewhere)
-    k = int(lens.max())
-    # a [rows, k] matrix view, padded where a list is shorter (id -1, logprob -inf): one layout for every
-    # check, and for the common uniform lists no copy beyond the flattening
-    ids_flat = np.asarray(pc.list_flatten(ids_col).to_numpy(zero_copy_only=False), dtype=np.int64)
-    lps_flat = np.asarray(pc.list_flatten(lp_col).to_numpy(zero_copy_only=False), dtype=np.float64)
-    if (lens == k).all():
-        ids, lps = ids_flat.reshape(-1, k), lps_flat.reshape(-1, k)
-    else:
-        ids, lps = np.full((eng.size, k), -1, np.int64), np.full((eng.size, k), -np.inf)
-        col = np.arange(ids_flat.size) - np.repeat(np.r_[0, np.cumsum(lens)[:-1]], lens)
-        row = np.repeat(np.arange(eng.size), lens)
-        ids[row, col], lps[row, col] = ids_flat, lps_flat
+    offsets = ids_col.offsets.to_numpy()
+    if not np.array_equal(offsets - offsets[0], lp_col.offsets.to_numpy() - lp_col.offsets.to_numpy()[0]):
+        return None
+    lens = np.diff(offsets)
+    if ids_col.null_count:
+        lens = np.where(ids_col.is_null().to_numpy(zero_copy_only=False), 0, lens)
+    k = int(lens.max(initial=0))
+    if k == 0:
+        return None
+    ids_flat = ids_col.values.to_numpy(zero_copy_only=False)[offsets[0] : offsets[-1]]
+    o = lp_col.offsets.to_numpy()
+    lps_flat = lp_col.values.to_numpy(zero_copy_only=False)[o[0] : o[-1]]
+    if lens.min() == k and ids_flat.size == n * k:
+        return ids_flat.reshape(n, k), lps_flat.reshape(n, k), lens
+    ids, lps = np.full((n, k), -1, ids_flat.dtype), np.full((n, k), -np.inf, np.float32)
+    row = np.repeat(np.arange(n), lens)
+    col = np.arange(row.size) - np.repeat(np.r_[0, np.cumsum(lens)[:-1]], lens)
+    if ids_flat.size != row.size:
+        return None
+    ids[row, col], lps[row, col] = ids_flat, lps_flat
+    return ids, lps, lens
+
+
+def _topk_checks(eng: np.ndarray, tok: np.ndarray, ids: np.ndarray, lps: np.ndarray, lens: np.ndarray) -> dict:
+    """Rule code -> sorted rows breaking it. The token's own entry is mostly the list's first (greedy, and
+    most sampled tokens): compared there in one pass, matched id by id only on the other rows."""
     has = lens > 0
     with np.errstate(invalid="ignore", over="ignore"):
-        # the token's own entry, where listed: mostly the first (greedy), matched id by id only elsewhere
-        own_lp = np.where(ids[:, 0] == tok, lps[:, 0], np.nan)
-        rest = np.flatnonzero(has & (ids[:, 0] != tok))
+        first = ids[:, 0] == tok
+        mismatch = first & (np.abs(eng - lps[:, 0]) > TOL)
+        out = {0: np.flatnonzero(mismatch), 1: np.zeros(0, np.int64), 2: np.zeros(0, np.int64)}
+        rest = np.flatnonzero(has & ~first)
         if rest.size:
             match = ids[rest] == tok[rest, None]
-            at = match.argmax(axis=1)
-            own_lp[rest] = np.where(match.any(axis=1), lps[rest, at], np.nan)
-        listed = ~np.isnan(own_lp)
-        gap = np.abs(eng - own_lp)
-        _mark(
-            kind,
-            detail,
-            listed & (gap > TOL),
-            0,
-            lambda i: f"reported logprob {eng[i]:.5g}, its own top-k entry {own_lp[i]:.5g} ({gap[i]:.3g} nats apart)",
+            listed = match.any(axis=1)
+            own = lps[rest, match.argmax(axis=1)]
+            e = eng[rest]
+            out[0] = np.union1d(out[0], rest[listed & (np.abs(e - own) > TOL)])
+            last = lps[rest, lens[rest] - 1]
+            out[1] = rest[~listed & (e > last + TOL)]
+        if ids.shape[1] > 1:
+            out[2] = np.flatnonzero((lps[:, 1:] > lps[:, :-1] + TOL).any(axis=1))
+        # a sorted list's largest entry is its first; an unsorted one breaks the order rule already
+        out[4] = np.flatnonzero(lps[:, 0] > OVER_ONE)
+    return out
+
+
+def _detail(code: int, i: int, tok: np.ndarray, eng: np.ndarray, lists) -> str:
+    """The numbers of row `i` breaking rule `code` (`_RULES`), in words."""
+    if code == 3:
+        return f"reported logprob {eng[i]:.5g} > 0 (a probability over 1)"
+    ids, lps, lens = lists
+    row_ids, row_lps = ids[i, : lens[i]], lps[i, : lens[i]].astype(np.float64)
+    if code == 0:
+        own = row_lps[np.flatnonzero(row_ids == tok[i])[0]]
+        return f"reported logprob {eng[i]:.5g}, its own top-k entry {own:.5g} ({abs(eng[i] - own):.3g} nats apart)"
+    if code == 1:
+        return (
+            f"reported logprob {eng[i]:.5g} outranks the top-k list's last entry {row_lps[-1]:.5g}, "
+            "yet the token is not listed"
         )
-        last = lps[np.arange(eng.size), np.maximum(lens - 1, 0)]
-        _mark(
-            kind,
-            detail,
-            has & ~listed & (eng > last + TOL),
-            1,
-            lambda i: f"reported logprob {eng[i]:.5g} outranks the top-k list's last entry {last[i]:.5g}, "
-            "yet the token is not listed",
-        )
-        if k > 1:
-            rise = (lps[:, 1:] > lps[:, :-1] + TOL).any(axis=1)
-            _mark(kind, detail, rise, 2, lambda i: "the top-k list is not in descending order")
-        top = lps.max(axis=1)
-        _mark(kind, detail, top > OVER_ONE, 3, lambda i: f"a top-k logprob of {top[i]:.5g} > 0 (a probability over 1)")
+    if code == 2:
+        return "the top-k list is not in descending order"
+    return f"a top-k logprob of {row_lps.max():.5g} > 0 (a probability over 1)"
 
 
 def raise_contradictions(summary: pa.Table, found: dict) -> pa.Table:

@@ -24,8 +24,8 @@ Contract (pure, numpy in, numpy and dicts out; rows are judged one by one, so it
       None when the floor has no token percentile).
   `departures(d, allowed, divergent_abs_diff) -> bool array`: |d| past the allowance and within the flat
       threshold (past it the token is flagged already; a NaN d is not: absent logprobs are the tokens-only rule's).
-  `first_departures(request_ids, positions, d, allowed, divergent_abs_diff) -> dict[request_id, (position, detail)]` (two
-      chunks' results merge with `raising.merge_first`).
+  `first_departures(request_ids, positions, d, ref_logprob, floor, divergent_abs_diff)
+      -> dict[request_id, (position, detail)]` (two chunks' results merge with `raising.merge_first`).
   `raise_sure(summary, found)`: those requests at least `divergent`, first divergence moved there when
       earlier, column `sure_token` saying which token moved and by how much against its allowance.
 """
@@ -70,12 +70,28 @@ def departures(d: np.ndarray, allow: np.ndarray, divergent_abs_diff: float) -> n
 
 
 def first_departures(
-    request_ids, positions: np.ndarray, d: np.ndarray, allow: np.ndarray, divergent_abs_diff: float
+    request_ids,
+    positions: np.ndarray,
+    d: np.ndarray,
+    ref_logprob: np.ndarray,
+    floor: dict | None,
+    divergent_abs_diff: float,
 ) -> dict:
-    """The first departing token of each request: (position, detail). `request_ids` an Arrow array or list."""
-    rows = np.flatnonzero(departures(d, allow, divergent_abs_diff))
+    """The first departing token of each request: (position, detail). `request_ids` an Arrow array or list.
+    Only tokens that can depart are judged: sure (p >= P_SURE) and moved past SURE_MIN, the allowance's least
+    (a pass of two comparisons; the allowance itself for those few)."""
+    with np.errstate(invalid="ignore"):
+        ad = np.abs(d)
+        cand = np.flatnonzero((ad > SURE_MIN) & (ad <= divergent_abs_diff) & (ref_logprob >= LOG_P_SURE))
+    if not cand.size:
+        return {}
+    allow = allowed(ref_logprob[cand], floor, divergent_abs_diff)
+    if allow is None:
+        return {}
+    rows = cand[departures(d[cand], allow, divergent_abs_diff)]
     if not rows.size:
         return {}
+    allow_at = dict(zip(cand.tolist(), allow.tolist()))
     rid = (
         request_ids.take(pa.array(rows)).to_pylist() if hasattr(request_ids, "take") else [request_ids[i] for i in rows]
     )
@@ -83,7 +99,7 @@ def first_departures(
     for r, i in zip(rid, rows.tolist()):
         pos = int(positions[i])
         if r not in found or pos < found[r][0]:
-            found[r] = (pos, f"moved {abs(float(d[i])):.3g} nats where its sensitivity allows {float(allow[i]):.3g}")
+            found[r] = (pos, f"moved {abs(float(d[i])):.3g} nats where its sensitivity allows {allow_at[i]:.3g}")
     return found
 
 
