@@ -120,9 +120,18 @@ def test_an_engine_adding_5e3_of_noise_to_every_logprob_is_different(clean_f32, 
         assert r.column("request_id").equals(t.column("request_id"))
         lp = r.column("ref_logprob").to_numpy() + rng.normal(0, 5e-3, t.num_rows)
         topk = [[x + rng.normal(0, 5e-3) for x in row] for row in r.column("ref_topk_logprobs").to_pylist()]
+        # one noisy number per token: its top-k entry is the logprob it reports (an engine whose answer says
+        # two numbers for one token contradicts itself, divergent whatever the floor), the list in the engine's
+        # own order (as an engine sorts its top-k by its own numbers)
+        topk_ids = r.column("ref_topk_ids").to_pylist()
+        for i, (ids, tid) in enumerate(zip(topk_ids, t.column("token_id").to_pylist())):
+            if tid in ids:
+                topk[i][ids.index(tid)] = float(lp[i])
+            order = sorted(range(len(ids)), key=lambda j: -topk[i][j])
+            topk_ids[i], topk[i] = [ids[j] for j in order], [topk[i][j] for j in order]
         for name, values in (
             ("engine_logprob", pa.array(lp)),
-            ("engine_topk_ids", r.column("ref_topk_ids")),
+            ("engine_topk_ids", pa.array(topk_ids, t.schema.field("engine_topk_ids").type)),
             ("engine_topk_logprobs", pa.array(topk, pa.list_(pa.float32()))),
         ):
             t = t.set_column(t.schema.get_field_index(name), name, values)

@@ -3,13 +3,14 @@
 An engine reports, per output token, the sampled token's logprob and (when asked) its top-k list. Both
 come from one distribution, so an honest answer satisfies, up to the rounding of its own numbers (TOL):
   - `topk_mismatch`: the token's reported logprob equals its own entry in the top-k list, when listed;
-  - `not_listed`: a token missing from its top-k list is no likelier than the list's last entry;
   - `topk_order`: the top-k list is in descending order;
   - `over_one`: no logprob, reported or listed, is above 0 (a probability over 1; OVER_ONE past bfloat16's
     rounding of a log-softmax).
 A server that lowers the reported logprob of some tokens by nats and leaves their top-k entries as they
 were breaks the first rule on every such token, whatever the engine's dtype and however lenient its floor
-(no honest bfloat16 engine reports a token twice with two numbers). The checks need no reference.
+(no honest bfloat16 engine reports a token twice with two numbers). The checks need no reference. A token
+missing from its own list is no contradiction to judge: a recorder that maps a server's token strings back to
+ids keeps only the entries it can map (`lpf watch` recorded lists of 2 where the server sent 5).
 
 Contract (pure: an Arrow table in, plain data out; rows are judged one by one, so any subset of whole or
 partial requests, in any order, gives the same per-row results: the streamed analysis runs it chunk by chunk
@@ -37,12 +38,12 @@ TOL = 0.01
 # a logprob computed as x - logsumexp(x) in bfloat16 can come out positive by an ulp of the logsumexp
 # (0.0625 for values in [8, 16), 0.125 in [16, 32)): "over 1" starts past that
 OVER_ONE = 0.25
-KINDS = ("topk_mismatch", "not_listed", "topk_order", "over_one")
+KINDS = ("topk_mismatch", "topk_order", "over_one")
 # rule code -> kind, in the order a row's first broken rule is named (3: the reported logprob over 1, 4: a listed one)
-_RULES = {0: "topk_mismatch", 1: "not_listed", 2: "topk_order", 3: "over_one", 4: "over_one"}
+_RULES = {0: "topk_mismatch", 2: "topk_order", 3: "over_one", 4: "over_one"}
 RULE = (
-    f"a token whose reported logprob differs from its own top-k entry by more than {TOL} nats (or is missing "
-    "from a top-k list it outranks, an out-of-order top-k list, a probability over 1) is an answer that "
+    f"a token whose reported logprob differs from its own top-k entry by more than {TOL} nats (or an "
+    "out-of-order top-k list, a probability over 1) is an answer that "
     "contradicts itself: at least divergent there, whatever the floor"
 )
 
@@ -115,7 +116,7 @@ def _topk_checks(eng: np.ndarray, tok: np.ndarray, ids: np.ndarray, lps: np.ndar
     with np.errstate(invalid="ignore", over="ignore"):
         first = ids[:, 0] == tok
         mismatch = first & (np.abs(eng - lps[:, 0]) > TOL)
-        out = {0: np.flatnonzero(mismatch), 1: np.zeros(0, np.int64), 2: np.zeros(0, np.int64)}
+        out = {0: np.flatnonzero(mismatch), 2: np.zeros(0, np.int64)}
         rest = np.flatnonzero(has & ~first)
         if rest.size:
             match = ids[rest] == tok[rest, None]
@@ -123,8 +124,6 @@ def _topk_checks(eng: np.ndarray, tok: np.ndarray, ids: np.ndarray, lps: np.ndar
             own = lps[rest, match.argmax(axis=1)]
             e = eng[rest]
             out[0] = np.union1d(out[0], rest[listed & (np.abs(e - own) > TOL)])
-            last = lps[rest, lens[rest] - 1]
-            out[1] = rest[~listed & (e > last + TOL)]
         if ids.shape[1] > 1:
             out[2] = np.flatnonzero((lps[:, 1:] > lps[:, :-1] + TOL).any(axis=1))
         # a sorted list's largest entry is its first; an unsorted one breaks the order rule already
@@ -141,11 +140,6 @@ def _detail(code: int, i: int, tok: np.ndarray, eng: np.ndarray, lists) -> str:
     if code == 0:
         own = row_lps[np.flatnonzero(row_ids == tok[i])[0]]
         return f"reported logprob {eng[i]:.5g}, its own top-k entry {own:.5g} ({abs(eng[i] - own):.3g} nats apart)"
-    if code == 1:
-        return (
-            f"reported logprob {eng[i]:.5g} outranks the top-k list's last entry {row_lps[-1]:.5g}, "
-            "yet the token is not listed"
-        )
     if code == 2:
         return "the top-k list is not in descending order"
     return f"a top-k logprob of {row_lps.max():.5g} > 0 (a probability over 1)"

@@ -2,22 +2,21 @@
 
 The divergent threshold is one number per run (`calibration`): an expected floor raises it to
 DIVERGENT_TAIL x the floor's 99th percentile of logit error, because a token whose distribution is flat
-moves by the whole logit error. A token the reference is sure of does not: its logprob moves by about
-s x the logit error, s its sensitivity (`token_evidence.sensitivity`: ~ 1 - p for a sure token). Widening
-bfloat16's floor for flat prose to 2.0 nats thus let a server lower a p ~ 1 token's logprob by 2 nats
-unseen (issue 52). Here each token gets its own allowance:
+moves by the whole logit error. A token the reference is sure of does not: widening bfloat16's floor for flat
+prose to 2.0 nats let a server lower a p ~ 1 token's logprob by 2 nats unseen (issue 52). Here each token the
+reference is sure of gets its own allowance, the most its logprob can drop when every other logit rises by
+the largest honest logit error against it (exact, not the sensitivity's linearization, which at p = 0.9998
+and 4x bfloat16's percentile underestimates the drop tenfold):
 
-    allowed = min(divergent_abs_diff, max(SURE_MIN, DIVERGENT_TAIL x H x token_q99 x s_up))   where p >= P_SURE
+    allowed = min(divergent_abs_diff, max(SURE_MIN, log(p + (1 - p) exp(delta))))     where p >= P_SURE
+    delta   = SURE_TAIL x H x token_q99
 
-with token_q99 the expected floor's 99th percentile of logit error, H the largest honest departure the floor
-carries for tokens (other honest kernels: at least 1), s_up = sqrt(2) (1 - p) an upper bound of the token's
-sensitivity from the reference's logprob alone (sum_{j != t} p_j^2 <= (1 - p)^2; a top-k would tighten it by
-at most sqrt(2)). An upper bound only widens the allowance: an honest token is never judged tighter than
-its sensitivity allows. The rule is for tokens the reference is sure of (p >= P_SURE = 0.9; elsewhere the
-flat threshold stands, so a sampled or tempered run's unsure tokens are judged as before), and SURE_MIN keeps
-it to moves no honest kernel makes on such a token (0.1 nats: p from 0.95 to 0.86; bfloat16's floor moves a
-token with s = 0.1 by ~0.05 at its 99th percentile, float32's by 1e-5; a server's temperature of 0.7 moves a
-p = 0.9 token by 0.06).
+token_q99 the expected floor's 99th percentile of logit error, H the largest honest departure the floor carries
+for tokens (other honest kernels: at least 1). SURE_TAIL = 8: on tiny:jamba-longmem in bfloat16 (the roughest
+model measured, q99 1.13) honest sure tokens moved by up to 0.33 nats, as far as 6.9 nats of logit error
+moves a p = 0.9998 token: 6x the percentile. A lie of 1.5 nats on such a token needs 9.8 nats, 18x
+zoo:hybrid's bfloat16 percentile. Unsure tokens (p < P_SURE) keep the flat threshold (a sampled or tempered
+run's are judged as before), and SURE_MIN keeps the rule to moves worth a verdict (0.1 nats).
 
 Contract (pure, numpy in, numpy and dicts out; rows are judged one by one, so it runs chunk by chunk):
   `allowed(ref_logprob, floor, divergent_abs_diff) -> float64 array` (inf where the reference is not sure;
@@ -35,16 +34,16 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from lpf.analysis.calibration import DIVERGENT_TAIL
 from lpf.analysis.raising import raise_divergent
 
 SURE_MIN = 0.1
+SURE_TAIL = 8.0
 P_SURE = 0.9
 LOG_P_SURE = float(np.log(P_SURE))
 RULE = (
-    "a token the reference is sure of moving further than its sensitivity times the floor's logit error allows "
-    f"(reference p >= {P_SURE}: DIVERGENT_TAIL x honest x q99 x s, at least {SURE_MIN} nats, at most the divergent "
-    "threshold) is divergent"
+    "a token the reference is sure of dropping further than every other logit rising by the largest honest logit "
+    f"error allows (reference p >= {P_SURE}: log(p + (1 - p) exp({SURE_TAIL:g} x honest x q99)), at least {SURE_MIN} "
+    "nats, at most the divergent threshold) is divergent"
 )
 
 
@@ -53,11 +52,12 @@ def allowed(ref_logprob: np.ndarray, floor: dict | None, divergent_abs_diff: flo
     if not q99:
         return None
     honest = max(1.0, float(((floor or {}).get("honest") or {}).get("token") or 1.0))
-    lp = np.asarray(ref_logprob, dtype=np.float64)
-    s_up = np.sqrt(2.0) * -np.expm1(np.minimum(lp, 0.0))
-    scale = DIVERGENT_TAIL * honest * float(q99)
-    with np.errstate(invalid="ignore"):
-        out = np.minimum(np.maximum(SURE_MIN, scale * s_up), divergent_abs_diff)
+    lp = np.minimum(np.asarray(ref_logprob, dtype=np.float64), 0.0)
+    delta = min(SURE_TAIL * honest * float(q99), 700.0)
+    with np.errstate(invalid="ignore", over="ignore"):
+        p = np.exp(lp)
+        drop = np.log(p + -np.expm1(lp) * np.exp(delta))  # every other logit up by delta against the token
+        out = np.minimum(np.maximum(SURE_MIN, drop), divergent_abs_diff)
         out[~(lp >= LOG_P_SURE)] = np.inf  # not sure: the flat threshold's alone
     return out
 

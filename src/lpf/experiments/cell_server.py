@@ -142,6 +142,11 @@ def _preload(names: list[str]) -> None:
 
 def serve(req_fd: int, rep_fd: int, learn: bool) -> int:
     importlib.import_module("torch")
+    # every cell's analysis reads scipy.stats (lpf.analysis.stats), whose bundled OpenBLAS starts its thread pool
+    # at import (OMP_NUM_THREADS > 1): imported here, it is the worker's own, rebuilt in a forked child by
+    # OpenBLAS's fork handlers as numpy's (imported with torch) is; learned after the first cell, it made the
+    # worker unsafe and every sweep start a second one
+    importlib.import_module("scipy.stats")
     own = _tasks()  # this thread, and the OpenMP team torch starts at import (OMP_NUM_THREADS > 1)
     for name in PRELOAD:
         importlib.import_module(name)
