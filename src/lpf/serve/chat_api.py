@@ -12,11 +12,9 @@ vLLM cuts its per-position dict), `token_ids` per choice and `prompt_token_ids` 
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
-
 from lpf.core.chat import check_messages, render
 from lpf.core.errors import LpfError
-from lpf.serve.openai_api import choice_output, clamp, entry, plan_prompts
+from lpf.serve.openai_api import SamplingFields, choice_output, clamp, entry, plan_prompts
 from lpf.serve.protocol import ApiError, ModelInfo, Planned, PromptIn, TokenText, refuse_non_neutral
 
 CHAT_NEUTRAL = {
@@ -42,31 +40,12 @@ CHAT_NEUTRAL = {
 }
 
 
-class ChatRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    model: str | None = None
+class ChatRequest(SamplingFields):
     messages: list | None = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
-    n: int = 1
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    return_tokens_as_token_ids: bool | None = None
-    return_token_ids: bool | None = None
-    stop: str | list[str] | None = None
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    stream: bool | None = False
-    stream_options: dict | None = None
-    request_id: str | None = None
-    repetition_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
 
 
 def top_k_of(req: ChatRequest) -> int | None:

@@ -54,20 +54,17 @@ COMPLETION_NEUTRAL = {
 }
 
 
-class CompletionRequest(BaseModel):
+class SamplingFields(BaseModel):
+    """The fields /v1/completions and /v1/chat/completions share (vLLM's names; its extensions beside OpenAI's)."""
+
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
-    prompt: PromptField | None = None
-    max_tokens: int | None = 16
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
     seed: int | None = None
     n: int = 1
-    logprobs: int | None = None
-    echo: bool | None = False
-    prompt_logprobs: int | None = None
     return_tokens_as_token_ids: bool | None = None
     return_token_ids: bool | None = None
     stop: str | list[str] | None = None
@@ -79,6 +76,14 @@ class CompletionRequest(BaseModel):
     repetition_penalty: float | None = None  # vLLM's extension; None: the server's default
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: PromptField | None = None
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool | None = False
+    prompt_logprobs: int | None = None
 
 
 def _penalties(req, info: ModelInfo) -> dict:
