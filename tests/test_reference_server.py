@@ -174,12 +174,17 @@ def test_a_trusted_deployment_flags_what_the_transformers_reference_flags(lpf_cl
     shutil.copytree(run, tmp_path / "by-transformers")
     by_model = _rescore(lpf_cli, tmp_path / "by-transformers", "--reference", MODEL)
     assert "reference_kind" not in by_model  # the default reference: findings as they always were
-    assert _flagged(by_http) and _flagged(by_http) == _flagged(by_model)
-    assert by_http["counts"] == by_model["counts"]
+    # what the server reference flags, transformers flags too; the transformers reference also has float32's
+    # expected floor (a server reference's dtype is not recorded: no floor is measured for an engine pair yet),
+    # so its sure-token and localized rules may flag a smaller victim more
+    assert _flagged(by_http) and _flagged(by_http) <= _flagged(by_model)
+    assert by_http["counts"]["corrupt"] == by_model["counts"]["corrupt"]
 
 
 @pytest.mark.slow
 def test_echo_and_the_prompt_logprobs_field_score_alike(servers):
+    from dataclasses import replace
+
     from lpf.core.model_specs import resolve_model
     from lpf.pipeline.reference import ScoreItem
     from lpf.pipeline.reference_http import HttpReference
@@ -190,7 +195,12 @@ def test_echo_and_the_prompt_logprobs_field_score_alike(servers):
         r = HttpReference("http", servers["clean"], MODEL, resolve_model(MODEL), 3, 2, how=how)
         (batch,) = list(r.score_all(items))
         scored[how] = batch
-    f, e = scored["field"], scored["echo"]
+    # two requests in flight: rows come back in the order the server answered; compared by (request, position)
+    keys = [("request_id", "ascending"), ("position", "ascending")]
+    f, e = (
+        replace(b, reference=b.reference.sort_by(keys), prompt_reference=b.prompt_reference.sort_by(keys))
+        for b in (scored["field"], scored["echo"])
+    )
     assert f.reference.num_rows == 9 and f.prompt_reference.num_rows == 4
     for name in ("request_id", "position", "ref_top1_id", "ref_topk_ids"):
         assert f.reference.column(name).to_pylist() == e.reference.column(name).to_pylist(), name
