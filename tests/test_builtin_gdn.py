@@ -29,6 +29,8 @@ from lpf.core.sampling import SamplingParams
 from lpf.core.workload import expand, load_prompts
 from lpf.zoo import registry
 
+pytestmark = pytest.mark.slow  # the engine against transformers on every path: ~12 s (make test-fast's budget)
+
 MODEL = "tiny:qwen35"
 TOL = 5e-4
 N = 8

@@ -284,6 +284,7 @@ def test_jamba_is_refused_on_the_cpu_build(lpf_cli, tmp_path, prompts8):
 
 
 @needs_vllm
+@pytest.mark.slow  # waits out a start-up deadline: ~9 s (make test-fast's budget)
 def test_a_worker_that_cannot_start_in_time_is_stopped_and_reported(lpf_cli, tmp_path, prompts8, monkeypatch):
     from lpf.adapters.vllm import VLLMEngine
 
