@@ -2,8 +2,8 @@
 
 - `self_contradiction`: an answer that reports a token twice with two numbers (or an impossible top-k),
   evidence whatever the floor;
-- `sure_tokens`: a token the reference is sure of moved further than its sensitivity allows under the
-  expected floor (only with an expected floor: without one there is no logit error to scale).
+- `sure_tokens`: a token the reference is sure of moved further than the expected floor's logit error can move
+  it (only with an expected floor: without one there is no logit error to scale).
 Both judge rows one by one, so the step runs in one piece (in memory) or chunk by chunk (streamed) with the
 same result: `scan` a piece of whole or partial requests, `merge` pieces, `apply` once to the summary.
 
@@ -55,7 +55,7 @@ def scan(
     divergent_abs_diff: float,
 ) -> Found:
     found = Found()
-    if tokens is not None:  # the top-k lists flatten to k values a row: a slice at a time bounds the memory
+    if tokens is not None:  # a slice at a time: the flattened top-k lists and the row masks stay cache-sized
         for lo in range(0, tokens.num_rows, SLICE):
             found.contradictions = merge_first(found.contradictions, sc.contradictions(tokens.slice(lo, SLICE)))
     if not expected or not ((expected.get("token") or {}).get("q99")):

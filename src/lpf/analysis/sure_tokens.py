@@ -99,7 +99,10 @@ def first_departures(
     for r, i in zip(rid, rows.tolist()):
         pos = int(positions[i])
         if r not in found or pos < found[r][0]:
-            found[r] = (pos, f"moved {abs(float(d[i])):.3g} nats where its sensitivity allows {allow_at[i]:.3g}")
+            found[r] = (
+                pos,
+                f"moved {abs(float(d[i])):.3g} nats where the floor allows a token this sure {allow_at[i]:.3g}",
+            )
     return found
 
 
