@@ -151,29 +151,25 @@ def create_app(engine, tokenizer, info: ModelInfo, sink: TraceSink | None = None
             ],
         }
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, http: HttpRequest):
+    async def answer(body, http: HttpRequest, prefix: str, plan, render, chat: bool):
+        """One OpenAI route: plan the request, then stream it or run it and render the whole answer."""
         check_model(body.model)
         base = http.headers.get("X-Request-Id") or body.request_id or uuid.uuid4().hex[:16]
-        response_id = f"cmpl-{base}"
-        plans = plan_completion(body, tokenizer, info, response_id)
+        response_id = f"{prefix}-{base}"
+        plans = plan(body, tokenizer, info, response_id)
         created = int(time.time())
         if body.stream:
-            return stream(plans, body, response_id, created, chat=False)
+            return stream(plans, body, response_id, created, chat=chat)
         await run(plans, http)
-        return render_completion(body, plans, tokenizer, info, response_id, created)
+        return render(body, plans, tokenizer, info, response_id, created)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, http: HttpRequest):
+        return await answer(body, http, "cmpl", plan_completion, render_completion, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, http: HttpRequest):
-        check_model(body.model)
-        base = http.headers.get("X-Request-Id") or body.request_id or uuid.uuid4().hex[:16]
-        response_id = f"chatcmpl-{base}"
-        plans = plan_chat(body, tokenizer, info, response_id)
-        created = int(time.time())
-        if body.stream:
-            return stream(plans, body, response_id, created, chat=True)
-        await run(plans, http)
-        return render_chat(body, plans, tokenizer, info, response_id, created)
+        return await answer(body, http, "chatcmpl", plan_chat, render_chat, chat=True)
 
     def stream(plans, body, response_id: str, created: int, chat: bool) -> StreamingResponse:
         if app.state.loop.dead is not None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from lpf.core.chat import check_messages, render
 from lpf.core.errors import LpfError
-from lpf.serve.openai_api import SamplingFields, choice_output, clamp, entry, plan_prompts
+from lpf.serve.openai_api import SamplingFields, choice_output, clamp, entry, plan_prompts, usage
 from lpf.serve.protocol import ApiError, ModelInfo, Planned, PromptIn, TokenText, refuse_non_neutral
 
 CHAT_NEUTRAL = {
@@ -137,12 +137,7 @@ def render_chat(
         "choices": choices,
         "service_tier": None,
         "system_fingerprint": None,
-        "usage": {
-            "prompt_tokens": n_prompt,
-            "total_tokens": n_prompt + n_out,
-            "completion_tokens": n_out,
-            "prompt_tokens_details": None,
-        },
+        "usage": usage(n_prompt, n_out),
         "prompt_logprobs": None,
         "prompt_token_ids": plan.prompt.token_ids if req.return_token_ids else None,
         "kv_transfer_params": None,

@@ -205,6 +205,16 @@ def choice_output(tokenizer, plan: Planned, done, skip_special: bool) -> tuple[l
     return ids, out_text, finish, stop_reason
 
 
+def usage(n_prompt: int, n_out: int) -> dict:
+    """The answer's `usage` block, as vLLM writes it on both routes."""
+    return {
+        "prompt_tokens": n_prompt,
+        "total_tokens": n_prompt + n_out,
+        "completion_tokens": n_out,
+        "prompt_tokens_details": None,
+    }
+
+
 def render_completion(
     req: CompletionRequest, plans: list[Planned], tokenizer, info: ModelInfo, response_id: str, created: int
 ) -> dict:
@@ -244,11 +254,6 @@ def render_completion(
         "choices": choices,
         "service_tier": None,
         "system_fingerprint": None,
-        "usage": {
-            "prompt_tokens": n_prompt,
-            "total_tokens": n_prompt + n_out,
-            "completion_tokens": n_out,
-            "prompt_tokens_details": None,
-        },
+        "usage": usage(n_prompt, n_out),
         "kv_transfer_params": None,
     }
