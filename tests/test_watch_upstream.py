@@ -2,11 +2,15 @@
 path with scripted bytes: every framing (content-length, chunked with extensions and trailers, close-delimited,
 HEAD, 1xx first), keep-alive reuse, a kept-alive connection the server closed while idle (sent again on a fresh
 one), bodies cut short, a server that never answers (a time-out) and one that is not there. About a second.
+And the proxy's ASGI app over it: a client that leaves once it has read [DONE] left with its whole answer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -113,3 +117,72 @@ def test_a_cancelled_request_closes_its_connection():
         server.close()
 
     asyncio.run(main())
+
+
+def _held_stream_upstream(events: list[bytes]):
+    """An upstream that sends `events` as one chunked SSE answer, one at a time, and then holds the body open (no
+    last chunk)."""
+
+    async def handle(r, w):
+        head = await r.readuntil(b"\r\n\r\n")
+        length = [int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")]
+        await r.readexactly(length[0])
+        w.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+        for e in events:
+            w.write(b"%x\r\n%s\r\n" % (len(e), e))
+            await w.drain()
+            await asyncio.sleep(0.2)  # one event at a time, as an engine sends them
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            await r.read()  # until the proxy closes its side
+        w.close()
+
+    return asyncio.start_server(handle, "127.0.0.1", 0)
+
+
+async def _relay_until_client_leaves(leave_after: bytes):
+    """One sampled streamed completion through the proxy's ASGI app; the client disconnects once a body it was
+    sent contains `leave_after`. Returns the sample the recorder was offered."""
+    from lpf.watch.metrics import WatchMetrics
+    from lpf.watch.proxy import create_proxy
+    from lpf.watch.sample import Sampler
+
+    event = {"id": "c1", "choices": [{"index": 0, "text": "ab", "token_ids": [5, 6], "finish_reason": "length"}]}
+    upstream = await _held_stream_upstream([b"data: " + json.dumps(event).encode() + b"\n\n", b"data: [DONE]\n\n"])
+    offered = []
+    app = create_proxy(
+        f"http://127.0.0.1:{upstream.sockets[0].getsockname()[1]}",
+        Sampler(1.0),
+        SimpleNamespace(offer=lambda s: offered.append(s) or True),
+        WatchMetrics(),
+    )
+    life = asyncio.Queue()
+    await life.put({"type": "lifespan.startup"})
+    lifespan = asyncio.create_task(app({"type": "lifespan"}, life.get, lambda m: asyncio.sleep(0)))
+    left = asyncio.Event()
+    bodies = [{"type": "http.request", "body": json.dumps({"model": "m", "prompt": "hi", "stream": True}).encode()}]
+
+    async def receive():
+        if bodies:
+            return bodies.pop()
+        await left.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        if leave_after in message.get("body", b""):
+            left.set()
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [], "query_string": b""}
+    await asyncio.wait_for(app(scope, receive, send), 10)
+    await life.put({"type": "lifespan.shutdown"})
+    await lifespan
+    upstream.close()
+    return offered
+
+
+def test_a_client_that_leaves_after_done_has_its_whole_answer_and_one_that_leaves_before_does_not():
+    # the openai client closes its connection on [DONE], before the upstream has ended the chunked body
+    whole = asyncio.run(_relay_until_client_leaves(b"[DONE]"))
+    assert len(whole) == 1 and whole[0].error is None and whole[0].stream_done
+    assert whole[0].collected.finish_reason == "length" and whole[0].collected.token_ids == [5, 6]
+    cut = asyncio.run(_relay_until_client_leaves(b'"ab"'))  # gone before [DONE] was relayed
+    assert len(cut) == 1 and cut[0].error == "the client disconnected"

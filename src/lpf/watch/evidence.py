@@ -47,6 +47,7 @@ class Sample:
     error: str | None = None  # why the answer is not a usable completion (upstream error, malformed, cut)
     raw_evidence: str | None = None  # a malformed answer's first bytes, kept as returned
     headers: dict = field(default_factory=dict)  # REPLICA_HEADERS the upstream answered with
+    stream_done: bool = False  # the upstream's stream reached its `data: [DONE]`: the answer is whole
 
     @property
     def upstream_request_id(self) -> str | None:

@@ -212,7 +212,9 @@ class Proxy:
                 raise  # the server is stopping
             asyncio.current_task().uncancel()
             self.metrics.client_gone.inc()
-            if sample is not None and sample.error is None:
+            # a client that closes once it has read [DONE] (the openai client does, before the upstream ends
+            # its chunked body) left with its whole answer: nothing of the evidence was cut
+            if sample is not None and sample.error is None and not sample.stream_done:
                 sample.error = "the client disconnected"
         except UpstreamTimeout as e:
             self.metrics.upstream_errors.inc()
@@ -359,6 +361,7 @@ class Proxy:
                 continue
             payload = line[5:].strip()
             if payload == b"[DONE]":
+                sample.stream_done = True
                 continue
             try:
                 chunk = json.loads(payload)
