@@ -134,7 +134,8 @@ class BuiltinEngine(Engine):
     def configuration(self) -> dict:
         from lpf.adapters import engine_config
 
-        return engine_config.read(engine_config.builtin(self.options.dtype), "the built-in engine's EngineConfig")
+        said = engine_config.builtin(self.options.dtype, kv_cache_dtype=self.options.kv_quantized)
+        return engine_config.read(said, "the built-in engine's EngineConfig")
 
     def generate(self, requests: list[EngineRequest]) -> Iterator[Completion]:
         import torch

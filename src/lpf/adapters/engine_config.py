@@ -12,8 +12,9 @@
   chosen attention backend; `sampling_defaults`: `model_config.get_diff_sampling_param()` (the model's
   generation_config.json defaults vLLM applies).
 - `from_lpf_models(body)`: `lpf serve`'s GET /v1/models, whose model entry carries `lpf_configuration`.
-- `builtin(dtype, repetition_penalty)`: the built-in engine's (and `lpf serve`'s, whose default repetition
-  penalty is a sampling default): its dtype, a KV cache in that dtype, float weights; flash attention not
+- `builtin(dtype, repetition_penalty, kv_cache_dtype)`: the built-in engine's (and `lpf serve`'s, whose default
+  repetition penalty is a sampling default): its dtype, its KV cache's (the dtype, or -E kv_cache_dtype's fp8 type),
+  float weights; flash attention not
   said (torch's scaled_dot_product_attention picks its kernel).
 """
 
@@ -105,11 +106,12 @@ def from_lpf_models(body: Any) -> dict[str, tuple[Any, str]]:
     return {k: (v, "GET /v1/models lpf_configuration") for k, v in said.items() if k in FIELDS and v is not None}
 
 
-def builtin(dtype: str, repetition_penalty: float | None = None) -> dict[str, Any]:
-    """The built-in engine's configuration as plain values (lpf serve lists them in /v1/models)."""
+def builtin(dtype: str, repetition_penalty: float | None = None, kv_cache_dtype: str | None = None) -> dict[str, Any]:
+    """The built-in engine's configuration as plain values (lpf serve lists them in /v1/models); `kv_cache_dtype`:
+    its quantized KV cache (`EngineConfig.kv_quantized`, "fp8_e4m3" / "fp8_e5m2"), None: the engine dtype."""
     return {
         "dtype": dtype,
-        "kv_cache_dtype": dtype,
+        "kv_cache_dtype": kv_cache_dtype or dtype,
         # torch's scaled_dot_product_attention picks its own kernel (a flash kernel on CPU), in the KV's
         # dtype: neither llama.cpp's flash attention on an f16 copy nor a plain softmax, so not said
         "flash_attention": None,

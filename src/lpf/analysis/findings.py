@@ -67,6 +67,7 @@ from lpf.analysis import request_sampling
 from lpf.analysis.calibration import calibrate, calibrate_from_run, calibrate_to_floor, with_expected_tie_margin
 from lpf.analysis.evidence import apply_inconsistency, evidence
 from lpf.analysis.features import Feature, request_features
+from lpf.analysis.onset_features import onset_features
 from lpf.analysis.floors import KAPPA, expected_floor, observed_logit_error
 from lpf.analysis.hypotheses import rank_hypotheses
 from lpf.analysis.levels import REQUEST_VERDICTS, SEVERITY
@@ -398,6 +399,7 @@ def conclude(
         findings["flagged"],
         found.get("penalty"),
         test,
+        shape,
     )
     findings["evidence"] = evidence(requests, summary)
     findings["prefix_cache"] = prefix() if prefix is not None else prefix_cache_summary(requests, trace, engine_info)
@@ -476,12 +478,23 @@ def _penalty_tie(th: Thresholds, test: dict | None) -> float:
 
 
 def _hypotheses(
-    summary, requests, trace, engine_info, temperature, tempered, crossed, flagged_rows, penalty=None, test=None
+    summary,
+    requests,
+    trace,
+    engine_info,
+    temperature,
+    tempered,
+    crossed,
+    flagged_rows,
+    penalty=None,
+    test=None,
+    shape=None,
 ) -> tuple:
     """(ranked hypotheses, findings' `mechanisms` block); each of `flagged_rows` (findings' `flagged`)
     gains its `mechanism` (`lpf.analysis.mechanisms`; `mechanisms.run_level` when the run-level `test` finds
     the whole run departs). `penalty`: a fitted server penalty, ranked as a signature (the requests with a
-    flip it explains)."""
+    flip it explains). The flagged requests' positional onset and collapse (`onset_features`) are signatures
+    too; a positional onset found goes into `shape` as `absolute_onset`."""
     enc = pc.dictionary_encode(summary.column("verdict").combine_chunks())  # a few names, one code per request
     names, code = enc.dictionary.to_pylist(), enc.indices.to_numpy(zero_copy_only=False)
 
@@ -516,6 +529,11 @@ def _hypotheses(
                 penalty_phrase(penalty),
             )
         )
+    if flagged_rows:  # divergent or corrupt requests: where they departed and what they degenerated to
+        kv_sigs, onset = onset_features(summary, requests, flagged, engine_info)
+        sigs = kv_sigs + sigs  # first: a property of the flagged tokens themselves, ahead of a fitted server setting
+        if onset is not None and shape is not None:
+            shape["absolute_onset"] = onset
     spec_first = spec_divergence(summary, requests, trace)
     if spec_first is not None:
         sigs.append(spec_first)

@@ -13,6 +13,9 @@ tokens, a multiple of `block_size`; vLLM's `--mamba-block-size`), as vLLM does f
 checkpoint is due; the state is saved at chunk ends) or `all` (chunks end anywhere; the Mamba layers
 save the state at every boundary a chunk crosses). See `prefix_cache` and docs/builtin-engine.md.
 
+`kv_cache_dtype` is vLLM's knob of that name: "auto" keeps K/V in the engine dtype; fp8 (e4m3) and fp8_e5m2
+store them as float8 codes with a scale (`kv_cache_scales`: per tensor or per 16-element block; `kv_quant`).
+
 `mamba_ssm_cache_dtype` is vLLM's knob of that name: the dtype the SSM part of each state slot is
 stored in ("auto": the engine dtype). Stored in bfloat16 under a float32 engine, every decode step
 rounds the recurrent state, so the error compounds with position (the hybrid-model RL mismatch that
@@ -85,6 +88,19 @@ class EngineConfig(BaseModel):
         roles=("cache_size",),
     )
     device: str = knob("cpu", help="Where the engine runs (cpu, cuda).")
+    # K and V quantized as they are written to the paged cache, dequantized as attention reads them (vLLM's
+    # and SGLang's fp8 KV caches): `kv_quant`; judged against its own floor (floors.json "kv=fp8_e4m3")
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = knob(
+        "auto",
+        help="KV cache precision (vLLM's name): auto (the engine dtype) or fp8 (= fp8_e4m3), fp8_e4m3, fp8_e5m2: "
+        "K/V quantized on write with a scale, dequantized on read.",
+    )  # not moved by shrink: the configuration a run is judged against (and the KV drills need)
+    kv_cache_scales: Literal["tensor", "block"] = knob(
+        "tensor",
+        help="Built-in engine, with an fp8 KV cache: per-tensor scales (one per layer for K and V, from the first "
+        "write's amax, as vLLM's calculate_kv_scales) or per-block scales (each 16 elements of a head's row).",
+    )
+
     max_model_len: int | None = knob(
         None,
         ge=1,
@@ -150,6 +166,13 @@ class EngineConfig(BaseModel):
                     f"speculative must be ngram:K or draft:MODEL:K with K in 1..16, got {self.speculative!r}"
                 )
         return self
+
+    @property
+    def kv_quantized(self) -> str | None:
+        """The KV cache's quantized type in the manifest's spelling ("fp8" is e4m3), or None (the engine dtype)."""
+        return (
+            None if self.kv_cache_dtype == "auto" else {"fp8": "fp8_e4m3"}.get(self.kv_cache_dtype, self.kv_cache_dtype)
+        )
 
     @property
     def num_speculative_tokens(self) -> int:

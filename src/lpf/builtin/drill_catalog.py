@@ -42,7 +42,7 @@ class Arg:
 @dataclass(frozen=True)
 class Drill:
     name: str
-    family: str  # seed | prefix | speculative | substitution (the docs' sections)
+    family: str  # seed | prefix | speculative | kv | substitution (the docs' sections)
     what: str  # one line: the mechanism it re-creates
     arg: Arg | None = None
     needs: tuple["Need", ...] = ()
@@ -112,6 +112,11 @@ UNITS_DIFFER = Need(
     lambda o: o.checkpoint_block_size > o.block_size,
     lambda o: "needs a Mamba block larger than the KV block (the two units differ): "
     f"add -E mamba_block_size={2 * o.block_size}",
+)
+FP8_KV = Need(
+    "-E kv_cache_dtype=fp8",
+    lambda o: getattr(o, "kv_cache_dtype", "auto") != "auto",
+    "lives in a quantized KV cache: add -E kv_cache_dtype=fp8_e4m3 (or fp8_e5m2)",
 )
 NO_PREFIX_CACHING = Need(
     "no prefix caching",
@@ -251,6 +256,40 @@ _DRILLS = (
         "draft probabilities read by the permuted batch row: verified against another request's q (1Cat-vLLM#656)",
         _f("spec_decision_against_odds", "sampled_spec_batch_over_2"),
         DRAFT_MODEL,
+    ),
+    Drill(
+        "kv-scale-from-position",
+        "kv",
+        "decode reads K/V rows from position P - 1 on with another scale than they were written with: logprobs "
+        "from absolute position P on (vllm#54035, sglang#25790: FA3's 96-token decode tile)",
+        Arg("kv_scale_from_position", int, 97, 1, 1_000_000, "P"),
+        needs=(FP8_KV,),
+        named_by=_f("positional_onset"),
+        knobs={"kv_cache_dtype": "fp8_e4m3"},
+    ),
+    Drill(
+        "kv-offload-scales-lost",
+        "kv",
+        "a prefix-cache hit's reused blocks come back from the host tier without their scales, read with 1.0 "
+        "(sglang#29913)",
+        needs=(PREFIX_CACHING, FP8_KV),
+        named_by=_f("prefix_cache_hit"),
+        knobs={"kv_cache_dtype": "fp8_e4m3", "kv_cache_scales": "block"},
+    ),
+    Drill(
+        "kv-requant-on-hit",
+        "kv",
+        "a prefix-cache hit's reused K/V quantized a second time (the scale applied twice)",
+        needs=(PREFIX_CACHING, FP8_KV),
+        named_by=_f("prefix_cache_hit"),
+        knobs={"kv_cache_dtype": "fp8_e4m3"},
+    ),
+    Drill(
+        "kv-fp4-collapse",
+        "kv",
+        "fp4 (e2m1) KV whose decode writes divide the block scales by an unset global scale: NaN K/V, the argmax "
+        "collapses to token id 0 (vllm PR #49818)",
+        named_by=_f("collapsed_to_one_token"),
     ),
     Drill(
         "quantize-weights",

@@ -40,7 +40,10 @@ def cache_sizes(model, config: EngineConfig) -> tuple[int, int]:
     n_attn, n_kv, head_dim = model.kv_spec()
     slot_elem = torch_dtype(state_buffer_dtype(config)).itemsize
     slot_bytes = sum(prod(shape) for parts in model.state_specs() for _, shape in parts) * slot_elem
-    block_bytes = n_attn * 2 * config.block_size * n_kv * head_dim * elem
+    row_bytes = head_dim * elem
+    if config.kv_quantized:  # 1-byte codes and a float32 scale per tensor row or per 16 elements (kv_quant)
+        row_bytes = head_dim + 4 * (1 if config.kv_cache_scales == "tensor" else -(-head_dim // 16))
+    block_bytes = n_attn * 2 * config.block_size * n_kv * row_bytes
     return config.cache_sizes(slot_bytes, block_bytes)
 
 
@@ -101,6 +104,8 @@ class LLMEngine:
             mamba_block_size=px.mbs if px else None,
             num_speculative_tokens=config.num_speculative_tokens,
             draft_probs=self.proposer.probs if self.proposer else None,
+            kv_cache_dtype=config.kv_quantized,
+            kv_cache_scales=config.kv_cache_scales,
         )
         self._spec = bool(config.num_speculative_tokens)
         self._trace: list[dict] = []

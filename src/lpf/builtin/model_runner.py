@@ -24,6 +24,7 @@ import torch
 from lpf.builtin.faults import Drills, FaultSet, GroundTruth
 from lpf.builtin.forward_context import ForwardContext, SeqMeta, set_forward_context
 from lpf.builtin.kv_cache import KVCache
+from lpf.builtin.kv_drills import KVDrills
 from lpf.builtin.prefix_drills import PrefixDrills
 from lpf.builtin.sampler import sample
 from lpf.builtin.sched_output import PromptRows, SchedulerOutput, StepResult
@@ -47,6 +48,8 @@ class ModelRunner:
         mamba_block_size: int | None = None,
         num_speculative_tokens: int = 0,
         draft_probs=None,
+        kv_cache_dtype: str | None = None,
+        kv_cache_scales: str = "tensor",
     ):
         self.model = model
         self.device = device
@@ -64,9 +67,20 @@ class ModelRunner:
         )
         self.drills = Drills(faults, truth, self.state_cache)
         self.drills.edit_weights(model)
+        # an fp8 KV cache (kv_cache_dtype) and the drills inside it: `kv_drills`
+        self.kv_drills = KVDrills(faults, truth, kv_cache_dtype, kv_cache_scales, head_dim)
         self.kv_cache = KVCache(
-            max(n_attn, 1), num_blocks, block_size, n_kv, head_dim, dtype, device, rounding=self.drills.kv_rounding()
+            max(n_attn, 1),
+            num_blocks,
+            block_size,
+            n_kv,
+            head_dim,
+            dtype,
+            device,
+            rounding=self.drills.kv_rounding(),
+            quant=self.kv_drills.quant,
         )
+        self.kv_drills.install(self.kv_cache)
         mixers = model.mamba_mixers()
         self.spec = (
             SpecDecode(faults, truth, self.state_cache, num_speculative_tokens, draft_probs)
@@ -88,6 +102,7 @@ class ModelRunner:
     def _execute(self, so: SchedulerOutput, capture=None) -> StepResult:
         drills = self.drills
         drills.preempted(so.preempted)
+        self.kv_drills.preempted(so.preempted)
         if self.spec is not None:
             self.spec.preempted(so.preempted)
         seqs, ids, pos, start = [], [], [], 0
@@ -100,6 +115,7 @@ class ModelRunner:
             if drills.zero_new_slot(s):
                 self.state_cache.zero(s.state_slot)
             drills.scheduled(so, s, phase)
+            self.kv_drills.scheduled(so, s, phase)
             meta = SeqMeta(
                 s.request_id,
                 start,

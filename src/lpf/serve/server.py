@@ -67,7 +67,7 @@ def run(
         prefill_limit=None if cfg.enable_chunked_prefill else cfg.max_num_batched_tokens,
         repetition_penalty=repetition_penalty,
         configuration={
-            **engine_config.builtin(cfg.dtype, repetition_penalty),
+            **engine_config.builtin(cfg.dtype, repetition_penalty, kv_cache_dtype=cfg.kv_quantized),
             "faults": [f for f in options.inject.split(",") if f],
         },
     )

@@ -121,7 +121,7 @@ class PagedAttention(nn.Module):
 
     def _attend_one(self, cache, s, q, k, v) -> torch.Tensor:
         cache.write(self.attn_layer, s.block_table, s.num_computed, k, v)
-        K, V = cache.read(self.attn_layer, s.block_table, s.num_computed + s.num_tokens)
+        K, V = cache.read(self.attn_layer, s.block_table, s.num_computed + s.num_tokens, seq=s)
         n, total = q.shape[0], K.shape[0]
         if s.num_computed == 0:
             mask, causal = None, True
@@ -144,24 +144,11 @@ class PagedAttention(nn.Module):
     def _attend_decodes(self, cache, plan: "DecodePlan", q, k, v, group: int = 0) -> torch.Tensor:
         """One padded attention call for a group of single-token requests. Rows follow KVCache's layout
         (position p of a request lives at row block_table[p // block_size] * block_size + p % block_size),
-        gathered for all requests at once instead of one `read` each."""
-        bs = cache.block_size
-        kc, vc = cache.k[self.attn_layer], cache.v[self.attn_layer]
-        cache.store(self.attn_layer, plan.new_rows, k, v)
-        n, width = plan.n, plan.n_blocks * bs
-        # whole blocks via index_select (same bytes as a row gather, ~10x faster than advanced indexing)
-        # into buffers kept across steps and layers: a fresh multi-MB tensor per step costs page faults
+        gathered for all requests at once instead of one `read` each (`KVCache.decode_kv`)."""
+        cache.store(self.attn_layer, plan.new_rows, k, v, decode=True)
         K, V = (
-            torch.index_select(
-                c.view(-1, bs, *c.shape[1:]),
-                0,
-                plan.tables,
-                out=cache.scratch(j, (n * plan.n_blocks, bs, *c.shape[1:]), c),
-            )
-            .view(n, width, *c.shape[1:])
-            .to(q.dtype)
-            .transpose(1, 2)
-            for j, c in ((0, kc), (1, vc))
+            x.to(q.dtype).transpose(1, 2)
+            for x in cache.decode_kv(self.attn_layer, plan.tables, plan.n, plan.n_blocks, plan.seqs)
         )
         o = F.scaled_dot_product_attention(
             q[:, :, None, :], K, V, attn_mask=plan.mask, scale=self.scale, enable_gqa=self.n_heads != self.n_kv
@@ -176,6 +163,7 @@ class DecodePlan:
 
     def __init__(self, group: list, block_size: int, device):
         bs = block_size
+        self.seqs = group
         self.n = len(group)
         self.idx = torch.tensor([s.start for s in group], dtype=torch.long, device=device)
         self.new_rows = torch.tensor(

@@ -28,7 +28,12 @@ FLAGGED = ("divergent", "corrupt")
 SHAPE_FEATURES = ("seq", "rollout", "prompt_length")  # what shrinking changes on purpose
 TOKEN_SIGNATURES = ("crossed_wires", "tempered_logprobs")  # computed from tokens, not the trace
 # computed from the run's summary (where each request first diverged, or why the decision test raised it)
-SUMMARY_SIGNATURES = ("diverged_at_first_spec_decode", "spec_decision_against_odds")
+SUMMARY_SIGNATURES = (
+    "diverged_at_first_spec_decode",
+    "spec_decision_against_odds",
+    "positional_onset",
+    "collapsed_to_one_token",
+)
 
 
 def position_class(position: int | None) -> str | None:
@@ -151,14 +156,21 @@ def target_feature(
     if name in SUMMARY_SIGNATURES:
         if summary is None:
             return None
+        from lpf.analysis.onset_features import onset_features
         from lpf.analysis.speculative_decisions import decision_signature
         from lpf.analysis.speculative_features import spec_divergence
 
-        f = (
-            decision_signature(summary)
-            if name == "spec_decision_against_odds"
-            else spec_divergence(summary, req, trace)
-        )
+        if name in ("positional_onset", "collapsed_to_one_token"):  # a candidate's flagged requests, even one
+            flagged = pc.is_in(summary.column("verdict"), value_set=pa.array(list(FLAGGED))).to_numpy(
+                zero_copy_only=False
+            )
+            f = next(
+                (x for x in onset_features(summary, req, flagged, engine_info, least=1)[0] if x.name == name), None
+            )
+        elif name == "spec_decision_against_odds":
+            f = decision_signature(summary)
+        else:
+            f = spec_divergence(summary, req, trace)
         rid = req.column("request_id")[where].as_py()
         at = summary.column("request_id").to_pylist()
         return bool(f.values[at.index(rid)]) if f is not None and rid in at else False
