@@ -12,7 +12,8 @@ checks the held-out workload against the row (the departure the run-level test w
     python scripts/measure_floor_config.py RUNS_DIR [--write]
 
 RUNS_DIR holds `[PREFIX]MODEL-WORKLOAD/` audits (`CONFIGS`: lpf audit --engine llamacpp -E parallel=8 and
--E flash_attn=on, or -E cache_type_k=q8_0 -E cache_type_v=q8_0 (prefix q8-); --dtype float32 --max-tokens 32;
+-E flash_attn=on, or -E cache_type_k=q8_0 -E cache_type_v=q8_0 (prefix q8-); lpf audit --engine builtin -E
+kv_cache_dtype=fp8_e4m3 / fp8_e5m2 (prefixes fp8e4m3-, fp8e5m2-); --dtype float32 --max-tokens 32;
 zoo:stress and zoo:shared-prefix, 300 prompts each, seed 17). The floor is
 measured on `stress` only; `shared-prefix` (long shared prompts: more KV per token) is the held-out check.
 Without --write it prints; with it, it adds the rows (the rest of floors.json unchanged).
@@ -50,6 +51,15 @@ CONFIGS = {
         "llama-server (lpf's managed build) with a q8_0 KV cache (-ctk q8_0 -ctv q8_0 -np 8; flash attention on, "
         "as a quantized V cache needs)",
     ),
+    **{
+        f"float32/float32 kv={kv}": (
+            f"{kv.replace('_', '')}-",
+            {"kv": kv, "why": f"a {kv} KV cache"},
+            f"lpf's built-in engine with an {kv} KV cache (-E kv_cache_dtype={kv}: per-tensor scales from the first "
+            "write's amax, vLLM's calculate_kv_scales; K/V quantized on write, dequantized on read)",
+        )
+        for kv in ("fp8_e4m3", "fp8_e5m2")
+    },
 }
 
 

@@ -229,6 +229,7 @@ class VLLMEngine(Engine):
             "enable_chunked_prefill",
             "enable_prefix_caching",
             "max_model_len",
+            "kv_cache_dtype",
         ):
             if getattr(o, name) is not None:
                 args[name] = getattr(o, name)

@@ -72,6 +72,11 @@ class VLLMOptions(Options):
     num_gpu_blocks_override: int | None = knob(
         None, ge=1, help="KV-cache blocks (state slots come from them too).", roles=("cache_size",), shrink_order=40
     )
+    # not a named flag: `lpf audit --kv-cache-dtype` declares it, and for an engine lpf starts declaring is configuring
+    # (pipeline.audit_options passes the declared value here); vLLM's CPU build runs fp8 on AVX-512 CPUs
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] | None = knob(
+        None, help="vLLM's kv_cache_dtype: the KV cache's precision (auto: the model's dtype) [default: vLLM's]."
+    )
     logprobs_mode: Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"] = knob(
         "raw_logprobs", help="What vLLM returns as logprobs (raw: the model's, before any processing)."
     )

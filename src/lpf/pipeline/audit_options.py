@@ -141,7 +141,20 @@ def build_spec(options: AuditOptions, default_out: Callable[[], Path]):
 
     o = options
     engine_options = dict(o.engine_options)
-    hook = getattr(get_engine_class(o.engine), "resolve_model_spec", None)
+    engine_cls = get_engine_class(o.engine)
+    if o.kv_cache_dtype and "kv_cache_dtype" in engine_cls.Options.model_fields:
+        # an engine lpf starts whose KV precision is a knob: declaring it is configuring it (the engine then
+        # says it in the manifest); a knob set to another value beside the declaration is a contradiction
+        from lpf.run.configuration import canonical_dtype
+
+        given = engine_options.get("kv_cache_dtype")
+        if given is not None and canonical_dtype(str(given)) != canonical_dtype(o.kv_cache_dtype):
+            raise LpfError(
+                f"--kv-cache-dtype {o.kv_cache_dtype} declares another KV cache than -E kv_cache_dtype={given} "
+                "configures: give one"
+            )
+        engine_options["kv_cache_dtype"] = o.kv_cache_dtype.strip().lower()
+    hook = getattr(engine_cls, "resolve_model_spec", None)
     # a reference behind a server has no local model to lend the run its tokenizer: --model must be one
     local = o.reference if reference_form(o.reference) == "transformers" else None
     try:

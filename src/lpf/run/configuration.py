@@ -15,7 +15,7 @@ that does not set them, e.g. llama-server's repeat_penalty, as a {name: value} d
   `--flash-attention`, `--weight-quantization`); `via` names the option;
 - "absent": neither (value null, via null).
 Dtype names are canonical (`canonical_dtype`: "f32", "fp32", "torch.float32" -> "float32"; KV types such
-as "q8_0" or "fp8_e4m3" kept as given, lower-cased). Pure: dicts in, a dict out.
+as "q8_0" or "fp8_e4m3" kept as given, lower-cased; "fp8" is "fp8_e4m3", as vLLM means it). Pure: dicts in, a dict out.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ _ALIASES = {
     "fp16": "float16",
     "half": "float16",
     "bf16": "bfloat16",
+    "fp8": "fp8_e4m3",  # vLLM's and SGLang's "fp8" KV cache is e4m3 (fnuz on ROCm, the same format's range)
 }
 
 
