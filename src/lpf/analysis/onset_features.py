@@ -122,7 +122,9 @@ def _collapsed(req: pa.Table, idx: np.ndarray, fd: np.ndarray, n: int, least: in
     if "output_token_ids" not in req.column_names:
         return None
     out = req.column("output_token_ids").take(pa.array(idx)).combine_chunks()
-    ids = pc.list_flatten(out).to_numpy(zero_copy_only=False).astype(np.int64)
+    if not pa.types.is_integer(getattr(out.type, "value_type", pa.null())):  # a reader that left the ids out
+        return None
+    ids = pc.list_flatten(out).fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)  # -1: an id not kept
     if not ids.size:
         return None
     parent = pc.list_parent_indices(out).to_numpy(zero_copy_only=False).astype(np.int64)

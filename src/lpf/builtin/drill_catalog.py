@@ -262,7 +262,7 @@ _DRILLS = (
         "kv",
         "decode reads K/V rows from position P - 1 on with another scale than they were written with: logprobs "
         "from absolute position P on (vllm#54035, sglang#25790: FA3's 96-token decode tile)",
-        Arg("kv_scale_from_position", int, 97, 1, 1_000_000, "P"),
+        Arg("kv_scale_from_position", int, 97, 1, 65536, "P"),
         needs=(FP8_KV,),
         named_by=_f("positional_onset"),
         knobs={"kv_cache_dtype": "fp8_e4m3"},

@@ -130,6 +130,33 @@ def options_error(e, style: Literal["flag", "keyword"] = "flag") -> str:
     return name + line.removeprefix(where) if where and line.startswith(where) else f"{name}: {line}"
 
 
+def _configured_kv(engine_cls, declared: str | None, engine_options: dict) -> dict:
+    """An engine lpf starts whose KV precision is a knob (`kv_cache_dtype`: the built-in engine's, vLLM's) is
+    configured by the declaration (`--kv-cache-dtype`), when the knob takes that type: declaring is configuring,
+    and the engine then says it in the manifest. A type the knob does not take stays a declaration (recorded
+    beside the engine's own word); a knob set to another type than the one declared is a contradiction."""
+    import typing
+
+    field = engine_cls.Options.model_fields.get("kv_cache_dtype")
+    if not declared or field is None:
+        return engine_options
+    from lpf.run.configuration import canonical_dtype
+
+    def literals(t) -> set:
+        args = typing.get_args(t)
+        return set(args) if typing.get_origin(t) is typing.Literal else set().union(*map(literals, args or ()))
+
+    want = declared.strip().lower()
+    given = engine_options.get("kv_cache_dtype")
+    if given is not None and canonical_dtype(str(given)) != canonical_dtype(want):
+        raise LpfError(
+            f"--kv-cache-dtype {declared} declares another KV cache than -E kv_cache_dtype={given} configures: give one"
+        )
+    if given is None and want in literals(field.annotation):
+        engine_options = {**engine_options, "kv_cache_dtype": want}
+    return engine_options
+
+
 def build_spec(options: AuditOptions, default_out: Callable[[], Path]):
     """The one `AuditSpec` builder (module docstring): validates everything or raises LpfError /
     pydantic's ValidationError."""
@@ -142,18 +169,7 @@ def build_spec(options: AuditOptions, default_out: Callable[[], Path]):
     o = options
     engine_options = dict(o.engine_options)
     engine_cls = get_engine_class(o.engine)
-    if o.kv_cache_dtype and "kv_cache_dtype" in engine_cls.Options.model_fields:
-        # an engine lpf starts whose KV precision is a knob: declaring it is configuring it (the engine then
-        # says it in the manifest); a knob set to another value beside the declaration is a contradiction
-        from lpf.run.configuration import canonical_dtype
-
-        given = engine_options.get("kv_cache_dtype")
-        if given is not None and canonical_dtype(str(given)) != canonical_dtype(o.kv_cache_dtype):
-            raise LpfError(
-                f"--kv-cache-dtype {o.kv_cache_dtype} declares another KV cache than -E kv_cache_dtype={given} "
-                "configures: give one"
-            )
-        engine_options["kv_cache_dtype"] = o.kv_cache_dtype.strip().lower()
+    engine_options = _configured_kv(engine_cls, o.kv_cache_dtype, engine_options)
     hook = getattr(engine_cls, "resolve_model_spec", None)
     # a reference behind a server has no local model to lend the run its tokenizer: --model must be one
     local = o.reference if reference_form(o.reference) == "transformers" else None
