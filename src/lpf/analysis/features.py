@@ -32,6 +32,8 @@ From the trace's write log (`write_features`, engines that keep one: the built-i
 From the speculative-decoding columns (`speculative_features`, the built-in engine with speculation on):
   prompt_on_verify_path, state_kept_rejected_drafts, state_rolled_back_wrong, sampled_spec_batch_over_2,
   speculated.
+From the flagged requests' tokens (`onset_features`, joined by `findings` as signatures): positional_onset,
+collapsed_to_one_token.
 From the requests: prompt_length, rollout, seq (arrival index): `descriptive` (what a request is, not
 what the engine did to it).
 """

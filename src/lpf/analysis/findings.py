@@ -22,6 +22,10 @@ Two signatures join the trace features as candidate mechanisms, both computed fr
 reference expected and vice versa: outputs delivered to the wrong request) and, for runs sampled at
 a temperature other than 1, `tempered_logprobs` (the reported logprobs fit the reference's
 temperature-scaled distribution better than its raw one: processed logprobs reported as raw).
+The flagged requests' own tokens add two more (`onset_features`, computed over the flagged requests only):
+`positional_onset` (they depart from one absolute position whatever their prompt length: findings'
+`shape.absolute_onset` names it and tests it against the block sizes the engine info knows) and
+`collapsed_to_one_token` (their outputs degenerate to one repeated id), ranked first among the signatures.
 A speculating run's trace adds `speculative_features.spec_divergence` (first diverged at a token of the
 request's first decode step after its prefill, on the speculative decode path), ranked before them,
 and `speculative_decisions.decision_signature` (requests the rejection-sampler decision test raised: a draft
