@@ -1,7 +1,8 @@
 """The built-in engine's fp8 KV cache judged as configured, and the drills of the `kv` family caught, end to end
 through `lpf audit --engine builtin` on zoo:hybrid (a trained model: floors.json has its fp8 rows).
 
-- An honest fp8 run (the drills' clean twin) is `same` with the configuration line, exit 0, nothing flagged;
+- An honest fp8 run declared with `--kv-cache-dtype fp8_e4m3` (the drills' clean twin: the declaration
+  configures the engine) is `same` with the configuration line, exit 0, nothing flagged;
   the same run with its KV cache left out of the configuration (as a server that does not say it) is caught.
 - Each drill: every request it harmed flagged, nothing else flagged, the mechanism its catalog entry names on
   every flagged request (`drill_truth.mechanism_share`); `kv-scale-from-position:33` with its onset named
@@ -35,10 +36,10 @@ def lpf(*args):
     return r.returncode, r.stdout, r.stderr
 
 
-def audit(out, *args, kv="fp8_e4m3"):
-    code, stdout, err = lpf(
-        "audit", "--engine", "builtin", "--model", MODEL, "-E", f"kv_cache_dtype={kv}", *args, "--out", out, "--json"
-    )
+def audit(out, *args, declare=False):
+    """`declare`: the KV cache as `--kv-cache-dtype` (which configures the engine) instead of `-E`."""
+    kv = ["--kv-cache-dtype", "fp8_e4m3"] if declare else ["-E", "kv_cache_dtype=fp8_e4m3"]
+    code, stdout, err = lpf("audit", "--engine", "builtin", "--model", MODEL, *kv, *args, "--out", out, "--json")
     assert code in (0, 1), err
     return json.loads(stdout), code
 
@@ -84,7 +85,7 @@ def check(run, twin, findings, feature):
 @pytest.fixture(scope="module")
 def oracle_twin(tmp_path_factory):
     out = tmp_path_factory.mktemp("kv") / "twin"
-    findings, code = audit(out, *ORACLE)
+    findings, code = audit(out, *ORACLE, declare=True)
     return out, findings, code
 
 
@@ -106,7 +107,8 @@ def test_an_honest_fp8_run_is_same_as_configured_and_caught_when_the_kv_cache_is
         "value": "fp8_e4m3",
         "source": "engine",
         "via": "the built-in engine's EngineConfig",
-    }
+    }  # declared with --kv-cache-dtype, configured by it, and the engine says it (no conflict)
+    assert manifest["engine"]["declared"] == {"kv_cache_dtype": "fp8_e4m3"}
     # the same answers from an engine that does not say its KV cache: judged as float32, caught
     quiet = run.parent / "unsaid"
     shutil.copytree(run, quiet)
