@@ -46,6 +46,8 @@ def print_summary(findings: dict, run_path, console: Console) -> None:
     _print_trace(findings.get("trace"), console)
     _print_judged(findings.get("judged"), console)
     print_run_test(findings.get("run_test"), console)
+    if findings.get("reference_floor"):  # a vLLM reference: which floor stood in for its pairing
+        console.print(f"  [dim]{escape(findings['reference_floor'])}[/]", highlight=False)
     _print_shape(findings.get("shape"), console)
     flagged = findings.get("flagged") or []
     if flagged:
