@@ -83,6 +83,22 @@ def test_the_worker_reads_vllms_own_rank_of_each_prompt_token():
     assert part["prompt_topk_ids"] == [[1], [7]] and part["prompt_topk_logprobs"] == [[-0.1], [-0.2]]
 
 
+def test_the_findings_say_which_floor_stood_in_for_a_vllm_reference():
+    from lpf.pipeline.reference_http import findings_notes
+
+    ref = {"kind": "vllm", "model": MODEL, "dtype": "float32"}
+    rt = {"result": "same", "floor_pair": "float32/float32", "floor_detail": "the shipped table, float32/float32"}
+    notes = findings_notes(ref, {"run_test": rt})
+    line = notes["reference_floor"]
+    assert notes["reference_kind"] == "vllm" and line.startswith("the vLLM reference (zoo:hybrid, float32): ")
+    assert "judged with the float32/float32 floor measured against a transformers reference" in line
+    assert notes["run_test"] == {**rt, "floor_detail": f"the shipped table, float32/float32; {line}"}
+    # no floor for the pairing (a bfloat16 reference): said, never silent
+    notes = findings_notes({**ref, "dtype": "bfloat16"}, {"run_test": None})
+    assert "no floor is measured for a vLLM reference at this dtype pair" in notes["reference_floor"]
+    assert "run_test" not in notes
+
+
 def verdicts(run: Path) -> dict[str, str]:
     t = pq.read_table(run / "summary.parquet", columns=["request_id", "verdict"]).to_pylist()
     return {r["request_id"]: r["verdict"] for r in t}
@@ -124,9 +140,21 @@ def check_vllm_reference(run: Path, findings: dict, n: int) -> None:
 
 @needs_vllm
 @pytest.mark.slow
-def test_a_drilled_run_gets_the_transformers_verdicts_from_the_vllm_reference(lpf_cli, tmp_path):
+def test_a_drilled_run_gets_the_transformers_verdicts_from_the_vllm_reference(lpf_cli, tmp_path, monkeypatch):
+    from lpf.adapters import vllm
+
+    started = []
+    init = vllm.VLLMEngine.__init__
+
+    def counted(self, model, sampling, options):
+        started.append(options.inject)
+        init(self, model, sampling, options)
+
+    monkeypatch.setattr(vllm.VLLMEngine, "__init__", counted)
     run = tmp_path / "vllm-ref"
     f = audit(run, *DRILL, "--reference", "vllm:zoo:hybrid")
+    # the audited engine, then one reference for the rescore and the attribution (kept up between them)
+    assert started == ["offset-wrap:18", ""]
     assert f["n_requests"] == 24 and f["errors"] == 0 and f["unscored"] == 0
     check_vllm_reference(run, f, 24)
     hf = rescored_by_transformers(lpf_cli, run, tmp_path / "hf-ref")
@@ -136,5 +164,4 @@ def test_a_drilled_run_gets_the_transformers_verdicts_from_the_vllm_reference(lp
     assert same >= 0.99 * len(ours), {r: (ours[r], theirs[r]) for r in ours if ours[r] != theirs[r]}
     truth = ground_truth(run, "corrupted")
     assert truth and flagged(f) and flagged(f) == flagged(hf) and flagged(f) <= ground_truth(run)
-    # the attribution was scored by the same vLLM reference, started once
-    assert pq.read_table(run / "attribution").num_rows > 0
+    assert pq.read_table(run / "attribution").num_rows > 0  # scored by the reference started for the rescore

@@ -3,7 +3,9 @@
 `--reference` says where the reference runs (`reference_form`): a model path or `zoo:`/`tiny:` name is
 transformers in this process (`lpf.pipeline.reference`); `http(s)://HOST:PORT/v1` is a trusted deployment
 of the same model, asked for the served name `--reference-model`; `self` is the audited server
-(`--engine openai`: its `--base-url`, served name and API key variable, from the run's manifest).
+(`--engine openai`: its `--base-url`, served name and API key variable, from the run's manifest);
+`vllm:MODEL` is vLLM offline (`lpf.pipeline.reference_vllm`). `check_settings` checks the rescore
+settings for every form; `findings_notes` is what the findings say of the reference.
 
 Contract:
 - `HttpReference(kind, url, served, model, topk, concurrency, api_key_env)` scores `ScoreItem`s as the
@@ -252,9 +254,10 @@ def _scoring_engine():
 
 def findings_notes(reference: dict | None, findings: dict) -> dict:
     """What findings.json says of the reference beyond its name: its kind (`reference_kind`, absent for the
-    default transformers reference), and for a self-reference the one line of what it cannot see and the
+    default transformers reference), for a self-reference the one line of what it cannot see and the
     run-level test as not applicable (it is never `same`: the engine compared with itself agrees whatever
-    model it runs)."""
+    model it runs), for a vLLM reference the one line of which floor stood in for its pairing
+    (`reference_floor`)."""
     ref = reference or {}
     kind = ref.get("kind") or "transformers"
     # a transformers reference is the default every run had before: its findings stay as they were
