@@ -88,14 +88,16 @@ def test_the_findings_say_which_floor_stood_in_for_a_vllm_reference():
 
     ref = {"kind": "vllm", "model": MODEL, "dtype": "float32"}
     rt = {"result": "same", "floor_pair": "float32/float32", "floor_detail": "the shipped table, float32/float32"}
-    notes = findings_notes(ref, {"run_test": rt})
+    notes = findings_notes(ref, {"engine": "vllm", "run_test": rt})
     line = notes["reference_floor"]
-    assert notes["reference_kind"] == "vllm" and line.startswith("the vLLM reference (zoo:hybrid, float32): ")
-    assert "judged with the float32/float32 floor measured against a transformers reference" in line
+    assert notes["reference_kind"] == "vllm" and line.startswith(
+        "vllm against the vLLM reference (zoo:hybrid, float32)"
+    )
+    assert "no floor is measured for this pairing; judged with the float32/float32 floor measured against" in line
     assert notes["run_test"] == {**rt, "floor_detail": f"the shipped table, float32/float32; {line}"}
     # no floor for the pairing (a bfloat16 reference): said, never silent
     notes = findings_notes({**ref, "dtype": "bfloat16"}, {"run_test": None})
-    assert "no floor is measured for a vLLM reference at this dtype pair" in notes["reference_floor"]
+    assert "no floor is measured for this pairing nor for its dtypes" in notes["reference_floor"]
     assert "run_test" not in notes
 
 
@@ -128,10 +130,8 @@ def check_vllm_reference(run: Path, findings: dict, n: int) -> None:
     assert findings["reference"] == "vllm:zoo:hybrid" and findings["reference_kind"] == "vllm"
     rt = findings["run_test"]
     assert rt["floor_pair"] == "float32/float32"
-    assert (
-        "no floor is measured for an engine against a vLLM reference; judged with the float32/float32 floor"
-        in (findings["reference_floor"])
-    )
+    assert findings["reference_floor"].startswith("vllm against the vLLM reference (zoo:hybrid, float32): no floor")
+    assert "judged with the float32/float32 floor" in findings["reference_floor"]
     assert rt["floor_detail"].endswith(findings["reference_floor"])
     rows = pq.read_table(run / "reference").to_pylist()
     assert rows and all(r["ref_rank"] >= 1 and len(r["ref_topk_ids"]) == 5 for r in rows)

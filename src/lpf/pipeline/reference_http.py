@@ -265,7 +265,7 @@ def findings_notes(reference: dict | None, findings: dict) -> dict:
     if ref.get("limitation"):
         notes["reference_limitation"] = ref["limitation"]
     if kind == "vllm":
-        notes.update(_vllm_floor(ref, findings.get("run_test")))
+        notes.update(_vllm_floor(ref, findings.get("engine"), findings.get("run_test")))
     if ref.get("run_test") == "not applicable":
         notes["run_test"] = {
             "result": "not applicable",
@@ -275,22 +275,24 @@ def findings_notes(reference: dict | None, findings: dict) -> dict:
     return notes
 
 
-def _vllm_floor(ref: dict, run_test: dict | None) -> dict:
+def _vllm_floor(ref: dict, engine: str | None, run_test: dict | None) -> dict:
     """The one line saying which floor a vLLM reference's run was judged with (`reference_floor`, also
     appended to the run test's `floor_detail`): no floor is measured for an engine against vLLM's own
-    prefill, so the table's row for the reference's dtype pair (measured against a transformers
-    reference: the envelope of the honest implementations at that pair, vLLM's among them) stands in."""
-    who = f"the vLLM reference ({ref.get('model')}, {ref.get('dtype')})"
+    prefill, so the table's row for the run's dtype pair stands in: measured against a transformers
+    reference, it is the envelope of every honest implementation measured at that pair (vLLM's decode
+    among them), the most lenient floor measured for it."""
+    who = f"{engine or 'the engine'} against the vLLM reference ({ref.get('model')}, {ref.get('dtype')})"
     if not run_test or not run_test.get("floor_pair"):
         line = (
-            f"{who}: no floor is measured for a vLLM reference at this dtype pair; thresholds come from the "
-            f"run's own noise floor and there is no run-level test"
+            f"{who}: no floor is measured for this pairing nor for its dtypes; thresholds come from the run's "
+            f"own noise floor and there is no run-level test"
         )
         return {"reference_floor": line}
+    pair = run_test["floor_pair"]
     line = (
-        f"{who}: no floor is measured for an engine against a vLLM reference; judged with the "
-        f"{run_test['floor_pair']} floor measured against a transformers reference (the envelope of the honest "
-        f"implementations measured at that pair, vLLM's included)"
+        f"{who}: no floor is measured for this pairing; judged with the {pair} floor measured against a "
+        f"transformers reference (the envelope of every honest implementation measured at {pair}, vLLM's "
+        f"decode included: the most lenient floor measured for it)"
     )
     detail = run_test.get("floor_detail")
     return {"reference_floor": line, "run_test": {**run_test, "floor_detail": f"{detail}; {line}" if detail else line}}

@@ -164,8 +164,7 @@ class VLLMReference(PromptReference):
 
     def describe(self) -> dict:
         batch = (
-            f"batch-invariant mode (VLLM_BATCH_INVARIANT=1), up to {self.options.max_num_seqs or 'vLLM default'} "
-            "sequences a step"
+            f"batch-invariant mode (VLLM_BATCH_INVARIANT=1), max_num_seqs={self.options.max_num_seqs}"
             if self.options.batch_invariant
             else "one sequence at a time (max_num_seqs=1)"
         )
