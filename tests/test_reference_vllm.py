@@ -53,6 +53,7 @@ def test_vllm_is_a_reference_form():
         (["--reference-concurrency", "2"], "--reference-concurrency goes with --reference http(s)://... or self"),
         (["--executor", "ray"], "drop --executor ray"),
         (["--reference", "vllm:"], "--reference vllm:MODEL needs a model after vllm:"),
+        (["--reference-dtype", "float64"], "--reference-dtype float64: vLLM's dtype is one of"),
     ],
 )
 def test_a_vllm_reference_that_cannot_run_is_refused_in_one_line_before_the_run(lpf_cli, tmp_path, args, said):

@@ -2,8 +2,8 @@
 
 For a model transformers cannot hold, or runs slowly: vLLM teacher-forces each request's prompt + output
 as a prompt with `SamplingParams(prompt_logprobs=k, max_tokens=1)`, through the `vllm` engine's own worker
-(`lpf.adapters.vllm`: vLLM's interpreter, a zygote-forked process on the CPU build, a kept worker inside
-`kept_workers()`), and the answers become the run's `reference/` rows the way every prompt-logprob
+(`lpf.adapters.vllm`: vLLM's interpreter, a zygote-forked process on the CPU build; kept up across an
+audit's stages by `kept`), and the answers become the run's `reference/` rows the way every prompt-logprob
 reference's do (`lpf.pipeline.reference_prompt`: vLLM's own rank, entropy and log-sum-exp null).
 
 Contract:
@@ -60,6 +60,7 @@ KNOBS = (
     "cpu_kvcache_space",
     "start_timeout_s",
 )
+DTYPES = ("float32", "bfloat16", "float16", "auto")
 CHUNK = 256  # requests per batch sent to the worker: vLLM holds one batch's answers at a time
 _LIVE: dict | None = None  # (model path, options) -> (a started `vllm` engine, its top-k), while kept() is active
 
@@ -109,6 +110,8 @@ def engine_options(dtype: str, knobs: dict[str, str]):
     """The `vllm` engine's `VLLMOptions` of the reference configuration (module docstring)."""
     from lpf.adapters.vllm_options import VLLMOptions
 
+    if dtype not in DTYPES:
+        raise LpfError(f"--reference-dtype {dtype}: vLLM's dtype is one of {', '.join(DTYPES)}")
     raw: dict[str, Any] = {**FIXED, "max_num_seqs": 1, **knobs, "dtype": dtype}
     try:
         options = VLLMOptions.parse(raw)

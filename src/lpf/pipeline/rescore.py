@@ -67,6 +67,10 @@ class RescoreSettings:
         check_settings(
             self.reference, self.reference_model, self.reference_concurrency, self.executor, self.reference_option
         )
+        if reference_form(self.reference) == "vllm":  # its dtype too, before the run
+            from lpf.pipeline.reference_vllm import engine_options, reference_options
+
+            engine_options(self.dtype, reference_options(self.reference_option))
         if self.executor not in EXECUTORS:
             raise LpfError(f"unknown executor {self.executor!r}; choose from {', '.join(EXECUTORS)}")
         if self.token_budget < 1:
