@@ -144,7 +144,6 @@ class VLLMReference(PromptReference):
 
     def __init__(self, spec: str, model, dtype: str, knobs: dict[str, str], topk: int):
         from lpf.adapters.vllm import VLLMEngine
-        from lpf.pipeline.generate import model_config
 
         super().__init__()
         self.spec, self.model, self.dtype, self.knobs = spec, model, dtype, dict(knobs)
@@ -152,7 +151,7 @@ class VLLMReference(PromptReference):
         self.where = f"the vLLM reference {spec}"
         self.max_context = None
         self.options = engine_options(dtype, self.knobs)
-        VLLMEngine.check_model(model_config(model))  # a model vLLM cannot run here: one line, before anything
+        VLLMEngine.check_model(_config(model))  # a model vLLM cannot run here: one line, before anything
         self.ready: dict = {}
         self.engine_args: dict | None = None
         self.cost["start_seconds"] = 0.0
@@ -245,3 +244,11 @@ class VLLMReference(PromptReference):
                 engine.close(kill=True)
             elif _LIVE is None:  # outside kept(): this call's own engine (inside, kept() stops it)
                 engine.close()
+
+
+def _config(model) -> dict:
+    """The model's config.json (what `check_model` reads: its architectures)."""
+    try:
+        return json.loads((model.path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise LpfError(f"model {model.spec}: unreadable config.json ({e})") from None
