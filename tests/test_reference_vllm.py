@@ -84,22 +84,16 @@ def test_the_worker_reads_vllms_own_rank_of_each_prompt_token():
     assert part["prompt_topk_ids"] == [[1], [7]] and part["prompt_topk_logprobs"] == [[-0.1], [-0.2]]
 
 
-def test_the_findings_say_which_floor_stood_in_for_a_vllm_reference():
-    from lpf.pipeline.reference_http import findings_notes
+def test_a_vllm_reference_is_judged_with_the_engine_dtypes_floor_and_says_so():
+    from lpf.analysis.floors import expected_floor
+    from lpf.pipeline.analyze import floor_table
 
-    ref = {"kind": "vllm", "model": MODEL, "dtype": "float32"}
-    rt = {"result": "same", "floor_pair": "float32/float32", "floor_detail": "the shipped table, float32/float32"}
-    notes = findings_notes(ref, {"engine": "vllm", "run_test": rt})
-    line = notes["reference_floor"]
-    assert notes["reference_kind"] == "vllm" and line.startswith(
-        "vllm against the vLLM reference (zoo:hybrid, float32)"
+    floor = expected_floor(floor_table(), "float32", "float32", MODEL, reference_kind="vllm")
+    assert floor["pair"] == "float32/float32"
+    assert floor["detail"].startswith(
+        "the shipped table has no floor for float32/float32 ref=vllm (the engine against vLLM's offline reference "
+        "configuration): judged with float32/float32's"
     )
-    assert "no floor is measured for this pairing; judged with the float32/float32 floor measured against" in line
-    assert notes["run_test"] == {**rt, "floor_detail": f"the shipped table, float32/float32; {line}"}
-    # no floor for the pairing (a bfloat16 reference): said, never silent
-    notes = findings_notes({**ref, "dtype": "bfloat16"}, {"run_test": None})
-    assert "no floor is measured for this pairing nor for its dtypes" in notes["reference_floor"]
-    assert "run_test" not in notes
 
 
 def verdicts(run: Path) -> dict[str, str]:
@@ -131,9 +125,8 @@ def check_vllm_reference(run: Path, findings: dict, n: int) -> None:
     assert findings["reference"] == "vllm:zoo:hybrid" and findings["reference_kind"] == "vllm"
     rt = findings["run_test"]
     assert rt["floor_pair"] == "float32/float32"
-    assert findings["reference_floor"].startswith("vllm against the vLLM reference (zoo:hybrid, float32): no floor")
-    assert "judged with the float32/float32 floor" in findings["reference_floor"]
-    assert rt["floor_detail"].endswith(findings["reference_floor"])
+    assert "no floor for float32/float32 ref=vllm" in rt["floor_detail"]
+    assert findings["reference_cost"]["requests"] == n
     rows = pq.read_table(run / "reference").to_pylist()
     assert rows and all(r["ref_rank"] >= 1 and len(r["ref_topk_ids"]) == 5 for r in rows)
     assert all(r["ref_entropy"] is None and r["ref_logsumexp"] is None for r in rows)

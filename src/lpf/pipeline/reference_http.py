@@ -156,7 +156,7 @@ class HttpReference(PromptReference):
             "prompt_logprobs": self.how,
             "concurrency": self.concurrency,
             "top_k": self.topk,
-            "dtype": None,  # the server's own: no floor is measured for this pairing yet
+            "dtype": None,  # the server's own, not stated: its floor takes the engine's (`floors.server_pair`)
             "implementation": f"server {self.version}" if self.version else "server",
             "rank": "the server's where given, else the place in the top-k, else top-k + 1 (a lower bound)",
             "cost": dict(self.cost),
@@ -254,18 +254,18 @@ def _scoring_engine():
 
 def findings_notes(reference: dict | None, findings: dict) -> dict:
     """What findings.json says of the reference beyond its name: its kind (`reference_kind`, absent for the
-    default transformers reference), for a self-reference the one line of what it cannot see and the
+    default transformers reference), a server reference's cost (`reference_cost`: requests, tokens sent
+    (prompts included), seconds), and for a self-reference the one line of what it cannot see and the
     run-level test as not applicable (it is never `same`: the engine compared with itself agrees whatever
-    model it runs), for a vLLM reference the one line of which floor stood in for its pairing
-    (`reference_floor`)."""
+    model it runs)."""
     ref = reference or {}
     kind = ref.get("kind") or "transformers"
     # a transformers reference is the default every run had before: its findings stay as they were
     notes: dict = {} if kind == "transformers" else {"reference_kind": kind}
+    if kind != "transformers" and ref.get("cost"):  # a server's second pass is work it did: stated
+        notes["reference_cost"] = dict(ref["cost"])
     if ref.get("limitation"):
         notes["reference_limitation"] = ref["limitation"]
-    if kind == "vllm":
-        notes.update(_vllm_floor(ref, findings.get("engine"), findings.get("run_test")))
     if ref.get("run_test") == "not applicable":
         notes["run_test"] = {
             "result": "not applicable",
@@ -273,26 +273,3 @@ def findings_notes(reference: dict | None, findings: dict) -> dict:
             "sentence": f"not applicable: {ref.get('limitation') or LIMITATION}",
         }
     return notes
-
-
-def _vllm_floor(ref: dict, engine: str | None, run_test: dict | None) -> dict:
-    """The one line saying which floor a vLLM reference's run was judged with (`reference_floor`, also
-    appended to the run test's `floor_detail`): no floor is measured for an engine against vLLM's own
-    prefill, so the table's row for the run's dtype pair stands in: measured against a transformers
-    reference, it is the envelope of every honest implementation measured at that pair (vLLM's decode
-    among them), the most lenient floor measured for it."""
-    who = f"{engine or 'the engine'} against the vLLM reference ({ref.get('model')}, {ref.get('dtype')})"
-    if not run_test or not run_test.get("floor_pair"):
-        line = (
-            f"{who}: no floor is measured for this pairing nor for its dtypes; thresholds come from the run's "
-            f"own noise floor and there is no run-level test"
-        )
-        return {"reference_floor": line}
-    pair = run_test["floor_pair"]
-    line = (
-        f"{who}: no floor is measured for this pairing; judged with the {pair} floor measured against a "
-        f"transformers reference (the envelope of every honest implementation measured at {pair}, vLLM's "
-        f"decode included: the most lenient floor measured for it)"
-    )
-    detail = run_test.get("floor_detail")
-    return {"reference_floor": line, "run_test": {**run_test, "floor_detail": f"{detail}; {line}" if detail else line}}
