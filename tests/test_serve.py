@@ -441,6 +441,43 @@ def test_the_openai_client_through_lpf_watch_is_recorded_and_scored(server, tmp_
     assert judged[0]["n_requests"] == 4 and judged[0]["verdicts"] == {"clean": 4} and not judged[0]["alarm"]
 
 
+@pytest.mark.slow  # an `lpf watch` process whose scorer re-scores on the upstream itself (~15 s here)
+def test_lpf_watch_with_a_self_reference_rescores_on_the_upstream_and_judges(server, tmp_path):
+    out = tmp_path / "run"
+    args = ["--reference", "self", "--model", MODEL, "--sample", "1", "--window", "3", "--part-seconds", "0.2"]
+    with watched(server.base_url, out, *args, "--upstream-dtype", "float32", env={"OMP_NUM_THREADS": "1"}) as w:
+        c = _client(w.base_url)
+        for prompt in _oracle_prompts(3):
+            c.completions.create(prompt=prompt, **_greedy())
+        deadline = time.monotonic() + 120
+        windows = out / "live" / "windows.jsonl"
+        while time.monotonic() < deadline and not (windows.exists() and windows.read_text().strip()):
+            time.sleep(0.3)
+        judged = [json.loads(line) for line in windows.read_text().splitlines()]
+
+        def sent() -> float:  # /metrics takes the scorer's status file at its next look
+            return _metric(httpx.get(f"{w.base_url}/metrics").text, "lpf_watch_reference_requests_total")
+
+        while sent() < 3 and time.monotonic() < deadline:
+            time.sleep(0.3)
+        assert sent() >= 3  # the upstream's re-scoring work, stated
+    assert judged[0]["n_requests"] == 3 and judged[0]["verdicts"] == {"clean": 3} and not judged[0]["alarm"]
+    assert judged[0]["floor_pair"] == "float32/float32 ref=self"
+    assert judged[0]["run_test"]["result"] == "not applicable"  # the upstream agrees with itself, whatever it runs
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["reference"]["kind"] == "self" and manifest["reference"]["url"].startswith(server.base_url)
+    assert manifest["reference"]["cost"]["requests"] >= 3  # one prefill of prompt + output per sample, stated
+    ref = pq.read_table(out / "reference")
+    assert ref.num_rows == 3 * 8 and pc_max_abs(ref, pq.read_table(out / "tokens")) < 1e-4
+
+
+def pc_max_abs(ref: pa.Table, tokens: pa.Table) -> float:
+    """The largest |engine - reference| logprob over the (request, position) pairs both have."""
+    keys = ["request_id", "position"]
+    joined = tokens.select([*keys, "engine_logprob"]).join(ref.select([*keys, "ref_logprob"]), keys)
+    return max(abs(a - b) for a, b in zip(joined["engine_logprob"].to_pylist(), joined["ref_logprob"].to_pylist()))
+
+
 @pytest.mark.slow  # reads the trace the 64-request test leaves (slow): they go together
 def test_sigterm_shuts_down_cleanly_and_leaves_the_trace(server):
     code, log = server.stop(signal.SIGTERM)

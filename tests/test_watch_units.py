@@ -303,6 +303,8 @@ def test_outages_and_unscorable_samples_are_classed_and_said():
         "8 of 20 not scorable: the upstream or a gateway strips logprobs and token ids from streamed answers"
     )
     assert o.window_result({"n_requests": 0}) == "unscored" and o.window_result({"n_requests": 3}) == "undecided"
+    self_judged = {"n_requests": 3, "run_test": {"result": "not applicable"}}
+    assert o.window_result(self_judged) == "not-applicable"  # a self-reference's window is never `same`
     assert not o.window_facts(["5xx"] * 10 + [None] * 10, [None] * 20)["upstream_failing"]  # half is not more
 
 

@@ -45,7 +45,7 @@ def prepare(s: Settings):
     from lpf.pipeline.generate import model_config
     from lpf.run.store import RunDir
 
-    model = resolve_model(s.reference)
+    model = resolve_model(s.local_model)
     cfg = model_config(model)
     tokenizer = load_tokenizer(model)
     manifest = {
