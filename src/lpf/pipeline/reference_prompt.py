@@ -55,7 +55,7 @@ class PromptReference:
             return
         failed: list[tuple[str, str]] = []
         out, prompt = _Rows(), _Rows()
-        n_done, t0 = 0, time.monotonic()
+        n_done, t0, before = 0, time.monotonic(), self.cost["seconds"]  # seconds add up over calls (lpf watch's cycles)
         for it, c in self._answers(items):
             p, o = len(it.prompt_token_ids), len(it.output_token_ids)
             try:
@@ -69,7 +69,7 @@ class PromptReference:
                 prompt.drop(it.request_id)
             self.cost["requests"] += 1
             self.cost["tokens"] += p + o
-            self.cost["seconds"] = round(time.monotonic() - t0, 3)
+            self.cost["seconds"] = round(before + time.monotonic() - t0, 3)
             n_done += 1
             if on_tokens is not None:
                 on_tokens(o)

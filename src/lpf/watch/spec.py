@@ -132,6 +132,11 @@ class WatchSpec(BaseModel):
             reference_model=s.reference_model,
             reference_concurrency=s.reference_concurrency,
         ).validate()
+        if reference_form(self.reference) == "vllm":
+            raise LpfError(
+                f"--reference {self.reference}: lpf watch re-scores with a model, self or http(s)://; vLLM's "
+                "offline reference is lpf audit's and lpf rescore's"
+            )
         if self.model is None and reference_form(self.reference) != "transformers":
             raise LpfError(
                 f"--reference {self.reference} re-scores on a server: --model names the model it serves, held "
