@@ -441,6 +441,86 @@ def test_the_openai_client_through_lpf_watch_is_recorded_and_scored(server, tmp_
     assert judged[0]["n_requests"] == 4 and judged[0]["verdicts"] == {"clean": 4} and not judged[0]["alarm"]
 
 
+@pytest.mark.slow  # LiteLLM's proxy takes ~25 s to start here (import), an `lpf watch` beside it: ~45 s in all
+def test_through_litellm_every_sample_is_scored_or_unscorable_by_reason_and_the_trace_join_says_why(
+    server, tmp_path, lpf_cli
+):
+    """LiteLLM's proxy (issue 56's gateway) between `lpf watch` and `lpf serve`: it strips logprobs and token ids
+    from streamed completions and a streamed chat's EOS token id, so every sample is either scored or counted
+    unscorable with its reason (metric, window line, live page); and between `lpf run --engine openai` and the server, a trace join finds
+    none of the run's rows and says why when the gateway drops X-Request-Id, and joins them when the model group
+    forwards client headers (`forward_client_headers_to_llm_api`)."""
+    from litellm_proxy import LiteLLM, executable
+
+    exe = executable()
+    if exe is None:
+        pytest.skip("no LiteLLM proxy (make litellm, or LPF_LITELLM=path/to/litellm)")
+    up = f"{server.base_url}/v1"
+    routes = {MODEL: (up, MODEL, False), f"{MODEL}-fwd": (up, MODEL, True)}
+    out = tmp_path / "run"
+    args = ["--reference", MODEL, "--sample", "1", "--window", "4", "--part-seconds", "0.2"]
+    with LiteLLM(exe, routes, tmp_path) as gw:  # started first: its start-up overlaps lpf watch's
+        with watched(gw.url, out, *args, "--upstream-dtype", "float32", env={"OMP_NUM_THREADS": "1"}) as w:
+            gw.wait()
+            c = _client(w.base_url)
+            # answers that end at the model's EOS (not ignore_eos: LiteLLM drops a streamed chunk with no text, so
+            # an EOS *inside* an answer vanishes from its stream and the tokens after it shift: not caught here)
+            g = dict(model=MODEL, max_tokens=12, temperature=0)
+            prompt = _oracle_prompts(1, seed=3)[0]
+            whole = c.completions.create(prompt=prompt, **g).choices[0].text
+            streamed = c.completions.create(prompt=prompt, stream=True, **g)
+            assert "".join(ch.choices[0].text or "" for ch in streamed if ch.choices) == whole
+            chat = c.chat.completions.create(messages=MESSAGES, **g).choices[0].message.content
+            streamed = c.chat.completions.create(messages=MESSAGES, stream=True, **g)
+            assert "".join(ch.choices[0].delta.content or "" for ch in streamed if ch.choices) == chat
+            windows = out / "live" / "windows.jsonl"
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and not (windows.exists() and windows.read_text().strip()):
+                time.sleep(0.3)
+            (line,) = [json.loads(x) for x in windows.read_text().splitlines()]
+            deadline = time.monotonic() + 30  # /metrics counts the window on the supervisor's next poll
+            while 'lpf_watch_unscored_total{reason="stream-stripped"} 1.0' not in (
+                metrics := httpx.get(f"{w.base_url}/metrics").text
+            ):
+                assert time.monotonic() < deadline, [x for x in metrics.splitlines() if "unscored_total{" in x]
+                time.sleep(0.3)
+            page = httpx.get(f"{w.base_url}/lpf/").text
+            status = json.loads((out / "live" / "scorer.json").read_text())
+
+            # between lpf run and the server: the join of the server's own trace (lpf serve --trace-dir)
+            def run(name: str) -> dict:
+                r = lpf_cli(
+                    *("run", "--engine", "openai", "--base-url", f"{gw.url}/v1", "--model", MODEL),
+                    *("--served-model", name, "--limit", 2, "--max-tokens", 4, "--ignore-eos"),
+                    *("--trace-dir", server.trace_dir, "--out", tmp_path / name.replace(":", "-")),
+                )
+                assert r.code == 0, r.err
+                return json.loads((tmp_path / name.replace(":", "-") / "manifest.json").read_text())["trace"]
+
+            dropped, forwarded = run(MODEL), run(f"{MODEL}-fwd")
+    # what LiteLLM does to streams (issue 56): a streamed completion comes back with neither ids nor logprobs
+    # (recorded, counted by its reason, not scored); a streamed chat loses its EOS chunk's token id but keeps its
+    # logprob (scored, counted as inconsistent: the answer contradicts itself)
+    req = {r["request_id"]: r for r in pq.read_table(out / "requests").to_pylist()}
+    kind = {r["request_id"]: (r["route"], r["stream"]) for r in pq.read_table(out / "watch").to_pylist()}
+    said = {k: req[r]["inconsistency"] for r, k in kind.items()}
+    assert len(req) == 4 and said[("/v1/completions", False)] is None and said[("/v1/chat/completions", False)] is None
+    assert said[("/v1/completions", True)].startswith("retokenized: the upstream returned neither token ids")
+    assert said[("/v1/chat/completions", True)] == "logprobs: 2 logprob entries for 1 token ids"
+    assert line["unscored"] == {"stream-stripped": 1, "inconsistent": 1} and line["n_unscored"] == 1
+    assert line["n_requests"] == 3 and line["verdicts"] == {"clean": 3}  # the other three scored, clean
+    assert status["unscored"] == {"stream-stripped": 1, "inconsistent": 1}
+    assert status["scored"] + status["unscored"]["stream-stripped"] == status["recorded"] == 4
+    assert 'lpf_watch_unscored_total{reason="inconsistent"} 1.0' in metrics
+    assert "1 of 4 not scorable: the upstream or a gateway strips logprobs and token ids from streamed" in page
+    assert "not scorable: inconsistent 1, stream-stripped 1" in page
+    # the gateway dropped X-Request-Id: the server's trace holds none of the run's requests, and the reason names
+    # the LiteLLM setting; the model group that forwards client headers joins the run's rows
+    assert not dropped["recorded"] and "forward_client_headers_to_llm_api: true" in dropped["why"], dropped
+    assert "belong to this run's requests" in dropped["why"]
+    assert forwarded["recorded"] and forwarded["rows"] >= 2 * 4 and forwarded["why"] is None, forwarded
+
+
 @pytest.mark.slow  # reads the trace the 64-request test leaves (slow): they go together
 def test_sigterm_shuts_down_cleanly_and_leaves_the_trace(server):
     code, log = server.stop(signal.SIGTERM)
