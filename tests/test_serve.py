@@ -7,7 +7,9 @@ the server's /metrics and its --trace-dir, and shutdown against the exit code. T
 client drives it, completions and chat, whole and streamed: streamed answers carry exactly the tokens and
 logprobs of the whole answer to the same greedy request, in more than one chunk (the stream follows the
 engine's steps), ending `data: [DONE]`; the chat route's prompt is the model's chat template rendering of
-the messages (what `lpf run --engine openai` scores chat against); and through `lpf watch` in front of it.
+the messages (what `lpf run --engine openai` scores chat against); and through `lpf watch` in front of it, with
+greedy and sampled requests mixed (issue 56's trial: the recording re-analysed gives the live verdicts), and
+through LiteLLM's proxy between them (what a gateway strips, counted by reason; the trace join's gateway hint).
 """
 
 from __future__ import annotations
@@ -403,42 +405,64 @@ def test_the_openai_client_gets_the_same_tokens_whole_and_streamed(server):
     assert bad.status_code == 400 and "stream=true" in bad.json()["error"]["message"]
 
 
-@pytest.mark.slow  # an `lpf watch` process and its scorer (~30 s here under load)
-def test_the_openai_client_through_lpf_watch_is_recorded_and_scored(server, tmp_path):
+def _sampled(seed: int) -> dict:
+    return dict(_greedy(), temperature=0.8, seed=seed)
+
+
+@pytest.mark.slow  # an `lpf watch` process and its scorer (~35 s here under load)
+def test_mixed_traffic_through_lpf_watch_is_judged_live_as_the_recording_is_afterwards(server, tmp_path, lpf_cli):
+    """Issue 56's trial, shorter: the official client through `lpf watch` in front of `lpf serve`, greedy and
+    temperature-0.8 requests mixed in every window, completions and chat, streamed and not. No window alarms, every
+    request is clean; the recording re-analysed offline (`lpf analyze DIR`) finds none divergent, its run-level
+    test says `same`, and its verdicts are the live windows' request for request."""
     out = tmp_path / "run"
-    args = [
-        "--reference",
-        MODEL,
-        "--sample",
-        "1",
-        "--window",
-        "4",
-        "--part-seconds",
-        "0.2",
-        "--upstream-dtype",
-        "float32",
-    ]
-    with watched(server.base_url, out, *args, env={"OMP_NUM_THREADS": "1"}) as w:
+    args = ["--reference", MODEL, "--sample", "1", "--window", "4", "--part-seconds", "0.2"]
+    with watched(server.base_url, out, *args, "--upstream-dtype", "float32", env={"OMP_NUM_THREADS": "1"}) as w:
         c = _client(w.base_url)
         direct = _client(server.base_url)
         a = c.completions.create(prompt=PROMPT, **_greedy())
         assert a.choices[0].text == direct.completions.create(prompt=PROMPT, **_greedy()).choices[0].text
         assert a.choices[0].logprobs is None  # what lpf asked for is taken out again
-        text = "".join(ch.choices[0].text for ch in c.completions.create(prompt=PROMPT, stream=True, **_greedy()))
-        assert text == a.choices[0].text
+        text = "".join(ch.choices[0].text for ch in c.completions.create(prompt=PROMPT, stream=True, **_sampled(1)))
+        assert text == direct.completions.create(prompt=PROMPT, **_sampled(1)).choices[0].text  # seeded: the same
         c.chat.completions.create(messages=MESSAGES, **_greedy())
-        streamed = c.chat.completions.create(messages=MESSAGES, stream=True, **_greedy())
+        streamed = c.chat.completions.create(messages=MESSAGES, stream=True, **_sampled(3))
         assert all(ch.choices[0].logprobs is None for ch in streamed if ch.choices)
+        c.completions.create(prompt=PROMPT, **_sampled(4))
+        "".join(ch.choices[0].text for ch in c.completions.create(prompt=PROMPT, stream=True, **_greedy()))
+        c.chat.completions.create(messages=MESSAGES, **_sampled(6))
+        list(c.chat.completions.create(messages=MESSAGES, stream=True, **_greedy()))
         deadline = time.monotonic() + 120
         windows = out / "live" / "windows.jsonl"
-        while time.monotonic() < deadline and not (windows.exists() and windows.read_text().strip()):
+        while time.monotonic() < deadline and not (windows.exists() and len(windows.read_text().splitlines()) >= 2):
             time.sleep(0.3)
         judged = [json.loads(line) for line in windows.read_text().splitlines()]
-    req = pq.read_table(out / "requests").to_pylist()
+    req = sorted(pq.read_table(out / "requests").to_pylist(), key=lambda r: r["seq"])
     said = [(r["request_id"], r["error"], r["inconsistency"]) for r in req]
-    assert len(req) == 4 and all(e is None and i is None for _, e, i in said), said
+    assert len(req) == 8 and all(e is None and i is None for _, e, i in said), said
     assert all(len(r["output_token_ids"]) == 8 for r in req)
-    assert judged[0]["n_requests"] == 4 and judged[0]["verdicts"] == {"clean": 4} and not judged[0]["alarm"]
+    # each request's own sampling as sent, and every window mixes the two temperatures
+    assert [r["sampling"]["temperature"] for r in req] == [0.0, 0.8, 0.0, 0.8, 0.8, 0.0, 0.8, 0.0]
+    assert [x["n_requests"] for x in judged] == [4, 4] and all(x["temperature"] is None for x in judged)
+    assert [x["verdicts"] for x in judged] == [{"clean": 4}] * 2 and not any(x["alarm"] for x in judged)
+    # the seeded samples hold tokens the reference does not rank first (rank 2, 27 here): judged as greedy, those
+    # would be flips (issue 56's four pre-swap `divergent` requests)
+    ranks = pq.read_table(out / "reference", columns=["request_id", "ref_rank"]).to_pylist()
+    hot = {r["request_id"] for r in req if r["sampling"]["temperature"] == 0.8}
+    assert any(x["ref_rank"] > 1 for x in ranks if x["request_id"] in hot)
+    # afterwards, offline: the same verdicts
+    r = lpf_cli("analyze", out, "--json")
+    assert r.code == 0, r.err
+    findings = json.loads(r.out)
+    assert findings["counts"].get("divergent", 0) == 0 and findings["counts"].get("corrupt", 0) == 0
+    assert findings["run_test"]["result"] == "same", findings["run_test"]
+    offline = pq.read_table(out / "summary.parquet", columns=["request_id", "verdict"]).to_pylist()
+    verdict = {x["request_id"]: x["verdict"] for x in offline}
+    for x in judged:
+        counted: dict[str, int] = {}
+        for rid in x["request_ids"]:
+            counted[verdict[rid]] = counted.get(verdict[rid], 0) + 1
+        assert counted == x["verdicts"], (x["window"], counted, x["verdicts"])
 
 
 @pytest.mark.slow  # LiteLLM's proxy takes ~25 s to start here (import), an `lpf watch` beside it: ~45 s in all
