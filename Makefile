@@ -75,8 +75,9 @@ lint: $(STAMP)
 
 # One intra-op thread: the suite starts many small-model processes one after another, where extra
 # threads only add overhead (and oversubscribe a busy machine); numerics do not depend on it.
+# --durations: the slowest tests in every run's log, so a suite near its 25-minute budget shows where it went.
 test: lint setup
-	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q $(PYTEST_PARALLEL) $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q $(PYTEST_PARALLEL) --durations=30 $(PYTEST_ARGS)
 
 # Everything `make test` needs before pytest runs, each step reused while its stamp stands
 setup: $(STAMP) chromium prometheus $(VLLM_STAMP) $(VLLM_PLUGIN_STAMP) $(LLAMACPP_STAMP) $(LITELLM_STAMP)

@@ -146,7 +146,7 @@ class HttpReference:
             "prompt_logprobs": self.how,
             "concurrency": self.concurrency,
             "top_k": self.topk,
-            "dtype": None,  # the server's own: no floor is measured for this pairing yet
+            "dtype": None,  # the server's own, not stated: its floor takes the engine's (`floors.server_pair`)
             "implementation": f"server {self.version}" if self.version else "server",
             "rank": "the server's where given, else the place in the top-k, else top-k + 1 (a lower bound)",
             "cost": dict(self.cost),
@@ -360,13 +360,16 @@ def _scoring_engine():
 
 def findings_notes(reference: dict | None, findings: dict) -> dict:
     """What findings.json says of the reference beyond its name: its kind (`reference_kind`, absent for the
-    default transformers reference), and for a self-reference the one line of what it cannot see and the
+    default transformers reference), a server reference's cost (`reference_cost`: requests, tokens sent
+    (prompts included), seconds), and for a self-reference the one line of what it cannot see and the
     run-level test as not applicable (it is never `same`: the engine compared with itself agrees whatever
     model it runs)."""
     ref = reference or {}
     kind = ref.get("kind") or "transformers"
     # a transformers reference is the default every run had before: its findings stay as they were
     notes: dict = {} if kind == "transformers" else {"reference_kind": kind}
+    if kind != "transformers" and ref.get("cost"):  # a server's second pass is work it did: stated
+        notes["reference_cost"] = dict(ref["cost"])
     if ref.get("limitation"):
         notes["reference_limitation"] = ref["limitation"]
     if ref.get("run_test") == "not applicable":

@@ -42,7 +42,7 @@ import pyarrow.compute as pc
 
 from lpf.analysis import metrics as m
 from lpf.analysis.findings import analyze
-from lpf.analysis.floors import KAPPA, expected_floor
+from lpf.analysis.floors import KAPPA, run_floor
 from lpf.analysis.run_test import DEFAULT_ALPHA, NULL_RATE, token_evidence
 from lpf.analysis.stats import poisson_log_tail, poisson_upper
 from lpf.analysis.thresholds import Thresholds
@@ -88,6 +88,7 @@ def _run_info(info: dict) -> tuple[float, dict]:
     return t, {
         "engine_dtype": info.get("engine_dtype"),
         "reference_dtype": info.get("reference_dtype"),
+        "reference_kind": info.get("reference_kind"),
         "model": info.get("model"),
         "sampling": {"temperature": t, "top_k": 0, "top_p": 1.0},
     }
@@ -206,9 +207,7 @@ def _exceedances(requests, tokens, reference, run_info, info, tokens_only):
     as none); None without a floor or without logprobs."""
     if tokens_only or info.get("floor_table") is None or tokens.num_rows == 0:
         return None
-    floor = expected_floor(
-        info["floor_table"], run_info["engine_dtype"], run_info["reference_dtype"], run_info["model"]
-    )
+    floor = run_floor(info["floor_table"], run_info)
     if not floor:
         return None
     joined, _ = m.join_grouped(tokens, reference)
