@@ -379,12 +379,17 @@ def test_the_live_page_lists_windows_newest_first_and_escapes_what_it_shows():
             "verdicts": {"corrupt": 2},
             "run_test": {"result": "different", "p_value": 1e-9},
             "change": {"request_id": "w000000005"},
+            "flagged": ["w000000005", "w000000006", "x'><script>"] + [f"w00000001{i}" for i in range(8)],
         },
     ]
     html = render_page(ws, {"upstream": "http://x/<script>", "alarms": 1})
     assert html.index("w000000005") < html.index("<td>0</td>")  # newest first
     assert "ALARM" in html and 'class="alarm"' in html and "1e-09" in html
     assert "<script>" not in html and "&lt;script&gt;" in html
+    # the flagged requests link into the drill-down of the report served beside the page (at most 8, the rest counted)
+    assert "<a href='report.html#request-w000000005'>w000000005</a>" in html
+    assert "<a href='report.html#request-x%27%3E%3Cscript%3E'>x&#x27;&gt;&lt;script&gt;</a>" in html
+    assert html.count("href='report.html#request-") == 8 and " +3 more" in html
 
 
 def test_the_live_page_draws_the_timeline_the_incident_and_the_outage():
