@@ -202,6 +202,21 @@ def test_a_model_swapped_under_its_name_alarms_in_the_first_window_after_the_swa
     # after the outage the lag is back to 0: the failed samples never counted as waiting
     assert "lpf_watch_scoring_lag_seconds 0.0" in swap["metrics"]
     assert 'lpf_watch_windows_total{result="upstream-failing"} 1.0' in swap["metrics"]
+    # --fail-after 1 over this swap's own windows (as the scorer wrote them): it stops at the first alarmed one
+    from lpf.watch.metrics import WatchMetrics
+    from lpf.watch.supervisor import Supervisor
+
+    replay = swap["out"].parent / "replay"
+    (replay / "live").mkdir(parents=True)
+    (replay / "live" / "windows.jsonl").write_text((swap["out"] / "live" / "windows.jsonl").read_text())
+    seen, stopped = [], []
+    sup = Supervisor(replay, [], WatchMetrics(), seen.append, fail_after=1, stop=lambda: stopped.append(1))
+    try:
+        sup.tick()
+        sup.tick()
+    finally:
+        sup.close()
+    assert [x["window"] for x in seen] == [x["window"] for x in got[:4]] and stopped == [1] and sup.failed
 
 
 def test_the_live_page_links_the_flagged_requests_into_the_reports_drill_down(swap):
