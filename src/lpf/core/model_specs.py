@@ -2,7 +2,7 @@
 
 Specs: a directory with `config.json`; `zoo:NAME` (a trained checkpoint shipped in the package);
 `tiny:hybrid` / `tiny:llama` / `tiny:jamba` / `tiny:qwen35` and the drill variants `tiny:jamba-longmem` /
-`tiny:hybrid-longmem` (random models built deterministically from a config on first use and cached
+`tiny:hybrid-longmem` / `tiny:qwen35-longmem` (random models built deterministically from a config on first use and cached
 under `$LPF_CACHE`, default `~/.cache/lpf`). Nothing is ever downloaded. Resolution never imports
 torch unless a tiny model has to be built.
 """
@@ -113,9 +113,11 @@ def _tiny_configs(vocab_size: int, special: dict) -> dict[str, dict]:
 # showed where the state carries long memory; this is the smallest model where they do.
 # `hybrid-longmem` is the same edit of tiny:hybrid (Mamba2 + attention, head_dim 32): the Mamba2
 # counterpart that vLLM's CPU build runs (it has no Mamba1 path), for the drills on real vLLM.
+# `qwen35-longmem` is the same edit of tiny:qwen35's Gated DeltaNet layers (g = -A softplus(a + dt_bias)
+# with A = 0.002: the delta-rule memory barely decays), for the recurrent-state drills on GDN.
 _LONGMEM_A = 0.002
 _LONGMEM_HEAD_SCALE = 4.0
-TINY_VARIANTS = {"jamba-longmem": "jamba", "hybrid-longmem": "hybrid"}
+TINY_VARIANTS = {"jamba-longmem": "jamba", "hybrid-longmem": "hybrid", "qwen35-longmem": "qwen35"}
 TINY_MODELS = ("hybrid", "llama", "jamba", "qwen35", *TINY_VARIANTS)
 
 
@@ -125,9 +127,9 @@ def _edit_variant(name: str, model) -> None:
     import torch
 
     with torch.no_grad():
-        if name in ("jamba-longmem", "hybrid-longmem"):  # both name their SSM decay `mamba.A_log`
+        if name in ("jamba-longmem", "hybrid-longmem", "qwen35-longmem"):  # the decay: mamba.A_log, linear_attn.A_log
             for pname, param in model.named_parameters():
-                if pname.endswith("mamba.A_log"):
+                if pname.endswith(("mamba.A_log", "linear_attn.A_log")):
                     param.fill_(math.log(_LONGMEM_A))
                 elif pname == "lm_head.weight":
                     param.mul_(_LONGMEM_HEAD_SCALE)

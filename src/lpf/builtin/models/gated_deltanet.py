@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lpf.builtin.forward_context import probe
+from lpf.builtin.forward_context import get_forward_context, probe
 from lpf.builtin.models.layers import activation, wide
 from lpf.builtin.models.mamba_base import MambaMixerBase
 
@@ -179,6 +179,9 @@ class GatedDeltaNetMixer(MambaMixerBase):
         qkv, z, b, a = self._split(proj)
         qkv, conv = self.conv_prefill_batch(qkv, lay, conv0)
         q, k, v, g, beta = (lay.padded(t) for t in self._rule_inputs(qkv, b, a))
+        if get_forward_context().unmasked_padding:  # padding-updates-state: the padding's gates (a = 0) decay
+            g_pad = -wide(self.A_log).exp() * F.softplus(wide(self.dt_bias))
+            g = torch.where(lay.padding()[..., None], g_pad.to(g.dtype), g)
         out, ssm = chunk_gated_delta_rule(q, k, v, g, beta, self.chunk_size, ssm0)
         return self._output(lay.packed(out), z, proj.dtype), conv, ssm
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lpf.builtin.forward_context import probe
+from lpf.builtin.forward_context import get_forward_context, probe
 from lpf.builtin.models.layers import GatedRMSNorm, activation, wide
 from lpf.builtin.models.mamba_base import MambaMixerBase
 
@@ -154,6 +154,9 @@ class Mamba2Mixer(MambaMixerBase):
         x, B, C, dt = self._ssm_inputs(xbc, dt)
         A = -torch.exp(wide(self.A_log))
         x, dt, B, C = (lay.padded(t) for t in (x, dt, B, C))
+        if get_forward_context().unmasked_padding:  # padding-updates-state: the padding's dt (a zero projection)
+            dt_pad = F.softplus(wide(self.dt_bias)).clamp(*self.dt_limit)
+            dt = torch.where(lay.padding()[..., None], dt_pad.to(dt.dtype), dt)
         y, ssm = ssd_scan_batch(x, dt, A, B, C, wide(self.D), self.chunk_size, ssm0)
         y = lay.packed(y)
         probe(self, "ssm_out", y)
