@@ -313,7 +313,7 @@ _RECURRENT_DRILLS = (
         "the verify path replays the drafts from a zero-filled state buffer, not the request's state "
         "(sglang#27658's review)",
         needs=(SPECULATION,),
-        named_by=_f("speculated"),
+        named_by=_f("speculated", "diverged_at_first_spec_decode"),
     ),
     Drill(
         "chunk-state-transposed",

@@ -38,8 +38,9 @@ Subclasses implement `prefill(proj [L, P], conv0, ssm0) -> (y [L, d_inner], conv
 output of the tokens concerned, and `prefill_batch(proj [T, P], lay: Varlen, conv0 [B, ...], ssm0
 [B, ...]) -> (y [T, d_inner], conv [B, ...], ssm [B, ...])`, several chunks' rows packed back to back,
 computed as one padded batch; the base applies `out_proj` to the whole packed batch. Under the
-padding-updates-state drill (`ForwardContext.unmasked_padding`) a mixer with a gated decay lets the
-padding's gates (those of a zero projection) decay the state in `prefill_batch`.
+padding-updates-state drill (`ForwardContext.unmasked_padding`) a mixer with a gated decay runs its
+padding through the state update in `prefill_batch` as tokens of a zero projection: their conv
+outputs (`conv_padded`) and gates (a zero projection's) decay and write the state.
 """
 
 from __future__ import annotations
@@ -73,10 +74,6 @@ class Varlen:
         index = self.by_time if time_major else self.by_request
         out = t.new_full((n * self.longest, *t.shape[1:]), fill).index_copy_(0, index, t)
         return out.view(*((self.longest, n) if time_major else (n, self.longest)), *t.shape[1:])
-
-    def padding(self) -> torch.Tensor:
-        """[n, longest] bool: True where the right-padded layout holds padding, not a token."""
-        return torch.arange(self.longest, device=self.lens_t.device)[None] >= self.lens_t[:, None]
 
     def packed(self, t: torch.Tensor, time_major: bool = False) -> torch.Tensor:
         """The rows of a padded t [n, longest, ...] ([longest, n, ...] time-major) that hold tokens: [T, ...]."""
@@ -350,6 +347,14 @@ class MambaMixerBase(nn.Module):
         # each chunk's last K-1 inputs: columns len .. len + K-2 of its row of `full`
         tail = (lay.lens_t[:, None] + torch.arange(k1, device=xc.device)[None])[:, None, :]
         return packed, full.gather(2, tail.expand(n, width, k1))
+
+    def conv_padded(self, xc: torch.Tensor, lay: Varlen, conv0: torch.Tensor) -> torch.Tensor:
+        """`conv_prefill_batch`'s activated output at every position of the right-padded layout, the
+        padding's included (its first d_conv - 1 positions still see the chunk's last inputs): [n, longest,
+        C]. Only the padding-updates-state drill reads the padding's rows."""
+        full = torch.cat([conv0, lay.padded(xc).transpose(1, 2)], dim=2)
+        out = F.conv1d(full, self.conv1d.weight, self.conv1d.bias, padding=1, groups=xc.shape[1])
+        return self.act(out[:, :, 1:-1]).transpose(1, 2)
 
     def conv_step(self, xc: torch.Tensor, conv0: torch.Tensor):
         """One token per request: xc [B, C], conv0 [B, C, K-1]."""
