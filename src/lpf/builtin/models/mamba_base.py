@@ -184,9 +184,9 @@ class MambaMixerBase(nn.Module):
         """The verify path (speculative decoding, as vLLM runs it for Mamba): each request's 1 + K tokens
         stepped one position at a time by the decode kernel from the state in `state_slot` (exact
         offsets; from zeros for a row whose `has_initial_state` is False), every position's conv and SSM
-        state kept as a snapshot (`ctx.memo["spec_states"]`, layer -> (request ids, conv [T, B, ...], ssm [T, B, ...]): position t of row b; past a row's
-        own length its last state) and the last position's state written back; the runner rolls the
-        slot back to the snapshot of the last accepted position."""
+        state kept as a snapshot (`ctx.memo["spec_states"]`, layer -> (request ids, conv [T, B, ...], ssm
+        [T, B, ...]): position t of row b; past a row's own length its last state) and the last position's
+        state written back; the runner rolls the slot back to the snapshot of the last accepted position."""
         slots = [s.state_slot for s in verifies]
         conv = cache.read(layer, "conv", slots, "decode").to(proj.dtype)
         ssm = cache.read(layer, "ssm", slots, "decode").to(ssm_dtype)
