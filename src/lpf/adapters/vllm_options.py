@@ -72,6 +72,14 @@ class VLLMOptions(Options):
     num_gpu_blocks_override: int | None = knob(
         None, ge=1, help="KV-cache blocks (state slots come from them too).", roles=("cache_size",), shrink_order=40
     )
+    tensor_parallel_size: int | None = knob(
+        None, ge=1, help="GPUs one model is split over (vLLM's tensor parallelism)."
+    )
+    batch_invariant: bool = knob(
+        False,
+        help="vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1): a request's logprobs do not depend on what "
+        "shares its batch, where this vLLM's kernels support it (vLLM refuses at start where they do not).",
+    )
     logprobs_mode: Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"] = knob(
         "raw_logprobs", help="What vLLM returns as logprobs (raw: the model's, before any processing)."
     )
