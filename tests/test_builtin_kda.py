@@ -83,6 +83,7 @@ def test_float64_layers_equal_transformers_with_its_float32_islands_widened(monk
     assert worst <= 1e-10, worst
 
 
+@pytest.mark.slow  # ~2 s each here, out of `make test-fast`'s budget as test_builtin_gdn
 @pytest.mark.parametrize("budget", [256, 16])
 def test_engine_equals_transformers_greedy(budget):
     from transformers import AutoModelForCausalLM
