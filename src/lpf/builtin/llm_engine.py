@@ -40,7 +40,9 @@ def cache_sizes(model, config: EngineConfig) -> tuple[int, int]:
     n_attn, n_kv, head_dim = model.kv_spec()
     slot_elem = torch_dtype(state_buffer_dtype(config)).itemsize
     slot_bytes = sum(prod(shape) for parts in model.state_specs() for _, shape in parts) * slot_elem
-    block_bytes = n_attn * 2 * config.block_size * n_kv * head_dim * elem
+    # a model without attention layers (Kimi Linear's KDA-only tiny model) stores nothing per token: its
+    # block tables are bookkeeping over the one-element placeholder KVCache allocates, which is what it costs
+    block_bytes = max(n_attn, 1) * 2 * config.block_size * n_kv * head_dim * elem
     return config.cache_sizes(slot_bytes, block_bytes)
 
 
