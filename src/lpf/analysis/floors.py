@@ -178,26 +178,43 @@ def _scaled(floor: dict | None, factor: float) -> dict | None:
     return out
 
 
+# llama.cpp's KV type names, as the table's rows name them
+_KV_NAMES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}
+
+
 def configured_kv(engine_name: str | None, engine_dtype: str | None, block: dict | None) -> dict | None:
     """{kv, why}: the KV cache precision the engine's configuration (`manifest.engine.configuration`, values
     read from the engine or declared) computes attention with, when it is not the engine's dtype; None when it
     is. A quantized KV cache names itself (`kv_cache_dtype`); llama.cpp's flash attention on a float32 KV
-    cache computes on an f16 copy of it (docs/bugs.md 18), so its KV is float16."""
+    cache computes on an f16 copy of it (docs/bugs.md 18), so its KV is float16; and a llama-server that
+    does not say (a user-started one: /props names neither) has its defaults assumed, said in `why`: an f16
+    KV cache, or flash attention (auto: on) over an f32 one, float16 either way."""
     conf = block or {}
 
     def value(field):
         return (conf.get(field) or {}).get("value")
 
     kv = value("kv_cache_dtype")
+    kv = _KV_NAMES.get(kv, kv)
     if kv and kv != engine_dtype:
         return {"kv": str(kv), "why": f"a {kv} KV cache"}
     vias = " ".join(str((conf.get(f) or {}).get("via") or "") for f in conf)
     llamacpp = engine_name == "llamacpp" or "llama-server" in vias or "/props" in vias
-    if value("flash_attention") == "on" and llamacpp and engine_dtype == "float32" and kv in (None, "float32"):
+    if not llamacpp or engine_dtype != "float32":
+        return None
+    fa = value("flash_attention")
+    if fa == "on" and kv in (None, "float32"):
         return {
             "kv": "float16",
             "why": "flash attention's f16 copy of the f32 KV cache (llama.cpp: docs/bugs.md 18; -fa off for exact "
             "float32)",
+        }
+    if fa is None or kv is None:  # what a server the user started does not say (its /props names neither)
+        return {
+            "kv": "float16",
+            "why": "llama-server's defaults, assumed (it does not say its KV cache type or flash attention): an "
+            "f16 KV cache (-ctk f16), or flash attention's f16 copy of an f32 one (-fa auto); declare "
+            "--flash-attention off --kv-cache-dtype float32 for exact float32",
         }
     return None
 
