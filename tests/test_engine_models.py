@@ -363,6 +363,7 @@ def test_unsupported_architecture():
     from lpf.core.model_specs import resolve_model
 
     with pytest.raises(
-        LpfError, match="runs GraniteMoeHybrid, Jamba and Qwen3.5 models; LlamaForCausalLM is not supported"
+        LpfError,
+        match="runs GraniteMoeHybrid, Jamba, Qwen3.5 and Kimi Linear \\(KDA\\) models; LlamaForCausalLM is not supported",
     ):
         load_model(resolve_model("tiny:llama").path)

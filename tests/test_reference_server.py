@@ -22,7 +22,8 @@ from contextlib import ExitStack
 import pytest
 
 from conftest import write_prompts
-from lpf.pipeline.reference_http import LIMITATION, _field_ranks, _rank, reference_form
+from lpf.pipeline.reference_http import LIMITATION, _field_ranks, reference_form
+from lpf.pipeline.reference_prompt import _rank
 
 MODEL = "tiny:jamba"
 # a 4-token step budget and 4 sequences: a new request regularly gets 1 token of budget (the stale-state

@@ -210,6 +210,21 @@ def test_run_report_renders_and_model_script_stays_text(xss_run, browser):
     assert browser.execute_script("return typeof window.__pwned") == "undefined"
     assert severe(browser.get_log("browser")) == []
 
+    # #request-ID (the anchor `lpf watch`'s live page links a flagged request to) opens that request, in view; an
+    # id not drilled into says so
+    closed = [d.get_attribute("id") for d in browser.find_elements(By.CSS_SELECTOR, "details.req:not([open])")]
+    flagged = {f["request_id"] for f in findings["flagged"]}
+    target = next(i for i in closed if i.removeprefix("request-") in flagged)
+    browser.get((run / "report.html").resolve().as_uri() + "#" + target)
+    WebDriverWait(browser, 30).until(lambda d: d.execute_script("return document.body.dataset.ready"))
+    shown = "var e = document.getElementById(arguments[0]), r = e.getBoundingClientRect();"
+    shown += "return [e.open, r.top < window.innerHeight && r.bottom > 0];"
+    WebDriverWait(browser, 5).until(lambda d: d.execute_script(shown, target) == [True, True])
+    browser.execute_script("location.hash = 'request-nope'")
+    note = browser.find_element(By.CSS_SELECTOR, "#worst .unseen")
+    WebDriverWait(browser, 5).until(lambda d: note.is_displayed())
+    assert note.text.startswith("nope is not among the") and "lpf inspect DIR nope" in note.text
+
 
 @pytest.mark.slow  # an end-to-end run or a browser: kept out of `make test-fast` (issue 27)
 def test_report_command_and_bad_directories(xss_run, tmp_path):

@@ -1,6 +1,6 @@
 """`lpf rl simulate` / `lpf rl analyze`: real built-in engine, real reference rescorer, real CLI.
 
-The offset-wrap runs use the lever-table geometry (README, "RL rollouts"): zoo:hybrid's state slot
+The offset-wrap runs use the lever-table geometry (docs/rl.md, "The seed's lever table"): zoo:hybrid's state slot
 stride is 14,880 elements, so under offset-wrap:20 slots >= 71 write their final prefill state to a
 wrapped offset; a 9 MB cache holds 79 slots (71..78 poisoned), an 8 MB cache 70 (none). With 16
 rollouts of 1 prompt per step the slot sweep first reaches slot 71 at step ceil(72 / 16) = 5 and comes

@@ -321,6 +321,32 @@ def test_expected_floor_selection(table):
     assert floors.expected_floor(table, "float32", "float16") is None  # nothing measured for that reference
 
 
+def test_a_server_reference_is_judged_by_its_own_pair_and_says_when_none_was_measured(table):
+    f32 = table["pairs"]["float32/float32"]["envelope"]
+    bf16 = table["pairs"]["bfloat16/float32"]["envelope"]
+    # nothing measured for the engine against itself: the engine dtype's pair against float32, said
+    got = floors.expected_floor(table, "bfloat16", None, MODEL, reference_kind="self")
+    assert got["pair"] == "bfloat16/float32" and got["token"] == bf16["token"]
+    assert "no floor for bfloat16/bfloat16 ref=self" in got["detail"] and "its own prefill" in got["detail"]
+    self_row = {**f32, "token": {"median": 1e-7, "q99": 1e-6}}
+    t2 = {**table, "pairs": {**table["pairs"], "bfloat16/bfloat16 ref=self": {"envelope": self_row, "models": {}}}}
+    own = floors.expected_floor(t2, "bfloat16", None, MODEL, reference_kind="self")
+    assert own["pair"] == "bfloat16/bfloat16 ref=self" and "the engine against its own prefill" in own["detail"]
+    assert own["token"]["q99"] == pytest.approx(floors.UNMEASURED_MARGIN * 1e-6)  # MODEL has no row of its own
+    assert floors.departure_units(own)["same_arithmetic"]  # one engine's kernels on both sides
+    # a trusted deployment's pair is its own row, not the self-reference's
+    assert floors.expected_floor(t2, "bfloat16", None, MODEL, reference_kind="http")["pair"] == "bfloat16/float32"
+    # the engine's dtype unknown: the most lenient pair measured against that kind of reference, said
+    unknown = floors.expected_floor(t2, None, None, MODEL, reference_kind="self")
+    assert unknown["pair"] == "bfloat16/bfloat16 ref=self" and "not recorded" in unknown["detail"]
+    assert floors.expected_floor(table, None, None, MODEL, reference_kind="http") is None
+    # never inferred from a server reference's token errors: they are the engine against itself
+    run_info = {"engine_dtype": None, "reference_dtype": None, "reference_kind": "self"}
+    assert not floors.infers_dtype(table, run_info)
+    assert floors.infers_dtype(table, {"engine_dtype": None, "reference_dtype": "float32"})
+    assert floors.run_floor(t2, {**run_info, "engine_dtype": "bfloat16", "model": MODEL})["pair"].endswith("ref=self")
+
+
 def test_too_few_tokens_decide_nothing(table):
     req, tok, ref = synthetic_run(n_req=1, n_tok=5, sigma=0.5, seed=8)
     _, f = run((req, tok, ref), table)

@@ -7,12 +7,15 @@ the server's /metrics and its --trace-dir, and shutdown against the exit code. T
 client drives it, completions and chat, whole and streamed: streamed answers carry exactly the tokens and
 logprobs of the whole answer to the same greedy request, in more than one chunk (the stream follows the
 engine's steps), ending `data: [DONE]`; the chat route's prompt is the model's chat template rendering of
-the messages (what `lpf run --engine openai` scores chat against); and through `lpf watch` in front of it.
+the messages (what `lpf run --engine openai` scores chat against); and through `lpf watch` in front of it, with
+greedy and sampled requests mixed (issue 56's trial: the recording re-analysed gives the live verdicts), and
+through LiteLLM's proxy between them (what a gateway strips, counted by reason; the trace join's gateway hint).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import time
@@ -22,18 +25,30 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from litellm_proxy import LiteLLM, executable
 from lpf.serve.process import served
 from lpf.watch.process import watched
 
 MODEL = "zoo:hybrid"
 
 
+GATEWAY_TEST = "test_through_litellm_every_sample_is_scored_or_unscorable_by_reason_and_the_trace_join_says_why"
+
+
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(request, tmp_path_factory):
     trace_dir = tmp_path_factory.mktemp("serve-trace")
     with served("--model", MODEL, "--cache-mb", 12, "--trace-dir", trace_dir, env={"OMP_NUM_THREADS": "1"}) as s:
         s.trace_dir = trace_dir
-        yield s
+        with contextlib.ExitStack() as stack:
+            # LiteLLM's proxy takes ~30 s to start here (its imports): when the gateway test is selected, it is
+            # started now and comes up beside the module's other tests (the gateway test waits for it)
+            s.gateway = None
+            if any(item.name == GATEWAY_TEST for item in request.session.items) and executable():
+                up = f"{s.base_url}/v1"
+                routes = {MODEL: (up, MODEL, False), f"{MODEL}-fwd": (up, MODEL, True)}
+                s.gateway = stack.enter_context(LiteLLM(executable(), routes, tmp_path_factory.mktemp("litellm")))
+            yield s
 
 
 @pytest.fixture(scope="module")
@@ -403,42 +418,175 @@ def test_the_openai_client_gets_the_same_tokens_whole_and_streamed(server):
     assert bad.status_code == 400 and "stream=true" in bad.json()["error"]["message"]
 
 
-@pytest.mark.slow  # an `lpf watch` process and its scorer (~30 s here under load)
-def test_the_openai_client_through_lpf_watch_is_recorded_and_scored(server, tmp_path):
+def _sampled(seed: int) -> dict:
+    return dict(_greedy(), temperature=0.8, seed=seed)
+
+
+@pytest.mark.slow  # an `lpf watch` process and its scorer (~35 s here under load)
+def test_mixed_traffic_through_lpf_watch_is_judged_live_as_the_recording_is_afterwards(server, tmp_path, lpf_cli):
+    """Issue 56's trial, shorter: the official client through `lpf watch` in front of `lpf serve`, greedy and
+    temperature-0.8 requests mixed in every window, completions and chat, streamed and not. No window alarms, every
+    request is clean; the recording re-analysed offline (`lpf analyze DIR`) finds none divergent, its run-level
+    test says `same`, and its verdicts are the live windows' request for request."""
     out = tmp_path / "run"
-    args = [
-        "--reference",
-        MODEL,
-        "--sample",
-        "1",
-        "--window",
-        "4",
-        "--part-seconds",
-        "0.2",
-        "--upstream-dtype",
-        "float32",
-    ]
-    with watched(server.base_url, out, *args, env={"OMP_NUM_THREADS": "1"}) as w:
+    args = ["--reference", MODEL, "--sample", "1", "--window", "4", "--part-seconds", "0.2"]
+    with watched(server.base_url, out, *args, "--upstream-dtype", "float32", env={"OMP_NUM_THREADS": "1"}) as w:
         c = _client(w.base_url)
         direct = _client(server.base_url)
         a = c.completions.create(prompt=PROMPT, **_greedy())
         assert a.choices[0].text == direct.completions.create(prompt=PROMPT, **_greedy()).choices[0].text
         assert a.choices[0].logprobs is None  # what lpf asked for is taken out again
-        text = "".join(ch.choices[0].text for ch in c.completions.create(prompt=PROMPT, stream=True, **_greedy()))
-        assert text == a.choices[0].text
+        text = "".join(ch.choices[0].text for ch in c.completions.create(prompt=PROMPT, stream=True, **_sampled(1)))
+        assert text == direct.completions.create(prompt=PROMPT, **_sampled(1)).choices[0].text  # seeded: the same
         c.chat.completions.create(messages=MESSAGES, **_greedy())
-        streamed = c.chat.completions.create(messages=MESSAGES, stream=True, **_greedy())
+        streamed = c.chat.completions.create(messages=MESSAGES, stream=True, **_sampled(3))
         assert all(ch.choices[0].logprobs is None for ch in streamed if ch.choices)
+        c.completions.create(prompt=PROMPT, **_sampled(4))
+        "".join(ch.choices[0].text for ch in c.completions.create(prompt=PROMPT, stream=True, **_greedy()))
+        c.chat.completions.create(messages=MESSAGES, **_sampled(6))
+        list(c.chat.completions.create(messages=MESSAGES, stream=True, **_greedy()))
+        deadline = time.monotonic() + 120
+        windows = out / "live" / "windows.jsonl"
+        while time.monotonic() < deadline and not (windows.exists() and len(windows.read_text().splitlines()) >= 2):
+            time.sleep(0.3)
+        judged = [json.loads(line) for line in windows.read_text().splitlines()]
+    req = sorted(pq.read_table(out / "requests").to_pylist(), key=lambda r: r["seq"])
+    said = [(r["request_id"], r["error"], r["inconsistency"]) for r in req]
+    assert len(req) == 8 and all(e is None and i is None for _, e, i in said), said
+    assert all(len(r["output_token_ids"]) == 8 for r in req)
+    # each request's own sampling as sent, and every window mixes the two temperatures
+    assert [r["sampling"]["temperature"] for r in req] == [0.0, 0.8, 0.0, 0.8, 0.8, 0.0, 0.8, 0.0]
+    assert [x["n_requests"] for x in judged] == [4, 4] and all(x["temperature"] is None for x in judged)
+    assert [x["verdicts"] for x in judged] == [{"clean": 4}] * 2 and not any(x["alarm"] for x in judged)
+    # the seeded samples hold tokens the reference does not rank first (rank 2, 27 here): judged as greedy, those
+    # would be flips (issue 56's four pre-swap `divergent` requests)
+    ranks = pq.read_table(out / "reference", columns=["request_id", "ref_rank"]).to_pylist()
+    hot = {r["request_id"] for r in req if r["sampling"]["temperature"] == 0.8}
+    assert any(x["ref_rank"] > 1 for x in ranks if x["request_id"] in hot)
+    # afterwards, offline: the same verdicts
+    r = lpf_cli("analyze", out, "--json")
+    assert r.code == 0, r.err
+    findings = json.loads(r.out)
+    assert findings["counts"].get("divergent", 0) == 0 and findings["counts"].get("corrupt", 0) == 0
+    assert findings["run_test"]["result"] == "same", findings["run_test"]
+    offline = pq.read_table(out / "summary.parquet", columns=["request_id", "verdict"]).to_pylist()
+    verdict = {x["request_id"]: x["verdict"] for x in offline}
+    for x in judged:
+        counted: dict[str, int] = {}
+        for rid in x["request_ids"]:
+            counted[verdict[rid]] = counted.get(verdict[rid], 0) + 1
+        assert counted == x["verdicts"], (x["window"], counted, x["verdicts"])
+
+
+@pytest.mark.slow  # an `lpf watch` and its scorer (~25 s); LiteLLM (~30 s to come up here) starts with the server
+def test_through_litellm_every_sample_is_scored_or_unscorable_by_reason_and_the_trace_join_says_why(
+    server, tmp_path, lpf_cli
+):
+    """LiteLLM's proxy (issue 56's gateway) between `lpf watch` and `lpf serve`: it strips logprobs and token ids
+    from streamed completions and a streamed chat's EOS token id, so every sample is either scored or counted
+    unscorable with its reason (metric, window line, live page); and between `lpf run --engine openai` and the
+    server, a trace join finds none of the run's rows and says why when the gateway drops X-Request-Id, and joins
+    them when the model group forwards client headers (`forward_client_headers_to_llm_api`)."""
+    gw = server.gateway  # started with the server (routes: MODEL without client headers, MODEL-fwd with them)
+    if gw is None:
+        pytest.skip("no LiteLLM proxy (make litellm, or LPF_LITELLM=path/to/litellm)")
+    out = tmp_path / "run"
+    args = ["--reference", MODEL, "--sample", "1", "--window", "4", "--part-seconds", "0.2"]
+    with watched(gw.url, out, *args, "--upstream-dtype", "float32", env={"OMP_NUM_THREADS": "1"}) as w:
+        gw.wait()
+        c = _client(w.base_url)
+        # answers that end at the model's EOS (not ignore_eos: LiteLLM drops a streamed chunk with no text, so
+        # an EOS *inside* an answer vanishes from its stream and the tokens after it shift: not caught here)
+        g = dict(model=MODEL, max_tokens=12, temperature=0)
+        prompt = _oracle_prompts(1, seed=3)[0]
+        whole = c.completions.create(prompt=prompt, **g).choices[0].text
+        streamed = c.completions.create(prompt=prompt, stream=True, **g)
+        assert "".join(ch.choices[0].text or "" for ch in streamed if ch.choices) == whole
+        chat = c.chat.completions.create(messages=MESSAGES, **g).choices[0].message.content
+        streamed = c.chat.completions.create(messages=MESSAGES, stream=True, **g)
+        assert "".join(ch.choices[0].delta.content or "" for ch in streamed if ch.choices) == chat
+
+        # while the watch's scorer judges: lpf run between LiteLLM and the server, the server's own trace joined
+        def run(name: str) -> dict:
+            r = lpf_cli(
+                *("run", "--engine", "openai", "--base-url", f"{gw.url}/v1", "--model", MODEL),
+                *("--served-model", name, "--limit", 2, "--max-tokens", 4, "--ignore-eos"),
+                *("--trace-dir", server.trace_dir, "--out", tmp_path / name.replace(":", "-")),
+            )
+            assert r.code == 0, r.err
+            return json.loads((tmp_path / name.replace(":", "-") / "manifest.json").read_text())["trace"]
+
+        dropped, forwarded = run(MODEL), run(f"{MODEL}-fwd")
+        windows = out / "live" / "windows.jsonl"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not (windows.exists() and windows.read_text().strip()):
+            time.sleep(0.3)
+        (line,) = [json.loads(x) for x in windows.read_text().splitlines()]
+        deadline = time.monotonic() + 30  # /metrics counts what the scorer said on the supervisor's next poll
+        want = [f'lpf_watch_unscored_total{{reason="{r}"}} 1.0' for r in ("stream-stripped", "inconsistent")]
+        while not all(x in (metrics := httpx.get(f"{w.base_url}/metrics").text) for x in want):
+            assert time.monotonic() < deadline, [x for x in metrics.splitlines() if "unscored_total{" in x]
+            time.sleep(0.3)
+        page = httpx.get(f"{w.base_url}/lpf/").text
+        status = json.loads((out / "live" / "scorer.json").read_text())
+
+    # what LiteLLM does to streams (issue 56): a streamed completion comes back with neither ids nor logprobs
+    # (recorded, counted by its reason, not scored); a streamed chat loses its EOS chunk's token id but keeps its
+    # logprob (scored, counted as inconsistent: the answer contradicts itself)
+    req = {r["request_id"]: r for r in pq.read_table(out / "requests").to_pylist()}
+    kind = {r["request_id"]: (r["route"], r["stream"]) for r in pq.read_table(out / "watch").to_pylist()}
+    said = {k: req[r]["inconsistency"] for r, k in kind.items()}
+    assert len(req) == 4 and said[("/v1/completions", False)] is None and said[("/v1/chat/completions", False)] is None
+    assert said[("/v1/completions", True)].startswith("retokenized: the upstream returned neither token ids")
+    assert said[("/v1/chat/completions", True)] == "logprobs: 2 logprob entries for 1 token ids"
+    assert line["unscored"] == {"stream-stripped": 1, "inconsistent": 1} and line["n_unscored"] == 1
+    assert line["n_requests"] == 3 and line["verdicts"] == {"clean": 3}  # the other three scored, clean
+    assert status["unscored"] == {"stream-stripped": 1, "inconsistent": 1}
+    assert status["scored"] + status["unscored"]["stream-stripped"] == status["recorded"] == 4
+    assert "1 of 4 not scorable: the upstream or a gateway strips logprobs and token ids from streamed" in page
+    assert "not scorable: inconsistent 1, stream-stripped 1" in page
+    # the gateway dropped X-Request-Id: the server's trace holds none of the run's requests, and the reason names
+    # the LiteLLM setting; the model group that forwards client headers joins the run's rows
+    assert not dropped["recorded"] and "forward_client_headers_to_llm_api: true" in dropped["why"], dropped
+    assert "belong to this run's requests" in dropped["why"]
+    assert forwarded["recorded"] and forwarded["rows"] >= 2 * 4 and forwarded["why"] is None, forwarded
+
+
+@pytest.mark.slow  # an `lpf watch` process whose scorer re-scores on the upstream itself (~15 s here)
+def test_lpf_watch_with_a_self_reference_rescores_on_the_upstream_and_judges(server, tmp_path):
+    out = tmp_path / "run"
+    args = ["--reference", "self", "--model", MODEL, "--sample", "1", "--window", "3", "--part-seconds", "0.2"]
+    with watched(server.base_url, out, *args, "--upstream-dtype", "float32", env={"OMP_NUM_THREADS": "1"}) as w:
+        c = _client(w.base_url)
+        for prompt in _oracle_prompts(3):
+            c.completions.create(prompt=prompt, **_greedy())
         deadline = time.monotonic() + 120
         windows = out / "live" / "windows.jsonl"
         while time.monotonic() < deadline and not (windows.exists() and windows.read_text().strip()):
             time.sleep(0.3)
         judged = [json.loads(line) for line in windows.read_text().splitlines()]
-    req = pq.read_table(out / "requests").to_pylist()
-    said = [(r["request_id"], r["error"], r["inconsistency"]) for r in req]
-    assert len(req) == 4 and all(e is None and i is None for _, e, i in said), said
-    assert all(len(r["output_token_ids"]) == 8 for r in req)
-    assert judged[0]["n_requests"] == 4 and judged[0]["verdicts"] == {"clean": 4} and not judged[0]["alarm"]
+
+        def sent() -> float:  # /metrics takes the scorer's status file at its next look
+            return _metric(httpx.get(f"{w.base_url}/metrics").text, "lpf_watch_reference_requests_total")
+
+        while sent() < 3 and time.monotonic() < deadline:
+            time.sleep(0.3)
+        assert sent() >= 3  # the upstream's re-scoring work, stated
+    assert judged[0]["n_requests"] == 3 and judged[0]["verdicts"] == {"clean": 3} and not judged[0]["alarm"]
+    assert judged[0]["floor_pair"] == "float32/float32 ref=self"
+    assert judged[0]["run_test"]["result"] == "not applicable"  # the upstream agrees with itself, whatever it runs
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["reference"]["kind"] == "self" and manifest["reference"]["url"].startswith(server.base_url)
+    assert manifest["reference"]["cost"]["requests"] >= 3  # one prefill of prompt + output per sample, stated
+    ref = pq.read_table(out / "reference")
+    assert ref.num_rows == 3 * 8 and pc_max_abs(ref, pq.read_table(out / "tokens")) < 1e-4
+
+
+def pc_max_abs(ref: pa.Table, tokens: pa.Table) -> float:
+    """The largest |engine - reference| logprob over the (request, position) pairs both have."""
+    keys = ["request_id", "position"]
+    joined = tokens.select([*keys, "engine_logprob"]).join(ref.select([*keys, "ref_logprob"]), keys)
+    return max(abs(a - b) for a, b in zip(joined["engine_logprob"].to_pylist(), joined["ref_logprob"].to_pylist()))
 
 
 @pytest.mark.slow  # reads the trace the 64-request test leaves (slow): they go together

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -105,6 +106,32 @@ def test_offline_vllm_audit_is_clean_and_records_its_knobs_and_trace(lpf_cli, tm
     tokens = pq.read_table(out / "tokens").to_pylist()
     assert all(len(t["engine_topk_ids"]) == 5 for t in tokens)
     _check_trace(out, f)
+    _same_verdicts_from_the_vllm_reference(lpf_cli, out, tmp_path / "vllm-ref", f)
+
+
+def _same_verdicts_from_the_vllm_reference(lpf_cli, run: Path, copy: Path, findings: dict) -> None:
+    """The run re-scored by vLLM in its reference configuration (`--reference vllm:zoo:hybrid`, outputs and
+    prompt positions) gets every request's verdict the transformers reference gave, from scores within
+    float32 rounding of transformers' (tests/test_reference_vllm.py: a drilled run)."""
+    shutil.copytree(run, copy)
+    r = lpf_cli("rescore", copy, "--reference", f"vllm:{MODEL}", "--redo")
+    assert r.code == 0, r.err
+    r = lpf_cli("analyze", copy, "--json")
+    assert r.code == 0, r.err
+    g = json.loads(r.out)
+    assert g["reference_kind"] == "vllm" and g["counts"] == findings["counts"] and g["verdict"] == "clean"
+
+    def verdicts(d):
+        return {x["request_id"]: x["verdict"] for x in pq.read_table(d / "summary.parquet").to_pylist()}
+
+    assert verdicts(copy) == verdicts(run) and len(verdicts(run)) == 8
+    assert g["prompt"]["verdict"] == "clean" and g["prompt"]["n_scored_tokens"] == findings["prompt"]["n_scored_tokens"]
+    for part in ("reference", "prompt_reference"):
+        ours = {(x["request_id"], x["position"]): x for x in pq.read_table(copy / part).to_pylist()}
+        theirs = {(x["request_id"], x["position"]): x for x in pq.read_table(run / part).to_pylist()}
+        assert ours.keys() == theirs.keys()
+        assert max(abs(ours[k]["ref_logprob"] - theirs[k]["ref_logprob"]) for k in ours) < 1e-4
+        assert all(ours[k]["ref_top1_id"] == theirs[k]["ref_top1_id"] for k in ours)
 
 
 def _check_trace(out: Path, findings: dict) -> None:

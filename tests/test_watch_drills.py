@@ -1,10 +1,13 @@
 """`lpf watch` drills with real parts (slow: each starts `lpf serve` and `lpf watch` processes).
 
-- The model swapped under its name: `lpf serve` (zoo:hybrid, float32) restarted on the same port with
-  `--inject quantize-weights:4` in the middle of a clean stream of requests: no window before the swap
-  alarms, the first window after it does, and its change point names the swap's first request; a real
-  Prometheus server (Debian's `prometheus`, when installed) scraping /metrics sees `lpf_watch_alarms_total`
-  at 0 before the swap and rising after it (PromQL over its HTTP API).
+- The model swapped under its name: `lpf serve` (zoo:hybrid, float32) stopped in the middle of a clean stream of
+  requests (a window of them sent while it is down) and restarted on the same port with
+  `--inject quantize-weights:4`: no window before the swap alarms, the outage's window is `upstream-failing`
+  (on the live page too) and the lag is back to 0 after it, the first window after the swap alarms, its change
+  point names the swap's first request and the next alarmed window the same incident; the live page links the
+  flagged requests into the drill-down of the report of the recording so far; a real Prometheus server
+  (Debian's `prometheus`, when installed) scraping /metrics sees `lpf_watch_alarms_total` at 0 before the swap
+  and rising after it (PromQL over its HTTP API), and the shipped rules fire (the swap's and the outage's).
 - Concurrent clients (64 at once) with disconnects and malformed bodies, the scorer SIGKILLed mid-run: every
   client that stayed got the upstream's own answer, the clients that left (after 1 s, on long answers) had
   their upstream requests cancelled (`lpf serve` counts them), every sample is recorded or counted as
@@ -16,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -108,11 +112,12 @@ def _promql(url: str, query: str, at: float | None = None) -> float | None:
 
 @pytest.fixture(scope="module")
 def swap(tmp_path_factory):
-    """`lpf serve` clean for two windows of requests, then restarted on its port with quantize-weights:4 for two
-    more, behind `lpf watch` (every request sampled, windows of 8), scraped by Prometheus when there is one."""
+    """`lpf serve` clean for two windows of requests, then stopped (a window of requests sent meanwhile: 502s), then
+    restarted on its port with quantize-weights:4 for two more, behind `lpf watch` (every request sampled, windows of
+    8), scraped by Prometheus when there is one."""
     tmp = tmp_path_factory.mktemp("swap")
     port, out, w = free_port(), tmp / "run", 8
-    prompts = _prompts(4 * w, seed=21)
+    prompts = _prompts(5 * w, seed=21)
     # the server computes in float32 (said: an unknown dtype is judged against the most lenient floor, bfloat16's,
     # and the swap's first request can fall inside it: the change point then lands one request late)
     args = [
@@ -128,16 +133,16 @@ def swap(tmp_path_factory):
         "float32",
     ]
 
-    def send(base, ps):
+    def send(base, ps, status=200):
         for p in ps:  # one at a time: arrival order is the order sent
             r = httpx.post(
                 f"{base}/v1/completions",
                 json={"model": MODEL, "prompt": p, "max_tokens": 16, "temperature": 0, "ignore_eos": True},
                 timeout=120,
             )
-            assert r.status_code == 200, r.text
+            assert r.status_code == status, r.text
 
-    result = {"w": w}
+    result = {"w": w, "out": out}
     with served("--model", MODEL, "--cache-mb", 12, "--port", port, env=ENV) as clean:
         with watched(clean.base_url, out, *args, env=ENV) as proxy:
             with _scraping(f"127.0.0.1:{proxy.port}", tmp) as prom:
@@ -146,11 +151,28 @@ def swap(tmp_path_factory):
                 time.sleep(2.5)  # two scrapes of the clean state
                 result["t_clean"] = time.time()
                 clean.stop()
+                send(proxy.base_url, prompts[2 * w : 3 * w], status=502)  # the upstream is down: a window of them
                 with served(
                     "--model", MODEL, "--cache-mb", 12, "--port", port, "--inject", "quantize-weights:4", env=ENV
                 ):
-                    send(proxy.base_url, prompts[2 * w :])
-                    result["windows"] = wait_for(lambda: len(windows(out)) >= 4 and windows(out), what="4 windows")
+                    send(proxy.base_url, prompts[3 * w :])
+                    result["windows"] = wait_for(lambda: len(windows(out)) >= 5 and windows(out), what="5 windows")
+                    # the outage over and every answered sample scored: no lag left in the metrics
+                    result["metrics"] = wait_for(
+                        lambda: "lpf_watch_scoring_lag_requests 0.0"
+                        in (m := httpx.get(f"{proxy.base_url}/metrics").text)
+                        and "lpf_watch_alarms_total 2.0" in m
+                        and m,
+                        timeout=30,
+                        what="the lag back to 0",
+                    )
+                # the live page once it shows the alarm's flagged requests, and the report its links lead to
+                result["page"] = wait_for(
+                    lambda: "report.html#request-" in (page := httpx.get(f"{proxy.base_url}/lpf/").text) and page,
+                    timeout=30,
+                    what="the flagged requests on the live page",
+                )
+                result["report"] = httpx.get(f"{proxy.base_url}/lpf/report.html", timeout=300)
                 if prom is not None:
                     q = "lpf_watch_alarms_total"
                     result["alarms_after"] = wait_for(lambda: (_promql(prom, q) or 0) >= 1 and _promql(prom, q))
@@ -158,18 +180,59 @@ def swap(tmp_path_factory):
                     result["rise"] = _promql(prom, f"increase({q}[10m])")
                     firing = 'ALERTS{alertname="LpfWatchEngineDeparts",alertstate="firing"}'
                     result["firing"] = wait_for(lambda: _promql(prom, firing), timeout=30, what="the alert firing")
+                    failing = 'ALERTS{alertname="LpfWatchUpstreamFailing",alertstate="firing"}'
+                    result["failing"] = wait_for(lambda: _promql(prom, failing), timeout=30, what="the outage alert")
                 result["prometheus"] = prom
     return result
 
 
 def test_a_model_swapped_under_its_name_alarms_in_the_first_window_after_the_swap(swap):
     got, w = swap["windows"], swap["w"]
-    assert [x["alarm"] for x in got[:4]] == [False, False, True, True], [(x["verdicts"], x["run_test"]) for x in got]
-    assert got[2]["change"]["seq"] == 2 * w and got[2]["change"]["request_id"] == f"w{2 * w:09d}"
-    assert got[2]["run_test"]["result"] == "different"
+    assert [x["alarm"] for x in got[:5]] == [False, False, False, True, True], [
+        (x["verdicts"], x["run_test"]) for x in got
+    ]
+    # the upstream stopped: its window failed whole, said so, and was no alarm
+    assert got[2]["upstream_failing"] and got[2]["n_failed"] == w and got[2]["result"] == "upstream-failing"
+    assert f"{w} of {w} failed upstream" in swap["page"]
+    assert got[3]["change"]["seq"] == 3 * w and got[3]["change"]["request_id"] == f"w{3 * w:09d}"
+    assert got[3]["run_test"]["result"] == "different"
     # one swap, one incident: the next alarmed window names the incident's change point, not one of its own
-    assert got[3]["incident"]["id"] == got[2]["window"] and got[3]["incident"]["windows"] == 2
-    assert got[3]["change"]["request_id"] == f"w{2 * w:09d}" or got[3]["change"]["refined"]
+    assert got[4]["incident"]["id"] == got[3]["window"] and got[4]["incident"]["windows"] == 2
+    assert got[4]["change"]["request_id"] == f"w{3 * w:09d}" or got[4]["change"]["refined"]
+    # after the outage the lag is back to 0: the failed samples never counted as waiting
+    assert "lpf_watch_scoring_lag_seconds 0.0" in swap["metrics"]
+    assert 'lpf_watch_windows_total{result="upstream-failing"} 1.0' in swap["metrics"]
+    # --fail-after 1 over this swap's own windows (as the scorer wrote them): it stops at the first alarmed one
+    from lpf.watch.metrics import WatchMetrics
+    from lpf.watch.supervisor import Supervisor
+
+    replay = swap["out"].parent / "replay"
+    (replay / "live").mkdir(parents=True)
+    (replay / "live" / "windows.jsonl").write_text((swap["out"] / "live" / "windows.jsonl").read_text())
+    seen, stopped = [], []
+    sup = Supervisor(replay, [], WatchMetrics(), seen.append, fail_after=1, stop=lambda: stopped.append(1))
+    try:
+        sup.tick()
+        sup.tick()
+    finally:
+        sup.close()
+    assert [x["window"] for x in seen] == [x["window"] for x in got[:4]] and stopped == [1] and sup.failed
+
+
+def test_the_live_page_links_the_flagged_requests_into_the_reports_drill_down(swap):
+    flagged = [r for x in swap["windows"] for r in x.get("flagged") or ()]
+    linked = re.findall(r"<a href='report\.html#request-([^']+)'>", swap["page"])
+    assert linked and set(linked) <= set(flagged) and flagged[0] in linked
+    report = swap["report"]
+    assert report.status_code == 200 and report.headers["content-type"].startswith("text/html")
+    # the report of the recording so far (analysed as a snapshot beside it, never in place): its findings flag the
+    # linked requests and its drill-down data holds them (report.js anchors each as request-<id>: test_report.py)
+    snap = swap["out"] / "live" / "report"
+    assert report.text == (snap / "report.html").read_text() and not (swap["out"] / "findings.json").exists()
+    offline = {f["request_id"] for f in json.loads((snap / "findings.json").read_text())["flagged"]}
+    assert set(linked) <= offline
+    data = report.text.split('<script type="application/json" id="lpf-data">', 1)[1].split("</script>", 1)[0]
+    assert set(linked) <= {r["request_id"] for r in json.loads(data)["drill"]["requests"]}
 
 
 def test_a_real_prometheus_sees_the_alarm_counter_rise_after_the_swap(swap):
@@ -178,6 +241,7 @@ def test_a_real_prometheus_sees_the_alarm_counter_rise_after_the_swap(swap):
     assert swap["alarms_before"] == 0.0  # scraped while the upstream was clean
     assert swap["alarms_after"] >= 1.0 and swap["rise"] > 0
     assert swap["firing"] == 1.0  # the shipped rule, evaluated by the real server over the real scrape
+    assert swap["failing"] == 1.0  # and the outage's (it clears 10 min after: tests/test_watch_assets.py runs that)
 
 
 def test_concurrent_clients_disconnects_malformed_bodies_and_a_killed_scorer(tmp_path):

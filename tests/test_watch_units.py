@@ -303,6 +303,8 @@ def test_outages_and_unscorable_samples_are_classed_and_said():
         "8 of 20 not scorable: the upstream or a gateway strips logprobs and token ids from streamed answers"
     )
     assert o.window_result({"n_requests": 0}) == "unscored" and o.window_result({"n_requests": 3}) == "undecided"
+    self_judged = {"n_requests": 3, "run_test": {"result": "not applicable"}}
+    assert o.window_result(self_judged) == "not-applicable"  # a self-reference's window is never `same`
     assert not o.window_facts(["5xx"] * 10 + [None] * 10, [None] * 20)["upstream_failing"]  # half is not more
 
 
@@ -377,12 +379,17 @@ def test_the_live_page_lists_windows_newest_first_and_escapes_what_it_shows():
             "verdicts": {"corrupt": 2},
             "run_test": {"result": "different", "p_value": 1e-9},
             "change": {"request_id": "w000000005"},
+            "flagged": ["w000000005", "w000000006", "x'><script>"] + [f"w00000001{i}" for i in range(8)],
         },
     ]
     html = render_page(ws, {"upstream": "http://x/<script>", "alarms": 1})
     assert html.index("w000000005") < html.index("<td>0</td>")  # newest first
     assert "ALARM" in html and 'class="alarm"' in html and "1e-09" in html
     assert "<script>" not in html and "&lt;script&gt;" in html
+    # the flagged requests link into the drill-down of the report served beside the page (at most 8, the rest counted)
+    assert "<a href='report.html#request-w000000005'>w000000005</a>" in html
+    assert "<a href='report.html#request-x%27%3E%3Cscript%3E'>x&#x27;&gt;&lt;script&gt;</a>" in html
+    assert html.count("href='report.html#request-") == 8 and " +3 more" in html
 
 
 def test_the_live_page_draws_the_timeline_the_incident_and_the_outage():

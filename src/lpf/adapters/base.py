@@ -51,6 +51,8 @@ class Completion:
     prompt_logprobs: list[float] | None = None
     prompt_topk_ids: list[list[int]] = field(default_factory=list)
     prompt_topk_logprobs: list[list[float]] = field(default_factory=list)
+    # the engine's own rank of each prompt token (1 = its argmax; vLLM gives one), None where not given
+    prompt_ranks: list[int | None] | None = None
 
     @classmethod
     def failed(cls, request_id: str, error: str, **kw) -> "Completion":

@@ -92,7 +92,8 @@ class BuiltinEngine(Engine):
         arch = (config.get("architectures") or ["?"])[0]
         if arch not in SUPPORTED_ARCHITECTURES:
             raise LpfError(
-                f"the built-in engine runs GraniteMoeHybrid, Jamba and Qwen3.5 models; {arch} is not supported (use --engine hf)"
+                f"the built-in engine runs GraniteMoeHybrid, Jamba, Qwen3.5 and Kimi Linear (KDA) models; {arch} is not supported "
+                "(use --engine hf)"
             )
 
     @classmethod

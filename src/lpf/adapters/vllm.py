@@ -10,10 +10,10 @@ request it had not finished comes back with that error (never dropped).
 Knobs (`VLLMOptions`, with their checks in `vllm_options`) keep vLLM's names and go to `vllm.LLM` as
 given (dtype, seed, gpu_memory_utilization, max_num_seqs, max_num_batched_tokens,
 enable_chunked_prefill, enable_prefix_caching, enforce_eager, max_model_len,
-num_gpu_blocks_override, logprobs_mode, speculative_config: JSON text, handed over as the object, with
+num_gpu_blocks_override, tensor_parallel_size, logprobs_mode, speculative_config: JSON text, handed over as the object, with
 vLLM's stats on so that `describe()["spec_decode"]` carries vLLM's draft and acceptance counts);
 `cpu_kvcache_space` (whole GiB) sets
-VLLM_CPU_KVCACHE_SPACE, the KV size on CPU. Logprobs are vLLM's `raw_logprobs` where this vLLM has
+VLLM_CPU_KVCACHE_SPACE, the KV size on CPU; `batch_invariant` sets VLLM_BATCH_INVARIANT=1. Logprobs are vLLM's `raw_logprobs` where this vLLM has
 `logprobs_mode`; `describe()` records the mode actually used (None when the vLLM has no such
 switch), the vLLM version and every argument.
 
@@ -230,6 +230,7 @@ class VLLMEngine(Engine):
             "enable_prefix_caching",
             "max_model_len",
             "kv_cache_dtype",
+            "tensor_parallel_size",
         ):
             if getattr(o, name) is not None:
                 args[name] = getattr(o, name)
@@ -255,6 +256,9 @@ class VLLMEngine(Engine):
             }
         )
         env.pop("PYTHONPATH", None)  # lpf's paths must not shadow vLLM's packages
+        env.pop("VLLM_BATCH_INVARIANT", None)  # this engine's knob, not the caller's environment
+        if self.options.batch_invariant:
+            env["VLLM_BATCH_INVARIANT"] = "1"
         for var in ("LPF_VLLM_TRACE_DIR", "LPF_VLLM_INJECT", "LPF_VLLM_CAPTURE"):  # this run's, not the caller's
             env.pop(var, None)
         if plugin is not None:

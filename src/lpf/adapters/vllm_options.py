@@ -77,6 +77,14 @@ class VLLMOptions(Options):
     kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] | None = knob(
         None, help="vLLM's kv_cache_dtype: the KV cache's precision (auto: the model's dtype) [default: vLLM's]."
     )
+    tensor_parallel_size: int | None = knob(
+        None, ge=1, help="GPUs one model is split over (vLLM's tensor parallelism)."
+    )
+    batch_invariant: bool = knob(
+        False,
+        help="vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1): a request's logprobs do not depend on what "
+        "shares its batch, where this vLLM's kernels support it (vLLM refuses at start where they do not).",
+    )
     logprobs_mode: Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"] = knob(
         "raw_logprobs", help="What vLLM returns as logprobs (raw: the model's, before any processing)."
     )

@@ -2,7 +2,9 @@
 
 The plugin's directory holds `trace/part-<pid>-<n>.parquet` (lpf's trace columns, then vLLM-only
 ones), `faults/part-<pid>-<n>.parquet` (drill ground truth) and `trace_status.json`, with vLLM's
-request ids. Here:
+request ids. An `lpf serve --trace-dir` directory reads the same way: its `serve.json` stands for the status (no
+heartbeat: it writes what it holds whenever its engine goes idle) and its `part-<n>.parquet` parts are one
+process's; it names requests as vLLM does (`cmpl-<X-Request-Id>-<i>`). Here:
 - `PluginDir(path, pid=None)`: `status()` (None when there is none), `take(table)` (every part not
   taken before, of process `pid` only when given, concatenated, steps made unique across vLLM
   processes), `wait_for(t)` (until the plugin's heartbeat passes t: every row of a step before t is
@@ -32,6 +34,7 @@ import pyarrow.parquet as pq
 from lpf.adapters.client_behaviour import CANCELLED
 
 _PART = re.compile(r"^part-(\d+)-(\d+)\.parquet$")
+_SERVE_PART = re.compile(r"^part-(\d+)\.parquet$")  # `lpf serve --trace-dir`: one process, no pid in the name
 _RANDOM_SUFFIX = re.compile(r"^(.*)-[0-9a-zA-Z]{8}$")
 _SERVED = re.compile(r"^cmpl-(.*)-\d+$")
 _RETRY = re.compile(r"^(.*)~retry(\d+)$")
@@ -50,15 +53,23 @@ class PluginDir:
         try:
             return json.loads((self.path / "trace_status.json").read_text())
         except (OSError, ValueError):
+            pass
+        try:  # an `lpf serve --trace-dir` directory: what the server said about itself
+            served = json.loads((self.path / "serve.json").read_text())
+        except (OSError, ValueError):
             return None
+        return {"server": "lpf serve", "inject": (served.get("options") or {}).get("inject") or ""}
 
     def take(self, table: str) -> pa.Table | None:
         d = self.path / table
         by_pid: dict[int, list[tuple[int, Path]]] = {}
         for p in d.glob("part-*.parquet") if d.is_dir() else ():
             m = _PART.match(p.name)
-            if m and p.name not in self.taken[table] and self.pid in (None, int(m.group(1))):
-                by_pid.setdefault(int(m.group(1)), []).append((int(m.group(2)), p))
+            pid, n = (int(m.group(1)), int(m.group(2))) if m else (0, None)
+            if m is None and (served := _SERVE_PART.match(p.name)):
+                n = int(served.group(1))
+            if n is not None and p.name not in self.taken[table] and self.pid in (None, pid):
+                by_pid.setdefault(pid, []).append((n, p))
         parts = []
         # processes in the order they started writing: a restarted server's steps follow the first's
         for pid in sorted(

@@ -8,7 +8,7 @@ Protocol, JSON lines:
   then per batch {"type": "submitted", "vllm_ids": {vLLM's id: ours}} once every request is in (the
   id vLLM's runner, and so the trace plugin, knows each request by), one {"type": "completion",
   request_id, output_token_ids, logprobs, topk_ids, topk_logprobs, finish_reason, error, t_submit,
-  t_first_token, t_finish, and prompt_logprobs / prompt_topk_ids / prompt_topk_logprobs when the run
+  t_first_token, t_finish, and prompt_logprobs / prompt_topk_ids / prompt_topk_logprobs / prompt_ranks when the run
   asks for prompt logprobs} per request as it finishes and {"type": "done", "trace"} (+ "spec_decode":
   the batch's speculative-decoding counts from vLLM's metrics, when the engine speculates);
   {"type": "fatal", "error"} if the engine cannot start, could not run a step (`refused`) or dies
@@ -83,20 +83,23 @@ def sampling_params(sampling: dict, req: dict):
 
 
 def prompt_part(output, k: int) -> dict:
-    """{prompt_logprobs, prompt_topk_ids, prompt_topk_logprobs} of positions 1..P-1 from vLLM's
-    `RequestOutput.prompt_logprobs` (None first, then {token id: Logprob}); {} when not asked."""
+    """{prompt_logprobs, prompt_topk_ids, prompt_topk_logprobs, prompt_ranks} of positions 1..P-1 from
+    vLLM's `RequestOutput.prompt_logprobs` (None first, then {token id: Logprob}; a rank is vLLM's own,
+    None where it gives none); {} when not asked."""
     rows = getattr(output, "prompt_logprobs", None)
     if rows is None:
         return {}
     ids = list(output.prompt_token_ids or [])
-    lps, top_ids, top_lps = [], [], []
+    lps, top_ids, top_lps, ranks = [], [], [], []
     for tid, entry in zip(ids[1:], rows[1:]):
         entry = entry or {}
         lps.append(float(entry[tid].logprob) if tid in entry else float("nan"))  # NaN: never clean, analysed as such
+        rank = getattr(entry[tid], "rank", None) if tid in entry else None
+        ranks.append(int(rank) if isinstance(rank, int) and rank >= 1 else None)
         items = sorted(((float(lp.logprob), int(t)) for t, lp in entry.items()), key=lambda p: -p[0])[:k]
         top_ids.append([t for _, t in items])
         top_lps.append([v for v, _ in items])
-    return {"prompt_logprobs": lps, "prompt_topk_ids": top_ids, "prompt_topk_logprobs": top_lps}
+    return {"prompt_logprobs": lps, "prompt_topk_ids": top_ids, "prompt_topk_logprobs": top_lps, "prompt_ranks": ranks}
 
 
 def _failed(req_id: str, t_submit: float, error: str) -> dict:

@@ -131,7 +131,8 @@ def judge(
         gain = best_sum - base
         others = [t[1][1] for t in tried if t[0] != best]
         runner_up = max(others) - base if others else -math.inf
-        p_value = min(1.0, len(tried) * math.exp(-min(gain, 700.0)))
+        # a negative gain (the best prompt explains it worse than its own) is p = 1, not an overflow
+        p_value = min(1.0, len(tried) * math.exp(-min(max(gain, 0.0), 700.0)))
         if p_value >= MAX_P:
             continue
         out.append(

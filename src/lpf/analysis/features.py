@@ -16,6 +16,8 @@ From the trace (first = the request's first scheduled, non-preempted step):
   first_step_one_token      its first step was given 1 token of budget
   first_batch_mixed         its first step's batch mixed decodes with prefills/extends
   chunked_prefill           its prompt was prefilled in more than one chunk (an extend step)
+  prefill_padded            a prefill/extend chunk of it was shorter than another of the same step (an
+                            engine that scans a step's chunks as one right-padded batch padded it)
   preempted                 it was preempted (recomputed) at least once
   slot_offset_over_2^31/32  slot * state_slot_stride (elements, and bytes when the dtype is known)
                             reached 2^31 / 2^32 on a prefill/extend (the seed's 32-bit overflow)
@@ -171,6 +173,11 @@ def _trace_features(req: pa.Table, trace: pa.Table, engine_info: dict) -> list[F
 
     prefill_like = (phase == "prefill") | (phase == "extend")
     n_chunks = per_request(prefill_like.astype(np.float64), np.add, 0.0)
+    # a chunk shorter than another prefill/extend chunk of its step: right-padded to it in a batched scan
+    chunk_len = np.where(prefill_like, sched, 0).astype(np.float64)
+    step_longest = np.zeros(len(ustep))
+    np.maximum.at(step_longest, sinv, chunk_len)
+    padded = per_request((prefill_like & (chunk_len < step_longest[sinv])).astype(np.float64), np.maximum, 0.0) > 0
     # any (re)admission run as a decode: a preempted request is admitted again with nothing computed,
     # and its first step then is the same trap as a new request's
     admitted_decode = per_request((is_decode & (computed == 0)).astype(np.float64), np.maximum, 0.0) > 0
@@ -207,6 +214,12 @@ def _trace_features(req: pa.Table, trace: pa.Table, engine_info: dict) -> list[F
         Feature("first_step_one_token", "bool", first_one & has, "got 1 token of budget on their first step"),
         Feature("first_batch_mixed", "bool", first_mixed & has, "started in a batch mixing decodes and prefills"),
         Feature("chunked_prefill", "bool", (n_chunks > 1) & has, "had its prompt prefilled in several chunks"),
+        Feature(
+            "prefill_padded",
+            "bool",
+            padded & has,
+            "had a prefill chunk shorter than another of its step (padded to it in a batched scan)",
+        ),
         Feature("preempted", "bool", preempted, "were preempted and recomputed"),
         Feature("max_state_slot", "numeric", max_slot, "state slot id", stride=int(stride) if stride else None),
         Feature(

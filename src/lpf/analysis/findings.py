@@ -71,8 +71,8 @@ from lpf.analysis import request_sampling
 from lpf.analysis.calibration import calibrate, calibrate_from_run, calibrate_to_floor, with_expected_tie_margin
 from lpf.analysis.evidence import apply_inconsistency, evidence
 from lpf.analysis.features import Feature, request_features
+from lpf.analysis.floors import KAPPA, infers_dtype, observed_logit_error, run_floor
 from lpf.analysis.onset_features import onset_features
-from lpf.analysis.floors import KAPPA, expected_floor, observed_logit_error
 from lpf.analysis.hypotheses import rank_hypotheses
 from lpf.analysis.levels import REQUEST_VERDICTS, SEVERITY
 from lpf.analysis.prefix_cache import prefix_cache_summary
@@ -438,20 +438,11 @@ def _expected_floor(joined, tokens, reference, requests, calibration, calibratio
         cal = calibration_floor(cols, joined, calibration)
     engine_dtype = (calibration_info or {}).get("dtype") or info.get("engine_dtype")
     observed = None
-    pairs = floor_table.get("pairs") or {}
-    if f"{engine_dtype}/{info.get('reference_dtype')}" not in pairs:  # unknown or `auto`: the pair its errors fit
+    if infers_dtype(floor_table, info, engine_dtype):  # unknown or `auto`: the pair its errors fit
         with np.errstate(invalid="ignore"):
             d = np.subtract(joined.column("engine_logprob").to_numpy(), joined.column("ref_logprob").to_numpy())
         observed = observed_logit_error(d, joined.column("ref_logprob").to_numpy())
-    floor = expected_floor(
-        floor_table,
-        engine_dtype,
-        info.get("reference_dtype"),
-        info.get("model"),
-        cal,
-        observed=observed,
-        configuration=info.get("configuration"),
-    )
+    floor = run_floor(floor_table, info, cal, observed, engine_dtype)
     return (floor, cols) if floor else (None, None)
 
 

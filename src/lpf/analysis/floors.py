@@ -76,6 +76,13 @@ COMPONENTS = ("token", "settled", "topk")
 MIN_UNIT = 2.0 * float(np.finfo(np.float32).eps)
 # an engine of unknown dtype is judged by the pair its token errors fit once this many unsure tokens are scored
 INFER_MIN_TOKENS = 30
+# references that are servers (`lpf.pipeline.reference_http` and the like): their floor is the engine against a
+# second pass of the same arithmetic, measured per kind (`{engine}/{reference} ref={kind}` rows), not float32's
+SERVER_REFERENCES = {
+    "self": "its own prefill (a self-reference)",
+    "http": "a second deployment of itself (a trusted server)",
+    "vllm": "vLLM's offline reference configuration",
+}
 
 
 def _qs(x: np.ndarray, *qs: float) -> list[float | None]:
@@ -171,26 +178,43 @@ def _scaled(floor: dict | None, factor: float) -> dict | None:
     return out
 
 
+# llama.cpp's KV type names, as the table's rows name them
+_KV_NAMES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}
+
+
 def configured_kv(engine_name: str | None, engine_dtype: str | None, block: dict | None) -> dict | None:
     """{kv, why}: the KV cache precision the engine's configuration (`manifest.engine.configuration`, values
     read from the engine or declared) computes attention with, when it is not the engine's dtype; None when it
     is. A quantized KV cache names itself (`kv_cache_dtype`); llama.cpp's flash attention on a float32 KV
-    cache computes on an f16 copy of it (docs/bugs.md 18), so its KV is float16."""
+    cache computes on an f16 copy of it (docs/bugs.md 18), so its KV is float16; and a llama-server that
+    does not say (a user-started one: /props names neither) has its defaults assumed, said in `why`: an f16
+    KV cache, or flash attention (auto: on) over an f32 one, float16 either way."""
     conf = block or {}
 
     def value(field):
         return (conf.get(field) or {}).get("value")
 
     kv = value("kv_cache_dtype")
+    kv = _KV_NAMES.get(kv, kv)
     if kv and kv != engine_dtype:
         return {"kv": str(kv), "why": f"a {kv} KV cache"}
     vias = " ".join(str((conf.get(f) or {}).get("via") or "") for f in conf)
     llamacpp = engine_name == "llamacpp" or "llama-server" in vias or "/props" in vias
-    if value("flash_attention") == "on" and llamacpp and engine_dtype == "float32" and kv in (None, "float32"):
+    if not llamacpp or engine_dtype != "float32":
+        return None
+    fa = value("flash_attention")
+    if fa == "on" and kv in (None, "float32"):
         return {
             "kv": "float16",
             "why": "flash attention's f16 copy of the f32 KV cache (llama.cpp: docs/bugs.md 18; -fa off for exact "
             "float32)",
+        }
+    if fa is None or kv is None:  # what a server the user started does not say (its /props names neither)
+        return {
+            "kv": "float16",
+            "why": "llama-server's defaults, assumed (it does not say its KV cache type or flash attention): an "
+            "f16 KV cache (-ctk f16), or flash attention's f16 copy of an f32 one (-fa auto); declare "
+            "--flash-attention off --kv-cache-dtype float32 for exact float32",
         }
     return None
 
@@ -250,6 +274,85 @@ def infer_pair(rows: dict[str, tuple[dict | None, str]], observed: dict | None) 
     return best if np.isfinite(distance(best)) else None
 
 
+def server_pair(engine_dtype: str | None, reference_dtype: str | None, kind: str) -> str | None:
+    """The table's key for an engine judged by a server reference (`kind` in SERVER_REFERENCES): the engine's
+    dtype against the reference's, which is the engine's own when not stated (a self-reference is the engine;
+    a trusted deployment of the same model runs as the engine does unless told otherwise)."""
+    reference_dtype = reference_dtype or engine_dtype
+    if not engine_dtype or not reference_dtype:
+        return None
+    return f"{engine_dtype}/{reference_dtype} ref={kind}"
+
+
+def _server_floor(table, engine_dtype, reference_dtype, kind, model) -> dict | None:
+    """The floor of an engine against a server reference: the pair measured for that kind of reference
+    (the engine's decode against a prefill of the same tokens), else the engine dtype's pair against float32
+    transformers, said (two deployments of one dtype differ by less than that dtype does from float32)."""
+    against = SERVER_REFERENCES[kind]
+    pair = server_pair(engine_dtype, reference_dtype, kind)
+    if pair is None:
+        known = [p for p in (table.get("pairs") or {}) if p.endswith(f" ref={kind}")]
+        if not known:
+            return None
+        rows = {p: _row(table, p, model) for p in known}
+        pair = max(known, key=lambda p: (rows[p][0] or {}).get("token", {}).get("q99") or 0.0)
+        floor = envelope(rows[pair][0])
+        floor.update(
+            source="table",
+            pair=pair,
+            assumed_dtype=pair.split("/")[0],
+            detail=f"the shipped table: the engine's dtype is not recorded, so the most lenient pair measured "
+            f"against {against}, {pair} ({rows[pair][1]}); declare -E dtype=... to judge against another",
+        )
+        return floor
+    row, how = _row(table, pair, model)
+    if row is not None:
+        floor = envelope(row)
+        floor.update(
+            source="table", pair=pair, detail=f"the shipped table, {pair} (the engine against {against}), {how}"
+        )
+        return floor
+    fallback = f"{engine_dtype}/float32"
+    row, how = _row(table, fallback, model)
+    if row is None:
+        return None
+    floor = envelope(row)
+    floor.update(
+        source="table",
+        pair=fallback,
+        detail=f"the shipped table has no floor for {pair} (the engine against {against}): judged with "
+        f"{fallback}'s, the engine's dtype against float32 transformers ({how})",
+    )
+    return floor
+
+
+def run_floor(
+    table: dict, run_info: dict, calibration: dict | None = None, observed: dict | None = None, engine_dtype=None
+) -> dict | None:
+    """`expected_floor` with a run's facts (`run_info`: engine_dtype, reference_dtype, reference_kind, model,
+    configuration); `engine_dtype` when a calibration run names the engine's dtype instead."""
+    return expected_floor(
+        table,
+        engine_dtype or run_info.get("engine_dtype"),
+        run_info.get("reference_dtype"),
+        run_info.get("model"),
+        calibration,
+        observed=observed,
+        configuration=run_info.get("configuration"),
+        reference_kind=run_info.get("reference_kind"),
+    )
+
+
+def infers_dtype(table: dict, run_info: dict, engine_dtype=None) -> bool:
+    """Whether the run's floor waits for its token errors (an engine dtype the table has no pair for: unknown,
+    `auto`): `observed_logit_error` of the run then picks the pair. Never against a server reference, whose
+    token errors are the engine against itself, not against float32."""
+    if run_info.get("reference_kind") in SERVER_REFERENCES or not run_info.get("reference_dtype"):
+        return False
+    pair = f"{engine_dtype or run_info.get('engine_dtype')}/{run_info.get('reference_dtype')}"
+    return pair not in (table.get("pairs") or {})
+
+
 def expected_floor(
     table: dict,
     engine_dtype: str | None,
@@ -258,7 +361,13 @@ def expected_floor(
     calibration: dict | None = None,
     observed: dict | None = None,
     configuration: dict | None = None,
+    reference_kind: str | None = None,
 ) -> dict | None:
+    if reference_kind in SERVER_REFERENCES:
+        floor = _server_floor(table, engine_dtype, reference_dtype, reference_kind, model)
+        if floor is None:
+            return None
+        return _finish(table, floor, model, reference_dtype or engine_dtype)
     if not reference_dtype:
         return None
     same, how_same = _row(table, f"{reference_dtype}/{reference_dtype}", model)
@@ -317,6 +426,11 @@ def expected_floor(
                     detail=f"the shipped table: the engine's dtype is {engine_dtype or 'not recorded'}, so the "
                     f"most lenient pair measured, {lenient} ({rows[lenient][1]})",
                 )
+    return _finish(table, floor, model, reference_dtype)
+
+
+def _finish(table: dict, floor: dict, model: str | None, reference_dtype: str | None) -> dict:
+    """The tie margin, honest departures and measured settings of the floor's pair."""
     floor["tie_margin"] = tie_margin(floor)
     honest = _honest(table, floor["pair"], model)
     if honest:
@@ -332,7 +446,8 @@ def expected_floor(
 
 def departure_units(floor: dict) -> dict:
     """The floor's 99th percentiles a departure is measured in, and its honest departures."""
-    pair = str(floor.get("pair") or "/").split("/")
+    dtypes, _, configured = str(floor.get("pair") or "/").partition(" ")
+    pair = dtypes.split("/")
     return {
         "token": floor["token"]["q99"],
         "settled": floor["settled"]["q99"],
@@ -340,8 +455,10 @@ def departure_units(floor: dict) -> dict:
         "honest": dict(floor.get("honest") or {}),
         # a floor between two dtypes was measured over several honest implementations (the built-in engine,
         # vLLM, the reference itself at the engine's dtype): their envelope already. A float32 engine's
-        # floor against a float32 reference was measured where both mostly ran the same torch kernels.
-        "same_arithmetic": len(pair) == 2 and pair[0] == pair[1],
+        # floor against a float32 reference was measured where both mostly ran the same torch kernels, and an
+        # engine's against a server reference on one engine's kernels; a configured KV cache (` kv=`) is a
+        # pair of arithmetics.
+        "same_arithmetic": len(pair) == 2 and pair[0] == pair[1] and not configured.startswith("kv="),
     }
 
 

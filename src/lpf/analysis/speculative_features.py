@@ -12,8 +12,9 @@ a later step of the request reads it (its last step's state is never read).
                               (it covers the rejected drafts too), and a later step read it; in a run
                               where no verify step ever moved a state back (the engine does not roll back)
   state_rolled_back_wrong     its state was left at another position than its last accepted token (another
-                              count than its own), and a later step read it; in a run where verify steps
-                              do roll back (so a state left where the pass ended is a wrong count too)
+                              count than its own), and a later step read it: moved back from where the pass
+                              ended, or left there in a run where verify steps do roll back (so a state left
+                              where the pass ended is a wrong count too)
   sampled_spec_batch_over_2   its drafts went through the sampled rejection path (the one that reads the
                               draft probabilities) in a step where more than 2 sequences had drafts verified
                               (a batch whose rows a leaver can permute; `spec_sampled`, when the trace has it)
@@ -106,9 +107,12 @@ def spec_features(requests: pa.Table, trace: pa.Table | None) -> list[Feature]:
         if after is not None and accepted < drafts and after != before:
             rolls_back = True
         if read_later and after is not None and after != should:
-            misplaced.append(i)
+            if after != before:  # moved, to another position than its own count's: a wrong rollback
+                wrong[i] = True
+            else:
+                misplaced.append(i)
     # a state left where the verify pass ended is a skipped rollback only where the engine never rolls
-    # back; where it does, that position (like any other) is a rollback to another count than its own
+    # back; where it does, that position is a rollback to another count than its own too
     for i in misplaced:
         (wrong if rolls_back else kept)[i] = True
     size = "/".join(str(x) for x in sorted(lengths)) or "1+K"

@@ -25,7 +25,7 @@ from lpf.analysis import token_test
 from lpf.analysis.calibration import calibrate_to_floor
 from lpf.analysis.evidence import apply_inconsistency
 from lpf.analysis.findings import conclude, findings_dict
-from lpf.analysis.floors import expected_floor
+from lpf.analysis.floors import run_floor
 from lpf.analysis.thresholds import Thresholds
 from lpf.analysis.token_evidence import evidence_columns
 from lpf.analysis.verdicts import reduce_requests, summarize_requests
@@ -76,17 +76,7 @@ def analyze_tokens_only(
     """`seeded`: the run's seeded replay (`schema.SEEDED`), when the rescore stage made one."""
     info = run_info or {}
     joined, starts = m.join_grouped(tokens, reference)
-    floor = (
-        expected_floor(
-            floor_table,
-            info.get("engine_dtype"),
-            info.get("reference_dtype"),
-            info.get("model"),
-            configuration=info.get("configuration"),
-        )
-        if floor_table is not None
-        else None
-    )
+    floor = run_floor(floor_table, info) if floor_table is not None else None
     th, calib = calibrate_to_floor(th, floor) if floor else (th, {"source": "defaults"})
     draws = token_test.seeded_columns(seeded, joined, np.arange(joined.num_rows)) if temperature else None
     allow = token_test.seeded_allow(floor, temperature) if floor and draws is not None else 0.0

@@ -71,7 +71,10 @@ def audit(spec=None, *, rule: str | None = None, **kw: Any) -> Findings:
     why = all_failed(run)
     if why:
         raise LpfError(f"nothing could be audited: {why}")
-    rescore_run(run, settings=spec.rescore)
-    if spec.analysis.calibrate:
-        calibrate_run(run, spec.rescore.token_budget, device=spec.rescore.device)
-    return finish(run, spec.threshold_values(), attribution=spec.analysis.attribution, rule=rule)
+    from lpf.pipeline.reference_vllm import kept
+
+    with kept(spec.rescore.reference):  # a vLLM reference starts once for the rescore and the attribution
+        rescore_run(run, settings=spec.rescore)
+        if spec.analysis.calibrate:
+            calibrate_run(run, spec.rescore.token_budget, device=spec.rescore.device)
+        return finish(run, spec.threshold_values(), attribution=spec.analysis.attribution, rule=rule)

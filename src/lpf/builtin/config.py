@@ -31,7 +31,12 @@ from pydantic import BaseModel, ConfigDict, model_validator
 from lpf.core.knobs import knob
 
 # What `lpf.builtin.models` implements; kept here (no torch) so a run can be refused before it starts.
-SUPPORTED_ARCHITECTURES = ("GraniteMoeHybridForCausalLM", "JambaForCausalLM", "Qwen3_5ForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "GraniteMoeHybridForCausalLM",
+    "JambaForCausalLM",
+    "Qwen3_5ForCausalLM",
+    "KimiLinearForCausalLM",
+)
 
 
 class EngineConfig(BaseModel):

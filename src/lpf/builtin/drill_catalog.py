@@ -42,7 +42,7 @@ class Arg:
 @dataclass(frozen=True)
 class Drill:
     name: str
-    family: str  # seed | prefix | speculative | kv | substitution (the docs' sections)
+    family: str  # seed | prefix | speculative | kv | substitution | recurrent (the docs' sections)
     what: str  # one line: the mechanism it re-creates
     arg: Arg | None = None
     needs: tuple["Need", ...] = ()
@@ -122,6 +122,11 @@ NO_PREFIX_CACHING = Need(
     "no prefix caching",
     lambda o: not o.enable_prefix_caching,
     "runs without prefix caching (shared blocks are reference-counted)",
+)
+UNPADDED_WITH_CHECKPOINTS = Need(
+    "no prefix caching",
+    lambda o: not o.enable_prefix_caching,
+    "runs without prefix caching (chunks that save checkpoints are scanned one at a time, unpadded)",
 )
 
 
@@ -328,6 +333,65 @@ _DRILLS = (
         every_request=lambda _: "LM head logits rounded to bfloat16 before sampling and logprobs",
     ),
 )
+
+# The 2026 reports on Gated DeltaNet / Kimi Delta Attention hybrids (issue 54). Each is a mechanism of the
+# shared Mamba state protocol (`mamba_base`, `speculative_decode`, `prefix_drills`), so each runs on every
+# state-slot mixer (GDN and Mamba; `padding-updates-state` on the mixers with a gated decay: GDN, Mamba2).
+_RECURRENT_DRILLS = (
+    Drill(
+        "snapshot-never-written",
+        "recurrent",
+        "no state snapshot is ever written at a prefix-cache block boundary: a hit restores what the slot held "
+        "(sglang#31474, KDA)",
+        needs=(PREFIX_CACHING,),
+        named_by=_f("resumed_unwritten_state"),
+    ),
+    Drill(
+        "spec-verify-zero-state",
+        "recurrent",
+        "the verify path replays the drafts from a zero-filled state buffer, not the request's state "
+        "(sglang#27658's review)",
+        needs=(SPECULATION,),
+        named_by=_f("speculated", "diverged_at_first_spec_decode"),
+    ),
+    Drill(
+        "chunk-state-transposed",
+        "recurrent",
+        "a continuing prefill chunk reads its SSM state in the other layout ([d_v, d_k] for [d_k, d_v]) (vllm#41292)",
+        named_by=_f("chunked_prefill"),
+    ),
+    Drill(
+        "spec-state-block-zero",
+        "recurrent",
+        "after a verify step the state of its first position (block 0) is kept, not the last accepted "
+        "token's (vllm#39273)",
+        needs=(SPECULATION,),
+        named_by=_f("state_rolled_back_wrong"),
+    ),
+    Drill(
+        "spec-state-before-accept",
+        "recurrent",
+        "the verified state committed before the accepted count is known: with the request's previous "
+        "count (sglang#36537)",
+        needs=(SPECULATION,),
+        named_by=_f("state_rolled_back_wrong"),
+    ),
+    Drill(
+        "padding-updates-state",
+        "recurrent",
+        "in a batched prefill of mixed-length chunks the padding's gates decay the state (mlx-lm#1736)",
+        needs=(UNPADDED_WITH_CHECKPOINTS,),
+        named_by=_f("prefill_padded"),
+    ),
+    Drill(
+        "state-fp16",
+        "recurrent",
+        "the SSM state rounded to float16 at every write while the cache claims its own dtype "
+        "(TensorRT-Model-Connect#725)",
+        every_request=lambda _: "SSM state rounded to float16 at every write",
+    ),
+)
+_DRILLS += _RECURRENT_DRILLS
 CATALOG: dict[str, Drill] = {d.name: d for d in _DRILLS}
 
 

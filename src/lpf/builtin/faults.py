@@ -4,7 +4,9 @@ Each drill changes how the engine works, never its outputs directly. Every drill
 `drill_catalog` (name, argument, preconditions, ground truth, the features that name it); `FaultSet` is
 built from it (a field per drill: `Drill.field`), so this module holds only the mechanisms: the seed
 drills (stale-state, offset-wrap, batch-variant, swap-outputs, processed-logprobs, kv-double-free in the
-scheduler, lost-chunk-state), stale-conv-on-reuse, and the substitutions (their arithmetic in
+scheduler, lost-chunk-state), stale-conv-on-reuse, the recurrent drills' phase-level hooks
+(chunk-state-transposed, padding-updates-state's ground truth; state-fp16 is the state cache's part
+dtype, set by the runner), and the substitutions (their arithmetic in
 `numeric_drills`). Prefix-caching drills live in `prefix_drills`, speculative ones in `speculative_decode`.
 `Drills` is the runner's one handle on all of them: the weights at load, the phase rule, whether a
 new slot is zeroed, how K/V are stored, the LM head, the sampling temperature, the delivery of
@@ -203,6 +205,22 @@ class Drills:
         """Defence in depth: a newly allocated slot starts clean (not under stale-state or stale-conv-on-reuse)."""
         return s.slot_is_new and not (self.faults.stale_state or self.faults.stale_conv_on_reuse)
 
+    def state_transposed(self, phase: str) -> bool:
+        """chunk-state-transposed: an extend reads its SSM state with the last two axes swapped."""
+        return self.faults.chunk_state_transposed and phase == "extend"
+
+    def padded(self, so, request_ids) -> None:
+        """padding-updates-state's ground truth: the chunks the Mamba layers padded to a longer one of the
+        same batched scan (their final state decayed by the padding; every later step reads it)."""
+        for rid in request_ids:
+            self.truth.record(
+                rid,
+                so.step,
+                "padding-updates-state",
+                "its prefill chunk was right-padded to a longer chunk of the same batched scan, and the "
+                "padding's gates decayed its final state",
+            )
+
     def conv_reads_slot(self, phase: str) -> bool:
         """stale-conv-on-reuse: a prefill's conv takes its slot's content as its initial state."""
         return self.faults.stale_conv_on_reuse and phase == "prefill"
@@ -249,6 +267,13 @@ class Drills:
                 "lost-chunk-state",
                 f"chunk at prompt position {s.num_computed_tokens} "
                 f"started from a zero state (the state of positions < {s.num_computed_tokens} was lost)",
+            )
+        if f.chunk_state_transposed and phase == "extend":
+            t.record(
+                s.request_id,
+                step,
+                "chunk-state-transposed",
+                f"chunk at prompt position {s.num_computed_tokens} read its SSM state in the transposed layout",
             )
         if f.processed_logprobs and s.will_sample and not s.sampling.greedy:
             t.record_once(

@@ -49,6 +49,9 @@ class SeqMeta:
     # a prefill takes its slot's conv state as its initial conv state (no has_initial_state passed to
     # the conv kernel; the SSM still starts from zero): the stale-conv-on-reuse drill
     conv_reads_slot: bool = False
+    # an extend reads its SSM state in the transposed layout (the last two axes swapped, read back in the
+    # written shape): the chunk-state-transposed drill
+    state_transposed: bool = False
 
     @property
     def end(self) -> int:
@@ -72,6 +75,9 @@ class ForwardContext:
     # what every layer of one kind derives alike from `seqs` (the decode groups' index tensors, the
     # decodes' slot list): built by the first layer that needs it, reused by the others this step
     memo: dict = field(default_factory=dict)
+    # a batched prefill's padding is not masked out of the state update (its gates come from the padding's
+    # zero projections): the padding-updates-state drill
+    unmasked_padding: bool = False
 
     @property
     def decodes(self) -> list[SeqMeta]:

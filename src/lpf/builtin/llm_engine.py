@@ -40,10 +40,12 @@ def cache_sizes(model, config: EngineConfig) -> tuple[int, int]:
     n_attn, n_kv, head_dim = model.kv_spec()
     slot_elem = torch_dtype(state_buffer_dtype(config)).itemsize
     slot_bytes = sum(prod(shape) for parts in model.state_specs() for _, shape in parts) * slot_elem
+    # a model without attention layers (Kimi Linear's KDA-only tiny model) stores nothing per token: its
+    # block tables are bookkeeping over the one-element placeholder KVCache allocates, which is what it costs
     row_bytes = head_dim * elem
     if config.kv_quantized:  # 1-byte codes and a float32 scale per tensor row or per 16 elements (kv_quant)
         row_bytes = head_dim + 4 * (1 if config.kv_cache_scales == "tensor" else -(-head_dim // 16))
-    block_bytes = n_attn * 2 * config.block_size * n_kv * row_bytes
+    block_bytes = max(n_attn, 1) * 2 * config.block_size * n_kv * row_bytes
     return config.cache_sizes(slot_bytes, block_bytes)
 
 

@@ -62,7 +62,8 @@ class ModelRunner:
             buffer,
             device,
             wrap_bits=faults.offset_wrap_bits,
-            part_dtypes={"conv": dtype, "ssm": ssm},
+            # state-fp16: rounded to float16 as it is written, whatever the cache claims
+            part_dtypes={"conv": dtype, "ssm": torch.float16 if faults.state_fp16 else ssm},
             null_slot=bool(num_speculative_tokens),
         )
         self.drills = Drills(faults, truth, self.state_cache)
@@ -124,8 +125,9 @@ class ModelRunner:
                 phase,
                 self.spec.slot(s) if phase == "verify" else s.state_slot,
                 s.block_table,
-                drills.has_initial_state(s, phase) if phase != "decode" else None,
+                self._has_initial_state(s, phase),
                 conv_reads_slot=drills.conv_reads_slot(phase),
+                state_transposed=drills.state_transposed(phase),
             )
             if self.prefix is not None and phase != "verify":  # a verify step's saves: SpecDecode.finish
                 meta = self._with_prefix(s, meta, writes, reads)
@@ -143,6 +145,15 @@ class ModelRunner:
             resume_reads=reads,
             stray_writes=self._stray_writes(so, seqs),
         )
+
+    def _has_initial_state(self, s, phase: str) -> bool | None:
+        """vLLM's has_initial_state for the step's kernels: a chunk's (the drills'), the verify path's
+        (its slot, unless spec-verify-zero-state hands it a zero-filled buffer); None for a decode."""
+        if phase == "decode":
+            return None
+        if phase == "verify":
+            return not self.drills.faults.spec_verify_zero_state
+        return self.drills.has_initial_state(s, phase)
 
     def _stray_writes(self, so: SchedulerOutput, seqs: list[SeqMeta]) -> dict[str, list[dict]]:
         """The write log: each prefill/extend whose final state went somewhere else than its own slot
@@ -206,9 +217,17 @@ class ModelRunner:
         capture=None,
     ) -> StepResult:
         drills = self.drills
-        ctx = ForwardContext(so.step, seqs, self.kv_cache, self.state_cache, capture=capture)
+        ctx = ForwardContext(
+            so.step,
+            seqs,
+            self.kv_cache,
+            self.state_cache,
+            capture=capture,
+            unmasked_padding=drills.faults.padding_updates_state,
+        )
         with set_forward_context(ctx):
             hidden = self.model(torch.tensor(ids, device=self.device), torch.tensor(pos, device=self.device))
+        drills.padded(so, ctx.memo.get("padded_chunks", ()))
         asked = [(m, s) for m, s in zip(seqs, so.scheduled) if s.prompt_targets]
         prompt_rows = self._prompt_rows(hidden, asked, len(seqs)) if asked else {}
         spec = {}

@@ -348,7 +348,12 @@ class PrefixCache:
             else next(
                 (
                     d
-                    for d in ("unaligned-chunk-hashed", "incomplete-block-cached", "spec-checkpoint-rejected")
+                    for d in (
+                        "unaligned-chunk-hashed",
+                        "incomplete-block-cached",
+                        "spec-checkpoint-rejected",
+                        "snapshot-never-written",
+                    )
                     if getattr(self.faults, d.replace("-", "_"))
                 ),
                 None,

@@ -28,6 +28,10 @@ Each drill puts back one public bug's mechanism in the built-in engine's prefix 
                            caching hashes and checkpoints at is raised to the hybrid page-aligned
                            size, past the model's context: no request ever fills a block, nothing
                            hits. Outputs are right; the run's prefix-cache finding says it is inert.
+  snapshot-never-written   sglang#31474 (KDA). The runner: the Mamba layers save no checkpoint at all
+                           (the snapshot write the layer never made), while the scheduler hashes and
+                           publishes every boundary as usual: a hit restores whatever the checkpoint
+                           slot held (nothing, or an earlier occupant's state).
   stale-conv-on-reuse      sglang#24717 (LFM2). The runner: a prefill passes no has_initial_state to
                            the conv, which takes whatever the slot holds as its prior conv state,
                            and reused slots are not zeroed: a fresh request on a slot freed by an
@@ -74,8 +78,10 @@ class PrefixDrills:
         return None
 
     def checkpoints(self, s) -> tuple[tuple[int, int], ...]:
-        """The (position, slot) saves the Mamba layers make this step: all the scheduler planned, or,
-        under incomplete-block-cached, only the one at the chunk's end."""
+        """The (position, slot) saves the Mamba layers make this step: all the scheduler planned; under
+        incomplete-block-cached only the one at the chunk's end; under snapshot-never-written none."""
+        if self.faults.snapshot_never_written:
+            return ()
         if self.faults.incomplete_block_cached:
             end = s.num_computed_tokens + s.num_scheduled_tokens
             return tuple(w for w in s.state_writes if w[0] == end)

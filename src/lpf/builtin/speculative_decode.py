@@ -47,6 +47,17 @@ Drills (each needs speculative decoding on):
                           acceptance rate normal). Recorded `corrupted` at each such step whose tokens
                           differ from those the request's own q gives with the same random draws, else
                           `unchanged` (its output is the honest engine's, exactly).
+  spec-verify-zero-state  the verify path replays a request's 1 + K positions from a zero-filled state
+                          buffer instead of its slot's state (sglang PR #27658's review of the KDA verify
+                          path): every verify step's tokens come from a state that forgot the request.
+                          The runner passes has_initial_state=False; `mamba_base._verify` zero-fills.
+  spec-state-block-zero   the state the next step reads is the snapshot of the verify step's first
+                          position (vLLM's state block 0), not the last accepted token's (vLLM #39273,
+                          fix PR #40738): right only when no draft was accepted.
+  spec-state-before-accept  the verify step's state is committed before the rejection sampler has
+                          counted the accepted drafts, with the count known then (the request's previous
+                          verify step's; 0 at its first): right only when the count repeats (sglang
+                          #36537, whose lazy materialisation fixed it).
 Ground truth: a request whose state was left at another position than its last accepted token is
 recorded `corrupted` at its next step (which reads that state); a preemption first discards it
 (recompute starts over). spec-prefill-verify is recorded when the request next reads its own slot.
@@ -71,6 +82,7 @@ class SpecDecode:
         self.k = num_speculative_tokens
         self._pending: dict[str, tuple[int, str, str]] = {}  # wrong state left, not read yet
         self._batch: list[str] = []  # the persistent batch's rows (spec-accepted-permuted's kernel order)
+        self._last_accepted: dict[str, int] = {}  # spec-state-before-accept: each request's previous count
 
     def phase(self, s, phase: str) -> str:
         """The phase `s` runs in: verify when it carries drafts; under spec-prefill-verify also a whole
@@ -147,7 +159,7 @@ class SpecDecode:
             start = s.num_computed_tokens
             writes.append(StateWrite(m.state_slot, s.request_id, start + 1 + pos))
             for cp, slot in s.state_writes:  # prefix caching: boundaries inside what was accepted
-                if cp <= start + 1 + true_pos:
+                if cp <= start + 1 + true_pos and not self.faults.snapshot_never_written:
                     # spec-checkpoint-rejected: saved from the pass's last position, as a chunk's end
                     at = n - 1 if self.faults.spec_checkpoint_rejected else cp - start - 1
                     for layer, (_, conv, ssm) in snaps.items():
@@ -235,6 +247,12 @@ class SpecDecode:
         """The position each speculating request's state is rolled back to (its accepted count)."""
         if self.faults.spec_no_rollback:
             return {s.request_id: m.num_tokens - 1 for m, s in spec}
+        if self.faults.spec_state_block_zero:  # the next step reads block 0: the first position's state
+            return {s.request_id: 0 for _, s in spec}
+        if self.faults.spec_state_before_accept:  # committed with the count known then: the previous one
+            out = {s.request_id: min(self._last_accepted.get(s.request_id, 0), m.num_tokens - 1) for m, s in spec}
+            self._last_accepted.update(accepted)
+            return out
         if not self.faults.spec_accepted_permuted:
             return dict(accepted)
         # the counts, computed in the scheduler's order, indexed by the kernel's rows (the persistent
@@ -271,9 +289,21 @@ class SpecDecode:
                 f"{m.state_slot}: its own slot {s.state_slot} was never written",
             )
             return
+        if self.faults.spec_verify_zero_state and s.draft_token_ids:  # its tokens came from the zero state
+            self.truth.record(
+                rid,
+                so.step,
+                "spec-verify-zero-state",
+                f"its {len(s.draft_token_ids)} drafts were verified from a zero-filled state, not its slot "
+                f"{m.state_slot}'s",
+            )
         if pos == true_pos:
             return
-        fault = "spec-no-rollback" if self.faults.spec_no_rollback else "spec-accepted-permuted"
+        fault = next(
+            d
+            for d in ("spec-no-rollback", "spec-state-block-zero", "spec-state-before-accept", "spec-accepted-permuted")
+            if getattr(self.faults, d.replace("-", "_"))
+        )
         start = s.num_computed_tokens
         self._pending[rid] = (
             so.step,

@@ -48,7 +48,7 @@ def spec_error(e) -> str:
 
 # `lpf rescore`'s options (reference_options + the executor's): its settings are the builder's rescore part
 _RESCORE = ("reference", "reference_dtype", "reference_device", "token_budget", "executor", "ray_address", "actors")
-_RESCORE += ("gpus_per_actor", "reference_model", "reference_concurrency")
+_RESCORE += ("gpus_per_actor", "reference_model", "reference_concurrency", "reference_option")
 
 
 def rescore_settings(params: Mapping):

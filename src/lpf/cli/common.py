@@ -316,6 +316,14 @@ def rescore_options(f):
                 help="--reference http(s)://... or self: requests in flight [default: 8; self: 1].",
             ),
             click.option(
+                "-R",
+                "--reference-option",
+                multiple=True,
+                metavar="KEY=VALUE",
+                help="--reference vllm:MODEL: a vLLM knob of the reference (tensor_parallel_size, batch_invariant, "
+                "max_num_seqs with batch_invariant, max_model_len, ...).",
+            ),
+            click.option(
                 "--executor",
                 type=click.Choice(["local", "ray"]),
                 default="local",

@@ -43,6 +43,7 @@ def print_summary(findings: dict, run_path, console: Console) -> None:
     if d.get("max") is not None:
         console.print("|logprob diff|  " + "  ".join(f"{k} {d[k]:.3g}" for k in ("p50", "p90", "p99", "p99_9", "max")))
     _print_thresholds(findings["thresholds"], console)
+    _print_reference_cost(findings, console)
     _print_trace(findings.get("trace"), console)
     _print_judged(findings.get("judged"), console)
     print_run_test(findings.get("run_test"), console)
@@ -131,6 +132,19 @@ def _print_thresholds(th: dict, console: Console) -> None:
         f"divergent > {th['divergent_abs_diff']:.3g}, tie margin {th.get('tie_margin', 0):.3g}, "
         f"corrupt: gibberish score >= {th.get('gibberish_min_score', 0):.2g} "
         f"with >= {th['gibberish_min_tokens']} lie tokens[/]"
+    )
+
+
+def _print_reference_cost(findings: dict, console: Console) -> None:
+    """What a server reference's second pass cost the server it ran on (a self-reference: the audited one)."""
+    cost = findings.get("reference_cost")
+    if not cost:
+        return
+    on = "the audited server" if findings.get("reference_kind") == "self" else "the reference server"
+    console.print(
+        f"[dim]reference cost: {cost['requests']} requests, {cost['tokens']:,} tokens (prompts included) "
+        f"prefilled again by {on} in {cost['seconds']:.1f} s[/]",
+        highlight=False,
     )
 
 

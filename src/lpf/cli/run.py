@@ -118,8 +118,11 @@ def audit(ctx, spec_file, as_json, fail_on, **params):
     err.print(f"run directory: {run.path}")
     if run.manifest.get("status") != "complete":
         _generate(run)
-    _rescore(run, spec.rescore, calibrate=spec.analysis.calibrate)
-    _analyze(run, spec.threshold_values(), as_json, fail_on, spec.analysis.attribution)
+    from lpf.pipeline.reference_vllm import kept
+
+    with kept(spec.rescore.reference):  # a vLLM reference starts once for the rescore and the attribution
+        _rescore(run, spec.rescore, calibrate=spec.analysis.calibrate)
+        _analyze(run, spec.threshold_values(), as_json, fail_on, spec.analysis.attribution)
 
 
 def _read_spec(ctx: click.Context, spec_file, out: Path | None):

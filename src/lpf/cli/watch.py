@@ -23,7 +23,26 @@ from lpf.cli import render_watch
     "--listen", default="127.0.0.1:8100", show_default=True, help="HOST:PORT the proxy listens on (port 0: any)."
 )
 @click.option(
-    "--reference", required=True, help="The reference model (dir, zoo:NAME, tiny:NAME): what the upstream should serve."
+    "--reference",
+    required=True,
+    help="Where the reference runs: a model (dir, zoo:NAME, tiny:NAME: what the upstream should serve, in the "
+    "scorer), http(s)://HOST:PORT/v1 (a trusted deployment, with --reference-model) or self (the upstream "
+    "re-scores its own sampled answers, one at a time).",
+)
+@click.option(
+    "--model",
+    default=None,
+    help="--reference self or http(s)://: the model the upstream serves, held here (dir, zoo:NAME, tiny:NAME) "
+    "for its tokenizer [default: --reference].",
+)
+@click.option("--reference-model", default=None, metavar="NAME", help="--reference http(s)://: the name it serves.")
+@click.option(
+    "--reference-concurrency",
+    type=int,
+    default=None,
+    metavar="N",
+    help="--reference http(s):// or self: re-scores in flight [default: 8; self: 1, so the upstream's own "
+    "clients wait behind at most one].",
 )
 @click.option("--sample", type=float, default=0.01, show_default=True, help="Fraction of requests recorded and scored.")
 @click.option(

@@ -1,8 +1,8 @@
 """Resolve a model spec to a local Hugging Face directory; build the embedded tiny models.
 
 Specs: a directory with `config.json`; `zoo:NAME` (a trained checkpoint shipped in the package);
-`tiny:hybrid` / `tiny:llama` / `tiny:jamba` / `tiny:qwen35` and the drill variants `tiny:jamba-longmem` /
-`tiny:hybrid-longmem` (random models built deterministically from a config on first use and cached
+`tiny:hybrid` / `tiny:llama` / `tiny:jamba` / `tiny:qwen35` / `tiny:kimi-linear` and the drill variants `tiny:jamba-longmem` /
+`tiny:hybrid-longmem` / `tiny:qwen35-longmem` (random models built deterministically from a config on first use and cached
 under `$LPF_CACHE`, default `~/.cache/lpf`). Nothing is ever downloaded. Resolution never imports
 torch unless a tiny model has to be built.
 """
@@ -82,6 +82,20 @@ def _tiny_configs(vocab_size: int, special: dict) -> dict[str, dict]:
             linear_conv_kernel_dim=4,
             **common,
         ),
+        # Kimi Linear's KDA layer under audit: every layer Kimi Delta Attention (per-channel decay) with a
+        # dense MLP (the built-in engine has no MLA or MoE for it), 4 heads of 32.
+        "kimi-linear": dict(
+            model_type="kimi_linear",
+            hidden_size=128,
+            num_hidden_layers=3,
+            layer_types=["linear_attention"] * 3,
+            mlp_layer_types=["dense"] * 3,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            intermediate_size=256,
+            linear_attn_config={"head_dim": 32, "num_heads": 4, "short_conv_kernel_size": 4},
+            **common,
+        ),
         # The seed's architecture: Mamba1 + attention + MoE (attention and experts on odd layers).
         "jamba": dict(
             model_type="jamba",
@@ -113,10 +127,12 @@ def _tiny_configs(vocab_size: int, special: dict) -> dict[str, dict]:
 # showed where the state carries long memory; this is the smallest model where they do.
 # `hybrid-longmem` is the same edit of tiny:hybrid (Mamba2 + attention, head_dim 32): the Mamba2
 # counterpart that vLLM's CPU build runs (it has no Mamba1 path), for the drills on real vLLM.
+# `qwen35-longmem` is the same edit of tiny:qwen35's Gated DeltaNet layers (g = -A softplus(a + dt_bias)
+# with A = 0.002: the delta-rule memory barely decays), for the recurrent-state drills on GDN.
 _LONGMEM_A = 0.002
 _LONGMEM_HEAD_SCALE = 4.0
-TINY_VARIANTS = {"jamba-longmem": "jamba", "hybrid-longmem": "hybrid"}
-TINY_MODELS = ("hybrid", "llama", "jamba", "qwen35", *TINY_VARIANTS)
+TINY_VARIANTS = {"jamba-longmem": "jamba", "hybrid-longmem": "hybrid", "qwen35-longmem": "qwen35"}
+TINY_MODELS = ("hybrid", "llama", "jamba", "qwen35", "kimi-linear", *TINY_VARIANTS)
 
 
 def _edit_variant(name: str, model) -> None:
@@ -125,9 +141,9 @@ def _edit_variant(name: str, model) -> None:
     import torch
 
     with torch.no_grad():
-        if name in ("jamba-longmem", "hybrid-longmem"):  # both name their SSM decay `mamba.A_log`
+        if name in ("jamba-longmem", "hybrid-longmem", "qwen35-longmem"):  # the decay: mamba.A_log, linear_attn.A_log
             for pname, param in model.named_parameters():
-                if pname.endswith("mamba.A_log"):
+                if pname.endswith(("mamba.A_log", "linear_attn.A_log")):
                     param.fill_(math.log(_LONGMEM_A))
                 elif pname == "lm_head.weight":
                     param.mul_(_LONGMEM_HEAD_SCALE)

@@ -46,7 +46,7 @@ from lpf.pipeline.analyze_stream import (
 )
 from lpf.pipeline.stream_parts import Tally
 from lpf.pipeline.attribute import attribution_scores
-from lpf.analysis.floors import configured_kv
+from lpf.analysis.floors import SERVER_REFERENCES, configured_kv
 from lpf.pipeline.calibrate import calibration_applies, calibration_for, engine_dtype
 from lpf.pipeline.callbacks import OnStart, Tick, no_start, no_tick
 from lpf.pipeline.trace import engine_info, trace_summary
@@ -105,7 +105,10 @@ def analyze_run(
     run_info = {
         "engine_dtype": engine_dtype(m),
         "reference_dtype": ref.get("dtype"),
-        "model": floor_model(ref),
+        # a server reference (self, a trusted deployment) has floors of its own (`floors.SERVER_REFERENCES`)
+        "reference_kind": ref.get("kind"),
+        # a server reference serves the run's model: the floor is that model's
+        "model": floor_model(m.get("model") or {} if ref.get("kind") in SERVER_REFERENCES else ref),
         "sampling": m["sampling"],
         # what the engine computes with beyond its dtype (a quantized or flash-attention KV): its own floor row
         "configuration": configured_kv(

@@ -265,27 +265,13 @@ def _analyze(
     on_summary,
     ran,
 ):
-    from lpf.analysis.floors import expected_floor
+    from lpf.analysis.floors import infers_dtype, run_floor
 
     # the expected floor needs nothing of the tokens: with one, the thresholds are known before any
-    pair = f"{run_info.get('engine_dtype')}/{run_info.get('reference_dtype')}"
     # an engine dtype the table lacks (unknown, `auto`): the floor is the pair its errors fit (`floors.infer_pair`),
     # as in memory: a first pass reads them
-    infer = (
-        floor_table is not None and bool(run_info.get("reference_dtype")) and pair not in floor_table.get("pairs", {})
-    )
-    expected = (
-        expected_floor(
-            floor_table,
-            run_info.get("engine_dtype"),
-            run_info.get("reference_dtype"),
-            run_info.get("model"),
-            None,
-            configuration=run_info.get("configuration"),
-        )
-        if floor_table is not None and not infer
-        else None
-    )
+    infer = floor_table is not None and infers_dtype(floor_table, run_info)
+    expected = run_floor(floor_table, run_info) if floor_table is not None and not infer else None
     kw = dict(
         trace=trace,
         engine_info=engine_info,
@@ -423,20 +409,12 @@ def _two_passes(run, requests, th, greedy, spill, kw, progress, how):
     starts = np.concatenate(starts) if starts else np.zeros(0, np.int64)
     counts = np.diff(np.r_[starts, n_scored]).astype(np.int64)
     if how["infer"] and n_scored:
-        from lpf.analysis.floors import expected_floor, observed_logit_error
+        from lpf.analysis.floors import observed_logit_error, run_floor
 
         table, info = how["infer"]
         observed = observed_logit_error(cols.read("abs_logprob_diff"), cols.read("ref_logprob"))
         cols.drop("ref_logprob")
-        expected = expected_floor(
-            table,
-            info.get("engine_dtype"),
-            info.get("reference_dtype"),
-            info.get("model"),
-            None,
-            observed=observed,
-            configuration=info.get("configuration"),
-        )
+        expected = run_floor(table, info, observed=observed)
     expected = expected if n_scored else None
     if expected:
         th, calib = stream.thresholds(None, starts, th, expected)

@@ -55,6 +55,10 @@ def _score(
         from lpf.pipeline.reference_http import from_manifest
 
         rescorer = from_manifest(run.manifest, topk=1)
+    elif ref.get("kind") == "vllm":  # vLLM in the same reference configuration
+        from lpf.pipeline.reference_vllm import from_manifest as vllm_from_manifest
+
+        rescorer = vllm_from_manifest(run.manifest, topk=1)
     else:
         rescorer = Rescorer(
             resolve_model(ref["spec"]), dtype=ref.get("dtype") or "float32", token_budget=token_budget, topk=1

@@ -76,6 +76,7 @@ class AuditOptions(BaseModel):
     reference: str | None = None
     reference_model: str | None = None
     reference_concurrency: int | None = None
+    reference_option: tuple[str, ...] = ()
     reference_dtype: str = "float32"
     reference_device: Literal["cpu", "cuda", "auto"] = "auto"
     token_budget: int = 16384
@@ -172,7 +173,12 @@ def build_spec(options: AuditOptions, default_out: Callable[[], Path]):
     engine_options = _configured_kv(engine_cls, o.kv_cache_dtype, engine_options)
     hook = getattr(engine_cls, "resolve_model_spec", None)
     # a reference behind a server has no local model to lend the run its tokenizer: --model must be one
-    local = o.reference if reference_form(o.reference) == "transformers" else None
+    form = reference_form(o.reference)
+    local = o.reference if form == "transformers" else None
+    if form == "vllm":  # vLLM's reference model is a local one
+        from lpf.pipeline.reference_vllm import parse_spec
+
+        local = parse_spec(o.reference)
     try:
         model = hook(o.model, local, engine_options) if hook else o.model
     except LpfError:
@@ -237,6 +243,7 @@ def rescore_settings(o: AuditOptions):
         reference=o.reference,
         reference_model=o.reference_model,
         reference_concurrency=o.reference_concurrency,
+        reference_option=tuple(o.reference_option),
         dtype=o.reference_dtype,
         token_budget=o.token_budget,
         device=o.reference_device,

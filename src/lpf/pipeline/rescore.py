@@ -7,8 +7,9 @@ whose engine returned prompt logprobs in the same pass (`prompt_reference/`, com
 reference part), refuses a reference with another tokenizer
 (ids would not mean the same text) and a silent switch of reference (`--redo` replaces the scores).
 The reference is the one `--reference` names (`lpf.pipeline.reference_http.reference_form`): a model,
-scored by transformers here, or a server (a trusted deployment `http(s)://...`, or the audited server
-itself, `self`), scored by `lpf.pipeline.reference_http` in this process, output and prompt positions
+scored by transformers here, a server (a trusted deployment `http(s)://...`, or the audited server
+itself, `self`), scored by `lpf.pipeline.reference_http` in this process, or vLLM in its reference
+configuration (`vllm:MODEL`, `-R` knobs: `lpf.pipeline.reference_vllm`), output and prompt positions
 alike; the manifest's `reference` block says which (`kind`) and how. For transformers,
 two executors write the same `reference/` parts through `RunDir.append`: `local` (one `Rescorer` in
 this process) and `ray` (`lpf.pipeline.rescore_ray`: an actor pool of rescorers on Ray Data, the
@@ -57,11 +58,19 @@ class RescoreSettings:
     # an http(s):// or self reference (`lpf.pipeline.reference_http`): the served name, requests in flight
     reference_model: str | None = None
     reference_concurrency: int | None = None
+    # a vllm:MODEL reference (`lpf.pipeline.reference_vllm`): its -R KEY=VALUE knobs
+    reference_option: tuple[str, ...] = ()
 
     def validate(self) -> None:
         from lpf.pipeline.reference_http import check_settings
 
-        check_settings(self.reference, self.reference_model, self.reference_concurrency, self.executor)
+        check_settings(
+            self.reference, self.reference_model, self.reference_concurrency, self.executor, self.reference_option
+        )
+        if reference_form(self.reference) == "vllm":  # its dtype too, before the run
+            from lpf.pipeline.reference_vllm import engine_options, reference_options
+
+            engine_options(self.dtype, reference_options(self.reference_option))
         if self.executor not in EXECUTORS:
             raise LpfError(f"unknown executor {self.executor!r}; choose from {', '.join(EXECUTORS)}")
         if self.token_budget < 1:
@@ -156,7 +165,7 @@ def _rescore(run: RunDir, s: RescoreSettings, redo: bool, on_start: OnStart, tic
         )
     spec = s.reference or m["model"]["spec"]
     form = reference_form(spec)
-    dtype = s.dtype if form == "transformers" else None  # a server computes in its own dtype
+    dtype = s.dtype if form in ("transformers", "vllm") else None  # a server computes in its own dtype
     prev = m.get("reference")
     if run.has("reference") and prev and (prev.get("spec"), prev.get("dtype")) != (spec, dtype) and not redo:
         raise LpfError(
@@ -165,9 +174,15 @@ def _rescore(run: RunDir, s: RescoreSettings, redo: bool, on_start: OnStart, tic
         )
     topk = m["sampling"].get("logprobs", 5)
     if form != "transformers":
-        from lpf.pipeline.reference_http import for_run
+        if form == "vllm":
+            from lpf.pipeline.reference_vllm import for_run as vllm_for_run
 
-        rescorer = for_run(m, spec, s.reference_model, s.reference_concurrency, topk)
+            rescorer = vllm_for_run(m, spec, s.dtype, s.reference_option, topk)
+            _same_tokenizer(m, spec, rescorer.tokenizer_sha256())
+        else:
+            from lpf.pipeline.reference_http import for_run
+
+            rescorer = for_run(m, spec, s.reference_model, s.reference_concurrency, topk)
         _start(run, redo, rescorer.describe())
         try:
             _score_local(run, rescorer, on_start, tick)
@@ -190,11 +205,7 @@ def _rescore(run: RunDir, s: RescoreSettings, redo: bool, on_start: OnStart, tic
         from lpf.pipeline.reference import describe_reference
 
         desc = {**describe_reference(model, s.dtype, load_tokenizer(model)), "device": s.device}
-    if desc["tokenizer_sha256"] != m["tokenizer_sha256"]:
-        raise LpfError(
-            f"reference {spec} uses a different tokenizer from the engine's model "
-            f"{m['model']['spec']}: token ids would not mean the same text"
-        )
+    _same_tokenizer(m, spec, desc["tokenizer_sha256"])
     desc = {"kind": "transformers", **desc, "executor": s.executor}
     if s.executor == "local" and rescorer.replay is not None:
         desc["seeded_replay"] = rescorer.replay.kind
@@ -207,6 +218,14 @@ def _rescore(run: RunDir, s: RescoreSettings, redo: bool, on_start: OnStart, tic
         rescore_on_ray(run, pending, model, s, topk, tick)
         return
     _score_local(run, rescorer, on_start, tick)
+
+
+def _same_tokenizer(m: dict, spec: str, sha: str) -> None:
+    if sha != m["tokenizer_sha256"]:
+        raise LpfError(
+            f"reference {spec} uses a different tokenizer from the engine's model "
+            f"{m['model']['spec']}: token ids would not mean the same text"
+        )
 
 
 def _start(run: RunDir, redo: bool, desc: dict) -> None:

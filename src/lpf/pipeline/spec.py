@@ -3,7 +3,7 @@
     AuditSpec(run=RunSpec(engine, model, workload, out, n, limit, sampling, engine_options, part_size, trace_dir,
                           declared=Declared(kv_cache_dtype, flash_attention, weight_quantization)),
               rescore=RescoreSettings(reference, dtype, token_budget, device, executor, ray,
-                                      reference_model, reference_concurrency),
+                                      reference_model, reference_concurrency, reference_option),
               analysis=AnalysisSpec(calibrate, attribution), thresholds={name: value})
 
 The command line and `lpf.audit` build one from their options through one builder
@@ -228,6 +228,7 @@ def audit_command(spec: AuditSpec, with_out: bool = True) -> list[str]:
     ):
         if value != base:
             args += [flag, _text(value)]
+    args += [a for kv in rs.reference_option for a in ("-R", kv)]
     args += ["--calibrate"] * spec.analysis.calibrate + ["--no-attribution"] * (not spec.analysis.attribution)
     args += [a for name, value in spec.thresholds.items() for a in ("--threshold", f"{name}={value!r}")]
     return args + (["--out", str(r.out)] if with_out else [])

@@ -12,7 +12,8 @@ while a step runs join the next one: that is the batching.
 Every step's trace rows and fault ground truth are drained in the worker thread; `stats` keeps the
 counters `/metrics` shows (steps, largest batch, ...), and a `TraceSink` (optional) appends them as
 Parquet parts under a --trace-dir for later forensics (`trace/part-*.parquet`, `faults/part-*.parquet`,
-same schemas as a run directory). If a step raises, the engine is considered dead: every waiting
+same schemas as a run directory), written whole whenever the loop goes idle (a trace join after the last
+answer finds its steps: `lpf.adapters.vllm_trace` reads the directory). If a step raises, the engine is considered dead: every waiting
 request fails with a 500 and /health turns 500, as vLLM does. A `submit` whose caller is cancelled
 (its HTTP client went away) takes its requests back: between two steps they leave the queue or the
 engine (`engine.abort`: slot and KV blocks freed), counted in `stats.requests_cancelled`.
@@ -184,6 +185,10 @@ class EngineLoop:
         while not self._stopping:
             self._drop_cancelled()
             if not self._queue and not self.engine.has_unfinished():
+                if (
+                    self.sink is not None
+                ):  # idle: the steps of every answered request go to disk now (a join reads them)
+                    self.sink.flush()
                 self._wake.clear()
                 await self._wake.wait()
                 continue

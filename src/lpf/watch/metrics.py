@@ -6,7 +6,7 @@ route and whether sampled), samples dropped (queue full), upstream answers by st
 errors (4xx and 5xx answers, refused, timed out, cut), client disconnects, requests scored, alarms,
 request verdicts (by verdict), windows judged (by result: `lpf.watch.outages.WINDOW_RESULTS`, among them
 `upstream-failing`), failed samples (by status class), unscored samples (by reason), upstream-failing
-windows. Gauges: requests in flight, the recorder's queue depth, samples recorded, parts deleted by
+windows, a server reference's work (requests, tokens, seconds: `reference_cost` of the scorer's status). Gauges: requests in flight, the recorder's queue depth, samples recorded, parts deleted by
 `--retain`, scoring lag (answered samples not yet scored; seconds since the oldest of them arrived, 0 when
 none waits: failed samples are never lag), scorer restarts, the last window's run-test p-value and whether
 it alarmed, the flagged rate of the last window against its expected rate (tokens beyond the floor against
@@ -96,6 +96,18 @@ class WatchMetrics:
         self.skipped = Gauge(
             "lpf_watch_scoring_skipped", "Recorded requests given up unscored to keep the lag bounded", registry=r
         )
+        self.reference_work = {
+            what: Counter(
+                f"lpf_watch_reference_{what}",
+                f"A server reference's re-scoring work ({help_}): the upstream's own with --reference self",
+                registry=r,
+            )
+            for what, help_ in (
+                ("requests", "requests sent"),
+                ("tokens", "tokens prefilled, prompts included"),
+                ("seconds", "seconds waited"),
+            )
+        }
         self.scorer_restarts = Gauge("lpf_watch_scorer_restarts", "Times the scoring process was restarted", registry=r)
         self.p_value = Gauge(
             "lpf_watch_window_run_test_p_value", "The last judged window's run-test p-value", registry=r
@@ -174,6 +186,9 @@ class WatchMetrics:
             self._add_total(("failed", c), self.failed.labels(status_class=c), n)
         for reason, n in (s.get("unscored") or {}).items():
             self._add_total(("unscored", reason), self.unscored.labels(reason=reason), n)
+        for what, n in (s.get("reference_cost") or {}).items():
+            if what in self.reference_work:
+                self._add_total(("reference", what), self.reference_work[what], n)
 
     def observe_window(self, w: dict) -> None:
         from lpf.watch.outages import window_result

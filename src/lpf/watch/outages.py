@@ -22,7 +22,7 @@ from __future__ import annotations
 
 FAILURE_CLASSES = ("4xx", "5xx", "no-answer", "client-gone")
 UNSCORED_REASONS = ("stream-stripped", "retokenized", "empty", "inconsistent")
-WINDOW_RESULTS = ("same", "different", "undecided", "unscored", "upstream-failing")
+WINDOW_RESULTS = ("same", "different", "undecided", "not-applicable", "unscored", "upstream-failing")
 # more than this share of a window's requests failed upstream: the window is `upstream-failing`
 UPSTREAM_FAILING_SHARE = 0.5
 CLIENT_GONE = "the client disconnected"
@@ -88,6 +88,8 @@ def window_result(line: dict) -> str:
     result = (line.get("run_test") or {}).get("result")
     if result in ("same", "different"):
         return result
+    if result == "not applicable":  # a self-reference: the upstream agrees with itself whatever it serves
+        return "not-applicable"
     return "undecided" if line.get("n_requests") else "unscored"
 
 

@@ -12,8 +12,9 @@ Contract: `render_page(windows, counters, config=None, status=None, now=None) ->
   shaded, each window's failed requests as a bar under the axis;
 - the windows (newest first, at most `SHOWN`): number, wall-clock span (UTC arrival of its first and last
   request), requests, tokens, verdicts, result (`lpf.watch.outages.window_result`), p-value, failures and
-  unscorable samples in words, and for an alarm its incident and change point (marked refined when the
-  incident's evidence moved it).
+  unscorable samples in words, for an alarm its incident and change point (marked refined when the
+  incident's evidence moved it), and its flagged requests (at most `LINKED`) as links into the drill-down of the
+  report of the recording so far (`report.html#request-<id>`, served beside the page: `lpf.watch.snapshot`).
 Every value is escaped. The page reloads itself every `REFRESH` seconds (a meta refresh). It is a summary,
 not `report.html`: `lpf report DIR` on the recording draws the full report, `lpf inspect DIR REQUEST` one
 flagged request.
@@ -24,13 +25,17 @@ from __future__ import annotations
 import math
 import time
 from html import escape
+from urllib.parse import quote
 
 from lpf.watch.outages import window_notes, window_result
+from lpf.watch.snapshot import PAGE as REPORT_PAGE
+from lpf.watch.snapshot import anchor
 
 SHOWN = 200
 REFRESH = 5
 TIMELINE = 120  # windows on the timeline (the newest)
 FLOOR_MIN = 1e-2  # departures below this (no token beyond the floor) are drawn at it
+LINKED = 8  # flagged requests linked per window (the rest counted)
 
 
 def _fmt(v) -> str:
@@ -124,6 +129,15 @@ def _window_of(ws: list[dict], seq) -> int | None:
     return None
 
 
+def _flagged_links(w: dict) -> str:
+    flagged = [str(r) for r in w.get("flagged") or ()]
+    if not flagged:
+        return "-"
+    links = [f"<a href='{REPORT_PAGE}#{escape(quote(anchor(r), safe=''))}'>{escape(r)}</a>" for r in flagged[:LINKED]]
+    more = f" +{len(flagged) - LINKED} more" if len(flagged) > LINKED else ""
+    return ", ".join(links) + more
+
+
 def _status_lines(status: dict | None, now: float | None) -> str:
     if not status:
         return "<p class='muted'>The scorer has not reported yet.</p>"
@@ -176,7 +190,8 @@ def render_page(
             where or "-",
         ]
         cls = ' class="alarm"' if w.get("alarm") else (' class="failing"' if w.get("upstream_failing") else "")
-        rows.append(f"<tr{cls}>" + "".join(f"<td>{escape(_fmt(c))}</td>" for c in cells) + "</tr>")
+        tds = "".join(f"<td>{escape(_fmt(c))}</td>" for c in cells) + f"<td>{_flagged_links(w)}</td>"
+        rows.append(f"<tr{cls}>{tds}</tr>")
     heads = [
         "window",
         "time (UTC)",
@@ -188,6 +203,7 @@ def render_page(
         "failed / not scorable",
         "",
         "change begins at",
+        "flagged requests (drill-down)",
     ]
     summary = " &middot; ".join(f"{escape(str(k))}: {escape(_fmt(v))}" for k, v in counters.items())
     judged = " &middot; ".join(f"{escape(str(k))}: {escape(_fmt(v))}" for k, v in (config or {}).items())
@@ -203,7 +219,8 @@ def render_page(
         f"</head><body><h1>lpf watch</h1><p>{judged}</p><p>{summary}</p>"
         f"{_status_lines(status, now)}<h2>Windows against the floor</h2>{_timeline(windows)}"
         "<table><tr>" + "".join(f"<th>{h}</th>" for h in heads) + "</tr>" + "".join(rows) + "</table>"
-        "<p>The recording is a run directory: <code>lpf analyze DIR</code>, <code>lpf report DIR</code>, "
-        "<code>lpf inspect DIR REQUEST</code> for a flagged request.</p>"
+        f"<p><a href='{REPORT_PAGE}'>The report of the recording so far</a> (drawn when opened, again once more "
+        "windows are judged). The recording is a run directory: <code>lpf analyze DIR</code>, "
+        "<code>lpf report DIR</code>, <code>lpf inspect DIR REQUEST</code> for a flagged request.</p>"
         "</body></html>"
     )

@@ -27,6 +27,7 @@ written: the recorder may be between the two).
 from __future__ import annotations
 
 import json
+from contextlib import suppress
 import os
 import signal
 import sys
@@ -39,6 +40,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from lpf.core.errors import LpfError
+from lpf.pipeline.reference_http import reference_form
 from lpf.run.store import RunDir, read_part
 from lpf.watch.incidents import Incidents
 from lpf.watch.outages import failure_class, leaves_scoring, unscored_reason, window_facts, window_result
@@ -47,7 +49,7 @@ WINDOWS = "live/windows.jsonl"
 STATUS = "live/scorer.json"
 SKIPPED = "live/skipped.txt"
 REQ_COLS = ["request_id", "seq", "prompt_token_ids", "output_token_ids", "error", "inconsistency", "t_submit"]
-WATCH_COLS = ["request_id", "temperature", "stream", "status"]
+WATCH_COLS = ["request_id", "temperature", "stream", "status", "model"]
 
 
 def _open(path: Path) -> RunDir:
@@ -67,6 +69,8 @@ class Scorer:
         per_cycle: int = 512,
         executor: str = "local",
         ray=None,
+        reference_model: str | None = None,
+        reference_concurrency: int | None = None,
     ):
         from lpf.core.model_specs import resolve_model
         from lpf.pipeline.analyze import floor_table
@@ -75,26 +79,41 @@ class Scorer:
         from lpf.watch.windows import incident_change
 
         self.path, self.window, self.max_lag, self.per_cycle = path, window, max_lag, per_cycle
+        self.kind = reference_form(reference)
         run = _open(path)
-        self.model = resolve_model(reference)
         topk = run.manifest["sampling"].get("logprobs", 5)
-        if executor == "ray":  # actors on a Ray cluster, each holding the reference (lpf.watch.ray_scoring)
+        kind = self.kind
+        if kind != "transformers":  # the upstream itself, or a trusted deployment: prompt logprobs over HTTP
+            from lpf.pipeline.reference_http import for_run
+
+            self.rescorer = for_run(run.manifest, reference, reference_model, reference_concurrency, topk)
+            self.model = self.rescorer.model
+        elif executor == "ray":  # actors on a Ray cluster, each holding the reference (lpf.watch.ray_scoring)
             from lpf.pipeline.rescore import RayOptions
             from lpf.watch.ray_scoring import RayRescorer
 
+            self.model = resolve_model(reference)
             self.rescorer = RayRescorer(self.model, dtype, device, token_budget, topk, ray or RayOptions())
         else:
+            self.model = resolve_model(reference)
             self.rescorer = Rescorer(self.model, dtype=dtype, device=device, token_budget=token_budget, topk=topk)
+        if kind != "transformers":  # its work so far (a restarted scorer carries it on)
+            with suppress(OSError, ValueError, KeyError, TypeError):
+                before = json.loads((path / STATUS).read_text())["reference_cost"]
+                self.rescorer.cost.update({k: before[k] for k in self.rescorer.cost})
         desc = self.rescorer.describe()
-        if desc["tokenizer_sha256"] != run.manifest["tokenizer_sha256"]:
+        # a server reference reads the run's own token ids (its tokenizer is the run's model's)
+        if kind == "transformers" and desc["tokenizer_sha256"] != run.manifest["tokenizer_sha256"]:
             self.close()
             raise SystemExit(f"reference {reference} uses another tokenizer than the recorded run")
         run.manifest["reference"] = {**desc, "executor": executor}
         run.save_manifest()
         self.info = {
             "engine_dtype": engine_dtype(run.manifest),
-            "reference_dtype": dtype,
-            "model": reference,
+            # a server reference's dtype is its own, not stated: the floor is the engine against it
+            "reference_dtype": dtype if kind == "transformers" else None,
+            "reference_kind": kind,
+            "model": reference if kind == "transformers" else run.manifest["model"]["spec"],
             "floor_table": floor_table(),
         }
         self.requests: dict[str, pa.Table] = {}  # part name -> its requests
@@ -116,6 +135,32 @@ class Scorer:
         """Stop the Ray actors (and a local Ray this scorer started); nothing to do for a local reference."""
         if hasattr(self.rescorer, "close"):
             self.rescorer.close()
+
+    def _score(self, items: list, served: dict):
+        """The reference's scores of `items`; a self-reference asks the upstream for each request under the
+        name its client sent (one upstream may serve several names)."""
+        if self.kind != "self":
+            yield from self.rescorer.score_all(items)
+            return
+        default = self.rescorer.served
+        groups: dict[str, list] = {}
+        for item in items:
+            groups.setdefault(served.get(item.request_id) or default, []).append(item)
+        for name, group in groups.items():
+            self.rescorer.served = name
+            try:
+                yield from self.rescorer.score_all(group)
+            except LpfError as e:  # what the upstream could not score is given up, not asked again each cycle
+                print(f"lpf watch scorer: {e}", file=sys.stderr, flush=True)
+                self._give_up([i.request_id for i in group if i.request_id not in self.scored])
+
+    def _give_up(self, ids: list[str]) -> None:
+        """Leave these recorded requests unscored for good (`live/skipped.txt`: `lpf rescore` can score them)."""
+        with open(self.path / SKIPPED, "a") as f:
+            f.write("".join(r + "\n" for r in ids))
+            f.flush()
+            os.fsync(f.fileno())
+        self.skipped.update(ids)
 
     def _lines(self) -> list[dict]:
         p = self.path / WINDOWS
@@ -157,11 +202,12 @@ class Scorer:
             return 0
         n_out = pc.list_value_length(reqs.column("output_token_ids")).fill_null(0).to_pylist()
         ids, errors = reqs.column("request_id").to_pylist(), reqs.column("error").to_pylist()
-        stream, status = {}, {}
+        stream, status, served = {}, {}, {}
         for t in self.watch.values():
             rids = t.column("request_id").to_pylist()
             stream.update(zip(rids, t.column("stream").to_pylist()))
             status.update(zip(rids, t.column("status").to_pylist()))
+            served.update(zip(rids, t.column("model").to_pylist()))
         incons = reqs.column("inconsistency").to_pylist()
         classes = {r: failure_class(e, status.get(r)) for r, e in zip(ids, errors)}
         reasons = {r: unscored_reason(e, n, i, stream.get(r)) for r, e, n, i in zip(ids, errors, n_out, incons)}
@@ -171,12 +217,7 @@ class Scorer:
         seqs = reqs.column("seq").to_pylist()
         todo.sort(key=lambda i: seqs[i])
         if len(todo) > self.max_lag:  # bounded lag: the oldest backlog is given up (kept recorded, not scored)
-            given_up = [ids[i] for i in todo[: len(todo) - self.max_lag]]
-            with open(self.path / SKIPPED, "a") as f:
-                f.write("".join(r + "\n" for r in given_up))
-                f.flush()
-                os.fsync(f.fileno())
-            self.skipped.update(given_up)
+            self._give_up([ids[i] for i in todo[: len(todo) - self.max_lag]])
             todo = todo[len(todo) - self.max_lag :]
         todo = todo[: self.per_cycle]  # the next cycle judges what this one scored before taking more
         if todo:
@@ -187,9 +228,12 @@ class Scorer:
                 )
                 for r in rows
             ]
-            for scored in self.rescorer.score_all(items):
+            for scored in self._score(items, served):
                 run.append_reference(scored.reference, scored.prompt_reference, scored.seeded)
                 self.scored.update(scored.reference.column("request_id").unique().to_pylist())
+            if self.kind != "transformers":  # the upstream's (or deployment's) work, stated where the run is read
+                run.manifest["reference"]["cost"] = dict(self.rescorer.cost)
+                run.save_manifest()
         settled = {r for r in ids if r in self.scored or r in self.skipped or r in unscorable}
         judged = self._judge(run, reqs, settled, classes, reasons)
         t_submit = reqs.column("t_submit").to_pylist()
@@ -208,6 +252,8 @@ class Scorer:
                 "oldest_pending_arrival": min((t for t in pending if t), default=None),
                 "failed": _count(c for c in classes.values() if c is not None),
                 "unscored": _count(x for x in reasons.values() if x is not None),
+                # a server reference's work: requests, tokens (prompts included), seconds (None: transformers)
+                "reference_cost": dict(self.rescorer.cost) if self.kind != "transformers" else None,
                 "pid": os.getpid(),
                 "t": time.time(),
             },
@@ -364,6 +410,8 @@ def main(run: Path, spec_file) -> None:
         max_lag=spec.max_lag,
         executor=spec.executor,
         ray=spec.ray(),
+        reference_model=spec.reference_model,
+        reference_concurrency=spec.reference_concurrency,
     )
     try:
         # lpf watch killed outright (SIGKILL, OOM) cannot stop its scorer: an orphan (re-parented) stops itself

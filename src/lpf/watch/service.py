@@ -4,7 +4,9 @@ Contract: `prepare(out, reference, upstream, ...)` validates and creates the run
 the run schema: engine `openai` at the upstream, model and reference `--reference`, the reference's
 tokenizer fingerprint; no API key anywhere) and returns it; `serve(settings, sock, on_ready, on_window)`
 runs until SIGINT/SIGTERM (or `--fail-after` alarms) and returns a `Outcome` (requests proxied, sampled,
-recorded, dropped, windows, alarms, whether --fail-after fired). In-flight requests get 10 s to finish,
+recorded, dropped, windows, alarms, whether --fail-after fired). Beside the proxy: /metrics, the live page at
+/lpf/ and the report of the recording so far at /lpf/report.html (`lpf.watch.snapshot`, which the page's flagged
+requests link into). In-flight requests get 10 s to finish,
 the recorder commits what it holds, the scorer is stopped. It prints nothing: the command line renders.
 """
 
@@ -45,7 +47,7 @@ def prepare(s: Settings):
     from lpf.pipeline.generate import model_config
     from lpf.run.store import RunDir
 
-    model = resolve_model(s.reference)
+    model = resolve_model(s.local_model)
     cfg = model_config(model)
     tokenizer = load_tokenizer(model)
     manifest = {
@@ -88,6 +90,8 @@ def serve(
     from lpf.watch.retention import parse_retain
     from lpf.watch.sample import Sampler
     from lpf.watch.scorer import STATUS
+    from lpf.watch.snapshot import PAGE as REPORT_PAGE
+    from lpf.watch.snapshot import Snapshots
     from lpf.watch.supervisor import Supervisor
 
     sampler = Sampler(s.sample, s.seed)
@@ -128,7 +132,18 @@ def serve(
             status = None
         return HTMLResponse(render_page(sup.windows, counters, config, status))
 
-    app = create_proxy(s.upstream, sampler, recorder, metrics, s.top_k, s.upstream_timeout, {"/lpf/": page})
+    snapshots = Snapshots(run.path)
+
+    async def report():
+        from fastapi.responses import HTMLResponse, PlainTextResponse
+
+        try:
+            return HTMLResponse(await snapshots.report(len(held["sup"].windows)))
+        except LpfError as e:
+            return PlainTextResponse(str(e) + "\n", status_code=503)
+
+    routes = {"/lpf/": page, f"/lpf/{REPORT_PAGE}": report}
+    app = create_proxy(s.upstream, sampler, recorder, metrics, s.top_k, s.upstream_timeout, routes)
     server = uvicorn.Server(
         uvicorn.Config(app, log_level=s.log_level, timeout_graceful_shutdown=10, lifespan="on", access_log=False)
     )

@@ -5,11 +5,13 @@ Contract:
   but `--no-text` (`keep_text`) and `--queue` (`queue_size`), plus `scorer` (False: proxy and record only,
   for tests and benches). Validation is the whole check: the upstream URL, `--listen HOST:PORT`, the
   sampling rate, `--retain`, every bound, and the executor's options as `lpf rescore` checks them (Ray
-  installed, a GPU asked where the device is one). A bad value is an `LpfError` or a `ValidationError`
+  installed, a GPU asked where the device is one), and a server reference (`--reference self` or
+  http(s)://, `lpf.pipeline.reference_http`) with `--model`, the model held here for its tokenizer. A bad value is an `LpfError` or a `ValidationError`
   (`watch_error` makes it one line naming the flag).
 - `build_watch_spec(params)`: the spec of `lpf watch`'s parsed options: the one builder.
 - `ScorerSpec` (pydantic, extra="forbid", frozen): what the scoring process needs (reference, dtype,
-  device, window, poll, max_lag, token budget, executor and Ray options), `WatchSpec.scorer_spec()` its
+  device, window, a server reference's served name and concurrency, poll, max_lag, token budget, executor
+  and Ray options), `WatchSpec.scorer_spec()` its
   part of a watch. `lpf watch` writes it to `RUN/live/scorer-spec.json` and starts
   `python -m lpf.watch.scorer RUN --spec FILE`, which reads it back as `lpf audit --spec FILE|-` reads an
   AuditSpec (`--spec -`: JSON on stdin); nothing turns it into flags.
@@ -23,6 +25,7 @@ from typing import Any, Literal, Mapping
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from lpf.core.errors import LpfError
+from lpf.pipeline.reference_http import reference_form
 
 _FROZEN = ConfigDict(extra="forbid", frozen=True)
 SCORER_SPEC = "live/scorer-spec.json"
@@ -37,6 +40,9 @@ class ScorerSpec(BaseModel):
     dtype: str = "float32"
     device: str = "cpu"
     window: int = Field(50, ge=1)
+    # an http(s):// or self reference (`lpf.pipeline.reference_http`): the served name, requests in flight
+    reference_model: str | None = None
+    reference_concurrency: int | None = Field(None, ge=1)
     poll: float = Field(0.5, gt=0)
     max_lag: int = Field(10_000, ge=1)
     token_budget: int = Field(16384, ge=1)
@@ -58,6 +64,9 @@ class WatchSpec(BaseModel):
 
     upstream: str
     reference: str
+    model: str | None = None  # the model the upstream serves, held here (tokenizer, floor row): --reference's default
+    reference_model: str | None = None
+    reference_concurrency: int | None = Field(None, ge=1)
     out: Path
     listen: str = "127.0.0.1:8100"
     sample: float = 0.01
@@ -115,9 +124,30 @@ class WatchSpec(BaseModel):
         # the executor's options checked as `lpf rescore` checks them (Ray installed, a GPU asked for cuda)
         s = self.scorer_spec()
         RescoreSettings(
-            reference=s.reference, dtype=s.dtype, device=s.device, executor=s.executor, ray=s.ray()
+            reference=s.reference,
+            dtype=s.dtype,
+            device=s.device,
+            executor=s.executor,
+            ray=s.ray(),
+            reference_model=s.reference_model,
+            reference_concurrency=s.reference_concurrency,
         ).validate()
+        if reference_form(self.reference) == "vllm":
+            raise LpfError(
+                f"--reference {self.reference}: lpf watch re-scores with a model, self or http(s)://; vLLM's "
+                "offline reference is lpf audit's and lpf rescore's"
+            )
+        if self.model is None and reference_form(self.reference) != "transformers":
+            raise LpfError(
+                f"--reference {self.reference} re-scores on a server: --model names the model it serves, held "
+                "here (a dir, zoo:NAME or tiny:NAME: its tokenizer reads the traffic)"
+            )
         return self
+
+    @property
+    def local_model(self) -> str:
+        """The model held here: its tokenizer reads the traffic, its name picks the floor row."""
+        return self.model or self.reference
 
     def host_port(self) -> tuple[str, int]:
         host, _, port = self.listen.rpartition(":")
@@ -129,6 +159,8 @@ class WatchSpec(BaseModel):
             dtype=self.reference_dtype,
             device=self.reference_device,
             window=self.window,
+            reference_model=self.reference_model,
+            reference_concurrency=self.reference_concurrency,
             max_lag=self.max_lag,
             executor=self.executor,
             ray_address=self.ray_address,

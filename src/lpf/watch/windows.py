@@ -42,7 +42,8 @@ import pyarrow.compute as pc
 
 from lpf.analysis import metrics as m
 from lpf.analysis.findings import analyze
-from lpf.analysis.floors import KAPPA, expected_floor
+from lpf.analysis.floors import KAPPA, run_floor
+from lpf.pipeline.reference_http import LIMITATION
 from lpf.analysis.run_test import DEFAULT_ALPHA, NULL_RATE, token_evidence
 from lpf.analysis.stats import poisson_log_tail, poisson_upper
 from lpf.analysis.thresholds import Thresholds
@@ -88,6 +89,7 @@ def _run_info(info: dict) -> tuple[float, dict]:
     return t, {
         "engine_dtype": info.get("engine_dtype"),
         "reference_dtype": info.get("reference_dtype"),
+        "reference_kind": info.get("reference_kind"),
         "model": info.get("model"),
         "sampling": {"temperature": t, "top_k": 0, "top_p": 1.0},
     }
@@ -121,6 +123,8 @@ def judge_window(requests: pa.Table, tokens: pa.Table, reference: pa.Table, cont
     flagged_tab = summary.filter(pc.is_in(summary.column("verdict"), value_set=pa.array(FLAGGED)))
     flagged = sorted(zip(flagged_tab.column("seq").to_pylist(), flagged_tab.column("request_id").to_pylist()))
     test = findings.get("run_test") or {}
+    if info.get("reference_kind") == "self":  # the engine compared with itself agrees whatever model it runs
+        test = {"result": "not applicable", "sentence": f"not applicable: {LIMITATION}"}
     out = {
         "n_requests": requests.num_rows,
         "n_tokens": tokens.num_rows,
@@ -130,6 +134,8 @@ def judge_window(requests: pa.Table, tokens: pa.Table, reference: pa.Table, cont
         "flagged": [rid for _, rid in flagged],
         "tokens_only": tokens_only,
         "run_test": {k: test.get(k) for k in ("result", "p_value", "test", "statistic", "n_tokens", "sentence")},
+        # the pair whose floor judged the window (`floors.expected_floor`), as the audit's thresholds line names it
+        "floor_pair": ((findings.get("thresholds") or {}).get("noise_floor") or {}).get("pair"),
         "temperature": temperature,
     }
     rates = _exceedances(requests, tokens, reference, run_info, info, tokens_only)
@@ -206,9 +212,7 @@ def _exceedances(requests, tokens, reference, run_info, info, tokens_only):
     as none); None without a floor or without logprobs."""
     if tokens_only or info.get("floor_table") is None or tokens.num_rows == 0:
         return None
-    floor = expected_floor(
-        info["floor_table"], run_info["engine_dtype"], run_info["reference_dtype"], run_info["model"]
-    )
+    floor = run_floor(info["floor_table"], run_info)
     if not floor:
         return None
     joined, _ = m.join_grouped(tokens, reference)

@@ -3,14 +3,15 @@
 Contract: `load_model(path, dtype=torch.float32, device="cpu") -> EngineModel` reads `config.json`
 and the `*.safetensors` weights of an HF directory and dispatches on `architectures[0]`:
 `GraniteMoeHybridForCausalLM` (Mamba2 + attention, `granite_hybrid`) and `JambaForCausalLM`
-(Mamba1 + attention + MoE, `jamba`) and `Qwen3_5ForCausalLM` (Gated DeltaNet + gated attention,
-`qwen3_5`). Anything else raises `LpfError`. The models run only inside the
+(Mamba1 + attention + MoE, `jamba`), `Qwen3_5ForCausalLM` (Gated DeltaNet + gated attention,
+`qwen3_5`) and `KimiLinearForCausalLM` (Kimi Delta Attention layers only, `kimi_linear`). Anything else raises `LpfError`. The models run only inside the
 engine: per-step metadata comes from `lpf.builtin.forward_context`, attention K/V live in the paged
 `KVCache`, Mamba (and Gated DeltaNet) conv/SSM state in the `StateCache` slots (see `base.EngineModel` for the interface).
 
 Modules: `layers` (norms, MLPs, MoE), `attention` (paged causal attention, RoPE), `mamba_base` (the
 prefill/extend/decode state protocol), `mamba2` (SSD scan), `mamba1` (selective scan, token by token), `gated_deltanet` (the gated delta rule,
-a matrix state per head, on the same state protocol), `qwen3_5` (the Qwen3.5 text model).
+a matrix state per head, on the same state protocol), `qwen3_5` (the Qwen3.5 text model), `kimi_delta`
+(KDA: the delta rule with a per-channel decay), `kimi_linear` (the Kimi Linear model, KDA layers).
 """
 
 from __future__ import annotations
@@ -38,7 +39,13 @@ def _model_class(arch: str):
         from lpf.builtin.models.qwen3_5 import Qwen35Model
 
         return Qwen35Model
-    raise LpfError(f"the built-in engine runs GraniteMoeHybrid, Jamba and Qwen3.5 models; {arch} is not supported")
+    if arch == "KimiLinearForCausalLM":
+        from lpf.builtin.models.kimi_linear import KimiLinearModel
+
+        return KimiLinearModel
+    raise LpfError(
+        f"the built-in engine runs GraniteMoeHybrid, Jamba, Qwen3.5 and Kimi Linear (KDA) models; {arch} is not supported"
+    )
 
 
 def model_shape(path) -> EngineModel:

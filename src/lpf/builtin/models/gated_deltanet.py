@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lpf.builtin.forward_context import probe
+from lpf.builtin.forward_context import get_forward_context, probe
 from lpf.builtin.models.layers import activation, wide
 from lpf.builtin.models.mamba_base import MambaMixerBase
 
@@ -175,10 +175,19 @@ class GatedDeltaNetMixer(MambaMixerBase):
         return self._output(out[0], z, proj.dtype), conv, ssm[0]
 
     def prefill_batch(self, proj, lay, conv0, ssm0):
-        """The chunks right-padded with zeros (q/k/v, g and beta) to the longest, in one chunked scan."""
-        qkv, z, b, a = self._split(proj)
-        qkv, conv = self.conv_prefill_batch(qkv, lay, conv0)
-        q, k, v, g, beta = (lay.padded(t) for t in self._rule_inputs(qkv, b, a))
+        """The chunks right-padded with zeros (q/k/v, g and beta) to the longest, in one chunked scan
+        (under padding-updates-state the padding's own q/k/v, g and beta instead)."""
+        qkv_in, z, b, a = self._split(proj)
+        qkv, conv = self.conv_prefill_batch(qkv_in, lay, conv0)
+        if get_forward_context().unmasked_padding:  # padding-updates-state: the padding runs as zero-projected tokens
+            n, longest = len(lay.lens), lay.longest
+            padded = self.conv_padded(qkv_in, lay, conv0).reshape(n * longest, -1)
+            inputs = self._rule_inputs(
+                padded, lay.padded(b).reshape(n * longest, -1), lay.padded(a).reshape(n * longest, -1)
+            )
+            q, k, v, g, beta = (t.reshape(n, longest, *t.shape[1:]) for t in inputs)
+        else:
+            q, k, v, g, beta = (lay.padded(t) for t in self._rule_inputs(qkv, b, a))
         out, ssm = chunk_gated_delta_rule(q, k, v, g, beta, self.chunk_size, ssm0)
         return self._output(lay.packed(out), z, proj.dtype), conv, ssm
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lpf.builtin.forward_context import probe
+from lpf.builtin.forward_context import get_forward_context, probe
 from lpf.builtin.models.layers import GatedRMSNorm, activation, wide
 from lpf.builtin.models.mamba_base import MambaMixerBase
 
@@ -149,11 +149,17 @@ class Mamba2Mixer(MambaMixerBase):
 
     def prefill_batch(self, proj, lay, conv0, ssm0):
         """The chunks right-padded with zeros to the longest (see `ssd_scan_batch`), in one scan."""
-        gate, xbc, dt = self._split(proj)
-        xbc, conv = self.conv_prefill_batch(xbc, lay, conv0)
-        x, B, C, dt = self._ssm_inputs(xbc, dt)
+        gate, xbc_in, dt_in = self._split(proj)
+        xbc, conv = self.conv_prefill_batch(xbc_in, lay, conv0)
         A = -torch.exp(wide(self.A_log))
-        x, dt, B, C = (lay.padded(t) for t in (x, dt, B, C))
+        if get_forward_context().unmasked_padding:  # padding-updates-state: the padding runs as zero-projected tokens
+            n, longest = len(lay.lens), lay.longest
+            padded = self.conv_padded(xbc_in, lay, conv0).reshape(n * longest, -1)
+            inputs = self._ssm_inputs(padded, lay.padded(dt_in).reshape(n * longest, -1))
+            x, B, C, dt = (t.reshape(n, longest, *t.shape[1:]) for t in inputs)
+        else:
+            x, B, C, dt = self._ssm_inputs(xbc, dt_in)
+            x, dt, B, C = (lay.padded(t) for t in (x, dt, B, C))
         y, ssm = ssd_scan_batch(x, dt, A, B, C, wide(self.D), self.chunk_size, ssm0)
         y = lay.packed(y)
         probe(self, "ssm_out", y)

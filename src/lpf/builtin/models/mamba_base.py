@@ -37,7 +37,10 @@ Subclasses implement `prefill(proj [L, P], conv0, ssm0) -> (y [L, d_inner], conv
 `decode(proj [B, P], conv [B, ...], ssm [B, ...]) -> (y, conv, ssm)`, where `proj` is the in_proj
 output of the tokens concerned, and `prefill_batch(proj [T, P], lay: Varlen, conv0 [B, ...], ssm0
 [B, ...]) -> (y [T, d_inner], conv [B, ...], ssm [B, ...])`, several chunks' rows packed back to back,
-computed as one padded batch; the base applies `out_proj` to the whole packed batch.
+computed as one padded batch; the base applies `out_proj` to the whole packed batch. Under the
+padding-updates-state drill (`ForwardContext.unmasked_padding`) a mixer with a gated decay runs its
+padding through the state update in `prefill_batch` as tokens of a zero projection: their conv
+outputs (`conv_padded`) and gates (a zero projection's) decay and write the state.
 """
 
 from __future__ import annotations
@@ -180,13 +183,17 @@ class MambaMixerBase(nn.Module):
     def _verify(self, ctx, cache, layer: int, verifies, proj, y, ssm_dtype) -> None:
         """The verify path (speculative decoding, as vLLM runs it for Mamba): each request's 1 + K tokens
         stepped one position at a time by the decode kernel from the state in `state_slot` (exact
-        offsets), every position's conv and SSM state kept as a snapshot (`ctx.memo["spec_states"]`,
-        layer -> (request ids, conv [T, B, ...], ssm [T, B, ...]): position t of row b; past a row's
-        own length its last state) and the last position's state written back; the runner rolls the
-        slot back to the snapshot of the last accepted position."""
+        offsets; from zeros for a row whose `has_initial_state` is False), every position's conv and SSM
+        state kept as a snapshot (`ctx.memo["spec_states"]`, layer -> (request ids, conv [T, B, ...], ssm
+        [T, B, ...]): position t of row b; past a row's own length its last state) and the last position's
+        state written back; the runner rolls the slot back to the snapshot of the last accepted position."""
         slots = [s.state_slot for s in verifies]
         conv = cache.read(layer, "conv", slots, "decode").to(proj.dtype)
         ssm = cache.read(layer, "ssm", slots, "decode").to(ssm_dtype)
+        zero = [i for i, s in enumerate(verifies) if s.has_initial_state is False]
+        if zero:  # the spec-verify-zero-state drill: those rows replay from a zero-filled buffer
+            conv, ssm = conv.clone(), ssm.clone()
+            conv[zero], ssm[zero] = 0, 0
         convs, ssms = [], []
         for t in range(max(s.num_tokens for s in verifies)):
             live = [i for i, s in enumerate(verifies) if s.num_tokens > t]
@@ -219,7 +226,10 @@ class MambaMixerBase(nn.Module):
             return foreign[s.request_id]
         if s.reads_initial_state:
             conv0 = cache.read(layer, "conv", [s.state_slot], "prefill")[0].to(dtype)
-            return conv0, cache.read(layer, "ssm", [s.state_slot], "prefill")[0].to(ssm_dtype)
+            ssm0 = cache.read(layer, "ssm", [s.state_slot], "prefill")[0].to(ssm_dtype)
+            if s.state_transposed:  # the chunk-state-transposed drill: the memory read in the other layout
+                ssm0 = ssm0.transpose(-1, -2).reshape(ssm0.shape)
+            return conv0, ssm0
         conv0 = (
             cache.read(layer, "conv", [s.state_slot], "prefill")[0].to(dtype)
             if s.conv_reads_slot
@@ -231,6 +241,8 @@ class MambaMixerBase(nn.Module):
         """Every prefill/extend chunk of the step in one `prefill_batch` (`_together` said it is the
         same as one at a time): all initial states read, then the final states written in batch order."""
         lay = _varlen(ctx, chunks, proj.device)
+        if ctx.unmasked_padding:  # the padding-updates-state drill's ground truth (the runner records it)
+            ctx.memo["padded_chunks"] = [s.request_id for s in chunks if s.num_tokens < lay.longest]
         starts = [self._initial_state(cache, layer, s, foreign, proj.dtype, ssm_dtype, shapes) for s in chunks]
         conv0 = torch.stack([c for c, _ in starts])
         ssm0 = torch.stack([h for _, h in starts])
@@ -335,6 +347,14 @@ class MambaMixerBase(nn.Module):
         # each chunk's last K-1 inputs: columns len .. len + K-2 of its row of `full`
         tail = (lay.lens_t[:, None] + torch.arange(k1, device=xc.device)[None])[:, None, :]
         return packed, full.gather(2, tail.expand(n, width, k1))
+
+    def conv_padded(self, xc: torch.Tensor, lay: Varlen, conv0: torch.Tensor) -> torch.Tensor:
+        """`conv_prefill_batch`'s activated output at every position of the right-padded layout, the
+        padding's included (its first d_conv - 1 positions still see the chunk's last inputs): [n, longest,
+        C]. Only the padding-updates-state drill reads the padding's rows."""
+        full = torch.cat([conv0, lay.padded(xc).transpose(1, 2)], dim=2)
+        out = F.conv1d(full, self.conv1d.weight, self.conv1d.bias, padding=1, groups=xc.shape[1])
+        return self.act(out[:, :, 1:-1]).transpose(1, 2)
 
     def conv_step(self, xc: torch.Tensor, conv0: torch.Tensor):
         """One token per request: xc [B, C], conv0 [B, C, K-1]."""

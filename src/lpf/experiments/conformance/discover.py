@@ -204,7 +204,7 @@ def discover(engine: str) -> dict:
                 AUDIT if a in SUPPORTED_ARCHITECTURES else "not supported",
                 ""
                 if a in SUPPORTED_ARCHITECTURES
-                else "the built-in engine runs GraniteMoeHybrid, Jamba and Qwen3.5 only",
+                else "the built-in engine runs GraniteMoeHybrid, Jamba, Qwen3.5 and Kimi Linear (KDA layers) only",
             )
             for a, mt in sorted(ref.items())
         ]

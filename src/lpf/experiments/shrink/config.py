@@ -343,6 +343,10 @@ class Source:
             # a server reference (`lpf.pipeline.reference_http`): the same server, asked the same way
             reference_model=ref.get("served_model") if ref.get("kind") == "http" else None,
             reference_concurrency=ref.get("concurrency") if ref.get("kind") in ("http", "self") else None,
+            # a vLLM reference (`lpf.pipeline.reference_vllm`): the same knobs
+            reference_option=tuple(f"{k}={v}" for k, v in (ref.get("options") or {}).items())
+            if ref.get("kind") == "vllm"
+            else (),
         )
         return AuditSpec(run=run, rescore=rescore, thresholds=self.threshold_values())
 

@@ -342,6 +342,7 @@
     }
     dd.requests.forEach(function (r, idx) {
       var det = h("details", "req");
+      det.id = "request-" + r.request_id;  // the anchor `lpf watch`'s live page links a flagged request to
       if (idx < 3) det.open = true;
       var sum = h("summary", null, [badge(r.verdict, true), txt("span", "rid", r.request_id),
         txt("span", "meta", "arrival " + fmt(r.seq) + " · first divergence " + fmt(r.first_divergence) +
@@ -392,6 +393,22 @@
       det.appendChild(body);
       s.appendChild(det);
     });
+    // #request-ID opens that request and brings it into view; one not drilled into says so, and how to see it
+    var missing = txt("p", "note warn unseen", "");
+    missing.hidden = true;
+    s.insertBefore(missing, legend);
+    function follow() {
+      var id = decodeURIComponent((location.hash || "").slice(1));
+      if (id.indexOf("request-") !== 0) return;
+      var det = document.getElementById(id);
+      missing.hidden = !!det;
+      if (det) { det.open = true; det.scrollIntoView(); return; }
+      missing.textContent = id.slice(8) + " is not among the " + dd.requests.length +
+        " worst requests drawn here: `lpf inspect DIR " + id.slice(8) + "` shows it token by token.";
+      missing.scrollIntoView();
+    }
+    window.addEventListener("hashchange", follow);
+    setTimeout(follow, 0);  // once the page is in the document
 
     function showTip(el, ev) {
       var r = dd.requests[+el.dataset.r], t = r.tokens[+el.dataset.i];
