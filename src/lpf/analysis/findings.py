@@ -150,12 +150,15 @@ def analyze(
         temperature = request_sampling.MIXED_TEMPERATURE
     summary = apply_inconsistency(summarize_requests(None, requests, th, per=(ids, per)), requests)
     record(ran, "verdicts", "answer_checks")
-    with np.errstate(invalid="ignore"):
-        d = np.subtract(cols["engine_logprob"], cols["ref_logprob"])
     found = answer_checks.scan(
-        tokens, joined.column("request_id"), cols["position"], d, cols["ref_logprob"], expected, th.divergent_abs_diff
+        tokens,
+        joined.column("request_id"),
+        cols["position"],
+        cols["engine_logprob"],
+        cols["ref_logprob"],
+        expected,
+        th.divergent_abs_diff,
     )
-    del d
     summary, answer_blocks = answer_checks.apply(summary, found)
     test = None
     record(ran, "run_test", "localized")

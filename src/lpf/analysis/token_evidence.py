@@ -314,6 +314,11 @@ def topk_spread(eng_ids, eng_lp, ref_ids, ref_lp, details: bool = True) -> dict:
     e = _aligned_topk(eng_ids, eng_lp, ref_ids)
     rl = ref_lp.astype(np.float32)
     x = e - rl  # NaN where the engine lacks the id (or the reference's list is short)
+    if x.shape[1] == 1:  # one reference id: at most one shared, no spread, KL or margin (the lines below' NaNs)
+        out = {"w": np.full(len(e), np.nan), "shared": (~np.isnan(x[:, 0])).astype(np.int64)}
+        if details:
+            out.update(kl=np.full(len(e), np.nan, np.float32), margin=np.full(len(e), np.nan))
+        return out
     has = ~np.isnan(x)
     np.copyto(x, 0.0, where=~has)
     ones = np.ones(x.shape[1], dtype=np.float32)  # row sums as a matrix-vector product: numpy's
