@@ -148,7 +148,7 @@ def analyze(
     mixed = np.ndim(greedy) > 0
     if mixed:  # the run-level steps below take the run's settings: mixed runs are none of greedy / one temperature
         temperature = request_sampling.MIXED_TEMPERATURE
-    summary = apply_inconsistency(summarize_requests(None, requests, th, per=(ids, per)), requests)
+    summary = apply_inconsistency(summarize_requests(None, requests, th, per=(ids, per), distinct=True), requests)
     record(ran, "verdicts", "answer_checks")
     found = answer_checks.scan(
         tokens,
