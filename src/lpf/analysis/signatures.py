@@ -20,8 +20,6 @@ Contract (pure; tables in, an Arrow array of request ids out):
 
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -176,8 +174,9 @@ def fit_logprob_temperature(tok: pa.Table, reference: pa.Table, th: Thresholds) 
     # only the temperatures whose error can be under the limit are computed (`temperature_grid`: the others'
     # are at least the limit, bit for bit, so neither the best nor a fit can be among them)
     errors = np.full(TEMPERATURE_GRID.size, np.inf)
-    with np.errstate(invalid="ignore"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # positions without a top-k: NaN, left out
+    # positions without a top-k: NaN, left out (numpy's error state only: this may run on a thread of its own,
+    # where the process-wide warning filters are not this function's to change)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         check = np.flatnonzero(~grid.at_least(topk, raw, eng, TEMPERATURE_GRID, 0.1 * raw_error))
         errors[check] = grid.errors(topk, raw, eng, TEMPERATURE_GRID[check])
     if not np.isfinite(errors).any():
