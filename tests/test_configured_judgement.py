@@ -80,6 +80,25 @@ def test_a_sure_token_is_allowed_only_what_its_sensitivity_moves():
     assert st.allowed(lp, {"token": {}}, 2.0) is None
 
 
+def test_the_answer_checks_slice_by_slice_find_what_the_whole_run_does(monkeypatch):
+    """`answer_checks.scan` reads a slice at a time (d never whole-run): slices cutting requests anywhere find
+    each request's first moved sure token as one pass over every row does."""
+    from lpf.analysis import answer_checks
+
+    rng = np.random.default_rng(2)
+    n = 600
+    ids = pa.chunked_array([pa.array([f"r{i // 40}" for i in range(n)])])
+    pos = np.tile(np.arange(40, dtype=np.int32), n // 40)
+    ref = np.log(rng.choice([0.9999, 0.95, 0.5], n))
+    eng = ref + rng.choice([0.0, -0.3, -1.0], n, p=[0.9, 0.05, 0.05])
+    whole = st.first_departures(ids, pos, eng - ref, ref, BF16, 2.0)
+    assert 3 < len(whole) < n // 40
+    for size in (7, 40, 1 << 20):
+        monkeypatch.setattr(answer_checks, "SLICE", size)
+        found = answer_checks.scan(None, ids, pos, eng, ref, BF16, 2.0)
+        assert found.sure == whole and found.tokens_checked == n, size
+
+
 def test_the_dtype_is_inferred_from_the_errors_only_with_enough_unsure_tokens():
     rows = {
         "float32/float32": (F32, ""),

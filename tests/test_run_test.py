@@ -417,6 +417,32 @@ def test_topk_alignment_matches_a_brute_force_match():
             assert (np.isnan(got[i, j]) and not hit) or got[i, j] == hit[0]
 
 
+def test_a_one_id_reference_list_spreads_as_the_general_path():
+    """A reference top-1 (at most one shared id) takes a shortcut: the same values and dtypes as the general
+    path gives the same lists padded with an id it cannot share."""
+    rng = np.random.default_rng(4)
+    n = 200
+    ref_ids = rng.integers(0, 5, (n, 1)).astype(np.int32)
+    ref_ids[::9] = -1  # an empty list
+    ref_lp = -np.abs(rng.normal(1, 1, (n, 1))).astype(np.float32)
+    for k in (1, 3):
+        eng_ids = rng.integers(0, 5, (n, k)).astype(np.int32)
+        eng_lp = -np.abs(rng.normal(1, 1, (n, k))).astype(np.float32)
+        for details in (False, True):
+            got = ev.topk_spread(eng_ids, eng_lp, ref_ids, ref_lp, details=details)
+            want = ev.topk_spread(
+                eng_ids,
+                eng_lp,
+                np.c_[ref_ids, np.full(n, -1, np.int32)],
+                np.c_[ref_lp, np.full(n, -np.inf, np.float32)],
+                details,
+            )
+            assert got.keys() == want.keys() and 0 < got["shared"].sum() < n
+            for key in got:  # the margin: NaN at width one, as float64 (width two computes it in float32)
+                dtype = np.float64 if key == "margin" else want[key].dtype
+                assert got[key].dtype == dtype and np.array_equal(got[key], want[key], equal_nan=True), key
+
+
 def test_a_huge_run_is_tested_on_every_kth_token(table, monkeypatch):
     monkeypatch.setattr(rt, "MAX_TOKENS", 500)
     _, f = run(synthetic_run(sigma=0.08, seed=4), table)

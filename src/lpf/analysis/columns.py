@@ -53,7 +53,8 @@ def same_rows(a, b) -> bool:
     )
 
 
-BLOCK = 1 << 20
+# rows: a block's temporaries stay in the core's cache (1 << 20 took 3x the time to find departing rows)
+BLOCK = 1 << 16
 
 
 def falls(pos: np.ndarray) -> np.ndarray:

@@ -58,6 +58,7 @@ statement `scoring.metric_summary` is tested against).
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -148,49 +149,72 @@ def analyze(
     elif own is not None:  # mixed: each row judged at its request's own settings
         greedy, temperature = own.rows(ids, starts, joined.num_rows)
         sampling, greedy_ids = request_sampling.MIXED_SAMPLING, own.greedy_ids
-    per, flips, same = score_requests(cols, starts, greedy, th, temperature)
-    record(ran, "thresholds", "scoring")
-    mixed = np.ndim(greedy) > 0
-    if mixed:  # the run-level steps below take the run's settings: mixed runs are none of greedy / one temperature
-        temperature = request_sampling.MIXED_TEMPERATURE
-    summary = apply_inconsistency(summarize_requests(None, requests, th, per=(ids, per)), requests)
-    record(ran, "verdicts", "answer_checks")
-    with np.errstate(invalid="ignore"):
-        d = np.subtract(cols["engine_logprob"], cols["ref_logprob"])
-    found = answer_checks.scan(
-        tokens, joined.column("request_id"), cols["position"], d, cols["ref_logprob"], expected, th.divergent_abs_diff
-    )
-    del d
-    summary, answer_blocks = answer_checks.apply(summary, found)
-    test = None
-    record(ran, "run_test", "localized")
-    if expected:
-        test = run_level_test(joined, tokens, reference, requests, expected, sampling, cols=cal_cols, starts=starts)
-        summary = _localized(summary, test, cal_cols, expected, sampling, joined, tokens, reference, requests, starts)
-    inputs = _InMemory(joined, tokens, reference, requests, trace, th)
-    run = Run(
-        requests,
-        trace,
-        engine_info,
-        th,
-        calib,
-        greedy,
-        temperature,
-        sampling,
-        expected,
-        reference.column_names,
-        greedy_ids,
-    )
-    summary, findings = conclude_run(
-        run,
-        summary,
-        test,
-        lambda: metric_summary(cols, flips, same),
-        joined.num_rows,
-        inputs,
-        ran=ran,
-        answer_blocks=answer_blocks,
-    )
+    with ThreadPoolExecutor(1, thread_name_prefix="lpf-steps") as pool:
+        # the steps that read every token but no verdict, on a second core while this one scores: the answer
+        # checks, the run-level test, the logprob-temperature fit (each a pure function of what it is handed, so
+        # its result is the one it gives in line; the steps are recorded in their order below)
+        found = pool.submit(
+            answer_checks.scan,
+            tokens,
+            joined.column("request_id"),
+            cols["position"],
+            cols["engine_logprob"],
+            cols["ref_logprob"],
+            expected,
+            th.divergent_abs_diff,
+        )
+        tested = (
+            pool.submit(
+                run_level_test, joined, tokens, reference, requests, expected, sampling, cols=cal_cols, starts=starts
+            )
+            if expected
+            else None
+        )
+        fitted = (
+            pool.submit(fit_logprob_temperature, joined, reference, th)
+            if "ref_topk_logprobs" in reference.column_names
+            else None
+        )
+        per, flips, same = score_requests(cols, starts, greedy, th, temperature)
+        record(ran, "thresholds", "scoring")
+        mixed = np.ndim(greedy) > 0
+        if mixed:  # the run-level steps below take the run's settings: mixed runs are none of greedy / one temperature
+            temperature = request_sampling.MIXED_TEMPERATURE
+        summary = apply_inconsistency(summarize_requests(None, requests, th, per=(ids, per), distinct=True), requests)
+        metrics = metric_summary(cols, flips, same)  # asked last below; made here while the steps above run
+        record(ran, "verdicts", "answer_checks")
+        summary, answer_blocks = answer_checks.apply(summary, found.result())
+        test = None
+        record(ran, "run_test", "localized")
+        if expected:
+            test = tested.result()
+            summary = _localized(
+                summary, test, cal_cols, expected, sampling, joined, tokens, reference, requests, starts
+            )
+        inputs = _InMemory(joined, tokens, reference, requests, trace, th, fitted)
+        run = Run(
+            requests,
+            trace,
+            engine_info,
+            th,
+            calib,
+            greedy,
+            temperature,
+            sampling,
+            expected,
+            reference.column_names,
+            greedy_ids,
+        )
+        summary, findings = conclude_run(
+            run,
+            summary,
+            test,
+            lambda: metrics,
+            joined.num_rows,
+            inputs,
+            ran=ran,
+            answer_blocks=answer_blocks,
+        )
     return with_prompt(summary, findings, prompt_tokens, prompt_reference, requests, th, trace, chunk_budget, ran)
 
 
@@ -320,9 +344,10 @@ def conclude_run(
 
 
 class _InMemory:
-    """`Inputs` from the whole tables (`joined`: `metrics.join_grouped`'s)."""
+    """`Inputs` from the whole tables (`joined`: `metrics.join_grouped`'s); `fitted`: the logprob-temperature
+    fit of these tables when a thread is already making it (a future), else None."""
 
-    def __init__(self, joined, tokens, reference, requests, trace, th):
+    def __init__(self, joined, tokens, reference, requests, trace, th, fitted=None):
         self.joined, self.tokens, self.reference, self.requests, self.trace, self.th = (
             joined,
             tokens,
@@ -331,6 +356,7 @@ class _InMemory:
             trace,
             th,
         )
+        self.fitted = fitted
 
     def decisions(self, run, slack):
         return decision_test(self.tokens, self.reference, self.requests, self.trace, run.sampling, slack, DEFAULT_ALPHA)
@@ -342,6 +368,8 @@ class _InMemory:
         return _fit_penalty(self.tokens, self.reference, self.requests, tie, True, greedy_ids)
 
     def logprob_temperature(self):
+        if self.fitted is not None:
+            return self.fitted.result()
         return fit_logprob_temperature(self.joined, self.reference, self.th)
 
     def crossed(self, run):

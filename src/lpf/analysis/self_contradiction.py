@@ -30,6 +30,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
+from lpf.analysis.columns import one_array
 from lpf.analysis.raising import raise_divergent
 
 # an answer's own numbers agree to their printing's rounding (float32 logprobs, 6-digit probabilities:
@@ -84,11 +85,14 @@ def _topk_matrix(tokens: pa.Table, n: int):
     """(ids [n, k], logprobs [n, k], lens [n]) of the engine's top-k lists, padded (id -1, logprob -inf) where a
     list is shorter; for the common uniform lists views of the flattened values (no copy). None without lists,
     or with lists whose ids and logprobs do not pair up (the adapter says so elsewhere)."""
-    ids_col = tokens.column("engine_topk_ids").combine_chunks()
-    lp_col = tokens.column("engine_topk_logprobs").combine_chunks()
-    offsets = ids_col.offsets.to_numpy()
-    if not np.array_equal(offsets - offsets[0], lp_col.offsets.to_numpy() - lp_col.offsets.to_numpy()[0]):
+    ids_col = one_array(tokens.column("engine_topk_ids"))  # a slice's one chunk as it is (no copy)
+    lp_col = one_array(tokens.column("engine_topk_logprobs"))
+    offsets, lp_offsets = ids_col.offsets.to_numpy(), lp_col.offsets.to_numpy()
+    if offsets[0] != lp_offsets[0]:
+        offsets, lp_offsets = offsets - offsets[0], lp_offsets - lp_offsets[0]
+    if not np.array_equal(offsets, lp_offsets):
         return None
+    offsets = ids_col.offsets.to_numpy()
     lens = np.diff(offsets)
     if ids_col.null_count:
         lens = np.where(ids_col.is_null().to_numpy(zero_copy_only=False), 0, lens)

@@ -20,12 +20,11 @@ Contract (pure; tables in, an Arrow array of request ids out):
 
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from lpf.analysis import temperature_grid as grid
 from lpf.analysis.columns import BLOCK, one_array, same_rows
 from lpf.analysis.thresholds import Thresholds
 
@@ -132,47 +131,6 @@ def _tempered(t: pa.Table, temperature: float) -> np.ndarray:
     return raw - np.where(outside, np.logaddexp(lse, raw), lse)
 
 
-def _tempered_errors(t: pa.Table, eng: np.ndarray, grid: np.ndarray) -> np.ndarray:
-    """`_grid_errors` over `grid`, its two halves on two threads (each temperature's error is its own;
-    numpy's loops release the GIL)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(2, thread_name_prefix="lpf-temperature") as pool:
-        return np.concatenate(list(pool.map(lambda temps: _grid_errors(t, eng, temps), np.array_split(grid, 2))))
-
-
-def _grid_errors(t: pa.Table, eng: np.ndarray, temps: np.ndarray) -> np.ndarray:
-    """nanmedian |eng - `_tempered(t, T)`| for each T of `temps`, bit for bit, with what does not depend on T
-    read once: a list's max (min) of values / T is its max (min) / T (correctly rounded division by T > 0
-    keeps the order), each list's sum of exponentials is `_lse_over_lists`' 1-D `reduceat`, and the
-    (slow, scalar) logaddexp runs only on the tokens outside the top-k."""
-    arr = one_array(t.column("ref_topk_logprobs"))
-    offsets = arr.offsets.to_numpy().astype(np.int64)
-    o = offsets - offsets[0]
-    v0 = arr.values.to_numpy(zero_copy_only=False)[offsets[0] : offsets[-1]].astype(np.float64)
-    ne = o[1:] > o[:-1]
-    st, lens = o[:-1][ne], (o[1:] - o[:-1])[ne]
-    raw0 = t.column("ref_logprob").to_numpy()
-    lse, mn = np.full(len(arr), np.nan), np.full(len(arr), np.nan)
-    if v0.size:
-        mx0, mn0 = np.maximum.reduceat(v0, st), np.minimum.reduceat(v0, st)
-    errors = np.empty(temps.size)
-    # errstate is per thread (the caller's filter of RuntimeWarnings is the process's: positions without a
-    # top-k, NaN, are left out of the median)
-    with np.errstate(invalid="ignore"):
-        for i, temperature in enumerate(temps):
-            if v0.size:
-                mx = mx0 / temperature
-                lse[ne] = mx + np.log(np.add.reduceat(np.exp(v0 / temperature - np.repeat(mx, lens)), st))
-                mn[ne] = mn0 / temperature
-            raw = raw0 / temperature
-            outside = np.flatnonzero(~(raw >= mn - 1e-4))
-            z = lse.copy()
-            z[outside] = np.logaddexp(lse[outside], raw[outside])
-            errors[i] = np.nanmedian(np.abs(eng - (raw - z)))
-    return errors
-
-
 def _departing(eng: np.ndarray, raw: np.ndarray, limit: float) -> np.ndarray:
     """The rows where |eng - raw| > limit, a block at a time (whole-run float temporaries are 160 MB each at
     20M rows)."""
@@ -210,16 +168,21 @@ def fit_logprob_temperature(tok: pa.Table, reference: pa.Table, th: Thresholds) 
         t = t.join(rows, ["request_id", "position"])
     if t.num_rows < MIN_TEMPERED_TOKENS:
         return None
-    t = t.append_column("ref_topk_logprobs", ref.column("ref_topk_logprobs").take(t.column("_row")))
-    eng = t.column("engine_logprob").to_numpy()
-    with np.errstate(invalid="ignore"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # positions without a top-k: NaN, left out
-        errors = _tempered_errors(t, eng, TEMPERATURE_GRID)
+    eng, raw = t.column("engine_logprob").to_numpy(), t.column("ref_logprob").to_numpy()
+    raw_error = float(grid.nanmedian(np.abs(eng - raw)))
+    topk = grid.TopK(ref.column("ref_topk_logprobs").take(t.column("_row")))
+    # only the temperatures whose error can be under the limit are computed (`temperature_grid`: the others'
+    # are at least the limit, bit for bit, so neither the best nor a fit can be among them)
+    errors = np.full(TEMPERATURE_GRID.size, np.inf)
+    # positions without a top-k: NaN, left out (numpy's error state only: this may run on a thread of its own,
+    # where the process-wide warning filters are not this function's to change)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        check = np.flatnonzero(~grid.at_least(topk, raw, eng, TEMPERATURE_GRID, 0.1 * raw_error))
+        errors[check] = grid.errors(topk, raw, eng, TEMPERATURE_GRID[check])
     if not np.isfinite(errors).any():
         return None
     best = int(np.nanargmin(errors))
     value, error = float(TEMPERATURE_GRID[best]), float(errors[best])
-    raw_error = float(np.nanmedian(np.abs(eng - t.column("ref_logprob").to_numpy())))
     if abs(value - 1.0) <= 0.02 or not error < 0.1 * raw_error:
         return None
     return {

@@ -216,11 +216,9 @@ class StreamedAnalysis:
         cols["position"] = joined.column("position").to_numpy()
         per, flips, same = score_requests(cols, starts, self.greedy, self.th, self.temperature)
         out = {"rows": tokens.num_rows, "ids": heads, "per": per, "flips": flips, "same": same}
-        with np.errstate(invalid="ignore"):
-            d = np.subtract(cols["engine_logprob"], cols["ref_logprob"])
         out["answers"] = answer_checks.scan(
-            tokens, joined.column("request_id"), cols["position"], d, cols["ref_logprob"], self.expected,
-            self.th.divergent_abs_diff,
+            tokens, joined.column("request_id"), cols["position"], cols["engine_logprob"], cols["ref_logprob"],
+            self.expected, self.th.divergent_abs_diff,
         )  # fmt: skip
         out["missed"] = None
         if self.trace is not None and self.trace.num_rows:

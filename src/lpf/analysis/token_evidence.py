@@ -6,7 +6,8 @@ Contract (pure: Arrow tables and numpy arrays in, numpy arrays and dicts out):
       position), top-k lists as [n, k] matrices (`list_matrix`; ids -1 and logprobs -inf where a
       list is short), `order` the row of `joined` each comes from. `every`: only every k-th token
       in arrival order (what the run-level test reads of a huge run), the others never gathered;
-      `starts`: `joined`'s request starts, when the caller has them. `no_logprob` (only when one of
+      `starts`: `joined`'s request starts when the caller has them (`metrics.join_grouped`'s: each
+      request one segment). `no_logprob` (only when one of
       those tokens came back without a logprob: `absent.mask`) tells such a token from a NaN value.
   sensitivity(...)   s per token: sqrt((1 - p_t)^2 + sum_{j != t} p_j^2) over the reference's top-k,
                      how far one nat of logit error moves the token's logprob.
@@ -192,10 +193,15 @@ def _arrival_rows(joined: pa.Table, requests: pa.Table, every: int, starts: np.n
     if n < 2:
         return None if every == 1 or n == 0 else slice(0, n, every)
     ids = joined.column("request_id")
-    starts = segment_starts(ids) if starts is None else starts
+    given, starts = starts is not None, segment_starts(ids) if starts is None else starts
     pos = joined.column("position").to_numpy()
-    seq_of = pc.index_in(ids.take(pa.array(starts)), value_set=requests.column("request_id").combine_chunks())
-    seq = requests.column("seq").to_numpy()[seq_of.fill_null(0).to_numpy(zero_copy_only=False)]
+    heads, req_ids = ids.take(pa.array(starts)), requests.column("request_id")
+    if given and len(heads) == len(req_ids) and heads.equals(req_ids):
+        # `join_grouped`'s requests are each one segment: distinct ids, here the requests' own in their order
+        seq_of = np.arange(len(heads))
+    else:
+        seq_of = pc.index_in(heads, value_set=req_ids.combine_chunks()).fill_null(0).to_numpy(zero_copy_only=False)
+    seq = requests.column("seq").to_numpy()[seq_of]
     rising = within(falls(pos), starts[1:] - 1)  # positions rise within each request
     by_value = np.sort(seq)
     if not rising or not bool(np.all(by_value[1:] != by_value[:-1])):
@@ -314,6 +320,11 @@ def topk_spread(eng_ids, eng_lp, ref_ids, ref_lp, details: bool = True) -> dict:
     e = _aligned_topk(eng_ids, eng_lp, ref_ids)
     rl = ref_lp.astype(np.float32)
     x = e - rl  # NaN where the engine lacks the id (or the reference's list is short)
+    if x.shape[1] == 1:  # one reference id: at most one shared, no spread, KL or margin (the lines below' NaNs)
+        out = {"w": np.full(len(e), np.nan), "shared": (~np.isnan(x[:, 0])).astype(np.int64)}
+        if details:
+            out.update(kl=np.full(len(e), np.nan, np.float32), margin=np.full(len(e), np.nan))
+        return out
     has = ~np.isnan(x)
     np.copyto(x, 0.0, where=~has)
     ones = np.ones(x.shape[1], dtype=np.float32)  # row sums as a matrix-vector product: numpy's

@@ -164,16 +164,28 @@ def without_lp(out: dict, worst: np.ndarray, ad_sum: np.ndarray) -> None:
 
 
 def summarize_requests(
-    metrics: pa.Table, requests: pa.Table, th: Thresholds, starts: np.ndarray | None = None, per: tuple | None = None
+    metrics: pa.Table,
+    requests: pa.Table,
+    th: Thresholds,
+    starts: np.ndarray | None = None,
+    per: tuple | None = None,
+    distinct: bool = False,
 ) -> pa.Table:
-    """`per`: the `per_request` result when the caller already has it (computed in chunks)."""
+    """`per`: the `per_request` result when the caller already has it (computed in chunks); `distinct`: the
+    caller knows `per`'s ids are distinct (`metrics.join_grouped`'s requests are each one segment)."""
     seg_ids, by_id = per if per is not None else per_request(metrics, th, starts)
 
     # Align to every request of the run, in arrival order.
     req = by_arrival(requests)
-    found = pc.index_in(req.column("request_id"), value_set=seg_ids)
-    has = found.is_valid().to_numpy(zero_copy_only=False)
-    at = found.fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)
+    ids = req.column("request_id")
+    segs = seg_ids if isinstance(seg_ids, pa.ChunkedArray) else pa.chunked_array([seg_ids], seg_ids.type)
+    if distinct and len(ids) == len(seg_ids) and ids.equals(segs):
+        # the same distinct ids in the same order: each request's segment is its own row (no hashing)
+        has, at = np.ones(len(ids), bool), np.arange(len(ids), dtype=np.int64)
+    else:
+        found = pc.index_in(ids, value_set=seg_ids)
+        has = found.is_valid().to_numpy(zero_copy_only=False)
+        at = found.fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)
 
     def take(values, fill):
         values = np.asarray(values)
