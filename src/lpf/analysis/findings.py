@@ -277,6 +277,7 @@ class Inputs(Protocol):
     def logprob_temperature(self) -> dict | None: ...
     def crossed(self, run: Run) -> pa.Array | None: ...
     def prefix_cache(self, run: Run) -> dict | None: ...
+    def outputs(self, run: Run, keep: np.ndarray) -> pa.Table: ...
 
 
 def conclude_run(
@@ -338,6 +339,7 @@ def conclude_run(
         server,
         ran,
         prefix=lambda: inputs.prefix_cache(run),
+        outputs=lambda keep: inputs.outputs(run, keep),
     )
     findings["metrics"] = metrics()  # at its place in the body (findings_dict put the key there)
     return summary, findings
@@ -378,6 +380,9 @@ class _InMemory:
     def prefix_cache(self, run):
         return prefix_cache_summary(self.requests, self.trace, run.engine_info)
 
+    def outputs(self, run, keep):
+        return self.requests
+
 
 def conclude(
     findings: dict,
@@ -392,6 +397,7 @@ def conclude(
     server: dict | None = None,
     ran: Ran | None = None,
     prefix=None,
+    outputs=None,
 ) -> dict:
     """The request-level steps after scoring, shared by the in-memory and the streamed analysis
     (`lpf.analysis.stream`): the run-level test's verdict (`test`, or None), the failure's shape,
@@ -432,6 +438,7 @@ def conclude(
         found.get("penalty"),
         test,
         shape,
+        outputs,
     )
     findings["evidence"] = evidence(requests, summary)
     findings["prefix_cache"] = prefix() if prefix is not None else prefix_cache_summary(requests, trace, engine_info)
@@ -512,12 +519,14 @@ def _hypotheses(
     penalty=None,
     test=None,
     shape=None,
+    outputs=None,
 ) -> tuple:
     """(ranked hypotheses, findings' `mechanisms` block); each of `flagged_rows` (findings' `flagged`)
     gains its `mechanism` (`lpf.analysis.mechanisms`; `mechanisms.run_level` when the run-level `test` finds
     the whole run departs). `penalty`: a fitted server penalty, ranked as a signature (the requests with a
     flip it explains). The flagged requests' positional onset and collapse (`onset_features`) are signatures
-    too; a positional onset found goes into `shape` as `absolute_onset`."""
+    too; a positional onset found goes into `shape` as `absolute_onset`. `outputs(keep)`: `requests` with the output
+    token ids of the requests at `keep` at least (the streamed execution's requests hold their lengths only)."""
     enc = pc.dictionary_encode(summary.column("verdict").combine_chunks())  # a few names, one code per request
     names, code = enc.dictionary.to_pylist(), enc.indices.to_numpy(zero_copy_only=False)
 
@@ -553,7 +562,8 @@ def _hypotheses(
             )
         )
     if flagged_rows:  # divergent or corrupt requests: where they departed and what they degenerated to
-        kv_sigs, onset = onset_features(summary, requests, flagged, engine_info)
+        with_ids = outputs(flagged) if outputs is not None else requests
+        kv_sigs, onset = onset_features(summary, with_ids, flagged, engine_info)
         sigs = kv_sigs + sigs  # first: a property of the flagged tokens themselves, ahead of a fitted server setting
         if onset is not None and shape is not None:
             shape["absolute_onset"] = onset

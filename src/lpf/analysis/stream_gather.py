@@ -19,7 +19,8 @@ caller's `store`, with `add(name, table)` and `pieces(name)` -> the tables added
   `findings.analyze`'s results on the whole tables: each step's function called on exactly the rows
   it reads of them (`token_ids(keep)`: the requests table with the token-id lists of the requests at
   `keep` and empty lists elsewhere, the same rows in the same order: the penalty's context; with a
-  list of columns, those lists only: the prefix cache's block reads every prompt's ids).
+  list of columns, those lists only: the prefix cache's block reads every prompt's ids; `outputs(run, keep)`:
+  the flagged requests' output ids, which the collapse signature reads).
   The tempered signature (at the run's or the fitted temperature) counts, per request, tokens that
   depart from the raw logprob: the departing rows are all it reads.
 """
@@ -203,6 +204,17 @@ class Gathered:
         ids = self.token_ids(np.ones(run.requests.num_rows, bool), ["prompt_token_ids"]).column("prompt_token_ids")
         at = run.requests.schema.get_field_index("prompt_token_ids")
         return prefix_cache_summary(run.requests.set_column(at, "prompt_token_ids", ids), run.trace, run.engine_info)
+
+    def outputs(self, run, keep):
+        """The requests with the output token ids of those at `keep` (a mask in `summary`'s order: by arrival)."""
+        if self.token_ids is None:
+            return run.requests
+        rows = np.argsort(run.requests.column("seq").to_numpy(), kind="stable")  # arrival i is row rows[i]
+        mask = np.zeros(run.requests.num_rows, bool)
+        mask[rows[np.asarray(keep, bool)]] = True
+        ids = self.token_ids(mask, ["output_token_ids"]).column("output_token_ids")
+        at = run.requests.schema.get_field_index("output_token_ids")
+        return run.requests.set_column(at, "output_token_ids", ids)
 
     def crossed(self, run):
         if run.trace is None or not run.trace.num_rows:
