@@ -113,10 +113,13 @@ def test_conformance_on_the_builtin_engine_writes_the_matrix(lpf_cli, tmp_path):
     cells = {(c["architecture"], c["cell"]): c for c in doc["cells"]}
     assert set(cells) == {
         (a, c)
-        for a in ("GraniteMoeHybridForCausalLM", "JambaForCausalLM", "Qwen3_5ForCausalLM")
+        for a in ("GraniteMoeHybridForCausalLM", "JambaForCausalLM", "Qwen3_5ForCausalLM", "KimiLinearForCausalLM")
         for c in ("fp32", "fp32-chunk16")
     }
     for c in cells.values():
+        if c["architecture"] == "KimiLinearForCausalLM":  # its recipe has MLA layers: refused in one line, kept
+            assert c["status"] == "refused" and "MLA" in c["error"], c
+            continue
         assert c["status"] == "ok" and c["verdict"] == "clean" and c["prompt_verdict"] == "clean", c
         assert c["max_abs_prompt"] < 1e-3 and (out / c["link"]).is_file()
     not_audited = {a["architecture"]: a for a in doc["architectures"] if a["status"] != "audit"}
