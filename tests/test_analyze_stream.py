@@ -95,6 +95,7 @@ def test_drill_run_streamed_is_byte_identical(swap_run, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("shuffle", [False, True], ids=["zip", "ranges"])
+@pytest.mark.slow  # a few seconds: out of make test-fast's 90 s (it runs in make test)
 def test_synthetic_run_in_many_parts(tmp_path, monkeypatch, shuffle):
     """60k tokens in parts of 2,000 tokens (reference parts reversed when shuffled), chunks of 777
     rows (cutting through requests' neighbourhoods), sampled at temperature 0.7 with top-5 lists,
@@ -269,6 +270,7 @@ def test_sampled_drill_with_tempered_logprobs_is_byte_identical(tmp_path, monkey
 
 
 @pytest.mark.parametrize("shuffle", [False, True], ids=["one-pass", "ranges"])
+@pytest.mark.slow  # a few seconds: out of make test-fast's 90 s (it runs in make test)
 def test_parallel_chunks_give_the_serial_findings(tmp_path, monkeypatch, shuffle):
     """Chunks scored on threads (`stream_parts.WORKERS`, here 3: more than one chunk in flight) and
     added in order give the serial path's findings.json and summary byte for byte, and the in-memory

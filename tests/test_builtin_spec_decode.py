@@ -166,6 +166,7 @@ def test_greedy_rejection_sampler_keeps_the_argmax_prefix():
     assert verify_tokens(z, _request([2, 2], 0, temperature=0.0)) == ([1], 0)
 
 
+@pytest.mark.slow  # a few seconds: out of make test-fast's 90 s (it runs in make test)
 def test_sampled_speculation_keeps_the_plain_engines_distribution():
     # one copy prompt (drafts from the prompt are accepted often, not always) sampled 240 times each way
     items = [{"id": "copy", "prompt": "C:AB3AB3AB3AB=", "expected": "AB3AB3AB3AB"}]

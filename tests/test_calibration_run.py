@@ -104,6 +104,7 @@ def test_bf16_engine_calibration_run(prompts, tmp_path, lpf_cli):
     assert lied["counts"]["clean"] == 0  # the lie itself is still seen: every request is off by 3 nats
 
 
+@pytest.mark.slow  # a few seconds: out of make test-fast's 90 s (it runs in make test)
 def test_float32_engine_keeps_defaults(prompts, tmp_path, lpf_cli):
     """(3) float32 engine: the calibration run would be the reference itself; floor 0, defaults."""
     run = tmp_path / "f32"

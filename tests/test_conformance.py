@@ -135,6 +135,7 @@ def test_conformance_on_the_builtin_engine_writes_the_matrix(lpf_cli, tmp_path):
     assert r.code == 2 and "different conformance run" in r.err
 
 
+@pytest.mark.slow  # a few seconds: out of make test-fast's 90 s (it runs in make test)
 def test_a_cell_the_engine_cannot_run_is_reported_not_dropped(lpf_cli, tmp_path, monkeypatch):
     """The built-in engine has every knob of the shipped grid now (prefix caching included): a cell with
     a vLLM-only knob stands in for one it cannot run."""

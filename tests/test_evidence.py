@@ -18,6 +18,7 @@ import time
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
 from conftest import write_prompts
 from scripted_http import Reply, ScriptedServer, free_port
@@ -34,6 +35,7 @@ DEAD = {
 LONG = 60  # the poison prompt's length; the others have 3 tokens
 
 
+@pytest.mark.slow  # a few seconds: out of make test-fast's 90 s (it runs in make test)
 def test_a_dying_server_names_the_requests_in_flight_and_keeps_what_it_said(lpf_cli, tmp_path):
     dead = threading.Event()
 

@@ -208,6 +208,7 @@ rl_rows = st.fixed_dictionaries(
 
 @FAST
 @given(rows=st.lists(rl_rows | json_values, max_size=6), garbage=st.binary(max_size=64), as_parquet=st.booleans())
+@pytest.mark.slow  # a few seconds: out of make test-fast's 90 s (it runs in make test)
 def test_the_rl_dump_reader_never_crashes(rows, garbage, as_parquet):
     from lpf.rl.formats import read_dump
 

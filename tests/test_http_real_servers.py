@@ -18,6 +18,7 @@ import re
 import uuid
 
 import pyarrow.parquet as pq
+import pytest
 
 from conftest import write_prompts
 from scripted_http import Reply, ScriptedServer
@@ -99,6 +100,7 @@ def uuid_only(server, path, body, attempt) -> Reply:
     return Reply(200, _answer(body))
 
 
+@pytest.mark.slow  # a few seconds: out of make test-fast's 90 s (it runs in make test)
 def test_a_server_that_takes_only_uuid_request_ids(lpf_cli, tmp_path):
     prompts = _prompts(tmp_path)
     with ScriptedServer(uuid_only) as server:
@@ -149,6 +151,7 @@ def refuses_token_ids(server, path, body, attempt) -> Reply:
     return Reply(200, _answer(body))
 
 
+@pytest.mark.slow  # a few seconds: out of make test-fast's 90 s (it runs in make test)
 def test_a_server_that_refuses_token_id_prompts_with_a_500(lpf_cli, tmp_path):
     prompts = _prompts(tmp_path)
     with ScriptedServer(refuses_token_ids) as server:

@@ -227,6 +227,7 @@ def test_slot_context_follows_llama_context_padding():
 
 
 @needs_llamacpp
+@pytest.mark.slow  # a few seconds: out of make test-fast's 90 s (it runs in make test)
 def test_zoo_tokenizer_is_registered_under_the_hash_the_converter_computes():
     import ast
     import hashlib

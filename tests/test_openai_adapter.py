@@ -186,6 +186,7 @@ def _requests(out):
     return {r["request_id"]: r for r in pq.read_table(out / "requests").to_pylist()}
 
 
+@pytest.mark.slow  # a few seconds: out of make test-fast's 90 s (it runs in make test)
 def test_every_bad_answer_is_recorded_with_its_error_and_retries_are_bounded(lpf_cli, tmp_path, monkeypatch):
     monkeypatch.setenv("LPF_TEST_API_KEY", SECRET)
     out = tmp_path / "run"
@@ -359,6 +360,7 @@ def test_connection_refused_everywhere_exits_2_quickly(lpf_cli, tmp_path):
     assert time.monotonic() - t0 < 30
 
 
+@pytest.mark.slow  # a few seconds: out of make test-fast's 90 s (it runs in make test)
 def test_overall_deadline_ends_a_hung_server(lpf_cli, tmp_path):
     def hangs(server, path, body, attempt):
         return Reply(200, completion_body(body), delay=60)

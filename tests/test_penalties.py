@@ -88,6 +88,7 @@ def test_a_presence_penalty_is_told_from_a_repetition_penalty():
     assert abs(fit["value"] - 1.5) <= 0.1
 
 
+@pytest.mark.slow  # a few seconds: out of make test-fast's 90 s (it runs in make test)
 def test_a_penalty_is_told_from_a_noisier_dtypes_near_tie_flips():
     """The fit as findings calls it for a bfloat16 engine: its choices agree within the tie margin the dtype's
     floor expects (1.57 nats for zoo:hybrid), so flips that logit error makes are no penalty's (a real
