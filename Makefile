@@ -82,7 +82,7 @@ test: lint setup
 # Everything `make test` needs before pytest runs, each step reused while its stamp stands
 setup: $(STAMP) chromium prometheus $(VLLM_STAMP) $(VLLM_PLUGIN_STAMP) $(LLAMACPP_STAMP) $(LITELLM_STAMP)
 
-# The unit and small end-to-end tests (about 70 s here; issue 27: <= 90 s): everything not marked `slow`. Tests that
+# The unit and small end-to-end tests (90-106 s here on 2026-12-07: at or over its budget; issue 27: <= 90 s): everything not marked `slow`. Tests that
 # need vLLM are slow, so this needs no .venv-vllm.
 test-fast: lint $(STAMP) chromium
 	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q -m "not slow" $(PYTEST_PARALLEL) $(PYTEST_ARGS)
