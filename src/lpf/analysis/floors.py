@@ -169,6 +169,11 @@ def _honest(table: dict, pair: str, model: str | None) -> dict:
     return {c: float(v) for c, v in (row.get("honest") or {}).items() if c in COMPONENTS and v is not None}
 
 
+def _most_lenient(rows: dict[str, tuple[dict | None, str]]) -> str:
+    """Of `_row`'s answers by pair, the pair whose token floor is widest (what an unknown dtype is judged by)."""
+    return max(rows, key=lambda p: (rows[p][0] or {}).get("token", {}).get("q99") or 0.0)
+
+
 def _scaled(floor: dict | None, factor: float) -> dict | None:
     if floor is None:
         return None
@@ -295,7 +300,7 @@ def _server_floor(table, engine_dtype, reference_dtype, kind, model) -> dict | N
         if not known:
             return None
         rows = {p: _row(table, p, model) for p in known}
-        pair = max(known, key=lambda p: (rows[p][0] or {}).get("token", {}).get("q99") or 0.0)
+        pair = _most_lenient(rows)
         floor = envelope(rows[pair][0])
         floor.update(
             source="table",
@@ -417,7 +422,7 @@ def expected_floor(
                     "-E dtype=... to judge against another",
                 )
             else:
-                lenient = max(known, key=lambda p: (rows[p][0] or {}).get("token", {}).get("q99") or 0.0)
+                lenient = _most_lenient(rows)
                 floor = envelope(rows[lenient][0], same)
                 floor.update(
                     source="table",
