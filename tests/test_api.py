@@ -10,6 +10,7 @@ marked slow (20 s here at load 3, 55 s at load 13); the rest take ~6 s.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -158,6 +159,26 @@ def test_bad_settings_are_lpf_errors_before_anything_is_written(tmp_path):
     with pytest.raises(lpf.LpfError):
         lpf.Reference("tiny:no-such-model")
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    "reference, kw, said",
+    [
+        ("self", {}, "reference='self' re-scores on the audited server, and lpf.compare has outputs"),
+        ("http://127.0.0.1:1/v1", {}, "needs --reference-model NAME"),
+        ("http://127.0.0.1:1/v1", {"reference_model": "M"}, "give model= (the local copy of the served model"),
+        ("http://u:p@h:1/v1", {"reference_model": "M", "model": MODEL}, "--reference must not carry credentials"),
+        (MODEL, {"reference_model": "M"}, "--reference-model goes with --reference http(s)://... or self"),
+        (MODEL, {"model": MODEL}, "local_model (model=) goes with an http(s):// or vllm: reference"),
+        ("vllm:" + MODEL, {"reference_option": ["max_num_seqs=4"]}, "scores one sequence at a time unless"),
+    ],
+)
+def test_compare_takes_the_audits_reference_strings_and_refuses_what_cannot_apply(tmp_path, reference, kw, said):
+    """`lpf.compare`'s reference is built by the audit's rescore stage: its forms and its one-line refusals."""
+    outputs = [{"request_id": "a", "prompt_token_ids": [1, 2], "output_token_ids": [3], "logprobs": [-1.0]}]
+    with pytest.raises(lpf.LpfError, match=re.escape(said)) as e:
+        lpf.compare(outputs, reference=reference, out=tmp_path / "run", **kw)
+    assert "\n" not in str(e.value) and not (tmp_path / "run").exists()
 
 
 # -- lpf.compare on a real engine's outputs ----------------------------------------------------------------

@@ -5,6 +5,7 @@ Fast: the forms, the one-line refusals, the rank rule. Slow (real `lpf serve` ch
 together, tiny:jamba):
 - a stale-state server audited with a clean server as the `http://` reference flags the same requests as
   the same run rescored with the transformers reference, and the manifest's `reference` block says how;
+  `lpf.compare` and `lpf rl rescore` given the same `http://` reference score the same way;
   vLLM's `prompt_logprobs` field and OpenAI's `echo` give the same scores;
 - a 4-bit weight substitution audited with `--reference self`: never `same` (the run-level test is not
   applicable), the one-line limitation printed and in the findings, while the transformers reference sees
@@ -175,11 +176,68 @@ def test_a_trusted_deployment_flags_what_the_transformers_reference_flags(lpf_cl
     shutil.copytree(run, tmp_path / "by-transformers")
     by_model = _rescore(lpf_cli, tmp_path / "by-transformers", "--reference", MODEL)
     assert "reference_kind" not in by_model  # the default reference: findings as they always were
-    # what the server reference flags, transformers flags too; the transformers reference also has float32's
-    # expected floor (a server reference's dtype is not recorded: no floor is measured for an engine pair yet),
-    # so its sure-token and localized rules may flag a smaller victim more
-    assert _flagged(by_http) and _flagged(by_http) <= _flagged(by_model)
-    assert by_http["counts"]["corrupt"] == by_model["counts"]["corrupt"]
+    # the server said its dtype (/v1/models): judged with the measured float32/float32 ref=http floor, the
+    # same flagged set as the transformers reference's, and the run-level test sees the drill too
+    assert by_http["run_test"]["floor_pair"] == "float32/float32 ref=http"
+    assert _flagged(by_http) and _flagged(by_http) == _flagged(by_model)
+    assert by_http["counts"] == by_model["counts"]
+    assert by_http["run_test"]["result"] == by_model["run_test"]["result"] == "different"
+    _compare_and_rl_rescore_take_the_same_reference(lpf_cli, run, servers["clean"], by_http, tmp_path)
+
+
+def _compare_and_rl_rescore_take_the_same_reference(lpf_cli, run, url, by_http, tmp_path):
+    """`lpf.compare` and `lpf rl rescore` with the trusted deployment as `--reference`: the audit's construction,
+    so the same scores and (compare) the same flagged requests as the audit's."""
+    import pyarrow.parquet as pq
+
+    import lpf
+
+    req = {r["request_id"]: r for r in pq.read_table(run / "requests").to_pylist()}
+    tokens = {}
+    for t in sorted(pq.read_table(run / "tokens").to_pylist(), key=lambda t: t["position"]):
+        tokens.setdefault(t["request_id"], []).append(t)
+    outputs = [
+        {
+            "request_id": rid,
+            "prompt_token_ids": r["prompt_token_ids"],
+            "output_token_ids": r["output_token_ids"],
+            "logprobs": [t["engine_logprob"] for t in tokens[rid]],
+            "topk_ids": [t["engine_topk_ids"] for t in tokens[rid]],
+            "topk_logprobs": [t["engine_topk_logprobs"] for t in tokens[rid]],
+        }
+        for rid, r in sorted(req.items(), key=lambda kv: kv[1]["seq"])
+    ]
+    f = lpf.compare(
+        outputs, reference=url, reference_model=MODEL, model=MODEL, dtype="float32", out=tmp_path / "compare"
+    )
+    assert f.raw["reference_kind"] == "http"
+    found = json.loads((tmp_path / "compare" / "manifest.json").read_text())["reference"]
+    assert found["kind"] == "http" and found["url"] == url and found["cost"]["requests"] == 24
+    assert {r.request_id for r in f.flagged} == _flagged(by_http)
+
+    # the same responses as an RL dump: lpf rl rescore scores them on the same server, the same numbers
+    dump = tmp_path / "dump.jsonl"
+    lines = [
+        {
+            "step": 1,
+            "request_id": o["request_id"],
+            "prompt_token_ids": o["prompt_token_ids"],
+            "response_token_ids": o["output_token_ids"],
+            "rollout_logprobs": o["logprobs"],
+            "trainer_logprobs": o["logprobs"],
+        }
+        for o in outputs
+    ]
+    dump.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    r = lpf_cli("rl", "rescore", dump, "--reference", url, "--reference-model", MODEL, "--model", MODEL)
+    assert r.code == 0, r.err
+    got = pq.read_table(tmp_path / "dump.rl" / "reference.parquet").to_pylist()
+    ref = {(x["request_id"], x["position"]): x["ref_logprob"] for x in pq.read_table(run / "reference").to_pylist()}
+    assert len(got) == len(ref) == 192 and all(x["reference_sensitivity"] is None for x in got)
+    # 8 requests in flight each time, batched differently by the server: float32 rounding apart
+    assert max(abs(x["reference_logprob"] - ref[(x["request_id"], x["position"])]) for x in got) < 1e-4
+    r = lpf_cli("rl", "analyze", dump, "--json")
+    assert r.code in (0, 1) and "Traceback" not in r.err, r.err
 
 
 @pytest.mark.slow

@@ -194,6 +194,26 @@ def test_rescore_and_reference_errors_are_one_line(tmp_path, lpf_cli):
     assert r.code == 2 and "made for another dump" in r.err and "Traceback" not in r.err
 
 
+@pytest.mark.parametrize(
+    "args, said",
+    [
+        (["--reference", "self"], "--reference self re-scores on an audited server, and a dump has none"),
+        (["--reference", "http://127.0.0.1:1/v1"], "needs --reference-model NAME"),
+        (["--reference", "http://127.0.0.1:1/v1", "--reference-model", "M"], "needs --model (the local copy"),
+        (["--reference", "zoo:hybrid", "-R", "max_model_len=64"], "-R/--reference-option goes with --reference vllm:"),
+        (["--reference", "zoo:hybrid", "--model", "zoo:hybrid"], "--model goes with --reference http(s)://"),
+        (["--reference", "vllm:zoo:hybrid", "-R", "enable_prefix_caching=true"], "the vLLM reference configuration fixes"),
+    ],
+)
+def test_a_server_reference_that_cannot_apply_is_refused_in_one_line(tmp_path, lpf_cli, args, said):
+    """`lpf rl rescore` takes `lpf audit`'s reference strings, built and checked by the audit's own code."""
+    p = write_jsonl(tmp_path / "d.jsonl", [good(i, prompt_token_ids=[1, 2]) for i in range(3)])
+    r = lpf_cli("rl", "rescore", p, *args)
+    assert r.code == 2 and said in r.err, r.err
+    assert "Traceback" not in r.err and len(r.err.strip().splitlines()) == 1
+    assert not (tmp_path / "d.rl").exists()
+
+
 @pytest.mark.slow
 def test_simulate_into_a_directory_then_analyze_it_as_a_new_user_would(lpf_cli, tmp_path):
     out = tmp_path / "runs" / "wrap"

@@ -8,6 +8,13 @@ is the same with a reference loaded for the call, its `dtype` naming the engine'
 `engine_dtype=` nor the engine's description names one): `compare(outputs, reference=M, dtype="float32")`
 is judged against the float32/float32 floor, not the lenient floor of an engine of unknown dtype.
 
+The reference is any that `lpf audit --reference` takes except `self` (there is no server to ask: refused in
+one line): a model (transformers, loaded here), a trusted deployment `http(s)://HOST:PORT/v1` with
+`reference_model=` (its served name) and `model=` (`Reference(local_model=)`: the local copy of the served
+model, for its tokenizer), or `vllm:MODEL` with `reference_option=["KEY=VALUE"]` (vLLM's reference
+configuration). A server or vLLM reference scores the run through the audit's own rescore stage
+(`lpf.pipeline.rescore.rescore_run`: the same construction, the same checks, the same manifest block).
+
 What the analysis can say grows with what the test hands over: `trace` (a table of the run schema's trace
 columns, request ids as in the outputs, kept whole: the built-in engine's side table) or `trace_dir` (the lpf-vllm-trace
 plugin's directory of a vLLM run, `LPF_VLLM_TRACE_DIR`: its rows, and the drills' ground truth in
@@ -45,22 +52,65 @@ class Reference:
         token_budget: int = 16384,
         topk: int = DEFAULT_TOPK,
         runs_dir: Path | str | None = None,
+        *,
+        reference_model: str | None = None,
+        reference_concurrency: int | None = None,
+        reference_option: Sequence[str] = (),
+        local_model: str | None = None,
     ):
         """`runs_dir`: where `compare` puts a run directory when it is given no `out` (default: the system's
-        temporary directory)."""
+        temporary directory). `model` may also be a server or vLLM reference (module docstring), with
+        `reference_model`, `reference_concurrency`, `reference_option` and `local_model` as `lpf audit`'s
+        --reference-model, --reference-concurrency, -R and --model."""
         from lpf.core.model_specs import resolve_model
+        from lpf.pipeline.reference_http import reference_form
 
         if dtype not in DTYPES:
             raise LpfError(f"dtype={dtype!r}: choose from {', '.join(DTYPES)}")
         if topk < 1:
             raise LpfError(f"topk must be >= 1, got {topk}")
         self.spec, self.dtype, self.device, self.token_budget, self.topk = model, dtype, device, token_budget, topk
-        self.model = resolve_model(model)  # LpfError for a model that is not there
+        self.form = reference_form(model)
+        self.settings = None
+        if self.form == "self":
+            raise LpfError(
+                "reference='self' re-scores on the audited server, and lpf.compare has outputs, not a server: pass a "
+                "model, a trusted deployment http(s)://HOST:PORT/v1 (with reference_model=) or vllm:MODEL"
+            )
+        if self.form == "transformers":
+            from lpf.pipeline.reference_http import check_settings
+
+            if local_model is not None:
+                raise LpfError("local_model (model=) goes with an http(s):// or vllm: reference, not a transformers one")
+            check_settings(model, reference_model, reference_concurrency, "local", tuple(reference_option))
+        else:
+            from lpf.pipeline.rescore import RescoreSettings
+
+            self.settings = RescoreSettings(
+                reference=model,
+                dtype=dtype,
+                device=device,
+                token_budget=token_budget,
+                reference_model=reference_model,
+                reference_concurrency=reference_concurrency,
+                reference_option=tuple(reference_option),
+            )
+            self.settings.validate()  # the audit's one-line refusals, before anything is written
+            if self.form == "http" and local_model is None:
+                raise LpfError(
+                    f"reference={model!r}: give model= (the local copy of the served model: its tokenizer and ids)"
+                )
+            if local_model is None:  # vllm:MODEL: the model is local already
+                from lpf.pipeline.reference_vllm import parse_spec
+
+                local_model = parse_spec(model)
+        self.model = resolve_model(local_model or model)  # LpfError for a model that is not there
         self.runs_dir = None if runs_dir is None else Path(runs_dir)
         self._rescorer = None
 
     @property
     def rescorer(self):
+        """The loaded transformers rescorer (a transformers reference only)."""
         if self._rescorer is None:
             from lpf.pipeline.reference import Rescorer
 
@@ -115,8 +165,16 @@ class Reference:
             run.save_manifest()
             raise
 
+    def _vocab_size(self) -> int:
+        if self.settings is None:
+            return self.rescorer.vocab_size
+        import json
+
+        cfg = json.loads((self.model.path / "config.json").read_text())
+        return int((cfg.get("text_config") or cfg)["vocab_size"])
+
     def _check_tokens(self, records: list[Output]) -> None:
-        vocab = self.rescorer.vocab_size
+        vocab = self._vocab_size()
         for r in records:
             bad = next((t for t in (*r.prompt_token_ids, *r.output_token_ids) if not 0 <= t < vocab), None)
             if bad is not None:
@@ -126,6 +184,11 @@ class Reference:
                 )
 
     def _rescore(self, run, records: list[Output]) -> None:
+        if self.settings is not None:  # a server or vLLM: the audit's rescore stage
+            from lpf.pipeline.rescore import rescore_run
+
+            rescore_run(run, settings=self.settings)
+            return
         from lpf.pipeline.reference import ScoreItem
 
         rescorer = self.rescorer
@@ -147,6 +210,10 @@ def compare(
     reference_dtype: str | None = None,
     reference_device: str | None = None,
     token_budget: int = 16384,
+    model: str | None = None,
+    reference_model: str | None = None,
+    reference_concurrency: int | None = None,
+    reference_option: Sequence[str] = (),
     **kwargs,
 ) -> Findings:
     """`Reference(reference, dtype, device, token_budget).compare(outputs, rule=rule, **kwargs)`: the reference
@@ -154,7 +221,9 @@ def compare(
     `reference_dtype` / `reference_device` are `lpf audit`'s names for `dtype` / `device` (give one of each).
     The short `dtype` names the engine's dtype too unless `engine_dtype=` (or the engine description's
     `options.dtype`) says otherwise: the floor is that of the pair, never the lenient one of an engine of
-    unknown dtype; `reference_dtype` names the reference's alone."""
+    unknown dtype; `reference_dtype` names the reference's alone. A server or vLLM `reference` takes `model`
+    (the local copy of the served model), `reference_model`, `reference_concurrency` and `reference_option`
+    as `lpf audit` does (module docstring)."""
     for name, short, long in (("dtype", dtype, reference_dtype), ("device", device, reference_device)):
         if short is not None and long is not None:
             raise LpfError(f"give reference_{name} or {name}, not both")
@@ -164,9 +233,16 @@ def compare(
         kwargs["engine_dtype"] = dtype
     dtype = dtype or reference_dtype or "float32"
     device = device or reference_device or "cpu"
-    return Reference(reference, dtype=dtype, device=device, token_budget=token_budget).compare(
-        outputs, rule=rule, **kwargs
-    )
+    return Reference(
+        reference,
+        dtype=dtype,
+        device=device,
+        token_budget=token_budget,
+        reference_model=reference_model,
+        reference_concurrency=reference_concurrency,
+        reference_option=reference_option,
+        local_model=model,
+    ).compare(outputs, rule=rule, **kwargs)
 
 
 def finish(run, thresholds, attribution: bool = True, rule: str | None = None) -> Findings:

@@ -267,16 +267,16 @@ WHERE_HELP = (
 )
 
 
-def reference_options(f, where: bool = False):
+def reference_options(f, where: bool | str = False):
     """The reference rescorer: which model, its dtype and device, its batch budget (`lpf rescore`, `lpf rl rescore`);
-    `where`: --reference also takes a server (`rescore_options`: `lpf audit`, `lpf rescore`)."""
+    `where`: --reference also takes a server (`rescore_options`: `lpf audit`, `lpf rescore`), or that help text."""
     return _apply(
         f,
         [
             click.option(
                 "--reference",
                 default=None,
-                help=WHERE_HELP if where else "Reference model [default: the engine's model].",
+                help=where if isinstance(where, str) else WHERE_HELP if where else "Reference model [default: the engine's model].",
             ),
             click.option("--reference-dtype", default="float32", show_default=True),
             click.option(
@@ -297,10 +297,11 @@ def reference_options(f, where: bool = False):
     )
 
 
-def rescore_options(f):
-    """How a run is rescored: the reference options, the executor, and --calibrate."""
+def server_reference_options(f):
+    """A server or vLLM reference's settings: its served name, requests in flight, -R knobs (`lpf audit`,
+    `lpf rescore`, `lpf rl rescore`)."""
     return _apply(
-        reference_options(f, where=True),
+        f,
         [
             click.option(
                 "--reference-model",
@@ -323,6 +324,15 @@ def rescore_options(f):
                 help="--reference vllm:MODEL: a vLLM knob of the reference (tensor_parallel_size, batch_invariant, "
                 "max_num_seqs with batch_invariant, max_model_len, ...).",
             ),
+        ],
+    )
+
+
+def rescore_options(f):
+    """How a run is rescored: the reference options, the server reference's, the executor, and --calibrate."""
+    return _apply(
+        server_reference_options(reference_options(f, where=True)),
+        [
             click.option(
                 "--executor",
                 type=click.Choice(["local", "ray"]),

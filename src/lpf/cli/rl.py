@@ -24,6 +24,7 @@ from lpf.cli.common import (
     err,
     progress_bar,
     reference_options,
+    server_reference_options,
     write_report,
 )
 from lpf.cli.render_rl import print_rl_explain, print_rl_rescore, print_rl_simulate, print_rl_summary
@@ -150,10 +151,26 @@ def explain_cmd(dump, out_dir, fmt, strict, rollout_dtype, trainer_dtype, as_jso
         sys.exit(1)
 
 
+RL_WHERE = (
+    "Where the reference runs: the trainer's checkpoint (a template holding {step}: one per step), "
+    "http(s)://HOST:PORT/v1 (a trusted deployment of the same model) or vllm:MODEL [default: the model the dump names]."
+)
+
+
+def _rl_reference(f):
+    """`lpf rl rescore`'s reference options: `lpf rescore`'s, the server's and vLLM's included."""
+    return server_reference_options(reference_options(f, where=RL_WHERE))
+
+
 @rl.command("rescore")
 @click.argument("dump", type=click.Path(path_type=Path))
 @_dump_options
-@reference_options
+@_rl_reference
+@click.option(
+    "--model",
+    default=None,
+    help="--reference http(s)://...: the local copy of the served model (its tokenizer) [default: the dump's model].",
+)
 @click.option(
     "--lags",
     default=None,
@@ -180,12 +197,16 @@ def rescore_cmd(
     reference_dtype,
     reference_device,
     token_budget,
+    reference_model,
+    reference_concurrency,
+    reference_option,
+    model,
     lags,
     top_p,
     top_k,
     temperature,
 ):
-    """Score the dumped responses with the HF reference: the third opinion `lpf rl analyze` and `lpf rl explain`
+    """Score the dumped responses with the reference: the third opinion `lpf rl analyze` and `lpf rl explain`
     then read (RL directory/reference.parquet). --reference defaults to the model an `lpf rl simulate` dump
     names; a template holding {step} scores each step with its own checkpoint (and --lags with earlier ones,
     for stale weights). With the rollout's --top-p/--top-k, the reference's kept mass is stored too (for
@@ -196,7 +217,8 @@ def rescore_cmd(
     d = read_dump(dump, fmt, strict)
     sim = d.metadata or {}
     policy = sim.get("policy") or {}
-    reference = reference or policy.get("checkpoints") or (sim.get("spec") or {}).get("model")
+    named = (sim.get("spec") or {}).get("model")
+    reference = reference or policy.get("checkpoints") or named
     if not reference:
         raise LpfError("--reference is required: this dump does not name its model (give the policy's HF checkpoint)")
     lag_list = _parse_lags(lags) if lags is not None else ([0, 1] if policy.get("checkpoints") else [0])
@@ -206,6 +228,18 @@ def rescore_cmd(
             f"--lags {','.join(map(str, lag_list))} needs a reference per step: give --reference as a "
             f"template holding {{step}} (the policy's checkpoints, e.g. ckpt/step_{{step}})"
         )
+    from lpf.pipeline.reference_http import reference_form
+    from lpf.pipeline.rescore import RescoreSettings
+
+    server = RescoreSettings(
+        reference=reference,
+        dtype=reference_dtype,
+        reference_model=reference_model,
+        reference_concurrency=reference_concurrency,
+        reference_option=tuple(reference_option),
+    )
+    if reference_form(reference) == "http":
+        model = model or named  # the served model's local copy: the dump's own model unless given
     out_dir = out_dir or _default_out(dump)
     for lag in lag_list:
         with progress_bar("rescore " if not lag else f"lag {lag}  ", "tokens") as (on_start, tick):
@@ -219,6 +253,8 @@ def rescore_cmd(
                 device=reference_device,
                 sampling=sampling,
                 lag=lag,
+                server=server,
+                model=model,
             )
         path = write(out_dir, table, lag)
         print_rl_rescore(path, table.num_rows, d.responses.num_rows, reference, reference_dtype, err)

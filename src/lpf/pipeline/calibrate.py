@@ -16,12 +16,20 @@ from lpf.core.model_specs import resolve_model
 from lpf.run.store import RunDir
 
 
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+
+
 def engine_dtype(m: dict) -> str | None:
-    """The dtype the engine computed in: its manifest options, else its Options' default."""
+    """The dtype the engine computed in: its manifest options, else the float dtype its configuration records
+    (what a server said of itself, e.g. `lpf serve`'s /v1/models, or the user declared), else its Options'
+    default."""
     engine = m.get("engine") or {}
     opts = engine.get("options") or {}
     if opts.get("dtype"):
         return str(opts["dtype"])
+    said = ((engine.get("configuration") or {}).get("dtype") or {}).get("value")
+    if said in FLOAT_DTYPES:
+        return str(said)
     try:
         options = get_engine_class(engine.get("name", "")).Options
     except LpfError:

@@ -174,15 +174,7 @@ def _rescore(run: RunDir, s: RescoreSettings, redo: bool, on_start: OnStart, tic
         )
     topk = m["sampling"].get("logprobs", 5)
     if form != "transformers":
-        if form == "vllm":
-            from lpf.pipeline.reference_vllm import for_run as vllm_for_run
-
-            rescorer = vllm_for_run(m, spec, s.dtype, s.reference_option, topk)
-            _same_tokenizer(m, spec, rescorer.tokenizer_sha256())
-        else:
-            from lpf.pipeline.reference_http import for_run
-
-            rescorer = for_run(m, spec, s.reference_model, s.reference_concurrency, topk)
+        rescorer = prompt_reference(m, spec, s, topk)
         _start(run, redo, rescorer.describe())
         try:
             _score_local(run, rescorer, on_start, tick)
@@ -218,6 +210,22 @@ def _rescore(run: RunDir, s: RescoreSettings, redo: bool, on_start: OnStart, tic
         rescore_on_ray(run, pending, model, s, topk, tick)
         return
     _score_local(run, rescorer, on_start, tick)
+
+
+def prompt_reference(m: dict, spec: str, s: RescoreSettings, topk: int):
+    """The reference a server or vLLM scores (`self`, `http(s)://...`, `vllm:MODEL`; `s` validated) for the run
+    whose manifest is `m` (its model is the local copy: tokenizer and vocabulary; a self-reference reads the
+    audited server from its engine section): the one construction `lpf audit` / `lpf rescore`, `lpf.compare`
+    and `lpf rl rescore` share. A vLLM reference with another tokenizer than the run's is refused."""
+    if reference_form(spec) == "vllm":
+        from lpf.pipeline.reference_vllm import for_run as vllm_for_run
+
+        rescorer = vllm_for_run(m, spec, s.dtype, s.reference_option, topk)
+        _same_tokenizer(m, spec, rescorer.tokenizer_sha256())
+        return rescorer
+    from lpf.pipeline.reference_http import for_run
+
+    return for_run(m, spec, s.reference_model, s.reference_concurrency, topk)
 
 
 def _same_tokenizer(m: dict, spec: str, sha: str) -> None:

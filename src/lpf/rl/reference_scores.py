@@ -17,6 +17,14 @@ they were made for this dump (same responses, same token at every position), and
 `Dump.tok_reference`, `tok_sensitivity`, `tok_log_kept`, `tok_top_cum` and the lagged `tok_reference_lag` /
 `tok_log_kept_lag`. Responses without a prompt cannot be given their context: `score` refuses,
 naming how many and why.
+
+`reference` takes what `lpf audit --reference` takes, but `self` (a dump has no server to ask: refused in one
+line): a model or checkpoint template (transformers, above), a trusted deployment `http(s)://HOST:PORT/v1`
+(`server.reference_model` its served name, `model` the local copy: its tokenizer; default the model the
+dump names) or `vllm:MODEL` (`server.reference_option`: -R knobs). Those are built by the audit's own
+construction (`lpf.pipeline.rescore.prompt_reference`) and score from prompt logprobs: the reference logprob
+only (sensitivity, kept mass and the top cumulative probabilities need the whole distribution: null, which
+`attach` reads as absent), one model for every step (no `{step}` template, no lags).
 """
 
 from __future__ import annotations
@@ -71,7 +79,12 @@ def score(
     device: str = "cpu",
     sampling: dict | None = None,
     lag: int = 0,
+    server=None,
+    model: str | None = None,
 ) -> pa.Table:
+    """The reference's scores of every response (module docstring); `server` an
+    `lpf.pipeline.rescore.RescoreSettings` holding a server or vLLM reference's settings (its served name,
+    concurrency and -R knobs), `model` the local copy of a served model."""
     prompts = dump.sequences.column("prompt_token_ids").to_pylist()
     outputs = dump.sequences.column("response_token_ids").to_pylist()
     ids = dump.responses.column("request_id").to_pylist()
@@ -86,6 +99,15 @@ def score(
         raise LpfError(f"--token-budget must be >= 1, got {token_budget}")
     if not 0 <= lag <= MAX_LAG:
         raise LpfError(f"--lags: each lag must be in 0..{MAX_LAG}, got {lag}")
+    from lpf.pipeline.reference_http import reference_form
+
+    if reference_form(reference) != "transformers":
+        parts, describe = _by_server(reference, server, model, prompts, outputs, lag, on_start, tick)
+        return _table(parts, describe, reference, dump, ids, steps, outputs, lag, sampling, 0, templated=False)
+    if server is not None:  # -R or a served name beside a model: the audit's one-line refusals
+        server.validate()
+    if model is not None:
+        raise LpfError("--model goes with --reference http(s)://... or vllm:MODEL (the local copy of a served model)")
     templated = "{step}" in reference
     if lag and not templated:
         raise LpfError(
@@ -94,7 +116,7 @@ def score(
         )
     from lpf.core.model_specs import resolve_model  # torch and transformers only once the request is sound
     from lpf.pipeline.reference import Rescorer, ScoreItem
-    from lpf.rl.row_stats import P_GRID, RowStats
+    from lpf.rl.row_stats import RowStats
 
     groups = {}  # checkpoint spec -> response indices
     missing = 0
@@ -135,6 +157,59 @@ def score(
         del rescorer
     if not parts:
         raise LpfError(f"no checkpoint of {reference!r} at lag {lag} exists for any step of {dump.source}")
+    return _table(parts, describe, reference, dump, ids, steps, outputs, lag, sampling, missing, templated)
+
+
+def _by_server(reference, server, model, prompts, outputs, lag, on_start, tick) -> tuple[list, dict]:
+    """(score parts, the reference's description) of a server or vLLM reference (module docstring)."""
+    from lpf.core.model_specs import load_tokenizer, resolve_model, tokenizer_fingerprint
+    from lpf.pipeline.reference import ScoreItem
+    from lpf.pipeline.reference_http import reference_form
+    from lpf.pipeline.rescore import RescoreSettings, prompt_reference
+
+    form = reference_form(reference)
+    if form == "self":
+        raise LpfError(
+            "--reference self re-scores on an audited server, and a dump has none: give the trainer's checkpoint, "
+            "a trusted deployment http(s)://HOST:PORT/v1 or vllm:MODEL"
+        )
+    if lag:
+        raise LpfError(f"--lags {lag}: a server or vLLM reference serves one model; lags need checkpoints per step")
+    settings = RescoreSettings(reference=reference) if server is None else server
+    settings.validate()
+    if model is None and form == "vllm":
+        from lpf.pipeline.reference_vllm import parse_spec
+
+        model = parse_spec(reference)
+    if model is None:
+        raise LpfError(
+            f"--reference {reference} needs --model (the local copy of the served model: its tokenizer); "
+            f"this dump does not name its model"
+        )
+    local = resolve_model(model)
+    manifest = {"model": {"spec": model}, "tokenizer_sha256": tokenizer_fingerprint(load_tokenizer(local))}
+    rescorer = prompt_reference(manifest, reference, settings, topk=1)
+    items = [ScoreItem(str(i), p, o) for i, (p, o) in enumerate(zip(prompts, outputs)) if o]
+    on_start(sum(len(o) for o in outputs), 0)
+    parts = []
+    for table in rescorer.score(items, tick):
+        n = table.num_rows
+        parts.append(
+            table.select(["request_id", "position", "ref_logprob"])
+            .append_column("sens", pa.nulls(n, pa.float64()))
+            .append_column("kept", pa.nulls(n, pa.float64()))
+            .append_column("cum", pa.nulls(n, pa.list_(pa.float32())))
+            .append_column("grid", pa.nulls(n, pa.list_(pa.float32())))
+        )
+    if not parts:
+        raise LpfError(f"{reference} scored no response (every response is empty)")
+    return parts, rescorer.describe()
+
+
+def _table(parts, describe, reference, dump, ids, steps, outputs, lag, sampling, missing, templated) -> pa.Table:
+    """The RL directory's reference table (SCHEMA, the metadata under "lpf") from the scored parts."""
+    from lpf.rl.row_stats import P_GRID
+
     got = pa.concat_tables(parts)
     idx = np.asarray(pc.cast(got.column("request_id"), pa.int64()))
     pos = got.column("position").to_numpy()
