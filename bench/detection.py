@@ -22,10 +22,20 @@ trained tasks the 4-bit copy changes no greedy token, so tokens alone cannot see
 file): two configs (clean float32 and quantize-weights:4, greedy) on 40 prose prompts of 8 tokens, in a
 temporary folder, 50 windows; both parts read the same two runs (two `lpf audit`s, not four: a process
 start-up is most of a quick run).
+`--part references` (bench/results/detection_reference.json; not part of `both` or `--quick`): what each
+reference can see. For every REF_CELLS drill (the seed's stale-state and offset-wrap, a prefix-caching drill, a
+speculative one, 4- and 8-bit weights, an 8-bit KV cache) and a clean control, one `lpf serve` of
+tiny:jamba-longmem (float32) with the drill, audited through `--engine openai` (48 requests, 16 tokens, all in
+flight) with `--reference self`; the same run re-scored by a trusted deployment (a second, clean `lpf serve`:
+`--reference http://`) and by transformers. Per (drill, reference): caught (a request flagged or the run-level
+test `different`), flagged ground-truth requests / ground truth (the server's `faults/`, joined through
+`--trace-dir`), false positives (flagged, not touched by the drill), the run-level result and tokens to it.
+`--cell NAME` runs only those cells (no results file). vLLM's cells are tests/test_reference_vllm.py's.
 `--requests N` audits the first N zoo:stress prompts (seed 17) instead of all 2,000, in --out/requests-N/
 (the time a shared 2-core machine allows), written to bench/results/detection-DATE-requestsN.json.
 Usage: python bench/detection.py [--windows 500] [--out runs/bench-detection] [--part logprobs|tokens|both] [--quick]
        [--requests N]
+       python bench/detection.py --part references [--cell NAME ...]
 (writes bench/results/detection.json and detection_tokens.json, prints the tables)
 """
 
@@ -336,12 +346,162 @@ def tokens_part(a, alpha: float, rng) -> None:
     )
 
 
+# -- detection by reference (`--part references`) ---------------------------------------------------------------
+REF_MODEL = "tiny:jamba-longmem"  # bench/bugs.py's drill model: every cell below serves it
+REF_REQUESTS, REF_TOKENS = 48, 16
+# offset-wrap's knobs (bench/bugs.py's STALE_ARGS: 16 sequences in a 3 MiB cache; offset-wrap:16 wraps the
+# slots >= 7 of this model)
+SEED = ("--cache-mb", "3", "--max-num-seqs", "16", "--max-num-batched-tokens", "32")
+# stale-state on 48 requests: tests/test_reference_server.py's budget (4 tokens a step, 4 sequences, 1 MiB)
+STALE = ("--cache-mb", "1", "--max-num-seqs", "4", "--max-num-batched-tokens", "4")
+# cell -> (lpf serve arguments, workload); every cell's server is a `lpf serve` of REF_MODEL at float32
+REF_CELLS = {
+    "clean": ((), "zoo:oracle"),
+    "stale-state": (("--inject", "stale-state", *STALE), "zoo:oracle"),
+    "offset-wrap:16": (("--inject", "offset-wrap:16", *SEED), "zoo:oracle"),
+    # prefix caching (vLLM's all-mode bug, bench/bugs.py's prefix configuration)
+    "incomplete-block-cached": (
+        ("--inject", "incomplete-block-cached", "--enable-prefix-caching", "-E", "mamba_cache_mode=all")
+        + ("--max-num-batched-tokens", "48", "--cache-mb", "3"),
+        "zoo:shared-prefix",
+    ),
+    "spec-no-rollback": (("--inject", "spec-no-rollback", "-E", "speculative=ngram:4"), "zoo:oracle"),
+    "quantize-weights:4": (("--inject", "quantize-weights:4"), "zoo:oracle"),
+    "quantize-weights:8": (("--inject", "quantize-weights:8"), "zoo:oracle"),
+    "kv-quant:8": (("--inject", "kv-quant:8"), "zoo:oracle"),
+}
+REFERENCES = ("transformers", "self", "trusted deployment")
+
+
+def _ref_findings(run: Path, spec: str, served: str | None = None) -> dict:
+    """`run` re-scored in place by `spec` (a model, or an http:// reference serving `served`) and analysed."""
+    from lpf.analysis.thresholds import Thresholds
+    from lpf.api.compare import finish
+    from lpf.pipeline.rescore import RescoreSettings, rescore_run
+    from lpf.run.store import RunDir
+
+    rd = RunDir.open(run)
+    rescore_run(rd, settings=RescoreSettings(reference=spec, reference_model=served), redo=True)
+    return finish(rd, Thresholds(), attribution=False).raw
+
+
+def _ref_row(f: dict, run: Path, seconds: float) -> dict:
+    """One (cell, reference) row: caught, requests flagged against the ground truth, the run-level test."""
+    import pyarrow.parquet as pq
+
+    truth, touched = set(), set()
+    if (run / "faults").is_dir():
+        for r in pq.read_table(run / "faults", columns=["request_id", "role"]).to_pylist():
+            touched |= {r["request_id"]} if r["role"] != "unchanged" else set()
+            truth |= {r["request_id"]} if r["role"] == "corrupted" else set()
+    flagged = {x["request_id"] for x in f["flagged"]}
+    rt = f.get("run_test") or {}
+    return {
+        "requests": f["n_requests"],
+        "truth": len(truth),
+        "flagged": len(flagged),
+        "flagged_truth": len(flagged & truth),
+        "false_positives": len(flagged - touched),
+        "run_test": rt.get("result"),
+        "tokens_needed": rt.get("tokens_needed"),
+        "floor_pair": rt.get("floor_pair"),
+        "caught": bool(flagged) or rt.get("result") == "different",
+        "limitation": f.get("reference_limitation"),
+        "reference_cost": f.get("reference_cost"),
+        "seconds": round(seconds, 1),
+    }
+
+
+def references_part(a) -> None:
+    """Every REF_CELLS drill served by `lpf serve`, audited through its OpenAI API with `--reference self`, the
+    same run re-scored by a trusted deployment (a second, clean `lpf serve`: `--reference http://`) and by
+    transformers: one row per (cell, reference)."""
+    from lpf.api.audit import audit as lpf_audit
+    from lpf.serve.process import served
+
+    out = a.out / "references"
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    env = {"OMP_NUM_THREADS": "1"}
+    cells = {k: REF_CELLS[k] for k in (a.cells or REF_CELLS)}
+    result = {
+        "measured": time.strftime("%Y-%m-%d"),
+        "model": REF_MODEL,
+        "requests": REF_REQUESTS,
+        "max_tokens": REF_TOKENS,
+        "engine": "lpf serve (the built-in engine, float32), audited through --engine openai",
+        "references": {
+            "transformers": f"{REF_MODEL} in transformers, float32 (lpf's default)",
+            "self": "the audited server itself (--reference self: prompt + output re-scored as a prompt)",
+            "trusted deployment": "a second `lpf serve` of the model, no drill, default knobs (--reference http://)",
+        },
+        "cells": {},
+    }
+    t_all = time.time()
+    with served("--model", REF_MODEL, env=env) as trusted:
+        url = trusted.base_url + "/v1"
+        for cell, (serve_args, workload) in cells.items():
+            rows = {}
+            trace = out / f"{_dirname(cell)}-trace"
+            with served("--model", REF_MODEL, *serve_args, "--trace-dir", str(trace), env=env) as s:
+                run = out / _dirname(cell) / "self"
+                t0 = time.time()
+                f = lpf_audit(
+                    engine="openai",
+                    base_url=s.base_url + "/v1",
+                    model=REF_MODEL,
+                    workload=workload,
+                    limit=REF_REQUESTS,
+                    max_tokens=REF_TOKENS,
+                    engine_option=[f"concurrency={REF_REQUESTS}"],
+                    trace_dir=str(trace),
+                    reference="self",
+                    reference_device="cpu",
+                    attribution=False,
+                    out=run,
+                ).raw
+                rows["self"] = _ref_row(f, run, time.time() - t0)
+            for name, spec, served_name in (("trusted deployment", url, REF_MODEL), ("transformers", REF_MODEL, None)):
+                copy = out / _dirname(cell) / _dirname(name)
+                shutil.copytree(run, copy)
+                t0 = time.time()
+                rows[name] = _ref_row(_ref_findings(copy, spec, served_name), copy, time.time() - t0)
+            result["cells"][cell] = rows
+            print(f"  {cell}: {time.time() - t_all:.0f} s", file=sys.stderr)
+    result["seconds"] = round(time.time() - t_all, 1)
+    if not a.quick and not a.cells:
+        from provenance import stamp
+
+        path = ROOT / "bench" / "results" / "detection_reference.json"
+        path.write_text(json.dumps(stamp(result), indent=1) + "\n")
+    print(references_table(result))
+
+
+def references_table(result: dict) -> str:
+    """The detection-by-reference table (docs/benchmarks.md)."""
+    lines = [
+        "| drill | reference | caught | flagged / ground truth | false positives | run-level test | tokens to it |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for cell, rows in result["cells"].items():
+        for ref in REFERENCES:
+            r = rows[ref]
+            truth = f"{r['flagged_truth']}/{r['truth']}" if r["truth"] else f"{r['flagged']} flagged, no truth"
+            lines.append(
+                f"| {cell} | {ref} | {'yes' if r['caught'] else 'no'} | {truth} | {r['false_positives']} | "
+                f"{r['run_test']} | {r['tokens_needed'] or '-'} |"
+            )
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--windows", type=int, default=500)
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-detection")
     ap.add_argument("--alpha", type=float, default=None)
-    ap.add_argument("--part", choices=("logprobs", "tokens", "both"), default="both")
+    ap.add_argument("--part", choices=("logprobs", "tokens", "both", "references"), default="both")
+    ap.add_argument("--cell", dest="cells", action="append", help="--part references: only this cell (repeatable)")
     ap.add_argument("--requests", type=int, default=None, help="audit the first N zoo:stress prompts (default all)")
     ap.add_argument(
         "--quick",
@@ -368,6 +528,9 @@ def main() -> None:
         workload.write_text("".join(json.dumps({"id": i["id"], "prompt": i["prompt"]}) + "\n" for i in items))
         workload = str(workload)
     a.out.mkdir(parents=True, exist_ok=True)
+    if a.part == "references":
+        references_part(a)
+        return
     try:
         if a.part in ("tokens", "both"):
             tokens_part(a, alpha, np.random.default_rng(1))
