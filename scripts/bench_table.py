@@ -185,6 +185,22 @@ def _detection_tokens(d: dict) -> tuple[str, str, str]:
     )
 
 
+def _detection_reference(d: dict) -> tuple[str, str, str]:
+    cells = d["cells"]
+    drills = [c for c in cells if c != "clean"]
+    refs = ("transformers", "self", "trusted deployment")
+    caught = "; ".join(f"{r} {sum(cells[c][r]['caught'] for c in drills)}/{len(drills)}" for r in refs)
+    alarms = (
+        ", ".join(f"{r} {'yes' if cells['clean'][r]['caught'] else 'no'}" for r in refs) if "clean" in cells else "-"
+    )
+    return (
+        f"what each reference sees: {len(drills)} drills served by `lpf serve` ({d['model']}, {d['requests']} "
+        f"requests x {d['max_tokens']} tokens)",
+        f"caught: {caught}; false alarm on the clean server: {alarms}",
+        "each drill's ground truth (the server's faults/)",
+    )
+
+
 def _honest_matrix(d: dict) -> tuple[str, str, str]:
     every = [r for by in d["engines"].values() for r in by.values() if "skipped" not in r]
     runs = [r for r in every if r["verdict"] != "error"]  # an engine that crashed judged nothing
@@ -280,6 +296,7 @@ ROWS = {
     "bugs": _bugs,
     "detection": _detection,
     "detection_tokens": _detection_tokens,
+    "detection_reference": _detection_reference,
     "nondeterminism": _nondeterminism,
     "honest_matrix": _honest_matrix,
     "locate": _locate,
@@ -314,6 +331,13 @@ COVERS = {
     "bugs": ["src/lpf/builtin", "src/lpf/analysis", "bench/bugs.py"],
     "detection": [*_ANALYSIS, "bench/detection.py"],
     "detection_tokens": [*_ANALYSIS, "bench/detection.py"],
+    "detection_reference": [
+        *_ANALYSIS,
+        *(f"src/lpf/pipeline/{m}.py" for m in ("reference_http", "reference_prompt", "rescore")),
+        "src/lpf/builtin",
+        "src/lpf/serve",
+        "bench/detection.py",
+    ],
     "nondeterminism": ["src/lpf/builtin", *_ANALYSIS, "bench/nondeterminism.py"],
     "honest_matrix": ["src/lpf/adapters", *_ANALYSIS, "scripts/honest_matrix.py"],
     "locate": ["src/lpf/locate", "bench/locate.py"],

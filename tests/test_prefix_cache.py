@@ -129,6 +129,30 @@ def test_a_cancelled_request_is_resent_and_both_attempts_are_kept():
     assert all(r["phase"] is None and r["num_scheduled_tokens"] > 0 for r in aborted)
 
 
+def test_a_request_asking_for_prompt_logprobs_never_reads_the_cache():
+    """Prompt logprobs need every prompt position computed (a self-reference's second pass: prompt + output sent
+    back as a prompt): such a request is prefilled whole, as vLLM does (skip_reading_prefix_cache), and gets every
+    prompt row; a plain request with the same prefix right after it still hits what it published."""
+    from lpf.core.workload import EngineRequest
+
+    ref = resolve_model("tiny:jamba-longmem")
+    sampling = SamplingParams(max_tokens=1, logprobs=1, prompt_logprobs=True)
+    engine = BuiltinEngine(ref, sampling, BuiltinOptions.parse({**KNOBS, "enable_prefix_caching": True}))
+    ids = tuple(range(5, 5 + 40))
+    first, again = (
+        next(iter(engine.generate([EngineRequest(rid, i, rid, 0, ids, max_tokens=1, seed=0)])))
+        for i, rid in enumerate(("a", "b"))
+    )
+    assert first.error is None and again.error is None, again.error
+    assert len(again.prompt_logprobs) == len(ids) - 1
+    assert np.max(np.abs(np.subtract(first.prompt_logprobs, again.prompt_logprobs))) < 1e-5
+    engine.sampling = SamplingParams(max_tokens=1, logprobs=1)
+    (plain,) = engine.generate([EngineRequest("c", 2, "c", 0, ids, max_tokens=1, seed=0)])
+    trace = engine.side_tables()["trace"].to_pylist()
+    hit = {r["request_id"]: r["prefix_cache_hit_tokens"] for r in trace if r["prefix_cache_hit_tokens"] is not None}
+    assert not hit.get("a") and not hit.get("b") and hit.get("c"), hit
+
+
 def test_bad_prefix_knobs_and_cancel_points_are_refused_in_one_line(lpf_cli, tmp_path):
     from conftest import write_prompts
 

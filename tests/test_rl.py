@@ -202,7 +202,10 @@ def test_rescore_and_reference_errors_are_one_line(tmp_path, lpf_cli):
         (["--reference", "http://127.0.0.1:1/v1", "--reference-model", "M"], "needs --model (the local copy"),
         (["--reference", "zoo:hybrid", "-R", "max_model_len=64"], "-R/--reference-option goes with --reference vllm:"),
         (["--reference", "zoo:hybrid", "--model", "zoo:hybrid"], "--model goes with --reference http(s)://"),
-        (["--reference", "vllm:zoo:hybrid", "-R", "enable_prefix_caching=true"], "the vLLM reference configuration fixes"),
+        (
+            ["--reference", "vllm:zoo:hybrid", "-R", "enable_prefix_caching=true"],
+            "the vLLM reference configuration fixes",
+        ),
     ],
 )
 def test_a_server_reference_that_cannot_apply_is_refused_in_one_line(tmp_path, lpf_cli, args, said):

@@ -81,7 +81,9 @@ class Reference:
             from lpf.pipeline.reference_http import check_settings
 
             if local_model is not None:
-                raise LpfError("local_model (model=) goes with an http(s):// or vllm: reference, not a transformers one")
+                raise LpfError(
+                    "local_model (model=) goes with an http(s):// or vllm: reference, not a transformers one"
+                )
             check_settings(model, reference_model, reference_concurrency, "local", tuple(reference_option))
         else:
             from lpf.pipeline.rescore import RescoreSettings

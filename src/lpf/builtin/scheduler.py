@@ -9,7 +9,8 @@ out for a running request, the most recently admitted request is preempted by re
 and slot are freed and it returns to the front of the waiting queue.
 
 With prefix caching (`prefix_cache.PrefixCache`, which then owns the block and slot pools) a waiting
-request is looked up when admitted and starts after its hit; in align mode every prefill chunk is
+request is looked up when admitted and starts after its hit (one asking for prompt logprobs is never looked
+up: every prompt position must be computed, as vLLM's `skip_reading_prefix_cache`); in align mode every prefill chunk is
 clipped so it ends where a checkpoint is due (`chunk_align`); every step plans the checkpoint
 entries it saves into, and `update` commits what the runner wrote (publication after the write).
 `abort(id, in_flight=True)` drops a request whose step was scheduled but has not run (a client's
@@ -27,7 +28,7 @@ from typing import Callable
 from lpf.builtin.config import EngineConfig
 from lpf.builtin.faults import FaultSet
 from lpf.builtin.kv_cache import BlockAllocator, blocks_needed
-from lpf.builtin.prefix_cache import PrefixCache
+from lpf.builtin.prefix_cache import Hit, PrefixCache
 from lpf.builtin.request import Request, Status
 from lpf.builtin.sched_output import PromptRows, Sample, ScheduledRequest, SchedulerOutput, StateWrite
 from lpf.builtin.speculative_propose import ngram_drafts
@@ -169,7 +170,10 @@ class Scheduler:
                 req = self.waiting[0]
                 hit = None
                 if px is not None and req.num_computed_tokens == 0:
-                    hit = px.lookup(req)
+                    # a request asking for prompt logprobs needs every prompt position computed: it never reads
+                    # the cache (vLLM's SamplingParams.skip_reading_prefix_cache, on for such requests), so a
+                    # self-reference's second pass is a fresh prefill; what it computes is still published
+                    hit = Hit() if req.sampling.prompt_logprobs else px.lookup(req)
                     px.acquire(req, hit)
                 want = req.num_tokens - req.num_computed_tokens
                 n = min(want, budget) if px is None else px.align(req, min(want, budget))

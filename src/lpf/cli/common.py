@@ -276,7 +276,11 @@ def reference_options(f, where: bool | str = False):
             click.option(
                 "--reference",
                 default=None,
-                help=where if isinstance(where, str) else WHERE_HELP if where else "Reference model [default: the engine's model].",
+                help=where
+                if isinstance(where, str)
+                else WHERE_HELP
+                if where
+                else "Reference model [default: the engine's model].",
             ),
             click.option("--reference-dtype", default="float32", show_default=True),
             click.option(
