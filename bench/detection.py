@@ -524,6 +524,7 @@ def references_part(a) -> None:
     second, clean `lpf serve` of the model: `--reference http://`), by transformers and, for vLLM's cells, by
     vLLM in its reference configuration (`--reference vllm:MODEL`): one row per (cell, reference). Rows of the
     cells run replace those in bench/results/detection_reference.json."""
+    from lpf.core.errors import LpfError
     from lpf.serve.process import served
 
     out = a.out / "references"
@@ -549,9 +550,14 @@ def references_part(a) -> None:
     )
     t_all = time.time()
 
-    def done(cell, rows):
+    def done(cell, rows):  # written after each cell: a later cell's failure keeps the others
         result["cells"][cell] = rows
+        result["seconds"] = round(time.time() - t_all, 1)
         print(f"  {cell}: {time.time() - t_all:.0f} s", file=sys.stderr)
+        if not a.quick:
+            from provenance import stamp
+
+            path.write_text(json.dumps(stamp(result), indent=1) + "\n")
 
     builtin = [c for c in wanted if c in REF_CELLS]
     if builtin:
@@ -575,20 +581,15 @@ def references_part(a) -> None:
         try:
             with vllm_served(model, args, inject, trace, out / f"{_dirname(cell)}.log") as base:
                 run, row = _audit_cell(out, cell, base, model, workload, trace)
-        except RuntimeError as e:  # said, not fatal: the other cells stand
+        except (RuntimeError, LpfError) as e:  # said, not fatal: the other cells stand
             print(f"  {cell}: skipped ({str(e).splitlines()[0]})", file=sys.stderr)
-            result["cells"][cell] = {"skipped": str(e)[-600:]}
+            done(cell, {"skipped": str(e)[-600:]})
             continue
         with served("--model", model, env=env) as trusted:
             refs = {"trusted deployment": (trusted.base_url + "/v1", model), "transformers": (model, None)}
             rows = _rescored_rows(out, cell, run, refs)
         rows |= _rescored_rows(out, cell, run, {"vllm": (f"vllm:{model}", None)})
         done(cell, {"self": row, **rows})
-    result["seconds"] = round(time.time() - t_all, 1)
-    if not a.quick:
-        from provenance import stamp
-
-        path.write_text(json.dumps(stamp(result), indent=1) + "\n")
     print(references_table(result))
 
 
