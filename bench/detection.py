@@ -376,8 +376,9 @@ REF_CELLS = {
 REFERENCES = ("transformers", "self", "trusted deployment", "vllm")
 
 # vLLM's OpenAI server (the CPU build in .venv-vllm) with the lpf-vllm-trace plugin's drill: cell -> (model, server
-# arguments, LPF_VLLM_INJECT, workload). stale-state: tests/test_vllm_trace.py's served drill (16 sequences, a
-# 32-token budget, 96 KV blocks); publish-before-write: bench/bugs.py's prefix-drill knobs (PREFIX_DRILL_KNOBS)
+# arguments, LPF_VLLM_INJECT, workload, requests). stale-state: tests/test_vllm_trace.py's served drill (16
+# sequences, a 32-token budget, 96 KV blocks; imposters are rarer than 1 in 10 there: 240 requests);
+# publish-before-write: bench/bugs.py's prefix-drill knobs (PREFIX_DRILL_KNOBS)
 VLLM_CELLS = {
     "vllm stale-state": (
         "tiny:hybrid-longmem",
@@ -385,6 +386,7 @@ VLLM_CELLS = {
         + ("--no-enable-prefix-caching", "--num-gpu-blocks-override", "96"),
         "stale-state",
         "zoo:oracle",
+        240,
     ),
     "vllm publish-before-write": (
         "tiny:hybrid-longmem",
@@ -398,6 +400,7 @@ VLLM_CELLS = {
         ),
         "publish-before-write",
         "zoo:shared-prefix",
+        REF_REQUESTS,
     ),
 }
 
@@ -413,7 +416,8 @@ def vllm_served(model: str, args: tuple, inject: str, trace: Path, log: Path):
 
     port = free_port()
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", TORCHDYNAMO_DISABLE="1", VLLM_CPU_KVCACHE_SPACE="1")
-    env.update(OMP_NUM_THREADS="1", LPF_VLLM_TRACE_DIR=str(trace), LPF_VLLM_INJECT=inject)
+    # VLLM_SERVER_DEV_MODE: /server_info, where lpf reads the server's dtype (its floor pair)
+    env.update(OMP_NUM_THREADS="1", LPF_VLLM_TRACE_DIR=str(trace), LPF_VLLM_INJECT=inject, VLLM_SERVER_DEV_MODE="1")
     env.pop("PYTHONPATH", None)
     argv = [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(resolve_model(model).path)]
     argv += ["--served-model-name", model, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32"]
@@ -483,7 +487,9 @@ def _ref_row(f: dict, run: Path, seconds: float) -> dict:
     }
 
 
-def _audit_cell(out: Path, cell: str, base_url: str, model: str, workload: str, trace: Path) -> tuple[Path, dict]:
+def _audit_cell(
+    out: Path, cell: str, base_url: str, model: str, workload: str, trace: Path, n: int = REF_REQUESTS
+) -> tuple[Path, dict]:
     """The cell's server audited through its OpenAI API with `--reference self` (the drill's ground truth joined
     from `trace`): the run and its self-reference row."""
     from lpf.api.audit import audit as lpf_audit
@@ -495,9 +501,9 @@ def _audit_cell(out: Path, cell: str, base_url: str, model: str, workload: str, 
         base_url=base_url,
         model=model,
         workload=workload,
-        limit=REF_REQUESTS,
+        limit=n,
         max_tokens=REF_TOKENS,
-        engine_option=[f"concurrency={REF_REQUESTS}"],
+        engine_option=[f"concurrency={min(n, 64)}"],
         trace_dir=str(trace),
         reference="self",
         reference_device="cpu",
@@ -547,6 +553,7 @@ def references_part(a) -> None:
             "vllm": "vLLM offline in its reference configuration (--reference vllm:MODEL), vLLM's cells only",
         },
         vllm_models={c: v[0] for c, v in VLLM_CELLS.items()},
+        vllm_requests={c: v[4] for c, v in VLLM_CELLS.items()},
     )
     t_all = time.time()
 
@@ -573,14 +580,14 @@ def references_part(a) -> None:
                 refs = {"trusted deployment": (url, REF_MODEL), "transformers": (REF_MODEL, None)}
                 done(cell, {"self": row, **_rescored_rows(out, cell, run, refs)})
     for cell in [c for c in wanted if c in VLLM_CELLS]:
-        model, args, inject, workload = VLLM_CELLS[cell]
+        model, args, inject, workload, n = VLLM_CELLS[cell]
         shutil.rmtree(out / _dirname(cell), ignore_errors=True)
         trace = out / f"{_dirname(cell)}-trace"
         shutil.rmtree(trace, ignore_errors=True)
         trace.mkdir(parents=True)
         try:
             with vllm_served(model, args, inject, trace, out / f"{_dirname(cell)}.log") as base:
-                run, row = _audit_cell(out, cell, base, model, workload, trace)
+                run, row = _audit_cell(out, cell, base, model, workload, trace, n)
         except (RuntimeError, LpfError) as e:  # said, not fatal: the other cells stand
             print(f"  {cell}: skipped ({str(e).splitlines()[0]})", file=sys.stderr)
             done(cell, {"skipped": str(e)[-600:]})
