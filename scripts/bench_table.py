@@ -186,17 +186,21 @@ def _detection_tokens(d: dict) -> tuple[str, str, str]:
 
 
 def _detection_reference(d: dict) -> tuple[str, str, str]:
-    cells = d["cells"]
+    cells = {c: r for c, r in d["cells"].items() if "skipped" not in r}
     drills = [c for c in cells if c != "clean"]
-    refs = ("transformers", "self", "trusted deployment")
-    caught = "; ".join(f"{r} {sum(cells[c][r]['caught'] for c in drills)}/{len(drills)}" for r in refs)
-    alarms = (
-        ", ".join(f"{r} {'yes' if cells['clean'][r]['caught'] else 'no'}" for r in refs) if "clean" in cells else "-"
-    )
+
+    def caught(ref: str) -> str:
+        judged = [c for c in drills if ref in cells[c]]
+        return f"{ref} {sum(cells[c][ref]['caught'] for c in judged)}/{len(judged)}"
+
+    refs = ("transformers", "self", "trusted deployment", "vllm")
+    clean = cells.get("clean", {})
+    alarms = ", ".join(f"{r} {'yes' if clean[r]['caught'] else 'no'}" for r in refs if r in clean) or "-"
+    n_vllm = sum(c.startswith("vllm") for c in drills)
     return (
-        f"what each reference sees: {len(drills)} drills served by `lpf serve` ({d['model']}, {d['requests']} "
-        f"requests x {d['max_tokens']} tokens)",
-        f"caught: {caught}; false alarm on the clean server: {alarms}",
+        f"what each reference sees: {len(drills)} drills ({n_vllm} on vLLM's OpenAI server, the rest on `lpf serve`), "
+        f">= {d['requests']} requests x {d['max_tokens']} tokens",
+        f"caught: {'; '.join(caught(r) for r in refs)}; false alarm on the clean server: {alarms}",
         "each drill's ground truth (the server's faults/)",
     )
 

@@ -8,8 +8,8 @@ together, tiny:jamba):
   `lpf.compare` and `lpf rl rescore` given the same `http://` reference score the same way;
   vLLM's `prompt_logprobs` field and OpenAI's `echo` give the same scores;
 - a 4-bit weight substitution audited with `--reference self`: never `same` (the run-level test is not
-  applicable), the one-line limitation printed and in the findings, while the transformers reference sees
-  the substitution in the same run;
+  applicable), the one-line limitation printed and in the findings, while the transformers reference and the
+  trusted deployment (`different` within 100 scored tokens) see the substitution in the same run;
 - a clean server with `--reference self`: clean, exit 0.
 """
 
@@ -284,6 +284,12 @@ def test_a_self_reference_never_says_same_and_says_what_it_cannot_see(lpf_cli, s
     shutil.copytree(run, tmp_path / "by-transformers")
     by_model = _rescore(lpf_cli, tmp_path / "by-transformers", "--reference", MODEL)
     assert by_model["run_test"]["result"] == "different"
+    # and a trusted deployment (the clean server) sees it within 100 scored tokens
+    shutil.copytree(run, tmp_path / "by-trusted")
+    by_trusted = _rescore(lpf_cli, tmp_path / "by-trusted", "--reference", servers["clean"], "--reference-model", MODEL)
+    rt = by_trusted["run_test"]
+    assert rt["result"] == "different" and rt["floor_pair"] == "float32/float32 ref=http"
+    assert 0 < rt["tokens_needed"] <= 100, rt
 
     # a reference that cannot be reached: one line
     from lpf.serve.process import free_port
