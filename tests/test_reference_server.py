@@ -280,6 +280,7 @@ def test_a_self_reference_never_says_same_and_says_what_it_cannot_see(lpf_cli, s
     m = json.loads((run / "manifest.json").read_text())["reference"]
     assert m["kind"] == "self" and m["url"] == servers["quantized"] and m["concurrency"] == 1
     assert m["run_test"] == "not applicable"
+    assert by_self["reference_second_pass"] == m["second_pass"] and "no decode step" in m["second_pass"]
     # the substitution is real: the transformers reference sees it in the same run
     shutil.copytree(run, tmp_path / "by-transformers")
     by_model = _rescore(lpf_cli, tmp_path / "by-transformers", "--reference", MODEL)

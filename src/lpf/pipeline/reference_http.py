@@ -26,7 +26,8 @@ Contract:
   cannot score is left unscored and named once the rest are yielded.
 - A self-reference re-scores the engine's tokens with the engine itself: it sees a decode path that
   disagrees with the engine's own prefill (stale state, a broken cache, a bad kernel on one path), never
-  a wrong model. `describe()` says so: `run_test` "not applicable" and `limitation` (`LIMITATION`).
+  a wrong model. `describe()` says so: `run_test` "not applicable", `limitation` (`LIMITATION`) and
+  `second_pass` (`SECOND_PASS`: what makes its pass another code path, and what both passes share).
 """
 
 from __future__ import annotations
@@ -39,6 +40,12 @@ from lpf.pipeline.reference_prompt import PromptReference
 KINDS = ("transformers", "http", "self", "vllm")
 HOW = ("auto", "field", "echo")
 LIMITATION = "a self-reference cannot tell a wrong model: add a transformers or trusted reference"
+# what makes a self-reference's pass a second code path, and what it shares with the first
+SECOND_PASS = (
+    "one prefill of prompt + output per request (max_tokens 1: no decode step, no speculation), one at a time; "
+    "vLLM and lpf serve never read their prefix cache for it (prompt logprobs asked); a fault in the engine's "
+    "own prefill is in both passes"
+)
 SELF_CONCURRENCY = 1  # one request at a time: the re-score must not batch beside the engine's other work
 HTTP_CONCURRENCY = 8
 
@@ -162,7 +169,7 @@ class HttpReference(PromptReference):
             "cost": dict(self.cost),
         }
         if self.kind == "self":
-            d.update(run_test="not applicable", limitation=LIMITATION)
+            d.update(run_test="not applicable", limitation=LIMITATION, second_pass=SECOND_PASS)
         return d
 
     # -- sending ----------------------------------------------------------------------------------------
@@ -257,7 +264,7 @@ def findings_notes(reference: dict | None, findings: dict) -> dict:
     default transformers reference), a server reference's cost (`reference_cost`: requests, tokens sent
     (prompts included), seconds), and for a self-reference the one line of what it cannot see and the
     run-level test as not applicable (it is never `same`: the engine compared with itself agrees whatever
-    model it runs)."""
+    model it runs), with what its second pass shares with the first (`reference_second_pass`)."""
     ref = reference or {}
     kind = ref.get("kind") or "transformers"
     # a transformers reference is the default every run had before: its findings stay as they were
@@ -266,6 +273,8 @@ def findings_notes(reference: dict | None, findings: dict) -> dict:
         notes["reference_cost"] = dict(ref["cost"])
     if ref.get("limitation"):
         notes["reference_limitation"] = ref["limitation"]
+    if ref.get("second_pass"):
+        notes["reference_second_pass"] = ref["second_pass"]
     if ref.get("run_test") == "not applicable":
         notes["run_test"] = {
             "result": "not applicable",
