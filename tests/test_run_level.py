@@ -294,8 +294,8 @@ def test_stale_state_in_bf16_still_has_every_imposter_corrupt(tmp_path):
 
 
 def test_the_same_test_through_http_finds_a_4bit_model(tmp_path, lpf_cli, oracle500):
-    """`lpf serve` with 4-bit weights, audited as a provider is (`--engine openai`): the server's dtype
-    is unknown to the audit, so the most lenient floor measured is assumed, and the model still fails."""
+    """`lpf serve` with 4-bit weights, audited as a provider is (`--engine openai`): the server states its
+    dtype (/v1/models' lpf_configuration), so the float32 pair is the floor, and the model fails."""
     from lpf.serve.process import served
 
     prompts = write_prompts(tmp_path / "p64.jsonl", [json.loads(x) for x in oracle500.read_text().splitlines()[:64]])
@@ -321,5 +321,4 @@ def test_the_same_test_through_http_finds_a_4bit_model(tmp_path, lpf_cli, oracle
     f = json.loads(r.out)
     t = f["run_test"]
     assert r.code == 1 and t["result"] == "different" and f["verdict"] in ("systematic", "corrupt")
-    assert t["floor_pair"].endswith("/float32") and t["floor_pair"] != "float32/float32"
-    assert "not recorded" in t["floor_detail"] or "auto" in t["floor_detail"]
+    assert t["floor_pair"] == "float32/float32" and "not recorded" not in t["floor_detail"]
