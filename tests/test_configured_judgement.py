@@ -312,3 +312,16 @@ def test_a_configuration_names_its_floor_row_and_an_unmeasured_one_is_said():
     )
     assert q4["pair"] == "float32/float32" and "a q4_0 KV cache has no measured floor" in q4["detail"]
     assert "configured" not in q4
+
+
+def test_the_engine_dtype_is_its_options_else_what_its_configuration_says():
+    """A server that states the float dtype it computes in (`lpf serve`'s /v1/models, vLLM's /server_info) has that
+    dtype for its floor; a quantized type is not a compute dtype, and options win."""
+    from lpf.pipeline.calibrate import engine_dtype
+
+    def manifest(options, said):
+        return {"engine": {"name": "openai", "options": options, "configuration": {"dtype": {"value": said}}}}
+
+    assert engine_dtype(manifest({}, "float32")) == "float32"
+    assert engine_dtype(manifest({}, "q4_k_m")) is None and engine_dtype(manifest({}, None)) is None
+    assert engine_dtype(manifest({"dtype": "bfloat16"}, "float32")) == "bfloat16"
