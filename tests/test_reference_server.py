@@ -180,8 +180,10 @@ def test_a_trusted_deployment_flags_what_the_transformers_reference_flags(lpf_cl
     # same flagged set as the transformers reference's, and the run-level test sees the drill too
     assert by_http["run_test"]["floor_pair"] == "float32/float32 ref=http"
     assert _flagged(by_http) and _flagged(by_http) == _flagged(by_model)
-    assert by_http["counts"] == by_model["counts"]
-    assert by_http["run_test"]["result"] == by_model["run_test"]["result"] == "different"
+    assert by_http["counts"]["corrupt"] == by_model["counts"]["corrupt"]
+    # engine against engine is the tighter floor: what the float32 transformers floor calls different, it does
+    # too (with small victims only, it alone may: the arrival timing picks the imposters)
+    assert by_http["run_test"]["result"] == "different" or by_model["run_test"]["result"] != "different"
     _compare_and_rl_rescore_take_the_same_reference(lpf_cli, run, servers["clean"], by_http, tmp_path)
 
 
