@@ -84,15 +84,17 @@ def _score_chunk(c: dict, st: np.ndarray, greedy, th: Thresholds, temperature=0.
         dc, oc = d[cand], other[cand]
         per_row = np.ndim(greedy) > 0  # each row's own settings (`request_sampling`)
         g_c, t_c = (greedy[cand], temperature[cand]) if per_row else (greedy, temperature)
+        past_tie = (c["ref_top1_logprob"][cand] - ref[cand]) > th.tie_margin
         if np.any(g_c):
-            flip_c = oc & ((c["ref_top1_logprob"][cand] - ref[cand]) > th.tie_margin)
+            flip_c = oc & past_tie
             if per_row:
                 flip_c &= g_c
         else:
             flip_c = np.zeros(cand.size, bool)
         etop = c["engine_top1_id"][cand] if "engine_top1_id" in c else np.full(cand.size, -1)
         own = (etop == tok[cand]) | ((etop < 0) & g_c)
-        strength_c = np.where(own & oc & (c["ref_rank"][cand] > 1), np.clip(dc / th.gibberish_log_ratio, 0.0, 1.0), 0.0)
+        relative = own & oc & (c["ref_rank"][cand] > 1) & past_tie  # as metrics.metric_arrays: a tie is no lie
+        strength_c = np.where(relative, np.clip(dc / th.gibberish_log_ratio, 0.0, 1.0), 0.0)
         strength_c[np.isnan(strength_c)] = 0.0
         strength_c[(eng[cand] >= th.confident_logprob) & (ref[cand] <= th.improbable_logprob)] = 1.0
         if no_lp is not None:  # a token without a logprob: the tokens-only rule (`absent`)
