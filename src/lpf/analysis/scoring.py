@@ -29,7 +29,7 @@ from lpf.analysis import absent
 from lpf.analysis import column_stats as cs
 from lpf.analysis import metrics as m
 from lpf.analysis.thresholds import Thresholds
-from lpf.analysis.verdicts import CODES, reduce_requests, without_lp
+from lpf.analysis.verdicts import CODES, reduce_requests, tie_moved, without_lp
 
 CHUNK = 1 << 16
 _BIG = np.iinfo(np.int32).max
@@ -66,6 +66,9 @@ def score_requests(cols: dict[str, np.ndarray], starts: np.ndarray, greedy, th: 
         }
         return reduce_requests(empty, th, np.zeros(0, np.int64)), 0, 0
     return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}, flips, n - other
+
+
+_TIE = ("token_id", "ref_top1_id", "ref_top1_logprob", "ref_logprob")  # what `tie_moved` reads
 
 
 def _score_chunk(c: dict, st: np.ndarray, greedy, th: Thresholds, temperature=0.0):
@@ -111,6 +114,7 @@ def _score_chunk(c: dict, st: np.ndarray, greedy, th: Thresholds, temperature=0.
             flip_c[nc], strength_c[nc] = flip_n, strength_n
         lie_c = strength_c >= 0.5
         over = np.flatnonzero(~(ad <= th.divergent_abs_diff))  # past the threshold, or not a number
+        near_tie = over[tie_moved({k: c[k][over] for k in _TIE if k in c}, ad[over], th)] if over.size else over
     if no_lp is not None:  # no logprob error where none was reported
         over = over[~no_lp[over]]
     bad = over[~np.isfinite(ad[over])]
@@ -128,6 +132,7 @@ def _score_chunk(c: dict, st: np.ndarray, greedy, th: Thresholds, temperature=0.
     counts = np.diff(np.r_[st, n]).astype(np.int64)
     flagged = np.zeros(n, bool)
     flagged[over] = True
+    flagged[near_tie] = False  # a near tie's token moved by no more than the tie margin (`verdicts.tie_moved`)
     flagged[cand[flip_c | lie_c]] = True
     flagged_rows = np.flatnonzero(flagged)
     seg = np.searchsorted(st, flagged_rows, side="right") - 1
