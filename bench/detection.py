@@ -24,11 +24,11 @@ temporary folder, 50 windows; both parts read the same two runs (two `lpf audit`
 start-up is most of a quick run).
 `--requests N` audits the first N zoo:stress prompts (seed 17) instead of all 2,000, in --out/requests-N/
 (the time a shared 2-core machine allows), written to bench/results/detection-DATE-requestsN.json.
-`--only NAME,...` runs those configs (of CONFIGS and HONEST) and no others, written to
+`--only NAME` (repeated) runs those configs (of CONFIGS and HONEST) and no others, written to
 bench/results/checks/detection-DATE-only[-requestsN].json (a re-check of some rows, outside the table's files:
 docs/benchmarks.md's table keeps the full run's row).
 Usage: python bench/detection.py [--windows 500] [--out runs/bench-detection] [--part logprobs|tokens|both] [--quick]
-       [--requests N] [--only NAME,...]
+       [--requests N] [--only NAME ...]
 (writes bench/results/detection.json and detection_tokens.json, prints the tables)
 """
 
@@ -353,9 +353,10 @@ def main() -> None:
     )
     ap.add_argument(
         "--only",
+        action="append",
         default=None,
-        help="comma-separated config names (CONFIGS and HONEST) to run, the rest skipped: a re-check of some rows "
-        "(written to detection-DATE-only.json)",
+        help="a config name (of CONFIGS and HONEST) to run, the rest skipped; repeat it for several: a re-check of "
+        "some rows (written to bench/results/checks/)",
     )
     a = ap.parse_args()
     from lpf.analysis.run_test import DEFAULT_ALPHA
@@ -377,7 +378,7 @@ def main() -> None:
         workload.write_text("".join(json.dumps({"id": i["id"], "prompt": i["prompt"]}) + "\n" for i in items))
         workload = str(workload)
     if a.only:
-        wanted = [n.strip() for n in a.only.split(",") if n.strip()]
+        wanted = [n.strip() for n in a.only]  # names hold commas ("..., flash attention"): one name per --only
         unknown = [n for n in wanted if n not in CONFIGS and n not in HONEST]
         if unknown:
             sys.exit(f"--only: unknown config(s) {', '.join(unknown)}; known: {', '.join([*CONFIGS, *HONEST])}")
