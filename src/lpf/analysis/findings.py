@@ -37,7 +37,9 @@ expected tie margin, at most what the engine's own logprob errors move a margin 
 a near-tie flip the engine's arithmetic explains is no penalty's): when one explains the greedy flips, it is
 `findings.server_processing.penalty` (value, scope, sentence; absent otherwise) and a signature
 (named after the mechanism, e.g. `repetition_penalty`: the requests with a flip it explains) ranked
-with the rest. Any run gets
+with the rest; a `divergent` request whose only flagged tokens are flips it explains is the server's
+configured sampling, lowered to `noise`/`clean` with `server_processing` naming it (`penalties.lower_explained`;
+`lowered` counts them), before the summary is final. Any run gets
 `signatures.fit_logprob_temperature` (the temperature the reported logprobs fit, when neither 1 nor
 the run's own): found, it is `findings.server_processing.logprob_temperature` and the
 `tempered_logprobs` signature is computed at it.
@@ -80,7 +82,7 @@ from lpf.analysis.prefix_cache import prefix_cache_summary
 from lpf.analysis.prompt import merge_summary, prompt_analysis, worst_verdict
 from lpf.analysis.localized import raise_localized
 from lpf.analysis.mechanisms import attribute, run_level
-from lpf.analysis.penalties import fit_penalty, phrase as penalty_phrase
+from lpf.analysis.penalties import fit_penalty, lower_explained, phrase as penalty_phrase
 from lpf.analysis.run_test import DEFAULT_ALPHA, run_level_test, token_evidence
 from lpf.analysis.shape import failure_shape
 from lpf.analysis.speculative_decisions import decision_signature, decision_slack, decision_test, raise_decisions
@@ -302,6 +304,13 @@ def conclude_run(
     decisions = inputs.decisions(run, decision_slack(th.divergent_abs_diff, run.expected))
     if decisions is not None:
         summary = raise_decisions(summary, decisions[0])
+    record(ran, "penalty")
+    greedy = run.greedy_ids is not None or (not run.mixed and bool(run.greedy))  # the greedy requests' choices
+    penalty = inputs.penalty(_penalty_tie(th, test), run.greedy_ids) if greedy else None
+    # flips the server's own penalty explains are its configured sampling, not divergences
+    summary, lowered = lower_explained(summary, penalty, th.clean_abs_diff)
+    if penalty is not None:
+        penalty["lowered"] = lowered
     if on_summary is not None:
         on_summary(summary)
     record(ran, "metrics")
@@ -313,10 +322,9 @@ def conclude_run(
     record(ran, "tempered")
     wanted = not run.mixed and wants_tempered(temperature, run.reference_columns)
     tempered = inputs.tempered(temperature) if wanted else None
-    record(ran, "penalty", "logprob_temperature")
-    greedy = run.greedy_ids is not None or (not run.mixed and bool(run.greedy))  # the greedy requests' choices
+    record(ran, "logprob_temperature")
     server = {
-        "penalty": inputs.penalty(_penalty_tie(th, test), run.greedy_ids) if greedy else None,
+        "penalty": penalty,
         "logprob_temperature": (inputs.logprob_temperature() if "ref_topk_logprobs" in run.reference_columns else None),
     }
     fitted = server["logprob_temperature"]
