@@ -309,7 +309,8 @@ def conclude_run(
     penalty = inputs.penalty(_penalty_tie(th, test), run.greedy_ids) if greedy else None
     # flips the server's own penalty explains are its configured sampling, not divergences
     summary, lowered = lower_explained(summary, penalty, th.clean_abs_diff)
-    if penalty is not None:
+    if penalty is not None:  # the ids are the summary's `server_processing` column now
+        penalty.pop("explained_requests", None)
         penalty["lowered"] = lowered
     if on_summary is not None:
         on_summary(summary)

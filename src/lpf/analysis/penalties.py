@@ -20,8 +20,9 @@ Tokens outside the top-k are not candidates. Only positions where a candidate wa
 MAX_POSITIONS of them: a bigger run is fitted on every k-th request); the fit is the
 value at the middle of the best plateau (its interval: the values around it whose agreement an exact sign
 test cannot tell from it, `_interval`), and it is reported when it turns at least MIN_EXPLAINED of
-the neutral value's greedy flips into agreements, against fewer lost agreements than a sign test
-allows (p < MAX_P). The dict: {mechanism, scope, value, interval [lo, hi], explained (flips the fit
+the neutral value's greedy flips into agreements, significantly (p < MAX_P, twice the smaller of: an exact
+sign test of explained flips against lost agreements; `_coincidence`, how likely the flips meet the fit's
+changes by chance among the informative positions). The dict: {mechanism, scope, value, interval [lo, hi], explained (flips the fit
 turns into agreements), flips (greedy flips where a candidate was seen), lost, p_value, requests
 (ids with an explained flip), explained_requests (those with no other flip: none the fit leaves, none
 where no candidate had been seen), sentence}.
@@ -36,9 +37,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from lpf.analysis.columns import one_array
-from lpf.analysis.stats import sign_test
+from lpf.analysis.stats import hypergeom_tail, sign_test
 
-MIN_EXPLAINED = 3
+MIN_EXPLAINED = 2  # two flips each exactly where the fit puts one can be significant (`_coincidence`)
 MAX_P = 1e-3
 INTERVAL_ALPHA = 0.05  # the interval: values the evidence cannot tell from the fit at this level
 LAST_N = 64  # llama.cpp's penalty_last_n default
@@ -91,7 +92,7 @@ def fit_penalty(
     explained = flips & agree[:, g]
     lost = agree[:, g0] & ~agree[:, g]
     n_exp, n_lost = int(explained.sum()), int(lost.sum())
-    p = sign_test(n_exp, n_exp + n_lost)
+    p = min(1.0, 2 * min(sign_test(n_exp, n_exp + n_lost), _coincidence(fits, flips, n_exp, n_lost)))
     if n_exp < MIN_EXPLAINED or p >= MAX_P:
         return None
     value = float(best["grid"][g])
@@ -172,6 +173,21 @@ def phrase(fit: dict) -> str:
         f"chose tokens that a {fit['mechanism'].replace('_', ' ')} of {fit['value']:.3g} on "
         f"{_SCOPE_WORDS[fit['scope']]} predicts and the raw logits do not (server-side sampling processing)"
     )
+
+
+def _coincidence(fits: list[dict], flips: np.ndarray, n_exp: int, n_lost: int) -> float:
+    """How likely the fit's choices meet the engine's flips by chance: of the P informative positions, the fit
+    changes the raw choice at n_exp + n_lost plus, at most, the flips it leaves (an upper bound); the engine
+    flipped at F; under a fault that flips where it flips whatever the penalty does, the overlap is
+    hypergeometric, P(X >= n_exp). Times the distinct sets of choices tried (Bonferroni: per kind, the grid
+    points where some position's agreement changes, plus one). A handful of flips, each exactly where a
+    penalty puts one and none elsewhere, is evidence the sign test alone cannot give (2 flips: p >= 0.25)."""
+    n_flips = int(flips.sum())
+    if n_exp == 0:
+        return 1.0
+    tried = sum(int(np.any(f["agree"][:, 1:] != f["agree"][:, :-1], axis=0).sum()) + 1 for f in fits)
+    changed = n_lost + n_flips  # the fit's changes: explained + lost, and the flips it leaves (bound)
+    return min(1.0, tried * hypergeom_tail(n_exp, flips.size, changed, n_flips))
 
 
 def _kind(fits: list[dict]) -> dict | None:
