@@ -24,8 +24,11 @@ temporary folder, 50 windows; both parts read the same two runs (two `lpf audit`
 start-up is most of a quick run).
 `--requests N` audits the first N zoo:stress prompts (seed 17) instead of all 2,000, in --out/requests-N/
 (the time a shared 2-core machine allows), written to bench/results/detection-DATE-requestsN.json.
+`--only NAME` (repeated) runs those configs (of CONFIGS and HONEST) and no others, written to
+bench/results/checks/detection-DATE-only[-requestsN].json (a re-check of some rows, outside the table's files:
+docs/benchmarks.md's table keeps the full run's row).
 Usage: python bench/detection.py [--windows 500] [--out runs/bench-detection] [--part logprobs|tokens|both] [--quick]
-       [--requests N]
+       [--requests N] [--only NAME ...]
 (writes bench/results/detection.json and detection_tokens.json, prints the tables)
 """
 
@@ -348,6 +351,13 @@ def main() -> None:
         action="store_true",
         help="two configs, 40 short prose requests, both parts on the same runs, a temporary folder (a smoke run)",
     )
+    ap.add_argument(
+        "--only",
+        action="append",
+        default=None,
+        help="a config name (of CONFIGS and HONEST) to run, the rest skipped; repeat it for several: a re-check of "
+        "some rows (written to bench/results/checks/)",
+    )
     a = ap.parse_args()
     from lpf.analysis.run_test import DEFAULT_ALPHA
 
@@ -367,6 +377,14 @@ def main() -> None:
         workload = a.out / f"stress-{a.requests}.jsonl"
         workload.write_text("".join(json.dumps({"id": i["id"], "prompt": i["prompt"]}) + "\n" for i in items))
         workload = str(workload)
+    if a.only:
+        wanted = [n.strip() for n in a.only]  # names hold commas ("..., flash attention"): one name per --only
+        unknown = [n for n in wanted if n not in CONFIGS and n not in HONEST]
+        if unknown:
+            sys.exit(f"--only: unknown config(s) {', '.join(unknown)}; known: {', '.join([*CONFIGS, *HONEST])}")
+        configs = {k: v for k, v in configs.items() if k in wanted}
+        for k in [k for k in HONEST if k not in wanted]:
+            del HONEST[k]
     a.out.mkdir(parents=True, exist_ok=True)
     try:
         if a.part in ("tokens", "both"):
@@ -456,6 +474,10 @@ def logprobs_part(a, alpha: float, configs: dict, workload: str, max_tokens: int
         (ROOT / "bench" / "results").mkdir(exist_ok=True)
         # a subset run is its own dated file of the `detection` family (the full run's detection.json kept)
         name = f"detection-{result['measured']}-requests{a.requests}.json" if a.requests else "detection.json"
+        if a.only:  # some rows only: a check kept beside the table's files (bench/results/checks/), never a row of it
+            name = "checks/" + f"detection-{result['measured']}-only" + (f"-requests{a.requests}" * bool(a.requests))
+            name += ".json"
+            (ROOT / "bench" / "results" / "checks").mkdir(exist_ok=True)
         from provenance import stamp  # bench/provenance.py, beside this script: the commit measured
 
         (ROOT / "bench" / "results" / name).write_text(json.dumps(stamp(result), indent=1) + "\n")

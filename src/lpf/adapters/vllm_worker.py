@@ -3,8 +3,9 @@
 Usage: PYTHON vllm_worker.py CONFIG_JSON RESULT_FD. It needs only vLLM and the standard library.
 Protocol, JSON lines:
 - RESULT_FD (the only channel lpf reads; vLLM logs to stdout/stderr, which lpf sends to a log file):
-  {"type": "ready", "vllm_version", "logprobs_mode", "engine_args", "trace", "vllm_config", "sampling_defaults"}
-  once the engine is up (`configuration_of`: what vLLM runs, read from its config),
+  {"type": "ready", "vllm_version", "logprobs_mode", "engine_args", "trace", "vllm_config", "sampling_defaults",
+  "kv_scales"} once the engine is up (`configuration_of`: what vLLM runs, read from its config; `kv_scales`: the
+  per-tensor scales its attention layers quantize a quantized KV cache with, `kv_scales_of`),
   then per batch {"type": "submitted", "vllm_ids": {vLLM's id: ours}} once every request is in (the
   id vLLM's runner, and so the trace plugin, knows each request by), one {"type": "completion",
   request_id, output_token_ids, logprobs, topk_ids, topk_logprobs, finish_reason, error, t_submit,
@@ -402,7 +403,32 @@ def configuration_of(llm) -> dict:
         defaults = model.get_diff_sampling_param() if hasattr(model, "get_diff_sampling_param") else None
     except AttributeError:
         return {}
-    return {"vllm_config": out, "sampling_defaults": defaults}
+    return {"vllm_config": out, "sampling_defaults": defaults, "kv_scales": kv_scales_of(llm, out)}
+
+
+def kv_scales_of(llm, config: dict) -> dict | None:
+    """{"k": [...], "v": [...]}: the distinct per-tensor scales (`_k_scale_float`, `_v_scale_float`) the model's
+    attention layers quantize K and V with, read from the layers themselves, when the KV cache is quantized
+    (None otherwise, or where this vLLM keeps them elsewhere). vLLM sets them from a checkpoint's k_scale /
+    v_scale, else 1.0 (model_executor/layers/quantization/kv_cache.py): a cache quantized at scale 1.0 loses
+    small K/V values to fp8's subnormal range, which a cache scaled from the values' own range does not."""
+    if not str((config.get("cache_config") or {}).get("cache_dtype") or "").startswith("fp8"):
+        return None
+
+    def scales(model):
+        k, v = set(), set()
+        for module in model.modules():
+            if hasattr(module, "_k_scale_float") and hasattr(module, "_v_scale_float"):
+                k.add(float(module._k_scale_float))
+                v.add(float(module._v_scale_float))
+        return {"k": sorted(k), "v": sorted(v)}
+
+    try:
+        got = llm.apply_model(scales)
+    except Exception as e:  # noqa: BLE001 - a vLLM without apply_model in-process: the scales stay unread
+        print(f"lpf worker: KV scales not read: {type(e).__name__}: {e}", file=sys.stderr)
+        return None
+    return got[0] if got and (got[0]["k"] or got[0]["v"]) else None
 
 
 def main() -> int:

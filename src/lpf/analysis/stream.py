@@ -37,7 +37,7 @@ hypotheses and evidence read the per-request summary and requests table; the run
 `run_test.MAX_TOKENS` tokens. Means are numpy's pairwise sums over the whole column in token order,
 as in memory (`column_stats`), so they are the same floating-point sums.
 The steps are `lpf.analysis.steps.STEPS`, run in that order and recorded on `ran`; those after the
-run-level test through `findings.conclude_run`, as in memory. Not streamed: a calibration run
+run-level test through `conclusion.conclude_run`, as in memory. Not streamed: a calibration run
 (`calibrate_from_run` joins it with the whole reference): `lpf.pipeline.analyze` routes such runs to
 the in-memory path and refuses `--stream` on them. Read whole: the trace, and the prompt positions'
 tables (`prompt()`, when the run has them: `with_prompt` after the output positions).
@@ -56,7 +56,8 @@ from lpf.analysis import metrics as m
 from lpf.analysis.calibration import calibrate, calibrate_to_floor
 from lpf.analysis.evidence import apply_inconsistency
 from lpf.analysis.columns import Lookup, one_array, same_rows
-from lpf.analysis.findings import Run, conclude_run, with_prompt
+from lpf.analysis.conclusion import Run, conclude_run
+from lpf.analysis.findings import with_prompt
 from lpf.analysis import run_test as run_level
 from lpf.analysis import stream_evidence
 from lpf.analysis.localized import raise_localized

@@ -15,7 +15,7 @@ caller's `store`, with `add(name, table)` and `pieces(name)` -> the tables added
     logprob_temperature  the tokens whose logprob departs from the raw one by more than the clean
                          threshold, in token order, and their reference top-k
   It returns {name: table} and {name: count}.
-- `Gathered(gatherer, store, counts, token_ids)`: `findings.Inputs` over what was gathered, giving
+- `Gathered(gatherer, store, counts, token_ids)`: `conclusion.Inputs` over what was gathered, giving
   `findings.analyze`'s results on the whole tables: each step's function called on exactly the rows
   it reads of them (`token_ids(keep)`: the requests table with the token-id lists of the requests at
   `keep` and empty lists elsewhere, the same rows in the same order: the penalty's context; with a
@@ -139,7 +139,7 @@ def _at_keys(table: pa.Table, keys: pa.Table, columns: list[str]) -> pa.Table:
 
 
 class Gathered:
-    """`findings.Inputs` from what the chunks gave (module docstring)."""
+    """`conclusion.Inputs` from what the chunks gave (module docstring)."""
 
     def __init__(self, gatherer: Gatherer, store, counts: dict, token_ids, missed: list):
         self.g, self.store, self.counts, self.token_ids, self.missed = gatherer, store, counts, token_ids, missed

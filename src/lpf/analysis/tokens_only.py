@@ -24,7 +24,7 @@ from lpf.analysis import metrics as m
 from lpf.analysis import token_test
 from lpf.analysis.calibration import calibrate_to_floor
 from lpf.analysis.evidence import apply_inconsistency
-from lpf.analysis.findings import conclude, findings_dict
+from lpf.analysis.conclusion import conclude, findings_dict
 from lpf.analysis.floors import run_floor
 from lpf.analysis.thresholds import Thresholds
 from lpf.analysis.token_evidence import evidence_columns

@@ -2,7 +2,9 @@
 value and where that value came from.
 
 Contract: `FIELDS` are what an engine computes with that moves its floor: `dtype` (the dtype it computes
-in, or lpf's GGUF type name for a quantized llama.cpp file), `kv_cache_dtype`, `flash_attention` ("on" |
+in, or lpf's GGUF type name for a quantized llama.cpp file), `kv_cache_dtype`, `kv_cache_scale` (the
+per-tensor scale a quantized KV cache is written with, where the engine says: vLLM's layers hold 1.0 unless the
+checkpoint gives scales; a number, or {"k", "v"}), `flash_attention` ("on" |
 "off"), `weight_quantization` ("none" when the engine says its weights are a float type; else the scheme,
 e.g. "Q4_K - Medium", "fp8", "awq") and `sampling_defaults` (the defaults the server applies to a request
 that does not set them, e.g. llama-server's repeat_penalty, as a {name: value} dict).
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-FIELDS = ("dtype", "kv_cache_dtype", "flash_attention", "weight_quantization", "sampling_defaults")
+FIELDS = ("dtype", "kv_cache_dtype", "kv_cache_scale", "flash_attention", "weight_quantization", "sampling_defaults")
 DECLARED_BY = {
     "dtype": "--dtype",
     "kv_cache_dtype": "--kv-cache-dtype",

@@ -19,7 +19,8 @@ Contract (pure: a trace table and findings data in, plain data out):
   time (the null slot they share carries the earlier one's state); a batch of 3-4 sequences for a count
   applied after the batch's permutation, or for a sampled request verified against another row's draft
   probabilities; one sequence at a time for a resume from a checkpoint a verify step saved (its writer
-  done before the resume starts). None when the hypothesis names none the engine has.
+  done before the resume starts), and for a prefix-cache hit (its writer a step ahead of its reader: a
+  request never hits a block written in its own step). None when the hypothesis names none the engine has.
 The shrink (`search`) tries the suspects before its blind search, at the original knobs and then
 at each named move.
 """
@@ -84,6 +85,11 @@ FEATURE_MOVES = {
     ),
     # a resume from a checkpoint a verify step saved: its writer must be done before the resume is admitted
     "resumed_overshot_state": ("the checkpoint's writer finished before the resume", ({"concurrency": 1},)),
+    # a prefix-cache hit reads blocks an earlier request wrote, and a request never hits a block written in its
+    # own step: one sequence at a time puts the writer a step ahead of its reader, with no other request to
+    # hold the reader back (without it, lpf shrink kept three 1-token requests filling max_num_seqs 4 so the
+    # reader was admitted a step after the writer)
+    "prefix_cache_hit": ("the prefix's writer a step ahead of its reader", ({"concurrency": 1},)),
     "state_rolled_back_wrong": (
         "a batch of 3-4 sequences whose rows a leaver permutes",
         ({"concurrency": 3}, {"concurrency": 4}),
@@ -250,6 +256,7 @@ NARROW = {
     "prompt_on_verify_path": _verify_slot_users,
     "state_rolled_back_wrong": _wrong_count_step,
     "resumed_overshot_state": _resume_sources,
+    "prefix_cache_hit": _resume_sources,  # who wrote and published the blocks the hit reused
     "spec_decision_against_odds": _permuted_sampled_step,
 }
 
