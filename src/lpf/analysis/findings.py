@@ -37,7 +37,9 @@ expected tie margin, at most what the engine's own logprob errors move a margin 
 a near-tie flip the engine's arithmetic explains is no penalty's): when one explains the greedy flips, it is
 `findings.server_processing.penalty` (value, scope, sentence; absent otherwise) and a signature
 (named after the mechanism, e.g. `repetition_penalty`: the requests with a flip it explains) ranked
-with the rest. Any run gets
+with the rest; a `divergent` request whose only flagged tokens are flips it explains is the server's
+configured sampling, lowered to `noise`/`clean` with `server_processing` naming it (`penalties.lower_explained`;
+`lowered` counts them), before the summary is final. Any run gets
 `signatures.fit_logprob_temperature` (the temperature the reported logprobs fit, when neither 1 nor
 the run's own): found, it is `findings.server_processing.logprob_temperature` and the
 `tempered_logprobs` signature is computed at it.

@@ -31,7 +31,9 @@ Contract:
       flash attention on an f32 cache; an fp8 cache written at scale 1.0 is `kv=fp8_e4m3 scale=1`, vLLM's own
       row): the row `"{pair} kv={kv}"` measured for it, named in the detail and as
       `configured` ({kv, why}); a configuration with no measured row is judged by the plain pair (said in the
-      detail), so an unmeasured quantization stays caught as before.
+      detail), so an unmeasured quantization stays caught as before. A float32 engine that says nothing of its KV
+      cache (`kv_seen`: its top-k spread, `kv_signature`) is judged by the `kv=float16` row when its spread sits
+      nearer it than float32's own: `configured` then carries `inferred` (what to declare), said in the detail.
   `settings` (when floors.json says): the prompts and knob settings the row was measured over
       (scripts/measure_floor_settings.py widens float32's over long shared-prefix prompts, chunked
       prefill and prefix caching, where an honest engine's top-k spread was 5x the zoo:stress floor;
@@ -276,7 +278,8 @@ def infer_pair(rows: dict[str, tuple[dict | None, str]], observed: dict | None) 
             if stats.get("median") is None:
                 return np.inf
             typical = float(stats["median"])
-        return round(abs(at - np.log(max(typical, MIN_UNIT))), 6)
+        # to 0.1%: medians a float32 ulp apart (float32's and float16's median |d|, 4.768e-7) are a tie
+        return round(abs(at - np.log(max(typical, MIN_UNIT))), 3)
 
     def strictness(pair: str) -> float:
         return float(((rows[pair][0] or {}).get("token") or {}).get("q99") or np.inf)
@@ -341,7 +344,7 @@ def run_floor(
     table: dict, run_info: dict, calibration: dict | None = None, observed: dict | None = None, engine_dtype=None
 ) -> dict | None:
     """`expected_floor` with a run's facts (`run_info`: engine_dtype, reference_dtype, reference_kind, model,
-    configuration); `engine_dtype` when a calibration run names the engine's dtype instead."""
+    configuration, kv_seen); `engine_dtype` when a calibration run names the engine's dtype instead."""
     return expected_floor(
         table,
         engine_dtype or run_info.get("engine_dtype"),
@@ -351,7 +354,46 @@ def run_floor(
         observed=observed,
         configuration=run_info.get("configuration"),
         reference_kind=run_info.get("reference_kind"),
+        kv_seen=run_info.get("kv_seen"),
     )
+
+
+# a float32 engine whose K/V are rounded to float16 on the way to attention, when the server does not say so
+F16_COPY_WHY = "an f16 KV copy (flash attention over an f32 KV cache, or an f16 KV cache)"
+F16_COPY_ADVICE = (
+    "inferred from its errors, not declared (the server does not say its KV cache): declare it with "
+    "--kv-cache-dtype float16, or run llama-server -fa off for exact float32"
+)
+
+
+def _fits_f16_copy(plain: dict | None, f16: dict | None, observed: dict | None) -> bool:
+    """The observed top-k spread's 99th percentile is nearer, in log space, to the `kv=float16` row's than to
+    the plain row's (a tie stays plain: the stricter floor)."""
+
+    def q99(row):
+        return float(((row or {}).get("topk") or {}).get("q99") or 0.0)
+
+    if not observed or q99(plain) <= 0 or q99(f16) <= 0:
+        return False
+    at = np.log(max(observed["topk_q99"], 1e-30))
+    return abs(at - np.log(q99(f16))) < abs(at - np.log(q99(plain)))
+
+
+def _f16_copy(table: dict, pair: str, row: dict | None, how: str, model: str | None, kv_seen: dict | None):
+    """(pair, row, how, configured): a float32 engine that does not say its KV cache (`kv_seen`: its top-k
+    spread, `kv_signature.seen`) is judged by the `kv=float16` row when its spread sits nearer that row than
+    float32's own (`_fits_f16_copy`), the configuration named as inferred; else as it was."""
+    if kv_seen is None or row is None or pair != "float32/float32":
+        return pair, row, how, None
+    keyed = f"{pair} kv=float16"
+    alt, how_alt = _row(table, keyed, model)
+    if alt is None or not _fits_f16_copy(row, alt, kv_seen):
+        return pair, row, how, None
+    how_alt += (
+        f"; its top-k spread (99th percentile {kv_seen['topk_q99']:.2g} over {kv_seen['n']} positions) sits "
+        "nearer that row than float32's own"
+    )
+    return keyed, alt, how_alt, {"kv": "float16", "why": F16_COPY_WHY, "inferred": F16_COPY_ADVICE}
 
 
 def infers_dtype(table: dict, run_info: dict, engine_dtype=None) -> bool:
@@ -373,6 +415,7 @@ def expected_floor(
     observed: dict | None = None,
     configuration: dict | None = None,
     reference_kind: str | None = None,
+    kv_seen: dict | None = None,
 ) -> dict | None:
     if reference_kind in SERVER_REFERENCES:
         floor = _server_floor(table, engine_dtype, reference_dtype, reference_kind, model)
@@ -401,6 +444,8 @@ def expected_floor(
                 pair, row, how = keyed, configured, how_configured
             else:
                 unmeasured = f"; {configuration['why']} has no measured floor: judged as {pair}"
+        elif not configuration:
+            pair, row, how, configuration = _f16_copy(table, pair, row, how, model, kv_seen)
         if row is not None:
             floor = envelope(row, same)
             floor.update(source="table", pair=pair, detail=f"the shipped table, {pair}, {how}{unmeasured}")
@@ -412,21 +457,34 @@ def expected_floor(
                 return None
             rows = {p: _row(table, p, model) for p in known}
             inferred = infer_pair(rows, observed)
+            f16_copy = f"float32/{reference_dtype} kv=float16"
+            if kv_seen is not None and f16_copy in (table.get("pairs") or {}):  # its KV unsaid: a candidate too
+                inferred = infer_pair({**rows, f16_copy: _row(table, f16_copy, model)}, observed)
+            if inferred == f16_copy:
+                keyed, row, inferred_how = inferred, *_row(table, f16_copy, model)
+                configured = {"kv": "float16", "why": F16_COPY_WHY, "inferred": F16_COPY_ADVICE}
+            elif inferred is not None:
+                keyed, row, inferred_how, configured = _f16_copy(
+                    table, inferred, rows[inferred][0], rows[inferred][1], model, kv_seen
+                )
             if inferred is not None:
-                floor = envelope(rows[inferred][0], same)
+                floor = envelope(row, same)
                 if (observed.get("n") or 0) >= INFER_MIN_TOKENS:
                     seen = f"median {observed['median']:.2g} nats of logit error over {observed['n']} unsure tokens"
                 else:
                     seen = f"median |d| {observed['abs_median']:.2g} over {observed['abs_n']} tokens"
                 floor.update(
                     source="table",
-                    pair=inferred,
+                    pair=keyed,
                     assumed_dtype=inferred.split("/")[0],
                     inferred_dtype=inferred.split("/")[0],
                     detail=f"the shipped table: the engine's dtype is {engine_dtype or 'not recorded'}, and its "
-                    f"token errors ({seen}) fit {inferred} best, so its floor ({rows[inferred][1]}); declare "
-                    "-E dtype=... to judge against another",
+                    f"token errors ({seen}) fit {inferred} best, so "
+                    + (f"{keyed}'s floor ({inferred_how})" if configured else f"its floor ({inferred_how})")
+                    + "; declare -E dtype=... to judge against another",
                 )
+                if configured:
+                    floor["configured"] = configured
             else:
                 lenient = _most_lenient(rows)
                 floor = envelope(rows[lenient][0], same)

@@ -20,10 +20,14 @@ Tokens outside the top-k are not candidates. Only positions where a candidate wa
 MAX_POSITIONS of them: a bigger run is fitted on every k-th request); the fit is the
 value at the middle of the best plateau (its interval: the values around it whose agreement an exact sign
 test cannot tell from it, `_interval`), and it is reported when it turns at least MIN_EXPLAINED of
-the neutral value's greedy flips into agreements, against fewer lost agreements than a sign test
-allows (p < MAX_P). The dict: {mechanism, scope, value, interval [lo, hi], explained (flips the fit
+the neutral value's greedy flips into agreements, significantly (p < MAX_P, twice the smaller of: an exact
+sign test of explained flips against lost agreements; `_coincidence`, how likely the flips meet the fit's
+changes by chance among the informative positions). The dict: {mechanism, scope, value, interval [lo, hi], explained (flips the fit
 turns into agreements), flips (greedy flips where a candidate was seen), lost, p_value, requests
-(ids with an explained flip), sentence}.
+(ids with an explained flip), explained_requests (those with no other flip: none the fit leaves, none
+where no candidate had been seen), sentence}.
+`lower_explained(summary, fit, clean_abs_diff) -> (summary, n)`: the `divergent` requests whose only flagged
+tokens are flips the fit explains judged as the server's sampling (`noise`/`clean`, column `server_processing`).
 """
 
 from __future__ import annotations
@@ -33,9 +37,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from lpf.analysis.columns import one_array
-from lpf.analysis.stats import sign_test
+from lpf.analysis.stats import hypergeom_tail, sign_test
 
-MIN_EXPLAINED = 3
+MIN_EXPLAINED = 2  # two flips each exactly where the fit puts one can be significant (`_coincidence`)
 MAX_P = 1e-3
 INTERVAL_ALPHA = 0.05  # the interval: values the evidence cannot tell from the fit at this level
 LAST_N = 64  # llama.cpp's penalty_last_n default
@@ -67,7 +71,7 @@ def fit_penalty(
     that `request_stride(n_rows)` keeps (the streamed analysis gathers those): the same sample."""
     if "ref_logsumexp" not in reference.column_names or "ref_topk_ids" not in reference.column_names:
         return None
-    ev = _evidence(tokens, reference, requests, n_rows)
+    ev = _evidence(tokens, reference, requests, n_rows, tie)
     if ev is None:
         return None
     fits = []
@@ -88,11 +92,15 @@ def fit_penalty(
     explained = flips & agree[:, g]
     lost = agree[:, g0] & ~agree[:, g]
     n_exp, n_lost = int(explained.sum()), int(lost.sum())
-    p = sign_test(n_exp, n_exp + n_lost)
+    p = min(1.0, 2 * min(sign_test(n_exp, n_exp + n_lost), _coincidence(fits, flips, n_exp, n_lost)))
     if n_exp < MIN_EXPLAINED or p >= MAX_P:
         return None
     value = float(best["grid"][g])
-    ids = sorted(set(np.asarray(ev["request_id"], dtype=object)[explained].tolist()))
+    rid = np.asarray(ev["request_id"], dtype=object)
+    ids = sorted(set(rid[explained].tolist()))
+    # a request every flip of which the fit explains, none where no candidate had been seen: the server's
+    # processing, not a divergence (`lower_explained`)
+    unexplained = set(rid[flips & ~agree[:, g]].tolist()) | ev["stray"]
     return {
         "mechanism": best["mech"],
         "scope": best["scope"],
@@ -103,8 +111,49 @@ def fit_penalty(
         "lost": n_lost,
         "p_value": p,
         "requests": ids,
+        "explained_requests": sorted(set(ids) - unexplained),
         "sentence": sentence(best["mech"], best["scope"], value, n_exp, int(flips.sum()), len(ids)),
     }
+
+
+LOWERED_BY = ("self_contradiction", "sure_token", "spec_decision", "inconsistency")  # other steps' reasons
+
+
+def lower_explained(summary: pa.Table, fit: dict | None, clean_abs_diff: float) -> tuple[pa.Table, int]:
+    """(`summary` with each `divergent` request whose only flagged tokens are greedy flips the fitted penalty
+    explains, `fit["explained_requests"]`, judged as the server's configured sampling: `noise` (or `clean`
+    within `clean_abs_diff`), no first divergence, column `server_processing` naming the mechanism; how many).
+    A request another step raised (a contradiction, a sure token, a decision, an inconsistent answer) stays."""
+    if fit is None or not fit.get("explained_requests"):
+        return summary, 0
+    keep = pc.is_in(summary.column("request_id"), value_set=pa.array(fit["explained_requests"], pa.string()))
+    lower = pc.and_(keep, pc.equal(summary.column("verdict"), "divergent"))
+    flips = summary.column("n_greedy_flips")
+    lower = pc.and_(lower, pc.and_(pc.greater(flips, 0), pc.equal(summary.column("n_flagged_tokens"), flips)))
+    for name in LOWERED_BY:
+        if name in summary.column_names:
+            lower = pc.and_(lower, pc.is_null(summary.column(name)))
+    lower = lower.to_numpy(zero_copy_only=False) if hasattr(lower, "to_numpy") else np.asarray(lower)
+    n = int(lower.sum())
+    if n == 0:
+        return summary, 0
+    worst = summary.column("max_abs_logprob_diff").to_numpy(zero_copy_only=False)
+    with np.errstate(invalid="ignore"):
+        calm = np.where(worst > clean_abs_diff, "noise", "clean")
+    verdict = np.where(lower, calm, np.asarray(summary.column("verdict").to_pylist(), dtype=object))
+    first = pc.if_else(pa.array(lower), pa.nulls(summary.num_rows, pa.int32()), summary.column("first_divergence"))
+    out = summary.set_column(
+        summary.column_names.index("verdict"),
+        "verdict",
+        pa.array(verdict.tolist(), summary.schema.field("verdict").type),
+    )
+    out = out.set_column(
+        out.column_names.index("first_divergence"),
+        "first_divergence",
+        first.cast(summary.schema.field("first_divergence").type),
+    )
+    why = pa.array([fit["mechanism"] if x else None for x in lower], pa.string())
+    return out.append_column("server_processing", why), n
 
 
 def sentence(mech: str, scope: str, value: float, explained: int, flips: int, n_requests: int) -> str:
@@ -124,6 +173,21 @@ def phrase(fit: dict) -> str:
         f"chose tokens that a {fit['mechanism'].replace('_', ' ')} of {fit['value']:.3g} on "
         f"{_SCOPE_WORDS[fit['scope']]} predicts and the raw logits do not (server-side sampling processing)"
     )
+
+
+def _coincidence(fits: list[dict], flips: np.ndarray, n_exp: int, n_lost: int) -> float:
+    """How likely the fit's choices meet the engine's flips by chance: of the P informative positions, the fit
+    changes the raw choice at n_exp + n_lost plus, at most, the flips it leaves (an upper bound); the engine
+    flipped at F; under a fault that flips where it flips whatever the penalty does, the overlap is
+    hypergeometric, P(X >= n_exp). Times the distinct sets of choices tried (Bonferroni: per kind, the grid
+    points where some position's agreement changes, plus one). A handful of flips, each exactly where a
+    penalty puts one and none elsewhere, is evidence the sign test alone cannot give (2 flips: p >= 0.25)."""
+    n_flips = int(flips.sum())
+    if n_exp == 0:
+        return 1.0
+    tried = sum(int(np.any(f["agree"][:, 1:] != f["agree"][:, :-1], axis=0).sum()) + 1 for f in fits)
+    changed = n_lost + n_flips  # the fit's changes: explained + lost, and the flips it leaves (bound)
+    return min(1.0, tried * hypergeom_tail(n_exp, flips.size, changed, n_flips))
 
 
 def _kind(fits: list[dict]) -> dict | None:
@@ -198,11 +262,14 @@ def request_stride(n_rows: int) -> int:
     return -(-n_rows // (4 * MAX_POSITIONS)) if n_rows > 4 * MAX_POSITIONS else 1
 
 
-def _evidence(tokens: pa.Table, reference: pa.Table, requests: pa.Table, n_rows: int | None = None) -> dict | None:
+def _evidence(
+    tokens: pa.Table, reference: pa.Table, requests: pa.Table, n_rows: int | None = None, tie: float = 0.0
+) -> dict | None:
     """Per scored position where some candidate had been seen (the only ones a penalty can change):
     candidates' raw logits [P, K+1] (column 0 the engine's token; a top-k entry equal to it is masked
     with -inf) and, per candidate, whether it was in the context, in its last LAST_N tokens, in the
-    output, and how often in the output."""
+    output, and how often in the output; `stray`: the requests with a greedy flip (past `tie`) where no
+    candidate had been seen, which no penalty explains."""
     lse_col = reference.column("ref_logsumexp")
     if lse_col.null_count == len(lse_col):  # no raw-logit offset anywhere: no position to join (a 20M-row join)
         return None
@@ -276,6 +343,8 @@ def _evidence(tokens: pa.Table, reference: pa.Table, requests: pa.Table, n_rows:
     n_inf = int(informative.sum())
     if n_inf == 0:
         return None
+    stray_rows = np.flatnonzero(ok & ~informative & (lp[:, 0] < lp[:, 1:].max(axis=1, initial=-np.inf) - tie))
+    stray = set(t.column("request_id").take(pa.array(stray_rows)).to_pylist())
     if n_inf > MAX_POSITIONS:  # a big run: every k-th request (whole requests, so the counts stay per request)
         dense = np.unique(rr, return_inverse=True)[1]  # the requests left, numbered 0.. (after any sample above)
         informative &= dense % -(-n_inf // MAX_POSITIONS) == 0
@@ -288,6 +357,7 @@ def _evidence(tokens: pa.Table, reference: pa.Table, requests: pa.Table, n_rows:
         "last64": (context & (last >= ctx[:, None] - LAST_N))[sel],
         "output": ((count > 0) & valid)[sel],
         "count": np.where(valid, count, 0)[sel].astype(np.float64),
+        "stray": stray,
     }
 
 

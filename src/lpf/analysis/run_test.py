@@ -348,7 +348,7 @@ def run_test(ev: dict, floor: dict, alpha: float = DEFAULT_ALPHA) -> dict:
         out["configured_sentence"] = (
             f"departs from the reference as {configured['why']} does"
             + (f" ({size:.2g}x its floor)" if size is not None and math.isfinite(size) else "")
-            + ": configured, not a fault"
+            + (f": {configured['inferred']}" if configured.get("inferred") else ": configured, not a fault")
         )
     out["floor_sentence"] = _floor_sentence(out, floor) if out["floor_far_above_expected"] else None
     return out

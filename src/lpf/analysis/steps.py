@@ -40,12 +40,15 @@ STEPS = (
     Step("run_test", "every k-th token in arrival order (at most run_test.MAX_TOKENS)", "gathered"),
     Step("localized", "the run-level test's tokens", "gathered"),
     Step("spec_decisions", "the trace's verify rows, and the token and reference rows at their drafts", "gathered"),
+    Step(
+        "penalty",
+        "greedy: the requests a penalty fit samples (rows with a log-sum-exp), their token ids; the requests whose "
+        "only flips it explains are lowered from divergent",
+        "gathered",
+    ),
     Step("metrics", "the logprob columns, a piece at a time", "chunks"),
     Step(
         "tempered", "the tokens departing from the raw logprob (all a request's count reads), their top-k", "gathered"
-    ),
-    Step(
-        "penalty", "greedy: the requests a penalty fit samples (rows with a log-sum-exp), their token ids", "gathered"
     ),
     Step("logprob_temperature", "the tokens whose logprob departs from the raw one, their reference top-k", "gathered"),
     Step("crossed_wires", "the tokens that missed the reference's top-1, the trace's steps", "chunks"),

@@ -28,7 +28,7 @@ from importlib import resources
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from lpf.analysis import attribution
+from lpf.analysis import attribution, kv_signature
 from lpf.analysis.findings import analyze
 from lpf.analysis.steps import Ran
 from lpf.analysis.returned import counts as returned_counts, tokens_only as returned_nothing, what_came_back
@@ -115,6 +115,11 @@ def analyze_run(
             (m.get("engine") or {}).get("name"), engine_dtype(m), (m.get("engine") or {}).get("configuration")
         ),
     }
+    if not no_logprobs and kv_signature.unsaid(
+        (m.get("engine") or {}).get("name"), (m.get("engine") or {}).get("configuration")
+    ):
+        if run_info["reference_dtype"] == "float32" and run_info["reference_kind"] not in SERVER_REFERENCES:
+            run_info["kv_seen"] = kv_seen(run)  # flash attention's signature, when the server does not say
     kw = dict(
         no_logprobs=no_logprobs,
         ran=ran,
@@ -127,6 +132,31 @@ def analyze_run(
     )
     with _SummaryFile(run.path / "summary.parquet") as written:
         return _judge(run, requests, thresholds, attribute, (on_start, tick), stream, progress, kw, written)
+
+
+KV_SAMPLE_TOKENS = 200_000  # the top-k spread's 99th percentile needs no more
+
+
+def kv_seen(run: RunDir) -> dict | None:
+    """`kv_signature.seen` of the run's top-k spread, on every k-th request (by id) of a run bigger than
+    KV_SAMPLE_TOKENS tokens: the same numbers whichever execution analyses it, read before either starts."""
+    import numpy as np
+    import pyarrow.compute as pc
+
+    every = -(-scored_token_count(run) // KV_SAMPLE_TOKENS)
+    ids = pc.unique(run.read("requests", ["request_id"]).column("request_id")).sort()
+    keep = ids.take(pa.array(np.arange(0, len(ids), max(every, 1))))
+
+    def rows(table: str, columns: list[str]) -> pa.Table:
+        parts = [p.filter(pc.is_in(p.column("request_id"), value_set=keep)) for p in run.iter_parts(table, columns)]
+        return pa.concat_tables(parts) if parts else None
+
+    keys = ["request_id", "position"]
+    tokens = rows("tokens", keys + ["engine_topk_ids", "engine_topk_logprobs"])
+    reference = rows("reference", keys + ["ref_topk_ids", "ref_topk_logprobs"])
+    if tokens is None or reference is None:
+        return None
+    return kv_signature.seen([kv_signature.spread(tokens, reference)])
 
 
 def _mixed_sampling(run: RunDir) -> bool:

@@ -1,0 +1,104 @@
+"""llama-cpp-python's own OpenAI-compatible server (`python -m llama_cpp.server`, 0.3.36, built by
+`make llamacpp-python` from the sdist lpf's llama.cpp comes from) as a user runs it: its defaults are a
+`repeat_penalty` of 1.1 over the tokens it generated (completions and chat alike), an f16 KV cache and no
+flash attention, and it says none of that (no /props). Audited with `--engine openai` on zoo:jamba's float32
+GGUF, greedy: the penalty is named with its kind, scope and value and an interval of real width, the requests
+whose flips it explains are the server's sampling (not divergent), the run-level test is `same` against the
+f16 KV copy its top-k spread shows (named as inferred), and the default gate passes (docs/real-engines.md).
+Skipped without the build (`make test` builds it; $LPF_LLAMACPP_PYTHON names another interpreter).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from lpf.core.errors import LpfError
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _python() -> str | None:
+    exe = os.environ.get("LPF_LLAMACPP_PYTHON") or str(ROOT / ".venv-llamacpp-python" / "bin" / "python")
+    return exe if Path(exe).is_file() else None
+
+
+def _gguf_tools():
+    from lpf.adapters.llamacpp_gguf import find_tools
+
+    try:
+        return find_tools()
+    except LpfError:
+        return None
+
+
+needs_server = pytest.mark.skipif(
+    _python() is None or _gguf_tools() is None,
+    reason="llama-cpp-python's server or llama.cpp's converter not built: make llamacpp-python llamacpp",
+)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """llama-cpp-python's server on zoo:jamba's float32 GGUF with every default left as it ships."""
+    from lpf.adapters.llamacpp_gguf import gguf_for
+    from lpf.core.model_specs import resolve_model
+    from lpf.serve.process import free_port
+
+    gguf = gguf_for(resolve_model("zoo:jamba"), "float32", _gguf_tools())
+    port = free_port()
+    log = tmp_path_factory.mktemp("llamacpp-python") / "server.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [_python(), "-m", "llama_cpp.server", "--model", str(gguf.path), "--host", "127.0.0.1"]
+            + ["--port", str(port), "--n_threads", "1"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=dict(os.environ, OMP_NUM_THREADS="1"),
+        )
+    url = f"http://127.0.0.1:{port}/v1"
+    try:
+        deadline = time.monotonic() + 120
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/models", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        else:
+            raise RuntimeError(f"llama-cpp-python's server did not come up: {log.read_text(errors='replace')[-2000:]}")
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@needs_server
+@pytest.mark.slow  # the server's start (~20 s) and 200 requests with their reference (~50 s)
+def test_its_default_repeat_penalty_is_named_and_the_gate_passes(lpf_cli, tmp_path, server):
+    """The chat route (the zoo models' chat template takes them off their tasks: longer answers that repeat
+    themselves, so the penalty changes a greedy choice in about 1 answer in 5; on completions zoo:stress's
+    short, sure answers give 2 flips in 300: docs/real-engines.md). 200 requests: a repetition penalty over the
+    output and a presence penalty act on the same tokens and are told apart from ~30 flips on (the first 150
+    requests name a presence penalty of about 0.6, its interval [0.49, 0.82])."""
+    r = lpf_cli(
+        "audit", "--engine", "openai", "--base-url", server, "--model", "zoo:jamba", "--workload", "zoo:stress",
+        "--limit", 200, "--seed", 17, "--max-tokens", 32, "--api", "chat", "--out", tmp_path / "run", "--json",
+    )  # fmt: skip
+    found = json.loads(r.out)
+    fit = (found.get("server_processing") or {}).get("penalty")
+    assert fit is not None, (found["counts"], [f.get("mechanism") for f in found.get("flagged", [])])
+    assert (fit["mechanism"], fit["scope"]) == ("repetition_penalty", "output"), fit
+    assert abs(fit["value"] - 1.1) <= 0.03 and fit["interval"][0] <= 1.1 <= fit["interval"][1], fit
+    assert fit["interval"][1] > fit["interval"][0] and fit["lowered"] > 0
+    assert found["run_test"]["result"] == "same" and "f16 KV copy" in found["run_test"]["configured_sentence"]
+    assert r.code == 0 and found["counts"]["divergent"] == found["counts"]["corrupt"] == 0, found["counts"]
