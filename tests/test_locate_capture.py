@@ -45,6 +45,35 @@ def test_every_mamba_mixer_s_dt_and_scan_output_are_captured_in_both_paths(model
             np.testing.assert_allclose(decode.get(f"L{i}.dt")[p], forced.get(f"L{i}.dt")[p], rtol=1e-5, atol=1e-7)
 
 
+def test_every_gated_deltanet_op_is_captured_in_both_paths():
+    """Qwen3.5's GDN layers (transformers' torch GDN functions, wrapped): the gates g and beta, the rule's output and
+    the output gate at every position on both paths, the decode path's prompt pass equal to the teacher-forced one;
+    the delta-rule state per decode step in the built-in engine's layout ([value heads, d_k, d_v])."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from lpf.experiments.conformance.tiny import build_tiny
+    from lpf.locate.hf_capture import HFCapture
+
+    model = AutoModelForCausalLM.from_pretrained(build_tiny("qwen3_5_text"), dtype=torch.float32).eval()
+    cap = HFCapture(model)
+    ids, prompt = [1, *range(3, 24)], 16
+    forced, decode = cap.teacher_forced(ids), cap.decode_path(ids, prompt)
+    gdn = [i for i, layer in enumerate(cap.layers) if hasattr(layer, "linear_attn")]
+    assert gdn and cap.mamba_layers == gdn
+    cfg = model.config
+    for i in gdn:
+        for op in ("in_proj", "conv", "g", "beta", "ssm_out", "gate_norm", "out_proj"):
+            for acts in (forced, decode):
+                assert acts.positions(f"L{i}.{op}") == list(range(len(ids))), (i, op, acts.order)
+        assert len(forced.get(f"L{i}.g")[0]) == cfg.linear_num_value_heads
+        for p in range(prompt):
+            np.testing.assert_allclose(decode.get(f"L{i}.g")[p], forced.get(f"L{i}.g")[p], rtol=1e-6)
+        size = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
+        assert decode.positions(f"L{i}.state_in") == list(range(prompt, len(ids)))
+        assert len(decode.get(f"L{i}.state_out")[prompt]) == size
+
+
 @pytest.mark.slow  # an audit and a locate: ~12 s of CPU
 def test_a_transposed_gdn_state_between_chunks_is_located_to_the_layer_s_input_state(tmp_path):
     """chunk-state-transposed on the Gated DeltaNet hybrid (one request prefilled in 16-token chunks): located
