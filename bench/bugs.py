@@ -4,7 +4,8 @@ For every built-in drill of the class (`lpf.builtin.prefix_drills`, plus stale-s
 issue 22 names), one `lpf audit` of >= 1,000 requests (`--quick`: one drill, 240 requests, no shrink;
 its smoke run is in tests/test_bench_quick.py),
 then, from the run directory's `faults/` (ground truth, which analysis never reads) and its findings:
-  recall        flagged (divergent or corrupt) ground-truth requests / ground-truth requests
+  recall        flagged (divergent or corrupt) ground-truth requests / ground-truth requests (a request cancelled
+                before its first output token, which nothing can judge, is counted apart: truth_without_output)
   false pos.    requests flagged, or merely `noise`, that the ground truth does not name (any role: an
                 offset-wrap victim, `overwritten`, is the drill's doing; except `unchanged`: a request
                 the drill touched whose output it did not change)
@@ -291,6 +292,10 @@ def score(run: Path, named_by: set[str]) -> dict:
         {r[0] for r in q("SELECT DISTINCT request_id FROM faults WHERE role <> 'unchanged'")} if has_faults else set()
     )
     rows = q("SELECT request_id, seq, verdict, first_divergence, n_scored_tokens FROM summary ORDER BY seq")
+    # an attempt its client cancelled mid-prefill (zoo:shared-prefix's cancel-and-resend) ends before its first
+    # token and has no summary row: whatever a drill did to its state, nothing of it can be judged (counted apart)
+    silent = truth - {r[0] for r in rows}
+    truth -= silent
     flagged = {r[0] for r in rows if r[2] in ("divergent", "corrupt")}
     departed = {r[0] for r in rows if r[2] not in ("clean", "error", "unscored")}
     tokens, first = 0, None
@@ -307,6 +312,7 @@ def score(run: Path, named_by: set[str]) -> dict:
     return {
         "requests": findings["n_requests"],
         "truth": len(truth),
+        "truth_without_output": len(silent),
         "flagged": len(flagged),
         "recall": len(flagged & truth) / len(truth) if truth else None,
         "false_positives": len(departed - touched),

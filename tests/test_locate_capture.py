@@ -43,3 +43,64 @@ def test_every_mamba_mixer_s_dt_and_scan_output_are_captured_in_both_paths(model
     for i in mixers:
         for p in range(prompt):
             np.testing.assert_allclose(decode.get(f"L{i}.dt")[p], forced.get(f"L{i}.dt")[p], rtol=1e-5, atol=1e-7)
+
+
+def test_every_gated_deltanet_op_is_captured_in_both_paths():
+    """Qwen3.5's GDN layers (transformers' torch GDN functions, wrapped): the gates g and beta, the rule's output and
+    the output gate at every position on both paths, the decode path's prompt pass equal to the teacher-forced one;
+    the delta-rule state per decode step in the built-in engine's layout ([value heads, d_k, d_v])."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from lpf.experiments.conformance.tiny import build_tiny
+    from lpf.locate.hf_capture import HFCapture
+
+    model = AutoModelForCausalLM.from_pretrained(build_tiny("qwen3_5_text"), dtype=torch.float32).eval()
+    cap = HFCapture(model)
+    ids, prompt = [1, *range(3, 24)], 16
+    forced, decode = cap.teacher_forced(ids), cap.decode_path(ids, prompt)
+    gdn = [i for i, layer in enumerate(cap.layers) if hasattr(layer, "linear_attn")]
+    assert gdn and cap.mamba_layers == gdn
+    cfg = model.config
+    for i in gdn:
+        for op in ("in_proj", "conv", "g", "beta", "ssm_out", "gate_norm", "out_proj"):
+            for acts in (forced, decode):
+                assert acts.positions(f"L{i}.{op}") == list(range(len(ids))), (i, op, acts.order)
+        assert len(forced.get(f"L{i}.g")[0]) == cfg.linear_num_value_heads
+        for p in range(prompt):
+            np.testing.assert_allclose(decode.get(f"L{i}.g")[p], forced.get(f"L{i}.g")[p], rtol=1e-6)
+        size = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
+        assert decode.positions(f"L{i}.state_in") == list(range(prompt, len(ids)))
+        assert len(decode.get(f"L{i}.state_out")[prompt]) == size
+
+
+@pytest.mark.slow  # an audit and a locate: ~12 s of CPU
+def test_a_transposed_gdn_state_between_chunks_is_located_to_the_layer_s_input_state(tmp_path):
+    """chunk-state-transposed on the Gated DeltaNet hybrid (one request prefilled in 16-token chunks): located
+    to layer 0's delta-rule state at the first chunk boundary, its own previous chunk's write having agreed
+    with the reference and the norm unchanged (a layout change); the gates and the output gate are aligned on
+    both sides, and agree up to the boundary."""
+    from conftest import lpf_main, write_prompts
+    from lpf.locate import locate
+    from lpf.zoo import registry
+
+    item = registry.workload_items("shared-prefix", n=1)[0]
+    # one token per character: 28 tokens, two 16-token chunks
+    prompts = write_prompts(tmp_path / "w.jsonl", [{"id": item["id"], "prompt": item["prompt"][:27]}])
+    run = tmp_path / "run"
+    args = ["--model", "tiny:qwen35-longmem", "--workload", prompts, "--max-tokens", 2]
+    args += ["--max-num-batched-tokens", 16, "--inject", "chunk-state-transposed", "--fail-on", "never"]
+    proc = lpf_main("audit", "--engine", "builtin", *args, "--out", run)
+    assert proc.returncode == 0, proc.stderr
+    doc, _ = locate(run, trials=False)
+    loc, state = doc["located"], doc["mamba"]
+    assert (loc["layer"], loc["name"], loc["position"]) == (0, "state_in", 16), doc["sentence"]
+    assert state["kind"] == "Gated DeltaNet" and state["differed_parts"] == ["ssm"]  # the conv state is whole
+    assert state["previous_state_out_agreed"] and state["step"]["phase"] == "extend"
+    assert abs(state["engine_state_norm"] - state["reference_state_norm"]) <= 1e-4 * state["reference_state_norm"]
+    assert "another layout" in doc["sentence"] and doc["verdict"]["suspect"] == "engine"
+    modules = {m["op"]: m for m in doc["modules"]}  # the ops both sides captured, aligned
+    for op in ("L0.in_proj", "L0.conv", "L0.g", "L0.beta", "L0.ssm_out", "L0.gate_norm", "L0.out_proj"):
+        assert op in modules and modules[op]["positions"] >= 16, (op, sorted(modules)[:20])
+        first = modules[op]["first_departure"]  # the gates never depart: they do not read the state
+        assert first is None or (first >= 16 and op not in ("L0.in_proj", "L0.conv", "L0.g", "L0.beta")), (op, first)

@@ -147,6 +147,31 @@ def test_a_speculating_steps_rows_wait_for_the_samplers_accepted_counts(plugin):
     assert added[-1][1]["num_accepted_tokens"] == [None]
 
 
+def test_gated_deltanet_rows_get_their_state_slots_speculating_or_not(plugin):
+    """vLLM's GDN metadata (its own class, `gdn_attn.GDNAttentionMetadata`: no Mamba subclass) gives every row
+    its slot in batch order: block-table column 0 without speculation; with it, a speculating row's from its
+    `spec_state_indices_tensor` row (the slot its verify starts from), the others' from the non-spec index in
+    their order. Checked on vLLM itself by the run in docs/conformance.md (slots 1 and 14, verify included)."""
+    import torch
+    from lpf_vllm_trace.step_rows import StepReader, _gdn_slots
+
+    class GDN:  # the fields `_gdn_slots` reads, with the builder's shapes
+        def __init__(self, masks, spec, rest, num_decodes=0, num_spec_decodes=0):
+            self.spec_sequence_masks_cpu = None if masks is None else torch.tensor(masks)
+            self.spec_state_indices_tensor = None if spec is None else torch.tensor(spec)
+            self.non_spec_state_indices_tensor = None if rest is None else torch.tensor(rest)
+            self.num_decodes, self.num_spec_decodes = num_decodes, num_spec_decodes
+
+    assert _gdn_slots(GDN(None, None, [4, 9, 2]), 3) == [4, 9, 2]
+    # rows 0 and 2 speculate (their [1 + K] slot columns), row 1 is a prefill
+    mixed = GDN([True, False, True], [[7, 70, 71], [5, 50, 51]], [3])
+    assert _gdn_slots(mixed, 3) == [7, 3, 5]
+    assert _gdn_slots(GDN([True, True], [[7, 70], [5, 50]], None), 2) == [7, 5]
+    # the reader counts speculating rows as decodes (they come first in the batch)
+    slots, decodes = StepReader(None, type(None), GDN)._slots([GDN([True, False], [[7, 70]], [3], 0, 1)], 2)
+    assert slots == [[7], [3]] and decodes == 1
+
+
 def test_a_steps_drafts_and_their_probabilities_are_the_ones_the_sampler_read(plugin):
     """draft_token_probs: null (one-hot) while the runner gives the rejection sampler no draft probabilities
     (n-gram), else q[row, position, draft] from the runner's [requests, K, vocab] tensor (rows by its

@@ -52,7 +52,11 @@ def install(session) -> None:
     from lpf_vllm_trace.step_rows import StepReader
 
     drills = session.drills
-    reader = StepReader(session, mamba_attn.BaseMambaAttentionMetadata)
+    try:  # Gated DeltaNet's metadata is its own class, not a Mamba one
+        from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
+    except ImportError:
+        GDNAttentionMetadata = None
+    reader = StepReader(session, mamba_attn.BaseMambaAttentionMetadata, GDNAttentionMetadata)
     orig_execute = GPUModelRunner.execute_model
     orig_reorder = GPUModelRunner._may_reorder_batch
     orig_build = GPUModelRunner._build_attention_metadata

@@ -5,7 +5,9 @@ attention metadata for a real step, when `input_batch` is in its final (reordere
 `num_computed_tokens_cpu` still holds the tokens computed before this step. It returns the metadata
 the forward pass will use: vLLM's own, or under offset-wrap a copy whose prefill state indices are
 the wrapped slots.
-Phase: the Mamba metadata puts its `num_decodes` decode rows first and its prefill rows after them;
+Phase: the Mamba metadata puts its `num_decodes` decode rows first and its prefill rows after them
+(Gated DeltaNet's the same, its speculating rows, `num_spec_decodes`, counted as decodes; its slots are
+read from its own index tensors, `_gdn_slots`);
 a prefill row is `prefill` when nothing was computed yet and `extend` otherwise. A model without
 Mamba layers has no such split: its rows are classified by vLLM's (fixed) rule from the counts, and
 their state slot is null.
@@ -30,9 +32,10 @@ import dataclasses
 
 
 class StepReader:
-    def __init__(self, session, mamba_metadata_cls):
+    def __init__(self, session, mamba_metadata_cls, gdn_metadata_cls=None):
         self.session = session
         self.mamba_cls = mamba_metadata_cls
+        self.gdn_cls = gdn_metadata_cls  # Gated DeltaNet's metadata (Qwen3-Next, Qwen3.5): no Mamba subclass
         self.groups: list[tuple[int, str]] | None = None  # (kv-cache group id, first layer) per Mamba group
         self.stride: int | None = None
         self.used_blocks: set[int] = set()  # every block some request has held (stale-state)
@@ -94,7 +97,8 @@ class StepReader:
         prompt = ib.num_prompt_tokens[:n].tolist()
         sched = [int(so.num_scheduled_tokens[r]) for r in req_ids]
         metas = [attn_metadata.get(layer) for _, layer in self.groups]
-        metas = [m if isinstance(m, self.mamba_cls) else None for m in metas]
+        kinds = tuple(c for c in (self.mamba_cls, self.gdn_cls) if c is not None)
+        metas = [m if isinstance(m, kinds) else None for m in metas]
         slots_per_row, num_decodes = self._slots(metas, n)
         drills = self.session.drills
         wrapped: dict[str, list[tuple[int, int]]] = {}
@@ -255,9 +259,12 @@ class StepReader:
         live = [m for m in metas if m is not None]
         if not live:
             return [[] for _ in range(n)], None
-        num_decodes = int(live[0].num_decodes)
+        num_decodes = int(live[0].num_decodes) + int(getattr(live[0], "num_spec_decodes", 0))
         per_group = []
         for m in live:
+            if hasattr(m, "non_spec_state_indices_tensor"):
+                per_group.append(_gdn_slots(m, n))
+                continue
             d = m.state_indices_tensor_d[: m.num_decodes, 0].tolist() if m.num_decodes else []
             p = m.state_indices_tensor_p[: m.num_prefills].tolist() if m.num_prefills else []
             per_group.append([int(s) for s in d + p])
@@ -271,7 +278,7 @@ class StepReader:
         wrapped: dict[str, list[tuple[int, int]]] = {}
         replaced = {}
         for m in metas:
-            if m is None or not m.num_prefills or id(m) in replaced:
+            if m is None or not hasattr(m, "state_indices_tensor_p") or not m.num_prefills or id(m) in replaced:
                 continue
             idx = m.state_indices_tensor_p[: m.num_prefills].tolist()
             new = [drills.wrapped_slot(s, stride) if s * stride >= (1 << drills.offset_wrap_bits) else s for s in idx]
@@ -297,3 +304,21 @@ class StepReader:
                 for b in blocks:
                     owners[int(b)] = rid
         return owners
+
+
+def _gdn_slots(m, n: int) -> list[int | None]:
+    """Each row's state slot under Gated DeltaNet's metadata (`v1/attention/backends/gdn_attn.py`, `build`),
+    in batch order: without speculation `non_spec_state_indices_tensor` is every row's (block table column
+    0); with it, a speculating row's is its `spec_state_indices_tensor` row's column 0 (the slot its verify
+    starts from) and the others' follow in `non_spec_state_indices_tensor`, in batch order."""
+    masks = m.spec_sequence_masks_cpu
+    spec = m.spec_state_indices_tensor[:, 0].tolist() if m.spec_state_indices_tensor is not None else []
+    rest = m.non_spec_state_indices_tensor.tolist() if m.non_spec_state_indices_tensor is not None else []
+    if masks is None:
+        return [int(s) for s in rest[:n]]
+    out, si, ri = [], 0, 0
+    for speculating in masks.tolist()[:n]:
+        src, at = (spec, si) if speculating else (rest, ri)
+        out.append(int(src[at]) if at < len(src) else None)
+        si, ri = (si + 1, ri) if speculating else (si, ri + 1)
+    return out

@@ -3,7 +3,8 @@
 Contract: `EngineCapture(model, request_id)` is the `capture` a `ForwardContext` carries
 (`lpf.builtin.forward_context`): the engine's layers call `put(module, name, tensor, rows)` through
 `probe` for what no module boundary shows (q / k after rotary, v, the attention output, a Mamba
-layer's conv output, dt, scan output and its states), and `install()` adds forward hooks on the
+layer's conv output, dt, scan output and its states; a Gated DeltaNet layer's gates g and beta and its
+output gate), and `install()` adds forward hooks on the
 engine's modules for what a boundary does show (`RULES`: norms, projections, MLP / MoE / router,
 each layer's output, embeddings, final norm). Every tensor is a slice of the step's packed batch, of
 one request's chunk or of the decode batch (`rows`, see `forward_context`); only the rows of
@@ -27,8 +28,8 @@ from lpf.locate.ops import Activations, is_step_op, op_name
 RULES = [
     (r"input_layernorm", "norm"),
     (r"(post_attention_layernorm|pre_ff_layernorm)", "ffn_norm"),
-    (r"mamba\.in_proj", "in_proj"),
-    (r"mamba\.out_proj", "out_proj"),
+    (r"(mamba\.in_proj|linear_attn\.in_proj_qkv)", "in_proj"),
+    (r"(mamba|linear_attn)\.out_proj", "out_proj"),
     (r"mamba\.norm", "gate_norm"),
     (r"self_attn\.o_proj", "o_proj"),
     (r"(block_sparse_moe\.router\.layer|feed_forward\.router)", "router"),

@@ -170,6 +170,8 @@ def _mamba(located, errs, floor_of, engine, ref, prompt_len, steps):
     shown = parts.get(differed[0] if differed else "ssm") or next(iter(parts.values()))
     info = {
         "layer": layer,
+        # only a Gated DeltaNet layer has the gates g and beta (either side's capture)
+        "kind": "Gated DeltaNet" if f"L{layer}.g" in engine or f"L{layer}.g" in ref else "Mamba",
         "step_start": start,
         "start_token": token_label(start, prompt_len),
         "input_state": "differed" if differed else "agreed",
@@ -188,6 +190,8 @@ def _mamba(located, errs, floor_of, engine, ref, prompt_len, steps):
             info["previous_step"] = prev[-1]
             pe = errs.get(f"L{layer}.state_out", {}).get(start - 1)
             info["previous_state_out_rel_error"] = pe
+            fo = floor_of.get(f"L{layer}.state_out")
+            info["previous_state_out_agreed"] = None if pe is None or fo is None else pe <= fo
     return info
 
 
@@ -319,12 +323,26 @@ def _state_words(mamba: dict) -> str:
             f"read no state and started from zeros, where the reference carries the state of the tokens before it"
         )
     writers = [w for w in step.get("state_last_written_by") or [] if w]
+    prev = mamba.get("previous_step")
+    if (
+        prev
+        and mamba.get("previous_state_out_agreed")
+        and prev.get("state_write_offset") == step.get("state_read_offset")
+        and {w["step"] for w in writers} == {prev["step"]}
+    ):  # its own last write, right where it read, was right: the state changed between the write and the read
+        e, r = mamba["engine_state_norm"], mamba["reference_state_norm"]
+        same_norm = r > 0 and abs(e - r) <= 1e-4 * r
+        return (
+            f": step {step['step']} ({step['phase']} on slot {step['state_slot']}) read back the state its own "
+            f"previous step ({prev['phase']}, step {prev['step']}) wrote at the same offset, which agreed with the "
+            f"reference (rel error {_g(mamba['previous_state_out_rel_error'])}): the state changed between the "
+            f"write and the read" + (" (its norm unchanged: the same numbers in another layout)" if same_norm else "")
+        )
     who = ", ".join(f"{w['request_id']} at step {w['step']}" for w in writers) or "nobody (never written: zeros)"
     words = (
         f": the state is not this request's: step {step['step']} ({step['phase']} on slot {step['state_slot']}) "
         f"read it at element offset {step['state_read_offset']}, last written by {who}"
     )
-    prev = mamba.get("previous_step")
     if (
         prev
         and prev.get("state_write_offset") != step.get("state_read_offset")
@@ -360,13 +378,13 @@ def _sentence(out, prompt_len: int) -> tuple[str, str]:
             )
         )
         return (
-            f"Mamba layer {mamba['layer']}'s {which} at {mamba['start_token']} already differed (engine state "
+            f"{mamba.get('kind', 'Mamba')} layer {mamba['layer']}'s {which} at {mamba['start_token']} already differed (engine state "
             f"norm {_g(mamba['engine_state_norm'])}, reference {_g(mamba['reference_state_norm'])})"
             f"{_state_words(mamba)}; suspect: {suspect}."
         ), details
     if mamba is not None:
         return (
-            f"In Mamba layer {mamba['layer']} {head}, while its input state at {mamba['start_token']} agreed "
+            f"In {mamba.get('kind', 'Mamba')} layer {mamba['layer']} {head}, while its input state at {mamba['start_token']} agreed "
             f"(rel error {_g(mamba['state_in_rel_error'])}): the layer computed wrong from the right input; "
             f"suspect: {suspect}."
         ), details

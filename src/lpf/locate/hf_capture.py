@@ -7,7 +7,8 @@ any of its code:
   attributed to that layer, and on a shared block (Zamba2's `shared_transformer`) to `shared.`;
 - the modeling module's own kernel functions wrapped while a pass runs (`WRAPPED`: the causal conv,
   the Mamba2 chunk scan and its one-token update, the Mamba1 selective scan and its update, the
-  eager attention function; plain functions, or the nn.Modules transformers >= 5.25 makes of them
+  gated delta rule's chunked and recurrent forms (Qwen3.5, Qwen3-Next: its gates g and beta and its
+  output), the eager attention function; plain functions, or the nn.Modules transformers >= 5.25 makes of them
   with the `kernels` package, their arguments named by the module's `forward`) and the attention
   function the model's implementation dispatches to
   (`ALL_ATTENTION_FUNCTIONS[impl]`, sdpa), each calling the original and recording what it was
@@ -19,7 +20,7 @@ any of its code:
   updates take no limit, so their dt is not clamped: exactly what each path computes). A Mamba2
   kernel's output is `ssm_out` only when it was called without a gate `z` (FalconH1's decode step
   gates inside the kernel, its prefill after it); Mamba1's kernels are always called with z;
-- Mamba states read from the model's own cache (`cache.get_conv_state` / `get_recurrent_state`,
+- Mamba and Gated DeltaNet states read from the model's own cache (`cache.get_conv_state` / `get_recurrent_state`,
   the conv state cut to its last d_conv - 1 columns, the engines' layout).
 Drivers: `teacher_forced(ids)` (one pass, no cache: every per-token op at positions 0..N-1),
 `states(ids, after)` (for each position b in `after`, a pass over ids[:b+1] with a cache: the state
@@ -48,9 +49,9 @@ OUT, IN0 = "out", "in0"
 RULES: list[tuple[str, list[tuple[str, str]]]] = [
     (r"(input_layernorm|operator_norm|norm)", [("norm", OUT)]),
     (r"(post_attention_layernorm|pre_ff_layernorm|ffn_norm)", [("ffn_norm", OUT)]),
-    (r"(mamba|mixer|conv)\.in_proj", [("in_proj", OUT)]),
-    (r"(mamba|mixer|conv)\.out_proj", [("out_proj", OUT)]),
-    (r"(mamba|mixer)\.norm", [("gate_norm", OUT)]),
+    (r"(mamba|mixer|conv)\.in_proj|linear_attn\.in_proj_qkv", [("in_proj", OUT)]),
+    (r"(mamba|mixer|conv|linear_attn)\.out_proj", [("out_proj", OUT)]),
+    (r"(mamba|mixer|linear_attn)\.norm", [("gate_norm", OUT)]),  # Gated DeltaNet: its output gate
     (r"self_attn\.(o_proj|out_proj)", [("o_proj", OUT)]),
     (r"(feed_forward|block_sparse_moe)\.(router|gate)", [("router", OUT)]),
     (r"(shared_mlp|mlp|feed_forward|block_sparse_moe)", [("ffn", OUT)]),  # moe or mlp: decided by its children
@@ -70,8 +71,11 @@ WRAPPED = (
     "mamba2_selective_state_update",
     "mamba_selective_scan",
     "mamba_selective_state_update",
+    "torch_chunk_gated_delta_rule",
+    "torch_recurrent_gated_delta_rule",
     "eager_attention_forward",
 )
+GDN_RULES = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
 
 
 def decoder_layers(model) -> tuple[str, torch.nn.ModuleList]:
@@ -139,7 +143,7 @@ class HFCapture:
     # -- what each module yields ---------------------------------------------------------------
     @staticmethod
     def _mixer(layer):
-        for name in ("mamba", "mixer"):
+        for name in ("mamba", "mixer", "linear_attn"):
             m = getattr(layer, name, None)
             if m is not None:
                 return m
@@ -307,6 +311,11 @@ class HFCapture:
             self._put("dt", dt[..., 0].reshape(1, -1))
             if a.get("z") is None:  # FalconH1's decode step gates inside the kernel, its prefill after it
                 self._put("ssm_out", out.reshape(1, -1))
+        elif name in GDN_RULES:  # [1, tokens, heads(, d)]: the gates as the rule reads them, its output q^T S
+            t = a["g"].shape[1]
+            self._put("g", a["g"][0].reshape(t, -1))
+            self._put("beta", a["beta"][0].reshape(t, -1))
+            self._put("ssm_out", _first(out)[0].reshape(t, -1))
         elif name == "mamba_selective_scan":
             bias = a.get("delta_bias")
             dt = _softplus_dt(a["dt"], None if bias is None else bias[..., None], a.get("delta_softplus", False))

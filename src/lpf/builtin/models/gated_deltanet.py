@@ -153,19 +153,24 @@ class GatedDeltaNetMixer(MambaMixerBase):
     def _split(self, proj):
         return proj.split([self.conv_dim, self.value_dim, self.n_v, self.n_v], dim=-1)  # qkv, z, b, a
 
-    def _rule_inputs(self, qkv, b, a):
-        """(q [n, n_k, d_k], k, v [n, n_v, d_v], g [n, n_v], beta [n, n_v]) in the state dtype."""
+    def _rule_inputs(self, qkv, b, a, observed: bool = True):
+        """(q [n, n_k, d_k], k, v [n, n_v, d_v], g [n, n_v], beta [n, n_v]) in the state dtype; the gates
+        go to a capture (`lpf locate`) when the rows are the step's own (`observed`), not padded ones."""
         n = qkv.shape[0]
         q, k, v = wide(qkv).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         beta = wide(b.sigmoid())
         g = -wide(self.A_log).exp() * F.softplus(wide(a) + wide(self.dt_bias))
+        if observed:
+            probe(self, "g", g)
+            probe(self, "beta", beta)
         return q.view(n, self.n_k, self.d_k), k.view(n, self.n_k, self.d_k), v.view(n, self.n_v, self.d_v), g, beta
 
     def _output(self, core: torch.Tensor, z: torch.Tensor, dtype) -> torch.Tensor:
         probe(self, "ssm_out", core)
         n = core.shape[0]
-        y = self.norm(core.to(dtype).reshape(-1, self.d_v), z.reshape(-1, self.d_v))
-        return y.reshape(n, self.value_dim)
+        y = self.norm(core.to(dtype).reshape(-1, self.d_v), z.reshape(-1, self.d_v)).reshape(n, self.value_dim)
+        probe(self, "gate_norm", y)  # the output gate; a hook on `norm` would see [n * n_v, d_v] rows
+        return y
 
     def prefill(self, proj, conv0, ssm0):
         qkv, z, b, a = self._split(proj)
@@ -182,8 +187,10 @@ class GatedDeltaNetMixer(MambaMixerBase):
         if get_forward_context().unmasked_padding:  # padding-updates-state: the padding runs as zero-projected tokens
             n, longest = len(lay.lens), lay.longest
             padded = self.conv_padded(qkv_in, lay, conv0).reshape(n * longest, -1)
+            if get_forward_context().capture is not None:  # the gates of the real tokens, for `lpf locate`
+                self._rule_inputs(qkv, b, a)
             inputs = self._rule_inputs(
-                padded, lay.padded(b).reshape(n * longest, -1), lay.padded(a).reshape(n * longest, -1)
+                padded, lay.padded(b).reshape(n * longest, -1), lay.padded(a).reshape(n * longest, -1), observed=False
             )
             q, k, v, g, beta = (t.reshape(n, longest, *t.shape[1:]) for t in inputs)
         else:
