@@ -47,6 +47,10 @@ def sample_steps(trace: pa.Table, requests: pa.Table) -> pa.Table:
         pc.add(t.column("num_computed_tokens").cast(pa.int64()), t.column("num_scheduled_tokens").cast(pa.int64())),
         t.column("plen"),
     )
+    # a trace row of a request the run has no request row for (an attempt its client cancelled mid-prefill)
+    # has no prompt length, so no position: it sampled nothing
+    known = pc.is_valid(pos)
+    t, pos = t.filter(known), pos.filter(known)
     if len(spec) == 2:
         pos = pc.subtract(pos, t.column("num_draft_tokens").cast(pa.int64()).fill_null(0)).to_numpy()
         n = 1 + t.column("num_accepted_tokens").cast(pa.int64()).fill_null(0).to_numpy()
