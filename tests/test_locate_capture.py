@@ -81,12 +81,16 @@ def test_a_transposed_gdn_state_between_chunks_is_located_to_the_layer_s_input_s
     with the reference and the norm unchanged (a layout change); the gates and the output gate are aligned on
     both sides, and agree up to the boundary."""
     from conftest import lpf_main, write_prompts
+    from lpf.core.model_specs import load_tokenizer, resolve_model
     from lpf.locate import locate
     from lpf.zoo import registry
 
     item = registry.workload_items("shared-prefix", n=1)[0]
-    # one token per character: 28 tokens, two 16-token chunks
-    prompts = write_prompts(tmp_path / "w.jsonl", [{"id": item["id"], "prompt": item["prompt"][:27]}])
+    # the prompt's first 27 tokens after BOS: 28 tokens, two 16-token chunks
+    tok = load_tokenizer(resolve_model("tiny:qwen35-longmem"))
+    text = tok.decode(tok.encode(item["prompt"])[1:28])
+    assert len(tok.encode(text)) == 28
+    prompts = write_prompts(tmp_path / "w.jsonl", [{"id": item["id"], "prompt": text}])
     run = tmp_path / "run"
     args = ["--model", "tiny:qwen35-longmem", "--workload", prompts, "--max-tokens", 2]
     args += ["--max-num-batched-tokens", 16, "--inject", "chunk-state-transposed", "--fail-on", "never"]
