@@ -193,9 +193,9 @@ def window_scores(ev, size: int, starts: np.ndarray, alpha: float) -> np.ndarray
 
 
 def window_departures(ev: dict, size: int, starts: np.ndarray) -> np.ndarray:
-    """Per window, its largest departure over what that component needs (`floors.departure_needed`):
+    """Per window, its largest departure over what that component needs (`departure.departure_needed`):
     >= 1 is past the gate; the ROC sweeps this threshold."""
-    from lpf.analysis.floors import departure, departure_needed
+    from lpf.analysis.departure import departure, departure_needed
 
     need = departure_needed(ev["floor"])
     out = []

@@ -43,7 +43,8 @@ sys.path.insert(0, str(ROOT / "src"))
 import pyarrow.parquet as pq  # noqa: E402
 
 from lpf.analysis import metrics  # noqa: E402
-from lpf.analysis.floors import departure, departure_units, envelope, expected_floor  # noqa: E402
+from lpf.analysis.departure import departure, departure_units  # noqa: E402
+from lpf.analysis.floors import envelope, expected_floor  # noqa: E402
 from lpf.analysis.token_evidence import engine_floor, evidence_columns, sensitivity, topk_spread  # noqa: E402
 
 FLOORS = ROOT / "src" / "lpf" / "analysis" / "floors.json"

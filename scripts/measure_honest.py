@@ -5,9 +5,9 @@ and reference mostly run the same torch kernels: the built-in engine's float32 m
 An honest engine with other kernels (llama.cpp's ggml, another BLAS, other thread counts, flash
 attention, a GPU GEMM) departs from that floor by construction, and the run-level test must call that
 "other honest arithmetic", not "another model". This script audits the same model honestly on such
-engines and writes, per dtype pair and model, the largest departure each showed (`floors.departure`:
+engines and writes, per dtype pair and model, the largest departure each showed (`departure.departure`:
 per component, the run's 99th percentile over the row's) into the table's `honest` blocks; the run-level
-test then needs HONEST_MARGIN times that before it says `different` (`floors.departure_needed`).
+test then needs HONEST_MARGIN times that before it says `different` (`departure.departure_needed`).
 
     python scripts/measure_honest.py [--out runs/honest] [--requests 400] [--only NAME,...] [--write]
 
@@ -30,7 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from lpf.analysis import metrics  # noqa: E402
-from lpf.analysis.floors import COMPONENTS, departure, departure_units, expected_floor  # noqa: E402
+from lpf.analysis.departure import COMPONENTS, departure, departure_units  # noqa: E402
+from lpf.analysis.floors import expected_floor  # noqa: E402
 from lpf.analysis.token_evidence import evidence_columns, sensitivity, topk_spread  # noqa: E402
 
 FLOORS = ROOT / "src" / "lpf" / "analysis" / "floors.json"

@@ -9,7 +9,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from lpf.analysis import floors, run_test as rt, token_evidence as ev
+from lpf.analysis import departure, floors, run_test as rt, token_evidence as ev
 from lpf.analysis.findings import analyze
 from lpf.analysis.levels import FAIL_LEVELS, REQUEST_VERDICTS, SEVERITY, VERDICTS, at_or_above
 from lpf.analysis.thresholds import Thresholds
@@ -174,7 +174,7 @@ def test_other_honest_arithmetic_is_same_with_a_line_of_its_own_and_another_mode
     _, other = run(synthetic_run(sigma=4.5e-4, seed=5), settled, engine_dtype="float32")
     t = other["run_test"]
     assert t["p_value"] < t["alpha"] and t["result"] == "same" and other["verdict"] != "systematic"
-    assert 1.5 < t["departure"]["seen"]["token"] < floors.MIN_DEPARTURE and not t["departure"]["beyond"]
+    assert 1.5 < t["departure"]["seen"]["token"] < departure.MIN_DEPARTURE and not t["departure"]["beyond"]
     assert t["sentence"].startswith("same: other honest arithmetic") and "harmless" in t["arithmetic_sentence"]
     assert t["tokens_needed"] is None and not t["floor_far_above_expected"]
     _, far = run(synthetic_run(sigma=1.6e-3, seed=6), table, engine_dtype="float32")
@@ -333,7 +333,7 @@ def test_a_server_reference_is_judged_by_its_own_pair_and_says_when_none_was_mea
     own = floors.expected_floor(t2, "bfloat16", None, MODEL, reference_kind="self")
     assert own["pair"] == "bfloat16/bfloat16 ref=self" and "the engine against its own prefill" in own["detail"]
     assert own["token"]["q99"] == pytest.approx(floors.UNMEASURED_MARGIN * 1e-6)  # MODEL has no row of its own
-    assert floors.departure_units(own)["same_arithmetic"]  # one engine's kernels on both sides
+    assert departure.departure_units(own)["same_arithmetic"]  # one engine's kernels on both sides
     # a trusted deployment's pair is its own row, not the self-reference's
     assert floors.expected_floor(t2, "bfloat16", None, MODEL, reference_kind="http")["pair"] == "bfloat16/float32"
     # the engine's dtype unknown: the most lenient pair measured against that kind of reference, said
@@ -478,12 +478,12 @@ def test_one_outlier_token_does_not_carry_a_short_window_past_the_departure_gate
     s = np.ones(60)
     one = np.full(60, 0.5)
     one[7] = 50.0
-    assert floors.departure(one, s, None, units)["token"] == 0.5
+    assert departure.departure(one, s, None, units)["token"] == 0.5
     two = one.copy()
     two[30] = 50.0
-    assert floors.departure(two, s, None, units)["token"] == 50.0
-    assert floors.departure(np.full(60, 20.0), s, None, units)["token"] == 20.0
+    assert departure.departure(two, s, None, units)["token"] == 50.0
+    assert departure.departure(np.full(60, 20.0), s, None, units)["token"] == 20.0
     x = np.random.default_rng(0).exponential(size=971)
     higher = np.quantile(x, 0.99, method="higher")
-    got = floors.departure(x, np.ones_like(x), None, units)["token"]
+    got = departure.departure(x, np.ones_like(x), None, units)["token"]
     assert got in (higher, np.sort(x)[np.searchsorted(np.sort(x), higher) - 1])

@@ -44,7 +44,7 @@ when p < alpha. `tokens_needed`: the smallest prefix (every length up to 200 tok
 at which the same decision already rejected. A run of more than MAX_TOKENS scored tokens is tested on
 every k-th token in arrival order (`sampled_every`: k; `n_tokens` counts the tokens used), which
 bounds the cost and still covers the whole run. `expected_floor` / `observed_floor` are the 99th
-percentile of |d| / s over informative tokens (s >= floors.S_MIN) of the floor and of this run
+percentile of |d| / s over informative tokens (s >= departure.S_MIN) of the floor and of this run
 (`floors` holds every component of both); `effect_size` is observed / expected (`topk_effect_size`
 the same for the top-k spread), and FAR_ABOVE or more on either is a finding of its own.
 """
@@ -58,7 +58,8 @@ import pyarrow as pa
 
 from lpf.analysis.token_evidence import evidence_columns, sensitivity, topk_spread
 from lpf.analysis.stats import binom_log_tail
-from lpf.analysis.floors import HONEST_MARGIN, KAPPA, departure, departure_needed, departure_units, floor_stats
+from lpf.analysis.departure import HONEST_MARGIN, departure, departure_needed, departure_units
+from lpf.analysis.floors import KAPPA, floor_stats
 
 NULL_RATE = 0.01  # the share of tokens past the 99th percentile, before KAPPA: an upper bound
 # the bulk test: an honest engine's share of positions whose top-k spread is past BULK_KAPPA x the floor's
@@ -260,7 +261,7 @@ def decide(ev: dict, lo: int, hi: int, alpha: float = DEFAULT_ALPHA) -> dict:
 
 def _departure(ev: dict, lo: int, hi: int, best: str) -> dict:
     """Whether a significant window is another model or other honest arithmetic: its departure per
-    component against what it must reach (`floors.departure_needed`), the largest first. A sampling-rate
+    component against what it must reach (`departure.departure_needed`), the largest first. A sampling-rate
     departure is no arithmetic's, so it stands on its significance. Greedy flips past the tie margin
     are not a way past the gate: an honest engine whose logit error is 30x the floor's moves near-ties
     30x too (a flip that makes a request wrong is the per-request verdicts' to call)."""

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from lpf.analysis.departure import S_MIN
 from lpf.rl import cause_tests as ct
 from lpf.rl.spikes import robust_z
 
@@ -51,7 +52,7 @@ def floor_sigma(floor: dict | None) -> float | None:
     return max(
         (tok.get("median") or 0.0) / 0.6745,
         (tok.get("q99") or 0.0) / 2.576,
-        (settled.get("q99") or 0.0) / ct.S_MIN / 2.576,
+        (settled.get("q99") or 0.0) / S_MIN / 2.576,
         1e-12,
     )
 
@@ -107,11 +108,11 @@ def _batch_test(inp, u, bucket, rng, idx, within_steps: bool):
 def quiet_sigma(inp, e: np.ndarray, tokens: np.ndarray) -> float | None:
     """sigma of u over the dump's own quiet tokens (`tokens`: indices), as `floor_sigma` reads a table row:
     the larger of the median's and the 99th percentile's Gaussian sigma. None without enough of them."""
-    live = tokens[np.nan_to_num(inp.sensitivity[tokens]) >= ct.S_MIN]  # as fit_side: settled tokens left out
+    live = tokens[np.nan_to_num(inp.sensitivity[tokens]) >= S_MIN]  # as fit_side: settled tokens left out
     tokens = live if live.size >= 4 * ct.MIN_CELL else tokens
     if tokens.size < 2 * ct.MIN_CELL:
         return None
-    u = np.abs(e[tokens]) / np.maximum(np.nan_to_num(inp.sensitivity[tokens]), ct.S_MIN)
+    u = np.abs(e[tokens]) / np.maximum(np.nan_to_num(inp.sensitivity[tokens]), S_MIN)
     return max(float(np.median(u)) / 0.6745, float(np.quantile(u, 0.99)) / 2.576, 1e-12)
 
 
@@ -141,10 +142,10 @@ def fit_side(
     if drop_settled:
         # settled tokens (sensitivity below S_MIN) show rounding, not logit noise: a logit error that grows
         # along the response cannot show on them, and a confident model settles more tokens late than early
-        live = idx[np.nan_to_num(inp.sensitivity[idx]) >= ct.S_MIN]
+        live = idx[np.nan_to_num(inp.sensitivity[idx]) >= S_MIN]
         if live.size >= 4 * ct.MIN_CELL:
             idx = live
-    sens = np.maximum(np.nan_to_num(inp.sensitivity), ct.S_MIN)
+    sens = np.maximum(np.nan_to_num(inp.sensitivity), S_MIN)
     u = e / sens
     idx_all = idx
     if drop_settled:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import numpy as np
 
-S_MIN = 1e-2  # floors.S_MIN: below it a token is settled and its error is rounding, not logit noise
 BETA_TOL = 0.2
 Z_MIN = 10.0
 P_MAX = 0.01
