@@ -48,9 +48,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -412,44 +410,12 @@ VLLM_CELLS = {
 @contextlib.contextmanager
 def vllm_served(model: str, args: tuple, inject: str, trace: Path, log: Path):
     """vLLM's OpenAI server at float32 on 127.0.0.1 with the trace plugin on and `inject`'s drill: its base URL."""
-    import httpx
+    from vllm_openai import vllm_openai_server
 
-    from lpf.adapters.vllm import vllm_python
-    from lpf.core.model_specs import resolve_model
-    from lpf.serve.process import free_port
-
-    port = free_port()
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", TORCHDYNAMO_DISABLE="1", VLLM_CPU_KVCACHE_SPACE="1")
     # VLLM_SERVER_DEV_MODE: /server_info, where lpf reads the server's dtype (its floor pair)
-    env.update(OMP_NUM_THREADS="1", LPF_VLLM_TRACE_DIR=str(trace), LPF_VLLM_INJECT=inject, VLLM_SERVER_DEV_MODE="1")
-    env.pop("PYTHONPATH", None)
-    argv = [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(resolve_model(model).path)]
-    argv += ["--served-model-name", model, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32"]
-    argv += ["--enforce-eager", "--max-logprobs", "20", *args]
-    proc = subprocess.Popen(argv, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited {proc.returncode}:\n{log.read_text()[-2000:]}")
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"vLLM not healthy in 600 s:\n{log.read_text()[-2000:]}")
-            time.sleep(1)
+    env = dict(OMP_NUM_THREADS="1", LPF_VLLM_TRACE_DIR=str(trace), LPF_VLLM_INJECT=inject, VLLM_SERVER_DEV_MODE="1")
+    with vllm_openai_server(model, log, args, env) as base:
         yield base + "/v1"
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def _ref_findings(run: Path, spec: str, served: str | None = None) -> dict:

@@ -32,10 +32,7 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import random
-import signal
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -196,42 +193,12 @@ async def traffic(base: str, a, seed: int) -> tuple[int, int]:
 @contextlib.contextmanager
 def vllm_server(dtype: str, log: Path):
     """vLLM's own OpenAI server (the CPU build in .venv-vllm) serving zoo:hybrid under its zoo name."""
-    from lpf.adapters.vllm import vllm_python
-    from lpf.core.model_specs import resolve_model
-    from lpf.serve.process import free_port
+    from vllm_openai import vllm_openai_server
 
-    port = free_port()
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", TORCHDYNAMO_DISABLE="1", VLLM_CPU_KVCACHE_SPACE="1")
-    env.update(ENV)
-    env.pop("PYTHONPATH", None)
-    args = [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(resolve_model(MODEL).path)]
-    args += ["--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype]
     # prefix caching off: vllm-cpu 0.32 crashes on hybrids with it (docs/bugs.md, bug 1)
-    args += ["--enforce-eager", "--max-logprobs", "20", "--no-enable-prefix-caching", "--max-model-len", "1024"]
-    proc = subprocess.Popen(args, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited {proc.returncode}:\n{log.read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"vLLM not healthy in 600 s:\n{log.read_text()[-3000:]}")
-            time.sleep(1)
+    args = ["--dtype", dtype, "--no-enable-prefix-caching", "--max-model-len", "1024"]
+    with vllm_openai_server(MODEL, log, args, ENV) as base:
         yield base
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 @contextlib.contextmanager
