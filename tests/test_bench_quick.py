@@ -125,7 +125,10 @@ def _check(name: str, tmp: Path) -> None:
     assert {p: p.stat().st_mtime_ns for p in results.glob("*")} == before, "--quick must not write bench/results"
 
 
-HELPERS = {"provenance"}  # modules the benches share (bench/provenance.py: the commit a result measured)
+HELPERS = {
+    "provenance",
+    "vllm_openai",
+}  # modules the benches share (provenance: the commit a result measured; vllm_openai: vLLM's server)
 
 
 def test_every_bench_has_a_smoke_run():
