@@ -129,7 +129,7 @@ def long_memory():
 @pytest.fixture(scope="module")
 def stale_runs(tmp_path_factory, long_memory):
     """The seed's architecture (Mamba1 + attention + MoE) with a state that carries long memory
-    (lpf.core.model_specs says why), 2000 greedy requests audited with the fault and without, and the
+    (lpf.core.model_specs says why), 1000 greedy requests audited with the fault and without, and the
     faulty run generated once more (`lpf run`: the engine alone, to compare its tokens with the first's).
 
     The cache (3 MB: 40 state slots, 48 KV blocks) and budget (32 tokens per step, at most 16
@@ -141,7 +141,7 @@ def stale_runs(tmp_path_factory, long_memory):
         "--workload",
         "zoo:oracle",
         "--n",
-        4,
+        2,
         "--max-tokens",
         16,
         "--cache-mb",
@@ -185,7 +185,7 @@ def _check_imposters(run):
 
 def test_stale_state_imposters(stale_runs):
     base, a, off = stale_runs
-    assert a["n_requests"] == 2000
+    assert a["n_requests"] == 1000
     truth = _check_imposters(base / "a")
     assert 0 < len(truth) < 0.05 * a["n_requests"], "a small fraction of requests are imposters"
     # the lies come only from imposters, and imposters do lie
@@ -214,7 +214,7 @@ def test_stale_state_forensics(stale_runs):
     assert shape["n_flagged"] == len(corrupted) and shape["onset"]["step"] is not None
     assert shape["first_divergence"]["at_zero_fraction"] > 0.5, "a state handed in before the first token"
     assert a["thresholds"]["source"] == "table" and a["thresholds"]["divergent_abs_diff"] == 0.5
-    assert off["counts"]["clean"] == 2000 and off["hypotheses"] == []
+    assert off["counts"]["clean"] == 1000 and off["hypotheses"] == []
 
 
 def test_stale_state_on_the_trained_hybrid(tmp_path):
