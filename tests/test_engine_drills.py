@@ -297,15 +297,15 @@ def test_offset_wrap_only_past_the_wrap(tmp_path, long_memory):
 
 def test_swap_outputs_crossed_wires(tmp_path):
     """Caught (only swapped requests flagged) and named: the top hypothesis is the crossed-wires
-    signature, and the failure's period over engine steps is the drill's. 2000 distinct prompts,
+    signature, and the failure's period over engine steps is the drill's. 1000 distinct prompts,
     one rollout each: greedy rollouts of one prompt are identical, so swapping them shows nothing."""
     from lpf.zoo import registry
 
-    items = registry.workload_items("oracle", seed=3, n=2000)
-    prompts = write_prompts(tmp_path / "oracle2000.jsonl", [{"id": i["id"], "prompt": i["prompt"]} for i in items])
+    items = registry.workload_items("oracle", seed=3, n=1000)
+    prompts = write_prompts(tmp_path / "oracle1000.jsonl", [{"id": i["id"], "prompt": i["prompt"]} for i in items])
     f = audit(tmp_path / "s", "--workload", prompts, "--max-tokens", 16, "--inject", "swap-outputs:5")
     truth = ground_truth(tmp_path / "s")
-    assert f["n_requests"] == 2000
+    assert f["n_requests"] == 1000
     assert truth and flagged(f) and flagged(f) <= truth and lying(tmp_path / "s") <= truth
     assert f["hypotheses"][0]["feature"] == "crossed_wires"
     assert f["hypotheses"][0]["clean_with"] == 0
