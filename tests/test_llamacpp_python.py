@@ -91,7 +91,8 @@ def test_its_default_repeat_penalty_is_named_and_the_gate_passes(lpf_cli, tmp_pa
     themselves, so the penalty changes a greedy choice in about 1 answer in 5; on completions zoo:stress's
     short, sure answers give 2 flips in 300: docs/real-engines.md). 200 requests: a repetition penalty over the
     output and a presence penalty act on the same tokens and are told apart from ~30 flips on (the first 150
-    requests name a presence penalty of about 0.6, its interval [0.49, 0.82])."""
+    requests, without the server's word, named a presence penalty of about 0.6 [0.49, 0.82]; the kind the server
+    states is named wherever the evidence cannot tell it from the best)."""
     r = lpf_cli(
         "audit", "--engine", "openai", "--base-url", server, "--model", "zoo:jamba", "--workload", "zoo:stress",
         "--limit", 200, "--seed", 17, "--max-tokens", 32, "--api", "chat", "--out", tmp_path / "run", "--json",
