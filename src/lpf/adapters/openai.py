@@ -150,7 +150,8 @@ class OpenAIEngine(RemoteEngine):
 
     def configuration(self) -> dict:
         """What the server says of its configuration, where it says it (`engine_config`): vLLM's
-        `/server_info` (VLLM_SERVER_DEV_MODE=1), llama-server's `/props`, `lpf serve`'s `/v1/models`; each
+        `/server_info` (VLLM_SERVER_DEV_MODE=1), llama-server's `/props`, `lpf serve`'s `/v1/models`,
+        llama-cpp-python's `/openapi.json`; each
         asked once, briefly; a server that answers none of them says nothing."""
         from lpf.adapters import engine_config as ec
 
@@ -164,6 +165,7 @@ class OpenAIEngine(RemoteEngine):
             ),
             ("/props", ec.from_llama_props, 3.0),
             ("/v1/models", ec.from_lpf_models, 3.0),
+            ("/openapi.json", ec.from_openapi, 3.0),  # llama-cpp-python's server: its documented defaults
         )
         out: dict = {}
         for path, reader, timeout in readers:
@@ -331,7 +333,15 @@ class OpenAIEngine(RemoteEngine):
         echoed = self.sampling.prompt_logprobs and self.options.prompt_logprobs == "echo" and not chat
         prompt, topk_ids, topk_lps, cut = None, [], [], False
         finish = choice.get("finish_reason")
-        if block is None:
+        if not echoed and self._empty_stop(block, text, finish, usage):
+            # an empty `stop` answer is an answer: the server stopped at its first token and withheld that token,
+            # its logprob and its count (llama-cpp-python: the stop token never joins completion_tokens, on chat
+            # and completions alike). Kept as the end-of-sequence token without a logprob, so the reference judges
+            # that choice as it judges any tokens-only token: a server answering empty where the model would not
+            # is caught, not dropped as a failed request
+            self.returned["empty stop (its end-of-sequence token withheld)"] += 1
+            ids, logprobs, claimed = [self.tokenizer.eos_token_id], [None], None
+        elif block is None:
             if self.options.logprobs == "require":
                 raise RequestFailed("answer has no logprobs (the server ignored logprobs=k)")
             ids = self._tokens_only(req, choice, text, usage, finish, problems)
@@ -389,6 +399,16 @@ class OpenAIEngine(RemoteEngine):
             prompt_logprobs=prompt[0] if prompt else None,
             prompt_topk_ids=prompt[1] if prompt else [],
             prompt_topk_logprobs=prompt[2] if prompt else [],
+        )
+
+    def _empty_stop(self, block, text, finish, usage) -> bool:
+        """An answer that stopped before its first token: no text, no logprob entry, no token counted."""
+        return (
+            text == ""
+            and finish == "stop"
+            and not usage.get("completion_tokens")
+            and (block is None or not block.positions)
+            and self.tokenizer.eos_token_id is not None
         )
 
     def _sampled_ids(self, positions, text, finish) -> list[int]:

@@ -163,7 +163,7 @@ class Gathered:
         ]
         return pa.chunked_array(ids, pa.string()).combine_chunks()
 
-    def penalty(self, tie, greedy_ids):  # (None: the streamed analysis reads no run of mixed settings)
+    def penalty(self, tie, greedy_ids, configured=None):  # (None: the streamed analysis reads no run of mixed settings)
         tok, ref = self._table("penalty_tokens"), self._table("penalty_reference")
         if tok is None or ref is None:
             return None
@@ -177,7 +177,7 @@ class Gathered:
         rows = self.g.request_rows(pc.unique(tok.column("request_id")))
         keep[rows[rows >= 0]] = True
         requests = self.token_ids(keep) if self.token_ids is not None else self.g.requests
-        return fit_penalty(tok, ref, requests, tie, n_rows=n_rows)
+        return fit_penalty(tok, ref, requests, tie, n_rows=n_rows, configured=configured)
 
     def logprob_temperature(self):
         sizes = [p.num_rows for p in self.store.pieces("departing")]
