@@ -9,7 +9,7 @@ caller's `store`, with `add(name, table)` and `pieces(name)` -> the tables added
     spec_decisions       the tokens' and reference's rows at the (request, position) of every decision
                          the trace says the rejection sampler made (`speculative_decisions.decision_keys`)
     penalty              greedy runs with a log-sum-exp: the tokens' and reference's rows of the
-                         requests `penalties.request_stride` keeps (every request while the stride is
+                         requests `penalty_evidence.request_stride` keeps (every request while the stride is
                          not known before the pass: `lse_complete` False), and the count of scored rows
                          with a log-sum-exp (the stride's input)
     logprob_temperature  the tokens whose logprob departs from the raw one by more than the clean
@@ -32,7 +32,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from lpf.analysis.columns import Lookup, one_array
-from lpf.analysis.penalties import fit_penalty, request_stride
+from lpf.analysis.penalties import fit_penalty
+from lpf.analysis.penalty_evidence import request_stride
 from lpf.analysis.prefix_cache import prefix_cache_summary
 from lpf.analysis.run_test import DEFAULT_ALPHA
 from lpf.analysis.signatures import MAX_TEMPERED_TOKENS, crossed_wires, fit_logprob_temperature, tempered_logprobs
