@@ -11,18 +11,18 @@ raw logits' signs, which logprobs alone do not give). Otherwise the best-fitting
   presence_penalty    a token already in the output (or the context) loses alpha
   frequency_penalty   a token loses beta per earlier occurrence in the output
 
-each on a grid (the kind: `_kind`; theta 0.5..2 by 0.0025, alpha and beta -2..2 by 0.01; a pass on a
-grid `penalty_evidence.COARSE` times coarser first), judged by how many positions' engine tokens it
-predicts: the engine's token must be the argmax (within `tie`: what the engine's dtype moves a near tie by, the run's tie margin as findings
-passes it) of the penalised raw logits over the reference's top-k plus the token (logit = reference
-logprob + ref_logsumexp; the engine runs the reference's model, so its logits are the reference's).
-Tokens outside the top-k are not candidates. Only positions where a candidate was already seen can change (`penalty_evidence`: at most
-MAX_POSITIONS of them: a bigger run is fitted on every k-th request); the fit is the
-value at the middle of the best plateau (its interval: the values around it whose agreement an exact sign
-test cannot tell from it, `_interval`), and it is reported when it turns at least MIN_EXPLAINED of
-the neutral value's greedy flips into agreements, significantly (p < MAX_P, twice the smaller of: an exact
-sign test of explained flips against lost agreements; `_coincidence`, how likely the flips meet the fit's
-changes by chance among the informative positions). A penalty the server states (`configured`:
+each on a grid (the kind: `_kind`; theta 0.5..2 by 0.0025, alpha and beta -2..2 by 0.01; a pass on a grid
+`penalty_evidence.COARSE` times coarser first), judged by how many positions' engine tokens it predicts: the
+engine's token must be the argmax (within `tie`: what the engine's dtype moves a near tie by, the run's tie
+margin as findings passes it) of the penalised raw logits over the reference's top-k plus the token (logit =
+reference logprob + ref_logsumexp; the engine runs the reference's model, so its logits are the reference's).
+Tokens outside the top-k are not candidates. Only positions where a candidate was already seen can change
+(`penalty_evidence`: at most MAX_POSITIONS of them: a bigger run is fitted on every k-th request); the fit is
+the value at the middle of the best plateau (its interval: the values around it whose agreement an exact sign
+test cannot tell from it, `_interval`), and it is reported when it turns at least MIN_EXPLAINED of the neutral
+value's greedy flips into agreements, significantly (p < MAX_P, twice the smaller of: an exact sign test of
+explained flips against lost agreements; `_coincidence`, how likely the flips meet the fit's changes by chance
+among the informative positions). A penalty the server states (`configured`:
 `configured_penalties` of the manifest's sampling defaults, e.g. llama-cpp-python's documented repeat_penalty 1.1
 over its output) is one hypothesis fixed before the evidence: tested at its stated value with nothing fitted
 (`_chance` over one set of choices), it is named (`source` "stated") when it turns at least one flip into an
