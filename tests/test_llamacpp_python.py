@@ -121,7 +121,8 @@ def test_a_few_flips_its_stated_default_explains_end_right_and_without_its_word_
     in 300 answers (stress-0-00058, stress-0-00106), too few to fit a kind (docs/real-engines.md). Those two
     prompts and 14 others: the penalty the server states is tested as stated, named with source "stated", its
     flips its sampling, the gate passes; the same run with the server's word taken out of its manifest names
-    nothing and stays `divergent`, exit 1 (no kind is fitted from two flips)."""
+    nothing and stays `divergent`, exit 1 (no kind is fitted from two flips); with a stated default the flips do
+    not bear out, the server's word is said beside the findings and the flips stay `divergent`."""
     from conftest import write_prompts
     from lpf.zoo import registry
 
@@ -141,6 +142,7 @@ def test_a_few_flips_its_stated_default_explains_end_right_and_without_its_word_
     assert fit["explained"] == fit["flips"] == 2 and fit["lost"] == 0 and fit["lowered"] == 2, fit
     assert fit["consistent"] and "cannot tell it from" in fit["sentence"]
     assert r.code == 0 and found["counts"]["divergent"] == 0, found["counts"]
+    assert "stated_penalty" not in found["server_processing"]  # named: said once, as the penalty
     manifest = json.loads((run / "manifest.json").read_text())
     manifest["engine"]["configuration"]["sampling_defaults"] = {"value": None, "source": "absent", "via": None}
     (run / "manifest.json").write_text(json.dumps(manifest))
@@ -148,3 +150,19 @@ def test_a_few_flips_its_stated_default_explains_end_right_and_without_its_word_
     unsaid = json.loads(again.out)
     assert (unsaid.get("server_processing") or {}).get("penalty") is None
     assert again.code == 1 and unsaid["counts"]["divergent"] == 2, unsaid["counts"]
+    # a stated default the evidence does not bear out is said, not named: the flips stay divergent
+    via = "GET /openapi.json: the server's documented request defaults"
+    manifest["engine"]["configuration"]["sampling_defaults"] = {
+        "value": {"presence_penalty": 1.5},
+        "source": "engine",
+        "via": via,
+    }
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    wrong = lpf_cli("analyze", run, "--json")
+    stated = json.loads(wrong.out)["server_processing"]
+    assert "penalty" not in stated and wrong.code == 1
+    assert stated["stated_penalty"]["sentence"] == (
+        "the server states presence penalty 1.5 over tokens already in the output (GET /openapi.json); the run's "
+        "greedy choices do not show it (no flip it explains beyond chance)"
+    )
+    assert "server-side processing: the server states presence penalty 1.5" in " ".join(wrong.err.split())

@@ -15,7 +15,7 @@ import pyarrow as pa
 import pytest
 
 from conftest import write_prompts
-from lpf.analysis.penalties import configured_penalties, fit_penalty
+from lpf.analysis.penalties import configured_penalties, fit_penalty, untested
 
 V, K = 40, 5
 
@@ -259,3 +259,12 @@ def test_a_fitted_kind_the_evidence_cannot_tell_from_the_stated_one_is_the_state
     other = fit_penalty(*big, tie=1e-4, configured=stated)
     assert other["mechanism"] == "presence_penalty" and not other["stated"]["named"], other
     assert "not the kind the server states" in other["sentence"]
+
+
+def test_a_stated_penalty_no_flip_bears_out_is_said_not_named():
+    stated = configured_penalties(_said(repeat_penalty=1.1, penalty_scope="output"))
+    said = untested(stated, greedy=True)
+    assert said["stated"] == stated
+    assert said["sentence"].startswith("the server states repetition penalty 1.1 over tokens already in the output (")
+    assert said["sentence"].endswith("do not show it (no flip it explains beyond chance)")
+    assert untested(stated, greedy=False)["sentence"].endswith("not tested: the run has no greedy requests")

@@ -28,7 +28,7 @@ from lpf.analysis.hypotheses import rank_hypotheses
 from lpf.analysis.levels import REQUEST_VERDICTS, SEVERITY
 from lpf.analysis.mechanisms import attribute, run_level
 from lpf.analysis.onset_features import onset_features
-from lpf.analysis.penalties import configured_penalties, lower_explained, phrase as penalty_phrase
+from lpf.analysis.penalties import configured_penalties, lower_explained, phrase as penalty_phrase, untested
 from lpf.analysis.prefix_cache import prefix_cache_summary
 from lpf.analysis.shape import failure_shape
 from lpf.analysis.speculative_decisions import decision_signature, decision_slack, raise_decisions
@@ -125,6 +125,8 @@ def conclude_run(
     record(ran, "logprob_temperature")
     server = {
         "penalty": penalty,
+        # what the server says it applies, when nothing in the run names it: said, not dropped
+        "stated_penalty": untested(configured, greedy) if penalty is None and configured else None,
         "logprob_temperature": (inputs.logprob_temperature() if "ref_topk_logprobs" in run.reference_columns else None),
     }
     fitted = server["logprob_temperature"]
@@ -173,7 +175,8 @@ def conclude(
     the ranked hypotheses (with the two token signatures' request ids, None when not computed), the
     evidence beyond the tokens and the prefix cache's block (`prefix_cache`: on, hits, inert; None
     when the run has no prefix cache), and what the server did on its own (`server`: {"penalty":
-    `penalties.fit_penalty`'s, "logprob_temperature": `signatures.fit_logprob_temperature`'s}, None
+    `penalties.fit_penalty`'s, "stated_penalty": `penalties.untested`'s (the server's word, no penalty
+    named), "logprob_temperature": `signatures.fit_logprob_temperature`'s}, None
     each when not found) as `server_processing` with the found ones (absent when none). Reads no
     token table. `prefix()`: the prefix cache's block, when the caller makes it (from the prompts' ids)."""
     record(ran, "run_verdict", "shape", "hypotheses", "evidence", "prefix_cache")

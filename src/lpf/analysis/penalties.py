@@ -36,6 +36,7 @@ each at its best value, that explain flips and that the evidence cannot tell fro
 test over the positions where they differ, p >= INTERVAL_ALPHA), requests (ids with an explained flip),
 explained_requests (those with no other flip: none the fit leaves, none where no candidate had been seen),
 sentence}.
+`untested(configured, greedy)`: what the server states when no penalty is named (findings say it).
 `lower_explained(summary, fit, clean_abs_diff) -> (summary, n)`: the `divergent` requests whose only flagged
 tokens are flips the fit explains judged as the server's sampling (`noise`/`clean`, column `server_processing`).
 """
@@ -295,6 +296,20 @@ def sentence(mech: str, scope: str, value: float, explained: int, flips: int, n_
         f"(it explains {explained} of the {flips} greedy choices that differ from the reference where a "
         f"candidate had been seen, in {n_requests} request(s))"
     )
+
+
+def untested(configured: list[dict], greedy: bool) -> dict:
+    """What the server states of its penalties (`configured_penalties`, not empty) when the run names none:
+    {stated, sentence}, said beside the findings rather than dropped (a run with no flip has nothing to test it on)."""
+    said = ", ".join(
+        f"{c['mechanism'].replace('_', ' ')} {c['value']:.3g} over {_SCOPE_WORDS[c['scope']]}" for c in configured
+    )
+    why = (
+        "the run's greedy choices do not show it (no flip it explains beyond chance)"
+        if greedy
+        else "not tested: the run has no greedy requests"
+    )
+    return {"stated": configured, "sentence": f"the server states {said} ({configured[0]['via'].split(':')[0]}); {why}"}
 
 
 def phrase(fit: dict) -> str:
