@@ -153,7 +153,7 @@ def test_a_few_flips_its_stated_default_explains_end_right_and_without_its_word_
     # a stated default the evidence does not bear out is said, not named: the flips stay divergent
     via = "GET /openapi.json: the server's documented request defaults"
     manifest["engine"]["configuration"]["sampling_defaults"] = {
-        "value": {"presence_penalty": 1.5},
+        "value": {"repeat_penalty": 0.9, "penalty_scope": "output"},  # favours repeats: the flips avoid them
         "source": "engine",
         "via": via,
     }
@@ -162,7 +162,7 @@ def test_a_few_flips_its_stated_default_explains_end_right_and_without_its_word_
     stated = json.loads(wrong.out)["server_processing"]
     assert "penalty" not in stated and wrong.code == 1
     assert stated["stated_penalty"]["sentence"] == (
-        "the server states presence penalty 1.5 over tokens already in the output (GET /openapi.json); the run's "
+        "the server states repetition penalty 0.9 over tokens already in the output (GET /openapi.json); the run's "
         "greedy choices do not show it (no flip it explains beyond chance)"
     )
-    assert "server-side processing: the server states presence penalty 1.5" in " ".join(wrong.err.split())
+    assert "server-side processing: the server states repetition penalty 0.9" in " ".join(wrong.err.split())
