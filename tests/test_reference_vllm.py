@@ -97,6 +97,29 @@ def test_a_vllm_reference_is_judged_with_the_engine_dtypes_floor_and_says_so():
     )
 
 
+def test_a_self_reference_needs_an_engine_that_can_rescore_and_says_what_its_pass_shares():
+    """`--reference self` on a run of the vllm engine: its worker re-scores (a new start of the run's
+    configuration, drills kept, trace kept private, when the run's engine is gone); an engine with neither a
+    server nor a worker to ask is refused in one line."""
+    from lpf.core.errors import LpfError
+    from lpf.core.model_specs import resolve_model
+    from lpf.pipeline.reference_http import for_run
+
+    run = {"model": {"spec": MODEL}, "engine": {"name": "builtin", "options": {}}}
+    with pytest.raises(LpfError, match=r"needs --engine openai \(its server\) or --engine vllm \(this run's engine is"):
+        for_run(run, "self", None, None, 5)
+    run["engine"] = {"name": "vllm", "version": "0.32.0", "options": {"inject": "stale-state", "trace_dir": "/t"}}
+    ref = for_run(run, "self", None, None, 5)
+    assert ref.options.inject == "stale-state" and ref.options.trace_dir is None and ref.concurrency == 1
+    d = ref.describe()
+    assert d["kind"] == "self" and d["engine"] == "vllm" and d["run_test"] == "not applicable"
+    assert d["dtype"] is None and d["implementation"] == "vLLM 0.32.0" and d["rank"] == "vLLM's own"
+    assert "skip_reading_prefix_cache=True" in d["prompt_logprobs"] and "one request at a time" in d["second_pass"]
+    assert "the engine's own prefill is in both passes" in d["second_pass"]
+    assert resolve_model(MODEL).path == ref.model.path
+    assert "4 requests per batch" in for_run(run, "self", None, 4, 5).describe()["second_pass"]
+
+
 def verdicts(run: Path) -> dict[str, str]:
     t = pq.read_table(run / "summary.parquet", columns=["request_id", "verdict"]).to_pylist()
     return {r["request_id"]: r["verdict"] for r in t}
