@@ -134,6 +134,11 @@ def pytest_terminal_summary(terminalreporter):
     for group, seconds in sorted(_GROUP_SECONDS.items(), key=lambda kv: -kv[1])[:20]:
         tr.write_line(f"{seconds:8.1f}s  {group}")
     tr.write_line("  ".join(f"{w}: {s:.0f}s" for w, s in sorted(_WORKER_SECONDS.items())))
+    # how busy the machine's cores were over the run: well under 100% means the workers waited (servers, sleeps,
+    # subprocess start-ups), and another worker could use the idle share; near 100% means they cannot
+    end, start = _cpu_jiffies(), _CPU_AT_START[0] if _CPU_AT_START else None
+    if start and end and end[1] > start[1]:
+        tr.write_line(f"machine CPU busy over the run: {100 * (end[0] - start[0]) / (end[1] - start[1]):.0f}%")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -162,8 +167,23 @@ def _adopt_orphans() -> None:
         pass
 
 
+def _cpu_jiffies() -> tuple[int, int] | None:
+    """(busy, total) CPU time of the whole machine so far, from /proc/stat's first line (Linux)."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+_CPU_AT_START: list = []
+
+
 def pytest_configure(config):
     _adopt_orphans()
+    if not hasattr(config, "workerinput"):  # the controller (or a run without xdist)
+        _CPU_AT_START.append(_cpu_jiffies())
 
 
 def _children() -> list:

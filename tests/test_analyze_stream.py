@@ -18,7 +18,7 @@ import pytest
 
 from conftest import lpf_main, write_prompts
 from lpf.analysis.thresholds import Thresholds
-from lpf.pipeline import analyze_stream, stream_memory, stream_parts
+from lpf.pipeline import analyze_stream, run_reads, stream_memory, stream_parts
 from lpf.pipeline.analyze import analyze_run
 from lpf.run.store import RunDir
 
@@ -362,7 +362,7 @@ def test_footer_counts_are_what_reading_counts(tmp_path):
     pq.write_table(t, parts[1], write_statistics=False)
     want = counts(run.iter_parts("tokens", ["engine_logprob", "engine_topk_ids"]))
     assert want["no_logprob"] == 500
-    assert analyze_stream.footer_counts(run) == {**want, "top_k": 0}
+    assert run_reads.footer_counts(run) == {**want, "top_k": 0}
 
 
 def _rewrite(part, fn, **kw):

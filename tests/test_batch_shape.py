@@ -1,4 +1,4 @@
-"""Batch-shape dependence: `lpf repeat`'s conclusion (`experiments.repeat.batch_shape`) and, against a real
+"""Batch-shape dependence: `lpf repeat`'s conclusion (`experiments.repeat_verdict.batch_shape`) and, against a real
 llama-server with flash attention on and 8 slots, the dependence named with the knob that controls it.
 
 The pure test feeds the conclusion copies as `run_repeat` writes them; the real one runs `lpf repeat
@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from lpf.experiments.repeat import batch_shape
+from lpf.experiments.repeat_verdict import batch_shape
 
 
 def _copy(i, fillers, diff, tokens=(1, 2, 3), sizes=None):

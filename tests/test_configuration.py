@@ -57,6 +57,22 @@ def test_llama_server_props_give_the_file_type_and_the_servers_sampling_defaults
     assert ec.from_llama_props(None) == {} and ec.from_llama_props({"build_info": "x"}) == {}
 
 
+def test_llama_cpp_python_names_its_defaults_in_its_openapi_schema_and_other_servers_are_not_read():
+    """llama-cpp-python's server has no /props; its /openapi.json (the shape 0.3.36 serves) names it and
+    documents the defaults of its request fields, repeat_penalty 1.1 among them; its penalties see the tokens
+    it generated only. A schema of another title (vLLM's: request defaults None, generation_config.json
+    applied instead) says nothing."""
+    schema = {"properties": {"repeat_penalty": {"type": "number", "default": 1.1}, "top_k": {"default": 40}}}
+    body = {
+        "info": {"title": "🦙 llama.cpp Python API", "version": "0.3.36"},
+        "components": {"schemas": {"CreateChatCompletionRequest": schema, "CreateCompletionRequest": schema}},
+    }
+    ((said, via),) = ec.from_openapi(body).values()
+    assert said == {"repeat_penalty": 1.1, "top_k": 40, "penalty_scope": "output"}
+    assert "llama.cpp Python API 0.3.36" in via and "/openapi.json" in via
+    assert ec.from_openapi({**body, "info": {"title": "vLLM API"}}) == {} and ec.from_openapi([]) == {}
+
+
 def test_vllm_config_gives_dtype_kv_cache_quantization_and_generation_defaults():
     cfg = {
         "model_config": {"dtype": "torch.bfloat16", "quantization": None},

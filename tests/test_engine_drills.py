@@ -129,7 +129,7 @@ def long_memory():
 @pytest.fixture(scope="module")
 def stale_runs(tmp_path_factory, long_memory):
     """The seed's architecture (Mamba1 + attention + MoE) with a state that carries long memory
-    (lpf.core.model_specs says why), 2000 greedy requests audited with the fault and without, and the
+    (lpf.core.model_specs says why), 1000 greedy requests audited with the fault and without, and the
     faulty run generated once more (`lpf run`: the engine alone, to compare its tokens with the first's).
 
     The cache (3 MB: 40 state slots, 48 KV blocks) and budget (32 tokens per step, at most 16
@@ -141,7 +141,7 @@ def stale_runs(tmp_path_factory, long_memory):
         "--workload",
         "zoo:oracle",
         "--n",
-        4,
+        2,
         "--max-tokens",
         16,
         "--cache-mb",
@@ -185,7 +185,7 @@ def _check_imposters(run):
 
 def test_stale_state_imposters(stale_runs):
     base, a, off = stale_runs
-    assert a["n_requests"] == 2000
+    assert a["n_requests"] == 1000
     truth = _check_imposters(base / "a")
     assert 0 < len(truth) < 0.05 * a["n_requests"], "a small fraction of requests are imposters"
     # the lies come only from imposters, and imposters do lie
@@ -214,7 +214,7 @@ def test_stale_state_forensics(stale_runs):
     assert shape["n_flagged"] == len(corrupted) and shape["onset"]["step"] is not None
     assert shape["first_divergence"]["at_zero_fraction"] > 0.5, "a state handed in before the first token"
     assert a["thresholds"]["source"] == "table" and a["thresholds"]["divergent_abs_diff"] == 0.5
-    assert off["counts"]["clean"] == 2000 and off["hypotheses"] == []
+    assert off["counts"]["clean"] == 1000 and off["hypotheses"] == []
 
 
 def test_stale_state_on_the_trained_hybrid(tmp_path):
@@ -297,15 +297,15 @@ def test_offset_wrap_only_past_the_wrap(tmp_path, long_memory):
 
 def test_swap_outputs_crossed_wires(tmp_path):
     """Caught (only swapped requests flagged) and named: the top hypothesis is the crossed-wires
-    signature, and the failure's period over engine steps is the drill's. 2000 distinct prompts,
+    signature, and the failure's period over engine steps is the drill's. 1000 distinct prompts,
     one rollout each: greedy rollouts of one prompt are identical, so swapping them shows nothing."""
     from lpf.zoo import registry
 
-    items = registry.workload_items("oracle", seed=3, n=2000)
-    prompts = write_prompts(tmp_path / "oracle2000.jsonl", [{"id": i["id"], "prompt": i["prompt"]} for i in items])
+    items = registry.workload_items("oracle", seed=3, n=1000)
+    prompts = write_prompts(tmp_path / "oracle1000.jsonl", [{"id": i["id"], "prompt": i["prompt"]} for i in items])
     f = audit(tmp_path / "s", "--workload", prompts, "--max-tokens", 16, "--inject", "swap-outputs:5")
     truth = ground_truth(tmp_path / "s")
-    assert f["n_requests"] == 2000
+    assert f["n_requests"] == 1000
     assert truth and flagged(f) and flagged(f) <= truth and lying(tmp_path / "s") <= truth
     assert f["hypotheses"][0]["feature"] == "crossed_wires"
     assert f["hypotheses"][0]["clean_with"] == 0

@@ -468,7 +468,9 @@ def test_q4_k_gguf_under_the_float32_name_is_caught_by_the_run_level_test(
     # judged by llama-server's defaults (f16 K/V: /props says neither its KV type nor flash attention), the more
     # lenient row, and still caught
     assert f["errors"] == 0 and rt["result"] == "different" and rt["floor_pair"] == "float32/float32 kv=float16"
-    assert 0 < rt["tokens_needed"] <= rt["n_tokens"] and rt["effect_size"] > 10  # ~30x that row (100x+ float32's)
+    # 9.4x that row since it covers chat-template prompts (scripts/measure_floor_chat.py; 30x before), 100x+
+    # float32's: still rejected at the test's minimum of 10 tokens
+    assert 0 < rt["tokens_needed"] <= rt["n_tokens"] and rt["effect_size"] > 5
     e = json.loads((out / "manifest.json").read_text())["engine"]
     assert e["server"] == {"started_by": "user", "base_url": server.base_url} and e["options"]["dtype"] == "float32"
     assert e["props"]["total_slots"] == 2

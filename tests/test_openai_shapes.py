@@ -49,6 +49,10 @@ def shapes(server, path, body, attempt) -> Reply:
         from lpf.core.chat import render
 
         n = len(render(tok, body["messages"])) + (3 if "mismatch" in user else 0)
+        if "empty" in user:  # llama-cpp-python's chat stopping at its first token: no text, entry or count
+            choice = {"index": 0, "message": {"role": "assistant", "content": ""}, "finish_reason": "stop"}
+            choice["logprobs"] = {"content": [], "refusal": None}
+            return Reply(200, {"choices": [choice], "usage": {"prompt_tokens": n, "completion_tokens": 0}})
         if "eos" in user:  # llama-cpp-python's chat: the stop token as '' with bytes null, its text skipped
             content = _content(tok, ids[:3], "bytes")["content"]
             content.append({"token": "", "logprob": -0.1, "bytes": None, "top_logprobs": []})
@@ -144,6 +148,7 @@ def test_chat_route_sends_messages_scores_the_rendering_and_names_a_template_mis
         {"id": "turns", "messages": [{"role": "system", "content": "R:A37"}, {"role": "user", "content": "A"}]},
         {"id": "odd", "prompt": "mismatch"},
         {"id": "eos", "prompt": "eos"},
+        {"id": "empty", "prompt": "empty"},
     ]
     out = tmp_path / "run"
     with ScriptedServer(shapes) as server:
@@ -158,9 +163,15 @@ def test_chat_route_sends_messages_scores_the_rendering_and_names_a_template_mis
     eos = reqs.pop("eos-r0")  # a token '' with bytes null is placed by the answer's text: the stop token
     assert eos["error"] is None and eos["output_token_ids"] == OUT_IDS[:3] + [tok.eos_token_id], eos
     assert eos["inconsistency"] is None
+    # an empty `stop` answer is an answer: its withheld stop token kept without a logprob, judged tokens-only
+    empty = reqs.pop("empty-r0")
+    assert empty["error"] is None and empty["output_token_ids"] == [tok.eos_token_id], empty
+    assert empty["finish_reason"] == "stop" and empty["inconsistency"] is None
+    returned = json.loads((out / "manifest.json").read_text())["engine"]["returned"]["answers"]
+    assert returned["empty stop (its end-of-sequence token withheld)"] == 1, returned
     assert all(x["output_token_ids"] == OUT_IDS and x["error"] is None for x in reqs.values())
     assert reqs["plain-r0"]["inconsistency"] is None and reqs["turns-r0"]["inconsistency"] is None
     assert reqs["odd-r0"]["inconsistency"].startswith("chat_template: the server counts")
     f = json.loads(r.out)
     assert f["evidence"]["inconsistent"]["by_reason"] == {"chat_template": 1}
-    assert f["judged"]["route"] == {"/chat/completions": 4}
+    assert f["judged"]["route"] == {"/chat/completions": 5}

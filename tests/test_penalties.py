@@ -15,7 +15,7 @@ import pyarrow as pa
 import pytest
 
 from conftest import write_prompts
-from lpf.analysis.penalties import fit_penalty
+from lpf.analysis.penalties import configured_penalties, fit_penalty
 
 V, K = 40, 5
 
@@ -199,3 +199,63 @@ def test_a_repetition_penalty_over_the_output_only_is_named_with_a_real_interval
     assert abs(fit["value"] - 1.1) <= 0.02 and fit["interval"][0] <= 1.1 <= fit["interval"][1] + 0.0025
     assert fit["interval"][1] > fit["interval"][0]  # a range, not one grid point
     assert "tokens already in the output" in fit["sentence"]
+
+
+def _said(**values) -> dict:
+    return {"sampling_defaults": {"value": values, "source": "engine", "via": "GET /openapi.json"}}
+
+
+def test_the_penalties_a_server_states_map_to_the_fits_kinds():
+    assert [(c["mechanism"], c["scope"], c["value"]) for c in configured_penalties(
+        _said(repeat_penalty=1.1, penalty_scope="output", presence_penalty=0.0, top_k=40)
+    )] == [("repetition_penalty", "output", 1.1)]  # fmt: skip
+    llama_server = configured_penalties(_said(repeat_penalty=1.2, repeat_last_n=64, frequency_penalty=0.5))
+    assert [(c["mechanism"], c["scope"]) for c in llama_server] == [
+        ("repetition_penalty", "last64"),
+        ("frequency_penalty", "output"),
+    ]
+    assert configured_penalties(_said(repeat_penalty=1.0, repetition_penalty=1.0)) == []
+    assert configured_penalties(_said(repeat_penalty=1.1, repeat_last_n=128)) == []  # no kind has that window
+    assert configured_penalties(None) == [] and configured_penalties({"sampling_defaults": None}) == []
+
+
+def test_a_stated_penalty_explains_the_few_flips_no_fit_could_name_and_only_those():
+    """llama-cpp-python's server states repeat_penalty 1.1 over its output (issue 52: on completions 2 flips in
+    2,026 tokens, too few to fit a kind, stayed `divergent`, exit 1). Tested as stated (one hypothesis, nothing
+    fitted), flips exactly where it puts them are its sampling, named with source "stated" and the kinds the
+    evidence cannot tell apart; flips it does not predict (an engine of another dtype's near ties) are not
+    explained by it, and a stated value the choices contradict names nothing."""
+    stated = configured_penalties(_said(repeat_penalty=1.1, penalty_scope="output"))
+    tok, ref, req = _run("repetition_penalty_output", 1.1, n_req=3, n_out=12, seed=2)
+    assert fit_penalty(tok, ref, req, tie=1e-4) is None  # too few flips for a fit on their own
+    fit = fit_penalty(tok, ref, req, tie=1e-4, configured=stated)
+    assert fit is not None and fit["source"] == "stated", fit
+    assert (fit["mechanism"], fit["scope"], fit["value"]) == ("repetition_penalty", "output", 1.1)
+    assert 1 <= fit["explained"] == fit["flips"] and fit["lost"] == 0 and fit["p_value"] < 0.05
+    assert fit["explained_requests"] and fit["stated"]["named"] and "stated default" in fit["sentence"]
+    # flips the stated penalty does not put there: near-tie flips of a noisier engine with no penalty at all
+    tok2, ref2, req2 = _run("repetition_penalty", 1.0, n_req=20, seed=7, noise=0.4)
+    top1 = np.array([ids[0] for ids in ref2.column("ref_topk_ids").to_pylist()])
+    assert (tok2.column("token_id").to_numpy() != top1).sum() > 20  # flips to explain, if it could
+    noisy = fit_penalty(tok2, ref2, req2, tie=1e-4, configured=stated)
+    assert noisy is None or not noisy["explained_requests"], noisy
+    wrong = configured_penalties(_said(presence_penalty=1.5))
+    assert fit_penalty(tok, ref, req, tie=1e-4, configured=wrong) is None
+
+
+def test_a_fitted_kind_the_evidence_cannot_tell_from_the_stated_one_is_the_stated_one():
+    """With a handful of flips a presence penalty fits an output repetition penalty's choices as well (issue 52:
+    zoo:hybrid chat named "a presence penalty of 0.76"): the kinds not told apart are listed, and the one the
+    server states is named where the evidence allows it; a stated kind the evidence rejects is said beside the fit."""
+    tok, ref, req = _run("repetition_penalty_output", 1.1, n_req=40, seed=11)
+    free = fit_penalty(tok, ref, req, tie=1e-4)
+    stated = configured_penalties(_said(repeat_penalty=1.1, penalty_scope="output"))
+    fit = fit_penalty(tok, ref, req, tie=1e-4, configured=stated)
+    assert free is not None and fit is not None and fit["source"] == "fitted"
+    assert (fit["mechanism"], fit["scope"]) == ("repetition_penalty", "output"), fit
+    assert fit["interval"][0] <= 1.1 <= fit["interval"][1] + 0.0025
+    assert all(c["mechanism"] != "repetition_penalty" or c["scope"] != "output" for c in fit["consistent"])
+    big = _run("presence_penalty", 1.5, seed=5)
+    other = fit_penalty(*big, tie=1e-4, configured=stated)
+    assert other["mechanism"] == "presence_penalty" and not other["stated"]["named"], other
+    assert "not the kind the server states" in other["sentence"]

@@ -11,7 +11,8 @@ import json
 
 import pytest
 
-from lpf.experiments.repeat import compare, plan_copies
+from lpf.experiments.repeat import plan_copies
+from lpf.experiments.repeat_verdict import compare
 
 ARGS = ["--engine", "builtin", "--model", "zoo:hybrid", "--times", 8, "--max-tokens", 12, "--ignore-eos"]
 

@@ -256,7 +256,7 @@ def test_stale_state_in_bf16_still_has_every_imposter_corrupt(tmp_path):
     hypothesis is still the mechanism. bfloat16 is rough on this model (A = -0.002 keeps 93% of the
     state, and its rounding, per step; the 4x head makes it confident): the same run without the
     fault, measured, has 15 corrupt and 15 divergent requests of 2,000, so a few non-imposters are
-    flagged here too."""
+    flagged here too. 1,000 requests here (the suite's budget)."""
     run = tmp_path / "stale"
     f, _ = audit(
         run,
@@ -267,7 +267,7 @@ def test_stale_state_in_bf16_still_has_every_imposter_corrupt(tmp_path):
         "--workload",
         "zoo:oracle",
         "--n",
-        4,
+        2,
         "--max-tokens",
         8,
         "--cache-mb",
@@ -284,7 +284,7 @@ def test_stale_state_in_bf16_still_has_every_imposter_corrupt(tmp_path):
     )
     corrupted = {r[0] for r in run_query(run, "SELECT DISTINCT request_id FROM faults WHERE role = 'corrupted'")[1]}
     verdicts = dict(run_query(run, "SELECT request_id, verdict FROM summary")[1])
-    assert f["n_requests"] == 2000 and len(corrupted) >= 20
+    assert f["n_requests"] == 1000 and len(corrupted) >= 10
     assert {verdicts[r] for r in corrupted} == {"corrupt"} and f["verdict"] == "corrupt"
     flagged = {r for r, v in verdicts.items() if v in ("divergent", "corrupt")}
     assert flagged >= corrupted and len(flagged - corrupted) <= 0.02 * f["n_requests"]

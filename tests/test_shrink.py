@@ -89,10 +89,10 @@ def fresh_python(*args, python=sys.executable, env=None, timeout=600):
     )
 
 
-# -- stale state: 2,000 requests down to at most 3 ---------------------------------------------------
+# -- stale state: 1,000 requests down to at most 3 ---------------------------------------------------
 @pytest.fixture(scope="module")
 def stale(tmp_path_factory):
-    """2,000 greedy requests (500 prompts x 4 rollouts) with the stale-state drill in a cache of two
+    """1,000 greedy requests (500 prompts x 2 rollouts) with the stale-state drill in a cache of two
     state slots, a 6-token step budget (a new request is sometimes left 1 token) and 4-token KV
     blocks; then `lpf shrink` with its defaults (budget 60 runs, 1-of-3 tries)."""
     base = tmp_path_factory.mktemp("stale")
@@ -101,7 +101,7 @@ def stale(tmp_path_factory):
         run,
         short_prompts(base / "w.jsonl", 500),
         "--n",
-        4,
+        2,
         "--cache-mb",
         0.2,
         "-E",
@@ -111,14 +111,14 @@ def stale(tmp_path_factory):
         "--inject",
         "stale-state",
     )
-    assert findings["n_requests"] == 2000 and 0 < findings["counts"]["corrupt"] < 100
+    assert findings["n_requests"] == 1000 and 0 < findings["counts"]["corrupt"] < 50
     out = base / "shrink"
     proc = lpf_main("shrink", run, "--out", out, "--json")
     assert proc.returncode == 0, proc.stderr
     return run, out, json.loads(proc.stdout), findings
 
 
-def test_stale_state_shrinks_from_2000_requests_to_at_most_3(stale):
+def test_stale_state_shrinks_from_1000_requests_to_at_most_3(stale):
     run, out, doc, findings = stale
     assert doc == json.loads((out / "shrink.json").read_text()) and doc["status"] == "done"
     assert doc["target"] == findings["flagged"][0]["request_id"], "the worst flagged request by default"
@@ -129,7 +129,7 @@ def test_stale_state_shrinks_from_2000_requests_to_at_most_3(stale):
         "split": None,
         "phrase": "started with a decode step while num_computed_tokens was 0",
     }
-    assert doc["original"]["size"][0] == 2000
+    assert doc["original"]["size"][0] == 1000
     assert doc["runs_used"] <= 60 and doc["runs_used"] == len({d for d in doc["charged"]})
     n, tokens, knobs = doc["minimal"]["size"]
     assert n <= 3 and tokens < 0.01 * doc["original"]["size"][1]

@@ -185,7 +185,8 @@ def test_sampled_ngram_speculation_on_vllm_cpu_is_caught_by_its_rejection_sample
     25): every reported logprob matches the reference, the tokens do not follow it, and the run test's
     sampling sub-test rejects the run. The trace's drafts (q = 1: n-gram) reach the decision test, which
     names requests only as far as the garbage (whatever memory held, different each run) makes their
-    decisions improbable: 0 and 25 of 500 on two runs; when it names some, the mechanism ranks first.
+    decisions improbable: 0 and 25 of 500 on two runs; when it names 2 or more, the mechanism ranks first
+    (a mechanism needs 2 flagged requests carrying it: CI once named exactly 1, which is raised, not ranked).
     Here 150 requests (the run test needed 46-69 tokens on 500)."""
     from lpf.zoo import registry
 
@@ -205,5 +206,8 @@ def test_sampled_ngram_speculation_on_vllm_cpu_is_caught_by_its_rejection_sample
     d = f["spec_decisions"]
     assert d["tested"] > 300 and d["draws_tested"] > 30
     assert len(f["flagged"]) == d["requests"] and all("spec_decision" in x for x in f["flagged"])
-    if d["requests"]:
+    if d["requests"] >= 2:  # a mechanism is ranked only when 2 or more flagged requests carry it
         assert f["hypotheses"][0]["feature"] == "spec_decision_against_odds"
+    elif d["requests"] == 1:  # the one request still says why it was raised; nothing is ranked on one
+        assert f["flagged"][0]["spec_decision"]
+        assert all(h["feature"] != "spec_decision_against_odds" for h in f["hypotheses"])

@@ -331,8 +331,10 @@ def test_concurrent_clients_disconnects_malformed_bodies_and_a_killed_scorer(tmp
             assert recorded == _value(metrics, "lpf_watch_samples_recorded")
             assert recorded + _value(metrics, "lpf_watch_samples_dropped_total") == sampled > 0
             wait_for(lambda: windows(out), what="a window judged after the restart")
-            # a SIGKILL of lpf watch loses no sample already written
+            # a SIGKILL of lpf watch loses no sample already written, and its orphaned scorer stops itself
+            scorer_pid = json.loads(status.read_text())["pid"]
             proxy.stop(signal.SIGKILL)
+            wait_for(lambda: not _running(scorer_pid), timeout=120, what="the orphaned scorer stopping by itself")
             from lpf.run.store import RunDir
 
             run = RunDir.open(out)
@@ -340,6 +342,14 @@ def test_concurrent_clients_disconnects_malformed_bodies_and_a_killed_scorer(tmp
             assert set(run.read("tokens", ["request_id"]).column("request_id").to_pylist()) <= set(
                 run.read("requests", ["request_id"]).column("request_id").to_pylist()
             )
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` runs (a zombie waiting for its new parent to reap it does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
 
 
 def _value(text: str, name: str) -> float:

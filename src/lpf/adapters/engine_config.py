@@ -14,6 +14,12 @@
 - `kv_cache_scale(scales, cpu_build)`: `kv_cache_scale` from the per-tensor K/V scales vLLM's attention layers
   hold (read in-process by the worker): 1.0 unless the checkpoint gives k_scale / v_scale.
 - `from_lpf_models(body)`: `lpf serve`'s GET /v1/models, whose model entry carries `lpf_configuration`.
+- `from_openapi(body)`: llama-cpp-python's server (`python -m llama_cpp.server`, which has no /props) names
+  itself in GET /openapi.json (info.title "🦙 llama.cpp Python API", its version) and documents its request
+  defaults there: `sampling_defaults` from its completion and chat request schemas (repeat_penalty 1.1, ...),
+  with `penalty_scope` "output": its sampler is fed the tokens it generates only, never the prompt
+  (llama_cpp/llama.py `generate`). Other servers' schemas are not read: vLLM's request defaults are None and its
+  generation_config.json applies instead, which its schema does not show.
 - `builtin(dtype, repetition_penalty, kv_cache_dtype)`: the built-in engine's (and `lpf serve`'s, whose default
   repetition penalty is a sampling default): its dtype, its KV cache's (the dtype, or -E kv_cache_dtype's fp8 type),
   float weights; flash attention not
@@ -124,6 +130,31 @@ def from_lpf_models(body: Any) -> dict[str, tuple[Any, str]]:
     if not isinstance(said, dict):
         return {}
     return {k: (v, "GET /v1/models lpf_configuration") for k, v in said.items() if k in FIELDS and v is not None}
+
+
+LLAMA_CPP_PYTHON_TITLE = "llama.cpp Python API"
+_OPENAPI_REQUESTS = ("CreateCompletionRequest", "CreateChatCompletionRequest")
+
+
+def from_openapi(body: Any) -> dict[str, tuple[Any, str]]:
+    info = body.get("info") if isinstance(body, dict) else None
+    if not isinstance(info, dict) or LLAMA_CPP_PYTHON_TITLE not in str(info.get("title") or ""):
+        return {}
+    schemas = (body.get("components") or {}).get("schemas") or {}
+    said: dict[str, Any] = {}
+    for name in _OPENAPI_REQUESTS:
+        props = (schemas.get(name) or {}).get("properties") or {}
+        for key in SAMPLING_DEFAULTS:
+            if isinstance(props.get(key), dict) and "default" in props[key]:
+                said.setdefault(key, props[key]["default"])
+    if not said:
+        return {}
+    said["penalty_scope"] = "output"
+    via = (
+        f"GET /openapi.json ({info.get('title')} {info.get('version') or ''}".rstrip()
+        + "): its request schemas' defaults; penalties over the generated tokens only (llama_cpp/llama.py)"
+    )
+    return {"sampling_defaults": (said, via)}
 
 
 def builtin(dtype: str, repetition_penalty: float | None = None, kv_cache_dtype: str | None = None) -> dict[str, Any]:

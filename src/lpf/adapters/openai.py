@@ -24,6 +24,7 @@ the request's error) is kept tokens only: its ids from the server's `token_ids`,
 re-encoded (checked: it must decode back to the same text and count what `usage` counts, the stop
 token added when the server skipped its text; else kept with `retokenized`), its logprobs null; a
 server that refuses `logprobs` altogether is asked without them (once, said in `notes`).
+How ids are recovered where the entries alone do not give them, and the empty `stop` answer: `openai_ids`.
 Answers are checked before they are trusted (see `remote`).
 Prompt logprobs (`--prompt-logprobs`, completions route): `-E prompt_logprobs=echo` asks `echo` with
 `logprobs` (the answer's tokens then start with the prompt, which they must be), `=field` asks vLLM's
@@ -44,6 +45,7 @@ from lpf.adapters import openai_prompt
 from lpf.adapters.base import Completion
 from lpf.adapters.http import RequestFailed, is_validation_error
 from lpf.adapters.logprob_gaps import fill_gaps
+from lpf.adapters.openai_ids import counts_more, empty_stop, sampled_ids, tokens_only
 from lpf.adapters.openai_shapes import MISSING, read_logprobs
 from lpf.adapters.remote import Problems, RemoteEngine, RemoteOptions, as_logprob
 from lpf.adapters.token_map import TOKEN_ID_PREFIX, TokenMap  # noqa: F401  (TOKEN_ID_PREFIX re-exported)
@@ -150,7 +152,8 @@ class OpenAIEngine(RemoteEngine):
 
     def configuration(self) -> dict:
         """What the server says of its configuration, where it says it (`engine_config`): vLLM's
-        `/server_info` (VLLM_SERVER_DEV_MODE=1), llama-server's `/props`, `lpf serve`'s `/v1/models`; each
+        `/server_info` (VLLM_SERVER_DEV_MODE=1), llama-server's `/props`, `lpf serve`'s `/v1/models`,
+        llama-cpp-python's `/openapi.json`; each
         asked once, briefly; a server that answers none of them says nothing."""
         from lpf.adapters import engine_config as ec
 
@@ -164,6 +167,7 @@ class OpenAIEngine(RemoteEngine):
             ),
             ("/props", ec.from_llama_props, 3.0),
             ("/v1/models", ec.from_lpf_models, 3.0),
+            ("/openapi.json", ec.from_openapi, 3.0),  # llama-cpp-python's server: its documented defaults
         )
         out: dict = {}
         for path, reader, timeout in readers:
@@ -331,15 +335,23 @@ class OpenAIEngine(RemoteEngine):
         echoed = self.sampling.prompt_logprobs and self.options.prompt_logprobs == "echo" and not chat
         prompt, topk_ids, topk_lps, cut = None, [], [], False
         finish = choice.get("finish_reason")
-        if block is None:
+        if not echoed and empty_stop(block, text, finish, usage, self.tokenizer.eos_token_id):
+            # an empty `stop` answer is an answer: the server stopped at its first token and withheld that token,
+            # its logprob and its count (llama-cpp-python: the stop token never joins completion_tokens, on chat
+            # and completions alike). Kept as the end-of-sequence token without a logprob, so the reference judges
+            # that choice as it judges any tokens-only token: a server answering empty where the model would not
+            # is caught, not dropped as a failed request
+            self.returned["empty stop (its end-of-sequence token withheld)"] += 1
+            ids, logprobs, claimed = [self.tokenizer.eos_token_id], [None], None
+        elif block is None:
             if self.options.logprobs == "require":
                 raise RequestFailed("answer has no logprobs (the server ignored logprobs=k)")
-            ids = self._tokens_only(req, choice, text, usage, finish, problems)
+            ids = tokens_only(self.map, choice, text, usage, finish, problems, self.tokenizer.eos_token_id, self)
             logprobs: list = [None] * len(ids)
             claimed = None  # counted against usage while the ids were recovered
         else:
             self.returned[block.shape] += 1
-            ids = self._sampled_ids(block.positions, text, finish)
+            ids = sampled_ids(self.map, block.positions, text, finish, self.tokenizer.eos_token_id)
             self.check_ids(ids)
             # an echoed prompt's first token has no logprob (nothing precedes it): not a problem there
             logprobs = [
@@ -365,7 +377,7 @@ class OpenAIEngine(RemoteEngine):
             topk_ids, topk_lps = self.top_k(top, len(ids), "top_logprobs", self.top_pairs, problems)
             self.top_k_seen = max([self.top_k_seen] + [len(t) for t in topk_ids])
             claimed = usage.get("completion_tokens")
-            if _counts_more(claimed, ids) and isinstance(text, str) and not echoed:
+            if counts_more(claimed, ids) and isinstance(text, str) and not echoed:
                 special = set(getattr(self.tokenizer, "all_special_ids", None) or [])
                 ids, logprobs, topk_ids, topk_lps, cut = fill_gaps(
                     block.positions, text, claimed, (ids, logprobs, topk_ids, topk_lps), self.map, special, problems
@@ -391,54 +403,6 @@ class OpenAIEngine(RemoteEngine):
             prompt_topk_logprobs=prompt[2] if prompt else [],
         )
 
-    def _sampled_ids(self, positions, text, finish) -> list[int]:
-        """The sampled tokens' ids: each mapped on its own, and those that map to nothing (a `''` token with
-        `bytes: null`: a special token whose text the server skipped) from the answer's text; a token
-        neither way places is the request's error."""
-        strict = self.map.mode == "server"  # server ids only: nothing else places a token
-        ids = [self.map.resolve(p.token, p.tid, p.raw, pos, strict=strict) for pos, p in enumerate(positions)]
-        if None not in ids:
-            return ids
-        eos = self.tokenizer.eos_token_id if finish == "stop" else None
-        filled = self.map.by_text(ids, [p.token for p in positions], text, eos)
-        if filled is None:
-            pos = ids.index(None)
-            raise RequestFailed(
-                f"token {positions[pos].token!r} at position {pos} does not map back to one token id of the "
-                f"local tokenizer, nor does the answer's text place it"
-            )
-        return filled
-
-    def _tokens_only(self, req, choice, text, usage, finish, problems) -> list[int]:
-        """The output ids of an answer without logprobs: the server's `token_ids`, else its text re-encoded."""
-        ids = choice.get("token_ids")
-        if isinstance(ids, list) and ids and all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            self.check_ids(ids)
-            self.returned["tokens only (ids)"] += 1
-            claimed = usage.get("completion_tokens")
-            if isinstance(claimed, int) and claimed != len(ids):
-                problems.add(
-                    "token_count", f"the server counts {claimed} completion tokens but returned {len(ids)} ids"
-                )
-            return list(ids)
-        if not isinstance(text, str) or not text and not usage.get("completion_tokens"):
-            raise RequestFailed("the answer has neither logprobs nor token ids nor text")
-        ids, exact = self.map.text_ids(text)
-        self.returned["tokens only (text)"] += 1
-        claimed = usage.get("completion_tokens")
-        eos = self.tokenizer.eos_token_id
-        if isinstance(claimed, int) and claimed == len(ids) + 1 and finish == "stop" and eos is not None:
-            ids.append(eos)  # the stop token: its text is skipped, the server counts it
-        elif isinstance(claimed, int) and claimed != len(ids):
-            problems.add(
-                "retokenized",
-                f"its text re-encodes to {len(ids)} tokens; the server counts {claimed} "
-                f"(the tokens scored are not the server's)",
-            )
-        if not exact:
-            problems.add("retokenized", "its text does not re-encode to tokens that decode back to it")
-        return ids
-
     def top_pairs(self, entry: Any, pos: int) -> list[tuple[float, int]]:
         """One position's alternatives (`openai_shapes.Alt`s); those without a usable id are left out."""
         pairs = []
@@ -450,8 +414,3 @@ class OpenAIEngine(RemoteEngine):
 
     def map_string(self, text: str) -> int | None:
         return self.map.by_string(text)
-
-
-def _counts_more(claimed: Any, ids: list) -> bool:
-    """The server counts more completion tokens than it sent logprob entries for."""
-    return isinstance(claimed, int) and not isinstance(claimed, bool) and claimed > len(ids)

@@ -28,7 +28,7 @@ from lpf.analysis.hypotheses import rank_hypotheses
 from lpf.analysis.levels import REQUEST_VERDICTS, SEVERITY
 from lpf.analysis.mechanisms import attribute, run_level
 from lpf.analysis.onset_features import onset_features
-from lpf.analysis.penalties import lower_explained, phrase as penalty_phrase
+from lpf.analysis.penalties import configured_penalties, lower_explained, phrase as penalty_phrase
 from lpf.analysis.prefix_cache import prefix_cache_summary
 from lpf.analysis.shape import failure_shape
 from lpf.analysis.speculative_decisions import decision_signature, decision_slack, raise_decisions
@@ -72,7 +72,7 @@ class Inputs(Protocol):
 
     def decisions(self, run: Run, slack: float) -> tuple[dict, dict] | None: ...
     def tempered(self, temperature: float) -> pa.Array: ...
-    def penalty(self, tie: float, greedy_ids: list[str] | None) -> dict | None: ...
+    def penalty(self, tie: float, greedy_ids: list[str] | None, configured: list[dict]) -> dict | None: ...
     def logprob_temperature(self) -> dict | None: ...
     def crossed(self, run: Run) -> pa.Array | None: ...
     def prefix_cache(self, run: Run) -> dict | None: ...
@@ -103,7 +103,9 @@ def conclude_run(
         summary = raise_decisions(summary, decisions[0])
     record(ran, "penalty")
     greedy = run.greedy_ids is not None or (not run.mixed and bool(run.greedy))  # the greedy requests' choices
-    penalty = inputs.penalty(_penalty_tie(th, test), run.greedy_ids) if greedy else None
+    # the penalties the server says it applies (its documented defaults), tested as stated beside the fit
+    configured = configured_penalties((run.engine_info or {}).get("configuration"))
+    penalty = inputs.penalty(_penalty_tie(th, test), run.greedy_ids, configured) if greedy else None
     # flips the server's own penalty explains are its configured sampling, not divergences
     summary, lowered = lower_explained(summary, penalty, th.clean_abs_diff)
     if penalty is not None:  # the ids are the summary's `server_processing` column now

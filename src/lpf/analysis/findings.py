@@ -253,8 +253,8 @@ class _InMemory:
     def tempered(self, temperature):
         return tempered_logprobs(self.joined, self.reference, temperature, self.th)
 
-    def penalty(self, tie, greedy_ids):
-        return _fit_penalty(self.tokens, self.reference, self.requests, tie, True, greedy_ids)
+    def penalty(self, tie, greedy_ids, configured=None):
+        return _fit_penalty(self.tokens, self.reference, self.requests, tie, True, greedy_ids, configured)
 
     def logprob_temperature(self):
         if self.fitted is not None:
@@ -307,7 +307,7 @@ def _expected_floor(joined, tokens, reference, requests, calibration, calibratio
     return (floor, cols) if floor else (None, None)
 
 
-def _fit_penalty(tokens, reference, requests, tie: float, greedy, greedy_ids: list[str] | None):
+def _fit_penalty(tokens, reference, requests, tie: float, greedy, greedy_ids: list[str] | None, configured=None):
     """`penalties.fit_penalty` over the greedy requests: all of a greedy run, the ones sent at temperature 0 of a
     run of mixed settings (`greedy_ids`), none of a sampled run."""
     if greedy_ids is not None:
@@ -317,8 +317,8 @@ def _fit_penalty(tokens, reference, requests, tie: float, greedy, greedy_ids: li
         tokens, reference, requests = (
             t.filter(pc.is_in(t.column("request_id"), value_set=keep)) for t in (tokens, reference, requests)
         )
-        return fit_penalty(tokens, reference, requests, tie)
-    return fit_penalty(tokens, reference, requests, tie) if greedy else None
+        return fit_penalty(tokens, reference, requests, tie, configured=configured)
+    return fit_penalty(tokens, reference, requests, tie, configured=configured) if greedy else None
 
 
 def token_metric_summary(column, n_scored: int, flips: int, same_top1: int) -> dict:

@@ -350,7 +350,8 @@ def run_floor(
 F16_COPY_WHY = "an f16 KV copy (flash attention over an f32 KV cache, or an f16 KV cache)"
 F16_COPY_ADVICE = (
     "inferred from its errors, not declared (the server does not say its KV cache): declare it with "
-    "--kv-cache-dtype float16, or run llama-server -fa off for exact float32"
+    "--kv-cache-dtype float16; for exact float32, an f32 KV cache without flash attention (llama-server -fa off; "
+    "llama-cpp-python's server --type_k 0 --type_v 0)"
 )
 
 

@@ -1,6 +1,6 @@
 """Server-side sampling penalties, fitted from a greedy run's choices: what a server did to the logits.
 
-Contract: `fit_penalty(tokens, reference, requests, tie) -> dict | None` (pure: Arrow tables in,
+Contract: `fit_penalty(tokens, reference, requests, tie, configured=None) -> dict | None` (pure: Arrow tables in,
 plain data out). None when the run cannot say: not greedy (the caller's gate), no reference top-k, or
 no raw-logit offset (`ref_logsumexp`, null in runs scored before it: a repetition penalty acts on the
 raw logits' signs, which logprobs alone do not give). Otherwise the best-fitting model among
@@ -11,21 +11,31 @@ raw logits' signs, which logprobs alone do not give). Otherwise the best-fitting
   presence_penalty    a token already in the output (or the context) loses alpha
   frequency_penalty   a token loses beta per earlier occurrence in the output
 
-each on a grid (the kind: `_kind`; theta 0.5..2 by 0.0025, alpha and beta -2..2 by 0.01; a pass on a grid COARSE times
-coarser first), judged by how many positions' engine tokens it predicts: the engine's token must be
-the argmax (within `tie`: what the engine's dtype moves a near tie by, the run's tie margin as findings
-passes it) of the penalised raw logits over the reference's top-k plus the token (logit = reference
-logprob + ref_logsumexp; the engine runs the reference's model, so its logits are the reference's).
-Tokens outside the top-k are not candidates. Only positions where a candidate was already seen can change (at most
-MAX_POSITIONS of them: a bigger run is fitted on every k-th request); the fit is the
-value at the middle of the best plateau (its interval: the values around it whose agreement an exact sign
-test cannot tell from it, `_interval`), and it is reported when it turns at least MIN_EXPLAINED of
-the neutral value's greedy flips into agreements, significantly (p < MAX_P, twice the smaller of: an exact
-sign test of explained flips against lost agreements; `_coincidence`, how likely the flips meet the fit's
-changes by chance among the informative positions). The dict: {mechanism, scope, value, interval [lo, hi], explained (flips the fit
-turns into agreements), flips (greedy flips where a candidate was seen), lost, p_value, requests
-(ids with an explained flip), explained_requests (those with no other flip: none the fit leaves, none
-where no candidate had been seen), sentence}.
+each on a grid (the kind: `_kind`; theta 0.5..2 by 0.0025, alpha and beta -2..2 by 0.01; a pass on a grid
+`penalty_evidence.COARSE` times coarser first), judged by how many positions' engine tokens it predicts: the
+engine's token must be the argmax (within `tie`: what the engine's dtype moves a near tie by, the run's tie
+margin as findings passes it) of the penalised raw logits over the reference's top-k plus the token (logit =
+reference logprob + ref_logsumexp; the engine runs the reference's model, so its logits are the reference's).
+Tokens outside the top-k are not candidates. Only positions where a candidate was already seen can change
+(`penalty_evidence`: at most MAX_POSITIONS of them: a bigger run is fitted on every k-th request); the fit is
+the value at the middle of the best plateau (its interval: the values around it whose agreement an exact sign
+test cannot tell from it, `_interval`), and it is reported when it turns at least MIN_EXPLAINED of the neutral
+value's greedy flips into agreements, significantly (p < MAX_P, twice the smaller of: an exact sign test of
+explained flips against lost agreements; `_coincidence`, how likely the flips meet the fit's changes by chance
+among the informative positions). A penalty the server states (`configured`:
+`configured_penalties` of the manifest's sampling defaults, e.g. llama-cpp-python's documented repeat_penalty 1.1
+over its output) is one hypothesis fixed before the evidence: tested at its stated value with nothing fitted
+(`_chance` over one set of choices), it is named (`source` "stated") when it turns at least one flip into an
+agreement, more than it loses, and its changes meet the flips beyond chance (p < INTERVAL_ALPHA), where the fit
+alone names nothing (a handful of flips); beside a significant fit, the stated kind is named when the evidence
+cannot tell it from the best one (at the value the evidence gives it). Flips it does not predict stay
+unexplained. The dict: {mechanism, scope, value, interval [lo, hi], explained (flips the fit turns into
+agreements), flips (greedy flips where a candidate was seen), lost, p_value, source ("fitted" | "stated"),
+stated (what the server said: {mechanism, scope, value, via, named}, or None), consistent (the other kinds,
+each at its best value, that explain flips and that the evidence cannot tell from the one named: an exact sign
+test over the positions where they differ, p >= INTERVAL_ALPHA), requests (ids with an explained flip),
+explained_requests (those with no other flip: none the fit leaves, none where no candidate had been seen),
+sentence}.
 `lower_explained(summary, fit, clean_abs_diff) -> (summary, n)`: the `divergent` requests whose only flagged
 tokens are flips the fit explains judged as the server's sampling (`noise`/`clean`, column `server_processing`).
 """
@@ -36,16 +46,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from lpf.analysis.columns import one_array
+from lpf.analysis.penalty_evidence import LAST_N, evidence, fine_agreement
 from lpf.analysis.stats import hypergeom_tail, sign_test
 
 MIN_EXPLAINED = 2  # two flips each exactly where the fit puts one can be significant (`_coincidence`)
 MAX_P = 1e-3
 INTERVAL_ALPHA = 0.05  # the interval: values the evidence cannot tell from the fit at this level
-LAST_N = 64  # llama.cpp's penalty_last_n default
-COARSE = 8  # the first pass's grid step, in fine steps
-MAX_POSITIONS = 50_000  # informative positions fitted (a bigger run: an even sample of its requests)
-_CHUNK = 2048  # positions per block of the [positions, candidates, grid] arrays
 
 # (mechanism, scope, grid, neutral value)
 MODELS = (
@@ -64,19 +70,59 @@ _SCOPE_WORDS = {
 }
 
 
+def configured_penalties(configuration: dict | None) -> list[dict]:
+    """The penalties a server says it applies to a request that sets none (`configuration`: the manifest's
+    `engine.configuration`; its `sampling_defaults` {name: value} read from the server), as MODELS' kinds:
+    [{mechanism, scope, value, via}]. llama.cpp's `repeat_penalty` over its `penalty_scope` when the server names
+    it (llama-cpp-python: "output"), else its `repeat_last_n` (LAST_N: `last64`; -1 or 0: the context); HF's and
+    vLLM's `repetition_penalty` over the context; presence and frequency penalties over the output. Neutral
+    values, and windows no kind covers, are left out."""
+    block = ((configuration or {}).get("sampling_defaults") or {}) if isinstance(configuration, dict) else {}
+    said = block.get("value") if isinstance(block, dict) else None
+    if not isinstance(said, dict):
+        return []
+    via = block.get("via") or "the server's configuration"
+
+    def number(key):
+        v = said.get(key)
+        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+    out = []
+    rep, last_n, scope = number("repeat_penalty"), number("repeat_last_n"), said.get("penalty_scope")
+    if rep is not None and rep != 1.0:
+        if scope not in _SCOPE_WORDS:
+            scope = "last64" if last_n == LAST_N else "context" if last_n in (-1.0, 0.0) else None
+        if scope is not None:
+            out.append({"mechanism": "repetition_penalty", "scope": scope, "value": rep, "via": via})
+    hf = number("repetition_penalty")
+    if hf is not None and hf != 1.0:
+        out.append({"mechanism": "repetition_penalty", "scope": "context", "value": hf, "via": via})
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = number(name)
+        if v is not None and v != 0.0:
+            out.append({"mechanism": name, "scope": "output", "value": v, "via": via})
+    return out
+
+
 def fit_penalty(
-    tokens: pa.Table, reference: pa.Table, requests: pa.Table, tie: float, n_rows: int | None = None
+    tokens: pa.Table,
+    reference: pa.Table,
+    requests: pa.Table,
+    tie: float,
+    n_rows: int | None = None,
+    configured: list[dict] | None = None,
 ) -> dict | None:
     """`n_rows`: the whole run's scored rows with a log-sum-exp, when `tokens` holds only the requests
-    that `request_stride(n_rows)` keeps (the streamed analysis gathers those): the same sample."""
+    that `request_stride(n_rows)` keeps (the streamed analysis gathers those): the same sample. `configured`:
+    the penalties the server says it applies (`configured_penalties`)."""
     if "ref_logsumexp" not in reference.column_names or "ref_topk_ids" not in reference.column_names:
         return None
-    ev = _evidence(tokens, reference, requests, n_rows, tie)
+    ev = evidence(tokens, reference, requests, n_rows, tie)
     if ev is None:
         return None
     fits = []
     for mech, scope, grid, neutral in MODELS:
-        agree = _fine_agreement(ev, mech, scope, grid, neutral, tie)
+        agree = fine_agreement(ev, mech, scope, grid, neutral, tie)
         g0 = int(np.flatnonzero(grid == neutral)[0])
         counts = agree.sum(0)
         top = int(counts.max())
@@ -84,36 +130,120 @@ def fit_penalty(
         g = (lo + hi) // 2
         fits.append({"gain": top - int(counts[g0]), "mech": mech, "scope": scope, "grid": grid, "g": g, "agree": agree})
         fits[-1]["g0"] = g0
+    stated = _stated(fits, configured or [])
     best = _kind(fits)
     if best is None or best["gain"] <= 0:
+        best = None
+    fitted = None
+    if best is not None:
+        flips = ~best["agree"][:, best["g0"]]
+        n_exp, n_lost = _changes(best["agree"], best["g"], best["g0"])
+        p = min(1.0, 2 * min(sign_test(n_exp, n_exp + n_lost), _coincidence(fits, flips, n_exp, n_lost)))
+        if n_exp >= MIN_EXPLAINED and p < MAX_P:
+            fitted = (best, best["g"], p)
+    said = None
+    for f, gi, entry in stated:  # the server's own word, tested as stated (one hypothesis, nothing fitted)
+        n_exp, n_lost = _changes(f["agree"], gi, f["g0"])
+        flips = ~f["agree"][:, f["g0"]]
+        p = _chance(flips, n_exp, n_lost, 1)
+        if n_exp >= 1 and n_exp > n_lost and p < INTERVAL_ALPHA:
+            said = (f, gi, p, entry)
+            break
+    if fitted is not None:
+        f, g, p = fitted
+        if said is not None and (said[0] is f or _not_worse(said[0]["agree"][:, said[0]["g"]], f["agree"][:, g])):
+            # the evidence supports the stated kind as well as the best one: the stated kind, at the value the
+            # evidence gives it
+            f, g = said[0], said[0]["g"]
+        return _result(ev, fits, f, g, p, "fitted", _stated_block(stated, f))
+    if said is None:
         return None
-    agree, g, g0 = best["agree"], best["g"], best["g0"]
+    f, gi, p, _ = said
+    return _result(ev, fits, f, gi, p, "stated", _stated_block(stated, f))
+
+
+def _stated(fits: list[dict], configured: list[dict]) -> list[tuple[dict, int, dict]]:
+    """(the kind's fit, the stated value's grid index, the stated entry) of each configured penalty MODELS
+    has a kind and grid point for."""
+    out = []
+    for entry in configured:
+        for f in fits:
+            if (f["mech"], f["scope"]) != (entry["mechanism"], entry["scope"]):
+                continue
+            gi = int(np.argmin(np.abs(f["grid"] - entry["value"])))
+            if abs(float(f["grid"][gi]) - entry["value"]) <= 1e-6:
+                out.append((f, gi, entry))
+    return out
+
+
+def _stated_block(stated: list[tuple[dict, int, dict]], named: dict) -> dict | None:
+    """What the server said, beside the kind named: {mechanism, scope, value, via, named (is it the kind named)}."""
+    if not stated:
+        return None
+    f, _, entry = next(((f, gi, e) for f, gi, e in stated if f is named), stated[0])
+    return {**{k: entry[k] for k in ("mechanism", "scope", "value", "via")}, "named": f is named}
+
+
+def _changes(agree: np.ndarray, g: int, g0: int) -> tuple[int, int]:
+    """(the neutral value's flips the value at `g` turns into agreements, the agreements it loses)."""
+    return int((~agree[:, g0] & agree[:, g]).sum()), int((agree[:, g0] & ~agree[:, g]).sum())
+
+
+def _not_worse(a: np.ndarray, b: np.ndarray) -> bool:
+    """Agreement column `a` is not significantly worse than `b` (exact sign test over where they differ)."""
+    wins = int((b & ~a).sum())
+    return sign_test(wins, wins + int((a & ~b).sum())) >= INTERVAL_ALPHA
+
+
+def _result(ev: dict, fits: list[dict], f: dict, g: int, p: float, source: str, stated: dict | None) -> dict:
+    agree, g0 = f["agree"], f["g0"]
     flips = ~agree[:, g0]
     explained = flips & agree[:, g]
-    lost = agree[:, g0] & ~agree[:, g]
-    n_exp, n_lost = int(explained.sum()), int(lost.sum())
-    p = min(1.0, 2 * min(sign_test(n_exp, n_exp + n_lost), _coincidence(fits, flips, n_exp, n_lost)))
-    if n_exp < MIN_EXPLAINED or p >= MAX_P:
-        return None
-    value = float(best["grid"][g])
+    n_exp, n_lost = _changes(agree, g, g0)
+    value = float(f["grid"][g])
     rid = np.asarray(ev["request_id"], dtype=object)
     ids = sorted(set(rid[explained].tolist()))
-    # a request every flip of which the fit explains, none where no candidate had been seen: the server's
+    # a request every flip of which the penalty explains, none where no candidate had been seen: the server's
     # processing, not a divergence (`lower_explained`)
     unexplained = set(rid[flips & ~agree[:, g]].tolist()) | ev["stray"]
-    return {
-        "mechanism": best["mech"],
-        "scope": best["scope"],
+    at = agree[:, g]
+    consistent = [
+        {"mechanism": o["mech"], "scope": o["scope"], "value": float(o["grid"][o["g"]])}
+        for o in fits
+        if o is not f and o["gain"] > 0 and _not_worse(o["agree"][:, o["g"]], at)
+    ]
+    out = {
+        "mechanism": f["mech"],
+        "scope": f["scope"],
         "value": value,
-        "interval": [float(best["grid"][i]) for i in _interval(agree, g)],
+        "interval": [float(f["grid"][i]) for i in _interval(agree, g)],
         "explained": n_exp,
         "flips": int(flips.sum()),
         "lost": n_lost,
         "p_value": p,
+        "source": source,
+        "stated": stated,
+        "consistent": consistent,
         "requests": ids,
         "explained_requests": sorted(set(ids) - unexplained),
-        "sentence": sentence(best["mech"], best["scope"], value, n_exp, int(flips.sum()), len(ids)),
     }
+    out["sentence"] = sentence(f["mech"], f["scope"], value, n_exp, int(flips.sum()), len(ids))
+    if source == "stated":
+        out["sentence"] += (
+            f"; the server's stated default ({stated['via'].split(':')[0]}), tested as stated: too few flips to fit a "
+            f"kind on their own, and p = {p:.2g} that its changes meet them by chance"
+        )
+    elif stated is not None and not stated["named"]:
+        out["sentence"] += f"; not the kind the server states ({_kind_words(stated)} {stated['value']:.3g})"
+    if consistent:
+        out["sentence"] += "; the evidence cannot tell it from " + ", ".join(
+            f"{_kind_words(c)} of about {c['value']:.3g}" for c in consistent
+        )
+    return out
+
+
+def _kind_words(entry: dict) -> str:
+    return f"{entry['mechanism'].replace('_', ' ')} over {_SCOPE_WORDS[entry['scope']]}"
 
 
 LOWERED_BY = ("self_contradiction", "sure_token", "spec_decision", "inconsistency")  # other steps' reasons
@@ -182,10 +312,15 @@ def _coincidence(fits: list[dict], flips: np.ndarray, n_exp: int, n_lost: int) -
     hypergeometric, P(X >= n_exp). Times the distinct sets of choices tried (Bonferroni: per kind, the grid
     points where some position's agreement changes, plus one). A handful of flips, each exactly where a
     penalty puts one and none elsewhere, is evidence the sign test alone cannot give (2 flips: p >= 0.25)."""
+    tried = sum(int(np.any(f["agree"][:, 1:] != f["agree"][:, :-1], axis=0).sum()) + 1 for f in fits)
+    return _chance(flips, n_exp, n_lost, tried)
+
+
+def _chance(flips: np.ndarray, n_exp: int, n_lost: int, tried: int) -> float:
+    """`_coincidence` for `tried` distinct sets of choices (1: a penalty the server states, tested as stated)."""
     n_flips = int(flips.sum())
     if n_exp == 0:
         return 1.0
-    tried = sum(int(np.any(f["agree"][:, 1:] != f["agree"][:, :-1], axis=0).sum()) + 1 for f in fits)
     changed = n_lost + n_flips  # the fit's changes: explained + lost, and the flips it leaves (bound)
     return min(1.0, tried * hypergeom_tail(n_exp, flips.size, changed, n_flips))
 
@@ -239,164 +374,3 @@ def _plateau(counts: np.ndarray, top: int, g0: int) -> tuple[int, int]:
     while hi + 1 < counts.size and counts[hi + 1] == top:
         hi += 1
     return lo, hi
-
-
-def _padded(col, width: int, fill, dtype) -> np.ndarray:
-    """A list column as an [N, width] matrix (short lists padded with `fill`)."""
-    arr = one_array(col)
-    offsets = arr.offsets.to_numpy().astype(np.int64)
-    vals = arr.values.to_numpy(zero_copy_only=False)[offsets[0] : offsets[-1]]
-    lens = np.diff(offsets)
-    if lens.size and np.all(lens == width):
-        return vals.reshape(-1, width).astype(dtype)
-    out = np.full((len(arr), width), fill, dtype=dtype)
-    at = np.arange(vals.size) - np.repeat(offsets[:-1] - offsets[0], lens)  # index within its list
-    keep = at < width
-    out[np.repeat(np.arange(len(arr)), lens)[keep], at[keep]] = vals[keep]
-    return out
-
-
-def request_stride(n_rows: int) -> int:
-    """A run of `n_rows` scored rows with a log-sum-exp is fitted on the requests whose row in the
-    requests table is a multiple of this (1: every request)."""
-    return -(-n_rows // (4 * MAX_POSITIONS)) if n_rows > 4 * MAX_POSITIONS else 1
-
-
-def _evidence(
-    tokens: pa.Table, reference: pa.Table, requests: pa.Table, n_rows: int | None = None, tie: float = 0.0
-) -> dict | None:
-    """Per scored position where some candidate had been seen (the only ones a penalty can change):
-    candidates' raw logits [P, K+1] (column 0 the engine's token; a top-k entry equal to it is masked
-    with -inf) and, per candidate, whether it was in the context, in its last LAST_N tokens, in the
-    output, and how often in the output; `stray`: the requests with a greedy flip (past `tie`) where no
-    candidate had been seen, which no penalty explains."""
-    lse_col = reference.column("ref_logsumexp")
-    if lse_col.null_count == len(lse_col):  # no raw-logit offset anywhere: no position to join (a 20M-row join)
-        return None
-    keys = pa.table(
-        {
-            "request_id": reference.column("request_id"),
-            "position": reference.column("position"),
-            "_row": pa.array(np.arange(reference.num_rows, dtype=np.int64)),
-        }
-    ).filter(pc.is_valid(reference.column("ref_logsumexp")))
-    # Arrow joins carry no list columns: join the row numbers, then take the reference's rows by them
-    t = tokens.select(["request_id", "position", "token_id"]).join(keys, ["request_id", "position"])
-    req_row = pc.index_in(t.column("request_id"), value_set=requests.column("request_id")).to_numpy(
-        zero_copy_only=False
-    )
-    if not t.num_rows:
-        return None
-    stride = request_stride(t.num_rows if n_rows is None else n_rows)
-    if stride > 1:  # a big run: an even sample of whole requests before any [rows, k] array
-        keep = req_row % stride == 0
-        t, req_row = t.filter(pa.array(keep)), req_row[keep]
-    ref = reference.take(t.column("_row"))
-    k = int(pc.max(pc.list_value_length(ref.column("ref_topk_ids"))).as_py() or 0)
-    if k == 0:
-        return None
-    tid = t.column("token_id").to_numpy().astype(np.int64)
-    cand = np.concatenate([tid[:, None], _padded(ref.column("ref_topk_ids"), k, -1, np.int64)], axis=1)
-    lse = ref.column("ref_logsumexp").to_numpy(zero_copy_only=False).astype(np.float64)
-    lp = np.concatenate(
-        [
-            ref.column("ref_logprob").to_numpy(zero_copy_only=False).astype(np.float64)[:, None],
-            _padded(ref.column("ref_topk_logprobs"), k, -np.inf, np.float64),
-        ],
-        axis=1,
-    )
-    lp[:, 1:][(cand[:, 1:] == tid[:, None]) | (cand[:, 1:] < 0)] = -np.inf
-    # every request's prompt + output as sorted keys (request, token, index): occurrences by binary search
-    prompts = one_array(requests.column("prompt_token_ids"))
-    outputs = one_array(requests.column("output_token_ids"))
-    plen = np.diff(prompts.offsets.to_numpy()).astype(np.int64)
-    olen = np.diff(outputs.offsets.to_numpy()).astype(np.int64)
-    n_req = requests.num_rows
-    span = int((plen + olen).max(initial=0)) + 1
-    vocab = int(max(cand.max(initial=0), _max(prompts), _max(outputs))) + 1
-    r_p = np.repeat(np.arange(n_req), plen)
-    r_o = np.repeat(np.arange(n_req), olen)
-    i_p = np.arange(r_p.size) - np.repeat(prompts.offsets.to_numpy()[:-1] - prompts.offsets.to_numpy()[0], plen)
-    i_o = np.arange(r_o.size) - np.repeat(outputs.offsets.to_numpy()[:-1] - outputs.offsets.to_numpy()[0], olen)
-    tok_p = _values(prompts)
-    tok_o = _values(outputs)
-    occ = np.sort(
-        np.concatenate(
-            [
-                (r_p * vocab + tok_p) * span + i_p,
-                (r_o * vocab + tok_o) * span + plen[r_o] + i_o,
-            ]
-        )
-    )
-    ok = req_row >= 0
-    rr = np.where(ok, req_row, 0).astype(np.int64)
-    pos = t.column("position").to_numpy().astype(np.int64)
-    ctx = plen[rr] + pos  # the context before this position
-    base = (rr[:, None] * vocab + np.maximum(cand, 0)) * span
-    first = np.searchsorted(occ, base)
-    before = np.searchsorted(occ, base + ctx[:, None]) - first
-    in_prompt = np.searchsorted(occ, base + plen[rr][:, None]) - first
-    last = np.where(before > 0, occ[np.maximum(first + before - 1, 0)] - base, -1)
-    valid = np.isfinite(lp) & ok[:, None]
-    context = (before > 0) & valid
-    informative = context.any(axis=1)
-    n_inf = int(informative.sum())
-    if n_inf == 0:
-        return None
-    stray_rows = np.flatnonzero(ok & ~informative & (lp[:, 0] < lp[:, 1:].max(axis=1, initial=-np.inf) - tie))
-    stray = set(t.column("request_id").take(pa.array(stray_rows)).to_pylist())
-    if n_inf > MAX_POSITIONS:  # a big run: every k-th request (whole requests, so the counts stay per request)
-        dense = np.unique(rr, return_inverse=True)[1]  # the requests left, numbered 0.. (after any sample above)
-        informative &= dense % -(-n_inf // MAX_POSITIONS) == 0
-    sel = np.flatnonzero(informative)
-    count = np.maximum(before - in_prompt, 0)
-    return {
-        "request_id": t.column("request_id").take(pa.array(sel)).to_pylist(),
-        "logit": (lp + lse[:, None])[sel],
-        "context": context[sel],
-        "last64": (context & (last >= ctx[:, None] - LAST_N))[sel],
-        "output": ((count > 0) & valid)[sel],
-        "count": np.where(valid, count, 0)[sel].astype(np.float64),
-        "stray": stray,
-    }
-
-
-def _values(arr) -> np.ndarray:
-    o = arr.offsets.to_numpy()
-    return arr.values.to_numpy(zero_copy_only=False)[o[0] : o[-1]].astype(np.int64)
-
-
-def _max(arr) -> int:
-    v = _values(arr)
-    return int(v.max()) if v.size else 0
-
-
-def _fine_agreement(ev: dict, mech: str, scope: str, grid: np.ndarray, neutral: float, tie: float) -> np.ndarray:
-    """`_agreement` over the whole grid, computed on a grid COARSE times coarser first: a position
-    whose agreement is the same at every coarse point (most: far from any decision) keeps that value
-    on the fine grid, the others are computed on it. A window narrower than COARSE grid steps
-    between two coarse points is missed."""
-    coarse = np.unique(np.r_[np.arange(0, grid.size, COARSE), grid.size - 1, np.flatnonzero(grid == neutral)])
-    rough = _agreement(ev, mech, scope, grid[coarse], tie)
-    varying = np.flatnonzero(rough.min(axis=1) != rough.max(axis=1))
-    out = np.repeat(rough[:, :1], grid.size, axis=1)
-    if varying.size:
-        sub = {key: (v[varying] if isinstance(v, np.ndarray) else v) for key, v in ev.items()}
-        out[varying] = _agreement(sub, mech, scope, grid, tie)
-    return out
-
-
-def _agreement(ev: dict, mech: str, scope: str, grid: np.ndarray, tie: float) -> np.ndarray:
-    """[positions, grid] bool: the engine's token is the penalised argmax (within `tie`)."""
-    out = np.empty((ev["logit"].shape[0], grid.size), dtype=bool)
-    for s in range(0, ev["logit"].shape[0], _CHUNK):
-        z = ev["logit"][s : s + _CHUNK, :, None]
-        seen = ev[scope][s : s + _CHUNK, :, None]
-        if mech == "repetition_penalty":
-            pz = np.where(seen, np.where(z > 0, z / grid, z * grid), z)
-        elif mech == "presence_penalty":
-            pz = z - seen * grid
-        else:
-            pz = z - ev["count"][s : s + _CHUNK, :, None] * grid
-        out[s : s + _CHUNK] = pz[:, 0, :] >= pz.max(axis=1) - tie
-    return out

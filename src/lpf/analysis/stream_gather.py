@@ -9,7 +9,7 @@ caller's `store`, with `add(name, table)` and `pieces(name)` -> the tables added
     spec_decisions       the tokens' and reference's rows at the (request, position) of every decision
                          the trace says the rejection sampler made (`speculative_decisions.decision_keys`)
     penalty              greedy runs with a log-sum-exp: the tokens' and reference's rows of the
-                         requests `penalties.request_stride` keeps (every request while the stride is
+                         requests `penalty_evidence.request_stride` keeps (every request while the stride is
                          not known before the pass: `lse_complete` False), and the count of scored rows
                          with a log-sum-exp (the stride's input)
     logprob_temperature  the tokens whose logprob departs from the raw one by more than the clean
@@ -32,7 +32,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from lpf.analysis.columns import Lookup, one_array
-from lpf.analysis.penalties import fit_penalty, request_stride
+from lpf.analysis.penalties import fit_penalty
+from lpf.analysis.penalty_evidence import request_stride
 from lpf.analysis.prefix_cache import prefix_cache_summary
 from lpf.analysis.run_test import DEFAULT_ALPHA
 from lpf.analysis.signatures import MAX_TEMPERED_TOKENS, crossed_wires, fit_logprob_temperature, tempered_logprobs
@@ -163,7 +164,7 @@ class Gathered:
         ]
         return pa.chunked_array(ids, pa.string()).combine_chunks()
 
-    def penalty(self, tie, greedy_ids):  # (None: the streamed analysis reads no run of mixed settings)
+    def penalty(self, tie, greedy_ids, configured=None):  # (None: the streamed analysis reads no run of mixed settings)
         tok, ref = self._table("penalty_tokens"), self._table("penalty_reference")
         if tok is None or ref is None:
             return None
@@ -177,7 +178,7 @@ class Gathered:
         rows = self.g.request_rows(pc.unique(tok.column("request_id")))
         keep[rows[rows >= 0]] = True
         requests = self.token_ids(keep) if self.token_ids is not None else self.g.requests
-        return fit_penalty(tok, ref, requests, tie, n_rows=n_rows)
+        return fit_penalty(tok, ref, requests, tie, n_rows=n_rows, configured=configured)
 
     def logprob_temperature(self):
         sizes = [p.num_rows for p in self.store.pieces("departing")]

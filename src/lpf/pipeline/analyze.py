@@ -36,14 +36,8 @@ from lpf.analysis.tokens_only import analyze_tokens_only
 from lpf.analysis.thresholds import Thresholds
 from lpf.core.errors import LpfError
 from lpf.core.jsonsafe import finite
-from lpf.pipeline.analyze_stream import (
-    analyze_streamed,
-    chunk_budget,
-    footer_counts,
-    own_sums,
-    reference_sums,
-    scored_token_count,
-)
+from lpf.pipeline.analyze_stream import analyze_streamed
+from lpf.pipeline.run_reads import chunk_budget, footer_counts, own_sums, reference_sums, scored_token_count
 from lpf.pipeline.stream_parts import Tally
 from lpf.pipeline.attribute import attribution_scores
 from lpf.analysis.floors import SERVER_REFERENCES, configured_kv

@@ -7,7 +7,8 @@ per-tensor scale a quantized KV cache is written with, where the engine says: vL
 checkpoint gives scales; a number, or {"k", "v"}), `flash_attention` ("on" |
 "off"), `weight_quantization` ("none" when the engine says its weights are a float type; else the scheme,
 e.g. "Q4_K - Medium", "fp8", "awq") and `sampling_defaults` (the defaults the server applies to a request
-that does not set them, e.g. llama-server's repeat_penalty, as a {name: value} dict).
+that does not set them, e.g. llama-server's repeat_penalty, as a {name: value} dict; `penalty_scope`, where the
+server says which tokens its penalties see: "output" for llama-cpp-python's server).
 `block(read, declared)` is the block: {field: {"value", "source", "via"}} with source
 - "engine": the engine said it (read in-process, over HTTP, or set by lpf on an engine lpf started);
   `via` names where ("GET /props model_ftype", "llama-server -fa on: ...", "vllm_config.cache_config").
