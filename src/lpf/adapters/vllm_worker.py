@@ -19,7 +19,8 @@ Protocol, JSON lines:
   there is none. Finished requests are held back and sent in groups, at most once a second, each
   group right after the plugin's buffered rows are flushed to its parts: lpf never sees a request
   before the trace rows that describe it.
-- stdin: requests {"request_id", "prompt_token_ids", "max_tokens", "seed"}, a batch closed by
+- stdin: requests {"request_id", "prompt_token_ids", "max_tokens", "seed", optional "sampling": settings of its own
+  over the config's, e.g. a re-score's temperature 0, prompt logprobs and skip_reading_prefix_cache}, a batch closed by
   {"type": "end"}; {"type": "configure", "config": {...}} drops the engine and builds a new one from
   that config (answered by "ready", or "fatal" and exit), so one process can serve several
   configurations of one model and pay vLLM's import once; {"type": "capture", "spec": PATH | null}
@@ -70,7 +71,10 @@ def make_llm(engine_args: dict):
 def sampling_params(sampling: dict, req: dict):
     from vllm import SamplingParams
 
+    # a re-score (`lpf.pipeline.reference_vllm_self`) never reads a cached prefix: said, not left to the default
+    skip = {"skip_reading_prefix_cache": True} if sampling.get("skip_reading_prefix_cache") else {}
     return SamplingParams(
+        **skip,
         n=1,
         temperature=sampling["temperature"],
         top_p=sampling["top_p"],
@@ -224,15 +228,17 @@ def run_batch(llm, sampling: dict, requests: list[dict], out) -> None:
 
     k = sampling["logprobs"]
     ours: dict[str, str] = {}  # vLLM's request id -> ours
+    ks: dict[str, int] = {}  # vLLM's request id -> its top-k (a request's own `sampling` may set it)
     submitted: dict[str, float] = {}
     first: dict[str, float] = {}
     for req in requests:
         t = time.time()
+        own = {**sampling, **(req.get("sampling") or {})}  # a request's own settings over the run's
         try:
             vid = llm.llm_engine.add_request(
                 req["request_id"],
                 TokensPrompt(prompt_token_ids=req["prompt_token_ids"]),
-                sampling_params(sampling, req),
+                sampling_params(own, req),
             )
         except Exception as e:  # noqa: BLE001 - vLLM refused this request alone
             emit(
@@ -253,6 +259,7 @@ def run_batch(llm, sampling: dict, requests: list[dict], out) -> None:
         for key in {req["request_id"], vid if isinstance(vid, str) else req["request_id"]}:
             ours[key] = req["request_id"]
             submitted[key] = t
+            ks[key] = own["logprobs"]
     emit(out, {"type": "submitted", "vllm_ids": ours})
     engine = llm.llm_engine
     finished: list[dict] = []  # completions whose trace rows may not be on disk yet
@@ -271,7 +278,7 @@ def run_batch(llm, sampling: dict, requests: list[dict], out) -> None:
                 if vid not in first and output.outputs and len(output.outputs[0].token_ids):
                     first[vid] = time.time()
                 if output.finished and vid in ours:
-                    finished.append(completion(ours[vid], output, submitted[vid], first.get(vid), k))
+                    finished.append(completion(ours[vid], output, submitted[vid], first.get(vid), ks.get(vid, k)))
                 elif output.finished:
                     print(f"lpf worker: output for unknown request id {vid!r}", file=sys.stderr)
             # one flush a second at most (a part per finished request would cost the engine more than

@@ -291,7 +291,9 @@ def _server_floor(table, engine_dtype, reference_dtype, kind, model) -> dict | N
     against = SERVER_REFERENCES[kind]
     pair = server_pair(engine_dtype, reference_dtype, kind)
     if pair is None:
-        known = [p for p in (table.get("pairs") or {}) if p.endswith(f" ref={kind}")]
+        # the reference's own dtype, when it has one (vLLM's offline reference): only the pairs measured against it
+        against_dtype = f"/{reference_dtype} ref={kind}" if reference_dtype else f" ref={kind}"
+        known = [p for p in (table.get("pairs") or {}) if p.endswith(f" ref={kind}") and against_dtype in p]
         if not known:
             return None
         rows = {p: _row(table, p, model) for p in known}

@@ -62,19 +62,21 @@ def audit(spec=None, *, rule: str | None = None, **kw: Any) -> Findings:
     elif not isinstance(spec, AuditSpec):
         raise LpfError(f"lpf.audit: spec must be an AuditSpec, got {type(spec).__name__}")
     run = open_audit(spec)
-    if run.manifest.get("status") != "complete":
-        execute_run(run)
-        if run.manifest.get("trace_dir"):
-            from lpf.pipeline import join_trace
-
-            join_trace(run, run.manifest["trace_dir"])
-    why = all_failed(run)
-    if why:
-        raise LpfError(f"nothing could be audited: {why}")
     from lpf.pipeline.reference_vllm import kept
+    from lpf.pipeline.reference_vllm_self import held
 
-    with kept(spec.rescore.reference):  # a vLLM reference starts once for the rescore and the attribution
-        rescore_run(run, settings=spec.rescore)
-        if spec.analysis.calibrate:
-            calibrate_run(run, spec.rescore.token_budget, device=spec.rescore.device)
-        return finish(run, spec.threshold_values(), attribution=spec.analysis.attribution, rule=rule)
+    with held(spec.rescore.reference):  # a self-reference on the vllm engine re-scores in the run's own engine
+        if run.manifest.get("status") != "complete":
+            execute_run(run)
+            if run.manifest.get("trace_dir"):
+                from lpf.pipeline import join_trace
+
+                join_trace(run, run.manifest["trace_dir"])
+        why = all_failed(run)
+        if why:
+            raise LpfError(f"nothing could be audited: {why}")
+        with kept(spec.rescore.reference):  # a vLLM reference starts once for the rescore and the attribution
+            rescore_run(run, settings=spec.rescore)
+            if spec.analysis.calibrate:
+                calibrate_run(run, spec.rescore.token_budget, device=spec.rescore.device)
+            return finish(run, spec.threshold_values(), attribution=spec.analysis.attribution, rule=rule)

@@ -140,7 +140,7 @@ def _print_reference_cost(findings: dict, console: Console) -> None:
     cost = findings.get("reference_cost")
     if not cost:
         return
-    on = "the audited server" if findings.get("reference_kind") == "self" else "the reference server"
+    on = "the audited engine" if findings.get("reference_kind") == "self" else "the reference server"
     console.print(
         f"[dim]reference cost: {cost['requests']} requests, {cost['tokens']:,} tokens (prompts included) "
         f"prefilled again by {on} in {cost['seconds']:.1f} s[/]",

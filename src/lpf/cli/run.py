@@ -116,13 +116,15 @@ def audit(ctx, spec_file, as_json, fail_on, **params):
         spec = _read_spec(ctx, spec_file, params.get("out"))
         run = open_audit(spec)
     err.print(f"run directory: {run.path}")
-    if run.manifest.get("status") != "complete":
-        _generate(run)
     from lpf.pipeline.reference_vllm import kept
+    from lpf.pipeline.reference_vllm_self import held
 
-    with kept(spec.rescore.reference):  # a vLLM reference starts once for the rescore and the attribution
-        _rescore(run, spec.rescore, calibrate=spec.analysis.calibrate)
-        _analyze(run, spec.threshold_values(), as_json, fail_on, spec.analysis.attribution)
+    with held(spec.rescore.reference):  # a self-reference on the vllm engine re-scores in the run's own engine
+        if run.manifest.get("status") != "complete":
+            _generate(run)
+        with kept(spec.rescore.reference):  # a vLLM reference starts once for the rescore and the attribution
+            _rescore(run, spec.rescore, calibrate=spec.analysis.calibrate)
+            _analyze(run, spec.threshold_values(), as_json, fail_on, spec.analysis.attribution)
 
 
 def _read_spec(ctx: click.Context, spec_file, out: Path | None):

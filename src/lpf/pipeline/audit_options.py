@@ -216,10 +216,10 @@ def build_spec(options: AuditOptions, default_out: Callable[[], Path]):
         ),
     )
     rescore = rescore_settings(o)
-    if reference_form(o.reference) == "self" and o.engine != "openai":
+    if reference_form(o.reference) == "self" and o.engine not in ("openai", "vllm"):
         raise LpfError(
-            f"--reference self re-scores through the audited server's OpenAI API: it needs --engine openai, "
-            f"not {o.engine}; pass a model or an http(s):// reference"
+            f"--reference self re-scores with the audited engine itself: it needs --engine openai (its server) "
+            f"or --engine vllm, not {o.engine}; pass a model or an http(s):// reference"
         )
     if o.calibrate and reference_form(o.reference) != "transformers":
         from lpf.pipeline.calibrate import NO_CALIBRATION

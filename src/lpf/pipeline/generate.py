@@ -164,7 +164,10 @@ def _execute(run: RunDir, on_start: OnStart, tick: Tick) -> None:
         finally:
             if buffer:  # what finished before an error or Ctrl-C is kept
                 _commit(run, engine, buffer, by_id, tokenizer, step_base)
-            engine.close()
+            from lpf.pipeline.reference_vllm_self import hold
+
+            if not hold(engine):  # an audit's self-reference re-scores in this same engine
+                engine.close()
     m["status"] = "complete"
     run.save_manifest()
 

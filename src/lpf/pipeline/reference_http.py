@@ -3,7 +3,8 @@
 `--reference` says where the reference runs (`reference_form`): a model path or `zoo:`/`tiny:` name is
 transformers in this process (`lpf.pipeline.reference`); `http(s)://HOST:PORT/v1` is a trusted deployment
 of the same model, asked for the served name `--reference-model`; `self` is the audited server
-(`--engine openai`: its `--base-url`, served name and API key variable, from the run's manifest);
+(`--engine openai`: its `--base-url`, served name and API key variable, from the run's manifest), or the
+audited vLLM worker (`--engine vllm`: `lpf.pipeline.reference_vllm_self`);
 `vllm:MODEL` is vLLM offline (`lpf.pipeline.reference_vllm`). `check_settings` checks the rescore
 settings for every form; `findings_notes` is what the findings say of the reference.
 
@@ -106,13 +107,13 @@ def for_run(manifest: dict, spec: str, served: str | None, concurrency: int | No
 
     model = resolve_model(manifest["model"]["spec"])
     if reference_form(spec) == "self":
+        from lpf.pipeline.reference_vllm_self import VLLMSelfReference, check_engine
+
         engine = manifest.get("engine") or {}
         opts = engine.get("options") or {}
-        if engine.get("name") != "openai" or not opts.get("base_url"):
-            raise LpfError(
-                f"--reference self re-scores through the audited server's OpenAI API: it needs --engine openai "
-                f"(this run's engine is {engine.get('name')}); pass a model or an http(s):// reference"
-            )
+        check_engine(engine)
+        if engine.get("name") == "vllm":  # no server: the engine's own worker re-scores
+            return VLLMSelfReference(manifest, model, topk, concurrency or SELF_CONCURRENCY)
         return HttpReference(
             "self",
             opts["base_url"],
@@ -129,7 +130,8 @@ def from_manifest(manifest: dict, topk: int) -> "HttpReference":
     """The reference a run was scored with (its manifest's block), for more scores of the same kind."""
     ref = manifest["reference"]
     r = for_run(manifest, ref["spec"], ref.get("served_model"), ref.get("concurrency"), topk)
-    r.how = ref.get("prompt_logprobs") or "auto"
+    if isinstance(r, HttpReference):
+        r.how = ref.get("prompt_logprobs") or "auto"
     return r
 
 
