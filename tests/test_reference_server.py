@@ -23,7 +23,8 @@ from contextlib import ExitStack
 import pytest
 
 from conftest import write_prompts
-from lpf.pipeline.reference_http import LIMITATION, _field_ranks, reference_form
+from lpf.pipeline.reference_http import _field_ranks, reference_form
+from lpf.pipeline.reference_prompt import LIMITATION
 from lpf.pipeline.reference_prompt import _rank
 
 MODEL = "tiny:jamba"

@@ -27,7 +27,7 @@ Contract:
   cannot score is left unscored and named once the rest are yielded.
 - A self-reference re-scores the engine's tokens with the engine itself: it sees a decode path that
   disagrees with the engine's own prefill (stale state, a broken cache, a bad kernel on one path), never
-  a wrong model. `describe()` says so: `run_test` "not applicable", `limitation` (`LIMITATION`) and
+  a wrong model. `describe()` says so: `run_test` "not applicable", `limitation` (`reference_prompt.LIMITATION`) and
   `second_pass` (`SECOND_PASS`: what makes its pass another code path, and what both passes share).
 """
 
@@ -36,11 +36,10 @@ from __future__ import annotations
 from typing import Any, Iterator
 
 from lpf.core.errors import LpfError
-from lpf.pipeline.reference_prompt import PromptReference
+from lpf.pipeline.reference_prompt import LIMITATION, PromptReference
 
 KINDS = ("transformers", "http", "self", "vllm")
 HOW = ("auto", "field", "echo")
-LIMITATION = "a self-reference cannot tell a wrong model: add a transformers or trusted reference"
 # what makes a self-reference's pass a second code path, and what it shares with the first
 SECOND_PASS = (
     "one prefill of prompt + output per request (max_tokens 1: no decode step, no speculation), one at a time; "

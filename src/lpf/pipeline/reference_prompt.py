@@ -17,6 +17,7 @@ Contract:
   returned top-k; `ref_rank` the engine's own rank where the answer gives one (vLLM's), else the token's
   place in the top-k, else len(top-k) + 1 (a lower bound: it is outside the top-k); `ref_entropy` and
   `ref_logsumexp` null (a top-k does not give them).
+- `LIMITATION`: the one line a self-reference's findings carry (it cannot tell a wrong model).
 - A request that cannot be scored (no answer, no prompt logprobs, a position without a finite logprob or
   without top-k, an engine that saw other prompt tokens) is left unscored; once the rest are yielded,
   `LpfError` names how many and the first reason (`lpf rescore` scores what is left).
@@ -34,6 +35,8 @@ from lpf.core.errors import LpfError
 from lpf.run import schema
 
 BATCH_REQUESTS = 32  # requests per yielded batch (one reference part each): a crash loses at most these
+# what any self-reference (the audited engine re-scoring itself) cannot see, in one line
+LIMITATION = "a self-reference cannot tell a wrong model: add a transformers or trusted reference"
 
 
 class PromptReference:

@@ -30,7 +30,7 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 from lpf.core.errors import LpfError
-from lpf.pipeline.reference_prompt import PromptReference
+from lpf.pipeline.reference_prompt import LIMITATION, PromptReference
 
 # what makes the re-score another code path in vLLM, and what it cannot be trusted to differ in
 SECOND_PASS = (
@@ -96,8 +96,6 @@ class VLLMSelfReference(PromptReference):
         self._engine_now = None
 
     def describe(self) -> dict:
-        from lpf.pipeline.reference_http import LIMITATION
-
         batch = (
             "one request at a time"
             if self.concurrency == 1

@@ -43,7 +43,7 @@ import pyarrow.compute as pc
 from lpf.analysis import metrics as m
 from lpf.analysis.findings import analyze
 from lpf.analysis.floors import KAPPA, run_floor
-from lpf.pipeline.reference_http import LIMITATION
+from lpf.pipeline.reference_prompt import LIMITATION
 from lpf.analysis.run_test import DEFAULT_ALPHA, NULL_RATE, token_evidence
 from lpf.analysis.stats import poisson_log_tail, poisson_upper
 from lpf.analysis.thresholds import Thresholds
