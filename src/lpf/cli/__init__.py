@@ -1,7 +1,7 @@
 """The `lpf` command line: one click group; its commands live one module per group.
 
-  common.py       what every command shares: consoles, progress bars, option decorators (each option
-                  declared once), the report rule, the --fail-on rule
+  common.py       what every command shares: consoles, progress bars, the report rule, the --fail-on rule
+  options.py      the option decorators, each option declared once
   audit_spec.py   parsed options -> the one AuditSpec builder (lpf.pipeline.audit_options), rescore settings
   render.py       the run's terminal summary (domain modules return data and print nothing); the other
                   terminal tables beside it: render_views.py (engines, zoo, query, inspect),
@@ -12,7 +12,7 @@
   serve.py        serve                               compare.py diff, conformance
   locate.py       locate (render_locate.py draws its summary)
   watch.py        watch (render_watch.py draws its lines)
-Command modules import `common`, `audit_spec` and the render modules only, never each other. `lpf --help` imports click,
+Command modules import `common`, `options`, `audit_spec` and the render modules only, never each other. `lpf --help` imports click,
 rich and a few light lpf modules: every heavy import sits inside a command's body.
 
 Exit codes everywhere: 0 fine, 1 findings at or above `--fail-on`, 2 bad usage or input (an

@@ -2,7 +2,7 @@
 `lpf.pipeline.audit_options.build_spec` -> `lpf.pipeline.spec.AuditSpec` (the builder `lpf.audit` uses).
 
 Contract:
-- `build_audit_spec(params)`: the `AuditSpec` of a command's parsed options (`common.run_options`' and,
+- `build_audit_spec(params)`: the `AuditSpec` of a command's parsed options (`options.run_options`' and,
   where the command has them, the rescore and analysis options; else their defaults: `lpf run`).
   Validates everything (engine knobs, thresholds, rescore settings) or raises LpfError.
 - `rescore_settings(params)`: parsed rescore options as the rescore stage's `RescoreSettings` (validated):

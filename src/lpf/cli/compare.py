@@ -14,7 +14,8 @@ from pathlib import Path
 import click
 
 from lpf.adapters import engine_names
-from lpf.cli.common import err, fail_on_option, fails, out, progress_bar, write_report
+from lpf.cli.common import err, fails, out, progress_bar, write_report
+from lpf.cli.options import fail_on_option
 from lpf.cli.render_compare import print_conformance, print_diff
 
 

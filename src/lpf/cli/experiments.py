@@ -16,18 +16,8 @@ from pathlib import Path
 import click
 
 from lpf.cli.audit_spec import build_audit_spec
-from lpf.cli.common import (
-    KnobCommand,
-    audit_settings_options,
-    default_out,
-    engine_knob_options,
-    engine_knobs,
-    err,
-    fail_on_option,
-    fails,
-    progress_bar,
-    write_report,
-)
+from lpf.cli.common import default_out, err, fails, progress_bar, write_report
+from lpf.cli.options import KnobCommand, audit_settings_options, engine_knob_options, engine_knobs, fail_on_option
 from lpf.cli.render_experiments import print_repeat, print_shrink, print_shrink_event, print_sweep
 from lpf.core.errors import LpfError, did_you_mean
 

@@ -17,16 +17,8 @@ from pathlib import Path
 
 import click
 
-from lpf.cli.common import (
-    KnobCommand,
-    engine_knob_options,
-    engine_knobs,
-    err,
-    progress_bar,
-    reference_options,
-    server_reference_options,
-    write_report,
-)
+from lpf.cli.common import err, progress_bar, write_report
+from lpf.cli.options import KnobCommand, engine_knob_options, engine_knobs, reference_options, server_reference_options
 from lpf.cli.render_rl import print_rl_explain, print_rl_rescore, print_rl_simulate, print_rl_summary
 from lpf.core.errors import LpfError
 from lpf.rl import FORMAT_NAMES, RL_DRILLS

@@ -14,19 +14,15 @@ from pathlib import Path
 import click
 
 from lpf.cli.audit_spec import build_audit_spec, rescore_settings
-from lpf.cli.common import (
+from lpf.cli.common import err, fails, progress_bar, progress_bars, write_report
+from lpf.cli.options import (
     KnobCommand,
     analysis_options,
     audit_options,
-    err,
-    fails,
-    progress_bar,
-    progress_bars,
     rescore_options,
     run_options,
     stream_option,
     trace_dir_option,
-    write_report,
 )
 from lpf.cli.render import print_calibration, print_failures, print_summary
 from lpf.core.errors import LpfError

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from lpf.cli.common import KnobCommand, engine_knob_options, engine_knobs
+from lpf.cli.options import KnobCommand, engine_knob_options, engine_knobs
 
 
 @click.command("serve", cls=KnobCommand)
