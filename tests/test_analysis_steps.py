@@ -200,11 +200,11 @@ def _synthetic(path, mech: str = "none", value: float = 1.0, hot: float | None =
 def test_server_penalty(tmp_path, monkeypatch, sample):
     """The penalty fit on every request, and on the fit's sample of requests (MAX_POSITIONS lowered:
     every 2nd request), known before the pass or, with reference rows lacking a log-sum-exp, after it."""
-    from lpf.analysis import penalties
+    from lpf.analysis import penalty_evidence
 
     run = _synthetic(tmp_path / "run", "repetition_penalty", 1.3)
     if sample != "whole":
-        monkeypatch.setattr(penalties, "MAX_POSITIONS", 400)  # 1,800 rows: every 2nd request
+        monkeypatch.setattr(penalty_evidence, "MAX_POSITIONS", 400)  # 1,800 rows: every 2nd request
     if sample == "sampled-some-without-lse":
         part = RunDir.open(run).parts("reference")[1]
         t = pq.read_table(part)
