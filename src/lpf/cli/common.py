@@ -1,15 +1,14 @@
-"""What every command module shares; command modules import this, `audit_spec` (the options turned into
-an AuditSpec) and the render modules, never each other.
+"""What every command module shares; command modules import this, `options` (the option decorators),
+`audit_spec` (the options turned into an AuditSpec) and the render modules, never each other.
 
 - `err` / `out`: stderr (progress, summaries, errors) and stdout (`--json` documents, and tables that
   are the command's output).
 - `progress_bar(label, unit)`: one rich bar on stderr, shown once the stage has validated its inputs;
   `progress_bars(*stages)` several, for stages that run one after another in one call.
-- The option decorators, each option declared once, are `lpf.cli.options`'.
 - `default_out(kind)`: where a run, a repeat, ... goes when --out is not given.
 - `write_report(path)`: the one rule for writing report.html after findings exist.
 - `fails(verdicts, fail_on)`: the one `--fail-on` rule.
-Imports here are click, rich and light lpf modules only: `lpf --help` must stay fast.
+Imports here are rich and light lpf modules only: `lpf --help` must stay fast.
 """
 
 from __future__ import annotations
