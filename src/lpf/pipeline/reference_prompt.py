@@ -18,6 +18,7 @@ Contract:
   place in the top-k, else len(top-k) + 1 (a lower bound: it is outside the top-k); `ref_entropy` and
   `ref_logsumexp` null (a top-k does not give them).
 - `LIMITATION`: the one line a self-reference's findings carry (it cannot tell a wrong model).
+- `sent_back(engine, items, per)`: the (item, completion) answers of an in-process engine asked that way.
 - A request that cannot be scored (no answer, no prompt logprobs, a position without a finite logprob or
   without top-k, an engine that saw other prompt tokens) is left unscored; once the rest are yielded,
   `LpfError` names how many and the first reason (`lpf rescore` scores what is left).
@@ -162,3 +163,26 @@ def _rank(tok: int, lp: float, top_ids: list, top_lps: list) -> int:
     if tok in top_ids:
         return 1 + sum(1 for v in top_lps if v > lp)
     return len(top_ids) + 1
+
+
+def sent_back(engine, items: list, per: int) -> Iterator[tuple[Any, Any]]:
+    """(item, completion) for each item's prompt + output sent to an in-process `engine` as one prompt
+    (`max_tokens` 1: its prompt logprobs are the answer), `per` requests to a `generate` call."""
+    from lpf.core.workload import EngineRequest
+
+    by_id = {it.request_id: it for it in items}
+    for at in range(0, len(items), per):
+        requests = [
+            EngineRequest(
+                it.request_id,
+                at + i,
+                it.request_id,
+                0,
+                tuple(it.prompt_token_ids) + tuple(it.output_token_ids),
+                max_tokens=1,
+                seed=0,
+            )
+            for i, it in enumerate(items[at : at + per])
+        ]
+        for c in engine.generate(requests):
+            yield by_id[c.request_id], c

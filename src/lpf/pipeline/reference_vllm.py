@@ -36,7 +36,7 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 from lpf.core.errors import LpfError, did_you_mean
-from lpf.pipeline.reference_prompt import PromptReference
+from lpf.pipeline.reference_prompt import PromptReference, sent_back
 
 PREFIX = "vllm:"
 # what makes the second pass vLLM's plainest path: no cached prefix, one prefill, no drafts, nothing recorded
@@ -213,29 +213,11 @@ class VLLMReference(PromptReference):
         return engine
 
     def _answers(self, items: list) -> Iterator[tuple[Any, Any]]:
-        from lpf.core.workload import EngineRequest
-
         engine = self._engine()
         self.ready, self.engine_args = engine.ready, engine.engine_args
         done = False
         try:
-            by_id = {it.request_id: it for it in items}
-            for at in range(0, len(items), CHUNK):
-                chunk = items[at : at + CHUNK]
-                requests = [
-                    EngineRequest(
-                        it.request_id,
-                        at + i,
-                        it.request_id,
-                        0,
-                        tuple(it.prompt_token_ids) + tuple(it.output_token_ids),
-                        max_tokens=1,
-                        seed=0,
-                    )
-                    for i, it in enumerate(chunk)
-                ]
-                for c in engine.generate(requests):
-                    yield by_id[c.request_id], c
+            yield from sent_back(engine, items, CHUNK)
             done = not getattr(engine, "_failed", False)
         finally:
             if not done:  # it failed, or was abandoned mid-batch: never reused

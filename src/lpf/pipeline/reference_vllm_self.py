@@ -30,7 +30,7 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 from lpf.core.errors import LpfError
-from lpf.pipeline.reference_prompt import LIMITATION, PromptReference
+from lpf.pipeline.reference_prompt import LIMITATION, PromptReference, sent_back
 
 # what makes the re-score another code path in vLLM, and what it cannot be trusted to differ in
 SECOND_PASS = (
@@ -140,8 +140,6 @@ class VLLMSelfReference(PromptReference):
         return engine
 
     def _answers(self, items: list) -> Iterator[tuple[Any, Any]]:
-        from lpf.core.workload import EngineRequest
-
         engine = self._engine()
         own = _HELD is not None and _HELD.get("engine") is engine
         # every request's settings for the re-score, over the run's (the worker's per-request `sampling`)
@@ -154,24 +152,8 @@ class VLLMSelfReference(PromptReference):
             "prompt_logprobs": True,
             "skip_reading_prefix_cache": True,
         }
-        by_id = {it.request_id: it for it in items}
         try:
-            for at in range(0, len(items), self.concurrency):
-                chunk = items[at : at + self.concurrency]
-                requests = [
-                    EngineRequest(
-                        it.request_id,
-                        at + i,
-                        it.request_id,
-                        0,
-                        tuple(it.prompt_token_ids) + tuple(it.output_token_ids),
-                        max_tokens=1,
-                        seed=0,
-                    )
-                    for i, it in enumerate(chunk)
-                ]
-                for c in engine.generate(requests):
-                    yield by_id[c.request_id], c
+            yield from sent_back(engine, items, self.concurrency)
         finally:
             engine.request_sampling = None
             if not own:  # outside held(): this call's own engine
