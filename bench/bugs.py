@@ -35,7 +35,8 @@ Configurations (the features that name each drill, and the prefix drills' knobs:
                  spec-checkpoint-rejected on two turns with prefix caching; spec-draft-probs-permuted sampled
                  at temperature 1 with -E speculative=draft:zoo:llama:4 and 8 sequences at a time
   recurrent      the GDN drills (issue 54): tiny:qwen35-longmem, zoo:shared-prefix (1,000 requests), 8 tokens;
-                 the speculative ones on MIXED with the target as its own draft (RECURRENT_DRILLS)
+                 the speculative ones on MIXED with the target as its own draft (RECURRENT_DRILLS);
+                 spec-state-before-accept on the trained zoo:qwen35, zoo:oracle --n 2, 32 tokens, n-gram K = 3
 vLLM drills (`--engine vllm`): the plugin's prefix drills under `lpf.adapters.vllm_options.PREFIX_DRILL_KNOBS`
 (prefix caching on, a step budget below the 128-token Mamba block), on tiny:hybrid-longmem (vLLM's CPU
 build runs no Jamba), scored the same way with `PREFIX_DRILL_NAMED_BY`; `clean` (the same, no drill: the
@@ -111,7 +112,7 @@ SPEC_DRILLS = {
 # the recurrent-state drills (issue 54, family `recurrent`): tiny:qwen35-longmem (Gated DeltaNet; after MODEL on
 # the command line: the last --model wins), zoo:shared-prefix (1,000 requests), 8 greedy tokens; the speculative
 # ones on MIXED (every other request asks for 1 token, so never speculates) with the target as its own draft
-# (K = 3). state-fp16 changes every request (noise): the run-level test's, no row here.
+# (K = 3), but spec-state-before-accept (below). state-fp16 changes every request (noise): the run-level test's.
 GDN = ["--model", "tiny:qwen35-longmem"]
 GDN_CHUNKED = [*GDN, "--workload", "SHARED", "--max-tokens", "8", "--max-num-batched-tokens", "64"]
 GDN_SPEC = [*GDN, "--workload", "MIXED", "-E", "speculative=draft:tiny:qwen35-longmem:3"]
@@ -122,7 +123,13 @@ RECURRENT_DRILLS = {
     + ["--enable-prefix-caching", "-E", "mamba_block_size=16"],
     "spec-verify-zero-state": GDN_SPEC,
     "spec-state-block-zero": GDN_SPEC,
-    "spec-state-before-accept": GDN_SPEC,
+    # up to a request's first harm this drill keeps the state where spec-state-block-zero does (the previous count
+    # at a first verify is 0: block 0), so both harm the same requests at the same step; with the target as its
+    # own draft and 6 tokens nothing follows that step, and its run was block-zero's token for token. Here the
+    # trained GDN model (zoo:qwen35), n-gram drafts on zoo:oracle --n 2 (1,000 requests; copy answers repeat the
+    # prompt, so drafts are kept and rejected and counts vary), 32 tokens: the steps after the first harm differ.
+    "spec-state-before-accept": ["--model", "zoo:qwen35", *SPEC_ARGS[:4], "--max-tokens", "32"]
+    + ["-E", "speculative=ngram:3"],
 }
 INJECT = {"offset-wrap": "offset-wrap:18"}  # a drill's --inject spec, where it takes an argument
 VLLM_MODEL = "tiny:hybrid-longmem"  # the vLLM drills' model: vLLM's CPU build runs no Jamba

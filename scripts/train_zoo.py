@@ -1,8 +1,8 @@
 """Train one zoo model on this CPU and save it, in Hugging Face format, under src/lpf/zoo/data/models/NAME/.
 
-    python scripts/train_zoo.py --model hybrid|llama|jamba [--minutes M] [--seed S] [--steps N]
+    python scripts/train_zoo.py --model hybrid|llama|jamba|qwen35 [--minutes M] [--seed S] [--steps N] [--threads T]
 
-Reproducible: fixed seeds, one CPU thread, a step budget (`--steps`) that fixes the learning-rate schedule and
+Reproducible: fixed seeds, one CPU thread (`--threads`), a step budget (`--steps`) that fixes the learning-rate schedule and
 the curriculum; `--minutes` is a wall-clock cap (a run that hits it says so in its card). Training stops early
 once a periodic teacher-forced check on held-out items is >= 97% exact on every task.
 
@@ -11,7 +11,8 @@ Recipe (see DESIGN.md, training notes for the zoo): one token per task character
 step budget or, with `--curriculum adaptive`, a level at a time as training accuracy allows), a training-only
 multi-query recall form, AdamW lr 2e-3 betas (0.9, 0.98) wd 0.01, warmup 150, cosine, clip 1.0, batches grouped
 by length. Per-model departures (DEFAULT_CURRICULUM, DEFAULT_LR): llama uses lr 7e-4 and the adaptive curriculum,
-jamba the adaptive curriculum.
+jamba the adaptive curriculum, qwen35 (Qwen3.5's GDN shape) the adaptive curriculum and the Mamba / fla dt_bias init
+(transformers' dt_bias = 1 left it at chance for 1,000 steps); its 2,400 steps take ~23 min on one busy thread.
 
 Final evaluation: 500 held-out oracle items (`zoo:oracle`, seed 0) decoded with HF `generate` at temperature 0
 (greedy), in groups of equal prompt length so no padding is involved; exact = the text before the first `</s>`
@@ -38,15 +39,15 @@ sys.path.insert(0, str(ROOT / "src"))
 from lpf.zoo import registry, tasks  # noqa: E402
 
 PAD, BOS, EOS = 0, 1, 2
-DEFAULT_STEPS = {"hybrid": 5000, "llama": 7000, "jamba": 4000}
+DEFAULT_STEPS = {"hybrid": 5000, "llama": 7000, "jamba": 4000, "qwen35": 2400}
 # "schedule": difficulty ramps with step / step budget (full from 40% on). "adaptive": difficulty goes up one
 # level (of 10) whenever recall and copy are both >= 80% exact (teacher-forced) over the last 50 training batches;
 # attention-only models sit on a plateau at chance when the easy phase passes by on a clock.
-DEFAULT_CURRICULUM = {"hybrid": "schedule", "llama": "adaptive", "jamba": "adaptive"}
+DEFAULT_CURRICULUM = {"hybrid": "schedule", "llama": "adaptive", "jamba": "adaptive", "qwen35": "adaptive"}
 PROMOTE_WINDOW, PROMOTE_AT = 50, 0.8
 # Peak learning rate. The attention-only llama is unstable at 2e-3 (loss jumps, copy stays at 0% for 800 steps
 # at the easiest level) and learns at 7e-4.
-DEFAULT_LR = {"hybrid": 2e-3, "llama": 7e-4, "jamba": 2e-3}
+DEFAULT_LR = {"hybrid": 2e-3, "llama": 7e-4, "jamba": 2e-3, "qwen35": 2e-3}
 BATCH = 32
 QUICK_EVAL_EVERY = 250
 QUICK_EVAL_ITEMS = 150
@@ -54,7 +55,7 @@ TARGET_QUICK = 0.97
 
 
 def build_model(name: str, vocab: int):
-    import torch  # noqa: F401
+    import torch
     from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM, JambaConfig, JambaForCausalLM
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -123,6 +124,38 @@ def build_model(name: str, vocab: int):
             use_mambapy=True,
         )
         return JambaForCausalLM(cfg)
+    if name == "qwen35":
+        # tiny:qwen35's shape (Qwen3.5: Gated DeltaNet : gated full attention 3:1, 2 key heads serving 4 value
+        # heads, head dims 32, partial RoPE), trained: transformers' pure-torch GDN path (no fla on CPU).
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        cfg = AutoConfig.for_model(
+            "qwen3_5_text",
+            **common,
+            hidden_size=128,
+            num_hidden_layers=4,
+            layer_types=["linear_attention"] * 3 + ["full_attention"],
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            intermediate_size=256,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=32,
+            linear_value_head_dim=32,
+            linear_conv_kernel_dim=4,
+        )
+        model = AutoModelForCausalLM.from_config(cfg)
+        # transformers initialises dt_bias to 1 (softplus 1.31: with A ~ U(0.01, 16), most heads forget within
+        # a token, and moving A_log far enough takes thousands of steps: 1,000 steps sat at chance). The Mamba /
+        # fla GatedDeltaNet init instead: dt ~ log-uniform [1e-3, 1e-1], dt_bias = softplus^-1(dt).
+        for layer in model.model.layers:
+            if hasattr(layer, "linear_attn"):
+                gdn = layer.linear_attn
+                dt = torch.exp(torch.rand(gdn.dt_bias.shape) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
+                with torch.no_grad():
+                    gdn.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+        return model
     raise SystemExit(f"unknown model {name!r}")
 
 
@@ -344,13 +377,14 @@ def main(argv=None) -> int:
     ap.add_argument("--lr", type=float, default=None, help="peak learning rate (default per model)")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--eval-n", type=int, default=500)
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (the card records it)")
     args = ap.parse_args(argv)
 
     import torch
     import transformers
     from transformers import AutoTokenizer
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     transformers.logging.set_verbosity_error()
     t0 = time.time()

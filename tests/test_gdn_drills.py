@@ -4,7 +4,9 @@ tiny:qwen35-longmem (tiny:qwen35 with a slowly decaying delta-rule memory and a 
 state shows), greedy zoo:shared-prefix requests: 16 of 8 tokens; for the speculative drills 12, every
 other one asking for 1 token (it never decodes, so never speculates: the requests those drills leave
 whole) and the rest for 6, the draft model the target itself (every draft accepted, so a state kept at
-the wrong position is never a rejected draft's). For each
+the wrong position is never a rejected draft's); spec-state-before-accept on the trained zoo:qwen35 with
+n-gram drafts, 16 zoo:oracle requests of up to 32 tokens (with self-drafts and 6 tokens its run is
+spec-state-block-zero's token for token: both keep block 0 up to a request's first harm). For each
 drill: the ground truth (`faults/`, which analysis never reads) fired on some requests and not all; the
 requests flagged are exactly those it marks corrupted (recall 1.0 over the harmed requests, no false
 positive); the first hypothesis is the drill's catalogued feature, for all of them and no clean request;
@@ -26,7 +28,7 @@ from lpf.builtin.drill_catalog import CATALOG
 from lpf.builtin.drill_truth import mechanism_share
 from lpf.views.query import run_query
 
-pytestmark = pytest.mark.slow  # ten audits of 12 requests
+pytestmark = pytest.mark.slow  # eleven audits of 12-16 requests
 
 MODEL = "tiny:qwen35-longmem"
 N = 16
@@ -34,6 +36,9 @@ CONFIGS = {
     "chunked": ["--max-num-batched-tokens", 64],
     "prefix": ["--max-num-batched-tokens", 32, "--enable-prefix-caching", "-E", "mamba_block_size=16"],
     "draft": ["-E", f"speculative=draft:{MODEL}:3"],
+    # the trained GDN model with n-gram drafts (the last --model wins): accepted counts vary, so
+    # spec-state-before-accept's previous count is not block zero's after a request's first harm
+    "ngram": ["--model", "zoo:qwen35", "-E", "speculative=ngram:3", "--max-tokens", 32],
 }
 DRILLS = {
     "chunk-state-transposed": "chunked",
@@ -41,13 +46,13 @@ DRILLS = {
     "snapshot-never-written": "prefix",
     "spec-verify-zero-state": "draft",
     "spec-state-block-zero": "draft",
-    "spec-state-before-accept": "draft",
+    "spec-state-before-accept": "ngram",
 }
 
 
 @pytest.fixture(scope="module")
 def workloads(tmp_path_factory):
-    """{"draft": 12 requests, every other one of 1 token; "": 16 requests of 8 tokens}."""
+    """{"draft": 12 requests, every other one of 1 token; "ngram": 16 zoo:oracle requests; "": 16 of 8 tokens}."""
     from lpf.zoo import registry
 
     at = tmp_path_factory.mktemp("w")
@@ -55,7 +60,12 @@ def workloads(tmp_path_factory):
         dict(it, max_tokens=6 if i % 2 else 1) for i, it in enumerate(registry.workload_items("shared-prefix", n=12))
     ]
     plain = [dict(it, max_tokens=8) for it in registry.workload_items("shared-prefix", n=N)]
-    return {"draft": write_prompts(at / "spec.jsonl", spec), "": write_prompts(at / "plain.jsonl", plain)}
+    oracle = registry.workload_items("oracle", n=16)
+    return {
+        "draft": write_prompts(at / "spec.jsonl", spec),
+        "ngram": write_prompts(at / "oracle.jsonl", oracle),
+        "": write_prompts(at / "plain.jsonl", plain),
+    }
 
 
 def workload(workloads, config: str):

@@ -23,6 +23,10 @@ MODELS = {
     },
     "jamba": {"architecture": "JambaForCausalLM", "description": "Mamba1 + attention + MoE (2 experts)"},
     "llama": {"architecture": "LlamaForCausalLM", "description": "attention-only baseline"},
+    "qwen35": {
+        "architecture": "Qwen3_5ForCausalLM",
+        "description": "Gated DeltaNet + gated attention 3:1 (Qwen3.5's shape)",
+    },
 }
 
 WORKLOADS = {
