@@ -4,8 +4,8 @@
   fine-tune, another temperature) on zoo:hybrid and tiny:hybrid, 500 requests: `different`, verdict
   `systematic` or worse, and the drill's ground truth names every request;
 - clean float32 runs are `same` against the float32 floor; logprobs with 5e-3 of noise are not;
-- healthy bfloat16 engines (the built-in one and vLLM's CPU build, 2,000 zoo:stress requests each)
-  pass the default gate: exit 0, nothing divergent, `same` against the bfloat16 floor;
+- healthy bfloat16 engines (the built-in one and vLLM's CPU build, 1,000 zoo:stress requests each; 2,000 in
+  scripts/honest_matrix.py) pass the default gate: exit 0, nothing divergent, `same` against the bfloat16 floor;
 - bfloat16 with 4-bit weights is caught within 100 scored tokens, and the honest bfloat16 engine on
   64-token prose (traffic the floor was not measured on) passes the gate with nothing named;
 - the stale-state drill in bfloat16 still has every imposter `corrupt`;

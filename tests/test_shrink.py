@@ -3,7 +3,7 @@ and for every candidate (each its own process), and the reproducer it writes run
 
 What must show (issue 15), on the built-in engine and tiny:jamba-longmem (the seed's Mamba1 +
 attention architecture with a long-memory state, where a wrong state visibly corrupts the output):
-- the stale-state drill from a 2,000-request run shrinks to at most 3 requests and a knob set under
+- the stale-state drill from a 1,000-request run shrinks to at most 3 requests and a knob set under
   which repro.py exits 1, in at most 60 candidate runs (and exits 0 with the drill switched off);
 - the offset-wrap drill shrinks to the fewest requests that reach the wrapping slot; killing that
   shrink and rerunning the command resumes it without running a finished candidate again;
@@ -216,7 +216,7 @@ def test_the_shrink_report_page_draws_in_a_browser(stale, browser):
     assert not severe(log), log
     assert plots_drawn(browser) == (1, 1)
     text = browser.find_element("tag name", "body").text
-    assert "Shrink report" in text and "2,000 → " in text and "The search" in text and "ddmin" in text
+    assert "Shrink report" in text and "1,000 → " in text and "The search" in text and "ddmin" in text
 
 
 # -- offset wrap: the fewest requests that reach the wrapping slot, and a resume after a kill ----------
